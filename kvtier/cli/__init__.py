@@ -1,0 +1,2 @@
+"""The ``kvtier`` command line. Each command lives in its own module with a
+``register(subparsers)`` function; :mod:`kvtier.cli.main` lists them."""

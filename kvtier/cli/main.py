@@ -1,0 +1,32 @@
+"""Entry point of the ``kvtier`` console script."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# Command modules, each with ``register(subparsers)``. Heavy imports (torch,
+# servers) happen inside the command functions, so ``kvtier --help`` is fast.
+COMMAND_MODULES = [
+    "kvtier.cli.bench",
+    "kvtier.cli.demo",
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvtier", description="Context-memory tier for LLM inference.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Block identity and payload format: pure functions and frozen value types."""

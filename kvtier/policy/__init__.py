@@ -1,0 +1,1 @@
+"""Policies: small objects that decide and never do I/O."""

@@ -1,0 +1,166 @@
+"""The contract every tier keeps: host pool, disk directory, remote server, null.
+
+Semantics shared by all tiers (the contract suite in tests/tiers checks them):
+
+* Keys are content addresses (:mod:`kvtier.core.keys`): one key always names the
+  same bytes, so ``put`` of a key already present is a successful no-op and
+  never overwrites a block another thread may be reading.
+* ``get`` copies into a caller-owned buffer whose size must equal the stored
+  block's; a missing, expired, torn, tampered or foreign block returns
+  :attr:`Status.MISS` or :attr:`Status.CORRUPT` -- never an exception, never
+  partial data. Callers treat every non-OK status as a miss.
+* Batch forms return one status per key, in order; one key's failure does not
+  stop the others.
+* When a tier needs room it asks its eviction policy for victims, skips pinned
+  blocks, calls :attr:`Tier.on_evict` with each victim's bytes *before* freeing
+  it (so a store can demote it), then frees it.
+* All methods are thread safe.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass
+
+from kvtier.core.keys import BlockKey
+from kvtier.core.payload import BlockMeta
+
+
+class Status(enum.IntEnum):
+    OK = 0
+    MISS = 1  #: absent, expired or not visible to the caller
+    CORRUPT = 2  #: present but failed verification: served as a miss, counted
+    FULL = 3  #: no room: everything evictable is pinned, or the medium is full
+    ERROR = 4  #: the tier failed (I/O error, timeout, connection lost)
+    TOO_LARGE = 5  #: the block does not fit this tier's slots
+    BAD_SIZE = 6  #: the caller's buffer size differs from the stored block's
+
+    @property
+    def ok(self) -> bool:
+        return self is Status.OK
+
+
+@dataclass(slots=True)
+class TierStats:
+    """Counters of one tier; mutate only under the tier's lock."""
+
+    hits: int = 0
+    misses: int = 0
+    verify_failures: int = 0
+    puts: int = 0
+    put_failures: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    evictions: int = 0
+    expirations: int = 0
+    deletes: int = 0
+    errors: int = 0
+
+    def snapshot(self) -> dict[str, int]:
+        return asdict(self)
+
+
+#: ``on_evict(key, data)``: called with a read-only view of a victim's bytes
+#: before it is freed. It must not call back into the same tier.
+EvictHook = Callable[[BlockKey, memoryview, BlockMeta | None], None]
+
+
+class Tier(ABC):
+    """A key → block store with bounded capacity. See the module docstring."""
+
+    name: str = "tier"
+
+    def __init__(self) -> None:
+        self.stats = TierStats()
+        self.on_evict: EvictHook | None = None
+        self._lock = threading.RLock()
+
+    # -- single-key operations -------------------------------------------------
+    @abstractmethod
+    def contains(self, key: BlockKey) -> bool:
+        """True if ``get(key, …)`` would probably succeed (verification may still fail)."""
+
+    @abstractmethod
+    def get(self, key: BlockKey, out) -> Status:
+        """Copy the block into ``out`` (a writable buffer of exactly its size)."""
+
+    @abstractmethod
+    def put(
+        self, key: BlockKey, data, *, parent: BlockKey | None = None, meta: BlockMeta | None = None
+    ) -> Status:
+        """Store a copy of ``data`` (any C-contiguous buffer); the caller keeps ownership."""
+
+    @abstractmethod
+    def delete(self, key: BlockKey) -> bool:
+        """Remove a block; True if it was present. A pinned block is removed when unpinned."""
+
+    @abstractmethod
+    def keys(self) -> Iterator[BlockKey]:
+        """Every key held (a snapshot; for listing and erasure, not for hot paths)."""
+
+    @property
+    @abstractmethod
+    def capacity_bytes(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def used_bytes(self) -> int: ...
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if internal accounting is inconsistent."""
+
+    def close(self) -> None:
+        """Release resources; the tier must not be used afterwards."""
+
+    # -- batch forms (tiers override them when they can do better) -----------
+    def lookup_prefix(self, keys: Sequence[BlockKey]) -> int:
+        """Number of leading ``keys`` this tier holds (a block counts only with all its ancestors)."""
+        n = 0
+        for key in keys:
+            if not self.contains(key):
+                break
+            n += 1
+        return n
+
+    def contains_many(self, keys: Sequence[BlockKey]) -> list[bool]:
+        return [self.contains(k) for k in keys]
+
+    def get_many(self, keys: Sequence[BlockKey], outs: Sequence) -> list[Status]:
+        if len(keys) != len(outs):
+            raise ValueError(f"get_many: {len(keys)} keys but {len(outs)} buffers")
+        return [self.get(k, o) for k, o in zip(keys, outs)]
+
+    def put_many(
+        self,
+        keys: Sequence[BlockKey],
+        datas: Sequence,
+        *,
+        parents: Sequence[BlockKey | None] | None = None,
+        metas: Sequence[BlockMeta | None] | None = None,
+    ) -> list[Status]:
+        """Put several blocks. Without ``parents``, ``keys`` are taken as one chain."""
+        if len(keys) != len(datas):
+            raise ValueError(f"put_many: {len(keys)} keys but {len(datas)} buffers")
+        if parents is None:
+            parents = [None, *keys[:-1]]
+        metas = metas or [None] * len(keys)
+        return [self.put(k, d, parent=p, meta=m) for k, d, p, m in zip(keys, datas, parents, metas)]
+
+    def delete_many(self, keys: Sequence[BlockKey]) -> list[bool]:
+        return [self.delete(k) for k in keys]
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name} used={self.used_bytes}/{self.capacity_bytes}>"
+
+
+def buffer_nbytes(buf) -> int:
+    return memoryview(buf).nbytes
