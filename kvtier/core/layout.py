@@ -93,13 +93,13 @@ class KVLayout:
                 f"layout {self.describe()} needs shape {self.block_shape} of {self.dtype} "
                 f"= {self.block_nbytes} bytes"
             )
-        if block.ndim == len(self.block_shape) and block.shape != self.block_shape:
-            raise LayoutError(
-                f"{what} has shape {block.shape}, layout {self.describe()} needs {self.block_shape}"
-            )
         if block.ndim != 1 and block.itemsize != self.itemsize:
             raise LayoutError(
                 f"{what} has dtype {block.dtype} ({block.itemsize} bytes), layout needs {self.dtype}"
+            )
+        if block.ndim == len(self.block_shape) and block.shape != self.block_shape:
+            raise LayoutError(
+                f"{what} has shape {block.shape}, layout {self.describe()} needs {self.block_shape}"
             )
 
     def describe(self) -> str:

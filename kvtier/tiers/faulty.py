@@ -43,6 +43,15 @@ class FaultyTier(Tier):
         self._rng = random.Random(seed)
 
     @property
+    def stats(self):
+        # One set of counters: the wrapped tier's, plus the faults injected here.
+        return self.inner.stats
+
+    @stats.setter
+    def stats(self, _value) -> None:
+        pass  # Tier.__init__ assigns fresh stats; ours are the inner tier's
+
+    @property
     def on_evict(self):
         return self.inner.on_evict
 

@@ -70,7 +70,7 @@ class HostTier(Tier):
         self._pool = np.frombuffer(self._mmap, dtype=np.uint8).reshape(self.num_slots, self.slot_bytes)
         self._free: list[int] = list(range(self.num_slots - 1, -1, -1))
         self._entries: dict[BlockKey, _Entry] = {}
-        self._policy = policy or LRUPolicy()
+        self._policy = policy if policy is not None else LRUPolicy()  # an empty policy is falsy
         self._ttl_s = ttl_s
         self._used = 0
 

@@ -1,0 +1,87 @@
+import numpy as np
+import pytest
+
+from kvtier.policy.eviction import PrefixAwareLRUPolicy
+from kvtier.tiers.base import Status
+from kvtier.tiers.host import HostTier
+
+BLOCK = 4096
+
+
+def k(i):
+    return i.to_bytes(32, "big")
+
+
+def data(i):
+    return np.full(BLOCK, i % 256, np.uint8)
+
+
+def test_pinned_block_is_never_evicted_or_overwritten():
+    t = HostTier(2 * BLOCK, BLOCK)
+    t.put(k(1), data(1))
+    t.put(k(2), data(2))
+    assert t.pin(k(1))
+    assert t.put(k(3), data(3)) is Status.OK  # evicts 2, not pinned 1
+    assert t.contains(k(1)) and not t.contains(k(2))
+    assert t.pin(k(3))
+    assert t.put(k(4), data(4)) is Status.FULL  # everything pinned
+    t.check_integrity()
+    t.unpin(k(1))
+    assert t.put(k(4), data(4)) is Status.OK
+    assert not t.contains(k(1))
+    t.unpin(k(3))
+    t.check_integrity()
+
+
+def test_borrow_gives_a_zero_copy_read_only_view():
+    t = HostTier(4 * BLOCK, BLOCK)
+    t.put(k(1), data(7))
+    with t.borrow(k(1)) as view:
+        assert view is not None and view[0] == 7 and view.nbytes == BLOCK
+        with pytest.raises(ValueError):
+            view[0] = 1
+        # while borrowed, delete hides the block but cannot free its slot
+        assert t.delete(k(1))
+        assert not t.contains(k(1))
+        assert view[0] == 7
+        t.check_integrity()
+    t.check_integrity()
+    assert t.used_bytes == 0
+    with t.borrow(k(1)) as view:
+        assert view is None
+
+
+def test_ttl_expires_blocks():
+    import time
+
+    t = HostTier(4 * BLOCK, BLOCK, ttl_s=0.05)
+    t.put(k(1), data(1))
+    assert t.contains(k(1))
+    time.sleep(0.08)
+    assert not t.contains(k(1))
+    assert t.stats.expirations == 1
+    t.check_integrity()
+
+
+def test_too_large_block_is_refused():
+    t = HostTier(4 * BLOCK, BLOCK)
+    assert t.put(k(1), np.zeros(BLOCK + 1, np.uint8)) is Status.TOO_LARGE
+
+
+def test_prefix_aware_host_evicts_chain_tail_first():
+    t = HostTier(3 * BLOCK, BLOCK, policy=PrefixAwareLRUPolicy())
+    chain = [k(i) for i in range(3)]
+    t.put_many(chain, [data(i) for i in range(3)])
+    evicted = []
+    t.on_evict = lambda key, view, meta: evicted.append(key)
+    t.put(k(10), data(10))
+    assert evicted == [chain[2]]
+    assert t.lookup_prefix(chain) == 2
+
+
+def test_slots_are_page_aligned_for_direct_io():
+    t = HostTier(4 * 10_000, 10_000)
+    assert t.slot_bytes % 4096 == 0
+    t.put(k(1), np.ones(10_000, np.uint8))
+    with t.borrow(k(1)) as view:
+        assert view.ctypes.data % 4096 == 0
