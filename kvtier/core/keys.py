@@ -9,7 +9,9 @@ inputs here (0.9 ms for the 512 blocks of a 128 k-token prompt).
 
 from __future__ import annotations
 
+import array
 import hashlib
+import sys
 from collections.abc import Sequence
 from typing import NewType
 
@@ -29,6 +31,13 @@ _PARENT_HEAD = frame_head(_T_PARENT, KEY_BYTES)
 
 def as_token_array(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
     """Token ids as a little-endian uint32 array (no copy if already one)."""
+    if isinstance(tokens, (list, tuple)) and sys.byteorder == "little":
+        # array.array converts a list of Python ints 3x faster than numpy and
+        # range-checks each value for free.
+        try:
+            return np.frombuffer(array.array("I", tokens), dtype="<u4")
+        except OverflowError:
+            raise ValueError("token ids must be in 0 .. 2**32-1") from None
     arr = np.asarray(tokens)
     if arr.ndim != 1:
         raise ValueError(f"token ids must be one-dimensional, got shape {arr.shape}")
