@@ -1,0 +1,295 @@
+"""Aligned block I/O for file tiers: O_DIRECT where the file system allows it.
+
+A block file is one header page (:data:`PAGE` bytes) followed by the payload
+padded to a whole page, so that every read and write is page aligned and can
+bypass the page cache. :class:`BlockIO` owns the page-aligned staging buffers
+(anonymous mmaps, allocated once and leased per operation) and one small
+thread pool that overlaps hashing and copies with the I/O: ``os.pwrite``,
+``os.preadv``, ``numpy.copyto`` and xxh3 all release the GIL on large buffers.
+
+* Writes come straight from the caller's buffer when it is page aligned; other
+  buffers go through two staging chunks, filling one while the other is written.
+* Reads go straight into the caller's buffer when it is page aligned (the last
+  partial page through a staging page); chunk k is hashed while chunk k+1 is read.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import queue
+import socket
+import uuid
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+
+import numpy as np
+import xxhash
+
+PAGE = 4096  #: alignment of file offsets, lengths and buffers (>= any logical block size)
+CHUNK = 2 << 20  #: staging chunk, and the read granularity that lets hashing trail the I/O
+#: below this, handing work to another thread costs more than the overlap saves
+OVERLAP_MIN = 1 << 20
+
+
+def round_up(nbytes: int) -> int:
+    return -(-nbytes // PAGE) * PAGE
+
+
+def as_bytes(buf, *, writable: bool = False) -> np.ndarray:
+    """A flat uint8 numpy view of any C-contiguous buffer (no copy)."""
+    arr = buf if isinstance(buf, np.ndarray) else np.frombuffer(buf, dtype=np.uint8)
+    if not arr.flags.c_contiguous:
+        raise ValueError("block buffers must be C-contiguous; copy with numpy.ascontiguousarray")
+    if writable and not arr.flags.writeable:
+        raise ValueError("the output buffer is read-only; pass a writable buffer (e.g. numpy.empty)")
+    return arr.reshape(-1).view(np.uint8)
+
+
+def is_page_aligned(arr: np.ndarray) -> bool:
+    return arr.__array_interface__["data"][0] % PAGE == 0
+
+
+def aligned_buffer(nbytes: int) -> np.ndarray:
+    """A zeroed, page-aligned, already faulted-in uint8 buffer of ``nbytes`` (an anonymous mmap)."""
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+    m = mmap.mmap(-1, max(round_up(nbytes), PAGE), flags=flags)
+    return np.frombuffer(m, dtype=np.uint8)[:nbytes]
+
+
+def temp_tag() -> str:
+    """``random.pid.host`` for temp-file names: a later scan can tell a dead writer's files."""
+    return f"{uuid.uuid4().hex[:8]}.{os.getpid()}.{socket.gethostname()}"
+
+
+def stale_temp(name: str, mtime: float, now: float, max_age_s: float) -> bool:
+    """Whether temp file ``.<what>.<temp_tag()>.tmp`` belongs to a dead writer: its
+    process is gone from this host, or it is older than any write takes."""
+    if now - mtime > max_age_s:
+        return True
+    parts = name[1:-4].split(".", 3)
+    if len(parts) != 4 or not parts[2].isdigit():
+        return False  # not ours: leave it
+    pid, host = int(parts[2]), parts[3]
+    if host != socket.gethostname() or pid == os.getpid():
+        return False  # another node of a shared mount (only age tells), or us
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        pass  # alive, another user's
+    return False
+
+
+def probe_direct_io(directory: str) -> bool:
+    """Whether files in ``directory`` accept O_DIRECT page-aligned writes and reads."""
+    if not hasattr(os, "O_DIRECT"):
+        return False
+    path = os.path.join(directory, f".probe.{temp_tag()}.tmp")
+    buf = aligned_buffer(PAGE)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o644)
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            return False
+        raise
+    try:
+        os.pwrite(fd, buf, 0)
+        os.preadv(fd, [buf], 0)
+        return True
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            return False
+        raise
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
+def drop_cache(fd: int) -> None:
+    """Ask the kernel to forget a file's cached pages, so that the next read is cold."""
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def pwrite_all(fd: int, buf, offset: int) -> None:
+    """Write all of ``buf`` at ``offset``; a medium that takes nothing more raises ENOSPC."""
+    view = memoryview(buf).cast("B")
+    done = 0
+    while done < view.nbytes:
+        n = os.pwrite(fd, view[done:], offset + done)
+        if n <= 0:
+            raise OSError(errno.ENOSPC, "short write: no space left on device")
+        done += n
+
+
+class _Lease:
+    """One operation's staging: a header page, a tail page and two chunks, in one mmap."""
+
+    __slots__ = ("page", "tail", "chunks")
+
+    def __init__(self, chunk_bytes: int) -> None:
+        raw = aligned_buffer(2 * PAGE + 2 * chunk_bytes)
+        self.page = raw[:PAGE]
+        self.tail = raw[PAGE : 2 * PAGE]
+        self.chunks = (raw[2 * PAGE : 2 * PAGE + chunk_bytes], raw[2 * PAGE + chunk_bytes :])
+
+
+def _absorb(hasher, pieces) -> None:
+    """Worker side of a read: move staged bytes into the caller's buffer and hash them."""
+    for src, dst in pieces:
+        if dst is not None:
+            np.copyto(dst, src)
+        hasher.update(src)
+
+
+class BlockIO:
+    """Reads and writes block files (header page + padded payload). Thread safe.
+
+    ``leases`` operations run at once; more wait for a free set of staging
+    buffers, so memory stays bounded at ``leases * (2 * chunk_bytes + 8 KiB)``.
+    Buffers passed in stay owned by the caller and are not retained.
+    """
+
+    def __init__(self, direct: bool, *, chunk_bytes: int = CHUNK, leases: int = 2) -> None:
+        if chunk_bytes <= 0 or chunk_bytes % PAGE:
+            raise ValueError(f"chunk_bytes must be a positive multiple of {PAGE}, got {chunk_bytes}")
+        self.direct = direct
+        self.chunk_bytes = chunk_bytes
+        self._leases: queue.LifoQueue[_Lease] = queue.LifoQueue()
+        for _ in range(leases):
+            self._leases.put(_Lease(chunk_bytes))
+        # One task per lease is in flight at most, so this pool never starves.
+        self._pool = ThreadPoolExecutor(max_workers=leases, thread_name_prefix="kvtier-disk")
+
+    def open_write(self, path: str) -> int:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | (os.O_DIRECT if self.direct else 0)
+        return os.open(path, flags, 0o644)
+
+    def open_read(self, path: str) -> int:
+        return os.open(path, os.O_RDONLY | (os.O_DIRECT if self.direct else 0))
+
+    @contextmanager
+    def _lease(self):
+        lease = self._leases.get()
+        try:
+            yield lease
+        finally:
+            self._leases.put(lease)
+
+    # -- write -------------------------------------------------------------------
+    def write(self, fd: int, data: np.ndarray, header: Callable[[bytes], bytes]) -> None:
+        """Write payload ``data`` after the header page, then ``header(xxh3-128 digest)``
+        into the header page, then fsync. Raises OSError (e.g. ENOSPC) on failure."""
+        with self._lease() as lease:
+            if is_page_aligned(data):
+                digest = self._write_direct(fd, data, lease)
+            else:
+                digest = self._write_staged(fd, data, lease)
+            head = header(digest)
+            lease.page[:] = 0
+            lease.page[: len(head)] = np.frombuffer(head, dtype=np.uint8)
+            pwrite_all(fd, lease.page, 0)
+        os.fsync(fd)
+
+    def _write_direct(self, fd: int, data: np.ndarray, lease: _Lease) -> bytes:
+        full = data.nbytes - data.nbytes % PAGE
+        pending: Future | None = None
+        if full >= OVERLAP_MIN:
+            pending = self._pool.submit(pwrite_all, fd, data[:full], PAGE)
+        elif full:
+            pwrite_all(fd, data[:full], PAGE)
+        digest = xxhash.xxh3_128_digest(data)  # overlaps the payload write
+        tail = data.nbytes - full
+        if tail:
+            lease.tail[tail:] = 0
+            np.copyto(lease.tail[:tail], data[full:])
+            pwrite_all(fd, lease.tail, PAGE + full)
+        if pending is not None:
+            pending.result()
+        return digest
+
+    def _write_staged(self, fd: int, data: np.ndarray, lease: _Lease) -> bytes:
+        hasher = xxhash.xxh3_128()
+        pending: Future | None = None
+        try:
+            for k, off in enumerate(range(0, data.nbytes, self.chunk_bytes)):
+                part = data[off : off + self.chunk_bytes]
+                stage = lease.chunks[k % 2]
+                padded = round_up(part.nbytes)
+                np.copyto(stage[: part.nbytes], part)
+                stage[part.nbytes : padded] = 0
+                hasher.update(part)
+                if pending is not None:
+                    pending.result()  # frees the other chunk for the next round
+                pending = self._pool.submit(pwrite_all, fd, stage[:padded], PAGE + off)
+        finally:
+            if pending is not None:
+                pending.result()  # never leave a write in flight on a lease we return
+        return hasher.digest()
+
+    # -- read --------------------------------------------------------------------
+    def read(self, fd: int, out: np.ndarray, accept_header: Callable[[np.ndarray], bool]) -> bytes | None:
+        """Read a block file into ``out`` (exactly the payload size) and return the
+        xxh3-128 digest of what was read; None when the file is short or
+        ``accept_header(header_page)`` rejects the header, checked after the first read.
+        ``out``'s content is unspecified unless the caller's checks pass."""
+        n = out.nbytes
+        aligned = is_page_aligned(out)
+        hasher = xxhash.xxh3_128()
+        with self._lease() as lease:
+            pending: Future | None = None
+            try:
+                off, k = 0, 0
+                while k == 0 or off < n:
+                    length = min(self.chunk_bytes, n - off)
+                    iov, pieces = self._read_plan(out, off, length, aligned, lease, k)
+                    if k == 0:
+                        iov.insert(0, lease.page)
+                    want = sum(v.nbytes for v in iov)
+                    if os.preadv(fd, iov, 0 if k == 0 else PAGE + off) != want:
+                        return None
+                    if k == 0 and not accept_header(lease.page):
+                        return None
+                    if pending is not None:
+                        pending.result()
+                    if n >= OVERLAP_MIN:
+                        pending = self._pool.submit(_absorb, hasher, pieces)
+                    else:
+                        _absorb(hasher, pieces)
+                    off += length
+                    k += 1
+            finally:
+                if pending is not None:
+                    pending.result()
+        return hasher.digest()
+
+    def read_header_page(self, fd: int) -> bytes | None:
+        """The first page of a block file (a copy), or None if the file is shorter."""
+        with self._lease() as lease:
+            if os.preadv(fd, [lease.page], 0) != PAGE:
+                return None
+            return lease.page.tobytes()
+
+    def _read_plan(self, out, off, length, aligned, lease, k):
+        """I/O vector for payload bytes ``off .. off+length`` and the (staged, destination)
+        pieces that the worker copies and hashes afterwards."""
+        if length == 0:
+            return [], []
+        if aligned:
+            full = length - length % PAGE
+            iov, pieces = [], []
+            if full:
+                iov.append(out[off : off + full])
+                pieces.append((out[off : off + full], None))
+            if full < length:  # the last partial page of the block
+                iov.append(lease.tail)
+                pieces.append((lease.tail[: length - full], out[off + full : off + length]))
+            return iov, pieces
+        stage = lease.chunks[k % 2]
+        return [stage[: round_up(length)]], [(stage[:length], out[off : off + length])]
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)

@@ -1,0 +1,528 @@
+"""``disk``: one file per block in a directory on local NVMe or a shared POSIX mount.
+
+Layout: ``<dir>/<first two hex digits of the key>/<key hex>.kvb``; a file is
+the block header (:func:`kvtier.core.payload.pack_header`) in its first 4 KiB
+page, then the payload padded to 4 KiB (see :mod:`kvtier.tiers.direct_io`).
+
+* **Crash-safe publish.** A block is written to a temp file in its final
+  directory, fsync'd, then renamed onto its final name: a final name only ever
+  holds a complete block, whichever process wrote it and whenever it died.
+* **Every read is verified** (header key and size, xxh3-128 of the payload). A
+  mismatch is :attr:`Status.CORRUPT`: counted, logged, the file removed.
+* **Restart recovery.** Opening scans the directory: every published block is
+  indexed again (LRU order = publication order; parents are not recorded, so a
+  prefix-aware policy sees roots), and temp files of dead writers are removed.
+* **Shared directories.** The in-process index is a cache of the directory:
+  on an index miss, ``contains``/``get``/``put`` look for the file (one stat),
+  so blocks other processes wrote are found; writers of the same key each use
+  their own temp file and the renames are atomic.
+* **Capacity** counts bytes on disk (header page + padded payload) of the blocks
+  this process knows of; eviction asks the policy, skips pinned blocks and
+  calls ``on_evict`` with the verified bytes before unlinking.
+
+Thread safety: all methods are; file I/O of gets and puts runs outside the lock
+(an unlinked file stays readable through an open descriptor, so a read racing
+an eviction still gets whole, verified bytes). Eviction, including the demotion
+hook, runs under the lock.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import mmap
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+from kvtier.core.keys import KEY_BYTES, BlockKey
+from kvtier.core.payload import BlockMeta, header_mismatch, pack_header, unpack_header
+from kvtier.errors import ConfigError, TierError
+from kvtier.policy.eviction import EvictionPolicy, LRUPolicy
+from kvtier.tiers import direct_io
+from kvtier.tiers.base import Status, Tier
+from kvtier.tiers.direct_io import PAGE, BlockIO, as_bytes, round_up
+
+log = logging.getLogger(__name__)
+
+SUFFIX = ".kvb"
+TEMP_SUFFIX = ".tmp"
+#: a temp file older than this is a dead writer's, whatever host wrote it
+STALE_TEMP_S = 3600.0
+_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+
+@dataclass(slots=True)
+class _Entry:
+    size: int  #: bytes on disk: header page + payload padded to a page
+    created: float  #: publication time, wall clock (file mtime after a restart)
+
+
+class DiskTier(Tier):
+    """Blocks as files under ``path``, at most ``capacity_bytes`` of them on disk.
+
+    ``direct_io``: "auto" probes O_DIRECT at open and falls back to buffered
+    I/O; True requires it; False never uses it. ``ttl_s``: blocks older than
+    this (since publication) are misses and are removed.
+    """
+
+    name = "disk"
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        capacity_bytes: int,
+        *,
+        policy: EvictionPolicy | None = None,
+        ttl_s: float | None = None,
+        direct_io: bool | str = "auto",
+    ) -> None:
+        super().__init__()
+        if capacity_bytes <= 0:
+            raise ConfigError(f"capacity_bytes must be positive, got {capacity_bytes}")
+        if ttl_s is not None and ttl_s <= 0:
+            raise ConfigError(f"ttl_s must be positive or None (no expiry), got {ttl_s}")
+        if direct_io not in ("auto", True, False):
+            raise ConfigError(f"direct_io must be 'auto', True or False, got {direct_io!r}")
+        self.path = os.path.abspath(os.fspath(path))
+        try:
+            for shard in range(256):
+                os.makedirs(os.path.join(self.path, f"{shard:02x}"), exist_ok=True)
+        except OSError as exc:
+            raise TierError(f"cannot use {self.path!r} as a disk tier ({exc}); pass a writable directory") from exc
+        supported = _probe(self.path)
+        if direct_io is True and not supported:
+            raise TierError(f"{self.path!r} does not support O_DIRECT; pass direct_io='auto' or False")
+        self.direct_io = bool(supported and direct_io)
+        self._io = BlockIO(self.direct_io)
+        self._capacity = capacity_bytes
+        self._ttl_s = ttl_s
+        self._policy = policy or LRUPolicy()
+        self._index: dict[BlockKey, _Entry] = {}  # insertion order ~ publication order (for TTL)
+        self._pins: dict[BlockKey, int] = {}
+        self._used = 0
+        self._reserved = 0  # room promised to puts in flight
+        self._recover()
+
+    # -- contract -----------------------------------------------------------------
+    @property
+    def capacity_bytes(self) -> int:
+        return self._capacity
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    def contains(self, key: BlockKey) -> bool:
+        with self._lock:
+            return self._live(key) is not None
+
+    def get(self, key: BlockKey, out) -> Status:
+        """Read a block into ``out`` (caller-owned, writable, exactly the block's size).
+
+        On any status but OK the content of ``out`` is unspecified."""
+        dst = as_bytes(out, writable=True)
+        with self._lock:
+            if self._live(key) is None:
+                self.stats.misses += 1
+                return Status.MISS
+            self._policy.on_access(key)
+        path = self._file(key)
+        try:
+            fd = self._io.open_read(path)
+        except FileNotFoundError:  # removed by another process since we indexed it
+            with self._lock:
+                self._forget(key)
+                self.stats.misses += 1
+            return Status.MISS
+        except OSError as exc:
+            return self._failed_get(key, exc)
+        try:
+            inode = os.fstat(fd)
+            if inode.st_size != PAGE + round_up(dst.nbytes):
+                status, why = self._size_mismatch(fd, key, dst.nbytes)
+            else:
+                status, why = self._read_verified(fd, key, dst)
+        except OSError as exc:
+            return self._failed_get(key, exc)
+        finally:
+            os.close(fd)
+        with self._lock:
+            if status is Status.OK:
+                self.stats.hits += 1
+                self.stats.bytes_read += dst.nbytes
+            elif status is Status.BAD_SIZE:
+                self.stats.misses += 1
+            else:
+                self.stats.verify_failures += 1
+                log.warning("disk tier %s: block %s failed verification (%s); removed", self.path, key.hex(), why)
+                self._discard(key, path, inode)
+        return status
+
+    def put(self, key: BlockKey, data, *, parent: BlockKey | None = None, meta: BlockMeta | None = None) -> Status:
+        """Write a copy of ``data`` durably (fsync'd before it becomes visible).
+
+        ``data`` stays the caller's and is not retained; a page-aligned buffer
+        is written without a copy."""
+        _check_key(key)
+        src = as_bytes(data)
+        need = PAGE + round_up(src.nbytes)
+        with self._lock:
+            if self._live(key) is not None:
+                self._policy.on_access(key)  # content addressed: the same bytes are there
+                return Status.OK
+            if need > self._capacity:
+                self.stats.put_failures += 1
+                return Status.TOO_LARGE
+            if not self._make_room(need):
+                self.stats.put_failures += 1
+                return Status.FULL
+            self._reserved += need
+        status = self._write(key, src, meta)
+        with self._lock:
+            self._reserved -= need
+            if status is not Status.OK:
+                self.stats.put_failures += 1
+                self.stats.errors += status is Status.ERROR
+                return status
+            if key in self._index:  # another thread of ours published it meanwhile
+                self._policy.on_access(key)
+            else:
+                self._index[key] = _Entry(need, time.time())
+                self._used += need
+                self._policy.on_insert(key, parent)
+            self.stats.puts += 1
+            self.stats.bytes_written += src.nbytes
+        return Status.OK
+
+    def delete(self, key: BlockKey) -> bool:
+        """Remove a block at once, pinned or not: readers holding it open keep whole bytes."""
+        with self._lock:
+            if key in self._index:
+                self._remove(key)
+                found = True
+            else:
+                found = _unlink(self._file(key))
+            self.stats.deletes += found
+            return found
+
+    def keys(self) -> Iterator[BlockKey]:
+        """The indexed keys (a snapshot; blocks other processes wrote since are not listed)."""
+        with self._lock:
+            return iter(list(self._index))
+
+    def pin(self, key: BlockKey) -> bool:
+        """Keep a block from eviction and expiry until :meth:`unpin`; False if absent."""
+        with self._lock:
+            if self._live(key) is None:
+                return False
+            self._pins[key] = self._pins.get(key, 0) + 1
+            return True
+
+    def unpin(self, key: BlockKey) -> None:
+        with self._lock:
+            count = self._pins.get(key, 0)
+            if count <= 0:
+                raise ValueError("unpin of a block that is not pinned; pair each unpin with a pin")
+            if count == 1:
+                del self._pins[key]
+            else:
+                self._pins[key] = count - 1
+
+    def expire(self) -> int:
+        """Remove expired blocks now (they are also removed lazily); returns how many."""
+        with self._lock:
+            return self._purge_expired()
+
+    def check_integrity(self, *, deep: bool = False) -> None:
+        """Raise AssertionError if the accounting is inconsistent; ``deep`` also stats
+        every indexed file (only meaningful when no other process shares the directory)."""
+        with self._lock:
+            total = sum(e.size for e in self._index.values())
+            assert total == self._used, f"indexed sizes sum to {total}, used_bytes is {self._used}"
+            assert self._used <= self._capacity, f"used {self._used} > capacity {self._capacity}"
+            assert self._reserved >= 0, f"negative reservation {self._reserved}"
+            assert len(self._policy) == len(self._index), (
+                f"policy tracks {len(self._policy)} keys, index holds {len(self._index)}"
+            )
+            assert all(c > 0 for c in self._pins.values()), "non-positive pin count"
+            for key, entry in self._index.items():
+                assert entry.size >= PAGE and entry.size % PAGE == 0, f"odd size {entry.size} for {key.hex()}"
+                if deep:
+                    size = os.stat(self._file(key)).st_size
+                    assert size == entry.size, f"{key.hex()}: file has {size} bytes, index says {entry.size}"
+
+    def close(self) -> None:
+        self._io.close()
+
+    # -- reading -------------------------------------------------------------------
+    def _read_verified(self, fd: int, key: bytes, dst: np.ndarray) -> tuple[Status, str]:
+        seen: dict = {}
+
+        def accept(page: np.ndarray) -> bool:  # checked before the rest is read
+            header = unpack_header(page)
+            seen["header"] = header
+            return header is not None and header_mismatch(header, key, dst.nbytes) is None
+
+        digest = self._io.read(fd, dst, accept)
+        header = seen.get("header")
+        if header is None:
+            return Status.CORRUPT, "unreadable header"
+        if header.key == key and header.payload_nbytes != dst.nbytes:
+            return Status.BAD_SIZE, ""  # same page count, other size: the caller's mistake
+        why = header_mismatch(header, key, dst.nbytes)
+        if why is not None:
+            return Status.CORRUPT, why
+        if digest is None:
+            return Status.CORRUPT, "file is shorter than its header says"
+        if digest != header.checksum:
+            return Status.CORRUPT, "payload checksum differs"
+        return Status.OK, ""
+
+    def _size_mismatch(self, fd: int, key: bytes, want: int) -> tuple[Status, str]:
+        """The file's size does not fit ``want``: a wrong caller buffer (BAD_SIZE) or a bad file."""
+        page = self._io.read_header_page(fd)
+        header = unpack_header(page) if page is not None else None
+        if header is None or header.key != key:
+            return Status.CORRUPT, "unreadable header or wrong key"
+        if os.fstat(fd).st_size != PAGE + round_up(header.payload_nbytes):
+            return Status.CORRUPT, "file size differs from its header (truncated?)"
+        return Status.BAD_SIZE, ""
+
+    def _failed_get(self, key: BlockKey, exc: OSError) -> Status:
+        with self._lock:
+            self.stats.errors += 1
+        log.warning("disk tier %s: reading %s failed: %s", self.path, key.hex(), exc)
+        return Status.ERROR
+
+    # -- writing -------------------------------------------------------------------
+    def _write(self, key: BlockKey, src: np.ndarray, meta: BlockMeta | None) -> Status:
+        final = self._file(key)
+        temp = os.path.join(os.path.dirname(final), f".{key.hex()}.{direct_io.temp_tag()}{TEMP_SUFFIX}")
+        try:
+            try:
+                fd = self._io.open_write(temp)
+            except FileNotFoundError:  # someone removed the shard directory
+                os.makedirs(os.path.dirname(temp), exist_ok=True)
+                fd = self._io.open_write(temp)
+            try:
+                self._io.write(fd, src, lambda digest: pack_header(key, src.nbytes, digest, meta))
+            finally:
+                os.close(fd)
+            # The directory entry is not fsync'd: a power cut may lose the
+            # block (a cache may lose), never expose a torn one.
+            os.rename(temp, final)
+            return Status.OK
+        except OSError as exc:
+            _unlink(temp)
+            if exc.errno in _FULL_ERRNOS:
+                return Status.FULL
+            log.warning("disk tier %s: writing %s failed: %s", self.path, key.hex(), exc)
+            return Status.ERROR
+
+    # -- index (all under the lock) ----------------------------------------------
+    def _file(self, key: bytes) -> str:
+        name = key.hex()
+        return os.path.join(self.path, name[:2], name + SUFFIX)
+
+    def _expired(self, created: float, now: float | None = None) -> bool:
+        return self._ttl_s is not None and (now or time.time()) - created > self._ttl_s
+
+    def _live(self, key: BlockKey) -> _Entry | None:
+        entry = self._index.get(key)
+        if entry is None:
+            return self._adopt(key)
+        if self._expired(entry.created) and key not in self._pins:
+            self._remove(key)
+            self.stats.expirations += 1
+            return None
+        return entry
+
+    def _adopt(self, key: BlockKey) -> _Entry | None:
+        """Index a block another process published (one stat), making room for it."""
+        if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+            return None
+        path = self._file(key)
+        try:
+            st = os.stat(path)
+        except OSError:
+            return None
+        if not _plausible(st.st_size) or self._expired(st.st_mtime):
+            return None  # the reader that opens it (or a restart) sorts it out
+        self._index[key] = _Entry(st.st_size, st.st_mtime)
+        self._used += st.st_size
+        self._policy.on_insert(key, None)
+        self._make_room(0)
+        return self._index.get(key)
+
+    def _make_room(self, need: int) -> bool:
+        def fits() -> bool:
+            return self._used + self._reserved + need <= self._capacity
+
+        if fits():
+            return True
+        self._purge_expired()
+        victims = self._policy.victims()
+        while not fits():
+            key = next(victims, None)
+            if key is None:
+                return False
+            if key in self._pins:
+                self._policy.on_access(key)
+                continue
+            if self.on_evict is not None:
+                self._demote(key)
+            self._remove(key)
+            self.stats.evictions += 1
+        return True
+
+    def _demote(self, key: BlockKey) -> None:
+        """Hand a victim's verified bytes to ``on_evict`` (a read-only view of a file mapping)."""
+        try:
+            with open(self._file(key), "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if not _plausible(size):
+                    return
+                mapped = mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ)
+        except OSError:
+            return  # gone or unreadable: nothing to demote
+        try:
+            header = unpack_header(mapped[: PAGE])
+            if header is None or header.key != key or size != PAGE + round_up(header.payload_nbytes):
+                self.stats.verify_failures += 1
+                return
+            payload = memoryview(mapped)[PAGE : PAGE + header.payload_nbytes]
+            if xxhash.xxh3_128_digest(payload) != header.checksum:
+                self.stats.verify_failures += 1
+                return
+            meta = BlockMeta(header.dtype, header.shape, header.token_count)
+            try:
+                self.on_evict(key, payload.toreadonly(), meta)
+            except Exception:  # noqa: BLE001 - a failed demotion only loses a cached block
+                self.stats.errors += 1
+                log.exception("disk tier %s: on_evict failed for %s", self.path, key.hex())
+            payload.release()
+        finally:
+            try:
+                mapped.close()
+            except BufferError:
+                pass  # the hook kept a view; the mapping goes with it
+
+    def _purge_expired(self) -> int:
+        # Entries are indexed in publication order, so the expired ones lead
+        # (blocks adopted from other processes may sit a little out of order).
+        if self._ttl_s is None:
+            return 0
+        now = time.time()
+        doomed = []
+        for key, entry in self._index.items():
+            if not self._expired(entry.created, now):
+                break
+            if key not in self._pins:
+                doomed.append(key)
+        for key in doomed:
+            self._remove(key)
+        self.stats.expirations += len(doomed)
+        return len(doomed)
+
+    def _remove(self, key: BlockKey) -> None:
+        self._forget(key)
+        _unlink(self._file(key))
+
+    def _forget(self, key: BlockKey) -> None:
+        entry = self._index.pop(key, None)
+        if entry is not None:
+            self._used -= entry.size
+            self._policy.on_remove(key)
+
+    def _discard(self, key: BlockKey, path: str, bad: os.stat_result) -> None:
+        """Drop a block that failed verification, unless its name now holds another file
+        (a good copy another process published meanwhile)."""
+        self._forget(key)
+        try:
+            st = os.stat(path)
+        except OSError:
+            return
+        if (st.st_ino, st.st_dev) == (bad.st_ino, bad.st_dev):
+            _unlink(path)
+
+    def _recover(self) -> None:
+        """Index every published block under ``path``; remove dead writers' temp files."""
+        now = time.time()
+        found: list[tuple[float, BlockKey, int]] = []
+        for shard in os.scandir(self.path):
+            if shard.name.endswith(TEMP_SUFFIX):
+                _reap_temp(shard, now)  # a dead prober's
+            if not (shard.is_dir() and len(shard.name) == 2 and _is_hex(shard.name)):
+                continue
+            for item in os.scandir(shard.path):
+                if item.name.endswith(TEMP_SUFFIX):
+                    _reap_temp(item, now)
+                    continue
+                stem = item.name[: -len(SUFFIX)]
+                if not item.name.endswith(SUFFIX) or len(stem) != 2 * KEY_BYTES or not _is_hex(stem):
+                    continue  # not ours: leave it alone
+                try:
+                    st = item.stat()
+                except OSError:
+                    continue
+                if not _plausible(st.st_size):
+                    self.stats.verify_failures += 1
+                    _unlink(item.path)
+                elif self._expired(st.st_mtime, now):
+                    self.stats.expirations += 1
+                    _unlink(item.path)
+                else:
+                    found.append((st.st_mtime, BlockKey(bytes.fromhex(stem)), st.st_size))
+        found.sort()
+        for mtime, key, size in found:
+            self._index[key] = _Entry(size, mtime)
+            self._used += size
+            self._policy.on_insert(key, None)
+        self._make_room(0)
+
+
+def _probe(path: str) -> bool:
+    try:
+        return direct_io.probe_direct_io(path)
+    except OSError as exc:
+        raise TierError(f"cannot write in {path!r} ({exc}); pass a writable directory") from exc
+
+
+def _check_key(key) -> None:
+    if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+        raise ValueError(
+            f"disk tier keys are {KEY_BYTES}-byte BlockKeys (kvtier.core.keys.block_keys), got {key!r:.40}"
+        )
+
+
+def _plausible(size: int) -> bool:
+    return size >= PAGE and size % PAGE == 0
+
+
+def _is_hex(text: str) -> bool:
+    return all(c in "0123456789abcdef" for c in text)
+
+
+def _unlink(path: str) -> bool:
+    """Remove a file; False if it was not there (or cannot be removed: logged)."""
+    try:
+        os.unlink(path)
+        return True
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        log.warning("disk tier: cannot remove %s: %s", path, exc)
+        return False
+
+
+def _reap_temp(item: os.DirEntry, now: float) -> None:
+    try:
+        if direct_io.stale_temp(item.name, item.stat().st_mtime, now, STALE_TEMP_S):
+            _unlink(item.path)
+    except OSError:
+        pass  # raced with its writer's rename or another reaper
