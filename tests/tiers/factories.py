@@ -23,6 +23,10 @@ class TierFactory:
     retains: bool = True
     #: whether the tier evicts to stay within capacity (a remote server may own that policy)
     bounded: bool = True
+    #: whether ``keys()`` lists client keys (an encrypted tier's names are one-way)
+    lists_keys: bool = True
+    #: whether ``on_evict`` reports victims (not out of an encrypted tier)
+    reports_evictions: bool = True
 
 
 def _host(tmp: Path, capacity: int, block: int) -> Tier:
@@ -40,10 +44,21 @@ def _null(tmp: Path, capacity: int, block: int) -> Tier:
     return NullTier()
 
 
+def _encrypted_host(tmp: Path, capacity: int, block: int) -> Tier:
+    from kvtier.crypto.keyring import Keyring
+    from kvtier.crypto.providers import StaticMasterKey
+    from kvtier.tiers.encrypted import EncryptedTier
+
+    keyring = Keyring(StaticMasterKey(b"k" * 32), tmp / "keys")
+    slot = block + 4096  # room for the sealed header and tags
+    return EncryptedTier(HostTier(capacity // block * slot, slot), keyring, "tenant", chunk_bytes=16384)
+
+
 FACTORIES: list[TierFactory] = [
     TierFactory("host", _host),
     TierFactory("faulty-host", _faulty_host),
     TierFactory("null", _null, retains=False, bounded=False),
+    TierFactory("encrypted-host", _encrypted_host, lists_keys=False, reports_evictions=False),
 ]
 
 

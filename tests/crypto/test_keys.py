@@ -1,0 +1,125 @@
+import os
+
+import numpy as np
+import pytest
+
+from kvtier.crypto import keyring as keyring_mod
+from kvtier.crypto.keyring import Keyring
+from kvtier.crypto.providers import EnvMasterKey, FileMasterKey, StaticMasterKey
+from kvtier.errors import ConfigError
+from kvtier.tiers.base import Status
+from kvtier.tiers.encrypted import EncryptedTier
+from kvtier.tiers.host import HostTier
+
+B = 256 * 1024
+
+
+def block(i):
+    return np.random.default_rng(i).integers(0, 256, B, dtype=np.uint8)
+
+
+def enc_host(keyring, tenant, host=None):
+    host = host or HostTier(32 * (B + 8192), B + 8192)
+    return EncryptedTier(host, keyring, tenant, chunk_bytes=64 * 1024, threads=1), host
+
+
+def test_storage_keys_are_keyed_and_per_tenant(keyring):
+    k = b"k" * 32
+    a, b = keyring.storage_key("a", k), keyring.storage_key("b", k)
+    assert a != b and k not in (a, b)
+    other = Keyring(StaticMasterKey(b"\1" * 32), keyring.dir.parent / "other")
+    assert other.storage_key("a", k) != a
+
+
+def test_rotation_keeps_old_epochs_readable(keyring):
+    tier, _ = enc_host(keyring, "acme")
+    tier.put(b"1" * 32, block(1))
+    assert keyring.rotate("acme") == 1
+    tier.put(b"2" * 32, block(2))
+    out = np.empty(B, np.uint8)
+    for i in (1, 2):
+        assert tier.get(str(i).encode() * 32, out) is Status.OK
+        assert np.array_equal(out, block(i))
+    assert keyring.epochs("acme") == [0, 1]
+
+
+def test_retiring_an_epoch_shreds_its_blocks_only(keyring):
+    tier, _ = enc_host(keyring, "acme")
+    tier.put(b"1" * 32, block(1))
+    keyring.rotate("acme")
+    tier.put(b"2" * 32, block(2))
+    keyring.retire("acme", 0)
+    out = np.empty(B, np.uint8)
+    assert tier.get(b"1" * 32, out) is Status.CORRUPT
+    assert tier.get(b"2" * 32, out) is Status.OK
+    assert tier.stats.verify_failures == 1
+
+
+def test_shredding_a_tenant_makes_its_disk_files_noise(keyring, tmp_path):
+    from kvtier.tiers.disk import DiskTier
+
+    disk = DiskTier(tmp_path / "d", 64 * B)
+    tier = EncryptedTier(disk, keyring, "acme", chunk_bytes=64 * 1024, threads=1)
+    ctrl = EncryptedTier(disk, keyring, "other", chunk_bytes=64 * 1024, threads=1)
+    for i in range(3):
+        tier.put(bytes([i]) * 32, block(i))
+    ctrl.put(b"c" * 32, block(9))
+    files = list((tmp_path / "d").rglob("*.kvb"))
+    assert len(files) == 4
+    payload = b"".join(f.read_bytes() for f in files)
+    assert block(0).tobytes()[:4096] not in payload  # nothing in clear on disk
+    assert keyring.shred_tenant("acme")
+    # A new process (fresh keyring on the same key store) cannot read them either.
+    fresh = Keyring(StaticMasterKey(bytes(range(32))), keyring.dir)
+    for kr in (keyring, fresh):
+        t = EncryptedTier(DiskTier(tmp_path / "d", 64 * B), kr, "acme", chunk_bytes=64 * 1024, threads=1)
+        out = np.empty(B, np.uint8)
+        assert all(t.get(bytes([i]) * 32, out) is not Status.OK for i in range(3))
+    out = np.empty(B, np.uint8)
+    assert ctrl.get(b"c" * 32, out) is Status.OK and np.array_equal(out, block(9))
+
+
+def test_retention_retires_old_epochs(keyring, monkeypatch):
+    keyring.key_for_write("acme")
+    keyring.rotate("acme")
+    import time
+
+    real = time.time
+    monkeypatch.setattr(keyring_mod.time, "time", lambda: real() + 3600)
+    retired = keyring.retire_older_than("acme", 60)
+    assert retired == [0, 1]
+    assert keyring.epochs("acme") == [2]
+
+
+def test_rotation_before_the_nonce_bound(keyring, monkeypatch):
+    monkeypatch.setattr(keyring_mod, "ROTATE_AFTER", 10)
+    key = keyring.key_for_write("acme")
+    keyring.note_encryptions(key, 9)
+    assert keyring.current_epoch("acme") == 0
+    keyring.note_encryptions(key, 1)
+    assert keyring.current_epoch("acme") == 1
+    assert keyring.key_for_write("acme").epoch == 1
+
+
+def test_key_providers_validate(tmp_path, monkeypatch):
+    monkeypatch.delenv("KVTIER_MASTER_KEY", raising=False)
+    with pytest.raises(ConfigError, match="set KVTIER_MASTER_KEY"):
+        EnvMasterKey().master_key()
+    monkeypatch.setenv("KVTIER_MASTER_KEY", "ab" * 32)
+    assert EnvMasterKey().master_key() == b"\xab" * 32
+    monkeypatch.setenv("KVTIER_MASTER_KEY", "short")
+    with pytest.raises(ConfigError, match="64 hex digits"):
+        EnvMasterKey().master_key()
+    path = tmp_path / "master.key"
+    path.write_text("cd" * 32)
+    os.chmod(path, 0o644)
+    with pytest.raises(ConfigError, match="chmod 600"):
+        FileMasterKey(path).master_key()
+    os.chmod(path, 0o600)
+    assert FileMasterKey(path).master_key() == b"\xcd" * 32
+
+
+def test_keystore_files_do_not_name_tenants(keyring):
+    keyring.key_for_write("acme-corp")
+    names = [p.name for p in keyring.dir.iterdir()]
+    assert names and not any("acme" in n for n in names)

@@ -1,0 +1,102 @@
+"""Tamper suite: every manipulation of a sealed block is rejected (0 accepted)."""
+
+import os
+import random
+
+import numpy as np
+import pytest
+
+from kvtier.crypto import aead
+
+CHUNK = 64 * 1024
+PLAIN = 5 * CHUNK + 123  # several chunks and a short last one
+
+
+@pytest.fixture
+def sealed(keyring):
+    key = keyring.key_for_write("acme")
+    plain = np.frombuffer(os.urandom(PLAIN), np.uint8)
+    out = bytearray(aead.sealed_nbytes(PLAIN, CHUNK))
+    aead.seal_into(key.aead, epoch=key.epoch, key_id=key.key_id, storage_key=b"S" * 32,
+                   context=b"acme", plain=plain, out=out, chunk_bytes=CHUNK)
+    return plain, bytes(out)
+
+
+def opener(keyring, tenant="acme"):
+    def lookup(epoch, key_id):
+        k = keyring.key_for_read(tenant, epoch, key_id)
+        return k.aead if k else None
+
+    return lookup
+
+
+def try_open(keyring, blob, *, storage_key=b"S" * 32, context=b"acme", nbytes=PLAIN, tenant="acme"):
+    out = np.empty(nbytes, np.uint8)
+    return aead.open_into(opener(keyring, tenant), storage_key=storage_key, context=context, sealed=blob, out=out), out
+
+
+def test_untouched_block_opens(keyring, sealed):
+    plain, blob = sealed
+    why, out = try_open(keyring, blob)
+    assert why is None and np.array_equal(out, plain)
+
+
+def test_random_bit_flips_are_all_rejected(keyring, sealed):
+    _, blob = sealed
+    rng = random.Random(7)
+    accepted = 0
+    for _ in range(300):
+        b = bytearray(blob)
+        pos = rng.randrange(len(b))
+        b[pos] ^= 1 << rng.randrange(8)
+        why, _ = try_open(keyring, bytes(b))
+        accepted += why is None
+    assert accepted == 0
+
+
+@pytest.mark.parametrize("cut", [1, 16, aead.TAG_BYTES + 1, CHUNK])
+def test_truncation_is_rejected(keyring, sealed, cut):
+    _, blob = sealed
+    assert try_open(keyring, blob[:-cut])[0] is not None
+
+
+def test_extension_is_rejected(keyring, sealed):
+    _, blob = sealed
+    assert try_open(keyring, blob + b"\0" * 16)[0] is not None
+
+
+def test_chunk_reorder_is_rejected(keyring, sealed):
+    _, blob = sealed
+    h = aead.HEADER_BYTES
+    step = CHUNK + aead.TAG_BYTES
+    c0, c1 = blob[h : h + step], blob[h + step : h + 2 * step]
+    swapped = blob[:h] + c1 + c0 + blob[h + 2 * step :]
+    assert try_open(keyring, swapped)[0] is not None
+
+
+def test_moved_to_another_key_is_rejected(keyring, sealed):
+    _, blob = sealed
+    assert try_open(keyring, blob, storage_key=b"T" * 32)[0] is not None
+
+
+def test_cross_tenant_swap_is_rejected(keyring, sealed):
+    _, blob = sealed
+    keyring.key_for_write("other")
+    assert try_open(keyring, blob, context=b"other", tenant="other")[0] is not None
+    assert try_open(keyring, blob, context=b"other")[0] is not None
+
+
+def test_replay_under_a_retired_epoch_is_rejected(keyring, sealed):
+    _, blob = sealed
+    keyring.rotate("acme")
+    assert try_open(keyring, blob)[0] is None  # old epochs stay readable until retired
+    keyring.retire("acme", 0)
+    assert "retired or shredded" in try_open(keyring, blob)[0]
+
+
+def test_header_epoch_rewrite_is_rejected(keyring, sealed):
+    _, blob = sealed
+    keyring.rotate("acme")
+    b = bytearray(blob)
+    b[8:12] = (1).to_bytes(4, "little")  # claim the new epoch
+    assert try_open(keyring, bytes(b))[0] is not None
