@@ -1,0 +1,125 @@
+"""StoreConfig: one validated description of a store, from code, a dict or the environment.
+
+Engines (the vLLM connector, the transformers integration, the demo) build
+their store from this, so the same keys mean the same thing everywhere::
+
+    {"host_bytes": "8GiB", "disk_path": "/mnt/nvme/kvtier", "disk_bytes": "500GiB",
+     "remote_url": "tcp://pod-kv:7400", "remote_token": "...", "encrypt": "auto"}
+
+Encryption is on for the disk and remote tiers whenever a master key is
+configured (``master_key_file`` or ``$KVTIER_MASTER_KEY``) and ``encrypt`` is
+"auto"; the host tier stays plaintext unless ``encrypt_host`` is set.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from kvtier.core.layout import KVLayout
+from kvtier.errors import ConfigError
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(value: int | str, field_name: str) -> int:
+    """``8GiB``, ``500 GB``, ``1048576`` → bytes."""
+    if isinstance(value, int):
+        return value
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", str(value))
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ConfigError(f"{field_name}={value!r} is not a size; write e.g. 8GiB, 500GB or 1048576")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    host_bytes: int | str = "1GiB"
+    disk_path: str | None = None
+    disk_bytes: int | str = "10GiB"
+    remote_url: str | None = None
+    remote_token: str | None = None
+    remote_timeout_s: float = 2.0
+    write_mode: str = "write-back"
+    eviction: str = "lru"
+    tenant: str = ""
+    encrypt: str | bool = "auto"  # "auto": when a master key is configured
+    encrypt_host: bool = False
+    master_key_file: str | None = None
+    keystore_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "host_bytes", parse_bytes(self.host_bytes, "host_bytes"))
+        object.__setattr__(self, "disk_bytes", parse_bytes(self.disk_bytes, "disk_bytes"))
+        if self.write_mode not in ("write-back", "write-through"):
+            raise ConfigError(f"write_mode={self.write_mode!r}; use 'write-back' or 'write-through'")
+        if self.encrypt not in ("auto", True, False):
+            raise ConfigError(f"encrypt={self.encrypt!r}; use 'auto', true or false")
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "StoreConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(f"unknown store setting(s) {unknown}; known settings are {sorted(known)}")
+        return cls(**values)
+
+    def replace(self, **changes) -> "StoreConfig":
+        return dataclasses.replace(self, **changes)
+
+    def wants_encryption(self) -> bool:
+        configured = bool(self.master_key_file or os.environ.get("KVTIER_MASTER_KEY"))
+        if self.encrypt is True and not configured:
+            raise ConfigError("encrypt=true needs a master key: set master_key_file or $KVTIER_MASTER_KEY")
+        return configured if self.encrypt == "auto" else bool(self.encrypt)
+
+
+def build_store(config: StoreConfig, layout: KVLayout, *, io_threads: int = 2):
+    """A TieredStore of host → disk → remote as configured, encrypted where configured."""
+    from kvtier.policy.eviction import make_policy
+    from kvtier.store.tiered import TieredStore
+    from kvtier.tiers.host import HostTier
+
+    keyring = None
+    if config.wants_encryption():
+        from kvtier.crypto.keyring import Keyring
+        from kvtier.crypto.providers import EnvMasterKey, FileMasterKey
+
+        provider = FileMasterKey(config.master_key_file) if config.master_key_file else EnvMasterKey()
+        keystore = config.keystore_dir or str(Path(config.disk_path or _cache_dir()) / "keys")
+        keyring = Keyring(provider, keystore)
+
+    def seal(tier):
+        if keyring is None:
+            return tier
+        from kvtier.tiers.encrypted import EncryptedTier
+
+        return EncryptedTier(tier, keyring, config.tenant)
+
+    from kvtier.crypto.aead import sealed_nbytes
+
+    slot = sealed_nbytes(layout.block_nbytes) if keyring is not None else layout.block_nbytes
+    tiers = []
+    if config.host_bytes:
+        host = HostTier(config.host_bytes, slot if config.encrypt_host else layout.block_nbytes,
+                        policy=make_policy(config.eviction))
+        tiers.append(seal(host) if config.encrypt_host else host)
+    if config.disk_path:
+        from kvtier.tiers.disk import DiskTier
+
+        tiers.append(seal(DiskTier(config.disk_path, config.disk_bytes, policy=make_policy(config.eviction))))
+    if config.remote_url:
+        from kvtier.tiers.remote import RemoteTier
+
+        tiers.append(seal(RemoteTier(config.remote_url, token=config.remote_token, timeout_s=config.remote_timeout_s)))
+    if not tiers:
+        raise ConfigError("the store has no tier: set host_bytes, disk_path or remote_url")
+    return TieredStore(tiers, write_mode=config.write_mode, io_threads=io_threads)
+
+
+def _cache_dir() -> str:
+    return os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "kvtier")

@@ -1,0 +1,45 @@
+import numpy as np
+import pytest
+
+from kvtier.core.layout import KVLayout
+from kvtier.core.namespace import Namespace
+from kvtier.errors import ConfigError
+from kvtier.store.config import StoreConfig, build_store, parse_bytes
+from kvtier.store.context import ContextCache
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype="float16", block_tokens=16)
+
+
+def test_sizes_parse_and_bad_ones_name_the_fix():
+    assert parse_bytes("8GiB", "x") == 8 << 30
+    assert parse_bytes("500 GB", "x") == 500 * 10**9
+    with pytest.raises(ConfigError, match="write e.g. 8GiB"):
+        parse_bytes("lots", "host_bytes")
+
+
+def test_unknown_settings_are_rejected_with_the_known_list():
+    with pytest.raises(ConfigError, match="known settings are"):
+        StoreConfig.from_dict({"hostbytes": "1GiB"})
+
+
+def test_encryption_turns_on_when_a_master_key_is_configured(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVTIER_MASTER_KEY", "11" * 32)
+    config = StoreConfig(host_bytes=8 * LAYOUT.block_nbytes, disk_path=str(tmp_path / "d"), tenant="acme")
+    store = build_store(config, LAYOUT)
+    assert [t.name for t in store.tiers] == ["host", "encrypted(disk)"]
+    cache = ContextCache(store, Namespace("m", LAYOUT, tenant="acme"))
+    tokens = np.arange(20 * LAYOUT.block_tokens)
+    blocks = [np.full(LAYOUT.block_shape, i, np.float16) for i in range(20)]
+    cache.save(cache.keys(tokens), blocks)  # 12 blocks demoted into the encrypted disk tier
+    on_disk = b"".join(p.read_bytes() for p in (tmp_path / "d").rglob("*.kvb"))
+    assert on_disk and blocks[0].tobytes()[:256] not in on_disk
+    outs = [np.empty(LAYOUT.block_shape, np.float16) for _ in range(20)]
+    assert cache.load(cache.keys(tokens), outs).loaded == 20
+    assert all(np.array_equal(a, b) for a, b in zip(outs, blocks))
+    store.close()
+
+
+def test_encrypt_true_without_a_key_names_the_fix(monkeypatch):
+    monkeypatch.delenv("KVTIER_MASTER_KEY", raising=False)
+    with pytest.raises(ConfigError, match="KVTIER_MASTER_KEY"):
+        build_store(StoreConfig(encrypt=True), LAYOUT)
