@@ -29,7 +29,8 @@ def test_encryption_turns_on_when_a_master_key_is_configured(tmp_path, monkeypat
     assert [t.name for t in store.tiers] == ["host", "encrypted(disk)"]
     cache = ContextCache(store, Namespace("m", LAYOUT, tenant="acme"))
     tokens = np.arange(20 * LAYOUT.block_tokens)
-    blocks = [np.full(LAYOUT.block_shape, i, np.float16) for i in range(20)]
+    rng = np.random.default_rng(0)
+    blocks = [rng.standard_normal(LAYOUT.block_shape).astype(np.float16) for _ in range(20)]
     cache.save(cache.keys(tokens), blocks)  # 12 blocks demoted into the encrypted disk tier
     on_disk = b"".join(p.read_bytes() for p in (tmp_path / "d").rglob("*.kvb"))
     assert on_disk and blocks[0].tobytes()[:256] not in on_disk
