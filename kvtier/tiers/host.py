@@ -56,7 +56,10 @@ class HostTier(Tier):
         super().__init__()
         if slot_bytes <= 0:
             raise ValueError(f"slot_bytes must be positive, got {slot_bytes}")
-        self.slot_bytes = -(-slot_bytes // PAGE) * PAGE  # page aligned slots
+        # Page-aligned slots can go straight to O_DIRECT files and sockets; tiny
+        # blocks (tests, small models) only get cache-line alignment, not a page each.
+        align = PAGE if slot_bytes >= PAGE else 64
+        self.slot_bytes = -(-slot_bytes // align) * align
         self.num_slots = capacity_bytes // self.slot_bytes
         if self.num_slots < 1:
             raise ValueError(
