@@ -1,0 +1,188 @@
+"""Model geometry: KV bytes per token and prefill FLOPs, from presets or an HF ``config.json``.
+
+Everything the planner and the simulator know about a model is derived here from the
+handful of fields a Hugging Face ``config.json`` carries, so that a preset and a local
+config go through the same arithmetic. Two attention kinds matter for the KV size:
+
+- **GQA / MHA** (Llama, Qwen, Mistral): every layer keeps a K and a V vector per KV
+  head, ``2 * layers * kv_heads * head_dim * itemsize`` bytes per token.
+- **MLA** (DeepSeek-V2/V3): every layer keeps one compressed latent of
+  ``kv_lora_rank`` plus the decoupled RoPE key of ``qk_rope_head_dim``, shared by all
+  heads, ``layers * (kv_lora_rank + qk_rope_head_dim) * itemsize`` bytes per token.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from kvtier.core.layout import DTYPE_ITEMSIZE, KVLayout
+from kvtier.errors import ConfigError
+
+#: Presets as the subset of HF ``config.json`` fields the arithmetic reads; the
+#: numbers are those of the published configs. ``tests/planner`` checks the derived
+#: parameter counts against the published model sizes.
+PRESETS: dict[str, dict[str, Any]] = {
+    "llama-3-8b": dict(num_hidden_layers=32, hidden_size=4096, num_attention_heads=32,
+                       num_key_value_heads=8, intermediate_size=14336, vocab_size=128256),
+    "llama-3-70b": dict(num_hidden_layers=80, hidden_size=8192, num_attention_heads=64,
+                        num_key_value_heads=8, intermediate_size=28672, vocab_size=128256),
+    "llama-3-405b": dict(num_hidden_layers=126, hidden_size=16384, num_attention_heads=128,
+                         num_key_value_heads=8, intermediate_size=53248, vocab_size=128256),
+    "qwen2.5-7b": dict(num_hidden_layers=28, hidden_size=3584, num_attention_heads=28,
+                       num_key_value_heads=4, intermediate_size=18944, vocab_size=152064),
+    "qwen2.5-72b": dict(num_hidden_layers=80, hidden_size=8192, num_attention_heads=64,
+                        num_key_value_heads=8, intermediate_size=29568, vocab_size=152064),
+    "mistral-7b": dict(num_hidden_layers=32, hidden_size=4096, num_attention_heads=32,
+                       num_key_value_heads=8, intermediate_size=14336, vocab_size=32768),
+    "deepseek-v3": dict(num_hidden_layers=61, hidden_size=7168, num_attention_heads=128,
+                        kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64,
+                        qk_nope_head_dim=128, v_head_dim=128, intermediate_size=18432,
+                        moe_intermediate_size=2048, n_routed_experts=256, num_experts_per_tok=8,
+                        n_shared_experts=1, first_k_dense_replace=3, vocab_size=129280),
+    "deepseek-v2-lite": dict(num_hidden_layers=27, hidden_size=2048, num_attention_heads=16,
+                             kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64,
+                             qk_nope_head_dim=128, v_head_dim=128, intermediate_size=10944,
+                             moe_intermediate_size=1408, n_routed_experts=64, num_experts_per_tok=6,
+                             n_shared_experts=2, first_k_dense_replace=1, vocab_size=102400),
+}
+# Common aliases, so that ``llama-3.1-70b`` and ``llama-3-70b`` name the same geometry.
+ALIASES = {
+    "llama-3.1-8b": "llama-3-8b", "llama-3.1-70b": "llama-3-70b", "llama-3.3-70b": "llama-3-70b",
+    "llama-3.1-405b": "llama-3-405b", "deepseek-r1": "deepseek-v3",
+}
+
+_TORCH_DTYPE_NAMES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32",
+                      "fp8": "float8_e4m3fn", "float8_e4m3fn": "float8_e4m3fn", "int8": "int8"}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelGeometry:
+    """What the planner needs of a model: KV size per token and prefill FLOPs.
+
+    ``matmul_params`` are the active parameters a token passes through in the layers
+    (embeddings and the LM head excluded: prefill runs the head on the last token
+    only), so the dense work of a prefill is ``2 * matmul_params`` FLOPs a token.
+    ``attn_flops_per_pair`` is the work of one (query, key) pair summed over layers and
+    heads, ``layers * 2 * heads * (qk_dim + v_dim)``: one QK dot product and one
+    weighted V sum per head.
+    """
+
+    name: str
+    num_layers: int
+    kv_layout: KVLayout
+    matmul_params: float
+    total_params: float
+    attn_flops_per_pair: float
+    is_mla: bool = False
+
+    def __post_init__(self) -> None:
+        if self.matmul_params <= 0 or self.attn_flops_per_pair <= 0:
+            raise ConfigError(f"model {self.name!r}: parameter and attention sizes must be positive")
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.kv_layout.bytes_per_token
+
+    def block_bytes(self, block_tokens: int) -> int:
+        return self.bytes_per_token * block_tokens
+
+    def linear_flops(self, tokens: float) -> float:
+        return 2.0 * self.matmul_params * tokens
+
+    def attention_flops(self, tokens: float, cached_tokens: float = 0.0) -> float:
+        """Causal attention work for ``tokens - cached_tokens`` new queries.
+
+        Query ``i`` attends to ``i`` keys, so the new queries ``cached+1 .. tokens``
+        form ``(tokens² - cached²) / 2`` pairs: the quadratic term of a prefill.
+        """
+        return self.attn_flops_per_pair * (tokens * tokens - cached_tokens * cached_tokens) / 2.0
+
+    def kv_formula(self) -> str:
+        lay = self.kv_layout
+        if self.is_mla:
+            return (f"{self.num_layers} layers x (kv_lora_rank + qk_rope_head_dim = {lay.head_dim})"
+                    f" x {lay.itemsize} B ({lay.dtype}) = {self.bytes_per_token:,} B/token (MLA latent)")
+        return (f"2 (K,V) x {self.num_layers} layers x {lay.num_kv_heads} kv heads x {lay.head_dim} head_dim"
+                f" x {lay.itemsize} B ({lay.dtype}) = {self.bytes_per_token:,} B/token")
+
+
+def _need(config: Mapping[str, Any], field: str, source: str) -> Any:
+    if config.get(field) is None:
+        raise ConfigError(f"{source}: config has no {field!r}; pass a Llama/Qwen/Mistral/DeepSeek config.json")
+    return config[field]
+
+
+def geometry_from_hf_config(config: Mapping[str, Any], name: str = "custom",
+                            kv_dtype: str | None = None) -> ModelGeometry:
+    """Build a :class:`ModelGeometry` from the fields of an HF ``config.json``.
+
+    ``kv_dtype`` overrides the dtype the KV is stored in (default: the config's
+    ``torch_dtype``/``dtype``, else bfloat16).
+    """
+    layers = int(_need(config, "num_hidden_layers", name))
+    hidden = int(_need(config, "hidden_size", name))
+    heads = int(_need(config, "num_attention_heads", name))
+    vocab = int(config.get("vocab_size") or 0)
+    dtype = kv_dtype or _TORCH_DTYPE_NAMES.get(str(config.get("torch_dtype") or config.get("dtype") or ""), "bfloat16")
+    if dtype not in DTYPE_ITEMSIZE:
+        raise ConfigError(f"{name}: KV dtype {dtype!r} unknown; use one of {sorted(DTYPE_ITEMSIZE)}")
+    is_mla = config.get("kv_lora_rank") is not None
+    if is_mla:
+        kv_rank = int(config["kv_lora_rank"])
+        rope = int(_need(config, "qk_rope_head_dim", name))
+        nope = int(_need(config, "qk_nope_head_dim", name))
+        v_dim = int(_need(config, "v_head_dim", name))
+        qk_dim = nope + rope
+        q_rank = config.get("q_lora_rank")
+        q_params = hidden * q_rank + q_rank * heads * qk_dim if q_rank else hidden * heads * qk_dim
+        attn_params = (q_params + hidden * (kv_rank + rope) + kv_rank * heads * (nope + v_dim)
+                       + heads * v_dim * hidden)
+        # One latent per token and layer, shared by all heads: kv_parts=1, one "head".
+        layout = KVLayout(num_layers=layers, num_kv_heads=1, head_dim=kv_rank + rope, dtype=dtype,
+                          block_tokens=1, kv_parts=1)
+    else:
+        kv_heads = int(config.get("num_key_value_heads") or heads)
+        head_dim = int(config.get("head_dim") or hidden // heads)
+        qk_dim = v_dim = head_dim
+        attn_params = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim
+        layout = KVLayout(num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
+                          block_tokens=1, kv_parts=2)
+    dense_mlp = 3 * hidden * int(_need(config, "intermediate_size", name))  # SwiGLU: gate, up, down
+    if config.get("n_routed_experts"):
+        active_experts = int(config["num_experts_per_tok"]) + int(config.get("n_shared_experts") or 0)
+        moe_mlp = active_experts * 3 * hidden * int(config["moe_intermediate_size"])
+        moe_mlp += hidden * int(config["n_routed_experts"])  # the router's gate
+        dense_layers = int(config.get("first_k_dense_replace") or 0)
+        mlp_params = dense_layers * dense_mlp + (layers - dense_layers) * moe_mlp
+    else:
+        mlp_params = layers * dense_mlp
+    matmul = layers * attn_params + mlp_params
+    tied = bool(config.get("tie_word_embeddings", False))
+    total = matmul + vocab * hidden * (1 if tied else 2)
+    return ModelGeometry(
+        name=name, num_layers=layers, kv_layout=layout, matmul_params=float(matmul),
+        total_params=float(total), attn_flops_per_pair=float(layers * 2 * heads * (qk_dim + v_dim)),
+        is_mla=is_mla,
+    )
+
+
+def load_model(name_or_path: str, kv_dtype: str | None = None) -> ModelGeometry:
+    """A preset by name (``llama-3-70b``) or a local HF ``config.json`` (file or its folder)."""
+    key = ALIASES.get(name_or_path.lower(), name_or_path.lower())
+    if key in PRESETS:
+        return geometry_from_hf_config(PRESETS[key], name=key, kv_dtype=kv_dtype)
+    path = Path(name_or_path)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ConfigError(
+            f"model {name_or_path!r} is neither a preset ({', '.join(sorted(PRESETS))}) "
+            "nor a local config.json"
+        )
+    config = json.loads(path.read_text())
+    # Multimodal wrappers keep the language model's fields under text_config.
+    config = config.get("text_config", config)
+    return geometry_from_hf_config(config, name=path.parent.name or "custom", kv_dtype=kv_dtype)
