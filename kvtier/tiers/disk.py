@@ -131,7 +131,7 @@ class DiskTier(Tier):
                 self.stats.misses += 1
                 return Status.MISS
             self._policy.on_access(key)
-        path = self._file(key)
+        path = self.path_of(key)
         try:
             fd = self._io.open_read(path)
         except FileNotFoundError:  # removed by another process since we indexed it
@@ -206,7 +206,7 @@ class DiskTier(Tier):
                 self._remove(key)
                 found = True
             else:
-                found = _unlink(self._file(key))
+                found = _unlink(self.path_of(key))
             self.stats.deletes += found
             return found
 
@@ -233,6 +233,11 @@ class DiskTier(Tier):
             else:
                 self._pins[key] = count - 1
 
+    def path_of(self, key: bytes) -> str:
+        """Where ``key``'s block file lives (whether or not it exists)."""
+        name = key.hex()
+        return os.path.join(self.path, name[:2], name + SUFFIX)
+
     def expire(self) -> int:
         """Remove expired blocks now (they are also removed lazily); returns how many."""
         with self._lock:
@@ -253,7 +258,7 @@ class DiskTier(Tier):
             for key, entry in self._index.items():
                 assert entry.size >= PAGE and entry.size % PAGE == 0, f"odd size {entry.size} for {key.hex()}"
                 if deep:
-                    size = os.stat(self._file(key)).st_size
+                    size = os.stat(self.path_of(key)).st_size
                     assert size == entry.size, f"{key.hex()}: file has {size} bytes, index says {entry.size}"
 
     def close(self) -> None:
@@ -301,7 +306,7 @@ class DiskTier(Tier):
 
     # -- writing -------------------------------------------------------------------
     def _write(self, key: BlockKey, src: np.ndarray, meta: BlockMeta | None) -> Status:
-        final = self._file(key)
+        final = self.path_of(key)
         temp = os.path.join(os.path.dirname(final), f".{key.hex()}.{direct_io.temp_tag()}{TEMP_SUFFIX}")
         try:
             try:
@@ -325,10 +330,6 @@ class DiskTier(Tier):
             return Status.ERROR
 
     # -- index (all under the lock) ----------------------------------------------
-    def _file(self, key: bytes) -> str:
-        name = key.hex()
-        return os.path.join(self.path, name[:2], name + SUFFIX)
-
     def _expired(self, created: float, now: float | None = None) -> bool:
         return self._ttl_s is not None and (now or time.time()) - created > self._ttl_s
 
@@ -346,7 +347,7 @@ class DiskTier(Tier):
         """Index a block another process published (one stat), making room for it."""
         if not isinstance(key, bytes) or len(key) != KEY_BYTES:
             return None
-        path = self._file(key)
+        path = self.path_of(key)
         try:
             st = os.stat(path)
         except OSError:
@@ -383,7 +384,7 @@ class DiskTier(Tier):
     def _demote(self, key: BlockKey) -> None:
         """Hand a victim's verified bytes to ``on_evict`` (a read-only view of a file mapping)."""
         try:
-            with open(self._file(key), "rb") as f:
+            with open(self.path_of(key), "rb") as f:
                 size = os.fstat(f.fileno()).st_size
                 if not _plausible(size):
                     return
@@ -431,7 +432,7 @@ class DiskTier(Tier):
 
     def _remove(self, key: BlockKey) -> None:
         self._forget(key)
-        _unlink(self._file(key))
+        _unlink(self.path_of(key))
 
     def _forget(self, key: BlockKey) -> None:
         entry = self._index.pop(key, None)

@@ -1,0 +1,256 @@
+"""``kvtier bench storage``: tier put/get throughput as a ratio of the hardware limit.
+
+The limit is measured in the same run, on the same block sizes and the same
+buffers, interleaved with the tier block by block (who goes first alternates)
+so that the noise of a shared machine hits both:
+
+* ``host``: ``numpy.copyto`` into / out of a warm (already faulted) buffer as
+  large as the tier's pool.
+* ``disk``: a new file per block, in the same directory as the tier's file of
+  that block, written with O_DIRECT ``pwrite`` + ``fsync``; cold ``preadv``
+  (O_DIRECT, cache dropped with ``posix_fadvise(DONTNEED)``). Tier puts are
+  durable (fsync'd) and tier gets cold, like the limit's.
+
+Throughputs are medians over runs in GB/s (1e9 bytes); each ratio is the
+median of the per-run ratios tier / limit (paired, so slow phases of the
+machine cancel).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from kvtier.tiers.direct_io import PAGE, aligned_buffer, drop_cache, pwrite_all, round_up
+
+MIB = 1 << 20
+#: default bytes moved per phase of a run: long enough to average out per-op noise
+DEFAULT_RUN_BYTES = 256 * MIB
+
+
+def _phase(tier_op: Callable[[int, bytes], None], limit_op: Callable[[int], None], keys: list[bytes],
+           first: int) -> tuple[float, float]:
+    """Seconds spent in the tier and in the limit over all blocks, alternating block by
+    block (and who goes first), so that a slow moment of the machine hits both."""
+    spent = [0.0, 0.0]
+    for i, key in enumerate(keys):
+        order = (0, 1) if (i + first) % 2 == 0 else (1, 0)
+        for who in order:
+            t0 = time.perf_counter()
+            tier_op(i, key) if who == 0 else limit_op(i)
+            spent[who] += time.perf_counter() - t0
+    return spent[0], spent[1]
+
+
+def _keys(run: int, blocks: int) -> list[bytes]:
+    return [hashlib.sha256(f"bench-storage/{run}/{i}".encode()).digest() for i in range(blocks)]
+
+
+def _filled(nbytes: int, seed: int) -> np.ndarray:
+    buf = aligned_buffer(round_up(nbytes))  # whole pages, so that O_DIRECT can move it
+    buf[:nbytes] = np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+    return buf
+
+
+def _check(status, what: str) -> None:
+    if not status.ok:
+        raise RuntimeError(f"{what} failed with {status.name}; is the directory full or the tier too small?")
+
+
+class _HostBench:
+    def __init__(self, nbytes: int, blocks: int) -> None:
+        from kvtier.tiers.host import HostTier
+
+        self.n, self.blocks = nbytes, blocks
+        self.tier = HostTier(blocks * round_up(nbytes), nbytes)
+        self.srcs = [_filled(nbytes, s)[:nbytes] for s in (1, 2)]
+        self.outs = [aligned_buffer(nbytes) for _ in range(2)]
+        # Faulted in, as big as the pool and the same kind of memory (an anonymous
+        # mmap with 4 KiB pages): the limit is the copy, not the page size.
+        self.warm = aligned_buffer(blocks * nbytes).reshape(blocks, nbytes)
+
+    def tier_put(self, i: int, key: bytes) -> None:
+        _check(self.tier.put(key, self.srcs[i % 2]), "host put")
+
+    def limit_put(self, i: int) -> None:
+        np.copyto(self.warm[i], self.srcs[i % 2])
+
+    def tier_get(self, i: int, key: bytes) -> None:
+        _check(self.tier.get(key, self.outs[i % 2]), "host get")
+
+    def limit_get(self, i: int) -> None:
+        np.copyto(self.outs[i % 2], self.warm[i])
+
+    def start(self, keys):
+        pass
+
+    def between(self, keys):
+        pass
+
+    def cleanup(self, keys):
+        for k in keys:
+            self.tier.delete(k)
+
+    def close(self):
+        self.tier.close()
+
+    def describe(self) -> dict:
+        return {}
+
+
+class _DiskBench:
+    def __init__(self, nbytes: int, blocks: int, directory: str | None, drop_caches: bool) -> None:
+        from kvtier.tiers.disk import DiskTier
+
+        self.n, self.blocks = nbytes, blocks
+        self.own_dir = directory is None
+        self.dir = directory or tempfile.mkdtemp(prefix=".kvtier-bench-", dir=os.getcwd())
+        self.tier = DiskTier(os.path.join(self.dir, "tier"), 2 * blocks * (round_up(nbytes) + PAGE))
+        self.raw_paths: list[str] = []
+        self.direct = self.tier.direct_io
+        self.drop_caches = drop_caches
+        # O_DIRECT needs whole pages: the limit moves the payload rounded up to a page.
+        self.padded = [_filled(nbytes, s) for s in (1, 2)] + [aligned_buffer(round_up(nbytes)) for _ in range(2)]
+        self.srcs = [b[:nbytes] for b in self.padded[:2]]
+        self.outs = [b[:nbytes] for b in self.padded[2:]]
+
+    def _raw(self, i: int) -> str:
+        return self.raw_paths[i]
+
+    def start(self, keys):
+        # The limit's files sit next to the tier's, in the same shard directories,
+        # so that both write to the same places of the file system.
+        self.raw_paths = [self.tier.path_of(k) + ".raw" for k in keys]
+
+    def _flags(self) -> int:
+        return os.O_DIRECT if self.direct else 0
+
+    def tier_put(self, i: int, key: bytes) -> None:
+        _check(self.tier.put(key, self.srcs[i % 2]), "disk put")
+
+    def limit_put(self, i: int) -> None:
+        fd = os.open(self._raw(i), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | self._flags(), 0o644)
+        try:
+            pwrite_all(fd, self.padded[i % 2], 0)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def tier_get(self, i: int, key: bytes) -> None:
+        _check(self.tier.get(key, self.outs[i % 2]), "disk get")
+
+    def limit_get(self, i: int) -> None:
+        fd = os.open(self._raw(i), os.O_RDONLY | self._flags())
+        try:
+            if os.preadv(fd, [self.padded[2 + i % 2]], 0) != self.padded[2].nbytes:
+                raise RuntimeError(f"short read of {self._raw(i)}")
+        finally:
+            os.close(fd)
+
+    def between(self, keys):
+        """Make the gets cold: forget every file's cached pages (not timed)."""
+        paths = [self.tier.path_of(k) for k in keys] + [self._raw(i) for i in range(len(keys))]
+        for path in paths:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                drop_cache(fd)
+            finally:
+                os.close(fd)
+        if self.drop_caches:
+            os.sync()
+            with open("/proc/sys/vm/drop_caches", "w") as f:
+                f.write("1\n")
+
+    def cleanup(self, keys):
+        for k in keys:
+            self.tier.delete(k)
+        for i in range(len(keys)):
+            os.unlink(self._raw(i))
+
+    def close(self):
+        self.tier.close()
+        if self.own_dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    def describe(self) -> dict:
+        return {"direct_io": self.direct, "dir": self.dir}
+
+
+def run(tier: str, block_mib: float, blocks: int | None, runs: int, directory: str | None = None,
+        drop_caches: bool = False) -> dict:
+    """Measure ``runs`` interleaved rounds; return the medians (see the module docstring)."""
+    nbytes = int(block_mib * MIB)
+    if nbytes <= 0 or runs <= 0:
+        raise ValueError("--block-mib and --runs must be positive")
+    blocks = blocks or max(4, -(-DEFAULT_RUN_BYTES // nbytes))
+    bench = _HostBench(nbytes, blocks) if tier == "host" else _DiskBench(nbytes, blocks, directory, drop_caches)
+    total = nbytes * blocks
+    put, lput, get, lget = [], [], [], []
+    try:
+        for r in range(-1, runs):  # run -1 warms up code paths and the file system; not counted
+            keys = _keys(r, blocks)
+            bench.start(keys)
+            t_put, l_put = _phase(bench.tier_put, bench.limit_put, keys, r)
+            bench.between(keys)
+            t_get, l_get = _phase(bench.tier_get, bench.limit_get, keys, r)
+            bench.cleanup(keys)
+            if r >= 0:
+                for sink, seconds in ((put, t_put), (lput, l_put), (get, t_get), (lget, l_get)):
+                    sink.append(total / seconds / 1e9)
+    finally:
+        bench.close()
+    med = statistics.median
+    return {
+        "tier": tier,
+        "block_mib": block_mib,
+        "blocks": blocks,
+        "runs": runs,
+        "put_gbps": round(med(put), 3),
+        "get_gbps": round(med(get), 3),
+        "limit_put_gbps": round(med(lput), 3),
+        "limit_get_gbps": round(med(lget), 3),
+        "put_ratio": round(med(a / b for a, b in zip(put, lput)), 3),
+        "get_ratio": round(med(a / b for a, b in zip(get, lget)), 3),
+        **bench.describe(),
+    }
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("storage", help="tier put/get throughput vs memcpy / raw disk, same run")
+    p.add_argument("--tier", choices=["host", "disk"], default="disk")
+    p.add_argument("--block-mib", type=float, default=8.0, help="block size in MiB (default 8)")
+    p.add_argument("--blocks", type=int, default=None, help="blocks per phase (default: 256 MiB worth, at least 4)")
+    p.add_argument("--runs", type=int, default=7, help="interleaved rounds; medians are reported (default 7)")
+    p.add_argument("--dir", default=None, help="disk tier directory (default: a temp dir under the current one)")
+    p.add_argument("--drop-caches", action="store_true",
+                   help="also write /proc/sys/vm/drop_caches before gets (root; affects the whole machine)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_main)
+
+
+def _main(args) -> int:
+    result = run(args.tier, args.block_mib, args.blocks, args.runs, args.dir, args.drop_caches)
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    limit = "numpy.copyto, warm" if args.tier == "host" else "O_DIRECT pwrite+fsync / cold preadv"
+    table = Table(title=f"{args.tier} tier, {result['blocks']} x {args.block_mib:g} MiB blocks "
+                        f"(median of {args.runs} runs)")
+    for col in ("", "tier GB/s", f"limit GB/s ({limit})", "ratio"):
+        table.add_column(col, justify="right")
+    for op in ("put", "get"):
+        table.add_row(op, f"{result[op + '_gbps']:.2f}", f"{result['limit_' + op + '_gbps']:.2f}",
+                      f"{result[op + '_ratio']:.2f}")
+    Console().print(table)
+    return 0
