@@ -11,6 +11,7 @@ import importlib
 BENCH_MODULES = [
     "kvtier.bench.storage",
     "kvtier.bench.lookup",
+    "kvtier.bench.prefill",
 ]
 
 

@@ -11,6 +11,8 @@ import sys
 COMMAND_MODULES = [
     "kvtier.cli.bench",
     "kvtier.cli.demo",
+    "kvtier.cli.plan",
+    "kvtier.cli.simulate",
 ]
 
 

@@ -49,14 +49,16 @@ class Accelerator:
             raise ConfigError(f"accelerator {self.name!r}: decode_bw_efficiency is a fraction in (0, 1]")
 
 
-def load_accelerator(name: str) -> Accelerator:
+def load_accelerator(name: str, table: CalibrationTable | None = None) -> Accelerator:
+    """Specs from ``accelerators.json``, or, for a measured host such as the CPU, from its
+    calibration ``table`` (default: the one shipped for ``name``)."""
     specs = read_data_json("accelerators.json")
     key = name.lower()
     if key in specs and not key.startswith("_"):
         s = specs[key]
         return Accelerator(key, float(s["hbm_bytes"]), float(s["hbm_bytes_per_s"]), float(s["peak_flops_per_s"]),
                            float(s["prefill_mfu"]), float(s.get("decode_bw_efficiency", 0.7)))
-    table = find_calibration(key)
+    table = table or find_calibration(key)
     if table is not None and "memory_bytes" in table.extra:
         # A measured host (the CPU profile): memory and its bandwidth were measured with it.
         return Accelerator(key, float(table.extra["memory_bytes"]), float(table.extra["memory_bytes_per_s"]),
@@ -86,8 +88,8 @@ def cost_models(model: ModelGeometry, accelerator: str, devices: int,
     """Prefill and decode cost models for ``devices`` accelerators serving ``model``."""
     if devices <= 0:
         raise ConfigError(f"devices per worker must be >= 1, got {devices}")
-    accel = load_accelerator(accelerator)
-    table = find_calibration(accel.name, calibration_path)
+    table = find_calibration(accelerator, calibration_path)
+    accel = load_accelerator(accelerator, table)
     if table is not None:
         prefill = PrefillCostModel.from_calibration(model, table, devices)
         provenance = f"prefill fitted on {len(table.points)} measured points ({table.source or table.accelerator})"

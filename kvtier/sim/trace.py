@@ -1,0 +1,88 @@
+"""Request traces in the Mooncake format (FAST '25): one JSON object a line.
+
+``timestamp`` (ms from the start), ``input_length`` and ``output_length`` (tokens),
+``hash_ids``: one id per ``block_tokens``-token block of the prompt; equal ids mean an
+equal prefix up to and including that block, so a hash id *is* a block identity and
+the simulator needs no token text.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvtier.errors import ConfigError
+
+#: Where the project keeps the published trace: beside the repository, never inside it.
+TRACE_HINT = ("get conversation_trace.jsonl from the Mooncake repository (kvcache-ai/Mooncake, "
+              "FAST25-release/traces/) and put it in ../shared/data/traces/")
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRequest:
+    arrival_s: float
+    input_tokens: int
+    output_tokens: int
+    blocks: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Trace:
+    requests: tuple[TraceRequest, ...]
+    block_tokens: int
+    source: str = ""
+
+    @property
+    def duration_s(self) -> float:
+        return self.requests[-1].arrival_s - self.requests[0].arrival_s if self.requests else 0.0
+
+    def block_token_counts(self, request: TraceRequest) -> list[int]:
+        """Tokens in each block of ``request``: full blocks, then the remainder."""
+        n, b = request.input_tokens, self.block_tokens
+        return [min(b, n - i * b) for i in range(len(request.blocks))]
+
+    def head(self, count: int) -> "Trace":
+        return Trace(self.requests[:count], self.block_tokens, self.source)
+
+
+def parse_trace_lines(lines, block_tokens: int = 512, source: str = "") -> Trace:
+    """Parse Mooncake-format lines; raise :class:`ConfigError` naming the line that is wrong."""
+    requests = []
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            req = TraceRequest(row["timestamp"] / 1000.0, int(row["input_length"]), int(row["output_length"]),
+                               tuple(row["hash_ids"]))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ConfigError(f"{source or 'trace'} line {lineno}: not a Mooncake request ({exc})") from None
+        if req.input_tokens <= 0 or len(req.blocks) != math.ceil(req.input_tokens / block_tokens):
+            raise ConfigError(
+                f"{source or 'trace'} line {lineno}: {len(req.blocks)} hash ids for {req.input_tokens} tokens;"
+                f" with {block_tokens}-token blocks expect {math.ceil(req.input_tokens / block_tokens)}"
+                " (is --block-tokens right?)"
+            )
+        requests.append(req)
+    requests.sort(key=lambda r: r.arrival_s)  # stable: ties keep file order
+    return Trace(tuple(requests), block_tokens, source)
+
+
+def load_trace(path: str | Path, block_tokens: int = 512) -> Trace:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"trace {path} not found; {TRACE_HINT}")
+    with path.open() as fh:
+        return parse_trace_lines(fh, block_tokens, str(path))
+
+
+def default_trace_path() -> Path | None:
+    """The shared conversation trace, looked for beside the working directory and the checkout."""
+    here = Path(__file__).resolve()
+    for base in (Path.cwd(), *here.parents):
+        candidate = base.parent / "shared" / "data" / "traces" / "conversation_trace.jsonl"
+        if candidate.is_file():
+            return candidate
+    return None

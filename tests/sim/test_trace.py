@@ -1,0 +1,39 @@
+"""The Mooncake trace format."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvtier.errors import ConfigError
+from kvtier.sim.trace import load_trace, parse_trace_lines
+
+
+def _line(ts, n, out, ids):
+    return json.dumps({"timestamp": ts, "input_length": n, "output_length": out, "hash_ids": ids})
+
+
+def test_parses_and_orders_by_arrival_with_partial_last_block():
+    trace = parse_trace_lines([_line(2000, 1100, 5, [0, 1, 2]), "", _line(1000, 512, 3, [0])], block_tokens=512)
+    assert [r.arrival_s for r in trace.requests] == [1.0, 2.0]
+    assert trace.block_token_counts(trace.requests[1]) == [512, 512, 76]
+    assert trace.duration_s == 1.0
+
+
+def test_a_wrong_block_count_names_the_line_and_the_fix():
+    with pytest.raises(ConfigError, match=r"line 2: .*--block-tokens"):
+        parse_trace_lines([_line(0, 512, 1, [0]), _line(0, 1500, 1, [0, 1])], block_tokens=512)
+
+
+def test_malformed_line_and_missing_file_are_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match="line 1"):
+        parse_trace_lines(['{"timestamp": 0}'])
+    with pytest.raises(ConfigError, match="Mooncake"):
+        load_trace(tmp_path / "absent.jsonl")
+
+
+def test_the_conversation_trace_loads_whole(conversation_trace):
+    assert len(conversation_trace.requests) == 12_031
+    assert conversation_trace.block_tokens == 512
+    assert 55 * 60 < conversation_trace.duration_s < 60 * 60
