@@ -101,7 +101,7 @@ class DiskTier(Tier):
         self._io = BlockIO(self.direct_io)
         self._capacity = capacity_bytes
         self._ttl_s = ttl_s
-        self._policy = policy or LRUPolicy()
+        self._policy = policy if policy is not None else LRUPolicy()  # an empty policy is falsy
         self._index: dict[BlockKey, _Entry] = {}  # insertion order ~ publication order (for TTL)
         self._pins: dict[BlockKey, int] = {}
         self._used = 0
