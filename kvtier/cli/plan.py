@@ -26,7 +26,7 @@ def register(subparsers) -> None:
     cap.add_argument("--active-fraction", type=float, default=0.1,
                      help="share of users active at once (their session sits in host DRAM)")
     cap.add_argument("--json", action="store_true")
-    cap.set_defaults(func=run_capacity)
+    cap.set_defaults(func=_reporting_config_errors(run_capacity))
 
     wk = sub.add_parser("workers", help="prefill/decode workers and tier sizes for TTFT and ITL targets")
     wk.add_argument("--ttft", type=float, required=True, help="TTFT target in seconds")
@@ -44,7 +44,22 @@ def register(subparsers) -> None:
     wk.add_argument("--calibration", default=None, help="prefill calibration table (kvtier bench prefill)")
     wk.add_argument("--verify", action="store_true", help="with --trace: check the plan by simulation")
     wk.add_argument("--json", action="store_true")
-    wk.set_defaults(func=run_workers)
+    wk.set_defaults(func=_reporting_config_errors(run_workers))
+
+
+def _reporting_config_errors(command):
+    """Turn a configuration mistake into its message and exit status 2, not a traceback."""
+
+    def run(args) -> int:
+        from kvtier.errors import ConfigError
+
+        try:
+            return command(args)
+        except ConfigError as exc:
+            print(f"kvtier plan: {exc}", file=sys.stderr)
+            return 2
+
+    return run
 
 
 def run_capacity(args) -> int:

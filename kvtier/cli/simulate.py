@@ -36,7 +36,11 @@ def run(args) -> int:
     from kvtier.sim.trace import TRACE_HINT, default_trace_path, load_trace
 
     started = time.perf_counter()
-    cluster = load_cluster(args.cluster)
+    try:
+        cluster = load_cluster(args.cluster)
+    except ConfigError as exc:
+        print(f"kvtier simulate: {exc}", file=sys.stderr)
+        return 2
     overrides = {k: v for k, v in (("prefill_workers", args.prefill_workers),
                                    ("decode_workers", args.decode_workers)) if v is not None}
     cluster = cluster.replace(**overrides) if overrides else cluster
@@ -53,7 +57,11 @@ def run(args) -> int:
         trace = trace.head(args.limit)
     from kvtier.sim.policies import POLICIES
 
-    sim = run_simulation(trace, cluster, args.policies or list(POLICIES), args.calibration)
+    try:
+        sim = run_simulation(trace, cluster, args.policies or list(POLICIES), args.calibration)
+    except ConfigError as exc:
+        print(f"kvtier simulate: {exc}", file=sys.stderr)
+        return 2
     plots = _plot(args.plot, sim, trace, cluster) if args.plot else []
     elapsed = time.perf_counter() - started
     if args.json:

@@ -90,7 +90,7 @@ class ClusterSimulator:
         pod_tiers = [t for t in cluster.tiers if t.scope == "pod"]
         # Tier index = position in cluster.tier_names. A block is read from the fastest
         # tier that holds it, so lookups go in order of read bandwidth.
-        self._lookup = sorted(range(len(cluster.tiers)), key=lambda i: -cluster.tiers[i].read_bytes_per_s)
+        fastest_first = sorted(range(len(cluster.tiers)), key=lambda i: -cluster.tiers[i].read_bytes_per_s)
         self.workers = [
             _PrefillWorker(_capacity_blocks(cluster.hbm_cache_bytes, self.block_bytes),
                            [_capacity_blocks(t.capacity_bytes, self.block_bytes) for t in worker_tiers])
@@ -101,7 +101,7 @@ class ClusterSimulator:
             # Each worker sees, per tier index, its own cache of a worker tier or the shared pod one.
             own, shared = iter(w.local), iter(self.pod)
             by_index = [next(own) if t.scope == "worker" else next(shared) for t in cluster.tiers]
-            w.lookup = [(1 + i, by_index[i]) for i in self._lookup]
+            w.lookup = [(1 + i, by_index[i]) for i in fastest_first]
         self.service = ServiceModel(prefill, cluster.block_tokens, self.block_bytes,
                                     [t.read_bytes_per_s for t in cluster.tiers], [t.latency_s for t in cluster.tiers])
         self.num_workers = cluster.prefill_workers

@@ -27,13 +27,14 @@ def test_profile_round_trips_into_the_cost_model(tmp_path, monkeypatch, capsys):
         return [(n, truth.seconds(n)) for n in tokens], {"torch": "test", "threads": 1}
 
     monkeypatch.setattr(bench_prefill, "measure", fake_measure)
+    monkeypatch.setattr(bench_prefill, "_memory_bandwidth", lambda: 2e10)
     path = tmp_path / "prefill_testcpu.json"
     args = _parse(["prefill", "--output", str(path), "--accelerator", "testcpu"])
     assert args.func(args) == 0
     assert "wrote" in capsys.readouterr().out
     profile = json.loads(path.read_text())
     assert profile["fit"]["linear_flops_per_s"] == pytest.approx(5e10, rel=1e-6)
-    assert profile["memory_bytes_per_s"] > 0
+    assert profile["memory_bytes_per_s"] == 2e10 and profile["memory_bytes"] > 0
     costs = cost_models(load_model("llama-3-8b"), "cpu", 1, calibration_path=path)
     model = load_model("llama-3-8b")
     assert costs.prefill.seconds(1000) == pytest.approx(PrefillCostModel(model, 5e10, 2e11, 0.01).seconds(1000))
