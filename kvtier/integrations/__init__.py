@@ -1,0 +1,1 @@
+"""Engine integrations (vLLM, transformers). Each imports its engine lazily."""

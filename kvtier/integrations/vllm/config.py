@@ -1,0 +1,204 @@
+"""Connector settings from ``kv_connector_extra_config``, and the namespace of an engine's KV.
+
+The extra config is flat: the connector's own keys (below) plus any
+:class:`~kvtier.store.config.StoreConfig` key, so one JSON object picks both
+the behaviour and the store::
+
+    {"block_tokens": 256, "host_bytes": "8GiB", "disk_path": "/mnt/nvme/kvtier"}   # embedded
+    {"block_tokens": 256, "host_bytes": 0, "remote_url": "tcp://kv-0:7400"}        # a kvtier server
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from kvtier.core.keys import BlockKey, chain_external_hashes
+from kvtier.core.layout import KVLayout
+from kvtier.core.namespace import Namespace
+from kvtier.errors import ConfigError
+from kvtier.store.config import StoreConfig
+
+#: torch dtype name → kvtier dtype name
+_DTYPES = {
+    "float32": "float32",
+    "float16": "float16",
+    "bfloat16": "bfloat16",
+    "float8_e4m3fn": "float8_e4m3fn",
+    "float8_e5m2": "float8_e5m2",
+    "int8": "int8",
+    "uint8": "uint8",
+}
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """What the connector does; the store it uses is ``store``.
+
+    * ``block_tokens``: tokens per kvtier block, a multiple of vLLM's block size.
+      Lookups, loads and saves are in whole kvtier blocks (a load may stop inside
+      the last one).
+    * ``model_id`` / ``weights_revision``: the namespace; default: vLLM's model
+      name and revision. Set them when two paths hold the same weights, or one
+      path is reused for other weights.
+    * ``async_load``: load between scheduler steps (``get_finished``) instead of
+      before the forward pass that needs the blocks.
+    * ``pd_wait_s``: a request carrying ``kv_transfer_params`` from a prefill
+      instance waits up to this long for the blocks it announces to be visible.
+    * ``load_failure_policy``: "recompute" (the default; vLLM's own default
+      would fail the request) or "fail".
+    """
+
+    block_tokens: int = 256
+    model_id: str | None = None
+    weights_revision: str | None = None
+    async_load: bool = True
+    pd_wait_s: float = 5.0
+    load_failure_policy: str = "recompute"
+    store: StoreConfig = field(default_factory=StoreConfig)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.block_tokens, int) or self.block_tokens <= 0:
+            raise ConfigError(f"block_tokens={self.block_tokens!r}; give a positive multiple of vLLM's block size")
+        if self.load_failure_policy not in ("recompute", "fail"):
+            raise ConfigError(f"load_failure_policy={self.load_failure_policy!r}; use 'recompute' or 'fail'")
+        if self.pd_wait_s < 0:
+            raise ConfigError(f"pd_wait_s={self.pd_wait_s!r}; give seconds >= 0")
+
+    @classmethod
+    def from_extra_config(cls, extra: dict[str, Any] | None) -> "ConnectorConfig":
+        extra = dict(extra or {})
+        own = {f.name for f in fields(cls)} - {"store"}
+        mine = {k: extra.pop(k) for k in list(extra) if k in own}
+        store_keys = {f.name for f in fields(StoreConfig)}
+        unknown = sorted(set(extra) - store_keys)
+        if unknown:
+            raise ConfigError(
+                f"unknown kv_connector_extra_config key(s) {unknown}; connector keys are {sorted(own)}, "
+                f"store keys are {sorted(store_keys)}"
+            )
+        return cls(**mine, store=StoreConfig.from_dict(extra))
+
+    def replace(self, **changes) -> "ConnectorConfig":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class EngineKV:
+    """The geometry of one engine's KV cache and the identity of its blocks.
+
+    ``format_tag`` names the engine-native byte order of a page (platform, KV
+    cache layout, attention spec, hash algorithm). Blocks are stored in that
+    order, so the tag is the first link of every key chain: engines whose pages
+    differ never share a key.
+    """
+
+    namespace: Namespace
+    page_tokens: int  #: vLLM block size
+    hash_tokens: int  #: tokens per entry of ``request.block_hashes``
+    num_layers: int
+    format_tag: str
+
+    @property
+    def layout(self) -> KVLayout:
+        return self.namespace.layout
+
+    @property
+    def block_tokens(self) -> int:
+        return self.layout.block_tokens
+
+    @property
+    def pages_per_block(self) -> int:
+        return self.layout.block_tokens // self.page_tokens
+
+    def keys(self, hashes: list[bytes]) -> list[BlockKey]:
+        """Keys of kvtier blocks 0..n-1, given vLLM's hash of the last page of each."""
+        root = chain_external_hashes(self.namespace, [self.format_tag.encode()])[0]
+        return chain_external_hashes(self.namespace, hashes, parent=root)
+
+    def block_hashes(self, request_hashes: list[bytes], num_tokens: int) -> list[bytes]:
+        """vLLM's hash of the last hash-block of each full kvtier block within ``num_tokens``."""
+        step = self.block_tokens // self.hash_tokens
+        n = min(len(request_hashes) * self.hash_tokens, num_tokens) // self.block_tokens
+        return [bytes(request_hashes[(i + 1) * step - 1]) for i in range(n)]
+
+
+def engine_kv(config: ConnectorConfig, vllm_config, kv_cache_config, *, tp_rank: int = 0) -> EngineKV:
+    """Namespace and geometry from vLLM's configuration (both roles see the same).
+
+    The scheduler looks up under ``tp_rank`` 0; each worker keys its own shard.
+    """
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise ConfigError(
+            f"KvtierConnector supports one KV cache group (full attention), this model has {len(groups)}; "
+            "run without the connector or with --disable-hybrid-kv-cache-manager"
+        )
+    spec = groups[0].kv_cache_spec
+    for name in ("num_kv_heads", "head_size", "dtype", "block_size"):
+        if not hasattr(spec, name):
+            raise ConfigError(f"KvtierConnector needs an attention KV cache; got {type(spec).__name__}")
+    if getattr(spec, "head_size_v", spec.head_size) != spec.head_size:
+        raise ConfigError("KvtierConnector needs K and V of the same head size")
+    dtype_name = str(spec.dtype).removeprefix("torch.")
+    if dtype_name not in _DTYPES:
+        raise ConfigError(f"KV cache dtype {spec.dtype} is not supported; use one of {sorted(_DTYPES)}")
+    itemsize = spec.dtype.itemsize
+    dense = spec.num_kv_heads * spec.block_size * 2 * spec.head_size * itemsize
+    if spec.page_size_bytes != dense:
+        raise ConfigError(
+            f"the KV page is {spec.page_size_bytes} bytes, not the dense {dense} of "
+            f"{spec.num_kv_heads} heads x {spec.block_size} tokens x 2 x {spec.head_size}; "
+            "packed or padded pages are not supported"
+        )
+    page_tokens = spec.block_size
+    hash_tokens = kv_cache_config.hash_block_size or page_tokens
+    if config.block_tokens % page_tokens or config.block_tokens % hash_tokens:
+        raise ConfigError(
+            f"block_tokens={config.block_tokens} must be a multiple of vLLM's block size {page_tokens}"
+            + (f" and of its hash block size {hash_tokens}" if hash_tokens != page_tokens else "")
+        )
+    parallel = vllm_config.parallel_config
+    model = vllm_config.model_config
+    layout = KVLayout(
+        num_layers=len(groups[0].layer_names),
+        num_kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_size,
+        dtype=_DTYPES[dtype_name],
+        block_tokens=config.block_tokens,
+        kv_parts=2,
+        tp_rank=tp_rank,
+        tp_size=parallel.tensor_parallel_size,
+    )
+    namespace = Namespace(
+        model_id=config.model_id or model.model,
+        layout=layout,
+        weights_revision=config.weights_revision if config.weights_revision is not None else (model.revision or ""),
+        tenant=config.store.tenant,
+    )
+    return EngineKV(
+        namespace=namespace,
+        page_tokens=page_tokens,
+        hash_tokens=hash_tokens,
+        num_layers=layout.num_layers,
+        format_tag=_format_tag(vllm_config, kv_cache_config, spec),
+    )
+
+
+def _format_tag(vllm_config, kv_cache_config, spec) -> str:
+    from vllm.platforms import current_platform
+
+    cache = vllm_config.cache_config
+    attention = getattr(vllm_config, "attention_config", None)
+    parts = {
+        "engine": "vllm",
+        "platform": current_platform.device_type,
+        "layout": str(kv_cache_config.kv_cache_layout or ""),
+        "backend": str(getattr(attention, "backend", None) or "auto"),
+        "spec": type(spec).__name__,
+        "kv_cache_dtype": str(cache.cache_dtype),
+        "hash": str(cache.prefix_caching_hash_algo),
+    }
+    return "vllm-page/1 " + json.dumps(parts, sort_keys=True)

@@ -1,0 +1,134 @@
+"""``KvtierConnector``: kvtier behind vLLM's KV-connector API (``KVConnectorBase_V1``).
+
+vLLM builds one instance per role. The scheduler-side instance answers how many
+prompt tokens kvtier holds and plans loads and saves
+(:mod:`~kvtier.integrations.vllm.scheduler_side`); the worker-side instance moves
+the bytes (:mod:`~kvtier.integrations.vllm.worker_side`). Both take their store
+from ``kv_connector_extra_config`` (:mod:`~kvtier.integrations.vllm.config`) and,
+in one process, share it (:mod:`~kvtier.integrations.vllm.shared_store`).
+
+``kv_role``: ``kv_both`` loads and saves, ``kv_producer`` (a prefill instance)
+only saves, ``kv_consumer`` (a decode instance) only loads.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvtier.integrations.vllm import shared_store
+from kvtier.integrations.vllm.config import ConnectorConfig, engine_kv
+from kvtier.integrations.vllm.metadata import KvtierMetadata
+from kvtier.integrations.vllm.scheduler_side import SchedulerSide
+from kvtier.integrations.vllm.worker_side import WorkerSide
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+
+class KvtierConnector(KVConnectorBase_V1):
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache: a lost save is a future miss, not a lost hand-off
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        transfer = self._kv_transfer_config
+        self.config = ConnectorConfig.from_extra_config(transfer.kv_connector_extra_config)
+        tp_rank = 0
+        if role == KVConnectorRole.WORKER:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            tp_rank = get_tensor_model_parallel_rank()
+        self.engine = engine_kv(self.config, vllm_config, kv_cache_config, tp_rank=tp_rank)
+        self.store = shared_store.acquire(self.config.store, self.engine.layout)
+        self.scheduler: SchedulerSide | None = None
+        self.worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            if transfer.kv_load_failure_policy != self.config.load_failure_policy:
+                # Read by vLLM's scheduler right after it builds this connector.
+                log.info("kvtier: kv_load_failure_policy=%s (a failed load is recomputed)",
+                         self.config.load_failure_policy)
+                transfer.kv_load_failure_policy = self.config.load_failure_policy
+            self.scheduler = SchedulerSide(
+                self.config, self.engine, self.store,
+                loads=transfer.kv_role in ("kv_both", "kv_consumer"),
+                saves=transfer.kv_role in ("kv_both", "kv_producer"),
+            )
+        else:
+            self.worker = WorkerSide(self.engine, self.store)
+        log.info("kvtier connector (%s): namespace %s, %d-token blocks, tiers %s",
+                 role.name, self.engine.namespace.model_id, self.engine.block_tokens,
+                 [t.name for t in self.store.tiers])
+
+    # -- worker side ------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
+        self.worker.register(kv_caches)
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if isinstance(meta, KvtierMetadata):
+            self.worker.start_loads(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads complete before the forward (sync) or before scheduling (async)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: "torch.Tensor",
+                      attn_metadata: "AttentionMetadata", **kwargs: Any) -> None:
+        return  # whole blocks are copied once all layers are done, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        meta = self._connector_metadata
+        if isinstance(meta, KvtierMetadata):
+            self.worker.save(meta)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return None, (self.worker.finished_loads() or None)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.take_load_errors()
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.shutdown()
+        if self.store is not None:
+            shared_store.release(self.store)
+            self.store = None
+
+    # -- scheduler side ---------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self.scheduler.num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
+        self.scheduler.after_alloc(request, blocks.get_block_ids()[0], num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        return self.scheduler.build(scheduler_output)
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        self.scheduler.loads_finished(connector_output.finished_recving)
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler.finished(request)
+
+    # -- introspection ------------------------------------------------------------------
+    def stats(self) -> dict:
+        side = self.scheduler or self.worker
+        return {"role": self.role.name, **{k: getattr(side.stats, k) for k in side.stats.__slots__},
+                "store": self.store.stats() if self.store is not None else None}

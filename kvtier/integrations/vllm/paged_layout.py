@@ -1,0 +1,100 @@
+"""vLLM's paged KV cache as the worker sees it, and copies between its pages and kvtier blocks.
+
+The layout is read from the tensors vLLM registers, never assumed: one view
+per attention layer, ``[num_pages, heads, page_tokens, content]`` logically,
+with whatever strides the attention backend's KV cache layout gave it. How K
+and V sit inside ``content`` (side by side, or K rows then V rows as the CPU
+backend does) is the backend's business: pages are copied whole, in the
+backend's byte order, and :class:`~kvtier.integrations.vllm.config.EngineKV`
+binds that order into every key.
+
+A kvtier block is layer-major: ``(layers, pages_per_block, *page_shape)``, so
+one layer's pages are one contiguous run.
+
+Thread safety: ``gather`` and ``scatter`` may run on any thread; callers make
+sure no two touch the same pages at once (vLLM does not reuse a page while a
+load into it is in flight: the scheduler keeps it until the load is reported).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import numpy as np
+import torch
+
+from kvtier.errors import LayoutError
+from kvtier.integrations.vllm.config import EngineKV
+from kvtier.integrations.vllm.metadata import BlockTransfer
+
+_LAYER_INDEX = re.compile(r"\.(\d+)\.")
+
+
+class PagedKV:
+    """The registered per-layer caches of one worker, in layer order."""
+
+    def __init__(self, kv_caches: dict[str, torch.Tensor], engine: EngineKV) -> None:
+        if not kv_caches:
+            raise LayoutError("vLLM registered no KV cache tensors")
+        names = sorted(kv_caches, key=_layer_index)
+        self.layers = [kv_caches[name] for name in names]
+        self.layer_names = names
+        first = self.layers[0]
+        self.page_shape = tuple(first.shape[1:])
+        self.dtype = first.dtype
+        self.device = first.device
+        self.pages_per_block = engine.pages_per_block
+        if len(self.layers) != engine.num_layers:
+            raise LayoutError(f"vLLM registered {len(self.layers)} KV layers, its KV cache config has {engine.num_layers}")
+        for name, kv in zip(names, self.layers):
+            if tuple(kv.shape[1:]) != self.page_shape or kv.dtype != self.dtype:
+                raise LayoutError(f"layer {name} has pages {tuple(kv.shape[1:])} {kv.dtype}, layer {names[0]} "
+                                  f"{self.page_shape} {self.dtype}: layers must share one page shape")
+        self.page_nbytes = math.prod(self.page_shape) * self.dtype.itemsize
+        want = engine.layout.layer_nbytes // self.pages_per_block
+        if first.dim() != 4 or self.page_shape[1] != engine.page_tokens or self.page_nbytes != want:
+            raise LayoutError(
+                f"KV pages are {tuple(first.shape)} {self.dtype} ({self.page_nbytes} bytes a page); the layout "
+                f"{engine.layout.describe()} needs [pages, heads, {engine.page_tokens} tokens, content] of {want} bytes"
+            )
+        self.block_shape = (len(self.layers), self.pages_per_block, *self.page_shape)
+        self.block_nbytes = self.page_nbytes * self.pages_per_block * len(self.layers)
+        if self.block_nbytes != engine.layout.block_nbytes:
+            raise LayoutError(f"a block of these pages is {self.block_nbytes} bytes, the layout says "
+                              f"{engine.layout.block_nbytes}")
+
+    def block_view(self, buf: np.ndarray) -> torch.Tensor:
+        """A ``block_shape`` tensor over a block's bytes (no copy)."""
+        return torch.from_numpy(buf).view(self.dtype).view(self.block_shape)
+
+    def gather(self, transfer: BlockTransfer, out: np.ndarray) -> None:
+        """Copy the pages of ``transfer`` into ``out`` (one block's bytes)."""
+        block = self.block_view(out)
+        ids = self._ids(transfer)
+        lo, hi = transfer.first, transfer.first + len(transfer.page_ids)
+        for layer, kv in enumerate(self.layers):
+            if kv.device.type == "cpu":
+                torch.index_select(kv, 0, ids, out=block[layer, lo:hi])
+            else:
+                block[layer, lo:hi].copy_(kv.index_select(0, ids))
+
+    def scatter(self, src: np.ndarray, transfer: BlockTransfer) -> None:
+        """Copy pages ``transfer.first..`` of a block's bytes into the paged cache."""
+        block = self.block_view(src)
+        ids = self._ids(transfer)
+        lo, hi = transfer.first, transfer.first + len(transfer.page_ids)
+        for layer, kv in enumerate(self.layers):
+            part = block[layer, lo:hi]
+            kv.index_copy_(0, ids, part if kv.device.type == "cpu" else part.to(kv.device, non_blocking=False))
+
+    def _ids(self, transfer: BlockTransfer) -> torch.Tensor:
+        if transfer.first < 0 or transfer.first + len(transfer.page_ids) > self.pages_per_block:
+            raise LayoutError(f"pages {transfer.first}..+{len(transfer.page_ids)} exceed a block of "
+                              f"{self.pages_per_block}")
+        return torch.tensor(transfer.page_ids, dtype=torch.long, device=self.device)
+
+
+def _layer_index(name: str) -> tuple[int, str]:
+    match = _LAYER_INDEX.search(name)
+    return (int(match.group(1)) if match else 0, name)

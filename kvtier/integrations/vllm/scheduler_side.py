@@ -1,0 +1,206 @@
+"""The scheduler half of the connector: how many prompt tokens kvtier holds, and what to move.
+
+* **Lookup.** A request's kvtier keys are chained over vLLM's own block hashes
+  (which already carry ``cache_salt``, LoRA and multimodal hashes), one per
+  kvtier block. The hit is the store's longest prefix, cut to whole vLLM pages
+  and to one token short of the request (vLLM must compute at least one).
+* **Loads** cover the pages past vLLM's local prefix hit; a load may stop
+  inside a kvtier block (the worker reads the block and writes only the pages
+  asked for).
+* **Saves** cover each kvtier block once all its tokens are computed, unless the
+  lookup found it in the store already.
+* **P/D.** A prefill instance returns ``{"kvtier_blocks": n}`` as the request's
+  ``kv_transfer_params``; a decode instance given them waits (up to
+  ``pd_wait_s``) until the store shows those blocks, since the prefill
+  instance's writes are asynchronous.
+
+Not thread safe: vLLM calls the scheduler connector from its scheduler thread only.
+A lookup that fails (a tier down, a timeout) counts as a miss; it never raises.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from kvtier.integrations.vllm.config import ConnectorConfig, EngineKV
+from kvtier.integrations.vllm.metadata import BlockTransfer, KvtierMetadata, LoadJob, SaveJob
+from kvtier.store.tiered import TieredStore
+
+log = logging.getLogger(__name__)
+
+PD_PARAM = "kvtier_blocks"
+
+
+class Match(NamedTuple):
+    """Result of a lookup: ``external_tokens`` past vLLM's ``local_tokens``."""
+
+    local_tokens: int
+    external_tokens: int
+    stored_blocks: int
+
+
+@dataclass(slots=True)
+class _Request:
+    request: object  #: vllm.v1.request.Request (kept for its growing block_hashes)
+    stored_blocks: int = 0  #: blocks 0..n-1 are in the store or queued for saving
+    page_ids: list[int] = field(default_factory=list)
+    match: Match | None = None
+    load_planned: bool = False
+    loading: bool = False  #: an asynchronous load into this request's pages is in flight
+    loaded_tokens: int = 0
+    wait_until: float | None = None
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    lookups: int = 0
+    lookup_errors: int = 0
+    hit_tokens: int = 0
+    load_jobs: int = 0
+    save_blocks: int = 0
+    pd_waits: int = 0
+
+
+class SchedulerSide:
+    def __init__(
+        self, config: ConnectorConfig, engine: EngineKV, store: TieredStore, *, loads: bool, saves: bool
+    ) -> None:
+        self.config = config
+        self.engine = engine
+        self.store = store
+        self.loads = loads
+        self.saves = saves
+        self.stats = SchedulerStats()
+        self._requests: dict[str, _Request] = {}
+        self._pending_loads: list[LoadJob] = []
+
+    # -- lookup ---------------------------------------------------------------------
+    def num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        state = self._state(request)
+        if not self.loads:
+            return 0, False
+        hashes = self.engine.block_hashes(request.block_hashes, request.num_tokens)
+        stored = self._lookup(hashes)
+        announced = min(_announced_blocks(request), len(hashes))
+        if stored < announced:
+            now = time.monotonic()
+            if state.wait_until is None:
+                state.wait_until = now + self.config.pd_wait_s
+                self.stats.pd_waits += 1
+            if now < state.wait_until:
+                return None, False  # the prefill instance's writes are still landing
+        page = self.engine.page_tokens
+        usable = min(stored * self.engine.block_tokens, (request.num_tokens - 1) // page * page)
+        external = max(0, usable - num_computed_tokens)
+        state.match = Match(num_computed_tokens, external, stored)
+        state.stored_blocks = max(state.stored_blocks, stored)
+        return external, external > 0 and self.config.async_load
+
+    def _lookup(self, hashes: list[bytes]) -> int:
+        if not hashes:
+            return 0
+        self.stats.lookups += 1
+        try:
+            return self.store.lookup(self.engine.keys(hashes)).hit_blocks
+        except Exception as exc:  # noqa: BLE001 - a broken tier is a miss, never a failed request
+            self.stats.lookup_errors += 1
+            log.warning("kvtier lookup failed (%s); treating it as a miss", exc)
+            return 0
+
+    # -- allocation -------------------------------------------------------------------
+    def after_alloc(self, request, block_ids: list[int], num_external_tokens: int) -> None:
+        state = self._state(request)
+        state.page_ids = list(block_ids)
+        if num_external_tokens <= 0 or state.load_planned or state.match is None:
+            return
+        k = self.engine.pages_per_block
+        page = self.engine.page_tokens
+        first_page = state.match.local_tokens // page
+        end_page = first_page + num_external_tokens // page
+        transfers = []
+        for index in range(first_page // k, (end_page - 1) // k + 1):
+            lo, hi = max(first_page, index * k), min(end_page, (index + 1) * k)
+            transfers.append(BlockTransfer(index, lo - index * k, state.page_ids[lo:hi]))
+        hashes = self.engine.block_hashes(request.block_hashes, request.num_tokens)[: transfers[-1].index + 1]
+        self._pending_loads.append(
+            LoadJob(request.request_id, hashes, transfers, is_async=self.config.async_load)
+        )
+        state.load_planned = True
+        state.loading = self.config.async_load
+        state.loaded_tokens = num_external_tokens
+        self.stats.load_jobs += 1
+        self.stats.hit_tokens += num_external_tokens
+
+    # -- per step ------------------------------------------------------------------------
+    def build(self, scheduler_output) -> KvtierMetadata:
+        meta = KvtierMetadata(loads=self._pending_loads)
+        self._pending_loads = []
+        if not self.saves:
+            return meta
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            state = self._requests.get(new.req_id)
+            if state is None:
+                continue
+            state.page_ids = list(new.block_ids[0])
+            self._plan_save(meta, new.req_id, state, new.num_computed_tokens + scheduled.get(new.req_id, 0))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self._requests.get(req_id)
+            if state is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                state.page_ids = list(new_ids[0]) if new_ids else []
+            elif new_ids:
+                state.page_ids.extend(new_ids[0])
+            self._plan_save(meta, req_id, state, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
+        return meta
+
+    def _plan_save(self, meta: KvtierMetadata, req_id: str, state: _Request, computed_tokens: int) -> None:
+        """Queue the blocks whose last token this step computes (KV of known tokens only)."""
+        hashes = self.engine.block_hashes(state.request.block_hashes, computed_tokens)
+        k = self.engine.pages_per_block
+        full = min(len(hashes), len(state.page_ids) // k)
+        if full <= state.stored_blocks:
+            return
+        transfers = [
+            BlockTransfer(index, 0, state.page_ids[index * k : (index + 1) * k])
+            for index in range(state.stored_blocks, full)
+        ]
+        meta.saves.append(SaveJob(req_id, hashes[:full], transfers))
+        self.stats.save_blocks += len(transfers)
+        state.stored_blocks = full
+
+    def loads_finished(self, req_ids) -> None:
+        for req_id in req_ids or ():
+            state = self._requests.get(req_id)
+            if state is not None:
+                state.loading = False
+
+    def finished(self, request) -> tuple[bool, dict | None]:
+        """Forget the request. Returns (keep its pages until the worker reports its
+        load done, the ``kv_transfer_params`` a decode instance can wait on)."""
+        state = self._requests.pop(request.request_id, None)
+        if state is None:
+            return False, None
+        return state.loading, {PD_PARAM: state.stored_blocks, "kvtier_loaded_tokens": state.loaded_tokens}
+
+    def _state(self, request) -> _Request:
+        state = self._requests.get(request.request_id)
+        if state is None:
+            state = self._requests[request.request_id] = _Request(request)
+        else:
+            state.request = request
+        return state
+
+
+def _announced_blocks(request) -> int:
+    params = getattr(request, "kv_transfer_params", None) or {}
+    try:
+        return max(0, int(params.get(PD_PARAM, 0)))
+    except (TypeError, ValueError):
+        return 0

@@ -1,0 +1,147 @@
+"""The worker half of the connector: move blocks between the store and vLLM's pages.
+
+* **Loads** read whole kvtier blocks into a staging buffer, then write the
+  pages the scheduler asked for. An asynchronous load runs on a loader thread
+  and is reported through ``get_finished`` (vLLM keeps the request waiting and
+  its pages reserved until then); a synchronous one finishes in
+  ``start_load_kv``, before the forward pass that needs it. Pages a load could
+  not fill (a miss, a failed check, a tier down) are reported as load errors,
+  so that vLLM recomputes them: never an exception, never stale data.
+* **Saves** copy the pages of newly computed blocks into a staging buffer in
+  ``wait_for_save`` (so vLLM may reuse the pages right after) and hand the
+  buffer to the store's I/O pool; the engine does not wait for the write.
+
+Thread safety: the vLLM-facing methods run on the worker's thread; the loader
+thread only touches the pages of its own jobs and shares ``_done`` under a lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvtier.core.payload import BlockMeta
+from kvtier.integrations.vllm.config import EngineKV
+from kvtier.integrations.vllm.metadata import KvtierMetadata, LoadJob, SaveJob
+from kvtier.integrations.vllm.paged_layout import PagedKV
+from kvtier.store.tiered import TieredStore
+from kvtier.tiers.base import Status
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class WorkerStats:
+    load_jobs: int = 0
+    loaded_blocks: int = 0
+    failed_pages: int = 0
+    saved_blocks: int = 0
+    save_failures: int = 0
+
+
+class WorkerSide:
+    def __init__(self, engine: EngineKV, store: TieredStore) -> None:
+        self.engine = engine
+        self.store = store
+        self.paged: PagedKV | None = None
+        self.stats = WorkerStats()
+        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-load")
+        self._lock = threading.Lock()
+        self._inflight: dict[str, Future] = {}
+        self._load_errors: set[int] = set()
+        self._saves: list[Future] = []
+
+    def register(self, kv_caches) -> None:
+        self.paged = PagedKV(kv_caches, self.engine)
+        log.info("kvtier: %d KV layers of pages %s %s; blocks of %d pages, %d bytes",
+                 len(self.paged.layers), self.paged.page_shape, self.paged.dtype,
+                 self.paged.pages_per_block, self.paged.block_nbytes)
+
+    # -- loads -----------------------------------------------------------------------
+    def start_loads(self, meta: KvtierMetadata) -> None:
+        for job in meta.loads:
+            self.stats.load_jobs += 1
+            if job.is_async:
+                self._inflight[job.req_id] = self._loader.submit(self._load, job)
+            else:
+                self._load_errors |= self._load(job)
+
+    def _load(self, job: LoadJob) -> set[int]:
+        """Fill the job's pages; returns the ids of pages left unfilled."""
+        if self.paged is None:
+            return {p for t in job.blocks for p in t.page_ids}
+        loaded = 0
+        try:
+            keys = self.engine.keys(job.hashes)
+            staging = np.empty((len(job.blocks), self.paged.block_nbytes), dtype=np.uint8)
+            result = self.store.get([keys[t.index] for t in job.blocks], list(staging))
+            for i in range(result.loaded):
+                self.paged.scatter(staging[i], job.blocks[i])
+                loaded = i + 1
+        except Exception as exc:  # noqa: BLE001 - a failed load is recomputed, never fatal
+            log.warning("kvtier load for %s failed (%s); vLLM recomputes it", job.req_id, exc)
+        failed = {p for t in job.blocks[loaded:] for p in t.page_ids}
+        with self._lock:
+            self.stats.loaded_blocks += loaded
+            self.stats.failed_pages += len(failed)
+        return failed
+
+    def finished_loads(self) -> set[str]:
+        """Requests whose asynchronous loads ended (well or not) since the last call."""
+        done = {req_id for req_id, fut in self._inflight.items() if fut.done()}
+        for req_id in done:
+            self._load_errors |= self._inflight.pop(req_id).result()
+        return done
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    # -- saves -----------------------------------------------------------------------
+    def save(self, meta: KvtierMetadata) -> None:
+        if self.paged is None:
+            return
+        self._saves = [f for f in self._saves if not f.done()]
+        for job in meta.saves:
+            self._save(job)
+
+    def _save(self, job: SaveJob) -> None:
+        keys = self.engine.keys(job.hashes)
+        staging = np.empty((len(job.blocks), self.paged.block_nbytes), dtype=np.uint8)
+        for i, transfer in enumerate(job.blocks):
+            self.paged.gather(transfer, staging[i])
+        indexes = [t.index for t in job.blocks]
+        meta = BlockMeta(self.engine.layout.dtype, self.paged.block_shape, self.engine.block_tokens)
+        future = self.store.put_async(
+            [keys[i] for i in indexes],
+            list(staging),
+            parents=[keys[i - 1] if i else None for i in indexes],
+            metas=[meta] * len(indexes),
+        )
+        future.add_done_callback(self._saved)
+        self._saves.append(future)
+
+    def _saved(self, future: Future) -> None:
+        try:
+            statuses = future.result()
+        except Exception as exc:  # noqa: BLE001 - a lost save is a future miss
+            log.warning("kvtier save failed (%s)", exc)
+            with self._lock:
+                self.stats.save_failures += 1
+            return
+        with self._lock:
+            self.stats.saved_blocks += sum(s is Status.OK for s in statuses)
+            self.stats.save_failures += sum(s is not Status.OK for s in statuses)
+
+    def flush(self) -> None:
+        """Wait for every save and load submitted so far."""
+        for future in list(self._saves) + list(self._inflight.values()):
+            future.exception()
+
+    def shutdown(self) -> None:
+        self.flush()
+        self._loader.shutdown(wait=True)

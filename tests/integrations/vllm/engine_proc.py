@@ -1,0 +1,133 @@
+"""One vLLM engine in its own process, driven by JSON lines (a test and benchmark helper).
+
+vLLM keeps its KV connector in a process-wide global, so each engine instance
+of a test (a prefill and a decode instance, a fresh engine) runs here.
+Usage: ``python engine_proc.py '<json settings>'``; then one JSON command per
+line on stdin, one reply per command on stdout as ``KVTIER-REPLY <json>``
+(vLLM's own log lines are skipped by the reader).
+
+Settings: ``model`` (a directory), ``extra`` (kv_connector_extra_config, or
+null for no connector), ``role`` (kv_both | kv_producer | kv_consumer),
+``max_model_len``. Commands: ``generate`` (prompts as token-id lists,
+``max_tokens``, optional ``cache_salt``, ``kv_transfer_params``), ``reset``
+(vLLM's prefix cache), ``stats``, ``quit``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+MARK = "KVTIER-REPLY "
+
+
+def reply(obj) -> None:
+    sys.stdout.write(MARK + json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def build(settings: dict):
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    transfer = None
+    if settings.get("extra") is not None:
+        transfer = KVTransferConfig(
+            kv_connector="KvtierConnector",
+            kv_connector_module_path="kvtier.integrations.vllm",
+            kv_role=settings.get("role", "kv_both"),
+            kv_connector_extra_config=settings["extra"],
+        )
+    return LLM(
+        model=settings["model"],
+        dtype="float32",
+        enforce_eager=True,
+        block_size=32,
+        max_model_len=settings.get("max_model_len", 2048),
+        max_num_batched_tokens=settings.get("max_num_batched_tokens", settings.get("max_model_len", 2048)),
+        seed=0,
+        kv_transfer_config=transfer,
+        enable_prefix_caching=settings.get("prefix_caching", True),
+    )
+
+
+def generate(llm, cmd: dict) -> dict:
+    from vllm import SamplingParams
+
+    prompts = []
+    for ids in cmd["prompts"]:
+        prompt = {"prompt_token_ids": ids}
+        if cmd.get("cache_salt"):
+            prompt["cache_salt"] = cmd["cache_salt"]
+        prompts.append(prompt)
+    params = []
+    transfer = cmd.get("kv_transfer_params") or [None] * len(prompts)
+    for extra in transfer:
+        params.append(SamplingParams(
+            max_tokens=cmd.get("max_tokens", 8), temperature=0.0, logprobs=5, ignore_eos=True,
+            extra_args={"kv_transfer_params": extra} if extra else None,
+        ))
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    results = []
+    for out in outs:
+        completion = out.outputs[0]
+        results.append({
+            "token_ids": list(completion.token_ids),
+            "logprobs": [sorted([tid, lp.logprob] for tid, lp in step.items()) for step in completion.logprobs or []],
+            "num_cached_tokens": out.num_cached_tokens,
+            "kv_transfer_params": out.kv_transfer_params,
+        })
+    return {"outputs": results, "seconds": elapsed}
+
+
+def stats(llm) -> dict:
+    result = {}
+    try:
+        core = llm.llm_engine.engine_core.engine_core
+        result["scheduler"] = core.scheduler.connector.stats()
+    except AttributeError as exc:
+        result["scheduler_error"] = str(exc)
+    try:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        result["worker"] = get_kv_transfer_group().stats()
+    except Exception as exc:  # noqa: BLE001
+        result["worker_error"] = str(exc)
+    return result
+
+
+def main() -> int:
+    settings = json.loads(sys.argv[1])
+    llm = build(settings)
+    reply({"ready": True})
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        op = cmd["op"]
+        if op == "generate":
+            reply(generate(llm, cmd))
+        elif op == "reset":
+            reply({"ok": llm.reset_prefix_cache()})
+        elif op == "stats":
+            reply(stats(llm))
+        elif op == "flush":
+            from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+            get_kv_transfer_group().worker.flush()
+            reply({"ok": True})
+        elif op == "quit":
+            reply({"ok": True})
+            break
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
