@@ -31,7 +31,7 @@ import numpy as np
 import xxhash
 
 PAGE = 4096  #: alignment of file offsets, lengths and buffers (>= any logical block size)
-CHUNK = 2 << 20  #: staging chunk, and the read granularity that lets hashing trail the I/O
+CHUNK = 2 << 20  #: staging chunk for buffers that are not page aligned
 #: below this, handing work to another thread costs more than the overlap saves
 OVERLAP_MIN = 1 << 20
 
@@ -162,7 +162,7 @@ class BlockIO:
     Buffers passed in stay owned by the caller and are not retained.
     """
 
-    def __init__(self, direct: bool, *, chunk_bytes: int = CHUNK, leases: int = 2) -> None:
+    def __init__(self, direct: bool, *, chunk_bytes: int = CHUNK, leases: int = 4) -> None:
         if chunk_bytes <= 0 or chunk_bytes % PAGE:
             raise ValueError(f"chunk_bytes must be a positive multiple of {PAGE}, got {chunk_bytes}")
         self.direct = direct
