@@ -441,3 +441,19 @@ def test_corrupt_victim_is_not_handed_to_the_hook(tmp_path):
         t.put(k(3), data(3))
         assert hooked == [] and t.stats.verify_failures == 1 and t.stats.evictions == 1
         t.check_integrity(deep=True)
+
+
+def test_blocks_demoted_from_a_host_pool_survive_a_restart(tmp_path):
+    from kvtier.store.tiered import TieredStore
+    from kvtier.tiers.host import HostTier
+
+    keys = [k(i) for i in range(6)]
+    store = TieredStore([HostTier(2 * BLOCK, BLOCK), DiskTier(tmp_path, 64 * ON_DISK)])
+    store.put(keys, [data(i) for i in range(6)])  # the host pool holds 2: 4 go down to disk
+    assert store.tier("disk").stats.puts == 4
+    store.close()
+    with DiskTier(tmp_path, 64 * ON_DISK) as t:
+        assert set(t.keys()) == set(keys[:4])
+        for i in range(4):
+            status, out = read(t, k(i))
+            assert status is Status.OK and np.array_equal(out, data(i))
