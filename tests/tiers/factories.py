@@ -74,3 +74,21 @@ try:  # the disk tier lands separately; include it as soon as it exists
     FACTORIES.append(TierFactory("disk", _disk))
 except ImportError:
     pass
+
+
+def _remote(tmp: Path, capacity: int, block: int) -> Tier:
+    # One real `kvtier serve` process for the session (started on first use);
+    # each tier gets a namespace of its own, so tests never see each other's blocks.
+    from kvtier.tiers.remote import RemoteTier
+    from tests.server.harness import TOKENS, fresh_namespace, shared_server
+
+    return RemoteTier(shared_server().url, TOKENS["acme"], namespace=fresh_namespace("contract"))
+
+
+try:  # needs the server extra (uvloop, msgpack, prometheus-client)
+    import msgpack  # noqa: F401
+    import uvloop  # noqa: F401
+
+    FACTORIES.append(TierFactory("remote", _remote, bounded=False, reports_evictions=False))
+except ImportError:
+    pass

@@ -1,0 +1,334 @@
+"""``kvtier bench remote``: the shared server's put/get throughput against limits measured in the same run.
+
+One run moves ``--run-mib`` of ``--block-mib`` blocks three ways, in an order
+that rotates run by run so that a shared machine's noise hits all of them:
+
+* **kvtier**: a ``kvtier serve`` subprocess (TCP loopback, or ``--unix``);
+  ``RemoteTier.put_many`` of every block (pipelined), then ``get_many`` of all
+  of them into warm caller buffers. Every byte is checksummed both ways.
+* **socket** (the raw limit): a peer process moving the same bytes over the
+  same kind of socket with ``sendall`` / ``recv_into`` between warm buffers,
+  with nothing else: no protocol, no checksum, no storage.
+* **redis**: a real ``redis-server`` (loopback or its unix socket, no
+  persistence), redis-py with hiredis; blocks chunked into 1 MiB values
+  (pipelined SETs; pipelined GETs copied into the same caller buffers).
+
+Each throughput is a median over runs in GB/s (1e9 bytes/s); each ratio is the
+median of per-run ratios (paired, so slow phases of the machine cancel).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import socket
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+MIB = 1 << 20
+_CMD = struct.Struct("<cQQ")  # op (R: receive, S: send), total bytes, block bytes
+
+
+# -- the raw limit: a peer process that only moves bytes ----------------------------------
+def _peer_main(family: int, address, ring_bytes: int) -> None:
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.connect(address)
+    if family == socket.AF_INET:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    ring = np.ones(ring_bytes, np.uint8)  # warm, like the server's pool
+    mv = memoryview(ring)
+    cmd = bytearray(_CMD.size)
+    while True:
+        got = 0
+        while got < len(cmd):
+            k = sock.recv_into(memoryview(cmd)[got:])
+            if k == 0:
+                return
+            got += k
+        op, total, block = _CMD.unpack(cmd)
+        pos = 0
+        if op == b"R":
+            left = total
+            while left:
+                n = min(block, left)
+                view = mv[pos : pos + n]
+                r = 0
+                while r < n:
+                    r += sock.recv_into(view[r:])
+                left -= n
+                pos = (pos + n) % (ring_bytes - block + 1) if ring_bytes > block else 0
+            sock.sendall(b"k")
+        else:
+            left = total
+            while left:
+                n = min(block, left)
+                sock.sendall(mv[pos : pos + n])
+                left -= n
+                pos = (pos + n) % (ring_bytes - block + 1) if ring_bytes > block else 0
+
+
+class RawPeer:
+    def __init__(self, unix_dir: str | None, ring_bytes: int) -> None:
+        if unix_dir:
+            path = os.path.join(unix_dir, "raw.sock")
+            lsock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            lsock.bind(path)
+            family, address = socket.AF_UNIX, path
+        else:
+            lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            lsock.bind(("127.0.0.1", 0))
+            family, address = socket.AF_INET, lsock.getsockname()
+        lsock.listen(1)
+        code = f"from kvtier.bench.remote import _peer_main; _peer_main({int(family)}, {address!r}, {ring_bytes})"
+        self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL)
+        lsock.settimeout(30)
+        self.sock, _ = lsock.accept()
+        lsock.close()
+        if family == socket.AF_INET:
+            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def put(self, blocks: list[np.ndarray]) -> None:
+        """Send every block to the peer; return when it has received them all."""
+        total = sum(b.nbytes for b in blocks)
+        self.sock.sendall(_CMD.pack(b"R", total, blocks[0].nbytes))
+        for b in blocks:
+            self.sock.sendall(memoryview(b))
+        if self.sock.recv(1) != b"k":
+            raise RuntimeError("raw peer failed")
+
+    def get(self, outs: list[np.ndarray]) -> None:
+        """Receive one block per buffer from the peer."""
+        total = sum(o.nbytes for o in outs)
+        self.sock.sendall(_CMD.pack(b"S", total, outs[0].nbytes))
+        for o in outs:
+            view = memoryview(o).cast("B")
+            got = 0
+            while got < len(view):
+                got += self.sock.recv_into(view[got:])
+
+    def close(self) -> None:
+        self.sock.close()
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+# -- redis --------------------------------------------------------------------------------
+class RedisPeer:
+    CHUNK = MIB
+
+    def __init__(self, workdir: str, unix: bool) -> None:
+        import redis
+
+        exe = shutil.which("redis-server")
+        if exe is None:
+            raise FileNotFoundError("redis-server is not installed (apt-get install -y redis-server)")
+        port = _free_port()
+        args = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                "--protected-mode", "yes", "--dir", workdir, "--logfile", os.path.join(workdir, "redis.log")]
+        sock_path = os.path.join(workdir, "redis.sock")
+        if unix:
+            args += ["--unixsocket", sock_path, "--unixsocketperm", "700"]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        kw = {"unix_socket_path": sock_path} if unix else {"host": "127.0.0.1", "port": port}
+        self.client = redis.Redis(**kw, socket_timeout=60)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                self.client.ping()
+                break
+            except redis.exceptions.ConnectionError:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    self.close()
+                    raise RuntimeError("redis-server did not start") from None
+                time.sleep(0.02)
+        self.hiredis = "Hiredis" in type(self.client.connection_pool.get_connection("PING")._parser).__name__ \
+            if hasattr(self.client.connection_pool, "get_connection") else None
+
+    def _chunks(self, key: bytes, view: memoryview):
+        for j, off in enumerate(range(0, len(view), self.CHUNK)):
+            yield key + j.to_bytes(4, "little"), view[off : off + self.CHUNK]
+
+    def put(self, keys: list[bytes], blocks: list[np.ndarray]) -> None:
+        pipe = self.client.pipeline(transaction=False)
+        for key, b in zip(keys, blocks):
+            for ck, chunk in self._chunks(key, memoryview(b).cast("B")):
+                pipe.set(ck, chunk)
+        if not all(pipe.execute()):
+            raise RuntimeError("redis SET failed")
+
+    def get(self, keys: list[bytes], outs: list[np.ndarray]) -> None:
+        pipe = self.client.pipeline(transaction=False)
+        views = []
+        for key, o in zip(keys, outs):
+            for ck, chunk in self._chunks(key, memoryview(o).cast("B")):
+                pipe.get(ck)
+                views.append(chunk)
+        for value, view in zip(pipe.execute(), views):
+            if value is None or len(value) != len(view):
+                raise RuntimeError("redis GET missed")
+            view[:] = value  # into the caller's buffer, like the other two
+
+    def delete(self, keys: list[bytes], blocks: list[np.ndarray]) -> None:
+        names = [ck for key, b in zip(keys, blocks) for ck, _ in self._chunks(key, memoryview(b).cast("B"))]
+        for i in range(0, len(names), 1000):
+            self.client.delete(*names[i : i + 1000])
+
+    def close(self) -> None:
+        try:
+            self.client.close()
+        finally:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _keys(tag: str, run: int, blocks: int) -> list[bytes]:
+    return [hashlib.sha256(f"bench-remote/{tag}/{run}/{i}".encode()).digest() for i in range(blocks)]
+
+
+def _gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9
+
+
+def run(block_mib: float, run_mib: int, runs: int, unix: bool, with_redis: bool = True) -> dict:
+    from kvtier.server.launch import ServerProcess
+    from kvtier.tiers.remote import RemoteTier
+
+    nbytes = int(block_mib * MIB)
+    blocks = max(2, -(-run_mib * MIB // nbytes))
+    total = nbytes * blocks
+    workdir = tempfile.mkdtemp(prefix="kvtier-bench-remote-")
+    token = hashlib.sha256(os.urandom(16)).hexdigest()
+    rng = np.random.default_rng(0)
+    srcs = [rng.integers(0, 256, nbytes, dtype=np.uint8) for _ in range(blocks)]
+    outs = [np.ones(nbytes, np.uint8) for _ in range(blocks)]  # warm
+    server = raw = red = tier = None
+    res: dict[str, list[float]] = {k: [] for k in ("put", "get", "sput", "sget", "rput", "rget")}
+    try:
+        pool = total + 4 * nbytes
+        server = ServerProcess.start(
+            {"bench": token}, unix=unix, tcp=not unix, workdir=workdir,
+            server={"capacity": pool, "max_block": nbytes},
+        )
+        tier = RemoteTier(server.url, token, namespace="bench", timeout_s=60, pool_size=1)
+        raw = RawPeer(workdir if unix else None, total)
+        redis_error = None
+        if with_redis:
+            try:
+                red = RedisPeer(workdir, unix)
+            except (FileNotFoundError, RuntimeError, ImportError) as exc:
+                redis_error = str(exc)
+
+        def kv(r: int) -> None:
+            keys = _keys("kv", r, blocks)
+            t0 = time.perf_counter()
+            statuses = tier.put_many(keys, srcs)
+            t1 = time.perf_counter()
+            if not all(s.ok for s in statuses):
+                raise RuntimeError(f"kvtier put failed: {[s.name for s in statuses if not s.ok][:3]}; {tier.last_error}")
+            statuses = tier.get_many(keys, outs)
+            t2 = time.perf_counter()
+            if not all(s.ok for s in statuses):
+                raise RuntimeError(f"kvtier get failed: {[s.name for s in statuses if not s.ok][:3]}; {tier.last_error}")
+            if r >= 0:
+                res["put"].append(_gbps(total, t1 - t0))
+                res["get"].append(_gbps(total, t2 - t1))
+            if not np.array_equal(outs[-1], srcs[-1]):
+                raise RuntimeError("kvtier returned different bytes")
+            tier.delete_many(keys)
+
+        def sock(r: int) -> None:
+            t0 = time.perf_counter()
+            raw.put(srcs)
+            t1 = time.perf_counter()
+            raw.get(outs)
+            t2 = time.perf_counter()
+            if r >= 0:
+                res["sput"].append(_gbps(total, t1 - t0))
+                res["sget"].append(_gbps(total, t2 - t1))
+
+        def rds(r: int) -> None:
+            keys = _keys("redis", r, blocks)
+            t0 = time.perf_counter()
+            red.put(keys, srcs)
+            t1 = time.perf_counter()
+            red.get(keys, outs)
+            t2 = time.perf_counter()
+            if r >= 0:
+                res["rput"].append(_gbps(total, t1 - t0))
+                res["rget"].append(_gbps(total, t2 - t1))
+            red.delete(keys, srcs)
+
+        phases = [kv, sock] + ([rds] if red is not None else [])
+        for r in range(-1, runs):  # run -1 warms up; not counted
+            k = (r + 1) % len(phases)
+            for phase in phases[k:] + phases[:k]:
+                phase(r)
+    finally:
+        for thing in (tier, raw, red):
+            if thing is not None:
+                thing.close()
+        if server is not None:
+            server.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+    med = lambda xs: round(statistics.median(xs), 3) if xs else None  # noqa: E731
+    ratio = lambda a, b: round(statistics.median(x / y for x, y in zip(res[a], res[b])), 3) if res[b] else None  # noqa: E731
+    return {
+        "bench": "remote",
+        "transport": "unix" if unix else "tcp",
+        "block_mib": block_mib,
+        "blocks_per_run": blocks,
+        "runs": runs,
+        "put_gbps": med(res["put"]),
+        "get_gbps": med(res["get"]),
+        "socket_put_gbps": med(res["sput"]),
+        "socket_get_gbps": med(res["sget"]),
+        "redis_put_gbps": med(res["rput"]),
+        "redis_get_gbps": med(res["rget"]),
+        "put_ratio_vs_socket": ratio("put", "sput"),
+        "get_ratio_vs_socket": ratio("get", "sget"),
+        "put_ratio_vs_redis": ratio("put", "rput"),
+        "get_ratio_vs_redis": ratio("get", "rget"),
+        **({"redis_error": redis_error} if with_redis and red is None else {}),
+    }
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("remote", help="shared server put/get vs a raw socket and Redis, same run")
+    p.add_argument("--block-mib", type=float, default=8.0, help="block size in MiB (default 8)")
+    p.add_argument("--run-mib", type=int, default=256, help="bytes moved per phase of a run, MiB (default 256)")
+    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--unix", action="store_true", help="Unix sockets instead of TCP loopback")
+    p.add_argument("--no-redis", action="store_true", help="skip the Redis comparison")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_main)
+
+
+def _main(args) -> int:
+    result = run(args.block_mib, args.run_mib, args.runs, args.unix, not args.no_redis)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for k, v in result.items():
+            print(f"{k:>22}: {v}")
+    return 0

@@ -1,0 +1,114 @@
+"""``kvtier admin …``: tokens, and the authenticated admin API of a running server.
+
+Offline::
+
+    kvtier admin new-token            # a fresh token and the hash to put in the config
+    kvtier admin hash-token TOKEN     # the hash of an existing token (or read from stdin)
+
+Against a server (admin token from --token or KVTIER_ADMIN_TOKEN)::
+
+    kvtier admin --url tcp://127.0.0.1:7070 usage
+    kvtier admin --url … erase --tenant acme [--namespace NS] [--session ID]
+    kvtier admin --url … set-quota --tenant acme 2GiB        # 0: no quota
+    kvtier admin --url … set-ttl --tenant acme [--namespace NS] 3600   # 0: no expiry
+    kvtier admin --url … stats
+
+Every admin call is recorded in the server's audit log. Output is JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("admin", help="tokens, quotas, TTLs, erasure and usage of a kvtier server")
+    p.add_argument("--url", default=os.environ.get("KVTIER_URL", "tcp://127.0.0.1:7070"),
+                   help="server address (default $KVTIER_URL or tcp://127.0.0.1:7070)")
+    p.add_argument("--token", help="admin token (default $KVTIER_ADMIN_TOKEN)")
+    p.add_argument("--timeout-s", type=float, default=30.0)
+    sub = p.add_subparsers(dest="admin_command", required=True)
+    sub.add_parser("new-token", help="print a new random token and its SHA-256 for the config")
+    h = sub.add_parser("hash-token", help="print the SHA-256 of a token (argument or stdin)")
+    h.add_argument("value", nargs="?")
+    sub.add_parser("usage", help="bytes, blocks and quota per tenant")
+    sub.add_parser("stats", help="store and tier counters")
+    e = sub.add_parser("erase", help="delete every block of a tenant, or of one namespace / session of it")
+    e.add_argument("--tenant", required=True, help="tenant name, or shared/NAME for a shared namespace")
+    e.add_argument("--namespace")
+    e.add_argument("--session")
+    q = sub.add_parser("set-quota", help="set a tenant's quota (0: none)")
+    q.add_argument("--tenant", required=True)
+    q.add_argument("size", help="e.g. 2GiB; 0 removes the quota")
+    t = sub.add_parser("set-ttl", help="set the retention of a tenant or one of its namespaces (0: none)")
+    t.add_argument("--tenant", required=True)
+    t.add_argument("--namespace")
+    t.add_argument("seconds", type=float)
+    p.set_defaults(func=_run)
+
+
+def _run(args) -> int:
+    from kvtier.errors import ConfigError
+    from kvtier.server.auth import hash_token, new_token
+    from kvtier.server.config import parse_size
+
+    cmd = args.admin_command
+    if cmd == "new-token":
+        token = new_token()
+        print(json.dumps({"token": token, "token_sha256": hash_token(token)}))
+        return 0
+    if cmd == "hash-token":
+        value = args.value if args.value is not None else sys.stdin.readline().strip()
+        if not value:
+            print("kvtier admin hash-token: give a token as argument or on stdin", file=sys.stderr)
+            return 2
+        print(hash_token(value))
+        return 0
+    call: dict
+    if cmd in ("usage", "stats"):
+        call = {"cmd": cmd, "args": {}}
+    elif cmd == "erase":
+        call = {"cmd": "erase", "args": {"tenant": args.tenant, "namespace": args.namespace, "session": args.session}}
+    elif cmd == "set-quota":
+        try:
+            size = parse_size(args.size, "size")
+        except ConfigError as exc:
+            print(f"kvtier admin set-quota: {exc}", file=sys.stderr)
+            return 2
+        call = {"cmd": "set_quota", "args": {"tenant": args.tenant, "bytes": size}}
+    else:
+        call = {"cmd": "set_ttl", "args": {"tenant": args.tenant, "ttl_s": args.seconds, "namespace": args.namespace}}
+    token = args.token or os.environ.get("KVTIER_ADMIN_TOKEN")
+    if not token:
+        print("kvtier admin: give the admin token with --token or KVTIER_ADMIN_TOKEN", file=sys.stderr)
+        return 2
+    try:
+        result = admin_call(args.url, token, call["cmd"], call["args"], timeout_s=args.timeout_s)
+    except (OSError, ConfigError) as exc:
+        print(f"kvtier admin: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(result, default=str))
+    return 0 if result.get("ok", True) else 1
+
+
+def admin_call(url: str, token: str, cmd: str, args: dict, *, timeout_s: float = 30.0) -> dict:
+    """One admin API call; raises OSError (incl. the server's refusal) on failure."""
+    import time
+
+    from kvtier.tiers.remote_protocol import Op
+    from kvtier.tiers.remote_wire import RemoteError, WireClient, parse_url
+
+    address = parse_url(url)
+    try:
+        client = WireClient(address, token, namespace="default", connect_timeout_s=min(timeout_s, 5.0),
+                            client_name="kvtier-admin")
+    except RemoteError as exc:
+        raise PermissionError(f"{address} refused the admin token ({exc})") from None
+    try:
+        return client.call_msgpack(Op.ADMIN, {"cmd": cmd, "args": args}, deadline=time.monotonic() + timeout_s)
+    except RemoteError as exc:
+        raise PermissionError(str(exc)) from None
+    finally:
+        client.close()

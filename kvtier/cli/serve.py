@@ -1,0 +1,89 @@
+"""``kvtier serve``: run the shared context-memory server.
+
+Configuration comes from ``--config FILE`` (TOML, see :mod:`kvtier.server.config`),
+then ``KVTIER_SERVE_*`` environment variables, then these flags. Once listening it
+prints one JSON line with the bound addresses (``"ready": true``) on stdout.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+
+# flag → [server] key of the config file
+_FLAGS = {
+    "listen": "listen",
+    "capacity": "capacity",
+    "max_block": "max_block",
+    "disk_dir": "disk_dir",
+    "disk_capacity": "disk_capacity",
+    "idle_timeout_s": "idle_timeout_s",
+    "frame_timeout_s": "frame_timeout_s",
+    "max_connections": "max_connections",
+    "metrics": "metrics",
+    "events": "events",
+    "events_replay": "events_replay",
+    "audit_log": "audit_log",
+    "tls_cert": "tls_cert",
+    "tls_key": "tls_key",
+}
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "serve",
+        help="run the shared context-memory server",
+        description="Serve a shared KV-cache tier to many inference workers (see README: 'Shared server').",
+    )
+    p.add_argument("--config", help="TOML config file")
+    p.add_argument("--listen", action="append", metavar="URL",
+                   help="tcp://HOST:PORT, tls://HOST:PORT or unix:///PATH (repeatable; default tcp://127.0.0.1:7070)")
+    p.add_argument("--capacity", metavar="SIZE", help="host DRAM pool, e.g. 8GiB")
+    p.add_argument("--max-block", metavar="SIZE", help="largest block (one pool slot), e.g. 32MiB")
+    p.add_argument("--disk-dir", metavar="DIR", help="spill tier directory (local NVMe or shared mount)")
+    p.add_argument("--disk-capacity", metavar="SIZE", help="spill tier capacity, e.g. 500GiB")
+    p.add_argument("--idle-timeout-s", type=float, help="close connections idle this long (default 300)")
+    p.add_argument("--frame-timeout-s", type=float, help="close connections whose frame takes this long (default 30)")
+    p.add_argument("--max-connections", type=int)
+    p.add_argument("--metrics", metavar="HOST:PORT", help="serve Prometheus /metrics and /healthz here")
+    p.add_argument("--events", metavar="ENDPOINT", help="publish KV events (ZMQ PUB), e.g. tcp://127.0.0.1:5557")
+    p.add_argument("--events-replay", metavar="ENDPOINT", help="serve event replay (ZMQ ROUTER) here")
+    p.add_argument("--audit-log", metavar="PATH", help="append audit records (JSON lines) here")
+    p.add_argument("--tls-cert", metavar="PEM")
+    p.add_argument("--tls-key", metavar="PEM")
+    p.add_argument("--tenant", action="append", metavar="NAME=TOKEN_SHA256",
+                   help="add a tenant (repeatable); hash tokens with `kvtier admin hash-token`")
+    p.add_argument("--log-level", default="WARNING")
+    p.set_defaults(func=_run)
+
+
+def _run(args) -> int:
+    from kvtier.errors import ConfigError
+    from kvtier.server.config import load_config, parse_tenant_flag
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    overrides = {key: getattr(args, flag) for flag, key in _FLAGS.items()}
+    try:
+        tenants = tuple(parse_tenant_flag(t) for t in args.tenant or ())
+        config = load_config(args.config, overrides=overrides, extra_tenants=tenants)
+        if not config.tenants and not config.admin_token_sha256:
+            raise ConfigError(
+                "no tenants configured: nobody could connect. Add [[tenant]] to --config, or "
+                "--tenant NAME=$(kvtier admin hash-token \"$KVTIER_TOKEN\")"
+            )
+    except ConfigError as exc:
+        print(f"kvtier serve: {exc}", file=sys.stderr)
+        return 2
+
+    from kvtier.server.server import run
+
+    def ready(addresses: dict) -> None:
+        print(json.dumps({"ready": True, **addresses}), flush=True)
+
+    try:
+        run(config, ready)
+    except OSError as exc:
+        print(f"kvtier serve: cannot listen ({exc}); pick a free port or remove the socket file", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,364 @@
+"""Server configuration: a TOML file, then ``KVTIER_SERVE_*`` environment variables, then flags.
+
+Later sources override earlier ones field by field. Every error names the field,
+the source and the fix. Example file (sizes take KiB/MiB/GiB/TiB or KB/MB/GB/TB)::
+
+    [server]
+    listen = ["tcp://127.0.0.1:7070", "unix:///run/kvtier/kvtier.sock"]
+    capacity = "8GiB"          # host DRAM pool
+    max_block = "32MiB"        # largest block (one pool slot)
+    disk_dir = "/mnt/nvme/kvtier"   # optional spill tier
+    disk_capacity = "500GiB"
+    metrics = "127.0.0.1:9400"      # Prometheus /metrics and /healthz
+    events = "tcp://127.0.0.1:5557" # KV events (ZMQ PUB); replay on events_replay
+    audit_log = "/var/log/kvtier/audit.jsonl"
+
+    [admin]
+    token_sha256 = ["<64 hex digits from `kvtier admin hash-token`>"]
+
+    [[tenant]]
+    name = "acme"
+    token_sha256 = ["..."]
+    quota = "2GiB"
+    ttl_s = 86400
+    namespace_ttl_s = { scratch = 600 }
+    read_shared = ["system-prompts"]
+
+    [[shared]]
+    name = "system-prompts"   # clients address it as namespace "shared/system-prompts"
+    writers = ["ops"]         # tenants that may publish into it
+    ttl_s = 0                 # 0: no expiry
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+from kvtier.errors import ConfigError
+
+SHARED_PREFIX = "shared/"
+ENV_PREFIX = "KVTIER_SERVE_"
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_UNITS = {
+    "": 1, "b": 1,
+    "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40,
+}
+
+
+def parse_size(value: Any, what: str) -> int:
+    """``"8GiB"`` → 8589934592; ints pass through. Raises ConfigError naming ``what``."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{what}: expected a size like '512MiB', got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ConfigError(f"{what}: a size cannot be negative, got {value}")
+        return value
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(value))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ConfigError(f"{what}: expected a size like '512MiB' or '8GiB', got {value!r}")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+@dataclass(frozen=True, slots=True)
+class TenantConfig:
+    name: str
+    token_sha256: tuple[str, ...]
+    quota_bytes: int | None = None  #: None: no quota
+    ttl_s: float | None = None  #: None: no expiry
+    namespace_ttl_s: Mapping[str, float] = field(default_factory=dict)
+    read_shared: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class SharedConfig:
+    name: str
+    writers: tuple[str, ...] = ()
+    ttl_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    listen: tuple[str, ...] = ("tcp://127.0.0.1:7070",)
+    capacity_bytes: int = 1 << 30
+    max_block_bytes: int = 32 << 20
+    disk_dir: str | None = None
+    disk_capacity_bytes: int = 0
+    idle_timeout_s: float = 300.0
+    frame_timeout_s: float = 30.0
+    max_connections: int = 1024
+    metrics: str | None = None
+    events: str | None = None
+    events_replay: str | None = None
+    events_buffer: int = 10000
+    audit_log: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    sweep_interval_s: float = 1.0
+    admin_token_sha256: tuple[str, ...] = ()
+    tenants: tuple[TenantConfig, ...] = ()
+    shared: tuple[SharedConfig, ...] = ()
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    def tenant(self, name: str) -> TenantConfig | None:
+        return next((t for t in self.tenants if t.name == name), None)
+
+
+# [server] keys of the file (and KVTIER_SERVE_<KEY> variables, and --<key> flags) → field, parser
+def _str_or_none(v: Any, what: str) -> str | None:
+    if v is None or v == "":
+        return None
+    if not isinstance(v, str):
+        raise ConfigError(f"{what}: expected a string, got {v!r}")
+    return v
+
+
+def _float(v: Any, what: str) -> float:
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{what}: expected a number of seconds, got {v!r}") from None
+    if f < 0:
+        raise ConfigError(f"{what}: must not be negative, got {v!r}")
+    return f
+
+
+def _int(v: Any, what: str) -> int:
+    try:
+        i = int(v)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{what}: expected an integer, got {v!r}") from None
+    if i <= 0:
+        raise ConfigError(f"{what}: must be positive, got {v!r}")
+    return i
+
+
+def _str_list(v: Any, what: str) -> tuple[str, ...]:
+    if isinstance(v, str):
+        v = [s.strip() for s in v.split(",") if s.strip()]
+    if not isinstance(v, (list, tuple)) or not all(isinstance(s, str) for s in v):
+        raise ConfigError(f"{what}: expected a list of strings (or one comma-separated string), got {v!r}")
+    return tuple(v)
+
+
+def _ttl(v: Any, what: str) -> float | None:
+    f = _float(v, what)
+    return None if f == 0 else f
+
+
+_SERVER_KEYS: dict[str, tuple[str, Any]] = {
+    "listen": ("listen", _str_list),
+    "capacity": ("capacity_bytes", parse_size),
+    "max_block": ("max_block_bytes", parse_size),
+    "disk_dir": ("disk_dir", _str_or_none),
+    "disk_capacity": ("disk_capacity_bytes", parse_size),
+    "idle_timeout_s": ("idle_timeout_s", _float),
+    "frame_timeout_s": ("frame_timeout_s", _float),
+    "max_connections": ("max_connections", _int),
+    "metrics": ("metrics", _str_or_none),
+    "events": ("events", _str_or_none),
+    "events_replay": ("events_replay", _str_or_none),
+    "events_buffer": ("events_buffer", _int),
+    "audit_log": ("audit_log", _str_or_none),
+    "tls_cert": ("tls_cert", _str_or_none),
+    "tls_key": ("tls_key", _str_or_none),
+    "sweep_interval_s": ("sweep_interval_s", _float),
+    "admin_token_sha256": ("admin_token_sha256", _str_list),
+}
+_TENANT_KEYS = {"name", "token_sha256", "quota", "ttl_s", "namespace_ttl_s", "read_shared"}
+_SHARED_KEYS = {"name", "writers", "ttl_s"}
+
+
+def _unknown(key: str, valid, where: str) -> ConfigError:
+    close = difflib.get_close_matches(key, list(valid), n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return ConfigError(f"{where}: unknown key {key!r}; {hint}valid keys are {sorted(valid)}")
+
+
+def _tenant(raw: Mapping, where: str) -> TenantConfig:
+    for k in raw:
+        if k not in _TENANT_KEYS:
+            raise _unknown(k, _TENANT_KEYS, where)
+    if "name" not in raw or "token_sha256" not in raw:
+        raise ConfigError(f"{where}: a tenant needs name = \"...\" and token_sha256 = [\"<kvtier admin hash-token>\"]")
+    ns_ttl = raw.get("namespace_ttl_s", {})
+    if not isinstance(ns_ttl, Mapping):
+        raise ConfigError(f"{where}.namespace_ttl_s: expected a table like {{ scratch = 600 }}")
+    return TenantConfig(
+        name=str(raw["name"]),
+        token_sha256=_str_list(raw["token_sha256"], f"{where}.token_sha256"),
+        quota_bytes=parse_size(raw["quota"], f"{where}.quota") or None if "quota" in raw else None,
+        ttl_s=_ttl(raw["ttl_s"], f"{where}.ttl_s") if "ttl_s" in raw else None,
+        namespace_ttl_s={str(k): _float(v, f"{where}.namespace_ttl_s.{k}") for k, v in ns_ttl.items()},
+        read_shared=_str_list(raw.get("read_shared", []), f"{where}.read_shared"),
+    )
+
+
+def _shared(raw: Mapping, where: str) -> SharedConfig:
+    for k in raw:
+        if k not in _SHARED_KEYS:
+            raise _unknown(k, _SHARED_KEYS, where)
+    if "name" not in raw:
+        raise ConfigError(f"{where}: a shared namespace needs name = \"...\"")
+    return SharedConfig(
+        name=str(raw["name"]),
+        writers=_str_list(raw.get("writers", []), f"{where}.writers"),
+        ttl_s=_ttl(raw["ttl_s"], f"{where}.ttl_s") if "ttl_s" in raw else None,
+    )
+
+
+def parse_tenant_flag(text: str) -> TenantConfig:
+    """``NAME=SHA256HEX[,SHA256HEX…]`` (from ``--tenant`` / ``KVTIER_SERVE_TENANTS``)."""
+    name, sep, hashes = text.partition("=")
+    if not sep:
+        raise ConfigError(f"--tenant {text!r}: expected NAME=TOKEN_SHA256 (get the hash from `kvtier admin hash-token`)")
+    return TenantConfig(name=name.strip(), token_sha256=_str_list(hashes, f"--tenant {name}"))
+
+
+def load_config(
+    path: str | os.PathLike | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    extra_tenants: tuple[TenantConfig, ...] = (),
+) -> ServerConfig:
+    """File, then environment (``KVTIER_SERVE_<KEY>``), then ``overrides`` (flags, same keys as [server])."""
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    tenants: list[TenantConfig] = []
+    shared: list[SharedConfig] = []
+    if path is not None:
+        try:
+            with open(path, "rb") as f:
+                doc = tomllib.load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"config file {os.fspath(path)!r} does not exist; pass an existing file to --config") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {os.fspath(path)!r} is not valid TOML: {exc}") from None
+        for section in doc:
+            if section not in ("server", "admin", "tenant", "shared"):
+                raise _unknown(section, ["server", "admin", "tenant", "shared"], f"{os.fspath(path)}")
+        for key, value in doc.get("server", {}).items():
+            if key not in _SERVER_KEYS or key == "admin_token_sha256":
+                raise _unknown(key, set(_SERVER_KEYS) - {"admin_token_sha256"}, f"{os.fspath(path)} [server]")
+            fname, parse = _SERVER_KEYS[key]
+            values[fname] = parse(value, f"[server] {key}")
+        for key, value in doc.get("admin", {}).items():
+            if key != "token_sha256":
+                raise _unknown(key, ["token_sha256"], f"{os.fspath(path)} [admin]")
+            values["admin_token_sha256"] = _str_list(value, "[admin] token_sha256")
+        raw_tenants = doc.get("tenant", [])
+        raw_shared = doc.get("shared", [])
+        if not isinstance(raw_tenants, list) or not isinstance(raw_shared, list):
+            raise ConfigError("tenants and shared namespaces are arrays of tables: write [[tenant]] and [[shared]]")
+        tenants += [_tenant(t, f"[[tenant]] #{i + 1}") for i, t in enumerate(raw_tenants)]
+        shared += [_shared(s, f"[[shared]] #{i + 1}") for i, s in enumerate(raw_shared)]
+    for key, (fname, parse) in _SERVER_KEYS.items():
+        var = ENV_PREFIX + key.upper()
+        if var in env:
+            values[fname] = parse(env[var], var)
+    if ENV_PREFIX + "TENANTS" in env:
+        tenants += [parse_tenant_flag(t) for t in env[ENV_PREFIX + "TENANTS"].split(";") if t.strip()]
+    for key, value in (overrides or {}).items():
+        if value is None:
+            continue
+        if key not in _SERVER_KEYS:
+            raise _unknown(key, _SERVER_KEYS, "flags")
+        fname, parse = _SERVER_KEYS[key]
+        values[fname] = parse(value, f"--{key.replace('_', '-')}")
+    tenants += list(extra_tenants)
+    return ServerConfig(**values, tenants=tuple(tenants), shared=tuple(shared))
+
+
+def _validate(c: ServerConfig) -> None:
+    if not c.listen:
+        raise ConfigError("listen: give at least one address, e.g. tcp://127.0.0.1:7070 or unix:///tmp/kvtier.sock")
+    for url in c.listen:
+        scheme = parse_listen(url)[0]
+        if scheme == "tls" and not (c.tls_cert and c.tls_key):
+            raise ConfigError(f"listen {url!r} is TLS: set tls_cert and tls_key (PEM files)")
+    if bool(c.tls_cert) != bool(c.tls_key):
+        raise ConfigError("tls_cert and tls_key go together: set both or neither")
+    if c.max_block_bytes <= 0:
+        raise ConfigError("max_block must be positive, e.g. max_block = \"32MiB\"")
+    if c.capacity_bytes < c.max_block_bytes:
+        raise ConfigError(
+            f"capacity ({c.capacity_bytes} bytes) holds no block of max_block ({c.max_block_bytes} bytes); "
+            f"raise capacity or lower max_block"
+        )
+    if c.disk_dir and c.disk_capacity_bytes < c.max_block_bytes:
+        raise ConfigError("disk_dir is set: give disk_capacity (e.g. \"100GiB\") of at least one block")
+    for h in c.admin_token_sha256:
+        _check_hash(h, "[admin] token_sha256")
+    names = [t.name for t in c.tenants]
+    shared_names = {s.name for s in c.shared}
+    for t in c.tenants:
+        if not _NAME.match(t.name):
+            raise ConfigError(f"tenant name {t.name!r}: use 1-64 letters, digits, '.', '_' or '-'")
+        if names.count(t.name) > 1:
+            raise ConfigError(f"tenant {t.name!r} is defined twice; merge its token_sha256 lists into one [[tenant]]")
+        if not t.token_sha256:
+            raise ConfigError(f"tenant {t.name!r} has no token_sha256; add one from `kvtier admin hash-token`")
+        for h in t.token_sha256:
+            _check_hash(h, f"tenant {t.name!r} token_sha256")
+        for s in t.read_shared:
+            if s not in shared_names:
+                raise ConfigError(f"tenant {t.name!r} reads shared namespace {s!r}, which no [[shared]] defines")
+        for ns in t.namespace_ttl_s:
+            check_namespace(ns)
+    all_hashes = [h for t in c.tenants for h in t.token_sha256] + list(c.admin_token_sha256)
+    if len(set(all_hashes)) != len(all_hashes):
+        raise ConfigError("the same token hash is listed twice; every token belongs to one tenant (or the admin)")
+    for s in c.shared:
+        if not _NAME.match(s.name):
+            raise ConfigError(f"shared namespace name {s.name!r}: use 1-64 letters, digits, '.', '_' or '-'")
+        for w in s.writers:
+            if w not in names:
+                raise ConfigError(f"shared namespace {s.name!r} names writer {w!r}, which is not a [[tenant]]")
+
+
+def _check_hash(h: str, what: str) -> None:
+    if not _HEX64.match(h):
+        raise ConfigError(f"{what}: {h[:12]!r}… is not a SHA-256 hex digest; store `kvtier admin hash-token TOKEN`, never the token")
+
+
+def check_namespace(ns: str) -> str:
+    """A namespace a client may name: its own (``NAME``) or a shared one (``shared/NAME``)."""
+    base = ns[len(SHARED_PREFIX) :] if ns.startswith(SHARED_PREFIX) else ns
+    if not _NAME.match(base):
+        raise ConfigError(f"namespace {ns!r}: use 1-64 letters, digits, '.', '_' or '-' (optionally after 'shared/')")
+    return ns
+
+
+def parse_listen(url: str) -> tuple[str, str, int | None]:
+    """``tcp://HOST:PORT`` / ``tls://HOST:PORT`` → (scheme, host, port); ``unix:///PATH`` → ("unix", path, None)."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme not in ("tcp", "tls", "unix"):
+        raise ConfigError(f"address {url!r}: use tcp://HOST:PORT, tls://HOST:PORT or unix:///PATH")
+    if scheme == "unix":
+        if not rest.startswith("/"):
+            raise ConfigError(f"address {url!r}: a unix socket needs an absolute path, unix:///PATH")
+        return scheme, rest, None
+    host, colon, port = rest.rpartition(":")
+    host = host.strip("[]")
+    if not colon or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ConfigError(f"address {url!r}: expected {scheme}://HOST:PORT, e.g. {scheme}://127.0.0.1:7070")
+    return scheme, host, int(port)
+
+
+def with_fields(c: ServerConfig, **changes) -> ServerConfig:
+    """A copy with some fields changed (validated again)."""
+    return replace(c, **changes)
+
+
+SERVER_FIELDS = {f.name for f in fields(ServerConfig)}

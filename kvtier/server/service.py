@@ -1,0 +1,456 @@
+"""The server's operations, per authenticated connection: what each request does to the store.
+
+Storage keys come only from :class:`~kvtier.server.auth.KeySpace` objects of
+the connection's :class:`~kvtier.server.auth.Principal`, so every operation is
+confined to the caller's own spaces (and, for reads, its granted shared ones).
+
+Data paths (no copy in user space on the host tier):
+
+* PUT: the payload is received straight into a reserved host-pool slot
+  (:class:`~kvtier.server.slots.ReservableHostTier`), hashed piece by piece as
+  it lands, checked against the client's checksum trailer, then committed; a
+  bad checksum aborts the slot.
+  A key already held is answered OK and its payload read into a discard buffer:
+  identical blocks are stored once.
+* GET: a host-tier block is pinned and its slot sent as is; a block on a lower
+  tier is read by the store (verified there, promoted) into a scratch buffer on
+  an I/O thread, then sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import xxhash
+
+from kvtier.core.payload import BlockMeta, unpack_header
+from kvtier.core.payload import pack_header as pack_block_header
+from kvtier.server.auth import AuthError, Principal
+from kvtier.server.config import SHARED_PREFIX
+from kvtier.server.index import BlockEntry
+from kvtier.tiers.remote_protocol import (
+    CHECKSUM_NBYTES,
+    GET_ITEM,
+    LIST_ARGS,
+    MAX_KEYS,
+    PUT_FORBIDDEN,
+    U32,
+    VERSION,
+    ErrorCode,
+    Header,
+    Op,
+    ProtocolError,
+    pack_header,
+    pack_msgpack,
+    split_keys,
+    unpack_msgpack,
+    unpack_put_meta,
+)
+from kvtier.tiers.base import Status
+
+BLOCK_HEADER_NBYTES = 128
+
+
+class ScratchPool:
+    """A few block-sized buffers for lower-tier reads; memory stays bounded under load."""
+
+    def __init__(self, count: int, nbytes: int) -> None:
+        self._free: list[np.ndarray] = []
+        self._made = 0
+        self._count = count
+        self._nbytes = nbytes
+        self._sem = asyncio.Semaphore(count)
+
+    async def acquire(self) -> np.ndarray:
+        await self._sem.acquire()
+        if self._free:
+            return self._free.pop()
+        self._made += 1
+        return np.empty(self._nbytes, np.uint8)
+
+    def release(self, buf: np.ndarray) -> None:
+        self._free.append(buf)
+        self._sem.release()
+
+
+class Service:
+    def __init__(self, *, config, store, host, index, governance, auth, metrics, audit, events) -> None:
+        self.config = config
+        self.store = store
+        self.host = host
+        self.index = index
+        self.gov = governance
+        self.auth = auth
+        self.metrics = metrics
+        self.audit = audit
+        self.events = events
+        self._io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvtier-serve-io")
+        self._scratch: ScratchPool | None = None
+        # Slots reserved by uploads in flight: a few slow clients must not pin the whole pool.
+        self._inflight = 0
+        self._max_inflight = max(1, host.num_slots // 2)
+        m = metrics
+        ops = [op for op in Op if op not in (Op.HELLO, Op.ERROR)]
+        self._lat = {op: m.latency.labels(op.name.lower()) for op in ops}
+        self._req = {op: m.requests.labels(op.name.lower()) for op in ops}
+        self._hit = {op: m.hits.labels(op) for op in ("get", "lookup")}
+        self._miss = {op: m.misses.labels(op) for op in ("get", "lookup")}
+        self._put_result = {s: m.put_results.labels(s.name.lower()) for s in Status}
+        self._put_result["forbidden"] = m.put_results.labels("forbidden")
+        self._install_hooks()
+
+    def close(self) -> None:
+        self._io.shutdown(wait=True)
+
+    # -- tier hooks: keep the index and the events in step with evictions ---------------
+    def _install_hooks(self) -> None:
+        tiers = self.store.tiers
+        for i, tier in enumerate(tiers):
+            lower = tiers[i + 1] if i + 1 < len(tiers) else None
+            tier.on_evict = self._eviction_hook(tier, lower, tier.on_evict)
+
+    def _eviction_hook(self, tier, lower, demote):
+        def hook(skey, data, meta) -> None:
+            if demote is not None:
+                demote(skey, data, meta)  # the store's write-back demotion, one tier down
+            entry = self.index.get(skey)
+            if entry is None:
+                return
+            self.emit("removed", tier.name, entry)
+            if entry.tier != tier.name:
+                return  # a faster tier still holds it (promoted copy)
+            # NOTE: only the upper tier asks the lower one (lock order upper → lower).
+            if lower is not None and lower.contains(skey):
+                self.index.set_tier(skey, lower.name)
+                self.emit("stored", lower.name, entry)
+            else:
+                self.index.remove(skey)
+
+        return hook
+
+    def emit(self, kind: str, tier: str, entry: BlockEntry) -> None:
+        if self.events is not None:
+            self.events.emit(kind, tier, entry.owner, entry.namespace, [entry.key], entry.nbytes)
+
+    # -- HELLO ------------------------------------------------------------------------
+    def hello(self, conn, h: Header, meta: bytes) -> Principal:
+        fields = unpack_msgpack(meta, "HELLO")
+        token = fields.get("token")
+        try:
+            principal = self.auth.authenticate(token, fields.get("namespace", "default"))
+        except AuthError as exc:
+            self.metrics.auth_failures.inc()
+            tag = self.auth.identify(token) if isinstance(token, str) and len(token) <= 1024 else None
+            self.audit.write(
+                "auth_failure", peer=conn.peer, reason=str(exc), tenant=tag,
+                namespace=str(fields.get("namespace", ""))[:80], client=str(fields.get("client", ""))[:80],
+            )
+            raise ProtocolError(ErrorCode.FORBIDDEN if exc.forbidden else ErrorCode.AUTH_FAILED, str(exc)) from None
+        reply = {
+            "server": "kvtier", "protocol": VERSION, "tenant": principal.tenant,
+            "namespace": principal.namespace, "writable": principal.writable, "admin": principal.is_admin,
+            "max_block": self.config.max_block_bytes, "max_keys": MAX_KEYS,
+        }
+        conn.reply(h, 0, pack_msgpack(reply))
+        return principal
+
+    # -- dispatch -----------------------------------------------------------------------
+    async def handle(self, conn, p: Principal, h: Header, meta: bytes) -> None:
+        op = Op(h.op)
+        t0 = time.perf_counter()
+        if p.is_admin and op not in (Op.ADMIN, Op.STATS, Op.PING):
+            raise ProtocolError(ErrorCode.FORBIDDEN, "the admin token administers; use a tenant token for data")
+        if op == Op.GET:
+            await self._get(conn, p, h, meta)
+        elif op == Op.PUT:
+            await self._put(conn, p, h, meta)
+        elif op == Op.LOOKUP:
+            self._lookup(conn, p, h, meta)
+        elif op == Op.CONTAINS:
+            self._contains(conn, p, h, meta)
+        elif op == Op.DELETE:
+            self._delete(conn, p, h, meta)
+        elif op == Op.LIST:
+            self._list(conn, p, h, meta)
+        elif op == Op.PING:
+            conn.reply(h)
+        elif op == Op.STATS:
+            conn.reply(h, 0, pack_msgpack(self._stats(p)))
+        elif op == Op.ADMIN:
+            if not p.is_admin:
+                raise ProtocolError(ErrorCode.FORBIDDEN, "ADMIN needs the admin token")
+            conn.reply(h, 0, pack_msgpack(self._admin(conn, meta)))
+        await conn.drain()
+        self._req[op].inc()
+        self._lat[op].observe(time.perf_counter() - t0)
+
+    # -- lookups ------------------------------------------------------------------------
+    def resolve(self, p: Principal, key: bytes, now: float) -> tuple[bytes, BlockEntry] | None:
+        """The storage key and entry ``key`` names for ``p`` (own space first), or None."""
+        for space in p.read_spaces:
+            skey = space.storage_key(key)
+            entry = self.index.get(skey)
+            if entry is None:
+                continue
+            if self.gov.is_expired(entry.owner, entry.namespace, entry.created, now):
+                self.drop(skey)
+                self.metrics.expirations.inc()
+                continue
+            return skey, entry
+        return None
+
+    def _lookup(self, conn, p: Principal, h: Header, meta: bytes) -> None:
+        now = time.monotonic()
+        keys = split_keys(meta)
+        n = 0
+        for key in keys:
+            found = self.resolve(p, key, now)
+            if found is None:
+                break
+            self.index.touch(found[0])
+            n += 1
+        self._hit["lookup"].inc(n)
+        self._miss["lookup"].inc(len(keys) - n)
+        conn.reply(h, 0, U32.pack(n))
+
+    def _contains(self, conn, p: Principal, h: Header, meta: bytes) -> None:
+        now = time.monotonic()
+        conn.reply(h, 0, bytes(self.resolve(p, k, now) is not None for k in split_keys(meta)))
+
+    def _delete(self, conn, p: Principal, h: Header, meta: bytes) -> None:
+        out = bytearray(len(meta) // 32)
+        if p.write_space is not None:
+            for i, key in enumerate(split_keys(meta)):
+                out[i] = self.drop(p.write_space.storage_key(key)) is not None
+        conn.reply(h, 0, bytes(out))
+
+    def _list(self, conn, p: Principal, h: Header, meta: bytes) -> None:
+        offset, limit = LIST_ARGS.unpack(meta)
+        limit = min(limit, MAX_KEYS)
+        space = p.read_spaces[0]
+        skeys = self.index.select(space.owner, namespace=space.namespace)[offset : offset + limit]
+        entries = [self.index.get(k) for k in skeys]
+        conn.reply(h, 0, b"".join(e.key for e in entries if e is not None))
+
+    def drop(self, skey: bytes) -> BlockEntry | None:
+        """Remove a block from the index and every tier."""
+        entry = self.index.remove(skey)
+        self.store.delete([skey])
+        if entry is not None:
+            self.emit("removed", entry.tier, entry)
+        return entry
+
+    # -- GET ------------------------------------------------------------------------------
+    async def _get(self, conn, p: Principal, h: Header, meta: bytes) -> None:
+        now = time.monotonic()
+        mv = memoryview(meta)
+        for off in range(0, len(meta), GET_ITEM.size):
+            key, want = GET_ITEM.unpack_from(mv, off)
+            found = self.resolve(p, key, now)
+            if found is None:
+                self._miss["get"].inc()
+                conn.write(pack_header(Op.GET, h.req_id, 0, 0, Status.MISS))
+                continue
+            skey, entry = found
+            if entry.nbytes != want:
+                conn.write(pack_header(Op.GET, h.req_id, 0, 0, Status.BAD_SIZE))
+                continue
+            held = self.host.hold(skey)
+            if held is not None:
+                try:
+                    conn.write(pack_header(Op.GET, h.req_id, BLOCK_HEADER_NBYTES, entry.nbytes, Status.OK),
+                               entry.header, held.view)
+                    await conn.drain()
+                finally:
+                    held.release()
+            elif not await self._get_lower(conn, h, skey, entry):
+                self._miss["get"].inc()
+                conn.write(pack_header(Op.GET, h.req_id, 0, 0, Status.MISS))
+                continue
+            self.index.touch(skey)
+            self._hit["get"].inc()
+            self.metrics.bytes_out.inc(entry.nbytes)
+
+    async def _get_lower(self, conn, h: Header, skey: bytes, entry: BlockEntry) -> bool:
+        if len(self.store.tiers) == 1:
+            self.drop(skey)  # the index outlived the block (e.g. a tier dropped it on its own)
+            return False
+        if self._scratch is None:
+            self._scratch = ScratchPool(4, self.config.max_block_bytes)
+        buf = await self._scratch.acquire()
+        try:
+            out = buf[: entry.nbytes]
+            loop = asyncio.get_running_loop()
+            result = await loop.run_in_executor(self._io, self.store.get, [skey], [out])
+            if result.statuses[0] is not Status.OK:
+                self.drop(skey)
+                return False
+            if result.tiers[0] != self.host.name and self.host.contains(skey):
+                if self.index.set_tier(skey, self.host.name) is not None:
+                    self.emit("stored", self.host.name, entry)
+            conn.write(pack_header(Op.GET, h.req_id, BLOCK_HEADER_NBYTES, entry.nbytes, Status.OK), entry.header, out)
+            await conn.drain()
+            return True
+        finally:
+            self._scratch.release(buf)
+
+    # -- PUT ------------------------------------------------------------------------------
+    async def _put(self, conn, p: Principal, h: Header, meta: bytes) -> None:
+        pm = unpack_put_meta(meta)
+        bh = unpack_header(pm.block_header)
+        n = h.data_len - CHECKSUM_NBYTES
+        if bh is None or bh.payload_nbytes != n:
+            raise ProtocolError(ErrorCode.BAD_META, "PUT block header is malformed or disagrees with data_len")
+        space = p.write_space
+        if space is None:
+            await conn.discard(h.data_len)
+            self._put_result["forbidden"].inc()
+            conn.reply(h, PUT_FORBIDDEN)
+            return
+        skey = space.storage_key(bh.key)
+        owner = space.owner
+        existing = self.resolve(Principal(p.tenant, p.namespace, read_spaces=(space,)), bh.key, time.monotonic())
+        if existing is not None:  # content addressed: same key, same bytes
+            await conn.discard(h.data_len)
+            self.index.touch(skey)
+            self._put_result[Status.OK].inc()
+            conn.reply(h, Status.OK)
+            return
+        status = Status.OK
+        if not self.gov.admits(owner, n):
+            status = Status.FULL
+        elif self._inflight >= self._max_inflight:
+            status = Status.FULL
+        if status is not Status.OK:
+            await conn.discard(h.data_len)
+            self._put_result[status].inc()
+            conn.reply(h, status)
+            return
+        for victim in self.gov.quota_victims(self.index, owner, n):
+            if self.drop(victim) is not None:
+                self.metrics.quota_evictions.labels(owner).inc()
+        block_meta = BlockMeta(bh.dtype, bh.shape, bh.token_count)
+        self._inflight += 1
+        try:
+            if self.host.free_slots or len(self.store.tiers) == 1:
+                status, res = self.host.reserve(skey, n, meta=block_meta)
+            else:  # eviction will demote to disk: do that I/O off the event loop
+                conn.working()
+                status, res = await asyncio.get_running_loop().run_in_executor(
+                    self._io, lambda: self.host.reserve(skey, n, meta=block_meta)
+                )
+                conn.receiving()
+            if res is None:
+                await conn.discard(h.data_len)
+                self._put_result[status].inc()
+                conn.reply(h, status)
+                return
+            hasher = xxhash.xxh3_128()
+            try:
+                await conn.read_into(res.view, hasher)
+                trailer = await conn.read_meta(CHECKSUM_NBYTES)
+            except BaseException:
+                self.host.abort(res)
+                raise
+        finally:
+            self._inflight -= 1
+        self.metrics.bytes_in.inc(n)
+        digest = hasher.digest()
+        if digest != trailer:
+            self.host.abort(res)
+            self.metrics.verify_failures.inc()
+            self._put_result[Status.CORRUPT].inc()
+            conn.reply(h, Status.CORRUPT)
+            return
+        parent = space.storage_key(pm.parent) if pm.parent else None
+        self.host.commit(res, parent=parent)
+        header = pack_block_header(bh.key, n, digest, block_meta)  # with the checksum we verified
+        entry = BlockEntry(owner, space.namespace, bh.key, n, header, time.monotonic(), pm.session, self.host.name)
+        if self.index.add(skey, entry):
+            self.emit("stored", self.host.name, entry)
+        self._put_result[Status.OK].inc()
+        conn.reply(h, Status.OK)
+
+    # -- STATS and ADMIN ---------------------------------------------------------------------
+    def _stats(self, p: Principal) -> dict:
+        out: dict = {"tenant": p.tenant, "namespace": p.namespace}
+        if p.write_space is not None:
+            ns_bytes, ns_blocks = self.index.namespace_usage(p.write_space.owner, p.write_space.namespace)
+            out.update(namespace_bytes=ns_bytes, namespace_blocks=ns_blocks)
+        out["capacity_bytes"] = sum(t.capacity_bytes for t in self.store.tiers)
+        if not p.is_admin:
+            out["tenant_bytes"] = self.index.usage(p.tenant)
+            out["quota_bytes"] = self.gov.quota(p.tenant)
+            return out
+        out["store"] = self.store.stats()
+        out["usage"] = {o: {"bytes": b, "blocks": n} for o, (b, n) in self.index.usage_by_owner().items()}
+        return out
+
+    def _admin(self, conn, meta: bytes) -> dict:
+        req = unpack_msgpack(meta, "ADMIN")
+        cmd = req.get("cmd")
+        args = req.get("args") or {}
+        if not isinstance(args, dict):
+            raise ProtocolError(ErrorCode.BAD_META, "ADMIN args must be a map")
+        try:
+            result = self._admin_command(cmd, args)
+            ok = True
+        except (KeyError, ValueError, TypeError) as exc:
+            result, ok = {"error": str(exc)}, False
+        self.audit.write("admin", peer=conn.peer, cmd=str(cmd)[:40], args=_printable(args), ok=ok,
+                         **({"result": result} if ok and "erased" in result else {}))
+        return {"ok": ok, **result}
+
+    def _admin_command(self, cmd, args: dict) -> dict:
+        known = {t.name for t in self.config.tenants} | {SHARED_PREFIX + s.name for s in self.config.shared}
+        if cmd == "usage":
+            usage = self.index.usage_by_owner()
+            return {"usage": {
+                o: {"bytes": usage.get(o, (0, 0))[0], "blocks": usage.get(o, (0, 0))[1], "quota": self.gov.quota(o)}
+                for o in sorted(known | set(usage))
+            }, "policy": self.gov.describe()}
+        if cmd == "stats":
+            return {"store": self.store.stats(), "blocks": len(self.index), "bytes": self.index.total_bytes}
+        owner = args.get("tenant")
+        if not isinstance(owner, str) or owner not in known:
+            raise ValueError(f"unknown tenant {owner!r}; known: {sorted(known)}")
+        if cmd == "erase":
+            namespace, session = args.get("namespace"), args.get("session")
+            for name, v in (("namespace", namespace), ("session", session)):
+                if v is not None and not isinstance(v, str):
+                    raise TypeError(f"{name} must be a string")
+            keys = self.index.select(owner, namespace=namespace, session=session)
+            erased = sum(self.drop(k) is not None for k in keys)
+            self.metrics.erasures.inc(erased)
+            return {"erased": erased}
+        if cmd == "set_quota":
+            quota = args.get("bytes")
+            if quota is not None and (not isinstance(quota, int) or quota < 0):
+                raise ValueError("bytes must be a non-negative integer (0 or null: no quota)")
+            self.gov.set_quota(owner, quota)
+            return {"quota": quota}
+        if cmd == "set_ttl":
+            ttl, namespace = args.get("ttl_s"), args.get("namespace")
+            if ttl is not None and (not isinstance(ttl, (int, float)) or ttl < 0):
+                raise ValueError("ttl_s must be a non-negative number (0 or null: no expiry)")
+            if namespace is not None and not isinstance(namespace, str):
+                raise TypeError("namespace must be a string")
+            self.gov.set_ttl(owner, ttl, namespace)
+            return {"ttl_s": ttl}
+        raise ValueError(f"unknown admin command {cmd!r}; use usage, stats, erase, set_quota or set_ttl")
+
+    # -- retention ---------------------------------------------------------------------------
+    def sweep(self) -> int:
+        """Delete expired blocks; returns how many."""
+        expired = self.index.expired(time.monotonic(), self.gov.ttl)
+        for skey in expired:
+            self.drop(skey)
+        self.metrics.expirations.inc(len(expired))
+        return len(expired)
+
+
+def _printable(args: dict) -> dict:
+    return {str(k)[:40]: (v if isinstance(v, (int, float, bool)) or v is None else str(v)[:200]) for k, v in args.items()}

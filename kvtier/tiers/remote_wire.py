@@ -1,0 +1,306 @@
+"""The client end of the kvtier wire protocol: addresses and one blocking connection.
+
+:class:`WireClient` speaks :mod:`kvtier.tiers.remote_protocol` over one TCP, TLS or
+Unix socket. Every call takes a *deadline* (``time.monotonic()`` value): no
+call blocks past it, whatever the server does. Small frames are read through a
+staging buffer (many pipelined replies per ``recv``); payloads are received
+straight into the caller's buffer and sent straight from it (``recv_into`` /
+``sendmsg``, no copy in user space).
+
+A WireClient is used by one thread at a time (the pool in
+:mod:`kvtier.tiers.remote` hands them out). After any error it is broken:
+close it and open another.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import ssl
+import struct
+import time
+from dataclasses import dataclass
+from urllib.parse import parse_qs, urlsplit
+
+import xxhash
+
+from kvtier.errors import ConfigError
+from kvtier.tiers.remote_protocol import (
+    CHECKSUM_NBYTES,
+    HEADER,
+    HEADER_NBYTES,
+    ErrorCode,
+    Header,
+    Op,
+    pack_header,
+    pack_msgpack,
+    unpack_header,
+    unpack_msgpack,
+)
+
+_STAGING = 64 * 1024
+#: payload pieces sent / hashed at a time: small enough to be hashed from L2
+_PIECE = 1024 * 1024
+_WAITALL = getattr(socket, "MSG_WAITALL", 0)
+
+
+@dataclass(frozen=True, slots=True)
+class Address:
+    scheme: str  #: tcp, tls or unix
+    host: str  #: host name, or the socket path for unix
+    port: int | None
+    namespace: str = "default"
+    token: str | None = None
+    ca_file: str | None = None  #: TLS: the CA that signed the server certificate (else the system store)
+
+    def __str__(self) -> str:
+        where = self.host if self.scheme == "unix" else f"{self.host}:{self.port}"
+        return f"{self.scheme}://{where}"
+
+
+def parse_url(url: str) -> Address:
+    """``tcp://HOST:PORT``, ``tls://HOST:PORT`` or ``unix:///PATH``, with optional
+    ``?namespace=NAME&token=T&ca=CA.pem`` (prefer ``KVTIER_TOKEN`` to a token in a URL)."""
+    parts = urlsplit(url)
+    query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
+    unknown = set(query) - {"namespace", "token", "ca"}
+    if unknown:
+        raise ConfigError(f"{url!r}: unknown parameter(s) {sorted(unknown)}; use namespace, token or ca")
+    common = dict(namespace=query.get("namespace", "default"), token=query.get("token"), ca_file=query.get("ca"))
+    if parts.scheme == "unix":
+        if not parts.path.startswith("/"):
+            raise ConfigError(f"{url!r}: a unix socket URL needs an absolute path: unix:///run/kvtier.sock")
+        return Address("unix", parts.path, None, **common)
+    if parts.scheme in ("tcp", "tls"):
+        try:
+            port = parts.port
+        except ValueError:
+            port = None
+        if not parts.hostname or port is None:
+            raise ConfigError(f"{url!r}: expected {parts.scheme}://HOST:PORT, e.g. {parts.scheme}://127.0.0.1:7070")
+        return Address(parts.scheme, parts.hostname, port, **common)
+    raise ConfigError(f"{url!r}: use tcp://HOST:PORT, tls://HOST:PORT or unix:///PATH")
+
+
+class RemoteError(Exception):
+    """The server answered with an ERROR frame (it closes the connection after)."""
+
+    def __init__(self, code: int, message: str) -> None:
+        try:
+            name = ErrorCode(code).name
+        except ValueError:
+            name = str(code)
+        super().__init__(f"{name}: {message}")
+        self.code = code
+
+
+class WireClient:
+    def __init__(self, address: Address, token: str, *, namespace: str | None = None,
+                 connect_timeout_s: float = 2.0, client_name: str = "kvtier") -> None:
+        self.address = address
+        deadline = time.monotonic() + connect_timeout_s
+        if address.scheme == "unix":
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(connect_timeout_s)
+            try:
+                sock.connect(address.host)
+            except BaseException:
+                sock.close()
+                raise
+        else:
+            sock = socket.create_connection((address.host, address.port), timeout=connect_timeout_s)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if address.scheme == "tls":
+                ctx = ssl.create_default_context(cafile=address.ca_file)
+                try:
+                    sock = ctx.wrap_socket(sock, server_hostname=address.host)
+                except BaseException:
+                    sock.close()
+                    raise
+        # Blocking mode with kernel timeouts (SO_RCVTIMEO / SO_SNDTIMEO), not Python's
+        # timeout mode: one syscall moves a whole piece (no poll() before each call,
+        # no partial sends of non-blocking mode) and loops check the deadline.
+        sock.settimeout(None)
+        self.sock = sock
+        self._armed = -1.0
+        self._zero_copy_send = not isinstance(sock, ssl.SSLSocket)
+        self._buf = bytearray(_STAGING)
+        self._mv = memoryview(self._buf)
+        self._start = 0
+        self._end = 0
+        self._req = 0
+        self.closed = False
+        try:
+            hello = {"token": token, "namespace": namespace or address.namespace, "client": client_name}
+            rid = self.send(Op.HELLO, pack_msgpack(hello), deadline=deadline)
+            h = self.read_header(deadline, rid)
+            self.info = unpack_msgpack(self.read_bytes(h.meta_len, deadline), "HELLO reply")
+        except BaseException:
+            self.close()
+            raise
+        self.max_block = int(self.info.get("max_block", 0))
+
+    # -- sending -------------------------------------------------------------------------
+    def next_id(self) -> int:
+        self._req = (self._req + 1) & 0xFFFFFFFF
+        return self._req
+
+    def send(self, op: int, meta: bytes = b"", payload=None, *, deadline: float) -> int:
+        rid = self.next_id()
+        data_len = memoryview(payload).nbytes if payload is not None else 0
+        head = pack_header(op, rid, len(meta), data_len) + meta
+        self.send_buffers([head] if payload is None else [head, payload], deadline)
+        return rid
+
+    def send_put(self, meta: bytes, payload, deadline: float) -> int:
+        """Send a PUT: header, payload in cache-sized pieces, each hashed right after it
+        was sent (still in cache), then the xxh3-128 trailer."""
+        view = memoryview(payload).cast("B")
+        rid = self.next_id()
+        head = pack_header(Op.PUT, rid, len(meta), len(view) + CHECKSUM_NBYTES) + meta
+        hasher = xxhash.xxh3_128()
+        first = view[:_PIECE]
+        self.send_buffers([head, first], deadline)
+        hasher.update(first)
+        for off in range(_PIECE, len(view), _PIECE):
+            piece = view[off : off + _PIECE]
+            self.send_buffers([piece], deadline)
+            hasher.update(piece)
+        self.send_buffers([hasher.digest()], deadline)
+        return rid
+
+    def _arm(self, deadline: float) -> None:
+        """Bound each blocking call by the time left to ``deadline`` (raises if none is left)."""
+        left = _remaining(deadline)
+        if abs(left - self._armed) > 0.05 * left:  # re-arm only when it changed noticeably
+            tv = struct.pack("ll", int(left), int((left - int(left)) * 1e6) or 1)
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+            self._armed = left
+
+    def send_buffers(self, bufs: list, deadline: float) -> None:
+        views = [memoryview(b).cast("B") for b in bufs]
+        views = [v for v in views if len(v)]
+        sock = self.sock
+        self._arm(deadline)
+        while views:
+            _remaining(deadline)
+            if self._zero_copy_send:
+                sent = sock.sendmsg(views)
+            else:
+                sent = sock.send(views[0])
+            while sent:
+                if sent >= len(views[0]):
+                    sent -= len(views[0])
+                    views.pop(0)
+                else:
+                    views[0] = views[0][sent:]
+                    sent = 0
+
+    # -- receiving -----------------------------------------------------------------------
+    def _recv_some(self, deadline: float) -> None:
+        if self._start == self._end:
+            self._start = self._end = 0
+        elif self._end == len(self._buf):
+            n = self._end - self._start
+            self._mv[:n] = self._mv[self._start : self._end]
+            self._start, self._end = 0, n
+        self._arm(deadline)
+        k = self.sock.recv_into(self._mv[self._end :])
+        if k == 0:
+            raise ConnectionError(f"{self.address} closed the connection")
+        self._end += k
+
+    def read_header(self, deadline: float, expect_id: int | None = None) -> Header:
+        while self._end - self._start < HEADER_NBYTES:
+            self._recv_some(deadline)
+        h = unpack_header(self._mv[self._start : self._start + HEADER_NBYTES])
+        self._start += HEADER_NBYTES
+        if h.op == Op.ERROR:
+            message = self.read_bytes(min(h.meta_len, 4096), deadline).decode("utf-8", "replace")
+            raise RemoteError(h.code, message)
+        if expect_id is not None and h.req_id != expect_id:
+            raise ConnectionError(f"reply to request {h.req_id}, expected {expect_id}: stream out of step")
+        return h
+
+    def read_bytes(self, n: int, deadline: float) -> bytes:
+        if n <= len(self._buf):
+            while self._end - self._start < n:
+                if len(self._buf) - self._start < n:
+                    m = self._end - self._start
+                    self._mv[:m] = self._mv[self._start : self._end]
+                    self._start, self._end = 0, m
+                self._recv_some(deadline)
+            out = bytes(self._mv[self._start : self._start + n])
+            self._start += n
+            return out
+        out = bytearray(n)
+        self.read_into(out, deadline)
+        return bytes(out)
+
+    def read_into(self, dest, deadline: float, hasher=None) -> None:
+        """Fill ``dest`` with the next bytes: what is staged first, the rest straight from the
+        socket; ``hasher.update`` is fed each piece as it lands (still in cache)."""
+        view = memoryview(dest).cast("B")
+        k = min(self._end - self._start, len(view))
+        if k:
+            view[:k] = self._mv[self._start : self._start + k]
+            self._start += k
+            if hasher is not None:
+                hasher.update(view[:k])
+        got, n = k, len(view)
+        sock = self.sock
+        self._arm(deadline)
+        while got < n:
+            _remaining(deadline)
+            # MSG_WAITALL: one call per piece, however the kernel delivers it
+            r = sock.recv_into(view[got : got + _PIECE] if hasher is not None else view[got:], 0, _WAITALL)
+            if r == 0:
+                raise ConnectionError(f"{self.address} closed the connection mid-payload")
+            if hasher is not None:
+                hasher.update(view[got : got + r])
+            got += r
+
+    def skip(self, n: int, deadline: float) -> None:
+        scratch = bytearray(min(n, 1 << 20))
+        while n:
+            k = min(n, len(scratch))
+            self.read_into(memoryview(scratch)[:k], deadline)
+            n -= k
+
+    # -- simple request/reply ----------------------------------------------------------------
+    def call(self, op: int, meta: bytes = b"", *, deadline: float) -> tuple[Header, bytes]:
+        rid = self.send(op, meta, deadline=deadline)
+        h = self.read_header(deadline, rid)
+        return h, self.read_bytes(h.meta_len, deadline) if h.meta_len else b""
+
+    def call_msgpack(self, op: int, args: dict | None = None, *, deadline: float) -> dict:
+        _, body = self.call(op, pack_msgpack(args) if args is not None else b"", deadline=deadline)
+        return unpack_msgpack(body, Op(op).name + " reply")
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            try:
+                self.sock.close()
+            except OSError:
+                pass
+
+
+def _remaining(deadline: float) -> float:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("kvtier server did not answer in time")
+    return left
+
+
+def resolve_token(address: Address, token: str | None) -> str:
+    token = token or address.token or os.environ.get("KVTIER_TOKEN")
+    if not token:
+        raise ConfigError(
+            f"no token for {address}: pass token=..., add ?token=... to the URL, or set KVTIER_TOKEN"
+        )
+    return token
+
+
+__all__ = ["Address", "RemoteError", "WireClient", "parse_url", "resolve_token", "HEADER"]
