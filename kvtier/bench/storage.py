@@ -228,7 +228,7 @@ def register(subparsers) -> None:
     p.add_argument("--tier", choices=["host", "disk"], default="disk")
     p.add_argument("--block-mib", type=float, default=8.0, help="block size in MiB (default 8)")
     p.add_argument("--blocks", type=int, default=None, help="blocks per phase (default: 256 MiB worth, at least 4)")
-    p.add_argument("--runs", type=int, default=7, help="interleaved rounds; medians are reported (default 7)")
+    p.add_argument("--runs", type=int, default=9, help="interleaved rounds; medians are reported (default 9)")
     p.add_argument("--dir", default=None, help="disk tier directory (default: a temp dir under the current one)")
     p.add_argument("--drop-caches", action="store_true",
                    help="also write /proc/sys/vm/drop_caches before gets (root; affects the whole machine)")
