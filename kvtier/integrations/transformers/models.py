@@ -1,0 +1,163 @@
+"""Random-weight Llama models and a locally trained tokenizer, built once and cached.
+
+Nothing comes from a model hub. The tokenizer is a byte-level BPE trained on
+text that is on every machine with Python: the standard library's sources
+(code, docstrings, comments — close to what an agent's tool outputs hold). The
+model is ``LlamaConfig`` + ``LlamaForCausalLM`` with seeded random weights,
+saved as safetensors. Outputs are gibberish but deterministic under greedy
+decoding, which is what load-vs-recompute checks need.
+
+A model lives under ``$XDG_CACHE_HOME/kvtier/models`` (``~/.cache/...``) in a
+directory named after its spec, published by an atomic rename so that two
+processes building it at once both end with one complete copy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sysconfig
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+#: bump when the way a model or tokenizer is built changes
+BUILD_FORMAT = 1
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """Geometry of a random-weight Llama (and the size of its tokenizer)."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    vocab_size: int = 8192
+    max_position_embeddings: int = 16384
+    dtype: str = "float32"
+    seed: int = 0
+
+    def digest(self) -> str:
+        text = json.dumps([BUILD_FORMAT, asdict(self)], sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+    @property
+    def name(self) -> str:
+        return f"llama-h{self.hidden_size}-l{self.num_hidden_layers}-{self.dtype}-{self.digest()}"
+
+
+#: the demo model: ~107 M parameters; prefill of 2 k tokens costs seconds on 2 CPU cores
+DEMO_SPEC = ModelSpec(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16,
+                      num_key_value_heads=4, intermediate_size=2816)
+#: for tests: builds in about a second
+TINY_SPEC = ModelSpec(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, intermediate_size=128, vocab_size=512,
+                      max_position_embeddings=4096)
+
+
+def cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/kvtier`` (default ``~/.cache/kvtier``)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "kvtier"
+
+
+def ensure_model(spec: ModelSpec = DEMO_SPEC, root: str | os.PathLike | None = None) -> tuple[Path, bool]:
+    """The directory of the model of ``spec``, building it on first use; and whether it was built now."""
+    root = Path(root) if root is not None else cache_dir() / "models"
+    target = root / spec.name
+    if (target / "config.json").exists() and (target / "tokenizer.json").exists():
+        return target, False
+    root.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{spec.name}-", dir=root))
+    try:
+        build_model(spec, work)
+        try:
+            os.rename(work, target)
+        except OSError:  # another process published it first: keep theirs
+            if not (target / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return target, True
+
+
+def corpus_files(limit_bytes: int) -> list[Path]:
+    """Standard-library sources in a stable order, about ``limit_bytes`` of them."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files, total = [], 0
+    for path in sorted(stdlib.glob("*.py")):
+        size = path.stat().st_size
+        if size < 2_000:
+            continue
+        files.append(path)
+        total += size
+        if total >= limit_bytes:
+            break
+    return files
+
+
+def train_tokenizer(vocab_size: int, out_dir: Path):
+    """Byte-level BPE on :func:`corpus_files`; saved as a ``PreTrainedTokenizerFast``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<s>", "</s>", "<unk>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    # ~400 bytes of text per vocabulary entry: enough merges to learn, and a
+    # tiny test tokenizer trains in a fraction of a second.
+    files = corpus_files(limit_bytes=min(3 << 20, 400 * vocab_size))
+    texts = (p.read_text(encoding="utf-8", errors="replace") for p in files)
+    tok.train_from_iterator(texts, trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast.save_pretrained(out_dir)
+    return fast
+
+
+def build_model(spec: ModelSpec, out_dir: Path) -> None:
+    """Train the tokenizer and save a seeded random-weight Llama of ``spec`` into ``out_dir``."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    tokenizer = train_tokenizer(spec.vocab_size, out_dir)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        intermediate_size=spec.intermediate_size,
+        max_position_embeddings=spec.max_position_embeddings,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(spec.seed)
+    model = LlamaForCausalLM(config).to(getattr(torch, spec.dtype))
+    model.save_pretrained(out_dir, safe_serialization=True)
+
+
+def load_model(model_dir: str | os.PathLike, *, attn_implementation: str = "sdpa"):
+    """The model and tokenizer saved in ``model_dir`` (local files only), in eval mode."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype="auto", local_files_only=True, attn_implementation=attn_implementation
+    ).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    return model, tokenizer

@@ -1,0 +1,133 @@
+"""The namespace of a Hugging Face causal LM: layout from its config, identity from its files.
+
+What makes two KV caches interchangeable is the same weights, the same config
+(geometry, RoPE, norms, ...) and the same bytes layout. The weights identity is
+*cheap* on purpose — it runs at every engine start: for each ``*.safetensors``
+file its header (tensor names, dtypes, shapes, offsets), its size and a few
+evenly spaced 64 KiB samples of its data, hashed with xxh3-128. A fine-tune or
+a re-initialisation changes every tensor and therefore the samples; reading
+~1 MiB per file costs milliseconds where hashing 400 MB of weights would cost
+seconds. The identity is content-derived, so two machines holding the same
+files agree on it (a shared tier needs that), unlike a path or an mtime.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+
+import xxhash
+
+from kvtier.core.layout import KVLayout
+from kvtier.core.namespace import Namespace
+from kvtier.errors import ConfigError
+
+#: samples per weights file; with 64 KiB each, ~1 MiB read per file
+SAMPLES_PER_FILE = 16
+SAMPLE_BYTES = 64 << 10
+
+#: torch dtype name → KVLayout dtype name
+TORCH_TO_LAYOUT_DTYPE = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
+
+# Config fields that do not change what a token's KV is; everything else is
+# fingerprinted (an unknown field changes the namespace: a cache may lose, never be wrong).
+_VOLATILE_CONFIG_FIELDS = frozenset({
+    "_name_or_path", "transformers_version", "architectures", "id2label", "label2id",
+    "output_hidden_states", "output_attentions", "return_dict", "use_cache", "dtype",
+    "torch_dtype", "problem_type", "chunk_size_feed_forward", "pad_token_id", "bos_token_id",
+    "eos_token_id", "_attn_implementation", "_attn_implementation_internal",
+    "_experts_implementation", "_commit_hash", "tokenizer_class", "initializer_range",
+})
+
+
+def kv_layout(config, dtype: str, block_tokens: int) -> KVLayout:
+    """The canonical block layout of a decoder config (Llama, Qwen2, Mistral and kin)."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    if dtype not in TORCH_TO_LAYOUT_DTYPE:
+        raise ConfigError(f"KV dtype {dtype!r} is not supported; use one of {sorted(TORCH_TO_LAYOUT_DTYPE)}")
+    return KVLayout(
+        num_layers=text.num_hidden_layers,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        dtype=TORCH_TO_LAYOUT_DTYPE[dtype],
+        block_tokens=block_tokens,
+    )
+
+
+def config_fingerprint(config) -> str:
+    """xxh3-128 of the config's KV-relevant fields, as canonical JSON."""
+    values = {k: v for k, v in config.to_dict().items() if k not in _VOLATILE_CONFIG_FIELDS}
+    canonical = json.dumps(values, sort_keys=True, default=str, separators=(",", ":"))
+    return xxhash.xxh3_128_hexdigest(canonical.encode("utf-8"))
+
+
+def weights_identity(model_dir: str | os.PathLike) -> str:
+    """A content-derived identity of the ``*.safetensors`` files of ``model_dir`` (see module doc)."""
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise ConfigError(
+            f"no *.safetensors file in {os.fspath(model_dir)!r}; save the model with "
+            f"save_pretrained(safe_serialization=True) or pass weights_revision= explicitly"
+        )
+    h = xxhash.xxh3_128()
+    for path in files:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(8)
+            if len(head) != 8:
+                raise ConfigError(f"{path} is not a safetensors file (shorter than its length field)")
+            (header_len,) = struct.unpack("<Q", head)
+            if header_len > min(size - 8, 100 << 20):
+                raise ConfigError(f"{path} is not a safetensors file (header length {header_len})")
+            header = f.read(header_len)
+            h.update(path.name.encode("utf-8") + b"\0" + struct.pack("<QQ", size, header_len) + header)
+            data_start = 8 + header_len
+            span = size - data_start
+            for i in range(SAMPLES_PER_FILE):
+                offset = data_start + (span - SAMPLE_BYTES) * i // max(SAMPLES_PER_FILE - 1, 1) if span > SAMPLE_BYTES else data_start
+                f.seek(offset)
+                h.update(f.read(SAMPLE_BYTES))
+    return "st1:" + h.hexdigest()
+
+
+def model_dtype_name(model) -> str:
+    dtype = next(model.parameters()).dtype
+    return str(dtype).removeprefix("torch.")
+
+
+def namespace_for_model(
+    model,
+    *,
+    block_tokens: int = 32,
+    weights_dir: str | os.PathLike | None = None,
+    weights_revision: str | None = None,
+    tenant: str = "",
+    adapter: str = "",
+    salt: str = "",
+) -> Namespace:
+    """The namespace of ``model``'s KV cache.
+
+    The weights are identified by ``weights_revision`` if given (e.g. a hub
+    commit hash you trust), else by :func:`weights_identity` of ``weights_dir``
+    or, failing that, of the directory the model was loaded from
+    (``config._name_or_path``). A model built in memory has neither: save it
+    first, or pass ``weights_revision``.
+    """
+    config = model.config
+    if weights_revision is None:
+        source = weights_dir or getattr(config, "_name_or_path", "") or ""
+        if not source or not Path(source).is_dir():
+            raise ConfigError(
+                "cannot identify the model's weights: it was not loaded from a local directory; "
+                "pass weights_dir=<directory with *.safetensors> or weights_revision=<a revision you trust>"
+            )
+        weights_revision = weights_identity(source)
+    dtype = model_dtype_name(model)
+    layout = kv_layout(config, dtype, block_tokens)
+    model_id = f"hf:{config.model_type}:cfg={config_fingerprint(config)}"
+    return Namespace(model_id, layout, weights_revision=weights_revision, tenant=tenant, adapter=adapter, salt=salt)
