@@ -184,14 +184,75 @@ class _DiskBench:
         return {"direct_io": self.direct, "dir": self.dir}
 
 
+class _EncryptedDiskBench(_DiskBench):
+    """Encrypted vs plain disk tier: the "limit" is the same tier without encryption.
+
+    Both tiers hold the same blocks in sibling directories; the encrypted one seals
+    each block (chunked AES-256-GCM, :class:`~kvtier.tiers.encrypted.EncryptedTier`)
+    before the same O_DIRECT write, and opens it after the same cold read.
+    """
+
+    def __init__(self, nbytes: int, blocks: int, directory: str | None, drop_caches: bool) -> None:
+        super().__init__(nbytes, blocks, directory, drop_caches)
+        from kvtier.crypto.keyring import Keyring
+        from kvtier.crypto.providers import StaticMasterKey
+        from kvtier.tiers.disk import DiskTier
+        from kvtier.tiers.encrypted import EncryptedTier
+
+        keyring = Keyring(StaticMasterKey(os.urandom(32)), os.path.join(self.dir, "keys"))
+        inner = DiskTier(os.path.join(self.dir, "sealed"), 2 * blocks * (round_up(nbytes) + 2 * PAGE + nbytes // 1000))
+        self.sealed = EncryptedTier(inner, keyring, "bench")
+
+    def tier_put(self, i: int, key: bytes) -> None:
+        _check(self.sealed.put(key, self.srcs[i % 2]), "encrypted disk put")
+
+    def limit_put(self, i: int) -> None:
+        _check(self.tier.put(self._keys[i], self.srcs[i % 2]), "disk put")
+
+    def tier_get(self, i: int, key: bytes) -> None:
+        _check(self.sealed.get(key, self.outs[i % 2]), "encrypted disk get")
+
+    def limit_get(self, i: int) -> None:
+        _check(self.tier.get(self._keys[i], self.outs[i % 2]), "disk get")
+
+    def start(self, keys):
+        self._keys = keys
+
+    def between(self, keys):
+        paths = [self.tier.path_of(k) for k in keys]
+        paths += [self.sealed.inner.path_of(self.sealed.storage_name(k)) for k in keys]
+        for path in paths:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                drop_cache(fd)
+            finally:
+                os.close(fd)
+
+    def cleanup(self, keys):
+        for k in keys:
+            self.tier.delete(k)
+            self.sealed.delete(k)
+
+    def close(self):
+        self.sealed.close()
+        super().close()
+
+
 def run(tier: str, block_mib: float, blocks: int | None, runs: int, directory: str | None = None,
-        drop_caches: bool = False) -> dict:
+        drop_caches: bool = False, encrypt: bool = False) -> dict:
     """Measure ``runs`` interleaved rounds; return the medians (see the module docstring)."""
     nbytes = int(block_mib * MIB)
     if nbytes <= 0 or runs <= 0:
         raise ValueError("--block-mib and --runs must be positive")
+    if encrypt and tier != "disk":
+        raise ValueError("--encrypt applies to --tier disk (the host tier stays plaintext by default)")
     blocks = blocks or max(4, -(-DEFAULT_RUN_BYTES // nbytes))
-    bench = _HostBench(nbytes, blocks) if tier == "host" else _DiskBench(nbytes, blocks, directory, drop_caches)
+    if encrypt:
+        bench = _EncryptedDiskBench(nbytes, blocks, directory, drop_caches)
+    elif tier == "host":
+        bench = _HostBench(nbytes, blocks)
+    else:
+        bench = _DiskBench(nbytes, blocks, directory, drop_caches)
     total = nbytes * blocks
     put, lput, get, lget = [], [], [], []
     try:
@@ -208,6 +269,24 @@ def run(tier: str, block_mib: float, blocks: int | None, runs: int, directory: s
     finally:
         bench.close()
     med = statistics.median
+    if encrypt:
+        put_ratio = med(a / b for a, b in zip(put, lput))
+        get_ratio = med(a / b for a, b in zip(get, lget))
+        return {
+            "tier": "disk",
+            "encrypt": True,
+            "block_mib": block_mib,
+            "blocks": blocks,
+            "runs": runs,
+            "put_gbps": round(med(put), 3),
+            "get_gbps": round(med(get), 3),
+            "plain_put_gbps": round(med(lput), 3),
+            "plain_get_gbps": round(med(lget), 3),
+            "encrypt_put_ratio": round(put_ratio, 3),
+            "encrypt_get_ratio": round(get_ratio, 3),
+            "encrypt_ratio": round(min(put_ratio, get_ratio), 3),
+            **bench.describe(),
+        }
     return {
         "tier": tier,
         "block_mib": block_mib,
@@ -232,13 +311,15 @@ def register(subparsers) -> None:
     p.add_argument("--dir", default=None, help="disk tier directory (default: a temp dir under the current one)")
     p.add_argument("--drop-caches", action="store_true",
                    help="also write /proc/sys/vm/drop_caches before gets (root; affects the whole machine)")
+    p.add_argument("--encrypt", action="store_true",
+                   help="disk only: encrypted vs plain tier in the same run; prints encrypt_ratio")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_main)
 
 
 def _main(args) -> int:
-    result = run(args.tier, args.block_mib, args.blocks, args.runs, args.dir, args.drop_caches)
-    if args.json:
+    result = run(args.tier, args.block_mib, args.blocks, args.runs, args.dir, args.drop_caches, args.encrypt)
+    if args.json or args.encrypt:
         print(json.dumps(result))
         return 0
     from rich.console import Console

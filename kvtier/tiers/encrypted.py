@@ -86,8 +86,11 @@ class EncryptedTier(Tier):
     def on_evict(self, _hook) -> None:
         pass  # see module docstring: no demotion out of an encrypted tier
 
-    def _name(self, key: BlockKey) -> BlockKey:
+    def storage_name(self, key: BlockKey) -> BlockKey:
+        """The keyed name a block is stored under in the inner tier."""
         return BlockKey(self.keyring.storage_key(self.tenant, key))
+
+    _name = storage_name
 
     def _lookup(self, epoch: int, key_id: bytes):
         key = self.keyring.key_for_read(self.tenant, epoch, key_id)
