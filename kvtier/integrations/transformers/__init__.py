@@ -1,14 +1,27 @@
 """kvtier for Hugging Face transformers causal LMs (Llama, Qwen2, Mistral without sliding window).
 
-Importing this package imports torch and transformers; the rest of kvtier never does.
-
 * :mod:`.namespace` — the namespace of a model: KV layout from its config, a cheap weights identity.
 * :mod:`.cache_io` — store blocks ↔ the model's ``DynamicCache``, one large copy per block.
 * :mod:`.session` — :class:`KVTierLM`: lookup → load → prefill the suffix → generate → save.
 * :mod:`.models` — random-weight Llama models and a local tokenizer, built once and cached.
+
+The names below resolve lazily, so that ``models`` (paths, specs) imports
+without torch; ``KVTierLM`` and the namespace helpers import torch/transformers.
 """
 
-from kvtier.integrations.transformers.namespace import kv_layout, namespace_for_model, weights_identity
-from kvtier.integrations.transformers.session import Generation, KVTierLM, Prepared
+from __future__ import annotations
 
 __all__ = ["Generation", "KVTierLM", "Prepared", "kv_layout", "namespace_for_model", "weights_identity"]
+
+_HOMES = {
+    "Generation": "session", "KVTierLM": "session", "Prepared": "session",
+    "kv_layout": "namespace", "namespace_for_model": "namespace", "weights_identity": "namespace",
+}
+
+
+def __getattr__(name: str):
+    if name in _HOMES:
+        import importlib
+
+        return getattr(importlib.import_module(f"{__name__}.{_HOMES[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -50,6 +50,7 @@ class Generation(NamedTuple):
     tokens: list[int]  #: generated token ids (greedy)
     first_logits: torch.Tensor  #: float32 logits after the last prompt token
     ttft_s: float
+    ttft_cpu_s: float  #: CPU seconds of this process (all threads) until the first token
     lookup_s: float  #: keying the prompt and the longest-prefix lookup
     load_s: float  #: copying cached blocks into the model's cache
     prefill_s: float  #: the forward pass over the uncached suffix
@@ -190,6 +191,7 @@ class KVTierLM:
             raise ValueError("max_new_tokens must be at least 1 (the first token is the point)")
         arr = as_token_array(tokens)
         start = time.perf_counter()
+        cpu_start = time.process_time()
         prep = self.prepare(arr, extra_tokens=max_new_tokens, use_store=use_store)
         loaded = time.perf_counter()
         suffix = torch.from_numpy(arr[prep.cached_tokens :].astype(np.int64)).unsqueeze(0)
@@ -197,6 +199,7 @@ class KVTierLM:
         logits = out.logits[0, -1].float()
         token = int(torch.argmax(logits))
         first = time.perf_counter()
+        first_cpu = time.process_time()
         generated = [token]
         step = torch.empty((1, 1), dtype=torch.long)
         while len(generated) < max_new_tokens and token != eos_token_id:
@@ -213,6 +216,7 @@ class KVTierLM:
             tokens=generated,
             first_logits=logits,
             ttft_s=first - start,
+            ttft_cpu_s=first_cpu - cpu_start,
             lookup_s=prep.lookup_s,
             load_s=prep.load.seconds if prep.load else 0.0,
             prefill_s=first - loaded,

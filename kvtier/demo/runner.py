@@ -1,0 +1,129 @@
+"""``kvtier demo``: split the scenario at its restarts, run each part in a fresh engine process.
+
+This process never imports torch: it spawns :mod:`kvtier.demo.worker` once per
+phase (so the restart in the middle is a real one: new process, empty host
+tier, the disk tier re-indexed from its directory), feeds it the scenario and
+the conversations so far as JSON, and renders the JSON lines it answers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from kvtier.demo.report import Reporter, plot, print_summary
+from kvtier.demo.summary import summarize
+from kvtier.demo.workload import Scenario, default_scenario, quick_scenario
+
+#: tokens per block: short turns append ~50-300 tokens, and only full blocks are
+#: stored, so each turn recomputes its partial last block (on average half a
+#: block: ~16 tokens ≈ 40 ms of prefill here). 32 keeps that small while a block
+#: of the demo model is still 512 KiB — large I/O for the disk tier, one
+#: memcpy-speed copy for the host tier — and it is a multiple of every engine
+#: page size we target (vLLM CPU needs multiples of 32).
+BLOCK_TOKENS = 32
+
+
+def phases_of(scenario: Scenario) -> list[list[int]]:
+    """Step indices per engine process: the scenario cut at each "restart"."""
+    phases: list[list[int]] = [[]]
+    for i, step in enumerate(scenario.steps):
+        if step.kind == "restart":
+            phases.append([])
+        else:
+            phases[-1].append(i)
+    return [p for p in phases if p]
+
+
+def store_settings(store_dir: str) -> dict:
+    # Write-through: a turn's blocks reach the disk tier when they are saved, so
+    # a restart (or a crash) loses nothing but the DRAM copy.
+    return {"host_bytes": "1GiB", "disk_path": store_dir, "disk_bytes": "8GiB", "write_mode": "write-through"}
+
+
+def run_phase(job: dict, reporter: Reporter) -> tuple[list[dict], dict]:
+    """Run one worker process to completion; its turn records and its summary of itself."""
+    env = dict(os.environ)
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read by OpenMP at torch import, so set before exec
+    spawned = time.perf_counter()
+    with tempfile.TemporaryFile(mode="w+") as errors:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvtier.demo.worker"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errors, text=True, env=env,
+        )
+        proc.stdin.write(json.dumps(job))
+        proc.stdin.close()
+        turns: list[dict] = []
+        info: dict = {"phase": job["phase"]}
+        for line in proc.stdout:
+            event = json.loads(line)
+            if event["event"] == "ready":
+                info.update(event, spawn_to_ready_s=time.perf_counter() - spawned)
+            elif event["event"] == "turn":
+                turns.append(event)
+            elif event["event"] == "done":
+                info.update(sessions=event["sessions"], store_stats=event["store_stats"])
+            reporter.on_event(event)
+        if proc.wait() != 0:
+            errors.seek(0)
+            raise RuntimeError(f"demo worker (phase {job['phase']}) failed:\n{errors.read()[-4000:]}")
+    return turns, info
+
+
+def run_demo(args) -> int:
+    started = time.perf_counter()
+    scenario = quick_scenario() if args.quick else default_scenario()
+    phases = phases_of(scenario)
+    from kvtier.integrations.transformers.models import cache_dir  # no torch at import
+
+    own_dir = args.store_dir is None
+    store_dir = args.store_dir or tempfile.mkdtemp(prefix="demo-store-", dir=_mkdir(cache_dir()))
+    turns: list[dict] = []
+    infos: list[dict] = []
+    sessions: dict = {}
+    try:
+        with Reporter(sum(len(p) for p in phases), quiet_stdout=args.json) as reporter:
+            for number, indices in enumerate(phases, start=1):
+                if number > 1:
+                    reporter.restart(f"engine process {infos[-1].get('pid')} exits; a new one starts on the same disk tier")
+                job = {
+                    "phase": number,
+                    "scenario": scenario.to_json(),
+                    "step_indices": indices,
+                    "sessions": sessions,
+                    "block_tokens": BLOCK_TOKENS,
+                    "store": store_settings(store_dir),
+                    "threads": args.threads,
+                    "capacity_tokens": 8192,
+                }
+                phase_turns, info = run_phase(job, reporter)
+                turns += phase_turns
+                infos.append(info)
+                sessions = info["sessions"]
+        summary = summarize(turns, infos, runtime_s=time.perf_counter() - started, scenario=scenario.name)
+        if args.plot:
+            boundaries, seen = [], 0
+            for indices in phases[:-1]:
+                seen += len(indices)
+                boundaries.append(seen)
+            plot(turns, args.plot, boundaries)
+            summary["plot"] = args.plot
+        if args.json:
+            print(json.dumps(summary))
+        else:
+            print_summary(reporter.console, summary)
+    finally:
+        if own_dir:
+            shutil.rmtree(store_dir, ignore_errors=True)
+    return 0
+
+
+def _mkdir(path: Path) -> str:
+    path.mkdir(parents=True, exist_ok=True)
+    return str(path)

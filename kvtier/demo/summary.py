@@ -1,0 +1,81 @@
+"""From the turn records the workers emitted to the demo's summary (plain data, no I/O)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """Linear-interpolated percentile (``q`` in 0..100); None for no values."""
+    data = sorted(v for v in values if v is not None)
+    if not data:
+        return None
+    pos = (len(data) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return data[lo] + (data[hi] - data[lo]) * (pos - lo)
+
+
+def summarize(turns: list[dict], phases: list[dict], *, runtime_s: float, scenario: str) -> dict:
+    """The figures a user checks: equality, speedups, the tax over the ideal, hit rate, CPU saved, bytes."""
+    cold = [t["ttft_cold_s"] for t in turns]
+    warm = [t["ttft_warm_s"] for t in turns]
+    resumes = [t for t in turns if t["kind"] == "resume"]
+    context = sum(t["context_tokens"] for t in turns)
+    cached = sum(t["cached_tokens"] for t in turns)
+    loaded: dict[str, int] = {}
+    for t in turns:
+        for tier, n in t["loaded_bytes"].items():
+            loaded[tier] = loaded.get(tier, 0) + n
+    written: dict[str, int] = {}
+    for phase in phases:
+        for tier, stats in (phase.get("store_stats") or {}).items():
+            written[tier] = written.get(tier, 0) + stats.get("bytes_written", 0)
+    last_stats = (phases[-1].get("store_stats") or {}) if phases else {}
+    restart = next((p for p in phases if p["phase"] > 1), None)
+    summary = {
+        "scenario": scenario,
+        "turns": len(turns),
+        "outputs_equal": all(t["outputs_equal"] for t in turns),
+        "logits_max_abs_diff": max((t["logits_max_abs_diff"] for t in turns), default=None),
+        "ttft_cold_p50_s": percentile(cold, 50),
+        "ttft_cold_p90_s": percentile(cold, 90),
+        "ttft_warm_p50_s": percentile(warm, 50),
+        "ttft_warm_p90_s": percentile(warm, 90),
+        "speedup_p50": percentile([t["speedup"] for t in turns], 50),
+        "overhead_ratio_p50": percentile([t["overhead_ratio"] for t in turns], 50),
+        "overhead_ratio_p90": percentile([t["overhead_ratio"] for t in turns], 90),
+        "hit_rate": cached / context if context else 0.0,
+        "cached_tokens": cached,
+        "context_tokens": context,
+        "cpu_seconds_cold": sum(t["cpu_cold_s"] for t in turns),
+        "cpu_seconds_warm": sum(t["cpu_warm_s"] for t in turns),
+        "cpu_seconds_saved": sum(t["cpu_cold_s"] - t["cpu_warm_s"] for t in turns),
+        "bytes_loaded_by_tier": loaded,
+        "bytes_written_by_tier": written,
+        "bytes_used_by_tier": {tier: s.get("used_bytes", 0) for tier, s in last_stats.items()},
+        "tier_limits_gib_s": [p.get("limits_gib_s") for p in phases],
+        "runtime_s": runtime_s,
+    }
+    if resumes:
+        first = resumes[0]
+        summary.update({
+            "resume_speedup": first["speedup"],
+            "resume_context_tokens": first["context_tokens"],
+            "resume_new_tokens": first["computed_tokens"],
+            "resume_tiers": sorted(first["tokens_by_tier"]),
+            "resume_ttft_cold_s": first["ttft_cold_s"],
+            "resume_ttft_warm_s": first["ttft_warm_s"],
+        })
+        after = [t for t in resumes if t["phase"] > 1]
+        if after:
+            summary["resume_after_restart_speedup"] = after[0]["speedup"]
+            summary["resume_after_restart_tiers"] = sorted(after[0]["tokens_by_tier"])
+    if restart is not None:
+        summary["restart"] = {
+            "new_process_ready_s": restart.get("spawn_to_ready_s"),
+            "model_load_s": restart.get("model_load_s"),
+            "store_open_s": restart.get("store_open_s"),
+            "disk_blocks_recovered": restart.get("recovered_blocks"),
+        }
+    return summary
