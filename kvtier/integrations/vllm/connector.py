@@ -122,7 +122,7 @@ class KvtierConnector(KVConnectorBase_V1):
         return self.scheduler.build(scheduler_output)
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
-        self.scheduler.loads_finished(connector_output.finished_recving)
+        self.scheduler.update(connector_output.finished_recving, connector_output.invalid_block_ids)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler.finished(request)

@@ -50,6 +50,8 @@ class _Request:
     match: Match | None = None
     load_planned: bool = False
     loading: bool = False  #: an asynchronous load into this request's pages is in flight
+    load_pages: frozenset[int] = frozenset()
+    load_failed: bool = False  #: a load failed: vLLM recomputes, never load this request again
     loaded_tokens: int = 0
     wait_until: float | None = None
 
@@ -80,8 +82,9 @@ class SchedulerSide:
     # -- lookup ---------------------------------------------------------------------
     def num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         state = self._state(request)
-        if not self.loads:
+        if not self.loads or state.load_failed:
             return 0, False
+        state.load_planned = False  # a fresh admission (a new request, or one preempted) plans afresh
         hashes = self.engine.block_hashes(request.block_hashes, request.num_tokens)
         stored = self._lookup(hashes)
         announced = min(_announced_blocks(request), len(hashes))
@@ -129,6 +132,7 @@ class SchedulerSide:
             LoadJob(request.request_id, hashes, transfers, is_async=self.config.async_load)
         )
         state.load_planned = True
+        state.load_pages = frozenset(p for t in transfers for p in t.page_ids)
         state.loading = self.config.async_load
         state.loaded_tokens = num_external_tokens
         self.stats.load_jobs += 1
@@ -175,11 +179,16 @@ class SchedulerSide:
         self.stats.save_blocks += len(transfers)
         state.stored_blocks = full
 
-    def loads_finished(self, req_ids) -> None:
-        for req_id in req_ids or ():
+    def update(self, finished_loads, invalid_pages) -> None:
+        """Take the workers' report of a step: loads that ended, pages they could not fill."""
+        for req_id in finished_loads or ():
             state = self._requests.get(req_id)
             if state is not None:
                 state.loading = False
+        if invalid_pages:
+            for state in self._requests.values():
+                if state.load_pages & invalid_pages:
+                    state.load_failed = True
 
     def finished(self, request) -> tuple[bool, dict | None]:
         """Forget the request. Returns (keep its pages until the worker reports its

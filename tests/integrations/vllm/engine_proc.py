@@ -10,7 +10,9 @@ Settings: ``model`` (a directory), ``extra`` (kv_connector_extra_config, or
 null for no connector), ``role`` (kv_both | kv_producer | kv_consumer),
 ``max_model_len``. Commands: ``generate`` (prompts as token-id lists,
 ``max_tokens``, optional ``cache_salt``, ``kv_transfer_params``), ``reset``
-(vLLM's prefix cache), ``stats``, ``quit``.
+(vLLM's prefix cache), ``flush`` (wait for the connector's saves), ``stats``,
+``break_loads`` / ``fix_loads`` (make every store read fail while lookups
+still hit), ``quit``.
 """
 
 from __future__ import annotations
@@ -75,7 +77,12 @@ def generate(llm, cmd: dict) -> dict:
             extra_args={"kv_transfer_params": extra} if extra else None,
         ))
     start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    if cmd.get("sequential"):
+        # One request at a time: batch composition changes float rounding in the
+        # decode GEMMs, which would blur a comparison of cached and uncached runs.
+        outs = [llm.generate([p], [sp], use_tqdm=False)[0] for p, sp in zip(prompts, params)]
+    else:
+        outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     results = []
     for out in outs:
@@ -122,6 +129,21 @@ def main() -> int:
             from vllm.distributed.kv_transfer import get_kv_transfer_group
 
             get_kv_transfer_group().worker.flush()
+            reply({"ok": True})
+        elif op == "break_loads":
+            # Test hook: lookups still hit, every read fails (a tier that dies between the two).
+            from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+            from kvtier.store.tiered import GetResult
+            from kvtier.tiers.base import Status
+
+            store = get_kv_transfer_group().store
+            store.get = lambda keys, outs, **kw: GetResult([Status.ERROR] * len(keys), [None] * len(keys), 0)
+            reply({"ok": True})
+        elif op == "fix_loads":
+            from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+            vars(get_kv_transfer_group().store).pop("get", None)
             reply({"ok": True})
         elif op == "quit":
             reply({"ok": True})
