@@ -185,10 +185,10 @@ class WireClient:
         self._arm(deadline)
         while views:
             _remaining(deadline)
-            if self._zero_copy_send:
-                sent = sock.sendmsg(views)
-            else:
-                sent = sock.send(views[0])
+            try:
+                sent = sock.sendmsg(views) if self._zero_copy_send else sock.send(views[0])
+            except BlockingIOError:  # SO_SNDTIMEO expired: the server does not read
+                raise TimeoutError(f"{self.address} is not reading") from None
             while sent:
                 if sent >= len(views[0]):
                     sent -= len(views[0])
@@ -206,7 +206,10 @@ class WireClient:
             self._mv[:n] = self._mv[self._start : self._end]
             self._start, self._end = 0, n
         self._arm(deadline)
-        k = self.sock.recv_into(self._mv[self._end :])
+        try:
+            k = self.sock.recv_into(self._mv[self._end :])
+        except BlockingIOError:  # SO_RCVTIMEO expired
+            raise TimeoutError(f"{self.address} did not answer in time") from None
         if k == 0:
             raise ConnectionError(f"{self.address} closed the connection")
         self._end += k
@@ -254,7 +257,10 @@ class WireClient:
         while got < n:
             _remaining(deadline)
             # MSG_WAITALL: one call per piece, however the kernel delivers it
-            r = sock.recv_into(view[got : got + _PIECE] if hasher is not None else view[got:], 0, _WAITALL)
+            try:
+                r = sock.recv_into(view[got : got + _PIECE] if hasher is not None else view[got:], 0, _WAITALL)
+            except BlockingIOError:  # SO_RCVTIMEO expired
+                raise TimeoutError(f"{self.address} stalled mid-payload") from None
             if r == 0:
                 raise ConnectionError(f"{self.address} closed the connection mid-payload")
             if hasher is not None:

@@ -1,0 +1,122 @@
+"""Quotas, TTL retention, erasure through the admin API and CLI, and the audit trail."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from kvtier.cli.admin import admin_call
+from kvtier.server.launch import ServerProcess
+from kvtier.tiers.base import Status
+from tests.server.conftest import BLOCK, block, keys_for, remote
+from tests.server.harness import SHARED, TOKENS, tenants
+
+
+@pytest.fixture(scope="module")
+def gov_server(tmp_path_factory):
+    wd = tmp_path_factory.mktemp("kvtier-gov")
+    srv = ServerProcess.start(
+        tenants(acme={"quota": 8 * BLOCK, "namespace_ttl_s": {"scratch": 0.4}}, globex={"ttl_s": 600}),
+        shared=SHARED, admin_token=TOKENS["admin"], workdir=str(wd),
+        server={"capacity": "32MiB", "max_block": "256KiB", "audit_log": str(wd / "audit.jsonl"),
+                "sweep_interval_s": 0.1},
+    )
+    yield srv
+    srv.stop()
+
+
+def _admin(srv, cmd, **args):
+    return admin_call(srv.tcp_url, TOKENS["admin"], cmd, args)
+
+
+def test_tenant_over_quota_evicts_its_own_least_recent_blocks_first(gov_server):
+    acme = remote(gov_server, "acme", namespace="quota")
+    globex = remote(gov_server, "globex", namespace="quota")
+    theirs = keys_for("globex-quota", 4)
+    assert globex.put_many(theirs, [block(k) for k in theirs]) == [Status.OK] * 4
+    mine = keys_for("acme-quota", 12)
+    for i, k in enumerate(mine):
+        assert acme.put(k, block(k)) is Status.OK
+        if i == 5:
+            assert acme.lookup_prefix([mine[0]]) == 1  # a hit on the oldest: now most recent
+    usage = _admin(gov_server, "usage")["usage"]
+    assert usage["acme"]["bytes"] <= 8 * BLOCK
+    present = acme.contains_many(mine)
+    assert sum(present) == 8
+    assert present[-1] and present[0], "the most recent and the re-used block survive"
+    assert not present[1], "the least recently used block went first"
+    assert globex.contains_many(theirs) == [True] * 4, "another tenant lost blocks to acme's quota"
+    # A block larger than the whole quota is refused, not stored at others' expense.
+    assert _admin(gov_server, "set_quota", tenant="globex", bytes=BLOCK // 2)["ok"]
+    assert globex.put(keys_for("too-big", 1)[0], block(b"z" * 32)) is Status.FULL
+    assert _admin(gov_server, "set_quota", tenant="globex", bytes=0)["ok"]
+
+
+def test_namespace_ttl_expires_blocks(gov_server):
+    scratch = remote(gov_server, "acme", namespace="scratch")
+    keep = remote(gov_server, "acme", namespace="keep")
+    keys = keys_for("ttl", 3)
+    assert scratch.put_many(keys, [block(k) for k in keys]) == [Status.OK] * 3
+    assert keep.put_many(keys, [block(k) for k in keys]) == [Status.OK] * 3
+    assert scratch.lookup_prefix(keys) == 3
+    time.sleep(0.7)
+    assert scratch.lookup_prefix(keys) == 0
+    assert scratch.get(keys[0], np.zeros(BLOCK, np.uint8)) is Status.MISS
+    assert keep.lookup_prefix(keys) == 3
+    # Retention changes at run time, per tenant.
+    assert _admin(gov_server, "set_ttl", tenant="acme", ttl_s=0.3, namespace="keep")["ok"]
+    time.sleep(0.6)
+    assert keep.lookup_prefix(keys) == 0
+    assert _admin(gov_server, "set_ttl", tenant="acme", ttl_s=0, namespace="keep")["ok"]
+
+
+def test_erase_a_session_then_a_whole_tenant(gov_server):
+    acme = remote(gov_server, "acme", namespace="sessions")
+    globex = remote(gov_server, "globex", namespace="sessions")
+    s1, s2 = keys_for("session-1", 2), keys_for("session-2", 2)
+    assert acme.put_many(s1, [block(k) for k in s1], session="chat-1") == [Status.OK] * 2
+    assert acme.put_many(s2, [block(k) for k in s2], session="chat-2") == [Status.OK] * 2
+    g = keys_for("globex-session", 2)
+    assert globex.put_many(g, [block(k) for k in g], session="chat-1") == [Status.OK] * 2
+
+    assert _admin(gov_server, "erase", tenant="acme", session="chat-1") == {"ok": True, "erased": 2}
+    assert acme.contains_many(s1 + s2) == [False, False, True, True]
+    assert globex.contains_many(g) == [True, True], "a session id of another tenant was erased"
+
+    erased = _admin(gov_server, "erase", tenant="acme")
+    assert erased["ok"] and erased["erased"] >= 2
+    assert acme.contains_many(s2) == [False, False]
+    assert _admin(gov_server, "usage")["usage"]["acme"]["bytes"] == 0
+    assert globex.contains_many(g) == [True, True]
+
+
+def test_admin_errors_name_the_fix_and_everything_is_audited(gov_server):
+    bad = _admin(gov_server, "erase", tenant="nobody")
+    assert not bad["ok"] and "known:" in bad["error"]
+    assert not _admin(gov_server, "frobnicate")["ok"]
+    with pytest.raises(PermissionError):
+        admin_call(gov_server.tcp_url, TOKENS["acme"], "usage", {})
+    records = [json.loads(line) for line in open(gov_server.workdir + "/audit.jsonl")]
+    admin = [r for r in records if r["event"] == "admin"]
+    assert {r["cmd"] for r in admin} >= {"usage", "erase", "set_quota", "frobnicate"}
+    assert all({"ts", "peer", "ok"} <= set(r) for r in admin)
+
+
+def test_admin_cli(gov_server):
+    env_cmd = [sys.executable, "-c", "from kvtier.cli.admin import register; import argparse, sys;"
+               "p = argparse.ArgumentParser(); s = p.add_subparsers(); register(s);"
+               "a = p.parse_args(sys.argv[1:]); sys.exit(a.func(a))"]
+    out = subprocess.run(env_cmd + ["admin", "hash-token", "abc"], capture_output=True, text=True, timeout=30)
+    assert out.stdout.strip() == "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+    out = subprocess.run(env_cmd + ["admin", "--url", gov_server.tcp_url, "--token", TOKENS["admin"], "usage"],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert "acme" in json.loads(out.stdout)["usage"]
+    out = subprocess.run(env_cmd + ["admin", "--url", gov_server.tcp_url, "--token", "wrong", "usage"],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 1 and "refused" in out.stderr

@@ -1,0 +1,91 @@
+"""Prometheus /metrics and /healthz; KV events over ZMQ with sequence numbers and replay."""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+
+import msgpack
+import numpy as np
+import zmq
+
+from kvtier.server.events import replay
+from kvtier.tiers.base import Status
+from tests.server.conftest import BLOCK, block, keys_for, remote
+
+
+def _get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, ""
+
+
+def _metric(text: str, name: str, **labels) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            head = line.split(" ")[0]
+            if head == name or head.startswith(name + "{"):
+                total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_metrics_and_healthz(server):
+    base = f"http://{server.info['metrics']}"
+    assert _get(base + "/healthz") == (200, "ok\n")
+    tier = remote(server, "globex", namespace="metrics")
+    keys = keys_for("metrics", 4)
+    assert tier.put_many(keys, [block(k) for k in keys]) == [Status.OK] * 4
+    assert tier.lookup_prefix(keys + keys_for("absent", 1)) == 4
+    out = np.zeros(BLOCK, np.uint8)
+    assert tier.get(keys[0], out) is Status.OK
+    assert tier.get(keys_for("absent", 1)[0], out) is Status.MISS
+    status, text = _get(base + "/metrics")
+    assert status == 200
+    assert _metric(text, "kvtier_hits_total", op="get") >= 1
+    assert _metric(text, "kvtier_misses_total", op="get") >= 1
+    assert _metric(text, "kvtier_hits_total", op="lookup") >= 4
+    assert _metric(text, "kvtier_received_bytes_total") >= 4 * BLOCK
+    assert _metric(text, "kvtier_tier_used_bytes", tier="host") > 0
+    assert _metric(text, "kvtier_tenant_used_bytes", tenant="globex") >= 4 * BLOCK
+    assert _metric(text, "kvtier_request_seconds_count", op="put") >= 4
+    for name in ("kvtier_tier_evictions_total", "kvtier_verify_failures_total", "kvtier_tier_capacity_bytes",
+                 "kvtier_connections", "kvtier_auth_failures_total"):
+        assert name in text, name
+    assert _get(base + "/nope")[0] == 404
+
+
+def test_kv_events_have_sequence_numbers_and_replay(server):
+    ctx = zmq.Context.instance()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+    sub.setsockopt(zmq.RCVTIMEO, 3000)
+    sub.connect(server.info["events"])
+    time.sleep(0.3)  # slow joiner: let the subscription reach the publisher
+    tier = remote(server, "acme", namespace="events")
+    keys = keys_for("events", 3)
+    assert tier.put_many(keys, [block(k) for k in keys]) == [Status.OK] * 3
+    assert tier.delete(keys[1])
+    seen: list[tuple[int, dict]] = []
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        topic, seq, payload = sub.recv_multipart()
+        for event in msgpack.unpackb(payload, raw=False)[1]:
+            seen.append((int.from_bytes(seq, "big"), event))
+        stored = {bytes(k) for _, e in seen if e["type"] == "stored" and e["namespace"] == "events" for k in e["keys"]}
+        removed = {bytes(k) for _, e in seen if e["type"] == "removed" and e["namespace"] == "events" for k in e["keys"]}
+        if stored >= set(keys) and keys[1] in removed:
+            break
+    assert stored >= set(keys) and removed == {keys[1]}
+    assert all(e["tier"] == "host" and e["owner"] == "acme" for _, e in seen if e["namespace"] == "events")
+    seqs = sorted({s for s, _ in seen})
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs))), "sequence numbers have gaps"
+
+    # A subscriber that missed everything asks for a replay from the first sequence number.
+    replayed = replay(server.info["events_replay"], since=seqs[0])
+    assert [s for s, _ in replayed][: len(seqs)] == seqs
+    got = {bytes(k) for _, events in replayed for e in events if e["type"] == "stored" for k in e["keys"]}
+    assert got >= set(keys)
+    sub.close()
