@@ -124,33 +124,41 @@ def train_tokenizer(vocab_size: int, out_dir: Path):
     return fast
 
 
-def build_model(spec: ModelSpec, out_dir: Path) -> None:
-    """Train the tokenizer and save a seeded random-weight Llama of ``spec`` into ``out_dir``."""
+def build_model(spec: ModelSpec, out_dir: Path, *, tokenizer: bool = True, config_class=None, **config_extra) -> None:
+    """Save a seeded random-weight model of ``spec`` (and its trained tokenizer) into ``out_dir``.
+
+    ``tokenizer=False`` skips training one (tests that only need token ids);
+    ``config_class`` builds another architecture of the same geometry (e.g.
+    ``Qwen2Config``), with ``config_extra`` passed to it.
+    """
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, LlamaConfig
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    tokenizer = train_tokenizer(spec.vocab_size, out_dir)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
+    tok = train_tokenizer(spec.vocab_size, out_dir) if tokenizer else None
+    config = (config_class or LlamaConfig)(
+        vocab_size=len(tok) if tok is not None else spec.vocab_size,
         hidden_size=spec.hidden_size,
         num_hidden_layers=spec.num_hidden_layers,
         num_attention_heads=spec.num_attention_heads,
         num_key_value_heads=spec.num_key_value_heads,
         intermediate_size=spec.intermediate_size,
         max_position_embeddings=spec.max_position_embeddings,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tok.bos_token_id if tok is not None else None,
+        eos_token_id=tok.eos_token_id if tok is not None else None,
         tie_word_embeddings=False,
+        **config_extra,
     )
     torch.manual_seed(spec.seed)
-    model = LlamaForCausalLM(config).to(getattr(torch, spec.dtype))
+    model = AutoModelForCausalLM.from_config(config).to(getattr(torch, spec.dtype))
     model.save_pretrained(out_dir, safe_serialization=True)
 
 
-def load_model(model_dir: str | os.PathLike, *, attn_implementation: str = "sdpa"):
-    """The model and tokenizer saved in ``model_dir`` (local files only), in eval mode."""
+def load_model(model_dir: str | os.PathLike, *, attn_implementation: str = "sdpa", tokenizer: bool = True):
+    """The model and tokenizer (None with ``tokenizer=False``) saved in ``model_dir``, in eval mode.
+
+    Local files only."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -159,5 +167,5 @@ def load_model(model_dir: str | os.PathLike, *, attn_implementation: str = "sdpa
     model = AutoModelForCausalLM.from_pretrained(
         model_dir, dtype="auto", local_files_only=True, attn_implementation=attn_implementation
     ).eval()
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    return model, tokenizer
+    tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True) if tokenizer else None
+    return model, tok

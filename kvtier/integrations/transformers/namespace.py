@@ -95,6 +95,36 @@ def weights_identity(model_dir: str | os.PathLike) -> str:
     return "st1:" + h.hexdigest()
 
 
+def check_weights_match(model, model_dir: str | os.PathLike, samples: int = 3, values: int = 64) -> None:
+    """Raise :class:`ConfigError` unless a few sampled weights of ``model`` equal those in ``model_dir``.
+
+    Guards the cheap identity against its one easy mistake: a model *built* from
+    a config read in ``model_dir`` (so ``_name_or_path`` points there) but not
+    *loaded* from it. Weights changed in memory after loading are not detected.
+    """
+    from safetensors import safe_open
+
+    state = model.state_dict()
+    compared = 0
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            names = [n for n in f.keys() if n in state and state[n].numel() > 1]
+            picks = {names[i * (len(names) - 1) // max(samples - 1, 1)] for i in range(samples)} if names else set()
+            for name in sorted(picks):
+                stored = f.get_slice(name)
+                rows = stored[:1] if len(stored.get_shape()) > 1 else stored[:values]
+                mine = state[name][:1] if state[name].dim() > 1 else state[name][:values]
+                if rows.shape != mine.shape or not bool((rows.to(mine.dtype) == mine.detach().cpu()).all()):
+                    raise ConfigError(
+                        f"the model's weight {name!r} differs from {path}: the model was not loaded from "
+                        f"{os.fspath(model_dir)!r}; pass weights_dir= of its real files or weights_revision="
+                    )
+                compared += 1
+    if not compared:
+        raise ConfigError(f"no weight of the model could be compared with {os.fspath(model_dir)!r}; "
+                          f"pass weights_revision= explicitly")
+
+
 def model_dtype_name(model) -> str:
     dtype = next(model.parameters()).dtype
     return str(dtype).removeprefix("torch.")
@@ -127,6 +157,7 @@ def namespace_for_model(
                 "pass weights_dir=<directory with *.safetensors> or weights_revision=<a revision you trust>"
             )
         weights_revision = weights_identity(source)
+        check_weights_match(model, source)
     dtype = model_dtype_name(model)
     layout = kv_layout(config, dtype, block_tokens)
     model_id = f"hf:{config.model_type}:cfg={config_fingerprint(config)}"
