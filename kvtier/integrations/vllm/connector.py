@@ -24,6 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvtier.integrations.vllm import shared_store
 from kvtier.integrations.vllm.config import ConnectorConfig, engine_kv
+from kvtier.integrations.vllm.lookup_service import LookupClient, LookupServer, socket_path
 from kvtier.integrations.vllm.metadata import KvtierMetadata
 from kvtier.integrations.vllm.scheduler_side import SchedulerSide
 from kvtier.integrations.vllm.worker_side import WorkerSide
@@ -57,25 +58,38 @@ class KvtierConnector(KVConnectorBase_V1):
 
             tp_rank = get_tensor_model_parallel_rank()
         self.engine = engine_kv(self.config, vllm_config, kv_cache_config, tp_rank=tp_rank)
-        self.store = shared_store.acquire(self.config.store, self.engine.layout)
+        engine_id = str(transfer.engine_id)
+        self.store = None
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
+        self._lookup_server: LookupServer | None = None
         if role == KVConnectorRole.SCHEDULER:
+            # vLLM builds the worker first: if it runs in this process, share its store.
+            self.store = shared_store.worker_store(engine_id)
+            if self.store is not None:
+                lookup = lambda keys: self.store.lookup(keys).hit_blocks  # noqa: E731
+            else:
+                lookup = LookupClient(socket_path(engine_id)).lookup
             if transfer.kv_load_failure_policy != self.config.load_failure_policy:
                 # Read by vLLM's scheduler right after it builds this connector.
                 log.info("kvtier: kv_load_failure_policy=%s (a failed load is recomputed)",
                          self.config.load_failure_policy)
                 transfer.kv_load_failure_policy = self.config.load_failure_policy
             self.scheduler = SchedulerSide(
-                self.config, self.engine, self.store,
+                self.config, self.engine, lookup,
                 loads=transfer.kv_role in ("kv_both", "kv_consumer"),
                 saves=transfer.kv_role in ("kv_both", "kv_producer"),
             )
         else:
+            self.store = shared_store.acquire(self.config.store, self.engine.layout)
+            shared_store.register_worker(engine_id, self.store)
             self.worker = WorkerSide(self.engine, self.store)
-        log.info("kvtier connector (%s): namespace %s, %d-token blocks, tiers %s",
+            if tp_rank == 0:
+                store = self.store
+                self._lookup_server = LookupServer(socket_path(engine_id), lambda keys: store.lookup(keys).hit_blocks)
+        log.info("kvtier connector (%s): namespace %s, %d-token blocks, %s",
                  role.name, self.engine.namespace.model_id, self.engine.block_tokens,
-                 [t.name for t in self.store.tiers])
+                 f"tiers {[t.name for t in self.store.tiers]}" if self.store else "lookups via the worker")
 
     # -- worker side ------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
@@ -105,6 +119,9 @@ class KvtierConnector(KVConnectorBase_V1):
         return self.worker.take_load_errors()
 
     def shutdown(self) -> None:
+        if self._lookup_server is not None:
+            self._lookup_server.close()
+            self._lookup_server = None
         if self.worker is not None:
             self.worker.shutdown()
         if self.store is not None:

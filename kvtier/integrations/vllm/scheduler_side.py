@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from kvtier.integrations.vllm.config import ConnectorConfig, EngineKV
+from kvtier.core.keys import BlockKey
 from kvtier.integrations.vllm.metadata import BlockTransfer, KvtierMetadata, LoadJob, SaveJob
-from kvtier.store.tiered import TieredStore
 
 log = logging.getLogger(__name__)
 
@@ -68,11 +69,18 @@ class SchedulerStats:
 
 class SchedulerSide:
     def __init__(
-        self, config: ConnectorConfig, engine: EngineKV, store: TieredStore, *, loads: bool, saves: bool
+        self,
+        config: ConnectorConfig,
+        engine: EngineKV,
+        lookup: Callable[[list[BlockKey]], int],
+        *,
+        loads: bool,
+        saves: bool,
     ) -> None:
+        """``lookup(keys)`` returns how many leading keys the store holds (the worker's store)."""
         self.config = config
         self.engine = engine
-        self.store = store
+        self.lookup = lookup
         self.loads = loads
         self.saves = saves
         self.stats = SchedulerStats()
@@ -107,7 +115,7 @@ class SchedulerSide:
             return 0
         self.stats.lookups += 1
         try:
-            return self.store.lookup(self.engine.keys(hashes)).hit_blocks
+            return self.lookup(self.engine.keys(hashes))
         except Exception as exc:  # noqa: BLE001 - a broken tier is a miss, never a failed request
             self.stats.lookup_errors += 1
             log.warning("kvtier lookup failed (%s); treating it as a miss", exc)

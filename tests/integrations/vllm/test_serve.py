@@ -1,0 +1,93 @@
+"""``vllm serve`` with the kvtier connector answers OpenAI completions and reloads a prompt from kvtier.
+
+vLLM serves here with its multiprocess executor: the scheduler's lookups cross
+a process boundary to the worker that owns the store.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(url: str, body: dict | None = None) -> dict:
+    data = json.dumps(body).encode() if body is not None else b""
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"}, method="POST")
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        assert resp.status == 200
+        text = resp.read().decode()
+    return json.loads(text) if text.strip().startswith("{") else {}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory):
+    port = _free_port()
+    transfer = {
+        "kv_connector": "KvtierConnector",
+        "kv_connector_module_path": "kvtier.integrations.vllm",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"block_tokens": 64, "host_bytes": "64MiB"},
+    }
+    log = open(tmp_path_factory.mktemp("serve") / "vllm-serve.log", "w")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvtier.integrations.vllm.launcher", "serve", tiny_model,
+         "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
+         "--block-size", "32", "--max-model-len", "2048", "--enable-prompt-tokens-details",
+         "--kv-transfer-config", json.dumps(transfer)],
+        stdout=log, stderr=subprocess.STDOUT, env=env,
+    )
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 200
+    while True:
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=2):
+                break
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                log.close()
+                pytest.fail(f"vllm serve did not come up; see {log.name}")
+            time.sleep(1)
+    yield base, tiny_model
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    log.close()
+
+
+def test_vllm_serve_completion_is_reloaded_from_kvtier(server):
+    from kvtier.integrations.vllm.local_model import corpus
+
+    base, model = server
+    body = {"model": model, "prompt": " ".join(corpus()[:40]), "max_tokens": 8, "temperature": 0}
+    first = _post(base + "/v1/completions", body)
+    assert first["choices"][0]["finish_reason"] == "length"
+    prompt_tokens = first["usage"]["prompt_tokens"]
+    assert prompt_tokens > 256
+    assert first["kv_transfer_params"]["kvtier_loaded_tokens"] == 0
+    time.sleep(0.5)  # the connector's writes are asynchronous
+    _post(base + "/reset_prefix_cache")
+    second = _post(base + "/v1/completions", body)
+    loaded = second["kv_transfer_params"]["kvtier_loaded_tokens"]
+    assert loaded == min(prompt_tokens // 64 * 64, (prompt_tokens - 1) // 32 * 32)
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == loaded
+    assert second["choices"][0]["text"] == first["choices"][0]["text"]
