@@ -152,8 +152,9 @@ class RedisPeer:
                     self.close()
                     raise RuntimeError("redis-server did not start") from None
                 time.sleep(0.02)
-        self.hiredis = "Hiredis" in type(self.client.connection_pool.get_connection("PING")._parser).__name__ \
-            if hasattr(self.client.connection_pool, "get_connection") else None
+        from redis.utils import HIREDIS_AVAILABLE
+
+        self.hiredis = bool(HIREDIS_AVAILABLE)
 
     def _chunks(self, key: bytes, view: memoryview):
         for j, off in enumerate(range(0, len(view), self.CHUNK)):
@@ -221,7 +222,7 @@ def run(block_mib: float, run_mib: int, runs: int, unix: bool, with_redis: bool 
     rng = np.random.default_rng(0)
     srcs = [rng.integers(0, 256, nbytes, dtype=np.uint8) for _ in range(blocks)]
     outs = [np.ones(nbytes, np.uint8) for _ in range(blocks)]  # warm
-    server = raw = red = tier = None
+    server = raw = red = tier = hiredis = None
     res: dict[str, list[float]] = {k: [] for k in ("put", "get", "sput", "sget", "rput", "rget")}
     try:
         pool = total + 4 * nbytes
@@ -278,6 +279,7 @@ def run(block_mib: float, run_mib: int, runs: int, unix: bool, with_redis: bool 
                 res["rget"].append(_gbps(total, t2 - t1))
             red.delete(keys, srcs)
 
+        hiredis = red.hiredis if red is not None else None
         phases = [kv, sock] + ([rds] if red is not None else [])
         for r in range(-1, runs):  # run -1 warms up; not counted
             k = (r + 1) % len(phases)
@@ -309,6 +311,7 @@ def run(block_mib: float, run_mib: int, runs: int, unix: bool, with_redis: bool 
         "get_ratio_vs_socket": ratio("get", "sget"),
         "put_ratio_vs_redis": ratio("put", "rput"),
         "get_ratio_vs_redis": ratio("get", "rget"),
+        "redis_hiredis": hiredis,
         **({"redis_error": redis_error} if with_redis and red is None else {}),
     }
 

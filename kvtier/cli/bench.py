@@ -12,6 +12,7 @@ BENCH_MODULES = [
     "kvtier.bench.storage",
     "kvtier.bench.lookup",
     "kvtier.bench.prefill",
+    "kvtier.bench.remote",
 ]
 
 

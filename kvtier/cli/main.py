@@ -13,6 +13,8 @@ COMMAND_MODULES = [
     "kvtier.cli.demo",
     "kvtier.cli.plan",
     "kvtier.cli.simulate",
+    "kvtier.cli.serve",
+    "kvtier.cli.admin",
 ]
 
 

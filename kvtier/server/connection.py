@@ -25,6 +25,8 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import socket
+import struct
 import time
 
 from kvtier.tiers.remote_protocol import (
@@ -279,8 +281,20 @@ class Connection(asyncio.BufferedProtocol):
         return False
 
     def timeout(self) -> None:
-        what = "idle" if self.phase is Phase.IDLE else "a frame took"
-        self.fail(ErrorCode.TIMEOUT, f"{what} too long; closing")
+        if self.phase is Phase.SEND:
+            # The client does not read: drop what is queued at once (it may be views of
+            # pool slots that the cancelled task is about to release) and reset, so that
+            # the kernel frees its send buffer too (SO_LINGER 0 turns close into RST).
+            self._closed = True
+            sock = self.transport.get_extra_info("socket")
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            except (OSError, AttributeError):
+                pass
+            self.transport.abort()
+        else:
+            what = "idle" if self.phase is Phase.IDLE else "a frame took"
+            self.fail(ErrorCode.TIMEOUT, f"{what} too long; closing")
         if self.task is not None:
             self.task.cancel()
 

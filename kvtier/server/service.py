@@ -89,9 +89,12 @@ class Service:
         self.events = events
         self._io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvtier-serve-io")
         self._scratch: ScratchPool | None = None
-        # Slots reserved by uploads in flight: a few slow clients must not pin the whole pool.
+        # Slots reserved by uploads in flight: slow clients must not pin the whole pool,
+        # and one tenant's slow uploads must not take the room of the others'.
         self._inflight = 0
+        self._inflight_by_owner: dict[str, int] = {}
         self._max_inflight = max(1, host.num_slots // 2)
+        self._max_inflight_per_owner = max(1, host.num_slots // 8)
         m = metrics
         ops = [op for op in Op if op not in (Op.HELLO, Op.ERROR)]
         self._lat = {op: m.latency.labels(op.name.lower()) for op in ops}
@@ -322,7 +325,8 @@ class Service:
         status = Status.OK
         if not self.gov.admits(owner, n):
             status = Status.FULL
-        elif self._inflight >= self._max_inflight:
+        elif (self._inflight >= self._max_inflight
+              or self._inflight_by_owner.get(owner, 0) >= self._max_inflight_per_owner):
             status = Status.FULL
         if status is not Status.OK:
             await conn.discard(h.data_len)
@@ -334,6 +338,7 @@ class Service:
                 self.metrics.quota_evictions.labels(owner).inc()
         block_meta = BlockMeta(bh.dtype, bh.shape, bh.token_count)
         self._inflight += 1
+        self._inflight_by_owner[owner] = self._inflight_by_owner.get(owner, 0) + 1
         try:
             if self.host.free_slots or len(self.store.tiers) == 1:
                 status, res = self.host.reserve(skey, n, meta=block_meta)
@@ -357,6 +362,7 @@ class Service:
                 raise
         finally:
             self._inflight -= 1
+            self._inflight_by_owner[owner] -= 1
         self.metrics.bytes_in.inc(n)
         digest = hasher.digest()
         if digest != trailer:
@@ -414,6 +420,13 @@ class Service:
             }, "policy": self.gov.describe()}
         if cmd == "stats":
             return {"store": self.store.stats(), "blocks": len(self.index), "bytes": self.index.total_bytes}
+        if cmd == "check":
+            try:
+                self.index.check_integrity()
+                self.store.check_integrity()
+            except AssertionError as exc:
+                return {"consistent": False, "problem": str(exc)}
+            return {"consistent": True, "blocks": len(self.index)}
         owner = args.get("tenant")
         if not isinstance(owner, str) or owner not in known:
             raise ValueError(f"unknown tenant {owner!r}; known: {sorted(known)}")
@@ -440,7 +453,7 @@ class Service:
                 raise TypeError("namespace must be a string")
             self.gov.set_ttl(owner, ttl, namespace)
             return {"ttl_s": ttl}
-        raise ValueError(f"unknown admin command {cmd!r}; use usage, stats, erase, set_quota or set_ttl")
+        raise ValueError(f"unknown admin command {cmd!r}; use usage, stats, check, erase, set_quota or set_ttl")
 
     # -- retention ---------------------------------------------------------------------------
     def sweep(self) -> int:
