@@ -204,7 +204,8 @@ class SchedulerSide:
         state = self._requests.pop(request.request_id, None)
         if state is None:
             return False, None
-        return state.loading, {PD_PARAM: state.stored_blocks, "kvtier_loaded_tokens": state.loaded_tokens}
+        loaded = 0 if state.load_failed else state.loaded_tokens
+        return state.loading, {PD_PARAM: state.stored_blocks, "kvtier_loaded_tokens": loaded}
 
     def _state(self, request) -> _Request:
         state = self._requests.get(request.request_id)

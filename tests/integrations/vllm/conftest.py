@@ -23,9 +23,9 @@ def tiny_model() -> str:
     return str(ensure_model("tiny"))
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def engines(tmp_path_factory):
-    """Start engines (several at once, to overlap their start-up); all stopped at session end."""
+    """Start engines (several at once, to overlap their start-up); all stopped at the module's end."""
     started: list[Engine] = []
     logs = tmp_path_factory.mktemp("engine-logs")
 

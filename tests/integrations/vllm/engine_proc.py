@@ -12,7 +12,8 @@ null for no connector), ``role`` (kv_both | kv_producer | kv_consumer),
 ``max_tokens``, optional ``cache_salt``, ``kv_transfer_params``), ``reset``
 (vLLM's prefix cache), ``flush`` (wait for the connector's saves), ``stats``,
 ``break_loads`` / ``fix_loads`` (make every store read fail while lookups
-still hit), ``quit``.
+still hit), ``kill_on_next_load`` (SIGKILL a process at the next store read),
+``quit``.
 """
 
 from __future__ import annotations
@@ -139,6 +140,24 @@ def main() -> int:
 
             store = get_kv_transfer_group().store
             store.get = lambda keys, outs, **kw: GetResult([Status.ERROR] * len(keys), [None] * len(keys), 0)
+            reply({"ok": True})
+        elif op == "kill_on_next_load":
+            # Test hook: the next store read first SIGKILLs process ``pid`` (a kvtier server), so
+            # the scheduler's lookup saw the server alive and the worker's load finds it dead.
+            import signal
+
+            from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+            store = get_kv_transfer_group().store
+            original, pid = store.get, cmd["pid"]
+
+            def get(keys, outs, **kw):
+                store.get = original
+                os.kill(pid, signal.SIGKILL)
+                time.sleep(0.2)  # let the kernel close its sockets
+                return original(keys, outs, **kw)
+
+            store.get = get
             reply({"ok": True})
         elif op == "fix_loads":
             from vllm.distributed.kv_transfer import get_kv_transfer_group
