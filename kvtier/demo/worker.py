@@ -73,10 +73,10 @@ def main() -> int:
     scenario = Scenario.from_json(job["scenario"])
 
     def encode(role: str, text: str, max_tokens: int) -> list[int]:
-        ids = tokenizer(f"<|{role}|>\n{text}\n", add_special_tokens=False)["input_ids"]
+        ids = tokenizer(f"<|{role}|>{text}\n", add_special_tokens=False)["input_ids"]
         return list(ids[:max_tokens])
 
-    assistant = tokenizer("<|assistant|>\n", add_special_tokens=False)["input_ids"]
+    assistant = tokenizer("<|assistant|>", add_special_tokens=False)["input_ids"]
     system = encode(scenario.system_prompt.role, scenario.system_prompt.text, scenario.system_prompt.max_tokens)
     sessions: dict[str, list[int]] = job.get("sessions") or {}
 

@@ -47,8 +47,8 @@ FOLLOW_UPS = [
 ]
 
 RESUME_QUESTIONS = [
-    "Back from lunch: in one sentence, what was the root cause?",
-    "Quick question: which file do I change first?",
+    "Root cause, in one line?",
+    "Which file do I change first?",
 ]
 
 
@@ -140,17 +140,18 @@ def quick_scenario(seed: int = 7) -> Scenario:
     """About a minute here: three users, one long session that resumes, one restart."""
     t = _Texts(seed)
     a, b, c = t.module(), t.module(), t.module()
+    ask = lambda m: _user(t.rng.choice(USER_ASKS).format(name=m.stem))  # noqa: E731
     steps = [
-        Step("turn", "alice", "first question", [_user(t.rng.choice(USER_ASKS).format(name=a.stem))]),
-        Step("turn", "bob", "first question", [_user(t.rng.choice(USER_ASKS).format(name=b.stem))]),
-        Step("turn", "carol", "first question", [_user(t.rng.choice(USER_ASKS).format(name=c.stem))]),
-        Step("turn", "alice", "reads a long file", [_read(t, a, 3000), _user(FOLLOW_UPS[0])]),
+        Step("turn", "bob", "first question", [ask(b)]),
+        Step("turn", "alice", "asks about a long file", [ask(a), _read(t, a, 3550)]),
+        Step("turn", "carol", "first question", [ask(c)]),
         Step("resume", "alice", "resume: short question", [_user(RESUME_QUESTIONS[0], 24)]),
         Step("restart"),
         Step("turn", "bob", "after restart: test log",
              [Message("tool", t.test_log(b.stem, 1500), 200), _user(FOLLOW_UPS[1])]),
+        Step("turn", "carol", "after restart", [_user(FOLLOW_UPS[3])]),
     ]
-    return Scenario("quick", Message("system", t.system_prompt(8000), 1024), steps, gen_tokens=6)
+    return Scenario("quick", Message("system", t.system_prompt(8000), 1024), steps, gen_tokens=4)
 
 
 def default_scenario(seed: int = 11) -> Scenario:
@@ -162,7 +163,7 @@ def default_scenario(seed: int = 11) -> Scenario:
         Step("turn", "alice", "first question", [ask(a)]),
         Step("turn", "bob", "first question", [ask(b)]),
         Step("turn", "carol", "first question", [ask(c)]),
-        Step("turn", "alice", "reads a long file", [_read(t, a, 2900), _user(FOLLOW_UPS[0])]),
+        Step("turn", "alice", "reads a long file", [_read(t, a, 3400), _user(FOLLOW_UPS[0])]),
         Step("turn", "bob", "reads a file", [_read(t, b, 400)]),
         Step("turn", "dave", "first question", [ask(d)]),
         Step("turn", "carol", "greps", [Message("tool", "grep ->\n" + t.source(c, 1500), 250), _user(FOLLOW_UPS[2])]),

@@ -24,7 +24,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 #: bump when the way a model or tokenizer is built changes
-BUILD_FORMAT = 1
+BUILD_FORMAT = 2
+
+#: one token each, as in real chat templates (a role marker spelled out in
+#: characters would cost ~8 tokens of every message)
+CHAT_TOKENS = ["<|system|>", "<|user|>", "<|assistant|>", "<|tool|>"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,7 +114,7 @@ def train_tokenizer(vocab_size: int, out_dir: Path):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=["<s>", "</s>", "<unk>"],
+        special_tokens=["<s>", "</s>", "<unk>", *CHAT_TOKENS],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -119,7 +123,8 @@ def train_tokenizer(vocab_size: int, out_dir: Path):
     files = corpus_files(limit_bytes=min(3 << 20, 400 * vocab_size))
     texts = (p.read_text(encoding="utf-8", errors="replace") for p in files)
     tok.train_from_iterator(texts, trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                   additional_special_tokens=CHAT_TOKENS)
     fast.save_pretrained(out_dir)
     return fast
 
