@@ -79,6 +79,41 @@ def run_phase(job: dict, reporter: Reporter) -> tuple[list[dict], dict]:
     return turns, info
 
 
+def replay(
+    scenario: Scenario,
+    store_dir: str,
+    reporter: Reporter,
+    *,
+    threads: int | None = None,
+    model_spec: dict | None = None,
+    model_root: str | None = None,
+) -> tuple[list[dict], list[dict]]:
+    """Run every phase of ``scenario`` in its own worker process; the turn records and per-phase info."""
+    turns: list[dict] = []
+    infos: list[dict] = []
+    sessions: dict = {}
+    for number, indices in enumerate(phases_of(scenario), start=1):
+        if number > 1:
+            reporter.restart(f"engine process {infos[-1].get('pid')} exits; a new one starts on the same disk tier")
+        job = {
+            "phase": number,
+            "scenario": scenario.to_json(),
+            "step_indices": indices,
+            "sessions": sessions,
+            "block_tokens": BLOCK_TOKENS,
+            "store": store_settings(store_dir),
+            "threads": threads,
+            "capacity_tokens": 8192,
+            "model_spec": model_spec,
+            "model_root": model_root,
+        }
+        phase_turns, info = run_phase(job, reporter)
+        turns += phase_turns
+        infos.append(info)
+        sessions = info["sessions"]
+    return turns, infos
+
+
 def run_demo(args) -> int:
     started = time.perf_counter()
     scenario = quick_scenario() if args.quick else default_scenario()
@@ -87,34 +122,12 @@ def run_demo(args) -> int:
 
     own_dir = args.store_dir is None
     store_dir = args.store_dir or tempfile.mkdtemp(prefix="demo-store-", dir=_mkdir(cache_dir()))
-    turns: list[dict] = []
-    infos: list[dict] = []
-    sessions: dict = {}
     try:
         with Reporter(sum(len(p) for p in phases), quiet_stdout=args.json) as reporter:
-            for number, indices in enumerate(phases, start=1):
-                if number > 1:
-                    reporter.restart(f"engine process {infos[-1].get('pid')} exits; a new one starts on the same disk tier")
-                job = {
-                    "phase": number,
-                    "scenario": scenario.to_json(),
-                    "step_indices": indices,
-                    "sessions": sessions,
-                    "block_tokens": BLOCK_TOKENS,
-                    "store": store_settings(store_dir),
-                    "threads": args.threads,
-                    "capacity_tokens": 8192,
-                }
-                phase_turns, info = run_phase(job, reporter)
-                turns += phase_turns
-                infos.append(info)
-                sessions = info["sessions"]
+            turns, infos = replay(scenario, store_dir, reporter, threads=args.threads)
         summary = summarize(turns, infos, runtime_s=time.perf_counter() - started, scenario=scenario.name)
         if args.plot:
-            boundaries, seen = [], 0
-            for indices in phases[:-1]:
-                seen += len(indices)
-                boundaries.append(seen)
+            boundaries = [sum(len(p) for p in phases[: k + 1]) for k in range(len(phases) - 1)]
             plot(turns, args.plot, boundaries)
             summary["plot"] = args.plot
         if args.json:

@@ -1,0 +1,54 @@
+"""The demo's figures are computed from its turn records as documented."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier.demo.summary import percentile, summarize
+
+
+def record(index, *, cold, warm, kind="turn", phase=1, ctx=1000, cached=900, tier="host", equal=True, ideal=None):
+    return {
+        "index": index, "phase": phase, "session": "s", "label": "l", "kind": kind,
+        "context_tokens": ctx, "cached_tokens": cached, "computed_tokens": ctx - cached,
+        "tokens_by_tier": {tier: cached} if cached else {}, "loaded_bytes": {tier: cached * 10} if cached else {},
+        "ttft_cold_s": cold, "ttft_warm_s": warm, "cpu_cold_s": 2 * cold, "cpu_warm_s": 2 * warm,
+        "speedup": cold / warm, "overhead_ratio": warm / (ideal or warm), "outputs_equal": equal,
+        "logits_max_abs_diff": 0.0,
+    }
+
+
+def test_percentile_interpolates_and_ignores_missing_values():
+    assert percentile([3, 1, 2], 50) == 2
+    assert percentile([1, 2, 3, 4], 50) == 2.5
+    assert percentile([0, 10], 90) == pytest.approx(9)
+    assert percentile([None, 5], 50) == 5
+    assert percentile([], 50) is None
+
+
+def test_summary_figures():
+    turns = [
+        record(0, cold=2.0, warm=2.0, cached=0),
+        record(1, cold=2.0, warm=0.2, ideal=0.19),
+        record(2, cold=10.0, warm=0.1, kind="resume", ctx=5000, cached=4990),
+        record(3, cold=3.0, warm=0.5, phase=2, tier="disk", equal=True),
+    ]
+    phases = [
+        {"phase": 1, "limits_gib_s": {"host": 9.0}, "store_stats": {"host": {"bytes_written": 100, "used_bytes": 50}}},
+        {"phase": 2, "spawn_to_ready_s": 4.0, "model_load_s": 0.2, "store_open_s": 0.1, "recovered_blocks": 7,
+         "store_stats": {"host": {"bytes_written": 10, "used_bytes": 10}, "disk": {"bytes_written": 0, "used_bytes": 99}}},
+    ]
+    s = summarize(turns, phases, runtime_s=42.0, scenario="t")
+    assert s["outputs_equal"] is True
+    assert s["speedup_p50"] == pytest.approx((6.0 + 10.0) / 2)
+    assert s["resume_speedup"] == pytest.approx(100.0)
+    assert s["resume_new_tokens"] == 10 and s["resume_tiers"] == ["host"]
+    assert s["hit_rate"] == pytest.approx((900 + 4990 + 900) / 8000)
+    assert s["cpu_seconds_saved"] == pytest.approx(2 * (17.0 - 2.8))
+    assert s["bytes_loaded_by_tier"] == {"host": 58900, "disk": 9000}
+    assert s["bytes_written_by_tier"] == {"host": 110, "disk": 0}
+    assert s["bytes_used_by_tier"] == {"host": 10, "disk": 99}
+    assert s["restart"]["disk_blocks_recovered"] == 7
+    assert s["overhead_ratio_p50"] == pytest.approx(1.0)
+    turns[3]["outputs_equal"] = False
+    assert summarize(turns, phases, runtime_s=1.0, scenario="t")["outputs_equal"] is False
