@@ -32,6 +32,7 @@ from kvtier.core.payload import BlockMeta
 from kvtier.crypto import aead
 from kvtier.crypto.keyring import Keyring
 from kvtier.tiers.base import Status, Tier
+from kvtier.tiers.wrapper import WrappingTier
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ class _Staging(threading.local):
         return self.buf[:nbytes]
 
 
-class EncryptedTier(Tier):
+class EncryptedTier(WrappingTier):
     def __init__(
         self,
         inner: Tier,
@@ -59,8 +60,7 @@ class EncryptedTier(Tier):
         chunk_bytes: int = aead.DEFAULT_CHUNK_BYTES,
         threads: int = 2,
     ) -> None:
-        self.inner = inner
-        super().__init__()
+        super().__init__(inner)
         self.name = f"encrypted({inner.name})"
         self.keyring = keyring
         self.tenant = tenant
@@ -68,15 +68,6 @@ class EncryptedTier(Tier):
         self._context = frame_str(1, "tenant") + frame_str(2, tenant)
         self._staging = _Staging()
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvtier-aead") if threads > 1 else None
-
-    # Counters are the inner tier's plus verification failures found here.
-    @property
-    def stats(self):
-        return self.inner.stats
-
-    @stats.setter
-    def stats(self, _value) -> None:
-        pass
 
     @property
     def on_evict(self):
@@ -149,18 +140,7 @@ class EncryptedTier(Tier):
     def keys(self) -> Iterator[BlockKey]:
         return iter(())
 
-    @property
-    def capacity_bytes(self) -> int:
-        return self.inner.capacity_bytes
-
-    @property
-    def used_bytes(self) -> int:
-        return self.inner.used_bytes
-
-    def check_integrity(self) -> None:
-        self.inner.check_integrity()
-
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
-        self.inner.close()
+        super().close()

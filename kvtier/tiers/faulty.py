@@ -17,6 +17,7 @@ import numpy as np
 from kvtier.core.keys import BlockKey
 from kvtier.core.payload import BlockMeta
 from kvtier.tiers.base import Status, Tier
+from kvtier.tiers.wrapper import WrappingTier
 
 
 @dataclass
@@ -28,7 +29,7 @@ class Faults:
     down: bool = False  #: every operation fails, as a dead tier would
 
 
-class FaultyTier(Tier):
+class FaultyTier(WrappingTier):
     """Wraps ``inner``; faults are set through :attr:`faults` at any time.
 
     A corrupted read is reported as OK on purpose: it models silent corruption
@@ -36,20 +37,10 @@ class FaultyTier(Tier):
     """
 
     def __init__(self, inner: Tier, faults: Faults | None = None, seed: int = 0) -> None:
-        self.inner = inner
-        super().__init__()
+        super().__init__(inner)
         self.faults = faults or Faults()
         self.name = f"faulty({inner.name})"
         self._rng = random.Random(seed)
-
-    @property
-    def stats(self):
-        # One set of counters: the wrapped tier's, plus the faults injected here.
-        return self.inner.stats
-
-    @stats.setter
-    def stats(self, _value) -> None:
-        pass  # Tier.__init__ assigns fresh stats; ours are the inner tier's
 
     @property
     def on_evict(self):
@@ -96,16 +87,3 @@ class FaultyTier(Tier):
     def keys(self) -> Iterator[BlockKey]:
         return self.inner.keys()
 
-    @property
-    def capacity_bytes(self) -> int:
-        return self.inner.capacity_bytes
-
-    @property
-    def used_bytes(self) -> int:
-        return self.inner.used_bytes
-
-    def check_integrity(self) -> None:
-        self.inner.check_integrity()
-
-    def close(self) -> None:
-        self.inner.close()
