@@ -1,14 +1,16 @@
-"""One vLLM engine in its own process, driven by JSON lines (a test and benchmark helper).
+"""One vLLM engine in its own process, driven by JSON lines (for tests and ``kvtier bench vllm``).
 
 vLLM keeps its KV connector in a process-wide global, so each engine instance
-of a test (a prefill and a decode instance, a fresh engine) runs here.
-Usage: ``python engine_proc.py '<json settings>'``; then one JSON command per
+(a prefill and a decode instance, a fresh engine, one per benchmarked tier)
+runs in its own process.
+Usage: ``python -m kvtier.integrations.vllm.engine_proc '<json settings>'``; then one JSON command per
 line on stdin, one reply per command on stdout as ``KVTIER-REPLY <json>``
 (vLLM's own log lines are skipped by the reader).
 
 Settings: ``model`` (a directory), ``extra`` (kv_connector_extra_config, or
 null for no connector), ``role`` (kv_both | kv_producer | kv_consumer),
-``max_model_len``. Commands: ``generate`` (prompts as token-id lists,
+``max_model_len``, ``prefix_caching``, or ``transfer`` (a whole
+KVTransferConfig dict, for another connector such as LMCache's). Commands: ``generate`` (prompts as token-id lists,
 ``max_tokens``, optional ``cache_salt``, ``kv_transfer_params``), ``reset``
 (vLLM's prefix cache), ``flush`` (wait for the connector's saves), ``stats``,
 ``break_loads`` / ``fix_loads`` (make every store read fail while lookups
@@ -20,17 +22,96 @@ from __future__ import annotations
 
 import json
 import os
+import queue
+import subprocess
 import sys
+import threading
 import time
+from pathlib import Path
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+#: the child's defaults: in-process engine core, eager mode (start in seconds), no hub
+CHILD_ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
 
 MARK = "KVTIER-REPLY "
 
 
+class EngineDied(RuntimeError):
+    pass
+
+
+class EngineProcess:
+    """The parent's handle on an engine process; ``call`` sends one command and returns its reply."""
+
+    def __init__(self, settings: dict, log_path: Path, *, env: dict | None = None) -> None:
+        self.log_path = log_path
+        self._log = open(log_path, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvtier.integrations.vllm.engine_proc", json.dumps(settings)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
+            env={**CHILD_ENV, **os.environ, **(env or {})},
+        )
+        self._replies: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            if line.startswith(MARK):
+                self._replies.put(json.loads(line[len(MARK):]))
+            else:
+                self._log.write(line)
+        self._replies.put(None)
+
+    def wait_ready(self, timeout: float = 240) -> None:
+        self._reply(timeout)
+
+    def send(self, **cmd) -> None:
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+
+    def reply(self, timeout: float = 240) -> dict:
+        return self._reply(timeout)
+
+    def call(self, timeout: float = 240, **cmd) -> dict:
+        self.send(**cmd)
+        return self._reply(timeout)
+
+    def _reply(self, timeout: float) -> dict:
+        try:
+            got = self._replies.get(timeout=timeout)
+        except queue.Empty:
+            raise EngineDied(f"no reply in {timeout}s; log: {self.log_path}\n{self.tail()}") from None
+        if got is None:
+            raise EngineDied(f"engine exited ({self.proc.poll()}); log: {self.log_path}\n{self.tail()}")
+        return got
+
+    def generate(self, prompts, *, sequential: bool = True, **kw) -> list[dict]:
+        """Outputs of ``prompts``; ``sequential`` (one request at a time) keeps results bit-comparable."""
+        return self.call(op="generate", prompts=prompts, sequential=sequential, **kw)["outputs"]
+
+    def tail(self, n: int = 40) -> str:
+        self._log.flush()
+        return "".join(Path(self.log_path).read_text(errors="replace").splitlines(True)[-n:])
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.call(op="quit", timeout=60)
+            except (EngineDied, BrokenPipeError, OSError):
+                pass
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()
+
+
+# -- the child ------------------------------------------------------------------------------
 def reply(obj) -> None:
     sys.stdout.write(MARK + json.dumps(obj) + "\n")
     sys.stdout.flush()
@@ -41,7 +122,9 @@ def build(settings: dict):
     from vllm.config import KVTransferConfig
 
     transfer = None
-    if settings.get("extra") is not None:
+    if settings.get("transfer") is not None:
+        transfer = KVTransferConfig(**settings["transfer"])
+    elif settings.get("extra") is not None:
         transfer = KVTransferConfig(
             kv_connector="KvtierConnector",
             kv_connector_module_path="kvtier.integrations.vllm",
@@ -58,6 +141,7 @@ def build(settings: dict):
         seed=0,
         kv_transfer_config=transfer,
         enable_prefix_caching=settings.get("prefix_caching", True),
+        **settings.get("engine_args", {}),
     )
 
 
@@ -114,6 +198,8 @@ def stats(llm) -> dict:
 
 
 def main() -> int:
+    for name, value in CHILD_ENV.items():
+        os.environ.setdefault(name, value)
     settings = json.loads(sys.argv[1])
     llm = build(settings)
     reply({"ready": True})
@@ -129,7 +215,9 @@ def main() -> int:
         elif op == "flush":
             from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-            get_kv_transfer_group().worker.flush()
+            worker = getattr(get_kv_transfer_group(), "worker", None)
+            if worker is not None:
+                worker.flush()
             reply({"ok": True})
         elif op == "break_loads":
             # Test hook: lookups still hit, every read fails (a tier that dies between the two).
