@@ -84,15 +84,22 @@ class Connection(asyncio.BufferedProtocol):
         self.since = time.monotonic()  # when the current phase began
         self.bytes_in = 0
         self.task: asyncio.Task | None = None
+        self.tls = False
 
     # -- asyncio protocol callbacks ------------------------------------------------
     def connection_made(self, transport) -> None:
         self.transport = transport
         peer = transport.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else "unix"
-        # high = 0: pause_writing as soon as anything is left unsent, resume when
-        # all of it is gone -- the moment a sent slot may be released.
-        transport.set_write_buffer_limits(high=0, low=0)
+        self.tls = transport.get_extra_info("ssl_object") is not None
+        if self.tls:
+            # TLS encrypts (copies) anyway: payloads are written as copies and the slot
+            # released at once; ordinary limits give backpressure.
+            transport.set_write_buffer_limits(high=1 << 20, low=256 << 10)
+        else:
+            # high = 0: pause_writing as soon as anything is left unsent, resume when
+            # all of it is gone -- the moment a sent slot may be released.
+            transport.set_write_buffer_limits(high=0, low=0)
         if not self.server.admit(self):
             self.fail(ErrorCode.TOO_MANY_CONNECTIONS, "too many connections; retry later")
             return
@@ -244,6 +251,12 @@ class Connection(asyncio.BufferedProtocol):
     def write(self, *parts) -> None:
         if not self._closed:
             self.transport.writelines(parts)
+
+    def write_payload(self, head: bytes, block_header: bytes, payload) -> None:
+        """A GET reply; ``payload`` (a view of a pinned slot) may be released after :meth:`drain`."""
+        if self.tls:
+            payload = bytes(payload)  # released right away; TLS copies anyway
+        self.write(head, block_header, payload)
 
     async def drain(self) -> None:
         """Return once everything written so far is in the kernel (a sent slot may be released)."""

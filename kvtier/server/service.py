@@ -264,8 +264,8 @@ class Service:
             held = self.host.hold(skey)
             if held is not None:
                 try:
-                    conn.write(pack_header(Op.GET, h.req_id, BLOCK_HEADER_NBYTES, entry.nbytes, Status.OK),
-                               entry.header, held.view)
+                    conn.write_payload(pack_header(Op.GET, h.req_id, BLOCK_HEADER_NBYTES, entry.nbytes, Status.OK),
+                                       entry.header, held.view)
                     await conn.drain()
                 finally:
                     held.release()
@@ -294,7 +294,8 @@ class Service:
             if result.tiers[0] != self.host.name and self.host.contains(skey):
                 if self.index.set_tier(skey, self.host.name) is not None:
                     self.emit("stored", self.host.name, entry)
-            conn.write(pack_header(Op.GET, h.req_id, BLOCK_HEADER_NBYTES, entry.nbytes, Status.OK), entry.header, out)
+            conn.write_payload(pack_header(Op.GET, h.req_id, BLOCK_HEADER_NBYTES, entry.nbytes, Status.OK),
+                               entry.header, out)
             await conn.drain()
             return True
         finally:

@@ -124,6 +124,7 @@ class WireClient:
         self.sock = sock
         self._armed = -1.0
         self._zero_copy_send = not isinstance(sock, ssl.SSLSocket)
+        self._waitall = 0 if isinstance(sock, ssl.SSLSocket) else _WAITALL  # TLS refuses recv flags
         self._buf = bytearray(_STAGING)
         self._mv = memoryview(self._buf)
         self._start = 0
@@ -172,6 +173,9 @@ class WireClient:
     def _arm(self, deadline: float) -> None:
         """Bound each blocking call by the time left to ``deadline`` (raises if none is left)."""
         left = _remaining(deadline)
+        if not self._zero_copy_send:  # TLS: OpenSSL needs Python's own timeout mode
+            self.sock.settimeout(left)
+            return
         if abs(left - self._armed) > 0.05 * left:  # re-arm only when it changed noticeably
             tv = struct.pack("ll", int(left), int((left - int(left)) * 1e6) or 1)
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
@@ -258,7 +262,8 @@ class WireClient:
             _remaining(deadline)
             # MSG_WAITALL: one call per piece, however the kernel delivers it
             try:
-                r = sock.recv_into(view[got : got + _PIECE] if hasher is not None else view[got:], 0, _WAITALL)
+                dest = view[got : got + _PIECE] if hasher is not None else view[got:]
+                r = sock.recv_into(dest, len(dest), self._waitall)
             except BlockingIOError:  # SO_RCVTIMEO expired
                 raise TimeoutError(f"{self.address} stalled mid-payload") from None
             if r == 0:
