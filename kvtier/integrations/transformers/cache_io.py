@@ -25,6 +25,7 @@ wrong cache.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -37,6 +38,10 @@ from kvtier.core.layout import KVLayout
 from kvtier.errors import ConfigError
 from kvtier.store.tiered import TieredStore
 from kvtier.tiers.host import HostTier
+
+#: reads from slower tiers: bytes per request to the store, and requests in flight
+READ_CHUNK_BYTES = 4 << 20
+READS_IN_FLIGHT = 2
 
 #: integer dtypes used to move raw KV bytes through numpy (numpy has no bfloat16)
 _RAW_TORCH = {4: torch.int32, 2: torch.int16, 1: torch.uint8}
@@ -212,19 +217,37 @@ def load_blocks(
                     by_tier[host.name] = by_tier.get(host.name, 0) + nbytes
                     i += 1
                     continue
-        # A run of blocks the host tier lacks: let the store find them below.
+        # A run of blocks the host tier lacks: the store finds them below (and
+        # verifies and promotes them). Read in chunks, two in flight on the
+        # store's I/O threads, so that one chunk's reads overlap another's
+        # checksums and copies; consume them in order, stopping at a miss.
         j = i + 1
         while j < len(keys) and not (host is not None and host.contains(keys[j])):
             j += 1
         buf = staging.get((j - i) * nbytes)
         outs = [buf[k * nbytes : (k + 1) * nbytes] for k in range(j - i)]
-        result = store.get(keys[i:j], outs)
-        for k in range(result.loaded):
-            place(i + k, outs[k])
-            tier = result.tiers[k] or "?"
-            by_tier[tier] = by_tier.get(tier, 0) + nbytes
-        if result.loaded < j - i:
-            i += result.loaded
+        step = max(1, READ_CHUNK_BYTES // nbytes)
+        spans = deque((a, min(a + step, j - i)) for a in range(0, j - i, step))
+        pending: deque = deque()
+        served = j - i
+        while spans or pending:
+            while spans and len(pending) < READS_IN_FLIGHT:
+                a, b = spans.popleft()
+                pending.append((a, b, store.get_async(keys[i + a : i + b], outs[a:b])))
+            a, b, future = pending.popleft()
+            result = future.result()
+            for k in range(result.loaded):
+                place(i + a + k, outs[a + k])
+                tier = result.tiers[k] or "?"
+                by_tier[tier] = by_tier.get(tier, 0) + nbytes
+            if result.loaded < b - a:
+                served = a + result.loaded
+                break
+        for _, _, future in pending:  # useless past a miss, but they write into staging: wait
+            if not future.cancel():
+                future.result()
+        if served < j - i:
+            i += served
             break
         i = j
     return LoadReport(i, by_tier, time.perf_counter() - start)
