@@ -42,6 +42,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+#: how long a step with no forward pass waits for an asynchronous load to end
+IDLE_WAIT_S = 0.05
+
 
 class KvtierConnector(KVConnectorBase_V1):
     @property
@@ -113,7 +116,9 @@ class KvtierConnector(KVConnectorBase_V1):
             self.worker.save(meta)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return None, (self.worker.finished_loads() or None)
+        meta = self._connector_metadata
+        wait_s = IDLE_WAIT_S if isinstance(meta, KvtierMetadata) and meta.idle_step else 0.0
+        return None, (self.worker.finished_loads(wait_s) or None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_load_errors()

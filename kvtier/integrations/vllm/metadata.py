@@ -42,3 +42,6 @@ class SaveJob:
 class KvtierMetadata(KVConnectorMetadata):
     loads: list[LoadJob] = field(default_factory=list)
     saves: list[SaveJob] = field(default_factory=list)
+    #: the step runs no forward pass: the worker may block on its loads instead of
+    #: returning at once to an engine loop that would spin (and hold the GIL) meanwhile
+    idle_step: bool = False

@@ -148,7 +148,7 @@ class SchedulerSide:
 
     # -- per step ------------------------------------------------------------------------
     def build(self, scheduler_output) -> KvtierMetadata:
-        meta = KvtierMetadata(loads=self._pending_loads)
+        meta = KvtierMetadata(loads=self._pending_loads, idle_step=scheduler_output.total_num_scheduled_tokens == 0)
         self._pending_loads = []
         if not self.saves:
             return meta
