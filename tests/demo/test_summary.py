@@ -49,6 +49,8 @@ def test_summary_figures():
     assert s["bytes_written_by_tier"] == {"host": 110, "disk": 0}
     assert s["bytes_used_by_tier"] == {"host": 10, "disk": 99}
     assert s["restart"]["disk_blocks_recovered"] == 7
+    # judged on the turns that loaded something: 0.2/0.19, 1.0, 1.0
     assert s["overhead_ratio_p50"] == pytest.approx(1.0)
+    assert s["overhead_ratio_p90"] == pytest.approx(1.0 + 0.8 * (0.2 / 0.19 - 1.0))
     turns[3]["outputs_equal"] = False
     assert summarize(turns, phases, runtime_s=1.0, scenario="t")["outputs_equal"] is False

@@ -107,8 +107,11 @@ class KVTierLM:
         self.storage = KVStorage(layout, capacity_tokens, param.dtype, param.device)
         self._staging = Staging()
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-save")
+        # Set while no background gather reads the storage (a count, since saves can queue).
         self._storage_free = threading.Event()
         self._storage_free.set()
+        self._gathers = 0
+        self._gathers_lock = threading.Lock()
         self._saves: list[Future] = []
 
     # -- the two halves, for callers that drive the model themselves ------------------
@@ -155,7 +158,9 @@ class KVTierLM:
         n_full = held // self.layout.block_tokens
         if n_full <= known_blocks:
             return None
-        self._storage_free.clear()
+        with self._gathers_lock:
+            self._gathers += 1
+            self._storage_free.clear()
         future = self._saver.submit(self._save_job, arr[: n_full * self.layout.block_tokens], known_blocks)
         self._saves.append(future)
         return future
@@ -165,7 +170,10 @@ class KVTierLM:
             n_full = tokens.size // self.layout.block_tokens
             blocks = gather_blocks(self.storage, known_blocks, n_full - known_blocks)
         finally:
-            self._storage_free.set()
+            with self._gathers_lock:
+                self._gathers -= 1
+                if self._gathers == 0:
+                    self._storage_free.set()
         keys: list[BlockKey] = block_keys(self.namespace, tokens)
         new = keys[known_blocks:]
         parents = [keys[known_blocks - 1] if known_blocks else None, *new[:-1]]
