@@ -20,17 +20,10 @@ from pathlib import Path
 from kvtier.demo.report import Reporter, plot, print_summary
 from kvtier.demo.summary import summarize
 from kvtier.demo.workload import Scenario, default_scenario, quick_scenario
+from kvtier.integrations.transformers.namespace import DEFAULT_BLOCK_TOKENS  # no torch at import
 
-#: tokens per block. Only full blocks are stored, so every turn recomputes its
-#: partial last block: half a block on average. A resumed session asks ~12
-#: tokens; with 32-token blocks it would compute ~28, with 16 ~20 — and a
-#: forward pass here costs about 0.1 s plus 4 ms a token, so that is a fifth of
-#: a resume's time. A 16-token block of the demo model is still 256 KiB: the
-#: disk tier reads it at the same GiB/s as 512 KiB ones (measured here), and the
-#: host tier copies it at memcpy speed; 4 k tokens are 256 blocks, keyed and
-#: looked up in well under a millisecond. (The store's default, 256, suits long
-#: documents, not chat turns.)
-BLOCK_TOKENS = 16
+#: tokens per block: see DEFAULT_BLOCK_TOKENS for why 16 suits conversation turns
+BLOCK_TOKENS = DEFAULT_BLOCK_TOKENS
 
 
 def phases_of(scenario: Scenario) -> list[list[int]]:

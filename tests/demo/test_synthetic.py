@@ -20,3 +20,9 @@ def test_synthetic_round_trip_without_torch(tmp_path):
     out = result.stdout
     assert "reload after a restart" in out and "NO" not in out
     assert "after the restart: 128/128 blocks, in ['disk']" in out
+
+
+def test_the_demo_parent_process_does_not_import_torch():
+    code = "import sys, kvtier.demo.runner, kvtier.cli.demo; print('torch' in sys.modules, 'transformers' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.stdout.split() == ["False", "False"], result.stderr

@@ -24,6 +24,18 @@ from kvtier.core.layout import KVLayout
 from kvtier.core.namespace import Namespace
 from kvtier.errors import ConfigError
 
+#: Tokens per block. Only full blocks are stored, so every request recomputes
+#: its partial last block: half a block on average. A chat or agent turn often
+#: appends a few dozen tokens (a resumed session ~12); with 32-token blocks it
+#: would compute ~28, with 16 ~20, and on a CPU a forward pass costs about 0.1 s
+#: plus ~4 ms a token, so the block size is a visible part of a resume. A
+#: 16-token block of a 92 M-parameter fp32 model is still 256 KiB: the disk tier
+#: reads it at the same GiB/s as 512 KiB ones here, the host tier copies it at
+#: memcpy speed, and 4 k tokens are 256 keys, hashed and looked up in well under
+#: a millisecond. (The store's default of 256 suits long documents, not turns;
+#: 16 is also vLLM's default page on GPUs.)
+DEFAULT_BLOCK_TOKENS = 16
+
 #: samples per weights file; with 64 KiB each, ~1 MiB read per file
 SAMPLES_PER_FILE = 16
 SAMPLE_BYTES = 64 << 10
@@ -133,7 +145,7 @@ def model_dtype_name(model) -> str:
 def namespace_for_model(
     model,
     *,
-    block_tokens: int = 32,
+    block_tokens: int = DEFAULT_BLOCK_TOKENS,
     weights_dir: str | os.PathLike | None = None,
     weights_revision: str | None = None,
     tenant: str = "",

@@ -39,7 +39,12 @@ from kvtier.core.namespace import Namespace
 from kvtier.core.payload import BlockMeta
 from kvtier.errors import ConfigError
 from kvtier.integrations.transformers.cache_io import KVStorage, LoadReport, Staging, gather_blocks, load_blocks
-from kvtier.integrations.transformers.namespace import kv_layout, model_dtype_name, namespace_for_model
+from kvtier.integrations.transformers.namespace import (
+    DEFAULT_BLOCK_TOKENS,
+    kv_layout,
+    model_dtype_name,
+    namespace_for_model,
+)
 from kvtier.store.tiered import TieredStore
 from kvtier.tiers.base import Status
 
@@ -86,7 +91,7 @@ class KVTierLM:
         store: TieredStore | None = None,
         namespace: Namespace | None = None,
         *,
-        block_tokens: int = 32,
+        block_tokens: int = DEFAULT_BLOCK_TOKENS,
         capacity_tokens: int = 4096,
         weights_dir: str | None = None,
         tenant: str = "",
