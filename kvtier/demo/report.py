@@ -140,7 +140,7 @@ def plot(turns: list[dict], path: str, restart_after: list[int]) -> None:
     ax.set_yscale("log")
     ax.set_ylabel("time to first token (s)")
     ax.set_xticks(xs)
-    ax.set_xticklabels([f"{t['session']}\n{t['label'][:18]}" for t in turns], fontsize=7, rotation=30, ha="right")
+    ax.set_xticklabels([f"{t['session']}\n{t['label'][:24]}" for t in turns], fontsize=7, rotation=30, ha="right")
     ax.legend()
     ax.set_title("kvtier demo: TTFT per turn")
     fig.tight_layout()
