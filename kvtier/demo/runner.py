@@ -8,6 +8,7 @@ the conversations so far as JSON, and renders the JSON lines it answers.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -108,6 +109,12 @@ def replay(
 
 
 def run_demo(args) -> int:
+    missing = [name for name in ("torch", "transformers", "tokenizers") if importlib.util.find_spec(name) is None]
+    if missing:
+        print(f"kvtier demo runs a model and needs {', '.join(missing)}: install them with "
+              f"`pip install torch==2.13.0 'kvtier[torch]'` (or `make install`), "
+              f"or run `kvtier demo --synthetic`, which needs neither.", file=sys.stderr)
+        return 2
     started = time.perf_counter()
     scenario = quick_scenario() if args.quick else default_scenario()
     phases = phases_of(scenario)
