@@ -67,7 +67,8 @@ def main() -> int:
                   flush=True)
         alive = srv.proc.poll() is None
         print(f"sent {outcome.sent}, answered correctly {outcome.ok}, failures {len(outcome.failures)}, "
-              f"server {'alive' if alive else 'DEAD'}, RSS {rss0 >> 20} -> {srv.rss_bytes() >> 20 if alive else '?'} MiB")
+              f"server {'alive' if alive else 'DEAD'}, "
+              f"RSS {rss0 >> 20} -> {srv.rss_bytes() >> 20 if alive else '?'} MiB")
         for f in outcome.failures[:20]:
             print("  ", f)
         print("kinds:", outcome.codes)

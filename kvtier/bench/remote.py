@@ -1,7 +1,8 @@
 """``kvtier bench remote``: the shared server's put/get throughput against limits measured in the same run.
 
-One run moves ``--run-mib`` of ``--block-mib`` blocks three ways, in an order
-that rotates run by run so that a shared machine's noise hits all of them:
+One run puts ``--run-mib`` of ``--block-mib`` blocks three ways back to back,
+then gets them back the same three ways; the order rotates run by run and the
+phases are short, so that the noise of a shared machine hits all of them alike:
 
 * **kvtier**: a ``kvtier serve`` subprocess (TCP loopback, or ``--unix``);
   ``RemoteTier.put_many`` of every block (pipelined), then ``get_many`` of all
@@ -215,7 +216,7 @@ def run(block_mib: float, run_mib: int, runs: int, unix: bool, with_redis: bool 
     from kvtier.tiers.remote import RemoteTier
 
     nbytes = int(block_mib * MIB)
-    blocks = max(2, -(-run_mib * MIB // nbytes))
+    blocks = max(4, -(-run_mib * MIB // nbytes))
     total = nbytes * blocks
     workdir = tempfile.mkdtemp(prefix="kvtier-bench-remote-")
     token = hashlib.sha256(os.urandom(16)).hexdigest()
@@ -239,52 +240,48 @@ def run(block_mib: float, run_mib: int, runs: int, unix: bool, with_redis: bool 
             except (FileNotFoundError, RuntimeError, ImportError) as exc:
                 redis_error = str(exc)
 
-        def kv(r: int) -> None:
-            keys = _keys("kv", r, blocks)
+        def timed(fn, *args) -> float:
             t0 = time.perf_counter()
+            fn(*args)
+            return _gbps(total, time.perf_counter() - t0)
+
+        def kv_put(keys):
             statuses = tier.put_many(keys, srcs)
-            t1 = time.perf_counter()
             if not all(s.ok for s in statuses):
-                raise RuntimeError(f"kvtier put failed: {[s.name for s in statuses if not s.ok][:3]}; {tier.last_error}")
+                bad = [s.name for s in statuses if not s.ok][:3]
+                raise RuntimeError(f"kvtier put failed: {bad}; {tier.last_error}")
+
+        def kv_get(keys):
             statuses = tier.get_many(keys, outs)
-            t2 = time.perf_counter()
             if not all(s.ok for s in statuses):
-                raise RuntimeError(f"kvtier get failed: {[s.name for s in statuses if not s.ok][:3]}; {tier.last_error}")
-            if r >= 0:
-                res["put"].append(_gbps(total, t1 - t0))
-                res["get"].append(_gbps(total, t2 - t1))
-            if not np.array_equal(outs[-1], srcs[-1]):
-                raise RuntimeError("kvtier returned different bytes")
-            tier.delete_many(keys)
-
-        def sock(r: int) -> None:
-            t0 = time.perf_counter()
-            raw.put(srcs)
-            t1 = time.perf_counter()
-            raw.get(outs)
-            t2 = time.perf_counter()
-            if r >= 0:
-                res["sput"].append(_gbps(total, t1 - t0))
-                res["sget"].append(_gbps(total, t2 - t1))
-
-        def rds(r: int) -> None:
-            keys = _keys("redis", r, blocks)
-            t0 = time.perf_counter()
-            red.put(keys, srcs)
-            t1 = time.perf_counter()
-            red.get(keys, outs)
-            t2 = time.perf_counter()
-            if r >= 0:
-                res["rput"].append(_gbps(total, t1 - t0))
-                res["rget"].append(_gbps(total, t2 - t1))
-            red.delete(keys, srcs)
+                bad = [s.name for s in statuses if not s.ok][:3]
+                raise RuntimeError(f"kvtier get failed: {bad}; {tier.last_error}")
 
         hiredis = red.hiredis if red is not None else None
-        phases = [kv, sock] + ([rds] if red is not None else [])
+        # (name, put, get, cleanup) per system; keys are per run
+        systems = [
+            ("kv", kv_put, kv_get, lambda keys: tier.delete_many(keys)),
+            ("s", lambda keys: raw.put(srcs), lambda keys: raw.get(outs), lambda keys: None),
+        ]
+        if red is not None:
+            systems.append(("r", lambda keys: red.put(keys, srcs), lambda keys: red.get(keys, outs),
+                            lambda keys: red.delete(keys, srcs)))
         for r in range(-1, runs):  # run -1 warms up; not counted
-            k = (r + 1) % len(phases)
-            for phase in phases[k:] + phases[:k]:
-                phase(r)
+            keys = _keys("bench", r, blocks)
+            k = (r + 1) % len(systems)
+            order = systems[k:] + systems[:k]
+            # All puts back to back, then all gets: each pair shares the machine's state of the moment.
+            puts = {name: timed(put, keys) for name, put, _, _ in order}
+            gets = {name: timed(get, keys) for name, _, get, _ in reversed(order)}
+            if not np.array_equal(outs[-1], srcs[-1]):
+                raise RuntimeError("a block came back with different bytes")
+            for _, _, _, cleanup in order:
+                cleanup(keys)
+            if r >= 0:
+                for name in puts:
+                    prefix = "" if name == "kv" else name
+                    res[prefix + "put"].append(puts[name])
+                    res[prefix + "get"].append(gets[name])
     finally:
         for thing in (tier, raw, red):
             if thing is not None:
@@ -293,8 +290,12 @@ def run(block_mib: float, run_mib: int, runs: int, unix: bool, with_redis: bool 
             server.stop()
         shutil.rmtree(workdir, ignore_errors=True)
 
-    med = lambda xs: round(statistics.median(xs), 3) if xs else None  # noqa: E731
-    ratio = lambda a, b: round(statistics.median(x / y for x, y in zip(res[a], res[b])), 3) if res[b] else None  # noqa: E731
+    def med(xs: list[float]) -> float | None:
+        return round(statistics.median(xs), 3) if xs else None
+
+    def ratio(a: str, b: str) -> float | None:
+        return round(statistics.median(x / y for x, y in zip(res[a], res[b])), 3) if res[b] else None
+
     return {
         "bench": "remote",
         "transport": "unix" if unix else "tcp",
@@ -319,8 +320,9 @@ def run(block_mib: float, run_mib: int, runs: int, unix: bool, with_redis: bool 
 def register(subparsers) -> None:
     p = subparsers.add_parser("remote", help="shared server put/get vs a raw socket and Redis, same run")
     p.add_argument("--block-mib", type=float, default=8.0, help="block size in MiB (default 8)")
-    p.add_argument("--run-mib", type=int, default=256, help="bytes moved per phase of a run, MiB (default 256)")
-    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--run-mib", type=int, default=64,
+                   help="bytes per phase of a run, MiB (default 64, at least 4 blocks): short phases, close in time")
+    p.add_argument("--runs", type=int, default=15)
     p.add_argument("--unix", action="store_true", help="Unix sockets instead of TCP loopback")
     p.add_argument("--no-redis", action="store_true", help="skip the Redis comparison")
     p.add_argument("--json", action="store_true")

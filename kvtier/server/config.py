@@ -221,7 +221,9 @@ def parse_tenant_flag(text: str) -> TenantConfig:
     """``NAME=SHA256HEX[,SHA256HEX…]`` (from ``--tenant`` / ``KVTIER_SERVE_TENANTS``)."""
     name, sep, hashes = text.partition("=")
     if not sep:
-        raise ConfigError(f"--tenant {text!r}: expected NAME=TOKEN_SHA256 (get the hash from `kvtier admin hash-token`)")
+        raise ConfigError(
+            f"--tenant {text!r}: expected NAME=TOKEN_SHA256 (get the hash from `kvtier admin hash-token`)"
+        )
     return TenantConfig(name=name.strip(), token_sha256=_str_list(hashes, f"--tenant {name}"))
 
 
@@ -242,7 +244,9 @@ def load_config(
             with open(path, "rb") as f:
                 doc = tomllib.load(f)
         except FileNotFoundError:
-            raise ConfigError(f"config file {os.fspath(path)!r} does not exist; pass an existing file to --config") from None
+            raise ConfigError(
+                f"config file {os.fspath(path)!r} does not exist; pass an existing file to --config"
+            ) from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {os.fspath(path)!r} is not valid TOML: {exc}") from None
         for section in doc:
@@ -329,7 +333,9 @@ def _validate(c: ServerConfig) -> None:
 
 def _check_hash(h: str, what: str) -> None:
     if not _HEX64.match(h):
-        raise ConfigError(f"{what}: {h[:12]!r}… is not a SHA-256 hex digest; store `kvtier admin hash-token TOKEN`, never the token")
+        raise ConfigError(
+            f"{what}: {h[:12]!r}… is not a SHA-256 hex digest; store `kvtier admin hash-token TOKEN`, never the token"
+        )
 
 
 def check_namespace(ns: str) -> str:

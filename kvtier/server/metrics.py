@@ -24,17 +24,20 @@ class ServerMetrics:
         self.requests = Counter("kvtier_requests", "Requests by op", ["op"], registry=r)
         self.latency = Histogram("kvtier_request_seconds", "Request latency by op", ["op"],
                                  buckets=_LATENCY_BUCKETS, registry=r)
-        self.hits = Counter("kvtier_hits", "Blocks found (get: sent, lookup: in the matched prefix)", ["op"], registry=r)
+        self.hits = Counter("kvtier_hits", "Blocks found (get: sent, lookup: in the matched prefix)", ["op"],
+                            registry=r)
         self.misses = Counter("kvtier_misses", "Blocks asked for and not found", ["op"], registry=r)
         self.bytes_in = Counter("kvtier_received_bytes", "Payload bytes received (puts)", registry=r)
         self.bytes_out = Counter("kvtier_sent_bytes", "Payload bytes sent (gets)", registry=r)
         self.verify_failures = Counter("kvtier_verify_failures", "Uploads whose checksum did not match", registry=r)
         self.put_results = Counter("kvtier_put_blocks", "Put outcomes", ["result"], registry=r)
-        self.quota_evictions = Counter("kvtier_quota_evictions", "Blocks a tenant lost to its own quota", ["tenant"], registry=r)
+        self.quota_evictions = Counter("kvtier_quota_evictions", "Blocks a tenant lost to its own quota", ["tenant"],
+                                       registry=r)
         self.expirations = Counter("kvtier_expirations", "Blocks removed by TTL retention", registry=r)
         self.erasures = Counter("kvtier_erased_blocks", "Blocks removed by admin erasure", registry=r)
         self.auth_failures = Counter("kvtier_auth_failures", "Refused HELLOs", registry=r)
-        self.protocol_errors = Counter("kvtier_protocol_errors", "Connections closed for a protocol error", ["code"], registry=r)
+        self.protocol_errors = Counter("kvtier_protocol_errors", "Connections closed for a protocol error", ["code"],
+                                       registry=r)
         self.connections = Gauge("kvtier_connections", "Open client connections", registry=r)
 
     def add_collector(self, collect: Callable[[], list]) -> None:
@@ -53,7 +56,8 @@ def tier_and_tenant_families(store, index, governance, event_count: Callable[[],
     used = GaugeMetricFamily("kvtier_tier_used_bytes", "Bytes held per tier", labels=["tier"])
     cap = GaugeMetricFamily("kvtier_tier_capacity_bytes", "Capacity per tier", labels=["tier"])
     evictions = CounterMetricFamily("kvtier_tier_evictions", "Blocks evicted per tier", labels=["tier"])
-    verify = CounterMetricFamily("kvtier_tier_verify_failures", "Reads that failed verification per tier", labels=["tier"])
+    verify = CounterMetricFamily("kvtier_tier_verify_failures", "Reads that failed verification per tier",
+                                 labels=["tier"])
     for tier in store.tiers:
         used.add_metric([tier.name], tier.used_bytes)
         cap.add_metric([tier.name], tier.capacity_bytes)
@@ -72,7 +76,9 @@ def tier_and_tenant_families(store, index, governance, event_count: Callable[[],
     return [used, cap, evictions, verify, t_bytes, t_blocks, t_quota, events]
 
 
-async def serve_http(host: str, port: int, metrics: ServerMetrics, healthy: Callable[[], bool]) -> asyncio.AbstractServer:
+async def serve_http(
+    host: str, port: int, metrics: ServerMetrics, healthy: Callable[[], bool]
+) -> asyncio.AbstractServer:
     """A minimal HTTP/1.0 endpoint: ``GET /metrics`` and ``GET /healthz`` (loopback use)."""
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -28,9 +28,10 @@ import xxhash
 
 from kvtier.core.payload import BlockMeta, unpack_header
 from kvtier.core.payload import pack_header as pack_block_header
+from kvtier.server.admin import AdminAPI
 from kvtier.server.auth import AuthError, Principal
-from kvtier.server.config import SHARED_PREFIX
 from kvtier.server.index import BlockEntry
+from kvtier.tiers.base import Status
 from kvtier.tiers.remote_protocol import (
     CHECKSUM_NBYTES,
     GET_ITEM,
@@ -49,7 +50,6 @@ from kvtier.tiers.remote_protocol import (
     unpack_msgpack,
     unpack_put_meta,
 )
-from kvtier.tiers.base import Status
 
 BLOCK_HEADER_NBYTES = 128
 
@@ -87,7 +87,7 @@ class Service:
         self.metrics = metrics
         self.audit = audit
         self.events = events
-        self._io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvtier-serve-io")
+        self.io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvtier-serve-io")
         self._scratch: ScratchPool | None = None
         # Slots reserved by uploads in flight: slow clients must not pin the whole pool,
         # and one tenant's slow uploads must not take the room of the others'.
@@ -104,9 +104,10 @@ class Service:
         self._put_result = {s: m.put_results.labels(s.name.lower()) for s in Status}
         self._put_result["forbidden"] = m.put_results.labels("forbidden")
         self._install_hooks()
+        self.admin = AdminAPI(self)
 
     def close(self) -> None:
-        self._io.shutdown(wait=True)
+        self.io.shutdown(wait=True)
 
     # -- tier hooks: keep the index and the events in step with evictions ---------------
     def _install_hooks(self) -> None:
@@ -185,7 +186,7 @@ class Service:
         elif op == Op.ADMIN:
             if not p.is_admin:
                 raise ProtocolError(ErrorCode.FORBIDDEN, "ADMIN needs the admin token")
-            conn.reply(h, 0, pack_msgpack(self._admin(conn, meta)))
+            conn.reply(h, 0, pack_msgpack(await self.admin.call(conn.peer, meta)))
         await conn.drain()
         self._req[op].inc()
         self._lat[op].observe(time.perf_counter() - t0)
@@ -287,7 +288,7 @@ class Service:
         try:
             out = buf[: entry.nbytes]
             loop = asyncio.get_running_loop()
-            result = await loop.run_in_executor(self._io, self.store.get, [skey], [out])
+            result = await loop.run_in_executor(self.io, self.store.get, [skey], [out])
             if result.statuses[0] is not Status.OK:
                 self.drop(skey)
                 return False
@@ -346,7 +347,7 @@ class Service:
             else:  # eviction will demote to disk: do that I/O off the event loop
                 conn.working()
                 status, res = await asyncio.get_running_loop().run_in_executor(
-                    self._io, lambda: self.host.reserve(skey, n, meta=block_meta)
+                    self.io, lambda: self.host.reserve(skey, n, meta=block_meta)
                 )
                 conn.receiving()
             if res is None:
@@ -396,66 +397,6 @@ class Service:
         out["usage"] = {o: {"bytes": b, "blocks": n} for o, (b, n) in self.index.usage_by_owner().items()}
         return out
 
-    def _admin(self, conn, meta: bytes) -> dict:
-        req = unpack_msgpack(meta, "ADMIN")
-        cmd = req.get("cmd")
-        args = req.get("args") or {}
-        if not isinstance(args, dict):
-            raise ProtocolError(ErrorCode.BAD_META, "ADMIN args must be a map")
-        try:
-            result = self._admin_command(cmd, args)
-            ok = True
-        except (KeyError, ValueError, TypeError) as exc:
-            result, ok = {"error": str(exc)}, False
-        self.audit.write("admin", peer=conn.peer, cmd=str(cmd)[:40], args=_printable(args), ok=ok,
-                         **({"result": result} if ok and "erased" in result else {}))
-        return {"ok": ok, **result}
-
-    def _admin_command(self, cmd, args: dict) -> dict:
-        known = {t.name for t in self.config.tenants} | {SHARED_PREFIX + s.name for s in self.config.shared}
-        if cmd == "usage":
-            usage = self.index.usage_by_owner()
-            return {"usage": {
-                o: {"bytes": usage.get(o, (0, 0))[0], "blocks": usage.get(o, (0, 0))[1], "quota": self.gov.quota(o)}
-                for o in sorted(known | set(usage))
-            }, "policy": self.gov.describe()}
-        if cmd == "stats":
-            return {"store": self.store.stats(), "blocks": len(self.index), "bytes": self.index.total_bytes}
-        if cmd == "check":
-            try:
-                self.index.check_integrity()
-                self.store.check_integrity()
-            except AssertionError as exc:
-                return {"consistent": False, "problem": str(exc)}
-            return {"consistent": True, "blocks": len(self.index)}
-        owner = args.get("tenant")
-        if not isinstance(owner, str) or owner not in known:
-            raise ValueError(f"unknown tenant {owner!r}; known: {sorted(known)}")
-        if cmd == "erase":
-            namespace, session = args.get("namespace"), args.get("session")
-            for name, v in (("namespace", namespace), ("session", session)):
-                if v is not None and not isinstance(v, str):
-                    raise TypeError(f"{name} must be a string")
-            keys = self.index.select(owner, namespace=namespace, session=session)
-            erased = sum(self.drop(k) is not None for k in keys)
-            self.metrics.erasures.inc(erased)
-            return {"erased": erased}
-        if cmd == "set_quota":
-            quota = args.get("bytes")
-            if quota is not None and (not isinstance(quota, int) or quota < 0):
-                raise ValueError("bytes must be a non-negative integer (0 or null: no quota)")
-            self.gov.set_quota(owner, quota)
-            return {"quota": quota}
-        if cmd == "set_ttl":
-            ttl, namespace = args.get("ttl_s"), args.get("namespace")
-            if ttl is not None and (not isinstance(ttl, (int, float)) or ttl < 0):
-                raise ValueError("ttl_s must be a non-negative number (0 or null: no expiry)")
-            if namespace is not None and not isinstance(namespace, str):
-                raise TypeError("namespace must be a string")
-            self.gov.set_ttl(owner, ttl, namespace)
-            return {"ttl_s": ttl}
-        raise ValueError(f"unknown admin command {cmd!r}; use usage, stats, check, erase, set_quota or set_ttl")
-
     # -- retention ---------------------------------------------------------------------------
     def sweep(self) -> int:
         """Delete expired blocks; returns how many."""
@@ -465,6 +406,3 @@ class Service:
         self.metrics.expirations.inc(len(expired))
         return len(expired)
 
-
-def _printable(args: dict) -> dict:
-    return {str(k)[:40]: (v if isinstance(v, (int, float, bool)) or v is None else str(v)[:200]) for k, v in args.items()}

@@ -46,7 +46,9 @@ class ReservableHostTier(HostTier):
     def free_slots(self) -> int:
         return len(self._free)
 
-    def reserve(self, key: BlockKey, nbytes: int, *, meta: BlockMeta | None = None) -> tuple[Status, Reservation | None]:
+    def reserve(
+        self, key: BlockKey, nbytes: int, *, meta: BlockMeta | None = None
+    ) -> tuple[Status, Reservation | None]:
         """(OK, reservation) to fill; (OK, None) if the key is held or being written; else (FULL | TOO_LARGE, None)."""
         if nbytes > self.slot_bytes or nbytes <= 0:
             with self._lock:

@@ -141,7 +141,8 @@ def unpack_header(buf) -> Header:
         raise ProtocolError(ErrorCode.BAD_MAGIC, f"bad magic {magic!r}: not a kvtier client (expected {MAGIC!r})")
     if version not in SUPPORTED_VERSIONS:
         raise ProtocolError(
-            ErrorCode.BAD_VERSION, f"protocol version {version} is not supported; this server speaks {SUPPORTED_VERSIONS}"
+            ErrorCode.BAD_VERSION,
+            f"protocol version {version} is not supported; this server speaks {SUPPORTED_VERSIONS}",
         )
     return Header(version, op, code, req_id, meta_len, data_len)
 

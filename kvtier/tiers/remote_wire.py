@@ -39,9 +39,8 @@ from kvtier.tiers.remote_protocol import (
 )
 
 _STAGING = 64 * 1024
-#: payload pieces sent / hashed at a time: small enough to be hashed from L2
+#: payload pieces a PUT sends and hashes at a time: small enough to be hashed from cache
 _PIECE = 1024 * 1024
-_WAITALL = getattr(socket, "MSG_WAITALL", 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,7 +123,6 @@ class WireClient:
         self.sock = sock
         self._armed = -1.0
         self._zero_copy_send = not isinstance(sock, ssl.SSLSocket)
-        self._waitall = 0 if isinstance(sock, ssl.SSLSocket) else _WAITALL  # TLS refuses recv flags
         self._buf = bytearray(_STAGING)
         self._mv = memoryview(self._buf)
         self._start = 0
@@ -260,10 +258,11 @@ class WireClient:
         self._arm(deadline)
         while got < n:
             _remaining(deadline)
-            # MSG_WAITALL: one call per piece, however the kernel delivers it
+            # Whatever the kernel has, like a plain recv loop; each piece is hashed at once,
+            # while it is still in cache.
             try:
-                dest = view[got : got + _PIECE] if hasher is not None else view[got:]
-                r = sock.recv_into(dest, len(dest), self._waitall)
+                dest = view[got:]
+                r = sock.recv_into(dest, len(dest))
             except BlockingIOError:  # SO_RCVTIMEO expired
                 raise TimeoutError(f"{self.address} stalled mid-payload") from None
             if r == 0:

@@ -296,7 +296,9 @@ def send_all(url: str, cases: list[Case], hello: bytes, outcome: Outcome, *, inf
             now = time.monotonic()
             for s, (case, _, t0) in list(live.items()):
                 if now - t0 > timeout_s:
-                    outcome.failures.append(f"{case.kind}: no close within {timeout_s}s; frame {case.payload[:64].hex()}")
+                    outcome.failures.append(
+                        f"{case.kind}: no close within {timeout_s}s; frame {case.payload[:64].hex()}"
+                    )
                     sel.unregister(s)
                     s.close()
                     del live[s]

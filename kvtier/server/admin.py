@@ -1,0 +1,117 @@
+"""The admin API: usage, stats, integrity check, erasure, quotas and TTLs -- for the admin token only.
+
+Requests are ADMIN frames ``{"cmd": NAME, "args": {...}}`` (see
+:mod:`kvtier.tiers.remote_protocol`); ``kvtier admin`` is the command-line
+client. Every call, refused or not, is written to the audit log. Commands are a
+table (name → method); a bad argument is an ``{"ok": false, "error": …}``
+reply naming the fix, never a dropped connection. Erasure runs on the I/O
+threads (a tenant may have many blocks on disk); the rest is immediate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from kvtier.server.config import SHARED_PREFIX
+from kvtier.tiers.remote_protocol import ErrorCode, ProtocolError, unpack_msgpack
+
+
+class AdminAPI:
+    def __init__(self, service) -> None:
+        self.svc = service
+        cfg = service.config
+        self.owners = {t.name for t in cfg.tenants} | {SHARED_PREFIX + s.name for s in cfg.shared}
+        self._commands = {
+            "usage": self.usage,
+            "stats": self.stats,
+            "check": self.check,
+            "erase": self.erase,
+            "set_quota": self.set_quota,
+            "set_ttl": self.set_ttl,
+        }
+
+    async def call(self, peer: str, meta: bytes) -> dict:
+        req = unpack_msgpack(meta, "ADMIN")
+        cmd, args = req.get("cmd"), req.get("args") or {}
+        if not isinstance(args, dict):
+            raise ProtocolError(ErrorCode.BAD_META, "ADMIN args must be a map")
+        command = self._commands.get(cmd) if isinstance(cmd, str) else None
+        try:
+            if command is None:
+                raise ValueError(f"unknown admin command {cmd!r}; use one of {sorted(self._commands)}")
+            result = command(args)
+            if asyncio.iscoroutine(result):
+                result = await result
+            ok = True
+        except (KeyError, ValueError, TypeError) as exc:
+            result, ok = {"error": str(exc)}, False
+        self.svc.audit.write("admin", peer=peer, cmd=str(cmd)[:40], args=_printable(args), ok=ok,
+                             **({"erased": result["erased"]} if ok and "erased" in result else {}))
+        return {"ok": ok, **result}
+
+    # -- commands ---------------------------------------------------------------------------
+    def usage(self, args: dict) -> dict:
+        usage = self.svc.index.usage_by_owner()
+        gov = self.svc.gov
+        return {
+            "usage": {
+                o: {"bytes": usage.get(o, (0, 0))[0], "blocks": usage.get(o, (0, 0))[1], "quota": gov.quota(o)}
+                for o in sorted(self.owners | set(usage))
+            },
+            "policy": gov.describe(),
+        }
+
+    def stats(self, args: dict) -> dict:
+        idx = self.svc.index
+        return {"store": self.svc.store.stats(), "blocks": len(idx), "bytes": idx.total_bytes}
+
+    def check(self, args: dict) -> dict:
+        try:
+            self.svc.index.check_integrity()
+            self.svc.store.check_integrity()
+        except AssertionError as exc:
+            return {"consistent": False, "problem": str(exc)}
+        return {"consistent": True, "blocks": len(self.svc.index)}
+
+    async def erase(self, args: dict) -> dict:
+        owner = self._owner(args)
+        namespace, session = _opt_str(args, "namespace"), _opt_str(args, "session")
+        keys = self.svc.index.select(owner, namespace=namespace, session=session)
+        loop = asyncio.get_running_loop()
+        erased = await loop.run_in_executor(self.svc.io, lambda: sum(self.svc.drop(k) is not None for k in keys))
+        self.svc.metrics.erasures.inc(erased)
+        return {"erased": erased}
+
+    def set_quota(self, args: dict) -> dict:
+        owner = self._owner(args)
+        quota = args.get("bytes")
+        if quota is not None and (not isinstance(quota, int) or isinstance(quota, bool) or quota < 0):
+            raise ValueError("bytes must be a non-negative integer (0 or null: no quota)")
+        self.svc.gov.set_quota(owner, quota)
+        return {"quota": quota}
+
+    def set_ttl(self, args: dict) -> dict:
+        owner = self._owner(args)
+        ttl, namespace = args.get("ttl_s"), _opt_str(args, "namespace")
+        if ttl is not None and (not isinstance(ttl, (int, float)) or isinstance(ttl, bool) or ttl < 0):
+            raise ValueError("ttl_s must be a non-negative number of seconds (0 or null: no expiry)")
+        self.svc.gov.set_ttl(owner, ttl, namespace)
+        return {"ttl_s": ttl}
+
+    def _owner(self, args: dict) -> str:
+        owner = args.get("tenant")
+        if not isinstance(owner, str) or owner not in self.owners:
+            raise ValueError(f"unknown tenant {owner!r}; known: {sorted(self.owners)}")
+        return owner
+
+
+def _opt_str(args: dict, name: str) -> str | None:
+    value = args.get(name)
+    if value is not None and not isinstance(value, str):
+        raise TypeError(f"{name} must be a string")
+    return value
+
+
+def _printable(args: dict) -> dict:
+    plain = (int, float, bool, type(None))
+    return {str(k)[:40]: (v if isinstance(v, plain) else str(v)[:200]) for k, v in args.items()}
