@@ -136,8 +136,8 @@ class Server:
     async def _sweeper(self) -> None:
         while True:
             await asyncio.sleep(max(0.05, self.config.sweep_interval_s))
-            try:
-                self.service.sweep()
+            try:  # on an I/O thread: expired blocks may be files to unlink
+                await asyncio.get_running_loop().run_in_executor(self.service.io, self.service.sweep)
             except Exception:  # noqa: BLE001 - retention retries at the next sweep
                 log.exception("retention sweep failed")
 

@@ -157,6 +157,7 @@ class Service:
             "server": "kvtier", "protocol": VERSION, "tenant": principal.tenant,
             "namespace": principal.namespace, "writable": principal.writable, "admin": principal.is_admin,
             "max_block": self.config.max_block_bytes, "max_keys": MAX_KEYS,
+            "idle_timeout_s": self.config.idle_timeout_s,
         }
         conn.reply(h, 0, pack_msgpack(reply))
         return principal

@@ -109,8 +109,13 @@ class RemoteTier(Tier):
             raise TierDown("tier closed")
         if now < self._down_until:
             raise TierDown(self.last_error or "server down")
+        conn = None
         with self._pool_lock:
-            conn = self._idle.pop() if self._idle else None
+            while self._idle and conn is None:
+                conn = self._idle.pop()
+                if not conn.reusable():  # closed by the server while idle: not a failure
+                    conn.close()
+                    conn = None
         if conn is None:
             try:
                 conn = WireClient(self.address, self._token, namespace=self.namespace,
@@ -136,6 +141,7 @@ class RemoteTier(Tier):
             raise
         else:
             self._backoff = self._backoff_min
+            conn.last_used = time.monotonic()
             with self._pool_lock:
                 if len(self._idle) < self.pool_size and not self._closed:
                     self._idle.append(conn)

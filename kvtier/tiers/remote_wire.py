@@ -15,6 +15,7 @@ close it and open another.
 from __future__ import annotations
 
 import os
+import select
 import socket
 import ssl
 import struct
@@ -138,6 +139,18 @@ class WireClient:
             self.close()
             raise
         self.max_block = int(self.info.get("max_block", 0))
+        self.idle_timeout_s = float(self.info.get("idle_timeout_s", 0) or 0)
+        self.last_used = time.monotonic()
+
+    def reusable(self) -> bool:
+        """False for a pooled connection the server has closed, or is about to close for idling:
+        it has sent something unasked (an ERROR frame, EOF) or sat idle nearly as long as it allows."""
+        if self.closed or self._end > self._start:
+            return False
+        if self.idle_timeout_s and time.monotonic() - self.last_used > 0.8 * self.idle_timeout_s:
+            return False
+        readable, _, _ = select.select([self.sock], [], [], 0)
+        return not readable
 
     # -- sending -------------------------------------------------------------------------
     def next_id(self) -> int:

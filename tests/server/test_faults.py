@@ -150,3 +150,16 @@ def test_torn_or_corrupt_upload_is_never_stored(server):
     tier = remote(server, "acme", namespace="torn")
     assert tier.lookup_prefix([key]) == 0
     assert tier.put(key, data) is Status.OK and tier.lookup_prefix([key]) == 1
+
+
+def test_pooled_connections_closed_for_idling_are_replaced_without_a_miss(tmp_path):
+    with ServerProcess.start(tenants(), shared=SHARED, workdir=str(tmp_path),
+                             server={"idle_timeout_s": 0.5, "capacity": "8MiB", "max_block": "1MiB"}) as srv:
+        tier = RemoteTier(srv.tcp_url, TOKENS["acme"], namespace="idle")
+        keys = keys_for("idle", 2)
+        assert tier.put_many(keys, [block(k) for k in keys]) == [Status.OK] * 2
+        time.sleep(1.2)  # the server closes the pooled connection (ERROR TIMEOUT, then EOF)
+        assert tier.lookup_prefix(keys) == 2
+        time.sleep(0.45)  # idle for most of the allowance: replaced before use, not raced
+        assert tier.lookup_prefix(keys) == 2
+        assert tier.stats.errors == 0 and tier.last_error is None
