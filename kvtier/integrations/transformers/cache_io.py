@@ -51,7 +51,7 @@ class KVStorage:
     """One tensor holding every layer's K and V for one sequence, with spare capacity.
 
     Not thread safe: one request at a time writes it. Views handed out (layer
-    keys/values, :meth:`raw_span`) stay valid until :meth:`ensure_capacity`
+    keys/values, :meth:`raw`) stay valid until :meth:`ensure_capacity`
     reallocates; data below the sequence length is never overwritten by appends.
     """
 
@@ -89,10 +89,6 @@ class KVStorage:
     def raw(self) -> np.ndarray:
         """The storage as a numpy array of same-size integers (bf16 has no numpy dtype)."""
         return self.tensor.view(_RAW_TORCH[self.tensor.element_size()]).numpy()
-
-    def raw_span(self, start: int, stop: int) -> np.ndarray:
-        """``(layers, 2, kv_heads, stop - start, head_dim)`` view of positions ``start:stop``."""
-        return self.raw()[:, :, 0, :, start:stop, :]
 
     def new_cache(self, config) -> DynamicCache:
         """A ``DynamicCache`` for ``config`` whose layers are views of this storage, empty."""

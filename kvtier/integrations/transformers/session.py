@@ -109,6 +109,11 @@ class KVTierLM:
         self.layout = layout
         self._meta = BlockMeta.of_layout(layout)
         param = next(model.parameters())
+        if param.device.type != "cpu":
+            # Blocks are copied with numpy into host memory; a GPU cache needs a
+            # device transfer layer this integration does not have (vLLM's does).
+            raise ConfigError(f"KVTierLM runs models on the CPU; this one is on {param.device}. "
+                              f"Move it with model.to('cpu'), or serve GPUs through the vLLM connector")
         self.storage = KVStorage(layout, capacity_tokens, param.dtype, param.device)
         self._staging = Staging()
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-save")
