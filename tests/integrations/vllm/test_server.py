@@ -7,7 +7,9 @@ import time
 
 import pytest
 
-from tests.integrations.vllm.harness import loaded_tokens, prompts
+from tests.integrations.vllm.harness import loaded_tokens, prompts, skip_without_vllm
+
+skip_without_vllm()
 
 pytestmark = pytest.mark.timeout(480)
 
