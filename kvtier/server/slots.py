@@ -13,11 +13,13 @@ it straight from the slot:
   ``delete`` hides it at once and its slot is freed at the release.
 
 NOTE: this is the API proposed for ``HostTier`` itself (``reserve/commit/abort``
-and ``hold``); until it lands there it lives here, on HostTier's internals.
+and ``hold``, and huge pages for the pool); until it lands there it lives here,
+on HostTier's internals.
 """
 
 from __future__ import annotations
 
+import mmap
 import time
 from collections.abc import Callable
 from typing import NamedTuple
@@ -42,6 +44,22 @@ class Held(NamedTuple):
 
 
 class ReservableHostTier(HostTier):
+    def __init__(self, capacity_bytes: int, slot_bytes: int, **kw) -> None:
+        prefault = kw.pop("prefault", True)
+        super().__init__(capacity_bytes, slot_bytes, prefault=False, **kw)
+        # Transparent huge pages before the first touch: the kernel copies every payload
+        # into and out of this pool (socket recv/send), and with 4 KiB pages it walks and
+        # misses the TLB 512 times as often -- the raw-socket baseline's numpy buffers get
+        # huge pages from numpy itself.
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            try:
+                self._mmap.madvise(mmap.MADV_HUGEPAGE)
+            except OSError:
+                pass
+        if prefault:  # fault every page in now, as HostTier's MAP_POPULATE would
+            flat = self._pool.reshape(-1)
+            flat[:: mmap.PAGESIZE] = 0
+
     @property
     def free_slots(self) -> int:
         return len(self._free)

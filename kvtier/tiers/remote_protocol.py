@@ -40,10 +40,10 @@ client key, the payload size and (in GET replies) its xxh3-128 checksum, so both
 ends verify what crossed the wire and a torn or swapped transfer is a miss.
 
 A PUT carries its checksum as a *trailer* after the payload (the header's
-checksum field is ignored): the client hashes each piece right after sending
-it and the server each piece right after receiving it, while the bytes are
-still in cache -- a separate pass over a cold 8 MiB block costs as much as
-sending it. The server stores the header with the checksum it verified.
+checksum field is ignored): the client hashes each piece just before sending it
+and the server each piece right after receiving it, while the bytes are in
+cache -- a separate pass over a cold 8 MiB block costs as much as sending it.
+The server stores the header with the checksum it verified.
 """
 
 from __future__ import annotations
