@@ -144,3 +144,15 @@ def test_unix_socket_serves_the_same_store(server):
 
     unix = RemoteTier(server.unix_url, "acme-token-2", namespace="both-ways")
     assert unix.lookup_prefix(keys) == 2
+
+
+def test_identical_blocks_from_different_workers_are_stored_once(server):
+    keys = keys_for("dedupe", 4)
+    w1 = remote(server, "acme", namespace="dedupe")
+    w2 = remote(server, "acme2", namespace="dedupe")  # another worker of the same tenant
+    assert w1.put_many(keys, [block(k) for k in keys]) == [Status.OK] * 4
+    used = w1.used_bytes
+    assert used == 4 * BLOCK
+    assert w2.put_many(keys, [block(k) for k in keys]) == [Status.OK] * 4
+    assert w2.put_many(keys, [block(k) for k in keys], skip_present=True) == [Status.OK] * 4
+    assert w1.used_bytes == used == w2.used_bytes
