@@ -14,8 +14,9 @@ a process-wide global), on the demo-sized random Llama built locally:
 
 TTFT is the wall time of a one-token generation. Every figure is a median over
 ``--runs`` distinct prompts, after one warm-up prompt per engine; speedups are
-ratios of figures measured in this run. ``memcpy_kv_s`` is the time this machine
-takes to copy the prompt's KV once: the floor of any load.
+ratios of figures measured in this run. ``load_<store>_s`` is the connector's own
+load time inside that TTFT (store reads + page writes); ``memcpy_kv_s`` is the
+time this machine takes to copy the prompt's KV once: the floor of any load.
 """
 
 from __future__ import annotations
@@ -121,10 +122,13 @@ def run(args) -> dict:
     stores = [s for s in args.stores.split(",") if s]
     for name in stores:
         with _store_extra(name, args.block_tokens, workdir) as extra:
+            if "_direct_io" in extra:
+                result["disk_direct_io"] = extra.pop("_direct_io")
             settings = {**base, "extra": extra}
             times, loaded = _kvtier_runs(settings, warmup, timed, workdir / f"engine-{name}.log")
         cold += times["cold"]
         result[f"ttft_{name}_s"] = round(statistics.median(times["loaded"]), 4)
+        result[f"load_{name}_s"] = round(statistics.median(times["load"]), 4)
         result[f"loaded_tokens_{name}"] = loaded
     result["ttft_cold_s"] = round(statistics.median(cold), 4)
     for name in stores:
@@ -142,19 +146,22 @@ def _kvtier_runs(settings: dict, warmup: list[int], timed: list[list[int]], log:
     engine = EngineProcess(settings, log)
     try:
         engine.wait_ready(timeout=600)
-        times = {"cold": [], "loaded": []}
+        times = {"cold": [], "loaded": [], "load": []}
         loaded = []
         for i, prompt in enumerate([warmup, *timed]):
             first = engine.call(op="generate", prompts=[prompt], max_tokens=1, timeout=600)
             engine.call(op="flush")
             engine.call(op="reset")
+            before = engine.call(op="stats")["worker"]["load_seconds"]
             second = engine.call(op="generate", prompts=[prompt], max_tokens=1, timeout=600)
+            load_s = engine.call(op="stats")["worker"]["load_seconds"] - before
             hit = (second["outputs"][0]["kv_transfer_params"] or {}).get("kvtier_loaded_tokens", 0)
             if second["outputs"][0]["token_ids"] != first["outputs"][0]["token_ids"]:
                 raise RuntimeError("the loaded run produced another token than the computed one")
             if i:  # the first prompt warms the engine
                 times["cold"].append(first["seconds"])
                 times["loaded"].append(second["seconds"])
+                times["load"].append(load_s)
                 loaded.append(hit)
         return times, min(loaded)
     finally:
@@ -167,9 +174,13 @@ def _store_extra(name: str, block_tokens: int, workdir: Path):
     if name == "host":
         yield {**common, "host_bytes": "2GiB"}
     elif name == "disk":
+        from kvtier.tiers.disk import DiskTier
+
         path = workdir / "disk"
         shutil.rmtree(path, ignore_errors=True)
-        yield {**common, "host_bytes": 0, "disk_path": str(path), "disk_bytes": "4GiB"}
+        with DiskTier(path, 1 << 30) as probe:
+            direct = probe.direct_io
+        yield {**common, "host_bytes": 0, "disk_path": str(path), "disk_bytes": "4GiB", "_direct_io": direct}
         shutil.rmtree(path, ignore_errors=True)
     elif name == "remote":
         from kvtier.server.launch import ServerProcess

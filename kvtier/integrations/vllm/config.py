@@ -5,7 +5,12 @@ The extra config is flat: the connector's own keys (below) plus any
 the behaviour and the store::
 
     {"block_tokens": 256, "host_bytes": "8GiB", "disk_path": "/mnt/nvme/kvtier"}   # embedded
-    {"block_tokens": 256, "host_bytes": 0, "remote_url": "tcp://kv-0:7400"}        # a kvtier server
+    {"block_tokens": 256, "host_bytes": "8GiB", "remote_url": "tcp://kv-0:7400"}   # + a kvtier server
+
+A server is there to share: with ``remote_url`` and no ``write_mode`` the store
+writes through, so that other instances see a block as soon as it is saved
+(write-back would send it to the server only when the host tier evicts it).
+The server token comes from ``remote_token``, the URL or ``$KVTIER_TOKEN``.
 """
 
 from __future__ import annotations
@@ -79,6 +84,8 @@ class ConnectorConfig:
                 f"unknown kv_connector_extra_config key(s) {unknown}; connector keys are {sorted(own)}, "
                 f"store keys are {sorted(store_keys)}"
             )
+        if extra.get("remote_url") and "write_mode" not in extra:
+            extra["write_mode"] = "write-through"
         return cls(**mine, store=StoreConfig.from_dict(extra))
 
     def replace(self, **changes) -> "ConnectorConfig":

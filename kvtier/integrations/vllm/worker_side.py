@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
@@ -58,6 +59,7 @@ class BlockBuffers:
 @dataclass(slots=True)
 class WorkerStats:
     load_jobs: int = 0
+    load_seconds: float = 0.0  #: wall time of loads: store reads + page writes
     loaded_blocks: int = 0
     failed_pages: int = 0
     saved_blocks: int = 0
@@ -97,6 +99,7 @@ class WorkerSide:
         if self.paged is None:
             return {p for t in job.blocks for p in t.page_ids}
         loaded = 0
+        start = time.perf_counter()
         staging = self._buffers.take(len(job.blocks))
         try:
             keys = self.engine.keys(job.hashes)
@@ -110,6 +113,7 @@ class WorkerSide:
             self._buffers.give(staging)
         failed = {p for t in job.blocks[loaded:] for p in t.page_ids}
         with self._lock:
+            self.stats.load_seconds += time.perf_counter() - start
             self.stats.loaded_blocks += loaded
             self.stats.failed_pages += len(failed)
         return failed

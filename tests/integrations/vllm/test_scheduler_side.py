@@ -1,0 +1,123 @@
+"""The scheduler side's plans, without an engine: hits cut to pages, partial blocks, saves, P/D waits."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from tests.integrations.vllm.harness import skip_without_vllm
+
+skip_without_vllm()
+
+from kvtier.core.layout import KVLayout  # noqa: E402
+from kvtier.core.namespace import Namespace  # noqa: E402
+from kvtier.integrations.vllm.config import ConnectorConfig, EngineKV  # noqa: E402
+from kvtier.integrations.vllm.scheduler_side import SchedulerSide  # noqa: E402
+
+PAGE, BLOCK = 32, 64  # two vLLM pages per kvtier block
+
+
+@pytest.fixture
+def engine() -> EngineKV:
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype="float32", block_tokens=BLOCK)
+    return EngineKV(Namespace("m", layout), page_tokens=PAGE, hash_tokens=PAGE, num_layers=2, format_tag="test")
+
+
+def request(req_id: str, num_tokens: int, params=None):
+    hashes = [f"{req_id}:{i}".encode().ljust(32, b".") for i in range(num_tokens // PAGE)]
+    return SimpleNamespace(request_id=req_id, num_tokens=num_tokens, block_hashes=hashes, kv_transfer_params=params)
+
+
+class FakeStore:
+    def __init__(self) -> None:
+        self.keys: set[bytes] = set()
+
+    def hold(self, engine: EngineKV, req, blocks: int) -> None:
+        self.keys |= set(engine.keys(engine.block_hashes(req.block_hashes, req.num_tokens))[:blocks])
+
+    def lookup(self, keys) -> int:
+        n = 0
+        while n < len(keys) and keys[n] in self.keys:
+            n += 1
+        return n
+
+
+def side(engine, store, **config) -> SchedulerSide:
+    return SchedulerSide(ConnectorConfig(block_tokens=BLOCK, **config), engine, store.lookup, loads=True, saves=True)
+
+
+def output(new=(), total=1):
+    cached = SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[])
+    return SimpleNamespace(scheduled_new_reqs=list(new), scheduled_cached_reqs=cached,
+                           num_scheduled_tokens={n.req_id: n.scheduled for n in new}, total_num_scheduled_tokens=total)
+
+
+def test_hit_starts_inside_a_block_after_vllms_local_pages(engine):
+    store, req = FakeStore(), request("a", 1000)
+    store.hold(engine, req, 10)
+    sched = side(engine, store)
+    assert sched.num_new_matched_tokens(req, 96) == (640 - 96, True)
+    sched.after_alloc(req, list(range(100, 132)), 640 - 96)
+    (job,) = sched.build(output(total=0)).loads
+    assert job.is_async and len(job.hashes) == 10
+    first = job.blocks[0]
+    assert (first.index, first.first, first.page_ids) == (1, 1, [103])  # page 2 of block 1 is local
+    assert [(t.index, t.first, len(t.page_ids)) for t in job.blocks[1:]] == [(i, 0, 2) for i in range(2, 10)]
+
+
+def test_a_full_hit_leaves_the_last_page_to_compute(engine):
+    store, req = FakeStore(), request("b", 640)
+    store.hold(engine, req, 10)
+    sched = side(engine, store, async_load=False)
+    assert sched.num_new_matched_tokens(req, 0) == (608, False)  # 19 pages, not 20
+    sched.after_alloc(req, list(range(20)), 608)
+    (job,) = sched.build(output()).loads
+    assert (job.blocks[-1].index, job.blocks[-1].first, job.blocks[-1].page_ids) == (9, 0, [18])
+
+
+def test_saves_follow_chunked_prefill_and_skip_what_the_store_has(engine):
+    store, req = FakeStore(), request("c", 300)
+    store.hold(engine, req, 1)
+    sched = side(engine, store)
+    assert sched.num_new_matched_tokens(req, 0) == (64, True)
+    pages = list(range(50, 60))
+    new = SimpleNamespace(req_id="c", block_ids=(pages,), num_computed_tokens=64, scheduled=100)
+    meta = sched.build(output([new]))
+    (save,) = meta.saves
+    assert [(t.index, t.page_ids) for t in save.blocks] == [(1, [52, 53])]  # 164 computed: block 1 is full
+    assert sched.stats.save_blocks == 1
+
+
+def test_a_failed_load_is_never_offered_again(engine):
+    store, req = FakeStore(), request("d", 400)
+    store.hold(engine, req, 6)
+    sched = side(engine, store)
+    external, _ = sched.num_new_matched_tokens(req, 0)
+    sched.after_alloc(req, list(range(13)), external)
+    sched.build(output(total=0))
+    sched.update({"d"}, {3})
+    assert sched.num_new_matched_tokens(req, 0) == (0, False)
+    delay, params = sched.finished(req)
+    assert not delay and params["kvtier_loaded_tokens"] == 0
+
+
+def test_decode_instance_waits_for_announced_blocks_then_gives_up(engine):
+    store, req = FakeStore(), request("e", 400, params={"kvtier_blocks": 6})
+    store.hold(engine, req, 2)
+    waiting = side(engine, store, pd_wait_s=60)
+    assert waiting.num_new_matched_tokens(req, 0) == (None, False)
+    store.hold(engine, req, 6)
+    assert waiting.num_new_matched_tokens(req, 0) == (384, True)
+    impatient = side(engine, FakeStore(), pd_wait_s=0)
+    assert impatient.num_new_matched_tokens(request("f", 400, params={"kvtier_blocks": 6}), 0) == (0, False)
+
+
+def test_a_request_finished_mid_load_keeps_its_pages(engine):
+    store, req = FakeStore(), request("g", 300)
+    store.hold(engine, req, 4)
+    sched = side(engine, store)
+    external, _ = sched.num_new_matched_tokens(req, 0)
+    sched.after_alloc(req, list(range(10)), external)
+    delay, params = sched.finished(req)
+    assert delay and params == {"kvtier_blocks": 4, "kvtier_loaded_tokens": 256}
