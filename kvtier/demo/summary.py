@@ -58,6 +58,7 @@ def summarize(turns: list[dict], phases: list[dict], *, runtime_s: float, scenar
         "bytes_written_by_tier": written,
         "bytes_used_by_tier": {tier: s.get("used_bytes", 0) for tier, s in last_stats.items()},
         "tier_limits_gib_s": [p.get("limits_gib_s") for p in phases],
+        "runs_per_turn": {"without": [t.get("cold_runs", 1) for t in turns], "with": [t.get("warm_runs", 1) for t in turns]},
         "runtime_s": runtime_s,
     }
     if resumes:

@@ -10,6 +10,15 @@ next phase is another run of this module.
 Every measured request starts with the machine idle from our side: the
 previous request's background save is waited for first (its time is reported,
 not hidden in a TTFT).
+
+Short measurements are repeated, by one rule for both sides: a run is repeated
+until the runs add up to a second (at most three) and the median counts, when
+repeating cannot change what is measured — always without kvtier; with kvtier
+only if everything came from the host tier (a block read from disk is promoted,
+so a second run would measure DRAM). On this shared 2-core machine a 0.2 s run
+can double when another process takes a core at the wrong moment, while a 10 s
+run averages such moments out; the repeats keep one hiccup from deciding a
+short turn's figure. The record says how many runs each side took.
 """
 
 from __future__ import annotations
@@ -37,6 +46,24 @@ def _configure_threads(threads: int | None) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if threads:
         os.environ["OMP_NUM_THREADS"] = str(threads)
+
+
+#: repeat a measurement until its runs add up to this much wall time (see the module doc)
+REPEAT_UNTIL_S = 1.0
+MAX_RUNS = 3
+
+
+def measure(run, repeatable) -> list:
+    """Runs of ``run()``: one, or more while short and ``repeatable(first run)``."""
+    runs = [run()]
+    while repeatable(runs[0]) and len(runs) < MAX_RUNS and sum(g.ttft_s for g in runs) < REPEAT_UNTIL_S:
+        runs.append(run())
+    return runs
+
+
+def median(runs: list):
+    """The run of median TTFT (the upper one of an even count)."""
+    return sorted(runs, key=lambda g: g.ttft_s)[len(runs) // 2]
 
 
 def main() -> int:
@@ -98,10 +125,17 @@ def main() -> int:
         context = context + assistant
         _emit("start", index=index, session=step.session, label=step.label, context_tokens=len(context))
         prompt = np.asarray(context, dtype=np.int64)
-        cold = lm.generate(prompt, scenario.gen_tokens, use_store=False)
+        colds = measure(lambda: lm.generate(prompt, scenario.gen_tokens, use_store=False), lambda g: True)
+        cold = median(colds)
         _emit("cold_done", index=index, ttft_s=cold.ttft_s)
-        warm = lm.generate(prompt, scenario.gen_tokens)
+        warms = measure(lambda: lm.generate(prompt, scenario.gen_tokens, save=False),
+                        lambda g: set(g.loaded_bytes) <= {"host"})
+        warm = median(warms)
+        # Store what this request added, as generate() would have: the storage
+        # holds the last run's KV (every run computed the same tokens).
+        last = warms[-1]
         t = time.perf_counter()
+        lm.save(np.concatenate([prompt, np.asarray(last.tokens[:-1], dtype=np.int64)]), known_blocks=last.known_blocks)
         lm.wait_saves()
         save_s = time.perf_counter() - t
         bpt = namespace.layout.bytes_per_token
@@ -118,7 +152,8 @@ def main() -> int:
             lookup_s=warm.lookup_s, load_s=warm.load_s, prefill_s=warm.prefill_s,
             ideal_s=ideal, overhead_ratio=warm.ttft_s / ideal if ideal > 0 else None,
             speedup=cold.ttft_s / warm.ttft_s,
-            outputs_equal=cold.tokens == warm.tokens,
+            outputs_equal=all(g.tokens == cold.tokens for g in colds + warms),
+            cold_runs=len(colds), warm_runs=len(warms),
             logits_max_abs_diff=float((cold.first_logits - warm.first_logits).abs().max()),
             save_s=save_s,
         )

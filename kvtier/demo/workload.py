@@ -137,19 +137,18 @@ def _user(text: str, tokens: int = 96) -> Message:
 
 
 def quick_scenario(seed: int = 7) -> Scenario:
-    """About a minute here: three users, one long session that resumes, one restart."""
+    """About a minute here: a long session that resumes, two short ones, one restart."""
     t = _Texts(seed)
     a, b, c = t.module(), t.module(), t.module()
     ask = lambda m: _user(t.rng.choice(USER_ASKS).format(name=m.stem))  # noqa: E731
     steps = [
+        Step("turn", "alice", "asks about a long file", [ask(a), _read(t, a, 3200)]),
         Step("turn", "bob", "first question", [ask(b)]),
-        Step("turn", "alice", "asks about a long file", [ask(a), _read(t, a, 3550)]),
-        Step("turn", "carol", "first question", [ask(c)]),
         Step("resume", "alice", "resume: short question", [_user(RESUME_QUESTIONS[0], 24)]),
         Step("restart"),
         Step("turn", "bob", "after restart: test log",
              [Message("tool", t.test_log(b.stem, 1500), 200), _user(FOLLOW_UPS[1])]),
-        Step("turn", "carol", "after restart", [_user(FOLLOW_UPS[3])]),
+        Step("turn", "carol", "first question", [ask(c)]),
     ]
     return Scenario("quick", Message("system", t.system_prompt(8000), 1024), steps, gen_tokens=4)
 

@@ -62,6 +62,7 @@ class Generation(NamedTuple):
     decode_s: float
     prompt_tokens: int
     cached_tokens: int  #: prompt positions whose KV was loaded, not computed
+    known_blocks: int  #: leading blocks the store already held (a later :meth:`KVTierLM.save` skips them)
     loaded_bytes: dict[str, int]  #: bytes loaded, by tier name
     saved: Future | None  #: the background save (list of per-block Status), if any
 
@@ -241,6 +242,7 @@ class KVTierLM:
             decode_s=done - first,
             prompt_tokens=int(arr.size),
             cached_tokens=prep.cached_tokens,
+            known_blocks=prep.known_blocks,
             loaded_bytes=dict(prep.load.bytes_by_tier) if prep.load else {},
             saved=future,
         )
