@@ -3,7 +3,9 @@
 * **Lookup.** A request's kvtier keys are chained over vLLM's own block hashes
   (which already carry ``cache_salt``, LoRA and multimodal hashes), one per
   kvtier block. The hit is the store's longest prefix, cut to whole vLLM pages
-  and to one token short of the request (vLLM must compute at least one).
+  (and, for a synchronous load, to one page short of the request's end: vLLM
+  must compute at least one token; after an asynchronous load vLLM itself
+  recomputes only the last token of a full hit).
 * **Loads** cover the pages past vLLM's local prefix hit; a load may stop
   inside a kvtier block (the worker reads the block and writes only the pages
   asked for).
@@ -104,7 +106,10 @@ class SchedulerSide:
             if now < state.wait_until:
                 return None, False  # the prefill instance's writes are still landing
         page = self.engine.page_tokens
-        usable = min(stored * self.engine.block_tokens, (request.num_tokens - 1) // page * page)
+        # vLLM computes at least the last token. After an asynchronous load it
+        # recomputes just that one itself; a synchronous hit must stop a page short.
+        cap = request.num_tokens if self.config.async_load else request.num_tokens - 1
+        usable = min(stored * self.engine.block_tokens, cap // page * page)
         external = max(0, usable - num_computed_tokens)
         state.match = Match(num_computed_tokens, external, stored)
         state.stored_blocks = max(state.stored_blocks, stored)

@@ -27,12 +27,13 @@ def engine(engines, tiny_model, tmp_path_factory):
 
 
 def expected_hit(length: int) -> int:
-    """Whole kvtier blocks, cut to whole 32-token pages short of the last token."""
-    return min(length // BLOCK_TOKENS * BLOCK_TOKENS, (length - 1) // 32 * 32)
+    """Whole kvtier blocks (loads are asynchronous: a full hit may cover the last token)."""
+    return length // BLOCK_TOKENS * BLOCK_TOKENS
 
 
 def test_reset_prefix_cache_then_load_from_kvtier_gives_identical_tokens_and_logprobs(engine):
-    batch = prompts(3, 300, seed=1)
+    # 300, 337, 374 tokens, and 384: a whole number of blocks, all loaded but the last token
+    batch = prompts(3, 300, seed=1) + prompts(1, 384, seed=2)
     first = engine.generate(batch, max_tokens=12)
     assert all(loaded_tokens(o) == 0 for o in first), "a fresh store holds nothing"
     engine.call(op="flush")

@@ -66,7 +66,13 @@ def test_hit_starts_inside_a_block_after_vllms_local_pages(engine):
     assert [(t.index, t.first, len(t.page_ids)) for t in job.blocks[1:]] == [(i, 0, 2) for i in range(2, 10)]
 
 
-def test_a_full_hit_leaves_the_last_page_to_compute(engine):
+def test_a_full_async_hit_loads_everything(engine):
+    store, req = FakeStore(), request("b", 640)
+    store.hold(engine, req, 10)
+    assert side(engine, store).num_new_matched_tokens(req, 0) == (640, True)  # vLLM recomputes the last token
+
+
+def test_a_full_sync_hit_leaves_the_last_page_to_compute(engine):
     store, req = FakeStore(), request("b", 640)
     store.hold(engine, req, 10)
     sched = side(engine, store, async_load=False)
