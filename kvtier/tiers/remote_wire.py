@@ -149,8 +149,9 @@ class WireClient:
             return False
         if self.idle_timeout_s and time.monotonic() - self.last_used > 0.8 * self.idle_timeout_s:
             return False
-        readable, _, _ = select.select([self.sock], [], [], 0)
-        return not readable
+        poller = select.poll()  # (not select(): fds above 1024 are common in engines)
+        poller.register(self.sock, select.POLLIN)
+        return not poller.poll(0)
 
     # -- sending -------------------------------------------------------------------------
     def next_id(self) -> int:
