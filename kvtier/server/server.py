@@ -6,7 +6,7 @@ connections, and a sweeper that deletes expired blocks. Disk I/O (lower-tier
 reads, demotions during a put) runs on a small thread pool.
 
 Storage is a :class:`~kvtier.store.tiered.TieredStore` of a
-:class:`~kvtier.server.slots.ReservableHostTier` pool and, if ``disk_dir`` is
+:class:`~kvtier.tiers.host.HostTier` pool and, if ``disk_dir`` is
 set, a :class:`~kvtier.tiers.disk.DiskTier` that host evictions are demoted to.
 """
 
@@ -29,7 +29,7 @@ from kvtier.server.governance import Governance
 from kvtier.server.index import BlockIndex
 from kvtier.server.metrics import ServerMetrics, serve_http, tier_and_tenant_families
 from kvtier.server.service import Service
-from kvtier.server.slots import ReservableHostTier
+from kvtier.tiers.host import HostTier
 from kvtier.store.tiered import TieredStore
 
 log = logging.getLogger(__name__)
@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 class Server:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
-        self.host = ReservableHostTier(config.capacity_bytes, config.max_block_bytes)
+        self.host = HostTier(config.capacity_bytes, config.max_block_bytes)
         tiers = [self.host]
         if config.disk_dir:
             from kvtier.tiers.disk import DiskTier

@@ -7,7 +7,7 @@ confined to the caller's own spaces (and, for reads, its granted shared ones).
 Data paths (no copy in user space on the host tier):
 
 * PUT: the payload is received straight into a reserved host-pool slot
-  (:class:`~kvtier.server.slots.ReservableHostTier`), hashed piece by piece as
+  (:class:`~kvtier.tiers.host.HostTier`), hashed piece by piece as
   it lands, checked against the client's checksum trailer, then committed; a
   bad checksum aborts the slot.
   A key already held is answered OK and its payload read into a discard buffer:

@@ -4,9 +4,12 @@ The pool is a single anonymous mmap, faulted in at start (``MAP_POPULATE``) so
 that puts copy into warm pages at memcpy speed; slots are page aligned, so a
 slot can be written to an O_DIRECT file or a socket without another copy.
 
-Writes are two-phase: a slot is reserved under the lock, filled outside it,
-then published. Readers pin a block (refcount) while they copy or borrow it; a
-pinned block is never evicted, overwritten or reused, and ``delete`` of a
+Writes are two-phase: :meth:`HostTier.reserve` takes a slot under the lock and
+hands out a writable view, the caller fills it outside the lock (``put`` copies;
+the server receives straight from a socket), then :meth:`HostTier.commit`
+publishes it or :meth:`HostTier.abort` frees it -- a torn upload leaves no
+trace. Readers pin a block (refcount) while they copy, ``borrow`` or ``hold``
+it; a pinned block is never evicted, overwritten or reused, and ``delete`` of a
 pinned block hides it at once and frees its slot at the last unpin.
 """
 
@@ -14,9 +17,10 @@ from __future__ import annotations
 
 import mmap
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -37,6 +41,17 @@ class _Entry:
     pins: int = 0
     published: bool = False
     doomed: bool = False  # deleted while pinned: free the slot at the last unpin
+
+
+class Reservation(NamedTuple):
+    key: BlockKey
+    entry: _Entry
+    view: np.ndarray  #: writable uint8 view of exactly the block's bytes
+
+
+class Held(NamedTuple):
+    view: np.ndarray  #: read-only uint8 view; valid until ``release()``
+    release: Callable[[], None]
 
 
 class HostTier(Tier):
@@ -66,13 +81,22 @@ class HostTier(Tier):
                 f"capacity_bytes={capacity_bytes} holds no slot of {self.slot_bytes} bytes; "
                 f"give at least one block's worth"
             )
-        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-        if prefault and hasattr(mmap, "MAP_POPULATE"):
-            flags |= mmap.MAP_POPULATE
-        self._mmap = mmap.mmap(-1, self.num_slots * self.slot_bytes, flags=flags)
+        self._mmap = mmap.mmap(-1, self.num_slots * self.slot_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        # Transparent huge pages before the first touch: every payload is copied into
+        # and out of this pool, and with 4 KiB pages the copy misses the TLB 512 times
+        # as often (measured: 10.5 vs 8.9 GB/s copies).
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            try:
+                self._mmap.madvise(mmap.MADV_HUGEPAGE)
+            except OSError:
+                pass
         self._pool = np.frombuffer(self._mmap, dtype=np.uint8).reshape(self.num_slots, self.slot_bytes)
+        if prefault:  # fault every page in now, so that puts copy into warm memory
+            self._pool.reshape(-1)[:: mmap.PAGESIZE] = 0
         self._free: list[int] = list(range(self.num_slots - 1, -1, -1))
         self._entries: dict[BlockKey, _Entry] = {}
+        #: deleted while pinned: slots freed at their last unpin
+        self._doomed: dict[BlockKey, list[_Entry]] = {}
         self._policy = policy if policy is not None else LRUPolicy()  # an empty policy is falsy
         self._ttl_s = ttl_s
         self._used = 0
@@ -122,30 +146,88 @@ class HostTier(Tier):
 
     def put(self, key: BlockKey, data, *, parent: BlockKey | None = None, meta: BlockMeta | None = None) -> Status:
         src = _as_bytes(data)
-        if src.nbytes > self.slot_bytes:
+        status, res = self.reserve(key, src.nbytes, meta=meta)
+        if res is None:
+            return status  # OK (already held or being written), FULL or TOO_LARGE
+        np.copyto(res.view, src)
+        self.commit(res, parent=parent)
+        return Status.OK
+
+    # -- two-phase writes and held views --------------------------------------------
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def reserve(
+        self, key: BlockKey, nbytes: int, *, meta: BlockMeta | None = None
+    ) -> tuple[Status, Reservation | None]:
+        """Take a slot for ``key`` (evicting as needed) and return a writable view of it.
+
+        Returns (OK, reservation) to fill then :meth:`commit` or :meth:`abort`;
+        (OK, None) if the key is already held or being written (content
+        addressed: nothing to do); (FULL or TOO_LARGE, None) otherwise. Nothing
+        is visible to readers before ``commit``.
+        """
+        if not 0 < nbytes <= self.slot_bytes:
             with self._lock:
                 self.stats.put_failures += 1
-            return Status.TOO_LARGE
+            return Status.TOO_LARGE, None
         with self._lock:
             if self._live(key) is not None or key in self._entries:
-                # Same key, same bytes (content addressed): nothing to write.
                 self._policy.on_access(key)
-                return Status.OK
+                return Status.OK, None
             slot = self._reserve_slot_locked()
             if slot is None:
                 self.stats.put_failures += 1
-                return Status.FULL
-            entry = _Entry(slot=slot, nbytes=src.nbytes, meta=meta, created=time.monotonic(), pins=1)
+                return Status.FULL, None
+            entry = _Entry(slot=slot, nbytes=nbytes, meta=meta, created=time.monotonic(), pins=1)
             self._entries[key] = entry
             self._used += self.slot_bytes
-        np.copyto(self._pool[slot, : src.nbytes], src)
+        return Status.OK, Reservation(key, entry, self._pool[slot, :nbytes])
+
+    def commit(self, res: Reservation, *, parent: BlockKey | None = None) -> None:
+        """Publish a filled reservation."""
         with self._lock:
-            entry.published = True
-            self._policy.on_insert(key, parent)
+            res.entry.published = True
+            self._policy.on_insert(res.key, parent)
             self.stats.puts += 1
-            self.stats.bytes_written += src.nbytes
-        self._unpin_entry(key, entry)
-        return Status.OK
+            self.stats.bytes_written += res.entry.nbytes
+        self._unpin_entry(res.key, res.entry)
+
+    def abort(self, res: Reservation) -> None:
+        """Drop a reservation: its slot is freed, nothing was ever visible."""
+        with self._lock:
+            if self._entries.get(res.key) is res.entry:
+                del self._entries[res.key]
+            self.stats.put_failures += 1
+            res.entry.doomed = True  # the last unpin (ours) frees the slot
+        self._unpin_entry(res.key, res.entry)
+
+    def hold(self, key: BlockKey) -> Held | None:
+        """Pin a block and return a read-only view plus its ``release``; None if absent.
+
+        Unlike :meth:`borrow` this is not a ``with`` block, so the pin can span
+        the awaits of an asynchronous send. Counted as a hit.
+        """
+        with self._lock:
+            entry = self._live(key)
+            if entry is None:
+                return None
+            entry.pins += 1
+            self._policy.on_access(key)
+            self.stats.hits += 1
+            self.stats.bytes_read += entry.nbytes
+        view = self._pool[entry.slot, : entry.nbytes]
+        view.flags.writeable = False
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self._unpin_entry(key, entry)
+
+        return Held(view, release)
 
     def delete(self, key: BlockKey) -> bool:
         with self._lock:
@@ -157,6 +239,7 @@ class HostTier(Tier):
             if entry.pins:
                 entry.doomed = True
                 del self._entries[key]
+                self._doomed.setdefault(key, []).append(entry)
             else:
                 self._free_locked(key, entry)
             return True
@@ -197,10 +280,13 @@ class HostTier(Tier):
             return True
 
     def unpin(self, key: BlockKey) -> None:
+        """Release one :meth:`pin`. A block deleted while pinned is released first
+        (oldest pin first), so that its slot is freed as soon as possible."""
         with self._lock:
-            entry = self._entries.get(key)
-        if entry is None or entry.pins <= 0:
-            raise ValueError("unpin of a block that is not pinned")
+            doomed = self._doomed.get(key)
+            entry = doomed[0] if doomed else self._entries.get(key)
+            if entry is None or entry.pins <= 0:
+                raise ValueError("unpin of a block that is not pinned")
         self._unpin_entry(key, entry)
 
     def meta_of(self, key: BlockKey) -> BlockMeta | None:
@@ -225,6 +311,11 @@ class HostTier(Tier):
             entry.pins -= 1
             if entry.pins == 0 and entry.doomed:
                 self._free_slot_locked(entry)
+                doomed = self._doomed.get(key)
+                if doomed is not None and entry in doomed:
+                    doomed.remove(entry)
+                    if not doomed:
+                        del self._doomed[key]
 
     def _free_locked(self, key: BlockKey, entry: _Entry) -> None:
         del self._entries[key]
@@ -260,9 +351,12 @@ class HostTier(Tier):
     def check_integrity(self) -> None:
         with self._lock:
             live = [e for e in self._entries.values()]
-            doomed_pinned = self.num_slots - len(self._free) - len(live)
-            assert doomed_pinned >= 0, f"more entries ({len(live)}) than used slots"
-            slots = [e.slot for e in live] + self._free
+            doomed = [e for group in self._doomed.values() for e in group]
+            assert all(e.doomed and e.pins > 0 for e in doomed), "a doomed entry outlived its pins"
+            assert self.num_slots - len(self._free) == len(live) + len(doomed), (
+                f"{self.num_slots - len(self._free)} slots in use but {len(live)} entries and {len(doomed)} doomed"
+            )
+            slots = [e.slot for e in live] + [e.slot for e in doomed] + self._free
             assert len(set(slots)) == len(slots), "a slot is both free and used, or used twice"
             assert all(e.pins >= 0 for e in live), "negative pin count"
             assert self._used == (self.num_slots - len(self._free)) * self.slot_bytes, (

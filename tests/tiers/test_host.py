@@ -85,3 +85,18 @@ def test_slots_are_page_aligned_for_direct_io():
     t.put(k(1), np.ones(10_000, np.uint8))
     with t.borrow(k(1)) as view:
         assert view.ctypes.data % 4096 == 0
+
+
+def test_unpin_after_delete_frees_the_slot():
+    t = HostTier(2 * BLOCK, BLOCK)
+    t.put(k(1), data(1))
+    assert t.pin(k(1))
+    assert t.delete(k(1))
+    t.put(k(1), data(1))  # the same key again, in another slot
+    t.check_integrity()
+    t.unpin(k(1))  # releases the deleted block's pin: its slot comes back
+    t.check_integrity()
+    assert t.used_bytes == t.slot_bytes
+    assert t.contains(k(1))
+    with pytest.raises(ValueError, match="not pinned"):
+        t.unpin(k(1))
