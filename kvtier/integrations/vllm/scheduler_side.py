@@ -3,9 +3,7 @@
 * **Lookup.** A request's kvtier keys are chained over vLLM's own block hashes
   (which already carry ``cache_salt``, LoRA and multimodal hashes), one per
   kvtier block. The hit is the store's longest prefix, cut to whole vLLM pages
-  (and, for a synchronous load, to one page short of the request's end: vLLM
-  must compute at least one token; after an asynchronous load vLLM itself
-  recomputes only the last token of a full hit).
+  and so that at least two tokens remain to compute (see ``MIN_COMPUTED_TOKENS``).
 * **Loads** cover the pages past vLLM's local prefix hit; a load may stop
   inside a kvtier block (the worker reads the block and writes only the pages
   asked for).
@@ -35,6 +33,8 @@ from kvtier.integrations.vllm.metadata import BlockTransfer, KvtierMetadata, Loa
 log = logging.getLogger(__name__)
 
 PD_PARAM = "kvtier_blocks"
+#: tokens a hit leaves to compute: results then match a cold run bit for bit
+MIN_COMPUTED_TOKENS = 2
 
 
 class Match(NamedTuple):
@@ -106,10 +106,12 @@ class SchedulerSide:
             if now < state.wait_until:
                 return None, False  # the prefill instance's writes are still landing
         page = self.engine.page_tokens
-        # vLLM computes at least the last token. After an asynchronous load it
-        # recomputes just that one itself; a synchronous hit must stop a page short.
-        cap = request.num_tokens if self.config.async_load else request.num_tokens - 1
-        usable = min(stored * self.engine.block_tokens, cap // page * page)
+        # Leave at least two tokens to compute. vLLM must compute one; and a
+        # one-token forward takes the matrix-vector path, whose rounding differs
+        # from the prefill GEMM's: the loaded run would then differ from a cold
+        # one in the last bits (measured on the CPU backend), which a cache must not do.
+        cap = max(0, request.num_tokens - MIN_COMPUTED_TOKENS) // page * page
+        usable = min(stored * self.engine.block_tokens, cap)
         external = max(0, usable - num_computed_tokens)
         state.match = Match(num_computed_tokens, external, stored)
         state.stored_blocks = max(state.stored_blocks, stored)

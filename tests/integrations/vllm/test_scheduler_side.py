@@ -66,20 +66,17 @@ def test_hit_starts_inside_a_block_after_vllms_local_pages(engine):
     assert [(t.index, t.first, len(t.page_ids)) for t in job.blocks[1:]] == [(i, 0, 2) for i in range(2, 10)]
 
 
-def test_a_full_async_hit_loads_everything(engine):
-    store, req = FakeStore(), request("b", 640)
+@pytest.mark.parametrize("async_load", [True, False])
+@pytest.mark.parametrize(("tokens", "hit"), [(640, 608), (641, 608), (642, 640)])
+def test_a_hit_leaves_at_least_two_tokens_to_compute(engine, async_load, tokens, hit):
+    store, req = FakeStore(), request("b", tokens)
     store.hold(engine, req, 10)
-    assert side(engine, store).num_new_matched_tokens(req, 0) == (640, True)  # vLLM recomputes the last token
-
-
-def test_a_full_sync_hit_leaves_the_last_page_to_compute(engine):
-    store, req = FakeStore(), request("b", 640)
-    store.hold(engine, req, 10)
-    sched = side(engine, store, async_load=False)
-    assert sched.num_new_matched_tokens(req, 0) == (608, False)  # 19 pages, not 20
-    sched.after_alloc(req, list(range(20)), 608)
+    sched = side(engine, store, async_load=async_load)
+    assert sched.num_new_matched_tokens(req, 0) == (hit, async_load)
+    sched.after_alloc(req, list(range(21)), hit)
     (job,) = sched.build(output()).loads
-    assert (job.blocks[-1].index, job.blocks[-1].first, job.blocks[-1].page_ids) == (9, 0, [18])
+    last = job.blocks[-1]
+    assert (last.index, last.first, len(last.page_ids)) == (hit // BLOCK - (hit % BLOCK == 0), 0, 2 - (hit % BLOCK) // PAGE)
 
 
 def test_saves_follow_chunked_prefill_and_skip_what_the_store_has(engine):

@@ -97,6 +97,6 @@ def test_vllm_serve_completion_is_reloaded_from_kvtier(server):
     _post(base + "/reset_prefix_cache")
     second = _post(base + "/v1/completions", body)
     loaded = second["kv_transfer_params"]["kvtier_loaded_tokens"]
-    assert loaded == prompt_tokens // 64 * 64
+    assert loaded == min(prompt_tokens // 64 * 64, (prompt_tokens - 2) // 32 * 32)
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == loaded
     assert second["choices"][0]["text"] == first["choices"][0]["text"]
