@@ -34,6 +34,8 @@ import time
 
 import numpy as np
 
+from kvtier.crypto.aead import sealed_nbytes
+
 MIB = 1 << 20
 _CMD = struct.Struct("<cQQ")  # op (R: receive, S: send), total bytes, block bytes
 
@@ -211,7 +213,8 @@ def _gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9
 
 
-def run(block_mib: float, run_mib: int, runs: int, unix: bool, with_redis: bool = True) -> dict:
+def run(block_mib: float, run_mib: int, runs: int, unix: bool, with_redis: bool = True,
+        encrypt: bool = False) -> dict:
     from kvtier.server.launch import ServerProcess
     from kvtier.tiers.remote import RemoteTier
 
@@ -223,15 +226,26 @@ def run(block_mib: float, run_mib: int, runs: int, unix: bool, with_redis: bool 
     rng = np.random.default_rng(0)
     srcs = [rng.integers(0, 256, nbytes, dtype=np.uint8) for _ in range(blocks)]
     outs = [np.ones(nbytes, np.uint8) for _ in range(blocks)]  # warm
-    server = raw = red = tier = hiredis = None
-    res: dict[str, list[float]] = {k: [] for k in ("put", "get", "sput", "sget", "rput", "rget")}
+    server = raw = red = tier = sealed = hiredis = None
+    res: dict[str, list[float]] = {k: [] for k in ("put", "get", "sput", "sget", "rput", "rget", "eput", "eget")}
     try:
-        pool = total + 4 * nbytes
+        # End-to-end encryption: the client seals, the server stores ciphertext.
+        max_block = sealed_nbytes(nbytes) if encrypt else nbytes
+        pool = (2 if encrypt else 1) * (blocks + 4) * max_block
         server = ServerProcess.start(
             {"bench": token}, unix=unix, tcp=not unix, workdir=workdir,
-            server={"capacity": pool, "max_block": nbytes},
+            server={"capacity": pool, "max_block": max_block},
         )
         tier = RemoteTier(server.url, token, namespace="bench", timeout_s=60, pool_size=1)
+        if encrypt:
+            from kvtier.crypto.keyring import Keyring
+            from kvtier.crypto.providers import StaticMasterKey
+            from kvtier.tiers.encrypted import EncryptedTier
+
+            keyring = Keyring(StaticMasterKey(os.urandom(32)), os.path.join(workdir, "keys"))
+            inner = RemoteTier(server.url, token, namespace="bench-sealed", timeout_s=60, pool_size=1)
+            sealed = EncryptedTier(inner, keyring, "bench")
+            with_redis = False
         raw = RawPeer(workdir if unix else None, total)
         redis_error = None
         if with_redis:
@@ -257,12 +271,24 @@ def run(block_mib: float, run_mib: int, runs: int, unix: bool, with_redis: bool 
                 bad = [s.name for s in statuses if not s.ok][:3]
                 raise RuntimeError(f"kvtier get failed: {bad}; {tier.last_error}")
 
+        def enc_put(keys):
+            statuses = sealed.put_many(keys, srcs)
+            if not all(s.ok for s in statuses):
+                raise RuntimeError(f"encrypted put failed: {[s.name for s in statuses if not s.ok][:3]}")
+
+        def enc_get(keys):
+            statuses = sealed.get_many(keys, outs)
+            if not all(s.ok for s in statuses):
+                raise RuntimeError(f"encrypted get failed: {[s.name for s in statuses if not s.ok][:3]}")
+
         hiredis = red.hiredis if red is not None else None
         # (name, put, get, cleanup) per system; keys are per run
         systems = [
             ("kv", kv_put, kv_get, lambda keys: tier.delete_many(keys)),
             ("s", lambda keys: raw.put(srcs), lambda keys: raw.get(outs), lambda keys: None),
         ]
+        if encrypt:
+            systems.append(("e", enc_put, enc_get, lambda keys: sealed.delete_many(keys)))
         if red is not None:
             systems.append(("r", lambda keys: red.put(keys, srcs), lambda keys: red.get(keys, outs),
                             lambda keys: red.delete(keys, srcs)))
@@ -283,7 +309,7 @@ def run(block_mib: float, run_mib: int, runs: int, unix: bool, with_redis: bool 
                     res[prefix + "put"].append(puts[name])
                     res[prefix + "get"].append(gets[name])
     finally:
-        for thing in (tier, raw, red):
+        for thing in (tier, raw, red, sealed):
             if thing is not None:
                 thing.close()
         if server is not None:
@@ -296,6 +322,16 @@ def run(block_mib: float, run_mib: int, runs: int, unix: bool, with_redis: bool 
     def ratio(a: str, b: str) -> float | None:
         return round(statistics.median(x / y for x, y in zip(res[a], res[b])), 3) if res[b] else None
 
+    encrypted = {}
+    if encrypt:
+        put_ratio, get_ratio = ratio("eput", "put"), ratio("eget", "get")
+        encrypted = {
+            "encrypted_put_gbps": med(res["eput"]),
+            "encrypted_get_gbps": med(res["eget"]),
+            "encrypt_put_ratio": put_ratio,
+            "encrypt_get_ratio": get_ratio,
+            "encrypt_ratio": min(put_ratio, get_ratio),
+        }
     return {
         "bench": "remote",
         "transport": "unix" if unix else "tcp",
@@ -314,6 +350,7 @@ def run(block_mib: float, run_mib: int, runs: int, unix: bool, with_redis: bool 
         "get_ratio_vs_redis": ratio("get", "rget"),
         "redis_hiredis": hiredis,
         **({"redis_error": redis_error} if with_redis and red is None else {}),
+        **encrypted,
     }
 
 
@@ -325,12 +362,14 @@ def register(subparsers) -> None:
     p.add_argument("--runs", type=int, default=15)
     p.add_argument("--unix", action="store_true", help="Unix sockets instead of TCP loopback")
     p.add_argument("--no-redis", action="store_true", help="skip the Redis comparison")
+    p.add_argument("--encrypt", action="store_true",
+                   help="also end-to-end encrypted puts/gets (client seals) in the same run; prints encrypt_ratio")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_main)
 
 
 def _main(args) -> int:
-    result = run(args.block_mib, args.run_mib, args.runs, args.unix, not args.no_redis)
+    result = run(args.block_mib, args.run_mib, args.runs, args.unix, not args.no_redis, args.encrypt)
     if args.json:
         print(json.dumps(result))
     else:

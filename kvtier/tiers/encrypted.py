@@ -50,6 +50,27 @@ class _Staging(threading.local):
         return self.buf[:nbytes]
 
 
+class _BufferPool:
+    """Page-aligned buffers handed out and given back, so batch pipelines never allocate."""
+
+    def __init__(self) -> None:
+        self._free: list[np.ndarray] = []
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> np.ndarray:
+        with self._lock:
+            for i, buf in enumerate(self._free):
+                if buf.nbytes >= nbytes:
+                    return self._free.pop(i)
+        size = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+        return np.frombuffer(mmap.mmap(-1, size), dtype=np.uint8)
+
+    def give(self, buf: np.ndarray) -> None:
+        with self._lock:
+            if len(self._free) < 4:
+                self._free.append(buf)
+
+
 class EncryptedTier(WrappingTier):
     def __init__(
         self,
@@ -68,6 +89,10 @@ class EncryptedTier(WrappingTier):
         self._context = frame_str(1, "tenant") + frame_str(2, tenant)
         self._staging = _Staging()
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvtier-aead") if threads > 1 else None
+        # Batches overlap sealing (opening) of one block with the inner tier's I/O of
+        # another: AES-GCM and socket/file I/O both release the GIL.
+        self._pipe = ThreadPoolExecutor(1, thread_name_prefix="kvtier-aead-pipe")
+        self._buffers = _BufferPool()
 
     @property
     def on_evict(self):
@@ -94,12 +119,9 @@ class EncryptedTier(WrappingTier):
     def lookup_prefix(self, keys) -> int:
         return self.inner.lookup_prefix([self._name(k) for k in keys])
 
-    def put(self, key: BlockKey, data, *, parent: BlockKey | None = None, meta: BlockMeta | None = None) -> Status:
-        name = self._name(key)
-        if self.inner.contains(name):
-            return Status.OK
+    def _seal(self, name: BlockKey, data, out: np.ndarray, executor) -> np.ndarray:
+        """Seal ``data`` into ``out``; returns the view of the sealed bytes."""
         plain = memoryview(data).cast("B")
-        staging = self._staging.get(aead.sealed_nbytes(plain.nbytes, self.chunk_bytes))
         data_key = self.keyring.key_for_write(self.tenant)
         n = aead.seal_into(
             data_key.aead,
@@ -108,31 +130,108 @@ class EncryptedTier(WrappingTier):
             storage_key=name,
             context=self._context,
             plain=plain,
-            out=staging,
+            out=out,
             chunk_bytes=self.chunk_bytes,
-            executor=self._pool,
+            executor=executor,
         )
         self.keyring.note_encryptions(data_key, aead.n_chunks(plain.nbytes, self.chunk_bytes))
+        return out[:n]
+
+    def _open(self, name: BlockKey, sealed: np.ndarray, out, executor) -> Status:
+        why = aead.open_into(
+            self._lookup, storage_key=name, context=self._context, sealed=sealed, out=out, executor=executor
+        )
+        if why is None:
+            return Status.OK
+        with self._lock:
+            self.inner.stats.verify_failures += 1
+        log.warning("encrypted block %s… of tenant %r rejected: %s", name.hex()[:16], self.tenant, why)
+        self.inner.delete(name)  # it will never verify: free the space
+        return Status.CORRUPT
+
+    def _sealed_size(self, plain_nbytes: int) -> int:
+        return aead.sealed_nbytes(plain_nbytes, self.chunk_bytes)
+
+    def put(self, key: BlockKey, data, *, parent: BlockKey | None = None, meta: BlockMeta | None = None) -> Status:
+        name = self._name(key)
+        if self.inner.contains(name):
+            return Status.OK
+        nbytes = memoryview(data).nbytes
+        sealed = self._seal(name, data, self._staging.get(self._sealed_size(nbytes)), self._pool)
         # meta stays out: dtype and shape are not secret-free (they reveal the model).
-        return self.inner.put(name, staging[:n], parent=self._name(parent) if parent else None)
+        return self.inner.put(name, sealed, parent=self._name(parent) if parent else None)
 
     def get(self, key: BlockKey, out) -> Status:
         dst = memoryview(out).cast("B")
         name = self._name(key)
-        staging = self._staging.get(aead.sealed_nbytes(dst.nbytes, self.chunk_bytes))
+        staging = self._staging.get(self._sealed_size(dst.nbytes))
         status = self.inner.get(name, staging)
         if status is not Status.OK:
             return status
-        why = aead.open_into(
-            self._lookup, storage_key=name, context=self._context, sealed=staging, out=dst, executor=self._pool
-        )
-        if why is not None:
-            with self._lock:
-                self.inner.stats.verify_failures += 1
-            log.warning("encrypted block %s… of tenant %r rejected: %s", name.hex()[:16], self.tenant, why)
-            self.inner.delete(name)  # it will never verify: free the space
-            return Status.CORRUPT
-        return Status.OK
+        return self._open(name, staging, dst, self._pool)
+
+    def put_many(self, keys, datas, *, parents=None, metas=None) -> list[Status]:
+        """Seal block i+1 while the inner tier stores block i (double buffered)."""
+        if len(keys) != len(datas):
+            raise ValueError(f"put_many: {len(keys)} keys but {len(datas)} buffers")
+        if parents is None:
+            parents = [None, *keys[:-1]]
+        names = [self._name(k) for k in keys]
+        present = self.inner.contains_many(names)
+        todo = [i for i in range(len(keys)) if not present[i]]
+        statuses = [Status.OK] * len(keys)
+        bufs = [self._buffers.take(self._sealed_size(memoryview(datas[i]).nbytes)) for i in todo[:2]]
+        try:
+            job = self._pipe.submit(self._seal, names[todo[0]], datas[todo[0]], bufs[0], None) if todo else None
+            for pos, i in enumerate(todo):
+                sealed = job.result()
+                if pos + 1 < len(todo):
+                    j = todo[pos + 1]
+                    out = bufs[(pos + 1) % 2]
+                    if out.nbytes < self._sealed_size(memoryview(datas[j]).nbytes):
+                        self._buffers.give(out)
+                        out = bufs[(pos + 1) % 2] = self._buffers.take(self._sealed_size(memoryview(datas[j]).nbytes))
+                    job = self._pipe.submit(self._seal, names[j], datas[j], out, None)
+                parent = self._name(parents[i]) if parents[i] else None
+                statuses[i] = self.inner.put(names[i], sealed, parent=parent)
+        finally:
+            for b in bufs:
+                self._buffers.give(b)
+        return statuses
+
+    def get_many(self, keys, outs) -> list[Status]:
+        """Open block i while the inner tier fetches block i+1 (double buffered)."""
+        if len(keys) != len(outs):
+            raise ValueError(f"get_many: {len(keys)} keys but {len(outs)} buffers")
+        dsts = [memoryview(o).cast("B") for o in outs]
+        statuses: list[Status] = [Status.MISS] * len(keys)
+        bufs = [self._buffers.take(self._sealed_size(d.nbytes)) for d in dsts[:2]]
+        job = None  # (index, future) of the block being opened
+        try:
+            for i, key in enumerate(keys):
+                name = self._name(key)
+                size = self._sealed_size(dsts[i].nbytes)
+                buf = bufs[i % 2]
+                if buf.nbytes < size:
+                    if job is not None and job[0] % 2 == i % 2:
+                        statuses[job[0]] = job[1].result()
+                        job = None
+                    self._buffers.give(buf)
+                    buf = bufs[i % 2] = self._buffers.take(size)
+                status = self.inner.get(name, buf[:size])
+                if job is not None:  # block i-1, opened while block i arrived
+                    statuses[job[0]] = job[1].result()
+                    job = None
+                if status is Status.OK:
+                    job = (i, self._pipe.submit(self._open, name, buf[:size], dsts[i], None))
+                else:
+                    statuses[i] = status
+            if job is not None:
+                statuses[job[0]] = job[1].result()
+        finally:
+            for b in bufs:
+                self._buffers.give(b)
+        return statuses
 
     def delete(self, key: BlockKey) -> bool:
         return self.inner.delete(self._name(key))
@@ -143,4 +242,5 @@ class EncryptedTier(WrappingTier):
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+        self._pipe.shutdown(wait=True)
         super().close()

@@ -123,3 +123,18 @@ def test_keystore_files_do_not_name_tenants(keyring):
     keyring.key_for_write("acme-corp")
     names = [p.name for p in keyring.dir.iterdir()]
     assert names and not any("acme" in n for n in names)
+
+
+def test_batches_are_pipelined_and_a_tampered_block_fails_alone(keyring):
+    tier, host = enc_host(keyring, "acme")
+    keys = [bytes([i]) * 32 for i in range(6)]
+    assert tier.put_many(keys, [block(i) for i in range(6)]) == [Status.OK] * 6
+    # flip one byte of block 3's sealed bytes inside the host pool
+    with host.borrow(tier.storage_name(keys[3])) as view:
+        view.flags.writeable = True  # test only: simulate corruption below the AEAD
+        view[1000] ^= 0xFF
+    outs = [np.empty(B, np.uint8) for _ in range(6)]
+    statuses = tier.get_many(keys + [b"x" * 32], outs + [np.empty(B, np.uint8)])
+    assert statuses == [Status.OK] * 3 + [Status.CORRUPT] + [Status.OK] * 2 + [Status.MISS]
+    assert all(np.array_equal(outs[i], block(i)) for i in (0, 1, 2, 4, 5))
+    assert tier.put_many(keys[:2], [block(0), block(1)]) == [Status.OK] * 2  # present: no-op
