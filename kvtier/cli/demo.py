@@ -25,7 +25,8 @@ def register(subparsers) -> None:
                         help="no model: store → evict → reload synthetic KV through host and disk tiers")
     parser.add_argument("--store-dir", metavar="DIR",
                         help="disk tier directory (default: a fresh one under the user cache dir, removed after)")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads in the workers (default: all cores)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads in the engine processes (default: every core the machine leaves idle)")
     parser.set_defaults(func=run)
 
 

@@ -34,6 +34,36 @@ def _emit(event: str, **fields) -> None:
     sys.stdout.flush()
 
 
+def idle_cores(sample_s: float = 0.5) -> float:
+    """Cores left idle by everything else on the machine, sampled from /proc/stat."""
+    def snapshot() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+        return fields[3] + fields[4], sum(fields[:8])  # idle + iowait, total
+
+    idle0, total0 = snapshot()
+    time.sleep(sample_s)
+    idle1, total1 = snapshot()
+    return (idle1 - idle0) / max(total1 - total0, 1) * (os.cpu_count() or 1)
+
+
+def choose_threads() -> int:
+    """torch threads for this engine: every core when the machine is free, fewer when it is not.
+
+    With OpenMP's threads waiting at a barrier after every operator, a thread
+    that loses its core to another process stalls the whole forward pass; on a
+    busy 2-core machine one thread ran a short prefill faster and far steadier
+    than two (and a long one about as fast). Chosen once per process, so both
+    sides of every comparison run with the same setting.
+    """
+    cores = os.cpu_count() or 1
+    try:
+        idle = idle_cores()
+    except OSError:
+        return cores
+    return cores if idle >= cores - 0.5 else max(1, int(idle + 0.5))
+
+
 def _configure_threads(threads: int | None) -> None:
     # Before torch starts OpenMP: passive waiting keeps 2 threads from spinning
     # against each other (and against other processes) on a 2-core machine;
@@ -80,8 +110,6 @@ def main() -> int:
     from kvtier.integrations.transformers.models import DEMO_SPEC, ModelSpec, ensure_model, load_model
     from kvtier.store.config import StoreConfig, build_store
 
-    if job.get("threads"):
-        torch.set_num_threads(job["threads"])
     spec = ModelSpec(**job["model_spec"]) if job.get("model_spec") else DEMO_SPEC
     t = time.perf_counter()
     model_dir, built = ensure_model(spec, job.get("model_root"))
@@ -90,6 +118,8 @@ def main() -> int:
     t = time.perf_counter()
     model, tokenizer = load_model(model_dir)
     load_s = time.perf_counter() - t
+    # Sampled here, with this process idle (imports and load are done).
+    torch.set_num_threads(job.get("threads") or choose_threads())
     namespace = namespace_for_model(model, block_tokens=job["block_tokens"], weights_dir=model_dir)
     t = time.perf_counter()
     store = build_store(StoreConfig(**job["store"]), namespace.layout)
