@@ -63,7 +63,7 @@ class Reporter:
             limits = ", ".join(f"{k} {v:.1f} GiB/s" for k, v in event["limits_gib_s"].items())
             self.note(
                 f"   engine process {event['pid']} ready: model loaded in {event['model_load_s']:.2f} s, "
-                f"disk tier indexed {event['recovered_blocks']} blocks in {event['store_open_s'] * 1000:.0f} ms; "
+                f"store opened in {event['store_open_s'] * 1000:.0f} ms (disk tier: {event['recovered_blocks']} blocks); "
                 f"limits measured now: {limits}; {event['threads']} threads, "
                 f"block {event['block_tokens']} tokens x {event['bytes_per_token'] // 1024} KiB"
             )
