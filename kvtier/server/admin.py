@@ -80,7 +80,14 @@ class AdminAPI:
         loop = asyncio.get_running_loop()
         erased = await loop.run_in_executor(self.svc.io, lambda: sum(self.svc.drop(k) is not None for k in keys))
         self.svc.metrics.erasures.inc(erased)
-        return {"erased": erased}
+        if self.svc.keyring is None:
+            return {"erased": erased}
+        shredded = False
+        if namespace is None and session is None:
+            # Crypto-shredding: whatever copy of the tenant's sealed blocks survives
+            # anywhere (a file not yet unlinked, a backup) is noise from now on.
+            shredded = await loop.run_in_executor(self.svc.io, self.svc.keyring.shred_tenant, owner)
+        return {"erased": erased, "keys_shredded": shredded}
 
     def set_quota(self, args: dict) -> dict:
         owner = self._owner(args)

@@ -9,6 +9,9 @@ the source and the fix. Example file (sizes take KiB/MiB/GiB/TiB or KB/MB/GB/TB)
     max_block = "32MiB"        # largest block (one pool slot)
     disk_dir = "/mnt/nvme/kvtier"   # optional spill tier
     disk_capacity = "500GiB"
+    encrypt_at_rest = true          # seal spilled blocks per tenant (needs a master key:
+    master_key_file = "/etc/kvtier/master.key"   # this file, mode 0600, or $KVTIER_MASTER_KEY)
+    keystore_dir = "/var/lib/kvtier/keys"        # wrapped per-tenant keys (default: <disk_dir>/keys)
     metrics = "127.0.0.1:9400"      # Prometheus /metrics and /healthz
     events = "tcp://127.0.0.1:5557" # KV events (ZMQ PUB); replay on events_replay
     audit_log = "/var/log/kvtier/audit.jsonl"
@@ -92,6 +95,9 @@ class ServerConfig:
     max_block_bytes: int = 32 << 20
     disk_dir: str | None = None
     disk_capacity_bytes: int = 0
+    encrypt_at_rest: bool = False
+    master_key_file: str | None = None
+    keystore_dir: str | None = None
     idle_timeout_s: float = 300.0
     frame_timeout_s: float = 30.0
     max_connections: int = 1024
@@ -151,6 +157,14 @@ def _str_list(v: Any, what: str) -> tuple[str, ...]:
     return tuple(v)
 
 
+def _bool(v: Any, what: str) -> bool:
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, str) and v.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+        return v.lower() in ("1", "true", "yes", "on")
+    raise ConfigError(f"{what}: expected true or false, got {v!r}")
+
+
 def _ttl(v: Any, what: str) -> float | None:
     f = _float(v, what)
     return None if f == 0 else f
@@ -162,6 +176,9 @@ _SERVER_KEYS: dict[str, tuple[str, Any]] = {
     "max_block": ("max_block_bytes", parse_size),
     "disk_dir": ("disk_dir", _str_or_none),
     "disk_capacity": ("disk_capacity_bytes", parse_size),
+    "encrypt_at_rest": ("encrypt_at_rest", _bool),
+    "master_key_file": ("master_key_file", _str_or_none),
+    "keystore_dir": ("keystore_dir", _str_or_none),
     "idle_timeout_s": ("idle_timeout_s", _float),
     "frame_timeout_s": ("frame_timeout_s", _float),
     "max_connections": ("max_connections", _int),
@@ -302,6 +319,10 @@ def _validate(c: ServerConfig) -> None:
         )
     if c.disk_dir and c.disk_capacity_bytes < c.max_block_bytes:
         raise ConfigError("disk_dir is set: give disk_capacity (e.g. \"100GiB\") of at least one block")
+    if c.encrypt_at_rest and not c.disk_dir:
+        raise ConfigError("encrypt_at_rest seals the disk spill tier: set disk_dir too (the DRAM pool stays plaintext)")
+    if c.encrypt_at_rest and not (c.master_key_file or os.environ.get("KVTIER_MASTER_KEY")):
+        raise ConfigError("encrypt_at_rest needs a master key: set master_key_file or $KVTIER_MASTER_KEY")
     for h in c.admin_token_sha256:
         _check_hash(h, "[admin] token_sha256")
     names = [t.name for t in c.tenants]

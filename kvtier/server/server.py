@@ -39,13 +39,15 @@ class Server:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self.host = HostTier(config.capacity_bytes, config.max_block_bytes)
+        self.index = BlockIndex()
+        self.keyring = None
         tiers = [self.host]
         if config.disk_dir:
             from kvtier.tiers.disk import DiskTier
 
-            tiers.append(DiskTier(config.disk_dir, config.disk_capacity_bytes))
+            disk = DiskTier(config.disk_dir, config.disk_capacity_bytes)
+            tiers.append(self._sealed(disk) if config.encrypt_at_rest else disk)
         self.store = TieredStore(tiers)
-        self.index = BlockIndex()
         self.governance = Governance(config)
         self.metrics = ServerMetrics()
         self.audit = AuditLog(config.audit_log)
@@ -57,6 +59,7 @@ class Server:
         self.service = Service(
             config=config, store=self.store, host=self.host, index=self.index, governance=self.governance,
             auth=Authenticator(config), metrics=self.metrics, audit=self.audit, events=self.events,
+            keyring=self.keyring,
         )
         self.metrics.add_collector(lambda: tier_and_tenant_families(
             self.store, self.index, self.governance, lambda: self.events.emitted if self.events else 0))
@@ -66,6 +69,25 @@ class Server:
         self._timers: list[asyncio.Task] = []
         self._stopping: asyncio.Event | None = None
         self.addresses: dict = {}
+
+    def _sealed(self, disk):
+        """Server-side encryption at rest, for engines that cannot hold keys: each
+        spilled block is sealed under its owner's keys (the index knows the owner)."""
+        from kvtier.crypto.keyring import Keyring
+        from kvtier.crypto.providers import EnvMasterKey, FileMasterKey
+        from kvtier.tiers.encrypted import EncryptedTier
+
+        provider = FileMasterKey(self.config.master_key_file) if self.config.master_key_file else EnvMasterKey()
+        keystore = self.config.keystore_dir or os.path.join(self.config.disk_dir, "keys")
+        self.keyring = Keyring(provider, keystore)
+
+        def owner_of(skey: bytes) -> str | None:
+            entry = self.index.get(skey)
+            return entry.owner if entry is not None else None
+
+        sealed = EncryptedTier(disk, self.keyring, tenant_of=owner_of)
+        sealed.name = disk.name  # metrics and KV events name the medium
+        return sealed
 
     # -- connections ----------------------------------------------------------------------
     def admit(self, conn: Connection) -> bool:

@@ -77,8 +77,11 @@ class ScratchPool:
 
 
 class Service:
-    def __init__(self, *, config, store, host, index, governance, auth, metrics, audit, events) -> None:
+    def __init__(self, *, config, store, host, index, governance, auth, metrics, audit, events,
+                 keyring=None) -> None:
         self.config = config
+        #: with encryption at rest: erasing a whole tenant also shreds its keys
+        self.keyring = keyring
         self.store = store
         self.host = host
         self.index = index

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import mmap
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -76,17 +76,22 @@ class EncryptedTier(WrappingTier):
         self,
         inner: Tier,
         keyring: Keyring,
-        tenant: str,
+        tenant: str | None = None,
         *,
+        tenant_of: Callable[[BlockKey], str | None] | None = None,
         chunk_bytes: int = aead.DEFAULT_CHUNK_BYTES,
         threads: int = 2,
     ) -> None:
+        """Seal for one ``tenant``, or, on a server that holds many tenants' blocks in one
+        tier, for the tenant ``tenant_of(key)`` names (None: the block is refused)."""
         super().__init__(inner)
+        if (tenant is None) == (tenant_of is None):
+            raise ValueError("give exactly one of tenant= and tenant_of=")
         self.name = f"encrypted({inner.name})"
         self.keyring = keyring
         self.tenant = tenant
+        self._tenant_of = tenant_of
         self.chunk_bytes = chunk_bytes
-        self._context = frame_str(1, "tenant") + frame_str(2, tenant)
         self._staging = _Staging()
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvtier-aead") if threads > 1 else None
         # Batches overlap sealing (opening) of one block with the inner tier's I/O of
@@ -102,15 +107,29 @@ class EncryptedTier(WrappingTier):
     def on_evict(self, _hook) -> None:
         pass  # see module docstring: no demotion out of an encrypted tier
 
+    def _owner(self, key: BlockKey) -> str | None:
+        return self.tenant if self._tenant_of is None else self._tenant_of(key)
+
+    @staticmethod
+    def _context(tenant: str) -> bytes:
+        return frame_str(1, "tenant") + frame_str(2, tenant)
+
     def storage_name(self, key: BlockKey) -> BlockKey:
         """The keyed name a block is stored under in the inner tier."""
-        return BlockKey(self.keyring.storage_key(self.tenant, key))
+        owner = self._owner(key)
+        if owner is None:
+            # No tenant, no key: a name nobody can have written, so every lookup misses.
+            return BlockKey(b"\0" * 32)
+        return BlockKey(self.keyring.storage_key(owner, key))
 
     _name = storage_name
 
-    def _lookup(self, epoch: int, key_id: bytes):
-        key = self.keyring.key_for_read(self.tenant, epoch, key_id)
-        return key.aead if key is not None else None
+    def _lookup_for(self, tenant: str):
+        def lookup(epoch: int, key_id: bytes):
+            key = self.keyring.key_for_read(tenant, epoch, key_id)
+            return key.aead if key is not None else None
+
+        return lookup
 
     # -- contract ---------------------------------------------------------------
     def contains(self, key: BlockKey) -> bool:
@@ -119,16 +138,16 @@ class EncryptedTier(WrappingTier):
     def lookup_prefix(self, keys) -> int:
         return self.inner.lookup_prefix([self._name(k) for k in keys])
 
-    def _seal(self, name: BlockKey, data, out: np.ndarray, executor) -> np.ndarray:
-        """Seal ``data`` into ``out``; returns the view of the sealed bytes."""
+    def _seal(self, tenant: str, name: BlockKey, data, out: np.ndarray, executor) -> np.ndarray:
+        """Seal ``data`` into ``out`` for ``tenant``; returns the view of the sealed bytes."""
         plain = memoryview(data).cast("B")
-        data_key = self.keyring.key_for_write(self.tenant)
+        data_key = self.keyring.key_for_write(tenant)
         n = aead.seal_into(
             data_key.aead,
             epoch=data_key.epoch,
             key_id=data_key.key_id,
             storage_key=name,
-            context=self._context,
+            context=self._context(tenant),
             plain=plain,
             out=out,
             chunk_bytes=self.chunk_bytes,
@@ -137,15 +156,16 @@ class EncryptedTier(WrappingTier):
         self.keyring.note_encryptions(data_key, aead.n_chunks(plain.nbytes, self.chunk_bytes))
         return out[:n]
 
-    def _open(self, name: BlockKey, sealed: np.ndarray, out, executor) -> Status:
+    def _open(self, tenant: str, name: BlockKey, sealed: np.ndarray, out, executor) -> Status:
         why = aead.open_into(
-            self._lookup, storage_key=name, context=self._context, sealed=sealed, out=out, executor=executor
+            self._lookup_for(tenant), storage_key=name, context=self._context(tenant), sealed=sealed, out=out,
+            executor=executor,
         )
         if why is None:
             return Status.OK
         with self._lock:
             self.inner.stats.verify_failures += 1
-        log.warning("encrypted block %s… of tenant %r rejected: %s", name.hex()[:16], self.tenant, why)
+        log.warning("encrypted block %s… of tenant %r rejected: %s", name.hex()[:16], tenant, why)
         self.inner.delete(name)  # it will never verify: free the space
         return Status.CORRUPT
 
@@ -153,11 +173,14 @@ class EncryptedTier(WrappingTier):
         return aead.sealed_nbytes(plain_nbytes, self.chunk_bytes)
 
     def put(self, key: BlockKey, data, *, parent: BlockKey | None = None, meta: BlockMeta | None = None) -> Status:
+        owner = self._owner(key)
+        if owner is None:
+            return Status.ERROR
         name = self._name(key)
         if self.inner.contains(name):
             return Status.OK
         nbytes = memoryview(data).nbytes
-        sealed = self._seal(name, data, self._staging.get(self._sealed_size(nbytes)), self._pool)
+        sealed = self._seal(owner, name, data, self._staging.get(self._sealed_size(nbytes)), self._pool)
         # meta stays out: dtype and shape are not secret-free (they reveal the model).
         return self.inner.put(name, sealed, parent=self._name(parent) if parent else None)
 
@@ -165,15 +188,20 @@ class EncryptedTier(WrappingTier):
         dst = memoryview(out).cast("B")
         name = self._name(key)
         staging = self._staging.get(self._sealed_size(dst.nbytes))
+        owner = self._owner(key)
+        if owner is None:
+            return Status.MISS
         status = self.inner.get(name, staging)
         if status is not Status.OK:
             return status
-        return self._open(name, staging, dst, self._pool)
+        return self._open(owner, name, staging, dst, self._pool)
 
     def put_many(self, keys, datas, *, parents=None, metas=None) -> list[Status]:
         """Seal block i+1 while the inner tier stores block i (double buffered)."""
         if len(keys) != len(datas):
             raise ValueError(f"put_many: {len(keys)} keys but {len(datas)} buffers")
+        if self._tenant_of is not None:  # one tenant per key: the plain per-key path
+            return super().put_many(keys, datas, parents=parents, metas=metas)
         if parents is None:
             parents = [None, *keys[:-1]]
         names = [self._name(k) for k in keys]
@@ -182,7 +210,7 @@ class EncryptedTier(WrappingTier):
         statuses = [Status.OK] * len(keys)
         bufs = [self._buffers.take(self._sealed_size(memoryview(datas[i]).nbytes)) for i in todo[:2]]
         try:
-            job = self._pipe.submit(self._seal, names[todo[0]], datas[todo[0]], bufs[0], None) if todo else None
+            job = self._pipe.submit(self._seal, self.tenant, names[todo[0]], datas[todo[0]], bufs[0], None) if todo else None
             for pos, i in enumerate(todo):
                 sealed = job.result()
                 if pos + 1 < len(todo):
@@ -191,7 +219,7 @@ class EncryptedTier(WrappingTier):
                     if out.nbytes < self._sealed_size(memoryview(datas[j]).nbytes):
                         self._buffers.give(out)
                         out = bufs[(pos + 1) % 2] = self._buffers.take(self._sealed_size(memoryview(datas[j]).nbytes))
-                    job = self._pipe.submit(self._seal, names[j], datas[j], out, None)
+                    job = self._pipe.submit(self._seal, self.tenant, names[j], datas[j], out, None)
                 parent = self._name(parents[i]) if parents[i] else None
                 statuses[i] = self.inner.put(names[i], sealed, parent=parent)
         finally:
@@ -203,6 +231,8 @@ class EncryptedTier(WrappingTier):
         """Open block i while the inner tier fetches block i+1 (double buffered)."""
         if len(keys) != len(outs):
             raise ValueError(f"get_many: {len(keys)} keys but {len(outs)} buffers")
+        if self._tenant_of is not None:
+            return super().get_many(keys, outs)
         dsts = [memoryview(o).cast("B") for o in outs]
         statuses: list[Status] = [Status.MISS] * len(keys)
         bufs = [self._buffers.take(self._sealed_size(d.nbytes)) for d in dsts[:2]]
@@ -223,7 +253,7 @@ class EncryptedTier(WrappingTier):
                     statuses[job[0]] = job[1].result()
                     job = None
                 if status is Status.OK:
-                    job = (i, self._pipe.submit(self._open, name, buf[:size], dsts[i], None))
+                    job = (i, self._pipe.submit(self._open, self.tenant, name, buf[:size], dsts[i], None))
                 else:
                     statuses[i] = status
             if job is not None:
