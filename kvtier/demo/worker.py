@@ -34,7 +34,7 @@ def _emit(event: str, **fields) -> None:
     sys.stdout.flush()
 
 
-def idle_cores(sample_s: float = 0.5) -> float:
+def idle_cores(sample_s: float = 0.3) -> float:
     """Cores left idle by everything else on the machine, sampled from /proc/stat."""
     def snapshot() -> tuple[int, int]:
         with open("/proc/stat") as f:
@@ -141,7 +141,7 @@ def main() -> int:
     lm.generate(system[:64], 2, use_store=False)
     limits = {"host": host_copy_gib_s(namespace.layout.block_nbytes)}
     if disk is not None:
-        limits["disk"] = disk_read_gib_s(disk.path)
+        limits["disk"] = disk_read_gib_s(disk.path, total_bytes=16 << 20)
     _emit("ready", pid=os.getpid(), phase=job["phase"], ready_s=time.perf_counter() - started,
           model_load_s=load_s, store_open_s=open_s, recovered_blocks=recovered, limits_gib_s=limits,
           block_tokens=namespace.layout.block_tokens, bytes_per_token=namespace.layout.bytes_per_token,

@@ -142,7 +142,7 @@ def quick_scenario(seed: int = 7) -> Scenario:
     a, b, c = t.module(), t.module(), t.module()
     ask = lambda m: _user(t.rng.choice(USER_ASKS).format(name=m.stem))  # noqa: E731
     steps = [
-        Step("turn", "alice", "asks about a long file", [ask(a), _read(t, a, 3700)]),
+        Step("turn", "alice", "asks about a long file", [ask(a), _read(t, a, 3500)]),
         Step("turn", "bob", "first question", [ask(b)]),
         Step("resume", "alice", "resume: short question", [_user(RESUME_QUESTIONS[0], 24)]),
         Step("restart"),
