@@ -48,20 +48,22 @@ def idle_cores(sample_s: float = 0.3) -> float:
 
 
 def choose_threads() -> int:
-    """torch threads for this engine: every core when the machine is free, fewer when it is not.
+    """torch threads for this engine: one per core, unless other processes keep the cores busy.
 
-    With OpenMP's threads waiting at a barrier after every operator, a thread
-    that loses its core to another process stalls the whole forward pass; on a
-    busy 2-core machine one thread ran a short prefill faster and far steadier
-    than two (and a long one about as fast). Chosen once per process, so both
-    sides of every comparison run with the same setting.
+    OpenMP threads meet at a barrier after every operator, so a thread that
+    loses its core stalls the whole forward pass. Measured on this 2-core
+    machine: with about one other busy process two threads still ran a
+    prefill 1.5x faster than one; with three or more, one thread ran a short
+    prefill faster and far steadier (and a long one about as fast). So: one
+    thread per core that is at least half idle. Chosen once per process, so
+    both sides of every comparison run with the same setting.
     """
     cores = os.cpu_count() or 1
     try:
         idle = idle_cores()
     except OSError:
         return cores
-    return cores if idle >= cores - 0.5 else max(1, int(idle + 0.5))
+    return max(1, min(cores, int(idle + 0.5)))
 
 
 def _configure_threads(threads: int | None) -> None:
