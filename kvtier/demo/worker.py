@@ -24,6 +24,7 @@ short turn's figure. The record says how many runs each side took.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -54,16 +55,18 @@ def choose_threads() -> int:
     loses its core stalls the whole forward pass. Measured on this 2-core
     machine: with about one other busy process two threads still ran a
     prefill 1.5x faster than one; with three or more, one thread ran a short
-    prefill faster and far steadier (and a long one about as fast). So: one
-    thread per core that is at least half idle. Chosen once per process, so
-    both sides of every comparison run with the same setting.
+    prefill faster and far steadier (and a long one about as fast). So:
+    ``ceil(idle cores + 0.5)`` threads, at most one per core — on 2 cores, one
+    thread only when other processes leave half a core idle or less. Chosen
+    once per process, so both sides of every comparison run with the same
+    setting.
     """
     cores = os.cpu_count() or 1
     try:
         idle = idle_cores()
     except OSError:
         return cores
-    return max(1, min(cores, int(idle + 0.5)))
+    return max(1, min(cores, math.ceil(idle + 0.5)))
 
 
 def _configure_threads(threads: int | None) -> None:
