@@ -101,12 +101,45 @@ def median(runs: list):
     return sorted(runs, key=lambda g: g.ttft_s)[len(runs) // 2]
 
 
+def run_turn(lm, context: list[int], gen_tokens: int, limits: dict, emit_cold) -> tuple[dict, list[int]]:
+    """One request measured without kvtier, then with it; its record and the reference reply."""
+    import numpy as np
+
+    prompt = np.asarray(context, dtype=np.int64)
+    colds = measure(lambda: lm.generate(prompt, gen_tokens, use_store=False), lambda g: True)
+    cold = median(colds)
+    emit_cold(cold.ttft_s)
+    warms = measure(lambda: lm.generate(prompt, gen_tokens, save=False), lambda g: set(g.loaded_bytes) <= {"host"})
+    warm = median(warms)
+    # Store what this request added, as generate() would have: the storage
+    # holds the last run's KV (every run computed the same tokens).
+    last = warms[-1]
+    t = time.perf_counter()
+    lm.save(np.concatenate([prompt, np.asarray(last.tokens[:-1], dtype=np.int64)]), known_blocks=last.known_blocks)
+    lm.wait_saves()
+    save_s = time.perf_counter() - t
+    # The ideal: the bytes at each tier's limit measured in this run, plus the
+    # suffix's own compute; warm TTFT over it is the tax kvtier adds.
+    ideal = warm.prefill_s + sum(n / (limits.get(tier, limits["host"]) * (1 << 30)) for tier, n in warm.loaded_bytes.items())
+    bpt = lm.layout.bytes_per_token
+    record = dict(
+        context_tokens=len(context), cached_tokens=warm.cached_tokens, computed_tokens=len(context) - warm.cached_tokens,
+        tokens_by_tier={tier: n // bpt for tier, n in warm.loaded_bytes.items()}, loaded_bytes=warm.loaded_bytes,
+        ttft_cold_s=cold.ttft_s, ttft_warm_s=warm.ttft_s, cpu_cold_s=cold.ttft_cpu_s, cpu_warm_s=warm.ttft_cpu_s,
+        lookup_s=warm.lookup_s, load_s=warm.load_s, prefill_s=warm.prefill_s,
+        ideal_s=ideal, overhead_ratio=warm.ttft_s / ideal if ideal > 0 else None, speedup=cold.ttft_s / warm.ttft_s,
+        outputs_equal=all(g.tokens == cold.tokens for g in colds + warms),
+        logits_max_abs_diff=float((cold.first_logits - warm.first_logits).abs().max()),
+        cold_runs=len(colds), warm_runs=len(warms), save_s=save_s,
+    )
+    return record, cold.tokens
+
+
 def main() -> int:
     job = json.loads(sys.stdin.read())
     _configure_threads(job.get("threads"))
     started = time.perf_counter()
 
-    import numpy as np
     import torch
 
     from kvtier.demo.limits import disk_read_gib_s, host_copy_gib_s
@@ -159,40 +192,11 @@ def main() -> int:
             context = context + encode(message.role, message.text, message.max_tokens)
         context = context + assistant
         _emit("start", index=index, session=step.session, label=step.label, context_tokens=len(context))
-        prompt = np.asarray(context, dtype=np.int64)
-        colds = measure(lambda: lm.generate(prompt, scenario.gen_tokens, use_store=False), lambda g: True)
-        cold = median(colds)
-        _emit("cold_done", index=index, ttft_s=cold.ttft_s)
-        warms = measure(lambda: lm.generate(prompt, scenario.gen_tokens, save=False),
-                        lambda g: set(g.loaded_bytes) <= {"host"})
-        warm = median(warms)
-        # Store what this request added, as generate() would have: the storage
-        # holds the last run's KV (every run computed the same tokens).
-        last = warms[-1]
-        t = time.perf_counter()
-        lm.save(np.concatenate([prompt, np.asarray(last.tokens[:-1], dtype=np.int64)]), known_blocks=last.known_blocks)
-        lm.wait_saves()
-        save_s = time.perf_counter() - t
-        bpt = namespace.layout.bytes_per_token
-        ideal = warm.prefill_s + sum(n / (limits.get(tier, limits["host"]) * (1 << 30)) for tier, n in warm.loaded_bytes.items())
-        _emit(
-            "turn",
-            index=index, phase=job["phase"], session=step.session, label=step.label, kind=step.kind,
-            context_tokens=len(context), cached_tokens=warm.cached_tokens,
-            computed_tokens=len(context) - warm.cached_tokens,
-            tokens_by_tier={tier: n // bpt for tier, n in warm.loaded_bytes.items()},
-            loaded_bytes=warm.loaded_bytes,
-            ttft_cold_s=cold.ttft_s, ttft_warm_s=warm.ttft_s,
-            cpu_cold_s=cold.ttft_cpu_s, cpu_warm_s=warm.ttft_cpu_s,
-            lookup_s=warm.lookup_s, load_s=warm.load_s, prefill_s=warm.prefill_s,
-            ideal_s=ideal, overhead_ratio=warm.ttft_s / ideal if ideal > 0 else None,
-            speedup=cold.ttft_s / warm.ttft_s,
-            outputs_equal=all(g.tokens == cold.tokens for g in colds + warms),
-            cold_runs=len(colds), warm_runs=len(warms),
-            logits_max_abs_diff=float((cold.first_logits - warm.first_logits).abs().max()),
-            save_s=save_s,
-        )
-        sessions[step.session] = context + cold.tokens  # the reference reply continues the conversation
+        record, reply = run_turn(lm, context, scenario.gen_tokens, limits, emit_cold=lambda s: _emit(
+            "cold_done", index=index, ttft_s=s))
+        _emit("turn", index=index, phase=job["phase"], session=step.session, label=step.label, kind=step.kind,
+              **record)
+        sessions[step.session] = context + reply  # the reference reply continues the conversation
 
     lm.close()
     stats = store.stats()
