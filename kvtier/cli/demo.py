@@ -25,6 +25,9 @@ def register(subparsers) -> None:
                         help="no model: store → evict → reload synthetic KV through host and disk tiers")
     parser.add_argument("--store-dir", metavar="DIR",
                         help="disk tier directory (default: a fresh one under the user cache dir, removed after)")
+    parser.add_argument("--remote", metavar="URL",
+                        help="use a kvtier server (tcp://host:port or unix:///path; token from $KVTIER_TOKEN) "
+                             "as the shared tier instead of a local disk directory")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads in the engine processes (default: every core the machine leaves idle)")
     parser.set_defaults(func=run)

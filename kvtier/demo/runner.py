@@ -38,12 +38,16 @@ def phases_of(scenario: Scenario) -> list[list[int]]:
     return [p for p in phases if p]
 
 
-def store_settings(store_dir: str) -> dict:
-    # Write-through: a turn's blocks reach the disk tier when they are saved, so
-    # a restart (or a crash) loses nothing but the DRAM copy. The host pool is
-    # prefaulted at open (~1 s a GiB here, on a restart's critical path): sized
-    # for the demo's working set (~250 MiB), not for the machine.
-    return {"host_bytes": "384MiB", "disk_path": store_dir, "disk_bytes": "8GiB", "write_mode": "write-through"}
+def store_settings(store_dir: str, remote_url: str | None = None) -> dict:
+    # Write-through: a turn's blocks reach the disk tier (or the server) when they
+    # are saved, so a restart (or a crash) loses nothing but the DRAM copy. The
+    # host pool is prefaulted at open (~1 s a GiB here, on a restart's critical
+    # path): sized for the demo's working set (~250 MiB), not for the machine.
+    settings = {"host_bytes": "384MiB", "write_mode": "write-through"}
+    if remote_url:
+        # The shared server is the tier a new process resumes from (token: $KVTIER_TOKEN).
+        return {**settings, "remote_url": remote_url, "remote_namespace": "kvtier-demo", "remote_timeout_s": 30.0}
+    return {**settings, "disk_path": store_dir, "disk_bytes": "8GiB"}
 
 
 def run_phase(job: dict, reporter: Reporter) -> tuple[list[dict], dict]:
@@ -83,6 +87,7 @@ def replay(
     threads: int | None = None,
     model_spec: dict | None = None,
     model_root: str | None = None,
+    remote_url: str | None = None,
 ) -> tuple[list[dict], list[dict]]:
     """Run every phase of ``scenario`` in its own worker process; the turn records and per-phase info."""
     turns: list[dict] = []
@@ -90,14 +95,15 @@ def replay(
     sessions: dict = {}
     for number, indices in enumerate(phases_of(scenario), start=1):
         if number > 1:
-            reporter.restart(f"engine process {infos[-1].get('pid')} exits; a new one starts on the same disk tier")
+            shared = "kvtier server" if remote_url else "disk tier"
+            reporter.restart(f"engine process {infos[-1].get('pid')} exits; a new one starts on the same {shared}")
         job = {
             "phase": number,
             "scenario": scenario.to_json(),
             "step_indices": indices,
             "sessions": sessions,
             "block_tokens": BLOCK_TOKENS,
-            "store": store_settings(store_dir),
+            "store": store_settings(store_dir, remote_url),
             "threads": threads,
             "capacity_tokens": 8192,
             "model_spec": model_spec,
@@ -126,7 +132,8 @@ def run_demo(args) -> int:
     store_dir = args.store_dir or tempfile.mkdtemp(prefix="demo-store-", dir=_mkdir(cache_dir()))
     try:
         with Reporter(sum(len(p) for p in phases), quiet_stdout=args.json) as reporter:
-            turns, infos = replay(scenario, store_dir, reporter, threads=args.threads)
+            turns, infos = replay(scenario, store_dir, reporter, threads=args.threads,
+                                  remote_url=getattr(args, "remote", None))
         summary = summarize(turns, infos, runtime_s=time.perf_counter() - started, scenario=scenario.name)
         if args.plot:
             boundaries = [sum(len(p) for p in phases[: k + 1]) for k in range(len(phases) - 1)]

@@ -42,7 +42,8 @@ class StoreConfig:
     disk_path: str | None = None
     disk_bytes: int | str = "10GiB"
     remote_url: str | None = None
-    remote_token: str | None = None
+    remote_token: str | None = None  # default: $KVTIER_TOKEN
+    remote_namespace: str | None = None  # the server-side key space (default: from the URL)
     remote_timeout_s: float = 2.0
     write_mode: str = "write-back"
     eviction: str = "lru"
@@ -115,7 +116,8 @@ def build_store(config: StoreConfig, layout: KVLayout, *, io_threads: int = 2):
     if config.remote_url:
         from kvtier.tiers.remote import RemoteTier
 
-        tiers.append(seal(RemoteTier(config.remote_url, token=config.remote_token, timeout_s=config.remote_timeout_s)))
+        tiers.append(seal(RemoteTier(config.remote_url, token=config.remote_token, namespace=config.remote_namespace,
+                                     timeout_s=config.remote_timeout_s)))
     if not tiers:
         raise ConfigError("the store has no tier: set host_bytes, disk_path or remote_url")
     return TieredStore(tiers, write_mode=config.write_mode, io_threads=io_threads)

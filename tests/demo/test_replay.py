@@ -55,3 +55,24 @@ def test_replay_across_a_real_restart_serves_warm_from_disk(tmp_path):
     assert "disk" in ann_after["tokens_by_tier"]
     summary = summarize(turns, phases, runtime_s=1.0, scenario=scenario.name)
     assert summary["outputs_equal"] and summary["resume_after_restart_tiers"]
+
+
+def test_replay_through_a_kvtier_server_resumes_from_it(tmp_path, monkeypatch):
+    """`kvtier demo --remote URL`: the restarted process resumes from the shared server."""
+    from kvtier.server.launch import ServerProcess
+
+    token = "demo-token-" + "7" * 20
+    (tmp_path / "srv").mkdir()
+    with ServerProcess.start({"demo": token}, workdir=str(tmp_path / "srv"),
+                             server={"capacity": "256MiB", "max_block": "1MiB"}) as srv:
+        monkeypatch.setenv("KVTIER_TOKEN", token)
+        with Reporter(5, quiet_stdout=True) as reporter:
+            turns, phases = replay(tiny_scenario(), str(tmp_path / "unused"), reporter, threads=1,
+                                   model_spec=asdict(TINY_SPEC), model_root=str(tmp_path / "models"),
+                                   remote_url=srv.tcp_url)
+    assert all(t["outputs_equal"] for t in turns)
+    ann_resume, ben_after, ann_after = turns[2], turns[3], turns[4]
+    assert ann_resume["tokens_by_tier"].keys() == {"host"}
+    assert "remote" in ann_after["tokens_by_tier"], ann_after["tokens_by_tier"]
+    assert ann_after["cached_tokens"] >= ann_resume["context_tokens"] - 16
+    assert not (tmp_path / "unused").exists(), "no local disk tier with --remote"
