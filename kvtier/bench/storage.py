@@ -269,17 +269,13 @@ def run(tier: str, block_mib: float, blocks: int | None, runs: int, directory: s
     finally:
         bench.close()
     med = statistics.median
-    if encrypt:
-        put_ratio = med(a / b for a, b in zip(put, lput))
-        get_ratio = med(a / b for a, b in zip(get, lget))
+    put_ratio = med(a / b for a, b in zip(put, lput))
+    get_ratio = med(a / b for a, b in zip(get, lget))
+    common = {"block_mib": block_mib, "blocks": blocks, "runs": runs,
+              "put_gbps": round(med(put), 3), "get_gbps": round(med(get), 3)}
+    if encrypt:  # the baseline is the same tier without encryption
         return {
-            "tier": "disk",
-            "encrypt": True,
-            "block_mib": block_mib,
-            "blocks": blocks,
-            "runs": runs,
-            "put_gbps": round(med(put), 3),
-            "get_gbps": round(med(get), 3),
+            "tier": "disk", "encrypt": True, **common,
             "plain_put_gbps": round(med(lput), 3),
             "plain_get_gbps": round(med(lget), 3),
             "encrypt_put_ratio": round(put_ratio, 3),
@@ -288,16 +284,11 @@ def run(tier: str, block_mib: float, blocks: int | None, runs: int, directory: s
             **bench.describe(),
         }
     return {
-        "tier": tier,
-        "block_mib": block_mib,
-        "blocks": blocks,
-        "runs": runs,
-        "put_gbps": round(med(put), 3),
-        "get_gbps": round(med(get), 3),
+        "tier": tier, **common,
         "limit_put_gbps": round(med(lput), 3),
         "limit_get_gbps": round(med(lget), 3),
-        "put_ratio": round(med(a / b for a, b in zip(put, lput)), 3),
-        "get_ratio": round(med(a / b for a, b in zip(get, lget)), 3),
+        "put_ratio": round(put_ratio, 3),
+        "get_ratio": round(get_ratio, 3),
         **bench.describe(),
     }
 
