@@ -10,6 +10,11 @@ Layout (little-endian, :data:`HEADER_NBYTES` bytes)::
     magic "KVTB" | version u16 | flags u16 | key 32s | payload_nbytes u64 |
     token_count u32 | dtype 16s | ndim u8 | pad 3 | shape 6*u32 |
     checksum 16s (xxh3-128 of the payload) | created_ns u64 | header_check u64
+
+``flags`` says how the payload is verified: :data:`FLAG_CHECKSUM` (the checksum
+field holds its xxh3-128) or :data:`FLAG_SEALED` (the payload is a sealed AEAD
+block, :mod:`kvtier.crypto.aead`, that its reader authenticates; no checksum is
+kept, since the tags are a stronger check than any hash a tier could add).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from kvtier.core.layout import KVLayout
 MAGIC = b"KVTB"
 FORMAT_VERSION = 1
 FLAG_CHECKSUM = 0x1
+FLAG_SEALED = 0x2
 
 _BODY = struct.Struct("<4sHH32sQI16sB3x6I16sQ")
 _CHECK = struct.Struct("<Q")
@@ -62,7 +68,8 @@ class BlockMeta:
         return cls(layout.dtype, layout.block_shape, layout.block_tokens)
 
 
-def pack_header(key: bytes, payload_nbytes: int, payload_checksum: bytes, meta: BlockMeta | None = None) -> bytes:
+def pack_header(key: bytes, payload_nbytes: int, payload_checksum: bytes, meta: BlockMeta | None = None,
+                flags: int = FLAG_CHECKSUM) -> bytes:
     meta = meta or BlockMeta()
     shape = meta.shape
     if len(shape) > 6:
@@ -70,7 +77,7 @@ def pack_header(key: bytes, payload_nbytes: int, payload_checksum: bytes, meta: 
     body = _BODY.pack(
         MAGIC,
         FORMAT_VERSION,
-        FLAG_CHECKSUM,
+        flags,
         key,
         payload_nbytes,
         meta.token_count,

@@ -9,7 +9,9 @@ Data paths (no copy in user space on the host tier):
 * PUT: the payload is received straight into a reserved host-pool slot
   (:class:`~kvtier.tiers.host.HostTier`), hashed piece by piece as
   it lands, checked against the client's checksum trailer, then committed; a
-  bad checksum aborts the slot.
+  bad checksum aborts the slot. A *sealed* payload (``FLAG_SEALED``: an AEAD
+  block its reader authenticates, the server cannot) is stored unhashed, and
+  served with that flag so that only a reader that opens it accepts it.
   A key already held is answered OK and its payload read into a discard buffer:
   identical blocks are stored once.
 * GET: a host-tier block is pinned and its slot sent as is; a block on a lower
@@ -26,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import xxhash
 
-from kvtier.core.payload import BlockMeta, unpack_header
+from kvtier.core.payload import FLAG_CHECKSUM, FLAG_SEALED, BlockMeta, unpack_header
 from kvtier.core.payload import pack_header as pack_block_header
 from kvtier.server.admin import AdminAPI
 from kvtier.server.auth import AuthError, Principal
@@ -34,6 +36,7 @@ from kvtier.server.index import BlockEntry
 from kvtier.tiers.base import Status
 from kvtier.tiers.remote_protocol import (
     CHECKSUM_NBYTES,
+    FEATURES,
     GET_ITEM,
     LIST_ARGS,
     MAX_KEYS,
@@ -52,6 +55,7 @@ from kvtier.tiers.remote_protocol import (
 )
 
 BLOCK_HEADER_NBYTES = 128
+_NO_CHECKSUM = bytes(CHECKSUM_NBYTES)
 
 
 class ScratchPool:
@@ -160,7 +164,7 @@ class Service:
             "server": "kvtier", "protocol": VERSION, "tenant": principal.tenant,
             "namespace": principal.namespace, "writable": principal.writable, "admin": principal.is_admin,
             "max_block": self.config.max_block_bytes, "max_keys": MAX_KEYS,
-            "idle_timeout_s": self.config.idle_timeout_s,
+            "idle_timeout_s": self.config.idle_timeout_s, "features": list(FEATURES),
         }
         conn.reply(h, 0, pack_msgpack(reply))
         return principal
@@ -313,6 +317,9 @@ class Service:
         n = h.data_len - CHECKSUM_NBYTES
         if bh is None or bh.payload_nbytes != n:
             raise ProtocolError(ErrorCode.BAD_META, "PUT block header is malformed or disagrees with data_len")
+        verified_by = bh.flags & (FLAG_CHECKSUM | FLAG_SEALED)
+        if verified_by not in (FLAG_CHECKSUM, FLAG_SEALED):
+            raise ProtocolError(ErrorCode.BAD_META, "PUT block header must flag either a checksum or a sealed payload")
         space = p.write_space
         if space is None:
             await conn.discard(h.data_len)
@@ -359,7 +366,9 @@ class Service:
                 self._put_result[status].inc()
                 conn.reply(h, status)
                 return
-            hasher = xxhash.xxh3_128()
+            # A sealed payload is authenticated by its reader's AEAD tags: hashing it here
+            # would add a pass over the bytes and protect nothing the tags do not.
+            hasher = xxhash.xxh3_128() if verified_by == FLAG_CHECKSUM else None
             try:
                 await conn.read_into(res.view, hasher)
                 trailer = await conn.read_meta(CHECKSUM_NBYTES)
@@ -370,7 +379,7 @@ class Service:
             self._inflight -= 1
             self._inflight_by_owner[owner] -= 1
         self.metrics.bytes_in.inc(n)
-        digest = hasher.digest()
+        digest = hasher.digest() if hasher is not None else _NO_CHECKSUM  # sealed: the trailer is zeros
         if digest != trailer:
             self.host.abort(res)
             self.metrics.verify_failures.inc()
@@ -379,7 +388,7 @@ class Service:
             return
         parent = space.storage_key(pm.parent) if pm.parent else None
         self.host.commit(res, parent=parent)
-        header = pack_block_header(bh.key, n, digest, block_meta)  # with the checksum we verified
+        header = pack_block_header(bh.key, n, digest, block_meta, flags=verified_by)  # with the checksum we verified
         entry = BlockEntry(owner, space.namespace, bh.key, n, header, time.monotonic(), pm.session, self.host.name)
         if self.index.add(skey, entry):
             self.emit("stored", self.host.name, entry)

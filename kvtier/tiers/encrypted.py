@@ -11,6 +11,13 @@ counted in ``verify_failures``, logged, never returned.
 Over a remote tier this is end-to-end encryption: the server only ever stores
 ciphertext under names it cannot link to prompts.
 
+Over a :class:`~kvtier.tiers.streams.StreamingTier` (a kvtier server) blocks are
+not staged: each chunk is sealed into one small buffer and sent at once, and
+each arriving chunk is opened at once, while it is in cache; the AEAD tags
+stand in for the tier's checksum. A batch is split over ``streams`` lanes, block
+*i* in lane *i* mod ``streams``, each sealing and moving its blocks on its own
+connection and thread: sealing then runs beside the sending instead of after it.
+
 Not supported: demotion *out of* an encrypted tier (the store would need the
 plaintext and the client key back); blocks it evicts are dropped. ``keys()``
 lists nothing: storage names are one-way by design.
@@ -32,6 +39,7 @@ from kvtier.core.payload import BlockMeta
 from kvtier.crypto import aead
 from kvtier.crypto.keyring import Keyring
 from kvtier.tiers.base import Status, Tier
+from kvtier.tiers.streams import StreamingTier
 from kvtier.tiers.wrapper import WrappingTier
 
 log = logging.getLogger(__name__)
@@ -79,11 +87,16 @@ class EncryptedTier(WrappingTier):
         tenant: str | None = None,
         *,
         tenant_of: Callable[[BlockKey], str | None] | None = None,
-        chunk_bytes: int = aead.DEFAULT_CHUNK_BYTES,
+        chunk_bytes: int | None = None,
         threads: int = 2,
+        streams: int = 2,
     ) -> None:
         """Seal for one ``tenant``, or, on a server that holds many tenants' blocks in one
-        tier, for the tenant ``tenant_of(key)`` names (None: the block is refused)."""
+        tier, for the tenant ``tenant_of(key)`` names (None: the block is refused).
+        ``threads`` seal the chunks of one staged block in parallel; ``streams`` lanes
+        move a batch over a streaming tier. ``chunk_bytes`` defaults to what suits the
+        inner tier (:data:`~kvtier.crypto.aead.STREAM_CHUNK_BYTES` for a streaming one);
+        readers must use the writers' size."""
         super().__init__(inner)
         if (tenant is None) == (tenant_of is None):
             raise ValueError("give exactly one of tenant= and tenant_of=")
@@ -91,6 +104,9 @@ class EncryptedTier(WrappingTier):
         self.keyring = keyring
         self.tenant = tenant
         self._tenant_of = tenant_of
+        if chunk_bytes is None:
+            streaming = isinstance(inner, StreamingTier)
+            chunk_bytes = aead.STREAM_CHUNK_BYTES if streaming else aead.DEFAULT_CHUNK_BYTES
         self.chunk_bytes = chunk_bytes
         self._staging = _Staging()
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvtier-aead") if threads > 1 else None
@@ -98,6 +114,9 @@ class EncryptedTier(WrappingTier):
         # another: AES-GCM and socket/file I/O both release the GIL.
         self._pipe = ThreadPoolExecutor(1, thread_name_prefix="kvtier-aead-pipe")
         self._buffers = _BufferPool()
+        self.streams = max(1, streams)
+        self._lanes = ThreadPoolExecutor(self.streams - 1, thread_name_prefix="kvtier-aead-lane") if streams > 1 else None
+        self._scratch = _BufferPool()  # one chunk-sized buffer per lane
 
     @property
     def on_evict(self):
@@ -165,9 +184,12 @@ class EncryptedTier(WrappingTier):
             return Status.OK
         with self._lock:
             self.inner.stats.verify_failures += 1
+        self._reject(tenant, name, why)
+        return Status.CORRUPT
+
+    def _reject(self, tenant: str, name: BlockKey, why: str) -> None:
         log.warning("encrypted block %s… of tenant %r rejected: %s", name.hex()[:16], tenant, why)
         self.inner.delete(name)  # it will never verify: free the space
-        return Status.CORRUPT
 
     def _sealed_size(self, plain_nbytes: int) -> int:
         return aead.sealed_nbytes(plain_nbytes, self.chunk_bytes)
@@ -179,6 +201,8 @@ class EncryptedTier(WrappingTier):
         name = self._name(key)
         if self.inner.contains(name):
             return Status.OK
+        if self._streaming():
+            return self._put_lane([(owner, name, data, self._name(parent) if parent else None)])[0]
         nbytes = memoryview(data).nbytes
         sealed = self._seal(owner, name, data, self._staging.get(self._sealed_size(nbytes)), self._pool)
         # meta stays out: dtype and shape are not secret-free (they reveal the model).
@@ -187,10 +211,12 @@ class EncryptedTier(WrappingTier):
     def get(self, key: BlockKey, out) -> Status:
         dst = memoryview(out).cast("B")
         name = self._name(key)
-        staging = self._staging.get(self._sealed_size(dst.nbytes))
         owner = self._owner(key)
         if owner is None:
             return Status.MISS
+        if self._streaming():
+            return self._get_lane([(owner, name, dst)])[0]
+        staging = self._staging.get(self._sealed_size(dst.nbytes))
         status = self.inner.get(name, staging)
         if status is not Status.OK:
             return status
@@ -200,6 +226,8 @@ class EncryptedTier(WrappingTier):
         """Seal block i+1 while the inner tier stores block i (double buffered)."""
         if len(keys) != len(datas):
             raise ValueError(f"put_many: {len(keys)} keys but {len(datas)} buffers")
+        if self._streaming():
+            return self._put_streamed(keys, datas, parents)
         if self._tenant_of is not None:  # one tenant per key: the plain per-key path
             return super().put_many(keys, datas, parents=parents, metas=metas)
         if parents is None:
@@ -231,6 +259,8 @@ class EncryptedTier(WrappingTier):
         """Open block i while the inner tier fetches block i+1 (double buffered)."""
         if len(keys) != len(outs):
             raise ValueError(f"get_many: {len(keys)} keys but {len(outs)} buffers")
+        if self._streaming():
+            return self._get_streamed(keys, outs)
         if self._tenant_of is not None:
             return super().get_many(keys, outs)
         dsts = [memoryview(o).cast("B") for o in outs]
@@ -263,6 +293,79 @@ class EncryptedTier(WrappingTier):
                 self._buffers.give(b)
         return statuses
 
+    # -- streamed: sealed and opened chunk by chunk as a streaming tier moves them ------------
+    def _streaming(self) -> bool:
+        return isinstance(self.inner, StreamingTier) and self.inner.streams_available()
+
+    def _put_streamed(self, keys, datas, parents) -> list[Status]:
+        if parents is None:
+            parents = [None, *keys[:-1]]
+        owners = [self._owner(k) for k in keys]
+        names = [self._name(k) for k in keys]
+        statuses = [Status.OK if o is not None else Status.ERROR for o in owners]
+        present = self.inner.contains_many(names)
+        todo = [i for i in range(len(keys)) if owners[i] is not None and not present[i]]
+        items = [(owners[i], names[i], datas[i], self._name(parents[i]) if parents[i] else None) for i in todo]
+        for i, status in zip(todo, self._in_lanes(self._put_lane, items)):
+            statuses[i] = status
+        return statuses
+
+    def _get_streamed(self, keys, outs) -> list[Status]:
+        owners = [self._owner(k) for k in keys]
+        statuses = [Status.MISS] * len(keys)
+        todo = [i for i in range(len(keys)) if owners[i] is not None]
+        items = [(owners[i], self._name(keys[i]), memoryview(outs[i]).cast("B")) for i in todo]
+        for i, status in zip(todo, self._in_lanes(self._get_lane, items)):
+            statuses[i] = status
+        return statuses
+
+    def _in_lanes(self, work, items: list) -> list[Status]:
+        """``work`` over ``items`` in up to ``streams`` lanes (item i in lane i mod lanes, so blocks
+        still go out about in order); the caller's thread runs lane 0. Statuses in item order."""
+        lanes = min(self.streams, len(items))
+        if lanes <= 1:
+            return work(items) if items else []
+        others = [self._lanes.submit(work, items[j::lanes]) for j in range(1, lanes)]
+        parts = [work(items[0::lanes])] + [f.result() for f in others]
+        out: list[Status] = [Status.ERROR] * len(items)
+        for j, part in enumerate(parts):
+            out[j::lanes] = part
+        return out
+
+    def _put_lane(self, items) -> list[Status]:
+        """Seal and store ``(owner, name, data, parent name)`` items in order through one buffer."""
+        scratch = self._scratch.take(aead.stream_buffer_nbytes(self.chunk_bytes))
+        try:
+            sources = []
+            for owner, name, data, _ in items:
+                data_key = self.keyring.key_for_write(owner)
+                source = aead.SealingSource(
+                    data_key.aead, epoch=data_key.epoch, key_id=data_key.key_id, storage_key=name,
+                    context=self._context(owner), plain=data, scratch=scratch, chunk_bytes=self.chunk_bytes,
+                )
+                self.keyring.note_encryptions(data_key, source.n_chunks)
+                sources.append(source)
+            return self.inner.put_streams([it[1] for it in items], sources, parents=[it[3] for it in items])
+        finally:
+            self._scratch.give(scratch)
+
+    def _get_lane(self, items) -> list[Status]:
+        """Fetch and open ``(owner, name, out)`` items in order through one buffer."""
+        scratch = self._scratch.take(aead.stream_buffer_nbytes(self.chunk_bytes))
+        try:
+            sinks = [
+                aead.OpeningSink(self._lookup_for(owner), storage_key=name, context=self._context(owner), out=out,
+                                 scratch=scratch, chunk_bytes=self.chunk_bytes)
+                for owner, name, out in items
+            ]
+            statuses = self.inner.get_streams([it[1] for it in items], sinks)
+        finally:
+            self._scratch.give(scratch)
+        for (owner, name, _), sink, status in zip(items, sinks, statuses):
+            if status is Status.CORRUPT:  # counted by the streaming tier
+                self._reject(owner, name, sink.failure or "not a sealed block")
+        return statuses
+
     def delete(self, key: BlockKey) -> bool:
         return self.inner.delete(self._name(key))
 
@@ -273,4 +376,6 @@ class EncryptedTier(WrappingTier):
         if self._pool is not None:
             self._pool.shutdown(wait=True)
         self._pipe.shutdown(wait=True)
+        if self._lanes is not None:
+            self._lanes.shutdown(wait=True)
         super().close()

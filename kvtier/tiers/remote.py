@@ -18,6 +18,11 @@
   On any status but OK the content of the caller's buffer is unspecified.
 * **Zero copy.** Payloads go from the caller's buffer to the socket and from
   the socket into the caller's buffer; batches are pipelined on one connection.
+* **Streams.** :meth:`put_streams` / :meth:`get_streams`
+  (:class:`~kvtier.tiers.streams.StreamingTier`) move sealed payloads piece by
+  piece as the caller seals or opens them: no checksum, the AEAD tags are the
+  check. They are flagged sealed on the server, and each kind of read accepts
+  only its own kind of block.
 * **Isolated.** The server derives the tenant from the token; this tier can
   only name blocks of its tenant's namespace (and read granted shared ones).
 * **Thread safe.** A pool of connections: one per concurrent caller, at most
@@ -40,7 +45,7 @@ import xxhash
 
 from kvtier.core.keys import KEY_BYTES, BlockKey
 from kvtier.core.payload import HEADER_NBYTES as BLOCK_HEADER_NBYTES
-from kvtier.core.payload import BlockMeta, header_mismatch, pack_header, unpack_header
+from kvtier.core.payload import FLAG_CHECKSUM, FLAG_SEALED, BlockMeta, header_mismatch, pack_header, unpack_header
 from kvtier.tiers.base import Status, Tier
 from kvtier.tiers.remote_protocol import (
     GET_ITEM,
@@ -51,6 +56,7 @@ from kvtier.tiers.remote_protocol import (
     pack_put_meta,
 )
 from kvtier.tiers.remote_wire import Address, WireClient, parse_url, resolve_token
+from kvtier.tiers.streams import PayloadSink, PayloadSource, StreamingTier
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +70,7 @@ class TierDown(Exception):
     """The server is in backoff after a failure (internal: becomes a status)."""
 
 
-class RemoteTier(Tier):
+class RemoteTier(Tier, StreamingTier):
     name = "remote"
 
     def __init__(
@@ -213,33 +219,46 @@ class RemoteTier(Tier):
         for v in views:
             if v.readonly:
                 raise ValueError("get: the output buffer is read-only")
+        return self._get_blocks(keys, views, [v.nbytes for v in views], sealed=False)
+
+    def get_streams(self, keys: Sequence[BlockKey], sinks: Sequence[PayloadSink]) -> list[Status]:
+        if len(keys) != len(sinks):
+            raise ValueError(f"get_streams: {len(keys)} keys but {len(sinks)} sinks")
+        return self._get_blocks(keys, sinks, [s.nbytes for s in sinks], sealed=True)
+
+    def _get_blocks(self, keys: Sequence[BlockKey], payloads: Sequence, sizes: list[int], *, sealed: bool) -> list[Status]:
         for k in keys:
             _check_key(k)
         statuses: list[Status] = []
         try:
             for start in range(0, len(keys), MAX_KEYS):
-                ks, vs = keys[start : start + MAX_KEYS], views[start : start + MAX_KEYS]
+                part = slice(start, start + MAX_KEYS)
                 with self._conn() as c:
-                    statuses += self._get_batch(c, ks, vs)
+                    statuses += self._get_batch(c, keys[part], payloads[part], sizes[part], sealed)
         except TierDown:
             statuses += [Status.ERROR] * (len(keys) - len(statuses))
         with self._lock:
-            for s, v in zip(statuses, views):
+            for s, n in zip(statuses, sizes):
                 if s is Status.OK:
                     self.stats.hits += 1
-                    self.stats.bytes_read += v.nbytes
+                    self.stats.bytes_read += n
                 elif s is Status.CORRUPT:
                     self.stats.verify_failures += 1
                 elif s is not Status.ERROR:
                     self.stats.misses += 1
         return statuses
 
-    def _get_batch(self, c: WireClient, keys: Sequence[BlockKey], views: list[memoryview]) -> list[Status]:
+    def _get_batch(self, c: WireClient, keys: Sequence[BlockKey], payloads: Sequence, sizes: Sequence[int],
+                   sealed: bool) -> list[Status]:
+        """Payloads are buffers (checksummed blocks) or, if ``sealed``, sinks (sealed blocks)."""
         deadline = self._deadline()
-        meta = b"".join(GET_ITEM.pack(k, v.nbytes) for k, v in zip(keys, views))
+        meta = b"".join(GET_ITEM.pack(k, n) for k, n in zip(keys, sizes))
         rid = c.send(Op.GET, meta, deadline=deadline)
+        # Each kind of read takes only its own kind of block: a sealed block has no
+        # checksum for a plain read to verify, a plain one no tags for a sink to check.
+        verified_by = FLAG_SEALED if sealed else FLAG_CHECKSUM
         out: list[Status] = []
-        for key, view in zip(keys, views):
+        for key, payload, n in zip(keys, payloads, sizes):
             h = c.read_header(deadline, rid)
             if h.op != Op.GET:
                 raise ValueError(f"GET answered with op {h.op}")
@@ -251,12 +270,15 @@ class RemoteTier(Tier):
             if h.meta_len != BLOCK_HEADER_NBYTES:
                 raise ValueError("GET reply without a block header")
             header = unpack_header(c.read_bytes(h.meta_len, deadline))
-            if header is None or h.data_len != view.nbytes or header_mismatch(header, key, view.nbytes):
+            if (header is None or h.data_len != n or header_mismatch(header, key, n)
+                    or not header.flags & verified_by):
                 c.skip(h.data_len, deadline)  # frame boundaries still hold: skip it, report corrupt
                 out.append(Status.CORRUPT)
+            elif sealed:
+                out.append(Status.OK if c.read_stream(n, payload, deadline) is None else Status.CORRUPT)
             else:
                 hasher = xxhash.xxh3_128()
-                c.read_into(view, deadline, hasher)
+                c.read_into(payload, deadline, hasher)
                 out.append(Status.OK if hasher.digest() == header.checksum else Status.CORRUPT)
             deadline = self._deadline()  # each block gets its own time budget
         return out
@@ -279,11 +301,37 @@ class RemoteTier(Tier):
         which keys the server holds and sends only the others."""
         if len(keys) != len(datas):
             raise ValueError(f"put_many: {len(keys)} keys but {len(datas)} buffers")
+        views = [memoryview(d).cast("B") for d in datas]
+        return self._put_blocks(keys, views, [v.nbytes for v in views], parents, metas, session, skip_present,
+                                sealed=False)
+
+    def put_streams(
+        self,
+        keys: Sequence[BlockKey],
+        sources: Sequence[PayloadSource],
+        *,
+        parents: Sequence[BlockKey | None] | None = None,
+        session: str | None = None,
+    ) -> list[Status]:
+        """Put sealed payloads, each sent piece by piece as its source makes it; pipelined like
+        :meth:`put_many`. Needs a server that takes them (:meth:`streams_available`)."""
+        if len(keys) != len(sources):
+            raise ValueError(f"put_streams: {len(keys)} keys but {len(sources)} sources")
+        return self._put_blocks(keys, sources, [s.nbytes for s in sources], parents, None, session, False,
+                                sealed=True)
+
+    def streams_available(self) -> bool:
+        if not self._server_info:
+            self.ping()  # learn what the server offers (HELLO); nothing if it is down
+        return "sealed" in self._server_info.get("features", ())
+
+    def _put_blocks(self, keys: Sequence[BlockKey], payloads: Sequence, sizes: list[int], parents, metas,
+                    session: str | None, skip_present: bool, *, sealed: bool) -> list[Status]:
+        """Payloads are buffers (checksummed blocks) or, if ``sealed``, sources (sealed blocks)."""
         if parents is None:
             parents = [None, *keys[:-1]]
         metas = metas or [None] * len(keys)
         session = self.session if session is None else session
-        views = [memoryview(d).cast("B") for d in datas]
         for k in keys:
             _check_key(k)
         todo = list(range(len(keys)))
@@ -293,19 +341,27 @@ class RemoteTier(Tier):
             for i in [i for i in todo if present[i]]:
                 statuses[i] = Status.OK
             todo = [i for i in todo if not present[i]]
+        flags = FLAG_SEALED if sealed else FLAG_CHECKSUM
         try:
             with self._conn() as c:
+                if sealed and "sealed" not in c.info.get("features", ()):
+                    self.last_error = f"{self.address} does not take sealed payloads (an older server)"
+                    todo = []
                 max_block = c.max_block
                 deadline = self._deadline()
                 pending: list[tuple[int, int]] = []
                 for i in todo:
-                    v = views[i]
-                    if max_block and v.nbytes > max_block or v.nbytes == 0:
+                    n = sizes[i]
+                    if max_block and n > max_block or n == 0:
                         statuses[i] = Status.TOO_LARGE
                         continue
                     # The checksum travels as a trailer (see remote_protocol): none in the header.
-                    header = pack_header(bytes(keys[i]), v.nbytes, _NO_CHECKSUM, metas[i])
-                    rid = c.send_put(pack_put_meta(header, parents[i], session), v, deadline)
+                    header = pack_header(bytes(keys[i]), n, _NO_CHECKSUM, metas[i], flags=flags)
+                    meta = pack_put_meta(header, parents[i], session)
+                    if sealed:
+                        rid = c.send_put_stream(meta, payloads[i], deadline)
+                    else:
+                        rid = c.send_put(meta, payloads[i], deadline)
                     pending.append((i, rid))
                     if len(pending) >= _PUT_WINDOW:
                         self._put_reply(c, pending.pop(0), statuses, deadline)
@@ -318,7 +374,7 @@ class RemoteTier(Tier):
             for i, s in enumerate(statuses):
                 if s is Status.OK:
                     self.stats.puts += 1
-                    self.stats.bytes_written += views[i].nbytes
+                    self.stats.bytes_written += sizes[i]
                 else:
                     self.stats.put_failures += 1
         return statuses

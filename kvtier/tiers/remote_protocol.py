@@ -44,6 +44,14 @@ checksum field is ignored): the client hashes each piece just before sending it
 and the server each piece right after receiving it, while the bytes are in
 cache -- a separate pass over a cold 8 MiB block costs as much as sending it.
 The server stores the header with the checksum it verified.
+
+A *sealed* PUT (block header flag ``FLAG_SEALED`` instead of ``FLAG_CHECKSUM``)
+carries an AEAD block (:mod:`kvtier.crypto.aead`) that only the client can
+open: its trailer is 16 zero bytes, the server hashes nothing, and it serves
+the block with the same flag. A client accepts a sealed GET reply only where it
+opens the payload itself, and a checksummed one only where it verifies the
+checksum, so neither kind is ever taken for the other. Servers that take
+sealed PUTs say ``"sealed"`` in the HELLO reply's ``features``.
 """
 
 from __future__ import annotations
@@ -71,6 +79,8 @@ GET_ITEM = struct.Struct("<32sQ")
 PUT_FIXED_META = BLOCK_HEADER_NBYTES + KEY_BYTES
 NO_PARENT = bytes(KEY_BYTES)
 CHECKSUM_NBYTES = 16  #: the xxh3-128 trailer of a PUT
+#: what this server version offers beyond version 1's frames (HELLO reply ``features``)
+FEATURES = ("sealed",)
 U32 = struct.Struct("<I")
 LIST_ARGS = struct.Struct("<II")
 

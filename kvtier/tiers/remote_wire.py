@@ -42,6 +42,7 @@ from kvtier.tiers.remote_protocol import (
 _STAGING = 64 * 1024
 #: payload pieces a PUT sends and hashes at a time: small enough to be hashed from cache
 _PIECE = 1024 * 1024
+_ZERO_TRAILER = bytes(CHECKSUM_NBYTES)  #: a sealed PUT's trailer: its AEAD tags are the check
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,6 +184,25 @@ class WireClient:
         self.send_buffers([hasher.digest()], deadline)
         return rid
 
+    def send_put_stream(self, meta: bytes, source, deadline: float) -> int:
+        """Send a sealed PUT (a :class:`~kvtier.tiers.streams.PayloadSource`): each piece as soon
+        as the source has made it (still in cache, and before the source reuses its buffer),
+        then the all-zero trailer -- the payload authenticates itself."""
+        rid = self.next_id()
+        total = source.nbytes
+        pending = [pack_header(Op.PUT, rid, len(meta), total + CHECKSUM_NBYTES) + meta]
+        sent = 0
+        for piece in source.pieces():
+            sent += memoryview(piece).nbytes
+            if sent > total:
+                raise ValueError(f"payload source made more than the {total} bytes it announced")
+            self.send_buffers([*pending, piece], deadline)
+            pending = []
+        if sent != total:
+            raise ValueError(f"payload source made {sent} of the {total} bytes it announced")
+        self.send_buffers([*pending, _ZERO_TRAILER], deadline)
+        return rid
+
     def _arm(self, deadline: float) -> None:
         """Bound each blocking call by the time left to ``deadline`` (raises if none is left)."""
         left = _remaining(deadline)
@@ -285,6 +305,31 @@ class WireClient:
             if hasher is not None:
                 hasher.update(view[got : got + r])
             got += r
+
+    def read_stream(self, n: int, sink, deadline: float) -> str | None:
+        """Feed the next ``n`` payload bytes to a :class:`~kvtier.tiers.streams.PayloadSink`; returns
+        its verdict (None: verified). What it does not ask for is skipped, so the stream stays in
+        step whatever the sink does."""
+        pieces = sink.pieces()
+        got = 0
+        try:
+            view = next(pieces)
+            while True:
+                k = memoryview(view).nbytes
+                if got + k > n:
+                    verdict = f"the reader asked for more than the {n} bytes of the block"
+                    break
+                self.read_into(view, deadline)
+                got += k
+                view = next(pieces)
+        except StopIteration as done:
+            verdict = done.value
+        finally:
+            pieces.close()
+        if got < n:
+            self.skip(n - got, deadline)
+            verdict = verdict or f"the reader stopped after {got} of {n} bytes"
+        return verdict
 
     def skip(self, n: int, deadline: float) -> None:
         scratch = bytearray(min(n, 1 << 20))
