@@ -21,8 +21,8 @@
 * **Streams.** :meth:`put_streams` / :meth:`get_streams`
   (:class:`~kvtier.tiers.streams.StreamingTier`) move sealed payloads piece by
   piece as the caller seals or opens them: no checksum, the AEAD tags are the
-  check. They are flagged sealed on the server, and each kind of read accepts
-  only its own kind of block.
+  check. They are flagged sealed on the server, and a plain read never
+  returns one.
 * **Isolated.** The server derives the tenant from the token; this tier can
   only name blocks of its tenant's namespace (and read granted shared ones).
 * **Thread safe.** A pool of connections: one per concurrent caller, at most
@@ -254,9 +254,9 @@ class RemoteTier(Tier, StreamingTier):
         deadline = self._deadline()
         meta = b"".join(GET_ITEM.pack(k, n) for k, n in zip(keys, sizes))
         rid = c.send(Op.GET, meta, deadline=deadline)
-        # Each kind of read takes only its own kind of block: a sealed block has no
-        # checksum for a plain read to verify, a plain one no tags for a sink to check.
-        verified_by = FLAG_SEALED if sealed else FLAG_CHECKSUM
+        # A plain read takes only checksummed blocks (a sealed one has no checksum to verify);
+        # a sink authenticates whatever it is fed, so a sealed read takes either kind.
+        verified_by = FLAG_SEALED | FLAG_CHECKSUM if sealed else FLAG_CHECKSUM
         out: list[Status] = []
         for key, payload, n in zip(keys, payloads, sizes):
             h = c.read_header(deadline, rid)

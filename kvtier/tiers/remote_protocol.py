@@ -49,9 +49,8 @@ A *sealed* PUT (block header flag ``FLAG_SEALED`` instead of ``FLAG_CHECKSUM``)
 carries an AEAD block (:mod:`kvtier.crypto.aead`) that only the client can
 open: its trailer is 16 zero bytes, the server hashes nothing, and it serves
 the block with the same flag. A client accepts a sealed GET reply only where it
-opens the payload itself, and a checksummed one only where it verifies the
-checksum, so neither kind is ever taken for the other. Servers that take
-sealed PUTs say ``"sealed"`` in the HELLO reply's ``features``.
+opens (authenticates) the payload itself, never as a plain checksummed block.
+Servers that take sealed PUTs say ``"sealed"`` in the HELLO reply's ``features``.
 """
 
 from __future__ import annotations

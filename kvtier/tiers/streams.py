@@ -8,8 +8,10 @@ that can move blocks this way implements :class:`StreamingTier`.
 
 Streamed payloads are *self-authenticating* (sealed AEAD blocks): a streaming
 tier stores them without a checksum of its own and never verifies them; the
-sink's verdict is the block's status. The tier keeps them apart from its
-checksummed blocks, so a plain ``get`` never returns one, nor a stream a plain one.
+sink's verdict is the block's status. A plain ``get`` never returns a streamed
+block (there is no checksum to verify); a stream may read any block, since its
+sink authenticates whatever it gets (so blocks an encrypted tier staged and
+stored with a checksum, e.g. on an older server, stay readable).
 """
 
 from __future__ import annotations
@@ -60,5 +62,5 @@ class StreamingTier(ABC):
 
     @abstractmethod
     def get_streams(self, keys: Sequence[BlockKey], sinks: Sequence[PayloadSink]) -> list[Status]:
-        """Feed each stored streamed payload to its sink: OK only where the sink verified it,
-        :attr:`Status.CORRUPT` where it did not (or where the block is not a streamed one)."""
+        """Feed each stored payload to its sink: OK only where the sink verified it,
+        :attr:`Status.CORRUPT` where it did not."""

@@ -1,4 +1,10 @@
-"""Tamper suite: every manipulation of a sealed block is rejected (0 accepted)."""
+"""Tamper suite: every manipulation of a sealed block is rejected (0 accepted).
+
+Blocks are sealed both ways (whole, :func:`aead.seal_into`, and chunk by chunk,
+:class:`aead.SealingSource`), and every block is opened both ways (whole and by
+an :class:`aead.OpeningSink` fed as a streaming tier feeds it): the two openers
+must agree on every input.
+"""
 
 import os
 import random
@@ -12,14 +18,18 @@ CHUNK = 64 * 1024
 PLAIN = 5 * CHUNK + 123  # several chunks and a short last one
 
 
-@pytest.fixture
-def sealed(keyring):
+@pytest.fixture(params=["whole", "stream"])
+def sealed(keyring, request):
     key = keyring.key_for_write("acme")
     plain = np.frombuffer(os.urandom(PLAIN), np.uint8)
-    out = bytearray(aead.sealed_nbytes(PLAIN, CHUNK))
-    aead.seal_into(key.aead, epoch=key.epoch, key_id=key.key_id, storage_key=b"S" * 32,
-                   context=b"acme", plain=plain, out=out, chunk_bytes=CHUNK)
-    return plain, bytes(out)
+    args = dict(epoch=key.epoch, key_id=key.key_id, storage_key=b"S" * 32, context=b"acme", plain=plain,
+                chunk_bytes=CHUNK)
+    if request.param == "whole":
+        out = bytearray(aead.sealed_nbytes(PLAIN, CHUNK))
+        aead.seal_into(key.aead, out=out, **args)
+        return plain, bytes(out)
+    source = aead.SealingSource(key.aead, scratch=bytearray(aead.stream_buffer_nbytes(CHUNK)), **args)
+    return plain, b"".join(bytes(piece) for piece in source.pieces())
 
 
 def opener(keyring, tenant="acme"):
@@ -30,9 +40,31 @@ def opener(keyring, tenant="acme"):
     return lookup
 
 
+def feed(sink, blob: bytes) -> str | None:
+    """What a streaming tier does: a block of another size is refused, else each piece is filled in turn."""
+    if len(blob) != sink.nbytes:
+        return "size differs"
+    pieces, pos = sink.pieces(), 0
+    try:
+        view = next(pieces)
+        while True:
+            view[:] = blob[pos : pos + len(view)]
+            pos += len(view)
+            view = next(pieces)
+    except StopIteration as done:
+        return done.value
+
+
 def try_open(keyring, blob, *, storage_key=b"S" * 32, context=b"acme", nbytes=PLAIN, tenant="acme"):
     out = np.empty(nbytes, np.uint8)
-    return aead.open_into(opener(keyring, tenant), storage_key=storage_key, context=context, sealed=blob, out=out), out
+    why = aead.open_into(opener(keyring, tenant), storage_key=storage_key, context=context, sealed=blob, out=out)
+    streamed = np.empty(nbytes, np.uint8)
+    sink = aead.OpeningSink(opener(keyring, tenant), storage_key=storage_key, context=context, out=streamed,
+                            scratch=bytearray(aead.stream_buffer_nbytes(CHUNK)), chunk_bytes=CHUNK)
+    why_streamed = feed(sink, blob)
+    assert (why is None) == (why_streamed is None), (why, why_streamed)
+    assert why is not None or np.array_equal(out, streamed)
+    return why, out
 
 
 def test_untouched_block_opens(keyring, sealed):

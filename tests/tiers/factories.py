@@ -85,10 +85,22 @@ def _remote(tmp: Path, capacity: int, block: int) -> Tier:
     return RemoteTier(shared_server().url, TOKENS["acme"], namespace=fresh_namespace("contract"))
 
 
+def _encrypted_remote(tmp: Path, capacity: int, block: int) -> Tier:
+    # End-to-end: sealed streams in two lanes over the real server.
+    from kvtier.crypto.keyring import Keyring
+    from kvtier.crypto.providers import StaticMasterKey
+    from kvtier.tiers.encrypted import EncryptedTier
+
+    keyring = Keyring(StaticMasterKey(b"k" * 32), tmp / "keys")
+    return EncryptedTier(_remote(tmp, capacity, block), keyring, "tenant", chunk_bytes=16384, streams=2)
+
+
 try:  # needs the server extra (uvloop, msgpack, prometheus-client)
     import msgpack  # noqa: F401
     import uvloop  # noqa: F401
 
     FACTORIES.append(TierFactory("remote", _remote, bounded=False, reports_evictions=False))
+    FACTORIES.append(TierFactory("encrypted-remote", _encrypted_remote, bounded=False, lists_keys=False,
+                                 reports_evictions=False))
 except ImportError:
     pass
