@@ -14,6 +14,16 @@ phases are short, so that the noise of a shared machine hits all of them alike:
   persistence), redis-py with hiredis; blocks chunked into 1 MiB values
   (pipelined SETs; pipelined GETs copied into the same caller buffers).
 
+With ``--encrypt`` (Redis is left out) two more systems join the rotation:
+
+* **sealed**: ``EncryptedTier`` over ``RemoteTier`` -- end to end, the client
+  seals each 512 KiB chunk and sends it at once (two lanes, each on its own
+  connection and thread), the server stores ciphertext; gets open each chunk
+  as it lands. ``encrypt_ratio`` is sealed ÷ kvtier, the lower of put and get.
+* **kvtier in two lanes**: the plain path split the same way, to show what
+  the lanes alone are worth (``plain_lanes_*_ratio``, two lanes ÷ one): the
+  plain path is no faster with them, so one connection is its fair baseline.
+
 Each throughput is a median over runs in GB/s (1e9 bytes/s); each ratio is the
 median of per-run ratios (paired, so slow phases of the machine cancel).
 """
@@ -30,6 +40,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import numpy as np
@@ -37,6 +48,7 @@ import numpy as np
 from kvtier.crypto.aead import STREAM_CHUNK_BYTES, sealed_nbytes
 
 MIB = 1 << 20
+_LANES = 2  #: lanes of the sealed path (EncryptedTier's default)
 _CMD = struct.Struct("<cQQ")  # op (R: receive, S: send), total bytes, block bytes
 
 
@@ -226,12 +238,14 @@ def run(block_mib: float, run_mib: int, runs: int, unix: bool, with_redis: bool 
     rng = np.random.default_rng(0)
     srcs = [rng.integers(0, 256, nbytes, dtype=np.uint8) for _ in range(blocks)]
     outs = [np.ones(nbytes, np.uint8) for _ in range(blocks)]  # warm
-    server = raw = red = tier = sealed = hiredis = None
-    res: dict[str, list[float]] = {k: [] for k in ("put", "get", "sput", "sget", "rput", "rget", "eput", "eget")}
+    server = raw = red = tier = sealed = laned = hiredis = None
+    res: dict[str, list[float]] = {
+        k: [] for k in ("put", "get", "sput", "sget", "rput", "rget", "eput", "eget", "lput", "lget")
+    }
     try:
         # End-to-end encryption: the client seals, the server stores ciphertext.
         max_block = sealed_nbytes(nbytes, STREAM_CHUNK_BYTES) if encrypt else nbytes
-        pool = (2 if encrypt else 1) * (blocks + 4) * max_block
+        pool = (3 if encrypt else 1) * (blocks + 4) * max_block
         server = ServerProcess.start(
             {"bench": token}, unix=unix, tcp=not unix, workdir=workdir,
             server={"capacity": pool, "max_block": max_block},
@@ -245,8 +259,9 @@ def run(block_mib: float, run_mib: int, runs: int, unix: bool, with_redis: bool 
             keyring = Keyring(StaticMasterKey(os.urandom(32)), os.path.join(workdir, "keys"))
             # Sealing needs a core of its own: the sealed batch runs in two lanes, each
             # sealing and sending on its own connection (see EncryptedTier).
-            inner = RemoteTier(server.url, token, namespace="bench-sealed", timeout_s=60, pool_size=2)
-            sealed = EncryptedTier(inner, keyring, "bench", streams=2)
+            inner = RemoteTier(server.url, token, namespace="bench-sealed", timeout_s=60, pool_size=_LANES)
+            sealed = EncryptedTier(inner, keyring, "bench", streams=_LANES)
+            laned = RemoteTier(server.url, token, namespace="bench-lanes", timeout_s=60, pool_size=_LANES)
             with_redis = False
         raw = RawPeer(workdir if unix else None, total)
         redis_error = None
@@ -283,6 +298,22 @@ def run(block_mib: float, run_mib: int, runs: int, unix: bool, with_redis: bool 
             if not all(s.ok for s in statuses):
                 raise RuntimeError(f"encrypted get failed: {[s.name for s in statuses if not s.ok][:3]}")
 
+        def in_lanes(op, keys, bufs):
+            # what EncryptedTier does with a batch: block i in lane i mod LANES, lanes 1.. on threads
+            results: list = [None] * _LANES
+
+            def lane(j):
+                results[j] = op(keys[j::_LANES], bufs[j::_LANES])
+
+            others = [threading.Thread(target=lane, args=(j,)) for j in range(1, _LANES)]
+            for t in others:
+                t.start()
+            lane(0)
+            for t in others:
+                t.join()
+            if not all(s is not None and s.ok for part in results for s in part):
+                raise RuntimeError(f"kvtier in lanes failed; {laned.last_error}")
+
         hiredis = red.hiredis if red is not None else None
         # (name, put, get, cleanup) per system; keys are per run
         systems = [
@@ -291,6 +322,8 @@ def run(block_mib: float, run_mib: int, runs: int, unix: bool, with_redis: bool 
         ]
         if encrypt:
             systems.append(("e", enc_put, enc_get, lambda keys: sealed.delete_many(keys)))
+            systems.append(("l", lambda keys: in_lanes(laned.put_many, keys, srcs),
+                            lambda keys: in_lanes(laned.get_many, keys, outs), lambda keys: laned.delete_many(keys)))
         if red is not None:
             systems.append(("r", lambda keys: red.put(keys, srcs), lambda keys: red.get(keys, outs),
                             lambda keys: red.delete(keys, srcs)))
@@ -311,7 +344,7 @@ def run(block_mib: float, run_mib: int, runs: int, unix: bool, with_redis: bool 
                     res[prefix + "put"].append(puts[name])
                     res[prefix + "get"].append(gets[name])
     finally:
-        for thing in (tier, raw, red, sealed):
+        for thing in (tier, raw, red, sealed, laned):
             if thing is not None:
                 thing.close()
         if server is not None:
@@ -333,6 +366,9 @@ def run(block_mib: float, run_mib: int, runs: int, unix: bool, with_redis: bool 
             "encrypt_put_ratio": put_ratio,
             "encrypt_get_ratio": get_ratio,
             "encrypt_ratio": min(put_ratio, get_ratio),
+            "encrypt_lanes": _LANES,
+            "plain_lanes_put_ratio": ratio("lput", "put"),
+            "plain_lanes_get_ratio": ratio("lget", "get"),
         }
     return {
         "bench": "remote",
