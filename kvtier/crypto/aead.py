@@ -258,6 +258,8 @@ class OpeningSink:
                  context: bytes, out, scratch, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
         self._lookup = lookup_aead
         self._dst = memoryview(out).cast("B")
+        if self._dst.readonly:
+            raise ValueError("the output buffer is read-only; pass a writable buffer (e.g. numpy.empty)")
         self._scratch = memoryview(scratch).cast("B")
         if self._scratch.nbytes < stream_buffer_nbytes(chunk_bytes):
             raise ValueError(f"scratch holds {self._scratch.nbytes} bytes, needs {stream_buffer_nbytes(chunk_bytes)}")

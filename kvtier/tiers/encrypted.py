@@ -115,7 +115,8 @@ class EncryptedTier(WrappingTier):
         self._pipe = ThreadPoolExecutor(1, thread_name_prefix="kvtier-aead-pipe")
         self._buffers = _BufferPool()
         self.streams = max(1, streams)
-        self._lanes = ThreadPoolExecutor(self.streams - 1, thread_name_prefix="kvtier-aead-lane") if streams > 1 else None
+        self._lanes = (ThreadPoolExecutor(self.streams - 1, thread_name_prefix="kvtier-aead-lane")
+                       if self.streams > 1 else None)
         self._scratch = _BufferPool()  # one chunk-sized buffer per lane
 
     @property
@@ -209,7 +210,7 @@ class EncryptedTier(WrappingTier):
         return self.inner.put(name, sealed, parent=self._name(parent) if parent else None)
 
     def get(self, key: BlockKey, out) -> Status:
-        dst = memoryview(out).cast("B")
+        dst = _writable(out)
         name = self._name(key)
         owner = self._owner(key)
         if owner is None:
@@ -263,7 +264,7 @@ class EncryptedTier(WrappingTier):
             return self._get_streamed(keys, outs)
         if self._tenant_of is not None:
             return super().get_many(keys, outs)
-        dsts = [memoryview(o).cast("B") for o in outs]
+        dsts = [_writable(o) for o in outs]
         statuses: list[Status] = [Status.MISS] * len(keys)
         bufs = [self._buffers.take(self._sealed_size(d.nbytes)) for d in dsts[:2]]
         job = None  # (index, future) of the block being opened
@@ -314,7 +315,7 @@ class EncryptedTier(WrappingTier):
         owners = [self._owner(k) for k in keys]
         statuses = [Status.MISS] * len(keys)
         todo = [i for i in range(len(keys)) if owners[i] is not None]
-        items = [(owners[i], self._name(keys[i]), memoryview(outs[i]).cast("B")) for i in todo]
+        items = [(owners[i], self._name(keys[i]), _writable(outs[i])) for i in todo]
         for i, status in zip(todo, self._in_lanes(self._get_lane, items)):
             statuses[i] = status
         return statuses
@@ -379,3 +380,11 @@ class EncryptedTier(WrappingTier):
         if self._lanes is not None:
             self._lanes.shutdown(wait=True)
         super().close()
+
+
+def _writable(out) -> memoryview:
+    """The caller's output buffer as bytes; a read-only one is the caller's mistake, found before any I/O."""
+    view = memoryview(out).cast("B")
+    if view.readonly:
+        raise ValueError("the output buffer is read-only; pass a writable buffer (e.g. numpy.empty)")
+    return view

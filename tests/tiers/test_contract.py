@@ -172,3 +172,19 @@ def test_concurrent_puts_and_gets_never_return_wrong_bytes(tier, factory):
         th.join()
     assert errors == []
     tier.check_integrity()
+
+
+def test_a_read_only_output_buffer_is_a_caller_mistake(tier, factory):
+    """It raises before any I/O, and the tier keeps working (a remote one is not put into backoff)."""
+    if not factory.retains:
+        pytest.skip("the tier holds nothing to copy out")
+    data = np.arange(BLOCK, dtype=np.uint8)
+    assert tier.put(key(70), data) is Status.OK
+    frozen = np.zeros(BLOCK, np.uint8)
+    frozen.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        tier.get(key(70), frozen)
+    with pytest.raises(ValueError, match="read-only"):
+        tier.get_many([key(70)], [frozen])
+    out = np.zeros(BLOCK, np.uint8)
+    assert tier.get(key(70), out) is Status.OK and np.array_equal(out, data)
