@@ -388,7 +388,8 @@ class Service:
             return
         parent = space.storage_key(pm.parent) if pm.parent else None
         self.host.commit(res, parent=parent)
-        header = pack_block_header(bh.key, n, digest, block_meta, flags=verified_by)  # with the checksum we verified
+        # with the checksum we verified (zeros for a sealed payload) and how to verify it
+        header = pack_block_header(bh.key, n, digest, block_meta, flags=verified_by)
         entry = BlockEntry(owner, space.namespace, bh.key, n, header, time.monotonic(), pm.session, self.host.name)
         if self.index.add(skey, entry):
             self.emit("stored", self.host.name, entry)
