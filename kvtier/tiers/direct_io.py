@@ -13,6 +13,9 @@ thread pool that overlaps hashing and copies with the I/O: ``os.pwrite``,
 * Reads go straight into the caller's buffer when it is page aligned (the last
   partial page through a staging page), in one ``preadv``, then hashed; other
   buffers go through staging chunks, chunk k copied and hashed while k+1 is read.
+* Payloads made or taken chunk by chunk (a sealed block, sealed or opened as it
+  goes) use the same staging: ``write_filled`` / ``read_drained`` run the caller's
+  fill / drain on the helper where a copy would run.
 """
 
 from __future__ import annotations
@@ -139,19 +142,32 @@ class _Lease:
         self.chunks = (raw[2 * PAGE : 2 * PAGE + chunk_bytes], raw[2 * PAGE + chunk_bytes :])
 
 
-def _absorb(hasher, piece) -> None:
-    """Helper side of a staged read: move staged bytes into the caller's buffer, hash them."""
-    src, dst = piece
-    np.copyto(dst, src)
-    hasher.update(src)
+#: ``fill(offset, view)``: put payload bytes ``[offset, offset + len(view))`` into ``view``
+Fill = Callable[[int, np.ndarray], None]
+#: ``drain(offset, view)``: take payload bytes ``[offset, offset + len(view))`` from ``view``
+Drain = Callable[[int, np.ndarray], None]
 
 
-def _stage(hasher, data: np.ndarray, off: int, chunk: int, stage: np.ndarray) -> None:
-    """Helper side of a staged write: copy one chunk to page-aligned staging, zero-pad, hash."""
-    part = data[off : off + chunk]
-    np.copyto(stage[: part.nbytes], part)
-    stage[part.nbytes : round_up(part.nbytes)] = 0
-    hasher.update(part)
+def _drain_stage(drain: Drain, hasher, off: int, staged: np.ndarray) -> None:
+    """Helper side of a staged read: hand staged bytes on, hash them (still in cache)."""
+    drain(off, staged)
+    hasher.update(staged)
+
+
+def _fill_stage(fill: Fill, hasher, off: int, length: int, stage: np.ndarray) -> None:
+    """Helper side of a staged write: fill one chunk of page-aligned staging, zero-pad, hash."""
+    view = stage[:length]
+    fill(off, view)
+    stage[length : round_up(length)] = 0
+    hasher.update(view)
+
+
+def copy_from(data: np.ndarray) -> Fill:
+    return lambda off, view: np.copyto(view, data[off : off + view.nbytes])
+
+
+def copy_into(out: np.ndarray) -> Drain:
+    return lambda off, view: np.copyto(out[off : off + view.nbytes], view)
 
 
 class BlockIO:
@@ -199,12 +215,23 @@ class BlockIO:
             if is_page_aligned(data):
                 digest = self._write_direct(fd, data, lease)
             else:
-                digest = self._write_staged(fd, data, lease)
-            head = header(digest)
-            lease.page[:] = 0
-            lease.page[: len(head)] = np.frombuffer(head, dtype=np.uint8)
-            pwrite_all(fd, lease.page, 0)
+                digest = self._write_chunks(fd, data.nbytes, copy_from(data), lease)
+            self._write_header(fd, header(digest), lease)
         os.fsync(fd)
+
+    def write_filled(self, fd: int, nbytes: int, fill: Fill, header: Callable[[bytes], bytes]) -> None:
+        """:meth:`write` of an ``nbytes`` payload that ``fill`` produces chunk by chunk, in order,
+        on a helper while the chunk before is written (e.g. sealed as it goes)."""
+        with self._lease() as lease:
+            digest = self._write_chunks(fd, nbytes, fill, lease)
+            self._write_header(fd, header(digest), lease)
+        os.fsync(fd)
+
+    @staticmethod
+    def _write_header(fd: int, head: bytes, lease: _Lease) -> None:
+        lease.page[:] = 0
+        lease.page[: len(head)] = np.frombuffer(head, dtype=np.uint8)
+        pwrite_all(fd, lease.page, 0)
 
     def _write_direct(self, fd: int, data: np.ndarray, lease: _Lease) -> bytes:
         hashing = self._pool.submit(xxhash.xxh3_128_digest, data) if data.nbytes >= OVERLAP_MIN else None
@@ -221,20 +248,22 @@ class BlockIO:
             digest = hashing.result() if hashing is not None else None
         return digest if digest is not None else xxhash.xxh3_128_digest(data)
 
-    def _write_staged(self, fd: int, data: np.ndarray, lease: _Lease) -> bytes:
-        """Chunk k+1 is copied to staging and hashed on a helper while chunk k is written."""
+    def _write_chunks(self, fd: int, nbytes: int, fill: Fill, lease: _Lease) -> bytes:
+        """Chunk k+1 is filled into staging and hashed on a helper while chunk k is written."""
         hasher = xxhash.xxh3_128()
-        offsets = range(0, data.nbytes, self.chunk_bytes)
+        chunk = self.chunk_bytes
+        offsets = range(0, nbytes, chunk)
         if not offsets:
             return hasher.digest()
-        _stage(hasher, data, 0, self.chunk_bytes, lease.chunks[0])
+        _fill_stage(fill, hasher, 0, min(chunk, nbytes), lease.chunks[0])
         for k, off in enumerate(offsets):
-            nxt = off + self.chunk_bytes
+            nxt = off + chunk
             ahead = None
-            if nxt < data.nbytes:
-                ahead = self._pool.submit(_stage, hasher, data, nxt, self.chunk_bytes, lease.chunks[(k + 1) % 2])
+            if nxt < nbytes:
+                stage = lease.chunks[(k + 1) % 2]
+                ahead = self._pool.submit(_fill_stage, fill, hasher, nxt, min(chunk, nbytes - nxt), stage)
             try:
-                length = round_up(min(self.chunk_bytes, data.nbytes - off))
+                length = round_up(min(chunk, nbytes - off))
                 pwrite_all(fd, lease.chunks[k % 2][:length], PAGE + off)
             finally:
                 if ahead is not None:
@@ -250,7 +279,14 @@ class BlockIO:
         with self._lease() as lease:
             if is_page_aligned(out):
                 return self._read_direct(fd, out, accept_header, lease)
-            return self._read_staged(fd, out, accept_header, lease)
+            return self._read_chunks(fd, out.nbytes, copy_into(out), accept_header, lease)
+
+    def read_drained(self, fd: int, nbytes: int, drain: Drain,
+                     accept_header: Callable[[np.ndarray], bool]) -> bytes | None:
+        """:meth:`read` of an ``nbytes`` payload handed to ``drain`` chunk by chunk, in order,
+        on a helper while the next chunk is read (e.g. opened as it comes)."""
+        with self._lease() as lease:
+            return self._read_chunks(fd, nbytes, drain, accept_header, lease)
 
     def _read_direct(self, fd, out, accept_header, lease) -> bytes | None:
         # One preadv for the whole file, then one hash: measured faster here than
@@ -267,9 +303,8 @@ class BlockIO:
         np.copyto(out[full:], lease.tail[: n - full])
         return xxhash.xxh3_128_digest(out)
 
-    def _read_staged(self, fd, out, accept_header, lease) -> bytes | None:
-        """Chunk k is copied out and hashed on a helper while chunk k+1 is read."""
-        n = out.nbytes
+    def _read_chunks(self, fd, n: int, drain: Drain, accept_header, lease) -> bytes | None:
+        """Chunk k is drained and hashed on a helper while chunk k+1 is read."""
         hasher = xxhash.xxh3_128()
         pending: Future | None = None
         try:
@@ -285,11 +320,10 @@ class BlockIO:
                     return None
                 if pending is not None:
                     pending.result()
-                piece = (stage[:length], out[off : off + length])
                 if n >= OVERLAP_MIN:
-                    pending = self._pool.submit(_absorb, hasher, piece)
+                    pending = self._pool.submit(_drain_stage, drain, hasher, off, stage[:length])
                 else:
-                    _absorb(hasher, piece)
+                    _drain_stage(drain, hasher, off, stage[:length])
                 off += length
                 k += 1
         finally:

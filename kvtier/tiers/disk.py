@@ -9,6 +9,10 @@ page, then the payload padded to 4 KiB (see :mod:`kvtier.tiers.direct_io`).
   holds a complete block, whichever process wrote it and whenever it died.
 * **Every read is verified** (header key and size, xxh3-128 of the payload). A
   mismatch is :attr:`Status.CORRUPT`: counted, logged, the file removed.
+* **Streams** (:class:`~kvtier.tiers.streams.StreamingTier`): a sealed payload is
+  written as its source seals it, chunk k+1 sealed while chunk k is written, and
+  read into the sink chunk by chunk, chunk k opened while k+1 is read. Such files
+  are flagged sealed (besides their checksum) and a plain ``get`` refuses them.
 * **Restart recovery.** Opening scans the directory: every published block is
   indexed again (LRU order = publication order; parents are not recorded, so a
   prefix-aware policy sees roots), and temp files of dead writers are removed.
@@ -40,12 +44,13 @@ import numpy as np
 import xxhash
 
 from kvtier.core.keys import KEY_BYTES, BlockKey
-from kvtier.core.payload import BlockMeta, header_mismatch, pack_header, unpack_header
+from kvtier.core.payload import FLAG_CHECKSUM, FLAG_SEALED, BlockMeta, header_mismatch, pack_header, unpack_header
 from kvtier.errors import ConfigError, TierError
 from kvtier.policy.eviction import EvictionPolicy, LRUPolicy
 from kvtier.tiers import direct_io
 from kvtier.tiers.base import Status, Tier
 from kvtier.tiers.direct_io import PAGE, BlockIO, as_bytes, round_up
+from kvtier.tiers.streams import PayloadSink, PayloadSource, PieceReader, SinkFeeder, StreamingTier
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +67,7 @@ class _Entry:
     created: float  #: publication time, wall clock (file mtime after a restart)
 
 
-class DiskTier(Tier):
+class DiskTier(Tier, StreamingTier):
     """Blocks as files under ``path``, at most ``capacity_bytes`` of them on disk.
 
     ``direct_io``: "auto" probes O_DIRECT at open and falls back to buffered
@@ -126,6 +131,18 @@ class DiskTier(Tier):
 
         On any status but OK the content of ``out`` is unspecified."""
         dst = as_bytes(out, writable=True)
+        return self._get(key, dst.nbytes, lambda fd: self._read_verified(fd, key, dst))
+
+    def get_streams(self, keys, sinks: list[PayloadSink]) -> list[Status]:
+        if len(keys) != len(sinks):
+            raise ValueError(f"get_streams: {len(keys)} keys but {len(sinks)} sinks")
+        return [self._get(k, s.nbytes, lambda fd, k=k, s=s: self._read_into_sink(fd, k, s)) for k, s in zip(keys, sinks)]
+
+    def streams_available(self) -> bool:
+        return True
+
+    def _get(self, key: BlockKey, nbytes: int, read) -> Status:
+        """A get of ``nbytes`` whose verified read ``read(fd) -> (status, why)`` is the caller's."""
         with self._lock:
             if self._live(key) is None:
                 self.stats.misses += 1
@@ -143,10 +160,10 @@ class DiskTier(Tier):
             return self._failed_get(key, exc)
         try:
             inode = os.fstat(fd)
-            if inode.st_size != PAGE + round_up(dst.nbytes):
-                status, why = self._size_mismatch(fd, key, dst.nbytes)
+            if inode.st_size != PAGE + round_up(nbytes):
+                status, why = self._size_mismatch(fd, key, nbytes)
             else:
-                status, why = self._read_verified(fd, key, dst)
+                status, why = read(fd)
         except OSError as exc:
             return self._failed_get(key, exc)
         finally:
@@ -154,7 +171,7 @@ class DiskTier(Tier):
         with self._lock:
             if status is Status.OK:
                 self.stats.hits += 1
-                self.stats.bytes_read += dst.nbytes
+                self.stats.bytes_read += nbytes
             elif status is Status.BAD_SIZE:
                 self.stats.misses += 1
             else:
@@ -170,7 +187,30 @@ class DiskTier(Tier):
         is written without a copy."""
         _check_key(key)
         src = as_bytes(data)
-        need = PAGE + round_up(src.nbytes)
+        return self._put(key, src.nbytes, parent,
+                         lambda fd: self._io.write(fd, src, lambda digest: pack_header(key, src.nbytes, digest, meta)))
+
+    def put_streams(self, keys, sources: list[PayloadSource], *, parents=None) -> list[Status]:
+        if len(keys) != len(sources):
+            raise ValueError(f"put_streams: {len(keys)} keys but {len(sources)} sources")
+        parents = parents or [None] * len(keys)
+        for k in keys:
+            _check_key(k)
+        return [self._put(k, s.nbytes, p, lambda fd, k=k, s=s: self._write_stream(fd, k, s))
+                for k, s, p in zip(keys, sources, parents)]
+
+    def _write_stream(self, fd: int, key: BlockKey, source: PayloadSource) -> None:
+        reader = PieceReader(source)
+
+        def header(digest: bytes) -> bytes:
+            reader.finish()  # a source that made more than it announced never publishes
+            return pack_header(key, source.nbytes, digest, flags=FLAG_CHECKSUM | FLAG_SEALED)
+
+        self._io.write_filled(fd, source.nbytes, lambda off, view: reader.fill(view), header)
+
+    def _put(self, key: BlockKey, nbytes: int, parent: BlockKey | None, write) -> Status:
+        """A put of ``nbytes`` whose file I/O ``write(fd)`` is the caller's."""
+        need = PAGE + round_up(nbytes)
         with self._lock:
             if self._live(key) is not None:
                 self._policy.on_access(key)  # content addressed: the same bytes are there
@@ -182,9 +222,12 @@ class DiskTier(Tier):
                 self.stats.put_failures += 1
                 return Status.FULL
             self._reserved += need
-        status = self._write(key, src, meta)
+        try:
+            status = self._write(key, write)
+        finally:
+            with self._lock:
+                self._reserved -= need
         with self._lock:
-            self._reserved -= need
             if status is not Status.OK:
                 self.stats.put_failures += 1
                 self.stats.errors += status is Status.ERROR
@@ -196,7 +239,7 @@ class DiskTier(Tier):
                 self._used += need
                 self._policy.on_insert(key, parent)
             self.stats.puts += 1
-            self.stats.bytes_written += src.nbytes
+            self.stats.bytes_written += nbytes
         return Status.OK
 
     def delete(self, key: BlockKey) -> bool:
@@ -266,22 +309,42 @@ class DiskTier(Tier):
 
     # -- reading -------------------------------------------------------------------
     def _read_verified(self, fd: int, key: bytes, dst: np.ndarray) -> tuple[Status, str]:
+        return self._read_checked(key, dst.nbytes, lambda accept: self._io.read(fd, dst, accept), sealed=False)
+
+    def _read_into_sink(self, fd: int, key: bytes, sink: PayloadSink) -> tuple[Status, str]:
+        feeder = SinkFeeder(sink)
+        status, why = self._read_checked(
+            key, sink.nbytes, lambda accept: self._io.read_drained(fd, sink.nbytes, lambda off, v: feeder.feed(v), accept),
+            sealed=True,
+        )
+        verdict = feeder.verdict()
+        if status is Status.OK and verdict is not None:
+            return Status.CORRUPT, verdict
+        return status, why
+
+    @staticmethod
+    def _read_checked(key: bytes, nbytes: int, read_payload, *, sealed: bool) -> tuple[Status, str]:
+        """Run ``read_payload(accept_header) -> digest | None`` and judge what it read. A plain read
+        (not ``sealed``) refuses a sealed block: its bytes are only good to the sink that opens them."""
         seen: dict = {}
 
         def accept(page: np.ndarray) -> bool:  # checked before the rest is read
             header = unpack_header(page)
             seen["header"] = header
-            return header is not None and header_mismatch(header, key, dst.nbytes) is None
+            return (header is not None and header_mismatch(header, key, nbytes) is None
+                    and (sealed or not header.flags & FLAG_SEALED))
 
-        digest = self._io.read(fd, dst, accept)
+        digest = read_payload(accept)
         header = seen.get("header")
         if header is None:
             return Status.CORRUPT, "unreadable header"
-        if header.key == key and header.payload_nbytes != dst.nbytes:
+        if header.key == key and header.payload_nbytes != nbytes:
             return Status.BAD_SIZE, ""  # same page count, other size: the caller's mistake
-        why = header_mismatch(header, key, dst.nbytes)
+        why = header_mismatch(header, key, nbytes)
         if why is not None:
             return Status.CORRUPT, why
+        if not sealed and header.flags & FLAG_SEALED:
+            return Status.CORRUPT, "a sealed block, read as a plain one"
         if digest is None:
             return Status.CORRUPT, "file is shorter than its header says"
         if digest != header.checksum:
@@ -305,7 +368,7 @@ class DiskTier(Tier):
         return Status.ERROR
 
     # -- writing -------------------------------------------------------------------
-    def _write(self, key: BlockKey, src: np.ndarray, meta: BlockMeta | None) -> Status:
+    def _write(self, key: BlockKey, write) -> Status:
         final = self.path_of(key)
         temp = os.path.join(os.path.dirname(final), f".{key.hex()}.{direct_io.temp_tag()}{TEMP_SUFFIX}")
         try:
@@ -315,7 +378,7 @@ class DiskTier(Tier):
                 os.makedirs(os.path.dirname(temp), exist_ok=True)
                 fd = self._io.open_write(temp)
             try:
-                self._io.write(fd, src, lambda digest: pack_header(key, src.nbytes, digest, meta))
+                write(fd)
             finally:
                 os.close(fd)
             # The directory entry is not fsync'd: a power cut may lose the
@@ -328,6 +391,13 @@ class DiskTier(Tier):
                 return Status.FULL
             log.warning("disk tier %s: writing %s failed: %s", self.path, key.hex(), exc)
             return Status.ERROR
+        except ValueError as exc:  # a payload source that broke its word: nothing is published
+            _unlink(temp)
+            log.warning("disk tier %s: writing %s failed: %s", self.path, key.hex(), exc)
+            return Status.ERROR
+        except BaseException:
+            _unlink(temp)
+            raise
 
     # -- index (all under the lock) ----------------------------------------------
     def _expired(self, created: float, now: float | None = None) -> bool:

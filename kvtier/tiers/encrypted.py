@@ -11,12 +11,13 @@ counted in ``verify_failures``, logged, never returned.
 Over a remote tier this is end-to-end encryption: the server only ever stores
 ciphertext under names it cannot link to prompts.
 
-Over a :class:`~kvtier.tiers.streams.StreamingTier` (a kvtier server) blocks are
-not staged: each chunk is sealed into one small buffer and sent at once, and
-each arriving chunk is opened at once, while it is in cache; the AEAD tags
-stand in for the tier's checksum. A batch is split over ``streams`` lanes, block
-*i* in lane *i* mod ``streams``, each sealing and moving its blocks on its own
-connection and thread: sealing then runs beside the sending instead of after it.
+Over a :class:`~kvtier.tiers.streams.StreamingTier` (a kvtier server, a disk
+tier) blocks are not staged whole: each chunk is sealed into one small buffer
+and sent (or staged for the file) at once, and each arriving chunk is opened at
+once, while it is in cache; over a server the AEAD tags stand in for its
+checksum. A batch is split over ``streams`` lanes, block *i* in lane *i* mod
+``streams``, each sealing and moving its blocks on its own connection (or file)
+and thread: sealing then runs beside the I/O instead of after it.
 
 Not supported: demotion *out of* an encrypted tier (the store would need the
 plaintext and the client key back); blocks it evicts are dropped. ``keys()``

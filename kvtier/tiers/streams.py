@@ -64,3 +64,74 @@ class StreamingTier(ABC):
     def get_streams(self, keys: Sequence[BlockKey], sinks: Sequence[PayloadSink]) -> list[Status]:
         """Feed each stored payload to its sink: OK only where the sink verified it,
         :attr:`Status.CORRUPT` where it did not."""
+
+
+class PieceReader:
+    """Copies a source's pieces into buffers it is given, in order (a piece may span buffers):
+    for tiers that must stage what they store (e.g. page-aligned for O_DIRECT)."""
+
+    def __init__(self, source: PayloadSource) -> None:
+        self._pieces = iter(source.pieces())
+        self._piece = memoryview(b"")
+        self._announced = source.nbytes
+        self._taken = 0
+
+    def fill(self, dst) -> None:
+        """Fill all of ``dst`` with the next bytes; raises ValueError if the source runs dry."""
+        out = memoryview(dst).cast("B")
+        got = 0
+        while got < out.nbytes:
+            if not self._piece:
+                piece = next(self._pieces, None)
+                if piece is None:
+                    raise ValueError(f"payload source made {self._taken + got} of the {self._announced} bytes it announced")
+                self._piece = memoryview(piece).cast("B")
+            k = min(self._piece.nbytes, out.nbytes - got)
+            out[got : got + k] = self._piece[:k]
+            self._piece = self._piece[k:]
+            got += k
+        self._taken += got
+
+    def finish(self) -> None:
+        """Raise ValueError if the source has more than was taken (it announced too little)."""
+        if self._piece or next(self._pieces, None) is not None:
+            raise ValueError(f"payload source made more than the {self._announced} bytes it announced")
+
+
+class SinkFeeder:
+    """Copies bytes it is handed into the views a sink asks for, in order, and keeps the sink's
+    verdict: for tiers that read what they hold into staging first."""
+
+    def __init__(self, sink: PayloadSink) -> None:
+        self._pieces = sink.pieces()
+        self._view = memoryview(b"")
+        self._got = 0
+        self._verdict: str | None = None
+        self._done = False
+        self._advance()
+
+    def _advance(self) -> None:
+        try:
+            self._view = memoryview(next(self._pieces)).cast("B")
+            self._got = 0
+        except StopIteration as done:
+            self._done, self._verdict = True, done.value
+
+    def feed(self, data) -> None:
+        src = memoryview(data).cast("B")
+        while src.nbytes and not self._done:
+            k = min(self._view.nbytes - self._got, src.nbytes)
+            self._view[self._got : self._got + k] = src[:k]
+            self._got += k
+            src = src[k:]
+            if self._got == self._view.nbytes:
+                self._advance()
+        if src.nbytes and self._verdict is None:
+            self._verdict = "the reader stopped before the end of the block"
+
+    def verdict(self) -> str | None:
+        """The sink's verdict once everything was fed: None only if it took it all and verified it."""
+        if not self._done:
+            self._pieces.close()
+            return "the reader asked for more than the block holds"
+        return self._verdict

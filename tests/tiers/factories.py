@@ -68,10 +68,21 @@ def _disk(tmp: Path, capacity: int, block: int) -> Tier:
     return DiskTier(tmp / "disk", capacity)
 
 
+def _encrypted_disk(tmp: Path, capacity: int, block: int) -> Tier:
+    # Sealed streams through the disk tier's staging: sealed / opened chunk by chunk as it writes / reads.
+    from kvtier.crypto.keyring import Keyring
+    from kvtier.crypto.providers import StaticMasterKey
+    from kvtier.tiers.encrypted import EncryptedTier
+
+    keyring = Keyring(StaticMasterKey(b"k" * 32), tmp / "keys")
+    return EncryptedTier(_disk(tmp, capacity + capacity // 8, block), keyring, "tenant", chunk_bytes=16384)
+
+
 try:  # the disk tier lands separately; include it as soon as it exists
     import kvtier.tiers.disk  # noqa: F401
 
     FACTORIES.append(TierFactory("disk", _disk))
+    FACTORIES.append(TierFactory("encrypted-disk", _encrypted_disk, lists_keys=False, reports_evictions=False))
 except ImportError:
     pass
 
