@@ -224,10 +224,12 @@ class DiskTier(Tier, StreamingTier):
             self._reserved += need
         try:
             status = self._write(key, write)
-        finally:
+        except BaseException:
             with self._lock:
                 self._reserved -= need
+            raise
         with self._lock:
+            self._reserved -= need  # in the same locked step as the index: room is never counted twice or not at all
             if status is not Status.OK:
                 self.stats.put_failures += 1
                 self.stats.errors += status is Status.ERROR
