@@ -136,7 +136,8 @@ class DiskTier(Tier, StreamingTier):
     def get_streams(self, keys, sinks: list[PayloadSink]) -> list[Status]:
         if len(keys) != len(sinks):
             raise ValueError(f"get_streams: {len(keys)} keys but {len(sinks)} sinks")
-        return [self._get(k, s.nbytes, lambda fd, k=k, s=s: self._read_into_sink(fd, k, s)) for k, s in zip(keys, sinks)]
+        return [self._get(k, s.nbytes, lambda fd, k=k, s=s: self._read_into_sink(fd, k, s))
+                for k, s in zip(keys, sinks)]
 
     def streams_available(self) -> bool:
         return True
@@ -315,10 +316,11 @@ class DiskTier(Tier, StreamingTier):
 
     def _read_into_sink(self, fd: int, key: bytes, sink: PayloadSink) -> tuple[Status, str]:
         feeder = SinkFeeder(sink)
-        status, why = self._read_checked(
-            key, sink.nbytes, lambda accept: self._io.read_drained(fd, sink.nbytes, lambda off, v: feeder.feed(v), accept),
-            sealed=True,
-        )
+
+        def read_payload(accept):
+            return self._io.read_drained(fd, sink.nbytes, lambda off, view: feeder.feed(view), accept)
+
+        status, why = self._read_checked(key, sink.nbytes, read_payload, sealed=True)
         verdict = feeder.verdict()
         if status is Status.OK and verdict is not None:
             return Status.CORRUPT, verdict

@@ -44,8 +44,15 @@ from contextlib import contextmanager
 import xxhash
 
 from kvtier.core.keys import KEY_BYTES, BlockKey
+from kvtier.core.payload import (
+    FLAG_CHECKSUM,
+    FLAG_SEALED,
+    BlockMeta,
+    header_mismatch,
+    pack_header,
+    unpack_header,
+)
 from kvtier.core.payload import HEADER_NBYTES as BLOCK_HEADER_NBYTES
-from kvtier.core.payload import FLAG_CHECKSUM, FLAG_SEALED, BlockMeta, header_mismatch, pack_header, unpack_header
 from kvtier.tiers.base import Status, Tier
 from kvtier.tiers.remote_protocol import (
     GET_ITEM,
@@ -226,7 +233,8 @@ class RemoteTier(Tier, StreamingTier):
             raise ValueError(f"get_streams: {len(keys)} keys but {len(sinks)} sinks")
         return self._get_blocks(keys, sinks, [s.nbytes for s in sinks], sealed=True)
 
-    def _get_blocks(self, keys: Sequence[BlockKey], payloads: Sequence, sizes: list[int], *, sealed: bool) -> list[Status]:
+    def _get_blocks(self, keys: Sequence[BlockKey], payloads: Sequence, sizes: list[int], *,
+                    sealed: bool) -> list[Status]:
         for k in keys:
             _check_key(k)
         statuses: list[Status] = []

@@ -84,7 +84,8 @@ class PieceReader:
             if not self._piece:
                 piece = next(self._pieces, None)
                 if piece is None:
-                    raise ValueError(f"payload source made {self._taken + got} of the {self._announced} bytes it announced")
+                    made = self._taken + got
+                    raise ValueError(f"payload source made {made} of the {self._announced} bytes it announced")
                 self._piece = memoryview(piece).cast("B")
             k = min(self._piece.nbytes, out.nbytes - got)
             out[got : got + k] = self._piece[:k]

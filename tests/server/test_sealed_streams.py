@@ -7,13 +7,24 @@ import os
 import numpy as np
 import pytest
 
-from kvtier.core.payload import FLAG_SEALED, pack_header as pack_block_header
+from kvtier.core.payload import FLAG_SEALED
+from kvtier.core.payload import pack_header as pack_block_header
 from kvtier.crypto.keyring import Keyring
 from kvtier.crypto.providers import StaticMasterKey
 from kvtier.tiers.base import Status
 from kvtier.tiers.encrypted import EncryptedTier
 from kvtier.tiers.remote_protocol import CHECKSUM_NBYTES, ErrorCode, Op, pack_put_meta
-from tests.server.conftest import BLOCK, block, closed_by_peer, connect, frame, hello_frame, keys_for, read_frame, remote
+from tests.server.conftest import (
+    BLOCK,
+    block,
+    closed_by_peer,
+    connect,
+    frame,
+    hello_frame,
+    keys_for,
+    read_frame,
+    remote,
+)
 from tests.server.harness import TOKENS
 
 CHUNK = 16 * 1024  # several chunks per 64 KiB block
