@@ -52,7 +52,7 @@ def register(subparsers) -> None:
 def _run(args) -> int:
     from kvtier.errors import ConfigError
     from kvtier.server.auth import hash_token, new_token
-    from kvtier.server.config import parse_size
+    from kvtier.core.units import parse_size
 
     cmd = args.admin_command
     if cmd == "new-token":

@@ -1,7 +1,8 @@
 """Server configuration: a TOML file, then ``KVTIER_SERVE_*`` environment variables, then flags.
 
 Later sources override earlier ones field by field. Every error names the field,
-the source and the fix. Example file (sizes take KiB/MiB/GiB/TiB or KB/MB/GB/TB)::
+the source and the fix. Example file (sizes take KiB/MiB/GiB/TiB, powers of 1024, or KB/MB/GB/TB, powers of 1000;
+a bare "512M" is refused as ambiguous: see kvtier/core/units.py)::
 
     [server]
     listen = ["tcp://127.0.0.1:7070", "unix:///run/kvtier/kvtier.sock"]
@@ -43,32 +44,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from kvtier.core.units import parse_size  # the one size parser; imported from here too
 from kvtier.errors import ConfigError
 
 SHARED_PREFIX = "shared/"
 ENV_PREFIX = "KVTIER_SERVE_"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
-_UNITS = {
-    "": 1, "b": 1,
-    "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40,
-}
-
-
-def parse_size(value: Any, what: str) -> int:
-    """``"8GiB"`` → 8589934592; ints pass through. Raises ConfigError naming ``what``."""
-    if isinstance(value, bool):
-        raise ConfigError(f"{what}: expected a size like '512MiB', got {value!r}")
-    if isinstance(value, int):
-        if value < 0:
-            raise ConfigError(f"{what}: a size cannot be negative, got {value}")
-        return value
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(value))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ConfigError(f"{what}: expected a size like '512MiB' or '8GiB', got {value!r}")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
 @dataclass(frozen=True, slots=True)

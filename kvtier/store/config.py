@@ -15,25 +15,15 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 from dataclasses import dataclass, fields
 from pathlib import Path
 
 from kvtier.core.layout import KVLayout
+from kvtier.core.units import parse_size
 from kvtier.errors import ConfigError
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_bytes(value: int | str, field_name: str) -> int:
-    """``8GiB``, ``500 GB``, ``1048576`` → bytes."""
-    if isinstance(value, int):
-        return value
-    match = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", str(value))
-    if not match or match.group(2).lower() not in _UNITS:
-        raise ConfigError(f"{field_name}={value!r} is not a size; write e.g. 8GiB, 500GB or 1048576")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+#: ``8GiB``, ``500 GB``, ``1048576`` → bytes: the one size parser (units defined there)
+parse_bytes = parse_size
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,67 @@
+"""Sizes in configuration: one parser for every setting, file, variable and flag.
+
+What each unit means (case does not matter, a space before it is allowed):
+
+* ``KiB``, ``MiB``, ``GiB``, ``TiB`` -- binary: exact powers of 1024.
+* ``KB``, ``MB``, ``GB``, ``TB`` (and ``kB``) -- decimal (SI): powers of 1000, as
+  disks and network links are sold.
+* ``B`` or no unit -- bytes.
+* A bare ``k``, ``m``, ``g`` or ``t`` (``512M``, ``8g``) is refused: tools disagree
+  on it (``dd`` and ``mount`` read 1024, Kubernetes reads 1000), and a quota or a
+  pool off by 7 % is a silent surprise. The error names both spellings.
+
+A fraction is allowed (``1.5GiB``) and rounds down to whole bytes. Integers pass
+through (a TOML ``capacity = 1048576``), so do whole floats (``1e9``); booleans,
+negative and fractional byte counts are refused.
+"""
+
+from __future__ import annotations
+
+import re
+from fractions import Fraction
+from typing import Any
+
+from kvtier.errors import ConfigError
+
+BINARY = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+DECIMAL = {"kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+UNITS = {"": 1, "b": 1, **BINARY, **DECIMAL}
+#: bare prefixes whose base is a matter of convention: refused, see the module docstring
+AMBIGUOUS = ("k", "m", "g", "t")
+
+_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*")
+_EXAMPLES = "write e.g. 8GiB or 512MiB (powers of 1024), 500GB (powers of 1000) or a byte count like 1048576"
+
+
+def parse_size(value: Any, what: str) -> int:
+    """``"8GiB"`` → 8589934592, ``"500 GB"`` → 500000000000, ``1048576`` → 1048576.
+
+    Raises :class:`ConfigError` naming ``what`` (the setting) and the fix.
+    """
+    if isinstance(value, bool):
+        raise ConfigError(f"{what}={value!r} is not a size; {_EXAMPLES}")
+    if isinstance(value, float):
+        if not value.is_integer():
+            raise ConfigError(f"{what}={value!r} is not a whole number of bytes; {_EXAMPLES}")
+        value = int(value)
+    if isinstance(value, int):
+        if value < 0:
+            raise ConfigError(f"{what}={value}: a size cannot be negative")
+        return value
+    text = str(value)
+    match = _SIZE.fullmatch(text)
+    if match is None:
+        raise ConfigError(f"{what}={value!r} is not a size; {_EXAMPLES}")
+    number, unit = match.group(1), match.group(2)
+    if unit.lower() in AMBIGUOUS:
+        raise ConfigError(
+            f"{what}={value!r}: the unit {unit!r} is ambiguous (1000 or 1024?); write "
+            f"{number}{unit.upper()}iB for powers of 1024 or {number}{unit.upper()}B for powers of 1000"
+        )
+    if unit.lower() not in UNITS:
+        raise ConfigError(f"{what}={value!r}: unknown unit {unit!r}; {_EXAMPLES}")
+    scale = UNITS[unit.lower()]
+    exact = Fraction(number) * scale
+    if scale == 1 and exact.denominator != 1:
+        raise ConfigError(f"{what}={value!r} is not a whole number of bytes; {_EXAMPLES}")
+    return int(exact)  # a fraction of a larger unit rounds down to whole bytes
