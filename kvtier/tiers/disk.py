@@ -13,9 +13,18 @@ page, then the payload padded to 4 KiB (see :mod:`kvtier.tiers.direct_io`).
   written as its source seals it, chunk k+1 sealed while chunk k is written, and
   read into the sink chunk by chunk, chunk k opened while k+1 is read. Such files
   are flagged sealed (besides their checksum) and a plain ``get`` refuses them.
+* **A record per block.** The header page also holds, after the header, the
+  block's parent link and an optional opaque *annotation* (a few hundred bytes
+  its owner attaches, e.g. the server's metadata), with an xxh3-128 over the
+  storage key and both: a flipped bit there is :attr:`Status.CORRUPT` like one
+  in the payload, and a record copied onto another key does not verify. The
+  header flags the record (the header's own check covers the flag), so it
+  cannot be stripped either. Annotations come from :attr:`DiskTier.annotator`,
+  asked at publication; :meth:`DiskTier.records` reads them back.
 * **Restart recovery.** Opening scans the directory: every published block is
-  indexed again (LRU order = publication order; parents are not recorded, so a
-  prefix-aware policy sees roots), and temp files of dead writers are removed.
+  indexed again (LRU order = publication order; with a policy that uses
+  parents, each block's recorded parent link is restored, parents first), and
+  temp files of dead writers are removed.
 * **Shared directories.** The in-process index is a cache of the directory:
   on an index miss, ``contains``/``get``/``put`` look for the file (one stat),
   so blocks other processes wrote are found; writers of the same key each use
@@ -36,15 +45,25 @@ import errno
 import logging
 import mmap
 import os
+import struct
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
 import xxhash
 
 from kvtier.core.keys import KEY_BYTES, BlockKey
-from kvtier.core.payload import FLAG_CHECKSUM, FLAG_SEALED, BlockMeta, header_mismatch, pack_header, unpack_header
+from kvtier.core.payload import (
+    FLAG_CHECKSUM,
+    FLAG_SEALED,
+    HEADER_NBYTES,
+    BlockHeader,
+    BlockMeta,
+    header_mismatch,
+    pack_header,
+    unpack_header,
+)
 from kvtier.errors import ConfigError, TierError
 from kvtier.policy.eviction import EvictionPolicy, LRUPolicy
 from kvtier.tiers import direct_io
@@ -59,6 +78,68 @@ TEMP_SUFFIX = ".tmp"
 #: a temp file older than this is a dead writer's, whatever host wrote it
 STALE_TEMP_S = 3600.0
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+#: Header flag of disk files: a record (parent link, annotation) follows the header.
+#: A high bit, apart from the payload-verification flags of :mod:`kvtier.core.payload`.
+FLAG_RECORD = 0x100
+_RECORD_MAGIC = b"KVR1"
+_RECORD = struct.Struct("<4sB3x32sH2x")  # magic, has parent, parent, annotation length
+_RECORD_CHECK_NBYTES = 16
+#: the largest annotation a block carries (what is left of the header page)
+MAX_ANNOTATION = PAGE - HEADER_NBYTES - _RECORD.size - _RECORD_CHECK_NBYTES
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRecord:
+    """What a block file says about itself besides its bytes: its parent link and annotation."""
+
+    parent: bytes | None = None
+    annotation: bytes | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StoredRecord:
+    """One published block as :meth:`DiskTier.records` reads it back (header and record verified)."""
+
+    key: bytes
+    nbytes: int  #: payload bytes
+    parent: bytes | None
+    annotation: bytes | None
+    header: BlockHeader
+
+
+#: ``annotator(key) -> BlockRecord | None``: asked when a block is published; its parent
+#: fills in for a put that passed none (a demotion knows no parent).
+Annotator = Callable[[bytes], "BlockRecord | None"]
+
+
+def pack_record(key: bytes, record: BlockRecord) -> bytes:
+    """The bytes that follow the header in the header page."""
+    annotation = record.annotation or b""
+    if len(annotation) > MAX_ANNOTATION:
+        raise ValueError(f"a block annotation holds at most {MAX_ANNOTATION} bytes, got {len(annotation)}")
+    parent = record.parent
+    if parent is not None and len(parent) != KEY_BYTES:
+        raise ValueError(f"a parent link is a {KEY_BYTES}-byte key, got {len(parent)} bytes")
+    head = _RECORD.pack(_RECORD_MAGIC, parent is not None, parent or bytes(KEY_BYTES), len(annotation))
+    return head + annotation + xxhash.xxh3_128_digest(key + head + annotation)
+
+
+def unpack_record(page, key: bytes) -> BlockRecord | None:
+    """The record after the header in ``page`` if it is whole and bound to ``key``; else None."""
+    mv = memoryview(page).cast("B")
+    start = HEADER_NBYTES
+    if mv.nbytes < start + _RECORD.size:
+        return None
+    magic, has_parent, parent, length = _RECORD.unpack_from(mv, start)
+    end = start + _RECORD.size + length
+    if magic != _RECORD_MAGIC or has_parent > 1 or length > MAX_ANNOTATION or end + _RECORD_CHECK_NBYTES > mv.nbytes:
+        return None
+    head = bytes(mv[start : start + _RECORD.size])
+    annotation = bytes(mv[start + _RECORD.size : end])
+    if xxhash.xxh3_128_digest(key + head + annotation) != bytes(mv[end : end + _RECORD_CHECK_NBYTES]):
+        return None
+    return BlockRecord(parent if has_parent else None, annotation or None)
 
 
 @dataclass(slots=True)
@@ -111,6 +192,8 @@ class DiskTier(Tier, StreamingTier):
         self._pins: dict[BlockKey, int] = {}
         self._used = 0
         self._reserved = 0  # room promised to puts in flight
+        #: see :data:`Annotator`; called outside the lock, once per block published
+        self.annotator: Annotator | None = None
         self._recover()
 
     # -- contract -----------------------------------------------------------------
@@ -188,8 +271,12 @@ class DiskTier(Tier, StreamingTier):
         is written without a copy."""
         _check_key(key)
         src = as_bytes(data)
-        return self._put(key, src.nbytes, parent,
-                         lambda fd: self._io.write(fd, src, lambda digest: pack_header(key, src.nbytes, digest, meta)))
+
+        def write(fd: int, record: bytes) -> None:
+            self._io.write(fd, src, lambda digest: pack_header(
+                key, src.nbytes, digest, meta, flags=FLAG_CHECKSUM | FLAG_RECORD) + record)
+
+        return self._put(key, src.nbytes, parent, write)
 
     def put_streams(self, keys, sources: list[PayloadSource], *, parents=None) -> list[Status]:
         if len(keys) != len(sources):
@@ -197,25 +284,34 @@ class DiskTier(Tier, StreamingTier):
         parents = parents or [None] * len(keys)
         for k in keys:
             _check_key(k)
-        return [self._put(k, s.nbytes, p, lambda fd, k=k, s=s: self._write_stream(fd, k, s))
+        return [self._put(k, s.nbytes, p, lambda fd, record, k=k, s=s: self._write_stream(fd, k, s, record))
                 for k, s, p in zip(keys, sources, parents)]
 
-    def _write_stream(self, fd: int, key: BlockKey, source: PayloadSource) -> None:
+    def _write_stream(self, fd: int, key: BlockKey, source: PayloadSource, record: bytes) -> None:
         reader = PieceReader(source)
 
         def header(digest: bytes) -> bytes:
             reader.finish()  # a source that made more than it announced never publishes
-            return pack_header(key, source.nbytes, digest, flags=FLAG_CHECKSUM | FLAG_SEALED)
+            return pack_header(key, source.nbytes, digest, flags=FLAG_CHECKSUM | FLAG_SEALED | FLAG_RECORD) + record
 
         self._io.write_filled(fd, source.nbytes, lambda off, view: reader.fill(view), header)
 
     def _put(self, key: BlockKey, nbytes: int, parent: BlockKey | None, write) -> Status:
-        """A put of ``nbytes`` whose file I/O ``write(fd)`` is the caller's."""
+        """A put of ``nbytes`` whose file I/O ``write(fd, record_bytes)`` is the caller's."""
         need = PAGE + round_up(nbytes)
         with self._lock:
             if self._live(key) is not None:
                 self._policy.on_access(key)  # content addressed: the same bytes are there
                 return Status.OK
+        record = self._record_of(key, parent)
+        if record is None:
+            with self._lock:
+                self.stats.put_failures += 1
+                self.stats.errors += 1
+            return Status.ERROR
+        parent = record.parent
+        packed = pack_record(key, record)
+        with self._lock:
             if need > self._capacity:
                 self.stats.put_failures += 1
                 return Status.TOO_LARGE
@@ -224,7 +320,7 @@ class DiskTier(Tier, StreamingTier):
                 return Status.FULL
             self._reserved += need
         try:
-            status = self._write(key, write)
+            status = self._write(key, lambda fd: write(fd, packed))
         except BaseException:
             with self._lock:
                 self._reserved -= need
@@ -244,6 +340,48 @@ class DiskTier(Tier, StreamingTier):
             self.stats.puts += 1
             self.stats.bytes_written += nbytes
         return Status.OK
+
+    def _record_of(self, key: BlockKey, parent: BlockKey | None) -> BlockRecord | None:
+        """The record to publish with ``key``: the annotator's (its parent when the put gave none);
+        None if the annotator failed (the block is not published without what its owner needs)."""
+        if self.annotator is None:
+            return BlockRecord(parent, None)
+        try:
+            made = self.annotator(key) or BlockRecord()
+            record = BlockRecord(parent if parent is not None else made.parent, made.annotation)
+            pack_record(key, record)  # sizes checked before any I/O
+            return record
+        except Exception:  # noqa: BLE001 - a block we cannot annotate is not published (a cache may lose)
+            log.exception("disk tier %s: annotating %s failed; not stored", self.path, key.hex())
+            return None
+
+    def records(self) -> Iterator[StoredRecord]:
+        """Read back the header and record of every indexed block (one page each, outside the lock).
+
+        A block whose header or record fails its check is removed (counted in
+        ``verify_failures``) and not listed; one that vanished meanwhile is skipped."""
+        for key in list(self.keys()):
+            path = self.path_of(key)
+            try:
+                fd = self._io.open_read(path)
+            except OSError:
+                continue
+            try:
+                inode = os.fstat(fd)
+                page = self._io.read_header_page(fd)
+            except OSError:
+                os.close(fd)
+                continue
+            os.close(fd)
+            header = unpack_header(page) if page is not None else None
+            record = _record_in(page, header, key) if header is not None and header.key == key else None
+            if record is None or inode.st_size != PAGE + round_up(header.payload_nbytes):
+                with self._lock:
+                    self.stats.verify_failures += 1
+                    self._discard(key, path, inode)
+                log.warning("disk tier %s: block %s has a bad header or record; removed", self.path, key.hex())
+                continue
+            yield StoredRecord(key, header.payload_nbytes, record.parent, record.annotation, header)
 
     def delete(self, key: BlockKey) -> bool:
         """Remove a block at once, pinned or not: readers holding it open keep whole bytes."""
@@ -335,13 +473,16 @@ class DiskTier(Tier, StreamingTier):
         def accept(page: np.ndarray) -> bool:  # checked before the rest is read
             header = unpack_header(page)
             seen["header"] = header
+            seen["record"] = _record_in(page, header, key) if header is not None else None
             return (header is not None and header_mismatch(header, key, nbytes) is None
-                    and (sealed or not header.flags & FLAG_SEALED))
+                    and seen["record"] is not None and (sealed or not header.flags & FLAG_SEALED))
 
         digest = read_payload(accept)
         header = seen.get("header")
         if header is None:
             return Status.CORRUPT, "unreadable header"
+        if header.key == key and seen["record"] is None:
+            return Status.CORRUPT, "the block's record (parent link, annotation) fails its check"
         if header.key == key and header.payload_nbytes != nbytes:
             return Status.BAD_SIZE, ""  # same page count, other size: the caller's mistake
         why = header_mismatch(header, key, nbytes)
@@ -466,8 +607,10 @@ class DiskTier(Tier, StreamingTier):
         except OSError:
             return  # gone or unreadable: nothing to demote
         try:
-            header = unpack_header(mapped[: PAGE])
-            if header is None or header.key != key or size != PAGE + round_up(header.payload_nbytes):
+            page = mapped[: PAGE]
+            header = unpack_header(page)
+            if (header is None or header.key != key or size != PAGE + round_up(header.payload_nbytes)
+                    or _record_in(page, header, key) is None):
                 self.stats.verify_failures += 1
                 return
             payload = memoryview(mapped)[PAGE : PAGE + header.payload_nbytes]
@@ -554,11 +697,56 @@ class DiskTier(Tier, StreamingTier):
                 else:
                     found.append((st.st_mtime, BlockKey(bytes.fromhex(stem)), st.st_size))
         found.sort()
-        for mtime, key, size in found:
+        # LRU ignores parent links: do not read a page per block for nothing.
+        parents = self._recorded_parents([k for _, k, _ in found]) if not isinstance(self._policy, LRUPolicy) else {}
+        for mtime, key, size in _parents_first(found, parents):
             self._index[key] = _Entry(size, mtime)
             self._used += size
-            self._policy.on_insert(key, None)
+            self._policy.on_insert(key, parents.get(key))
         self._make_room(0)
+
+    def _recorded_parents(self, keys: list[BlockKey]) -> dict[BlockKey, BlockKey]:
+        """key → recorded parent, for the blocks whose header page records one (unverified
+        pages are left to the read that verifies them: a wrong link only orders eviction)."""
+        out: dict[BlockKey, BlockKey] = {}
+        for key in keys:
+            try:
+                fd = os.open(self.path_of(key), os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                page = os.pread(fd, PAGE, 0)
+            except OSError:
+                continue
+            finally:
+                os.close(fd)
+            header = unpack_header(page)
+            record = _record_in(page, header, key) if header is not None and header.key == key else None
+            if record is not None and record.parent is not None:
+                out[key] = BlockKey(record.parent)
+        return out
+
+
+def _record_in(page, header: BlockHeader, key: bytes) -> BlockRecord | None:
+    """The verified record of a header page; an empty one for files written before records."""
+    if not header.flags & FLAG_RECORD:
+        return BlockRecord()
+    return unpack_record(page, key)
+
+
+def _parents_first(found: list[tuple[float, BlockKey, int]], parents: dict[BlockKey, BlockKey]):
+    """``found`` in its order, except that a block's recorded ancestors (when found) come first,
+    so that a policy that links children to known parents sees every chain."""
+    by_key = {key: item for item in found for key in (item[1],)}
+    done: set[BlockKey] = set()
+    for item in found:
+        chain = []
+        key = item[1]
+        while key in by_key and key not in done:
+            done.add(key)
+            chain.append(by_key[key])
+            key = parents.get(key)
+        yield from reversed(chain)
 
 
 def _probe(path: str) -> bool:

@@ -12,13 +12,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvtier.core.payload import BlockMeta
+from kvtier.core.payload import HEADER_NBYTES, BlockMeta
 from kvtier.errors import ConfigError, TierError
 from kvtier.policy.eviction import PrefixAwareLRUPolicy
 from kvtier.tiers import direct_io
 from kvtier.tiers.base import Status
 from kvtier.tiers.direct_io import PAGE, aligned_buffer, temp_tag
-from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.disk import MAX_ANNOTATION, BlockRecord, DiskTier
 from tests.tiers.disk_writer import content_of, key_of, size_of
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -142,6 +142,7 @@ def _flip(path: str, offset: int) -> None:
     [
         pytest.param(lambda p: _flip(p, PAGE + BLOCK // 2), id="payload-bit"),
         pytest.param(lambda p: _flip(p, 40), id="header-bit"),
+        pytest.param(lambda p: _flip(p, HEADER_NBYTES + 9), id="record-bit"),  # the parent link
         pytest.param(lambda p: os.truncate(p, PAGE + BLOCK // 2), id="truncated-mid-page"),
         pytest.param(lambda p: os.truncate(p, PAGE + PAGE), id="truncated-to-a-page"),
         pytest.param(lambda p: os.truncate(p, 0), id="empty"),
@@ -457,3 +458,96 @@ def test_blocks_demoted_from_a_host_pool_survive_a_restart(tmp_path):
         for i in range(4):
             status, out = read(t, k(i))
             assert status is Status.OK and np.array_equal(out, data(i))
+
+
+# -- records: parent links and annotations ---------------------------------------------------
+def _chain_then_other(t: DiskTier) -> None:
+    """Chain 0 -> 1 -> 2, then an unrelated root 9; publication order 0, 1, 2, 9 (mtimes set)."""
+    t.put_many([k(0), k(1), k(2)], [data(i) for i in range(3)])  # parents: the chain
+    t.put(k(9), data(9))
+    for n, i in enumerate((0, 1, 2, 9)):
+        os.utime(t.path_of(k(i)), (1000 + n, 1000 + n))
+
+
+def test_prefix_aware_eviction_sees_chains_after_a_restart(tmp_path):
+    with DiskTier(tmp_path, 4 * ON_DISK, policy=PrefixAwareLRUPolicy()) as t:
+        _chain_then_other(t)
+    # Reopened: without recorded parents every block is a root and the oldest (0, the chain's
+    # root) would go first, stranding 1 and 2. With them, the chain's leaf goes first.
+    with DiskTier(tmp_path, 4 * ON_DISK, policy=PrefixAwareLRUPolicy()) as t:
+        evicted = []
+        t.on_evict = lambda key, view, meta: evicted.append(key)
+        t.put(k(5), data(5), parent=None)
+        t.put(k(6), data(6), parent=None)
+        assert evicted == [k(2), k(1)]
+        assert t.contains(k(0)) and t.contains(k(9))
+        t.check_integrity(deep=True)
+
+
+def test_recovery_restores_parents_first_whatever_the_file_order(tmp_path):
+    with DiskTier(tmp_path, 4 * ON_DISK, policy=PrefixAwareLRUPolicy()) as t:
+        _chain_then_other(t)
+        # the child's file is older than its parent's (a write-behind flusher may publish so)
+        os.utime(t.path_of(k(2)), (500, 500))
+    with DiskTier(tmp_path, 4 * ON_DISK, policy=PrefixAwareLRUPolicy()) as t:
+        evicted = []
+        t.on_evict = lambda key, view, meta: evicted.append(key)
+        t.put(k(5), data(5), parent=None)
+        assert evicted == [k(2)]
+
+
+def test_annotations_round_trip_and_come_back_after_a_restart(tmp_path):
+    notes = {k(i): f"owner-{i}".encode() * 10 for i in range(4)}
+    with DiskTier(tmp_path, 64 * ON_DISK) as t:
+        t.annotator = lambda key: BlockRecord(parent=k(100), annotation=notes.get(key))
+        t.put(k(0), data(0), meta=BlockMeta("float16", (2, 8), 16))
+        t.put_many([k(1), k(2), k(3)], [data(i) for i in (1, 2, 3)])  # the put's parents win
+    with DiskTier(tmp_path, 64 * ON_DISK) as t:
+        got = {r.key: r for r in t.records()}
+        assert set(got) == {k(0), k(1), k(2), k(3)}
+        assert {key: r.annotation for key, r in got.items()} == notes
+        assert got[k(0)].parent == got[k(1)].parent == k(100)  # put gave none: the annotator's
+        assert got[k(2)].parent == k(1) and got[k(3)].parent == k(2)
+        assert got[k(0)].nbytes == BLOCK and got[k(0)].header.token_count == 16
+        assert all(read(t, key)[0] is Status.OK for key in got)
+
+
+def test_a_flipped_annotation_is_corrupt_and_never_listed(tmp_path):
+    with DiskTier(tmp_path, 64 * ON_DISK) as t:
+        t.annotator = lambda key: BlockRecord(annotation=b"tenant=acme;" + key)
+        t.put(k(1), data(1))
+        t.put(k(2), data(2))
+        _flip(t.path_of(k(1)), HEADER_NBYTES + 48 + 3)  # inside the annotation
+        _flip(t.path_of(k(2)), HEADER_NBYTES + 48 + 3)
+    with DiskTier(tmp_path, 64 * ON_DISK) as t:
+        assert read(t, k(1))[0] is Status.CORRUPT  # a read checks the record too
+        assert [r.key for r in t.records()] == []  # and so does the listing
+        assert t.stats.verify_failures == 2
+        assert not os.path.exists(t.path_of(k(1))) and not os.path.exists(t.path_of(k(2)))
+
+
+def test_a_record_cannot_be_moved_to_another_key(tmp_path):
+    with DiskTier(tmp_path, 64 * ON_DISK) as t:
+        t.annotator = lambda key: BlockRecord(annotation=b"owner of " + key[-1:])
+        t.put(k(1), data(1))
+        t.put(k(2), data(2))
+        # graft k(1)'s record (and header) onto k(2)'s file, fixing up the header's key is not
+        # possible without breaking its check; the record alone is bound to the key too
+        page1 = Path(t.path_of(k(1))).read_bytes()[:PAGE]
+        with open(t.path_of(k(2)), "r+b") as f:
+            f.seek(HEADER_NBYTES)
+            f.write(page1[HEADER_NBYTES:])
+        assert read(t, k(2))[0] is Status.CORRUPT
+        assert read(t, k(1))[0] is Status.OK
+
+
+def test_an_annotator_that_fails_or_overflows_publishes_nothing(tmp_path):
+    with DiskTier(tmp_path, 64 * ON_DISK) as t:
+        t.annotator = lambda key: BlockRecord(annotation=b"x" * (MAX_ANNOTATION + 1))
+        assert t.put(k(1), data(1)) is Status.ERROR
+        t.annotator = lambda key: 1 / 0
+        assert t.put(k(2), data(2)) is Status.ERROR
+        assert not os.path.exists(t.path_of(k(1))) and not os.path.exists(t.path_of(k(2)))
+        t.annotator = lambda key: BlockRecord(annotation=b"x" * MAX_ANNOTATION)
+        assert t.put(k(3), data(3)) is Status.OK and read(t, k(3))[0] is Status.OK
+        t.check_integrity(deep=True)
