@@ -31,6 +31,8 @@ def register(subparsers) -> None:
     p.add_argument("--timeout-s", type=float, default=30.0)
     sub = p.add_subparsers(dest="admin_command", required=True)
     sub.add_parser("new-token", help="print a new random token and its SHA-256 for the config")
+    sub.add_parser("new-events-keys", help="print a CURVE key pair and a block-name key for the server's KV events")
+    sub.add_parser("new-subscriber-key", help="print a CURVE key pair for one KV-events subscriber (a router)")
     h = sub.add_parser("hash-token", help="print the SHA-256 of a token (argument or stdin)")
     h.add_argument("value", nargs="?")
     sub.add_parser("usage", help="bytes, blocks and quota per tenant")
@@ -58,6 +60,18 @@ def _run(args) -> int:
     if cmd == "new-token":
         token = new_token()
         print(json.dumps({"token": token, "token_sha256": hash_token(token)}))
+        return 0
+    if cmd in ("new-events-keys", "new-subscriber-key"):
+        import secrets
+
+        import zmq
+
+        public, secret = zmq.curve_keypair()
+        keys = {"public": public.decode(), "secret": secret.decode()}
+        if cmd == "new-events-keys":  # the server's: secret and name key go in its config
+            keys = {"events_curve_public": keys["public"], "events_curve_secret": keys["secret"],
+                    "events_name_key": secrets.token_hex(32)}
+        print(json.dumps(keys))
         return 0
     if cmd == "hash-token":
         value = args.value if args.value is not None else sys.stdin.readline().strip()

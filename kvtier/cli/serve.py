@@ -23,7 +23,7 @@ _FLAGS = {
     "max_connections": "max_connections",
     "metrics": "metrics",
     "events": "events",
-    "events_replay": "events_replay",
+    "events_subscriber": "events_subscribers",
     "audit_log": "audit_log",
     "tls_cert": "tls_cert",
     "tls_key": "tls_key",
@@ -47,8 +47,12 @@ def register(subparsers) -> None:
     p.add_argument("--frame-timeout-s", type=float, help="close connections whose frame takes this long (default 30)")
     p.add_argument("--max-connections", type=int)
     p.add_argument("--metrics", metavar="HOST:PORT", help="serve Prometheus /metrics and /healthz here")
-    p.add_argument("--events", metavar="ENDPOINT", help="publish KV events (ZMQ PUB), e.g. tcp://127.0.0.1:5557")
-    p.add_argument("--events-replay", metavar="ENDPOINT", help="serve event replay (ZMQ ROUTER) here")
+    p.add_argument("--events", metavar="ENDPOINT",
+                   help="serve KV events (and their replay) to admitted subscribers: tcp://HOST:PORT with CURVE "
+                        "keys ($KVTIER_SERVE_EVENTS_CURVE_SECRET, $KVTIER_SERVE_EVENTS_NAME_KEY from "
+                        "`kvtier admin new-events-keys`) or ipc:///PATH (a 0600 socket)")
+    p.add_argument("--events-subscriber", action="append", metavar="Z85_PUBLIC_KEY=SCOPE",
+                   help="admit a KV-events subscriber (repeatable); SCOPE is '*' (every tenant) or a tenant name")
     p.add_argument("--audit-log", metavar="PATH", help="append audit records (JSON lines) here")
     p.add_argument("--tls-cert", metavar="PEM")
     p.add_argument("--tls-key", metavar="PEM")

@@ -14,7 +14,10 @@ a bare "512M" is refused as ambiguous: see kvtier/core/units.py)::
     master_key_file = "/etc/kvtier/master.key"   # this file, mode 0600, or $KVTIER_MASTER_KEY)
     keystore_dir = "/var/lib/kvtier/keys"        # wrapped per-tenant keys (default: <disk_dir>/keys)
     metrics = "127.0.0.1:9400"      # Prometheus /metrics and /healthz
-    events = "tcp://127.0.0.1:5557" # KV events (ZMQ PUB); replay on events_replay
+    events = "tcp://127.0.0.1:5557" # KV events for routers (CURVE-authenticated; or ipc:///path, 0600)
+    events_curve_secret = "<z85>"   # from `kvtier admin new-events-keys` (or $KVTIER_SERVE_EVENTS_CURVE_SECRET)
+    events_name_key = "<hex>"       # the secret subscribers name blocks with (same command)
+    events_subscribers = ["<z85 public key>=*", "<z85 public key>=acme"]   # key=scope: '*' or a tenant
     audit_log = "/var/log/kvtier/audit.jsonl"
 
     [admin]
@@ -85,7 +88,9 @@ class ServerConfig:
     max_connections: int = 1024
     metrics: str | None = None
     events: str | None = None
-    events_replay: str | None = None
+    events_curve_secret: str | None = None
+    events_name_key: str | None = None
+    events_subscribers: tuple[str, ...] = ()
     events_buffer: int = 10000
     audit_log: str | None = None
     tls_cert: str | None = None
@@ -166,7 +171,9 @@ _SERVER_KEYS: dict[str, tuple[str, Any]] = {
     "max_connections": ("max_connections", _int),
     "metrics": ("metrics", _str_or_none),
     "events": ("events", _str_or_none),
-    "events_replay": ("events_replay", _str_or_none),
+    "events_curve_secret": ("events_curve_secret", _str_or_none),
+    "events_name_key": ("events_name_key", _str_or_none),
+    "events_subscribers": ("events_subscribers", _str_list),
     "events_buffer": ("events_buffer", _int),
     "audit_log": ("audit_log", _str_or_none),
     "tls_cert": ("tls_cert", _str_or_none),
@@ -283,6 +290,44 @@ def load_config(
     return ServerConfig(**values, tenants=tuple(tenants), shared=tuple(shared))
 
 
+def events_subscriber_scopes(c: ServerConfig) -> dict[str, str]:
+    """``events_subscribers`` entries ``PUBLIC_KEY=SCOPE`` as {z85 public key: scope}."""
+    out = {}
+    for item in c.events_subscribers:
+        key, sep, scope = item.rpartition("=")  # z85 keys may hold "=", scopes never do
+        if not sep or len(key.strip()) != 40 or not scope.strip():
+            raise ConfigError(
+                f"events_subscribers entry {item[:20]!r}…: expected Z85_PUBLIC_KEY=SCOPE (40-character key from "
+                f"`kvtier admin new-events-keys`; scope '*' for every tenant or one tenant name)"
+            )
+        out[key.strip()] = scope.strip()
+    return out
+
+
+def _validate_events(c: ServerConfig) -> None:
+    if not c.events:
+        return
+    from kvtier.server.events import check_endpoint
+
+    try:
+        check_endpoint(c.events, curve=c.events_curve_secret is not None)
+    except ValueError as exc:
+        raise ConfigError(f"events: {exc}") from None
+    if not c.events_name_key or not re.fullmatch(r"[0-9a-f]{32,128}", c.events_name_key):
+        raise ConfigError("events: set events_name_key (32+ hex digits of secret; `kvtier admin new-events-keys`)")
+    scopes = events_subscriber_scopes(c)
+    if c.events_curve_secret is not None:
+        if len(c.events_curve_secret) != 40:
+            raise ConfigError("events_curve_secret: expected the 40-character z85 secret from "
+                              "`kvtier admin new-events-keys`")
+        if not scopes:
+            raise ConfigError("events over CURVE: list the admitted subscribers in events_subscribers")
+    tenants = {t.name for t in c.tenants}
+    for scope in scopes.values():
+        if scope != "*" and scope not in tenants:
+            raise ConfigError(f"events_subscribers: scope {scope!r} is neither '*' nor a configured tenant")
+
+
 def _validate(c: ServerConfig) -> None:
     if not c.listen:
         raise ConfigError("listen: give at least one address, e.g. tcp://127.0.0.1:7070 or unix:///tmp/kvtier.sock")
@@ -301,6 +346,7 @@ def _validate(c: ServerConfig) -> None:
         )
     if c.disk_dir and c.disk_capacity_bytes < c.max_block_bytes:
         raise ConfigError("disk_dir is set: give disk_capacity (e.g. \"100GiB\") of at least one block")
+    _validate_events(c)
     if c.encrypt_at_rest and not c.disk_dir:
         raise ConfigError("encrypt_at_rest seals the disk spill tier: set disk_dir too (the DRAM pool stays plaintext)")
     if c.encrypt_at_rest and not (c.master_key_file or os.environ.get("KVTIER_MASTER_KEY")):

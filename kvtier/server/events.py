@@ -1,74 +1,235 @@
-"""KV events for the router: block stored / removed, per tier, over ZMQ PUB with replay.
+"""KV events for routers: block stored / removed, per tier -- only to admitted subscribers.
 
-Wire format (like vLLM's KV events): each PUB message is three frames
-``[topic b"kv", seq (u64 big-endian), payload]``, the payload a msgpack list
-``[timestamp, [event, …]]`` and each event a map
-``{"type": "stored" | "removed", "tier": str, "owner": str, "namespace": str,
-"keys": [bytes, …], "nbytes": int}`` -- ``keys`` are the clients' 32-byte keys.
-``seq`` grows by one per message, so a subscriber sees gaps.
+Why not a plain ZMQ PUB: anyone who reached it learnt every tenant's block keys,
+and keys are deterministic chains over tokens, so a listener could confirm that
+tenant B sent prompt P (the prompt-leak class of CVE-2025-46570). Here:
 
-Replay: a subscriber that missed messages sends ``seq`` (u64 big-endian) to the
-ROUTER socket at ``replay_endpoint`` and receives every buffered message with a
-sequence number ≥ ``seq`` as ``[seq, payload]`` frames, then ``[b"", b""]``.
-The last ``buffer`` messages are kept.
+* **Who may listen.** Over TCP the socket is a CURVE server (``curve_secret``):
+  the handshake is encrypted and only public keys listed in ``subscribers`` get
+  through ZAP; a TCP endpoint without CURVE is refused. Over ``ipc://`` the
+  socket file is created 0600 (only the server's user can connect) and every
+  connecting peer is admitted with scope ``*``.
+* **What each sees.** A subscriber's *scope* is ``*`` (every tenant: a
+  cluster router) or one tenant name. Each scope has its own sequence numbers
+  and replay ring, so a tenant-scoped subscriber learns nothing of other
+  tenants, not even that they were active (no gaps from their traffic).
+* **How blocks are named.** Never by client keys: by
+  :func:`event_block_name`, an HMAC under ``name_key``, a secret the operator
+  gives to admitted subscribers. A router that knows the tenant, namespace and
+  tokens computes the same names; a listener without the key learns nothing.
+
+Protocol (ROUTER on the server, DEALER on the subscriber; frames are bytes):
+
+* subscriber → server ``[b"SUB", since]``: register (or renew: repeat at least
+  every ``peer_ttl_s / 3``); ``since`` is empty, or a u64 big-endian sequence
+  number to replay from. Replays are rate-limited per subscriber key (``BUSY`` answers).
+* server → subscriber ``[b"EV", seq, payload]`` live and replayed, then
+  ``[b"SYNC", next_seq]`` after a SUB; ``[b"FULL"]`` when ``max_subscribers``
+  are registered; ``[b"BUSY"]`` for a replay asked again too soon.
+* ``payload`` is msgpack ``[timestamp, [event, …]]``, each event a map
+  ``{"type": "stored" | "removed", "tier", "owner", "namespace",
+  "blocks": [name, …], "nbytes"}``.
+
+``seq`` grows by one per message of a scope. A gap that replay cannot fill
+(the ring moved on, or the bounded event queue overflowed: then every scope's
+sequence skips one) means the subscriber's view is incomplete: it must clear
+what it learnt from this publisher and start again.
 
 Events come from any thread (tier eviction hooks run in I/O threads); one
-publisher thread owns the sockets (ZMQ sockets are not thread safe) and batches
-what arrived in the last few milliseconds into one message.
+publisher thread owns the sockets (ZMQ sockets are not thread safe).
 """
 
 from __future__ import annotations
 
 import collections
+import hashlib
+import hmac
+import ipaddress
+import logging
+import os
 import queue
 import struct
 import threading
 import time
+from collections.abc import Mapping
+from urllib.parse import urlsplit
 
-TOPIC = b"kv"
+from kvtier.core.framing import frame, frame_str
+
+log = logging.getLogger(__name__)
+
+ALL_TENANTS = "*"
+_ZAP_DOMAIN = "kvtier-events"
 _SEQ = struct.Struct(">Q")
+_TAG_OWNER, _TAG_NAMESPACE, _TAG_KEY = 1, 2, 3
+
+
+def event_block_name(name_key: bytes, owner: str, namespace: str, key: bytes) -> bytes:
+    """The 32-byte name events give a block: HMAC-SHA256 under the subscribers' secret."""
+    msg = frame_str(_TAG_OWNER, owner) + frame_str(_TAG_NAMESPACE, namespace) + frame(_TAG_KEY, bytes(key))
+    return hmac.digest(name_key, msg, hashlib.sha256)
+
+
+def check_endpoint(endpoint: str, *, curve: bool) -> None:
+    """Refuse an endpoint that would hand events to unauthenticated listeners."""
+    scheme = endpoint.split("://", 1)[0]
+    if scheme == "ipc":
+        return
+    if scheme != "tcp":
+        raise ValueError(f"events endpoint {endpoint!r}: use tcp://HOST:PORT (with CURVE keys) or ipc:///path")
+    if not curve:
+        host = urlsplit(endpoint).hostname or ""
+        where = "any local user" if _is_loopback(host) else "anyone on the network"
+        raise ValueError(
+            f"events endpoint {endpoint!r} without CURVE would let {where} read every tenant's KV events; "
+            f"set events_curve_secret (`kvtier admin new-events-keys`) or use ipc:///path (a 0600 socket)"
+        )
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class _Scope:
+    """The stream one kind of subscriber sees: its own sequence numbers and replay ring."""
+
+    __slots__ = ("name", "seq", "ring")
+
+    def __init__(self, name: str, buffer: int) -> None:
+        self.name = name
+        self.seq = 0
+        self.ring: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=buffer)
+
+    def admits(self, owner: str) -> bool:
+        return self.name == ALL_TENANTS or self.name == owner
+
+
+class _Peer:
+    __slots__ = ("scope", "last_seen")
+
+    def __init__(self, scope: _Scope, now: float) -> None:
+        self.scope = scope
+        self.last_seen = now
 
 
 class EventPublisher:
-    def __init__(self, endpoint: str, replay_endpoint: str | None = None, *, buffer: int = 10000,
-                 batch_s: float = 0.005) -> None:
+    """Publishes KV events to admitted subscribers (see the module docstring).
+
+    ``subscribers`` maps a subscriber's z85 CURVE public key to its scope (``*``
+    or a tenant name); it is required with ``curve_secret`` and unused over ipc.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        name_key: bytes,
+        curve_secret: str | None = None,
+        subscribers: Mapping[str, str] | None = None,
+        buffer: int = 10000,
+        queue_limit: int = 100_000,
+        max_subscribers: int = 64,
+        peer_ttl_s: float = 30.0,
+        replay_interval_s: float = 1.0,
+        batch_s: float = 0.005,
+    ) -> None:
         import zmq
 
+        check_endpoint(endpoint, curve=curve_secret is not None)
+        if len(name_key) < 16:
+            raise ValueError("events name_key must be at least 16 bytes of secret")
         self._zmq = zmq
+        self._name_key = bytes(name_key)
+        self._subscribers = dict(subscribers or {})
         self._ctx = zmq.Context()
-        self._pub = self._ctx.socket(zmq.PUB)
-        self._pub.setsockopt(zmq.LINGER, 0)
-        self._pub.setsockopt(zmq.SNDHWM, 100_000)
-        self._pub.bind(endpoint)
-        self.endpoint = self._pub.getsockopt(zmq.LAST_ENDPOINT).decode()
-        self._replay = None
-        self.replay_endpoint = None
-        if replay_endpoint:
-            self._replay = self._ctx.socket(zmq.ROUTER)
-            self._replay.setsockopt(zmq.LINGER, 0)
-            self._replay.bind(replay_endpoint)
-            self.replay_endpoint = self._replay.getsockopt(zmq.LAST_ENDPOINT).decode()
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._ring: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=buffer)
+        self._auth = None
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.SNDHWM, 10_000)  # a stalled subscriber loses messages, never our memory
+        self._sock.setsockopt(zmq.RCVHWM, 1_000)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, 4096)  # subscribers send only tiny SUB frames (and handshakes)
+        if curve_secret is not None:
+            self._start_curve(curve_secret)
+        self._bind(endpoint)
+        self.endpoint = self._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self._buffer = buffer
+        self._scopes: dict[str, _Scope] = {ALL_TENANTS: _Scope(ALL_TENANTS, buffer)}
+        for scope in set(self._subscribers.values()):
+            self._scopes.setdefault(scope, _Scope(scope, buffer))
+        self._peers: dict[bytes, _Peer] = {}
+        self._last_replay: dict[str, float] = {}
+        self._max_subscribers = max_subscribers
+        self._peer_ttl_s = peer_ttl_s
+        self._replay_interval_s = replay_interval_s
+        self._queue: queue.Queue = queue.Queue(maxsize=queue_limit)
         self._batch_s = batch_s
-        self.seq = 0
+        self._overflowed = False
+        #: events accepted / dropped because the queue was full
         self.emitted = 0
+        self.dropped = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvtier-events", daemon=True)
         self._thread.start()
 
+    @property
+    def seq(self) -> int:
+        """The next sequence number of the all-tenants scope."""
+        return self._scopes[ALL_TENANTS].seq
+
+    # -- set-up ---------------------------------------------------------------------------
+    def _start_curve(self, curve_secret: str) -> None:
+        import zmq
+        from zmq.auth.thread import ThreadAuthenticator
+
+        secret = curve_secret.encode() if isinstance(curve_secret, str) else curve_secret
+        if len(secret) != 40:
+            raise ValueError("events_curve_secret must be a 40-character z85 CURVE secret key")
+        if not self._subscribers:
+            raise ValueError("events over CURVE need at least one subscriber key (events_subscribers)")
+        for key, scope in self._subscribers.items():
+            if len(key) != 40:
+                raise ValueError(f"events subscriber key {key[:12]!r}…: expected a 40-character z85 public key")
+            if not scope:
+                raise ValueError(f"events subscriber {key[:12]}…: give a scope, '*' or a tenant name")
+        self._auth = ThreadAuthenticator(self._ctx, log=logging.getLogger("kvtier.events.zap"))
+        self._auth.start()
+        self._auth.configure_curve_callback(_ZAP_DOMAIN, credentials_provider=_KeyList(self._subscribers))
+        self._sock.curve_server = True
+        self._sock.curve_secretkey = secret
+        self._sock.setsockopt(zmq.ZAP_DOMAIN, _ZAP_DOMAIN.encode())
+
+    def _bind(self, endpoint: str) -> None:
+        if not endpoint.startswith("ipc://"):
+            self._sock.bind(endpoint)
+            return
+        # The socket file is the credential: only the server's user may connect.
+        old = os.umask(0o177)
+        try:
+            self._sock.bind(endpoint)
+        finally:
+            os.umask(old)
+        os.chmod(endpoint[len("ipc://"):], 0o600)
+
+    # -- producer side (any thread) -----------------------------------------------------------
     def emit(self, kind: str, tier: str, owner: str, namespace: str, keys: list[bytes], nbytes: int) -> None:
-        """Queue one event (any thread, never blocks)."""
-        self._queue.put({"type": kind, "tier": tier, "owner": owner, "namespace": namespace,
-                         "keys": keys, "nbytes": nbytes})
+        """Queue one event; never blocks. A full queue drops it and makes every scope skip a number."""
+        try:
+            self._queue.put_nowait((kind, tier, owner, namespace, keys, nbytes))
+            self.emitted += 1
+        except queue.Full:
+            self.dropped += 1
+            self._overflowed = True
 
+    # -- publisher thread ----------------------------------------------------------------------
     def _run(self) -> None:
-        import msgpack
-
         zmq = self._zmq
         poller = zmq.Poller()
-        if self._replay is not None:
-            poller.register(self._replay, zmq.POLLIN)
+        poller.register(self._sock, zmq.POLLIN)
         while not self._stop.is_set():
             batch = []
             try:
@@ -77,60 +238,193 @@ class EventPublisher:
                     batch.append(self._queue.get_nowait())
             except queue.Empty:
                 pass
-            if batch:
-                payload = msgpack.packb([time.time(), batch], use_bin_type=True)
-                seq = self.seq
-                self.seq += 1
-                self.emitted += len(batch)
-                self._ring.append((seq, payload))
-                self._pub.send_multipart([TOPIC, _SEQ.pack(seq), payload])
-            if self._replay is not None and poller.poll(0):
-                self._serve_replay()
+            if batch or self._overflowed:
+                self._publish(batch)
+            if poller.poll(0):
+                self._serve_requests()
+            self._expire_peers()
 
-    def _serve_replay(self) -> None:
+    def _publish(self, batch: list[tuple]) -> None:
+        import msgpack
+
+        skip = self._overflowed
+        self._overflowed = False
+        now = time.time()
+        for scope in self._scopes.values():
+            if skip:
+                scope.seq += 1  # the lost events leave a gap every subscriber can see
+            events = [self._render(e) for e in batch if scope.admits(e[2])]
+            if not events:
+                continue
+            payload = msgpack.packb([now, events], use_bin_type=True)
+            seq = scope.seq
+            scope.seq += 1
+            scope.ring.append((seq, payload))
+            frames = [b"EV", _SEQ.pack(seq), payload]
+            for ident, peer in self._peers.items():
+                if peer.scope is scope:
+                    self._send(ident, frames)
+
+    def _render(self, event: tuple) -> dict:
+        kind, tier, owner, namespace, keys, nbytes = event
+        names = [event_block_name(self._name_key, owner, namespace, k) for k in keys]
+        return {"type": kind, "tier": tier, "owner": owner, "namespace": namespace, "blocks": names,
+                "nbytes": nbytes}
+
+    def _send(self, ident: bytes, frames: list[bytes]) -> None:
+        try:
+            self._sock.send_multipart([ident, *frames], self._zmq.NOBLOCK)
+        except self._zmq.Again:
+            pass  # that subscriber is not reading: it will see a gap
+
+    def _serve_requests(self) -> None:
         zmq = self._zmq
-        while True:
+        for _ in range(100):  # bounded work per loop, so publishing never starves
             try:
-                frames = self._replay.recv_multipart(zmq.NOBLOCK)
+                msg = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            ident, body = frames[0], frames[-1]
-            if len(body) != _SEQ.size:
-                self._replay.send_multipart([ident, b"", b""])
-                continue
-            (start,) = _SEQ.unpack(body)
-            for seq, payload in list(self._ring):
-                if seq >= start:
-                    self._replay.send_multipart([ident, _SEQ.pack(seq), payload])
-            self._replay.send_multipart([ident, b"", b""])
+            ident = msg[0].bytes
+            body = [f.bytes for f in msg[1:]]
+            if not body or body[0] != b"SUB" or len(body) != 2 or len(body[1]) not in (0, _SEQ.size):
+                continue  # not our protocol: no answer
+            user = self._user_of(msg[-1])
+            if user is not None:
+                self._subscribe(ident, user, body[1])
+
+    def _user_of(self, frame_) -> str | None:
+        """The admitted subscriber that sent this frame (its CURVE key), or None."""
+        if self._auth is None:
+            return ""  # ipc: the socket file's permission admitted it
+        try:
+            user = frame_.get("User-Id")
+        except Exception:  # noqa: BLE001 - no ZAP identity: not admitted
+            return None
+        return user if user in self._subscribers else None
+
+    def _subscribe(self, ident: bytes, user: str, since_raw: bytes) -> None:
+        scope = self._scopes[self._subscribers.get(user, ALL_TENANTS)]
+        now = time.monotonic()
+        peer = self._peers.get(ident)
+        if peer is None:
+            if len(self._peers) >= self._max_subscribers:
+                self._send(ident, [b"FULL"])
+                return
+            peer = self._peers[ident] = _Peer(scope, now)
+        peer.last_seen = now
+        if since_raw:
+            # Per key, not per connection: reconnecting must not buy another replay.
+            if now - self._last_replay.get(user, float("-inf")) < self._replay_interval_s:
+                self._send(ident, [b"BUSY"])
+                return
+            self._last_replay[user] = now
+            (since,) = _SEQ.unpack(since_raw)
+            for seq, payload in list(scope.ring):
+                if seq >= since:
+                    self._send(ident, [b"EV", _SEQ.pack(seq), payload])
+        self._send(ident, [b"SYNC", _SEQ.pack(scope.seq)])
+
+    def _expire_peers(self) -> None:
+        now = time.monotonic()
+        for ident in [i for i, p in self._peers.items() if now - p.last_seen > self._peer_ttl_s]:
+            del self._peers[ident]
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=2)
-        self._pub.close()
-        if self._replay is not None:
-            self._replay.close()
+        self._sock.close()
+        if self._auth is not None:
+            self._auth.stop()
         self._ctx.term()
 
 
-def replay(endpoint: str, since: int, timeout_s: float = 2.0) -> list[tuple[int, list]]:
-    """Client side of replay: (seq, events) of every buffered message with seq ≥ ``since``."""
-    import msgpack
-    import zmq
+class _KeyList:
+    """ZAP credentials: a CURVE client is admitted iff its public key is configured."""
 
-    ctx = zmq.Context.instance()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
-    sock.connect(endpoint)
-    try:
-        sock.send_multipart([b"", _SEQ.pack(since)])
-        out = []
+    def __init__(self, subscribers: Mapping[str, str]) -> None:
+        self._keys = frozenset(k.encode() for k in subscribers)
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return key in self._keys
+
+
+class EventSubscriber:
+    """The subscriber side, for routers and tests: register, replay, receive, renew.
+
+    ``recv`` returns ``(seq, events)`` or None on timeout; it renews the
+    registration as it goes. ``gaps`` counts sequence numbers that never arrived.
+    """
+
+    def __init__(self, endpoint: str, *, server_public: str | None = None, public: str | None = None,
+                 secret: str | None = None, since: int | None = None, renew_s: float = 5.0) -> None:
+        import zmq
+
+        self._zmq = zmq
+        self._sock = zmq.Context.instance().socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        if server_public is not None:
+            self._sock.curve_serverkey = server_public.encode()
+            self._sock.curve_publickey = (public or "").encode()
+            self._sock.curve_secretkey = (secret or "").encode()
+        self._sock.connect(endpoint)
+        self._renew_s = renew_s
+        self._last_sub = 0.0
+        self.next_seq: int | None = None
+        self.gaps = 0
+        self.status: bytes | None = None
+        self._sub(since)
+
+    def _sub(self, since: int | None) -> None:
+        self._sock.send_multipart([b"SUB", b"" if since is None else _SEQ.pack(since)])
+        self._last_sub = time.monotonic()
+
+    def recv(self, timeout_s: float = 1.0) -> tuple[int, list] | None:
+        import msgpack
+
+        deadline = time.monotonic() + timeout_s
         while True:
-            frames = sock.recv_multipart()
-            seq_raw, payload = frames[-2], frames[-1]
-            if not seq_raw:
+            if time.monotonic() - self._last_sub > self._renew_s:
+                self._sub(None)
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._sock.poll(int(min(left, self._renew_s) * 1000)):
+                if time.monotonic() >= deadline:
+                    return None
+                continue
+            frames = self._sock.recv_multipart()
+            kind = frames[0]
+            self.status = kind
+            if kind == b"SYNC" and self.next_seq is None:
+                self.next_seq = _SEQ.unpack(frames[1])[0]
+            if kind != b"EV":
+                continue
+            seq = _SEQ.unpack(frames[1])[0]
+            if self.next_seq is not None and seq > self.next_seq:
+                self.gaps += seq - self.next_seq
+            self.next_seq = seq + 1
+            return seq, msgpack.unpackb(frames[2], raw=False)[1]
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+def replay(endpoint: str, since: int, timeout_s: float = 2.0, **curve) -> list[tuple[int, list]]:
+    """One-shot replay: (seq, events) of every buffered message of this subscriber's scope from ``since``."""
+    import msgpack
+
+    sub = EventSubscriber(endpoint, since=since, **curve)
+    out = []
+    try:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not sub._sock.poll(int((deadline - time.monotonic()) * 1000)):
+                break
+            frames = sub._sock.recv_multipart()
+            if frames[0] == b"EV":
+                out.append((_SEQ.unpack(frames[1])[0], msgpack.unpackb(frames[2], raw=False)[1]))
+            elif frames[0] in (b"SYNC", b"BUSY", b"FULL"):
+                if frames[0] != b"SYNC":
+                    raise RuntimeError(f"events replay refused: {frames[0].decode()}")
                 return out
-            out.append((_SEQ.unpack(seq_raw)[0], msgpack.unpackb(payload, raw=False)[1]))
+        raise TimeoutError(f"no replay answer from {endpoint} within {timeout_s} s (not admitted?)")
     finally:
-        sock.close()
+        sub.close()

@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 from kvtier.server.audit import AuditLog
 from kvtier.server.auth import Authenticator
-from kvtier.server.config import ServerConfig, parse_listen
+from kvtier.server.config import ServerConfig, events_subscriber_scopes, parse_listen
 from kvtier.server.connection import Connection
 from kvtier.server.governance import Governance
 from kvtier.server.index import BlockIndex
@@ -55,7 +55,10 @@ class Server:
         if config.events:
             from kvtier.server.events import EventPublisher
 
-            self.events = EventPublisher(config.events, config.events_replay, buffer=config.events_buffer)
+            self.events = EventPublisher(
+                config.events, name_key=bytes.fromhex(config.events_name_key),
+                curve_secret=config.events_curve_secret, subscribers=events_subscriber_scopes(config),
+                buffer=config.events_buffer)
         self.service = Service(
             config=config, store=self.store, host=self.host, index=self.index, governance=self.governance,
             auth=Authenticator(config), metrics=self.metrics, audit=self.audit, events=self.events,
@@ -134,8 +137,6 @@ class Server:
             self.addresses["metrics"] = f"{bound[0]}:{bound[1]}"
         if self.events is not None:
             self.addresses["events"] = self.events.endpoint
-            if self.events.replay_endpoint:
-                self.addresses["events_replay"] = self.events.replay_endpoint
         self._timers = [loop.create_task(self._watchdog()), loop.create_task(self._sweeper())]
         return self.addresses
 

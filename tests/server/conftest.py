@@ -12,9 +12,12 @@ import pytest
 from kvtier.server.launch import ServerProcess
 from kvtier.tiers.remote import RemoteTier
 from kvtier.tiers.remote_protocol import HEADER_NBYTES, Op, pack_header, pack_msgpack, unpack_header
+from tests.server.events_keys import EventsKeys
 from tests.server.harness import SHARED, TOKENS, fresh_namespace, tenants
 
 BLOCK = 64 * 1024
+#: KV-events credentials of the ``server`` fixture: a router that sees every tenant, and acme's own
+EVENTS_KEYS = EventsKeys({"router": "*", "acme": "acme"})
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +28,7 @@ def server(tmp_path_factory):
         tenants(), shared=SHARED, admin_token=TOKENS["admin"], unix=True, workdir=str(wd),
         server={
             "capacity": "64MiB", "max_block": "1MiB", "metrics": "127.0.0.1:0",
-            "events": "tcp://127.0.0.1:*", "events_replay": "tcp://127.0.0.1:*",
+            **EVENTS_KEYS.server_config(),
             "audit_log": str(wd / "audit.jsonl"), "sweep_interval_s": 0.1,
         },
     )

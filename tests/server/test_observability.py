@@ -5,13 +5,11 @@ from __future__ import annotations
 import time
 import urllib.request
 
-import msgpack
 import numpy as np
-import zmq
 
-from kvtier.server.events import replay
+from kvtier.server.events import EventSubscriber, event_block_name, replay
 from kvtier.tiers.base import Status
-from tests.server.conftest import BLOCK, block, keys_for, remote
+from tests.server.conftest import BLOCK, EVENTS_KEYS, block, keys_for, remote
 
 
 def _get(url: str) -> tuple[int, str]:
@@ -58,35 +56,34 @@ def test_metrics_and_healthz(server):
 
 
 def test_kv_events_have_sequence_numbers_and_replay(server):
-    ctx = zmq.Context.instance()
-    sub = ctx.socket(zmq.SUB)
-    sub.setsockopt(zmq.SUBSCRIBE, b"kv")
-    sub.setsockopt(zmq.RCVTIMEO, 3000)
-    sub.connect(server.info["events"])
-    time.sleep(0.3)  # slow joiner: let the subscription reach the publisher
+    sub = EventSubscriber(server.info["events"], **EVENTS_KEYS.creds("router"))
+    time.sleep(0.3)  # let the registration reach the publisher
     tier = remote(server, "acme", namespace="events")
     keys = keys_for("events", 3)
+    names = {event_block_name(EVENTS_KEYS.name_key, "acme", "events", k): k for k in keys}
     assert tier.put_many(keys, [block(k) for k in keys]) == [Status.OK] * 3
     assert tier.delete(keys[1])
     seen: list[tuple[int, dict]] = []
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
-        topic, seq, payload = sub.recv_multipart()
-        for event in msgpack.unpackb(payload, raw=False)[1]:
-            seen.append((int.from_bytes(seq, "big"), event))
+        got = sub.recv(timeout_s=0.5)
+        if got is None:
+            continue
+        seen.extend((got[0], e) for e in got[1])
         mine = [e for _, e in seen if e["namespace"] == "events"]
-        stored = {bytes(k) for e in mine if e["type"] == "stored" for k in e["keys"]}
-        removed = {bytes(k) for e in mine if e["type"] == "removed" for k in e["keys"]}
-        if stored >= set(keys) and keys[1] in removed:
+        stored = {bytes(n) for e in mine if e["type"] == "stored" for n in e["blocks"]}
+        removed = {bytes(n) for e in mine if e["type"] == "removed" for n in e["blocks"]}
+        if stored >= set(names) and event_block_name(EVENTS_KEYS.name_key, "acme", "events", keys[1]) in removed:
             break
-    assert stored >= set(keys) and removed == {keys[1]}
+    assert stored >= set(names) and {names[n] for n in removed} == {keys[1]}
     assert all(e["tier"] == "host" and e["owner"] == "acme" for _, e in seen if e["namespace"] == "events")
     seqs = sorted({s for s, _ in seen})
     assert seqs == list(range(seqs[0], seqs[0] + len(seqs))), "sequence numbers have gaps"
+    assert sub.gaps == 0
 
     # A subscriber that missed everything asks for a replay from the first sequence number.
-    replayed = replay(server.info["events_replay"], since=seqs[0])
+    replayed = replay(server.info["events"], since=seqs[0], **EVENTS_KEYS.creds("router"))
     assert [s for s, _ in replayed][: len(seqs)] == seqs
-    got = {bytes(k) for _, events in replayed for e in events if e["type"] == "stored" for k in e["keys"]}
-    assert got >= set(keys)
+    got = {bytes(n) for _, events in replayed for e in events if e["type"] == "stored" for n in e["blocks"]}
+    assert got >= set(names)
     sub.close()

@@ -6,30 +6,28 @@ import subprocess
 import sys
 import time
 
-import msgpack
 import numpy as np
 import pytest
-import zmq
 
 from kvtier.errors import ConfigError
 from kvtier.server.config import load_config, parse_size
 from kvtier.server.launch import ServerProcess, write_config
 from kvtier.tiers.base import Status
+from kvtier.server.events import EventSubscriber
 from tests.server.conftest import block, keys_for, remote
+from tests.server.events_keys import EventsKeys
 from tests.server.harness import SHARED, tenants
 
 SLOT = 128 * 1024
+EVENTS = EventsKeys({"router": "*"})
 
 
 def test_blocks_evicted_from_dram_spill_to_disk_and_come_back(tmp_path):
     with ServerProcess.start(tenants(), shared=SHARED, workdir=str(tmp_path), server={
         "capacity": 4 * SLOT, "max_block": SLOT, "disk_dir": str(tmp_path / "disk"), "disk_capacity": "16MiB",
-        "events": "tcp://127.0.0.1:*",
+        **EVENTS.server_config(),
     }) as srv:
-        sub = zmq.Context.instance().socket(zmq.SUB)
-        sub.setsockopt(zmq.SUBSCRIBE, b"")
-        sub.setsockopt(zmq.RCVTIMEO, 200)
-        sub.connect(srv.info["events"])
+        sub = EventSubscriber(srv.info["events"], **EVENTS.creds("router"))
         time.sleep(0.3)
         tier = remote(srv, "acme", namespace="spill")
         keys = keys_for("spill", 12)
@@ -39,12 +37,8 @@ def test_blocks_evicted_from_dram_spill_to_disk_and_come_back(tmp_path):
         assert tier.get_many(keys, outs) == [Status.OK] * 12
         assert all(np.array_equal(o, block(k, SLOT)) for o, k in zip(outs, keys))
         tiers_seen = set()
-        try:
-            while True:
-                for e in msgpack.unpackb(sub.recv_multipart()[-1], raw=False)[1]:
-                    tiers_seen.add((e["type"], e["tier"]))
-        except zmq.Again:
-            pass
+        while (got := sub.recv(timeout_s=0.3)) is not None:
+            tiers_seen.update((e["type"], e["tier"]) for e in got[1])
         assert {("stored", "host"), ("removed", "host"), ("stored", "disk")} <= tiers_seen
         sub.close()
 
