@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvtier.errors import ConfigError
 
-#: Where the project keeps the published trace: beside the repository, never inside it.
+#: a trace file to use instead of the shared one (tests point it elsewhere to run as on a clean clone)
+TRACE_ENV = "KVTIER_TRACE"
+#: Where the project keeps the published trace: beside the repository, never inside it
+#: (tests/data holds only a 500-request slice of it, so that no test needs it).
 TRACE_HINT = ("get conversation_trace.jsonl from the Mooncake repository (kvcache-ai/Mooncake, "
               "FAST25-release/traces/) and put it in ../shared/data/traces/")
 
@@ -79,7 +83,12 @@ def load_trace(path: str | Path, block_tokens: int = 512) -> Trace:
 
 
 def default_trace_path() -> Path | None:
-    """The shared conversation trace, looked for beside the working directory and the checkout."""
+    """The shared conversation trace: ``$KVTIER_TRACE`` when set (even to a file that is
+    absent, so that a wrong setting is reported, not silently replaced), else looked for
+    beside the working directory and the checkout."""
+    override = os.environ.get(TRACE_ENV)
+    if override:
+        return Path(override).expanduser()
     here = Path(__file__).resolve()
     for base in (Path.cwd(), *here.parents):
         candidate = base.parent / "shared" / "data" / "traces" / "conversation_trace.jsonl"

@@ -92,14 +92,37 @@ def test_work_is_conserved_and_every_output_token_is_decoded(make_trace):
 
 
 def test_tier_aware_is_not_slower_at_the_median_on_the_trace_head(conversation_trace):
+    # 2,000 requests of the published trace, or the whole 500 of the shipped slice
     cluster = ClusterConfig.from_json({**_default_cluster_json(), "prefill_workers": 3})
-    run = run_simulation(conversation_trace.head(2000), cluster)
+    run = run_simulation(conversation_trace.trace.head(2000), cluster)
     p50 = {name: report.ttft_p50_s for name, report in run.reports.items()}
     assert p50["tier_aware"] <= min(p50.values())
     # All policies reuse the same blocks in the end (the pod tier holds them all); routing
     # changes where they come from: the HBM-aware policies find more of them in HBM.
     hbm = {name: report.hit_rate_by_tier["hbm"] for name, report in run.reports.items()}
     assert hbm["prefix_overlap"] > hbm["round_robin"] and hbm["tier_aware"] > hbm["round_robin"]
+
+
+def test_with_one_prefill_worker_every_policy_gives_the_same_outcome_per_request(shipped_trace, make_trace):
+    """Routing is the only thing a policy decides: with one worker there is nothing to decide, so
+    every request must start, load, compute and finish exactly alike (a policy that changed what
+    the caches hold or how the service is planned, e.g. a lookup that touched the LRU, shows here)."""
+    hand_made = make_trace([(i * 0.01, [i % 5, 100 + i % 3, 200 + i]) for i in range(40)])
+    cases = [(shipped_trace.trace, ClusterConfig.from_json({**_default_cluster_json(), "prefill_workers": 1})),
+             (hand_made, _cluster(workers=1, hbm_blocks=6, tiers=[TierSpec("host_dram", "worker", 20 * BLOCK_BYTES,
+                                                                            100e9)]))]
+    for trace, cluster in cases:
+        run = run_simulation(trace, cluster)
+        results = list(run.results.values())
+        assert len(results) == 4  # every policy
+        reference = results[0]
+        assert len(reference.outcomes) == len(trace.requests)
+        assert any(o.plan.reused_blocks for o in reference.outcomes)  # the caches are exercised
+        for result in results[1:]:
+            assert [o.worker for o in result.outcomes] == [0] * len(trace.requests)
+            for mine, ref in zip(result.outcomes, reference.outcomes, strict=True):
+                assert mine == ref, f"{result.policy} differs from {reference.policy} at arrival {ref.arrival_s}"
+            assert result._replace(policy="", outcomes=[]) == reference._replace(policy="", outcomes=[])
 
 
 def _default_cluster_json():

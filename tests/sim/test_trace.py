@@ -7,7 +7,7 @@ import json
 import pytest
 
 from kvtier.errors import ConfigError
-from kvtier.sim.trace import load_trace, parse_trace_lines
+from kvtier.sim.trace import TRACE_ENV, default_trace_path, load_trace, parse_trace_lines
 
 
 def _line(ts, n, out, ids):
@@ -33,7 +33,17 @@ def test_malformed_line_and_missing_file_are_config_errors(tmp_path):
         load_trace(tmp_path / "absent.jsonl")
 
 
-def test_the_conversation_trace_loads_whole(conversation_trace):
-    assert len(conversation_trace.requests) == 12_031
-    assert conversation_trace.block_tokens == 512
-    assert 55 * 60 < conversation_trace.duration_s < 60 * 60
+def test_the_conversation_trace_loads_whole(conversation_trace, shipped_trace):
+    ref = conversation_trace
+    assert len(ref.trace.requests) == ref.requests
+    assert ref.trace.block_tokens == 512
+    assert ref.duration_s[0] < ref.trace.duration_s < ref.duration_s[1]
+    if ref.origin == "published":  # the shipped slice is its head, unchanged
+        assert ref.trace.head(shipped_trace.requests).requests == shipped_trace.trace.requests
+
+
+def test_the_trace_location_can_be_set_and_a_wrong_one_is_reported(tmp_path, monkeypatch):
+    monkeypatch.setenv(TRACE_ENV, str(tmp_path / "elsewhere.jsonl"))
+    assert default_trace_path() == tmp_path / "elsewhere.jsonl"
+    with pytest.raises(ConfigError, match="elsewhere.jsonl not found; get conversation_trace.jsonl"):
+        load_trace(default_trace_path())
