@@ -1,16 +1,28 @@
-"""``host``: one preallocated DRAM pool of fixed-size slots.
+"""``host``: one preallocated DRAM pool that fits the blocks it holds.
 
-The pool is a single anonymous mmap, faulted in at start (``MAP_POPULATE``) so
-that puts copy into warm pages at memcpy speed; slots are page aligned, so a
-slot can be written to an O_DIRECT file or a socket without another copy.
+The pool is a single anonymous mmap, faulted in at start (``MAP_POPULATE``-like
+prefault) and advised to use huge pages, so that puts copy into warm memory at
+memcpy speed. :mod:`kvtier.tiers.host_alloc` carves it: a block takes a run of
+whole pages (page aligned, so it can be written to an O_DIRECT file or a socket
+without another copy, and a 256 KiB block takes 256 KiB, not a ``max_block``
+slot); blocks under half a page take a chunk of a size class. ``slot_bytes`` is
+the largest block accepted.
 
-Writes are two-phase: :meth:`HostTier.reserve` takes a slot under the lock and
-hands out a writable view, the caller fills it outside the lock (``put`` copies;
-the server receives straight from a socket), then :meth:`HostTier.commit`
-publishes it or :meth:`HostTier.abort` frees it -- a torn upload leaves no
-trace. Readers pin a block (refcount) while they copy, ``borrow`` or ``hold``
-it; a pinned block is never evicted, overwritten or reused, and ``delete`` of a
-pinned block hides it at once and frees its slot at the last unpin.
+Writes are two-phase: :meth:`HostTier.reserve` takes memory under the lock and
+hands out a writable view of exactly the block's bytes, the caller fills it
+outside the lock (``put`` copies; the server receives straight from a socket),
+then :meth:`HostTier.commit` publishes it or :meth:`HostTier.abort` frees it --
+a torn upload leaves no trace. Readers pin a block (refcount) while they copy,
+``borrow`` or ``hold`` it; a pinned block is never evicted, overwritten or
+reused, and ``delete`` of a pinned block hides it at once and frees its memory
+at the last unpin.
+
+Eviction: the policy names victims; the tier evicts them in that order until
+the new block fits. Memory freed by a victim of another size may not be usable
+(a hole too short for a long block, a chunk of another class): once the
+victims evicted add up to what the new block needs, the tier also evicts the
+fewest bytes of unpinned neighbours around the last hole so that a long enough
+run appears (memcached's slab rebalance, at page granularity).
 """
 
 from __future__ import annotations
@@ -28,19 +40,23 @@ from kvtier.core.keys import BlockKey
 from kvtier.core.payload import BlockMeta
 from kvtier.policy.eviction import EvictionPolicy, LRUPolicy
 from kvtier.tiers.base import Status, Tier
+from kvtier.tiers.host_alloc import CACHE_LINE, Run, RunAllocator, Slab
 
 PAGE = mmap.PAGESIZE
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class _Entry:
-    slot: int
+    key: BlockKey
+    offset: int  #: byte offset in the pool
+    home: Run | Slab  #: the run it owns or the slab it has a chunk of
     nbytes: int
+    footprint: int  #: bytes of pool it takes
     meta: BlockMeta | None
     created: float
     pins: int = 0
     published: bool = False
-    doomed: bool = False  # deleted while pinned: free the slot at the last unpin
+    doomed: bool = False  # deleted while pinned: free the memory at the last unpin
 
 
 class Reservation(NamedTuple):
@@ -55,7 +71,11 @@ class Held(NamedTuple):
 
 
 class HostTier(Tier):
-    """A DRAM pool of ``capacity_bytes // slot_bytes`` slots of ``slot_bytes`` each."""
+    """A DRAM pool of ``capacity_bytes`` holding blocks of up to ``slot_bytes`` each.
+
+    A block takes :meth:`footprint` bytes: its size rounded up to a page (to 64
+    bytes for blocks under half a page, or when ``slot_bytes`` is under a page).
+    """
 
     name = "host"
 
@@ -71,17 +91,19 @@ class HostTier(Tier):
         super().__init__()
         if slot_bytes <= 0:
             raise ValueError(f"slot_bytes must be positive, got {slot_bytes}")
-        # Page-aligned slots can go straight to O_DIRECT files and sockets; tiny
-        # blocks (tests, small models) only get cache-line alignment, not a page each.
-        align = PAGE if slot_bytes >= PAGE else 64
-        self.slot_bytes = -(-slot_bytes // align) * align
-        self.num_slots = capacity_bytes // self.slot_bytes
-        if self.num_slots < 1:
+        # Page-granular runs can go straight to O_DIRECT files and sockets; a pool of
+        # sub-page blocks (tests, toy models) only gets cache-line granules, not a page each.
+        granule = PAGE if slot_bytes >= PAGE else CACHE_LINE
+        self._alloc = RunAllocator(max(1, capacity_bytes // granule), granule)
+        #: the largest block accepted, as the pool rounds it
+        self.slot_bytes = self._alloc.footprint(slot_bytes)
+        if capacity_bytes < self.slot_bytes:
             raise ValueError(
-                f"capacity_bytes={capacity_bytes} holds no slot of {self.slot_bytes} bytes; "
+                f"capacity_bytes={capacity_bytes} holds no block of {self.slot_bytes} bytes; "
                 f"give at least one block's worth"
             )
-        self._mmap = mmap.mmap(-1, self.num_slots * self.slot_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self._capacity = self._alloc.granules * granule
+        self._mmap = mmap.mmap(-1, self._capacity, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         # Transparent huge pages before the first touch: every payload is copied into
         # and out of this pool, and with 4 KiB pages the copy misses the TLB 512 times
         # as often (measured: 10.5 vs 8.9 GB/s copies).
@@ -90,25 +112,46 @@ class HostTier(Tier):
                 self._mmap.madvise(mmap.MADV_HUGEPAGE)
             except OSError:
                 pass
-        self._pool = np.frombuffer(self._mmap, dtype=np.uint8).reshape(self.num_slots, self.slot_bytes)
+        self._pool = np.frombuffer(self._mmap, dtype=np.uint8)
         if prefault:  # fault every page in now, so that puts copy into warm memory
-            self._pool.reshape(-1)[:: mmap.PAGESIZE] = 0
-        self._free: list[int] = list(range(self.num_slots - 1, -1, -1))
+            self._pool[:: mmap.PAGESIZE] = 0
         self._entries: dict[BlockKey, _Entry] = {}
-        #: deleted while pinned: slots freed at their last unpin
+        #: deleted while pinned: memory freed at their last unpin
         self._doomed: dict[BlockKey, list[_Entry]] = {}
         self._policy = policy if policy is not None else LRUPolicy()  # an empty policy is falsy
         self._ttl_s = ttl_s
-        self._used = 0
+        self._used = 0  # payload bytes of every block holding memory
+        self._footprint = 0  # pool bytes they take
 
     # -- contract ---------------------------------------------------------------
     @property
     def capacity_bytes(self) -> int:
-        return self.num_slots * self.slot_bytes
+        return self._capacity
 
     @property
     def used_bytes(self) -> int:
+        """Payload bytes held (blocks being written and deleted-but-pinned included)."""
         return self._used
+
+    @property
+    def footprint_bytes(self) -> int:
+        """Pool bytes taken by those blocks (what the pool really spends on them)."""
+        return self._footprint
+
+    def footprint(self, nbytes: int) -> int:
+        """Bytes of pool a block of ``nbytes`` takes (what quotas charge)."""
+        return self._alloc.footprint(nbytes)
+
+    @property
+    def num_slots(self) -> int:
+        """How many blocks of the largest size the pool holds (an estimate for caps)."""
+        return self._capacity // self.slot_bytes
+
+    @property
+    def free_slots(self) -> int:
+        """How many blocks of the largest size fit without evicting (truthy: any block does)."""
+        with self._lock:
+            return self._alloc.largest_free_bytes // self.slot_bytes
 
     def contains(self, key: BlockKey) -> bool:
         with self._lock:
@@ -136,7 +179,7 @@ class HostTier(Tier):
             entry.pins += 1
             self._policy.on_access(key)
         try:
-            np.copyto(dst, self._pool[entry.slot, : entry.nbytes])
+            np.copyto(dst, self._view(entry))
         finally:
             self._unpin_entry(key, entry)
         with self._lock:
@@ -154,14 +197,10 @@ class HostTier(Tier):
         return Status.OK
 
     # -- two-phase writes and held views --------------------------------------------
-    @property
-    def free_slots(self) -> int:
-        return len(self._free)
-
     def reserve(
         self, key: BlockKey, nbytes: int, *, meta: BlockMeta | None = None
     ) -> tuple[Status, Reservation | None]:
-        """Take a slot for ``key`` (evicting as needed) and return a writable view of it.
+        """Take memory for ``key`` (evicting as needed) and return a writable view of it.
 
         Returns (OK, reservation) to fill then :meth:`commit` or :meth:`abort`;
         (OK, None) if the key is already held or being written (content
@@ -176,14 +215,17 @@ class HostTier(Tier):
             if self._live(key) is not None or key in self._entries:
                 self._policy.on_access(key)
                 return Status.OK, None
-            slot = self._reserve_slot_locked()
-            if slot is None:
+            entry = _Entry(key, 0, None, nbytes, self._alloc.footprint(nbytes), meta,  # type: ignore[arg-type]
+                           time.monotonic(), pins=1)
+            got = self._alloc.alloc(nbytes, entry) or self._evict_for_locked(nbytes, entry)
+            if got is None:
                 self.stats.put_failures += 1
                 return Status.FULL, None
-            entry = _Entry(slot=slot, nbytes=nbytes, meta=meta, created=time.monotonic(), pins=1)
+            entry.offset, entry.home = got
             self._entries[key] = entry
-            self._used += self.slot_bytes
-        return Status.OK, Reservation(key, entry, self._pool[slot, :nbytes])
+            self._used += nbytes
+            self._footprint += entry.footprint
+        return Status.OK, Reservation(key, entry, self._view(entry))
 
     def commit(self, res: Reservation, *, parent: BlockKey | None = None) -> None:
         """Publish a filled reservation."""
@@ -195,12 +237,12 @@ class HostTier(Tier):
         self._unpin_entry(res.key, res.entry)
 
     def abort(self, res: Reservation) -> None:
-        """Drop a reservation: its slot is freed, nothing was ever visible."""
+        """Drop a reservation: its memory is freed, nothing was ever visible."""
         with self._lock:
             if self._entries.get(res.key) is res.entry:
                 del self._entries[res.key]
             self.stats.put_failures += 1
-            res.entry.doomed = True  # the last unpin (ours) frees the slot
+            res.entry.doomed = True  # the last unpin (ours) frees the memory
         self._unpin_entry(res.key, res.entry)
 
     def hold(self, key: BlockKey) -> Held | None:
@@ -217,7 +259,7 @@ class HostTier(Tier):
             self._policy.on_access(key)
             self.stats.hits += 1
             self.stats.bytes_read += entry.nbytes
-        view = self._pool[entry.slot, : entry.nbytes]
+        view = self._view(entry)
         view.flags.writeable = False
         released = False
 
@@ -253,7 +295,7 @@ class HostTier(Tier):
     def borrow(self, key: BlockKey):
         """Yield a read-only view of a block's bytes, pinned for the ``with`` body; None if absent.
 
-        The view is valid only inside the ``with``: the slot may be reused after.
+        The view is valid only inside the ``with``: the memory may be reused after.
         """
         with self._lock:
             entry = self._live(key)
@@ -264,7 +306,7 @@ class HostTier(Tier):
             yield None
             return
         try:
-            view = self._pool[entry.slot, : entry.nbytes]
+            view = self._view(entry)
             view.flags.writeable = False
             yield view
         finally:
@@ -281,7 +323,7 @@ class HostTier(Tier):
 
     def unpin(self, key: BlockKey) -> None:
         """Release one :meth:`pin`. A block deleted while pinned is released first
-        (oldest pin first), so that its slot is freed as soon as possible."""
+        (oldest pin first), so that its memory is freed as soon as possible."""
         with self._lock:
             doomed = self._doomed.get(key)
             entry = doomed[0] if doomed else self._entries.get(key)
@@ -295,6 +337,9 @@ class HostTier(Tier):
             return entry.meta if entry else None
 
     # -- internals ---------------------------------------------------------------
+    def _view(self, entry: _Entry) -> np.ndarray:
+        return self._pool[entry.offset : entry.offset + entry.nbytes]
+
     def _live(self, key: BlockKey) -> _Entry | None:
         entry = self._entries.get(key)
         if entry is None or not entry.published:
@@ -310,62 +355,119 @@ class HostTier(Tier):
         with self._lock:
             entry.pins -= 1
             if entry.pins == 0 and entry.doomed:
-                self._free_slot_locked(entry)
+                self._release_locked(entry)
                 doomed = self._doomed.get(key)
                 if doomed is not None and entry in doomed:
                     doomed.remove(entry)
                     if not doomed:
                         del self._doomed[key]
 
-    def _free_locked(self, key: BlockKey, entry: _Entry) -> None:
+    def _free_locked(self, key: BlockKey, entry: _Entry) -> Run:
         del self._entries[key]
-        self._free_slot_locked(entry)
+        return self._release_locked(entry)
 
-    def _free_slot_locked(self, entry: _Entry) -> None:
-        self._free.append(entry.slot)
-        self._used -= self.slot_bytes
+    def _release_locked(self, entry: _Entry) -> Run:
+        self._used -= entry.nbytes
+        self._footprint -= entry.footprint
+        return self._alloc.free(entry.offset, entry.home)
 
-    def _reserve_slot_locked(self) -> int | None:
-        if self._free:
-            return self._free.pop()
-        # Evict under the lock: the demotion hook runs here too, so that a block
-        # is never both absent from this tier and not yet in the next one.
+    def _evict_locked(self, entry: _Entry) -> Run:
+        """Evict an unpinned published block; returns the run that holds the freed memory."""
+        # The demotion hook runs under the lock, so that a block is never both
+        # absent from this tier and not yet in the next one.
+        if self.on_evict is not None:
+            try:
+                self.on_evict(entry.key, memoryview(self._view(entry)).toreadonly(), entry.meta)
+            except Exception:  # noqa: BLE001 - a failed demotion only loses a cached block
+                self.stats.errors += 1
+        self._policy.on_remove(entry.key)
+        self.stats.evictions += 1
+        return self._free_locked(entry.key, entry)
+
+    def _evict_for_locked(self, nbytes: int, tag: _Entry) -> tuple[int, Run | Slab] | None:
+        """Evict, in the policy's order, until a block of ``nbytes`` fits; None if it cannot."""
+        need = self._alloc.granules_for(nbytes) * self._alloc.granule
+        evicted = 0
         for key in self._policy.victims():
             entry = self._entries[key]
             if entry.pins:
                 self._policy.on_access(key)
                 continue
-            if self.on_evict is not None:
-                view = self._pool[entry.slot, : entry.nbytes]
-                try:
-                    self.on_evict(key, memoryview(view).toreadonly(), entry.meta)
-                except Exception:  # noqa: BLE001 - a failed demotion only loses a cached block
-                    self.stats.errors += 1
-            self._policy.on_remove(key)
-            self.stats.evictions += 1
-            del self._entries[key]
-            self._used -= self.slot_bytes  # the caller counts the slot again for its new block
-            return entry.slot
+            hole = self._evict_locked(entry)
+            evicted += entry.footprint
+            got = self._alloc.alloc(nbytes, tag)
+            if got is not None:
+                return got
+            # The victims have paid for the block, but their memory is not usable as
+            # it is (holes too short, chunks of another class): evict the cheapest
+            # stretch of unpinned neighbours around the last hole too.
+            if evicted >= need:
+                got = self._rebalance_locked(hole, nbytes, tag)
+                if got is not None:
+                    return got
         return None
+
+    def _rebalance_locked(self, hole: Run, nbytes: int, tag: _Entry) -> tuple[int, Run | Slab] | None:
+        window = self._alloc.window(hole, self._alloc.granules_for(nbytes), self._pinned)
+        if window is None:
+            return None
+        for run in window:
+            if run.slab is not None:
+                for entry in list(run.slab.tags.values()):
+                    self._evict_locked(entry)  # type: ignore[arg-type]
+            elif run.tag is not None:
+                self._evict_locked(run.tag)  # type: ignore[arg-type]
+        got = self._alloc.alloc(nbytes, tag)
+        assert got is not None, "a cleared window did not make room"
+        return got
+
+    @staticmethod
+    def _pinned(run: Run) -> bool:
+        """Whether a run holds memory that cannot be evicted now (pinned, being written, doomed)."""
+        if run.slab is not None:
+            return any(e.pins or not e.published for e in run.slab.tags.values())  # type: ignore[attr-defined]
+        entry = run.tag
+        return entry is not None and (entry.pins or not entry.published)  # type: ignore[attr-defined]
 
     def check_integrity(self) -> None:
         with self._lock:
-            live = [e for e in self._entries.values()]
+            live = list(self._entries.values())
             doomed = [e for group in self._doomed.values() for e in group]
             assert all(e.doomed and e.pins > 0 for e in doomed), "a doomed entry outlived its pins"
-            assert self.num_slots - len(self._free) == len(live) + len(doomed), (
-                f"{self.num_slots - len(self._free)} slots in use but {len(live)} entries and {len(doomed)} doomed"
-            )
-            slots = [e.slot for e in live] + [e.slot for e in doomed] + self._free
-            assert len(set(slots)) == len(slots), "a slot is both free and used, or used twice"
             assert all(e.pins >= 0 for e in live), "negative pin count"
-            assert self._used == (self.num_slots - len(self._free)) * self.slot_bytes, (
-                f"used_bytes {self._used} != slots in use x slot_bytes"
+            holders = live + doomed
+            per_class = self._alloc.check()
+            runs = self._alloc.runs()
+            owned = [r.tag for r in runs if r.tag is not None]
+            chunked = [t for r in runs if r.slab is not None for t in r.slab.tags.values()]
+            assert len(owned) + len(chunked) == len(holders), (
+                f"{len(owned)} runs and {len(chunked)} chunks in use but "
+                f"{len(live)} entries and {len(doomed)} doomed"
+            )
+            assert {id(e) for e in owned + chunked} == {id(e) for e in holders}, "memory held by no entry"
+            for e in holders:
+                if isinstance(e.home, Slab):
+                    assert e.home.tags.get(e.offset) is e, "an entry's chunk belongs to another"
+                    assert e.footprint == e.home.chunk
+                else:
+                    assert e.home.tag is e and e.offset == e.home.start * self._alloc.granule
+                    assert e.footprint == e.home.length * self._alloc.granule
+                assert e.nbytes <= e.footprint
+            assert sum(per_class.values()) == len(chunked), "per-class chunk counts disagree"
+            assert self._used == sum(e.nbytes for e in holders), f"used_bytes {self._used} != payload held"
+            assert self._footprint == sum(e.footprint for e in holders), "footprint_bytes is off"
+            assert self._footprint + self._alloc.free_bytes + self._slack() == self._capacity, (
+                "free + used != total"
             )
             published = sum(1 for e in live if e.published)
             assert len(self._policy) == published, (
                 f"policy tracks {len(self._policy)} keys but {published} blocks are published"
             )
+
+    def _slack(self) -> int:
+        """Pool bytes in slabs not held by a block (free chunks, each slab's tail)."""
+        g = self._alloc.granule
+        return sum(r.length * g - len(r.slab.tags) * r.slab.chunk for r in self._alloc.runs() if r.slab)
 
     def close(self) -> None:
         with self._lock:
@@ -385,3 +487,4 @@ def _as_bytes(buf, *, writable: bool = False) -> np.ndarray:
     if writable and not arr.flags.writeable:
         raise ValueError("the output buffer is read-only")
     return arr.reshape(-1).view(np.uint8)
+
