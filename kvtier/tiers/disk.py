@@ -109,7 +109,8 @@ class StoredRecord:
 
 
 #: ``annotator(key) -> BlockRecord | None``: asked when a block is published; its parent
-#: fills in for a put that passed none (a demotion knows no parent).
+#: fills in for a put that passed none (a demotion knows no parent). None refuses the block
+#: (e.g. its owner deleted it meanwhile): the put fails and nothing is published.
 Annotator = Callable[[bytes], "BlockRecord | None"]
 
 
@@ -307,7 +308,6 @@ class DiskTier(Tier, StreamingTier):
         if record is None:
             with self._lock:
                 self.stats.put_failures += 1
-                self.stats.errors += 1
             return Status.ERROR
         parent = record.parent
         packed = pack_record(key, record)
@@ -343,11 +343,14 @@ class DiskTier(Tier, StreamingTier):
 
     def _record_of(self, key: BlockKey, parent: BlockKey | None) -> BlockRecord | None:
         """The record to publish with ``key``: the annotator's (its parent when the put gave none);
-        None if the annotator failed (the block is not published without what its owner needs)."""
+        None if the annotator refused the block or failed (it is not published without what its
+        owner needs)."""
         if self.annotator is None:
             return BlockRecord(parent, None)
         try:
-            made = self.annotator(key) or BlockRecord()
+            made = self.annotator(key)
+            if made is None:
+                return None
             record = BlockRecord(parent if parent is not None else made.parent, made.annotation)
             pack_record(key, record)  # sizes checked before any I/O
             return record
