@@ -215,7 +215,7 @@ class HostTier(Tier):
             if self._live(key) is not None or key in self._entries:
                 self._policy.on_access(key)
                 return Status.OK, None
-            entry = _Entry(key, 0, None, nbytes, self._alloc.footprint(nbytes), meta,  # type: ignore[arg-type]
+            entry = _Entry(key, 0, None, nbytes, self._alloc.plan(nbytes)[2], meta,  # type: ignore[arg-type]
                            time.monotonic(), pins=1)
             got = self._alloc.alloc(nbytes, entry) or self._evict_for_locked(nbytes, entry)
             if got is None:
@@ -371,8 +371,9 @@ class HostTier(Tier):
         self._footprint -= entry.footprint
         return self._alloc.free(entry.offset, entry.home)
 
-    def _evict_locked(self, entry: _Entry) -> Run:
-        """Evict an unpinned published block; returns the run that holds the freed memory."""
+    def _evict_locked(self, entry: _Entry, *, keep_memory: bool = False) -> Run | None:
+        """Evict an unpinned published block; returns the run that holds the freed
+        memory (None with ``keep_memory``: the caller hands it over)."""
         # The demotion hook runs under the lock, so that a block is never both
         # absent from this tier and not yet in the next one.
         if self.on_evict is not None:
@@ -382,19 +383,29 @@ class HostTier(Tier):
                 self.stats.errors += 1
         self._policy.on_remove(entry.key)
         self.stats.evictions += 1
+        if keep_memory:
+            del self._entries[entry.key]
+            self._used -= entry.nbytes
+            self._footprint -= entry.footprint
+            return None
         return self._free_locked(entry.key, entry)
 
     def _evict_for_locked(self, nbytes: int, tag: _Entry) -> tuple[int, Run | Slab] | None:
         """Evict, in the policy's order, until a block of ``nbytes`` fits; None if it cannot."""
-        need = self._alloc.granules_for(nbytes) * self._alloc.granule
+        need = 0  # bytes the block needs, once a victim's memory does not fit as is
         evicted = 0
         for key in self._policy.victims():
             entry = self._entries[key]
             if entry.pins:
                 self._policy.on_access(key)
                 continue
+            if self._alloc.fits_exactly(entry.home, nbytes):  # uniform blocks: reuse as is
+                self._evict_locked(entry, keep_memory=True)
+                return self._alloc.hand_over(entry.offset, entry.home, tag)
             hole = self._evict_locked(entry)
+            assert hole is not None
             evicted += entry.footprint
+            need = need or self._alloc.granules_for(nbytes) * self._alloc.granule
             got = self._alloc.alloc(nbytes, tag)
             if got is not None:
                 return got

@@ -108,6 +108,7 @@ class RunAllocator:
         self._free_granules = 0
         self._partial: list[dict[Slab, None]] = [{} for _ in self.classes]  #: slabs with a free chunk
         self._slabs: list[dict[Slab, None]] = [{} for _ in self.classes]
+        self._plans: dict[int, tuple[int | None, int, int]] = {}
         self._add(Run(0, granules))
 
     # -- sizes -------------------------------------------------------------------------
@@ -117,16 +118,30 @@ class RunAllocator:
             return None
         return bisect.bisect_left(self.classes, nbytes)
 
+    def plan(self, nbytes: int) -> tuple[int | None, int, int]:
+        """(size class or None, run length it needs, footprint) for a block of ``nbytes``.
+
+        Cached: a pool sees few distinct sizes, and this is on every put's path.
+        """
+        got = self._plans.get(nbytes)
+        if got is None:
+            cls = self.size_class(nbytes)
+            if cls is None:
+                length = -(-nbytes // self.granule)
+                got = (None, length, length * self.granule)
+            else:
+                got = (cls, self.slab_granules, self.classes[cls])
+            if len(self._plans) < 4096:
+                self._plans[nbytes] = got
+        return got
+
     def footprint(self, nbytes: int) -> int:
         """Bytes of pool a block of ``nbytes`` takes."""
-        cls = self.size_class(nbytes)
-        return self.classes[cls] if cls is not None else round_up(nbytes, self.granule)
+        return self.plan(nbytes)[2]
 
     def granules_for(self, nbytes: int) -> int:
         """Length of the run ``alloc(nbytes)`` needs: the block's own, or a new slab's."""
-        if self.size_class(nbytes) is not None:
-            return self.slab_granules
-        return -(-nbytes // self.granule)
+        return self.plan(nbytes)[1]
 
     @property
     def free_bytes(self) -> int:
@@ -139,9 +154,11 @@ class RunAllocator:
     # -- allocation ----------------------------------------------------------------------
     def alloc(self, nbytes: int, tag: object) -> tuple[int, Run | Slab] | None:
         """Memory for a block of ``nbytes`` owned by ``tag``, without evicting; None if none."""
-        cls = self.size_class(nbytes)
+        cls, length, _ = self.plan(nbytes)
         if cls is None:
-            run = self._take(-(-nbytes // self.granule))
+            if not self._free_lens or self._free_lens[-1] < length:
+                return None  # the common case of a full pool, without a search
+            run = self._take(length)
             if run is None:
                 return None
             run.tag = tag
@@ -177,6 +194,23 @@ class RunAllocator:
             return self._release(home.run)
         home.tag = None
         return self._release(home)
+
+    def fits_exactly(self, home: Run | Slab, nbytes: int) -> bool:
+        """Whether a block of ``nbytes`` would take exactly ``home``'s kind of memory
+        (a run of the same length, a chunk of the same class)."""
+        cls, length, _ = self.plan(nbytes)
+        if isinstance(home, Slab):
+            return cls == home.cls
+        return cls is None and home.length == length
+
+    def hand_over(self, offset: int, home: Run | Slab, tag: object) -> tuple[int, Run | Slab]:
+        """Give an evicted block's memory straight to ``tag`` (``fits_exactly``): the
+        common case of uniform blocks costs no free-list work."""
+        if isinstance(home, Slab):
+            home.tags[offset] = tag
+        else:
+            home.tag = tag
+        return offset, home
 
     # -- making room ---------------------------------------------------------------------
     def window(self, anchor: Run, length: int, blocked: Callable[[Run], bool]) -> list[Run] | None:
