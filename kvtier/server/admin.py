@@ -63,7 +63,10 @@ class AdminAPI:
 
     def stats(self, args: dict) -> dict:
         idx = self.svc.index
-        return {"store": self.svc.store.stats(), "blocks": len(idx), "bytes": idx.total_bytes}
+        spill = self.svc.spill
+        return {"store": self.svc.store.stats(), "blocks": len(idx), "bytes": idx.total_bytes,
+                "recovered": spill.last_rebuild if spill is not None else None,
+                "expirations": int(self.svc.metrics.registry.get_sample_value("kvtier_expirations_total") or 0)}
 
     def check(self, args: dict) -> dict:
         try:

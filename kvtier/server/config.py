@@ -10,6 +10,9 @@ a bare "512M" is refused as ambiguous: see kvtier/core/units.py)::
     max_block = "32MiB"        # largest block (one pool slot)
     disk_dir = "/mnt/nvme/kvtier"   # optional spill tier
     disk_capacity = "500GiB"
+    shutdown_flush_timeout_s = 30   # SIGTERM/SIGINT: copy DRAM-only blocks to disk_dir for at most this long
+    state_dir = "/var/lib/kvtier"   # runtime admin changes (quotas, TTLs) kept here (default: disk_dir);
+                                    # they win over this file's values after a restart
     encrypt_at_rest = true          # seal spilled blocks per tenant (needs a master key:
     master_key_file = "/etc/kvtier/master.key"   # this file, mode 0600, or $KVTIER_MASTER_KEY)
     keystore_dir = "/var/lib/kvtier/keys"        # wrapped per-tenant keys (default: <disk_dir>/keys)
@@ -86,6 +89,12 @@ class ServerConfig:
     idle_timeout_s: float = 300.0
     frame_timeout_s: float = 30.0
     max_connections: int = 1024
+    max_unauthenticated: int = 64
+    max_connections_per_peer: int = 32
+    max_connections_per_tenant: int = 0  # 0: max_connections
+    hello_timeout_s: float = 5.0
+    login_failure_burst: int = 10  # failed logins a TCP peer may make at once …
+    login_failure_rate_per_s: float = 1.0  # … and per second after that
     metrics: str | None = None
     events: str | None = None
     events_curve_secret: str | None = None
@@ -96,6 +105,10 @@ class ServerConfig:
     tls_cert: str | None = None
     tls_key: str | None = None
     sweep_interval_s: float = 1.0
+    #: SIGTERM / SIGINT: how long to copy blocks not yet on disk there before exiting
+    shutdown_flush_timeout_s: float = 30.0
+    #: where runtime admin changes (quotas, TTLs) persist; default: disk_dir (none: not kept)
+    state_dir: str | None = None
     admin_token_sha256: tuple[str, ...] = ()
     tenants: tuple[TenantConfig, ...] = ()
     shared: tuple[SharedConfig, ...] = ()
@@ -169,6 +182,12 @@ _SERVER_KEYS: dict[str, tuple[str, Any]] = {
     "idle_timeout_s": ("idle_timeout_s", _float),
     "frame_timeout_s": ("frame_timeout_s", _float),
     "max_connections": ("max_connections", _int),
+    "max_unauthenticated": ("max_unauthenticated", _int),
+    "max_connections_per_peer": ("max_connections_per_peer", _int),
+    "max_connections_per_tenant": ("max_connections_per_tenant", _int),
+    "hello_timeout_s": ("hello_timeout_s", _float),
+    "login_failure_burst": ("login_failure_burst", _int),
+    "login_failure_rate_per_s": ("login_failure_rate_per_s", _float),
     "metrics": ("metrics", _str_or_none),
     "events": ("events", _str_or_none),
     "events_curve_secret": ("events_curve_secret", _str_or_none),
@@ -179,6 +198,8 @@ _SERVER_KEYS: dict[str, tuple[str, Any]] = {
     "tls_cert": ("tls_cert", _str_or_none),
     "tls_key": ("tls_key", _str_or_none),
     "sweep_interval_s": ("sweep_interval_s", _float),
+    "shutdown_flush_timeout_s": ("shutdown_flush_timeout_s", _float),
+    "state_dir": ("state_dir", _str_or_none),
     "admin_token_sha256": ("admin_token_sha256", _str_list),
 }
 _TENANT_KEYS = {"name", "token_sha256", "quota", "ttl_s", "namespace_ttl_s", "read_shared"}

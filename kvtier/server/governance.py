@@ -9,18 +9,23 @@
   and are deleted by the server's sweeper.
 
 Quotas and TTLs start from the config and can be changed at run time through the
-admin API (:meth:`set_quota`, :meth:`set_ttl`); changes are not written back to
-the config file. Thread safe (a dict replace is atomic; reads take no lock).
+admin API (:meth:`set_quota`, :meth:`set_ttl`). Changes are not written back to
+the config file but persisted as runtime overrides
+(:mod:`kvtier.server.runtime_state`), which a restarted server applies over the
+config: runtime overrides win. Thread safe (a dict replace is atomic; reads take
+no lock).
 """
 
 from __future__ import annotations
 
 from kvtier.server.config import SHARED_PREFIX, ServerConfig
 from kvtier.server.index import BlockIndex
+from kvtier.server.runtime_state import RuntimeState
 
 
 class Governance:
-    def __init__(self, config: ServerConfig) -> None:
+    def __init__(self, config: ServerConfig, state: RuntimeState | None = None) -> None:
+        self._state = state if state is not None else RuntimeState(None)
         self._quota: dict[str, int] = {t.name: t.quota_bytes for t in config.tenants if t.quota_bytes}
         self._tenant_ttl: dict[str, float] = {t.name: t.ttl_s for t in config.tenants if t.ttl_s}
         self._ns_ttl: dict[tuple[str, str], float] = {
@@ -29,6 +34,13 @@ class Governance:
         for s in config.shared:
             if s.ttl_s:
                 self._ns_ttl[(SHARED_PREFIX + s.name, s.name)] = s.ttl_s
+        # Runtime overrides win over the config file (a None there removed a configured limit).
+        for owner, quota in self._state.quota.items():
+            self._apply_quota(owner, quota)
+        for owner, ttl in self._state.tenant_ttl_s.items():
+            self._apply_ttl(owner, ttl, None)
+        for (owner, ns), ttl in self._state.namespace_ttl_s.items():
+            self._apply_ttl(owner, ttl, ns)
 
     # -- decisions -------------------------------------------------------------------
     def quota(self, owner: str) -> int | None:
@@ -66,6 +78,16 @@ class Governance:
 
     # -- changes (admin API) ---------------------------------------------------------
     def set_quota(self, owner: str, quota_bytes: int | None) -> None:
+        """Change a quota now and persist it (a restart keeps it)."""
+        self._state.set_quota(owner, quota_bytes or None)
+        self._apply_quota(owner, quota_bytes)
+
+    def set_ttl(self, owner: str, ttl_s: float | None, namespace: str | None = None) -> None:
+        """Change a TTL now and persist it (a restart keeps it)."""
+        self._state.set_ttl(owner, ttl_s or None, namespace)
+        self._apply_ttl(owner, ttl_s, namespace)
+
+    def _apply_quota(self, owner: str, quota_bytes: int | None) -> None:
         quotas = dict(self._quota)
         if quota_bytes:
             quotas[owner] = quota_bytes
@@ -73,7 +95,7 @@ class Governance:
             quotas.pop(owner, None)
         self._quota = quotas
 
-    def set_ttl(self, owner: str, ttl_s: float | None, namespace: str | None = None) -> None:
+    def _apply_ttl(self, owner: str, ttl_s: float | None, namespace: str | None) -> None:
         if namespace is None:
             table = dict(self._tenant_ttl)
             key: object = owner

@@ -9,6 +9,9 @@ governance needs:
 * per (owner, namespace), oldest first (TTL retention scans only the fronts);
 * per (owner, session) a set (session erasure).
 
+Blocks spilled to disk carry their entry with them (:mod:`kvtier.server.spill`);
+a restarted server adds them back from there (``tier`` "disk").
+
 A block is in the index from its commit until it is deleted, expires or leaves
 the last tier (the server's eviction hooks call :meth:`remove`). All methods are
 thread safe; none calls into a tier, so hooks running under a tier's lock may
@@ -30,9 +33,12 @@ class BlockEntry:
     key: bytes  #: the client's key (tenant-relative)
     nbytes: int
     header: bytes  #: the block header as the writer sent it (verified on put)
-    created: float  #: time.monotonic() at commit
+    created: float  #: time.monotonic() at commit (on disk as wall time: see kvtier.server.spill)
     session: str = ""
-    tier: str = "host"  #: the tier that holds it (for events and listings)
+    tier: str = "host"  #: the fastest tier that holds it (for events and listings)
+    parent: bytes | None = None  #: the parent's storage key, as the writer named it
+    #: the name the disk tier stores it under when that is not the storage key (encryption at rest)
+    disk_name: bytes | None = None
 
 
 class BlockIndex:
@@ -44,6 +50,7 @@ class BlockIndex:
         self._sessions: dict[tuple[str, str], set[bytes]] = {}
         self._usage: dict[str, int] = {}
         self._ns_usage: dict[tuple[str, str], int] = {}
+        self._by_disk_name: dict[bytes, bytes] = {}
         self._bytes = 0
 
     def __len__(self) -> int:
@@ -64,6 +71,8 @@ class BlockIndex:
             self._age.setdefault((entry.owner, entry.namespace), {})[skey] = None
             if entry.session:
                 self._sessions.setdefault((entry.owner, entry.session), set()).add(skey)
+            if entry.disk_name is not None:
+                self._by_disk_name[entry.disk_name] = skey
             self._usage[entry.owner] = self._usage.get(entry.owner, 0) + entry.nbytes
             group = (entry.owner, entry.namespace)
             self._ns_usage[group] = self._ns_usage.get(group, 0) + entry.nbytes
@@ -72,6 +81,10 @@ class BlockIndex:
 
     def get(self, skey: bytes) -> BlockEntry | None:
         return self._entries.get(skey)
+
+    def storage_key_of(self, disk_name: bytes) -> bytes | None:
+        """The storage key of the block the disk tier stores under ``disk_name`` (see ``disk_name``)."""
+        return self._by_disk_name.get(disk_name)
 
     def touch(self, skey: bytes) -> None:
         with self._lock:
@@ -107,6 +120,8 @@ class BlockIndex:
                 members.discard(skey)
                 if not members:
                     del self._sessions[(entry.owner, entry.session)]
+            if entry.disk_name is not None:
+                self._by_disk_name.pop(entry.disk_name, None)
             self._usage[entry.owner] -= entry.nbytes
             if not self._usage[entry.owner]:
                 del self._usage[entry.owner]

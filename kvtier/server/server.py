@@ -7,7 +7,19 @@ reads, demotions during a put) runs on a small thread pool.
 
 Storage is a :class:`~kvtier.store.tiered.TieredStore` of a
 :class:`~kvtier.tiers.host.HostTier` pool and, if ``disk_dir`` is
-set, a :class:`~kvtier.tiers.disk.DiskTier` that host evictions are demoted to.
+set, a :class:`~kvtier.tiers.disk.DiskTier`. With a disk tier:
+
+* every committed block is scheduled for write-behind to disk (and host
+  evictions demote what is not there yet), each file carrying the block's index
+  entry, authenticated (:mod:`kvtier.server.spill`, :mod:`kvtier.server.recovery`);
+* at start the index is rebuilt from those files: spilled blocks hit, count
+  toward quotas, expire and are erased as before the restart;
+* SIGTERM / SIGINT stop accepting, close connections, then flush the blocks
+  not yet on disk for at most ``shutdown_flush_timeout_s`` and report
+  ("flushed N, dropped M") before exiting 0.
+
+Runtime admin changes (quotas, TTLs) persist in ``state_dir`` (default
+``disk_dir``; :mod:`kvtier.server.runtime_state`) and win over the config file.
 """
 
 from __future__ import annotations
@@ -18,9 +30,11 @@ import os
 import signal
 import ssl
 import stat
+import sys
 import time
 from collections.abc import Callable
 
+from kvtier.server.admission import Admission, LoginLimiter
 from kvtier.server.audit import AuditLog
 from kvtier.server.auth import Authenticator
 from kvtier.server.config import ServerConfig, events_subscriber_scopes, parse_listen
@@ -28,7 +42,10 @@ from kvtier.server.connection import Connection
 from kvtier.server.governance import Governance
 from kvtier.server.index import BlockIndex
 from kvtier.server.metrics import ServerMetrics, serve_http, tier_and_tenant_families
+from kvtier.server.runtime_state import FILE_NAME as RUNTIME_STATE_FILE
+from kvtier.server.runtime_state import RuntimeState
 from kvtier.server.service import Service
+from kvtier.tiers.remote_protocol import ErrorCode
 from kvtier.tiers.host import HostTier
 from kvtier.store.tiered import TieredStore
 
@@ -41,14 +58,23 @@ class Server:
         self.host = HostTier(config.capacity_bytes, config.max_block_bytes)
         self.index = BlockIndex()
         self.keyring = None
+        self._master_key: bytes | None = None
         tiers = [self.host]
+        disk = None
         if config.disk_dir:
             from kvtier.tiers.disk import DiskTier
 
             disk = DiskTier(config.disk_dir, config.disk_capacity_bytes)
             tiers.append(self._sealed(disk) if config.encrypt_at_rest else disk)
         self.store = TieredStore(tiers)
-        self.governance = Governance(config)
+        state_dir = config.state_dir or config.disk_dir
+        self.governance = Governance(
+            config, RuntimeState(os.path.join(state_dir, RUNTIME_STATE_FILE) if state_dir else None))
+        self.spill = self._spill_binding(disk) if disk is not None else None
+        #: what the start found on disk (see :meth:`_recover`)
+        self.recovered: dict = {}
+        #: what the shutdown flush did: {"flushed", "dropped", "seconds"}
+        self.shutdown_report: dict | None = None
         self.metrics = ServerMetrics()
         self.audit = AuditLog(config.audit_log)
         self.events = None
@@ -62,11 +88,20 @@ class Server:
         self.service = Service(
             config=config, store=self.store, host=self.host, index=self.index, governance=self.governance,
             auth=Authenticator(config), metrics=self.metrics, audit=self.audit, events=self.events,
-            keyring=self.keyring,
+            keyring=self.keyring, spill=self.spill,
         )
+        if self.spill is not None:
+            self._recover()
         self.metrics.add_collector(lambda: tier_and_tenant_families(
             self.store, self.index, self.governance, lambda: self.events.emitted if self.events else 0))
         self.connections: set[Connection] = set()
+        self.admission = Admission(
+            max_connections=config.max_connections, max_unauthenticated=config.max_unauthenticated,
+            max_per_peer=config.max_connections_per_peer,
+            max_per_tenant=config.max_connections_per_tenant or config.max_connections,
+            hello_timeout_s=config.hello_timeout_s)
+        self.logins = LoginLimiter(burst=config.login_failure_burst, per_s=config.login_failure_rate_per_s)
+        self._tls: ssl.SSLContext | None = None
         self._listeners: list[asyncio.AbstractServer] = []
         self._unix_paths: list[str] = []
         self._timers: list[asyncio.Task] = []
@@ -81,6 +116,7 @@ class Server:
         from kvtier.tiers.encrypted import EncryptedTier
 
         provider = FileMasterKey(self.config.master_key_file) if self.config.master_key_file else EnvMasterKey()
+        self._master_key = provider.master_key()
         keystore = self.config.keystore_dir or os.path.join(self.config.disk_dir, "keys")
         self.keyring = Keyring(provider, keystore)
 
@@ -92,15 +128,54 @@ class Server:
         sealed.name = disk.name  # metrics and KV events name the medium
         return sealed
 
+    def _spill_binding(self, disk):
+        from kvtier.server.recovery import SpillBinding
+        from kvtier.server.spill import SpillCodec, secret_from_master_key, secret_in
+
+        # With encryption at rest the secret derives from the master key, which lives outside
+        # disk_dir; otherwise a 0600 file in disk_dir (see kvtier/server/spill.py for why).
+        secret = (secret_from_master_key(self._master_key) if self._master_key is not None
+                  else secret_in(self.config.disk_dir))
+        binding = SpillBinding(self.index, disk, SpillCodec(secret), self.keyring)
+        disk.annotator = binding.record
+        return binding
+
+    def _recover(self) -> None:
+        """Index again what a previous run spilled (before any connection is accepted)."""
+        from kvtier.server.config import SHARED_PREFIX
+
+        t0 = time.monotonic()
+        owners = {t.name for t in self.config.tenants} | {SHARED_PREFIX + s.name for s in self.config.shared}
+        rebuilt = self.spill.rebuild(owners)
+        for _, entry in rebuilt.entries:
+            self.service.emit("stored", entry.tier, entry)
+        self.recovered = {**rebuilt.summary(), "seconds": round(time.monotonic() - t0, 3)}
+        self.spill.last_rebuild = self.recovered  # admin stats show it
+
     # -- connections ----------------------------------------------------------------------
     def admit(self, conn: Connection) -> bool:
-        if len(self.connections) >= self.config.max_connections:
+        """A new socket, before TLS and HELLO (see :mod:`kvtier.server.admission`)."""
+        decision = self.admission.connect(conn, None if conn.peer_host == "unix" else conn.peer_host)
+        if not decision.ok:
+            self.metrics.refused_connections.labels("pre_login").inc()
             return False
+        if decision.evict is not None:  # the oldest silent socket makes room
+            self.metrics.refused_connections.labels("pre_login_dropped").inc()
+            decision.evict.fail(ErrorCode.TOO_MANY_CONNECTIONS, "no HELLO yet and the server needs the slot")
         self.connections.add(conn)
         self.metrics.connections.set(len(self.connections))
         return True
 
+    def logged_in(self, conn: Connection, tenant: str) -> str | None:
+        """HELLO succeeded; returns why the connection may not stay, or None."""
+        decision = self.admission.login(conn, tenant)
+        if not decision.ok:
+            self.metrics.refused_connections.labels("post_login").inc()
+            return decision.reason
+        return None
+
     def forget(self, conn: Connection) -> None:
+        self.admission.forget(conn)
         self.connections.discard(conn)
         self.metrics.connections.set(len(self.connections))
 
@@ -123,8 +198,12 @@ class Server:
                 self._unix_paths.append(host)
                 urls.append(f"unix://{host}")
             else:
-                tls = self._tls_context() if scheme == "tls" else None
-                srv = await loop.create_server(factory, host, port, ssl=tls, backlog=1024, reuse_address=True)
+                # TLS is started by the connection once admitted, so that handshakes in
+                # progress hold pre-login slots and run under the HELLO deadline.
+                if scheme == "tls" and self._tls is None:
+                    self._tls = self._tls_context()
+                factory = (lambda: Connection(self, tls=self._tls)) if scheme == "tls" else factory  # noqa: E731
+                srv = await loop.create_server(factory, host, port, backlog=1024, reuse_address=True)
                 bound = srv.sockets[0].getsockname()
                 urls.append(f"{scheme}://{bound[0]}:{bound[1]}")
             self._listeners.append(srv)
@@ -152,6 +231,9 @@ class Server:
         while True:
             await asyncio.sleep(period)
             now = time.monotonic()
+            for conn in self.admission.overdue(now):
+                self.metrics.protocol_errors.labels("TIMEOUT").inc()
+                conn.fail(ErrorCode.TIMEOUT, f"no HELLO within {self.admission.hello_timeout_s:g} s; closing")
             for conn in [c for c in self.connections if c.expired(now, idle, frame)]:
                 self.metrics.protocol_errors.labels("TIMEOUT").inc()
                 conn.timeout()
@@ -190,10 +272,14 @@ class Server:
             except OSError:
                 pass
         self.service.close()
+        # Connections are gone: copy what only DRAM holds to disk, within the configured time.
+        report = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: self.store.close(flush_timeout_s=self.config.shutdown_flush_timeout_s))
+        self.shutdown_report = {"flushed": report.flushed, "dropped": report.dropped,
+                                "seconds": round(report.seconds, 3)}
         if self.events is not None:
             self.events.close()
         self.audit.close()
-        self.store.close()
 
 
 def run(config: ServerConfig, ready: Callable[[dict], None] | None = None) -> None:
@@ -201,6 +287,11 @@ def run(config: ServerConfig, ready: Callable[[dict], None] | None = None) -> No
 
     async def main() -> None:
         server = Server(config)
+        if server.spill is not None:
+            r = server.recovered
+            print(f"kvtier serve: recovered {r['recovered']} blocks from {config.disk_dir} in {r['seconds']} s "
+                  f"(deleted: {r['rejected']} failing authentication, {r['unattributed']} unattributed, "
+                  f"{r['unknown_owner']} of unconfigured tenants)", file=sys.stderr, flush=True)
         addresses = await server.start()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -208,6 +299,9 @@ def run(config: ServerConfig, ready: Callable[[dict], None] | None = None) -> No
         if ready is not None:
             ready(addresses)
         await server.serve_until_stopped()
+        r = server.shutdown_report
+        print(f"kvtier serve: stopped; flushed {r['flushed']}, dropped {r['dropped']} blocks "
+              f"in {r['seconds']} s", file=sys.stderr, flush=True)
 
     try:
         import uvloop

@@ -82,8 +82,10 @@ class ScratchPool:
 
 class Service:
     def __init__(self, *, config, store, host, index, governance, auth, metrics, audit, events,
-                 keyring=None) -> None:
+                 keyring=None, spill=None) -> None:
         self.config = config
+        #: the disk spill's :class:`~kvtier.server.recovery.SpillBinding` (None: no disk_dir)
+        self.spill = spill
         #: with encryption at rest: erasing a whole tenant also shreds its keys
         self.keyring = keyring
         self.store = store
@@ -150,15 +152,22 @@ class Service:
     def hello(self, conn, h: Header, meta: bytes) -> Principal:
         fields = unpack_msgpack(meta, "HELLO")
         token = fields.get("token")
+        logins = conn.server.logins
+        # Refused before the token is even looked at. Unix peers share one "address" and
+        # are admitted by the socket file's permissions: they are not throttled together.
+        if conn.peer_host != "unix" and not logins.allowed(conn.peer_host):
+            self.metrics.auth_failures.inc()
+            raise ProtocolError(ErrorCode.AUTH_FAILED, "too many failed logins from this address; retry later")
         try:
             principal = self.auth.authenticate(token, fields.get("namespace", "default"))
         except AuthError as exc:
             self.metrics.auth_failures.inc()
-            tag = self.auth.identify(token) if isinstance(token, str) and len(token) <= 1024 else None
-            self.audit.write(
-                "auth_failure", peer=conn.peer, reason=str(exc), tenant=tag,
-                namespace=str(fields.get("namespace", ""))[:80], client=str(fields.get("client", ""))[:80],
-            )
+            if logins.failed(conn.peer_host):  # a burst writes a few audit lines, not one per try
+                tag = self.auth.identify(token) if isinstance(token, str) and len(token) <= 1024 else None
+                self.audit.write(
+                    "auth_failure", peer=conn.peer, reason=str(exc), tenant=tag,
+                    namespace=str(fields.get("namespace", ""))[:80], client=str(fields.get("client", ""))[:80],
+                )
             raise ProtocolError(ErrorCode.FORBIDDEN if exc.forbidden else ErrorCode.AUTH_FAILED, str(exc)) from None
         reply = {
             "server": "kvtier", "protocol": VERSION, "tenant": principal.tenant,
@@ -390,11 +399,21 @@ class Service:
         self.host.commit(res, parent=parent)
         # with the checksum we verified (zeros for a sealed payload) and how to verify it
         header = pack_block_header(bh.key, n, digest, block_meta, flags=verified_by)
-        entry = BlockEntry(owner, space.namespace, bh.key, n, header, time.monotonic(), pm.session, self.host.name)
+        disk_name = self.spill.disk_name_or_none(owner, skey) if self.spill is not None else None
+        entry = BlockEntry(owner, space.namespace, bh.key, n, header, time.monotonic(), pm.session, self.host.name,
+                           parent, disk_name)
         if self.index.add(skey, entry):
             self.emit("stored", self.host.name, entry)
+            self._write_behind(skey, parent, block_meta)
         self._put_result[Status.OK].inc()
         conn.reply(h, Status.OK)
+
+    def _write_behind(self, skey: bytes, parent: bytes | None, meta: BlockMeta) -> None:
+        """Have the store copy a committed block to disk in the background now, not only when DRAM
+        evicts it: a SIGTERM (flushed at shutdown) or a restart then loses nothing that was put.
+        Never blocks: the store's backlog is bounded and drops its oldest marks."""
+        if self.spill is not None:
+            self.store.schedule_writeback([skey], parents=[parent], metas=[meta])
 
     # -- STATS and ADMIN ---------------------------------------------------------------------
     def _stats(self, p: Principal) -> dict:

@@ -1,0 +1,115 @@
+"""The server's side of its disk spill: annotate what it writes there, and index it again at start.
+
+:class:`SpillBinding` connects three things: the server's
+:class:`~kvtier.server.index.BlockIndex`, the raw
+:class:`~kvtier.tiers.disk.DiskTier` under ``disk_dir`` (perhaps behind an
+``EncryptedTier``) and the :class:`~kvtier.server.spill.SpillCodec`.
+
+* Writing: the disk tier asks :meth:`SpillBinding.record` for each block it
+  publishes (whoever writes it: the write-behind flusher, an eviction's
+  demotion). The answer carries the block's index entry, authenticated, and its
+  parent's disk name; a block the index no longer knows (deleted meanwhile) is
+  refused, so an erased block is not written back behind the erasure.
+* Starting: :meth:`SpillBinding.rebuild` reads every block's record, checks it
+  (tag, owner still configured, the disk name derived again from the claimed
+  owner, namespace and key, sizes) and adds the good ones to the index, oldest
+  first (creation time kept: TTLs go on counting). Every other block file is
+  deleted: nothing is served that the server cannot attribute.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from kvtier.core.payload import unpack_header
+from kvtier.server.auth import KeySpace
+from kvtier.server.index import BlockEntry, BlockIndex
+from kvtier.server.spill import SpillAnnotation, SpillCodec, monotonic_of, wall_of
+from kvtier.tiers.disk import BlockRecord, DiskTier
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Rebuilt:
+    """What a start found on disk: entries indexed again, and files deleted by reason."""
+
+    entries: list[tuple[bytes, BlockEntry]] = field(default_factory=list)
+    rejected: int = 0  #: failed authentication or binding: never served
+    unattributed: int = 0  #: no annotation (written before annotations, or by something else)
+    unknown_owner: int = 0  #: the owner is no longer configured
+
+    def summary(self) -> dict:
+        return {"recovered": len(self.entries), "rejected": self.rejected, "unattributed": self.unattributed,
+                "unknown_owner": self.unknown_owner}
+
+
+class SpillBinding:
+    def __init__(self, index: BlockIndex, disk: DiskTier, codec: SpillCodec, keyring=None) -> None:
+        self.index = index
+        self.disk = disk
+        self.codec = codec
+        #: with encryption at rest, files are named by the owner's keyed HMAC of the storage key
+        self.keyring = keyring
+        #: the server's summary of the last :meth:`rebuild` (admin ``stats`` shows it)
+        self.last_rebuild: dict = {}
+
+    def disk_name(self, owner: str, skey: bytes) -> bytes:
+        return skey if self.keyring is None else self.keyring.storage_key(owner, skey)
+
+    def disk_name_or_none(self, owner: str, skey: bytes) -> bytes | None:
+        """What :class:`BlockEntry.disk_name` holds: only names that differ from the storage key."""
+        return None if self.keyring is None else self.keyring.storage_key(owner, skey)
+
+    # -- writing ---------------------------------------------------------------------------
+    def record(self, disk_key: bytes) -> BlockRecord | None:
+        skey = disk_key if self.keyring is None else self.index.storage_key_of(disk_key)
+        entry = self.index.get(skey) if skey is not None else None
+        if entry is None:
+            return None  # deleted (erased, expired, dropped) since it was queued: do not write it
+        parent = self.disk_name(entry.owner, entry.parent) if entry.parent is not None else None
+        note = SpillAnnotation(entry.owner, entry.namespace, entry.key, entry.session, wall_of(entry.created),
+                               entry.header, entry.nbytes, entry.parent)
+        return BlockRecord(parent, self.codec.pack(disk_key, note))
+
+    # -- starting --------------------------------------------------------------------------
+    def rebuild(self, owners: set[str]) -> Rebuilt:
+        """Index every attributable block on disk (call once, before serving)."""
+        out = Rebuilt()
+        found: list[tuple[float, bytes, SpillAnnotation]] = []
+        for rec in self.disk.records():
+            note = self.codec.unpack(rec.key, rec.annotation)
+            if rec.annotation is None:
+                out.unattributed += 1
+            elif note is None or not self._bound(rec, note):
+                out.rejected += 1
+                log.warning("disk block %s… has an annotation that does not authenticate; deleted",
+                            rec.key.hex()[:16])
+            elif note.owner not in owners:
+                out.unknown_owner += 1
+            else:
+                found.append((note.created_wall, rec.key, note))
+                continue
+            self.disk.delete(rec.key)
+        found.sort(key=lambda item: item[0])  # oldest first: the index's age order
+        for _, disk_key, note in found:
+            skey = KeySpace.of(note.owner, note.namespace).storage_key(note.key)
+            entry = BlockEntry(note.owner, note.namespace, note.key, note.nbytes, note.header,
+                               monotonic_of(note.created_wall), note.session, self.disk.name, note.parent,
+                               disk_key if self.keyring is not None else None)
+            if self.index.add(skey, entry):
+                out.entries.append((skey, entry))
+        return out
+
+    def _bound(self, rec, note: SpillAnnotation) -> bool:
+        """The annotation describes the file it is in: its disk name derives from the claimed
+        owner, namespace and key; the served header and the sizes agree."""
+        skey = KeySpace.of(note.owner, note.namespace).storage_key(note.key)
+        if self.disk_name(note.owner, skey) != rec.key:
+            return False
+        header = unpack_header(note.header)
+        if header is None or header.key != note.key or header.payload_nbytes != note.nbytes:
+            return False
+        # a plain spill stores the payload as is; a sealed one is larger by its seal
+        return rec.nbytes == note.nbytes if self.keyring is None else rec.nbytes >= note.nbytes

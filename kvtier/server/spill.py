@@ -1,0 +1,153 @@
+"""What a block spilled to the server's disk says about itself, so that a restarted server can index it.
+
+Each block the server writes to ``disk_dir`` carries, in the disk file's record
+(:mod:`kvtier.tiers.disk`), a :class:`SpillAnnotation`: owner (tenant or shared
+namespace), namespace, the client's key, session, creation time (wall clock:
+monotonic time does not survive a restart), the block header the server serves,
+the parent's storage key and the payload size. At start the server rebuilds its
+:class:`~kvtier.server.index.BlockIndex` from them.
+
+Trust. The disk record's checksum catches accidents (a flipped bit, a record
+moved to another key). It is no defence against someone who can write into
+``disk_dir``: storage keys are public functions of (tenant, namespace, key), so
+without a secret anyone could plant a file that claims to be tenant B's block
+and have it served to B. Each annotation is therefore authenticated with
+HMAC-SHA256 under a server secret, over the disk key the file is stored under
+and the annotation, and the server re-derives that disk key from the claimed
+(owner, namespace, key): a planted, altered or moved annotation is rejected and
+its file deleted; nothing is served from it. The secret is
+
+* with ``encrypt_at_rest``: derived (HKDF) from the master key, which lives
+  outside ``disk_dir``: write access to the disk directory gives nothing;
+* otherwise: 32 random bytes in ``<disk_dir>/server.secret``, created 0600 and
+  refused if another user owns it or it is readable by group or others (an
+  attacker who can replace files in ``disk_dir`` cannot create a file owned by
+  the server's user, and one who cannot read it cannot forge a tag). Whoever
+  can read that file can forge annotations; with plaintext spill they can read
+  the blocks anyway.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import stat
+import time
+from dataclasses import dataclass
+
+import msgpack
+
+from kvtier.core.framing import frame_str
+from kvtier.errors import ConfigError
+
+SECRET_FILE = "server.secret"
+_VERSION = 1
+_MAC_NBYTES = 32
+_DOMAIN = frame_str(1, "kvtier/server-spill/v1")
+
+
+@dataclass(frozen=True, slots=True)
+class SpillAnnotation:
+    owner: str
+    namespace: str
+    key: bytes  #: the client's key (tenant-relative)
+    session: str
+    created_wall: float  #: time.time() of the block's first commit
+    header: bytes  #: the block header the server serves with the block
+    nbytes: int  #: payload bytes (plaintext size)
+    parent: bytes | None  #: the parent's storage key (server side), if the writer named one
+
+
+class SpillCodec:
+    """Packs and checks annotations under one server secret."""
+
+    def __init__(self, secret: bytes) -> None:
+        if len(secret) < 32:
+            raise ValueError("a spill secret has at least 32 bytes")
+        self._secret = secret
+
+    def _mac(self, disk_key: bytes, body: bytes) -> bytes:
+        return hmac.new(self._secret, _DOMAIN + disk_key + body, hashlib.sha256).digest()
+
+    def pack(self, disk_key: bytes, a: SpillAnnotation) -> bytes:
+        body = msgpack.packb([_VERSION, a.owner, a.namespace, a.key, a.session, a.created_wall, a.header,
+                              a.nbytes, a.parent], use_bin_type=True)
+        return body + self._mac(disk_key, body)
+
+    def unpack(self, disk_key: bytes, raw: bytes | None) -> SpillAnnotation | None:
+        """The annotation if its tag verifies for ``disk_key`` and it is well formed; else None."""
+        if raw is None or len(raw) <= _MAC_NBYTES:
+            return None
+        body, tag = raw[:-_MAC_NBYTES], raw[-_MAC_NBYTES:]
+        if not hmac.compare_digest(self._mac(disk_key, body), tag):
+            return None
+        try:
+            fields = msgpack.unpackb(body, raw=False, strict_map_key=True, max_bin_len=4096, max_str_len=4096,
+                                     max_array_len=16)
+        except (ValueError, msgpack.exceptions.ExtraData, msgpack.exceptions.FormatError,
+                msgpack.exceptions.StackError):
+            return None
+        if not isinstance(fields, list) or len(fields) != 9 or fields[0] != _VERSION:
+            return None
+        _, owner, namespace, key, session, created, header, nbytes, parent = fields
+        if not (isinstance(owner, str) and isinstance(namespace, str) and isinstance(key, bytes) and len(key) == 32
+                and isinstance(session, str) and isinstance(created, (int, float)) and isinstance(header, bytes)
+                and isinstance(nbytes, int) and nbytes >= 0
+                and (parent is None or (isinstance(parent, bytes) and len(parent) == 32))):
+            return None
+        return SpillAnnotation(owner, namespace, key, session, float(created), header, nbytes, parent)
+
+
+# -- clocks: the index keeps monotonic time (immune to clock steps); disk keeps wall time ---------
+def wall_of(created_monotonic: float) -> float:
+    return time.time() - (time.monotonic() - created_monotonic)
+
+
+def monotonic_of(created_wall: float) -> float:
+    """The monotonic time of a past wall-clock instant; a time in the future counts as now
+    (a clock stepped back must not make a block younger than new, or expire it early)."""
+    age = max(0.0, time.time() - created_wall)
+    return time.monotonic() - age
+
+
+# -- the secret ------------------------------------------------------------------------------
+def secret_from_master_key(master: bytes) -> bytes:
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+    hkdf = HKDF(algorithm=hashes.SHA256(), length=32, salt=b"kvtier/server-spill/v1", info=b"annotations")
+    return hkdf.derive(master)
+
+
+def secret_in(disk_dir: str) -> bytes:
+    """The server secret in ``disk_dir`` (made on first use, 0600); refused if anyone else could
+    have written or read it."""
+    path = os.path.join(disk_dir, SECRET_FILE)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except FileExistsError:
+        pass
+    else:
+        try:
+            os.write(fd, os.urandom(32))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as exc:
+        raise ConfigError(f"cannot read the spill secret {path!r} ({exc}); remove it to make a new one") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+            raise ConfigError(
+                f"{path!r} must be a regular file owned by this user with mode 0600 (it authenticates spilled "
+                f"blocks); fix it with chmod 600, or remove it (spilled blocks are then dropped at start)"
+            )
+        secret = os.read(fd, 64)
+    finally:
+        os.close(fd)
+    if len(secret) != 32:
+        raise ConfigError(f"{path!r} is not a 32-byte secret; remove it (spilled blocks are then dropped at start)")
+    return secret
