@@ -5,12 +5,22 @@
     tier = RemoteTier("tcp://127.0.0.1:7070", token=os.environ["KVTIER_TOKEN"], namespace="llama-70b")
     store = TieredStore([HostTier(...), DiskTier(...), tier])
 
-* **Bounded.** Every operation has a deadline (``timeout_s``); a slow, dead or
-  misbehaving server turns into :attr:`Status.ERROR` (gets, puts), ``False``
-  (contains, delete) or ``0`` (lookup_prefix): a miss, never a hang, never an
-  exception. After a failure the tier stays *down* for a backoff period that
-  doubles up to ``max_backoff_s`` (operations fail at once, without network),
-  then tries to reconnect; a success resets it.
+* **Bounded.** Every call (a get or put of any number of blocks, a lookup, a
+  contains, ...) has *one* deadline, set when it starts: ``timeout_s``, or for
+  a call that moves ``B`` payload bytes, ``max(timeout_s, B / min_rate_bytes_s)``
+  (default 50 MB/s: a 512-block prompt of 2 MiB blocks may take 21 s, a single
+  block 5 s). Connecting, sending and every receive of the call share what is
+  left of it; nothing re-arms it per block. When it passes, the blocks not yet
+  received are :attr:`Status.ERROR` (gets, puts), the connection is closed
+  (never reused mid-frame) and the call returns: a slow, dead or misbehaving
+  server turns into misses -- ``False`` (contains, delete), ``0``
+  (lookup_prefix) -- never a hang, never an exception. A reply is checked
+  against what its request can receive before it is read: a GET reply's
+  payload must be the size asked for, a CONTAINS reply one byte a key, ...;
+  anything else (say, a server announcing a 1 GiB reply) is a protocol error
+  handled the same way, with nothing allocated. After a failure the tier stays
+  *down* for a backoff period that doubles up to ``max_backoff_s`` (operations
+  fail at once, without network), then tries to reconnect; a success resets it.
 * **Verified.** A put sends the block header with the payload's xxh3-128
   checksum; the server checks it before storing. A get checks the returned
   header (key, size) and the checksum of the bytes received: a torn or
@@ -59,7 +69,10 @@ from kvtier.tiers.remote_protocol import (
     LIST_ARGS,
     MAX_KEYS,
     U32,
+    ErrorCode,
     Op,
+    ProtocolError,
+    check_reply,
     pack_put_meta,
 )
 from kvtier.tiers.remote_wire import Address, WireClient, parse_url, resolve_token
@@ -71,6 +84,8 @@ log = logging.getLogger(__name__)
 #: small enough that replies never fill the socket buffers both ways
 _PUT_WINDOW = 64
 _NO_CHECKSUM = bytes(16)
+#: the slowest transfer rate a large call is allowed (bytes/s): see "Bounded" above
+DEFAULT_MIN_RATE_BYTES_S = 50e6
 
 
 class TierDown(Exception):
@@ -88,6 +103,7 @@ class RemoteTier(Tier, StreamingTier):
         namespace: str | None = None,
         session: str = "",
         timeout_s: float = 5.0,
+        min_rate_bytes_s: float = DEFAULT_MIN_RATE_BYTES_S,
         connect_timeout_s: float = 2.0,
         pool_size: int = 4,
         backoff_s: float = 0.05,
@@ -99,7 +115,10 @@ class RemoteTier(Tier, StreamingTier):
         self._token = resolve_token(self.address, token)
         self.namespace = namespace or self.address.namespace
         self.session = session
+        if timeout_s <= 0 or min_rate_bytes_s <= 0:
+            raise ValueError(f"timeout_s ({timeout_s}) and min_rate_bytes_s ({min_rate_bytes_s}) must be positive")
         self.timeout_s = timeout_s
+        self.min_rate_bytes_s = min_rate_bytes_s
         self.connect_timeout_s = connect_timeout_s
         self.pool_size = pool_size
         if name:
@@ -116,7 +135,8 @@ class RemoteTier(Tier, StreamingTier):
 
     # -- connections, failures, backoff ---------------------------------------------------
     @contextmanager
-    def _conn(self):
+    def _conn(self, deadline: float):
+        """A connection for one call: pooled, or opened (connect + HELLO) before ``deadline``."""
         now = time.monotonic()
         if self._closed:
             raise TierDown("tier closed")
@@ -132,7 +152,7 @@ class RemoteTier(Tier, StreamingTier):
         if conn is None:
             try:
                 conn = WireClient(self.address, self._token, namespace=self.namespace,
-                                  connect_timeout_s=self.connect_timeout_s)
+                                  connect_timeout_s=self.connect_timeout_s, deadline=deadline)
             except Exception as exc:  # noqa: BLE001 - refused, timed out, bad token: all "down"
                 self._failed(exc)
                 raise TierDown(str(exc)) from exc
@@ -174,8 +194,9 @@ class RemoteTier(Tier, StreamingTier):
         for c in idle:
             c.close()
 
-    def _deadline(self) -> float:
-        return time.monotonic() + self.timeout_s
+    def _deadline(self, nbytes: int = 0) -> float:
+        """The one deadline of a call that moves ``nbytes`` payload bytes, set at its start."""
+        return time.monotonic() + max(self.timeout_s, nbytes / self.min_rate_bytes_s)
 
     @property
     def available(self) -> bool:
@@ -187,14 +208,16 @@ class RemoteTier(Tier, StreamingTier):
         return self.contains_many([key])[0]
 
     def contains_many(self, keys: Sequence[BlockKey]) -> list[bool]:
+        return self._contains_many(keys, self._deadline())
+
+    def _contains_many(self, keys: Sequence[BlockKey], deadline: float) -> list[bool]:
         metas = [_keys_meta(chunk) for chunk in _chunks(keys, MAX_KEYS)]
         out: list[bool] = []
         try:
             for meta in metas:
-                with self._conn() as c:
-                    _, body = c.call(Op.CONTAINS, meta, deadline=self._deadline())
-                    if len(body) != len(meta) // KEY_BYTES:
-                        raise ValueError("CONTAINS reply of the wrong length")
+                count = len(meta) // KEY_BYTES
+                with self._conn(deadline) as c:
+                    _, body = c.call(Op.CONTAINS, meta, deadline=deadline, reply_meta=(count, count))
                 out += [b == 1 for b in body]
         except TierDown:
             out += [False] * (len(keys) - len(out))
@@ -203,10 +226,11 @@ class RemoteTier(Tier, StreamingTier):
     def lookup_prefix(self, keys: Sequence[BlockKey]) -> int:
         metas = [_keys_meta(chunk) for chunk in _chunks(keys, MAX_KEYS)]
         n = 0
+        deadline = self._deadline()
         try:
             for meta in metas:
-                with self._conn() as c:
-                    _, body = c.call(Op.LOOKUP, meta, deadline=self._deadline())
+                with self._conn(deadline) as c:
+                    _, body = c.call(Op.LOOKUP, meta, deadline=deadline, reply_meta=(U32.size, U32.size))
                     (hit,) = U32.unpack(body)
                 count = len(meta) // KEY_BYTES
                 n += min(hit, count)
@@ -237,12 +261,13 @@ class RemoteTier(Tier, StreamingTier):
                     sealed: bool) -> list[Status]:
         for k in keys:
             _check_key(k)
-        statuses: list[Status] = []
+        deadline = self._deadline(sum(sizes))
+        statuses: list[Status] = []  # filled as replies arrive: what came before a failure stays
         try:
             for start in range(0, len(keys), MAX_KEYS):
                 part = slice(start, start + MAX_KEYS)
-                with self._conn() as c:
-                    statuses += self._get_batch(c, keys[part], payloads[part], sizes[part], sealed)
+                with self._conn(deadline) as c:
+                    self._get_batch(c, keys[part], payloads[part], sizes[part], sealed, deadline, statuses)
         except TierDown:
             statuses += [Status.ERROR] * (len(keys) - len(statuses))
         with self._lock:
@@ -256,31 +281,28 @@ class RemoteTier(Tier, StreamingTier):
                     self.stats.misses += 1
         return statuses
 
-    def _get_batch(self, c: WireClient, keys: Sequence[BlockKey], payloads: Sequence, sizes: Sequence[int],
-                   sealed: bool) -> list[Status]:
-        """Payloads are buffers (checksummed blocks) or, if ``sealed``, sinks (sealed blocks)."""
-        deadline = self._deadline()
+    @staticmethod
+    def _get_batch(c: WireClient, keys: Sequence[BlockKey], payloads: Sequence, sizes: Sequence[int],
+                   sealed: bool, deadline: float, out: list[Status]) -> None:
+        """Append each block's status to ``out`` as its reply is read. Payloads are buffers
+        (checksummed blocks) or, if ``sealed``, sinks (sealed blocks)."""
         meta = b"".join(GET_ITEM.pack(k, n) for k, n in zip(keys, sizes))
         rid = c.send(Op.GET, meta, deadline=deadline)
         # A plain read takes only checksummed blocks (a sealed one has no checksum to verify);
         # a sink authenticates whatever it is fed, so a sealed read takes either kind.
         verified_by = FLAG_SEALED | FLAG_CHECKSUM if sealed else FLAG_CHECKSUM
-        out: list[Status] = []
         for key, payload, n in zip(keys, payloads, sizes):
             h = c.read_header(deadline, rid)
-            if h.op != Op.GET:
-                raise ValueError(f"GET answered with op {h.op}")
             if h.code != Status.OK:
-                if h.meta_len or h.data_len:
-                    raise ValueError("a GET miss carried data")
+                check_reply(h, Op.GET, meta=(0, 0))  # a miss carries nothing
                 out.append(_status(h.code))
                 continue
-            if h.meta_len != BLOCK_HEADER_NBYTES:
-                raise ValueError("GET reply without a block header")
+            # A hit carries a block header and exactly the payload asked for (the server answers
+            # BAD_SIZE otherwise): a longer announcement is a protocol error, never read or skipped.
+            check_reply(h, Op.GET, meta=(BLOCK_HEADER_NBYTES, BLOCK_HEADER_NBYTES), data=(n, n))
             header = unpack_header(c.read_bytes(h.meta_len, deadline))
-            if (header is None or h.data_len != n or header_mismatch(header, key, n)
-                    or not header.flags & verified_by):
-                c.skip(h.data_len, deadline)  # frame boundaries still hold: skip it, report corrupt
+            if header is None or header_mismatch(header, key, n) or not header.flags & verified_by:
+                c.skip(n, deadline)  # frame boundaries still hold: skip it, report corrupt
                 out.append(Status.CORRUPT)
             elif sealed:
                 out.append(Status.OK if c.read_stream(n, payload, deadline) is None else Status.CORRUPT)
@@ -288,8 +310,6 @@ class RemoteTier(Tier, StreamingTier):
                 hasher = xxhash.xxh3_128()
                 c.read_into(payload, deadline, hasher)
                 out.append(Status.OK if hasher.digest() == header.checksum else Status.CORRUPT)
-            deadline = self._deadline()  # each block gets its own time budget
-        return out
 
     def put(self, key: BlockKey, data, *, parent: BlockKey | None = None, meta: BlockMeta | None = None,
             session: str | None = None) -> Status:
@@ -344,19 +364,19 @@ class RemoteTier(Tier, StreamingTier):
             _check_key(k)
         todo = list(range(len(keys)))
         statuses = [Status.ERROR] * len(keys)
+        deadline = self._deadline(sum(sizes))
         if skip_present and keys:
-            present = self.contains_many(keys)
+            present = self._contains_many(keys, deadline)
             for i in [i for i in todo if present[i]]:
                 statuses[i] = Status.OK
             todo = [i for i in todo if not present[i]]
         flags = FLAG_SEALED if sealed else FLAG_CHECKSUM
         try:
-            with self._conn() as c:
+            with self._conn(deadline) as c:
                 if sealed and "sealed" not in c.info.get("features", ()):
                     self.last_error = f"{self.address} does not take sealed payloads (an older server)"
                     todo = []
                 max_block = c.max_block
-                deadline = self._deadline()
                 pending: list[tuple[int, int]] = []
                 for i in todo:
                     n = sizes[i]
@@ -373,7 +393,6 @@ class RemoteTier(Tier, StreamingTier):
                     pending.append((i, rid))
                     if len(pending) >= _PUT_WINDOW:
                         self._put_reply(c, pending.pop(0), statuses, deadline)
-                    deadline = self._deadline()  # each block gets its own time budget
                 for item in pending:
                     self._put_reply(c, item, statuses, deadline)
         except TierDown:
@@ -391,8 +410,7 @@ class RemoteTier(Tier, StreamingTier):
     def _put_reply(c: WireClient, item: tuple[int, int], statuses: list[Status], deadline: float) -> None:
         i, rid = item
         h = c.read_header(deadline, rid)
-        if h.meta_len or h.data_len:
-            c.skip(h.meta_len + h.data_len, deadline)
+        check_reply(h, Op.PUT, meta=(0, 0))  # a status, nothing more
         statuses[i] = _status(h.code)
 
     def delete(self, key: BlockKey) -> bool:
@@ -401,11 +419,13 @@ class RemoteTier(Tier, StreamingTier):
     def delete_many(self, keys: Sequence[BlockKey]) -> list[bool]:
         metas = [_keys_meta(chunk) for chunk in _chunks(keys, MAX_KEYS)]
         out: list[bool] = []
+        deadline = self._deadline()
         try:
             for meta in metas:
-                with self._conn() as c:
-                    _, body = c.call(Op.DELETE, meta, deadline=self._deadline())
-                out += [b == 1 for b in body[: len(meta) // KEY_BYTES]]
+                count = len(meta) // KEY_BYTES
+                with self._conn(deadline) as c:
+                    _, body = c.call(Op.DELETE, meta, deadline=deadline, reply_meta=(count, count))
+                out += [b == 1 for b in body]
         except TierDown:
             pass
         out += [False] * (len(keys) - len(out))
@@ -414,11 +434,17 @@ class RemoteTier(Tier, StreamingTier):
         return out
 
     def keys(self) -> Iterator[BlockKey]:
+        """The namespace's keys, oldest first; each page of ``MAX_KEYS`` is a call of its own (with
+        its own deadline): a large namespace may take many."""
         found: list[BlockKey] = []
         try:
             while True:
-                with self._conn() as c:
-                    _, body = c.call(Op.LIST, LIST_ARGS.pack(len(found), MAX_KEYS), deadline=self._deadline())
+                deadline = self._deadline(MAX_KEYS * KEY_BYTES)
+                with self._conn(deadline) as c:
+                    _, body = c.call(Op.LIST, LIST_ARGS.pack(len(found), MAX_KEYS), deadline=deadline,
+                                     reply_meta=(0, MAX_KEYS * KEY_BYTES))
+                    if len(body) % KEY_BYTES:
+                        raise ProtocolError(ErrorCode.BAD_LENGTH, f"LIST reply of {len(body)} bytes: not whole keys")
                 batch = [BlockKey(body[i : i + KEY_BYTES]) for i in range(0, len(body), KEY_BYTES)]
                 found += batch
                 if len(batch) < MAX_KEYS:
@@ -429,16 +455,18 @@ class RemoteTier(Tier, StreamingTier):
 
     def server_stats(self) -> dict:
         """The server's STATS for this connection's tenant and namespace ({} if unreachable)."""
+        deadline = self._deadline()
         try:
-            with self._conn() as c:
-                return c.call_msgpack(Op.STATS, deadline=self._deadline())
+            with self._conn(deadline) as c:
+                return c.call_msgpack(Op.STATS, deadline=deadline)
         except TierDown:
             return {}
 
     def ping(self) -> bool:
+        deadline = self._deadline()
         try:
-            with self._conn() as c:
-                c.call(Op.PING, deadline=self._deadline())
+            with self._conn(deadline) as c:
+                c.call(Op.PING, deadline=deadline, reply_meta=(0, 0))
             return True
         except TierDown:
             return False

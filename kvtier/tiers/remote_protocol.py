@@ -83,6 +83,14 @@ FEATURES = ("sealed",)
 U32 = struct.Struct("<I")
 LIST_ARGS = struct.Struct("<II")
 
+# What a *client* accepts in a reply, checked on the frame header before anything is read
+# or allocated: a hostile or broken server must not make a client allocate what it announces.
+# Replies whose size the request fixes (LOOKUP, CONTAINS, DELETE, LIST, GET, PUT) are checked
+# against the request itself; the msgpack replies against these constants.
+MAX_MAP_REPLY = 1 << 20  #: HELLO and STATS replies (a few hundred bytes in practice)
+MAX_ADMIN_REPLY = 16 << 20  #: ADMIN replies (usage of every tenant, audit excerpts)
+MAX_ERROR_MESSAGE = 4096  #: the part of an ERROR frame's message a client reads
+
 
 class Op(enum.IntEnum):
     HELLO = 1
@@ -189,6 +197,26 @@ def check_request(h: Header, max_block: int) -> None:
             raise ProtocolError(ErrorCode.BAD_LENGTH, f"ADMIN meta of {h.meta_len} bytes")
     elif h.meta_len != 0:  # PING, STATS
         raise ProtocolError(ErrorCode.BAD_LENGTH, f"{Op(op).name} carries no meta, got meta_len={h.meta_len}")
+
+
+def check_reply(h: Header, op: int, *, meta: tuple[int, int], data: tuple[int, int] = (0, 0)) -> None:
+    """Reject a reply header (client side) unless it answers ``op`` with a meta length and a data
+    length within the inclusive bounds the request allows; raises :class:`ProtocolError`."""
+    if h.op != op:
+        raise ProtocolError(ErrorCode.BAD_OP, f"{_op_name(op)} answered with op {h.op}")
+    if not meta[0] <= h.meta_len <= meta[1]:
+        raise ProtocolError(ErrorCode.BAD_LENGTH,
+                            f"{_op_name(op)} reply announces {h.meta_len} meta bytes; the request allows {meta[0]}..{meta[1]}")
+    if not data[0] <= h.data_len <= data[1]:
+        raise ProtocolError(ErrorCode.BAD_LENGTH,
+                            f"{_op_name(op)} reply announces {h.data_len} data bytes; the request allows {data[0]}..{data[1]}")
+
+
+def _op_name(op: int) -> str:
+    try:
+        return Op(op).name
+    except ValueError:
+        return f"op {op}"
 
 
 def _check_items(h: Header, item: int) -> None:

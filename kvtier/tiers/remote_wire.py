@@ -2,7 +2,11 @@
 
 :class:`WireClient` speaks :mod:`kvtier.tiers.remote_protocol` over one TCP, TLS or
 Unix socket. Every call takes a *deadline* (``time.monotonic()`` value): no
-call blocks past it, whatever the server does. Small frames are read through a
+call blocks past it, whatever the server does -- a silent server, one that
+trickles a byte at a time, one that announces a reply of a gigabyte. A reply's
+lengths are checked against what its request can receive
+(:func:`~kvtier.tiers.remote_protocol.check_reply`) before anything is read or
+allocated. Small frames are read through a
 staging buffer (many pipelined replies per ``recv``); payloads are received
 straight into the caller's buffer and sent straight from it (``recv_into`` /
 ``sendmsg``, no copy in user space).
@@ -30,9 +34,13 @@ from kvtier.tiers.remote_protocol import (
     CHECKSUM_NBYTES,
     HEADER,
     HEADER_NBYTES,
+    MAX_ADMIN_REPLY,
+    MAX_ERROR_MESSAGE,
+    MAX_MAP_REPLY,
     ErrorCode,
     Header,
     Op,
+    check_reply,
     pack_header,
     pack_msgpack,
     unpack_header,
@@ -43,6 +51,9 @@ _STAGING = 64 * 1024
 #: payload pieces a PUT sends and hashes at a time: small enough to be hashed from cache
 _PIECE = 1024 * 1024
 _ZERO_TRAILER = bytes(CHECKSUM_NBYTES)  #: a sealed PUT's trailer: its AEAD tags are the check
+#: a kernel timeout may end this much after the deadline before it is re-armed (a setsockopt
+#: pair per re-arm; the loops also check the deadline between system calls)
+_ARM_SLACK_S = 0.01
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,9 +108,12 @@ class RemoteError(Exception):
 
 class WireClient:
     def __init__(self, address: Address, token: str, *, namespace: str | None = None,
-                 connect_timeout_s: float = 2.0, client_name: str = "kvtier") -> None:
+                 connect_timeout_s: float = 2.0, client_name: str = "kvtier", deadline: float | None = None) -> None:
+        """Connect and say HELLO within ``connect_timeout_s``, and before ``deadline`` if one is
+        given (the deadline of the call this connection is opened for)."""
         self.address = address
-        deadline = time.monotonic() + connect_timeout_s
+        deadline = min(time.monotonic() + connect_timeout_s, deadline if deadline is not None else float("inf"))
+        connect_timeout_s = _remaining(deadline)
         if address.scheme == "unix":
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             sock.settimeout(connect_timeout_s)
@@ -123,7 +137,7 @@ class WireClient:
         # no partial sends of non-blocking mode) and loops check the deadline.
         sock.settimeout(None)
         self.sock = sock
-        self._armed = -1.0
+        self._armed = -1.0  # the kernel timeout (s) last set
         self._zero_copy_send = not isinstance(sock, ssl.SSLSocket)
         self._buf = bytearray(_STAGING)
         self._mv = memoryview(self._buf)
@@ -135,6 +149,7 @@ class WireClient:
             hello = {"token": token, "namespace": namespace or address.namespace, "client": client_name}
             rid = self.send(Op.HELLO, pack_msgpack(hello), deadline=deadline)
             h = self.read_header(deadline, rid)
+            check_reply(h, Op.HELLO, meta=(1, MAX_MAP_REPLY))
             self.info = unpack_msgpack(self.read_bytes(h.meta_len, deadline), "HELLO reply")
         except BaseException:
             self.close()
@@ -204,12 +219,17 @@ class WireClient:
         return rid
 
     def _arm(self, deadline: float) -> None:
-        """Bound each blocking call by the time left to ``deadline`` (raises if none is left)."""
+        """Bound each blocking call by the time left to ``deadline`` (raises if none is left).
+
+        Called before each blocking system call. The kernel timeout (which counts from the start
+        of each call) is re-armed when a call could end more than a few milliseconds after the
+        deadline (time has passed since it was set) or noticeably before it (a later call's
+        longer deadline)."""
         left = _remaining(deadline)
         if not self._zero_copy_send:  # TLS: OpenSSL needs Python's own timeout mode
             self.sock.settimeout(left)
             return
-        if abs(left - self._armed) > 0.05 * left:  # re-arm only when it changed noticeably
+        if self._armed > left + _ARM_SLACK_S or self._armed < left - max(0.05 * left, _ARM_SLACK_S):
             tv = struct.pack("ll", int(left), int((left - int(left)) * 1e6) or 1)
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
@@ -219,9 +239,8 @@ class WireClient:
         views = [memoryview(b).cast("B") for b in bufs]
         views = [v for v in views if len(v)]
         sock = self.sock
-        self._arm(deadline)
         while views:
-            _remaining(deadline)
+            self._arm(deadline)
             try:
                 sent = sock.sendmsg(views) if self._zero_copy_send else sock.send(views[0])
             except BlockingIOError:  # SO_SNDTIMEO expired: the server does not read
@@ -256,8 +275,8 @@ class WireClient:
             self._recv_some(deadline)
         h = unpack_header(self._mv[self._start : self._start + HEADER_NBYTES])
         self._start += HEADER_NBYTES
-        if h.op == Op.ERROR:
-            message = self.read_bytes(min(h.meta_len, 4096), deadline).decode("utf-8", "replace")
+        if h.op == Op.ERROR:  # the connection ends here: read a bounded part of the message
+            message = self.read_bytes(min(h.meta_len, MAX_ERROR_MESSAGE), deadline).decode("utf-8", "replace")
             raise RemoteError(h.code, message)
         if expect_id is not None and h.req_id != expect_id:
             raise ConnectionError(f"reply to request {h.req_id}, expected {expect_id}: stream out of step")
@@ -290,9 +309,8 @@ class WireClient:
                 hasher.update(view[:k])
         got, n = k, len(view)
         sock = self.sock
-        self._arm(deadline)
         while got < n:
-            _remaining(deadline)
+            self._arm(deadline)
             # Whatever the kernel has, like a plain recv loop; each piece is hashed at once,
             # while it is still in cache.
             try:
@@ -339,13 +357,18 @@ class WireClient:
             n -= k
 
     # -- simple request/reply ----------------------------------------------------------------
-    def call(self, op: int, meta: bytes = b"", *, deadline: float) -> tuple[Header, bytes]:
+    def call(self, op: int, meta: bytes = b"", *, deadline: float, reply_meta: tuple[int, int]) -> tuple[Header, bytes]:
+        """One request whose reply carries meta only, of ``reply_meta`` = (least, most) bytes:
+        a reply announcing anything else is a :class:`ProtocolError`, found before it is read."""
         rid = self.send(op, meta, deadline=deadline)
         h = self.read_header(deadline, rid)
+        check_reply(h, op, meta=reply_meta)
         return h, self.read_bytes(h.meta_len, deadline) if h.meta_len else b""
 
     def call_msgpack(self, op: int, args: dict | None = None, *, deadline: float) -> dict:
-        _, body = self.call(op, pack_msgpack(args) if args is not None else b"", deadline=deadline)
+        cap = MAX_ADMIN_REPLY if op == Op.ADMIN else MAX_MAP_REPLY
+        _, body = self.call(op, pack_msgpack(args) if args is not None else b"", deadline=deadline,
+                            reply_meta=(1, cap))
         return unpack_msgpack(body, Op(op).name + " reply")
 
     def close(self) -> None:

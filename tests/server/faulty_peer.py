@@ -1,0 +1,223 @@
+"""A misbehaving kvtier server for client tests: it speaks the real protocol, then misbehaves.
+
+Not a fake of ``kvtier serve`` (tests that need a working server start the real one):
+a small threaded socket server that answers HELLO as a server would and then does one
+thing wrong, on purpose, on every connection:
+
+* ``stall``       reads every request, answers none;
+* ``slow_blocks`` answers each GET item correctly, but ``delay_s`` after the one before;
+* ``drip``        answers correctly, one byte every ``delay_s``;
+* ``rate``        answers correctly at ``rate`` bytes/s (for the minimum-rate rule);
+* ``huge``        announces a 1 GiB reply (GET: a 1 GiB payload; other ops: 1 GiB of meta),
+                  sends a few bytes of it, then waits;
+* ``huge_hello``  announces a 1 GiB HELLO reply.
+
+GET payloads are :func:`payload_for` of the key, with a correct block header, so a client
+that waits long enough gets verified hits: the tests see timing, not garbage, at work.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import socket
+import threading
+import time
+
+from kvtier.core.payload import checksum
+from kvtier.core.payload import pack_header as pack_block_header
+from kvtier.tiers.base import Status
+from kvtier.tiers.remote_protocol import (
+    GET_ITEM,
+    HEADER_NBYTES,
+    FEATURES,
+    Op,
+    pack_header,
+    pack_msgpack,
+    unpack_header,
+)
+
+GIB = 1 << 30
+MODES = ("stall", "slow_blocks", "drip", "rate", "huge", "huge_hello")
+
+
+def payload_for(key: bytes, nbytes: int) -> bytes:
+    """Bytes derived from the key: the reader can check them."""
+    seed = hashlib.sha256(key).digest()
+    return (seed * (nbytes // len(seed) + 1))[:nbytes]
+
+
+class FaultyPeer:
+    def __init__(self, mode: str, *, delay_s: float = 0.1, rate: float = 1e6, max_block: int = 8 << 20) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode {mode!r}: use one of {MODES}")
+        self.mode = mode
+        self.delay_s = delay_s
+        self.rate = rate
+        self.max_block = max_block
+        self.connections = 0  #: accepted so far
+        self.closed_by_client = 0  #: connections the client closed (EOF or reset seen)
+        self._stop = threading.Event()
+        self._listener = socket.socket()
+        self._listener.bind(("127.0.0.1", 0))
+        self._listener.listen(16)
+        self._listener.settimeout(0.05)
+        self.url = f"tcp://127.0.0.1:{self._listener.getsockname()[1]}"
+        self._threads: list[threading.Thread] = []
+        self._socks: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._accepter = threading.Thread(target=self._accept, daemon=True)
+        self._accepter.start()
+
+    # -- lifecycle ----------------------------------------------------------------------
+    def __enter__(self) -> "FaultyPeer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._accepter.join(5)
+        with self._lock:
+            socks = list(self._socks)
+        for s in socks:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
+        for t in self._threads:
+            t.join(5)
+        self._listener.close()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                s, _ = self._listener.accept()
+            except OSError:
+                continue
+            with self._lock:
+                self.connections += 1
+                self._socks.append(s)
+            t = threading.Thread(target=self._serve, args=(s,), daemon=True)
+            self._threads.append(t)
+            t.start()
+
+    # -- one connection -------------------------------------------------------------------
+    def _recv_exact(self, s: socket.socket, n: int) -> bytes | None:
+        out = bytearray()
+        while len(out) < n:
+            try:
+                chunk = s.recv(n - len(out))
+            except socket.timeout:
+                if self._stop.is_set():
+                    return None
+                continue
+            except OSError:
+                chunk = b""
+            if not chunk:
+                return None
+            out += chunk
+        return bytes(out)
+
+    def _read_frame(self, s: socket.socket):
+        raw = self._recv_exact(s, HEADER_NBYTES)
+        if raw is None:
+            return None
+        h = unpack_header(raw)
+        meta = self._recv_exact(s, h.meta_len) if h.meta_len else b""
+        data = self._recv_exact(s, h.data_len) if h.data_len else b""
+        if meta is None or data is None:
+            return None
+        return h, meta, data
+
+    def _serve(self, s: socket.socket) -> None:
+        s.settimeout(0.05)
+        try:
+            frame = self._read_frame(s)
+            if frame is None:
+                return self._client_closed()
+            h, _, _ = frame
+            if self.mode == "huge_hello":
+                self._send(s, pack_header(Op.HELLO, h.req_id, GIB, 0) + b"\x80" * 64)
+                return self._wait_for_close(s)
+            info = pack_msgpack({"server": "faulty", "tenant": "t", "max_block": self.max_block,
+                                 "features": list(FEATURES)})
+            self._send(s, pack_header(Op.HELLO, h.req_id, len(info), 0) + info)
+            while not self._stop.is_set():
+                frame = self._read_frame(s)
+                if frame is None:
+                    return self._client_closed()
+                self._answer(s, *frame)
+        except (BrokenPipeError, ConnectionResetError):
+            self._client_closed()
+
+    def _client_closed(self) -> None:
+        if not self._stop.is_set():
+            with self._lock:
+                self.closed_by_client += 1
+
+    def _wait_for_close(self, s: socket.socket) -> None:
+        while not self._stop.is_set():
+            try:
+                if not s.recv(65536):
+                    return self._client_closed()
+            except socket.timeout:
+                continue
+            except OSError:
+                return self._client_closed()
+
+    def _answer(self, s: socket.socket, h, meta: bytes, data: bytes) -> None:
+        if self.mode == "stall":
+            return
+        if self.mode == "huge":
+            if h.op == Op.GET:
+                key, n = GET_ITEM.unpack_from(meta, 0)
+                head = pack_block_header(key, n, bytes(16))
+                self._send(s, pack_header(Op.GET, h.req_id, len(head), GIB, Status.OK) + head + bytes(4096))
+            else:
+                self._send(s, pack_header(h.op, h.req_id, GIB, 0) + bytes(4096))
+            return
+        replies = self._replies(h, meta)
+        for reply in replies:
+            if self.mode == "slow_blocks":
+                time.sleep(self.delay_s)
+                self._send(s, reply)
+            elif self.mode == "drip":
+                for i in range(len(reply)):
+                    if self._stop.wait(self.delay_s):
+                        return
+                    self._send(s, reply[i : i + 1])
+            else:  # rate
+                piece = 16 << 10
+                for i in range(0, len(reply), piece):
+                    self._send(s, reply[i : i + piece])
+                    time.sleep(len(reply[i : i + piece]) / self.rate)
+
+    def _replies(self, h, meta: bytes) -> list[bytes]:
+        """Correct replies to a request, one per GET item (one in all for other ops)."""
+        if h.op == Op.GET:
+            out = []
+            for off in range(0, len(meta), GET_ITEM.size):
+                key, n = GET_ITEM.unpack_from(meta, off)
+                data = payload_for(key, n)
+                head = pack_block_header(key, n, checksum(data))
+                out.append(pack_header(Op.GET, h.req_id, len(head), n, Status.OK) + head + data)
+            return out
+        if h.op == Op.PUT:
+            return [pack_header(Op.PUT, h.req_id, 0, 0, Status.OK)]
+        if h.op in (Op.CONTAINS, Op.DELETE):
+            body = bytes(len(meta) // 32)
+            return [pack_header(h.op, h.req_id, len(body), 0) + body]
+        if h.op == Op.LOOKUP:
+            return [pack_header(h.op, h.req_id, 4, 0) + bytes(4)]
+        return [pack_header(h.op, h.req_id, 0, 0)]
+
+    def _send(self, s: socket.socket, data: bytes) -> None:
+        view = memoryview(data)
+        while view.nbytes and not self._stop.is_set():
+            try:
+                k = s.send(view)
+            except socket.timeout:
+                continue
+            view = view[k:]
