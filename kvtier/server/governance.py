@@ -1,9 +1,12 @@
 """Quotas and retention: small policy objects that decide; the server deletes.
 
-* A quota is bytes of payload per tenant. A put that would take a tenant over
-  its quota first evicts that tenant's own least recently used blocks
-  (:meth:`Governance.quota_victims`); other tenants are never touched. A block
-  larger than the whole quota is refused.
+* A quota is bytes of host pool per tenant: each block is charged its
+  *footprint* (what the pool really spends on it, :meth:`HostTier.footprint
+  <kvtier.tiers.host.HostTier.footprint>`), not its payload, so that a tenant
+  cannot take more of the pool than its quota by storing many tiny blocks. A put
+  that would take a tenant over its quota first evicts that tenant's own least
+  recently used blocks (:meth:`Governance.quota_victims`); other tenants are
+  never touched. A block larger than the whole quota is refused.
 * Retention is a TTL per tenant, per tenant namespace, or per shared namespace
   (the namespace TTL wins over the tenant's). Expired blocks are misses at once
   and are deleted by the server's sweeper.
@@ -17,6 +20,8 @@ no lock).
 """
 
 from __future__ import annotations
+
+import threading
 
 from kvtier.server.config import SHARED_PREFIX, ServerConfig
 from kvtier.server.index import BlockIndex
@@ -34,6 +39,13 @@ class Governance:
         for s in config.shared:
             if s.ttl_s:
                 self._ns_ttl[(SHARED_PREFIX + s.name, s.name)] = s.ttl_s
+        # Footprint charging: the index counts payload bytes per owner; what a block
+        # takes on top of its payload (page rounding, a size class's chunk) is kept
+        # here, from its store (:meth:`charge`) to its removal (:meth:`release`). A
+        # block recorded without a charge (e.g. rebuilt from disk) counts its payload.
+        self._extra_lock = threading.Lock()  # eviction hooks release from I/O threads
+        self._extra: dict[bytes, tuple[str, int]] = {}
+        self._extra_by_owner: dict[str, int] = {}
         # Runtime overrides win over the config file (a None there removed a configured limit).
         for owner, quota in self._state.quota.items():
             self._apply_quota(owner, quota)
@@ -54,27 +66,57 @@ class Governance:
         ttl = self.ttl(owner, namespace)
         return ttl is not None and now - created > ttl
 
-    def admits(self, owner: str, nbytes: int) -> bool:
-        """False if one block of ``nbytes`` can never fit ``owner``'s quota."""
+    def admits(self, owner: str, footprint: int) -> bool:
+        """False if one block taking ``footprint`` bytes can never fit ``owner``'s quota."""
         quota = self._quota.get(owner)
-        return quota is None or nbytes <= quota
+        return quota is None or footprint <= quota
 
-    def quota_victims(self, index: BlockIndex, owner: str, nbytes: int) -> list[bytes]:
-        """The owner's own blocks to delete, least recently used first, so that ``nbytes`` more fit."""
+    def charged(self, index: BlockIndex, owner: str) -> int:
+        """Bytes charged to ``owner``: its blocks' footprints."""
+        return index.usage(owner) + self._extra_by_owner.get(owner, 0)
+
+    def quota_victims(self, index: BlockIndex, owner: str, footprint: int) -> list[bytes]:
+        """The owner's own blocks to delete, least recently used first, so that a block
+        taking ``footprint`` bytes more fits."""
         quota = self._quota.get(owner)
         if quota is None:
             return []
-        excess = index.usage(owner) + nbytes - quota
+        excess = self.charged(index, owner) + footprint - quota
         if excess <= 0:
             return []
         victims, freed = [], 0
         # Ask for a few more than needed at a time: entries are small.
         for skey, size in index.least_recent(owner, limit=1 << 20):
             victims.append(skey)
-            freed += size
+            freed += size + self._extra.get(skey, ("", 0))[1]
             if freed >= excess:
                 break
         return victims
+
+    # -- footprint charges (the service calls these as blocks enter and leave the index) --
+    def charge(self, skey: bytes, owner: str, nbytes: int, footprint: int) -> None:
+        """A block of ``nbytes`` payload taking ``footprint`` bytes was recorded for ``owner``."""
+        extra = footprint - nbytes
+        if extra <= 0:
+            return
+        with self._extra_lock:
+            if skey in self._extra:
+                return
+            self._extra[skey] = (owner, extra)
+            self._extra_by_owner[owner] = self._extra_by_owner.get(owner, 0) + extra
+
+    def release(self, skey: bytes) -> None:
+        """The block left the index (deleted, expired, evicted from the last tier)."""
+        with self._extra_lock:
+            got = self._extra.pop(skey, None)
+            if got is None:
+                return
+            owner, extra = got
+            left = self._extra_by_owner[owner] - extra
+            if left:
+                self._extra_by_owner[owner] = left
+            else:
+                del self._extra_by_owner[owner]
 
     # -- changes (admin API) ---------------------------------------------------------
     def set_quota(self, owner: str, quota_bytes: int | None) -> None:

@@ -141,6 +141,7 @@ class Service:
                 self.emit("stored", lower.name, entry)
             else:
                 self.index.remove(skey)
+                self.gov.release(skey)
 
         return hook
 
@@ -259,6 +260,7 @@ class Service:
     def drop(self, skey: bytes) -> BlockEntry | None:
         """Remove a block from the index and every tier."""
         entry = self.index.remove(skey)
+        self.gov.release(skey)
         self.store.delete([skey])
         if entry is not None:
             self.emit("removed", entry.tier, entry)
@@ -345,7 +347,7 @@ class Service:
             conn.reply(h, Status.OK)
             return
         status = Status.OK
-        if not self.gov.admits(owner, n):
+        if not self.gov.admits(owner, self.host.footprint(n)):  # quotas charge the pool bytes a block takes
             status = Status.FULL
         elif (self._inflight >= self._max_inflight
               or self._inflight_by_owner.get(owner, 0) >= self._max_inflight_per_owner):
@@ -355,7 +357,7 @@ class Service:
             self._put_result[status].inc()
             conn.reply(h, status)
             return
-        for victim in self.gov.quota_victims(self.index, owner, n):
+        for victim in self.gov.quota_victims(self.index, owner, self.host.footprint(n)):
             if self.drop(victim) is not None:
                 self.metrics.quota_evictions.labels(owner).inc()
         block_meta = BlockMeta(bh.dtype, bh.shape, bh.token_count)
@@ -403,6 +405,7 @@ class Service:
         entry = BlockEntry(owner, space.namespace, bh.key, n, header, time.monotonic(), pm.session, self.host.name,
                            parent, disk_name)
         if self.index.add(skey, entry):
+            self.gov.charge(skey, owner, n, self.host.footprint(n))
             self.emit("stored", self.host.name, entry)
             self._write_behind(skey, parent, block_meta)
         self._put_result[Status.OK].inc()
