@@ -35,7 +35,9 @@ class StoreConfig:
     remote_token: str | None = None  # default: $KVTIER_TOKEN
     remote_namespace: str | None = None  # the server-side key space (default: from the URL)
     remote_timeout_s: float = 2.0
-    write_mode: str = "write-back"
+    write_mode: str = "write-behind"  # "write-back" is its old name; or "write-through"
+    dirty_limit_blocks: int = 16384  # write-behind backlog per tier; one more drops the oldest mark
+    close_flush_timeout_s: float | None = 30.0  # close() copies dirty blocks down for at most this
     eviction: str = "lru"
     tenant: str = ""
     encrypt: str | bool = "auto"  # "auto": when a master key is configured
@@ -46,8 +48,16 @@ class StoreConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "host_bytes", parse_bytes(self.host_bytes, "host_bytes"))
         object.__setattr__(self, "disk_bytes", parse_bytes(self.disk_bytes, "disk_bytes"))
-        if self.write_mode not in ("write-back", "write-through"):
-            raise ConfigError(f"write_mode={self.write_mode!r}; use 'write-back' or 'write-through'")
+        if self.write_mode not in ("write-behind", "write-back", "write-through"):
+            raise ConfigError(f"write_mode={self.write_mode!r}; use 'write-behind' (alias 'write-back') "
+                              f"or 'write-through'")
+        if isinstance(self.dirty_limit_blocks, bool) or not isinstance(self.dirty_limit_blocks, int) \
+                or self.dirty_limit_blocks < 1:
+            raise ConfigError(f"dirty_limit_blocks={self.dirty_limit_blocks!r}; give a whole number of blocks >= 1")
+        timeout = self.close_flush_timeout_s
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or not timeout >= 0):
+            raise ConfigError(f"close_flush_timeout_s={timeout!r}; give seconds >= 0, or null for no limit")
         if self.encrypt not in ("auto", True, False):
             raise ConfigError(f"encrypt={self.encrypt!r}; use 'auto', true or false")
 
@@ -110,7 +120,9 @@ def build_store(config: StoreConfig, layout: KVLayout, *, io_threads: int = 2):
                                      timeout_s=config.remote_timeout_s)))
     if not tiers:
         raise ConfigError("the store has no tier: set host_bytes, disk_path or remote_url")
-    return TieredStore(tiers, write_mode=config.write_mode, io_threads=io_threads)
+    return TieredStore(tiers, write_mode=config.write_mode, io_threads=io_threads,
+                       dirty_limit_blocks=config.dirty_limit_blocks,
+                       close_flush_timeout_s=config.close_flush_timeout_s)
 
 
 def _cache_dir() -> str:

@@ -5,9 +5,16 @@
 * ``get`` reads each block from the fastest tier that has it; a block that fails
   verification there is tried in the next tier; a block read from a slower tier
   is promoted (copied) into the faster ones.
-* ``put`` is write-back by default: blocks go to the fastest tier and are
-  demoted, one tier down, when that tier evicts them. Write-through puts into
-  every tier.
+* ``put`` is write-behind by default (``"write-back"`` names the same mode):
+  blocks go to the fastest tier, are marked dirty, and a flusher thread copies
+  them one tier down in the background, in batches; evicting a block already
+  copied costs no I/O, evicting a dirty one demotes it at once, so eviction
+  never loses a block. A block that lands in a middle tier is dirty there for
+  the tier below (see :mod:`kvtier.store.writebehind`). Write-through puts
+  into every tier; a single tier has nothing below it and nothing is dirty.
+* ``close`` first copies what is still dirty, waiting at most
+  ``close_flush_timeout_s``, and reports it (:class:`FlushReport`): a graceful
+  shutdown leaves every block in the slower, durable tiers.
 * The ``*_async`` forms run on a small I/O thread pool so that loads and saves
   overlap the engine's compute; the numpy copies, hashing and file I/O they do
   release the GIL.
@@ -16,6 +23,7 @@
 from __future__ import annotations
 
 import enum
+import logging
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -24,12 +32,26 @@ from typing import NamedTuple
 
 from kvtier.core.keys import BlockKey
 from kvtier.core.payload import BlockMeta
+from kvtier.store.writebehind import FlushReport, WriteBehind
 from kvtier.tiers.base import Status, Tier
+
+log = logging.getLogger(__name__)
+
+__all__ = ["FlushReport", "GetResult", "PrefixMatch", "StoreStats", "TieredStore", "WriteMode"]
+
+#: ``close()`` without an argument waits as long as the store was configured to
+_CONFIGURED = object()
 
 
 class WriteMode(str, enum.Enum):
-    WRITE_BACK = "write-back"
+    WRITE_BEHIND = "write-behind"
     WRITE_THROUGH = "write-through"
+    #: the old name: blocks were demoted only on eviction; they are now copied down behind
+    WRITE_BACK = "write-behind"
+
+    @classmethod
+    def _missing_(cls, value):
+        return cls.WRITE_BEHIND if value == "write-back" else None
 
 
 class PrefixMatch(NamedTuple):
@@ -59,6 +81,9 @@ class StoreStats:
     demotions: int = 0
     demotion_failures: int = 0
     puts: int = 0
+    clean_evictions: int = 0  #: evictions of blocks already copied down: no I/O
+    writebehind_flushed: int = 0  #: copies made by write-behind (one per block and tier pair)
+    writebehind_dropped: int = 0  #: dirty blocks not copied (backlog full, lower tier failed, close timed out)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
 
@@ -69,10 +94,15 @@ class TieredStore:
         self,
         tiers: Sequence[Tier],
         *,
-        write_mode: WriteMode | str = WriteMode.WRITE_BACK,
+        write_mode: WriteMode | str = WriteMode.WRITE_BEHIND,
         promote: bool = True,
         io_threads: int = 2,
+        dirty_limit_blocks: int = 16384,
+        close_flush_timeout_s: float | None = 30.0,
+        writebehind_batch_blocks: int = 32,
     ) -> None:
+        """``dirty_limit_blocks``: the write-behind backlog of each tier (one more drops the oldest
+        mark, never blocks); ``close_flush_timeout_s``: how long ``close`` waits for it (None: no limit)."""
         if not tiers:
             raise ValueError("a TieredStore needs at least one tier")
         names = [t.name for t in tiers]
@@ -81,24 +111,19 @@ class TieredStore:
         self.tiers = list(tiers)
         self.write_mode = WriteMode(write_mode)
         self.promote = promote
+        if close_flush_timeout_s is not None and close_flush_timeout_s < 0:
+            raise ValueError(f"close_flush_timeout_s must be >= 0 or None, got {close_flush_timeout_s}")
+        self.close_flush_timeout_s = close_flush_timeout_s
         self._stats = StoreStats()
         self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="kvtier-io")
         self._pending: set[Future] = set()
         self._pending_lock = threading.Lock()
-        if self.write_mode is WriteMode.WRITE_BACK:
-            for upper, lower in zip(self.tiers, self.tiers[1:]):
-                upper.on_evict = self._demoter(lower)
-
-    def _demoter(self, lower: Tier):
-        def demote(key: BlockKey, data: memoryview, meta: BlockMeta | None) -> None:
-            status = lower.put(key, data, meta=meta)
-            with self._stats.lock:
-                if status is Status.OK:
-                    self._stats.demotions += 1
-                else:
-                    self._stats.demotion_failures += 1
-
-        return demote
+        self._closed = False
+        self._writebehind: WriteBehind | None = None
+        if self.write_mode is WriteMode.WRITE_BEHIND and len(self.tiers) > 1:
+            # installs the demotion hooks (on_evict) of every tier but the last
+            self._writebehind = WriteBehind(self.tiers, self._stats, dirty_limit_blocks=dirty_limit_blocks,
+                                            batch_blocks=writebehind_batch_blocks)
 
     def tier(self, name: str) -> Tier:
         for t in self.tiers:
@@ -168,10 +193,12 @@ class TieredStore:
         return (Status.MISS if last in (Status.MISS, Status.CORRUPT) else last), None
 
     def _promote(self, key: BlockKey, data, upper: Sequence[Tier]) -> None:
-        for tier in upper:
+        for level, tier in enumerate(upper):
             if tier.put(key, data) is Status.OK:
                 with self._stats.lock:
                     self._stats.promotions += 1
+                if self._writebehind is not None:
+                    self._writebehind.mark_clean(level, key)  # the tier it came from holds it
 
     # -- put ---------------------------------------------------------------------
     def put(
@@ -184,8 +211,9 @@ class TieredStore:
     ) -> list[Status]:
         """Store blocks (a chain unless ``parents`` says otherwise). The caller keeps its buffers.
 
-        Returns per-key status of the fastest tier (write-back) or the best
-        status over all tiers (write-through: OK if any tier took the block).
+        Returns per-key status of the fastest tier (write-behind: the copies
+        below happen later) or the best status over all tiers (write-through:
+        OK if any tier took the block).
         """
         keys = list(keys)
         if parents is None:
@@ -197,11 +225,52 @@ class TieredStore:
             best = [b if b is Status.OK else s for b, s in zip(best, statuses)]
         with self._stats.lock:
             self._stats.puts += len(keys)
+        if self._writebehind is not None:
+            held = [i for i, s in enumerate(best) if s is Status.OK]
+            metas = metas or [None] * len(keys)
+            self._writebehind.mark_dirty(0, [keys[i] for i in held], [parents[i] for i in held],
+                                         [metas[i] for i in held], [_nbytes(blocks[i]) for i in held])
         return best
 
+    def schedule_writeback(
+        self,
+        keys: Sequence[BlockKey],
+        parents: Sequence[BlockKey | None] | None = None,
+        metas: Sequence[BlockMeta | None] | None = None,
+    ) -> None:
+        """Mark blocks already in the first tier dirty, as :meth:`put` does, for writers that
+        fill that tier directly (the server: ``reserve`` → receive → ``commit``).
+
+        Unlike ``put``, ``parents=None`` means no parent links (blocks uploaded one by
+        one are not a chain). A key the first tier does not hold is skipped when its
+        turn comes. A no-op in write-through mode and with a single tier.
+        """
+        if self._writebehind is None:
+            return
+        keys = list(keys)
+        parents = list(parents) if parents is not None else [None] * len(keys)
+        metas = list(metas) if metas is not None else [None] * len(keys)
+        if not len(keys) == len(parents) == len(metas):
+            raise ValueError(f"schedule_writeback: {len(keys)} keys, {len(parents)} parents, {len(metas)} metas")
+        self._writebehind.mark_dirty(0, keys, parents, metas, [None] * len(keys))
+
+    def flush_dirty(self, timeout_s: float | None) -> FlushReport:
+        """Copy every dirty block down (through every tier), waiting at most ``timeout_s``
+        (None: until done). What is still dirty at the deadline is reported as ``dropped``
+        (and stays queued: the flusher goes on)."""
+        if self._writebehind is None:
+            return FlushReport(0, 0, 0.0)
+        return self._writebehind.flush(timeout_s)
+
     def delete(self, keys: Sequence[BlockKey]) -> int:
-        """Delete from every tier; returns how many (tier, key) copies were removed."""
-        return sum(sum(tier.delete_many(list(keys))) for tier in self.tiers)
+        """Delete from every tier; returns how many (tier, key) copies were removed.
+
+        A write-behind copy in flight is deleted again where it lands."""
+        keys = list(keys)
+        if self._writebehind is None:
+            return sum(sum(tier.delete_many(keys)) for tier in self.tiers)
+        with self._writebehind.deleting(keys):  # fastest tier first: an eviction cannot move it back up
+            return sum(sum(tier.delete_many(keys)) for tier in self.tiers)
 
     # -- asynchronous forms ---------------------------------------------------------
     def get_async(self, keys: Sequence[BlockKey], outs: Sequence, **kw) -> Future[GetResult]:
@@ -233,6 +302,7 @@ class TieredStore:
     def stats(self) -> dict:
         with self._stats.lock:
             store = {k: getattr(self._stats, k) for k in StoreStats.__slots__ if k != "lock"}
+        store["dirty_blocks"] = self._writebehind.dirty_count() if self._writebehind is not None else 0
         per_tier = {}
         for t in self.tiers:
             per_tier[t.name] = {**t.stats.snapshot(), "used_bytes": t.used_bytes, "capacity_bytes": t.capacity_bytes}
@@ -242,13 +312,31 @@ class TieredStore:
         for t in self.tiers:
             t.check_integrity()
 
-    def close(self) -> None:
-        self._pool.shutdown(wait=True)
+    def close(self, flush_timeout_s: float | None = _CONFIGURED) -> FlushReport:  # type: ignore[assignment]
+        """Finish the asynchronous puts, copy what is still dirty down (at most
+        ``flush_timeout_s``, default ``close_flush_timeout_s``; None: no limit), then close
+        the tiers. Returns (and logs) what the flush did; a second close does nothing."""
+        if self._closed:
+            return FlushReport(0, 0, 0.0)
+        self._closed = True
+        timeout = self.close_flush_timeout_s if flush_timeout_s is _CONFIGURED else flush_timeout_s
+        self._pool.shutdown(wait=True)  # their blocks are dirty too
+        report = FlushReport(0, 0, 0.0)
+        if self._writebehind is not None:
+            report = self._writebehind.close(timeout)
+            log.info("kvtier store closed: %d dirty blocks copied down, %d dropped, in %.3f s",
+                     report.flushed, report.dropped, report.seconds)
         for t in self.tiers:
             t.close()
+        return report
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _nbytes(buf) -> int:
+    nbytes = getattr(buf, "nbytes", None)
+    return nbytes if isinstance(nbytes, int) else memoryview(buf).nbytes
