@@ -26,6 +26,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 
+_FORMER_OWNERS = 1 << 16
+
+
 @dataclass(slots=True)
 class BlockEntry:
     owner: str
@@ -51,6 +54,10 @@ class BlockIndex:
         self._usage: dict[str, int] = {}
         self._ns_usage: dict[tuple[str, str], int] = {}
         self._by_disk_name: dict[bytes, bytes] = {}
+        # Owners of recently removed blocks: deleting a block's sealed copy needs its owner (the
+        # disk name is the owner's HMAC), also after the index let it go -- e.g. a write-behind
+        # copy that lands after an erasure is deleted again then. Bounded; oldest forgotten first.
+        self._former: OrderedDict[bytes, str] = OrderedDict()
         self._bytes = 0
 
     def __len__(self) -> int:
@@ -67,6 +74,7 @@ class BlockIndex:
                 self._lru[entry.owner].move_to_end(skey)
                 return False
             self._entries[skey] = entry
+            self._former.pop(skey, None)
             self._lru.setdefault(entry.owner, OrderedDict())[skey] = None
             self._age.setdefault((entry.owner, entry.namespace), {})[skey] = None
             if entry.session:
@@ -81,6 +89,11 @@ class BlockIndex:
 
     def get(self, skey: bytes) -> BlockEntry | None:
         return self._entries.get(skey)
+
+    def owner_of(self, skey: bytes) -> str | None:
+        """The owner of a block in the index, or of one removed recently."""
+        entry = self._entries.get(skey)
+        return entry.owner if entry is not None else self._former.get(skey)
 
     def storage_key_of(self, disk_name: bytes) -> bytes | None:
         """The storage key of the block the disk tier stores under ``disk_name`` (see ``disk_name``)."""
@@ -104,6 +117,9 @@ class BlockIndex:
             entry = self._entries.pop(skey, None)
             if entry is None:
                 return None
+            self._former[skey] = entry.owner
+            if len(self._former) > _FORMER_OWNERS:
+                self._former.popitem(last=False)
             lru = self._lru[entry.owner]
             del lru[skey]
             if not lru:

@@ -34,6 +34,7 @@ import sys
 import time
 from collections.abc import Callable
 
+from kvtier.errors import ConfigError
 from kvtier.server.admission import Admission, LoginLimiter
 from kvtier.server.audit import AuditLog
 from kvtier.server.auth import Authenticator
@@ -121,8 +122,8 @@ class Server:
         self.keyring = Keyring(provider, keystore)
 
         def owner_of(skey: bytes) -> str | None:
-            entry = self.index.get(skey)
-            return entry.owner if entry is not None else None
+            # also a block just removed from the index: store.delete runs after index.remove
+            return self.index.owner_of(skey)
 
         sealed = EncryptedTier(disk, self.keyring, tenant_of=owner_of)
         sealed.name = disk.name  # metrics and KV events name the medium
@@ -286,7 +287,11 @@ def run(config: ServerConfig, ready: Callable[[dict], None] | None = None) -> No
     """Serve until SIGINT / SIGTERM. ``ready`` gets the bound addresses once listening."""
 
     async def main() -> None:
-        server = Server(config)
+        try:
+            server = Server(config)
+        except ConfigError as exc:  # e.g. a spill secret or runtime state file to fix
+            print(f"kvtier serve: {exc}", file=sys.stderr, flush=True)
+            raise SystemExit(2) from None
         if server.spill is not None:
             r = server.recovered
             print(f"kvtier serve: recovered {r['recovered']} blocks from {config.disk_dir} in {r['seconds']} s "

@@ -64,7 +64,16 @@ def test_namespace_ttl_expires_blocks(gov_server):
     assert scratch.put_many(keys, [block(k) for k in keys]) == [Status.OK] * 3
     assert keep.put_many(keys, [block(k) for k in keys]) == [Status.OK] * 3
     assert scratch.lookup_prefix(keys) == 3
+    expired_before = _admin(gov_server, "stats")["expirations"]
+    blocks_before = _admin(gov_server, "usage")["usage"]["acme"]["blocks"]
     time.sleep(1.3)
+    # The sweeper itself removes them: checked before any lookup or get, which would expire
+    # them lazily and hide a sweeper that does nothing.
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline and _admin(gov_server, "stats")["expirations"] < expired_before + 3:
+        time.sleep(0.05)
+    assert _admin(gov_server, "stats")["expirations"] == expired_before + 3
+    assert _admin(gov_server, "usage")["usage"]["acme"]["blocks"] == blocks_before - 3
     assert scratch.lookup_prefix(keys) == 0
     assert scratch.get(keys[0], np.zeros(BLOCK, np.uint8)) is Status.MISS
     assert keep.lookup_prefix(keys) == 3

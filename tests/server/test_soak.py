@@ -123,4 +123,7 @@ def test_soak_32_clients_zero_corrupt_bounded_memory(soak_server):
     assert soak_server.proc.poll() is None
     check = admin_call(soak_server.tcp_url, TOKENS["admin"], "check", {})
     assert check["ok"] and check["consistent"], check
+    # The pool really evicted (a miss alone may be a key never put): the soak exercised eviction.
+    host = admin_call(soak_server.tcp_url, TOKENS["admin"], "stats", {})["store"]["tiers"]["host"]
+    assert host["evictions"] > 0, host
     assert "Traceback" not in soak_server.log()
