@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
 from kvtier.core.layout import KVLayout
 from kvtier.core.namespace import Namespace
+
+# Every load in the suite (this process and the engines, servers and workers it starts)
+# writes into KV memory poisoned with NaN first: a load that writes nothing then fails
+# its test instead of passing on stale KV (kvtier/integrations/poison.py).
+os.environ.setdefault("KVTIER_DEBUG_POISON", "1")
 
 
 @pytest.fixture

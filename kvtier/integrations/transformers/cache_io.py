@@ -36,6 +36,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 from kvtier.core.keys import BlockKey
 from kvtier.core.layout import KVLayout
 from kvtier.errors import ConfigError
+from kvtier.integrations import poison as poisoning
 from kvtier.store.tiered import TieredStore
 from kvtier.tiers.host import HostTier
 
@@ -55,22 +56,40 @@ class KVStorage:
     reallocates; data below the sequence length is never overwritten by appends.
     """
 
-    def __init__(self, layout: KVLayout, capacity_tokens: int, dtype: torch.dtype, device="cpu") -> None:
+    def __init__(
+        self, layout: KVLayout, capacity_tokens: int, dtype: torch.dtype, device="cpu", *, poison: bool | None = None
+    ) -> None:
         self.layout = layout
         self.dtype = dtype
         self.device = torch.device(device)
+        #: debug: fill with NaN at allocation and on :meth:`poison` (see :mod:`kvtier.integrations.poison`)
+        self.poisoned = poisoning.enabled(poison)
         self.tensor = self._alloc(capacity_tokens)
         self.layers: list[StorageLayer] = []
 
     def _alloc(self, capacity: int) -> torch.Tensor:
         lay = self.layout
-        # Zero-filled, not empty: the pages are faulted in now, at allocation,
+        # Filled, not empty: the pages are faulted in now, at allocation,
         # instead of during a timed load (a first write runs ~6x below memcpy speed).
-        return torch.zeros(
+        tensor = torch.zeros(
             (lay.num_layers, lay.kv_parts, 1, lay.num_kv_heads, capacity, lay.head_dim),
             dtype=self.dtype,
             device=self.device,
         )
+        if self.poisoned:
+            poisoning.fill_tensor(tensor)
+        return tensor
+
+    def poison(self) -> None:
+        """Debug: overwrite every position with NaN (a no-op unless poisoning is on).
+
+        Called before each request: what a load claims to have written must then
+        really be written, or the model reads NaN. Positions past the sequence
+        length are never read (the cache views stop at the length), so this costs
+        nothing but the fill.
+        """
+        if self.poisoned:
+            poisoning.fill_tensor(self.tensor)
 
     @property
     def capacity(self) -> int:
@@ -170,14 +189,21 @@ def _canonical(raw_block: np.ndarray, layout: KVLayout, like: np.ndarray) -> np.
 
 class Staging:
     """A reusable page-aligned buffer for reads from slower tiers (allocating and
-    faulting in a fresh one per load would cost more than the copy it serves)."""
+    faulting in a fresh one per load would cost more than the copy it serves).
 
-    def __init__(self) -> None:
+    With poisoning on (debug), every ``get`` hands the buffer out filled with the
+    poison pattern: a read that reports success without writing is then caught
+    instead of passing on the previous load's bytes."""
+
+    def __init__(self, *, poison: bool | None = None) -> None:
         self._buf: np.ndarray | None = None
+        self.poisoned = poisoning.enabled(poison)
 
     def get(self, nbytes: int) -> np.ndarray:
         if self._buf is None or self._buf.nbytes < nbytes:
             self._buf = _aligned(nbytes)
+        if self.poisoned:
+            poisoning.fill_bytes(self._buf[:nbytes])
         return self._buf
 
 
@@ -203,7 +229,7 @@ def load_blocks(
     def place(i: int, block: np.ndarray) -> None:
         np.copyto(raw[:, :, 0, :, i * bt : (i + 1) * bt, :], _canonical(block, layout, raw))
 
-    staging = staging or Staging()
+    staging = staging or Staging(poison=storage.poisoned)
     i = 0
     while i < len(keys):
         if host is not None:

@@ -97,7 +97,10 @@ class KVTierLM:
     """A causal LM that loads cached context from a :class:`TieredStore`.
 
     ``store=None`` gives the plain model (every prompt recomputed) through the
-    same code path: the baseline. ``capacity_tokens`` preallocates the KV
+    same code path: the baseline (tests check it against the model's own
+    forward and ``generate``). ``poison`` (debug; default ``$KVTIER_DEBUG_POISON``)
+    fills the KV storage and staging with NaN before each request, so that a
+    load that writes nothing cannot pass for a correct one. ``capacity_tokens`` preallocates the KV
     storage (an engine sizes its KV memory at start; allocating during a
     request would put page faults on its critical path); it grows if needed.
     """
@@ -112,6 +115,7 @@ class KVTierLM:
         capacity_tokens: int = 4096,
         weights_dir: str | None = None,
         tenant: str = "",
+        poison: bool | None = None,
     ) -> None:
         self.model = model.eval()
         self.store = store
@@ -131,9 +135,9 @@ class KVTierLM:
             # device transfer layer this integration does not have (vLLM's does).
             raise ConfigError(f"KVTierLM runs models on the CPU; this one is on {param.device}. "
                               f"Move it with model.to('cpu'), or serve GPUs through the vLLM connector")
-        self.storage = KVStorage(layout, capacity_tokens, param.dtype, param.device)
+        self.storage = KVStorage(layout, capacity_tokens, param.dtype, param.device, poison=poison)
         self._cache_kw = cache_keyword(model)
-        self._staging = Staging()
+        self._staging = Staging(poison=self.storage.poisoned)
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-save")
         # Set while no background gather reads the storage (a count, since saves can queue).
         self._storage_free = threading.Event()
@@ -152,10 +156,17 @@ class KVTierLM:
         The returned cache stays valid until the next ``prepare``/``generate``.
         ``use_store=False`` returns an empty cache (nothing looked up).
         """
-        arr = as_token_array(tokens)
+        self._reuse_storage()
+        return self._prepare(as_token_array(tokens), extra_tokens, use_store)
+
+    def _reuse_storage(self) -> None:
+        """Wait until no save reads the storage; then (debug) poison it, untimed."""
+        self._storage_free.wait()  # a previous save may still be reading the storage
+        self.storage.poison()
+
+    def _prepare(self, arr: np.ndarray, extra_tokens: int, use_store: bool) -> Prepared:
         if arr.size == 0:
             raise ValueError("the prompt is empty; pass at least one token id")
-        self._storage_free.wait()  # a previous save may still be reading the storage
         start = time.perf_counter()
         cache = self.storage.new_cache(self.model.config)
         cached, known, report = 0, 0, None
@@ -226,9 +237,10 @@ class KVTierLM:
         if max_new_tokens < 1:
             raise ValueError("max_new_tokens must be at least 1 (the first token is the point)")
         arr = as_token_array(tokens)
+        self._reuse_storage()
         start = time.perf_counter()
         cpu_start = time.process_time()
-        prep = self.prepare(arr, extra_tokens=max_new_tokens, use_store=use_store)
+        prep = self._prepare(arr, max_new_tokens, use_store)
         loaded = time.perf_counter()
         suffix = torch.from_numpy(arr[prep.cached_tokens :].astype(np.int64)).unsqueeze(0)
         out = self.model(input_ids=suffix, **{self._cache_kw: prep.cache}, use_cache=True, logits_to_keep=1)
