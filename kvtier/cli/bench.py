@@ -13,6 +13,7 @@ BENCH_MODULES = [
     "kvtier.bench.lookup",
     "kvtier.bench.prefill",
     "kvtier.bench.remote",
+    "kvtier.bench.server_memory",
     "kvtier.bench.vllm",
 ]
 

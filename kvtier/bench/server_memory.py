@@ -1,0 +1,148 @@
+"""``kvtier bench server-memory``: how much of a server's pool holds payload.
+
+A real ``kvtier serve`` (``--capacity 1GiB --max-block 32MiB`` by default, host
+tier only) is filled through a :class:`~kvtier.tiers.remote.RemoteTier` until
+its host tier evicts for the first time (the admin STATS are read after every
+put). ``payload_efficiency`` is the payload bytes the server then holds (its
+index: what a client can still get) divided by the pool's capacity. Two runs,
+each on a fresh server:
+
+* ``payload_efficiency``: every block 256 KiB (the demo's blocks);
+* ``payload_efficiency_mixed``: sizes log-uniform between 16 KiB and 32 MiB
+  (several models and layouts sharing one server).
+
+Each run then keeps putting for another pool's worth of bytes and reports the
+lowest and mean efficiency while evicting (``*_steady_min`` / ``*_steady_mean``),
+and reads the last blocks back (verified by the client) so that a full pool is
+seen to return what it holds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import tempfile
+import time
+
+import numpy as np
+
+from kvtier.core.units import parse_size
+
+KIB, MIB = 1 << 10, 1 << 20
+
+
+def _sizes(kind: str, seed: int):
+    rng = np.random.default_rng(seed)
+    lo, hi = math.log(16 * KIB), math.log(32 * MIB)
+    while True:
+        if kind == "uniform":
+            yield 256 * KIB
+        else:
+            yield int(math.exp(rng.uniform(lo, hi)))
+
+
+def fill_until_eviction(capacity: int, max_block: int, kind: str, *, seed: int = 0,
+                        timeout_s: float = 120.0) -> dict:
+    """One fresh server filled with ``kind`` blocks; the efficiency at its first eviction and after."""
+    from kvtier.server.launch import ServerProcess
+    from kvtier.tiers.base import Status
+    from kvtier.tiers.remote import RemoteTier
+
+    token, admin = (hashlib.sha256(os.urandom(16)).hexdigest() for _ in range(2))
+    source = np.random.default_rng(seed).integers(0, 256, max_block, dtype=np.uint8)
+    workdir = tempfile.mkdtemp(prefix="kvtier-bench-memory-")
+    with ServerProcess.start({"bench": token}, admin_token=admin, workdir=workdir,
+                             server={"capacity": capacity, "max_block": max_block}) as server:
+        tier = RemoteTier(server.url, token, namespace=f"memory-{kind}", timeout_s=60, pool_size=1)
+        stats = RemoteTier(server.url, admin, timeout_s=60, pool_size=1)
+
+        def held() -> tuple[int, int, int]:
+            """(payload bytes held, host evictions, host capacity) from the server itself."""
+            s = stats.server_stats()
+            host = s["store"]["tiers"]["host"]
+            return sum(u["bytes"] for u in s["usage"].values()), host["evictions"], host["capacity_bytes"]
+
+        sizes = _sizes(kind, seed)
+        put = put_bytes = mark = 0
+        first: dict | None = None
+        steady: list[float] = []
+        recent: list[tuple[bytes, int, int]] = []  # (key, offset in source, size) of the last puts
+        t0 = time.perf_counter()
+        try:
+            while time.perf_counter() - t0 < timeout_s:
+                n = next(sizes)
+                key = hashlib.sha256(f"{kind}/{put}".encode()).digest()
+                offset = (put * 4099) % (max_block - n + 1)  # different bytes per block
+                status = tier.put(key, source[offset : offset + n])
+                if status is not Status.OK:
+                    raise RuntimeError(f"put of a {n}-byte block failed with {status.name}")
+                put, put_bytes = put + 1, put_bytes + n
+                recent = (recent + [(key, offset, n)])[-16:]
+                payload, evictions, pool = held()
+                if first is None and evictions:
+                    first = {"payload_bytes": payload, "blocks_put": put, "bytes_put": put_bytes,
+                             "capacity_bytes": pool, "efficiency": payload / pool}
+                    mark = put_bytes
+                elif first is not None:
+                    steady.append(payload / pool)
+                    if put_bytes - mark >= pool:
+                        break
+            if first is None:
+                raise RuntimeError(f"the server did not evict within {timeout_s:.0f} s ({put_bytes} bytes put)")
+            # Read the last blocks back: the client verifies each one, and so do we.
+            verified = 0
+            for key, offset, n in recent:
+                out = np.empty(n, np.uint8)
+                if tier.get(key, out) is Status.OK and np.array_equal(out, source[offset : offset + n]):
+                    verified += 1
+        finally:
+            tier.close()
+            stats.close()
+    return {
+        "efficiency": round(first["efficiency"], 4),
+        "steady_min": round(min(steady), 4) if steady else None,
+        "steady_mean": round(sum(steady) / len(steady), 4) if steady else None,
+        "blocks_at_first_eviction": first["blocks_put"],
+        "payload_at_first_eviction": first["payload_bytes"],
+        "capacity_bytes": first["capacity_bytes"],
+        "blocks_put": put,
+        "read_back_verified": f"{verified}/{len(recent)}",
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
+
+
+def run(capacity: int, max_block: int, seed: int = 0) -> dict:
+    uniform = fill_until_eviction(capacity, max_block, "uniform", seed=seed)
+    mixed = fill_until_eviction(capacity, max_block, "mixed", seed=seed)
+    return {
+        "capacity_bytes": capacity,
+        "max_block_bytes": max_block,
+        "payload_efficiency": uniform["efficiency"],
+        "payload_efficiency_mixed": mixed["efficiency"],
+        "payload_efficiency_steady_min": uniform["steady_min"],
+        "payload_efficiency_mixed_steady_min": mixed["steady_min"],
+        "uniform_256KiB": uniform,
+        "mixed_16KiB_32MiB": mixed,
+    }
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "server-memory", help="payload held by a kvtier serve pool when it starts evicting (uniform and mixed sizes)")
+    p.add_argument("--capacity", default="1GiB", help="the server's host pool (default 1GiB)")
+    p.add_argument("--max-block", default="32MiB", help="the server's largest block (default 32MiB)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_main)
+
+
+def _main(args) -> int:
+    result = run(parse_size(args.capacity, "--capacity"), parse_size(args.max_block, "--max-block"), args.seed)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for k, v in result.items():
+            print(f"{k:>36}: {v}")
+    return 0
