@@ -50,6 +50,12 @@ def test_zero_cross_tenant_hits_beside_a_control_that_hits(kind, tmp_path, keyri
     cross_loads = sum(caches["b"].load(caches["b"].keys(p), outs).loaded for p in prompts)
     assert control == 40
     assert cross == 0 and cross_loads == 0
+    # Control for the loads too: the owner loads every block, byte for byte, into poisoned buffers.
+    for p in prompts:
+        for out in outs:
+            out.fill(np.nan)
+        assert caches["a"].load(caches["a"].keys(p), outs).loaded == 4
+        assert all(np.array_equal(out, want) for out, want in zip(outs, blocks(4)))
 
 
 def test_lookup_of_foreign_and_absent_blocks_is_indistinguishable(tmp_path, keyring):

@@ -27,6 +27,9 @@ def test_storage_keys_are_keyed_and_per_tenant(keyring):
     k = b"k" * 32
     a, b = keyring.storage_key("a", k), keyring.storage_key("b", k)
     assert a != b and k not in (a, b)
+    # controls: the same tenant and key name the same block, in this process and in a new one
+    assert keyring.storage_key("a", k) == a
+    assert Keyring(StaticMasterKey(bytes(range(32))), keyring.dir).storage_key("a", k) == a
     other = Keyring(StaticMasterKey(b"\1" * 32), keyring.dir.parent / "other")
     assert other.storage_key("a", k) != a
 
@@ -48,6 +51,8 @@ def test_retiring_an_epoch_shreds_its_blocks_only(keyring):
     tier.put(b"1" * 32, block(1))
     keyring.rotate("acme")
     tier.put(b"2" * 32, block(2))
+    out = np.empty(B, np.uint8)
+    assert tier.get(b"1" * 32, out) is Status.OK and np.array_equal(out, block(1))  # control: readable until retired
     keyring.retire("acme", 0)
     out = np.empty(B, np.uint8)
     assert tier.get(b"1" * 32, out) is Status.CORRUPT
@@ -68,6 +73,13 @@ def test_shredding_a_tenant_makes_its_disk_files_noise(keyring, tmp_path):
     assert len(files) == 4
     payload = b"".join(f.read_bytes() for f in files)
     assert block(0).tobytes()[:4096] not in payload  # nothing in clear on disk
+    # Control: the keys persisted. A new process (fresh keyring and disk tier on the same
+    # directories) opens every block; so the misses after the shred are the shred's doing.
+    before = Keyring(StaticMasterKey(bytes(range(32))), keyring.dir)
+    t = EncryptedTier(DiskTier(tmp_path / "d", 64 * B), before, "acme", chunk_bytes=64 * 1024, threads=1)
+    for i in range(3):
+        out = np.zeros(B, np.uint8)
+        assert t.get(bytes([i]) * 32, out) is Status.OK and np.array_equal(out, block(i))
     assert keyring.shred_tenant("acme")
     # A new process (fresh keyring on the same key store) cannot read them either.
     fresh = Keyring(StaticMasterKey(bytes(range(32))), keyring.dir)

@@ -107,13 +107,17 @@ def test_chunk_reorder_is_rejected(keyring, sealed):
 
 
 def test_moved_to_another_key_is_rejected(keyring, sealed):
-    _, blob = sealed
+    plain, blob = sealed
+    why, out = try_open(keyring, blob, storage_key=b"S" * 32)  # control: under its own key it opens
+    assert why is None and np.array_equal(out, plain)
     assert try_open(keyring, blob, storage_key=b"T" * 32)[0] is not None
 
 
 def test_cross_tenant_swap_is_rejected(keyring, sealed):
-    _, blob = sealed
+    plain, blob = sealed
     keyring.key_for_write("other")
+    why, out = try_open(keyring, blob, context=b"acme", tenant="acme")  # control: its own tenant opens it
+    assert why is None and np.array_equal(out, plain)
     assert try_open(keyring, blob, context=b"other", tenant="other")[0] is not None
     assert try_open(keyring, blob, context=b"other")[0] is not None
 
