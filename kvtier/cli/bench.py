@@ -15,6 +15,7 @@ BENCH_MODULES = [
     "kvtier.bench.remote",
     "kvtier.bench.server_memory",
     "kvtier.bench.vllm",
+    "kvtier.bench.restart",
 ]
 
 
