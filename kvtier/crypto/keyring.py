@@ -14,6 +14,11 @@
   (temp + rename) under an ``flock``; a process re-reads a tenant's file when it
   changed, at most every ``refresh_s``, so a shred elsewhere takes effect here
   within ``refresh_s`` (immediately in the shredding process).
+* Keys from elsewhere: a read that names an epoch (or key id) this process has
+  not loaded -- another process rotated and wrote with the new key -- re-reads
+  the tenant's file at once, whatever ``refresh_s`` says, at most once per
+  ``missing_reload_s`` per tenant (so a flood of blocks sealed under keys nobody
+  here has costs one file read a second, not one per block), and looks again.
 
 Thread safe.
 """
@@ -63,13 +68,17 @@ class _TenantKeys:
 
 
 class Keyring:
-    def __init__(self, provider: MasterKeyProvider, keystore_dir: str | Path, *, refresh_s: float = 1.0) -> None:
+    def __init__(self, provider: MasterKeyProvider, keystore_dir: str | Path, *, refresh_s: float = 1.0,
+                 missing_reload_s: float = 1.0) -> None:
         self._master = provider.master_key()
         self.dir = Path(keystore_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.refresh_s = refresh_s
+        self.missing_reload_s = missing_reload_s
         self._lock = threading.RLock()
         self._tenants: dict[str, _TenantKeys] = {}
+        self._missing_reloads: dict[str, float] = {}  # tenant -> when a missing key last forced a re-read
+        self.missing_key_reloads = 0  #: re-reads forced by a missing key (observability, tests)
 
     # -- derivations ------------------------------------------------------------
     def _kek(self, tenant: str) -> AESGCM:
@@ -196,14 +205,31 @@ class Keyring:
                     "encryptions", max(doc["epochs"][str(key.epoch)]["encryptions"], key.encryptions)))
 
     def key_for_read(self, tenant: str, epoch: int, key_id: bytes) -> DataKey | None:
+        """The data key a block names, or None if the key store holds no such key -- after one
+        re-read of the store if this process had not loaded it (see "Keys from elsewhere")."""
         with self._lock:
-            state = self._load(tenant, create=False)
-            if state is None:
-                return None
-            key = state.keys.get(epoch)
-            if key is None or not hmac.compare_digest(key.key_id, key_id):
-                return None
+            key = self._loaded_key(tenant, epoch, key_id)
+            if key is None and self._may_reload_for_missing(tenant):
+                self._tenants.pop(tenant, None)  # the next load reads the file, changed or not
+                key = self._loaded_key(tenant, epoch, key_id)
             return key
+
+    def _loaded_key(self, tenant: str, epoch: int, key_id: bytes) -> DataKey | None:
+        state = self._load(tenant, create=False)
+        key = state.keys.get(epoch) if state is not None else None
+        if key is None or not hmac.compare_digest(key.key_id, key_id):
+            return None
+        return key
+
+    def _may_reload_for_missing(self, tenant: str) -> bool:
+        """Rate limit of the re-reads a missing key forces (per tenant)."""
+        now = time.monotonic()
+        last = self._missing_reloads.get(tenant)
+        if last is not None and now - last < self.missing_reload_s:
+            return False
+        self._missing_reloads[tenant] = now
+        self.missing_key_reloads += 1
+        return True
 
     def index_key(self, tenant: str) -> bytes:
         with self._lock:

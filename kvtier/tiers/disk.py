@@ -69,7 +69,7 @@ from kvtier.policy.eviction import EvictionPolicy, LRUPolicy
 from kvtier.tiers import direct_io
 from kvtier.tiers.base import Status, Tier
 from kvtier.tiers.direct_io import PAGE, BlockIO, as_bytes, round_up
-from kvtier.tiers.streams import PayloadSink, PayloadSource, PieceReader, SinkFeeder, StreamingTier
+from kvtier.tiers.streams import PayloadSink, PayloadSource, PieceReader, SinkFeeder, StreamingTier, Unverifiable
 
 log = logging.getLogger(__name__)
 
@@ -257,7 +257,7 @@ class DiskTier(Tier, StreamingTier):
             if status is Status.OK:
                 self.stats.hits += 1
                 self.stats.bytes_read += nbytes
-            elif status is Status.BAD_SIZE:
+            elif status in (Status.BAD_SIZE, Status.MISS):
                 self.stats.misses += 1
             else:
                 self.stats.verify_failures += 1
@@ -463,6 +463,8 @@ class DiskTier(Tier, StreamingTier):
 
         status, why = self._read_checked(key, sink.nbytes, read_payload, sealed=True)
         verdict = feeder.verdict()
+        if status is Status.OK and isinstance(verdict, Unverifiable):
+            return Status.MISS, verdict  # the reader lacks the key, the block may be fine: keep it
         if status is Status.OK and verdict is not None:
             return Status.CORRUPT, verdict
         return status, why

@@ -4,9 +4,16 @@ Wraps any tier (disk, remote, host). ``put`` seals the block (chunked AES-256-GC
 :mod:`kvtier.crypto.aead`) into a reusable page-aligned staging buffer and stores
 the sealed bytes under the tenant's keyed storage name (HMAC of the block key);
 ``get`` fetches the sealed bytes and opens them into the caller's buffer. A
-block that fails authentication -- tampered, truncated, moved to another key or
-tenant, sealed under a retired or shredded epoch -- is :attr:`Status.CORRUPT`:
-counted in ``verify_failures``, logged, never returned.
+block that fails authentication under a key we hold -- tampered, moved to
+another key or tenant -- is :attr:`Status.CORRUPT`: counted in
+``verify_failures``, logged, never returned, and deleted from the tier below
+(it can never verify). A block sealed under a key this process cannot find --
+another process rotated and wrote with the new key, or the epoch was retired
+or shredded -- is a :attr:`Status.MISS` and is *kept*: the keyring re-reads
+its store once (rate limited, :meth:`Keyring.key_for_read`) before giving up,
+and a reader that has the key still opens it. Nothing else (a malformed or
+wrong-size block) deletes either: only a failed tag under a key we hold proves
+a block bad.
 
 Over a remote tier this is end-to-end encryption: the server only ever stores
 ciphertext under names it cannot link to prompts.
@@ -40,7 +47,7 @@ from kvtier.core.payload import BlockMeta
 from kvtier.crypto import aead
 from kvtier.crypto.keyring import Keyring
 from kvtier.tiers.base import Status, Tier
-from kvtier.tiers.streams import StreamingTier
+from kvtier.tiers.streams import StreamingTier, Unverifiable
 from kvtier.tiers.wrapper import WrappingTier
 
 log = logging.getLogger(__name__)
@@ -145,12 +152,8 @@ class EncryptedTier(WrappingTier):
 
     _name = storage_name
 
-    def _lookup_for(self, tenant: str):
-        def lookup(epoch: int, key_id: bytes):
-            key = self.keyring.key_for_read(tenant, epoch, key_id)
-            return key.aead if key is not None else None
-
-        return lookup
+    def _lookup_for(self, tenant: str) -> "_KeyLookup":
+        return _KeyLookup(self.keyring, tenant)
 
     # -- contract ---------------------------------------------------------------
     def contains(self, key: BlockKey) -> bool:
@@ -178,20 +181,30 @@ class EncryptedTier(WrappingTier):
         return out[:n]
 
     def _open(self, tenant: str, name: BlockKey, sealed: np.ndarray, out, executor) -> Status:
-        why = aead.open_into(
-            self._lookup_for(tenant), storage_key=name, context=self._context(tenant), sealed=sealed, out=out,
-            executor=executor,
-        )
+        lookup = self._lookup_for(tenant)
+        why = aead.open_into(lookup, storage_key=name, context=self._context(tenant), sealed=sealed, out=out,
+                             executor=executor)
         if why is None:
             return Status.OK
-        with self._lock:
-            self.inner.stats.verify_failures += 1
-        self._reject(tenant, name, why)
-        return Status.CORRUPT
+        status = Status.MISS if lookup.missing else Status.CORRUPT
+        with self._lock:  # (the tier below counted a hit: it returned the sealed bytes)
+            if status is Status.MISS:
+                self.inner.stats.misses += 1
+            else:
+                self.inner.stats.verify_failures += 1
+        self._reject(tenant, name, why, lookup)
+        return status
 
-    def _reject(self, tenant: str, name: BlockKey, why: str) -> None:
+    def _reject(self, tenant: str, name: BlockKey, why: str, lookup: "_KeyLookup") -> None:
+        """Log a block that did not open; delete it only if it failed authentication under a key we
+        hold (tampered: it will never verify). A missing key proves nothing about the block."""
+        if lookup.missing:
+            log.info("encrypted block %s… of tenant %r kept unread: %s (not in this key store)",
+                     name.hex()[:16], tenant, why)
+            return
         log.warning("encrypted block %s… of tenant %r rejected: %s", name.hex()[:16], tenant, why)
-        self.inner.delete(name)  # it will never verify: free the space
+        if lookup.found:
+            self.inner.delete(name)  # the tag failed under our key: it will never verify, free the space
 
     def _sealed_size(self, plain_nbytes: int) -> int:
         return aead.sealed_nbytes(plain_nbytes, self.chunk_bytes)
@@ -356,16 +369,16 @@ class EncryptedTier(WrappingTier):
         scratch = self._scratch.take(aead.stream_buffer_nbytes(self.chunk_bytes))
         try:
             sinks = [
-                aead.OpeningSink(self._lookup_for(owner), storage_key=name, context=self._context(owner), out=out,
-                                 scratch=scratch, chunk_bytes=self.chunk_bytes)
+                _OpeningSink(self._lookup_for(owner), storage_key=name, context=self._context(owner), out=out,
+                             scratch=scratch, chunk_bytes=self.chunk_bytes)
                 for owner, name, out in items
             ]
             statuses = self.inner.get_streams([it[1] for it in items], sinks)
         finally:
             self._scratch.give(scratch)
         for (owner, name, _), sink, status in zip(items, sinks, statuses):
-            if status is Status.CORRUPT:  # counted by the streaming tier
-                self._reject(owner, name, sink.failure or "not a sealed block")
+            if status is Status.CORRUPT or (status is Status.MISS and sink.lookup.missing):  # counted below
+                self._reject(owner, name, sink.failure or "not a sealed block", sink.lookup)
         return statuses
 
     def delete(self, key: BlockKey) -> bool:
@@ -381,6 +394,40 @@ class EncryptedTier(WrappingTier):
         if self._lanes is not None:
             self._lanes.shutdown(wait=True)
         super().close()
+
+
+class _KeyLookup:
+    """The data-key lookup one block is opened with (``lookup_aead`` of :mod:`kvtier.crypto.aead`).
+    It remembers what it found, so that a block whose key this process lacks (a miss, kept) is
+    told apart from one that failed authentication under a key it holds (tampered, deleted)."""
+
+    __slots__ = ("keyring", "tenant", "found", "missing")
+
+    def __init__(self, keyring: Keyring, tenant: str) -> None:
+        self.keyring = keyring
+        self.tenant = tenant
+        self.found = False  #: the block's key was found (so a failure after this is its tag)
+        self.missing = False  #: the block names a key the key store does not hold, even re-read
+
+    def __call__(self, epoch: int, key_id: bytes):
+        key = self.keyring.key_for_read(self.tenant, epoch, key_id)
+        self.found, self.missing = key is not None, key is None
+        return key.aead if key is not None else None
+
+
+class _OpeningSink(aead.OpeningSink):
+    """An opening sink whose verdict on a block sealed under a key it lacks is
+    :class:`~kvtier.tiers.streams.Unverifiable`: the streaming tier answers a miss and keeps it."""
+
+    def __init__(self, lookup: _KeyLookup, **kw) -> None:
+        super().__init__(lookup, **kw)
+        self.lookup = lookup
+
+    def pieces(self):
+        why = yield from super().pieces()
+        if why is not None and self.lookup.missing:
+            why = self.failure = Unverifiable(why)
+        return why
 
 
 def _writable(out) -> memoryview:

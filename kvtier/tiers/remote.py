@@ -76,7 +76,7 @@ from kvtier.tiers.remote_protocol import (
     pack_put_meta,
 )
 from kvtier.tiers.remote_wire import Address, WireClient, parse_url, resolve_token
-from kvtier.tiers.streams import PayloadSink, PayloadSource, StreamingTier
+from kvtier.tiers.streams import PayloadSink, PayloadSource, StreamingTier, Unverifiable
 
 log = logging.getLogger(__name__)
 
@@ -305,7 +305,10 @@ class RemoteTier(Tier, StreamingTier):
                 c.skip(n, deadline)  # frame boundaries still hold: skip it, report corrupt
                 out.append(Status.CORRUPT)
             elif sealed:
-                out.append(Status.OK if c.read_stream(n, payload, deadline) is None else Status.CORRUPT)
+                verdict = c.read_stream(n, payload, deadline)
+                # a sink that lacks the block's key cannot judge it: a miss, the block is kept
+                out.append(Status.OK if verdict is None else
+                           Status.MISS if isinstance(verdict, Unverifiable) else Status.CORRUPT)
             else:
                 hasher = xxhash.xxh3_128()
                 c.read_into(payload, deadline, hasher)

@@ -40,7 +40,15 @@ class PayloadSink(Protocol):
     def pieces(self) -> Generator[memoryview, None, str | None]:
         """Writable views that the tier fills with the payload, in order, each before it asks
         for the next. Returns ``None`` once the last is filled and the payload verified, or why
-        it did not; it may return early, and the tier discards the rest of the payload."""
+        it did not; it may return early, and the tier discards the rest of the payload. A reason
+        that is an :class:`Unverifiable` means the sink could not judge the block (not that
+        it is bad): the tier answers :attr:`Status.MISS` and keeps the block."""
+
+
+class Unverifiable(str):
+    """A sink's verdict that it could not judge a payload -- it lacks the key the block was
+    sealed under (say, a key another process made and this one cannot load) -- rather than
+    found it bad. The block is a miss for this reader, and kept: a reader with the key opens it."""
 
 
 class StreamingTier(ABC):
@@ -63,7 +71,8 @@ class StreamingTier(ABC):
     @abstractmethod
     def get_streams(self, keys: Sequence[BlockKey], sinks: Sequence[PayloadSink]) -> list[Status]:
         """Feed each stored payload to its sink: OK only where the sink verified it,
-        :attr:`Status.CORRUPT` where it did not."""
+        :attr:`Status.CORRUPT` where it did not, :attr:`Status.MISS` (block kept) where its
+        verdict is :class:`Unverifiable`."""
 
 
 class PieceReader:
