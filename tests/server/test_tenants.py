@@ -31,6 +31,7 @@ def test_other_tenant_with_same_keys_gets_zero_hits_while_same_tenant_hits(serve
     assert globex.get_many(keys, [np.zeros(BLOCK, np.uint8) for _ in keys]) == [Status.MISS] * 8
     assert globex.delete_many(keys) == [False] * 8
     assert list(globex.keys()) == []
+    assert set(control.keys()) == set(keys)  # control: the owner's other token lists them
     # ... and exactly like absent keys: same statuses for never-written keys.
     absent = keys_for("never-written", 8)
     assert globex.get_many(absent, [np.zeros(BLOCK, np.uint8) for _ in absent]) == [Status.MISS] * 8
@@ -51,7 +52,13 @@ def test_namespaces_of_one_tenant_are_separate(server):
     b = remote(server, "acme", namespace="model-b")
     _fill(a, keys)
     assert a.lookup_prefix(keys) == 3
+    # control: another client (another token) of the same tenant and namespace hits, byte for byte
+    same = remote(server, "acme2", namespace="model-a")
+    out = np.zeros(BLOCK, np.uint8)
+    assert same.lookup_prefix(keys) == 3
+    assert same.get(keys[1], out) is Status.OK and np.array_equal(out, block(keys[1]))
     assert b.lookup_prefix(keys) == 0
+    assert b.get(keys[1], np.zeros(BLOCK, np.uint8)) is Status.MISS
 
 
 def test_tenant_claimed_in_hello_is_ignored(server):
@@ -69,9 +76,13 @@ def test_bad_token_is_refused_and_audited(server):
     h, meta, _ = read_frame(s)
     assert h.op == Op.ERROR and h.code == ErrorCode.AUTH_FAILED
     assert closed_by_peer(s)
-    bad = remote(server, "acme")
+    stored = keys_for("bad-token", 2)
+    good = remote(server, "acme", namespace="bad-token")
+    _fill(good, stored)
+    assert remote(server, "acme2", namespace="bad-token").lookup_prefix(stored) == 2  # control: a good token hits
+    bad = remote(server, "acme", namespace="bad-token")
     bad._token = "also-wrong"
-    assert bad.lookup_prefix(keys_for("x", 2)) == 0  # a refused token is a miss, not an exception
+    assert bad.lookup_prefix(stored) == 0  # a refused token is a miss, not an exception
     assert "AUTH_FAILED" in (bad.last_error or "")
     records = [json.loads(line) for line in open(server.workdir + "/audit.jsonl")]
     failures = [r for r in records if r["event"] == "auth_failure"]
@@ -106,6 +117,11 @@ def test_shared_namespace_is_read_only_and_only_for_granted_tenants(server):
     # globex is not granted: nothing, exactly as if absent; and it may not connect there.
     globex = remote(server, "globex", namespace="assistant")
     assert globex.lookup_prefix(prompt) == 0
+    s = connect(server.tcp_url)  # control: a granted tenant may connect there
+    s.sendall(hello_frame("acme-token-1", "shared/system-prompts"))
+    h, _, _ = read_frame(s)
+    assert h.op == Op.HELLO and h.code == 0
+    s.close()
     s = connect(server.tcp_url)
     s.sendall(hello_frame("globex-token-1", "shared/system-prompts"))
     h, _, _ = read_frame(s)
@@ -124,6 +140,13 @@ def test_admin_token_is_not_a_tenant_and_tenants_cannot_administer(server):
     h, _, _ = read_frame(s)
     assert h.op == Op.ERROR and h.code == ErrorCode.FORBIDDEN
     s.close()
+    s = connect(server.tcp_url)  # control: the same lookup from a tenant's token is answered
+    s.sendall(hello_frame("acme-token-1"))
+    read_frame(s)
+    s.sendall(frame(Op.LOOKUP, keys_for("a", 1)[0], req_id=2))
+    h, _, _ = read_frame(s)
+    assert h.op == Op.LOOKUP and h.code == 0
+    s.close()
 
     from kvtier.tiers.remote_protocol import pack_msgpack
 
@@ -133,6 +156,14 @@ def test_admin_token_is_not_a_tenant_and_tenants_cannot_administer(server):
     s.sendall(frame(Op.ADMIN, pack_msgpack({"cmd": "erase", "args": {"tenant": "globex"}}), req_id=2))
     h, _, _ = read_frame(s)
     assert h.op == Op.ERROR and h.code == ErrorCode.FORBIDDEN
+    s.close()
+
+    s = connect(server.tcp_url)  # control: the same command from the admin token is carried out
+    s.sendall(hello_frame("admin-token-1"))
+    read_frame(s)
+    s.sendall(frame(Op.ADMIN, pack_msgpack({"cmd": "erase", "args": {"tenant": "globex"}}), req_id=2))
+    h, meta, _ = read_frame(s)
+    assert h.op == Op.ADMIN and h.code == 0, (h, meta)
     s.close()
 
 
