@@ -79,6 +79,35 @@ def test_buffered_fallback_keeps_the_same_format(tmp_path):
         assert status is Status.OK and np.array_equal(out, data(1))
 
 
+def test_o_direct_is_really_used_where_the_probe_says_it_works(tmp_path, monkeypatch):
+    """Every block file the tier writes or reads is opened with O_DIRECT (as the kernel reports
+    it for the open file, F_GETFL) when the probe says the file system takes it; buffered otherwise."""
+    import fcntl
+
+    supported = direct_io.probe_direct_io(str(tmp_path))
+    opened: list[tuple[str, bool]] = []  # (write or read, O_DIRECT set on the open file)
+    for kind in ("open_write", "open_read"):
+        real = getattr(direct_io.BlockIO, kind)
+
+        def spy(self, path, _real=real, _kind=kind):
+            fd = _real(self, path)
+            opened.append((_kind, bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)))
+            return fd
+
+        monkeypatch.setattr(direct_io.BlockIO, kind, spy)
+    with DiskTier(tmp_path / "d", 1 << 20) as t:
+        assert t.direct_io is supported
+        aligned = aligned_buffer(BLOCK)
+        aligned[:] = data(1)
+        assert t.put(k(1), aligned) is Status.OK
+        assert t.put(k(2), data(2)) is Status.OK  # numpy memory: staged through aligned buffers
+        out = aligned_buffer(BLOCK)
+        assert t.get(k(1), out) is Status.OK and np.array_equal(out, data(1))
+        assert read(t, k(2))[0] is Status.OK
+    assert {kind for kind, _ in opened} == {"open_write", "open_read"}
+    assert all(direct is supported for _, direct in opened), opened
+
+
 def test_o_direct_probe_falls_back_or_refuses(tmp_path, monkeypatch):
     real_open = os.open
 
