@@ -55,6 +55,7 @@ class _Entry:
     meta: BlockMeta | None
     created: float
     pins: int = 0
+    key_pins: int = 0  #: those of ``pins`` taken by :meth:`HostTier.pin` (``unpin`` releases only these)
     published: bool = False
     doomed: bool = False  # deleted while pinned: free the memory at the last unpin
 
@@ -319,16 +320,21 @@ class HostTier(Tier):
             if entry is None:
                 return False
             entry.pins += 1
+            entry.key_pins += 1
             return True
 
     def unpin(self, key: BlockKey) -> None:
-        """Release one :meth:`pin`. A block deleted while pinned is released first
-        (oldest pin first), so that its memory is freed as soon as possible."""
+        """Release one :meth:`pin` of ``key``: of the live copy if it has one, else of a
+        copy deleted while pinned (oldest first). Never a ``hold`` or ``borrow``: those
+        release through their own handle, so another caller's unpin cannot free a
+        block a reader still holds."""
         with self._lock:
-            doomed = self._doomed.get(key)
-            entry = doomed[0] if doomed else self._entries.get(key)
-            if entry is None or entry.pins <= 0:
+            entry = self._entries.get(key)
+            if entry is None or entry.key_pins <= 0:
+                entry = next((e for e in self._doomed.get(key, ()) if e.key_pins > 0), None)
+            if entry is None:
                 raise ValueError("unpin of a block that is not pinned")
+            entry.key_pins -= 1
         self._unpin_entry(key, entry)
 
     def meta_of(self, key: BlockKey) -> BlockMeta | None:
@@ -446,6 +452,7 @@ class HostTier(Tier):
             doomed = [e for group in self._doomed.values() for e in group]
             assert all(e.doomed and e.pins > 0 for e in doomed), "a doomed entry outlived its pins"
             assert all(e.pins >= 0 for e in live), "negative pin count"
+            assert all(0 <= e.key_pins <= e.pins for e in live + doomed), "more key pins than pins"
             holders = live + doomed
             per_class = self._alloc.check()
             runs = self._alloc.runs()
