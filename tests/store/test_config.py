@@ -44,3 +44,21 @@ def test_encrypt_true_without_a_key_names_the_fix(monkeypatch):
     monkeypatch.delenv("KVTIER_MASTER_KEY", raising=False)
     with pytest.raises(ConfigError, match="KVTIER_MASTER_KEY"):
         build_store(StoreConfig(encrypt=True), LAYOUT)
+
+
+def test_write_behind_settings_are_validated_and_reach_the_store(tmp_path):
+    assert StoreConfig().write_mode == "write-behind"
+    for bad in ({"write_mode": "write-around"}, {"dirty_limit_blocks": 0}, {"dirty_limit_blocks": "many"},
+                {"close_flush_timeout_s": -1}, {"close_flush_timeout_s": "soon"}):
+        with pytest.raises(ConfigError, match=next(iter(bad))):
+            StoreConfig(**bad)
+    config = StoreConfig(host_bytes=8 * LAYOUT.block_nbytes, disk_path=str(tmp_path / "d"), write_mode="write-back",
+                         dirty_limit_blocks=7, close_flush_timeout_s=1.5, encrypt=False)
+    store = build_store(config, LAYOUT)
+    assert store.write_mode.value == "write-behind"  # the old name, same mode
+    assert store.close_flush_timeout_s == 1.5
+    assert store._writebehind.dirty_limit == 7
+    store.close()
+    store = build_store(config.replace(write_mode="write-through", close_flush_timeout_s=None), LAYOUT)
+    assert store.write_mode.value == "write-through" and store.close_flush_timeout_s is None
+    assert store.close() == (0, 0, 0.0)

@@ -148,7 +148,8 @@ def test_schedule_writeback_copies_blocks_written_straight_into_the_host_pool(tm
         host.commit(res)
     assert not any(disk.contains(k) for k in keys)  # control: nothing goes down by itself
     store.schedule_writeback(keys, parents=[None, *keys[:-1]], metas=[meta] * 4)
-    assert store.flush_dirty(30.0) == (4, 0, pytest.approx(0, abs=30))
+    report = store.flush_dirty(30.0)
+    assert (report.flushed, report.dropped) == (4, 0)
     assert {r.key: r.parent for r in disk.records()} == dict(zip(keys, [None, *keys[:-1]]))
     headers = {r.key: r.header for r in disk.records()}
     assert all(tuple(headers[k].shape) == tuple(layout.block_shape) for k in keys)
@@ -156,6 +157,24 @@ def test_schedule_writeback_copies_blocks_written_straight_into_the_host_pool(tm
         assert np.array_equal(read_back(disk, key, layout.block_nbytes), content(i, layout))
     with pytest.raises(ValueError, match="parents"):
         store.schedule_writeback(keys, parents=[None])
+    store.close()
+
+
+def test_copies_cascade_down_a_chain_of_tiers(tmp_path, small_ns):
+    """host → disk → a third tier: a block that reaches the disk, copied behind or demoted by
+    an eviction, is dirty there for the tier below, so a flush leaves it in every tier."""
+    layout = small_ns.layout
+    disk = DiskTier(tmp_path / "disk", 1 << 26)
+    far = Recording(host_of(64, layout, "far"))
+    store = TieredStore([host_of(4, layout), disk, far])
+    keys = chain(small_ns, 12)  # 8 of them are evicted from the host on the way
+    store.put(keys, [content(i, layout) for i in range(12)])
+    report = store.flush_dirty(30.0)
+    assert report.dropped == 0
+    assert far.put_keys == Counter({k: 1 for k in keys})
+    for i, key in enumerate(keys):
+        assert np.array_equal(read_back(far, key, layout.block_nbytes), content(i, layout))
+    assert store.stats()["store"]["dirty_blocks"] == 0
     store.close()
 
 
