@@ -26,6 +26,11 @@ With ``--encrypt`` (Redis is left out) two more systems join the rotation:
 
 Each throughput is a median over runs in GB/s (1e9 bytes/s); each ratio is the
 median of per-run ratios (paired, so slow phases of the machine cancel).
+
+Before each system's gets every caller buffer is poisoned, and after them every
+block is compared with what was put (both outside the timing): a system whose
+get reports success without writing, or writes other bytes, stops the benchmark
+with an error instead of posting a fast figure.
 """
 
 from __future__ import annotations
@@ -225,6 +230,18 @@ def _gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9
 
 
+#: the byte every get buffer holds before a system's gets; its gets must overwrite all of it
+POISON = 0xA5
+_NAMES = {"kv": "kvtier", "s": "raw socket", "r": "redis", "e": "encrypted kvtier", "l": "kvtier in lanes"}
+
+
+def _verify_gets(system: str, outs: list[np.ndarray], srcs: list[np.ndarray]) -> None:
+    for i, (got, want) in enumerate(zip(outs, srcs)):
+        if not np.array_equal(got, want):
+            what = "was never written (still poisoned)" if np.all(got == POISON) else "holds other bytes than were put"
+            raise RuntimeError(f"{_NAMES.get(system, system)} get of block {i} reported success but the buffer {what}")
+
+
 def run(block_mib: float, run_mib: int, runs: int, unix: bool, with_redis: bool = True,
         encrypt: bool = False) -> dict:
     from kvtier.server.launch import ServerProcess
@@ -333,9 +350,12 @@ def run(block_mib: float, run_mib: int, runs: int, unix: bool, with_redis: bool 
             order = systems[k:] + systems[:k]
             # All puts back to back, then all gets: each pair shares the machine's state of the moment.
             puts = {name: timed(put, keys) for name, put, _, _ in order}
-            gets = {name: timed(get, keys) for name, _, get, _ in reversed(order)}
-            if not np.array_equal(outs[-1], srcs[-1]):
-                raise RuntimeError("a block came back with different bytes")
+            gets = {}
+            for name, _, get, _ in reversed(order):
+                for out in outs:  # untimed; the buffers stay warm (faulted in), only their bytes change
+                    out.fill(POISON)
+                gets[name] = timed(get, keys)
+                _verify_gets(name, outs, srcs)
             for _, _, _, cleanup in order:
                 cleanup(keys)
             if r >= 0:

@@ -14,6 +14,11 @@ so that the noise of a shared machine hits both:
 Throughputs are medians over runs in GB/s (1e9 bytes); each ratio is the
 median of the per-run ratios tier / limit (paired, so slow phases of the
 machine cancel).
+
+Every get, the tier's and the limit's alike, lands in a buffer poisoned just
+before it (outside the timing) and is compared with what was put just after it
+(also outside): a get that reports success without writing, or writes the wrong
+bytes, stops the benchmark with an error instead of posting a fast figure.
 """
 
 from __future__ import annotations
@@ -36,18 +41,43 @@ MIB = 1 << 20
 DEFAULT_RUN_BYTES = 256 * MIB
 
 
+TIER, LIMIT = 0, 1
+#: the byte every get buffer holds before the get; a get must overwrite it with the block
+POISON = 0xA5
+
+
 def _phase(tier_op: Callable[[int, bytes], None], limit_op: Callable[[int], None], keys: list[bytes],
-           first: int) -> tuple[float, float]:
+           first: int, before: Callable[[int], None] | None = None,
+           after: Callable[[int, int], None] | None = None) -> tuple[float, float]:
     """Seconds spent in the tier and in the limit over all blocks, alternating block by
-    block (and who goes first), so that a slow moment of the machine hits both."""
+    block (and who goes first), so that a slow moment of the machine hits both.
+    ``before(i)`` and ``after(i, who)`` run around each operation, untimed."""
     spent = [0.0, 0.0]
     for i, key in enumerate(keys):
-        order = (0, 1) if (i + first) % 2 == 0 else (1, 0)
+        order = (TIER, LIMIT) if (i + first) % 2 == 0 else (LIMIT, TIER)
         for who in order:
+            if before is not None:
+                before(i)
             t0 = time.perf_counter()
-            tier_op(i, key) if who == 0 else limit_op(i)
+            tier_op(i, key) if who == TIER else limit_op(i)
             spent[who] += time.perf_counter() - t0
+            if after is not None:
+                after(i, who)
     return spent[0], spent[1]
+
+
+def _poison(out: np.ndarray) -> None:
+    out.fill(POISON)
+
+
+def _verify(got: np.ndarray, want: np.ndarray, who: int, i: int) -> None:
+    if not np.array_equal(got, want):
+        side = "tier" if who == TIER else "limit"
+        untouched = bool(np.all(got == POISON))
+        raise RuntimeError(
+            f"{side} get of block {i} reported success but the buffer "
+            + ("was never written (still poisoned)" if untouched else "holds other bytes than were put")
+        )
 
 
 def _keys(run: int, blocks: int) -> list[bytes]:
@@ -88,6 +118,12 @@ class _HostBench:
 
     def limit_get(self, i: int) -> None:
         np.copyto(self.outs[i % 2], self.warm[i])
+
+    def poison_get(self, i: int) -> None:
+        _poison(self.outs[i % 2])
+
+    def verify_get(self, i: int, who: int) -> None:
+        _verify(self.outs[i % 2], self.srcs[i % 2], who, i)
 
     def start(self, keys):
         pass
@@ -154,6 +190,12 @@ class _DiskBench:
                 raise RuntimeError(f"short read of {self._raw(i)}")
         finally:
             os.close(fd)
+
+    def poison_get(self, i: int) -> None:
+        _poison(self.padded[2 + i % 2])  # the limit reads whole pages into it; the tier its first n bytes
+
+    def verify_get(self, i: int, who: int) -> None:
+        _verify(self.outs[i % 2], self.srcs[i % 2], who, i)
 
     def between(self, keys):
         """Make the gets cold: forget every file's cached pages (not timed)."""
@@ -261,7 +303,7 @@ def run(tier: str, block_mib: float, blocks: int | None, runs: int, directory: s
             bench.start(keys)
             t_put, l_put = _phase(bench.tier_put, bench.limit_put, keys, r)
             bench.between(keys)
-            t_get, l_get = _phase(bench.tier_get, bench.limit_get, keys, r)
+            t_get, l_get = _phase(bench.tier_get, bench.limit_get, keys, r, bench.poison_get, bench.verify_get)
             bench.cleanup(keys)
             if r >= 0:
                 for sink, seconds in ((put, t_put), (lput, l_put), (get, t_get), (lget, l_get)):

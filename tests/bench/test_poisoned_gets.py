@@ -1,0 +1,38 @@
+"""Benchmarks read into poisoned buffers and check them: a get that writes nothing is an error, not a figure."""
+
+import numpy as np
+import pytest
+
+from kvtier.bench import remote as bench_remote
+from kvtier.bench import storage as bench_storage
+from kvtier.tiers.base import Status
+from kvtier.tiers.host import HostTier
+from kvtier.tiers.remote import RemoteTier
+
+
+def _writes_nothing(self, key, out):
+    return Status.OK
+
+
+def _writes_other_bytes(self, key, out):
+    np.asarray(out).view(np.uint8)[:] = 7
+    return Status.OK
+
+
+def test_bench_storage_runs_and_checks_every_get():
+    result = bench_storage.run("host", 0.25, 4, 1)
+    assert result["get_ratio"] > 0 and result["put_ratio"] > 0
+
+
+@pytest.mark.parametrize("broken, message", [(_writes_nothing, "never written"),
+                                             (_writes_other_bytes, "other bytes")])
+def test_bench_storage_stops_on_a_get_that_does_not_deliver(monkeypatch, broken, message):
+    monkeypatch.setattr(HostTier, "get", broken)
+    with pytest.raises(RuntimeError, match=f"tier get of block 0 reported success but the buffer .*{message}"):
+        bench_storage.run("host", 0.25, 4, 1)
+
+
+def test_bench_remote_stops_on_a_get_that_does_not_deliver(monkeypatch):
+    monkeypatch.setattr(RemoteTier, "get_many", lambda self, keys, outs: [Status.OK] * len(keys))
+    with pytest.raises(RuntimeError, match="kvtier get of block 0 .* never written"):
+        bench_remote.run(0.25, 1, 1, False, with_redis=False)
