@@ -19,6 +19,12 @@ so a second run would measure DRAM). On this shared 2-core machine a 0.2 s run
 can double when another process takes a core at the wrong moment, while a 10 s
 run averages such moments out; the repeats keep one hiccup from deciding a
 short turn's figure. The record says how many runs each side took.
+
+Before every run, both sides alike, the engine's KV storage and load staging are
+filled with NaN (``KVTierLM(poison=True)``, outside the timing): a load that
+reported success without writing would leave NaN where the context's KV should
+be, so its logits and tokens differ and ``outputs_equal`` says so, instead of
+matching because the previous run left the right KV in place.
 """
 
 from __future__ import annotations
@@ -164,7 +170,8 @@ def main() -> int:
     open_s = time.perf_counter() - t
     disk = next((tier for tier in store.tiers if tier.name == "disk"), None)
     recovered = sum(1 for _ in disk.keys()) if disk is not None else 0
-    lm = KVTierLM(model, store, namespace, capacity_tokens=job.get("capacity_tokens", 8192))
+    lm = KVTierLM(model, store, namespace, capacity_tokens=job.get("capacity_tokens", 8192),
+                  poison=job.get("poison", True))
     scenario = Scenario.from_json(job["scenario"])
 
     def encode(role: str, text: str, max_tokens: int) -> list[int]:
@@ -183,7 +190,7 @@ def main() -> int:
     _emit("ready", pid=os.getpid(), phase=job["phase"], ready_s=time.perf_counter() - started,
           model_load_s=load_s, store_open_s=open_s, recovered_blocks=recovered, limits_gib_s=limits,
           block_tokens=namespace.layout.block_tokens, bytes_per_token=namespace.layout.bytes_per_token,
-          threads=torch.get_num_threads())
+          threads=torch.get_num_threads(), poisoned=lm.storage.poisoned)
 
     for index in job["step_indices"]:
         step = scenario.steps[index]
