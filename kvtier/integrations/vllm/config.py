@@ -54,6 +54,14 @@ class ConnectorConfig:
       instance waits up to this long for the blocks it announces to be visible.
     * ``load_failure_policy``: "recompute" (the default; vLLM's own default
       would fail the request) or "fail".
+    * ``shutdown_flush_s``: at engine shutdown (vLLM's ``shutdown``, SIGTERM,
+      process exit) the store flushes host blocks not yet on disk for at most
+      this long. vLLM gives a worker about 5 s between asking it to stop and
+      killing it (``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS``, the engine-core
+      process manager's grace), hence the default of 4.
+    * ``debug_poison``: fill the pages a load writes and its staging buffers with
+      NaN first (tests; :mod:`kvtier.integrations.poison`). Default:
+      ``$KVTIER_DEBUG_POISON``.
     """
 
     block_tokens: int = 256
@@ -62,6 +70,8 @@ class ConnectorConfig:
     async_load: bool = True
     pd_wait_s: float = 5.0
     load_failure_policy: str = "recompute"
+    shutdown_flush_s: float = 4.0
+    debug_poison: bool | None = None
     store: StoreConfig = field(default_factory=StoreConfig)
 
     def __post_init__(self) -> None:
@@ -71,6 +81,9 @@ class ConnectorConfig:
             raise ConfigError(f"load_failure_policy={self.load_failure_policy!r}; use 'recompute' or 'fail'")
         if self.pd_wait_s < 0:
             raise ConfigError(f"pd_wait_s={self.pd_wait_s!r}; give seconds >= 0")
+        if not isinstance(self.shutdown_flush_s, (int, float)) or self.shutdown_flush_s < 0:
+            raise ConfigError(f"shutdown_flush_s={self.shutdown_flush_s!r}; "
+                              "give seconds >= 0 (0: drop what only DRAM holds)")
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> "ConnectorConfig":

@@ -14,6 +14,7 @@ only saves, ``kv_consumer`` (a decode instance) only loads.
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -22,6 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from kvtier.integrations import poison as poisoning
 from kvtier.integrations.vllm import shared_store
 from kvtier.integrations.vllm.config import ConnectorConfig, engine_kv
 from kvtier.integrations.vllm.lookup_service import LookupClient, LookupServer, socket_path
@@ -42,6 +44,24 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+
+def _log_through_vllm() -> None:
+    """Show kvtier's log lines (store closed and flushed, failed loads) in vLLM's log.
+
+    vLLM configures its own ``vllm`` logger only; kvtier's loggers would reach no
+    handler, and INFO lines such as the shutdown flush report would vanish. Done
+    only when the application configured neither the ``kvtier`` logger nor the root.
+    """
+    ours = logging.getLogger("kvtier")
+    if ours.handlers or logging.getLogger().handlers:
+        return
+    theirs = logging.getLogger("vllm")
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    if ours.handlers:
+        ours.setLevel(logging.INFO)
+        ours.propagate = False
+
 #: how long a step with no forward pass waits for an asynchronous load to end
 IDLE_WAIT_S = 0.05
 
@@ -53,6 +73,7 @@ class KvtierConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        _log_through_vllm()
         transfer = self._kv_transfer_config
         self.config = ConnectorConfig.from_extra_config(transfer.kv_connector_extra_config)
         tp_rank = 0
@@ -84,9 +105,10 @@ class KvtierConnector(KVConnectorBase_V1):
                 saves=transfer.kv_role in ("kv_both", "kv_producer"),
             )
         else:
-            self.store = shared_store.acquire(self.config.store, self.engine.layout)
+            self.store = shared_store.acquire(self.config.store, self.engine.layout,
+                                              flush_timeout_s=self.config.shutdown_flush_s)
             shared_store.register_worker(engine_id, self.store)
-            self.worker = WorkerSide(self.engine, self.store)
+            self.worker = WorkerSide(self.engine, self.store, poison=poisoning.enabled(self.config.debug_poison))
             if tp_rank == 0:
                 store = self.store
                 self._lookup_server = LookupServer(socket_path(engine_id), lambda keys: store.lookup(keys).hit_blocks)
@@ -124,14 +146,18 @@ class KvtierConnector(KVConnectorBase_V1):
         return self.worker.take_load_errors()
 
     def shutdown(self) -> None:
+        """vLLM's stop signal (worker shutdown, scheduler shutdown): saves reach the store, and
+        the last connector of the process closes it, flushing DRAM-only blocks to disk
+        within ``shutdown_flush_s`` in all (see :mod:`~kvtier.integrations.vllm.shared_store`)."""
+        deadline = time.monotonic() + self.config.shutdown_flush_s
         if self._lookup_server is not None:
             self._lookup_server.close()
             self._lookup_server = None
         if self.worker is not None:
-            self.worker.shutdown()
+            self.worker.shutdown(timeout_s=self.config.shutdown_flush_s / 2)
         if self.store is not None:
-            shared_store.release(self.store)
-            self.store = None
+            store, self.store = self.store, None
+            shared_store.release(store, flush_timeout_s=max(0.0, deadline - time.monotonic()))
 
     # -- scheduler side ---------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -153,4 +179,5 @@ class KvtierConnector(KVConnectorBase_V1):
     def stats(self) -> dict:
         side = self.scheduler or self.worker
         return {"role": self.role.name, **{k: getattr(side.stats, k) for k in side.stats.__slots__},
+                **({"poison": self.worker.poison} if self.worker is not None else {}),
                 "store": self.store.stats() if self.store is not None else None}

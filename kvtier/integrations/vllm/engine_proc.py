@@ -12,9 +12,11 @@ null for no connector), ``role`` (kv_both | kv_producer | kv_consumer),
 ``max_model_len``, ``prefix_caching``, or ``transfer`` (a whole
 KVTransferConfig dict, for another connector such as LMCache's). Commands: ``generate`` (prompts as token-id lists,
 ``max_tokens``, optional ``cache_salt``, ``kv_transfer_params``), ``reset``
-(vLLM's prefix cache), ``flush`` (wait for the connector's saves), ``stats``,
+(vLLM's prefix cache), ``flush`` (wait for the connector's saves and the store's
+write-behind copies), ``stats``,
 ``break_loads`` / ``fix_loads`` (make every store read fail while lookups
-still hit), ``kill_on_next_load`` (SIGKILL a process at the next store read),
+still hit), ``skip_load_copies`` (loads read and report success but write no
+page; ``fix_loads`` undoes it), ``kill_on_next_load`` (SIGKILL a process at the next store read),
 ``quit``.
 """
 
@@ -215,9 +217,11 @@ def main() -> int:
         elif op == "flush":
             from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-            worker = getattr(get_kv_transfer_group(), "worker", None)
+            connector = get_kv_transfer_group()
+            worker = getattr(connector, "worker", None)
             if worker is not None:
                 worker.flush()
+                connector.store.flush_dirty(cmd.get("timeout_s", 60.0))  # write-behind copies landed too
             reply({"ok": True})
         elif op == "break_loads":
             # Test hook: lookups still hit, every read fails (a tier that dies between the two).
@@ -247,10 +251,19 @@ def main() -> int:
 
             store.get = get
             reply({"ok": True})
+        elif op == "skip_load_copies":
+            # Test hook: a broken load that reads and verifies blocks, reports them loaded and
+            # writes no page (what poisoning must catch).
+            from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+            get_kv_transfer_group().worker.paged.scatter = lambda src, transfer: None
+            reply({"ok": True})
         elif op == "fix_loads":
             from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-            vars(get_kv_transfer_group().store).pop("get", None)
+            connector = get_kv_transfer_group()
+            vars(connector.store).pop("get", None)
+            vars(connector.worker.paged).pop("scatter", None)
             reply({"ok": True})
         elif op == "quit":
             reply({"ok": True})

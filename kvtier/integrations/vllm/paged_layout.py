@@ -88,6 +88,14 @@ class PagedKV:
             part = block[layer, lo:hi]
             kv.index_copy_(0, ids, part if kv.device.type == "cpu" else part.to(kv.device, non_blocking=False))
 
+    def poison(self, transfers: list[BlockTransfer]) -> None:
+        """Debug: fill the pages of ``transfers`` with NaN (the byte pattern for non-float
+        KV), so that a load that claims them without writing them is caught."""
+        ids = torch.tensor([p for t in transfers for p in t.page_ids], dtype=torch.long, device=self.device)
+        fill = float("nan") if self.dtype.is_floating_point else -1
+        for kv in self.layers:
+            kv.index_fill_(0, ids, fill)
+
     def _ids(self, transfer: BlockTransfer) -> torch.Tensor:
         if transfer.first < 0 or transfer.first + len(transfer.page_ids) > self.pages_per_block:
             raise LayoutError(f"pages {transfer.first}..+{len(transfer.page_ids)} exceed a block of "

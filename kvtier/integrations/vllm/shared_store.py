@@ -4,31 +4,66 @@ vLLM builds one connector per role. When both live in one process (vLLM's
 in-process executor) the scheduler uses the store of the worker of its engine
 (:func:`worker_store`); otherwise it asks that worker over
 :mod:`~kvtier.integrations.vllm.lookup_service`. Stores are reference counted
-and closed (pending writes flushed) when the last user lets go.
+and closed when the last user lets go.
+
+**Shutdown.** Closing a store flushes the host blocks not yet in a lower tier
+(write-back keeps them only in DRAM until evicted), bounded by the connector's
+``shutdown_flush_s``, and logs what was flushed and dropped. vLLM asks for it
+through ``KvtierConnector.shutdown`` on every path we know of: the engine
+core's shutdown (``LLM`` deleted or collected, interpreter exit through its
+finalizer, ``vllm serve`` SIGTERM/SIGINT, which vLLM turns into ``SystemExit``
+in the engine-core and worker processes). Two fallbacks cover the rest:
+
+* an ``atexit`` hook closes every store still open at interpreter exit
+  (a process that exits without shutting its engine down);
+* where SIGTERM still has its default action (it would kill the process
+  without running ``atexit``) and the store is built on the main thread — an
+  ``LLM`` in a plain script — SIGTERM raises ``SystemExit`` instead, so that
+  the process unwinds through the two paths above. A handler someone else
+  installed (vLLM's own, an application's) is left alone; a second SIGTERM
+  kills at once.
+
+SIGKILL and power loss lose what only DRAM held: that is what write-behind
+(the store copying dirty blocks down in the background) bounds.
 """
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
+import logging
+import signal
 import threading
 
 from kvtier.core.layout import KVLayout
 from kvtier.store.config import StoreConfig, build_store
 from kvtier.store.tiered import TieredStore
 
+log = logging.getLogger(__name__)
+
+#: seconds a close may spend flushing when the caller gives no bound
+DEFAULT_FLUSH_TIMEOUT_S = 4.0
+
 _lock = threading.Lock()
-_stores: dict[tuple[StoreConfig, KVLayout], list] = {}  # key -> [store, refcount]
+_stores: dict[tuple[StoreConfig, KVLayout], list] = {}  # key -> [store, refcount, flush timeout]
 _workers: dict[str, TieredStore] = {}  # engine id -> the store of its worker in this process
+_exit_hooks_installed = False
 
 
-def acquire(config: StoreConfig, layout: KVLayout) -> TieredStore:
-    """The process's store for ``(config, layout)``, built on first use; pair with :func:`release`."""
+def acquire(config: StoreConfig, layout: KVLayout, *, flush_timeout_s: float = DEFAULT_FLUSH_TIMEOUT_S) -> TieredStore:
+    """The process's store for ``(config, layout)``, built on first use; pair with :func:`release`.
+
+    ``flush_timeout_s`` bounds the flush when the store is closed by the
+    exit fallbacks (the largest asked for wins).
+    """
     key = (config, dataclasses.replace(layout, tp_rank=0))  # slot sizes do not depend on the rank
     with _lock:
         entry = _stores.get(key)
         if entry is None:
-            entry = _stores[key] = [build_store(config, layout), 0]
+            entry = _stores[key] = [build_store(config, layout), 0, flush_timeout_s]
         entry[1] += 1
+        entry[2] = max(entry[2], flush_timeout_s)
+        _install_exit_hooks()
         return entry[0]
 
 
@@ -50,8 +85,12 @@ def worker_store(engine_id: str) -> TieredStore | None:
         return None
 
 
-def release(store: TieredStore) -> None:
-    """Drop one reference; the last one flushes and closes the store."""
+def release(store: TieredStore, *, flush_timeout_s: float | None = None):
+    """Drop one reference; the last one closes the store, flushing for at most
+    ``flush_timeout_s`` (default: the bound given at :func:`acquire`).
+
+    Returns the store's flush report when this call closed it, else None.
+    """
     with _lock:
         for engine_id, registered in list(_workers.items()):
             if registered is store:
@@ -60,15 +99,60 @@ def release(store: TieredStore) -> None:
             if entry[0] is store:
                 entry[1] -= 1
                 if entry[1] > 0:
-                    return
+                    return None
                 del _stores[key]
+                timeout = entry[2] if flush_timeout_s is None else flush_timeout_s
                 break
         else:
-            return
-    store.flush()
-    store.close()
+            return None  # closed already (by the exit hook, or a double release)
+    return close_store(store, timeout, why="engine shutdown")
+
+
+def close_all(*, why: str = "interpreter exit") -> list:
+    """Close every store still open (the ``atexit`` fallback); returns their flush reports."""
+    with _lock:
+        entries = list(_stores.values())
+        _stores.clear()
+        _workers.clear()
+    return [close_store(store, timeout, why=why) for store, _, timeout in entries]
+
+
+def close_store(store: TieredStore, flush_timeout_s: float, *, why: str):
+    """Wait for the store's queued writes, flush what only its host tier holds
+    (bounded), close it, and log the outcome. Never raises: the engine is
+    going away and a failed flush is a future miss."""
+    try:
+        report = store.close(flush_timeout_s=flush_timeout_s)
+    except Exception as exc:  # noqa: BLE001 - shutting down: report, never fail the exit
+        log.warning("kvtier: closing the store at %s failed (%s); unflushed blocks are lost", why, exc)
+        return None
+    flushed, dropped = getattr(report, "flushed", 0), getattr(report, "dropped", 0)
+    log.log(logging.WARNING if dropped else logging.INFO,
+            "kvtier: store closed at %s: %d host blocks flushed to %s, %d dropped (%.2fs of a %.1fs bound)",
+            why, flushed, [t.name for t in store.tiers[1:]] or "no lower tier", dropped,
+            getattr(report, "seconds", 0.0), flush_timeout_s)
+    return report
 
 
 def live_stores() -> int:
     with _lock:
         return len(_stores)
+
+
+# -- exit fallbacks -----------------------------------------------------------------
+def _install_exit_hooks() -> None:
+    """Once per process (under ``_lock``): the atexit hook, and SIGTERM → SystemExit where SIGTERM
+    would otherwise kill the process without running it."""
+    global _exit_hooks_installed
+    if _exit_hooks_installed:
+        return
+    _exit_hooks_installed = True
+    atexit.register(close_all)
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM is not negotiable
+    log.info("kvtier: SIGTERM; exiting through atexit so that the store is flushed")
+    raise SystemExit(128 + signum)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvtier.core.payload import BlockMeta
+from kvtier.integrations import poison as poisoning
 from kvtier.integrations.vllm.config import EngineKV
 from kvtier.integrations.vllm.metadata import KvtierMetadata, LoadJob, SaveJob
 from kvtier.integrations.vllm.paged_layout import PagedKV
@@ -38,10 +39,14 @@ log = logging.getLogger(__name__)
 class BlockBuffers:
     """Reused one-block staging buffers. A fresh buffer pays its page faults on first
     touch (~5 ms per 16 MiB here), on the critical path of every load; a reused one
-    does not. Keeps at most ``keep_bytes`` idle. Thread safe."""
+    does not. Keeps at most ``keep_bytes`` idle. Thread safe.
 
-    def __init__(self, block_nbytes: int, keep_bytes: int = 256 << 20) -> None:
+    ``poison`` (debug) hands every buffer out filled with the poison pattern, so a
+    store read that reports success without writing cannot pass on stale bytes."""
+
+    def __init__(self, block_nbytes: int, keep_bytes: int = 256 << 20, *, poison: bool = False) -> None:
         self.block_nbytes = block_nbytes
+        self.poison = poison
         self._keep = max(1, keep_bytes // block_nbytes)
         self._free: list[np.ndarray] = []
         self._lock = threading.Lock()
@@ -49,7 +54,11 @@ class BlockBuffers:
     def take(self, n: int) -> list[np.ndarray]:
         with self._lock:
             got = [self._free.pop() for _ in range(min(n, len(self._free)))]
-        return got + [np.empty(self.block_nbytes, dtype=np.uint8) for _ in range(n - len(got))]
+        got += [np.empty(self.block_nbytes, dtype=np.uint8) for _ in range(n - len(got))]
+        if self.poison:
+            for buf in got:
+                poisoning.fill_bytes(buf)
+        return got
 
     def give(self, buffers: list[np.ndarray]) -> None:
         with self._lock:
@@ -67,9 +76,13 @@ class WorkerStats:
 
 
 class WorkerSide:
-    def __init__(self, engine: EngineKV, store: TieredStore) -> None:
+    """``poison`` (debug): before each load, fill its pages and staging buffers with
+    NaN (:mod:`kvtier.integrations.poison`); a load that writes nothing then shows."""
+
+    def __init__(self, engine: EngineKV, store: TieredStore, *, poison: bool = False) -> None:
         self.engine = engine
         self.store = store
+        self.poison = poison
         self.paged: PagedKV | None = None
         self.stats = WorkerStats()
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-load")
@@ -80,7 +93,7 @@ class WorkerSide:
 
     def register(self, kv_caches) -> None:
         self.paged = PagedKV(kv_caches, self.engine)
-        self._buffers = BlockBuffers(self.paged.block_nbytes)
+        self._buffers = BlockBuffers(self.paged.block_nbytes, poison=self.poison)
         log.info("kvtier: %d KV layers of pages %s %s; blocks of %d pages, %d bytes",
                  len(self.paged.layers), self.paged.page_shape, self.paged.dtype,
                  self.paged.pages_per_block, self.paged.block_nbytes)
@@ -100,6 +113,8 @@ class WorkerSide:
             return {p for t in job.blocks for p in t.page_ids}
         loaded = 0
         start = time.perf_counter()
+        if self.poison:
+            self.paged.poison(job.blocks)
         staging = self._buffers.take(len(job.blocks))
         try:
             keys = self.engine.keys(job.hashes)
@@ -170,11 +185,14 @@ class WorkerSide:
             self.stats.saved_blocks += sum(s is Status.OK for s in statuses)
             self.stats.save_failures += sum(s is not Status.OK for s in statuses)
 
-    def flush(self) -> None:
-        """Wait for every save and load submitted so far."""
-        for future in list(self._saves) + list(self._inflight.values()):
-            future.exception()
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait (at most ``timeout_s``) for every save and load submitted so far; True if all ended."""
+        _, pending = wait(list(self._saves) + list(self._inflight.values()), timeout=timeout_s)
+        return not pending
 
-    def shutdown(self) -> None:
-        self.flush()
-        self._loader.shutdown(wait=True)
+    def shutdown(self, timeout_s: float | None = None) -> None:
+        """Let submitted saves reach the store (bounded: the engine is going away), stop the loader."""
+        if not self.flush(timeout_s):
+            log.warning("kvtier: saves still running after %.1fs at shutdown; the store's bounded close takes over",
+                        timeout_s)
+        self._loader.shutdown(wait=False, cancel_futures=True)

@@ -1,4 +1,11 @@
-"""Real vLLM with the kvtier connector and an embedded store (host DRAM + disk), in one engine."""
+"""Real vLLM with the kvtier connector and an embedded store (host DRAM + disk).
+
+The writer engine's host tier holds 16 blocks, so its blocks really reach the
+disk tier (evicted, or copied by write-behind); a second engine process on the
+same directory, with no host tier, then loads them from disk. Every load writes
+into pages poisoned with NaN first (``KVTIER_DEBUG_POISON``, set by the suite),
+so a load that writes nothing fails its comparison.
+"""
 
 from __future__ import annotations
 
@@ -11,19 +18,41 @@ skip_without_vllm()
 pytestmark = pytest.mark.timeout(400)
 
 BLOCK_TOKENS = 64  # two vLLM pages of 32
+BLOCK_BYTES = 64 << 10  # the tiny model: 2 layers x 2 (K, V) x 2 heads x 64 tokens x 32 dims x fp32
+HOST_BLOCKS = 16
 
 
 @pytest.fixture(scope="module")
-def engine(engines, tiny_model, tmp_path_factory):
+def disk_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("kvtier-disk")
+
+
+@pytest.fixture(scope="module")
+def engine(engines, tiny_model, disk_dir):
     extra = {
         "block_tokens": BLOCK_TOKENS,
-        "host_bytes": "32MiB",
-        "disk_path": str(tmp_path_factory.mktemp("kvtier-disk")),
+        "host_bytes": HOST_BLOCKS * BLOCK_BYTES,
+        "disk_path": str(disk_dir),
         "disk_bytes": "256MiB",
     }
     engine = engines("embedded", {"model": tiny_model, "extra": extra})
     engine.wait_ready()
     return engine
+
+
+@pytest.fixture(scope="module")
+def reader(engines, tiny_model, disk_dir):
+    """A second engine process on the writer's disk directory, without a host tier: every
+    block it loads comes from disk, every block it saves goes straight there. Started
+    once, by the first test that needs it."""
+    extra = {"block_tokens": BLOCK_TOKENS, "host_bytes": 0, "disk_path": str(disk_dir), "disk_bytes": "256MiB"}
+    reader = engines("reader", {"model": tiny_model, "extra": extra})
+    reader.wait_ready()
+    return reader
+
+
+def block_files(path) -> set:
+    return {p for p in path.rglob("*.kvb")}
 
 
 def expected_hit(length: int) -> int:
@@ -81,3 +110,68 @@ def test_failed_loads_are_recomputed(engine):
     assert after - before == sum(expected_hit(len(p)) // 32 for p in batch), "every page planned was reported"
     for a, b in zip(first, second):
         assert b["token_ids"] == a["token_ids"] and b["logprobs"] == a["logprobs"]
+
+
+def test_poisoned_pages_catch_a_load_that_writes_nothing(engine):
+    batch = prompts(1, 300, seed=51)
+    cold = engine.generate(batch, max_tokens=6)
+    engine.call(op="flush")
+    engine.call(op="reset")
+    assert engine.call(op="stats")["worker"]["poison"], "the suite runs every engine with poisoned loads"
+    engine.call(op="skip_load_copies")
+    try:
+        broken = engine.generate(batch, max_tokens=6)
+    finally:
+        engine.call(op="fix_loads")
+    assert loaded_tokens(broken[0]) == expected_hit(300) > 0, "the broken load claims its pages"
+    assert broken[0]["logprobs"] != cold[0]["logprobs"], "pages the load never wrote must show as NaN"
+
+
+def test_a_second_engine_process_loads_from_disk_what_the_first_spilled(engine, reader):
+    batch = prompts(3, 330, seed=21)
+    cold = engine.generate(batch, max_tokens=8)
+    assert all(loaded_tokens(o) == 0 for o in cold), "fresh prompts: a recompute"
+    engine.generate(prompts(4, 400, seed=22), max_tokens=1)  # 26 more blocks through a 16-block host tier
+    engine.call(op="flush")
+    tiers = engine.call(op="stats")["worker"]["store"]["tiers"]
+    assert tiers["host"]["evictions"] > 0 and tiers["disk"]["puts"] > 0, "the small host tier spilled to disk"
+    warm = reader.generate(batch, max_tokens=8)
+    for prompt, a, b in zip(batch, cold, warm):
+        assert loaded_tokens(b) == expected_hit(len(prompt)) > 0
+        assert b["token_ids"] == a["token_ids"]
+        assert b["logprobs"] == a["logprobs"], "top-5 logprobs of a disk load equal the recompute's"
+    stats = reader.call(op="stats")["worker"]
+    assert stats["failed_pages"] == 0
+    assert stats["store"]["tiers"]["disk"]["hits"] >= sum(-(-expected_hit(len(p)) // BLOCK_TOKENS) for p in batch)
+
+
+def test_a_block_corrupted_on_disk_mid_chain_stops_the_load_there(engine, reader, disk_dir):
+    k = 3
+    (base,) = prompts(1, 6 * BLOCK_TOKENS + 20, seed=41)  # 404 tokens: 6 full blocks
+    engine.call(op="flush")  # the writer's write-behind is done: new files below are the reader's
+    reference = reader.generate([base], max_tokens=8, cache_salt="reference")[0]  # another salt: recomputed
+    assert loaded_tokens(reference) == 0
+    # Find block k's file: store blocks 0..k-1, then block k alone.
+    reader.generate([base[: k * BLOCK_TOKENS + 20]], max_tokens=1)
+    reader.call(op="flush")
+    before = block_files(disk_dir)
+    reader.generate([base[: (k + 1) * BLOCK_TOKENS + 20]], max_tokens=1)
+    reader.call(op="flush")
+    (block_k,) = block_files(disk_dir) - before
+    reader.generate([base], max_tokens=1)  # blocks k+1..5
+    reader.call(op="flush")
+    assert len(block_files(disk_dir) - before) == 6 - k
+    with open(block_k, "r+b") as f:  # a byte of the payload (after the 4 KiB header page)
+        f.seek(4096 + 1000)
+        byte = f.read(1)
+        f.seek(4096 + 1000)
+        f.write(bytes([byte[0] ^ 0x5A]))
+    reader.call(op="reset")
+    before_stats = reader.call(op="stats")["worker"]
+    out = reader.generate([base], max_tokens=8)[0]
+    after_stats = reader.call(op="stats")["worker"]
+    assert after_stats["loaded_blocks"] - before_stats["loaded_blocks"] == k, "the load stops at block k"
+    assert after_stats["failed_pages"] - before_stats["failed_pages"] == (6 - k) * 2, "the rest is recomputed"
+    assert out["token_ids"] == reference["token_ids"]
+    assert out["logprobs"] == reference["logprobs"]
+    assert not block_k.exists(), "a corrupt block is dropped"

@@ -1,4 +1,5 @@
-"""``vllm serve`` with the kvtier connector answers OpenAI completions and reloads a prompt from kvtier.
+"""``vllm serve`` with the kvtier connector answers OpenAI completions and reloads a prompt from kvtier;
+a SIGTERM leaves everything its DRAM held on disk, where a restarted engine resumes it.
 
 vLLM serves here with its multiprocess executor: the scheduler's lookups cross
 a process boundary to the worker that owns the store.
@@ -9,6 +10,8 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
+import signal
 import socket
 import subprocess
 import sys
@@ -17,7 +20,7 @@ import urllib.request
 
 import pytest
 
-from tests.integrations.vllm.harness import skip_without_vllm
+from tests.integrations.vllm.harness import loaded_tokens, prompts, skip_without_vllm
 
 skip_without_vllm()
 
@@ -42,11 +45,13 @@ def _post(url: str, body: dict | None = None) -> dict:
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
     port = _free_port()
+    disk = tmp_path_factory.mktemp("serve-disk")
     transfer = {
         "kv_connector": "KvtierConnector",
         "kv_connector_module_path": "kvtier.integrations.vllm",
         "kv_role": "kv_both",
-        "kv_connector_extra_config": {"block_tokens": 64, "host_bytes": "64MiB"},
+        # A host tier far larger than the test's blocks: they leave DRAM only by write-behind or at shutdown.
+        "kv_connector_extra_config": {"block_tokens": 64, "host_bytes": "64MiB", "disk_path": str(disk)},
     }
     log = open(tmp_path_factory.mktemp("serve") / "vllm-serve.log", "w")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1"}
@@ -69,7 +74,7 @@ def server(tiny_model, tmp_path_factory):
                 log.close()
                 pytest.fail(f"vllm serve did not come up; see {log.name}")
             time.sleep(1)
-    yield base, tiny_model
+    yield base, tiny_model, proc, disk, log.name
     proc.terminate()
     try:
         proc.wait(timeout=30)
@@ -86,7 +91,7 @@ def _text(words: int, seed: int = 0) -> str:
 
 
 def test_vllm_serve_completion_is_reloaded_from_kvtier(server):
-    base, model = server
+    base, model, *_ = server
     body = {"model": model, "prompt": _text(300), "max_tokens": 8, "temperature": 0}
     first = _post(base + "/v1/completions", body)
     assert first["choices"][0]["finish_reason"] == "length"
@@ -100,3 +105,30 @@ def test_vllm_serve_completion_is_reloaded_from_kvtier(server):
     assert loaded == min(prompt_tokens // 64 * 64, (prompt_tokens - 2) // 32 * 32)
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == loaded
     assert second["choices"][0]["text"] == first["choices"][0]["text"]
+
+
+def test_sigterm_of_vllm_serve_flushes_dram_and_a_restarted_engine_resumes_it(server, engines):
+    base, model, proc, disk, log_path = server
+    batch = prompts(6, 400, seed=61)  # token ids; 6..9 full blocks each
+    # One batched request: its blocks are saved in the last steps, right before the SIGTERM below.
+    _post(base + "/v1/completions", {"model": model, "prompt": batch, "max_tokens": 2, "temperature": 0})
+    files_at_sigterm = len(list(disk.rglob("*.kvb")))
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 0
+    log = open(log_path).read()
+    closed = re.search(r"store closed at engine shutdown: (\d+) host blocks flushed to \['disk'\], (\d+) dropped", log)
+    assert closed, "the worker's connector must close its store (flushing DRAM) before vLLM kills it"
+    assert closed.group(2) == "0", "nothing dropped within the shutdown bound"
+    on_disk = len(list(disk.rglob("*.kvb")))
+    assert on_disk >= sum(len(p) // 64 for p in batch)
+    print(f"blocks on disk at SIGTERM {files_at_sigterm}, after {on_disk}, flushed at shutdown {closed.group(1)}")
+
+    extra = {"block_tokens": 64, "host_bytes": 0, "disk_path": str(disk)}
+    restarted = engines("restarted", {"model": model, "extra": extra})
+    restarted.wait_ready()
+    reference = restarted.generate(batch, max_tokens=8, cache_salt="reference")  # another salt: recomputed
+    resumed = restarted.generate(batch, max_tokens=8)
+    for prompt, ref, got in zip(batch, reference, resumed):
+        assert loaded_tokens(ref) == 0
+        assert loaded_tokens(got) == min(len(prompt) // 64 * 64, (len(prompt) - 2) // 32 * 32) > 0
+        assert got["token_ids"] == ref["token_ids"] and got["logprobs"] == ref["logprobs"]
