@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import asyncio
 import enum
+from asyncio import sslproto
 import logging
 import socket
+import ssl
 import struct
 import time
 
@@ -62,10 +64,13 @@ class Closed(Exception):
 
 
 class Connection(asyncio.BufferedProtocol):
-    def __init__(self, server) -> None:
+    def __init__(self, server, *, tls=None) -> None:
         self.server = server
         self.transport: asyncio.Transport | None = None
         self.peer = "?"
+        self.peer_host = "?"  #: the address limits count by (no port)
+        self._tls_context = tls  #: TLS to start once admitted (None: plain or Unix)
+        self._handshake: asyncio.Future | None = None
         self._staging = bytearray(STAGING_BYTES)
         self._smv = memoryview(self._staging)
         self._start = 0
@@ -91,19 +96,48 @@ class Connection(asyncio.BufferedProtocol):
         self.transport = transport
         peer = transport.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else "unix"
-        self.tls = transport.get_extra_info("ssl_object") is not None
-        if self.tls:
-            # TLS encrypts (copies) anyway: payloads are written as copies and the slot
-            # released at once; ordinary limits give backpressure.
-            transport.set_write_buffer_limits(high=1 << 20, low=256 << 10)
-        else:
+        self.peer_host = peer[0] if isinstance(peer, tuple) else "unix"
+        if self._tls_context is None:
             # high = 0: pause_writing as soon as anything is left unsent, resume when
             # all of it is gone -- the moment a sent slot may be released.
             transport.set_write_buffer_limits(high=0, low=0)
         if not self.server.admit(self):
+            if self._tls_context is not None:
+                self._closed = True
+                transport.abort()  # no TLS yet: an ERROR frame would be noise to the peer
+                return
             self.fail(ErrorCode.TOO_MANY_CONNECTIONS, "too many connections; retry later")
             return
+        if self._tls_context is not None:
+            self._wrap_tls(transport)
         self.task = asyncio.get_running_loop().create_task(self._serve())
+
+    def _wrap_tls(self, raw) -> None:
+        """Put TLS under this protocol now, inside ``connection_made``: the event loop
+        starts reading as soon as it returns, and the ClientHello must reach TLS (a
+        ``loop.start_tls`` awaited later could lose it to our staging buffer)."""
+        loop = asyncio.get_running_loop()
+        self._handshake = loop.create_future()
+        tls = sslproto.SSLProtocol(loop, self, self._tls_context, self._handshake, server_side=True,
+                                   call_connection_made=False,
+                                   ssl_handshake_timeout=max(1.0, self.server.admission.hello_timeout_s))
+        raw.set_protocol(tls)
+        tls.connection_made(raw)
+        self.transport = tls._app_transport
+
+    async def _finish_tls(self) -> bool:
+        """Wait for the handshake (under the HELLO deadline: the watchdog closes it)."""
+        try:
+            await self._handshake
+        except (ConnectionError, OSError, asyncio.TimeoutError, ssl.SSLError):
+            self.close()
+            self.server.forget(self)  # a failed handshake may never reach connection_lost
+            return False
+        self.tls = True
+        # TLS encrypts (copies) anyway: payloads are written as copies and the slot
+        # released at once; ordinary limits give backpressure.
+        self.transport.set_write_buffer_limits(high=1 << 20, low=256 << 10)
+        return True
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._target is not None:
@@ -280,6 +314,11 @@ class Connection(asyncio.BufferedProtocol):
         """Send one ERROR frame and close (pending writes are flushed first)."""
         if self._closed:
             return
+        if self._tls_context is not None and not self.tls:  # mid-handshake: plaintext would be noise
+            self._closed = True
+            self.transport.abort()
+            self._wake()
+            return
         body = message.encode("utf-8", "replace")[:1024]
         self.write(pack_header(Op.ERROR, 0, len(body), 0, int(code)), body)
         self._closed = True
@@ -316,6 +355,8 @@ class Connection(asyncio.BufferedProtocol):
         server = self.server
         max_block = server.config.max_block_bytes
         try:
+            if self._tls_context is not None and not await self._finish_tls():
+                return
             h = await self.read_header()
             check_request(h, max_block)
             if h.op != Op.HELLO:

@@ -39,6 +39,9 @@ class ServerMetrics:
         self.protocol_errors = Counter("kvtier_protocol_errors", "Connections closed for a protocol error", ["code"],
                                        registry=r)
         self.connections = Gauge("kvtier_connections", "Open client connections", registry=r)
+        self.refused_connections = Counter(
+            "kvtier_refused_connections", "Connections refused or dropped by the admission limits", ["stage"],
+            registry=r)
 
     def add_collector(self, collect: Callable[[], list]) -> None:
         class _C:

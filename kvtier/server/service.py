@@ -170,6 +170,9 @@ class Service:
                     namespace=str(fields.get("namespace", ""))[:80], client=str(fields.get("client", ""))[:80],
                 )
             raise ProtocolError(ErrorCode.FORBIDDEN if exc.forbidden else ErrorCode.AUTH_FAILED, str(exc)) from None
+        refused = conn.server.logged_in(conn, principal.tenant)  # before any OK reaches the client
+        if refused is not None:
+            raise ProtocolError(ErrorCode.TOO_MANY_CONNECTIONS, refused)
         reply = {
             "server": "kvtier", "protocol": VERSION, "tenant": principal.tenant,
             "namespace": principal.namespace, "writable": principal.writable, "admin": principal.is_admin,

@@ -34,7 +34,10 @@ TIME_LIMIT_S = float(os.environ.get("KVTIER_FUZZ_TIME_LIMIT_S", "150"))
 def fuzz_server(tmp_path_factory):
     wd = tmp_path_factory.mktemp("kvtier-fuzz")
     srv = ServerProcess.start(tenants(), shared=SHARED, admin_token=TOKENS["admin"], unix=True, workdir=str(wd),
-                              server={"capacity": "64MiB", "max_block": "8MiB", "max_connections": 4096})
+                              server={"capacity": "64MiB", "max_block": "8MiB", "max_connections": 4096,
+                                      # one fuzzing client, thousands of sockets and bad logins on purpose
+                                      "max_unauthenticated": 4096, "max_connections_per_peer": 4096,
+                                      "login_failure_burst": 1_000_000})
     yield srv
     srv.stop()
 

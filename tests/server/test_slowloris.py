@@ -27,7 +27,9 @@ def slow_server(tmp_path_factory):
     wd = tmp_path_factory.mktemp("kvtier-slow")
     srv = ServerProcess.start(tenants(), shared=SHARED, workdir=str(wd), server={
         "capacity": "16MiB", "max_block": "256KiB", "frame_timeout_s": FRAME_TIMEOUT,
-        "idle_timeout_s": IDLE_TIMEOUT, "max_connections": 512, "metrics": "127.0.0.1:0"})
+        "idle_timeout_s": IDLE_TIMEOUT, "max_connections": 512, "metrics": "127.0.0.1:0",
+        # every slow socket here comes from 127.0.0.1: room for all, so that each is cut off by its timeout
+        "max_connections_per_peer": 128, "max_unauthenticated": 256, "hello_timeout_s": 30})
     yield srv
     srv.stop()
 
