@@ -1,6 +1,7 @@
 """kvtier for Hugging Face transformers causal LMs (Llama, Qwen2, Mistral without sliding window).
 
-* :mod:`.namespace` — the namespace of a model: KV layout from its config, a cheap weights identity.
+* :mod:`.namespace` — the namespace of a model: KV layout from its config, an exact weights identity
+  (every byte hashed once, cached by :mod:`.weights_hash`).
 * :mod:`.cache_io` — store blocks ↔ the model's ``DynamicCache``, one large copy per block.
 * :mod:`.session` — :class:`KVTierLM`: lookup → load → prefill the suffix → generate → save.
 * :mod:`.models` — random-weight Llama models and a local tokenizer, built once and cached.

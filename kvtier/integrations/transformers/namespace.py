@@ -2,13 +2,15 @@
 
 What makes two KV caches interchangeable is the same weights, the same config
 (geometry, RoPE, norms, ...) and the same bytes layout. The weights identity is
-*cheap* on purpose — it runs at every engine start: for each ``*.safetensors``
-file its header (tensor names, dtypes, shapes, offsets), its size and a few
-evenly spaced 64 KiB samples of its data, hashed with xxh3-128. A fine-tune or
-a re-initialisation changes every tensor and therefore the samples; reading
-~1 MiB per file costs milliseconds where hashing 400 MB of weights would cost
-seconds. The identity is content-derived, so two machines holding the same
-files agree on it (a shared tier needs that), unlike a path or an mtime.
+*exact*: the SHA-256 of every byte of every ``*.safetensors`` file, combined
+with the file names and sizes. A sample of the bytes would not do: a partial
+fine-tune that changes a few MB between the samples would get the base model's
+identity and load its KV (wrong outputs). Hashing costs seconds for a large
+model (README, "Hugging Face transformers"), once: the digests are cached by
+file identity (:mod:`.weights_hash`), so a restart reads nothing. Or give
+``weights_revision`` (a revision you trust) and nothing is hashed. The identity
+is content-derived, so two machines holding the same files agree on it (a
+shared tier needs that), unlike a path or an mtime.
 """
 
 from __future__ import annotations
@@ -18,11 +20,15 @@ import os
 import struct
 from pathlib import Path
 
+import hashlib
+
 import xxhash
 
+from kvtier.core.framing import frame_int, frame_str
 from kvtier.core.layout import KVLayout
 from kvtier.core.namespace import Namespace
 from kvtier.errors import ConfigError
+from kvtier.integrations.transformers.weights_hash import HASH_NAME, WeightsDigests
 
 #: Tokens per block. Only full blocks are stored, so every request recomputes
 #: its partial last block: half a block on average. A chat or agent turn often
@@ -36,9 +42,10 @@ from kvtier.errors import ConfigError
 #: 16 is also vLLM's default page on GPUs.)
 DEFAULT_BLOCK_TOKENS = 16
 
-#: samples per weights file; with 64 KiB each, ~1 MiB read per file
-SAMPLES_PER_FILE = 16
-SAMPLE_BYTES = 64 << 10
+#: the identity's version and hash (a new scheme gives new namespaces: old blocks are never reused)
+IDENTITY_PREFIX = f"st2:{HASH_NAME}:"
+#: the most a safetensors JSON header may hold (the format's own limit is 100 MB)
+_MAX_HEADER = 100 << 20
 
 #: torch dtype name → KVLayout dtype name
 TORCH_TO_LAYOUT_DTYPE = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
@@ -78,39 +85,40 @@ def config_fingerprint(config) -> str:
     return xxhash.xxh3_128_hexdigest(canonical.encode("utf-8"))
 
 
-def weights_identity(model_dir: str | os.PathLike) -> str:
-    """A content-derived identity of the ``*.safetensors`` files of ``model_dir`` (see module doc)."""
+def weights_identity(model_dir: str | os.PathLike, *, digests: WeightsDigests | None = None) -> str:
+    """The exact identity of the ``*.safetensors`` files of ``model_dir`` (see module doc): every byte
+    hashed, once per file version (``digests``: where digests are cached; default the user's cache)."""
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise ConfigError(
             f"no *.safetensors file in {os.fspath(model_dir)!r}; save the model with "
             f"save_pretrained(safe_serialization=True) or pass weights_revision= explicitly"
         )
-    h = xxhash.xxh3_128()
-    for path in files:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            head = f.read(8)
-            if len(head) != 8:
-                raise ConfigError(f"{path} is not a safetensors file (shorter than its length field)")
-            (header_len,) = struct.unpack("<Q", head)
-            if header_len > min(size - 8, 100 << 20):
-                raise ConfigError(f"{path} is not a safetensors file (header length {header_len})")
-            header = f.read(header_len)
-            h.update(path.name.encode("utf-8") + b"\0" + struct.pack("<QQ", size, header_len) + header)
-            data_start = 8 + header_len
-            span = size - data_start
-            for i in range(SAMPLES_PER_FILE):
-                offset = data_start + (span - SAMPLE_BYTES) * i // max(SAMPLES_PER_FILE - 1, 1) if span > SAMPLE_BYTES else data_start
-                f.seek(offset)
-                h.update(f.read(SAMPLE_BYTES))
-    return "st1:" + h.hexdigest()
+    # (a file is checked when it is hashed; one whose digest is cached is not even opened)
+    hexes = (digests or WeightsDigests()).digests(files, check=_check_safetensors)
+    sizes = [os.stat(path).st_size for path in files]
+    h = hashlib.sha256()
+    for path, size, hexdigest in zip(files, sizes, hexes):
+        h.update(frame_str(1, path.name) + frame_int(2, size) + frame_str(3, hexdigest))
+    return IDENTITY_PREFIX + h.hexdigest()
+
+
+def _check_safetensors(path: str | os.PathLike) -> None:
+    """Raise :class:`ConfigError` unless the file's length field shows a safetensors file."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        head = f.read(8)
+    if len(head) != 8:
+        raise ConfigError(f"{path} is not a safetensors file (shorter than its length field)")
+    (header_len,) = struct.unpack("<Q", head)
+    if header_len > min(size - 8, _MAX_HEADER):
+        raise ConfigError(f"{path} is not a safetensors file (header length {header_len})")
 
 
 def check_weights_match(model, model_dir: str | os.PathLike, samples: int = 3, values: int = 64) -> None:
     """Raise :class:`ConfigError` unless a few sampled weights of ``model`` equal those in ``model_dir``.
 
-    Guards the cheap identity against its one easy mistake: a model *built* from
+    Guards the file-based identity against its one easy mistake: a model *built* from
     a config read in ``model_dir`` (so ``_name_or_path`` points there) but not
     *loaded* from it. Weights changed in memory after loading are not detected.
     """
