@@ -405,7 +405,10 @@ class HostTier(Tier):
             if entry.pins:
                 self._policy.on_access(key)
                 continue
-            if self._alloc.fits_exactly(entry.home, nbytes):  # uniform blocks: reuse as is
+            # Uniform blocks: the victim's memory is the new block's as it is. (Equal
+            # footprints mean equal runs or chunks of one class: runs are whole pages,
+            # chunks at most half a page.)
+            if entry.footprint == tag.footprint:
                 self._evict_locked(entry, keep_memory=True)
                 return self._alloc.hand_over(entry.offset, entry.home, tag)
             hole = self._evict_locked(entry)

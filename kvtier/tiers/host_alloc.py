@@ -195,17 +195,9 @@ class RunAllocator:
         home.tag = None
         return self._release(home)
 
-    def fits_exactly(self, home: Run | Slab, nbytes: int) -> bool:
-        """Whether a block of ``nbytes`` would take exactly ``home``'s kind of memory
-        (a run of the same length, a chunk of the same class)."""
-        cls, length, _ = self.plan(nbytes)
-        if isinstance(home, Slab):
-            return cls == home.cls
-        return cls is None and home.length == length
-
     def hand_over(self, offset: int, home: Run | Slab, tag: object) -> tuple[int, Run | Slab]:
-        """Give an evicted block's memory straight to ``tag`` (``fits_exactly``): the
-        common case of uniform blocks costs no free-list work."""
+        """Give an evicted block's memory straight to ``tag``, a block of the same
+        footprint: the common case of uniform blocks costs no free-list work."""
         if isinstance(home, Slab):
             home.tags[offset] = tag
         else:
