@@ -9,16 +9,22 @@ apart, useless to an attacker).
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from typing import Any
+
+from kvtier.private_files import FILE_MODE
 
 
 class AuditLog:
     def __init__(self, path: str | None) -> None:
         self.path = path
         self._lock = threading.Lock()
-        self._file = open(path, "a", encoding="utf-8") if path else None  # noqa: SIM115 - closed in close()
+        self._file = None
+        if path:  # 0600: the lines name tenants, peers and token digests
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, FILE_MODE)
+            self._file = os.fdopen(fd, "a", encoding="utf-8")  # closed in close()
         self.records = 0
 
     def write(self, event: str, **fields: Any) -> None:

@@ -22,6 +22,7 @@ import os
 import threading
 
 from kvtier.errors import ConfigError
+from kvtier.private_files import make_private_dirs
 
 FILE_NAME = "runtime.json"
 _VERSION = 1
@@ -78,7 +79,7 @@ class RuntimeState:
             "namespace_ttl_s": [[o, n, v] for (o, n), v in sorted(self.namespace_ttl_s.items())],
         }
         directory = os.path.dirname(self.path) or "."
-        os.makedirs(directory, exist_ok=True)
+        make_private_dirs(directory)
         temp = f"{self.path}.{os.getpid()}.tmp"
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         try:

@@ -33,6 +33,8 @@ from contextlib import contextmanager
 import numpy as np
 import xxhash
 
+from kvtier.private_files import FILE_MODE
+
 PAGE = 4096  #: alignment of file offsets, lengths and buffers (>= any logical block size)
 CHUNK = 2 << 20  #: staging chunk for buffers that are not page aligned
 #: below this, handing work to another thread costs more than the overlap saves
@@ -96,7 +98,7 @@ def probe_direct_io(directory: str) -> bool:
     path = os.path.join(directory, f".probe.{temp_tag()}.tmp")
     buf = aligned_buffer(PAGE)
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_DIRECT, FILE_MODE)
     except OSError as exc:
         if exc.errno == errno.EINVAL:
             return False
@@ -191,7 +193,7 @@ class BlockIO:
 
     def open_write(self, path: str) -> int:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | (os.O_DIRECT if self.direct else 0)
-        return os.open(path, flags, 0o644)
+        return os.open(path, flags, FILE_MODE)  # blocks are prompts in another form: owner only
 
     def open_read(self, path: str) -> int:
         return os.open(path, os.O_RDONLY | (os.O_DIRECT if self.direct else 0))

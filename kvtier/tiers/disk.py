@@ -66,6 +66,7 @@ from kvtier.core.payload import (
 )
 from kvtier.errors import ConfigError, TierError
 from kvtier.policy.eviction import EvictionPolicy, LRUPolicy
+from kvtier.private_files import make_private_dirs
 from kvtier.tiers import direct_io
 from kvtier.tiers.base import Status, Tier
 from kvtier.tiers.direct_io import PAGE, BlockIO, as_bytes, round_up
@@ -177,8 +178,9 @@ class DiskTier(Tier, StreamingTier):
             raise ConfigError(f"direct_io must be 'auto', True or False, got {direct_io!r}")
         self.path = os.path.abspath(os.fspath(path))
         try:
+            make_private_dirs(self.path)
             for shard in range(256):
-                os.makedirs(os.path.join(self.path, f"{shard:02x}"), exist_ok=True)
+                make_private_dirs(os.path.join(self.path, f"{shard:02x}"))
         except OSError as exc:
             raise TierError(f"cannot use {self.path!r} as a disk tier ({exc}); pass a writable directory") from exc
         supported = _probe(self.path)
@@ -525,7 +527,7 @@ class DiskTier(Tier, StreamingTier):
             try:
                 fd = self._io.open_write(temp)
             except FileNotFoundError:  # someone removed the shard directory
-                os.makedirs(os.path.dirname(temp), exist_ok=True)
+                make_private_dirs(os.path.dirname(temp))
                 fd = self._io.open_write(temp)
             try:
                 write(fd)
