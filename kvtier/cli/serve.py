@@ -27,6 +27,7 @@ _FLAGS = {
     "audit_log": "audit_log",
     "tls_cert": "tls_cert",
     "tls_key": "tls_key",
+    "insecure_plaintext": "insecure_plaintext",
 }
 
 
@@ -56,6 +57,9 @@ def register(subparsers) -> None:
     p.add_argument("--audit-log", metavar="PATH", help="append audit records (JSON lines) here")
     p.add_argument("--tls-cert", metavar="PEM")
     p.add_argument("--tls-key", metavar="PEM")
+    # store_const, not store_true: an absent flag must not override `insecure_plaintext = true` in the file
+    p.add_argument("--insecure-plaintext", action="store_const", const=True, default=None,
+                   help="allow tcp:// (cleartext) listen addresses other than loopback; prefer tls://")
     p.add_argument("--tenant", action="append", metavar="NAME=TOKEN_SHA256",
                    help="add a tenant (repeatable); hash tokens with `kvtier admin hash-token`")
     p.add_argument("--log-level", default="WARNING")

@@ -5,7 +5,8 @@ the source and the fix. Example file (sizes take KiB/MiB/GiB/TiB, powers of 1024
 a bare "512M" is refused as ambiguous: see kvtier/core/units.py)::
 
     [server]
-    listen = ["tcp://127.0.0.1:7070", "unix:///run/kvtier/kvtier.sock"]
+    listen = ["tcp://127.0.0.1:7070", "unix:///run/kvtier/kvtier.sock"]   # tcp:// beyond loopback is
+                               # refused unless insecure_plaintext = true: use tls:// (tls_cert, tls_key)
     capacity = "8GiB"          # host DRAM pool
     max_block = "32MiB"        # largest block (one pool slot)
     disk_dir = "/mnt/nvme/kvtier"   # optional spill tier
@@ -43,6 +44,7 @@ a bare "512M" is refused as ambiguous: see kvtier/core/units.py)::
 from __future__ import annotations
 
 import difflib
+import ipaddress
 import os
 import re
 import tomllib
@@ -55,8 +57,9 @@ from kvtier.errors import ConfigError
 
 SHARED_PREFIX = "shared/"
 ENV_PREFIX = "KVTIER_SERVE_"
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+# Always .fullmatch: with .match, "$" also matches before a trailing newline ("acme\n").
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+_HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +107,8 @@ class ServerConfig:
     audit_log: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
+    #: allow tcp:// (cleartext) listeners on addresses other than loopback
+    insecure_plaintext: bool = False
     sweep_interval_s: float = 1.0
     #: SIGTERM / SIGINT: how long to copy blocks not yet on disk there before exiting
     shutdown_flush_timeout_s: float = 30.0
@@ -197,6 +202,7 @@ _SERVER_KEYS: dict[str, tuple[str, Any]] = {
     "audit_log": ("audit_log", _str_or_none),
     "tls_cert": ("tls_cert", _str_or_none),
     "tls_key": ("tls_key", _str_or_none),
+    "insecure_plaintext": ("insecure_plaintext", _bool),
     "sweep_interval_s": ("sweep_interval_s", _float),
     "shutdown_flush_timeout_s": ("shutdown_flush_timeout_s", _float),
     "state_dir": ("state_dir", _str_or_none),
@@ -356,6 +362,11 @@ def _validate(c: ServerConfig) -> None:
         scheme = parse_listen(url)[0]
         if scheme == "tls" and not (c.tls_cert and c.tls_key):
             raise ConfigError(f"listen {url!r} is TLS: set tls_cert and tls_key (PEM files)")
+        if cleartext_beyond_host(url) and not c.insecure_plaintext:
+            raise ConfigError(
+                f"listen {url!r}: plain tcp:// beyond loopback sends tokens and KV blocks in cleartext. Use "
+                f"tls://{url.partition('://')[2]} with tls_cert and tls_key, or unix:///PATH, or keep tcp:// on "
+                f"127.0.0.1; to accept cleartext anyway pass --insecure-plaintext (insecure_plaintext = true)")
     if bool(c.tls_cert) != bool(c.tls_key):
         raise ConfigError("tls_cert and tls_key go together: set both or neither")
     if c.max_block_bytes <= 0:
@@ -377,7 +388,7 @@ def _validate(c: ServerConfig) -> None:
     names = [t.name for t in c.tenants]
     shared_names = {s.name for s in c.shared}
     for t in c.tenants:
-        if not _NAME.match(t.name):
+        if not _NAME.fullmatch(t.name):
             raise ConfigError(f"tenant name {t.name!r}: use 1-64 letters, digits, '.', '_' or '-'")
         if names.count(t.name) > 1:
             raise ConfigError(f"tenant {t.name!r} is defined twice; merge its token_sha256 lists into one [[tenant]]")
@@ -394,7 +405,7 @@ def _validate(c: ServerConfig) -> None:
     if len(set(all_hashes)) != len(all_hashes):
         raise ConfigError("the same token hash is listed twice; every token belongs to one tenant (or the admin)")
     for s in c.shared:
-        if not _NAME.match(s.name):
+        if not _NAME.fullmatch(s.name):
             raise ConfigError(f"shared namespace name {s.name!r}: use 1-64 letters, digits, '.', '_' or '-'")
         for w in s.writers:
             if w not in names:
@@ -402,7 +413,7 @@ def _validate(c: ServerConfig) -> None:
 
 
 def _check_hash(h: str, what: str) -> None:
-    if not _HEX64.match(h):
+    if not _HEX64.fullmatch(h):
         raise ConfigError(
             f"{what}: {h[:12]!r}… is not a SHA-256 hex digest; store `kvtier admin hash-token TOKEN`, never the token"
         )
@@ -411,7 +422,7 @@ def _check_hash(h: str, what: str) -> None:
 def check_namespace(ns: str) -> str:
     """A namespace a client may name: its own (``NAME``) or a shared one (``shared/NAME``)."""
     base = ns[len(SHARED_PREFIX) :] if ns.startswith(SHARED_PREFIX) else ns
-    if not _NAME.match(base):
+    if not _NAME.fullmatch(base):
         raise ConfigError(f"namespace {ns!r}: use 1-64 letters, digits, '.', '_' or '-' (optionally after 'shared/')")
     return ns
 
@@ -430,6 +441,23 @@ def parse_listen(url: str) -> tuple[str, str, int | None]:
     if not colon or not host or not port.isdigit() or not 0 <= int(port) < 65536:
         raise ConfigError(f"address {url!r}: expected {scheme}://HOST:PORT, e.g. {scheme}://127.0.0.1:7070")
     return scheme, host, int(port)
+
+
+def cleartext_beyond_host(url: str) -> bool:
+    """Whether ``url`` listens in cleartext on an address other hosts may reach.
+
+    Only loopback counts as private: a host name other than ``localhost`` may
+    resolve to anything (and may change), so it counts as reachable.
+    """
+    scheme, host, _ = parse_listen(url)
+    if scheme != "tcp":
+        return False  # tls:// is encrypted; unix:// is a file with permissions
+    if host == "localhost":
+        return False
+    try:
+        return not ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return True
 
 
 def with_fields(c: ServerConfig, **changes) -> ServerConfig:

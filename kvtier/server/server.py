@@ -38,7 +38,7 @@ from kvtier.errors import ConfigError
 from kvtier.server.admission import Admission, LoginLimiter
 from kvtier.server.audit import AuditLog
 from kvtier.server.auth import Authenticator
-from kvtier.server.config import ServerConfig, events_subscriber_scopes, parse_listen
+from kvtier.server.config import ServerConfig, cleartext_beyond_host, events_subscriber_scopes, parse_listen
 from kvtier.server.connection import Connection
 from kvtier.server.governance import Governance
 from kvtier.server.index import BlockIndex
@@ -48,6 +48,7 @@ from kvtier.server.runtime_state import RuntimeState
 from kvtier.server.service import Service
 from kvtier.tiers.remote_protocol import ErrorCode
 from kvtier.tiers.host import HostTier
+from kvtier.store import safety
 from kvtier.store.tiered import TieredStore
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,8 @@ class Server:
             from kvtier.tiers.disk import DiskTier
 
             disk = DiskTier(config.disk_dir, config.disk_capacity_bytes)
+            if not config.encrypt_at_rest:
+                safety.warn_server_plaintext(config.disk_dir)
             tiers.append(self._sealed(disk) if config.encrypt_at_rest else disk)
         self.store = TieredStore(tiers)
         state_dir = config.state_dir or config.disk_dir
@@ -283,10 +286,24 @@ class Server:
         self.audit.close()
 
 
+def _start_warnings(config: ServerConfig) -> list[str]:
+    """What the start line warns about (the log then does not repeat it)."""
+    lines = []
+    if config.disk_dir and not config.encrypt_at_rest and safety.first_time("server-plaintext", config.disk_dir):
+        lines.append(safety.server_plaintext_message(config.disk_dir))
+    cleartext = [url for url in config.listen if cleartext_beyond_host(url)]
+    if cleartext:  # only reached with insecure_plaintext (the config refuses them otherwise)
+        lines.append(f"listening in cleartext on {', '.join(cleartext)} (insecure_plaintext): tokens and KV "
+                     f"blocks cross the network readable; use tls:// with tls_cert and tls_key")
+    return lines
+
+
 def run(config: ServerConfig, ready: Callable[[dict], None] | None = None) -> None:
     """Serve until SIGINT / SIGTERM. ``ready`` gets the bound addresses once listening."""
 
     async def main() -> None:
+        for line in _start_warnings(config):
+            print(f"kvtier serve: WARNING: {line}", file=sys.stderr, flush=True)
         try:
             server = Server(config)
         except ConfigError as exc:  # e.g. a spill secret or runtime state file to fix
