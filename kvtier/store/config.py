@@ -8,7 +8,9 @@ their store from this, so the same keys mean the same thing everywhere::
 
 Encryption is on for the disk and remote tiers whenever a master key is
 configured (``master_key_file`` or ``$KVTIER_MASTER_KEY``) and ``encrypt`` is
-"auto"; the host tier stays plaintext unless ``encrypt_host`` is set.
+"auto"; the host tier stays plaintext unless ``encrypt_host`` is set. A disk
+or remote tier without encryption, and the default tenant ``""``, are allowed
+but logged at WARNING once per process (:mod:`kvtier.store.safety`).
 """
 
 from __future__ import annotations
@@ -94,6 +96,8 @@ def build_store(config: StoreConfig, layout: KVLayout, *, io_threads: int = 2):
         keystore = config.keystore_dir or str(Path(config.disk_path or _cache_dir()) / "keys")
         keyring = Keyring(provider, keystore)
 
+    _warn_unsafe(config, keyring is not None)
+
     def seal(tier):
         if keyring is None:
             return tier
@@ -123,6 +127,18 @@ def build_store(config: StoreConfig, layout: KVLayout, *, io_threads: int = 2):
     return TieredStore(tiers, write_mode=config.write_mode, io_threads=io_threads,
                        dirty_limit_blocks=config.dirty_limit_blocks,
                        close_flush_timeout_s=config.close_flush_timeout_s)
+
+
+def _warn_unsafe(config: StoreConfig, sealed: bool) -> None:
+    """Said once per process: tiers outside this process in plaintext, a tenant shared by all."""
+    from kvtier.store import safety
+
+    if not sealed and config.disk_path:
+        safety.warn_plaintext("disk", config.disk_path)
+    if not sealed and config.remote_url:
+        safety.warn_plaintext("remote", "sent to the server and kept there as they are")  # the URL may hold a token
+    if config.tenant == "":
+        safety.warn_default_tenant("this store")
 
 
 def _cache_dir() -> str:

@@ -18,6 +18,7 @@ from kvtier.core.keys import BlockKey, block_keys
 from kvtier.core.layout import KVLayout
 from kvtier.core.namespace import Namespace
 from kvtier.core.payload import BlockMeta
+from kvtier.store import safety
 from kvtier.store.tiered import GetResult, TieredStore
 from kvtier.tiers.base import Status
 
@@ -38,6 +39,8 @@ class ContextCache:
         self.namespace = namespace
         self.layout: KVLayout = namespace.layout
         self._meta = BlockMeta.of_layout(self.layout)
+        if namespace.tenant == "":
+            safety.warn_default_tenant(f"the namespace of model {namespace.model_id!r}")
 
     def keys(self, tokens: Sequence[int] | np.ndarray) -> list[BlockKey]:
         return block_keys(self.namespace, tokens)
