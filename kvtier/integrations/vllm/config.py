@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -24,7 +25,10 @@ from kvtier.core.keys import BlockKey, chain_external_hashes
 from kvtier.core.layout import KVLayout
 from kvtier.core.namespace import Namespace
 from kvtier.errors import ConfigError
+from kvtier.store import safety
 from kvtier.store.config import StoreConfig
+
+log = logging.getLogger(__name__)
 
 #: torch dtype name → kvtier dtype name
 _DTYPES = {
@@ -59,6 +63,11 @@ class ConnectorConfig:
       this long. vLLM gives a worker about 5 s between asking it to stop and
       killing it (``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS``, the engine-core
       process manager's grace), hence the default of 4.
+    * ``allow_weak_block_hashes``: accept vLLM's non-cryptographic block hashes
+      (``prefix_caching_hash_algo`` "xxhash" / "xxhash_cbor") as key material,
+      with a warning. Off by default: keys chain over those hashes, and a
+      prompt crafted to collide with another's hash would be served the other's
+      KV (wrong output, and a hit that tells the prompt was seen).
     * ``debug_poison``: fill the pages a load writes and its staging buffers with
       NaN first (tests; :mod:`kvtier.integrations.poison`). Default:
       ``$KVTIER_DEBUG_POISON``.
@@ -71,6 +80,7 @@ class ConnectorConfig:
     pd_wait_s: float = 5.0
     load_failure_policy: str = "recompute"
     shutdown_flush_s: float = 4.0
+    allow_weak_block_hashes: bool = False
     debug_poison: bool | None = None
     store: StoreConfig = field(default_factory=StoreConfig)
 
@@ -81,6 +91,8 @@ class ConnectorConfig:
             raise ConfigError(f"load_failure_policy={self.load_failure_policy!r}; use 'recompute' or 'fail'")
         if self.pd_wait_s < 0:
             raise ConfigError(f"pd_wait_s={self.pd_wait_s!r}; give seconds >= 0")
+        if not isinstance(self.allow_weak_block_hashes, bool):
+            raise ConfigError(f"allow_weak_block_hashes={self.allow_weak_block_hashes!r}; use true or false")
         if not isinstance(self.shutdown_flush_s, (int, float)) or self.shutdown_flush_s < 0:
             raise ConfigError(f"shutdown_flush_s={self.shutdown_flush_s!r}; "
                               "give seconds >= 0 (0: drop what only DRAM holds)")
@@ -145,11 +157,37 @@ class EngineKV:
         return [bytes(request_hashes[(i + 1) * step - 1]) for i in range(n)]
 
 
+#: vLLM ``prefix_caching_hash_algo`` values that are cryptographic hashes (SHA-256)
+STRONG_BLOCK_HASHES = ("sha256", "sha256_cbor")
+
+
+def check_block_hashes(config: ConnectorConfig, cache_config) -> None:
+    """Refuse vLLM's non-cryptographic block hashes as key material unless explicitly allowed.
+
+    kvtier's keys chain over vLLM's block hashes: if those can be made to
+    collide (xxHash can, by construction, for anyone who picks the input),
+    one request can address another's blocks.
+    """
+    algo = str(getattr(cache_config, "prefix_caching_hash_algo", "sha256"))
+    if algo in STRONG_BLOCK_HASHES:
+        return
+    if not config.allow_weak_block_hashes:
+        raise ConfigError(
+            f"vLLM's prefix_caching_hash_algo is {algo!r}, not a cryptographic hash; kvtier keys blocks on "
+            f"it, so colliding prompts could read each other's KV. Run vLLM with "
+            f"--prefix-caching-hash-algo sha256 (or sha256_cbor), or set \"allow_weak_block_hashes\": true "
+            f"in kv_connector_extra_config to accept the risk")
+    if safety.first_time("weak-block-hashes", algo):
+        log.warning("kvtier: keying blocks on vLLM's non-cryptographic %r block hashes "
+                    "(allow_weak_block_hashes): crafted prompts could collide with others'", algo)
+
+
 def engine_kv(config: ConnectorConfig, vllm_config, kv_cache_config, *, tp_rank: int = 0) -> EngineKV:
     """Namespace and geometry from vLLM's configuration (both roles see the same).
 
     The scheduler looks up under ``tp_rank`` 0; each worker keys its own shard.
     """
+    check_block_hashes(config, vllm_config.cache_config)
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
         raise ConfigError(

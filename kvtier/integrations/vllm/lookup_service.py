@@ -6,9 +6,21 @@ host tier is private memory. The worker (TP rank 0) therefore answers lookups
 on a Unix socket named after the engine id; the scheduler asks it.
 
 Wire format (no pickle): request ``u32 n`` then ``n`` 32-byte keys; reply
-``u32 hit_blocks``. The socket is created mode 0600. A client that cannot get
-an answer within ``timeout_s`` (worker busy, gone) counts a miss and
-reconnects on its next call.
+``u32 hit_blocks``. A client that cannot get an answer within ``timeout_s``
+(worker busy, gone) counts a miss and reconnects on its next call.
+
+Who may talk to whom. A hit tells which prompts were seen, and a lying server
+could make the scheduler plan loads of blocks that do not exist, so:
+
+* the socket lives in a directory private to the user (:func:`lookup_dir`:
+  ``$XDG_RUNTIME_DIR/kvtier``, else ``<tmp>/kvtier-<uid>``), created 0700 and
+  used only if it is a real directory this user owns -- never a predictable
+  path in a shared ``/tmp`` that another user could create first;
+* each end checks the other's ``SO_PEERCRED``: a peer of another uid is
+  closed (server) or refused (client);
+* whatever sits at the socket path already (a stale socket, a file, a
+  directory) is replaced or, if it cannot be, the worker serves no lookups
+  and says why: the scheduler then counts misses, the engine keeps running.
 """
 
 from __future__ import annotations
@@ -16,43 +28,137 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import stat
 import struct
 import tempfile
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from kvtier.core.keys import KEY_BYTES, BlockKey
 
 log = logging.getLogger(__name__)
 
 _U32 = struct.Struct("<I")
+_CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 MAX_KEYS = 1 << 20
 
 
-def socket_path(engine_id: str) -> str:
+def lookup_dir(env: Mapping[str, str] | None = None) -> str | None:
+    """This user's private directory for lookup sockets (created 0700); None if none can be trusted."""
+    env = os.environ if env is None else env
+    candidates = []
+    if env.get("XDG_RUNTIME_DIR"):
+        candidates.append(os.path.join(env["XDG_RUNTIME_DIR"], "kvtier"))
+    candidates.append(os.path.join(tempfile.gettempdir(), f"kvtier-{os.getuid()}"))
+    for path in candidates:
+        if _private_dir(path):
+            return path
+    return None
+
+
+def _private_dir(path: str) -> bool:
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        log.debug("kvtier lookup: cannot create %s (%s)", path, exc)
+        return False
+    st = os.lstat(path)  # lstat: a symlink planted by someone else is not followed
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        log.error("kvtier lookup: %s is not a directory owned by this user (uid %d) but a %s of uid %d; "
+                  "not using it for the lookup socket (remove it, or set XDG_RUNTIME_DIR)",
+                  path, os.getuid(), _kind(st.st_mode), st.st_uid)
+        return False
+    if stat.S_IMODE(st.st_mode) != 0o700:
+        os.chmod(path, 0o700)  # ours: make it private (mkdir's mode went through the umask)
+    return True
+
+
+def socket_path(engine_id: str, env: Mapping[str, str] | None = None) -> str | None:
+    """Where the worker of ``engine_id`` answers lookups; None if there is no private directory."""
+    directory = lookup_dir(env)
+    if directory is None:
+        return None
     safe = "".join(c for c in engine_id if c.isalnum() or c in "-_")[:64]
-    return os.path.join(tempfile.gettempdir(), f"kvtier-lookup-{safe}.sock")
+    return os.path.join(directory, f"lookup-{safe}.sock")
+
+
+def peer_credentials(conn: socket.socket) -> tuple[int, int, int]:
+    """``(pid, uid, gid)`` of the process at the other end of a Unix socket (Linux ``SO_PEERCRED``)."""
+    return _CRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
+
+
+def peer_allowed(credentials: tuple[int, int, int], uid: int | None = None) -> bool:
+    """Only processes of this user (``uid``) may ask or answer lookups."""
+    _, peer_uid, _ = credentials
+    return peer_uid == (os.getuid() if uid is None else uid)
 
 
 class LookupServer:
-    """Serves ``lookup(keys) -> hit_blocks`` on ``path`` from a daemon thread."""
+    """Serves ``lookup(keys) -> hit_blocks`` on ``path`` from a daemon thread.
 
-    def __init__(self, path: str, lookup: Callable[[list[BlockKey]], int]) -> None:
+    Never raises for the path: if it cannot serve there, :attr:`serving` is
+    False and the reason is logged.
+    """
+
+    def __init__(self, path: str | None, lookup: Callable[[list[BlockKey]], int]) -> None:
         self.path = path
         self._lookup = lookup
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._closed = False
+        self._sock: socket.socket | None = None
+        self._inode: int | None = None
+        if path is None:
+            log.error("kvtier lookup: no private directory for the lookup socket (see above); schedulers in "
+                      "other processes will count misses for this worker")
+            return
+        self._sock = self._bind(path)
+        if self._sock is not None:
+            threading.Thread(target=self._accept, name="kvtier-lookup", daemon=True).start()
+
+    @property
+    def serving(self) -> bool:
+        return self._sock is not None
+
+    def _bind(self, path: str) -> socket.socket | None:
+        if not self._clear(path):
+            return None
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old = os.umask(0o177)
         try:
-            self._sock.bind(path)
+            sock.bind(path)
+            sock.listen(8)
+        except OSError as exc:
+            sock.close()
+            log.error("kvtier lookup: cannot listen on %s (%s); this worker serves no lookups", path, exc)
+            return None
         finally:
             os.umask(old)
-        self._sock.listen(8)
-        self._closed = False
-        threading.Thread(target=self._accept, name="kvtier-lookup", daemon=True).start()
+        self._inode = os.lstat(path).st_ino
+        return sock
+
+    @staticmethod
+    def _clear(path: str) -> bool:
+        """Make room at ``path``: replace a stale socket or a file; refuse a live socket or a directory."""
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return True
+        if stat.S_ISDIR(st.st_mode):
+            log.error("kvtier lookup: a directory sits at the socket path %s; this worker serves no lookups "
+                      "(remove it)", path)
+            return False
+        if stat.S_ISSOCK(st.st_mode) and _answers(path):
+            log.error("kvtier lookup: another process already serves lookups at %s (the same engine id "
+                      "twice?); this worker serves none", path)
+            return False
+        log.warning("kvtier lookup: replacing the %s of uid %d left at %s", _kind(st.st_mode), st.st_uid, path)
+        try:
+            os.unlink(path)
+        except OSError as exc:
+            log.error("kvtier lookup: cannot remove %s (%s); this worker serves no lookups", path, exc)
+            return False
+        return True
 
     def _accept(self) -> None:
         while not self._closed:
@@ -60,6 +166,15 @@ class LookupServer:
                 conn, _ = self._sock.accept()
             except OSError:
                 return
+            try:
+                credentials = peer_credentials(conn)
+            except OSError:
+                credentials = (0, -1, -1)
+            if not peer_allowed(credentials):
+                log.warning("kvtier lookup: refused a connection from pid %d uid %d (not this user)",
+                            credentials[0], credentials[1])
+                conn.close()
+                continue
             threading.Thread(target=self._serve, args=(conn,), name="kvtier-lookup-conn", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
@@ -83,19 +198,25 @@ class LookupServer:
 
     def close(self) -> None:
         self._closed = True
+        if self._sock is None:
+            return
         try:
-            self._sock.close()
-        finally:
-            try:
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the accept thread (close alone does not)
+        except OSError:
+            pass
+        self._sock.close()
+        self._sock = None
+        try:
+            if os.lstat(self.path).st_ino == self._inode:  # still ours, not a successor's
                 os.unlink(self.path)
-            except FileNotFoundError:
-                pass
+        except FileNotFoundError:
+            pass
 
 
 class LookupClient:
     """The scheduler's end. Not thread safe (vLLM's scheduler is one thread)."""
 
-    def __init__(self, path: str, timeout_s: float = 2.0) -> None:
+    def __init__(self, path: str | None, timeout_s: float = 2.0) -> None:
         self.path = path
         self.timeout_s = timeout_s
         self._sock: socket.socket | None = None
@@ -103,10 +224,16 @@ class LookupClient:
     def lookup(self, keys: Sequence[BlockKey]) -> int:
         """Blocks of ``keys`` the worker's store holds as a prefix; raises OSError if it cannot tell."""
         if self._sock is None:
+            if self.path is None:
+                raise OSError("no private directory for the lookup socket")
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             sock.settimeout(self.timeout_s)
             try:
                 sock.connect(self.path)
+                credentials = peer_credentials(sock)
+                if not peer_allowed(credentials):
+                    raise PermissionError(f"the lookup socket {self.path} is served by uid {credentials[1]}, "
+                                          f"not this user")
             except OSError:
                 sock.close()
                 raise
@@ -133,3 +260,26 @@ def _recv(sock: socket.socket, n: int) -> bytes:
             raise ConnectionError("peer closed")
         buf += chunk
     return bytes(buf)
+
+
+def _answers(path: str) -> bool:
+    """Whether a process accepts connections on the socket at ``path`` (a stale one refuses)."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(0.5)
+    try:
+        probe.connect(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISSOCK(mode):
+        return "socket"
+    if stat.S_ISLNK(mode):
+        return "symlink"
+    if stat.S_ISDIR(mode):
+        return "directory"
+    return "file"
