@@ -8,8 +8,17 @@
 * Crypto-shredding: retiring an epoch or :meth:`Keyring.shred_tenant` deletes
   keys, so every block sealed under them becomes unreadable at once, in every
   tier, files still on disk included.
-* Each data key counts its encryptions (chunks) and the keyring rotates at
-  :data:`ROTATE_AFTER` = 2^30, well before AES-GCM's random-nonce bound of 2^32.
+* One nonce budget per data key, for every process sharing the key store: a
+  writer reserves the AES-GCM invocations (chunks) it is about to make
+  (:meth:`Keyring.key_for_write` ``encryptions=``) *before* it makes them, out of a
+  lease of up to ``lease_size`` it took from the store; the store's file records,
+  per data key, how many encryptions have ever been leased, and a lease is only
+  granted while that total stays within ``rotate_after`` (default
+  :data:`ROTATE_AFTER` = 2^30, well below AES-GCM's random-nonce bound of 2^32).
+  The writer that finds a key's budget spent rotates, under the same lock, so all
+  processes together never exceed the bound under one key. A lease is durable
+  before any encryption under it; a process that dies loses the unspent rest
+  (wasted, never reused), and unspent leases are never handed back.
 * Several processes may share a keystore directory: writes are atomic
   (temp + rename) under an ``flock``; a process re-reads a tenant's file when it
   changed, at most every ``refresh_s``, so a shred elsewhere takes effect here
@@ -42,9 +51,13 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from kvtier.core.framing import frame_int, frame_str
 from kvtier.crypto.providers import MasterKeyProvider
+from kvtier.errors import ConfigError
 
 ROTATE_AFTER = 1 << 30
-_COUNT_FLUSH = 1 << 16  # persist encryption counts every this many, so a crash loses few
+#: encryptions one lease grants: 2^20 chunks (64 GiB at the stream chunk size) cost one locked
+#: key-store write, and a crash wastes at most 1/1024 of a key's budget
+LEASE_SIZE = 1 << 20
+_GCM_RANDOM_NONCE_BOUND = 1 << 32  # NIST SP 800-38D, random 96-bit IVs
 
 
 @dataclass(slots=True)
@@ -53,7 +66,27 @@ class DataKey:
     epoch: int
     key_id: bytes
     aead: AESGCM = field(repr=False)
-    encryptions: int = 0
+    leased: int = 0  #: encryptions leased under this key by all processes, as of this process's last read
+
+
+@dataclass(slots=True)
+class Lease:
+    """Encryptions this process may still make under one data key.
+
+    ``[start, end)`` is the latest grant's share of the store's count for the key: no
+    other process, before or after, is granted any of it. ``remaining`` may include the
+    unspent tail of an earlier grant under the same key."""
+
+    epoch: int
+    key_id: bytes
+    start: int
+    end: int
+    remaining: int
+
+
+def _leased(entry: dict) -> int:
+    # "encryptions": what key stores written before leases recorded (a lower bound of use)
+    return int(entry.get("leased", entry.get("encryptions", 0)))
 
 
 @dataclass(slots=True)
@@ -64,12 +97,23 @@ class _TenantKeys:
     keys: dict[int, DataKey]
     index_key: bytes
     created: dict[int, float]
-    unflushed: int = 0
 
 
 class Keyring:
     def __init__(self, provider: MasterKeyProvider, keystore_dir: str | Path, *, refresh_s: float = 1.0,
-                 missing_reload_s: float = 1.0) -> None:
+                 missing_reload_s: float = 1.0, rotate_after: int = ROTATE_AFTER,
+                 lease_size: int = LEASE_SIZE) -> None:
+        """``rotate_after``: encryptions (chunks) under one data key, all processes sharing
+        ``keystore_dir`` together, after which writes use a new epoch; every process sharing
+        the store must use the same value. ``lease_size``: encryptions taken from the store
+        at a time (clipped to ``rotate_after``)."""
+        if not 1 <= rotate_after <= _GCM_RANDOM_NONCE_BOUND:
+            raise ConfigError(f"rotate_after={rotate_after}: give 1..2^32 encryptions per data key "
+                              f"(AES-GCM's random-nonce bound); default 2^30")
+        if lease_size < 1:
+            raise ConfigError(f"lease_size={lease_size}: give at least 1 encryption per lease")
+        self.rotate_after = rotate_after
+        self.lease_size = min(lease_size, rotate_after)
         self._master = provider.master_key()
         self.dir = Path(keystore_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -78,6 +122,8 @@ class Keyring:
         self._lock = threading.RLock()
         self._tenants: dict[str, _TenantKeys] = {}
         self._missing_reloads: dict[str, float] = {}  # tenant -> when a missing key last forced a re-read
+        self._leases: dict[str, Lease] = {}  # tenant -> what this process may still encrypt, and under which key
+        self.leases_taken = 0  #: leases this process took from the store (observability, tests)
         self.missing_key_reloads = 0  #: re-reads forced by a missing key (observability, tests)
 
     # -- derivations ------------------------------------------------------------
@@ -147,14 +193,7 @@ class Keyring:
             fd = self._locked_file(tenant)
             try:
                 if self._read_doc(tenant) is None:
-                    raw = AESGCM.generate_key(256)
-                    doc = {
-                        "version": 1,
-                        "current_epoch": 0,
-                        "index_key": self._wrap(tenant, "index", os.urandom(32)),
-                        "epochs": {"0": {"key": self._wrap(tenant, "data/0", raw), "created": time.time(), "encryptions": 0}},
-                    }
-                    self._write_doc(tenant, doc)
+                    self._write_doc(tenant, self._new_doc(tenant))
             finally:
                 os.close(fd)
             return self._load(tenant, create=False)
@@ -166,7 +205,7 @@ class Keyring:
         for text_epoch, entry in doc["epochs"].items():
             epoch = int(text_epoch)
             raw = self._unwrap(tenant, f"data/{epoch}", entry["key"])
-            keys[epoch] = DataKey(tenant, epoch, self._key_id(tenant, epoch, raw), AESGCM(raw), entry["encryptions"])
+            keys[epoch] = DataKey(tenant, epoch, self._key_id(tenant, epoch, raw), AESGCM(raw), _leased(entry))
             created[epoch] = entry["created"]
         state = _TenantKeys(
             mtime_ns=path.stat().st_mtime_ns,
@@ -179,30 +218,94 @@ class Keyring:
         self._tenants[tenant] = state
         return state
 
+    def _new_doc(self, tenant: str) -> dict:
+        index_key = self._wrap(tenant, "index", os.urandom(32))
+        doc = {"version": 1, "current_epoch": -1, "index_key": index_key, "epochs": {}}
+        self._add_epoch(tenant, doc)
+        return doc
+
+    def _add_epoch(self, tenant: str, doc: dict) -> int:
+        """Make a new data key the current one in ``doc``; returns its epoch. Epochs are never
+        reused, even after a retirement: a block names its key by epoch."""
+        epoch = max([int(e) for e in doc["epochs"]] + [doc["current_epoch"]]) + 1
+        raw = AESGCM.generate_key(256)
+        doc["epochs"][str(epoch)] = {"key": self._wrap(tenant, f"data/{epoch}", raw), "created": time.time(),
+                                     "leased": 0}
+        doc["current_epoch"] = epoch
+        return epoch
+
     # -- public API -----------------------------------------------------------------
-    def key_for_write(self, tenant: str) -> DataKey:
+    def key_for_write(self, tenant: str, encryptions: int = 1) -> DataKey:
+        """The current data key, with ``encryptions`` AES-GCM invocations (chunks) under it
+        reserved for the caller, who must make no more than that under it. Takes a lease
+        from the store when this process's runs out; rotates when the key's budget is spent."""
+        if not 1 <= encryptions <= self.rotate_after:
+            raise ValueError(f"encryptions={encryptions}: reserve 1..{self.rotate_after} (rotate_after) at a time")
         with self._lock:
             state = self._load(tenant, create=True)
-            key = state.keys.get(state.current_epoch)
-            if key is None or key.encryptions >= ROTATE_AFTER:
-                self.rotate(tenant)
-                state = self._load(tenant, create=True)
-                key = state.keys[state.current_epoch]
+            lease = self._leases.get(tenant)
+            key = state.keys.get(lease.epoch) if lease is not None else None
+            usable = (key is not None and lease.epoch == state.current_epoch and key.key_id == lease.key_id
+                      and lease.remaining >= encryptions)
+            while not usable:  # out of budget, or the key rotated / was retired elsewhere since the lease
+                lease = self._take_lease(tenant, encryptions, lease)
+                key = self._load(tenant, create=True).keys.get(lease.epoch)
+                usable = key is not None and key.key_id == lease.key_id  # (else retired in between: again)
+            lease.remaining -= encryptions  # the fast path: no I/O, no cross-process lock
             return key
 
-    def note_encryptions(self, key: DataKey, count: int) -> None:
-        """Count ``count`` AES-GCM invocations under ``key``; rotate when the bound nears."""
+    def _take_lease(self, tenant: str, encryptions: int, old: Lease | None) -> Lease:
+        """A lease that covers ``encryptions`` under the store's current key, or a new key's.
+
+        The count lives in the tenant's key-store file and is changed under the flock that
+        already serialises every change to that file (rotation, retirement, shredding), so a
+        lease and the rotation that follows a spent budget are one atomic step, and two
+        processes cannot both be granted the same part of a key's budget. The kernel drops
+        an flock when its holder dies, so a killed process never leaves the store locked; and
+        the file is renamed into place and its directory synced before any encryption under
+        the lease, so a crash (even of the machine) can waste a lease, never grant it twice.
+        One write per ``lease_size`` encryptions keeps the cost off the encryption path."""
+        fd = self._locked_file(tenant)
+        try:
+            doc = self._read_doc(tenant)
+            if doc is None:  # shredded elsewhere since we loaded it: start afresh, as a first write would
+                doc = self._new_doc(tenant)
+            epoch = doc["current_epoch"]
+            entry = doc["epochs"].get(str(epoch))
+            key_id = self._key_id(tenant, epoch, self._unwrap(tenant, f"data/{epoch}", entry["key"])) if entry else None
+            carried = old.remaining if old is not None and old.epoch == epoch and old.key_id == key_id else 0
+            leased = _leased(entry) if entry is not None else self.rotate_after
+            need = encryptions - carried
+            if leased + need > self.rotate_after:  # this key's budget is spent: rotate
+                epoch = self._add_epoch(tenant, doc)
+                entry = doc["epochs"][str(epoch)]
+                key_id = self._key_id(tenant, epoch, self._unwrap(tenant, f"data/{epoch}", entry["key"]))
+                leased, carried, need = 0, 0, encryptions
+            grant = max(need, min(self.lease_size, self.rotate_after - leased))
+            entry["leased"] = leased + grant
+            entry.pop("encryptions", None)
+            self._write_doc(tenant, doc)
+            fsync_dir(self.dir)
+        finally:
+            os.close(fd)
+        self._tenants.pop(tenant, None)  # re-read (the new count, perhaps a new key) on next use
+        lease = Lease(epoch, key_id, leased, leased + grant, carried + grant)
+        self._leases[tenant] = lease
+        self.leases_taken += 1
+        return lease
+
+    def lease(self, tenant: str) -> Lease | None:
+        """This process's lease for ``tenant``'s writes (a copy), or None before its first write."""
         with self._lock:
-            key.encryptions += count
-            state = self._tenants.get(key.tenant)
-            if state is None:
-                return
-            state.unflushed += count
-            if key.encryptions >= ROTATE_AFTER:
-                self.rotate(key.tenant)
-            elif state.unflushed >= _COUNT_FLUSH:
-                self._update(key.tenant, lambda doc: doc["epochs"][str(key.epoch)].__setitem__(
-                    "encryptions", max(doc["epochs"][str(key.epoch)]["encryptions"], key.encryptions)))
+            lease = self._leases.get(tenant)
+            return None if lease is None else Lease(lease.epoch, lease.key_id, lease.start, lease.end, lease.remaining)
+
+    def leased(self, tenant: str) -> dict[int, int]:
+        """Encryptions leased so far under each of ``tenant``'s data keys, all processes
+        together, read from the store now: epoch -> count."""
+        with self._lock:
+            doc = self._read_doc(tenant)
+            return {} if doc is None else {int(e): _leased(entry) for e, entry in doc["epochs"].items()}
 
     def key_for_read(self, tenant: str, epoch: int, key_id: bytes) -> DataKey | None:
         """The data key a block names, or None if the key store holds no such key -- after one
@@ -255,13 +358,10 @@ class Keyring:
             new_epoch = {}
 
             def bump(doc: dict) -> None:
-                epoch = max(int(e) for e in doc["epochs"]) + 1 if doc["epochs"] else doc["current_epoch"] + 1
-                raw = AESGCM.generate_key(256)
-                doc["epochs"][str(epoch)] = {"key": self._wrap(tenant, f"data/{epoch}", raw), "created": time.time(), "encryptions": 0}
-                doc["current_epoch"] = epoch
-                new_epoch["value"] = epoch
+                new_epoch["value"] = self._add_epoch(tenant, doc)
 
             self._update(tenant, bump)
+            self._leases.pop(tenant, None)  # the rest of our lease was for the old key
             return new_epoch["value"]
 
     def retire(self, tenant: str, epoch: int) -> bool:
@@ -303,6 +403,7 @@ class Keyring:
             finally:
                 os.close(fd)
             self._tenants.pop(tenant, None)
+            self._leases.pop(tenant, None)
             return existed
 
     def _update(self, tenant: str, mutate) -> None:

@@ -165,7 +165,8 @@ class EncryptedTier(WrappingTier):
     def _seal(self, tenant: str, name: BlockKey, data, out: np.ndarray, executor) -> np.ndarray:
         """Seal ``data`` into ``out`` for ``tenant``; returns the view of the sealed bytes."""
         plain = memoryview(data).cast("B")
-        data_key = self.keyring.key_for_write(tenant)
+        # reserved before sealing: the store's budget for the key must cover every chunk we seal
+        data_key = self.keyring.key_for_write(tenant, aead.n_chunks(plain.nbytes, self.chunk_bytes))
         n = aead.seal_into(
             data_key.aead,
             epoch=data_key.epoch,
@@ -177,7 +178,6 @@ class EncryptedTier(WrappingTier):
             chunk_bytes=self.chunk_bytes,
             executor=executor,
         )
-        self.keyring.note_encryptions(data_key, aead.n_chunks(plain.nbytes, self.chunk_bytes))
         return out[:n]
 
     def _open(self, tenant: str, name: BlockKey, sealed: np.ndarray, out, executor) -> Status:
@@ -353,12 +353,11 @@ class EncryptedTier(WrappingTier):
         try:
             sources = []
             for owner, name, data, _ in items:
-                data_key = self.keyring.key_for_write(owner)
+                data_key = self.keyring.key_for_write(owner, aead.n_chunks(memoryview(data).nbytes, self.chunk_bytes))
                 source = aead.SealingSource(
                     data_key.aead, epoch=data_key.epoch, key_id=data_key.key_id, storage_key=name,
                     context=self._context(owner), plain=data, scratch=scratch, chunk_bytes=self.chunk_bytes,
                 )
-                self.keyring.note_encryptions(data_key, source.n_chunks)
                 sources.append(source)
             return self.inner.put_streams([it[1] for it in items], sources, parents=[it[3] for it in items])
         finally:

@@ -104,14 +104,15 @@ def test_retention_retires_old_epochs(keyring, monkeypatch):
     assert keyring.epochs("acme") == [2]
 
 
-def test_rotation_before_the_nonce_bound(keyring, monkeypatch):
-    monkeypatch.setattr(keyring_mod, "ROTATE_AFTER", 10)
-    key = keyring.key_for_write("acme")
-    keyring.note_encryptions(key, 9)
+def test_rotation_before_the_nonce_bound(tmp_path):
+    keyring = Keyring(StaticMasterKey(bytes(range(32))), tmp_path / "keys", refresh_s=0.0, rotate_after=10,
+                      lease_size=4)
+    assert keyring.key_for_write("acme", 9).epoch == 0  # reserved before use
     assert keyring.current_epoch("acme") == 0
-    keyring.note_encryptions(key, 1)
+    assert keyring.key_for_write("acme", 1).epoch == 0  # the 10th: the bound, not past it
+    assert keyring.key_for_write("acme", 1).epoch == 1  # the 11th needs a new key
     assert keyring.current_epoch("acme") == 1
-    assert keyring.key_for_write("acme").epoch == 1
+    assert keyring.leased("acme") == {0: 10, 1: 4}
 
 
 def test_key_providers_validate(tmp_path, monkeypatch):
