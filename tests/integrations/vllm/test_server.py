@@ -1,5 +1,6 @@
 """Real vLLM engines sharing a kvtier server: a fresh engine reuses what another stored,
-prefill/decode disaggregation, and a server that dies mid-run."""
+prefill/decode disaggregation, a block tampered on the server's spill disk mid-chain, and a
+server that dies mid-run."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import time
 
 import pytest
 
+from kvtier.cli.admin import admin_call
 from tests.integrations.vllm.harness import loaded_tokens, prompts, skip_without_vllm
 
 skip_without_vllm()
@@ -14,7 +16,11 @@ skip_without_vllm()
 pytestmark = pytest.mark.timeout(480)
 
 TOKEN = "vllm-test-token"
+ADMIN = "vllm-test-admin"
 BLOCK_TOKENS = 64
+BLOCK_BYTES = 64 << 10  # the tiny model: 2 layers x 2 (K, V) x 2 heads x 64 tokens x 32 dims x fp32
+#: the second server's DRAM pool: 16 blocks, so a few prompts push a chain out to its spill disk
+SPILL_POOL = {"capacity": 16 * BLOCK_BYTES, "max_block": BLOCK_BYTES, "disk_capacity": "64MiB"}
 
 
 def remote_extra(url: str) -> dict:
@@ -27,11 +33,18 @@ def expected_hit(length: int) -> int:
 
 
 @pytest.fixture(scope="module")
-def servers():
+def spill_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("server-spill")
+
+
+@pytest.fixture(scope="module")
+def servers(spill_dir):
     from kvtier.server.launch import ServerProcess
 
     shared = ServerProcess.start({"acme": TOKEN})
-    doomed = ServerProcess.start({"acme": TOKEN})
+    # A small pool that spills to disk_dir; killed by the last test of this module.
+    doomed = ServerProcess.start({"acme": TOKEN}, admin_token=ADMIN,
+                                 server={**SPILL_POOL, "disk_dir": str(spill_dir)})
     yield shared, doomed
     shared.stop()
     doomed.stop()
@@ -77,6 +90,73 @@ def test_prefill_decode_disaggregation_matches_a_single_instance(cluster):
         assert loaded_tokens(d) == expected_hit(len(prompt)) > 0
         assert loaded_tokens(s) == 0
         assert d["token_ids"] == s["token_ids"] and d["logprobs"] == s["logprobs"]
+
+
+def server_stats(server) -> dict:
+    return admin_call(server.url, ADMIN, "stats", {})
+
+
+def spilled_files(server, spill_dir, timeout_s: float = 30.0) -> set:
+    """The server's block files, once its write-behind has copied every block it indexes to disk."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        files = set(spill_dir.rglob("*.kvb"))
+        if len(files) == server_stats(server)["blocks"]:
+            return files
+        assert time.monotonic() < deadline, "the server's write-behind never caught up with its index"
+        time.sleep(0.1)
+
+
+def test_a_block_tampered_on_the_servers_disk_mid_chain_stops_the_load_there(cluster, servers, spill_dir):
+    _, _, survivor = cluster  # host_bytes 0: every block it loads comes from the server
+    _, server = servers
+    n, k = 6, 3
+    base, control = (prompts(1, n * BLOCK_TOKENS + 20, seed=s)[0] for s in (15, 16))  # 404 tokens: 6 full blocks
+    reference = survivor.generate([base], max_tokens=8, cache_salt="reference")[0]  # another salt: recomputed
+    control_cold = survivor.generate([control], max_tokens=8)[0]
+    assert loaded_tokens(reference) == loaded_tokens(control_cold) == 0
+    # Find block k's file on the server: store blocks 0..k-1, then block k alone, then the rest.
+    survivor.call(op="flush")
+    files = [spilled_files(server, spill_dir)]
+    for end in (k, k + 1, n):
+        survivor.generate([base[: end * BLOCK_TOKENS + 20]], max_tokens=1)
+        survivor.call(op="flush")
+        files.append(spilled_files(server, spill_dir))
+    assert [len(b - a) for a, b in zip(files, files[1:])] == [k, 1, n - k - 1]
+    (block_k,) = files[2] - files[1]
+    # Push both chains out of the server's 16-block pool: only its disk holds them now.
+    evictions = server_stats(server)["store"]["tiers"]["host"]["evictions"]
+    survivor.generate(prompts(6, 520, seed=17), max_tokens=1)  # 57 blocks
+    survivor.call(op="flush")
+    assert server_stats(server)["store"]["tiers"]["host"]["evictions"] - evictions >= 57 - 16
+    with open(block_k, "r+b") as f:  # a byte of the payload (after the 4 KiB header page)
+        f.seek(4096 + BLOCK_BYTES // 2)
+        byte = f.read(1)
+        f.seek(4096 + BLOCK_BYTES // 2)
+        f.write(bytes([byte[0] ^ 0x5A]))
+
+    def load(prompt):
+        survivor.call(op="reset")
+        worker, disk = survivor.call(op="stats")["worker"], server_stats(server)["store"]["tiers"]["disk"]
+        out = survivor.generate([prompt], max_tokens=8)[0]
+        worker2, disk2 = survivor.call(op="stats")["worker"], server_stats(server)["store"]["tiers"]["disk"]
+        delta = {name: worker2[name] - worker[name] for name in ("loaded_blocks", "failed_pages")}
+        delta.update({f"disk_{name}": disk2[name] - disk[name] for name in ("hits", "verify_failures")})
+        return out, delta
+
+    # Positive control: the untampered chain, pushed out the same way, loads whole from the server's disk.
+    warm, delta = load(control)
+    assert loaded_tokens(warm) == n * BLOCK_TOKENS
+    assert delta == {"loaded_blocks": n, "failed_pages": 0, "disk_hits": n, "disk_verify_failures": 0}
+    assert warm["token_ids"] == control_cold["token_ids"] and warm["logprobs"] == control_cold["logprobs"]
+
+    out, delta = load(base)
+    # The server reads blocks 0..k-1 from disk, finds block k corrupt and answers a miss: the load
+    # stops at block k and vLLM recomputes blocks k..n-1 (two pages each).
+    assert delta == {"loaded_blocks": k, "failed_pages": (n - k) * 2, "disk_hits": k, "disk_verify_failures": 1}
+    assert out["token_ids"] == reference["token_ids"]
+    assert out["logprobs"] == reference["logprobs"], "top-5 logprobs equal a recompute without kvtier"
+    assert not block_k.exists(), "the server drops a tampered block, never serves it"
 
 
 def test_requests_complete_when_the_server_is_killed_mid_run(cluster, servers):
