@@ -17,7 +17,8 @@ a bare "512M" is refused as ambiguous: see kvtier/core/units.py)::
     encrypt_at_rest = true          # seal spilled blocks per tenant (needs a master key:
     master_key_file = "/etc/kvtier/master.key"   # this file, mode 0600, or $KVTIER_MASTER_KEY)
     keystore_dir = "/var/lib/kvtier/keys"        # wrapped per-tenant keys (default: <disk_dir>/keys)
-    metrics = "127.0.0.1:9400"      # Prometheus /metrics and /healthz
+    metrics = "127.0.0.1:9400"      # Prometheus /metrics and /healthz (per-tenant series only with the admin token)
+    metrics_require_token = false   # true: /metrics answers only a scrape with "Authorization: Bearer <admin token>"
     events = "tcp://127.0.0.1:5557" # KV events for routers (CURVE-authenticated; or ipc:///path, 0600)
     events_curve_secret = "<z85>"   # from `kvtier admin new-events-keys` (or $KVTIER_SERVE_EVENTS_CURVE_SECRET)
     events_name_key = "<hex>"       # the secret subscribers name blocks with (same command)
@@ -99,6 +100,8 @@ class ServerConfig:
     login_failure_burst: int = 10  # failed logins a TCP peer may make at once …
     login_failure_rate_per_s: float = 1.0  # … and per second after that
     metrics: str | None = None
+    #: /metrics only for a scrape presenting the admin token (``Authorization: Bearer``); /healthz stays open
+    metrics_require_token: bool = False
     events: str | None = None
     events_curve_secret: str | None = None
     events_name_key: str | None = None
@@ -194,6 +197,7 @@ _SERVER_KEYS: dict[str, tuple[str, Any]] = {
     "login_failure_burst": ("login_failure_burst", _int),
     "login_failure_rate_per_s": ("login_failure_rate_per_s", _float),
     "metrics": ("metrics", _str_or_none),
+    "metrics_require_token": ("metrics_require_token", _bool),
     "events": ("events", _str_or_none),
     "events_curve_secret": ("events_curve_secret", _str_or_none),
     "events_name_key": ("events_name_key", _str_or_none),
@@ -378,6 +382,8 @@ def _validate(c: ServerConfig) -> None:
         )
     if c.disk_dir and c.disk_capacity_bytes < c.max_block_bytes:
         raise ConfigError("disk_dir is set: give disk_capacity (e.g. \"100GiB\") of at least one block")
+    if c.metrics_require_token and not c.admin_token_sha256:
+        raise ConfigError("metrics_require_token needs an admin token: add [admin] token_sha256 (or turn it off)")
     _validate_events(c)
     if c.encrypt_at_rest and not c.disk_dir:
         raise ConfigError("encrypt_at_rest seals the disk spill tier: set disk_dir too (the DRAM pool stays plaintext)")
