@@ -79,3 +79,66 @@ def test_external_hash_chains_are_namespaced():
     hashes = [b"h1", b"h2"]
     assert chain_external_hashes(ns(tenant="a"), hashes) != chain_external_hashes(ns(tenant="b"), hashes)
     assert chain_external_hashes(ns(), hashes)[:1] == chain_external_hashes(ns(), hashes[:1])
+
+
+# -- the fast keying path (numpy-framed blocks, a C loop when built) equals the definition --
+
+from kvtier.core import keys as keys_module  # noqa: E402
+from kvtier.core.keys import block_keys_reference, chain_external_hashes_reference  # noqa: E402
+
+L16 = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16", block_tokens=16)
+
+
+@pytest.fixture(params=["c", "python"])
+def keying_path(request, monkeypatch):
+    """Run a test through the C loop and through the Python loop (the fallback without the extension)."""
+    if request.param == "c":
+        if keys_module._c_chain is None:
+            pytest.skip("kvtier.core._chainhash is not built (python setup.py build_ext --inplace)")
+    else:
+        monkeypatch.setattr(keys_module, "_c_chain", None)
+    return request.param
+
+
+def test_keys_are_pinned_bytes(keying_path):
+    # Computed with the one-hash-object-per-block code that stored every existing block:
+    # a faster path that changed a byte would orphan every block already on disk or on a server.
+    n = Namespace(model_id="m", layout=L16, weights_revision="r", tenant="t", adapter="", salt="")
+    assert [k.hex() for k in block_keys(n, list(range(40)))] == [
+        "b4a6ba661ae582b60489a11a6dd05a17d18b66edab0d76a581c0461493aca029",
+        "d29d1f849945761a4e98f4467b0c247d06d29f7f909be57733687e3d5dc3d697",
+    ]
+    assert chain_external_hashes(n, [bytes([i]) * 32 for i in range(3)])[-1].hex() == (
+        "eafd20b3f6bfd01312999c5a52de8a5b8ee9a1292d7845829f9c96b057f85739")
+
+
+@pytest.mark.parametrize("block_tokens", [1, 4, 16, 256])
+def test_fast_path_equals_the_reference_on_random_prompts(keying_path, block_tokens):
+    rng = np.random.default_rng(block_tokens)
+    n = ns(layout=KVLayout(2, 2, 8, "float16", block_tokens), tenant="acme")
+    for length in [0, block_tokens - 1, block_tokens, 3 * block_tokens + 1, 1000, 4096 + block_tokens // 2]:
+        prompt = rng.integers(0, 2**32, length, dtype=np.uint64)  # the whole token range
+        want = block_keys_reference(n, prompt)
+        assert len(want) == length // block_tokens  # a partial last block has no key
+        assert block_keys(n, prompt) == want
+        assert block_keys(n, prompt.tolist()) == want
+        if want:
+            cut = len(want) // 2 * block_tokens
+            assert block_keys(n, prompt[cut:], parent=want[cut // block_tokens - 1] if cut else None) == \
+                want[cut // block_tokens:]
+
+
+def test_fast_external_chain_equals_the_reference(keying_path):
+    rng = np.random.default_rng(7)
+    n = ns(tenant="acme")
+    digests = [rng.bytes(32) for _ in range(300)]  # vLLM's sha256 block hashes
+    root = chain_external_hashes_reference(n, [b"page-format"])[0]
+    assert chain_external_hashes(n, digests, parent=root) == chain_external_hashes_reference(n, digests, parent=root)
+    mixed = [b"a", b"bc", rng.bytes(32)]  # sizes differ: the general path
+    assert chain_external_hashes(n, mixed) == chain_external_hashes_reference(n, mixed)
+    assert chain_external_hashes(n, []) == []
+
+
+def test_a_parent_that_is_not_a_key_is_refused(keying_path):
+    with pytest.raises(ValueError, match="32 bytes"):
+        block_keys(ns(), list(range(8)), parent=b"short")
