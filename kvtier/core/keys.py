@@ -136,11 +136,13 @@ def chain_external_hashes(
     """
     prev = namespace.root if parent is None else parent
     if hashes and _c_chain is not None and len(prev) == KEY_BYTES:
-        width = len(hashes[0])
-        if all(len(value) == width for value in hashes):  # vLLM's: all one digest size
-            head = frame_head(_T_EXTERNAL, width)
-            return _c_chain(prev, _PARENT_HEAD, b"".join(head + bytes(value) for value in hashes),
-                            _HEAD_BYTES + width)
+        sizes = set(map(len, hashes))
+        if len(sizes) == 1:  # vLLM's: all one digest size; framed in one numpy pass
+            width = sizes.pop()
+            frames = np.empty((len(hashes), _HEAD_BYTES + width), np.uint8)
+            frames[:, :_HEAD_BYTES] = np.frombuffer(frame_head(_T_EXTERNAL, width), np.uint8)
+            frames[:, _HEAD_BYTES:] = np.frombuffer(b"".join(hashes), np.uint8).reshape(len(hashes), width)
+            return _c_chain(prev, _PARENT_HEAD, frames, frames.shape[1])
     return chain_external_hashes_reference(namespace, hashes, parent=parent)
 
 
