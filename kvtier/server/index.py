@@ -5,12 +5,21 @@ namespace it belongs to, its session, its wire header (the client's key and
 checksum, sent back with every GET) and its size, and keeps the orders that
 governance needs:
 
-* per owner, least recently used first (quota eviction takes its own blocks);
-* per (owner, namespace), oldest first (TTL retention scans only the fronts);
+* per *account*, least recently used first: quota eviction takes the blocks
+  charged to the account that is over its quota. A block is charged to its
+  owner, and a block in a shared namespace also to the tenant that wrote it
+  (its ``payer``), so a publisher cannot bypass its own quota by writing
+  there. The walk stops as soon as enough bytes are freed: O(victims), never
+  O(blocks) -- it runs under the index lock on the event loop;
+* per (owner, namespace), oldest first (:class:`NamespaceOrder`): TTL
+  retention scans only the fronts, and ``LIST`` pages resume after an opaque
+  cursor in O(page) instead of copying the namespace for every page;
 * per (owner, session) a set (session erasure).
 
 Blocks spilled to disk carry their entry with them (:mod:`kvtier.server.spill`);
-a restarted server adds them back from there (``tier`` "disk").
+a restarted server adds them back from there (``tier`` "disk"). The spill
+annotation does not name a payer: after a restart a shared block is charged to
+the shared namespace only.
 
 A block is in the index from its commit until it is deleted, expires or leaves
 the last tier (the server's eviction hooks call :meth:`remove`). All methods are
@@ -25,6 +34,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvtier.server.namespace_order import NamespaceOrder
 
 _FORMER_OWNERS = 1 << 16
 
@@ -42,16 +52,27 @@ class BlockEntry:
     parent: bytes | None = None  #: the parent's storage key, as the writer named it
     #: the name the disk tier stores it under when that is not the storage key (encryption at rest)
     disk_name: bytes | None = None
+    #: the tenant that wrote a block into a shared namespace ("": the owner pays alone)
+    payer: str = ""
+
+    @property
+    def accounts(self) -> tuple[str, ...]:
+        """Whose quotas this block counts against: its owner, and the tenant that wrote it there."""
+        if self.payer and self.payer != self.owner:
+            return (self.payer, self.owner)
+        return (self.owner,)
 
 
 class BlockIndex:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._entries: dict[bytes, BlockEntry] = {}
-        self._lru: dict[str, OrderedDict[bytes, None]] = {}
-        self._age: dict[tuple[str, str], dict[bytes, None]] = {}
+        self._lru: dict[str, OrderedDict[bytes, None]] = {}  # per account
+        self._charged: dict[str, int] = {}  # per account: payload bytes
+        self._age: dict[tuple[str, str], NamespaceOrder] = {}
         self._sessions: dict[tuple[str, str], set[bytes]] = {}
-        self._usage: dict[str, int] = {}
+        self._usage: dict[str, int] = {}  # per owner: payload bytes held in its spaces
+        self._blocks: dict[str, int] = {}  # per owner
         self._ns_usage: dict[tuple[str, str], int] = {}
         self._by_disk_name: dict[bytes, bytes] = {}
         # Owners of recently removed blocks: deleting a block's sealed copy needs its owner (the
@@ -59,6 +80,9 @@ class BlockIndex:
         # copy that lands after an erasure is deleted again then. Bounded; oldest forgotten first.
         self._former: OrderedDict[bytes, str] = OrderedDict()
         self._bytes = 0
+        self._seq = 0  # listing positions: every added block gets the next one
+        #: LRU entries quota eviction has looked at, in all (a test's window on O(victims))
+        self.victims_walked = 0
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -71,18 +95,26 @@ class BlockIndex:
         """Record a committed block; False (no change) if it is already recorded."""
         with self._lock:
             if skey in self._entries:
-                self._lru[entry.owner].move_to_end(skey)
+                for account in self._entries[skey].accounts:
+                    self._lru[account].move_to_end(skey)
                 return False
             self._entries[skey] = entry
             self._former.pop(skey, None)
-            self._lru.setdefault(entry.owner, OrderedDict())[skey] = None
-            self._age.setdefault((entry.owner, entry.namespace), {})[skey] = None
+            for account in entry.accounts:
+                self._lru.setdefault(account, OrderedDict())[skey] = None
+                self._charged[account] = self._charged.get(account, 0) + entry.nbytes
+            group = (entry.owner, entry.namespace)
+            self._seq += 1
+            order = self._age.get(group)
+            if order is None:
+                order = self._age[group] = NamespaceOrder()
+            order.add(skey, self._seq)
             if entry.session:
                 self._sessions.setdefault((entry.owner, entry.session), set()).add(skey)
             if entry.disk_name is not None:
                 self._by_disk_name[entry.disk_name] = skey
             self._usage[entry.owner] = self._usage.get(entry.owner, 0) + entry.nbytes
-            group = (entry.owner, entry.namespace)
+            self._blocks[entry.owner] = self._blocks.get(entry.owner, 0) + 1
             self._ns_usage[group] = self._ns_usage.get(group, 0) + entry.nbytes
             self._bytes += entry.nbytes
             return True
@@ -103,7 +135,8 @@ class BlockIndex:
         with self._lock:
             entry = self._entries.get(skey)
             if entry is not None:
-                self._lru[entry.owner].move_to_end(skey)
+                for account in entry.accounts:
+                    self._lru[account].move_to_end(skey)
 
     def set_tier(self, skey: bytes, tier: str) -> BlockEntry | None:
         with self._lock:
@@ -120,15 +153,17 @@ class BlockIndex:
             self._former[skey] = entry.owner
             if len(self._former) > _FORMER_OWNERS:
                 self._former.popitem(last=False)
-            lru = self._lru[entry.owner]
-            del lru[skey]
-            if not lru:
-                del self._lru[entry.owner]
+            for account in entry.accounts:
+                lru = self._lru[account]
+                del lru[skey]
+                if not lru:
+                    del self._lru[account]
+                _subtract(self._charged, account, entry.nbytes)
             group = (entry.owner, entry.namespace)
-            age = self._age[group]
-            del age[skey]
+            order = self._age[group]
+            order.discard(skey)
             self._ns_usage[group] -= entry.nbytes
-            if not age:
+            if not order:
                 del self._age[group]
                 del self._ns_usage[group]
             if entry.session:
@@ -138,15 +173,19 @@ class BlockIndex:
                     del self._sessions[(entry.owner, entry.session)]
             if entry.disk_name is not None:
                 self._by_disk_name.pop(entry.disk_name, None)
-            self._usage[entry.owner] -= entry.nbytes
-            if not self._usage[entry.owner]:
-                del self._usage[entry.owner]
+            _subtract(self._usage, entry.owner, entry.nbytes)
+            _subtract(self._blocks, entry.owner, 1)
             self._bytes -= entry.nbytes
             return entry
 
     # -- queries for governance (snapshots: the caller deletes outside the lock) ----
     def usage(self, owner: str) -> int:
+        """Payload bytes held in ``owner``'s spaces."""
         return self._usage.get(owner, 0)
+
+    def charged(self, account: str) -> int:
+        """Payload bytes charged to ``account``: its own blocks and, for a tenant, the shared blocks it wrote."""
+        return self._charged.get(account, 0)
 
     def namespace_usage(self, owner: str, namespace: str) -> tuple[int, int]:
         """(bytes, blocks) of one namespace."""
@@ -156,49 +195,83 @@ class BlockIndex:
     def usage_by_owner(self) -> dict[str, tuple[int, int]]:
         """owner → (bytes, blocks)."""
         with self._lock:
-            return {o: (self._usage.get(o, 0), len(lru)) for o, lru in self._lru.items()}
+            return {o: (self._usage.get(o, 0), n) for o, n in self._blocks.items()}
 
-    def least_recent(self, owner: str, limit: int) -> list[tuple[bytes, int]]:
-        """Up to ``limit`` (storage key, nbytes) of ``owner``, least recently used first."""
-        with self._lock:
-            out = []
-            for skey in self._lru.get(owner, ()):
-                out.append((skey, self._entries[skey].nbytes))
-                if len(out) >= limit:
-                    break
+    def victims(self, account: str, need: int, extra_of: Callable[[bytes], int]) -> list[bytes]:
+        """``account``'s least recently used blocks, oldest first, until they free ``need`` bytes
+        (payload plus ``extra_of(skey)``) -- and not one entry further."""
+        out: list[bytes] = []
+        if need <= 0:
             return out
+        with self._lock:
+            freed = 0
+            for skey in self._lru.get(account, ()):
+                out.append(skey)
+                freed += self._entries[skey].nbytes + extra_of(skey)
+                if freed >= need:
+                    break
+            self.victims_walked += len(out)
+        return out
 
     def expired(self, now: float, ttl_of: Callable[[str, str], float | None], limit: int = 100_000) -> list[bytes]:
         """Storage keys older than their (owner, namespace) TTL, oldest first per group."""
         with self._lock:
             out: list[bytes] = []
-            for (owner, ns), age in self._age.items():
+            for (owner, ns), order in self._age.items():
                 ttl = ttl_of(owner, ns)
                 if ttl is None:
                     continue
-                for skey in age:
+                for skey in order:
                     if now - self._entries[skey].created <= ttl or len(out) >= limit:
                         break
                     out.append(skey)
             return out
 
+    def page(self, owner: str, namespace: str, after: int, limit: int) -> tuple[list[BlockEntry], int]:
+        """One ``LIST`` page of a namespace, oldest first: up to ``limit`` entries after the cursor
+        ``after`` (0: from the start) and the cursor of the next page (0: this was the last).
+        Costs O(limit) whatever the namespace's size (see :meth:`NamespaceOrder.page`)."""
+        with self._lock:
+            order = self._age.get((owner, namespace))
+            if order is None:
+                return [], 0
+            skeys, cursor = order.page(after, limit)
+            return [self._entries[k] for k in skeys], cursor
+
     def select(self, owner: str, *, namespace: str | None = None, session: str | None = None) -> list[bytes]:
+        """Storage keys of ``owner``'s blocks (one namespace, one session, or all of them). Blocks a
+        tenant wrote into a shared namespace belong to that namespace, not to the tenant."""
         with self._lock:
             if session is not None:
                 keys = list(self._sessions.get((owner, session), ()))
                 return [k for k in keys if namespace is None or self._entries[k].namespace == namespace]
             if namespace is not None:
                 return list(self._age.get((owner, namespace), ()))
-            return list(self._lru.get(owner, ()))
+            return [k for (o, _), order in self._age.items() if o == owner for k in order]
 
     def check_integrity(self) -> None:
         with self._lock:
-            assert sum(len(v) for v in self._lru.values()) == len(self._entries), "LRU lists disagree with entries"
+            n_accounts = sum(len(e.accounts) for e in self._entries.values())
+            assert sum(len(v) for v in self._lru.values()) == n_accounts, "LRU lists disagree with entries"
             assert sum(len(v) for v in self._age.values()) == len(self._entries), "age lists disagree with entries"
             per_owner: dict[str, int] = {}
+            per_account: dict[str, int] = {}
             for e in self._entries.values():
                 per_owner[e.owner] = per_owner.get(e.owner, 0) + e.nbytes
+                for a in e.accounts:
+                    per_account[a] = per_account.get(a, 0) + e.nbytes
             assert per_owner == self._usage, f"usage {self._usage} != sum of entries {per_owner}"
+            assert per_account == self._charged, f"charges {self._charged} != sum of entries {per_account}"
             assert self._bytes == sum(per_owner.values()), "total bytes disagree"
             for (owner, _), members in self._sessions.items():
                 assert all(self._entries[k].owner == owner for k in members), "a session lists a foreign block"
+            for order in self._age.values():
+                order.check()
+
+
+def _subtract(table: dict[str, int], name: str, amount: int) -> None:
+    left = table[name] - amount
+    if left:
+        table[name] = left
+    else:
+        del table[name]

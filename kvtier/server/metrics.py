@@ -4,22 +4,44 @@ Counters the request path updates are plain prometheus-client objects on a
 registry of the server's own (no global registry, so tests can run several
 servers in one process). Tier and tenant figures are read at scrape time by a
 collector, so the hot path pays nothing for them.
+
+Per-tenant series (``kvtier_tenant_*{tenant=…}``) say when a tenant stores
+and how much: a side channel between tenants. They live in a registry of their
+own that is rendered only to a scrape presenting the admin token
+(``Authorization: Bearer <token>``, hashed and compared in constant time with
+every configured admin digest); other scrapes see aggregates without a tenant
+label. ``metrics_require_token`` closes ``/metrics`` altogether to scrapes
+without it (``/healthz`` stays open). The endpoint is bounded: a few
+connections at once (more are closed at once), a header count and line size,
+and one deadline for the whole request.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import hashlib
+import hmac
+from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-_LATENCY_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5)
+# Fine around a millisecond: a PUT's server time is judged against 2 ms (``kvtier bench remote --quota-stress``).
+_LATENCY_BUCKETS = (2.5e-5, 5e-5, 7.5e-5, 1e-4, 1.5e-4, 2e-4, 2.5e-4, 3.5e-4, 5e-4, 7.5e-4, 1e-3, 1.5e-3, 2e-3,
+                    2.5e-3, 3.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5)
+#: families with a tenant label: rendered only to the admin token
+TENANT_PREFIX = "kvtier_tenant_"
+MAX_METRICS_CONNECTIONS = 16
+MAX_HEADERS = 64
+MAX_HEADER_LINE = 8192
+REQUEST_DEADLINE_S = 5.0
 
 
 class ServerMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        #: per-tenant series: only for the admin token
+        self.tenant_registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter("kvtier_requests", "Requests by op", ["op"], registry=r)
         self.latency = Histogram("kvtier_request_seconds", "Request latency by op", ["op"],
@@ -31,8 +53,9 @@ class ServerMetrics:
         self.bytes_out = Counter("kvtier_sent_bytes", "Payload bytes sent (gets)", registry=r)
         self.verify_failures = Counter("kvtier_verify_failures", "Uploads whose checksum did not match", registry=r)
         self.put_results = Counter("kvtier_put_blocks", "Put outcomes", ["result"], registry=r)
-        self.quota_evictions = Counter("kvtier_quota_evictions", "Blocks a tenant lost to its own quota", ["tenant"],
-                                       registry=r)
+        self.quota_evictions = Counter("kvtier_quota_evictions", "Blocks tenants lost to their own quotas", registry=r)
+        self.tenant_quota_evictions = Counter("kvtier_tenant_quota_evictions", "Blocks a tenant lost to its own quota",
+                                              ["tenant"], registry=self.tenant_registry)
         self.expirations = Counter("kvtier_expirations", "Blocks removed by TTL retention", registry=r)
         self.erasures = Counter("kvtier_erased_blocks", "Blocks removed by admin erasure", registry=r)
         self.auth_failures = Counter("kvtier_auth_failures", "Refused HELLOs", registry=r)
@@ -43,15 +66,27 @@ class ServerMetrics:
             "kvtier_refused_connections", "Connections refused or dropped by the admission limits", ["stage"],
             registry=r)
 
+    def count_quota_eviction(self, account: str) -> None:
+        self.quota_evictions.inc()
+        self.tenant_quota_evictions.labels(account).inc()
+
     def add_collector(self, collect: Callable[[], list]) -> None:
+        """Scrape-time families; those named ``kvtier_tenant_*`` go to the admin-only registry."""
+
         class _C:
+            def __init__(self, per_tenant: bool) -> None:
+                self.per_tenant = per_tenant
+
             def collect(self_inner):  # noqa: N805 - prometheus collector protocol
-                return collect()
+                return [f for f in collect() if f.name.startswith(TENANT_PREFIX) == self_inner.per_tenant]
 
-        self.registry.register(_C())
+        self.registry.register(_C(False))
+        self.tenant_registry.register(_C(True))
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, *, per_tenant: bool = False) -> bytes:
+        """The exposition text; per-tenant series only with ``per_tenant`` (an admin scrape)."""
+        text = generate_latest(self.registry)
+        return text + generate_latest(self.tenant_registry) if per_tenant else text
 
 
 def tier_and_tenant_families(store, index, governance, event_count: Callable[[], int]) -> list:
@@ -66,6 +101,10 @@ def tier_and_tenant_families(store, index, governance, event_count: Callable[[],
         cap.add_metric([tier.name], tier.capacity_bytes)
         evictions.add_metric([tier.name], tier.stats.evictions)
         verify.add_metric([tier.name], tier.stats.verify_failures)
+    held = GaugeMetricFamily("kvtier_stored_bytes", "Payload bytes held, all tenants together")
+    held.add_metric([], index.total_bytes)
+    blocks = GaugeMetricFamily("kvtier_stored_blocks", "Blocks held, all tenants together")
+    blocks.add_metric([], len(index))
     t_bytes = GaugeMetricFamily("kvtier_tenant_used_bytes", "Payload bytes held per tenant", labels=["tenant"])
     t_blocks = GaugeMetricFamily("kvtier_tenant_blocks", "Blocks held per tenant", labels=["tenant"])
     t_quota = GaugeMetricFamily("kvtier_tenant_quota_bytes", "Quota per tenant", labels=["tenant"])
@@ -76,41 +115,94 @@ def tier_and_tenant_families(store, index, governance, event_count: Callable[[],
         t_quota.add_metric([owner], quota)
     events = CounterMetricFamily("kvtier_kv_events", "KV events published")
     events.add_metric([], event_count())
-    return [used, cap, evictions, verify, t_bytes, t_blocks, t_quota, events]
+    return [used, cap, evictions, verify, held, blocks, t_bytes, t_blocks, t_quota, events]
+
+
+def is_admin_token(token: str | None, admin_digests: Iterable[bytes]) -> bool:
+    """Whether ``token`` is an admin token: its SHA-256 compared with every digest (constant time,
+    no early exit)."""
+    if not token:
+        return False
+    digest = hashlib.sha256(token.encode("utf-8")).digest()
+    found = False
+    for candidate in admin_digests:
+        found |= hmac.compare_digest(candidate, digest)
+    return found
+
+
+def _bearer(headers: list[bytes]) -> str | None:
+    for line in headers:
+        name, _, value = line.decode("latin-1").partition(":")
+        if name.strip().lower() == "authorization":
+            scheme, _, token = value.strip().partition(" ")
+            if scheme.lower() == "bearer":
+                return token.strip()
+    return None
 
 
 async def serve_http(
-    host: str, port: int, metrics: ServerMetrics, healthy: Callable[[], bool]
+    host: str, port: int, metrics: ServerMetrics, healthy: Callable[[], bool], *,
+    admin_token_sha256: Iterable[str] = (), require_token: bool = False,
+    max_connections: int = MAX_METRICS_CONNECTIONS, deadline_s: float = REQUEST_DEADLINE_S,
 ) -> asyncio.AbstractServer:
-    """A minimal HTTP/1.0 endpoint: ``GET /metrics`` and ``GET /healthz`` (loopback use)."""
+    """A minimal HTTP/1.0 endpoint: ``GET /metrics`` and ``GET /healthz``.
+
+    At most ``max_connections`` at once (one more is closed at once), at most
+    :data:`MAX_HEADERS` header lines of :data:`MAX_HEADER_LINE` bytes, and
+    ``deadline_s`` for the whole request, reply included: a slow or silent
+    client holds a slot for seconds, never longer."""
+    digests = [bytes.fromhex(h) for h in admin_token_sha256]
+    active = 0
+
+    async def respond(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        line = await reader.readline()
+        headers: list[bytes] = []
+        while True:
+            h = await reader.readline()
+            if h in (b"\r\n", b"\n", b""):
+                break
+            headers.append(h)
+            if len(headers) > MAX_HEADERS:
+                raise ValueError("too many headers")
+        parts = line.decode("latin-1").split()
+        path = parts[1] if len(parts) >= 2 else ""
+        extra = ""
+        if parts[:1] != ["GET"]:
+            status, body, ctype = "405 Method Not Allowed", b"GET only\n", "text/plain"
+        elif path.startswith("/metrics"):
+            admin = is_admin_token(_bearer(headers), digests)
+            if require_token and not admin:
+                status, body, ctype = "401 Unauthorized", b"metrics need the admin token\n", "text/plain"
+                extra = 'WWW-Authenticate: Bearer realm="kvtier"\r\n'
+            else:
+                status, body = "200 OK", metrics.render(per_tenant=admin)
+                ctype = "text/plain; version=0.0.4; charset=utf-8"
+        elif path.startswith("/healthz"):
+            ok = healthy()
+            status = "200 OK" if ok else "503 Service Unavailable"
+            body, ctype = (b"ok\n" if ok else b"unhealthy\n"), "text/plain"
+        else:
+            status, body, ctype = "404 Not Found", b"try /metrics or /healthz\n", "text/plain"
+        writer.write(
+            f"HTTP/1.0 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n{extra}"
+            f"Connection: close\r\n\r\n".encode() + body
+        )
+        await writer.drain()
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal active
+        if active >= max_connections:
+            metrics.refused_connections.labels("metrics").inc()
+            writer.transport.abort()
+            return
+        active += 1
         try:
-            line = await asyncio.wait_for(reader.readline(), 5)
-            while True:  # skip headers
-                h = await asyncio.wait_for(reader.readline(), 5)
-                if h in (b"\r\n", b"\n", b""):
-                    break
-            parts = line.decode("latin-1").split()
-            path = parts[1] if len(parts) >= 2 else ""
-            if parts[:1] != ["GET"]:
-                status, body, ctype = "405 Method Not Allowed", b"GET only\n", "text/plain"
-            elif path.startswith("/metrics"):
-                status, body, ctype = "200 OK", metrics.render(), "text/plain; version=0.0.4; charset=utf-8"
-            elif path.startswith("/healthz"):
-                ok = healthy()
-                status = "200 OK" if ok else "503 Service Unavailable"
-                body, ctype = (b"ok\n" if ok else b"unhealthy\n"), "text/plain"
-            else:
-                status, body, ctype = "404 Not Found", b"try /metrics or /healthz\n", "text/plain"
-            writer.write(
-                f"HTTP/1.0 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
-                f"Connection: close\r\n\r\n".encode() + body
-            )
-            await writer.drain()
-        except (asyncio.TimeoutError, ConnectionError, UnicodeError):
-            pass
+            await asyncio.wait_for(respond(reader, writer), deadline_s)
+        except (asyncio.TimeoutError, ConnectionError, UnicodeError, ValueError, asyncio.LimitOverrunError,
+                asyncio.IncompleteReadError):
+            writer.transport.abort()  # nothing more for it, and nothing buffered kept
         finally:
+            active -= 1
             writer.close()
 
-    return await asyncio.start_server(handle, host, port, limit=16384)
+    return await asyncio.start_server(handle, host, port, limit=MAX_HEADER_LINE)

@@ -214,7 +214,9 @@ class Server:
         self.addresses = {"listen": urls, "pid": os.getpid()}
         if self.config.metrics:
             _, host, port = parse_listen("tcp://" + self.config.metrics)
-            http = await serve_http(host, port, self.metrics, self.healthy)
+            http = await serve_http(host, port, self.metrics, self.healthy,
+                                    admin_token_sha256=self.config.admin_token_sha256,
+                                    require_token=self.config.metrics_require_token)
             self._listeners.append(http)
             bound = http.sockets[0].getsockname()
             self.addresses["metrics"] = f"{bound[0]}:{bound[1]}"

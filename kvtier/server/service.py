@@ -39,9 +39,12 @@ from kvtier.tiers.remote_protocol import (
     FEATURES,
     GET_ITEM,
     LIST_ARGS,
+    LIST_CURSOR_ARGS,
+    LIST_MAX_OFFSET,
     MAX_KEYS,
     PUT_FORBIDDEN,
     U32,
+    U64,
     VERSION,
     ErrorCode,
     Header,
@@ -253,12 +256,31 @@ class Service:
         conn.reply(h, 0, bytes(out))
 
     def _list(self, conn, p: Principal, h: Header, meta: bytes) -> None:
-        offset, limit = LIST_ARGS.unpack(meta)
-        limit = min(limit, MAX_KEYS)
+        """A page of the connection's namespace, oldest first, in O(page) (see
+        :class:`~kvtier.server.namespace_order.NamespaceOrder`). The cursor form answers the next
+        cursor and the keys; the offset form of older clients walks to its offset, so it is served
+        only for offsets a few pages deep (:data:`LIST_MAX_OFFSET`)."""
         space = p.read_spaces[0]
-        skeys = self.index.select(space.owner, namespace=space.namespace)[offset : offset + limit]
-        entries = [self.index.get(k) for k in skeys]
-        conn.reply(h, 0, b"".join(e.key for e in entries if e is not None))
+        if len(meta) == LIST_CURSOR_ARGS.size:
+            after, limit = LIST_CURSOR_ARGS.unpack(meta)
+            entries, cursor = self.index.page(space.owner, space.namespace, after, max(1, min(limit, MAX_KEYS)))
+            conn.reply(h, 0, U64.pack(cursor) + b"".join(e.key for e in entries))
+            return
+        offset, limit = LIST_ARGS.unpack(meta)
+        if offset > LIST_MAX_OFFSET:
+            raise ProtocolError(ErrorCode.BAD_META, f"LIST offset {offset} is past {LIST_MAX_OFFSET}: page with a "
+                                                    f"cursor (server feature {'list_cursor'!r})")
+        limit = min(limit, MAX_KEYS)
+        out: list[bytes] = []
+        after = 0
+        while offset + limit > 0:  # whole pages up to the offset, then the page asked for
+            entries, after = self.index.page(space.owner, space.namespace, after, min(offset + limit, MAX_KEYS))
+            skip = min(offset, len(entries))
+            offset -= skip
+            out += [e.key for e in entries[skip:]][: limit - len(out)]
+            if not after or len(out) >= limit:
+                break
+        conn.reply(h, 0, b"".join(out))
 
     def drop(self, skey: bytes) -> BlockEntry | None:
         """Remove a block from the index and every tier."""
@@ -342,6 +364,9 @@ class Service:
             return
         skey = space.storage_key(bh.key)
         owner = space.owner
+        # A block in a shared namespace counts against its writer's quota too (else a publisher
+        # could store without limit there): the accounts it is charged to, writer first.
+        accounts = (p.tenant, owner) if p.tenant != owner else (owner,)
         existing = self.resolve(Principal(p.tenant, p.namespace, read_spaces=(space,)), bh.key, time.monotonic())
         if existing is not None:  # content addressed: same key, same bytes
             await conn.discard(h.data_len)
@@ -350,7 +375,8 @@ class Service:
             conn.reply(h, Status.OK)
             return
         status = Status.OK
-        if not self.gov.admits(owner, self.host.footprint(n)):  # quotas charge the pool bytes a block takes
+        footprint = self.host.footprint(n)
+        if not all(self.gov.admits(a, footprint) for a in accounts):  # quotas charge the pool bytes a block takes
             status = Status.FULL
         elif (self._inflight >= self._max_inflight
               or self._inflight_by_owner.get(owner, 0) >= self._max_inflight_per_owner):
@@ -360,9 +386,10 @@ class Service:
             self._put_result[status].inc()
             conn.reply(h, status)
             return
-        for victim in self.gov.quota_victims(self.index, owner, self.host.footprint(n)):
-            if self.drop(victim) is not None:
-                self.metrics.quota_evictions.labels(owner).inc()
+        for account in accounts:  # one after the other: a victim of the writer may free the namespace too
+            for victim in self.gov.quota_victims(self.index, account, footprint):
+                if self.drop(victim) is not None:
+                    self.metrics.count_quota_eviction(account)
         block_meta = BlockMeta(bh.dtype, bh.shape, bh.token_count)
         self._inflight += 1
         self._inflight_by_owner[owner] = self._inflight_by_owner.get(owner, 0) + 1
@@ -406,9 +433,9 @@ class Service:
         header = pack_block_header(bh.key, n, digest, block_meta, flags=verified_by)
         disk_name = self.spill.disk_name_or_none(owner, skey) if self.spill is not None else None
         entry = BlockEntry(owner, space.namespace, bh.key, n, header, time.monotonic(), pm.session, self.host.name,
-                           parent, disk_name)
+                           parent, disk_name, payer=p.tenant if p.tenant != owner else "")
         if self.index.add(skey, entry):
-            self.gov.charge(skey, owner, n, self.host.footprint(n))
+            self.gov.charge(skey, entry.accounts, n, footprint)
             self.emit("stored", self.host.name, entry)
             self._write_behind(skey, parent, block_meta)
         self._put_result[Status.OK].inc()
@@ -430,6 +457,7 @@ class Service:
         out["capacity_bytes"] = sum(t.capacity_bytes for t in self.store.tiers)
         if not p.is_admin:
             out["tenant_bytes"] = self.index.usage(p.tenant)
+            out["charged_bytes"] = self.gov.charged(self.index, p.tenant)  # footprints, shared writes included
             out["quota_bytes"] = self.gov.quota(p.tenant)
             return out
         out["store"] = self.store.stats()

@@ -67,8 +67,10 @@ from kvtier.tiers.base import Status, Tier
 from kvtier.tiers.remote_protocol import (
     GET_ITEM,
     LIST_ARGS,
+    LIST_CURSOR_ARGS,
     MAX_KEYS,
     U32,
+    U64,
     ErrorCode,
     Op,
     ProtocolError,
@@ -438,9 +440,29 @@ class RemoteTier(Tier, StreamingTier):
 
     def keys(self) -> Iterator[BlockKey]:
         """The namespace's keys, oldest first; each page of ``MAX_KEYS`` is a call of its own (with
-        its own deadline): a large namespace may take many."""
+        its own deadline): a large namespace may take many. Pages follow the server's cursor
+        (``list_cursor``); a server without it is asked by offset."""
         found: list[BlockKey] = []
+        if not self._server_info:
+            self.ping()  # learn what the server offers (HELLO); nothing if it is down
         try:
+            if "list_cursor" in self._server_info.get("features", ()):
+                cursor = 0
+                while True:
+                    deadline = self._deadline(MAX_KEYS * KEY_BYTES)
+                    with self._conn(deadline) as c:
+                        _, body = c.call(Op.LIST, LIST_CURSOR_ARGS.pack(cursor, MAX_KEYS), deadline=deadline,
+                                         reply_meta=(U64.size, U64.size + MAX_KEYS * KEY_BYTES))
+                    if len(body) < U64.size or (len(body) - U64.size) % KEY_BYTES:
+                        raise ProtocolError(ErrorCode.BAD_LENGTH, f"LIST reply of {len(body)} bytes: not a cursor "
+                                                                  f"and whole keys")
+                    (next_cursor,) = U64.unpack_from(body)
+                    found += [BlockKey(body[i : i + KEY_BYTES]) for i in range(U64.size, len(body), KEY_BYTES)]
+                    if not next_cursor:
+                        return iter(found)
+                    if next_cursor <= cursor:
+                        raise ProtocolError(ErrorCode.BAD_META, "LIST cursor did not advance")
+                    cursor = next_cursor
             while True:
                 deadline = self._deadline(MAX_KEYS * KEY_BYTES)
                 with self._conn(deadline) as c:

@@ -31,7 +31,10 @@ PUT        block header | parent key (zeros: none) | session    code = status
 DELETE     n keys                                               n bytes, 1 = deleted
 STATS      --                                                   msgpack map
 ADMIN      msgpack {cmd, args}                                  msgpack map (admin token only)
-LIST       u32 offset, u32 limit                                the namespace's keys, oldest first
+LIST       u64 cursor, u32 limit (0: from the start)           u64 next cursor (0: no more), then the
+                                                                namespace's keys, oldest first
+           or, older clients: u32 offset, u32 limit             the keys only (offsets up to
+                                                                ``LIST_MAX_OFFSET``)
 ERROR      (server only) meta = UTF-8 message                   the server closes the connection
 =========  ===================================================  =======================================
 
@@ -51,6 +54,12 @@ open: its trailer is 16 zero bytes, the server hashes nothing, and it serves
 the block with the same flag. A client accepts a sealed GET reply only where it
 opens (authenticates) the payload itself, never as a plain checksummed block.
 Servers that take sealed PUTs say ``"sealed"`` in the HELLO reply's ``features``.
+
+``LIST`` pages after an opaque cursor (``"list_cursor"`` in ``features``): a
+page costs the server O(page) however large the namespace, and a listing sees
+every block present throughout exactly once. The 8-byte offset form of version
+1 clients is still answered (the meta length tells the forms apart), but only a
+few pages deep: walking to an offset costs the server the offset.
 """
 
 from __future__ import annotations
@@ -79,9 +88,13 @@ PUT_FIXED_META = BLOCK_HEADER_NBYTES + KEY_BYTES
 NO_PARENT = bytes(KEY_BYTES)
 CHECKSUM_NBYTES = 16  #: the xxh3-128 trailer of a PUT
 #: what this server version offers beyond version 1's frames (HELLO reply ``features``)
-FEATURES = ("sealed",)
+FEATURES = ("sealed", "list_cursor")
 U32 = struct.Struct("<I")
-LIST_ARGS = struct.Struct("<II")
+U64 = struct.Struct("<Q")
+LIST_ARGS = struct.Struct("<II")  #: offset, limit (version 1 clients)
+LIST_CURSOR_ARGS = struct.Struct("<QI")  #: cursor, limit
+#: the deepest offset the offset form of LIST is answered for (4 pages of MAX_KEYS)
+LIST_MAX_OFFSET = 4 * 16384
 
 # What a *client* accepts in a reply, checked on the frame header before anything is read
 # or allocated: a hostile or broken server must not make a client allocate what it announces.
@@ -190,8 +203,9 @@ def check_request(h: Header, max_block: int) -> None:
         if not 0 < h.meta_len <= MAX_HELLO_META:
             raise ProtocolError(ErrorCode.BAD_LENGTH, f"HELLO meta of {h.meta_len} bytes")
     elif op == Op.LIST:
-        if h.meta_len != LIST_ARGS.size:
-            raise ProtocolError(ErrorCode.BAD_LENGTH, f"LIST meta must be {LIST_ARGS.size} bytes, got {h.meta_len}")
+        if h.meta_len not in (LIST_ARGS.size, LIST_CURSOR_ARGS.size):
+            raise ProtocolError(ErrorCode.BAD_LENGTH, f"LIST meta must be {LIST_CURSOR_ARGS.size} bytes (cursor form) "
+                                                      f"or {LIST_ARGS.size} (offset form), got {h.meta_len}")
     elif op == Op.ADMIN:
         if not 0 < h.meta_len <= MAX_ADMIN_META:
             raise ProtocolError(ErrorCode.BAD_LENGTH, f"ADMIN meta of {h.meta_len} bytes")

@@ -22,6 +22,7 @@ from kvtier.tiers.remote_protocol import (
     GET_ITEM,
     HEADER_NBYTES,
     LIST_ARGS,
+    LIST_CURSOR_ARGS,
     MAX_ADMIN_META,
     MAX_HELLO_META,
     MAX_KEYS,
@@ -127,7 +128,8 @@ def bad_length(draw) -> Case:
         elif op == Op.ADMIN:
             meta_len = draw((st.just(0) | st.integers(MAX_ADMIN_META + 1, 0xFFFFFFFF)) if data_len == 0 else u32)
         elif op == Op.LIST:
-            meta_len = draw(u32.filter(lambda n: n != LIST_ARGS.size) if data_len == 0 else u32)
+            meta_len = draw(u32.filter(lambda n: n not in (LIST_ARGS.size, LIST_CURSOR_ARGS.size))
+                            if data_len == 0 else u32)
         else:  # PING, STATS
             meta_len = draw(st.integers(1, 0xFFFFFFFF) if data_len == 0 else u32)
     # Lengths are checked before authentication: a badly sized frame is refused for its size.

@@ -1,4 +1,5 @@
-"""Prometheus /metrics and /healthz; KV events over ZMQ with sequence numbers and replay."""
+"""Prometheus /metrics and /healthz (per-tenant series only for the admin token); KV events over ZMQ
+with sequence numbers and replay."""
 
 from __future__ import annotations
 
@@ -10,11 +11,13 @@ import numpy as np
 from kvtier.server.events import EventSubscriber, event_block_name, replay
 from kvtier.tiers.base import Status
 from tests.server.conftest import BLOCK, EVENTS_KEYS, block, keys_for, remote
+from tests.server.harness import TOKENS
 
 
-def _get(url: str) -> tuple[int, str]:
+def _get(url: str, token: str | None = None) -> tuple[int, str]:
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
     try:
-        with urllib.request.urlopen(url, timeout=5) as r:
+        with urllib.request.urlopen(req, timeout=5) as r:
             return r.status, r.read().decode()
     except urllib.error.HTTPError as exc:
         return exc.code, ""
@@ -40,7 +43,7 @@ def test_metrics_and_healthz(server):
     out = np.zeros(BLOCK, np.uint8)
     assert tier.get(keys[0], out) is Status.OK
     assert tier.get(keys_for("absent", 1)[0], out) is Status.MISS
-    status, text = _get(base + "/metrics")
+    status, text = _get(base + "/metrics", TOKENS["admin"])
     assert status == 200
     assert _metric(text, "kvtier_hits_total", op="get") >= 1
     assert _metric(text, "kvtier_misses_total", op="get") >= 1
@@ -53,6 +56,27 @@ def test_metrics_and_healthz(server):
                  "kvtier_connections", "kvtier_auth_failures_total"):
         assert name in text, name
     assert _get(base + "/nope")[0] == 404
+
+
+def test_per_tenant_series_only_for_the_admin_token(server):
+    """A tenant watching /metrics must not see when another tenant stores (a side channel): without
+    the admin token no series has a tenant label, only totals; with it, the tenant's series is there
+    and moves when that tenant stores (positive control)."""
+    base = f"http://{server.info['metrics']}"
+    globex = remote(server, "globex", namespace="metrics-tenant")
+    keys = keys_for("metrics-tenant", 3)
+    assert globex.put_many(keys[:1], [block(keys[0])]) == [Status.OK]
+    before = _get(base + "/metrics", TOKENS["admin"])[1]
+    assert globex.put_many(keys[1:], [block(k) for k in keys[1:]]) == [Status.OK] * 2
+    after = _get(base + "/metrics", TOKENS["admin"])[1]
+    assert _metric(after, "kvtier_tenant_blocks", tenant="globex") == _metric(before, "kvtier_tenant_blocks",
+                                                                               tenant="globex") + 2
+    for token in (None, TOKENS["globex"], "not-a-token"):  # no token, a tenant's token, garbage
+        status, text = _get(base + "/metrics", token)
+        assert status == 200
+        assert "tenant=" not in text and "kvtier_tenant_" not in text, f"per-tenant series leak to {token!r}"
+        assert _metric(text, "kvtier_stored_blocks") >= 3  # the aggregate is there
+        assert "kvtier_request_seconds_count" in text
 
 
 def test_kv_events_have_sequence_numbers_and_replay(server):
