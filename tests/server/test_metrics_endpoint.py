@@ -1,0 +1,111 @@
+"""The metrics endpoint is bounded and can require the admin token (hole 2/3 of issue 12).
+
+Before, /metrics served every tenant's series to anyone, took any number of connections, and gave
+each header line its own 5 s: a client trickling one header a second held its connection forever.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+import urllib.request
+
+import pytest
+
+from kvtier.server.launch import ServerProcess
+from tests.server.harness import SHARED, TOKENS, tenants
+
+
+@pytest.fixture(scope="module")
+def locked(tmp_path_factory):
+    wd = tmp_path_factory.mktemp("kvtier-metrics")
+    srv = ServerProcess.start(
+        tenants(), shared=SHARED, admin_token=TOKENS["admin"], workdir=str(wd),
+        server={"capacity": "16MiB", "max_block": "1MiB", "metrics": "127.0.0.1:0", "metrics_require_token": True},
+    )
+    yield srv
+    srv.stop()
+
+
+def _get(srv, path: str, token: str | None = None) -> tuple[int, str]:
+    req = urllib.request.Request(f"http://{srv.info['metrics']}{path}",
+                                 headers={"Authorization": f"Bearer {token}"} if token else {})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, ""
+
+
+def _connect(srv) -> socket.socket:
+    host, port = srv.info["metrics"].rsplit(":", 1)
+    return socket.create_connection((host, int(port)), timeout=10)
+
+
+def _closed_within(s: socket.socket, seconds: float) -> float | None:
+    """Seconds until the server closed ``s`` (EOF or reset), or None if it stayed open."""
+    t0 = time.monotonic()
+    s.settimeout(seconds)
+    try:
+        while s.recv(65536):
+            pass
+    except socket.timeout:
+        return None
+    except ConnectionResetError:
+        pass
+    return time.monotonic() - t0
+
+
+def test_metrics_require_the_admin_token_and_healthz_stays_open(locked):
+    assert _get(locked, "/healthz") == (200, "ok\n")
+    for token in (None, TOKENS["acme"], "admin-token-2"):
+        assert _get(locked, "/metrics", token)[0] == 401, token
+    status, text = _get(locked, "/metrics", TOKENS["admin"])
+    assert status == 200 and "kvtier_stored_blocks" in text
+
+
+def test_a_request_has_one_deadline_not_one_per_header_line(locked):
+    s = _connect(locked)
+    s.sendall(b"GET /metrics HTTP/1.0\r\n")
+    t0 = time.monotonic()
+    closed = None
+    for i in range(9):  # a header a second: each line well within 5 s, the request not
+        time.sleep(1.0)
+        try:
+            s.sendall(f"X-Slow-{i}: y\r\n".encode())
+        except (BrokenPipeError, ConnectionResetError):
+            closed = time.monotonic() - t0
+            break
+    if closed is None:
+        left = _closed_within(s, 3.0)
+        closed = None if left is None else time.monotonic() - t0
+    s.close()
+    assert closed is not None and closed < 8.0, f"a trickling request held its connection for {closed} s"
+
+
+def test_too_many_headers_or_a_huge_line_are_cut_off(locked):
+    s = _connect(locked)
+    s.sendall(b"GET /metrics HTTP/1.0\r\n" + b"".join(b"X-H%d: v\r\n" % i for i in range(200)) + b"\r\n")
+    assert _closed_within(s, 3.0) is not None
+    s.close()
+    s = _connect(locked)
+    s.sendall(b"GET /metrics HTTP/1.0\r\nX-Big: " + b"a" * 20000 + b"\r\n\r\n")
+    try:
+        reply = s.recv(100)
+    except ConnectionResetError:
+        reply = b""
+    assert not reply.startswith(b"HTTP/1.0 200"), reply
+    s.close()
+
+
+def test_connections_beyond_the_cap_are_closed_at_once(locked):
+    silent = [_connect(locked) for _ in range(16)]
+    time.sleep(0.3)  # let the server take them
+    extra = _connect(locked)
+    took = _closed_within(extra, 2.0)
+    assert took is not None and took < 1.0, "a 17th connection was kept waiting"
+    extra.close()
+    for s in silent:
+        s.close()
+    time.sleep(0.3)
+    assert _get(locked, "/healthz") == (200, "ok\n")  # slots are given back
