@@ -1,0 +1,94 @@
+"""``kvtier route``: the KV-aware OpenAI-compatible router in front of several vLLM workers.
+
+Workers come from ``--worker URL[,events=ENDPOINT]`` (repeatable) and/or a TOML
+``--config`` file (``[[worker]] url = … events = …`` plus any RouterConfig setting);
+flags win. Once listening it prints one JSON line (``"ready": true``) on stdout.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+
+# flag dest → RouterConfig field (given flags only override the file)
+_FLAGS = ("host", "port", "policy", "model_path", "block_tokens", "kv_bytes_per_token", "host_read_bytes_per_s",
+          "shared_read_bytes_per_s", "shared_events", "shared_events_server_public", "shared_events_public",
+          "shared_events_secret", "prefill_tokens_per_s", "decode_block_s", "temperature", "index_capacity",
+          "health_interval_s", "eject_after", "max_attempts")
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("route", help="run the KV-aware router (OpenAI-compatible) in front of vLLM workers",
+                              description="Send each request to the worker whose tiers already hold its context.")
+    p.add_argument("--config", help="TOML config file")
+    p.add_argument("--worker", action="append", default=[], metavar="URL[,events=ENDPOINT]",
+                   help="a worker's base URL and, optionally, its vLLM KV-events ZMQ endpoint (repeat)")
+    p.add_argument("--host")
+    p.add_argument("--port", type=int)
+    p.add_argument("--policy", choices=["round-robin", "least-loaded", "approximate", "prefix", "tier-aware"])
+    p.add_argument("--model-path", dest="model_path", help="local model folder: tokenizer and chat template")
+    p.add_argument("--block-tokens", dest="block_tokens", type=int, help="the workers' vLLM --block-size")
+    p.add_argument("--kv-bytes-per-token", dest="kv_bytes_per_token", type=int)
+    p.add_argument("--host-bandwidth", dest="host_read_bytes_per_s", type=float, help="bytes/s, host DRAM → GPU")
+    p.add_argument("--shared-bandwidth", dest="shared_read_bytes_per_s", type=float,
+                   help="bytes/s, shared tier → worker")
+    p.add_argument("--shared-writes", action="store_true", default=None,
+                   help="workers write what they compute through to a shared tier every worker loads from")
+    p.add_argument("--shared-events", dest="shared_events", help="the kvtier server's events endpoint")
+    p.add_argument("--shared-events-server-public", dest="shared_events_server_public")
+    p.add_argument("--shared-events-public", dest="shared_events_public")
+    p.add_argument("--shared-events-secret", dest="shared_events_secret")
+    p.add_argument("--prefill-tokens-per-s", dest="prefill_tokens_per_s", type=float)
+    p.add_argument("--decode-block-s", dest="decode_block_s", type=float)
+    p.add_argument("--temperature", type=float, help="softmax temperature of tier-aware (0: take the minimum)")
+    p.add_argument("--index-capacity", dest="index_capacity", type=int)
+    p.add_argument("--health-interval-s", dest="health_interval_s", type=float)
+    p.add_argument("--eject-after", dest="eject_after", type=int)
+    p.add_argument("--max-attempts", dest="max_attempts", type=int)
+    p.set_defaults(func=run)
+
+
+def build_config(args):
+    from kvtier.router.config import RouterConfig, WorkerSpec
+
+    config = RouterConfig.from_file(args.config) if args.config else RouterConfig()
+    for name in _FLAGS:
+        value = getattr(args, name, None)
+        if value is not None:
+            setattr(config, name, value)
+    if args.shared_writes:
+        config.shared_writes = True
+    config.workers.extend(WorkerSpec.parse(w) for w in args.worker)
+    return config.check()
+
+
+def run(args) -> int:
+    from aiohttp import web
+
+    from kvtier.errors import ConfigError
+    from kvtier.router.app import PromptTokenizer, Router
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = build_config(args)
+        if not config.model_path:
+            raise ConfigError("--model-path is required: the router tokenizes with the model's own tokenizer")
+        block_bytes = None
+        if config.kv_bytes_per_token is None:
+            from kvtier.planner.models import load_model
+
+            block_bytes = load_model(config.model_path).block_bytes(config.block_tokens)
+        router = Router(config, PromptTokenizer(config.model_path), block_bytes=block_bytes)
+    except ConfigError as exc:
+        print(f"kvtier route: {exc}", file=sys.stderr)
+        return 2
+
+    async def announce(app):
+        print(json.dumps({"ready": True, "listen": f"http://{config.host}:{config.port}", "policy": config.policy,
+                          "workers": [w.url for w in config.workers]}), flush=True)
+
+    app = router.app()
+    app.on_startup.append(announce)
+    web.run_app(app, host=config.host, port=config.port, print=None, access_log=None)
+    return 0

@@ -1,0 +1,372 @@
+"""``kvtier route``: the OpenAI-compatible, KV-aware HTTP front door (aiohttp server and client).
+
+Per request: parse and tokenize with the model's own tokenizer and chat template (so the
+router's token ids are the worker's), key the prompt's blocks, let the policy pick a
+worker over the live view, forward the body unchanged and pass the answer back chunk
+by chunk as it arrives. A worker that fails before the first byte is charged a failure
+and the request goes to another; after the first byte the client sees what the worker
+sent. Every error the router itself answers has the OpenAI error shape.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import Any, NamedTuple, Sequence
+
+from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
+
+from kvtier.policy.routing import Approximate, make_policy
+from kvtier.router.config import RouterConfig
+from kvtier.router.events import SharedTierEvents, VllmEvents
+from kvtier.router.index import BlockIndex
+from kvtier.router.metrics import RouterMetrics
+from kvtier.router.view import LinearPrefill, LiveView
+from kvtier.router.workers import Health, Worker
+from kvtier.sim.service import ServiceModel
+
+log = logging.getLogger(__name__)
+
+_HOP_HEADERS = {"host", "content-length", "transfer-encoding", "connection", "keep-alive"}
+_RETRY_STATUS = {502, 503, 504}
+
+
+class RouteRequest(NamedTuple):
+    input_tokens: int
+    blocks: Sequence[int]
+
+
+class RequestError(Exception):
+    """A client mistake or an unavailable service, answered in the OpenAI error format."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
+        super().__init__(message)
+        self.status, self.kind, self.param = status, kind, param
+
+
+def error_response(status: int, message: str, kind: str = "invalid_request_error",
+                   param: str | None = None) -> web.Response:
+    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
+    return web.json_response(body, status=status)
+
+
+class PromptTokenizer:
+    """The model's own tokenizer and chat template (transformers, from a local folder)."""
+
+    def __init__(self, model_path: str) -> None:
+        from transformers import AutoTokenizer
+
+        self.tok = AutoTokenizer.from_pretrained(model_path)
+
+    def completion(self, prompt: Any) -> list[int]:
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
+            prompt = prompt[0]     # a batch: route on its first prompt
+        if isinstance(prompt, str):
+            return self.tok.encode(prompt)
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return prompt
+        raise RequestError(400, "prompt must be a string, a list of token ids, or a list of those", param="prompt")
+
+    def chat(self, messages: list, body: dict) -> list[int]:
+        kwargs = {}
+        if body.get("chat_template_kwargs") and isinstance(body["chat_template_kwargs"], dict):
+            kwargs = body["chat_template_kwargs"]
+        if getattr(self.tok, "chat_template", None):
+            try:
+                ids = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
+            except Exception as exc:   # a template that rejects these messages: the worker will too
+                raise RequestError(400, f"messages do not fit the model's chat template: {exc}",
+                                   param="messages") from None
+            return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        # No template: key on the concatenated contents (routing still groups a session's turns).
+        return self.tok.encode("\n".join(str(m.get("content", "")) for m in messages))
+
+
+def _check_body(body: Any, field: str) -> None:
+    if not isinstance(body, dict):
+        raise RequestError(400, "the request body must be a JSON object")
+    if field not in body:
+        raise RequestError(400, f"'{field}' is a required property", param=field)
+    if field == "messages":
+        msgs = body["messages"]
+        if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) and "role" in m for m in msgs):
+            raise RequestError(400, "'messages' must be a non-empty list of {role, content} objects",
+                               param="messages")
+
+
+def _cached_tokens(usage: Any) -> tuple[int, int] | None:
+    if not isinstance(usage, dict):
+        return None
+    details = usage.get("prompt_tokens_details") or {}
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    if not isinstance(cached, int):
+        return None
+    return cached, int(usage.get("prompt_tokens") or 0)
+
+
+def _usage_of_stream(tail: bytes) -> Any:
+    for line in reversed(tail.split(b"\n")):
+        line = line.strip()
+        if line.startswith(b"data: {") and b'"usage"' in line:
+            try:
+                return json.loads(line[6:]).get("usage")
+            except ValueError:
+                return None
+    return None
+
+
+class Router:
+    """The router's state: workers, index, policy, listeners; ``app()`` gives its aiohttp app."""
+
+    def __init__(self, config: RouterConfig, tokenizer: Any, block_bytes: int | None = None) -> None:
+        self.config = config.check()
+        self.tokenizer = tokenizer
+        self.workers = [Worker(i, w.url, w.events) for i, w in enumerate(config.workers)]
+        self.index = BlockIndex(config.block_tokens, capacity=config.index_capacity)
+        self.metrics = RouterMetrics()
+        self.health = Health(config.eject_after)
+        self.policy = make_policy(config.policy, **({"temperature": config.temperature}
+                                                    if config.policy == "tier-aware" else {}))
+        self.approx = self.policy if isinstance(self.policy, Approximate) else Approximate()
+        self.uses_events = config.policy in ("tier-aware", "prefix")
+        bytes_per_block = block_bytes or (config.kv_bytes_per_token or 65536) * config.block_tokens
+        self.prefill = LinearPrefill(config.prefill_tokens_per_s, config.prefill_overhead_s)
+        self.service = ServiceModel(self.prefill, config.block_tokens, bytes_per_block,
+                                    [config.host_read_bytes_per_s, config.shared_read_bytes_per_s],
+                                    [config.host_latency_s, config.shared_latency_s])
+        self.listeners: list[VllmEvents] = []
+        self.shared: SharedTierEvents | None = None
+        self.session: ClientSession | None = None
+        self._tasks: list[asyncio.Task] = []
+        for w in self.workers:
+            self.metrics.healthy.labels(w.url).set(1)
+            self.metrics.events_up.labels(w.url).set(0)
+
+    # --- lifecycle -------------------------------------------------------------------
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._errors], client_max_size=64 * 1024 * 1024)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health_endpoint)
+        app.router.add_get("/metrics", self.metrics_endpoint)
+        app.on_startup.append(self._start)
+        app.on_cleanup.append(self._stop)
+        return app
+
+    async def _start(self, app: web.Application) -> None:
+        timeout = ClientTimeout(total=self.config.request_timeout_s, sock_connect=self.config.connect_timeout_s)
+        self.session = ClientSession(timeout=timeout, connector=TCPConnector(limit=0), auto_decompress=False)
+        for w in self.workers:
+            if w.events:
+                listener = VllmEvents(w, self.index, shared_writes=self.config.shared_writes,
+                                      on_change=self._update_mode)
+                listener.start()
+                self.listeners.append(listener)
+        if self.config.shared_events:
+            curve = {}
+            if self.config.shared_events_server_public:
+                curve = {"server_public": self.config.shared_events_server_public,
+                         "public": self.config.shared_events_public, "secret": self.config.shared_events_secret}
+            self.shared = SharedTierEvents(self.index, self.config.shared_events, asyncio.get_running_loop(), **curve)
+            self.shared.start()
+        self._tasks.append(asyncio.ensure_future(self._health_loop()))
+        self._update_mode()
+
+    async def _stop(self, app: web.Application) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for listener in self.listeners:
+            await listener.stop()
+        if self.shared:
+            await asyncio.to_thread(self.shared.stop)
+        if self.session:
+            await self.session.close()
+
+    @property
+    def approximate_mode(self) -> bool:
+        """Event-driven policies fall back to the router's own decisions while any admitted
+        worker's events are down (its part of the index would be missing or stale)."""
+        return self.uses_events and any(w.healthy and not w.events_up for w in self.workers)
+
+    def _update_mode(self) -> None:
+        self.metrics.approximate.set(1 if self.approximate_mode else 0)
+        for w in self.workers:
+            self.metrics.events_up.labels(w.url).set(1 if w.events_up else 0)
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.gather(*(self._check(w) for w in self.workers))
+            self.metrics.index_blocks.set(len(self.index))
+            await asyncio.sleep(self.config.health_interval_s)
+
+    async def _check(self, worker: Worker) -> None:
+        try:
+            async with self.session.get(worker.url + "/health", timeout=ClientTimeout(total=2.0)) as resp:
+                good = resp.status == 200
+        except (ClientError, asyncio.TimeoutError, OSError):
+            good = False
+        self._record_health(worker, good)
+
+    def _record_health(self, worker: Worker, good: bool) -> None:
+        if good:
+            if self.health.ok(worker):
+                log.info("worker %s re-admitted", worker.url)
+        elif self.health.failed(worker):
+            log.warning("worker %s ejected", worker.url)
+        self.metrics.healthy.labels(worker.url).set(1 if worker.healthy else 0)
+        self._update_mode()
+
+    # --- decisions -------------------------------------------------------------------
+    def decide(self, token_ids: Sequence[int], exclude: set[int]) -> tuple[Worker, int, list[int]] | None:
+        """Pick a worker; returns it, the predicted cached tokens and the prompt's keys."""
+        t0 = time.perf_counter()
+        candidates = [w for w in self.workers if w.healthy and w.id not in exclude]
+        if not candidates:   # every admitted worker failed this request: try the ejected ones
+            candidates = [w for w in self.workers if w.id not in exclude]
+        if not candidates:
+            return None
+        keys = self.index.keys_of(token_ids)
+        view = LiveView(self.service, candidates, self.index, keys, self.config.prefill_tokens_per_s,
+                        self.config.decode_block_s)
+        request = RouteRequest(len(token_ids), keys)
+        policy = self.approx if self.approximate_mode else self.policy
+        i = policy.choose(request, view)
+        worker = candidates[i]
+        if policy is not self.approx:
+            self.approx.record(keys, worker.id)
+        cached_blocks = len(view.prefix_tiers(i, keys))
+        predicted = min(cached_blocks * self.config.block_tokens, max(0, len(token_ids) - 1))
+        self.metrics.decision.observe(time.perf_counter() - t0)
+        return worker, predicted, keys
+
+    # --- endpoints -------------------------------------------------------------------
+    @web.middleware
+    async def _errors(self, request: web.Request, handler):
+        try:
+            return await handler(request)
+        except RequestError as exc:
+            self.metrics.errors.labels(exc.kind).inc()
+            return error_response(exc.status, str(exc), exc.kind, exc.param)
+        except web.HTTPException as exc:   # unknown path, wrong method
+            if exc.status < 400:
+                raise
+            self.metrics.errors.labels("http").inc()
+            kind = "not_found_error" if exc.status == 404 else "invalid_request_error"
+            return error_response(exc.status, f"{request.method} {request.path}: {exc.reason}", kind)
+        except (asyncio.CancelledError, ConnectionResetError):
+            raise
+        except Exception:   # a bug of ours: logged with its traceback here, never sent to the client
+            log.exception("router error on %s %s", request.method, request.path)
+            self.metrics.errors.labels("internal").inc()
+            return error_response(500, "internal router error", "internal_server_error")
+
+    async def _json(self, request: web.Request) -> tuple[bytes, dict]:
+        raw = await request.read()
+        try:
+            body = json.loads(raw)
+        except ValueError as exc:
+            raise RequestError(400, f"the request body is not valid JSON: {exc}") from None
+        return raw, body
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        raw, body = await self._json(request)
+        _check_body(body, "prompt")
+        ids = self.tokenizer.completion(body["prompt"])
+        return await self._forward(request, raw, ids)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        raw, body = await self._json(request)
+        _check_body(body, "messages")
+        ids = self.tokenizer.chat(body["messages"], body)
+        return await self._forward(request, raw, ids)
+
+    async def models(self, request: web.Request) -> web.Response:
+        for w in sorted(self.workers, key=lambda w: not w.healthy):
+            try:
+                async with self.session.get(w.url + "/v1/models", timeout=ClientTimeout(total=5.0)) as resp:
+                    if resp.status == 200:
+                        return web.json_response(await resp.json())
+            except (ClientError, asyncio.TimeoutError, ValueError):
+                continue
+        raise RequestError(503, "no worker answered /v1/models", "service_unavailable_error")
+
+    async def health_endpoint(self, request: web.Request) -> web.Response:
+        healthy = [w.url for w in self.workers if w.healthy]
+        body = {"status": "ok" if healthy else "unavailable", "healthy_workers": healthy,
+                "approximate_mode": self.approximate_mode, "index_blocks": len(self.index)}
+        return web.json_response(body, status=200 if healthy else 503)
+
+    async def metrics_endpoint(self, request: web.Request) -> web.Response:
+        self.metrics.index_blocks.set(len(self.index))
+        return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
+
+    async def _forward(self, request: web.Request, raw: bytes, token_ids: list[int]) -> web.StreamResponse:
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
+        tried: set[int] = set()
+        last_error = "no worker available"
+        for attempt in range(self.config.max_attempts):
+            decision = self.decide(token_ids, tried)
+            if decision is None:
+                break
+            worker, predicted, keys = decision
+            tried.add(worker.id)
+            if attempt:
+                self.metrics.retries.inc()
+            prefill_tokens = len(token_ids) - predicted
+            worker.start(prefill_tokens, len(keys))
+            answered = False
+            t0 = time.monotonic()
+            try:
+                async with self.session.post(worker.url + request.path, data=raw, headers=headers) as resp:
+                    if resp.status in _RETRY_STATUS:
+                        last_error = f"worker {worker.url} answered {resp.status}"
+                        self._record_health(worker, False)
+                        continue
+                    first = await resp.content.readany()
+                    worker.first_byte(prefill_tokens, time.monotonic() - t0)
+                    answered = True
+                    self.metrics.routed.labels(worker.url).inc()
+                    self.metrics.predicted_cached.labels(worker.url).inc(predicted)
+                    return await self._relay(request, resp, first, worker)
+            except (ClientError, asyncio.TimeoutError, OSError) as exc:
+                if answered:
+                    raise   # mid-stream: the client already has part of the answer
+                last_error = f"worker {worker.url}: {exc.__class__.__name__}: {exc}"
+                log.warning("request failed before its first byte on %s (%s); retrying elsewhere", worker.url, exc)
+                self._record_health(worker, False)
+            finally:
+                worker.finish(prefill_tokens, len(keys), answered)
+        raise RequestError(503, f"no worker could serve the request ({last_error})", "service_unavailable_error")
+
+    async def _relay(self, request: web.Request, resp, first: bytes, worker: Worker) -> web.StreamResponse:
+        out = web.StreamResponse(status=resp.status)
+        ctype = resp.headers.get("Content-Type")
+        if ctype:
+            out.headers["Content-Type"] = ctype
+        out.headers["X-Kvtier-Worker"] = worker.url
+        await out.prepare(request)
+        streaming = "text/event-stream" in (ctype or "")
+        kept = bytearray(first)
+        await out.write(first)
+        async for chunk in resp.content.iter_any():
+            await out.write(chunk)
+            kept += chunk
+            if streaming and len(kept) > 65536:
+                del kept[:-65536]     # the usage chunk comes last: keep a tail only
+        await out.write_eof()
+        usage = None
+        if streaming:
+            usage = _usage_of_stream(bytes(kept))
+        elif resp.status == 200:
+            try:
+                usage = json.loads(kept).get("usage")
+            except (ValueError, AttributeError):
+                usage = None
+        got = _cached_tokens(usage)
+        if got is not None:
+            self.metrics.actual_cached.labels(worker.url).inc(got[0])
+            self.metrics.prompt_tokens.labels(worker.url).inc(got[1])
+        return out

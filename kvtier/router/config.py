@@ -1,0 +1,96 @@
+"""``RouterConfig``: workers and pricing of ``kvtier route``, from a TOML file then flags.
+
+Bandwidths and speeds are defaults a user overrides with what was measured on the
+deployment (``kvtier bench storage`` / ``bench remote`` / ``bench vllm``); the router
+also measures each worker's prefill speed from its answers and uses that for queueing.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from kvtier.errors import ConfigError
+from kvtier.policy.routing import ROUTE_NAMES
+
+
+@dataclass
+class WorkerSpec:
+    url: str
+    events: str | None = None     #: ZMQ endpoint of the worker's vLLM ``--kv-events-config``
+
+    @classmethod
+    def parse(cls, text: str) -> "WorkerSpec":
+        """``URL`` or ``URL,events=tcp://host:port``."""
+        url, *opts = [p.strip() for p in text.split(",")]
+        events = None
+        for opt in opts:
+            name, _, value = opt.partition("=")
+            if name != "events" or not value:
+                raise ConfigError(f"worker {text!r}: options are events=ENDPOINT, got {opt!r}")
+            events = value
+        if not url.startswith(("http://", "https://")):
+            raise ConfigError(f"worker {text!r}: the URL must start with http:// or https://")
+        return cls(url.rstrip("/"), events)
+
+
+@dataclass
+class RouterConfig:
+    workers: list[WorkerSpec] = field(default_factory=list)
+    host: str = "127.0.0.1"
+    port: int = 8080
+    policy: str = "tier-aware"
+    model_path: str | None = None          #: local model folder: tokenizer + chat template (+ KV geometry)
+    block_tokens: int = 32                 #: vLLM ``--block-size`` of the workers (the events' block size)
+    kv_bytes_per_token: int | None = None  #: default: from the model's config.json
+    host_read_bytes_per_s: float = 8e9     #: a worker's host DRAM → GPU (vLLM's CPU medium)
+    host_latency_s: float = 0.0002
+    shared_read_bytes_per_s: float = 1e9   #: the shared kvtier server → a worker
+    shared_latency_s: float = 0.001
+    shared_writes: bool = False            #: workers write what they compute through to a shared tier
+    shared_events: str | None = None       #: the kvtier server's events endpoint
+    shared_events_server_public: str | None = None
+    shared_events_public: str | None = None
+    shared_events_secret: str | None = None
+    prefill_tokens_per_s: float = 2000.0   #: until measured per worker
+    prefill_overhead_s: float = 0.005
+    decode_block_s: float = 0.0005         #: decode pressure: queueing seconds per active block
+    temperature: float = 0.0
+    index_capacity: int = 1 << 22
+    health_interval_s: float = 2.0
+    eject_after: int = 2
+    connect_timeout_s: float = 5.0
+    request_timeout_s: float = 600.0
+    max_attempts: int = 3
+
+    def check(self) -> "RouterConfig":
+        if not self.workers:
+            raise ConfigError("no workers: give --worker URL (repeatable) or [[worker]] in the config file")
+        if self.policy not in ROUTE_NAMES:
+            raise ConfigError(f"unknown --policy {self.policy!r}; use one of {sorted(ROUTE_NAMES)}")
+        for name in ("host_read_bytes_per_s", "shared_read_bytes_per_s", "prefill_tokens_per_s", "block_tokens",
+                     "index_capacity", "max_attempts", "eject_after"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.temperature < 0:
+            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
+        return self
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "RouterConfig":
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"router config {path}: {exc}") from None
+        known = {f.name for f in fields(cls)}
+        workers = data.pop("worker", [])
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"router config {path}: unknown settings {unknown}; known: {sorted(known - {'workers'})}")
+        config = cls(**data)
+        for w in workers:
+            if not isinstance(w, dict) or "url" not in w or set(w) - {"url", "events"}:
+                raise ConfigError(f"router config {path}: each [[worker]] has url and optional events, got {w!r}")
+            config.workers.append(WorkerSpec.parse(w["url"] + (f",events={w['events']}" if w.get("events") else "")))
+        return config

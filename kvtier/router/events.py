@@ -1,0 +1,198 @@
+"""Event listeners that keep the router's index in step with the workers and the shared tier.
+
+* :class:`VllmEvents` — one per worker: ZMQ SUB to the endpoint of vLLM's
+  ``--kv-events-config``; ``[topic, seq (u64 BE), msgpack [ts, [event…], dp_rank]]``,
+  each event a map tagged ``type`` (``BlockStored`` / ``BlockRemoved`` /
+  ``AllBlocksCleared``). A socket monitor says when the publisher is connected; a
+  disconnect, a sequence gap or a sequence that goes back (a restarted publisher)
+  clears what this worker reported, so the index never holds blocks from before a
+  hole: the worker then counts as events-down until new events come in order again.
+* :class:`SharedTierEvents` — the kvtier server's authenticated events
+  (:class:`kvtier.server.events.EventSubscriber`, CURVE credentials). Their block
+  names are HMACs of the connector's client keys, which chain over vLLM's own block
+  hashes: the router cannot recompute them from token ids. So what the shared tier
+  holds is inferred from the workers' stores (each worker writes the blocks it
+  computes through to the shared tier), and the server's stream is used for what it
+  can tell exactly: that the tier is up, and that it restarted or lost events (then
+  every shared mark is cleared).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import struct
+import threading
+from typing import Callable
+
+from kvtier.router.index import BlockIndex
+from kvtier.router.workers import Worker
+
+log = logging.getLogger(__name__)
+_SEQ = struct.Struct(">Q")
+
+
+class VllmEvents:
+    """Feeds ``index`` from one worker's vLLM KV-event publisher (an asyncio task)."""
+
+    def __init__(self, worker: Worker, index: BlockIndex, *, shared_writes: bool = False,
+                 on_change: Callable[[], None] | None = None) -> None:
+        self.worker = worker
+        self.index = index
+        self.shared_writes = shared_writes
+        self.on_change = on_change or (lambda: None)
+        self.next_seq: int | None = None
+        self.resyncs = 0
+        self.messages = 0
+        self._task: asyncio.Task | None = None
+        self._stopping = False
+
+    def start(self) -> None:
+        self._task = asyncio.ensure_future(self._run())
+
+    async def stop(self) -> None:
+        self._stopping = True
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+
+    def _set_up(self, up: bool) -> None:
+        if self.worker.events_up != up:
+            self.worker.events_up = up
+            self.on_change()
+
+    def resync(self, reason: str) -> None:
+        """Forget this worker's blocks: what came before a hole cannot be trusted."""
+        log.info("worker %s events: %s; clearing its index entries", self.worker.url, reason)
+        self.index.clear_worker(self.worker.id)
+        self.next_seq = None
+        self.resyncs += 1
+
+    async def _run(self) -> None:
+        import zmq
+        import zmq.asyncio
+        from zmq.utils.monitor import parse_monitor_message
+
+        ctx = zmq.asyncio.Context.instance()
+        sock = ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RECONNECT_IVL, 200)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+        sock.subscribe(b"")
+        monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        sock.connect(self.worker.events_endpoint)
+        poller = zmq.asyncio.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
+        try:
+            while not self._stopping:
+                ready = dict(await poller.poll(1000))
+                if monitor in ready:
+                    event = parse_monitor_message(await monitor.recv_multipart())
+                    if event["event"] == zmq.EVENT_CONNECTED:
+                        self._set_up(True)
+                    elif event["event"] == zmq.EVENT_DISCONNECTED:
+                        # The publisher went away: its GPU cache may be gone, and what it
+                        # sends meanwhile is lost to us.
+                        self.resync("publisher disconnected")
+                        self._set_up(False)
+                if sock in ready:
+                    frames = await sock.recv_multipart()
+                    self.handle(frames)
+        finally:
+            sock.disable_monitor()
+            monitor.close(0)
+            sock.close(0)
+
+    def handle(self, frames: list[bytes]) -> None:
+        """One published message; malformed ones are logged and skipped (a miss, never a crash)."""
+        import msgpack
+
+        if len(frames) < 3 or len(frames[-2]) != 8:
+            log.warning("worker %s events: malformed message (%d frames)", self.worker.url, len(frames))
+            return
+        seq = _SEQ.unpack(frames[-2])[0]
+        if self.next_seq is not None and seq != self.next_seq:
+            self.resync("publisher restarted" if seq < self.next_seq else f"{seq - self.next_seq} messages lost")
+        self.next_seq = seq + 1
+        self.messages += 1
+        try:
+            batch = msgpack.unpackb(frames[-1], raw=False, strict_map_key=False)
+            events = batch[1]
+            for event in events:
+                self.apply(event)
+        except Exception as exc:   # malformed input from the network: skip it, say so
+            log.warning("worker %s events: cannot apply message %d: %s", self.worker.url, seq, exc)
+        if not self.worker.events_up:
+            self._set_up(True)
+
+    def apply(self, event) -> None:
+        if isinstance(event, dict):
+            kind = event.get("type")
+            get = event.get
+        else:   # array-like encoding: [tag, fields…]
+            kind, fields = event[0], event[1:]
+            names = {"BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size",
+                                     "lora_id", "medium"),
+                     "BlockRemoved": ("block_hashes", "medium")}.get(kind, ())
+            mapping = dict(zip(names, fields))
+            get = mapping.get
+        wid = self.worker.id
+        if kind == "BlockStored":
+            self.index.stored(wid, get("block_hashes") or [], get("parent_block_hash"), get("token_ids") or [],
+                              int(get("block_size") or 0), get("medium"), shared=self.shared_writes)
+        elif kind == "BlockRemoved":
+            self.index.removed(wid, get("block_hashes") or [], get("medium"))
+        elif kind == "AllBlocksCleared":
+            self.index.clear_worker(wid)
+
+
+class SharedTierEvents:
+    """Watches the kvtier server's event stream in a thread: up/down, restarts and gaps."""
+
+    def __init__(self, index: BlockIndex, endpoint: str, loop: asyncio.AbstractEventLoop, **curve) -> None:
+        self.index = index
+        self.endpoint = endpoint
+        self.curve = curve
+        self.loop = loop
+        self.up = False
+        self.messages = 0
+        self.resyncs = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvtier-router-shared-events", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _clear(self) -> None:
+        self.loop.call_soon_threadsafe(self.index.clear_shared)
+        self.resyncs += 1
+
+    def _run(self) -> None:
+        from kvtier.server.events import EventSubscriber
+
+        sub = EventSubscriber(self.endpoint, **self.curve)
+        gaps = 0
+        try:
+            while not self._stop.is_set():
+                got = sub.recv(timeout_s=1.0)
+                if sub.status in (b"SYNC", b"EV"):
+                    self.up = True
+                if got is None:
+                    continue
+                self.messages += 1
+                if sub.gaps != gaps:   # lost events: the shared marks may be stale
+                    gaps = sub.gaps
+                    self._clear()
+        except Exception as exc:
+            log.warning("shared-tier events from %s stopped: %s", self.endpoint, exc)
+            self.up = False
+        finally:
+            sub.close()

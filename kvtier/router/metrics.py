@@ -1,0 +1,35 @@
+"""The router's Prometheus metrics (its own registry: several routers may live in one process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.routed = Counter("kvtier_router_requests", "Requests routed, per worker", ["worker"], registry=r)
+        self.predicted_cached = Counter("kvtier_router_predicted_cached_tokens",
+                                        "Prompt tokens the router predicted cached on the chosen worker",
+                                        ["worker"], registry=r)
+        self.actual_cached = Counter("kvtier_router_actual_cached_tokens",
+                                     "usage.prompt_tokens_details.cached_tokens reported by the worker",
+                                     ["worker"], registry=r)
+        self.prompt_tokens = Counter("kvtier_router_prompt_tokens", "usage.prompt_tokens reported by the worker",
+                                     ["worker"], registry=r)
+        self.decision = Histogram("kvtier_router_decision_seconds", "Time to pick a worker (keys + index + policy)",
+                                  buckets=(1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1), registry=r)
+        self.approximate = Gauge("kvtier_router_approximate_mode",
+                                 "1 while some worker's KV events are down and the router routes from its own decisions",
+                                 registry=r)
+        self.healthy = Gauge("kvtier_router_worker_healthy", "1 if the worker is admitted", ["worker"], registry=r)
+        self.events_up = Gauge("kvtier_router_worker_events_up", "1 if the worker's KV events are connected",
+                               ["worker"], registry=r)
+        self.retries = Counter("kvtier_router_retries", "Requests retried on another worker before any byte",
+                               registry=r)
+        self.errors = Counter("kvtier_router_errors", "Requests answered with an error by the router", ["type"],
+                              registry=r)
+        self.index_blocks = Gauge("kvtier_router_index_blocks", "Blocks in the router's index", registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
