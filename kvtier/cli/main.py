@@ -15,6 +15,7 @@ COMMAND_MODULES = [
     "kvtier.cli.simulate",
     "kvtier.cli.serve",
     "kvtier.cli.admin",
+    "kvtier.cli.route",
 ]
 
 
