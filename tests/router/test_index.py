@@ -1,0 +1,137 @@
+"""The router's block index: keys from token ids, idempotent, order-tolerant, bounded, resynced."""
+
+from __future__ import annotations
+
+import struct
+
+import msgpack
+
+from kvtier.router.events import VllmEvents
+from kvtier.router.index import CPU, GPU, SHARED_BIT, BlockIndex, block_keys, worker_bit
+from kvtier.router.workers import Worker
+
+BS = 4
+TOKENS = list(range(100, 100 + 4 * BS))          # four blocks
+
+
+def store_chain(index, worker, tokens=TOKENS, hashes=(11, 12, 13, 14), parent=None, medium="GPU"):
+    return index.stored(worker, list(hashes), parent, tokens, BS, medium)
+
+
+def test_keys_from_events_equal_keys_of_the_prompt():
+    index = BlockIndex(BS)
+    # Two events (first two blocks, then the rest chained on the second's hash): the
+    # engine's hashes are arbitrary, the router's keys depend on tokens only.
+    index.stored(0, [7, 8], None, TOKENS[:2 * BS], BS, "GPU")
+    index.stored(0, [9, 10], 8, TOKENS[2 * BS:], BS, "GPU")
+    keys = block_keys(TOKENS + [1, 2], BS)        # a trailing partial block has no key
+    assert len(keys) == 4
+    assert [m & worker_bit(0, GPU) != 0 for m in index.masks(keys)] == [True] * 4
+    # Another prompt sharing the first two blocks only
+    other = block_keys(TOKENS[:2 * BS] + [5] * 2 * BS, BS)
+    assert len(index.masks(other)) == 2
+
+
+def test_duplicate_events_are_idempotent():
+    index = BlockIndex(BS)
+    store_chain(index, 0)
+    store_chain(index, 0)
+    keys = block_keys(TOKENS, BS)
+    assert len(index) == 4 and len(index.masks(keys)) == 4
+    index.removed(0, [13, 14])
+    index.removed(0, [13, 14])                     # duplicate removal: nothing more to do
+    assert len(index.masks(keys)) == 2
+    store_chain(index, 0, TOKENS[2 * BS:], (13, 14), parent=12)
+    assert len(index.masks(keys)) == 4
+
+
+def test_child_before_parent_waits_for_it():
+    index = BlockIndex(BS)
+    index.stored(0, [13, 14], 12, TOKENS[2 * BS:], BS, "GPU")      # out of order
+    assert len(index) == 0
+    index.stored(0, [11, 12], None, TOKENS[:2 * BS], BS, "GPU")
+    assert len(index.masks(block_keys(TOKENS, BS))) == 4
+
+
+def test_orphans_are_bounded():
+    index = BlockIndex(BS, max_orphans=3)
+    for parent in range(10):
+        index.stored(0, [1000 + parent], 500 + parent, TOKENS[:BS], BS, "GPU")
+    assert index.dropped_orphans == 7
+
+
+def test_tiers_per_worker_and_removal_per_medium():
+    index = BlockIndex(BS)
+    store_chain(index, 0, medium="GPU")
+    store_chain(index, 0, medium="CPU")
+    store_chain(index, 1, hashes=(21, 22, 23, 24), medium="CPU")
+    keys = block_keys(TOKENS, BS)
+    both0 = worker_bit(0, GPU) | worker_bit(0, CPU)
+    assert all(m & both0 == both0 and m & worker_bit(1, CPU) for m in index.masks(keys))
+    index.removed(0, [11, 12, 13, 14], "GPU")      # evicted from GPU, still in CPU
+    assert all(m & both0 == worker_bit(0, CPU) for m in index.masks(keys))
+    index.removed(0, [11, 12, 13, 14], "CPU")
+    assert all(m & both0 == 0 for m in index.masks(keys))
+    assert len(index.masks(keys)) == 4             # worker 1 still has them
+
+
+def test_worker_leaving_drops_only_its_entries():
+    index = BlockIndex(BS)
+    store_chain(index, 0)
+    store_chain(index, 1, TOKENS[:2 * BS], (31, 32))
+    index.clear_worker(1)
+    masks = index.masks(block_keys(TOKENS, BS))
+    assert len(masks) == 4 and not any(m & worker_bit(1, GPU) for m in masks)
+    index.clear_worker(0)
+    assert len(index) == 0
+
+
+def test_memory_is_bounded_by_capacity_oldest_first():
+    index = BlockIndex(BS, capacity=100)
+    for i in range(1000):
+        index.stored(0, [i], None, [i] * BS, BS, "GPU")
+    assert len(index) == 100
+    assert index.mask(block_keys([999] * BS, BS)[0]) and not index.mask(block_keys([0] * BS, BS)[0])
+    assert len(index._sources[0].hash_to_key) <= 100
+
+
+def test_shared_marks():
+    index = BlockIndex(BS)
+    index.stored(0, [11, 12, 13, 14], None, TOKENS, BS, "GPU", shared=True)
+    keys = block_keys(TOKENS, BS)
+    index.clear_worker(0)                          # worker gone, the shared tier still holds them
+    assert all(m == SHARED_BIT for m in index.masks(keys))
+    index.clear_shared()
+    assert len(index) == 0
+
+
+def message(seq, events):
+    return [b"", struct.pack(">Q", seq), msgpack.packb([1.0, events, None])]
+
+
+def stored(hashes, parent, tokens):
+    return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent, "token_ids": tokens,
+            "block_size": BS, "lora_id": None, "medium": "GPU"}
+
+
+def test_sequence_gap_and_publisher_restart_clear_the_workers_entries():
+    index = BlockIndex(BS)
+    worker = Worker(0, "http://w0")
+    events = VllmEvents(worker, index)
+    keys = block_keys(TOKENS, BS)
+    events.handle(message(0, [stored([11, 12], None, TOKENS[:2 * BS])]))
+    events.handle(message(1, [stored([13, 14], 12, TOKENS[2 * BS:])]))
+    assert len(index.masks(keys)) == 4 and worker.events_up
+    # message 2 lost: what came before the hole may be stale (a removal may be in it)
+    events.handle(message(3, [stored([21], None, [1] * BS)]))
+    assert events.resyncs == 1 and len(index.masks(keys)) == 0
+    assert index.mask(block_keys([1] * BS, BS)[0])
+    # the publisher restarts: sequence numbers start again
+    events.handle(message(0, [stored([11], None, TOKENS[:BS])]))
+    assert events.resyncs == 2
+    assert not index.mask(block_keys([1] * BS, BS)[0]) and len(index.masks(keys)) == 1
+    # AllBlocksCleared, and malformed input never raises
+    events.handle(message(1, [{"type": "AllBlocksCleared"}]))
+    assert len(index) == 0
+    events.handle([b"garbage"])
+    events.handle([b"", struct.pack(">Q", 2), b"\xc1not msgpack"])
