@@ -31,6 +31,17 @@ Before each system's gets every caller buffer is poisoned, and after them every
 block is compared with what was put (both outside the timing): a system whose
 get reports success without writing, or writes other bytes, stops the benchmark
 with an error instead of posting a fast figure.
+
+``--quota-stress`` asks something else: does one tenant at its quota stall the
+server? It starts a ``kvtier serve`` whose tenant has a quota of exactly
+``--blocks`` tiny blocks (64 B: one 64 B size-class chunk each), fills the
+index to that many with pipelined batches, then makes ``--measure-puts``
+single PUTs of new blocks -- each one must first evict the tenant's least
+recently used block. It prints the server's own time per PUT (its
+``kvtier_request_seconds{op="put"}`` histogram over the measured puts only,
+read with the admin token: ``put_p50_ms`` / ``put_p99_ms`` are the upper edges
+of the buckets that hold those percentiles, so upper bounds) and the client's
+round trips (``client_put_*``), with ``blocks_indexed`` from the admin STATS.
 """
 
 from __future__ import annotations
@@ -412,6 +423,89 @@ def run(block_mib: float, run_mib: int, runs: int, unix: bool, with_redis: bool 
     }
 
 
+# -- one tenant at its quota ------------------------------------------------------------------
+_STRESS_BLOCK = 64  # bytes: a 64 B size-class chunk, so the quota counts blocks exactly
+
+
+def _put_histogram(metrics_addr: str, admin_token: str) -> dict[float, float]:
+    """Cumulative bucket counts (upper edge in s -> count) of the server's PUT time."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    req = urllib.request.Request(f"http://{metrics_addr}/metrics", headers={"Authorization": f"Bearer {admin_token}"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        text = r.read().decode()
+    out: dict[float, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name == "kvtier_request_seconds":
+            for sample in family.samples:
+                if sample.name.endswith("_bucket") and sample.labels.get("op") == "put":
+                    out[float(sample.labels["le"])] = sample.value
+    return out
+
+
+def _bucket_quantile(before: dict[float, float], after: dict[float, float], q: float) -> float:
+    """The upper edge (s) of the bucket holding quantile ``q`` of the observations between two scrapes."""
+    edges = sorted(after)
+    total = after[edges[-1]] - before.get(edges[-1], 0.0)
+    for edge in edges:
+        if after[edge] - before.get(edge, 0.0) >= q * total:
+            return edge
+    return float("inf")
+
+
+def quota_stress(blocks: int = 500_000, measure_puts: int = 2000, batch: int = 4096, unix: bool = True) -> dict:
+    from kvtier.cli.admin import admin_call
+    from kvtier.server.launch import ServerProcess
+    from kvtier.tiers.base import Status
+    from kvtier.tiers.remote import RemoteTier
+
+    token, admin = "stress-token", "stress-admin-token"
+    quota = blocks * _STRESS_BLOCK
+    capacity = max(64 * MIB, 2 * quota + 64 * MIB)  # the quota binds, never the pool
+    data = np.arange(_STRESS_BLOCK, dtype=np.uint8)
+    with ServerProcess.start({"stress": {"token": token, "quota": quota}}, admin_token=admin, unix=unix,
+                             server={"capacity": capacity, "max_block": "64KiB", "metrics": "127.0.0.1:0"},
+                             timeout_s=60) as srv:
+        tier = RemoteTier(srv.unix_url if unix else srv.tcp_url, token, namespace="stress", timeout_s=120)
+        t0 = time.perf_counter()
+        for start in range(0, blocks, batch):
+            keys = [hashlib.sha256(b"fill/%d" % i).digest() for i in range(start, min(blocks, start + batch))]
+            statuses = tier.put_many(keys, [data] * len(keys))
+            if any(st is not Status.OK for st in statuses):
+                raise RuntimeError(f"fill: a put answered {set(statuses)}")
+        fill_s = time.perf_counter() - t0
+        before = _put_histogram(srv.info["metrics"], admin)
+        rtts = []
+        for i in range(measure_puts):
+            key = hashlib.sha256(b"over/%d" % i).digest()
+            t = time.perf_counter()
+            status = tier.put(key, data)
+            rtts.append(time.perf_counter() - t)
+            if status is not Status.OK:
+                raise RuntimeError(f"a put at quota answered {status}")
+        after = _put_histogram(srv.info["metrics"], admin)
+        stats = admin_call(srv.unix_url if unix else srv.tcp_url, admin, "stats", {})
+        usage = admin_call(srv.unix_url if unix else srv.tcp_url, admin, "usage", {})["usage"]["stress"]
+        tier.close()
+    rtts.sort()
+    return {
+        "blocks_indexed": stats["blocks"],
+        "quota_blocks": blocks,
+        "tenant_bytes": usage["bytes"],
+        "quota_bytes": quota,
+        "fill_s": round(fill_s, 1),
+        "measured_puts": measure_puts,
+        "put_p50_ms": _bucket_quantile(before, after, 0.50) * 1e3,
+        "put_p99_ms": _bucket_quantile(before, after, 0.99) * 1e3,
+        "put_max_bucket_ms": _bucket_quantile(before, after, 1.0) * 1e3,
+        "client_put_p50_ms": round(rtts[len(rtts) // 2] * 1e3, 3),
+        "client_put_p99_ms": round(rtts[min(len(rtts) - 1, int(len(rtts) * 0.99))] * 1e3, 3),
+        "transport": "unix" if unix else "tcp",
+    }
+
+
 def register(subparsers) -> None:
     p = subparsers.add_parser("remote", help="shared server put/get vs a raw socket and Redis, same run")
     p.add_argument("--block-mib", type=float, default=8.0, help="block size in MiB (default 8)")
@@ -422,12 +516,21 @@ def register(subparsers) -> None:
     p.add_argument("--no-redis", action="store_true", help="skip the Redis comparison")
     p.add_argument("--encrypt", action="store_true",
                    help="also end-to-end encrypted puts/gets (client seals) in the same run; prints encrypt_ratio")
+    p.add_argument("--quota-stress", action="store_true",
+                   help="instead: one tenant at its quota of --blocks tiny blocks; server time per PUT (p50/p99)")
+    p.add_argument("--blocks", type=int, default=500_000, help="--quota-stress: blocks indexed (default 500000)")
+    p.add_argument("--measure-puts", type=int, default=2000, help="--quota-stress: single puts timed at quota")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_main)
 
 
 def _main(args) -> int:
-    result = run(args.block_mib, args.run_mib, args.runs, args.unix, not args.no_redis, args.encrypt)
+    if args.quota_stress:
+        if args.blocks < 1 or args.measure_puts < 1:
+            raise SystemExit("--blocks and --measure-puts must be positive")
+        result = quota_stress(args.blocks, args.measure_puts, unix=True)
+    else:
+        result = run(args.block_mib, args.run_mib, args.runs, args.unix, not args.no_redis, args.encrypt)
     if args.json:
         print(json.dumps(result))
     else:
