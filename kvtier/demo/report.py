@@ -9,7 +9,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 from rich.table import Table
 
 _ROW = "{:>2} {:<7} {:<26} {:>6} {:>15} {:>5} {:>8} {:>8} {:>7} {:>6} {:>5}"
-HEADER = _ROW.format("#", "user", "request", "ctx", "hit (tier)", "new", "cold", "kvtier", "speedup", "tax", "same")
+HEADER = _ROW.format("#", "user", "request", "ctx", "hit (tier)", "new", "cold", "kvtier", "speedup", "eff", "same")
 
 
 def _tiers(tokens_by_tier: dict[str, int]) -> str:
@@ -20,10 +20,11 @@ def _tiers(tokens_by_tier: dict[str, int]) -> str:
 
 def turn_row(t: dict) -> str:
     hit = f"{t['cached_tokens']} ({_tiers(t['tokens_by_tier'])})" if t["cached_tokens"] else "0"
-    tax = f"{t['overhead_ratio']:.2f}" if t.get("overhead_ratio") else "-"
+    # load efficiency: the load's bytes at the tiers' limits over its measured time
+    eff = f"{t['load_efficiency']:.2f}" if t.get("load_efficiency") else "-"
     return _ROW.format(
         t["index"] + 1, t["session"], t["label"][:26], t["context_tokens"], hit, t["computed_tokens"],
-        f"{t['ttft_cold_s']:.2f}s", f"{t['ttft_warm_s']:.3f}s", f"{t['speedup']:.1f}x", tax,
+        f"{t['ttft_cold_s']:.2f}s", f"{t['ttft_warm_s']:.3f}s", f"{t['speedup']:.1f}x", eff,
         "yes" if t["outputs_equal"] else "NO",
     )
 
@@ -92,9 +93,14 @@ def print_summary(console: Console, s: dict) -> None:
     lines = [
         f"speedup p50 over all {s['turns']} turns: {s['speedup_p50']:.1f}x   "
         f"hit rate {s['hit_rate'] * 100:.0f}% of context tokens   CPU-seconds saved {s['cpu_seconds_saved']:.1f}",
-        f"tax over the ideal (bytes / tier limit + suffix compute): p50 {s['overhead_ratio_p50']:.2f}, "
-        f"p90 {s['overhead_ratio_p90']:.2f}",
     ]
+    if s.get("load_efficiency_p50"):
+        per_tier = ", ".join(f"{tier} {v:.2f}" for tier, v in s["load_efficiency_p50"].items())
+        lines.append(f"load efficiency p50 (bytes at the tier's limit, read as kvtier reads, / load time): {per_tier}; "
+                     f"lookup + load over that ideal: p50 {s['overhead_ratio_p50']:.2f}, p90 {s['overhead_ratio_p90']:.2f}")
+    if s.get("lookup_s_p50") is not None:
+        lines.append(f"per turn with a hit, p50: lookup {s['lookup_s_p50'] * 1e3:.2f} ms, load {s['load_s_p50'] * 1e3:.1f} ms, "
+                     f"prefill of the rest {s['prefill_s_p50'] * 1e3:.0f} ms")
     if "resume_speedup" in s:
         lines.append(
             f"resume ({s['resume_context_tokens']} cached-context tokens, {s['resume_new_tokens']} new, from "
