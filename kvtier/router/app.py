@@ -84,11 +84,25 @@ class PromptTokenizer:
         return self.tok.encode("\n".join(str(m.get("content", "")) for m in messages))
 
 
+def _token_list(value: Any) -> bool:
+    return isinstance(value, list) and all(type(t) is int and 0 <= t < 1 << 32 for t in value)
+
+
+def _valid_prompt(prompt: Any) -> bool:
+    if isinstance(prompt, str) or (_token_list(prompt) and prompt):
+        return True
+    return (isinstance(prompt, list) and bool(prompt)
+            and (all(isinstance(p, str) for p in prompt) or all(_token_list(p) and p for p in prompt)))
+
+
 def _check_body(body: Any, field: str) -> None:
     if not isinstance(body, dict):
         raise RequestError(400, "the request body must be a JSON object")
     if field not in body:
         raise RequestError(400, f"'{field}' is a required property", param=field)
+    if field == "prompt" and not _valid_prompt(body["prompt"]):
+        raise RequestError(400, "'prompt' must be a string, a list of token ids (0 <= id < 2**32), "
+                                "or a non-empty list of those", param="prompt")
     if field == "messages":
         msgs = body["messages"]
         if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) and "role" in m for m in msgs):
@@ -160,7 +174,7 @@ class Router:
         timeout = ClientTimeout(total=self.config.request_timeout_s, sock_connect=self.config.connect_timeout_s)
         self.session = ClientSession(timeout=timeout, connector=TCPConnector(limit=0), auto_decompress=False)
         for w in self.workers:
-            if w.events:
+            if w.events_endpoint:
                 listener = VllmEvents(w, self.index, shared_writes=self.config.shared_writes,
                                       on_change=self._update_mode)
                 listener.start()

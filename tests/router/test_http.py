@@ -1,0 +1,245 @@
+"""The router over real sockets: aiohttp engine stand-ins that speak OpenAI, a real ZMQ publisher
+of vLLM-format KV events, the real ``Router`` app. (Real vLLM workers: tests/integrations/vllm.)"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import struct
+import time
+
+import msgpack
+import zmq
+from aiohttp import ClientSession, web
+
+from kvtier.router.app import Router
+from kvtier.router.config import RouterConfig, WorkerSpec
+
+BS = 4
+
+
+class WordTokenizer:
+    """Token ids = word lengths: deterministic, and the stand-in workers use the same one."""
+
+    def completion(self, prompt):
+        return [len(w) for w in prompt.split()] if isinstance(prompt, str) else list(prompt)
+
+    def chat(self, messages, body):
+        return self.completion(" ".join(m.get("content", "") for m in messages))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class StandIn:
+    """An OpenAI-speaking worker: reports cached tokens, streams slowly, can fail or go down."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.port = name, free_port()
+        self.requests = 0
+        self.fail_next = 0          # close the connection before answering
+        self.down = False
+        self.runner: web.AppRunner | None = None
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self.complete)
+        app.router.add_post("/v1/chat/completions", self.complete)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+
+    async def stop(self) -> None:
+        await self.runner.cleanup()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def models(self, request):
+        return web.json_response({"object": "list", "data": [{"id": "tiny"}]})
+
+    async def health(self, request):
+        return web.Response(status=503 if self.down else 200)
+
+    async def complete(self, request):
+        body = await request.json()
+        if self.fail_next:
+            self.fail_next -= 1
+            request.transport.close()          # dies before the first byte
+            await asyncio.sleep(1)
+        self.requests += 1
+        usage = {"prompt_tokens": 8, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 4}}
+        if not body.get("stream"):
+            return web.json_response({"id": "x", "object": "text_completion", "worker": self.name,
+                                      "choices": [{"text": "a b c"}], "usage": usage})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for tok in ("a", "b", "c"):
+            await resp.write(f"data: {json.dumps({'choices': [{'text': tok}], 'worker': self.name})}\n\n".encode())
+            await asyncio.sleep(0.2)
+        await resp.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n".encode())
+        return resp
+
+
+async def start_router(workers, events=None, **kw):
+    config = RouterConfig(workers=[WorkerSpec(w.url, (events or {}).get(i)) for i, w in enumerate(workers)],
+                          block_tokens=BS, kv_bytes_per_token=4096, health_interval_s=0.2, port=free_port(), **kw)
+    router = Router(config, WordTokenizer())
+    runner = web.AppRunner(router.app())
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", config.port).start()
+    return router, runner, f"http://127.0.0.1:{config.port}"
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 60))
+
+
+def test_streaming_passes_chunks_through_as_they_arrive():
+    async def main():
+        w = StandIn("w0")
+        await w.start()
+        router, runner, url = await start_router([w], policy="round-robin")
+        try:
+            async with ClientSession() as s:
+                t0 = time.monotonic()
+                arrivals = []
+                async with s.post(url + "/v1/completions", json={"prompt": "x y z", "stream": True}) as r:
+                    assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
+                    async for chunk in r.content.iter_any():
+                        arrivals.append((time.monotonic() - t0, chunk))
+            # three tokens 0.2 s apart: the first must reach the client well before the last is sent
+            assert arrivals[0][0] < 0.15 and len(arrivals) >= 3, arrivals
+            assert b"[DONE]" in arrivals[-1][1]
+        finally:
+            await runner.cleanup()
+            await w.stop()
+    run(main())
+
+
+def test_errors_are_openai_shaped_never_a_traceback():
+    async def main():
+        w = StandIn("w0")
+        await w.start()
+        router, runner, url = await start_router([w])
+        try:
+            async with ClientSession() as s:
+                cases = [("POST", "/v1/completions", b"{not json"), ("POST", "/v1/completions", b"[1, 2]"),
+                         ("POST", "/v1/completions", b'{"model": "tiny"}'),
+                         ("POST", "/v1/chat/completions", b'{"messages": "hi"}'),
+                         ("POST", "/v1/completions", b'{"prompt": {"a": 1}}'),
+                         ("GET", "/v1/embeddings", b""), ("GET", "/v1/completions", b"")]
+                for method, path, data in cases:
+                    async with s.request(method, url + path, data=data) as r:
+                        body = await r.json()
+                        assert 400 <= r.status < 500, (path, data, r.status)
+                        assert set(body["error"]) >= {"message", "type", "code"}, body
+                        assert "Traceback" not in body["error"]["message"]
+        finally:
+            await runner.cleanup()
+            await w.stop()
+    run(main())
+
+
+def test_worker_dying_before_first_byte_is_retried_ejected_and_readmitted():
+    async def main():
+        a, b = StandIn("a"), StandIn("b")
+        await a.start()
+        await b.start()
+        router, runner, url = await start_router([a, b], policy="round-robin")
+        try:
+            async with ClientSession() as s:
+                a.fail_next = 1                     # a dies before answering its first request
+                for i in range(6):
+                    async with s.post(url + "/v1/completions", json={"prompt": f"p {i}"}) as r:
+                        assert r.status == 200, await r.text()
+                        assert (await r.json())["usage"]["prompt_tokens"] == 8
+                assert router.metrics.retries._value.get() >= 1
+                a.down = True                       # health checks fail: ejected
+                await asyncio.sleep(0.8)
+                assert not router.workers[0].healthy
+                before = a.requests
+                for i in range(4):
+                    async with s.post(url + "/v1/completions", json={"prompt": f"q {i}"}) as r:
+                        assert r.status == 200
+                assert a.requests == before
+                a.down = False                      # healthy again: re-admitted
+                await asyncio.sleep(0.5)
+                assert router.workers[0].healthy
+                await a.stop()                      # killed: every request still completes
+                for i in range(4):
+                    async with s.post(url + "/v1/completions", json={"prompt": f"r {i}", "stream": True}) as r:
+                        assert r.status == 200 and b"[DONE]" in await r.read()
+                text = await (await s.get(url + "/metrics")).text()
+                assert "kvtier_router_requests_total" in text and "kvtier_router_decision_seconds_bucket" in text
+                assert 'kvtier_router_actual_cached_tokens_total{worker="%s"}' % b.url in text
+        finally:
+            await runner.cleanup()
+            await b.stop()
+    run(main())
+
+
+def vllm_message(seq, events):
+    return [b"", struct.pack(">Q", seq), msgpack.packb([time.time(), events, None])]
+
+
+def test_events_route_to_the_holder_and_a_restarted_publisher_is_resynced():
+    async def main():
+        a, b = StandIn("a"), StandIn("b")
+        await a.start()
+        await b.start()
+        ports = [free_port(), free_port()]
+        ctx = zmq.Context.instance()
+        pubs = []
+        for p in ports:
+            pub = ctx.socket(zmq.PUB)
+            pub.bind(f"tcp://127.0.0.1:{p}")
+            pubs.append(pub)
+        events = {i: f"tcp://127.0.0.1:{p}" for i, p in enumerate(ports)}
+        router, runner, url = await start_router([a, b], events=events)
+        prompt = " ".join(["abc"] * 40)               # 40 tokens of id 3: ten blocks
+        tokens = [3] * 40
+        try:
+            for _ in range(50):
+                if not router.approximate_mode:
+                    break
+                await asyncio.sleep(0.1)
+            assert not router.approximate_mode
+            stored = {"type": "BlockStored", "block_hashes": list(range(10)), "parent_block_hash": None,
+                      "token_ids": tokens, "block_size": BS, "lora_id": None, "medium": "GPU"}
+            for _ in range(20):                       # slow joiner: publish until indexed
+                pubs[1].send_multipart(vllm_message(0, [stored]))
+                await asyncio.sleep(0.05)
+                if len(router.index):
+                    break
+            async with ClientSession() as s:
+                for _ in range(3):
+                    async with s.post(url + "/v1/completions", json={"prompt": prompt}) as r:
+                        assert (await r.json())["worker"] == "b"
+                # publisher b restarts (new socket, sequence from 0 again): b's old blocks are cleared
+                pubs[1].close(0)
+                await asyncio.sleep(0.5)
+                assert router.approximate_mode     # its events are down meanwhile
+                pubs[1] = ctx.socket(zmq.PUB)
+                pubs[1].bind(f"tcp://127.0.0.1:{ports[1]}")
+                for _ in range(50):
+                    if not router.approximate_mode:
+                        break
+                    await asyncio.sleep(0.1)
+                assert not router.approximate_mode and len(router.index) == 0
+                text = await (await s.get(url + "/metrics")).text()
+                assert "kvtier_router_approximate_mode 0.0" in text
+        finally:
+            await runner.cleanup()
+            for p in pubs:
+                p.close(0)
+            await a.stop()
+            await b.stop()
+    run(main())
