@@ -196,21 +196,28 @@ class Approximate:
     def __len__(self) -> int:
         return len(self._owner)
 
-    def _record(self, blocks: Sequence[Any], worker: int) -> None:
+    def record(self, blocks: Sequence[Any], worker_id: Any) -> None:
+        """Remember that ``blocks`` went to ``worker_id`` (also called for other policies'
+        decisions, so that the tree is warm when the router falls back to it)."""
         owner = self._owner
+        worker = worker_id
         for block in blocks:
             owner[block] = worker
             owner.move_to_end(block)
         while len(owner) > self.capacity:
             owner.popitem(last=False)
 
-    def forget_worker(self, worker: int) -> None:
-        """Drop every block attributed to ``worker`` (it left, or its index shifted)."""
-        for block in [b for b, w in self._owner.items() if w == worker]:
+    def forget_worker(self, worker_id: Any) -> None:
+        """Drop every block attributed to ``worker_id`` (it left)."""
+        for block in [b for b, w in self._owner.items() if w == worker_id]:
             del self._owner[block]
 
     def choose(self, request: RouteRequest, view: ClusterView) -> int:
+        # A view whose workers come and go (the router's healthy subset) names them by
+        # stable ids; the simulator's workers are their indices.
         n = view.num_workers
+        ids = list(getattr(view, "worker_ids", range(n)))
+        position = {wid: i for i, wid in enumerate(ids)}
         loads = [view.outstanding_tokens(w) for w in range(n)]
         lightest = min(range(n), key=loads.__getitem__)
         worker = lightest
@@ -219,14 +226,14 @@ class Approximate:
             owner = self._owner
             first = owner.get(request.blocks[0])
             matched = 0
-            if first is not None and first < n:
+            if first in position:
                 for block in request.blocks:
                     if owner.get(block) != first:
                         break
                     matched += 1
                 if matched >= self.match_threshold * len(request.blocks):
-                    worker = first
-        self._record(request.blocks, worker)
+                    worker = position[first]
+        self.record(request.blocks, ids[worker])
         return worker
 
 
