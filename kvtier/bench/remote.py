@@ -235,7 +235,7 @@ class RedisPeer:
             raise FileNotFoundError("redis-benchmark is not installed (it comes with redis-server: apt-get install -y redis-server)")
         out = subprocess.run(
             [exe, *self.endpoint, "-t", "set,get", "-d", str(value_bytes), "-n", str(requests), "-c", "1",
-             "-P", str(pipeline), "-r", "1000", "--csv"],
+             "-P", str(pipeline), "--csv"],  # no -r: every GET finds the one key SET wrote (a miss is a tiny reply)
             capture_output=True, text=True, timeout=300, check=True).stdout
         rps = {}
         for line in out.splitlines():  # "SET","1234.5",... (a header line first in newer versions)
