@@ -244,6 +244,9 @@ class RedisPeer:
                 rps[fields[0]] = float(fields[1])
         if set(rps) != {"SET", "GET"}:
             raise RuntimeError(f"redis-benchmark printed no SET/GET figures: {out[-500:]!r}")
+        # every GET must have fetched a whole value: the one key the SETs wrote holds one
+        if self.client.dbsize() != 1 or self.client.strlen("key:__rand_int__") != value_bytes:
+            raise RuntimeError("redis-benchmark's GETs did not all read one stored value of the size asked")
         self.client.flushall()
         return {op.lower(): round(r * value_bytes / 1e9, 3) for op, r in rps.items()}
 
