@@ -45,7 +45,7 @@ def host_copy_gib_s(block_nbytes: int, total_bytes: int = 64 << 20, repeats: int
     return n * block_nbytes / best / GIB
 
 
-def disk_read_gib_s(directory: str, block_nbytes: int = 2 << 20, *, in_flight: int = 2,
+def disk_read_gib_s(directory: str, block_nbytes: int = 2 << 20, *, in_flight: int = 1,
                     total_bytes: int = 32 << 20, repeats: int = 2) -> float:
     """GiB/s of payload from cold reads of block files' shape (a header page + the payload rounded
     to pages, one request per block) in a scratch file in ``directory``, ``in_flight`` at once."""
