@@ -1,0 +1,30 @@
+"""The demo's limits are measured the way kvtier reads: block-shaped requests, reads in flight."""
+
+import os
+
+import pytest
+
+from kvtier.demo import limits
+
+
+def test_disk_limit_reads_block_shaped_requests_with_reads_in_flight(tmp_path, monkeypatch):
+    seen = []
+    preadv = os.preadv
+
+    def spy(fd, buffers, offset):
+        seen.append((sum(memoryview(b).nbytes for b in buffers), offset))
+        return preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(limits.os, "preadv", spy)
+    gib_s = limits.disk_read_gib_s(str(tmp_path), 256 << 10, in_flight=2, total_bytes=4 << 20, repeats=1)
+    assert gib_s > 0
+    request = 4096 + (256 << 10)  # a block file: header page + payload
+    assert {size for size, _ in seen} == {request}
+    assert sorted(offset for _, offset in seen) == [b * request for b in range(16)]  # every block once
+    assert not list(tmp_path.iterdir()), "the scratch file is removed"
+
+
+def test_host_limit_copies_block_sized_pieces():
+    assert limits.host_copy_gib_s(256 << 10, total_bytes=4 << 20, repeats=1) > 0
+    with pytest.raises(TypeError):
+        limits.disk_read_gib_s("/tmp", 4096, 2)  # in_flight is keyword-only: say it
