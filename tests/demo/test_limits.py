@@ -15,6 +15,8 @@ def test_disk_limit_reads_block_shaped_requests_with_reads_in_flight(tmp_path, m
         seen.append((sum(memoryview(b).nbytes for b in buffers), offset))
         return preadv(fd, buffers, offset)
 
+    direct = limits.probe_direct_io(str(tmp_path))  # the probe's own read is not the limit's
+    monkeypatch.setattr(limits, "probe_direct_io", lambda directory: direct)
     monkeypatch.setattr(limits.os, "preadv", spy)
     gib_s = limits.disk_read_gib_s(str(tmp_path), 256 << 10, in_flight=2, total_bytes=4 << 20, repeats=1)
     assert gib_s > 0
