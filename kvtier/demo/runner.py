@@ -18,6 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from kvtier.bench.baselines import report_warnings
 from kvtier.demo.report import Reporter, plot, print_summary
 from kvtier.demo.summary import summarize
 from kvtier.demo.workload import Scenario, default_scenario, quick_scenario
@@ -135,6 +136,7 @@ def run_demo(args) -> int:
             turns, infos = replay(scenario, store_dir, reporter, threads=args.threads,
                                   remote_url=getattr(args, "remote", None))
         summary = summarize(turns, infos, runtime_s=time.perf_counter() - started, scenario=scenario.name)
+        report_warnings(summary["warnings"])  # a load faster than its limit: the limit is wrong
         if args.plot:
             boundaries = [sum(len(p) for p in phases[: k + 1]) for k in range(len(phases) - 1)]
             plot(turns, args.plot, boundaries)

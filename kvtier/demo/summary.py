@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from kvtier.bench.baselines import ratio_warnings
+
 
 def percentile(values: Sequence[float], q: float) -> float | None:
     """Linear-interpolated percentile (``q`` in 0..100); None for no values."""
@@ -70,11 +72,16 @@ def summarize(turns: list[dict], phases: list[dict], *, runtime_s: float, scenar
     limits_of = {p["phase"]: p.get("limits_gib_s") for p in phases}
     efficiency: dict[str, list[float]] = {}
     overhead: list[float] = []
+    warnings: list[str] = []
     for t in turns:
-        ideal = ideal_load_s(t["loaded_bytes"], limits_of.get(t["phase"]))
+        # the turn's own limits (the best of start-up and right after its load), else its phase's
+        ideal = ideal_load_s(t["loaded_bytes"], t.get("limits_gib_s") or limits_of.get(t["phase"]))
         if ideal is None or not t.get("load_s"):
             continue
-        efficiency.setdefault(main_tier(t["loaded_bytes"]), []).append(ideal / t["load_s"])
+        tier = main_tier(t["loaded_bytes"])
+        efficiency.setdefault(tier, []).append(ideal / t["load_s"])
+        warnings += [f"turn {t.get('index', '?')}: {w}" for w in ratio_warnings(
+            {f"{tier} load_efficiency": ideal / t["load_s"]}, what="limit measured in the same process")]
         # kvtier's own time (lookup + load) over the ideal transfer; the suffix's prefill
         # is the engine's, not kvtier's, and no longer pads the ideal.
         overhead.append((t["lookup_s"] + t["load_s"]) / ideal)
@@ -91,6 +98,7 @@ def summarize(turns: list[dict], phases: list[dict], *, runtime_s: float, scenar
         "load_efficiency_p50": {tier: percentile(v, 50) for tier, v in sorted(efficiency.items())},
         "load_efficiency_p10": {tier: percentile(v, 10) for tier, v in sorted(efficiency.items())},
         "load_efficiency_turns": {tier: len(v) for tier, v in sorted(efficiency.items())},
+        "warnings": warnings,
         "overhead_ratio_p50": percentile(overhead, 50),
         "overhead_ratio_p90": percentile(overhead, 90),
         "lookup_s_p50": percentile([t.get("lookup_s") for t in hits], 50),

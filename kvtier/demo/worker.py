@@ -107,7 +107,8 @@ def median(runs: list):
     return sorted(runs, key=lambda g: g.ttft_s)[len(runs) // 2]
 
 
-def run_turn(lm, context: list[int], gen_tokens: int, limits: dict, emit_cold) -> tuple[dict, list[int]]:
+def run_turn(lm, context: list[int], gen_tokens: int, limits: dict, emit_cold,
+             measure_limits=None) -> tuple[dict, list[int]]:
     """One request measured without kvtier, then with it; its record and the reference reply."""
     import numpy as np
 
@@ -126,6 +127,11 @@ def run_turn(lm, context: list[int], gen_tokens: int, limits: dict, emit_cold) -
     lm.save(np.concatenate([prompt, np.asarray(last.tokens[:-1], dtype=np.int64)]), known_blocks=last.known_blocks)
     lm.wait_saves()
     save_s = time.perf_counter() - t
+    if warm.loaded_bytes and measure_limits is not None:
+        # Measured again right after the load (untimed): on a shared machine the limit
+        # taken at start-up can be a slow moment's; a limit is the best seen.
+        fresh = measure_limits()
+        limits = {tier: max(limits.get(tier, 0.0), fresh.get(tier, 0.0)) for tier in set(limits) | set(fresh)}
     # The ideal load: the bytes at each tier's limit measured in this process the
     # way kvtier reads. Lookup and load are kvtier's time; the suffix's prefill is the
     # engine's and stays out of the ideal (it hid a load running slower than its limit).
@@ -136,7 +142,7 @@ def run_turn(lm, context: list[int], gen_tokens: int, limits: dict, emit_cold) -
         tokens_by_tier={tier: n // bpt for tier, n in warm.loaded_bytes.items()}, loaded_bytes=warm.loaded_bytes,
         ttft_cold_s=cold.ttft_s, ttft_warm_s=warm.ttft_s, cpu_cold_s=cold.ttft_cpu_s, cpu_warm_s=warm.ttft_cpu_s,
         lookup_s=warm.lookup_s, load_s=warm.load_s, prefill_s=warm.prefill_s,
-        ideal_load_s=ideal, load_efficiency=load_efficiency(warm.loaded_bytes, warm.load_s, limits),
+        limits_gib_s=limits, ideal_load_s=ideal, load_efficiency=load_efficiency(warm.loaded_bytes, warm.load_s, limits),
         overhead_ratio=(warm.lookup_s + warm.load_s) / ideal if ideal else None, speedup=cold.ttft_s / warm.ttft_s,
         outputs_equal=all(g.tokens == cold.tokens for g in colds + warms),
         logits_max_abs_diff=float((cold.first_logits - warm.first_logits).abs().max()),
@@ -189,11 +195,16 @@ def main() -> int:
 
     # Warm up the kernels (first calls allocate and tune); nothing is stored.
     lm.generate(system[:64], 2, use_store=False)
-    limits = {"host": host_copy_gib_s(namespace.layout.block_nbytes)}
-    if disk is not None:
-        # kvtier's loader reads block by block, READS_IN_FLIGHT spans at once: so does the limit
-        limits["disk"] = disk_read_gib_s(disk.path, namespace.layout.block_nbytes, in_flight=READS_IN_FLIGHT,
-                                         total_bytes=16 << 20)
+
+    def measure_limits() -> dict[str, float]:
+        measured = {"host": host_copy_gib_s(namespace.layout.block_nbytes)}
+        if disk is not None:
+            # kvtier's loader reads block by block, READS_IN_FLIGHT spans at once: so does the limit
+            measured["disk"] = disk_read_gib_s(disk.path, namespace.layout.block_nbytes,
+                                               in_flight=READS_IN_FLIGHT, total_bytes=16 << 20)
+        return measured
+
+    limits = measure_limits()
     _emit("ready", pid=os.getpid(), phase=job["phase"], ready_s=time.perf_counter() - started,
           model_load_s=load_s, store_open_s=open_s, recovered_blocks=recovered, limits_gib_s=limits,
           block_tokens=namespace.layout.block_tokens, bytes_per_token=namespace.layout.bytes_per_token,
@@ -207,7 +218,7 @@ def main() -> int:
         context = context + assistant
         _emit("start", index=index, session=step.session, label=step.label, context_tokens=len(context))
         record, reply = run_turn(lm, context, scenario.gen_tokens, limits, emit_cold=lambda s: _emit(
-            "cold_done", index=index, ttft_s=s))
+            "cold_done", index=index, ttft_s=s), measure_limits=measure_limits)
         _emit("turn", index=index, phase=job["phase"], session=step.session, label=step.label, kind=step.kind,
               **record)
         sessions[step.session] = context + reply  # the reference reply continues the conversation

@@ -91,3 +91,12 @@ def test_a_tier_without_a_measured_limit_gets_no_efficiency():
     turns = [record(0, cold=5.0, warm=1.0, loaded={"remote": GIB}, load_s=0.5)]
     s = summarize(turns, [{"phase": 1, "limits_gib_s": {"host": 10.0}}], runtime_s=1.0, scenario="t")
     assert s["load_efficiency_p50"] == {} and s["overhead_ratio_p50"] is None
+
+
+def test_a_load_faster_than_its_limit_is_warned_about_and_a_turns_own_limits_win():
+    fast = record(0, cold=5.0, warm=1.0, loaded={"host": GIB}, load_s=0.05)  # 20 GiB/s against 10
+    fair = record(1, cold=5.0, warm=1.0, loaded={"host": GIB}, load_s=0.05)
+    fair["limits_gib_s"] = {"host": 25.0}  # measured again right after its load
+    s = summarize([fast, fair], [{"phase": 1, "limits_gib_s": {"host": 10.0}}], runtime_s=1.0, scenario="t")
+    assert len(s["warnings"]) == 1 and s["warnings"][0].startswith("turn 0: host load_efficiency = 2.000 > 1.05")
+    assert s["load_efficiency_p50"]["host"] == pytest.approx((2.0 + 0.8) / 2)
