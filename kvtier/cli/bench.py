@@ -16,6 +16,7 @@ BENCH_MODULES = [
     "kvtier.bench.server_memory",
     "kvtier.bench.vllm",
     "kvtier.bench.restart",
+    "kvtier.bench.route",
 ]
 
 

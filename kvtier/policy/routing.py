@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import math
 import random
-from collections import OrderedDict
+from collections import OrderedDict, deque
+from itertools import repeat
 from typing import Any, Protocol, Sequence
 
 from kvtier.errors import ConfigError
@@ -56,6 +57,11 @@ class ClusterView(Protocol):
         """For each leading block, the fastest tier from which ``worker`` can have it (0 = HBM);
         the list stops at the first block no tier reachable from ``worker`` holds. A block in
         a shared tier is reachable from every worker."""
+
+    # Optional fast path (the router's live view has it, the simulator does not):
+    #   service_seconds(request) -> sequence of floats, for every worker
+    #   ``service.plan(prefix_tiers(worker, request.blocks), request.input_tokens).seconds``
+    #   computed at once (numpy over a workers x blocks tier matrix).
 
 
 class RoutingPolicy(Protocol):
@@ -150,6 +156,10 @@ class TierAware:
         self._rng = random.Random(seed)
 
     def costs(self, request: RouteRequest, view: ClusterView) -> list[float]:
+        fast = getattr(view, "service_seconds", None)
+        if fast is not None:
+            service = fast(request)
+            return [view.backlog_s(w) + float(service[w]) for w in range(view.num_workers)]
         plan = view.service.plan
         return [view.backlog_s(w) + plan(view.prefix_tiers(w, request.blocks), request.input_tokens).seconds
                 for w in range(view.num_workers)]
@@ -157,6 +167,10 @@ class TierAware:
     def choose(self, request: RouteRequest, view: ClusterView) -> int:
         if self.temperature > 0:
             return softmax_pick(self.costs(request, view), self.temperature, self._rng)
+        if hasattr(view, "service_seconds"):
+            # Every worker priced at once; the first of equal minima wins, as below.
+            costs = self.costs(request, view)
+            return costs.index(min(costs))
         plan = view.service.plan
         best_worker, best_cost = 0, float("inf")
         for worker in range(view.num_workers):
@@ -200,10 +214,10 @@ class Approximate:
         """Remember that ``blocks`` went to ``worker_id`` (also called for other policies'
         decisions, so that the tree is warm when the router falls back to it)."""
         owner = self._owner
-        worker = worker_id
-        for block in blocks:
-            owner[block] = worker
-            owner.move_to_end(block)
+        # Remove then re-insert: the blocks become the newest, at C speed (a 1000-block
+        # prompt is recorded on every routing decision, so no Python loop per block).
+        deque(map(owner.pop, blocks, repeat(None)), maxlen=0)
+        owner.update(zip(blocks, repeat(worker_id)))
         while len(owner) > self.capacity:
             owner.popitem(last=False)
 

@@ -153,6 +153,7 @@ class Router:
         self.listeners: list[VllmEvents] = []
         self.shared: SharedTierEvents | None = None
         self.session: ClientSession | None = None
+        self.last_decision_s = 0.0    #: seconds the last decision took (what the histogram observes)
         self._tasks: list[asyncio.Task] = []
         for w in self.workers:
             self.metrics.healthy.labels(w.url).set(1)
@@ -249,11 +250,14 @@ class Router:
         policy = self.approx if self.approximate_mode else self.policy
         i = policy.choose(request, view)
         worker = candidates[i]
-        if policy is not self.approx:
-            self.approx.record(keys, worker.id)
-        cached_blocks = len(view.prefix_tiers(i, keys))
+        cached_blocks = view.cached_blocks(i)
         predicted = min(cached_blocks * self.config.block_tokens, max(0, len(token_ids) - 1))
-        self.metrics.decision.observe(time.perf_counter() - t0)
+        self.last_decision_s = time.perf_counter() - t0
+        self.metrics.decision.observe(self.last_decision_s)
+        if policy is not self.approx:
+            # Bookkeeping after the choice (not on the decision clock): keeps the
+            # approximate tree warm for when events go down.
+            self.approx.record(keys, worker.id)
         return worker, predicted, keys
 
     # --- endpoints -------------------------------------------------------------------

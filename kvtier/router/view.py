@@ -5,16 +5,26 @@ Tiers as :class:`~kvtier.sim.service.ServiceModel` numbers them: 0 = the worker'
 (free), 1 = its host DRAM (vLLM's CPU medium), 2 = the shared tier every worker loads from.
 A view is made per decision over the healthy workers only; policy index ``i`` is
 ``workers[i]``.
+
+A decision must take well under a millisecond for a 32 k-token prompt and 16 workers,
+so the view never walks blocks per worker in Python: the prompt's index masks are
+looked up once (one dict lookup per block), the blocks are grouped in runs held alike
+(a prompt has a few), the (workers x runs) tier matrix is derived in a few numpy
+operations, and the tier-aware price of every worker comes from
+:meth:`ServiceModel.seconds_of_runs` over that matrix.
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
-from kvtier.router.index import CPU, GPU, SHARED_BIT, BlockIndex, worker_bit
+import numpy as np
+
+from kvtier.router.index import BlockIndex
 from kvtier.router.workers import Worker
 
 HBM_TIER, HOST_TIER, SHARED_TIER = 0, 1, 2
+UNREACHABLE = 3
 
 
 class LinearPrefill:
@@ -29,20 +39,40 @@ class LinearPrefill:
     def seconds(self, tokens: float, cached_tokens: float = 0.0) -> float:
         return self.overhead_s + max(0.0, tokens - cached_tokens) / self.tokens_per_s
 
+    def seconds_array(self, tokens: float, cached_tokens: np.ndarray) -> np.ndarray:
+        """:meth:`seconds` for many cached-token counts in one array operation."""
+        return self.overhead_s + np.maximum(0.0, tokens - cached_tokens) / self.tokens_per_s
+
+
+def _leading_run(ok: np.ndarray) -> np.ndarray:
+    """Per row, how many leading cells are True."""
+    if ok.shape[1] == 0:
+        return np.zeros(ok.shape[0], dtype=np.int64)
+    stop = ~ok
+    return np.where(stop.any(axis=1), stop.argmax(axis=1), ok.shape[1])
+
 
 class LiveView:
     """What the policies read, for one decision (the prompt's index masks looked up once)."""
 
-    __slots__ = ("service", "workers", "num_workers", "_masks", "default_speed", "decode_block_s")
+    __slots__ = ("service", "workers", "num_workers", "default_speed", "decode_block_s", "run_tiers",
+                 "run_blocks", "reach", "_run_ends", "_hbm_run")
 
     def __init__(self, service, workers: Sequence[Worker], index: BlockIndex, keys: Sequence[int],
                  default_speed: float, decode_block_s: float) -> None:
         self.service = service
         self.workers = workers
         self.num_workers = len(workers)
-        self._masks = index.masks(keys)
         self.default_speed = default_speed
         self.decode_block_s = decode_block_s
+        #: run_tiers[i, r]: the fastest tier from which workers[i] can have the blocks of
+        #: run r (run_blocks[r] consecutive prompt blocks held alike); UNREACHABLE: none
+        self.run_tiers, self.run_blocks = index.tier_runs([w.id for w in workers], keys,
+                                                          (HBM_TIER, HOST_TIER, SHARED_TIER, UNREACHABLE))
+        self._run_ends = np.concatenate(([0], np.cumsum(self.run_blocks)))
+        #: reach[i]: leading blocks workers[i] can have from some tier
+        self.reach = self._run_ends[_leading_run(self.run_tiers != UNREACHABLE)]
+        self._hbm_run: np.ndarray | None = None
 
     def outstanding_tokens(self, worker: int) -> int:
         return self.workers[worker].pending_tokens
@@ -56,29 +86,24 @@ class LiveView:
         speed = w.prefill_tokens_per_s or self.default_speed
         return w.pending_tokens / speed + w.active_blocks * self.decode_block_s
 
+    def service_seconds(self, request) -> np.ndarray:
+        """Every worker's predicted prefill seconds for ``request`` (the tier-aware fast path):
+        priced per run, exact for the router's linear prefill time (see ``seconds_of_runs``);
+        UNREACHABLE is ``service.num_tiers``, so each row stops at its first one."""
+        return self.service.seconds_of_runs(self.run_tiers, self.run_blocks, request.input_tokens)
+
     def hbm_prefix_blocks(self, worker: int, blocks: Sequence[int]) -> int:
-        bit = worker_bit(self.workers[worker].id, GPU)
-        n = 0
-        for m in self._masks:
-            if not m & bit:
-                break
-            n += 1
-        return n
+        if self._hbm_run is None:
+            self._hbm_run = self._run_ends[_leading_run(self.run_tiers == HBM_TIER)]
+        return int(self._hbm_run[worker])
 
     def prefix_tiers(self, worker: int, blocks: Sequence[int]) -> list[int]:
-        wid = self.workers[worker].id
-        gpu, cpu = worker_bit(wid, GPU), worker_bit(wid, CPU)
-        out = []
-        for m in self._masks:
-            if m & gpu:
-                out.append(HBM_TIER)
-            elif m & cpu:
-                out.append(HOST_TIER)
-            elif m & SHARED_BIT:
-                out.append(SHARED_TIER)
-            else:
-                break
-        return out
+        runs = int(np.searchsorted(self._run_ends, self.reach[worker])) if self.reach[worker] else 0
+        return np.repeat(self.run_tiers[worker, :runs], self.run_blocks[:runs]).tolist()
+
+    def cached_blocks(self, worker: int) -> int:
+        """Leading prompt blocks ``worker`` can have without recomputing them."""
+        return int(self.reach[worker])
 
     @property
     def worker_ids(self) -> list[int]:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import NamedTuple, Sequence
 
+import numpy as np
+
 from kvtier.planner.costmodel import PrefillCostModel
 
 #: The tier index of a block already in the worker's HBM; loads from it are free.
@@ -77,3 +79,50 @@ class ServiceModel:
         for tier in prefix_tiers[:best_j]:
             by_tier[tier] += 1
         return ServicePlan(best_j, tuple(by_tier), best_load, best_total - best_load)
+
+    # --- many workers at once (the router's decision path) ------------------------------
+    def seconds_of_runs(self, run_tiers: np.ndarray, run_blocks: np.ndarray, input_tokens: int) -> np.ndarray:
+        """Predicted prefill seconds of every worker (row) at once, from tier *runs*.
+
+        ``run_tiers[w, r]`` is the tier from which worker ``w`` has every block of run
+        ``r`` (``run_blocks[r]`` consecutive prompt blocks, leading run first); a code
+        ``>= num_tiers`` means unreachable, which ends that worker's usable prefix.
+        The result is ``plan(tiers, input_tokens).seconds`` of each row with the runs
+        expanded, for a prefill time concave in the cached tokens (linear, as the
+        router's :class:`~kvtier.router.view.LinearPrefill`, or with the attention
+        term): within a run the total (linear loads + concave compute) is concave in
+        the cut, so its minimum is at one of the run's ends, and only run ends (and no
+        load at all) are priced. For any other prefill time pass runs of one block:
+        every cut is then priced, as :meth:`plan` does. A tier's latency is folded into
+        the first run it serves; runs past the first unreachable one cost infinity.
+        Equal to :meth:`plan` up to float rounding (sums associate differently), which
+        ``tests/router/test_fast_pricing.py`` checks on random views.
+        """
+        run_tiers = np.asarray(run_tiers)
+        workers, runs = run_tiers.shape
+        ends = np.cumsum(run_blocks)
+        curve = self._compute_at(input_tokens, np.concatenate(([0], ends)))
+        if runs == 0:
+            return np.full(workers, curve[0])
+        codes = np.minimum(run_tiers, self.num_tiers)       # num_tiers: "unreachable"
+        per_run = np.take(np.array([*self.block_load_s, np.inf]), codes) * run_blocks
+        rows = np.arange(workers)
+        for tier in range(1, self.num_tiers):
+            latency = self.tier_latency_s[tier]
+            if latency:
+                here = codes == tier
+                first = here.argmax(axis=1)
+                used = here[rows, first]
+                per_run[rows[used], first[used]] += latency
+        total = np.cumsum(per_run, axis=1)
+        total += curve[1:]
+        return np.minimum(curve[0], total.min(axis=1))
+
+    def _compute_at(self, input_tokens: int, cached_blocks: np.ndarray) -> np.ndarray:
+        """Compute seconds with ``cached_blocks[i]`` leading blocks in place, for each ``i``."""
+        cached = np.asarray(cached_blocks, dtype=np.float64) * self.block_tokens
+        vectorised = getattr(self.prefill, "seconds_array", None)
+        if vectorised is not None:
+            return vectorised(input_tokens, cached)
+        seconds = self.prefill.seconds
+        return np.array([seconds(input_tokens, c) for c in cached.tolist()])

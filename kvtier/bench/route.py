@@ -1,0 +1,173 @@
+"""``kvtier bench route``: the router's decision time, and (``--trace``) the router in front of real workers.
+
+``--synthetic``: a real :class:`~kvtier.router.app.Router` (no sockets) whose index is
+filled with ``--indexed-blocks`` blocks (default 1 M) spread over ``--workers`` workers
+(default 16) in GPU and CPU media and the shared tier, the way KV events fill it; then
+``Router.decide`` is timed on a ``--tokens``-token prompt (default 32 k) whose every
+block is indexed somewhere (the worst case: each worker's price covers all of its
+blocks), with a different load on the workers each time. A decision is what the router
+does per request before it can forward it, as its ``kvtier_router_decision_seconds``
+histogram times it: key the prompt's blocks, look them up, build the tier matrix, price
+every worker, pick. Target: p99 ≤ 1 ms. Recording the choice in the approximate tree
+follows the decision (bookkeeping for the fallback mode); ``decide_call_*`` include it.
+
+``--trace FILE``: see :mod:`kvtier.bench.route_trace`.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import statistics
+import time
+
+import numpy as np
+
+#: kvtier route's defaults for the workers' vLLM block size
+BLOCK_TOKENS = 32
+
+
+def _router(workers: int, block_tokens: int, policy: str = "tier-aware"):
+    from kvtier.router.app import Router
+    from kvtier.router.config import RouterConfig, WorkerSpec
+
+    config = RouterConfig(workers=[WorkerSpec(f"http://worker-{i}") for i in range(workers)], policy=policy,
+                          block_tokens=block_tokens, kv_bytes_per_token=131072, index_capacity=1 << 22)
+    router = Router(config, tokenizer=None)
+    for w in router.workers:
+        w.events_up = True     # as if every worker's KV events were connected
+    return router
+
+
+def fill_index(router, prompt: np.ndarray, indexed_blocks: int, seed: int = 0) -> None:
+    """``indexed_blocks`` blocks in the index through the event path (``BlockIndex.stored``).
+
+    The prompt: worker ``w`` holds its first ``(w + 1) / workers`` in GPU (odd workers
+    in CPU), and the whole of it is in the shared tier, so every worker reaches every
+    block. The rest: random 1024-block sequences, round-robin over the workers and media.
+    """
+    index, bs = router.index, router.config.block_tokens
+    n = len(router.workers)
+    blocks = len(prompt) // bs
+    index.stored(0, [("p", 0, i) for i in range(blocks)], None, prompt, bs, "GPU", shared=True)
+    index.clear_worker(0)
+    for w in range(n):
+        held = max(1, blocks * (w + 1) // n)
+        index.stored(w, [("p", w, i) for i in range(held)], None, prompt[:held * bs], bs, "CPU" if w % 2 else "GPU")
+    rng = np.random.default_rng(seed)
+    seq_blocks = 1024
+    s = 0
+    while len(index) < indexed_blocks:
+        count = min(seq_blocks, indexed_blocks - len(index))
+        tokens = rng.integers(0, 150_000, count * bs, dtype=np.uint32)
+        w = s % n
+        index.stored(w, [("s", s, i) for i in range(count)], None, tokens, bs, ("GPU", "CPU")[s // n % 2],
+                     shared=s % 3 == 0)
+        s += 1
+
+
+def synthetic(tokens: int, workers: int, indexed_blocks: int, runs: int, block_tokens: int = BLOCK_TOKENS) -> dict:
+    from kvtier.router.view import LiveView
+
+    router = _router(workers, block_tokens)
+    prompt = np.random.default_rng(1).integers(0, 150_000, tokens, dtype=np.uint32)
+    t0 = time.perf_counter()
+    fill_index(router, prompt, indexed_blocks)
+    fill_s = time.perf_counter() - t0
+    as_list = prompt.tolist()          # what the tokenizer hands the router
+    rng = np.random.default_rng(2)
+    gc.collect()
+    decisions, calls, keying, viewing, policy, cpu = [], [], [], [], [], []
+    for run in range(runs + 5):
+        for w in router.workers:       # a different load each time: the policy must weigh it
+            w.pending_tokens = int(rng.integers(0, 4 * tokens))
+            w.active_blocks = int(rng.integers(0, 4096))
+        t0 = time.perf_counter()
+        decision = router.decide(as_list, set())
+        t1 = time.perf_counter()
+        # The same steps again, apart, for the breakdown, and their CPU time: on a shared
+        # machine the wall clock also counts time the scheduler gave other processes.
+        c0 = time.thread_time()
+        keys = router.index.keys_of(as_list)
+        t2 = time.perf_counter()
+        view = LiveView(router.service, router.workers, router.index, keys, router.config.prefill_tokens_per_s,
+                        router.config.decode_block_s)
+        t3 = time.perf_counter()
+        router.policy.choose(_Req(tokens, keys), view)
+        t4 = time.perf_counter()
+        c1 = time.thread_time()
+        if run >= 5:                   # warm-up: first numpy calls, caches
+            decisions.append(router.last_decision_s)
+            calls.append(t1 - t0)
+            keying.append(t2 - t1)
+            viewing.append(t3 - t2)
+            policy.append(t4 - t3)
+            cpu.append(c1 - c0)
+    assert decision is not None and view.cached_blocks(0) == len(keys), "every prompt block must be indexed"
+    ms = lambda xs: round(statistics.median(xs) * 1e3, 4)  # noqa: E731
+    ordered = sorted(decisions)
+    p99 = lambda xs: round(sorted(xs)[min(len(xs) - 1, int(0.99 * len(xs)))] * 1e3, 4)  # noqa: E731
+    return {
+        "tokens": tokens,
+        "blocks": len(keys),
+        "block_tokens": block_tokens,
+        "workers": workers,
+        "indexed_blocks": len(router.index),
+        "runs": runs,
+        "decision_p50_ms": ms(decisions),
+        "decision_p99_ms": p99(decisions),
+        "decision_max_ms": round(ordered[-1] * 1e3, 4),
+        "decide_call_p50_ms": ms(calls),
+        "decide_call_p99_ms": p99(calls),
+        "decision_cpu_p50_ms": ms(cpu),
+        "decision_cpu_p99_ms": p99(cpu),
+        "load_average_1m": round(os.getloadavg()[0], 2),
+        "cpus": os.cpu_count(),
+        "keys_p50_ms": ms(keying),
+        "view_p50_ms": ms(viewing),
+        "policy_p50_ms": ms(policy),
+        "fill_s": round(fill_s, 2),
+        "target_p99_ms": 1.0,
+    }
+
+
+class _Req:
+    __slots__ = ("input_tokens", "blocks")
+
+    def __init__(self, input_tokens: int, blocks) -> None:
+        self.input_tokens, self.blocks = input_tokens, blocks
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("route", help="kvtier route: decision time (--synthetic) or a trace through real workers")
+    mode = p.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--synthetic", action="store_true", help="decision time over a synthetically filled index")
+    mode.add_argument("--trace", metavar="FILE", help="replay a Mooncake-format trace through kvtier route and vLLM")
+    p.add_argument("--tokens", type=int, default=32768, help="--synthetic: prompt tokens")
+    p.add_argument("--workers", type=int, default=16, help="--synthetic: workers")
+    p.add_argument("--indexed-blocks", type=int, default=1_000_000, help="--synthetic: blocks in the index")
+    p.add_argument("--runs", type=int, default=300, help="--synthetic: decisions timed")
+    p.add_argument("--block-tokens", type=int, default=BLOCK_TOKENS)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    try:
+        from kvtier.bench import route_trace
+    except ImportError:   # pragma: no cover - the trace part is optional
+        route_trace = None
+    if route_trace is not None:
+        route_trace.add_arguments(p)
+    p.set_defaults(func=_main)
+
+
+def _main(args) -> int:
+    if args.trace:
+        from kvtier.bench import route_trace
+
+        result = route_trace.run_from_args(args)
+    else:
+        result = synthetic(args.tokens, args.workers, args.indexed_blocks, args.runs, args.block_tokens)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(json.dumps(result, indent=2))
+    return 0
