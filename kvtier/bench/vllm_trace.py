@@ -137,7 +137,8 @@ def run(args) -> dict:
 
     started = time.monotonic()
     sliced = slice_trace(args.trace, args.requests or 64, args.span_s)
-    max_len = MAX_BLOCKS * HASH_TOKENS + MAX_OUTPUT + 32
+    # vLLM refuses a KV cache smaller than one request of max_model_len: fit it to the slice.
+    max_len = max(r["tokens"] + r["max_tokens"] for r in sliced) + HASH_TOKENS
     spec = model_spec(args.model, max_len)
     model = str(ensure_model(spec)[0])
     geo = geometry(spec)
@@ -145,8 +146,7 @@ def run(args) -> dict:
     unique_blocks = len({b for r in sliced for b in r["blocks"]})
     page_bytes = HASH_TOKENS * geo["kv_bytes_per_token"]
     working_set = unique_blocks * page_bytes
-    largest = max(math.ceil((r["tokens"] + r["max_tokens"]) / HASH_TOKENS) for r in sliced)
-    kv_pages = max(largest + 16, int(unique_blocks * args.kv_fraction))
+    kv_pages = max(math.ceil(max_len / HASH_TOKENS) + 16, int(unique_blocks * args.kv_fraction))
     store_bytes = max(256 << 20, int(working_set * 1.25))
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="kvtier-bench-vllm-trace-"))
     workdir.mkdir(parents=True, exist_ok=True)

@@ -205,8 +205,13 @@ def ttft(llm, cmd: dict) -> dict:
     engine.add_request(req_id, {"prompt_token_ids": cmd["prompt"]}, _params(cmd.get("max_tokens", 4)))
     first = None
     final = None
+    steps = []  # wall time of each engine step until the first token: where a TTFT goes
     while engine.has_unfinished_requests():
-        for out in engine.step():
+        step_start = time.perf_counter()
+        outs = engine.step()
+        if first is None:
+            steps.append(round(time.perf_counter() - step_start, 5))
+        for out in outs:
             if out.request_id != req_id:
                 continue
             if first is None and out.outputs and out.outputs[0].token_ids:
@@ -218,6 +223,7 @@ def ttft(llm, cmd: dict) -> dict:
     return {
         "ttft_s": first,
         "seconds": elapsed,
+        "steps_s": steps,
         "token_ids": list(completion.token_ids),
         "logprobs": [sorted([tid, lp.logprob] for tid, lp in step.items()) for step in completion.logprobs or []],
         "num_cached_tokens": final.num_cached_tokens,
