@@ -189,7 +189,9 @@ def test_the_check_catches_a_leaky_embedded_tier(embedded, op, leak_us):
                                  fraction=FRACTION, floor_ns=EMBEDDED_FLOOR_NS, seed=2)
     gap = caught.value.verdict.gap
     assert gap.nearest >= caught.value.verdict.margin_ns
-    assert 0.7 * leak_us * 1000 < gap.ns < 1.5 * leak_us * 1000  # it measured the leak, not noise
+    # It measured the leak, not noise. Only the lower bound is tight: an injected delay can
+    # overshoot on a loaded machine (a preempted sleep), never undershoot.
+    assert 0.7 * leak_us * 1000 < gap.ns < 5 * leak_us * 1000
 
 
 # -- a real `kvtier serve` over TCP: acme (A) and globex (B) in a namespace of the same name ---------------
@@ -259,7 +261,8 @@ def test_the_check_catches_a_leak_through_the_server(served, op):
     with pytest.raises(TimingLeak) as caught:
         assert_indistinguishable(served.probes(op, leak_ns=10_000), rounds=LEAK_ROUNDS, max_rounds=MAX_ROUNDS,
                                  fraction=FRACTION, floor_ns=SERVER_FLOOR_NS, seed=4)
-    assert 7_000 < caught.value.verdict.gap.ns < 15_000
+    assert caught.value.verdict.gap.nearest >= caught.value.verdict.margin_ns
+    assert 7_000 < caught.value.verdict.gap.ns < 50_000  # an injected delay may overshoot under load, not undershoot
 
 
 # -- the check itself ------------------------------------------------------------------------------------
