@@ -261,14 +261,15 @@ def _summary(runs: list[dict], args, lmcache_reason: str | None) -> dict:
     # shape changes the rounding: the store's own exactness is equality with the floor.
     out["logprobs_equal_to_floor"] = {name: all(_compare(r[name], r["prefix_cache"])[0] for r in runs)
                                       for name in names if name != "prefix_cache"}
-    # Engine steps until the first token (median per position): a kvtier async load takes a
-    # step of its own (schedule + load), then the tail's forward.
-    out["ttft_steps_s"] = {}
-    for name in ("prefix_cache", "host", "remote", "lmcache"):
-        if name in names:
-            shapes = [r[name]["steps_s"] for r in runs]
-            depth = min(len(s) for s in shapes)
-            out["ttft_steps_s"][name] = [round(statistics.median(s[i] for s in shapes), 4) for i in range(depth)]
+    # Where a warm TTFT goes: engine steps until the first token, split into the last one (the
+    # forward of the recomputed tail) and all before it (an asynchronous load's own steps:
+    # lookup, load, waiting for it). Medians over prompts.
+    out["ttft_steps"] = {
+        name: {"steps": statistics.median(len(r[name]["steps_s"]) for r in runs),
+               "before_forward_s": round(statistics.median(sum(r[name]["steps_s"][:-1]) for r in runs), 4),
+               "forward_s": round(statistics.median(r[name]["steps_s"][-1] for r in runs), 4)}
+        for name in names
+    }
     out["per_prompt_ttft_s"] = {name: [round(r[name]["ttft_s"], 4) for r in runs]
                                 for name in ("recompute", *names)}
     if "lmcache" in names:
