@@ -11,7 +11,9 @@ histogram times it: key the prompt's blocks, look them up, build the tier matrix
 every worker, pick. Target: p99 ≤ 1 ms. Recording the choice in the approximate tree
 follows the decision (bookkeeping for the fallback mode); ``decide_call_*`` include it.
 
-``--trace FILE``: see :mod:`kvtier.bench.route_trace`.
+``--trace FILE`` (a Mooncake trace through the router and real workers, per policy) is not
+built yet: it says so and exits 2. :mod:`kvtier.bench.route_stack` starts the processes it
+will need (and the real-vLLM router tests use it).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import gc
 import json
 import os
 import statistics
+import sys
 import time
 
 import numpy as np
@@ -150,20 +153,14 @@ def register(subparsers) -> None:
     p.add_argument("--runs", type=int, default=300, help="--synthetic: decisions timed")
     p.add_argument("--block-tokens", type=int, default=BLOCK_TOKENS)
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    try:
-        from kvtier.bench import route_trace
-    except ImportError:   # pragma: no cover - the trace part is optional
-        route_trace = None
-    if route_trace is not None:
-        route_trace.add_arguments(p)
     p.set_defaults(func=_main)
 
 
 def _main(args) -> int:
     if args.trace:
-        from kvtier.bench import route_trace
-
-        result = route_trace.run_from_args(args)
+        print("kvtier bench route --trace: not implemented yet (the trace replay through kvtier route and "
+              "real vLLM workers per policy); use --synthetic for decision time", file=sys.stderr)
+        return 2
     else:
         result = synthetic(args.tokens, args.workers, args.indexed_blocks, args.runs, args.block_tokens)
     if args.json:

