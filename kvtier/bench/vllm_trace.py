@@ -39,7 +39,6 @@ from kvtier.bench.vllm_systems import (
     lmcache_server,
     lmcache_settings,
     model_spec,
-    reset,
 )
 
 #: trace blocks are 512 tokens; each becomes HASH_TOKENS tokens (one vLLM page on CPU)
@@ -206,8 +205,10 @@ def _replay(settings: dict, requests: list[dict], warmup: list[int], log: Path, 
     engine = EngineProcess(settings, log, env=env)
     try:
         engine.wait_ready(timeout=600)
-        engine.call(op="ttft", prompt=warmup, max_tokens=2, timeout=600)  # first-use costs, untimed
-        reset(engine)
+        # First-use costs, untimed. Its tokens share no block with the slice, and it is not
+        # reset away: LMCache's connector makes vLLM refuse resets (it holds pages for its
+        # asynchronous saves), and every system must start alike.
+        engine.call(op="ttft", prompt=warmup, max_tokens=2, timeout=600)
         return metrics(engine.call(op="replay", requests=requests, timeout=3600))
     finally:
         engine.close()
