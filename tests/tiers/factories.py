@@ -115,3 +115,31 @@ try:  # needs the server extra (uvloop, msgpack, prometheus-client)
                                  reports_evictions=False))
 except ImportError:
     pass
+
+
+def _mooncake(tmp: Path, capacity: int, block: int) -> Tier:
+    # A real mooncake_master + two holder processes for the session (tests/tiers/mooncake_harness.py).
+    from tests.tiers.mooncake_harness import make_tier
+
+    return make_tier()
+
+
+def _encrypted_mooncake(tmp: Path, capacity: int, block: int) -> Tier:
+    from kvtier.crypto.keyring import Keyring
+    from kvtier.crypto.providers import StaticMasterKey
+    from kvtier.tiers.encrypted import EncryptedTier
+
+    keyring = Keyring(StaticMasterKey(b"k" * 32), tmp / "keys")
+    return EncryptedTier(_mooncake(tmp, capacity, block), keyring, "tenant", chunk_bytes=16384)
+
+
+try:  # needs the mooncake extra and libibverbs (make sysdeps)
+    from tests.tiers.mooncake_harness import mooncake_available
+
+    if mooncake_available() is None:
+        FACTORIES.append(TierFactory("mooncake", _mooncake, bounded=False, lists_keys=False,
+                                     reports_evictions=False))
+        FACTORIES.append(TierFactory("encrypted-mooncake", _encrypted_mooncake, bounded=False, lists_keys=False,
+                                     reports_evictions=False))
+except ImportError:
+    pass

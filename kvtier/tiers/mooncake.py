@@ -1,0 +1,514 @@
+"""``mooncake``: a Mooncake Store fleet (a master + memory segments on many nodes) behind the tier contract.
+
+::
+
+    tier = MooncakeTier("10.0.0.5:50051", "http://10.0.0.5:8080/metadata", tenant="acme", secret=secret)
+    store = TieredStore([HostTier(...), DiskTier(...), tier])          # or EncryptedTier(tier, keyring, "acme")
+
+The engine is treated as untrusted shared storage: it authenticates nobody (any
+process can claim any tenant id, read, overwrite or remove any object whose name it
+knows), has no deadline of its own, and forgets its index when the master restarts.
+What kvtier adds:
+
+* **Keyed names.** A block is stored under ``kvtier/<hex HMAC-SHA256(secret, key)>``:
+  the per-tenant ``secret`` makes names unguessable and unlinkable to prompts, and
+  another tenant (another secret) can never name, hence never read, our blocks.
+* **Verified reads.** An object is ``header | payload``
+  (:mod:`kvtier.core.payload`); the header's checksum field holds a *keyed* tag,
+  HMAC(secret, name, size, xxh3-128(payload)), so a torn transfer, an object moved to
+  another name, or one overwritten by anyone without the secret fails: it is
+  :attr:`Status.CORRUPT` (a miss, counted) and is removed. Sealed through
+  :class:`~kvtier.tiers.encrypted.EncryptedTier` the engine only ever holds ciphertext.
+* **Bounded.** Each call has one deadline, ``max(timeout_s, bytes / min_rate_bytes_s)``;
+  the engine call runs on a worker thread and the tier stops waiting at the deadline:
+  the blocks are :attr:`Status.ERROR` (misses), lookups ``0`` / ``False``. A call that
+  overran keeps the staging buffers it was given until it ends, so it never writes into
+  memory handed back. After an overrun or a master that does not answer (-900) the
+  tier is *down* for a backoff that doubles up to ``max_backoff_s``: calls return
+  misses at once; then a health check decides.
+* **Content addressed.** The engine's ``put`` keeps an existing object and answers 0,
+  which is the contract's "put of a present key is a no-op" -- and safe, because
+  whatever is kept is verified on every read (and dropped if it fails).
+* **Leases.** Each read grants a lease (10 s by default) during which the engine
+  refuses ``remove`` (-706). ``delete`` does not force it: the name is hidden from this
+  tier's reads and lookups at once and its removal retried on later deletes and puts;
+  a put of the key brings it back. Only a block that failed verification is removed
+  by force (it can never verify).
+* **Replicas.** ``replicas`` copies on distinct holders. The engine reads one replica
+  and does not fall back to another when its holder is dead (it answers -800 until
+  the master drops the holder after its ``client_ttl``); a read that fails so is
+  tried again within the deadline, which the engine may serve from the other copy.
+* **Eviction.** Above ~90 % fill the engine silently drops old objects; lookups ask the
+  master (``batch_is_exist``) each time, so they never promise what it dropped.
+
+Zero copy where it is safe: puts send ``header | caller's buffer`` as one object
+straight from the caller's memory (the call keeps a reference, so it stays mapped
+even after an overrun; a buffer changed under an overrun put is stored torn and then
+fails verification). Gets land in registered staging buffers and are verified while
+copied out.
+
+``keys()`` lists nothing (names are one-way); ``capacity_bytes`` is what the caller
+configured (0: the fleet's, unknown here); evictions are the engine's and are not
+reported through ``on_evict``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import threading
+import time
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import xxhash
+
+from kvtier.core.keys import KEY_BYTES, BlockKey
+from kvtier.core.payload import FLAG_CHECKSUM, HEADER_NBYTES, BlockMeta, pack_header, unpack_header
+from kvtier.tiers.base import Status, Tier
+from kvtier.tiers.mooncake_client import (
+    MASTER_DOWN_CODES,
+    RC_BAD_PARAMS,
+    RC_HAS_LEASE,
+    RC_NO_SPACE,
+    RC_NOT_FOUND,
+    RC_NOT_READY,
+    RC_TRANSFER_FAILED,
+    BoundedCaller,
+    Overrun,
+    SharedClient,
+)
+
+log = logging.getLogger(__name__)
+
+NAME_PREFIX = "kvtier/"
+DEFAULT_MIN_RATE_BYTES_S = 50e6
+#: bytes staged per engine call of a get; larger batches are split (one block may exceed it)
+_GET_CHUNK_BYTES = 64 << 20
+#: pieces a verified payload is copied out in: each is hashed while still in cache
+_COPY_PIECE = 1 << 20
+_NAME_LABEL = b"kvtier mooncake name\0"
+_TAG_LABEL = b"kvtier mooncake tag\0"
+
+
+class _Down(Exception):
+    """The tier is backing off after a failure (internal: becomes a status)."""
+
+
+class _Late(_Down):
+    """An engine call overran its deadline and may still be running."""
+
+
+class MooncakeTier(Tier):
+    name = "mooncake"
+
+    def __init__(
+        self,
+        master: str,
+        metadata: str = "P2PHANDSHAKE",
+        *,
+        tenant: str,
+        secret: bytes,
+        hostname: str = "127.0.0.1",
+        replicas: int = 1,
+        timeout_s: float = 2.0,
+        min_rate_bytes_s: float = DEFAULT_MIN_RATE_BYTES_S,
+        read_attempts: int = 3,
+        backoff_s: float = 0.05,
+        max_backoff_s: float = 2.0,
+        capacity_bytes: int = 0,
+        engine_tenant: str = "default",
+        name: str | None = None,
+    ) -> None:
+        """``master``: the master's RPC ``host:port``; ``metadata``: its HTTP metadata URL (or
+        ``P2PHANDSHAKE``); ``hostname``: the address other nodes reach this process at.
+        ``secret`` (>= 16 bytes) keys names and tags: every process of one tenant shares it."""
+        super().__init__()
+        if not isinstance(secret, (bytes, bytearray)) or len(secret) < 16:
+            raise ValueError("secret: give at least 16 random bytes, the same for every process of the tenant")
+        if replicas < 1:
+            raise ValueError(f"replicas={replicas}; give 1 or more")
+        if timeout_s <= 0 or min_rate_bytes_s <= 0:
+            raise ValueError(f"timeout_s ({timeout_s}) and min_rate_bytes_s ({min_rate_bytes_s}) must be positive")
+        self.master = master
+        self.tenant = tenant
+        self._secret = hmac.new(bytes(secret), b"tenant\0" + tenant.encode(), hashlib.sha256).digest()
+        self.replicas = replicas
+        self.timeout_s = timeout_s
+        self.min_rate_bytes_s = min_rate_bytes_s
+        self.read_attempts = max(1, read_attempts)
+        self._capacity = capacity_bytes
+        if name:
+            self.name = name
+        self._client = SharedClient.acquire(master, metadata, hostname, engine_tenant=engine_tenant)
+        self._engine = self._client.store
+        self._staging = self._client.staging
+        self._caller = BoundedCaller()
+        from mooncake.store import ReplicateConfig
+
+        self._config = ReplicateConfig()
+        self._config.replica_num = replicas
+        self._backoff_min = backoff_s
+        self._backoff_max = max_backoff_s
+        self._backoff = backoff_s
+        self._down_until = 0.0
+        self._closed = False
+        self.last_error: str | None = None
+        self._unremoved: dict[str, float] = {}  # name → when its removal was refused (a lease)
+        self._next_removal_retry = 0.0
+
+    # -- names and tags -------------------------------------------------------------------------
+    def _digest(self, key: BlockKey) -> bytes:
+        if not isinstance(key, (bytes, bytearray)) or len(key) != KEY_BYTES:
+            raise ValueError(f"keys are {KEY_BYTES} bytes (kvtier.core.keys), got {key!r:.40}")
+        return hmac.new(self._secret, _NAME_LABEL + bytes(key), hashlib.sha256).digest()
+
+    def storage_name(self, key: BlockKey) -> str:
+        """The engine's name of a block: one-way, and distinct per tenant."""
+        return NAME_PREFIX + self._digest(key).hex()
+
+    def _tag(self, digest: bytes, nbytes: int, payload_hash: bytes) -> bytes:
+        msg = _TAG_LABEL + digest + nbytes.to_bytes(8, "little") + payload_hash
+        return hmac.new(self._secret, msg, hashlib.sha256).digest()[:16]
+
+    # -- deadlines, failures, backoff ---------------------------------------------------------
+    def _deadline_in(self, nbytes: int = 0) -> float:
+        return max(self.timeout_s, nbytes / self.min_rate_bytes_s)
+
+    def _check_up(self) -> None:
+        if self._closed:
+            raise _Down("tier closed")
+        if time.monotonic() < self._down_until:
+            raise _Down(self.last_error or "down")
+
+    def _call(self, deadline: float, fn, *args, if_late=None):
+        """One engine call, waited for until ``deadline`` (monotonic); an overrun puts the tier in
+        backoff and raises :class:`_Late` (its buffers are the call's until ``if_late`` runs)."""
+        try:
+            return self._caller.call(deadline - time.monotonic(), fn, *args, if_late=if_late)
+        except Overrun as exc:
+            self._failed(str(exc))
+            raise _Late(str(exc)) from None
+        except Exception as exc:  # noqa: BLE001 - the binding raising is the engine failing, not the caller
+            self._failed(f"{type(exc).__name__}: {exc}")
+            raise _Down(str(exc)) from None
+
+    def _failed(self, why: str) -> None:
+        with self._lock:
+            self.stats.errors += 1
+            self.last_error = why
+            self._down_until = time.monotonic() + self._backoff
+            self._backoff = min(self._backoff * 2, self._backoff_max)
+        log.warning("mooncake tier %s: %s (backing off)", self.master, why)
+
+    def _succeeded(self) -> None:
+        self._backoff = self._backoff_min
+
+    def _codes(self, codes: Sequence[int]) -> None:
+        """Note what a batch's return codes say about the master."""
+        if any(c in MASTER_DOWN_CODES for c in codes):
+            self._failed(f"the master did not answer (rc={min(codes)})")
+        else:
+            self._succeeded()
+
+    @property
+    def available(self) -> bool:
+        """False while in backoff after a failure."""
+        return not self._closed and time.monotonic() >= self._down_until
+
+    def healthy(self) -> bool:
+        """The engine's own check (the master answers), bounded by ``timeout_s``."""
+        try:
+            self._check_up()
+            return self._call(time.monotonic() + self.timeout_s, self._engine.health_check) == 0
+        except _Down:
+            return False
+
+    # -- lookups --------------------------------------------------------------------------------
+    def contains(self, key: BlockKey) -> bool:
+        return self.contains_many([key])[0]
+
+    def contains_many(self, keys: Sequence[BlockKey]) -> list[bool]:
+        names = [self.storage_name(k) for k in keys]
+        if not names:
+            return []
+        try:
+            self._check_up()
+            codes = self._call(time.monotonic() + self._deadline_in(), self._engine.batch_is_exist, names)
+        except _Down:
+            return [False] * len(names)
+        self._codes(codes)
+        hidden = self._hidden()
+        return [c == 1 and n not in hidden for c, n in zip(codes, names)]
+
+    def lookup_prefix(self, keys: Sequence[BlockKey]) -> int:
+        n = 0
+        for present in self.contains_many(keys):
+            if not present:
+                break
+            n += 1
+        return n
+
+    # -- reads ----------------------------------------------------------------------------------
+    def get(self, key: BlockKey, out) -> Status:
+        return self.get_many([key], [out])[0]
+
+    def get_many(self, keys: Sequence[BlockKey], outs: Sequence) -> list[Status]:
+        if len(keys) != len(outs):
+            raise ValueError(f"get_many: {len(keys)} keys but {len(outs)} buffers")
+        views = [memoryview(o).cast("B") for o in outs]
+        for v in views:
+            if v.readonly:
+                raise ValueError("get: the output buffer is read-only; pass a writable buffer (e.g. numpy.empty)")
+        digests = [self._digest(k) for k in keys]
+        deadline = time.monotonic() + self._deadline_in(sum(v.nbytes for v in views))
+        statuses = [Status.ERROR] * len(keys)
+        hidden = self._hidden()
+        rounds: list[list[int]] = []  # the engine reads a name once per batch: a repeated key waits a round
+        seen: dict[bytes, int] = {}
+        for i, d in enumerate(digests):
+            if NAME_PREFIX + d.hex() in hidden:
+                statuses[i] = Status.MISS
+                continue
+            r = seen[d] = seen.get(d, -1) + 1
+            if r == len(rounds):
+                rounds.append([])
+            rounds[r].append(i)
+        for todo in rounds:
+            self._read_round(todo, digests, views, statuses, deadline)
+        self._count_reads(statuses, views)
+        return statuses
+
+    def _read_round(self, todo: list[int], digests, views, statuses: list[Status], deadline: float) -> None:
+        for _ in range(self.read_attempts):
+            retry: list[int] = []
+            try:
+                for chunk in _chunks_by_bytes(todo, [views[i].nbytes + HEADER_NBYTES for i in todo],
+                                              _GET_CHUNK_BYTES):
+                    self._check_up()
+                    retry += self._get_chunk(chunk, digests, views, statuses, deadline)
+            except _Down:
+                break
+            # A dead holder answers -800 until the master drops it (its client_ttl); another try may
+            # be served by another replica, or, once it is dropped, find the block gone (a miss).
+            todo = retry
+            if not todo or time.monotonic() >= deadline:
+                break
+
+    def _get_chunk(self, chunk: list[int], digests, views, statuses: list[Status], deadline: float) -> list[int]:
+        """Read ``chunk`` through staging buffers; returns the indices a holder failed to serve."""
+        names = [NAME_PREFIX + digests[i].hex() for i in chunk]
+        sizes = [views[i].nbytes + HEADER_NBYTES for i in chunk]
+        bufs = [self._staging.take(n) for n in sizes]
+
+        def give_back() -> None:
+            for b in bufs:
+                self._staging.give(b)
+
+        failed: list[int] = []
+        try:
+            codes = self._call(deadline, self._engine.batch_get_into, names, [b[1].ctypes.data for b in bufs], sizes,
+                               if_late=give_back)
+        except _Late:
+            raise  # the engine may still write into bufs: the late call gives them back
+        except _Down:
+            give_back()
+            raise
+        try:
+            self._codes(codes)
+            for i, name, (_, staged), n, code in zip(chunk, names, bufs, sizes, codes):
+                if code == n:
+                    statuses[i] = self._verify_into(name, digests[i], staged[:n], views[i])
+                elif code in (RC_NOT_FOUND, RC_NOT_READY):
+                    statuses[i] = Status.MISS  # absent, or still being written by another put
+                elif 0 <= code < n or code == RC_BAD_PARAMS:
+                    statuses[i] = Status.BAD_SIZE  # a smaller object, or one larger than the buffer
+                else:
+                    log.info("mooncake tier: read of %s… failed (rc=%d)", name[len(NAME_PREFIX):][:16], code)
+                    statuses[i] = Status.ERROR
+                    if code == RC_TRANSFER_FAILED:
+                        failed.append(i)
+        finally:
+            give_back()
+        return failed
+
+    def _verify_into(self, name: str, digest: bytes, staged: np.ndarray, out: memoryview) -> Status:
+        header = unpack_header(staged[:HEADER_NBYTES])
+        n = out.nbytes
+        if header is None or header.key != digest or header.payload_nbytes != n or not header.flags & FLAG_CHECKSUM:
+            self._drop(name, "header does not name this block" if header is None or header.key != digest
+                       else "size or format differs")
+            return Status.CORRUPT
+        payload = staged[HEADER_NBYTES:]
+        hasher = xxhash.xxh3_128()
+        dst = np.frombuffer(out, dtype=np.uint8)
+        for start in range(0, n, _COPY_PIECE):  # hash each piece while in cache, then copy it
+            piece = payload[start : start + _COPY_PIECE]
+            hasher.update(piece)
+            dst[start : start + _COPY_PIECE] = piece
+        if not hmac.compare_digest(self._tag(digest, n, hasher.digest()), header.checksum):
+            self._drop(name, "payload fails its keyed tag (torn, tampered or not ours)")
+            return Status.CORRUPT
+        return Status.OK
+
+    def _drop(self, name: str, why: str) -> None:
+        """Remove an object that can never verify (forced: a lease protects nothing worth keeping)."""
+        log.warning("mooncake tier: block %s… rejected: %s; removing it", name[len(NAME_PREFIX):][:16], why)
+        try:
+            self._call(time.monotonic() + self.timeout_s, self._engine.remove, name, True)
+        except _Down:
+            pass
+
+    def _count_reads(self, statuses: list[Status], views) -> None:
+        with self._lock:
+            for s, v in zip(statuses, views):
+                if s is Status.OK:
+                    self.stats.hits += 1
+                    self.stats.bytes_read += v.nbytes
+                elif s is Status.CORRUPT:
+                    self.stats.verify_failures += 1
+                elif s is not Status.ERROR:
+                    self.stats.misses += 1
+
+    # -- writes ---------------------------------------------------------------------------------
+    def put(self, key: BlockKey, data, *, parent: BlockKey | None = None, meta: BlockMeta | None = None) -> Status:
+        return self.put_many([key], [data], parents=[parent], metas=[meta])[0]
+
+    def put_many(self, keys: Sequence[BlockKey], datas: Sequence, *, parents=None,
+                 metas: Sequence[BlockMeta | None] | None = None) -> list[Status]:
+        if len(keys) != len(datas):
+            raise ValueError(f"put_many: {len(keys)} keys but {len(datas)} buffers")
+        views = [np.frombuffer(memoryview(d).cast("B"), dtype=np.uint8) for d in datas]
+        metas = metas or [None] * len(keys)
+        digests = [self._digest(k) for k in keys]
+        names = [NAME_PREFIX + d.hex() for d in digests]
+        statuses = [Status.ERROR] * len(keys)
+        first: dict[str, int] = {}  # a key twice in one batch is put once (content addressed)
+        todo = []
+        for i in range(len(keys)):
+            if views[i].nbytes == 0:
+                statuses[i] = Status.TOO_LARGE  # an empty block is not a block
+            elif first.setdefault(names[i], i) == i:
+                todo.append(i)
+        # Headers first: hashing the caller's bytes now (not in the engine call) is what makes a
+        # later change of them -- even under an overrun put -- a verification failure, not data.
+        headers = np.empty((len(keys), HEADER_NBYTES), dtype=np.uint8)
+        for i in todo:
+            n = views[i].nbytes
+            tag = self._tag(digests[i], n, xxhash.xxh3_128_digest(views[i]))
+            headers[i] = np.frombuffer(pack_header(digests[i], n, tag, metas[i], flags=FLAG_CHECKSUM), np.uint8)
+        deadline = time.monotonic() + self._deadline_in(sum(views[i].nbytes for i in todo))
+        try:
+            self._check_up()
+            self._retry_removals(deadline)
+            if todo:
+                ptrs = [[headers[i].ctypes.data, views[i].ctypes.data] for i in todo]
+                sizes = [[HEADER_NBYTES, views[i].nbytes] for i in todo]
+                # headers and views are arguments of the call: they stay alive while it runs
+                codes = self._call(deadline, self._engine.batch_put_from_multi_buffers,
+                                   [names[i] for i in todo], ptrs, sizes, self._config)
+                self._codes(codes)
+                for i, code in zip(todo, codes):
+                    statuses[i] = (Status.OK if code == 0 else Status.FULL if code == RC_NO_SPACE
+                                   else Status.ERROR)
+                    if code == 0:
+                        with self._lock:
+                            self._unremoved.pop(names[i], None)  # a put brings a hidden key back
+        except _Down:
+            pass
+        for i in range(len(keys)):
+            if views[i].nbytes and first[names[i]] != i:
+                statuses[i] = statuses[first[names[i]]]
+        with self._lock:
+            for i, s in enumerate(statuses):
+                if s is Status.OK:
+                    self.stats.puts += 1
+                    self.stats.bytes_written += views[i].nbytes
+                else:
+                    self.stats.put_failures += 1
+        return statuses
+
+    # -- removal --------------------------------------------------------------------------------
+    def delete(self, key: BlockKey) -> bool:
+        return self.delete_many([key])[0]
+
+    def delete_many(self, keys: Sequence[BlockKey]) -> list[bool]:
+        names = [self.storage_name(k) for k in keys]
+        if not names:
+            return []
+        out = [False] * len(names)
+        deadline = time.monotonic() + self._deadline_in()
+        try:
+            self._check_up()
+            self._retry_removals(deadline)
+            codes = self._call(deadline, self._engine.batch_remove, names, False)
+        except _Down:
+            return out
+        self._codes(codes)
+        now = time.monotonic()
+        with self._lock:
+            for j, (name, code) in enumerate(zip(names, codes)):
+                if code == 0:
+                    out[j] = True
+                    self._unremoved.pop(name, None)
+                elif code == RC_HAS_LEASE and name not in self._unremoved:
+                    # a reader holds it: hidden from this tier now, removed once its lease ends
+                    self._unremoved[name] = now
+                    out[j] = True
+            self.stats.deletes += sum(out)
+        return out
+
+    def _hidden(self) -> frozenset[str]:
+        with self._lock:
+            return frozenset(self._unremoved) if self._unremoved else frozenset()
+
+    def _retry_removals(self, deadline: float) -> None:
+        """Try again to remove what a lease protected; at most once a second."""
+        now = time.monotonic()
+        with self._lock:
+            if not self._unremoved or now < self._next_removal_retry:
+                return
+            self._next_removal_retry = now + 1.0
+            names = list(self._unremoved)
+        codes = self._call(deadline, self._engine.batch_remove, names, False)
+        with self._lock:
+            for name, code in zip(names, codes):
+                if code in (0, RC_NOT_FOUND):
+                    self._unremoved.pop(name, None)
+
+    # -- the rest of the contract ---------------------------------------------------------------
+    def keys(self) -> Iterator[BlockKey]:
+        return iter(())  # names are one-way by design
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._capacity
+
+    @property
+    def used_bytes(self) -> int:
+        return 0  # the fleet's fill is the master's to know (its metrics endpoint)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._caller.close()
+        self._client.release()
+
+    def __repr__(self) -> str:
+        return f"<MooncakeTier master={self.master} tenant={self.tenant!r} replicas={self.replicas}>"
+
+
+def _chunks_by_bytes(items: list[int], sizes: list[int], limit: int):
+    """Split ``items`` into runs whose ``sizes`` add up to at most ``limit`` (one item may exceed it)."""
+    run: list[int] = []
+    total = 0
+    for item, size in zip(items, sizes):
+        if run and total + size > limit:
+            yield run
+            run, total = [], 0
+        run.append(item)
+        total += size
+    if run:
+        yield run

@@ -1,0 +1,186 @@
+"""The mechanism under :class:`~kvtier.tiers.mooncake.MooncakeTier`: one Mooncake client per
+process, engine calls with a deadline, and the registered staging buffers they use.
+
+* **Shared client.** ``MooncakeDistributedStore.setup`` starts a transfer engine (threads,
+  a listening port, a registration with the metadata server); every tier of a process
+  that names the same master shares one, reference counted.
+* **Bounded calls.** The engine's calls block for as long as the engine likes (a frozen
+  holder held a read 15 s; a dead master costs ~4 s a call). :meth:`BoundedCaller.call`
+  runs the call on a worker thread and waits only until the caller's deadline. A call that
+  overruns keeps running: whatever buffers it was given stay *its* own until it ends
+  (``if_late`` gives them back then), so no late write ever lands in memory the caller
+  got back.
+* **Staging.** Reads land in page-aligned buffers registered with the engine once and then
+  reused (the engine never writes into a caller's buffer: see the point above); a pool
+  caps what it keeps registered.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+# Mooncake's integer return codes (negative; see mooncake-store's types.h) that kvtier tells apart.
+RC_NO_SPACE = -200
+RC_BAD_PARAMS = -600  # for a get into a buffer: the object is larger than the buffer
+RC_NOT_READY = -703  # another writer's put of the object has not completed
+RC_NOT_FOUND = -704
+RC_HAS_LEASE = -706  # removal refused: a reader holds the object's lease
+RC_TRANSFER_FAILED = -800  # a holder did not answer (dead, or gone since the master last heard)
+RC_RPC_FAILED = -900  # the master did not answer
+
+#: codes that mean the master (not one object) is unreachable: the tier backs off
+MASTER_DOWN_CODES = frozenset({RC_RPC_FAILED})
+
+
+class Overrun(Exception):
+    """An engine call passed its deadline (it may still be running)."""
+
+
+class BoundedCaller:
+    """Runs engine calls on worker threads; the caller waits at most until its deadline."""
+
+    def __init__(self, workers: int = 16) -> None:
+        # A stuck call holds its thread until the engine gives up on it; enough threads that a
+        # few stuck calls do not queue the healthy ones behind them.
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="kvtier-mooncake")
+
+    def call(self, deadline_in_s: float, fn: Callable, *args, if_late: Callable[[], None] | None = None):
+        """``fn(*args)``; raises :class:`Overrun` after ``deadline_in_s`` seconds. ``if_late`` runs
+        (on the worker) once an overrun call has really ended: the moment its buffers are free."""
+        future: Future = self._pool.submit(fn, *args)
+        try:
+            return future.result(timeout=max(0.0, deadline_in_s))
+        except FutureTimeout:
+            if if_late is not None:
+                future.add_done_callback(lambda _f: if_late())
+            raise Overrun(f"{getattr(fn, '__name__', 'call')} still running after {deadline_in_s:.2f} s") from None
+
+    def close(self) -> None:
+        # never wait for a stuck engine call: its thread ends when the engine gives up
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class StagingPool:
+    """Page-aligned buffers registered with one client, handed out and given back.
+
+    Buffers are rounded up to a power of two pages (so a few sizes recur and are reused);
+    at most ``keep_bytes`` are kept registered while idle, the rest unregistered and freed.
+    """
+
+    def __init__(self, client, keep_bytes: int = 256 << 20) -> None:
+        self._client = client
+        self._free: dict[int, list[tuple[mmap.mmap, np.ndarray]]] = {}
+        self._kept = 0
+        self.keep_bytes = keep_bytes
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _size_class(nbytes: int) -> int:
+        size = mmap.PAGESIZE
+        while size < nbytes:
+            size *= 2
+        return size
+
+    def take(self, nbytes: int) -> tuple[mmap.mmap, np.ndarray]:
+        size = self._size_class(nbytes)
+        with self._lock:
+            free = self._free.get(size)
+            if free:
+                self._kept -= size
+                return free.pop()
+        region = mmap.mmap(-1, size)
+        array = np.frombuffer(region, dtype=np.uint8)
+        rc = self._client.register_buffer(array.ctypes.data, size)
+        if rc != 0:  # unregistered still works over TCP (the engine copies), only slower
+            log.debug("mooncake: register_buffer(%d bytes) returned %d", size, rc)
+        return region, array
+
+    def give(self, item: tuple[mmap.mmap, np.ndarray]) -> None:
+        region, array = item
+        size = array.nbytes
+        with self._lock:
+            if self._kept + size <= self.keep_bytes:
+                self._free.setdefault(size, []).append(item)
+                self._kept += size
+                return
+        self._release(array)
+
+    def _release(self, array: np.ndarray) -> None:
+        try:
+            self._client.unregister_buffer(array.ctypes.data)
+        except Exception:  # noqa: BLE001 - a closed client: nothing left to unregister from
+            pass
+        # the mmap is unmapped when its last reference (the array's base) goes
+
+    def clear(self) -> None:
+        with self._lock:
+            free, self._free, self._kept = self._free, {}, 0
+        for items in free.values():
+            for _, array in items:
+                self._release(array)
+
+
+class SharedClient:
+    """One set-up ``MooncakeDistributedStore`` per (master, metadata server, hostname) in a process."""
+
+    _registry: dict[tuple, "SharedClient"] = {}
+    _registry_lock = threading.Lock()
+
+    def __init__(self, key: tuple, store) -> None:
+        self.key = key
+        self.store = store
+        self.refs = 0
+        self.staging = StagingPool(store)
+
+    @classmethod
+    def acquire(cls, master: str, metadata: str, hostname: str, *, local_buffer_bytes: int = 16 << 20,
+                engine_tenant: str = "default") -> "SharedClient":
+        key = (master, metadata, hostname, engine_tenant)
+        with cls._registry_lock:
+            shared = cls._registry.get(key)
+            if shared is None:
+                shared = cls(key, _setup_client(master, metadata, hostname, local_buffer_bytes, engine_tenant))
+                cls._registry[key] = shared
+            shared.refs += 1
+            return shared
+
+    def release(self) -> None:
+        with self._registry_lock:
+            self.refs -= 1
+            if self.refs > 0:
+                return
+            self._registry.pop(self.key, None)
+        self.staging.clear()
+        try:
+            self.store.close()
+        except Exception as exc:  # noqa: BLE001 - closing must not fail a shutdown
+            log.debug("mooncake: close failed: %s", exc)
+
+
+def _setup_client(master: str, metadata: str, hostname: str, local_buffer_bytes: int, engine_tenant: str):
+    """A pure client (contributes no memory: holders do) of the master at ``master``."""
+    if hostname.startswith(("127.", "localhost")):
+        # Otherwise the transfer engine advertises the first interface's address, which a
+        # loopback-only cluster cannot reach.
+        os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+    try:
+        from mooncake.store import MooncakeDistributedStore
+    except ImportError as exc:
+        raise ImportError("the Mooncake tier needs mooncake-transfer-engine-non-cuda "
+                          "(pip install 'kvtier[mooncake]'; apt-get install libibverbs1 ibverbs-providers)") from exc
+    store = MooncakeDistributedStore()
+    rc = store.setup(hostname, metadata, 0, local_buffer_bytes, "tcp", "", master, None, False, "", engine_tenant)
+    if rc != 0:
+        raise ConnectionError(f"Mooncake client setup failed (rc={rc}): is mooncake_master running at {master} "
+                              f"with its metadata server at {metadata}?")
+    return store
