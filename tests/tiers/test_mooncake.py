@@ -1,0 +1,258 @@
+"""MooncakeTier against a real Mooncake Store: isolation, integrity, faults.
+
+The contract suite (test_contract.py) runs on the session's shared cluster; the fault tests here
+kill and freeze processes, so they get a cluster of their own (a master + two holders).
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from kvtier.core.payload import HEADER_NBYTES, pack_header
+from kvtier.tiers.base import Status
+from tests.tiers.mooncake_harness import CLIENT_TTL_S, make_tier, mooncake_available, shared_cluster, start_cluster
+
+pytestmark = pytest.mark.skipif(mooncake_available() is not None, reason=str(mooncake_available()))
+
+BLOCK = 256 * 1024
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(4, "big") * 8
+
+
+def block(i: int, nbytes: int = BLOCK) -> np.ndarray:
+    return np.random.default_rng(i).integers(0, 256, nbytes, dtype=np.uint8)
+
+
+@pytest.fixture
+def tier():
+    t = make_tier(tenant="acme")
+    yield t
+    t.close()
+
+
+# -- isolation -------------------------------------------------------------------------------------
+def test_another_tenant_misses_where_the_same_tenant_hits():
+    secret = b"s" * 32
+    writer = make_tier(tenant="acme", secret=secret)
+    same = make_tier(tenant="acme", secret=secret)  # another process of acme, as far as names go
+    other_tenant = make_tier(tenant="globex", secret=secret)  # same secret, other tenant: other names
+    other_secret = make_tier(tenant="acme", secret=b"x" * 32)  # claims acme without its secret
+    try:
+        assert writer.put(key(1), block(1)) is Status.OK
+        out = np.zeros(BLOCK, np.uint8)
+        assert same.get(key(1), out) is Status.OK and np.array_equal(out, block(1))  # the control
+        assert same.lookup_prefix([key(1)]) == 1
+        for t in (other_tenant, other_secret):
+            assert t.get(key(1), out) is Status.MISS
+            assert not t.contains(key(1)) and t.lookup_prefix([key(1)]) == 0
+            assert t.delete(key(1)) is False  # cannot remove what it cannot name
+        assert same.get(key(1), out) is Status.OK
+    finally:
+        for t in (writer, same, other_tenant, other_secret):
+            t.close()
+
+
+def test_names_are_keyed_and_unlinkable_to_block_keys(tier):
+    name = tier.storage_name(key(1))
+    assert key(1).hex() not in name and name.startswith("kvtier/")
+    assert make_tier(tenant="acme").storage_name(key(1)) != name  # another secret, another name
+
+
+def test_sealed_blocks_of_another_tenant_miss(tmp_path):
+    from kvtier.crypto.keyring import Keyring
+    from kvtier.crypto.providers import StaticMasterKey
+    from kvtier.tiers.encrypted import EncryptedTier
+
+    keyring = Keyring(StaticMasterKey(b"k" * 32), tmp_path / "keys")
+    secret = b"s" * 32
+    a = EncryptedTier(make_tier(tenant="a", secret=secret), keyring, "a")
+    a2 = EncryptedTier(make_tier(tenant="a", secret=secret), keyring, "a")
+    b = EncryptedTier(make_tier(tenant="b", secret=secret), keyring, "b")
+    try:
+        assert a.put(key(2), block(2)) is Status.OK
+        out = np.zeros(BLOCK, np.uint8)
+        assert a2.get(key(2), out) is Status.OK and np.array_equal(out, block(2))
+        assert b.get(key(2), out) is Status.MISS and not b.contains(key(2))
+    finally:
+        for t in (a, a2, b):
+            t.close()
+
+
+# -- integrity ---------------------------------------------------------------------------------------
+def _bare_client():
+    """A plain Mooncake client, as any other process on the fleet could run."""
+    from kvtier.tiers.mooncake_client import SharedClient
+
+    c = shared_cluster()
+    return SharedClient.acquire(c.master_address, c.metadata_url, "127.0.0.1")
+
+
+@pytest.mark.parametrize("forgery", ["garbage", "plain-checksum", "moved"])
+def test_a_tampered_object_is_a_miss_and_is_dropped(tier, forgery):
+    """Overwritten through a bare client (upsert): random bytes, a well-formed header with a
+    correct unkeyed xxh3 checksum over other bytes, or another block's genuine object moved here."""
+    import xxhash
+
+    assert tier.put(key(3), block(3)) is Status.OK
+    name = tier.storage_name(key(3))
+    bare = _bare_client()
+    try:
+        engine = bare.store
+        size = engine.get_size(name)
+        assert size == HEADER_NBYTES + BLOCK
+        if forgery == "garbage":
+            fake = np.random.default_rng(9).integers(0, 256, size, dtype=np.uint8)
+        elif forgery == "plain-checksum":
+            digest = bytes.fromhex(name[len("kvtier/"):])
+            other = block(99)
+            fake = np.concatenate([np.frombuffer(pack_header(digest, BLOCK, xxhash.xxh3_128_digest(other)), np.uint8),
+                                   other])
+        else:
+            assert tier.put(key(4), block(4)) is Status.OK
+            fake = np.zeros(size, np.uint8)
+            assert engine.get_into(tier.storage_name(key(4)), fake.ctypes.data, size) == size
+        assert engine.upsert_from(name, fake.ctypes.data, size) == 0
+        out = np.zeros(BLOCK, np.uint8)
+        failures = tier.stats.verify_failures
+        assert tier.get(key(3), out) is Status.CORRUPT
+        assert tier.stats.verify_failures == failures + 1
+        assert engine.is_exist(name) == 0, "a block that can never verify was kept"
+        assert tier.get(key(3), out) is Status.MISS
+        assert tier.put(key(3), block(3)) is Status.OK  # and a fresh put heals it
+        assert tier.get(key(3), out) is Status.OK and np.array_equal(out, block(3))
+    finally:
+        bare.release()
+
+
+def test_delete_under_a_readers_lease_hides_the_block_and_a_put_brings_it_back(tier):
+    assert tier.put(key(5), block(5)) is Status.OK
+    out = np.zeros(BLOCK, np.uint8)
+    assert tier.get(key(5), out) is Status.OK  # the read grants a lease: removal is refused (-706)
+    assert tier.delete(key(5)) is True
+    assert tier.get(key(5), out) is Status.MISS and not tier.contains(key(5))
+    assert tier.put(key(5), block(5)) is Status.OK
+    assert tier.get(key(5), out) is Status.OK and np.array_equal(out, block(5))
+
+
+# -- faults ------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def cluster():
+    c = start_cluster(holders=2, segment_bytes=96 << 20)
+    yield c
+    c.stop()
+
+
+def _wait(cond, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.2)
+    return cond()
+
+
+def test_a_frozen_holder_costs_at_most_the_deadline_and_then_recovers(cluster):
+    t = make_tier(cluster, timeout_s=1.0, replicas=1)
+    try:
+        keys = [key(100 + i) for i in range(8)]
+        assert t.put_many(keys, [block(100 + i) for i in range(8)]) == [Status.OK] * 8
+        cluster.signal_holder(0, signal.SIGSTOP)
+        try:
+            outs = [np.zeros(BLOCK, np.uint8) for _ in keys]
+            start = time.monotonic()
+            statuses = t.get_many(keys, outs)
+            took = time.monotonic() - start
+            assert took < 1.0 + 0.5, f"a read took {took:.1f} s past a 1 s deadline"
+            for i, s in enumerate(statuses):  # what came back is whole
+                assert s in (Status.OK, Status.ERROR, Status.MISS)
+                assert s is not Status.OK or np.array_equal(outs[i], block(100 + i))
+            assert Status.ERROR in statuses, "no block was on the frozen holder: the test froze nothing"
+            start = time.monotonic()
+            assert t.lookup_prefix(keys) == 0  # backing off: at once, promising nothing
+            assert time.monotonic() - start < 0.5
+        finally:
+            cluster.signal_holder(0, signal.SIGCONT)
+        # back: the overrun call ends, its staging returns to the pool, reads verify again
+        assert _wait(lambda: t.get_many(keys, [np.zeros(BLOCK, np.uint8) for _ in keys]) == [Status.OK] * 8, 20)
+    finally:
+        t.close()
+
+
+def test_killing_a_holder_mid_traffic_never_returns_a_wrong_block_and_replicas_keep_every_block(cluster):
+    t = make_tier(cluster, timeout_s=2.0, replicas=2)
+    n = 24
+    keys = [key(200 + i) for i in range(n)]
+    try:
+        assert t.put_many(keys, [block(200 + i) for i in range(n)]) == [Status.OK] * n
+        wrong: list[int] = []
+        hits = [0]
+        stop = threading.Event()
+
+        def reader() -> None:
+            out = np.zeros(BLOCK, np.uint8)
+            j = 0
+            while not stop.is_set():
+                i = j % n
+                out.fill(0xA5)
+                s = t.get(keys[i], out)
+                if s is Status.OK:
+                    hits[0] += 1
+                    if not np.array_equal(out, block(200 + i)):
+                        wrong.append(i)
+                j += 1
+
+        threads = [threading.Thread(target=reader) for _ in range(2)]
+        for th in threads:
+            th.start()
+        time.sleep(0.5)
+        cluster.kill_holder(1)
+        killed_at = time.monotonic()
+        time.sleep(1.0)
+        stop.set()
+        for th in threads:
+            th.join(30)
+        assert not wrong, f"wrong bytes for blocks {wrong}"
+        assert hits[0] > 0
+        # every block still hits from the surviving replica once the master has dropped the dead
+        # holder (its client_ttl); until then a read whose replica was the dead one may miss
+        outs = [np.zeros(BLOCK, np.uint8) for _ in keys]
+        assert _wait(lambda: t.get_many(keys, outs) == [Status.OK] * n, CLIENT_TTL_S + 10), \
+            "a block was lost with one of two replicas"
+        print(f"every block hit again {time.monotonic() - killed_at:.1f} s after the kill")
+        assert all(np.array_equal(o, block(200 + i)) for i, o in enumerate(outs))
+        # and the tier keeps serving: new blocks go to the survivor
+        assert t.put(key(299), block(299)) is Status.OK
+        assert t.get(key(299), outs[0]) is Status.OK and np.array_equal(outs[0], block(299))
+    finally:
+        t.close()
+        cluster.start_holder(1)
+
+
+def test_killing_the_master_gives_misses_within_the_deadline_and_recovery_after_restart(cluster):
+    t = make_tier(cluster, timeout_s=1.0, max_backoff_s=0.5)
+    try:
+        assert t.put(key(300), block(300)) is Status.OK
+        cluster.kill_master()
+        out = np.zeros(BLOCK, np.uint8)
+        for op in (lambda: t.get(key(300), out), lambda: t.contains(key(300)), lambda: t.put(key(301), block(301)),
+                   lambda: t.lookup_prefix([key(300)]), lambda: t.delete(key(300))):
+            start = time.monotonic()
+            result = op()
+            took = time.monotonic() - start
+            assert result in (Status.ERROR, False, 0), result
+            assert took < 1.0 + 0.5, f"a call took {took:.1f} s past a 1 s deadline"
+        cluster.start_master()
+        # Its index starts empty (no snapshot/HA configured): what was stored before is gone, a
+        # miss; holders and clients reconnect, and blocks stored from now on hit.
+        assert _wait(lambda: t.put(key(302), block(302)) is Status.OK, 30), t.last_error
+        assert t.get(key(302), out) is Status.OK and np.array_equal(out, block(302))
+        assert t.get(key(300), out) in (Status.MISS, Status.OK)
+    finally:
+        t.close()
