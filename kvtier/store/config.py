@@ -37,6 +37,12 @@ class StoreConfig:
     remote_token: str | None = None  # default: $KVTIER_TOKEN
     remote_namespace: str | None = None  # the server-side key space (default: from the URL)
     remote_timeout_s: float = 2.0
+    mooncake_master: str | None = None  # a Mooncake Store fleet below the rest: the master's RPC host:port
+    mooncake_metadata: str = "P2PHANDSHAKE"  # its metadata server URL (http://host:port/metadata)
+    mooncake_hostname: str = "127.0.0.1"  # the address other nodes reach this process at
+    mooncake_replicas: int = 1
+    mooncake_timeout_s: float = 2.0
+    mooncake_secret_file: str | None = None  # names/tags key; default: derived from the master key
     write_mode: str = "write-behind"  # "write-back" is its old name; or "write-through"
     dirty_limit_blocks: int = 16384  # write-behind backlog per tier; one more drops the oldest mark
     close_flush_timeout_s: float | None = 30.0  # close() copies dirty blocks down for at most this
@@ -82,7 +88,7 @@ class StoreConfig:
 
 
 def build_store(config: StoreConfig, layout: KVLayout, *, io_threads: int = 2):
-    """A TieredStore of host → disk → remote as configured, encrypted where configured."""
+    """A TieredStore of host → disk → remote → Mooncake as configured, encrypted where configured."""
     from kvtier.policy.eviction import make_policy
     from kvtier.store.tiered import TieredStore
     from kvtier.tiers.host import HostTier
@@ -122,11 +128,32 @@ def build_store(config: StoreConfig, layout: KVLayout, *, io_threads: int = 2):
 
         tiers.append(seal(RemoteTier(config.remote_url, token=config.remote_token, namespace=config.remote_namespace,
                                      timeout_s=config.remote_timeout_s)))
+    if config.mooncake_master:
+        tiers.append(seal(_mooncake_tier(config, keyring)))
     if not tiers:
-        raise ConfigError("the store has no tier: set host_bytes, disk_path or remote_url")
+        raise ConfigError("the store has no tier: set host_bytes, disk_path, remote_url or mooncake_master")
     return TieredStore(tiers, write_mode=config.write_mode, io_threads=io_threads,
                        dirty_limit_blocks=config.dirty_limit_blocks,
                        close_flush_timeout_s=config.close_flush_timeout_s)
+
+
+def _mooncake_tier(config: StoreConfig, keyring):
+    """The Mooncake tier; its names and tags are keyed by a per-tenant secret every process of the
+    tenant shares: a 0600 file's bytes, or (with encryption on) one derived from the master key."""
+    from kvtier.tiers.mooncake import MooncakeTier
+
+    if config.mooncake_secret_file:
+        secret = Path(config.mooncake_secret_file).read_bytes()
+    elif keyring is not None:
+        secret = keyring.storage_key(config.tenant, b"kvtier mooncake tier secret".ljust(32, b"\0"))
+    else:
+        raise ConfigError("mooncake_master needs a secret for its block names: set mooncake_secret_file (a 0600 "
+                          "file of >= 16 random bytes shared by the tenant's processes) or a master key")
+    if len(secret) < 16:
+        raise ConfigError(f"mooncake_secret_file {config.mooncake_secret_file}: {len(secret)} bytes; give >= 16")
+    return MooncakeTier(config.mooncake_master, config.mooncake_metadata, tenant=config.tenant, secret=secret,
+                        hostname=config.mooncake_hostname, replicas=config.mooncake_replicas,
+                        timeout_s=config.mooncake_timeout_s)
 
 
 def _warn_unsafe(config: StoreConfig, sealed: bool) -> None:
@@ -137,6 +164,8 @@ def _warn_unsafe(config: StoreConfig, sealed: bool) -> None:
         safety.warn_plaintext("disk", config.disk_path)
     if not sealed and config.remote_url:
         safety.warn_plaintext("remote", "sent to the server and kept there as they are")  # the URL may hold a token
+    if not sealed and config.mooncake_master:
+        safety.warn_plaintext("mooncake", "kept in plaintext in the fleet's memory (names keyed, reads verified)")
     if config.tenant == "":
         safety.warn_default_tenant("this store")
 

@@ -256,3 +256,39 @@ def test_killing_the_master_gives_misses_within_the_deadline_and_recovery_after_
         assert t.get(key(300), out) in (Status.MISS, Status.OK)
     finally:
         t.close()
+
+
+# -- configuration: an embedded store host → Mooncake, as engines build it -------------------------
+def test_two_stores_configured_alike_share_blocks_through_the_fleet(tmp_path, small_layout):
+    """Engine A's store writes through to Mooncake; engine B's (own host tier, same tenant and
+    secret file) loads the same blocks from the fleet; a store of another tenant misses."""
+    from kvtier.store.config import StoreConfig, build_store
+
+    c = shared_cluster()
+    secret = tmp_path / "mooncake.secret"
+    secret.write_bytes(b"t" * 32)
+    cfg = StoreConfig(host_bytes="1MiB", tenant="acme", mooncake_master=c.master_address,
+                      mooncake_metadata=c.metadata_url, mooncake_secret_file=str(secret), write_mode="write-through")
+    nbytes = small_layout.block_nbytes
+    keys = [key(400 + i) for i in range(4)]
+    a, b, other = (build_store(cfg, small_layout), build_store(cfg, small_layout),
+                   build_store(cfg.replace(tenant="globex"), small_layout))
+    try:
+        a.put(keys, [block(400 + i, nbytes) for i in range(4)])
+        assert b.lookup(keys).hit_blocks == 4 and b.lookup(keys).tiers == ["mooncake"] * 4
+        outs = [np.zeros(nbytes, np.uint8) for _ in keys]
+        got = b.get(keys, outs)
+        assert got.loaded == 4 and all(np.array_equal(o, block(400 + i, nbytes)) for i, o in enumerate(outs))
+        assert other.lookup(keys).hit_blocks == 0
+    finally:
+        for s in (a, b, other):
+            s.close()
+
+
+def test_a_mooncake_tier_without_a_secret_is_a_config_error(small_layout, monkeypatch):
+    from kvtier.errors import ConfigError
+    from kvtier.store.config import StoreConfig, build_store
+
+    monkeypatch.delenv("KVTIER_MASTER_KEY", raising=False)
+    with pytest.raises(ConfigError, match="mooncake_secret_file"):
+        build_store(StoreConfig(host_bytes=0, mooncake_master="127.0.0.1:1"), small_layout)
