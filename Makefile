@@ -17,12 +17,17 @@ LMCACHE_PIN := lmcache==0.5.6
 
 .PHONY: demo test install install-vllm install-lmcache sysdeps builddeps clean
 
-# Debian packages the tests need: a real redis-server to benchmark against.
+# Debian packages the tests need: a real redis-server to benchmark against; libibverbs for Mooncake.
 sysdeps:
 	@command -v redis-server >/dev/null 2>&1 || { \
 	  echo "installing redis-server (apt-get)"; \
 	  $(SUDO) apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq redis-server >/dev/null; }
+	@# Mooncake Store's shared libraries load libibverbs even over TCP (the Mooncake tier's tests)
+	@[ -e /usr/lib/x86_64-linux-gnu/libibverbs.so.1 ] || ldconfig -p 2>/dev/null | grep -q libibverbs.so.1 || { \
+	  echo "installing libibverbs1 ibverbs-providers (apt-get) for Mooncake"; \
+	  $(SUDO) apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq libibverbs1 ibverbs-providers >/dev/null; }
 
 # What the optional C extension (kvtier.core._chainhash: block keys in one C loop
 # over OpenSSL's SHA-256) builds with. Without them the install still succeeds and
