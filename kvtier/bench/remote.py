@@ -578,12 +578,19 @@ def register(subparsers) -> None:
                    help="instead: one tenant at its quota of --blocks tiny blocks; server time per PUT (p50/p99)")
     p.add_argument("--blocks", type=int, default=500_000, help="--quota-stress: blocks indexed (default 500000)")
     p.add_argument("--measure-puts", type=int, default=2000, help="--quota-stress: single puts timed at quota")
+    p.add_argument("--target", choices=("server", "mooncake"), default="server",
+                   help="mooncake: MooncakeTier vs the bare Mooncake client and a socket pair, 8 and 32 MiB "
+                        "(kvtier/bench/mooncake.py)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_main)
 
 
 def _main(args) -> int:
-    if args.quota_stress:
+    if args.target == "mooncake":
+        from kvtier.bench.mooncake import run as run_mooncake
+
+        result = run_mooncake(runs=min(args.runs, 7))
+    elif args.quota_stress:
         if args.blocks < 1 or args.measure_puts < 1:
             raise SystemExit("--blocks and --measure-puts must be positive")
         result = quota_stress(args.blocks, args.measure_puts, unix=True)
