@@ -11,9 +11,10 @@ histogram times it: key the prompt's blocks, look them up, build the tier matrix
 every worker, pick. Target: p99 ≤ 1 ms. Recording the choice in the approximate tree
 follows the decision (bookkeeping for the fallback mode); ``decide_call_*`` include it.
 
-``--trace FILE`` (a Mooncake trace through the router and real workers, per policy) is not
-built yet: it says so and exits 2. :mod:`kvtier.bench.route_stack` starts the processes it
-will need (and the real-vLLM router tests use it).
+``--trace FILE``: a slice of a Mooncake trace through ``kvtier route`` and two real vLLM
+workers, once per policy over the kvtier deployment and once round-robin over workers
+without kvtier (the baseline); see :mod:`kvtier.bench.route_trace`.
+:mod:`kvtier.bench.route_stack` starts the processes (the real-vLLM router tests use it too).
 """
 
 from __future__ import annotations
@@ -22,10 +23,11 @@ import gc
 import json
 import os
 import statistics
-import sys
 import time
 
 import numpy as np
+
+from kvtier.bench import route_trace
 
 #: kvtier route's defaults for the workers' vLLM block size
 BLOCK_TOKENS = 32
@@ -153,14 +155,13 @@ def register(subparsers) -> None:
     p.add_argument("--runs", type=int, default=300, help="--synthetic: decisions timed")
     p.add_argument("--block-tokens", type=int, default=BLOCK_TOKENS)
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    route_trace.add_arguments(p)
     p.set_defaults(func=_main)
 
 
 def _main(args) -> int:
     if args.trace:
-        print("kvtier bench route --trace: not implemented yet (the trace replay through kvtier route and "
-              "real vLLM workers per policy); use --synthetic for decision time", file=sys.stderr)
-        return 2
+        result = route_trace.run(args)
     else:
         result = synthetic(args.tokens, args.workers, args.indexed_blocks, args.runs, args.block_tokens)
     if args.json:

@@ -1,0 +1,318 @@
+"""``kvtier bench route --trace FILE``: a slice of a Mooncake trace through ``kvtier route`` and two vLLM workers.
+
+The slice and its prompts are :mod:`kvtier.bench.vllm_trace`'s (whole conversations,
+each hash id → ``HASH_TOKENS`` tokens from a generator seeded by the id, so equal ids
+give equal token blocks; arrivals compressed to ``--span-s``). Every request is sent at
+its arrival time, streamed, with ``stream_options.include_usage`` so the last chunk
+carries ``usage.prompt_tokens_details.cached_tokens``.
+
+Deployments, all in one run:
+
+* **kvtier** — one ``kvtier serve`` and two workers with the kvtier connector (host
+  tier + the shared server, written through), behind one ``kvtier route`` per policy
+  (``--shared-writes``: the router counts every block a worker computes as loadable by
+  every worker).
+* **baseline** — the same two workers without the connector (vLLM's own prefix cache
+  only, today's deployment) behind a round-robin ``kvtier route``.
+
+vLLM's KV cache holds ``--kv-fraction`` of the slice's working set, so that vLLM alone
+must evict (as in ``bench vllm --trace``).
+
+No policy round may profit from an earlier one's cache. The cheapest correct isolation:
+each round sends its own ``cache_salt`` (vLLM folds it into the first block's hash, and
+the kvtier connector keys its host and server tiers on vLLM's block hashes, so an earlier
+round's blocks are misses everywhere and only age out under LRU), its GPU prefix caches
+are also emptied first (``POST /reset_prefix_cache``, vLLM's dev-mode endpoint: the
+stale pages would otherwise only crowd the cache), and each round has a router of its
+own, started after the reset, so its index holds nothing of earlier rounds (the router
+keys blocks on token ids, which are the same in every round). Restarting the workers
+per round would cost ~1 min each on this machine and isolate nothing more.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import re
+import shutil
+import tempfile
+import time
+import urllib.request
+import uuid
+from dataclasses import replace
+from pathlib import Path
+
+from kvtier.bench.vllm_trace import HASH_TOKENS, reusable_token_ratio, slice_trace, synthesise
+
+#: the kvtier deployment's rounds, in the order run
+POLICIES = ("round-robin", "least-loaded", "prefix", "approximate", "tier-aware")
+TOKEN = "kvtier-bench-route-token"
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", default="mid", choices=["tiny", "mid", "demo"],
+                   help="--trace: random Llama (tiny: hidden 128 / 2 layers; mid: 512 / 4; demo: 1024 / 8)")
+    p.add_argument("--requests", type=int, default=48, help="--trace: about this many requests of the slice")
+    p.add_argument("--span-s", type=float, default=30.0, help="--trace: arrivals compressed to this span")
+    p.add_argument("--kv-fraction", type=float, default=0.25,
+                   help="--trace: each worker's vLLM KV cache as a share of the slice's working set")
+    p.add_argument("--policies", default=",".join(POLICIES), help="--trace: comma-separated policies")
+    p.add_argument("--workdir", default=None, help="--trace: keep logs here (default: a temporary folder)")
+
+
+def model_spec(name: str, positions: int):
+    from kvtier.bench.vllm_systems import model_spec as preset
+    from kvtier.integrations.transformers.models import ModelSpec
+
+    if name != "mid":
+        return preset("demo" if name == "demo" else "tiny", positions)
+    # Between the two presets: prefill costs enough that a cache hit shows in TTFT, and a
+    # default run of six rounds still fits in minutes on two shared cores.
+    spec = ModelSpec(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+                     intermediate_size=1408, vocab_size=2048, max_position_embeddings=8192)
+    if positions > spec.max_position_embeddings:
+        spec = replace(spec, max_position_embeddings=1 << (positions - 1).bit_length())
+    return spec
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def histogram_quantile(metrics_text: str, name: str, q: float) -> float | None:
+    """Prometheus ``histogram_quantile`` over one unlabelled histogram: linear within the
+    bucket that holds the ``q`` quantile (so the figure is as fine as the buckets)."""
+    buckets = []
+    for m in re.finditer(rf'^{name}_bucket{{le="([^"]+)"}} ([0-9.e+-]+)$', metrics_text, re.M):
+        buckets.append((float(m.group(1)), float(m.group(2))))
+    if not buckets or buckets[-1][1] == 0:
+        return None
+    buckets.sort()
+    rank = q * buckets[-1][1]
+    lower_bound, lower_count = 0.0, 0.0
+    for bound, count in buckets:
+        if count >= rank:
+            if math.isinf(bound):
+                return lower_bound
+            inside = count - lower_count
+            return lower_bound + (bound - lower_bound) * ((rank - lower_count) / inside if inside else 1.0)
+        lower_bound, lower_count = bound, count
+    return lower_bound
+
+
+def _get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        return resp.read().decode()
+
+
+def reset_prefix_cache(worker_url: str) -> bool:
+    """vLLM's dev-mode ``POST /reset_prefix_cache``; False where it is refused or absent."""
+    req = urllib.request.Request(worker_url + "/reset_prefix_cache", data=b"", method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+
+async def _one(session, url: str, model: str, r: dict, salt: str, t0: float) -> dict:
+    await asyncio.sleep(max(0.0, t0 + r["arrival_s"] - time.monotonic()))
+    body = {"model": model, "prompt": r["prompt"], "max_tokens": r["max_tokens"], "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}, "cache_salt": salt}
+    sent = time.monotonic()
+    first = None
+    usage = None
+    worker = None
+    async with session.post(url + "/v1/completions", json=body) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"request answered {resp.status}: {(await resp.text())[:300]}")
+        worker = resp.headers.get("X-Kvtier-Worker")
+        async for line in resp.content:
+            if not line.startswith(b"data: {"):
+                continue
+            if first is None:
+                first = time.monotonic()
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+    if usage is None or first is None:
+        raise RuntimeError("a streamed answer without tokens or usage")
+    details = usage.get("prompt_tokens_details") or {}
+    return {"arrival_s": sent - t0, "ttft_s": first - sent, "finish_s": time.monotonic() - t0,
+            "output_tokens": usage["completion_tokens"], "prompt_tokens": usage["prompt_tokens"],
+            "cached_tokens": details.get("cached_tokens") or 0, "worker": worker}
+
+
+async def _replay(url: str, model: str, requests: list[dict], salt: str) -> list[dict]:
+    from aiohttp import ClientSession, ClientTimeout, TCPConnector
+
+    async with ClientSession(timeout=ClientTimeout(total=1800), connector=TCPConnector(limit=0)) as session:
+        t0 = time.monotonic() + 0.2
+        return await asyncio.gather(*(_one(session, url, model, r, salt, t0) for r in requests))
+
+
+def summarise(rows: list[dict], metrics_text: str) -> dict:
+    """One round's figures; ``decision_p99_ms`` from the router's own histogram."""
+    ttfts = [r["ttft_s"] for r in rows]
+    makespan = max(r["finish_s"] for r in rows) - min(r["arrival_s"] for r in rows)
+    p99 = histogram_quantile(metrics_text, "kvtier_router_decision_seconds", 0.99)
+    per_worker: dict[str, int] = {}
+    for r in rows:
+        per_worker[r["worker"]] = per_worker.get(r["worker"], 0) + 1
+    return {
+        "requests": len(rows),
+        "ttft_p50_s": round(percentile(ttfts, 0.5), 3),
+        "ttft_p90_s": round(percentile(ttfts, 0.9), 3),
+        "output_tokens_per_s": round(sum(r["output_tokens"] for r in rows) / makespan, 2),
+        "cached_token_ratio": round(sum(r["cached_tokens"] for r in rows) / sum(r["prompt_tokens"] for r in rows), 4),
+        "decision_p99_ms": round(p99 * 1e3, 3) if p99 is not None else None,
+        "makespan_s": round(makespan, 2),
+        "requests_per_worker": sorted(per_worker.values(), reverse=True),
+    }
+
+
+def _round(model: str, workers: list, requests: list[dict], policy: str, workdir: Path, *, events: bool,
+           salt: str) -> dict:
+    from kvtier.bench.route_stack import events_connected, start_router
+
+    reset = all(reset_prefix_cache(w.url) for w in workers)
+    extra = ["--shared-writes"] if events else []
+    router = start_router(model, workers, workdir / f"router-{salt}.log", policy=policy, events=events,
+                          extra_args=["--block-tokens", str(HASH_TOKENS), *extra])
+    try:
+        if events and not events_connected(router, len(workers)):
+            raise RuntimeError(f"router {policy}: workers' KV events not connected\n{router.log_tail()}")
+        t0 = time.monotonic()
+        rows = asyncio.run(_replay(router.url, model, requests, salt))
+        out = summarise(rows, _get(router.url + "/metrics"))
+        out["wall_s"] = round(time.monotonic() - t0, 1)
+        out["prefix_cache_reset"] = reset
+        return out
+    finally:
+        router.stop()
+
+
+def _warm(model: str, workers: list, vocab: int) -> None:
+    """First-use costs (allocations, first forward) outside every round: one request per worker."""
+    import random
+
+    prompt = [random.Random(-1).randrange(16, vocab) for _ in range(4 * HASH_TOKENS)]
+    for w in workers:
+        req = urllib.request.Request(w.url + "/v1/completions", method="POST",
+                                     headers={"Content-Type": "application/json"},
+                                     data=json.dumps({"model": model, "prompt": prompt, "max_tokens": 2,
+                                                      "cache_salt": "warm-up"}).encode())
+        with urllib.request.urlopen(req, timeout=600) as resp:
+            resp.read()
+
+
+def _deployment(model: str, workdir: Path, name: str, *, transfer: dict | None, max_len: int, kv_pages: int) -> list:
+    from kvtier.bench.route_stack import start_worker, wait_ready
+
+    workers = [start_worker(model, workdir / f"{name}-worker{i}.log", transfer=transfer, core=i % 2,
+                            max_model_len=max_len, block_size=HASH_TOKENS,
+                            extra_args=["--num-gpu-blocks-override", str(kv_pages)]) for i in range(2)]
+    try:
+        wait_ready(workers, timeout_s=600)
+    except BaseException:
+        for w in workers:
+            w.stop()
+        raise
+    return workers
+
+
+def run(args) -> dict:
+    from kvtier.bench.route_stack import kvtier_transfer_config
+    from kvtier.bench.vllm_systems import geometry
+    from kvtier.integrations.transformers.models import ensure_model
+    from kvtier.server.launch import ServerProcess
+
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    unknown = sorted(set(policies) - set(POLICIES))
+    if unknown or not policies:
+        raise SystemExit(f"--policies: unknown {unknown}; use some of {', '.join(POLICIES)}")
+    started = time.monotonic()
+    sliced = slice_trace(args.trace, args.requests, args.span_s)
+    max_len = max(r["tokens"] + r["max_tokens"] for r in sliced) + HASH_TOKENS
+    spec = model_spec(args.model, max_len)
+    model = str(ensure_model(spec)[0])
+    geo = geometry(spec)
+    requests = synthesise(sliced, spec.vocab_size)
+    unique_blocks = len({b for r in sliced for b in r["blocks"]})
+    kv_pages = max(math.ceil(max_len / HASH_TOKENS) + 16, int(unique_blocks * args.kv_fraction))
+    working_set = unique_blocks * HASH_TOKENS * geo["kv_bytes_per_token"]
+    # Each worker's host tier holds the working set (every round's, as the salts keep them
+    # apart and LRU ages the old ones out first).
+    host_mib = max(64, math.ceil(working_set * 1.5 / (1 << 20)))
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="kvtier-bench-route-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    nonce = uuid.uuid4().hex[:8]
+    result: dict = {
+        "trace": str(args.trace),
+        "requests": len(requests),
+        "span_s": args.span_s,
+        "prompt_tokens": sum(len(r["prompt"]) for r in requests),
+        "hash_tokens": HASH_TOKENS,
+        "reusable_token_ratio": round(reusable_token_ratio(sliced), 4),
+        "vllm_kv_pages_per_worker": kv_pages,
+        "vllm_kv_share_of_working_set": round(kv_pages / unique_blocks, 3),
+        "kvtier_host_mib_per_worker": host_mib,
+        "model": {"preset": args.model, **geo},
+        "isolation": "per-round cache_salt + POST /reset_prefix_cache + a fresh router per round",
+        "baseline": None,
+        "policies": {},
+    }
+    load = [os.getloadavg()[0]]
+    server = ServerProcess.start({"bench": TOKEN})
+    try:
+        transfer = kvtier_transfer_config(server.url, TOKEN, block_tokens=HASH_TOKENS, host_bytes=f"{host_mib}MiB")
+        workers = _deployment(model, workdir, "kvtier", transfer=transfer, max_len=max_len, kv_pages=kv_pages)
+        try:
+            _warm(model, workers, spec.vocab_size)
+            for policy in policies:
+                result["policies"][policy] = _round(model, workers, requests, policy, workdir, events=True,
+                                                    salt=f"{policy}-{nonce}")
+                load.append(os.getloadavg()[0])
+        finally:
+            for w in workers:
+                w.stop()
+    finally:
+        server.stop()
+    workers = _deployment(model, workdir, "baseline", transfer=None, max_len=max_len, kv_pages=kv_pages)
+    try:
+        _warm(model, workers, spec.vocab_size)
+        result["baseline"] = _round(model, workers, requests, "round-robin", workdir, events=False,
+                                    salt=f"baseline-{nonce}")
+        load.append(os.getloadavg()[0])
+    finally:
+        for w in workers:
+            w.stop()
+    result["targets"] = targets(result)
+    result["load_average_1m"] = {"min": round(min(load), 2), "max": round(max(load), 2)}
+    result["cpus"] = os.cpu_count()
+    result["wall_s"] = round(time.monotonic() - started, 1)
+    if args.workdir is None:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return result
+
+
+def targets(result: dict) -> dict:
+    """The issue's targets, each met or not (None where a round is missing)."""
+    base, ta = result.get("baseline"), result["policies"].get("tier-aware")
+    if not base or not ta:
+        return {}
+    others = [v for k, v in result["policies"].items() if k != "tier-aware"]
+    return {
+        "ttft_p50_vs_baseline": round(ta["ttft_p50_s"] / base["ttft_p50_s"], 3) if base["ttft_p50_s"] else None,
+        "ttft_p50_half_of_baseline": ta["ttft_p50_s"] <= 0.5 * base["ttft_p50_s"],
+        "ttft_p50_best_policy": all(ta["ttft_p50_s"] <= o["ttft_p50_s"] for o in others),
+        "ttft_p90_best_policy": all(ta["ttft_p90_s"] <= o["ttft_p90_s"] for o in others),
+        "cached_vs_baseline": (round(ta["cached_token_ratio"] / base["cached_token_ratio"], 3)
+                               if base["cached_token_ratio"] else None),
+        "cached_1_5x_baseline": ta["cached_token_ratio"] >= 1.5 * base["cached_token_ratio"],
+    }
