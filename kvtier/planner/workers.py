@@ -131,6 +131,8 @@ def decode_batch(workers: int, rate: float, mean_output: float, kv_per_request: 
     for _ in range(200):
         step = decode.step_seconds(max(1, round(batch)), batch * kv_per_request)
         new = max(1.0, rate / workers * mean_output * step)
+        if new > 1e12:  # no fixed point: too few workers for the rate (the batch grows without bound)
+            return math.inf, math.inf
         if abs(new - batch) < 1e-3:
             break
         batch = new

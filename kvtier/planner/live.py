@@ -1,0 +1,283 @@
+"""The live planner's decision core: measured load in, worker counts and their reasons out.
+
+One code path for the running system (``kvtier plan live``) and the simulator
+(``kvtier simulate --planner``): both hand :class:`LivePlanner` an :class:`Observation`
+every interval and act on the :class:`Decision` it returns through a launcher.
+
+- **Forecast.** The request rate is smoothed with Holt's linear method (level + trend)
+  and projected over the horizon a new worker needs to become useful (its start-up plus
+  one interval). The planner sizes for the larger of that projection and the last
+  measurement: it must not lag a step up, and a smoothed level alone always does.
+- **Size.** The same queue model as ``kvtier plan workers``
+  (:func:`kvtier.planner.workers.plan_workers`): M/G/c prefill for the TTFT percentile,
+  Little's law for decode, fed by the *measured* hit rate and prompt mix, so that a
+  context tier that loads more of each prompt shortens the modelled prefill and needs
+  fewer prefill workers. A headroom factor on the rate covers forecast error.
+- **Decide.** Scale up at once (a missed TTFT cannot be undone); scale down only when
+  the need stays below the current count by more than a band for several intervals in a
+  row, and not within a cooldown of the last change, by at most a fraction of the pool
+  at a time. Noise around a level therefore never makes the pool flap.
+
+Policy only: no I/O, no clocks. Times are the caller's seconds.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import NamedTuple, Sequence
+
+import numpy as np
+
+from kvtier.errors import ConfigError
+from kvtier.planner.costmodel import DecodeCostModel, PrefillCostModel
+from kvtier.planner.workers import MAX_WORKERS, SLATargets, Workload, plan_workers, prefill_service_times
+
+#: prompt-length samples kept per observation: the queue model's cost is linear in them
+MAX_SAMPLES = 512
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    """What the metrics said over the last interval ending at ``at_s``."""
+
+    at_s: float
+    request_rate: float                 # requests/s that arrived in the interval
+    input_tokens: tuple[int, ...]       # prompt lengths seen (a sample is enough)
+    output_tokens: tuple[int, ...]
+    hit_rate: float                     # share of prompt tokens loaded, not recomputed
+    arrival_scv: float = 1.0            # squared coefficient of variation of the gaps
+
+    def __post_init__(self) -> None:
+        if self.request_rate < 0 or not math.isfinite(self.request_rate):
+            raise ConfigError(f"observed request rate must be a finite number >= 0, got {self.request_rate}")
+        if not 0 <= self.hit_rate <= 1:
+            raise ConfigError(f"observed hit rate is a fraction in [0, 1], got {self.hit_rate}")
+
+
+@dataclass(frozen=True, slots=True)
+class PlannerSettings:
+    interval_s: float = 15.0            # how often the planner observes and decides
+    startup_s: float = 20.0             # from "start a worker" to its first request
+    headroom: float = 0.10              # size for forecast × (1 + headroom)
+    smoothing: float = 0.5              # Holt level weight (trend weight is half of it)
+    scale_down_band: float = 0.05       # scale down only when need < current × (1 − band)
+    scale_down_after: int = 2           # … for this many consecutive intervals
+    mix_intervals: int = 4              # prompt mix and hit rate pooled over this many intervals
+    down_cooldown_s: float = 60.0       # no scale-down within this long of any change
+    up_cooldown_s: float = 0.0          # scale-ups may follow each other at once by default
+    max_down_fraction: float = 0.25     # shed at most this share of a pool per decision
+    min_workers: int = 1
+    max_workers: int = MAX_WORKERS
+
+    def __post_init__(self) -> None:
+        if self.interval_s <= 0 or self.startup_s < 0:
+            raise ConfigError("planner interval must be > 0 s and start-up >= 0 s")
+        if self.headroom < 0 or not 0 <= self.scale_down_band < 1 or not 0 < self.max_down_fraction <= 1:
+            raise ConfigError("headroom >= 0, scale-down band in [0, 1), max down fraction in (0, 1]")
+        if not 0 < self.smoothing <= 1 or self.scale_down_after < 1 or self.mix_intervals < 1:
+            raise ConfigError("smoothing in (0, 1], scale_down_after >= 1, mix_intervals >= 1")
+        if self.down_cooldown_s < 0 or self.up_cooldown_s < 0:
+            raise ConfigError("cooldowns are seconds >= 0")
+        if not 1 <= self.min_workers <= self.max_workers:
+            raise ConfigError(f"need 1 <= min_workers <= max_workers, got {self.min_workers}, {self.max_workers}")
+
+
+class RateForecaster:
+    """Holt's linear smoothing of the request rate; forecasts never go below zero."""
+
+    def __init__(self, smoothing: float) -> None:
+        self.alpha = smoothing
+        self.beta = smoothing / 2
+        self.level: float | None = None
+        self.trend = 0.0
+        self.last_at: float | None = None
+
+    def update(self, at_s: float, rate: float) -> None:
+        if self.level is None:
+            self.level, self.last_at = rate, at_s
+            return
+        dt = max(at_s - (self.last_at or at_s), 1e-9)
+        predicted = self.level + self.trend * dt
+        level = self.alpha * rate + (1 - self.alpha) * predicted
+        self.trend = self.beta * (level - self.level) / dt + (1 - self.beta) * self.trend
+        self.level, self.last_at = level, at_s
+
+    def forecast(self, horizon_s: float) -> float:
+        if self.level is None:
+            return 0.0
+        return max(0.0, self.level + self.trend * horizon_s)
+
+
+class FleetNeed(NamedTuple):
+    prefill_workers: int
+    decode_workers: int
+    predicted_ttft_s: float
+    mean_prefill_s: float
+    note: str
+
+
+class FleetSizer:
+    """Worker counts for a rate, prompt mix and hit rate: ``plan_workers`` of ``kvtier plan
+    workers``; where even an idle worker misses the TTFT target (prompts too long for the
+    hardware), enough workers to keep up (utilization ≤ 0.9) and a note that says so."""
+
+    def __init__(self, targets: SLATargets, prefill: PrefillCostModel, decode: DecodeCostModel,
+                 load_bytes_per_s: float, decode_kv_tokens: int) -> None:
+        self.targets = targets
+        self.prefill = prefill
+        self.decode = decode
+        self.load_bytes_per_s = load_bytes_per_s
+        self.decode_kv_tokens = decode_kv_tokens
+
+    def size(self, rate: float, input_tokens: Sequence[int], output_tokens: Sequence[int], hit_rate: float,
+             arrival_scv: float) -> FleetNeed:
+        if rate <= 0 or not input_tokens:
+            return FleetNeed(0, 0, 0.0, 0.0, "no requests")
+        inputs, outputs = _thin(input_tokens), _thin(output_tokens or (1,))
+        workload = Workload(rate, inputs, outputs, min(hit_rate, 0.999), arrival_scv)
+        try:
+            plan = plan_workers(workload, self.targets, self.prefill, self.decode, self.load_bytes_per_s,
+                                self.decode_kv_tokens)
+        except ConfigError as exc:
+            service = prefill_service_times(workload, self.prefill, self.load_bytes_per_s)
+            prefill = math.ceil(rate * float(service.mean()) / 0.9)
+            return FleetNeed(min(prefill, MAX_WORKERS), max(1, math.ceil(prefill / 4)), math.inf,
+                             float(service.mean()), f"target unreachable ({exc}); sized to keep up")
+        return FleetNeed(plan.prefill_workers, plan.decode_workers, plan.predicted_ttft_s, plan.mean_prefill_s, "")
+
+
+def _thin(samples: Sequence[int]) -> tuple[int, ...]:
+    """At most :data:`MAX_SAMPLES` lengths with the same distribution: evenly spaced quantiles
+    of the sorted samples (a strided pick would keep or miss the few long prompts that carry
+    the service time's variance by chance, and the worker count would jump with it)."""
+    if len(samples) <= MAX_SAMPLES:
+        return tuple(int(s) for s in samples)
+    ordered = np.sort(np.asarray(samples))
+    picks = ((np.arange(MAX_SAMPLES) + 0.5) * len(ordered) / MAX_SAMPLES).astype(np.int64)
+    return tuple(ordered[picks].tolist())
+
+
+class PoolDecision(NamedTuple):
+    pool: str               # "prefill" or "decode"
+    current: int
+    needed: int
+    target: int
+    action: str             # "scale_up", "scale_down" or "hold"
+    reason: str
+
+
+class Decision(NamedTuple):
+    at_s: float
+    forecast_rate: float
+    sizing_rate: float      # the rate the pools were sized for (headroom included)
+    hit_rate: float
+    predicted_ttft_s: float
+    prefill: PoolDecision
+    decode: PoolDecision
+
+    @property
+    def changed(self) -> bool:
+        return self.prefill.action != "hold" or self.decode.action != "hold"
+
+    def to_json(self) -> dict:
+        out = {k: (round(v, 6) if isinstance(v, float) and math.isfinite(v) else v)
+               for k, v in self._asdict().items() if k not in ("prefill", "decode")}
+        if not math.isfinite(self.predicted_ttft_s):
+            out["predicted_ttft_s"] = None
+        out["prefill"] = self.prefill._asdict()
+        out["decode"] = self.decode._asdict()
+        return out
+
+
+class _Pool:
+    """One pool's hysteresis state: its count, when it last changed, how long the need stayed low."""
+
+    def __init__(self, name: str, count: int) -> None:
+        self.name = name
+        self.count = count
+        self.last_change_s = -math.inf
+        self.last_up_s = -math.inf
+        self.low_intervals = 0
+
+    def decide(self, now: float, needed: int, settings: PlannerSettings, why: str) -> PoolDecision:
+        needed = min(max(needed, settings.min_workers), settings.max_workers)
+        current = self.count
+        if needed > current:
+            self.low_intervals = 0
+            wait = self.last_up_s + settings.up_cooldown_s - now
+            if wait > 0:
+                return PoolDecision(self.name, current, needed, current, "hold",
+                                    f"need {needed} > {current} but scale-up cooldown has {wait:.0f} s left; {why}")
+            self._change(now, needed, up=True)
+            return PoolDecision(self.name, current, needed, needed, "scale_up", f"need {needed} > {current}: {why}")
+        if needed >= current * (1 - settings.scale_down_band) or needed == current:
+            self.low_intervals = 0
+            return PoolDecision(self.name, current, needed, current, "hold",
+                                f"need {needed} within {settings.scale_down_band:.0%} of {current}; {why}")
+        self.low_intervals += 1
+        if self.low_intervals < settings.scale_down_after:
+            return PoolDecision(self.name, current, needed, current, "hold",
+                                f"need {needed} < {current} for {self.low_intervals} of "
+                                f"{settings.scale_down_after} intervals; {why}")
+        wait = self.last_change_s + settings.down_cooldown_s - now
+        if wait > 0:
+            return PoolDecision(self.name, current, needed, current, "hold",
+                                f"need {needed} < {current} but cooldown has {wait:.0f} s left; {why}")
+        target = max(needed, current - max(1, math.floor(current * settings.max_down_fraction)))
+        self._change(now, target, up=False)
+        return PoolDecision(self.name, current, needed, target, "scale_down",
+                            f"need {needed} < {current} for {settings.scale_down_after} intervals: {why}")
+
+    def _change(self, now: float, count: int, up: bool) -> None:
+        self.count = count
+        self.last_change_s = now
+        self.low_intervals = 0
+        if up:
+            self.last_up_s = now
+
+
+class LivePlanner:
+    """Observation → forecast → sizing → hysteresis → :class:`Decision`. Keeps the counts it
+    decided; the caller acts on each decision (a launcher) before the next observation."""
+
+    def __init__(self, sizer: FleetSizer, settings: PlannerSettings | None = None,
+                 prefill_workers: int = 1, decode_workers: int = 1) -> None:
+        self.sizer = sizer
+        self.settings = settings or PlannerSettings()
+        self.forecaster = RateForecaster(self.settings.smoothing)
+        self.prefill = _Pool("prefill", prefill_workers)
+        self.decode = _Pool("decode", decode_workers)
+        self._mix: deque[Observation] = deque(maxlen=self.settings.mix_intervals)
+
+    def _pooled_mix(self) -> tuple[tuple[int, ...], tuple[int, ...], float, float]:
+        """Prompt and output lengths, the token hit rate and the arrival burstiness of the last
+        few intervals: they change slowly, and one interval's sample is noisy (a few long
+        prompts move its mean; a few close arrivals its SCV)."""
+        inputs = tuple(n for o in self._mix for n in o.input_tokens)
+        outputs = tuple(n for o in self._mix for n in o.output_tokens)
+        tokens = [sum(o.input_tokens) for o in self._mix]
+        total = sum(tokens)
+        hit = sum(o.hit_rate * t for o, t in zip(self._mix, tokens)) / total if total else 0.0
+        scv = sum(o.arrival_scv for o in self._mix) / len(self._mix) if self._mix else 1.0
+        return inputs, outputs, hit, scv
+
+    def decide(self, obs: Observation) -> Decision:
+        s = self.settings
+        self.forecaster.update(obs.at_s, obs.request_rate)
+        if obs.input_tokens:
+            self._mix.append(obs)
+        inputs, outputs, hit, scv = self._pooled_mix()
+        horizon = s.startup_s + s.interval_s
+        forecast = self.forecaster.forecast(horizon)
+        sizing_rate = max(forecast, obs.request_rate) * (1 + s.headroom)
+        need = self.sizer.size(sizing_rate, inputs, outputs, hit, scv)
+        pct = f"p{self.sizer.targets.ttft_percentile * 100:g}"
+        why = (f"{obs.request_rate:.2f} req/s measured, {forecast:.2f} forecast in {horizon:.0f} s,"
+               f" sized for {sizing_rate:.2f} at hit rate {hit:.1%}"
+               f" (mean prefill {need.mean_prefill_s:.3f} s, {pct} TTFT {need.predicted_ttft_s:.2f} s"
+               f" <= {self.sizer.targets.ttft_s:g} s)" + (f"; {need.note}" if need.note else ""))
+        prefill = self.prefill.decide(obs.at_s, need.prefill_workers, s, why)
+        decode = self.decode.decide(obs.at_s, need.decode_workers, s, why)
+        return Decision(obs.at_s, forecast, sizing_rate, hit, need.predicted_ttft_s, prefill, decode)
