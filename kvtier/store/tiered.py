@@ -4,7 +4,9 @@
   it and blocks ``0..i-1`` counted; different blocks may live in different tiers.
 * ``get`` reads each block from the fastest tier that has it; a block that fails
   verification there is tried in the next tier; a block read from a slower tier
-  is promoted (copied) into the faster ones.
+  is promoted (copied) into the faster ones: at once, or with
+  ``promote_in_background`` later, off the reader's path, by key (the
+  reader's buffer is never kept; see :mod:`kvtier.store.promotion`).
 * ``put`` is write-behind by default (``"write-back"`` names the same mode):
   blocks go to the fastest tier, are marked dirty, and a flusher thread copies
   them one tier down in the background, in batches; evicting a block already
@@ -32,6 +34,7 @@ from typing import NamedTuple
 
 from kvtier.core.keys import BlockKey
 from kvtier.core.payload import BlockMeta
+from kvtier.store.promotion import Promoter
 from kvtier.store.writebehind import FlushReport, WriteBehind
 from kvtier.tiers.base import Status, Tier
 
@@ -78,6 +81,8 @@ class StoreStats:
     get_blocks: int = 0
     get_hit_blocks: int = 0
     promotions: int = 0
+    promotions_dropped: int = 0  #: background promotions skipped (queue full)
+    promotion_failures: int = 0  #: background promotions that could not read or place the block
     demotions: int = 0
     demotion_failures: int = 0
     puts: int = 0
@@ -100,9 +105,11 @@ class TieredStore:
         dirty_limit_blocks: int = 16384,
         close_flush_timeout_s: float | None = 30.0,
         writebehind_batch_blocks: int = 32,
+        promotion_limit_blocks: int = 4096,
     ) -> None:
         """``dirty_limit_blocks``: the write-behind backlog of each tier (one more drops the oldest
-        mark, never blocks); ``close_flush_timeout_s``: how long ``close`` waits for it (None: no limit)."""
+        mark, never blocks); ``close_flush_timeout_s``: how long ``close`` waits for it (None: no limit);
+        ``promotion_limit_blocks``: background promotions waiting at most (one more drops the oldest)."""
         if not tiers:
             raise ValueError("a TieredStore needs at least one tier")
         names = [t.name for t in tiers]
@@ -124,6 +131,7 @@ class TieredStore:
             # installs the demotion hooks (on_evict) of every tier but the last
             self._writebehind = WriteBehind(self.tiers, self._stats, dirty_limit_blocks=dirty_limit_blocks,
                                             batch_blocks=writebehind_batch_blocks)
+        self._promoter = Promoter(self.tiers, self._count, self._mark_promoted, limit_blocks=promotion_limit_blocks)
 
     def tier(self, name: str) -> Tier:
         for t in self.tiers:
@@ -153,22 +161,35 @@ class TieredStore:
         return PrefixMatch(pos, where)
 
     # -- get ---------------------------------------------------------------------
-    def get(self, keys: Sequence[BlockKey], outs: Sequence, *, stop_at_miss: bool = True) -> GetResult:
+    def get(
+        self, keys: Sequence[BlockKey], outs: Sequence, *, stop_at_miss: bool = True,
+        promote_in_background: bool = False,
+    ) -> GetResult:
         """Load blocks into caller-owned buffers.
 
         With ``stop_at_miss`` (the default) loading stops at the first block no
         tier can serve, since later blocks are useless without it.
+        ``promote_in_background``: blocks served by a slower tier are promoted
+        later, read again from that tier once no get runs (the load is not
+        slowed by the copy; the buffers are the caller's as soon as this returns);
+        :meth:`wait_promotions` waits for them.
         """
         if len(keys) != len(outs):
             raise ValueError(f"get: {len(keys)} keys but {len(outs)} buffers")
         statuses: list[Status] = []
         tiers: list[str | None] = []
-        for key, out in zip(keys, outs):
-            status, source = self._get_one(key, out)
-            statuses.append(status)
-            tiers.append(source)
-            if stop_at_miss and status is not Status.OK:
-                break
+        later: list[tuple[BlockKey, int, int]] = []
+        with self._promoter.foreground():
+            for key, out in zip(keys, outs):
+                status, source, level = self._get_one(key, out, inline=not promote_in_background)
+                statuses.append(status)
+                tiers.append(source)
+                if level and promote_in_background and self.promote:
+                    later.append((key, level, _nbytes(out)))
+                if stop_at_miss and status is not Status.OK:
+                    break
+        if later:
+            self._promoter.submit(*zip(*later))
         statuses.extend([Status.MISS] * (len(keys) - len(statuses)))
         tiers.extend([None] * (len(keys) - len(tiers)))
         loaded = 0
@@ -179,26 +200,44 @@ class TieredStore:
             self._stats.get_hit_blocks += sum(s is Status.OK for s in statuses)
         return GetResult(statuses, tiers, loaded)
 
-    def _get_one(self, key: BlockKey, out) -> tuple[Status, str | None]:
+    def _get_one(self, key: BlockKey, out, *, inline: bool = True) -> tuple[Status, str | None, int]:
+        """(status, name of the tier that served it, its index); promoted at once if ``inline``."""
         last = Status.MISS
         for i, tier in enumerate(self.tiers):
             status = tier.get(key, out)
             if status is Status.OK:
-                if self.promote and i > 0:
+                if inline and self.promote and i > 0:
                     self._promote(key, out, self.tiers[:i])
-                return status, tier.name
+                return status, tier.name, i
             if status is Status.BAD_SIZE:
-                return status, None  # a caller error: the same in every tier
+                return status, None, 0  # a caller error: the same in every tier
             last = status if last is Status.MISS else last
-        return (Status.MISS if last in (Status.MISS, Status.CORRUPT) else last), None
+        return (Status.MISS if last in (Status.MISS, Status.CORRUPT) else last), None, 0
 
     def _promote(self, key: BlockKey, data, upper: Sequence[Tier]) -> None:
         for level, tier in enumerate(upper):
             if tier.put(key, data) is Status.OK:
-                with self._stats.lock:
-                    self._stats.promotions += 1
-                if self._writebehind is not None:
-                    self._writebehind.mark_clean(level, key)  # the tier it came from holds it
+                self._count(promotions=1)
+                self._mark_promoted(level, key)
+
+    def _mark_promoted(self, level: int, key: BlockKey) -> None:
+        if self._writebehind is not None:
+            self._writebehind.mark_clean(level, key)  # the tier it came from holds it
+
+    def _count(self, **counts: int) -> None:
+        with self._stats.lock:
+            for name, n in counts.items():
+                setattr(self._stats, name, getattr(self._stats, name) + n)
+
+    def reading(self):
+        """A context manager for a load made of several gets (chunks in flight, say): background
+        promotions wait until it ends, not only until each get returns."""
+        return self._promoter.foreground()
+
+    def wait_promotions(self, timeout_s: float | None = None) -> bool:
+        """Wait until the background promotions queued so far are done (None: no limit);
+        whether they are. A get running meanwhile delays them (reads go first)."""
+        return self._promoter.wait(timeout_s)
 
     # -- put ---------------------------------------------------------------------
     def put(
@@ -267,6 +306,7 @@ class TieredStore:
 
         A write-behind copy in flight is deleted again where it lands."""
         keys = list(keys)
+        self._promoter.forget(keys)  # a promotion in flight deletes what it copies, once it lands
         if self._writebehind is None:
             return sum(sum(tier.delete_many(keys)) for tier in self.tiers)
         with self._writebehind.deleting(keys):  # fastest tier first: an eviction cannot move it back up
@@ -303,6 +343,7 @@ class TieredStore:
         with self._stats.lock:
             store = {k: getattr(self._stats, k) for k in StoreStats.__slots__ if k != "lock"}
         store["dirty_blocks"] = self._writebehind.dirty_count() if self._writebehind is not None else 0
+        store["promotions_pending"] = self._promoter.pending()
         per_tier = {}
         for t in self.tiers:
             per_tier[t.name] = {**t.stats.snapshot(), "used_bytes": t.used_bytes, "capacity_bytes": t.capacity_bytes}
@@ -321,6 +362,7 @@ class TieredStore:
         self._closed = True
         timeout = self.close_flush_timeout_s if flush_timeout_s is _CONFIGURED else flush_timeout_s
         self._pool.shutdown(wait=True)  # their blocks are dirty too
+        self._promoter.close()  # a cache may skip promotions; the one in flight ends first
         report = FlushReport(0, 0, 0.0)
         if self._writebehind is not None:
             report = self._writebehind.close(timeout)

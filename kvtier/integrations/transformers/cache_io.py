@@ -4,12 +4,13 @@ The model's KV lives in one preallocated tensor, :class:`KVStorage`, of shape
 ``(layers, 2, batch=1, kv_heads, capacity, head_dim)``; each cache layer is a
 :class:`StorageLayer` whose keys and values are views of it. Two reasons:
 
-* **Loading is one copy per block.** A canonical block ``(layers, 2, kv_heads,
-  block_tokens, head_dim)`` lands in ``storage[:, :, 0, :, span, :]`` with one
-  strided ``numpy.copyto`` (inner runs of ``block_tokens * head_dim`` elements),
-  straight from a host slot (:meth:`HostTier.borrow`, no staging copy) or from a
-  page-aligned staging buffer a slower tier read into. No per-token, per-layer
-  Python loop.
+* **Loading is one copy per block, or fewer.** A canonical block ``(layers, 2,
+  kv_heads, block_tokens, head_dim)`` lands in ``storage[:, :, 0, :, span, :]``
+  with a strided ``numpy.copyto`` (inner runs of ``block_tokens * head_dim``
+  elements), straight from the host pool (:meth:`HostTier.borrow_many`: the
+  whole run of host blocks pinned at once, no staging copy; blocks adjacent in
+  the pool go in one call) or from a page-aligned staging buffer a slower tier
+  read into. No per-token, per-layer Python loop.
 * **Appending is in place.** ``DynamicLayer.update`` concatenates, copying the
   whole prefix at every forward; a loaded 4 k-token prefix would be copied
   again for each decode step. Here ``update`` writes the new positions only.
@@ -183,28 +184,60 @@ class LoadReport(NamedTuple):
     seconds: float
 
 
-def _canonical(raw_block: np.ndarray, layout: KVLayout, like: np.ndarray) -> np.ndarray:
-    return raw_block.view(like.dtype).reshape(layout.block_shape)
-
-
 class Staging:
     """A reusable page-aligned buffer for reads from slower tiers (allocating and
     faulting in a fresh one per load would cost more than the copy it serves).
 
-    With poisoning on (debug), every ``get`` hands the buffer out filled with the
+    A load takes regions one after another (:meth:`take`), never the same bytes
+    twice, so that each read gets memory no other read of the load wrote.
+    With poisoning on (debug), every region is handed out filled with the
     poison pattern: a read that reports success without writing is then caught
-    instead of passing on the previous load's bytes."""
+    instead of passing on earlier bytes. The fill happens in :meth:`poison`
+    (the session calls it before a request, untimed) and when a buffer is
+    allocated (:meth:`reserve`, before the load's timer): a debug aid must not
+    be measured as load time.
+    """
 
     def __init__(self, *, poison: bool | None = None) -> None:
         self._buf: np.ndarray | None = None
+        self._used = 0  # bytes handed out since the last rewind
+        self._dirty = 0  # bytes [0, _dirty) handed out since the last poison fill
         self.poisoned = poisoning.enabled(poison)
 
-    def get(self, nbytes: int) -> np.ndarray:
+    def poison(self) -> None:
+        """Start over: refill what was handed out (debug poisoning on), hand out from the start."""
+        if self.poisoned and self._buf is not None and self._dirty:
+            poisoning.fill_bytes(self._buf[: self._dirty])
+        self._dirty = self._used = 0
+
+    def reserve(self, nbytes: int) -> None:
+        """Make :meth:`take` of ``nbytes`` in all, from the start, need no allocation."""
         if self._buf is None or self._buf.nbytes < nbytes:
-            self._buf = _aligned(nbytes)
+            self._buf = self._fresh(nbytes)
+            self._dirty = self._used = 0
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """The next ``nbytes`` of staging (poisoned if poisoning is on)."""
+        if self._dirty and self._used == 0:
+            self.poison()  # a caller that did not poison between loads: refill now
+        if self._buf is None or self._used + nbytes > self._buf.nbytes:
+            # The regions handed out keep the old buffer alive; start a bigger one.
+            self._buf = self._fresh(max(nbytes, 2 * (self._buf.nbytes if self._buf is not None else 0)))
+            self._dirty = self._used = 0
+        region = self._buf[self._used : self._used + nbytes]
+        self._used += nbytes
+        self._dirty = max(self._dirty, self._used)
+        return region
+
+    def rewind(self) -> None:
+        """The load is over: the next one takes from the start (refilled first if poisoning is on)."""
+        self._used = 0
+
+    def _fresh(self, nbytes: int) -> np.ndarray:
+        buf = _aligned(nbytes)
         if self.poisoned:
-            poisoning.fill_bytes(self._buf[:nbytes])
-        return self._buf
+            poisoning.fill_bytes(buf)
+        return buf
 
 
 def load_blocks(
@@ -212,67 +245,107 @@ def load_blocks(
 ) -> LoadReport:
     """Copy the blocks of ``keys`` (a chain from the first block) into positions ``0..``.
 
-    Blocks in a plain host tier are copied straight from their pinned slot;
-    runs of other blocks are read by the store (which verifies and promotes
-    them) into page-aligned staging, then copied. Stops at the first block no
-    tier can serve: later blocks are useless without it.
+    Runs of blocks in a plain host tier are copied straight from their pinned
+    slots; runs of other blocks are read by the store (which verifies them, and
+    promotes them in the background) into page-aligned staging, then copied.
+    Stops at the first block no tier can serve: later blocks are useless
+    without it. ``staging`` should be poisoned / reserved by the caller before
+    (see :class:`Staging`); the timer covers the load only.
     """
     start = time.perf_counter()
     layout = storage.layout
-    bt = layout.block_tokens
     nbytes = layout.block_nbytes
-    storage.ensure_capacity(len(keys) * bt)
+    storage.ensure_capacity(len(keys) * layout.block_tokens)
     raw = storage.raw()
     host = store.tiers[0] if isinstance(store.tiers[0], HostTier) else None
     by_tier: dict[str, int] = {}
-
-    def place(i: int, block: np.ndarray) -> None:
-        np.copyto(raw[:, :, 0, :, i * bt : (i + 1) * bt, :], _canonical(block, layout, raw))
-
     staging = staging or Staging(poison=storage.poisoned)
     i = 0
-    while i < len(keys):
-        if host is not None:
-            with host.borrow(keys[i]) as view:
-                if view is not None and view.nbytes == nbytes:
-                    place(i, view)
-                    by_tier[host.name] = by_tier.get(host.name, 0) + nbytes
-                    i += 1
-                    continue
-        # A run of blocks the host tier lacks: the store finds them below (and
-        # verifies and promotes them). Read in chunks, two in flight on the
-        # store's I/O threads, so that one chunk's reads overlap another's
-        # checksums and copies; consume them in order, stopping at a miss.
-        j = i + 1
-        while j < len(keys) and not (host is not None and host.contains(keys[j])):
-            j += 1
-        buf = staging.get((j - i) * nbytes)
-        outs = [buf[k * nbytes : (k + 1) * nbytes] for k in range(j - i)]
-        step = max(1, READ_CHUNK_BYTES // nbytes)
-        spans = deque((a, min(a + step, j - i)) for a in range(0, j - i, step))
-        pending: deque = deque()
-        served = j - i
-        while spans or pending:
-            while spans and len(pending) < READS_IN_FLIGHT:
-                a, b = spans.popleft()
-                pending.append((a, b, store.get_async(keys[i + a : i + b], outs[a:b])))
-            a, b, future = pending.popleft()
-            result = future.result()
-            for k in range(result.loaded):
-                place(i + a + k, outs[a + k])
-                tier = result.tiers[k] or "?"
-                by_tier[tier] = by_tier.get(tier, 0) + nbytes
-            if result.loaded < b - a:
-                served = a + result.loaded
-                break
-        for _, _, future in pending:  # useless past a miss, but they write into staging: wait
-            if not future.cancel():
-                future.result()
-        if served < j - i:
-            i += served
-            break
-        i = j
+    # Promotions of what this load reads wait until the whole load is over (not only
+    # each chunk's get): their reads would compete with ours.
+    with store.reading():
+        try:
+            while i < len(keys):
+                if host is not None:
+                    with host.borrow_many(keys[i:], nbytes) as views:
+                        if views:
+                            _place_views(raw, i, views, layout)
+                            by_tier[host.name] = by_tier.get(host.name, 0) + len(views) * nbytes
+                            i += len(views)
+                            continue
+                # A run of blocks the host tier lacks: the store finds them below (and
+                # verifies them). Read in chunks, two in flight on the store's I/O threads,
+                # so that one chunk's reads overlap another's checksums and copies; consume
+                # them in order, stopping at a miss.
+                j = i + 1
+                while j < len(keys) and not (host is not None and host.contains(keys[j])):
+                    j += 1
+                served = _load_lower(store, keys[i:j], raw, i, layout, staging.take((j - i) * nbytes), by_tier)
+                i += served
+                if i < j:
+                    break
+        finally:
+            staging.rewind()
     return LoadReport(i, by_tier, time.perf_counter() - start)
+
+
+def _load_lower(store: TieredStore, keys: Sequence[BlockKey], raw: np.ndarray, first: int, layout: KVLayout,
+                buf: np.ndarray, by_tier: dict[str, int]) -> int:
+    """Read ``keys`` through the store into ``buf`` and place them from block ``first``; how many were served."""
+    nbytes = layout.block_nbytes
+    n = len(keys)
+    outs = [buf[k * nbytes : (k + 1) * nbytes] for k in range(n)]
+    step = max(1, READ_CHUNK_BYTES // nbytes)
+    spans = deque((a, min(a + step, n)) for a in range(0, n, step))
+    pending: deque = deque()
+    served = n
+    while spans or pending:
+        while spans and len(pending) < READS_IN_FLIGHT:
+            a, b = spans.popleft()
+            pending.append((a, b, store.get_async(keys[a:b], outs[a:b], promote_in_background=True)))
+        a, b, future = pending.popleft()
+        result = future.result()
+        _place_views(raw, first + a, outs[a : a + result.loaded], layout, contiguous=True)
+        for k in range(result.loaded):
+            tier = result.tiers[k] or "?"
+            by_tier[tier] = by_tier.get(tier, 0) + nbytes
+        if result.loaded < b - a:
+            served = a + result.loaded
+            break
+    for _, _, future in pending:  # useless past a miss, but they write into staging: wait
+        if not future.cancel():
+            future.result()
+    return served
+
+
+def _place_views(raw: np.ndarray, first: int, views: Sequence[np.ndarray], layout: KVLayout, *,
+                 contiguous: bool = False) -> None:
+    """Copy canonical blocks ``views`` into positions of blocks ``first..``: one strided copy per
+    run of blocks adjacent in memory (``contiguous``: all of them are, as in staging)."""
+    nbytes = layout.block_nbytes
+    start = 0
+    for k in range(1, len(views) + 1):
+        if k < len(views) and (contiguous or _address(views[k]) == _address(views[k - 1]) + nbytes):
+            continue
+        _place_run(raw, first + start, views[start], k - start, layout)
+        start = k
+
+
+def _place_run(raw: np.ndarray, first: int, head: np.ndarray, n: int, layout: KVLayout) -> None:
+    """Blocks ``first .. first + n - 1`` from ``n`` adjacent canonical blocks starting at ``head``."""
+    lay = layout
+    bt = lay.block_tokens
+    # The n blocks as one array (they are adjacent in one buffer: checked by the caller).
+    src = np.lib.stride_tricks.as_strided(head, shape=(n * lay.block_nbytes,), strides=(1,), writeable=False)
+    src = src.view(raw.dtype).reshape(n, *lay.block_shape).transpose(1, 2, 3, 0, 4, 5)
+    dst = raw[:, :, 0, :, first * bt : (first + n) * bt, :]
+    # Assigning the shape (not reshape) raises rather than copy: the copy must land in the storage.
+    dst.shape = (lay.num_layers, lay.kv_parts, lay.num_kv_heads, n, bt, lay.head_dim)
+    np.copyto(dst, src)
+
+
+def _address(view: np.ndarray) -> int:
+    return view.__array_interface__["data"][0]
 
 
 def gather_blocks(storage: KVStorage, first_block: int, n_blocks: int) -> list[np.ndarray]:

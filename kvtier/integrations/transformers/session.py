@@ -48,6 +48,10 @@ from kvtier.integrations.transformers.namespace import (
 )
 from kvtier.store.tiered import TieredStore
 from kvtier.tiers.base import Status
+from kvtier.tiers.host import HostTier
+
+#: the longest a request waits, untimed, for the previous one's background promotions
+PROMOTION_WAIT_S = 5.0
 
 
 class Generation(NamedTuple):
@@ -138,6 +142,10 @@ class KVTierLM:
         self.storage = KVStorage(layout, capacity_tokens, param.dtype, param.device, poison=poison)
         self._cache_kw = cache_keyword(model)
         self._staging = Staging(poison=self.storage.poisoned)
+        if store is not None and (len(store.tiers) > 1 or not isinstance(store.tiers[0], HostTier)):
+            # Reads from slower tiers land in staging: sized now, like the storage, so that
+            # a request's load pays no allocation and no page faults.
+            self._staging.reserve(-(-capacity_tokens // layout.block_tokens) * layout.block_nbytes)
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-save")
         # Set while no background gather reads the storage (a count, since saves can queue).
         self._storage_free = threading.Event()
@@ -160,9 +168,15 @@ class KVTierLM:
         return self._prepare(as_token_array(tokens), extra_tokens, use_store)
 
     def _reuse_storage(self) -> None:
-        """Wait until no save reads the storage; then (debug) poison it, untimed."""
+        """Before a request, untimed: wait until no save reads the storage and the previous
+        load's promotions are done (bounded); then (debug) poison the storage and staging."""
         self._storage_free.wait()  # a previous save may still be reading the storage
+        if self.store is not None:
+            # Promotions run while the previous request computed; one still going would
+            # race this request's reads (and a measured load would find blocks half moved).
+            self.store.wait_promotions(PROMOTION_WAIT_S)
         self.storage.poison()
+        self._staging.poison()
 
     def _prepare(self, arr: np.ndarray, extra_tokens: int, use_store: bool) -> Prepared:
         if arr.size == 0:
@@ -173,9 +187,12 @@ class KVTierLM:
         lookup_s = 0.0
         if self.store is not None and use_store:
             keys = block_keys(self.namespace, arr)
-            hit = self.store.lookup(keys).hit_blocks
+            match = self.store.lookup(keys)
+            hit = match.hit_blocks
             lookup_s = time.perf_counter() - start
             if hit:
+                top = self.store.tiers[0].name
+                self._staging.reserve(sum(t != top for t in match.tiers) * self.layout.block_nbytes)
                 report = load_blocks(self.store, keys[:hit], self.storage, self._staging)
                 known = report.blocks
                 # The last prompt token is always computed: its logits are the answer.

@@ -1,0 +1,244 @@
+"""Background promotion: copy blocks read from a slower tier into the faster ones, off the reader's path.
+
+A get that finds a block in a slower tier used to copy it up at once, on the
+reader's thread: on 64 cold 256 KiB disk blocks that doubled the load's time
+(the host put's memcpy, its reservation and eviction work, after each read).
+:class:`Promoter` takes the keys instead and promotes them later, on its own
+thread. Choices, and why:
+
+* **By key, never from the reader's buffer.** The reader may reuse its buffer
+  as soon as its get returns, so a later copy from it could promote another
+  block's bytes. The promoter reads the block again from the tier that served
+  it -- straight into a reservation of the fastest tier when that tier has
+  two-phase writes (the host pool: the O_DIRECT read lands in the pool, no
+  staging) -- and publishes it only after that read verified. A failed or torn
+  read aborts the reservation: nothing is published.
+* **Reads first.** The promoter waits while any foreground get runs (the
+  store tells it, :meth:`Promoter.foreground`), so its reads never compete
+  with the load that asked for them; it starts when the load is over, while
+  the engine computes.
+* **Bounded, never blocking.** At most ``limit_blocks`` keys wait; one more
+  drops the oldest (counted): a cache may skip a promotion, the block is
+  still in its slower tier.
+* **Erasure wins.** A key deleted while it waits is dropped; one deleted while
+  its copy is in flight is deleted again from the tiers it was copied into.
+
+The thread starts with the first key and ends after a while without work, so
+that an idle store keeps no thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from contextlib import contextmanager
+from typing import NamedTuple
+
+import numpy as np
+
+from kvtier.core.keys import BlockKey
+from kvtier.tiers.base import Status, Tier
+
+log = logging.getLogger(__name__)
+
+#: the promoter thread ends after this long without work (the next key starts another)
+_IDLE_EXIT_S = 2.0
+
+
+class _Wanted(NamedTuple):
+    source: int  #: index of the tier that served the block
+    nbytes: int
+
+
+class Promoter:
+    """Promotes blocks into ``tiers[:source]`` in the background.
+
+    ``count(promotions=…, promotions_dropped=…, promotion_failures=…)`` records outcomes;
+    ``promoted(level, key)`` is called once ``tiers[level]`` holds a promoted copy (the
+    store marks it clean for write-behind: the tier below holds it).
+    """
+
+    def __init__(
+        self,
+        tiers: Sequence[Tier],
+        count: Callable[..., None],
+        promoted: Callable[[int, BlockKey], None],
+        *,
+        limit_blocks: int = 4096,
+    ) -> None:
+        if limit_blocks < 1:
+            raise ValueError(f"limit_blocks must be at least 1, got {limit_blocks}")
+        self.tiers = list(tiers)
+        self.limit_blocks = limit_blocks
+        self._count = count
+        self._promoted = promoted
+        self._queue: OrderedDict[BlockKey, _Wanted] = OrderedDict()
+        self._inflight: dict[BlockKey, bool] = {}  #: key -> deleted while in flight
+        self._busy = 0  # foreground gets running
+        self._cond = threading.Condition(threading.Lock())
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._staging: np.ndarray | None = None  # for a fastest tier without reserve()
+
+    # -- the store's side --------------------------------------------------------------
+    @contextmanager
+    def foreground(self):
+        """Wrap a foreground read: promotions wait until no such read runs."""
+        with self._cond:
+            self._busy += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._busy -= 1
+                if not self._busy:
+                    self._cond.notify_all()
+
+    def submit(self, keys: Sequence[BlockKey], sources: Sequence[int], sizes: Sequence[int]) -> None:
+        """Queue ``keys``, read from ``tiers[sources[i]]`` with ``sizes[i]`` bytes (source 0: nothing to do)."""
+        dropped = 0
+        with self._cond:
+            if self._closed:
+                return
+            for key, source, nbytes in zip(keys, sources, sizes):
+                if source <= 0 or key in self._inflight:
+                    continue
+                self._queue[key] = _Wanted(source, nbytes)
+                if len(self._queue) > self.limit_blocks:
+                    self._queue.popitem(last=False)
+                    dropped += 1
+            if self._thread is None and self._queue:
+                self._thread = threading.Thread(target=self._run, name="kvtier-promote", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+        if dropped:
+            self._count(promotions_dropped=dropped)
+
+    def forget(self, keys: Sequence[BlockKey]) -> None:
+        """The store deletes ``keys``: drop them from the queue; a copy in flight is undone when it lands."""
+        with self._cond:
+            for key in keys:
+                self._queue.pop(key, None)
+                if key in self._inflight:
+                    self._inflight[key] = True
+
+    def pending(self) -> int:
+        with self._cond:
+            return len(self._queue) + len(self._inflight)
+
+    def wait(self, timeout_s: float | None) -> bool:
+        """Wait until every queued promotion is done (None: no limit); whether they are."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._cond:
+            while (self._queue or self._inflight) and not self._closed:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(left)
+            return not (self._queue or self._inflight)
+
+    def close(self) -> None:
+        """Drop what waits, let the promotion in flight finish (the tiers close next)."""
+        with self._cond:
+            self._closed = True
+            self._queue.clear()
+            thread = self._thread
+            self._cond.notify_all()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+
+    # -- the promoter thread -------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                idle_until = time.monotonic() + _IDLE_EXIT_S
+                while not self._closed and (not self._queue or self._busy):
+                    if self._queue:
+                        self._cond.wait()  # a foreground read runs: its end notifies
+                        continue
+                    left = idle_until - time.monotonic()
+                    if left <= 0:
+                        self._thread = None  # the next submit starts another
+                        return
+                    self._cond.wait(left)
+                if self._closed:
+                    self._thread = None
+                    self._cond.notify_all()
+                    return
+                key, wanted = self._queue.popitem(last=False)
+                self._inflight[key] = False
+            landed: list[int] = []
+            try:
+                landed = self._promote(key, wanted)
+            except Exception:  # noqa: BLE001 - a broken tier must not kill the promoter
+                if not self._closed:
+                    log.exception("promotion of %s failed", key.hex())
+                self._count(promotion_failures=1)
+            with self._cond:
+                deleted = self._inflight.pop(key)
+                self._cond.notify_all()
+            if deleted:
+                for level in landed:  # erased while we copied: an erasure stays one
+                    self.tiers[level].delete(key)
+
+    def _promote(self, key: BlockKey, wanted: _Wanted) -> list[int]:
+        """Read ``key`` again from its source into the faster tiers; the levels it landed in."""
+        upper = self.tiers[: wanted.source]
+        source = self.tiers[wanted.source]
+        first = upper[0]
+        reserve = getattr(first, "reserve", None)
+        res = None
+        if reserve is not None:
+            status, res = reserve(key, wanted.nbytes)
+            if res is None:
+                if status is not Status.OK:
+                    self._count(promotion_failures=1)  # FULL: everything pinned, say
+                    return []
+                buf = None  # the fastest tier holds it already (or is being written)
+            else:
+                buf = res.view
+        else:
+            buf = None if first.contains(key) else self._stage(wanted.nbytes)
+        middle = [level for level in range(1, len(upper)) if not upper[level].contains(key)]
+        if buf is None and middle:
+            buf = self._stage(wanted.nbytes)
+        if buf is None:
+            return []  # nothing left to promote
+        try:
+            status = source.get(key, buf)
+        except BaseException:
+            if res is not None:
+                first.abort(res)
+            raise
+        if status is not Status.OK:
+            if res is not None:
+                first.abort(res)  # a torn or missing read publishes nothing
+            self._count(promotion_failures=1)
+            return []
+        landed = []
+        # Lower tiers first: once the fastest tier publishes it, an eviction there finds
+        # the block below already (a clean eviction, no demotion).
+        for level in reversed(middle):
+            if upper[level].put(key, buf) is Status.OK:
+                landed.append(level)
+        if res is not None:
+            first.commit(res)
+            landed.append(0)
+        elif buf is not None and 0 not in landed and not first.contains(key):
+            if first.put(key, buf) is Status.OK:
+                landed.append(0)
+        for level in landed:
+            self._promoted(level, key)
+        if landed:
+            self._count(promotions=len(landed))
+        return landed
+
+    def _stage(self, nbytes: int) -> np.ndarray:
+        if self._staging is None or self._staging.nbytes < nbytes:
+            from kvtier.tiers.direct_io import aligned_buffer  # page aligned: O_DIRECT reads land in it
+
+            self._staging = aligned_buffer(nbytes)
+        return self._staging[:nbytes]
