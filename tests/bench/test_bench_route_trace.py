@@ -1,0 +1,133 @@
+"""``kvtier bench route --trace``: its measuring parts (decision p99 from the router's own
+Prometheus histogram, round figures, the issue's targets, the streaming replay client against
+an OpenAI-speaking stand-in), and one smoke run of the whole command on the tiny model (real
+``kvtier serve``, real vLLM workers, real ``kvtier route`` processes)."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+
+from kvtier.bench import route_trace
+from kvtier.router.metrics import RouterMetrics
+
+SLICE = Path(__file__).resolve().parents[1] / "data" / "mooncake_conversation_head500.jsonl"
+
+
+def test_decision_p99_is_read_from_the_routers_histogram():
+    m = RouterMetrics()
+    for _ in range(980):
+        m.decision.observe(0.00005)      # bucket (3e-5, 1e-4]
+    for _ in range(20):
+        m.decision.observe(0.002)        # bucket (1e-3, 3e-3]
+    text = m.render().decode()
+    p50 = route_trace.histogram_quantile(text, "kvtier_router_decision_seconds", 0.5)
+    p99 = route_trace.histogram_quantile(text, "kvtier_router_decision_seconds", 0.99)
+    assert 3e-5 < p50 <= 1e-4
+    # the 990th of 1000 lies in the slow bucket: p99 must not report the fast one
+    assert 1e-3 < p99 <= 3e-3
+    assert route_trace.histogram_quantile(RouterMetrics().render().decode(), "kvtier_router_decision_seconds",
+                                          0.99) is None
+
+
+def _row(ttft, cached, prompt=100, out=10, arrival=0.0, finish=2.0, worker="w0"):
+    return {"ttft_s": ttft, "cached_tokens": cached, "prompt_tokens": prompt, "output_tokens": out,
+            "arrival_s": arrival, "finish_s": finish, "worker": worker}
+
+
+def test_round_figures_and_targets():
+    rows = [_row(0.1, 50), _row(0.2, 0, worker="w1"), _row(0.3, 100, arrival=1.0, finish=4.0),
+            _row(1.0, 10, worker="w1")]
+    out = route_trace.summarise(rows, "")
+    assert out["ttft_p50_s"] == 0.25 and out["ttft_p90_s"] == pytest.approx(0.79, abs=1e-3)
+    assert out["cached_token_ratio"] == 0.4 and out["output_tokens_per_s"] == 10.0   # 40 tokens / 4 s
+    assert out["requests_per_worker"] == [2, 2] and out["decision_p99_ms"] is None
+
+    base = {"ttft_p50_s": 1.0, "ttft_p90_s": 2.0, "cached_token_ratio": 0.2}
+    good = {"ttft_p50_s": 0.4, "ttft_p90_s": 1.0, "cached_token_ratio": 0.4}
+    rr = {"ttft_p50_s": 0.6, "ttft_p90_s": 0.9, "cached_token_ratio": 0.3}
+    t = route_trace.targets({"baseline": base, "policies": {"tier-aware": good, "round-robin": rr}})
+    assert t["ttft_p50_half_of_baseline"] and t["ttft_p50_best_policy"] and t["cached_1_5x_baseline"]
+    assert not t["ttft_p90_best_policy"]     # round-robin's p90 is lower: reported as missed
+    slow = dict(good, ttft_p50_s=0.51)
+    assert not route_trace.targets({"baseline": base, "policies": {"tier-aware": slow}})["ttft_p50_half_of_baseline"]
+
+
+class _Streamer:
+    """Speaks vLLM's streamed completions: the first chunk after ``delay_s``, then the usage chunk."""
+
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s, self.bodies, self.received = delay_s, [], []
+
+    async def complete(self, request):
+        body = await request.json()
+        self.bodies.append(body)
+        self.received.append(time.monotonic())
+        await asyncio.sleep(self.delay_s)
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "X-Kvtier-Worker": "w0"})
+        await out.prepare(request)
+        n = body["max_tokens"]
+        for _ in range(n):
+            await out.write(b'data: {"choices": [{"text": "x"}]}\n\n')
+        usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": n,
+                 "prompt_tokens_details": {"cached_tokens": 32}}
+        await out.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n".encode())
+        await out.write_eof()
+        return out
+
+
+def test_replay_sends_on_schedule_with_the_rounds_salt_and_times_the_first_chunk():
+    streamer = _Streamer(delay_s=0.15)
+    requests = [{"arrival_s": 0.0, "prompt": list(range(64)), "max_tokens": 3},
+                {"arrival_s": 0.4, "prompt": list(range(40)), "max_tokens": 2}]
+
+    async def main():
+        app = web.Application()
+        app.router.add_post("/v1/completions", streamer.complete)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        try:
+            return await route_trace._replay(f"http://127.0.0.1:{port}", "m", requests, "salt-1")
+        finally:
+            await runner.cleanup()
+
+    rows = asyncio.run(main())
+    assert [b["cache_salt"] for b in streamer.bodies] == ["salt-1", "salt-1"]
+    assert all(b["stream"] and b["stream_options"] == {"include_usage": True} for b in streamer.bodies)
+    assert streamer.received[1] - streamer.received[0] == pytest.approx(0.4, abs=0.1)   # arrivals kept
+    for r in rows:
+        assert 0.15 <= r["ttft_s"] < 0.6 and r["cached_tokens"] == 32 and r["worker"] == "w0"
+    assert [r["output_tokens"] for r in rows] == [3, 2] and [r["prompt_tokens"] for r in rows] == [64, 40]
+
+
+needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed")
+
+
+@needs_vllm
+@pytest.mark.timeout(600)
+def test_trace_smoke_run(tmp_path):
+    """The whole command on a tiny slice: kvtier deployment (one policy) and the baseline.
+    Most of its time is four vLLM start-ups (two deployments of two workers)."""
+    out = subprocess.run([sys.executable, "-m", "kvtier.cli.main", "bench", "route", "--trace", str(SLICE),
+                          "--json", "--model", "tiny", "--requests", "6", "--span-s", "2",
+                          "--policies", "tier-aware", "--workdir", str(tmp_path)],
+                         capture_output=True, text=True, timeout=580)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert set(r["policies"]) == {"tier-aware"} and r["baseline"] is not None
+    for row in (r["baseline"], r["policies"]["tier-aware"]):
+        assert row["requests"] == r["requests"] and row["output_tokens_per_s"] > 0
+        assert 0 <= row["cached_token_ratio"] <= 1 and row["ttft_p90_s"] >= row["ttft_p50_s"] > 0
+        assert row["decision_p99_ms"] is not None and row["prefix_cache_reset"] is True
+    assert set(r["targets"]) >= {"ttft_p50_half_of_baseline", "cached_1_5x_baseline"}
