@@ -115,7 +115,6 @@ def run(args) -> dict:
     if args.tokens <= args.block_tokens or args.runs < 1 or args.gen_tokens < 1:
         raise SystemExit("need --tokens above --block-tokens, --runs ≥ 1 and --gen-tokens ≥ 1")
     from kvtier.integrations.transformers.models import ensure_model
-    from kvtier.integrations.vllm.engine_proc import EngineProcess
 
     started = time.monotonic()
     max_len = args.tokens + args.gen_tokens + 32
@@ -136,6 +135,15 @@ def run(args) -> dict:
         "block_tokens": args.block_tokens, "vllm_page_tokens": 32,
         "model": {"preset": args.model, **geo}, "kv_bytes": kv_bytes, "memcpy_kv_s": memcpy_s(kv_bytes),
     }
+    try:
+        return _run_systems(args, base, prompts, kv_bytes, store_bytes, workdir, result, started)
+    finally:
+        if args.workdir is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _run_systems(args, base, prompts, kv_bytes, store_bytes, workdir, result, started) -> dict:
+    from kvtier.integrations.vllm.engine_proc import EngineProcess
     from kvtier.server.launch import ServerProcess
 
     with contextlib.ExitStack() as stack:
@@ -172,8 +180,6 @@ def run(args) -> dict:
     result.update(_summary(runs[1:], args, lmcache_reason))
     result["host_store"] = (stats.get("worker") or {}).get("store")
     result["wall_s"] = round(time.monotonic() - started, 1)
-    if args.workdir is None:
-        shutil.rmtree(workdir, ignore_errors=True)
     return result
 
 

@@ -164,6 +164,14 @@ def run(args) -> dict:
         "systems": {},
     }
     warmup = [random.Random(-1).randrange(16, spec.vocab_size) for _ in range(512)]
+    try:
+        return _run_systems(args, base, requests, warmup, result, workdir, store_bytes, started)
+    finally:
+        if args.workdir is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _run_systems(args, base, requests, warmup, result, workdir, store_bytes, started) -> dict:
     disk = workdir / "kvtier-disk"
     kvtier = kvtier_extra(HASH_TOKENS, host_bytes=f"{store_bytes >> 20}MiB", disk_path=str(disk), disk_bytes="4GiB")
     result["systems"]["vllm"] = _replay(base | {"extra": None}, requests, warmup, workdir / "engine-vllm.log")
@@ -194,8 +202,6 @@ def run(args) -> dict:
     result["kvtier_cached_vs_reusable"] = round(ours["cached_token_ratio"] / result["reusable_token_ratio"], 3) \
         if result["reusable_token_ratio"] else None
     result["wall_s"] = round(time.monotonic() - started, 1)
-    if args.workdir is None:
-        shutil.rmtree(workdir, ignore_errors=True)
     return result
 
 
