@@ -18,6 +18,11 @@ and an ``lmcache server`` with at least the same DRAM). ``reusable_token_ratio``
 is the share of prompt tokens an unbounded cache would hit (each request's
 longest prefix of blocks seen in earlier requests): the bound on any
 ``cached_token_ratio``.
+
+Known limit (measured, see BENCHMARKS.md): keeping one conversation in ~170 keeps its reuse but
+divides the requests between two of its turns by as much, so even a minimal vLLM cache (one
+max-length request) hits every reusable token and a connector cannot add hits. A contiguous
+window of the trace after a warm-up stretch would keep reuse distances; not done yet.
 """
 
 from __future__ import annotations
