@@ -123,6 +123,7 @@ class TieredStore:
         self.close_flush_timeout_s = close_flush_timeout_s
         self._stats = StoreStats()
         self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="kvtier-io")
+        _start_workers(self._pool, io_threads)
         self._pending: set[Future] = set()
         self._pending_lock = threading.Lock()
         self._closed = False
@@ -382,3 +383,16 @@ class TieredStore:
 def _nbytes(buf) -> int:
     nbytes = getattr(buf, "nbytes", None)
     return nbytes if isinstance(nbytes, int) else memoryview(buf).nbytes
+
+
+def _start_workers(pool: ThreadPoolExecutor, n: int) -> None:
+    """Start the pool's ``n`` threads now, at open. A thread start waits until the new thread
+    runs (on a busy machine: milliseconds); left to the first submits, it lands inside the
+    first load. Each thread holds a task at the barrier until all exist, so none is reused."""
+    barrier = threading.Barrier(n + 1)
+    for _ in range(n):
+        pool.submit(barrier.wait, 10.0)
+    try:
+        barrier.wait(10.0)
+    except threading.BrokenBarrierError:  # a machine too busy to start them: they start on use
+        pass
