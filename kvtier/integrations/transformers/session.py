@@ -191,8 +191,10 @@ class KVTierLM:
             hit = match.hit_blocks
             lookup_s = time.perf_counter() - start
             if hit:
-                top = self.store.tiers[0].name
-                self._staging.reserve(sum(t != top for t in match.tiers) * self.layout.block_nbytes)
+                # Staging for the blocks not copied straight from a host pool, before the load's timer.
+                top = self.store.tiers[0]
+                staged = sum(t != top.name for t in match.tiers) if isinstance(top, HostTier) else hit
+                self._staging.reserve(staged * self.layout.block_nbytes)
                 report = load_blocks(self.store, keys[:hit], self.storage, self._staging)
                 known = report.blocks
                 # The last prompt token is always computed: its logits are the answer.

@@ -1,0 +1,120 @@
+"""The transformers loader's fast paths: host runs pinned at once and copied per pool-adjacent run,
+lower-tier runs through staging that each read gets fresh (poisoned) and promoted in the background."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from kvtier.core.layout import KVLayout  # noqa: E402
+from kvtier.integrations.poison import BYTE  # noqa: E402
+from kvtier.integrations.transformers.cache_io import KVStorage, Staging, load_blocks  # noqa: E402
+from kvtier.store.tiered import TieredStore  # noqa: E402
+from kvtier.tiers.base import Status  # noqa: E402
+from kvtier.tiers.disk import DiskTier  # noqa: E402
+from kvtier.tiers.host import HostTier  # noqa: E402
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_tokens=16, dtype="float32")
+NB = LAYOUT.block_nbytes
+
+
+def keys_of(n):
+    return [hashlib.sha256(b"load" + i.to_bytes(4, "little")).digest() for i in range(n)]
+
+
+def blocks_of(n):
+    rng = np.random.default_rng(5)
+    return [rng.standard_normal(NB // 4).astype(np.float32) for _ in range(n)]
+
+
+def placed(storage: KVStorage, i: int) -> np.ndarray:
+    """Block i of the storage, back in canonical layout."""
+    bt = LAYOUT.block_tokens
+    return np.ascontiguousarray(storage.tensor[:, :, 0, :, i * bt : (i + 1) * bt, :].numpy()).reshape(-1)
+
+
+def test_a_load_mixing_host_runs_in_any_pool_order_and_disk_runs_places_every_block(tmp_path):
+    n = 10
+    keys, blocks = keys_of(n), blocks_of(n)
+    host = HostTier(32 * NB, NB)
+    disk = DiskTier(tmp_path / "disk", 64 << 20)
+    in_host = [0, 1, 2, 3, 8, 9]
+    # Put in reverse order: the pool holds block 3 before block 2, so the loader's
+    # adjacent-run copies must split there; blocks 4..7 are on disk only.
+    for i in reversed(in_host):
+        assert host.put(keys[i], blocks[i]) is Status.OK
+    assert disk.put_many(keys[4:8], blocks[4:8]) == [Status.OK] * 4
+    store = TieredStore([host, disk], write_mode="write-through")
+    storage = KVStorage(LAYOUT, 256, torch.float32, poison=True)
+    try:
+        report = load_blocks(store, keys, storage, Staging(poison=True))
+        assert report.blocks == n
+        assert report.bytes_by_tier == {"host": 6 * NB, "disk": 4 * NB}
+        for i in range(n):
+            assert np.array_equal(placed(storage, i), blocks[i]), f"block {i} placed wrong"
+        assert not torch.isnan(storage.tensor[:, :, :, :, : n * LAYOUT.block_tokens]).any()
+        # the disk blocks reach the host tier after the load, from disk (not from staging)
+        assert store.wait_promotions(10.0)
+        assert host.lookup_prefix(keys) == n
+    finally:
+        store.close()
+
+
+def test_adjacent_host_blocks_are_copied_as_one_run_and_land_right(tmp_path):
+    n = 12
+    keys, blocks = keys_of(n), blocks_of(n)
+    host = HostTier(32 * NB, NB)
+    store = TieredStore([host])
+    assert store.put(keys, blocks) == [Status.OK] * n
+    storage = KVStorage(LAYOUT, 512, torch.float32, poison=True)
+    try:
+        with host.borrow_many(keys, NB) as views:
+            addresses = [v.__array_interface__["data"][0] for v in views]
+        assert addresses == [addresses[0] + k * NB for k in range(n)], "put_many no longer lays out in order"
+        assert load_blocks(store, keys, storage).blocks == n
+        for i in range(n):
+            assert np.array_equal(placed(storage, i), blocks[i])
+        host.check_integrity()  # every pin of the batch was released
+    finally:
+        store.close()
+
+
+def test_borrow_many_pins_the_leading_run_only_and_releases_every_pin():
+    keys, blocks = keys_of(4), blocks_of(4)
+    host = HostTier(8 * NB, NB)
+    for i in (0, 1, 3):
+        host.put(keys[i], blocks[i])
+    with host.borrow_many(keys, NB) as views:
+        assert len(views) == 2
+        assert not views[0].flags.writeable
+        assert host.delete(keys[0]) and not host.contains(keys[0])  # deleted while pinned: hidden at once
+    assert host.used_bytes == 2 * NB  # its memory went with the batch's last unpin
+    host.check_integrity()
+    with host.borrow_many(keys[1:], 2 * NB) as views:
+        assert views == []  # a size other than asked for ends the run
+    host.close()
+
+
+def test_staging_hands_each_read_fresh_poisoned_bytes_within_a_load_and_after_poison():
+    staging = Staging(poison=True)
+    staging.reserve(4 * NB)
+    a = staging.take(2 * NB)
+    b = staging.take(2 * NB)
+    assert not np.shares_memory(a, b), "two reads of one load share staging"
+    assert (a == BYTE).all() and (b == BYTE).all()
+    a[:] = 1
+    b[:] = 2
+    staging.rewind()
+    staging.poison()  # the session's untimed refill before the next request
+    c = staging.take(4 * NB)
+    assert (c == BYTE).all(), "a region came back holding an earlier load's bytes"
+    c[:] = 3
+    staging.rewind()  # a caller that does not poison between loads: take refills
+    assert (staging.take(NB) == BYTE).all()
+    bigger = staging.take(16 * NB)  # past the reserve: a fresh buffer, poisoned too
+    assert (bigger == BYTE).all()
