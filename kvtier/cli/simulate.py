@@ -26,6 +26,22 @@ def register(subparsers) -> None:
     parser.add_argument("--limit", type=int, default=None, help="simulate only the first N requests")
     parser.add_argument("--plot", default=None, metavar="DIR", help="write PNG plots to DIR")
     parser.add_argument("--json", action="store_true")
+    planner = parser.add_argument_group("live planner over a day (--planner)")
+    planner.add_argument("--planner", action="store_true",
+                         help="replay the trace as one day on a planner-driven prefill pool: worker-hours and SLA"
+                              " attainment, static vs planned, context tier on vs off")
+    planner.add_argument("--diurnal", type=float, default=3.0, metavar="K", help="peak/trough arrival-rate ratio")
+    planner.add_argument("--scale", type=int, default=100, metavar="COPIES",
+                         help="copies of the trace's users (sets the fleet size: 100 gives hundreds of workers)")
+    planner.add_argument("--ttft", type=float, default=2.0, help="TTFT target in seconds (SLA)")
+    planner.add_argument("--ttft-percentile", type=float, default=90.0, help="percentile the planner sizes for")
+    planner.add_argument("--itl", type=float, default=0.05, help="inter-token latency target in seconds")
+    planner.add_argument("--interval", type=float, default=360.0,
+                         help="planner interval in seconds of the day (compressed with it into the trace's span)")
+    planner.add_argument("--startup", type=float, default=480.0,
+                         help="seconds of the day from starting a worker to its first request")
+    planner.add_argument("--cooldown", type=float, default=1440.0,
+                         help="seconds of the day after any change before a scale-down")
     parser.set_defaults(func=run)
 
 
@@ -55,6 +71,8 @@ def run(args) -> int:
         return 2
     if args.limit:
         trace = trace.head(args.limit)
+    if args.planner:
+        return _run_planner(args, trace, cluster, started)
     from kvtier.sim.policies import POLICIES
 
     try:
@@ -105,3 +123,42 @@ def _plot(directory: str, sim, trace, cluster) -> list[Path]:
     marks.update({t.name: t.capacity_bytes for t in cluster.tiers if t.capacity_bytes})
     return [plot_ttft_cdf(sim.results, out / "ttft_cdf.png"),
             plot_hit_rate_curve(hit_rate_curve(trace), block_bytes, out / "hit_rate_vs_capacity.png", marks)]
+
+
+def _run_planner(args, trace, cluster, started: float) -> int:
+    from kvtier.errors import ConfigError
+    from kvtier.planner.live import PlannerSettings
+    from kvtier.planner.workers import SLATargets
+    from kvtier.sim.fleet import simulate_planned_day
+
+    try:
+        targets = SLATargets(args.ttft, args.itl, args.ttft_percentile / 100.0)
+        settings = PlannerSettings(interval_s=args.interval, startup_s=args.startup, down_cooldown_s=args.cooldown)
+        out = simulate_planned_day(trace, cluster, targets, peak_to_trough=args.diurnal, copies=args.scale,
+                                   settings=settings, calibration=args.calibration)
+    except ConfigError as exc:
+        print(f"kvtier simulate: {exc}", file=sys.stderr)
+        return 2
+    out["trace"] = {"path": str(trace.source), "requests": len(trace.requests), "duration_s": trace.duration_s}
+    out["runtime_s"] = round(time.perf_counter() - started, 2)
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    day = out["day"]
+    print(f"one day = the trace's span; {day['formula']} (a = {day['a']}, peak/trough {day['peak_to_trough']:g});"
+          f" {day['requests']:,} requests ({day['realised_by']})")
+    print(f"{day['timeline']}; {out['cost_model']}")
+    print(f"{'':<14}{'fleet':<9}{'prefill wh':>11}{'decode wh':>10}{'workers':>13}{'SLA':>9}{'queue miss':>11}")
+    for label in ("with_tier", "without_tier"):
+        row = out[label]
+        st, pl = row["static"], row["planned"]
+        print(f"{label:<14}{'static':<9}{st['prefill_worker_hours']:>11.1f}{st['decode_worker_hours']:>10.1f}"
+              f"{st['prefill_workers']:>13}{st['sla_attainment']:>9.2%}{st['misses_from_queueing']:>11.2%}")
+        span = f"{pl['min_prefill_workers']}-{pl['peak_prefill_workers']}"
+        print(f"{'':<14}{'planned':<9}{pl['prefill_worker_hours']:>11.1f}{pl['decode_worker_hours']:>10.1f}"
+              f"{span:>13}{pl['sla_attainment']:>9.2%}{pl['misses_from_queueing']:>11.2%}")
+    print(f"planned/static worker-hours {out['planned_over_static']:.3f}; prefill worker-hours planned with the"
+          f" context tier {out['prefill_worker_hours_with_tier']:.1f}, without {out['prefill_worker_hours_without_tier']:.1f}")
+    print(f"SLA: {out['sla']}")
+    print(f"simulated in {out['runtime_s']:.1f} s")
+    return 0

@@ -14,9 +14,11 @@ every interval and act on the :class:`Decision` it returns through a launcher.
   context tier that loads more of each prompt shortens the modelled prefill and needs
   fewer prefill workers. A headroom factor on the rate covers forecast error.
 - **Decide.** Scale up at once (a missed TTFT cannot be undone); scale down only when
-  the need stays below the current count by more than a band for several intervals in a
-  row, and not within a cooldown of the last change, by at most a fraction of the pool
-  at a time. Noise around a level therefore never makes the pool flap.
+  the count that would hold a rate higher by a band is still below the current count,
+  for several intervals in a row, and not within a cooldown of the last change, by at
+  most a fraction of the pool at a time. Two thresholds a band apart in *rate* (not in
+  workers, where one worker is a large step for a small pool): noise in the measured rate
+  narrower than the band therefore never makes the pool flap.
 
 Policy only: no I/O, no clocks. Times are the caller's seconds.
 """
@@ -62,7 +64,7 @@ class PlannerSettings:
     startup_s: float = 20.0             # from "start a worker" to its first request
     headroom: float = 0.10              # size for forecast × (1 + headroom)
     smoothing: float = 0.5              # Holt level weight (trend weight is half of it)
-    scale_down_band: float = 0.05       # scale down only when need < current × (1 − band)
+    scale_down_band: float = 0.10       # scale down only to what holds the rate × (1 + band) too
     scale_down_after: int = 2           # … for this many consecutive intervals
     mix_intervals: int = 4              # prompt mix and hit rate pooled over this many intervals
     down_cooldown_s: float = 60.0       # no scale-down within this long of any change
@@ -95,10 +97,13 @@ class RateForecaster:
         self.last_at: float | None = None
 
     def update(self, at_s: float, rate: float) -> None:
-        if self.level is None:
+        if self.level is None or self.last_at is None:
             self.level, self.last_at = rate, at_s
             return
-        dt = max(at_s - (self.last_at or at_s), 1e-9)
+        dt = at_s - self.last_at
+        if dt <= 0:  # a repeated or out-of-order observation: refresh the level only
+            self.level = self.alpha * rate + (1 - self.alpha) * self.level
+            return
         predicted = self.level + self.trend * dt
         level = self.alpha * rate + (1 - self.alpha) * predicted
         self.trend = self.beta * (level - self.level) / dt + (1 - self.beta) * self.trend
@@ -135,8 +140,14 @@ class FleetSizer:
              arrival_scv: float) -> FleetNeed:
         if rate <= 0 or not input_tokens:
             return FleetNeed(0, 0, 0.0, 0.0, "no requests")
+        if not math.isfinite(rate):
+            raise ConfigError(f"cannot size a fleet for a request rate of {rate}")
         inputs, outputs = _thin(input_tokens), _thin(output_tokens or (1,))
         workload = Workload(rate, inputs, outputs, min(hit_rate, 0.999), arrival_scv)
+        busy = rate * float(prefill_service_times(workload, self.prefill, self.load_bytes_per_s).mean())
+        if busy > MAX_WORKERS / 2:  # the queue model's search would crawl to its bound: say so at once
+            return FleetNeed(MAX_WORKERS, MAX_WORKERS, math.inf, busy / rate,
+                             f"{busy:.0f} workers busy on prefill alone: beyond what the planner sizes")
         try:
             plan = plan_workers(workload, self.targets, self.prefill, self.decode, self.load_bytes_per_s,
                                 self.decode_kv_tokens)
@@ -201,8 +212,12 @@ class _Pool:
         self.last_up_s = -math.inf
         self.low_intervals = 0
 
-    def decide(self, now: float, needed: int, settings: PlannerSettings, why: str) -> PoolDecision:
+    def decide(self, now: float, needed: int, needed_banded: int, settings: PlannerSettings,
+               why: str) -> PoolDecision:
+        """``needed`` holds the sizing rate; ``needed_banded`` the rate × (1 + band): up on the
+        first, down only to the second."""
         needed = min(max(needed, settings.min_workers), settings.max_workers)
+        banded = min(max(needed_banded, needed), settings.max_workers)
         current = self.count
         if needed > current:
             self.low_intervals = 0
@@ -212,10 +227,11 @@ class _Pool:
                                     f"need {needed} > {current} but scale-up cooldown has {wait:.0f} s left; {why}")
             self._change(now, needed, up=True)
             return PoolDecision(self.name, current, needed, needed, "scale_up", f"need {needed} > {current}: {why}")
-        if needed >= current * (1 - settings.scale_down_band) or needed == current:
+        if banded >= current:
             self.low_intervals = 0
             return PoolDecision(self.name, current, needed, current, "hold",
-                                f"need {needed} within {settings.scale_down_band:.0%} of {current}; {why}")
+                                f"need {needed}, {banded} at +{settings.scale_down_band:.0%} rate, holds {current};"
+                                f" {why}")
         self.low_intervals += 1
         if self.low_intervals < settings.scale_down_after:
             return PoolDecision(self.name, current, needed, current, "hold",
@@ -225,7 +241,7 @@ class _Pool:
         if wait > 0:
             return PoolDecision(self.name, current, needed, current, "hold",
                                 f"need {needed} < {current} but cooldown has {wait:.0f} s left; {why}")
-        target = max(needed, current - max(1, math.floor(current * settings.max_down_fraction)))
+        target = max(banded, current - max(1, math.floor(current * settings.max_down_fraction)))
         self._change(now, target, up=False)
         return PoolDecision(self.name, current, needed, target, "scale_down",
                             f"need {needed} < {current} for {settings.scale_down_after} intervals: {why}")
@@ -278,6 +294,7 @@ class LivePlanner:
                f" sized for {sizing_rate:.2f} at hit rate {hit:.1%}"
                f" (mean prefill {need.mean_prefill_s:.3f} s, {pct} TTFT {need.predicted_ttft_s:.2f} s"
                f" <= {self.sizer.targets.ttft_s:g} s)" + (f"; {need.note}" if need.note else ""))
-        prefill = self.prefill.decide(obs.at_s, need.prefill_workers, s, why)
-        decode = self.decode.decide(obs.at_s, need.decode_workers, s, why)
+        banded = self.sizer.size(sizing_rate * (1 + s.scale_down_band), inputs, outputs, hit, scv)
+        prefill = self.prefill.decide(obs.at_s, need.prefill_workers, banded.prefill_workers, s, why)
+        decode = self.decode.decide(obs.at_s, need.decode_workers, banded.decode_workers, s, why)
         return Decision(obs.at_s, forecast, sizing_rate, hit, need.predicted_ttft_s, prefill, decode)

@@ -31,6 +31,7 @@ in the attainment); the TTFT is queueing + prefill service (no network).
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 from dataclasses import dataclass
@@ -276,28 +277,40 @@ def _sizer(cluster, model, costs, targets, with_tier: bool) -> FleetSizer:
 
 def simulate_planned_day(trace: Trace, cluster, targets, *, peak_to_trough: float = 3.0, copies: int = 100,
                          settings: PlannerSettings | None = None, calibration: str | None = None) -> dict:
-    """Static vs planned, context tier on vs off: the figures of ``kvtier simulate --planner``."""
+    """Static vs planned, context tier on vs off: the figures of ``kvtier simulate --planner``.
+
+    ``settings`` are in seconds of a real day (default: decide every 6 min, a worker serves
+    8 min after it is started, 24 min of cooldown before a scale-down); they are compressed
+    with the day into the trace's span, as the arrivals are."""
     from kvtier.planner.hardware import cost_models
     from kvtier.planner.models import load_model
     from kvtier.sim.policies import make_policy
 
-    settings = settings or PlannerSettings()
+    day_settings = settings or PlannerSettings(interval_s=360.0, startup_s=480.0, down_cooldown_s=1440.0)
     model = load_model(cluster.model)
     costs = cost_models(model, cluster.accelerator, cluster.devices_per_worker, calibration or cluster.calibration)
     duration = trace.duration_s
     profile = DiurnalProfile(peak_to_trough, duration)
+    squeeze = duration / 86400.0
+    settings = dataclasses.replace(day_settings, interval_s=day_settings.interval_s * squeeze,
+                                   startup_s=day_settings.startup_s * squeeze,
+                                   down_cooldown_s=day_settings.down_cooldown_s * squeeze,
+                                   up_cooldown_s=day_settings.up_cooldown_s * squeeze)
     day = day_load(trace, copies, profile)
     out: dict = {
         "day": {**profile.describe(),
                 "timeline": f"the trace's {duration / 3600:.2f} h span is one day: 1 s here is"
                             f" {86400 / duration:.1f} s of a day; worker-hours are in this timeline's hours",
                 "realised_by": f"{copies} copies of the trace (copy k shifted circularly by k/{copies} of its span,"
-                               " hash ids as other users), arrival times warped onto the profile's cumulative"
+                               " other users with the same behaviour and the service times of the original's replay),"
+                               " arrival times warped onto the profile's cumulative"
                                " rate; no request thinned or dropped",
                 "requests": int(len(day.arrivals_s)),
                 "mean_rate_per_s": round(len(day.arrivals_s) / duration, 3)},
         "targets": {"ttft_s": targets.ttft_s, "ttft_percentile": targets.ttft_percentile, "itl_s": targets.itl_s},
-        "planner": {f: getattr(settings, f) for f in settings.__slots__},
+        "planner": {"in_day_seconds": {f: getattr(day_settings, f) for f in day_settings.__slots__},
+                    "in_timeline_seconds": {f: round(getattr(settings, f), 3) for f in
+                                            ("interval_s", "startup_s", "down_cooldown_s", "up_cooldown_s")}},
         "cost_model": costs.provenance,
     }
     runs = {}
