@@ -1,0 +1,87 @@
+"""Fleet scale: the diurnal day, the pool recursion, and ``kvtier simulate --planner`` end to end."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvtier.cli import simulate as simulate_cli
+from kvtier.errors import ConfigError
+from kvtier.planner.live import PlannerSettings
+from kvtier.sim.fleet import DayLoad, DiurnalProfile, ServicePass, day_load, run_pool
+from kvtier.sim.trace import Trace, TraceRequest
+
+SLICE = Path(__file__).resolve().parents[1] / "data" / "mooncake_conversation_head500.jsonl"
+
+
+def test_profile_peak_is_k_times_trough_and_the_warp_realises_it():
+    profile = DiurnalProfile(3.0, 1000.0)
+    assert profile.factor(500.0) / profile.factor(0.0) == pytest.approx(3.0)
+    # Uniform arrivals warped onto the profile: the counts near the peak are ~3x those near the trough.
+    times = profile.warp(np.linspace(0, 1, 300_001))
+    counts = np.histogram(times, np.linspace(0, 1000, 21))[0]
+    assert counts.max() / counts.min() == pytest.approx(3.0, rel=0.05)
+    assert np.all(np.diff(times) >= 0)
+    with pytest.raises(ConfigError):
+        DiurnalProfile(0.5, 1000.0)
+
+
+def test_day_load_keeps_every_request_of_every_copy():
+    reqs = tuple(TraceRequest(float(t), 10, 5, (t,)) for t in range(100))
+    day = day_load(Trace(reqs, 16), 7, DiurnalProfile(3.0, 99.0))
+    assert len(day.arrivals_s) == 700
+    assert np.bincount(day.source).tolist() == [7] * 100
+    assert np.all(np.diff(day.arrivals_s) >= 0)
+
+
+def _svc(n, service):
+    return ServicePass(np.full(n, service), np.zeros(n, dtype=np.int64), np.full(n, 8000), np.full(n, 300))
+
+
+def test_pool_recursion_is_fifo_over_c_servers():
+    # Four requests at t=0 of 1 s each on two workers: TTFTs 1, 1, 2, 2.
+    day = DayLoad(np.zeros(4), np.arange(4))
+    run = run_pool(day, _svc(4, 1.0), 1.0, PlannerSettings(), static=(2, 1))
+    assert sorted(run.ttft_s.tolist()) == [1.0, 1.0, 2.0, 2.0]
+    assert run.prefill_worker_s == pytest.approx(2 * 2.0)  # two workers until the last finish
+
+
+def test_a_pool_that_is_too_small_misses_for_queueing():
+    day = DayLoad(np.linspace(0, 10, 200), np.arange(200))
+    run = run_pool(day, _svc(200, 0.5), 10.0, PlannerSettings(), static=(1, 1))
+    assert run.queueing_misses(np.full(200, 0.5), 2.0) > 0.5
+
+
+def _parse(argv):
+    parser = argparse.ArgumentParser()
+    simulate_cli.register(parser.add_subparsers())
+    return parser.parse_args(argv)
+
+
+def test_simulate_planner_json_reports_the_done_when_figures(capsys):
+    args = _parse(["simulate", "--planner", "--diurnal", "3", "--scale", "40", "--trace", str(SLICE), "--json"])
+    assert args.func(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["day"]["peak_to_trough"] == 3.0 and out["day"]["shape"] == "sinusoid"
+    assert out["day"]["requests"] == 40 * 500
+    for key in ("static_worker_hours", "planned_worker_hours", "sla_attainment_static", "sla_attainment_planned",
+                "prefill_worker_hours_without_tier", "prefill_worker_hours_with_tier"):
+        assert isinstance(out[key], float), key
+    # The planner follows the load: fewer worker-hours than a fleet sized for the peak, no worse SLA.
+    assert out["planned_worker_hours"] <= 0.75 * out["static_worker_hours"]
+    assert out["sla_attainment_planned"] >= out["sla_attainment_static"] - 1e-9
+    # Without the context tier the prompts are recomputed: more prefill worker-hours.
+    assert out["prefill_worker_hours_without_tier"] > out["prefill_worker_hours_with_tier"]
+    planned = out["with_tier"]["planned"]
+    assert planned["prefill_scale_ups"] > 0 and planned["prefill_scale_downs"] > 0
+    assert planned["min_prefill_workers"] < out["with_tier"]["static"]["prefill_workers"]
+
+
+def test_simulate_planner_refuses_a_bad_ratio(capsys):
+    args = _parse(["simulate", "--planner", "--diurnal", "0.5", "--trace", str(SLICE)])
+    assert args.func(args) == 2
+    assert "--diurnal" in capsys.readouterr().err
