@@ -1,0 +1,131 @@
+"""Launchers: how a planner's decision becomes workers started, drained and stopped.
+
+The planner (``kvtier/planner/live.py``) decides counts; a launcher owns the workers.
+Contract every launcher keeps (what "no request fails" means):
+
+- ``start(pool)`` asks for one more worker; it joins the router only once healthy
+  (the launcher polls its health endpoint, then registers it), never before.
+- ``drain(worker)`` takes a worker out of the router's rotation; its requests in flight
+  finish. ``stop(worker)`` is only for a drained worker whose in-flight count is zero (or
+  whose drain deadline passed; then the router retries what had not sent a first byte).
+- ``list(pool)`` is the launcher's own view (starting, serving, draining), so that the
+  planner's counts and the launcher's workers are reconciled every interval.
+
+:class:`DryRunLauncher` prints what it would do. :class:`KubernetesLauncher` documents the
+replica-count implementation (no cluster here). A local-process launcher (``vllm serve``
+with the kvtier connector, registered with ``kvtier route``) is not built yet.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from typing import Protocol, TextIO
+
+from kvtier.planner.live import Decision
+
+POOLS = ("prefill", "decode")
+
+
+@dataclass
+class WorkerRecord:
+    name: str
+    pool: str
+    state: str = "starting"   # starting → serving → draining → stopped
+    url: str = ""
+
+
+class Launcher(Protocol):
+    def start(self, pool: str) -> WorkerRecord: ...
+    def drain(self, worker: WorkerRecord) -> None: ...
+    def stop(self, worker: WorkerRecord) -> None: ...
+    def list(self, pool: str) -> list[WorkerRecord]: ...
+
+
+def apply(decision: Decision, launcher: Launcher) -> list[WorkerRecord]:
+    """Bring each pool to its decided target: start the missing, drain the surplus (the
+    youngest first: a worker still starting holds no requests and no cache)."""
+    touched = []
+    for pool_decision in (decision.prefill, decision.decode):
+        pool = pool_decision.pool
+        live = [w for w in launcher.list(pool) if w.state in ("starting", "serving")]
+        for _ in range(pool_decision.target - len(live)):
+            touched.append(launcher.start(pool))
+        surplus = len(live) - pool_decision.target
+        for worker in sorted(live, key=lambda w: w.state != "starting")[:max(0, surplus)]:
+            launcher.drain(worker)
+            touched.append(worker)
+    return touched
+
+
+@dataclass
+class DryRunLauncher:
+    """Keeps the workers it would have, prints every action with the decision's reason."""
+
+    out: TextIO = field(default_factory=lambda: sys.stdout)
+    json_lines: bool = False
+    workers: list[WorkerRecord] = field(default_factory=list)
+    _serial: int = 0
+
+    def seed(self, pool: str, count: int) -> None:
+        for _ in range(count):
+            self._serial += 1
+            self.workers.append(WorkerRecord(f"{pool}-{self._serial}", pool, "serving"))
+
+    def start(self, pool: str) -> WorkerRecord:
+        self._serial += 1
+        worker = WorkerRecord(f"{pool}-{self._serial}", pool, "starting")
+        self.workers.append(worker)
+        self._say("start", worker)
+        return worker
+
+    def drain(self, worker: WorkerRecord) -> None:
+        worker.state = "draining"
+        self._say("drain", worker)
+
+    def stop(self, worker: WorkerRecord) -> None:
+        worker.state = "stopped"
+        self._say("stop", worker)
+
+    def list(self, pool: str) -> list[WorkerRecord]:
+        return [w for w in self.workers if w.pool == pool and w.state != "stopped"]
+
+    def report(self, decision: Decision) -> None:
+        if self.json_lines:
+            print(json.dumps(decision.to_json()), file=self.out, flush=True)
+            return
+        for d in (decision.prefill, decision.decode):
+            print(f"[t={decision.at_s:.0f}s] {d.pool}: {d.action} {d.current} -> {d.target} ({d.reason})",
+                  file=self.out, flush=True)
+
+    def _say(self, action: str, worker: WorkerRecord) -> None:
+        if not self.json_lines:
+            print(f"  dry-run: would {action} {worker.name}", file=self.out, flush=True)
+
+
+class KubernetesLauncher(Protocol):
+    """The interface a Kubernetes launcher implements (no cluster here, so none ships).
+
+    One Deployment (or LeaderWorkerSet) per pool, e.g. ``kvtier-prefill`` and
+    ``kvtier-decode``, whose pods run ``vllm serve`` with the kvtier connector and a
+    readiness probe on ``/health``:
+
+    - ``start(pool)``: patch ``spec.replicas`` of the pool's Deployment up by one
+      (``PATCH /apis/apps/v1/namespaces/{ns}/deployments/{name}/scale``); the router
+      learns the pod from the pool's Endpoints, which list a pod only once ready.
+    - ``drain(worker)``: annotate the pod ``controller.kubernetes.io/pod-deletion-cost``
+      lowest (so a scale-down removes this pod) and tell the router to stop routing to it;
+      the pod's ``preStopHook`` waits for in-flight requests, bounded by
+      ``terminationGracePeriodSeconds``.
+    - ``stop(worker)``: patch ``spec.replicas`` down by one once drained.
+    - ``list(pool)``: the pool's pods with their ready condition and deletion cost.
+    """
+
+    namespace: str
+    deployments: dict[str, str]  # pool → Deployment name
+
+    def start(self, pool: str) -> WorkerRecord: ...
+    def drain(self, worker: WorkerRecord) -> None: ...
+    def stop(self, worker: WorkerRecord) -> None: ...
+    def list(self, pool: str) -> list[WorkerRecord]: ...
