@@ -16,6 +16,7 @@ COMMAND_MODULES = [
     "kvtier.cli.serve",
     "kvtier.cli.admin",
     "kvtier.cli.route",
+    "kvtier.cli.top",
     "kvtier.cli.mooncake",
 ]
 

@@ -1,0 +1,215 @@
+"""``kvtier top``: a live terminal view of a deployment, from its metrics endpoints alone.
+
+Scrapes ``/metrics`` of the kvtier server (with the admin token: per-tenant series), the
+router, and the workers (vLLM's own ``/metrics``), and a planner's JSON status file if
+given; redraws every ``--interval`` seconds (rich ``Live``), or renders one frame with
+``--once``. Rates (hit rate, requests/s) are from counter deltas between frames; the
+first frame shows totals since start. An endpoint that does not answer is shown as down,
+never a crash.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections import defaultdict
+from typing import NamedTuple
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("top", help="live view of a deployment from its /metrics endpoints")
+    parser.add_argument("--server", default=None, help="kvtier serve metrics address (host:port or URL)")
+    parser.add_argument("--router", default=None, help="kvtier route address (host:port or URL)")
+    parser.add_argument("--worker", action="append", default=[], help="a worker's vLLM address (repeatable)")
+    parser.add_argument("--token", default=None,
+                        help="admin token for the server's per-tenant series (default: $KVTIER_ADMIN_TOKEN)")
+    parser.add_argument("--planner-status", default=None, help="JSON status file written by a planner")
+    parser.add_argument("--interval", type=float, default=1.0, help="seconds between frames")
+    parser.add_argument("--once", action="store_true", help="render one frame to stdout and exit")
+    parser.set_defaults(func=run)
+
+
+class Samples(NamedTuple):
+    up: bool
+    values: dict          # (name, frozenset(labels.items())) -> value
+    error: str = ""
+
+    def get(self, name: str, **labels) -> float:
+        """Sum of the samples of ``name`` whose labels include ``labels``."""
+        want = set(labels.items())
+        return sum(v for (n, ls), v in self.values.items() if n == name and want <= ls)
+
+    def by(self, name: str, label: str) -> dict[str, float]:
+        out: dict[str, float] = defaultdict(float)
+        for (n, ls), v in self.values.items():
+            if n == name:
+                key = dict(ls).get(label)
+                if key is not None:
+                    out[key] += v
+        return dict(out)
+
+
+def _url(address: str) -> str:
+    base = address if "://" in address else f"http://{address}"
+    return base.rstrip("/") + ("" if base.rstrip("/").endswith("/metrics") else "/metrics")
+
+
+def scrape(address: str | None, token: str | None = None, timeout_s: float = 2.0) -> Samples:
+    if not address:
+        return Samples(False, {}, "not given")
+    from prometheus_client.parser import text_string_to_metric_families
+
+    request = urllib.request.Request(_url(address), headers={"Authorization": f"Bearer {token}"} if token else {})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            text = response.read().decode()
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        return Samples(False, {}, str(exc))
+    values = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            values[(s.name, frozenset(s.labels.items()))] = s.value
+    return Samples(True, values)
+
+
+class Frame(NamedTuple):
+    """The figures one frame shows (kept apart from drawing so tests can check them)."""
+
+    tiers: list[tuple[str, float, float]]           # name, used bytes, capacity bytes
+    server_hit_rate: dict[str, float | None]        # op -> hits / (hits + misses)
+    stored_blocks: float
+    tenants: list[tuple[str, float, float]]         # tenant, bytes, blocks
+    workers: list[dict]
+    planner: dict | None
+    down: list[str]
+
+
+def _ratio(hits: float, misses: float) -> float | None:
+    return hits / (hits + misses) if hits + misses > 0 else None
+
+
+def build_frame(server: Samples, router: Samples, workers: dict[str, Samples], planner: dict | None,
+                previous: "Frame | None" = None, prev_server: Samples | None = None) -> Frame:
+    used, cap = server.by("kvtier_tier_used_bytes", "tier"), server.by("kvtier_tier_capacity_bytes", "tier")
+    tiers = [(name, used[name], cap.get(name, 0.0)) for name in used]
+    hit_rate = {}
+    for op in ("get", "lookup"):
+        hits, misses = server.get("kvtier_hits_total", op=op), server.get("kvtier_misses_total", op=op)
+        if prev_server is not None and prev_server.up:
+            hits -= prev_server.get("kvtier_hits_total", op=op)
+            misses -= prev_server.get("kvtier_misses_total", op=op)
+        hit_rate[op] = _ratio(hits, misses)
+    t_bytes, t_blocks = server.by("kvtier_tenant_used_bytes", "tenant"), server.by("kvtier_tenant_blocks", "tenant")
+    tenants = sorted(((t, t_bytes[t], t_blocks.get(t, 0.0)) for t in t_bytes), key=lambda row: -row[1])
+    routed, healthy = router.by("kvtier_router_requests_total", "worker"), router.by("kvtier_router_worker_healthy",
+                                                                                      "worker")
+    rows = []
+    for name in sorted(set(routed) | set(healthy) | set(workers)):
+        w = workers.get(name)
+        rows.append({"worker": name, "healthy": healthy.get(name), "routed": routed.get(name, 0.0),
+                     "running": w.get("vllm:num_requests_running") if w and w.up else None,
+                     "waiting": w.get("vllm:num_requests_waiting") if w and w.up else None,
+                     "kv_usage": (w.get("vllm:gpu_cache_usage_perc") or w.get("vllm:kv_cache_usage_perc"))
+                     if w and w.up else None})
+    down = [label for label, s in (("server", server), ("router", router)) if not s.up and s.error != "not given"]
+    down += [name for name, s in workers.items() if not s.up]
+    return Frame(tiers, hit_rate, server.get("kvtier_stored_blocks"), tenants, rows, planner, down)
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def render(frame: Frame):
+    from rich.console import Group
+    from rich.table import Table
+
+    tiers = Table(title="kvtier server: tiers", expand=False)
+    for col in ("tier", "used", "capacity", "fill"):
+        tiers.add_column(col, justify="right" if col != "tier" else "left")
+    for name, used, cap in frame.tiers:
+        tiers.add_row(name, _bytes(used), _bytes(cap), f"{used / cap:.1%}" if cap else "-")
+    hits = " · ".join(f"{op} hit rate {'-' if r is None else f'{r:.1%}'}" for op, r in frame.server_hit_rate.items())
+    from rich.text import Text
+
+    parts = [tiers, Text(f"server: {hits} · {frame.stored_blocks:.0f} blocks stored", no_wrap=True)]
+    if frame.tenants:
+        t = Table(title="tenants")
+        for col in ("tenant", "bytes", "blocks"):
+            t.add_column(col)
+        for name, nbytes, blocks in frame.tenants:
+            t.add_row(name, _bytes(nbytes), f"{blocks:.0f}")
+        parts.append(t)
+    if frame.workers:
+        w = Table(title="workers")
+        for col in ("worker", "healthy", "routed", "running", "waiting", "KV use"):
+            w.add_column(col)
+        for row in frame.workers:
+            w.add_row(row["worker"], "-" if row["healthy"] is None else ("yes" if row["healthy"] else "no"),
+                      f"{row['routed']:.0f}", *("-" if row[k] is None else f"{row[k]:.0f}" for k in ("running", "waiting")),
+                      "-" if row["kv_usage"] is None else f"{row['kv_usage']:.0%}")
+        parts.append(w)
+    if frame.planner:
+        p = Table(title="planner")
+        for col in ("pool", "action", "current → target", "reason"):
+            p.add_column(col)
+        for pool in ("prefill", "decode"):
+            d = frame.planner.get(pool) or {}
+            p.add_row(pool, str(d.get("action", "-")), f"{d.get('current', '-')} → {d.get('target', '-')}",
+                      str(d.get("reason", "")))
+        parts.append(p)
+    if frame.down:
+        parts.append(Text("down: " + ", ".join(frame.down), style="bold red"))
+    return Group(*parts)
+
+
+def _planner_status(path: str | None) -> dict | None:
+    if not path:
+        return None
+    try:
+        with open(path) as fh:
+            return json.load(fh)
+    except (OSError, ValueError):
+        return None
+
+
+def run(args) -> int:
+    from rich.console import Console
+    from rich.live import Live
+
+    token = args.token or os.environ.get("KVTIER_ADMIN_TOKEN")
+    if not (args.server or args.router or args.worker):
+        print("kvtier top: give at least one of --server, --router, --worker", file=sys.stderr)
+        return 2
+    if args.interval <= 0:
+        print("kvtier top: --interval must be > 0 seconds", file=sys.stderr)
+        return 2
+
+    def sample(prev_server=None):
+        server = scrape(args.server, token)
+        workers = {w: scrape(w) for w in args.worker}
+        frame = build_frame(server, scrape(args.router), workers, _planner_status(args.planner_status),
+                            prev_server=prev_server)
+        return frame, server
+
+    if args.once:
+        frame, _ = sample()
+        Console(file=sys.stdout, width=160).print(render(frame))
+        return 0
+    frame, prev = sample()
+    try:
+        with Live(render(frame), refresh_per_second=4) as live:
+            while True:
+                time.sleep(args.interval)
+                frame, prev = sample(prev)
+                live.update(render(frame))
+    except KeyboardInterrupt:
+        return 0
