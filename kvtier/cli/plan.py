@@ -46,6 +46,23 @@ def register(subparsers) -> None:
     wk.add_argument("--json", action="store_true")
     wk.set_defaults(func=_reporting_config_errors(run_workers))
 
+    live = sub.add_parser("live", help="watch a deployment's metrics and decide worker counts (dry run)")
+    live.add_argument("--router", required=True, help="kvtier route address (host:port or URL) whose /metrics to poll")
+    live.add_argument("--ttft", type=float, required=True, help="TTFT target in seconds")
+    live.add_argument("--ttft-percentile", type=float, default=90.0)
+    live.add_argument("--itl", type=float, required=True, help="inter-token latency target in seconds")
+    live.add_argument("--output-tokens", type=int, default=256, help="mean output tokens assumed for decode sizing")
+    live.add_argument("--cluster", default=None, help="cluster config JSON (model, accelerator, tiers)")
+    live.add_argument("--calibration", default=None, help="prefill calibration table (kvtier bench prefill)")
+    live.add_argument("--interval", type=float, default=15.0, help="seconds between decisions")
+    live.add_argument("--startup", type=float, default=60.0, help="seconds a new worker takes to serve")
+    live.add_argument("--prefill-workers", type=int, default=1, help="workers running now")
+    live.add_argument("--decode-workers", type=int, default=1)
+    live.add_argument("--status-file", default=None, help="write the last decision here as JSON (kvtier top reads it)")
+    live.add_argument("--json", action="store_true", help="one JSON line per decision")
+    live.add_argument("--iterations", type=int, default=0, help="stop after N decisions (0: run until interrupted)")
+    live.set_defaults(func=_reporting_config_errors(run_live))
+
 
 def _reporting_config_errors(command):
     """Turn a configuration mistake into its message and exit status 2, not a traceback."""
@@ -173,3 +190,56 @@ def _verify_by_simulation(trace, cluster, plan, targets, calibration) -> dict:
     report = run.reports["tier_aware"]
     return {"prefill_workers": workers, "ttft_s": ttft, "meets_target": ttft <= targets.ttft_s,
             "itl_p50_s": report.itl_p50_s, "hit_rate": report.hit_rate}
+
+
+def run_live(args) -> int:
+    """Poll the router's counters, decide through the planner, act through the dry-run launcher."""
+    import os
+    import time
+
+    from kvtier.cli.top import scrape
+    from kvtier.planner.hardware import cost_models
+    from kvtier.planner.launchers import DryRunLauncher, apply
+    from kvtier.planner.live import FleetSizer, LivePlanner, PlannerSettings
+    from kvtier.planner.models import load_model
+    from kvtier.planner.observe import RouterCounters, observation_between
+    from kvtier.planner.workers import SLATargets
+    from kvtier.sim.cluster import load_cluster
+
+    cluster = load_cluster(args.cluster)
+    model = load_model(cluster.model)
+    costs = cost_models(model, cluster.accelerator, cluster.devices_per_worker, args.calibration or cluster.calibration)
+    pod = [t for t in cluster.tiers if t.scope == "pod"]
+    load_bw = min(t.read_bytes_per_s for t in (pod or cluster.tiers)) if cluster.tiers else 1e18
+    sizer = FleetSizer(SLATargets(args.ttft, args.itl, args.ttft_percentile / 100.0), costs.prefill, costs.decode,
+                       load_bw, int(cluster.decode_kv_bytes // model.bytes_per_token))
+    settings = PlannerSettings(interval_s=args.interval, startup_s=args.startup)
+    planner = LivePlanner(sizer, settings, args.prefill_workers, args.decode_workers)
+    launcher = DryRunLauncher(json_lines=args.json)
+    launcher.seed("prefill", args.prefill_workers)
+    launcher.seed("decode", args.decode_workers)
+    before = None
+    decisions = 0
+    try:
+        while not args.iterations or decisions < args.iterations:
+            samples = scrape(args.router)
+            if not samples.up:
+                print(f"kvtier plan live: router metrics unreachable ({samples.error}); holding", file=sys.stderr)
+            else:
+                now = RouterCounters.from_samples(time.monotonic(), samples)
+                obs = observation_between(before, now, args.output_tokens) if before else None
+                before = now
+                if obs is not None:
+                    decision = planner.decide(obs)
+                    launcher.report(decision)
+                    apply(decision, launcher)
+                    decisions += 1
+                    if args.status_file:
+                        tmp = args.status_file + ".tmp"
+                        with open(tmp, "w") as fh:
+                            json.dump(decision.to_json(), fh)
+                        os.replace(tmp, args.status_file)
+            time.sleep(args.interval)
+    except KeyboardInterrupt:
+        pass
+    return 0
