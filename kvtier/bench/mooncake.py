@@ -105,32 +105,37 @@ def run(sizes_mib=(8, 32), blocks: int = 4, runs: int = 5, sealed: bool = True) 
                     t0 = time.perf_counter()
                     codes = engine.batch_put_from(names, ptrs, [n] * blocks)
                     t1 = time.perf_counter()
+                    _poison(r for _, r in reg)  # untimed: a get that writes nothing must fail its check
+                    t1p = time.perf_counter()
                     got = engine.batch_get_into(names, ptrs, [n] * blocks)
                     t2 = time.perf_counter()
-                    if any(codes) or any(g != n for g in got):
+                    if any(codes) or any(g != n for g in got) or not _equal((r[:n] for _, r in reg), datas):
                         result["warnings"].append(f"bare client at {mib} MiB: put {codes} get {got}")
                     rates["bare_put"].append(blocks * n / (t1 - t0))
-                    rates["bare_get"].append(blocks * n / (t2 - t1))
+                    rates["bare_get"].append(blocks * n / (t2 - t1p))
                     t0 = time.perf_counter()
                     ps = tier.put_many(keys, datas)
                     t1 = time.perf_counter()
+                    _poison(outs)
+                    t1p = time.perf_counter()
                     gs = tier.get_many(keys, outs)
                     t2 = time.perf_counter()
-                    if ps != [Status.OK] * blocks or gs != [Status.OK] * blocks or not all(
-                            np.array_equal(o, d) for o, d in zip(outs, datas)):
+                    if ps != [Status.OK] * blocks or gs != [Status.OK] * blocks or not _equal(outs, datas):
                         result["warnings"].append(f"kvtier tier at {mib} MiB: put {ps} get {gs}")
                     rates["kvtier_put"].append(blocks * n / (t1 - t0))
-                    rates["kvtier_get"].append(blocks * n / (t2 - t1))
+                    rates["kvtier_get"].append(blocks * n / (t2 - t1p))
                     if enc is not None:
                         t0 = time.perf_counter()
                         ps = enc.put_many(keys, datas)
                         t1 = time.perf_counter()
+                        _poison(outs)
+                        t1p = time.perf_counter()
                         gs = enc.get_many(keys, outs)
                         t2 = time.perf_counter()
-                        if ps != [Status.OK] * blocks or gs != [Status.OK] * blocks:
+                        if ps != [Status.OK] * blocks or gs != [Status.OK] * blocks or not _equal(outs, datas):
                             result["warnings"].append(f"sealed tier at {mib} MiB: put {ps} get {gs}")
                         rates["sealed_put"].append(blocks * n / (t1 - t0))
-                        rates["sealed_get"].append(blocks * n / (t2 - t1))
+                        rates["sealed_get"].append(blocks * n / (t2 - t1p))
                         # the reads' leases refuse a plain removal: force, so the segment never fills
                         engine.batch_remove([enc.inner.storage_name(enc.storage_name(k)) for k in keys], True)
                     rates["socket"].append(_socket_rate(datas[0], outs[0], blocks))
@@ -159,3 +164,12 @@ def run(sizes_mib=(8, 32), blocks: int = 4, runs: int = 5, sealed: bool = True) 
             tier.close()
     result["load_avg_1m"] = round(os.getloadavg()[0], 2)
     return result
+
+
+def _poison(bufs) -> None:
+    for b in bufs:
+        b.fill(0xA5)
+
+
+def _equal(outs, datas) -> bool:
+    return all(np.array_equal(o, d) for o, d in zip(outs, datas))
