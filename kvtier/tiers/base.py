@@ -164,3 +164,11 @@ class Tier(ABC):
 
 def buffer_nbytes(buf) -> int:
     return memoryview(buf).nbytes
+
+
+def writable_bytes(out) -> memoryview:
+    """The caller's output buffer as bytes; a read-only one is the caller's mistake, found before any I/O."""
+    view = memoryview(out).cast("B")
+    if view.readonly:
+        raise ValueError("the output buffer is read-only; pass a writable buffer (e.g. numpy.empty)")
+    return view

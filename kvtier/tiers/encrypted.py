@@ -46,7 +46,7 @@ from kvtier.core.keys import BlockKey
 from kvtier.core.payload import BlockMeta
 from kvtier.crypto import aead
 from kvtier.crypto.keyring import Keyring
-from kvtier.tiers.base import Status, Tier
+from kvtier.tiers.base import Status, Tier, writable_bytes
 from kvtier.tiers.streams import StreamingTier, Unverifiable
 from kvtier.tiers.wrapper import WrappingTier
 
@@ -224,7 +224,7 @@ class EncryptedTier(WrappingTier):
         return self.inner.put(name, sealed, parent=self._name(parent) if parent else None)
 
     def get(self, key: BlockKey, out) -> Status:
-        dst = _writable(out)
+        dst = writable_bytes(out)
         name = self._name(key)
         owner = self._owner(key)
         if owner is None:
@@ -278,7 +278,7 @@ class EncryptedTier(WrappingTier):
             return self._get_streamed(keys, outs)
         if self._tenant_of is not None:
             return super().get_many(keys, outs)
-        dsts = [_writable(o) for o in outs]
+        dsts = [writable_bytes(o) for o in outs]
         statuses: list[Status] = [Status.MISS] * len(keys)
         bufs = [self._buffers.take(self._sealed_size(d.nbytes)) for d in dsts[:2]]
         job = None  # (index, future) of the block being opened
@@ -329,7 +329,7 @@ class EncryptedTier(WrappingTier):
         owners = [self._owner(k) for k in keys]
         statuses = [Status.MISS] * len(keys)
         todo = [i for i in range(len(keys)) if owners[i] is not None]
-        items = [(owners[i], self._name(keys[i]), _writable(outs[i])) for i in todo]
+        items = [(owners[i], self._name(keys[i]), writable_bytes(outs[i])) for i in todo]
         for i, status in zip(todo, self._in_lanes(self._get_lane, items)):
             statuses[i] = status
         return statuses
@@ -428,10 +428,3 @@ class _OpeningSink(aead.OpeningSink):
             why = self.failure = Unverifiable(why)
         return why
 
-
-def _writable(out) -> memoryview:
-    """The caller's output buffer as bytes; a read-only one is the caller's mistake, found before any I/O."""
-    view = memoryview(out).cast("B")
-    if view.readonly:
-        raise ValueError("the output buffer is read-only; pass a writable buffer (e.g. numpy.empty)")
-    return view

@@ -66,7 +66,7 @@ import xxhash
 
 from kvtier.core.keys import KEY_BYTES, BlockKey
 from kvtier.core.payload import FLAG_CHECKSUM, HEADER_NBYTES, BlockMeta, pack_header, unpack_header
-from kvtier.tiers.base import Status, Tier
+from kvtier.tiers.base import Status, Tier, writable_bytes
 from kvtier.tiers.mooncake_client import (
     MASTER_DOWN_CODES,
     RC_BAD_PARAMS,
@@ -257,10 +257,7 @@ class MooncakeTier(Tier):
     def get_many(self, keys: Sequence[BlockKey], outs: Sequence) -> list[Status]:
         if len(keys) != len(outs):
             raise ValueError(f"get_many: {len(keys)} keys but {len(outs)} buffers")
-        views = [memoryview(o).cast("B") for o in outs]
-        for v in views:
-            if v.readonly:
-                raise ValueError("get: the output buffer is read-only; pass a writable buffer (e.g. numpy.empty)")
+        views = [writable_bytes(o) for o in outs]
         digests = [self._digest(k) for k in keys]
         deadline = time.monotonic() + self._deadline_in(sum(v.nbytes for v in views))
         statuses = [Status.ERROR] * len(keys)

@@ -63,7 +63,7 @@ from kvtier.core.payload import (
     unpack_header,
 )
 from kvtier.core.payload import HEADER_NBYTES as BLOCK_HEADER_NBYTES
-from kvtier.tiers.base import Status, Tier
+from kvtier.tiers.base import Status, Tier, writable_bytes
 from kvtier.tiers.remote_protocol import (
     GET_ITEM,
     LIST_ARGS,
@@ -248,10 +248,7 @@ class RemoteTier(Tier, StreamingTier):
     def get_many(self, keys: Sequence[BlockKey], outs: Sequence) -> list[Status]:
         if len(keys) != len(outs):
             raise ValueError(f"get_many: {len(keys)} keys but {len(outs)} buffers")
-        views = [memoryview(o).cast("B") for o in outs]
-        for v in views:
-            if v.readonly:
-                raise ValueError("get: the output buffer is read-only")
+        views = [writable_bytes(o) for o in outs]
         return self._get_blocks(keys, views, [v.nbytes for v in views], sealed=False)
 
     def get_streams(self, keys: Sequence[BlockKey], sinks: Sequence[PayloadSink]) -> list[Status]:
