@@ -19,6 +19,7 @@ from typing import Any, NamedTuple, Sequence
 from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
 
 from kvtier.policy.routing import Approximate, make_policy
+from kvtier.router.admin import install as install_admin
 from kvtier.router.config import RouterConfig
 from kvtier.router.events import SharedTierEvents, VllmEvents
 from kvtier.router.index import BlockIndex
@@ -167,6 +168,7 @@ class Router:
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health_endpoint)
         app.router.add_get("/metrics", self.metrics_endpoint)
+        install_admin(self, app)   # /admin/workers: runtime add / drain / remove (kvtier/router/admin.py)
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
         return app
@@ -238,9 +240,9 @@ class Router:
     def decide(self, token_ids: Sequence[int], exclude: set[int]) -> tuple[Worker, int, list[int]] | None:
         """Pick a worker; returns it, the predicted cached tokens and the prompt's keys."""
         t0 = time.perf_counter()
-        candidates = [w for w in self.workers if w.healthy and w.id not in exclude]
+        candidates = [w for w in self.workers if w.healthy and not w.draining and w.id not in exclude]
         if not candidates:   # every admitted worker failed this request: try the ejected ones
-            candidates = [w for w in self.workers if w.id not in exclude]
+            candidates = [w for w in self.workers if not w.draining and w.id not in exclude]
         if not candidates:
             return None
         keys = self.index.keys_of(token_ids)

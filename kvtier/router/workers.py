@@ -24,6 +24,7 @@ class Worker:
     active_blocks: int = 0        #: blocks of requests in flight
     inflight: int = 0
     events_up: bool = False       #: the KV-event stream is connected (and not mid-resync)
+    draining: bool = False        #: taken out of rotation (admin API); in-flight requests finish
     prefill_tokens_per_s: float | None = None   #: measured (EWMA of uncached tokens ÷ time to first byte)
     extra: dict = field(default_factory=dict)
 

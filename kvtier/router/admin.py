@@ -1,0 +1,188 @@
+"""The router's admin API: workers added, drained and removed while it runs (a planner's launcher).
+
+Endpoints (JSON):
+
+- ``GET /admin/workers`` — every worker: url, state (``serving`` / ``draining``), healthy,
+  requests in flight, events connected.
+- ``POST /admin/workers {"url", "events"?}`` — add a worker; it is routed to at once, so a
+  launcher calls this only once the worker's ``/health`` answers. Adding a worker that is
+  draining puts it back in rotation; adding one that serves changes nothing (200, not 201).
+- ``POST /admin/workers/drain {"url"}`` — no new request goes to it; those in flight finish.
+- ``DELETE /admin/workers {"url", "force"?}`` — forget a drained worker once nothing is in
+  flight on it (409 otherwise, unless ``force``: its requests still finish, the router only
+  stops counting them). Its index entries and metric series go with it. The last routable
+  worker cannot be drained (the router would answer every request 503).
+
+Who may call: with ``KVTIER_ROUTER_ADMIN_TOKEN`` set in the router's environment, a caller
+presenting ``Authorization: Bearer <that token>`` (compared as SHA-256 digests in constant
+time); without it, callers on loopback only (the router's default address), since adding
+a worker points user traffic at an address of the caller's choosing.
+
+Worker ids are index bit positions: a removed worker's id is reused by the next one added,
+after its index entries were cleared, so masks stay as narrow as the live pool.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+import logging
+import os
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+from kvtier.router.events import VllmEvents
+from kvtier.router.workers import Worker
+
+if TYPE_CHECKING:
+    from kvtier.router.app import Router
+
+log = logging.getLogger(__name__)
+
+TOKEN_ENV = "KVTIER_ROUTER_ADMIN_TOKEN"
+
+
+def _digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode()).digest()
+
+
+def _loopback(remote: str | None) -> bool:
+    try:
+        return remote is not None and ipaddress.ip_address(remote.split("%")[0]).is_loopback
+    except ValueError:
+        return False
+
+
+def _error(status: int, message: str) -> Exception:
+    """Raised; the router's error middleware answers it in the OpenAI error shape."""
+    from kvtier.router.app import RequestError   # here: app.py imports this module
+
+    return RequestError(status, message, "admin_error")
+
+
+def describe(w: Worker) -> dict:
+    return {"url": w.url, "id": w.id, "state": "draining" if w.draining else "serving", "healthy": w.healthy,
+            "inflight": w.inflight, "events": w.events_endpoint, "events_up": w.events_up}
+
+
+class WorkerAdmin:
+    """Mutates ``router.workers`` (and its listeners, index and metrics) on the event loop only."""
+
+    def __init__(self, router: "Router", token: str | None = None) -> None:
+        self.router = router
+        self._token = _digest(token) if token else None
+
+    def install(self, app: web.Application) -> None:
+        app.router.add_get("/admin/workers", self.list_workers)
+        app.router.add_post("/admin/workers", self.add_worker)
+        app.router.add_post("/admin/workers/drain", self.drain_worker)
+        app.router.add_delete("/admin/workers", self.remove_worker)
+
+    # --- access ----------------------------------------------------------------------
+    def _authorize(self, request: web.Request) -> None:
+        if self._token is None:
+            if not _loopback(request.remote):
+                raise _error(403, f"admin API without {TOKEN_ENV} set: loopback callers only")
+            return
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(_digest(token.strip()), self._token):
+            raise _error(401, "admin API: missing or wrong bearer token")
+
+    async def _body(self, request: web.Request) -> dict:
+        try:
+            body = await request.json()
+        except ValueError:
+            raise _error(400, "the request body must be a JSON object") from None
+        if not isinstance(body, dict) or not isinstance(body.get("url"), str):
+            raise _error(400, 'give {"url": "http://host:port"}')
+        return body
+
+    def _find(self, url: str) -> Worker | None:
+        url = url.rstrip("/")
+        return next((w for w in self.router.workers if w.url == url), None)
+
+    def _known(self, body: dict) -> Worker:
+        worker = self._find(body["url"])
+        if worker is None:
+            raise _error(404, f"no worker {body['url']!r}")
+        return worker
+
+    # --- endpoints -------------------------------------------------------------------
+    async def list_workers(self, request: web.Request) -> web.Response:
+        self._authorize(request)
+        return web.json_response({"workers": [describe(w) for w in self.router.workers]})
+
+    async def add_worker(self, request: web.Request) -> web.Response:
+        from kvtier.errors import ConfigError
+        from kvtier.router.config import WorkerSpec
+
+        self._authorize(request)
+        body = await self._body(request)
+        events = body.get("events")
+        if events is not None and not isinstance(events, str):
+            raise _error(400, "events is a ZMQ endpoint string")
+        try:
+            spec = WorkerSpec.parse(body["url"] + (f",events={events}" if events else ""))
+        except ConfigError as exc:
+            raise _error(400, str(exc)) from None
+        known = self._find(spec.url)
+        if known is not None:
+            if known.draining:
+                known.draining = False
+                log.info("worker %s back in rotation", known.url)
+            return web.json_response(describe(known), status=200)
+        used = {w.id for w in self.router.workers}
+        wid = next(i for i in range(len(used) + 1) if i not in used)
+        self.router.index.clear_worker(wid)     # nothing of an earlier holder of this id survives
+        worker = Worker(wid, spec.url, spec.events)
+        self.router.workers.append(worker)
+        self.router.metrics.healthy.labels(worker.url).set(1)
+        self.router.metrics.events_up.labels(worker.url).set(0)
+        if worker.events_endpoint:
+            listener = VllmEvents(worker, self.router.index, shared_writes=self.router.config.shared_writes,
+                                  on_change=self.router._update_mode)
+            listener.start()
+            self.router.listeners.append(listener)
+        self.router._update_mode()
+        log.info("worker %s added (id %d)", worker.url, wid)
+        return web.json_response(describe(worker), status=201)
+
+    async def drain_worker(self, request: web.Request) -> web.Response:
+        self._authorize(request)
+        worker = self._known(await self._body(request))
+        if not worker.draining and not any(w is not worker and not w.draining for w in self.router.workers):
+            raise _error(409, f"{worker.url} is the last routable worker; add another before draining it")
+        worker.draining = True
+        log.info("worker %s draining (%d in flight)", worker.url, worker.inflight)
+        return web.json_response(describe(worker))
+
+    async def remove_worker(self, request: web.Request) -> web.Response:
+        self._authorize(request)
+        body = await self._body(request)
+        worker = self._known(body)
+        if not worker.draining:
+            raise _error(409, f"{worker.url} is serving: drain it first")
+        if worker.inflight and not body.get("force"):
+            raise _error(409, f"{worker.url} has {worker.inflight} requests in flight; wait, or force")
+        self.router.workers.remove(worker)
+        for listener in [x for x in self.router.listeners if x.worker is worker]:
+            self.router.listeners.remove(listener)
+            await listener.stop()
+        self.router.index.clear_worker(worker.id)
+        for gauge in (self.router.metrics.healthy, self.router.metrics.events_up):
+            try:
+                gauge.remove(worker.url)
+            except KeyError:
+                pass
+        self.router._update_mode()
+        log.info("worker %s removed", worker.url)
+        return web.json_response({**describe(worker), "state": "removed"})
+
+
+def install(router: "Router", app: web.Application) -> WorkerAdmin:
+    """The admin API on ``app``, with the token from the environment if one is set."""
+    admin = WorkerAdmin(router, os.environ.get(TOKEN_ENV) or None)
+    admin.install(app)
+    return admin

@@ -1,0 +1,117 @@
+"""The router's admin API over real sockets (kvtier/router/admin.py): a worker added at run time gets
+requests; a drained one gets none while its in-flight stream finishes whole; it can be removed
+only once idle; tokens are checked. Engine stand-ins as in test_http.py (real vLLM:
+tests/integrations/vllm/test_planner_live.py)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiohttp import ClientSession
+
+from kvtier.router.admin import TOKEN_ENV, _loopback
+from tests.router.test_http import StandIn, run, start_router
+
+
+async def _admin(s: ClientSession, method: str, url: str, body: dict | None = None, token: str | None = None):
+    """``method`` DRAIN means POST /admin/workers/drain."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    path, verb = ("/admin/workers/drain", "POST") if method == "DRAIN" else ("/admin/workers", method)
+    async with s.request(verb, url + path, json=body, headers=headers) as r:
+        return r.status, await r.json()
+
+
+async def _complete(s: ClientSession, url: str, prompt: str, stream: bool = False) -> tuple[int, str]:
+    async with s.post(url + "/v1/completions", json={"prompt": prompt, "stream": stream}) as r:
+        body = await r.read()
+        return r.status, r.headers.get("X-Kvtier-Worker", "") + ("" if not stream or b"[DONE]" in body else "!torn")
+
+
+def test_added_worker_gets_requests_and_a_drained_one_finishes_its_stream_and_gets_none():
+    async def main():
+        a, b = StandIn("a"), StandIn("b")
+        await a.start()
+        await b.start()
+        router, runner, url = await start_router([a], policy="round-robin")
+        try:
+            async with ClientSession() as s:
+                status, added = await _admin(s, "POST", url, {"url": b.url})
+                assert status == 201 and added["state"] == "serving" and added["id"] == 1, added
+                assert (await _admin(s, "POST", url, {"url": b.url + "/"}))[0] == 200    # idempotent
+                got = [await _complete(s, url, f"p {i}") for i in range(6)]
+                assert {w for _, w in got} == {a.url, b.url}, got          # round-robin reaches the new one
+                # a stream in flight on b (3 tokens 0.2 s apart) while b is drained
+                before_b = b.requests
+                streams = [asyncio.ensure_future(_complete(s, url, f"s {i}", stream=True)) for i in range(2)]
+                await asyncio.sleep(0.1)
+                assert b.requests == before_b + 1, "one of the two streams is on b"
+                status, drained = await _admin(s, "DRAIN", url, {"url": b.url})
+                assert status == 200 and drained["state"] == "draining" and drained["inflight"] == 1, drained
+                status, refused = await _admin(s, "DELETE", url, {"url": b.url})
+                assert status == 409 and "in flight" in refused["error"]["message"], refused
+                got = [await _complete(s, url, f"q {i}") for i in range(6)]
+                assert {w for _, w in got} == {a.url}, got                 # nothing new goes to b
+                assert b.requests == before_b + 1
+                assert sorted(await asyncio.gather(*streams)) == sorted([(200, a.url), (200, b.url)])
+                listed = (await _admin(s, "GET", url))[1]["workers"]
+                assert [(w["url"], w["state"], w["inflight"]) for w in listed] == \
+                    [(a.url, "serving", 0), (b.url, "draining", 0)], listed
+                status, removed = await _admin(s, "DELETE", url, {"url": b.url})
+                assert status == 200 and removed["state"] == "removed", removed
+                assert [w.url for w in router.workers] == [a.url]
+                text = await (await s.get(url + "/metrics")).text()
+                assert f'kvtier_router_worker_healthy{{worker="{b.url}"}}' not in text
+                # back again: it takes the freed id, and gets requests
+                status, again = await _admin(s, "POST", url, {"url": b.url})
+                assert status == 201 and again["id"] == 1
+                got = [await _complete(s, url, f"r {i}") for i in range(4)]
+                assert {w for _, w in got} == {a.url, b.url}
+        finally:
+            await runner.cleanup()
+            await a.stop()
+            await b.stop()
+    run(main())
+
+
+def test_the_last_routable_worker_cannot_be_drained_and_unknown_ones_are_404():
+    async def main():
+        a = StandIn("a")
+        await a.start()
+        router, runner, url = await start_router([a])
+        try:
+            async with ClientSession() as s:
+                status, body = await _admin(s, "DRAIN", url, {"url": a.url})
+                assert status == 409 and "last routable" in body["error"]["message"], body
+                assert (await _admin(s, "DRAIN", url, {"url": "http://127.0.0.1:1"}))[0] == 404
+                assert (await _admin(s, "DELETE", url, {"url": a.url}))[0] == 409      # serving: drain first
+                assert (await _admin(s, "POST", url, {"url": "ftp://x"}))[0] == 400
+                assert (await _admin(s, "POST", url, {"nope": 1}))[0] == 400
+                assert (await _complete(s, url, "still served"))[0] == 200
+        finally:
+            await runner.cleanup()
+            await a.stop()
+    run(main())
+
+
+def test_a_set_token_is_required_and_without_one_only_loopback_may_call(monkeypatch):
+    monkeypatch.setenv(TOKEN_ENV, "s3cret")
+
+    async def main():
+        a, b = StandIn("a"), StandIn("b")
+        await a.start()
+        await b.start()
+        router, runner, url = await start_router([a])
+        try:
+            async with ClientSession() as s:
+                assert (await _admin(s, "GET", url))[0] == 401
+                assert (await _admin(s, "POST", url, {"url": b.url}, token="wrong"))[0] == 401
+                assert len(router.workers) == 1
+                assert (await _admin(s, "POST", url, {"url": b.url}, token="s3cret"))[0] == 201
+                assert len(router.workers) == 2
+        finally:
+            await runner.cleanup()
+            await a.stop()
+            await b.stop()
+    run(main())
+    assert _loopback("127.0.0.1") and _loopback("::1")
+    assert not _loopback("10.0.0.5") and not _loopback(None) and not _loopback("garbage")
