@@ -46,7 +46,7 @@ def register(subparsers) -> None:
     wk.add_argument("--json", action="store_true")
     wk.set_defaults(func=_reporting_config_errors(run_workers))
 
-    live = sub.add_parser("live", help="watch a deployment's metrics and decide worker counts (dry run)")
+    live = sub.add_parser("live", help="watch a deployment's metrics, decide worker counts, act through a launcher")
     live.add_argument("--router", required=True, help="kvtier route address (host:port or URL) whose /metrics to poll")
     live.add_argument("--ttft", type=float, required=True, help="TTFT target in seconds")
     live.add_argument("--ttft-percentile", type=float, default=90.0)
@@ -61,6 +61,34 @@ def register(subparsers) -> None:
     live.add_argument("--status-file", default=None, help="write the last decision here as JSON (kvtier top reads it)")
     live.add_argument("--json", action="store_true", help="one JSON line per decision")
     live.add_argument("--iterations", type=int, default=0, help="stop after N decisions (0: run until interrupted)")
+    live.add_argument("--min-workers", type=int, default=1, help="never fewer workers per pool")
+    live.add_argument("--max-workers", type=int, default=None, help="never more workers per pool")
+    live.add_argument("--headroom", type=float, default=0.10, help="size for the forecast x (1 + headroom)")
+    live.add_argument("--scale-down-after", type=int, default=2, help="intervals the need must stay low")
+    live.add_argument("--down-cooldown", type=float, default=60.0, help="seconds after any change before a scale-down")
+    live.add_argument("--worker", action="append", default=[],
+                      help="a worker's vLLM address whose /metrics to read (repeatable; the local launcher adds its own)")
+    live.add_argument("--metrics-port", type=int, default=None, help="serve the planner's Prometheus /metrics here")
+    live.add_argument("--metrics-host", default="127.0.0.1")
+    launch = live.add_argument_group("launcher")
+    launch.add_argument("--launcher", choices=("dry-run", "local"), default="dry-run",
+                        help="dry-run: print decisions; local: start/drain/stop `vllm serve` workers behind the router")
+    launch.add_argument("--model", default=None, help="local: the model the started workers serve")
+    launch.add_argument("--worker-args", default="",
+                        help="local: `vllm serve` flags for every started worker, one shell-quoted string "
+                             "(e.g. the kvtier connector's --kv-transfer-config)")
+    launch.add_argument("--adopt", action="append", default=[],
+                        help="local: a worker already registered with the router (repeatable); drained like the "
+                             "others, never signalled")
+    launch.add_argument("--run-dir", default=None, help="local: worker logs and event sockets (default: a new "
+                                                        "private temporary directory)")
+    launch.add_argument("--cores", default="", help="local: CPU cores for VLLM_CPU_OMP_THREADS_BIND, taken in turn")
+    launch.add_argument("--no-kv-events", action="store_true", help="local: workers publish no KV events")
+    launch.add_argument("--health-timeout", type=float, default=600.0, help="local: seconds a worker may take to start")
+    launch.add_argument("--drain-timeout", type=float, default=300.0,
+                        help="local: seconds to wait for in-flight requests before removing a draining worker")
+    launch.add_argument("--router-admin-token", default=None,
+                        help="local: the router's admin token (default: $KVTIER_ROUTER_ADMIN_TOKEN)")
     live.set_defaults(func=_reporting_config_errors(run_live))
 
 
@@ -193,19 +221,19 @@ def _verify_by_simulation(trace, cluster, plan, targets, calibration) -> dict:
 
 
 def run_live(args) -> int:
-    """Poll the router's counters, decide through the planner, act through the dry-run launcher."""
-    import os
+    """Poll the router's counters (and the workers' vLLM metrics), decide, act through a launcher."""
+    import logging
     import time
 
     from kvtier.cli.top import scrape
     from kvtier.planner.hardware import cost_models
-    from kvtier.planner.launchers import DryRunLauncher, apply
     from kvtier.planner.live import FleetSizer, LivePlanner, PlannerSettings
+    from kvtier.planner.loop import PlannerLoop
     from kvtier.planner.models import load_model
-    from kvtier.planner.observe import RouterCounters, observation_between
-    from kvtier.planner.workers import SLATargets
+    from kvtier.planner.workers import MAX_WORKERS, SLATargets
     from kvtier.sim.cluster import load_cluster
 
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cluster = load_cluster(args.cluster)
     model = load_model(cluster.model)
     costs = cost_models(model, cluster.accelerator, cluster.devices_per_worker, args.calibration or cluster.calibration)
@@ -213,33 +241,80 @@ def run_live(args) -> int:
     load_bw = min(t.read_bytes_per_s for t in (pod or cluster.tiers)) if cluster.tiers else 1e18
     sizer = FleetSizer(SLATargets(args.ttft, args.itl, args.ttft_percentile / 100.0), costs.prefill, costs.decode,
                        load_bw, int(cluster.decode_kv_bytes // model.bytes_per_token))
-    settings = PlannerSettings(interval_s=args.interval, startup_s=args.startup)
-    planner = LivePlanner(sizer, settings, args.prefill_workers, args.decode_workers)
-    launcher = DryRunLauncher(json_lines=args.json)
-    launcher.seed("prefill", args.prefill_workers)
-    launcher.seed("decode", args.decode_workers)
-    before = None
+    settings = PlannerSettings(interval_s=args.interval, startup_s=args.startup, headroom=args.headroom,
+                               scale_down_after=args.scale_down_after, down_cooldown_s=args.down_cooldown,
+                               min_workers=args.min_workers, max_workers=args.max_workers or MAX_WORKERS)
+    launcher, report, worker_urls = _live_launcher(args)
+    current = len(args.adopt) if args.launcher == "local" else args.prefill_workers
+    planner = LivePlanner(sizer, settings, max(current, settings.min_workers), args.decode_workers)
+    loop = PlannerLoop(planner, launcher, args.router, args.output_tokens, scrape, aggregate=args.launcher == "local",
+                       worker_urls=worker_urls, status_file=args.status_file, report=report)
+    server = loop.metrics.serve(args.metrics_port, args.metrics_host) if args.metrics_port is not None else None
+    if server is not None:
+        print(json.dumps({"planner_metrics": f"http://{args.metrics_host}:{server.server_port}/metrics"}), flush=True)
     decisions = 0
     try:
         while not args.iterations or decisions < args.iterations:
-            samples = scrape(args.router)
-            if not samples.up:
-                print(f"kvtier plan live: router metrics unreachable ({samples.error}); holding", file=sys.stderr)
-            else:
-                now = RouterCounters.from_samples(time.monotonic(), samples)
-                obs = observation_between(before, now, args.output_tokens) if before else None
-                before = now
-                if obs is not None:
-                    decision = planner.decide(obs)
-                    launcher.report(decision)
-                    apply(decision, launcher)
-                    decisions += 1
-                    if args.status_file:
-                        tmp = args.status_file + ".tmp"
-                        with open(tmp, "w") as fh:
-                            json.dump(decision.to_json(), fh)
-                        os.replace(tmp, args.status_file)
+            if loop.step() is not None:
+                decisions += 1
             time.sleep(args.interval)
     except KeyboardInterrupt:
         pass
+    finally:
+        if hasattr(launcher, "close"):
+            launcher.close()   # the local launcher drains and stops the workers it started
+        if server is not None:
+            server.shutdown()
     return 0
+
+
+def _interrupted(signum, frame):
+    raise KeyboardInterrupt
+
+
+def _live_launcher(args):
+    """(launcher, decision printer, the worker URLs whose /metrics the planner reads)."""
+    import os
+    import shlex
+    import signal
+    import tempfile
+
+    from kvtier.errors import ConfigError
+    from kvtier.planner.launchers import DryRunLauncher
+
+    if args.launcher == "dry-run":
+        launcher = DryRunLauncher(json_lines=args.json)
+        launcher.seed("prefill", args.prefill_workers)
+        launcher.seed("decode", args.decode_workers)
+        return launcher, launcher.report, lambda: list(args.worker)
+    from kvtier.planner.local_launcher import LocalLauncher, RouterAdmin, WorkerTemplate
+
+    if not args.adopt:
+        raise ConfigError("--launcher local: give the workers already behind the router with --adopt URL "
+                          "(the router starts with at least one)")
+    try:
+        cores = tuple(int(c) for c in args.cores.split(",") if c.strip())
+    except ValueError:
+        raise ConfigError(f"--cores is a comma-separated list of core numbers, got {args.cores!r}") from None
+    template = WorkerTemplate(args.model, tuple(shlex.split(args.worker_args)), kv_events=not args.no_kv_events,
+                              env=(("HF_HUB_OFFLINE", os.environ.get("HF_HUB_OFFLINE", "1")),), cores=cores)
+    run_dir = args.run_dir or tempfile.mkdtemp(prefix="kvtier-planner-")
+    token = args.router_admin_token or os.environ.get("KVTIER_ROUTER_ADMIN_TOKEN")
+    launcher = LocalLauncher(template, RouterAdmin(args.router, token), run_dir,
+                             health_timeout_s=args.health_timeout, drain_timeout_s=args.drain_timeout)
+    for url in args.adopt:
+        launcher.adopt(url)
+    # SIGTERM (down.sh, a test's teardown) ends the loop like Ctrl-C: the workers it started are drained first
+    signal.signal(signal.SIGTERM, _interrupted)
+
+    def report(decision) -> None:
+        d = decision.prefill
+        line = {"at_s": round(decision.at_s, 3), "action": d.action, "current": d.current, "target": d.target,
+                "reason": d.reason} if args.json else None
+        print(json.dumps(line) if line else f"[t={decision.at_s:.0f}s] workers: {d.action} {d.current} -> "
+              f"{d.target} ({d.reason})", flush=True)
+
+    def worker_urls() -> list[str]:
+        return [*args.worker, *(w.url for w in launcher.list("prefill") if w.state == "serving")]
+
+    return launcher, report, worker_urls

@@ -12,8 +12,12 @@ Contract every launcher keeps (what "no request fails" means):
   planner's counts and the launcher's workers are reconciled every interval.
 
 :class:`DryRunLauncher` prints what it would do. :class:`KubernetesLauncher` documents the
-replica-count implementation (no cluster here). A local-process launcher (``vllm serve``
-with the kvtier connector, registered with ``kvtier route``) is not built yet.
+replica-count implementation (no cluster here). The local-process launcher (``vllm serve``
+with the kvtier connector, registered with ``kvtier route`` through its admin API) is
+:class:`kvtier.planner.local_launcher.LocalLauncher`.
+
+Worker states: ``starting`` → ``serving`` → ``draining`` → ``stopped``, or ``failed`` (never
+became healthy).
 """
 
 from __future__ import annotations
@@ -53,10 +57,25 @@ def apply(decision: Decision, launcher: Launcher) -> list[WorkerRecord]:
         for _ in range(pool_decision.target - len(live)):
             touched.append(launcher.start(pool))
         surplus = len(live) - pool_decision.target
-        for worker in sorted(live, key=lambda w: w.state != "starting")[:max(0, surplus)]:
+        # starting ones first, then the most recently started (``list`` is in start order)
+        youngest_first = sorted(reversed(live), key=lambda w: w.state != "starting")
+        for worker in youngest_first[:max(0, surplus)]:
             launcher.drain(worker)
             touched.append(worker)
     return touched
+
+
+def aggregated(decision: Decision) -> Decision:
+    """The decision for workers that prefill *and* decode (plain ``vllm serve``, no P/D split):
+    one pool, ``prefill``, whose target holds both needs (the larger of the two targets); the
+    ``decode`` pool holds no workers of its own."""
+    p, d = decision.prefill, decision.decode
+    target = max(p.target, d.target)
+    action = "scale_up" if target > p.current else "scale_down" if target < p.current else "hold"
+    reason = p.reason if target == p.target else f"decode needs {d.target}: {d.reason}"
+    both = p._replace(needed=max(p.needed, d.needed), target=target, action=action, reason=reason)
+    none = d._replace(current=0, needed=0, target=0, action="hold", reason="aggregated into the prefill pool")
+    return decision._replace(prefill=both, decode=none)
 
 
 @dataclass

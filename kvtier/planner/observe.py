@@ -40,3 +40,75 @@ def observation_between(before: RouterCounters, after: RouterCounters, output_to
     hit = min(max(cached / prompt, 0.0), 1.0) if prompt > 0 else 0.0
     count = min(int(requests), 64)
     return Observation(after.at_s, requests / dt, (mean_prompt,) * count, (output_tokens,) * count, hit)
+
+
+# --- the workers' own metrics (vLLM's /metrics) ----------------------------------------------
+#
+# What the router cannot see: requests queued inside an engine, its KV cache fill, and the
+# TTFT the engine measured. The planner reports them beside its decision (its reasons, its
+# /metrics, ``kvtier top``) so that an operator can check the queue model against what the
+# workers say; the sizing itself stays on the router's counters (one source for the rate).
+
+TTFT_HISTOGRAM = "vllm:time_to_first_token_seconds"
+ITL_HISTOGRAM = "vllm:inter_token_latency_seconds"
+
+
+class FleetLoad(NamedTuple):
+    workers: int                   # workers whose /metrics answered
+    running: float                 # requests running in the engines
+    waiting: float                 # requests queued in the engines
+    kv_usage_max: float | None     # the fullest worker's KV cache, fraction
+    ttft_s: float | None           # TTFT at the planner's percentile over the interval (vLLM's histogram)
+    itl_s: float | None            # inter-token latency, same percentile
+
+
+def _buckets(samples, name: str) -> dict[float, float]:
+    """Cumulative bucket counts of a histogram summed over its series: upper bound → count."""
+    out: dict[float, float] = {}
+    for (n, labels), value in samples.values.items():
+        if n == name + "_bucket":
+            le = float(dict(labels).get("le", "inf").replace("+Inf", "inf"))
+            out[le] = out.get(le, 0.0) + value
+    return out
+
+
+def histogram_quantile(q: float, buckets: dict[float, float]) -> float | None:
+    """Prometheus' ``histogram_quantile``: linear within the bucket the rank falls in; the
+    largest finite bound when it falls in +Inf; None without observations."""
+    bounds = sorted(buckets)
+    if not bounds or buckets[bounds[-1]] <= 0:
+        return None
+    rank = q * buckets[bounds[-1]]
+    lower, below = 0.0, 0.0
+    for bound in bounds:
+        count = buckets[bound]
+        if count >= rank:
+            if bound == float("inf"):
+                return lower
+            width = count - below
+            return lower + (bound - lower) * ((rank - below) / width if width > 0 else 1.0)
+        lower, below = bound, count
+    return lower
+
+
+def fleet_load(now: dict, before: dict | None, quantile: float) -> FleetLoad:
+    """``now`` / ``before``: worker URL → scraped samples (``kvtier.cli.top.scrape``). Latencies
+    are over the interval between the two (bucket deltas, for workers in both scrapes), else
+    since each worker started."""
+    up = {url: s for url, s in now.items() if s.up}
+    running = sum(s.get("vllm:num_requests_running") for s in up.values())
+    waiting = sum(s.get("vllm:num_requests_waiting") for s in up.values())
+    usage = [max(s.get("vllm:kv_cache_usage_perc"), s.get("vllm:gpu_cache_usage_perc")) for s in up.values()]
+
+    def interval_quantile(name: str) -> float | None:
+        total: dict[float, float] = {}
+        for url, s in up.items():
+            cur = _buckets(s, name)
+            prev = _buckets(before[url], name) if before and url in before and before[url].up else {}
+            for le, count in cur.items():
+                delta = count - prev.get(le, 0.0)
+                total[le] = total.get(le, 0.0) + (delta if delta >= 0 else count)   # a restart: since start
+        return histogram_quantile(quantile, total)
+
+    return FleetLoad(len(up), running, waiting, max(usage) if usage else None,
+                     interval_quantile(TTFT_HISTOGRAM), interval_quantile(ITL_HISTOGRAM))

@@ -1,0 +1,348 @@
+"""The local-process launcher: ``vllm serve`` workers started, registered, drained and stopped here.
+
+It keeps :mod:`kvtier.planner.launchers`' contract against a running ``kvtier route``:
+
+- ``start(pool)`` spawns ``python -m kvtier.integrations.vllm.launcher serve MODEL …`` (vLLM's
+  own CLI, which also gives a kvtier-connector worker its shutdown grace) on a free port,
+  with its KV events on an ipc socket in the run directory; a thread polls the worker's
+  ``/health`` and only once it answers 200 adds it to the router (``POST /admin/workers``)
+  — a worker still loading its model never sees a request. A worker that exits or does
+  not become healthy in time is stopped and marked ``failed``; no new start is tried for
+  ``failure_backoff_s`` (a broken command must not be relaunched every interval).
+- ``drain(worker)`` tells the router to send it nothing new (``/admin/workers/drain``), waits
+  until the router counts no request in flight on it (or ``drain_timeout_s`` passed),
+  removes it from the router, then stops it: SIGTERM to its process group (vLLM finishes,
+  the connector flushes its store), SIGKILL after ``stop_timeout_s``.
+- Workers found already running (``adopt``) are drained and removed like the others but
+  never signalled: this launcher did not start them.
+
+Each transition runs on its own thread so that the planner's loop never waits on a
+worker's start-up; ``list`` reads the records under a lock. ``close()`` drains and stops
+every worker this launcher started (the planner calls it when it exits).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvtier.errors import ConfigError
+from kvtier.planner.launchers import WorkerRecord
+
+log = logging.getLogger(__name__)
+
+
+class LaunchError(RuntimeError):
+    """A worker could not be started (now): the planner reports it and tries again later."""
+
+
+@dataclass(frozen=True)
+class WorkerTemplate:
+    """What every started worker runs: ``vllm serve MODEL`` plus these flags."""
+
+    model: str
+    vllm_args: tuple[str, ...] = ()        #: e.g. ("--dtype", "float32", "--kv-transfer-config", "{…}")
+    host: str = "127.0.0.1"
+    kv_events: bool = True                 #: publish KV events (ipc socket) and have the router subscribe
+    env: tuple[tuple[str, str], ...] = ()  #: extra environment
+    cores: tuple[int, ...] = ()            #: VLLM_CPU_OMP_THREADS_BIND per worker, taken in turn (CPU builds)
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ConfigError("the local launcher needs the model its workers serve (--model)")
+        for flag in ("--host", "--port", "--kv-events-config"):
+            if any(a.split("=")[0] == flag for a in self.vllm_args):
+                raise ConfigError(f"{flag} is set by the local launcher for each worker; leave it out of the "
+                                  "worker arguments")
+
+
+class RouterAdmin:
+    """The router's ``/admin/workers`` API over HTTP (urllib: runs on the launcher's threads)."""
+
+    def __init__(self, router_url: str, token: str | None = None, timeout_s: float = 10.0) -> None:
+        self.base = (router_url if "://" in router_url else f"http://{router_url}").rstrip("/")
+        self.token = token
+        self.timeout_s = timeout_s
+
+    def _call(self, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
+        headers = {"Content-Type": "application/json"}
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        data = json.dumps(body).encode() if body is not None else None
+        request = urllib.request.Request(self.base + path, data=data, headers=headers, method=method)
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as resp:
+                return resp.status, json.loads(resp.read() or b"{}")
+        except urllib.error.HTTPError as err:
+            try:
+                return err.code, json.loads(err.read() or b"{}")
+            except ValueError:
+                return err.code, {}
+
+    def _ok(self, method: str, path: str, body: dict | None = None) -> dict:
+        status, out = self._call(method, path, body)
+        if status >= 300:
+            message = (out.get("error") or {}).get("message", out) if isinstance(out, dict) else out
+            raise LaunchError(f"router {method} {path}: {status} {message}")
+        return out
+
+    def add(self, url: str, events: str | None = None) -> dict:
+        return self._ok("POST", "/admin/workers", {"url": url, **({"events": events} if events else {})})
+
+    def drain(self, url: str) -> dict:
+        return self._ok("POST", "/admin/workers/drain", {"url": url})
+
+    def remove(self, url: str, force: bool = False) -> dict:
+        return self._ok("DELETE", "/admin/workers", {"url": url, "force": force})
+
+    def workers(self) -> dict[str, dict]:
+        return {w["url"]: w for w in self._ok("GET", "/admin/workers").get("workers", [])}
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+            return resp.status == 200
+    except (OSError, ValueError):
+        return False
+
+
+@dataclass
+class _Process:
+    proc: subprocess.Popen | None       # None: adopted, not ours to signal
+    events: str | None
+    log_path: Path | None
+
+
+@dataclass
+class LocalLauncher:
+    template: WorkerTemplate
+    admin: RouterAdmin
+    run_dir: Path
+    health_timeout_s: float = 600.0
+    drain_timeout_s: float = 300.0
+    stop_timeout_s: float = 60.0
+    failure_backoff_s: float = 60.0
+    poll_s: float = 0.5
+    workers: list[WorkerRecord] = field(default_factory=list)
+    actions: list[tuple[float, str, str]] = field(default_factory=list)   #: (time, action, worker) log
+    _procs: dict[str, _Process] = field(default_factory=dict)
+    _serial: int = 0
+    _last_failure_s: float = -1e18
+    _threads: list[threading.Thread] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.run_dir = Path(self.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._lock = threading.Lock()
+
+    # --- the launcher contract -------------------------------------------------------
+    def adopt(self, url: str, pool: str = "prefill") -> WorkerRecord:
+        """A worker already registered with the router (started by someone else)."""
+        with self._lock:
+            self._serial += 1
+            worker = WorkerRecord(f"{pool}-{self._serial}", pool, "serving", url.rstrip("/"))
+            self.workers.append(worker)
+            self._procs[worker.name] = _Process(None, None, None)
+        return worker
+
+    def start(self, pool: str) -> WorkerRecord:
+        wait = self._last_failure_s + self.failure_backoff_s - time.monotonic()
+        if wait > 0:
+            raise LaunchError(f"a worker failed to start; next try in {wait:.0f} s")
+        with self._lock:
+            self._serial += 1
+            name = f"{pool}-{self._serial}"
+            core = self.template.cores[(self._serial - 1) % len(self.template.cores)] if self.template.cores else None
+        port = _free_port(self.template.host)
+        url = f"http://{self.template.host}:{port}"
+        events = f"ipc://{self.run_dir.resolve()}/{name}.events" if self.template.kv_events else None
+        cmd = [sys.executable, "-m", "kvtier.integrations.vllm.launcher", "serve", self.template.model,
+               "--host", self.template.host, "--port", str(port), *self.template.vllm_args]
+        if events:
+            # ipc, not tcp: vLLM binds its publisher only on a wildcard tcp address (every interface)
+            cmd += ["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                                                      "endpoint": events, "topic": ""})]
+        env = {**os.environ, **dict(self.template.env)}
+        if core is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
+        log_path = self.run_dir / f"{name}.log"
+        with open(log_path, "w") as out:
+            # its own session: a signal to the planner's group does not reach the worker, and
+            # stopping the worker's group takes vLLM's engine-core child with it
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                    start_new_session=True)
+        worker = WorkerRecord(name, pool, "starting", url)
+        with self._lock:
+            self.workers.append(worker)
+            self._procs[name] = _Process(proc, events, log_path)
+        self._record("start", worker)
+        self._spawn(self._bring_up, worker)
+        return worker
+
+    def drain(self, worker: WorkerRecord) -> None:
+        with self._lock:
+            if worker.state in ("draining", "stopped", "failed"):
+                return
+            was = worker.state
+            worker.state = "draining"
+        self._record("drain", worker)
+        self._spawn(self._drain_then_stop, worker, was == "serving")
+
+    def stop(self, worker: WorkerRecord) -> None:
+        """Signal the worker's process group (SIGTERM, then SIGKILL); adopted workers are left alone."""
+        proc = self._procs.get(worker.name)
+        if proc is not None and proc.proc is not None and proc.proc.poll() is None:
+            try:
+                os.killpg(proc.proc.pid, signal.SIGTERM)
+                proc.proc.wait(self.stop_timeout_s)
+            except subprocess.TimeoutExpired:
+                log.warning("worker %s did not stop in %.0f s; killing it", worker.name, self.stop_timeout_s)
+                os.killpg(proc.proc.pid, signal.SIGKILL)
+                proc.proc.wait()
+            except ProcessLookupError:
+                pass
+        if proc is not None and proc.proc is not None:
+            try:   # what is left of its group (vLLM's engine core)
+                os.killpg(proc.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        with self._lock:
+            if worker.state != "failed":
+                worker.state = "stopped"
+        self._record("stop", worker)
+
+    def list(self, pool: str) -> list[WorkerRecord]:
+        with self._lock:
+            return [w for w in self.workers if w.pool == pool and w.state not in ("stopped", "failed")]
+
+    def pids(self) -> dict[str, int]:
+        """Process ids of the workers this launcher started and that still run (for status files)."""
+        return {n: p.proc.pid for n, p in self._procs.items() if p.proc is not None and p.proc.poll() is None}
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Drain and stop every live worker this launcher started; wait for the transitions."""
+        for worker in [w for w in self.workers if w.state in ("starting", "serving")]:
+            if self._procs[worker.name].proc is not None:
+                self.drain(worker)
+        deadline = time.monotonic() + (timeout_s if timeout_s is not None
+                                       else self.drain_timeout_s + self.stop_timeout_s + 5)
+        for t in list(self._threads):
+            t.join(max(0.0, deadline - time.monotonic()))
+
+    # --- transitions (each on its own thread) ------------------------------------------
+    def _spawn(self, fn, *args) -> None:
+        t = threading.Thread(target=self._guarded, args=(fn, *args), daemon=True, name=f"kvtier-launcher-{fn.__name__}")
+        self._threads = [x for x in self._threads if x.is_alive()] + [t]
+        t.start()
+
+    def _guarded(self, fn, *args) -> None:
+        try:
+            fn(*args)
+        except Exception:   # a transition's failure is logged; the planner sees the state next interval
+            log.exception("launcher transition %s failed", fn.__name__)
+
+    def _bring_up(self, worker: WorkerRecord) -> None:
+        proc = self._procs[worker.name]
+        deadline = time.monotonic() + self.health_timeout_s
+        while worker.state == "starting":
+            if proc.proc.poll() is not None:
+                return self._failed(worker, f"exited ({proc.proc.returncode}) before it was healthy")
+            if _healthy(worker.url):
+                try:
+                    self.admin.add(worker.url, proc.events)
+                except LaunchError as exc:
+                    self.stop(worker)
+                    return self._failed(worker, f"healthy but the router refused it: {exc}")
+                with self._lock:
+                    if worker.state == "starting":
+                        worker.state = "serving"
+                        self._record("serving", worker)
+                        return
+                break   # drained while we registered it: fall through and take it out again
+            if time.monotonic() > deadline:
+                self.stop(worker)
+                return self._failed(worker, f"not healthy after {self.health_timeout_s:.0f} s")
+            time.sleep(self.poll_s)
+        if worker.state == "draining":   # drained before it ever served: the drain thread stops it
+            return
+
+    def _drain_then_stop(self, worker: WorkerRecord, registered: bool) -> None:
+        if registered:
+            try:
+                self.admin.drain(worker.url)
+            except LaunchError as exc:
+                # 409 (the router's last routable worker) or the router is down: keep it serving
+                log.warning("drain of %s refused: %s; it stays in rotation", worker.name, exc)
+                with self._lock:
+                    worker.state = "serving"
+                self._record("drain_refused", worker)
+                return
+            deadline = time.monotonic() + self.drain_timeout_s
+            force = False
+            while True:
+                try:
+                    inflight = self.admin.workers().get(worker.url, {}).get("inflight", 0)
+                except LaunchError as exc:
+                    log.warning("router unreachable while draining %s: %s", worker.name, exc)
+                    inflight = 1
+                if inflight == 0:
+                    break
+                if time.monotonic() > deadline:
+                    log.warning("drain of %s: %d still in flight after %.0f s; removing it anyway",
+                                worker.name, inflight, self.drain_timeout_s)
+                    force = True
+                    break
+                time.sleep(self.poll_s)
+            try:
+                self.admin.remove(worker.url, force=force)
+            except LaunchError as exc:
+                log.warning("removing %s from the router: %s", worker.name, exc)
+            self._record("removed", worker)
+        else:
+            # still starting: it never joined the router. Wait for the start thread to see the
+            # state change (it may be mid-registration), then make sure the router forgets it.
+            time.sleep(self.poll_s)
+            try:
+                if worker.url in self.admin.workers():
+                    self.admin.drain(worker.url)
+                    self.admin.remove(worker.url, force=True)
+            except LaunchError:
+                pass
+        self.stop(worker)
+
+    def _failed(self, worker: WorkerRecord, why: str) -> None:
+        proc = self._procs[worker.name]
+        tail = ""
+        if proc.log_path is not None:
+            try:
+                tail = proc.log_path.read_text(errors="replace")[-2000:]
+            except OSError:
+                pass
+        log.error("worker %s %s; log %s:\n%s", worker.name, why, proc.log_path, tail)
+        with self._lock:
+            worker.state = "failed"
+        self._last_failure_s = time.monotonic()
+        self._record("failed", worker)
+
+    def _record(self, action: str, worker: WorkerRecord) -> None:
+        with self._lock:
+            self.actions.append((time.time(), action, worker.name))
+        log.info("launcher: %s %s (%s)", action, worker.name, worker.url)

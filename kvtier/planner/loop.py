@@ -1,0 +1,98 @@
+"""One interval of ``kvtier plan live``: scrape → observe → decide → act → report.
+
+The router's counters give the observation (:mod:`kvtier.planner.observe`); the workers'
+own ``/metrics`` (vLLM) give the engine-side view reported beside it; the planner decides
+(:mod:`kvtier.planner.live`); a launcher acts (:func:`kvtier.planner.launchers.apply`, on the
+aggregated decision where workers prefill and decode alike); the decision goes to the
+planner's metrics and a JSON status file (``kvtier top --planner-status``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from kvtier.planner.launchers import aggregated, apply
+from kvtier.planner.live import Decision, LivePlanner
+from kvtier.planner.metrics import PlannerMetrics
+from kvtier.planner.observe import FleetLoad, RouterCounters, fleet_load, observation_between
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PlannerLoop:
+    planner: LivePlanner
+    launcher: object                          #: a kvtier.planner.launchers.Launcher
+    router: str                               #: the router's address (its /metrics)
+    output_tokens: int
+    scrape: Callable                          #: address → samples (kvtier.cli.top.scrape)
+    metrics: PlannerMetrics = field(default_factory=PlannerMetrics)
+    aggregate: bool = False                   #: workers prefill and decode (plain vllm serve)
+    worker_urls: Callable[[], list[str]] = list   #: whose vLLM /metrics to read
+    status_file: str | None = None
+    report: Callable[[Decision], None] | None = None
+    last: Decision | None = None
+    last_load: FleetLoad | None = None
+    _before: RouterCounters | None = None
+    _before_workers: dict | None = None
+    _actions_seen: int = 0
+
+    def step(self) -> Decision | None:
+        """One interval: a decision, or None (first scrape, a counter reset, the router down)."""
+        samples = self.scrape(self.router)
+        self._record_launcher()
+        if not samples.up:
+            self.metrics.scrape_errors.inc()
+            log.warning("router metrics unreachable (%s); holding", samples.error)
+            return None
+        now = RouterCounters.from_samples(time.monotonic(), samples)
+        obs = observation_between(self._before, now, self.output_tokens) if self._before else None
+        self._before = now
+        scraped = {url: self.scrape(url) for url in self.worker_urls()}
+        self.last_load = fleet_load(scraped, self._before_workers, self.planner.sizer.targets.ttft_percentile)
+        self._before_workers = scraped
+        self.metrics.record_fleet(self.last_load)
+        if obs is None:
+            return None
+        decision = self.planner.decide(obs)
+        acted = aggregated(decision) if self.aggregate else decision
+        self.metrics.record(obs, acted)
+        if self.report:
+            self.report(acted)
+        try:
+            apply(acted, self.launcher)
+        except Exception as exc:   # a launcher that cannot act now (LaunchError, a router refusing): next interval
+            log.warning("launcher could not act on the decision: %s", exc)
+        self._record_launcher()
+        self.last = acted
+        self._write_status(acted)
+        return acted
+
+    def _record_launcher(self) -> None:
+        self.metrics.record_launcher(self.launcher)
+        actions = getattr(self.launcher, "actions", None)
+        if actions is not None:
+            for _, action, _ in actions[self._actions_seen:]:
+                self.metrics.launcher_actions.labels(action).inc()
+            self._actions_seen = len(actions)
+
+    def _write_status(self, decision: Decision) -> None:
+        if not self.status_file:
+            return
+        status = decision.to_json()
+        status["workers"] = [{"name": w.name, "pool": w.pool, "state": w.state, "url": w.url}
+                             for pool in ("prefill", "decode") for w in self.launcher.list(pool)]
+        if self.last_load is not None:
+            status["engines"] = self.last_load._asdict()
+        pids = getattr(self.launcher, "pids", None)
+        if pids is not None:
+            status["pids"] = pids()
+        tmp = self.status_file + ".tmp"
+        with open(tmp, "w") as fh:
+            json.dump(status, fh)
+        os.replace(tmp, self.status_file)
