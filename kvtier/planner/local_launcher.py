@@ -57,6 +57,8 @@ class WorkerTemplate:
     kv_events: bool = True                 #: publish KV events (ipc socket) and have the router subscribe
     env: tuple[tuple[str, str], ...] = ()  #: extra environment
     cores: tuple[int, ...] = ()            #: VLLM_CPU_OMP_THREADS_BIND per worker, taken in turn (CPU builds)
+    #: what runs ``serve MODEL …``: vLLM's CLI through kvtier's launcher (a test puts a stand-in here)
+    program: tuple[str, ...] = (sys.executable, "-m", "kvtier.integrations.vllm.launcher")
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -151,7 +153,7 @@ class LocalLauncher:
     def __post_init__(self) -> None:
         self.run_dir = Path(self.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()   # _record is called with it held too
 
     # --- the launcher contract -------------------------------------------------------
     def adopt(self, url: str, pool: str = "prefill") -> WorkerRecord:
@@ -174,7 +176,7 @@ class LocalLauncher:
         port = _free_port(self.template.host)
         url = f"http://{self.template.host}:{port}"
         events = f"ipc://{self.run_dir.resolve()}/{name}.events" if self.template.kv_events else None
-        cmd = [sys.executable, "-m", "kvtier.integrations.vllm.launcher", "serve", self.template.model,
+        cmd = [*self.template.program, "serve", self.template.model,
                "--host", self.template.host, "--port", str(port), *self.template.vllm_args]
         if events:
             # ipc, not tcp: vLLM binds its publisher only on a wildcard tcp address (every interface)
