@@ -33,6 +33,10 @@ def register(subparsers) -> None:
     p.add_argument("--host-bandwidth", dest="host_read_bytes_per_s", type=float, help="bytes/s, host DRAM → GPU")
     p.add_argument("--shared-bandwidth", dest="shared_read_bytes_per_s", type=float,
                    help="bytes/s, shared tier → worker")
+    p.add_argument("--measured", action="append", default=[], metavar="FILE",
+                   help="bandwidths measured on this deployment: the JSON of `kvtier bench storage --tier host "
+                        "--json` (host DRAM) or `kvtier bench remote --json` (shared tier); repeatable; "
+                        "--host-bandwidth / --shared-bandwidth win")
     p.add_argument("--shared-writes", action="store_true", default=None,
                    help="workers write what they compute through to a shared tier every worker loads from")
     p.add_argument("--shared-events", dest="shared_events", help="the kvtier server's events endpoint")
@@ -56,7 +60,8 @@ def build_config(args):
     for name in _FLAGS:
         value = getattr(args, name, None)
         if value is not None:
-            setattr(config, name, value)
+            config.set_explicitly(name, value)
+    config.measured.extend(args.measured)
     if args.shared_writes:
         config.shared_writes = True
     config.workers.extend(WorkerSpec.parse(w) for w in args.worker)
@@ -86,7 +91,10 @@ def run(args) -> int:
 
     async def announce(app):
         print(json.dumps({"ready": True, "listen": f"http://{config.host}:{config.port}", "policy": config.policy,
-                          "workers": [w.url for w in config.workers]}), flush=True)
+                          "workers": [w.url for w in config.workers],
+                          "read_bytes_per_s": {tier: {"value": v, "source": src}
+                                               for tier, (v, src) in config.read_bandwidths().items()}}),
+              flush=True)
 
     app = router.app()
     app.on_startup.append(announce)

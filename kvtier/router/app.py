@@ -159,6 +159,8 @@ class Router:
         for w in self.workers:
             self.metrics.healthy.labels(w.url).set(1)
             self.metrics.events_up.labels(w.url).set(0)
+        for tier, (value, source) in config.read_bandwidths().items():
+            self.metrics.read_bandwidth.labels(tier, source).set(value)
 
     # --- lifecycle -------------------------------------------------------------------
     def app(self) -> web.Application:
@@ -179,7 +181,7 @@ class Router:
         for w in self.workers:
             if w.events_endpoint:
                 listener = VllmEvents(w, self.index, shared_writes=self.config.shared_writes,
-                                      on_change=self._update_mode)
+                                      on_change=self._update_mode, on_resync=self._resynced)
                 listener.start()
                 self.listeners.append(listener)
         if self.config.shared_events:
@@ -207,6 +209,9 @@ class Router:
         """Event-driven policies fall back to the router's own decisions while any admitted
         worker's events are down (its part of the index would be missing or stale)."""
         return self.uses_events and any(w.healthy and not w.events_up for w in self.workers)
+
+    def _resynced(self, worker: Worker, reason: str) -> None:
+        self.metrics.resyncs.labels(worker.url, reason).inc()
 
     def _update_mode(self) -> None:
         self.metrics.approximate.set(1 if self.approximate_mode else 0)
@@ -321,6 +326,8 @@ class Router:
 
     async def metrics_endpoint(self, request: web.Request) -> web.Response:
         self.metrics.index_blocks.set(len(self.index))
+        for w in self.workers:
+            self.metrics.worker_blocks.labels(w.url).set(self.index.worker_blocks(w.id))
         return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
 
     async def _forward(self, request: web.Request, raw: bytes, token_ids: list[int]) -> web.StreamResponse:

@@ -1,12 +1,17 @@
 """``RouterConfig``: workers and pricing of ``kvtier route``, from a TOML file then flags.
 
 Bandwidths and speeds are defaults a user overrides with what was measured on the
-deployment (``kvtier bench storage`` / ``bench remote`` / ``bench vllm``); the router
-also measures each worker's prefill speed from its answers and uses that for queueing.
+deployment: ``measured = [FILE, …]`` (``--measured FILE``) reads the JSON that
+``kvtier bench storage --tier host --json`` (a worker's host DRAM tier: its ``get_gbps``)
+and ``kvtier bench remote --json`` (the shared server: ``get_gbps``, or
+``encrypted_get_gbps`` of an ``--encrypt`` run) print; explicit bandwidth settings win
+over them. The router also measures each worker's prefill speed from its answers and
+uses that for queueing.
 """
 
 from __future__ import annotations
 
+import json
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -53,6 +58,7 @@ class RouterConfig:
     shared_events_server_public: str | None = None
     shared_events_public: str | None = None
     shared_events_secret: str | None = None
+    measured: list[str] = field(default_factory=list)   #: bench JSON files: bandwidths measured on this deployment
     prefill_tokens_per_s: float = 2000.0   #: until measured per worker
     prefill_overhead_s: float = 0.005
     decode_block_s: float = 0.0005         #: decode pressure: queueing seconds per active block
@@ -64,7 +70,36 @@ class RouterConfig:
     request_timeout_s: float = 600.0
     max_attempts: int = 3
 
+    #: the bandwidths a measurement file can give
+    _DEFAULT_BANDWIDTHS = ("host_read_bytes_per_s", "shared_read_bytes_per_s")
+
+    def __post_init__(self) -> None:
+        self._explicit: set[str] = set()    #: bandwidths the user set (file or flag): measurements do not override
+        self._sources: dict[str, str] = {}  #: bandwidth → the measurement file it came from
+
+    def set_explicitly(self, name: str, value) -> None:
+        setattr(self, name, value)
+        self._explicit.add(name)
+
+    def apply_measured(self) -> None:
+        """Bandwidths from the ``measured`` bench files, except those the user set."""
+        for path in self.measured:
+            name, value = measured_bandwidth(path)
+            if name not in self._explicit:
+                setattr(self, name, value)
+                self._sources[name] = str(path)
+
+    def read_bandwidths(self) -> dict[str, tuple[float, str]]:
+        """``{"host": (bytes/s, source), "shared": …}``: what loads are priced with, and why."""
+        out = {}
+        for tier, name in (("host", "host_read_bytes_per_s"), ("shared", "shared_read_bytes_per_s")):
+            value = getattr(self, name)
+            source = self._sources.get(name) or ("setting" if name in self._explicit else "default")
+            out[tier] = (value, source)
+        return out
+
     def check(self) -> "RouterConfig":
+        self.apply_measured()
         if not self.workers:
             raise ConfigError("no workers: give --worker URL (repeatable) or [[worker]] in the config file")
         if self.policy not in ROUTE_NAMES:
@@ -89,8 +124,43 @@ class RouterConfig:
         if unknown:
             raise ConfigError(f"router config {path}: unknown settings {unknown}; known: {sorted(known - {'workers'})}")
         config = cls(**data)
+        # measurement files named in the config file are found beside it
+        config.measured = [str(Path(path).parent / m) for m in config.measured]
+        # bandwidths written in the file are the user's own: measurement files do not override them
+        config._explicit.update(k for k in data if k in cls._DEFAULT_BANDWIDTHS)
         for w in workers:
             if not isinstance(w, dict) or "url" not in w or set(w) - {"url", "events"}:
                 raise ConfigError(f"router config {path}: each [[worker]] has url and optional events, got {w!r}")
             config.workers.append(WorkerSpec.parse(w["url"] + (f",events={w['events']}" if w.get("events") else "")))
         return config
+
+
+def measured_bandwidth(path: str | Path) -> tuple[str, float]:
+    """``(RouterConfig field, bytes/s)`` from a ``kvtier bench storage --tier host --json`` or
+    ``kvtier bench remote --json`` output file; a clear error for anything else."""
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError(f"measured bandwidths {path}: {exc}") from None
+    data = None
+    for candidate in (text, *reversed(text.strip().splitlines())):   # the object, or its last JSON line
+        try:
+            data = json.loads(candidate)
+            break
+        except ValueError:
+            continue
+    if not isinstance(data, dict):
+        raise ConfigError(f"measured bandwidths {path}: not the JSON of `kvtier bench storage --json` "
+                          "or `kvtier bench remote --json`")
+    if data.get("bench") == "remote":
+        key, name = ("encrypted_get_gbps" if data.get("encrypted_get_gbps") else "get_gbps"), "shared_read_bytes_per_s"
+    elif data.get("tier") == "host":
+        key, name = "get_gbps", "host_read_bytes_per_s"
+    else:
+        raise ConfigError(f"measured bandwidths {path}: expected the output of `kvtier bench storage --tier host "
+                          f"--json` (a worker's host tier) or `kvtier bench remote --json` (the shared tier); "
+                          f"got tier={data.get('tier')!r} bench={data.get('bench')!r} (the router prices no disk tier)")
+    value = data.get(key)
+    if not isinstance(value, (int, float)) or value <= 0:
+        raise ConfigError(f"measured bandwidths {path}: {key} must be a positive number, got {value!r}")
+    return name, float(value) * 1e9

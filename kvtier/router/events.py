@@ -52,11 +52,13 @@ class VllmEvents:
     """Feeds ``index`` from one worker's vLLM KV-event publisher (an asyncio task)."""
 
     def __init__(self, worker: Worker, index: BlockIndex, *, shared_writes: bool = False,
-                 on_change: Callable[[], None] | None = None) -> None:
+                 on_change: Callable[[], None] | None = None,
+                 on_resync: Callable[[Worker, str], None] | None = None) -> None:
         self.worker = worker
         self.index = index
         self.shared_writes = shared_writes
         self.on_change = on_change or (lambda: None)
+        self.on_resync = on_resync or (lambda worker, reason: None)
         self.next_seq: int | None = None
         self.resyncs = 0
         self.messages = 0
@@ -80,12 +82,18 @@ class VllmEvents:
             self.worker.events_up = up
             self.on_change()
 
-    def resync(self, reason: str) -> None:
-        """Forget this worker's blocks: what came before a hole cannot be trusted."""
-        log.info("worker %s events: %s; clearing its index entries", self.worker.url, reason)
+    def resync(self, reason: str, detail: str = "") -> None:
+        """Forget this worker's blocks: what came before a hole cannot be trusted.
+
+        ``reason``: ``disconnected``, ``restarted`` (the sequence went back) or ``gap``
+        (messages lost); the index is rebuilt from the events that follow.
+        """
+        log.info("worker %s events: %s%s; clearing its index entries", self.worker.url, reason,
+                 f" ({detail})" if detail else "")
         self.index.clear_worker(self.worker.id)
         self.next_seq = None
         self.resyncs += 1
+        self.on_resync(self.worker, reason)
 
     async def _run(self) -> None:
         import zmq
@@ -113,7 +121,7 @@ class VllmEvents:
                     elif event["event"] == zmq.EVENT_DISCONNECTED:
                         # The publisher went away: its GPU cache may be gone, and what it
                         # sends meanwhile is lost to us.
-                        self.resync("publisher disconnected")
+                        self.resync("disconnected")
                         self._set_up(False)
                 if sock in ready:
                     frames = await sock.recv_multipart()
@@ -132,7 +140,10 @@ class VllmEvents:
             return
         seq = _SEQ.unpack(frames[-2])[0]
         if self.next_seq is not None and seq != self.next_seq:
-            self.resync("publisher restarted" if seq < self.next_seq else f"{seq - self.next_seq} messages lost")
+            if seq < self.next_seq:
+                self.resync("restarted", f"sequence {seq} after {self.next_seq - 1}")
+            else:
+                self.resync("gap", f"{seq - self.next_seq} messages lost")
         self.next_seq = seq + 1
         self.messages += 1
         try:

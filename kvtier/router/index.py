@@ -253,5 +253,10 @@ class BlockIndex:
         for key in [k for k, m in self._masks.items() if m & SHARED_BIT]:
             self._clear(key, SHARED_BIT)
 
+    def worker_blocks(self, worker: int) -> int:
+        """Blocks ``worker`` reported stored and not removed (since its last resync)."""
+        src = self._sources.get(worker)
+        return len(src.hash_to_key) if src is not None else 0
+
     def workers_known(self) -> list[int]:
         return sorted(self._sources)

@@ -29,6 +29,15 @@ class RouterMetrics:
                                registry=r)
         self.errors = Counter("kvtier_router_errors", "Requests answered with an error by the router", ["type"],
                               registry=r)
+        self.resyncs = Counter("kvtier_router_event_resyncs",
+                               "Times a worker's index entries were cleared to be rebuilt from its events "
+                               "(reason: disconnected, restarted, gap)", ["worker", "reason"], registry=r)
+        self.worker_blocks = Gauge("kvtier_router_worker_indexed_blocks",
+                                   "Blocks the index holds as reported by the worker's own events", ["worker"],
+                                   registry=r)
+        self.read_bandwidth = Gauge("kvtier_router_tier_read_bytes_per_s",
+                                    "Bandwidth the router prices loads with, per tier (source: default, flag, "
+                                    "or the measurement file)", ["tier", "source"], registry=r)
         self.index_blocks = Gauge("kvtier_router_index_blocks", "Blocks in the router's index", registry=r)
 
     def render(self) -> bytes:
