@@ -69,11 +69,20 @@ class Proc:
 @dataclass
 class Worker(Proc):
     events: str = ""
+    cmd: tuple = ()          #: how it was started (a restart reuses it: same port, same events endpoint)
+    env: dict | None = None
 
     @property
     def spec(self) -> str:
         """``kvtier route --worker`` value."""
         return f"{self.url},events={self.events}"
+
+    def restart(self) -> None:
+        """Start it again as it was (after :meth:`kill` or :meth:`stop`): a new process and a new
+        KV-event publisher (its sequence from 0) on the same URL and endpoint; returns at once."""
+        if self.alive():
+            raise RuntimeError(f"worker {self.url} is still running")
+        self.proc = _spawn(list(self.cmd), self.env, self.log_path, append=True)
 
 
 def _die_with_parent() -> None:
@@ -115,11 +124,16 @@ def start_worker(model: str, log_path: Path, *, transfer: dict | None = None, co
            "VLLM_SERVER_DEV_MODE": "1", "OMP_WAIT_POLICY": "PASSIVE"}
     if core is not None:     # one core per worker: two workers' OpenMP threads must not fight
         env["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
-    log = open(log_path, "w")   # noqa: SIM115 - the child owns it
+    proc = _spawn(cmd, env, Path(log_path))
+    return Worker(proc, Path(log_path), f"http://127.0.0.1:{port}", endpoint, tuple(cmd), env)
+
+
+def _spawn(cmd: list[str], env: dict | None, log_path: Path, append: bool = False) -> subprocess.Popen:
+    log = open(log_path, "a" if append else "w")   # noqa: SIM115 - the child owns it
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                             preexec_fn=_die_with_parent)
     log.close()
-    return Worker(proc, Path(log_path), f"http://127.0.0.1:{port}", endpoint)
+    return proc
 
 
 def wait_ready(procs: list[Proc], timeout_s: float = 300.0) -> None:
@@ -152,10 +166,7 @@ def start_router(model: str, workers: list[Worker], log_path: Path, *, policy: s
            "--policy", policy, "--health-interval-s", "0.5", *(extra_args or [])]
     for w in workers:
         cmd += ["--worker", w.spec if events else w.url]
-    log = open(log_path, "w")   # noqa: SIM115 - the child owns it
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"}, preexec_fn=_die_with_parent)
-    log.close()
+    proc = _spawn(cmd, {**os.environ, "HF_HUB_OFFLINE": "1"}, Path(log_path))
     router = Proc(proc, Path(log_path), f"http://127.0.0.1:{port}")
     wait_ready([router], timeout_s)
     return router
@@ -176,3 +187,16 @@ def events_connected(router: Proc, workers: int, timeout_s: float = 30.0) -> boo
             pass
         time.sleep(0.3)
     return False
+
+
+def router_metric(router: Proc, name: str, labels: dict[str, str] | None = None) -> float:
+    """One sample of the router's ``/metrics`` (0 when absent); labels matched whole."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(router.url + "/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and (labels is None or sample.labels == labels):
+                return sample.value
+    return 0.0

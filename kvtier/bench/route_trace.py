@@ -1,10 +1,12 @@
 """``kvtier bench route --trace FILE``: a slice of a Mooncake trace through ``kvtier route`` and two vLLM workers.
 
-The slice and its prompts are :mod:`kvtier.bench.vllm_trace`'s (whole conversations,
-each hash id → ``HASH_TOKENS`` tokens from a generator seeded by the id, so equal ids
-give equal token blocks; arrivals compressed to ``--span-s``). Every request is sent at
-its arrival time, streamed, with ``stream_options.include_usage`` so the last chunk
-carries ``usage.prompt_tokens_details.cached_tokens``.
+The window and its prompts are :mod:`kvtier.bench.vllm_trace`'s: a contiguous stretch
+of the trace (each hash id → ``HASH_TOKENS`` tokens from a generator seeded by the id,
+so equal ids give equal token blocks), its first ``--warmup-requests`` sent through the
+router first to fill the caches (a few at a time, not measured), then the counted
+``--requests`` at their arrival times compressed to ``--span-s``. Every request is
+streamed, with ``stream_options.include_usage`` so the last chunk carries
+``usage.prompt_tokens_details.cached_tokens``.
 
 Deployments, all in one run:
 
@@ -15,7 +17,7 @@ Deployments, all in one run:
 * **baseline** — the same two workers without the connector (vLLM's own prefix cache
   only, today's deployment) behind a round-robin ``kvtier route``.
 
-vLLM's KV cache holds ``--kv-fraction`` of the slice's working set, so that vLLM alone
+vLLM's KV cache holds ``--kv-fraction`` of the stretch's working set, so that vLLM alone
 must evict (as in ``bench vllm --trace``).
 
 No policy round may profit from an earlier one's cache. The cheapest correct isolation:
@@ -41,10 +43,20 @@ import tempfile
 import time
 import urllib.request
 import uuid
-from dataclasses import replace
 from pathlib import Path
 
-from kvtier.bench.vllm_trace import HASH_TOKENS, reusable_token_ratio, slice_trace, synthesise
+from kvtier.bench.vllm_trace import (
+    HASH_TOKENS,
+    WARMUP_REQUESTS,
+    against_bound,
+    reusable_tokens,
+    synthesise,
+    trace_model_spec,
+    trace_window,
+    warmup_replay,
+    window_facts,
+)
+from kvtier.router.config import measured_bandwidth
 
 #: the kvtier deployment's rounds, in the order run
 POLICIES = ("round-robin", "least-loaded", "prefix", "approximate", "tier-aware")
@@ -54,7 +66,13 @@ TOKEN = "kvtier-bench-route-token"
 def add_arguments(p) -> None:
     p.add_argument("--model", default="mid", choices=["tiny", "mid", "demo"],
                    help="--trace: random Llama (tiny: hidden 128 / 2 layers; mid: 512 / 4; demo: 1024 / 8)")
-    p.add_argument("--requests", type=int, default=48, help="--trace: about this many requests of the slice")
+    p.add_argument("--requests", type=int, default=64, help="--trace: requests of the counted window")
+    p.add_argument("--warmup-requests", type=int, default=WARMUP_REQUESTS,
+                   help=f"--trace: requests before the window that fill the caches, not counted (default {WARMUP_REQUESTS})")
+    p.add_argument("--start", type=int, default=0, help="--trace: the window's first request in the trace")
+    p.add_argument("--full-warmup", action="store_true",
+                   help="--trace: replay every warm-up request whole (default: the exact shortcut of "
+                        "kvtier.bench.vllm_trace.warmup_replay)")
     # Defaults that put the two workers under load: with the slice spread over 30 s they
     # keep up (makespan = span), nothing queues, and TTFT is mostly fixed overheads, so a
     # cache's saving hardly shows; 15 s and a KV cache of a tenth of the working set (at
@@ -64,21 +82,6 @@ def add_arguments(p) -> None:
                    help="--trace: each worker's vLLM KV cache as a share of the slice's working set")
     p.add_argument("--policies", default=",".join(POLICIES), help="--trace: comma-separated policies")
     p.add_argument("--workdir", default=None, help="--trace: keep logs here (default: a temporary folder)")
-
-
-def model_spec(name: str, positions: int):
-    from kvtier.bench.vllm_systems import model_spec as preset
-    from kvtier.integrations.transformers.models import ModelSpec
-
-    if name != "mid":
-        return preset("demo" if name == "demo" else "tiny", positions)
-    # Between the two presets: prefill costs enough that a cache hit shows in TTFT, and a
-    # default run of six rounds still fits in minutes on two shared cores.
-    spec = ModelSpec(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
-                     intermediate_size=1408, vocab_size=2048, max_position_embeddings=8192)
-    if positions > spec.max_position_embeddings:
-        spec = replace(spec, max_position_embeddings=1 << (positions - 1).bit_length())
-    return spec
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -152,15 +155,19 @@ async def _one(session, url: str, model: str, r: dict, salt: str, t0: float) -> 
             "cached_tokens": details.get("cached_tokens") or 0, "worker": worker}
 
 
-async def _replay(url: str, model: str, requests: list[dict], salt: str) -> list[dict]:
+async def _replay(url: str, model: str, requests: list[dict], salt: str, at_once: int | None = None) -> list[dict]:
+    """Every request at its arrival time; ``at_once``: instead, in order, that many in flight
+    (the warm-up: as fast as the workers take it, the router still deciding on a live load)."""
     from aiohttp import ClientSession, ClientTimeout, TCPConnector
 
-    async with ClientSession(timeout=ClientTimeout(total=1800), connector=TCPConnector(limit=0)) as session:
+    async with ClientSession(timeout=ClientTimeout(total=1800), connector=TCPConnector(limit=at_once or 0)) as session:
         t0 = time.monotonic() + 0.2
+        if at_once:
+            requests = [{**r, "arrival_s": 0.0} for r in requests]
         return await asyncio.gather(*(_one(session, url, model, r, salt, t0) for r in requests))
 
 
-def summarise(rows: list[dict], metrics_text: str) -> dict:
+def summarise(rows: list[dict], metrics_text: str, bound: list[int] | None = None) -> dict:
     """One round's figures; ``decision_p99_ms`` from the router's own histogram."""
     ttfts = [r["ttft_s"] for r in rows]
     makespan = max(r["finish_s"] for r in rows) - min(r["arrival_s"] for r in rows)
@@ -177,28 +184,49 @@ def summarise(rows: list[dict], metrics_text: str) -> dict:
         "decision_p99_ms": round(p99 * 1e3, 3) if p99 is not None else None,
         "makespan_s": round(makespan, 2),
         "requests_per_worker": sorted(per_worker.values(), reverse=True),
+        **({"cached_vs_reusable": against_bound([r["cached_tokens"] for r in rows], bound)} if bound else {}),
     }
 
 
-def _round(model: str, workers: list, requests: list[dict], policy: str, workdir: Path, *, events: bool,
-           salt: str) -> dict:
+def _round(model: str, workers: list, phases: dict, policy: str, workdir: Path, *, events: bool,
+           salt: str, measured: list[str] = ()) -> dict:
     from kvtier.bench.route_stack import events_connected, start_router
 
     reset = all(reset_prefix_cache(w.url) for w in workers)
-    extra = ["--shared-writes"] if events else []
+    extra = ["--shared-writes", *measured] if events else []
     router = start_router(model, workers, workdir / f"router-{salt}.log", policy=policy, events=events,
                           extra_args=["--block-tokens", str(HASH_TOKENS), *extra])
     try:
         if events and not events_connected(router, len(workers)):
             raise RuntimeError(f"router {policy}: workers' KV events not connected\n{router.log_tail()}")
         t0 = time.monotonic()
-        rows = asyncio.run(_replay(router.url, model, requests, salt))
-        out = summarise(rows, _get(router.url + "/metrics"))
+        asyncio.run(_replay(router.url, model, phases["warmup"], salt, at_once=4))
+        warm_s = time.monotonic() - t0
+        time.sleep(0.5)   # the warm-up's last KV events reach the router
+        rows = asyncio.run(_replay(router.url, model, phases["counted"], salt))
+        out = summarise(rows, _get(router.url + "/metrics"), phases["bound"])
+        out["warmup_s"] = round(warm_s, 1)
         out["wall_s"] = round(time.monotonic() - t0, 1)
         out["prefix_cache_reset"] = reset
         return out
     finally:
         router.stop()
+
+
+def measure_shared_tier(workdir: Path, block_bytes: int) -> list[str]:
+    """``kvtier bench remote`` on blocks of the connector's size (a few seconds): the routers
+    price shared-tier loads with this bandwidth (``--measured``), not a default."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "kvtier.cli.main", "bench", "remote", "--block-mib",
+                          str(block_bytes / (1 << 20)), "--run-mib", "16", "--runs", "3", "--no-redis", "--json"],
+                         capture_output=True, text=True, timeout=300)
+    if out.returncode != 0:
+        raise RuntimeError(f"kvtier bench remote failed:\n{out.stderr[-2000:]}")
+    path = workdir / "bench-remote.json"
+    path.write_text(out.stdout)
+    return ["--measured", str(path)]
 
 
 def _warm(model: str, workers: list, vocab: int) -> None:
@@ -241,46 +269,51 @@ def run(args) -> dict:
     if unknown or not policies:
         raise SystemExit(f"--policies: unknown {unknown}; use some of {', '.join(POLICIES)}")
     started = time.monotonic()
-    sliced = slice_trace(args.trace, args.requests, args.span_s)
-    max_len = max(r["tokens"] + r["max_tokens"] for r in sliced) + HASH_TOKENS
-    spec = model_spec(args.model, max_len)
+    warm, counted = trace_window(args.trace, args.requests, args.warmup_requests, args.span_s, args.start)
+    max_len = max(r["tokens"] + r["max_tokens"] for r in warm + counted) + HASH_TOKENS
+    spec = trace_model_spec(args.model, max_len)
     model = str(ensure_model(spec)[0])
     geo = geometry(spec)
-    requests = synthesise(sliced, spec.vocab_size)
-    unique_blocks = len({b for r in sliced for b in r["blocks"]})
+    unique_blocks = len({b for r in warm + counted for b in r["blocks"]})
     kv_pages = max(math.ceil(max_len / HASH_TOKENS) + 16, int(unique_blocks * args.kv_fraction))
-    working_set = unique_blocks * HASH_TOKENS * geo["kv_bytes_per_token"]
-    # Each worker's host tier holds the working set (every round's, as the salts keep them
+    sent_warm = warmup_replay(warm, counted, kv_pages, args.full_warmup)
+    phases = {"warmup": synthesise(sent_warm, spec.vocab_size), "counted": synthesise(counted, spec.vocab_size),
+              "bound": reusable_tokens(counted, warm)}
+    sent_blocks = len({b for r in sent_warm + counted for b in r["blocks"]})
+    # Each worker's host tier holds everything sent (every round's, as the salts keep them
     # apart and LRU ages the old ones out first).
-    host_mib = max(64, math.ceil(working_set * 1.5 / (1 << 20)))
+    host_mib = max(64, math.ceil(sent_blocks * HASH_TOKENS * geo["kv_bytes_per_token"] * 1.5 / (1 << 20)))
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="kvtier-bench-route-"))
     workdir.mkdir(parents=True, exist_ok=True)
     nonce = uuid.uuid4().hex[:8]
     result: dict = {
         "trace": str(args.trace),
-        "requests": len(requests),
-        "span_s": args.span_s,
-        "prompt_tokens": sum(len(r["prompt"]) for r in requests),
-        "hash_tokens": HASH_TOKENS,
-        "reusable_token_ratio": round(reusable_token_ratio(sliced), 4),
+        "window": f"requests {args.start}..{args.start + len(warm) + len(counted) - 1} of the trace, "
+                  f"the first {len(warm)} as warm-up (not counted)",
+        **window_facts(warm, counted, sent_warm, args.span_s),
         "vllm_kv_pages_per_worker": kv_pages,
         "vllm_kv_share_of_working_set": round(kv_pages / unique_blocks, 3),
         "kvtier_host_mib_per_worker": host_mib,
+        "kvtier_server_mib": 2 * host_mib,
         "model": {"preset": args.model, **geo},
         "isolation": "per-round cache_salt + POST /reset_prefix_cache + a fresh router per round",
         "baseline": None,
         "policies": {},
     }
     load = [os.getloadavg()[0]]
-    server = ServerProcess.start({"bench": TOKEN})
+    # The shared tier holds one round's blocks and more (older rounds' age out under LRU).
+    server = ServerProcess.start({"bench": TOKEN}, server={"capacity": f"{2 * host_mib}MiB",
+                                                           "max_block": "8MiB"})
     try:
+        measured = measure_shared_tier(workdir, HASH_TOKENS * geo["kv_bytes_per_token"])
+        result["shared_read_gbps_measured"] = measured_bandwidth(measured[1])[1] / 1e9
         transfer = kvtier_transfer_config(server.url, TOKEN, block_tokens=HASH_TOKENS, host_bytes=f"{host_mib}MiB")
         workers = _deployment(model, workdir, "kvtier", transfer=transfer, max_len=max_len, kv_pages=kv_pages)
         try:
             _warm(model, workers, spec.vocab_size)
             for policy in policies:
-                result["policies"][policy] = _round(model, workers, requests, policy, workdir, events=True,
-                                                    salt=f"{policy}-{nonce}")
+                result["policies"][policy] = _round(model, workers, phases, policy, workdir, events=True,
+                                                    measured=measured, salt=f"{policy}-{nonce}")
                 load.append(os.getloadavg()[0])
         finally:
             for w in workers:
@@ -290,7 +323,7 @@ def run(args) -> dict:
     workers = _deployment(model, workdir, "baseline", transfer=None, max_len=max_len, kv_pages=kv_pages)
     try:
         _warm(model, workers, spec.vocab_size)
-        result["baseline"] = _round(model, workers, requests, "round-robin", workdir, events=False,
+        result["baseline"] = _round(model, workers, phases, "round-robin", workdir, events=False,
                                     salt=f"baseline-{nonce}")
         load.append(os.getloadavg()[0])
     finally:

@@ -1,28 +1,27 @@
-"""``kvtier bench vllm --trace FILE``: a slice of a Mooncake-format trace replayed through vLLM.
+"""``kvtier bench vllm --trace FILE``: a window of a Mooncake-format trace replayed through vLLM.
 
 The trace gives block identities, not text (:mod:`kvtier.sim.trace`): each hash id
-becomes ``--hash-tokens`` tokens drawn from a generator seeded by the id, so that
-equal ids give equal token blocks and a prompt is the concatenation of its
-blocks (the last one cut to the request's length, scaled like its blocks). The
-slice keeps whole conversations (requests grouped by their first block past the
-shared system prompt, every ``k``-th group, ``k`` chosen for about
-``--requests`` requests), so that its reuse is the trace's own; the trace's
-arrival times are compressed to ``--span-s`` seconds, enough to keep one engine
-busy, so that what a cache saves shows as throughput.
+becomes ``HASH_TOKENS`` tokens drawn from a generator seeded by the id, so that equal
+ids give equal token blocks and a prompt is the concatenation of its blocks (the last
+one cut to the request's length, scaled like its blocks; prompts cut at ``MAX_BLOCKS``).
 
-Each system is one vLLM engine with its prefix cache on (LMCache: off if its
-connector refuses it) and a KV cache of ``--kv-fraction`` of the slice's working
-set, so that vLLM alone must evict: vLLM alone; vLLM + kvtier (host tier that
-holds the working set, a disk tier behind it); vLLM + LMCache (its MP connector
-and an ``lmcache server`` with at least the same DRAM). ``reusable_token_ratio``
-is the share of prompt tokens an unbounded cache would hit (each request's
-longest prefix of blocks seen in earlier requests): the bound on any
-``cached_token_ratio``.
+The window (:func:`trace_window`) is a contiguous stretch of the trace, not a sample:
+``--warmup-requests`` requests that fill the caches and are not counted (replayed as
+:func:`warmup_replay` says), then ``--requests`` counted ones whose arrival times are
+compressed to ``--span-s`` so that the engine is loaded. Sampling conversations (what
+this bench did first) keeps each conversation's reuse but shrinks the distance between
+its turns, so that even a minimal vLLM cache hit every reusable token and no connector
+could add any; in a contiguous stretch a conversation's next turn comes hundreds of
+requests later, as in the trace.
 
-Known limit (measured, see BENCHMARKS.md): keeping one conversation in ~170 keeps its reuse but
-divides the requests between two of its turns by as much, so even a minimal vLLM cache (one
-max-length request) hits every reusable token and a connector cannot add hits. A contiguous
-window of the trace after a warm-up stretch would keep reuse distances; not done yet.
+Each system is one vLLM engine with its prefix cache on and a KV cache of
+``--kv-fraction`` of the stretch's working set, so that vLLM alone must evict: vLLM
+alone; vLLM + kvtier (host tier that holds the working set, a disk tier behind it);
+vLLM + LMCache (its MP connector and an ``lmcache server`` with at least the same DRAM).
+``reusable_token_ratio`` (:func:`reusable_token_ratio`) is exact: the share of the
+window's prompt tokens an unbounded cache would hit, given everything before it in the
+stretch, counted as vLLM counts ``cached_tokens``: the bound on any ``cached_token_ratio``.
+The systems run one after the other (an engine each; two at once would share the cores).
 """
 
 from __future__ import annotations
@@ -34,6 +33,7 @@ import shutil
 import statistics
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from kvtier.bench.vllm_systems import (
@@ -49,37 +49,61 @@ from kvtier.bench.vllm_systems import (
 #: trace blocks are 512 tokens; each becomes HASH_TOKENS tokens (one vLLM page on CPU)
 TRACE_BLOCK_TOKENS = 512
 HASH_TOKENS = 32
-MAX_BLOCKS = 128  #: prompts cut to this many blocks (the trace reaches 240)
+MAX_BLOCKS = 64  #: prompts cut to this many blocks, 2048 tokens (the trace reaches 240; median 14)
 MAX_OUTPUT = 32  #: output lengths scaled like prompts, then capped
+#: a conversation's next turn comes a median ~380 requests after its last on the Mooncake
+#: conversation trace: the warm-up must reach that far back for the window to see its reuse
+WARMUP_REQUESTS = 400
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--span-s", type=float, default=40.0, help="--trace: the slice's arrivals compressed to this span")
-    p.add_argument("--kv-fraction", type=float, default=0.25,
-                   help="--trace: vLLM's KV cache as a share of the slice's working set (default 0.25)")
+    p.add_argument("--trace-model", default="mid", choices=["tiny", "mid", "demo"],
+                   help="--trace: random Llama (tiny: hidden 128 / 2 layers; mid: 512 / 4; demo: 1024 / 8)")
+    p.add_argument("--warmup-requests", type=int, default=WARMUP_REQUESTS,
+                   help=f"--trace: requests before the window that fill the caches, not counted (default {WARMUP_REQUESTS})")
+    p.add_argument("--start", type=int, default=0, help="--trace: the window's first request in the trace")
+    p.add_argument("--full-warmup", action="store_true",
+                   help="--trace: replay every warm-up request whole (default: the exact shortcut of warmup_replay)")
+    p.add_argument("--span-s", type=float, default=40.0, help="--trace: the counted arrivals compressed to this span")
+    p.add_argument("--kv-fraction", type=float, default=0.1,
+                   help="--trace: vLLM's KV cache as a share of the stretch's working set (default 0.1)")
 
 
-def slice_trace(path: str, requests: int, span_s: float) -> list[dict]:
-    """The replayed requests: ``arrival_s``, ``blocks`` (hash ids), ``tokens``, ``max_tokens``."""
+def _scaled(r, t0: float, squeeze: float, warmup: bool) -> dict:
+    scale = TRACE_BLOCK_TOKENS // HASH_TOKENS
+    blocks = r.blocks[:MAX_BLOCKS]
+    tokens = min(len(blocks) * HASH_TOKENS, math.ceil(r.input_tokens / scale))
+    return {"arrival_s": 0.0 if warmup else round((r.arrival_s - t0) * squeeze, 4), "blocks": list(blocks),
+            "tokens": tokens,
+            # a warm-up request only has to leave its blocks in the caches: one output token
+            "max_tokens": 1 if warmup else min(MAX_OUTPUT, max(1, r.output_tokens // scale))}
+
+
+def trace_window(path: str, requests: int, warmup: int, span_s: float, start: int = 0) -> tuple[list[dict], list[dict]]:
+    """A contiguous stretch of the trace: ``warmup`` requests, then ``requests`` counted ones.
+
+    Returns ``(warm_up, counted)``, each request ``arrival_s``, ``blocks`` (hash ids),
+    ``tokens``, ``max_tokens``. Contiguous (every request of the stretch, in arrival
+    order), so that reuse distances are the trace's own: a conversation's next turn comes
+    hundreds of requests after the last one (the median on the Mooncake conversation
+    trace is ~380), which is what pushes it out of a small engine cache. The warm-up
+    requests fill the caches as the trace before the window would have (sent at once, one
+    output token each, not measured); the counted requests keep their order and gaps,
+    compressed so that the last arrives ``span_s`` after the first.
+    """
     from kvtier.sim.trace import load_trace
 
-    trace = load_trace(path, TRACE_BLOCK_TOKENS)
-    groups = [r for r in trace.requests if len(r.blocks) > 1]
-    if not groups:
-        raise SystemExit(f"{path}: no request has more than one block")
-    every = max(1, round(len(groups) / max(1, requests)))
-    # Knuth's multiplicative hash spreads consecutive conversation ids over the residues.
-    picked = [r for r in groups if (r.blocks[1] * 2654435761) % (1 << 32) % every == 0]
-    t0, t1 = picked[0].arrival_s, picked[-1].arrival_s
+    if requests <= 0 or warmup < 0 or start < 0:
+        raise SystemExit("--requests must be > 0, --warmup-requests and --start >= 0")
+    trace = load_trace(path, TRACE_BLOCK_TOKENS).requests
+    if start + warmup + requests > len(trace):
+        raise SystemExit(f"{path}: {len(trace)} requests, fewer than --start {start} + --warmup-requests "
+                         f"{warmup} + --requests {requests}")
+    warm = trace[start:start + warmup]
+    counted = trace[start + warmup:start + warmup + requests]
+    t0, t1 = counted[0].arrival_s, counted[-1].arrival_s
     squeeze = span_s / (t1 - t0) if t1 > t0 else 0.0
-    scale = TRACE_BLOCK_TOKENS // HASH_TOKENS
-    out = []
-    for r in picked:
-        blocks = r.blocks[:MAX_BLOCKS]
-        tokens = min(len(blocks) * HASH_TOKENS, math.ceil(r.input_tokens / scale))
-        out.append({"arrival_s": round((r.arrival_s - t0) * squeeze, 4), "blocks": list(blocks), "tokens": tokens,
-                    "max_tokens": min(MAX_OUTPUT, max(1, r.output_tokens // scale))})
-    return out
+    return ([_scaled(r, t0, squeeze, True) for r in warm], [_scaled(r, t0, squeeze, False) for r in counted])
 
 
 def synthesise(requests: list[dict], vocab: int) -> list[dict]:
@@ -96,18 +120,50 @@ def synthesise(requests: list[dict], vocab: int) -> list[dict]:
              "prompt": [t for b in r["blocks"] for t in block(b)][: r["tokens"]]} for r in requests]
 
 
-def reusable_token_ratio(requests: list[dict]) -> float:
-    """Tokens an unbounded cache holding every earlier request's blocks would hit, as a share."""
+def cacheable_blocks(tokens: int) -> int:
+    """Whole pages of a ``tokens``-token prompt that a prefix cache can hit: vLLM computes at
+    least the last prompt token (its logits start the answer), so at most ``tokens - 1``."""
+    return max(0, tokens - 1) // HASH_TOKENS
+
+
+def reusable_tokens(requests: list[dict], warmup: list[dict] = ()) -> list[int]:
+    """Per request, the prompt tokens an unbounded prefix cache would hit, exactly.
+
+    The cache holds every whole block of every earlier prompt (the warm-up's included; a
+    last partial block is never cached) and nothing else (outputs are the model's tokens,
+    not the trace's, so they match no later prompt); a request hits its leading blocks up
+    to the first one not held, at most :func:`cacheable_blocks`, as vLLM and the kvtier
+    connector count ``cached_tokens``.
+    """
     seen: set[int] = set()
-    hit = total = 0
+    for r in warmup:
+        seen.update(r["blocks"][: r["tokens"] // HASH_TOKENS])
+    out = []
     for r in requests:
-        total += r["tokens"]
-        for i, b in enumerate(r["blocks"]):
-            if b not in seen or (i + 1) * HASH_TOKENS > r["tokens"]:
-                break  # a prefix cache hits whole blocks, and only up to the first miss
+        hit = 0
+        for b in r["blocks"][: cacheable_blocks(r["tokens"])]:
+            if b not in seen:
+                break
             hit += HASH_TOKENS
-        seen.update(r["blocks"])
-    return hit / total if total else 0.0
+        out.append(hit)
+        seen.update(r["blocks"][: r["tokens"] // HASH_TOKENS])
+    return out
+
+
+def reusable_token_ratio(requests: list[dict], warmup: list[dict] = ()) -> float:
+    """Share of ``requests``' prompt tokens an unbounded prefix cache would hit (:func:`reusable_tokens`):
+    the bound on any system's ``cached_token_ratio``."""
+    total = sum(r["tokens"] for r in requests)
+    return sum(reusable_tokens(requests, warmup)) / total if total else 0.0
+
+
+def against_bound(cached: list[int], bound: list[int]) -> dict:
+    """Where a system's cached tokens fall short of (or, which would be a bug, exceed) the bound,
+    request by request: the cached-ratio gap explained by requests, not guessed from the total."""
+    short = [(b - c) for c, b in zip(cached, bound) if c < b]
+    over = [(c - b) for c, b in zip(cached, bound) if c > b]
+    return {"requests_below": len(short), "tokens_below": sum(short),
+            "requests_above": len(over), "tokens_above": sum(over)}
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -117,7 +173,7 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
-def metrics(reply: dict) -> dict:
+def metrics(reply: dict, bound: list[int] | None = None) -> dict:
     rows = reply["requests"]
     unfinished = [r for r in rows if r["finish_s"] is None or r["first_token_s"] is None]
     if unfinished:
@@ -133,6 +189,70 @@ def metrics(reply: dict) -> dict:
         "ttft_p90_s": round(_percentile(ttfts, 0.9), 3),
         "cached_token_ratio": round(sum(r["cached_tokens"] or 0 for r in rows)
                                     / sum(r["prompt_tokens"] for r in rows), 4),
+        **({"cached_vs_reusable": against_bound([r["cached_tokens"] or 0 for r in rows], bound)} if bound else {}),
+    }
+
+
+def warmup_replay(warm: list[dict], counted: list[dict], cache_pages: int, full: bool = False) -> list[dict]:
+    """What the engines are sent before the window: the same caches, for less compute.
+
+    ``full``: every warm-up request. Otherwise (the default) an exact shortcut for caches
+    that either hold the whole working set (kvtier's host tier, LMCache's DRAM: sized so)
+    or are much smaller than the warm-up (vLLM's KV cache): (1) each earlier warm-up
+    request cut after its last whole block the window can hit, duplicates dropped (what
+    the big caches must hold, and all the window can use of them), then (2) the warm-up's
+    last requests whole, at least ``2 x cache_pages`` blocks of them, so that the small
+    cache ends in the state the whole stretch leaves (its older content evicted, LRU).
+    """
+    if full:
+        return warm
+    used: set[int] = set()
+    for r in counted:
+        used.update(r["blocks"][: cacheable_blocks(r["tokens"])])
+    tail_start, blocks = len(warm), 0
+    while tail_start > 0 and blocks < 2 * cache_pages:
+        tail_start -= 1
+        blocks += warm[tail_start]["tokens"] // HASH_TOKENS
+    out, sent = [], set()
+    for r in warm[:tail_start]:
+        whole = r["blocks"][: r["tokens"] // HASH_TOKENS]
+        last = max((i for i, b in enumerate(whole) if b in used), default=-1)
+        prefix = tuple(whole[: last + 1])
+        if last < 0 or prefix in sent:
+            continue
+        sent.add(prefix)
+        # one token past the last block: a prompt of exactly whole blocks would leave its
+        # last block uncached (vLLM computes at least the last token)
+        out.append({**r, "blocks": list(prefix) + list(r["blocks"][last + 1: last + 2]),
+                    "tokens": min(r["tokens"], (last + 1) * HASH_TOKENS + 1)})
+    return out + warm[tail_start:]
+
+
+def trace_model_spec(name: str, positions: int):
+    """The replays' random Llama: ``tiny`` / ``demo`` as ``kvtier bench vllm``, or ``mid``
+    (hidden 512 / 4 layers, between the two: prefill costs enough that a cache hit shows in
+    TTFT, and a replay still fits in minutes on two shared cores)."""
+    from kvtier.integrations.transformers.models import ModelSpec
+
+    if name != "mid":
+        return model_spec(name, positions)
+    spec = ModelSpec(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+                     intermediate_size=1408, vocab_size=2048, max_position_embeddings=8192)
+    if positions > spec.max_position_embeddings:
+        spec = replace(spec, max_position_embeddings=1 << (positions - 1).bit_length())
+    return spec
+
+
+def window_facts(warm: list[dict], counted: list[dict], sent_warm: list[dict], span_s: float) -> dict:
+    """What the JSON says about the replayed window (both trace benches)."""
+    return {
+        "requests": len(counted),
+        "warmup_requests": len(warm),
+        "warmup_replayed": {"requests": len(sent_warm), "prompt_tokens": sum(r["tokens"] for r in sent_warm)},
+        "span_s": span_s,
+        "prompt_tokens": sum(r["tokens"] for r in counted),
+        "hash_tokens": HASH_TOKENS,
+        "reusable_token_ratio": round(reusable_token_ratio(counted, warm), 4),
     }
 
 
@@ -140,47 +260,49 @@ def run(args) -> dict:
     from kvtier.integrations.transformers.models import ensure_model
 
     started = time.monotonic()
-    sliced = slice_trace(args.trace, args.requests or 64, args.span_s)
+    warm, counted = trace_window(args.trace, args.requests or 64, args.warmup_requests, args.span_s, args.start)
     # vLLM refuses a KV cache smaller than one request of max_model_len: fit it to the slice.
-    max_len = max(r["tokens"] + r["max_tokens"] for r in sliced) + HASH_TOKENS
-    spec = model_spec(args.model, max_len)
+    max_len = max(r["tokens"] + r["max_tokens"] for r in warm + counted) + HASH_TOKENS
+    spec = trace_model_spec(args.trace_model, max_len)
     model = str(ensure_model(spec)[0])
     geo = geometry(spec)
-    requests = synthesise(sliced, spec.vocab_size)
-    unique_blocks = len({b for r in sliced for b in r["blocks"]})
+    unique_blocks = len({b for r in warm + counted for b in r["blocks"]})
     page_bytes = HASH_TOKENS * geo["kv_bytes_per_token"]
     working_set = unique_blocks * page_bytes
     kv_pages = max(math.ceil(max_len / HASH_TOKENS) + 16, int(unique_blocks * args.kv_fraction))
-    store_bytes = max(256 << 20, int(working_set * 1.25))
+    sent_warm = warmup_replay(warm, counted, kv_pages, args.full_warmup)
+    # The stores hold everything sent (so that the shortcut is exact), not more.
+    sent_blocks = len({b for r in sent_warm + counted for b in r["blocks"]})
+    store_bytes = max(256 << 20, int(sent_blocks * page_bytes * 1.25))
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="kvtier-bench-vllm-trace-"))
     workdir.mkdir(parents=True, exist_ok=True)
     base = {"model": model, "max_model_len": max_len, "kv_pages": kv_pages}
     result: dict = {
         "trace": str(args.trace),
-        "requests": len(requests),
-        "span_s": args.span_s,
-        "prompt_tokens": sum(len(r["prompt"]) for r in requests),
-        "hash_tokens": HASH_TOKENS,
-        "reusable_token_ratio": round(reusable_token_ratio(sliced), 4),
+        "window": f"requests {args.start}..{args.start + len(warm) + len(counted) - 1} of the trace, "
+                  f"the first {len(warm)} as warm-up (not counted)",
+        **window_facts(warm, counted, sent_warm, args.span_s),
         "working_set_bytes": working_set,
         "vllm_kv_pages": kv_pages,
         "vllm_kv_share_of_working_set": round(kv_pages / unique_blocks, 3),
-        "model": {"preset": args.model, **geo},
+        "model": {"preset": args.trace_model, **geo},
         "systems": {},
     }
-    warmup = [random.Random(-1).randrange(16, spec.vocab_size) for _ in range(512)]
+    phases = {"first_use": [random.Random(-1).randrange(16, spec.vocab_size) for _ in range(512)],
+              "warmup": synthesise(sent_warm, spec.vocab_size), "counted": synthesise(counted, spec.vocab_size),
+              "bound": reusable_tokens(counted, warm)}
     try:
-        return _run_systems(args, base, requests, warmup, result, workdir, store_bytes, started)
+        return _run_systems(args, base, phases, result, workdir, store_bytes, started)
     finally:
         if args.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _run_systems(args, base, requests, warmup, result, workdir, store_bytes, started) -> dict:
+def _run_systems(args, base, phases, result, workdir, store_bytes, started) -> dict:
     disk = workdir / "kvtier-disk"
     kvtier = kvtier_extra(HASH_TOKENS, host_bytes=f"{store_bytes >> 20}MiB", disk_path=str(disk), disk_bytes="4GiB")
-    result["systems"]["vllm"] = _replay(base | {"extra": None}, requests, warmup, workdir / "engine-vllm.log")
-    result["systems"]["kvtier"] = _replay(base | {"extra": kvtier}, requests, warmup, workdir / "engine-kvtier.log")
+    result["systems"]["vllm"] = _replay(base | {"extra": None}, phases, workdir / "engine-vllm.log")
+    result["systems"]["kvtier"] = _replay(base | {"extra": kvtier}, phases, workdir / "engine-kvtier.log")
     shutil.rmtree(disk, ignore_errors=True)
     result["systems"]["lmcache"] = None
     if args.no_lmcache:
@@ -189,11 +311,11 @@ def _run_systems(args, base, requests, warmup, result, workdir, store_bytes, sta
         try:
             with lmcache_server(workdir, chunk_tokens=HASH_TOKENS, l1_gib=max(1, math.ceil(store_bytes / (1 << 30)))) as port:
                 try:
-                    lm = _replay(lmcache_settings(base, port, prefix_caching=True), requests, warmup,
+                    lm = _replay(lmcache_settings(base, port, prefix_caching=True), phases,
                                  workdir / "engine-lmcache.log", env=LMCACHE_ENV)
                     lm["vllm_prefix_caching"] = True
                 except Exception as exc:  # noqa: BLE001 - its connector may refuse vLLM's prefix cache
-                    lm = _replay(lmcache_settings(base, port, prefix_caching=False), requests, warmup,
+                    lm = _replay(lmcache_settings(base, port, prefix_caching=False), phases,
                                  workdir / "engine-lmcache-noprefix.log", env=LMCACHE_ENV)
                     lm["vllm_prefix_caching"] = False
                     lm["note"] = f"with vLLM's prefix cache on it failed ({str(exc).splitlines()[0][:200]})"
@@ -210,7 +332,7 @@ def _run_systems(args, base, requests, warmup, result, workdir, store_bytes, sta
     return result
 
 
-def _replay(settings: dict, requests: list[dict], warmup: list[int], log: Path, *, env: dict | None = None) -> dict:
+def _replay(settings: dict, phases: dict, log: Path, *, env: dict | None = None) -> dict:
     from kvtier.integrations.vllm.engine_proc import EngineProcess
 
     engine = EngineProcess(settings, log, env=env)
@@ -219,8 +341,14 @@ def _replay(settings: dict, requests: list[dict], warmup: list[int], log: Path, 
         # First-use costs, untimed. Its tokens share no block with the slice, and it is not
         # reset away: LMCache's connector makes vLLM refuse resets (it holds pages for its
         # asynchronous saves), and every system must start alike.
-        engine.call(op="ttft", prompt=warmup, max_tokens=2, timeout=600)
-        return metrics(engine.call(op="replay", requests=requests, timeout=3600))
+        engine.call(op="ttft", prompt=phases["first_use"], max_tokens=2, timeout=600)
+        # The warm-up stretch, as fast as the engine takes it (not measured), then the window.
+        t0 = time.monotonic()
+        engine.call(op="replay", requests=phases["warmup"], timeout=3600)
+        warm_s = time.monotonic() - t0
+        out = metrics(engine.call(op="replay", requests=phases["counted"], timeout=3600), phases["bound"])
+        out["warmup_s"] = round(warm_s, 1)
+        return out
     finally:
         engine.close()
 

@@ -120,7 +120,7 @@ def test_trace_smoke_run(tmp_path):
     """The whole command on a tiny slice: kvtier deployment (one policy) and the baseline.
     Most of its time is four vLLM start-ups (two deployments of two workers)."""
     out = subprocess.run([sys.executable, "-m", "kvtier.cli.main", "bench", "route", "--trace", str(SLICE),
-                          "--json", "--model", "tiny", "--requests", "6", "--span-s", "2",
+                          "--json", "--model", "tiny", "--warmup-requests", "20", "--requests", "6", "--span-s", "2",
                           "--policies", "tier-aware", "--workdir", str(tmp_path)],
                          capture_output=True, text=True, timeout=580)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -131,3 +131,4 @@ def test_trace_smoke_run(tmp_path):
         assert 0 <= row["cached_token_ratio"] <= 1 and row["ttft_p90_s"] >= row["ttft_p50_s"] > 0
         assert row["decision_p99_ms"] is not None and row["prefix_cache_reset"] is True
     assert set(r["targets"]) >= {"ttft_p50_half_of_baseline", "cached_1_5x_baseline"}
+    assert r["warmup_requests"] == 20 and r["shared_read_gbps_measured"] > 0
