@@ -70,6 +70,8 @@ def register(subparsers) -> None:
                       help="a worker's vLLM address whose /metrics to read (repeatable; the local launcher adds its own)")
     live.add_argument("--metrics-port", type=int, default=None, help="serve the planner's Prometheus /metrics here")
     live.add_argument("--metrics-host", default="127.0.0.1")
+    live.add_argument("--targets-file", default=None,
+                      help="write the serving workers here as a Prometheus file_sd list (job vllm)")
     launch = live.add_argument_group("launcher")
     launch.add_argument("--launcher", choices=("dry-run", "local"), default="dry-run",
                         help="dry-run: print decisions; local: start/drain/stop `vllm serve` workers behind the router")
@@ -248,7 +250,8 @@ def run_live(args) -> int:
     current = len(args.adopt) if args.launcher == "local" else args.prefill_workers
     planner = LivePlanner(sizer, settings, max(current, settings.min_workers), args.decode_workers)
     loop = PlannerLoop(planner, launcher, args.router, args.output_tokens, scrape, aggregate=args.launcher == "local",
-                       worker_urls=worker_urls, status_file=args.status_file, report=report)
+                       worker_urls=worker_urls, status_file=args.status_file, targets_file=args.targets_file,
+                       report=report)
     server = loop.metrics.serve(args.metrics_port, args.metrics_host) if args.metrics_port is not None else None
     if server is not None:
         print(json.dumps({"planner_metrics": f"http://{args.metrics_host}:{server.server_port}/metrics"}), flush=True)

@@ -28,6 +28,7 @@ def register(subparsers) -> None:
     parser.add_argument("--token", default=None,
                         help="admin token for the server's per-tenant series (default: $KVTIER_ADMIN_TOKEN)")
     parser.add_argument("--planner-status", default=None, help="JSON status file written by a planner")
+    parser.add_argument("--planner", default=None, help="kvtier plan live --metrics-port address (host:port or URL)")
     parser.add_argument("--interval", type=float, default=1.0, help="seconds between frames")
     parser.add_argument("--once", action="store_true", help="render one frame to stdout and exit")
     parser.set_defaults(func=run)
@@ -171,6 +172,23 @@ def render(frame: Frame):
     return Group(*parts)
 
 
+def planner_from_metrics(samples: Samples) -> dict | None:
+    """The planner's last decision as its status file has it, from its ``/metrics`` alone."""
+    if not samples.up:
+        return None
+    out: dict = {"forecast_rate": samples.get("kvtier_planner_forecast_request_rate"),
+                 "sizing_rate": samples.get("kvtier_planner_sizing_request_rate"),
+                 "hit_rate": samples.get("kvtier_planner_hit_rate")}
+    for (name, labels), value in samples.values.items():
+        if name == "kvtier_planner_last_decision_info" and value:
+            ls = dict(labels)
+            pool = ls.get("pool", "")
+            out[pool] = {"action": ls.get("action"), "reason": ls.get("reason", ""),
+                         "current": int(samples.get("kvtier_planner_workers", pool=pool)),
+                         "target": int(samples.get("kvtier_planner_target_workers", pool=pool))}
+    return out
+
+
 def _planner_status(path: str | None) -> dict | None:
     if not path:
         return None
@@ -186,8 +204,8 @@ def run(args) -> int:
     from rich.live import Live
 
     token = args.token or os.environ.get("KVTIER_ADMIN_TOKEN")
-    if not (args.server or args.router or args.worker):
-        print("kvtier top: give at least one of --server, --router, --worker", file=sys.stderr)
+    if not (args.server or args.router or args.worker or args.planner):
+        print("kvtier top: give at least one of --server, --router, --worker, --planner", file=sys.stderr)
         return 2
     if args.interval <= 0:
         print("kvtier top: --interval must be > 0 seconds", file=sys.stderr)
@@ -196,8 +214,9 @@ def run(args) -> int:
     def sample(prev_server=None):
         server = scrape(args.server, token)
         workers = {w: scrape(w) for w in args.worker}
-        frame = build_frame(server, scrape(args.router), workers, _planner_status(args.planner_status),
-                            prev_server=prev_server)
+        planner = _planner_status(args.planner_status) or (planner_from_metrics(scrape(args.planner))
+                                                           if args.planner else None)
+        frame = build_frame(server, scrape(args.router), workers, planner, prev_server=prev_server)
         return frame, server
 
     if args.once:

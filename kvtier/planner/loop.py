@@ -35,6 +35,7 @@ class PlannerLoop:
     aggregate: bool = False                   #: workers prefill and decode (plain vllm serve)
     worker_urls: Callable[[], list[str]] = list   #: whose vLLM /metrics to read
     status_file: str | None = None
+    targets_file: str | None = None           #: Prometheus file_sd list of the serving workers
     report: Callable[[Decision], None] | None = None
     last: Decision | None = None
     last_load: FleetLoad | None = None
@@ -46,6 +47,7 @@ class PlannerLoop:
         """One interval: a decision, or None (first scrape, a counter reset, the router down)."""
         samples = self.scrape(self.router)
         self._record_launcher()
+        self.write_targets()
         if not samples.up:
             self.metrics.scrape_errors.inc()
             log.warning("router metrics unreachable (%s); holding", samples.error)
@@ -73,6 +75,16 @@ class PlannerLoop:
         self._write_status(acted)
         return acted
 
+    def write_targets(self) -> None:
+        """The serving workers as a Prometheus ``file_sd_configs`` file (host:port, job ``vllm``)."""
+        if not self.targets_file:
+            return
+        from urllib.parse import urlsplit
+
+        hosts = sorted({urlsplit(w.url).netloc for pool in ("prefill", "decode") for w in self.launcher.list(pool)
+                        if w.state == "serving" and w.url})
+        _replace_json(self.targets_file, [{"targets": hosts, "labels": {"job": "vllm"}}])
+
     def _record_launcher(self) -> None:
         self.metrics.record_launcher(self.launcher)
         actions = getattr(self.launcher, "actions", None)
@@ -92,7 +104,12 @@ class PlannerLoop:
         pids = getattr(self.launcher, "pids", None)
         if pids is not None:
             status["pids"] = pids()
-        tmp = self.status_file + ".tmp"
-        with open(tmp, "w") as fh:
-            json.dump(status, fh)
-        os.replace(tmp, self.status_file)
+        _replace_json(self.status_file, status)
+
+
+def _replace_json(path: str, value) -> None:
+    """Readers see the old file or the new one, never half of one."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as fh:
+        json.dump(value, fh)
+    os.replace(tmp, path)
