@@ -34,18 +34,24 @@ What kvtier adds:
   tier's reads and lookups at once and its removal retried on later deletes and puts;
   a put of the key brings it back. Only a block that failed verification is removed
   by force (it can never verify).
-* **Replicas.** ``replicas`` copies on distinct holders. The engine reads one replica
-  and does not fall back to another when its holder is dead (it answers -800 until
-  the master drops the holder after its ``client_ttl``); a read that fails so is
-  tried again within the deadline, which the engine may serve from the other copy.
+* **Replicas.** ``replicas`` copies on distinct holders. The engine always reads the
+  first replica and does not fall back to another when its holder is dead (it answers
+  -800 until the master drops the holder after its ``client_ttl``). A read that fails
+  so asks the master for the replicas and reads another one straight from its holder,
+  through the client's own transfer engine, within the same call (holders that failed
+  lately are tried last); what it reads is verified like any read.
 * **Eviction.** Above ~90 % fill the engine silently drops old objects; lookups ask the
   master (``batch_is_exist``) each time, so they never promise what it dropped.
 
 Zero copy where it is safe: puts send ``header | caller's buffer`` as one object
 straight from the caller's memory (the call keeps a reference, so it stays mapped
 even after an overrun; a buffer changed under an overrun put is stored torn and then
-fails verification). Gets land in registered staging buffers and are verified while
-copied out.
+fails verification). Gets into memory the caller registered once
+(:meth:`MooncakeTier.register_memory`: an engine's KV cache, a host pool) are received
+straight into it and verified in place, in calls of ~32 MiB so that verifying one
+overlaps the next one's transfer; any other get lands in registered staging buffers
+and is verified while copied out (a late write after an overrun can only land in
+memory registered for it: :meth:`MooncakeTier.quiesce`).
 
 ``keys()`` lists nothing (names are one-way); ``capacity_bytes`` is what the caller
 configured (0: the fleet's, unknown here); evictions are the engine's and are not
@@ -86,6 +92,11 @@ NAME_PREFIX = "kvtier/"
 DEFAULT_MIN_RATE_BYTES_S = 50e6
 #: bytes staged per engine call of a get; larger batches are split (one block may exceed it)
 _GET_CHUNK_BYTES = 64 << 20
+#: bytes per engine call of a get into registered memory: small enough that verifying one call's
+#: blocks overlaps the next call's transfer, large enough that calls stay few
+_PIPELINE_BYTES = 32 << 20
+#: how long a holder that failed a read is tried after the other replicas
+_SUSPECT_S = 30.0
 #: pieces a verified payload is copied out in: each is hashed while still in cache
 _COPY_PIECE = 1 << 20
 _NAME_LABEL = b"kvtier mooncake name\0"
@@ -156,6 +167,10 @@ class MooncakeTier(Tier):
         self._closed = False
         self.last_error: str | None = None
         self._unremoved: dict[str, float] = {}  # name → when its removal was refused (a lease)
+        self._regions: list[tuple[int, int, object]] = []  # (start, end, the caller's buffer) registered
+        self._late_direct_reads = 0
+        self._transfer = self._client.transfer
+        self._suspect: dict[str, float] = {}  # a holder's endpoint → until when reads try it last
         self._next_removal_retry = 0.0
 
     # -- names and tags -------------------------------------------------------------------------
@@ -225,6 +240,63 @@ class MooncakeTier(Tier):
         except _Down:
             return False
 
+    # -- memory the engine may write into directly ------------------------------------------------
+    def register_memory(self, buf) -> None:
+        """Register ``buf`` (a writable buffer the caller reads blocks into again and again: an
+        engine's KV cache, a host pool) with the engine, once: reads whose output lies inside it
+        are received straight into it and verified in place, with no staging copy.
+
+        The price: a read that overran its deadline returned misses, but the engine may still
+        land those blocks' bytes (the stored ones, verified by nobody) in this memory until it
+        ends. :meth:`quiesce` waits for that; :attr:`late_direct_reads` counts such reads. Memory
+        never registered is never written by a late call (it reads through staging)."""
+        view = writable_bytes(buf)
+        arr = np.frombuffer(view, dtype=np.uint8)
+        start = arr.ctypes.data
+        rc = self._engine.register_buffer(start, arr.nbytes)
+        if rc != 0:
+            raise RuntimeError(f"mooncake: register_buffer({arr.nbytes} bytes) returned {rc}")
+        with self._lock:
+            self._regions.append((start, start + arr.nbytes, arr))
+
+    def unregister_memory(self, buf) -> None:
+        """Stop receiving into ``buf`` (after :meth:`quiesce`, if a read may have overrun)."""
+        start = np.frombuffer(writable_bytes(buf), dtype=np.uint8).ctypes.data
+        with self._lock:
+            found = [r for r in self._regions if r[0] == start]
+            self._regions = [r for r in self._regions if r[0] != start]
+        if found:
+            self._engine.unregister_buffer(start)
+
+    @property
+    def late_direct_reads(self) -> int:
+        """Reads into registered memory that overran and have not ended yet."""
+        return self._late_direct_reads
+
+    def quiesce(self, timeout_s: float = 30.0) -> bool:
+        """Wait until no overrun read can still write into registered memory; False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        while self._late_direct_reads > 0:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
+        return True
+
+    def _note_late_direct_read(self) -> None:
+        with self._lock:
+            self._late_direct_reads += 1
+
+    def _registered_address(self, view: memoryview) -> int | None:
+        """The address of ``view`` if all of it lies in registered memory, else None."""
+        if not self._regions or view.nbytes == 0:
+            return None
+        addr = np.frombuffer(view, dtype=np.uint8).ctypes.data
+        end = addr + view.nbytes
+        for start, stop, _ in self._regions:
+            if start <= addr and end <= stop:
+                return addr
+        return None
+
     # -- lookups --------------------------------------------------------------------------------
     def contains(self, key: BlockKey) -> bool:
         return self.contains_many([key])[0]
@@ -280,43 +352,125 @@ class MooncakeTier(Tier):
     def _read_round(self, todo: list[int], digests, views, statuses: list[Status], deadline: float) -> None:
         for _ in range(self.read_attempts):
             retry: list[int] = []
+            sizes = [views[i].nbytes + HEADER_NBYTES for i in todo]
+            # Reads into registered memory go in smaller calls so that verifying one call's blocks
+            # (hashing them in place) overlaps the next call's transfer.
+            limit = _PIPELINE_BYTES if self._regions else _GET_CHUNK_BYTES
+            pending = None
             try:
-                for chunk in _chunks_by_bytes(todo, [views[i].nbytes + HEADER_NBYTES for i in todo],
-                                              _GET_CHUNK_BYTES):
+                for chunk in _chunks_by_bytes(todo, sizes, limit):
                     self._check_up()
-                    retry += self._get_chunk(chunk, digests, views, statuses, deadline)
+                    prev, pending = pending, self._start_chunk(chunk, digests, views)
+                    if prev is not None:
+                        retry += self._finish_chunk(prev, digests, views, statuses, deadline)
+                if pending is not None:
+                    pending, last = None, pending
+                    retry += self._finish_chunk(last, digests, views, statuses, deadline)
             except _Down:
+                if pending is not None:  # started, never waited for: its buffers are its own until it ends
+                    if pending.headers is not None:
+                        self._note_late_direct_read()
+                    pending.future.add_done_callback(
+                        lambda _f, p=pending: p.late_ended() if p.headers is not None else p.give_back())
                 break
-            # A dead holder answers -800 until the master drops it (its client_ttl); another try may
-            # be served by another replica, or, once it is dropped, find the block gone (a miss).
+            # A dead holder answers -800 until the master drops it (its client_ttl), and the engine
+            # always reads the first replica: read the others ourselves, at once. What is still
+            # unread is tried again; once the master has dropped the holder, a block with no other
+            # copy is gone (a miss).
+            if retry and self.replicas > 1 and self._transfer is not None:
+                try:
+                    retry = self._read_other_replicas(retry, digests, views, statuses, deadline)
+                except _Down:
+                    break
             todo = retry
             if not todo or time.monotonic() >= deadline:
                 break
 
-    def _get_chunk(self, chunk: list[int], digests, views, statuses: list[Status], deadline: float) -> list[int]:
-        """Read ``chunk`` through staging buffers; returns the indices a holder failed to serve."""
+    def _read_other_replicas(self, todo: list[int], digests, views, statuses: list[Status],
+                             deadline: float) -> list[int]:
+        """Read each block of ``todo`` from a replica other than the first (the one the engine
+        failed on), holders that failed lately last; returns the blocks no replica served."""
+        names = [NAME_PREFIX + digests[i].hex() for i in todo]
+        descs = self._call(deadline, self._engine.batch_get_replica_desc, names)
+        left: list[int] = []
+        for i, name in zip(todo, names):
+            replicas = []
+            for r in descs.get(name, [])[1:] + descs.get(name, [])[:1]:
+                if r.is_memory_replica():
+                    replicas.append(r.get_memory_descriptor().buffer_descriptor)
+            now = time.monotonic()
+            replicas.sort(key=lambda b: self._suspect.get(b.transport_endpoint, 0.0) > now)  # stable
+            n = views[i].nbytes + HEADER_NBYTES
+            served = False
+            for b in replicas:
+                if b.size != n:
+                    statuses[i] = Status.BAD_SIZE
+                    served = True
+                    break
+                staged = self._staging.take(n)
+                rc = self._call(deadline, self._transfer.transfer_sync_read, b.transport_endpoint,
+                                staged[1].ctypes.data, b.buffer_address, n,
+                                if_late=lambda st=staged: self._staging.give(st))
+                try:
+                    if rc == 0:
+                        statuses[i] = self._verify_into(name, digests[i], staged[1][:n], views[i])
+                        served = True
+                        break
+                finally:
+                    self._staging.give(staged)
+                self._suspect[b.transport_endpoint] = time.monotonic() + _SUSPECT_S
+            if not served:
+                left.append(i)
+        return left
+
+    def _start_chunk(self, chunk: list[int], digests, views) -> "_ChunkRead":
+        """Start reading ``chunk`` in one engine call. A block whose output buffer lies in memory
+        registered with :meth:`register_memory` is received straight into it (its header into a
+        registered scratch row) and verified in place; any other lands in a registered staging
+        buffer and is verified while copied out."""
         names = [NAME_PREFIX + digests[i].hex() for i in chunk]
         sizes = [views[i].nbytes + HEADER_NBYTES for i in chunk]
-        bufs = [self._staging.take(n) for n in sizes]
+        direct = [self._registered_address(views[i]) for i in chunk]
+        headers = self._staging.take(HEADER_NBYTES * len(chunk)) if any(a is not None for a in direct) else None
+        bufs = [None if a is not None else self._staging.take(n) for a, n in zip(direct, sizes)]
+        ptrs, lens = [], []
+        for j, (addr, buf, n) in enumerate(zip(direct, bufs, sizes)):
+            if addr is not None:
+                ptrs.append([headers[1].ctypes.data + j * HEADER_NBYTES, addr])
+                lens.append([HEADER_NBYTES, n - HEADER_NBYTES])
+            else:
+                ptrs.append([buf[1].ctypes.data])
+                lens.append([n])
+        read = _ChunkRead(self, chunk, names, sizes, bufs, headers)
+        read.future = self._caller.submit(self._engine.batch_get_into_multi_buffers, names, ptrs, lens)
+        return read
 
-        def give_back() -> None:
-            for b in bufs:
-                self._staging.give(b)
-
+    def _finish_chunk(self, read: "_ChunkRead", digests, views, statuses: list[Status],
+                      deadline: float) -> list[int]:
+        """Wait for a started read and verify it; returns the indices a holder failed to serve."""
+        direct = read.headers is not None
+        try:
+            codes = self._caller.wait(read.future, deadline - time.monotonic(),
+                                      if_late=read.late_ended if direct else read.give_back)
+        except Overrun as exc:
+            if direct:
+                self._note_late_direct_read()
+            self._failed(str(exc))
+            raise _Late(str(exc)) from None  # the engine may still write: the late call gives back
+        except Exception as exc:  # noqa: BLE001 - the binding raising is the engine failing
+            read.give_back()
+            self._failed(f"{type(exc).__name__}: {exc}")
+            raise _Down(str(exc)) from None
         failed: list[int] = []
         try:
-            codes = self._call(deadline, self._engine.batch_get_into, names, [b[1].ctypes.data for b in bufs], sizes,
-                               if_late=give_back)
-        except _Late:
-            raise  # the engine may still write into bufs: the late call gives them back
-        except _Down:
-            give_back()
-            raise
-        try:
             self._codes(codes)
-            for i, name, (_, staged), n, code in zip(chunk, names, bufs, sizes, codes):
+            for j, (i, name, buf, n, code) in enumerate(zip(read.chunk, read.names, read.bufs, read.sizes, codes)):
                 if code == n:
-                    statuses[i] = self._verify_into(name, digests[i], staged[:n], views[i])
+                    if buf is None:
+                        row = read.headers[1][j * HEADER_NBYTES:(j + 1) * HEADER_NBYTES]
+                        statuses[i] = self._verify_in_place(name, digests[i], row, views[i])
+                    else:
+                        statuses[i] = self._verify_into(name, digests[i], buf[1][:n], views[i])
                 elif code in (RC_NOT_FOUND, RC_NOT_READY):
                     statuses[i] = Status.MISS  # absent, or still being written by another put
                 elif 0 <= code < n or code == RC_BAD_PARAMS:
@@ -327,8 +481,20 @@ class MooncakeTier(Tier):
                     if code == RC_TRANSFER_FAILED:
                         failed.append(i)
         finally:
-            give_back()
+            read.give_back()
         return failed
+
+    def _verify_in_place(self, name: str, digest: bytes, header_bytes: np.ndarray, out: memoryview) -> Status:
+        header = unpack_header(header_bytes)
+        n = out.nbytes
+        if header is None or header.key != digest or header.payload_nbytes != n or not header.flags & FLAG_CHECKSUM:
+            self._drop(name, "header does not name this block" if header is None or header.key != digest
+                       else "size or format differs")
+            return Status.CORRUPT
+        if not hmac.compare_digest(self._tag(digest, n, xxhash.xxh3_128_digest(out)), header.checksum):
+            self._drop(name, "payload fails its keyed tag (torn, tampered or not ours)")
+            return Status.CORRUPT
+        return Status.OK
 
     def _verify_into(self, name: str, digest: bytes, staged: np.ndarray, out: memoryview) -> Status:
         header = unpack_header(staged[:HEADER_NBYTES])
@@ -491,10 +657,42 @@ class MooncakeTier(Tier):
             return
         self._closed = True
         self._caller.close()
+        if not self._late_direct_reads:  # a late read still uses its registration: leave it to close()
+            for start, _, _ in self._regions:
+                self._engine.unregister_buffer(start)
+        self._regions = []
         self._client.release()
 
     def __repr__(self) -> str:
         return f"<MooncakeTier master={self.master} tenant={self.tenant!r} replicas={self.replicas}>"
+
+
+class _ChunkRead:
+    """One started engine read: its buffers (registered staging, header rows) are the call's until
+    it ends; :meth:`give_back` returns them to the pool exactly once."""
+
+    def __init__(self, tier: MooncakeTier, chunk, names, sizes, bufs, headers) -> None:
+        self.tier, self.chunk, self.names, self.sizes, self.bufs, self.headers = tier, chunk, names, sizes, bufs, headers
+        self.future = None
+        self._given = False
+        self._lock = threading.Lock()
+
+    def give_back(self) -> None:
+        with self._lock:
+            if self._given:
+                return
+            self._given = True
+        for b in self.bufs:
+            if b is not None:
+                self.tier._staging.give(b)
+        if self.headers is not None:
+            self.tier._staging.give(self.headers)
+
+    def late_ended(self) -> None:
+        """An overrun read into registered memory has ended: nothing can land there any more."""
+        self.give_back()
+        with self.tier._lock:
+            self.tier._late_direct_reads -= 1
 
 
 def _chunks_by_bytes(items: list[int], sizes: list[int], limit: int):

@@ -57,13 +57,20 @@ class BoundedCaller:
     def call(self, deadline_in_s: float, fn: Callable, *args, if_late: Callable[[], None] | None = None):
         """``fn(*args)``; raises :class:`Overrun` after ``deadline_in_s`` seconds. ``if_late`` runs
         (on the worker) once an overrun call has really ended: the moment its buffers are free."""
-        future: Future = self._pool.submit(fn, *args)
+        return self.wait(self.submit(fn, *args), deadline_in_s, if_late=if_late)
+
+    def submit(self, fn: Callable, *args) -> Future:
+        """Start ``fn(*args)`` (to overlap it with work of the caller's); :meth:`wait` for it."""
+        return self._pool.submit(fn, *args)
+
+    def wait(self, future: Future, deadline_in_s: float, *, if_late: Callable[[], None] | None = None):
+        """The result of a :meth:`submit`-ted call, as :meth:`call` waits for it."""
         try:
             return future.result(timeout=max(0.0, deadline_in_s))
         except FutureTimeout:
             if if_late is not None:
                 future.add_done_callback(lambda _f: if_late())
-            raise Overrun(f"{getattr(fn, '__name__', 'call')} still running after {deadline_in_s:.2f} s") from None
+            raise Overrun(f"an engine call still running after {deadline_in_s:.2f} s") from None
 
     def close(self) -> None:
         # never wait for a stuck engine call: its thread ends when the engine gives up
@@ -136,9 +143,11 @@ class SharedClient:
     _registry: dict[tuple, "SharedClient"] = {}
     _registry_lock = threading.Lock()
 
-    def __init__(self, key: tuple, store) -> None:
+    def __init__(self, key: tuple, store, transfer=None) -> None:
         self.key = key
         self.store = store
+        #: the store's own transfer engine, for reading one chosen replica (None: not available)
+        self.transfer = transfer
         self.refs = 0
         self.staging = StagingPool(store)
 
@@ -149,7 +158,7 @@ class SharedClient:
         with cls._registry_lock:
             shared = cls._registry.get(key)
             if shared is None:
-                shared = cls(key, _setup_client(master, metadata, hostname, local_buffer_bytes, engine_tenant))
+                shared = cls(key, *_setup_client(master, metadata, hostname, local_buffer_bytes, engine_tenant))
                 cls._registry[key] = shared
             shared.refs += 1
             return shared
@@ -178,9 +187,22 @@ def _setup_client(master: str, metadata: str, hostname: str, local_buffer_bytes:
     except ImportError as exc:
         raise ImportError("the Mooncake tier needs mooncake-transfer-engine-non-cuda "
                           "(pip install 'kvtier[mooncake]'; apt-get install libibverbs1 ibverbs-providers)") from exc
+    # The store runs on a transfer engine made here, so that a read can also be sent to one chosen
+    # replica (the store's reads always try the first one, even when its holder is dead).
+    transfer = None
+    try:
+        from mooncake.engine import TransferEngine
+
+        transfer = TransferEngine()
+        if transfer.initialize(hostname, metadata, "tcp", "") != 0:
+            transfer = None
+    except Exception as exc:  # noqa: BLE001 - an engine without it: reads fall back by retrying only
+        log.debug("mooncake: no transfer engine of our own (%s)", exc)
+        transfer = None
     store = MooncakeDistributedStore()
-    rc = store.setup(hostname, metadata, 0, local_buffer_bytes, "tcp", "", master, None, False, "", engine_tenant)
+    rc = store.setup(hostname, metadata, 0, local_buffer_bytes, "tcp", "", master,
+                     transfer.get_engine() if transfer is not None else None, False, "", engine_tenant)
     if rc != 0:
         raise ConnectionError(f"Mooncake client setup failed (rc={rc}): is mooncake_master running at {master} "
                               f"with its metadata server at {metadata}?")
-    return store
+    return store, transfer

@@ -1,0 +1,124 @@
+"""MooncakeTier's fast paths against a real Mooncake Store: reads received straight into memory
+registered with the tier (verified in place), and replicated reads right after a holder dies.
+
+Each test that kills or freezes a process gets a cluster of its own (a master + two holders)."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from kvtier.core.payload import HEADER_NBYTES
+from kvtier.tiers.base import Status
+from tests.tiers.mooncake_harness import make_tier, mooncake_available, shared_cluster, start_cluster
+
+pytestmark = pytest.mark.skipif(mooncake_available() is not None, reason=str(mooncake_available()))
+
+BLOCK = 256 * 1024
+
+
+def key(i: int) -> bytes:
+    return (i + 7000).to_bytes(4, "big") * 8
+
+
+def block(i: int, nbytes: int = BLOCK) -> np.ndarray:
+    return np.random.default_rng(7000 + i).integers(0, 256, nbytes, dtype=np.uint8)
+
+
+@pytest.fixture
+def registered():
+    """A tier and a region registered with it, poisoned: an engine's KV cache, say."""
+    t = make_tier(tenant="acme", timeout_s=5.0)
+    region = np.full(8 * BLOCK, 0xA5, np.uint8)
+    t.register_memory(region)
+    yield t, region
+    t.close()
+
+
+def test_reads_into_registered_memory_land_there_whole_and_verified(registered):
+    t, region = registered
+    keys = [key(i) for i in range(8)]
+    assert t.put_many(keys, [block(i) for i in range(8)]) == [Status.OK] * 8
+    outs = [region[i * BLOCK:(i + 1) * BLOCK] for i in range(8)]
+    staged_before = t._staging._kept
+    assert t.get_many(keys, outs) == [Status.OK] * 8
+    assert all(np.array_equal(o, block(i)) for i, o in enumerate(outs))
+    # positive control of "straight into it": an unregistered buffer reads through staging
+    assert t._registered_address(memoryview(outs[3])) is not None
+    assert t._registered_address(memoryview(np.zeros(BLOCK, np.uint8))) is None
+    assert t._staging._kept <= staged_before + HEADER_NBYTES * 64  # header rows only, no block-sized staging
+
+
+def test_a_tampered_object_read_into_registered_memory_is_a_miss_and_is_dropped(registered):
+    t, region = registered
+    assert t.put(key(20), block(20)) is Status.OK
+    name = t.storage_name(key(20))
+    forged = np.concatenate([np.zeros(HEADER_NBYTES, np.uint8), block(21)])  # right size, wrong bytes
+    stored = np.empty(HEADER_NBYTES + BLOCK, np.uint8)
+    assert t._engine.get_into(name, stored.ctypes.data, stored.nbytes) == stored.nbytes
+    forged[:HEADER_NBYTES] = stored[:HEADER_NBYTES]  # its real header: only the payload is forged
+    assert t._engine.upsert_from(name, forged.ctypes.data, forged.nbytes) == 0
+    out = region[:BLOCK]
+    assert t.get(key(20), out) is Status.CORRUPT
+    assert t.stats.verify_failures == 1
+    assert t._engine.is_exist(name) == 0, "a block that can never verify was kept"
+    # control: an untampered block in the same memory hits
+    assert t.put(key(22), block(22)) is Status.OK and t.get(key(22), out) is Status.OK
+    assert np.array_equal(out, block(22))
+
+
+def test_a_read_into_registered_memory_that_overruns_is_counted_until_it_ends():
+    cluster = start_cluster(holders=1, segment_bytes=64 << 20)
+    t = make_tier(cluster, timeout_s=0.5, max_backoff_s=0.2)
+    try:
+        region = np.full(4 * BLOCK, 0xA5, np.uint8)
+        t.register_memory(region)
+        keys = [key(30 + i) for i in range(4)]
+        assert t.put_many(keys, [block(30 + i) for i in range(4)]) == [Status.OK] * 4
+        outs = [region[i * BLOCK:(i + 1) * BLOCK] for i in range(4)]
+        cluster.signal_holder(0, signal.SIGSTOP)
+        try:
+            start = time.monotonic()
+            statuses = t.get_many(keys, outs)
+            assert time.monotonic() - start < 0.5 + 0.5
+            assert Status.OK not in statuses
+            assert t.late_direct_reads >= 1, "an overrun read into registered memory was not counted"
+            assert not t.quiesce(timeout_s=0.2)  # it is still running: the memory is not ours yet
+        finally:
+            cluster.signal_holder(0, signal.SIGCONT)
+        assert t.quiesce(timeout_s=30), "the late read never ended"
+        assert t.late_direct_reads == 0
+        deadline = time.monotonic() + 20
+        while t.get_many(keys, outs) != [Status.OK] * 4 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert all(np.array_equal(o, block(30 + i)) for i, o in enumerate(outs))
+    finally:
+        t.close()
+        cluster.stop()
+
+
+def test_with_two_replicas_a_dead_holder_costs_no_miss_at_once():
+    """Kill one of two holders and read every block at once (before the master notices): each
+    read the dead holder fails is served by the other replica within the same call."""
+    cluster = start_cluster(holders=2, segment_bytes=64 << 20)
+    t = make_tier(cluster, timeout_s=10.0, replicas=2)
+    try:
+        n = 24
+        keys = [key(100 + i) for i in range(n)]
+        assert t.put_many(keys, [block(100 + i) for i in range(n)]) == [Status.OK] * n
+        descs = [t._engine.get_replica_desc(t.storage_name(k)) for k in keys]
+        assert all(len(d) == 2 for d in descs), "the engine did not keep two replicas"
+        cluster.kill_holder(1)
+        outs = [np.full(BLOCK, 0xA5, np.uint8) for _ in keys]
+        start = time.monotonic()
+        statuses = t.get_many(keys, outs)
+        took = time.monotonic() - start
+        print(f"read of {n} blocks right after the kill: {took:.2f} s, {t.stats.errors} engine errors")
+        assert statuses == [Status.OK] * n, f"misses after losing one of two replicas: {statuses}"
+        assert all(np.array_equal(o, block(100 + i)) for i, o in enumerate(outs))
+    finally:
+        t.close()
+        cluster.stop()
