@@ -18,7 +18,10 @@ the other (interleaved, so that a change of machine load hits all of them alike)
 
 Every reset is checked; every kvtier warm run must load at least the prompt
 minus one kvtier block; each run generates ``--gen-tokens`` tokens and the top-5
-logprobs of every position are compared with the recompute's. TTFT is the time
+logprobs of every position are compared with the recompute's: equal means the same
+token ids and logprobs within a few times what vLLM's own prefix cache differs from the
+recompute in the same run (a cached prefix changes the tail's rounding; see
+``_summary``). TTFT is the time
 from adding the request to its first token. Medians over ``--runs`` prompts,
 after a shorter warm-up prompt per engine. ``--trace FILE`` replays a trace
 instead (:mod:`~kvtier.bench.vllm_trace`).
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import random
 import shutil
 import statistics
@@ -103,6 +107,9 @@ def _print_table(result: dict) -> None:
         table.add_row(label, f"{ttft:.3f}", f"{rec / ttft:.1f}", f"{ttft / result['ttft_prefix_cache_s']:.2f}",
                       str(result["loaded_tokens"][key]), str(result["logprobs_equal"][key]))
     Console().print(table)
+    Console().print(f"logprobs equal: same top-5 token ids at every position and |Δ| ≤ "
+                    f"{result['logprob_tolerance']:.2g} ({LOGPROB_TOL_FACTOR:g} × the floor's own difference "
+                    f"from the recompute in this run)")
     if not result["lmcache"]:
         Console().print(f"LMCache: {result['lmcache_reason']}")
 
@@ -219,17 +226,31 @@ def _one_prompt(engines: dict, prompt: list[int], args) -> dict:
 
 
 def _compare(run: dict, reference: dict) -> tuple[bool, float]:
-    """(same tokens and top-5 logprobs at every position, largest logprob difference)."""
+    """(bit-equal: same tokens, top-5 ids and logprobs at every position; the largest
+    |Δ logprob| over those positions: inf where ids differ or a logprob is not finite, as
+    NaN pages would make it)."""
     same = run["token_ids"] == reference["token_ids"] and len(run["logprobs"]) == len(reference["logprobs"])
-    worst = 0.0
+    worst = 0.0 if same else math.inf
     for mine, theirs in zip(run["logprobs"], reference["logprobs"]):
         if [t for t, _ in mine] != [t for t, _ in theirs]:
-            same, worst = False, float("inf")
+            same, worst = False, math.inf
             continue
         for (_, a), (_, b) in zip(mine, theirs):
-            worst = max(worst, abs(a - b))
+            diff = abs(a - b)
+            worst = max(worst, diff if math.isfinite(diff) else math.inf)
             same = same and a == b
     return same, worst
+
+
+def _finite(x: float) -> float | None:
+    """JSON has no infinity: None means the top-5 ids differed or a logprob was not finite."""
+    return x if math.isfinite(x) else None
+
+
+#: logprob tolerance against the recompute: this many times the largest difference vLLM's own
+#: prefix cache shows against it in the same run (at least LOGPROB_ATOL_MIN)
+LOGPROB_TOL_FACTOR = 4.0
+LOGPROB_ATOL_MIN = 1e-6
 
 
 def _median(runs: list[dict], name: str, field: str = "ttft_s") -> float:
@@ -258,13 +279,20 @@ def _summary(runs: list[dict], args, lmcache_reason: str | None) -> dict:
         "host": min(r["host"]["loaded_tokens"] for r in runs),
         "remote": min(r["remote"]["loaded_tokens"] for r in runs),
     }
-    out["logprobs_equal"], out["logprobs_max_abs_diff"] = {}, {}
-    for name in names:
-        checks = [_compare(r[name], r["recompute"]) for r in runs]
-        out["logprobs_equal"][name] = all(same for same, _ in checks)
-        out["logprobs_max_abs_diff"][name] = max(worst for _, worst in checks)
-    # Exact equality with the recompute fails for the floor too when the computed tail's GEMM
-    # shape changes the rounding: the store's own exactness is equality with the floor.
+    # "Equal" logprobs: a cached prefix changes the GEMM shapes of the computed tail (32 tokens
+    # instead of 4096), so even vLLM's own prefix cache is not bit-equal to the recompute (it
+    # differed by ~3e-6). The tolerance is therefore measured, not chosen: a few times what
+    # vLLM's prefix cache gives against the connector-free recompute in this run. A load that
+    # wrote wrong or no pages changes logprobs by orders of magnitude more (or to NaN: inf
+    # here), and any change of a top-5 token id fails outright.
+    checks = {name: [_compare(r[name], r["recompute"]) for r in runs] for name in names}
+    floor_diff = max(worst for _, worst in checks["prefix_cache"])
+    tolerance = max(LOGPROB_TOL_FACTOR * floor_diff, LOGPROB_ATOL_MIN) if math.isfinite(floor_diff) else 0.0
+    out["logprob_tolerance"] = tolerance
+    out["logprobs_max_abs_diff"] = {name: _finite(max(worst for _, worst in c)) for name, c in checks.items()}
+    out["logprobs_equal"] = {name: all(worst <= tolerance for _, worst in c) for name, c in checks.items()}
+    out["logprobs_bit_equal_to_recompute"] = {name: all(same for same, _ in c) for name, c in checks.items()}
+    # The store's own exactness: bit-equal to the floor (same cached prefix, same tail).
     out["logprobs_equal_to_floor"] = {name: all(_compare(r[name], r["prefix_cache"])[0] for r in runs)
                                       for name in names if name != "prefix_cache"}
     # Where a warm TTFT goes: engine steps until the first token, split into the last one (the

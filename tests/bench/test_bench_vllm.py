@@ -52,6 +52,29 @@ def test_logprob_comparison_sees_a_difference_at_any_position():
     assert bench._compare(other_ids, ref)[0] is False
 
 
+def test_logprobs_equal_within_the_floors_own_difference_and_not_past_it():
+    def prompt_runs(**systems):
+        base = {"ttft_s": 1.0, "steps_s": [1.0], "num_cached_tokens": 480, "loaded_tokens": 480, "load_s": 0.1}
+        return [{name: {**base, **run} for name, run in systems.items()}]
+
+    def lp(last):
+        return _run([1, 2], [[[1, -0.1], [3, -2.0]], [[2, -0.2], [4, last]]])
+
+    ref, floor = lp(-3.0), lp(-3.0 + 3e-6)  # vLLM's own prefix cache: 3e-6 off the recompute
+    args = type("Args", (), {"block_tokens": 128})
+    r = bench._summary(prompt_runs(recompute=ref, prefix_cache=floor, host_cold=ref, host=lp(-3.0 + 3e-6),
+                                   remote=lp(-3.0 - 5e-6)), args, "skipped")
+    assert r["logprob_tolerance"] == pytest.approx(bench.LOGPROB_TOL_FACTOR * 3e-6)
+    assert r["logprobs_equal"] == {"prefix_cache": True, "host": True, "remote": True}
+    assert r["logprobs_equal_to_floor"] == {"host": True, "remote": False}
+    # wrong pages: a logprob off by far more than rounding, or NaN, or another top-5 token
+    for bad in (lp(-3.001), lp(float("nan")), _run([1, 2], [[[1, -0.1], [3, -2.0]], [[2, -0.2], [5, -3.0]]])):
+        r = bench._summary(prompt_runs(recompute=ref, prefix_cache=floor, host_cold=ref, host=bad, remote=floor),
+                           args, "skipped")
+        assert r["logprobs_equal"]["host"] is False and r["logprobs_equal"]["remote"] is True
+    json.dumps(r, allow_nan=False)  # no Infinity/NaN in the JSON
+
+
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed")
 
 

@@ -54,6 +54,10 @@ class ConnectorConfig:
       path is reused for other weights.
     * ``async_load``: load between scheduler steps (``get_finished``) instead of
       before the forward pass that needs the blocks.
+    * ``sync_load_when_alone``: with ``async_load``, a request that finds no other
+      request in the engine still loads synchronously, in the step of its
+      forward pass: with nothing else to compute, an asynchronous load only adds
+      engine steps (an idle pass, then a wait) before the forward.
     * ``pd_wait_s``: a request carrying ``kv_transfer_params`` from a prefill
       instance waits up to this long for the blocks it announces to be visible.
     * ``load_failure_policy``: "recompute" (the default; vLLM's own default
@@ -77,6 +81,7 @@ class ConnectorConfig:
     model_id: str | None = None
     weights_revision: str | None = None
     async_load: bool = True
+    sync_load_when_alone: bool = True
     pd_wait_s: float = 5.0
     load_failure_policy: str = "recompute"
     shutdown_flush_s: float = 4.0

@@ -317,7 +317,9 @@ def main() -> int:
             from kvtier.store.tiered import GetResult
             from kvtier.tiers.base import Status
 
-            store = get_kv_transfer_group().store
+            connector = get_kv_transfer_group()
+            connector.worker.direct_host = None  # every read through store.get, failing below
+            store = connector.store
             store.get = lambda keys, outs, **kw: GetResult([Status.ERROR] * len(keys), [None] * len(keys), 0)
             reply({"ok": True})
         elif op == "kill_on_next_load":
@@ -348,9 +350,12 @@ def main() -> int:
         elif op == "fix_loads":
             from vllm.distributed.kv_transfer import get_kv_transfer_group
 
+            from kvtier.integrations.vllm.worker_side import direct_host_tier
+
             connector = get_kv_transfer_group()
             vars(connector.store).pop("get", None)
             vars(connector.worker.paged).pop("scatter", None)
+            connector.worker.direct_host = direct_host_tier(connector.store)
             reply({"ok": True})
         elif op == "quit":
             reply({"ok": True})

@@ -6,7 +6,8 @@
   and so that at least two tokens remain to compute (see ``MIN_COMPUTED_TOKENS``).
 * **Loads** cover the pages past vLLM's local prefix hit; a load may stop
   inside a kvtier block (the worker reads the block and writes only the pages
-  asked for).
+  asked for). Loads are asynchronous (other requests keep running) unless the
+  request is alone in the engine: then it loads in the step of its forward.
 * **Saves** cover each kvtier block once all its tokens are computed, unless the
   lookup found it in the store already.
 * **P/D.** A prefill instance returns ``{"kvtier_blocks": n}`` as the request's
@@ -55,6 +56,7 @@ class _Request:
     loading: bool = False  #: an asynchronous load into this request's pages is in flight
     load_pages: frozenset[int] = frozenset()
     load_failed: bool = False  #: a load failed: vLLM recomputes, never load this request again
+    async_load: bool = True  #: how the load planned at the last lookup runs
     loaded_tokens: int = 0
     wait_until: float | None = None
 
@@ -115,7 +117,13 @@ class SchedulerSide:
         external = max(0, usable - num_computed_tokens)
         state.match = Match(num_computed_tokens, external, stored)
         state.stored_blocks = max(state.stored_blocks, stored)
-        return external, external > 0 and self.config.async_load
+        state.async_load = self.config.async_load and not (self.config.sync_load_when_alone and self._alone(request))
+        return external, external > 0 and state.async_load
+
+    def _alone(self, request) -> bool:
+        """No other request is in the engine (waiting, loading or running): every request
+        the scheduler admits passes through this side's lookup and leaves through ``finished``."""
+        return len(self._requests) == 1 and request.request_id in self._requests
 
     def _lookup(self, hashes: list[bytes]) -> int:
         if not hashes:
@@ -144,11 +152,11 @@ class SchedulerSide:
             transfers.append(BlockTransfer(index, lo - index * k, state.page_ids[lo:hi]))
         hashes = self.engine.block_hashes(request.block_hashes, request.num_tokens)[: transfers[-1].index + 1]
         self._pending_loads.append(
-            LoadJob(request.request_id, hashes, transfers, is_async=self.config.async_load)
+            LoadJob(request.request_id, hashes, transfers, is_async=state.async_load)
         )
         state.load_planned = True
         state.load_pages = frozenset(p for t in transfers for p in t.page_ids)
-        state.loading = self.config.async_load
+        state.loading = state.async_load
         state.loaded_tokens = num_external_tokens
         self.stats.load_jobs += 1
         self.stats.hit_tokens += num_external_tokens

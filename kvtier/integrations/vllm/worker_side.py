@@ -1,7 +1,10 @@
 """The worker half of the connector: move blocks between the store and vLLM's pages.
 
-* **Loads** read whole kvtier blocks into a staging buffer, then write the
-  pages the scheduler asked for. An asynchronous load runs on a loader thread
+* **Loads** write the pages the scheduler asked for from whole kvtier blocks:
+  straight from the host pool's pinned slots when the fastest tier is a plain
+  host tier (one copy, no staging), else read by the store into a staging
+  buffer (verified; blocks from a lower tier are promoted in the background,
+  after the load). An asynchronous load runs on a loader thread
   and is reported through ``get_finished`` (vLLM keeps the request waiting and
   its pages reserved until then); a synchronous one finishes in
   ``start_load_kv``, before the forward pass that needs it. Pages a load could
@@ -22,16 +25,19 @@ import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
+from kvtier.core.keys import BlockKey
 from kvtier.core.payload import BlockMeta
 from kvtier.integrations import poison as poisoning
 from kvtier.integrations.vllm.config import EngineKV
-from kvtier.integrations.vllm.metadata import KvtierMetadata, LoadJob, SaveJob
+from kvtier.integrations.vllm.metadata import BlockTransfer, KvtierMetadata, LoadJob, SaveJob
 from kvtier.integrations.vllm.paged_layout import PagedKV
 from kvtier.store.tiered import TieredStore
 from kvtier.tiers.base import Status
+from kvtier.tiers.host import HostTier
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +71,18 @@ class BlockBuffers:
             self._free.extend(buffers[: self._keep - len(self._free)])
 
 
+class _Served(NamedTuple):
+    done: int  #: blocks of the run whose pages were written
+    more: bool  #: the run was served whole: the load may go on past it
+
+
+def direct_host_tier(store: TieredStore) -> HostTier | None:
+    """The store's fastest tier when loads may copy straight out of it: a plain host pool
+    (its ``get`` is a pinned memcpy, which ``borrow_many`` makes zero-copy)."""
+    first = store.tiers[0] if store.tiers else None
+    return first if type(first) is HostTier else None
+
+
 @dataclass(slots=True)
 class WorkerStats:
     load_jobs: int = 0
@@ -90,6 +108,9 @@ class WorkerSide:
         self._inflight: dict[str, Future] = {}
         self._load_errors: set[int] = set()
         self._saves: list[Future] = []
+        #: loads copy from this host pool without staging; None: every read goes through
+        #: the store (tests set it to None to make store reads fail)
+        self.direct_host = direct_host_tier(store)
 
     def register(self, kv_caches) -> None:
         self.paged = PagedKV(kv_caches, self.engine)
@@ -115,23 +136,53 @@ class WorkerSide:
         start = time.perf_counter()
         if self.poison:
             self.paged.poison(job.blocks)
-        staging = self._buffers.take(len(job.blocks))
         try:
             keys = self.engine.keys(job.hashes)
-            result = self.store.get([keys[t.index] for t in job.blocks], staging)
-            for i in range(result.loaded):
-                self.paged.scatter(staging[i], job.blocks[i])
-                loaded = i + 1
+            wanted = [keys[t.index] for t in job.blocks]
+            # Promotions of blocks this load reads from a lower tier wait until the whole
+            # load is over: their reads would compete with ours.
+            with self.store.reading():
+                while loaded < len(wanted):
+                    served = self._load_run(job.blocks, wanted, loaded)
+                    loaded += served.done
+                    if not served.more:
+                        break
         except Exception as exc:  # noqa: BLE001 - a failed load is recomputed, never fatal
             log.warning("kvtier load for %s failed (%s); vLLM recomputes it", job.req_id, exc)
-        finally:
-            self._buffers.give(staging)
         failed = {p for t in job.blocks[loaded:] for p in t.page_ids}
         with self._lock:
             self.stats.load_seconds += time.perf_counter() - start
             self.stats.loaded_blocks += loaded
             self.stats.failed_pages += len(failed)
         return failed
+
+    def _load_run(self, transfers: list[BlockTransfer], keys: list[BlockKey], i: int) -> "_Served":
+        """Load blocks ``i..`` of a run: those the host pool holds straight from it (pinned,
+        no staging copy), else the run of blocks it lacks through the store (which finds
+        them below, verifies them and promotes them in the background) via staging."""
+        host = self.direct_host
+        nbytes = self.paged.block_nbytes
+        if host is not None:
+            done = 0
+            with host.borrow_many(keys[i:], nbytes) as views:
+                for view in views:
+                    self.paged.scatter(view, transfers[i + done])
+                    done += 1
+            if done:
+                return _Served(done, True)
+        j = i + 1
+        while j < len(keys) and not (host is not None and host.contains(keys[j])):
+            j += 1
+        staging = self._buffers.take(j - i)
+        done = 0
+        try:
+            result = self.store.get(keys[i:j], staging, promote_in_background=True)
+            for k in range(result.loaded):
+                self.paged.scatter(staging[k], transfers[i + k])
+                done = k + 1
+        finally:
+            self._buffers.give(staging)
+        return _Served(done, done == j - i)
 
     def finished_loads(self, wait_s: float = 0.0) -> set[str]:
         """Requests whose asynchronous loads ended (well or not) since the last call.

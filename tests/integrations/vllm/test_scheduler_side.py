@@ -44,6 +44,9 @@ class FakeStore:
 
 
 def side(engine, store, **config) -> SchedulerSide:
+    # Plans are the subject here: loads stay asynchronous even for a request alone
+    # (the tests of sync_load_when_alone turn it back on).
+    config.setdefault("sync_load_when_alone", False)
     return SchedulerSide(ConnectorConfig(block_tokens=BLOCK, **config), engine, store.lookup, loads=True, saves=True)
 
 
@@ -124,3 +127,30 @@ def test_a_request_finished_mid_load_keeps_its_pages(engine):
     sched.after_alloc(req, list(range(10)), external)
     delay, params = sched.finished(req)
     assert delay and params == {"kvtier_blocks": 4, "kvtier_loaded_tokens": 256}
+
+
+def test_a_request_alone_loads_in_its_forward_step_and_one_beside_others_asynchronously(engine):
+    store, alone, other, late = FakeStore(), request("alone", 640), request("other", 640), request("late", 640)
+    for req in (alone, other, late):
+        store.hold(engine, req, 10)
+    sched = side(engine, store, sync_load_when_alone=True)
+    assert sched.num_new_matched_tokens(alone, 0) == (608, False), "nothing else to compute: no idle step"
+    sched.after_alloc(alone, list(range(21)), 608)
+    (job,) = sched.build(output()).loads
+    assert not job.is_async
+    assert sched.num_new_matched_tokens(other, 0) == (608, True), "another request runs: do not stall it"
+    sched.after_alloc(other, list(range(100, 121)), 608)
+    (job,) = sched.build(output(total=0)).loads
+    assert job.is_async
+    assert sched.finished(alone)[0] is False, "a synchronous load holds no pages past the request"
+    sched.finished(other)
+    assert sched.num_new_matched_tokens(late, 0) == (608, False), "alone again once the others finished"
+
+
+def test_async_load_off_means_synchronous_even_beside_others(engine):
+    store, a, b = FakeStore(), request("a", 640), request("b", 640)
+    store.hold(engine, a, 10)
+    store.hold(engine, b, 10)
+    sched = side(engine, store, async_load=False, sync_load_when_alone=True)
+    assert sched.num_new_matched_tokens(a, 0) == (608, False)
+    assert sched.num_new_matched_tokens(b, 0) == (608, False)
