@@ -197,6 +197,7 @@ def router_metric(router: Proc, name: str, labels: dict[str, str] | None = None)
         text = resp.read().decode()
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name == name and (labels is None or sample.labels == labels):
+            # a counter's sample is NAME_total
+            if sample.name in (name, name + "_total") and (labels is None or sample.labels == labels):
                 return sample.value
     return 0.0

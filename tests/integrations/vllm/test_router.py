@@ -1,10 +1,12 @@
 """``kvtier route`` in front of two real vLLM workers (each with the kvtier connector, one shared
 ``kvtier serve``): sessions stick where their context is, a shared system prompt does not pin
-traffic, a killed worker loses no request, streams pass through whole, errors are OpenAI's.
+traffic, a killed worker loses no request, a restarted worker's event publisher is re-synchronised,
+streams pass through whole, errors are OpenAI's.
 
 Everything is a real process on real sockets: the server, the two ``vllm serve`` workers
 (started once for the module, one core each) publishing KV events over ZMQ, and the routers
-(``python -m kvtier.cli.main route``). The killed-worker test runs last: it kills worker 1.
+(``python -m kvtier.cli.main route``). The killed-worker test runs second to last: it kills worker 1,
+which the last test starts again.
 """
 
 from __future__ import annotations
@@ -206,3 +208,64 @@ def test_a_worker_killed_mid_run_loses_no_request(stack):
     # … and afterwards every request goes to the survivor
     status, headers, _ = post(url, {"model": model, "prompt": tokens(rng, 100), "max_tokens": 4})
     assert status == 200 and headers["X-Kvtier-Worker"] == workers[0].url
+
+
+def _indexed(router, worker) -> float:
+    from kvtier.bench.route_stack import router_metric
+
+    return router_metric(router, "kvtier_router_worker_indexed_blocks", {"worker": worker.url})
+
+
+def _wait_for(predicate, timeout_s: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.2)
+    return predicate()
+
+
+def test_a_restarted_event_publisher_is_resynchronised(stack):
+    """Last in this module. Worker 1 restarts (a new vLLM process on the same URL and events
+    endpoint: its publisher's sequence starts from 0 and its cache is empty). The router must
+    drop what the old process reported and rebuild worker 1's part of the index from the new
+    one's events alone. Positive control: before the restart the index does hold worker 1's
+    blocks, counted the same way, so a router that kept stale entries would fail below."""
+    from kvtier.bench.route_stack import router_metric, wait_ready
+
+    model, router, workers = stack["model"], stack["routers"]["tier-aware"], stack["workers"]
+    w1 = workers[1]
+    rng = random.Random(6)
+    old, new = tokens(rng, 32 * 10 + 5), tokens(rng, 32 * 6 + 5)     # 10 and 6 whole vLLM pages
+    if not w1.alive():          # the killed-worker test ran: bring it back first
+        w1.restart()
+        wait_ready([w1])
+    assert _wait_for(lambda: router_metric(router, "kvtier_router_worker_events_up", {"worker": w1.url}) == 1)
+    # Straight to worker 1 (not through the router): only its KV events tell the router.
+    before = _indexed(router, w1)
+    status, _, _ = post(w1.url, {"model": model, "prompt": old, "max_tokens": 1})
+    assert status == 200
+    assert _wait_for(lambda: _indexed(router, w1) >= before + 10), _indexed(router, w1)   # positive control
+    resyncs = sum(router_metric(router, "kvtier_router_event_resyncs", {"worker": w1.url, "reason": r})
+                  for r in ("disconnected", "restarted", "gap"))
+
+    w1.kill()
+    w1.restart()
+    # while it is down its old entries are gone (a restarted engine holds none of them)
+    assert _wait_for(lambda: _indexed(router, w1) == 0), _indexed(router, w1)
+    wait_ready([w1])
+    assert _wait_for(lambda: router_metric(router, "kvtier_router_worker_events_up", {"worker": w1.url}) == 1)
+    after = sum(router_metric(router, "kvtier_router_event_resyncs", {"worker": w1.url, "reason": r})
+                for r in ("disconnected", "restarted", "gap"))
+    assert after > resyncs
+    # the new publisher's events rebuild worker 1's entries: exactly its 6 new pages
+    status, _, _ = post(w1.url, {"model": model, "prompt": new, "max_tokens": 1})
+    assert status == 200
+    assert _wait_for(lambda: _indexed(router, w1) == 6), _indexed(router, w1)
+    time.sleep(1.0)
+    assert _indexed(router, w1) == 6     # and nothing of the old process came back
+    # the router routes on it again: out of approximate mode, worker 1 re-admitted
+    assert _wait_for(lambda: router_metric(router, "kvtier_router_approximate_mode") == 0)
+    assert _wait_for(lambda: router_metric(router, "kvtier_router_worker_healthy", {"worker": w1.url}) == 1)
+    status, headers, out = post(router.url, {"model": model, "prompt": new + tokens(rng, 40), "max_tokens": 1})
+    assert status == 200 and headers["X-Kvtier-Worker"] == w1.url, headers
