@@ -18,6 +18,9 @@ _FLAGS = {
     "max_block": "max_block",
     "disk_dir": "disk_dir",
     "disk_capacity": "disk_capacity",
+    "mooncake_master": "mooncake_master",
+    "mooncake_metadata": "mooncake_metadata",
+    "mooncake_secret_file": "mooncake_secret_file",
     "idle_timeout_s": "idle_timeout_s",
     "frame_timeout_s": "frame_timeout_s",
     "max_connections": "max_connections",
@@ -44,6 +47,11 @@ def register(subparsers) -> None:
     p.add_argument("--max-block", metavar="SIZE", help="largest block (one pool slot), e.g. 32MiB")
     p.add_argument("--disk-dir", metavar="DIR", help="spill tier directory (local NVMe or shared mount)")
     p.add_argument("--disk-capacity", metavar="SIZE", help="spill tier capacity, e.g. 500GiB")
+    p.add_argument("--mooncake-master", metavar="HOST:PORT",
+                   help="spill below DRAM/disk to a Mooncake Store fleet (its master's RPC address)")
+    p.add_argument("--mooncake-metadata", metavar="URL", help="the fleet's metadata server, http://host:port/metadata")
+    p.add_argument("--mooncake-secret-file", metavar="PATH",
+                   help="0600 file of >= 16 random bytes keying the fleet's block names (same on every server)")
     p.add_argument("--idle-timeout-s", type=float, help="close connections idle this long (default 300)")
     p.add_argument("--frame-timeout-s", type=float, help="close connections whose frame takes this long (default 30)")
     p.add_argument("--max-connections", type=int)

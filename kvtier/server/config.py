@@ -10,6 +10,9 @@ a bare "512M" is refused as ambiguous: see kvtier/core/units.py)::
     capacity = "8GiB"          # host DRAM pool
     max_block = "32MiB"        # largest block (one pool slot)
     disk_dir = "/mnt/nvme/kvtier"   # optional spill tier
+    mooncake_master = "10.0.0.5:50051"   # optional: spill below that to a Mooncake Store fleet
+    mooncake_metadata = "http://10.0.0.5:8080/metadata"   # its metadata server (default P2PHANDSHAKE)
+    mooncake_secret_file = "/etc/kvtier/mooncake.secret"  # 0600, >= 16 random bytes (keys names and tags)
     disk_capacity = "500GiB"
     shutdown_flush_timeout_s = 30   # SIGTERM/SIGINT: copy DRAM-only blocks to disk_dir for at most this long
     state_dir = "/var/lib/kvtier"   # runtime admin changes (quotas, TTLs) kept here (default: disk_dir);
@@ -87,6 +90,14 @@ class ServerConfig:
     max_block_bytes: int = 32 << 20
     disk_dir: str | None = None
     disk_capacity_bytes: int = 0
+    #: a Mooncake Store fleet below DRAM and disk (kvtier/tiers/mooncake.py); None: none
+    mooncake_master: str | None = None
+    mooncake_metadata: str = "P2PHANDSHAKE"
+    mooncake_hostname: str = "127.0.0.1"  # the address the fleet's holders reach this server at
+    mooncake_replicas: int = 1
+    mooncake_timeout_s: float = 2.0
+    mooncake_secret_file: str | None = None  # default: derived from the master key (encrypt_at_rest)
+    mooncake_tenant: str = "kvtier-serve"  # the fleet tenant this server's blocks are named under
     encrypt_at_rest: bool = False
     master_key_file: str | None = None
     keystore_dir: str | None = None
@@ -137,6 +148,12 @@ def _str_or_none(v: Any, what: str) -> str | None:
     return v
 
 
+def _str(v: Any, what: str) -> str:
+    if not isinstance(v, str) or not v:
+        raise ConfigError(f"{what} = {v!r}: give a non-empty string")
+    return v
+
+
 def _float(v: Any, what: str) -> float:
     try:
         f = float(v)
@@ -184,6 +201,13 @@ _SERVER_KEYS: dict[str, tuple[str, Any]] = {
     "max_block": ("max_block_bytes", parse_size),
     "disk_dir": ("disk_dir", _str_or_none),
     "disk_capacity": ("disk_capacity_bytes", parse_size),
+    "mooncake_master": ("mooncake_master", _str_or_none),
+    "mooncake_metadata": ("mooncake_metadata", _str),
+    "mooncake_hostname": ("mooncake_hostname", _str),
+    "mooncake_replicas": ("mooncake_replicas", _int),
+    "mooncake_timeout_s": ("mooncake_timeout_s", _float),
+    "mooncake_secret_file": ("mooncake_secret_file", _str_or_none),
+    "mooncake_tenant": ("mooncake_tenant", _str),
     "encrypt_at_rest": ("encrypt_at_rest", _bool),
     "master_key_file": ("master_key_file", _str_or_none),
     "keystore_dir": ("keystore_dir", _str_or_none),
@@ -385,6 +409,9 @@ def _validate(c: ServerConfig) -> None:
     if c.metrics_require_token and not c.admin_token_sha256:
         raise ConfigError("metrics_require_token needs an admin token: add [admin] token_sha256 (or turn it off)")
     _validate_events(c)
+    if c.mooncake_master and not c.mooncake_secret_file and not c.encrypt_at_rest:
+        raise ConfigError("mooncake_master: set mooncake_secret_file (a 0600 file of >= 16 random bytes; every "
+                          "server sharing the fleet's blocks uses the same) or encrypt_at_rest with a master key")
     if c.encrypt_at_rest and not c.disk_dir:
         raise ConfigError("encrypt_at_rest seals the disk spill tier: set disk_dir too (the DRAM pool stays plaintext)")
     if c.encrypt_at_rest and not (c.master_key_file or os.environ.get("KVTIER_MASTER_KEY")):

@@ -70,6 +70,8 @@ class Server:
             if not config.encrypt_at_rest:
                 safety.warn_server_plaintext(config.disk_dir)
             tiers.append(self._sealed(disk) if config.encrypt_at_rest else disk)
+        if config.mooncake_master:  # the fleet below: blocks evicted above spill there (kvtier/tiers/mooncake.py)
+            tiers.append(self._fleet_tier())
         self.store = TieredStore(tiers)
         state_dir = config.state_dir or config.disk_dir
         self.governance = Governance(
@@ -130,6 +132,18 @@ class Server:
 
         sealed = EncryptedTier(disk, self.keyring, tenant_of=owner_of)
         sealed.name = disk.name  # metrics and KV events name the medium
+        return sealed
+
+    def _fleet_tier(self):
+        from kvtier.store.config import mooncake_tier_for_server
+
+        fleet = mooncake_tier_for_server(self.config, self.keyring)
+        if self.keyring is None:
+            return fleet  # names keyed, reads verified; plaintext in the fleet's memory
+        from kvtier.tiers.encrypted import EncryptedTier
+
+        sealed = EncryptedTier(fleet, self.keyring, tenant_of=self.index.owner_of)  # sealed per owner, as on disk
+        sealed.name = fleet.name
         return sealed
 
     def _spill_binding(self, disk):

@@ -156,6 +156,15 @@ def _mooncake_tier(config: StoreConfig, keyring):
                         timeout_s=config.mooncake_timeout_s)
 
 
+def mooncake_tier_for_server(server_config, keyring=None):
+    """The Mooncake tier behind ``kvtier serve`` (``mooncake_*`` of its config), built as a store's."""
+    return _mooncake_tier(StoreConfig(
+        host_bytes=0, tenant=server_config.mooncake_tenant, mooncake_master=server_config.mooncake_master,
+        mooncake_metadata=server_config.mooncake_metadata, mooncake_hostname=server_config.mooncake_hostname,
+        mooncake_replicas=server_config.mooncake_replicas, mooncake_timeout_s=server_config.mooncake_timeout_s,
+        mooncake_secret_file=server_config.mooncake_secret_file), keyring)
+
+
 def _warn_unsafe(config: StoreConfig, sealed: bool) -> None:
     """Said once per process: tiers outside this process in plaintext, a tenant shared by all."""
     from kvtier.store import safety
