@@ -18,7 +18,8 @@ presenting ``Authorization: Bearer <that token>`` (compared as SHA-256 digests i
 time); without it, callers on loopback only (the router's default address), since adding
 a worker points user traffic at an address of the caller's choosing.
 
-Worker ids are index bit positions: a removed worker's id is reused by the next one added,
+A worker added is priced at the median measured prefill speed of the others until its own
+answers measure it. Worker ids are index bit positions: a removed worker's id is reused by the next one added,
 after its index entries were cleared, so masks stay as narrow as the live pool.
 """
 
@@ -137,6 +138,12 @@ class WorkerAdmin:
         wid = next(i for i in range(len(used) + 1) if i not in used)
         self.router.index.clear_worker(wid)     # nothing of an earlier holder of this id survives
         worker = Worker(wid, spec.url, spec.events)
+        # Its backlog (pending tokens ÷ speed) is priced at the fleet's measured prefill speed
+        # until its own answers measure it: the same model on the same kind of worker, while the
+        # configured default is a conservative guess that would overprice its first queue.
+        speeds = sorted(w.prefill_tokens_per_s for w in self.router.workers if w.prefill_tokens_per_s)
+        if speeds:
+            worker.prefill_tokens_per_s = speeds[len(speeds) // 2]
         self.router.workers.append(worker)
         self.router.metrics.healthy.labels(worker.url).set(1)
         self.router.metrics.events_up.labels(worker.url).set(0)

@@ -115,3 +115,26 @@ def test_a_set_token_is_required_and_without_one_only_loopback_may_call(monkeypa
     run(main())
     assert _loopback("127.0.0.1") and _loopback("::1")
     assert not _loopback("10.0.0.5") and not _loopback(None) and not _loopback("garbage")
+
+
+def test_an_added_worker_backlog_is_priced_at_the_fleets_measured_speed():
+    async def main():
+        a, b, c = StandIn("a"), StandIn("b"), StandIn("c")
+        for w in (a, b, c):
+            await w.start()
+        router, runner, url = await start_router([a], policy="round-robin")
+        try:
+            async with ClientSession() as s:
+                assert (await _admin(s, "POST", url, {"url": b.url}))[0] == 201
+                assert router.workers[1].prefill_tokens_per_s is None        # nothing measured yet: default
+                for i in range(4):
+                    assert (await _complete(s, url, " ".join(["word"] * 40) + f" {i}"))[0] == 200
+                measured = sorted(w.prefill_tokens_per_s for w in router.workers)
+                assert all(measured) and measured[0] != router.config.prefill_tokens_per_s
+                assert (await _admin(s, "POST", url, {"url": c.url}))[0] == 201
+                assert router.workers[2].prefill_tokens_per_s == measured[1]   # the median of its peers
+        finally:
+            await runner.cleanup()
+            for w in (a, b, c):
+                await w.stop()
+    run(main())
