@@ -11,7 +11,7 @@ histogram times it: key the prompt's blocks, look them up, build the tier matrix
 every worker, pick. Target: p99 ≤ 1 ms. Recording the choice in the approximate tree
 follows the decision (bookkeeping for the fallback mode); ``decide_call_*`` include it.
 
-``--trace FILE``: a slice of a Mooncake trace through ``kvtier route`` and two real vLLM
+``--trace FILE``: a window of a Mooncake trace through ``kvtier route`` and two real vLLM
 workers, once per policy over the kvtier deployment and once round-robin over workers
 without kvtier (the baseline); see :mod:`kvtier.bench.route_trace`.
 :mod:`kvtier.bench.route_stack` starts the processes (the real-vLLM router tests use it too).

@@ -1,4 +1,4 @@
-"""``kvtier bench route --trace FILE``: a slice of a Mooncake trace through ``kvtier route`` and two vLLM workers.
+"""``kvtier bench route --trace FILE``: a window of a Mooncake trace through ``kvtier route`` and two vLLM workers.
 
 The window and its prompts are :mod:`kvtier.bench.vllm_trace`'s: a contiguous stretch
 of the trace (each hash id → ``HASH_TOKENS`` tokens from a generator seeded by the id,
@@ -79,7 +79,7 @@ def add_arguments(p) -> None:
     # least one longest request) make vLLM queue and evict, as on a busy deployment.
     p.add_argument("--span-s", type=float, default=15.0, help="--trace: arrivals compressed to this span")
     p.add_argument("--kv-fraction", type=float, default=0.1,
-                   help="--trace: each worker's vLLM KV cache as a share of the slice's working set")
+                   help="--trace: each worker's vLLM KV cache as a share of the stretch's working set")
     p.add_argument("--policies", default=",".join(POLICIES), help="--trace: comma-separated policies")
     p.add_argument("--workdir", default=None, help="--trace: keep logs here (default: a temporary folder)")
 
