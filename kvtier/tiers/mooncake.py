@@ -484,24 +484,34 @@ class MooncakeTier(Tier):
             read.give_back()
         return failed
 
-    def _verify_in_place(self, name: str, digest: bytes, header_bytes: np.ndarray, out: memoryview) -> Status:
+    def _header_tag(self, name: str, digest: bytes, header_bytes, n: int) -> bytes | None:
+        """The keyed tag of an object's header if the header names this block at this size
+        (else the object is dropped: None)."""
         header = unpack_header(header_bytes)
-        n = out.nbytes
         if header is None or header.key != digest or header.payload_nbytes != n or not header.flags & FLAG_CHECKSUM:
             self._drop(name, "header does not name this block" if header is None or header.key != digest
                        else "size or format differs")
-            return Status.CORRUPT
-        if not hmac.compare_digest(self._tag(digest, n, xxhash.xxh3_128_digest(out)), header.checksum):
+            return None
+        return header.checksum
+
+    def _tag_matches(self, name: str, digest: bytes, n: int, payload_hash: bytes, tag: bytes) -> Status:
+        if not hmac.compare_digest(self._tag(digest, n, payload_hash), tag):
             self._drop(name, "payload fails its keyed tag (torn, tampered or not ours)")
             return Status.CORRUPT
         return Status.OK
 
+    def _verify_in_place(self, name: str, digest: bytes, header_bytes: np.ndarray, out: memoryview) -> Status:
+        """A block received straight into the caller's buffer: hashed where it lies."""
+        tag = self._header_tag(name, digest, header_bytes, out.nbytes)
+        if tag is None:
+            return Status.CORRUPT
+        return self._tag_matches(name, digest, out.nbytes, xxhash.xxh3_128_digest(out), tag)
+
     def _verify_into(self, name: str, digest: bytes, staged: np.ndarray, out: memoryview) -> Status:
-        header = unpack_header(staged[:HEADER_NBYTES])
+        """A block received into staging: hashed piece by piece while copied out."""
         n = out.nbytes
-        if header is None or header.key != digest or header.payload_nbytes != n or not header.flags & FLAG_CHECKSUM:
-            self._drop(name, "header does not name this block" if header is None or header.key != digest
-                       else "size or format differs")
+        tag = self._header_tag(name, digest, staged[:HEADER_NBYTES], n)
+        if tag is None:
             return Status.CORRUPT
         payload = staged[HEADER_NBYTES:]
         hasher = xxhash.xxh3_128()
@@ -510,10 +520,7 @@ class MooncakeTier(Tier):
             piece = payload[start : start + _COPY_PIECE]
             hasher.update(piece)
             dst[start : start + _COPY_PIECE] = piece
-        if not hmac.compare_digest(self._tag(digest, n, hasher.digest()), header.checksum):
-            self._drop(name, "payload fails its keyed tag (torn, tampered or not ours)")
-            return Status.CORRUPT
-        return Status.OK
+        return self._tag_matches(name, digest, n, hasher.digest(), tag)
 
     def _drop(self, name: str, why: str) -> None:
         """Remove an object that can never verify (forced: a lease protects nothing worth keeping)."""
