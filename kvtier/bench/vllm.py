@@ -39,7 +39,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvtier.bench import vllm_trace
+from kvtier.bench import vllm_mooncake, vllm_trace
 from kvtier.bench.vllm_systems import (
     LMCACHE_ENV,
     TOKEN,
@@ -66,6 +66,7 @@ def register(subparsers) -> None:
     p.add_argument("--model", default="demo", choices=["demo", "tiny"], help="locally built random Llama")
     p.add_argument("--block-tokens", type=int, default=256, help="kvtier block size (tokens)")
     p.add_argument("--no-lmcache", action="store_true", help="skip LMCache")
+    p.add_argument("--stores", default="host,remote", help="kvtier systems; add mooncake (kvtier/bench/vllm_mooncake.py)")
     p.add_argument("--trace", default=None, help="replay a Mooncake-format trace instead (see kvtier.bench.vllm_trace)")
     p.add_argument("--requests", type=int, default=None, help="--trace: requests of the slice")
     vllm_trace.add_arguments(p)
@@ -167,6 +168,8 @@ def _run_systems(args, base, prompts, kv_bytes, store_bytes, workdir, result, st
         }
         for engine in engines.values():
             stack.callback(engine.close)
+        if "mooncake" in args.stores.split(","):
+            engines.update(vllm_mooncake.start(stack, base, args, workdir, store_bytes))
         lmcache_reason = None
         if args.no_lmcache:
             lmcache_reason = "skipped (--no-lmcache)"
@@ -185,6 +188,8 @@ def _run_systems(args, base, prompts, kv_bytes, store_bytes, workdir, result, st
         runs = [_one_prompt(engines, prompt, args) for prompt in prompts]
         stats = engines["host"].call(op="stats")
     result.update(_summary(runs[1:], args, lmcache_reason))
+    if "mooncake" in engines:
+        result.update(vllm_mooncake.summary(runs[1:], result))
     result["host_store"] = (stats.get("worker") or {}).get("store")
     result["wall_s"] = round(time.monotonic() - started, 1)
     return result
@@ -209,6 +214,8 @@ def _one_prompt(engines: dict, prompt: list[int], args) -> dict:
     before = engines["remote"].call(op="stats")["worker"]["load_seconds"]
     runs["remote"] = ttft("remote")
     runs["remote"]["load_s"] = engines["remote"].call(op="stats")["worker"]["load_seconds"] - before
+    if "mooncake" in engines:
+        vllm_mooncake.one_prompt(engines, prompt, args, runs)
     if "lmcache" in engines:
         runs["lmcache_cold"] = ttft("lmcache")
         time.sleep(1.0)  # LMCache stores asynchronously
@@ -257,6 +264,11 @@ def _median(runs: list[dict], name: str, field: str = "ttft_s") -> float:
     return round(statistics.median(r[name][field] for r in runs), 4)
 
 
+def _paired(runs: list[dict], name: str, reference: str) -> float:
+    """Median over prompts of ``name``'s TTFT ÷ ``reference``'s on the same prompt."""
+    return round(statistics.median(r[name]["ttft_s"] / r[reference]["ttft_s"] for r in runs), 3)
+
+
 def _summary(runs: list[dict], args, lmcache_reason: str | None) -> dict:
     names = [n for n in SYSTEMS if n in runs[0]]
     out: dict = {
@@ -274,6 +286,10 @@ def _summary(runs: list[dict], args, lmcache_reason: str | None) -> dict:
     out["speedup_prefix_cache"] = round(rec / floor, 2)
     out["host_vs_floor"] = round(out["ttft_host_s"] / floor, 3)
     out["remote_vs_floor"] = round(out["ttft_remote_s"] / floor, 3)
+    # The same ratios prompt by prompt (the systems ran back to back on each prompt), then the
+    # median: on a shared machine a burst of load hits both sides of a pair alike.
+    out["host_vs_floor_paired"] = _paired(runs, "host", "prefix_cache")
+    out["remote_vs_floor_paired"] = _paired(runs, "remote", "prefix_cache")
     out["loaded_tokens"] = {
         "prefix_cache": min(r["prefix_cache"]["num_cached_tokens"] for r in runs),
         "host": min(r["host"]["loaded_tokens"] for r in runs),
@@ -320,6 +336,7 @@ def _summary(runs: list[dict], args, lmcache_reason: str | None) -> dict:
                     f"of {args.block_tokens} tokens",
         }
         out["remote_vs_lmcache"] = round(out["ttft_remote_s"] / warm, 3)
+        out["remote_vs_lmcache_paired"] = _paired(runs, "remote", "lmcache")
         out["host_vs_lmcache"] = round(out["ttft_host_s"] / warm, 3)
     else:
         out["lmcache"] = None
