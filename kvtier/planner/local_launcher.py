@@ -11,8 +11,8 @@ It keeps :mod:`kvtier.planner.launchers`' contract against a running ``kvtier ro
   ``failure_backoff_s`` (a broken command must not be relaunched every interval).
 - ``drain(worker)`` tells the router to send it nothing new (``/admin/workers/drain``), waits
   until the router counts no request in flight on it (or ``drain_timeout_s`` passed),
-  removes it from the router, then stops it: SIGTERM to its process group (vLLM finishes,
-  the connector flushes its store), SIGKILL after ``stop_timeout_s``.
+  removes it from the router, then stops it: SIGTERM to its main process (vLLM shuts down in
+  order, the connector flushes its store), SIGKILL to its process group after ``stop_timeout_s``.
 - Workers found already running (``adopt``) are drained and removed like the others but
   never signalled: this launcher did not start them.
 
@@ -209,11 +209,14 @@ class LocalLauncher:
         self._spawn(self._drain_then_stop, worker, was == "serving")
 
     def stop(self, worker: WorkerRecord) -> None:
-        """Signal the worker's process group (SIGTERM, then SIGKILL); adopted workers are left alone."""
+        """SIGTERM the worker's main process, SIGKILL its group after ``stop_timeout_s`` or once it
+        exited (leftovers); adopted workers are left alone. Only the main process is asked: vLLM's
+        API server then shuts its engine and worker processes down in order (the connector
+        flushes its store there), where a SIGTERM to the whole group would hit them all at once."""
         proc = self._procs.get(worker.name)
         if proc is not None and proc.proc is not None and proc.proc.poll() is None:
             try:
-                os.killpg(proc.proc.pid, signal.SIGTERM)
+                proc.proc.send_signal(signal.SIGTERM)
                 proc.proc.wait(self.stop_timeout_s)
             except subprocess.TimeoutExpired:
                 log.warning("worker %s did not stop in %.0f s; killing it", worker.name, self.stop_timeout_s)

@@ -11,7 +11,7 @@ nothing to prefill, so the planner is told (``--cluster``) that its workers serv
 parameter model on this CPU (the shipped CPU calibration): a 200-token prompt is then ~0.45 s of
 prefill, and a p90 TTFT of 1 s holds ~0.8 req/s on one worker. The test checks that premise
 first (the thresholds it relies on) with the same sizer, then drives 0.25 req/s (one worker),
-1.5 req/s (two), 0.25 req/s (one again).
+2 req/s (two, Poisson arrivals), 0.25 req/s (one again).
 """
 
 from __future__ import annotations
@@ -39,14 +39,14 @@ pytestmark = pytest.mark.timeout(900)
 
 TOKEN = "planner-test-token"
 ADMIN = "planner-admin-token"
-PROMPT_TOKENS, MAX_TOKENS = 200, 16
+PROMPT_TOKENS, MAX_TOKENS = 200, 32
 INTERVAL_S = 2.0
 #: what the planner believes each worker serves (see the module docstring)
 PRICED_MODEL = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 768,
                 "num_hidden_layers": 12, "num_attention_heads": 12, "num_key_value_heads": 12,
                 "intermediate_size": 3072, "vocab_size": 2048, "max_position_embeddings": 2048}
 TTFT_S, ITL_S = 1.0, 0.5
-LOW_RATE, HIGH_RATE = 0.25, 1.5
+LOW_RATE, HIGH_RATE = 0.25, 2.0
 
 
 def _cluster(tmp_path) -> str:
@@ -88,6 +88,7 @@ class Load:
     def __init__(self, url: str, model: str) -> None:
         self.url, self.model = url, model
         self.rate = 0.0
+        self.poisson = False      # exponential gaps (else evenly spaced)
         self.results: list[dict] = []
         self._stop = threading.Event()
         self._pool = ThreadPoolExecutor(32)
@@ -117,7 +118,7 @@ class Load:
                 continue
             prompt = [self._rng.randrange(3, 2048) for _ in range(PROMPT_TOKENS)]
             self._pool.submit(self._one, prompt, self.rate)
-            next_at += 1.0 / self.rate
+            next_at += self._rng.expovariate(self.rate) if self.poisson else 1.0 / self.rate
 
     def _one(self, prompt: list[int], rate: float) -> None:
         body = json.dumps({"model": self.model, "prompt": prompt, "max_tokens": MAX_TOKENS, "ignore_eos": True,
@@ -192,7 +193,7 @@ def test_step_up_starts_a_second_worker_and_step_down_drains_and_stops_it(tiny_m
         metrics_port = free_port()
         cmd = [sys.executable, "-m", "kvtier.cli.main", "plan", "live", "--router", router.url,
                "--ttft", str(TTFT_S), "--itl", str(ITL_S), "--cluster", _cluster(tmp_path),
-               "--interval", str(INTERVAL_S), "--startup", "2", "--max-workers", "2", "--scale-down-after", "2",
+               "--interval", str(INTERVAL_S), "--startup", "2", "--max-workers", "2", "--scale-down-after", "3",
                "--down-cooldown", "4", "--output-tokens", str(MAX_TOKENS), "--status-file", str(status_path),
                "--metrics-port", str(metrics_port), "--json",
                "--launcher", "local", "--model", tiny_model, "--worker-args", shlex.join(worker_args),
@@ -220,7 +221,10 @@ def test_step_up_starts_a_second_worker_and_step_down_drains_and_stops_it(tiny_m
         assert [w["state"] for w in st["workers"]] == ["serving"], st
 
         # 2. step up: a second worker is started, registered once healthy, and gets requests
-        load.rate = HIGH_RATE
+        # Poisson arrivals: evenly spaced ones never overlap on these fast workers, and the
+        # router rightly sends a request to the idle first worker (ties go to it) — the second
+        # one then gets requests only when they arrive together, as real traffic does.
+        load.poisson, load.rate = True, HIGH_RATE
         step_up = time.monotonic()
         second: dict = {}
 
@@ -248,7 +252,7 @@ def test_step_up_starts_a_second_worker_and_step_down_drains_and_stops_it(tiny_m
         assert _admin_workers(router.url)[url_b]["state"] == "serving"
 
         # 3. step down: the second worker is drained, removed from the router and stopped
-        load.rate = LOW_RATE
+        load.poisson, load.rate = False, LOW_RATE    # evenly spaced: at most one request an interval
         step_down = time.monotonic()
         _wait("the second worker is drained and removed from the router",
               lambda: url_b not in _admin_workers(router.url), 120, logs)
