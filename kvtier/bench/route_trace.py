@@ -58,6 +58,7 @@ from kvtier.bench.vllm_trace import (
 )
 from kvtier.router.config import measured_bandwidth
 
+WORKERS = 2
 #: the kvtier deployment's rounds, in the order run
 POLICIES = ("round-robin", "least-loaded", "prefix", "approximate", "tier-aware")
 TOKEN = "kvtier-bench-route-token"
@@ -248,7 +249,7 @@ def _deployment(model: str, workdir: Path, name: str, *, transfer: dict | None, 
 
     workers = [start_worker(model, workdir / f"{name}-worker{i}.log", transfer=transfer, core=i % 2,
                             max_model_len=max_len, block_size=HASH_TOKENS,
-                            extra_args=["--num-gpu-blocks-override", str(kv_pages)]) for i in range(2)]
+                            extra_args=["--num-gpu-blocks-override", str(kv_pages)]) for i in range(WORKERS)]
     try:
         wait_ready(workers, timeout_s=600)
     except BaseException:
@@ -276,7 +277,10 @@ def run(args) -> dict:
     geo = geometry(spec)
     unique_blocks = len({b for r in warm + counted for b in r["blocks"]})
     kv_pages = max(math.ceil(max_len / HASH_TOKENS) + 16, int(unique_blocks * args.kv_fraction))
-    sent_warm = warmup_replay(warm, counted, kv_pages, args.full_warmup)
+    # The shortcut's tail must overflow every vLLM cache the warm-up spreads over (two
+    # workers): with one worker's worth, the baseline kept warm-up blocks that the whole
+    # stretch would have evicted (cached 0.22 against 0.04 for one engine).
+    sent_warm = warmup_replay(warm, counted, WORKERS * kv_pages, args.full_warmup)
     phases = {"warmup": synthesise(sent_warm, spec.vocab_size), "counted": synthesise(counted, spec.vocab_size),
               "bound": reusable_tokens(counted, warm)}
     sent_blocks = len({b for r in sent_warm + counted for b in r["blocks"]})
