@@ -11,8 +11,12 @@ thread pool that overlaps hashing and copies with the I/O: ``os.pwrite``,
   on a helper during the write); other buffers go through two staging chunks,
   one copied and hashed while the other is written.
 * Reads go straight into the caller's buffer when it is page aligned (the last
-  partial page through a staging page), in one ``preadv``, then hashed; other
-  buffers go through staging chunks, chunk k copied and hashed while k+1 is read.
+  partial page through a staging page). A small block is one ``preadv``, then
+  hashed; a large one is read in a few shrinking pieces, one request in flight,
+  piece k hashed on a helper while k+1 is read (:func:`read_pieces`).
+  :meth:`BlockIO.read_many` reads many small blocks back to back while a helper
+  verifies the one before. Other buffers go through staging
+  chunks, chunk k copied and hashed while k+1 is read.
 * Payloads made or taken chunk by chunk (a sealed block, sealed or opened as it
   goes) use the same staging: ``write_filled`` / ``read_drained`` run the caller's
   fill / drain on the helper where a copy would run.
@@ -25,10 +29,12 @@ import mmap
 import os
 import queue
 import socket
+import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import numpy as np
 import xxhash
@@ -39,6 +45,27 @@ PAGE = 4096  #: alignment of file offsets, lengths and buffers (>= any logical b
 CHUNK = 2 << 20  #: staging chunk for buffers that are not page aligned
 #: below this, handing work to another thread costs more than the overlap saves
 OVERLAP_MIN = 1 << 20
+#: a direct read of a payload this large or larger goes in pieces, hashed behind the reads
+PIECED_MIN = 4 << 20
+#: the last piece of a pieced read: what is still to hash once the last read is in
+LAST_PIECE = 512 << 10
+
+
+def read_pieces(nbytes: int) -> list[tuple[int, int]]:
+    """``(offset, length)`` of the payload pieces of a pieced read: each piece three quarters
+    of what is left (page multiples), down to at most :data:`LAST_PIECE` (which may end
+    mid-page). Few pieces, because each new request starts on an idle device; shrinking,
+    because hashing piece k (several times faster than reading it) hides behind reading
+    piece k+1, a quarter of its size, and little is left to hash after the last read."""
+    pieces = []
+    off = 0
+    while nbytes - off > LAST_PIECE:
+        length = max(PAGE, (nbytes - off) * 3 // 4 // PAGE * PAGE)
+        pieces.append((off, length))
+        off += length
+    if off < nbytes or not pieces:
+        pieces.append((off, nbytes - off))
+    return pieces
 
 
 def round_up(nbytes: int) -> int:
@@ -130,6 +157,23 @@ def pwrite_all(fd: int, buf, offset: int) -> None:
         if n <= 0:
             raise OSError(errno.ENOSPC, "short write: no space left on device")
         done += n
+
+
+@dataclass(frozen=True, slots=True)
+class ReadJob:
+    path: str
+    out: np.ndarray  #: page aligned, exactly the payload's size
+
+
+@dataclass(frozen=True, slots=True)
+class ReadOutcome:
+    """What :meth:`BlockIO.read_many` did with one file (the caller judges the bytes)."""
+
+    error: OSError | None = None  #: opening or reading failed (FileNotFoundError: gone)
+    inode: os.stat_result | None = None
+    fd: int = -1  #: an open descriptor of a file of another size than asked; the caller closes it
+    page: np.ndarray | None = None  #: the header page as read
+    complete: bool = False  #: header page and payload read whole
 
 
 class _Lease:
@@ -283,6 +327,81 @@ class BlockIO:
                 return self._read_direct(fd, out, accept_header, lease)
             return self._read_chunks(fd, out.nbytes, copy_into(out), accept_header, lease)
 
+    def read_many(self, jobs: Sequence[ReadJob], judge: Callable[[int, ReadOutcome], None]) -> None:
+        """Read small block files back to back, one request in flight, on the calling thread,
+        while a helper runs ``judge(index into jobs, outcome)`` on each one read before, in
+        order (verifying it, say). Returns when every job is judged; the first exception a
+        ``judge`` raised is raised here (the reads stop; judged ones stay judged).
+
+        A job's ``out`` (page aligned) holds the file's payload when ``judge`` sees it; an
+        outcome's ``page`` (its header page) is valid during that call only. A file of
+        another size than the job's is opened but not read: its ``fd`` comes back open, for
+        ``judge`` to look at and close. (The reads stay on the calling thread: on a busy
+        machine a woken helper may wait milliseconds for a core, which delays only the
+        verification behind the reads, not the device.)"""
+        with self._lease() as lease:
+            pages = lease.chunks[0]  # staging that direct reads leave unused: header pages
+            group = pages.nbytes // PAGE
+            for first in range(0, len(jobs), group):
+                self._read_group(jobs, first, min(len(jobs), first + group), pages, lease.tail, judge)
+
+    def _read_group(self, jobs, first: int, end: int, pages: np.ndarray, tail: np.ndarray, judge) -> None:
+        done: queue.SimpleQueue = queue.SimpleQueue()
+        failed: list[BaseException] = []
+
+        def judging() -> None:
+            for _ in range(first, end):
+                item = done.get()
+                if item is None:
+                    return  # the reads stopped
+                if not failed:
+                    try:
+                        judge(*item)
+                    except BaseException as exc:  # handed to the caller
+                        failed.append(exc)
+                elif item[1].fd >= 0:
+                    os.close(item[1].fd)
+
+        helper = self._pool.submit(judging)
+        try:
+            for i in range(first, end):
+                if failed:
+                    break
+                page = pages[(i - first) * PAGE : (i - first + 1) * PAGE]
+                done.put((i, self._read_one(jobs[i], page, tail)))
+        finally:
+            done.put(None)  # a no-op if every job was put: the helper stops after the last
+            helper.result()  # never leave a helper on a lease (or a caller's buffer) we return
+        if failed:
+            raise failed[0]
+
+    def _read_one(self, job: ReadJob, page: np.ndarray, tail: np.ndarray) -> ReadOutcome:
+        try:
+            fd = self.open_read(job.path)
+        except OSError as exc:
+            return ReadOutcome(error=exc)
+        try:
+            inode = os.fstat(fd)
+            want = PAGE + round_up(job.out.nbytes)
+            if inode.st_size != want:
+                keep, fd = fd, -1
+                return ReadOutcome(inode=inode, fd=keep)
+            out = job.out
+            n = out.nbytes
+            full = n - n % PAGE
+            iov = [page, out[:full]] if full else [page]
+            if full < n:
+                iov.append(tail)
+            got = os.preadv(fd, iov, 0)
+            if full < n and got == want:
+                np.copyto(out[full:], tail[: n - full])
+            return ReadOutcome(inode=inode, page=page, complete=got == want)
+        except OSError as exc:
+            return ReadOutcome(error=exc)
+        finally:
+            if fd >= 0:
+                os.close(fd)
+
     def read_drained(self, fd: int, nbytes: int, drain: Drain,
                      accept_header: Callable[[np.ndarray], bool]) -> bytes | None:
         """:meth:`read` of an ``nbytes`` payload handed to ``drain`` chunk by chunk, in order,
@@ -291,9 +410,11 @@ class BlockIO:
             return self._read_chunks(fd, nbytes, drain, accept_header, lease)
 
     def _read_direct(self, fd, out, accept_header, lease) -> bytes | None:
-        # One preadv for the whole file, then one hash: measured faster here than
-        # chunked reads with the hash trailing (smaller I/Os cost more than xxh3).
         n = out.nbytes
+        if n >= PIECED_MIN:
+            return self._read_pieces(fd, out, accept_header, lease)
+        # One preadv for the whole file, then one hash: for small blocks, smaller
+        # I/Os cost more than the hash they would hide.
         full = n - n % PAGE
         iov = [lease.page, out[:full]] if full else [lease.page]
         if full < n:
@@ -304,6 +425,43 @@ class BlockIO:
             return None
         np.copyto(out[full:], lease.tail[: n - full])
         return xxhash.xxh3_128_digest(out)
+
+    def _read_pieces(self, fd, out, accept_header, lease) -> bytes | None:
+        """Pieces read back to back here, one request in flight; a helper hashes each piece
+        read while the next is read. (The reads stay on this thread: a woken helper may wait
+        for a core on a busy machine, which then delays the hash, never the device.)"""
+        n = out.nbytes
+        full = n - n % PAGE
+        hasher = xxhash.xxh3_128()
+        read: queue.SimpleQueue = queue.SimpleQueue()
+
+        def hashing() -> None:
+            while (piece := read.get()) is not None:
+                hasher.update(piece)
+
+        helper = None
+        try:
+            for off, length in read_pieces(n):
+                end = min(off + length, full)
+                iov = [lease.page] if off == 0 else []
+                if end > off:
+                    iov.append(out[off:end])
+                if off + length > full:  # the last partial page, through staging
+                    iov.append(lease.tail)
+                if os.preadv(fd, iov, 0 if off == 0 else PAGE + off) != sum(v.nbytes for v in iov):
+                    return None
+                if off == 0:
+                    if not accept_header(lease.page):
+                        return None
+                    helper = self._pool.submit(hashing)
+                if off + length > full:
+                    np.copyto(out[full:], lease.tail[: n - full])
+                read.put(out[off : off + length])
+        finally:
+            read.put(None)
+            if helper is not None:
+                helper.result()  # never leave a helper on a buffer we return
+        return hasher.digest()
 
     def _read_chunks(self, fd, n: int, drain: Drain, accept_header, lease) -> bytes | None:
         """Chunk k is drained and hashed on a helper while chunk k+1 is read."""

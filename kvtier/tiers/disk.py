@@ -9,6 +9,8 @@ page, then the payload padded to 4 KiB (see :mod:`kvtier.tiers.direct_io`).
   holds a complete block, whichever process wrote it and whenever it died.
 * **Every read is verified** (header key and size, xxh3-128 of the payload). A
   mismatch is :attr:`Status.CORRUPT`: counted, logged, the file removed.
+  ``get_many`` keeps the reads back to back: block i+1 is read while block i is
+  verified (see :meth:`~kvtier.tiers.direct_io.BlockIO.read_many`).
 * **Streams** (:class:`~kvtier.tiers.streams.StreamingTier`): a sealed payload is
   written as its source seals it, chunk k+1 sealed while chunk k is written, and
   read into the sink chunk by chunk, chunk k opened while k+1 is read. Such files
@@ -69,7 +71,7 @@ from kvtier.policy.eviction import EvictionPolicy, LRUPolicy
 from kvtier.private_files import make_private_dirs
 from kvtier.tiers import direct_io
 from kvtier.tiers.base import Status, Tier
-from kvtier.tiers.direct_io import PAGE, BlockIO, as_bytes, round_up
+from kvtier.tiers.direct_io import PAGE, BlockIO, ReadJob, ReadOutcome, as_bytes, round_up
 from kvtier.tiers.streams import PayloadSink, PayloadSource, PieceReader, SinkFeeder, StreamingTier, Unverifiable
 
 log = logging.getLogger(__name__)
@@ -228,21 +230,76 @@ class DiskTier(Tier, StreamingTier):
     def streams_available(self) -> bool:
         return True
 
-    def _get(self, key: BlockKey, nbytes: int, read) -> Status:
-        """A get of ``nbytes`` whose verified read ``read(fd) -> (status, why)`` is the caller's."""
+    def get_many(self, keys, outs) -> list[Status]:
+        """:meth:`get` of several blocks, read back to back: block i+1 is read (one request
+        in flight) while a helper verifies block i. Blocks large enough to be read
+        in pieces, and buffers that are not page aligned, go one by one through :meth:`get`."""
+        if len(keys) != len(outs):
+            raise ValueError(f"get_many: {len(keys)} keys but {len(outs)} buffers")
+        dsts = [as_bytes(out, writable=True) for out in outs]  # every caller mistake before any I/O
+        statuses = [Status.MISS] * len(keys)
+        streamed: list[int] = []
+        for i, (key, dst) in enumerate(zip(keys, dsts)):
+            if dst.nbytes >= direct_io.PIECED_MIN or not direct_io.is_page_aligned(dst):
+                statuses[i] = self.get(key, dst)
+            elif self._lookup(key):
+                streamed.append(i)
+        jobs = [ReadJob(self.path_of(keys[i]), dsts[i]) for i in streamed]
+
+        def judge(j: int, got: ReadOutcome) -> None:
+            i = streamed[j]
+            statuses[i] = self._judge_read(keys[i], dsts[i], jobs[j].path, got)
+
+        self._io.read_many(jobs, judge)
+        return statuses
+
+    def _judge_read(self, key: BlockKey, dst: np.ndarray, path: str, got: ReadOutcome) -> Status:
+        """A get's status from what :meth:`BlockIO.read_many` read (as :meth:`_get` judges its own read)."""
+        if isinstance(got.error, FileNotFoundError):
+            return self._vanished(key)
+        if got.error is not None:
+            return self._failed_get(key, got.error)
+        if got.fd >= 0:
+            try:
+                status, why = self._size_mismatch(got.fd, key, dst.nbytes)
+            except OSError as exc:
+                return self._failed_get(key, exc)
+            finally:
+                os.close(got.fd)
+        else:
+            def digest(accept):
+                if not got.complete or not accept(got.page):
+                    return None
+                return xxhash.xxh3_128_digest(dst)
+
+            status, why = self._read_checked(key, dst.nbytes, digest, sealed=False)
+        return self._settle(key, dst.nbytes, status, why, path, got.inode)
+
+    def _lookup(self, key: BlockKey) -> bool:
+        """Whether a get of ``key`` should read its file (a miss is counted here)."""
         with self._lock:
             if self._live(key) is None:
                 self.stats.misses += 1
-                return Status.MISS
+                return False
             self._policy.on_access(key)
+            return True
+
+    def _vanished(self, key: BlockKey) -> Status:
+        """The file went away since we indexed it (another process removed it): a miss."""
+        with self._lock:
+            self._forget(key)
+            self.stats.misses += 1
+        return Status.MISS
+
+    def _get(self, key: BlockKey, nbytes: int, read) -> Status:
+        """A get of ``nbytes`` whose verified read ``read(fd) -> (status, why)`` is the caller's."""
+        if not self._lookup(key):
+            return Status.MISS
         path = self.path_of(key)
         try:
             fd = self._io.open_read(path)
         except FileNotFoundError:  # removed by another process since we indexed it
-            with self._lock:
-                self._forget(key)
-                self.stats.misses += 1
-            return Status.MISS
+            return self._vanished(key)
         except OSError as exc:
             return self._failed_get(key, exc)
         try:
@@ -255,6 +312,11 @@ class DiskTier(Tier, StreamingTier):
             return self._failed_get(key, exc)
         finally:
             os.close(fd)
+        return self._settle(key, nbytes, status, why, path, inode)
+
+    def _settle(self, key: BlockKey, nbytes: int, status: Status, why: str, path: str,
+                inode: os.stat_result) -> Status:
+        """Count a judged read; a block that failed verification is removed."""
         with self._lock:
             if status is Status.OK:
                 self.stats.hits += 1
