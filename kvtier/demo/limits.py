@@ -6,7 +6,9 @@
 * disk: cold ``O_DIRECT`` reads of a scratch file in the disk tier's directory
   in the requests kvtier makes (one per block: its header page and payload) with
   as many reads in flight as kvtier keeps (the transformers loader keeps two
-  spans of blocks in flight on the store's two I/O threads). Only payload bytes
+  spans of blocks in flight on the store's two I/O threads; each span is one
+  ``DiskTier.get_many``, which keeps one read in flight and verifies on a helper
+  behind it, so two reads in all). Only payload bytes
   count, as in kvtier's own figure: the device without kvtier's file per
   block, header checks and checksums.
 
