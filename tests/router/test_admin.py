@@ -81,8 +81,15 @@ def test_the_last_routable_worker_cannot_be_drained_and_unknown_ones_are_404():
         try:
             async with ClientSession() as s:
                 status, body = await _admin(s, "DRAIN", url, {"url": a.url})
-                assert status == 409 and "last routable" in body["error"]["message"], body
-                assert (await _admin(s, "DRAIN", url, {"url": "http://127.0.0.1:1"}))[0] == 404
+                assert status == 409 and "last healthy routable" in body["error"]["message"], body
+                # a peer that is ejected does not count: draining a would leave nothing to serve
+                assert (await _admin(s, "POST", url, {"url": "http://127.0.0.1:1"}))[0] == 201
+                await asyncio.sleep(1.0)                       # health checks eject the dead peer
+                assert not router.workers[1].healthy
+                assert (await _admin(s, "DRAIN", url, {"url": a.url}))[0] == 409
+                assert (await _admin(s, "DRAIN", url, {"url": "http://127.0.0.1:1"}))[0] == 200
+                assert (await _admin(s, "DELETE", url, {"url": "http://127.0.0.1:1"}))[0] == 200
+                assert (await _admin(s, "DRAIN", url, {"url": "http://127.0.0.1:2"}))[0] == 404
                 assert (await _admin(s, "DELETE", url, {"url": a.url}))[0] == 409      # serving: drain first
                 assert (await _admin(s, "POST", url, {"url": "ftp://x"}))[0] == 400
                 assert (await _admin(s, "POST", url, {"nope": 1}))[0] == 400
