@@ -171,9 +171,9 @@ class ReadOutcome:
 
     error: OSError | None = None  #: opening or reading failed (FileNotFoundError: gone)
     inode: os.stat_result | None = None
-    fd: int = -1  #: an open descriptor of a file of another size than asked; the caller closes it
     page: np.ndarray | None = None  #: the header page as read
-    complete: bool = False  #: header page and payload read whole
+    #: header page and payload read whole; for a file of another size, the header page read
+    complete: bool = False
 
 
 class _Lease:
@@ -334,9 +334,8 @@ class BlockIO:
         ``judge`` raised is raised here (the reads stop; judged ones stay judged).
 
         A job's ``out`` (page aligned) holds the file's payload when ``judge`` sees it; an
-        outcome's ``page`` (its header page) is valid during that call only. A file of
-        another size than the job's is opened but not read: its ``fd`` comes back open, for
-        ``judge`` to look at and close. (The reads stay on the calling thread: on a busy
+        outcome's ``page`` (its header page) is valid during that call only. Of a file of
+        another size than the job's only the header page is read. (The reads stay on the calling thread: on a busy
         machine a woken helper may wait milliseconds for a core, which delays only the
         verification behind the reads, not the device.)"""
         with self._lease() as lease:
@@ -359,8 +358,6 @@ class BlockIO:
                         judge(*item)
                     except BaseException as exc:  # handed to the caller
                         failed.append(exc)
-                elif item[1].fd >= 0:
-                    os.close(item[1].fd)
 
         helper = self._pool.submit(judging)
         try:
@@ -383,9 +380,8 @@ class BlockIO:
         try:
             inode = os.fstat(fd)
             want = PAGE + round_up(job.out.nbytes)
-            if inode.st_size != want:
-                keep, fd = fd, -1
-                return ReadOutcome(inode=inode, fd=keep)
+            if inode.st_size != want:  # the header says whose mistake: read it alone
+                return ReadOutcome(inode=inode, page=page, complete=os.preadv(fd, [page], 0) == PAGE)
             out = job.out
             n = out.nbytes
             full = n - n % PAGE
@@ -399,8 +395,7 @@ class BlockIO:
         except OSError as exc:
             return ReadOutcome(error=exc)
         finally:
-            if fd >= 0:
-                os.close(fd)
+            os.close(fd)
 
     def read_drained(self, fd: int, nbytes: int, drain: Drain,
                      accept_header: Callable[[np.ndarray], bool]) -> bytes | None:

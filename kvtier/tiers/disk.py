@@ -259,13 +259,8 @@ class DiskTier(Tier, StreamingTier):
             return self._vanished(key)
         if got.error is not None:
             return self._failed_get(key, got.error)
-        if got.fd >= 0:
-            try:
-                status, why = self._size_mismatch(got.fd, key, dst.nbytes)
-            except OSError as exc:
-                return self._failed_get(key, exc)
-            finally:
-                os.close(got.fd)
+        if got.inode.st_size != PAGE + round_up(dst.nbytes):
+            status, why = _judge_size(got.page.tobytes() if got.complete else None, got.inode.st_size, key, dst.nbytes)
         else:
             def digest(accept):
                 if not got.complete or not accept(got.page):
@@ -567,13 +562,7 @@ class DiskTier(Tier, StreamingTier):
 
     def _size_mismatch(self, fd: int, key: bytes, want: int) -> tuple[Status, str]:
         """The file's size does not fit ``want``: a wrong caller buffer (BAD_SIZE) or a bad file."""
-        page = self._io.read_header_page(fd)
-        header = unpack_header(page) if page is not None else None
-        if header is None or header.key != key:
-            return Status.CORRUPT, "unreadable header or wrong key"
-        if os.fstat(fd).st_size != PAGE + round_up(header.payload_nbytes):
-            return Status.CORRUPT, "file size differs from its header (truncated?)"
-        return Status.BAD_SIZE, ""
+        return _judge_size(self._io.read_header_page(fd), os.fstat(fd).st_size, key, want)
 
     def _failed_get(self, key: BlockKey, exc: OSError) -> Status:
         with self._lock:
@@ -794,6 +783,17 @@ class DiskTier(Tier, StreamingTier):
             if record is not None and record.parent is not None:
                 out[key] = BlockKey(record.parent)
         return out
+
+
+def _judge_size(page: bytes | None, size: int, key: bytes, want: int) -> tuple[Status, str]:
+    """A file of ``size`` bytes that does not fit a payload of ``want``, with this header page
+    (None: unreadable): a wrong caller buffer (BAD_SIZE) or a bad file (CORRUPT)."""
+    header = unpack_header(page) if page is not None else None
+    if header is None or header.key != key:
+        return Status.CORRUPT, "unreadable header or wrong key"
+    if size != PAGE + round_up(header.payload_nbytes):
+        return Status.CORRUPT, "file size differs from its header (truncated?)"
+    return Status.BAD_SIZE, ""
 
 
 def _record_in(page, header: BlockHeader, key: bytes) -> BlockRecord | None:

@@ -274,3 +274,20 @@ def test_the_store_reads_what_the_host_lacks_with_one_disk_get_many(tmp_path, mo
         disk.delete(k(4))
         result = store.get([k(i) for i in range(8)], [poisoned(SMALL) for _ in range(8)])
         assert result.loaded == 4 and result.statuses[4:] == [Status.MISS] * 4
+
+
+def test_judging_a_wrong_size_needs_no_second_lease(tier):
+    """A size mismatch is judged on the helper from the header page the reader read: with the
+    lease pool exhausted by the get itself it must not wait for another lease (a deadlock)."""
+    tier._io.close()
+    tier._io = direct_io.BlockIO(tier.direct_io, leases=1)
+    for i in range(3):
+        tier.put(k(i), data(i))
+    os.truncate(tier.path_of(k(2)), PAGE + SMALL // 2)
+    result: list = []
+    outs = [poisoned(SMALL), poisoned(SMALL + PAGE), poisoned(SMALL)]
+    worker = threading.Thread(target=lambda: result.append(tier.get_many([k(0), k(1), k(2)], outs)), daemon=True)
+    worker.start()
+    worker.join(timeout=20)
+    assert not worker.is_alive(), "get_many waited for a lease it holds"
+    assert result == [[Status.OK, Status.BAD_SIZE, Status.CORRUPT]]
