@@ -153,7 +153,10 @@ def test_a_block_tampered_on_the_servers_disk_mid_chain_stops_the_load_there(clu
     out, delta = load(base)
     # The server reads blocks 0..k-1 from disk, finds block k corrupt and answers a miss: the load
     # stops at block k and vLLM recomputes blocks k..n-1 (two pages each).
-    assert delta == {"loaded_blocks": k, "failed_pages": (n - k) * 2, "disk_hits": k, "disk_verify_failures": 1}
+    # The store asks each tier for the whole run at once (TieredStore.get → get_many), so the
+    # server may also read the blocks after k; nothing past the miss is used.
+    assert k <= delta.pop("disk_hits") <= n - 1
+    assert delta == {"loaded_blocks": k, "failed_pages": (n - k) * 2, "disk_verify_failures": 1}
     assert out["token_ids"] == reference["token_ids"]
     assert out["logprobs"] == reference["logprobs"], "top-5 logprobs equal a recompute without kvtier"
     assert not block_k.exists(), "the server drops a tampered block, never serves it"
