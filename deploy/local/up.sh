@@ -76,9 +76,12 @@ for port in $WORKER_PORTS; do wait_http "http://127.0.0.1:$port/health" 900; don
 start router $KVTIER route --model-path "$MODEL" --block-tokens 32 --shared-writes --port "$ROUTER_PORT" "${ROUTE_WORKERS[@]}"
 wait_http "http://127.0.0.1:$ROUTER_PORT/health" 120
 
-# 4. the planner: starts workers like the two above, registers them once healthy, drains before stopping
+# 4. the planner: starts workers like the two above, registers them once healthy, drains before stopping.
+#    The two above are adopted: when load is low it drains one out of the router but does not stop
+#    its process (it did not start it; down.sh does). MIN_WORKERS=2 keeps both in rotation.
 start planner $KVTIER plan live --router "127.0.0.1:$ROUTER_PORT" --ttft "$TTFT" --itl "$ITL" \
-  --cluster "${CLUSTER:-$(dirname "$0")/cluster.json}" --interval "${INTERVAL:-15}" --max-workers "$MAX_WORKERS" \
+  --cluster "${CLUSTER:-$(dirname "$0")/cluster.json}" --interval "${INTERVAL:-15}" \
+  --min-workers "${MIN_WORKERS:-1}" --max-workers "$MAX_WORKERS" \
   --launcher local --model "$MODEL" --worker-args "$PLANNER_WORKER_ARGS" "${ADOPT[@]}" \
   --run-dir "$RUN_DIR/planner-workers" --status-file "$RUN_DIR/planner.json" \
   --targets-file "$RUN_DIR/prometheus-workers.json" --metrics-port "$PLANNER_METRICS"

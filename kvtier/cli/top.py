@@ -213,7 +213,8 @@ def run(args) -> int:
 
     def sample(prev_server=None):
         server = scrape(args.server, token)
-        workers = {w: scrape(w) for w in args.worker}
+        # keyed as the router labels its workers (base URLs), so that one worker is one row
+        workers = {(w if "://" in w else f"http://{w}").rstrip("/"): scrape(w) for w in args.worker}
         planner = _planner_status(args.planner_status) or (planner_from_metrics(scrape(args.planner))
                                                            if args.planner else None)
         frame = build_frame(server, scrape(args.router), workers, planner, prev_server=prev_server)
