@@ -331,6 +331,12 @@ class HostTier(Tier):
                 entry.pins += 1
                 self._policy.on_access(key)
                 entries.append(entry)
+            # Loaders read through this instead of get(): count what they take, or the
+            # tier's hit rate (metrics, kvtier top, the planner) reads 0 for every load.
+            # The key the run stopped at is not counted as a miss: the loader asks the
+            # store for it next, and that get counts it.
+            self.stats.hits += len(entries)
+            self.stats.bytes_read += sum(entry.nbytes for entry in entries)
         try:
             views = []
             for entry in entries:

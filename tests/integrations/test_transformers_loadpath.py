@@ -89,9 +89,12 @@ def test_borrow_many_pins_the_leading_run_only_and_releases_every_pin():
     host = HostTier(8 * NB, NB)
     for i in (0, 1, 3):
         host.put(keys[i], blocks[i])
+    hits_before, read_before = host.stats.hits, host.stats.bytes_read
     with host.borrow_many(keys, NB) as views:
         assert len(views) == 2
         assert not views[0].flags.writeable
+        # loaders read through borrow_many: the tier's counters must see what they take
+        assert (host.stats.hits - hits_before, host.stats.bytes_read - read_before) == (2, 2 * NB)
         assert host.delete(keys[0]) and not host.contains(keys[0])  # deleted while pinned: hidden at once
     assert host.used_bytes == 2 * NB  # its memory went with the batch's last unpin
     host.check_integrity()
