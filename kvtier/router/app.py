@@ -343,6 +343,7 @@ class Router:
             if attempt:
                 self.metrics.retries.inc()
             prefill_tokens = len(token_ids) - predicted
+            others, ahead_tokens = worker.inflight, worker.pending_tokens   # what it found there
             worker.start(prefill_tokens, len(keys))
             answered = False
             t0 = time.monotonic()
@@ -353,7 +354,8 @@ class Router:
                         self._record_health(worker, False)
                         continue
                     first = await resp.content.readany()
-                    worker.first_byte(prefill_tokens, time.monotonic() - t0)
+                    worker.first_byte(prefill_tokens, time.monotonic() - t0, others=others,
+                                      ahead_tokens=ahead_tokens, default_speed=self.config.prefill_tokens_per_s)
                     answered = True
                     self.metrics.routed.labels(worker.url).inc()
                     self.metrics.predicted_cached.labels(worker.url).inc(predicted)

@@ -81,9 +81,13 @@ class LiveView:
         return self.workers[worker].active_blocks
 
     def backlog_s(self, worker: int) -> float:
-        """Queueing (predicted prefill tokens ÷ measured speed) + decode pressure."""
+        """Queueing (predicted prefill tokens ÷ measured speed) + in-flight pressure: the
+        worker's measured seconds per running request once it has been seen busy
+        (:meth:`Worker.first_byte`), the configured ``decode_block_s`` per block before."""
         w = self.workers[worker]
         speed = w.prefill_tokens_per_s or self.default_speed
+        if w.inflight_s is not None:
+            return w.pending_tokens / speed + w.inflight * w.inflight_s
         return w.pending_tokens / speed + w.active_blocks * self.decode_block_s
 
     def service_seconds(self, request) -> np.ndarray:

@@ -25,7 +25,8 @@ class Worker:
     inflight: int = 0
     events_up: bool = False       #: the KV-event stream is connected (and not mid-resync)
     draining: bool = False        #: taken out of rotation (admin API); in-flight requests finish
-    prefill_tokens_per_s: float | None = None   #: measured (EWMA of uncached tokens ÷ time to first byte)
+    prefill_tokens_per_s: float | None = None   #: measured (EWMA of uncached tokens ÷ time to first byte, idle worker)
+    inflight_s: float | None = None   #: measured: seconds each request already in flight adds to a new one's TTFT
     extra: dict = field(default_factory=dict)
 
     def start(self, prefill_tokens: int, blocks: int) -> None:
@@ -33,18 +34,40 @@ class Worker:
         self.active_blocks += blocks
         self.inflight += 1
 
-    def first_byte(self, prefill_tokens: int, seconds: float, ewma: float = 0.3) -> None:
+    def first_byte(self, prefill_tokens: int, seconds: float, *, others: int = 0, ahead_tokens: int = 0,
+                   default_speed: float | None = None, ewma: float = 0.3) -> None:
+        """A request's first byte came ``seconds`` after it was sent; ``others`` requests were
+        in flight on this worker then, ``ahead_tokens`` prompt tokens queued before it.
+
+        Two things are learnt apart, so that one does not absorb the other: the prefill
+        speed only from requests that found the worker idle (their time is service alone),
+        and the in-flight pressure from the rest: what their TTFT had beyond the queued
+        and own prefill, shared among the requests that were running. A busy vLLM engine
+        interleaves decode steps with a new prefill, and that cost grows with the running
+        requests whatever their prompts hit; a fixed per-block guess (``decode_block_s``)
+        let one worker take most requests of a cached trace while its TTFT grew 10x.
+        """
         self.pending_tokens = max(0, self.pending_tokens - prefill_tokens)
-        if prefill_tokens > 0 and seconds > 0:
-            sample = prefill_tokens / seconds
-            old = self.prefill_tokens_per_s
-            self.prefill_tokens_per_s = sample if old is None else (1 - ewma) * old + ewma * sample
+        if seconds <= 0:
+            return
+        if others == 0:
+            if prefill_tokens > 0:
+                self.prefill_tokens_per_s = _ewma(self.prefill_tokens_per_s, prefill_tokens / seconds, ewma)
+            return
+        speed = self.prefill_tokens_per_s or default_speed
+        if speed:
+            residual = max(0.0, seconds - (ahead_tokens + prefill_tokens) / speed)
+            self.inflight_s = _ewma(self.inflight_s, residual / others, ewma)
 
     def finish(self, prefill_tokens: int, blocks: int, answered: bool) -> None:
         if not answered:
             self.pending_tokens = max(0, self.pending_tokens - prefill_tokens)
         self.active_blocks = max(0, self.active_blocks - blocks)
         self.inflight = max(0, self.inflight - 1)
+
+
+def _ewma(old: float | None, sample: float, weight: float) -> float:
+    return sample if old is None else (1 - weight) * old + weight * sample
 
 
 class Health:
