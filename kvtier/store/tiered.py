@@ -205,7 +205,8 @@ class TieredStore:
 
     def _get_all(self, keys: Sequence[BlockKey], outs: Sequence, *, inline: bool = True
                  ) -> list[tuple[Status, str | None, int]]:
-        """:meth:`_get_one` of every key, each tier asked once for all the keys the faster ones did not serve."""
+        """(status, name of the tier that served it, its index) of every key, each tier asked once
+        for all the keys the faster ones did not serve; promoted at once if ``inline``."""
         found: list[tuple[Status, str | None, int]] = [(Status.MISS, None, 0)] * len(keys)
         worst = [Status.MISS] * len(keys)
         todo = list(range(len(keys)))
@@ -227,20 +228,6 @@ class TieredStore:
         for j in todo:
             found[j] = (Status.MISS if worst[j] in (Status.MISS, Status.CORRUPT) else worst[j], None, 0)
         return found
-
-    def _get_one(self, key: BlockKey, out, *, inline: bool = True) -> tuple[Status, str | None, int]:
-        """(status, name of the tier that served it, its index); promoted at once if ``inline``."""
-        last = Status.MISS
-        for i, tier in enumerate(self.tiers):
-            status = tier.get(key, out)
-            if status is Status.OK:
-                if inline and self.promote and i > 0:
-                    self._promote(key, out, self.tiers[:i])
-                return status, tier.name, i
-            if status is Status.BAD_SIZE:
-                return status, None, 0  # a caller error: the same in every tier
-            last = status if last is Status.MISS else last
-        return (Status.MISS if last in (Status.MISS, Status.CORRUPT) else last), None, 0
 
     def _promote(self, key: BlockKey, data, upper: Sequence[Tier]) -> None:
         for level, tier in enumerate(upper):
