@@ -193,6 +193,7 @@ def test_killing_a_holder_mid_traffic_never_returns_a_wrong_block_and_replicas_k
         assert t.put_many(keys, [block(200 + i) for i in range(n)]) == [Status.OK] * n
         wrong: list[int] = []
         hits = [0]
+        seen: dict = {}   # statuses, for the failure message
         stop = threading.Event()
 
         def reader() -> None:
@@ -202,6 +203,7 @@ def test_killing_a_holder_mid_traffic_never_returns_a_wrong_block_and_replicas_k
                 i = j % n
                 out.fill(0xA5)
                 s = t.get(keys[i], out)
+                seen[s] = seen.get(s, 0) + 1
                 if s is Status.OK:
                     hits[0] += 1
                     if not np.array_equal(out, block(200 + i)):
@@ -219,7 +221,7 @@ def test_killing_a_holder_mid_traffic_never_returns_a_wrong_block_and_replicas_k
         for th in threads:
             th.join(30)
         assert not wrong, f"wrong bytes for blocks {wrong}"
-        assert hits[0] > 0
+        assert hits[0] > 0, f"no read hit in 1.5 s; statuses {seen}, tier stats {t.stats}"
         # every block still hits from the surviving replica once the master has dropped the dead
         # holder (its client_ttl); until then a read whose replica was the dead one may miss
         outs = [np.zeros(BLOCK, np.uint8) for _ in keys]
@@ -227,8 +229,11 @@ def test_killing_a_holder_mid_traffic_never_returns_a_wrong_block_and_replicas_k
             "a block was lost with one of two replicas"
         print(f"every block hit again {time.monotonic() - killed_at:.1f} s after the kill")
         assert all(np.array_equal(o, block(200 + i)) for i, o in enumerate(outs))
-        # and the tier keeps serving: new blocks go to the survivor
-        assert t.put(key(299), block(299)) is Status.OK
+        # and the tier keeps serving: new blocks go to the survivor once the master has dropped
+        # the dead holder (reads of old blocks come back sooner, through the replica fallback;
+        # a put the master still places on the dead holder fails, and is a lost store, not data)
+        assert _wait(lambda: t.put(key(299), block(299)) is Status.OK, CLIENT_TTL_S + 10), \
+            "no put succeeded on the surviving holder"
         assert t.get(key(299), outs[0]) is Status.OK and np.array_equal(outs[0], block(299))
     finally:
         t.close()
