@@ -106,4 +106,5 @@ def test_trace_smoke_run():
         row = r["systems"][name]
         assert row["requests"] == r["requests"] and row["output_tokens_per_s"] > 0
         assert 0 <= row["cached_token_ratio"] <= 1 and row["ttft_p90_s"] >= row["ttft_p50_s"]
+        assert row["throughput_bound_by"] in ("engine", "arrivals")
     assert 0 < r["reusable_token_ratio"] < 1
