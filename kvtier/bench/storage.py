@@ -231,12 +231,7 @@ class _DiskBench:
     def _write_pieced_copies(self, count: int) -> None:
         """The pieced limit's files, written untimed (the put limit is the one-file write)."""
         for i in range(count):
-            fd = os.open(self._raw_pieced(i), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | self._flags(), 0o600)
-            try:
-                pwrite_all(fd, self.padded[i % 2], 0)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            self._write_raw(self._raw_pieced(i), self.padded[i % 2])
 
     def start(self, keys):
         # The limit's files sit next to the tier's, in the same shard directories,
@@ -250,9 +245,13 @@ class _DiskBench:
         _check(self.tier.put(key, self.srcs[i % 2]), "disk put")
 
     def limit_put(self, i: int) -> None:
-        fd = os.open(self._raw(i), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | self._flags(), 0o644)
+        self._write_raw(self._raw(i), self.padded[i % 2])
+
+    def _write_raw(self, path: str, data) -> None:
+        """What a put costs at the limit: one write of the padded block, then fsync."""
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | self._flags(), 0o644)
         try:
-            pwrite_all(fd, self.padded[i % 2], 0)
+            pwrite_all(fd, data, 0)
             os.fsync(fd)
         finally:
             os.close(fd)

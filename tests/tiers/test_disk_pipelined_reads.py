@@ -16,6 +16,7 @@ from kvtier.tiers import direct_io
 from kvtier.tiers.base import Status
 from kvtier.tiers.direct_io import LAST_PIECE, PAGE, PIECED_MIN, aligned_buffer, read_pieces
 from kvtier.tiers.disk import DiskTier
+from tests.tiers.test_disk import _flip  # one byte flipped in place
 
 SMALL = 64 * 1024
 POISON = 0xA5
@@ -33,14 +34,6 @@ def poisoned(nbytes: int) -> np.ndarray:
     out = aligned_buffer(nbytes)
     out.fill(POISON)
     return out
-
-
-def _flip(path: str, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)
-        f.seek(offset)
-        f.write(bytes([byte[0] ^ 0xFF]))
 
 
 DAMAGES = {

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integrations.vllm.harness import loaded_tokens, prompts, skip_without_vllm
+from tests.integrations.vllm.harness import assert_loads_what_another_computed, skip_without_vllm
 from tests.tiers.mooncake_harness import mooncake_available, shared_cluster
 
 skip_without_vllm()
@@ -26,10 +26,6 @@ def fleet_extra(cluster, secret_file) -> dict:
             "mooncake_secret_file": str(secret_file)}
 
 
-def expected_hit(length: int) -> int:
-    return min(length // BLOCK_TOKENS * BLOCK_TOKENS, (length - 2) // 32 * 32)
-
-
 @pytest.fixture(scope="module")
 def pair(engines, tiny_model, tmp_path_factory):
     cluster = shared_cluster()
@@ -45,11 +41,4 @@ def pair(engines, tiny_model, tmp_path_factory):
 
 def test_an_engine_loads_from_the_fleet_what_another_computed(pair):
     a, b = pair
-    batch = prompts(2, 350, seed=23)
-    first = a.generate(batch, max_tokens=10)
-    assert all(loaded_tokens(o) == 0 for o in first)
-    a.call(op="flush")
-    second = b.generate(batch, max_tokens=10)
-    for prompt, x, y in zip(batch, first, second):
-        assert loaded_tokens(y) == expected_hit(len(prompt)) > 0
-        assert y["token_ids"] == x["token_ids"] and y["logprobs"] == x["logprobs"]
+    assert_loads_what_another_computed(a, b, BLOCK_TOKENS, seed=23)

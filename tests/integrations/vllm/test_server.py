@@ -9,7 +9,8 @@ import time
 import pytest
 
 from kvtier.cli.admin import admin_call
-from tests.integrations.vllm.harness import loaded_tokens, prompts, skip_without_vllm
+from tests.integrations.vllm.harness import (assert_loads_what_another_computed, expected_hit, loaded_tokens,
+                                             prompts, skip_without_vllm)
 
 skip_without_vllm()
 
@@ -28,8 +29,8 @@ def remote_extra(url: str) -> dict:
     return {"block_tokens": BLOCK_TOKENS, "host_bytes": 0, "remote_url": url, "remote_token": TOKEN}
 
 
-def expected_hit(length: int) -> int:
-    return min(length // BLOCK_TOKENS * BLOCK_TOKENS, (length - 2) // 32 * 32)
+def hit(length: int) -> int:
+    return expected_hit(length, BLOCK_TOKENS)
 
 
 @pytest.fixture(scope="module")
@@ -64,14 +65,7 @@ def cluster(engines, tiny_model, servers):
 
 def test_fresh_engine_process_loads_what_another_stored_through_the_server(cluster):
     producer, consumer, _ = cluster
-    batch = prompts(2, 350, seed=11)
-    first = producer.generate(batch, max_tokens=10)
-    assert all(loaded_tokens(o) == 0 for o in first)
-    producer.call(op="flush")
-    second = consumer.generate(batch, max_tokens=10)
-    for prompt, a, b in zip(batch, first, second):
-        assert loaded_tokens(b) == expected_hit(len(prompt)) > 0
-        assert b["token_ids"] == a["token_ids"] and b["logprobs"] == a["logprobs"]
+    assert_loads_what_another_computed(producer, consumer, BLOCK_TOKENS, seed=11)
 
 
 def test_prefill_decode_disaggregation_matches_a_single_instance(cluster):
@@ -87,7 +81,7 @@ def test_prefill_decode_disaggregation_matches_a_single_instance(cluster):
     producer.call(op="reset")
     single = producer.generate(batch, max_tokens=16)
     for prompt, d, s in zip(batch, decoded, single):
-        assert loaded_tokens(d) == expected_hit(len(prompt)) > 0
+        assert loaded_tokens(d) == hit(len(prompt)) > 0
         assert loaded_tokens(s) == 0
         assert d["token_ids"] == s["token_ids"] and d["logprobs"] == s["logprobs"]
 
@@ -180,7 +174,7 @@ def test_requests_complete_when_the_server_is_killed_mid_run(cluster, servers):
     assert len(during) == 5 and all(len(o["token_ids"]) == 24 for o in during)
     assert all(loaded_tokens(o) == 0 for o in during), "the first load failed, later lookups miss"
     stats = survivor.call(op="stats")
-    assert stats["worker"]["failed_pages"] - failed_before == expected_hit(len(batch[0])) // 32
+    assert stats["worker"]["failed_pages"] - failed_before == hit(len(batch[0])) // 32
     assert stats["scheduler"]["lookup_errors"] == 0, "the remote tier reports a dead server as a miss"
     for ref, got in zip(reference, during):
         assert got["token_ids"] == ref["token_ids"] and got["logprobs"] == ref["logprobs"]
