@@ -66,7 +66,8 @@ class Server:
         if config.disk_dir:
             from kvtier.tiers.disk import DiskTier
 
-            disk = DiskTier(config.disk_dir, config.disk_capacity_bytes)
+            # a file per spilled block (not packed batches): what its erasure and audits expect
+            disk = DiskTier(config.disk_dir, config.disk_capacity_bytes, pack_batches=False)
             if not config.encrypt_at_rest:
                 safety.warn_server_plaintext(config.disk_dir)
             tiers.append(self._sealed(disk) if config.encrypt_at_rest else disk)

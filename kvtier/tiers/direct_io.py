@@ -163,6 +163,13 @@ def pwrite_all(fd: int, buf, offset: int) -> None:
 class ReadJob:
     path: str
     out: np.ndarray  #: page aligned, exactly the payload's size
+    #: where the block starts in its file: None for a file of its own (whose size must be the
+    #: block's); an offset for a block packed in a larger file (which must reach its end)
+    offset: int | None = None
+
+    @property
+    def nbytes_on_disk(self) -> int:
+        return PAGE + round_up(self.out.nbytes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,16 +261,20 @@ class BlockIO:
     # NOTE: the calling thread always does the I/O and helpers only hash or copy
     # ahead of it: on a busy machine a woken thread may wait milliseconds for a
     # core, which is harmless beside a long pwrite but not in front of one.
-    def write(self, fd: int, data: np.ndarray, header: Callable[[bytes], bytes]) -> None:
+    def write(self, fd: int, data: np.ndarray, header: Callable[[bytes], bytes], *, base: int = 0,
+              sync: bool = True) -> None:
         """Write payload ``data`` after the header page, then ``header(xxh3-128 digest)``
-        into the header page, then fsync. Raises OSError (e.g. ENOSPC) on failure."""
+        into the header page, then fsync (unless not ``sync``: a caller writing several
+        blocks into one file syncs once). ``base``: where the block starts in the file
+        (a page multiple). Raises OSError (e.g. ENOSPC) on failure."""
         with self._lease() as lease:
             if is_page_aligned(data):
-                digest = self._write_direct(fd, data, lease)
+                digest = self._write_direct(fd, data, lease, base)
             else:
-                digest = self._write_chunks(fd, data.nbytes, copy_from(data), lease)
-            self._write_header(fd, header(digest), lease)
-        os.fsync(fd)
+                digest = self._write_chunks(fd, data.nbytes, copy_from(data), lease, base)
+            self._write_header(fd, header(digest), lease, base)
+        if sync:
+            os.fsync(fd)
 
     def write_filled(self, fd: int, nbytes: int, fill: Fill, header: Callable[[bytes], bytes]) -> None:
         """:meth:`write` of an ``nbytes`` payload that ``fill`` produces chunk by chunk, in order,
@@ -274,27 +285,27 @@ class BlockIO:
         os.fsync(fd)
 
     @staticmethod
-    def _write_header(fd: int, head: bytes, lease: _Lease) -> None:
+    def _write_header(fd: int, head: bytes, lease: _Lease, base: int = 0) -> None:
         lease.page[:] = 0
         lease.page[: len(head)] = np.frombuffer(head, dtype=np.uint8)
-        pwrite_all(fd, lease.page, 0)
+        pwrite_all(fd, lease.page, base)
 
-    def _write_direct(self, fd: int, data: np.ndarray, lease: _Lease) -> bytes:
+    def _write_direct(self, fd: int, data: np.ndarray, lease: _Lease, base: int = 0) -> bytes:
         hashing = self._pool.submit(xxhash.xxh3_128_digest, data) if data.nbytes >= OVERLAP_MIN else None
         try:
             full = data.nbytes - data.nbytes % PAGE
             if full:
-                pwrite_all(fd, data[:full], PAGE)
+                pwrite_all(fd, data[:full], base + PAGE)
             tail = data.nbytes - full
             if tail:
                 lease.tail[tail:] = 0
                 np.copyto(lease.tail[:tail], data[full:])
-                pwrite_all(fd, lease.tail, PAGE + full)
+                pwrite_all(fd, lease.tail, base + PAGE + full)
         finally:
             digest = hashing.result() if hashing is not None else None
         return digest if digest is not None else xxhash.xxh3_128_digest(data)
 
-    def _write_chunks(self, fd: int, nbytes: int, fill: Fill, lease: _Lease) -> bytes:
+    def _write_chunks(self, fd: int, nbytes: int, fill: Fill, lease: _Lease, base: int = 0) -> bytes:
         """Chunk k+1 is filled into staging and hashed on a helper while chunk k is written."""
         hasher = xxhash.xxh3_128()
         chunk = self.chunk_bytes
@@ -310,41 +321,48 @@ class BlockIO:
                 ahead = self._pool.submit(_fill_stage, fill, hasher, nxt, min(chunk, nbytes - nxt), stage)
             try:
                 length = round_up(min(chunk, nbytes - off))
-                pwrite_all(fd, lease.chunks[k % 2][:length], PAGE + off)
+                pwrite_all(fd, lease.chunks[k % 2][:length], base + PAGE + off)
             finally:
                 if ahead is not None:
                     ahead.result()  # never leave a helper on a lease we return
         return hasher.digest()
 
     # -- read --------------------------------------------------------------------
-    def read(self, fd: int, out: np.ndarray, accept_header: Callable[[np.ndarray], bool]) -> bytes | None:
-        """Read a block file into ``out`` (exactly the payload size) and return the
-        xxh3-128 digest of what was read; None when the file is short or
+    def read(self, fd: int, out: np.ndarray, accept_header: Callable[[np.ndarray], bool], *,
+             base: int = 0) -> bytes | None:
+        """Read a block (at ``base`` in its file) into ``out`` (exactly the payload size) and
+        return the xxh3-128 digest of what was read; None when the file is short or
         ``accept_header(header_page)`` rejects the header.
         ``out``'s content is unspecified unless the caller's checks pass."""
         with self._lease() as lease:
             if is_page_aligned(out):
-                return self._read_direct(fd, out, accept_header, lease)
-            return self._read_chunks(fd, out.nbytes, copy_into(out), accept_header, lease)
+                return self._read_direct(fd, out, accept_header, lease, base)
+            return self._read_chunks(fd, out.nbytes, copy_into(out), accept_header, lease, base)
 
     def read_many(self, jobs: Sequence[ReadJob], judge: Callable[[int, ReadOutcome], None]) -> None:
-        """Read small block files back to back, one request in flight, on the calling thread,
-        while a helper runs ``judge(index into jobs, outcome)`` on each one read before, in
-        order (verifying it, say). Returns when every job is judged; the first exception a
-        ``judge`` raised is raised here (the reads stop; judged ones stay judged).
+        """Read small blocks back to back, one request in flight, on the calling thread, while a
+        helper runs ``judge(index into jobs, outcome)`` on each one read before, in order
+        (verifying it, say). Returns when every job is judged; the first exception a ``judge``
+        raised is raised here (the reads stop; judged ones stay judged).
 
-        A job's ``out`` (page aligned) holds the file's payload when ``judge`` sees it; an
+        A *run* of jobs, blocks packed one after another in one file (each job's ``offset`` the
+        end of the one before), is read with one request: one ``preadv`` of every block's header
+        page and payload. A block of a file of its own is one request.
+
+        A job's ``out`` (page aligned) holds the block's payload when ``judge`` sees it; an
         outcome's ``page`` (its header page) is valid during that call only. Of a file of
-        another size than the job's only the header page is read. (The reads stay on the calling thread: on a busy
-        machine a woken helper may wait milliseconds for a core, which delays only the
-        verification behind the reads, not the device.)"""
+        another size than the job's only the header page is read. (The reads stay on the calling
+        thread: on a busy machine a woken helper may wait milliseconds for a core, which delays
+        only the verification behind the reads, not the device.)"""
         with self._lease() as lease:
-            pages = lease.chunks[0]  # staging that direct reads leave unused: header pages
+            # staging that direct reads leave unused: header pages, and the tails of payloads
+            # that end mid-page (a run's request lands them there)
+            pages, tails = lease.chunks
             group = pages.nbytes // PAGE
             for first in range(0, len(jobs), group):
-                self._read_group(jobs, first, min(len(jobs), first + group), pages, lease.tail, judge)
+                self._read_group(jobs, first, min(len(jobs), first + group), pages, tails, judge)
 
-    def _read_group(self, jobs, first: int, end: int, pages: np.ndarray, tail: np.ndarray, judge) -> None:
+    def _read_group(self, jobs, first: int, end: int, pages: np.ndarray, tails: np.ndarray, judge) -> None:
         done: queue.SimpleQueue = queue.SimpleQueue()
         failed: list[BaseException] = []
 
@@ -359,13 +377,23 @@ class BlockIO:
                     except BaseException as exc:  # handed to the caller
                         failed.append(exc)
 
+        def slot(region: np.ndarray, i: int) -> np.ndarray:
+            return region[(i - first) * PAGE : (i - first + 1) * PAGE]
+
         helper = self._pool.submit(judging)
         try:
-            for i in range(first, end):
-                if failed:
-                    break
-                page = pages[(i - first) * PAGE : (i - first + 1) * PAGE]
-                done.put((i, self._read_one(jobs[i], page, tail)))
+            i = first
+            while i < end and not failed:
+                stop = _run_end(jobs, i, end)
+                if stop == i + 1 and jobs[i].offset is None:
+                    done.put((i, self._read_one(jobs[i], slot(pages, i), slot(tails, i))))
+                else:
+                    run = range(i, stop)
+                    outcomes = self._read_run([jobs[j] for j in run], [slot(pages, j) for j in run],
+                                              [slot(tails, j) for j in run])
+                    for j, outcome in zip(run, outcomes):
+                        done.put((j, outcome))
+                i = stop
         finally:
             done.put(None)  # a no-op if every job was put: the helper stops after the last
             helper.result()  # never leave a helper on a lease (or a caller's buffer) we return
@@ -379,49 +407,71 @@ class BlockIO:
             return ReadOutcome(error=exc)
         try:
             inode = os.fstat(fd)
-            want = PAGE + round_up(job.out.nbytes)
+            want = job.nbytes_on_disk
             if inode.st_size != want:  # the header says whose mistake: read it alone
                 return ReadOutcome(inode=inode, page=page, complete=os.preadv(fd, [page], 0) == PAGE)
-            out = job.out
-            n = out.nbytes
-            full = n - n % PAGE
-            iov = [page, out[:full]] if full else [page]
-            if full < n:
-                iov.append(tail)
+            iov, finish = _block_iov(job.out, page, tail)
             got = os.preadv(fd, iov, 0)
-            if full < n and got == want:
-                np.copyto(out[full:], tail[: n - full])
+            if got == want:
+                finish()
             return ReadOutcome(inode=inode, page=page, complete=got == want)
         except OSError as exc:
             return ReadOutcome(error=exc)
         finally:
             os.close(fd)
 
+    def _read_run(self, run: Sequence[ReadJob], pages, tails) -> list[ReadOutcome]:
+        """One request for blocks packed back to back in one file; an outcome per block (a block
+        the file does not hold whole is incomplete)."""
+        try:
+            fd = self.open_read(run[0].path)
+        except OSError as exc:
+            return [ReadOutcome(error=exc)] * len(run)
+        try:
+            inode = os.fstat(fd)
+            iov, finishes = [], []
+            for job, page, tail in zip(run, pages, tails):
+                vecs, finish = _block_iov(job.out, page, tail)
+                iov.extend(vecs)
+                finishes.append(finish)
+            got = os.preadv(fd, iov, run[0].offset)
+        except OSError as exc:
+            return [ReadOutcome(error=exc)] * len(run)
+        finally:
+            os.close(fd)
+        outcomes, upto = [], 0
+        for job, page, finish in zip(run, pages, finishes):
+            upto += job.nbytes_on_disk
+            if got >= upto:
+                finish()
+            outcomes.append(ReadOutcome(inode=inode, page=page, complete=got >= upto))
+        return outcomes
+
     def read_drained(self, fd: int, nbytes: int, drain: Drain,
-                     accept_header: Callable[[np.ndarray], bool]) -> bytes | None:
+                     accept_header: Callable[[np.ndarray], bool], *, base: int = 0) -> bytes | None:
         """:meth:`read` of an ``nbytes`` payload handed to ``drain`` chunk by chunk, in order,
         on a helper while the next chunk is read (e.g. opened as it comes)."""
         with self._lease() as lease:
-            return self._read_chunks(fd, nbytes, drain, accept_header, lease)
+            return self._read_chunks(fd, nbytes, drain, accept_header, lease, base)
 
-    def _read_direct(self, fd, out, accept_header, lease) -> bytes | None:
+    def _read_direct(self, fd, out, accept_header, lease, base: int = 0) -> bytes | None:
         n = out.nbytes
         if n >= PIECED_MIN:
-            return self._read_pieces(fd, out, accept_header, lease)
+            return self._read_pieces(fd, out, accept_header, lease, base)
         # One preadv for the whole file, then one hash: for small blocks, smaller
         # I/Os cost more than the hash they would hide.
         full = n - n % PAGE
         iov = [lease.page, out[:full]] if full else [lease.page]
         if full < n:
             iov.append(lease.tail)
-        if os.preadv(fd, iov, 0) != PAGE + round_up(n):
+        if os.preadv(fd, iov, base) != PAGE + round_up(n):
             return None
         if not accept_header(lease.page):
             return None
         np.copyto(out[full:], lease.tail[: n - full])
         return xxhash.xxh3_128_digest(out)
 
-    def _read_pieces(self, fd, out, accept_header, lease) -> bytes | None:
+    def _read_pieces(self, fd, out, accept_header, lease, base: int = 0) -> bytes | None:
         """Pieces read back to back here, one request in flight; a helper hashes each piece
         read while the next is read. (The reads stay on this thread: a woken helper may wait
         for a core on a busy machine, which then delays the hash, never the device.)"""
@@ -443,7 +493,7 @@ class BlockIO:
                     iov.append(out[off:end])
                 if off + length > full:  # the last partial page, through staging
                     iov.append(lease.tail)
-                if os.preadv(fd, iov, 0 if off == 0 else PAGE + off) != sum(v.nbytes for v in iov):
+                if os.preadv(fd, iov, base + (0 if off == 0 else PAGE + off)) != sum(v.nbytes for v in iov):
                     return None
                 if off == 0:
                     if not accept_header(lease.page):
@@ -458,7 +508,7 @@ class BlockIO:
                 helper.result()  # never leave a helper on a buffer we return
         return hasher.digest()
 
-    def _read_chunks(self, fd, n: int, drain: Drain, accept_header, lease) -> bytes | None:
+    def _read_chunks(self, fd, n: int, drain: Drain, accept_header, lease, base: int = 0) -> bytes | None:
         """Chunk k is drained and hashed on a helper while chunk k+1 is read."""
         hasher = xxhash.xxh3_128()
         pending: Future | None = None
@@ -469,7 +519,7 @@ class BlockIO:
                 stage = lease.chunks[k % 2]
                 iov = [lease.page, stage[: round_up(length)]] if k == 0 else [stage[: round_up(length)]]
                 want = sum(v.nbytes for v in iov)
-                if os.preadv(fd, iov, 0 if k == 0 else PAGE + off) != want:
+                if os.preadv(fd, iov, base + (0 if k == 0 else PAGE + off)) != want:
                     return None
                 if k == 0 and not accept_header(lease.page):
                     return None
@@ -486,12 +536,46 @@ class BlockIO:
                 pending.result()
         return hasher.digest()
 
-    def read_header_page(self, fd: int) -> bytes | None:
-        """The first page of a block file (a copy), or None if the file is shorter."""
+    def read_header_page(self, fd: int, base: int = 0) -> bytes | None:
+        """The header page of the block at ``base`` (a copy), or None if the file is shorter."""
         with self._lease() as lease:
-            if os.preadv(fd, [lease.page], 0) != PAGE:
+            if os.preadv(fd, [lease.page], base) != PAGE:
                 return None
             return lease.page.tobytes()
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+#: at most this many buffers in one ``preadv`` (Linux's IOV_MAX is 1024)
+_IOV_MAX = 1024
+
+
+def _run_end(jobs: Sequence[ReadJob], i: int, end: int) -> int:
+    """The end of the run of packed blocks that starts at job ``i``: same file, each starting where
+    the one before ends, at most :data:`_IOV_MAX` buffers in all."""
+    if jobs[i].offset is None:
+        return i + 1
+    vecs = 3
+    j = i + 1
+    while (j < end and jobs[j].offset is not None and jobs[j].path == jobs[i].path and vecs + 3 <= _IOV_MAX
+           and jobs[j].offset == jobs[j - 1].offset + jobs[j - 1].nbytes_on_disk):
+        vecs += 3
+        j += 1
+    return j
+
+
+def _block_iov(out: np.ndarray, page: np.ndarray, tail: np.ndarray):
+    """The buffers one block's bytes on disk land in (header page, payload, a staged last partial
+    page) and what to do once they are read (copy the tail into ``out``)."""
+    n = out.nbytes
+    full = n - n % PAGE
+    iov = [page, out[:full]] if full else [page]
+    if full == n:
+        return iov, _nothing
+    iov.append(tail)
+    return iov, lambda: np.copyto(out[full:], tail[: n - full])
+
+
+def _nothing() -> None:
+    pass

@@ -142,7 +142,8 @@ def test_a_block_corrupted_on_disk_mid_chain_stops_the_load_there(tiny, ns, tmp_
     store = build_store(config.replace(host_bytes=0), ns.layout)  # disk only: every read is verified there
     disk = store.tier("disk")
     key = block_keys(ns, prompt)[k]
-    _flip_byte(disk.path_of(key), 4096 + 100)  # inside block k's payload (after its header page)
+    path, base = disk.locate(key)  # its own file, or its place in a packed extent
+    _flip_byte(path, base + 4096 + 100)  # inside block k's payload (after its header page)
     lm = KVTierLM(tiny, store, ns, capacity_tokens=256)
     try:
         warm = lm.generate(prompt, NEW_TOKENS, save=False)

@@ -112,10 +112,11 @@ def test_a_block_torn_on_disk_before_its_promotion_is_not_promoted(tmp_path):
     try:
         with store.reading():
             assert store.get(keys, poisoned(2), promote_in_background=True).loaded == 2
-            with open(disk.path_of(keys[1]), "r+b") as f:  # torn after the read, before the promotion
-                f.seek(4096 + 100)
+            path, base = disk.locate(keys[1])  # its own file, or its place in a packed extent
+            with open(path, "r+b") as f:  # torn after the read, before the promotion
+                f.seek(base + 4096 + 100)
                 byte = f.read(1)
-                f.seek(4096 + 100)
+                f.seek(base + 4096 + 100)
                 f.write(bytes([byte[0] ^ 0x5A]))
         assert store.wait_promotions(10.0)
         assert np.array_equal(host_copy(host, keys[0]), blocks[0])

@@ -132,18 +132,18 @@ def _timeline(tier, monkeypatch) -> list[tuple[str, int, float, float]]:
             events.append(("read", paths[path], t0, t0))
         return fd
 
-    def judge(self, key, dst, path, got):
+    def judge(self, key, dst, job, got):
         t0 = time.perf_counter()
         time.sleep(0.02)  # a slow verification: the next read should not wait for it
-        status = real_judge(self, key, dst, path, got)
+        status = real_judge(self, key, dst, job, got)
         with lock:
             events.append(("verify", int.from_bytes(key, "big"), t0, time.perf_counter()))
         return status
 
-    def read_verified(self, fd, key, dst):
+    def read_verified(self, fd, base, key, dst):
         t0 = time.perf_counter()
         time.sleep(0.02)
-        status = real_read(self, fd, key, dst)
+        status = real_read(self, fd, base, key, dst)
         with lock:
             events.append(("verify", int.from_bytes(key, "big"), t0, time.perf_counter()))
         return status
@@ -178,7 +178,7 @@ def test_a_failing_verification_is_raised_and_leaves_no_helper_behind(tier, monk
     for i in range(4):
         tier.put(k(i), data(i))
 
-    def boom(self, key, dst, path, got):
+    def boom(self, key, dst, job, got):
         raise RuntimeError("verification broke")
 
     monkeypatch.setattr(DiskTier, "_judge_read", boom)
