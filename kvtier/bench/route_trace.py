@@ -82,7 +82,9 @@ def add_arguments(p) -> None:
     p.add_argument("--kv-fraction", type=float, default=0.1,
                    help="--trace: each worker's vLLM KV cache as a share of the stretch's working set")
     p.add_argument("--policies", default=",".join(POLICIES), help="--trace: comma-separated policies")
-    p.add_argument("--workdir", default=None, help="--trace: keep logs here (default: a temporary folder)")
+    p.add_argument("--workdir", default=None,
+                   help="--trace: keep logs and each round's per-request rows (rows-POLICY.json) here "
+                        "(default: a temporary folder, removed)")
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -113,6 +115,51 @@ def histogram_quantile(metrics_text: str, name: str, q: float) -> float | None:
     return lower_bound
 
 
+def server_timing(header: str) -> dict[str, float]:
+    """``{name: seconds}`` of a W3C ``Server-Timing`` header (``name;dur=MS, …``)."""
+    out = {}
+    for part in header.split(","):
+        name, *params = [p.strip() for p in part.split(";")]
+        for param in params:
+            key, _, value = param.partition("=")
+            if key == "dur" and name:
+                try:
+                    out[name] = float(value) / 1e3
+                except ValueError:
+                    pass
+    return out
+
+
+VLLM_HISTOGRAMS = {"ttft": "vllm:time_to_first_token_seconds", "queue": "vllm:request_queue_time_seconds",
+                   "prefill": "vllm:request_prefill_time_seconds", "decode": "vllm:request_decode_time_seconds"}
+
+
+def vllm_sums(metrics_text: str) -> dict[str, tuple[float, float]]:
+    """``{part: (sum, count)}`` of vLLM's per-request histograms (summed over label sets)."""
+    out = {}
+    for part, name in VLLM_HISTOGRAMS.items():
+        total = count = 0.0
+        for m in re.finditer(rf'^{re.escape(name)}_(sum|count)(?:{{[^}}]*}})? ([0-9.e+-]+)$', metrics_text, re.M):
+            if m.group(1) == "sum":
+                total += float(m.group(2))
+            else:
+                count += float(m.group(2))
+        out[part] = (total, count)
+    return out
+
+
+def worker_side(before: list[dict], after: list[dict]) -> dict:
+    """Mean seconds per request of the counted phase as the workers' vLLM measured them:
+    TTFT (from the engine's arrival, no HTTP), queue (waiting to be scheduled) and prefill
+    (scheduled to first token), over both workers."""
+    out = {}
+    for part in VLLM_HISTOGRAMS:
+        total = sum(a[part][0] - b[part][0] for a, b in zip(after, before))
+        count = sum(a[part][1] - b[part][1] for a, b in zip(after, before))
+        out[f"{part}_mean_s"] = round(total / count, 4) if count else None
+    return out
+
+
 def _get(url: str) -> str:
     with urllib.request.urlopen(url, timeout=10) as resp:
         return resp.read().decode()
@@ -140,6 +187,7 @@ async def _one(session, url: str, model: str, r: dict, salt: str, t0: float) -> 
         if resp.status != 200:
             raise RuntimeError(f"request answered {resp.status}: {(await resp.text())[:300]}")
         worker = resp.headers.get("X-Kvtier-Worker")
+        timing = server_timing(resp.headers.get("Server-Timing", ""))
         async for line in resp.content:
             if not line.startswith(b"data: {"):
                 continue
@@ -153,7 +201,10 @@ async def _one(session, url: str, model: str, r: dict, salt: str, t0: float) -> 
     details = usage.get("prompt_tokens_details") or {}
     return {"arrival_s": sent - t0, "ttft_s": first - sent, "finish_s": time.monotonic() - t0,
             "output_tokens": usage["completion_tokens"], "prompt_tokens": usage["prompt_tokens"],
-            "cached_tokens": details.get("cached_tokens") or 0, "worker": worker}
+            "cached_tokens": details.get("cached_tokens") or 0, "worker": worker,
+            # the router's own time before forwarding, and the worker's time to first byte as
+            # the router saw it (None from a router that does not send Server-Timing)
+            "router_s": timing.get("router"), "upstream_s": timing.get("upstream")}
 
 
 async def _replay(url: str, model: str, requests: list[dict], salt: str, at_once: int | None = None) -> list[dict]:
@@ -171,6 +222,7 @@ async def _replay(url: str, model: str, requests: list[dict], salt: str, at_once
 def summarise(rows: list[dict], metrics_text: str, bound: list[int] | None = None) -> dict:
     """One round's figures; ``decision_p99_ms`` from the router's own histogram."""
     ttfts = [r["ttft_s"] for r in rows]
+    timed = [r for r in rows if r.get("upstream_s") is not None]
     makespan = max(r["finish_s"] for r in rows) - min(r["arrival_s"] for r in rows)
     p99 = histogram_quantile(metrics_text, "kvtier_router_decision_seconds", 0.99)
     per_worker: dict[str, int] = {}
@@ -186,11 +238,17 @@ def summarise(rows: list[dict], metrics_text: str, bound: list[int] | None = Non
         "makespan_s": round(makespan, 2),
         "requests_per_worker": sorted(per_worker.values(), reverse=True),
         **({"cached_vs_reusable": against_bound([r["cached_tokens"] for r in rows], bound)} if bound else {}),
+        **({"ttft_parts_p50_ms": {
+            # client TTFT = router's own time + the worker's first byte + relay and HTTP
+            "router": round(percentile([r["router_s"] for r in timed], 0.5) * 1e3, 2),
+            "upstream": round(percentile([r["upstream_s"] for r in timed], 0.5) * 1e3, 2),
+            "client_minus_upstream": round(percentile([r["ttft_s"] - r["upstream_s"] for r in timed], 0.5) * 1e3, 2),
+        }} if timed else {}),
     }
 
 
 def _round(model: str, workers: list, phases: dict, policy: str, workdir: Path, *, events: bool,
-           salt: str, measured: list[str] = ()) -> dict:
+           salt: str, measured: list[str] = (), keep_rows: Path | None = None) -> dict:
     from kvtier.bench.route_stack import events_connected, start_router
 
     reset = all(reset_prefix_cache(w.url) for w in workers)
@@ -204,8 +262,12 @@ def _round(model: str, workers: list, phases: dict, policy: str, workdir: Path, 
         asyncio.run(_replay(router.url, model, phases["warmup"], salt, at_once=4))
         warm_s = time.monotonic() - t0
         time.sleep(0.5)   # the warm-up's last KV events reach the router
+        before = [vllm_sums(_get(w.url + "/metrics")) for w in workers]
         rows = asyncio.run(_replay(router.url, model, phases["counted"], salt))
         out = summarise(rows, _get(router.url + "/metrics"), phases["bound"])
+        out["worker_side"] = worker_side(before, [vllm_sums(_get(w.url + "/metrics")) for w in workers])
+        if keep_rows is not None:
+            keep_rows.write_text(json.dumps(rows))
         out["warmup_s"] = round(warm_s, 1)
         out["wall_s"] = round(time.monotonic() - t0, 1)
         out["prefix_cache_reset"] = reset
@@ -317,7 +379,8 @@ def run(args) -> dict:
             _warm(model, workers, spec.vocab_size)
             for policy in policies:
                 result["policies"][policy] = _round(model, workers, phases, policy, workdir, events=True,
-                                                    measured=measured, salt=f"{policy}-{nonce}")
+                                                    measured=measured, salt=f"{policy}-{nonce}",
+                                                    keep_rows=workdir / f"rows-{policy}.json" if args.workdir else None)
                 load.append(os.getloadavg()[0])
         finally:
             for w in workers:
@@ -328,7 +391,8 @@ def run(args) -> dict:
     try:
         _warm(model, workers, spec.vocab_size)
         result["baseline"] = _round(model, workers, phases, "round-robin", workdir, events=False,
-                                    salt=f"baseline-{nonce}")
+                                    salt=f"baseline-{nonce}",
+                                    keep_rows=workdir / "rows-baseline.json" if args.workdir else None)
         load.append(os.getloadavg()[0])
     finally:
         for w in workers:

@@ -32,6 +32,8 @@ log = logging.getLogger(__name__)
 
 _HOP_HEADERS = {"host", "content-length", "transfer-encoding", "connection", "keep-alive"}
 _RETRY_STATUS = {502, 503, 504}
+#: when the router got the request (its own time before forwarding goes into Server-Timing)
+_RECEIVED = web.RequestKey("kvtier_received", float)
 
 
 class RouteRequest(NamedTuple):
@@ -297,12 +299,14 @@ class Router:
         return raw, body
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
+        request[_RECEIVED] = time.perf_counter()
         raw, body = await self._json(request)
         _check_body(body, "prompt")
         ids = self.tokenizer.completion(body["prompt"])
         return await self._forward(request, raw, ids)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
+        request[_RECEIVED] = time.perf_counter()
         raw, body = await self._json(request)
         _check_body(body, "messages")
         ids = self.tokenizer.chat(body["messages"], body)
@@ -328,6 +332,8 @@ class Router:
         self.metrics.index_blocks.set(len(self.index))
         for w in self.workers:
             self.metrics.worker_blocks.labels(w.url).set(self.index.worker_blocks(w.id))
+            self.metrics.prefill_speed.labels(w.url).set(w.prefill_tokens_per_s or 0)
+            self.metrics.decode_step.labels(w.url).set(w.decode_step_s or 0)
         return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
 
     async def _forward(self, request: web.Request, raw: bytes, token_ids: list[int]) -> web.StreamResponse:
@@ -343,10 +349,12 @@ class Router:
             if attempt:
                 self.metrics.retries.inc()
             prefill_tokens = len(token_ids) - predicted
-            others, ahead_tokens = worker.inflight, worker.pending_tokens   # what it found there
+            others = worker.inflight   # what it found there
             worker.start(prefill_tokens, len(keys))
             answered = False
             t0 = time.monotonic()
+            # what the router spent before the worker had the request: body, tokenizer, decisions
+            own_s = time.perf_counter() - request.get(_RECEIVED, time.perf_counter())
             try:
                 async with self.session.post(worker.url + request.path, data=raw, headers=headers) as resp:
                     if resp.status in _RETRY_STATUS:
@@ -354,12 +362,13 @@ class Router:
                         self._record_health(worker, False)
                         continue
                     first = await resp.content.readany()
-                    worker.first_byte(prefill_tokens, time.monotonic() - t0, others=others,
-                                      ahead_tokens=ahead_tokens, default_speed=self.config.prefill_tokens_per_s)
+                    upstream_s = time.monotonic() - t0
+                    worker.first_byte(prefill_tokens, upstream_s, others=others)
                     answered = True
                     self.metrics.routed.labels(worker.url).inc()
                     self.metrics.predicted_cached.labels(worker.url).inc(predicted)
-                    return await self._relay(request, resp, first, worker)
+                    timing = f"router;dur={own_s * 1e3:.3f}, upstream;dur={upstream_s * 1e3:.3f}"
+                    return await self._relay(request, resp, first, worker, timing)
             except (ClientError, asyncio.TimeoutError, OSError) as exc:
                 if answered:
                     raise   # mid-stream: the client already has part of the answer
@@ -370,17 +379,27 @@ class Router:
                 worker.finish(prefill_tokens, len(keys), answered)
         raise RequestError(503, f"no worker could serve the request ({last_error})", "service_unavailable_error")
 
-    async def _relay(self, request: web.Request, resp, first: bytes, worker: Worker) -> web.StreamResponse:
+    async def _relay(self, request: web.Request, resp, first: bytes, worker: Worker,
+                     timing: str) -> web.StreamResponse:
         out = web.StreamResponse(status=resp.status)
         ctype = resp.headers.get("Content-Type")
         if ctype:
             out.headers["Content-Type"] = ctype
         out.headers["X-Kvtier-Worker"] = worker.url
+        # W3C Server-Timing: the router's own milliseconds before forwarding (body, tokenizer,
+        # decision, retries) and the worker's time to first byte, so that a client can tell
+        # a slow router from a slow worker per request (kvtier bench route reads it).
+        out.headers["Server-Timing"] = timing
         await out.prepare(request)
         streaming = "text/event-stream" in (ctype or "")
         kept = bytearray(first)
         await out.write(first)
+        last, mark = time.monotonic(), worker.quiet_mark()
         async for chunk in resp.content.iter_any():
+            if streaming:   # the worker's decode step, as its streams see it (decode pressure)
+                now = time.monotonic()
+                worker.decode_gap(now - last, mark)
+                last, mark = now, worker.quiet_mark()
             await out.write(chunk)
             kept += chunk
             if streaming and len(kept) > 65536:

@@ -38,6 +38,12 @@ class RouterMetrics:
         self.read_bandwidth = Gauge("kvtier_router_tier_read_bytes_per_s",
                                     "Bandwidth the router prices loads with, per tier (source: default, flag, "
                                     "or the measurement file)", ["tier", "source"], registry=r)
+        self.prefill_speed = Gauge("kvtier_router_worker_prefill_tokens_per_s",
+                                   "Prefill speed the router measured per worker (0 until measured)", ["worker"],
+                                   registry=r)
+        self.decode_step = Gauge("kvtier_router_worker_decode_step_seconds",
+                                 "Decode step the router measured per worker from its streams: the decode "
+                                 "pressure tier-aware prices (0 until measured)", ["worker"], registry=r)
         self.index_blocks = Gauge("kvtier_router_index_blocks", "Blocks in the router's index", registry=r)
 
     def render(self) -> bytes:

@@ -81,14 +81,25 @@ class LiveView:
         return self.workers[worker].active_blocks
 
     def backlog_s(self, worker: int) -> float:
-        """Queueing (predicted prefill tokens ÷ measured speed) + in-flight pressure: the
-        worker's measured seconds per running request once it has been seen busy
-        (:meth:`Worker.first_byte`), the configured ``decode_block_s`` per block before."""
+        """Queueing (predicted prefill tokens ÷ measured speed) + decode pressure.
+
+        Decode pressure is what the requests already running cost a new one's first token:
+        its prefill joins the worker's next step, after the running one, and shares it with
+        their decodes; that is about one decode step, which the router measures per worker
+        from its streams (:meth:`Worker.decode_gap`). Before any measurement, the configured
+        ``decode_block_s`` per active block (Dynamo's active decode blocks). An idle worker
+        has none. This term is one step, not one per request: the cost that grows with a
+        worker's load is its queue, which ``pending_tokens`` already counts.
+        """
         w = self.workers[worker]
         speed = w.prefill_tokens_per_s or self.default_speed
-        if w.inflight_s is not None:
-            return w.pending_tokens / speed + w.inflight * w.inflight_s
-        return w.pending_tokens / speed + w.active_blocks * self.decode_block_s
+        if not w.inflight:
+            pressure = 0.0
+        elif w.decode_step_s is not None:
+            pressure = w.decode_step_s
+        else:
+            pressure = w.active_blocks * self.decode_block_s
+        return w.pending_tokens / speed + pressure
 
     def service_seconds(self, request) -> np.ndarray:
         """Every worker's predicted prefill seconds for ``request`` (the tier-aware fast path):

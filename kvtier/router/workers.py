@@ -26,38 +26,44 @@ class Worker:
     events_up: bool = False       #: the KV-event stream is connected (and not mid-resync)
     draining: bool = False        #: taken out of rotation (admin API); in-flight requests finish
     prefill_tokens_per_s: float | None = None   #: measured (EWMA of uncached tokens ÷ time to first byte, idle worker)
-    inflight_s: float | None = None   #: measured: seconds each request already in flight adds to a new one's TTFT
+    decode_step_s: float | None = None   #: measured (EWMA of a stream's gap between chunks while nothing prefills)
+    starts: int = 0               #: requests sent to it so far (tells a decode-only gap from one a prefill joined)
     extra: dict = field(default_factory=dict)
 
     def start(self, prefill_tokens: int, blocks: int) -> None:
         self.pending_tokens += prefill_tokens
         self.active_blocks += blocks
         self.inflight += 1
+        self.starts += 1
 
-    def first_byte(self, prefill_tokens: int, seconds: float, *, others: int = 0, ahead_tokens: int = 0,
-                   default_speed: float | None = None, ewma: float = 0.3) -> None:
+    def first_byte(self, prefill_tokens: int, seconds: float, *, others: int = 0, ewma: float = 0.3) -> None:
         """A request's first byte came ``seconds`` after it was sent; ``others`` requests were
-        in flight on this worker then, ``ahead_tokens`` prompt tokens queued before it.
+        in flight on this worker then.
 
-        Two things are learnt apart, so that one does not absorb the other: the prefill
-        speed only from requests that found the worker idle (their time is service alone),
-        and the in-flight pressure from the rest: what their TTFT had beyond the queued
-        and own prefill, shared among the requests that were running. A busy vLLM engine
-        interleaves decode steps with a new prefill, and that cost grows with the running
-        requests whatever their prompts hit; a fixed per-block guess (``decode_block_s``)
-        let one worker take most requests of a cached trace while its TTFT grew 10x.
+        The prefill speed is learnt only from requests that found the worker idle: their
+        time is their own service. A busy worker's first bytes are not attributed to the
+        requests in flight (what 25655cd did): vLLM prefills in steps of up to
+        ``max_num_batched_tokens`` (2048 on CPU), so requests sent together get their first
+        token at the end of the same step, and the residual of one of them is mostly the
+        prefill of the requests sent *after* it, not of those running before it (measured
+        on the trace bench: a burst of 7 requests put 40 of 64 on one worker).
         """
         self.pending_tokens = max(0, self.pending_tokens - prefill_tokens)
-        if seconds <= 0:
-            return
-        if others == 0:
-            if prefill_tokens > 0:
-                self.prefill_tokens_per_s = _ewma(self.prefill_tokens_per_s, prefill_tokens / seconds, ewma)
-            return
-        speed = self.prefill_tokens_per_s or default_speed
-        if speed:
-            residual = max(0.0, seconds - (ahead_tokens + prefill_tokens) / speed)
-            self.inflight_s = _ewma(self.inflight_s, residual / others, ewma)
+        if seconds > 0 and others == 0 and prefill_tokens > 0:
+            self.prefill_tokens_per_s = _ewma(self.prefill_tokens_per_s, prefill_tokens / seconds, ewma)
+
+    def quiet_mark(self) -> int | None:
+        """A mark for :meth:`decode_gap`: None while a prefill is predicted on this worker."""
+        return self.starts if self.pending_tokens == 0 else None
+
+    def decode_gap(self, seconds: float, since: int | None, ewma: float = 0.2) -> None:
+        """A stream on this worker got a chunk ``seconds`` after its previous one, taken at
+        mark ``since`` (:meth:`quiet_mark`). Counted as a decode step only if no prefill was
+        predicted here then and none was sent since: a gap that spans a prefill step belongs
+        to the queue term, priced from ``pending_tokens``."""
+        # below a millisecond: chunks of one step (the usage chunk, [DONE]) read apart
+        if since is not None and since == self.starts and seconds > 1e-3:
+            self.decode_step_s = _ewma(self.decode_step_s, seconds, ewma)
 
     def finish(self, prefill_tokens: int, blocks: int, answered: bool) -> None:
         if not answered:

@@ -38,6 +38,25 @@ def test_decision_p99_is_read_from_the_routers_histogram():
                                           0.99) is None
 
 
+def test_ttft_parts_from_server_timing_and_the_workers_vllm_histograms():
+    assert route_trace.server_timing("router;dur=0.52, upstream;dur=1466.5") == pytest.approx(
+        {"router": 0.00052, "upstream": 1.4665})
+    assert route_trace.server_timing("") == {} and route_trace.server_timing("x;desc=y, z;dur=bad") == {}
+    rows = [dict(_row(1.0, 0), router_s=0.001, upstream_s=0.9), dict(_row(2.0, 0), router_s=0.003, upstream_s=1.95)]
+    parts = route_trace.summarise(rows, "")["ttft_parts_p50_ms"]
+    assert parts == {"router": 2.0, "upstream": 1425.0, "client_minus_upstream": 75.0}
+    # vLLM's histograms, two label sets summed; the round's means from before/after scrapes
+    def scrape(ttft_sum, n):
+        return "\n".join(f'vllm:{name}_{kind}{{engine="0",model_name="m"}} {value}'
+                          for name in ("time_to_first_token_seconds", "request_queue_time_seconds",
+                                       "request_prefill_time_seconds", "request_decode_time_seconds")
+                          for kind, value in (("sum", ttft_sum), ("count", n)))
+    before = [route_trace.vllm_sums(scrape(1.0, 2)), route_trace.vllm_sums(scrape(0.0, 0))]
+    after = [route_trace.vllm_sums(scrape(4.0, 4)), route_trace.vllm_sums(scrape(3.0, 2))]
+    side = route_trace.worker_side(before, after)
+    assert side["ttft_mean_s"] == 1.5 and side["queue_mean_s"] == 1.5   # (3 + 3) s over 4 requests
+
+
 def _row(ttft, cached, prompt=100, out=10, arrival=0.0, finish=2.0, worker="w0"):
     return {"ttft_s": ttft, "cached_tokens": cached, "prompt_tokens": prompt, "output_tokens": out,
             "arrival_s": arrival, "finish_s": finish, "worker": worker}

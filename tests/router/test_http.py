@@ -10,9 +10,11 @@ import struct
 import time
 
 import msgpack
+import pytest
 import zmq
 from aiohttp import ClientSession, web
 
+from kvtier.bench.route_trace import server_timing
 from kvtier.router.app import Router
 from kvtier.router.config import RouterConfig, WorkerSpec
 
@@ -113,11 +115,16 @@ def test_streaming_passes_chunks_through_as_they_arrive():
                 arrivals = []
                 async with s.post(url + "/v1/completions", json={"prompt": "x y z", "stream": True}) as r:
                     assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
+                    timing = server_timing(r.headers["Server-Timing"])
                     async for chunk in r.content.iter_any():
                         arrivals.append((time.monotonic() - t0, chunk))
             # three tokens 0.2 s apart: the first must reach the client well before the last is sent
             assert arrivals[0][0] < 0.15 and len(arrivals) >= 3, arrivals
             assert b"[DONE]" in arrivals[-1][1]
+            # the router's own time and the worker's first byte, per request, for the client
+            assert 0 < timing["router"] < 0.1 and 0 < timing["upstream"] <= arrivals[0][0], timing
+            # the decode step, measured from the stream's gaps (tier-aware's decode pressure)
+            assert router.workers[0].decode_step_s == pytest.approx(0.2, abs=0.08)
         finally:
             await runner.cleanup()
             await w.stop()

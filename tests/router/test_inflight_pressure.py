@@ -1,30 +1,70 @@
-"""The router learns each worker's in-flight pressure from TTFTs it observes, apart from its
-prefill speed, and the tier-aware policy prices it: a busy worker holding the prompt in HBM
-loses to an idle one that can load it from the shared tier."""
+"""What a busy worker costs a new request, as the router measures it: prefill speed from
+requests that found the worker idle, decode pressure from its streams' steps; and the
+tier-aware policy prices both, so that a busy worker holding the prompt in HBM loses to an
+idle one that can load it from the shared tier, while a whole burst is not piled on one."""
 
 from __future__ import annotations
 
 import pytest
 
+from kvtier.router.view import LiveView
 from kvtier.router.workers import Worker
 
 from tests.router.test_policies import BS, SYSTEM, route, router, store
 
 
-def test_speed_is_learnt_only_from_an_idle_worker_and_pressure_only_from_a_busy_one():
+def test_speed_is_learnt_only_from_an_idle_worker():
     w = Worker(0, "http://w0")
     w.start(1000, 4)
-    w.first_byte(1000, 0.5, others=0, default_speed=100.0)
-    assert w.prefill_tokens_per_s == pytest.approx(2000.0) and w.inflight_s is None
-    # Busy: 3 requests ran beside it, 500 tokens queued ahead: predicted 0.5 s + 0.25 s
-    # of prefill at the learnt speed, observed 2.25 s → 0.5 s per running request.
+    w.first_byte(1000, 0.5, others=0)
+    assert w.prefill_tokens_per_s == pytest.approx(2000.0)
+    # Busy: its first byte waited for the step it shared with requests sent after it
     w.start(500, 2)
-    w.first_byte(500, 2.25, others=3, ahead_tokens=1000, default_speed=100.0)
+    w.first_byte(500, 2.25, others=3)
     assert w.prefill_tokens_per_s == pytest.approx(2000.0), "a busy TTFT must not count as prefill speed"
-    assert w.inflight_s == pytest.approx(0.5)
-    # Faster than predicted: no negative pressure
-    w.first_byte(0, 0.01, others=2, default_speed=100.0)
-    assert w.inflight_s >= 0
+    assert w.pending_tokens == 0
+
+
+def test_decode_step_is_learnt_only_from_gaps_without_a_prefill():
+    w = Worker(0, "http://w0")
+    w.start(100, 2)
+    w.first_byte(100, 0.05)
+    mark = w.quiet_mark()
+    w.decode_gap(0.04, mark)
+    assert w.decode_step_s == pytest.approx(0.04)
+    # a request sent during the gap: its prefill step is in the gap, not a decode step
+    mark = w.quiet_mark()
+    w.start(2000, 8)
+    w.decode_gap(1.3, mark)
+    assert w.decode_step_s == pytest.approx(0.04)
+    # a prefill predicted when the gap began (mark None): not counted either
+    w.decode_gap(1.3, w.quiet_mark())
+    assert w.decode_step_s == pytest.approx(0.04)
+    # chunks of one step read apart (the usage chunk) are not a step
+    w.first_byte(2000, 1.0, others=1)
+    w.decode_gap(0.0001, w.quiet_mark())
+    assert w.decode_step_s == pytest.approx(0.04)
+
+
+def _view(r, tokens):
+    from kvtier.router.index import block_keys
+
+    return LiveView(r.service, r.workers, r.index, block_keys(tokens, BS), r.config.prefill_tokens_per_s,
+                    r.config.decode_block_s)
+
+
+def test_decode_pressure_is_one_measured_step_not_one_per_request():
+    r = router()
+    w = r.workers[0]
+    assert _view(r, SYSTEM).backlog_s(0) == 0.0          # idle: no pressure
+    for _ in range(10):
+        w.start(0, 40)
+    # before a measurement: the configured guess per active block
+    assert _view(r, SYSTEM).backlog_s(0) == pytest.approx(400 * r.config.decode_block_s)
+    w.decode_step_s = 0.03
+    assert _view(r, SYSTEM).backlog_s(0) == pytest.approx(0.03)
+    w.start(1000, 4)                                      # a queued prefill adds its tokens at the speed
+    assert _view(r, SYSTEM).backlog_s(0) == pytest.approx(0.03 + 1000 / r.config.prefill_tokens_per_s)
 
 
 def test_a_busy_worker_with_the_prefix_in_hbm_loses_to_an_idle_one_that_loads_it():
@@ -33,9 +73,48 @@ def test_a_busy_worker_with_the_prefix_in_hbm_loses_to_an_idle_one_that_loads_it
     store(r, 1, SYSTEM, shared=True)          # the shared tier has it: every worker can load it
     r.index.clear_worker(1)
     prompt = SYSTEM + [7] * 40
-    # Positive control: with nothing measured, the HBM holder wins with a short request running
-    r.workers[0].start(8, 2)
+    # Positive control: a short request running on worker 0, a measured step of 1 ms:
+    # the HBM holder still wins (loading 64 blocks costs the other more)
+    r.workers[0].start(0, 2)
+    r.workers[0].decode_step_s = 0.001
     assert route(r, prompt) == 0
-    # Measured: each running request delays a new first token on worker 0 by 0.4 s
-    r.workers[0].inflight_s = 0.4
+    # worker 0 is now prefilling: its queue outweighs the load time, the idle worker wins
+    assert r.workers[0].pending_tokens > 0
     assert route(r, prompt) == 1
+    # and with a measured slow decode step (and no queue) too
+    r2 = router()
+    store(r2, 0, SYSTEM)
+    store(r2, 1, SYSTEM, shared=True)
+    r2.index.clear_worker(1)
+    r2.workers[0].start(0, 2)
+    r2.workers[0].decode_step_s = 0.5
+    assert route(r2, prompt) == 1
+
+
+def test_a_burst_that_every_worker_can_load_is_split_by_load():
+    """Requests sent together (the trace's arrivals come in bursts): with every block in the
+    shared tier, the burst's uncached tokens end up balanced across the workers."""
+    r = router()
+    import random
+
+    rng = random.Random(3)
+    prompts = []
+    for i in range(12):
+        cached = SYSTEM[: BS * rng.randrange(1, 40)]
+        prompts.append(cached + [10_000 + i * 100 + k % 50 for k in range(rng.randrange(50, 1500))])
+        store(r, i % 2, cached, shared=True)
+    for w in r.workers:                        # both busy decoding the previous burst
+        for _ in range(5):
+            w.start(0, 30)
+        w.decode_step_s = 0.02
+    # worker 0's last first byte waited for a step shared with 3 requests sent after it:
+    # attributed to the requests in flight (25655cd), that made worker 0 look 1.5 s busier
+    # and sent it 24 of 64 fewer requests on the trace bench
+    r.workers[0].start(600, 20)
+    r.workers[0].first_byte(600, 2.0, others=3)
+    work = [0, 0]
+    for p in prompts:
+        worker, predicted, keys = r.decide(p, set())
+        worker.start(len(p) - predicted, len(keys))
+        work[worker.id] += len(p) - predicted
+    assert max(work) <= 1.35 * min(work), work
