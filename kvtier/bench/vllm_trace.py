@@ -353,10 +353,13 @@ def _replay(settings: dict, phases: dict, log: Path, *, env: dict | None = None)
         engine.call(op="ttft", prompt=phases["first_use"], max_tokens=2, timeout=600)
         # The warm-up stretch, as fast as the engine takes it (not measured), then the window.
         t0 = time.monotonic()
-        engine.call(op="replay", requests=phases["warmup"], timeout=3600)
+        warm = engine.call(op="replay", requests=phases["warmup"], timeout=3600)
         warm_s = time.monotonic() - t0
-        out = metrics(engine.call(op="replay", requests=phases["counted"], timeout=3600), phases["bound"])
+        counted = engine.call(op="replay", requests=phases["counted"], timeout=3600)
+        out = metrics(counted, phases["bound"])
         out["warmup_s"] = round(warm_s, 1)
+        if "profile" in counted:  # KVTIER_ENGINE_PROFILE set: where the engine's time went
+            out["profile"] = {"warmup": warm["profile"], "counted": counted["profile"]}
         return out
     finally:
         engine.close()

@@ -26,6 +26,7 @@ page; ``fix_loads`` undoes it), ``kill_on_next_load`` (SIGKILL a process at the 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -232,7 +233,9 @@ def ttft(llm, cmd: dict) -> dict:
 
 
 def replay(llm, cmd: dict) -> dict:
-    """Add ``requests`` (``arrival_s``, ``prompt``, ``max_tokens``) at their arrival times and
+    """With ``KVTIER_ENGINE_PROFILE`` set, :func:`profiled_replay` adds where the time went.
+
+    Add ``requests`` (``arrival_s``, ``prompt``, ``max_tokens``) at their arrival times and
     step the engine until all finish. Per request: ``first_token_s`` and ``finish_s`` (from the
     start of the replay), ``cached_tokens`` (vLLM's prefix cache plus a connector's load),
     ``output_tokens``. A request is added no earlier than its arrival; when the engine is busy
@@ -266,6 +269,133 @@ def replay(llm, cmd: dict) -> dict:
     return {"requests": rows, "seconds": time.perf_counter() - start}
 
 
+#: connector methods timed by ``KVTIER_ENGINE_PROFILE`` (any KVConnectorBase_V1: kvtier's or LMCache's)
+_SCHEDULER_CALLS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
+                    "update_connector_output", "request_finished")
+_WORKER_CALLS = ("start_load_kv", "wait_for_save", "get_finished", "get_block_ids_with_load_errors")
+
+
+def profiled_replay(llm, cmd: dict, profile: str) -> dict:
+    """:func:`replay` with where the engine's time went (a diagnostic, not a figure to report).
+
+    ``profile``: ``steps`` adds ``profile``: per engine step its wall time and the tokens it
+    scheduled (prefill: requests given more than one token; decode: one), summed by kind of
+    step, and the time spent inside each connector method; any other value is also a file
+    prefix: the replay's cProfile is written to ``<prefix>-<n>.prof``.
+    """
+    import cProfile
+
+    core = llm.llm_engine.engine_core.engine_core
+    scheduler = core.scheduler
+    timed: dict[str, list] = {}
+    originals = []
+
+    def wrap(obj, name: str, label: str) -> None:
+        fn = getattr(obj, name, None)
+        if fn is None:
+            return
+        acc = timed.setdefault(label, [0, 0.0])
+
+        def timed_call(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                acc[0] += 1
+                acc[1] += time.perf_counter() - t
+
+        setattr(obj, name, timed_call)
+        originals.append((obj, name))
+
+    scheduled: list[dict] = []
+    wrap_schedule = scheduler.schedule
+
+    def schedule(*a, **kw):
+        out = wrap_schedule(*a, **kw)
+        scheduled.append(dict(out.num_scheduled_tokens))
+        return out
+
+    scheduler.schedule = schedule
+    originals.append((scheduler, "schedule"))
+    if getattr(scheduler, "connector", None) is not None:
+        for name in _SCHEDULER_CALLS:
+            wrap(scheduler.connector, name, f"scheduler.{name}")
+    try:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+        if has_kv_transfer_group():
+            for name in _WORKER_CALLS:
+                wrap(get_kv_transfer_group(), name, f"worker.{name}")
+    except ImportError:
+        pass
+    steps = []
+    step = llm.llm_engine.step
+
+    def timed_step():
+        before = len(scheduled)
+        t = time.perf_counter()
+        out = step()
+        wall = time.perf_counter() - t
+        tokens = scheduled[before] if len(scheduled) > before else {}
+        steps.append((wall, sum(n for n in tokens.values() if n > 1), sum(n for n in tokens.values() if n == 1)))
+        return out
+
+    llm.llm_engine.step = timed_step
+    prof = cProfile.Profile() if profile != "steps" else None
+    cpu_before = _thread_cpu()
+    try:
+        if prof:
+            prof.enable()
+        result = replay(llm, cmd)
+    finally:
+        if prof:
+            prof.disable()
+        del llm.llm_engine.step
+        for obj, name in originals:
+            with contextlib.suppress(AttributeError):
+                delattr(obj, name)
+    cpu_after = _thread_cpu()
+    if prof:
+        global _PROFILES
+        _PROFILES += 1
+        prof.dump_stats(f"{profile}-{_PROFILES}.prof")
+    kinds = {"prefill": [0, 0.0, 0], "mixed": [0, 0.0, 0], "decode": [0, 0.0, 0], "empty": [0, 0.0, 0]}
+    for wall, pre, dec in steps:
+        kind = "mixed" if pre and dec else "prefill" if pre else "decode" if dec else "empty"
+        kinds[kind][0] += 1
+        kinds[kind][1] += wall
+        kinds[kind][2] += pre
+    result["profile"] = {
+        "steps": len(steps), "step_s": round(sum(s[0] for s in steps), 3),
+        "prefill_tokens": sum(s[1] for s in steps), "decode_tokens": sum(s[2] for s in steps),
+        "by_kind": {k: {"steps": n, "s": round(s, 3), "prefill_tokens": p} for k, (n, s, p) in kinds.items()},
+        "connector": {k: {"calls": n, "s": round(s, 4)} for k, (n, s) in sorted(timed.items())},
+        "thread_cpu_s": {name: round(cpu - cpu_before.get(name, 0.0), 3) for name, cpu in sorted(cpu_after.items())
+                         if cpu - cpu_before.get(name, 0.0) > 0.005},
+    }
+    return result
+
+
+def _thread_cpu() -> dict[str, float]:
+    """CPU seconds (user + system) of this process's threads, summed by thread name."""
+    tick = os.sysconf("SC_CLK_TCK")
+    names = {t.native_id: t.name for t in threading.enumerate()}  # Python names (the OS sees "python")
+    out: dict[str, float] = {}
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:
+            continue  # the thread ended meanwhile
+        name = names.get(int(task.name)) or "other:" + stat[stat.index("(") + 1: stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2:].split()
+        name = name.rstrip("0123456789_-") or name  # a pool's threads under one name
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+_PROFILES = 0
+
+
 def stats(llm) -> dict:
     result = {}
     try:
@@ -296,7 +426,8 @@ def main() -> int:
         elif op == "ttft":
             reply(ttft(llm, cmd))
         elif op == "replay":
-            reply(replay(llm, cmd))
+            profile = os.environ.get("KVTIER_ENGINE_PROFILE")
+            reply(profiled_replay(llm, cmd, profile) if profile else replay(llm, cmd))
         elif op == "reset":
             reply({"ok": llm.reset_prefix_cache()})
         elif op == "stats":

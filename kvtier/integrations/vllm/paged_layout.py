@@ -72,15 +72,26 @@ class PagedKV:
         return torch.from_numpy(buf).view(self.dtype).view(self.block_shape)
 
     def gather(self, transfer: BlockTransfer, out: np.ndarray) -> None:
-        """Copy the pages of ``transfer`` into ``out`` (one block's bytes)."""
+        """Copy the pages of ``transfer`` into ``out`` (one block's bytes).
+
+        On CPU, as :meth:`scatter`: one ``np.copyto`` per layer and run of consecutive page
+        ids. It runs on the engine's thread for every saved block; ``torch.index_select``
+        (plus the index tensor it needs) measured 3x the time (~70-100 vs 26 us a block of
+        4 layers x 32 KiB, memcpy 11 us).
+        """
+        lo, hi = transfer.first, transfer.first + len(transfer.page_ids)
+        if self._host_views is not None:
+            ids = self._check(transfer)
+            block = out.view(self._np_dtype).reshape(self.block_shape)
+            for start, stop in _runs(ids):
+                first = ids[start]
+                for layer, kv in enumerate(self._host_views):
+                    np.copyto(block[layer, lo + start : lo + stop], kv[first : first + (stop - start)])
+            return
         block = self.block_view(out)
         ids = self._ids(transfer)
-        lo, hi = transfer.first, transfer.first + len(transfer.page_ids)
         for layer, kv in enumerate(self.layers):
-            if kv.device.type == "cpu":
-                torch.index_select(kv, 0, ids, out=block[layer, lo:hi])
-            else:
-                block[layer, lo:hi].copy_(kv.index_select(0, ids))
+            block[layer, lo:hi].copy_(kv.index_select(0, ids))
 
     def scatter(self, src: np.ndarray, transfer: BlockTransfer) -> None:
         """Copy pages ``transfer.first..`` of a block's bytes (staging, or a read-only view of
