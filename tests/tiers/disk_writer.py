@@ -3,12 +3,14 @@
 Used by the kill test (SIGKILL at random moments) and the shared-directory test
 (several writers of the same keys at once). Run from the repository root:
 
-    python -m tests.tiers.disk_writer DIR --keys N --capacity BYTES [--loop | --once]
+    python -m tests.tiers.disk_writer DIR --keys N --capacity BYTES [--loop | --once] [--batch B]
 
 It prints ``ready`` once its DiskTier is open; with ``--wait`` it then waits
 for a line on stdin, so that a test can start several writers at the same
 moment. A read that returns OK with wrong bytes is written to ``DIR/WRONG``
-(a killed writer cannot report through its exit status).
+(a killed writer cannot report through its exit status). ``--batch B`` (with
+``--loop``) writes B distinct keys at a time with ``put_many`` (packed in one
+extent) and reads them back with ``get_many``.
 """
 
 from __future__ import annotations
@@ -46,7 +48,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--loop", action="store_true", help="write random keys until killed")
     p.add_argument("--wait", action="store_true", help="wait for a stdin line before writing")
+    p.add_argument("--batch", type=int, default=1, help="with --loop: keys per put_many")
     args = p.parse_args(argv)
+    if args.batch > 1:
+        return _loop_batches(args)
 
     tier = DiskTier(args.dir, args.capacity)
     rng = np.random.default_rng(args.seed)
@@ -87,6 +92,29 @@ def main(argv: list[str] | None = None) -> int:
             wrong += 1
     tier.close()
     return 1 if wrong else 0
+
+
+def _loop_batches(args) -> int:
+    """Write ``args.batch`` distinct random keys at a time with ``put_many`` until killed."""
+    tier = DiskTier(args.dir, args.capacity)
+    rng = np.random.default_rng(args.seed)
+    print("ready", flush=True)
+    while True:
+        keys = [key_of(int(i)) for i in rng.choice(args.keys, size=args.batch, replace=False)]
+        srcs = []
+        for key in keys:
+            src = aligned_buffer(size_of(key))
+            src[:] = content_of(key)
+            srcs.append(src)
+        statuses = tier.put_many(keys, srcs, parents=[None] * len(keys))
+        if any(s not in (Status.OK, Status.FULL) for s in statuses):
+            print(f"put_many: {[s.name for s in statuses]}", file=sys.stderr)
+            return 2
+        outs = [aligned_buffer(size_of(key)) for key in keys]
+        for key, out, status in zip(keys, outs, tier.get_many(keys, outs)):
+            if status is Status.OK and not np.array_equal(out, content_of(key)):
+                with open(os.path.join(args.dir, "WRONG"), "a") as f:
+                    f.write(f"{key.hex()}\n")
 
 
 if __name__ == "__main__":
