@@ -34,6 +34,7 @@ RC_NO_SPACE = -200
 RC_BAD_PARAMS = -600  # for a get into a buffer: the object is larger than the buffer
 RC_NOT_READY = -703  # another writer's put of the object has not completed
 RC_NOT_FOUND = -704
+RC_OBJECT_EXISTS = -705  # a put session's reservation of a name already stored
 RC_HAS_LEASE = -706  # removal refused: a reader holds the object's lease
 RC_TRANSFER_FAILED = -800  # a holder did not answer (dead, or gone since the master last heard)
 RC_RPC_FAILED = -900  # the master did not answer
@@ -150,6 +151,29 @@ class SharedClient:
         self.transfer = transfer
         self.refs = 0
         self.staging = StagingPool(store)
+        self._sessions: dict[str, int] = {}  # name → this process's reads in a get session of it
+        self._sessions_lock = threading.Lock()
+
+    # A get session (the replicas of its names, asked once and cached by the client) is the
+    # client's, per name: two reads of one name at once share it, and only the last one to finish
+    # ends it (ending it under the other would fail that one's calls).
+    def sessions_opening(self, names) -> None:
+        with self._sessions_lock:
+            for name in names:
+                self._sessions[name] = self._sessions.get(name, 0) + 1
+
+    def sessions_closing(self, names) -> list[str]:
+        """The names no other read still uses: end their session."""
+        ending = []
+        with self._sessions_lock:
+            for name in names:
+                left = self._sessions.get(name, 0) - 1
+                if left > 0:
+                    self._sessions[name] = left
+                else:
+                    self._sessions.pop(name, None)
+                    ending.append(name)
+        return ending
 
     @classmethod
     def acquire(cls, master: str, metadata: str, hostname: str, *, local_buffer_bytes: int = 16 << 20,

@@ -122,3 +122,59 @@ def test_with_two_replicas_a_dead_holder_costs_no_miss_at_once():
     finally:
         t.close()
         cluster.stop()
+
+
+def test_reads_of_the_same_blocks_at_once_share_their_get_session(registered):
+    """A get session (the replicas the master gave, cached by the client) is per name: two reads of
+    the same blocks at once must not end it under each other (the other's calls would then fail)."""
+    import threading
+
+    t, _ = registered
+    keys = [key(40 + i) for i in range(4)]
+    assert t.put_many(keys, [block(40 + i) for i in range(4)]) == [Status.OK] * 4
+    bad: list = []
+
+    def reader() -> None:
+        outs = [np.zeros(BLOCK, np.uint8) for _ in keys]  # unregistered: through staging
+        for _ in range(40):
+            statuses = t.get_many(keys, outs)
+            if statuses != [Status.OK] * 4 or not all(np.array_equal(o, block(40 + i)) for i, o in enumerate(outs)):
+                bad.append(statuses)
+
+    threads = [threading.Thread(target=reader) for _ in range(3)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not bad, f"reads of the same blocks at once failed: {bad[:3]}"
+    assert not t._client._sessions, "a get session was left open"
+
+
+def test_a_put_that_overruns_leaves_no_reservation_behind():
+    """A put whose transfer overruns (the holder frozen) returns at its deadline; once the late
+    call ends, its reservations are revoked, so that a later put of the same blocks stores them
+    (a reservation left behind would answer 'exists' and its name would never be readable)."""
+    cluster = start_cluster(holders=1, segment_bytes=64 << 20)
+    t = make_tier(cluster, timeout_s=0.5, max_backoff_s=0.2)
+    try:
+        keys = [key(60 + i) for i in range(4)]
+        datas = [block(60 + i) for i in range(4)]
+        cluster.signal_holder(0, signal.SIGSTOP)
+        try:
+            start = time.monotonic()
+            statuses = t.put_many(keys, datas)
+            assert time.monotonic() - start < 0.5 + 0.5
+            assert Status.OK not in statuses, "nothing was frozen: the test tests nothing"
+        finally:
+            cluster.signal_holder(0, signal.SIGCONT)
+        outs = [np.full(BLOCK, 0xA5, np.uint8) for _ in keys]
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if t.put_many(keys, datas) == [Status.OK] * 4 and t.get_many(keys, outs) == [Status.OK] * 4:
+                break
+            time.sleep(0.2)
+        assert t.get_many(keys, outs) == [Status.OK] * 4, "a put after the overrun never became readable"
+        assert all(np.array_equal(o, d) for o, d in zip(outs, datas))
+    finally:
+        t.close()
+        cluster.stop()
