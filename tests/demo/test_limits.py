@@ -30,3 +30,30 @@ def test_host_limit_copies_block_sized_pieces():
     assert limits.host_copy_gib_s(256 << 10, total_bytes=4 << 20, repeats=1) > 0
     with pytest.raises(TypeError):
         limits.disk_read_gib_s("/tmp", 4096, 2)  # in_flight is keyword-only: say it
+
+
+def test_disk_limit_is_the_fastest_of_block_run_and_span_requests(tmp_path, monkeypatch):
+    """A packed span is read in ~1 MiB requests (DiskTier.get_many): the limit measures that shape,
+    whole spans and a request per block, and keeps the fastest (never only kvtier's own choice)."""
+    shapes = []
+    real = limits.disk_read_gib_s
+
+    def spy(directory, block_nbytes, *, in_flight, blocks_per_read=1, total_bytes):
+        shapes.append(blocks_per_read)
+        return {1: 1.0, 4: 3.0, 16: 2.0}[blocks_per_read]
+
+    monkeypatch.setattr(limits, "disk_read_gib_s", spy)
+    assert limits.disk_limit_gib_s(str(tmp_path), 256 << 10, in_flight=2, span_blocks=16) == 3.0
+    assert sorted(shapes) == [1, 4, 16]
+    monkeypatch.setattr(limits, "disk_read_gib_s", real)
+    seen = []
+    preadv = os.preadv
+
+    def count(fd, buffers, offset):
+        seen.append(sum(memoryview(b).nbytes for b in buffers))
+        return preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(limits.os, "preadv", count)
+    assert limits.disk_read_gib_s(str(tmp_path), 256 << 10, in_flight=2, blocks_per_read=4,
+                                  total_bytes=4 << 20, repeats=1) > 0
+    assert set(seen) - {4096} == {4 * (4096 + (256 << 10))}  # (the probe's own page read aside)
