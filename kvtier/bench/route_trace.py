@@ -82,6 +82,8 @@ def add_arguments(p) -> None:
     p.add_argument("--kv-fraction", type=float, default=0.1,
                    help="--trace: each worker's vLLM KV cache as a share of the stretch's working set")
     p.add_argument("--policies", default=",".join(POLICIES), help="--trace: comma-separated policies")
+    p.add_argument("--router-log-level", default="info", choices=["debug", "info"],
+                   help="--trace: debug: each router logs every decision's per-worker costs (in --workdir)")
     p.add_argument("--workdir", default=None,
                    help="--trace: keep logs and each round's per-request rows (rows-POLICY.json) here "
                         "(default: a temporary folder, removed)")
@@ -248,11 +250,12 @@ def summarise(rows: list[dict], metrics_text: str, bound: list[int] | None = Non
 
 
 def _round(model: str, workers: list, phases: dict, policy: str, workdir: Path, *, events: bool,
-           salt: str, measured: list[str] = (), keep_rows: Path | None = None) -> dict:
+           salt: str, measured: list[str] = (), keep_rows: Path | None = None, log_level: str = "info") -> dict:
     from kvtier.bench.route_stack import events_connected, start_router
 
     reset = all(reset_prefix_cache(w.url) for w in workers)
     extra = ["--shared-writes", *measured] if events else []
+    extra += ["--log-level", log_level]
     router = start_router(model, workers, workdir / f"router-{salt}.log", policy=policy, events=events,
                           extra_args=["--block-tokens", str(HASH_TOKENS), *extra])
     try:
@@ -380,7 +383,8 @@ def run(args) -> dict:
             for policy in policies:
                 result["policies"][policy] = _round(model, workers, phases, policy, workdir, events=True,
                                                     measured=measured, salt=f"{policy}-{nonce}",
-                                                    keep_rows=workdir / f"rows-{policy}.json" if args.workdir else None)
+                                                    keep_rows=workdir / f"rows-{policy}.json" if args.workdir else None,
+                                                    log_level=args.router_log_level)
                 load.append(os.getloadavg()[0])
         finally:
             for w in workers:

@@ -50,6 +50,8 @@ def register(subparsers) -> None:
     p.add_argument("--health-interval-s", dest="health_interval_s", type=float)
     p.add_argument("--eject-after", dest="eject_after", type=int)
     p.add_argument("--max-attempts", dest="max_attempts", type=int)
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="debug: one line per decision with each worker's backlog and cost")
     p.set_defaults(func=run)
 
 
@@ -74,7 +76,7 @@ def run(args) -> int:
     from kvtier.errors import ConfigError
     from kvtier.router.app import PromptTokenizer, Router
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = build_config(args)
         if not config.model_path:

@@ -137,13 +137,9 @@ class WorkerAdmin:
         used = {w.id for w in self.router.workers}
         wid = next(i for i in range(len(used) + 1) if i not in used)
         self.router.index.clear_worker(wid)     # nothing of an earlier holder of this id survives
-        worker = Worker(wid, spec.url, spec.events)
         # Its backlog (pending tokens ÷ speed) is priced at the fleet's measured prefill speed
-        # until its own answers measure it: the same model on the same kind of worker, while the
-        # configured default is a conservative guess that would overprice its first queue.
-        speeds = sorted(w.prefill_tokens_per_s for w in self.router.workers if w.prefill_tokens_per_s)
-        if speeds:
-            worker.prefill_tokens_per_s = speeds[len(speeds) // 2]
+        # from the start: the router pools every worker's idle samples (Router.speed).
+        worker = Worker(wid, spec.url, spec.events)
         self.router.workers.append(worker)
         self.router.metrics.healthy.labels(worker.url).set(1)
         self.router.metrics.events_up.labels(worker.url).set(0)

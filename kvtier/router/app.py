@@ -25,7 +25,7 @@ from kvtier.router.events import SharedTierEvents, VllmEvents
 from kvtier.router.index import BlockIndex
 from kvtier.router.metrics import RouterMetrics
 from kvtier.router.view import LinearPrefill, LiveView
-from kvtier.router.workers import Health, Worker
+from kvtier.router.workers import Health, IdleSpeed, Worker
 from kvtier.sim.service import ServiceModel
 
 log = logging.getLogger(__name__)
@@ -150,6 +150,7 @@ class Router:
         self.uses_events = config.policy in ("tier-aware", "prefix")
         bytes_per_block = block_bytes or (config.kv_bytes_per_token or 65536) * config.block_tokens
         self.prefill = LinearPrefill(config.prefill_tokens_per_s, config.prefill_overhead_s)
+        self.speed = IdleSpeed()   #: prefill speed pooled over every worker's idle samples (queue pricing)
         self.service = ServiceModel(self.prefill, config.block_tokens, bytes_per_block,
                                     [config.host_read_bytes_per_s, config.shared_read_bytes_per_s],
                                     [config.host_latency_s, config.shared_latency_s])
@@ -253,12 +254,19 @@ class Router:
         if not candidates:
             return None
         keys = self.index.keys_of(token_ids)
-        view = LiveView(self.service, candidates, self.index, keys, self.config.prefill_tokens_per_s,
-                        self.config.decode_block_s)
+        view = LiveView(self.service, candidates, self.index, keys,
+                        self.speed.tokens_per_s or self.config.prefill_tokens_per_s, self.config.decode_block_s)
         request = RouteRequest(len(token_ids), keys)
         policy = self.approx if self.approximate_mode else self.policy
         i = policy.choose(request, view)
         worker = candidates[i]
+        if log.isEnabledFor(logging.DEBUG):   # what each worker was priced at (diagnosis only)
+            costs = policy.costs(request, view) if hasattr(policy, "costs") else None
+            log.debug("decision tokens=%d chose=%s backlog=%s costs=%s pending=%s inflight=%s step=%s speed=%.0f",
+                      len(token_ids), worker.url, [round(view.backlog_s(j), 4) for j in range(len(candidates))],
+                      costs and [round(c, 4) for c in costs], [w.pending_tokens for w in candidates],
+                      [w.inflight for w in candidates], [w.decode_step_s and round(w.decode_step_s, 4)
+                                                        for w in candidates], view.default_speed)
         cached_blocks = view.cached_blocks(i)
         predicted = min(cached_blocks * self.config.block_tokens, max(0, len(token_ids) - 1))
         self.last_decision_s = time.perf_counter() - t0
@@ -363,7 +371,8 @@ class Router:
                         continue
                     first = await resp.content.readany()
                     upstream_s = time.monotonic() - t0
-                    worker.first_byte(prefill_tokens, upstream_s, others=others)
+                    if worker.first_byte(prefill_tokens, upstream_s, others=others):
+                        self.speed.sample(prefill_tokens, upstream_s)
                     answered = True
                     self.metrics.routed.labels(worker.url).inc()
                     self.metrics.predicted_cached.labels(worker.url).inc(predicted)

@@ -81,7 +81,12 @@ class LiveView:
         return self.workers[worker].active_blocks
 
     def backlog_s(self, worker: int) -> float:
-        """Queueing (predicted prefill tokens ÷ measured speed) + decode pressure.
+        """Queueing (predicted prefill tokens ÷ the workers' measured speed) + decode pressure.
+
+        One speed for every worker (``default_speed``: the router pools every worker's idle
+        samples): per-worker estimates of two identical workers on the shared 2-core machine
+        differed by up to 1.7x from noise, and a burst split in that ratio (5907 / 3473
+        uncached tokens) made the slower half of it wait.
 
         Decode pressure is what the requests already running cost a new one's first token:
         its prefill joins the worker's next step, after the running one, and shares it with
@@ -92,7 +97,7 @@ class LiveView:
         worker's load is its queue, which ``pending_tokens`` already counts.
         """
         w = self.workers[worker]
-        speed = w.prefill_tokens_per_s or self.default_speed
+        speed = self.default_speed
         if not w.inflight:
             pressure = 0.0
         elif w.decode_step_s is not None:

@@ -25,7 +25,7 @@ class Worker:
     inflight: int = 0
     events_up: bool = False       #: the KV-event stream is connected (and not mid-resync)
     draining: bool = False        #: taken out of rotation (admin API); in-flight requests finish
-    prefill_tokens_per_s: float | None = None   #: measured (EWMA of uncached tokens ÷ time to first byte, idle worker)
+    speed: "IdleSpeed" = field(default_factory=lambda: IdleSpeed())   #: this worker's measured prefill speed
     decode_step_s: float | None = None   #: measured (EWMA of a stream's gap between chunks while nothing prefills)
     starts: int = 0               #: requests sent to it so far (tells a decode-only gap from one a prefill joined)
     extra: dict = field(default_factory=dict)
@@ -36,7 +36,11 @@ class Worker:
         self.inflight += 1
         self.starts += 1
 
-    def first_byte(self, prefill_tokens: int, seconds: float, *, others: int = 0, ewma: float = 0.3) -> None:
+    @property
+    def prefill_tokens_per_s(self) -> float | None:
+        return self.speed.tokens_per_s
+
+    def first_byte(self, prefill_tokens: int, seconds: float, *, others: int = 0) -> bool:
         """A request's first byte came ``seconds`` after it was sent; ``others`` requests were
         in flight on this worker then.
 
@@ -46,11 +50,13 @@ class Worker:
         ``max_num_batched_tokens`` (2048 on CPU), so requests sent together get their first
         token at the end of the same step, and the residual of one of them is mostly the
         prefill of the requests sent *after* it, not of those running before it (measured
-        on the trace bench: a burst of 7 requests put 40 of 64 on one worker).
+        on the trace bench: a burst of 7 requests put 40 of 64 on one worker). Returns True
+        when the request was a speed sample (found the worker idle).
         """
         self.pending_tokens = max(0, self.pending_tokens - prefill_tokens)
-        if seconds > 0 and others == 0 and prefill_tokens > 0:
-            self.prefill_tokens_per_s = _ewma(self.prefill_tokens_per_s, prefill_tokens / seconds, ewma)
+        if others == 0:
+            return self.speed.sample(prefill_tokens, seconds)
+        return False
 
     def quiet_mark(self) -> int | None:
         """A mark for :meth:`decode_gap`: None while a prefill is predicted on this worker."""
@@ -70,6 +76,31 @@ class Worker:
             self.pending_tokens = max(0, self.pending_tokens - prefill_tokens)
         self.active_blocks = max(0, self.active_blocks - blocks)
         self.inflight = max(0, self.inflight - 1)
+
+
+class IdleSpeed:
+    """Prefill speed from requests that found their worker idle: uncached tokens ÷ time to
+    first byte, as a ratio of two EWMAs, not an EWMA of ratios: a mostly cached request
+    (32 tokens to compute, 0.1 s of HTTP, step and load) would otherwise pull the speed to
+    a few hundred tokens/s at once, and the next burst would avoid that worker."""
+
+    __slots__ = ("tokens", "seconds", "weight")
+
+    def __init__(self, weight: float = 0.3) -> None:
+        self.tokens: float | None = None
+        self.seconds: float | None = None
+        self.weight = weight
+
+    def sample(self, tokens: int, seconds: float) -> bool:
+        if tokens <= 0 or seconds <= 0:
+            return False
+        self.tokens = _ewma(self.tokens, tokens, self.weight)
+        self.seconds = _ewma(self.seconds, seconds, self.weight)
+        return True
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return None if self.tokens is None else self.tokens / self.seconds
 
 
 def _ewma(old: float | None, sample: float, weight: float) -> float:

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from aiohttp import ClientSession
 
 from kvtier.router.admin import TOKEN_ENV, _loopback
+from kvtier.router.view import LiveView
 from tests.router.test_http import StandIn, run, start_router
 
 
@@ -133,13 +135,17 @@ def test_an_added_worker_backlog_is_priced_at_the_fleets_measured_speed():
         try:
             async with ClientSession() as s:
                 assert (await _admin(s, "POST", url, {"url": b.url}))[0] == 201
-                assert router.workers[1].prefill_tokens_per_s is None        # nothing measured yet: default
+                assert router.speed.tokens_per_s is None        # nothing measured yet: default
                 for i in range(4):
                     assert (await _complete(s, url, " ".join(["word"] * 40) + f" {i}"))[0] == 200
-                measured = sorted(w.prefill_tokens_per_s for w in router.workers)
-                assert all(measured) and measured[0] != router.config.prefill_tokens_per_s
+                measured = router.speed.tokens_per_s
+                assert measured and measured != router.config.prefill_tokens_per_s
                 assert (await _admin(s, "POST", url, {"url": c.url}))[0] == 201
-                assert router.workers[2].prefill_tokens_per_s == measured[1]   # the median of its peers
+                new = router.workers[2]
+                assert new.prefill_tokens_per_s is None                # not measured itself
+                new.start(1000, 4)
+                view = LiveView(router.service, router.workers, router.index, [], measured, 0.0)
+                assert view.backlog_s(2) == pytest.approx(1000 / measured)   # priced at the fleet's speed
         finally:
             await runner.cleanup()
             for w in (a, b, c):
