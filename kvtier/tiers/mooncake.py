@@ -98,11 +98,15 @@ log = logging.getLogger(__name__)
 
 NAME_PREFIX = "kvtier/"
 DEFAULT_MIN_RATE_BYTES_S = 50e6
-#: bytes per engine call of a batch's read or write: a batch is one *session* (one master RPC for
-#: all its blocks, as the engine's own batch calls make) whose calls of this size run at once, so
-#: that verifying (reads) or hashing (writes) one overlaps the others' transfers. Calls that each
-#: asked the master again measured 0.44-0.58x one batch call; calls in one session 1.05-1.35x.
-_PIECE_BYTES = 8 << 20
+#: blocks of at least this size move in *sessions*: one master RPC for the batch (as the engine's
+#: own batch calls make), then one call per block, all running at once, so that verifying
+#: (reads) or hashing (writes) one overlaps the others' transfers. Calls that each asked the
+#: master again measured 0.44-0.58x one batch call; one call per block in a session 1.05-1.35x
+#: (4 x 8 and 4 x 32 MiB). One block per call: a call of several whose holder died waits ~1 s
+#: per block, one after the other.
+_SESSION_MIN_BYTES = 2 << 20
+#: smaller blocks move as before: a batch call (one master RPC each) of at most this many bytes
+_BATCH_CALL_BYTES = 64 << 20
 #: at most this much of a read in flight (staging it holds), in at most this many calls
 _INFLIGHT_BYTES = 128 << 20
 _INFLIGHT_CALLS = 8
@@ -368,7 +372,11 @@ class MooncakeTier(Tier):
         for _ in range(self.read_attempts):
             try:
                 self._check_up()
-                retry = self._read_in_session(todo, digests, views, statuses, deadline)
+                small = [i for i in todo if views[i].nbytes < _SESSION_MIN_BYTES]
+                retry = self._read_pieces(small, digests, views, statuses, deadline, session=False)
+                big = [i for i in todo if views[i].nbytes >= _SESSION_MIN_BYTES]
+                if big:
+                    retry += self._read_in_session(big, digests, views, statuses, deadline)
             except _Down:
                 break
             # A dead holder answers -800 until the master drops it (its client_ttl), and the engine
@@ -387,7 +395,7 @@ class MooncakeTier(Tier):
     def _read_in_session(self, todo: list[int], digests, views, statuses: list[Status],
                          deadline: float) -> list[int]:
         """Read ``todo`` in one get session: the master is asked once for every block's replicas
-        (and grants their leases), then the blocks move in calls of ~``_PIECE_BYTES`` that run
+        (and grants their leases), then the blocks move one per call, the calls running
         together; each is verified as soon as it lands, while the later ones still transfer.
         Returns the indices a holder failed to serve."""
         names = [NAME_PREFIX + digests[i].hex() for i in todo]
@@ -404,7 +412,7 @@ class MooncakeTier(Tier):
                 else:
                     log.info("mooncake tier: lookup of %s… failed (rc=%d)", name[len(NAME_PREFIX):][:16], code)
                     statuses[i] = Status.ERROR
-            return self._read_pieces(found, digests, views, statuses, deadline)
+            return self._read_pieces(found, digests, views, statuses, deadline, session=True)
         finally:
             ending = self._client.sessions_closing(names)
             if ending:
@@ -413,20 +421,25 @@ class MooncakeTier(Tier):
                 except _Down:
                     pass
 
-    def _read_pieces(self, found: list[int], digests, views, statuses: list[Status], deadline: float) -> list[int]:
+    def _read_pieces(self, found: list[int], digests, views, statuses: list[Status], deadline: float, *,
+                     session: bool) -> list[int]:
+        """Read ``found`` in calls started as the in-flight bounds allow (in an open session: one
+        block per call; else batch calls, each asking the master), each verified as it ends.
+        Returns the indices a holder failed to serve."""
         failed: list[int] = []
         pending: deque[_ChunkRead] = deque()
         inflight = 0
         sizes = [views[i].nbytes + HEADER_NBYTES for i in found]
+        pieces = [[i] for i in found] if session else _chunks_by_bytes(found, sizes, _BATCH_CALL_BYTES)
         try:
-            for piece in _chunks_by_bytes(found, sizes, _PIECE_BYTES):
+            for piece in pieces:
                 nbytes = sum(views[i].nbytes + HEADER_NBYTES for i in piece)
                 while pending and (inflight + nbytes > _INFLIGHT_BYTES or len(pending) >= _INFLIGHT_CALLS):
                     read = pending.popleft()
                     inflight -= read.nbytes
                     failed += self._finish_chunk(read, digests, views, statuses, deadline)
                 self._check_up()
-                pending.append(self._start_chunk(piece, digests, views))
+                pending.append(self._start_chunk(piece, digests, views, session))
                 inflight += nbytes
             while pending:
                 failed += self._finish_chunk(pending.popleft(), digests, views, statuses, deadline)
@@ -476,11 +489,12 @@ class MooncakeTier(Tier):
                 left.append(i)
         return left
 
-    def _start_chunk(self, chunk: list[int], digests, views) -> "_ChunkRead":
-        """Start reading ``chunk`` (in the open session) in one engine call. A block whose output
-        buffer lies in memory registered with :meth:`register_memory` is received straight into
-        it (its header into a registered scratch row) and verified in place; any other lands in
-        a registered staging buffer and is verified while copied out."""
+    def _start_chunk(self, chunk: list[int], digests, views, session: bool) -> "_ChunkRead":
+        """Start reading ``chunk`` in one engine call (ranged, in the open session; else a batch
+        call). A block whose output buffer lies in memory registered with
+        :meth:`register_memory` is received straight into it (its header into a registered
+        scratch row) and verified in place; any other lands in a registered staging buffer and
+        is verified while copied out."""
         names = [NAME_PREFIX + digests[i].hex() for i in chunk]
         sizes = [views[i].nbytes + HEADER_NBYTES for i in chunk]
         direct = [self._registered_address(views[i]) for i in chunk]
@@ -497,7 +511,11 @@ class MooncakeTier(Tier):
                 lens.append([n])
                 offsets.append([0])
         read = _ChunkRead(self, chunk, names, sizes, bufs, headers)
-        read.future = self._caller.submit(self._engine.batch_get_into_multi_buffer_ranges, names, ptrs, lens, offsets)
+        if session:
+            read.future = self._caller.submit(self._engine.batch_get_into_multi_buffer_ranges, names, ptrs, lens,
+                                              offsets)
+        else:
+            read.future = self._caller.submit(self._engine.batch_get_into_multi_buffers, names, ptrs, lens)
         return read
 
     def _finish_chunk(self, read: "_ChunkRead", digests, views, statuses: list[Status],
@@ -622,8 +640,12 @@ class MooncakeTier(Tier):
         try:
             self._check_up()
             self._retry_removals(deadline)
-            if todo:
-                _PutSession(self, todo, names, digests, views, metas).run(statuses, deadline)
+            small = [i for i in todo if views[i].nbytes < _SESSION_MIN_BYTES]
+            if small:
+                self._put_batched(small, names, digests, views, metas, statuses, deadline)
+            big = [i for i in todo if views[i].nbytes >= _SESSION_MIN_BYTES]
+            if big:
+                _PutSession(self, big, names, digests, views, metas).run(statuses, deadline)
         except _Down:
             pass
         for i in range(len(keys)):
@@ -637,6 +659,25 @@ class MooncakeTier(Tier):
                 else:
                     self.stats.put_failures += 1
         return statuses
+
+    def _put_batched(self, todo: list[int], names, digests, views, metas, statuses: list[Status],
+                     deadline: float) -> None:
+        """Small blocks: hashed first (a later change of the caller's bytes, even under an overrun
+        put, is then a verification failure, not data), then one batch call."""
+        headers = np.empty((len(names), HEADER_NBYTES), dtype=np.uint8)
+        for i in todo:
+            headers[i] = _header_row(self, digests[i], views[i], metas[i])
+        ptrs = [[headers[i].ctypes.data, views[i].ctypes.data] for i in todo]
+        sizes = [[HEADER_NBYTES, views[i].nbytes] for i in todo]
+        # an overrun call still reads the headers and the caller's buffers: kept referenced until it ends
+        codes = self._call(deadline, self._engine.batch_put_from_multi_buffers, [names[i] for i in todo], ptrs,
+                           sizes, self._config, if_late=lambda: (headers, views))
+        self._codes(codes)
+        for i, code in zip(todo, codes):
+            statuses[i] = Status.OK if code == 0 else Status.FULL if code == RC_NO_SPACE else Status.ERROR
+            if code == 0:
+                with self._lock:
+                    self._unremoved.pop(names[i], None)  # a put brings a hidden key back
 
     # -- removal --------------------------------------------------------------------------------
     def delete(self, key: BlockKey) -> bool:
@@ -715,7 +756,7 @@ class MooncakeTier(Tier):
 
 class _PutSession:
     """One batch's write: a put session (the master reserves every object in one RPC, while the
-    first blocks are hashed), then calls of ~``_PIECE_BYTES`` started as soon as their blocks are
+    first block is hashed), then one call per block, started as soon as the block is
     hashed (hashing the next overlaps their transfer), then one RPC that publishes what was
     written whole; whatever was reserved and not published is revoked.
 
@@ -732,10 +773,7 @@ class _PutSession:
         self._lock = threading.Lock()
 
     def _hash(self, i: int) -> None:
-        n = self.views[i].nbytes
-        tag = self.tier._tag(self.digests[i], n, xxhash.xxh3_128_digest(self.views[i]))
-        self.headers[i] = np.frombuffer(pack_header(self.digests[i], n, tag, self.metas[i], flags=FLAG_CHECKSUM),
-                                        np.uint8)
+        self.headers[i] = _header_row(self.tier, self.digests[i], self.views[i], self.metas[i])
 
     def run(self, statuses: list[Status], deadline: float) -> None:
         tier, todo, names, views = self.tier, self.todo, self.names, self.views
@@ -745,7 +783,7 @@ class _PutSession:
         calls: list[tuple[list[int], object]] = []
         reserved: set[int] | None = None
         try:
-            for piece in _chunks_by_bytes(todo, sizes, _PIECE_BYTES):
+            for piece in ([i] for i in todo):  # one block per call: see _SESSION_MIN_BYTES
                 for i in piece:
                     self._hash(i)
                 if reserved is None:
@@ -822,7 +860,7 @@ class _PutSession:
             self._revoke()
 
     def _revoke(self) -> None:
-        if not self.reserved:
+        if not self.reserved or self.tier._closed:  # a closed tier's client is gone: the master times them out
             return
         names, self.reserved = [self.names[i] for i in self.reserved], []
         try:
@@ -858,6 +896,13 @@ class _ChunkRead:
         self.give_back()
         with self.tier._lock:
             self.tier._late_direct_reads -= 1
+
+
+def _header_row(tier: MooncakeTier, digest: bytes, view: np.ndarray, meta) -> np.ndarray:
+    """The header an object starts with: the block's name digest, size, keyed tag and meta."""
+    n = view.nbytes
+    tag = tier._tag(digest, n, xxhash.xxh3_128_digest(view))
+    return np.frombuffer(pack_header(digest, n, tag, meta, flags=FLAG_CHECKSUM), np.uint8)
 
 
 def _chunks_by_bytes(items: list[int], sizes: list[int], limit: int):
