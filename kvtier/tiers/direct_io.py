@@ -381,6 +381,7 @@ class BlockIO:
             return region[(i - first) * PAGE : (i - first + 1) * PAGE]
 
         helper = self._pool.submit(judging)
+        extents: dict[str, tuple[int, os.stat_result] | OSError] = {}  # one open per packed file
         try:
             i = first
             while i < end and not failed:
@@ -390,12 +391,15 @@ class BlockIO:
                 else:
                     run = range(i, stop)
                     outcomes = self._read_run([jobs[j] for j in run], [slot(pages, j) for j in run],
-                                              [slot(tails, j) for j in run])
+                                              [slot(tails, j) for j in run], extents)
                     for j, outcome in zip(run, outcomes):
                         done.put((j, outcome))
                 i = stop
         finally:
             done.put(None)  # a no-op if every job was put: the helper stops after the last
+            for opened in extents.values():
+                if not isinstance(opened, OSError):
+                    os.close(opened[0])
             helper.result()  # never leave a helper on a lease (or a caller's buffer) we return
         if failed:
             raise failed[0]
@@ -420,15 +424,26 @@ class BlockIO:
         finally:
             os.close(fd)
 
-    def _read_run(self, run: Sequence[ReadJob], pages, tails) -> list[ReadOutcome]:
+    def _read_run(self, run: Sequence[ReadJob], pages, tails, opened: dict) -> list[ReadOutcome]:
         """One request for blocks packed back to back in one file; an outcome per block (a block
-        the file does not hold whole is incomplete)."""
+        the file does not hold whole is incomplete). ``opened``: path → (fd, inode) or the
+        error opening it, kept by the caller for the runs after (it closes them)."""
+        path = run[0].path
+        if path not in opened:
+            try:
+                fd = self.open_read(path)
+            except OSError as exc:
+                opened[path] = exc
+            else:
+                try:
+                    opened[path] = (fd, os.fstat(fd))
+                except OSError as exc:
+                    os.close(fd)
+                    opened[path] = exc
+        if isinstance(opened[path], OSError):
+            return [ReadOutcome(error=opened[path])] * len(run)
+        fd, inode = opened[path]
         try:
-            fd = self.open_read(run[0].path)
-        except OSError as exc:
-            return [ReadOutcome(error=exc)] * len(run)
-        try:
-            inode = os.fstat(fd)
             iov, finishes = [], []
             for job, page, tail in zip(run, pages, tails):
                 vecs, finish = _block_iov(job.out, page, tail)
@@ -437,8 +452,6 @@ class BlockIO:
             got = os.preadv(fd, iov, run[0].offset)
         except OSError as exc:
             return [ReadOutcome(error=exc)] * len(run)
-        finally:
-            os.close(fd)
         outcomes, upto = [], 0
         for job, page, finish in zip(run, pages, finishes):
             upto += job.nbytes_on_disk
