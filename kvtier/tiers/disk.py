@@ -1031,7 +1031,7 @@ class DiskTier(Tier, StreamingTier):
                 if item.name.endswith(TEMP_SUFFIX):
                     _reap_temp(item, now)
                     continue
-                if item.name.endswith(EXTENT_SUFFIX):
+                if disk_extents.is_extent_name(item.name):
                     try:
                         extents[f"{shard.name}/{item.name}"] = item.stat(follow_symlinks=False)
                     except OSError:

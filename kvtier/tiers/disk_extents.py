@@ -34,6 +34,7 @@ import numpy as np
 from kvtier.tiers.direct_io import PAGE, pwrite_all
 
 EXTENT_SUFFIX = ".kvx"
+_NAME = re.compile(r"[0-9a-f]{64}-[0-9a-f]{8}\.kvx")
 _TARGET = re.compile(r"([0-9a-f]{2}/[0-9a-f]{64}-[0-9a-f]{8}\.kvx)@([0-9]+):([0-9]+)")
 
 _FALLOC_FL_KEEP_SIZE = 0x01
@@ -52,6 +53,11 @@ class Extent:
 def extent_stem(first_key: bytes) -> str:
     """The name of a new extent without its suffix (no dots: temp-file names are parsed on dots)."""
     return f"{first_key.hex()}-{uuid.uuid4().hex[:8]}"
+
+
+def is_extent_name(name: str) -> bool:
+    """Whether a file name is one :func:`extent_stem` made (anything else is left alone)."""
+    return _NAME.fullmatch(name) is not None
 
 
 def link_target(rel: str, offset: int, length: int) -> str:

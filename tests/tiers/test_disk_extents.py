@@ -292,3 +292,19 @@ def test_a_truncated_extent_serves_what_it_still_holds_whole(tier, tmp_path):
     with DiskTier(tier.path, 1 << 30) as again:  # a restart drops links past the end
         assert sorted(again.keys()) == [k(0), k(1), k(2)]
         again.check_integrity(deep=True)
+
+
+def test_a_restart_removes_extents_no_link_reaches_and_leaves_other_files(tmp_path):
+    with DiskTier(tmp_path, 1 << 30) as t:
+        assert put_chain(t, range(3)) == [Status.OK] * 3
+        assert put_chain(t, range(3, 6)) == [Status.OK] * 3
+        orphan = Path(t.locate(k(3))[0])
+        for i in range(3, 6):  # as if the writer died after publishing the extent, before linking
+            os.unlink(t.path_of(k(i)))
+    foreign = tmp_path / "00" / "notes.kvx"
+    foreign.write_bytes(b"not a block")
+    with DiskTier(tmp_path, 1 << 30) as t:
+        assert not orphan.exists() and foreign.exists()
+        assert sorted(t.keys()) == [k(0), k(1), k(2)]
+        assert t.used_bytes == 3 * ON_DISK
+        t.check_integrity(deep=True)
