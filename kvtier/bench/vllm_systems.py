@@ -74,9 +74,10 @@ LMCACHE_ENV = {"LMCACHE_TRACK_USAGE": "false"}  # it reports usage home by defau
 
 
 @contextlib.contextmanager
-def lmcache_server(workdir: Path, *, chunk_tokens: int, l1_gib: int):
-    """A running ``lmcache server``; yields its port. Raises :class:`Unavailable` when LMCache
-    is not installed or the server does not start."""
+def lmcache_server(workdir: Path, *, chunk_tokens: int, l1_gib: int, pids: list[int] | None = None):
+    """A running ``lmcache server``; yields its port (and appends its pid to ``pids``, for
+    its CPU time). Raises :class:`Unavailable` when LMCache is not installed or the server
+    does not start."""
     if importlib.util.find_spec("lmcache") is None:
         raise Unavailable(f"LMCache is not installed ({LMCACHE_INSTALL})")
     launcher = Path(sys.executable).with_name("lmcache")
@@ -94,6 +95,8 @@ def lmcache_server(workdir: Path, *, chunk_tokens: int, l1_gib: int):
         try:
             if not wait_port(port, 120, server):
                 raise Unavailable(f"lmcache server did not listen (see {log_path})")
+            if pids is not None:
+                pids.append(server.pid)
             yield port
         finally:
             server.terminate()
@@ -116,6 +119,16 @@ def memcpy_s(nbytes: int) -> float:
         np.copyto(dst, src)
         best = min(best, time.perf_counter() - start)
     return round(best, 5)
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, every thread) process ``pid`` has used so far; 0.0 if it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0.0
+    fields = stat[stat.rindex(")") + 2:].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def free_port() -> int:

@@ -44,6 +44,7 @@ from kvtier.bench.vllm_systems import (
     lmcache_server,
     lmcache_settings,
     model_spec,
+    process_cpu_s,
 )
 
 #: trace blocks are 512 tokens; each becomes HASH_TOKENS tokens (one vLLM page on CPU)
@@ -54,6 +55,13 @@ MAX_OUTPUT = 32  #: output lengths scaled like prompts, then capped
 #: a conversation's next turn comes a median ~380 requests after its last on the Mooncake
 #: conversation trace: the warm-up must reach that far back for the window to see its reuse
 WARMUP_REQUESTS = 400
+#: counted requests and the span their arrivals are compressed to. 64 over 5 s (until
+#: 2026-12-03 15:00) made a 6-7 s replay whose drain after the last arrival (the last
+#: requests decoding alone, ~40 one-token steps, the same for every system) was a third of
+#: the engine time; 256 over 16 s (16 requests/s, more than any system here serves: all
+#: engine-bound) leave that drain a few percent, as on a server that runs for hours.
+TRACE_REQUESTS = 256
+SPAN_S = 16.0
 
 
 def add_arguments(p) -> None:
@@ -64,12 +72,11 @@ def add_arguments(p) -> None:
     p.add_argument("--start", type=int, default=0, help="--trace: the window's first request in the trace")
     p.add_argument("--full-warmup", action="store_true",
                    help="--trace: replay every warm-up request whole (default: the exact shortcut of warmup_replay)")
-    # 20 s for the default 64 counted requests loads one engine on this machine: vLLM alone
-    # took twice the span (measured 2026-12-03), so requests queue as on a busy deployment.
-    # 5 s for the default 64 requests keeps every system's engine saturated on 2 cores (makespan
-    # above the span): only then does output tokens/s measure what an engine can serve. At 20 s
-    # all three finished with the last arrival and tokens/s was the offered load (1.00x apart).
-    p.add_argument("--span-s", type=float, default=5.0, help="--trace: the counted arrivals compressed to this span")
+    # The span keeps every system's engine saturated on 2 cores (makespan above the span): only
+    # then does output tokens/s measure what an engine can serve. (64 requests over 20 s: all
+    # three finished with the last arrival and tokens/s was the offered load, 1.00x apart.)
+    p.add_argument("--span-s", type=float, default=SPAN_S,
+                   help=f"--trace: the counted arrivals compressed to this span (default {SPAN_S:g})")
     p.add_argument("--kv-fraction", type=float, default=0.1,
                    help="--trace: vLLM's KV cache as a share of the stretch's working set (default 0.1)")
 
@@ -178,7 +185,9 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
-def metrics(reply: dict, bound: list[int] | None = None) -> dict:
+def metrics(reply: dict, bound: list[int] | None = None, helper_cpu_s: float = 0.0) -> dict:
+    """A system's figures from its replay; ``helper_cpu_s``: CPU seconds its helper processes
+    (LMCache's server) used meanwhile, counted with the engine's."""
     rows = reply["requests"]
     unfinished = [r for r in rows if r["finish_s"] is None or r["first_token_s"] is None]
     if unfinished:
@@ -188,12 +197,16 @@ def metrics(reply: dict, bound: list[int] | None = None) -> dict:
     return {
         "requests": len(rows),
         "makespan_s": round(makespan, 2),
+        # the drain after the last arrival: the window's tail, which every system pays alike
+        "after_last_arrival_s": round(makespan - max(r["arrival_s"] for r in rows), 2),
         "output_tokens_per_s": round(sum(r["output_tokens"] for r in rows) / makespan, 2),
         "requests_per_s": round(len(rows) / makespan, 3),
         "ttft_p50_s": round(_percentile(ttfts, 0.5), 3),
         "ttft_p90_s": round(_percentile(ttfts, 0.9), 3),
         "cached_token_ratio": round(sum(r["cached_tokens"] or 0 for r in rows)
                                     / sum(r["prompt_tokens"] for r in rows), 4),
+        **({"cpu_ms_per_output_token": round(1000 * (reply["cpu_s"] + helper_cpu_s)
+                                             / sum(r["output_tokens"] for r in rows), 2)} if "cpu_s" in reply else {}),
         **({"cached_vs_reusable": against_bound([r["cached_tokens"] or 0 for r in rows], bound)} if bound else {}),
     }
 
@@ -265,7 +278,8 @@ def run(args) -> dict:
     from kvtier.integrations.transformers.models import ensure_model
 
     started = time.monotonic()
-    warm, counted = trace_window(args.trace, args.requests or 64, args.warmup_requests, args.span_s, args.start)
+    warm, counted = trace_window(args.trace, args.requests or TRACE_REQUESTS, args.warmup_requests, args.span_s,
+                                 args.start)
     # vLLM refuses a KV cache smaller than one request of max_model_len: fit it to the slice.
     max_len = max(r["tokens"] + r["max_tokens"] for r in warm + counted) + HASH_TOKENS
     spec = trace_model_spec(args.trace_model, max_len)
@@ -314,14 +328,16 @@ def _run_systems(args, base, phases, result, workdir, store_bytes, started) -> d
         result["lmcache_reason"] = "skipped (--no-lmcache)"
     else:
         try:
-            with lmcache_server(workdir, chunk_tokens=HASH_TOKENS, l1_gib=max(1, math.ceil(store_bytes / (1 << 30)))) as port:
+            pids: list[int] = []
+            with lmcache_server(workdir, chunk_tokens=HASH_TOKENS, l1_gib=max(1, math.ceil(store_bytes / (1 << 30))),
+                                pids=pids) as port:
                 try:
                     lm = _replay(lmcache_settings(base, port, prefix_caching=True), phases,
-                                 workdir / "engine-lmcache.log", env=LMCACHE_ENV)
+                                 workdir / "engine-lmcache.log", env=LMCACHE_ENV, helpers=pids)
                     lm["vllm_prefix_caching"] = True
                 except Exception as exc:  # noqa: BLE001 - its connector may refuse vLLM's prefix cache
                     lm = _replay(lmcache_settings(base, port, prefix_caching=False), phases,
-                                 workdir / "engine-lmcache-noprefix.log", env=LMCACHE_ENV)
+                                 workdir / "engine-lmcache-noprefix.log", env=LMCACHE_ENV, helpers=pids)
                     lm["vllm_prefix_caching"] = False
                     lm["note"] = f"with vLLM's prefix cache on it failed ({str(exc).splitlines()[0][:200]})"
             result["systems"]["lmcache"] = lm
@@ -335,13 +351,21 @@ def _run_systems(args, base, phases, result, workdir, store_bytes, started) -> d
     result["kvtier_vs_vllm_tokens_per_s"] = round(ours["output_tokens_per_s"] / vllm_alone["output_tokens_per_s"], 3)
     if lm:
         result["kvtier_vs_lmcache_tokens_per_s"] = round(ours["output_tokens_per_s"] / lm["output_tokens_per_s"], 3)
+    cpu = "cpu_ms_per_output_token"
+    if cpu in ours and cpu in vllm_alone:
+        # CPU per output token, a peer's over kvtier's: the cost ratio, steadier than tokens/s on shared cores
+        result["kvtier_cpu_saving_vs_vllm"] = round(vllm_alone[cpu] / ours[cpu], 3)
+        if lm and cpu in lm:
+            result["kvtier_cpu_saving_vs_lmcache"] = round(lm[cpu] / ours[cpu], 3)
     result["kvtier_cached_vs_reusable"] = round(ours["cached_token_ratio"] / result["reusable_token_ratio"], 3) \
         if result["reusable_token_ratio"] else None
     result["wall_s"] = round(time.monotonic() - started, 1)
     return result
 
 
-def _replay(settings: dict, phases: dict, log: Path, *, env: dict | None = None) -> dict:
+def _replay(settings: dict, phases: dict, log: Path, *, env: dict | None = None, helpers: list[int] = ()) -> dict:
+    """One system's engine: first use, warm-up, then the counted replay. ``helpers``: pids of
+    processes that work for it (LMCache's server), whose CPU counts with the engine's."""
     from kvtier.integrations.vllm.engine_proc import EngineProcess
 
     engine = EngineProcess(settings, log, env=env)
@@ -355,8 +379,10 @@ def _replay(settings: dict, phases: dict, log: Path, *, env: dict | None = None)
         t0 = time.monotonic()
         warm = engine.call(op="replay", requests=phases["warmup"], timeout=3600)
         warm_s = time.monotonic() - t0
+        helper_cpu = sum(process_cpu_s(pid) for pid in helpers)
         counted = engine.call(op="replay", requests=phases["counted"], timeout=3600)
-        out = metrics(counted, phases["bound"])
+        helper_cpu = sum(process_cpu_s(pid) for pid in helpers) - helper_cpu
+        out = metrics(counted, phases["bound"], helper_cpu)
         out["warmup_s"] = round(warm_s, 1)
         if "profile" in counted:  # KVTIER_ENGINE_PROFILE set: where the engine's time went
             out["profile"] = {"warmup": warm["profile"], "counted": counted["profile"]}

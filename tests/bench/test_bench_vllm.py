@@ -107,4 +107,6 @@ def test_trace_smoke_run():
         assert row["requests"] == r["requests"] and row["output_tokens_per_s"] > 0
         assert 0 <= row["cached_token_ratio"] <= 1 and row["ttft_p90_s"] >= row["ttft_p50_s"]
         assert row["throughput_bound_by"] in ("engine", "arrivals")
+        assert row["cpu_ms_per_output_token"] > 0 and row["after_last_arrival_s"] >= 0
+    assert r["kvtier_cpu_saving_vs_vllm"] > 0
     assert 0 < r["reusable_token_ratio"] < 1

@@ -82,3 +82,19 @@ def test_the_gap_to_the_bound_is_counted_request_by_request():
                                                       "requests_above": 0, "tokens_above": 0}
     assert vt.against_bound([0, 2 * B, 2 * B], bound) == {"requests_below": 1, "tokens_below": B,
                                                           "requests_above": 1, "tokens_above": B}
+
+
+def _row(arrival, first, finish, out, prompt=64, cached=32):
+    return {"arrival_s": arrival, "first_token_s": first, "finish_s": finish, "output_tokens": out,
+            "prompt_tokens": prompt, "cached_tokens": cached}
+
+
+def test_metrics_count_the_drain_and_the_cpu_of_helper_processes():
+    reply = {"requests": [_row(0.0, 0.5, 1.0, 10), _row(2.0, 2.5, 5.0, 30)], "cpu_s": 4.0}
+    m = vt.metrics(reply)
+    assert m["makespan_s"] == 5.0 and m["after_last_arrival_s"] == 3.0
+    assert m["output_tokens_per_s"] == 8.0 and m["cached_token_ratio"] == 0.5
+    assert m["cpu_ms_per_output_token"] == 100.0
+    # a peer whose work runs partly in a server process pays for that process's CPU too
+    assert vt.metrics(reply, helper_cpu_s=4.0)["cpu_ms_per_output_token"] == 200.0
+    assert "cpu_ms_per_output_token" not in vt.metrics({"requests": reply["requests"]})
