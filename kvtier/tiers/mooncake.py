@@ -43,12 +43,13 @@ What kvtier adds:
 * **Eviction.** Above ~90 % fill the engine silently drops old objects; lookups ask the
   master (``batch_is_exist``) each time, so they never promise what it dropped.
 
-Batches move in *sessions*: a put session reserves every object of a batch in one master RPC
-(while the first blocks are hashed) and publishes them in another, as the engine's own batch
-put does; a get session asks the master once for the batch's replicas (granting the leases).
-Within one, the blocks move in calls of ~8 MiB that run together, so that hashing a block
-overlaps the transfer of the others (writes) and verifying one overlaps the others' transfers
-(reads). (Calls that each asked the master again cost more than the overlap won.)
+Blocks of 2 MiB and more move in *sessions*: a put session reserves every object of a batch
+in one master RPC (while the first block is hashed) and publishes them in another, as the
+engine's own batch put does; a get session asks the master once for the batch's replicas
+(granting the leases). Within one, each block moves in a call of its own, the calls running
+together, so that hashing a block overlaps the transfer of the ones before it (writes) and
+verifying one overlaps the others' transfers (reads). (Calls that each asked the master again
+cost more than the overlap won.) Smaller blocks move in batch calls.
 
 Zero copy where it is safe: puts send ``header | caller's buffer`` as one object
 straight from the caller's memory (an overrun put keeps the headers and buffers referenced
