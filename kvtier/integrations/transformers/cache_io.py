@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from concurrent.futures import FIRST_COMPLETED, wait
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -297,24 +298,41 @@ def _load_lower(store: TieredStore, keys: Sequence[BlockKey], raw: np.ndarray, f
     outs = [buf[k * nbytes : (k + 1) * nbytes] for k in range(n)]
     step = max(1, READ_CHUNK_BYTES // nbytes)
     spans = deque((a, min(a + step, n)) for a in range(0, n, step))
-    pending: deque = deque()
+    running: dict = {}  # future -> (a, b)
+    ready: dict[int, tuple[int, object]] = {}  # a -> (b, result): read, not placed yet
+    placed = 0  # spans are placed in order: the next one starts here
     served = n
-    while spans or pending:
-        while spans and len(pending) < READS_IN_FLIGHT:
+
+    def top_up() -> None:
+        while spans and len(running) < READS_IN_FLIGHT:
             a, b = spans.popleft()
-            pending.append((a, b, store.get_async(keys[a:b], outs[a:b], promote_in_background=True)))
-        a, b, future = pending.popleft()
-        result = future.result()
-        _place_views(raw, first + a, outs[a : a + result.loaded], layout, contiguous=True)
-        for k in range(result.loaded):
-            tier = result.tiers[k] or "?"
-            by_tier[tier] = by_tier.get(tier, 0) + nbytes
-        if result.loaded < b - a:
-            served = a + result.loaded
-            break
-    for _, _, future in pending:  # useless past a miss, but they write into staging: wait
-        if not future.cancel():
-            future.result()
+            running[store.get_async(keys[a:b], outs[a:b], promote_in_background=True)] = (a, b)
+
+    top_up()
+    try:
+        while running and served == n:
+            finished, _ = wait(list(running), return_when=FIRST_COMPLETED)
+            for future in finished:
+                a, b = running.pop(future)
+                ready[a] = (b, future.result())
+            # A new span goes to the freed I/O thread before the copies below: the reads
+            # never wait for the placing (still READS_IN_FLIGHT at most).
+            top_up()
+            while placed in ready and served == n:
+                a = placed
+                b, result = ready.pop(a)
+                _place_views(raw, first + a, outs[a : a + result.loaded], layout, contiguous=True)
+                for k in range(result.loaded):
+                    tier = result.tiers[k] or "?"
+                    by_tier[tier] = by_tier.get(tier, 0) + nbytes
+                if result.loaded < b - a:
+                    served = a + result.loaded  # later spans are useless past a miss
+                    spans.clear()
+                placed = b
+    finally:
+        for future in running:  # useless past a miss, but they write into staging: wait
+            if not future.cancel():
+                future.result()
     return served
 
 
