@@ -185,7 +185,8 @@ def test_deleting_blocks_frees_their_space_and_the_last_one_the_extent(tier, tmp
     allocated = os.stat(extent).st_blocks
     assert tier.delete(k(2)) and tier.delete(k(5))
     assert tier.used_bytes == 6 * ON_DISK
-    assert os.stat(extent).st_blocks <= allocated - 2 * ON_DISK // 512, "the holes were not punched"
+    # (the file system may take a page for its own extent map when a hole splits an extent)
+    assert (allocated - os.stat(extent).st_blocks) * 512 >= 2 * ON_DISK - 2 * PAGE, "the holes were not punched"
     assert read_all(tier, [0, 1, 3, 4, 6, 7])[0] == [Status.OK] * 6
     assert read_all(tier, [2, 5])[0] == [Status.MISS] * 2
     tier.check_integrity(deep=True)
