@@ -44,7 +44,9 @@ def register(subparsers) -> None:
     p.add_argument("--shared-events-public", dest="shared_events_public")
     p.add_argument("--shared-events-secret", dest="shared_events_secret")
     p.add_argument("--prefill-tokens-per-s", dest="prefill_tokens_per_s", type=float)
-    p.add_argument("--decode-block-s", dest="decode_block_s", type=float)
+    p.add_argument("--decode-block-s", dest="decode_block_s", type=float,
+                   help="decode pressure, seconds per active block, until the router has measured the worker's "
+                        "decode step from its streams")
     p.add_argument("--temperature", type=float, help="softmax temperature of tier-aware (0: take the minimum)")
     p.add_argument("--index-capacity", dest="index_capacity", type=int)
     p.add_argument("--health-interval-s", dest="health_interval_s", type=float)

@@ -61,7 +61,7 @@ class RouterConfig:
     measured: list[str] = field(default_factory=list)   #: bench JSON files: bandwidths measured on this deployment
     prefill_tokens_per_s: float = 2000.0   #: until measured per worker
     prefill_overhead_s: float = 0.005
-    decode_block_s: float = 0.0005         #: decode pressure: queueing seconds per active block
+    decode_block_s: float = 0.0005         #: decode pressure per active block until a worker's decode step is measured
     temperature: float = 0.0
     index_capacity: int = 1 << 22
     health_interval_s: float = 2.0
