@@ -56,3 +56,13 @@ def make_tier(cluster=None, *, tenant: str = "tenant", secret: bytes | None = No
     cluster = cluster or shared_cluster()
     return MooncakeTier(cluster.master_address, cluster.metadata_url, tenant=tenant,
                         secret=secret or fresh_secret(), **kw)
+
+
+def both_transfer_paths(request, monkeypatch) -> str:
+    """For an autouse fixture parametrized ``["batch calls", "sessions"]``: the tier moves blocks
+    below ``_SESSION_MIN_BYTES`` in batch calls and larger ones in sessions; the tests' small
+    blocks take the path named."""
+    import kvtier.tiers.mooncake as mooncake
+
+    monkeypatch.setattr(mooncake, "_SESSION_MIN_BYTES", 1 << 40 if request.param == "batch calls" else 1)
+    return request.param

@@ -15,9 +15,16 @@ import pytest
 
 from kvtier.core.payload import HEADER_NBYTES, pack_header
 from kvtier.tiers.base import Status
-from tests.tiers.mooncake_harness import CLIENT_TTL_S, make_tier, mooncake_available, shared_cluster, start_cluster
+from tests.tiers.mooncake_harness import both_transfer_paths, CLIENT_TTL_S, make_tier, mooncake_available, shared_cluster, start_cluster
 
 pytestmark = pytest.mark.skipif(mooncake_available() is not None, reason=str(mooncake_available()))
+
+
+@pytest.fixture(autouse=True, params=["batch calls", "sessions"])
+def transfer_path(request, monkeypatch) -> str:
+    """Every test on both of the tier's transfer paths (small blocks in batch calls, large ones in
+    put/get sessions)."""
+    return both_transfer_paths(request, monkeypatch)
 
 BLOCK = 256 * 1024
 
