@@ -149,5 +149,10 @@ def test_trace_smoke_run(tmp_path):
         assert row["requests"] == r["requests"] and row["output_tokens_per_s"] > 0
         assert 0 <= row["cached_token_ratio"] <= 1 and row["ttft_p90_s"] >= row["ttft_p50_s"] > 0
         assert row["decision_p99_ms"] is not None and row["prefix_cache_reset"] is True
+        # where the TTFTs went: the router's Server-Timing and the workers' vLLM histograms
+        parts = row["ttft_parts_p50_ms"]
+        assert 0 < parts["router"] < parts["upstream"] and row["worker_side"]["ttft_mean_s"] > 0
+    rows = json.loads((tmp_path / "rows-tier-aware.json").read_text())
+    assert len(rows) == r["requests"] and all(x["upstream_s"] <= x["ttft_s"] for x in rows)
     assert set(r["targets"]) >= {"ttft_p50_half_of_baseline", "cached_1_5x_baseline"}
     assert r["warmup_requests"] == 20 and r["shared_read_gbps_measured"] > 0
