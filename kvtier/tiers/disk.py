@@ -262,8 +262,10 @@ class DiskTier(Tier, StreamingTier):
             if entry is None:
                 continue
             if entry.extent is not None and entry.size != PAGE + round_up(dst.nbytes):
-                statuses[i] = self._get_found(key, entry, dst.nbytes,
-                                              lambda fd, base, key=key, dst=dst: self._read_verified(fd, base, key, dst))
+                def read(fd, base, key=key, dst=dst):
+                    return self._read_verified(fd, base, key, dst)
+
+                statuses[i] = self._get_found(key, entry, dst.nbytes, read)
                 continue
             streamed.append(i)
             jobs.append(ReadJob(self._file_of(key, entry), dst, None if entry.extent is None else entry.offset))
@@ -694,7 +696,8 @@ class DiskTier(Tier, StreamingTier):
                     assert self._extents.get(entry.extent.rel) is entry.extent, f"unknown extent {entry.extent.rel}"
                     live[entry.extent.rel] = live.get(entry.extent.rel, 0) + 1
             for rel, extent in self._extents.items():
-                assert extent.live == live.get(rel, 0) > 0, f"extent {rel}: {extent.live} live, index has {live.get(rel, 0)}"
+                indexed = live.get(rel, 0)
+                assert extent.live == indexed > 0, f"extent {rel}: {extent.live} live, the index has {indexed}"
                 assert extent.dead >= 0, f"extent {rel}: negative dead bytes"
             assert self._used <= self._capacity, f"used {self._used} > capacity {self._capacity}"
             assert self._reserved >= 0, f"negative reservation {self._reserved}"

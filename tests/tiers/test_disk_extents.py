@@ -268,7 +268,8 @@ def test_another_process_finds_packed_blocks_and_its_delete_is_a_miss_here(tmp_p
             "keys = [i.to_bytes(32, 'big') for i in range(4)]\n"
             f"outs = [aligned_buffer({NB}) for _ in keys]\n"
             "print(','.join(s.name for s in t.get_many(keys, outs)))\n"
-            "print(int(np.random.default_rng(2).integers(0, 256, 8, dtype=np.uint8).tolist() == outs[2][:8].tolist()))\n"
+            "want = np.random.default_rng(2).integers(0, 256, 8, dtype=np.uint8)\n"
+            "print(int(want.tolist() == outs[2][:8].tolist()))\n"
             "print(t.delete(keys[1]))\n"
         )
         # a restart-free view: the other process opens while this one still holds the blocks
