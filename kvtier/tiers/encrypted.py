@@ -37,7 +37,7 @@ import logging
 import mmap
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import numpy as np
 
@@ -85,6 +85,30 @@ class _BufferPool:
         with self._lock:
             if len(self._free) < 4:
                 self._free.append(buf)
+
+
+#: Sealed bytes fetched per inner ``get_many`` in a batch: large enough that a tier moving a
+#: batch's blocks at once keeps two or more 32 MiB blocks in flight, small enough that the two
+#: groups held (one arriving, one being opened) stay a bounded staging cost.
+GROUP_BYTES = 64 << 20
+
+
+def _page_up(n: int) -> int:
+    return -(-n // mmap.PAGESIZE) * mmap.PAGESIZE
+
+
+def _groups(sizes: list[int], limit: int) -> Iterator[list[int]]:
+    """Runs of consecutive indices whose sizes sum to at most ``limit`` (at least one each)."""
+    group: list[int] = []
+    total = 0
+    for i, size in enumerate(sizes):
+        if group and total + size > limit:
+            yield group
+            group, total = [], 0
+        group.append(i)
+        total += size
+    if group:
+        yield group
 
 
 class EncryptedTier(WrappingTier):
@@ -238,7 +262,8 @@ class EncryptedTier(WrappingTier):
         return self._open(owner, name, staging, dst, self._pool)
 
     def put_many(self, keys, datas, *, parents=None, metas=None) -> list[Status]:
-        """Seal block i+1 while the inner tier stores block i (double buffered)."""
+        """Seal group g+1 while the inner tier stores group g (double buffered; groups as in
+        :meth:`get_many`, stored with one ``inner.put_many`` each)."""
         if len(keys) != len(datas):
             raise ValueError(f"put_many: {len(keys)} keys but {len(datas)} buffers")
         if self._streaming():
@@ -251,27 +276,47 @@ class EncryptedTier(WrappingTier):
         present = self.inner.contains_many(names)
         todo = [i for i in range(len(keys)) if not present[i]]
         statuses = [Status.OK] * len(keys)
-        bufs = [self._buffers.take(self._sealed_size(memoryview(datas[i]).nbytes)) for i in todo[:2]]
+        sizes = {i: self._sealed_size(memoryview(datas[i]).nbytes) for i in todo}
+        groups = [[todo[j] for j in g] for g in _groups([_page_up(sizes[i]) for i in todo], GROUP_BYTES)]
+        held: list[np.ndarray] = []  # one staging buffer per group in flight (at most two)
+        job = None  # future sealing the next group
+
+        def seal(group: list[int], buf: np.ndarray) -> list[np.ndarray]:
+            views, at = [], 0
+            for i in group:
+                views.append(self._seal(self.tenant, names[i], datas[i], buf[at:at + sizes[i]], None))
+                at += _page_up(sizes[i])
+            return views
+
+        def start(g: int):
+            buf = self._buffers.take(sum(_page_up(sizes[i]) for i in groups[g]))
+            held.append(buf)
+            return self._pipe.submit(seal, groups[g], buf)
+
         try:
-            job = self._pipe.submit(self._seal, self.tenant, names[todo[0]], datas[todo[0]], bufs[0], None) if todo else None
-            for pos, i in enumerate(todo):
+            job = start(0) if groups else None
+            for g, group in enumerate(groups):
                 sealed = job.result()
-                if pos + 1 < len(todo):
-                    j = todo[pos + 1]
-                    out = bufs[(pos + 1) % 2]
-                    if out.nbytes < self._sealed_size(memoryview(datas[j]).nbytes):
-                        self._buffers.give(out)
-                        out = bufs[(pos + 1) % 2] = self._buffers.take(self._sealed_size(memoryview(datas[j]).nbytes))
-                    job = self._pipe.submit(self._seal, self.tenant, names[j], datas[j], out, None)
-                parent = self._name(parents[i]) if parents[i] else None
-                statuses[i] = self.inner.put(names[i], sealed, parent=parent)
+                job = start(g + 1) if g + 1 < len(groups) else None
+                group_parents = [self._name(parents[i]) if parents[i] else None for i in group]
+                stored = self.inner.put_many([names[i] for i in group], sealed, parents=group_parents)
+                for i, status in zip(group, stored):
+                    statuses[i] = status
+                self._release(held[:1])  # this group's buffer; the next one's is being sealed
+                del held[:1]
         finally:
-            for b in bufs:
-                self._buffers.give(b)
+            if job is not None:  # (an error above) the sealing still writes a held buffer
+                wait([job])
+            self._release(held)
         return statuses
 
     def get_many(self, keys, outs) -> list[Status]:
-        """Open block i while the inner tier fetches block i+1 (double buffered)."""
+        """Open group g while the inner tier fetches group g+1 (double buffered).
+
+        A group is a run of blocks of up to :data:`GROUP_BYTES` sealed bytes (at least one
+        block), fetched with one ``inner.get_many``: a tier that moves a batch's blocks at once
+        (Mooncake's sessions, the disk tier's pipelined reads) keeps that concurrency under
+        the seal instead of being asked block by block."""
         if len(keys) != len(outs):
             raise ValueError(f"get_many: {len(keys)} keys but {len(outs)} buffers")
         if self._streaming():
@@ -279,34 +324,50 @@ class EncryptedTier(WrappingTier):
         if self._tenant_of is not None:
             return super().get_many(keys, outs)
         dsts = [writable_bytes(o) for o in outs]
+        sizes = [self._sealed_size(d.nbytes) for d in dsts]
         statuses: list[Status] = [Status.MISS] * len(keys)
-        bufs = [self._buffers.take(self._sealed_size(d.nbytes)) for d in dsts[:2]]
-        job = None  # (index, future) of the block being opened
+        job = None  # future opening the group fetched last
+        held: list[np.ndarray] = []  # one staging buffer per group in flight (at most two)
         try:
-            for i, key in enumerate(keys):
-                name = self._name(key)
-                size = self._sealed_size(dsts[i].nbytes)
-                buf = bufs[i % 2]
-                if buf.nbytes < size:
-                    if job is not None and job[0] % 2 == i % 2:
-                        statuses[job[0]] = job[1].result()
-                        job = None
-                    self._buffers.give(buf)
-                    buf = bufs[i % 2] = self._buffers.take(size)
-                status = self.inner.get(name, buf[:size])
-                if job is not None:  # block i-1, opened while block i arrived
-                    statuses[job[0]] = job[1].result()
+            for group in _groups([_page_up(n) for n in sizes], GROUP_BYTES):
+                names = [self._name(keys[i]) for i in group]
+                # one page-aligned buffer per group, each block at a page boundary in it
+                buf = self._buffers.take(sum(_page_up(sizes[i]) for i in group))
+                held.append(buf)
+                views, at = [], 0
+                for i in group:
+                    views.append(buf[at:at + sizes[i]])
+                    at += _page_up(sizes[i])
+                fetched = self.inner.get_many(names, views)
+                if job is not None:  # the previous group, opened while this one arrived
+                    job.result()
                     job = None
-                if status is Status.OK:
-                    job = (i, self._pipe.submit(self._open, self.tenant, name, buf[:size], dsts[i], None))
-                else:
-                    statuses[i] = status
+                self._release(held[:-1])
+                del held[:-1]
+                ready = []
+                for i, name, view, status in zip(group, names, views, fetched):
+                    if status is Status.OK:
+                        ready.append((i, name, view))
+                    else:
+                        statuses[i] = status
+                if ready:
+                    job = self._pipe.submit(self._open_group, ready, dsts, statuses)
             if job is not None:
-                statuses[job[0]] = job[1].result()
+                job.result()
+                job = None
         finally:
-            for b in bufs:
-                self._buffers.give(b)
+            if job is not None:  # (an error above) the opening still reads a held buffer
+                wait([job])
+            self._release(held)
         return statuses
+
+    def _open_group(self, ready, dsts, statuses) -> None:
+        for i, name, view in ready:
+            statuses[i] = self._open(self.tenant, name, view, dsts[i], None)
+
+    def _release(self, bufs) -> None:
+        for b in bufs:
+            self._buffers.give(b)
 
     # -- streamed: sealed and opened chunk by chunk as a streaming tier moves them ------------
     def _streaming(self) -> bool:

@@ -152,3 +152,28 @@ def test_batches_are_pipelined_and_a_tampered_block_fails_alone(keyring):
     assert statuses == [Status.OK] * 3 + [Status.CORRUPT] + [Status.OK] * 2 + [Status.MISS]
     assert all(np.array_equal(outs[i], block(i)) for i in (0, 1, 2, 4, 5))
     assert tier.put_many(keys[:2], [block(0), block(1)]) == [Status.OK] * 2  # present: no-op
+
+
+def test_batches_over_several_groups_keep_each_blocks_status_and_bytes(keyring, monkeypatch):
+    """A batch larger than one fetch group (two blocks here) is fetched group by group while
+    the previous group opens: statuses and bytes stay those of each block, a miss and a
+    tampered block in different groups fail alone, and outputs are poisoned first so a group
+    that is never opened cannot pass."""
+    from kvtier.tiers import encrypted
+
+    monkeypatch.setattr(encrypted, "GROUP_BYTES", 2 * (B + 8192))
+    tier, host = enc_host(keyring, "acme")
+    keys = [bytes([i]) * 32 for i in range(7)]
+    assert tier.put_many(keys, [block(i) for i in range(7)]) == [Status.OK] * 7
+    with host.borrow(tier.storage_name(keys[5])) as view:
+        view.flags.writeable = True  # test only: simulate corruption below the AEAD
+        view[4321] ^= 0x01
+    asked = keys[:2] + [b"x" * 32] + keys[2:]  # the miss sits in the second group
+    outs = [np.full(B, 0xAA, np.uint8) for _ in asked]
+    statuses = tier.get_many(asked, outs)
+    assert statuses == [Status.OK] * 2 + [Status.MISS] + [Status.OK] * 3 + [Status.CORRUPT] + [Status.OK]
+    for pos, i in ((0, 0), (1, 1), (3, 2), (4, 3), (5, 4), (7, 6)):
+        assert np.array_equal(outs[pos], block(i)), pos
+    # control: with one group the same batch gives the same answer
+    monkeypatch.setattr(encrypted, "GROUP_BYTES", 64 << 20)
+    assert tier.get_many(keys[:5], [np.empty(B, np.uint8) for _ in range(5)]) == [Status.OK] * 5
