@@ -581,8 +581,26 @@ def register(subparsers) -> None:
     p.add_argument("--target", choices=("server", "mooncake"), default="server",
                    help="mooncake: MooncakeTier vs the bare Mooncake client and a socket pair, 8 and 32 MiB "
                         "(kvtier/bench/mooncake.py)")
+    p.add_argument("--no-server", action="store_true",
+                   help="--target mooncake: skip the kvtier server and Redis figures run beside it")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_main)
+
+
+#: what of the server bench stands beside the Mooncake figures (GB/s and the socket's)
+_BESIDE_KEYS = ("put_gbps", "get_gbps", "socket_put_gbps", "socket_get_gbps", "put_ratio_vs_socket",
+                "get_ratio_vs_socket", "redis_py_put_gbps", "redis_py_get_gbps", "redis_benchmark_set_gbps",
+                "redis_benchmark_get_gbps", "redis_error")
+
+
+def _beside_mooncake(runs: int, unix: bool, with_redis: bool) -> dict:
+    """The kvtier server and Redis on the same block sizes, in the same invocation, right after
+    the Mooncake figures (the machine's state is the same, not another day's)."""
+    beside = {}
+    for mib in (8, 32):
+        r = run(float(mib), max(64, 4 * mib), runs, unix, with_redis)
+        beside[f"{mib}mib"] = {k: r[k] for k in _BESIDE_KEYS if k in r}
+    return beside
 
 
 def _main(args) -> int:
@@ -590,6 +608,8 @@ def _main(args) -> int:
         from kvtier.bench.mooncake import run as run_mooncake
 
         result = run_mooncake(runs=min(args.runs, 7))
+        if not args.no_server:
+            result["beside"] = _beside_mooncake(min(args.runs, 5), args.unix, not args.no_redis)
     elif args.quota_stress:
         if args.blocks < 1 or args.measure_puts < 1:
             raise SystemExit("--blocks and --measure-puts must be positive")
