@@ -155,53 +155,34 @@ def run(sizes_mib=(8, 32), blocks: int = 4, runs: int = 5, sealed: bool = True) 
                 for run_i in range(runs):
                     names = [f"bench/{mib}/{run_i}/{i}" for i in range(blocks)]
                     keys = [int(mib * 1000 + run_i * blocks + i).to_bytes(32, "big") for i in range(blocks)]
-                    t0 = time.perf_counter()
-                    codes = engine.batch_put_from(names, [d.ctypes.data for d in datas], [n] * blocks)
-                    t1 = time.perf_counter()
-                    _poison(outs)  # untimed: a get that writes nothing must fail its check
-                    t1p = time.perf_counter()
-                    got = engine.batch_get_into(names, [o.ctypes.data for o in outs], [n] * blocks)
-                    t2 = time.perf_counter()
+                    codes, got, put_s, get_s = _timed_round(
+                        lambda: engine.batch_put_from(names, [d.ctypes.data for d in datas], [n] * blocks),
+                        lambda: engine.batch_get_into(names, [o.ctypes.data for o in outs], [n] * blocks), outs)
                     if any(codes) or any(g != n for g in got) or not _equal(outs, datas):
                         result["warnings"].append(f"bare client at {mib} MiB: put {codes} get {got}")
-                    rates["bare_put"].append(blocks * n / (t1 - t0))
-                    rates["bare_get"].append(blocks * n / (t2 - t1p))
+                    rates["bare_put"].append(blocks * n / put_s)
+                    rates["bare_get"].append(blocks * n / get_s)
                     snames = [f"bench-session/{mib}/{run_i}/{i}" for i in range(blocks)]
-                    t0 = time.perf_counter()
-                    codes = bare_session.put(snames, datas)
-                    t1 = time.perf_counter()
-                    _poison(outs)
-                    t1p = time.perf_counter()
-                    got = bare_session.get(snames, outs)
-                    t2 = time.perf_counter()
+                    codes, got, put_s, get_s = _timed_round(lambda: bare_session.put(snames, datas),
+                                                            lambda: bare_session.get(snames, outs), outs)
                     if any(codes) or any(g != n for g in got) or not _equal(outs, datas):
                         result["warnings"].append(f"bare client in a session at {mib} MiB: put {codes} get {got}")
-                    rates["bare_session_put"].append(blocks * n / (t1 - t0))
-                    rates["bare_session_get"].append(blocks * n / (t2 - t1p))
+                    rates["bare_session_put"].append(blocks * n / put_s)
+                    rates["bare_session_get"].append(blocks * n / get_s)
                     engine.batch_remove(snames, True)
-                    t0 = time.perf_counter()
-                    ps = tier.put_many(keys, datas)
-                    t1 = time.perf_counter()
-                    _poison(outs)
-                    t1p = time.perf_counter()
-                    gs = tier.get_many(keys, outs)
-                    t2 = time.perf_counter()
+                    ps, gs, put_s, get_s = _timed_round(lambda: tier.put_many(keys, datas),
+                                                        lambda: tier.get_many(keys, outs), outs)
                     if ps != [Status.OK] * blocks or gs != [Status.OK] * blocks or not _equal(outs, datas):
                         result["warnings"].append(f"kvtier tier at {mib} MiB: put {ps} get {gs}")
-                    rates["kvtier_put"].append(blocks * n / (t1 - t0))
-                    rates["kvtier_get"].append(blocks * n / (t2 - t1p))
+                    rates["kvtier_put"].append(blocks * n / put_s)
+                    rates["kvtier_get"].append(blocks * n / get_s)
                     if enc is not None:
-                        t0 = time.perf_counter()
-                        ps = enc.put_many(keys, datas)
-                        t1 = time.perf_counter()
-                        _poison(outs)
-                        t1p = time.perf_counter()
-                        gs = enc.get_many(keys, outs)
-                        t2 = time.perf_counter()
+                        ps, gs, put_s, get_s = _timed_round(lambda: enc.put_many(keys, datas),
+                                                            lambda: enc.get_many(keys, outs), outs)
                         if ps != [Status.OK] * blocks or gs != [Status.OK] * blocks or not _equal(outs, datas):
                             result["warnings"].append(f"sealed tier at {mib} MiB: put {ps} get {gs}")
-                        rates["sealed_put"].append(blocks * n / (t1 - t0))
-                        rates["sealed_get"].append(blocks * n / (t2 - t1p))
+                        rates["sealed_put"].append(blocks * n / put_s)
+                        rates["sealed_get"].append(blocks * n / get_s)
                         # the reads' leases refuse a plain removal: force, so the segment never fills
                         engine.batch_remove([enc.inner.storage_name(enc.storage_name(k)) for k in keys], True)
                     rates["socket"].append(_socket_rate(datas[0], outs[0], blocks))
@@ -241,6 +222,18 @@ def run(sizes_mib=(8, 32), blocks: int = 4, runs: int = 5, sealed: bool = True) 
             tier.close()
     result["load_avg_1m"] = round(os.getloadavg()[0], 2)
     return result
+
+
+def _timed_round(put, get, outs):
+    """``put()``, then ``get()`` into ``outs`` poisoned first (untimed: a get that writes nothing
+    must fail its check); their results and seconds."""
+    t0 = time.perf_counter()
+    put_result = put()
+    put_s = time.perf_counter() - t0
+    _poison(outs)
+    t0 = time.perf_counter()
+    got = get()
+    return put_result, got, put_s, time.perf_counter() - t0
 
 
 def _poison(bufs) -> None:

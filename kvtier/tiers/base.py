@@ -172,3 +172,19 @@ def writable_bytes(out) -> memoryview:
     if view.readonly:
         raise ValueError("the output buffer is read-only; pass a writable buffer (e.g. numpy.empty)")
     return view
+
+
+def runs_by_bytes(items: Sequence, sizes: Sequence[int], limit: int) -> Iterator[list]:
+    """Split ``items`` into consecutive runs whose ``sizes`` add up to at most ``limit`` (an item
+    larger than ``limit`` is a run of its own): how batches are cut into bounded engine calls or
+    staging groups."""
+    run: list = []
+    total = 0
+    for item, size in zip(items, sizes):
+        if run and total + size > limit:
+            yield run
+            run, total = [], 0
+        run.append(item)
+        total += size
+    if run:
+        yield run

@@ -46,7 +46,7 @@ from kvtier.core.keys import BlockKey
 from kvtier.core.payload import BlockMeta
 from kvtier.crypto import aead
 from kvtier.crypto.keyring import Keyring
-from kvtier.tiers.base import Status, Tier, writable_bytes
+from kvtier.tiers.base import Status, Tier, runs_by_bytes, writable_bytes
 from kvtier.tiers.streams import StreamingTier, Unverifiable
 from kvtier.tiers.wrapper import WrappingTier
 
@@ -95,20 +95,6 @@ GROUP_BYTES = 64 << 20
 
 def _page_up(n: int) -> int:
     return -(-n // mmap.PAGESIZE) * mmap.PAGESIZE
-
-
-def _groups(sizes: list[int], limit: int) -> Iterator[list[int]]:
-    """Runs of consecutive indices whose sizes sum to at most ``limit`` (at least one each)."""
-    group: list[int] = []
-    total = 0
-    for i, size in enumerate(sizes):
-        if group and total + size > limit:
-            yield group
-            group, total = [], 0
-        group.append(i)
-        total += size
-    if group:
-        yield group
 
 
 class EncryptedTier(WrappingTier):
@@ -277,7 +263,7 @@ class EncryptedTier(WrappingTier):
         todo = [i for i in range(len(keys)) if not present[i]]
         statuses = [Status.OK] * len(keys)
         sizes = {i: self._sealed_size(memoryview(datas[i]).nbytes) for i in todo}
-        groups = [[todo[j] for j in g] for g in _groups([_page_up(sizes[i]) for i in todo], GROUP_BYTES)]
+        groups = list(runs_by_bytes(todo, [_page_up(sizes[i]) for i in todo], GROUP_BYTES))
         held: list[np.ndarray] = []  # one staging buffer per group in flight (at most two)
         job = None  # future sealing the next group
 
@@ -329,7 +315,7 @@ class EncryptedTier(WrappingTier):
         job = None  # future opening the group fetched last
         held: list[np.ndarray] = []  # one staging buffer per group in flight (at most two)
         try:
-            for group in _groups([_page_up(n) for n in sizes], GROUP_BYTES):
+            for group in runs_by_bytes(range(len(sizes)), [_page_up(n) for n in sizes], GROUP_BYTES):
                 names = [self._name(keys[i]) for i in group]
                 # one page-aligned buffer per group, each block at a page boundary in it
                 buf = self._buffers.take(sum(_page_up(sizes[i]) for i in group))

@@ -80,7 +80,7 @@ import xxhash
 
 from kvtier.core.keys import KEY_BYTES, BlockKey
 from kvtier.core.payload import FLAG_CHECKSUM, HEADER_NBYTES, BlockMeta, pack_header, unpack_header
-from kvtier.tiers.base import Status, Tier, writable_bytes
+from kvtier.tiers.base import Status, Tier, runs_by_bytes, writable_bytes
 from kvtier.tiers.mooncake_client import (
     MASTER_DOWN_CODES,
     RC_BAD_PARAMS,
@@ -437,7 +437,7 @@ class MooncakeTier(Tier):
         pending: deque[_ChunkRead] = deque()
         inflight = 0
         sizes = [views[i].nbytes + HEADER_NBYTES for i in found]
-        pieces = [[i] for i in found] if session else _chunks_by_bytes(found, sizes, _BATCH_CALL_BYTES)
+        pieces = [[i] for i in found] if session else runs_by_bytes(found, sizes, _BATCH_CALL_BYTES)
         try:
             for piece in pieces:
                 nbytes = sum(views[i].nbytes + HEADER_NBYTES for i in piece)
@@ -910,17 +910,3 @@ def _header_row(tier: MooncakeTier, digest: bytes, view: np.ndarray, meta) -> np
     n = view.nbytes
     tag = tier._tag(digest, n, xxhash.xxh3_128_digest(view))
     return np.frombuffer(pack_header(digest, n, tag, meta, flags=FLAG_CHECKSUM), np.uint8)
-
-
-def _chunks_by_bytes(items: list[int], sizes: list[int], limit: int):
-    """Split ``items`` into runs whose ``sizes`` add up to at most ``limit`` (one item may exceed it)."""
-    run: list[int] = []
-    total = 0
-    for item, size in zip(items, sizes):
-        if run and total + size > limit:
-            yield run
-            run, total = [], 0
-        run.append(item)
-        total += size
-    if run:
-        yield run
