@@ -23,6 +23,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
+from kvtier.child_process import die_with_parent
 from kvtier.server.auth import hash_token
 
 
@@ -108,7 +109,7 @@ class ServerProcess:
         proc = subprocess.Popen(
             [sys.executable, "-m", "kvtier.server", "--config", config],
             stdout=subprocess.PIPE, stderr=stderr, stdin=subprocess.DEVNULL,
-            env={**os.environ, **(env or {})}, preexec_fn=_die_with_parent,
+            env={**os.environ, **(env or {})}, preexec_fn=die_with_parent,
         )
         stderr.close()
         line = _read_line(proc, timeout_s)
@@ -148,16 +149,6 @@ class ServerProcess:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-
-def _die_with_parent() -> None:
-    """In the child: get SIGTERM when the parent dies, so that a killed test run leaves no server."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
 
 
 def _read_line(proc: subprocess.Popen, timeout_s: float) -> str:

@@ -29,6 +29,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvtier.child_process import die_with_parent
+
 LOOPBACK = "127.0.0.1"
 MASTER_BINARY = "mooncake_master"
 
@@ -139,7 +141,7 @@ class MooncakeCluster:
                f"--http_metadata_server_port={self.http_port}", f"--metrics_host={LOOPBACK}",
                f"--metrics_port={self.metrics_port}", *self.master_flags]
         with open(log, "ab") as out:
-            self.master = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            self.master = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent,
                                            cwd=self.workdir, env=client_env())
         _wait_port(self.rpc_port, self.master, timeout_s, "mooncake_master", log)
         _wait_port(self.http_port, self.master, timeout_s, "mooncake_master's metadata server", log)
@@ -153,7 +155,7 @@ class MooncakeCluster:
                "--metadata", self.metadata_url, "--segment-bytes", str(self.segment_bytes),
                "--ready-file", str(ready)]
         with open(log, "ab") as out:
-            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent,
                                     cwd=self.workdir, env=client_env())
         self.holders[i] = proc
         deadline = time.monotonic() + timeout_s
