@@ -67,24 +67,52 @@ class _Staging(threading.local):
 
 
 class _BufferPool:
-    """Page-aligned buffers handed out and given back, so batch pipelines never allocate."""
+    """Page-aligned buffers handed out and given back, so batch pipelines never allocate.
 
-    def __init__(self) -> None:
+    With a ``registrar`` (an inner tier that receives reads straight into memory registered with
+    it, :meth:`~kvtier.tiers.mooncake.MooncakeTier.register_memory`), each buffer is registered
+    once, when made, and unregistered when the pool lets it go. A read that overran its deadline
+    may still write into such a buffer: the caller then :meth:`quarantine`-s it instead of giving
+    it back, and it is handed out again only once the registrar has no late read left
+    (``late_direct_reads == 0``), so a late write never lands in a block read after it."""
+
+    KEEP = 4
+
+    def __init__(self, registrar=None) -> None:
         self._free: list[np.ndarray] = []
+        self._quarantined: list[np.ndarray] = []
+        self._registrar = registrar
         self._lock = threading.Lock()
 
     def take(self, nbytes: int) -> np.ndarray:
+        with self._lock:
+            released: list[np.ndarray] = []
+            if self._quarantined and self._registrar.late_direct_reads == 0:
+                released, self._quarantined = self._quarantined, []
+        for buf in released:
+            self.give(buf)
         with self._lock:
             for i, buf in enumerate(self._free):
                 if buf.nbytes >= nbytes:
                     return self._free.pop(i)
         size = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
-        return np.frombuffer(mmap.mmap(-1, size), dtype=np.uint8)
+        buf = np.frombuffer(mmap.mmap(-1, size), dtype=np.uint8)
+        if self._registrar is not None:
+            self._registrar.register_memory(buf)
+        return buf
 
     def give(self, buf: np.ndarray) -> None:
         with self._lock:
-            if len(self._free) < 4:
+            if len(self._free) < self.KEEP:
                 self._free.append(buf)
+                return
+        if self._registrar is not None:
+            self._registrar.unregister_memory(buf)
+
+    def quarantine(self, buf: np.ndarray) -> None:
+        """``buf`` may still be written by a late read: keep it out of use until none is left."""
+        with self._lock:
+            self._quarantined.append(buf)
 
 
 #: Sealed bytes fetched per inner ``get_many`` in a batch: large enough that a tier moving a
@@ -131,7 +159,13 @@ class EncryptedTier(WrappingTier):
         # Batches overlap sealing (opening) of one block with the inner tier's I/O of
         # another: AES-GCM and socket/file I/O both release the GIL.
         self._pipe = ThreadPoolExecutor(1, thread_name_prefix="kvtier-aead-pipe")
-        self._buffers = _BufferPool()
+        # Over a tier that receives reads straight into memory registered with it (Mooncake) and
+        # lets a caller whose payloads authenticate themselves skip its payload hash, the batch
+        # staging is registered with it: a sealed block lands where it is opened (no copy out of
+        # the tier's own staging) and is checked once, by its AES-GCM tags (see get_many).
+        self._direct = (callable(getattr(inner, "register_memory", None)) and hasattr(inner, "direct_overruns")
+                        and getattr(inner, "reads_unhashed", False))
+        self._buffers = _BufferPool(inner if self._direct else None)
         self.streams = max(1, streams)
         self._lanes = (ThreadPoolExecutor(self.streams - 1, thread_name_prefix="kvtier-aead-lane")
                        if self.streams > 1 else None)
@@ -196,6 +230,10 @@ class EncryptedTier(WrappingTier):
                              executor=executor)
         if why is None:
             return Status.OK
+        # AES-GCM decrypts before it checks a tag: a block moved here from another name of ours
+        # left that block's plaintext in ``out``. Wiped, so that a caller who ignores the status
+        # still never reads another block's bytes.
+        np.frombuffer(memoryview(out).cast("B"), dtype=np.uint8).fill(0)
         status = Status.MISS if lookup.missing else Status.CORRUPT
         with self._lock:  # (the tier below counted a hit: it returned the sealed bytes)
             if status is Status.MISS:
@@ -213,8 +251,12 @@ class EncryptedTier(WrappingTier):
                      name.hex()[:16], tenant, why)
             return
         log.warning("encrypted block %s… of tenant %r rejected: %s", name.hex()[:16], tenant, why)
-        if lookup.found:
-            self.inner.delete(name)  # the tag failed under our key: it will never verify, free the space
+        if lookup.found:  # the tag failed under our key: it will never verify, free the space
+            remove = getattr(self.inner, "remove_unverifiable", None) if self._direct else None
+            if remove is not None:  # (read unhashed below: the tags were the check, remove by force)
+                remove(name)
+            else:
+                self.inner.delete(name)
 
     def _sealed_size(self, plain_nbytes: int) -> int:
         return aead.sealed_nbytes(plain_nbytes, self.chunk_bytes)
@@ -314,6 +356,7 @@ class EncryptedTier(WrappingTier):
         statuses: list[Status] = [Status.MISS] * len(keys)
         job = None  # future opening the group fetched last
         held: list[np.ndarray] = []  # one staging buffer per group in flight (at most two)
+        tainted: set[int] = set()  # ids of held buffers a late read may still write into
         try:
             for group in runs_by_bytes(range(len(sizes)), [_page_up(n) for n in sizes], GROUP_BYTES):
                 names = [self._name(keys[i]) for i in group]
@@ -324,11 +367,11 @@ class EncryptedTier(WrappingTier):
                 for i in group:
                     views.append(buf[at:at + sizes[i]])
                     at += _page_up(sizes[i])
-                fetched = self.inner.get_many(names, views)
+                fetched = self._fetch(names, views, buf, tainted)
                 if job is not None:  # the previous group, opened while this one arrived
                     job.result()
                     job = None
-                self._release(held[:-1])
+                self._release(held[:-1], tainted)
                 del held[:-1]
                 ready = []
                 for i, name, view, status in zip(group, names, views, fetched):
@@ -344,16 +387,37 @@ class EncryptedTier(WrappingTier):
         finally:
             if job is not None:  # (an error above) the opening still reads a held buffer
                 wait([job])
-            self._release(held)
+            self._release(held, tainted)
         return statuses
+
+    def _fetch(self, names, views, buf: np.ndarray, tainted: set[int]) -> list[Status]:
+        """One group's inner ``get_many`` into ``buf``.
+
+        Into registered staging (``self._direct``), the inner tier does not hash the payloads:
+        each object's header must still name the block at its size, and the AES-GCM tags then
+        authenticate every byte, bound to the tenant, the block's keyed name and its size (the
+        sealed header, in every chunk's AAD). A read of this group that overran its deadline
+        may still land in ``buf`` later (in the slice of a block that is a miss: a block read whole
+        is in a slice of its own): ``buf`` is then marked in ``tainted`` and, once released,
+        quarantined instead of reused."""
+        if not self._direct:
+            return self.inner.get_many(names, views)
+        overruns = self.inner.direct_overruns
+        fetched = self.inner.get_many(names, views, hash_payloads=False)
+        if self.inner.direct_overruns != overruns:  # (perhaps another thread's: quarantined anyway)
+            tainted.add(id(buf))
+        return fetched
 
     def _open_group(self, ready, dsts, statuses) -> None:
         for i, name, view in ready:
             statuses[i] = self._open(self.tenant, name, view, dsts[i], None)
 
-    def _release(self, bufs) -> None:
+    def _release(self, bufs, tainted: set[int] = frozenset()) -> None:
         for b in bufs:
-            self._buffers.give(b)
+            if id(b) in tainted:
+                self._buffers.quarantine(b)
+            else:
+                self._buffers.give(b)
 
     # -- streamed: sealed and opened chunk by chunk as a streaming tier moves them ------------
     def _streaming(self) -> bool:

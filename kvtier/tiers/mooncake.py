@@ -185,6 +185,7 @@ class MooncakeTier(Tier):
         self._unremoved: dict[str, float] = {}  # name → when its removal was refused (a lease)
         self._regions: list[tuple[int, int, object]] = []  # (start, end, the caller's buffer) registered
         self._late_direct_reads = 0
+        self._direct_overruns = 0
         self._transfer = self._client.transfer
         self._suspect: dict[str, float] = {}  # a holder's endpoint → until when reads try it last
         self._next_removal_retry = 0.0
@@ -302,9 +303,16 @@ class MooncakeTier(Tier):
             time.sleep(0.01)
         return True
 
+    @property
+    def direct_overruns(self) -> int:
+        """Reads into registered memory that overran, ever: a caller that sees it change across its
+        own call knows a late write may still land in the registered memory it read into."""
+        return self._direct_overruns
+
     def _note_late_direct_read(self) -> None:
         with self._lock:
             self._late_direct_reads += 1
+            self._direct_overruns += 1
 
     def _registered_address(self, view: memoryview) -> int | None:
         """The address of ``view`` if all of it lies in registered memory, else None."""
@@ -346,7 +354,15 @@ class MooncakeTier(Tier):
     def get(self, key: BlockKey, out) -> Status:
         return self.get_many([key], [out])[0]
 
-    def get_many(self, keys: Sequence[BlockKey], outs: Sequence) -> list[Status]:
+    #: :meth:`get_many` takes ``hash_payloads=False`` (a caller whose payloads authenticate themselves)
+    reads_unhashed = True
+
+    def get_many(self, keys: Sequence[BlockKey], outs: Sequence, *, hash_payloads: bool = True) -> list[Status]:
+        """``hash_payloads=False``: for a caller whose payloads authenticate themselves (an
+        :class:`~kvtier.tiers.encrypted.EncryptedTier`'s AES-GCM blocks, whose tags bind the tenant,
+        the block's name and its size): each object's header must still name this block at this
+        size, but the payload's keyed tag is not checked (its xxh3 over the payload not computed):
+        the caller's own authentication is the check, and what fails it the caller deletes."""
         if len(keys) != len(outs):
             raise ValueError(f"get_many: {len(keys)} keys but {len(outs)} buffers")
         views = [writable_bytes(o) for o in outs]
@@ -365,19 +381,20 @@ class MooncakeTier(Tier):
                 rounds.append([])
             rounds[r].append(i)
         for todo in rounds:
-            self._read_round(todo, digests, views, statuses, deadline)
+            self._read_round(todo, digests, views, statuses, deadline, hash_payloads)
         self._count_reads(statuses, views)
         return statuses
 
-    def _read_round(self, todo: list[int], digests, views, statuses: list[Status], deadline: float) -> None:
+    def _read_round(self, todo: list[int], digests, views, statuses: list[Status], deadline: float,
+                    hashed: bool) -> None:
         for _ in range(self.read_attempts):
             try:
                 self._check_up()
                 small = [i for i in todo if views[i].nbytes < _SESSION_MIN_BYTES]
-                retry = self._read_pieces(small, digests, views, statuses, deadline, session=False)
+                retry = self._read_pieces(small, digests, views, statuses, deadline, session=False, hashed=hashed)
                 big = [i for i in todo if views[i].nbytes >= _SESSION_MIN_BYTES]
                 if big:
-                    retry += self._read_in_session(big, digests, views, statuses, deadline)
+                    retry += self._read_in_session(big, digests, views, statuses, deadline, hashed)
             except _Down:
                 break
             # A dead holder answers -800 until the master drops it (its client_ttl), and the engine
@@ -386,7 +403,7 @@ class MooncakeTier(Tier):
             # copy is gone (a miss).
             if retry and self.replicas > 1 and self._transfer is not None:
                 try:
-                    retry = self._read_other_replicas(retry, digests, views, statuses, deadline)
+                    retry = self._read_other_replicas(retry, digests, views, statuses, deadline, hashed)
                 except _Down:
                     break
             todo = retry
@@ -394,7 +411,7 @@ class MooncakeTier(Tier):
                 break
 
     def _read_in_session(self, todo: list[int], digests, views, statuses: list[Status],
-                         deadline: float) -> list[int]:
+                         deadline: float, hashed: bool) -> list[int]:
         """Read ``todo`` in one get session: the master is asked once for every block's replicas
         (and grants their leases), then the blocks move one per call, the calls running
         together; each is verified as soon as it lands, while the later ones still transfer.
@@ -413,7 +430,7 @@ class MooncakeTier(Tier):
                 else:
                     log.info("mooncake tier: lookup of %s… failed (rc=%d)", name[len(NAME_PREFIX):][:16], code)
                     statuses[i] = Status.ERROR
-            return self._read_pieces(found, digests, views, statuses, deadline, session=True)
+            return self._read_pieces(found, digests, views, statuses, deadline, session=True, hashed=hashed)
         finally:
             ending = self._client.sessions_closing(names)
             if ending:
@@ -429,7 +446,7 @@ class MooncakeTier(Tier):
                     log.debug("mooncake tier: ending a get session failed: %s", exc)
 
     def _read_pieces(self, found: list[int], digests, views, statuses: list[Status], deadline: float, *,
-                     session: bool) -> list[int]:
+                     session: bool, hashed: bool) -> list[int]:
         """Read ``found`` in calls started as the in-flight bounds allow (in an open session: one
         block per call; else batch calls, each asking the master), each verified as it ends.
         Returns the indices a holder failed to serve."""
@@ -444,12 +461,12 @@ class MooncakeTier(Tier):
                 while pending and (inflight + nbytes > _INFLIGHT_BYTES or len(pending) >= _INFLIGHT_CALLS):
                     read = pending.popleft()
                     inflight -= read.nbytes
-                    failed += self._finish_chunk(read, digests, views, statuses, deadline)
+                    failed += self._finish_chunk(read, digests, views, statuses, deadline, hashed)
                 self._check_up()
                 pending.append(self._start_chunk(piece, digests, views, session))
                 inflight += nbytes
             while pending:
-                failed += self._finish_chunk(pending.popleft(), digests, views, statuses, deadline)
+                failed += self._finish_chunk(pending.popleft(), digests, views, statuses, deadline, hashed)
         except _Down:
             for read in pending:  # started, never waited for: their buffers are theirs until they end
                 if read.headers is not None:
@@ -460,7 +477,7 @@ class MooncakeTier(Tier):
         return failed
 
     def _read_other_replicas(self, todo: list[int], digests, views, statuses: list[Status],
-                             deadline: float) -> list[int]:
+                             deadline: float, hashed: bool) -> list[int]:
         """Read each block of ``todo`` from a replica other than the first (the one the engine
         failed on), holders that failed lately last; returns the blocks no replica served."""
         names = [NAME_PREFIX + digests[i].hex() for i in todo]
@@ -486,7 +503,7 @@ class MooncakeTier(Tier):
                                 if_late=lambda st=staged: self._staging.give(st))
                 try:
                     if rc == 0:
-                        statuses[i] = self._verify_into(name, digests[i], staged[1][:n], views[i])
+                        statuses[i] = self._verify_into(name, digests[i], staged[1][:n], views[i], hashed)
                         served = True
                         break
                 finally:
@@ -526,7 +543,7 @@ class MooncakeTier(Tier):
         return read
 
     def _finish_chunk(self, read: "_ChunkRead", digests, views, statuses: list[Status],
-                      deadline: float) -> list[int]:
+                      deadline: float, hashed: bool) -> list[int]:
         """Wait for a started read and verify it; returns the indices a holder failed to serve."""
         direct = read.headers is not None
         try:
@@ -548,9 +565,9 @@ class MooncakeTier(Tier):
                 if code == n:
                     if buf is None:
                         row = read.headers[1][j * HEADER_NBYTES:(j + 1) * HEADER_NBYTES]
-                        statuses[i] = self._verify_in_place(name, digests[i], row, views[i])
+                        statuses[i] = self._verify_in_place(name, digests[i], row, views[i], hashed)
                     else:
-                        statuses[i] = self._verify_into(name, digests[i], buf[1][:n], views[i])
+                        statuses[i] = self._verify_into(name, digests[i], buf[1][:n], views[i], hashed)
                 elif code in (RC_NOT_FOUND, RC_NOT_READY):
                     statuses[i] = Status.MISS  # absent, or still being written by another put
                 elif 0 <= code < n or code == RC_BAD_PARAMS:
@@ -582,22 +599,31 @@ class MooncakeTier(Tier):
             return Status.CORRUPT
         return Status.OK
 
-    def _verify_in_place(self, name: str, digest: bytes, header_bytes: np.ndarray, out: memoryview) -> Status:
-        """A block received straight into the caller's buffer: hashed where it lies."""
+    def _verify_in_place(self, name: str, digest: bytes, header_bytes: np.ndarray, out: memoryview,
+                         hashed: bool = True) -> Status:
+        """A block received straight into the caller's buffer: hashed where it lies (unless the
+        caller authenticates its payloads: then only its header is checked)."""
         tag = self._header_tag(name, digest, header_bytes, out.nbytes)
         if tag is None:
             return Status.CORRUPT
+        if not hashed:
+            return Status.OK
         return self._tag_matches(name, digest, out.nbytes, xxhash.xxh3_128_digest(out), tag)
 
-    def _verify_into(self, name: str, digest: bytes, staged: np.ndarray, out: memoryview) -> Status:
-        """A block received into staging: hashed piece by piece while copied out."""
+    def _verify_into(self, name: str, digest: bytes, staged: np.ndarray, out: memoryview,
+                     hashed: bool = True) -> Status:
+        """A block received into staging: hashed piece by piece while copied out (unless the
+        caller authenticates its payloads: then only its header is checked, and it is copied)."""
         n = out.nbytes
         tag = self._header_tag(name, digest, staged[:HEADER_NBYTES], n)
         if tag is None:
             return Status.CORRUPT
         payload = staged[HEADER_NBYTES:]
-        hasher = xxhash.xxh3_128()
         dst = np.frombuffer(out, dtype=np.uint8)
+        if not hashed:
+            dst[:] = payload[:n]
+            return Status.OK
+        hasher = xxhash.xxh3_128()
         for start in range(0, n, _COPY_PIECE):  # hash each piece while in cache, then copy it
             piece = payload[start : start + _COPY_PIECE]
             hasher.update(piece)
@@ -715,6 +741,15 @@ class MooncakeTier(Tier):
                     out[j] = True
             self.stats.deletes += sum(out)
         return out
+
+    def remove_unverifiable(self, key: BlockKey) -> None:
+        """Remove a block that a caller reading it with ``hash_payloads=False`` found failing its own
+        authentication (an AES-GCM tag under a key it holds): forced, as a block that fails this
+        tier's tag is (a reader's lease protects nothing worth keeping; a plain delete would only
+        hide it, and a put of the key would then bring the bad object back)."""
+        self._drop(self.storage_name(key), "fails its reader's authentication")
+        with self._lock:
+            self._unremoved.pop(self.storage_name(key), None)
 
     def _hidden(self) -> frozenset[str]:
         with self._lock:
