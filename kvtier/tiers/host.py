@@ -322,6 +322,47 @@ class HostTier(Tier):
         For loaders that copy many blocks out at once: per-block borrows cost a lock
         round trip and a generator each, a noticeable share of a 256 KiB copy.
         """
+        entries = self._pin_leading(keys, nbytes)
+        try:
+            views = []
+            for entry in entries:
+                view = self._view(entry)
+                view.flags.writeable = False
+                views.append(view)
+            yield views
+        finally:
+            self._unpin_all(entries)
+
+    @contextmanager
+    def borrow_runs(self, keys, nbytes: int):
+        """:meth:`borrow_many` of blocks of ``nbytes`` each, yielding one read-only view per run
+        of them adjacent in the pool (block k+1 starts where block k ends), in key order: the
+        views' ``nbytes // nbytes`` add up to the leading run's length (maybe no view).
+
+        For loaders that copy a run with one call: a view per block, and telling adjacent
+        ones apart from their addresses, cost a few microseconds a block in Python, a
+        noticeable share of copying 256 KiB at memory speed.
+        """
+        entries = self._pin_leading(keys, nbytes)
+        try:
+            runs = []
+            start = end = -1
+            for entry in entries:
+                if entry.offset != end:
+                    if end >= 0:
+                        runs.append(self._pool[start:end])
+                    start = entry.offset
+                end = entry.offset + nbytes
+            if end >= 0:
+                runs.append(self._pool[start:end])
+            for view in runs:
+                view.flags.writeable = False
+            yield runs
+        finally:
+            self._unpin_all(entries)
+
+    def _pin_leading(self, keys, nbytes: int | None) -> list[_Entry]:
+        """Pin the leading run of ``keys`` this tier holds (each of ``nbytes`` if given), counted as read."""
         entries: list[_Entry] = []
         with self._lock:
             for key in keys:
@@ -337,18 +378,13 @@ class HostTier(Tier):
             # store for it next, and that get counts it.
             self.stats.hits += len(entries)
             self.stats.bytes_read += sum(entry.nbytes for entry in entries)
-        try:
-            views = []
-            for entry in entries:
-                view = self._view(entry)
-                view.flags.writeable = False
-                views.append(view)
-            yield views
-        finally:
-            if entries:
-                with self._lock:
-                    for entry in entries:
-                        self._unpin_locked(entry.key, entry)
+        return entries
+
+    def _unpin_all(self, entries: list[_Entry]) -> None:
+        if entries:
+            with self._lock:
+                for entry in entries:
+                    self._unpin_locked(entry.key, entry)
 
     def pin(self, key: BlockKey) -> bool:
         """Pin a block until :meth:`unpin`; False if absent."""

@@ -100,3 +100,28 @@ def test_unpin_after_delete_frees_the_slot():
     assert t.contains(k(1))
     with pytest.raises(ValueError, match="not pinned"):
         t.unpin(k(1))
+
+
+def test_borrow_runs_merges_only_pool_adjacent_blocks_in_key_order_and_releases_every_pin():
+    t = HostTier(8 * BLOCK, BLOCK)
+    # Pool order 0, 1, 3, 2: keys 0..1 are adjacent, 2 sits after 3 (a run must split twice).
+    for i in (0, 1, 3, 2):
+        assert t.put(k(i), data(i)) is Status.OK
+    hits, read = t.stats.hits, t.stats.bytes_read
+    with t.borrow_runs([k(i) for i in range(5)], BLOCK) as runs:  # key 4 is absent: the run stops there
+        assert [r.nbytes // BLOCK for r in runs] == [2, 1, 1]
+        got = np.concatenate(runs).reshape(-1, BLOCK)
+        assert [int(row[0]) for row in got] == [0, 1, 2, 3], "runs out of key order"
+        assert all((row == row[0]).all() for row in got)
+        assert not any(r.flags.writeable for r in runs)
+        assert (t.stats.hits - hits, t.stats.bytes_read - read) == (4, 4 * BLOCK)
+        assert t.delete(k(0)) and not t.contains(k(0))  # deleted while borrowed: hidden at once
+        assert t.put(k(5), data(5)) is Status.OK  # and its memory not reused yet
+        assert int(runs[0][0]) == 0
+    assert t.used_bytes == 4 * BLOCK  # key 0 went with the last unpin
+    t.check_integrity()
+    with t.borrow_runs([k(9)], BLOCK) as runs:
+        assert runs == []
+    with t.borrow_runs([k(1)], 2 * BLOCK) as runs:
+        assert runs == []  # another size than asked for ends the run
+    t.close()

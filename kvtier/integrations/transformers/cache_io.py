@@ -7,7 +7,7 @@ The model's KV lives in one preallocated tensor, :class:`KVStorage`, of shape
 * **Loading is one copy per block, or fewer.** A canonical block ``(layers, 2,
   kv_heads, block_tokens, head_dim)`` lands in ``storage[:, :, 0, :, span, :]``
   with a strided ``numpy.copyto`` (inner runs of ``block_tokens * head_dim``
-  elements), straight from the host pool (:meth:`HostTier.borrow_many`: the
+  elements), straight from the host pool (:meth:`HostTier.borrow_runs`: the
   whole run of host blocks pinned at once, no staging copy; blocks adjacent in
   the pool go in one call) or from a page-aligned staging buffer a slower tier
   read into. No per-token, per-layer Python loop.
@@ -268,11 +268,14 @@ def load_blocks(
         try:
             while i < len(keys):
                 if host is not None:
-                    with host.borrow_many(keys[i:], nbytes) as views:
-                        if views:
-                            _place_views(raw, i, views, layout)
-                            by_tier[host.name] = by_tier.get(host.name, 0) + len(views) * nbytes
-                            i += len(views)
+                    with host.borrow_runs(keys[i:], nbytes) as runs:
+                        if runs:
+                            first = i
+                            for run in runs:  # one copy per run of blocks adjacent in the pool
+                                n = run.nbytes // nbytes
+                                _place_run(raw, i, run, n, layout)
+                                i += n
+                            by_tier[host.name] = by_tier.get(host.name, 0) + (i - first) * nbytes
                             continue
                 # A run of blocks the host tier lacks: the store finds them below (and
                 # verifies them). Read in chunks, two in flight on the store's I/O threads,
@@ -321,7 +324,8 @@ def _load_lower(store: TieredStore, keys: Sequence[BlockKey], raw: np.ndarray, f
             while placed in ready and served == n:
                 a = placed
                 b, result = ready.pop(a)
-                _place_views(raw, first + a, outs[a : a + result.loaded], layout, contiguous=True)
+                if result.loaded:
+                    _place_run(raw, first + a, buf[a * nbytes : (a + result.loaded) * nbytes], result.loaded, layout)
                 for k in range(result.loaded):
                     tier = result.tiers[k] or "?"
                     by_tier[tier] = by_tier.get(tier, 0) + nbytes
@@ -336,34 +340,15 @@ def _load_lower(store: TieredStore, keys: Sequence[BlockKey], raw: np.ndarray, f
     return served
 
 
-def _place_views(raw: np.ndarray, first: int, views: Sequence[np.ndarray], layout: KVLayout, *,
-                 contiguous: bool = False) -> None:
-    """Copy canonical blocks ``views`` into positions of blocks ``first..``: one strided copy per
-    run of blocks adjacent in memory (``contiguous``: all of them are, as in staging)."""
-    nbytes = layout.block_nbytes
-    start = 0
-    for k in range(1, len(views) + 1):
-        if k < len(views) and (contiguous or _address(views[k]) == _address(views[k - 1]) + nbytes):
-            continue
-        _place_run(raw, first + start, views[start], k - start, layout)
-        start = k
-
-
-def _place_run(raw: np.ndarray, first: int, head: np.ndarray, n: int, layout: KVLayout) -> None:
-    """Blocks ``first .. first + n - 1`` from ``n`` adjacent canonical blocks starting at ``head``."""
+def _place_run(raw: np.ndarray, first: int, run: np.ndarray, n: int, layout: KVLayout) -> None:
+    """Blocks ``first .. first + n - 1`` from ``run``, ``n`` canonical blocks back to back (bytes)."""
     lay = layout
     bt = lay.block_tokens
-    # The n blocks as one array (they are adjacent in one buffer: checked by the caller).
-    src = np.lib.stride_tricks.as_strided(head, shape=(n * lay.block_nbytes,), strides=(1,), writeable=False)
-    src = src.view(raw.dtype).reshape(n, *lay.block_shape).transpose(1, 2, 3, 0, 4, 5)
+    src = run.view(raw.dtype).reshape(n, *lay.block_shape).transpose(1, 2, 3, 0, 4, 5)
     dst = raw[:, :, 0, :, first * bt : (first + n) * bt, :]
     # Assigning the shape (not reshape) raises rather than copy: the copy must land in the storage.
     dst.shape = (lay.num_layers, lay.kv_parts, lay.num_kv_heads, n, bt, lay.head_dim)
     np.copyto(dst, src)
-
-
-def _address(view: np.ndarray) -> int:
-    return view.__array_interface__["data"][0]
 
 
 def gather_blocks(storage: KVStorage, first_block: int, n_blocks: int) -> list[np.ndarray]:
