@@ -463,7 +463,7 @@ class MooncakeTier(Tier):
                     inflight -= read.nbytes
                     failed += self._finish_chunk(read, digests, views, statuses, deadline, hashed)
                 self._check_up()
-                pending.append(self._start_chunk(piece, digests, views, session))
+                pending.append(self._start_chunk(piece, digests, views, session, hashed))
                 inflight += nbytes
             while pending:
                 failed += self._finish_chunk(pending.popleft(), digests, views, statuses, deadline, hashed)
@@ -513,7 +513,7 @@ class MooncakeTier(Tier):
                 left.append(i)
         return left
 
-    def _start_chunk(self, chunk: list[int], digests, views, session: bool) -> "_ChunkRead":
+    def _start_chunk(self, chunk: list[int], digests, views, session: bool, hashed: bool = True) -> "_ChunkRead":
         """Start reading ``chunk`` in one engine call (ranged, in the open session; else a batch
         call). A block whose output buffer lies in memory registered with
         :meth:`register_memory` is received straight into it (its header into a registered
@@ -535,11 +535,17 @@ class MooncakeTier(Tier):
                 lens.append([n])
                 offsets.append([0])
         read = _ChunkRead(self, chunk, names, sizes, bufs, headers)
+        # Each payload is hashed on the call's worker as soon as the call returns, while it is
+        # still in cache and while the batch's other calls still transfer (on the caller's thread,
+        # after the calls that run at once have all ended together, it was a serial tail).
+        payloads = ([views[i] if buf is None else buf[1][HEADER_NBYTES:n] for i, buf, n in zip(chunk, bufs, sizes)]
+                    if hashed else None)
         if session:
-            read.future = self._caller.submit(self._engine.batch_get_into_multi_buffer_ranges, names, ptrs, lens,
-                                              offsets)
+            read.future = self._caller.submit(read.run_and_hash, payloads, self._engine.batch_get_into_multi_buffer_ranges,
+                                              names, ptrs, lens, offsets)
         else:
-            read.future = self._caller.submit(self._engine.batch_get_into_multi_buffers, names, ptrs, lens)
+            read.future = self._caller.submit(read.run_and_hash, payloads, self._engine.batch_get_into_multi_buffers,
+                                              names, ptrs, lens)
         return read
 
     def _finish_chunk(self, read: "_ChunkRead", digests, views, statuses: list[Status],
@@ -563,11 +569,13 @@ class MooncakeTier(Tier):
             self._codes(codes)
             for j, (i, name, buf, n, code) in enumerate(zip(read.chunk, read.names, read.bufs, read.sizes, codes)):
                 if code == n:
+                    payload_hash = read.hashes[j] if read.hashes is not None else None
                     if buf is None:
                         row = read.headers[1][j * HEADER_NBYTES:(j + 1) * HEADER_NBYTES]
-                        statuses[i] = self._verify_in_place(name, digests[i], row, views[i], hashed)
+                        statuses[i] = self._verify_in_place(name, digests[i], row, views[i], hashed, payload_hash)
                     else:
-                        statuses[i] = self._verify_into(name, digests[i], buf[1][:n], views[i], hashed)
+                        statuses[i] = self._verify_into(name, digests[i], buf[1][:n], views[i], hashed,
+                                                        payload_hash)
                 elif code in (RC_NOT_FOUND, RC_NOT_READY):
                     statuses[i] = Status.MISS  # absent, or still being written by another put
                 elif 0 <= code < n or code == RC_BAD_PARAMS:
@@ -600,27 +608,33 @@ class MooncakeTier(Tier):
         return Status.OK
 
     def _verify_in_place(self, name: str, digest: bytes, header_bytes: np.ndarray, out: memoryview,
-                         hashed: bool = True) -> Status:
-        """A block received straight into the caller's buffer: hashed where it lies (unless the
-        caller authenticates its payloads: then only its header is checked)."""
+                         hashed: bool = True, payload_hash: bytes | None = None) -> Status:
+        """A block received straight into the caller's buffer: hashed where it lies (``payload_hash``:
+        already, by the call's worker; not at all if the caller authenticates its payloads: then
+        only its header is checked)."""
         tag = self._header_tag(name, digest, header_bytes, out.nbytes)
         if tag is None:
             return Status.CORRUPT
         if not hashed:
             return Status.OK
-        return self._tag_matches(name, digest, out.nbytes, xxhash.xxh3_128_digest(out), tag)
+        if payload_hash is None:
+            payload_hash = xxhash.xxh3_128_digest(out)
+        return self._tag_matches(name, digest, out.nbytes, payload_hash, tag)
 
     def _verify_into(self, name: str, digest: bytes, staged: np.ndarray, out: memoryview,
-                     hashed: bool = True) -> Status:
-        """A block received into staging: hashed piece by piece while copied out (unless the
-        caller authenticates its payloads: then only its header is checked, and it is copied)."""
+                     hashed: bool = True, payload_hash: bytes | None = None) -> Status:
+        """A block received into staging: hashed piece by piece while copied out (``payload_hash``:
+        hashed already, by the call's worker, in staging that nothing writes once the call ended;
+        not at all if the caller authenticates its payloads: then only its header is checked)."""
         n = out.nbytes
         tag = self._header_tag(name, digest, staged[:HEADER_NBYTES], n)
         if tag is None:
             return Status.CORRUPT
         payload = staged[HEADER_NBYTES:]
         dst = np.frombuffer(out, dtype=np.uint8)
-        if not hashed:
+        if not hashed or payload_hash is not None:
+            if payload_hash is not None and self._tag_matches(name, digest, n, payload_hash, tag) is not Status.OK:
+                return Status.CORRUPT  # (nothing copied: the caller's buffer keeps what it held)
             dst[:] = payload[:n]
             return Status.OK
         hasher = xxhash.xxh3_128()
@@ -919,8 +933,18 @@ class _ChunkRead:
         self.tier, self.chunk, self.names, self.sizes, self.bufs, self.headers = tier, chunk, names, sizes, bufs, headers
         self.nbytes = sum(sizes)
         self.future = None
+        #: xxh3-128 of each payload the call read whole (None: not hashed, or not read whole)
+        self.hashes: list[bytes | None] | None = None
         self._given = False
         self._lock = threading.Lock()
+
+    def run_and_hash(self, payloads, fn, *args):
+        """On the engine call's worker: the call, then the hash of every payload it read whole."""
+        codes = fn(*args)
+        if payloads is not None and not isinstance(codes, int):
+            self.hashes = [xxhash.xxh3_128_digest(p) if code == n else None
+                           for p, code, n in zip(payloads, codes, self.sizes)]
+        return codes
 
     def give_back(self) -> None:
         with self._lock:
