@@ -29,6 +29,15 @@ stale pages would otherwise only crowd the cache), and each round has a router o
 own, started after the reset, so its index holds nothing of earlier rounds (the router
 keys blocks on token ids, which are the same in every round). Restarting the workers
 per round would cost ~1 min each on this machine and isolate nothing more.
+
+Fair among the policies: the salts make every round's blocks misses, but the tiers they
+land in are not in the same state for every round: the first round found each worker's
+host tier (1.5 rounds of blocks) and the server (3 rounds) empty, later rounds found them
+full of older rounds' blocks and paid the evictions on the workers' cores; the engines
+also had done less work before the first round. So (1) one uncounted **priming** replay
+of the warm-up (its own salt, round-robin) runs before the first policy round, and (2) the
+rounds run in a **shuffled order** (``--order-seed``; the JSON says which), so that over
+the ≥ 3 runs a figure is the median of, no policy keeps the first or the last slot.
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ import asyncio
 import json
 import math
 import os
+import random
 import re
 import shutil
 import tempfile
@@ -82,11 +92,23 @@ def add_arguments(p) -> None:
     p.add_argument("--kv-fraction", type=float, default=0.1,
                    help="--trace: each worker's vLLM KV cache as a share of the stretch's working set")
     p.add_argument("--policies", default=",".join(POLICIES), help="--trace: comma-separated policies")
+    p.add_argument("--order-seed", type=int, default=None,
+                   help="--trace: seed of the rounds' shuffled order (default: a fresh one, in the JSON)")
+    p.add_argument("--no-priming", action="store_true",
+                   help="--trace: skip the uncounted priming replay before the first round")
     p.add_argument("--router-log-level", default="info", choices=["debug", "info"],
                    help="--trace: debug: each router logs every decision's per-worker costs (in --workdir)")
     p.add_argument("--workdir", default=None,
                    help="--trace: keep logs and each round's per-request rows (rows-POLICY.json) here "
                         "(default: a temporary folder, removed)")
+
+
+def round_order(policies: list[str], seed: int) -> list[str]:
+    """The order the policy rounds run in: a permutation drawn from ``seed`` (the same seed,
+    the same order), so that no policy always runs first (fresher tiers and engines) or last."""
+    order = list(policies)
+    random.Random(seed).shuffle(order)
+    return order
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -279,6 +301,22 @@ def _round(model: str, workers: list, phases: dict, policy: str, workdir: Path, 
         router.stop()
 
 
+def _prime(model: str, workers: list, phases: dict, workdir: Path, salt: str) -> float:
+    """The warm-up once through a round-robin router, not counted (see the module's "Fair
+    among the policies"): the first policy round then finds the workers' host tiers and the
+    server holding an earlier round's blocks, as every later round does. Seconds taken."""
+    from kvtier.bench.route_stack import start_router
+
+    router = start_router(model, workers, workdir / f"router-{salt}.log", policy="round-robin", events=False,
+                          extra_args=["--block-tokens", str(HASH_TOKENS)])
+    try:
+        t0 = time.monotonic()
+        asyncio.run(_replay(router.url, model, phases["warmup"], salt, at_once=4))
+        return round(time.monotonic() - t0, 1)
+    finally:
+        router.stop()
+
+
 def measure_shared_tier(workdir: Path, block_bytes: int) -> list[str]:
     """``kvtier bench remote`` on blocks of the connector's size (a few seconds): the routers
     price shared-tier loads with this bandwidth (``--measured``), not a default."""
@@ -335,6 +373,8 @@ def run(args) -> dict:
     if unknown or not policies:
         raise SystemExit(f"--policies: unknown {unknown}; use some of {', '.join(POLICIES)}")
     started = time.monotonic()
+    seed = args.order_seed if args.order_seed is not None else random.SystemRandom().randrange(1 << 16)
+    order = round_order(policies, seed)
     warm, counted = trace_window(args.trace, args.requests, args.warmup_requests, args.span_s, args.start)
     max_len = max(r["tokens"] + r["max_tokens"] for r in warm + counted) + HASH_TOKENS
     spec = trace_model_spec(args.model, max_len)
@@ -366,13 +406,18 @@ def run(args) -> dict:
         "kvtier_server_mib": 2 * host_mib,
         "model": {"preset": args.model, **geo},
         "isolation": "per-round cache_salt + POST /reset_prefix_cache + a fresh router per round",
+        "round_order": order,
+        "order_seed": seed,
+        "priming": not args.no_priming,
         "baseline": None,
         "policies": {},
     }
     load = [os.getloadavg()[0]]
     # The shared tier holds one round's blocks and more (older rounds' age out under LRU).
+    # A server of ~2 GiB pages its arena in before it answers: over 20 s (the launcher's
+    # default wait) on the shared 2-core machine at load 7, so wait longer.
     server = ServerProcess.start({"bench": TOKEN}, server={"capacity": f"{2 * host_mib}MiB",
-                                                           "max_block": "8MiB"})
+                                                           "max_block": "8MiB"}, timeout_s=180.0)
     try:
         measured = measure_shared_tier(workdir, HASH_TOKENS * geo["kv_bytes_per_token"])
         result["shared_read_gbps_measured"] = measured_bandwidth(measured[1])[1] / 1e9
@@ -380,7 +425,9 @@ def run(args) -> dict:
         workers = _deployment(model, workdir, "kvtier", transfer=transfer, max_len=max_len, kv_pages=kv_pages)
         try:
             _warm(model, workers, spec.vocab_size)
-            for policy in policies:
+            if not args.no_priming:
+                result["priming_s"] = _prime(model, workers, phases, workdir, salt=f"prime-{nonce}")
+            for policy in order:
                 result["policies"][policy] = _round(model, workers, phases, policy, workdir, events=True,
                                                     measured=measured, salt=f"{policy}-{nonce}",
                                                     keep_rows=workdir / f"rows-{policy}.json" if args.workdir else None,

@@ -58,6 +58,10 @@ class ClusterView(Protocol):
         the list stops at the first block no tier reachable from ``worker`` holds. A block in
         a shared tier is reachable from every worker."""
 
+    # Optional (the router's live view has it; the simulator's workers share no steps):
+    #   step_sharing_delay_s(worker, request) -> float: the seconds ``request`` sent to
+    #   ``worker`` would add, summed, to the first tokens of the requests already waiting
+    #   there (engines that prefill a queue in shared token-budgeted steps, as vLLM does).
     # Optional fast path (the router's live view has it, the simulator does not):
     #   service_seconds(request) -> sequence of floats, for every worker
     #   ``service.plan(prefix_tiers(worker, request.blocks), request.input_tokens).seconds``
@@ -135,13 +139,23 @@ def softmax_pick(costs: Sequence[float], temperature: float, rng: random.Random)
 
 
 class TierAware:
-    """kvtier's cost: the predicted time to first token on each worker, in seconds.
+    """kvtier's cost: what sending the request to a worker adds to the time to first token,
+    in seconds: its own predicted TTFT there, plus what it delays the requests already
+    queued there.
 
-    ``backlog + load + compute``, where the plan credits every block the worker can
-    reach (HBM, its host DRAM and NVMe, the shared pod tier), each weighted by the
-    time to load it against the time to recompute it (``view.service.plan``). With a
-    ``temperature`` > 0 the pick is a softmax draw over those costs (spreads ties and
-    near-ties); 0, the default, takes the minimum.
+    Its own TTFT is ``backlog + load + compute``, where the plan credits every block the
+    worker can reach (HBM, its host DRAM and NVMe, the shared pod tier), each weighted by
+    the time to load it against the time to recompute it (``view.service.plan``). The
+    delay to others is ``view.step_sharing_delay_s`` where the view has it: an engine that
+    prefills its queue in shared steps (vLLM) answers every request of a step when the
+    step ends, so a newcomer's tokens delay each request it shares its step with. Taking
+    only its own TTFT, a burst sent together was split to even out the workers' tokens,
+    and a large request landed in a step with many small ones, which all waited for it
+    (on bursts of the conversation trace, round-robin's p50 beat it). With the delay
+    added, the pick is the smallest increase of the summed TTFT. A FIFO engine that runs
+    one request at a time (the simulator's worker) delays nobody ahead: the same cost as
+    before. With a ``temperature`` > 0 the pick is a softmax draw over those costs
+    (spreads ties and near-ties); 0, the default, takes the minimum.
 
     No pile-up: a prefix that every worker can load (a shared tier holds it, or every
     HBM does) adds nearly the same load time to every worker, so backlog decides.
@@ -155,14 +169,22 @@ class TierAware:
         self.temperature = temperature
         self._rng = random.Random(seed)
 
+    @staticmethod
+    def _delays(request: RouteRequest, view: ClusterView) -> list[float]:
+        delay = getattr(view, "step_sharing_delay_s", None)
+        if delay is None:
+            return [0.0] * view.num_workers
+        return [delay(w, request) for w in range(view.num_workers)]
+
     def costs(self, request: RouteRequest, view: ClusterView) -> list[float]:
+        delays = self._delays(request, view)
         fast = getattr(view, "service_seconds", None)
         if fast is not None:
             service = fast(request)
-            return [view.backlog_s(w) + float(service[w]) for w in range(view.num_workers)]
+            return [view.backlog_s(w) + float(service[w]) + delays[w] for w in range(view.num_workers)]
         plan = view.service.plan
         return [view.backlog_s(w) + plan(view.prefix_tiers(w, request.blocks), request.input_tokens).seconds
-                for w in range(view.num_workers)]
+                + delays[w] for w in range(view.num_workers)]
 
     def choose(self, request: RouteRequest, view: ClusterView) -> int:
         if self.temperature > 0:
@@ -172,9 +194,10 @@ class TierAware:
             costs = self.costs(request, view)
             return costs.index(min(costs))
         plan = view.service.plan
+        delays = self._delays(request, view)
         best_worker, best_cost = 0, float("inf")
         for worker in range(view.num_workers):
-            backlog = view.backlog_s(worker)
+            backlog = view.backlog_s(worker) + delays[worker]
             if backlog >= best_cost:
                 continue  # cannot win: service time is positive
             cost = backlog + plan(view.prefix_tiers(worker, request.blocks), request.input_tokens).seconds

@@ -25,7 +25,7 @@ from kvtier.router.events import SharedTierEvents, VllmEvents
 from kvtier.router.index import BlockIndex
 from kvtier.router.metrics import RouterMetrics
 from kvtier.router.view import LinearPrefill, LiveView
-from kvtier.router.workers import Health, IdleSpeed, Worker
+from kvtier.router.workers import Health, PrefillFit, Worker
 from kvtier.sim.service import ServiceModel
 
 log = logging.getLogger(__name__)
@@ -150,7 +150,9 @@ class Router:
         self.uses_events = config.policy in ("tier-aware", "prefix")
         bytes_per_block = block_bytes or (config.kv_bytes_per_token or 65536) * config.block_tokens
         self.prefill = LinearPrefill(config.prefill_tokens_per_s, config.prefill_overhead_s)
-        self.speed = IdleSpeed()   #: prefill speed pooled over every worker's idle samples (queue pricing)
+        #: the prefill line (speed, per-request overhead) pooled over every worker's idle samples:
+        #: prices the queues and, once measured, each request's own prefill (``self.prefill``)
+        self.speed = PrefillFit()
         self.service = ServiceModel(self.prefill, config.block_tokens, bytes_per_block,
                                     [config.host_read_bytes_per_s, config.shared_read_bytes_per_s],
                                     [config.host_latency_s, config.shared_latency_s])
@@ -158,6 +160,7 @@ class Router:
         self.shared: SharedTierEvents | None = None
         self.session: ClientSession | None = None
         self.last_decision_s = 0.0    #: seconds the last decision took (what the histogram observes)
+        self.last_load_s = 0.0        #: the last decision's predicted tier-load seconds on the chosen worker
         self._tasks: list[asyncio.Task] = []
         for w in self.workers:
             self.metrics.healthy.labels(w.url).set(1)
@@ -245,6 +248,16 @@ class Router:
         self._update_mode()
 
     # --- decisions -------------------------------------------------------------------
+    def _prefill_line(self) -> tuple[float, float]:
+        """The measured prefill line (or the configured one before any sample), set into the
+        service model too: a request's own prefill and the queues ahead of it are priced by
+        the same line (before, the queue used the measured speed and the request itself the
+        configured 2000 tokens/s, so load-vs-queue trade-offs mixed two scales)."""
+        line = self.speed.line()
+        speed, overhead = line if line else (self.config.prefill_tokens_per_s, self.config.prefill_overhead_s)
+        self.prefill.tokens_per_s, self.prefill.overhead_s = speed, overhead
+        return speed, overhead
+
     def decide(self, token_ids: Sequence[int], exclude: set[int]) -> tuple[Worker, int, list[int]] | None:
         """Pick a worker; returns it, the predicted cached tokens and the prompt's keys."""
         t0 = time.perf_counter()
@@ -254,23 +267,28 @@ class Router:
         if not candidates:
             return None
         keys = self.index.keys_of(token_ids)
-        view = LiveView(self.service, candidates, self.index, keys,
-                        self.speed.tokens_per_s or self.config.prefill_tokens_per_s, self.config.decode_block_s)
+        speed, _ = self._prefill_line()
+        view = LiveView(self.service, candidates, self.index, keys, speed, self.config.decode_block_s,
+                        self.config.step_tokens)
         request = RouteRequest(len(token_ids), keys)
         policy = self.approx if self.approximate_mode else self.policy
         i = policy.choose(request, view)
         worker = candidates[i]
         if log.isEnabledFor(logging.DEBUG):   # what each worker was priced at (diagnosis only)
             costs = policy.costs(request, view) if hasattr(policy, "costs") else None
-            log.debug("decision tokens=%d chose=%s backlog=%s costs=%s pending=%s inflight=%s step=%s speed=%.0f",
+            log.debug("decision tokens=%d chose=%s backlog=%s costs=%s pending=%s queued=%s inflight=%s step=%s "
+                      "speed=%.0f overhead=%.4f",
                       len(token_ids), worker.url, [round(view.backlog_s(j), 4) for j in range(len(candidates))],
                       costs and [round(c, 4) for c in costs], [w.pending_tokens for w in candidates],
-                      [w.inflight for w in candidates], [w.decode_step_s and round(w.decode_step_s, 4)
-                                                        for w in candidates], view.default_speed)
+                      [w.pending_requests for w in candidates], [w.inflight for w in candidates],
+                      [w.decode_step_s and round(w.decode_step_s, 4) for w in candidates], view.default_speed,
+                      self.prefill.overhead_s)
         cached_blocks = view.cached_blocks(i)
         predicted = min(cached_blocks * self.config.block_tokens, max(0, len(token_ids) - 1))
         self.last_decision_s = time.perf_counter() - t0
         self.metrics.decision.observe(self.last_decision_s)
+        # Its queue carries this request's load time until the first byte (off the decision clock).
+        self.last_load_s = view.load_seconds(i)
         if policy is not self.approx:
             # Bookkeeping after the choice (not on the decision clock): keeps the
             # approximate tree warm for when events go down.
@@ -353,12 +371,13 @@ class Router:
             if decision is None:
                 break
             worker, predicted, keys = decision
+            load_s = self.last_load_s   # read before any await: the next decision overwrites it
             tried.add(worker.id)
             if attempt:
                 self.metrics.retries.inc()
             prefill_tokens = len(token_ids) - predicted
             others = worker.inflight   # what it found there
-            worker.start(prefill_tokens, len(keys))
+            ticket = worker.start(prefill_tokens, len(keys), load_s)
             answered = False
             t0 = time.monotonic()
             # what the router spent before the worker had the request: body, tokenizer, decisions
@@ -371,8 +390,11 @@ class Router:
                         continue
                     first = await resp.content.readany()
                     upstream_s = time.monotonic() - t0
-                    if worker.first_byte(prefill_tokens, upstream_s, others=others):
-                        self.speed.sample(prefill_tokens, upstream_s)
+                    if worker.first_byte(prefill_tokens, upstream_s - load_s, others=others, load_s=load_s,
+                                         ticket=ticket):
+                        # the prefill line is fitted to the time less the predicted tier loads,
+                        # which the queue prices apart (pending_load_s)
+                        self.speed.sample(prefill_tokens, upstream_s - load_s)
                     answered = True
                     self.metrics.routed.labels(worker.url).inc()
                     self.metrics.predicted_cached.labels(worker.url).inc(predicted)
@@ -385,7 +407,7 @@ class Router:
                 log.warning("request failed before its first byte on %s (%s); retrying elsewhere", worker.url, exc)
                 self._record_health(worker, False)
             finally:
-                worker.finish(prefill_tokens, len(keys), answered)
+                worker.finish(prefill_tokens, len(keys), answered, load_s, ticket)
         raise RequestError(503, f"no worker could serve the request ({last_error})", "service_unavailable_error")
 
     async def _relay(self, request: web.Request, resp, first: bytes, worker: Worker,

@@ -62,6 +62,7 @@ class RouterConfig:
     prefill_tokens_per_s: float = 2000.0   #: until measured per worker
     prefill_overhead_s: float = 0.005
     decode_block_s: float = 0.0005         #: decode pressure per active block until a worker's decode step is measured
+    step_tokens: int = 2048                #: the workers' prefill step budget (vLLM --max-num-batched-tokens); 0: no shared steps
     temperature: float = 0.0
     index_capacity: int = 1 << 22
     health_interval_s: float = 2.0
@@ -110,6 +111,8 @@ class RouterConfig:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.temperature < 0:
             raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
+        if self.step_tokens < 0:
+            raise ConfigError(f"step_tokens must be >= 0 (0: no shared prefill steps), got {self.step_tokens}")
         return self
 
     @classmethod

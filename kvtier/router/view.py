@@ -55,16 +55,17 @@ def _leading_run(ok: np.ndarray) -> np.ndarray:
 class LiveView:
     """What the policies read, for one decision (the prompt's index masks looked up once)."""
 
-    __slots__ = ("service", "workers", "num_workers", "default_speed", "decode_block_s", "run_tiers",
-                 "run_blocks", "reach", "_run_ends", "_hbm_run")
+    __slots__ = ("service", "workers", "num_workers", "default_speed", "decode_block_s", "step_tokens",
+                 "run_tiers", "run_blocks", "reach", "_run_ends", "_hbm_run")
 
     def __init__(self, service, workers: Sequence[Worker], index: BlockIndex, keys: Sequence[int],
-                 default_speed: float, decode_block_s: float) -> None:
+                 default_speed: float, decode_block_s: float, step_tokens: int = 0) -> None:
         self.service = service
         self.workers = workers
         self.num_workers = len(workers)
         self.default_speed = default_speed
         self.decode_block_s = decode_block_s
+        self.step_tokens = step_tokens   #: the workers' prefill step budget (vLLM max_num_batched_tokens); 0: none
         #: run_tiers[i, r]: the fastest tier from which workers[i] can have the blocks of
         #: run r (run_blocks[r] consecutive prompt blocks held alike); UNREACHABLE: none
         self.run_tiers, self.run_blocks = index.tier_runs([w.id for w in workers], keys,
@@ -81,7 +82,18 @@ class LiveView:
         return self.workers[worker].active_blocks
 
     def backlog_s(self, worker: int) -> float:
-        """Queueing (predicted prefill tokens ÷ the workers' measured speed) + decode pressure.
+        """Queueing + decode pressure.
+
+        The queue is the queued requests' uncached tokens ÷ the measured speed plus their
+        predicted tier-load seconds (the connector loads them before they prefill; before,
+        loads were left out). The speed is the *slope* of the prefill line the router fits to
+        idle first bytes (:class:`~kvtier.router.workers.PrefillFit`), not a ratio of averages
+        that folds each request's fixed part into it (~0.1-0.2 s here: HTTP, scheduling, the
+        connector's lookup), which made queued tokens look 1.5-2x dearer than tier loads and
+        decode steps. The fixed part is not charged per queued request: vLLM prefills the
+        queue in shared steps, and on the trace bench a (burst, worker) group's TTFT did not
+        grow with its number of requests (regression: -0.03 to +0.02 s per request), only
+        with its tokens; the new request's own fixed part is in its service time.
 
         One speed for every worker (``default_speed``: the router pools every worker's idle
         samples): per-worker estimates of two identical workers on the shared 2-core machine
@@ -104,13 +116,23 @@ class LiveView:
             pressure = w.decode_step_s
         else:
             pressure = w.active_blocks * self.decode_block_s
-        return w.pending_tokens / speed + pressure
+        return w.pending_tokens / speed + w.pending_load_s + pressure
 
     def service_seconds(self, request) -> np.ndarray:
         """Every worker's predicted prefill seconds for ``request`` (the tier-aware fast path):
         priced per run, exact for the router's linear prefill time (see ``seconds_of_runs``);
         UNREACHABLE is ``service.num_tiers``, so each row stops at its first one."""
         return self.service.seconds_of_runs(self.run_tiers, self.run_blocks, request.input_tokens)
+
+    def step_sharing_delay_s(self, worker: int, request) -> float:
+        """What sending ``request`` to ``worker`` adds to the first tokens of the requests
+        already waiting there, summed (:meth:`Worker.step_sharing_delay_s`), for the tokens it
+        would compute there (its prompt less the prefix ``worker`` can load)."""
+        if not self.step_tokens:
+            return 0.0
+        block_tokens = self.service.block_tokens
+        tokens = max(1, request.input_tokens - int(self.reach[worker]) * block_tokens)
+        return self.workers[worker].step_sharing_delay_s(tokens, self.step_tokens, self.default_speed)
 
     def hbm_prefix_blocks(self, worker: int, blocks: Sequence[int]) -> int:
         if self._hbm_run is None:
@@ -120,6 +142,19 @@ class LiveView:
     def prefix_tiers(self, worker: int, blocks: Sequence[int]) -> list[int]:
         runs = int(np.searchsorted(self._run_ends, self.reach[worker])) if self.reach[worker] else 0
         return np.repeat(self.run_tiers[worker, :runs], self.run_blocks[:runs]).tolist()
+
+    def load_seconds(self, worker: int) -> float:
+        """Predicted seconds for ``worker`` to load every prompt block it can reach (the
+        connector loads the whole matched prefix, whatever the router priced): per run,
+        blocks x the tier's per-block time, plus each tier's latency once."""
+        reach = int(self.reach[worker])
+        if not reach:
+            return 0.0
+        runs = int(np.searchsorted(self._run_ends, reach))
+        tiers = self.run_tiers[worker, :runs]
+        per_block = np.take(np.asarray(self.service.block_load_s), tiers)
+        latency = sum(self.service.tier_latency_s[t] for t in set(tiers.tolist()))
+        return float(per_block @ self.run_blocks[:runs]) + latency
 
     def cached_blocks(self, worker: int) -> int:
         """Leading prompt blocks ``worker`` can have without recomputing them."""

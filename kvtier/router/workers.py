@@ -1,8 +1,9 @@
 """Worker bookkeeping: health (ejection and re-admission) and the load each one carries.
 
 Mechanism only. What the router routed to a worker and has not seen finish is its
-load: prompt tokens predicted to be prefilled and not yet answered (the queue), and
-blocks of requests in flight (decode pressure). The policies read these through the
+load: the requests predicted to be prefilled and not yet answered (the queue: their
+uncached tokens, their number, their predicted tier-load seconds), and blocks of
+requests in flight (decode pressure). The policies read these through the
 live view; nothing here decides where a request goes.
 """
 
@@ -21,26 +22,37 @@ class Worker:
     failures: int = 0             #: consecutive failed health checks or requests
     ejected_at: float | None = None
     pending_tokens: int = 0       #: predicted prefill tokens of requests without a first byte yet
+    pending_requests: int = 0     #: requests without a first byte yet
+    pending_load_s: float = 0.0   #: predicted tier-load seconds of those requests (the service model's load part)
+    #: the uncached tokens of each request without a first byte, in the order sent (ticket → tokens):
+    #: which of them would share a prefill step with a new one (the step-sharing delay)
+    queued: dict = field(default_factory=dict)
     active_blocks: int = 0        #: blocks of requests in flight
     inflight: int = 0
     events_up: bool = False       #: the KV-event stream is connected (and not mid-resync)
     draining: bool = False        #: taken out of rotation (admin API); in-flight requests finish
-    speed: "IdleSpeed" = field(default_factory=lambda: IdleSpeed())   #: this worker's measured prefill speed
+    speed: "PrefillFit" = field(default_factory=lambda: PrefillFit())   #: this worker's measured prefill line
     decode_step_s: float | None = None   #: measured (EWMA of a stream's gap between chunks while nothing prefills)
     starts: int = 0               #: requests sent to it so far (tells a decode-only gap from one a prefill joined)
     extra: dict = field(default_factory=dict)
 
-    def start(self, prefill_tokens: int, blocks: int) -> None:
+    def start(self, prefill_tokens: int, blocks: int, load_s: float = 0.0) -> int:
+        """A request sent here; returns its ticket (for :meth:`first_byte` and :meth:`finish`)."""
         self.pending_tokens += prefill_tokens
+        self.pending_requests += 1
+        self.pending_load_s += load_s
         self.active_blocks += blocks
         self.inflight += 1
         self.starts += 1
+        self.queued[self.starts] = prefill_tokens
+        return self.starts
 
     @property
     def prefill_tokens_per_s(self) -> float | None:
         return self.speed.tokens_per_s
 
-    def first_byte(self, prefill_tokens: int, seconds: float, *, others: int = 0) -> bool:
+    def first_byte(self, prefill_tokens: int, seconds: float, *, others: int = 0, load_s: float = 0.0,
+                   ticket: int | None = None) -> bool:
         """A request's first byte came ``seconds`` after it was sent; ``others`` requests were
         in flight on this worker then.
 
@@ -53,14 +65,42 @@ class Worker:
         on the trace bench: a burst of 7 requests put 40 of 64 on one worker). Returns True
         when the request was a speed sample (found the worker idle).
         """
-        self.pending_tokens = max(0, self.pending_tokens - prefill_tokens)
+        self._unqueue(prefill_tokens, load_s, ticket)
         if others == 0:
             return self.speed.sample(prefill_tokens, seconds)
         return False
 
+    def step_sharing_delay_s(self, tokens: int, step_tokens: int, speed: float) -> float:
+        """Seconds that ``tokens`` more, queued here now, would add to the first tokens of the
+        requests already waiting here (the sum over them).
+
+        vLLM prefills its waiting queue first come first served in steps of at most
+        ``step_tokens`` (``max_num_batched_tokens``), and every request whose last prompt token
+        is in a step gets its first token when that step ends. A new request's tokens fill
+        the room left in the queue's last, partly filled step: each request finishing in that
+        step waits ``min(tokens, room) / speed`` longer. In a FIFO engine without shared
+        steps (the simulator's worker) nobody ahead waits for a newcomer; here they do. The
+        oldest request is taken to be in the step already running (a request reaching an
+        idle engine starts a step at once), which no newcomer can delay.
+        """
+        if step_tokens <= 0 or tokens <= 0 or len(self.queued) < 2:
+            return 0.0
+        waiting = list(self.queued.values())[1:]
+        total = sum(waiting)
+        used = total % step_tokens
+        if not used:            # the last step is full: the newcomer starts the next one
+            return 0.0
+        tail_start = total - used
+        sharing, seen = 0, 0
+        for n in waiting:       # requests whose last token falls in the last, partial step
+            seen += n
+            if seen > tail_start:
+                sharing += 1
+        return sharing * min(tokens, step_tokens - used) / speed
+
     def quiet_mark(self) -> int | None:
         """A mark for :meth:`decode_gap`: None while a prefill is predicted on this worker."""
-        return self.starts if self.pending_tokens == 0 else None
+        return self.starts if self.pending_requests == 0 else None
 
     def decode_gap(self, seconds: float, since: int | None, ewma: float = 0.2) -> None:
         """A stream on this worker got a chunk ``seconds`` after its previous one, taken at
@@ -71,36 +111,86 @@ class Worker:
         if since is not None and since == self.starts and seconds > 1e-3:
             self.decode_step_s = _ewma(self.decode_step_s, seconds, ewma)
 
-    def finish(self, prefill_tokens: int, blocks: int, answered: bool) -> None:
+    def _unqueue(self, prefill_tokens: int, load_s: float, ticket: int | None = None) -> None:
+        if ticket is None:   # a caller without tickets: the oldest queued request of that size
+            ticket = next((t for t, n in self.queued.items() if n == prefill_tokens), None)
+        self.queued.pop(ticket, None)
+        self.pending_tokens = max(0, self.pending_tokens - prefill_tokens)
+        self.pending_requests = max(0, self.pending_requests - 1)
+        # float sums drift: an empty queue has no load left
+        self.pending_load_s = max(0.0, self.pending_load_s - load_s) if self.pending_requests else 0.0
+
+    def finish(self, prefill_tokens: int, blocks: int, answered: bool, load_s: float = 0.0,
+               ticket: int | None = None) -> None:
         if not answered:
-            self.pending_tokens = max(0, self.pending_tokens - prefill_tokens)
+            self._unqueue(prefill_tokens, load_s, ticket)
         self.active_blocks = max(0, self.active_blocks - blocks)
         self.inflight = max(0, self.inflight - 1)
 
 
-class IdleSpeed:
-    """Prefill speed from requests that found their worker idle: uncached tokens ÷ time to
-    first byte, as a ratio of two EWMAs, not an EWMA of ratios: a mostly cached request
-    (32 tokens to compute, 0.1 s of HTTP, step and load) would otherwise pull the speed to
-    a few hundred tokens/s at once, and the next burst would avoid that worker."""
+class PrefillFit:
+    """A worker's prefill time as a line, ``seconds = overhead + tokens / speed``, fitted by
+    exponentially weighted least squares over requests that found their worker idle (uncached
+    tokens → time to first byte).
 
-    __slots__ = ("tokens", "seconds", "weight")
+    Why a line and not a ratio: every request pays a fixed part (HTTP, scheduling, the
+    connector's lookup) whatever it computes, ~0.1-0.2 s on the shared 2-core machine. A
+    ratio of averages folds it into the speed, which then reads 1.5-2x too slow for the
+    tokens of a queue (vLLM prefills a queue in shared steps: the fixed parts of queued
+    requests overlap, their tokens do not), so queues looked dearer than tier loads and
+    decode steps. The slope prices queued tokens; the intercept is each request's own fixed
+    part (the service model's ``overhead_s``). Until the samples spread over token counts
+    (or when they fit no increasing line: noise on a shared machine) it falls back to the
+    ratio of averages with no intercept, what the router did before.
+    """
+
+    __slots__ = ("weight", "n", "sw", "sx", "sy", "sxx", "sxy")
+
+    #: token counts must spread at least this much (weighted standard deviation) to fit a slope
+    MIN_SPREAD_TOKENS = 64.0
 
     def __init__(self, weight: float = 0.3) -> None:
-        self.tokens: float | None = None
-        self.seconds: float | None = None
         self.weight = weight
+        self.n = 0
+        self.sw = self.sx = self.sy = self.sxx = self.sxy = 0.0
 
     def sample(self, tokens: int, seconds: float) -> bool:
         if tokens <= 0 or seconds <= 0:
             return False
-        self.tokens = _ewma(self.tokens, tokens, self.weight)
-        self.seconds = _ewma(self.seconds, seconds, self.weight)
+        # EWMAs of the sufficient statistics (the first sample weighs 1, as an EWMA starts):
+        # the means are exactly the EWMAs of tokens and seconds that the ratio used before
+        keep, w = (1.0 - self.weight, self.weight) if self.n else (0.0, 1.0)
+        self.sw = keep * self.sw + w
+        self.sx = keep * self.sx + w * tokens
+        self.sy = keep * self.sy + w * seconds
+        self.sxx = keep * self.sxx + w * tokens * tokens
+        self.sxy = keep * self.sxy + w * tokens * seconds
+        self.n += 1
         return True
+
+    def line(self) -> tuple[float, float] | None:
+        """``(tokens_per_s, overhead_s)``, or None before any sample."""
+        if not self.n:
+            return None
+        mx, my = self.sx / self.sw, self.sy / self.sw
+        var = self.sxx / self.sw - mx * mx
+        if self.n >= 3 and var >= self.MIN_SPREAD_TOKENS ** 2:
+            slope = (self.sxy / self.sw - mx * my) / var
+            if slope > 0:
+                overhead = my - slope * mx
+                if 0.0 <= overhead < my:
+                    return 1.0 / slope, overhead
+        return mx / my, 0.0
 
     @property
     def tokens_per_s(self) -> float | None:
-        return None if self.tokens is None else self.tokens / self.seconds
+        line = self.line()
+        return None if line is None else line[0]
+
+    @property
+    def overhead_s(self) -> float | None:
+        line = self.line()
+        return None if line is None else line[1]
 
 
 def _ewma(old: float | None, sample: float, weight: float) -> float:

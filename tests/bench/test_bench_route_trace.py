@@ -135,6 +135,18 @@ needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason
 
 @needs_vllm
 @pytest.mark.timeout(600)
+def test_rounds_run_in_a_seeded_shuffled_order():
+    """The fixed order (round-robin first, tier-aware last) gave the first round empty host and
+    server tiers and the last one tiers full of older rounds' blocks: every policy must get
+    every slot over seeds, and a seed must give the same order again."""
+    policies = list(route_trace.POLICIES)
+    assert route_trace.round_order(policies, 7) == route_trace.round_order(policies, 7)
+    orders = [route_trace.round_order(policies, seed) for seed in range(200)]
+    assert all(sorted(o) == sorted(policies) for o in orders)
+    for slot in (0, len(policies) - 1):
+        assert {o[slot] for o in orders} == set(policies), slot
+
+
 def test_trace_smoke_run(tmp_path):
     """The whole command on a tiny slice: kvtier deployment (one policy) and the baseline.
     Most of its time is four vLLM start-ups (two deployments of two workers)."""
@@ -156,3 +168,6 @@ def test_trace_smoke_run(tmp_path):
     assert len(rows) == r["requests"] and all(x["upstream_s"] <= x["ttft_s"] for x in rows)
     assert set(r["targets"]) >= {"ttft_p50_half_of_baseline", "cached_1_5x_baseline"}
     assert r["warmup_requests"] == 20 and r["shared_read_gbps_measured"] > 0
+    # the uncounted priming replay ran before the first round, and the JSON names the order
+    assert r["priming"] is True and r["priming_s"] > 0 and r["round_order"] == ["tier-aware"]
+    assert any(tmp_path.glob("router-prime-*.log"))

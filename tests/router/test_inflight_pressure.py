@@ -133,3 +133,89 @@ def test_a_burst_that_every_worker_can_load_is_split_by_load():
         worker.start(len(p) - predicted, len(keys))
         work[worker.id] += len(p) - predicted
     assert max(work) <= 1.35 * min(work), work
+
+
+def _fit(r, samples):
+    """Idle first bytes, pooled as the router pools them (Router.speed)."""
+    for tokens, seconds in samples:
+        r.speed.sample(tokens, seconds)
+
+
+#: idle first bytes on the line 0.1 s + tokens / 4000 (a fixed part every request pays:
+#: HTTP, scheduling, the connector's lookup, its first step)
+ON_A_LINE = [(200, 0.15), (2000, 0.6), (400, 0.2), (1600, 0.5), (800, 0.3), (1200, 0.4)]
+
+
+def test_the_prefill_line_separates_a_per_request_overhead_from_the_speed():
+    from kvtier.router.workers import PrefillFit
+
+    fit = PrefillFit()
+    for tokens, seconds in ON_A_LINE:
+        fit.sample(tokens, seconds)
+    speed, overhead = fit.line()
+    # a ratio of averages says ~2900 tokens/s and no overhead: it prices a queue of many
+    # small requests at their tokens alone
+    assert speed == pytest.approx(4000, rel=0.01) and overhead == pytest.approx(0.1, abs=0.002)
+    # too few samples, or no spread in their sizes: the ratio, no intercept (what it was)
+    few = PrefillFit()
+    few.sample(1000, 0.5)
+    assert few.line() == (pytest.approx(2000.0), 0.0)
+    same = PrefillFit()
+    for _ in range(5):
+        same.sample(500, 0.3)
+    assert same.line() == (pytest.approx(500 / 0.3), 0.0)
+    # noise that fits a decreasing line is not believed either
+    noisy = PrefillFit()
+    for tokens, seconds in [(200, 0.6), (2000, 0.2), (400, 0.5), (1600, 0.25)]:
+        noisy.sample(tokens, seconds)
+    assert noisy.line()[1] == 0.0
+
+
+def test_a_queue_is_priced_at_the_lines_slope_not_at_a_ratio_with_the_overhead_folded_in():
+    """Worker 0 holds the prompt in HBM behind a 1000-token queue; worker 1 is idle and would
+    load it from a slow shared tier (0.3 s). The queue takes 0.25 s at the measured 4000
+    tokens/s: worker 0 is the right pick. A ratio of averages over the same first bytes says
+    ~2870 tokens/s (0.35 s for the queue) and sent the request to the slow load."""
+    prompt = SYSTEM + [7] * 100
+    block_bytes = BS * 4096
+    for samples, expected in (([(t, t / 4000) for t, _ in ON_A_LINE], 0),   # control: no fixed part
+                              (ON_A_LINE, 0),                                # 0.1 s fixed part: the same
+                              ([(t, 0.1 + t / 2000) for t, _ in ON_A_LINE], 1)):  # a slower worker: load
+        r = router(shared_read_bytes_per_s=64 * block_bytes / 0.299)
+        store(r, 0, SYSTEM)                       # worker 0: in HBM
+        store(r, 0, SYSTEM, shared=True)          # and in the shared tier: worker 1 can load it
+        r.workers[0].start(1000, 10)
+        _fit(r, samples)
+        assert route(r, prompt) == expected, samples[:2]
+
+
+def test_a_requests_own_prefill_is_priced_at_the_measured_speed_as_the_queue_is():
+    """Before, the queue was priced at the measured speed and the request's own prefill at the
+    configured 2000 tokens/s: on fast workers that made a slow tier look worth loading from."""
+    prompt = SYSTEM + [7] * 100
+    for measured, expected in ((None, 1), (200_000.0, 0)):
+        r = router(host_read_bytes_per_s=1e8)     # a slow host link: 64 blocks in ~84 ms
+        store(r, 1, SYSTEM, medium="CPU")         # worker 1 has the prefix in host DRAM, a queue
+        r.workers[1].start(1000, 10)
+        if measured:                               # idle first bytes at 200k tokens/s, no overhead
+            _fit(r, [(t, t / measured) for t in (500, 1000, 2000, 4000)])
+        # configured 2000 tokens/s: recomputing 2148 tokens (1.07 s) loses to the queue and the
+        # load (0.5 + 0.084 + 0.05 s); at 200k tokens/s it takes 11 ms and wins (5 + 84 + 0.5 ms)
+        assert route(r, prompt) == expected, measured
+
+
+def test_the_queue_carries_each_requests_predicted_load_until_its_first_byte():
+    r = router(shared_read_bytes_per_s=1e8)        # 64 shared blocks: ~85 ms to load
+    store(r, 0, SYSTEM, shared=True)
+    r.index.clear_worker(0)
+    worker, predicted, keys = r.decide(SYSTEM + [3] * 64, set())
+    load = r.last_load_s
+    assert load == pytest.approx(64 * BS * 4096 / 1e8 + r.config.shared_latency_s)
+    worker.start(len(SYSTEM) + 64 - predicted, len(keys), load)
+    view = _view(r, SYSTEM)
+    # its 64 uncached tokens, its load, and (nothing measured yet) the decode-pressure guess
+    assert view.backlog_s(worker.id) == pytest.approx(
+        64 / r.config.prefill_tokens_per_s + load + r.config.decode_block_s * len(keys))
+    assert worker.pending_load_s == pytest.approx(load)
+    worker.first_byte(len(SYSTEM) + 64 - predicted, 0.5, load_s=load)
+    assert worker.pending_load_s == 0.0 and worker.pending_requests == 0 and worker.pending_tokens == 0
