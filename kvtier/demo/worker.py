@@ -129,7 +129,10 @@ def run_turn(lm, context: list[int], gen_tokens: int, limits: dict, emit_cold,
     save_s = time.perf_counter() - t
     if warm.loaded_bytes and measure_limits is not None:
         # Measured again right after the load (untimed): on a shared machine the limit
-        # taken at start-up can be a slow moment's; a limit is the best seen.
+        # taken at start-up can be a slow moment's; a limit is the best seen. Not while
+        # the load's background promotions still read the disk: they would slow the limit.
+        if lm.store is not None:
+            lm.store.wait_promotions(30.0)
         fresh = measure_limits()
         limits = {tier: max(limits.get(tier, 0.0), fresh.get(tier, 0.0)) for tier in set(limits) | set(fresh)}
     # The ideal load: the bytes at each tier's limit measured in this process the

@@ -28,12 +28,13 @@ import enum
 import logging
 import threading
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from kvtier.core.keys import BlockKey
 from kvtier.core.payload import BlockMeta
+from kvtier.core.thread_pools import started_pool
 from kvtier.store.promotion import Promoter
 from kvtier.store.writebehind import FlushReport, WriteBehind
 from kvtier.tiers.base import Status, Tier
@@ -122,8 +123,7 @@ class TieredStore:
             raise ValueError(f"close_flush_timeout_s must be >= 0 or None, got {close_flush_timeout_s}")
         self.close_flush_timeout_s = close_flush_timeout_s
         self._stats = StoreStats()
-        self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="kvtier-io")
-        _start_workers(self._pool, io_threads)
+        self._pool = started_pool(io_threads, "kvtier-io")
         self._pending: set[Future] = set()
         self._pending_lock = threading.Lock()
         self._closed = False
@@ -397,16 +397,3 @@ class TieredStore:
 def _nbytes(buf) -> int:
     nbytes = getattr(buf, "nbytes", None)
     return nbytes if isinstance(nbytes, int) else memoryview(buf).nbytes
-
-
-def _start_workers(pool: ThreadPoolExecutor, n: int) -> None:
-    """Start the pool's ``n`` threads now, at open. A thread start waits until the new thread
-    runs (on a busy machine: milliseconds); left to the first submits, it lands inside the
-    first load. Each thread holds a task at the barrier until all exist, so none is reused."""
-    barrier = threading.Barrier(n + 1)
-    for _ in range(n):
-        pool.submit(barrier.wait, 10.0)
-    try:
-        barrier.wait(10.0)
-    except threading.BrokenBarrierError:  # a machine too busy to start them: they start on use
-        pass

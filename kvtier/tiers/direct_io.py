@@ -29,16 +29,16 @@ import mmap
 import os
 import queue
 import socket
-import threading
 import uuid
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
 import xxhash
 
+from kvtier.core.thread_pools import started_pool
 from kvtier.private_files import FILE_MODE
 
 PAGE = 4096  #: alignment of file offsets, lengths and buffers (>= any logical block size)
@@ -239,8 +239,9 @@ class BlockIO:
         self._leases: queue.LifoQueue[_Lease] = queue.LifoQueue()
         for _ in range(leases):
             self._leases.put(_Lease(chunk_bytes))
-        # One task per lease is in flight at most, so this pool never starves.
-        self._pool = ThreadPoolExecutor(max_workers=leases, thread_name_prefix="kvtier-disk")
+        # One task per lease is in flight at most, so this pool never starves. Started now: the
+        # helpers verify behind the first load's reads, which should not wait for their start.
+        self._pool = started_pool(leases, "kvtier-disk")
 
     def open_write(self, path: str) -> int:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | (os.O_DIRECT if self.direct else 0)

@@ -121,3 +121,14 @@ def test_staging_hands_each_read_fresh_poisoned_bytes_within_a_load_and_after_po
     assert (staging.take(NB) == BYTE).all()
     bigger = staging.take(16 * NB)  # past the reserve: a fresh buffer, poisoned too
     assert (bigger == BYTE).all()
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 16, 33, 82, 214])
+def test_read_spans_cover_every_block_once_in_order_sharing_the_lanes_evenly(n):
+    from kvtier.integrations.transformers.cache_io import read_spans
+
+    spans = read_spans(n, 16, 2)
+    assert [a for a, _ in spans] == [0] + [b for _, b in spans[:-1]] and spans[-1][1] == n
+    sizes = [b - a for a, b in spans]
+    assert max(sizes) <= 16 and max(sizes) - min(sizes) <= 1
+    assert n < 2 or len(spans) % 2 == 0  # no lane is left reading alone at the end

@@ -284,3 +284,17 @@ def test_judging_a_wrong_size_needs_no_second_lease(tier):
     worker.join(timeout=20)
     assert not worker.is_alive(), "get_many waited for a lease it holds"
     assert result == [[Status.OK, Status.BAD_SIZE, Status.CORRUPT]]
+
+
+def test_a_disk_tier_starts_its_verifying_helpers_at_open_not_in_its_first_load(tmp_path):
+    def helpers() -> int:
+        return sum(t.name.startswith("kvtier-disk") for t in threading.enumerate())
+
+    before = helpers()
+    tier = DiskTier(tmp_path / "d", 8 << 20)
+    try:
+        # the helpers a pipelined get_many hands verification to exist before any get
+        assert helpers() - before == tier._io._pool._max_workers >= 2
+    finally:
+        tier.close()
+    assert helpers() == before  # and close stops them

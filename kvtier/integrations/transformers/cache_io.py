@@ -293,14 +293,30 @@ def load_blocks(
     return LoadReport(i, by_tier, time.perf_counter() - start)
 
 
+def read_spans(n: int, most: int, lanes: int) -> list[tuple[int, int]]:
+    """``n`` blocks cut into spans ``(a, b)`` of at most ``most`` blocks, as equal as they go, in a
+    count that ``lanes`` reads in flight share evenly (when there are enough blocks): cut in
+    ``most`` from the start, the last lane to finish could be left reading a whole span while the
+    others idle, and its span's verifying and placing would be all the longer after the last read."""
+    count = -(-n // most)
+    if n >= lanes:
+        count = -(-count // lanes) * lanes
+    size, extra = divmod(n, count) if count else (0, 0)
+    spans, a = [], 0
+    for k in range(count):
+        b = a + size + (k < extra)
+        spans.append((a, b))
+        a = b
+    return spans
+
+
 def _load_lower(store: TieredStore, keys: Sequence[BlockKey], raw: np.ndarray, first: int, layout: KVLayout,
                 buf: np.ndarray, by_tier: dict[str, int]) -> int:
     """Read ``keys`` through the store into ``buf`` and place them from block ``first``; how many were served."""
     nbytes = layout.block_nbytes
     n = len(keys)
     outs = [buf[k * nbytes : (k + 1) * nbytes] for k in range(n)]
-    step = max(1, READ_CHUNK_BYTES // nbytes)
-    spans = deque((a, min(a + step, n)) for a in range(0, n, step))
+    spans = deque(read_spans(n, max(1, READ_CHUNK_BYTES // nbytes), READS_IN_FLIGHT))
     running: dict = {}  # future -> (a, b)
     ready: dict[int, tuple[int, object]] = {}  # a -> (b, result): read, not placed yet
     placed = 0  # spans are placed in order: the next one starts here
