@@ -62,7 +62,7 @@ class RouterConfig:
     prefill_tokens_per_s: float = 2000.0   #: until measured per worker
     prefill_overhead_s: float = 0.005
     decode_block_s: float = 0.0005         #: decode pressure per active block until a worker's decode step is measured
-    step_tokens: int = 2048                #: the workers' prefill step budget (vLLM --max-num-batched-tokens); 0: no shared steps
+    step_tokens: int = 2048                #: the workers' prefill step (vLLM --max-num-batched-tokens); 0: none
     temperature: float = 0.0
     index_capacity: int = 1 << 22
     health_interval_s: float = 2.0
