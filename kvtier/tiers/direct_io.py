@@ -368,15 +368,18 @@ class BlockIO:
         failed: list[BaseException] = []
 
         def judging() -> None:
-            for _ in range(first, end):
-                item = done.get()
-                if item is None:
+            left = end - first
+            while left:
+                batch = done.get()  # one request's blocks: a wake-up per request, not per block
+                if batch is None:
                     return  # the reads stopped
-                if not failed:
-                    try:
-                        judge(*item)
-                    except BaseException as exc:  # handed to the caller
-                        failed.append(exc)
+                for item in batch:
+                    left -= 1
+                    if not failed:
+                        try:
+                            judge(*item)
+                        except BaseException as exc:  # handed to the caller
+                            failed.append(exc)
 
         def slot(region: np.ndarray, i: int) -> np.ndarray:
             return region[(i - first) * PAGE : (i - first + 1) * PAGE]
@@ -388,13 +391,12 @@ class BlockIO:
             while i < end and not failed:
                 stop = _run_end(jobs, i, end)
                 if stop == i + 1 and jobs[i].offset is None:
-                    done.put((i, self._read_one(jobs[i], slot(pages, i), slot(tails, i))))
+                    done.put([(i, self._read_one(jobs[i], slot(pages, i), slot(tails, i)))])
                 else:
                     run = range(i, stop)
                     outcomes = self._read_run([jobs[j] for j in run], [slot(pages, j) for j in run],
                                               [slot(tails, j) for j in run], extents)
-                    for j, outcome in zip(run, outcomes):
-                        done.put((j, outcome))
+                    done.put(list(zip(run, outcomes)))
                 i = stop
         finally:
             done.put(None)  # a no-op if every job was put: the helper stops after the last
