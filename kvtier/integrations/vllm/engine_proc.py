@@ -317,7 +317,15 @@ def profiled_replay(llm, cmd: dict, profile: str) -> dict:
 
     def schedule(*a, **kw):
         out = wrap_schedule(*a, **kw)
-        scheduled.append(dict(out.num_scheduled_tokens))
+        tokens = dict(out.num_scheduled_tokens)
+        # what a prefill chunk attends to besides itself (a prefix hit, an earlier chunk): the
+        # attention part of its cost, which skipping cached tokens does not remove
+        context = [(new.req_id, new.num_computed_tokens) for new in out.scheduled_new_reqs]
+        cached = out.scheduled_cached_reqs
+        context += list(zip(cached.req_ids, cached.num_computed_tokens))
+        prefill_context = sum(n for req, n in context if tokens.get(req, 0) > 1)
+        running, waiting = scheduler.get_request_counts()
+        scheduled.append((tokens, prefill_context, running, waiting, round(scheduler.get_kv_cache_usage(), 3)))
         return out
 
     scheduler.schedule = schedule
@@ -341,8 +349,9 @@ def profiled_replay(llm, cmd: dict, profile: str) -> dict:
         t = time.perf_counter()
         out = step()
         wall = time.perf_counter() - t
-        tokens = scheduled[before] if len(scheduled) > before else {}
-        steps.append((wall, sum(n for n in tokens.values() if n > 1), sum(n for n in tokens.values() if n == 1)))
+        tokens, context, running, waiting, usage = scheduled[before] if len(scheduled) > before else ({}, 0, 0, 0, 0.0)
+        steps.append((wall, sum(n for n in tokens.values() if n > 1), sum(n for n in tokens.values() if n == 1),
+                      context, running, waiting, usage))
         return out
 
     llm.llm_engine.step = timed_step
@@ -365,7 +374,7 @@ def profiled_replay(llm, cmd: dict, profile: str) -> dict:
         _PROFILES += 1
         prof.dump_stats(f"{profile}-{_PROFILES}.prof")
     kinds = {"prefill": [0, 0.0, 0], "mixed": [0, 0.0, 0], "decode": [0, 0.0, 0], "empty": [0, 0.0, 0]}
-    for wall, pre, dec in steps:
+    for wall, pre, dec, *_ in steps:
         kind = "mixed" if pre and dec else "prefill" if pre else "decode" if dec else "empty"
         kinds[kind][0] += 1
         kinds[kind][1] += wall
@@ -375,6 +384,10 @@ def profiled_replay(llm, cmd: dict, profile: str) -> dict:
         "prefill_tokens": sum(s[1] for s in steps), "decode_tokens": sum(s[2] for s in steps),
         "by_kind": {k: {"steps": n, "s": round(s, 3), "prefill_tokens": p} for k, (n, s, p) in kinds.items()},
         "connector": {k: {"calls": n, "s": round(s, 4)} for k, (n, s) in sorted(timed.items())},
+        # every step: what bounds the engine (time against tokens, KV use, queue) is read off these
+        "per_step_fields": ["wall_s", "prefill_tokens", "decode_tokens", "prefill_context_tokens", "running",
+                            "waiting", "kv_usage"],
+        "per_step": [[round(s[0], 4), *s[1:]] for s in steps],
         "thread_cpu_s": {name: round(cpu - cpu_before.get(name, 0.0), 3) for name, cpu in sorted(cpu_after.items())
                          if cpu - cpu_before.get(name, 0.0) > 0.005},
     }
