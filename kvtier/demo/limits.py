@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from kvtier.bench.baselines import huge_page_buffer
-from kvtier.tiers.direct_io import RUN_REQUEST_BYTES, PAGE, aligned_buffer, drop_cache, probe_direct_io, round_up
+from kvtier.tiers.direct_io import PAGE, aligned_buffer, drop_cache, probe_direct_io, round_up, run_request_blocks
 
 GIB = float(1 << 30)
 
@@ -97,8 +97,7 @@ def disk_limit_gib_s(directory: str, block_nbytes: int, *, in_flight: int, span_
     the fastest of one request per block, the requests ``DiskTier.get_many`` cuts a packed span
     into (about :data:`~kvtier.tiers.direct_io.RUN_REQUEST_BYTES`) and one request per span
     (whichever the hardware serves best, whatever kvtier does)."""
-    on_disk = PAGE + round_up(block_nbytes)
-    run = min(span_blocks, max(1, -(-RUN_REQUEST_BYTES // on_disk)))
+    run = min(span_blocks, run_request_blocks(block_nbytes))
     total = max(total_bytes, 2 * in_flight * span_blocks * block_nbytes)  # two spans a lane at least
     return max(disk_read_gib_s(directory, block_nbytes, in_flight=in_flight, blocks_per_read=n, total_bytes=total)
                for n in sorted({1, run, max(1, span_blocks)}))

@@ -572,6 +572,11 @@ _IOV_MAX = 1024
 RUN_REQUEST_BYTES = 1 << 20
 
 
+def run_request_blocks(payload_nbytes: int) -> int:
+    """How many packed blocks of ``payload_nbytes`` one request of a run reads (see :func:`_run_end`)."""
+    return max(1, -(-RUN_REQUEST_BYTES // (PAGE + round_up(payload_nbytes))))
+
+
 def _run_end(jobs: Sequence[ReadJob], i: int, end: int) -> int:
     """The end of the run of packed blocks that starts at job ``i``: same file, each starting where
     the one before ends, about :data:`RUN_REQUEST_BYTES` in all (at least one block), at most

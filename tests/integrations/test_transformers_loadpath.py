@@ -123,12 +123,16 @@ def test_staging_hands_each_read_fresh_poisoned_bytes_within_a_load_and_after_po
     assert (bigger == BYTE).all()
 
 
-@pytest.mark.parametrize("n", [1, 2, 3, 16, 33, 82, 214])
-def test_read_spans_cover_every_block_once_in_order_sharing_the_lanes_evenly(n):
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 16, 33, 82, 214])
+def test_read_spans_cover_every_block_once_in_whole_requests_sharing_the_lanes_evenly(n):
     from kvtier.integrations.transformers.cache_io import read_spans
 
-    spans = read_spans(n, 16, 2)
+    unit = 4  # blocks per request of the disk tier (256 KiB blocks, ~1 MiB requests)
+    spans = read_spans(n, 16, 2, unit)
     assert [a for a, _ in spans] == [0] + [b for _, b in spans[:-1]] and spans[-1][1] == n
     sizes = [b - a for a, b in spans]
-    assert max(sizes) <= 16 and max(sizes) - min(sizes) <= 1
-    assert n < 2 or len(spans) % 2 == 0  # no lane is left reading alone at the end
+    assert max(sizes) <= 16 and all(size % unit == 0 for size in sizes[:-1]), "a span costs an extra request"
+    requests = [-(-size // unit) for size in sizes]
+    assert sum(requests) == -(-n // unit), "more requests than cutting in 16s makes"
+    assert max(requests) - min(requests) <= 1 and requests == sorted(requests, reverse=True)
+    assert -(-n // unit) < 2 or len(spans) % 2 == 0  # no lane is left reading alone at the end

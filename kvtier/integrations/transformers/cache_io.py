@@ -40,6 +40,7 @@ from kvtier.core.layout import KVLayout
 from kvtier.errors import ConfigError
 from kvtier.integrations import poison as poisoning
 from kvtier.store.tiered import TieredStore
+from kvtier.tiers.direct_io import run_request_blocks
 from kvtier.tiers.host import HostTier
 
 #: reads from slower tiers: bytes per request to the store, and requests in flight
@@ -293,18 +294,22 @@ def load_blocks(
     return LoadReport(i, by_tier, time.perf_counter() - start)
 
 
-def read_spans(n: int, most: int, lanes: int) -> list[tuple[int, int]]:
-    """``n`` blocks cut into spans ``(a, b)`` of at most ``most`` blocks, as equal as they go, in a
-    count that ``lanes`` reads in flight share evenly (when there are enough blocks): cut in
-    ``most`` from the start, the last lane to finish could be left reading a whole span while the
-    others idle, and its span's verifying and placing would be all the longer after the last read."""
-    count = -(-n // most)
-    if n >= lanes:
+def read_spans(n: int, most: int, lanes: int, unit: int = 1) -> list[tuple[int, int]]:
+    """``n`` blocks cut into spans ``(a, b)`` of at most ``most`` blocks, in whole ``unit``\ s of
+    blocks (the disk tier reads a packed span in requests of ``unit`` blocks: a span of whole units
+    costs no extra request) but the last, as equal as they go, in a count that ``lanes`` reads in
+    flight share evenly (when there are enough units): cut in ``most`` from the start, the last lane
+    to finish could be left reading a whole span while the others idle, and its span's verifying
+    and placing would be all the longer after the last read."""
+    unit = max(1, min(unit, most))
+    units = -(-n // unit)
+    count = -(-units // (most // unit))
+    if units >= lanes:
         count = -(-count // lanes) * lanes
-    size, extra = divmod(n, count) if count else (0, 0)
+    size, extra = divmod(units, count) if count else (0, 0)
     spans, a = [], 0
     for k in range(count):
-        b = a + size + (k < extra)
+        b = min(n, a + (size + (k < extra)) * unit)
         spans.append((a, b))
         a = b
     return spans
@@ -316,7 +321,7 @@ def _load_lower(store: TieredStore, keys: Sequence[BlockKey], raw: np.ndarray, f
     nbytes = layout.block_nbytes
     n = len(keys)
     outs = [buf[k * nbytes : (k + 1) * nbytes] for k in range(n)]
-    spans = deque(read_spans(n, max(1, READ_CHUNK_BYTES // nbytes), READS_IN_FLIGHT))
+    spans = deque(read_spans(n, max(1, READ_CHUNK_BYTES // nbytes), READS_IN_FLIGHT, run_request_blocks(nbytes)))
     running: dict = {}  # future -> (a, b)
     ready: dict[int, tuple[int, object]] = {}  # a -> (b, result): read, not placed yet
     placed = 0  # spans are placed in order: the next one starts here
