@@ -295,7 +295,7 @@ def load_blocks(
 
 
 def read_spans(n: int, most: int, lanes: int, unit: int = 1) -> list[tuple[int, int]]:
-    """``n`` blocks cut into spans ``(a, b)`` of at most ``most`` blocks, in whole ``unit``\ s of
+    """``n`` blocks cut into spans ``(a, b)`` of at most ``most`` blocks, in whole units of ``unit``
     blocks (the disk tier reads a packed span in requests of ``unit`` blocks: a span of whole units
     costs no extra request) but the last, as equal as they go, in a count that ``lanes`` reads in
     flight share evenly (when there are enough units): cut in ``most`` from the start, the last lane
