@@ -24,6 +24,7 @@ from typing import Any
 from kvtier.core.keys import BlockKey, chain_external_hashes
 from kvtier.core.layout import KVLayout
 from kvtier.core.namespace import Namespace
+from kvtier.core.units import parse_size
 from kvtier.errors import ConfigError
 from kvtier.store import safety
 from kvtier.store.config import StoreConfig
@@ -58,6 +59,15 @@ class ConnectorConfig:
       request in the engine still loads synchronously, in the step of its
       forward pass: with nothing else to compute, an asynchronous load only adds
       engine steps (an idle pass, then a wait) before the forward.
+    * ``sync_load_max_bytes``: with ``async_load``, a load of at most this many
+      bytes (a size: ``8MiB``, or bytes) whose blocks all sit in the store's host
+      (DRAM) tier also runs synchronously, in the step of its forward pass. An
+      asynchronous load keeps the request, and the pages reserved for it, out of
+      the batch until the step after the load ends: a whole engine step (tens to
+      hundreds of ms) added to its TTFT, and pages that hold no computing request
+      meanwhile. A memcpy of a few MiB costs the step a millisecond or two. Loads
+      from disk or a server stay asynchronous (their latency has no such bound);
+      ``0`` makes every load beside other requests asynchronous.
     * ``pd_wait_s``: a request carrying ``kv_transfer_params`` from a prefill
       instance waits up to this long for the blocks it announces to be visible.
     * ``load_failure_policy``: "recompute" (the default; vLLM's own default
@@ -82,6 +92,7 @@ class ConnectorConfig:
     weights_revision: str | None = None
     async_load: bool = True
     sync_load_when_alone: bool = True
+    sync_load_max_bytes: int | str = 8 << 20
     pd_wait_s: float = 5.0
     load_failure_policy: str = "recompute"
     shutdown_flush_s: float = 4.0
@@ -94,6 +105,8 @@ class ConnectorConfig:
             raise ConfigError(f"block_tokens={self.block_tokens!r}; give a positive multiple of vLLM's block size")
         if self.load_failure_policy not in ("recompute", "fail"):
             raise ConfigError(f"load_failure_policy={self.load_failure_policy!r}; use 'recompute' or 'fail'")
+        # a frozen dataclass: normalise the size through object.__setattr__
+        object.__setattr__(self, "sync_load_max_bytes", parse_size(self.sync_load_max_bytes, "sync_load_max_bytes"))
         if self.pd_wait_s < 0:
             raise ConfigError(f"pd_wait_s={self.pd_wait_s!r}; give seconds >= 0")
         if not isinstance(self.allow_weak_block_hashes, bool):

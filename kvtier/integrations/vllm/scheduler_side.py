@@ -7,7 +7,9 @@
 * **Loads** cover the pages past vLLM's local prefix hit; a load may stop
   inside a kvtier block (the worker reads the block and writes only the pages
   asked for). Loads are asynchronous (other requests keep running) unless the
-  request is alone in the engine: then it loads in the step of its forward.
+  request is alone in the engine, or the load is small and every block of it is
+  in the host tier (``sync_load_max_bytes``): then it loads in the step of its
+  forward, which saves the request an engine step of waiting.
 * **Saves** cover each kvtier block once all its tokens are computed, unless the
   lookup found it in the store already.
 * **P/D.** A prefill instance returns ``{"kvtier_blocks": n}`` as the request's
@@ -80,11 +82,15 @@ class SchedulerSide:
         *,
         loads: bool,
         saves: bool,
+        in_memory: Callable[[list[BlockKey]], int] | None = None,
     ) -> None:
-        """``lookup(keys)`` returns how many leading keys the store holds (the worker's store)."""
+        """``lookup(keys)`` returns how many leading keys the store holds (the worker's store);
+        ``in_memory(keys)`` how many its host (DRAM) tier holds, where this process can ask
+        (None: no load counts as a memory copy, all beside other requests are asynchronous)."""
         self.config = config
         self.engine = engine
         self.lookup = lookup
+        self.in_memory = in_memory
         self.loads = loads
         self.saves = saves
         self.stats = SchedulerStats()
@@ -117,8 +123,24 @@ class SchedulerSide:
         external = max(0, usable - num_computed_tokens)
         state.match = Match(num_computed_tokens, external, stored)
         state.stored_blocks = max(state.stored_blocks, stored)
-        state.async_load = self.config.async_load and not (self.config.sync_load_when_alone and self._alone(request))
+        state.async_load = self.config.async_load and not (
+            (self.config.sync_load_when_alone and self._alone(request))
+            or self._memory_copy(hashes, num_computed_tokens, usable))
         return external, external > 0 and state.async_load
+
+    def _memory_copy(self, hashes: list[bytes], local_tokens: int, usable_tokens: int) -> bool:
+        """The load of tokens ``local_tokens..usable_tokens`` is at most ``sync_load_max_bytes``
+        and the host tier holds every block it reads: a memcpy, cheaper than a step's wait."""
+        limit = self.config.sync_load_max_bytes
+        if self.in_memory is None or usable_tokens <= local_tokens or \
+                (usable_tokens - local_tokens) * self.engine.layout.bytes_per_token > limit:
+            return False
+        blocks = -(-usable_tokens // self.engine.block_tokens)
+        try:
+            return self.in_memory(self.engine.keys(hashes[:blocks])) >= blocks
+        except Exception as exc:  # noqa: BLE001 - unknown residency: load asynchronously, as before
+            log.debug("kvtier host residency check failed (%s)", exc)
+            return False
 
     def _alone(self, request) -> bool:
         """No other request is in the engine (waiting, loading or running): every request

@@ -79,6 +79,22 @@ def test_reset_prefix_cache_then_load_from_kvtier_gives_identical_tokens_and_log
     assert stats["worker"]["loaded_blocks"] == blocks_read
 
 
+def test_small_host_loads_beside_other_requests_land_before_their_forward(engine):
+    """Requests batched together: each finds others in the engine, and its load (a few KiB,
+    all in the host tier) runs in the step of its forward (``sync_load_max_bytes``), not
+    between steps. Pages are poisoned first: a load landing after the forward shows."""
+    batch = prompts(3, 200, seed=11)  # 200, 237, 274 tokens: 10 blocks, all in the 16-block host tier
+    cold = engine.generate(batch, max_tokens=8, sequential=False)
+    engine.call(op="flush")
+    assert engine.call(op="reset")["ok"]
+    jobs = engine.call(op="stats")["worker"]["load_jobs"]
+    warm = engine.generate(batch, max_tokens=8, sequential=False)
+    assert engine.call(op="stats")["worker"]["load_jobs"] - jobs == len(batch)
+    for prompt, a, b in zip(batch, cold, warm):
+        assert loaded_tokens(b) == expected_hit(len(prompt)) > 0
+        assert b["token_ids"] == a["token_ids"]
+
+
 def test_another_cache_salt_never_hits(engine):
     prompt = prompts(1, 320, seed=4)
     alice = engine.generate(prompt, max_tokens=4, cache_salt="alice")

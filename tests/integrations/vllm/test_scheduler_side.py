@@ -154,3 +154,42 @@ def test_async_load_off_means_synchronous_even_beside_others(engine):
     sched = side(engine, store, async_load=False, sync_load_when_alone=True)
     assert sched.num_new_matched_tokens(a, 0) == (608, False)
     assert sched.num_new_matched_tokens(b, 0) == (608, False)
+
+
+def test_a_small_load_from_the_host_tier_runs_in_its_forward_step_even_beside_others(engine):
+    """An asynchronous load costs the request a whole engine step of waiting (its pages held
+    meanwhile); a memcpy of a few hundred KiB from DRAM costs the step far less."""
+    store, first, small = FakeStore(), request("first", 640), request("small", 640)
+    for req in (first, small):
+        store.hold(engine, req, 10)
+    in_memory = {"blocks": 10}
+
+    def sched_with(**config):
+        s = SchedulerSide(ConnectorConfig(block_tokens=BLOCK, sync_load_when_alone=False, **config), engine,
+                          store.lookup, loads=True, saves=True,
+                          in_memory=lambda keys: min(len(keys), in_memory["blocks"]))
+        s.num_new_matched_tokens(first, 0)  # another request is in the engine
+        return s
+
+    sched = sched_with()  # default limit: 8 MiB; this load is 608 tokens x 1 KiB
+    assert sched.num_new_matched_tokens(small, 0) == (608, False)
+    sched.after_alloc(small, list(range(100, 121)), 608)
+    (job,) = sched.build(output()).loads
+    assert not job.is_async and sched.finished(small)[0] is False, "no pages held past the request"
+    # controls: a load over the limit, or one whose last block only a lower tier holds, stays asynchronous
+    assert sched_with(sync_load_max_bytes="512KiB").num_new_matched_tokens(small, 0) == (608, True)
+    assert sched_with(sync_load_max_bytes=0).num_new_matched_tokens(small, 0) == (608, True)
+    in_memory["blocks"] = 9
+    assert sched_with().num_new_matched_tokens(small, 0) == (608, True)
+    in_memory["blocks"] = 10
+    no_residency = SchedulerSide(ConnectorConfig(block_tokens=BLOCK, sync_load_when_alone=False), engine,
+                                 store.lookup, loads=True, saves=True)
+    no_residency.num_new_matched_tokens(first, 0)
+    assert no_residency.num_new_matched_tokens(small, 0) == (608, True), "residency unknown (a lookup socket)"
+
+
+def test_sync_load_max_bytes_takes_sizes_and_refuses_nonsense():
+    assert ConnectorConfig(sync_load_max_bytes="2MiB").sync_load_max_bytes == 2 << 20
+    assert ConnectorConfig.from_extra_config({"sync_load_max_bytes": 4096}).sync_load_max_bytes == 4096
+    with pytest.raises(Exception, match="sync_load_max_bytes"):
+        ConnectorConfig(sync_load_max_bytes=-1)
