@@ -151,7 +151,7 @@ class TierAware:
     step ends, so a newcomer's tokens delay each request it shares its step with. Taking
     only its own TTFT, a burst sent together was split to even out the workers' tokens,
     and a large request landed in a step with many small ones, which all waited for it
-    (on bursts of the conversation trace, round-robin's p50 beat it). With the delay
+    (round-robin's p50 beat it in a quiet run of the trace bench). With the delay
     added, the pick is the smallest increase of the summed TTFT. A FIFO engine that runs
     one request at a time (the simulator's worker) delays nobody ahead: the same cost as
     before. With a ``temperature`` > 0 the pick is a softmax draw over those costs
