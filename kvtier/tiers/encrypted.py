@@ -98,7 +98,10 @@ class _BufferPool:
         size = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
         buf = np.frombuffer(mmap.mmap(-1, size), dtype=np.uint8)
         if self._registrar is not None:
-            self._registrar.register_memory(buf)
+            try:
+                self._registrar.register_memory(buf)
+            except RuntimeError as exc:  # still correct unregistered: the tier reads it through staging
+                log.warning("encrypted tier: staging not registered with %s (%s): reads copy", self._registrar, exc)
         return buf
 
     def give(self, buf: np.ndarray) -> None:
@@ -358,7 +361,8 @@ class EncryptedTier(WrappingTier):
         held: list[np.ndarray] = []  # one staging buffer per group in flight (at most two)
         tainted: set[int] = set()  # ids of held buffers a late read may still write into
         try:
-            for group in runs_by_bytes(range(len(sizes)), [_page_up(n) for n in sizes], GROUP_BYTES):
+            groups = list(runs_by_bytes(range(len(sizes)), [_page_up(n) for n in sizes], GROUP_BYTES))
+            for g, group in enumerate(groups):
                 names = [self._name(keys[i]) for i in group]
                 # one page-aligned buffer per group, each block at a page boundary in it
                 buf = self._buffers.take(sum(_page_up(sizes[i]) for i in group))
@@ -379,8 +383,10 @@ class EncryptedTier(WrappingTier):
                         ready.append((i, name, view))
                     else:
                         statuses[i] = status
-                if ready:
-                    job = self._pipe.submit(self._open_group, ready, dsts, statuses)
+                if ready and g + 1 < len(groups):
+                    job = self._pipe.submit(self._open_group, ready, dsts, statuses, None)
+                elif ready:  # the last group: nothing left to overlap, open its chunks on every AEAD thread
+                    self._open_group(ready, dsts, statuses, self._pool)
             if job is not None:
                 job.result()
                 job = None
@@ -408,9 +414,9 @@ class EncryptedTier(WrappingTier):
             tainted.add(id(buf))
         return fetched
 
-    def _open_group(self, ready, dsts, statuses) -> None:
+    def _open_group(self, ready, dsts, statuses, executor) -> None:
         for i, name, view in ready:
-            statuses[i] = self._open(self.tenant, name, view, dsts[i], None)
+            statuses[i] = self._open(self.tenant, name, view, dsts[i], executor)
 
     def _release(self, bufs, tainted: set[int] = frozenset()) -> None:
         for b in bufs:
