@@ -233,10 +233,11 @@ class EncryptedTier(WrappingTier):
                              executor=executor)
         if why is None:
             return Status.OK
-        # AES-GCM decrypts before it checks a tag: a block moved here from another name of ours
-        # left that block's plaintext in ``out``. Wiped, so that a caller who ignores the status
-        # still never reads another block's bytes.
-        np.frombuffer(memoryview(out).cast("B"), dtype=np.uint8).fill(0)
+        if lookup.found:
+            # AES-GCM decrypts before it checks a tag: a block moved here from another name of ours
+            # left that block's plaintext in ``out``. Wiped, so that a caller who ignores the status
+            # still never reads another block's bytes.
+            np.frombuffer(memoryview(out).cast("B"), dtype=np.uint8).fill(0)
         status = Status.MISS if lookup.missing else Status.CORRUPT
         with self._lock:  # (the tier below counted a hit: it returned the sealed bytes)
             if status is Status.MISS:

@@ -541,11 +541,10 @@ class MooncakeTier(Tier):
         payloads = ([views[i] if buf is None else buf[1][HEADER_NBYTES:n] for i, buf, n in zip(chunk, bufs, sizes)]
                     if hashed else None)
         if session:
-            read.future = self._caller.submit(read.run_and_hash, payloads, self._engine.batch_get_into_multi_buffer_ranges,
-                                              names, ptrs, lens, offsets)
+            call = (self._engine.batch_get_into_multi_buffer_ranges, names, ptrs, lens, offsets)
         else:
-            read.future = self._caller.submit(read.run_and_hash, payloads, self._engine.batch_get_into_multi_buffers,
-                                              names, ptrs, lens)
+            call = (self._engine.batch_get_into_multi_buffers, names, ptrs, lens)
+        read.future = self._caller.submit(read.run_and_hash, payloads, *call)
         return read
 
     def _finish_chunk(self, read: "_ChunkRead", digests, views, statuses: list[Status],
