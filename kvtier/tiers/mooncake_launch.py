@@ -81,6 +81,22 @@ def _tail(path: Path, n: int = 2000) -> str:
         return ""
 
 
+def _wait_stopped(pid: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        states = []
+        for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+            try:
+                states.append(stat.read_text().rsplit(")", 1)[1].split()[0])
+            except (OSError, IndexError):
+                pass  # a thread that just ended
+        if not Path("/proc").is_dir() or (states and all(s in "Tt" for s in states)):
+            return  # no /proc: nothing to wait on
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"process {pid} did not stop within {timeout_s} s: thread states {states}")
+        time.sleep(0.01)
+
+
 def _stop(proc: subprocess.Popen | None, grace_s: float = 3.0) -> None:
     if proc is None or proc.poll() is not None:
         return
@@ -166,8 +182,14 @@ class MooncakeCluster:
                 raise TimeoutError(f"mooncake holder {i} did not mount its segment in {timeout_s} s: {_tail(log)}")
             time.sleep(0.05)
 
-    def signal_holder(self, i: int, sig: int) -> None:
-        os.killpg(self.holders[i].pid, sig)
+    def signal_holder(self, i: int, sig: int, timeout_s: float = 5.0) -> None:
+        """Send ``sig`` to holder ``i``; a SIGSTOP returns once every thread of it has stopped
+        (SIGSTOP acts as each thread is next scheduled: on a loaded box, after the caller's next
+        call may have been served -- a fault test would then test nothing)."""
+        pid = self.holders[i].pid
+        os.killpg(pid, sig)
+        if sig == signal.SIGSTOP:
+            _wait_stopped(pid, timeout_s)
 
     def kill_holder(self, i: int) -> None:
         proc = self.holders[i]

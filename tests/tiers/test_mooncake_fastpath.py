@@ -78,6 +78,18 @@ def test_a_tampered_object_read_into_registered_memory_is_a_miss_and_is_dropped(
     assert np.array_equal(out, block(22))
 
 
+def _until_served(t, keys, datas, outs=None) -> None:
+    """Precondition, not the subject: a fresh cluster started in a process that has used another
+    one answers its first calls late now and then (the in-process engine still holds the old
+    holder's descriptor under the same segment name). Wait until a put and a read both go
+    through, so that what a test then freezes is the steady state."""
+    outs = outs if outs is not None else [np.empty_like(d) for d in datas]
+    deadline = time.monotonic() + 20
+    while t.put_many(keys, datas) != [Status.OK] * len(keys) or t.get_many(keys, outs) != [Status.OK] * len(keys):
+        assert time.monotonic() < deadline, f"the fresh cluster never served: {t.last_error}"
+        time.sleep(0.2)
+
+
 def test_a_read_into_registered_memory_that_overruns_is_counted_until_it_ends():
     cluster = start_cluster(holders=1, segment_bytes=64 << 20)
     t = make_tier(cluster, timeout_s=0.5, max_backoff_s=0.2)
@@ -86,15 +98,7 @@ def test_a_read_into_registered_memory_that_overruns_is_counted_until_it_ends():
         t.register_memory(region)
         keys = [key(30 + i) for i in range(4)]
         outs = [region[i * BLOCK:(i + 1) * BLOCK] for i in range(4)]
-        # Precondition, not the subject: a fresh cluster started in a process that has used
-        # another one answers its first calls late now and then (the in-process engine still
-        # holds the old holder's descriptor under the same segment name): wait until a put and
-        # a read both go through, so that the frozen read below is the steady state.
-        deadline = time.monotonic() + 20
-        while (t.put_many(keys, [block(30 + i) for i in range(4)]) != [Status.OK] * 4
-               or t.get_many(keys, outs) != [Status.OK] * 4):
-            assert time.monotonic() < deadline, f"the fresh cluster never served: {t.last_error}"
-            time.sleep(0.2)
+        _until_served(t, keys, [block(30 + i) for i in range(4)], outs)
         outs[0][:] = 0xA5
         cluster.signal_holder(0, signal.SIGSTOP)
         try:
@@ -179,11 +183,13 @@ def test_a_put_that_overruns_leaves_no_reservation_behind():
     try:
         keys = [key(60 + i) for i in range(4)]
         datas = [block(60 + i) for i in range(4)]
+        _until_served(t, [key(70)], [block(70)])
         cluster.signal_holder(0, signal.SIGSTOP)
         try:
             start = time.monotonic()
             statuses = t.put_many(keys, datas)
-            assert time.monotonic() - start < 0.5 + 0.5
+            took = time.monotonic() - start
+            assert took < 0.5 + 1.0, f"a put to a frozen holder took {took:.2f} s against a 0.5 s deadline"
             assert Status.OK not in statuses, "nothing was frozen: the test tests nothing"
         finally:
             cluster.signal_holder(0, signal.SIGCONT)
