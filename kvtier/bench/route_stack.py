@@ -21,6 +21,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvtier.child_process import die_with_parent
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -86,13 +88,9 @@ class Worker(Proc):
 
 
 def _die_with_parent() -> None:
+    """In the child: a session of its own (its group is signalled whole), gone with its starter."""
     os.setsid()
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+    die_with_parent()
 
 
 def kvtier_transfer_config(remote_url: str, token: str, *, block_tokens: int = 64,
