@@ -15,7 +15,11 @@ Deployments, all in one run:
   (``--shared-writes``: the router counts every block a worker computes as loadable by
   every worker).
 * **baseline** — the same two workers without the connector (vLLM's own prefix cache
-  only, today's deployment) behind a round-robin ``kvtier route``.
+  only, today's deployment) behind a round-robin ``kvtier route`` that sends every request
+  at once (``--admission-tokens 0``: a plain proxy; the kvtier rounds' routers hold a
+  worker's requests beyond one prefill step and send them soonest-finishing first, see
+  :mod:`kvtier.router.admission`). ``--baseline-admission`` replays the baseline once more
+  with that admission on, so a reader can tell the router's scheduling from the tiers.
 
 vLLM's KV cache holds ``--kv-fraction`` of the stretch's working set, so that vLLM alone
 must evict (as in ``bench vllm --trace``).
@@ -98,6 +102,11 @@ def add_arguments(p) -> None:
                    help="--trace: skip the uncounted priming replay before the first round")
     p.add_argument("--router-log-level", default="info", choices=["debug", "info"],
                    help="--trace: debug: each router logs every decision's per-worker costs (in --workdir)")
+    p.add_argument("--baseline-admission", action="store_true",
+                   help="--trace: also replay the baseline behind a round-robin router that holds requests "
+                        "as kvtier's does (kvtier.router.admission), reported as baseline_admission: how much "
+                        "of a gain is the router's scheduling rather than the tiers (the targets use the plain "
+                        "baseline)")
     p.add_argument("--workdir", default=None,
                    help="--trace: keep logs and each round's per-request rows (rows-POLICY.json) here "
                         "(default: a temporary folder, removed)")
@@ -228,7 +237,9 @@ async def _one(session, url: str, model: str, r: dict, salt: str, t0: float) -> 
             "cached_tokens": details.get("cached_tokens") or 0, "worker": worker,
             # the router's own time before forwarding, and the worker's time to first byte as
             # the router saw it (None from a router that does not send Server-Timing)
-            "router_s": timing.get("router"), "upstream_s": timing.get("upstream")}
+            "router_s": timing.get("router"), "upstream_s": timing.get("upstream"),
+            # the time it waited in the router for its worker's queue (kvtier.router.admission)
+            "held_s": timing.get("held")}
 
 
 async def _replay(url: str, model: str, requests: list[dict], salt: str, at_once: int | None = None) -> list[dict]:
@@ -263,21 +274,25 @@ def summarise(rows: list[dict], metrics_text: str, bound: list[int] | None = Non
         "requests_per_worker": sorted(per_worker.values(), reverse=True),
         **({"cached_vs_reusable": against_bound([r["cached_tokens"] for r in rows], bound)} if bound else {}),
         **({"ttft_parts_p50_ms": {
-            # client TTFT = router's own time + the worker's first byte + relay and HTTP
+            # client TTFT = router's own time + held in the router + the worker's first byte + relay and HTTP
             "router": round(percentile([r["router_s"] for r in timed], 0.5) * 1e3, 2),
+            "held": round(percentile([r.get("held_s") or 0.0 for r in timed], 0.5) * 1e3, 2),
+            "held_p90": round(percentile([r.get("held_s") or 0.0 for r in timed], 0.9) * 1e3, 2),
             "upstream": round(percentile([r["upstream_s"] for r in timed], 0.5) * 1e3, 2),
-            "client_minus_upstream": round(percentile([r["ttft_s"] - r["upstream_s"] for r in timed], 0.5) * 1e3, 2),
+            "client_minus_upstream": round(percentile([r["ttft_s"] - r["upstream_s"] - (r.get("held_s") or 0.0)
+                                                       for r in timed], 0.5) * 1e3, 2),
         }} if timed else {}),
     }
 
 
 def _round(model: str, workers: list, phases: dict, policy: str, workdir: Path, *, events: bool,
-           salt: str, measured: list[str] = (), keep_rows: Path | None = None, log_level: str = "info") -> dict:
+           salt: str, measured: list[str] = (), keep_rows: Path | None = None, log_level: str = "info",
+           router_args: tuple = ()) -> dict:
     from kvtier.bench.route_stack import events_connected, start_router
 
     reset = all(reset_prefix_cache(w.url) for w in workers)
     extra = ["--shared-writes", *measured] if events else []
-    extra += ["--log-level", log_level]
+    extra += ["--log-level", log_level, *router_args]
     router = start_router(model, workers, workdir / f"router-{salt}.log", policy=policy, events=events,
                           extra_args=["--block-tokens", str(HASH_TOKENS), *extra])
     try:
@@ -406,6 +421,9 @@ def run(args) -> dict:
         "kvtier_server_mib": 2 * host_mib,
         "model": {"preset": args.model, **geo},
         "isolation": "per-round cache_salt + POST /reset_prefix_cache + a fresh router per round",
+        "admission": "kvtier rounds: the router's default (a worker is sent one prefill step of tokens, "
+                     "2048; the rest wait in the router, soonest-finishing first); baseline: off "
+                     "(a plain round-robin proxy)",
         "round_order": order,
         "order_seed": seed,
         "priming": not args.no_priming,
@@ -441,10 +459,18 @@ def run(args) -> dict:
     workers = _deployment(model, workdir, "baseline", transfer=None, max_len=max_len, kv_pages=kv_pages)
     try:
         _warm(model, workers, spec.vocab_size)
+        # Today's deployment: a plain round-robin proxy that sends every request at once
+        # (the router's admission off), as the baseline has always been run.
         result["baseline"] = _round(model, workers, phases, "round-robin", workdir, events=False,
                                     salt=f"baseline-{nonce}",
-                                    keep_rows=workdir / "rows-baseline.json" if args.workdir else None)
+                                    keep_rows=workdir / "rows-baseline.json" if args.workdir else None,
+                                    router_args=("--admission-tokens", "0"))
         load.append(os.getloadavg()[0])
+        if args.baseline_admission:
+            result["baseline_admission"] = _round(
+                model, workers, phases, "round-robin", workdir, events=False, salt=f"baseline-admission-{nonce}",
+                keep_rows=workdir / "rows-baseline-admission.json" if args.workdir else None)
+            load.append(os.getloadavg()[0])
     finally:
         for w in workers:
             w.stop()

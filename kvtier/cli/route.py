@@ -14,7 +14,8 @@ import sys
 # flag dest → RouterConfig field (given flags only override the file)
 _FLAGS = ("host", "port", "policy", "model_path", "block_tokens", "kv_bytes_per_token", "host_read_bytes_per_s",
           "shared_read_bytes_per_s", "shared_events", "shared_events_server_public", "shared_events_public",
-          "shared_events_secret", "prefill_tokens_per_s", "decode_block_s", "step_tokens", "temperature",
+          "shared_events_secret", "prefill_tokens_per_s", "decode_block_s", "step_tokens", "admission_tokens",
+          "temperature",
           "index_capacity",
           "health_interval_s", "eject_after", "max_attempts")
 
@@ -52,6 +53,10 @@ def register(subparsers) -> None:
                    help="the workers' prefill step budget, vLLM's --max-num-batched-tokens (default 2048, vLLM's "
                         "on CPU): requests queued together share steps, so tier-aware prices what a request adds "
                         "to the first tokens of those it would share a step with; 0: the workers share no steps")
+    p.add_argument("--admission-tokens", dest="admission_tokens", type=int,
+                   help="predicted uncached tokens sent to a worker at a time; its further requests wait in the "
+                        "router and go soonest-finishing first (default: --step-tokens; 0: send every request "
+                        "at once)")
     p.add_argument("--temperature", type=float, help="softmax temperature of tier-aware (0: take the minimum)")
     p.add_argument("--index-capacity", dest="index_capacity", type=int)
     p.add_argument("--health-interval-s", dest="health_interval_s", type=float)

@@ -20,6 +20,7 @@ from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
 
 from kvtier.policy.routing import Approximate, make_policy
 from kvtier.router.admin import install as install_admin
+from kvtier.router.admission import AsyncAdmission
 from kvtier.router.config import RouterConfig
 from kvtier.router.events import SharedTierEvents, VllmEvents
 from kvtier.router.index import BlockIndex
@@ -141,6 +142,8 @@ class Router:
         self.config = config.check()
         self.tokenizer = tokenizer
         self.workers = [Worker(i, w.url, w.events) for i, w in enumerate(config.workers)]
+        #: per worker id: what it has been sent and what waits here (kvtier.router.admission)
+        self.admission: dict[int, AsyncAdmission] = {}
         self.index = BlockIndex(config.block_tokens, capacity=config.index_capacity)
         self.metrics = RouterMetrics()
         self.health = Health(config.eject_after)
@@ -247,6 +250,12 @@ class Router:
         self.metrics.healthy.labels(worker.url).set(1 if worker.healthy else 0)
         self._update_mode()
 
+    def _admission(self, worker: Worker) -> AsyncAdmission:
+        queue = self.admission.get(worker.id)
+        if queue is None:
+            queue = self.admission[worker.id] = AsyncAdmission(self.config.admission_cap)
+        return queue
+
     # --- decisions -------------------------------------------------------------------
     def _prefill_line(self) -> tuple[float, float]:
         """The measured prefill line (or the configured one before any sample), set into the
@@ -329,14 +338,14 @@ class Router:
         raw, body = await self._json(request)
         _check_body(body, "prompt")
         ids = self.tokenizer.completion(body["prompt"])
-        return await self._forward(request, raw, ids)
+        return await self._forward(request, raw, ids, streaming=body.get("stream") is True)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         request[_RECEIVED] = time.perf_counter()
         raw, body = await self._json(request)
         _check_body(body, "messages")
         ids = self.tokenizer.chat(body["messages"], body)
-        return await self._forward(request, raw, ids)
+        return await self._forward(request, raw, ids, streaming=body.get("stream") is True)
 
     async def models(self, request: web.Request) -> web.Response:
         for w in sorted(self.workers, key=lambda w: not w.healthy):
@@ -362,7 +371,8 @@ class Router:
             self.metrics.decode_step.labels(w.url).set(w.decode_step_s or 0)
         return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
 
-    async def _forward(self, request: web.Request, raw: bytes, token_ids: list[int]) -> web.StreamResponse:
+    async def _forward(self, request: web.Request, raw: bytes, token_ids: list[int], *,
+                       streaming: bool = False) -> web.StreamResponse:
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
         tried: set[int] = set()
         last_error = "no worker available"
@@ -378,11 +388,22 @@ class Router:
             prefill_tokens = len(token_ids) - predicted
             others = worker.inflight   # what it found there
             ticket = worker.start(prefill_tokens, len(keys), load_s)
-            answered = False
-            t0 = time.monotonic()
+            answered = admitted = False
             # what the router spent before the worker had the request: body, tokenizer, decisions
             own_s = time.perf_counter() - request.get(_RECEIVED, time.perf_counter())
+            # Only streamed requests wait in the router: their first byte is the end of their
+            # prefill, which frees the queue; a non-streamed answer comes whole after its decode,
+            # and counting its tokens until then would throttle the worker.
+            admission = self._admission(worker) if streaming else None
             try:
+                held_t0 = time.monotonic()
+                # soonest virtual finish first: arrival + its own predicted prefill seconds
+                if admission is not None:
+                    await admission.admit(prefill_tokens, held_t0 + self.prefill.seconds(prefill_tokens))
+                    admitted = True
+                t0 = time.monotonic()
+                held_s = t0 - held_t0
+                self.metrics.held.observe(held_s)
                 async with self.session.post(worker.url + request.path, data=raw, headers=headers) as resp:
                     if resp.status in _RETRY_STATUS:
                         last_error = f"worker {worker.url} answered {resp.status}"
@@ -390,6 +411,9 @@ class Router:
                         continue
                     first = await resp.content.readany()
                     upstream_s = time.monotonic() - t0
+                    if admitted:   # its tokens left the engine's queue: the next may go
+                        admitted = False
+                        admission.done(prefill_tokens)
                     if worker.first_byte(prefill_tokens, upstream_s - load_s, others=others, load_s=load_s,
                                          ticket=ticket):
                         # the prefill line is fitted to the time less the predicted tier loads,
@@ -398,7 +422,8 @@ class Router:
                     answered = True
                     self.metrics.routed.labels(worker.url).inc()
                     self.metrics.predicted_cached.labels(worker.url).inc(predicted)
-                    timing = f"router;dur={own_s * 1e3:.3f}, upstream;dur={upstream_s * 1e3:.3f}"
+                    timing = (f"router;dur={own_s * 1e3:.3f}, held;dur={held_s * 1e3:.3f}, "
+                              f"upstream;dur={upstream_s * 1e3:.3f}")
                     return await self._relay(request, resp, first, worker, timing)
             except (ClientError, asyncio.TimeoutError, OSError) as exc:
                 if answered:
@@ -407,6 +432,8 @@ class Router:
                 log.warning("request failed before its first byte on %s (%s); retrying elsewhere", worker.url, exc)
                 self._record_health(worker, False)
             finally:
+                if admitted:   # sent and failed (or the client left) before its first byte
+                    admission.done(prefill_tokens)
                 worker.finish(prefill_tokens, len(keys), answered, load_s, ticket)
         raise RequestError(503, f"no worker could serve the request ({last_error})", "service_unavailable_error")
 

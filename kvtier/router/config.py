@@ -63,6 +63,9 @@ class RouterConfig:
     prefill_overhead_s: float = 0.005
     decode_block_s: float = 0.0005         #: decode pressure per active block until a worker's decode step is measured
     step_tokens: int = 2048                #: the workers' prefill step (vLLM --max-num-batched-tokens); 0: none
+    #: predicted uncached tokens sent to a worker before its further requests wait in the router,
+    #: soonest-finishing first (kvtier.router.admission); None: step_tokens; 0: off (send at once)
+    admission_tokens: int | None = None
     temperature: float = 0.0
     index_capacity: int = 1 << 22
     health_interval_s: float = 2.0
@@ -113,7 +116,15 @@ class RouterConfig:
             raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
         if self.step_tokens < 0:
             raise ConfigError(f"step_tokens must be >= 0 (0: no shared prefill steps), got {self.step_tokens}")
+        if self.admission_tokens is not None and self.admission_tokens < 0:
+            raise ConfigError(f"admission_tokens must be >= 0 (0: send every request at once), "
+                              f"got {self.admission_tokens}")
         return self
+
+    @property
+    def admission_cap(self) -> int:
+        """Tokens a worker is sent before the router holds its requests (0: never holds)."""
+        return self.step_tokens if self.admission_tokens is None else self.admission_tokens
 
     @classmethod
     def from_file(cls, path: str | Path) -> "RouterConfig":

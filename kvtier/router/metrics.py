@@ -44,6 +44,10 @@ class RouterMetrics:
         self.decode_step = Gauge("kvtier_router_worker_decode_step_seconds",
                                  "Decode step the router measured per worker from its streams: the decode "
                                  "pressure tier-aware prices (0 until measured)", ["worker"], registry=r)
+        self.held = Histogram("kvtier_router_admission_wait_seconds",
+                              "Time a request waited in the router for its worker's queue to shorten "
+                              "(kvtier.router.admission; 0 when sent at once)",
+                              buckets=(1e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0), registry=r)
         self.index_blocks = Gauge("kvtier_router_index_blocks", "Blocks in the router's index", registry=r)
 
     def render(self) -> bytes:

@@ -44,7 +44,12 @@ def test_ttft_parts_from_server_timing_and_the_workers_vllm_histograms():
     assert route_trace.server_timing("") == {} and route_trace.server_timing("x;desc=y, z;dur=bad") == {}
     rows = [dict(_row(1.0, 0), router_s=0.001, upstream_s=0.9), dict(_row(2.0, 0), router_s=0.003, upstream_s=1.95)]
     parts = route_trace.summarise(rows, "")["ttft_parts_p50_ms"]
-    assert parts == {"router": 2.0, "upstream": 1425.0, "client_minus_upstream": 75.0}
+    assert parts == {"router": 2.0, "held": 0.0, "held_p90": 0.0, "upstream": 1425.0, "client_minus_upstream": 75.0}
+    # time held in the router (kvtier.router.admission) is its own part, not the relay's
+    held = [dict(r, held_s=0.05) for r in rows]
+    parts = route_trace.summarise(held, "")["ttft_parts_p50_ms"]
+    assert parts["held"] == 50.0 and parts["client_minus_upstream"] == pytest.approx(25.0)
+    assert route_trace.server_timing("router;dur=0.5, held;dur=250, upstream;dur=9")["held"] == pytest.approx(0.25)
     # vLLM's histograms, two label sets summed; the round's means from before/after scrapes
     def scrape(ttft_sum, n):
         return "\n".join(f'vllm:{name}_{kind}{{engine="0",model_name="m"}} {value}'
