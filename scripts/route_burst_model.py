@@ -15,6 +15,7 @@ are ratios between policies under the same model.
 
     python scripts/route_burst_model.py                    # synthetic bursts, several seeds
     python scripts/route_burst_model.py --rows rows-tier-aware.json   # a bench round's requests
+    python scripts/route_burst_model.py --bound rows-baseline.json rows-tier-aware.json   # what bounds p50
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from collections import deque
 from types import SimpleNamespace
 
 from kvtier.policy.routing import LeastLoaded, RoundRobin, TierAware
+from kvtier.router.admission import AdmissionQueue
 from kvtier.router.workers import Worker
 
 
@@ -54,10 +56,17 @@ class _View:
 
 
 def replay(requests, policy, *, step_tokens=2048, c0=0.02, speed=4000.0, per_request=0.0, price_steps=True,
-           jitter=0.3, seed=0, workers=2):
-    """TTFTs of ``requests`` (dicts: t, uncached, out) routed by ``policy``."""
+           jitter=0.3, seed=0, workers=2, admission=0, release_lag_s=0.002):
+    """TTFTs of ``requests`` (dicts: t, uncached, out) routed by ``policy``.
+
+    ``admission``: the router's admission cap in tokens (:mod:`kvtier.router.admission`, the
+    router's own queue code; 0: every request sent at once). A held request reaches its
+    engine ``release_lag_s`` after the first byte that freed it, so it joins the step after
+    the one that starts then (the engine does not wait for the router)."""
     rng = random.Random(seed)
     book = [Worker(i, f"model://{i}") for i in range(workers)]
+    gates = [AdmissionQueue(admission) for _ in range(workers)]
+    lagged = []                                       # (time, worker, [request, tokens, ticket]) on their way
     waiting = [deque() for _ in range(workers)]       # [request, tokens left to prefill, ticket]
     running = [[] for _ in range(workers)]            # [request, decode steps left]
     step = [None] * workers                           # (end, prefilled items, decodes)
@@ -80,16 +89,24 @@ def replay(requests, policy, *, step_tokens=2048, c0=0.02, speed=4000.0, per_req
         seconds = c0 + tokens / speed + per_request * len(items) + 0.0005 * len(decodes)
         step[w] = (now + seconds * (1 + jitter * rng.random()), items, decodes)
 
-    while arrivals or any(step):
+    while arrivals or any(step) or lagged:
         next_end = min((s[0] for s in step if s), default=float("inf"))
+        if lagged and lagged[0][0] <= next_end and (not arrivals or lagged[0][0] <= arrivals[0]["t"]):
+            at, w, item = lagged.pop(0)
+            waiting[w].append(item)
+            if step[w] is None:
+                start_step(w, at)
+            continue
         if arrivals and arrivals[0]["t"] <= next_end:
             r = arrivals.popleft()
             view = _View(book, speed, c0, step_tokens if price_steps else 0, c0)
             w = policy.choose(SimpleNamespace(input_tokens=r["uncached"], uncached=r["uncached"], blocks=[]), view)
             ticket = book[w].start(r["uncached"], 1)
-            waiting[w].append([r, r["uncached"], ticket])
-            if step[w] is None:
-                start_step(w, r["t"])
+            item = [r, r["uncached"], ticket]
+            if gates[w].offer(r["uncached"], r["t"] + c0 + r["uncached"] / speed, item):
+                waiting[w].append(item)
+                if step[w] is None:
+                    start_step(w, r["t"])
             continue
         w = min(range(workers), key=lambda i: step[i][0] if step[i] else float("inf"))
         end, items, decodes = step[w]
@@ -98,6 +115,9 @@ def replay(requests, policy, *, step_tokens=2048, c0=0.02, speed=4000.0, per_req
                 waiting[w].remove(item)
                 r = item[0]
                 ttft.append(end - r["t"])
+                for sent in gates[w].done(r["uncached"]):
+                    lagged.append((end + release_lag_s, w, sent))
+                lagged.sort(key=lambda x: x[0])
                 book[w].first_byte(r["uncached"], end - r["t"], others=1, ticket=item[2])
                 if r["out"] > 1:
                     running[w].append([r, r["out"] - 1])
@@ -139,12 +159,62 @@ def from_rows(path):
             for i, r in enumerate(rows)]
 
 
+#: name → (policy, whether it prices step sharing, the router's admission cap in tokens)
 POLICIES = {
-    "round-robin": lambda: (RoundRobin(), True),
-    "least-loaded": lambda: (LeastLoaded(), True),
-    "tier-aware, own TTFT only (before)": lambda: (TierAware(), False),
-    "tier-aware, + step-sharing delay": lambda: (TierAware(), True),
+    "round-robin": lambda: (RoundRobin(), True, 0),
+    "least-loaded": lambda: (LeastLoaded(), True, 0),
+    "tier-aware, own TTFT only (before)": lambda: (TierAware(), False, 0),
+    "tier-aware, + step-sharing delay": lambda: (TierAware(), True, 0),
+    "round-robin + admission 2048": lambda: (RoundRobin(), True, 2048),
+    "least-loaded + admission 2048": lambda: (LeastLoaded(), True, 2048),
+    "tier-aware + admission 2048 (now)": lambda: (TierAware(), True, 2048),
 }
+
+
+def spt_order(requests):
+    """The same requests, each burst (equal 3-s slot) re-sent shortest first: with least-loaded
+    routing this is SPT list scheduling, the schedule that minimises the summed completion
+    time on identical parallel machines, which no router that sends a burst as it arrives can
+    beat on the median except by luck. An oracle: it needs a router that holds a burst and
+    reorders it."""
+    bursts = {}
+    for r in requests:
+        bursts.setdefault(round(r["t"] / 3.0), []).append(r)
+    out = []
+    for slot, members in bursts.items():
+        for i, r in enumerate(sorted(members, key=lambda r: r["uncached"])):
+            out.append({**r, "t": slot * 3.0 + i * 1e-4})
+    return out
+
+
+def bound(args) -> None:
+    """What bounds the p50 ratio: for a baseline round's and a kvtier round's measured uncached
+    tokens, the engine model's p50 under round-robin (the baseline's router), under each policy,
+    under the SPT oracle, and with no queueing at all (every request alone on an idle worker)."""
+    base, kv = from_rows(args.bound[0]), from_rows(args.bound[1])
+    def p50(requests, make, order=lambda r: r):
+        runs = []
+        for seed in range(args.repeats):
+            policy, price_steps, admission = make()
+            runs.append(quantile(replay(order(requests), policy, price_steps=price_steps, c0=args.c0,
+                                        per_request=args.per_request, speed=args.speed, seed=seed,
+                                        admission=admission, release_lag_s=args.release_lag), 0.5))
+        return statistics.median(runs)
+    ref = p50(base, POLICIES["round-robin"])
+    print(f"engine model: step {args.c0 * 1e3:.0f} ms + tokens / {args.speed:.0f} tok/s"
+          f" + {args.per_request * 1e3:.0f} ms per request; uncached tokens: baseline {sum(r['uncached'] for r in base)},"
+          f" kvtier {sum(r['uncached'] for r in kv)}")
+    print(f"  baseline, round-robin                    p50 {ref:.3f} s")
+    for name, make in POLICIES.items():
+        print(f"  kvtier, {name:33s} p50 {p50(kv, make):.3f} s  ({p50(kv, make) / ref:.3f}x baseline)")
+    for name in ("round-robin + admission 2048", "tier-aware + admission 2048 (now)"):
+        print(f"  baseline tokens, {name:24s} p50 {p50(base, POLICIES[name]):.3f} s")
+    spt = p50(kv, POLICIES["least-loaded"], spt_order)
+    print(f"  kvtier, SPT oracle (burst held, shortest first) p50 {spt:.3f} s  ({spt / ref:.3f}x baseline)")
+    alone = quantile([args.c0 + r["uncached"] / args.speed for r in kv], 0.5)
+    print(f"  kvtier, no queueing at all (each alone)   p50 {alone:.3f} s  ({alone / ref:.3f}x baseline)")
+    base_spt = p50(base, POLICIES["least-loaded"], spt_order)
+    print(f"  baseline tokens, SPT oracle               p50 {base_spt:.3f} s  (kvtier SPT / baseline SPT {spt / base_spt:.3f})")
 
 
 def main() -> None:
@@ -154,7 +224,14 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=7, help="jittered replays per input (medians)")
     p.add_argument("--per-request", type=float, default=0.0, help="engine seconds per request in a step")
     p.add_argument("--speed", type=float, default=4000.0, help="prefill tokens/s of the engine model")
+    p.add_argument("--c0", type=float, default=0.02, help="engine seconds per step (fixed part)")
+    p.add_argument("--release-lag", type=float, default=0.002,
+                   help="seconds from a first byte to the held request it frees reaching the engine")
+    p.add_argument("--bound", nargs=2, metavar=("BASELINE_ROWS", "KVTIER_ROWS"),
+                   help="what bounds the p50 ratio on a bench run's rows (see bound())")
     args = p.parse_args()
+    if args.bound:
+        return bound(args)
     inputs = ([(path, from_rows(path)) for path in args.rows]
               or [(f"synthetic {s}", synthetic(s)) for s in range(args.seeds)])
     ratios = {name: [] for name in POLICIES}
@@ -163,9 +240,9 @@ def main() -> None:
         for name, make in POLICIES.items():
             runs = []
             for seed in range(args.repeats):
-                policy, price_steps = make()
-                t = replay(requests, policy, price_steps=price_steps, per_request=args.per_request, speed=args.speed,
-                           seed=seed)
+                policy, price_steps, admission = make()
+                t = replay(requests, policy, price_steps=price_steps, c0=args.c0, per_request=args.per_request,
+                           speed=args.speed, seed=seed, admission=admission, release_lag_s=args.release_lag)
                 runs.append((quantile(t, 0.5), quantile(t, 0.9)))
             figures[name] = (statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs))
         base = figures["least-loaded"]
