@@ -180,7 +180,9 @@ def main() -> int:
     torch.set_num_threads(job.get("threads") or choose_threads())
     namespace = namespace_for_model(model, block_tokens=job["block_tokens"], weights_dir=model_dir)
     t = time.perf_counter()
-    store = build_store(StoreConfig(**job["store"]), namespace.layout)
+    # As many I/O threads as the loader's reads in flight (the disk limit below reads that many
+    # at once): the loader queues spans ahead of them, so the threads, not it, bound the reads.
+    store = build_store(StoreConfig(**job["store"]), namespace.layout, io_threads=READS_IN_FLIGHT)
     open_s = time.perf_counter() - t
     disk = next((tier for tier in store.tiers if tier.name == "disk"), None)
     recovered = sum(1 for _ in disk.keys()) if disk is not None else 0

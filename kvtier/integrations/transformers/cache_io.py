@@ -46,6 +46,11 @@ from kvtier.tiers.host import HostTier
 #: reads from slower tiers: bytes per request to the store, and requests in flight
 READ_CHUNK_BYTES = 4 << 20
 READS_IN_FLIGHT = 2
+#: spans handed to the store beyond those being read: an I/O thread that finishes a span starts
+#: the next at once instead of waiting for the loader's thread to wake and hand it over (on a
+#: busy machine that round trip cost 1-3 ms a span). The reads in flight stay as many as the
+#: store has I/O threads (``TieredStore(io_threads=READS_IN_FLIGHT)``, its default).
+SPANS_AHEAD = READS_IN_FLIGHT
 
 #: integer dtypes used to move raw KV bytes through numpy (numpy has no bfloat16)
 _RAW_TORCH = {4: torch.int32, 2: torch.int16, 1: torch.uint8}
@@ -328,7 +333,7 @@ def _load_lower(store: TieredStore, keys: Sequence[BlockKey], raw: np.ndarray, f
     served = n
 
     def top_up() -> None:
-        while spans and len(running) < READS_IN_FLIGHT:
+        while spans and len(running) < READS_IN_FLIGHT + SPANS_AHEAD:
             a, b = spans.popleft()
             running[store.get_async(keys[a:b], outs[a:b], promote_in_background=True)] = (a, b)
 
@@ -339,8 +344,8 @@ def _load_lower(store: TieredStore, keys: Sequence[BlockKey], raw: np.ndarray, f
             for future in finished:
                 a, b = running.pop(future)
                 ready[a] = (b, future.result())
-            # A new span goes to the freed I/O thread before the copies below: the reads
-            # never wait for the placing (still READS_IN_FLIGHT at most).
+            # Spans queued ahead keep the I/O threads reading meanwhile; a new one is queued
+            # before the copies below: the reads never wait for the placing.
             top_up()
             while placed in ready and served == n:
                 a = placed
