@@ -44,11 +44,12 @@ What kvtier adds:
   master (``batch_is_exist``) each time, so they never promise what it dropped.
 
 Blocks of 2 MiB and more move in *sessions*: a put session reserves every object of a batch
-in one master RPC (while the first block is hashed) and publishes them in another, as the
-engine's own batch put does; a get session asks the master once for the batch's replicas
-(granting the leases). Within one, each block moves in a call of its own, the calls running
-together, so that hashing a block overlaps the transfer of the ones before it (writes) and
-verifying one overlaps the others' transfers (reads). (Calls that each asked the master again
+in one master RPC and publishes them in another, as the engine's own batch put does; a get
+session asks the master once for the batch's replicas (granting the leases). Within one, each
+block moves in a call of its own, the calls running together: a put starts every payload's
+transfer at once and hashes the blocks while they move, then writes all the header rows in one
+more call (an object is published only once both landed whole); a get verifies each block as
+its call ends, while the others still transfer. (Calls that each asked the master again
 cost more than the overlap won.) Smaller blocks move in batch calls.
 
 Zero copy where it is safe: puts send ``header | caller's buffer`` as one object
@@ -810,15 +811,19 @@ class MooncakeTier(Tier):
 
 
 class _PutSession:
-    """One batch's write: a put session (the master reserves every object in one RPC, while the
-    first block is hashed), then one call per block, started as soon as the block is
-    hashed (hashing the next overlaps their transfer), then one RPC that publishes what was
-    written whole; whatever was reserved and not published is revoked.
+    """One batch's write: a put session (the master reserves every object in one RPC), then one
+    call per block writing its payload (at the object's offset ``HEADER_NBYTES``), all started at
+    once; while they transfer, each block is hashed here and its header row filled, and one more
+    call writes every header (offset 0); then one RPC publishes what was written whole (payload
+    *and* header); whatever was reserved and not published is revoked.
 
-    Hashing the caller's bytes *before* their transfer starts is what makes a later change of
-    them -- even under an overrun put -- a verification failure, not data. A call that overran
-    keeps the headers and the caller's buffers referenced until it ends; the session's
-    reservations are revoked then."""
+    Hashing while the transfer runs (not before it starts, which put the first block's hash,
+    ~1 ms at 8 MiB, ahead of every transfer) is as safe: only what is published is readable,
+    and a block is published only after both its calls returned whole, within the deadline, so
+    its stored payload verifies only if it equals what was hashed here from the caller's buffer
+    during this call. A buffer changed under the put is stored torn and fails verification;
+    an overrun put publishes nothing. A call that overran keeps the headers and the caller's
+    buffers referenced until it ends; the session's reservations are revoked then."""
 
     def __init__(self, tier: MooncakeTier, todo: list[int], names, digests, views, metas) -> None:
         self.tier, self.todo, self.names, self.digests, self.views, self.metas = tier, todo, names, digests, views, metas
@@ -827,40 +832,37 @@ class _PutSession:
         self._running = 0  # calls not yet ended, while late
         self._lock = threading.Lock()
 
-    def _hash(self, i: int) -> None:
-        self.headers[i] = _header_row(self.tier, self.digests[i], self.views[i], self.metas[i])
-
     def run(self, statuses: list[Status], deadline: float) -> None:
         tier, todo, names, views = self.tier, self.todo, self.names, self.views
         sizes = [views[i].nbytes + HEADER_NBYTES for i in todo]
         start = tier._caller.submit(tier._engine.batch_put_session_start, [names[i] for i in todo], sizes,
                                     tier._config)
-        calls: list[tuple[list[int], object]] = []
-        reserved: set[int] | None = None
+        calls: list[tuple[list[int], object, int | None]] = []  # (blocks, call, bytes each wrote whole; None: header)
         try:
-            for piece in ([i] for i in todo):  # one block per call: see _SESSION_MIN_BYTES
-                for i in piece:
-                    self._hash(i)
-                if reserved is None:
-                    reserved = self._reserved(tier._wait(start, deadline, if_late=lambda: self._late_start(start)),
-                                              statuses)
-                go = [i for i in piece if i in reserved]
-                if go:
-                    fut = tier._caller.submit(
-                        tier._engine.batch_put_from_multi_buffer_ranges, [names[i] for i in go],
-                        [[self.headers[i].ctypes.data, views[i].ctypes.data] for i in go],
-                        [[HEADER_NBYTES, views[i].nbytes] for i in go], [[0, HEADER_NBYTES]] * len(go))
-                    calls.append((go, fut))
-            written = []
+            reserved = self._reserved(tier._wait(start, deadline, if_late=lambda: self._late_start(start)), statuses)
+            go = [i for i in todo if i in reserved]
+            for i in go:  # one block per call: see _SESSION_MIN_BYTES
+                fut = tier._caller.submit(tier._engine.batch_put_from_multi_buffer_ranges, [names[i]],
+                                          [[views[i].ctypes.data]], [[views[i].nbytes]], [[HEADER_NBYTES]])
+                calls.append(([i], fut, views[i].nbytes))
+            for i in go:
+                self.headers[i] = _header_row(tier, self.digests[i], views[i], self.metas[i])
+            if go:
+                fut = tier._caller.submit(tier._engine.batch_put_from_multi_buffer_ranges, [names[i] for i in go],
+                                          [[self.headers[i].ctypes.data] for i in go], [[HEADER_NBYTES]] * len(go),
+                                          [[0]] * len(go))
+                calls.append((go, fut, HEADER_NBYTES))
+            whole = dict.fromkeys(go, 0)  # block → how many of its two writes came back whole
             while calls:
-                go, fut = calls[0]
+                blocks, fut, n = calls[0]
                 codes = tier._wait(fut, deadline)
                 calls.pop(0)
-                for i, code in zip(go, codes):
-                    if code == views[i].nbytes + HEADER_NBYTES:
-                        written.append(i)
+                for i, code in zip(blocks, codes):
+                    if code == n:
+                        whole[i] += 1
                     else:
                         log.info("mooncake tier: write of %s… failed (rc=%d)", names[i][len(NAME_PREFIX):][:16], code)
+            written = [i for i in go if whole[i] == 2]
             if written:
                 codes = tier._call(deadline, tier._engine.batch_put_session_end, [names[i] for i in written])
                 tier._codes(codes)
@@ -871,7 +873,7 @@ class _PutSession:
                         with tier._lock:
                             tier._unremoved.pop(names[i], None)  # a put brings a hidden key back
         except _Down:
-            self._late([fut for _, fut in calls])
+            self._late([fut for _, fut, _ in calls])
             raise
         self._revoke()
 

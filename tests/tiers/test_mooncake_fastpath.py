@@ -204,3 +204,42 @@ def test_a_put_that_overruns_leaves_no_reservation_behind():
     finally:
         t.close()
         cluster.stop()
+
+
+class _FailingHeaderWrites:
+    """The tier's engine, except that a session's header writes (offset 0, one header row per
+    object) come back short: the payload lands whole, its header never does."""
+
+    def __init__(self, engine) -> None:
+        self._engine = engine
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def batch_put_from_multi_buffer_ranges(self, names, ptrs, lens, offsets):
+        if all(o == [0] and n == [HEADER_NBYTES] for o, n in zip(offsets, lens)):
+            return [-800] * len(names)
+        return self._engine.batch_put_from_multi_buffer_ranges(names, ptrs, lens, offsets)
+
+
+def test_a_put_session_publishes_only_blocks_whose_payload_and_header_both_landed(transfer_path):
+    """A put session writes each payload while it hashes it and the headers after: a block whose
+    header write failed must not be published (it would read as CORRUPT forever, and a lookup
+    would promise it), and the reservation must be given back."""
+    if transfer_path != "sessions":
+        pytest.skip("batch calls write header and payload in one call")
+    t = make_tier(tenant="acme", timeout_s=5.0)
+    try:
+        # positive control: the same put through the real engine publishes
+        assert t.put(key(40), block(40)) is Status.OK and t.contains(key(40))
+        t._engine = _FailingHeaderWrites(t._engine)
+        assert t.put(key(41), block(41)) is Status.ERROR
+        t._engine = t._engine._engine
+        assert not t.contains(key(41)), "a block without its header was published"
+        out = np.full(BLOCK, 0xA5, np.uint8)
+        assert t.get(key(41), out) is Status.MISS
+        # the reservation was revoked: the same put now succeeds and reads back whole
+        assert t.put(key(41), block(41)) is Status.OK
+        assert t.get(key(41), out) is Status.OK and np.array_equal(out, block(41))
+    finally:
+        t.close()
