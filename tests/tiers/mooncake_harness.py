@@ -60,9 +60,9 @@ def make_tier(cluster=None, *, tenant: str = "tenant", secret: bytes | None = No
 
 def both_transfer_paths(request, monkeypatch) -> str:
     """For an autouse fixture parametrized ``["batch calls", "sessions"]``: the tier moves blocks
-    below ``_SESSION_MIN_BYTES`` in batch calls and larger ones in sessions; the tests' small
+    below ``MooncakeTier._session_min_bytes`` in batch calls and larger ones in sessions; the tests' small
     blocks take the path named."""
-    import kvtier.tiers.mooncake as mooncake
+    from kvtier.tiers.mooncake import MooncakeTier
 
-    monkeypatch.setattr(mooncake, "_SESSION_MIN_BYTES", 1 << 40 if request.param == "batch calls" else 1)
+    monkeypatch.setattr(MooncakeTier, "_session_min_bytes", 1 << 40 if request.param == "batch calls" else 1)
     return request.param

@@ -1,0 +1,87 @@
+"""Deadlines, failures and backoff of :class:`~kvtier.tiers.mooncake.MooncakeTier`'s engine calls.
+
+Each call has one deadline, ``max(timeout_s, bytes / min_rate_bytes_s)``; the engine call
+runs on a worker thread (:class:`~kvtier.tiers.mooncake_client.BoundedCaller`) and the tier
+stops waiting at the deadline. After an overrun or a master that does not answer the tier is
+*down* for a backoff that doubles up to ``max_backoff_s``: calls return misses at once; then a
+health check decides.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+from kvtier.tiers.mooncake_client import MASTER_DOWN_CODES, Overrun
+
+log = logging.getLogger("kvtier.tiers.mooncake")
+
+
+class Down(Exception):
+    """The tier is backing off after a failure (internal: becomes a status)."""
+
+
+class Late(Down):
+    """An engine call overran its deadline and may still be running."""
+
+
+class BoundedEngineCalls:
+    """Engine calls with a deadline, and the backoff after a failure (the tier's ``_caller``,
+    ``_engine``, ``_lock``, ``stats``, ``timeout_s``, ``min_rate_bytes_s`` and ``_backoff*``)."""
+
+    def _deadline_in(self, nbytes: int = 0) -> float:
+        return max(self.timeout_s, nbytes / self.min_rate_bytes_s)
+
+    def _check_up(self) -> None:
+        if self._closed:
+            raise Down("tier closed")
+        if time.monotonic() < self._down_until:
+            raise Down(self.last_error or "down")
+
+    def _call(self, deadline: float, fn, *args, if_late=None):
+        """One engine call, waited for until ``deadline`` (monotonic); an overrun puts the tier in
+        backoff and raises :class:`Late` (its buffers are the call's until ``if_late`` runs)."""
+        return self._wait(self._caller.submit(fn, *args), deadline, if_late=if_late)
+
+    def _wait(self, future, deadline: float, *, if_late=None):
+        """The result of a submitted engine call, as :meth:`_call` waits for it."""
+        try:
+            return self._caller.wait(future, deadline - time.monotonic(), if_late=if_late)
+        except Overrun as exc:
+            self._failed(str(exc))
+            raise Late(str(exc)) from None
+        except Exception as exc:  # noqa: BLE001 - the binding raising is the engine failing, not the caller
+            self._failed(f"{type(exc).__name__}: {exc}")
+            raise Down(str(exc)) from None
+
+    def _failed(self, why: str) -> None:
+        with self._lock:
+            self.stats.errors += 1
+            self.last_error = why
+            self._down_until = time.monotonic() + self._backoff
+            self._backoff = min(self._backoff * 2, self._backoff_max)
+        log.warning("mooncake tier %s: %s (backing off)", self.master, why)
+
+    def _succeeded(self) -> None:
+        self._backoff = self._backoff_min
+
+    def _codes(self, codes: Sequence[int]) -> None:
+        """Note what a batch's return codes say about the master."""
+        if any(c in MASTER_DOWN_CODES for c in codes):
+            self._failed(f"the master did not answer (rc={min(codes)})")
+        else:
+            self._succeeded()
+
+    @property
+    def available(self) -> bool:
+        """False while in backoff after a failure."""
+        return not self._closed and time.monotonic() >= self._down_until
+
+    def healthy(self) -> bool:
+        """The engine's own check (the master answers), bounded by ``timeout_s``."""
+        try:
+            self._check_up()
+            return self._call(time.monotonic() + self.timeout_s, self._engine.health_check) == 0
+        except Down:
+            return False

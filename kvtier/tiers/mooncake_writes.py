@@ -1,0 +1,209 @@
+"""The write path of :class:`~kvtier.tiers.mooncake.MooncakeTier`: every ``put``.
+
+Small blocks are hashed first, then written header and payload in one batch call. Blocks of
+the session size and more move in a put session (:class:`_PutSession`). The engine's ``put``
+keeps an existing object and answers 0: the contract's "put of a present key is a no-op", and
+safe, because whatever is kept is verified on every read.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvtier.core.keys import BlockKey
+from kvtier.core.payload import HEADER_NBYTES, BlockMeta
+from kvtier.tiers.base import Status
+from kvtier.tiers.mooncake_calls import Down, log
+from kvtier.tiers.mooncake_client import RC_NO_SPACE, RC_OBJECT_EXISTS
+from kvtier.tiers.mooncake_names import NAME_PREFIX, header_row
+
+if TYPE_CHECKING:
+    from kvtier.tiers.mooncake import MooncakeTier
+
+
+class TierWrites:
+    """``put`` / ``put_many`` (a mixin of the tier)."""
+
+    # -- writes ---------------------------------------------------------------------------------
+    def put(self, key: BlockKey, data, *, parent: BlockKey | None = None, meta: BlockMeta | None = None) -> Status:
+        return self.put_many([key], [data], parents=[parent], metas=[meta])[0]
+
+    def put_many(self, keys: Sequence[BlockKey], datas: Sequence, *, parents=None,
+                 metas: Sequence[BlockMeta | None] | None = None) -> list[Status]:
+        if len(keys) != len(datas):
+            raise ValueError(f"put_many: {len(keys)} keys but {len(datas)} buffers")
+        views = [np.frombuffer(memoryview(d).cast("B"), dtype=np.uint8) for d in datas]
+        metas = metas or [None] * len(keys)
+        digests = [self._digest(k) for k in keys]
+        names = [NAME_PREFIX + d.hex() for d in digests]
+        statuses = [Status.ERROR] * len(keys)
+        first: dict[str, int] = {}  # a key twice in one batch is put once (content addressed)
+        todo = []
+        for i in range(len(keys)):
+            if views[i].nbytes == 0:
+                statuses[i] = Status.TOO_LARGE  # an empty block is not a block
+            elif first.setdefault(names[i], i) == i:
+                todo.append(i)
+        deadline = time.monotonic() + self._deadline_in(sum(views[i].nbytes for i in todo))
+        try:
+            self._check_up()
+            self._retry_removals(deadline)
+            small = [i for i in todo if views[i].nbytes < self._session_min_bytes]
+            if small:
+                self._put_batched(small, names, digests, views, metas, statuses, deadline)
+            big = [i for i in todo if views[i].nbytes >= self._session_min_bytes]
+            if big:
+                _PutSession(self, big, names, digests, views, metas).run(statuses, deadline)
+        except Down:
+            pass
+        for i in range(len(keys)):
+            if views[i].nbytes and first[names[i]] != i:
+                statuses[i] = statuses[first[names[i]]]
+        with self._lock:
+            for i, s in enumerate(statuses):
+                if s is Status.OK:
+                    self.stats.puts += 1
+                    self.stats.bytes_written += views[i].nbytes
+                else:
+                    self.stats.put_failures += 1
+        return statuses
+
+    def _put_batched(self, todo: list[int], names, digests, views, metas, statuses: list[Status],
+                     deadline: float) -> None:
+        """Small blocks: hashed first (a later change of the caller's bytes, even under an overrun
+        put, is then a verification failure, not data), then one batch call."""
+        headers = np.empty((len(names), HEADER_NBYTES), dtype=np.uint8)
+        for i in todo:
+            headers[i] = header_row(self, digests[i], views[i], metas[i])
+        ptrs = [[headers[i].ctypes.data, views[i].ctypes.data] for i in todo]
+        sizes = [[HEADER_NBYTES, views[i].nbytes] for i in todo]
+        # an overrun call still reads the headers and the caller's buffers: kept referenced until it ends
+        codes = self._call(deadline, self._engine.batch_put_from_multi_buffers, [names[i] for i in todo], ptrs,
+                           sizes, self._config, if_late=lambda: (headers, views))
+        self._codes(codes)
+        for i, code in zip(todo, codes):
+            statuses[i] = Status.OK if code == 0 else Status.FULL if code == RC_NO_SPACE else Status.ERROR
+            if code == 0:
+                with self._lock:
+                    self._unremoved.pop(names[i], None)  # a put brings a hidden key back
+
+
+class _PutSession:
+    """One batch's write: a put session (the master reserves every object in one RPC), then one
+    call per block writing its payload (at the object's offset ``HEADER_NBYTES``), all started at
+    once; while they transfer, each block is hashed here and its header row filled, and one more
+    call writes every header (offset 0); then one RPC publishes what was written whole (payload
+    *and* header); whatever was reserved and not published is revoked.
+
+    Hashing while the transfer runs (not before it starts, which put the first block's hash,
+    ~1 ms at 8 MiB, ahead of every transfer) is as safe: only what is published is readable,
+    and a block is published only after both its calls returned whole, within the deadline, so
+    its stored payload verifies only if it equals what was hashed here from the caller's buffer
+    during this call. A buffer changed under the put is stored torn and fails verification;
+    an overrun put publishes nothing. A call that overran keeps the headers and the caller's
+    buffers referenced until it ends; the session's reservations are revoked then."""
+
+    def __init__(self, tier: MooncakeTier, todo: list[int], names, digests, views, metas) -> None:
+        self.tier, self.todo, self.names, self.digests, self.views, self.metas = tier, todo, names, digests, views, metas
+        self.headers = np.empty((len(names), HEADER_NBYTES), dtype=np.uint8)
+        self.reserved: list[int] = []
+        self._running = 0  # calls not yet ended, while late
+        self._lock = threading.Lock()
+
+    def run(self, statuses: list[Status], deadline: float) -> None:
+        tier, todo, names, views = self.tier, self.todo, self.names, self.views
+        sizes = [views[i].nbytes + HEADER_NBYTES for i in todo]
+        start = tier._caller.submit(tier._engine.batch_put_session_start, [names[i] for i in todo], sizes,
+                                    tier._config)
+        calls: list[tuple[list[int], object, int | None]] = []  # (blocks, call, bytes each wrote whole; None: header)
+        try:
+            reserved = self._reserved(tier._wait(start, deadline, if_late=lambda: self._late_start(start)), statuses)
+            go = [i for i in todo if i in reserved]
+            for i in go:  # one block per call: see SESSION_MIN_BYTES (kvtier.tiers.mooncake)
+                fut = tier._caller.submit(tier._engine.batch_put_from_multi_buffer_ranges, [names[i]],
+                                          [[views[i].ctypes.data]], [[views[i].nbytes]], [[HEADER_NBYTES]])
+                calls.append(([i], fut, views[i].nbytes))
+            for i in go:
+                self.headers[i] = header_row(tier, self.digests[i], views[i], self.metas[i])
+            if go:
+                fut = tier._caller.submit(tier._engine.batch_put_from_multi_buffer_ranges, [names[i] for i in go],
+                                          [[self.headers[i].ctypes.data] for i in go], [[HEADER_NBYTES]] * len(go),
+                                          [[0]] * len(go))
+                calls.append((go, fut, HEADER_NBYTES))
+            whole = dict.fromkeys(go, 0)  # block → how many of its two writes came back whole
+            while calls:
+                blocks, fut, n = calls[0]
+                codes = tier._wait(fut, deadline)
+                calls.pop(0)
+                for i, code in zip(blocks, codes):
+                    if code == n:
+                        whole[i] += 1
+                    else:
+                        log.info("mooncake tier: write of %s… failed (rc=%d)", names[i][len(NAME_PREFIX):][:16], code)
+            written = [i for i in go if whole[i] == 2]
+            if written:
+                codes = tier._call(deadline, tier._engine.batch_put_session_end, [names[i] for i in written])
+                tier._codes(codes)
+                for i, code in zip(written, codes):
+                    if code == 0:
+                        statuses[i] = Status.OK
+                        self.reserved.remove(i)
+                        with tier._lock:
+                            tier._unremoved.pop(names[i], None)  # a put brings a hidden key back
+        except Down:
+            self._late([fut for _, fut, _ in calls])
+            raise
+        self._revoke()
+
+    def _reserved(self, codes: Sequence[int], statuses: list[Status]) -> set[int]:
+        self.tier._codes(codes)
+        for i, code in zip(self.todo, codes):
+            if code == 0:
+                self.reserved.append(i)
+            elif code == RC_OBJECT_EXISTS:
+                statuses[i] = Status.OK  # content addressed: what is kept is verified on every read
+                with self.tier._lock:
+                    self.tier._unremoved.pop(self.names[i], None)  # a put brings a hidden key back
+            elif code == RC_NO_SPACE:
+                statuses[i] = Status.FULL
+        return set(self.reserved)
+
+    def _late_start(self, start) -> None:
+        """The reservation overran and has now ended: give back whatever it reserved."""
+        try:
+            self.reserved = [i for i, code in zip(self.todo, start.result()) if code == 0]
+        except Exception:  # noqa: BLE001 - it reserved nothing
+            return
+        self._revoke()
+
+    def _late(self, futures) -> None:
+        """Calls still running after an overrun: revoke the reservations once the last one ends
+        (until then they read ``self.headers`` and the caller's buffers, referenced here)."""
+        running = [f for f in futures if not f.done()]
+        if not running:
+            self._revoke()
+            return
+        self._running = len(running)
+        for f in running:
+            f.add_done_callback(self._one_ended)
+
+    def _one_ended(self, _future) -> None:
+        with self._lock:
+            self._running -= 1
+            last = self._running == 0
+        if last:
+            self._revoke()
+
+    def _revoke(self) -> None:
+        if not self.reserved or self.tier._closed:  # a closed tier's client is gone: the master times them out
+            return
+        names, self.reserved = [self.names[i] for i in self.reserved], []
+        try:
+            self.tier._engine.batch_put_session_revoke(names)
+        except Exception as exc:  # noqa: BLE001 - the engine's to clean up after its put timeout
+            log.debug("mooncake tier: revoking %d reservations failed: %s", len(names), exc)
