@@ -354,7 +354,10 @@ class BlockIO:
         outcome's ``page`` (its header page) is valid during that call only. Of a file of
         another size than the job's only the header page is read. (The reads stay on the calling
         thread: on a busy machine a woken helper may wait milliseconds for a core, which delays
-        only the verification behind the reads, not the device.)"""
+        only the verification behind the reads, not the device.) The last request's blocks are
+        judged on the calling thread once the helper is done with the others: nothing is left to
+        read behind them, and the helper needs no wake-up to take them nor the caller one to learn
+        that they are judged (a request alone needs no helper at all)."""
         with self._lease() as lease:
             # staging that direct reads leave unused: header pages, and the tails of payloads
             # that end mid-page (a run's request lands them there)
@@ -366,9 +369,15 @@ class BlockIO:
     def _read_group(self, jobs, first: int, end: int, pages: np.ndarray, tails: np.ndarray, judge) -> None:
         done: queue.SimpleQueue = queue.SimpleQueue()
         failed: list[BaseException] = []
+        requests = []  # (start, stop) of each request's jobs
+        i = first
+        while i < end:
+            requests.append((i, _run_end(jobs, i, end)))
+            i = requests[-1][1]
+        last = requests[-1][0]  # the helper judges the jobs before this one; the caller, the rest
 
         def judging() -> None:
-            left = end - first
+            left = last - first  # exits by itself after its last one: no wake-up to stop it
             while left:
                 batch = done.get()  # one request's blocks: a wake-up per request, not per block
                 if batch is None:
@@ -384,26 +393,33 @@ class BlockIO:
         def slot(region: np.ndarray, i: int) -> np.ndarray:
             return region[(i - first) * PAGE : (i - first + 1) * PAGE]
 
-        helper = self._pool.submit(judging)
+        helper = self._pool.submit(judging) if last > first else None
         extents: dict[str, tuple[int, os.stat_result] | OSError] = {}  # one open per packed file
+        batch = None
         try:
-            i = first
-            while i < end and not failed:
-                stop = _run_end(jobs, i, end)
+            for i, stop in requests:
+                if failed:
+                    break
                 if stop == i + 1 and jobs[i].offset is None:
-                    done.put([(i, self._read_one(jobs[i], slot(pages, i), slot(tails, i)))])
+                    batch = [(i, self._read_one(jobs[i], slot(pages, i), slot(tails, i)))]
                 else:
                     run = range(i, stop)
                     outcomes = self._read_run([jobs[j] for j in run], [slot(pages, j) for j in run],
                                               [slot(tails, j) for j in run], extents)
-                    done.put(list(zip(run, outcomes)))
-                i = stop
+                    batch = list(zip(run, outcomes))
+                if i < last:
+                    done.put(batch)
+                    batch = None
         finally:
-            done.put(None)  # a no-op if every job was put: the helper stops after the last
+            done.put(None)  # a no-op if the helper had every job: it stopped after its last
             for opened in extents.values():
                 if not isinstance(opened, OSError):
                     os.close(opened[0])
-            helper.result()  # never leave a helper on a lease (or a caller's buffer) we return
+            if helper is not None:
+                helper.result()  # never leave a helper on a lease (or a caller's buffer) we return
+        if batch is not None and not failed:  # the last request, in order after the helper's
+            for item in batch:
+                judge(*item)
         if failed:
             raise failed[0]
 

@@ -298,3 +298,40 @@ def test_a_disk_tier_starts_its_verifying_helpers_at_open_not_in_its_first_load(
     finally:
         tier.close()
     assert helpers() == before  # and close stops them
+
+
+def test_the_last_request_is_judged_on_the_reading_thread_after_the_others(tier, monkeypatch):
+    """No hand-off behind the last read: the helper judges the blocks before it (in order), the
+    caller the last request's; a lone request needs no helper at all."""
+    for i in range(8):
+        assert tier.put(k(i), data(i)) is Status.OK  # a file per block: eight requests
+    assert tier.put_many([k(i) for i in range(8, 12)], [data(i) for i in range(8, 12)]) == [Status.OK] * 4
+    seen: list[tuple[int, str]] = []
+    real_judge = DiskTier._judge_read
+
+    def judge(self, key, dst, job, got):
+        seen.append((int.from_bytes(key, "big"), threading.current_thread().name))
+        return real_judge(self, key, dst, job, got)
+
+    monkeypatch.setattr(DiskTier, "_judge_read", judge)
+    me = threading.current_thread().name
+    outs = [poisoned(SMALL) for _ in range(8)]
+    assert tier.get_many([k(i) for i in range(8)], outs) == [Status.OK] * 8
+    assert all(np.array_equal(outs[i], data(i)) for i in range(8))
+    assert [i for i, _ in seen] == list(range(8))  # in order
+    assert [name == me for _, name in seen] == [False] * 7 + [True]
+    seen.clear()
+    outs = [poisoned(SMALL) for _ in range(4)]  # one packed run: one request
+    assert tier.get_many([k(i) for i in range(8, 12)], outs) == [Status.OK] * 4
+    assert all(np.array_equal(outs[j], data(8 + j)) for j in range(4))
+    assert seen == [(i, me) for i in range(8, 12)]
+
+
+def test_a_damaged_block_in_the_last_request_is_corrupt_and_the_others_served(tier):
+    for i in range(6):
+        assert tier.put(k(i), data(i)) is Status.OK
+    _flip(tier.path_of(k(5)), PAGE + SMALL // 2)
+    outs = [poisoned(SMALL) for _ in range(6)]
+    assert tier.get_many([k(i) for i in range(6)], outs) == [Status.OK] * 5 + [Status.CORRUPT]
+    assert all(np.array_equal(outs[i], data(i)) for i in range(5))
+    assert not tier.contains(k(5))
