@@ -15,7 +15,7 @@ What kvtier adds:
   another tenant (another secret) can never name, hence never read, our blocks.
 * **Verified reads.** An object is ``header | payload``
   (:mod:`kvtier.core.payload`); the header's checksum field holds a *keyed* tag,
-  HMAC(secret, name, size, xxh3-128(payload)), so a torn transfer, an object moved to
+  HMAC(secret, name, size, BLAKE3(payload)), so a torn transfer, an object moved to
   another name, or one overwritten by anyone without the secret fails: it is
   :attr:`Status.CORRUPT` (a miss, counted) and is removed. Sealed through
   :class:`~kvtier.tiers.encrypted.EncryptedTier` the engine only ever holds ciphertext.

@@ -20,14 +20,13 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
-import xxhash
 
 from kvtier.core.keys import BlockKey
 from kvtier.core.payload import FLAG_CHECKSUM, HEADER_NBYTES, unpack_header
 from kvtier.tiers.base import Status, runs_by_bytes, writable_bytes
 from kvtier.tiers.mooncake_calls import Down, Late, log
 from kvtier.tiers.mooncake_client import RC_BAD_PARAMS, RC_NOT_FOUND, RC_NOT_READY, RC_TRANSFER_FAILED, Overrun
-from kvtier.tiers.mooncake_names import NAME_PREFIX
+from kvtier.tiers.mooncake_names import NAME_PREFIX, payload_digest, payload_hasher
 
 if TYPE_CHECKING:
     from kvtier.tiers.mooncake import MooncakeTier
@@ -121,7 +120,7 @@ class TierReads:
         """``hash_payloads=False``: for a caller whose payloads authenticate themselves (an
         :class:`~kvtier.tiers.encrypted.EncryptedTier`'s AES-GCM blocks, whose tags bind the tenant,
         the block's name and its size): each object's header must still name this block at this
-        size, but the payload's keyed tag is not checked (its xxh3 over the payload not computed):
+        size, but the payload's keyed tag is not checked (its BLAKE3 over the payload not computed):
         the caller's own authentication is the check, and what fails it the caller deletes."""
         if len(keys) != len(outs):
             raise ValueError(f"get_many: {len(keys)} keys but {len(outs)} buffers")
@@ -377,7 +376,7 @@ class TierReads:
         if not hashed:
             return Status.OK
         if payload_hash is None:
-            payload_hash = xxhash.xxh3_128_digest(out)
+            payload_hash = payload_digest(out)
         return self._tag_matches(name, digest, out.nbytes, payload_hash, tag)
 
     def _verify_into(self, name: str, digest: bytes, staged: np.ndarray, out: memoryview,
@@ -396,7 +395,7 @@ class TierReads:
                 return Status.CORRUPT  # (nothing copied: the caller's buffer keeps what it held)
             dst[:] = payload[:n]
             return Status.OK
-        hasher = xxhash.xxh3_128()
+        hasher = payload_hasher()
         for start in range(0, n, _COPY_PIECE):  # hash each piece while in cache, then copy it
             piece = payload[start : start + _COPY_PIECE]
             hasher.update(piece)
@@ -431,7 +430,7 @@ class _ChunkRead:
         self.tier, self.chunk, self.names, self.sizes, self.bufs, self.headers = tier, chunk, names, sizes, bufs, headers
         self.nbytes = sum(sizes)
         self.future = None
-        #: xxh3-128 of each payload the call read whole (None: not hashed, or not read whole)
+        #: BLAKE3 of each payload the call read whole (None: not hashed, or not read whole)
         self.hashes: list[bytes | None] | None = None
         self._given = False
         self._lock = threading.Lock()
@@ -440,7 +439,7 @@ class _ChunkRead:
         """On the engine call's worker: the call, then the hash of every payload it read whole."""
         codes = fn(*args)
         if payloads is not None and not isinstance(codes, int):
-            self.hashes = [xxhash.xxh3_128_digest(p) if code == n else None
+            self.hashes = [payload_digest(p) if code == n else None
                            for p, code, n in zip(payloads, codes, self.sizes)]
         return codes
 

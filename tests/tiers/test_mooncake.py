@@ -101,11 +101,15 @@ def _bare_client():
     return SharedClient.acquire(c.master_address, c.metadata_url, "127.0.0.1")
 
 
-@pytest.mark.parametrize("forgery", ["garbage", "plain-checksum", "moved"])
+@pytest.mark.parametrize("forgery", ["garbage", "plain-checksum", "moved", "same-xxh3"])
 def test_a_tampered_object_is_a_miss_and_is_dropped(tier, forgery):
     """Overwritten through a bare client (upsert): random bytes, a well-formed header with a
-    correct unkeyed xxh3 checksum over other bytes, or another block's genuine object moved here."""
+    correct unkeyed xxh3 checksum over other bytes, another block's genuine object moved here, or
+    the genuine header over another payload with the same XXH3-128 (which a tag over xxh3-128
+    accepted: the payload hash inside the keyed tag must be collision resistant)."""
     import xxhash
+
+    from tests.tiers.xxh3_forgery import same_xxh3_128
 
     assert tier.put(key(3), block(3)) is Status.OK
     name = tier.storage_name(key(3))
@@ -121,6 +125,13 @@ def test_a_tampered_object_is_a_miss_and_is_dropped(tier, forgery):
             other = block(99)
             fake = np.concatenate([np.frombuffer(pack_header(digest, BLOCK, xxhash.xxh3_128_digest(other)), np.uint8),
                                    other])
+        elif forgery == "same-xxh3":
+            genuine = np.zeros(size, np.uint8)
+            assert engine.get_into(name, genuine.ctypes.data, size) == size
+            payload = genuine[HEADER_NBYTES:].tobytes()
+            forged = same_xxh3_128(payload)
+            assert forged != payload and xxhash.xxh3_128_digest(forged) == xxhash.xxh3_128_digest(payload)
+            fake = np.concatenate([genuine[:HEADER_NBYTES], np.frombuffer(forged, np.uint8)])
         else:
             assert tier.put(key(4), block(4)) is Status.OK
             fake = np.zeros(size, np.uint8)
