@@ -16,10 +16,10 @@ Deployments, all in one run:
   every worker).
 * **baseline** — the same two workers without the connector (vLLM's own prefix cache
   only, today's deployment) behind a round-robin ``kvtier route`` that sends every request
-  at once (``--admission-tokens 0``: a plain proxy; the kvtier rounds' routers hold a
-  worker's requests beyond one prefill step and send them soonest-finishing first, see
-  :mod:`kvtier.router.admission`). ``--baseline-admission`` replays the baseline once more
-  with that admission on, so a reader can tell the router's scheduling from the tiers.
+  at once (``--admission-tokens 0``: a plain proxy). ``--admission-tokens N`` gives the
+  kvtier rounds' routers admission (:mod:`kvtier.router.admission`, off by default as in
+  ``kvtier route``); ``--baseline-admission`` replays the baseline once more with it on, so a
+  reader can tell the router's scheduling from the tiers.
 
 vLLM's KV cache holds ``--kv-fraction`` of the stretch's working set, so that vLLM alone
 must evict (as in ``bench vllm --trace``).
@@ -102,11 +102,13 @@ def add_arguments(p) -> None:
                    help="--trace: skip the uncounted priming replay before the first round")
     p.add_argument("--router-log-level", default="info", choices=["debug", "info"],
                    help="--trace: debug: each router logs every decision's per-worker costs (in --workdir)")
+    p.add_argument("--admission-tokens", type=int, default=0,
+                   help="--trace: the kvtier rounds' routers hold a worker's requests beyond this many predicted "
+                        "prefill tokens (kvtier route --admission-tokens; default 0: off, as kvtier route)")
     p.add_argument("--baseline-admission", action="store_true",
-                   help="--trace: also replay the baseline behind a round-robin router that holds requests "
-                        "as kvtier's does (kvtier.router.admission), reported as baseline_admission: how much "
-                        "of a gain is the router's scheduling rather than the tiers (the targets use the plain "
-                        "baseline)")
+                   help="--trace: also replay the baseline behind a round-robin router with admission "
+                        "(--admission-tokens, 2048 if 0), reported as baseline_admission: how much of a gain "
+                        "is the router's scheduling rather than the tiers (the targets use the plain baseline)")
     p.add_argument("--workdir", default=None,
                    help="--trace: keep logs and each round's per-request rows (rows-POLICY.json) here "
                         "(default: a temporary folder, removed)")
@@ -421,9 +423,7 @@ def run(args) -> dict:
         "kvtier_server_mib": 2 * host_mib,
         "model": {"preset": args.model, **geo},
         "isolation": "per-round cache_salt + POST /reset_prefix_cache + a fresh router per round",
-        "admission": "kvtier rounds: the router's default (a worker is sent one prefill step of tokens, "
-                     "2048; the rest wait in the router, soonest-finishing first); baseline: off "
-                     "(a plain round-robin proxy)",
+        "admission_tokens": args.admission_tokens,   # kvtier rounds' routers (0: off); the baseline: off
         "round_order": order,
         "order_seed": seed,
         "priming": not args.no_priming,
@@ -449,7 +449,8 @@ def run(args) -> dict:
                 result["policies"][policy] = _round(model, workers, phases, policy, workdir, events=True,
                                                     measured=measured, salt=f"{policy}-{nonce}",
                                                     keep_rows=workdir / f"rows-{policy}.json" if args.workdir else None,
-                                                    log_level=args.router_log_level)
+                                                    log_level=args.router_log_level,
+                                                    router_args=("--admission-tokens", str(args.admission_tokens)))
                 load.append(os.getloadavg()[0])
         finally:
             for w in workers:
@@ -469,7 +470,8 @@ def run(args) -> dict:
         if args.baseline_admission:
             result["baseline_admission"] = _round(
                 model, workers, phases, "round-robin", workdir, events=False, salt=f"baseline-admission-{nonce}",
-                keep_rows=workdir / "rows-baseline-admission.json" if args.workdir else None)
+                keep_rows=workdir / "rows-baseline-admission.json" if args.workdir else None,
+                router_args=("--admission-tokens", str(args.admission_tokens or 2048)))
             load.append(os.getloadavg()[0])
     finally:
         for w in workers:

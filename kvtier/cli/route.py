@@ -55,8 +55,8 @@ def register(subparsers) -> None:
                         "to the first tokens of those it would share a step with; 0: the workers share no steps")
     p.add_argument("--admission-tokens", dest="admission_tokens", type=int,
                    help="predicted uncached tokens sent to a worker at a time; its further requests wait in the "
-                        "router and go soonest-finishing first (default: --step-tokens; 0: send every request "
-                        "at once)")
+                        "router and go soonest-finishing first (e.g. --step-tokens' 2048; default 0: send every "
+                        "request at once)")
     p.add_argument("--temperature", type=float, help="softmax temperature of tier-aware (0: take the minimum)")
     p.add_argument("--index-capacity", dest="index_capacity", type=int)
     p.add_argument("--health-interval-s", dest="health_interval_s", type=float)

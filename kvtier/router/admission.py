@@ -17,6 +17,9 @@ prefill goes before it, so a large request cannot be starved by a stream of smal
 
 Mechanism only: the router decides the worker first (the policy), then admits through that
 worker's queue. ``cap_tokens`` 0 turns it off (every request is sent at once, as before).
+Off by default (``--admission-tokens``): on the trace bench (BENCHMARKS.md, issue 14) one
+step's cap cut the baseline's plain vLLM workers' TTFT p50 to 0.69x but did not help the
+workers with the kvtier connector, whose loads start only once a request is sent.
 """
 
 from __future__ import annotations

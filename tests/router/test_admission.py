@@ -74,9 +74,9 @@ def test_cancelled_waiters_neither_leak_nor_block():
     run(main())
 
 
-def test_config_rejects_a_negative_admission_cap_and_defaults_to_the_step():
-    assert RouterConfig(workers=[WorkerSpec("http://w")]).check().admission_cap == 2048
-    assert RouterConfig(workers=[WorkerSpec("http://w")], admission_tokens=0).check().admission_cap == 0
+def test_config_rejects_a_negative_admission_cap_and_defaults_to_off():
+    assert RouterConfig(workers=[WorkerSpec("http://w")]).check().admission_cap == 0
+    assert RouterConfig(workers=[WorkerSpec("http://w")], admission_tokens=2048).check().admission_cap == 2048
     with pytest.raises(ConfigError, match="admission_tokens"):
         RouterConfig(workers=[WorkerSpec("http://w")], admission_tokens=-1).check()
 
