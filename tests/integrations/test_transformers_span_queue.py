@@ -47,8 +47,12 @@ def _load_with_a_slow_loader(tmp_path, monkeypatch):
     monkeypatch.setattr(cache_io, "READ_CHUNK_BYTES", 4 * NB)
 
     lock = threading.Lock()
-    active, most, starts, sleeps = [0], [0], [], []
-    real_get, real_wait = store.get, cache_io.wait
+    active, most, starts, sleeps, handed = [0], [0], [], [], []
+    real_get, real_wait, real_async = store.get, cache_io.wait, store.get_async
+
+    def get_async(*args, **kwargs):
+        handed.append(len(sleeps))  # how many times the loader had woken when it handed this span
+        return real_async(*args, **kwargs)
 
     def get(*args, **kwargs):
         with lock:
@@ -69,6 +73,7 @@ def _load_with_a_slow_loader(tmp_path, monkeypatch):
         return result
 
     monkeypatch.setattr(store, "get", get)
+    monkeypatch.setattr(store, "get_async", get_async)
     monkeypatch.setattr(cache_io, "wait", slow_wait)
     storage = cache_io.KVStorage(LAYOUT, 1024, torch.float32, poison=True)
     try:
@@ -82,18 +87,22 @@ def _load_with_a_slow_loader(tmp_path, monkeypatch):
         got = np.ascontiguousarray(storage.tensor[:, :, 0, :, i * bt : (i + 1) * bt, :].numpy()).reshape(-1)
         assert np.array_equal(got, blocks[i]), f"block {i} placed wrong"
     during = sum(1 for s in starts if any(a <= s <= b for a, b in sleeps))
-    return most[0], during
+    return most[0], during, handed.count(0)
 
 
 def test_io_threads_start_queued_spans_while_the_loader_sleeps_and_reads_in_flight_stay_bounded(
         tmp_path, monkeypatch):
-    most, during = _load_with_a_slow_loader(tmp_path, monkeypatch)
+    most, _, before_first_wake = _load_with_a_slow_loader(tmp_path, monkeypatch)
     assert most <= cache_io.READS_IN_FLIGHT  # the demo's disk limit reads this many at once
-    assert during >= 2, "no span was read while the loader's thread was not running"
+    # spans the I/O threads can go on to without the loader's thread (whether one starts during
+    # a sleep depends on how fast the reads are against the thread's wake-up: not asserted)
+    assert before_first_wake == cache_io.READS_IN_FLIGHT + cache_io.SPANS_AHEAD
 
 
 def test_positive_control_without_spans_ahead_every_span_waits_for_the_loader(tmp_path, monkeypatch):
     monkeypatch.setattr(cache_io, "SPANS_AHEAD", 0)
-    most, during = _load_with_a_slow_loader(tmp_path, monkeypatch)
+    most, _, before_first_wake = _load_with_a_slow_loader(tmp_path, monkeypatch)
     assert most <= cache_io.READS_IN_FLIGHT
-    assert during == 0
+    # (a span handed over before a wake-up may still start during the next one on a busy machine:
+    # what tells the two apart is what the loader hands over before it first waits)
+    assert before_first_wake == cache_io.READS_IN_FLIGHT
