@@ -63,3 +63,21 @@ def test_a_baseline_slower_than_the_tier_is_reported_as_wrong(monkeypatch, capsy
     out, err = capsys.readouterr()
     assert '"warnings": ["get_ratio = ' in out
     assert "WARNING: get_ratio = " in err and "baseline is wrong" in err
+
+
+def test_the_server_figures_beside_mooncake_carry_their_wrong_baseline_warnings(monkeypatch):
+    """The kvtier server's ratios run beside the Mooncake figures are judged like any other: a
+    warning of the server run (its ratio against the raw socket above the bound) reaches the
+    result's own warnings, not only its GB/s (it was dropped, leaving a 1.2 ratio unflagged)."""
+    from kvtier.bench import remote as bench_remote
+
+    def server_run(block_mib, run_mib, runs, unix, with_redis):
+        ratio = 1.2 if block_mib == 32 else 0.9
+        return {"get_gbps": 3.7, "socket_get_gbps": 3.7 / ratio, "get_ratio_vs_socket": ratio,
+                "warnings": ratio_warnings({"get_ratio_vs_socket": ratio}, what="raw socket")}
+
+    monkeypatch.setattr(bench_remote, "run", server_run)
+    beside = bench_remote._beside_mooncake(1, False, False)
+    assert beside["32mib"]["get_ratio_vs_socket"] == 1.2 and beside["8mib"]["get_ratio_vs_socket"] == 0.9
+    assert len(beside["warnings"]) == 1  # the positive control (8 MiB, 0.9) is not warned about
+    assert beside["warnings"][0].startswith("beside, 32 MiB: get_ratio_vs_socket = 1.200 > 1.05")
