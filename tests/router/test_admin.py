@@ -23,6 +23,15 @@ async def _admin(s: ClientSession, method: str, url: str, body: dict | None = No
         return r.status, await r.json()
 
 
+async def _until(condition, timeout_s: float = 10.0, what: str = "condition") -> None:
+    """Wait for ``condition()`` (a fixed sleep was a race on a loaded machine: the stream's request
+    had not reached its worker within 0.1 s)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
 async def _complete(s: ClientSession, url: str, prompt: str, stream: bool = False) -> tuple[int, str]:
     async with s.post(url + "/v1/completions", json={"prompt": prompt, "stream": stream}) as r:
         body = await r.read()
@@ -45,8 +54,7 @@ def test_added_worker_gets_requests_and_a_drained_one_finishes_its_stream_and_ge
                 # a stream in flight on b (3 tokens 0.2 s apart) while b is drained
                 before_b = b.requests
                 streams = [asyncio.ensure_future(_complete(s, url, f"s {i}", stream=True)) for i in range(2)]
-                await asyncio.sleep(0.1)
-                assert b.requests == before_b + 1, "one of the two streams is on b"
+                await _until(lambda: b.requests == before_b + 1, what="one of the two streams on b")
                 status, drained = await _admin(s, "DRAIN", url, {"url": b.url})
                 assert status == 200 and drained["state"] == "draining" and drained["inflight"] == 1, drained
                 status, refused = await _admin(s, "DELETE", url, {"url": b.url})
@@ -86,8 +94,7 @@ def test_the_last_routable_worker_cannot_be_drained_and_unknown_ones_are_404():
                 assert status == 409 and "last healthy routable" in body["error"]["message"], body
                 # a peer that is ejected does not count: draining a would leave nothing to serve
                 assert (await _admin(s, "POST", url, {"url": "http://127.0.0.1:1"}))[0] == 201
-                await asyncio.sleep(1.0)                       # health checks eject the dead peer
-                assert not router.workers[1].healthy
+                await _until(lambda: not router.workers[1].healthy, what="health checks ejecting the dead peer")
                 assert (await _admin(s, "DRAIN", url, {"url": a.url}))[0] == 409
                 assert (await _admin(s, "DRAIN", url, {"url": "http://127.0.0.1:1"}))[0] == 200
                 assert (await _admin(s, "DELETE", url, {"url": "http://127.0.0.1:1"}))[0] == 200
