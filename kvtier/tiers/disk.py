@@ -43,124 +43,71 @@ Thread safety: all methods are; file I/O of gets and puts runs outside the lock
 (an unlinked file stays readable through an open descriptor, so a read racing
 an eviction still gets whole, verified bytes). Eviction, including the demotion
 hook, runs under the lock.
+
+This module holds the tier itself (configuration, recovery, the index, eviction, removal,
+pins, TTL); its parts live beside it: :mod:`~kvtier.tiers.disk_records` (the record format,
+file names, an index entry), :mod:`~kvtier.tiers.disk_reads` (gets, verification, records read
+back), :mod:`~kvtier.tiers.disk_writes` (puts, extents, publishing) and
+:mod:`~kvtier.tiers.disk_extents` (packed extents).
 """
 
 from __future__ import annotations
 
-import errno
-import logging
 import mmap
 import os
 import stat
-import struct
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 
-import numpy as np
 import xxhash
 
 from kvtier.core.keys import KEY_BYTES, BlockKey
-from kvtier.core.payload import (
-    FLAG_CHECKSUM,
-    FLAG_SEALED,
-    HEADER_NBYTES,
-    BlockHeader,
-    BlockMeta,
-    header_mismatch,
-    pack_header,
-    unpack_header,
-)
+from kvtier.core.payload import BlockMeta, unpack_header
 from kvtier.errors import ConfigError, TierError
 from kvtier.policy.eviction import EvictionPolicy, LRUPolicy
 from kvtier.private_files import make_private_dirs
 from kvtier.tiers import direct_io, disk_extents
-from kvtier.tiers.base import Status, Tier
-from kvtier.tiers.direct_io import PAGE, BlockIO, ReadJob, ReadOutcome, as_bytes, round_up
-from kvtier.tiers.disk_extents import EXTENT_SUFFIX, Extent
-from kvtier.tiers.streams import PayloadSink, PayloadSource, PieceReader, SinkFeeder, StreamingTier, Unverifiable
+from kvtier.tiers.base import Tier
+from kvtier.tiers.direct_io import PAGE, BlockIO, round_up
+from kvtier.tiers.disk_extents import Extent
+from kvtier.tiers.disk_reads import DiskReads
+from kvtier.tiers.disk_records import (
+    FLAG_RECORD,
+    MAX_ANNOTATION,
+    SUFFIX,
+    TEMP_SUFFIX,
+    Annotator,
+    BlockRecord,
+    StoredRecord,
+    _Entry,
+    _record_in,
+    _unlink,
+    log,
+    pack_record,
+    unpack_record,
+)
+from kvtier.tiers.disk_writes import DiskWrites
+from kvtier.tiers.streams import StreamingTier
 
-log = logging.getLogger(__name__)
+__all__ = [
+    "FLAG_RECORD",
+    "MAX_ANNOTATION",
+    "STALE_TEMP_S",
+    "SUFFIX",
+    "TEMP_SUFFIX",
+    "Annotator",
+    "BlockRecord",
+    "DiskTier",
+    "StoredRecord",
+    "pack_record",
+    "unpack_record",
+]
 
-SUFFIX = ".kvb"
-TEMP_SUFFIX = ".tmp"
 #: a temp file older than this is a dead writer's, whatever host wrote it
 STALE_TEMP_S = 3600.0
-_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
-
-#: Header flag of disk files: a record (parent link, annotation) follows the header.
-#: A high bit, apart from the payload-verification flags of :mod:`kvtier.core.payload`.
-FLAG_RECORD = 0x100
-_RECORD_MAGIC = b"KVR1"
-_RECORD = struct.Struct("<4sB3x32sH2x")  # magic, has parent, parent, annotation length
-_RECORD_CHECK_NBYTES = 16
-#: the largest annotation a block carries (what is left of the header page)
-MAX_ANNOTATION = PAGE - HEADER_NBYTES - _RECORD.size - _RECORD_CHECK_NBYTES
 
 
-@dataclass(frozen=True, slots=True)
-class BlockRecord:
-    """What a block file says about itself besides its bytes: its parent link and annotation."""
-
-    parent: bytes | None = None
-    annotation: bytes | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class StoredRecord:
-    """One published block as :meth:`DiskTier.records` reads it back (header and record verified)."""
-
-    key: bytes
-    nbytes: int  #: payload bytes
-    parent: bytes | None
-    annotation: bytes | None
-    header: BlockHeader
-
-
-#: ``annotator(key) -> BlockRecord | None``: asked when a block is published; its parent
-#: fills in for a put that passed none (a demotion knows no parent). None refuses the block
-#: (e.g. its owner deleted it meanwhile): the put fails and nothing is published.
-Annotator = Callable[[bytes], "BlockRecord | None"]
-
-
-def pack_record(key: bytes, record: BlockRecord) -> bytes:
-    """The bytes that follow the header in the header page."""
-    annotation = record.annotation or b""
-    if len(annotation) > MAX_ANNOTATION:
-        raise ValueError(f"a block annotation holds at most {MAX_ANNOTATION} bytes, got {len(annotation)}")
-    parent = record.parent
-    if parent is not None and len(parent) != KEY_BYTES:
-        raise ValueError(f"a parent link is a {KEY_BYTES}-byte key, got {len(parent)} bytes")
-    head = _RECORD.pack(_RECORD_MAGIC, parent is not None, parent or bytes(KEY_BYTES), len(annotation))
-    return head + annotation + xxhash.xxh3_128_digest(key + head + annotation)
-
-
-def unpack_record(page, key: bytes) -> BlockRecord | None:
-    """The record after the header in ``page`` if it is whole and bound to ``key``; else None."""
-    mv = memoryview(page).cast("B")
-    start = HEADER_NBYTES
-    if mv.nbytes < start + _RECORD.size:
-        return None
-    magic, has_parent, parent, length = _RECORD.unpack_from(mv, start)
-    end = start + _RECORD.size + length
-    if magic != _RECORD_MAGIC or has_parent > 1 or length > MAX_ANNOTATION or end + _RECORD_CHECK_NBYTES > mv.nbytes:
-        return None
-    head = bytes(mv[start : start + _RECORD.size])
-    annotation = bytes(mv[start + _RECORD.size : end])
-    if xxhash.xxh3_128_digest(key + head + annotation) != bytes(mv[end : end + _RECORD_CHECK_NBYTES]):
-        return None
-    return BlockRecord(parent if has_parent else None, annotation or None)
-
-
-@dataclass(slots=True)
-class _Entry:
-    size: int  #: bytes on disk: header page + payload padded to a page
-    created: float  #: publication time, wall clock (file mtime after a restart)
-    extent: Extent | None = None  #: the extent it is packed in; None: a file of its own
-    offset: int = 0  #: where it starts in its extent
-
-
-class DiskTier(Tier, StreamingTier):
+class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
     """Blocks as files under ``path``, at most ``capacity_bytes`` of them on disk.
 
     ``direct_io``: "auto" probes O_DIRECT at open and falls back to buffered
@@ -227,410 +174,12 @@ class DiskTier(Tier, StreamingTier):
         with self._lock:
             return self._live(key) is not None
 
-    def get(self, key: BlockKey, out) -> Status:
-        """Read a block into ``out`` (caller-owned, writable, exactly the block's size).
-
-        On any status but OK the content of ``out`` is unspecified."""
-        dst = as_bytes(out, writable=True)
-        return self._get(key, dst.nbytes, lambda fd, base: self._read_verified(fd, base, key, dst))
-
-    def get_streams(self, keys, sinks: list[PayloadSink]) -> list[Status]:
-        if len(keys) != len(sinks):
-            raise ValueError(f"get_streams: {len(keys)} keys but {len(sinks)} sinks")
-        return [self._get(k, s.nbytes, lambda fd, base, k=k, s=s: self._read_into_sink(fd, base, k, s))
-                for k, s in zip(keys, sinks)]
-
     def streams_available(self) -> bool:
         return True
-
-    def get_many(self, keys, outs) -> list[Status]:
-        """:meth:`get` of several blocks, read back to back: a run of blocks packed one after
-        another in one extent is one request; block (or run) i+1 is read, one request in
-        flight, while a helper verifies the ones before. Blocks large enough to be read in
-        pieces, and buffers that are not page aligned, go one by one through :meth:`get`."""
-        if len(keys) != len(outs):
-            raise ValueError(f"get_many: {len(keys)} keys but {len(outs)} buffers")
-        dsts = [as_bytes(out, writable=True) for out in outs]  # every caller mistake before any I/O
-        statuses = [Status.MISS] * len(keys)
-        streamed: list[int] = []
-        jobs: list[ReadJob] = []
-        for i, (key, dst) in enumerate(zip(keys, dsts)):
-            if dst.nbytes >= direct_io.PIECED_MIN or not direct_io.is_page_aligned(dst):
-                statuses[i] = self.get(key, dst)
-                continue
-            entry = self._lookup(key)
-            if entry is None:
-                continue
-            if entry.extent is not None and entry.size != PAGE + round_up(dst.nbytes):
-                def read(fd, base, key=key, dst=dst):
-                    return self._read_verified(fd, base, key, dst)
-
-                statuses[i] = self._get_found(key, entry, dst.nbytes, read)
-                continue
-            streamed.append(i)
-            jobs.append(ReadJob(self._file_of(key, entry), dst, None if entry.extent is None else entry.offset))
-
-        def judge(j: int, got: ReadOutcome) -> None:
-            i = streamed[j]
-            statuses[i] = self._judge_read(keys[i], dsts[i], jobs[j], got)
-
-        self._io.read_many(jobs, judge)
-        return statuses
-
-    def _judge_read(self, key: BlockKey, dst: np.ndarray, job: ReadJob, got: ReadOutcome) -> Status:
-        """A get's status from what :meth:`BlockIO.read_many` read (as :meth:`_get` judges its own read)."""
-        if isinstance(got.error, FileNotFoundError):
-            return self._vanished(key)
-        if got.error is not None:
-            return self._failed_get(key, got.error)
-        if job.offset is None and got.inode.st_size != PAGE + round_up(dst.nbytes):
-            status, why = _judge_size(got.page.tobytes() if got.complete else None, got.inode.st_size, key, dst.nbytes)
-        elif not got.complete:
-            status, why = Status.CORRUPT, "the file is shorter than its index says (truncated?)"
-        else:
-            def digest(accept):
-                if not accept(got.page):
-                    return None
-                return xxhash.xxh3_128_digest(dst)
-
-            status, why = self._read_checked(key, dst.nbytes, digest, sealed=False)
-        return self._settle(key, dst.nbytes, status, why, job.path, got.inode)
-
-    def _lookup(self, key: BlockKey) -> _Entry | None:
-        """The entry of a block a get should read (a miss is counted here)."""
-        with self._lock:
-            entry = self._live(key)
-            if entry is None:
-                self.stats.misses += 1
-                return None
-            self._policy.on_access(key)
-            return entry
 
     def _file_of(self, key: BlockKey, entry: _Entry) -> str:
         """The file that holds a block: its own, or its extent."""
         return self.path_of(key) if entry.extent is None else os.path.join(self.path, entry.extent.rel)
-
-    def _vanished(self, key: BlockKey) -> Status:
-        """The file went away since we indexed it (another process removed it): a miss."""
-        with self._lock:
-            self._forget(key)
-            self.stats.misses += 1
-        return Status.MISS
-
-    def _get(self, key: BlockKey, nbytes: int, read) -> Status:
-        """A get of ``nbytes`` whose verified read ``read(fd, base) -> (status, why)`` is the caller's."""
-        entry = self._lookup(key)
-        if entry is None:
-            return Status.MISS
-        return self._get_found(key, entry, nbytes, read)
-
-    def _get_found(self, key: BlockKey, entry: _Entry, nbytes: int, read) -> Status:
-        path = self._file_of(key, entry)
-        packed = entry.extent is not None
-        try:
-            fd = self._io.open_read(path)
-        except FileNotFoundError:  # removed by another process since we indexed it
-            return self._vanished(key)
-        except OSError as exc:
-            return self._failed_get(key, exc)
-        try:
-            inode = os.fstat(fd)
-            want = PAGE + round_up(nbytes)
-            if packed and inode.st_size < entry.offset + entry.size:
-                status, why = Status.CORRUPT, "the extent is shorter than its index says (truncated?)"
-            elif packed and entry.size != want:
-                status, why = _judge_size(self._io.read_header_page(fd, entry.offset), entry.size, key, nbytes)
-            elif not packed and inode.st_size != want:
-                status, why = self._size_mismatch(fd, key, nbytes)
-            else:
-                status, why = read(fd, entry.offset)
-        except OSError as exc:
-            return self._failed_get(key, exc)
-        finally:
-            os.close(fd)
-        return self._settle(key, nbytes, status, why, path, inode)
-
-    def _settle(self, key: BlockKey, nbytes: int, status: Status, why: str, path: str,
-                inode: os.stat_result) -> Status:
-        """Count a judged read; a block that failed verification is removed."""
-        with self._lock:
-            if status is Status.OK:
-                self.stats.hits += 1
-                self.stats.bytes_read += nbytes
-            elif status in (Status.BAD_SIZE, Status.MISS):
-                self.stats.misses += 1
-            elif not self._still_there(key):
-                self._forget(key)  # another process removed (and erased) it meanwhile: a plain miss
-                self.stats.misses += 1
-                return Status.MISS
-            else:
-                self.stats.verify_failures += 1
-                log.warning("disk tier %s: block %s failed verification (%s); removed", self.path, key.hex(), why)
-                self._discard(key, path, inode)
-        return status
-
-    def put(self, key: BlockKey, data, *, parent: BlockKey | None = None, meta: BlockMeta | None = None) -> Status:
-        """Write a copy of ``data`` durably (fsync'd before it becomes visible).
-
-        ``data`` stays the caller's and is not retained; a page-aligned buffer
-        is written without a copy."""
-        _check_key(key)
-        src = as_bytes(data)
-
-        def write(fd: int, record: bytes) -> None:
-            self._io.write(fd, src, lambda digest: pack_header(
-                key, src.nbytes, digest, meta, flags=FLAG_CHECKSUM | FLAG_RECORD) + record)
-
-        return self._put(key, src.nbytes, parent, write)
-
-    def put_many(self, keys, datas, *, parents=None, metas=None) -> list[Status]:
-        """:meth:`put` of several blocks (a chain unless ``parents`` says otherwise), packed in one
-        extent file, fsync'd once, each block then linked under its own name (see
-        :mod:`kvtier.tiers.disk_extents`). A batch that does not fit whole goes block by block."""
-        if len(keys) != len(datas):
-            raise ValueError(f"put_many: {len(keys)} keys but {len(datas)} buffers")
-        if parents is None:
-            parents = [None, *keys[:-1]]
-        metas = metas or [None] * len(keys)
-        for key in keys:
-            _check_key(key)
-        srcs = [as_bytes(d) for d in datas]
-        statuses: list[Status | None] = [None] * len(keys)
-        first_of: dict[BlockKey, int] = {}
-        with self._lock:
-            for i, key in enumerate(keys):
-                if key in first_of:
-                    continue  # a repeat in the batch: the first one's status
-                first_of[key] = i
-                if self._live(key) is not None:
-                    self._policy.on_access(key)  # content addressed: the same bytes are there
-                    statuses[i] = Status.OK
-        todo = [i for i in first_of.values() if statuses[i] is None]
-        if len(todo) >= 2 and self.pack_batches:
-            self._put_packed(keys, srcs, parents, metas, todo, statuses)
-        for i in todo:
-            if statuses[i] is None:  # the batch did not fit whole: one by one (each makes room)
-                statuses[i] = self.put(keys[i], srcs[i], parent=parents[i], meta=metas[i])
-        return [statuses[first_of[key]] for key in keys]
-
-    def _put_packed(self, keys, srcs, parents, metas, todo: list[int], statuses: list) -> None:
-        """Publish blocks ``todo`` in one extent; sets their statuses (None: not attempted, too big)."""
-        records = {}
-        for i in todo:
-            record = self._record_of(keys[i], parents[i])
-            if record is None:
-                statuses[i] = Status.ERROR
-                with self._lock:
-                    self.stats.put_failures += 1
-                continue
-            records[i] = record
-        todo = [i for i in todo if i in records]
-        sizes = {i: PAGE + round_up(srcs[i].nbytes) for i in todo}
-        for i in todo:
-            if sizes[i] > self._capacity:
-                statuses[i] = Status.TOO_LARGE
-                with self._lock:
-                    self.stats.put_failures += 1
-        todo = [i for i in todo if statuses[i] is None]
-        need = sum(sizes[i] for i in todo)
-        if len(todo) < 2:
-            return
-        with self._lock:
-            if need > self._capacity or not self._make_room(need):
-                return  # block by block: what fits, fits
-            self._reserved += need
-        stem = disk_extents.extent_stem(keys[todo[0]])
-        rel = f"{stem[:2]}/{stem}{EXTENT_SUFFIX}"
-        offsets, off = {}, 0
-        for i in todo:
-            offsets[i] = off
-            off += sizes[i]
-        try:
-            status = self._write_extent(stem, rel, [(keys[i], srcs[i], metas[i], pack_record(keys[i], records[i]),
-                                                      offsets[i]) for i in todo])
-            linked = self._link_all(rel, [(keys[i], offsets[i], sizes[i]) for i in todo]) if status is Status.OK else []
-        except BaseException:
-            with self._lock:
-                self._reserved -= need
-            raise
-        with self._lock:
-            self._reserved -= need  # in the same locked step as the index: room is never counted twice or not at all
-            if status is not Status.OK:
-                for i in todo:
-                    statuses[i] = status
-                self.stats.put_failures += len(todo)
-                self.stats.errors += len(todo) if status is Status.ERROR else 0
-                return
-            extent = Extent(rel)
-            self._extents[rel] = extent
-            now = time.time()
-            for i, ok in zip(todo, linked):
-                key = keys[i]
-                if not ok:
-                    statuses[i] = Status.ERROR
-                    self.stats.put_failures += 1
-                    self.stats.errors += 1
-                    extent.dead += sizes[i]  # written, unreachable: still on disk until the extent goes
-                    self._used += sizes[i]
-                    continue
-                if key in self._index:  # another thread of ours published it meanwhile: our link replaced it
-                    self._forget(key)
-                extent.live += 1
-                self._index[key] = _Entry(sizes[i], now, extent, offsets[i])
-                self._used += sizes[i]
-                self._policy.on_insert(key, records[i].parent)
-                self.stats.puts += 1
-                self.stats.bytes_written += srcs[i].nbytes
-                statuses[i] = Status.OK
-            if extent.live == 0:
-                self._drop_extent(extent)
-
-    def _write_extent(self, stem: str, rel: str, blocks) -> Status:
-        """Write ``(key, payload, meta, record bytes, offset)`` blocks into extent ``rel``: temp file,
-        one fsync, rename (nothing links into it yet, so a crash leaves no torn block reachable)."""
-        final = os.path.join(self.path, rel)
-
-        def write(fd: int) -> None:
-            for key, src, meta, record, offset in blocks:
-                self._io.write(fd, src, lambda digest, key=key, src=src, meta=meta, record=record: pack_header(
-                    key, src.nbytes, digest, meta, flags=FLAG_CHECKSUM | FLAG_RECORD) + record, base=offset, sync=False)
-            os.fsync(fd)
-
-        return self._publish(final, stem, write, what=f"extent {stem}")
-
-    def _link_all(self, rel: str, blocks) -> list[bool]:
-        """Point each block's name at its place in extent ``rel`` (a temp link renamed onto the
-        name: atomic, whatever stood there before); whether each link was made."""
-        done = []
-        for key, offset, size in blocks:
-            final = self.path_of(key)
-            temp = os.path.join(os.path.dirname(final), f".{key.hex()}.{direct_io.temp_tag()}{TEMP_SUFFIX}")
-            try:
-                try:
-                    os.symlink(disk_extents.link_target(rel, offset, size), temp)
-                except FileNotFoundError:  # someone removed the shard directory
-                    make_private_dirs(os.path.dirname(temp))
-                    os.symlink(disk_extents.link_target(rel, offset, size), temp)
-                os.rename(temp, final)
-                done.append(True)
-            except OSError as exc:
-                _unlink(temp)
-                log.warning("disk tier %s: linking %s failed: %s", self.path, key.hex(), exc)
-                done.append(False)
-        return done
-
-    def put_streams(self, keys, sources: list[PayloadSource], *, parents=None) -> list[Status]:
-        if len(keys) != len(sources):
-            raise ValueError(f"put_streams: {len(keys)} keys but {len(sources)} sources")
-        parents = parents or [None] * len(keys)
-        for k in keys:
-            _check_key(k)
-        return [self._put(k, s.nbytes, p, lambda fd, record, k=k, s=s: self._write_stream(fd, k, s, record))
-                for k, s, p in zip(keys, sources, parents)]
-
-    def _write_stream(self, fd: int, key: BlockKey, source: PayloadSource, record: bytes) -> None:
-        reader = PieceReader(source)
-
-        def header(digest: bytes) -> bytes:
-            reader.finish()  # a source that made more than it announced never publishes
-            return pack_header(key, source.nbytes, digest, flags=FLAG_CHECKSUM | FLAG_SEALED | FLAG_RECORD) + record
-
-        self._io.write_filled(fd, source.nbytes, lambda off, view: reader.fill(view), header)
-
-    def _put(self, key: BlockKey, nbytes: int, parent: BlockKey | None, write) -> Status:
-        """A put of ``nbytes`` whose file I/O ``write(fd, record_bytes)`` is the caller's."""
-        need = PAGE + round_up(nbytes)
-        with self._lock:
-            if self._live(key) is not None:
-                self._policy.on_access(key)  # content addressed: the same bytes are there
-                return Status.OK
-        record = self._record_of(key, parent)
-        if record is None:
-            with self._lock:
-                self.stats.put_failures += 1
-            return Status.ERROR
-        parent = record.parent
-        packed = pack_record(key, record)
-        with self._lock:
-            if need > self._capacity:
-                self.stats.put_failures += 1
-                return Status.TOO_LARGE
-            if not self._make_room(need):
-                self.stats.put_failures += 1
-                return Status.FULL
-            self._reserved += need
-        try:
-            status = self._write(key, lambda fd: write(fd, packed))
-        except BaseException:
-            with self._lock:
-                self._reserved -= need
-            raise
-        with self._lock:
-            self._reserved -= need  # in the same locked step as the index: room is never counted twice or not at all
-            if status is not Status.OK:
-                self.stats.put_failures += 1
-                self.stats.errors += status is Status.ERROR
-                return status
-            if key in self._index:  # another thread of ours published it meanwhile
-                self._policy.on_access(key)
-            else:
-                self._index[key] = _Entry(need, time.time())
-                self._used += need
-                self._policy.on_insert(key, parent)
-            self.stats.puts += 1
-            self.stats.bytes_written += nbytes
-        return Status.OK
-
-    def _record_of(self, key: BlockKey, parent: BlockKey | None) -> BlockRecord | None:
-        """The record to publish with ``key``: the annotator's (its parent when the put gave none);
-        None if the annotator refused the block or failed (it is not published without what its
-        owner needs)."""
-        if self.annotator is None:
-            return BlockRecord(parent, None)
-        try:
-            made = self.annotator(key)
-            if made is None:
-                return None
-            record = BlockRecord(parent if parent is not None else made.parent, made.annotation)
-            pack_record(key, record)  # sizes checked before any I/O
-            return record
-        except Exception:  # noqa: BLE001 - a block we cannot annotate is not published (a cache may lose)
-            log.exception("disk tier %s: annotating %s failed; not stored", self.path, key.hex())
-            return None
-
-    def records(self) -> Iterator[StoredRecord]:
-        """Read back the header and record of every indexed block (one page each, outside the lock).
-
-        A block whose header or record fails its check is removed (counted in
-        ``verify_failures``) and not listed; one that vanished meanwhile is skipped."""
-        for key in list(self.keys()):
-            with self._lock:
-                entry = self._index.get(key)
-            if entry is None:
-                continue
-            path = self._file_of(key, entry)
-            try:
-                fd = self._io.open_read(path)
-            except OSError:
-                continue
-            try:
-                inode = os.fstat(fd)
-                page = self._io.read_header_page(fd, entry.offset)
-            except OSError:
-                os.close(fd)
-                continue
-            os.close(fd)
-            header = unpack_header(page) if page is not None else None
-            record = _record_in(page, header, key) if header is not None and header.key == key else None
-            size = entry.size if entry.extent is not None else inode.st_size
-            if (record is None or size != PAGE + round_up(header.payload_nbytes)
-                    or inode.st_size < entry.offset + size):
-                with self._lock:
-                    self.stats.verify_failures += 1
-                    self._discard(key, path, inode)
-                log.warning("disk tier %s: block %s has a bad header or record; removed", self.path, key.hex())
-                continue
-            yield StoredRecord(key, header.payload_nbytes, record.parent, record.annotation, header)
 
     def delete(self, key: BlockKey) -> bool:
         """Remove a block at once, pinned or not: readers holding it open keep whole bytes."""
@@ -716,102 +265,6 @@ class DiskTier(Tier, StreamingTier):
 
     def close(self) -> None:
         self._io.close()
-
-    # -- reading -------------------------------------------------------------------
-    def _read_verified(self, fd: int, base: int, key: bytes, dst: np.ndarray) -> tuple[Status, str]:
-        return self._read_checked(key, dst.nbytes, lambda accept: self._io.read(fd, dst, accept, base=base),
-                                  sealed=False)
-
-    def _read_into_sink(self, fd: int, base: int, key: bytes, sink: PayloadSink) -> tuple[Status, str]:
-        feeder = SinkFeeder(sink)
-
-        def read_payload(accept):
-            return self._io.read_drained(fd, sink.nbytes, lambda off, view: feeder.feed(view), accept, base=base)
-
-        status, why = self._read_checked(key, sink.nbytes, read_payload, sealed=True)
-        verdict = feeder.verdict()
-        if status is Status.OK and isinstance(verdict, Unverifiable):
-            return Status.MISS, verdict  # the reader lacks the key, the block may be fine: keep it
-        if status is Status.OK and verdict is not None:
-            return Status.CORRUPT, verdict
-        return status, why
-
-    @staticmethod
-    def _read_checked(key: bytes, nbytes: int, read_payload, *, sealed: bool) -> tuple[Status, str]:
-        """Run ``read_payload(accept_header) -> digest | None`` and judge what it read. A plain read
-        (not ``sealed``) refuses a sealed block: its bytes are only good to the sink that opens them."""
-        seen: dict = {}
-
-        def accept(page: np.ndarray) -> bool:  # checked before the rest is read
-            header = unpack_header(page)
-            seen["header"] = header
-            seen["record"] = _record_in(page, header, key) if header is not None else None
-            return (header is not None and header_mismatch(header, key, nbytes) is None
-                    and seen["record"] is not None and (sealed or not header.flags & FLAG_SEALED))
-
-        digest = read_payload(accept)
-        header = seen.get("header")
-        if header is None:
-            return Status.CORRUPT, "unreadable header"
-        if header.key == key and seen["record"] is None:
-            return Status.CORRUPT, "the block's record (parent link, annotation) fails its check"
-        if header.key == key and header.payload_nbytes != nbytes:
-            return Status.BAD_SIZE, ""  # same page count, other size: the caller's mistake
-        why = header_mismatch(header, key, nbytes)
-        if why is not None:
-            return Status.CORRUPT, why
-        if not sealed and header.flags & FLAG_SEALED:
-            return Status.CORRUPT, "a sealed block, read as a plain one"
-        if digest is None:
-            return Status.CORRUPT, "file is shorter than its header says"
-        if digest != header.checksum:
-            return Status.CORRUPT, "payload checksum differs"
-        return Status.OK, ""
-
-    def _size_mismatch(self, fd: int, key: bytes, want: int) -> tuple[Status, str]:
-        """The file's size does not fit ``want``: a wrong caller buffer (BAD_SIZE) or a bad file."""
-        return _judge_size(self._io.read_header_page(fd), os.fstat(fd).st_size, key, want)
-
-    def _failed_get(self, key: BlockKey, exc: OSError) -> Status:
-        with self._lock:
-            self.stats.errors += 1
-        log.warning("disk tier %s: reading %s failed: %s", self.path, key.hex(), exc)
-        return Status.ERROR
-
-    # -- writing -------------------------------------------------------------------
-    def _write(self, key: BlockKey, write) -> Status:
-        return self._publish(self.path_of(key), key.hex(), write, what=key.hex())
-
-    def _publish(self, final: str, stem: str, write, *, what: str) -> Status:
-        """Write a file through ``write(fd)`` under a temp name beside ``final``, then rename it there."""
-        temp = os.path.join(os.path.dirname(final), f".{stem}.{direct_io.temp_tag()}{TEMP_SUFFIX}")
-        try:
-            try:
-                fd = self._io.open_write(temp)
-            except FileNotFoundError:  # someone removed the shard directory
-                make_private_dirs(os.path.dirname(temp))
-                fd = self._io.open_write(temp)
-            try:
-                write(fd)
-            finally:
-                os.close(fd)
-            # The directory entry is not fsync'd: a power cut may lose the
-            # block (a cache may lose), never expose a torn one.
-            os.rename(temp, final)
-            return Status.OK
-        except OSError as exc:
-            _unlink(temp)
-            if exc.errno in _FULL_ERRNOS:
-                return Status.FULL
-            log.warning("disk tier %s: writing %s failed: %s", self.path, what, exc)
-            return Status.ERROR
-        except ValueError as exc:  # a payload source that broke its word: nothing is published
-            _unlink(temp)
-            log.warning("disk tier %s: writing %s failed: %s", self.path, what, exc)
-            return Status.ERROR
-        except BaseException:
-            _unlink(temp)
-            raise
 
     # -- index (all under the lock) ----------------------------------------------
     def _expired(self, created: float, now: float | None = None) -> bool:
@@ -1115,24 +568,6 @@ class DiskTier(Tier, StreamingTier):
         return out
 
 
-def _judge_size(page: bytes | None, size: int, key: bytes, want: int) -> tuple[Status, str]:
-    """A file of ``size`` bytes that does not fit a payload of ``want``, with this header page
-    (None: unreadable): a wrong caller buffer (BAD_SIZE) or a bad file (CORRUPT)."""
-    header = unpack_header(page) if page is not None else None
-    if header is None or header.key != key:
-        return Status.CORRUPT, "unreadable header or wrong key"
-    if size != PAGE + round_up(header.payload_nbytes):
-        return Status.CORRUPT, "file size differs from its header (truncated?)"
-    return Status.BAD_SIZE, ""
-
-
-def _record_in(page, header: BlockHeader, key: bytes) -> BlockRecord | None:
-    """The verified record of a header page; an empty one for files written before records."""
-    if not header.flags & FLAG_RECORD:
-        return BlockRecord()
-    return unpack_record(page, key)
-
-
 def _parents_first(found: list[tuple], parents: dict[BlockKey, BlockKey]):
     """``found`` in its order, except that a block's recorded ancestors (when found) come first,
     so that a policy that links children to known parents sees every chain."""
@@ -1155,12 +590,6 @@ def _probe(path: str) -> bool:
         raise TierError(f"cannot write in {path!r} ({exc}); pass a writable directory") from exc
 
 
-def _check_key(key) -> None:
-    if not isinstance(key, bytes) or len(key) != KEY_BYTES:
-        raise ValueError(
-            f"disk tier keys are {KEY_BYTES}-byte BlockKeys (kvtier.core.keys.block_keys), got {key!r:.40}"
-        )
-
 
 def _plausible(size: int) -> bool:
     return size >= PAGE and size % PAGE == 0
@@ -1168,18 +597,6 @@ def _plausible(size: int) -> bool:
 
 def _is_hex(text: str) -> bool:
     return all(c in "0123456789abcdef" for c in text)
-
-
-def _unlink(path: str) -> bool:
-    """Remove a file; False if it was not there (or cannot be removed: logged)."""
-    try:
-        os.unlink(path)
-        return True
-    except FileNotFoundError:
-        return False
-    except OSError as exc:
-        log.warning("disk tier: cannot remove %s: %s", path, exc)
-        return False
 
 
 def _reap_temp(item: os.DirEntry, now: float) -> None:

@@ -1,0 +1,270 @@
+"""The read path of :class:`~kvtier.tiers.disk.DiskTier`: ``get``, ``get_many``, ``get_streams``, ``records``.
+
+Every read is verified before it counts (header key and size, the record's check, xxh3-128 of
+the payload; a sealed block only through a sink); a block that fails is
+:attr:`~kvtier.tiers.base.Status.CORRUPT`, counted and removed, unless another process removed
+or replaced it meanwhile (a plain miss). ``get_many`` hands runs of blocks to
+:meth:`~kvtier.tiers.direct_io.BlockIO.read_many` (a packed run is one request) and judges each
+as it lands. File I/O runs outside the tier's lock; counting and the index, under it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import numpy as np
+import xxhash
+
+from kvtier.core.keys import BlockKey
+from kvtier.core.payload import FLAG_SEALED, header_mismatch, unpack_header
+from kvtier.tiers import direct_io
+from kvtier.tiers.base import Status
+from kvtier.tiers.direct_io import PAGE, ReadJob, ReadOutcome, as_bytes, round_up
+from kvtier.tiers.disk_records import StoredRecord, _Entry, _record_in, log
+from kvtier.tiers.streams import PayloadSink, SinkFeeder, Unverifiable
+
+
+class DiskReads:
+    """``get`` / ``get_many`` / ``get_streams`` and reading back records (a mixin of the tier)."""
+
+    def get(self, key: BlockKey, out) -> Status:
+        """Read a block into ``out`` (caller-owned, writable, exactly the block's size).
+
+        On any status but OK the content of ``out`` is unspecified."""
+        dst = as_bytes(out, writable=True)
+        return self._get(key, dst.nbytes, lambda fd, base: self._read_verified(fd, base, key, dst))
+
+    def get_streams(self, keys, sinks: list[PayloadSink]) -> list[Status]:
+        if len(keys) != len(sinks):
+            raise ValueError(f"get_streams: {len(keys)} keys but {len(sinks)} sinks")
+        return [self._get(k, s.nbytes, lambda fd, base, k=k, s=s: self._read_into_sink(fd, base, k, s))
+                for k, s in zip(keys, sinks)]
+
+    def get_many(self, keys, outs) -> list[Status]:
+        """:meth:`get` of several blocks, read back to back: a run of blocks packed one after
+        another in one extent is one request; block (or run) i+1 is read, one request in
+        flight, while a helper verifies the ones before. Blocks large enough to be read in
+        pieces, and buffers that are not page aligned, go one by one through :meth:`get`."""
+        if len(keys) != len(outs):
+            raise ValueError(f"get_many: {len(keys)} keys but {len(outs)} buffers")
+        dsts = [as_bytes(out, writable=True) for out in outs]  # every caller mistake before any I/O
+        statuses = [Status.MISS] * len(keys)
+        streamed: list[int] = []
+        jobs: list[ReadJob] = []
+        for i, (key, dst) in enumerate(zip(keys, dsts)):
+            if dst.nbytes >= direct_io.PIECED_MIN or not direct_io.is_page_aligned(dst):
+                statuses[i] = self.get(key, dst)
+                continue
+            entry = self._lookup(key)
+            if entry is None:
+                continue
+            if entry.extent is not None and entry.size != PAGE + round_up(dst.nbytes):
+                def read(fd, base, key=key, dst=dst):
+                    return self._read_verified(fd, base, key, dst)
+
+                statuses[i] = self._get_found(key, entry, dst.nbytes, read)
+                continue
+            streamed.append(i)
+            jobs.append(ReadJob(self._file_of(key, entry), dst, None if entry.extent is None else entry.offset))
+
+        def judge(j: int, got: ReadOutcome) -> None:
+            i = streamed[j]
+            statuses[i] = self._judge_read(keys[i], dsts[i], jobs[j], got)
+
+        self._io.read_many(jobs, judge)
+        return statuses
+
+    def _judge_read(self, key: BlockKey, dst: np.ndarray, job: ReadJob, got: ReadOutcome) -> Status:
+        """A get's status from what :meth:`BlockIO.read_many` read (as :meth:`_get` judges its own read)."""
+        if isinstance(got.error, FileNotFoundError):
+            return self._vanished(key)
+        if got.error is not None:
+            return self._failed_get(key, got.error)
+        if job.offset is None and got.inode.st_size != PAGE + round_up(dst.nbytes):
+            status, why = _judge_size(got.page.tobytes() if got.complete else None, got.inode.st_size, key, dst.nbytes)
+        elif not got.complete:
+            status, why = Status.CORRUPT, "the file is shorter than its index says (truncated?)"
+        else:
+            def digest(accept):
+                if not accept(got.page):
+                    return None
+                return xxhash.xxh3_128_digest(dst)
+
+            status, why = self._read_checked(key, dst.nbytes, digest, sealed=False)
+        return self._settle(key, dst.nbytes, status, why, job.path, got.inode)
+
+    def _lookup(self, key: BlockKey) -> _Entry | None:
+        """The entry of a block a get should read (a miss is counted here)."""
+        with self._lock:
+            entry = self._live(key)
+            if entry is None:
+                self.stats.misses += 1
+                return None
+            self._policy.on_access(key)
+            return entry
+
+    def _vanished(self, key: BlockKey) -> Status:
+        """The file went away since we indexed it (another process removed it): a miss."""
+        with self._lock:
+            self._forget(key)
+            self.stats.misses += 1
+        return Status.MISS
+
+    def _get(self, key: BlockKey, nbytes: int, read) -> Status:
+        """A get of ``nbytes`` whose verified read ``read(fd, base) -> (status, why)`` is the caller's."""
+        entry = self._lookup(key)
+        if entry is None:
+            return Status.MISS
+        return self._get_found(key, entry, nbytes, read)
+
+    def _get_found(self, key: BlockKey, entry: _Entry, nbytes: int, read) -> Status:
+        path = self._file_of(key, entry)
+        packed = entry.extent is not None
+        try:
+            fd = self._io.open_read(path)
+        except FileNotFoundError:  # removed by another process since we indexed it
+            return self._vanished(key)
+        except OSError as exc:
+            return self._failed_get(key, exc)
+        try:
+            inode = os.fstat(fd)
+            want = PAGE + round_up(nbytes)
+            if packed and inode.st_size < entry.offset + entry.size:
+                status, why = Status.CORRUPT, "the extent is shorter than its index says (truncated?)"
+            elif packed and entry.size != want:
+                status, why = _judge_size(self._io.read_header_page(fd, entry.offset), entry.size, key, nbytes)
+            elif not packed and inode.st_size != want:
+                status, why = self._size_mismatch(fd, key, nbytes)
+            else:
+                status, why = read(fd, entry.offset)
+        except OSError as exc:
+            return self._failed_get(key, exc)
+        finally:
+            os.close(fd)
+        return self._settle(key, nbytes, status, why, path, inode)
+
+    def _settle(self, key: BlockKey, nbytes: int, status: Status, why: str, path: str,
+                inode: os.stat_result) -> Status:
+        """Count a judged read; a block that failed verification is removed."""
+        with self._lock:
+            if status is Status.OK:
+                self.stats.hits += 1
+                self.stats.bytes_read += nbytes
+            elif status in (Status.BAD_SIZE, Status.MISS):
+                self.stats.misses += 1
+            elif not self._still_there(key):
+                self._forget(key)  # another process removed (and erased) it meanwhile: a plain miss
+                self.stats.misses += 1
+                return Status.MISS
+            else:
+                self.stats.verify_failures += 1
+                log.warning("disk tier %s: block %s failed verification (%s); removed", self.path, key.hex(), why)
+                self._discard(key, path, inode)
+        return status
+
+    def records(self) -> Iterator[StoredRecord]:
+        """Read back the header and record of every indexed block (one page each, outside the lock).
+
+        A block whose header or record fails its check is removed (counted in
+        ``verify_failures``) and not listed; one that vanished meanwhile is skipped."""
+        for key in list(self.keys()):
+            with self._lock:
+                entry = self._index.get(key)
+            if entry is None:
+                continue
+            path = self._file_of(key, entry)
+            try:
+                fd = self._io.open_read(path)
+            except OSError:
+                continue
+            try:
+                inode = os.fstat(fd)
+                page = self._io.read_header_page(fd, entry.offset)
+            except OSError:
+                os.close(fd)
+                continue
+            os.close(fd)
+            header = unpack_header(page) if page is not None else None
+            record = _record_in(page, header, key) if header is not None and header.key == key else None
+            size = entry.size if entry.extent is not None else inode.st_size
+            if (record is None or size != PAGE + round_up(header.payload_nbytes)
+                    or inode.st_size < entry.offset + size):
+                with self._lock:
+                    self.stats.verify_failures += 1
+                    self._discard(key, path, inode)
+                log.warning("disk tier %s: block %s has a bad header or record; removed", self.path, key.hex())
+                continue
+            yield StoredRecord(key, header.payload_nbytes, record.parent, record.annotation, header)
+
+    # -- reading -------------------------------------------------------------------
+    def _read_verified(self, fd: int, base: int, key: bytes, dst: np.ndarray) -> tuple[Status, str]:
+        return self._read_checked(key, dst.nbytes, lambda accept: self._io.read(fd, dst, accept, base=base),
+                                  sealed=False)
+
+    def _read_into_sink(self, fd: int, base: int, key: bytes, sink: PayloadSink) -> tuple[Status, str]:
+        feeder = SinkFeeder(sink)
+
+        def read_payload(accept):
+            return self._io.read_drained(fd, sink.nbytes, lambda off, view: feeder.feed(view), accept, base=base)
+
+        status, why = self._read_checked(key, sink.nbytes, read_payload, sealed=True)
+        verdict = feeder.verdict()
+        if status is Status.OK and isinstance(verdict, Unverifiable):
+            return Status.MISS, verdict  # the reader lacks the key, the block may be fine: keep it
+        if status is Status.OK and verdict is not None:
+            return Status.CORRUPT, verdict
+        return status, why
+
+    @staticmethod
+    def _read_checked(key: bytes, nbytes: int, read_payload, *, sealed: bool) -> tuple[Status, str]:
+        """Run ``read_payload(accept_header) -> digest | None`` and judge what it read. A plain read
+        (not ``sealed``) refuses a sealed block: its bytes are only good to the sink that opens them."""
+        seen: dict = {}
+
+        def accept(page: np.ndarray) -> bool:  # checked before the rest is read
+            header = unpack_header(page)
+            seen["header"] = header
+            seen["record"] = _record_in(page, header, key) if header is not None else None
+            return (header is not None and header_mismatch(header, key, nbytes) is None
+                    and seen["record"] is not None and (sealed or not header.flags & FLAG_SEALED))
+
+        digest = read_payload(accept)
+        header = seen.get("header")
+        if header is None:
+            return Status.CORRUPT, "unreadable header"
+        if header.key == key and seen["record"] is None:
+            return Status.CORRUPT, "the block's record (parent link, annotation) fails its check"
+        if header.key == key and header.payload_nbytes != nbytes:
+            return Status.BAD_SIZE, ""  # same page count, other size: the caller's mistake
+        why = header_mismatch(header, key, nbytes)
+        if why is not None:
+            return Status.CORRUPT, why
+        if not sealed and header.flags & FLAG_SEALED:
+            return Status.CORRUPT, "a sealed block, read as a plain one"
+        if digest is None:
+            return Status.CORRUPT, "file is shorter than its header says"
+        if digest != header.checksum:
+            return Status.CORRUPT, "payload checksum differs"
+        return Status.OK, ""
+
+    def _size_mismatch(self, fd: int, key: bytes, want: int) -> tuple[Status, str]:
+        """The file's size does not fit ``want``: a wrong caller buffer (BAD_SIZE) or a bad file."""
+        return _judge_size(self._io.read_header_page(fd), os.fstat(fd).st_size, key, want)
+
+    def _failed_get(self, key: BlockKey, exc: OSError) -> Status:
+        with self._lock:
+            self.stats.errors += 1
+        log.warning("disk tier %s: reading %s failed: %s", self.path, key.hex(), exc)
+        return Status.ERROR
+
+
+def _judge_size(page: bytes | None, size: int, key: bytes, want: int) -> tuple[Status, str]:
+    """A file of ``size`` bytes that does not fit a payload of ``want``, with this header page
+    (None: unreadable): a wrong caller buffer (BAD_SIZE) or a bad file (CORRUPT)."""
+    header = unpack_header(page) if page is not None else None
+    if header is None or header.key != key:
+        return Status.CORRUPT, "unreadable header or wrong key"
+    if size != PAGE + round_up(header.payload_nbytes):
+        return Status.CORRUPT, "file size differs from its header (truncated?)"
+    return Status.BAD_SIZE, ""

@@ -1,0 +1,121 @@
+"""The on-disk format of :class:`~kvtier.tiers.disk.DiskTier`, and the small helpers its parts share.
+
+A block file's header page holds, after the block header, a *record*: the block's parent link
+and its owner's optional annotation, with an xxh3-128 over the storage key and both
+(:func:`pack_record` / :func:`unpack_record`); the header flags it (:data:`FLAG_RECORD`).
+Here too: the file names (:data:`SUFFIX`, :data:`TEMP_SUFFIX`), an index entry (where a block
+lies: its own file or its place in an extent), and removing a file. Pure: nothing here holds
+a tier's state, so the tier (:mod:`~kvtier.tiers.disk`) and its read and write paths
+(:mod:`~kvtier.tiers.disk_reads`, :mod:`~kvtier.tiers.disk_writes`) all import it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import xxhash
+
+from kvtier.core.keys import KEY_BYTES
+from kvtier.core.payload import HEADER_NBYTES, BlockHeader
+from kvtier.tiers.direct_io import PAGE
+from kvtier.tiers.disk_extents import Extent
+
+#: the disk tier's logger, whichever of its modules logs
+log = logging.getLogger("kvtier.tiers.disk")
+
+SUFFIX = ".kvb"
+TEMP_SUFFIX = ".tmp"
+
+#: Header flag of disk files: a record (parent link, annotation) follows the header.
+#: A high bit, apart from the payload-verification flags of :mod:`kvtier.core.payload`.
+FLAG_RECORD = 0x100
+_RECORD_MAGIC = b"KVR1"
+_RECORD = struct.Struct("<4sB3x32sH2x")  # magic, has parent, parent, annotation length
+_RECORD_CHECK_NBYTES = 16
+#: the largest annotation a block carries (what is left of the header page)
+MAX_ANNOTATION = PAGE - HEADER_NBYTES - _RECORD.size - _RECORD_CHECK_NBYTES
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRecord:
+    """What a block file says about itself besides its bytes: its parent link and annotation."""
+
+    parent: bytes | None = None
+    annotation: bytes | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StoredRecord:
+    """One published block as :meth:`DiskTier.records` reads it back (header and record verified)."""
+
+    key: bytes
+    nbytes: int  #: payload bytes
+    parent: bytes | None
+    annotation: bytes | None
+    header: BlockHeader
+
+
+#: ``annotator(key) -> BlockRecord | None``: asked when a block is published; its parent
+#: fills in for a put that passed none (a demotion knows no parent). None refuses the block
+#: (e.g. its owner deleted it meanwhile): the put fails and nothing is published.
+Annotator = Callable[[bytes], "BlockRecord | None"]
+
+
+def pack_record(key: bytes, record: BlockRecord) -> bytes:
+    """The bytes that follow the header in the header page."""
+    annotation = record.annotation or b""
+    if len(annotation) > MAX_ANNOTATION:
+        raise ValueError(f"a block annotation holds at most {MAX_ANNOTATION} bytes, got {len(annotation)}")
+    parent = record.parent
+    if parent is not None and len(parent) != KEY_BYTES:
+        raise ValueError(f"a parent link is a {KEY_BYTES}-byte key, got {len(parent)} bytes")
+    head = _RECORD.pack(_RECORD_MAGIC, parent is not None, parent or bytes(KEY_BYTES), len(annotation))
+    return head + annotation + xxhash.xxh3_128_digest(key + head + annotation)
+
+
+def unpack_record(page, key: bytes) -> BlockRecord | None:
+    """The record after the header in ``page`` if it is whole and bound to ``key``; else None."""
+    mv = memoryview(page).cast("B")
+    start = HEADER_NBYTES
+    if mv.nbytes < start + _RECORD.size:
+        return None
+    magic, has_parent, parent, length = _RECORD.unpack_from(mv, start)
+    end = start + _RECORD.size + length
+    if magic != _RECORD_MAGIC or has_parent > 1 or length > MAX_ANNOTATION or end + _RECORD_CHECK_NBYTES > mv.nbytes:
+        return None
+    head = bytes(mv[start : start + _RECORD.size])
+    annotation = bytes(mv[start + _RECORD.size : end])
+    if xxhash.xxh3_128_digest(key + head + annotation) != bytes(mv[end : end + _RECORD_CHECK_NBYTES]):
+        return None
+    return BlockRecord(parent if has_parent else None, annotation or None)
+
+
+@dataclass(slots=True)
+class _Entry:
+    size: int  #: bytes on disk: header page + payload padded to a page
+    created: float  #: publication time, wall clock (file mtime after a restart)
+    extent: Extent | None = None  #: the extent it is packed in; None: a file of its own
+    offset: int = 0  #: where it starts in its extent
+
+
+def _record_in(page, header: BlockHeader, key: bytes) -> BlockRecord | None:
+    """The verified record of a header page; an empty one for files written before records."""
+    if not header.flags & FLAG_RECORD:
+        return BlockRecord()
+    return unpack_record(page, key)
+
+
+def _unlink(path: str) -> bool:
+    """Remove a file; False if it was not there (or cannot be removed: logged)."""
+    try:
+        os.unlink(path)
+        return True
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        log.warning("disk tier: cannot remove %s: %s", path, exc)
+        return False

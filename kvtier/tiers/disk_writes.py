@@ -1,0 +1,302 @@
+"""The write path of :class:`~kvtier.tiers.disk.DiskTier`: ``put``, ``put_many``, ``put_streams``.
+
+A block is published crash safe: written to a temp file beside its final name, fsync'd, then
+renamed there. ``put_many`` of several blocks packs them in one extent file (one fsync), then
+links each block's name to its place in it (:mod:`kvtier.tiers.disk_extents`); a batch that
+does not fit whole goes block by block. Each block's record (parent link, the annotator's
+annotation) is made before any I/O; room is reserved under the lock and settled in the same
+locked step as the index.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import time
+
+from kvtier.core.keys import KEY_BYTES, BlockKey
+from kvtier.core.payload import FLAG_CHECKSUM, FLAG_SEALED, BlockMeta, pack_header
+from kvtier.private_files import make_private_dirs
+from kvtier.tiers import direct_io, disk_extents
+from kvtier.tiers.base import Status
+from kvtier.tiers.direct_io import PAGE, as_bytes, round_up
+from kvtier.tiers.disk_extents import EXTENT_SUFFIX, Extent
+from kvtier.tiers.disk_records import FLAG_RECORD, TEMP_SUFFIX, BlockRecord, _Entry, _unlink, log, pack_record
+from kvtier.tiers.streams import PayloadSource, PieceReader
+
+_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+
+class DiskWrites:
+    """``put`` / ``put_many`` / ``put_streams`` and publishing files (a mixin of the tier)."""
+
+    def put(self, key: BlockKey, data, *, parent: BlockKey | None = None, meta: BlockMeta | None = None) -> Status:
+        """Write a copy of ``data`` durably (fsync'd before it becomes visible).
+
+        ``data`` stays the caller's and is not retained; a page-aligned buffer
+        is written without a copy."""
+        _check_key(key)
+        src = as_bytes(data)
+
+        def write(fd: int, record: bytes) -> None:
+            self._io.write(fd, src, lambda digest: pack_header(
+                key, src.nbytes, digest, meta, flags=FLAG_CHECKSUM | FLAG_RECORD) + record)
+
+        return self._put(key, src.nbytes, parent, write)
+
+    def put_many(self, keys, datas, *, parents=None, metas=None) -> list[Status]:
+        """:meth:`put` of several blocks (a chain unless ``parents`` says otherwise), packed in one
+        extent file, fsync'd once, each block then linked under its own name (see
+        :mod:`kvtier.tiers.disk_extents`). A batch that does not fit whole goes block by block."""
+        if len(keys) != len(datas):
+            raise ValueError(f"put_many: {len(keys)} keys but {len(datas)} buffers")
+        if parents is None:
+            parents = [None, *keys[:-1]]
+        metas = metas or [None] * len(keys)
+        for key in keys:
+            _check_key(key)
+        srcs = [as_bytes(d) for d in datas]
+        statuses: list[Status | None] = [None] * len(keys)
+        first_of: dict[BlockKey, int] = {}
+        with self._lock:
+            for i, key in enumerate(keys):
+                if key in first_of:
+                    continue  # a repeat in the batch: the first one's status
+                first_of[key] = i
+                if self._live(key) is not None:
+                    self._policy.on_access(key)  # content addressed: the same bytes are there
+                    statuses[i] = Status.OK
+        todo = [i for i in first_of.values() if statuses[i] is None]
+        if len(todo) >= 2 and self.pack_batches:
+            self._put_packed(keys, srcs, parents, metas, todo, statuses)
+        for i in todo:
+            if statuses[i] is None:  # the batch did not fit whole: one by one (each makes room)
+                statuses[i] = self.put(keys[i], srcs[i], parent=parents[i], meta=metas[i])
+        return [statuses[first_of[key]] for key in keys]
+
+    def _put_packed(self, keys, srcs, parents, metas, todo: list[int], statuses: list) -> None:
+        """Publish blocks ``todo`` in one extent; sets their statuses (None: not attempted, too big)."""
+        records = {}
+        for i in todo:
+            record = self._record_of(keys[i], parents[i])
+            if record is None:
+                statuses[i] = Status.ERROR
+                with self._lock:
+                    self.stats.put_failures += 1
+                continue
+            records[i] = record
+        todo = [i for i in todo if i in records]
+        sizes = {i: PAGE + round_up(srcs[i].nbytes) for i in todo}
+        for i in todo:
+            if sizes[i] > self._capacity:
+                statuses[i] = Status.TOO_LARGE
+                with self._lock:
+                    self.stats.put_failures += 1
+        todo = [i for i in todo if statuses[i] is None]
+        need = sum(sizes[i] for i in todo)
+        if len(todo) < 2:
+            return
+        with self._lock:
+            if need > self._capacity or not self._make_room(need):
+                return  # block by block: what fits, fits
+            self._reserved += need
+        stem = disk_extents.extent_stem(keys[todo[0]])
+        rel = f"{stem[:2]}/{stem}{EXTENT_SUFFIX}"
+        offsets, off = {}, 0
+        for i in todo:
+            offsets[i] = off
+            off += sizes[i]
+        try:
+            status = self._write_extent(stem, rel, [(keys[i], srcs[i], metas[i], pack_record(keys[i], records[i]),
+                                                      offsets[i]) for i in todo])
+            linked = self._link_all(rel, [(keys[i], offsets[i], sizes[i]) for i in todo]) if status is Status.OK else []
+        except BaseException:
+            with self._lock:
+                self._reserved -= need
+            raise
+        with self._lock:
+            self._reserved -= need  # in the same locked step as the index: room is never counted twice or not at all
+            if status is not Status.OK:
+                for i in todo:
+                    statuses[i] = status
+                self.stats.put_failures += len(todo)
+                self.stats.errors += len(todo) if status is Status.ERROR else 0
+                return
+            extent = Extent(rel)
+            self._extents[rel] = extent
+            now = time.time()
+            for i, ok in zip(todo, linked):
+                key = keys[i]
+                if not ok:
+                    statuses[i] = Status.ERROR
+                    self.stats.put_failures += 1
+                    self.stats.errors += 1
+                    extent.dead += sizes[i]  # written, unreachable: still on disk until the extent goes
+                    self._used += sizes[i]
+                    continue
+                if key in self._index:  # another thread of ours published it meanwhile: our link replaced it
+                    self._forget(key)
+                extent.live += 1
+                self._index[key] = _Entry(sizes[i], now, extent, offsets[i])
+                self._used += sizes[i]
+                self._policy.on_insert(key, records[i].parent)
+                self.stats.puts += 1
+                self.stats.bytes_written += srcs[i].nbytes
+                statuses[i] = Status.OK
+            if extent.live == 0:
+                self._drop_extent(extent)
+
+    def _write_extent(self, stem: str, rel: str, blocks) -> Status:
+        """Write ``(key, payload, meta, record bytes, offset)`` blocks into extent ``rel``: temp file,
+        one fsync, rename (nothing links into it yet, so a crash leaves no torn block reachable)."""
+        final = os.path.join(self.path, rel)
+
+        def write(fd: int) -> None:
+            for key, src, meta, record, offset in blocks:
+                self._io.write(fd, src, lambda digest, key=key, src=src, meta=meta, record=record: pack_header(
+                    key, src.nbytes, digest, meta, flags=FLAG_CHECKSUM | FLAG_RECORD) + record, base=offset, sync=False)
+            os.fsync(fd)
+
+        return self._publish(final, stem, write, what=f"extent {stem}")
+
+    def _link_all(self, rel: str, blocks) -> list[bool]:
+        """Point each block's name at its place in extent ``rel`` (a temp link renamed onto the
+        name: atomic, whatever stood there before); whether each link was made."""
+        done = []
+        for key, offset, size in blocks:
+            final = self.path_of(key)
+            temp = os.path.join(os.path.dirname(final), f".{key.hex()}.{direct_io.temp_tag()}{TEMP_SUFFIX}")
+            try:
+                try:
+                    os.symlink(disk_extents.link_target(rel, offset, size), temp)
+                except FileNotFoundError:  # someone removed the shard directory
+                    make_private_dirs(os.path.dirname(temp))
+                    os.symlink(disk_extents.link_target(rel, offset, size), temp)
+                os.rename(temp, final)
+                done.append(True)
+            except OSError as exc:
+                _unlink(temp)
+                log.warning("disk tier %s: linking %s failed: %s", self.path, key.hex(), exc)
+                done.append(False)
+        return done
+
+    def put_streams(self, keys, sources: list[PayloadSource], *, parents=None) -> list[Status]:
+        if len(keys) != len(sources):
+            raise ValueError(f"put_streams: {len(keys)} keys but {len(sources)} sources")
+        parents = parents or [None] * len(keys)
+        for k in keys:
+            _check_key(k)
+        return [self._put(k, s.nbytes, p, lambda fd, record, k=k, s=s: self._write_stream(fd, k, s, record))
+                for k, s, p in zip(keys, sources, parents)]
+
+    def _write_stream(self, fd: int, key: BlockKey, source: PayloadSource, record: bytes) -> None:
+        reader = PieceReader(source)
+
+        def header(digest: bytes) -> bytes:
+            reader.finish()  # a source that made more than it announced never publishes
+            return pack_header(key, source.nbytes, digest, flags=FLAG_CHECKSUM | FLAG_SEALED | FLAG_RECORD) + record
+
+        self._io.write_filled(fd, source.nbytes, lambda off, view: reader.fill(view), header)
+
+    def _put(self, key: BlockKey, nbytes: int, parent: BlockKey | None, write) -> Status:
+        """A put of ``nbytes`` whose file I/O ``write(fd, record_bytes)`` is the caller's."""
+        need = PAGE + round_up(nbytes)
+        with self._lock:
+            if self._live(key) is not None:
+                self._policy.on_access(key)  # content addressed: the same bytes are there
+                return Status.OK
+        record = self._record_of(key, parent)
+        if record is None:
+            with self._lock:
+                self.stats.put_failures += 1
+            return Status.ERROR
+        parent = record.parent
+        packed = pack_record(key, record)
+        with self._lock:
+            if need > self._capacity:
+                self.stats.put_failures += 1
+                return Status.TOO_LARGE
+            if not self._make_room(need):
+                self.stats.put_failures += 1
+                return Status.FULL
+            self._reserved += need
+        try:
+            status = self._write(key, lambda fd: write(fd, packed))
+        except BaseException:
+            with self._lock:
+                self._reserved -= need
+            raise
+        with self._lock:
+            self._reserved -= need  # in the same locked step as the index: room is never counted twice or not at all
+            if status is not Status.OK:
+                self.stats.put_failures += 1
+                self.stats.errors += status is Status.ERROR
+                return status
+            if key in self._index:  # another thread of ours published it meanwhile
+                self._policy.on_access(key)
+            else:
+                self._index[key] = _Entry(need, time.time())
+                self._used += need
+                self._policy.on_insert(key, parent)
+            self.stats.puts += 1
+            self.stats.bytes_written += nbytes
+        return Status.OK
+
+    def _record_of(self, key: BlockKey, parent: BlockKey | None) -> BlockRecord | None:
+        """The record to publish with ``key``: the annotator's (its parent when the put gave none);
+        None if the annotator refused the block or failed (it is not published without what its
+        owner needs)."""
+        if self.annotator is None:
+            return BlockRecord(parent, None)
+        try:
+            made = self.annotator(key)
+            if made is None:
+                return None
+            record = BlockRecord(parent if parent is not None else made.parent, made.annotation)
+            pack_record(key, record)  # sizes checked before any I/O
+            return record
+        except Exception:  # noqa: BLE001 - a block we cannot annotate is not published (a cache may lose)
+            log.exception("disk tier %s: annotating %s failed; not stored", self.path, key.hex())
+            return None
+
+    # -- writing -------------------------------------------------------------------
+    def _write(self, key: BlockKey, write) -> Status:
+        return self._publish(self.path_of(key), key.hex(), write, what=key.hex())
+
+    def _publish(self, final: str, stem: str, write, *, what: str) -> Status:
+        """Write a file through ``write(fd)`` under a temp name beside ``final``, then rename it there."""
+        temp = os.path.join(os.path.dirname(final), f".{stem}.{direct_io.temp_tag()}{TEMP_SUFFIX}")
+        try:
+            try:
+                fd = self._io.open_write(temp)
+            except FileNotFoundError:  # someone removed the shard directory
+                make_private_dirs(os.path.dirname(temp))
+                fd = self._io.open_write(temp)
+            try:
+                write(fd)
+            finally:
+                os.close(fd)
+            # The directory entry is not fsync'd: a power cut may lose the
+            # block (a cache may lose), never expose a torn one.
+            os.rename(temp, final)
+            return Status.OK
+        except OSError as exc:
+            _unlink(temp)
+            if exc.errno in _FULL_ERRNOS:
+                return Status.FULL
+            log.warning("disk tier %s: writing %s failed: %s", self.path, what, exc)
+            return Status.ERROR
+        except ValueError as exc:  # a payload source that broke its word: nothing is published
+            _unlink(temp)
+            log.warning("disk tier %s: writing %s failed: %s", self.path, what, exc)
+            return Status.ERROR
+        except BaseException:
+            _unlink(temp)
+            raise
+
+
+def _check_key(key) -> None:
+    if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+        raise ValueError(
+            f"disk tier keys are {KEY_BYTES}-byte BlockKeys (kvtier.core.keys.block_keys), got {key!r:.40}"
+        )
