@@ -61,6 +61,7 @@ def parse_trace_lines(lines, block_tokens: int = 512, source: str = "") -> Trace
             row = json.loads(line)
             req = TraceRequest(row["timestamp"] / 1000.0, int(row["input_length"]), int(row["output_length"]),
                                tuple(row["hash_ids"]))
+            _check_request(req)
         except (ValueError, KeyError, TypeError) as exc:
             raise ConfigError(f"{source or 'trace'} line {lineno}: not a Mooncake request ({exc})") from None
         if req.input_tokens <= 0 or len(req.blocks) != math.ceil(req.input_tokens / block_tokens):
@@ -74,12 +75,28 @@ def parse_trace_lines(lines, block_tokens: int = 512, source: str = "") -> Trace
     return Trace(tuple(requests), block_tokens, source)
 
 
+def _check_request(req: TraceRequest) -> None:
+    """Values the format allows but no request can have: a NaN arrival would leave the sort
+    unordered, an id that is not an int or str could never equal another's."""
+    if not math.isfinite(req.arrival_s):
+        raise ValueError(f"timestamp {req.arrival_s * 1000.0} is not a finite number")
+    if req.output_tokens < 0:
+        raise ValueError(f"output_length {req.output_tokens} is negative")
+    for block in req.blocks:
+        if isinstance(block, bool) or not isinstance(block, (int, str)):
+            raise TypeError(f"hash id {block!r} is not an integer")
+
+
 def load_trace(path: str | Path, block_tokens: int = 512) -> Trace:
+    """Load a trace file; one with no request is an error (every figure of it would be 0)."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"trace {path} not found; {TRACE_HINT}")
     with path.open() as fh:
-        return parse_trace_lines(fh, block_tokens, str(path))
+        trace = parse_trace_lines(fh, block_tokens, str(path))
+    if not trace.requests:
+        raise ConfigError(f"trace {path} holds no request (an empty file, or only blank lines)")
+    return trace
 
 
 def default_trace_path() -> Path | None:

@@ -33,6 +33,28 @@ def test_malformed_line_and_missing_file_are_config_errors(tmp_path):
         load_trace(tmp_path / "absent.jsonl")
 
 
+@pytest.mark.parametrize("row, why", [
+    ({"timestamp": float("nan"), "input_length": 10, "output_length": 1, "hash_ids": [0]}, "finite"),
+    ({"timestamp": 0, "input_length": 10, "output_length": -1, "hash_ids": [0]}, "negative"),
+    ({"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [{"a": 1}]}, "not an integer"),
+    ({"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1.5]}, "not an integer"),
+])
+def test_values_no_request_can_have_are_config_errors(row, why):
+    good = _line(0, 10, 1, [0])
+    assert len(parse_trace_lines([good], block_tokens=512).requests) == 1  # the control parses
+    with pytest.raises(ConfigError, match=rf"line 2: .*{why}"):
+        parse_trace_lines([good, json.dumps(row)], block_tokens=512)
+
+
+def test_an_empty_trace_file_is_an_error_not_a_run_of_zeros(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")
+    with pytest.raises(ConfigError, match="holds no request"):
+        load_trace(empty)
+    (tmp_path / "one.jsonl").write_text(_line(0, 10, 1, [0]) + "\n")
+    assert len(load_trace(tmp_path / "one.jsonl").requests) == 1
+
+
 def test_the_conversation_trace_loads_whole(conversation_trace, shipped_trace):
     ref = conversation_trace
     assert len(ref.trace.requests) == ref.requests
