@@ -77,13 +77,13 @@ def parse_trace_lines(lines, block_tokens: int = 512, source: str = "") -> Trace
 
 def _check_request(req: TraceRequest) -> None:
     """Values the format allows but no request can have: a NaN arrival would leave the sort
-    unordered, an id that is not an int or str could never equal another's."""
+    unordered; hash ids are integers in the format (the benches seed each block's tokens with one)."""
     if not math.isfinite(req.arrival_s):
         raise ValueError(f"timestamp {req.arrival_s * 1000.0} is not a finite number")
     if req.output_tokens < 0:
         raise ValueError(f"output_length {req.output_tokens} is negative")
     for block in req.blocks:
-        if isinstance(block, bool) or not isinstance(block, (int, str)):
+        if isinstance(block, bool) or not isinstance(block, int):
             raise TypeError(f"hash id {block!r} is not an integer")
 
 

@@ -38,6 +38,7 @@ def test_malformed_line_and_missing_file_are_config_errors(tmp_path):
     ({"timestamp": 0, "input_length": 10, "output_length": -1, "hash_ids": [0]}, "negative"),
     ({"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [{"a": 1}]}, "not an integer"),
     ({"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1.5]}, "not an integer"),
+    ({"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": ["7"]}, "not an integer"),
 ])
 def test_values_no_request_can_have_are_config_errors(row, why):
     good = _line(0, 10, 1, [0])
