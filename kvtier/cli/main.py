@@ -30,9 +30,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from kvtier.errors import ConfigError
+
     parser = build_parser()
     args = parser.parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except ConfigError as exc:
+        # A setting or input the user can fix: its message names the fix, a traceback adds
+        # nothing (argparse's own usage errors exit 2 the same way).
+        print(f"kvtier {args.command}: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

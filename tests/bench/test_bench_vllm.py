@@ -110,3 +110,25 @@ def test_trace_smoke_run():
         assert row["cpu_ms_per_output_token"] > 0 and row["after_last_arrival_s"] >= 0
     assert r["kvtier_cpu_saving_vs_vllm"] > 0
     assert 0 < r["reusable_token_ratio"] < 1
+
+
+def test_a_block_size_vllm_cannot_page_is_refused_before_any_engine_starts():
+    """The connector would refuse 16-token blocks inside each engine, after its start-up,
+    as a traceback; the bench says so at once. Control: 64 passes this check (it then needs
+    --tokens above it, the next check)."""
+    from kvtier.cli.main import main
+
+    with pytest.raises(SystemExit, match=r"multiple of vLLM's page \(32 tokens"):
+        main(["bench", "vllm", "--block-tokens", "16", "--tokens", "1024"])
+    with pytest.raises(SystemExit, match="need --tokens above --block-tokens"):
+        main(["bench", "vllm", "--block-tokens", "64", "--tokens", "64"])
+
+
+def test_an_empty_trace_is_a_clear_error_not_a_traceback(tmp_path, capsys):
+    from kvtier.cli.main import main
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert main(["bench", "vllm", "--trace", str(empty), "--json"]) == 2
+    err = capsys.readouterr().err
+    assert "kvtier bench: trace" in err and "holds no request" in err and "Traceback" not in err

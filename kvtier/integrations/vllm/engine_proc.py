@@ -45,6 +45,8 @@ CHILD_ENV = {
 }
 
 MARK = "KVTIER-REPLY "
+#: vLLM's page (block_size) in every engine this module starts: kvtier blocks are whole pages
+PAGE_TOKENS = 32
 
 
 class EngineDied(RuntimeError):
@@ -142,7 +144,7 @@ def build(settings: dict):
         model=settings["model"],
         dtype="float32",
         enforce_eager=True,
-        block_size=32,
+        block_size=PAGE_TOKENS,
         max_model_len=settings.get("max_model_len", 2048),
         max_num_batched_tokens=settings.get("max_num_batched_tokens", settings.get("max_model_len", 2048)),
         seed=0,
