@@ -27,12 +27,16 @@ import numpy as np
 from kvtier.core.keys import _c_chain, block_keys
 from kvtier.core.layout import KVLayout
 from kvtier.core.namespace import Namespace
+from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.config import EngineKV  # plain values: no vLLM import
 from kvtier.store.tiered import TieredStore
 from kvtier.tiers.host import HostTier
 
 
 def run(tokens: int, block_tokens: int, runs: int) -> dict:
+    if tokens < block_tokens or block_tokens <= 0 or runs <= 0:
+        raise ConfigError(f"need --block-tokens > 0, --tokens >= --block-tokens (a whole block to look up) and "
+                          f"--runs > 0; got {tokens}, {block_tokens}, {runs}")
     # A small per-block payload keeps the store cheap; lookup cost does not depend on it.
     layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, dtype="float16", block_tokens=block_tokens)
     ns = Namespace("bench/lookup", layout, weights_revision="r0", tenant="bench")

@@ -53,6 +53,7 @@ from collections.abc import Callable
 import numpy as np
 
 from kvtier.bench.baselines import huge_page_buffer, ratio_warnings, report_warnings
+from kvtier.errors import ConfigError
 from kvtier.tiers.direct_io import (
     CHUNK,
     PAGE,
@@ -422,9 +423,9 @@ def run(tier: str, block_mib: float, blocks: int | None, runs: int, directory: s
     """Measure ``runs`` interleaved rounds; return the medians (see the module docstring)."""
     nbytes = int(block_mib * MIB)
     if nbytes <= 0 or runs <= 0:
-        raise ValueError("--block-mib and --runs must be positive")
+        raise ConfigError("--block-mib and --runs must be positive")
     if encrypt and tier != "disk":
-        raise ValueError("--encrypt applies to --tier disk (the host tier stays plaintext by default)")
+        raise ConfigError("--encrypt applies to --tier disk (the host tier stays plaintext by default)")
     blocks = blocks or max(4, -(-DEFAULT_RUN_BYTES // nbytes))
     if encrypt:
         bench = _EncryptedDiskBench(nbytes, blocks, directory, drop_caches)

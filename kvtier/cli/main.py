@@ -30,15 +30,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kvtier.errors import ConfigError
+    from kvtier.errors import KvtierError
 
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except ConfigError as exc:
-        # A setting or input the user can fix: its message names the fix, a traceback adds
-        # nothing (argparse's own usage errors exit 2 the same way).
+    except KvtierError as exc:
+        # A caller mistake kvtier raises on purpose (a setting, an input, a layout, a tier that
+        # cannot be used): its message names the fix, a traceback adds nothing (argparse's own
+        # usage errors exit 2 the same way).
         print(f"kvtier {args.command}: {exc}", file=sys.stderr)
         return 2
 

@@ -69,7 +69,11 @@ def run(args) -> int:
     except ConfigError as exc:
         print(f"kvtier simulate: {exc}", file=sys.stderr)
         return 2
-    if args.limit:
+    if args.limit is not None:
+        if args.limit <= 0:   # [:0] would simulate nothing, [:-5] all but the last five
+            print(f"kvtier simulate: --limit must be a positive number of requests, got {args.limit}",
+                  file=sys.stderr)
+            return 2
         trace = trace.head(args.limit)
     if args.planner:
         return _run_planner(args, trace, cluster, started)

@@ -132,3 +132,19 @@ def test_an_empty_trace_is_a_clear_error_not_a_traceback(tmp_path, capsys):
     assert main(["bench", "vllm", "--trace", str(empty), "--json"]) == 2
     err = capsys.readouterr().err
     assert "kvtier bench: trace" in err and "holds no request" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["bench", "storage", "--tier", "host", "--block-mib", "0", "--json"], "--block-mib and --runs must be positive"),
+    (["bench", "lookup", "--block-tokens", "0", "--json"], "need --block-tokens > 0"),
+    (["bench", "lookup", "--tokens", "0", "--json"], "--tokens >= --block-tokens"),
+])
+def test_benches_refuse_sizes_that_measure_nothing_in_one_line(argv, says, capsys):
+    """Each was a ValueError / LayoutError traceback, or (``--tokens 0``) a timing of no lookup."""
+    from kvtier.cli.main import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err
+    # control: the same bench with sizes that mean something runs
+    assert main(["bench", "lookup", "--tokens", "512", "--block-tokens", "256", "--runs", "2", "--json"]) == 0

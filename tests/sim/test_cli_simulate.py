@@ -68,3 +68,14 @@ def test_plan_workers_from_a_trace_is_confirmed_by_simulation(small_trace_file, 
     out = json.loads(capsys.readouterr().out)
     assert out["hit_rate_source"].startswith("replay")
     assert out["simulated"]["ttft_s"] <= 1.0
+
+
+@pytest.mark.parametrize("limit", ["0", "-5"])
+def test_a_limit_that_is_not_a_positive_count_is_refused(small_trace_file, capsys, limit):
+    """``[:0]`` would simulate nothing and ``[:-5]`` all but five requests; control: 7 simulates 7."""
+    args = _parse(["simulate", "--trace", str(small_trace_file), "--json", "--limit", "7"])
+    assert args.func(args) == 0
+    assert json.loads(capsys.readouterr().out)["policies"]["round_robin"]["requests"] == 7
+    args = _parse(["simulate", "--trace", str(small_trace_file), "--json", "--limit", limit])
+    assert args.func(args) == 2
+    assert "--limit must be a positive number" in capsys.readouterr().err
