@@ -58,6 +58,8 @@ import time
 
 import numpy as np
 
+from kvtier.errors import ConfigError
+
 KIB = 1 << 10
 MIB = 1 << 20
 POISON = 0xA5
@@ -212,7 +214,7 @@ def run_server(blocks: int, block_bytes: int, workdir: str, timeout_s: float = 6
 
 def run(blocks: int = 256, block_kib: int = 256, workdir: str | None = None, server: bool = True) -> dict:
     if blocks < 1 or block_kib < 1:
-        raise ValueError(f"--blocks and --block-kib must be positive, got {blocks} and {block_kib}")
+        raise ConfigError(f"--blocks and --block-kib must be positive, got {blocks} and {block_kib}")
     block_bytes = block_kib * KIB
     workdir = tempfile.mkdtemp(prefix="kvtier-bench-restart-", dir=workdir)
     try:

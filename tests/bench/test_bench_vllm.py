@@ -138,6 +138,7 @@ def test_an_empty_trace_is_a_clear_error_not_a_traceback(tmp_path, capsys):
     (["bench", "storage", "--tier", "host", "--block-mib", "0", "--json"], "--block-mib and --runs must be positive"),
     (["bench", "lookup", "--block-tokens", "0", "--json"], "need --block-tokens > 0"),
     (["bench", "lookup", "--tokens", "0", "--json"], "--tokens >= --block-tokens"),
+    (["bench", "restart", "--blocks", "0", "--json"], "--blocks and --block-kib must be positive"),
 ])
 def test_benches_refuse_sizes_that_measure_nothing_in_one_line(argv, says, capsys):
     """Each was a ValueError / LayoutError traceback, or (``--tokens 0``) a timing of no lookup."""
