@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integrations.vllm.harness import loaded_tokens, prompts, skip_without_vllm
+from kvtier.integrations.vllm.engine_proc import PAGE_TOKENS
+from tests.integrations.vllm.harness import expected_hit, loaded_tokens, prompts, skip_without_vllm
 
 skip_without_vllm()
 
 pytestmark = pytest.mark.timeout(400)
 
-PAGE_TOKENS = 32
 #: lengths whose cacheable prefix is the same for vLLM (leaves >= 1 token) and kvtier (>= 2)
 LENGTHS = (300, 337, 374)
 
@@ -47,7 +47,7 @@ def _batch() -> list[list[int]]:
     return batch
 
 
-def test_a_kvtier_hit_on_a_multi_query_qwen2_equals_vllms_own_hit(engines, qwen2_mqa, tmp_path_factory):
+def test_a_kvtier_hit_on_a_multi_query_qwen2_equals_vllms_own_hit(engines, qwen2_mqa):
     batch = _batch()
     plain = engines("qwen2-plain", {"model": qwen2_mqa, "extra": None})
     kv = engines("qwen2-kvtier", {"model": qwen2_mqa, "extra": {"block_tokens": PAGE_TOKENS,
@@ -64,7 +64,7 @@ def test_a_kvtier_hit_on_a_multi_query_qwen2_equals_vllms_own_hit(engines, qwen2
     warm = kv.generate(batch, max_tokens=8)
 
     for prompt, full, own, first, hit in zip(batch, recompute, own_hit, cold, warm):
-        cacheable = (len(prompt) - 2) // PAGE_TOKENS * PAGE_TOKENS
+        cacheable = expected_hit(len(prompt), PAGE_TOKENS, PAGE_TOKENS)
         assert own["num_cached_tokens"] == cacheable > 0, "control: vLLM's own hit covers the same prefix"
         assert loaded_tokens(first) == 0
         assert loaded_tokens(hit) == cacheable, "every whole page but the last tokens came from kvtier"
