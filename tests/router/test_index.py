@@ -5,9 +5,11 @@ from __future__ import annotations
 import struct
 
 import msgpack
+import numpy as np
+import pytest
 
 from kvtier.router.events import VllmEvents
-from kvtier.router.index import CPU, GPU, SHARED_BIT, BlockIndex, block_keys, worker_bit
+from kvtier.router.index import CPU, GPU, SHARED_BIT, BlockIndex, block_keys, block_keys_reference, worker_bit
 from kvtier.router.workers import Worker
 
 BS = 4
@@ -30,6 +32,42 @@ def test_keys_from_events_equal_keys_of_the_prompt():
     # Another prompt sharing the first two blocks only
     other = block_keys(TOKENS[:2 * BS] + [5] * 2 * BS, BS)
     assert len(index.masks(other)) == 2
+
+
+@pytest.mark.parametrize("block_tokens", [1, 16, 32, 256])
+def test_vectorised_keys_equal_the_definition(block_tokens):
+    rng = np.random.default_rng(block_tokens)
+    tokens = rng.integers(0, 1 << 32, 5000, dtype=np.uint64).astype(np.uint32)   # the full id range
+    as_list = tokens.tolist()
+    want = block_keys_reference(as_list, block_tokens)
+    assert len(want) == 5000 // block_tokens
+    assert block_keys(as_list, block_tokens) == want
+    assert block_keys(tokens, block_tokens) == want               # numpy input, same keys
+    assert block_keys(tokens.astype(np.int64), block_tokens) == want
+    seed = (1 << 64) - 3                                           # a parent key in the top bit range
+    assert block_keys(as_list, block_tokens, seed=seed) == block_keys_reference(as_list, block_tokens, seed=seed)
+    assert block_keys(as_list[:block_tokens - 1], block_tokens) == []
+
+
+def test_keys_chain_from_a_parent_and_separate_prefixes():
+    tokens = np.random.default_rng(0).integers(0, 150_000, 64 * BS, dtype=np.uint32).tolist()
+    keys = block_keys(tokens, BS)
+    # continuing from block 9's key gives the whole prompt's keys from block 10 on (events do this)
+    assert block_keys(tokens[10 * BS:], BS, seed=keys[9]) == keys[10:]
+    assert len(set(keys)) == len(keys)
+    # one token changed anywhere changes that block's key and every later one, never an earlier one
+    for block in (0, 31, 63):
+        for position in (0, BS - 1):
+            changed = list(tokens)
+            changed[block * BS + position] += 1
+            other = block_keys(changed, BS)
+            assert other[:block] == keys[:block]
+            assert all(a != b for a, b in zip(other[block:], keys[block:]))
+    # the same block after different prefixes: different keys (the chain is not per block)
+    same_last = block_keys([1] * BS + [7] * BS, BS)[1], block_keys([2] * BS + [7] * BS, BS)[1]
+    assert same_last[0] != same_last[1]
+    # a block of equal tokens in another position of the block changes the key (weights differ)
+    assert block_keys([5, 0, 0, 0], BS) != block_keys([0, 5, 0, 0], BS)
 
 
 def test_duplicate_events_are_idempotent():
