@@ -14,6 +14,7 @@ import asyncio
 import json
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple, Sequence
 
 from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
@@ -23,7 +24,7 @@ from kvtier.router.admin import install as install_admin
 from kvtier.router.admission import AsyncAdmission
 from kvtier.router.config import RouterConfig
 from kvtier.router.events import SharedTierEvents, VllmEvents
-from kvtier.router.index import BlockIndex
+from kvtier.router.index import ROOT_SEED, BlockIndex, context_seed
 from kvtier.router.metrics import RouterMetrics
 from kvtier.router.view import LinearPrefill, LiveView
 from kvtier.router.workers import Health, PrefillFit, Worker
@@ -165,6 +166,11 @@ class Router:
         self.last_decision_s = 0.0    #: seconds the last decision took (what the histogram observes)
         self.last_load_s = 0.0        #: the last decision's predicted tier-load seconds on the chosen worker
         self._tasks: list[asyncio.Task] = []
+        # The tokenizer runs on a thread of its own: a 200 k-token text takes ~0.5 s to encode,
+        # which on the event loop would stall every stream the router relays and every other
+        # request (the fast tokenizer's Rust core releases the GIL). One thread: calls into one
+        # tokenizer object are never concurrent, and prompts wait their turn there, not here.
+        self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-tokenize")
         for w in self.workers:
             self.metrics.healthy.labels(w.url).set(1)
             self.metrics.events_up.labels(w.url).set(0)
@@ -212,6 +218,10 @@ class Router:
             await asyncio.to_thread(self.shared.stop)
         if self.session:
             await self.session.close()
+        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+
+    async def _tokenize(self, fn, *args) -> list[int]:
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
 
     @property
     def approximate_mode(self) -> bool:
@@ -267,15 +277,17 @@ class Router:
         self.prefill.tokens_per_s, self.prefill.overhead_s = speed, overhead
         return speed, overhead
 
-    def decide(self, token_ids: Sequence[int], exclude: set[int]) -> tuple[Worker, int, list[int]] | None:
-        """Pick a worker; returns it, the predicted cached tokens and the prompt's keys."""
+    def decide(self, token_ids: Sequence[int], exclude: set[int],
+               seed: int = ROOT_SEED) -> tuple[Worker, int, list[int]] | None:
+        """Pick a worker; returns it, the predicted cached tokens and the prompt's keys (rooted
+        in ``seed``, the request's context: :func:`~kvtier.router.index.context_seed`)."""
         t0 = time.perf_counter()
         candidates = [w for w in self.workers if w.healthy and not w.draining and w.id not in exclude]
         if not candidates:   # every admitted worker failed this request: try the ejected ones
             candidates = [w for w in self.workers if not w.draining and w.id not in exclude]
         if not candidates:
             return None
-        keys = self.index.keys_of(token_ids)
+        keys = self.index.keys_of(token_ids, seed)
         speed, _ = self._prefill_line()
         view = LiveView(self.service, candidates, self.index, keys, speed, self.config.decode_block_s,
                         self.config.step_tokens)
@@ -337,15 +349,24 @@ class Router:
         request[_RECEIVED] = time.perf_counter()
         raw, body = await self._json(request)
         _check_body(body, "prompt")
-        ids = self.tokenizer.completion(body["prompt"])
-        return await self._forward(request, raw, ids, streaming=body.get("stream") is True)
+        ids = await self._tokenize(self.tokenizer.completion, body["prompt"])
+        return await self._forward(request, raw, ids, streaming=body.get("stream") is True,
+                                   seed=self._context(body))
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         request[_RECEIVED] = time.perf_counter()
         raw, body = await self._json(request)
         _check_body(body, "messages")
-        ids = self.tokenizer.chat(body["messages"], body)
-        return await self._forward(request, raw, ids, streaming=body.get("stream") is True)
+        ids = await self._tokenize(self.tokenizer.chat, body["messages"], body)
+        return await self._forward(request, raw, ids, streaming=body.get("stream") is True,
+                                   seed=self._context(body))
+
+    def _context(self, body: dict) -> int:
+        """The root of the request's block keys: its LoRA adapter (a ``model`` that the workers'
+        events named as one) and its ``cache_salt``, as vLLM keys them (kvtier.router.index)."""
+        salt = body.get("cache_salt")
+        lora = body.get("model") if self.index.is_lora(body.get("model")) else None
+        return context_seed(lora, salt if isinstance(salt, str) else None)
 
     async def models(self, request: web.Request) -> web.Response:
         for w in sorted(self.workers, key=lambda w: not w.healthy):
@@ -372,12 +393,12 @@ class Router:
         return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
 
     async def _forward(self, request: web.Request, raw: bytes, token_ids: list[int], *,
-                       streaming: bool = False) -> web.StreamResponse:
+                       streaming: bool = False, seed: int = ROOT_SEED) -> web.StreamResponse:
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
         tried: set[int] = set()
         last_error = "no worker available"
         for attempt in range(self.config.max_attempts):
-            decision = self.decide(token_ids, tried)
+            decision = self.decide(token_ids, tried, seed)
             if decision is None:
                 break
             worker, predicted, keys = decision
@@ -424,7 +445,7 @@ class Router:
                     self.metrics.predicted_cached.labels(worker.url).inc(predicted)
                     timing = (f"router;dur={own_s * 1e3:.3f}, held;dur={held_s * 1e3:.3f}, "
                               f"upstream;dur={upstream_s * 1e3:.3f}")
-                    return await self._relay(request, resp, first, worker, timing)
+                    return await self._relay(request, resp, first, worker, timing, predicted)
             except (ClientError, asyncio.TimeoutError, OSError) as exc:
                 if answered:
                     raise   # mid-stream: the client already has part of the answer
@@ -438,12 +459,14 @@ class Router:
         raise RequestError(503, f"no worker could serve the request ({last_error})", "service_unavailable_error")
 
     async def _relay(self, request: web.Request, resp, first: bytes, worker: Worker,
-                     timing: str) -> web.StreamResponse:
+                     timing: str, predicted: int) -> web.StreamResponse:
         out = web.StreamResponse(status=resp.status)
         ctype = resp.headers.get("Content-Type")
         if ctype:
             out.headers["Content-Type"] = ctype
         out.headers["X-Kvtier-Worker"] = worker.url
+        # what the router expected the worker to find cached: compare usage.cached_tokens
+        out.headers["X-Kvtier-Predicted-Cached"] = str(predicted)
         # W3C Server-Timing: the router's own milliseconds before forwarding (body, tokenizer,
         # decision, retries) and the worker's time to first byte, so that a client can tell
         # a slow router from a slow worker per request (kvtier bench route reads it).

@@ -163,14 +163,15 @@ class VllmEvents:
         else:   # array-like encoding: [tag, fields…]
             kind, fields = event[0], event[1:]
             names = {"BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size",
-                                     "lora_id", "medium"),
+                                     "lora_id", "medium", "lora_name", "extra_keys"),
                      "BlockRemoved": ("block_hashes", "medium")}.get(kind, ())
             mapping = dict(zip(names, fields))
             get = mapping.get
         wid = self.worker.id
         if kind == "BlockStored":
             self.index.stored(wid, get("block_hashes") or [], get("parent_block_hash"), get("token_ids") or [],
-                              int(get("block_size") or 0), get("medium"), shared=self.shared_writes)
+                              int(get("block_size") or 0), get("medium"), shared=self.shared_writes,
+                              lora_name=get("lora_name"), extra_keys=get("extra_keys"))
         elif kind == "BlockRemoved":
             self.index.removed(wid, get("block_hashes") or [], get("medium"))
         elif kind == "AllBlocksCleared":

@@ -8,6 +8,15 @@ The key is only a routing hint: a collision sends a request to a worker that the
 misses, never to a wrong block (the worker checks its own cache). It is therefore
 built for speed, not collision resistance (engines and tiers key with SHA-256).
 
+A chain starts from its request's *context* (:func:`context_seed`): vLLM keys a LoRA
+adapter's blocks and a ``cache_salt``'s (a tenant's) apart from the base model's, and so
+must the router, or it would predict one tenant's or adapter's blocks as hits for another
+(a wrong route, and a cross-tenant signal). Events carry both (``lora_name``, and the salt
+in the first block's ``extra_keys``); a request carries them as its ``model`` and
+``cache_salt``. Blocks whose ``extra_keys`` hold content the router cannot recompute from
+a request (multimodal inputs, prompt embeddings) are keyed with it folded in: never
+predicted as hits for a request with the same placeholder tokens.
+
 Per key, one int: bit 0 = a shared tier every worker can load holds it; bit
 ``1 + 2 x worker + tier`` = ``worker`` holds it in ``tier`` (0 = GPU/HBM, 1 = CPU/host).
 Events are applied idempotently (a duplicate store sets bits already set, a duplicate
@@ -20,11 +29,13 @@ from __future__ import annotations
 
 import array
 import functools
+import json
 from collections import OrderedDict
 from itertools import repeat
 from typing import Iterable, Sequence
 
 import numpy as np
+import xxhash
 
 GPU, CPU = 0, 1          #: worker tiers, as vLLM's ``medium``
 SHARED_BIT = 1
@@ -41,6 +52,20 @@ def worker_bit(worker: int, tier: int) -> int:
 def tier_of_medium(medium: str | None) -> int | None:
     """Index tier of a vLLM event medium; None for media the router does not price (STORAGE…)."""
     return _MEDIUM.get(medium.upper() if isinstance(medium, str) else medium)
+
+
+def context_seed(lora_name: str | None = None, cache_salt: str | None = None) -> int:
+    """The chain's root for a request's context: :data:`ROOT_SEED` for the base model
+    without a salt, else a 64-bit digest of the LoRA adapter's name and the salt."""
+    if not lora_name and not cache_salt:
+        return ROOT_SEED
+    canonical = json.dumps([lora_name or "", cache_salt or ""], ensure_ascii=False).encode()
+    return xxhash.xxh3_64_intdigest(canonical) or 1
+
+
+def _fold(key: int, extras: list) -> int:
+    """A block's key with content the tokens do not show (multimodal ids, embedding digests)."""
+    return xxhash.xxh3_64_intdigest(repr(extras).encode(), seed=key)
 
 
 def block_keys(token_ids: Sequence[int] | np.ndarray, block_tokens: int, seed: int = ROOT_SEED) -> list[int]:
@@ -128,6 +153,40 @@ def _powers(n: int) -> tuple[np.ndarray, np.ndarray]:
     return _power_cache[0], _power_cache[1]
 
 
+MAX_LORA_NAMES = 4096      #: adapters remembered from events (oldest forgotten first)
+
+
+class _Extras:
+    __slots__ = ("salt", "per_block")
+
+    def __init__(self, salt: str | None, per_block: dict[int, list]) -> None:
+        self.salt, self.per_block = salt, per_block
+
+
+def _content_extras(block_hashes: Sequence[object], starts_chain: bool, lora_name: str | None,
+                    extra_keys: Sequence[object] | None) -> _Extras:
+    """Split an event's per-block ``extra_keys`` (vLLM's untagged order: LoRA name if the
+    event has one, ``(mm_identifier, offset)`` pairs, the first block's cache salt, prompt
+    embedding digests) into the salt and, per block, the content to fold into its key."""
+    salt, per_block = None, {}
+    if not extra_keys:
+        return _Extras(None, per_block)
+    for i, entry in enumerate(list(extra_keys)[:len(block_hashes)]):
+        if not entry:
+            continue
+        items = list(entry)
+        if lora_name and items and items[0] == lora_name:
+            items = items[1:]
+        if i == 0 and starts_chain:
+            strings = [x for x in items if isinstance(x, str)]
+            if strings:
+                salt = strings[-1]      # the salt is the only bare string after the LoRA name
+                items.remove(salt)
+        if items:
+            per_block[i] = items
+    return _Extras(salt, per_block)
+
+
 class _Source:
     """What the index knows of one worker's publisher: its hashes → our keys, and orphans."""
 
@@ -151,6 +210,7 @@ class BlockIndex:
         self._masks: OrderedDict[int, int] = OrderedDict()
         self._sources: dict[int, _Source] = {}
         self._max_worker = 0      # highest worker id ever indexed: how wide masks can be
+        self._lora_names: OrderedDict[str, None] = OrderedDict()   # adapters seen in events
         self.dropped_orphans = 0
 
     def __len__(self) -> int:
@@ -212,8 +272,9 @@ class BlockIndex:
         out[gpu.view(bool)] = codes[0]
         return out, run_blocks
 
-    def keys_of(self, token_ids: Sequence[int] | np.ndarray) -> list[int]:
-        return block_keys(token_ids, self.block_tokens)
+    def keys_of(self, token_ids: Sequence[int] | np.ndarray, seed: int = ROOT_SEED) -> list[int]:
+        """A prompt's keys, rooted in its context (:func:`context_seed`)."""
+        return block_keys(token_ids, self.block_tokens, seed=seed)
 
     # --- mutations ------------------------------------------------------------------
     def _set(self, key: int, bits: int) -> None:
@@ -244,24 +305,42 @@ class BlockIndex:
 
     def stored(self, worker: int, block_hashes: Sequence[object], parent_hash: object,
                token_ids: Sequence[int], block_size: int, medium: str | None = "GPU",
-               shared: bool = False) -> int:
+               shared: bool = False, lora_name: str | None = None,
+               extra_keys: Sequence[object] | None = None) -> int:
         """Apply a ``BlockStored`` event; returns how many blocks were indexed (0 if it waits).
 
         ``shared``: these blocks also reach a tier every worker loads from (the worker
-        writes what it computes through to it).
+        writes what it computes through to it). ``lora_name`` and ``extra_keys`` are the
+        event's (vLLM's untagged per-block extras): a chain that starts here is rooted in
+        its context (:func:`context_seed`); content extras are folded into their block's key.
         """
         tier = tier_of_medium(medium)
         if tier is None or block_size != self.block_tokens or not block_hashes:
             return 0
         src = self._source(worker)
+        extras = _content_extras(block_hashes, parent_hash is None, lora_name, extra_keys)
         if parent_hash is None:
-            parent = ROOT_SEED
+            parent = context_seed(lora_name, extras.salt)
         else:
             parent = src.hash_to_key.get(parent_hash)
             if parent is None:
-                self._wait_for_parent(src, (block_hashes, parent_hash, token_ids, block_size, medium, shared))
+                self._wait_for_parent(src, (block_hashes, parent_hash, token_ids, block_size, medium, shared,
+                                            lora_name, extra_keys))
                 return 0
-        keys = block_keys(token_ids[:len(block_hashes) * block_size], block_size, seed=parent)
+        if lora_name:
+            self._lora_names.setdefault(str(lora_name), None)
+            if len(self._lora_names) > MAX_LORA_NAMES:
+                self._lora_names.popitem(last=False)
+        tokens = token_ids[:len(block_hashes) * block_size]
+        if not extras.per_block:
+            keys = block_keys(tokens, block_size, seed=parent)
+        else:   # rare (multimodal, embeddings): block by block, folding each block's extras
+            keys, key = [], parent
+            for i in range(len(tokens) // block_size):
+                key = block_keys(tokens[i * block_size:(i + 1) * block_size], block_size, seed=key)[0]
+                if extras.per_block.get(i):
+                    key = _fold(key, extras.per_block[i])
+                keys.append(key)
         bits = worker_bit(worker, tier) | (SHARED_BIT if shared else 0)
         h2k = src.hash_to_key
         for h, key in zip(block_hashes, keys):
@@ -278,6 +357,10 @@ class BlockIndex:
                 for event in waiting:
                     done += self.stored(worker, *event)
         return done
+
+    def is_lora(self, model: object) -> bool:
+        """Whether a request's ``model`` names a LoRA adapter some worker's events named."""
+        return isinstance(model, str) and model in self._lora_names
 
     def _wait_for_parent(self, src: _Source, event: tuple) -> None:
         if src.orphan_count >= self.max_orphans:

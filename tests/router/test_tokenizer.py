@@ -30,3 +30,110 @@ def test_prompt_ids_are_the_model_tokenizers(tmp_path):
         assert ids == list(ref.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
     else:   # no template: keyed on the contents, the same for every turn of a session
         assert ids == ref.encode("be brief\n" + text)
+
+
+class SteadyStreamer:
+    """An OpenAI-speaking worker stand-in that streams one chunk every 5 ms for ``chunks`` chunks."""
+
+    def __init__(self, chunks: int = 300) -> None:
+        from tests.router.test_http import free_port
+
+        self.chunks, self.port, self.runner = chunks, free_port(), None
+
+    async def start(self) -> None:
+        from aiohttp import web
+
+        app = web.Application(client_max_size=64 << 20)
+        app.router.add_post("/v1/completions", self.complete)
+        app.router.add_get("/health", lambda r: web.Response())
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+
+    async def complete(self, request):
+        import asyncio
+        import json
+
+        from aiohttp import web
+
+        body = await request.json()
+        if not body.get("stream"):
+            return web.json_response({"choices": [{"text": "x"}], "usage": {"prompt_tokens": 1}})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for _ in range(self.chunks):
+            await resp.write(f"data: {json.dumps({'choices': [{'text': 'a'}]})}\n\n".encode())
+            await asyncio.sleep(0.005)
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+
+def test_a_long_prompt_is_tokenized_off_the_event_loop():
+    """Tokenizing a long prompt must not stall the streams the router relays meanwhile. The
+    positive control does the same tokenization on the event loop and must see the stall."""
+    import asyncio
+    import time
+
+    from aiohttp import ClientSession, web
+
+    from kvtier.integrations.transformers.models import ModelSpec, ensure_model
+    from kvtier.router.app import PromptTokenizer, Router
+    from kvtier.router.config import RouterConfig, WorkerSpec
+    from tests.router.test_http import free_port
+
+    spec = ModelSpec(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                     intermediate_size=256, vocab_size=2048, max_position_embeddings=2048)
+    tok = PromptTokenizer(str(ensure_model(spec)[0]))
+    text = " ".join(f"word{i % 9973} and{i % 7}" for i in range(150_000))
+    tokens = tok.completion(text)                   # warm: the first call is slower
+    t0 = time.perf_counter()
+    tok.completion(text)
+    inline_s = time.perf_counter() - t0
+    assert len(tokens) > 100_000
+
+    async def max_gap_while(during) -> float:
+        """The longest gap between chunks of a stream through the router while ``during()`` runs."""
+        worker = SteadyStreamer()
+        await worker.start()
+        config = RouterConfig(workers=[WorkerSpec(f"http://127.0.0.1:{worker.port}", None)],
+                              block_tokens=16, kv_bytes_per_token=4096, policy="round-robin", port=free_port())
+        router = Router(config, tok)
+        runner = web.AppRunner(router.app())
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", config.port).start()
+        url = f"http://127.0.0.1:{config.port}"
+        arrivals = []
+        try:
+            async with ClientSession() as s:
+                async def stream():
+                    async with s.post(url + "/v1/completions", json={"prompt": "a b", "stream": True}) as r:
+                        assert r.status == 200
+                        async for _ in r.content.iter_any():
+                            arrivals.append(time.perf_counter())
+
+                streaming = asyncio.ensure_future(stream())
+                while len(arrivals) < 20:           # the stream is flowing
+                    await asyncio.sleep(0.005)
+                started = len(arrivals)
+                await during(s, url)
+                await streaming
+        finally:
+            await runner.cleanup()
+            await worker.runner.cleanup()
+        gaps = [b - a for a, b in zip(arrivals[started - 1:], arrivals[started:])]
+        return max(gaps)
+
+    async def long_request(s, url):
+        async with s.post(url + "/v1/completions", json={"prompt": text, "max_tokens": 1}) as r:
+            assert r.status == 200, await r.text()
+
+    async def tokenize_on_the_loop(s, url):
+        tok.completion(text)                        # what the router did before: blocks the loop
+
+    offloaded = asyncio.run(asyncio.wait_for(max_gap_while(long_request), 120))
+    blocked = asyncio.run(asyncio.wait_for(max_gap_while(tokenize_on_the_loop), 120))
+    print(f"tokenize {inline_s:.3f} s; longest stream gap: offloaded {offloaded:.3f} s, on the loop {blocked:.3f} s")
+    # Relative, as this machine's speed varies: the positive control must see a stall, and the
+    # router's own longest gap must be a small part of it.
+    assert blocked > 0.1, (blocked, inline_s)
+    assert offloaded < blocked / 4, (offloaded, blocked)

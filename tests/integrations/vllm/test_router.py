@@ -164,6 +164,29 @@ def test_streaming_passes_every_event_through(stack):
           f"{arrivals[-1] - arrivals[0]:.3f} s of {arrivals[-1] - sent:.3f} s")
 
 
+def test_a_cache_salt_keys_a_tenants_prefix_apart(stack):
+    """vLLM keys a request's blocks under its ``cache_salt`` (a tenant's), and so must the router:
+    another salt, or none, must not be predicted to hit the first tenant's blocks."""
+    model, url = stack["model"], stack["routers"]["tier-aware"].url
+    prompt = tokens(random.Random(9), 600)
+
+    def send(salt):
+        body = {"model": model, "prompt": prompt, "max_tokens": 4, "temperature": 0}
+        if salt is not None:
+            body["cache_salt"] = salt
+        status, headers, out = post(url, body)
+        assert status == 200, out
+        return int(headers["X-Kvtier-Predicted-Cached"]), out["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert send("tenant-a")[0] == 0
+    time.sleep(1.0)     # its blocks' events reach the router
+    predicted, cached = send("tenant-a")           # positive control: the same tenant hits
+    assert predicted >= 512 and cached >= 512, (predicted, cached)
+    for other in ("tenant-b", None):               # another tenant, and no salt: nothing to find
+        assert send(other) == (0, 0), other
+        time.sleep(0.5)
+
+
 def test_unknown_or_malformed_requests_get_openai_errors(stack):
     url, model = stack["routers"]["tier-aware"].url, stack["model"]
     cases = [
