@@ -222,6 +222,7 @@ async def _one(session, url: str, model: str, r: dict, salt: str, t0: float) -> 
         if resp.status != 200:
             raise RuntimeError(f"request answered {resp.status}: {(await resp.text())[:300]}")
         worker = resp.headers.get("X-Kvtier-Worker")
+        predicted = resp.headers.get("X-Kvtier-Predicted-Cached")
         timing = server_timing(resp.headers.get("Server-Timing", ""))
         async for line in resp.content:
             if not line.startswith(b"data: {"):
@@ -237,6 +238,8 @@ async def _one(session, url: str, model: str, r: dict, salt: str, t0: float) -> 
     return {"arrival_s": sent - t0, "ttft_s": first - sent, "finish_s": time.monotonic() - t0,
             "output_tokens": usage["completion_tokens"], "prompt_tokens": usage["prompt_tokens"],
             "cached_tokens": details.get("cached_tokens") or 0, "worker": worker,
+            # what the router expected that worker to have cached (None: a router without the header)
+            "predicted_cached_tokens": int(predicted) if predicted is not None else None,
             # the router's own time before forwarding, and the worker's time to first byte as
             # the router saw it (None from a router that does not send Server-Timing)
             "router_s": timing.get("router"), "upstream_s": timing.get("upstream"),
@@ -271,6 +274,10 @@ def summarise(rows: list[dict], metrics_text: str, bound: list[int] | None = Non
         "ttft_p90_s": round(percentile(ttfts, 0.9), 3),
         "output_tokens_per_s": round(sum(r["output_tokens"] for r in rows) / makespan, 2),
         "cached_token_ratio": round(sum(r["cached_tokens"] for r in rows) / sum(r["prompt_tokens"] for r in rows), 4),
+        # what the router expected the chosen workers to find, on the same scale (None: no header)
+        "predicted_cached_ratio": (round(sum(r["predicted_cached_tokens"] for r in rows)
+                                         / sum(r["prompt_tokens"] for r in rows), 4)
+                                   if all(r.get("predicted_cached_tokens") is not None for r in rows) else None),
         "decision_p99_ms": round(p99 * 1e3, 3) if p99 is not None else None,
         "makespan_s": round(makespan, 2),
         "requests_per_worker": sorted(per_worker.values(), reverse=True),

@@ -171,6 +171,11 @@ def test_trace_smoke_run(tmp_path):
         assert 0 < parts["router"] < parts["upstream"] and row["worker_side"]["ttft_mean_s"] > 0
     rows = json.loads((tmp_path / "rows-tier-aware.json").read_text())
     assert len(rows) == r["requests"] and all(x["upstream_s"] <= x["ttft_s"] for x in rows)
+    # the router keys the round's salted prompts as the workers' events do: it predicts hits
+    # where the workers find them (the warm-up filled their caches)
+    hits = [x for x in rows if x["cached_tokens"]]
+    assert hits and all(x["predicted_cached_tokens"] is not None for x in rows)
+    assert sum(x["predicted_cached_tokens"] for x in hits) > 0, rows
     assert set(r["targets"]) >= {"ttft_p50_half_of_baseline", "cached_1_5x_baseline"}
     assert r["warmup_requests"] == 20 and r["shared_read_gbps_measured"] > 0
     # the uncounted priming replay ran before the first round, and the JSON names the order
