@@ -461,6 +461,14 @@ def main() -> int:
                 worker.flush()
                 connector.store.flush_dirty(cmd.get("timeout_s", 60.0))  # write-behind copies landed too
             reply({"ok": True})
+        elif op == "clear_store":
+            # Test hook: empty kvtier's tiers while vLLM's own prefix cache keeps its pages.
+            from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+            store = get_kv_transfer_group().store
+            store.flush_dirty(60.0)
+            keys = {k for tier in store.tiers for k in tier.keys()}
+            reply({"ok": True, "deleted": store.delete(list(keys))})
         elif op == "break_loads":
             # Test hook: lookups still hit, every read fails (a tier that dies between the two).
             from vllm.distributed.kv_transfer import get_kv_transfer_group

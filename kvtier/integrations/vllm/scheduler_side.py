@@ -12,6 +12,8 @@
   forward, which saves the request an engine step of waiting.
 * **Saves** cover each kvtier block once all its tokens are computed, unless the
   lookup found it in the store already.
+* **Sliding windows.** Where vLLM dropped a request's leading pages out of the window
+  (``NULL_PAGE``), nothing is loaded into them and nothing is saved from them.
 * **P/D.** A prefill instance returns ``{"kvtier_blocks": n}`` as the request's
   ``kv_transfer_params``; a decode instance given them waits (up to
   ``pd_wait_s``) until the store shows those blocks, since the prefill
@@ -36,6 +38,12 @@ from kvtier.integrations.vllm.metadata import BlockTransfer, KvtierMetadata, Loa
 log = logging.getLogger(__name__)
 
 PD_PARAM = "kvtier_blocks"
+#: vLLM's placeholder page (``BlockPool.null_block``, always block id 0). A sliding-window or
+#: local-attention KV cache puts it where a request's leading pages fell out of the window,
+#: for a local prefix hit as for external tokens. Its KV is zeros that vLLM relies on and
+#: that belong to no block: never load into it, and never save it as a block's KV (that
+#: stored zeros under a real block's key, served later to a request whose window needs them).
+NULL_PAGE = 0
 #: tokens a hit leaves to compute: results then match a cold run bit for bit
 MIN_COMPUTED_TOKENS = 2
 
@@ -168,11 +176,16 @@ class SchedulerSide:
         page = self.engine.page_tokens
         first_page = state.match.local_tokens // page
         end_page = first_page + num_external_tokens // page
+        # Out-of-window pages (sliding window) lead the range as the null page: nothing to load.
+        while first_page < end_page and state.page_ids[first_page] == NULL_PAGE:
+            first_page += 1
         transfers = []
-        for index in range(first_page // k, (end_page - 1) // k + 1):
+        for index in range(first_page // k, (end_page - 1) // k + 1) if first_page < end_page else ():
             lo, hi = max(first_page, index * k), min(end_page, (index + 1) * k)
             transfers.append(BlockTransfer(index, lo - index * k, state.page_ids[lo:hi]))
-        hashes = self.engine.block_hashes(request.block_hashes, request.num_tokens)[: transfers[-1].index + 1]
+        # A job even when every page is out of the window: an asynchronous load must still end.
+        hashes = (self.engine.block_hashes(request.block_hashes, request.num_tokens)[: transfers[-1].index + 1]
+                  if transfers else [])
         self._pending_loads.append(
             LoadJob(request.request_id, hashes, transfers, is_async=state.async_load)
         )
@@ -217,12 +230,15 @@ class SchedulerSide:
         if full <= state.stored_blocks:
             return
         transfers = [
-            BlockTransfer(index, 0, state.page_ids[index * k : (index + 1) * k])
+            BlockTransfer(index, 0, pages)
             for index in range(state.stored_blocks, full)
+            if NULL_PAGE not in (pages := state.page_ids[index * k : (index + 1) * k])   # out of the window
         ]
+        state.stored_blocks = full
+        if not transfers:
+            return
         meta.saves.append(SaveJob(req_id, hashes[:full], transfers))
         self.stats.save_blocks += len(transfers)
-        state.stored_blocks = full
 
     def update(self, finished_loads, invalid_pages) -> None:
         """Take the workers' report of a step: loads that ended, pages they could not fill."""

@@ -76,3 +76,64 @@ def test_a_kvtier_hit_on_a_multi_query_qwen2_equals_vllms_own_hit(engines, qwen2
         worst = max(abs(a - b) for x, y in zip(hit["logprobs"], full["logprobs"]) for (_, a), (_, b) in zip(x, y))
         assert worst < 1e-4, f"a hit moved a logprob by {worst} against the full recompute"
     assert kv.call(op="stats")["worker"]["failed_pages"] == 0
+
+
+@pytest.fixture(scope="module")
+def sliding_window_mistral(tmp_path_factory) -> str:
+    from transformers import MistralConfig
+
+    from kvtier.integrations.transformers.models import ModelSpec, build_model
+
+    spec = ModelSpec(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                     intermediate_size=512, vocab_size=2048, max_position_embeddings=2048, seed=5)
+    out = tmp_path_factory.mktemp("mistral-swa")
+    build_model(spec, out, config_class=MistralConfig, sliding_window=2 * PAGE_TOKENS)
+    return str(out)
+
+
+def test_a_sliding_window_model_never_stores_nor_loads_vllms_null_page(engines, sliding_window_mistral):
+    """Every layer attends over a 64-token window, so vLLM gives a request's pages out of the
+    window back and puts its null page (zeros) in their place: in a local prefix hit, and in
+    the pages of external tokens. Before the fix the connector saved that page as the blocks'
+    KV; a later request whose window needed them loaded zeros (measured: other tokens, a
+    logprob off by 0.45)."""
+    plain = engines("swa-plain", {"model": sliding_window_mistral, "extra": None})
+    kv = engines("swa-kvtier", {"model": sliding_window_mistral, "extra": {"block_tokens": PAGE_TOKENS,
+                                                                          "host_bytes": "64MiB"}})
+    plain.wait_ready()
+    kv.wait_ready()
+    (prompt,) = prompts(1, 600, seed=11)
+    (more,) = prompts(1, 100, seed=12)
+    (tail,) = prompts(1, 100, seed=13)
+
+    # Loads work on this model: a repeated prompt loads and equals vLLM's own hit.
+    full = plain.generate([prompt], max_tokens=8)[0]
+    own = plain.generate([prompt], max_tokens=8)[0]
+    assert own["num_cached_tokens"] > 0, "control: vLLM's own prefix cache hits on this model"
+    kv.generate([prompt], max_tokens=8)
+    kv.call(op="flush")
+    assert kv.call(op="reset")["ok"]
+    warm = kv.generate([prompt], max_tokens=8)[0]
+    assert loaded_tokens(warm) > 0
+    assert warm["token_ids"] == own["token_ids"] == full["token_ids"] and warm["logprobs"] == own["logprobs"]
+
+    # The defect's path: kvtier lost the prompt's blocks while vLLM still holds its pages. A
+    # longer prompt then hits vLLM's own cache, whose leading pages are the null page, and the
+    # connector saves what it computes from there: never the null page.
+    assert kv.call(op="clear_store")["deleted"] > 0
+    saved_before = kv.call(op="stats")["worker"]["saved_blocks"]
+    longer = kv.generate([prompt + more], max_tokens=4)[0]
+    assert longer["num_cached_tokens"] >= 512, "control: a local hit with pages out of the window"
+    kv.call(op="flush")
+    saved = kv.call(op="stats")["worker"]["saved_blocks"] - saved_before
+    assert 0 < saved < len(prompt + more) // PAGE_TOKENS, "blocks in the window saved, none from the null page"
+    # A prompt sharing the first 256 tokens, in an empty vLLM cache: whatever kvtier serves
+    # must be real KV, so the answer equals the recompute.
+    assert kv.call(op="reset")["ok"]
+    shared = prompt[:256] + tail
+    hit = kv.generate([shared], max_tokens=8)[0]
+    ref = plain.generate([shared], max_tokens=8)[0]
+    assert hit["token_ids"] == ref["token_ids"]
+    worst = max(abs(a - b) for x, y in zip(hit["logprobs"], ref["logprobs"]) for (_, a), (_, b) in zip(x, y))
+    assert worst < 1e-4, f"served KV moved a logprob by {worst}"
+    assert kv.call(op="stats")["worker"]["failed_pages"] == 0

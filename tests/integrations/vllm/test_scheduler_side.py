@@ -95,6 +95,51 @@ def test_saves_follow_chunked_prefill_and_skip_what_the_store_has(engine):
     assert sched.stats.save_blocks == 1
 
 
+def test_pages_out_of_a_sliding_window_are_never_saved_nor_loaded_into(engine):
+    """vLLM's null page (block id 0) stands where a sliding window dropped a request's leading
+    pages: a local hit's or external tokens'. Saving it would store zeros under a real block's
+    key; loading into it would overwrite the zeros vLLM relies on."""
+    from kvtier.integrations.vllm.scheduler_side import NULL_PAGE
+
+    # a local (vLLM) prefix hit of 4 blocks whose first 5 pages fell out of the window, and
+    # a store that holds none of it: the save must skip the blocks with the null page
+    store, req = FakeStore(), request("w", 600)
+    sched = side(engine, store)
+    assert sched.num_new_matched_tokens(req, 256) == (0, False)
+    pages = [NULL_PAGE] * 5 + list(range(70, 80))
+    new = SimpleNamespace(req_id="w", block_ids=(pages,), num_computed_tokens=256, scheduled=200)
+    (save,) = sched.build(output([new])).saves
+    # 456 computed: 7 full blocks, of which 0-2 hold the null page
+    assert [(t.index, t.page_ids) for t in save.blocks] == [(3, [71, 72]), (4, [73, 74]), (5, [75, 76]),
+                                                            (6, [77, 78])]
+    # control: the same plan without a window saves every block
+    store2, req2 = FakeStore(), request("f", 600)
+    sched2 = side(engine, store2)
+    sched2.num_new_matched_tokens(req2, 256)
+    full = SimpleNamespace(req_id="f", block_ids=(list(range(100, 115)),), num_computed_tokens=256, scheduled=200)
+    (save2,) = sched2.build(output([full])).saves
+    assert [t.index for t in save2.blocks] == [0, 1, 2, 3, 4, 5, 6]
+
+    # external tokens whose leading pages are out of the window: the load starts after them
+    store3, req3 = FakeStore(), request("x", 640)
+    store3.hold(engine, req3, 10)
+    sched3 = side(engine, store3)
+    assert sched3.num_new_matched_tokens(req3, 0) == (608, True)
+    sched3.after_alloc(req3, [NULL_PAGE] * 7 + list(range(200, 214)), 608)
+    (job,) = sched3.build(output(total=0)).loads
+    assert all(NULL_PAGE not in t.page_ids for t in job.blocks)
+    assert (job.blocks[0].index, job.blocks[0].first, job.blocks[0].page_ids) == (3, 1, [200])
+    assert sum(len(t.page_ids) for t in job.blocks) == 19 - 7
+    # every external page out of the window: an empty job, so the asynchronous load still ends
+    store4, req4 = FakeStore(), request("y", 640)
+    store4.hold(engine, req4, 10)
+    sched4 = side(engine, store4)
+    sched4.num_new_matched_tokens(req4, 0)
+    sched4.after_alloc(req4, [NULL_PAGE] * 19 + [300, 301], 608)
+    (empty,) = sched4.build(output(total=0)).loads
+    assert empty.blocks == [] and empty.hashes == []
+
+
 def test_a_failed_load_is_never_offered_again(engine):
     store, req = FakeStore(), request("d", 400)
     store.hold(engine, req, 6)
