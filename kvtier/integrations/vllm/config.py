@@ -200,6 +200,35 @@ def check_block_hashes(config: ConnectorConfig, cache_config) -> None:
                     "(allow_weak_block_hashes): crafted prompts could collide with others'", algo)
 
 
+def check_kv_cache_kind(spec, block_tokens: int) -> None:
+    """Only KV caches whose pages hold what the connector saves, until it saves them.
+
+    Full attention keeps every page of a request. A sliding window frees the pages that fall
+    out of it (the null page takes their place) while the request runs, and the connector
+    learns of no free: a kvtier block of more tokens than the window could have its first
+    pages freed, and handed to another request, before its last token is computed and the
+    block saved. With blocks no longer than the window, a block's first page is still in
+    the window when its last token is computed (vLLM frees a page once all its tokens are
+    ``window`` behind), and null pages are never saved (scheduler_side.NULL_PAGE). Every other
+    kind (ring buffers, gaps freed in full attention, attention sinks, local chunks, MLA,
+    Mamba state) keeps or frees pages by rules this connector does not follow: refused.
+    """
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    kind = type(spec)
+    if kind is SlidingWindowSpec:
+        if block_tokens > spec.sliding_window:
+            fits = spec.sliding_window // spec.block_size * spec.block_size
+            raise ConfigError(
+                f"this model attends over a sliding window of {spec.sliding_window} tokens and vLLM frees the "
+                f"pages behind it: block_tokens={block_tokens} must be at most the window"
+                + (f" (e.g. {fits}, whole pages of {spec.block_size})" if fits else
+                   f", and vLLM's pages ({spec.block_size} tokens) are longer than it"))
+    elif kind is not FullAttentionSpec:
+        raise ConfigError(f"KvtierConnector supports full and sliding-window attention KV caches; this model's is "
+                          f"{kind.__name__}")
+
+
 def engine_kv(config: ConnectorConfig, vllm_config, kv_cache_config, *, tp_rank: int = 0) -> EngineKV:
     """Namespace and geometry from vLLM's configuration (both roles see the same).
 
@@ -213,6 +242,7 @@ def engine_kv(config: ConnectorConfig, vllm_config, kv_cache_config, *, tp_rank:
             "run without the connector or with --disable-hybrid-kv-cache-manager"
         )
     spec = groups[0].kv_cache_spec
+    check_kv_cache_kind(spec, config.block_tokens)
     for name in ("num_kv_heads", "head_size", "dtype", "block_size"):
         if not hasattr(spec, name):
             raise ConfigError(f"KvtierConnector needs an attention KV cache; got {type(spec).__name__}")

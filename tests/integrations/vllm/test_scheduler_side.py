@@ -238,3 +238,27 @@ def test_sync_load_max_bytes_takes_sizes_and_refuses_nonsense():
     assert ConnectorConfig.from_extra_config({"sync_load_max_bytes": 4096}).sync_load_max_bytes == 4096
     with pytest.raises(Exception, match="sync_load_max_bytes"):
         ConnectorConfig(sync_load_max_bytes=-1)
+
+
+def test_only_kv_caches_whose_pages_stay_until_saved_are_accepted():
+    """A sliding window frees the pages behind it while the request runs: a block longer than
+    the window could lose its first pages (to another request) before it is saved."""
+    import torch
+    from vllm.v1.kv_cache_interface import (ChunkedLocalAttentionSpec, FullAttentionSpec, MLAAttentionSpec,
+                                            SlidingWindowSpec)
+
+    from kvtier.errors import ConfigError
+    from kvtier.integrations.vllm.config import check_kv_cache_kind
+
+    geometry = dict(block_size=PAGE, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    check_kv_cache_kind(FullAttentionSpec(**geometry), 256)
+    window = SlidingWindowSpec(**geometry, sliding_window=128)
+    check_kv_cache_kind(window, 128)
+    check_kv_cache_kind(window, PAGE)
+    with pytest.raises(ConfigError, match="at most the window .e.g. 128"):
+        check_kv_cache_kind(window, 256)
+    with pytest.raises(ConfigError, match="pages .32 tokens. are longer"):
+        check_kv_cache_kind(SlidingWindowSpec(**geometry, sliding_window=16), PAGE)
+    for other in (ChunkedLocalAttentionSpec(**geometry, attention_chunk_size=256), MLAAttentionSpec(**geometry)):
+        with pytest.raises(ConfigError, match=type(other).__name__):
+            check_kv_cache_kind(other, PAGE)
