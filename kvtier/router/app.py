@@ -77,10 +77,17 @@ class PromptTokenizer:
     def chat(self, messages: list, body: dict) -> list[int]:
         kwargs = {}
         if body.get("chat_template_kwargs") and isinstance(body["chat_template_kwargs"], dict):
-            kwargs = body["chat_template_kwargs"]
+            kwargs = dict(body["chat_template_kwargs"])
+        # what vLLM passes its template too (defaults as vLLM's)
+        for name in ("tools", "documents"):
+            if isinstance(body.get(name), list):
+                kwargs[name] = body[name]
+        kwargs["continue_final_message"] = body.get("continue_final_message") is True
+        generation_prompt = body.get("add_generation_prompt") is not False and not kwargs["continue_final_message"]
         if getattr(self.tok, "chat_template", None):
             try:
-                ids = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
+                ids = self.tok.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True,
+                                                   **kwargs)
             except Exception as exc:   # a template that rejects these messages: the worker will too
                 raise RequestError(400, f"messages do not fit the model's chat template: {exc}",
                                    param="messages") from None
@@ -98,6 +105,13 @@ def _valid_prompt(prompt: Any) -> bool:
         return True
     return (isinstance(prompt, list) and bool(prompt)
             and (all(isinstance(p, str) for p in prompt) or all(_token_list(p) and p for p in prompt)))
+
+
+#: chat fields whose rendering vLLM normalises through its own schema: a worker renders those
+_WORKER_RENDERED = ("tools", "documents")
+#: what a worker's ``/tokenize`` takes of a chat request (vLLM's TokenizeChatRequest)
+_RENDER_FIELDS = ("model", "messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
+                  "chat_template", "chat_template_kwargs", "add_special_tokens", "mm_processor_kwargs")
 
 
 def _check_body(body: Any, field: str) -> None:
@@ -357,9 +371,37 @@ class Router:
         request[_RECEIVED] = time.perf_counter()
         raw, body = await self._json(request)
         _check_body(body, "messages")
-        ids = await self._tokenize(self.tokenizer.chat, body["messages"], body)
+        ids = await self._worker_render(body) if any(body.get(f) for f in _WORKER_RENDERED) else None
+        if ids is None:
+            ids = await self._tokenize(self.tokenizer.chat, body["messages"], body)
         return await self._forward(request, raw, ids, streaming=body.get("stream") is True,
                                    seed=self._context(body))
+
+    async def _worker_render(self, body: dict) -> list[int] | None:
+        """The prompt's token ids as a worker renders them (vLLM's ``/tokenize``), or None.
+
+        Tool definitions and documents go through vLLM's own request schema before its chat
+        template renders them (defaults filled in, fields ordered), which a router cannot
+        reproduce for every vLLM version; they usually lead the prompt (the system part), so
+        a local rendering that differs by a byte keys every block wrong and an agent's
+        requests would never be routed to their context. A worker renders them exactly, at
+        the cost of one loopback round trip; if none can, the router renders them itself.
+        """
+        fields = {k: body[k] for k in _RENDER_FIELDS if k in body}
+        for w in sorted(self.workers, key=lambda w: not w.healthy)[:2]:
+            try:
+                async with self.session.post(w.url + "/tokenize", json=fields,
+                                             timeout=ClientTimeout(total=self.config.render_timeout_s)) as resp:
+                    out = await resp.json() if resp.status == 200 else None
+            except (ClientError, asyncio.TimeoutError, ValueError) as exc:
+                log.debug("worker %s could not render a chat prompt: %s", w.url, exc)
+                continue
+            tokens = out.get("tokens") if isinstance(out, dict) else None
+            if isinstance(tokens, list) and tokens and all(type(t) is int and 0 <= t < 1 << 32 for t in tokens):
+                self.metrics.renders.labels("worker").inc()
+                return tokens
+        self.metrics.renders.labels("router").inc()
+        return None
 
     def _context(self, body: dict) -> int:
         """The root of the request's block keys: its LoRA adapter (a ``model`` that the workers'

@@ -74,6 +74,8 @@ class RouterConfig:
     eject_after: int = 2
     connect_timeout_s: float = 5.0
     request_timeout_s: float = 600.0
+    #: a worker's ``/tokenize`` of a chat prompt with tools or documents (kvtier.router.app)
+    render_timeout_s: float = 5.0
     max_attempts: int = 3
 
     #: the bandwidths a measurement file can give

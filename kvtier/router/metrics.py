@@ -27,6 +27,9 @@ class RouterMetrics:
                                ["worker"], registry=r)
         self.retries = Counter("kvtier_router_retries", "Requests retried on another worker before any byte",
                                registry=r)
+        self.renders = Counter("kvtier_router_chat_renders",
+                               "Chat prompts with tools or documents, by who rendered them (worker: its /tokenize; "
+                               "router: its own template, when no worker could)", ["by"], registry=r)
         self.errors = Counter("kvtier_router_errors", "Requests answered with an error by the router", ["type"],
                               registry=r)
         self.resyncs = Counter("kvtier_router_event_resyncs",

@@ -45,6 +45,8 @@ class StandIn:
         self.requests = 0
         self.fail_next = 0          # close the connection before answering
         self.down = False
+        self.rendered: list[int] | None = None   # what /tokenize answers
+        self.tokenized: list[dict] = []
         self.runner: web.AppRunner | None = None
 
     async def start(self) -> None:
@@ -52,6 +54,7 @@ class StandIn:
         app.router.add_post("/v1/completions", self.complete)
         app.router.add_post("/v1/chat/completions", self.complete)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/tokenize", self.tokenize)
         app.router.add_get("/health", self.health)
         self.runner = web.AppRunner(app)
         await self.runner.setup()
@@ -66,6 +69,13 @@ class StandIn:
 
     async def models(self, request):
         return web.json_response({"object": "list", "data": [{"id": "tiny"}]})
+
+    async def tokenize(self, request):
+        """vLLM's /tokenize of a chat request: here ``rendered`` (None: this worker cannot)."""
+        self.tokenized.append(await request.json())
+        if self.rendered is None:
+            return web.json_response({"error": {"message": "not found"}}, status=404)
+        return web.json_response({"tokens": self.rendered, "count": len(self.rendered)})
 
     async def health(self, request):
         return web.Response(status=503 if self.down else 200)
@@ -249,4 +259,42 @@ def test_events_route_to_the_holder_and_a_restarted_publisher_is_resynced():
                 p.close(0)
             await a.stop()
             await b.stop()
+    run(main())
+
+
+def test_a_chat_prompt_with_tools_is_keyed_as_the_worker_renders_it():
+    """vLLM renders tool definitions through its own schema before its template: the router
+    asks a worker (``/tokenize``) for those ids, so an agent's requests find their context.
+    Control: when no worker can render, the router's own rendering keys other blocks."""
+    async def main():
+        w = StandIn("w0")
+        await w.start()
+        router, runner, url = await start_router([w], policy="tier-aware")
+        rendered = [7] * 40                                   # ten blocks, as the worker renders
+        router.index.stored(0, list(range(10)), None, rendered, BS, "GPU")
+        tools = [{"type": "function", "function": {"name": "search", "parameters": {"type": "object"}}}]
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "find it"}], "tools": tools}
+        try:
+            async with ClientSession() as s:
+                w.rendered = rendered
+                async with s.post(url + "/v1/chat/completions", json=body) as r:
+                    assert r.status == 200
+                    assert int(r.headers["X-Kvtier-Predicted-Cached"]) == 39   # all but the last token
+                sent = w.tokenized[-1]
+                assert sent["tools"] == tools and sent["messages"] == body["messages"]
+                # no worker renders: the router's own rendering (other ids here) finds nothing
+                w.rendered = None
+                async with s.post(url + "/v1/chat/completions", json=body) as r:
+                    assert r.status == 200 and r.headers["X-Kvtier-Predicted-Cached"] == "0"
+                # without tools the router renders itself and never asks
+                asked = len(w.tokenized)
+                async with s.post(url + "/v1/chat/completions", json={"messages": body["messages"]}) as r:
+                    assert r.status == 200
+                assert len(w.tokenized) == asked
+                text = await (await s.get(url + "/metrics")).text()
+                assert 'kvtier_router_chat_renders_total{by="worker"} 1.0' in text
+                assert 'kvtier_router_chat_renders_total{by="router"} 1.0' in text
+        finally:
+            await runner.cleanup()
+            await w.stop()
     run(main())

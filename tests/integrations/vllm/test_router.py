@@ -30,6 +30,9 @@ skip_without_vllm()
 pytestmark = pytest.mark.timeout(600)
 
 TOKEN = "router-test-token"
+CHAT_TEMPLATE = ("{% if tools %}tools: {{ tools | tojson }}\n{% endif %}"
+                 "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +47,10 @@ def stack(tiny_model, tmp_path_factory):
         # kvtier's default 256-token blocks: the shared tier holds a context in those, a
         # worker's GPU in vLLM's 32-token pages.
         transfer = kvtier_transfer_config(server.url, TOKEN, block_tokens=256)
-        workers = [start_worker(tiny_model, logs / f"worker{i}.log", transfer=transfer, core=i % 2)
+        template = logs / "chat-template.jinja"    # the tiny model has none; tools lead the prompt
+        template.write_text(CHAT_TEMPLATE)
+        workers = [start_worker(tiny_model, logs / f"worker{i}.log", transfer=transfer, core=i % 2,
+                                extra_args=["--chat-template", str(template)])
                    for i in range(2)]
         wait_ready(workers)
         # The workers write through to the shared server: every block one computes, the other can load.
@@ -185,6 +191,38 @@ def test_a_cache_salt_keys_a_tenants_prefix_apart(stack):
     for other in ("tenant-b", None):               # another tenant, and no salt: nothing to find
         assert send(other) == (0, 0), other
         time.sleep(0.5)
+
+
+def test_an_agents_chat_with_tools_is_routed_to_its_context(stack):
+    """vLLM renders tool definitions through its own schema (defaults filled in) before the
+    template: the router's own rendering of the same request has other ids, so it asks a
+    worker. Repeating the request must then be predicted where vLLM finds it cached."""
+    from kvtier.router.app import PromptTokenizer
+
+    model, url = stack["model"], stack["routers"]["tier-aware"].url
+    rng = random.Random(21)
+    tools = [{"type": "function", "function": {"name": f"tool_{i}", "parameters": {
+        "type": "object", "properties": {f"arg{j}": {"type": "string"} for j in range(6)}}}} for i in range(6)]
+    body = {"model": model, "messages": [{"role": "system", "content": " ".join(map(str, tokens(rng, 200)))},
+                                         {"role": "user", "content": "go"}],
+            # tool_choice "none": vLLM still renders the tools ("auto" needs a tool-call parser)
+            "tools": tools, "tool_choice": "none", "max_tokens": 4, "temperature": 0}
+    # the positive control: the router's own rendering with the workers' template differs
+    worker_ids = json.loads(urllib.request.urlopen(urllib.request.Request(
+        stack["workers"][0].url + "/tokenize", data=json.dumps({k: body[k] for k in ("model", "messages", "tools")})
+        .encode(), headers={"Content-Type": "application/json"})).read())["tokens"]
+    local = PromptTokenizer(model)
+    local.tok.chat_template = CHAT_TEMPLATE
+    assert local.chat(body["messages"], body) != worker_ids
+    status, _, out = post(url, body, "/v1/chat/completions")
+    assert status == 200, out
+    time.sleep(1.0)     # its blocks' events reach the router
+    status, headers, out = post(url, body, "/v1/chat/completions")
+    assert status == 200, out
+    predicted, cached = int(headers["X-Kvtier-Predicted-Cached"]), out["usage"]["prompt_tokens_details"]["cached_tokens"]
+    print(f"chat with tools: {len(worker_ids)} prompt tokens, router predicted {predicted}, vLLM cached {cached}")
+    assert out["usage"]["prompt_tokens"] == len(worker_ids)
+    assert predicted >= 256 and cached >= 256 and abs(predicted - cached) < 256, (predicted, cached, len(worker_ids))
 
 
 def test_unknown_or_malformed_requests_get_openai_errors(stack):
