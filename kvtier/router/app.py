@@ -362,8 +362,13 @@ class Router:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         request[_RECEIVED] = time.perf_counter()
         raw, body = await self._json(request)
-        _check_body(body, "prompt")
-        ids = await self._tokenize(self.tokenizer.completion, body["prompt"])
+        if isinstance(body, dict) and "prompt" not in body and body.get("prompt_embeds") is not None:
+            # vLLM takes prompt embeddings instead of a prompt: the router cannot key them (their
+            # KV depends on the vectors), so load alone decides; the worker checks the rest
+            ids: list[int] = []
+        else:
+            _check_body(body, "prompt")
+            ids = await self._tokenize(self.tokenizer.completion, body["prompt"])
         return await self._forward(request, raw, ids, streaming=body.get("stream") is True,
                                    seed=self._context(body))
 

@@ -298,3 +298,22 @@ def test_a_chat_prompt_with_tools_is_keyed_as_the_worker_renders_it():
             await runner.cleanup()
             await w.stop()
     run(main())
+
+
+def test_a_completion_with_prompt_embeds_and_no_prompt_is_routed():
+    """vLLM takes ``prompt_embeds`` instead of ``prompt``: a valid request, routed on load
+    alone (the router cannot key embeddings). Control: neither field is still a 400."""
+    async def main():
+        w = StandIn("w0")
+        await w.start()
+        router, runner, url = await start_router([w], policy="tier-aware")
+        try:
+            async with ClientSession() as s:
+                async with s.post(url + "/v1/completions", json={"model": "tiny", "prompt_embeds": "AAAA"}) as r:
+                    assert r.status == 200 and r.headers["X-Kvtier-Predicted-Cached"] == "0"
+                async with s.post(url + "/v1/completions", json={"model": "tiny"}) as r:
+                    assert r.status == 400 and (await r.json())["error"]["param"] == "prompt"
+        finally:
+            await runner.cleanup()
+            await w.stop()
+    run(main())
