@@ -20,6 +20,8 @@ def test_prompt_ids_are_the_model_tokenizers(tmp_path):
     ref = AutoTokenizer.from_pretrained(path)
     text = "the quick brown fox jumps over the lazy dog " * 20
     assert tok.completion(text) == ref.encode(text)
+    twin = tok.clone()                 # the tokenizer thread's own instance: same ids, another object
+    assert twin.completion(text) == ref.encode(text) and twin.tok is not tok.tok
     assert tok.completion([text, "other"]) == ref.encode(text)        # a batch routes on its first prompt
     assert tok.completion([5, 6, 7]) == [5, 6, 7]
     with pytest.raises(RequestError):
