@@ -401,13 +401,14 @@ class Router:
         request[_RECEIVED] = time.perf_counter()
         raw, body = await self._json(request)
         _check_body(body, "messages")
-        ids = await self._worker_render(body) if any(body.get(f) for f in _WORKER_RENDERED) else None
+        ids = (await self._worker_render(body, request.headers.get("Authorization"))
+               if any(body.get(f) for f in _WORKER_RENDERED) else None)
         if ids is None:
             ids = await self._tokenize("chat", len(raw), body["messages"], body)
         return await self._forward(request, raw, ids, streaming=body.get("stream") is True,
                                    seed=self._context(body))
 
-    async def _worker_render(self, body: dict) -> list[int] | None:
+    async def _worker_render(self, body: dict, authorization: str | None = None) -> list[int] | None:
         """The prompt's token ids as a worker renders them (vLLM's ``/tokenize``), or None.
 
         Tool definitions and documents go through vLLM's own request schema before its chat
@@ -418,9 +419,10 @@ class Router:
         the cost of one loopback round trip; if none can, the router renders them itself.
         """
         fields = {k: body[k] for k in _RENDER_FIELDS if k in body}
+        headers = {"Authorization": authorization} if authorization else None   # a worker with --api-key
         for w in sorted(self.workers, key=lambda w: not w.healthy)[:2]:
             try:
-                async with self.session.post(w.url + "/tokenize", json=fields,
+                async with self.session.post(w.url + "/tokenize", json=fields, headers=headers,
                                              timeout=ClientTimeout(total=self.config.render_timeout_s)) as resp:
                     out = await resp.json() if resp.status == 200 else None
             except (ClientError, asyncio.TimeoutError, ValueError) as exc:
@@ -441,13 +443,21 @@ class Router:
         return context_seed(lora, salt if isinstance(salt, str) else None)
 
     async def models(self, request: web.Request) -> web.Response:
+        auth = request.headers.get("Authorization")
+        headers = {"Authorization": auth} if auth else None   # workers run with --api-key
+        refused = None
         for w in sorted(self.workers, key=lambda w: not w.healthy):
             try:
-                async with self.session.get(w.url + "/v1/models", timeout=ClientTimeout(total=5.0)) as resp:
+                async with self.session.get(w.url + "/v1/models", headers=headers,
+                                            timeout=ClientTimeout(total=5.0)) as resp:
                     if resp.status == 200:
                         return web.json_response(await resp.json())
+                    if 400 <= resp.status < 500:   # the client's mistake (a missing key): say so
+                        refused = (resp.status, await resp.json())
             except (ClientError, asyncio.TimeoutError, ValueError):
                 continue
+        if refused is not None and isinstance(refused[1], dict) and "error" in refused[1]:
+            return web.json_response(refused[1], status=refused[0])
         raise RequestError(503, "no worker answered /v1/models", "service_unavailable_error")
 
     async def health_endpoint(self, request: web.Request) -> web.Response:

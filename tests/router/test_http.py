@@ -46,6 +46,7 @@ class StandIn:
         self.fail_next = 0          # close the connection before answering
         self.down = False
         self.rendered: list[int] | None = None   # what /tokenize answers
+        self.api_key: str | None = None          # as vllm serve --api-key: /v1 routes need it
         self.tokenized: list[dict] = []
         self.runner: web.AppRunner | None = None
 
@@ -68,11 +69,13 @@ class StandIn:
         return f"http://127.0.0.1:{self.port}"
 
     async def models(self, request):
+        if self.api_key and request.headers.get("Authorization") != f"Bearer {self.api_key}":
+            return web.json_response({"error": {"message": "Unauthorized"}}, status=401)
         return web.json_response({"object": "list", "data": [{"id": "tiny"}]})
 
     async def tokenize(self, request):
         """vLLM's /tokenize of a chat request: here ``rendered`` (None: this worker cannot)."""
-        self.tokenized.append(await request.json())
+        self.tokenized.append({**await request.json(), "authorization": request.headers.get("Authorization")})
         if self.rendered is None:
             return web.json_response({"error": {"message": "not found"}}, status=404)
         return web.json_response({"tokens": self.rendered, "count": len(self.rendered)})
@@ -277,11 +280,13 @@ def test_a_chat_prompt_with_tools_is_keyed_as_the_worker_renders_it():
         try:
             async with ClientSession() as s:
                 w.rendered = rendered
-                async with s.post(url + "/v1/chat/completions", json=body) as r:
+                async with s.post(url + "/v1/chat/completions", json=body,
+                                  headers={"Authorization": "Bearer client-key"}) as r:
                     assert r.status == 200
                     assert int(r.headers["X-Kvtier-Predicted-Cached"]) == 39   # all but the last token
                 sent = w.tokenized[-1]
                 assert sent["tools"] == tools and sent["messages"] == body["messages"]
+                assert sent["authorization"] == "Bearer client-key"   # a worker with --api-key renders too
                 # no worker renders: the router's own rendering (other ids here) finds nothing
                 w.rendered = None
                 async with s.post(url + "/v1/chat/completions", json=body) as r:
@@ -313,6 +318,24 @@ def test_a_completion_with_prompt_embeds_and_no_prompt_is_routed():
                     assert r.status == 200 and r.headers["X-Kvtier-Predicted-Cached"] == "0"
                 async with s.post(url + "/v1/completions", json={"model": "tiny"}) as r:
                     assert r.status == 400 and (await r.json())["error"]["param"] == "prompt"
+        finally:
+            await runner.cleanup()
+            await w.stop()
+    run(main())
+
+
+def test_models_pass_the_clients_key_to_a_worker_that_needs_one():
+    async def main():
+        w = StandIn("w0")
+        w.api_key = "k1"
+        await w.start()
+        router, runner, url = await start_router([w], policy="round-robin")
+        try:
+            async with ClientSession() as s:
+                async with s.get(url + "/v1/models", headers={"Authorization": "Bearer k1"}) as r:
+                    assert r.status == 200 and (await r.json())["data"][0]["id"] == "tiny"
+                async with s.get(url + "/v1/models") as r:          # control: no key, the worker's 401
+                    assert r.status == 401 and "error" in await r.json()
         finally:
             await runner.cleanup()
             await w.stop()
