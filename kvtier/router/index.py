@@ -37,12 +37,13 @@ from typing import Iterable, Sequence
 import numpy as np
 import xxhash
 
+from kvtier.core.keys import as_token_array
+
 GPU, CPU = 0, 1          #: worker tiers, as vLLM's ``medium``
 SHARED_BIT = 1
 ROOT_SEED = 0
 _MEDIUM = {"GPU": GPU, None: GPU, "CPU": CPU}
 _U64 = (1 << 64) - 1
-assert array.array("I").itemsize == 4, "token ids are keyed as 4-byte unsigned ints"
 
 
 def worker_bit(worker: int, tier: int) -> int:
@@ -81,10 +82,7 @@ def block_keys(token_ids: Sequence[int] | np.ndarray, block_tokens: int, seed: i
     (their parents' difference times M is not 0). :func:`block_keys_reference` is the
     same definition one block at a time.
     """
-    if isinstance(token_ids, np.ndarray):
-        tokens = token_ids.astype(np.uint32, copy=False)
-    else:   # array.array converts a Python list 4x faster than numpy does
-        tokens = np.frombuffer(array.array("I", token_ids), dtype=np.uint32)
+    tokens = as_token_array(token_ids)
     n = tokens.size // block_tokens
     if n == 0:
         return []

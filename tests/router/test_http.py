@@ -4,6 +4,7 @@ of vLLM-format KV events, the real ``Router`` app. (Real vLLM workers: tests/int
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import struct
@@ -115,6 +116,20 @@ async def start_router(workers, events=None, **kw):
 
 def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 60))
+
+
+@contextlib.asynccontextmanager
+async def one_worker_router(**kw):
+    """A stand-in worker "w0" behind a real router; yields (worker, router, url, client session)."""
+    w = StandIn("w0")
+    await w.start()
+    router, runner, url = await start_router([w], **kw)
+    try:
+        async with ClientSession() as s:
+            yield w, router, url, s
+    finally:
+        await runner.cleanup()
+        await w.stop()
 
 
 def test_streaming_passes_chunks_through_as_they_arrive():
@@ -270,38 +285,31 @@ def test_a_chat_prompt_with_tools_is_keyed_as_the_worker_renders_it():
     asks a worker (``/tokenize``) for those ids, so an agent's requests find their context.
     Control: when no worker can render, the router's own rendering keys other blocks."""
     async def main():
-        w = StandIn("w0")
-        await w.start()
-        router, runner, url = await start_router([w], policy="tier-aware")
-        rendered = [7] * 40                                   # ten blocks, as the worker renders
-        router.index.stored(0, list(range(10)), None, rendered, BS, "GPU")
-        tools = [{"type": "function", "function": {"name": "search", "parameters": {"type": "object"}}}]
-        body = {"model": "tiny", "messages": [{"role": "user", "content": "find it"}], "tools": tools}
-        try:
-            async with ClientSession() as s:
-                w.rendered = rendered
-                async with s.post(url + "/v1/chat/completions", json=body,
-                                  headers={"Authorization": "Bearer client-key"}) as r:
-                    assert r.status == 200
-                    assert int(r.headers["X-Kvtier-Predicted-Cached"]) == 39   # all but the last token
-                sent = w.tokenized[-1]
-                assert sent["tools"] == tools and sent["messages"] == body["messages"]
-                assert sent["authorization"] == "Bearer client-key"   # a worker with --api-key renders too
-                # no worker renders: the router's own rendering (other ids here) finds nothing
-                w.rendered = None
-                async with s.post(url + "/v1/chat/completions", json=body) as r:
-                    assert r.status == 200 and r.headers["X-Kvtier-Predicted-Cached"] == "0"
-                # without tools the router renders itself and never asks
-                asked = len(w.tokenized)
-                async with s.post(url + "/v1/chat/completions", json={"messages": body["messages"]}) as r:
-                    assert r.status == 200
-                assert len(w.tokenized) == asked
-                text = await (await s.get(url + "/metrics")).text()
-                assert 'kvtier_router_chat_renders_total{by="worker"} 1.0' in text
-                assert 'kvtier_router_chat_renders_total{by="router"} 1.0' in text
-        finally:
-            await runner.cleanup()
-            await w.stop()
+        async with one_worker_router(policy="tier-aware") as (w, router, url, s):
+            rendered = [7] * 40                                   # ten blocks, as the worker renders
+            router.index.stored(0, list(range(10)), None, rendered, BS, "GPU")
+            tools = [{"type": "function", "function": {"name": "search", "parameters": {"type": "object"}}}]
+            body = {"model": "tiny", "messages": [{"role": "user", "content": "find it"}], "tools": tools}
+            w.rendered = rendered
+            async with s.post(url + "/v1/chat/completions", json=body,
+                              headers={"Authorization": "Bearer client-key"}) as r:
+                assert r.status == 200
+                assert int(r.headers["X-Kvtier-Predicted-Cached"]) == 39   # all but the last token
+            sent = w.tokenized[-1]
+            assert sent["tools"] == tools and sent["messages"] == body["messages"]
+            assert sent["authorization"] == "Bearer client-key"   # a worker with --api-key renders too
+            # no worker renders: the router's own rendering (other ids here) finds nothing
+            w.rendered = None
+            async with s.post(url + "/v1/chat/completions", json=body) as r:
+                assert r.status == 200 and r.headers["X-Kvtier-Predicted-Cached"] == "0"
+            # without tools the router renders itself and never asks
+            asked = len(w.tokenized)
+            async with s.post(url + "/v1/chat/completions", json={"messages": body["messages"]}) as r:
+                assert r.status == 200
+            assert len(w.tokenized) == asked
+            text = await (await s.get(url + "/metrics")).text()
+            assert 'kvtier_router_chat_renders_total{by="worker"} 1.0' in text
+            assert 'kvtier_router_chat_renders_total{by="router"} 1.0' in text
     run(main())
 
 
@@ -309,34 +317,20 @@ def test_a_completion_with_prompt_embeds_and_no_prompt_is_routed():
     """vLLM takes ``prompt_embeds`` instead of ``prompt``: a valid request, routed on load
     alone (the router cannot key embeddings). Control: neither field is still a 400."""
     async def main():
-        w = StandIn("w0")
-        await w.start()
-        router, runner, url = await start_router([w], policy="tier-aware")
-        try:
-            async with ClientSession() as s:
-                async with s.post(url + "/v1/completions", json={"model": "tiny", "prompt_embeds": "AAAA"}) as r:
-                    assert r.status == 200 and r.headers["X-Kvtier-Predicted-Cached"] == "0"
-                async with s.post(url + "/v1/completions", json={"model": "tiny"}) as r:
-                    assert r.status == 400 and (await r.json())["error"]["param"] == "prompt"
-        finally:
-            await runner.cleanup()
-            await w.stop()
+        async with one_worker_router(policy="tier-aware") as (_, _, url, s):
+            async with s.post(url + "/v1/completions", json={"model": "tiny", "prompt_embeds": "AAAA"}) as r:
+                assert r.status == 200 and r.headers["X-Kvtier-Predicted-Cached"] == "0"
+            async with s.post(url + "/v1/completions", json={"model": "tiny"}) as r:
+                assert r.status == 400 and (await r.json())["error"]["param"] == "prompt"
     run(main())
 
 
 def test_models_pass_the_clients_key_to_a_worker_that_needs_one():
     async def main():
-        w = StandIn("w0")
-        w.api_key = "k1"
-        await w.start()
-        router, runner, url = await start_router([w], policy="round-robin")
-        try:
-            async with ClientSession() as s:
-                async with s.get(url + "/v1/models", headers={"Authorization": "Bearer k1"}) as r:
-                    assert r.status == 200 and (await r.json())["data"][0]["id"] == "tiny"
-                async with s.get(url + "/v1/models") as r:          # control: no key, the worker's 401
-                    assert r.status == 401 and "error" in await r.json()
-        finally:
-            await runner.cleanup()
-            await w.stop()
+        async with one_worker_router(policy="round-robin") as (w, _, url, s):
+            w.api_key = "k1"
+            async with s.get(url + "/v1/models", headers={"Authorization": "Bearer k1"}) as r:
+                assert r.status == 200 and (await r.json())["data"][0]["id"] == "tiny"
+            async with s.get(url + "/v1/models") as r:          # control: no key, the worker's 401
+                assert r.status == 401 and "error" in await r.json()
     run(main())

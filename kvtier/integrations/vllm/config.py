@@ -242,10 +242,7 @@ def engine_kv(config: ConnectorConfig, vllm_config, kv_cache_config, *, tp_rank:
             "run without the connector or with --disable-hybrid-kv-cache-manager"
         )
     spec = groups[0].kv_cache_spec
-    check_kv_cache_kind(spec, config.block_tokens)
-    for name in ("num_kv_heads", "head_size", "dtype", "block_size"):
-        if not hasattr(spec, name):
-            raise ConfigError(f"KvtierConnector needs an attention KV cache; got {type(spec).__name__}")
+    check_kv_cache_kind(spec, config.block_tokens)   # an attention spec: heads, head size, dtype, pages
     if getattr(spec, "head_size_v", spec.head_size) != spec.head_size:
         raise ConfigError("KvtierConnector needs K and V of the same head size")
     dtype_name = str(spec.dtype).removeprefix("torch.")
