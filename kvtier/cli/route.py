@@ -86,7 +86,7 @@ def run(args) -> int:
     from aiohttp import web
 
     from kvtier.errors import ConfigError
-    from kvtier.router.app import PromptTokenizer, Router
+    from kvtier.router.app import SERVE_OPTIONS, PromptTokenizer, Router
 
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -112,5 +112,5 @@ def run(args) -> int:
 
     app = router.app()
     app.on_startup.append(announce)
-    web.run_app(app, host=config.host, port=config.port, print=None, access_log=None)
+    web.run_app(app, host=config.host, port=config.port, print=None, access_log=None, **SERVE_OPTIONS)
     return 0

@@ -36,6 +36,11 @@ _HOP_HEADERS = {"host", "content-length", "transfer-encoding", "connection", "ke
 _RETRY_STATUS = {502, 503, 504}
 #: when the router got the request (its own time before forwarding goes into Server-Timing)
 _RECEIVED = web.RequestKey("kvtier_received", float)
+#: how the router's app must be served. A client that leaves cancels its handler, which closes
+#: the worker's request with it: vLLM then aborts the generation (its own server does the same
+#: for a client of its own) instead of decoding to ``max_tokens`` for nobody. aiohttp's default
+#: lets the handler run to the end.
+SERVE_OPTIONS = {"handler_cancellation": True}
 
 
 class RouteRequest(NamedTuple):
@@ -225,8 +230,15 @@ class Router:
         app.on_cleanup.append(self._stop)
         return app
 
+    def runner(self) -> web.AppRunner:
+        """An aiohttp runner for :meth:`app`, served as ``kvtier route`` serves it (SERVE_OPTIONS)."""
+        return web.AppRunner(self.app(), **SERVE_OPTIONS)
+
     async def _start(self, app: web.Application) -> None:
-        timeout = ClientTimeout(total=self.config.request_timeout_s, sock_connect=self.config.connect_timeout_s)
+        # A bound on silence, not on the whole answer: a total would cut every generation that
+        # streams longer than it (an agent's long answer), mid-stream.
+        timeout = ClientTimeout(total=None, sock_connect=self.config.connect_timeout_s,
+                                sock_read=self.config.request_timeout_s)
         self.session = ClientSession(timeout=timeout, connector=TCPConnector(limit=0), auto_decompress=False)
         for w in self.workers:
             if w.events_endpoint:
@@ -556,18 +568,31 @@ class Router:
         await out.prepare(request)
         streaming = "text/event-stream" in (ctype or "")
         kept = bytearray(first)
-        await out.write(first)
-        last, mark = time.monotonic(), worker.quiet_mark()
-        async for chunk in resp.content.iter_any():
-            if streaming:   # the worker's decode step, as its streams see it (decode pressure)
-                now = time.monotonic()
-                worker.decode_gap(now - last, mark)
-                last, mark = now, worker.quiet_mark()
-            await out.write(chunk)
-            kept += chunk
-            if streaming and len(kept) > 65536:
-                del kept[:-65536]     # the usage chunk comes last: keep a tail only
-        await out.write_eof()
+        try:
+            await out.write(first)
+            last, mark = time.monotonic(), worker.quiet_mark()
+            while True:
+                try:
+                    chunk = await resp.content.readany()
+                except (ClientError, asyncio.TimeoutError, OSError) as exc:
+                    await self._cut_by_worker(request, out, worker, exc, streaming)
+                    return out
+                if not chunk:
+                    break
+                if streaming:   # the worker's decode step, as its streams see it (decode pressure)
+                    now = time.monotonic()
+                    worker.decode_gap(now - last, mark)
+                    last, mark = now, worker.quiet_mark()
+                await out.write(chunk)
+                kept += chunk
+                if streaming and len(kept) > 65536:
+                    del kept[:-65536]     # the usage chunk comes last: keep a tail only
+            await out.write_eof()
+        except (ConnectionResetError, asyncio.CancelledError):
+            # The client left: leaving here closes the worker's request (the caller's ``async
+            # with``), which aborts its generation.
+            self.metrics.cut.labels(worker.url, "client").inc()
+            raise
         usage = None
         if streaming:
             usage = _usage_of_stream(bytes(kept))
@@ -581,3 +606,29 @@ class Router:
             self.metrics.actual_cached.labels(worker.url).inc(got[0])
             self.metrics.prompt_tokens.labels(worker.url).inc(got[1])
         return out
+
+    async def _cut_by_worker(self, request: web.Request, out: web.StreamResponse, worker: Worker,
+                             exc: BaseException, streaming: bool) -> None:
+        """The worker failed or went silent after the client had part of its answer: it cannot
+        go to another worker, so the client must learn that it ended short, never wait on it.
+
+        A stream ends as vLLM ends one that fails: an OpenAI error event, then ``[DONE]`` (the
+        OpenAI clients raise on the event). A whole JSON answer cut short has no such place: the
+        connection is dropped, so the client sees a truncated body rather than a complete one.
+        """
+        reason = "went silent" if isinstance(exc, asyncio.TimeoutError) else f"failed ({exc.__class__.__name__})"
+        message = f"worker {worker.url} {reason} after the answer had started"
+        log.warning("%s; the client's answer ends here", message)
+        self.metrics.cut.labels(worker.url, "worker").inc()
+        self._record_health(worker, False)
+        if streaming:
+            error = {"error": {"message": message, "type": "service_unavailable_error", "param": None,
+                               "code": 503}}
+            try:
+                await out.write(f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode())
+                await out.write_eof()
+                return
+            except ConnectionResetError:
+                pass   # the client left too
+        if request.transport is not None:
+            request.transport.close()

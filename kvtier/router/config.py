@@ -73,6 +73,8 @@ class RouterConfig:
     health_interval_s: float = 2.0
     eject_after: int = 2
     connect_timeout_s: float = 5.0
+    #: the longest a worker may stay silent: before its first byte, or between two chunks of an
+    #: answer (no cap on a whole answer: a long generation that keeps streaming is never cut)
     request_timeout_s: float = 600.0
     #: a worker's ``/tokenize`` of a chat prompt with tools or documents (kvtier.router.app)
     render_timeout_s: float = 5.0

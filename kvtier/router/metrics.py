@@ -51,6 +51,10 @@ class RouterMetrics:
                               "Time a request waited in the router for its worker's queue to shorten "
                               "(kvtier.router.admission; 0 when sent at once)",
                               buckets=(1e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0), registry=r)
+        self.cut = Counter("kvtier_router_cut_responses",
+                           "Answers that ended early after their first byte (reason: worker, the worker failed "
+                           "or went silent mid-answer; client, the client left and the worker's request was "
+                           "closed with it)", ["worker", "reason"], registry=r)
         self.index_blocks = Gauge("kvtier_router_index_blocks", "Blocks in the router's index", registry=r)
 
     def render(self) -> bytes:

@@ -47,7 +47,7 @@ class RouterThread:
         config = RouterConfig(workers=[WorkerSpec(self.first.url)], policy="round-robin", block_tokens=4,
                               kv_bytes_per_token=4096, health_interval_s=0.2, port=self.port)
         self.router = Router(config, WordTokenizer())
-        self.runner = web.AppRunner(self.router.app())
+        self.runner = self.router.runner()
         await self.runner.setup()
         await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
 

@@ -13,7 +13,7 @@ import time
 import msgpack
 import pytest
 import zmq
-from aiohttp import ClientSession, web
+from aiohttp import ClientPayloadError, ClientSession, ClientTimeout, web
 
 from kvtier.bench.route_trace import server_timing
 from kvtier.router.app import Router
@@ -108,7 +108,7 @@ async def start_router(workers, events=None, **kw):
     config = RouterConfig(workers=[WorkerSpec(w.url, (events or {}).get(i)) for i, w in enumerate(workers)],
                           block_tokens=BS, kv_bytes_per_token=4096, health_interval_s=0.2, port=free_port(), **kw)
     router = Router(config, WordTokenizer())
-    runner = web.AppRunner(router.app())
+    runner = router.runner()
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", config.port).start()
     return router, runner, f"http://127.0.0.1:{config.port}"
@@ -333,4 +333,161 @@ def test_models_pass_the_clients_key_to_a_worker_that_needs_one():
                 assert r.status == 200 and (await r.json())["data"][0]["id"] == "tiny"
             async with s.get(url + "/v1/models") as r:          # control: no key, the worker's 401
                 assert r.status == 401 and "error" in await r.json()
+    run(main())
+
+
+class Scripted(StandIn):
+    """A worker whose answers follow ``script``: ``steps`` chunks ``gap_s`` apart, then per
+    ``end``: "done" (a whole answer), "die" (the connection dropped mid-answer) or "silent"
+    (no further byte for 4 s: longer than the tests' ``request_timeout_s``). Counts answers it finished and requests it saw closed."""
+
+    def __init__(self, name: str, steps: int, gap_s: float, end: str = "done") -> None:
+        super().__init__(name)
+        self.steps, self.gap_s, self.end = steps, gap_s, end
+        self.finished = self.closed = 0
+
+    async def complete(self, request):
+        body = await request.json()
+        self.requests += 1
+        try:
+            if not body.get("stream"):    # decode, then one JSON answer (or a cut one)
+                for _ in range(self.steps):
+                    await asyncio.sleep(self.gap_s)
+                    if request.transport is None or request.transport.is_closing():
+                        self.closed += 1
+                        return web.Response(status=499)
+                if self.end == "die":
+                    resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+                    await resp.prepare(request)
+                    await resp.write(b'{"id": "x", "choices": [{"te')
+                    request.transport.close()
+                    return resp
+                self.finished += 1
+                return web.json_response({"id": "x", "choices": [{"text": "done"}]})
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            for i in range(self.steps):
+                await resp.write(f"data: {json.dumps({'choices': [{'text': str(i)}]})}\n\n".encode())
+                await asyncio.sleep(self.gap_s)
+            if self.end == "die":
+                request.transport.close()
+                return resp
+            if self.end == "silent":
+                await asyncio.sleep(4)
+            await resp.write(b"data: [DONE]\n\n")
+            self.finished += 1
+            return resp
+        except (ConnectionResetError, asyncio.CancelledError):
+            self.closed += 1
+            raise
+
+
+async def scripted_router(worker: Scripted, **kw):
+    await worker.start()
+    return await start_router([worker], **kw)
+
+
+async def read_events(s: ClientSession, url: str, body: dict, timeout_s: float) -> tuple[float, list[dict | str]]:
+    """POST and read a stream to its end: (seconds taken, each event's JSON or "[DONE]")."""
+    t0 = time.monotonic()
+    async with s.post(url + "/v1/completions", json=body, timeout=ClientTimeout(total=timeout_s)) as r:
+        assert r.status == 200
+        raw = await r.read()
+    events = [e[len("data: "):] for e in raw.decode().split("\n\n") if e.startswith("data: ")]
+    return time.monotonic() - t0, [e if e == "[DONE]" else json.loads(e) for e in events]
+
+
+def test_a_stream_longer_than_the_request_timeout_is_never_cut():
+    """``request_timeout_s`` bounds a worker's silence, not a whole answer: a generation that
+    keeps streaming for 3 s passes whole through a router with a 1 s timeout (before, it was
+    cut at 1 s and the client then waited on a response that never ended)."""
+    async def main():
+        w = Scripted("w0", steps=30, gap_s=0.1)
+        router, runner, url = await scripted_router(w, request_timeout_s=1.0)
+        try:
+            async with ClientSession() as s:
+                took, events = await read_events(s, url, {"prompt": "a b", "stream": True}, timeout_s=20)
+            assert [e["choices"][0]["text"] for e in events[:-1]] == [str(i) for i in range(30)]
+            assert events[-1] == "[DONE]" and took > 2.5 and w.finished == 1
+        finally:
+            await runner.cleanup()
+            await w.stop()
+    run(main())
+
+
+@pytest.mark.parametrize("end", ["die", "silent"])
+def test_a_worker_that_fails_mid_stream_ends_the_clients_stream_with_an_error(end):
+    """A worker that drops its connection, or goes silent beyond ``request_timeout_s``, after the
+    client has part of a stream: the client gets what was sent, an OpenAI error event and
+    ``[DONE]`` at once (as vLLM ends a failed stream), never a stream left open; the worker is
+    charged a failure. (Before: the router answered a second response into the open stream and
+    the client waited until its own timeout.)"""
+    async def main():
+        w = Scripted("w0", steps=5, gap_s=0.05, end=end)
+        router, runner, url = await scripted_router(w, request_timeout_s=1.0, eject_after=1)
+        try:
+            async with ClientSession() as s:
+                took, events = await read_events(s, url, {"prompt": "a b", "stream": True}, timeout_s=20)
+            assert [e["choices"][0]["text"] for e in events[:5]] == [str(i) for i in range(5)]
+            assert events[5]["error"]["type"] == "service_unavailable_error", events
+            assert w.url in events[5]["error"]["message"] and events[6:] == ["[DONE]"]
+            assert took < 5, took
+            assert router.metrics.cut.labels(w.url, "worker")._value.get() == 1
+            assert router.workers[0].inflight == 0 and router.workers[0].pending_tokens == 0
+        finally:
+            await runner.cleanup()
+            await w.stop()
+    run(main())
+
+
+def test_a_whole_answer_cut_mid_body_reaches_the_client_as_a_broken_body():
+    """A non-streamed answer that the worker drops mid-body cannot end in an error event: the
+    router drops the client's connection, so the client sees a truncated body at once, never a
+    complete-looking one nor a wait. Control: the same worker's whole answer reads fine."""
+    async def main():
+        w = Scripted("w0", steps=2, gap_s=0.05, end="die")
+        router, runner, url = await scripted_router(w)
+        try:
+            async with ClientSession() as s:
+                t0 = time.monotonic()
+                with pytest.raises(ClientPayloadError):
+                    async with s.post(url + "/v1/completions", json={"prompt": "a b"},
+                                      timeout=ClientTimeout(total=20)) as r:
+                        await r.read()
+                assert time.monotonic() - t0 < 5
+                w.end = "done"
+                async with s.post(url + "/v1/completions", json={"prompt": "a b"}) as r:
+                    assert r.status == 200 and (await r.json())["choices"][0]["text"] == "done"
+        finally:
+            await runner.cleanup()
+            await w.stop()
+    run(main())
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_leaves_closes_its_request_on_the_worker(stream):
+    """A client that gives up (a timeout, a closed tab) must not leave the worker decoding to
+    ``max_tokens`` for nobody: the router closes the worker's request with it, which vLLM
+    aborts. Control: a client that stays gets the whole answer from the same worker."""
+    async def main():
+        w = Scripted("w0", steps=30, gap_s=0.1)    # 3 s of decoding
+        router, runner, url = await scripted_router(w)
+        try:
+            async with ClientSession() as s:
+                with pytest.raises(asyncio.TimeoutError):
+                    async with s.post(url + "/v1/completions", json={"prompt": "a b", "stream": stream},
+                                      timeout=ClientTimeout(total=0.5)) as r:
+                        await r.read()
+                deadline = time.monotonic() + 2.0
+                while w.closed == 0 and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
+                assert w.closed == 1 and w.finished == 0, (w.closed, w.finished)
+                assert router.workers[0].inflight == 0
+                if stream:
+                    assert router.metrics.cut.labels(w.url, "client")._value.get() == 1
+                took, events = await read_events(s, url, {"prompt": "a b", "stream": True}, timeout_s=20)
+                assert events[-1] == "[DONE]" and len(events) == 31 and w.finished == 1
+        finally:
+            await runner.cleanup()
+            await w.stop()
     run(main())

@@ -100,7 +100,7 @@ def test_a_long_prompt_is_tokenized_off_the_event_loop():
         config = RouterConfig(workers=[WorkerSpec(f"http://127.0.0.1:{worker.port}", None)],
                               block_tokens=16, kv_bytes_per_token=4096, policy="round-robin", port=free_port())
         router = Router(config, tok)
-        runner = web.AppRunner(router.app())
+        runner = router.runner()
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", config.port).start()
         url = f"http://127.0.0.1:{config.port}"
