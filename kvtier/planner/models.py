@@ -150,16 +150,7 @@ def geometry_from_hf_config(config: Mapping[str, Any], name: str = "custom",
         attn_params = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim
         layout = KVLayout(num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
                           block_tokens=1, kv_parts=2)
-    dense_mlp = 3 * hidden * int(_need(config, "intermediate_size", name))  # SwiGLU: gate, up, down
-    if config.get("n_routed_experts"):
-        active_experts = int(config["num_experts_per_tok"]) + int(config.get("n_shared_experts") or 0)
-        moe_mlp = active_experts * 3 * hidden * int(config["moe_intermediate_size"])
-        moe_mlp += hidden * int(config["n_routed_experts"])  # the router's gate
-        dense_layers = int(config.get("first_k_dense_replace") or 0)
-        mlp_params = dense_layers * dense_mlp + (layers - dense_layers) * moe_mlp
-    else:
-        mlp_params = layers * dense_mlp
-    matmul = layers * attn_params + mlp_params
+    matmul = layers * attn_params + _mlp_params(config, hidden, layers, name)
     tied = bool(config.get("tie_word_embeddings", False))
     total = matmul + vocab * hidden * (1 if tied else 2)
     return ModelGeometry(
@@ -167,6 +158,45 @@ def geometry_from_hf_config(config: Mapping[str, Any], name: str = "custom",
         total_params=float(total), attn_flops_per_pair=float(layers * 2 * heads * (qk_dim + v_dim)),
         is_mla=is_mla,
     )
+
+
+def _mlp_params(config: Mapping[str, Any], hidden: int, layers: int, name: str) -> int:
+    """Parameters a token passes through in the MLPs of all layers (SwiGLU: gate, up, down).
+
+    Mixture-of-experts configs name their experts three ways; each counts the experts a token
+    is routed to, the shared experts every token passes, and the router's gate:
+
+    - DeepSeek: ``n_routed_experts``, ``n_shared_experts`` of ``moe_intermediate_size``, the
+      first ``first_k_dense_replace`` layers dense;
+    - Mixtral and gpt-oss: ``num_local_experts``, each of ``intermediate_size``;
+    - Qwen2/Qwen3-MoE: ``num_experts`` of ``moe_intermediate_size``, a shared expert of
+      ``shared_expert_intermediate_size`` (Qwen2-MoE), every ``decoder_sparse_step``-th layer
+      sparse except ``mlp_only_layers``.
+
+    A MoE config read as dense (one expert's width) undercounts a Mixtral's prefill work 1.8x
+    and a Qwen2-57B-A14B's 2.0x, and the planner then sizes its workers for that.
+    """
+    routed = config.get("n_routed_experts") or config.get("num_local_experts") or config.get("num_experts")
+    if not routed:
+        return layers * 3 * hidden * int(_need(config, "intermediate_size", name))
+    active = config.get("num_experts_per_tok") or config.get("experts_per_token")
+    if not active:
+        raise ConfigError(f"{name}: a mixture-of-experts config ({routed} experts) without num_experts_per_tok")
+    if config.get("num_local_experts") and not config.get("n_routed_experts"):
+        width = int(_need(config, "intermediate_size", name))       # Mixtral, gpt-oss: per expert
+    else:
+        width = int(_need(config, "moe_intermediate_size", name))
+    shared = int(config.get("n_shared_experts") or 0) * width + int(config.get("shared_expert_intermediate_size") or 0)
+    sparse_mlp = 3 * hidden * (int(active) * width + shared) + hidden * int(routed)   # + the router's gate
+    if config.get("first_k_dense_replace"):
+        sparse = [i >= int(config["first_k_dense_replace"]) for i in range(layers)]
+    else:
+        step = int(config.get("decoder_sparse_step") or 1)
+        dense_only = set(config.get("mlp_only_layers") or ())
+        sparse = [(i + 1) % step == 0 and i not in dense_only for i in range(layers)]
+    dense_layers = layers - sum(sparse)
+    dense_mlp = 3 * hidden * int(_need(config, "intermediate_size", name)) if dense_layers else 0
+    return sum(sparse) * sparse_mlp + dense_layers * dense_mlp
 
 
 def load_model(name_or_path: str, kv_dtype: str | None = None) -> ModelGeometry:
