@@ -254,6 +254,8 @@ class Router:
             self.shared = SharedTierEvents(self.index, self.config.shared_events, asyncio.get_running_loop(), **curve)
             self.shared.start()
         self._tasks.append(asyncio.ensure_future(self._health_loop()))
+        if self.config.models_refresh_s > 0:
+            self._tasks.append(asyncio.ensure_future(self._models_loop()))
         self._update_mode()
 
     async def _stop(self, app: web.Application) -> None:
@@ -301,6 +303,32 @@ class Router:
         except (ClientError, asyncio.TimeoutError, OSError):
             good = False
         self._record_health(worker, good)
+
+    async def _models_loop(self) -> None:
+        """Learn the LoRA adapters the workers serve from their ``/v1/models``, now and then.
+
+        A request for an adapter is keyed apart from the base model (vLLM keys its blocks so).
+        Events name an adapter only once some worker computed blocks for it; until then its
+        first requests were keyed as the base model's, so a base-model prefix (a shared system
+        prompt) was predicted as their hit and routed on. vLLM lists adapters, including those
+        loaded at runtime (``/v1/load_lora_adapter``), as models with a ``parent``.
+        """
+        while True:
+            for w in [w for w in self.workers if w.healthy]:
+                try:
+                    async with self.session.get(w.url + "/v1/models", timeout=ClientTimeout(total=5.0)) as resp:
+                        if resp.status == 200:
+                            self._learn_models(await resp.json())
+                except (ClientError, asyncio.TimeoutError, ValueError) as exc:
+                    log.debug("worker %s: /v1/models failed (%s)", w.url, exc)
+            await asyncio.sleep(self.config.models_refresh_s)
+
+    def _learn_models(self, listing: Any) -> None:
+        data = listing.get("data") if isinstance(listing, dict) else None
+        names = [m["id"] for m in data or () if isinstance(m, dict) and isinstance(m.get("id"), str)
+                 and m.get("parent") and m.get("parent") != m["id"]]
+        if names:
+            self.index.add_lora_names(names)
 
     def _record_health(self, worker: Worker, good: bool) -> None:
         if good:
@@ -463,7 +491,9 @@ class Router:
                 async with self.session.get(w.url + "/v1/models", headers=headers,
                                             timeout=ClientTimeout(total=5.0)) as resp:
                     if resp.status == 200:
-                        return web.json_response(await resp.json())
+                        listing = await resp.json()
+                        self._learn_models(listing)
+                        return web.json_response(listing)
                     if 400 <= resp.status < 500:   # the client's mistake (a missing key): say so
                         refused = (resp.status, await resp.json())
             except (ClientError, asyncio.TimeoutError, ValueError):

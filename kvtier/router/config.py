@@ -76,6 +76,9 @@ class RouterConfig:
     #: the longest a worker may stay silent: before its first byte, or between two chunks of an
     #: answer (no cap on a whole answer: a long generation that keeps streaming is never cut)
     request_timeout_s: float = 600.0
+    #: how often the router reads the workers' ``/v1/models`` for LoRA adapters (0: never;
+    #: then adapters are learnt from KV events only)
+    models_refresh_s: float = 30.0
     #: a worker's ``/tokenize`` of a chat prompt with tools or documents (kvtier.router.app)
     render_timeout_s: float = 5.0
     max_attempts: int = 3

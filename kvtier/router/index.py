@@ -326,9 +326,7 @@ class BlockIndex:
                                             lora_name, extra_keys))
                 return 0
         if lora_name:
-            self._lora_names.setdefault(str(lora_name), None)
-            if len(self._lora_names) > MAX_LORA_NAMES:
-                self._lora_names.popitem(last=False)
+            self.add_lora_names([str(lora_name)])
         tokens = token_ids[:len(block_hashes) * block_size]
         if not extras.per_block:
             keys = block_keys(tokens, block_size, seed=parent)
@@ -357,8 +355,17 @@ class BlockIndex:
         return done
 
     def is_lora(self, model: object) -> bool:
-        """Whether a request's ``model`` names a LoRA adapter some worker's events named."""
+        """Whether a request's ``model`` names a LoRA adapter (named by some worker's events,
+        or listed by its ``/v1/models``)."""
         return isinstance(model, str) and model in self._lora_names
+
+    def add_lora_names(self, names: Sequence[str]) -> None:
+        """Adapters to key apart from the base model (the most recent ``MAX_LORA_NAMES`` kept)."""
+        for name in names:
+            self._lora_names.pop(name, None)
+            self._lora_names[name] = None
+        while len(self._lora_names) > MAX_LORA_NAMES:
+            self._lora_names.popitem(last=False)
 
     def _wait_for_parent(self, src: _Source, event: tuple) -> None:
         if src.orphan_count >= self.max_orphans:

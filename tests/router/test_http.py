@@ -49,6 +49,7 @@ class StandIn:
         self.rendered: list[int] | None = None   # what /tokenize answers
         self.api_key: str | None = None          # as vllm serve --api-key: /v1 routes need it
         self.tokenized: list[dict] = []
+        self.loras: list[str] = []               # LoRA adapters /v1/models lists (parent: the base)
         self.runner: web.AppRunner | None = None
 
     async def start(self) -> None:
@@ -72,7 +73,8 @@ class StandIn:
     async def models(self, request):
         if self.api_key and request.headers.get("Authorization") != f"Bearer {self.api_key}":
             return web.json_response({"error": {"message": "Unauthorized"}}, status=401)
-        return web.json_response({"object": "list", "data": [{"id": "tiny"}]})
+        adapters = [{"id": name, "root": f"/loras/{name}", "parent": "tiny"} for name in self.loras]
+        return web.json_response({"object": "list", "data": [{"id": "tiny", "parent": None}, *adapters]})
 
     async def tokenize(self, request):
         """vLLM's /tokenize of a chat request: here ``rendered`` (None: this worker cannot)."""
@@ -490,4 +492,27 @@ def test_a_client_that_leaves_closes_its_request_on_the_worker(stream):
         finally:
             await runner.cleanup()
             await w.stop()
+    run(main())
+
+
+def test_a_lora_adapter_a_worker_lists_is_keyed_apart_before_any_event_names_it():
+    """vLLM keys an adapter's blocks apart from the base model's. The router learnt adapters
+    from events only, so the first requests for a new adapter were keyed as the base model's:
+    a base-model prefix (a shared system prompt) was predicted as their hit and routed on.
+    It now reads the workers' ``/v1/models`` (adapters have a ``parent``). Control: the base
+    model's request over the same tokens is predicted to hit."""
+    async def main():
+        async with one_worker_router(policy="tier-aware", models_refresh_s=0.2) as (w, router, url, s):
+            router.index.stored(0, list(range(10)), None, [3] * 40, BS, "GPU")   # the base model's blocks
+            prompt = " ".join(["abc"] * 40)
+            async with s.post(url + "/v1/completions", json={"model": "tiny", "prompt": prompt}) as r:
+                assert int(r.headers["X-Kvtier-Predicted-Cached"]) == 39     # control
+            w.loras = ["sql-lora"]                   # loaded at runtime (/v1/load_lora_adapter)
+            for _ in range(50):
+                if router.index.is_lora("sql-lora"):
+                    break
+                await asyncio.sleep(0.1)
+            async with s.post(url + "/v1/completions", json={"model": "sql-lora", "prompt": prompt}) as r:
+                assert r.headers["X-Kvtier-Predicted-Cached"] == "0"
+            assert not router.index.is_lora("tiny")
     run(main())
