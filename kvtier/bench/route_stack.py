@@ -77,7 +77,7 @@ class Worker(Proc):
     @property
     def spec(self) -> str:
         """``kvtier route --worker`` value."""
-        return f"{self.url},events={self.events}"
+        return f"{self.url},events={self.events},replay={self.events.replace('.events', '.replay')}"
 
     def restart(self) -> None:
         """Start it again as it was (after :meth:`kill` or :meth:`stop`): a new process and a new
@@ -111,7 +111,9 @@ def start_worker(model: str, log_path: Path, *, transfer: dict | None = None, co
     # on the network reads the events) and ipc/inproc; "tcp://127.0.0.1:N" makes it
     # *connect*. An ipc socket beside the log: local, and as private as that directory.
     endpoint = f"ipc://{Path(log_path).resolve().parent}/vllm-{port}.events"
-    events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "topic": ""}
+    # and its replay buffer beside it: the router catches up on connecting and after lost events
+    events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint,
+              "replay_endpoint": endpoint.replace(".events", ".replay"), "topic": ""}
     cmd = [sys.executable, "-m", "kvtier.integrations.vllm.launcher", "serve", model, "--host", "127.0.0.1",
            "--port", str(port), "--dtype", "float32", "--enforce-eager", "--block-size", str(block_size),
            "--max-model-len", str(max_model_len), "--enable-prompt-tokens-details",

@@ -100,7 +100,10 @@ class RouterAdmin:
         return out
 
     def add(self, url: str, events: str | None = None) -> dict:
-        return self._ok("POST", "/admin/workers", {"url": url, **({"events": events} if events else {})})
+        body = {"url": url}
+        if events:   # and its publisher's replay buffer beside it (see _replay_endpoint)
+            body.update(events=events, replay=_replay_endpoint(events))
+        return self._ok("POST", "/admin/workers", body)
 
     def drain(self, url: str) -> dict:
         return self._ok("POST", "/admin/workers/drain", {"url": url})
@@ -181,7 +184,8 @@ class LocalLauncher:
         if events:
             # ipc, not tcp: vLLM binds its publisher only on a wildcard tcp address (every interface)
             cmd += ["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
-                                                      "endpoint": events, "topic": ""})]
+                                                      "endpoint": events, "replay_endpoint": _replay_endpoint(events),
+                                                      "topic": ""})]
         env = {**os.environ, **dict(self.template.env)}
         if core is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
@@ -351,3 +355,8 @@ class LocalLauncher:
         with self._lock:
             self.actions.append((time.time(), action, worker.name))
         log.info("launcher: %s %s (%s)", action, worker.name, worker.url)
+
+
+def _replay_endpoint(events: str) -> str:
+    """The replay ROUTER beside a worker's ipc event endpoint: the router catches up from it."""
+    return events.rsplit(".events", 1)[0] + ".replay"

@@ -121,11 +121,11 @@ class WorkerAdmin:
 
         self._authorize(request)
         body = await self._body(request)
-        events = body.get("events")
-        if events is not None and not isinstance(events, str):
-            raise _error(400, "events is a ZMQ endpoint string")
+        endpoints = {k: body.get(k) for k in ("events", "replay")}
+        if any(v is not None and not isinstance(v, str) for v in endpoints.values()):
+            raise _error(400, "events and replay are ZMQ endpoint strings")
         try:
-            spec = WorkerSpec.parse(body["url"] + (f",events={events}" if events else ""))
+            spec = WorkerSpec.parse(body["url"] + "".join(f",{k}={v}" for k, v in endpoints.items() if v))
         except ConfigError as exc:
             raise _error(400, str(exc)) from None
         known = self._find(spec.url)
@@ -139,7 +139,7 @@ class WorkerAdmin:
         self.router.index.clear_worker(wid)     # nothing of an earlier holder of this id survives
         # Its backlog (pending tokens ÷ speed) is priced at the fleet's measured prefill speed
         # from the start: the router pools every worker's idle samples (Router.speed).
-        worker = Worker(wid, spec.url, spec.events)
+        worker = Worker(wid, spec.url, spec.events, spec.replay)
         self.router.workers.append(worker)
         self.router.metrics.healthy.labels(worker.url).set(1)
         self.router.metrics.events_up.labels(worker.url).set(0)

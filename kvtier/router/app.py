@@ -179,7 +179,7 @@ class Router:
     def __init__(self, config: RouterConfig, tokenizer: Any, block_bytes: int | None = None) -> None:
         self.config = config.check()
         self.tokenizer = tokenizer
-        self.workers = [Worker(i, w.url, w.events) for i, w in enumerate(config.workers)]
+        self.workers = [Worker(i, w.url, w.events, w.replay) for i, w in enumerate(config.workers)]
         #: per worker id: what it has been sent and what waits here (kvtier.router.admission)
         self.admission: dict[int, AsyncAdmission] = {}
         self.index = BlockIndex(config.block_tokens, capacity=config.index_capacity)

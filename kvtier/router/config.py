@@ -24,20 +24,23 @@ from kvtier.policy.routing import ROUTE_NAMES
 class WorkerSpec:
     url: str
     events: str | None = None     #: ZMQ endpoint of the worker's vLLM ``--kv-events-config``
+    replay: str | None = None     #: its ``replay_endpoint``: catch up on connecting and after lost events
 
     @classmethod
     def parse(cls, text: str) -> "WorkerSpec":
-        """``URL`` or ``URL,events=tcp://host:port``."""
+        """``URL``, ``URL,events=ENDPOINT`` or ``URL,events=ENDPOINT,replay=ENDPOINT``."""
         url, *opts = [p.strip() for p in text.split(",")]
-        events = None
+        found: dict[str, str] = {}
         for opt in opts:
             name, _, value = opt.partition("=")
-            if name != "events" or not value:
-                raise ConfigError(f"worker {text!r}: options are events=ENDPOINT, got {opt!r}")
-            events = value
+            if name not in ("events", "replay") or not value:
+                raise ConfigError(f"worker {text!r}: options are events=ENDPOINT and replay=ENDPOINT, got {opt!r}")
+            found[name] = value
+        if "replay" in found and "events" not in found:
+            raise ConfigError(f"worker {text!r}: replay= needs events= (the replay fills the event stream's holes)")
         if not url.startswith(("http://", "https://")):
             raise ConfigError(f"worker {text!r}: the URL must start with http:// or https://")
-        return cls(url.rstrip("/"), events)
+        return cls(url.rstrip("/"), found.get("events"), found.get("replay"))
 
 
 @dataclass
@@ -152,9 +155,11 @@ class RouterConfig:
         # bandwidths written in the file are the user's own: measurement files do not override them
         config._explicit.update(k for k in data if k in cls._DEFAULT_BANDWIDTHS)
         for w in workers:
-            if not isinstance(w, dict) or "url" not in w or set(w) - {"url", "events"}:
-                raise ConfigError(f"router config {path}: each [[worker]] has url and optional events, got {w!r}")
-            config.workers.append(WorkerSpec.parse(w["url"] + (f",events={w['events']}" if w.get("events") else "")))
+            if not isinstance(w, dict) or "url" not in w or set(w) - {"url", "events", "replay"}:
+                raise ConfigError(f"router config {path}: each [[worker]] has url and optional events and replay, "
+                                  f"got {w!r}")
+            config.workers.append(WorkerSpec.parse(w["url"] + "".join(f",{k}={w[k]}" for k in ("events", "replay")
+                                                                      if w.get(k))))
         return config
 
 

@@ -7,6 +7,11 @@
   disconnect, a sequence gap or a sequence that goes back (a restarted publisher)
   clears what this worker reported, so the index never holds blocks from before a
   hole: the worker then counts as events-down until new events come in order again.
+  With the publisher's replay endpoint (vLLM's ``replay_endpoint``: a ROUTER serving
+  its last ``buffer_steps`` batches) the listener also catches up instead of starting
+  blind: on connecting (a router that restarts, or a publisher that did) it replays
+  the buffer, and lost messages are replayed rather than cleared (cleared only when
+  the buffer no longer has them).
 * :class:`SharedTierEvents` — the kvtier server's authenticated events
   (:class:`kvtier.server.events.EventSubscriber`, CURVE credentials). Their block
   names are HMACs of the connector's client keys, which chain over vLLM's own block
@@ -62,6 +67,9 @@ class VllmEvents:
         self.next_seq: int | None = None
         self.resyncs = 0
         self.messages = 0
+        self.replayed = 0             #: batches applied from the publisher's replay buffer
+        #: after a replay, live messages below this are the replay's own (queued meanwhile): skipped
+        self._skip_below: int | None = None
         self._task: asyncio.Task | None = None
         self._stopping = False
 
@@ -92,6 +100,7 @@ class VllmEvents:
                  f" ({detail})" if detail else "")
         self.index.clear_worker(self.worker.id)
         self.next_seq = None
+        self._skip_below = None
         self.resyncs += 1
         self.on_resync(self.worker, reason)
 
@@ -117,6 +126,8 @@ class VllmEvents:
                 if monitor in ready:
                     event = parse_monitor_message(await monitor.recv_multipart())
                     if event["event"] == zmq.EVENT_CONNECTED:
+                        if self.next_seq is None and self.worker.replay_endpoint:
+                            await self._replay(ctx, 0)   # what the worker holds from before we listened
                         self._set_up(True)
                     elif event["event"] == zmq.EVENT_DISCONNECTED:
                         # The publisher went away: its GPU cache may be gone, and what it
@@ -125,13 +136,64 @@ class VllmEvents:
                         self._set_up(False)
                 if sock in ready:
                     frames = await sock.recv_multipart()
+                    seq = self._seq(frames)
+                    if (seq is not None and self.next_seq is not None and seq > self.next_seq
+                            and self.worker.replay_endpoint):
+                        await self._replay(ctx, self.next_seq, upto=seq)   # lost messages, from the buffer
                     self.handle(frames)
         finally:
             sock.disable_monitor()
             monitor.close(0)
             sock.close(0)
 
-    def handle(self, frames: list[bytes]) -> None:
+    async def _replay(self, ctx, start: int, upto: int | None = None, timeout_s: float = 5.0) -> None:
+        """Apply the publisher's buffered batches from sequence ``start`` (up to ``upto``).
+
+        vLLM's protocol: a DEALER sends ``["", start (u64 BE)]``; the ROUTER answers each
+        buffered batch at or after it as ``["", topic, seq, payload]``, then
+        ``["", "", -1, ""]``. A buffer that no longer starts at ``start`` (or a replay
+        that fails) leaves the hole: then the usual clear applies (``handle`` sees the gap).
+        """
+        import zmq
+
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        applied = 0
+        try:
+            dealer.connect(self.worker.replay_endpoint)
+            await dealer.send_multipart([b"", start.to_bytes(8, "big")])
+            expected = start
+            while True:
+                if not await dealer.poll(timeout_s * 1000):
+                    log.warning("worker %s events: replay from %d timed out", self.worker.url, start)
+                    return
+                frames = await dealer.recv_multipart()
+                if len(frames) < 4 or frames[-2] == b"\xff" * 8:
+                    return    # the end marker
+                seq = self._seq(frames)
+                if seq is None or (upto is not None and seq >= upto):
+                    continue
+                if seq != expected:   # the buffer lost these already: a hole the replay cannot fill
+                    log.info("worker %s events: replay starts at %d, %d needed", self.worker.url, seq, expected)
+                    return
+                self.handle(frames, replayed=True)
+                expected = seq + 1
+                applied += 1
+        except zmq.ZMQError as exc:
+            log.warning("worker %s events: replay from %s failed: %s", self.worker.url,
+                        self.worker.replay_endpoint, exc)
+        finally:
+            dealer.close(0)
+            if applied:
+                self.replayed += applied
+                self._skip_below = self.next_seq
+                log.info("worker %s events: %d batches replayed from %d", self.worker.url, applied, start)
+
+    @staticmethod
+    def _seq(frames: list[bytes]) -> int | None:
+        return _SEQ.unpack(frames[-2])[0] if len(frames) >= 3 and len(frames[-2]) == 8 else None
+
+    def handle(self, frames: list[bytes], replayed: bool = False) -> None:
         """One published message; malformed ones are logged and skipped (a miss, never a crash)."""
         import msgpack
 
@@ -139,6 +201,10 @@ class VllmEvents:
             log.warning("worker %s events: malformed message (%d frames)", self.worker.url, len(frames))
             return
         seq = _SEQ.unpack(frames[-2])[0]
+        if not replayed and self._skip_below is not None:
+            if seq < self._skip_below:
+                return    # a replayed batch, also queued live while the replay ran
+            self._skip_below = None
         if self.next_seq is not None and seq != self.next_seq:
             if seq < self.next_seq:
                 self.resync("restarted", f"sequence {seq} after {self.next_seq - 1}")

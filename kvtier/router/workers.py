@@ -18,6 +18,7 @@ class Worker:
     id: int                       #: stable slot: index bits, metrics labels
     url: str                      #: base URL, e.g. http://127.0.0.1:8001
     events_endpoint: str | None = None
+    replay_endpoint: str | None = None   #: the publisher's replay ROUTER (vLLM ``replay_endpoint``)
     healthy: bool = True
     failures: int = 0             #: consecutive failed health checks or requests
     ejected_at: float | None = None

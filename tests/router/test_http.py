@@ -516,3 +516,157 @@ def test_a_lora_adapter_a_worker_lists_is_keyed_apart_before_any_event_names_it(
                 assert r.headers["X-Kvtier-Predicted-Cached"] == "0"
             assert not router.index.is_lora("tiny")
     run(main())
+
+
+def test_a_router_started_after_its_worker_catches_up_from_vllms_replay_buffer(tmp_path):
+    """vLLM's publisher keeps its last batches for replay (``replay_endpoint``). A router that
+    starts (or restarts) after its workers knew nothing of what they already held until they
+    stored it again: it routed blind. Given ``replay=``, it replays the buffer on connecting.
+    Real vLLM publisher (``ZmqEventPublisher``). Control: the same router without ``replay=``
+    knows none of the earlier blocks, nor their continuation (its parents unknown), and indexes
+    a new context published live; the replaying one indexes every block once (replayed batches
+    also queued live are skipped, not taken for a restart)."""
+    kv_events = pytest.importorskip("vllm.distributed.kv_events")
+
+    def batch(first: int, n: int) -> object:
+        return kv_events.KVEventBatch(ts=time.time(), events=[kv_events.BlockStored(
+            block_hashes=list(range(first, first + n)), parent_block_hash=first - 1 if first else None,
+            token_ids=list(range(10 + BS * first, 10 + BS * (first + n))), block_size=BS, lora_id=None,
+            medium="GPU", lora_name=None)])
+
+    async def main():
+        events, replay = f"ipc://{tmp_path}/events", f"ipc://{tmp_path}/replay"
+        publisher = kv_events.ZmqEventPublisher(0, endpoint=events, replay_endpoint=replay)
+        w = StandIn("w0")
+        await w.start()
+        routers = []
+        try:
+            for i in range(5):                       # 10 blocks the worker holds before any router
+                publisher.publish(batch(2 * i, 2))
+            await asyncio.sleep(0.3)
+            for spec in (f"{w.url},events={events},replay={replay}", f"{w.url},events={events}"):
+                config = RouterConfig(workers=[WorkerSpec.parse(spec)], block_tokens=BS, kv_bytes_per_token=4096,
+                                      health_interval_s=0.2, port=free_port())
+                router = Router(config, WordTokenizer())
+                runner = router.runner()
+                await runner.setup()
+                await web.TCPSite(runner, "127.0.0.1", config.port).start()
+                routers.append((router, runner))
+            replaying, plain = routers[0][0], routers[1][0]
+            for _ in range(50):
+                if replaying.index.worker_blocks(0) >= 10 and all(w.events_up for r, _ in routers
+                                                                  for w in r.workers):
+                    break
+                await asyncio.sleep(0.1)
+            assert replaying.index.worker_blocks(0) == 10 and replaying.listeners[0].replayed == 5
+            assert plain.index.worker_blocks(0) == 0                 # control: blind without replay
+            # the earlier context is predicted cached: 40 tokens, ten blocks
+            ids = list(range(10, 10 + BS * 10))
+            _, predicted, _ = replaying.decide(ids, set())
+            assert predicted == BS * 10 - 1
+            for i in range(5, 8):                    # live from here on: the context goes on …
+                publisher.publish(batch(2 * i, 2))
+            publisher.publish(kv_events.KVEventBatch(ts=time.time(), events=[kv_events.BlockStored(
+                block_hashes=[100, 101], parent_block_hash=None, token_ids=[7] * (2 * BS), block_size=BS,
+                lora_id=None, medium="GPU", lora_name=None)]))    # … and a new one starts
+            for _ in range(50):
+                if replaying.index.worker_blocks(0) >= 18 and plain.index.worker_blocks(0) >= 2:
+                    break
+                await asyncio.sleep(0.1)
+            assert replaying.index.worker_blocks(0) == 18 and replaying.listeners[0].resyncs == 0
+            # without the replay even the continuation stays unknown (its parents were never seen)
+            assert plain.index.worker_blocks(0) == 2
+        finally:
+            for router, runner in routers:
+                await runner.cleanup()
+            publisher.shutdown()
+            await w.stop()
+    run(main())
+
+
+class DroppingPublisher:
+    """vLLM's event publisher protocol (PUB for the stream, ROUTER for replays of the buffer)
+    that can lose a message on the live stream, or forget it in its buffer: the faults the
+    router must survive. (The protocol as vllm.distributed.kv_events.ZmqEventPublisher has it.)"""
+
+    def __init__(self, tmp_path) -> None:
+        ctx = zmq.Context.instance()
+        self.events, self.replay = f"ipc://{tmp_path}/ev", f"ipc://{tmp_path}/rp"
+        self.pub, self.router = ctx.socket(zmq.PUB), ctx.socket(zmq.ROUTER)
+        self.pub.bind(self.events)
+        self.router.bind(self.replay)
+        self.buffer: dict[int, bytes] = {}
+        self.seq = 0
+
+    def publish(self, first: int, n: int, *, live: bool = True, keep: bool = True) -> None:
+        stored = {"type": "BlockStored", "block_hashes": list(range(first, first + n)),
+                  "parent_block_hash": first - 1 if first else None,
+                  "token_ids": list(range(10 + BS * first, 10 + BS * (first + n))), "block_size": BS,
+                  "lora_id": None, "medium": "GPU"}
+        frames = vllm_message(self.seq, [stored])
+        if keep:
+            self.buffer[self.seq] = frames[-1]
+        if live:
+            self.pub.send_multipart(frames)
+        self.seq += 1
+
+    async def serve_replays(self) -> None:
+        while True:
+            if self.router.poll(0):
+                client, _, start = self.router.recv_multipart()
+                for seq in sorted(s for s in self.buffer if s >= int.from_bytes(start, "big")):
+                    self.router.send_multipart([client, b"", b"", struct.pack(">Q", seq), self.buffer[seq]])
+                self.router.send_multipart([client, b"", b"", b"\xff" * 8, b""])
+            await asyncio.sleep(0.01)
+
+    def close(self) -> None:
+        self.pub.close(0)
+        self.router.close(0)
+
+
+@pytest.mark.parametrize("in_buffer", [True, False])
+def test_a_message_lost_on_the_live_stream_is_replayed_not_cleared(tmp_path, in_buffer):
+    """A gap in the sequence (a message the SUB socket dropped) cleared the worker's entries,
+    which then stayed unknown until stored again. With ``replay=`` the router asks the
+    publisher's buffer for the missing messages first, and clears only if the buffer has lost
+    them too (the control: ``in_buffer=False``)."""
+    async def main():
+        publisher = DroppingPublisher(tmp_path)
+        serving = asyncio.ensure_future(publisher.serve_replays())
+        w = StandIn("w0")
+        await w.start()
+        config = RouterConfig(workers=[WorkerSpec.parse(f"{w.url},events={publisher.events},"
+                                                        f"replay={publisher.replay}")],
+                              block_tokens=BS, kv_bytes_per_token=4096, health_interval_s=0.2, port=free_port())
+        router = Router(config, WordTokenizer())
+        runner = router.runner()
+        await runner.setup()
+        try:
+            for _ in range(50):
+                if router.workers[0].events_up:
+                    break
+                await asyncio.sleep(0.1)
+            await asyncio.sleep(0.3)                  # the subscription reaches the publisher
+            publisher.publish(0, 2)
+            for _ in range(50):
+                if router.index.worker_blocks(0) == 2:
+                    break
+                await asyncio.sleep(0.05)
+            publisher.publish(2, 2, live=False, keep=in_buffer)   # lost on the way
+            publisher.publish(4, 2)
+            for _ in range(50):
+                await asyncio.sleep(0.05)
+                if router.index.worker_blocks(0) == 6 or router.listeners[0].resyncs:
+                    break
+            await asyncio.sleep(0.2)
+            listener = router.listeners[0]
+            if in_buffer:
+                assert router.index.worker_blocks(0) == 6 and listener.resyncs == 0
+            else:   # the hole cannot be filled: cleared, and what follows it waits for its parents
+                assert listener.resyncs == 1 and router.index.worker_blocks(0) == 0
+        finally:
+            serving.cancel()
+            await runner.cleanup()
+            publisher.close()
+            await w.stop()
+    run(main())

@@ -286,6 +286,28 @@ def test_a_client_that_leaves_a_stream_aborts_its_generation_on_the_worker(stack
     assert 0 < wasted < 1900 // 2, wasted
 
 
+def test_a_router_started_late_catches_up_from_the_workers_replay_buffers(stack, tmp_path):
+    """A router that starts (or restarts) after its workers have served requests: it replays
+    each worker's KV-event buffer (vLLM's ``replay_endpoint``) on connecting, so its index
+    holds what the workers hold before any new event. Control: the router that listened all
+    along holds the same blocks, and some."""
+    from kvtier.bench.route_stack import start_router
+
+    model, workers, live = stack["model"], stack["workers"], stack["routers"]["tier-aware"]
+    status, _, _ = post(live.url, {"model": model, "prompt": tokens(random.Random(21), 300), "max_tokens": 1})
+    assert status == 200
+    time.sleep(0.5)
+    held = [_indexed(live, w) for w in workers]
+    assert sum(held) > 0
+    late = start_router(model, workers, tmp_path / "late-router.log", policy="tier-aware",
+                        extra_args=["--shared-writes"])
+    try:
+        assert _wait_for(lambda: [_indexed(late, w) for w in workers] == held, timeout_s=30), \
+            ([_indexed(late, w) for w in workers], held, late.log_tail())
+    finally:
+        late.stop()
+
+
 def test_a_worker_killed_mid_run_loses_no_request(stack):
     """Last in this module: worker 1 does not come back."""
     model, url, workers = stack["model"], stack["routers"]["tier-aware"].url, stack["workers"]
