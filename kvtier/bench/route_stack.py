@@ -120,7 +120,9 @@ def start_worker(model: str, log_path: Path, *, transfer: dict | None = None, co
            "--kv-events-config", json.dumps(events), *(extra_args or [])]
     if transfer:
         cmd += ["--kv-transfer-config", json.dumps(transfer)]
+    # VLLM_ENABLE_RESPONSES_API_STORE: Responses API answers kept per worker (previous_response_id)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
+           "VLLM_ENABLE_RESPONSES_API_STORE": "1",
            "VLLM_SERVER_DEV_MODE": "1", "OMP_WAIT_POLICY": "PASSIVE"}
     if core is not None:     # one core per worker: two workers' OpenMP threads must not fight
         env["VLLM_CPU_OMP_THREADS_BIND"] = str(core)

@@ -13,7 +13,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple, Sequence
 
@@ -117,6 +119,11 @@ def _valid_prompt(prompt: Any) -> bool:
             and (all(isinstance(p, str) for p in prompt) or all(_token_list(p) and p for p in prompt)))
 
 
+#: a Responses API answer's id (vLLM: ``resp_`` + hex); output items have other prefixes
+_RESPONSE_ID = re.compile(rb'"id"\s*:\s*"(resp_[A-Za-z0-9_-]+)"')
+#: response ids remembered for ``previous_response_id`` (the oldest forgotten first)
+MAX_RESPONSE_OWNERS = 1 << 16
+
 #: texts shorter than this (characters) are tokenized on the event loop, longer ones on a thread
 TOKENIZE_INLINE_CHARS = 16384
 
@@ -203,6 +210,8 @@ class Router:
         self.last_decision_s = 0.0    #: seconds the last decision took (what the histogram observes)
         self.last_load_s = 0.0        #: the last decision's predicted tier-load seconds on the chosen worker
         self._tasks: list[asyncio.Task] = []
+        #: Responses API: response id → the URL of the worker that stored it (most recent last)
+        self._response_owners: OrderedDict[str, str] = OrderedDict()
         # Long texts are tokenized on a thread of their own: a 200 k-token text takes ~0.5 s to
         # encode, which on the event loop would stall every stream the router relays and every
         # other request (the fast tokenizer's Rust core releases the GIL). Short ones stay on the
@@ -222,6 +231,7 @@ class Router:
         app = web.Application(middlewares=[self._errors], client_max_size=64 * 1024 * 1024)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/v1/responses", self.responses)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health_endpoint)
         app.router.add_get("/metrics", self.metrics_endpoint)
@@ -448,6 +458,35 @@ class Router:
         return await self._forward(request, raw, ids, streaming=body.get("stream") is True,
                                    seed=self._context(body))
 
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        """The Responses API (vLLM's ``/v1/responses``), routed on load alone: its prompt is
+        rendered from ``input`` items, ``instructions`` and tools by vLLM's own code, which a
+        router cannot key exactly. A request that continues a stored response
+        (``previous_response_id``) must go to the worker that stored it (vLLM keeps responses
+        per process): the router remembers which worker answered each response id."""
+        request[_RECEIVED] = time.perf_counter()
+        raw, body = await self._json(request)
+        if not isinstance(body, dict):
+            raise RequestError(400, "the request body must be a JSON object")
+        if "input" not in body and "previous_response_id" not in body:
+            raise RequestError(400, "'input' is a required property", param="input")
+        previous = body.get("previous_response_id")
+        owner = self._response_owners.get(previous) if isinstance(previous, str) else None
+        return await self._forward(request, raw, [], streaming=body.get("stream") is True, pinned_url=owner)
+
+    def _remember_response(self, kept: bytes, worker: Worker) -> None:
+        """Which worker holds the response an answer created (its ``resp_…`` id: the whole JSON
+        answer, or the ``response.completed`` event at a stream's end)."""
+        found = _RESPONSE_ID.search(kept)   # ("previous_response_id" is not matched: no quote before "id")
+        if found is None:
+            return
+        rid = found.group(1).decode()
+        owners = self._response_owners
+        owners[rid] = worker.url
+        owners.move_to_end(rid)
+        while len(owners) > MAX_RESPONSE_OWNERS:
+            owners.popitem(last=False)
+
     async def _worker_render(self, body: dict, authorization: str | None = None) -> list[int] | None:
         """The prompt's token ids as a worker renders them (vLLM's ``/tokenize``), or None.
 
@@ -517,9 +556,12 @@ class Router:
         return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
 
     async def _forward(self, request: web.Request, raw: bytes, token_ids: list[int], *,
-                       streaming: bool = False, seed: int = ROOT_SEED) -> web.StreamResponse:
+                       streaming: bool = False, seed: int = ROOT_SEED,
+                       pinned_url: str | None = None) -> web.StreamResponse:
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
-        tried: set[int] = set()
+        # pinned: only that worker can serve it (it holds state the request refers to)
+        tried: set[int] = ({w.id for w in self.workers if w.url != pinned_url}
+                           if pinned_url and any(w.url == pinned_url for w in self.workers) else set())
         last_error = "no worker available"
         for attempt in range(self.config.max_attempts):
             decision = self.decide(token_ids, tried, seed)
@@ -631,6 +673,8 @@ class Router:
                 usage = json.loads(kept).get("usage")
             except (ValueError, AttributeError):
                 usage = None
+        if request.path == "/v1/responses" and resp.status == 200:
+            self._remember_response(bytes(kept), worker)
         got = _cached_tokens(usage)
         if got is not None:
             self.metrics.actual_cached.labels(worker.url).inc(got[0])

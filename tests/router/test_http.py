@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import socket
 import struct
 import time
@@ -50,12 +51,14 @@ class StandIn:
         self.api_key: str | None = None          # as vllm serve --api-key: /v1 routes need it
         self.tokenized: list[dict] = []
         self.loras: list[str] = []               # LoRA adapters /v1/models lists (parent: the base)
+        self.responses: set[str] = set()         # Responses API ids this worker stored
         self.runner: web.AppRunner | None = None
 
     async def start(self) -> None:
         app = web.Application()
         app.router.add_post("/v1/completions", self.complete)
         app.router.add_post("/v1/chat/completions", self.complete)
+        app.router.add_post("/v1/responses", self.respond)
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_get("/health", self.health)
@@ -82,6 +85,29 @@ class StandIn:
         if self.rendered is None:
             return web.json_response({"error": {"message": "not found"}}, status=404)
         return web.json_response({"tokens": self.rendered, "count": len(self.rendered)})
+
+    async def respond(self, request):
+        """vLLM's Responses API as far as routing sees it: it stores each response in this
+        process, and a ``previous_response_id`` it does not hold is a 404."""
+        body = await request.json()
+        previous = body.get("previous_response_id")
+        if previous is not None and previous not in self.responses:
+            return web.json_response({"error": {"message": f"Response with id '{previous}' not found.",
+                                                "type": "invalid_request_error", "code": 404}}, status=404)
+        self.requests += 1
+        rid = f"resp_{self.name}{len(self.responses)}"
+        self.responses.add(rid)
+        answer = {"id": rid, "object": "response", "previous_response_id": previous, "worker": self.name,
+                  "output": [{"id": "msg_1", "type": "message", "content": [{"type": "output_text", "text": "hi"}]}]}
+        if not body.get("stream"):
+            return web.json_response(answer)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for kind in ("response.created", "response.output_text.delta", "response.completed"):
+            data = {"type": kind, "response": answer} if kind != "response.output_text.delta" else \
+                {"type": kind, "item_id": "msg_1", "delta": "hi"}
+            await resp.write(f"event: {kind}\ndata: {json.dumps(data)}\n\n".encode())
+        return resp
 
     async def health(self, request):
         return web.Response(status=503 if self.down else 200)
@@ -670,3 +696,39 @@ def test_a_message_lost_on_the_live_stream_is_replayed_not_cleared(tmp_path, in_
             publisher.close()
             await w.stop()
     run(main())
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_response_that_continues_a_stored_one_goes_to_the_worker_that_stored_it(stream):
+    """vLLM's Responses API keeps each response in the process that made it, and a request
+    with ``previous_response_id`` anywhere else is a 404. The router routed ``/v1/responses``
+    nowhere (a 404 of its own). It now routes them on load and sends a continuation to the
+    worker that stored the response it continues. Control: new conversations spread over both."""
+    async def main():
+        a, b = StandIn("a"), StandIn("b")
+        await a.start()
+        await b.start()
+        router, runner, url = await start_router([a, b], policy="round-robin")
+        try:
+            async with ClientSession() as s:
+                async def ask(body):
+                    async with s.post(url + "/v1/responses", json={"model": "tiny", **body}) as r:
+                        assert r.status == 200, await r.text()
+                        text = await r.text()
+                        return r.headers["X-Kvtier-Worker"], _RESPONSE.search(text).group(1)
+                starts = [await ask({"input": f"hello {i}", "stream": stream}) for i in range(4)]
+                assert {w for w, _ in starts} == {a.url, b.url}          # control: spread by load
+                for worker, rid in starts:
+                    for _ in range(3):                                   # a conversation, turn by turn
+                        got, rid = await ask({"input": "go on", "previous_response_id": rid, "stream": stream})
+                        assert got == worker
+                async with s.post(url + "/v1/responses", json={"model": "tiny"}) as r:
+                    assert r.status == 400 and (await r.json())["error"]["param"] == "input"
+        finally:
+            await runner.cleanup()
+            await a.stop()
+            await b.stop()
+    run(main())
+
+
+_RESPONSE = re.compile(r'"id": "(resp_[a-z0-9]+)"')

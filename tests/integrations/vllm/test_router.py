@@ -308,6 +308,28 @@ def test_a_router_started_late_catches_up_from_the_workers_replay_buffers(stack,
         late.stop()
 
 
+def test_a_responses_api_conversation_stays_on_the_worker_that_stored_it(stack):
+    """vLLM keeps Responses API answers in the process that made them. Through round-robin,
+    a conversation's next turn (``previous_response_id``) lands on the other worker half the
+    time: a 404 there. The router sends each continuation to the worker that stored the
+    response (before, it answered /v1/responses with a 404 of its own). Control: the first
+    turns of the conversations spread over both workers."""
+    model, url = stack["model"], stack["routers"]["round-robin"].url
+    firsts = []
+    for i in range(4):
+        status, headers, out = post(url, {"model": model, "input": f"hello {i}", "max_output_tokens": 4},
+                                    path="/v1/responses")
+        assert status == 200 and out["id"].startswith("resp_"), out
+        firsts.append((headers["X-Kvtier-Worker"], out["id"]))
+    assert len({w for w, _ in firsts}) == 2
+    for worker, rid in firsts:
+        for _ in range(2):
+            status, headers, out = post(url, {"model": model, "input": "go on", "previous_response_id": rid,
+                                              "max_output_tokens": 4}, path="/v1/responses")
+            assert status == 200 and headers["X-Kvtier-Worker"] == worker, (status, out)
+            rid = out["id"]
+
+
 def test_a_worker_killed_mid_run_loses_no_request(stack):
     """Last in this module: worker 1 does not come back."""
     model, url, workers = stack["model"], stack["routers"]["tier-aware"].url, stack["workers"]
