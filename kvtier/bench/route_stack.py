@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvtier.child_process import die_with_parent
+from kvtier.router.config import replay_beside
 
 
 def free_port() -> int:
@@ -77,7 +78,7 @@ class Worker(Proc):
     @property
     def spec(self) -> str:
         """``kvtier route --worker`` value."""
-        return f"{self.url},events={self.events},replay={self.events.replace('.events', '.replay')}"
+        return f"{self.url},events={self.events},replay={replay_beside(self.events)}"
 
     def restart(self) -> None:
         """Start it again as it was (after :meth:`kill` or :meth:`stop`): a new process and a new
@@ -113,7 +114,7 @@ def start_worker(model: str, log_path: Path, *, transfer: dict | None = None, co
     endpoint = f"ipc://{Path(log_path).resolve().parent}/vllm-{port}.events"
     # and its replay buffer beside it: the router catches up on connecting and after lost events
     events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint,
-              "replay_endpoint": endpoint.replace(".events", ".replay"), "topic": ""}
+              "replay_endpoint": replay_beside(endpoint), "topic": ""}
     cmd = [sys.executable, "-m", "kvtier.integrations.vllm.launcher", "serve", model, "--host", "127.0.0.1",
            "--port", str(port), "--dtype", "float32", "--enforce-eager", "--block-size", str(block_size),
            "--max-model-len", str(max_model_len), "--enable-prompt-tokens-details",

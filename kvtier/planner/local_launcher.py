@@ -39,6 +39,7 @@ from pathlib import Path
 
 from kvtier.errors import ConfigError
 from kvtier.planner.launchers import WorkerRecord
+from kvtier.router.config import replay_beside
 
 log = logging.getLogger(__name__)
 
@@ -101,8 +102,8 @@ class RouterAdmin:
 
     def add(self, url: str, events: str | None = None) -> dict:
         body = {"url": url}
-        if events:   # and its publisher's replay buffer beside it (see _replay_endpoint)
-            body.update(events=events, replay=_replay_endpoint(events))
+        if events:   # and its publisher's replay buffer beside it
+            body.update(events=events, replay=replay_beside(events))
         return self._ok("POST", "/admin/workers", body)
 
     def drain(self, url: str) -> dict:
@@ -184,7 +185,7 @@ class LocalLauncher:
         if events:
             # ipc, not tcp: vLLM binds its publisher only on a wildcard tcp address (every interface)
             cmd += ["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
-                                                      "endpoint": events, "replay_endpoint": _replay_endpoint(events),
+                                                      "endpoint": events, "replay_endpoint": replay_beside(events),
                                                       "topic": ""})]
         env = {**os.environ, **dict(self.template.env)}
         if core is not None:
@@ -355,8 +356,3 @@ class LocalLauncher:
         with self._lock:
             self.actions.append((time.time(), action, worker.name))
         log.info("launcher: %s %s (%s)", action, worker.name, worker.url)
-
-
-def _replay_endpoint(events: str) -> str:
-    """The replay ROUTER beside a worker's ipc event endpoint: the router catches up from it."""
-    return events.rsplit(".events", 1)[0] + ".replay"

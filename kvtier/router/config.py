@@ -43,6 +43,12 @@ class WorkerSpec:
         return cls(url.rstrip("/"), found.get("events"), found.get("replay"))
 
 
+def replay_beside(events: str) -> str:
+    """The replay endpoint kvtier's launchers give a worker beside its ipc event endpoint
+    (``…/w1.events`` → ``…/w1.replay``)."""
+    return events.rsplit(".events", 1)[0] + ".replay"
+
+
 @dataclass
 class RouterConfig:
     workers: list[WorkerSpec] = field(default_factory=list)

@@ -197,10 +197,10 @@ class VllmEvents:
         """One published message; malformed ones are logged and skipped (a miss, never a crash)."""
         import msgpack
 
-        if len(frames) < 3 or len(frames[-2]) != 8:
+        seq = self._seq(frames)
+        if seq is None:
             log.warning("worker %s events: malformed message (%d frames)", self.worker.url, len(frames))
             return
-        seq = _SEQ.unpack(frames[-2])[0]
         if not replayed and self._skip_below is not None:
             if seq < self._skip_below:
                 return    # a replayed batch, also queued live while the replay ran

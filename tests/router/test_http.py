@@ -147,17 +147,26 @@ def run(coro):
 
 
 @contextlib.asynccontextmanager
-async def one_worker_router(**kw):
-    """A stand-in worker "w0" behind a real router; yields (worker, router, url, client session)."""
-    w = StandIn("w0")
-    await w.start()
-    router, runner, url = await start_router([w], **kw)
+async def standin_router(names, **kw):
+    """Stand-in workers behind a real router; yields (workers, router, url, client session)."""
+    workers = [StandIn(name) for name in names]
+    for w in workers:
+        await w.start()
+    router, runner, url = await start_router(workers, **kw)
     try:
         async with ClientSession() as s:
-            yield w, router, url, s
+            yield workers, router, url, s
     finally:
         await runner.cleanup()
-        await w.stop()
+        for w in workers:
+            await w.stop()
+
+
+@contextlib.asynccontextmanager
+async def one_worker_router(**kw):
+    """A stand-in worker "w0" behind a real router; yields (worker, router, url, client session)."""
+    async with standin_router(["w0"], **kw) as ([w], router, url, s):
+        yield w, router, url, s
 
 
 def test_streaming_passes_chunks_through_as_they_arrive():
@@ -705,29 +714,20 @@ def test_a_response_that_continues_a_stored_one_goes_to_the_worker_that_stored_i
     nowhere (a 404 of its own). It now routes them on load and sends a continuation to the
     worker that stored the response it continues. Control: new conversations spread over both."""
     async def main():
-        a, b = StandIn("a"), StandIn("b")
-        await a.start()
-        await b.start()
-        router, runner, url = await start_router([a, b], policy="round-robin")
-        try:
-            async with ClientSession() as s:
-                async def ask(body):
-                    async with s.post(url + "/v1/responses", json={"model": "tiny", **body}) as r:
-                        assert r.status == 200, await r.text()
-                        text = await r.text()
-                        return r.headers["X-Kvtier-Worker"], _RESPONSE.search(text).group(1)
-                starts = [await ask({"input": f"hello {i}", "stream": stream}) for i in range(4)]
-                assert {w for w, _ in starts} == {a.url, b.url}          # control: spread by load
-                for worker, rid in starts:
-                    for _ in range(3):                                   # a conversation, turn by turn
-                        got, rid = await ask({"input": "go on", "previous_response_id": rid, "stream": stream})
-                        assert got == worker
-                async with s.post(url + "/v1/responses", json={"model": "tiny"}) as r:
-                    assert r.status == 400 and (await r.json())["error"]["param"] == "input"
-        finally:
-            await runner.cleanup()
-            await a.stop()
-            await b.stop()
+        async with standin_router(["a", "b"], policy="round-robin") as ((a, b), _, url, s):
+            async def ask(body):
+                async with s.post(url + "/v1/responses", json={"model": "tiny", **body}) as r:
+                    assert r.status == 200, await r.text()
+                    text = await r.text()
+                    return r.headers["X-Kvtier-Worker"], _RESPONSE.search(text).group(1)
+            starts = [await ask({"input": f"hello {i}", "stream": stream}) for i in range(4)]
+            assert {w for w, _ in starts} == {a.url, b.url}          # control: spread by load
+            for worker, rid in starts:
+                for _ in range(3):                                   # a conversation, turn by turn
+                    got, rid = await ask({"input": "go on", "previous_response_id": rid, "stream": stream})
+                    assert got == worker
+            async with s.post(url + "/v1/responses", json={"model": "tiny"}) as r:
+                assert r.status == 400 and (await r.json())["error"]["param"] == "input"
     run(main())
 
 
