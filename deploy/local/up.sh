@@ -64,10 +64,10 @@ ROUTE_WORKERS=() ADOPT=() PLANNER_WORKER_ARGS="$VLLM_ARGS --enable-prompt-tokens
 for port in $WORKER_PORTS; do
   events="ipc://$RUN_DIR/worker-$port.events"
   # shellcheck disable=SC2086 # VLLM and VLLM_ARGS are word lists
-  start "worker-$port" $VLLM serve "$MODEL" --host 127.0.0.1 --port "$port" $VLLM_ARGS --enable-prompt-tokens-details \
-    --kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "'"$events"'", "topic": ""}' \
+  start "worker-$port" $VLLM serve "$MODEL" --host 127.0.0.1 --port "$port" $VLLM_ARGS --enable-prompt-tokens-details --enable-scale-out \
+    --kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "'"$events"'", "replay_endpoint": "'"${events%.events}.replay"'", "topic": ""}' \
     --kv-transfer-config "$TRANSFER"
-  ROUTE_WORKERS+=(--worker "http://127.0.0.1:$port,events=$events")
+  ROUTE_WORKERS+=(--worker "http://127.0.0.1:$port,events=$events,replay=${events%.events}.replay")
   ADOPT+=(--adopt "http://127.0.0.1:$port")
 done
 for port in $WORKER_PORTS; do wait_http "http://127.0.0.1:$port/health" 900; done

@@ -118,6 +118,8 @@ def start_worker(model: str, log_path: Path, *, transfer: dict | None = None, co
     cmd = [sys.executable, "-m", "kvtier.integrations.vllm.launcher", "serve", model, "--host", "127.0.0.1",
            "--port", str(port), "--dtype", "float32", "--enforce-eager", "--block-size", str(block_size),
            "--max-model-len", str(max_model_len), "--enable-prompt-tokens-details",
+           # vLLM's abort endpoint, which the router calls when a client leaves (router/abort.py)
+           "--enable-scale-out",
            "--kv-events-config", json.dumps(events), *(extra_args or [])]
     if transfer:
         cmd += ["--kv-transfer-config", json.dumps(transfer)]

@@ -182,6 +182,9 @@ class LocalLauncher:
         events = f"ipc://{self.run_dir.resolve()}/{name}.events" if self.template.kv_events else None
         cmd = [*self.template.program, "serve", self.template.model,
                "--host", self.template.host, "--port", str(port), *self.template.vllm_args]
+        if "--enable-scale-out" not in self.template.vllm_args:
+            # vLLM's abort endpoint: the router names the requests of clients that left (router/abort.py)
+            cmd.append("--enable-scale-out")
         if events:
             # ipc, not tcp: vLLM binds its publisher only on a wildcard tcp address (every interface)
             cmd += ["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",

@@ -22,6 +22,7 @@ from typing import Any, NamedTuple, Sequence
 from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
 
 from kvtier.policy.routing import Approximate, make_policy
+from kvtier.router.abort import WorkerAborts, engine_request_ids, request_id
 from kvtier.router.admin import install as install_admin
 from kvtier.router.admission import AsyncAdmission
 from kvtier.router.config import RouterConfig
@@ -210,6 +211,7 @@ class Router:
         self.last_decision_s = 0.0    #: seconds the last decision took (what the histogram observes)
         self.last_load_s = 0.0        #: the last decision's predicted tier-load seconds on the chosen worker
         self._tasks: list[asyncio.Task] = []
+        self.aborts = WorkerAborts(lambda url, result: self.metrics.aborts.labels(url, result).inc())
         #: Responses API: response id → the URL of the worker that stored it (most recent last)
         self._response_owners: OrderedDict[str, str] = OrderedDict()
         # Long texts are tokenized on a thread of their own: a 200 k-token text takes ~0.5 s to
@@ -275,6 +277,7 @@ class Router:
             await listener.stop()
         if self.shared:
             await asyncio.to_thread(self.shared.stop)
+        await self.aborts.drain()
         if self.session:
             await self.session.close()
         self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
@@ -445,7 +448,7 @@ class Router:
             _check_body(body, "prompt")
             ids = await self._tokenize("completion", _text_chars(body["prompt"]), body["prompt"])
         return await self._forward(request, raw, ids, streaming=body.get("stream") is True,
-                                   seed=self._context(body))
+                                   seed=self._context(body), body=body)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         request[_RECEIVED] = time.perf_counter()
@@ -456,7 +459,7 @@ class Router:
         if ids is None:
             ids = await self._tokenize("chat", len(raw), body["messages"], body)
         return await self._forward(request, raw, ids, streaming=body.get("stream") is True,
-                                   seed=self._context(body))
+                                   seed=self._context(body), body=body)
 
     async def responses(self, request: web.Request) -> web.StreamResponse:
         """The Responses API (vLLM's ``/v1/responses``), routed on load alone: its prompt is
@@ -557,8 +560,13 @@ class Router:
 
     async def _forward(self, request: web.Request, raw: bytes, token_ids: list[int], *,
                        streaming: bool = False, seed: int = ROOT_SEED,
-                       pinned_url: str | None = None) -> web.StreamResponse:
+                       pinned_url: str | None = None, body: Any = None) -> web.StreamResponse:
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
+        # named, so that the worker can be told to abort it if the client leaves (router/abort.py)
+        rid, add_header = request_id(request.headers, body)
+        abort_ids = engine_request_ids(request.path, rid, body)
+        if add_header and abort_ids:
+            headers["X-Request-Id"] = rid
         # pinned: only that worker can serve it (it holds state the request refers to)
         tried: set[int] = ({w.id for w in self.workers if w.url != pinned_url}
                            if pinned_url and any(w.url == pinned_url for w in self.workers) else set())
@@ -582,6 +590,7 @@ class Router:
             # prefill, which frees the queue; a non-streamed answer comes whole after its decode,
             # and counting its tokens until then would throttle the worker.
             admission = self._admission(worker) if streaming else None
+            sent = False
             try:
                 held_t0 = time.monotonic()
                 # soonest virtual finish first: arrival + its own predicted prefill seconds
@@ -591,6 +600,7 @@ class Router:
                 t0 = time.monotonic()
                 held_s = t0 - held_t0
                 self.metrics.held.observe(held_s)
+                sent = True
                 async with self.session.post(worker.url + request.path, data=raw, headers=headers) as resp:
                     if resp.status in _RETRY_STATUS:
                         last_error = f"worker {worker.url} answered {resp.status}"
@@ -611,10 +621,18 @@ class Router:
                     self.metrics.predicted_cached.labels(worker.url).inc(predicted)
                     timing = (f"router;dur={own_s * 1e3:.3f}, held;dur={held_s * 1e3:.3f}, "
                               f"upstream;dur={upstream_s * 1e3:.3f}")
-                    return await self._relay(request, resp, first, worker, timing, predicted)
+                    return await self._relay(request, resp, first, worker, timing, predicted,
+                                             rid if abort_ids else None)
+            except asyncio.CancelledError:   # the client left (its handler is cancelled)
+                if sent:
+                    self._abort_on(worker, abort_ids, request)
+                raise
             except (ClientError, asyncio.TimeoutError, OSError) as exc:
                 if answered:
-                    raise   # mid-stream: the client already has part of the answer
+                    # mid-answer: what escapes the relay is the client's side (a write to a
+                    # client that left); the worker's own failures end the answer in there
+                    self._abort_on(worker, abort_ids, request)
+                    raise
                 last_error = f"worker {worker.url}: {exc.__class__.__name__}: {exc}"
                 log.warning("request failed before its first byte on %s (%s); retrying elsewhere", worker.url, exc)
                 self._record_health(worker, False)
@@ -624,13 +642,20 @@ class Router:
                 worker.finish(prefill_tokens, len(keys), answered, load_s, ticket)
         raise RequestError(503, f"no worker could serve the request ({last_error})", "service_unavailable_error")
 
+    def _abort_on(self, worker: Worker, ids: list[str], request: web.Request) -> None:
+        """The client left: beside closing the worker's connection, ask the worker to abort the
+        request by name (vLLM does not always notice a closed connection in time: router/abort.py)."""
+        self.aborts.send(self.session, worker.url, ids, request.headers.get("Authorization"))
+
     async def _relay(self, request: web.Request, resp, first: bytes, worker: Worker,
-                     timing: str, predicted: int) -> web.StreamResponse:
+                     timing: str, predicted: int, rid: str | None = None) -> web.StreamResponse:
         out = web.StreamResponse(status=resp.status)
         ctype = resp.headers.get("Content-Type")
         if ctype:
             out.headers["Content-Type"] = ctype
         out.headers["X-Kvtier-Worker"] = worker.url
+        if rid is not None:   # the id the worker runs it under (its logs, an abort): router/abort.py
+            out.headers["X-Request-Id"] = rid
         # what the router expected the worker to find cached: compare usage.cached_tokens
         out.headers["X-Kvtier-Predicted-Cached"] = str(predicted)
         # W3C Server-Timing: the router's own milliseconds before forwarding (body, tokenizer,

@@ -55,6 +55,10 @@ class RouterMetrics:
                            "Answers that ended early after their first byte (reason: worker, the worker failed "
                            "or went silent mid-answer; client, the client left and the worker's request was "
                            "closed with it)", ["worker", "reason"], registry=r)
+        self.aborts = Counter("kvtier_router_worker_aborts",
+                              "Requests the router asked a worker to abort because their client left "
+                              "(result: ok; refused, the worker answered an error status; failed, no answer)",
+                              ["worker", "result"], registry=r)
         self.index_blocks = Gauge("kvtier_router_index_blocks", "Blocks in the router's index", registry=r)
 
     def render(self) -> bytes:

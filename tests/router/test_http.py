@@ -27,6 +27,8 @@ class WordTokenizer:
     """Token ids = word lengths: deterministic, and the stand-in workers use the same one."""
 
     def completion(self, prompt):
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]     # a batch: routed on its first prompt, as PromptTokenizer does
         return [len(w) for w in prompt.split()] if isinstance(prompt, str) else list(prompt)
 
     def chat(self, messages, body):
@@ -52,6 +54,7 @@ class StandIn:
         self.tokenized: list[dict] = []
         self.loras: list[str] = []               # LoRA adapters /v1/models lists (parent: the base)
         self.responses: set[str] = set()         # Responses API ids this worker stored
+        self.abort_posts: list[dict] = []        # what /inference/v1/abort_requests was sent
         self.runner: web.AppRunner | None = None
 
     async def start(self) -> None:
@@ -62,6 +65,7 @@ class StandIn:
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_get("/health", self.health)
+        app.router.add_post("/inference/v1/abort_requests", self.abort)
         self.runner = web.AppRunner(app)
         await self.runner.setup()
         await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
@@ -111,6 +115,11 @@ class StandIn:
 
     async def health(self, request):
         return web.Response(status=503 if self.down else 200)
+
+    async def abort(self, request):
+        """vLLM's abort endpoint for routers: external request ids."""
+        self.abort_posts.append({**await request.json(), "authorization": request.headers.get("Authorization")})
+        return web.Response(status=200)
 
     async def complete(self, request):
         body = await request.json()
@@ -732,3 +741,137 @@ def test_a_response_that_continues_a_stored_one_goes_to_the_worker_that_stored_i
 
 
 _RESPONSE = re.compile(r'"id": "(resp_[a-z0-9]+)"')
+
+
+class Deaf(StandIn):
+    """A worker that misses its client leaving, as vLLM 0.32 may (a non-streamed request,
+    vllm-project/vllm#54947; an API server short of CPU): it decodes on after the router's
+    connection closed, until told to abort by the ids vLLM derives from ``X-Request-Id``
+    (``cmpl-<id>-<i>`` per prompt, ``chatcmpl-<id>``)."""
+
+    def __init__(self, name: str, steps: int = 30, gap_s: float = 0.1) -> None:
+        super().__init__(name)
+        self.steps, self.gap_s = steps, gap_s
+        self.named: list[list[str]] = []               # engine ids of each request, as vLLM names them
+        self.running: dict[str, asyncio.Event] = {}
+        self.finished = self.aborted = 0
+
+    async def complete(self, request):
+        body = await request.json()
+        rid = request.headers.get("X-Request-Id") or body.get("request_id") or "unnamed"
+        if request.path == "/v1/chat/completions":
+            ids = [f"chatcmpl-{rid}"]
+        else:
+            prompts = body["prompt"] if isinstance(body["prompt"], list) and isinstance(body["prompt"][0], (str, list)) \
+                else [body["prompt"]]
+            ids = [f"cmpl-{rid}-{i}" for i in range(len(prompts))]
+        self.named.append(ids)
+        stop = asyncio.Event()
+        self.running.update({i: stop for i in ids})
+        resp = None
+        if body.get("stream"):
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+        for step in range(self.steps):
+            if stop.is_set():
+                self.aborted += 1
+                return resp or web.Response(status=499)
+            if resp is not None:
+                with contextlib.suppress(ConnectionResetError):   # deaf: decodes on for nobody
+                    await resp.write(f"data: {json.dumps({'choices': [{'text': str(step)}]})}\n\n".encode())
+            await asyncio.sleep(self.gap_s)
+        self.finished += 1
+        if resp is None:
+            return web.json_response({"id": ids[0], "choices": [{"text": "done"}]})
+        with contextlib.suppress(ConnectionResetError):
+            await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    async def abort(self, request):
+        await super().abort(request)
+        for rid in self.abort_posts[-1]["request_ids"]:
+            if rid in self.running:
+                self.running[rid].set()
+        return web.Response(status=200)
+
+
+async def leave_early(s: ClientSession, url: str, path: str, body: dict, headers: dict | None = None) -> None:
+    with pytest.raises(asyncio.TimeoutError):
+        async with s.post(url + path, json=body, headers=headers or {}, timeout=ClientTimeout(total=0.5)) as r:
+            await r.read()
+
+
+async def until(check, timeout_s: float = 3.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_worker_that_misses_its_client_leaving_is_told_to_abort_by_request_id(stream):
+    """Closing the worker's connection is not always enough: vLLM 0.32 may decode a request to
+    ``max_tokens`` after its client's connection closed (for a stream, when its API server is
+    short of CPU; CI saw 1,900 of 1,900 tokens). The router names each request
+    (``X-Request-Id``) and, when the client leaves, asks the worker to abort the engine ids
+    vLLM derives from it, with the client's credentials. Controls: a client that stays is
+    never aborted and gets its whole answer; a client's own id is kept, and a batch of
+    prompts names one engine request per prompt."""
+    async def main():
+        w = Deaf("w0")                                   # 3 s of decoding
+        await w.start()
+        router, runner, url = await start_router([w])
+        try:
+            async with ClientSession() as s:
+                auth = {"Authorization": "Bearer k1"}
+                await leave_early(s, url, "/v1/completions", {"prompt": "a b", "stream": stream}, auth)
+                await until(lambda: w.aborted == 1)
+                assert w.aborted == 1 and w.finished == 0, (w.aborted, w.finished, w.abort_posts)
+                assert w.abort_posts == [{"request_ids": w.named[0], "authorization": "Bearer k1"}]
+                assert re.fullmatch(r"cmpl-[0-9a-f]{32}-0", w.named[0][0]), w.named
+                assert router.metrics.aborts.labels(w.url, "ok")._value.get() == 1
+
+                await leave_early(s, url, "/v1/chat/completions",
+                                  {"messages": [{"role": "user", "content": "a b"}], "stream": stream},
+                                  {"X-Request-Id": "client-7"})
+                await until(lambda: w.aborted == 2)
+                assert w.named[1] == ["chatcmpl-client-7"] and w.aborted == 2
+                assert w.abort_posts[1]["request_ids"] == ["chatcmpl-client-7"]
+
+                await leave_early(s, url, "/v1/completions", {"prompt": ["a b", "c d"], "stream": stream})
+                await until(lambda: w.aborted == 3)
+                assert len(w.named[2]) == 2 and w.abort_posts[2]["request_ids"] == w.named[2] and w.aborted == 3
+
+                # control: a client that stays is not aborted; it is told the id its request ran under
+                w.steps = 5
+                async with s.post(url + "/v1/completions", json={"prompt": "a b", "stream": stream}) as r:
+                    assert r.status == 200
+                    assert w.named[3] == [f"cmpl-{r.headers['X-Request-Id']}-0"], (w.named, r.headers)
+                    await r.read()
+                await asyncio.sleep(0.3)
+                assert w.finished == 1 and len(w.abort_posts) == 3 and w.aborted == 3
+        finally:
+            await runner.cleanup()
+            await w.stop()
+    run(main())
+
+
+def test_a_responses_api_client_that_leaves_is_not_aborted_by_name():
+    """A Responses API request may run in the background past its client (``background``):
+    the router does not abort it by name. Control: a completion's client leaving is."""
+    async def main():
+        w = Deaf("w0", steps=20, gap_s=0.05)
+        w.respond = w.complete          # decodes as long; named as vLLM names it: not by the header
+        await w.start()
+        router, runner, url = await start_router([w])
+        try:
+            async with ClientSession() as s:
+                await leave_early(s, url, "/v1/responses", {"input": "a b", "prompt": "a b"})
+                await asyncio.sleep(1.5)
+                assert w.abort_posts == [] and w.finished == 1
+                await leave_early(s, url, "/v1/completions", {"prompt": "a b"})
+                await until(lambda: w.aborted == 1)
+                assert len(w.abort_posts) == 1 and w.aborted == 1
+        finally:
+            await runner.cleanup()
+            await w.stop()
+    run(main())

@@ -1,0 +1,101 @@
+"""Aborting a request on its worker when the client leaves.
+
+Closing the worker's connection ought to be enough: vLLM aborts a generation whose client
+is gone. It does not always do so in time:
+- vLLM 0.32 may decode a *non-streamed* request to ``max_tokens`` after its client's
+  connection closed (vllm-project/vllm#54947; measured here: 2 of 4 tries);
+- an API server short of CPU (its engine on the same cores) notices a closed stream only
+  when its event loop comes round, seconds later: measured here, a 1,900-token stream was
+  decoded whole before the worker had even sent its first event.
+
+So the router names every request it forwards (``X-Request-Id``, which vLLM turns into its
+engine request ids) and, when the client leaves, also asks the worker to abort those ids
+(``POST /inference/v1/abort_requests``, vLLM's endpoint for routers; behind ``--api-key``
+with the client's own credentials). An id the worker no longer runs is a no-op there; a
+worker without the endpoint answers 404, counted and otherwise harmless.
+
+The Responses API is left out: a ``background`` response must outlive its client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from typing import Any, Mapping
+
+from aiohttp import ClientError, ClientSession, ClientTimeout
+
+log = logging.getLogger(__name__)
+
+ABORT_PATH = "/inference/v1/abort_requests"
+#: vLLM's external request id per endpoint, from the X-Request-Id header: a completion has
+#: one engine request per prompt (``cmpl-<id>-<i>``), a chat one (``chatcmpl-<id>``)
+_PREFIX = {"/v1/completions": "cmpl-", "/v1/chat/completions": "chatcmpl-"}
+_TIMEOUT = ClientTimeout(total=5.0)
+
+
+def request_id(headers: Mapping[str, str], body: Any) -> tuple[str, bool]:
+    """The id the worker will know the request by, and whether the router must send it as a
+    header. A client's own ``X-Request-Id`` (or the body's ``request_id``, which vLLM takes
+    when there is no header) is kept: it is how the client finds the request in the
+    worker's logs."""
+    given = headers.get("X-Request-Id")
+    if given:
+        return given, False
+    own = body.get("request_id") if isinstance(body, dict) else None
+    return (own if isinstance(own, str) and own else uuid.uuid4().hex), True
+
+
+def engine_request_ids(path: str, rid: str, body: Any) -> list[str]:
+    """The external ids vLLM gives the engine requests of one HTTP request (empty: the
+    endpoint is not aborted by the router)."""
+    prefix = _PREFIX.get(path)
+    if prefix is None:
+        return []
+    if path == "/v1/chat/completions":
+        return [prefix + rid]
+    prompt = body.get("prompt") if isinstance(body, dict) else None
+    batch = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (list, str))
+    return [f"{prefix}{rid}-{i}" for i in range(len(prompt) if batch else 1)]
+
+
+class WorkerAborts:
+    """Abort requests sent by the router in the background (the handler that asks is being
+    cancelled); ``record(worker_url, result)`` counts each outcome: ``ok``, ``refused`` (the
+    worker answered an error status) or ``failed`` (no answer)."""
+
+    def __init__(self, record) -> None:
+        self._record = record
+        self._pending: set[asyncio.Task] = set()
+        self._refusing: set[str] = set()   # workers told about once
+
+    def send(self, session: ClientSession | None, worker_url: str, ids: list[str],
+             authorization: str | None) -> None:
+        if session is None or session.closed or not ids:
+            return
+        task = asyncio.get_running_loop().create_task(self._post(session, worker_url, ids, authorization))
+        self._pending.add(task)   # held: the loop keeps only weak references to tasks
+        task.add_done_callback(self._pending.discard)
+
+    async def _post(self, session: ClientSession, worker_url: str, ids: list[str],
+                    authorization: str | None) -> None:
+        headers = {"Authorization": authorization} if authorization else {}
+        try:
+            async with session.post(worker_url + ABORT_PATH, json={"request_ids": ids}, headers=headers,
+                                    timeout=_TIMEOUT) as resp:
+                result = "ok" if resp.status < 400 else "refused"
+                if result == "refused" and worker_url not in self._refusing:
+                    self._refusing.add(worker_url)
+                    # vLLM answers 403 unless started with --enable-scale-out
+                    log.warning("worker %s refuses to abort requests by name (%s); start it with "
+                                "--enable-scale-out, or only a closed connection tells it", worker_url, resp.status)
+        except (ClientError, asyncio.TimeoutError, OSError) as exc:
+            result = "failed"
+            log.info("worker %s: aborting %s failed (%s)", worker_url, ids, exc)
+        self._record(worker_url, result)
+
+    async def drain(self, timeout_s: float = 2.0) -> None:
+        """Let the aborts under way finish (at shutdown, before the session closes)."""
+        if self._pending:
+            await asyncio.wait(list(self._pending), timeout=timeout_s)
