@@ -121,6 +121,8 @@ def _valid_prompt(prompt: Any) -> bool:
 
 
 #: a Responses API answer's id (vLLM: ``resp_`` + hex); output items have other prefixes
+#: how much of a stream's start and end the router keeps (the response id; usage at the end)
+_TAIL = 65536
 _RESPONSE_ID = re.compile(rb'"id"\s*:\s*"(resp_[A-Za-z0-9_-]+)"')
 #: response ids remembered for ``previous_response_id`` (the oldest forgotten first)
 MAX_RESPONSE_OWNERS = 1 << 16
@@ -477,10 +479,11 @@ class Router:
         owner = self._response_owners.get(previous) if isinstance(previous, str) else None
         return await self._forward(request, raw, [], streaming=body.get("stream") is True, pinned_url=owner)
 
-    def _remember_response(self, kept: bytes, worker: Worker) -> None:
-        """Which worker holds the response an answer created (its ``resp_…`` id: the whole JSON
-        answer, or the ``response.completed`` event at a stream's end)."""
-        found = _RESPONSE_ID.search(kept)   # ("previous_response_id" is not matched: no quote before "id")
+    def _remember_response(self, kept: bytes, worker: Worker, tail: bytes = b"") -> None:
+        """Which worker holds the response an answer created (its ``resp_…`` id: in the whole
+        JSON answer, or a stream's first events; ``tail``, a stream's last bytes, if not there)."""
+        # ("previous_response_id" is not matched: no quote before "id")
+        found = _RESPONSE_ID.search(kept) or _RESPONSE_ID.search(tail)
         if found is None:
             return
         rid = found.group(1).decode()
@@ -665,6 +668,9 @@ class Router:
         await out.prepare(request)
         streaming = "text/event-stream" in (ctype or "")
         kept = bytearray(first)
+        # a streamed response's first event (response.created) names it; its last
+        # (response.completed, the whole output) may be longer than the kept tail
+        head = bytearray(first[:_TAIL]) if streaming and request.path == "/v1/responses" else None
         try:
             await out.write(first)
             last, mark = time.monotonic(), worker.quiet_mark()
@@ -682,8 +688,10 @@ class Router:
                     last, mark = now, worker.quiet_mark()
                 await out.write(chunk)
                 kept += chunk
-                if streaming and len(kept) > 65536:
-                    del kept[:-65536]     # the usage chunk comes last: keep a tail only
+                if head is not None and len(head) < _TAIL:
+                    head += chunk[:_TAIL - len(head)]
+                if streaming and len(kept) > _TAIL:
+                    del kept[:-_TAIL]     # the usage chunk comes last: keep a tail only
             await out.write_eof()
         except (ConnectionResetError, asyncio.CancelledError):
             # The client left: leaving here closes the worker's request (the caller's ``async
@@ -699,7 +707,7 @@ class Router:
             except (ValueError, AttributeError):
                 usage = None
         if request.path == "/v1/responses" and resp.status == 200:
-            self._remember_response(bytes(kept), worker)
+            self._remember_response(bytes(kept) if head is None else bytes(head), worker, bytes(kept))
         got = _cached_tokens(usage)
         if got is not None:
             self.metrics.actual_cached.labels(worker.url).inc(got[0])

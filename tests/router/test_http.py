@@ -54,6 +54,7 @@ class StandIn:
         self.tokenized: list[dict] = []
         self.loras: list[str] = []               # LoRA adapters /v1/models lists (parent: the base)
         self.responses: set[str] = set()         # Responses API ids this worker stored
+        self.output_text = "hi"                  # each response's output (vLLM's completed event holds it all)
         self.abort_posts: list[dict] = []        # what /inference/v1/abort_requests was sent
         self.runner: web.AppRunner | None = None
 
@@ -102,14 +103,15 @@ class StandIn:
         rid = f"resp_{self.name}{len(self.responses)}"
         self.responses.add(rid)
         answer = {"id": rid, "object": "response", "previous_response_id": previous, "worker": self.name,
-                  "output": [{"id": "msg_1", "type": "message", "content": [{"type": "output_text", "text": "hi"}]}]}
+                  "output": [{"id": "msg_1", "type": "message",
+                              "content": [{"type": "output_text", "text": self.output_text}]}]}
         if not body.get("stream"):
             return web.json_response(answer)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         for kind in ("response.created", "response.output_text.delta", "response.completed"):
             data = {"type": kind, "response": answer} if kind != "response.output_text.delta" else \
-                {"type": kind, "item_id": "msg_1", "delta": "hi"}
+                {"type": kind, "item_id": "msg_1", "delta": self.output_text}
             await resp.write(f"event: {kind}\ndata: {json.dumps(data)}\n\n".encode())
         return resp
 
@@ -716,14 +718,17 @@ def test_a_message_lost_on_the_live_stream_is_replayed_not_cleared(tmp_path, in_
     run(main())
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_a_response_that_continues_a_stored_one_goes_to_the_worker_that_stored_it(stream):
+@pytest.mark.parametrize("stream,output_chars", [(False, 2), (True, 2), (True, 100_000)])
+def test_a_response_that_continues_a_stored_one_goes_to_the_worker_that_stored_it(stream, output_chars):
     """vLLM's Responses API keeps each response in the process that made it, and a request
     with ``previous_response_id`` anywhere else is a 404. The router routed ``/v1/responses``
     nowhere (a 404 of its own). It now routes them on load and sends a continuation to the
-    worker that stored the response it continues. Control: new conversations spread over both."""
+    worker that stored the response it continues. Control: new conversations spread over both.
+    A long answer (100 k characters: a stream's completed event, which repeats the whole
+    output, is longer than the tail the router keeps) is found by its first event."""
     async def main():
         async with standin_router(["a", "b"], policy="round-robin") as ((a, b), _, url, s):
+            a.output_text = b.output_text = "x" * output_chars
             async def ask(body):
                 async with s.post(url + "/v1/responses", json={"model": "tiny", **body}) as r:
                     assert r.status == 200, await r.text()
