@@ -31,7 +31,8 @@ log = logging.getLogger(__name__)
 ABORT_PATH = "/inference/v1/abort_requests"
 #: vLLM's external request id per endpoint, from the X-Request-Id header: a completion has
 #: one engine request per prompt (``cmpl-<id>-<i>``), a chat one (``chatcmpl-<id>``)
-_PREFIX = {"/v1/completions": "cmpl-", "/v1/chat/completions": "chatcmpl-"}
+_PREFIX = {"/v1/completions": "cmpl-", "/v1/chat/completions": "chatcmpl-",
+           "/v1/messages": "chatcmpl-"}   # (vLLM serves the Messages API as a chat)
 _TIMEOUT = ClientTimeout(total=5.0)
 
 
@@ -53,7 +54,7 @@ def engine_request_ids(path: str, rid: str, body: Any) -> list[str]:
     prefix = _PREFIX.get(path)
     if prefix is None:
         return []
-    if path == "/v1/chat/completions":
+    if path != "/v1/completions":
         return [prefix + rid]
     prompt = body.get("prompt") if isinstance(body, dict) else None
     batch = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (list, str))

@@ -123,6 +123,8 @@ def _valid_prompt(prompt: Any) -> bool:
 #: a Responses API answer's id (vLLM: ``resp_`` + hex); output items have other prefixes
 #: how much of a stream's start and end the router keeps (the response id; usage at the end)
 _TAIL = 65536
+#: what a stored response's id may be, for asking the workers about it (vLLM: resp_<hex>)
+_STORED_ID = re.compile(r"[A-Za-z0-9_-]{1,200}")
 _RESPONSE_ID = re.compile(rb'"id"\s*:\s*"(resp_[A-Za-z0-9_-]+)"')
 #: response ids remembered for ``previous_response_id`` (the oldest forgotten first)
 MAX_RESPONSE_OWNERS = 1 << 16
@@ -142,6 +144,11 @@ def _text_chars(prompt: Any) -> int:
 
 #: chat fields whose rendering vLLM normalises through its own schema: a worker renders those
 _WORKER_RENDERED = ("tools", "documents")
+#: vLLM's other POST endpoints, forwarded as they are to a worker chosen on load: tokenizer
+#: utilities, Anthropic token counting, pooling models' endpoints (a worker without one
+#: answers its own 404)
+ON_LOAD = ("/tokenize", "/detokenize", "/v1/messages/count_tokens", "/v1/embeddings", "/pooling",
+           "/classify", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank")
 #: what a worker's ``/tokenize`` takes of a chat request (vLLM's TokenizeChatRequest)
 _RENDER_FIELDS = ("model", "messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
                   "chat_template", "chat_template_kwargs", "add_special_tokens", "mm_processor_kwargs")
@@ -163,8 +170,13 @@ def _check_body(body: Any, field: str) -> None:
 
 
 def _cached_tokens(usage: Any) -> tuple[int, int] | None:
+    """(cached, prompt) tokens of an answer's usage: OpenAI's, or Anthropic's (``/v1/messages``:
+    vLLM reports ``input_tokens`` less the cached and newly cached ones)."""
     if not isinstance(usage, dict):
         return None
+    if isinstance(usage.get("cache_read_input_tokens"), int):
+        cached = usage["cache_read_input_tokens"]
+        return cached, cached + int(usage.get("input_tokens") or 0) + int(usage.get("cache_creation_input_tokens") or 0)
     details = usage.get("prompt_tokens_details") or {}
     cached = details.get("cached_tokens") if isinstance(details, dict) else None
     if not isinstance(cached, int):
@@ -236,6 +248,11 @@ class Router:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/responses", self.responses)
+        app.router.add_get("/v1/responses/{response_id}", self.stored_response)
+        app.router.add_post("/v1/responses/{response_id}/cancel", self.stored_response)
+        app.router.add_post("/v1/messages", self.messages)
+        for path in ON_LOAD:
+            app.router.add_post(path, self.on_load)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health_endpoint)
         app.router.add_get("/metrics", self.metrics_endpoint)
@@ -476,8 +493,61 @@ class Router:
         if "input" not in body and "previous_response_id" not in body:
             raise RequestError(400, "'input' is a required property", param="input")
         previous = body.get("previous_response_id")
-        owner = self._response_owners.get(previous) if isinstance(previous, str) else None
+        owner = (await self._response_owner(previous, request.headers.get("Authorization"))
+                 if isinstance(previous, str) else None)
         return await self._forward(request, raw, [], streaming=body.get("stream") is True, pinned_url=owner)
+
+    async def stored_response(self, request: web.Request) -> web.StreamResponse:
+        """``GET /v1/responses/{id}`` (a stored or background response, streamed with
+        ``?stream=true``) and ``POST /v1/responses/{id}/cancel``: to the worker that holds it."""
+        request[_RECEIVED] = time.perf_counter()
+        rid = request.match_info["response_id"]
+        owner = await self._response_owner(rid, request.headers.get("Authorization"))
+        if owner is None:
+            raise RequestError(404, f"Response with id '{rid}' not found.", param="response_id")
+        return await self._forward(request, await request.read(), [], pinned_url=owner)
+
+    async def _response_owner(self, rid: str, authorization: str | None) -> str | None:
+        """The worker that stored response ``rid``. Remembered from its answer; else (the router
+        restarted, or the id aged out of its map) the workers are asked for it in turn."""
+        owner = self._response_owners.get(rid)
+        if owner is not None and any(w.url == owner for w in self.workers):
+            return owner
+        if not _STORED_ID.fullmatch(rid):
+            return None
+        headers = {"Authorization": authorization} if authorization else None
+        for w in sorted(self.workers, key=lambda w: not w.healthy):
+            try:
+                async with self.session.get(f"{w.url}/v1/responses/{rid}", headers=headers,
+                                            timeout=ClientTimeout(total=self.config.render_timeout_s)) as resp:
+                    found = resp.status == 200
+            except (ClientError, asyncio.TimeoutError, OSError):
+                continue
+            if found:
+                self._remember_owner(rid, w.url)
+                return w.url
+        return None
+
+    async def messages(self, request: web.Request) -> web.StreamResponse:
+        """vLLM's Anthropic Messages API (``/v1/messages``, which agents such as Claude Code
+        speak). Keyed by the tokens a worker renders for it (``/v1/messages/render``, served
+        with ``--enable-scale-out``): the conversion to a chat prompt is vLLM's own, which a
+        router cannot reproduce byte for byte. If no worker renders, it is routed on load."""
+        request[_RECEIVED] = time.perf_counter()
+        raw, body = await self._json(request)
+        _check_body(body, "messages")
+        ids = await self._render_on_worker("/v1/messages/render", body, request.headers.get("Authorization"),
+                                           "token_ids")
+        return await self._forward(request, raw, ids or [], streaming=body.get("stream") is True,
+                                   seed=self._context(body), body=body)
+
+    async def on_load(self, request: web.Request) -> web.StreamResponse:
+        """vLLM's other endpoints (``ON_LOAD``): forwarded unchanged, on load alone."""
+        request[_RECEIVED] = time.perf_counter()
+        raw, body = await self._json(request)
+        if not isinstance(body, dict):
+            raise RequestError(400, "the request body must be a JSON object")
+        return await self._forward(request, raw, [], streaming=body.get("stream") is True)
 
     def _remember_response(self, kept: bytes, worker: Worker, tail: bytes = b"") -> None:
         """Which worker holds the response an answer created (its ``resp_…`` id: in the whole
@@ -486,9 +556,11 @@ class Router:
         found = _RESPONSE_ID.search(kept) or _RESPONSE_ID.search(tail)
         if found is None:
             return
-        rid = found.group(1).decode()
+        self._remember_owner(found.group(1).decode(), worker.url)
+
+    def _remember_owner(self, rid: str, url: str) -> None:
         owners = self._response_owners
-        owners[rid] = worker.url
+        owners[rid] = url
         owners.move_to_end(rid)
         while len(owners) > MAX_RESPONSE_OWNERS:
             owners.popitem(last=False)
@@ -504,20 +576,26 @@ class Router:
         the cost of one loopback round trip; if none can, the router renders them itself.
         """
         fields = {k: body[k] for k in _RENDER_FIELDS if k in body}
+        tokens = await self._render_on_worker("/tokenize", fields, authorization, "tokens")
+        self.metrics.renders.labels("router" if tokens is None else "worker").inc()
+        return tokens
+
+    async def _render_on_worker(self, path: str, payload: dict, authorization: str | None,
+                                field: str) -> list[int] | None:
+        """``payload``'s prompt token ids as a worker renders them (``field`` of its answer to
+        ``path``), or None when none of two workers can."""
         headers = {"Authorization": authorization} if authorization else None   # a worker with --api-key
         for w in sorted(self.workers, key=lambda w: not w.healthy)[:2]:
             try:
-                async with self.session.post(w.url + "/tokenize", json=fields, headers=headers,
+                async with self.session.post(w.url + path, json=payload, headers=headers,
                                              timeout=ClientTimeout(total=self.config.render_timeout_s)) as resp:
                     out = await resp.json() if resp.status == 200 else None
             except (ClientError, asyncio.TimeoutError, ValueError) as exc:
-                log.debug("worker %s could not render a chat prompt: %s", w.url, exc)
+                log.debug("worker %s could not render a prompt (%s): %s", w.url, path, exc)
                 continue
-            tokens = out.get("tokens") if isinstance(out, dict) else None
+            tokens = out.get(field) if isinstance(out, dict) else None
             if isinstance(tokens, list) and tokens and all(type(t) is int and 0 <= t < 1 << 32 for t in tokens):
-                self.metrics.renders.labels("worker").inc()
                 return tokens
-        self.metrics.renders.labels("router").inc()
         return None
 
     def _context(self, body: dict) -> int:
@@ -604,7 +682,8 @@ class Router:
                 held_s = t0 - held_t0
                 self.metrics.held.observe(held_s)
                 sent = True
-                async with self.session.post(worker.url + request.path, data=raw, headers=headers) as resp:
+                async with self.session.request(request.method, worker.url + request.path_qs, data=raw,
+                                                headers=headers) as resp:
                     if resp.status in _RETRY_STATUS:
                         last_error = f"worker {worker.url} answered {resp.status}"
                         self._record_health(worker, False)

@@ -55,6 +55,8 @@ class StandIn:
         self.loras: list[str] = []               # LoRA adapters /v1/models lists (parent: the base)
         self.responses: set[str] = set()         # Responses API ids this worker stored
         self.output_text = "hi"                  # each response's output (vLLM's completed event holds it all)
+        self.rendered_messages: list[int] | None = None   # /v1/messages/render's token_ids (None: 403)
+        self.passed: list[str] = []              # paths of the other endpoints it answered
         self.abort_posts: list[dict] = []        # what /inference/v1/abort_requests was sent
         self.runner: web.AppRunner | None = None
 
@@ -67,6 +69,12 @@ class StandIn:
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_get("/health", self.health)
         app.router.add_post("/inference/v1/abort_requests", self.abort)
+        app.router.add_get("/v1/responses/{rid}", self.stored)
+        app.router.add_post("/v1/responses/{rid}/cancel", self.stored)
+        app.router.add_post("/v1/messages/render", self.render_messages)
+        app.router.add_post("/v1/messages", self.message)
+        for path in ("/detokenize", "/v1/embeddings", "/v2/rerank"):
+            app.router.add_post(path, self.other)
         self.runner = web.AppRunner(app)
         await self.runner.setup()
         await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
@@ -117,6 +125,36 @@ class StandIn:
 
     async def health(self, request):
         return web.Response(status=503 if self.down else 200)
+
+    async def stored(self, request):
+        """GET a stored response, or cancel it: only where it is stored (else vLLM's 404)."""
+        rid = request.match_info["rid"]
+        if rid not in self.responses:
+            return web.json_response({"error": {"message": f"Response with id '{rid}' not found.",
+                                                "type": "invalid_request_error", "code": 404}}, status=404)
+        self.passed.append(request.method + " " + request.path_qs)
+        return web.json_response({"id": rid, "object": "response", "worker": self.name,
+                                  "status": "cancelled" if request.path.endswith("/cancel") else "completed"})
+
+    async def render_messages(self, request):
+        """vLLM's /v1/messages/render (a GenerateRequest); 403 without --enable-scale-out."""
+        await request.json()
+        if self.rendered_messages is None:
+            return web.json_response({"error": {"message": "Scale-out endpoints are disabled."}}, status=403)
+        return web.json_response({"request_id": "r", "token_ids": self.rendered_messages})
+
+    async def message(self, request):
+        """vLLM's Anthropic Messages API, its usage as vLLM reports it."""
+        await request.json()
+        self.requests += 1
+        return web.json_response({"id": "msg_1", "type": "message", "worker": self.name,
+                                  "content": [{"type": "text", "text": "hi"}],
+                                  "usage": {"input_tokens": 4, "output_tokens": 1, "cache_read_input_tokens": 12}})
+
+    async def other(self, request):
+        body = await request.json()
+        self.passed.append(request.path)
+        return web.json_response({"worker": self.name, "path": request.path, "echo": body})
 
     async def abort(self, request):
         """vLLM's abort endpoint for routers: external request ids."""
@@ -879,4 +917,86 @@ def test_a_responses_api_client_that_leaves_is_not_aborted_by_name():
         finally:
             await runner.cleanup()
             await w.stop()
+    run(main())
+
+
+def test_a_stored_response_is_found_on_its_worker_after_the_router_restarts():
+    """The router's map of which worker stored which response lives in the router: after a
+    restart, a continuation went where load sent it, a 404 on every other worker. It now asks
+    the workers for an id it does not know (``GET /v1/responses/{id}``), and serves that GET
+    and ``…/cancel`` itself (404 from the router before), each from the worker holding the
+    response. Controls: the conversations live on both workers; an unknown id is a 404 in the
+    OpenAI format."""
+    async def main():
+        async with standin_router(["a", "b"], policy="round-robin") as ((a, b), _, url, s):
+            starts = []
+            for i in range(4):
+                async with s.post(url + "/v1/responses", json={"model": "tiny", "input": f"hello {i}"}) as r:
+                    starts.append((r.headers["X-Kvtier-Worker"], (await r.json())["id"]))
+            assert {w for w, _ in starts} == {a.url, b.url}
+            fresh, runner, fresh_url = await start_router([a, b], policy="round-robin")   # restarted
+            try:
+                for worker, rid in starts:
+                    async with s.get(fresh_url + f"/v1/responses/{rid}") as r:
+                        assert r.status == 200 and r.headers["X-Kvtier-Worker"] == worker, await r.text()
+                    for _ in range(2):
+                        async with s.post(fresh_url + "/v1/responses",
+                                          json={"model": "tiny", "input": "go on", "previous_response_id": rid}) as r:
+                            assert r.status == 200 and r.headers["X-Kvtier-Worker"] == worker, await r.text()
+                    async with s.post(fresh_url + f"/v1/responses/{rid}/cancel") as r:
+                        assert r.status == 200 and (await r.json())["status"] == "cancelled"
+                        assert r.headers["X-Kvtier-Worker"] == worker
+                async with s.get(fresh_url + "/v1/responses/resp_nowhere") as r:
+                    assert r.status == 404 and (await r.json())["error"]["param"] == "response_id"
+            finally:
+                await runner.cleanup()
+    run(main())
+
+
+def test_the_anthropic_messages_api_is_keyed_by_the_workers_rendering():
+    """``/v1/messages`` (vLLM's Anthropic Messages API, which agents such as Claude Code
+    speak) answered the router's 404. It is now keyed by the token ids a worker renders for
+    it (``/v1/messages/render``: vLLM's own conversion to a chat prompt), so an agent's
+    requests go where their context is; its Anthropic usage counts as cached tokens. Control:
+    when no worker renders (403: started without ``--enable-scale-out``) it is still served,
+    routed on load, predicted to hit nothing."""
+    async def main():
+        async with one_worker_router(policy="tier-aware") as (w, router, url, s):
+            rendered = [5] * 40
+            router.index.stored(0, list(range(10)), None, rendered, BS, "GPU")   # what the worker holds
+            body = {"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+            w.rendered_messages = rendered
+            async with s.post(url + "/v1/messages", json=body) as r:
+                assert r.status == 200 and (await r.json())["type"] == "message"
+                assert r.headers["X-Kvtier-Predicted-Cached"] == "39"
+            assert router.metrics.actual_cached.labels(w.url)._value.get() == 12
+            assert router.metrics.prompt_tokens.labels(w.url)._value.get() == 16
+            w.rendered_messages = None                       # control: the worker does not render
+            async with s.post(url + "/v1/messages", json=body) as r:
+                assert r.status == 200 and r.headers["X-Kvtier-Predicted-Cached"] == "0"
+            async with s.post(url + "/v1/messages", json={"model": "tiny"}) as r:
+                assert r.status == 400 and (await r.json())["error"]["param"] == "messages"
+    run(main())
+
+
+def test_vllms_other_endpoints_are_forwarded_on_load():
+    """``/detokenize``, ``/v1/embeddings``, ``/v2/rerank`` and the like answered the router's
+    404: a client of vLLM's other endpoints could not use the router as its one address. They
+    are forwarded unchanged, on load, and skip a worker that is down. Control: a body that is
+    not JSON gets the router's 400 in the OpenAI format."""
+    async def main():
+        async with standin_router(["a", "b"], policy="round-robin") as ((a, b), router, url, s):
+            for path in ("/detokenize", "/v1/embeddings", "/v2/rerank"):
+                for _ in range(2):
+                    async with s.post(url + path, json={"model": "tiny", "input": "x", "tokens": [1, 2]}) as r:
+                        out = await r.json()
+                        assert r.status == 200 and out["path"] == path and out["echo"]["tokens"] == [1, 2], out
+            assert sorted(a.passed + b.passed) == sorted(["/detokenize", "/v1/embeddings", "/v2/rerank"] * 2)
+            assert a.passed and b.passed                       # spread on load
+            b.down = True
+            await asyncio.sleep(0.6)                            # the health loop ejects it
+            async with s.post(url + "/v1/embeddings", json={"input": "x"}) as r:
+                assert r.status == 200 and (await r.json())["worker"] == "a"
+            async with s.post(url + "/v1/embeddings", data=b"{not json") as r:
+                assert r.status == 400 and "error" in await r.json()
     run(main())

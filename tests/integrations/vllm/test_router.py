@@ -259,6 +259,35 @@ def _engine_metric(worker, name: str) -> float:
                if line.startswith(name) and line[len(name):len(name) + 1] in ("{", " "))
 
 
+def test_an_agent_on_the_anthropic_messages_api_is_routed_to_its_context(stack):
+    """``/v1/messages`` (vLLM's Anthropic Messages API: Claude Code and other agents speak it)
+    was a 404 at the router. It is keyed by the tokens a worker renders for it
+    (``/v1/messages/render``), so a repeated long system prompt is predicted where vLLM finds
+    it cached (Anthropic usage: ``cache_read_input_tokens``). Control: the first request is
+    predicted to hit nothing. vLLM's tokenizer endpoints pass through unchanged."""
+    model, url, workers = stack["model"], stack["routers"]["tier-aware"].url, stack["workers"]
+    rng = random.Random(41)
+    body = {"model": model, "max_tokens": 4, "temperature": 0,
+            "system": " ".join(map(str, tokens(rng, 200))),
+            "messages": [{"role": "user", "content": "go on"}]}
+    status, headers, out = post(url, body, "/v1/messages")
+    assert status == 200 and out["type"] == "message", out
+    assert headers["X-Kvtier-Predicted-Cached"] == "0"        # control
+    time.sleep(1.0)     # its blocks' events reach the router
+    status, headers, out = post(url, body, "/v1/messages")
+    assert status == 200, out
+    predicted, cached = int(headers["X-Kvtier-Predicted-Cached"]), out["usage"].get("cache_read_input_tokens") or 0
+    prompt = cached + out["usage"]["input_tokens"] + (out["usage"].get("cache_creation_input_tokens") or 0)
+    print(f"messages API: {prompt} prompt tokens, router predicted {predicted}, vLLM cached {cached}")
+    assert predicted >= 256 and cached >= 256 and abs(predicted - cached) < 256, (predicted, cached, prompt)
+    # vLLM's tokenizer endpoints through the router: the worker's own answers
+    direct = post(workers[0].url, {"model": model, "prompt": "hello there"}, "/tokenize")
+    routed = post(url, {"model": model, "prompt": "hello there"}, "/tokenize")
+    assert routed[0] == 200 and routed[2]["tokens"] == direct[2]["tokens"], (routed, direct)
+    routed = post(url, {"model": model, "tokens": direct[2]["tokens"]}, "/detokenize")
+    assert routed[0] == 200 and routed[2]["prompt"] == "hello there", routed
+
+
 def _generated(workers) -> float:
     return sum(_engine_metric(w, "vllm:generation_tokens_total") for w in workers)
 
