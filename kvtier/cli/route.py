@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 
 # flag dest → RouterConfig field (given flags only override the file)
@@ -79,6 +80,8 @@ def build_config(args):
     if args.shared_writes:
         config.shared_writes = True
     config.workers.extend(WorkerSpec.parse(w) for w in args.worker)
+    # the workers' --api-key, for the router's own calls to them (a flag would show in `ps`)
+    config.worker_api_key = os.environ.get("KVTIER_WORKER_API_KEY") or config.worker_api_key
     return config.check()
 
 

@@ -348,12 +348,20 @@ class Router:
         while True:
             for w in [w for w in self.workers if w.healthy]:
                 try:
-                    async with self.session.get(w.url + "/v1/models", timeout=ClientTimeout(total=5.0)) as resp:
+                    async with self.session.get(w.url + "/v1/models", headers=self._worker_auth(None),
+                                                timeout=ClientTimeout(total=5.0)) as resp:
                         if resp.status == 200:
                             self._learn_models(await resp.json())
                 except (ClientError, asyncio.TimeoutError, ValueError) as exc:
                     log.debug("worker %s: /v1/models failed (%s)", w.url, exc)
             await asyncio.sleep(self.config.models_refresh_s)
+
+    def _worker_auth(self, authorization: str | None) -> dict[str, str] | None:
+        """Headers for a call the router makes to a worker (vLLM with ``--api-key``): the client's
+        credentials when the call is on its behalf, else the router's own worker key."""
+        if not authorization and self.config.worker_api_key:
+            authorization = f"Bearer {self.config.worker_api_key}"
+        return {"Authorization": authorization} if authorization else None
 
     def _learn_models(self, listing: Any) -> None:
         data = listing.get("data") if isinstance(listing, dict) else None
@@ -515,7 +523,7 @@ class Router:
             return owner
         if not _STORED_ID.fullmatch(rid):
             return None
-        headers = {"Authorization": authorization} if authorization else None
+        headers = self._worker_auth(authorization)
         for w in sorted(self.workers, key=lambda w: not w.healthy):
             try:
                 async with self.session.get(f"{w.url}/v1/responses/{rid}", headers=headers,
@@ -584,7 +592,7 @@ class Router:
                                 field: str) -> list[int] | None:
         """``payload``'s prompt token ids as a worker renders them (``field`` of its answer to
         ``path``), or None when none of two workers can."""
-        headers = {"Authorization": authorization} if authorization else None   # a worker with --api-key
+        headers = self._worker_auth(authorization)
         for w in sorted(self.workers, key=lambda w: not w.healthy)[:2]:
             try:
                 async with self.session.post(w.url + path, json=payload, headers=headers,
@@ -727,7 +735,8 @@ class Router:
     def _abort_on(self, worker: Worker, ids: list[str], request: web.Request) -> None:
         """The client left: beside closing the worker's connection, ask the worker to abort the
         request by name (vLLM does not always notice a closed connection in time: router/abort.py)."""
-        self.aborts.send(self.session, worker.url, ids, request.headers.get("Authorization"))
+        self.aborts.send(self.session, worker.url, ids, (self._worker_auth(request.headers.get("Authorization"))
+                                                         or {}).get("Authorization"))
 
     async def _relay(self, request: web.Request, resp, first: bytes, worker: Worker,
                      timing: str, predicted: int, rid: str | None = None) -> web.StreamResponse:

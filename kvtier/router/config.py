@@ -91,6 +91,10 @@ class RouterConfig:
     #: a worker's ``/tokenize`` of a chat prompt with tools or documents (kvtier.router.app)
     render_timeout_s: float = 5.0
     max_attempts: int = 3
+    #: the workers' vLLM ``--api-key``, for the router's own calls (the LoRA refresh; renders,
+    #: aborts and response lookups for a client that sent no credentials). From the
+    #: environment (KVTIER_WORKER_API_KEY) or the config file, never a flag: argv is public.
+    worker_api_key: str | None = None
 
     #: the bandwidths a measurement file can give
     _DEFAULT_BANDWIDTHS = ("host_read_bytes_per_s", "shared_read_bytes_per_s")

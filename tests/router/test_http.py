@@ -1000,3 +1000,34 @@ def test_vllms_other_endpoints_are_forwarded_on_load():
             async with s.post(url + "/v1/embeddings", data=b"{not json") as r:
                 assert r.status == 400 and "error" in await r.json()
     run(main())
+
+
+def test_the_router_calls_workers_that_need_a_key_with_its_own():
+    """Workers run with vLLM's ``--api-key``: the router's own calls to them (the LoRA refresh
+    of ``/v1/models``) got a 401, so adapters were learnt from events only; with
+    ``worker_api_key`` (KVTIER_WORKER_API_KEY) it learns them. Control: without the key it
+    does not, and a client's own credentials still go through unchanged."""
+    async def main():
+        for key, learns in ((None, False), ("k1", True)):
+            async with one_worker_router(models_refresh_s=0.2, worker_api_key=key) as (w, router, url, s):
+                w.api_key = "k1"
+                w.loras = ["sql-lora"]
+                await until(lambda: router.index.is_lora("sql-lora"), timeout_s=1.5)
+                assert router.index.is_lora("sql-lora") is learns, key
+                async with s.get(url + "/v1/models", headers={"Authorization": "Bearer wrong"}) as r:
+                    assert r.status == 401          # the client's own (wrong) key, not the router's
+    run(main())
+
+
+def test_the_cli_takes_the_worker_key_from_the_environment_only(monkeypatch):
+    import argparse
+
+    from kvtier.cli import route
+
+    parser = argparse.ArgumentParser()
+    route.register(parser.add_subparsers())
+    monkeypatch.setenv("KVTIER_WORKER_API_KEY", "k2")
+    config = route.build_config(parser.parse_args(["route", "--worker", "http://127.0.0.1:1"]))
+    assert config.worker_api_key == "k2"
+    with pytest.raises(SystemExit):   # no flag for it
+        parser.parse_args(["route", "--worker", "http://127.0.0.1:1", "--worker-api-key", "k2"])
