@@ -274,7 +274,8 @@ class Router:
         for w in self.workers:
             if w.events_endpoint:
                 listener = VllmEvents(w, self.index, shared_writes=self.config.shared_writes,
-                                      on_change=self._update_mode, on_resync=self._resynced)
+                                      on_change=self._update_mode, on_resync=self._resynced,
+                                      on_ignored=lambda w, reason, n: self.metrics.ignored.labels(w.url, reason).inc(n))
                 listener.start()
                 self.listeners.append(listener)
         if self.config.shared_events:

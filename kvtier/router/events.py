@@ -58,12 +58,16 @@ class VllmEvents:
 
     def __init__(self, worker: Worker, index: BlockIndex, *, shared_writes: bool = False,
                  on_change: Callable[[], None] | None = None,
-                 on_resync: Callable[[Worker, str], None] | None = None) -> None:
+                 on_resync: Callable[[Worker, str], None] | None = None,
+                 on_ignored: Callable[[Worker, str, int], None] | None = None) -> None:
         self.worker = worker
         self.index = index
         self.shared_writes = shared_writes
         self.on_change = on_change or (lambda: None)
         self.on_resync = on_resync or (lambda worker, reason: None)
+        #: blocks of events the index cannot take (reason, count): said, not dropped in silence
+        self.on_ignored = on_ignored or (lambda worker, reason, n: None)
+        self._told: set[str] = set()
         self.next_seq: int | None = None
         self.resyncs = 0
         self.messages = 0
@@ -222,6 +226,12 @@ class VllmEvents:
         if not self.worker.events_up:
             self._set_up(True)
 
+    def _ignore(self, reason: str, blocks: int, why: str) -> None:
+        self.on_ignored(self.worker, reason, blocks)
+        if reason not in self._told:
+            self._told.add(reason)
+            log.error("worker %s %s", self.worker.url, why)
+
     def apply(self, event) -> None:
         if isinstance(event, dict):
             kind = event.get("type")
@@ -235,6 +245,15 @@ class VllmEvents:
             get = mapping.get
         wid = self.worker.id
         if kind == "BlockStored":
+            size = int(get("block_size") or 0)
+            if size and size != self.index.block_tokens:
+                # a router keyed for another block size than the worker's finds nothing, ever:
+                # every prediction would be 0 and routing fall back to load, with no sign why
+                self._ignore("block_size", len(get("block_hashes") or []),
+                             f"publishes blocks of {size} tokens but the router keys blocks of "
+                             f"{self.index.block_tokens} (--block-tokens): its events are ignored; start the "
+                             f"router with --block-tokens {size} (vLLM's --block-size)")
+                return
             self.index.stored(wid, get("block_hashes") or [], get("parent_block_hash"), get("token_ids") or [],
                               int(get("block_size") or 0), get("medium"), shared=self.shared_writes,
                               lora_name=get("lora_name"), extra_keys=get("extra_keys"))

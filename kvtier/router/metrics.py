@@ -59,6 +59,10 @@ class RouterMetrics:
                               "Requests the router asked a worker to abort because their client left "
                               "(result: ok; refused, the worker answered an error status; failed, no answer)",
                               ["worker", "result"], registry=r)
+        self.ignored = Counter("kvtier_router_event_blocks_ignored",
+                               "Blocks of KV events the router could not index (reason block_size: the worker's "
+                               "vLLM --block-size is not the router's --block-tokens)", ["worker", "reason"],
+                               registry=r)
         self.index_blocks = Gauge("kvtier_router_index_blocks", "Blocks in the router's index", registry=r)
 
     def render(self) -> bytes:

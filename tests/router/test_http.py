@@ -1031,3 +1031,41 @@ def test_the_cli_takes_the_worker_key_from_the_environment_only(monkeypatch):
     assert config.worker_api_key == "k2"
     with pytest.raises(SystemExit):   # no flag for it
         parser.parse_args(["route", "--worker", "http://127.0.0.1:1", "--worker-api-key", "k2"])
+
+
+def test_events_of_another_block_size_are_reported_not_dropped_in_silence(caplog):
+    """A router keyed for another block size than its workers' (``--block-tokens 32`` beside
+    vLLM's default 16, say) found nothing in their events, ever: every prediction was 0 and
+    routing fell back to load, with no sign why. The events are still not indexed (their keys
+    cannot match), but the router says so: an error naming the flag to set, once per worker,
+    and ``kvtier_router_event_blocks_ignored_total{worker,reason="block_size"}``. Control: an
+    event of the router's block size is indexed."""
+    async def main():
+        w = StandIn("a")
+        await w.start()
+        port = free_port()
+        pub = zmq.Context.instance().socket(zmq.PUB)
+        pub.bind(f"tcp://127.0.0.1:{port}")
+        router, runner, url = await start_router([w], events={0: f"tcp://127.0.0.1:{port}"})
+        try:
+            await until(lambda: not router.approximate_mode, timeout_s=5)
+            wrong = {"type": "BlockStored", "block_hashes": [1, 2], "parent_block_hash": None,
+                     "token_ids": [3] * (4 * BS), "block_size": 2 * BS, "lora_id": None, "medium": "GPU"}
+            ignored = router.metrics.ignored.labels(w.url, "block_size")
+            for seq in range(20):                              # slow joiner: until it is seen
+                pub.send_multipart(vllm_message(seq, [wrong]))
+                await asyncio.sleep(0.05)
+                if ignored._value.get():
+                    break
+            assert ignored._value.get() >= 2 and len(router.index) == 0
+            right = {**wrong, "block_hashes": [5, 6, 7, 8], "block_size": BS}
+            pub.send_multipart(vllm_message(seq + 1, [right, wrong]))
+            await until(lambda: len(router.index) > 0)
+            assert len(router.index) == 4
+            said = [r for r in caplog.records if "--block-tokens 8" in r.getMessage()]
+            assert len(said) == 1 and said[0].levelname == "ERROR", [r.getMessage() for r in caplog.records]
+        finally:
+            await runner.cleanup()
+            await w.stop()
+            pub.close(0)
+    run(main())
