@@ -18,7 +18,7 @@ _FLAGS = ("host", "port", "policy", "model_path", "block_tokens", "kv_bytes_per_
           "shared_events_secret", "prefill_tokens_per_s", "decode_block_s", "step_tokens", "admission_tokens",
           "temperature",
           "index_capacity",
-          "health_interval_s", "eject_after", "max_attempts")
+          "health_interval_s", "eject_after", "max_attempts", "drain_timeout_s")
 
 
 def register(subparsers) -> None:
@@ -63,6 +63,9 @@ def register(subparsers) -> None:
     p.add_argument("--health-interval-s", dest="health_interval_s", type=float)
     p.add_argument("--eject-after", dest="eject_after", type=int)
     p.add_argument("--max-attempts", dest="max_attempts", type=int)
+    p.add_argument("--drain-timeout-s", dest="drain_timeout_s", type=float,
+                   help="at shutdown, how long answers under way may go on before each is ended with an error "
+                        "event (or a 503) and aborted on its worker (default 25: under Kubernetes' 30 s grace)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="debug: one line per decision with each worker's backlog and cost")
     p.set_defaults(func=run)

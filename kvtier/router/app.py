@@ -11,6 +11,7 @@ sent. Every error the router itself answers has the OpenAI error shape.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import re
@@ -39,6 +40,8 @@ _HOP_HEADERS = {"host", "content-length", "transfer-encoding", "connection", "ke
 _RETRY_STATUS = {502, 503, 504}
 #: when the router got the request (its own time before forwarding goes into Server-Timing)
 _RECEIVED = web.RequestKey("kvtier_received", float)
+#: the worker's first byte was passed on: the client has a response under way
+_ANSWERED = web.RequestKey("kvtier_answered", bool)
 #: how the router's app must be served. A client that leaves cancels its handler, which closes
 #: the worker's request with it: vLLM then aborts the generation (its own server does the same
 #: for a client of its own) instead of decoding to ``max_tokens`` for nobody. aiohttp's default
@@ -225,6 +228,9 @@ class Router:
         self.last_decision_s = 0.0    #: seconds the last decision took (what the histogram observes)
         self.last_load_s = 0.0        #: the last decision's predicted tier-load seconds on the chosen worker
         self._tasks: list[asyncio.Task] = []
+        self._active: set[asyncio.Task] = set()    #: handlers forwarding a request now
+        self._drained: set[asyncio.Task] = set()   #: those the drain's deadline ended
+        self._draining = False
         self.aborts = WorkerAborts(lambda url, result: self.metrics.aborts.labels(url, result).inc())
         #: Responses API: response id → the URL of the worker that stored it (most recent last)
         self._response_owners: OrderedDict[str, str] = OrderedDict()
@@ -258,6 +264,7 @@ class Router:
         app.router.add_get("/metrics", self.metrics_endpoint)
         install_admin(self, app)   # /admin/workers: runtime add / drain / remove (kvtier/router/admin.py)
         app.on_startup.append(self._start)
+        app.on_shutdown.append(self._drain)
         app.on_cleanup.append(self._stop)
         return app
 
@@ -289,6 +296,26 @@ class Router:
         if self.config.models_refresh_s > 0:
             self._tasks.append(asyncio.ensure_future(self._models_loop()))
         self._update_mode()
+
+    async def _drain(self, app: web.Application) -> None:
+        """Shutting down (SIGTERM: the router no longer accepts connections): the answers under
+        way may finish for ``drain_timeout_s``; then each still open is ended as a worker cut
+        ends one (an error event and ``[DONE]``; a request not yet answered gets a 503 to send
+        again), and aborted on its worker. Left to aiohttp, a long generation held the router
+        up to twice its shutdown timeout and was then cut without a word, and beyond an
+        orchestrator's grace period the router is killed mid-stream anyway."""
+        self._draining = True
+        deadline = time.monotonic() + self.config.drain_timeout_s
+        while self._active and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if not self._active:
+            return
+        log.warning("shutting down: ending %d answers still open after %.1f s", len(self._active),
+                    self.config.drain_timeout_s)
+        for task in list(self._active):
+            self._drained.add(task)
+            task.cancel()
+        await asyncio.wait(list(self._active), timeout=5.0)
 
     async def _stop(self, app: web.Application) -> None:
         for t in self._tasks:
@@ -648,9 +675,26 @@ class Router:
             self.metrics.decode_step.labels(w.url).set(w.decode_step_s or 0)
         return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
 
-    async def _forward(self, request: web.Request, raw: bytes, token_ids: list[int], *,
-                       streaming: bool = False, seed: int = ROOT_SEED,
-                       pinned_url: str | None = None, body: Any = None) -> web.StreamResponse:
+    async def _forward(self, request: web.Request, raw: bytes, token_ids: list[int], **how) -> web.StreamResponse:
+        """Route and relay (:meth:`_attempts`), as one of the answers a shutdown drains."""
+        task = asyncio.current_task()
+        self._active.add(task)
+        try:
+            return await self._attempts(request, raw, token_ids, **how)
+        except asyncio.CancelledError:
+            if task in self._drained and not request.get(_ANSWERED, False):
+                task.uncancel()   # ended by the drain, not by its client: it still gets an answer
+                self.metrics.errors.labels("shutting_down").inc()
+                return error_response(503, "the router is shutting down; send the request again",
+                                      "service_unavailable_error")
+            raise
+        finally:
+            self._active.discard(task)
+            self._drained.discard(task)
+
+    async def _attempts(self, request: web.Request, raw: bytes, token_ids: list[int], *,
+                        streaming: bool = False, seed: int = ROOT_SEED,
+                        pinned_url: str | None = None, body: Any = None) -> web.StreamResponse:
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
         # named, so that the worker can be told to abort it if the client leaves (router/abort.py)
         rid, add_header = request_id(request.headers, body)
@@ -707,7 +751,7 @@ class Router:
                         # the prefill line is fitted to the time less the predicted tier loads,
                         # which the queue prices apart (pending_load_s)
                         self.speed.sample(prefill_tokens, upstream_s - load_s)
-                    answered = True
+                    answered = request[_ANSWERED] = True
                     self.metrics.routed.labels(worker.url).inc()
                     self.metrics.predicted_cached.labels(worker.url).inc(predicted)
                     timing = (f"router;dur={own_s * 1e3:.3f}, held;dur={held_s * 1e3:.3f}, "
@@ -783,9 +827,16 @@ class Router:
                     del kept[:-_TAIL]     # the usage chunk comes last: keep a tail only
             await out.write_eof()
         except (ConnectionResetError, asyncio.CancelledError):
-            # The client left: leaving here closes the worker's request (the caller's ``async
-            # with``), which aborts its generation.
-            self.metrics.cut.labels(worker.url, "client").inc()
+            # The client left, or the shutdown's drain ended the answer: leaving here closes the
+            # worker's request (the caller's ``async with``), and the caller aborts it by name.
+            drained = asyncio.current_task() in self._drained
+            self.metrics.cut.labels(worker.url, "shutdown" if drained else "client").inc()
+            if drained and streaming:   # the client is still there: tell it, as a worker cut does
+                with contextlib.suppress(ConnectionResetError, RuntimeError):
+                    error = {"error": {"message": "the router is shutting down; the answer ends here",
+                                       "type": "service_unavailable_error", "param": None, "code": 503}}
+                    await out.write(f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode())
+                    await out.write_eof()
             raise
         usage = None
         if streaming:

@@ -91,6 +91,10 @@ class RouterConfig:
     #: a worker's ``/tokenize`` of a chat prompt with tools or documents (kvtier.router.app)
     render_timeout_s: float = 5.0
     max_attempts: int = 3
+    #: at shutdown (SIGTERM), how long answers under way may go on before each is ended (an
+    #: error event in a stream, a 503 before the first byte) and aborted on its worker; under
+    #: an orchestrator's grace period (Kubernetes: 30 s by default)
+    drain_timeout_s: float = 25.0
     #: the workers' vLLM ``--api-key``, for the router's own calls (the LoRA refresh; renders,
     #: aborts and response lookups for a client that sent no credentials). From the
     #: environment (KVTIER_WORKER_API_KEY) or the config file, never a flag: argv is public.
@@ -136,6 +140,9 @@ class RouterConfig:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.temperature < 0:
             raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
+        if self.drain_timeout_s < 0:
+            raise ConfigError(f"drain_timeout_s must be >= 0 (0: end answers under way at once), "
+                              f"got {self.drain_timeout_s}")
         if self.step_tokens < 0:
             raise ConfigError(f"step_tokens must be >= 0 (0: no shared prefill steps), got {self.step_tokens}")
         if self.admission_tokens < 0:

@@ -1069,3 +1069,47 @@ def test_events_of_another_block_size_are_reported_not_dropped_in_silence(caplog
             await w.stop()
             pub.close(0)
     run(main())
+
+
+def test_a_shutdown_drains_for_a_while_then_ends_what_is_left_with_a_word():
+    """SIGTERM (``runner.cleanup()``, which ``run_app`` calls on it): answers under way go on
+    for ``drain_timeout_s``; then a stream still open gets an error event and ``[DONE]``, a
+    request not yet answered a 503 to send again, and each is aborted on its worker by name.
+    Before, a long generation held the router up to twice aiohttp's shutdown timeout and was
+    then cut without a word (and an orchestrator kills it mid-stream before that). Control: a
+    short stream finishes whole within the drain."""
+    async def main():
+        w = Deaf("w0", steps=60, gap_s=0.05)              # 3 s of decoding
+        await w.start()
+        router, runner, url = await start_router([w], drain_timeout_s=0.6)
+        try:
+            async with ClientSession() as s:
+                async def ask(body):
+                    async with s.post(url + "/v1/completions", json=body, timeout=ClientTimeout(total=20)) as r:
+                        return r.status, await r.read()
+
+                long = asyncio.ensure_future(ask({"prompt": "a b", "stream": True}))
+                whole = asyncio.ensure_future(ask({"prompt": "c d"}))           # answered only at its end
+                await asyncio.sleep(0.3)
+                w.steps = 8                                                     # 0.4 s: within the drain
+                short = asyncio.ensure_future(ask({"prompt": "e f", "stream": True}))
+                await asyncio.sleep(0.1)
+                t0 = time.monotonic()
+                await runner.cleanup()
+                took = time.monotonic() - t0
+                status, body = await long
+                events = [e[len("data: "):] for e in body.decode().split("\n\n") if e.startswith("data: ")]
+                assert status == 200 and events[-1] == "[DONE]", events[-3:]
+                assert "shutting down" in json.loads(events[-2])["error"]["message"]
+                assert 5 < len(events) < 60, len(events)
+                status, body = await whole
+                assert status == 503 and json.loads(body)["error"]["type"] == "service_unavailable_error"
+                status, body = await short                                       # control
+                assert status == 200 and body.endswith(b"data: [DONE]\n\n") and body.count(b"data: ") == 9
+                assert took < 3.0, took
+                await until(lambda: w.aborted >= 2)
+                assert w.aborted == 2 and w.finished == 1, (w.aborted, w.finished)
+                assert router.metrics.cut.labels(w.url, "shutdown")._value.get() == 1
+        finally:
+            await w.stop()
+    run(main())
