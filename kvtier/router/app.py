@@ -23,7 +23,7 @@ from typing import Any, NamedTuple, Sequence
 from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
 
 from kvtier.policy.routing import Approximate, make_policy
-from kvtier.router.abort import WorkerAborts, engine_request_ids, request_id
+from kvtier.router.abort import WorkerAborts, engine_request_ids, request_id, watch_client
 from kvtier.router.admin import install as install_admin
 from kvtier.router.admission import AsyncAdmission
 from kvtier.router.config import RouterConfig
@@ -42,6 +42,8 @@ _RETRY_STATUS = {502, 503, 504}
 _RECEIVED = web.RequestKey("kvtier_received", float)
 #: the worker's first byte was passed on: the client has a response under way
 _ANSWERED = web.RequestKey("kvtier_answered", bool)
+#: (the id the worker knows the request by, whether the client gave it)
+_NAMED = web.RequestKey("kvtier_named", tuple)
 #: how the router's app must be served. A client that leaves cancels its handler, which closes
 #: the worker's request with it: vLLM then aborts the generation (its own server does the same
 #: for a client of its own) instead of decoding to ``max_tokens`` for nobody. aiohttp's default
@@ -231,6 +233,8 @@ class Router:
         self._active: set[asyncio.Task] = set()    #: handlers forwarding a request now
         self._drained: set[asyncio.Task] = set()   #: those the drain's deadline ended
         self._draining = False
+        #: request ids of the answers under way (a client may give the same one twice)
+        self._names: dict[str, int] = {}
         self.aborts = WorkerAborts(lambda url, result: self.metrics.aborts.labels(url, result).inc())
         #: Responses API: response id → the URL of the worker that stored it (most recent last)
         self._response_owners: OrderedDict[str, str] = OrderedDict()
@@ -691,6 +695,11 @@ class Router:
         finally:
             self._active.discard(task)
             self._drained.discard(task)
+            named = request.get(_NAMED)
+            if named is not None:
+                left = self._names.pop(named[0]) - 1
+                if left:
+                    self._names[named[0]] = left
 
     async def _attempts(self, request: web.Request, raw: bytes, token_ids: list[int], *,
                         streaming: bool = False, seed: int = ROOT_SEED,
@@ -701,6 +710,9 @@ class Router:
         abort_ids = engine_request_ids(request.path, rid, body)
         if add_header and abort_ids:
             headers["X-Request-Id"] = rid
+        if abort_ids:
+            request[_NAMED] = (rid, not add_header)
+            self._names[rid] = self._names.get(rid, 0) + 1
         # pinned: only that worker can serve it (it holds state the request refers to)
         tried: set[int] = ({w.id for w in self.workers if w.url != pinned_url}
                            if pinned_url and any(w.url == pinned_url for w in self.workers) else set())
@@ -725,6 +737,7 @@ class Router:
             # and counting its tokens until then would throttle the worker.
             admission = self._admission(worker) if streaming else None
             sent = False
+            watcher: asyncio.Task | None = None
             try:
                 held_t0 = time.monotonic()
                 # soonest virtual finish first: arrival + its own predicted prefill seconds
@@ -735,6 +748,9 @@ class Router:
                 held_s = t0 - held_t0
                 self.metrics.held.observe(held_s)
                 sent = True
+                # until the first byte nothing is written to the client, which is how a departure
+                # is otherwise noticed (router/abort.py): look at its socket meanwhile
+                watcher = watch_client(request.transport, asyncio.current_task().cancel)
                 async with self.session.request(request.method, worker.url + request.path_qs, data=raw,
                                                 headers=headers) as resp:
                     if resp.status in _RETRY_STATUS:
@@ -742,6 +758,7 @@ class Router:
                         self._record_health(worker, False)
                         continue
                     first = await resp.content.readany()
+                    watcher.cancel()
                     upstream_s = time.monotonic() - t0
                     if admitted:   # its tokens left the engine's queue: the next may go
                         admitted = False
@@ -759,6 +776,8 @@ class Router:
                     return await self._relay(request, resp, first, worker, timing, predicted,
                                              rid if abort_ids else None)
             except asyncio.CancelledError:   # the client left (its handler is cancelled)
+                log.debug("request %s: its client left (%s the first byte) on %s", rid,
+                          "after" if answered else "before", worker.url)
                 if sent:
                     self._abort_on(worker, abort_ids, request)
                 raise
@@ -772,6 +791,8 @@ class Router:
                 log.warning("request failed before its first byte on %s (%s); retrying elsewhere", worker.url, exc)
                 self._record_health(worker, False)
             finally:
+                if watcher is not None:
+                    watcher.cancel()
                 if admitted:   # sent and failed (or the client left) before its first byte
                     admission.done(prefill_tokens)
                 worker.finish(prefill_tokens, len(keys), answered, load_s, ticket)
@@ -780,6 +801,12 @@ class Router:
     def _abort_on(self, worker: Worker, ids: list[str], request: web.Request) -> None:
         """The client left: beside closing the worker's connection, ask the worker to abort the
         request by name (vLLM does not always notice a closed connection in time: router/abort.py)."""
+        rid, clients_own = request.get(_NAMED, (None, False))
+        if clients_own and self._names.get(rid, 0) > 1:
+            # another request under way carries the same client-given id: vLLM aborts every
+            # request of an id, so this one's leaving must not end that one (closing suffices)
+            self.metrics.aborts.labels(worker.url, "shared_name").inc()
+            return
         self.aborts.send(self.session, worker.url, ids, (self._worker_auth(request.headers.get("Authorization"))
                                                          or {}).get("Authorization"))
 
