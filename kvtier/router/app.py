@@ -763,8 +763,9 @@ class Router:
                     if admitted:   # its tokens left the engine's queue: the next may go
                         admitted = False
                         admission.done(prefill_tokens)
+                    # only a stream's first byte ends its prefill (a whole answer comes after its decode)
                     if worker.first_byte(prefill_tokens, upstream_s - load_s, others=others, load_s=load_s,
-                                         ticket=ticket):
+                                         ticket=ticket, timed=streaming):
                         # the prefill line is fitted to the time less the predicted tier loads,
                         # which the queue prices apart (pending_load_s)
                         self.speed.sample(prefill_tokens, upstream_s - load_s)

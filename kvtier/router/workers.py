@@ -53,7 +53,7 @@ class Worker:
         return self.speed.tokens_per_s
 
     def first_byte(self, prefill_tokens: int, seconds: float, *, others: int = 0, load_s: float = 0.0,
-                   ticket: int | None = None) -> bool:
+                   ticket: int | None = None, timed: bool = True) -> bool:
         """A request's first byte came ``seconds`` after it was sent; ``others`` requests were
         in flight on this worker then.
 
@@ -65,9 +65,14 @@ class Worker:
         prefill of the requests sent *after* it, not of those running before it (measured
         on the trace bench: a burst of 7 requests put 40 of 64 on one worker). Returns True
         when the request was a speed sample (found the worker idle).
+
+        ``timed`` False: the first byte is not the end of the prefill (a non-streamed answer
+        comes whole, after its decode), so it is no sample: one such answer of 400 tokens put
+        the measured prefill speed at 11 tokens/s (2,000 configured), and every later
+        request's price with it.
         """
         self._unqueue(prefill_tokens, load_s, ticket)
-        if others == 0:
+        if others == 0 and timed:
             return self.speed.sample(prefill_tokens, seconds)
         return False
 

@@ -143,8 +143,8 @@ def test_an_added_worker_backlog_is_priced_at_the_fleets_measured_speed():
             async with ClientSession() as s:
                 assert (await _admin(s, "POST", url, {"url": b.url}))[0] == 201
                 assert router.speed.tokens_per_s is None        # nothing measured yet: default
-                for i in range(4):
-                    assert (await _complete(s, url, " ".join(["word"] * 40) + f" {i}"))[0] == 200
+                for i in range(4):   # streamed: a stream's first byte is what measures the prefill
+                    assert (await _complete(s, url, " ".join(["word"] * 40) + f" {i}", stream=True))[0] == 200
                 measured = router.speed.tokens_per_s
                 assert measured and measured != router.config.prefill_tokens_per_s
                 assert (await _admin(s, "POST", url, {"url": c.url}))[0] == 201

@@ -1226,3 +1226,31 @@ def test_a_departure_the_server_misses_is_seen_on_the_clients_socket():
             await runner.cleanup()
             await w.stop()
     run(main())
+
+
+def test_a_whole_answer_is_no_sample_of_the_prefill_speed():
+    """A non-streamed answer's first byte comes after its whole decode, not at the end of its
+    prefill. The router took it as a prefill sample: one such answer of 400 tokens, with real
+    vLLM, put the measured speed at 11 tokens/s instead of thousands, and every later
+    request's price with it. Control: a stream's first byte measures the speed."""
+    async def main():
+        w = Deaf("w0", steps=10, gap_s=0.1)                # 1 s of decoding, streamed or not
+        await w.start()
+        router, runner, url = await start_router([w])
+        try:
+            async with ClientSession() as s:
+                prompt = " ".join(["word"] * 200)
+                for _ in range(2):
+                    async with s.post(url + "/v1/completions", json={"prompt": prompt}) as r:
+                        assert r.status == 200
+                        await r.read()
+                assert router.speed.tokens_per_s is None and router.workers[0].prefill_tokens_per_s is None
+                async with s.post(url + "/v1/completions", json={"prompt": prompt, "stream": True}) as r:
+                    assert r.status == 200
+                    await r.read()
+                assert router.workers[0].prefill_tokens_per_s is not None   # control
+                assert router.speed.tokens_per_s > 1000, router.speed.tokens_per_s
+        finally:
+            await runner.cleanup()
+            await w.stop()
+    run(main())
