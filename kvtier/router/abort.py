@@ -1,15 +1,18 @@
 """A client that leaves: noticing it, and aborting its request on the worker.
 
-Noticing: aiohttp cancels a handler whose client closed its connection (``handler_cancellation``),
-but not always while the handler waits on the worker: measured here, 1 in about 16 clients that
-left a non-streamed request through the router was never noticed, and its generation ran to
-``max_tokens``. So while a request waits for its worker's first byte, the router also looks at
-the client's socket itself (:func:`watch_client`: a FIN or a reset waiting there).
+Noticing: aiohttp cancels a handler whose client closed its connection (``handler_cancellation``)
+when its event loop reads the end of the stream. While a request waits for its worker's first
+byte the router writes nothing to the client, so that is the only sign; as a second one, it also
+looks at the client's socket itself (:func:`watch_client`: a FIN or a reset waiting there), which
+needs no read to be scheduled. (Measured here, some departures were acted on only when the answer
+came back; in every one examined the router's process itself had stood still for 4-6 s, using no
+CPU, which no code in it can help: BENCHMARKS.md.)
 
 Closing the worker's connection ought to be enough: vLLM aborts a generation whose client
 is gone. It does not always do so in time:
 - vLLM 0.32 may decode a *non-streamed* request to ``max_tokens`` after its client's
-  connection closed (vllm-project/vllm#54947; measured here: 2 of 4 tries);
+  connection closed (vllm-project/vllm#54947; 2 of 4 tries in one measurement here, on a
+  machine that also stalls whole processes now and then);
 - an API server short of CPU (its engine on the same cores) notices a closed stream only
   when its event loop comes round, seconds later: measured here, a 1,900-token stream was
   decoded whole before the worker had even sent its first event.

@@ -1195,11 +1195,10 @@ def test_client_gone_reads_the_socket_itself():
 
 
 def test_a_departure_the_server_misses_is_seen_on_the_clients_socket():
-    """aiohttp does not always cancel a handler whose client left while it waits on the worker
-    (measured with real vLLM: 5 of 20 non-streamed departures; their generations ran to
-    ``max_tokens``). Here it is told not to (no ``handler_cancellation``), so only the router's
-    own look at the client's socket can notice: the worker is aborted by name within about a
-    poll. Control: a client that stays gets its whole answer, unaborted."""
+    """The router's second sign of a departure, its own look at the client's socket, works
+    without aiohttp's: here aiohttp is told not to cancel handlers (no ``handler_cancellation``),
+    so only the socket watch can notice, and the worker is aborted by name within about a poll.
+    Control: a client that stays gets its whole answer, unaborted."""
     async def main():
         w = Deaf("w0", steps=60, gap_s=0.05)             # 3 s of decoding
         await w.start()
