@@ -118,16 +118,15 @@ class WorkerAborts:
         self._refusing: set[str] = set()   # workers told about once
 
     def send(self, session: ClientSession | None, worker_url: str, ids: list[str],
-             authorization: str | None) -> None:
+             headers: Mapping[str, str] | None) -> None:
         if session is None or session.closed or not ids:
             return
-        task = asyncio.get_running_loop().create_task(self._post(session, worker_url, ids, authorization))
+        task = asyncio.get_running_loop().create_task(self._post(session, worker_url, ids, headers))
         self._pending.add(task)   # held: the loop keeps only weak references to tasks
         task.add_done_callback(self._pending.discard)
 
     async def _post(self, session: ClientSession, worker_url: str, ids: list[str],
-                    authorization: str | None) -> None:
-        headers = {"Authorization": authorization} if authorization else {}
+                    headers: Mapping[str, str] | None) -> None:
         try:
             async with session.post(worker_url + ABORT_PATH, json={"request_ids": ids}, headers=headers,
                                     timeout=_TIMEOUT) as resp:

@@ -16,7 +16,7 @@ import json
 import logging
 import re
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple, Sequence
 
@@ -234,7 +234,7 @@ class Router:
         self._drained: set[asyncio.Task] = set()   #: those the drain's deadline ended
         self._draining = False
         #: request ids of the answers under way (a client may give the same one twice)
-        self._names: dict[str, int] = {}
+        self._names: Counter[str] = Counter()
         self.aborts = WorkerAborts(lambda url, result: self.metrics.aborts.labels(url, result).inc())
         #: Responses API: response id → the URL of the worker that stored it (most recent last)
         self._response_owners: OrderedDict[str, str] = OrderedDict()
@@ -697,9 +697,9 @@ class Router:
             self._drained.discard(task)
             named = request.get(_NAMED)
             if named is not None:
-                left = self._names.pop(named[0]) - 1
-                if left:
-                    self._names[named[0]] = left
+                self._names[named[0]] -= 1
+                if self._names[named[0]] <= 0:
+                    del self._names[named[0]]
 
     async def _attempts(self, request: web.Request, raw: bytes, token_ids: list[int], *,
                         streaming: bool = False, seed: int = ROOT_SEED,
@@ -712,7 +712,7 @@ class Router:
             headers["X-Request-Id"] = rid
         if abort_ids:
             request[_NAMED] = (rid, not add_header)
-            self._names[rid] = self._names.get(rid, 0) + 1
+            self._names[rid] += 1
         # pinned: only that worker can serve it (it holds state the request refers to)
         tried: set[int] = ({w.id for w in self.workers if w.url != pinned_url}
                            if pinned_url and any(w.url == pinned_url for w in self.workers) else set())
@@ -803,13 +803,12 @@ class Router:
         """The client left: beside closing the worker's connection, ask the worker to abort the
         request by name (vLLM does not always notice a closed connection in time: router/abort.py)."""
         rid, clients_own = request.get(_NAMED, (None, False))
-        if clients_own and self._names.get(rid, 0) > 1:
+        if clients_own and self._names[rid] > 1:
             # another request under way carries the same client-given id: vLLM aborts every
             # request of an id, so this one's leaving must not end that one (closing suffices)
             self.metrics.aborts.labels(worker.url, "shared_name").inc()
             return
-        self.aborts.send(self.session, worker.url, ids, (self._worker_auth(request.headers.get("Authorization"))
-                                                         or {}).get("Authorization"))
+        self.aborts.send(self.session, worker.url, ids, self._worker_auth(request.headers.get("Authorization")))
 
     async def _relay(self, request: web.Request, resp, first: bytes, worker: Worker,
                      timing: str, predicted: int, rid: str | None = None) -> web.StreamResponse:
