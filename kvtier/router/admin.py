@@ -65,7 +65,8 @@ def _error(status: int, message: str) -> Exception:
 
 def describe(w: Worker) -> dict:
     return {"url": w.url, "id": w.id, "state": "draining" if w.draining else "serving", "healthy": w.healthy,
-            "inflight": w.inflight, "events": w.events_endpoint, "events_up": w.events_up}
+            "inflight": w.inflight, "events": w.events_endpoint, "events_up": w.events_up,
+            "models": sorted(w.models) if w.models is not None else None}
 
 
 class WorkerAdmin:
@@ -149,6 +150,7 @@ class WorkerAdmin:
             listener.start()
             self.router.listeners.append(listener)
         self.router._update_mode()
+        self.router._refresh_models_soon()   # which models it serves (router/models.py)
         log.info("worker %s added (id %d)", worker.url, wid)
         return web.json_response(describe(worker), status=201)
 

@@ -30,6 +30,8 @@ from kvtier.router.config import RouterConfig
 from kvtier.router.events import SharedTierEvents, VllmEvents
 from kvtier.router.index import ROOT_SEED, BlockIndex, context_seed
 from kvtier.router.metrics import RouterMetrics
+from kvtier.router.models import (LORA_PATHS, first_refusal, listed_models, lora_adapters, merge_listings,
+                                  model_missing, post_to_all, requested_model, serving)
 from kvtier.router.view import LinearPrefill, LiveView
 from kvtier.router.workers import Health, PrefillFit, Worker
 from kvtier.sim.service import ServiceModel
@@ -44,6 +46,8 @@ _RECEIVED = web.RequestKey("kvtier_received", float)
 _ANSWERED = web.RequestKey("kvtier_answered", bool)
 #: (the id the worker knows the request by, whether the client gave it)
 _NAMED = web.RequestKey("kvtier_named", tuple)
+#: the answer the router began to send the client (relayed from a worker)
+_RESPONSE = web.RequestKey("kvtier_response", web.StreamResponse)
 #: how the router's app must be served. A client that leaves cancels its handler, which closes
 #: the worker's request with it: vLLM then aborts the generation (its own server does the same
 #: for a client of its own) instead of decoding to ``max_tokens`` for nobody. aiohttp's default
@@ -238,6 +242,7 @@ class Router:
         self.aborts = WorkerAborts(lambda url, result: self.metrics.aborts.labels(url, result).inc())
         #: Responses API: response id → the URL of the worker that stored it (most recent last)
         self._response_owners: OrderedDict[str, str] = OrderedDict()
+        self._models_refresh: asyncio.Future | None = None   #: a refresh of the listings under way
         # Long texts are tokenized on a thread of their own: a 200 k-token text takes ~0.5 s to
         # encode, which on the event loop would stall every stream the router relays and every
         # other request (the fast tokenizer's Rust core releases the GIL). Short ones stay on the
@@ -264,6 +269,8 @@ class Router:
         for path in ON_LOAD:
             app.router.add_post(path, self.on_load)
         app.router.add_get("/v1/models", self.models)
+        for path in LORA_PATHS:
+            app.router.add_post(path, self.lora_adapter)
         app.router.add_get("/health", self.health_endpoint)
         app.router.add_get("/metrics", self.metrics_endpoint)
         install_admin(self, app)   # /admin/workers: runtime add / drain / remove (kvtier/router/admin.py)
@@ -378,15 +385,41 @@ class Router:
         loaded at runtime (``/v1/load_lora_adapter``), as models with a ``parent``.
         """
         while True:
-            for w in [w for w in self.workers if w.healthy]:
-                try:
-                    async with self.session.get(w.url + "/v1/models", headers=self._worker_auth(None),
-                                                timeout=ClientTimeout(total=5.0)) as resp:
-                        if resp.status == 200:
-                            self._learn_models(await resp.json())
-                except (ClientError, asyncio.TimeoutError, ValueError) as exc:
-                    log.debug("worker %s: /v1/models failed (%s)", w.url, exc)
+            await self._refresh_models()
             await asyncio.sleep(self.config.models_refresh_s)
+
+    async def _refresh_models(self, client: web.Request | None = None) -> list[tuple[int, Any]]:
+        """Ask every healthy worker (every worker, if none is) for its ``/v1/models`` at once, and
+        learn what each serves (router/models.py); returns (status, answer) of those that
+        answered. On a ``client``'s behalf with its credentials alone (a client without a key
+        must not list through the router's), else with the router's own worker key."""
+        workers = [w for w in self.workers if w.healthy] or list(self.workers)
+        if client is None:
+            headers = self._worker_auth(None)
+        else:
+            auth = client.headers.get("Authorization")
+            headers = {"Authorization": auth} if auth else None
+
+        async def ask(w: Worker) -> tuple[int, Any] | None:
+            try:
+                async with self.session.get(w.url + "/v1/models", headers=headers,
+                                            timeout=ClientTimeout(total=5.0)) as resp:
+                    answer = await resp.json(content_type=None)
+            except (ClientError, asyncio.TimeoutError, ValueError) as exc:
+                log.debug("worker %s: /v1/models failed (%s)", w.url, exc)
+                return None
+            if resp.status == 200:
+                self._learn_models(answer, w)
+            return resp.status, answer
+
+        answers = await asyncio.gather(*(ask(w) for w in workers))
+        return [a for a in answers if a is not None]
+
+    def _refresh_models_soon(self) -> asyncio.Future:
+        """A worker's listing proved stale: ask them all again (one refresh at a time)."""
+        if self._models_refresh is None or self._models_refresh.done():
+            self._models_refresh = asyncio.ensure_future(self._refresh_models())
+        return self._models_refresh
 
     def _worker_auth(self, authorization: str | None) -> dict[str, str] | None:
         """Headers for a call the router makes to a worker (vLLM with ``--api-key``): the client's
@@ -395,10 +428,13 @@ class Router:
             authorization = f"Bearer {self.config.worker_api_key}"
         return {"Authorization": authorization} if authorization else None
 
-    def _learn_models(self, listing: Any) -> None:
-        data = listing.get("data") if isinstance(listing, dict) else None
-        names = [m["id"] for m in data or () if isinstance(m, dict) and isinstance(m.get("id"), str)
-                 and m.get("parent") and m.get("parent") != m["id"]]
+    def _learn_models(self, listing: Any, worker: Worker) -> None:
+        """What a worker's ``/v1/models`` says: the names it serves (a request for a model goes
+        where it is served), and which of them are LoRA adapters (keyed apart)."""
+        models = listed_models(listing)
+        if models is not None:
+            worker.models = models
+        names = lora_adapters(listing)
         if names:
             self.index.add_lora_names(names)
 
@@ -428,16 +464,18 @@ class Router:
         self.prefill.tokens_per_s, self.prefill.overhead_s = speed, overhead
         return speed, overhead
 
-    def decide(self, token_ids: Sequence[int], exclude: set[int],
-               seed: int = ROOT_SEED) -> tuple[Worker, int, list[int]] | None:
-        """Pick a worker; returns it, the predicted cached tokens and the prompt's keys (rooted
-        in ``seed``, the request's context: :func:`~kvtier.router.index.context_seed`)."""
+    def decide(self, token_ids: Sequence[int], exclude: set[int], seed: int = ROOT_SEED,
+               model: str | None = None) -> tuple[Worker, int, list[int]] | None:
+        """Pick a worker (among those serving ``model``, router/models.py); returns it, the
+        predicted cached tokens and the prompt's keys (rooted in ``seed``, the request's
+        context: :func:`~kvtier.router.index.context_seed`)."""
         t0 = time.perf_counter()
         candidates = [w for w in self.workers if w.healthy and not w.draining and w.id not in exclude]
         if not candidates:   # every admitted worker failed this request: try the ejected ones
             candidates = [w for w in self.workers if not w.draining and w.id not in exclude]
         if not candidates:
             return None
+        candidates = serving(candidates, model)
         keys = self.index.keys_of(token_ids, seed)
         speed, _ = self._prefill_line()
         view = LiveView(self.service, candidates, self.index, keys, speed, self.config.decode_block_s,
@@ -481,8 +519,19 @@ class Router:
             self.metrics.errors.labels("http").inc()
             kind = "not_found_error" if exc.status == 404 else "invalid_request_error"
             return error_response(exc.status, f"{request.method} {request.path}: {exc.reason}", kind)
-        except (asyncio.CancelledError, ConnectionResetError):
+        except asyncio.CancelledError:
             raise
+        except ConnectionResetError:
+            # The client left and the router saw it only at a write (its handler not cancelled in
+            # time): no answer can reach it. Raised on, aiohttp logs "Error handling request" with
+            # a traceback; the answer begun, handed back, ends as a premature disconnection (its
+            # write_eof fails quietly). The relay already counted the cut and closed the worker's
+            # request.
+            out = request.get(_RESPONSE)
+            if out is None:
+                raise
+            log.debug("%s %s: the client left while being answered", request.method, request.path)
+            return out
         except Exception:   # a bug of ours: logged with its traceback here, never sent to the client
             log.exception("router error on %s %s", request.method, request.path)
             self.metrics.errors.labels("internal").inc()
@@ -507,7 +556,7 @@ class Router:
             _check_body(body, "prompt")
             ids = await self._tokenize("completion", _text_chars(body["prompt"]), body["prompt"])
         return await self._forward(request, raw, ids, streaming=body.get("stream") is True,
-                                   seed=self._context(body), body=body)
+                                   seed=self._context(body), body=body, model=requested_model(body))
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         request[_RECEIVED] = time.perf_counter()
@@ -518,7 +567,7 @@ class Router:
         if ids is None:
             ids = await self._tokenize("chat", len(raw), body["messages"], body)
         return await self._forward(request, raw, ids, streaming=body.get("stream") is True,
-                                   seed=self._context(body), body=body)
+                                   seed=self._context(body), body=body, model=requested_model(body))
 
     async def responses(self, request: web.Request) -> web.StreamResponse:
         """The Responses API (vLLM's ``/v1/responses``), routed on load alone: its prompt is
@@ -535,7 +584,8 @@ class Router:
         previous = body.get("previous_response_id")
         owner = (await self._response_owner(previous, request.headers.get("Authorization"))
                  if isinstance(previous, str) else None)
-        return await self._forward(request, raw, [], streaming=body.get("stream") is True, pinned_url=owner)
+        return await self._forward(request, raw, [], streaming=body.get("stream") is True, pinned_url=owner,
+                                   model=requested_model(body))
 
     async def stored_response(self, request: web.Request) -> web.StreamResponse:
         """``GET /v1/responses/{id}`` (a stored or background response, streamed with
@@ -579,7 +629,7 @@ class Router:
         ids = await self._render_on_worker("/v1/messages/render", body, request.headers.get("Authorization"),
                                            "token_ids")
         return await self._forward(request, raw, ids or [], streaming=body.get("stream") is True,
-                                   seed=self._context(body), body=body)
+                                   seed=self._context(body), body=body, model=requested_model(body))
 
     async def on_load(self, request: web.Request) -> web.StreamResponse:
         """vLLM's other endpoints (``ON_LOAD``): forwarded unchanged, on load alone."""
@@ -587,7 +637,8 @@ class Router:
         raw, body = await self._json(request)
         if not isinstance(body, dict):
             raise RequestError(400, "the request body must be a JSON object")
-        return await self._forward(request, raw, [], streaming=body.get("stream") is True)
+        return await self._forward(request, raw, [], streaming=body.get("stream") is True,
+                                   model=requested_model(body))
 
     def _remember_response(self, kept: bytes, worker: Worker, tail: bytes = b"") -> None:
         """Which worker holds the response an answer created (its ``resp_…`` id: in the whole
@@ -646,24 +697,41 @@ class Router:
         return context_seed(lora, salt if isinstance(salt, str) else None)
 
     async def models(self, request: web.Request) -> web.Response:
-        auth = request.headers.get("Authorization")
-        headers = {"Authorization": auth} if auth else None   # workers run with --api-key
-        refused = None
-        for w in sorted(self.workers, key=lambda w: not w.healthy):
-            try:
-                async with self.session.get(w.url + "/v1/models", headers=headers,
-                                            timeout=ClientTimeout(total=5.0)) as resp:
-                    if resp.status == 200:
-                        listing = await resp.json()
-                        self._learn_models(listing)
-                        return web.json_response(listing)
-                    if 400 <= resp.status < 500:   # the client's mistake (a missing key): say so
-                        refused = (resp.status, await resp.json())
-            except (ClientError, asyncio.TimeoutError, ValueError):
-                continue
-        if refused is not None and isinstance(refused[1], dict) and "error" in refused[1]:
+        """Every model some worker serves (each worker's ``/v1/models``, merged), asked with the
+        client's credentials (workers run with ``--api-key``)."""
+        answers = await self._refresh_models(request)
+        listings = [answer for status, answer in answers if status == 200]
+        if listings:
+            return web.json_response(merge_listings(listings))
+        refused = next(((status, answer) for status, answer in answers if 400 <= status < 500
+                        and isinstance(answer, dict) and "error" in answer), None)
+        if refused is not None:   # the client's mistake (a missing key): say so
             return web.json_response(refused[1], status=refused[0])
         raise RequestError(503, "no worker answered /v1/models", "service_unavailable_error")
+
+    async def lora_adapter(self, request: web.Request) -> web.Response:
+        """``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (vLLM with
+        ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``): sent to every worker, whose listings are then asked
+        again, so that requests for the adapter go to where it was loaded at once. The first
+        refusal is the answer (with the worker named); to load an adapter on some workers only,
+        call them directly: the router learns it from their listings (``models_refresh_s``, or a
+        worker's 404 for the name)."""
+        raw, body = await self._json(request)
+        if not isinstance(body, dict):
+            raise RequestError(400, "the request body must be a JSON object")
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
+        workers = [w for w in self.workers if w.healthy] or list(self.workers)
+        if not workers:
+            raise RequestError(503, "no worker to load the adapter on", "service_unavailable_error")
+        answers = await post_to_all(self.session, workers, request.path, raw, headers, self.config.request_timeout_s)
+        await self._refresh_models(request)
+        refused = first_refusal(answers)
+        if refused is None:
+            _, status, data, content_type = answers[0]
+            return web.Response(status=status, body=data, content_type=content_type)
+        status, message = refused
+        raise RequestError(status, message, "invalid_request_error" if 400 <= status < 500
+                           else "service_unavailable_error")
 
     async def health_endpoint(self, request: web.Request) -> web.Response:
         healthy = [w.url for w in self.workers if w.healthy]
@@ -703,7 +771,8 @@ class Router:
 
     async def _attempts(self, request: web.Request, raw: bytes, token_ids: list[int], *,
                         streaming: bool = False, seed: int = ROOT_SEED,
-                        pinned_url: str | None = None, body: Any = None) -> web.StreamResponse:
+                        pinned_url: str | None = None, body: Any = None,
+                        model: str | None = None) -> web.StreamResponse:
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
         # named, so that the worker can be told to abort it if the client leaves (router/abort.py)
         rid, add_header = request_id(request.headers, body)
@@ -717,8 +786,9 @@ class Router:
         tried: set[int] = ({w.id for w in self.workers if w.url != pinned_url}
                            if pinned_url and any(w.url == pinned_url for w in self.workers) else set())
         last_error = "no worker available"
+        unserved: web.Response | None = None   # a worker's 404 for the model, if none serves it
         for attempt in range(self.config.max_attempts):
-            decision = self.decide(token_ids, tried, seed)
+            decision = self.decide(token_ids, tried, seed, model)
             if decision is None:
                 break
             worker, predicted, keys = decision
@@ -757,7 +827,19 @@ class Router:
                         last_error = f"worker {worker.url} answered {resp.status}"
                         self._record_health(worker, False)
                         continue
-                    first = await resp.content.readany()
+                    if resp.status == 404 and model is not None:
+                        first = await resp.read()   # (an error: small)
+                        if model_missing(404, first):
+                            # its listing was stale, or not known yet: another worker may serve it
+                            unserved = web.Response(status=404, body=first, content_type=resp.content_type)
+                            last_error = f"worker {worker.url} does not serve {model!r}"
+                            if worker.models is not None:
+                                worker.models = worker.models - {model}
+                            with contextlib.suppress(asyncio.TimeoutError):
+                                await asyncio.wait_for(asyncio.shield(self._refresh_models_soon()), 5.0)
+                            continue
+                    else:
+                        first = await resp.content.readany()
                     watcher.cancel()
                     upstream_s = time.monotonic() - t0
                     if admitted:   # its tokens left the engine's queue: the next may go
@@ -797,6 +879,9 @@ class Router:
                 if admitted:   # sent and failed (or the client left) before its first byte
                     admission.done(prefill_tokens)
                 worker.finish(prefill_tokens, len(keys), answered, load_s, ticket)
+        if unserved is not None:   # no worker tried serves the model: vLLM's own answer says so
+            self.metrics.errors.labels("model_not_found").inc()
+            return unserved
         raise RequestError(503, f"no worker could serve the request ({last_error})", "service_unavailable_error")
 
     def _abort_on(self, worker: Worker, ids: list[str], request: web.Request) -> None:
@@ -825,6 +910,7 @@ class Router:
         # decision, retries) and the worker's time to first byte, so that a client can tell
         # a slow router from a slow worker per request (kvtier bench route reads it).
         out.headers["Server-Timing"] = timing
+        request[_RESPONSE] = out
         await out.prepare(request)
         streaming = "text/event-stream" in (ctype or "")
         kept = bytearray(first)

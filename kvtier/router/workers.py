@@ -36,6 +36,8 @@ class Worker:
     decode_step_s: float | None = None   #: measured (EWMA of a stream's gap between chunks while nothing prefills)
     starts: int = 0               #: requests sent to it so far (tells a decode-only gap from one a prefill joined)
     extra: dict = field(default_factory=dict)
+    #: the model ids its ``/v1/models`` listed last (None: not known yet; router/models.py)
+    models: frozenset[str] | None = None
 
     def start(self, prefill_tokens: int, blocks: int, load_s: float = 0.0) -> int:
         """A request sent here; returns its ticket (for :meth:`first_byte` and :meth:`finish`)."""

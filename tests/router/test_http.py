@@ -6,10 +6,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import re
 import socket
 import struct
 import time
+import traceback
 
 import msgpack
 import pytest
@@ -58,6 +60,7 @@ class StandIn:
         self.rendered_messages: list[int] | None = None   # /v1/messages/render's token_ids (None: 403)
         self.passed: list[str] = []              # paths of the other endpoints it answered
         self.abort_posts: list[dict] = []        # what /inference/v1/abort_requests was sent
+        self.refuse_lora: str | None = None      # /v1/load_lora_adapter answers this error (400)
         self.runner: web.AppRunner | None = None
 
     async def start(self) -> None:
@@ -73,6 +76,8 @@ class StandIn:
         app.router.add_post("/v1/responses/{rid}/cancel", self.stored)
         app.router.add_post("/v1/messages/render", self.render_messages)
         app.router.add_post("/v1/messages", self.message)
+        app.router.add_post("/v1/load_lora_adapter", self.load_lora)
+        app.router.add_post("/v1/unload_lora_adapter", self.load_lora)
         for path in ("/detokenize", "/v1/embeddings", "/v2/rerank"):
             app.router.add_post(path, self.other)
         self.runner = web.AppRunner(app)
@@ -161,8 +166,26 @@ class StandIn:
         self.abort_posts.append({**await request.json(), "authorization": request.headers.get("Authorization")})
         return web.Response(status=200)
 
+    async def load_lora(self, request):
+        """vLLM's runtime LoRA loading (VLLM_ALLOW_RUNTIME_LORA_UPDATING): plain text when done."""
+        body = await request.json()
+        if self.refuse_lora:
+            return web.json_response({"error": {"message": self.refuse_lora, "type": "BadRequestError",
+                                                "param": None, "code": 400}}, status=400)
+        name = body["lora_name"]
+        if request.path == "/v1/load_lora_adapter":
+            self.loras.append(name)
+            return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+        self.loras.remove(name)
+        return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
+
     async def complete(self, request):
         body = await request.json()
+        model = body.get("model")
+        if model is not None and model != "tiny" and model not in self.loras:   # as vLLM answers it
+            return web.json_response({"error": {"message": f"The model `{model}` does not exist.",
+                                                "type": "NotFoundError", "param": "model", "code": 404}},
+                                     status=404)
         if self.fail_next:
             self.fail_next -= 1
             request.transport.close()          # dies before the first byte
@@ -1253,3 +1276,129 @@ def test_a_whole_answer_is_no_sample_of_the_prefill_speed():
             await runner.cleanup()
             await w.stop()
     run(main())
+
+
+async def listed(router, adapters, timeout_s: float = 3.0) -> None:
+    """Until the router has read the workers' ``/v1/models`` (it learnt these ``adapters``)."""
+    await until(lambda: all(router.index.is_lora(a) for a in adapters), timeout_s)
+
+
+async def served_by(s, url, model, prompt) -> tuple[int, str | None, dict]:
+    async with s.post(url + "/v1/completions", json={"model": model, "prompt": prompt}) as r:
+        body = await r.json()
+        return r.status, body.get("worker"), body
+
+
+def test_a_request_for_an_adapter_goes_only_to_the_workers_that_serve_it():
+    """A LoRA adapter loaded on some workers only (``--lora-modules``, or at run time): the router
+    routed on cache and load alone, so a request for it went to a worker without it, whose vLLM
+    answers 404, about half of the time with two workers. Now it goes where ``/v1/models`` lists
+    the name. Control: requests for the base model spread over both workers."""
+    async def main():
+        async with standin_router(["w0", "w1"], policy="least-loaded", models_refresh_s=0.1) as (ws, router, url, s):
+            ws[0].loras, ws[1].loras = ["other-lora"], ["sql-lora"]
+            await listed(router, ["other-lora", "sql-lora"])
+            answers = await asyncio.gather(*(served_by(s, url, "sql-lora", f"q{i} x y") for i in range(8)))
+            assert [(status, worker) for status, worker, _ in answers] == [(200, "w1")] * 8, answers
+            answers = await asyncio.gather(*(served_by(s, url, "tiny", f"q{i} x y") for i in range(8)))
+            assert all(status == 200 for status, _, _ in answers)
+            assert {worker for _, worker, _ in answers} == {"w0", "w1"}   # control: load spreads them
+    run(main())
+
+
+def test_an_adapter_loaded_since_the_last_listing_is_found_on_another_worker():
+    """A listing goes stale: an adapter loaded on a worker directly since the router last asked.
+    A worker's 404 for the name sends the request on to another worker (and the listings are asked
+    again), instead of answering the client that 404. A name no worker serves still gets vLLM's own
+    404, in the OpenAI error format, not a 503."""
+    async def main():
+        async with standin_router(["w0", "w1"], policy="round-robin", models_refresh_s=3600) as (ws, router, url, s):
+            ws[0].loras, ws[1].loras = ["m0"], ["m1"]
+            await listed(router, ["m0", "m1"])
+            ws[0].loras.append("new-lora")             # loaded on w0 behind the router's back
+            answers = [await served_by(s, url, "new-lora", f"q{i}") for i in range(6)]
+            assert [(status, worker) for status, worker, _ in answers] == [(200, "w0")] * 6, answers
+            assert "new-lora" in router.workers[0].models and "new-lora" not in router.workers[1].models
+            status, _, body = await served_by(s, url, "ghost", "q")
+            assert status == 404 and body["error"]["param"] == "model", body
+            assert "ghost" in body["error"]["message"]
+            text = await (await s.get(url + "/metrics")).text()
+            assert 'kvtier_router_errors_total{type="model_not_found"} 1.0' in text
+            # control: a worker's other 404s are passed on unchanged, not retried elsewhere
+            async with s.post(url + "/v1/responses", json={"model": "tiny", "input": "hi",
+                                                           "previous_response_id": "resp_none"}) as r:
+                assert r.status == 404 and "resp_none" in (await r.json())["error"]["message"]
+    run(main())
+
+
+def test_the_models_listing_is_every_workers_and_adapters_load_on_every_worker():
+    """``/v1/models`` showed the first worker's listing only: an adapter served elsewhere was
+    missing. Now the fleet's, each model once. ``/v1/load_lora_adapter`` and ``/unload`` were a
+    router 404; now sent to every worker, and routing knows at once. A worker's refusal is the
+    answer, naming it."""
+    async def main():
+        async with standin_router(["w0", "w1"], policy="round-robin", models_refresh_s=3600) as (ws, router, url, s):
+            ws[0].loras, ws[1].loras = ["a-lora"], ["b-lora"]
+            async with s.get(url + "/v1/models") as r:
+                assert r.status == 200
+                assert sorted(m["id"] for m in (await r.json())["data"]) == ["a-lora", "b-lora", "tiny"]
+            async with s.post(url + "/v1/load_lora_adapter", json={"lora_name": "c-lora", "lora_path": "/x"}) as r:
+                assert r.status == 200 and "added" in await r.text()
+            assert all("c-lora" in w.loras for w in ws)
+            assert all("c-lora" in w.models for w in router.workers)
+            answers = [await served_by(s, url, "c-lora", f"q{i}") for i in range(4)]
+            assert {worker for _, worker, _ in answers} == {"w0", "w1"} and all(a[0] == 200 for a in answers)
+            async with s.post(url + "/v1/unload_lora_adapter", json={"lora_name": "c-lora"}) as r:
+                assert r.status == 200
+            assert not any("c-lora" in w.models for w in router.workers)
+            ws[1].refuse_lora = "LoRA adapter 'd-lora' cannot be loaded: max_loras reached"
+            async with s.post(url + "/v1/load_lora_adapter", json={"lora_name": "d-lora", "lora_path": "/x"}) as r:
+                body = await r.json()
+                assert r.status == 400 and ws[1].url in body["error"]["message"]
+                assert "max_loras" in body["error"]["message"] and "1 of 2" in body["error"]["message"]
+            # the worker that did load it serves it; the router knows which
+            assert [await served_by(s, url, "d-lora", f"q{i}") for i in range(3)][-1][1] == "w0"
+            async with s.post(url + "/v1/load_lora_adapter", data=b"[") as r:
+                assert r.status == 400 and "JSON" in (await r.json())["error"]["message"]
+    run(main())
+
+
+def test_a_client_gone_by_the_next_write_is_no_error_in_the_routers_log(caplog):
+    """A departure noticed only when the router writes the next chunk (aiohttp's handler
+    cancellation off here, as when the router's process stalled and the connection's end was
+    read late) escaped the handler as an exception, which aiohttp logs at ERROR with a
+    traceback ("Error handling request"): an operator's log filled with tracebacks for
+    clients that left. It is now a quiet premature disconnection, still counted and still
+    closing the worker's request. Control: the stand-in worker's own failed write is logged
+    so (the capture sees such records)."""
+    async def main():
+        w = Scripted("w0", steps=30, gap_s=0.1)            # 3 s of streaming
+        await w.start()
+        config = RouterConfig(workers=[WorkerSpec(w.url)], block_tokens=BS, kv_bytes_per_token=4096,
+                              health_interval_s=0.2, port=free_port())
+        router = Router(config, WordTokenizer())
+        runner = web.AppRunner(router.app())               # no handler cancellation: seen at a write
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", config.port).start()
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", config.port)
+            body = json.dumps({"prompt": "a b", "stream": True}).encode()
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            await writer.drain()
+            assert b"data:" in await asyncio.wait_for(reader.read(4096), 5)   # answered, then it leaves
+            writer.transport.abort()
+            await until(lambda: router.metrics.cut.labels(w.url, "client")._value.get() == 1, 5)
+            await until(lambda: w.closed == 1, 5)
+            assert w.finished == 0
+            await asyncio.sleep(0.3)
+        finally:
+            await runner.cleanup()
+            await w.stop()
+
+    with caplog.at_level(logging.DEBUG, logger="aiohttp.server"):
+        run(main())
+    errors = [r for r in caplog.records if r.name == "aiohttp.server" and r.levelno >= logging.ERROR]
+    ours = [r for r in errors if r.exc_info and "kvtier/router" in "".join(traceback.format_exception(*r.exc_info))]
+    assert not ours, [r.getMessage() for r in ours]
+    assert len(errors) >= 1   # control: the worker's own failed write (tests/router, not kvtier/router)
