@@ -105,8 +105,9 @@ def kvtier_transfer_config(remote_url: str, token: str, *, block_tokens: int = 6
 
 def start_worker(model: str, log_path: Path, *, transfer: dict | None = None, core: int | None = None,
                  max_model_len: int = 2048, block_size: int = 32, kv_cache_gib: int = 1,
-                 extra_args: list[str] | None = None) -> Worker:
-    """A vLLM OpenAI server on a free loopback port; returns at once (see :func:`wait_ready`)."""
+                 extra_args: list[str] | None = None, env: dict[str, str] | None = None) -> Worker:
+    """A vLLM OpenAI server on a free loopback port (``env``: set in its environment besides
+    this process's); returns at once (see :func:`wait_ready`)."""
     port = free_port()
     # vLLM binds its publisher only for wildcard TCP ("tcp://*:N": every interface, anyone
     # on the network reads the events) and ipc/inproc; "tcp://127.0.0.1:N" makes it
@@ -126,7 +127,7 @@ def start_worker(model: str, log_path: Path, *, transfer: dict | None = None, co
     # VLLM_ENABLE_RESPONSES_API_STORE: Responses API answers kept per worker (previous_response_id)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
            "VLLM_ENABLE_RESPONSES_API_STORE": "1",
-           "VLLM_SERVER_DEV_MODE": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+           "VLLM_SERVER_DEV_MODE": "1", "OMP_WAIT_POLICY": "PASSIVE", **(env or {})}
     if core is not None:     # one core per worker: two workers' OpenMP threads must not fight
         env["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
     proc = _spawn(cmd, env, Path(log_path))

@@ -51,8 +51,11 @@ def stack(tiny_model, tmp_path_factory):
         transfer = kvtier_transfer_config(server.url, TOKEN, block_tokens=256)
         template = logs / "chat-template.jinja"    # the tiny model has none; tools lead the prompt
         template.write_text(CHAT_TEMPLATE)
+        # LoRA on, adapters loaded at run time (test_an_adapter_on_one_worker_…)
+        lora = ["--enable-lora", "--max-lora-rank", "8", "--max-loras", "2"]
         workers = [start_worker(tiny_model, logs / f"worker{i}.log", transfer=transfer, core=i % 2,
-                                extra_args=["--chat-template", str(template)])
+                                extra_args=["--chat-template", str(template), *lora],
+                                env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"})
                    for i in range(2)]
         wait_ready(workers)
         # The workers write through to the shared server: every block one computes, the other can load.
@@ -76,10 +79,17 @@ def post(url: str, body, path: str = "/v1/completions", timeout: float = 120,
                                  method="POST")
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
-            raw = resp.read()
-            return resp.status, dict(resp.headers), json.loads(raw) if raw else {}
+            return resp.status, dict(resp.headers), _body(resp.read())
     except urllib.error.HTTPError as err:
-        return err.code, dict(err.headers), json.loads(err.read())
+        return err.code, dict(err.headers), _body(err.read())
+
+
+def _body(raw: bytes) -> dict:
+    """A JSON answer, or vLLM's plain-text ones (adapter loads) as ``{"text": …}``."""
+    try:
+        return json.loads(raw) if raw else {}
+    except ValueError:
+        return {"text": raw.decode("utf-8", "replace")}
 
 
 def tokens(rng: random.Random, n: int) -> list[int]:
@@ -427,6 +437,49 @@ def test_a_responses_api_conversation_stays_on_the_worker_that_stored_it(stack):
                                               "max_output_tokens": 4}, path="/v1/responses")
             assert status == 200 and headers["X-Kvtier-Worker"] == worker, (status, out)
             rid = out["id"]
+
+
+def test_an_adapter_on_one_worker_is_routed_there_and_keyed_apart(stack, tmp_path):
+    """A LoRA adapter loaded at run time on worker 1 only, behind the router's back: the router
+    sent requests for it where load or cache said, and worker 0's vLLM answered 404 (4 of 8
+    concurrent requests, measured). Now they go where the adapter is (its listing, or a
+    worker's 404 for the name, which retries elsewhere). Through the router, an adapter loads
+    on every worker. Its blocks are keyed apart from the base model's, as vLLM keys them: the
+    router predicts its repeat prompt as a hit, and the base model's same tokens as none.
+    Control: the base model's requests go to both workers."""
+    from tests.integrations.vllm.harness import random_lora_adapter
+
+    model, workers = stack["model"], stack["workers"]
+    rr, ta = stack["routers"]["round-robin"].url, stack["routers"]["tier-aware"].url
+    adapter = random_lora_adapter(model, tmp_path / "adapter")
+    status, _, _ = post(workers[1].url, {"lora_name": "only-w1", "lora_path": adapter}, path="/v1/load_lora_adapter")
+    assert status == 200
+    rng = random.Random(9)
+    bodies = [{"model": name, "prompt": tokens(rng, 96), "max_tokens": 4} for name in ["only-w1"] * 6 + [model] * 6]
+    with ThreadPoolExecutor(6) as pool:
+        answers = list(pool.map(lambda b: post(rr, b), bodies))
+    assert all(status == 200 for status, _, _ in answers), [out for _, _, out in answers]
+    assert {h["X-Kvtier-Worker"] for _, h, _ in answers[:6]} == {workers[1].url}
+    assert {h["X-Kvtier-Worker"] for _, h, _ in answers[6:]} == {w.url for w in workers}   # control
+    with urllib.request.urlopen(rr + "/v1/models", timeout=30) as resp:
+        assert {"only-w1", model} <= {m["id"] for m in json.loads(resp.read())["data"]}
+    status, _, out = post(rr, {"lora_name": "everywhere", "lora_path": adapter}, path="/v1/load_lora_adapter")
+    assert status == 200, out
+    answers = [post(rr, {"model": "everywhere", "prompt": tokens(rng, 64), "max_tokens": 2}) for _ in range(4)]
+    assert all(status == 200 for status, _, _ in answers)
+    assert {h["X-Kvtier-Worker"] for _, h, _ in answers} == {w.url for w in workers}
+    prompt = tokens(rng, 700)
+    post(ta, {"model": "everywhere", "prompt": prompt, "max_tokens": 1})
+    time.sleep(1.0)     # its blocks are indexed
+    status, headers, out = post(ta, {"model": "everywhere", "prompt": prompt, "max_tokens": 1})
+    assert status == 200 and int(headers["X-Kvtier-Predicted-Cached"]) >= 512
+    assert out["usage"]["prompt_tokens_details"]["cached_tokens"] >= 512
+    status, headers, out = post(ta, {"model": model, "prompt": prompt, "max_tokens": 1})
+    assert status == 200 and headers["X-Kvtier-Predicted-Cached"] == "0"
+    assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    for w in workers:   # the later tests see no adapter
+        for name in ("only-w1", "everywhere"):
+            post(w.url, {"lora_name": name}, path="/v1/unload_lora_adapter")
 
 
 def test_a_worker_killed_mid_run_loses_no_request(stack):
