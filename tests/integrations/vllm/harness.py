@@ -52,33 +52,3 @@ def assert_loads_what_another_computed(producer, consumer, block_tokens: int, se
         assert loaded_tokens(y) == expected_hit(len(prompt), block_tokens) > 0
         assert y["token_ids"] == x["token_ids"] and y["logprobs"] == x["logprobs"]
 
-
-def random_lora_adapter(model_dir: str, out_dir, rank: int = 8, seed: int = 0) -> str:
-    """A LoRA adapter (PEFT's files: ``adapter_config.json``, ``adapter_model.safetensors``) on
-    the q and v projections of the Llama in ``model_dir``, with random weights: built here,
-    nothing from a hub. Its B matrices are not zero, so its outputs differ from the base model's."""
-    import json
-    from pathlib import Path
-
-    import torch
-    from safetensors.torch import save_file
-
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    hidden, heads = config["hidden_size"], config["num_attention_heads"]
-    head_dim = config.get("head_dim") or hidden // heads
-    outs = {"q_proj": heads * head_dim, "v_proj": config.get("num_key_value_heads", heads) * head_dim}
-    gen = torch.Generator().manual_seed(seed)
-    weights = {}
-    for layer in range(config["num_hidden_layers"]):
-        for name, out in outs.items():
-            prefix = f"base_model.model.model.layers.{layer}.self_attn.{name}"
-            weights[prefix + ".lora_A.weight"] = torch.randn(rank, hidden, generator=gen) * 0.5
-            weights[prefix + ".lora_B.weight"] = torch.randn(out, rank, generator=gen) * 0.5
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    save_file(weights, str(out_dir / "adapter_model.safetensors"))
-    (out_dir / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank, "lora_dropout": 0.0,
-        "target_modules": list(outs), "bias": "none", "fan_in_fan_out": False,
-        "base_model_name_or_path": str(model_dir)}))
-    return str(out_dir)

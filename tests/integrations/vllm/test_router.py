@@ -447,7 +447,7 @@ def test_an_adapter_on_one_worker_is_routed_there_and_keyed_apart(stack, tmp_pat
     on every worker. Its blocks are keyed apart from the base model's, as vLLM keys them: the
     router predicts its repeat prompt as a hit, and the base model's same tokens as none.
     Control: the base model's requests go to both workers."""
-    from tests.integrations.vllm.harness import random_lora_adapter
+    from kvtier.integrations.transformers.models import random_lora_adapter
 
     model, workers = stack["model"], stack["workers"]
     rr, ta = stack["routers"]["round-robin"].url, stack["routers"]["tier-aware"].url
