@@ -95,7 +95,7 @@ class WorkerAdmin:
     async def _body(self, request: web.Request) -> dict:
         try:
             body = await request.json()
-        except ValueError:
+        except (ValueError, RecursionError):   # (a body nested too deeply is a RecursionError)
             raise _error(400, "the request body must be a JSON object") from None
         if not isinstance(body, dict) or not isinstance(body.get("url"), str):
             raise _error(400, 'give {"url": "http://host:port"}')

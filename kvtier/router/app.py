@@ -199,7 +199,7 @@ def _usage_of_stream(tail: bytes) -> Any:
         if line.startswith(b"data: {") and b'"usage"' in line:
             try:
                 return json.loads(line[6:]).get("usage")
-            except ValueError:
+            except (ValueError, AttributeError, RecursionError):
                 return None
     return None
 
@@ -543,6 +543,8 @@ class Router:
             body = json.loads(raw)
         except ValueError as exc:
             raise RequestError(400, f"the request body is not valid JSON: {exc}") from None
+        except RecursionError:   # (not a ValueError: it escaped as a 500 with a logged traceback)
+            raise RequestError(400, "the request body is not valid JSON: nested too deeply") from None
         return raw, body
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -957,7 +959,7 @@ class Router:
         elif resp.status == 200:
             try:
                 usage = json.loads(kept).get("usage")
-            except (ValueError, AttributeError):
+            except (ValueError, AttributeError, RecursionError):
                 usage = None
         if request.path == "/v1/responses" and resp.status == 200:
             self._remember_response(bytes(kept) if head is None else bytes(head), worker, bytes(kept))

@@ -73,7 +73,7 @@ def model_missing(status: int, body: bytes) -> bool:
         return False
     try:
         error = json.loads(body).get("error")
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, RecursionError):
         return False
     if not isinstance(error, dict):
         return False
@@ -109,7 +109,7 @@ def first_refusal(answers: Sequence[tuple[Any, int, bytes, str]]) -> tuple[int, 
     try:
         error = json.loads(data)["error"]
         message = error["message"] if isinstance(error, dict) else str(error)
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, RecursionError):
         message = data.decode("utf-8", "replace")[:500]
     done = len(answers) - len(failed)
     return status, f"worker {w.url}: {message} ({done} of {len(answers)} workers succeeded)"

@@ -280,6 +280,12 @@ def test_errors_are_openai_shaped_never_a_traceback():
                          ("POST", "/v1/chat/completions", b'{"messages": "hi"}'),
                          ("POST", "/v1/completions", b'{"prompt": {"a": 1}}'),
                          ("GET", "/v1/embeddings", b""), ("GET", "/v1/completions", b"")]
+                # nested past Python's recursion limit: a RecursionError, not a ValueError, escaped
+                # as a 500 with a logged traceback
+                deep = b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+                cases += [("POST", path, deep) for path in ("/v1/completions", "/v1/chat/completions",
+                                                             "/v1/embeddings", "/v1/load_lora_adapter",
+                                                             "/admin/workers")]
                 for method, path, data in cases:
                     async with s.request(method, url + path, data=data) as r:
                         body = await r.json()
