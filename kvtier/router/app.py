@@ -30,8 +30,9 @@ from kvtier.router.config import RouterConfig
 from kvtier.router.events import SharedTierEvents, VllmEvents
 from kvtier.router.index import ROOT_SEED, BlockIndex, context_seed
 from kvtier.router.metrics import RouterMetrics
-from kvtier.router.models import (LORA_PATHS, first_refusal, listed_models, lora_adapters, merge_listings,
-                                  model_missing, post_to_all, requested_model, serving)
+from kvtier.router.models import (LORA_PATHS, TOKENIZER_CHECK_TEXT, first_refusal, listed_models, lora_adapters,
+                                  merge_listings, model_missing, post_to_all, requested_model, serving,
+                                  tokenizes_alike)
 from kvtier.router.view import LinearPrefill, LiveView
 from kvtier.router.workers import Health, PrefillFit, Worker
 from kvtier.sim.service import ServiceModel
@@ -409,11 +410,31 @@ class Router:
                 log.debug("worker %s: /v1/models failed (%s)", w.url, exc)
                 return None
             if resp.status == 200:
+                before = w.models
                 self._learn_models(answer, w)
+                if w.models is not None and w.models != before:   # a new worker, or a new process
+                    await self._check_tokenizer(w)
             return resp.status, answer
 
         answers = await asyncio.gather(*(ask(w) for w in workers))
         return [a for a in answers if a is not None]
+
+    async def _check_tokenizer(self, worker: Worker) -> None:
+        """Say it loudly when a worker tokenizes differently from the router (router/models.py)."""
+        try:
+            expected = self.tokenizer.completion(TOKENIZER_CHECK_TEXT)
+        except Exception as exc:  # noqa: BLE001 - a tokenizer of tests' own making
+            log.debug("no tokenizer check: %s", exc)
+            return
+        alike = await tokenizes_alike(self.session, worker, self._worker_auth(None), expected)
+        if alike is None:
+            return
+        self.metrics.tokenizer_mismatch.labels(worker.url).set(0 if alike else 1)
+        if not alike:
+            log.error("worker %s tokenizes text differently from the router's tokenizer (--model-path %s): "
+                      "no request's blocks can be keyed as its own, so it is routed on load alone; start the "
+                      "router with the model the worker serves", worker.url,
+                      getattr(self.tokenizer, "model_path", "?"))
 
     def _refresh_models_soon(self) -> asyncio.Future:
         """A worker's listing proved stale: ask them all again (one refresh at a time)."""

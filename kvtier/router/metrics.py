@@ -64,6 +64,10 @@ class RouterMetrics:
                                "Blocks of KV events the router could not index (reason block_size: the worker's "
                                "vLLM --block-size is not the router's --block-tokens)", ["worker", "reason"],
                                registry=r)
+        self.tokenizer_mismatch = Gauge("kvtier_router_worker_tokenizer_mismatch",
+                                        "1 if the worker tokenized the router's check text differently from the "
+                                        "router's --model-path tokenizer: no request can be keyed as its blocks are",
+                                        ["worker"], registry=r)
         self.index_blocks = Gauge("kvtier_router_index_blocks", "Blocks in the router's index", registry=r)
 
     def render(self) -> bytes:

@@ -9,6 +9,12 @@ N-1 times in N. Here a request goes only to the workers that list its model; a w
 asked (or whose listing failed) may serve anything. A listing can be stale (an adapter loaded
 or unloaded since): a worker's 404 for the model drops the name from its listing, the request is
 tried on another worker, and the listings are asked again.
+
+A worker is also asked, once per listing it changes to, how it tokenizes a check text
+(:func:`tokenizes_alike`): the router keys requests with its own ``--model-path`` tokenizer and
+the workers' blocks from their events' token ids, so a worker serving another model or
+tokenizer revision could never be predicted a hit, and the router would route on load alone
+without a sign why.
 """
 
 from __future__ import annotations
@@ -113,3 +119,25 @@ def first_refusal(answers: Sequence[tuple[Any, int, bytes, str]]) -> tuple[int, 
         message = data.decode("utf-8", "replace")[:500]
     done = len(answers) - len(failed)
     return status, f"worker {w.url}: {message} ({done} of {len(answers)} workers succeeded)"
+
+
+#: what the router and a worker both tokenize to check that they agree: words, digits,
+#: punctuation, whitespace runs and non-ASCII, where tokenizers differ first
+TOKENIZER_CHECK_TEXT = ("kvtier checks its tokenizer: The quick brown fox jumps over 13 lazy dogs, "
+                        "3.14159 \u00fcber na\u00efve caf\u00e9s \u2014 \u65e5\u672c\u8a9e\t\t end.\n  ok?")
+
+
+async def tokenizes_alike(session: ClientSession, worker, headers: dict | None, expected: list[int],
+                          timeout_s: float = 5.0) -> bool | None:
+    """Whether ``worker`` (vLLM's ``/tokenize``) turns :data:`TOKENIZER_CHECK_TEXT` into
+    ``expected``, the router's own ids for it; None if it could not say (no such endpoint, down)."""
+    try:
+        async with session.post(worker.url + "/tokenize", json={"prompt": TOKENIZER_CHECK_TEXT}, headers=headers,
+                                timeout=ClientTimeout(total=timeout_s)) as resp:
+            answer = await resp.json(content_type=None) if resp.status == 200 else None
+    except (ClientError, asyncio.TimeoutError, ValueError, RecursionError):
+        return None
+    tokens = answer.get("tokens") if isinstance(answer, dict) else None
+    if not isinstance(tokens, list):
+        return None
+    return tokens == list(expected)

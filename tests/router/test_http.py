@@ -61,6 +61,7 @@ class StandIn:
         self.passed: list[str] = []              # paths of the other endpoints it answered
         self.abort_posts: list[dict] = []        # what /inference/v1/abort_requests was sent
         self.refuse_lora: str | None = None      # /v1/load_lora_adapter answers this error (400)
+        self.tokenizer = WordTokenizer()         # how its /tokenize turns a completion prompt into ids
         self.runner: web.AppRunner | None = None
 
     async def start(self) -> None:
@@ -98,8 +99,13 @@ class StandIn:
         return web.json_response({"object": "list", "data": [{"id": "tiny", "parent": None}, *adapters]})
 
     async def tokenize(self, request):
-        """vLLM's /tokenize of a chat request: here ``rendered`` (None: this worker cannot)."""
-        self.tokenized.append({**await request.json(), "authorization": request.headers.get("Authorization")})
+        """vLLM's /tokenize: a completion prompt by ``tokenizer``; a chat request to ``rendered``
+        (None: this worker cannot)."""
+        body = await request.json()
+        if "prompt" in body:
+            tokens = self.tokenizer.completion(body["prompt"])
+            return web.json_response({"tokens": tokens, "count": len(tokens)})
+        self.tokenized.append({**body, "authorization": request.headers.get("Authorization")})
         if self.rendered is None:
             return web.json_response({"error": {"message": "not found"}}, status=404)
         return web.json_response({"tokens": self.rendered, "count": len(self.rendered)})
@@ -1408,3 +1414,40 @@ def test_a_client_gone_by_the_next_write_is_no_error_in_the_routers_log(caplog):
     ours = [r for r in errors if r.exc_info and "kvtier/router" in "".join(traceback.format_exception(*r.exc_info))]
     assert not ours, [r.getMessage() for r in ours]
     assert len(errors) >= 1   # control: the worker's own failed write (tests/router, not kvtier/router)
+
+
+
+class OtherTokenizer(WordTokenizer):
+    """Another model's tokenizer: the same words, other ids."""
+
+    def completion(self, prompt):
+        return [t + 1000 for t in super().completion(prompt)]
+
+
+def test_a_worker_that_tokenizes_differently_is_named(caplog):
+    """The router keys requests with its own ``--model-path`` tokenizer, the workers' blocks from
+    their events' token ids. A worker serving another model (or tokenizer revision) could never
+    be predicted a hit, and the router routed on load alone without a sign why. Each worker is
+    now asked how it tokenizes a check text when its listing first comes or changes (a new
+    process): one that differs is an error naming the flag to fix, and a metric. Control: the
+    worker that agrees is not named, and its gauge stays 0."""
+    async def main():
+        async with standin_router(["w0", "w1"], models_refresh_s=0.1) as (ws, router, url, s):
+            gauge = router.metrics.tokenizer_mismatch
+            await until(lambda: all(w.models is not None for w in router.workers))
+            await until(lambda: gauge.labels(ws[1].url)._value.get() == 0)    # both agree at first
+            # worker 1 restarted serving another model: its listing changes, it is asked again
+            ws[1].tokenizer, ws[1].loras = OtherTokenizer(), ["another-process"]
+            await until(lambda: gauge.labels(ws[1].url)._value.get() == 1)
+            text = await (await s.get(url + "/metrics")).text()
+            assert f'kvtier_router_worker_tokenizer_mismatch{{worker="{ws[0].url}"}} 0.0' in text
+            assert f'kvtier_router_worker_tokenizer_mismatch{{worker="{ws[1].url}"}} 1.0' in text
+            ws[1].tokenizer, ws[1].loras = WordTokenizer(), []          # and back to the router's model
+            await until(lambda: gauge.labels(ws[1].url)._value.get() == 0)
+            return ws[0].url, ws[1].url
+
+    with caplog.at_level(logging.ERROR, logger="kvtier.router.app"):
+        agrees, differs = run(main())
+    named = [r.getMessage() for r in caplog.records if "tokenizes text differently" in r.getMessage()]
+    assert len(named) == 1 and differs in named[0] and agrees not in named[0], named
+    assert "--model-path" in named[0]

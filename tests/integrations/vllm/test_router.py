@@ -482,6 +482,17 @@ def test_an_adapter_on_one_worker_is_routed_there_and_keyed_apart(stack, tmp_pat
             post(w.url, {"lora_name": name}, path="/v1/unload_lora_adapter")
 
 
+def test_the_routers_tokenizer_is_checked_against_each_workers(stack):
+    """The router asks each worker how it tokenizes a check text (a worker serving another model
+    would never be predicted a hit). With real vLLM serving the router's own model, both agree:
+    no false alarm. The gauge is there (checked), not merely absent."""
+    for router in stack["routers"].values():
+        with urllib.request.urlopen(router.url + "/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+        for w in stack["workers"]:
+            assert f'kvtier_router_worker_tokenizer_mismatch{{worker="{w.url}"}} 0.0' in text, text[-2000:]
+
+
 def test_a_worker_killed_mid_run_loses_no_request(stack):
     """Last in this module: worker 1 does not come back."""
     model, url, workers = stack["model"], stack["routers"]["tier-aware"].url, stack["workers"]
