@@ -28,7 +28,7 @@ from kvtier.router.admin import install as install_admin
 from kvtier.router.admission import AsyncAdmission
 from kvtier.router.config import RouterConfig
 from kvtier.router.events import SharedTierEvents, VllmEvents
-from kvtier.router.index import ROOT_SEED, BlockIndex, context_seed
+from kvtier.router.index import NO_READ_SEED, ROOT_SEED, BlockIndex, context_seed, reads_prefix_cache
 from kvtier.router.metrics import RouterMetrics
 from kvtier.router.models import (LORA_PATHS, TOKENIZER_CHECK_TEXT, first_refusal, listed_models, lora_adapters,
                                   merge_listings, model_missing, post_to_all, requested_model, serving,
@@ -590,7 +590,7 @@ class Router:
         if ids is None:
             ids = await self._tokenize("chat", len(raw), body["messages"], body)
         return await self._forward(request, raw, ids, streaming=body.get("stream") is True,
-                                   seed=self._context(body), body=body, model=requested_model(body))
+                                   seed=self._context(body, chat=True), body=body, model=requested_model(body))
 
     async def responses(self, request: web.Request) -> web.StreamResponse:
         """The Responses API (vLLM's ``/v1/responses``), routed on load alone: its prompt is
@@ -712,9 +712,13 @@ class Router:
                 return tokens
         return None
 
-    def _context(self, body: dict) -> int:
+    def _context(self, body: dict, chat: bool = False) -> int:
         """The root of the request's block keys: its LoRA adapter (a ``model`` that the workers'
-        events named as one) and its ``cache_salt``, as vLLM keys them (kvtier.router.index)."""
+        events named as one) and its ``cache_salt``, as vLLM keys them (kvtier.router.index); for
+        a request that reads no cached block (prompt logprobs), a root nothing is indexed under:
+        it is priced as the whole prefill it is, wherever its prefix is."""
+        if not reads_prefix_cache(body, chat):
+            return NO_READ_SEED
         salt = body.get("cache_salt")
         lora = body.get("model") if self.index.is_lora(body.get("model")) else None
         return context_seed(lora, salt if isinstance(salt, str) else None)

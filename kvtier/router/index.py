@@ -64,6 +64,21 @@ def context_seed(lora_name: str | None = None, cache_salt: str | None = None) ->
     return xxhash.xxh3_64_intdigest(canonical) or 1
 
 
+#: the root of a request that reads no cached block: no event is ever keyed from it
+NO_READ_SEED = context_seed("\0kvtier: reads no cached block")
+
+
+def reads_prefix_cache(body: dict, chat: bool) -> bool:
+    """Whether vLLM may serve this request's prompt from cached blocks: not when it asks for
+    prompt logprobs (``prompt_logprobs``, or ``echo`` with ``logprobs`` / chat's
+    ``top_logprobs``), since a cached block keeps no logits; vLLM's sampling params then skip
+    reading the prefix cache, and the connector's loads with it."""
+    prompt_logprobs = body.get("prompt_logprobs")
+    if prompt_logprobs is None and body.get("echo") is True:
+        prompt_logprobs = body.get("top_logprobs" if chat else "logprobs")
+    return prompt_logprobs is None
+
+
 def _fold(key: int, extras: list) -> int:
     """A block's key with content the tokens do not show (multimodal ids, embedding digests)."""
     return xxhash.xxh3_64_intdigest(repr(extras).encode(), seed=key)

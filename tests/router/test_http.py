@@ -1451,3 +1451,24 @@ def test_a_worker_that_tokenizes_differently_is_named(caplog):
     named = [r.getMessage() for r in caplog.records if "tokenizes text differently" in r.getMessage()]
     assert len(named) == 1 and differs in named[0] and agrees not in named[0], named
     assert "--model-path" in named[0]
+
+
+@pytest.mark.parametrize("path, extra", [("/v1/completions", {"prompt_logprobs": 1}),
+                                         ("/v1/completions", {"echo": True, "logprobs": 0}),
+                                         ("/v1/chat/completions", {"prompt_logprobs": 0}),
+                                         ("/v1/chat/completions", {"echo": True, "top_logprobs": 2})])
+def test_a_request_for_prompt_logprobs_is_priced_as_the_whole_prefill_it_is(path, extra):
+    """A request for prompt logprobs reads no cached block in vLLM (a block keeps no logits: its
+    sampling params skip the prefix cache, and the connector's loads). The router predicted its
+    prefix as a hit and routed on it: a wrong prediction, and a request priced at a fraction of
+    its prefill. Control: the same request without prompt logprobs is predicted to hit."""
+    async def main():
+        async with one_worker_router(policy="tier-aware") as (w, router, url, s):
+            router.index.stored(0, list(range(10)), None, [3] * 40, BS, "GPU")
+            body = ({"prompt": " ".join(["abc"] * 40)} if path == "/v1/completions"
+                    else {"messages": [{"role": "user", "content": " ".join(["abc"] * 40)}]})
+            async with s.post(url + path, json=body) as r:                     # control
+                assert r.status == 200 and int(r.headers["X-Kvtier-Predicted-Cached"]) > 0
+            async with s.post(url + path, json={**body, **extra}) as r:
+                assert r.status == 200 and r.headers["X-Kvtier-Predicted-Cached"] == "0"
+    run(main())

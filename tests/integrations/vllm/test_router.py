@@ -482,6 +482,23 @@ def test_an_adapter_on_one_worker_is_routed_there_and_keyed_apart(stack, tmp_pat
             post(w.url, {"lora_name": name}, path="/v1/unload_lora_adapter")
 
 
+def test_a_request_for_prompt_logprobs_is_predicted_to_hit_nothing_as_vllm_serves_it(stack):
+    """vLLM reads no cached block for a request with prompt logprobs: the router predicts none
+    (it predicted the prefix, and priced the request at a fraction of its prefill). Control: the
+    same prompt without them is predicted and found cached."""
+    model, url = stack["model"], stack["routers"]["tier-aware"].url
+    prompt = tokens(random.Random(11), 700)
+    assert post(url, {"model": model, "prompt": prompt, "max_tokens": 1})[0] == 200
+    time.sleep(1.0)     # its blocks are indexed
+    status, headers, out = post(url, {"model": model, "prompt": prompt, "max_tokens": 1, "prompt_logprobs": 1})
+    assert status == 200 and headers["X-Kvtier-Predicted-Cached"] == "0", headers
+    assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert len(out["choices"][0]["prompt_logprobs"]) == len(prompt)
+    status, headers, out = post(url, {"model": model, "prompt": prompt, "max_tokens": 1})   # control
+    assert status == 200 and int(headers["X-Kvtier-Predicted-Cached"]) >= 512
+    assert out["usage"]["prompt_tokens_details"]["cached_tokens"] >= 512
+
+
 def test_the_routers_tokenizer_is_checked_against_each_workers(stack):
     """The router asks each worker how it tokenizes a check text (a worker serving another model
     would never be predicted a hit). With real vLLM serving the router's own model, both agree:
