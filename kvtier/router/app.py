@@ -28,7 +28,8 @@ from kvtier.router.admin import install as install_admin
 from kvtier.router.admission import AsyncAdmission
 from kvtier.router.config import RouterConfig
 from kvtier.router.events import SharedTierEvents, VllmEvents
-from kvtier.router.index import NO_READ_SEED, ROOT_SEED, BlockIndex, context_seed, reads_prefix_cache
+from kvtier.router.index import (NO_READ_SEED, ROOT_SEED, BlockIndex, context_seed, reads_prefix_cache,
+                                 truncated_prompt)
 from kvtier.router.metrics import RouterMetrics
 from kvtier.router.models import (LORA_PATHS, TOKENIZER_CHECK_TEXT, first_refusal, listed_models, lora_adapters,
                                   merge_listings, model_missing, post_to_all, requested_model, serving,
@@ -577,7 +578,8 @@ class Router:
             ids: list[int] = []
         else:
             _check_body(body, "prompt")
-            ids = await self._tokenize("completion", _text_chars(body["prompt"]), body["prompt"])
+            ids = truncated_prompt(await self._tokenize("completion", _text_chars(body["prompt"]), body["prompt"]),
+                                   body)
         return await self._forward(request, raw, ids, streaming=body.get("stream") is True,
                                    seed=self._context(body), body=body, model=requested_model(body))
 
@@ -589,6 +591,7 @@ class Router:
                if any(body.get(f) for f in _WORKER_RENDERED) else None)
         if ids is None:
             ids = await self._tokenize("chat", len(raw), body["messages"], body)
+        ids = truncated_prompt(ids, body)
         return await self._forward(request, raw, ids, streaming=body.get("stream") is True,
                                    seed=self._context(body, chat=True), body=body, model=requested_model(body))
 

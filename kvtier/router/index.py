@@ -79,6 +79,19 @@ def reads_prefix_cache(body: dict, chat: bool) -> bool:
     return prompt_logprobs is None
 
 
+def truncated_prompt(token_ids: list[int], body: dict) -> list[int]:
+    """The prompt vLLM runs when a request asks it to truncate (``truncate_prompt_tokens`` N > 0):
+    its last N tokens (a generating model's tokenizer truncates on the left), or its first N with
+    ``truncation_side: right``. Keyed whole, its cut prefix was predicted as a hit. (-1, the
+    model's own limit, is left whole: the router does not know every worker's.)"""
+    n = body.get("truncate_prompt_tokens")
+    if type(n) is not int or n < 0 or n >= len(token_ids):
+        return token_ids
+    if n == 0:
+        return []
+    return token_ids[:n] if body.get("truncation_side") == "right" else token_ids[-n:]
+
+
 def _fold(key: int, extras: list) -> int:
     """A block's key with content the tokens do not show (multimodal ids, embedding digests)."""
     return xxhash.xxh3_64_intdigest(repr(extras).encode(), seed=key)

@@ -1472,3 +1472,24 @@ def test_a_request_for_prompt_logprobs_is_priced_as_the_whole_prefill_it_is(path
             async with s.post(url + path, json={**body, **extra}) as r:
                 assert r.status == 200 and r.headers["X-Kvtier-Predicted-Cached"] == "0"
     run(main())
+
+
+def test_a_truncated_prompt_is_keyed_as_vllm_runs_it():
+    """``truncate_prompt_tokens`` N: vLLM runs the prompt's last N tokens (a generating model's
+    tokenizer truncates on the left), or its first N with ``truncation_side: right``. The
+    router keyed the whole prompt, so a prefix that vLLM cut away was predicted as a hit.
+    Control: the same prompt untruncated is predicted to hit its cached prefix."""
+    async def main():
+        async with one_worker_router(policy="tier-aware") as (w, router, url, s):
+            router.index.stored(0, list(range(10)), None, [3] * 40, BS, "GPU")   # the prompt's first 40
+            prompt = " ".join(["abc"] * 40 + ["zzzzz"] * 16)
+            cases = [({}, 40), ({"truncate_prompt_tokens": 16}, 0),
+                     ({"truncate_prompt_tokens": 40, "truncation_side": "right"}, 39),
+                     ({"truncate_prompt_tokens": 16, "truncation_side": "left"}, 0)]
+            for extra, predicted in cases:
+                for body in ({"prompt": prompt}, {"messages": [{"role": "user", "content": prompt}]}):
+                    path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
+                    async with s.post(url + path, json={**body, **extra}) as r:
+                        assert r.status == 200
+                        assert int(r.headers["X-Kvtier-Predicted-Cached"]) == predicted, (path, extra)
+    run(main())

@@ -499,6 +499,25 @@ def test_a_request_for_prompt_logprobs_is_predicted_to_hit_nothing_as_vllm_serve
     assert out["usage"]["prompt_tokens_details"]["cached_tokens"] >= 512
 
 
+def test_a_truncated_prompt_is_predicted_as_vllm_runs_it(stack):
+    """``truncate_prompt_tokens`` N: vLLM runs the last N tokens (or the first N with
+    ``truncation_side: right``). The router keyed the whole prompt: a cached prefix that vLLM cut
+    away was predicted as a hit. Each prediction here is checked against what vLLM found."""
+    model, url = stack["model"], stack["routers"]["tier-aware"].url
+    rng = random.Random(12)
+    prompt, tail = tokens(rng, 700), tokens(rng, 100)
+    assert post(url, {"model": model, "prompt": prompt, "max_tokens": 1})[0] == 200
+    time.sleep(1.0)     # its blocks are indexed
+    for extra, hit in (({"truncate_prompt_tokens": 100}, False),
+                       ({"truncate_prompt_tokens": 700, "truncation_side": "right"}, True)):
+        status, headers, out = post(url, {"model": model, "prompt": prompt + tail, "max_tokens": 1, **extra})
+        assert status == 200, out
+        predicted = int(headers["X-Kvtier-Predicted-Cached"])
+        found = out["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert (predicted >= 512 and found >= 512) if hit else (predicted == 0 and found == 0), (extra, predicted,
+                                                                                                 found)
+
+
 def test_the_routers_tokenizer_is_checked_against_each_workers(stack):
     """The router asks each worker how it tokenizes a check text (a worker serving another model
     would never be predicted a hit). With real vLLM serving the router's own model, both agree:
