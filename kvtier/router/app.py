@@ -89,11 +89,13 @@ class PromptTokenizer:
         """Another instance, for another thread: calls into one HF tokenizer object must not overlap."""
         return PromptTokenizer(self.model_path)
 
-    def completion(self, prompt: Any) -> list[int]:
+    def completion(self, prompt: Any, add_special_tokens: bool = True) -> list[int]:
+        """A completion prompt's ids as vLLM makes them (``add_special_tokens``: the request's,
+        vLLM's default True: a BOS first, for most models)."""
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
             prompt = prompt[0]     # a batch: route on its first prompt
         if isinstance(prompt, str):
-            return self.tok.encode(prompt)
+            return self.tok.encode(prompt, add_special_tokens=add_special_tokens)
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             return prompt
         raise RequestError(400, "prompt must be a string, a list of token ids, or a list of those", param="prompt")
@@ -578,8 +580,9 @@ class Router:
             ids: list[int] = []
         else:
             _check_body(body, "prompt")
-            ids = truncated_prompt(await self._tokenize("completion", _text_chars(body["prompt"]), body["prompt"]),
-                                   body)
+            ids = await self._tokenize("completion", _text_chars(body["prompt"]), body["prompt"],
+                                       body.get("add_special_tokens") is not False)
+            ids = truncated_prompt(ids, body)
         return await self._forward(request, raw, ids, streaming=body.get("stream") is True,
                                    seed=self._context(body), body=body, model=requested_model(body))
 

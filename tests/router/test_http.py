@@ -28,7 +28,7 @@ BS = 4
 class WordTokenizer:
     """Token ids = word lengths: deterministic, and the stand-in workers use the same one."""
 
-    def completion(self, prompt):
+    def completion(self, prompt, add_special_tokens=True):
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]     # a batch: routed on its first prompt, as PromptTokenizer does
         return [len(w) for w in prompt.split()] if isinstance(prompt, str) else list(prompt)
@@ -1420,7 +1420,7 @@ def test_a_client_gone_by_the_next_write_is_no_error_in_the_routers_log(caplog):
 class OtherTokenizer(WordTokenizer):
     """Another model's tokenizer: the same words, other ids."""
 
-    def completion(self, prompt):
+    def completion(self, prompt, add_special_tokens=True):
         return [t + 1000 for t in super().completion(prompt)]
 
 

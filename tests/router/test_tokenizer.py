@@ -139,3 +139,64 @@ def test_a_long_prompt_is_tokenized_off_the_event_loop():
     # router's own longest gap must be a small part of it.
     assert blocked > 0.1, (blocked, inline_s)
     assert offloaded < blocked / 4, (offloaded, blocked)
+
+
+def test_a_prompt_without_special_tokens_is_keyed_as_vllm_tokenizes_it(tmp_path):
+    """vLLM takes a completion's ``add_special_tokens`` (default true: a BOS first, for most
+    models). The router always encoded with them, so a client that sends ``false`` (its prompt
+    already formatted, as many clients do) had every block keyed one token off: never predicted
+    a hit. A tokenizer that adds a BOS (the test model's, with a BOS template); blocks indexed as
+    vLLM computes them without it. Control: the same text with special tokens, one token off, hits
+    nothing."""
+    import asyncio
+    import json
+    import shutil
+
+    from aiohttp import ClientSession, web
+
+    from kvtier.integrations.transformers.models import ModelSpec, ensure_model
+    from kvtier.router.app import PromptTokenizer, Router
+    from kvtier.router.config import RouterConfig, WorkerSpec
+    from tests.router.test_http import StandIn, free_port
+
+    spec = ModelSpec(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                     intermediate_size=256, vocab_size=2048, max_position_embeddings=2048)
+    model = tmp_path / "with-bos"
+    model.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(ensure_model(spec)[0] / name, model / name)
+    doc = json.loads((model / "tokenizer.json").read_text())
+    bos = next(t["id"] for t in doc["added_tokens"] if t["content"] == "<s>")
+    doc["post_processor"] = {"type": "TemplateProcessing",
+                             "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}},
+                                        {"Sequence": {"id": "A", "type_id": 0}}],
+                             "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+                             "special_tokens": {"<s>": {"id": "<s>", "ids": [bos], "tokens": ["<s>"]}}}
+    (model / "tokenizer.json").write_text(json.dumps(doc))
+    tok = PromptTokenizer(str(model))
+    text = " ".join(f"word{i} and{i % 7}" for i in range(300))
+    plain = tok.completion(text, add_special_tokens=False)
+    assert tok.completion(text) == [bos, *plain]
+
+    async def main():
+        worker = StandIn("w0")
+        await worker.start()
+        config = RouterConfig(workers=[WorkerSpec(worker.url)], block_tokens=16, kv_bytes_per_token=4096,
+                              policy="tier-aware", port=free_port(), models_refresh_s=0)
+        router = Router(config, tok)
+        router.index.stored(0, list(range(len(plain) // 16)), None, plain[:len(plain) // 16 * 16], 16, "GPU")
+        runner = router.runner()
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", config.port).start()
+        try:
+            async with ClientSession() as s:
+                url = f"http://127.0.0.1:{config.port}/v1/completions"
+                async with s.post(url, json={"prompt": text, "add_special_tokens": False}) as r:
+                    assert r.status == 200 and int(r.headers["X-Kvtier-Predicted-Cached"]) >= len(plain) - 16
+                async with s.post(url, json={"prompt": text}) as r:       # control: a BOS first
+                    assert r.status == 200 and r.headers["X-Kvtier-Predicted-Cached"] == "0"
+        finally:
+            await runner.cleanup()
+            await worker.stop()
+
+    asyncio.run(asyncio.wait_for(main(), 60))
