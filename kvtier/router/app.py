@@ -108,6 +108,8 @@ class PromptTokenizer:
         for name in ("tools", "documents"):
             if isinstance(body.get(name), list):
                 kwargs[name] = body[name]
+        if isinstance(body.get("chat_template"), str) and body["chat_template"]:
+            kwargs["chat_template"] = body["chat_template"]   # (when no worker renders it)
         kwargs["continue_final_message"] = body.get("continue_final_message") is True
         generation_prompt = body.get("add_generation_prompt") is not False and not kwargs["continue_final_message"]
         if getattr(self.tok, "chat_template", None):
@@ -155,8 +157,10 @@ def _text_chars(prompt: Any) -> int:
     return 0
 
 
-#: chat fields whose rendering vLLM normalises through its own schema: a worker renders those
-_WORKER_RENDERED = ("tools", "documents")
+#: chat fields a worker renders: tools and documents (vLLM normalises them through its own
+#: schema first), a request's own ``chat_template`` and ``add_special_tokens`` (the router's
+#: rendering used the model's template, without special tokens: every block keyed wrong)
+_WORKER_RENDERED = ("tools", "documents", "chat_template", "add_special_tokens")
 #: vLLM's other POST endpoints, forwarded as they are to a worker chosen on load: tokenizer
 #: utilities, Anthropic token counting, pooling models' endpoints (a worker without one
 #: answers its own 404)

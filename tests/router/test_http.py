@@ -1493,3 +1493,26 @@ def test_a_truncated_prompt_is_keyed_as_vllm_runs_it():
                         assert r.status == 200
                         assert int(r.headers["X-Kvtier-Predicted-Cached"]) == predicted, (path, extra)
     run(main())
+
+
+@pytest.mark.parametrize("extra", [{"chat_template": "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"},
+                                   {"add_special_tokens": True}])
+def test_a_chat_with_its_own_template_or_special_tokens_is_keyed_as_the_worker_renders_it(extra):
+    """A chat request may bring its own ``chat_template`` (vLLM renders with it) or ask for
+    ``add_special_tokens`` (a BOS before the template's text). The router rendered with the
+    model's template and none: every block keyed wrong. A worker renders those now. Control:
+    the same messages without them are rendered by the router, which does not ask."""
+    async def main():
+        async with one_worker_router(policy="tier-aware") as (w, router, url, s):
+            rendered = [7] * 40                                   # ten blocks, as the worker renders
+            router.index.stored(0, list(range(10)), None, rendered, BS, "GPU")
+            w.rendered = rendered
+            body = {"model": "tiny", "messages": [{"role": "user", "content": "find it"}]}
+            async with s.post(url + "/v1/chat/completions", json={**body, **extra}) as r:
+                assert r.status == 200 and int(r.headers["X-Kvtier-Predicted-Cached"]) == 39
+            assert all(w.tokenized[-1][k] == v for k, v in extra.items())
+            asked = len(w.tokenized)
+            async with s.post(url + "/v1/chat/completions", json=body) as r:   # control
+                assert r.status == 200 and r.headers["X-Kvtier-Predicted-Cached"] == "0"
+            assert len(w.tokenized) == asked
+    run(main())
