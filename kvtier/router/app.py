@@ -413,7 +413,7 @@ class Router:
                 async with self.session.get(w.url + "/v1/models", headers=headers,
                                             timeout=ClientTimeout(total=5.0)) as resp:
                     answer = await resp.json(content_type=None)
-            except (ClientError, asyncio.TimeoutError, ValueError) as exc:
+            except (ClientError, asyncio.TimeoutError, ValueError, RecursionError) as exc:
                 log.debug("worker %s: /v1/models failed (%s)", w.url, exc)
                 return None
             if resp.status == 200:
