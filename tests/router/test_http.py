@@ -175,6 +175,8 @@ class StandIn:
     async def load_lora(self, request):
         """vLLM's runtime LoRA loading (VLLM_ALLOW_RUNTIME_LORA_UPDATING): plain text when done."""
         body = await request.json()
+        if self.api_key and request.headers.get("Authorization") != f"Bearer {self.api_key}":
+            return web.json_response({"error": {"message": "Unauthorized"}}, status=401)
         if self.refuse_lora:
             return web.json_response({"error": {"message": self.refuse_lora, "type": "BadRequestError",
                                                 "param": None, "code": 400}}, status=400)
@@ -1064,6 +1066,13 @@ def test_the_router_calls_workers_that_need_a_key_with_its_own():
                 assert router.index.is_lora("sql-lora") is learns, key
                 async with s.get(url + "/v1/models", headers={"Authorization": "Bearer wrong"}) as r:
                     assert r.status == 401          # the client's own (wrong) key, not the router's
+                # an adapter load through the router carries the client's credentials only
+                load = {"lora_name": "x-lora", "lora_path": "/x"}
+                async with s.post(url + "/v1/load_lora_adapter", json=load) as r:
+                    assert r.status == 401 and "x-lora" not in w.loras
+                client_key = {"Authorization": "Bearer k1"}
+                async with s.post(url + "/v1/load_lora_adapter", json=load, headers=client_key) as r:
+                    assert r.status == 200 and "x-lora" in w.loras   # control: the client's own key
     run(main())
 
 
