@@ -108,7 +108,9 @@ class SchedulerSide:
     # -- lookup ---------------------------------------------------------------------
     def num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         state = self._state(request)
-        if not self.loads or state.load_failed:
+        # vLLM reads no cached block for a request that skips the prefix cache (prompt logprobs:
+        # a block keeps no logits) and drops whatever is returned here: no lookup, no P/D wait
+        if not self.loads or state.load_failed or getattr(request, "skip_reading_prefix_cache", False):
             return 0, False
         state.load_planned = False  # a fresh admission (a new request, or one preempted) plans afresh
         hashes = self.engine.block_hashes(request.block_hashes, request.num_tokens)

@@ -262,3 +262,19 @@ def test_only_kv_caches_whose_pages_stay_until_saved_are_accepted():
     for other in (ChunkedLocalAttentionSpec(**geometry, attention_chunk_size=256), MLAAttentionSpec(**geometry)):
         with pytest.raises(ConfigError, match=type(other).__name__):
             check_kv_cache_kind(other, PAGE)
+
+
+def test_a_request_that_skips_the_prefix_cache_is_not_looked_up(engine):
+    """vLLM reads no cached block for a request with prompt logprobs (``skip_reading_prefix_cache``)
+    and zeroes the connector's answer after asking: the lookup (a round trip to the server) and
+    any P/D wait were spent for nothing. Control: the same request otherwise is looked up and
+    waits for the blocks its prefill instance announced."""
+    store, req = FakeStore(), request("s", 1000, params={"kvtier_blocks": 20})
+    store.hold(engine, req, 10)
+    sched = side(engine, store)
+    req.skip_reading_prefix_cache = True
+    assert sched.num_new_matched_tokens(req, 0) == (0, False)
+    assert sched.stats.lookups == 0 and sched.stats.pd_waits == 0
+    req.skip_reading_prefix_cache = False   # control: looked up, and waits for the 20 announced blocks
+    assert sched.num_new_matched_tokens(req, 0) == (None, False)
+    assert sched.stats.lookups == 1 and sched.stats.pd_waits == 1
