@@ -42,11 +42,10 @@ def main() -> int:
     parser.add_argument("--wait", type=float, default=0.0)
     args = parser.parse_args()
     from kvtier.bench.route_stack import kvtier_transfer_config, start_router, start_worker, wait_ready
-    from kvtier.integrations.transformers.models import ModelSpec, ensure_model, random_lora_adapter
+    from kvtier.integrations.transformers.models import VLLM_TEST_SPEC, ensure_model, random_lora_adapter
     from kvtier.server.launch import ServerProcess
 
-    spec = ModelSpec(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                     intermediate_size=256, vocab_size=2048, max_position_embeddings=2048)
+    spec = VLLM_TEST_SPEC
     model = str(ensure_model(spec)[0])
     logs = Path(args.logs)
     logs.mkdir(parents=True, exist_ok=True)

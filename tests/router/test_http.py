@@ -1238,6 +1238,18 @@ def test_client_gone_reads_the_socket_itself():
     run(main())
 
 
+async def router_without_handler_cancellation(worker):
+    """A real router served as aiohttp serves by default: no handler cancellation, so a client's
+    departure is seen only by the router's own watch or at its next write."""
+    config = RouterConfig(workers=[WorkerSpec(worker.url)], block_tokens=BS, kv_bytes_per_token=4096,
+                          health_interval_s=0.2, port=free_port())
+    router = Router(config, WordTokenizer())
+    runner = web.AppRunner(router.app())
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", config.port).start()
+    return router, runner, f"http://127.0.0.1:{config.port}"
+
+
 def test_a_departure_the_server_misses_is_seen_on_the_clients_socket():
     """The router's second sign of a departure, its own look at the client's socket, works
     without aiohttp's: here aiohttp is told not to cancel handlers (no ``handler_cancellation``),
@@ -1246,13 +1258,7 @@ def test_a_departure_the_server_misses_is_seen_on_the_clients_socket():
     async def main():
         w = Deaf("w0", steps=60, gap_s=0.05)             # 3 s of decoding
         await w.start()
-        config = RouterConfig(workers=[WorkerSpec(w.url)], block_tokens=BS, kv_bytes_per_token=4096,
-                              health_interval_s=0.2, port=free_port())
-        router = Router(config, WordTokenizer())
-        runner = web.AppRunner(router.app())               # aiohttp's default: no handler cancellation
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", config.port).start()
-        url = f"http://127.0.0.1:{config.port}"
+        router, runner, url = await router_without_handler_cancellation(w)
         try:
             async with ClientSession() as s:
                 t0 = time.monotonic()
@@ -1395,14 +1401,10 @@ def test_a_client_gone_by_the_next_write_is_no_error_in_the_routers_log(caplog):
     async def main():
         w = Scripted("w0", steps=30, gap_s=0.1)            # 3 s of streaming
         await w.start()
-        config = RouterConfig(workers=[WorkerSpec(w.url)], block_tokens=BS, kv_bytes_per_token=4096,
-                              health_interval_s=0.2, port=free_port())
-        router = Router(config, WordTokenizer())
-        runner = web.AppRunner(router.app())               # no handler cancellation: seen at a write
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", config.port).start()
+        router, runner, url = await router_without_handler_cancellation(w)   # seen at a write
+        port = int(url.rsplit(":", 1)[1])
         try:
-            reader, writer = await asyncio.open_connection("127.0.0.1", config.port)
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
             body = json.dumps({"prompt": "a b", "stream": True}).encode()
             writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                          b"Content-Length: %d\r\n\r\n%s" % (len(body), body))

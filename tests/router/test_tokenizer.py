@@ -10,11 +10,10 @@ pytest.importorskip("transformers")
 def test_prompt_ids_are_the_model_tokenizers(tmp_path):
     from transformers import AutoTokenizer
 
-    from kvtier.integrations.transformers.models import ModelSpec, ensure_model
+    from kvtier.integrations.transformers.models import VLLM_TEST_SPEC, ensure_model
     from kvtier.router.app import PromptTokenizer, RequestError
 
-    spec = ModelSpec(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                     intermediate_size=256, vocab_size=2048, max_position_embeddings=2048)
+    spec = VLLM_TEST_SPEC
     path = str(ensure_model(spec)[0])
     tok = PromptTokenizer(path)
     ref = AutoTokenizer.from_pretrained(path)
@@ -78,13 +77,12 @@ def test_a_long_prompt_is_tokenized_off_the_event_loop():
 
     from aiohttp import ClientSession, web
 
-    from kvtier.integrations.transformers.models import ModelSpec, ensure_model
+    from kvtier.integrations.transformers.models import VLLM_TEST_SPEC, ensure_model
     from kvtier.router.app import PromptTokenizer, Router
     from kvtier.router.config import RouterConfig, WorkerSpec
     from tests.router.test_http import free_port
 
-    spec = ModelSpec(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                     intermediate_size=256, vocab_size=2048, max_position_embeddings=2048)
+    spec = VLLM_TEST_SPEC
     tok = PromptTokenizer(str(ensure_model(spec)[0]))
     text = " ".join(f"word{i % 9973} and{i % 7}" for i in range(150_000))
     tokens = tok.completion(text)                   # warm: the first call is slower
@@ -154,13 +152,12 @@ def test_a_prompt_without_special_tokens_is_keyed_as_vllm_tokenizes_it(tmp_path)
 
     from aiohttp import ClientSession, web
 
-    from kvtier.integrations.transformers.models import ModelSpec, ensure_model
+    from kvtier.integrations.transformers.models import VLLM_TEST_SPEC, ensure_model
     from kvtier.router.app import PromptTokenizer, Router
     from kvtier.router.config import RouterConfig, WorkerSpec
     from tests.router.test_http import StandIn, free_port
 
-    spec = ModelSpec(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                     intermediate_size=256, vocab_size=2048, max_position_embeddings=2048)
+    spec = VLLM_TEST_SPEC
     model = tmp_path / "with-bos"
     model.mkdir()
     for name in ("tokenizer.json", "tokenizer_config.json"):

@@ -64,6 +64,9 @@ DEMO_SPEC = ModelSpec(hidden_size=1024, num_hidden_layers=8, num_attention_heads
 TINY_SPEC = ModelSpec(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, intermediate_size=128, vocab_size=512,
                       max_position_embeddings=4096)
+#: the vLLM tests' and probes' model: head_dim 32, the smallest vLLM's CPU attention takes
+VLLM_TEST_SPEC = ModelSpec(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           intermediate_size=256, vocab_size=2048, max_position_embeddings=2048)
 
 
 def cache_dir() -> Path:

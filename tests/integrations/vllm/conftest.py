@@ -10,11 +10,9 @@ from tests.integrations.vllm.harness import Engine
 @pytest.fixture(scope="session")
 def tiny_model() -> str:
     """A random-weight Llama and a locally trained tokenizer (nothing from a hub), built once."""
-    from kvtier.integrations.transformers.models import ModelSpec, ensure_model
+    from kvtier.integrations.transformers.models import VLLM_TEST_SPEC, ensure_model
 
-    # head_dim 32: the smallest vLLM's CPU attention takes
-    spec = ModelSpec(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                     intermediate_size=256, vocab_size=2048, max_position_embeddings=2048)
+    spec = VLLM_TEST_SPEC   # head_dim 32: the smallest vLLM's CPU attention takes
     return str(ensure_model(spec)[0])
 
 
