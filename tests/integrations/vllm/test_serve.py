@@ -131,4 +131,12 @@ def test_sigterm_of_vllm_serve_flushes_dram_and_a_restarted_engine_resumes_it(se
     for prompt, ref, got in zip(batch, reference, resumed):
         assert loaded_tokens(ref) == 0
         assert loaded_tokens(got) == min(len(prompt) // 64 * 64, (len(prompt) - 2) // 32 * 32) > 0
-        assert got["token_ids"] == ref["token_ids"] and got["logprobs"] == ref["logprobs"]
+        assert got["token_ids"] == ref["token_ids"]
+        assert [[t for t, _ in step] for step in got["logprobs"]] == [[t for t, _ in step] for step in ref["logprobs"]]
+        # Not bit-equal: these blocks were computed in another process's batch (before the
+        # SIGTERM), whose shape can move a logprob by an ulp against this recompute, as vLLM's
+        # own prefix cache does (BENCHMARKS.md, "A hit changes the shape of the computed tail";
+        # CI saw one top-5 logprob 4.8e-7 off, tokens equal). Poisoned loads make a load that
+        # wrote nothing fail far beyond this bound.
+        worst = max(abs(a - b) for x, y in zip(got["logprobs"], ref["logprobs"]) for (_, a), (_, b) in zip(x, y))
+        assert worst < 1e-4, f"a resumed block moved a logprob by {worst}"
