@@ -30,19 +30,23 @@ from aiohttp import ClientError, ClientSession, ClientTimeout
 LORA_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 
 
-def listed_models(listing: Any) -> frozenset[str] | None:
-    """The model ids a ``/v1/models`` answer lists (None: not a listing)."""
+def _entries(listing: Any) -> list[dict] | None:
+    """The model entries of a ``/v1/models`` answer that have an id (None: not a listing)."""
     data = listing.get("data") if isinstance(listing, dict) else None
     if not isinstance(data, list):
         return None
-    return frozenset(m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str))
+    return [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
+
+
+def listed_models(listing: Any) -> frozenset[str] | None:
+    """The model ids a ``/v1/models`` answer lists (None: not a listing)."""
+    entries = _entries(listing)
+    return None if entries is None else frozenset(m["id"] for m in entries)
 
 
 def lora_adapters(listing: Any) -> list[str]:
     """The ids a listing names as LoRA adapters: models with a ``parent`` other than themselves."""
-    data = listing.get("data") if isinstance(listing, dict) else None
-    return [m["id"] for m in data or () if isinstance(m, dict) and isinstance(m.get("id"), str)
-            and m.get("parent") and m.get("parent") != m["id"]]
+    return [m["id"] for m in _entries(listing) or () if m.get("parent") and m.get("parent") != m["id"]]
 
 
 def merge_listings(listings: Iterable[Any]) -> dict:
@@ -50,10 +54,8 @@ def merge_listings(listings: Iterable[Any]) -> dict:
     worker to list it describes it)."""
     seen: dict[str, dict] = {}
     for listing in listings:
-        data = listing.get("data") if isinstance(listing, dict) else None
-        for m in data or ():
-            if isinstance(m, dict) and isinstance(m.get("id"), str):
-                seen.setdefault(m["id"], m)
+        for m in _entries(listing) or ():
+            seen.setdefault(m["id"], m)
     return {"object": "list", "data": list(seen.values())}
 
 
