@@ -6,21 +6,55 @@ given to ``subprocess.Popen(preexec_fn=...)``: the kernel sends the child SIGTER
 goes (Linux ``PR_SET_PDEATHSIG``; elsewhere it does nothing).
 
 The signal follows the *thread* that forked the child: start long-lived children from a thread
-that lives as long as they should (the main thread, in practice).
+that lives as long as they should (the main thread, or a :class:`Spawner`).
 """
 
 from __future__ import annotations
 
 import signal
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
 
 _PR_SET_PDEATHSIG = 1
 
 
-def die_with_parent() -> None:
-    """In the child, before exec: ask for SIGTERM when the parent dies."""
+def _resolve_prctl():
     try:
         import ctypes
 
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        return ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):  # not Linux: the caller's own stop() is all there is
-        pass
+        return None
+
+
+# resolved here, in the parent: the child runs between fork and exec, where a dlopen could wait on
+# a loader lock that another thread of the parent held at the fork
+_prctl = _resolve_prctl()
+
+
+def die_with_parent() -> None:
+    """In the child, before exec: ask for SIGTERM when the parent dies."""
+    if _prctl is not None:
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class Spawner:
+    """Starts children from one thread of its own, so that they die with this *process*.
+
+    For code that starts children from short-lived threads (a transition thread, a request
+    handler): a child forked there would get its SIGTERM as soon as that thread ended. The
+    spawning thread lives until :meth:`close` (or interpreter exit, when the children should go
+    too)."""
+
+    def __init__(self, name: str = "kvtier-spawner") -> None:
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix=name)
+
+    def popen(self, args, **kwargs) -> subprocess.Popen:
+        """``subprocess.Popen(args, **kwargs)`` with ``die_with_parent``, forked on the spawner's thread."""
+        if "preexec_fn" in kwargs:
+            raise ValueError("Spawner sets preexec_fn itself")
+        return self._pool.submit(subprocess.Popen, args, preexec_fn=die_with_parent, **kwargs).result()
+
+    def close(self) -> None:
+        """End the spawning thread: children still running get their SIGTERM now."""
+        self._pool.shutdown(wait=True)

@@ -55,3 +55,67 @@ def test_a_child_dies_with_its_killed_starter_and_without_it_survives():
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+SPAWNER_STARTER = """
+import subprocess, sys, threading, time
+from kvtier.child_process import Spawner, die_with_parent
+spawner = Spawner()
+pids = []
+
+def start():
+    if sys.argv[1] == "spawner":
+        pids.append(spawner.popen(["sleep", "60"], start_new_session=True).pid)
+    else:   # die_with_parent forked on this short-lived thread: the signal comes when the thread ends
+        pids.append(subprocess.Popen(["sleep", "60"], start_new_session=True, preexec_fn=die_with_parent).pid)
+
+t = threading.Thread(target=start)
+t.start()
+t.join()
+time.sleep(0.5)
+print(pids[0], flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_spawner_child_started_from_a_short_lived_thread_outlives_the_thread_not_the_process():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    starters = {mode: subprocess.Popen([sys.executable, "-c", SPAWNER_STARTER, mode], stdin=subprocess.PIPE,
+                                       stdout=subprocess.PIPE, cwd=root) for mode in ("spawner", "thread")}
+    pids = {mode: int(s.stdout.readline()) for mode, s in starters.items()}
+    try:
+        # control: forked on the thread that ended, the child was already signalled
+        assert not _alive(pids["thread"]), "a child forked on an ended thread should have had its SIGTERM"
+        assert _alive(pids["spawner"]), "the spawner's child died with the short-lived thread that asked for it"
+        starters["spawner"].send_signal(signal.SIGKILL)
+        starters["spawner"].wait()
+        deadline = time.monotonic() + 5
+        while _alive(pids["spawner"]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(pids["spawner"]), "the spawner's child outlived its killed process"
+    finally:
+        for s in starters.values():
+            s.kill()
+            s.wait()
+        for pid in pids.values():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_spawner_close_signals_what_it_started():
+    from kvtier.child_process import Spawner
+
+    spawner = Spawner()
+    child = spawner.popen(["sleep", "60"])
+    try:
+        time.sleep(0.2)
+        assert child.poll() is None
+        spawner.close()
+        assert child.wait(5) == -signal.SIGTERM
+    finally:
+        child.kill()
+        child.wait()

@@ -70,6 +70,7 @@ import time
 import numpy as np
 
 from kvtier.bench.baselines import ratio_warnings, report_warnings
+from kvtier.child_process import die_with_parent
 from kvtier.crypto.aead import STREAM_CHUNK_BYTES, sealed_nbytes
 
 MIB = 1 << 20
@@ -128,7 +129,7 @@ class RawPeer:
             family, address = socket.AF_INET, lsock.getsockname()
         lsock.listen(1)
         code = f"from kvtier.bench.remote import _peer_main; _peer_main({int(family)}, {address!r}, {ring_bytes})"
-        self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL)
+        self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
         lsock.settimeout(30)
         self.sock, _ = lsock.accept()
         lsock.close()
@@ -179,7 +180,7 @@ class RedisPeer:
         sock_path = os.path.join(workdir, "redis.sock")
         if unix:
             args += ["--unixsocket", sock_path, "--unixsocketperm", "700"]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=die_with_parent)
         #: where redis-benchmark finds the server
         self.endpoint = ["-s", sock_path] if unix else ["-h", "127.0.0.1", "-p", str(port)]
         kw = {"unix_socket_path": sock_path} if unix else {"host": "127.0.0.1", "port": port}

@@ -19,6 +19,8 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
+from kvtier.child_process import die_with_parent
+
 TOKEN = "kvtier-bench-token"
 #: what LMCache needs beside the engine; absent: the bench reports ``lmcache: null`` and why
 LMCACHE_INSTALL = "make install-lmcache (pip install --no-deps lmcache==0.5.6 sortedcontainers aiofile)"
@@ -90,7 +92,7 @@ def lmcache_server(workdir: Path, *, chunk_tokens: int, l1_gib: int, pids: list[
             [str(launcher), "server", "--port", str(port), "--http-port", str(http_port),
              "--l1-size-gb", str(l1_gib), "--chunk-size", str(chunk_tokens),
              "--supported-transfer-mode", "auto", "--eviction-policy", "LRU", "--disable-observability"],
-            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **LMCACHE_ENV},
+            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **LMCACHE_ENV}, preexec_fn=die_with_parent,
         )
         try:
             if not wait_port(port, 120, server):

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from kvtier.bench.baselines import report_warnings
+from kvtier.child_process import die_with_parent
 from kvtier.demo.report import Reporter, plot, print_summary
 from kvtier.demo.summary import summarize
 from kvtier.demo.workload import Scenario, default_scenario, quick_scenario
@@ -60,6 +61,7 @@ def run_phase(job: dict, reporter: Reporter) -> tuple[list[dict], dict]:
         proc = subprocess.Popen(
             [sys.executable, "-m", "kvtier.demo.worker"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errors, text=True, env=env,
+            preexec_fn=die_with_parent,
         )
         proc.stdin.write(json.dumps(job))
         proc.stdin.close()

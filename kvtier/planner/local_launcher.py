@@ -18,7 +18,10 @@ It keeps :mod:`kvtier.planner.launchers`' contract against a running ``kvtier ro
 
 Each transition runs on its own thread so that the planner's loop never waits on a
 worker's start-up; ``list`` reads the records under a lock. ``close()`` drains and stops
-every worker this launcher started (the planner calls it when it exits).
+every worker this launcher started (the planner calls it when it exits). A planner killed
+before that (SIGKILL, OOM) still takes its workers along: each is started with
+``PR_SET_PDEATHSIG`` from one long-lived thread (:class:`kvtier.child_process.Spawner`), so the
+kernel sends it SIGTERM and vLLM shuts down in order.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvtier.child_process import Spawner
 from kvtier.errors import ConfigError
 from kvtier.planner.launchers import WorkerRecord
 from kvtier.router.config import replay_beside
@@ -158,6 +162,8 @@ class LocalLauncher:
         self.run_dir = Path(self.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._lock = threading.RLock()   # _record is called with it held too
+        # start() may run on any thread, and PR_SET_PDEATHSIG follows the thread that forked
+        self._spawner = Spawner("kvtier-launcher-spawn")
 
     # --- the launcher contract -------------------------------------------------------
     def adopt(self, url: str, pool: str = "prefill") -> WorkerRecord:
@@ -196,9 +202,10 @@ class LocalLauncher:
         log_path = self.run_dir / f"{name}.log"
         with open(log_path, "w") as out:
             # its own session: a signal to the planner's group does not reach the worker, and
-            # stopping the worker's group takes vLLM's engine-core child with it
-            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                    start_new_session=True)
+            # stopping the worker's group takes vLLM's engine-core child with it; forked on the
+            # spawner's thread, so that a planner killed before its close() takes its workers along
+            proc = self._spawner.popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                       start_new_session=True)
         worker = WorkerRecord(name, pool, "starting", url)
         with self._lock:
             self.workers.append(worker)

@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
+import subprocess
 import sys
 import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 from aiohttp import web
@@ -147,3 +151,48 @@ def test_apply_drains_the_youngest_and_aggregated_holds_both_needs(router, tmp_p
     with pytest.raises(ConfigError, match="--port"):
         WorkerTemplate("tiny", ("--port", "9"))
     launcher.close()
+
+
+KILLED_PLANNER = """
+import sys, threading, time
+from kvtier.planner.local_launcher import LocalLauncher, RouterAdmin, WorkerTemplate
+launcher = LocalLauncher(WorkerTemplate("tiny", program=tuple(sys.argv[2:]), kv_events=False),
+                         RouterAdmin("http://127.0.0.1:9"), sys.argv[1], poll_s=0.1)
+started = []
+t = threading.Thread(target=lambda: started.append(launcher.start("prefill")))   # any thread may start one
+t.start()
+t.join()
+time.sleep(1.0)
+print(launcher.pids()[started[0].name], flush=True)
+sys.stdin.read()   # lives until killed, its close() never called
+"""
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:   # a zombie (dead, not yet reaped by init) is gone
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_killed_planner_takes_the_workers_it_started_along(tmp_path, monkeypatch):
+    """A planner SIGKILLed (OOM, a killed test run) before its close(): its vLLM workers used to run
+    on (ppid 1), holding cores and memory. Now each gets SIGTERM from the kernel and stops in order."""
+    monkeypatch.setenv("STANDIN_HEALTH_AFTER_S", "3600")    # stays "starting": no router needed
+    planner = subprocess.Popen([sys.executable, "-c", KILLED_PLANNER, str(tmp_path), *STANDIN], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, cwd=Path(__file__).resolve().parents[2])
+    worker = None
+    try:
+        worker = int(planner.stdout.readline())
+        assert _running(worker), "control: the worker runs while its planner does"
+        planner.kill()
+        planner.wait()
+        _until(lambda: not _running(worker), 15)
+        assert "standin args" in next(tmp_path.glob("*.log")).read_text()   # it was the stand-in that ran
+    finally:
+        planner.kill()
+        planner.wait()
+        if worker is not None and _running(worker):
+            os.killpg(worker, signal.SIGKILL)

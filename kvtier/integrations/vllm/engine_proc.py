@@ -36,6 +36,8 @@ import threading
 import time
 from pathlib import Path
 
+from kvtier.child_process import die_with_parent
+
 #: the child's defaults: in-process engine core, eager mode (start in seconds), no hub
 CHILD_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
@@ -63,6 +65,7 @@ class EngineProcess:
             [sys.executable, "-m", "kvtier.integrations.vllm.engine_proc", json.dumps(settings)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
             env={**CHILD_ENV, **os.environ, **(env or {})},
+            preexec_fn=die_with_parent,   # a bench or test run killed mid-way takes its engines along
         )
         self._replies: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
