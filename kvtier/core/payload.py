@@ -14,7 +14,10 @@ Layout (little-endian, :data:`HEADER_NBYTES` bytes)::
 ``flags`` says how the payload is verified: :data:`FLAG_CHECKSUM` (the checksum
 field holds its xxh3-128) or :data:`FLAG_SEALED` (the payload is a sealed AEAD
 block, :mod:`kvtier.crypto.aead`, that its reader authenticates; no checksum is
-kept, since the tags are a stronger check than any hash a tier could add).
+kept, since the tags are a stronger check than any hash a tier could add), or
+:data:`FLAG_KEYED_MAC` (a shared engine's object, :mod:`kvtier.tiers.mooncake_names`: the
+checksum field holds a MAC under a key of the object's own, the key field names the block
+in its first half and holds that key's salt in its second).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ MAGIC = b"KVTB"
 FORMAT_VERSION = 1
 FLAG_CHECKSUM = 0x1
 FLAG_SEALED = 0x2
+FLAG_KEYED_MAC = 0x4
 
 _BODY = struct.Struct("<4sHH32sQI16sB3x6I16sQ")
 _CHECK = struct.Struct("<Q")

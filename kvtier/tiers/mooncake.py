@@ -14,8 +14,9 @@ What kvtier adds:
   the per-tenant ``secret`` makes names unguessable and unlinkable to prompts, and
   another tenant (another secret) can never name, hence never read, our blocks.
 * **Verified reads.** An object is ``header | payload``
-  (:mod:`kvtier.core.payload`); the header's checksum field holds a *keyed* tag,
-  HMAC(secret, name, size, BLAKE3(payload)), so a torn transfer, an object moved to
+  (:mod:`kvtier.core.payload`); the header's checksum field holds a *keyed* tag, a GMAC
+  of the payload under a key derived from the secret, the name, the size and a salt of the
+  write's own (:mod:`~kvtier.tiers.mooncake_names`), so a torn transfer, an object moved to
   another name, or one overwritten by anyone without the secret fails: it is
   :attr:`Status.CORRUPT` (a miss, counted) and is removed. Sealed through
   :class:`~kvtier.tiers.encrypted.EncryptedTier` the engine only ever holds ciphertext.

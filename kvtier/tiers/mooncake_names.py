@@ -2,47 +2,68 @@
 
 A block is stored under ``kvtier/<hex HMAC-SHA256(tenant secret, key)>``: unguessable,
 unlinkable to prompts, and distinct per tenant. Its object starts with a header
-(:mod:`kvtier.core.payload`) whose checksum field holds a *keyed* tag, HMAC(tenant secret,
-name, size, BLAKE3(payload)): without the secret nobody makes an object that verifies.
+(:mod:`kvtier.core.payload`, flag ``FLAG_KEYED_MAC``) whose checksum field holds a keyed tag
+over the payload: without the tenant's secret nobody makes an object that verifies.
 
-The payload's hash inside the tag must be collision resistant, not merely fast: any fleet
-client can list and read objects, and with xxh3-128 there (until 2026-12-03) it could build a
-*different* payload with the same xxh3-128 in milliseconds (XXH3 adds each input word and the
-product of its halves, masked by a public secret, into plain sums; words that keep both sums
-are easy to solve for: ``tests/tiers/test_mooncake.py`` forges one) and write it under the
-genuine header, which the tag then accepted. BLAKE3 runs at 4-5 GB/s a thread here (on all
-cores for blocks of a MiB or more), beside the engine's 1.6-1.8 GB/s transfers.
+The tag is a GMAC (AES-256-GCM over no plaintext, the payload as associated data) under a key of
+the object's own, HMAC-SHA256(secret, name digest, size, salt), with a fresh random 16-byte
+salt per write kept in the header (the second half of its key field; the first half repeats
+the name digest's). Why this shape:
+
+- It must be a MAC over the whole payload, not a fast hash inside one: any fleet client can
+  list, read and overwrite objects. With xxh3-128 inside the tag (until 2026-12-03) a client
+  built a *different* payload with the same xxh3-128 in milliseconds and wrote it under the
+  genuine header (``tests/tiers/test_mooncake.py`` forges one).
+- GMAC is the cheapest secure MAC at hand: 5-6.5 GB/s a core here against BLAKE3's 3 (and
+  many times that on CPUs with VAES/VPCLMULQDQ), and verifying every read on cores that the
+  transfer already fills was the whole gap to the bare Mooncake client (BENCHMARKS.md).
+- GMAC breaks if a key ever authenticates two payloads under one nonce (its hash key leaks).
+  The same block may be written twice with different bytes (a recompute in another batch shape
+  differs by an ulp), so the key is per write: the salt, not a counter, makes it so without
+  coordination between writers, and binding the name digest and size into the key means an
+  object moved under another name, or cut short, verifies under no key its reader derives.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import os
 
-import blake3
 import numpy as np
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 from kvtier.core.keys import KEY_BYTES, BlockKey
-from kvtier.core.payload import FLAG_CHECKSUM, pack_header
+from kvtier.core.payload import FLAG_KEYED_MAC, BlockHeader, pack_header
 
 NAME_PREFIX = "kvtier/"
 _NAME_LABEL = b"kvtier mooncake name\0"
-_TAG_LABEL = b"kvtier mooncake tag\0"
+_MAC_KEY_LABEL = b"kvtier mooncake gmac key\0"
+#: the per-write salt, kept in the second half of the header's key field
+SALT_BYTES = 16
+NAME_ID_BYTES = 32 - SALT_BYTES
+#: every per-write key is used once, so one fixed nonce is safe (GCM's 96-bit form)
+_NONCE = bytes(12)
+#: a payload is fed to the MAC in pieces no larger than this (the binding's single-call limit is 2 GiB)
+_MAC_PIECE = 1 << 30
 
 
-#: payloads of at least this many bytes are hashed on every core (BLAKE3's tree splits them)
-PARALLEL_HASH_MIN = 1 << 20
+class PayloadMac:
+    """The GMAC of one object's payload, fed piece by piece (``update``, then ``tag``)."""
 
+    __slots__ = ("_ctx",)
 
-def payload_digest(view) -> bytes:
-    """The collision-resistant hash of a payload that its keyed tag covers."""
-    threads = blake3.blake3.AUTO if memoryview(view).nbytes >= PARALLEL_HASH_MIN else 1
-    return blake3.blake3(view, max_threads=threads).digest()
+    def __init__(self, key: bytes) -> None:
+        self._ctx = Cipher(algorithms.AES(key), modes.GCM(_NONCE)).encryptor()
 
+    def update(self, piece) -> None:
+        view = memoryview(piece).cast("B")
+        for start in range(0, view.nbytes, _MAC_PIECE):
+            self._ctx.authenticate_additional_data(view[start:start + _MAC_PIECE])
 
-def payload_hasher():
-    """The same hash, fed piece by piece (``update``, then ``digest``)."""
-    return blake3.blake3(max_threads=blake3.blake3.AUTO)
+    def tag(self) -> bytes:
+        self._ctx.finalize()
+        return self._ctx.tag
 
 
 class TenantNaming:
@@ -59,13 +80,34 @@ class TenantNaming:
         """The engine's name of a block: one-way, and distinct per tenant."""
         return NAME_PREFIX + self._digest(key).hex()
 
-    def _tag(self, digest: bytes, nbytes: int, payload_hash: bytes) -> bytes:
-        msg = _TAG_LABEL + digest + nbytes.to_bytes(8, "little") + payload_hash
-        return hmac.new(self._secret, msg, hashlib.sha256).digest()[:16]
+    def payload_mac(self, digest: bytes, nbytes: int, salt: bytes) -> PayloadMac:
+        """The MAC of the object written under ``digest`` with ``nbytes`` of payload and ``salt``."""
+        msg = _MAC_KEY_LABEL + digest + nbytes.to_bytes(8, "little") + salt
+        return PayloadMac(hmac.new(self._secret, msg, hashlib.sha256).digest())
+
+    def payload_tag(self, digest: bytes, salt: bytes, view) -> bytes:
+        mac = self.payload_mac(digest, memoryview(view).nbytes, salt)
+        mac.update(view)
+        return mac.tag()
+
+
+def header_id(digest: bytes, salt: bytes) -> bytes:
+    """The header's key field of an object: the name digest's first half, then the write's salt."""
+    return digest[:NAME_ID_BYTES] + salt
+
+
+def names_block(header: BlockHeader, digest: bytes, nbytes: int) -> bool:
+    """Whether ``header`` is this format's and says it holds the block of ``digest`` at ``nbytes``."""
+    return (bool(header.flags & FLAG_KEYED_MAC) and header.key[:NAME_ID_BYTES] == digest[:NAME_ID_BYTES]
+            and header.payload_nbytes == nbytes)
+
+
+def salt_of(header: BlockHeader) -> bytes:
+    return header.key[NAME_ID_BYTES:]
 
 
 def header_row(tier: TenantNaming, digest: bytes, view: np.ndarray, meta) -> np.ndarray:
-    """The header an object starts with: the block's name digest, size, keyed tag and meta."""
-    n = view.nbytes
-    tag = tier._tag(digest, n, payload_digest(view))
-    return np.frombuffer(pack_header(digest, n, tag, meta, flags=FLAG_CHECKSUM), np.uint8)
+    """The header an object starts with: the block's name, size, salt, keyed tag and meta."""
+    salt = os.urandom(SALT_BYTES)
+    tag = tier.payload_tag(digest, salt, view)
+    return np.frombuffer(pack_header(header_id(digest, salt), view.nbytes, tag, meta, flags=FLAG_KEYED_MAC), np.uint8)

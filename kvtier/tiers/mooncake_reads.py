@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvtier.core.keys import BlockKey
-from kvtier.core.payload import FLAG_CHECKSUM, HEADER_NBYTES, unpack_header
+from kvtier.core.payload import HEADER_NBYTES, BlockHeader, unpack_header
 from kvtier.tiers.base import Status, runs_by_bytes, writable_bytes
 from kvtier.tiers.mooncake_calls import Down, Late, log
 from kvtier.tiers.mooncake_client import RC_BAD_PARAMS, RC_NOT_FOUND, RC_NOT_READY, RC_TRANSFER_FAILED, Overrun
-from kvtier.tiers.mooncake_names import NAME_PREFIX, payload_digest, payload_hasher
+from kvtier.tiers.mooncake_names import NAME_ID_BYTES, NAME_PREFIX, names_block, salt_of
 
 if TYPE_CHECKING:
     from kvtier.tiers.mooncake import MooncakeTier
@@ -38,7 +38,7 @@ _INFLIGHT_BYTES = 128 << 20
 _INFLIGHT_CALLS = 8
 #: how long a holder that failed a read is tried after the other replicas
 _SUSPECT_S = 30.0
-#: pieces a verified payload is copied out in: each is hashed while still in cache
+#: pieces a verified payload is copied out in: each is MACed while still in cache
 _COPY_PIECE = 1 << 20
 
 
@@ -120,7 +120,7 @@ class TierReads:
         """``hash_payloads=False``: for a caller whose payloads authenticate themselves (an
         :class:`~kvtier.tiers.encrypted.EncryptedTier`'s AES-GCM blocks, whose tags bind the tenant,
         the block's name and its size): each object's header must still name this block at this
-        size, but the payload's keyed tag is not checked (its BLAKE3 over the payload not computed):
+        size, but the payload's keyed tag is not checked (its MAC over the payload not computed):
         the caller's own authentication is the check, and what fails it the caller deletes."""
         if len(keys) != len(outs):
             raise ValueError(f"get_many: {len(keys)} keys but {len(outs)} buffers")
@@ -294,10 +294,12 @@ class TierReads:
                 lens.append([n])
                 offsets.append([0])
         read = _ChunkRead(self, chunk, names, sizes, bufs, headers)
-        # Each payload is hashed on the call's worker as soon as the call returns, while it is
+        # Each payload is MACed on the call's worker as soon as the call returns, while it is
         # still in cache and while the batch's other calls still transfer (on the caller's thread,
         # after the calls that run at once have all ended together, it was a serial tail).
-        payloads = ([views[i] if buf is None else buf[1][HEADER_NBYTES:n] for i, buf, n in zip(chunk, bufs, sizes)]
+        payloads = ([(digests[i], views[i], headers[1][j * HEADER_NBYTES:(j + 1) * HEADER_NBYTES])
+                     if buf is None else (digests[i], buf[1][HEADER_NBYTES:n], buf[1][:HEADER_NBYTES])
+                     for j, (i, buf, n) in enumerate(zip(chunk, bufs, sizes))]
                     if hashed else None)
         if session:
             call = (self._engine.batch_get_into_multi_buffer_ranges, names, ptrs, lens, offsets)
@@ -327,13 +329,13 @@ class TierReads:
             self._codes(codes)
             for j, (i, name, buf, n, code) in enumerate(zip(read.chunk, read.names, read.bufs, read.sizes, codes)):
                 if code == n:
-                    payload_hash = read.hashes[j] if read.hashes is not None else None
+                    payload_tag = read.tags[j] if read.tags is not None else None
                     if buf is None:
                         row = read.headers[1][j * HEADER_NBYTES:(j + 1) * HEADER_NBYTES]
-                        statuses[i] = self._verify_in_place(name, digests[i], row, views[i], hashed, payload_hash)
+                        statuses[i] = self._verify_in_place(name, digests[i], row, views[i], hashed, payload_tag)
                     else:
                         statuses[i] = self._verify_into(name, digests[i], buf[1][:n], views[i], hashed,
-                                                        payload_hash)
+                                                        payload_tag)
                 elif code in (RC_NOT_FOUND, RC_NOT_READY):
                     statuses[i] = Status.MISS  # absent, or still being written by another put
                 elif 0 <= code < n or code == RC_BAD_PARAMS:
@@ -349,58 +351,59 @@ class TierReads:
             read.give_back()
         return failed
 
-    def _header_tag(self, name: str, digest: bytes, header_bytes, n: int) -> bytes | None:
-        """The keyed tag of an object's header if the header names this block at this size
-        (else the object is dropped: None)."""
+    def _header_of(self, name: str, digest: bytes, header_bytes, n: int) -> BlockHeader | None:
+        """An object's header if it names this block at this size in this format (else the object
+        is dropped: None)."""
         header = unpack_header(header_bytes)
-        if header is None or header.key != digest or header.payload_nbytes != n or not header.flags & FLAG_CHECKSUM:
-            self._drop(name, "header does not name this block" if header is None or header.key != digest
+        if header is None or not names_block(header, digest, n):
+            self._drop(name, "header does not name this block" if header is None or header.key[:NAME_ID_BYTES] != digest[:NAME_ID_BYTES]
                        else "size or format differs")
             return None
-        return header.checksum
+        return header
 
-    def _tag_matches(self, name: str, digest: bytes, n: int, payload_hash: bytes, tag: bytes) -> Status:
-        if not hmac.compare_digest(self._tag(digest, n, payload_hash), tag):
+    def _tag_matches(self, name: str, computed: bytes, header: BlockHeader) -> Status:
+        if not hmac.compare_digest(computed, header.checksum):
             self._drop(name, "payload fails its keyed tag (torn, tampered or not ours)")
             return Status.CORRUPT
         return Status.OK
 
     def _verify_in_place(self, name: str, digest: bytes, header_bytes: np.ndarray, out: memoryview,
-                         hashed: bool = True, payload_hash: bytes | None = None) -> Status:
-        """A block received straight into the caller's buffer: hashed where it lies (``payload_hash``:
+                         hashed: bool = True, payload_tag: bytes | None = None) -> Status:
+        """A block received straight into the caller's buffer: MACed where it lies (``payload_tag``:
         already, by the call's worker; not at all if the caller authenticates its payloads: then
         only its header is checked)."""
-        tag = self._header_tag(name, digest, header_bytes, out.nbytes)
-        if tag is None:
+        header = self._header_of(name, digest, header_bytes, out.nbytes)
+        if header is None:
             return Status.CORRUPT
         if not hashed:
             return Status.OK
-        if payload_hash is None:
-            payload_hash = payload_digest(out)
-        return self._tag_matches(name, digest, out.nbytes, payload_hash, tag)
+        if payload_tag is None:
+            payload_tag = self.payload_tag(digest, salt_of(header), out)
+        return self._tag_matches(name, payload_tag, header)
 
     def _verify_into(self, name: str, digest: bytes, staged: np.ndarray, out: memoryview,
-                     hashed: bool = True, payload_hash: bytes | None = None) -> Status:
-        """A block received into staging: hashed piece by piece while copied out (``payload_hash``:
-        hashed already, by the call's worker, in staging that nothing writes once the call ended;
-        not at all if the caller authenticates its payloads: then only its header is checked)."""
+                     hashed: bool = True, payload_tag: bytes | None = None) -> Status:
+        """A block received into staging: MACed piece by piece while copied out (``payload_tag``:
+        computed already, by the call's worker, in staging that nothing writes once the call
+        ended; not at all if the caller authenticates its payloads: then only its header is
+        checked)."""
         n = out.nbytes
-        tag = self._header_tag(name, digest, staged[:HEADER_NBYTES], n)
-        if tag is None:
+        header = self._header_of(name, digest, staged[:HEADER_NBYTES], n)
+        if header is None:
             return Status.CORRUPT
         payload = staged[HEADER_NBYTES:]
         dst = np.frombuffer(out, dtype=np.uint8)
-        if not hashed or payload_hash is not None:
-            if payload_hash is not None and self._tag_matches(name, digest, n, payload_hash, tag) is not Status.OK:
+        if not hashed or payload_tag is not None:
+            if payload_tag is not None and self._tag_matches(name, payload_tag, header) is not Status.OK:
                 return Status.CORRUPT  # (nothing copied: the caller's buffer keeps what it held)
             dst[:] = payload[:n]
             return Status.OK
-        hasher = payload_hasher()
-        for start in range(0, n, _COPY_PIECE):  # hash each piece while in cache, then copy it
+        mac = self.payload_mac(digest, n, salt_of(header))
+        for start in range(0, n, _COPY_PIECE):  # MAC each piece while in cache, then copy it
             piece = payload[start : start + _COPY_PIECE]
-            hasher.update(piece)
+            mac.update(piece)
             dst[start : start + _COPY_PIECE] = piece
-        return self._tag_matches(name, digest, n, hasher.digest(), tag)
+        return self._tag_matches(name, mac.tag(), header)
 
     def _drop(self, name: str, why: str) -> None:
         """Remove an object that can never verify (forced: a lease protects nothing worth keeping)."""
@@ -430,18 +433,24 @@ class _ChunkRead:
         self.tier, self.chunk, self.names, self.sizes, self.bufs, self.headers = tier, chunk, names, sizes, bufs, headers
         self.nbytes = sum(sizes)
         self.future = None
-        #: BLAKE3 of each payload the call read whole (None: not hashed, or not read whole)
-        self.hashes: list[bytes | None] | None = None
+        #: the MAC of each payload the call read whole, under its header's salt (None: not
+        #: computed, not read whole, or its header names no block of this format: verify drops it)
+        self.tags: list[bytes | None] | None = None
         self._given = False
         self._lock = threading.Lock()
 
     def run_and_hash(self, payloads, fn, *args):
-        """On the engine call's worker: the call, then the hash of every payload it read whole."""
+        """On the engine call's worker: the call, then the MAC of every payload it read whole."""
         codes = fn(*args)
         if payloads is not None and not isinstance(codes, int):
-            self.hashes = [payload_digest(p) if code == n else None
-                           for p, code, n in zip(payloads, codes, self.sizes)]
+            self.tags = [self._tag(*p) if code == n else None for p, code, n in zip(payloads, codes, self.sizes)]
         return codes
+
+    def _tag(self, digest: bytes, payload, header_row) -> bytes | None:
+        header = unpack_header(header_row)
+        if header is None or not names_block(header, digest, payload.nbytes):
+            return None
+        return self.tier.payload_tag(digest, salt_of(header), payload)
 
     def give_back(self) -> None:
         with self._lock:

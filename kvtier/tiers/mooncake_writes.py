@@ -1,6 +1,6 @@
 """The write path of :class:`~kvtier.tiers.mooncake.MooncakeTier`: every ``put``.
 
-Small blocks are hashed first, then written header and payload in one batch call. Blocks of
+Small blocks are tagged first (their payload MACed), then written header and payload in one batch call. Blocks of
 the session size and more move in a put session (:class:`_PutSession`). The engine's ``put``
 keeps an existing object and answers 0: the contract's "put of a present key is a no-op", and
 safe, because whatever is kept is verified on every read.
@@ -75,7 +75,7 @@ class TierWrites:
 
     def _put_batched(self, todo: list[int], names, digests, views, metas, statuses: list[Status],
                      deadline: float) -> None:
-        """Small blocks: hashed first (a later change of the caller's bytes, even under an overrun
+        """Small blocks: tagged first (a later change of the caller's bytes, even under an overrun
         put, is then a verification failure, not data), then one batch call."""
         headers = np.empty((len(names), HEADER_NBYTES), dtype=np.uint8)
         for i in todo:
@@ -96,14 +96,14 @@ class TierWrites:
 class _PutSession:
     """One batch's write: a put session (the master reserves every object in one RPC), then one
     call per block writing its payload (at the object's offset ``HEADER_NBYTES``), all started at
-    once; while they transfer, each block is hashed here and its header row filled, and one more
+    once; while they transfer, each block is MACed here and its header row filled, and one more
     call writes every header (offset 0); then one RPC publishes what was written whole (payload
     *and* header); whatever was reserved and not published is revoked.
 
-    Hashing while the transfer runs (not before it starts, which put the first block's hash,
-    ~1 ms at 8 MiB, ahead of every transfer) is as safe: only what is published is readable,
+    MACing while the transfer runs (not before it starts, which put the first block's MAC,
+    ~1.5 ms at 8 MiB, ahead of every transfer) is as safe: only what is published is readable,
     and a block is published only after both its calls returned whole, within the deadline, so
-    its stored payload verifies only if it equals what was hashed here from the caller's buffer
+    its stored payload verifies only if it equals what was MACed here from the caller's buffer
     during this call. A buffer changed under the put is stored torn and fails verification;
     an overrun put publishes nothing. A call that overran keeps the headers and the caller's
     buffers referenced until it ends; the session's reservations are revoked then."""

@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from kvtier.core.payload import HEADER_NBYTES, pack_header
+from kvtier.core.payload import HEADER_NBYTES, pack_header, unpack_header
 from kvtier.tiers.base import Status
 from tests.tiers.mooncake_harness import both_transfer_paths, CLIENT_TTL_S, make_tier, mooncake_available, shared_cluster, start_cluster
 
@@ -101,7 +101,7 @@ def _bare_client():
     return SharedClient.acquire(c.master_address, c.metadata_url, "127.0.0.1")
 
 
-@pytest.mark.parametrize("forgery", ["garbage", "plain-checksum", "moved", "same-xxh3"])
+@pytest.mark.parametrize("forgery", ["garbage", "plain-checksum", "moved", "same-xxh3", "other-write", "resalted"])
 def test_a_tampered_object_is_a_miss_and_is_dropped(tier, forgery):
     """Overwritten through a bare client (upsert): random bytes, a well-formed header with a
     correct unkeyed xxh3 checksum over other bytes, another block's genuine object moved here, or
@@ -132,6 +132,27 @@ def test_a_tampered_object_is_a_miss_and_is_dropped(tier, forgery):
             forged = same_xxh3_128(payload)
             assert forged != payload and xxhash.xxh3_128_digest(forged) == xxhash.xxh3_128_digest(payload)
             fake = np.concatenate([genuine[:HEADER_NBYTES], np.frombuffer(forged, np.uint8)])
+        elif forgery in ("other-write", "resalted"):
+            # the same block written again with other bytes (a recompute an ulp off): each write
+            # has its own salt, hence its own MAC key; one write's header must not pass the other's
+            # payload, nor a header rebuilt (its check is unkeyed) to carry the other write's salt
+            first = np.zeros(size, np.uint8)
+            assert engine.get_into(name, first.ctypes.data, size) == size
+            assert engine.remove(name, True) == 0
+            assert tier.put(key(3), block(33)) is Status.OK
+            second = np.zeros(size, np.uint8)
+            assert engine.get_into(name, second.ctypes.data, size) == size
+            h1, h2 = unpack_header(first[:HEADER_NBYTES]), unpack_header(second[:HEADER_NBYTES])
+            assert h1.key[:16] == h2.key[:16] and h1.key[16:] != h2.key[16:]   # one name, two salts
+            if forgery == "other-write":
+                fake = np.concatenate([first[:HEADER_NBYTES], second[HEADER_NBYTES:]])
+            else:
+                fake = np.concatenate([np.frombuffer(pack_header(h1.key, BLOCK, h2.checksum, flags=h2.flags), np.uint8),
+                                       second[HEADER_NBYTES:]])
+            # positive control: the first write, whole, is a genuine object of this block and verifies
+            assert engine.upsert_from(name, first.ctypes.data, size) == 0
+            control = np.zeros(BLOCK, np.uint8)
+            assert tier.get(key(3), control) is Status.OK and np.array_equal(control, block(3))
         else:
             assert tier.put(key(4), block(4)) is Status.OK
             fake = np.zeros(size, np.uint8)
