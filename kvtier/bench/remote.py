@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import socket
@@ -71,7 +72,9 @@ import numpy as np
 
 from kvtier.bench.baselines import ratio_warnings, report_warnings
 from kvtier.child_process import die_with_parent
+from kvtier.core.units import finite_float
 from kvtier.crypto.aead import STREAM_CHUNK_BYTES, sealed_nbytes
+from kvtier.errors import ConfigError
 
 MIB = 1 << 20
 _LANES = 2  #: lanes of the sealed path (EncryptedTier's default)
@@ -293,6 +296,9 @@ def run(block_mib: float, run_mib: int, runs: int, unix: bool, with_redis: bool 
     from kvtier.server.launch import ServerProcess
     from kvtier.tiers.remote import RemoteTier
 
+    if not math.isfinite(block_mib) or block_mib * MIB < 1 or run_mib < 1 or runs < 1:
+        raise ConfigError(f"--block-mib, --run-mib and --runs must be positive, got {block_mib}, {run_mib} "
+                          f"and {runs}")
     nbytes = int(block_mib * MIB)
     blocks = max(4, -(-run_mib * MIB // nbytes))
     total = nbytes * blocks
@@ -567,7 +573,7 @@ def quota_stress(blocks: int = 500_000, measure_puts: int = 2000, batch: int = 4
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("remote", help="shared server put/get vs a raw socket and Redis, same run")
-    p.add_argument("--block-mib", type=float, default=8.0, help="block size in MiB (default 8)")
+    p.add_argument("--block-mib", type=finite_float, default=8.0, help="block size in MiB (default 8)")
     p.add_argument("--run-mib", type=int, default=64,
                    help="bytes per phase of a run, MiB (default 64, at least 4 blocks): short phases, close in time")
     p.add_argument("--runs", type=int, default=15)

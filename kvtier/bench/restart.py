@@ -215,6 +215,8 @@ def run_server(blocks: int, block_bytes: int, workdir: str, timeout_s: float = 6
 def run(blocks: int = 256, block_kib: int = 256, workdir: str | None = None, server: bool = True) -> dict:
     if blocks < 1 or block_kib < 1:
         raise ConfigError(f"--blocks and --block-kib must be positive, got {blocks} and {block_kib}")
+    if workdir is not None and not os.path.isdir(workdir):
+        raise ConfigError(f"--dir {workdir!r} is not a directory")
     block_bytes = block_kib * KIB
     workdir = tempfile.mkdtemp(prefix="kvtier-bench-restart-", dir=workdir)
     try:

@@ -70,6 +70,7 @@ from kvtier.bench.vllm_trace import (
     warmup_replay,
     window_facts,
 )
+from kvtier.core.units import finite_float
 from kvtier.router.config import measured_bandwidth
 
 WORKERS = 2
@@ -92,8 +93,8 @@ def add_arguments(p) -> None:
     # keep up (makespan = span), nothing queues, and TTFT is mostly fixed overheads, so a
     # cache's saving hardly shows; 15 s and a KV cache of a tenth of the working set (at
     # least one longest request) make vLLM queue and evict, as on a busy deployment.
-    p.add_argument("--span-s", type=float, default=15.0, help="--trace: arrivals compressed to this span")
-    p.add_argument("--kv-fraction", type=float, default=0.1,
+    p.add_argument("--span-s", type=finite_float, default=15.0, help="--trace: arrivals compressed to this span")
+    p.add_argument("--kv-fraction", type=finite_float, default=0.1,
                    help="--trace: each worker's vLLM KV cache as a share of the stretch's working set")
     p.add_argument("--policies", default=",".join(POLICIES), help="--trace: comma-separated policies")
     p.add_argument("--order-seed", type=int, default=None,

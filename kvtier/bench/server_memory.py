@@ -29,6 +29,7 @@ import time
 import numpy as np
 
 from kvtier.core.units import parse_size
+from kvtier.errors import ConfigError
 
 KIB, MIB = 1 << 10, 1 << 20
 
@@ -139,7 +140,14 @@ def register(subparsers) -> None:
 
 
 def _main(args) -> int:
-    result = run(parse_size(args.capacity, "--capacity"), parse_size(args.max_block, "--max-block"), args.seed)
+    capacity, max_block = parse_size(args.capacity, "--capacity"), parse_size(args.max_block, "--max-block")
+    # the server would refuse these at its start, which the bench reported as a traceback
+    if max_block < 1 or capacity < max_block:
+        raise ConfigError(f"--capacity ({capacity} bytes) must hold at least one block of --max-block "
+                          f"({max_block} bytes)")
+    if args.seed < 0:
+        raise ConfigError(f"--seed must be >= 0, got {args.seed}")
+    result = run(capacity, max_block, args.seed)
     if args.json:
         print(json.dumps(result))
     else:

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import statistics
@@ -53,6 +54,7 @@ from collections.abc import Callable
 import numpy as np
 
 from kvtier.bench.baselines import huge_page_buffer, ratio_warnings, report_warnings
+from kvtier.core.units import finite_float
 from kvtier.errors import ConfigError
 from kvtier.tiers.direct_io import (
     CHUNK,
@@ -421,9 +423,13 @@ class _EncryptedDiskBench(_DiskBench):
 def run(tier: str, block_mib: float, blocks: int | None, runs: int, directory: str | None = None,
         drop_caches: bool = False, encrypt: bool = False) -> dict:
     """Measure ``runs`` interleaved rounds; return the medians (see the module docstring)."""
+    if not math.isfinite(block_mib) or block_mib * MIB < 1 or runs <= 0:
+        raise ConfigError(f"--block-mib and --runs must be positive, got {block_mib} and {runs}")
     nbytes = int(block_mib * MIB)
-    if nbytes <= 0 or runs <= 0:
-        raise ConfigError("--block-mib and --runs must be positive")
+    if blocks is not None and blocks < 1:
+        raise ConfigError(f"--blocks must be positive, got {blocks}")
+    if directory is not None and not os.path.isdir(directory):
+        raise ConfigError(f"--dir {directory!r} is not a directory")
     if encrypt and tier != "disk":
         raise ConfigError("--encrypt applies to --tier disk (the host tier stays plaintext by default)")
     blocks = blocks or max(4, -(-DEFAULT_RUN_BYTES // nbytes))
@@ -500,7 +506,7 @@ def run(tier: str, block_mib: float, blocks: int | None, runs: int, directory: s
 def register(subparsers) -> None:
     p = subparsers.add_parser("storage", help="tier put/get throughput vs memcpy / raw disk, same run")
     p.add_argument("--tier", choices=["host", "disk"], default="disk")
-    p.add_argument("--block-mib", type=float, default=8.0, help="block size in MiB (default 8)")
+    p.add_argument("--block-mib", type=finite_float, default=8.0, help="block size in MiB (default 8)")
     p.add_argument("--blocks", type=int, default=None, help="blocks per phase (default: 256 MiB worth, at least 4)")
     p.add_argument("--runs", type=int, default=9, help="interleaved rounds; medians are reported (default 9)")
     p.add_argument("--dir", default=None, help="disk tier directory (default: a temp dir under the current one)")

@@ -46,6 +46,7 @@ from kvtier.bench.vllm_systems import (
     model_spec,
     process_cpu_s,
 )
+from kvtier.core.units import finite_float
 
 #: trace blocks are 512 tokens; each becomes HASH_TOKENS tokens (one vLLM page on CPU)
 TRACE_BLOCK_TOKENS = 512
@@ -86,13 +87,13 @@ def add_arguments(p) -> None:
     # The span keeps every system's engine saturated on 2 cores (makespan above the span): only
     # then does output tokens/s measure what an engine can serve. (64 requests over 20 s: all
     # three finished with the last arrival and tokens/s was the offered load, 1.00x apart.)
-    p.add_argument("--span-s", type=float, default=SPAN_S,
+    p.add_argument("--span-s", type=finite_float, default=SPAN_S,
                    help=f"--trace: the counted arrivals compressed to this span (default {SPAN_S:g})")
     # The share is of the blocks the counted window references (its working set), not of
     # the whole stretch: with a long history, a tenth of the stretch would exceed what the
     # window touches. 0.25 keeps vLLM's cache the size it had before (1,216 pages = 0.24 of
     # the window's 5,025 blocks at 400 requests of history; 1,281 at 3,600).
-    p.add_argument("--kv-fraction", type=float, default=KV_FRACTION,
+    p.add_argument("--kv-fraction", type=finite_float, default=KV_FRACTION,
                    help=f"--trace: vLLM's KV cache as a share of the window's working set (default {KV_FRACTION:g})")
 
 

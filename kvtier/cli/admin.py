@@ -22,13 +22,15 @@ import json
 import os
 import sys
 
+from kvtier.core.units import finite_float
+
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("admin", help="tokens, quotas, TTLs, erasure and usage of a kvtier server")
     p.add_argument("--url", default=os.environ.get("KVTIER_URL", "tcp://127.0.0.1:7070"),
                    help="server address (default $KVTIER_URL or tcp://127.0.0.1:7070)")
     p.add_argument("--token", help="admin token (default $KVTIER_ADMIN_TOKEN)")
-    p.add_argument("--timeout-s", type=float, default=30.0)
+    p.add_argument("--timeout-s", type=finite_float, default=30.0)
     sub = p.add_subparsers(dest="admin_command", required=True)
     sub.add_parser("new-token", help="print a new random token and its SHA-256 for the config")
     sub.add_parser("new-events-keys", help="print a CURVE key pair and a block-name key for the server's KV events")
@@ -47,7 +49,7 @@ def register(subparsers) -> None:
     t = sub.add_parser("set-ttl", help="set the retention of a tenant or one of its namespaces (0: none)")
     t.add_argument("--tenant", required=True)
     t.add_argument("--namespace")
-    t.add_argument("seconds", type=float)
+    t.add_argument("seconds", type=finite_float)
     p.set_defaults(func=_run)
 
 

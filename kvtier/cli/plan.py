@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import sys
 
+from kvtier.core.units import finite_float
+
 
 def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(part) for part in text.split(",") if part.strip())
@@ -20,25 +22,25 @@ def register(subparsers) -> None:
     cap.add_argument("--users", type=int, required=True)
     cap.add_argument("--context-tokens", type=int, required=True, help="tokens of context per session")
     cap.add_argument("--sessions", type=_ints, default=(1,), help="sessions retained per user, e.g. 1,5,15,150")
-    cap.add_argument("--replication", type=float, default=1.0, help="copies kept by the shared tier")
-    cap.add_argument("--overhead", type=float, default=0.0,
+    cap.add_argument("--replication", type=finite_float, default=1.0, help="copies kept by the shared tier")
+    cap.add_argument("--overhead", type=finite_float, default=0.0,
                      help="format/encryption overhead as a fraction of raw KV (block header, AEAD tag)")
-    cap.add_argument("--active-fraction", type=float, default=0.1,
+    cap.add_argument("--active-fraction", type=finite_float, default=0.1,
                      help="share of users active at once (their session sits in host DRAM)")
     cap.add_argument("--json", action="store_true")
     cap.set_defaults(func=_reporting_config_errors(run_capacity))
 
     wk = sub.add_parser("workers", help="prefill/decode workers and tier sizes for TTFT and ITL targets")
-    wk.add_argument("--ttft", type=float, required=True, help="TTFT target in seconds")
-    wk.add_argument("--ttft-percentile", type=float, default=90.0, help="percentile the TTFT target applies to")
-    wk.add_argument("--itl", type=float, required=True, help="inter-token latency target in seconds")
+    wk.add_argument("--ttft", type=finite_float, required=True, help="TTFT target in seconds")
+    wk.add_argument("--ttft-percentile", type=finite_float, default=90.0, help="percentile the TTFT target applies to")
+    wk.add_argument("--itl", type=finite_float, required=True, help="inter-token latency target in seconds")
     wk.add_argument("--trace", default=None, help="Mooncake-format trace (gives rate, lengths and hit rate)")
-    wk.add_argument("--rate", type=float, default=None, help="arrival rate in requests/s (without --trace)")
+    wk.add_argument("--rate", type=finite_float, default=None, help="arrival rate in requests/s (without --trace)")
     wk.add_argument("--input-tokens", type=int, default=None, help="mean prompt tokens (without --trace)")
     wk.add_argument("--output-tokens", type=int, default=None, help="mean output tokens (without --trace)")
-    wk.add_argument("--hit-rate", type=float, default=None,
+    wk.add_argument("--hit-rate", type=finite_float, default=None,
                     help="share of prompt tokens loaded instead of recomputed (default with --trace: its replay)")
-    wk.add_argument("--retention-s", type=float, default=3600.0,
+    wk.add_argument("--retention-s", type=finite_float, default=3600.0,
                     help="how long the shared tier keeps context, for sizing it without a trace")
     wk.add_argument("--cluster", default=None, help="cluster config JSON (model, accelerator, tiers)")
     wk.add_argument("--calibration", default=None, help="prefill calibration table (kvtier bench prefill)")
@@ -48,14 +50,14 @@ def register(subparsers) -> None:
 
     live = sub.add_parser("live", help="watch a deployment's metrics, decide worker counts, act through a launcher")
     live.add_argument("--router", required=True, help="kvtier route address (host:port or URL) whose /metrics to poll")
-    live.add_argument("--ttft", type=float, required=True, help="TTFT target in seconds")
-    live.add_argument("--ttft-percentile", type=float, default=90.0)
-    live.add_argument("--itl", type=float, required=True, help="inter-token latency target in seconds")
+    live.add_argument("--ttft", type=finite_float, required=True, help="TTFT target in seconds")
+    live.add_argument("--ttft-percentile", type=finite_float, default=90.0)
+    live.add_argument("--itl", type=finite_float, required=True, help="inter-token latency target in seconds")
     live.add_argument("--output-tokens", type=int, default=256, help="mean output tokens assumed for decode sizing")
     live.add_argument("--cluster", default=None, help="cluster config JSON (model, accelerator, tiers)")
     live.add_argument("--calibration", default=None, help="prefill calibration table (kvtier bench prefill)")
-    live.add_argument("--interval", type=float, default=15.0, help="seconds between decisions")
-    live.add_argument("--startup", type=float, default=60.0, help="seconds a new worker takes to serve")
+    live.add_argument("--interval", type=finite_float, default=15.0, help="seconds between decisions")
+    live.add_argument("--startup", type=finite_float, default=60.0, help="seconds a new worker takes to serve")
     live.add_argument("--prefill-workers", type=int, default=1, help="workers running now")
     live.add_argument("--decode-workers", type=int, default=1)
     live.add_argument("--status-file", default=None, help="write the last decision here as JSON (kvtier top reads it)")
@@ -63,9 +65,9 @@ def register(subparsers) -> None:
     live.add_argument("--iterations", type=int, default=0, help="stop after N decisions (0: run until interrupted)")
     live.add_argument("--min-workers", type=int, default=1, help="never fewer workers per pool")
     live.add_argument("--max-workers", type=int, default=None, help="never more workers per pool")
-    live.add_argument("--headroom", type=float, default=0.10, help="size for the forecast x (1 + headroom)")
+    live.add_argument("--headroom", type=finite_float, default=0.10, help="size for the forecast x (1 + headroom)")
     live.add_argument("--scale-down-after", type=int, default=2, help="intervals the need must stay low")
-    live.add_argument("--down-cooldown", type=float, default=60.0, help="seconds after any change before a scale-down")
+    live.add_argument("--down-cooldown", type=finite_float, default=60.0, help="seconds after any change before a scale-down")
     live.add_argument("--worker", action="append", default=[],
                       help="a worker's vLLM address whose /metrics to read (repeatable; the local launcher adds its own)")
     live.add_argument("--metrics-port", type=int, default=None, help="serve the planner's Prometheus /metrics here")
@@ -86,8 +88,8 @@ def register(subparsers) -> None:
                                                         "private temporary directory)")
     launch.add_argument("--cores", default="", help="local: CPU cores for VLLM_CPU_OMP_THREADS_BIND, taken in turn")
     launch.add_argument("--no-kv-events", action="store_true", help="local: workers publish no KV events")
-    launch.add_argument("--health-timeout", type=float, default=600.0, help="local: seconds a worker may take to start")
-    launch.add_argument("--drain-timeout", type=float, default=300.0,
+    launch.add_argument("--health-timeout", type=finite_float, default=600.0, help="local: seconds a worker may take to start")
+    launch.add_argument("--drain-timeout", type=finite_float, default=300.0,
                         help="local: seconds to wait for in-flight requests before removing a draining worker")
     launch.add_argument("--router-admin-token", default=None,
                         help="local: the router's admin token (default: $KVTIER_ROUTER_ADMIN_TOKEN)")

@@ -12,6 +12,8 @@ import logging
 import os
 import sys
 
+from kvtier.core.units import finite_float
+
 # flag dest → RouterConfig field (given flags only override the file)
 _FLAGS = ("host", "port", "policy", "model_path", "block_tokens", "kv_bytes_per_token", "host_read_bytes_per_s",
           "shared_read_bytes_per_s", "shared_events", "shared_events_server_public", "shared_events_public",
@@ -33,8 +35,8 @@ def register(subparsers) -> None:
     p.add_argument("--model-path", dest="model_path", help="local model folder: tokenizer and chat template")
     p.add_argument("--block-tokens", dest="block_tokens", type=int, help="the workers' vLLM --block-size")
     p.add_argument("--kv-bytes-per-token", dest="kv_bytes_per_token", type=int)
-    p.add_argument("--host-bandwidth", dest="host_read_bytes_per_s", type=float, help="bytes/s, host DRAM → GPU")
-    p.add_argument("--shared-bandwidth", dest="shared_read_bytes_per_s", type=float,
+    p.add_argument("--host-bandwidth", dest="host_read_bytes_per_s", type=finite_float, help="bytes/s, host DRAM → GPU")
+    p.add_argument("--shared-bandwidth", dest="shared_read_bytes_per_s", type=finite_float,
                    help="bytes/s, shared tier → worker")
     p.add_argument("--measured", action="append", default=[], metavar="FILE",
                    help="bandwidths measured on this deployment: the JSON of `kvtier bench storage --tier host "
@@ -46,8 +48,8 @@ def register(subparsers) -> None:
     p.add_argument("--shared-events-server-public", dest="shared_events_server_public")
     p.add_argument("--shared-events-public", dest="shared_events_public")
     p.add_argument("--shared-events-secret", dest="shared_events_secret")
-    p.add_argument("--prefill-tokens-per-s", dest="prefill_tokens_per_s", type=float)
-    p.add_argument("--decode-block-s", dest="decode_block_s", type=float,
+    p.add_argument("--prefill-tokens-per-s", dest="prefill_tokens_per_s", type=finite_float)
+    p.add_argument("--decode-block-s", dest="decode_block_s", type=finite_float,
                    help="decode pressure, seconds per active block, until the router has measured the worker's "
                         "decode step from its streams")
     p.add_argument("--step-tokens", dest="step_tokens", type=int,
@@ -58,12 +60,12 @@ def register(subparsers) -> None:
                    help="predicted uncached tokens sent to a worker at a time; its further requests wait in the "
                         "router and go soonest-finishing first (e.g. --step-tokens' 2048; default 0: send every "
                         "request at once)")
-    p.add_argument("--temperature", type=float, help="softmax temperature of tier-aware (0: take the minimum)")
+    p.add_argument("--temperature", type=finite_float, help="softmax temperature of tier-aware (0: take the minimum)")
     p.add_argument("--index-capacity", dest="index_capacity", type=int)
-    p.add_argument("--health-interval-s", dest="health_interval_s", type=float)
+    p.add_argument("--health-interval-s", dest="health_interval_s", type=finite_float)
     p.add_argument("--eject-after", dest="eject_after", type=int)
     p.add_argument("--max-attempts", dest="max_attempts", type=int)
-    p.add_argument("--drain-timeout-s", dest="drain_timeout_s", type=float,
+    p.add_argument("--drain-timeout-s", dest="drain_timeout_s", type=finite_float,
                    help="at shutdown, how long answers under way may go on before each is ended with an error "
                         "event (or a 503) and aborted on its worker (default 25: under Kubernetes' 30 s grace)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
@@ -109,8 +111,19 @@ def run(args) -> int:
         print(f"kvtier route: {exc}", file=sys.stderr)
         return 2
 
+    # Bound and listening before the ready line, which then names the port a --port 0 got and is
+    # printed only once connections are queued (aiohttp's own bind comes after its startup hooks).
+    try:
+        sock = _listen(config.host, config.port)
+    except OSError as exc:
+        print(f"kvtier route: cannot listen on {config.host}:{config.port} ({exc}); pick a free port or "
+              f"an address of this host", file=sys.stderr)
+        return 1
+    host, port = sock.getsockname()[:2]
+    host = f"[{host}]" if ":" in host else host
+
     async def announce(app):
-        print(json.dumps({"ready": True, "listen": f"http://{config.host}:{config.port}", "policy": config.policy,
+        print(json.dumps({"ready": True, "listen": f"http://{host}:{port}", "policy": config.policy,
                           "workers": [w.url for w in config.workers],
                           "read_bytes_per_s": {tier: {"value": v, "source": src}
                                                for tier, (v, src) in config.read_bandwidths().items()}}),
@@ -118,5 +131,22 @@ def run(args) -> int:
 
     app = router.app()
     app.on_startup.append(announce)
-    web.run_app(app, host=config.host, port=config.port, print=None, access_log=None, **SERVE_OPTIONS)
+    web.run_app(app, sock=sock, print=None, access_log=None, **SERVE_OPTIONS)
     return 0
+
+
+def _listen(host: str, port: int):
+    """A TCP socket bound to ``host:port`` (a name resolves to its first address) and listening."""
+    import socket
+
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                         flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(1024)
+    except OSError:
+        sock.close()
+        raise
+    return sock

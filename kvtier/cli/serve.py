@@ -7,9 +7,12 @@ prints one JSON line with the bound addresses (``"ready": true``) on stdout.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import sys
+
+from kvtier.core.units import finite_float
 
 # flag → [server] key of the config file
 _FLAGS = {
@@ -52,8 +55,8 @@ def register(subparsers) -> None:
     p.add_argument("--mooncake-metadata", metavar="URL", help="the fleet's metadata server, http://host:port/metadata")
     p.add_argument("--mooncake-secret-file", metavar="PATH",
                    help="0600 file of >= 16 random bytes keying the fleet's block names (same on every server)")
-    p.add_argument("--idle-timeout-s", type=float, help="close connections idle this long (default 300)")
-    p.add_argument("--frame-timeout-s", type=float, help="close connections whose frame takes this long (default 30)")
+    p.add_argument("--idle-timeout-s", type=finite_float, help="close connections idle this long (default 300)")
+    p.add_argument("--frame-timeout-s", type=finite_float, help="close connections whose frame takes this long (default 30)")
     p.add_argument("--max-connections", type=int)
     p.add_argument("--metrics", metavar="HOST:PORT", help="serve Prometheus /metrics and /healthz here")
     p.add_argument("--events", metavar="ENDPOINT",
@@ -70,7 +73,8 @@ def register(subparsers) -> None:
                    help="allow tcp:// (cleartext) listen addresses other than loopback; prefer tls://")
     p.add_argument("--tenant", action="append", metavar="NAME=TOKEN_SHA256",
                    help="add a tenant (repeatable); hash tokens with `kvtier admin hash-token`")
-    p.add_argument("--log-level", default="WARNING")
+    p.add_argument("--log-level", default="WARNING", type=str.upper,
+                   choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
     p.set_defaults(func=_run)
 
 
@@ -100,6 +104,10 @@ def _run(args) -> int:
     try:
         run(config, ready)
     except OSError as exc:
-        print(f"kvtier serve: cannot listen ({exc}); pick a free port or remove the socket file", file=sys.stderr)
+        # Binding is not the only start-up step that can fail so (a TLS key, the audit log, a disk
+        # directory, a secret file): the advice about ports fits only an address in use.
+        hint = ("; pick a free port or remove the socket file" if exc.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL)
+                else "")
+        print(f"kvtier serve: cannot start ({exc}){hint}", file=sys.stderr)
         return 1
     return 0

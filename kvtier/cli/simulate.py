@@ -7,6 +7,8 @@ import sys
 import time
 from pathlib import Path
 
+from kvtier.core.units import finite_float
+
 
 def _names(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
@@ -30,17 +32,17 @@ def register(subparsers) -> None:
     planner.add_argument("--planner", action="store_true",
                          help="replay the trace as one day on a planner-driven prefill pool: worker-hours and SLA"
                               " attainment, static vs planned, context tier on vs off")
-    planner.add_argument("--diurnal", type=float, default=3.0, metavar="K", help="peak/trough arrival-rate ratio")
+    planner.add_argument("--diurnal", type=finite_float, default=3.0, metavar="K", help="peak/trough arrival-rate ratio")
     planner.add_argument("--scale", type=int, default=100, metavar="COPIES",
                          help="copies of the trace's users (sets the fleet size: 100 gives hundreds of workers)")
-    planner.add_argument("--ttft", type=float, default=2.0, help="TTFT target in seconds (SLA)")
-    planner.add_argument("--ttft-percentile", type=float, default=90.0, help="percentile the planner sizes for")
-    planner.add_argument("--itl", type=float, default=0.05, help="inter-token latency target in seconds")
-    planner.add_argument("--interval", type=float, default=360.0,
+    planner.add_argument("--ttft", type=finite_float, default=2.0, help="TTFT target in seconds (SLA)")
+    planner.add_argument("--ttft-percentile", type=finite_float, default=90.0, help="percentile the planner sizes for")
+    planner.add_argument("--itl", type=finite_float, default=0.05, help="inter-token latency target in seconds")
+    planner.add_argument("--interval", type=finite_float, default=360.0,
                          help="planner interval in seconds of the day (compressed with it into the trace's span)")
-    planner.add_argument("--startup", type=float, default=480.0,
+    planner.add_argument("--startup", type=finite_float, default=480.0,
                          help="seconds of the day from starting a worker to its first request")
-    planner.add_argument("--cooldown", type=float, default=1440.0,
+    planner.add_argument("--cooldown", type=finite_float, default=1440.0,
                          help="seconds of the day after any change before a scale-down")
     parser.set_defaults(func=run)
 

@@ -19,6 +19,8 @@ import urllib.request
 from collections import defaultdict
 from typing import NamedTuple
 
+from kvtier.core.units import finite_float
+
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser("top", help="live view of a deployment from its /metrics endpoints")
@@ -29,7 +31,7 @@ def register(subparsers) -> None:
                         help="admin token for the server's per-tenant series (default: $KVTIER_ADMIN_TOKEN)")
     parser.add_argument("--planner-status", default=None, help="JSON status file written by a planner")
     parser.add_argument("--planner", default=None, help="kvtier plan live --metrics-port address (host:port or URL)")
-    parser.add_argument("--interval", type=float, default=1.0, help="seconds between frames")
+    parser.add_argument("--interval", type=finite_float, default=1.0, help="seconds between frames")
     parser.add_argument("--once", action="store_true", help="render one frame to stdout and exit")
     parser.set_defaults(func=run)
 

@@ -65,3 +65,19 @@ def parse_size(value: Any, what: str) -> int:
     if scale == 1 and exact.denominator != 1:
         raise ConfigError(f"{what}={value!r} is not a whole number of bytes; {_EXAMPLES}")
     return int(exact)  # a fraction of a larger unit rounds down to whole bytes
+
+
+def finite_float(text: str) -> float:
+    """An argparse ``type`` for quantities (seconds, rates, fractions): a float, NaN and infinity
+    refused. ``float()`` takes "nan", which then passes every range check after it (each
+    comparison is false) and comes out as a NaN plan, price or timeout."""
+    import argparse
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from kvtier.errors import ConfigError
+from kvtier.json_files import read_json_object
 from kvtier.planner.costmodel import CalibrationTable, DecodeCostModel, PrefillCostModel
 from kvtier.planner.models import ModelGeometry
 
@@ -69,7 +70,7 @@ def load_accelerator(name: str, table: CalibrationTable | None = None) -> Accele
 
 def find_calibration(accelerator: str, path: str | Path | None = None) -> CalibrationTable | None:
     if path is not None:
-        return CalibrationTable.from_json(json.loads(Path(path).read_text()))
+        return CalibrationTable.from_json(read_json_object(path, "calibration table"))
     name = f"prefill_{accelerator.lower()}.json"
     if has_data_file(name):
         return CalibrationTable.from_json(read_data_json(name))

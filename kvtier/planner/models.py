@@ -13,13 +13,13 @@ config go through the same arithmetic. Two attention kinds matter for the KV siz
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
 from kvtier.core.layout import DTYPE_ITEMSIZE, KVLayout
 from kvtier.errors import ConfigError
+from kvtier.json_files import read_json_object
 
 #: Presets as the subset of HF ``config.json`` fields the arithmetic reads; the
 #: numbers are those of the published configs. ``tests/planner`` checks the derived
@@ -212,7 +212,12 @@ def load_model(name_or_path: str, kv_dtype: str | None = None) -> ModelGeometry:
             f"model {name_or_path!r} is neither a preset ({', '.join(sorted(PRESETS))}) "
             "nor a local config.json"
         )
-    config = json.loads(path.read_text())
+    config = read_json_object(path, "model config")
     # Multimodal wrappers keep the language model's fields under text_config.
     config = config.get("text_config", config)
-    return geometry_from_hf_config(config, name=path.parent.name or "custom", kv_dtype=kv_dtype)
+    try:
+        return geometry_from_hf_config(config, name=path.parent.name or "custom", kv_dtype=kv_dtype)
+    except ConfigError:
+        raise
+    except (AttributeError, TypeError, ValueError, ZeroDivisionError) as exc:   # a field of the wrong type or 0
+        raise ConfigError(f"model config {path}: a field is not what a Hugging Face config.json holds ({exc})") from None

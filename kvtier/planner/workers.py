@@ -58,8 +58,9 @@ class Workload:
     def __post_init__(self) -> None:
         if self.arrival_rate_per_s <= 0:
             raise ConfigError(f"arrival rate must be > 0 requests/s, got {self.arrival_rate_per_s}")
-        if not self.input_tokens or not self.output_tokens or min(self.input_tokens) <= 0:
-            raise ConfigError("workload needs positive prompt lengths and at least one output length")
+        if not self.input_tokens or not self.output_tokens or min(self.input_tokens) <= 0 \
+                or min(self.output_tokens) < 0:
+            raise ConfigError("workload needs positive prompt lengths and at least one output length (>= 0)")
         if not 0 <= self.hit_rate < 1:
             raise ConfigError(f"hit rate is a fraction in [0, 1), got {self.hit_rate}")
         if self.arrival_scv < 0:

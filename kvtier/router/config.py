@@ -12,9 +12,11 @@ uses that for queueing.
 from __future__ import annotations
 
 import json
+import math
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from kvtier.errors import ConfigError
 from kvtier.policy.routing import ROUTE_NAMES
@@ -40,7 +42,33 @@ class WorkerSpec:
             raise ConfigError(f"worker {text!r}: replay= needs events= (the replay fills the event stream's holes)")
         if not url.startswith(("http://", "https://")):
             raise ConfigError(f"worker {text!r}: the URL must start with http:// or https://")
+        try:
+            parts = urlsplit(url)
+            port = parts.port
+        except ValueError as exc:   # a port out of range or not a number
+            raise ConfigError(f"worker {text!r}: {exc}") from None
+        if not parts.hostname or port == 0:
+            raise ConfigError(f"worker {text!r}: the URL needs a host (and a port from 1 to 65535, if given)")
+        for name, value in found.items():
+            zmq_endpoint(value, f"worker {text!r}: {name}=")
         return cls(url.rstrip("/"), found.get("events"), found.get("replay"))
+
+
+def zmq_endpoint(value: str, what: str) -> str:
+    """``value`` if it is an endpoint the router can connect a ZMQ socket to (``tcp://HOST:PORT``
+    or ``ipc://PATH``), else a :class:`ConfigError` naming ``what``: ZMQ itself raises only when
+    the socket connects, in a background task, where a mistyped endpoint went unseen."""
+    scheme, sep, rest = value.partition("://") if isinstance(value, str) else ("", "", "")
+    if sep and scheme == "ipc" and rest:
+        return value
+    if sep and scheme == "tcp":
+        host, colon, port = rest.rpartition(":")
+        if host == "*":   # what a worker binds; the router connects, so it needs the worker's host
+            raise ConfigError(f"{what}{value!r}: the router connects to this endpoint: give the worker's host "
+                              "in place of *")
+        if colon and host and port.isdigit() and 0 < int(port) < 65536:
+            return value
+    raise ConfigError(f"{what}{value!r} is not a ZMQ endpoint: use tcp://HOST:PORT or ipc:///PATH")
 
 
 def replay_beside(events: str) -> str:
@@ -128,26 +156,45 @@ class RouterConfig:
             out[tier] = (value, source)
         return out
 
+    #: numeric settings: (integer, > 0 rather than >= 0, what 0 means where it is allowed)
+    _NUMBERS = {
+        "block_tokens": (True, True, ""), "index_capacity": (True, True, ""), "max_attempts": (True, True, ""),
+        "eject_after": (True, True, ""), "kv_bytes_per_token": (True, True, ""),
+        "step_tokens": (True, False, " (0: no shared prefill steps)"),
+        "admission_tokens": (True, False, " (0: send every request at once)"),
+        "host_read_bytes_per_s": (False, True, ""), "shared_read_bytes_per_s": (False, True, ""),
+        "prefill_tokens_per_s": (False, True, ""), "health_interval_s": (False, True, ""),
+        "connect_timeout_s": (False, True, ""), "request_timeout_s": (False, True, ""),
+        "render_timeout_s": (False, True, ""),
+        "host_latency_s": (False, False, ""), "shared_latency_s": (False, False, ""),
+        "prefill_overhead_s": (False, False, ""), "decode_block_s": (False, False, ""),
+        "temperature": (False, False, " (0: take the minimum)"),
+        "models_refresh_s": (False, False, " (0: never)"),
+        "drain_timeout_s": (False, False, " (0: end answers under way at once)"),
+    }
+
     def check(self) -> "RouterConfig":
         self.apply_measured()
         if not self.workers:
             raise ConfigError("no workers: give --worker URL (repeatable) or [[worker]] in the config file")
         if self.policy not in ROUTE_NAMES:
             raise ConfigError(f"unknown --policy {self.policy!r}; use one of {sorted(ROUTE_NAMES)}")
-        for name in ("host_read_bytes_per_s", "shared_read_bytes_per_s", "prefill_tokens_per_s", "block_tokens",
-                     "index_capacity", "max_attempts", "eject_after"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.temperature < 0:
-            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
-        if self.drain_timeout_s < 0:
-            raise ConfigError(f"drain_timeout_s must be >= 0 (0: end answers under way at once), "
-                              f"got {self.drain_timeout_s}")
-        if self.step_tokens < 0:
-            raise ConfigError(f"step_tokens must be >= 0 (0: no shared prefill steps), got {self.step_tokens}")
-        if self.admission_tokens < 0:
-            raise ConfigError(f"admission_tokens must be >= 0 (0: send every request at once), "
-                              f"got {self.admission_tokens}")
+        for name, (integer, positive, zero) in self._NUMBERS.items():
+            value = getattr(self, name)
+            if value is None and name == "kv_bytes_per_token":   # from the model's config.json
+                continue
+            # NaN passes every comparison below and then every price compares false: refused by name
+            if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)) \
+                    or not math.isfinite(value):
+                raise ConfigError(f"{name} must be {'an integer' if integer else 'a finite number'}, got {value!r}")
+            if value < 0 or (positive and value == 0):
+                raise ConfigError(f"{name} must be {'> 0' if positive else '>= 0' + zero}, got {value}")
+        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise ConfigError(f"port must be 0-65535 (0: any free port), got {self.port!r}")
+        if not isinstance(self.host, str) or not self.host:
+            raise ConfigError(f"host must be an address to listen on, got {self.host!r}")
+        if self.shared_events is not None:
+            zmq_endpoint(self.shared_events, "shared_events ")
         return self
 
     @property
@@ -206,6 +253,6 @@ def measured_bandwidth(path: str | Path) -> tuple[str, float]:
                           f"--json` (a worker's host tier) or `kvtier bench remote --json` (the shared tier); "
                           f"got tier={data.get('tier')!r} bench={data.get('bench')!r} (the router prices no disk tier)")
     value = data.get(key)
-    if not isinstance(value, (int, float)) or value <= 0:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         raise ConfigError(f"measured bandwidths {path}: {key} must be a positive number, got {value!r}")
     return name, float(value) * 1e9

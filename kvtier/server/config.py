@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import difflib
 import ipaddress
+import math
 import os
 import re
 import tomllib
@@ -159,6 +160,8 @@ def _float(v: Any, what: str) -> float:
         f = float(v)
     except (TypeError, ValueError):
         raise ConfigError(f"{what}: expected a number of seconds, got {v!r}") from None
+    if not math.isfinite(f):   # NaN passes `< 0`, and a NaN or infinite timeout never fires as meant
+        raise ConfigError(f"{what}: expected a finite number of seconds, got {v!r}")
     if f < 0:
         raise ConfigError(f"{what}: must not be negative, got {v!r}")
     return f
@@ -308,8 +311,10 @@ def load_config(
             raise ConfigError(
                 f"config file {os.fspath(path)!r} does not exist; pass an existing file to --config"
             ) from None
-        except tomllib.TOMLDecodeError as exc:
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
             raise ConfigError(f"config file {os.fspath(path)!r} is not valid TOML: {exc}") from None
+        except OSError as exc:   # a directory, no permission
+            raise ConfigError(f"config file {os.fspath(path)!r} cannot be read: {exc}") from None
         for section in doc:
             if section not in ("server", "admin", "tenant", "shared"):
                 raise _unknown(section, ["server", "admin", "tenant", "shared"], f"{os.fspath(path)}")

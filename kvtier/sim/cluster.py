@@ -7,12 +7,12 @@ are bytes and bytes per second; a tier's ``capacity_bytes`` of ``null`` is unbou
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
 from kvtier.errors import ConfigError
+from kvtier.json_files import read_json_object
 from kvtier.planner.hardware import read_data_json
 
 TIER_SCOPES = ("worker", "pod")
@@ -85,8 +85,16 @@ class ClusterConfig:
     def from_json(cls, data: Mapping[str, Any]) -> "ClusterConfig":
         _reject_unknown(cls, data, "cluster config")
         tiers = []
+        if not isinstance(data.get("tiers", ()), (list, tuple)):
+            raise ConfigError("cluster config tiers: expected a list of tier objects")
         for i, tier in enumerate(data.get("tiers", ())):
+            if not isinstance(tier, Mapping):
+                raise ConfigError(f"cluster config tiers[{i}]: expected an object, got {tier!r:.40}")
             _reject_unknown(TierSpec, tier, f"cluster config tiers[{i}]")
+            missing = [f.name for f in dataclasses.fields(TierSpec)
+                       if f.name not in tier and f.default is dataclasses.MISSING]
+            if missing:
+                raise ConfigError(f"cluster config tiers[{i}]: missing field(s) {missing}")
             tiers.append(TierSpec(**tier))
         fields = {k: v for k, v in data.items() if k not in ("tiers", "_about")}
         for name in ("hbm_cache_bytes", "decode_kv_bytes", "transfer_bytes_per_s"):
@@ -102,8 +110,12 @@ def load_cluster(path: str | Path | None = None) -> ClusterConfig:
     """The cluster at ``path``, or the default shipped with kvtier."""
     if path is None:
         return ClusterConfig.from_json(read_data_json("cluster_default.json"))
+    if not Path(path).exists():
+        raise ConfigError(f"cluster config {path} not found (omit --cluster for the shipped default)")
+    data = read_json_object(path, "cluster config")
     try:
-        data = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"cluster config {path} not found (omit --cluster for the shipped default)") from None
-    return ClusterConfig.from_json(data)
+        return ClusterConfig.from_json(data)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as exc:   # a missing tier field, a size that is not a number
+        raise ConfigError(f"cluster config {path}: {exc}") from None

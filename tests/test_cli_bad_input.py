@@ -1,0 +1,152 @@
+"""Bad input on the command line gets a clear error naming what is wrong, never a traceback,
+never a NaN carried into a plan, a price or a timeout (``float("nan")`` passes every range check
+after it). Each case was found failing so: a traceback, or accepted and run with a NaN.
+
+Commands run in this process through ``kvtier.cli.main.main`` (argparse's own errors exit 2 as
+SystemExit); the two that start servers run as processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from kvtier.cli.main import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(argv, capsys) -> tuple[int, str]:
+    try:
+        rc = main(argv)
+    except SystemExit as exc:
+        rc = exc.code
+    out = capsys.readouterr()
+    return rc, out.out + out.err
+
+
+@pytest.fixture
+def not_json(tmp_path) -> str:
+    path = tmp_path / "hostname"
+    path.write_text("not json\n")
+    return str(path)
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["simulate", "--cluster", "{not_json}"], "cluster config {not_json}: not a readable JSON file"),
+    (["simulate", "--cluster", "{tmp}"], "not a readable JSON file"),
+    (["simulate", "--calibration", "{not_json}", "--limit", "10"], "calibration table"),
+    (["plan", "capacity", "--model", "{not_json}", "--users", "1", "--context-tokens", "10"], "model config"),
+    (["plan", "capacity", "--users", "1", "--context-tokens", "10", "--replication", "nan"], "not a finite number"),
+    (["plan", "capacity", "--users", "1", "--context-tokens", "10", "--overhead", "nan"], "not a finite number"),
+    (["plan", "workers", "--ttft", "nan", "--itl", "0.05", "--rate", "2", "--input-tokens", "100",
+      "--output-tokens", "10", "--hit-rate", "0.5"], "not a finite number"),
+    (["plan", "workers", "--ttft", "1", "--itl", "0.05", "--rate", "2", "--input-tokens", "100",
+      "--output-tokens", "-1", "--hit-rate", "0.5"], "output length"),
+    (["bench", "storage", "--block-mib", "nan"], "not a finite number"),
+    (["bench", "storage", "--block-mib", "0"], "must be positive"),
+    (["bench", "storage", "--tier", "disk", "--dir", "{not_json}"], "is not a directory"),
+    (["bench", "remote", "--block-mib", "0"], "must be positive"),
+    (["bench", "server-memory", "--capacity", "0"], "must hold at least one block"),
+    (["bench", "server-memory", "--seed", "-1"], "--seed must be >= 0"),
+    (["bench", "restart", "--dir", "{not_json}"], "is not a directory"),
+    (["serve", "--config", "{tmp}"], "cannot be read"),
+    (["serve", "--idle-timeout-s", "nan"], "not a finite number"),
+    (["serve", "--log-level", "nope"], "invalid choice"),
+    (["route", "--worker", "http://127.0.0.1:1", "--temperature", "nan"], "not a finite number"),
+    (["route", "--worker", "http://:1"], "needs a host"),
+    (["route", "--worker", "http://127.0.0.1:99999"], "out of range"),
+    (["route", "--worker", "http://127.0.0.1:1,events=x"], "is not a ZMQ endpoint"),
+    (["route", "--worker", "http://127.0.0.1:1,events=tcp://*:5557"], "give the worker's host"),
+    (["route", "--worker", "http://127.0.0.1:1", "--shared-events", "x"], "is not a ZMQ endpoint"),
+    (["route", "--worker", "http://127.0.0.1:1", "--health-interval-s", "0"], "health_interval_s must be > 0"),
+])
+def test_bad_input_is_a_clear_error_not_a_traceback(argv, says, not_json, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    argv = [a.format(not_json=not_json, tmp=tmp_path) for a in argv]
+    rc, out = _run(argv, capsys)
+    assert rc == 2 and "Traceback" not in out, out
+    assert says.format(not_json=not_json) in out, out
+
+
+def test_positive_controls_the_same_commands_run_with_good_input(tmp_path, capsys):
+    cluster = tmp_path / "cluster.json"
+    cluster.write_text(json.dumps({"prefill_workers": 2}))
+    assert _run(["simulate", "--cluster", str(cluster), "--limit", "50", "--json"], capsys)[0] == 0
+    assert _run(["plan", "capacity", "--users", "1", "--context-tokens", "10", "--replication", "2"], capsys)[0] == 0
+    rc, out = _run(["plan", "workers", "--ttft", "1", "--itl", "0.05", "--rate", "2", "--input-tokens", "100",
+                    "--output-tokens", "0", "--hit-rate", "0.5"], capsys)
+    assert rc == 0, out
+
+
+def test_router_config_refuses_nan_and_names_the_setting():
+    from kvtier.errors import ConfigError
+    from kvtier.router.config import RouterConfig, WorkerSpec
+
+    good = RouterConfig(workers=[WorkerSpec.parse("http://127.0.0.1:1,events=ipc:///tmp/w.events")])
+    assert good.check() is good                                          # control
+    for name, value in [("host_read_bytes_per_s", float("nan")), ("decode_block_s", float("inf")),
+                        ("drain_timeout_s", float("nan")), ("block_tokens", 32.0), ("port", 70000),
+                        ("temperature", "0.5")]:
+        config = RouterConfig(workers=list(good.workers), **{name: value})
+        with pytest.raises(ConfigError, match=name):
+            config.check()
+
+
+def _tokenizer_dir(tmp_path: Path) -> Path:
+    from kvtier.integrations.transformers.models import train_tokenizer
+
+    model = tmp_path / "model"
+    train_tokenizer(300, model)
+    return model
+
+
+def test_route_with_port_0_announces_the_port_it_listens_on_and_a_taken_port_is_a_clear_error(tmp_path):
+    model = _tokenizer_dir(tmp_path)
+    base = [sys.executable, "-m", "kvtier.cli.main", "route", "--model-path", str(model), "--kv-bytes-per-token",
+            "4096", "--worker", "http://127.0.0.1:1"]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.Popen([*base, "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=ROOT, env=env)
+    try:
+        ready = json.loads(proc.stdout.readline())
+        port = int(ready["listen"].rsplit(":", 1)[1])
+        assert port != 0, ready      # the old line said :0, which nobody can connect to
+        try:   # the router answers there (its one worker is down: a 503, in the OpenAI error format)
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=10)
+        except urllib.error.HTTPError as err:
+            assert err.code == 503 and "error" in json.loads(err.read())
+        taken = subprocess.run([*base, "--port", str(port)], capture_output=True, text=True, cwd=ROOT, env=env,
+                               timeout=60)
+        assert taken.returncode == 1 and "Traceback" not in taken.stderr, taken.stderr
+        assert "cannot listen" in taken.stderr and "in use" in taken.stderr, taken.stderr
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def test_serve_start_failures_name_their_cause_and_only_a_taken_port_gets_the_port_advice(tmp_path):
+    from kvtier.server.auth import hash_token
+
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen(1)
+        port = held.getsockname()[1]
+        base = [sys.executable, "-m", "kvtier.cli.main", "serve", "--tenant", f"a={hash_token('tok')}"]
+        taken = subprocess.run([*base, "--listen", f"tcp://127.0.0.1:{port}"], capture_output=True, text=True,
+                               cwd=ROOT, env=env, timeout=60)
+        audit = subprocess.run([*base, "--listen", "tcp://127.0.0.1:0", "--audit-log", str(tmp_path / "no" / "x")],
+                               capture_output=True, text=True, cwd=ROOT, env=env, timeout=60)
+    for run in (taken, audit):
+        assert run.returncode == 1 and "Traceback" not in run.stderr and "cannot start" in run.stderr, run.stderr
+    assert "pick a free port" in taken.stderr
+    assert "pick a free port" not in audit.stderr and "No such file" in audit.stderr
