@@ -16,6 +16,7 @@ but logged at WARNING once per process (:mod:`kvtier.store.safety`).
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -26,6 +27,27 @@ from kvtier.errors import ConfigError
 
 #: ``8GiB``, ``500 GB``, ``1048576`` → bytes: the one size parser (units defined there)
 parse_bytes = parse_size
+
+
+def check_seconds(value, name: str, *, positive: bool = False, hint: str = "") -> None:
+    """A duration setting: a finite number of seconds, >= 0 (> 0 if ``positive``). A JSON or TOML
+    config can hold a string, a boolean or NaN, which pass a bare ``< 0`` check or break it."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or value < 0 or (positive and value == 0):
+        raise ConfigError(f"{name}={value!r}; give seconds {'> 0' if positive else '>= 0'}{hint}")
+
+
+def check_flag(value, name: str, *, optional: bool = False) -> None:
+    """A boolean setting: true or false, not the string "false" (which Python reads as true)."""
+    if not isinstance(value, bool) and not (optional and value is None):
+        raise ConfigError(f"{name}={value!r}; use true or false")
+
+
+def check_text(value, name: str, *, optional: bool, empty: bool = True) -> None:
+    if value is None and optional:
+        return
+    if not isinstance(value, str) or (not empty and not value):
+        raise ConfigError(f"{name}={value!r}; give a {'non-empty ' if not empty else ''}string")
 
 
 @dataclass(frozen=True)
@@ -54,6 +76,20 @@ class StoreConfig:
     keystore_dir: str | None = None
 
     def __post_init__(self) -> None:
+        for name in ("disk_path", "mooncake_secret_file", "master_key_file", "keystore_dir"):
+            if isinstance(getattr(self, name), os.PathLike):   # a pathlib.Path from Python callers
+                object.__setattr__(self, name, os.fspath(getattr(self, name)))
+        for name in ("disk_path", "remote_url", "remote_token", "remote_namespace", "mooncake_master",
+                     "mooncake_secret_file", "master_key_file", "keystore_dir"):
+            check_text(getattr(self, name), name, optional=True)
+        for name in ("mooncake_metadata", "mooncake_hostname", "eviction", "tenant"):
+            check_text(getattr(self, name), name, optional=False, empty=name == "tenant")
+        check_seconds(self.remote_timeout_s, "remote_timeout_s", positive=True)
+        check_seconds(self.mooncake_timeout_s, "mooncake_timeout_s", positive=True)
+        check_flag(self.encrypt_host, "encrypt_host")
+        if isinstance(self.mooncake_replicas, bool) or not isinstance(self.mooncake_replicas, int) \
+                or self.mooncake_replicas < 1:
+            raise ConfigError(f"mooncake_replicas={self.mooncake_replicas!r}; give a whole number of copies >= 1")
         object.__setattr__(self, "host_bytes", parse_bytes(self.host_bytes, "host_bytes"))
         object.__setattr__(self, "disk_bytes", parse_bytes(self.disk_bytes, "disk_bytes"))
         if self.write_mode not in ("write-behind", "write-back", "write-through"):

@@ -62,3 +62,36 @@ def test_write_behind_settings_are_validated_and_reach_the_store(tmp_path):
     store = build_store(config.replace(write_mode="write-through", close_flush_timeout_s=None), LAYOUT)
     assert store.write_mode.value == "write-through" and store.close_flush_timeout_s is None
     assert store.close() == (0, 0, 0.0)
+
+
+@pytest.mark.parametrize("setting", [
+    {"async_load": "false"},            # a string: Python reads it as true
+    {"pd_wait_s": float("nan")},         # passes `< 0`, and then no wait ever ends as meant
+    {"pd_wait_s": "5"},
+    {"shutdown_flush_s": float("inf")},
+    {"remote_timeout_s": 0},
+    {"mooncake_timeout_s": float("nan")},
+    {"mooncake_replicas": 0},
+    {"mooncake_replicas": True},
+    {"encrypt_host": "yes"},
+    {"disk_path": 5},
+    {"debug_poison": 1},
+])
+def test_connector_and_store_settings_of_the_wrong_kind_are_refused_by_name(setting):
+    from kvtier.integrations.vllm.config import ConnectorConfig
+
+    name = next(iter(setting))
+    with pytest.raises(ConfigError, match=name):
+        ConnectorConfig.from_extra_config({"block_tokens": 256, **setting})
+
+
+def test_good_settings_of_each_kind_pass(tmp_path):
+    from pathlib import Path
+
+    from kvtier.integrations.vllm.config import ConnectorConfig
+
+    config = ConnectorConfig.from_extra_config({
+        "block_tokens": 256, "async_load": False, "pd_wait_s": 0, "shutdown_flush_s": 2.5, "remote_timeout_s": 1,
+        "mooncake_replicas": 2, "encrypt_host": False, "disk_path": str(tmp_path), "debug_poison": None})
+    assert (config.async_load, config.pd_wait_s, config.store.mooncake_replicas) == (False, 0, 2)
+    assert StoreConfig(disk_path=Path(tmp_path)).disk_path == str(tmp_path)   # a Path from Python callers

@@ -27,7 +27,7 @@ from kvtier.core.namespace import Namespace
 from kvtier.core.units import parse_size
 from kvtier.errors import ConfigError
 from kvtier.store import safety
-from kvtier.store.config import StoreConfig
+from kvtier.store.config import StoreConfig, check_flag, check_seconds, check_text
 
 log = logging.getLogger(__name__)
 
@@ -107,13 +107,13 @@ class ConnectorConfig:
             raise ConfigError(f"load_failure_policy={self.load_failure_policy!r}; use 'recompute' or 'fail'")
         # a frozen dataclass: normalise the size through object.__setattr__
         object.__setattr__(self, "sync_load_max_bytes", parse_size(self.sync_load_max_bytes, "sync_load_max_bytes"))
-        if self.pd_wait_s < 0:
-            raise ConfigError(f"pd_wait_s={self.pd_wait_s!r}; give seconds >= 0")
-        if not isinstance(self.allow_weak_block_hashes, bool):
-            raise ConfigError(f"allow_weak_block_hashes={self.allow_weak_block_hashes!r}; use true or false")
-        if not isinstance(self.shutdown_flush_s, (int, float)) or self.shutdown_flush_s < 0:
-            raise ConfigError(f"shutdown_flush_s={self.shutdown_flush_s!r}; "
-                              "give seconds >= 0 (0: drop what only DRAM holds)")
+        check_seconds(self.pd_wait_s, "pd_wait_s")
+        check_seconds(self.shutdown_flush_s, "shutdown_flush_s", hint=" (0: drop what only DRAM holds)")
+        for name in ("async_load", "sync_load_when_alone", "allow_weak_block_hashes"):
+            check_flag(getattr(self, name), name)
+        check_flag(self.debug_poison, "debug_poison", optional=True)
+        check_text(self.model_id, "model_id", optional=True)
+        check_text(self.weights_revision, "weights_revision", optional=True)
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> "ConnectorConfig":
