@@ -114,12 +114,12 @@ def run(args) -> int:
     # Bound and listening before the ready line, which then names the port a --port 0 got and is
     # printed only once connections are queued (aiohttp's own bind comes after its startup hooks).
     try:
-        sock = _listen(config.host, config.port)
+        socks = _listen(config.host, config.port)
     except OSError as exc:
         print(f"kvtier route: cannot listen on {config.host}:{config.port} ({exc}); pick a free port or "
               f"an address of this host", file=sys.stderr)
         return 1
-    host, port = sock.getsockname()[:2]
+    host, port = socks[0].getsockname()[:2]
     host = f"[{host}]" if ":" in host else host
 
     async def announce(app):
@@ -131,22 +131,33 @@ def run(args) -> int:
 
     app = router.app()
     app.on_startup.append(announce)
-    web.run_app(app, sock=sock, print=None, access_log=None, **SERVE_OPTIONS)
+    web.run_app(app, sock=socks, print=None, access_log=None, **SERVE_OPTIONS)
     return 0
 
 
-def _listen(host: str, port: int):
-    """A TCP socket bound to ``host:port`` (a name resolves to its first address) and listening."""
+def _listen(host: str, port: int) -> list:
+    """TCP sockets bound to every address ``host`` resolves to (``localhost``: 127.0.0.1 and ::1,
+    as aiohttp's own bind does) on ``port``, listening; with port 0 the first one's port for all."""
     import socket
 
-    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                         flags=socket.AI_PASSIVE)[0]
-    sock = socket.socket(family, kind, proto)
+    socks: list[socket.socket] = []
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
-        sock.listen(1024)
+        seen = set()
+        for family, kind, proto, _, address in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                                  flags=socket.AI_PASSIVE):
+            if (family, address[0]) in seen:
+                continue
+            seen.add((family, address[0]))
+            sock = socket.socket(family, kind, proto)
+            socks.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:   # its own family only, so that the IPv4 address binds too
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            chosen = socks[0].getsockname()[1] if len(socks) > 1 else address[1]
+            sock.bind((address[0], chosen, *address[2:]))
+            sock.listen(1024)
     except OSError:
-        sock.close()
+        for sock in socks:
+            sock.close()
         raise
-    return sock
+    return socks
