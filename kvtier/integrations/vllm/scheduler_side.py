@@ -15,7 +15,8 @@
 * **Sliding windows.** Where vLLM dropped a request's leading pages out of the window
   (``NULL_PAGE``), nothing is loaded into them and nothing is saved from them.
 * **P/D.** A prefill instance returns ``{"kvtier_blocks": n}`` as the request's
-  ``kv_transfer_params``; a decode instance given them waits (up to
+  ``kv_transfer_params``: blocks 0..n-1 are in the store or queued (a block skipped as out of
+  a sliding window ends that prefix); a decode instance given them waits (up to
   ``pd_wait_s``) until the store shows those blocks, since the prefill
   instance's writes are asynchronous.
 
@@ -59,7 +60,11 @@ class Match(NamedTuple):
 @dataclass(slots=True)
 class _Request:
     request: object  #: vllm.v1.request.Request (kept for its growing block_hashes)
-    stored_blocks: int = 0  #: blocks 0..n-1 are in the store or queued for saving
+    stored_blocks: int = 0  #: blocks 0..n-1 are in the store, queued for saving, or never to be saved here
+    #: blocks 0..n-1 are in the store or queued for saving: what a decode instance is told to
+    #: wait for. Below ``stored_blocks`` where a block was skipped (its pages out of a sliding
+    #: window): the store will never show the blocks after that gap as a prefix.
+    announced_blocks: int = 0
     page_ids: list[int] = field(default_factory=list)
     match: Match | None = None
     load_planned: bool = False
@@ -133,6 +138,7 @@ class SchedulerSide:
         external = max(0, usable - num_computed_tokens)
         state.match = Match(num_computed_tokens, external, stored)
         state.stored_blocks = max(state.stored_blocks, stored)
+        state.announced_blocks = max(state.announced_blocks, stored)
         state.async_load = self.config.async_load and not (
             (self.config.sync_load_when_alone and self._alone(request))
             or self._memory_copy(hashes, num_computed_tokens, usable))
@@ -236,6 +242,9 @@ class SchedulerSide:
             for index in range(state.stored_blocks, full)
             if NULL_PAGE not in (pages := state.page_ids[index * k : (index + 1) * k])   # out of the window
         ]
+        for transfer in transfers:   # the prefix grows only through blocks queued here, without a gap
+            if transfer.index == state.announced_blocks:
+                state.announced_blocks += 1
         state.stored_blocks = full
         if not transfers:
             return
@@ -260,7 +269,7 @@ class SchedulerSide:
         if state is None:
             return False, None
         loaded = 0 if state.load_failed else state.loaded_tokens
-        return state.loading, {PD_PARAM: state.stored_blocks, "kvtier_loaded_tokens": loaded}
+        return state.loading, {PD_PARAM: state.announced_blocks, "kvtier_loaded_tokens": loaded}
 
     def _state(self, request) -> _Request:
         state = self._requests.get(request.request_id)

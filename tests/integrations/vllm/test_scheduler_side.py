@@ -112,13 +112,18 @@ def test_pages_out_of_a_sliding_window_are_never_saved_nor_loaded_into(engine):
     # 456 computed: 7 full blocks, of which 0-2 hold the null page
     assert [(t.index, t.page_ids) for t in save.blocks] == [(3, [71, 72]), (4, [73, 74]), (5, [75, 76]),
                                                             (6, [77, 78])]
-    # control: the same plan without a window saves every block
+    # as a prefill instance it announces no block to a decode instance: the store will hold
+    # blocks 3-6 but not 0-2, so no prefix of them (announcing 7 made a decode instance wait
+    # pd_wait_s for blocks that never come)
+    assert sched.finished(req)[1]["kvtier_blocks"] == 0
+    # control: the same plan without a window saves every block, and announces them
     store2, req2 = FakeStore(), request("f", 600)
     sched2 = side(engine, store2)
     sched2.num_new_matched_tokens(req2, 256)
     full = SimpleNamespace(req_id="f", block_ids=(list(range(100, 115)),), num_computed_tokens=256, scheduled=200)
     (save2,) = sched2.build(output([full])).saves
     assert [t.index for t in save2.blocks] == [0, 1, 2, 3, 4, 5, 6]
+    assert sched2.finished(req2)[1]["kvtier_blocks"] == 7
 
     # external tokens whose leading pages are out of the window: the load starts after them
     store3, req3 = FakeStore(), request("x", 640)
