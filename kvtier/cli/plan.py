@@ -237,7 +237,13 @@ def run_live(args) -> int:
     from kvtier.planner.workers import MAX_WORKERS, SLATargets
     from kvtier.sim.cluster import load_cluster
 
+    from kvtier.errors import ConfigError
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.output_tokens <= 0:
+        raise ConfigError(f"--output-tokens is the mean output tokens per request, > 0; got {args.output_tokens}")
+    if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
+        raise ConfigError(f"--metrics-port must be 0-65535 (0: any free port), got {args.metrics_port}")
     cluster = load_cluster(args.cluster)
     model = load_model(cluster.model)
     costs = cost_models(model, cluster.accelerator, cluster.devices_per_worker, args.calibration or cluster.calibration)
@@ -254,7 +260,10 @@ def run_live(args) -> int:
     loop = PlannerLoop(planner, launcher, args.router, args.output_tokens, scrape, aggregate=args.launcher == "local",
                        worker_urls=worker_urls, status_file=args.status_file, targets_file=args.targets_file,
                        report=report)
-    server = loop.metrics.serve(args.metrics_port, args.metrics_host) if args.metrics_port is not None else None
+    try:   # before the loop: no worker has been started yet
+        server = loop.metrics.serve(args.metrics_port, args.metrics_host) if args.metrics_port is not None else None
+    except OSError as exc:
+        raise ConfigError(f"--metrics-port {args.metrics_port} on {args.metrics_host}: cannot listen ({exc})") from None
     if server is not None:
         print(json.dumps({"planner_metrics": f"http://{args.metrics_host}:{server.server_port}/metrics"}), flush=True)
     decisions = 0
