@@ -183,7 +183,8 @@ class RedisPeer:
         sock_path = os.path.join(workdir, "redis.sock")
         if unix:
             args += ["--unixsocket", sock_path, "--unixsocketperm", "700"]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=die_with_parent)
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     preexec_fn=die_with_parent)
         #: where redis-benchmark finds the server
         self.endpoint = ["-s", sock_path] if unix else ["-h", "127.0.0.1", "-p", str(port)]
         kw = {"unix_socket_path": sock_path} if unix else {"host": "127.0.0.1", "port": port}

@@ -67,7 +67,8 @@ def register(subparsers) -> None:
     live.add_argument("--max-workers", type=int, default=None, help="never more workers per pool")
     live.add_argument("--headroom", type=finite_float, default=0.10, help="size for the forecast x (1 + headroom)")
     live.add_argument("--scale-down-after", type=int, default=2, help="intervals the need must stay low")
-    live.add_argument("--down-cooldown", type=finite_float, default=60.0, help="seconds after any change before a scale-down")
+    live.add_argument("--down-cooldown", type=finite_float, default=60.0,
+                      help="seconds after any change before a scale-down")
     live.add_argument("--worker", action="append", default=[],
                       help="a worker's vLLM address whose /metrics to read (repeatable; the local launcher adds its own)")
     live.add_argument("--metrics-port", type=int, default=None, help="serve the planner's Prometheus /metrics here")
@@ -88,7 +89,8 @@ def register(subparsers) -> None:
                                                         "private temporary directory)")
     launch.add_argument("--cores", default="", help="local: CPU cores for VLLM_CPU_OMP_THREADS_BIND, taken in turn")
     launch.add_argument("--no-kv-events", action="store_true", help="local: workers publish no KV events")
-    launch.add_argument("--health-timeout", type=finite_float, default=600.0, help="local: seconds a worker may take to start")
+    launch.add_argument("--health-timeout", type=finite_float, default=600.0,
+                        help="local: seconds a worker may take to start")
     launch.add_argument("--drain-timeout", type=finite_float, default=300.0,
                         help="local: seconds to wait for in-flight requests before removing a draining worker")
     launch.add_argument("--router-admin-token", default=None,
@@ -235,9 +237,8 @@ def run_live(args) -> int:
     from kvtier.planner.loop import PlannerLoop
     from kvtier.planner.models import load_model
     from kvtier.planner.workers import MAX_WORKERS, SLATargets
-    from kvtier.sim.cluster import load_cluster
-
     from kvtier.errors import ConfigError
+    from kvtier.sim.cluster import load_cluster
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.output_tokens <= 0:

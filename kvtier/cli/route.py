@@ -35,7 +35,8 @@ def register(subparsers) -> None:
     p.add_argument("--model-path", dest="model_path", help="local model folder: tokenizer and chat template")
     p.add_argument("--block-tokens", dest="block_tokens", type=int, help="the workers' vLLM --block-size")
     p.add_argument("--kv-bytes-per-token", dest="kv_bytes_per_token", type=int)
-    p.add_argument("--host-bandwidth", dest="host_read_bytes_per_s", type=finite_float, help="bytes/s, host DRAM → GPU")
+    p.add_argument("--host-bandwidth", dest="host_read_bytes_per_s", type=finite_float,
+                   help="bytes/s, host DRAM → GPU")
     p.add_argument("--shared-bandwidth", dest="shared_read_bytes_per_s", type=finite_float,
                    help="bytes/s, shared tier → worker")
     p.add_argument("--measured", action="append", default=[], metavar="FILE",

@@ -56,7 +56,8 @@ def register(subparsers) -> None:
     p.add_argument("--mooncake-secret-file", metavar="PATH",
                    help="0600 file of >= 16 random bytes keying the fleet's block names (same on every server)")
     p.add_argument("--idle-timeout-s", type=finite_float, help="close connections idle this long (default 300)")
-    p.add_argument("--frame-timeout-s", type=finite_float, help="close connections whose frame takes this long (default 30)")
+    p.add_argument("--frame-timeout-s", type=finite_float,
+                   help="close connections whose frame takes this long (default 30)")
     p.add_argument("--max-connections", type=int)
     p.add_argument("--metrics", metavar="HOST:PORT", help="serve Prometheus /metrics and /healthz here")
     p.add_argument("--events", metavar="ENDPOINT",

@@ -32,7 +32,8 @@ def register(subparsers) -> None:
     planner.add_argument("--planner", action="store_true",
                          help="replay the trace as one day on a planner-driven prefill pool: worker-hours and SLA"
                               " attainment, static vs planned, context tier on vs off")
-    planner.add_argument("--diurnal", type=finite_float, default=3.0, metavar="K", help="peak/trough arrival-rate ratio")
+    planner.add_argument("--diurnal", type=finite_float, default=3.0, metavar="K",
+                         help="peak/trough arrival-rate ratio")
     planner.add_argument("--scale", type=int, default=100, metavar="COPIES",
                          help="copies of the trace's users (sets the fleet size: 100 gives hundreds of workers)")
     planner.add_argument("--ttft", type=finite_float, default=2.0, help="TTFT target in seconds (SLA)")

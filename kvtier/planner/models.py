@@ -220,4 +220,5 @@ def load_model(name_or_path: str, kv_dtype: str | None = None) -> ModelGeometry:
     except ConfigError:
         raise
     except (AttributeError, TypeError, ValueError, ZeroDivisionError) as exc:   # a field of the wrong type or 0
-        raise ConfigError(f"model config {path}: a field is not what a Hugging Face config.json holds ({exc})") from None
+        raise ConfigError(f"model config {path}: a field is not what a Hugging Face config.json holds "
+                          f"({exc})") from None

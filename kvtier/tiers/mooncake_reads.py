@@ -305,7 +305,7 @@ class TierReads:
             call = (self._engine.batch_get_into_multi_buffer_ranges, names, ptrs, lens, offsets)
         else:
             call = (self._engine.batch_get_into_multi_buffers, names, ptrs, lens)
-        read.future = self._caller.submit(read.run_and_hash, payloads, *call)
+        read.future = self._caller.submit(read.run_and_tag, payloads, *call)
         return read
 
     def _finish_chunk(self, read: "_ChunkRead", digests, views, statuses: list[Status],
@@ -356,8 +356,8 @@ class TierReads:
         is dropped: None)."""
         header = unpack_header(header_bytes)
         if header is None or not names_block(header, digest, n):
-            self._drop(name, "header does not name this block" if header is None or header.key[:NAME_ID_BYTES] != digest[:NAME_ID_BYTES]
-                       else "size or format differs")
+            named = header is not None and header.key[:NAME_ID_BYTES] == digest[:NAME_ID_BYTES]
+            self._drop(name, "size or format differs" if named else "header does not name this block")
             return None
         return header
 
@@ -439,7 +439,7 @@ class _ChunkRead:
         self._given = False
         self._lock = threading.Lock()
 
-    def run_and_hash(self, payloads, fn, *args):
+    def run_and_tag(self, payloads, fn, *args):
         """On the engine call's worker: the call, then the MAC of every payload it read whole."""
         codes = fn(*args)
         if payloads is not None and not isinstance(codes, int):

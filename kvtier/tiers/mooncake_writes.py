@@ -1,9 +1,9 @@
 """The write path of :class:`~kvtier.tiers.mooncake.MooncakeTier`: every ``put``.
 
-Small blocks are tagged first (their payload MACed), then written header and payload in one batch call. Blocks of
-the session size and more move in a put session (:class:`_PutSession`). The engine's ``put``
-keeps an existing object and answers 0: the contract's "put of a present key is a no-op", and
-safe, because whatever is kept is verified on every read.
+Small blocks are tagged first (their payload MACed), then written header and payload in one
+batch call. Blocks of the session size and more move in a put session (:class:`_PutSession`).
+The engine's ``put`` keeps an existing object and answers 0: the contract's "put of a present
+key is a no-op", and safe, because whatever is kept is verified on every read.
 """
 
 from __future__ import annotations
