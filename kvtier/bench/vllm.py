@@ -1,7 +1,8 @@
 """``kvtier bench vllm``: time to first token of a long prompt in real vLLM, against the floor.
 
 Four engines (each in its own process), started once and reused, on the random
-Llama built locally (demo model by default), and per prompt, one system after
+Llama built locally (demo model by default; ``--model deepseek``: a DeepSeek-V2 of the same
+size, whose multi-head latent attention caches one latent row a token), and per prompt, one system after
 the other (interleaved, so that a change of machine load hits all of them alike):
 
 * **recompute**: an engine without any KV connector, its prefix cache reset;
@@ -64,7 +65,9 @@ def register(subparsers) -> None:
     p.add_argument("--tokens", type=int, default=4096, help="prompt length (default 4096)")
     p.add_argument("--runs", type=int, default=3, help="prompts timed (default 3)")
     p.add_argument("--gen-tokens", type=int, default=4, help="tokens generated per run; logprobs compared at each")
-    p.add_argument("--model", default="demo", choices=["demo", "tiny"], help="locally built random Llama")
+    p.add_argument("--model", default="demo", choices=["demo", "tiny", "deepseek"],
+                   help="locally built random model: a Llama, or deepseek: a DeepSeek-V2 of the demo's size "
+                        "with multi-head latent attention")
     p.add_argument("--block-tokens", type=int, default=256, help="kvtier block size (tokens)")
     p.add_argument("--no-lmcache", action="store_true", help="skip LMCache")
     p.add_argument("--stores", default="host,remote", help="kvtier systems; add mooncake (kvtier/bench/vllm_mooncake.py)")
@@ -163,8 +166,11 @@ def _run_systems(args, base, prompts, kv_bytes, store_bytes, workdir, result, st
         srv = stack.enter_context(ServerProcess.start({"bench": TOKEN}, server={"capacity": store_bytes,
                                                                                 "max_block": "64MiB"}))
         remote = {"remote_url": srv.url, "remote_token": TOKEN}
+        # vLLM's CPU platform turns its prefix cache off for latent-attention models: kept on for
+        # the floor, which then takes the same context-attention path as a kvtier hit
+        floor = {"force_prefix_caching": True} if args.model == "deepseek" else {}
         engines = {
-            "vllm": EngineProcess({**base, "extra": None}, workdir / "engine-vllm.log"),
+            "vllm": EngineProcess({**base, **floor, "extra": None}, workdir / "engine-vllm.log"),
             "host": EngineProcess({**base, "extra": kvtier_extra(args.block_tokens, host_bytes=store_bytes, **remote)},
                                   workdir / "engine-host.log"),
             "remote": EngineProcess({**base, "role": "kv_consumer",

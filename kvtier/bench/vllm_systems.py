@@ -31,11 +31,15 @@ class Unavailable(Exception):
 
 
 def model_spec(name: str, positions: int):
-    """The locally built random Llama of ``name`` with at least ``positions`` positions."""
+    """The locally built random model of ``name`` with at least ``positions`` positions: a Llama,
+    or (``deepseek``) a DeepSeek-V2 of the demo model's size with multi-head latent attention."""
     from kvtier.integrations.transformers.models import DEMO_SPEC, ModelSpec
 
     if name == "demo":
         spec = DEMO_SPEC  # the model of `kvtier demo`
+    elif name == "deepseek":
+        # rank 512 + RoPE 64: the one latent width vLLM's CPU kernel takes
+        spec = replace(DEMO_SPEC, num_attention_heads=8, num_key_value_heads=8, latent_rank=512)
     else:
         spec = ModelSpec(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                          intermediate_size=256, vocab_size=2048, max_position_embeddings=8192)
@@ -48,9 +52,9 @@ def model_spec(name: str, positions: int):
 def geometry(spec) -> dict:
     """What a reader needs to compare figures: layers, heads, KV bytes per token."""
     preset = asdict(spec)
-    head_dim = spec.hidden_size // spec.num_attention_heads
-    itemsize = 2 if spec.dtype in ("bfloat16", "float16") else 4
-    preset["kv_bytes_per_token"] = spec.num_hidden_layers * 2 * spec.num_key_value_heads * head_dim * itemsize
+    preset["kv_bytes_per_token"] = spec.kv_bytes_per_token
+    if not spec.latent_rank:
+        preset.pop("latent_rank")
     preset.pop("seed", None)
     return preset
 

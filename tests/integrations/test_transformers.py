@@ -233,3 +233,21 @@ def test_bf16_hit_matches_recompute_within_a_few_bf16_ulps(tmp_path):
     cached.close()
     plain.close()
     store.close()
+
+
+def test_a_latent_attention_spec_builds_a_deepseek_whose_kv_the_planner_sizes_alike(tmp_path):
+    """``latent_rank`` builds a DeepSeek-V2 (the benches' and tests' MLA model). Its KV bytes a
+    token, as the benches report them, equal the planner's from the saved config.json (one
+    576-wide latent row a layer), and the Llamas built before the field keep their names (and
+    so their cached directories)."""
+    from kvtier.integrations.transformers.models import VLLM_TEST_SPEC, ModelSpec
+    from kvtier.planner.models import load_model as planner_model
+
+    spec = ModelSpec(hidden_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+                     intermediate_size=256, vocab_size=512, max_position_embeddings=1024, latent_rank=512)
+    build_model(spec, tmp_path, tokenizer=False)
+    assert spec.name.startswith("deepseek-h128-l3-")
+    assert spec.kv_bytes_per_token == 3 * 576 * 4 == planner_model(str(tmp_path)).bytes_per_token
+    llama = replace(spec, latent_rank=0, num_key_value_heads=2)
+    assert llama.kv_bytes_per_token == 3 * 2 * 2 * 32 * 4   # control: K and V of 2 heads of 32
+    assert VLLM_TEST_SPEC.name == "llama-h128-l2-float32-fe3f0c5b6262"

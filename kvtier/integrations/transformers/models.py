@@ -1,4 +1,4 @@
-"""Random-weight Llama models and a locally trained tokenizer, built once and cached.
+"""Random-weight Llama (and DeepSeek-V2) models and a locally trained tokenizer, built once and cached.
 
 Nothing comes from a model hub. The tokenizer is a byte-level BPE trained on
 text that is on every machine with Python: the standard library's sources
@@ -36,7 +36,8 @@ CHAT_TOKENS = ["<|system|>", "<|user|>", "<|assistant|>", "<|tool|>"]
 
 @dataclass(frozen=True, slots=True)
 class ModelSpec:
-    """Geometry of a random-weight Llama (and the size of its tokenizer)."""
+    """Geometry of a random-weight Llama (and the size of its tokenizer), or with
+    ``latent_rank`` a DeepSeek-V2 of the same size whose attention caches a latent per token."""
 
     hidden_size: int
     num_hidden_layers: int
@@ -47,14 +48,44 @@ class ModelSpec:
     max_position_embeddings: int = 16384
     dtype: str = "float32"
     seed: int = 0
+    #: kv_lora_rank of multi-head latent attention (DeepSeek-V2/V3, Kimi); 0: a Llama
+    latent_rank: int = 0
 
     def digest(self) -> str:
-        text = json.dumps([BUILD_FORMAT, asdict(self)], sort_keys=True)
+        fields = asdict(self)
+        if not self.latent_rank:
+            del fields["latent_rank"]   # the Llamas built before the field keep their directories
+        text = json.dumps([BUILD_FORMAT, fields], sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:12]
 
     @property
     def name(self) -> str:
-        return f"llama-h{self.hidden_size}-l{self.num_hidden_layers}-{self.dtype}-{self.digest()}"
+        kind = "deepseek" if self.latent_rank else "llama"
+        return f"{kind}-h{self.hidden_size}-l{self.num_hidden_layers}-{self.dtype}-{self.digest()}"
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV cache bytes a token: K and V of every KV head, or one latent row (rank + RoPE key)."""
+        itemsize = 2 if self.dtype in ("bfloat16", "float16") else 4
+        if self.latent_rank:
+            return self.num_hidden_layers * (self.latent_rank + LATENT_ROPE_DIM) * itemsize
+        head_dim = self.hidden_size // self.num_attention_heads
+        return self.num_hidden_layers * 2 * self.num_key_value_heads * head_dim * itemsize
+
+
+#: the decoupled RoPE key of a latent-attention model (DeepSeek-V2/V3's qk_rope_head_dim): with a
+#: rank of 512, the 576-wide row that vLLM's CPU latent kernel takes
+LATENT_ROPE_DIM = 64
+
+
+def latent_config(spec: ModelSpec) -> dict:
+    """``DeepseekV2Config`` settings of a latent-attention ``spec``: every MLP dense (the experts
+    do not change the KV cache), no query compression."""
+    head_dim = spec.hidden_size // spec.num_attention_heads
+    return dict(kv_lora_rank=spec.latent_rank, q_lora_rank=None, qk_rope_head_dim=LATENT_ROPE_DIM,
+                qk_nope_head_dim=head_dim, v_head_dim=head_dim, head_dim=head_dim + LATENT_ROPE_DIM,
+                first_k_dense_replace=spec.num_hidden_layers, n_routed_experts=4, n_shared_experts=1,
+                moe_intermediate_size=128, num_experts_per_tok=2)
 
 
 #: the demo model: ~107 M parameters; prefill of 2 k tokens costs seconds on 2 CPU cores
@@ -147,6 +178,10 @@ def build_model(spec: ModelSpec, out_dir: Path, *, tokenizer: bool = True, confi
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
+    if spec.latent_rank and config_class is None:
+        from transformers import DeepseekV2Config
+
+        config_class, config_extra = DeepseekV2Config, {**latent_config(spec), **config_extra}
     tok = train_tokenizer(spec.vocab_size, out_dir) if tokenizer else None
     config = (config_class or LlamaConfig)(
         vocab_size=len(tok) if tok is not None else spec.vocab_size,

@@ -209,13 +209,21 @@ def check_kv_cache_kind(spec, block_tokens: int) -> None:
     pages freed, and handed to another request, before its last token is computed and the
     block saved. With blocks no longer than the window, a block's first page is still in
     the window when its last token is computed (vLLM frees a page once all its tokens are
-    ``window`` behind), and null pages are never saved (scheduler_side.NULL_PAGE). Every other
-    kind (ring buffers, gaps freed in full attention, attention sinks, local chunks, MLA,
-    Mamba state) keeps or frees pages by rules this connector does not follow: refused.
+    ``window`` behind), and null pages are never saved (scheduler_side.NULL_PAGE). Multi-head
+    latent attention (DeepSeek-V2/V3, Kimi) keeps every page as full attention does; its page
+    holds one latent row a token instead of K and V (:func:`is_latent`). Every other kind (ring
+    buffers, gaps freed in full attention, attention sinks, local chunks, DeepSeek-V4's sparse
+    latent caches, Mamba state) keeps or frees pages by rules this connector does not follow:
+    refused.
     """
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
 
     kind = type(spec)
+    if kind is MLAAttentionSpec:
+        if getattr(spec, "model_version", None) is not None:
+            raise ConfigError(f"KvtierConnector supports dense latent (MLA) KV caches; this model's is "
+                              f"{spec.model_version}'s sparse one")
+        return
     if kind is SlidingWindowSpec:
         if block_tokens > spec.sliding_window:
             fits = spec.sliding_window // spec.block_size * spec.block_size
@@ -227,6 +235,14 @@ def check_kv_cache_kind(spec, block_tokens: int) -> None:
     elif kind is not FullAttentionSpec:
         raise ConfigError(f"KvtierConnector supports full and sliding-window attention KV caches; this model's is "
                           f"{kind.__name__}")
+
+
+def is_latent(spec) -> bool:
+    """A multi-head latent attention cache: one row a token of ``head_size`` (the compressed KV
+    plus the decoupled RoPE key, shared by every head), no separate V."""
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    return isinstance(spec, MLAAttentionSpec)
 
 
 def engine_kv(config: ConnectorConfig, vllm_config, kv_cache_config, *, tp_rank: int = 0) -> EngineKV:
@@ -243,17 +259,19 @@ def engine_kv(config: ConnectorConfig, vllm_config, kv_cache_config, *, tp_rank:
         )
     spec = groups[0].kv_cache_spec
     check_kv_cache_kind(spec, config.block_tokens)   # an attention spec: heads, head size, dtype, pages
-    if getattr(spec, "head_size_v", spec.head_size) != spec.head_size:
+    latent = is_latent(spec)
+    kv_parts = 1 if latent else 2
+    if not latent and getattr(spec, "head_size_v", spec.head_size) != spec.head_size:
         raise ConfigError("KvtierConnector needs K and V of the same head size")
     dtype_name = str(spec.dtype).removeprefix("torch.")
     if dtype_name not in _DTYPES:
         raise ConfigError(f"KV cache dtype {spec.dtype} is not supported; use one of {sorted(_DTYPES)}")
     itemsize = spec.dtype.itemsize
-    dense = spec.num_kv_heads * spec.block_size * 2 * spec.head_size * itemsize
+    dense = spec.num_kv_heads * spec.block_size * kv_parts * spec.head_size * itemsize
     if spec.page_size_bytes != dense:
         raise ConfigError(
             f"the KV page is {spec.page_size_bytes} bytes, not the dense {dense} of "
-            f"{spec.num_kv_heads} heads x {spec.block_size} tokens x 2 x {spec.head_size}; "
+            f"{spec.num_kv_heads} heads x {spec.block_size} tokens x {kv_parts} x {spec.head_size}; "
             "packed or padded pages are not supported"
         )
     page_tokens = spec.block_size
@@ -271,7 +289,7 @@ def engine_kv(config: ConnectorConfig, vllm_config, kv_cache_config, *, tp_rank:
         head_dim=spec.head_size,
         dtype=_DTYPES[dtype_name],
         block_tokens=config.block_tokens,
-        kv_parts=2,
+        kv_parts=kv_parts,
         tp_rank=tp_rank,
         tp_size=parallel.tensor_parallel_size,
     )

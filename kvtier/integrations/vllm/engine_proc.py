@@ -9,7 +9,9 @@ line on stdin, one reply per command on stdout as ``KVTIER-REPLY <json>``
 
 Settings: ``model`` (a directory), ``extra`` (kv_connector_extra_config, or
 null for no connector), ``role`` (kv_both | kv_producer | kv_consumer),
-``max_model_len``, ``prefix_caching``, ``kv_pages`` (vLLM's KV cache size in pages, to make it
+``max_model_len``, ``prefix_caching``, ``force_prefix_caching`` (keep vLLM's own prefix cache on
+where its CPU platform turns it off, for latent-attention models: the reference a test compares a
+kvtier hit with, as both take vLLM's context-attention path), ``kv_pages`` (vLLM's KV cache size in pages, to make it
 smaller than a workload), or ``transfer`` (a whole
 KVTransferConfig dict, for another connector such as LMCache's). Commands: ``generate`` (prompts as token-id lists,
 ``max_tokens``, optional ``cache_salt``, ``kv_transfer_params``), ``reset``
@@ -134,6 +136,10 @@ def build(settings: dict):
     from vllm.config import KVTransferConfig
 
     transfer = None
+    engine_args = dict(settings.get("engine_args", {}))
+    if settings.get("force_prefix_caching"):
+        _keep_prefix_caching()
+        engine_args.setdefault("distributed_executor_backend", "uni")   # the patch must reach the worker
     if settings.get("transfer") is not None:
         transfer = KVTransferConfig(**settings["transfer"])
     elif settings.get("extra") is not None:
@@ -154,8 +160,23 @@ def build(settings: dict):
         kv_transfer_config=transfer,
         enable_prefix_caching=settings.get("prefix_caching", True),
         **({"num_gpu_blocks_override": settings["kv_pages"]} if settings.get("kv_pages") else {}),
-        **settings.get("engine_args", {}),
+        **engine_args,
     )
+
+
+def _keep_prefix_caching() -> None:
+    """vLLM's CPU platform turns prefix caching off for latent-attention (MLA) models; keep it on
+    in this process, so that a test has vLLM's own hit to compare a kvtier hit with."""
+    from vllm.platforms import cpu
+
+    platform = cpu.CpuPlatform
+    update = platform.check_and_update_config.__func__
+
+    def check_and_update_config(cls, vllm_config) -> None:
+        update(cls, vllm_config)
+        vllm_config.cache_config.enable_prefix_caching = True
+
+    platform.check_and_update_config = classmethod(check_and_update_config)
 
 
 def generate(llm, cmd: dict) -> dict:

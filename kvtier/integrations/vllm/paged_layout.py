@@ -1,8 +1,9 @@
 """vLLM's paged KV cache as the worker sees it, and copies between its pages and kvtier blocks.
 
 The layout is read from the tensors vLLM registers, never assumed: one view
-per attention layer, ``[num_pages, heads, page_tokens, content]`` logically,
-with whatever strides the attention backend's KV cache layout gave it. How K
+per attention layer, ``[num_pages, heads, page_tokens, content]`` logically
+(``[num_pages, page_tokens, latent]`` for multi-head latent attention), with
+whatever strides the attention backend's KV cache layout gave it. How K
 and V sit inside ``content`` (side by side, or K rows then V rows as the CPU
 backend does) is the backend's business: pages are copied whole, in the
 backend's byte order, and :class:`~kvtier.integrations.vllm.config.EngineKV`
@@ -53,10 +54,18 @@ class PagedKV:
                                   f"{self.page_shape} {self.dtype}: layers must share one page shape")
         self.page_nbytes = math.prod(self.page_shape) * self.dtype.itemsize
         want = engine.layout.layer_nbytes // self.pages_per_block
-        if first.dim() != 4 or self.page_shape[1] != engine.page_tokens or self.page_nbytes != want:
+        # A latent (MLA) cache may have no heads axis: [pages, tokens, latent] (the CPU backend
+        # keeps one of 1). Pages are copied whole either way; the axes are checked only to
+        # catch a layout whose page is not a run of whole tokens.
+        latent = engine.layout.kv_parts == 1
+        tokens_axis = 0 if latent and first.dim() == 3 else 1
+        if (first.dim() != 4 and not (latent and first.dim() == 3)) or \
+                self.page_shape[tokens_axis] != engine.page_tokens or self.page_nbytes != want:
+            shape = (f"[pages, (1,) {engine.page_tokens} tokens, latent]" if latent else
+                     f"[pages, heads, {engine.page_tokens} tokens, content]")
             raise LayoutError(
                 f"KV pages are {tuple(first.shape)} {self.dtype} ({self.page_nbytes} bytes a page); the layout "
-                f"{engine.layout.describe()} needs [pages, heads, {engine.page_tokens} tokens, content] of {want} bytes"
+                f"{engine.layout.describe()} needs {shape} of {want} bytes"
             )
         self.block_shape = (len(self.layers), self.pages_per_block, *self.page_shape)
         self.block_nbytes = self.page_nbytes * self.pages_per_block * len(self.layers)

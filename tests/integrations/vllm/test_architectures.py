@@ -15,6 +15,8 @@ that own hit really is a hit.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from kvtier.integrations.vllm.engine_proc import PAGE_TOKENS
@@ -136,4 +138,66 @@ def test_a_sliding_window_model_never_stores_nor_loads_vllms_null_page(engines, 
     assert hit["token_ids"] == ref["token_ids"]
     worst = max(abs(a - b) for x, y in zip(hit["logprobs"], ref["logprobs"]) for (_, a), (_, b) in zip(x, y))
     assert worst < 1e-4, f"served KV moved a logprob by {worst}"
+    assert kv.call(op="stats")["worker"]["failed_pages"] == 0
+
+
+#: vLLM's CPU latent-attention backend runs 16-token pages only (it overrides the suite's 32)
+MLA_PAGE_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def latent_deepseek(tmp_path_factory) -> str:
+    """A DeepSeek-V2 of two layers: multi-head latent attention, whose KV is one row a token of
+    the compressed latent (512) and the RoPE key (64), the one geometry vLLM's CPU kernel runs."""
+    from kvtier.integrations.transformers.models import ModelSpec, build_model
+
+    spec = ModelSpec(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                     intermediate_size=512, vocab_size=2048, max_position_embeddings=2048, seed=5,
+                     latent_rank=512)
+    out = tmp_path_factory.mktemp("deepseek-mla")
+    build_model(spec, out)
+    assert json.loads((out / "config.json").read_text())["kv_lora_rank"] == 512
+    return str(out)
+
+
+def test_a_kvtier_hit_on_a_latent_attention_deepseek_equals_vllms_own_hit(engines, latent_deepseek):
+    """DeepSeek-V2/V3 and Kimi cache a latent per token, not K and V: pages of
+    [1, 16 tokens, 576] on CPU. The connector refused the kind before (a ConfigError at start-up).
+
+    vLLM's CPU platform runs these models with its own prefix cache off, so there kvtier is the
+    only prefix cache. The exact reference of a hit is vLLM's own hit over the same prefix (an
+    engine without the connector whose prefix cache is kept on for the test): both compute the
+    tail against cached latents through vLLM's context-attention path. That path is not close to
+    the full recompute on this backend, and no tolerance against it would mean much: vLLM's CPU
+    latent decode kernel alone is ~1e-2 off its own prefill (measured without kvtier: step k of a
+    generation against a prefill of the prompt and k tokens), and its own hit is up to 0.14 off
+    the recompute over 8 steps of top-5 logprobs, enough to reorder a random model's near-tied
+    top-5. So the hit is held to vLLM's own hit, bit for bit."""
+    block_tokens = 2 * MLA_PAGE_TOKENS   # two pages a block: the scatter of page runs is exercised
+    # lengths whose prefix vLLM (>= 1 token left, 16-token pages) and kvtier (>= 2, 32-token blocks) cache alike
+    batch = [p for length in (300, 330, 362) for p in prompts(1, length, seed=length)]
+    plain = engines("mla-plain", {"model": latent_deepseek, "extra": None, "force_prefix_caching": True})
+    kv = engines("mla-kvtier", {"model": latent_deepseek, "extra": {"block_tokens": block_tokens,
+                                                                    "host_bytes": "64MiB"}})
+    plain.wait_ready()
+    kv.wait_ready()
+
+    recompute = plain.generate(batch, max_tokens=8)
+    own_hit = plain.generate(batch, max_tokens=8)
+    cold = kv.generate(batch, max_tokens=8)
+    kv.call(op="flush")
+    assert kv.call(op="stats")["worker"]["poison"], "the suite runs every engine with poisoned loads"
+    warm = kv.generate(batch, max_tokens=8)
+
+    for prompt, full, own, first, hit in zip(batch, recompute, own_hit, cold, warm):
+        cacheable = expected_hit(len(prompt), block_tokens, MLA_PAGE_TOKENS)
+        assert full["num_cached_tokens"] == 0 and own["num_cached_tokens"] == cacheable > 0, \
+            "control: vLLM's own hit covers the same prefix"
+        assert loaded_tokens(first) == 0 and first["num_cached_tokens"] == 0, \
+            "vLLM's own prefix cache is off for this model beside the connector"
+        assert loaded_tokens(hit) == cacheable, "every whole block but the last tokens came from kvtier"
+        assert first["token_ids"] == full["token_ids"] and first["logprobs"] == full["logprobs"], \
+            "the connector changes nothing on a miss"
+        assert hit["token_ids"] == own["token_ids"]
+        assert hit["logprobs"] == own["logprobs"], "bit-equal to vLLM's own hit over the same prefix"
     assert kv.call(op="stats")["worker"]["failed_pages"] == 0

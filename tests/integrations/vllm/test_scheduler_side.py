@@ -249,8 +249,8 @@ def test_only_kv_caches_whose_pages_stay_until_saved_are_accepted():
     """A sliding window frees the pages behind it while the request runs: a block longer than
     the window could lose its first pages (to another request) before it is saved."""
     import torch
-    from vllm.v1.kv_cache_interface import (ChunkedLocalAttentionSpec, FullAttentionSpec, MLAAttentionSpec,
-                                            SlidingWindowSpec)
+    from vllm.v1.kv_cache_interface import (ChunkedLocalAttentionSpec, FullAttentionSpec, HiddenStateCacheSpec,
+                                            MLAAttentionSpec, SlidingWindowSpec)
 
     from kvtier.errors import ConfigError
     from kvtier.integrations.vllm.config import check_kv_cache_kind
@@ -264,9 +264,14 @@ def test_only_kv_caches_whose_pages_stay_until_saved_are_accepted():
         check_kv_cache_kind(window, 256)
     with pytest.raises(ConfigError, match="pages .32 tokens. are longer"):
         check_kv_cache_kind(SlidingWindowSpec(**geometry, sliding_window=16), PAGE)
-    for other in (ChunkedLocalAttentionSpec(**geometry, attention_chunk_size=256), MLAAttentionSpec(**geometry)):
+    latent = dict(geometry, num_kv_heads=1, head_size=576)
+    check_kv_cache_kind(MLAAttentionSpec(**latent), 256)   # latent attention keeps its pages as full does
+    for other in (ChunkedLocalAttentionSpec(**geometry, attention_chunk_size=256),
+                  HiddenStateCacheSpec(**latent)):
         with pytest.raises(ConfigError, match=type(other).__name__):
             check_kv_cache_kind(other, PAGE)
+    with pytest.raises(ConfigError, match="deepseek_v4.s sparse"):
+        check_kv_cache_kind(MLAAttentionSpec(**latent, model_version="deepseek_v4"), PAGE)
 
 
 def test_a_request_that_skips_the_prefix_cache_is_not_looked_up(engine):
