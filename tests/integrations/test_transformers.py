@@ -251,3 +251,30 @@ def test_a_latent_attention_spec_builds_a_deepseek_whose_kv_the_planner_sizes_al
     llama = replace(spec, latent_rank=0, num_key_value_heads=2)
     assert llama.kv_bytes_per_token == 3 * 2 * 2 * 32 * 4   # control: K and V of 2 heads of 32
     assert VLLM_TEST_SPEC.name == "llama-h128-l2-float32-fe3f0c5b6262"
+
+
+def test_a_model_whose_cache_has_two_head_sizes_is_refused_by_name(tmp_path):
+    """transformers caches a DeepSeek-V2's latent attention as the compressed latent (512) and
+    the RoPE key (64); its ``head_dim`` is the RoPE part only. Before, the integration took that
+    ``head_dim`` for K and V, and the first forward failed deep in the model with "The size of
+    tensor a (64) must match the size of tensor b (512)". Now both entry points say what the
+    model is and how to serve it; a K/V head size mismatch outside MLA is refused the same way."""
+    from transformers import LlamaConfig
+
+    from kvtier.integrations.transformers.models import ModelSpec
+    from kvtier.integrations.transformers.namespace import kv_layout
+
+    spec = ModelSpec(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                     intermediate_size=256, vocab_size=512, max_position_embeddings=1024, latent_rank=512)
+    build_model(spec, tmp_path, tokenizer=False)
+    deepseek, _ = load_model(tmp_path, tokenizer=False)
+    with pytest.raises(ConfigError, match="latent attention: transformers caches a latent of 512 and a RoPE key of 64"):
+        namespace_for_model(deepseek, block_tokens=BLOCK)
+    with pytest.raises(ConfigError, match="vLLM and the kvtier connector"):
+        KVTierLM(deepseek, None, block_tokens=BLOCK, capacity_tokens=512)
+
+    config = LlamaConfig(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2)
+    assert kv_layout(config, "float32", BLOCK).head_dim == 32   # control: one head size
+    config.qk_head_dim, config.v_head_dim = 48, 32
+    with pytest.raises(ConfigError, match="K of 48 and V of 32"):
+        kv_layout(config, "float32", BLOCK)

@@ -62,10 +62,31 @@ _VOLATILE_CONFIG_FIELDS = frozenset({
 
 
 def kv_layout(config, dtype: str, block_tokens: int) -> KVLayout:
-    """The canonical block layout of a decoder config (Llama, Qwen2, Mistral and kin)."""
+    """The canonical block layout of a decoder config (Llama, Qwen2, Mistral and kin).
+
+    One block layout has one head size for K and V. Models whose cache has two sizes are
+    refused with the way to serve them: latent attention (DeepSeek-V2/V3, ``kv_lora_rank``),
+    which transformers caches as the compressed latent and the RoPE key, and attention whose
+    K and V heads differ (``qk_head_dim`` / ``v_head_dim``). A wrong head size would otherwise
+    surface as a shape error inside the model's forward.
+    """
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    serve = ("Serve it with vLLM and the kvtier connector, which stores latent-attention (MLA) caches "
+             "as vLLM keeps them")
+    if getattr(text, "kv_lora_rank", None):
+        raise ConfigError(
+            f"this model uses multi-head latent attention: transformers caches a latent of "
+            f"{text.kv_lora_rank} and a RoPE key of {getattr(text, 'qk_rope_head_dim', '?')} values a "
+            f"token, which kvtier's transformers integration does not store. {serve}")
     heads = text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    k_dim = getattr(text, "qk_head_dim", None) or head_dim
+    v_dim = getattr(text, "v_head_dim", None) or head_dim
+    if k_dim != v_dim:
+        raise ConfigError(
+            f"this model's attention caches K of {k_dim} and V of {v_dim} values a head; kvtier's "
+            f"transformers integration needs one head size for both. {serve}")
+    head_dim = k_dim
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     if dtype not in TORCH_TO_LAYOUT_DTYPE:
         raise ConfigError(f"KV dtype {dtype!r} is not supported; use one of {sorted(TORCH_TO_LAYOUT_DTYPE)}")
