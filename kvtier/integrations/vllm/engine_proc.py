@@ -9,7 +9,7 @@ line on stdin, one reply per command on stdout as ``KVTIER-REPLY <json>``
 
 Settings: ``model`` (a directory), ``extra`` (kv_connector_extra_config, or
 null for no connector), ``role`` (kv_both | kv_producer | kv_consumer),
-``max_model_len``, ``prefix_caching``, ``force_prefix_caching`` (keep vLLM's own prefix cache on
+``dtype`` (default float32), ``max_model_len``, ``prefix_caching``, ``force_prefix_caching`` (keep vLLM's own prefix cache on
 where its CPU platform turns it off, for latent-attention models: the reference a test compares a
 kvtier hit with, as both take vLLM's context-attention path), ``kv_pages`` (vLLM's KV cache size in pages, to make it
 smaller than a workload), or ``transfer`` (a whole
@@ -151,7 +151,7 @@ def build(settings: dict):
         )
     return LLM(
         model=settings["model"],
-        dtype="float32",
+        dtype=settings.get("dtype", "float32"),
         enforce_eager=True,
         block_size=PAGE_TOKENS,
         max_model_len=settings.get("max_model_len", 2048),

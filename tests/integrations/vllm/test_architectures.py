@@ -141,6 +141,35 @@ def test_a_sliding_window_model_never_stores_nor_loads_vllms_null_page(engines, 
     assert kv.call(op="stats")["worker"]["failed_pages"] == 0
 
 
+
+def test_a_kvtier_hit_in_bfloat16_equals_vllms_own_hit(engines, tiny_model):
+    """The suite's engines run float32; production runs bfloat16, whose pages the worker copies
+    through an int16 view (numpy has no bfloat16): the bytes must move, never be converted.
+    The model's float32 weights run in bfloat16 here."""
+    batch = _batch()
+    plain = engines("bf16-plain", {"model": tiny_model, "extra": None, "dtype": "bfloat16"})
+    kv = engines("bf16-kvtier", {"model": tiny_model, "dtype": "bfloat16",
+                                 "extra": {"block_tokens": PAGE_TOKENS, "host_bytes": "64MiB"}})
+    plain.wait_ready()
+    kv.wait_ready()
+
+    full = plain.generate(batch, max_tokens=8)
+    own_hit = plain.generate(batch, max_tokens=8)
+    cold = kv.generate(batch, max_tokens=8)
+    kv.call(op="flush")
+    assert kv.call(op="reset")["ok"]
+    warm = kv.generate(batch, max_tokens=8)
+    for prompt, recompute, own, first, hit in zip(batch, full, own_hit, cold, warm):
+        cacheable = expected_hit(len(prompt), PAGE_TOKENS, PAGE_TOKENS)
+        assert own["num_cached_tokens"] == cacheable > 0, "control: vLLM's own hit covers the same prefix"
+        assert loaded_tokens(first) == 0 and loaded_tokens(hit) == cacheable
+        assert first["logprobs"] == recompute["logprobs"], "the connector changes nothing on a miss"
+        assert hit["token_ids"] == own["token_ids"] and hit["logprobs"] == own["logprobs"], \
+            "bit-equal to vLLM's own hit over the same prefix"
+    stats = kv.call(op="stats")["worker"]
+    assert stats["failed_pages"] == 0 and stats["poison"]
+
+
 #: vLLM's CPU latent-attention backend runs 16-token pages only (it overrides the suite's 32)
 MLA_PAGE_TOKENS = 16
 
