@@ -170,6 +170,52 @@ def test_a_kvtier_hit_in_bfloat16_equals_vllms_own_hit(engines, tiny_model):
     assert stats["failed_pages"] == 0 and stats["poison"]
 
 
+
+@pytest.fixture(scope="module")
+def interleaved_gemma3(tmp_path_factory) -> str:
+    """A Gemma 3 of two layers: the first attends over a 64-token window, the second over all
+    tokens (Gemma 3 interleaves five local layers with one global)."""
+    from transformers import Gemma3TextConfig
+
+    from kvtier.integrations.transformers.models import ModelSpec, build_model
+
+    spec = ModelSpec(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                     intermediate_size=512, vocab_size=2048, max_position_embeddings=2048, seed=7)
+    out = tmp_path_factory.mktemp("gemma3-interleaved")
+    build_model(spec, out, config_class=Gemma3TextConfig, head_dim=64, sliding_window=2 * PAGE_TOKENS,
+                layer_types=["sliding_attention", "full_attention"])
+    return str(out)
+
+
+def test_a_model_of_sliding_and_full_layers_loads_what_vllms_own_hit_holds(engines, interleaved_gemma3):
+    """Sliding-window layers beside full ones make two KV cache groups in vLLM's hybrid manager,
+    which vLLM turns off for a connector without HMA support: every layer then keeps all its pages
+    (one full-attention group), and the connector stores all of them. The reference is vLLM's own
+    hit with the hybrid manager off too, so both compute the same way."""
+    flat = {"disable_hybrid_kv_cache_manager": True}
+    plain = engines("gemma3-plain", {"model": interleaved_gemma3, "extra": None, "engine_args": flat})
+    kv = engines("gemma3-kvtier", {"model": interleaved_gemma3, "engine_args": flat,
+                                   "extra": {"block_tokens": PAGE_TOKENS, "host_bytes": "64MiB"}})
+    plain.wait_ready()
+    kv.wait_ready()
+    batch = _batch()
+    full = plain.generate(batch, max_tokens=8)
+    own_hit = plain.generate(batch, max_tokens=8)
+    cold = kv.generate(batch, max_tokens=8)
+    kv.call(op="flush")
+    assert kv.call(op="reset")["ok"]
+    warm = kv.generate(batch, max_tokens=8)
+    for prompt, recompute, own, first, hit in zip(batch, full, own_hit, cold, warm):
+        cacheable = expected_hit(len(prompt), PAGE_TOKENS, PAGE_TOKENS)
+        assert own["num_cached_tokens"] == cacheable > 0, "control: vLLM's own hit covers the same prefix"
+        assert loaded_tokens(first) == 0 and loaded_tokens(hit) == cacheable
+        assert first["token_ids"] == recompute["token_ids"] and first["logprobs"] == recompute["logprobs"]
+        assert hit["token_ids"] == own["token_ids"] and hit["logprobs"] == own["logprobs"], \
+            "bit-equal to vLLM's own hit over the same prefix"
+    stats = kv.call(op="stats")["worker"]
+    assert stats["failed_pages"] == 0 and stats["poison"]
+
+
 #: vLLM's CPU latent-attention backend runs 16-token pages only (it overrides the suite's 32)
 MLA_PAGE_TOKENS = 16
 
