@@ -59,7 +59,8 @@ class PagedKV:
         # catch a layout whose page is not a run of whole tokens.
         latent = engine.layout.kv_parts == 1
         tokens_axis = 0 if latent and first.dim() == 3 else 1
-        if (first.dim() != 4 and not (latent and first.dim() == 3)) or \
+        heads_ok = not latent or first.dim() == 3 or self.page_shape[0] == 1   # one latent row a token
+        if (first.dim() != 4 and not (latent and first.dim() == 3)) or not heads_ok or \
                 self.page_shape[tokens_axis] != engine.page_tokens or self.page_nbytes != want:
             shape = (f"[pages, (1,) {engine.page_tokens} tokens, latent]" if latent else
                      f"[pages, heads, {engine.page_tokens} tokens, content]")

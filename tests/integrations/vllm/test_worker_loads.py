@@ -94,3 +94,29 @@ def test_a_host_block_of_another_size_is_not_borrowed(engine, store):
     assert store.tiers[0].put(key, data[0][: len(data[0]) // 2]) is Status.OK
     failed = side._load(LoadJob("r", hashes, [BlockTransfer(0, 0, [5, 6])], is_async=False))
     assert failed == {5, 6} and torch.isnan(kv[1][5]).all()
+
+
+@pytest.mark.parametrize("page_shape", [(PAGE, 576), (1, PAGE, 576)], ids=["gpu-3d", "cpu-4d"])
+def test_latent_pages_round_trip_through_a_block_in_both_shapes_vllm_gives_them(page_shape):
+    """A latent-attention (MLA) cache has one 576-wide row a token and no V. vLLM's GPU backends
+    register ``[pages, tokens, latent]``, its CPU backend ``[pages, 1, tokens, latent]``; only the
+    second runs in the suite's real engines. Saved pages come back, page for page, into other
+    page ids; a K/V-shaped cache of the same bytes is refused (the layout says one part)."""
+    from kvtier.errors import LayoutError
+    from kvtier.integrations.vllm.paged_layout import PagedKV
+
+    layout = KVLayout(num_layers=LAYERS, num_kv_heads=1, head_dim=576, dtype="float32", block_tokens=BLOCK,
+                      kv_parts=1)
+    engine = EngineKV(Namespace("m", layout), page_tokens=PAGE, hash_tokens=PAGE, num_layers=LAYERS, format_tag="t")
+    gen = torch.Generator().manual_seed(1)
+    caches = {f"model.layers.{i}.self_attn.attn": torch.randn(PAGES, *page_shape, generator=gen) for i in range(LAYERS)}
+    paged = PagedKV(caches, engine)
+    buf = np.empty(layout.block_nbytes, np.uint8)
+    paged.gather(BlockTransfer(0, 0, [7, 3]), buf)
+    before = [c.clone() for c in caches.values()]
+    paged.scatter(buf, BlockTransfer(0, 0, [20, 21]))
+    for layer, (kv, old) in enumerate(zip(caches.values(), before)):
+        assert torch.equal(kv[20], old[7]) and torch.equal(kv[21], old[3]), f"layer {layer}"
+        assert not torch.equal(kv[22], old[7]), "control: only the pages asked for are written"
+    with pytest.raises(LayoutError, match="needs"):
+        PagedKV({name: t.view(PAGES, 2, PAGE, 288) for name, t in caches.items()}, engine)
