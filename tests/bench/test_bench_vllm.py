@@ -75,6 +75,23 @@ def test_logprobs_equal_within_the_floors_own_difference_and_not_past_it():
     json.dumps(r, allow_nan=False)  # no Infinity/NaN in the JSON
 
 
+def test_the_mooncake_system_is_held_to_the_floor_bit_for_bit_as_host_and_remote_are():
+    from kvtier.bench import vllm_mooncake
+
+    def lp(last):
+        return _run([1, 2], [[[1, -0.1], [3, -2.0]], [[2, -0.2], [4, last]]])
+
+    base = {"ttft_s": 1.0, "loaded_tokens": 480, "load_s": 0.1}
+    result = {"ttft_recompute_s": 10.0, "speedup_remote": 8.0, "logprob_tolerance": 1e-5,
+              "logprobs_equal_to_floor": {"host": True, "remote": True}}
+    for mooncake, equal in ((lp(-3.0 + 3e-6), True), (lp(-3.0 + 4e-6), False)):
+        runs = [{"recompute": {**base, **lp(-3.0)}, "prefix_cache": {**base, **lp(-3.0 + 3e-6)},
+                 "mooncake_cold": base, "mooncake": {**base, **mooncake}}]
+        out = vllm_mooncake.summary(runs, result)
+        assert out["logprobs_equal_to_floor"] == {"host": True, "remote": True, "mooncake": equal}
+        assert out["mooncake_logprobs_equal"] is True   # within the tolerance either way
+
+
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed")
 
 
