@@ -141,6 +141,27 @@ def test_a_sliding_window_model_never_stores_nor_loads_vllms_null_page(engines, 
     assert kv.call(op="stats")["worker"]["failed_pages"] == 0
 
 
+def _assert_a_hit_equals_vllms_own_hit(plain, kv, batch) -> None:
+    """``plain`` (no connector) computes ``batch`` twice: the recompute, then vLLM's own hit; ``kv``
+    computes it cold, then (its prefix cache reset) loads it from kvtier: the miss equals the
+    recompute and the hit equals vLLM's own hit, bit for bit, with poisoned loads on."""
+    full = plain.generate(batch, max_tokens=8)
+    own_hit = plain.generate(batch, max_tokens=8)
+    cold = kv.generate(batch, max_tokens=8)
+    kv.call(op="flush")
+    assert kv.call(op="reset")["ok"]
+    warm = kv.generate(batch, max_tokens=8)
+    for prompt, recompute, own, first, hit in zip(batch, full, own_hit, cold, warm):
+        cacheable = expected_hit(len(prompt), PAGE_TOKENS, PAGE_TOKENS)
+        assert own["num_cached_tokens"] == cacheable > 0, "control: vLLM's own hit covers the same prefix"
+        assert loaded_tokens(first) == 0 and loaded_tokens(hit) == cacheable
+        assert first["token_ids"] == recompute["token_ids"] and first["logprobs"] == recompute["logprobs"], \
+            "the connector changes nothing on a miss"
+        assert hit["token_ids"] == own["token_ids"] and hit["logprobs"] == own["logprobs"], \
+            "bit-equal to vLLM's own hit over the same prefix"
+    stats = kv.call(op="stats")["worker"]
+    assert stats["failed_pages"] == 0 and stats["poison"]
+
 
 def test_a_kvtier_hit_in_bfloat16_equals_vllms_own_hit(engines, tiny_model):
     """The suite's engines run float32; production runs bfloat16, whose pages the worker copies
@@ -153,22 +174,7 @@ def test_a_kvtier_hit_in_bfloat16_equals_vllms_own_hit(engines, tiny_model):
     plain.wait_ready()
     kv.wait_ready()
 
-    full = plain.generate(batch, max_tokens=8)
-    own_hit = plain.generate(batch, max_tokens=8)
-    cold = kv.generate(batch, max_tokens=8)
-    kv.call(op="flush")
-    assert kv.call(op="reset")["ok"]
-    warm = kv.generate(batch, max_tokens=8)
-    for prompt, recompute, own, first, hit in zip(batch, full, own_hit, cold, warm):
-        cacheable = expected_hit(len(prompt), PAGE_TOKENS, PAGE_TOKENS)
-        assert own["num_cached_tokens"] == cacheable > 0, "control: vLLM's own hit covers the same prefix"
-        assert loaded_tokens(first) == 0 and loaded_tokens(hit) == cacheable
-        assert first["logprobs"] == recompute["logprobs"], "the connector changes nothing on a miss"
-        assert hit["token_ids"] == own["token_ids"] and hit["logprobs"] == own["logprobs"], \
-            "bit-equal to vLLM's own hit over the same prefix"
-    stats = kv.call(op="stats")["worker"]
-    assert stats["failed_pages"] == 0 and stats["poison"]
-
+    _assert_a_hit_equals_vllms_own_hit(plain, kv, batch)
 
 
 @pytest.fixture(scope="module")
@@ -199,21 +205,7 @@ def test_a_model_of_sliding_and_full_layers_loads_what_vllms_own_hit_holds(engin
     plain.wait_ready()
     kv.wait_ready()
     batch = _batch()
-    full = plain.generate(batch, max_tokens=8)
-    own_hit = plain.generate(batch, max_tokens=8)
-    cold = kv.generate(batch, max_tokens=8)
-    kv.call(op="flush")
-    assert kv.call(op="reset")["ok"]
-    warm = kv.generate(batch, max_tokens=8)
-    for prompt, recompute, own, first, hit in zip(batch, full, own_hit, cold, warm):
-        cacheable = expected_hit(len(prompt), PAGE_TOKENS, PAGE_TOKENS)
-        assert own["num_cached_tokens"] == cacheable > 0, "control: vLLM's own hit covers the same prefix"
-        assert loaded_tokens(first) == 0 and loaded_tokens(hit) == cacheable
-        assert first["token_ids"] == recompute["token_ids"] and first["logprobs"] == recompute["logprobs"]
-        assert hit["token_ids"] == own["token_ids"] and hit["logprobs"] == own["logprobs"], \
-            "bit-equal to vLLM's own hit over the same prefix"
-    stats = kv.call(op="stats")["worker"]
-    assert stats["failed_pages"] == 0 and stats["poison"]
+    _assert_a_hit_equals_vllms_own_hit(plain, kv, batch)
 
 
 #: vLLM's CPU latent-attention backend runs 16-token pages only (it overrides the suite's 32)
