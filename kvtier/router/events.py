@@ -183,13 +183,13 @@ class VllmEvents:
                 self.handle(frames, replayed=True)
                 expected = seq + 1
                 applied += 1
+                self.replayed += 1   # counted as applied: the end marker may come much later
         except zmq.ZMQError as exc:
             log.warning("worker %s events: replay from %s failed: %s", self.worker.url,
                         self.worker.replay_endpoint, exc)
         finally:
             dealer.close(0)
             if applied:
-                self.replayed += applied
                 self._skip_below = self.next_seq
                 log.info("worker %s events: %d batches replayed from %d", self.worker.url, applied, start)
 

@@ -718,6 +718,8 @@ class DroppingPublisher:
         self.router.bind(self.replay)
         self.buffer: dict[int, bytes] = {}
         self.seq = 0
+        self.end_marker = asyncio.Event()   # cleared: replays stop short of their end marker
+        self.end_marker.set()
 
     def publish(self, first: int, n: int, *, live: bool = True, keep: bool = True) -> None:
         stored = {"type": "BlockStored", "block_hashes": list(range(first, first + n)),
@@ -737,12 +739,57 @@ class DroppingPublisher:
                 client, _, start = self.router.recv_multipart()
                 for seq in sorted(s for s in self.buffer if s >= int.from_bytes(start, "big")):
                     self.router.send_multipart([client, b"", b"", struct.pack(">Q", seq), self.buffer[seq]])
+                await self.end_marker.wait()
                 self.router.send_multipart([client, b"", b"", b"\xff" * 8, b""])
             await asyncio.sleep(0.01)
 
     def close(self) -> None:
         self.pub.close(0)
         self.router.close(0)
+
+
+def test_replayed_batches_are_counted_as_they_are_applied(tmp_path):
+    """The count of replayed batches grew only once the publisher's end marker came, so a
+    router that already indexed (and served) every replayed block said it had replayed none
+    while the marker was late: a CI run of the test above, on a loaded machine, saw 10 blocks
+    and 0 batches. Here the publisher holds its end marker back. Control: once it is sent the
+    replay ends and live batches are applied again."""
+    async def main():
+        publisher = DroppingPublisher(tmp_path)
+        for i in range(3):
+            publisher.publish(2 * i, 2, live=False)      # held before any router listened
+        publisher.end_marker.clear()
+        serving = asyncio.ensure_future(publisher.serve_replays())
+        w = StandIn("w0")
+        await w.start()
+        config = RouterConfig(workers=[WorkerSpec.parse(f"{w.url},events={publisher.events},"
+                                                        f"replay={publisher.replay}")],
+                              block_tokens=BS, kv_bytes_per_token=4096, health_interval_s=0.2, port=free_port())
+        router = Router(config, WordTokenizer())
+        runner = router.runner()
+        await runner.setup()
+        try:
+            listener = router.listeners[0]
+            for _ in range(100):
+                if router.index.worker_blocks(0) == 6:
+                    break
+                await asyncio.sleep(0.05)
+            assert router.index.worker_blocks(0) == 6
+            assert listener.replayed == 3 and listener.messages == 3
+            publisher.end_marker.set()                  # control: the replay ends, live flows
+            await asyncio.sleep(0.3)
+            publisher.publish(6, 2)
+            for _ in range(100):
+                if router.index.worker_blocks(0) == 8:
+                    break
+                await asyncio.sleep(0.05)
+            assert router.index.worker_blocks(0) == 8 and listener.replayed == 3 and listener.resyncs == 0
+        finally:
+            serving.cancel()
+            await runner.cleanup()
+            publisher.close()
+            await w.stop()
+    run(main())
 
 
 @pytest.mark.parametrize("in_buffer", [True, False])
