@@ -898,8 +898,8 @@ class Router:
             except asyncio.CancelledError:   # the client left (its handler is cancelled)
                 log.debug("request %s: its client left (%s the first byte) on %s", rid,
                           "after" if answered else "before", worker.url)
-                if sent:
-                    self._abort_on(worker, abort_ids, request)
+                if sent:   # before the first byte the worker may not have registered it yet
+                    self._abort_on(worker, abort_ids, request, again=not answered)
                 raise
             except (ClientError, asyncio.TimeoutError, OSError) as exc:
                 if answered:
@@ -921,16 +921,23 @@ class Router:
             return unserved
         raise RequestError(503, f"no worker could serve the request ({last_error})", "service_unavailable_error")
 
-    def _abort_on(self, worker: Worker, ids: list[str], request: web.Request) -> None:
+    def _abort_on(self, worker: Worker, ids: list[str], request: web.Request, again: bool = False) -> None:
         """The client left: beside closing the worker's connection, ask the worker to abort the
-        request by name (vLLM does not always notice a closed connection in time: router/abort.py)."""
+        request by name (vLLM does not always notice a closed connection in time: router/abort.py);
+        ``again``: it left before the first byte, so the abort is sent again later, in case the
+        worker had not registered the request yet."""
         rid, clients_own = request.get(_NAMED, (None, False))
         if clients_own and self._names[rid] > 1:
             # another request under way carries the same client-given id: vLLM aborts every
             # request of an id, so this one's leaving must not end that one (closing suffices)
             self.metrics.aborts.labels(worker.url, "shared_name").inc()
             return
-        self.aborts.send(self.session, worker.url, ids, self._worker_auth(request.headers.get("Authorization")))
+
+        def unshared() -> bool:   # by then this request is no longer counted: any count is another's
+            return not (clients_own and self._names.get(rid, 0) > 0)
+
+        self.aborts.send(self.session, worker.url, ids, self._worker_auth(request.headers.get("Authorization")),
+                         again_after_s=self.config.abort_again_s if again else (), still_wanted=unshared)
 
     async def _relay(self, request: web.Request, resp, first: bytes, worker: Worker,
                      timing: str, predicted: int, rid: str | None = None) -> web.StreamResponse:

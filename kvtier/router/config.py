@@ -119,6 +119,11 @@ class RouterConfig:
     #: a worker's ``/tokenize`` of a chat prompt with tools or documents (kvtier.router.app)
     render_timeout_s: float = 5.0
     max_attempts: int = 3
+    #: after a client left before its worker's first byte, the abort is sent again this many
+    #: seconds after it left: vLLM ignores an abort for an id it has not yet registered, and its
+    #: API server, short of CPU beside a decoding engine, may register a request seconds after
+    #: it arrived (router/abort.py). Empty: one abort only.
+    abort_again_s: tuple[float, ...] = (1.0, 5.0)
     #: at shutdown (SIGTERM), how long answers under way may go on before each is ended (an
     #: error event in a stream, a 503 before the first byte) and aborted on its worker; under
     #: an orchestrator's grace period (Kubernetes: 30 s by default)

@@ -58,7 +58,8 @@ class RouterMetrics:
         self.aborts = Counter("kvtier_router_worker_aborts",
                               "Requests the router asked a worker to abort because their client left "
                               "(result: ok; refused, the worker answered an error status; failed, no answer; shared_name, not asked: "
-                              "another request under way has the same client-given id)",
+                              "another request under way has the same client-given id; again, an abort sent again because "
+                              "the client left before the worker's first byte, when the worker may not have had it yet)",
                               ["worker", "result"], registry=r)
         self.ignored = Counter("kvtier_router_event_blocks_ignored",
                                "Blocks of KV events the router could not index (reason block_size: the worker's "

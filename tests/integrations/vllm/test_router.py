@@ -32,6 +32,7 @@ skip_without_vllm()
 pytestmark = pytest.mark.timeout(600)
 
 TOKEN = "router-test-token"
+MAX_MODEL_LEN = 16384
 CHAT_TEMPLATE = ("{% if tools %}tools: {{ tools | tojson }}\n{% endif %}"
                  "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}assistant:{% endif %}")
@@ -53,9 +54,14 @@ def stack(tiny_model, tmp_path_factory):
         template.write_text(CHAT_TEMPLATE)
         # LoRA on, adapters loaded at run time (test_an_adapter_on_one_worker_…)
         lora = ["--enable-lora", "--max-lora-rank", "8", "--max-loras", "2"]
+        # A context past the tiny model's 2,048 positions (its random weights do not care):
+        # room for a generation long enough that a client leaving it is told from one decoded
+        # whole before the abort came, on a CI machine that stalls for seconds (test_a_client_that_leaves_…)
         workers = [start_worker(tiny_model, logs / f"worker{i}.log", transfer=transfer, core=i % 2,
+                                max_model_len=MAX_MODEL_LEN,
                                 extra_args=["--chat-template", str(template), *lora],
-                                env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"})
+                                env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
+                                     "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"})
                    for i in range(2)]
         wait_ready(workers)
         # The workers write through to the shared server: every block one computes, the other can load.
@@ -302,10 +308,19 @@ def _generated(workers) -> float:
     return sum(_engine_metric(w, "vllm:generation_tokens_total") for w in workers)
 
 
-def _leave_once(url: str, body: dict, workers) -> float:
+def _aborts_sent(router_url: str) -> float:
+    """Aborts the router asked of its workers that they accepted (its own Prometheus counter)."""
+    with urllib.request.urlopen(router_url + "/metrics", timeout=30) as resp:
+        lines = resp.read().decode().splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines
+               if line.startswith("kvtier_router_worker_aborts_total{") and 'result="ok"' in line)
+
+
+def _leave_once(url: str, body: dict, workers) -> tuple[float, float]:
     """One client that leaves: a stream once the router's first event is in its socket, a whole
-    answer after 0.5 s. Returns the tokens the workers decoded for it."""
-    before = _generated(workers)
+    answer after 0.5 s. Returns the tokens the workers decoded for it, and the aborts by name
+    the router sent for it (accepted by the worker)."""
+    before, aborts_before = _generated(workers), _aborts_sent(url)
     conn = http.client.HTTPConnection(urlsplit(url).netloc, timeout=60)
     conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
     if body["stream"]:   # leave without reading it, as a client that gave up does
@@ -313,10 +328,15 @@ def _leave_once(url: str, body: dict, workers) -> float:
     else:
         time.sleep(0.5)
     conn.close()
-    # (the workers' /metrics is polled only now: while an engine decodes it can take seconds to answer)
+    # The worker's /metrics only once the router's abort is through: while its engine decodes, a
+    # worker's API server renders that answer on a core it shares with two busy processes, its
+    # event loop held meanwhile. Polled at once, it held the abort back 31 s (12,949 tokens
+    # decoded instead of ~260, in a probe of one worker here). The router's own
+    # /metrics is cheap.
+    _wait_for(lambda: _aborts_sent(url) > aborts_before, timeout_s=60)
     assert _wait_for(lambda: sum(_engine_metric(w, "vllm:num_requests_running") for w in workers) == 0,
-                     timeout_s=30)
-    return _generated(workers) - before
+                     timeout_s=180)
+    return _generated(workers) - before, _aborts_sent(url) - aborts_before
 
 
 @pytest.mark.parametrize("stream", [True, False])
@@ -328,22 +348,31 @@ def test_a_client_that_leaves_has_its_generation_aborted_on_the_worker(stack, st
     run saw a stream decoded whole (1,900 of 1,900) because the worker's API server, short of
     CPU, sent its first event only at the end. Control: a request that stays gets all its tokens.
 
-    Each try depends on the worker's API server having CPU in time, which a loaded CI machine
-    may not give it once; up to three tries. The router's own part is checked without that
-    race in tests/router/test_http.py; vLLM's naming of the ids the router aborts, with the
-    client still there (only the abort can cut it), in the test below."""
+    The generation is 16,000 tokens (~43 s whole on an idle worker here), so that seconds of a
+    stalled CI machine do not carry it past half: with 1,900 a CI run saw [1900, 1152, 1900]
+    in three tries. At that length vLLM itself may notice a non-streamed client gone, late, so
+    the router's abort by name is also checked on its own counter: sent, and accepted by the
+    worker. Up to three tries, each depending on the worker's API server having CPU in time.
+    The router's own part is checked without that race in tests/router/test_http.py; vLLM's
+    naming of the ids the router aborts, with the client still there (only the abort can cut
+    it), in the test below."""
     model, url, workers = stack["model"], stack["routers"]["tier-aware"].url, stack["workers"]
     rng = random.Random(12 + stream)
-    body = {"model": model, "prompt": tokens(rng, 64), "max_tokens": 1900, "ignore_eos": True, "stream": stream}
+    long = MAX_MODEL_LEN - 384
+    body = {"model": model, "prompt": tokens(rng, 64), "max_tokens": long, "ignore_eos": True, "stream": stream}
     status, _, out = post(url, {**body, "stream": False, "max_tokens": 400})   # control: stays, gets all
     assert status == 200 and out["usage"]["completion_tokens"] == 400
-    tries = []
+    tries, aborts = [], []
     for _ in range(3):
-        tries.append(_leave_once(url, {**body, "prompt": tokens(rng, 64)}, workers))
-        if 0 < tries[-1] < 1900 // 2:
+        decoded, sent = _leave_once(url, {**body, "prompt": tokens(rng, 64)}, workers)
+        tries.append(decoded)
+        aborts.append(sent)
+        if 0 < decoded < long // 2:
             break
-    print(f"tokens decoded for a client that left (stream={stream}), per try: {tries} of 1900")
-    assert 0 < tries[-1] < 1900 // 2, tries
+    print(f"tokens decoded for a client that left (stream={stream}), per try: {tries} of {long}; "
+          f"aborts by name sent: {aborts}")
+    assert 0 < tries[-1] < long // 2, tries
+    assert aborts[-1] >= 1, aborts
 
 
 def test_the_router_names_requests_as_vllm_does_so_that_they_can_be_aborted(stack):
