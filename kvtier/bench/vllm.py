@@ -145,11 +145,18 @@ def run(args) -> dict:
     store_bytes = f"{max(256, (len(prompts) + 1) * kv_bytes * 2 >> 20)}MiB"
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="kvtier-bench-vllm-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    base = {"model": model, "max_model_len": max_len}
+    base = {"model": model, "max_model_len": max_len, "dtype": spec.dtype}
+    page_tokens = PAGE_TOKENS
+    if spec.latent_rank:
+        from kvtier.integrations.vllm.engine_proc import latent_attention_host
+
+        latent = latent_attention_host()   # vLLM's CPU_MLA overrides the page to 16 tokens
+        page_tokens = latent["page_tokens"]
     result: dict = {
         "tokens": args.tokens, "runs": args.runs, "gen_tokens": args.gen_tokens,
-        "block_tokens": args.block_tokens, "vllm_page_tokens": PAGE_TOKENS,
-        "model": {"preset": args.model, **geo}, "kv_bytes": kv_bytes, "memcpy_kv_s": memcpy_s(kv_bytes),
+        "block_tokens": args.block_tokens, "vllm_page_tokens": page_tokens,
+        "model": {"preset": args.model, **geo,
+                  **({"latent_backend": latent["backend"]} if spec.latent_rank else {})}, "kv_bytes": kv_bytes, "memcpy_kv_s": memcpy_s(kv_bytes),
     }
     try:
         return _run_systems(args, base, prompts, kv_bytes, store_bytes, workdir, result, started)

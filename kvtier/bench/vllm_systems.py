@@ -38,8 +38,12 @@ def model_spec(name: str, positions: int):
     if name == "demo":
         spec = DEMO_SPEC  # the model of `kvtier demo`
     elif name == "deepseek":
-        # rank 512 + RoPE 64: the one latent width vLLM's CPU kernel takes
-        spec = replace(DEMO_SPEC, num_attention_heads=8, num_key_value_heads=8, latent_rank=512)
+        from kvtier.integrations.vllm.engine_proc import latent_attention_host
+
+        # rank 512 + RoPE 64: the one latent width vLLM's CPU kernels take; in the weight dtype of
+        # the backend vLLM picks here (AMX_MLA, on a CPU with AMX, takes bfloat16 only)
+        spec = replace(DEMO_SPEC, num_attention_heads=8, num_key_value_heads=8, latent_rank=512,
+                       dtype=latent_attention_host()["dtype"])
     else:
         spec = ModelSpec(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                          intermediate_size=256, vocab_size=2048, max_position_embeddings=8192)

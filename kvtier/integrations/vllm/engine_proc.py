@@ -53,6 +53,22 @@ MARK = "KVTIER-REPLY "
 PAGE_TOKENS = 32
 
 
+def latent_attention_host() -> dict:
+    """How vLLM's CPU platform runs a latent-attention (MLA) model on this host: its backend,
+    the weight dtype that backend takes, and its page size. On an x86 CPU with AMX tiles it
+    picks AMX_MLA, which loads bfloat16 weights only (float32 ones fail at start-up) and keeps
+    pages of a multiple of 32 tokens; elsewhere CPU_MLA, any dtype, 16-token pages. (The rule of
+    ``vllm.platforms.cpu.CpuPlatform.get_attn_backend_cls``, read rather than copied.)"""
+    import platform
+
+    import torch
+
+    amx = platform.machine().lower() in ("x86_64", "amd64") and torch.cpu._is_amx_tile_supported()
+    if amx:
+        return {"backend": "AMX_MLA", "dtype": "bfloat16", "page_tokens": PAGE_TOKENS}
+    return {"backend": "CPU_MLA", "dtype": "float32", "page_tokens": 16}
+
+
 class EngineDied(RuntimeError):
     pass
 

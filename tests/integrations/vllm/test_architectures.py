@@ -19,7 +19,7 @@ import json
 
 import pytest
 
-from kvtier.integrations.vllm.engine_proc import PAGE_TOKENS
+from kvtier.integrations.vllm.engine_proc import PAGE_TOKENS, latent_attention_host
 from tests.integrations.vllm.harness import expected_hit, loaded_tokens, prompts, skip_without_vllm
 
 skip_without_vllm()
@@ -208,8 +208,10 @@ def test_a_model_of_sliding_and_full_layers_loads_what_vllms_own_hit_holds(engin
     _assert_a_hit_equals_vllms_own_hit(plain, kv, batch)
 
 
-#: vLLM's CPU latent-attention backend runs 16-token pages only (it overrides the suite's 32)
-MLA_PAGE_TOKENS = 16
+#: the backend vLLM's CPU platform picks for latent attention here: CPU_MLA (any dtype, 16-token
+#: pages: it overrides the suite's 32) or, on a CPU with AMX, AMX_MLA (bfloat16 weights only)
+MLA_HOST = latent_attention_host()
+MLA_PAGE_TOKENS = MLA_HOST["page_tokens"]
 
 
 @pytest.fixture(scope="module")
@@ -229,10 +231,12 @@ def latent_deepseek(tmp_path_factory) -> str:
 
 def test_a_kvtier_hit_on_a_latent_attention_deepseek_equals_vllms_own_hit(engines, latent_deepseek):
     """DeepSeek-V2/V3 and Kimi cache a latent per token, not K and V: pages of
-    [1, 16 tokens, 576] on CPU. The connector refused the kind before (a ConfigError at start-up).
+    [1, 16 tokens, 576] on CPU (CPU_MLA, float32), [32 tokens, 576] in bfloat16 on a CPU with AMX
+    (AMX_MLA, which takes no float32 weights: a CI run on such a host failed at start-up before the
+    test chose the host's backend). The connector refused the kind before (a ConfigError at start-up).
 
-    vLLM's CPU platform runs these models with its own prefix cache off, so there kvtier is the
-    only prefix cache. The exact reference of a hit is vLLM's own hit over the same prefix (an
+    vLLM's CPU platform runs these models with its own prefix cache off under CPU_MLA, so there
+    kvtier is the only prefix cache. The exact reference of a hit is vLLM's own hit over the same prefix (an
     engine without the connector whose prefix cache is kept on for the test): both compute the
     tail against cached latents through vLLM's context-attention path. That path is not close to
     the full recompute on this backend, and no tolerance against it would mean much: vLLM's CPU
@@ -241,11 +245,14 @@ def test_a_kvtier_hit_on_a_latent_attention_deepseek_equals_vllms_own_hit(engine
     the recompute over 8 steps of top-5 logprobs, enough to reorder a random model's near-tied
     top-5. So the hit is held to vLLM's own hit, bit for bit."""
     block_tokens = 2 * MLA_PAGE_TOKENS   # two pages a block: the scatter of page runs is exercised
-    # lengths whose prefix vLLM (>= 1 token left, 16-token pages) and kvtier (>= 2, 32-token blocks) cache alike
-    batch = [p for length in (300, 330, 362) for p in prompts(1, length, seed=length)]
-    plain = engines("mla-plain", {"model": latent_deepseek, "extra": None, "force_prefix_caching": True})
-    kv = engines("mla-kvtier", {"model": latent_deepseek, "extra": {"block_tokens": block_tokens,
-                                                                    "host_bytes": "64MiB"}})
+    # lengths whose prefix vLLM (>= 1 token left, whole pages) and kvtier (>= 2, blocks of two pages)
+    # cache alike, for 16- and for 32-token pages
+    batch = [p for length in (270, 330, 390) for p in prompts(1, length, seed=length)]
+    dtype = MLA_HOST["dtype"]
+    plain = engines("mla-plain", {"model": latent_deepseek, "extra": None, "force_prefix_caching": True,
+                                  "dtype": dtype})
+    kv = engines("mla-kvtier", {"model": latent_deepseek, "dtype": dtype,
+                                "extra": {"block_tokens": block_tokens, "host_bytes": "64MiB"}})
     plain.wait_ready()
     kv.wait_ready()
 
@@ -253,6 +260,8 @@ def test_a_kvtier_hit_on_a_latent_attention_deepseek_equals_vllms_own_hit(engine
     own_hit = plain.generate(batch, max_tokens=8)
     cold = kv.generate(batch, max_tokens=8)
     kv.call(op="flush")
+    # (AMX_MLA keeps vLLM's own prefix cache on: emptied, so that the hit can only be kvtier's)
+    assert kv.call(op="reset")["ok"]
     assert kv.call(op="stats")["worker"]["poison"], "the suite runs every engine with poisoned loads"
     warm = kv.generate(batch, max_tokens=8)
 
@@ -260,8 +269,7 @@ def test_a_kvtier_hit_on_a_latent_attention_deepseek_equals_vllms_own_hit(engine
         cacheable = expected_hit(len(prompt), block_tokens, MLA_PAGE_TOKENS)
         assert full["num_cached_tokens"] == 0 and own["num_cached_tokens"] == cacheable > 0, \
             "control: vLLM's own hit covers the same prefix"
-        assert loaded_tokens(first) == 0 and first["num_cached_tokens"] == 0, \
-            "vLLM's own prefix cache is off for this model beside the connector"
+        assert loaded_tokens(first) == 0 and first["num_cached_tokens"] == 0, "a cold run hits nothing"
         assert loaded_tokens(hit) == cacheable, "every whole block but the last tokens came from kvtier"
         assert first["token_ids"] == full["token_ids"] and first["logprobs"] == full["logprobs"], \
             "the connector changes nothing on a miss"
