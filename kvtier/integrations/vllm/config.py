@@ -322,4 +322,11 @@ def _format_tag(vllm_config, kv_cache_config, spec) -> str:
         "kv_cache_dtype": str(cache.cache_dtype),
         "hash": str(cache.prefix_caching_hash_algo),
     }
+    if current_platform.device_type == "cpu":
+        # the CPU kernels' page layout depends on the host (AMX or not): cpu_pages
+        from kvtier.integrations.vllm.cpu_pages import page_format
+
+        requested = getattr(attention, "backend", None)
+        parts["page_format"] = page_format(spec, str(cache.cache_dtype),
+                                           getattr(requested, "name", None) or (str(requested) if requested else None))
     return "vllm-page/1 " + json.dumps(parts, sort_keys=True)

@@ -11,7 +11,8 @@ Settings: ``model`` (a directory), ``extra`` (kv_connector_extra_config, or
 null for no connector), ``role`` (kv_both | kv_producer | kv_consumer),
 ``dtype`` (default float32), ``max_model_len``, ``prefix_caching``, ``force_prefix_caching`` (keep vLLM's own prefix cache on
 where its CPU platform turns it off, for latent-attention models: the reference a test compares a
-kvtier hit with, as both take vLLM's context-attention path), ``kv_pages`` (vLLM's KV cache size in pages, to make it
+kvtier hit with, as both take vLLM's context-attention path), ``hide_amx`` (vLLM's CPU kernels run
+as on a host without AMX tiles: their other page layout, for a test of two hosts), ``kv_pages`` (vLLM's KV cache size in pages, to make it
 smaller than a workload), or ``transfer`` (a whole
 KVTransferConfig dict, for another connector such as LMCache's). Commands: ``generate`` (prompts as token-id lists,
 ``max_tokens``, optional ``cache_salt``, ``kv_transfer_params``), ``reset``
@@ -55,16 +56,11 @@ PAGE_TOKENS = 32
 
 def latent_attention_host() -> dict:
     """How vLLM's CPU platform runs a latent-attention (MLA) model on this host: its backend,
-    the weight dtype that backend takes, and its page size. On an x86 CPU with AMX tiles it
-    picks AMX_MLA, which loads bfloat16 weights only (float32 ones fail at start-up) and keeps
-    pages of a multiple of 32 tokens; elsewhere CPU_MLA, any dtype, 16-token pages. (The rule of
-    ``vllm.platforms.cpu.CpuPlatform.get_attn_backend_cls``, read rather than copied.)"""
-    import platform
+    the weight dtype that backend takes, and its page size (AMX_MLA loads bfloat16 weights only:
+    float32 ones fail at start-up). See :mod:`kvtier.integrations.vllm.cpu_pages`."""
+    from kvtier.integrations.vllm.cpu_pages import latent_backend
 
-    import torch
-
-    amx = platform.machine().lower() in ("x86_64", "amd64") and torch.cpu._is_amx_tile_supported()
-    if amx:
+    if latent_backend() == "AMX_MLA":
         return {"backend": "AMX_MLA", "dtype": "bfloat16", "page_tokens": PAGE_TOKENS}
     return {"backend": "CPU_MLA", "dtype": "float32", "page_tokens": 16}
 
@@ -476,6 +472,11 @@ def main() -> int:
     for name, value in CHILD_ENV.items():
         os.environ.setdefault(name, value)
     settings = json.loads(sys.argv[1])
+    if settings.get("hide_amx"):
+        # a host without AMX tiles (the CPU kernels' other page layout: cpu_pages), on one with them
+        import torch
+
+        torch.cpu._is_amx_tile_supported = lambda: False
     llm = build(settings)
     reply({"ready": True})
     for line in sys.stdin:
