@@ -80,6 +80,30 @@ def test_a_kvtier_hit_on_a_multi_query_qwen2_equals_vllms_own_hit(engines, qwen2
     assert kv.call(op="stats")["worker"]["failed_pages"] == 0
 
 
+def _fp8_kv_here() -> bool:
+    """vLLM's CPU kernels take an fp8 KV cache on x86 with AVX-512 or AMX only."""
+    import torch
+
+    from kvtier.integrations.vllm.cpu_pages import amx_tiles
+
+    return amx_tiles() or bool(torch.cpu._is_avx512_supported())
+
+
+@pytest.mark.skipif(not _fp8_kv_here(), reason="vLLM's CPU fp8 KV cache needs x86 with AVX-512 or AMX")
+def test_a_kvtier_hit_on_an_fp8_kv_cache_equals_vllms_own_hit(engines, tiny_model):
+    """``--kv-cache-dtype fp8``: pages of one byte an element (float8_e4m3), half a bfloat16
+    page, which numpy cannot name either; the bytes move unconverted. First run on a host
+    whose CPU takes it (the AMD VM of earlier sessions could not)."""
+    batch = _batch()
+    fp8 = {"dtype": "bfloat16", "engine_args": {"kv_cache_dtype": "fp8"}}
+    plain = engines("fp8-plain", {"model": tiny_model, "extra": None, **fp8})
+    kv = engines("fp8-kvtier", {"model": tiny_model, **fp8,
+                                "extra": {"block_tokens": PAGE_TOKENS, "host_bytes": "64MiB"}})
+    plain.wait_ready()
+    kv.wait_ready()
+    _assert_a_hit_equals_vllms_own_hit(plain, kv, batch)
+
+
 @pytest.fixture(scope="module")
 def sliding_window_mistral(tmp_path_factory) -> str:
     from transformers import MistralConfig
