@@ -748,6 +748,28 @@ class DroppingPublisher:
         self.router.close(0)
 
 
+@contextlib.asynccontextmanager
+async def router_on(publisher: DroppingPublisher):
+    """A router over one stand-in worker whose KV events (and replays) come from ``publisher``;
+    all stopped, the publisher closed, on leaving."""
+    serving = asyncio.ensure_future(publisher.serve_replays())
+    w = StandIn("w0")
+    await w.start()
+    config = RouterConfig(workers=[WorkerSpec.parse(f"{w.url},events={publisher.events},"
+                                                    f"replay={publisher.replay}")],
+                          block_tokens=BS, kv_bytes_per_token=4096, health_interval_s=0.2, port=free_port())
+    router = Router(config, WordTokenizer())
+    runner = router.runner()
+    await runner.setup()
+    try:
+        yield router
+    finally:
+        serving.cancel()
+        await runner.cleanup()
+        publisher.close()
+        await w.stop()
+
+
 def test_replayed_batches_are_counted_as_they_are_applied(tmp_path):
     """The count of replayed batches grew only once the publisher's end marker came, so a
     router that already indexed (and served) every replayed block said it had replayed none
@@ -759,16 +781,7 @@ def test_replayed_batches_are_counted_as_they_are_applied(tmp_path):
         for i in range(3):
             publisher.publish(2 * i, 2, live=False)      # held before any router listened
         publisher.end_marker.clear()
-        serving = asyncio.ensure_future(publisher.serve_replays())
-        w = StandIn("w0")
-        await w.start()
-        config = RouterConfig(workers=[WorkerSpec.parse(f"{w.url},events={publisher.events},"
-                                                        f"replay={publisher.replay}")],
-                              block_tokens=BS, kv_bytes_per_token=4096, health_interval_s=0.2, port=free_port())
-        router = Router(config, WordTokenizer())
-        runner = router.runner()
-        await runner.setup()
-        try:
+        async with router_on(publisher) as router:
             listener = router.listeners[0]
             for _ in range(100):
                 if router.index.worker_blocks(0) == 6:
@@ -784,11 +797,6 @@ def test_replayed_batches_are_counted_as_they_are_applied(tmp_path):
                     break
                 await asyncio.sleep(0.05)
             assert router.index.worker_blocks(0) == 8 and listener.replayed == 3 and listener.resyncs == 0
-        finally:
-            serving.cancel()
-            await runner.cleanup()
-            publisher.close()
-            await w.stop()
     run(main())
 
 
@@ -800,16 +808,7 @@ def test_a_message_lost_on_the_live_stream_is_replayed_not_cleared(tmp_path, in_
     them too (the control: ``in_buffer=False``)."""
     async def main():
         publisher = DroppingPublisher(tmp_path)
-        serving = asyncio.ensure_future(publisher.serve_replays())
-        w = StandIn("w0")
-        await w.start()
-        config = RouterConfig(workers=[WorkerSpec.parse(f"{w.url},events={publisher.events},"
-                                                        f"replay={publisher.replay}")],
-                              block_tokens=BS, kv_bytes_per_token=4096, health_interval_s=0.2, port=free_port())
-        router = Router(config, WordTokenizer())
-        runner = router.runner()
-        await runner.setup()
-        try:
+        async with router_on(publisher) as router:
             for _ in range(50):
                 if router.workers[0].events_up:
                     break
@@ -832,11 +831,6 @@ def test_a_message_lost_on_the_live_stream_is_replayed_not_cleared(tmp_path, in_
                 assert router.index.worker_blocks(0) == 6 and listener.resyncs == 0
             else:   # the hole cannot be filled: cleared, and what follows it waits for its parents
                 assert listener.resyncs == 1 and router.index.worker_blocks(0) == 0
-        finally:
-            serving.cancel()
-            await runner.cleanup()
-            publisher.close()
-            await w.stop()
     run(main())
 
 

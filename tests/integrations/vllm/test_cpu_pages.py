@@ -12,14 +12,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvtier.integrations.vllm.cpu_pages import amx_tiles
 from tests.integrations.vllm.harness import expected_hit, loaded_tokens, prompts, skip_without_vllm
 
 skip_without_vllm()
 
 pytestmark = pytest.mark.timeout(400)
 
-AMX = pytest.mark.skipif(not __import__("kvtier.integrations.vllm.cpu_pages", fromlist=["x"]).amx_tiles(),
-                         reason="needs a CPU with AMX tiles (vLLM's other CPU page layout)")
+AMX = pytest.mark.skipif(not amx_tiles(), reason="needs a CPU with AMX tiles (vLLM's other CPU page layout)")
 
 
 def _spec(dtype, **kw):
