@@ -15,7 +15,7 @@ thread pool that overlaps hashing and copies with the I/O: ``os.pwrite``,
   hashed; a large one is read in a few shrinking pieces, one request in flight,
   piece k hashed on a helper while k+1 is read (:func:`read_pieces`).
   :meth:`BlockIO.read_many` reads many small blocks back to back while a helper
-  verifies the one before. Other buffers go through staging
+  verifies the request before (its blocks at once: :class:`RunOutcome`). Other buffers go through staging
   chunks, chunk k copied and hashed while k+1 is read.
 * Payloads made or taken chunk by chunk (a sealed block, sealed or opened as it
   goes) use the same staging: ``write_filled`` / ``read_drained`` run the caller's
@@ -24,6 +24,8 @@ thread pool that overlaps hashing and copies with the I/O: ``os.pwrite``,
 
 from __future__ import annotations
 
+import bisect
+import ctypes
 import errno
 import mmap
 import os
@@ -83,7 +85,10 @@ def as_bytes(buf, *, writable: bool = False) -> np.ndarray:
 
 
 def is_page_aligned(arr: np.ndarray) -> bool:
-    return arr.__array_interface__["data"][0] % PAGE == 0
+    try:  # a writable buffer's address through ctypes: a quarter of the cost of the array interface
+        return ctypes.addressof(ctypes.c_char.from_buffer(arr)) % PAGE == 0
+    except (TypeError, ValueError):  # read-only or empty
+        return arr.__array_interface__["data"][0] % PAGE == 0
 
 
 def aligned_buffer(nbytes: int) -> np.ndarray:
@@ -181,6 +186,32 @@ class ReadOutcome:
     page: np.ndarray | None = None  #: the header page as read
     #: header page and payload read whole; for a file of another size, the header page read
     complete: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class RunOutcome:
+    """What :meth:`BlockIO.read_many` did with one request: jobs ``first .. first + count - 1``
+    (a run packed in one file, or one file of its own). Per block it is the
+    :class:`ReadOutcome` that :meth:`outcome` gives; a caller verifying many small blocks reads
+    the header pages together from ``pages`` instead."""
+
+    first: int
+    pages: np.ndarray  #: ``(count, PAGE)``: each block's header page as read
+    #: how many of the jobs, from the first, were read whole (for a file of its own of another
+    #: size than its job's: only its header page was read, and 1 says it was read whole)
+    complete: int
+    inode: os.stat_result | None = None
+    error: OSError | None = None  #: opening or reading failed (FileNotFoundError: gone)
+
+    @property
+    def count(self) -> int:
+        return len(self.pages)
+
+    def outcome(self, m: int) -> ReadOutcome:
+        """The outcome of the request's ``m``-th job."""
+        if self.error is not None:
+            return ReadOutcome(error=self.error)
+        return ReadOutcome(inode=self.inode, page=self.pages[m], complete=m < self.complete)
 
 
 class _Lease:
@@ -340,18 +371,18 @@ class BlockIO:
                 return self._read_direct(fd, out, accept_header, lease, base)
             return self._read_chunks(fd, out.nbytes, copy_into(out), accept_header, lease, base)
 
-    def read_many(self, jobs: Sequence[ReadJob], judge: Callable[[int, ReadOutcome], None]) -> None:
+    def read_many(self, jobs: Sequence[ReadJob], judge: Callable[[RunOutcome], None]) -> None:
         """Read small blocks back to back, one request in flight, on the calling thread, while a
-        helper runs ``judge(index into jobs, outcome)`` on each one read before, in order
-        (verifying it, say). Returns when every job is judged; the first exception a ``judge``
-        raised is raised here (the reads stop; judged ones stay judged).
+        helper runs ``judge(run outcome)`` on each request read before, in order (verifying its
+        blocks, say). Returns when every job is judged; the first exception a ``judge`` raised is
+        raised here (the reads stop; judged ones stay judged).
 
         A *run* of jobs, blocks packed one after another in one file (each job's ``offset`` the
         end of the one before), is read with one request: one ``preadv`` of every block's header
         page and payload. A block of a file of its own is one request.
 
         A job's ``out`` (page aligned) holds the block's payload when ``judge`` sees it; an
-        outcome's ``page`` (its header page) is valid during that call only. Of a file of
+        outcome's ``pages`` (the header pages) are valid during that call only. Of a file of
         another size than the job's only the header page is read. (The reads stay on the calling
         thread: on a busy machine a woken helper may wait milliseconds for a core, which delays
         only the verification behind the reads, not the device.) The last request's blocks are
@@ -382,13 +413,14 @@ class BlockIO:
                 batch = done.get()  # one request's blocks: a wake-up per request, not per block
                 if batch is None:
                     return  # the reads stopped
-                for item in batch:
-                    left -= 1
-                    if not failed:
-                        try:
-                            judge(*item)
-                        except BaseException as exc:  # handed to the caller
-                            failed.append(exc)
+                left -= batch.count
+                if not failed:
+                    try:
+                        judge(batch)
+                    except BaseException as exc:  # handed to the caller
+                        failed.append(exc)
+
+        heads = pages[: (end - first) * PAGE].reshape(end - first, PAGE)  # a header page per job
 
         def slot(region: np.ndarray, i: int) -> np.ndarray:
             return region[(i - first) * PAGE : (i - first + 1) * PAGE]
@@ -401,12 +433,10 @@ class BlockIO:
                 if failed:
                     break
                 if stop == i + 1 and jobs[i].offset is None:
-                    batch = [(i, self._read_one(jobs[i], slot(pages, i), slot(tails, i)))]
+                    batch = self._read_one(i, jobs[i], heads[i - first : i - first + 1], slot(tails, i))
                 else:
-                    run = range(i, stop)
-                    outcomes = self._read_run([jobs[j] for j in run], [slot(pages, j) for j in run],
-                                              [slot(tails, j) for j in run], extents)
-                    batch = list(zip(run, outcomes))
+                    batch = self._read_run(i, jobs[i:stop], heads[i - first : stop - first], tails[(i - first) * PAGE:],
+                                           extents)
                 if i < last:
                     done.put(batch)
                     batch = None
@@ -418,35 +448,37 @@ class BlockIO:
             if helper is not None:
                 helper.result()  # never leave a helper on a lease (or a caller's buffer) we return
         if batch is not None and not failed:  # the last request, in order after the helper's
-            for item in batch:
-                judge(*item)
+            judge(batch)
         if failed:
             raise failed[0]
 
-    def _read_one(self, job: ReadJob, page: np.ndarray, tail: np.ndarray) -> ReadOutcome:
+    def _read_one(self, i: int, job: ReadJob, head: np.ndarray, tail: np.ndarray) -> RunOutcome:
+        """Job ``i``, a file of its own (``head``: its ``(1, PAGE)`` header page)."""
         try:
             fd = self.open_read(job.path)
         except OSError as exc:
-            return ReadOutcome(error=exc)
+            return RunOutcome(i, head, 0, error=exc)
         try:
             inode = os.fstat(fd)
             want = job.nbytes_on_disk
             if inode.st_size != want:  # the header says whose mistake: read it alone
-                return ReadOutcome(inode=inode, page=page, complete=os.preadv(fd, [page], 0) == PAGE)
-            iov, finish = _block_iov(job.out, page, tail)
+                return RunOutcome(i, head, int(os.preadv(fd, [head[0]], 0) == PAGE), inode)
+            iov, finish = _block_iov(job.out, head[0], tail)
             got = os.preadv(fd, iov, 0)
             if got == want:
                 finish()
-            return ReadOutcome(inode=inode, page=page, complete=got == want)
+            return RunOutcome(i, head, int(got == want), inode)
         except OSError as exc:
-            return ReadOutcome(error=exc)
+            return RunOutcome(i, head, 0, error=exc)
         finally:
             os.close(fd)
 
-    def _read_run(self, run: Sequence[ReadJob], pages, tails, opened: dict) -> list[ReadOutcome]:
-        """One request for blocks packed back to back in one file; an outcome per block (a block
-        the file does not hold whole is incomplete). ``opened``: path → (fd, inode) or the
-        error opening it, kept by the caller for the runs after (it closes them)."""
+    def _read_run(self, i: int, run: Sequence[ReadJob], heads: np.ndarray, tails: np.ndarray,
+                  opened: dict) -> RunOutcome:
+        """One request for jobs ``i ..``, blocks packed back to back in one file (a block the file
+        does not hold whole is incomplete). ``heads``: a header page per job; ``tails``: a page
+        per job for payloads that end mid-page. ``opened``: path → (fd, inode) or the error
+        opening it, kept by the caller for the runs after (it closes them)."""
         path = run[0].path
         if path not in opened:
             try:
@@ -460,24 +492,31 @@ class BlockIO:
                     os.close(fd)
                     opened[path] = exc
         if isinstance(opened[path], OSError):
-            return [ReadOutcome(error=opened[path])] * len(run)
+            return RunOutcome(i, heads, 0, error=opened[path])
         fd, inode = opened[path]
-        try:
-            iov, finishes = [], []
-            for job, page, tail in zip(run, pages, tails):
-                vecs, finish = _block_iov(job.out, page, tail)
+        iov, finishes, ends, upto = [], [], [], 0
+        for m, job in enumerate(run):
+            out = job.out
+            n = out.nbytes
+            if n % PAGE == 0 and n:  # the usual block: header page and payload land in place
+                iov.append(heads[m])
+                iov.append(out)
+                upto += PAGE + n
+            else:
+                vecs, finish = _block_iov(out, heads[m], tails[m * PAGE : (m + 1) * PAGE])
                 iov.extend(vecs)
-                finishes.append(finish)
+                finishes.append((m, finish))
+                upto += PAGE + round_up(n)
+            ends.append(upto)
+        try:
             got = os.preadv(fd, iov, run[0].offset)
         except OSError as exc:
-            return [ReadOutcome(error=exc)] * len(run)
-        outcomes, upto = [], 0
-        for job, page, finish in zip(run, pages, finishes):
-            upto += job.nbytes_on_disk
-            if got >= upto:
+            return RunOutcome(i, heads, 0, error=exc)
+        complete = len(run) if got >= upto else bisect.bisect_right(ends, got)
+        for m, finish in finishes:
+            if m < complete:
                 finish()
-            outcomes.append(ReadOutcome(inode=inode, page=page, complete=got >= upto))
-        return outcomes
+        return RunOutcome(i, heads, complete, inode)
 
     def read_drained(self, fd: int, nbytes: int, drain: Drain,
                      accept_header: Callable[[np.ndarray], bool], *, base: int = 0) -> bytes | None:

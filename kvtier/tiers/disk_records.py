@@ -17,6 +17,7 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import xxhash
 
 from kvtier.core.keys import KEY_BYTES
@@ -100,6 +101,28 @@ class _Entry:
     created: float  #: publication time, wall clock (file mtime after a restart)
     extent: Extent | None = None  #: the extent it is packed in; None: a file of its own
     offset: int = 0  #: where it starts in its extent
+
+
+def records_ok(heads: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    """For each header page (a row of ``heads``, ``(k, PAGE)`` uint8) whether
+    :func:`unpack_record` finds a record bound to that row's key (a row of ``keys``, ``(k,
+    32)`` uint8) in it; no objects built (the fast path of reading many small blocks). Pages
+    whose annotations differ in length are checked one by one."""
+    start = HEADER_NBYTES
+    k = len(heads)
+    lengths = heads[:, start + 40 : start + 42].copy().view("<u2").reshape(k)
+    if k == 0 or (lengths != lengths[0]).any():
+        return np.fromiter((unpack_record(page, key.tobytes()) is not None for page, key in zip(heads, keys)),
+                           bool, k)
+    length = int(lengths[0])
+    end = start + _RECORD.size + length
+    if length > MAX_ANNOTATION or end + _RECORD_CHECK_NBYTES > heads.shape[1]:
+        return np.zeros(k, bool)
+    ok = ((heads[:, start : start + 4] == np.frombuffer(_RECORD_MAGIC, np.uint8)).all(axis=1)
+          & (heads[:, start + 4] <= 1))
+    signed = np.concatenate([keys, heads[:, start:end]], axis=1)  # what each check covers: key + record
+    checks = np.frombuffer(b"".join(xxhash.xxh3_128_digest(row) for row in signed), np.uint8).reshape(k, -1)
+    return ok & (checks == heads[:, end : end + _RECORD_CHECK_NBYTES]).all(axis=1)
 
 
 def _record_in(page, header: BlockHeader, key: bytes) -> BlockRecord | None:

@@ -123,6 +123,7 @@ def _timeline(tier, monkeypatch) -> list[tuple[str, int, float, float]]:
     paths = {tier.path_of(k(i)): i for i in range(8)}
     real_open = direct_io.BlockIO.open_read
     real_judge = DiskTier._judge_read
+    real_whole = DiskTier._verified_whole
     real_read = DiskTier._read_verified
 
     def open_read(self, path):
@@ -140,6 +141,14 @@ def _timeline(tier, monkeypatch) -> list[tuple[str, int, float, float]]:
             events.append(("verify", int.from_bytes(key, "big"), t0, time.perf_counter()))
         return status
 
+    def verified_whole(keys, dsts, jobs, run):  # the fast path: a request's blocks at once
+        t0 = time.perf_counter()
+        time.sleep(0.02)
+        whole = real_whole(keys, dsts, jobs, run)
+        with lock:
+            events.extend(("verify", int.from_bytes(key, "big"), t0, time.perf_counter()) for key in keys)
+        return whole
+
     def read_verified(self, fd, base, key, dst):
         t0 = time.perf_counter()
         time.sleep(0.02)
@@ -150,6 +159,7 @@ def _timeline(tier, monkeypatch) -> list[tuple[str, int, float, float]]:
 
     monkeypatch.setattr(direct_io.BlockIO, "open_read", open_read)
     monkeypatch.setattr(DiskTier, "_judge_read", judge)
+    monkeypatch.setattr(DiskTier, "_verified_whole", staticmethod(verified_whole))
     monkeypatch.setattr(DiskTier, "_read_verified", read_verified)
     return events
 
@@ -178,10 +188,10 @@ def test_a_failing_verification_is_raised_and_leaves_no_helper_behind(tier, monk
     for i in range(4):
         tier.put(k(i), data(i))
 
-    def boom(self, key, dst, job, got):
+    def boom(*args):
         raise RuntimeError("verification broke")
 
-    monkeypatch.setattr(DiskTier, "_judge_read", boom)
+    monkeypatch.setattr(DiskTier, "_verified_whole", staticmethod(boom))  # the path whole reads take
     with pytest.raises(RuntimeError, match="verification broke"):
         tier.get_many([k(i) for i in range(4)], [poisoned(SMALL) for _ in range(4)])
     monkeypatch.undo()
@@ -307,13 +317,13 @@ def test_the_last_request_is_judged_on_the_reading_thread_after_the_others(tier,
         assert tier.put(k(i), data(i)) is Status.OK  # a file per block: eight requests
     assert tier.put_many([k(i) for i in range(8, 12)], [data(i) for i in range(8, 12)]) == [Status.OK] * 4
     seen: list[tuple[int, str]] = []
-    real_judge = DiskTier._judge_read
+    real_whole = DiskTier._verified_whole
 
-    def judge(self, key, dst, job, got):
-        seen.append((int.from_bytes(key, "big"), threading.current_thread().name))
-        return real_judge(self, key, dst, job, got)
+    def verified_whole(keys, dsts, jobs, run):  # a request's blocks, verified at once
+        seen.extend((int.from_bytes(key, "big"), threading.current_thread().name) for key in keys)
+        return real_whole(keys, dsts, jobs, run)
 
-    monkeypatch.setattr(DiskTier, "_judge_read", judge)
+    monkeypatch.setattr(DiskTier, "_verified_whole", staticmethod(verified_whole))
     me = threading.current_thread().name
     outs = [poisoned(SMALL) for _ in range(8)]
     assert tier.get_many([k(i) for i in range(8)], outs) == [Status.OK] * 8
