@@ -21,6 +21,7 @@ import logging
 import mmap
 import os
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -152,18 +153,36 @@ class SharedClient:
         self.refs = 0
         self.staging = StagingPool(store)
         self._sessions: dict[str, int] = {}  # name → this process's reads in a get session of it
+        self._ending: dict[str, threading.Event] = {}  # name → set once its session's end has run
         self._sessions_lock = threading.Lock()
 
     # A get session (the replicas of its names, asked once and cached by the client) is the
     # client's, per name: two reads of one name at once share it, and only the last one to finish
-    # ends it (ending it under the other would fail that one's calls).
-    def sessions_opening(self, names) -> None:
-        with self._sessions_lock:
-            for name in names:
-                self._sessions[name] = self._sessions.get(name, 0) + 1
+    # ends it (ending it under the other would fail that one's calls). Its end runs after the
+    # last read has let go, outside the lock; a read of that name starting meanwhile waits for
+    # the end to run before it starts a session, which the end would otherwise take with it.
+    def sessions_opening(self, names, deadline: float | None = None) -> None:
+        """Count a read in the sessions of ``names``, once no end of theirs is under way (waited
+        for until ``deadline``, a ``time.monotonic`` time; past it the read goes on, at worst a
+        miss)."""
+        while True:
+            with self._sessions_lock:
+                waits = [self._ending[name] for name in names if name in self._ending]
+                if not waits:
+                    for name in names:
+                        self._sessions[name] = self._sessions.get(name, 0) + 1
+                    return
+            for ended in waits:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0 or not ended.wait(left):
+                    with self._sessions_lock:  # late: go on as before this ordering
+                        for name in names:
+                            self._sessions[name] = self._sessions.get(name, 0) + 1
+                    return
 
     def sessions_closing(self, names) -> list[str]:
-        """The names no other read still uses: end their session."""
+        """The names no other read still uses: end their session, then call
+        :meth:`sessions_ended` with them."""
         ending = []
         with self._sessions_lock:
             for name in names:
@@ -172,8 +191,17 @@ class SharedClient:
                     self._sessions[name] = left
                 else:
                     self._sessions.pop(name, None)
+                    if name not in self._ending:
+                        self._ending[name] = threading.Event()
                     ending.append(name)
         return ending
+
+    def sessions_ended(self, names) -> None:
+        """The end of these names' sessions has run (or failed): reads of them may start theirs."""
+        with self._sessions_lock:
+            events = [self._ending.pop(name) for name in names if name in self._ending]
+        for ended in events:
+            ended.set()
 
     @classmethod
     def acquire(cls, master: str, metadata: str, hostname: str, *, local_buffer_bytes: int = 16 << 20,

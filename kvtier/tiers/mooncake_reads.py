@@ -176,7 +176,7 @@ class TierReads:
         together; each is verified as soon as it lands, while the later ones still transfer.
         Returns the indices a holder failed to serve."""
         names = [NAME_PREFIX + digests[i].hex() for i in todo]
-        self._client.sessions_opening(names)
+        self._client.sessions_opening(names, deadline)
         try:
             codes = self._call(deadline, self._engine.batch_get_session_start, names)
             self._codes(codes)
@@ -196,7 +196,13 @@ class TierReads:
                 # Waited for only within the read's own deadline (a little grace once it has
                 # passed): ending the leases is a courtesy (they expire on their own), and with a
                 # holder frozen mid-read the end waited a whole timeout more, doubling the call.
-                end = self._caller.submit(self._engine.batch_get_session_end, ending)
+                try:
+                    end = self._caller.submit(self._engine.batch_get_session_end, ending)
+                except BaseException:
+                    self._client.sessions_ended(ending)
+                    raise
+                # reads of these names that start meanwhile wait for it (sessions_opening)
+                end.add_done_callback(lambda _, names=ending: self._client.sessions_ended(names))
                 try:
                     self._caller.wait(end, max(deadline - time.monotonic(), 0.01))
                 except Overrun:

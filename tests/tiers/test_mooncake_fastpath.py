@@ -174,6 +174,58 @@ def test_reads_of_the_same_blocks_at_once_share_their_get_session(registered):
     assert not t._client._sessions, "a get session was left open"
 
 
+class _SlowSessionEnd:
+    """The engine with a fault wrapper: each get session's end is held back ``end_delay_s``, and once
+    one has begun, every ranged read (a session's call) waits ``read_delay_s`` before it starts: a
+    second read of the same names that starts its session while the first one's end is under way
+    is still reading when that end runs."""
+
+    def __init__(self, engine, ending, end_delay_s: float, read_delay_s: float) -> None:
+        self._engine, self._ending = engine, ending
+        self._end_delay_s, self._read_delay_s = end_delay_s, read_delay_s
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def batch_get_session_end(self, names):
+        self._ending.set()
+        time.sleep(self._end_delay_s)
+        return self._engine.batch_get_session_end(names)
+
+    def batch_get_into_multi_buffer_ranges(self, *args):
+        if self._ending.is_set():
+            time.sleep(self._read_delay_s)
+        return self._engine.batch_get_into_multi_buffer_ranges(*args)
+
+
+def test_a_read_that_starts_while_a_session_ends_waits_for_the_end(registered, transfer_path):
+    """Reader A's session of some names ends (slowly) while reader B starts reading the same names:
+    B must not start its session before A's end has run (the end would take B's session with it,
+    and B's calls would fail: the test above saw BAD_SIZE misses once in a local run)."""
+    import threading
+
+    t, _ = registered
+    keys = [key(60 + i) for i in range(4)]
+    assert t.put_many(keys, [block(60 + i) for i in range(4)]) == [Status.OK] * 4
+    ending = threading.Event()
+    t._engine = _SlowSessionEnd(t._engine, ending, end_delay_s=0.2, read_delay_s=0.6)
+    first: list = []
+    a = threading.Thread(target=lambda: first.append(t.get_many(keys, [np.zeros(BLOCK, np.uint8) for _ in keys])))
+    a.start()
+    if transfer_path == "batch calls":  # small blocks take no session: the control, nothing to wait for
+        a.join()
+        assert not ending.is_set() and first == [[Status.OK] * 4]
+        return
+    assert ending.wait(10), "the first read ended no session"
+    outs = [np.zeros(BLOCK, np.uint8) for _ in keys]
+    statuses = t.get_many(keys, outs)
+    a.join()
+    assert first == [[Status.OK] * 4]
+    assert statuses == [Status.OK] * 4, f"a session ended under a read: {statuses}"
+    assert all(np.array_equal(o, block(60 + i)) for i, o in enumerate(outs))
+    assert not t._client._sessions
+
+
 def test_a_put_that_overruns_leaves_no_reservation_behind():
     """A put whose transfer overruns (the holder frozen) returns at its deadline; once the late
     call ends, its reservations are revoked, so that a later put of the same blocks stores them
