@@ -1,10 +1,11 @@
 """The transformers loader's disk load, apart from the demo: ``cache_io.load_blocks`` of N cold
-256 KiB blocks (the demo model's layout: 8 layers, 4 KV heads, head dim 64, fp32, 16 tokens) that
+256 KiB blocks (the demo model's layout: 8 layers, 4 KV heads, head dim 64, fp32, 16 tokens; or
+``--block-kib`` K: K / 8 layers of one KV head, the same tokens and head dim) that
 a write-behind flusher's batches of 32 put on the disk tier, read by a fresh process through
 ``TieredStore([host, disk])`` (spans of 16, two reads in flight, background promotion), against the
 demo's disk limit measured in that process before and after (the best counts).
 
-    python scripts/bench_disk_load.py [--blocks 128] [--runs 5] [--dir DIR]
+    python scripts/bench_disk_load.py [--blocks 128] [--runs 5] [--block-kib 256] [--dir DIR]
 
 Prints one JSON line per run and the medians. Run it from two trees (PYTHONPATH=...) alternately
 to compare code; the limit comes from the tree it runs in (``disk_limit_gib_s`` where it exists).
@@ -20,13 +21,15 @@ import subprocess
 import sys
 import tempfile
 
-NB = 256 << 10
+NB = 256 << 10  # the demo model's block; --block-kib sets another
 
 
 def _layout():
     from kvtier.core.layout import KVLayout
 
-    return KVLayout(num_layers=8, num_kv_heads=4, head_dim=64, dtype="float32", block_tokens=16)
+    if NB == 256 << 10:
+        return KVLayout(num_layers=8, num_kv_heads=4, head_dim=64, dtype="float32", block_tokens=16)
+    return KVLayout(num_layers=NB // (8 << 10), num_kv_heads=1, head_dim=64, dtype="float32", block_tokens=16)
 
 
 def _keys(n: int) -> list[bytes]:
@@ -63,7 +66,7 @@ def read(directory: str, n: int) -> dict:
 
     def limit() -> float:
         if hasattr(limits, "disk_limit_gib_s"):
-            return limits.disk_limit_gib_s(directory, NB, in_flight=2, span_blocks=16)
+            return limits.disk_limit_gib_s(directory, NB, in_flight=2, span_blocks=max(1, min(n, (4 << 20) // NB)))
         return limits.disk_read_gib_s(directory, NB, in_flight=2, total_bytes=16 << 20)
 
     before = limit()
@@ -84,9 +87,14 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--blocks", type=int, default=128)
     p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--block-kib", type=int, default=256, help="block size, a multiple of 8 KiB (default 256)")
     p.add_argument("--dir", default=None, help="disk tier directory (default: a fresh one, removed after)")
     p.add_argument("--read-only", action="store_true", help=argparse.SUPPRESS)  # the fresh reader process
     args = p.parse_args()
+    global NB
+    if args.block_kib <= 0 or args.block_kib % 8:
+        p.error("--block-kib must be a positive multiple of 8")
+    NB = args.block_kib << 10
     directory = args.dir or tempfile.mkdtemp(prefix="kvtier-bench-load-")
     if args.read_only:
         print(json.dumps(read(directory, args.blocks)))
@@ -95,8 +103,9 @@ def main() -> int:
         write(directory, args.blocks)
         runs = []
         for _ in range(args.runs):
-            out = subprocess.run([sys.executable, __file__, "--read-only", "--dir", directory,
-                                  "--blocks", str(args.blocks)], capture_output=True, text=True, check=True)
+            out = subprocess.run([sys.executable, __file__, "--read-only", "--dir", directory, "--blocks",
+                                  str(args.blocks), "--block-kib", str(args.block_kib)],
+                                 capture_output=True, text=True, check=True)
             runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
             print(json.dumps(runs[-1]), flush=True)
         print(json.dumps({"median_load_ms": statistics.median(r["load_ms"] for r in runs),
