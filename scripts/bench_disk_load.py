@@ -44,20 +44,30 @@ def write(directory: str, n: int) -> None:
 
     shutil.rmtree(directory, ignore_errors=True)
     keys = _keys(n)
-    rng = np.random.default_rng(0)
+    blocks = _blocks(n)
     with DiskTier(directory, 1 << 30) as disk:
         for a in range(0, n, 32):
             datas = [aligned_buffer(NB) for _ in keys[a : a + 32]]
-            for d in datas:
-                d[:] = rng.integers(0, 256, NB, dtype=np.uint8)
+            for d, block in zip(datas, blocks[a : a + 32]):
+                d[:] = block
             assert all(s.ok for s in disk.put_many(keys[a : a + 32], datas))
+
+
+def _blocks(n: int) -> list:
+    """The blocks' bytes, the same in the writer and in each reader (which checks its load)."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    return [rng.integers(0, 256, NB, dtype=np.uint8) for _ in range(n)]
 
 
 def read(directory: str, n: int) -> dict:
     import torch
 
     from kvtier.demo import limits
-    from kvtier.integrations.transformers.cache_io import KVStorage, Staging, load_blocks
+    import numpy as np
+
+    from kvtier.integrations.transformers.cache_io import KVStorage, Staging, gather_blocks, load_blocks
     from kvtier.store.tiered import TieredStore
     from kvtier.tiers.disk import DiskTier
     from kvtier.tiers.host import HostTier
@@ -71,14 +81,17 @@ def read(directory: str, n: int) -> dict:
 
     before = limit()
     store = TieredStore([HostTier(64 << 20, NB), DiskTier(directory, 1 << 30)])
-    storage = KVStorage(lay, n * lay.block_tokens + 64, torch.float32, poison=False)
-    staging = Staging(poison=False)
+    # poisoned before the timer (at allocation): a load that writes nothing fails the check below
+    storage = KVStorage(lay, n * lay.block_tokens + 64, torch.float32, poison=True)
+    staging = Staging(poison=True)
     staging.reserve(n * NB)
     report = load_blocks(store, _keys(n), storage, staging)
     store.wait_promotions(30)
     store.close()
     best = max(before, limit())
     assert report.blocks == n, report
+    loaded = gather_blocks(storage, 0, n)
+    assert all(np.array_equal(got.view(np.uint8), want) for got, want in zip(loaded, _blocks(n))), "wrong bytes loaded"
     return {"load_ms": round(report.seconds * 1e3, 2), "disk_limit_gib_s": round(best, 3),
             "load_efficiency": round(n * NB / (best * (1 << 30)) / report.seconds, 3)}
 

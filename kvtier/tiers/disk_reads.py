@@ -147,13 +147,7 @@ class DiskReads:
 
     def _lookup(self, key: BlockKey) -> _Entry | None:
         """The entry of a block a get should read (a miss is counted here)."""
-        with self._lock:
-            entry = self._live(key)
-            if entry is None:
-                self.stats.misses += 1
-                return None
-            self._policy.on_access(key)
-            return entry
+        return self._lookup_many((key,))[0]
 
     def _lookup_many(self, keys) -> list[_Entry | None]:
         """:meth:`_lookup` of several keys under one hold of the lock."""

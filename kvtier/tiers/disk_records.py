@@ -36,6 +36,7 @@ TEMP_SUFFIX = ".tmp"
 FLAG_RECORD = 0x100
 _RECORD_MAGIC = b"KVR1"
 _RECORD = struct.Struct("<4sB3x32sH2x")  # magic, has parent, parent, annotation length
+_HAS_PARENT_AT, _LENGTH_AT = 4, 40  # where _RECORD packs those two (records_ok reads them in place)
 _RECORD_CHECK_NBYTES = 16
 #: the largest annotation a block carries (what is left of the header page)
 MAX_ANNOTATION = PAGE - HEADER_NBYTES - _RECORD.size - _RECORD_CHECK_NBYTES
@@ -110,7 +111,7 @@ def records_ok(heads: np.ndarray, keys: np.ndarray) -> np.ndarray:
     whose annotations differ in length are checked one by one."""
     start = HEADER_NBYTES
     k = len(heads)
-    lengths = heads[:, start + 40 : start + 42].copy().view("<u2").reshape(k)
+    lengths = heads[:, start + _LENGTH_AT : start + _LENGTH_AT + 2].copy().view("<u2").reshape(k)
     if k == 0 or (lengths != lengths[0]).any():
         return np.fromiter((unpack_record(page, key.tobytes()) is not None for page, key in zip(heads, keys)),
                            bool, k)
@@ -119,7 +120,7 @@ def records_ok(heads: np.ndarray, keys: np.ndarray) -> np.ndarray:
     if length > MAX_ANNOTATION or end + _RECORD_CHECK_NBYTES > heads.shape[1]:
         return np.zeros(k, bool)
     ok = ((heads[:, start : start + 4] == np.frombuffer(_RECORD_MAGIC, np.uint8)).all(axis=1)
-          & (heads[:, start + 4] <= 1))
+          & (heads[:, start + _HAS_PARENT_AT] <= 1))
     signed = np.concatenate([keys, heads[:, start:end]], axis=1)  # what each check covers: key + record
     checks = np.frombuffer(b"".join(xxhash.xxh3_128_digest(row) for row in signed), np.uint8).reshape(k, -1)
     return ok & (checks == heads[:, end : end + _RECORD_CHECK_NBYTES]).all(axis=1)

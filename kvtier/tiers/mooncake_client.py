@@ -165,20 +165,19 @@ class SharedClient:
         """Count a read in the sessions of ``names``, once no end of theirs is under way (waited
         for until ``deadline``, a ``time.monotonic`` time; past it the read goes on, at worst a
         miss)."""
+        late = False
         while True:
             with self._sessions_lock:
                 waits = [self._ending[name] for name in names if name in self._ending]
-                if not waits:
+                if not waits or late:
                     for name in names:
                         self._sessions[name] = self._sessions.get(name, 0) + 1
                     return
             for ended in waits:
                 left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0 or not ended.wait(left):
-                    with self._sessions_lock:  # late: go on as before this ordering
-                        for name in names:
-                            self._sessions[name] = self._sessions.get(name, 0) + 1
-                    return
+                if (left is not None and left <= 0) or not ended.wait(left):
+                    late = True
+                    break
 
     def sessions_closing(self, names) -> list[str]:
         """The names no other read still uses: end their session, then call
