@@ -27,7 +27,7 @@ from __future__ import annotations
 import enum
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -164,7 +164,7 @@ class TieredStore:
     # -- get ---------------------------------------------------------------------
     def get(
         self, keys: Sequence[BlockKey], outs: Sequence, *, stop_at_miss: bool = True,
-        promote_in_background: bool = False,
+        promote_in_background: bool = False, on_ready: Callable[[list[int]], None] | None = None,
     ) -> GetResult:
         """Load blocks into caller-owned buffers.
 
@@ -174,6 +174,10 @@ class TieredStore:
         later, read again from that tier once no get runs (the load is not
         slowed by the copy; the buffers are the caller's as soon as this returns);
         :meth:`wait_promotions` waits for them.
+        ``on_ready(indices)``: called before this returns with the blocks whose ``outs`` hold
+        their verified data, as each tier verifies them (a disk tier: each request's blocks
+        while it reads the next), maybe from other threads, each served block once, also past a
+        miss; the caller may read those ``outs`` at once (place them, say), not write them.
         """
         if len(keys) != len(outs):
             raise ValueError(f"get: {len(keys)} keys but {len(outs)} buffers")
@@ -183,7 +187,7 @@ class TieredStore:
         with self._promoter.foreground():
             # One get_many per tier (a disk tier reads block i+1 while it verifies block i); past
             # a miss nothing is used (a lookup before the get makes that rare).
-            found = self._get_all(keys, outs, inline=not promote_in_background)
+            found = self._get_all(keys, outs, inline=not promote_in_background, on_ready=on_ready)
             for key, out, (status, source, level) in zip(keys, outs, found):
                 statuses.append(status)
                 tiers.append(source)
@@ -203,8 +207,8 @@ class TieredStore:
             self._stats.get_hit_blocks += sum(s is Status.OK for s in statuses)
         return GetResult(statuses, tiers, loaded)
 
-    def _get_all(self, keys: Sequence[BlockKey], outs: Sequence, *, inline: bool = True
-                 ) -> list[tuple[Status, str | None, int]]:
+    def _get_all(self, keys: Sequence[BlockKey], outs: Sequence, *, inline: bool = True,
+                 on_ready: Callable[[list[int]], None] | None = None) -> list[tuple[Status, str | None, int]]:
         """(status, name of the tier that served it, its index) of every key, each tier asked once
         for all the keys the faster ones did not serve; promoted at once if ``inline``."""
         found: list[tuple[Status, str | None, int]] = [(Status.MISS, None, 0)] * len(keys)
@@ -214,7 +218,12 @@ class TieredStore:
             if not todo:
                 break
             rest = []
-            for j, status in zip(todo, tier.get_many([keys[j] for j in todo], [outs[j] for j in todo])):
+            asked = ([keys[j] for j in todo], [outs[j] for j in todo])
+            if on_ready is None:
+                statuses = tier.get_many(*asked)
+            else:
+                statuses = tier.get_many_as_ready(*asked, lambda got, todo=todo: on_ready([todo[m] for m in got]))
+            for j, status in zip(todo, statuses):
                 if status is Status.OK:
                     if inline and self.promote and i > 0:
                         self._promote(keys[j], outs[j], self.tiers[:i])

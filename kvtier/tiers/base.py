@@ -133,6 +133,18 @@ class Tier(ABC):
             raise ValueError(f"get_many: {len(keys)} keys but {len(outs)} buffers")
         return [self.get(k, o) for k, o in zip(keys, outs)]
 
+    def get_many_as_ready(self, keys: Sequence[BlockKey], outs: Sequence,
+                          ready: Callable[[list[int]], None]) -> list[Status]:
+        """:meth:`get_many`, calling ``ready(indices)`` with the blocks whose ``outs`` hold their
+        verified data, before it returns; possibly several times and from other threads, each
+        index once. A caller can then use a block (copy it on, say) while later ones are still
+        read. Here: once, at the end; a tier that verifies blocks as they land overrides it."""
+        statuses = self.get_many(keys, outs)
+        done = [i for i, status in enumerate(statuses) if status is Status.OK]
+        if done:
+            ready(done)
+        return statuses
+
     def put_many(
         self,
         keys: Sequence[BlockKey],

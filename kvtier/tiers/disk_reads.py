@@ -48,6 +48,15 @@ class DiskReads:
         another in one extent is one request; block (or run) i+1 is read, one request in
         flight, while a helper verifies the ones before. Blocks large enough to be read in
         pieces, and buffers that are not page aligned, go one by one through :meth:`get`."""
+        return self._get_many(keys, outs, None)
+
+    def get_many_as_ready(self, keys, outs, ready) -> list[Status]:
+        """:meth:`get_many`, calling ``ready`` with each request's verified blocks as soon as
+        they are verified (on the helper that verifies them, while the next request is read),
+        so that the caller's use of them hides behind the reads too."""
+        return self._get_many(keys, outs, ready)
+
+    def _get_many(self, keys, outs, ready) -> list[Status]:
         if len(keys) != len(outs):
             raise ValueError(f"get_many: {len(keys)} keys but {len(outs)} buffers")
         dsts = [as_bytes(out, writable=True) for out in outs]  # every caller mistake before any I/O
@@ -61,6 +70,7 @@ class DiskReads:
             (small if dst.nbytes < direct_io.PIECED_MIN and direct_io.is_page_aligned(dst) else alone).append(i)
         for i in alone:
             statuses[i] = self.get(keys[i], dsts[i])
+        done = [i for i in alone if statuses[i] is Status.OK]  # ready before any request is read
         entries = self._lookup_many([keys[i] for i in small])
         paths: dict[int, str] = {}
         for i, entry in zip(small, entries):
@@ -74,6 +84,8 @@ class DiskReads:
                     return self._read_verified(fd, base, key, dst)
 
                 statuses[i] = self._get_found(key, entry, dst.nbytes, read)
+                if statuses[i] is Status.OK:
+                    done.append(i)
                 continue
             else:
                 path = paths.get(id(entry.extent))
@@ -97,7 +109,13 @@ class DiskReads:
                     statuses[i] = self._judge_read(keys[i], dsts[i], jobs[j + m], run.outcome(m))
             if any(whole):
                 self._settle_ok(sum(dsts[streamed[j + m]].nbytes for m in range(k) if whole[m]), sum(whole))
+            if ready is not None:
+                verified = [i for i in streamed[j : j + k] if statuses[i] is Status.OK]
+                if verified:
+                    ready(verified)
 
+        if ready is not None and done:
+            ready(done)
         self._io.read_many(jobs, judge)
         return statuses
 

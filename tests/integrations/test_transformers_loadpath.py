@@ -136,3 +136,88 @@ def test_read_spans_cover_every_block_once_in_whole_requests_sharing_the_lanes_e
     assert sum(requests) == -(-n // unit), "more requests than cutting in 16s makes"
     assert max(requests) - min(requests) <= 1 and requests == sorted(requests, reverse=True)
     assert -(-n // unit) < 2 or len(spans) % 2 == 0  # no lane is left reading alone at the end
+
+
+def _disk_store(tmp_path, n, monkeypatch, per_request):
+    """``n`` blocks on a disk tier, read ``per_request`` blocks a request, behind an empty host tier."""
+    from kvtier.tiers import direct_io
+    from kvtier.tiers.direct_io import PAGE
+
+    monkeypatch.setattr(direct_io, "RUN_REQUEST_BYTES", per_request * (PAGE + NB))
+    keys, blocks = keys_of(n), blocks_of(n)
+    disk = DiskTier(tmp_path / "disk", 64 << 20)
+    assert disk.put_many(keys, blocks) == [Status.OK] * n
+    return keys, blocks, disk, TieredStore([HostTier(4 * n * NB, NB), disk])
+
+
+def test_blocks_are_placed_while_later_requests_of_their_span_are_still_read(tmp_path, monkeypatch):
+    """Placing hides behind the reads: a block is placed once its tier verified it, not once its
+    whole span is read. Two spans here (one a lane), each read in two requests; every request
+    after the first is slowed."""
+    import time
+
+    from kvtier.integrations.transformers import cache_io
+    from kvtier.tiers.direct_io import BlockIO
+
+    n, per_request, slow_s = 12, 3, 0.15
+    keys, blocks, disk, store = _disk_store(tmp_path, n, monkeypatch, per_request)
+    monkeypatch.setattr(cache_io, "READ_CHUNK_BYTES", 64 * NB)  # spans as large as the lanes allow
+    read_ends, placings = [], []
+    real_read, real_place = BlockIO._read_run, cache_io._place_run
+
+    def read_run(self, *args, **kwargs):
+        if read_ends:
+            time.sleep(slow_s)
+        try:
+            return real_read(self, *args, **kwargs)
+        finally:
+            read_ends.append(time.perf_counter())
+
+    def place_run(raw, first, run, count, layout):
+        placings.append((time.perf_counter(), first, count))
+        real_place(raw, first, run, count, layout)
+
+    monkeypatch.setattr(BlockIO, "_read_run", read_run)
+    monkeypatch.setattr(cache_io, "_place_run", place_run)
+    storage = KVStorage(LAYOUT, 256, torch.float32, poison=True)
+    try:
+        report = load_blocks(store, keys, storage, Staging(poison=True))
+    finally:
+        store.close()
+    assert report.blocks == n and report.bytes_by_tier == {"disk": n * NB}
+    for i in range(n):
+        assert np.array_equal(placed(storage, i), blocks[i]), f"block {i} placed wrong"
+    assert len(read_ends) == n // per_request
+    assert sorted((first, count) for _, first, count in placings) == [(a, per_request) for a in range(0, n, per_request)]
+    # the first request's blocks were in place before the last request was read
+    assert min(t for t, _, _ in placings) < read_ends[-1] - slow_s / 2
+
+
+def test_a_block_that_fails_in_an_early_span_ends_the_load_there_whatever_later_spans_read(tmp_path, monkeypatch):
+    """Spans are read (and placed) out of order; the load still ends at the first bad block and
+    counts only the blocks before it."""
+    from kvtier.integrations.transformers import cache_io
+    from tests.tiers.test_disk import _flip
+    from kvtier.tiers.direct_io import PAGE
+
+    n = 16
+    keys, blocks, disk, store = _disk_store(tmp_path, n, monkeypatch, 2)
+    monkeypatch.setattr(cache_io, "READ_CHUNK_BYTES", 4 * NB)  # four spans of four blocks
+    path, base = disk.locate(keys[2])
+    _flip(path, base + PAGE + NB // 3)
+    storage = KVStorage(LAYOUT, 256, torch.float32, poison=True)
+    try:
+        report = load_blocks(store, keys, storage, Staging(poison=True))
+    finally:
+        store.close()
+    assert report.blocks == 2 and report.bytes_by_tier == {"disk": 2 * NB}
+    for i in range(2):
+        assert np.array_equal(placed(storage, i), blocks[i])
+    # the positive control of the cut: a clean load of the same blocks serves them all
+    keys2, blocks2, disk2, store2 = _disk_store(tmp_path / "clean", n, monkeypatch, 2)
+    storage2 = KVStorage(LAYOUT, 256, torch.float32, poison=True)
+    try:
+        report2 = load_blocks(store2, keys2, storage2, Staging(poison=True))
+    finally:
+        store2.close()
+    assert report2.blocks == n and report2.bytes_by_tier == {"disk": n * NB}

@@ -43,8 +43,11 @@ from kvtier.store.tiered import TieredStore
 from kvtier.tiers.direct_io import run_request_blocks
 from kvtier.tiers.host import HostTier
 
-#: reads from slower tiers: bytes per request to the store, and requests in flight
-READ_CHUNK_BYTES = 4 << 20
+#: reads from slower tiers: bytes per request to the store (a span), and requests in flight. A
+#: span's blocks are placed as they are verified, so a span need not be small for its copies to
+#: overlap reads; each span costs its I/O thread a pause (the next span's lookups, the last
+#: request's check), so spans are large: the demo's 20-40 MiB loads are two spans, one a thread.
+READ_CHUNK_BYTES = 16 << 20
 READS_IN_FLIGHT = 2
 #: spans handed to the store beyond those being read: an I/O thread that finishes a span starts
 #: the next at once instead of waiting for the loader's thread to wake and hand it over (on a
@@ -284,9 +287,9 @@ def load_blocks(
                             by_tier[host.name] = by_tier.get(host.name, 0) + (i - first) * nbytes
                             continue
                 # A run of blocks the host tier lacks: the store finds them below (and
-                # verifies them). Read in chunks, two in flight on the store's I/O threads,
-                # so that one chunk's reads overlap another's checksums and copies; consume
-                # them in order, stopping at a miss.
+                # verifies them). Read in spans, two in flight on the store's I/O threads;
+                # each block is placed as soon as it is verified, behind the reads; the load
+                # ends at the first block no tier served.
                 j = i + 1
                 while j < len(keys) and not (host is not None and host.contains(keys[j])):
                     j += 1
@@ -322,48 +325,62 @@ def read_spans(n: int, most: int, lanes: int, unit: int = 1) -> list[tuple[int, 
 
 def _load_lower(store: TieredStore, keys: Sequence[BlockKey], raw: np.ndarray, first: int, layout: KVLayout,
                 buf: np.ndarray, by_tier: dict[str, int]) -> int:
-    """Read ``keys`` through the store into ``buf`` and place them from block ``first``; how many were served."""
+    """Read ``keys`` through the store into ``buf`` and place them from block ``first``; how many were served.
+
+    Each block is placed as soon as its tier has verified it, on the thread that verified it
+    (a disk tier: each request's blocks while it reads the next): placing hides behind the
+    reads instead of following each span, and the last span leaves only its last request's
+    blocks to place. A block placed past a miss is harmless: the cache stops at the miss."""
     nbytes = layout.block_nbytes
     n = len(keys)
     outs = [buf[k * nbytes : (k + 1) * nbytes] for k in range(n)]
     spans = deque(read_spans(n, max(1, READ_CHUNK_BYTES // nbytes), READS_IN_FLIGHT, run_request_blocks(nbytes)))
     running: dict = {}  # future -> (a, b)
-    ready: dict[int, tuple[int, object]] = {}  # a -> (b, result): read, not placed yet
-    placed = 0  # spans are placed in order: the next one starts here
+    results: list[tuple[int, object]] = []  # (a, result) of each span read
     served = n
+
+    def place(a: int, ready: list[int]) -> None:
+        for s, e in _consecutive(ready):
+            _place_run(raw, first + a + s, buf[(a + s) * nbytes : (a + e) * nbytes], e - s, layout)
 
     def top_up() -> None:
         while spans and len(running) < READS_IN_FLIGHT + SPANS_AHEAD:
             a, b = spans.popleft()
-            running[store.get_async(keys[a:b], outs[a:b], promote_in_background=True)] = (a, b)
+            running[store.get_async(keys[a:b], outs[a:b], promote_in_background=True,
+                                    on_ready=lambda ready, a=a: place(a, ready))] = (a, b)
 
     top_up()
     try:
-        while running and served == n:
+        while running:
             finished, _ = wait(list(running), return_when=FIRST_COMPLETED)
             for future in finished:
                 a, b = running.pop(future)
-                ready[a] = (b, future.result())
-            # Spans queued ahead keep the I/O threads reading meanwhile; a new one is queued
-            # before the copies below: the reads never wait for the placing.
-            top_up()
-            while placed in ready and served == n:
-                a = placed
-                b, result = ready.pop(a)
-                if result.loaded:
-                    _place_run(raw, first + a, buf[a * nbytes : (a + result.loaded) * nbytes], result.loaded, layout)
-                for k in range(result.loaded):
-                    tier = result.tiers[k] or "?"
-                    by_tier[tier] = by_tier.get(tier, 0) + nbytes
+                result = future.result()
+                results.append((a, result))
                 if result.loaded < b - a:
-                    served = a + result.loaded  # later spans are useless past a miss
+                    served = min(served, a + result.loaded)  # later spans are useless past a miss
                     spans.clear()
-                placed = b
+            top_up()
     finally:
         for future in running:  # useless past a miss, but they write into staging: wait
             if not future.cancel():
                 future.result()
+    for a, result in results:
+        for k in range(min(result.loaded, served - a)):
+            tier = result.tiers[k] or "?"
+            by_tier[tier] = by_tier.get(tier, 0) + nbytes
     return served
+
+
+def _consecutive(indices: list[int]) -> list[tuple[int, int]]:
+    """``[s, e)`` runs of consecutive values in ``indices`` (any order)."""
+    runs: list[tuple[int, int]] = []
+    for i in sorted(indices):
+        if runs and runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return runs
 
 
 def _place_run(raw: np.ndarray, first: int, run: np.ndarray, n: int, layout: KVLayout) -> None:
