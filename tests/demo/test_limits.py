@@ -12,7 +12,7 @@ def test_disk_limit_reads_block_shaped_requests_with_reads_in_flight(tmp_path, m
     preadv = os.preadv
 
     def spy(fd, buffers, offset):
-        seen.append((sum(memoryview(b).nbytes for b in buffers), offset))
+        seen.append((sum(memoryview(b).nbytes for b in buffers), offset, buffers[0].__array_interface__["data"][0]))
         return preadv(fd, buffers, offset)
 
     direct = limits.probe_direct_io(str(tmp_path))  # the probe's own read is not the limit's
@@ -21,9 +21,24 @@ def test_disk_limit_reads_block_shaped_requests_with_reads_in_flight(tmp_path, m
     gib_s = limits.disk_read_gib_s(str(tmp_path), 256 << 10, in_flight=2, total_bytes=4 << 20, repeats=1)
     assert gib_s > 0
     request = 4096 + (256 << 10)  # a block file: header page + payload
-    assert {size for size, _ in seen} == {request}
-    assert sorted(offset for _, offset in seen) == [b * request for b in range(16)]  # every block once
+    assert {size for size, _, _ in seen} == {request}
+    kinds = len(limits.DESTINATIONS)
+    assert len(seen) == 16 * kinds
+    for k in range(kinds):  # each kind of memory in turn, every block once
+        assert sorted(offset for _, offset, _ in seen[16 * k : 16 * (k + 1)]) == [b * request for b in range(16)]
+    reused, huge_reused, region = (seen[16 * k : 16 * (k + 1)] for k in range(kinds))
+    assert len({address for _, _, address in reused}) == 2  # a buffer per read in flight
+    assert len({address for _, _, address in huge_reused}) == 2
+    assert len({address for _, _, address in region}) == 16  # a place per read, as a load's staging
     assert not list(tmp_path.iterdir()), "the scratch file is removed"
+
+
+def test_disk_limit_takes_one_kind_of_memory_when_asked_and_refuses_unknown_kinds(tmp_path):
+    one = limits.disk_read_gib_s(str(tmp_path), 256 << 10, in_flight=2, total_bytes=4 << 20, repeats=1,
+                                 destinations=("huge pages, a place per read",))
+    assert one > 0
+    with pytest.raises(ValueError, match="destinations"):
+        limits.disk_read_gib_s(str(tmp_path), 256 << 10, in_flight=2, destinations=("the page cache",))
 
 
 def test_host_limit_copies_block_sized_pieces():

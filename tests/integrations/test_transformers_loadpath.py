@@ -13,7 +13,7 @@ pytest.importorskip("transformers")
 
 from kvtier.core.layout import KVLayout  # noqa: E402
 from kvtier.integrations.poison import BYTE  # noqa: E402
-from kvtier.integrations.transformers.cache_io import KVStorage, Staging, load_blocks  # noqa: E402
+from kvtier.integrations.transformers.cache_io import KVStorage, Staging, gather_blocks, load_blocks  # noqa: E402
 from kvtier.store.tiered import TieredStore  # noqa: E402
 from kvtier.tiers.base import Status  # noqa: E402
 from kvtier.tiers.disk import DiskTier  # noqa: E402
@@ -221,3 +221,18 @@ def test_a_block_that_fails_in_an_early_span_ends_the_load_there_whatever_later_
     finally:
         store2.close()
     assert report2.blocks == n and report2.bytes_by_tier == {"disk": n * NB}
+
+
+def test_a_large_loads_staging_and_a_large_saves_gather_are_huge_page_buffers():
+    """Direct reads land in the loader's staging and writes leave from the gather buffer: both on
+    huge pages when large (a 1 MiB direct read into small pages is 256 device segments)."""
+    from kvtier.tiers.direct_io import HUGE_PAGE
+
+    staging = Staging()
+    staging.reserve(8 << 20)
+    region = staging.take(8 << 20)
+    assert region.__array_interface__["data"][0] % HUGE_PAGE == 0
+    n = (4 << 20) // NB
+    storage = KVStorage(LAYOUT, n * LAYOUT.block_tokens, torch.float32)
+    gathered = gather_blocks(storage, 0, n)
+    assert gathered[0].__array_interface__["data"][0] % HUGE_PAGE == 0

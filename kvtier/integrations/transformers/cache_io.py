@@ -416,8 +416,9 @@ def gather_blocks(storage: KVStorage, first_block: int, n_blocks: int) -> list[n
 
 
 def _aligned(nbytes: int) -> np.ndarray:
-    """A page-aligned uint8 buffer (O_DIRECT tiers read into and write from it without staging)."""
-    from kvtier.tiers.direct_io import aligned_buffer
+    """A page-aligned uint8 buffer (O_DIRECT tiers read into and write from it without staging),
+    on huge pages when large (a direct read's speed depends on it: :func:`~kvtier.tiers.direct_io.io_buffer`)."""
+    from kvtier.tiers.direct_io import io_buffer
 
-    return aligned_buffer(nbytes)
+    return io_buffer(nbytes)
 
