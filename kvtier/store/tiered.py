@@ -164,7 +164,7 @@ class TieredStore:
     # -- get ---------------------------------------------------------------------
     def get(
         self, keys: Sequence[BlockKey], outs: Sequence, *, stop_at_miss: bool = True,
-        promote_in_background: bool = False, on_ready: Callable[[list[int]], None] | None = None,
+        promote_in_background: bool = False, on_ready: Callable[[list[int], list], None] | None = None,
     ) -> GetResult:
         """Load blocks into caller-owned buffers.
 
@@ -174,10 +174,12 @@ class TieredStore:
         later, read again from that tier once no get runs (the load is not
         slowed by the copy; the buffers are the caller's as soon as this returns);
         :meth:`wait_promotions` waits for them.
-        ``on_ready(indices)``: called before this returns with the blocks whose ``outs`` hold
-        their verified data, as each tier verifies them (a disk tier: each request's blocks
-        while it reads the next), maybe from other threads, each served block once, also past a
-        miss; the caller may read those ``outs`` at once (place them, say), not write them.
+        ``on_ready(indices, payloads)``: called before this returns with verified blocks as each
+        tier verifies them (a disk tier: each request's blocks while it reads the next), maybe
+        from other threads, each served block once, also past a miss; ``payloads[m]``, block
+        ``indices[m]``'s bytes, is valid during the call only (a tier may hand over its own
+        staging and leave ``outs`` untouched). Blocks from slower tiers are then promoted in the
+        background (``outs`` may not hold them to promote from).
         """
         if len(keys) != len(outs):
             raise ValueError(f"get: {len(keys)} keys but {len(outs)} buffers")
@@ -187,11 +189,12 @@ class TieredStore:
         with self._promoter.foreground():
             # One get_many per tier (a disk tier reads block i+1 while it verifies block i); past
             # a miss nothing is used (a lookup before the get makes that rare).
-            found = self._get_all(keys, outs, inline=not promote_in_background, on_ready=on_ready)
+            background = promote_in_background or on_ready is not None
+            found = self._get_all(keys, outs, inline=not background, on_ready=on_ready)
             for key, out, (status, source, level) in zip(keys, outs, found):
                 statuses.append(status)
                 tiers.append(source)
-                if level and promote_in_background and self.promote:
+                if level and background and self.promote:
                     later.append((key, level, _nbytes(out)))
                 if stop_at_miss and status is not Status.OK:
                     break
@@ -208,7 +211,7 @@ class TieredStore:
         return GetResult(statuses, tiers, loaded)
 
     def _get_all(self, keys: Sequence[BlockKey], outs: Sequence, *, inline: bool = True,
-                 on_ready: Callable[[list[int]], None] | None = None) -> list[tuple[Status, str | None, int]]:
+                 on_ready: Callable[[list[int], list], None] | None = None) -> list[tuple[Status, str | None, int]]:
         """(status, name of the tier that served it, its index) of every key, each tier asked once
         for all the keys the faster ones did not serve; promoted at once if ``inline``."""
         found: list[tuple[Status, str | None, int]] = [(Status.MISS, None, 0)] * len(keys)
@@ -222,7 +225,8 @@ class TieredStore:
             if on_ready is None:
                 statuses = tier.get_many(*asked)
             else:
-                statuses = tier.get_many_as_ready(*asked, lambda got, todo=todo: on_ready([todo[m] for m in got]))
+                statuses = tier.get_many_as_ready(
+                    *asked, lambda got, payloads, todo=todo: on_ready([todo[m] for m in got], payloads))
             for j, status in zip(todo, statuses):
                 if status is Status.OK:
                     if inline and self.promote and i > 0:

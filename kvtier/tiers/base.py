@@ -134,15 +134,17 @@ class Tier(ABC):
         return [self.get(k, o) for k, o in zip(keys, outs)]
 
     def get_many_as_ready(self, keys: Sequence[BlockKey], outs: Sequence,
-                          ready: Callable[[list[int]], None]) -> list[Status]:
-        """:meth:`get_many`, calling ``ready(indices)`` with the blocks whose ``outs`` hold their
-        verified data, before it returns; possibly several times and from other threads, each
-        index once. A caller can then use a block (copy it on, say) while later ones are still
-        read. Here: once, at the end; a tier that verifies blocks as they land overrides it."""
+                          ready: Callable[[list[int], list], None]) -> list[Status]:
+        """:meth:`get_many`, calling ``ready(indices, payloads)`` with verified blocks before it
+        returns, possibly several times and from other threads, each served block once:
+        ``payloads[m]`` holds block ``indices[m]``'s bytes during the call (its ``outs`` buffer, or
+        the tier's own staging: ``outs`` may then not hold it). A caller can use a block (copy it
+        on, say) while later ones are still read. Here: once, at the end, from ``outs``; a tier
+        that verifies blocks as they land overrides it."""
         statuses = self.get_many(keys, outs)
         done = [i for i, status in enumerate(statuses) if status is Status.OK]
         if done:
-            ready(done)
+            ready(done, [outs[i] for i in done])
         return statuses
 
     def put_many(

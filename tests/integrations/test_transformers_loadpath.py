@@ -163,7 +163,7 @@ def test_blocks_are_placed_while_later_requests_of_their_span_are_still_read(tmp
     keys, blocks, disk, store = _disk_store(tmp_path, n, monkeypatch, per_request)
     monkeypatch.setattr(cache_io, "READ_CHUNK_BYTES", 64 * NB)  # spans as large as the lanes allow
     read_ends, placings = [], []
-    real_read, real_place = BlockIO._read_run, cache_io._place_run
+    real_read, real_place = BlockIO._read_image, cache_io._place_run  # a request into the tier's staging
 
     def read_run(self, *args, **kwargs):
         if read_ends:
@@ -177,7 +177,7 @@ def test_blocks_are_placed_while_later_requests_of_their_span_are_still_read(tmp
         placings.append((time.perf_counter(), first, count))
         real_place(raw, first, run, count, layout)
 
-    monkeypatch.setattr(BlockIO, "_read_run", read_run)
+    monkeypatch.setattr(BlockIO, "_read_image", read_run)
     monkeypatch.setattr(cache_io, "_place_run", place_run)
     storage = KVStorage(LAYOUT, 256, torch.float32, poison=True)
     try:
@@ -188,7 +188,7 @@ def test_blocks_are_placed_while_later_requests_of_their_span_are_still_read(tmp
     for i in range(n):
         assert np.array_equal(placed(storage, i), blocks[i]), f"block {i} placed wrong"
     assert len(read_ends) == n // per_request
-    assert sorted((first, count) for _, first, count in placings) == [(a, per_request) for a in range(0, n, per_request)]
+    assert sorted((first, count) for _, first, count in placings) == [(a, 1) for a in range(n)]  # from the staging
     # the first request's blocks were in place before the last request was read
     assert min(t for t, _, _ in placings) < read_ends[-1] - slow_s / 2
 

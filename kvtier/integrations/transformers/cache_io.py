@@ -325,7 +325,9 @@ def read_spans(n: int, most: int, lanes: int, unit: int = 1) -> list[tuple[int, 
 
 def _load_lower(store: TieredStore, keys: Sequence[BlockKey], raw: np.ndarray, first: int, layout: KVLayout,
                 buf: np.ndarray, by_tier: dict[str, int]) -> int:
-    """Read ``keys`` through the store into ``buf`` and place them from block ``first``; how many were served.
+    """Read ``keys`` through the store and place them from block ``first``; how many were served.
+    ``buf``: staging for tiers that read into the caller's memory (a disk tier reads into its
+    own reused staging instead and hands the bytes over from there).
 
     Each block is placed as soon as its tier has verified it, on the thread that verified it
     (a disk tier: each request's blocks while it reads the next): placing hides behind the
@@ -339,15 +341,15 @@ def _load_lower(store: TieredStore, keys: Sequence[BlockKey], raw: np.ndarray, f
     results: list[tuple[int, object]] = []  # (a, result) of each span read
     served = n
 
-    def place(a: int, ready: list[int]) -> None:
-        for s, e in _consecutive(ready):
-            _place_run(raw, first + a + s, buf[(a + s) * nbytes : (a + e) * nbytes], e - s, layout)
+    def place(a: int, ready: list[int], payloads: list[np.ndarray]) -> None:
+        for s, e, run in _runs([a + i for i in ready], payloads, outs, buf, nbytes):
+            _place_run(raw, first + s, run, e - s, layout)
 
     def top_up() -> None:
         while spans and len(running) < READS_IN_FLIGHT + SPANS_AHEAD:
             a, b = spans.popleft()
             running[store.get_async(keys[a:b], outs[a:b], promote_in_background=True,
-                                    on_ready=lambda ready, a=a: place(a, ready))] = (a, b)
+                                    on_ready=lambda ready, payloads, a=a: place(a, ready, payloads))] = (a, b)
 
     top_up()
     try:
@@ -372,15 +374,20 @@ def _load_lower(store: TieredStore, keys: Sequence[BlockKey], raw: np.ndarray, f
     return served
 
 
-def _consecutive(indices: list[int]) -> list[tuple[int, int]]:
-    """``[s, e)`` runs of consecutive values in ``indices`` (any order)."""
-    runs: list[tuple[int, int]] = []
-    for i in sorted(indices):
-        if runs and runs[-1][1] == i:
-            runs[-1] = (runs[-1][0], i + 1)
+def _runs(indices: list[int], payloads: list[np.ndarray], outs: Sequence[np.ndarray], buf: np.ndarray,
+          nbytes: int) -> list[tuple[int, int, np.ndarray]]:
+    """``(s, e, bytes)``: blocks ``s .. e - 1`` to place with one copy. Blocks handed over in
+    their own ``outs`` (slices of ``buf`` back to back) join runs; blocks a tier handed over from
+    its staging go one by one."""
+    runs: list[tuple[int, int, np.ndarray]] = []
+    for i, payload in sorted(zip(indices, payloads), key=lambda pair: pair[0]):
+        if payload is not outs[i]:
+            runs.append((i, i + 1, payload))
+        elif runs and runs[-1][1] == i and runs[-1][2] is buf:
+            runs[-1] = (runs[-1][0], i + 1, buf)
         else:
-            runs.append((i, i + 1))
-    return runs
+            runs.append((i, i + 1, buf))
+    return [(s, e, buf[s * nbytes : e * nbytes] if run is buf else run) for s, e, run in runs]
 
 
 def _place_run(raw: np.ndarray, first: int, run: np.ndarray, n: int, layout: KVLayout) -> None:
