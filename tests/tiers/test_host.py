@@ -125,3 +125,31 @@ def test_borrow_runs_merges_only_pool_adjacent_blocks_in_key_order_and_releases_
     with t.borrow_runs([k(1)], 2 * BLOCK) as runs:
         assert runs == []  # another size than asked for ends the run
     t.close()
+
+
+def test_get_many_counts_each_miss_once_and_says_what_get_says():
+    """``HostTier.get_many`` finds the misses under one hold of the lock: the same statuses and
+    counts as a ``get`` per block (a wrong size is BAD_SIZE, a read-only buffer an error)."""
+    import numpy as np
+
+    from kvtier.tiers.base import Status
+    from kvtier.tiers.host import HostTier
+
+    nb = 4096
+    blocks = {i: np.full(nb, i, np.uint8) for i in range(4)}
+    many, one = HostTier(16 * nb, nb), HostTier(16 * nb, nb)
+    for tier in (many, one):
+        for i in (0, 2):
+            assert tier.put(bytes([i]) * 32, blocks[i]) is Status.OK
+    keys = [bytes([i]) * 32 for i in (0, 1, 2, 3, 2)]
+    outs = [np.zeros(nb, np.uint8) for _ in range(4)] + [np.zeros(nb // 2, np.uint8)]
+    twin = [np.zeros_like(out) for out in outs]
+    got = many.get_many(keys, outs)
+    assert got == [one.get(key, out) for key, out in zip(keys, twin)]
+    assert got == [Status.OK, Status.MISS, Status.OK, Status.MISS, Status.BAD_SIZE]
+    assert np.array_equal(outs[0], blocks[0]) and np.array_equal(outs[2], blocks[2])
+    assert (many.stats.hits, many.stats.misses) == (one.stats.hits, one.stats.misses) == (2, 3)
+    frozen = np.zeros(nb, np.uint8)
+    frozen.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        many.get_many([bytes([1]) * 32], [frozen])  # a miss, but the buffer is the caller's mistake
