@@ -174,15 +174,19 @@ class WorkerSide:
         while j < len(keys) and not (host is not None and host.contains(keys[j])):
             j += 1
         staging = self._buffers.take(j - i)
-        done = 0
+
+        def scatter(ready: list[int], payloads: list[np.ndarray]) -> None:
+            # As each block is verified, from where its tier holds it then (a disk tier: its
+            # reused staging, while it reads the next request). A block past a miss lands in
+            # pages reported failed: vLLM recomputes them.
+            for k, payload in zip(ready, payloads):
+                self.paged.scatter(payload, transfers[i + k])
+
         try:
-            result = self.store.get(keys[i:j], staging, promote_in_background=True)
-            for k in range(result.loaded):
-                self.paged.scatter(staging[k], transfers[i + k])
-                done = k + 1
+            result = self.store.get(keys[i:j], staging, promote_in_background=True, on_ready=scatter)
         finally:
             self._buffers.give(staging)
-        return _Served(done, done == j - i)
+        return _Served(result.loaded, result.loaded == j - i)
 
     def finished_loads(self, wait_s: float = 0.0) -> set[str]:
         """Requests whose asynchronous loads ended (well or not) since the last call.

@@ -120,3 +120,37 @@ def test_latent_pages_round_trip_through_a_block_in_both_shapes_vllm_gives_them(
         assert not torch.equal(kv[22], old[7]), "control: only the pages asked for are written"
     with pytest.raises(LayoutError, match="needs"):
         PagedKV({name: t.view(PAGES, 2, PAGE, 288) for name, t in caches.items()}, engine)
+
+
+def test_disk_blocks_are_scattered_from_the_disk_tiers_staging_as_they_are_verified(engine, store):
+    """A run of blocks only the disk holds: each block's pages are written from the disk tier's
+    reused staging ring once verified (while the next request is read), not copied through the
+    connector's own staging buffers first."""
+    side, kv = worker(engine, store)
+    hashes, data = blocks(engine, 6, seed=3)
+    keys = engine.keys(hashes)
+    disk = store.tiers[1]
+    assert disk.put_many(keys, data) == [Status.OK] * 6
+    staged, sources = [], []
+    take, scatter = side._buffers.take, side.paged.scatter
+
+    def taking(n):
+        got = take(n)
+        staged.extend(b.__array_interface__["data"][0] for b in got)
+        return got
+
+    def scattering(src, transfer):
+        sources.append(src.__array_interface__["data"][0])
+        scatter(src, transfer)
+
+    side._buffers.take = taking
+    side.paged.scatter = scattering
+    transfers = [BlockTransfer(i, 0, [2 * i, 2 * i + 1]) for i in range(6)]
+    assert side._load(LoadJob("d", hashes, transfers, is_async=False)) == set()
+    for t in transfers:
+        want = pages_of(data[t.index])
+        for layer in range(LAYERS):
+            for k, page in enumerate(t.page_ids):
+                assert torch.equal(kv[layer][page], torch.from_numpy(want[layer, k])), (t, layer, page)
+    assert len(sources) == 6 and staged  # the connector still lends staging (other tiers read into it)
+    assert not set(sources) & set(staged)
