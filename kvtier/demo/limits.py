@@ -18,8 +18,9 @@
   kvtier's choice of request. Only payload bytes count, as in kvtier's own figure: the
   device without kvtier's files, header checks and checksums. The reads land in the best
   of three kinds of memory (:data:`DESTINATIONS`): a request-sized buffer per read in flight,
-  reused (hot), on small pages or on huge pages, and a region as large as all the reads on
-  huge pages (where kvtier's loads land: :func:`~kvtier.tiers.direct_io.io_buffer`).
+  reused (hot), on small pages or on huge pages (the disk tier's loads land in a reused
+  huge-page ring: ``BlockIO.read_many_staged``), and a region as large as all the reads on
+  huge pages (the kind of the loader's staging, :func:`~kvtier.tiers.direct_io.io_buffer`).
   Measured on this project's VMs, the memory a direct read lands in moves the device's
   speed by up to 1.7x (one segment a page): a limit on other memory than kvtier's would
   judge the memory, not the load.

@@ -439,53 +439,73 @@ class BlockIO:
                 self._read_group(jobs, first, min(len(jobs), first + group), pages, tails, judge)
 
     def _read_group(self, jobs, first: int, end: int, pages: np.ndarray, tails: np.ndarray, judge) -> None:
-        done: queue.SimpleQueue = queue.SimpleQueue()
-        failed: list[BaseException] = []
         requests = []  # (start, stop) of each request's jobs
         i = first
         while i < end:
             requests.append((i, _run_end(jobs, i, end)))
             i = requests[-1][1]
-        last = requests[-1][0]  # the helper judges the jobs before this one; the caller, the rest
-
-        def judging() -> None:
-            left = last - first  # exits by itself after its last one: no wake-up to stop it
-            while left:
-                batch = done.get()  # one request's blocks: a wake-up per request, not per block
-                if batch is None:
-                    return  # the reads stopped
-                left -= batch.count
-                if not failed:
-                    try:
-                        judge(batch)
-                    except BaseException as exc:  # handed to the caller
-                        failed.append(exc)
-
         heads = pages[: (end - first) * PAGE].reshape(end - first, PAGE)  # a header page per job
 
         def slot(region: np.ndarray, i: int) -> np.ndarray:
             return region[(i - first) * PAGE : (i - first + 1) * PAGE]
 
-        helper = self._pool.submit(judging) if last > first else None
         extents: dict[str, tuple[int, os.stat_result] | OSError] = {}  # one open per packed file
+
+        def read(r: int) -> RunOutcome:
+            i, stop = requests[r]
+            if stop == i + 1 and jobs[i].offset is None:
+                return self._read_one(i, jobs[i], heads[i - first : i - first + 1], slot(tails, i))
+            return self._read_run(i, jobs[i:stop], heads[i - first : stop - first], tails[(i - first) * PAGE:], extents)
+
+        try:
+            self._judged_behind(len(requests), read, judge)
+        finally:
+            _close_opened(extents)
+
+    def _judged_behind(self, count: int, read: Callable[[int], RunOutcome], judge: Callable[[RunOutcome], None],
+                       need: Callable[[int], int] | None = None) -> None:
+        """Requests ``0 .. count - 1``: ``read(r)`` each on this thread while a helper runs ``judge``
+        on each one read before, in order; the last is judged here once the helper is done. With
+        ``need``, request ``r`` is read only once ``need(r)`` requests are judged (it lands where
+        they did). The first exception a ``judge`` raised is raised here; the reads stop at it."""
+        last = count - 1  # the helper judges the requests before this one; the caller, it
+        judged = [0]  # requests judged, in order
+        freed = threading.Condition()
+        done: queue.SimpleQueue = queue.SimpleQueue()
+        failed: list[BaseException] = []
+
+        def judging() -> None:
+            for _ in range(last):  # exits by itself after its last one: no wake-up to stop it
+                batch = done.get()  # one request's blocks: a wake-up per request, not per block
+                if batch is None:
+                    return  # the reads stopped
+                try:
+                    if not failed:
+                        judge(batch)
+                except BaseException as exc:  # handed to the caller
+                    failed.append(exc)
+                finally:
+                    if need is not None:
+                        with freed:
+                            judged[0] += 1
+                            freed.notify()
+
+        helper = self._pool.submit(judging) if last > 0 else None
         batch = None
         try:
-            for i, stop in requests:
+            for r in range(count):
+                if need is not None:
+                    wanted = need(r)
+                    with freed:
+                        freed.wait_for(lambda: judged[0] >= wanted or failed)
                 if failed:
                     break
-                if stop == i + 1 and jobs[i].offset is None:
-                    batch = self._read_one(i, jobs[i], heads[i - first : i - first + 1], slot(tails, i))
-                else:
-                    batch = self._read_run(i, jobs[i:stop], heads[i - first : stop - first], tails[(i - first) * PAGE:],
-                                           extents)
-                if i < last:
+                batch = read(r)
+                if r < last:
                     done.put(batch)
                     batch = None
         finally:
-            done.put(None)  # a no-op if the helper had every job: it stopped after its last
-            for opened in extents.values():
-                if not isinstance(opened, OSError):
-                    os.close(opened[0])
+            done.put(None)  # a no-op if the helper had every request: it stopped after its last
             if helper is not None:
                 helper.result()  # never leave a helper on a lease (or a caller's buffer) we return
         if batch is not None and not failed:  # the last request, in order after the helper's
@@ -529,64 +549,26 @@ class BlockIO:
                 at = 0
             places.append((at, at + size))
             at += size
-        last = len(requests) - 1  # the helper judges the requests before this one; the caller, it
-        judged = [0]  # requests judged (in order): their places are free again
-        freed = threading.Condition()
-        done: queue.SimpleQueue = queue.SimpleQueue()
-        failed: list[BaseException] = []
-
-        def judging() -> None:
-            for _ in range(last):  # exits by itself after its last one: no wake-up to stop it
-                batch = done.get()
-                if batch is None:
-                    return  # the reads stopped
-                try:
-                    if not failed:
-                        judge(batch)
-                except BaseException as exc:  # handed to the caller
-                    failed.append(exc)
-                finally:
-                    with freed:
-                        judged[0] += 1
-                        freed.notify()
 
         def overlapped(r: int) -> int:
             """How many requests must be judged before request ``r`` may land: up to the last
             one before it whose place overlaps its own."""
             start, end = places[r]
-            need = 0
             for q in range(r - 1, -1, -1):
                 if places[q][0] < end and start < places[q][1]:
-                    need = q + 1
-                    break
-            return need
+                    return q + 1
+            return 0
 
-        helper = self._pool.submit(judging) if last else None
         opened: dict[str, tuple[int, os.stat_result] | OSError] = {}  # one open per packed file
-        batch = None
+
+        def read(r: int) -> RunOutcome:
+            (i, stop), (start, end) = requests[r], places[r]
+            return self._read_image(i, jobs[i:stop], ring[start:end], opened)
+
         try:
-            for r, (i, stop) in enumerate(requests):
-                need = overlapped(r)
-                with freed:  # the requests whose place this one takes are judged: their views are done with
-                    freed.wait_for(lambda: judged[0] >= need or failed)
-                if failed:
-                    break
-                start, end = places[r]
-                batch = self._read_image(i, jobs[i:stop], ring[start:end], opened)
-                if r < last:
-                    done.put(batch)
-                    batch = None
+            self._judged_behind(len(requests), read, judge, need=overlapped)
         finally:
-            done.put(None)  # a no-op if the helper had every request: it stopped after its last
-            for fd_inode in opened.values():
-                if not isinstance(fd_inode, OSError):
-                    os.close(fd_inode[0])
-            if helper is not None:
-                helper.result()
-        if batch is not None and not failed:  # the last request, in order after the helper's
-            judge(batch)
-        if failed:
-            raise failed[0]
+            _close_opened(opened)
 
     def _read_image(self, i: int, run: Sequence[ReadJob], chunk: np.ndarray, opened: dict) -> RunOutcome:
         """Jobs ``i ..`` (a packed run, or a file of its own) read as on disk into ``chunk`` with one
@@ -824,6 +806,13 @@ def _run_end(jobs: Sequence[ReadJob], i: int, end: int, most_bytes: int | None =
         nbytes += jobs[j].nbytes_on_disk
         j += 1
     return j
+
+
+def _close_opened(opened: dict) -> None:
+    """Close the files of a ``path -> (fd, inode) | OSError`` map (:meth:`BlockIO._opened`)."""
+    for fd_inode in opened.values():
+        if not isinstance(fd_inode, OSError):
+            os.close(fd_inode[0])
 
 
 def _block_iov(out: np.ndarray, page: np.ndarray, tail: np.ndarray):

@@ -150,6 +150,15 @@ def _disk_store(tmp_path, n, monkeypatch, per_request):
     return keys, blocks, disk, TieredStore([HostTier(4 * n * NB, NB), disk])
 
 
+def _load(store, keys):
+    """``load_blocks`` of ``keys`` into fresh poisoned storage, then the store closed."""
+    storage = KVStorage(LAYOUT, 256, torch.float32, poison=True)
+    try:
+        return load_blocks(store, keys, storage, Staging(poison=True)), storage
+    finally:
+        store.close()
+
+
 def test_blocks_are_placed_while_later_requests_of_their_span_are_still_read(tmp_path, monkeypatch):
     """Placing hides behind the reads: a block is placed once its tier verified it, not once its
     whole span is read. Two spans here (one a lane), each read in two requests; every request
@@ -157,33 +166,21 @@ def test_blocks_are_placed_while_later_requests_of_their_span_are_still_read(tmp
     import time
 
     from kvtier.integrations.transformers import cache_io
-    from kvtier.tiers.direct_io import BlockIO
+    from tests.store.test_get_on_ready import slow_staged_reads
 
     n, per_request, slow_s = 12, 3, 0.15
     keys, blocks, disk, store = _disk_store(tmp_path, n, monkeypatch, per_request)
     monkeypatch.setattr(cache_io, "READ_CHUNK_BYTES", 64 * NB)  # spans as large as the lanes allow
-    read_ends, placings = [], []
-    real_read, real_place = BlockIO._read_image, cache_io._place_run  # a request into the tier's staging
-
-    def read_run(self, *args, **kwargs):
-        if read_ends:
-            time.sleep(slow_s)
-        try:
-            return real_read(self, *args, **kwargs)
-        finally:
-            read_ends.append(time.perf_counter())
+    read_ends = slow_staged_reads(monkeypatch, slow_s)
+    placings = []
+    real_place = cache_io._place_run
 
     def place_run(raw, first, run, count, layout):
         placings.append((time.perf_counter(), first, count))
         real_place(raw, first, run, count, layout)
 
-    monkeypatch.setattr(BlockIO, "_read_image", read_run)
     monkeypatch.setattr(cache_io, "_place_run", place_run)
-    storage = KVStorage(LAYOUT, 256, torch.float32, poison=True)
-    try:
-        report = load_blocks(store, keys, storage, Staging(poison=True))
-    finally:
-        store.close()
+    report, storage = _load(store, keys)
     assert report.blocks == n and report.bytes_by_tier == {"disk": n * NB}
     for i in range(n):
         assert np.array_equal(placed(storage, i), blocks[i]), f"block {i} placed wrong"
@@ -205,21 +202,13 @@ def test_a_block_that_fails_in_an_early_span_ends_the_load_there_whatever_later_
     monkeypatch.setattr(cache_io, "READ_CHUNK_BYTES", 4 * NB)  # four spans of four blocks
     path, base = disk.locate(keys[2])
     _flip(path, base + PAGE + NB // 3)
-    storage = KVStorage(LAYOUT, 256, torch.float32, poison=True)
-    try:
-        report = load_blocks(store, keys, storage, Staging(poison=True))
-    finally:
-        store.close()
+    report, storage = _load(store, keys)
     assert report.blocks == 2 and report.bytes_by_tier == {"disk": 2 * NB}
     for i in range(2):
         assert np.array_equal(placed(storage, i), blocks[i])
     # the positive control of the cut: a clean load of the same blocks serves them all
-    keys2, blocks2, disk2, store2 = _disk_store(tmp_path / "clean", n, monkeypatch, 2)
-    storage2 = KVStorage(LAYOUT, 256, torch.float32, poison=True)
-    try:
-        report2 = load_blocks(store2, keys2, storage2, Staging(poison=True))
-    finally:
-        store2.close()
+    keys2, _, _, store2 = _disk_store(tmp_path / "clean", n, monkeypatch, 2)
+    report2, _ = _load(store2, keys2)
     assert report2.blocks == n and report2.bytes_by_tier == {"disk": n * NB}
 
 

@@ -53,22 +53,26 @@ def disk(tmp_path, monkeypatch):
     tier.close()
 
 
-@pytest.fixture
-def slow_reads(monkeypatch):
-    """Every request but the first takes SLOW_READ_S longer; logs when each read ends."""
+def slow_staged_reads(monkeypatch, slow_s: float) -> list[float]:
+    """Every staged request but the first takes ``slow_s`` longer; returns when each read ends."""
     ends: list[float] = []
     real = BlockIO._read_image  # a request read into the tier's staging
 
-    def read_run(self, *args, **kwargs):
+    def read_image(self, *args, **kwargs):
         if ends:
-            time.sleep(SLOW_READ_S)
+            time.sleep(slow_s)
         try:
             return real(self, *args, **kwargs)
         finally:
             ends.append(time.perf_counter())
 
-    monkeypatch.setattr(BlockIO, "_read_image", read_run)
+    monkeypatch.setattr(BlockIO, "_read_image", read_image)
     return ends
+
+
+@pytest.fixture
+def slow_reads(monkeypatch):
+    return slow_staged_reads(monkeypatch, SLOW_READ_S)
 
 
 class Reports:
