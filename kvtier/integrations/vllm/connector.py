@@ -24,7 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvtier.integrations import poison as poisoning
-from kvtier.integrations.vllm import shared_store
+from kvtier.integrations.vllm import cpu_windows, shared_store
 from kvtier.integrations.vllm.config import ConnectorConfig, engine_kv
 from kvtier.integrations.vllm.lookup_service import LookupClient, LookupServer, socket_path
 from kvtier.integrations.vllm.metadata import KvtierMetadata
@@ -123,6 +123,9 @@ class KvtierConnector(KVConnectorBase_V1):
 
     # -- worker side ------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
+        # The hybrid manager is off with this connector: on CPU that exposes a model of mixed
+        # sliding windows to a vLLM decode defect, avoided here (cpu_windows.py).
+        self.worker.split_kv_off = cpu_windows.guard(self._vllm_config, self._kv_cache_config)
         self.worker.register(kv_caches)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
@@ -184,5 +187,6 @@ class KvtierConnector(KVConnectorBase_V1):
     def stats(self) -> dict:
         side = self.scheduler or self.worker
         return {"role": self.role.name, **{k: getattr(side.stats, k) for k in side.stats.__slots__},
-                **({"poison": self.worker.poison} if self.worker is not None else {}),
+                **({"poison": self.worker.poison, "split_kv_off": self.worker.split_kv_off}
+                   if self.worker is not None else {}),
                 "store": self.store.stats() if self.store is not None else None}

@@ -101,6 +101,8 @@ class WorkerSide:
         self.engine = engine
         self.store = store
         self.poison = poison
+        #: vLLM's CPU split-KV decode turned off for this model's windows (cpu_windows.py)
+        self.split_kv_off = False
         self.paged: PagedKV | None = None
         self.stats = WorkerStats()
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-load")

@@ -308,19 +308,36 @@ def _generated(workers) -> float:
     return sum(_engine_metric(w, "vllm:generation_tokens_total") for w in workers)
 
 
-def _aborts_sent(router_url: str) -> float:
-    """Aborts the router asked of its workers that they accepted (its own Prometheus counter)."""
-    with urllib.request.urlopen(router_url + "/metrics", timeout=30) as resp:
-        lines = resp.read().decode().splitlines()
+def _aborts_sent(router_url: str, timeout_s: float = 10.0) -> float | None:
+    """Aborts the router asked of its workers that they accepted (its own Prometheus counter);
+    None if the router did not answer within ``timeout_s``. Its /metrics is cheap, yet a CI run
+    saw one wait past 30 s while the engines held both cores, and fail the test there: a poll
+    that goes unanswered is a poll to make again (:func:`_router_answer`)."""
+    try:
+        with urllib.request.urlopen(router_url + "/metrics", timeout=timeout_s) as resp:
+            lines = resp.read().decode().splitlines()
+    except (TimeoutError, urllib.error.URLError) as exc:
+        if isinstance(exc, urllib.error.URLError) and not isinstance(exc.reason, TimeoutError):
+            raise
+        print(f"the router's /metrics did not answer in {timeout_s} s")
+        return None
     return sum(float(line.rsplit(" ", 1)[1]) for line in lines
                if line.startswith("kvtier_router_worker_aborts_total{") and 'result="ok"' in line)
+
+
+def _router_answer(router_url: str, timeout_s: float = 120.0) -> float:
+    """:func:`_aborts_sent`, asked again until the router answers (at most ``timeout_s``)."""
+    deadline = time.monotonic() + timeout_s
+    while (sent := _aborts_sent(router_url)) is None:
+        assert time.monotonic() < deadline, f"the router's /metrics went unanswered for {timeout_s} s"
+    return sent
 
 
 def _leave_once(url: str, body: dict, workers) -> tuple[float, float]:
     """One client that leaves: a stream once the router's first event is in its socket, a whole
     answer after 0.5 s. Returns the tokens the workers decoded for it, and the aborts by name
     the router sent for it (accepted by the worker)."""
-    before, aborts_before = _generated(workers), _aborts_sent(url)
+    before, aborts_before = _generated(workers), _router_answer(url)
     conn = http.client.HTTPConnection(urlsplit(url).netloc, timeout=60)
     conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
     if body["stream"]:   # leave without reading it, as a client that gave up does
@@ -331,12 +348,11 @@ def _leave_once(url: str, body: dict, workers) -> tuple[float, float]:
     # The worker's /metrics only once the router's abort is through: while its engine decodes, a
     # worker's API server renders that answer on a core it shares with two busy processes, its
     # event loop held meanwhile. Polled at once, it held the abort back 31 s (12,949 tokens
-    # decoded instead of ~260, in a probe of one worker here). The router's own
-    # /metrics is cheap.
-    _wait_for(lambda: _aborts_sent(url) > aborts_before, timeout_s=60)
+    # decoded instead of ~260, in a probe of one worker here).
+    _wait_for(lambda: (_aborts_sent(url) or 0) > aborts_before, timeout_s=60)
     assert _wait_for(lambda: sum(_engine_metric(w, "vllm:num_requests_running") for w in workers) == 0,
                      timeout_s=180)
-    return _generated(workers) - before, _aborts_sent(url) - aborts_before
+    return _generated(workers) - before, _router_answer(url) - aborts_before
 
 
 @pytest.mark.parametrize("stream", [True, False])

@@ -1,0 +1,19 @@
+"""Which engines the connector keeps away from vLLM's CPU split-KV decode (cpu_windows.py):
+those whose KV cache groups mix a sliding window with other windows or none. The engines
+themselves are checked in test_architectures.py (a Gemma 3 turned off, a Qwen2 left alone)."""
+
+from __future__ import annotations
+
+from kvtier.integrations.vllm.cpu_windows import exposed
+
+
+def test_a_group_mixing_a_window_with_full_layers_is_exposed():
+    assert exposed([{64, None}])               # Gemma 3 with the hybrid manager off: one group
+    assert exposed([{None}, {512, 4096}])      # two windows in one group: planned without either
+
+
+def test_groups_that_each_share_one_window_are_not():
+    assert not exposed([{None}])               # a model without windows
+    assert not exposed([{64}])                 # every layer windowed alike (Mistral 7B)
+    assert not exposed([{64}, {None}])         # the hybrid manager on: a group per window
+    assert not exposed([])
