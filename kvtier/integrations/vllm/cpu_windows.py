@@ -55,6 +55,19 @@ def _group_windows(vllm_config, kv_cache_config) -> list[set]:
     return groups
 
 
+def turn_off() -> bool:
+    """Split-KV decode off for this process, read again by vLLM even where its env cache is
+    already on (a worker process of a multi-process executor turns it on earlier); True if
+    vLLM now reads it off."""
+    from vllm import envs
+
+    os.environ[SWITCH] = "0"
+    cached = getattr(envs.__getattr__, "cache_clear", None)
+    if cached is not None:
+        cached()
+    return not envs.VLLM_CPU_ATTN_SPLIT_KV
+
+
 def _window(value):
     return None if value is None or (isinstance(value, int) and value < 0) else value
 
@@ -76,10 +89,7 @@ def guard(vllm_config, kv_cache_config) -> bool:
     if not exposed(windows):
         return False
     if envs.VLLM_CPU_ATTN_SPLIT_KV:
-        os.environ[SWITCH] = "0"
-        cached = getattr(envs.__getattr__, "cache_clear", None)
-        if cached is not None:   # vLLM's env cache is already on: read the switch again
-            cached()
+        turn_off()
         log.warning("kvtier: %s=0 for this engine: a KV cache group mixes sliding-window and full "
                     "layers (windows %s; vLLM's hybrid KV cache manager is off with a connector), "
                     "which vLLM's CPU split-KV decode computes from stale buffers (NaN output). "
