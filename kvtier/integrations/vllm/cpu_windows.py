@@ -16,8 +16,8 @@ Gemma 3 with a 64-token window, 300-token prompts), 5 engines in 41 decoded toke
 or without kvtier loads (a plain engine with the manager off too), and none in 14 with
 split-KV decode off.
 
-vLLM reads the switch at every attention plan (its env cache is enabled only once the engine
-is up, after the connector registered its KV caches), so :func:`guard` turns it off
+vLLM reads the switch at every attention plan (through its env cache where that is already on:
+:func:`turn_off` clears it), so :func:`guard` turns it off
 for the worker's process where the model is exposed, and says so: decode gives up a split of
 the context across threads, for output that is not garbage. A GPU platform, or a model whose
 groups each share one window, is left alone.
