@@ -35,9 +35,9 @@ SWITCH = "VLLM_CPU_ATTN_SPLIT_KV"
 
 
 def exposed(group_windows: Iterable[set]) -> bool:
-    """Whether some KV cache group holds layers of different windows (``None``: no window),
-    one of them a real window: the CPU backend plans that group without it."""
-    return any(len(windows) > 1 and any(w is not None for w in windows) for windows in group_windows)
+    """Whether some KV cache group holds layers of different windows (``None``: no window; two
+    differ only if one is a real window): the CPU backend plans that group without any."""
+    return any(len(windows) > 1 for windows in group_windows)
 
 
 def _group_windows(vllm_config, kv_cache_config) -> list[set]:
@@ -55,6 +55,10 @@ def _group_windows(vllm_config, kv_cache_config) -> list[set]:
     return groups
 
 
+def _window(value):
+    return None if value is None or (isinstance(value, int) and value < 0) else value
+
+
 def turn_off() -> bool:
     """Split-KV decode off for this process, read again by vLLM even where its env cache is
     already on (a worker process of a multi-process executor turns it on earlier); True if
@@ -66,10 +70,6 @@ def turn_off() -> bool:
     if cached is not None:
         cached()
     return not envs.VLLM_CPU_ATTN_SPLIT_KV
-
-
-def _window(value):
-    return None if value is None or (isinstance(value, int) and value < 0) else value
 
 
 def guard(vllm_config, kv_cache_config) -> bool:
