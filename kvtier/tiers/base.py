@@ -72,6 +72,10 @@ class Tier(ABC):
     """A key → block store with bounded capacity. See the module docstring."""
 
     name: str = "tier"
+    #: a read either ends or fails within a bound known before it starts: a memcpy, or a
+    #: network call with its deadline. An engine may then wait for a small read inside a
+    #: step (the vLLM connector's ``sync_load_max_bytes``); a disk read has no such bound.
+    bounded_reads: bool = False
 
     def __init__(self) -> None:
         self.stats = TierStats()

@@ -79,6 +79,7 @@ class HostTier(Tier):
     """
 
     name = "host"
+    bounded_reads = True  # a memcpy
 
     def __init__(
         self,

@@ -102,6 +102,7 @@ SESSION_MIN_BYTES = 2 << 20
 
 class MooncakeTier(TierReads, TierWrites, BoundedEngineCalls, TenantNaming, Tier):
     name = "mooncake"
+    bounded_reads = True  # every engine call has a deadline (BoundedEngineCalls)
     #: (reads and writes) the block size from which batches move in sessions; tests set it to
     #: take one path or the other
     _session_min_bytes = SESSION_MIN_BYTES

@@ -96,6 +96,7 @@ class TierDown(Exception):
 
 class RemoteTier(Tier, StreamingTier):
     name = "remote"
+    bounded_reads = True  # every call has one deadline, set when it starts (see the module docstring)
 
     def __init__(
         self,

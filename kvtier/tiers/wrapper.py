@@ -28,6 +28,10 @@ class WrappingTier(Tier):
         return self.inner.capacity_bytes
 
     @property
+    def bounded_reads(self) -> bool:
+        return self.inner.bounded_reads
+
+    @property
     def used_bytes(self) -> int:
         return self.inner.used_bytes
 

@@ -348,3 +348,11 @@ def test_eviction_race_with_pins_and_holds_never_returns_wrong_bytes(factory, tm
             assert status is not Status.OK or np.array_equal(out, want), f"block {i} reads back wrong"
     finally:
         tier.close()
+
+
+def test_bounded_reads_holds_for_memory_and_calls_with_a_deadline_not_for_disk(tier, factory):
+    """``bounded_reads``: the vLLM connector waits for a small read inside an engine step only
+    where a read ends or fails within a known bound. A wrapper (encryption, faults) keeps its
+    inner tier's answer; a disk read, which no deadline bounds, never has it."""
+    base = factory.name.removeprefix("encrypted-").removeprefix("faulty-")
+    assert tier.bounded_reads is (base in {"host", "remote", "mooncake"}), factory.name

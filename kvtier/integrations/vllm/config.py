@@ -60,14 +60,18 @@ class ConnectorConfig:
       forward pass: with nothing else to compute, an asynchronous load only adds
       engine steps (an idle pass, then a wait) before the forward.
     * ``sync_load_max_bytes``: with ``async_load``, a load of at most this many
-      bytes (a size: ``8MiB``, or bytes) whose blocks all sit in the store's host
-      (DRAM) tier also runs synchronously, in the step of its forward pass. An
+      bytes (a size: ``8MiB``, or bytes) whose blocks all sit in tiers with bounded
+      reads (``Tier.bounded_reads``: the host (DRAM) tier, a kvtier server, Mooncake
+      Store) also runs synchronously, in the step of its forward pass. An
       asynchronous load keeps the request, and the pages reserved for it, out of
       the batch until the step after the load ends: a whole engine step (tens to
       hundreds of ms) added to its TTFT, and pages that hold no computing request
-      meanwhile. A memcpy of a few MiB costs the step a millisecond or two. Loads
-      from disk or a server stay asynchronous (their latency has no such bound);
-      ``0`` makes every load beside other requests asynchronous.
+      meanwhile. A memcpy of a few MiB costs the step a millisecond or two; a
+      server's read of as much a few more (a round trip, then its bandwidth). A
+      server that stalls holds the step up to its call deadline (``timeout_s``), as
+      the scheduler's lookup on it already can. Loads from disk stay asynchronous
+      (a disk read has no deadline); ``0`` makes every load beside other requests
+      asynchronous.
     * ``pd_wait_s``: a request carrying ``kv_transfer_params`` from a prefill
       instance waits up to this long for the blocks it announces to be visible.
     * ``load_failure_policy``: "recompute" (the default; vLLM's own default

@@ -29,7 +29,7 @@ from kvtier.integrations.vllm.config import ConnectorConfig, engine_kv
 from kvtier.integrations.vllm.lookup_service import LookupClient, LookupServer, socket_path
 from kvtier.integrations.vllm.metadata import KvtierMetadata
 from kvtier.integrations.vllm.scheduler_side import SchedulerSide
-from kvtier.integrations.vllm.worker_side import WorkerSide, direct_host_tier
+from kvtier.integrations.vllm.worker_side import WorkerSide
 
 if TYPE_CHECKING:
     import torch
@@ -90,12 +90,11 @@ class KvtierConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             # vLLM builds the worker first: if it runs in this process, share its store.
             self.store = shared_store.worker_store(engine_id)
-            in_memory = None
+            bounded: frozenset[str] = frozenset()
             if self.store is not None:
-                lookup = lambda keys: self.store.lookup(keys).hit_blocks  # noqa: E731
-                host = direct_host_tier(self.store)
-                if host is not None:  # loads from it are memcpys (see ConnectorConfig.sync_load_max_bytes)
-                    in_memory = host.lookup_prefix
+                lookup = self.store.lookup  # which tier holds each block, too
+                # small loads from these run in the forward's step (ConnectorConfig.sync_load_max_bytes)
+                bounded = frozenset(t.name for t in self.store.tiers if t.bounded_reads)
             else:
                 lookup = LookupClient(socket_path(engine_id)).lookup
             if transfer.kv_load_failure_policy != self.config.load_failure_policy:
@@ -107,7 +106,7 @@ class KvtierConnector(KVConnectorBase_V1):
                 self.config, self.engine, lookup,
                 loads=transfer.kv_role in ("kv_both", "kv_consumer"),
                 saves=transfer.kv_role in ("kv_both", "kv_producer"),
-                in_memory=in_memory,
+                bounded_tiers=bounded,
             )
         else:
             self.store = shared_store.acquire(self.config.store, self.engine.layout,

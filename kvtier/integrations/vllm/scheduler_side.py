@@ -7,9 +7,10 @@
 * **Loads** cover the pages past vLLM's local prefix hit; a load may stop
   inside a kvtier block (the worker reads the block and writes only the pages
   asked for). Loads are asynchronous (other requests keep running) unless the
-  request is alone in the engine, or the load is small and every block of it is
-  in the host tier (``sync_load_max_bytes``): then it loads in the step of its
-  forward, which saves the request an engine step of waiting.
+  request is alone in the engine, or the load is small and every block it reads
+  sits in a tier whose reads are bounded (``Tier.bounded_reads``: the host tier,
+  a kvtier server, Mooncake Store; ``sync_load_max_bytes``): then it loads in the
+  step of its forward, which saves the request an engine step of waiting.
 * **Saves** cover each kvtier block once all its tokens are computed, unless the
   lookup found it in the store already.
 * **Sliding windows.** Where vLLM dropped a request's leading pages out of the window
@@ -34,6 +35,7 @@ from typing import NamedTuple
 
 from kvtier.integrations.vllm.config import ConnectorConfig, EngineKV
 from kvtier.core.keys import BlockKey
+from kvtier.store.tiered import PrefixMatch
 from kvtier.integrations.vllm.metadata import BlockTransfer, KvtierMetadata, LoadJob, SaveJob
 
 log = logging.getLogger(__name__)
@@ -91,19 +93,21 @@ class SchedulerSide:
         self,
         config: ConnectorConfig,
         engine: EngineKV,
-        lookup: Callable[[list[BlockKey]], int],
+        lookup: Callable[[list[BlockKey]], PrefixMatch | int],
         *,
         loads: bool,
         saves: bool,
-        in_memory: Callable[[list[BlockKey]], int] | None = None,
+        bounded_tiers: frozenset[str] = frozenset(),
     ) -> None:
-        """``lookup(keys)`` returns how many leading keys the store holds (the worker's store);
-        ``in_memory(keys)`` how many its host (DRAM) tier holds, where this process can ask
-        (None: no load counts as a memory copy, all beside other requests are asynchronous)."""
+        """``lookup(keys)`` returns the store's longest prefix of ``keys`` (the worker's store):
+        a :class:`PrefixMatch` where this process holds the store and can tell which tier
+        holds each block, else just its length (a lookup socket). ``bounded_tiers``: the
+        names of the store's tiers with bounded reads (``Tier.bounded_reads``); a small
+        load from those alone runs in its forward's step (``sync_load_max_bytes``)."""
         self.config = config
         self.engine = engine
         self.lookup = lookup
-        self.in_memory = in_memory
+        self.bounded_tiers = bounded_tiers
         self.loads = loads
         self.saves = saves
         self.stats = SchedulerStats()
@@ -119,7 +123,7 @@ class SchedulerSide:
             return 0, False
         state.load_planned = False  # a fresh admission (a new request, or one preempted) plans afresh
         hashes = self.engine.block_hashes(request.block_hashes, request.num_tokens)
-        stored = self._lookup(hashes)
+        stored, tiers = self._lookup(hashes)
         announced = min(_announced_blocks(request), len(hashes))
         if stored < announced:
             now = time.monotonic()
@@ -141,38 +145,40 @@ class SchedulerSide:
         state.announced_blocks = max(state.announced_blocks, stored)
         state.async_load = self.config.async_load and not (
             (self.config.sync_load_when_alone and self._alone(request))
-            or self._memory_copy(hashes, num_computed_tokens, usable))
+            or self._bounded_read(tiers, num_computed_tokens, usable))
         return external, external > 0 and state.async_load
 
-    def _memory_copy(self, hashes: list[bytes], local_tokens: int, usable_tokens: int) -> bool:
+    def _bounded_read(self, tiers: list[str] | None, local_tokens: int, usable_tokens: int) -> bool:
         """The load of tokens ``local_tokens..usable_tokens`` is at most ``sync_load_max_bytes``
-        and the host tier holds every block it reads: a memcpy, cheaper than a step's wait."""
+        and every block it reads sits in a tier whose reads are bounded: a memcpy or one call
+        with its deadline, cheaper than the engine step an asynchronous load waits (the
+        request joins the batch only in the step after its load ends)."""
         limit = self.config.sync_load_max_bytes
-        if self.in_memory is None or usable_tokens <= local_tokens or \
+        if tiers is None or usable_tokens <= local_tokens or \
                 (usable_tokens - local_tokens) * self.engine.layout.bytes_per_token > limit:
             return False
-        blocks = -(-usable_tokens // self.engine.block_tokens)
-        try:
-            return self.in_memory(self.engine.keys(hashes[:blocks])) >= blocks
-        except Exception as exc:  # noqa: BLE001 - unknown residency: load asynchronously, as before
-            log.debug("kvtier host residency check failed (%s)", exc)
-            return False
+        first, end = local_tokens // self.engine.block_tokens, -(-usable_tokens // self.engine.block_tokens)
+        return end <= len(tiers) and all(tier in self.bounded_tiers for tier in tiers[first:end])
 
     def _alone(self, request) -> bool:
         """No other request is in the engine (waiting, loading or running): every request
         the scheduler admits passes through this side's lookup and leaves through ``finished``."""
         return len(self._requests) == 1 and request.request_id in self._requests
 
-    def _lookup(self, hashes: list[bytes]) -> int:
+    def _lookup(self, hashes: list[bytes]) -> tuple[int, list[str] | None]:
+        """Blocks the store holds as a prefix, and the tier of each (None: not known here)."""
         if not hashes:
-            return 0
+            return 0, None
         self.stats.lookups += 1
         try:
-            return self.lookup(self.engine.keys(hashes))
+            found = self.lookup(self.engine.keys(hashes))
         except Exception as exc:  # noqa: BLE001 - a broken tier is a miss, never a failed request
             self.stats.lookup_errors += 1
             log.warning("kvtier lookup failed (%s); treating it as a miss", exc)
-            return 0
+            return 0, None
+        if isinstance(found, PrefixMatch):
+            return found.hit_blocks, found.tiers
+        return found, None
 
     # -- allocation -------------------------------------------------------------------
     def after_alloc(self, request, block_ids: list[int], num_external_tokens: int) -> None:

@@ -86,6 +86,9 @@ def direct_host_tier(store: TieredStore) -> HostTier | None:
 @dataclass(slots=True)
 class WorkerStats:
     load_jobs: int = 0
+    #: of those, loads run between steps: each kept its request out of the batch until the
+    #: step after it ended (the others ran in the step of their forward)
+    async_load_jobs: int = 0
     load_seconds: float = 0.0  #: wall time of loads: store reads + page writes
     loaded_blocks: int = 0
     failed_pages: int = 0
@@ -126,6 +129,7 @@ class WorkerSide:
         for job in meta.loads:
             self.stats.load_jobs += 1
             if job.is_async:
+                self.stats.async_load_jobs += 1
                 self._inflight[job.req_id] = self._loader.submit(self._load, job)
             else:
                 self._load_errors |= self._load(job)

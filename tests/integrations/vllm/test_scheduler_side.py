@@ -14,6 +14,7 @@ from kvtier.core.layout import KVLayout  # noqa: E402
 from kvtier.core.namespace import Namespace  # noqa: E402
 from kvtier.integrations.vllm.config import ConnectorConfig, EngineKV  # noqa: E402
 from kvtier.integrations.vllm.scheduler_side import SchedulerSide  # noqa: E402
+from kvtier.store.tiered import PrefixMatch  # noqa: E402
 
 PAGE, BLOCK = 32, 64  # two vLLM pages per kvtier block
 
@@ -206,18 +207,21 @@ def test_async_load_off_means_synchronous_even_beside_others(engine):
     assert sched.num_new_matched_tokens(b, 0) == (608, False)
 
 
-def test_a_small_load_from_the_host_tier_runs_in_its_forward_step_even_beside_others(engine):
+def test_a_small_load_from_tiers_with_bounded_reads_runs_in_its_forward_step_even_beside_others(engine):
     """An asynchronous load costs the request a whole engine step of waiting (its pages held
-    meanwhile); a memcpy of a few hundred KiB from DRAM costs the step far less."""
+    meanwhile); a memcpy of a few hundred KiB from DRAM, or one call to a server with its
+    deadline, costs the step far less. A disk read has no bound: it stays asynchronous."""
     store, first, small = FakeStore(), request("first", 640), request("small", 640)
     for req in (first, small):
         store.hold(engine, req, 10)
-    in_memory = {"blocks": 10}
+    where = {"tiers": ["host"] * 10}
 
-    def sched_with(**config):
+    def lookup(keys):
+        return PrefixMatch(store.lookup(keys), where["tiers"][: store.lookup(keys)])
+
+    def sched_with(lookup=lookup, **config):
         s = SchedulerSide(ConnectorConfig(block_tokens=BLOCK, sync_load_when_alone=False, **config), engine,
-                          store.lookup, loads=True, saves=True,
-                          in_memory=lambda keys: min(len(keys), in_memory["blocks"]))
+                          lookup, loads=True, saves=True, bounded_tiers=frozenset({"host", "remote"}))
         s.num_new_matched_tokens(first, 0)  # another request is in the engine
         return s
 
@@ -226,16 +230,22 @@ def test_a_small_load_from_the_host_tier_runs_in_its_forward_step_even_beside_ot
     sched.after_alloc(small, list(range(100, 121)), 608)
     (job,) = sched.build(output()).loads
     assert not job.is_async and sched.finished(small)[0] is False, "no pages held past the request"
-    # controls: a load over the limit, or one whose last block only a lower tier holds, stays asynchronous
+    # a server's blocks (another worker computed them): one call with its deadline, not a step's wait
+    where["tiers"] = ["host"] * 4 + ["remote"] * 6
+    assert sched_with().num_new_matched_tokens(small, 0) == (608, False)
+    # only the blocks the load reads count: those in vLLM's own pages may sit anywhere
+    where["tiers"] = ["disk"] * 4 + ["remote"] * 6
+    assert sched_with().num_new_matched_tokens(small, 4 * BLOCK) == (608 - 4 * BLOCK, False)
+    # controls: a load over the limit, one with a block only the disk holds, or one whose
+    # tiers are not known here (a lookup socket) stays asynchronous
+    assert sched_with().num_new_matched_tokens(small, 0) == (608, True), "its first blocks are on disk"
+    where["tiers"] = ["host"] * 9 + ["disk"]
+    assert sched_with().num_new_matched_tokens(small, 0) == (608, True)
+    where["tiers"] = ["host"] * 4 + ["remote"] * 6
     assert sched_with(sync_load_max_bytes="512KiB").num_new_matched_tokens(small, 0) == (608, True)
     assert sched_with(sync_load_max_bytes=0).num_new_matched_tokens(small, 0) == (608, True)
-    in_memory["blocks"] = 9
-    assert sched_with().num_new_matched_tokens(small, 0) == (608, True)
-    in_memory["blocks"] = 10
-    no_residency = SchedulerSide(ConnectorConfig(block_tokens=BLOCK, sync_load_when_alone=False), engine,
-                                 store.lookup, loads=True, saves=True)
-    no_residency.num_new_matched_tokens(first, 0)
-    assert no_residency.num_new_matched_tokens(small, 0) == (608, True), "residency unknown (a lookup socket)"
+    assert sched_with(lookup=store.lookup).num_new_matched_tokens(small, 0) == (608, True), \
+        "tiers unknown (a lookup socket)"
 
 
 def test_sync_load_max_bytes_takes_sizes_and_refuses_nonsense():

@@ -68,6 +68,28 @@ def test_fresh_engine_process_loads_what_another_stored_through_the_server(clust
     assert_loads_what_another_computed(producer, consumer, BLOCK_TOKENS, seed=11)
 
 
+def test_small_loads_from_the_server_beside_other_requests_land_before_their_forward(cluster):
+    """Requests batched together, whose blocks only the server holds (``host_bytes`` 0): each
+    finds others in the engine, and its load (a few hundred KiB: one call with its deadline)
+    runs in the step of its forward (``sync_load_max_bytes``). A load run between steps kept
+    its request out of the batch until the next step: a whole engine step added to its TTFT.
+    Pages are poisoned first: a load landing after the forward shows."""
+    producer, consumer, _ = cluster
+    batch = prompts(3, 300, seed=31)
+    cold = producer.generate(batch, max_tokens=8, sequential=False)
+    assert all(loaded_tokens(o) == 0 for o in cold)
+    producer.call(op="flush")
+    before = consumer.call(op="stats")["worker"]
+    warm = consumer.generate(batch, max_tokens=8, sequential=False)
+    after = consumer.call(op="stats")["worker"]
+    for prompt, a, b in zip(batch, cold, warm):
+        assert loaded_tokens(b) == hit(len(prompt)) > 0
+        assert b["token_ids"] == a["token_ids"]
+    assert after["load_jobs"] - before["load_jobs"] == len(batch)
+    assert after["async_load_jobs"] == before["async_load_jobs"], "a server's small load waited a step"
+    assert after["failed_pages"] == before["failed_pages"]
+
+
 def test_prefill_decode_disaggregation_matches_a_single_instance(cluster):
     producer, consumer, _ = cluster
     batch = prompts(2, 420, seed=12)

@@ -154,3 +154,18 @@ def test_disk_blocks_are_scattered_from_the_disk_tiers_staging_as_they_are_verif
                 assert torch.equal(kv[layer][page], torch.from_numpy(want[layer, k])), (t, layer, page)
     assert len(sources) == 6 and staged  # the connector still lends staging (other tiers read into it)
     assert not set(sources) & set(staged)
+
+
+def test_the_stats_count_loads_run_between_steps_apart(engine, store):
+    """``async_load_jobs``: how many loads kept their request out of the batch for a step."""
+    from kvtier.integrations.vllm.metadata import KvtierMetadata
+
+    side, _ = worker(engine, store)
+    hashes, data = blocks(engine, 2, seed=3)
+    for key, block in zip(engine.keys(hashes), data):
+        assert store.tiers[0].put(key, block) is Status.OK
+    jobs = [LoadJob("sync", hashes, [BlockTransfer(0, 0, [1, 2])], is_async=False),
+            LoadJob("async", hashes, [BlockTransfer(0, 0, [3, 4])], is_async=True)]
+    side.start_loads(KvtierMetadata(loads=jobs))
+    assert side.finished_loads(wait_s=10) == {"async"}
+    assert (side.stats.load_jobs, side.stats.async_load_jobs) == (2, 1)
