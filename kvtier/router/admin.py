@@ -180,11 +180,7 @@ class WorkerAdmin:
             self.router.listeners.remove(listener)
             await listener.stop()
         self.router.index.clear_worker(worker.id)
-        for gauge in (self.router.metrics.healthy, self.router.metrics.events_up):
-            try:
-                gauge.remove(worker.url)
-            except KeyError:
-                pass
+        self.router.metrics.forget_worker(worker.url)
         self.router._update_mode()
         log.info("worker %s removed", worker.url)
         return web.json_response({**describe(worker), "state": "removed"})

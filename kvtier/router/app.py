@@ -434,7 +434,7 @@ class Router:
             log.debug("no tokenizer check: %s", exc)
             return
         alike = await tokenizes_alike(self.session, worker, self._worker_auth(None), expected)
-        if alike is None:
+        if alike is None or not self._listed(worker):     # not asked, or removed meanwhile
             return
         self.metrics.tokenizer_mismatch.labels(worker.url).set(0 if alike else 1)
         if not alike:
@@ -466,7 +466,16 @@ class Router:
         if names:
             self.index.add_lora_names(names)
 
+    def _listed(self, worker: Worker) -> bool:
+        """``worker`` is still one of the router's (by identity: Worker compares by fields, and
+        a worker removed then added again under its URL is a new one)."""
+        return any(w is worker for w in self.workers)
+
     def _record_health(self, worker: Worker, good: bool) -> None:
+        if not self._listed(worker):
+            # removed while its health check or a request on it was under way: nothing of it
+            # may come back (its metric series were dropped with it)
+            return
         if good:
             if self.health.ok(worker):
                 log.info("worker %s re-admitted", worker.url)

@@ -71,5 +71,14 @@ class RouterMetrics:
                                         ["worker"], registry=r)
         self.index_blocks = Gauge("kvtier_router_index_blocks", "Blocks in the router's index", registry=r)
 
+    def forget_worker(self, url: str) -> None:
+        """Drop a removed worker's present-state series (its counters stay: they are history)."""
+        for gauge in (self.healthy, self.events_up, self.worker_blocks, self.prefill_speed, self.decode_step,
+                      self.tokenizer_mismatch):
+            try:
+                gauge.remove(url)
+            except KeyError:
+                pass
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

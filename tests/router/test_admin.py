@@ -38,6 +38,38 @@ async def _complete(s: ClientSession, url: str, prompt: str, stream: bool = Fals
         return r.status, r.headers.get("X-Kvtier-Worker", "") + ("" if not stream or b"[DONE]" in body else "!torn")
 
 
+def test_a_removed_worker_leaves_no_metric_series_even_with_a_health_check_under_way():
+    """A health check of a worker that was removed while the check waited for its answer put
+    the worker's ``kvtier_router_worker_healthy`` series back (a CI run saw it after the
+    DELETE). Its present-state series all go with it: health, events, indexed blocks,
+    measured speeds. Control: before the removal, /metrics lists them."""
+    async def main():
+        a, b = StandIn("a"), StandIn("b")
+        await a.start()
+        await b.start()
+        router, runner, url = await start_router([a, b], policy="round-robin")
+        series = [f'kvtier_router_worker_{name}{{worker="{b.url}"}}'
+                  for name in ("healthy", "indexed_blocks", "prefill_tokens_per_s", "decode_step_seconds")]
+        try:
+            async with ClientSession() as s:
+                text = await (await s.get(url + "/metrics")).text()
+                assert all(line in text for line in series), text          # control
+                b.health_delay_s = 1.0
+                checks = b.health_checks
+                await _until(lambda: b.health_checks > checks, what="a health check of b under way")
+                assert (await _admin(s, "DRAIN", url, {"url": b.url}))[0] == 200
+                assert (await _admin(s, "DELETE", url, {"url": b.url}))[0] == 200
+                await asyncio.sleep(1.5)        # the check's answer arrives after the removal
+                text = await (await s.get(url + "/metrics")).text()
+                assert not [line for line in series if line in text], text
+                assert f'kvtier_router_worker_healthy{{worker="{a.url}"}} 1.0' in text
+        finally:
+            await runner.cleanup()
+            await a.stop()
+            await b.stop()
+    run(main())
+
+
 def test_added_worker_gets_requests_and_a_drained_one_finishes_its_stream_and_gets_none():
     async def main():
         a, b = StandIn("a"), StandIn("b")

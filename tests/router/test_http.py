@@ -51,6 +51,8 @@ class StandIn:
         self.requests = 0
         self.fail_next = 0          # close the connection before answering
         self.down = False
+        self.health_delay_s = 0.0                # /health answers this late
+        self.health_checks = 0                   # /health requests begun
         self.rendered: list[int] | None = None   # what /tokenize answers
         self.api_key: str | None = None          # as vllm serve --api-key: /v1 routes need it
         self.tokenized: list[dict] = []
@@ -135,6 +137,9 @@ class StandIn:
         return resp
 
     async def health(self, request):
+        self.health_checks += 1
+        if self.health_delay_s:
+            await asyncio.sleep(self.health_delay_s)
         return web.Response(status=503 if self.down else 200)
 
     async def stored(self, request):
