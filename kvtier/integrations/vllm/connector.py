@@ -92,7 +92,8 @@ class KvtierConnector(KVConnectorBase_V1):
             self.store = shared_store.worker_store(engine_id)
             bounded: frozenset[str] = frozenset()
             if self.store is not None:
-                lookup = self.store.lookup  # which tier holds each block, too
+                # which tier holds each block, too; through self.store, which shutdown clears
+                lookup = lambda keys: self.store.lookup(keys)  # noqa: E731
                 # small loads from these run in the forward's step (ConnectorConfig.sync_load_max_bytes)
                 bounded = frozenset(t.name for t in self.store.tiers if t.bounded_reads)
             else:
