@@ -217,7 +217,8 @@ def test_a_small_load_from_tiers_with_bounded_reads_runs_in_its_forward_step_eve
     where = {"tiers": ["host"] * 10}
 
     def lookup(keys):
-        return PrefixMatch(store.lookup(keys), where["tiers"][: store.lookup(keys)])
+        hit = store.lookup(keys)
+        return PrefixMatch(hit, where["tiers"][:hit])
 
     def sched_with(lookup=lookup, **config):
         s = SchedulerSide(ConnectorConfig(block_tokens=BLOCK, sync_load_when_alone=False, **config), engine,
