@@ -1046,6 +1046,52 @@ def test_an_abort_the_worker_got_before_the_request_is_sent_again(again):
     run(main())
 
 
+class SlowToAnswerAborts(Deaf):
+    """A worker whose API server, short of CPU, takes an abort at once but answers it late."""
+
+    def __init__(self, name: str, answer_after_s: float, **kw) -> None:
+        super().__init__(name, **kw)
+        self.answer_after_s = answer_after_s
+
+    async def abort(self, request):
+        answer = await super().abort(request)   # the generation stops now
+        await asyncio.sleep(self.answer_after_s)
+        return answer
+
+
+@pytest.mark.parametrize("bound_s", [None, 1.0])
+def test_an_abort_the_worker_answers_late_is_counted_as_taken(monkeypatch, bound_s):
+    """An abort the worker takes but answers late (its API server beside a decoding engine on
+    the same cores) still stopped the generation: the router waits for that answer
+    (``ABORT_TIMEOUT_S``) and counts it ``ok``. Under the 5 s bound this had, a CI run counted
+    ``failed`` an abort that had cut its generation. Control (``bound_s`` 1 s, shorter than the
+    worker's answer): the same abort is counted ``failed``, so the count tells the bound apart."""
+    from kvtier.router import abort
+
+    if bound_s is not None:
+        monkeypatch.setattr(abort, "ABORT_TIMEOUT_S", bound_s)
+    late_s = 6.0 if bound_s is None else 2.0
+
+    async def main():
+        w = SlowToAnswerAborts("w0", answer_after_s=late_s, steps=200, gap_s=0.05)   # 10 s of decoding
+        await w.start()
+        router, runner, url = await start_router([w], abort_again_s=())
+        count = router.metrics.aborts.labels
+        try:
+            async with ClientSession() as s:
+                await leave_early(s, url, "/v1/completions", {"prompt": "a b"}, worker=w)
+                await until(lambda: w.aborted == 1)
+                assert w.aborted == 1 and w.finished == 0, (w.aborted, w.finished)
+                await until(lambda: count(w.url, "ok")._value.get() + count(w.url, "failed")._value.get() >= 1,
+                            timeout_s=late_s + 3)
+                got = {r: count(w.url, r)._value.get() for r in ("ok", "failed")}
+                assert got == ({"ok": 1, "failed": 0} if bound_s is None else {"ok": 0, "failed": 1}), got
+        finally:
+            await runner.cleanup()
+            await w.stop()
+    run(main())
+
+
 def test_a_responses_api_client_that_leaves_is_not_aborted_by_name():
     """A Responses API request may run in the background past its client (``background``):
     the router does not abort it by name. Control: a completion's client leaving is."""
