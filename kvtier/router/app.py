@@ -95,7 +95,7 @@ class PromptTokenizer:
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
             prompt = prompt[0]     # a batch: route on its first prompt
         if isinstance(prompt, str):
-            return self.tok.encode(prompt, add_special_tokens=add_special_tokens)
+            return self._encode(prompt, "prompt", add_special_tokens=add_special_tokens)
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             return prompt
         raise RequestError(400, "prompt must be a string, a list of token ids, or a list of those", param="prompt")
@@ -121,7 +121,16 @@ class PromptTokenizer:
                                    param="messages") from None
             return list(ids["input_ids"] if isinstance(ids, dict) else ids)
         # No template: key on the concatenated contents (routing still groups a session's turns).
-        return self.tok.encode("\n".join(str(m.get("content", "")) for m in messages))
+        return self._encode("\n".join(str(m.get("content", "")) for m in messages), "messages")
+
+    def _encode(self, text: str, param: str, **kwargs) -> list[int]:
+        """``text``'s ids; a string no tokenizer can take (JSON may carry a lone UTF-16 surrogate,
+        ``"\\ud800"``, which is no Unicode text) is the client's error, not the router's."""
+        try:
+            return self.tok.encode(text, **kwargs)
+        except (TypeError, ValueError) as exc:
+            raise RequestError(400, f"{param} is not text the model's tokenizer can encode: {exc}",
+                               param=param) from None
 
 
 def _token_list(value: Any) -> bool:
@@ -740,7 +749,10 @@ class Router:
             return NO_READ_SEED
         salt = body.get("cache_salt")
         lora = body.get("model") if self.index.is_lora(body.get("model")) else None
-        return context_seed(lora, salt if isinstance(salt, str) else None)
+        try:
+            return context_seed(lora, salt if isinstance(salt, str) else None)
+        except UnicodeEncodeError:   # a lone UTF-16 surrogate, which JSON can carry: no text (vLLM: a 400)
+            raise RequestError(400, "cache_salt is not valid Unicode text", param="cache_salt") from None
 
     async def models(self, request: web.Request) -> web.Response:
         """Every model some worker serves (each worker's ``/v1/models``, merged), asked with the

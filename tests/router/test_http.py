@@ -292,7 +292,9 @@ def test_errors_are_openai_shaped_never_a_traceback():
                          ("POST", "/v1/completions", b'{"model": "tiny"}'),
                          ("POST", "/v1/chat/completions", b'{"messages": "hi"}'),
                          ("POST", "/v1/completions", b'{"prompt": {"a": 1}}'),
-                         ("GET", "/v1/embeddings", b""), ("GET", "/v1/completions", b"")]
+                         ("GET", "/v1/embeddings", b""), ("GET", "/v1/completions", b""),
+                         # a lone UTF-16 surrogate, which JSON can carry and no text encodes
+                         ("POST", "/v1/completions", b'{"prompt": "a b", "cache_salt": "x\\ud800"}')]
                 # nested past Python's recursion limit: a RecursionError, not a ValueError, escaped
                 # as a 500 with a logged traceback
                 deep = b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"

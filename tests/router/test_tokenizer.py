@@ -25,6 +25,16 @@ def test_prompt_ids_are_the_model_tokenizers(tmp_path):
     assert tok.completion([5, 6, 7]) == [5, 6, 7]
     with pytest.raises(RequestError):
         tok.completion({"a": 1})
+    # JSON can carry a lone UTF-16 surrogate, which is no Unicode text: the client's error (a 400),
+    # not a tokenizer's TypeError (a 500); the same text with the pair whole is tokenized
+    for bad in ("a \ud800 b", ["\udfff"]):
+        with pytest.raises(RequestError) as caught:
+            tok.completion(bad)
+        assert caught.value.status == 400 and caught.value.param == "prompt", caught.value
+    assert tok.completion("a \U0001f600 b") == ref.encode("a \U0001f600 b")
+    with pytest.raises(RequestError) as caught:     # a chat, with its model's template or without
+        tok.chat([{"role": "user", "content": "a \ud800"}], {})
+    assert caught.value.status == 400 and caught.value.param == "messages", caught.value
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": text}]
     ids = tok.chat(messages, {})
     if ref.chat_template:
