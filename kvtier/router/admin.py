@@ -181,6 +181,10 @@ class WorkerAdmin:
             await listener.stop()
         self.router.index.clear_worker(worker.id)
         self.router.metrics.forget_worker(worker.url)
+        # its admission queue goes too: a worker added later takes the freed id and must not
+        # start with this one's tokens in flight (requests still held keep their own reference)
+        self.router.admission.pop(worker.id, None)
+        self.router.approx.forget_worker(worker.id)   # nor the blocks the router's decisions sent it
         self.router._update_mode()
         log.info("worker %s removed", worker.url)
         return web.json_response({**describe(worker), "state": "removed"})

@@ -38,6 +38,38 @@ async def _complete(s: ClientSession, url: str, prompt: str, stream: bool = Fals
         return r.status, r.headers.get("X-Kvtier-Worker", "") + ("" if not stream or b"[DONE]" in body else "!torn")
 
 
+def test_a_worker_added_under_a_freed_id_inherits_nothing_of_the_removed_one():
+    """Worker ids are reused: one added after a removal takes the freed id. What the router kept
+    per id must go with the removed worker: its admission queue (else the newcomer starts with
+    the old one's tokens in flight) and the blocks the approximate tree says were sent to it
+    (else, with events down, the newcomer is priced as holding the old one's cache). Control:
+    both were there before the removal, and the other worker's blocks stay."""
+    async def main():
+        a, b = StandIn("a"), StandIn("b")
+        await a.start()
+        await b.start()
+        router, runner, url = await start_router([a, b], policy="round-robin")
+        sent_to = lambda wid: sum(1 for owner in router.approx._owner.values() if owner == wid)
+        try:
+            async with ClientSession() as s:
+                # (the stand-ins' token ids are word lengths: the prompts differ from their first block)
+                got = [await _complete(s, url, ("x" * (i + 1) + " aaaa bbb cc d ") * 4, stream=True) for i in range(2)]
+                assert sorted(got) == sorted([(200, a.url), (200, b.url)]), got
+                a_id, b_id = (next(w.id for w in router.workers if w.url == x.url) for x in (a, b))
+                assert b_id in router.admission and sent_to(b_id) > 0 and sent_to(a_id) > 0   # control
+                assert (await _admin(s, "DRAIN", url, {"url": b.url}))[0] == 200
+                assert (await _admin(s, "DELETE", url, {"url": b.url}))[0] == 200
+                assert b_id not in router.admission and sent_to(b_id) == 0
+                assert sent_to(a_id) > 0
+                status, again = await _admin(s, "POST", url, {"url": b.url})
+                assert status == 201 and again["id"] == b_id and sent_to(b_id) == 0
+        finally:
+            await runner.cleanup()
+            await a.stop()
+            await b.stop()
+    run(main())
+
+
 def test_a_removed_worker_leaves_no_metric_series_even_with_a_health_check_under_way():
     """A health check of a worker that was removed while the check waited for its answer put
     the worker's ``kvtier_router_worker_healthy`` series back (a CI run saw it after the
