@@ -130,6 +130,36 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
+def paired_difference(a: list[float], b: list[float], q: float, *, resamples: int = 4000,
+                      seed: int = 0) -> dict:
+    """``a``'s ``q`` quantile less ``b``'s, where ``a[i]`` and ``b[i]`` are the same request in
+    two rounds, with a 95 % interval from resampling the requests (the same draw for both
+    rounds, so that what a request costs in itself cancels). Rounds of 64 requests on a shared
+    2-core machine moved their p50 by 0.1 s from run to run: two rounds' quantiles alone
+    cannot say which policy is lower; ``resolved`` says whether the interval does
+    (``lower`` / ``higher``: it excludes 0; ``no``: it holds 0)."""
+    import numpy as np
+
+    x, y = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    if x.shape != y.shape or x.size == 0:
+        raise ValueError(f"paired_difference: {x.size} against {y.size} requests")
+    draws = np.random.default_rng(seed).integers(0, x.size, size=(resamples, x.size))
+    diffs = np.quantile(x[draws], q, axis=1) - np.quantile(y[draws], q, axis=1)
+    lo, hi = np.quantile(diffs, [0.025, 0.975])
+    return {"diff_s": round(float(np.quantile(x, q) - np.quantile(y, q)), 4),
+            "ci95_s": [round(float(lo), 4), round(float(hi), 4)],
+            "resolved": "lower" if hi < 0 else "higher" if lo > 0 else "no"}
+
+
+def tier_aware_paired(ttfts: dict[str, list[float]]) -> dict:
+    """Tier-aware's TTFT p50 and p90 less every other round's (:func:`paired_difference`)."""
+    ta = ttfts.get("tier-aware")
+    if not ta:
+        return {}
+    return {name: {"p50": paired_difference(ta, other, 0.5), "p90": paired_difference(ta, other, 0.9)}
+            for name, other in ttfts.items() if name != "tier-aware" and len(other) == len(ta)}
+
+
 def histogram_quantile(metrics_text: str, name: str, q: float) -> float | None:
     """Prometheus ``histogram_quantile`` over one unlabelled histogram: linear within the
     bucket that holds the ``q`` quantile (so the figure is as fine as the buckets)."""
@@ -297,7 +327,8 @@ def summarise(rows: list[dict], metrics_text: str, bound: list[int] | None = Non
 
 def _round(model: str, workers: list, phases: dict, policy: str, workdir: Path, *, events: bool,
            salt: str, measured: list[str] = (), keep_rows: Path | None = None, log_level: str = "info",
-           router_args: tuple = ()) -> dict:
+           router_args: tuple = (), ttfts: list[float] | None = None) -> dict:
+    """One round; ``ttfts``, if given, gets each counted request's TTFT in request order."""
     from kvtier.bench.route_stack import events_connected, start_router
 
     reset = all(reset_prefix_cache(w.url) for w in workers)
@@ -318,6 +349,8 @@ def _round(model: str, workers: list, phases: dict, policy: str, workdir: Path, 
         out["worker_side"] = worker_side(before, [vllm_sums(_get(w.url + "/metrics")) for w in workers])
         if keep_rows is not None:
             keep_rows.write_text(json.dumps(rows))
+        if ttfts is not None:
+            ttfts.extend(r["ttft_s"] for r in rows)
         out["warmup_s"] = round(warm_s, 1)
         out["wall_s"] = round(time.monotonic() - t0, 1)
         out["prefix_cache_reset"] = reset
@@ -439,6 +472,7 @@ def run(args) -> dict:
         "policies": {},
     }
     load = [os.getloadavg()[0]]
+    ttfts: dict[str, list[float]] = {}   # each round's TTFT per counted request, in request order
     # The shared tier holds one round's blocks and more (older rounds' age out under LRU).
     # A server of ~2 GiB pages its arena in before it answers: over 20 s (the launcher's
     # default wait) on the shared 2-core machine at load 7, so wait longer.
@@ -458,7 +492,8 @@ def run(args) -> dict:
                                                     measured=measured, salt=f"{policy}-{nonce}",
                                                     keep_rows=workdir / f"rows-{policy}.json" if args.workdir else None,
                                                     log_level=args.router_log_level,
-                                                    router_args=("--admission-tokens", str(args.admission_tokens)))
+                                                    router_args=("--admission-tokens", str(args.admission_tokens)),
+                                                    ttfts=ttfts.setdefault(policy, []))
                 load.append(os.getloadavg()[0])
         finally:
             for w in workers:
@@ -473,18 +508,22 @@ def run(args) -> dict:
         result["baseline"] = _round(model, workers, phases, "round-robin", workdir, events=False,
                                     salt=f"baseline-{nonce}",
                                     keep_rows=workdir / "rows-baseline.json" if args.workdir else None,
-                                    router_args=("--admission-tokens", "0"))
+                                    router_args=("--admission-tokens", "0"), ttfts=ttfts.setdefault("baseline", []))
         load.append(os.getloadavg()[0])
         if args.baseline_admission:
             result["baseline_admission"] = _round(
                 model, workers, phases, "round-robin", workdir, events=False, salt=f"baseline-admission-{nonce}",
                 keep_rows=workdir / "rows-baseline-admission.json" if args.workdir else None,
-                router_args=("--admission-tokens", str(args.admission_tokens or 2048)))
+                router_args=("--admission-tokens", str(args.admission_tokens or 2048)),
+                ttfts=ttfts.setdefault("baseline_admission", []))
             load.append(os.getloadavg()[0])
     finally:
         for w in workers:
             w.stop()
     result["targets"] = targets(result)
+    # the same requests in every round: tier-aware's quantiles against each other round's,
+    # request by request, say whether a difference is the policy's or the machine's noise
+    result["tier_aware_paired"] = tier_aware_paired(ttfts)
     result["load_average_1m"] = {"min": round(min(load), 2), "max": round(max(load), 2)}
     result["cpus"] = os.cpu_count()
     result["wall_s"] = round(time.monotonic() - started, 1)

@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from aiohttp import web
 
@@ -177,6 +178,14 @@ def test_trace_smoke_run(tmp_path):
     assert hits and all(x["predicted_cached_tokens"] is not None for x in rows)
     assert sum(x["predicted_cached_tokens"] for x in hits) > 0, rows
     assert set(r["targets"]) >= {"ttft_p50_half_of_baseline", "cached_1_5x_baseline"}
+    # tier-aware against the baseline request by request, from the same rows as the rounds' quantiles
+    paired = r["tier_aware_paired"]["baseline"]
+    baseline_rows = json.loads((tmp_path / "rows-baseline.json").read_text())
+    assert paired["p50"]["diff_s"] == round(float(np.quantile([x["ttft_s"] for x in rows], 0.5)
+                                                  - np.quantile([x["ttft_s"] for x in baseline_rows], 0.5)), 4)
+    assert set(r["tier_aware_paired"]) == {"baseline"} and paired["p90"]["resolved"] in ("lower", "higher", "no")
+    lo, hi = paired["p50"]["ci95_s"]
+    assert lo <= hi
     assert r["warmup_requests"] == 20 and r["shared_read_gbps_measured"] > 0
     # the uncounted priming replay ran before the first round, and the JSON names the order
     assert r["priming"] is True and r["priming_s"] > 0 and r["round_order"] == ["tier-aware"]
