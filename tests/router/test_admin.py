@@ -12,7 +12,7 @@ from aiohttp import ClientSession
 
 from kvtier.router.admin import TOKEN_ENV, _loopback
 from kvtier.router.view import LiveView
-from tests.router.test_http import StandIn, run, start_router
+from tests.router.test_http import StandIn, run, standin_router, start_router
 
 
 async def _admin(s: ClientSession, method: str, url: str, body: dict | None = None, token: str | None = None):
@@ -45,28 +45,19 @@ def test_a_worker_added_under_a_freed_id_inherits_nothing_of_the_removed_one():
     (else, with events down, the newcomer is priced as holding the old one's cache). Control:
     both were there before the removal, and the other worker's blocks stay."""
     async def main():
-        a, b = StandIn("a"), StandIn("b")
-        await a.start()
-        await b.start()
-        router, runner, url = await start_router([a, b], policy="round-robin")
-        sent_to = lambda wid: sum(1 for owner in router.approx._owner.values() if owner == wid)
-        try:
-            async with ClientSession() as s:
-                # (the stand-ins' token ids are word lengths: the prompts differ from their first block)
-                got = [await _complete(s, url, ("x" * (i + 1) + " aaaa bbb cc d ") * 4, stream=True) for i in range(2)]
-                assert sorted(got) == sorted([(200, a.url), (200, b.url)]), got
-                a_id, b_id = (next(w.id for w in router.workers if w.url == x.url) for x in (a, b))
-                assert b_id in router.admission and sent_to(b_id) > 0 and sent_to(a_id) > 0   # control
-                assert (await _admin(s, "DRAIN", url, {"url": b.url}))[0] == 200
-                assert (await _admin(s, "DELETE", url, {"url": b.url}))[0] == 200
-                assert b_id not in router.admission and sent_to(b_id) == 0
-                assert sent_to(a_id) > 0
-                status, again = await _admin(s, "POST", url, {"url": b.url})
-                assert status == 201 and again["id"] == b_id and sent_to(b_id) == 0
-        finally:
-            await runner.cleanup()
-            await a.stop()
-            await b.stop()
+        async with standin_router(["a", "b"], policy="round-robin") as ((a, b), router, url, s):
+            sent_to = lambda wid: sum(1 for owner in router.approx._owner.values() if owner == wid)
+            # (the stand-ins' token ids are word lengths: the prompts differ from their first block)
+            got = [await _complete(s, url, ("x" * (i + 1) + " aaaa bbb cc d ") * 4, stream=True) for i in range(2)]
+            assert sorted(got) == sorted([(200, a.url), (200, b.url)]), got
+            a_id, b_id = (next(w.id for w in router.workers if w.url == x.url) for x in (a, b))
+            assert b_id in router.admission and sent_to(b_id) > 0 and sent_to(a_id) > 0   # control
+            assert (await _admin(s, "DRAIN", url, {"url": b.url}))[0] == 200
+            assert (await _admin(s, "DELETE", url, {"url": b.url}))[0] == 200
+            assert b_id not in router.admission and sent_to(b_id) == 0
+            assert sent_to(a_id) > 0
+            status, again = await _admin(s, "POST", url, {"url": b.url})
+            assert status == 201 and again["id"] == b_id and sent_to(b_id) == 0
     run(main())
 
 
@@ -76,29 +67,20 @@ def test_a_removed_worker_leaves_no_metric_series_even_with_a_health_check_under
     DELETE). Its present-state series all go with it: health, events, indexed blocks,
     measured speeds. Control: before the removal, /metrics lists them."""
     async def main():
-        a, b = StandIn("a"), StandIn("b")
-        await a.start()
-        await b.start()
-        router, runner, url = await start_router([a, b], policy="round-robin")
-        series = [f'kvtier_router_worker_{name}{{worker="{b.url}"}}'
-                  for name in ("healthy", "indexed_blocks", "prefill_tokens_per_s", "decode_step_seconds")]
-        try:
-            async with ClientSession() as s:
-                text = await (await s.get(url + "/metrics")).text()
-                assert all(line in text for line in series), text          # control
-                b.health_delay_s = 1.0
-                checks = b.health_checks
-                await _until(lambda: b.health_checks > checks, what="a health check of b under way")
-                assert (await _admin(s, "DRAIN", url, {"url": b.url}))[0] == 200
-                assert (await _admin(s, "DELETE", url, {"url": b.url}))[0] == 200
-                await asyncio.sleep(1.5)        # the check's answer arrives after the removal
-                text = await (await s.get(url + "/metrics")).text()
-                assert not [line for line in series if line in text], text
-                assert f'kvtier_router_worker_healthy{{worker="{a.url}"}} 1.0' in text
-        finally:
-            await runner.cleanup()
-            await a.stop()
-            await b.stop()
+        async with standin_router(["a", "b"], policy="round-robin") as ((a, b), router, url, s):
+            series = [f'kvtier_router_worker_{name}{{worker="{b.url}"}}'
+                      for name in ("healthy", "indexed_blocks", "prefill_tokens_per_s", "decode_step_seconds")]
+            text = await (await s.get(url + "/metrics")).text()
+            assert all(line in text for line in series), text          # control
+            b.health_delay_s = 1.0
+            checks = b.health_checks
+            await _until(lambda: b.health_checks > checks, what="a health check of b under way")
+            assert (await _admin(s, "DRAIN", url, {"url": b.url}))[0] == 200
+            assert (await _admin(s, "DELETE", url, {"url": b.url}))[0] == 200
+            await asyncio.sleep(1.5)        # the check's answer arrives after the removal
+            text = await (await s.get(url + "/metrics")).text()
+            assert not [line for line in series if line in text], text
+            assert f'kvtier_router_worker_healthy{{worker="{a.url}"}} 1.0' in text
     run(main())
 
 

@@ -308,28 +308,11 @@ def _generated(workers) -> float:
     return sum(_engine_metric(w, "vllm:generation_tokens_total") for w in workers)
 
 
-def _aborts_sent(router_url: str, timeout_s: float = 10.0) -> float | None:
-    """Aborts the router asked of its workers that they accepted (its own Prometheus counter);
-    None if the router did not answer within ``timeout_s``. Its /metrics is cheap, yet a CI run
-    saw one wait past 30 s while the engines held both cores, and fail the test there: a poll
-    that goes unanswered is a poll to make again (:func:`_router_answer`)."""
-    try:
-        with urllib.request.urlopen(router_url + "/metrics", timeout=timeout_s) as resp:
-            lines = resp.read().decode().splitlines()
-    except (TimeoutError, urllib.error.URLError) as exc:
-        if isinstance(exc, urllib.error.URLError) and not isinstance(exc.reason, TimeoutError):
-            raise
-        print(f"the router's /metrics did not answer in {timeout_s} s")
-        return None
-    return sum(float(line.rsplit(" ", 1)[1]) for line in lines
-               if line.startswith("kvtier_router_worker_aborts_total{") and 'result="ok"' in line)
-
-
-def _abort_results(router_url: str) -> dict[str, float]:
-    """Every abort the router sent, by result (``ok``, ``refused``, ``failed``, ``again``): what a
-    failure of the count above is to be read with. (A CI run saw ``ok`` stay 0 for an abort
-    that had cut its generation; the router then gave a worker 5 s to answer, now 30.)"""
-    with urllib.request.urlopen(router_url + "/metrics", timeout=60) as resp:
+def _abort_results(router_url: str, timeout_s: float = 60.0) -> dict[str, float]:
+    """Every abort the router sent, by result (``ok``, ``refused``, ``failed``, ``again``), from
+    its own Prometheus counter. (A CI run saw ``ok`` stay 0 for an abort that had cut its
+    generation; the router then gave a worker 5 s to answer, now 30.)"""
+    with urllib.request.urlopen(router_url + "/metrics", timeout=timeout_s) as resp:
         lines = resp.read().decode().splitlines()
     out: dict[str, float] = {}
     for line in lines:
@@ -337,6 +320,20 @@ def _abort_results(router_url: str) -> dict[str, float]:
             result = re.search(r'result="([^"]*)"', line).group(1)
             out[result] = out.get(result, 0.0) + float(line.rsplit(" ", 1)[1])
     return out
+
+
+def _aborts_sent(router_url: str, timeout_s: float = 10.0) -> float | None:
+    """Aborts the router asked of its workers that they accepted (``ok``); None if the router
+    did not answer within ``timeout_s``. Its /metrics is cheap, yet a CI run saw one wait past
+    30 s while the engines held both cores, and fail the test there: a poll that goes
+    unanswered is a poll to make again (:func:`_router_answer`)."""
+    try:
+        return _abort_results(router_url, timeout_s).get("ok", 0.0)
+    except (TimeoutError, urllib.error.URLError) as exc:
+        if isinstance(exc, urllib.error.URLError) and not isinstance(exc.reason, TimeoutError):
+            raise
+        print(f"the router's /metrics did not answer in {timeout_s} s")
+        return None
 
 
 def _router_answer(router_url: str, timeout_s: float = 120.0) -> float:
