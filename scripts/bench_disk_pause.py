@@ -58,7 +58,7 @@ def main() -> int:
     p.add_argument("--blocks", type=int, default=82, help="blocks of 256 KiB (default 82: the demo's first disk turn)")
     p.add_argument("--reps", type=int, default=8)
     p.add_argument("--pause-s", type=float, default=1.0)
-    p.add_argument("--dir", default=None, help="disk tier directory (default: a fresh one, removed after)")
+    p.add_argument("--dir", default=None, help="an empty directory for the disk tier (default: a fresh one, removed after)")
     args = p.parse_args()
     if not os.path.isdir("/proc/self/fd"):
         p.error("needs Linux (/proc/self/fd names the files the load reads)")
@@ -73,6 +73,8 @@ def main() -> int:
     from kvtier.tiers.direct_io import io_buffer
     from kvtier.tiers.disk import DiskTier
 
+    if args.dir and os.path.isdir(args.dir) and os.listdir(args.dir):
+        p.error(f"--dir {args.dir} is not empty: the bench writes its own blocks there (and removes what is there)")
     n, nb = args.blocks, disk_load.NB
     directory = args.dir or tempfile.mkdtemp(prefix="kvtier-bench-pause-")
     disk_load.write(directory, n)
