@@ -225,3 +225,88 @@ def test_a_large_loads_staging_and_a_large_saves_gather_are_huge_page_buffers():
     storage = KVStorage(LAYOUT, n * LAYOUT.block_tokens, torch.float32)
     gathered = gather_blocks(storage, 0, n)
     assert gathered[0].__array_interface__["data"][0] % HUGE_PAGE == 0
+
+
+def test_lower_tier_reads_start_before_the_host_runs_are_copied_and_run_beside_them(tmp_path):
+    """A load whose first blocks sit in DRAM and the rest on disk: the disk's reads are handed to
+    the store's I/O threads first and run while this thread copies the host runs, so the load
+    takes about the longer of the two, not their sum. Seen here as order: the disk tier's get
+    starts before the host copy ends (a host copy slowed to 0.3 s leaves it no excuse)."""
+    import contextlib
+    import time
+
+    n, in_host = 12, 6
+    keys, blocks = keys_of(n), blocks_of(n)
+    events: list[tuple[str, float]] = []
+
+    class SlowCopyHost(HostTier):  # a test wrapper: the host copy takes long enough to see overlap
+        def borrow_runs(self, keys, nbytes):
+            events.append(("host copy starts", time.monotonic()))
+            with super().borrow_runs(keys, nbytes) as runs:
+                time.sleep(0.3)
+                yield runs
+            events.append(("host copy ends", time.monotonic()))
+
+    SlowCopyHost.borrow_runs = contextlib.contextmanager(SlowCopyHost.borrow_runs)
+
+    class WatchedDisk(DiskTier):
+        def get_many_as_ready(self, keys, outs, ready):
+            events.append(("disk get starts", time.monotonic()))
+            return super().get_many_as_ready(keys, outs, ready)
+
+    host = SlowCopyHost(32 * NB, NB)
+    disk = WatchedDisk(tmp_path / "disk", 64 << 20)
+    for i in range(in_host):
+        assert host.put(keys[i], blocks[i]) is Status.OK
+    assert disk.put_many(keys[in_host:], blocks[in_host:]) == [Status.OK] * (n - in_host)
+    store = TieredStore([host, disk], write_mode="write-through")
+    storage = KVStorage(LAYOUT, 256, torch.float32, poison=True)
+    try:
+        report = load_blocks(store, keys, storage, Staging(poison=True))
+    finally:
+        store.close()
+    assert report.blocks == n
+    assert report.bytes_by_tier == {"host": in_host * NB, "disk": (n - in_host) * NB}
+    for i in range(n):
+        assert np.array_equal(placed(storage, i), blocks[i]), f"block {i} placed wrong"
+    when = {name: t for name, t in events}
+    assert {"host copy starts", "host copy ends", "disk get starts"} <= set(when), events
+    assert when["disk get starts"] < when["host copy ends"], \
+        f"the disk's reads waited for the host copy: {[(e, round(t - events[0][1], 3)) for e, t in events]}"
+
+
+def test_a_host_block_evicted_after_the_load_planned_is_read_from_below(tmp_path):
+    """The loader plans which blocks the host holds, then copies them: a block evicted between the
+    two is read through the store (from disk here), not lost or left poisoned. Control: without the
+    eviction every block comes from the host."""
+    n = 10
+    keys, blocks = keys_of(n), blocks_of(n)
+
+    def run(evict: bool):
+        class EvictingHost(HostTier):  # a test wrapper: evicts block 4 as the first copy begins
+            armed = evict
+
+            def borrow_runs(self, keys_, nbytes):
+                if self.armed:
+                    self.armed = False
+                    self.delete(keys[4])
+                return super().borrow_runs(keys_, nbytes)
+
+        host = EvictingHost(32 * NB, NB)
+        disk = DiskTier(tmp_path / f"disk-{evict}", 64 << 20)
+        for i in range(n):
+            assert host.put(keys[i], blocks[i]) is Status.OK
+        assert disk.put_many(keys, blocks) == [Status.OK] * n
+        store = TieredStore([host, disk], write_mode="write-through")
+        storage = KVStorage(LAYOUT, 256, torch.float32, poison=True)
+        try:
+            report = load_blocks(store, keys, storage, Staging(poison=True))
+        finally:
+            store.close()
+        assert report.blocks == n
+        for i in range(n):
+            assert np.array_equal(placed(storage, i), blocks[i]), f"block {i} placed wrong (evict={evict})"
+        return report.bytes_by_tier
+
+    assert run(False) == {"host": n * NB}
+    assert run(True) == {"host": (n - 1) * NB, "disk": NB}

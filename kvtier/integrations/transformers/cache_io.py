@@ -258,9 +258,13 @@ def load_blocks(
     Runs of blocks in a plain host tier are copied straight from their pinned
     slots; runs of other blocks are read by the store (which verifies them, and
     promotes them in the background) into page-aligned staging, then copied.
-    Stops at the first block no tier can serve: later blocks are useless
-    without it. ``staging`` should be poisoned / reserved by the caller before
-    (see :class:`Staging`); the timer covers the load only.
+    The reads start first, on the store's I/O threads, and the host runs are
+    copied on this thread while they are in flight: a load whose recent blocks
+    sit in DRAM and older ones on disk takes about the longer of the two, not
+    their sum. Stops at the first block no tier can serve: later blocks are
+    useless without it (copies made past it are harmless). ``staging`` should be
+    poisoned / reserved by the caller before (see :class:`Staging`); the timer
+    covers the load only.
     """
     start = time.perf_counter()
     layout = storage.layout
@@ -268,38 +272,60 @@ def load_blocks(
     storage.ensure_capacity(len(keys) * layout.block_tokens)
     raw = storage.raw()
     host = store.tiers[0] if isinstance(store.tiers[0], HostTier) else None
-    by_tier: dict[str, int] = {}
     staging = staging or Staging(poison=storage.poisoned)
-    i = 0
     # Promotions of what this load reads wait until the whole load is over (not only
-    # each chunk's get): their reads would compete with ours.
+    # each span's get): their reads would compete with ours.
     with store.reading():
+        lower = _LowerReads(store, keys, raw, layout, staging)
         try:
-            while i < len(keys):
-                if host is not None:
-                    with host.borrow_runs(keys[i:], nbytes) as runs:
-                        if runs:
-                            first = i
-                            for run in runs:  # one copy per run of blocks adjacent in the pool
-                                n = run.nbytes // nbytes
-                                _place_run(raw, i, run, n, layout)
-                                i += n
-                            by_tier[host.name] = by_tier.get(host.name, 0) + (i - first) * nbytes
-                            continue
-                # A run of blocks the host tier lacks: the store finds them below (and
-                # verifies them). Read in spans, two in flight on the store's I/O threads;
-                # each block is placed as soon as it is verified, behind the reads; the load
-                # ends at the first block no tier served.
-                j = i + 1
-                while j < len(keys) and not (host is not None and host.contains(keys[j])):
-                    j += 1
-                served = _load_lower(store, keys[i:j], raw, i, layout, staging.take((j - i) * nbytes), by_tier)
-                i += served
-                if i < j:
-                    break
+            segments = _host_segments(host, keys)
+            for in_host, a, b in segments:
+                if not in_host:
+                    lower.add(a, b)
+            copied: list[tuple[int, int]] = []  # host runs copied: (first block, blocks)
+            for in_host, a, b in segments:
+                i = a
+                while in_host and i < b:
+                    before = i
+                    with host.borrow_runs(keys[i:b], nbytes) as runs:
+                        for run in runs:  # one copy per run of blocks adjacent in the pool
+                            n = run.nbytes // nbytes
+                            _place_run(raw, i, run, n, layout)
+                            copied.append((i, n))
+                            i += n
+                    if i == before:  # evicted since the plan: the store finds the rest below (or not)
+                        lower.add(i, b)
+                        break
+            served = lower.finish()
         finally:
+            lower.close()
             staging.rewind()
-    return LoadReport(i, by_tier, time.perf_counter() - start)
+    by_tier: dict[str, int] = {}
+    host_bytes = sum(min(n, served - i) for i, n in copied if i < served) * nbytes
+    if host_bytes:
+        by_tier[host.name] = host_bytes
+    for tier, n in lower.bytes_by_tier(served).items():  # the store may serve some from the host tier too
+        by_tier[tier] = by_tier.get(tier, 0) + n
+    return LoadReport(served, by_tier, time.perf_counter() - start)
+
+
+def _host_segments(host: HostTier | None, keys: Sequence[BlockKey]) -> list[tuple[bool, int, int]]:
+    """``(in_host, a, b)``: ``keys`` cut where the host tier starts or stops holding them (a run
+    it holds is found under one hold of its lock: a load from DRAM alone pays one pass)."""
+    segments: list[tuple[bool, int, int]] = []
+    i, n = 0, len(keys)
+    while i < n:
+        held = host.lookup_prefix(keys[i:]) if host is not None else 0
+        if held:
+            segments.append((True, i, i + held))
+            i += held
+            continue
+        j = i + 1
+        while j < n and not (host is not None and host.contains(keys[j])):
+            j += 1
+        segments.append((False, i, j))
+        i = j
+    return segments
 
 
 def read_spans(n: int, most: int, lanes: int, unit: int = 1) -> list[tuple[int, int]]:
@@ -323,55 +349,76 @@ def read_spans(n: int, most: int, lanes: int, unit: int = 1) -> list[tuple[int, 
     return spans
 
 
-def _load_lower(store: TieredStore, keys: Sequence[BlockKey], raw: np.ndarray, first: int, layout: KVLayout,
-                buf: np.ndarray, by_tier: dict[str, int]) -> int:
-    """Read ``keys`` through the store and place them from block ``first``; how many were served.
-    ``buf``: staging for tiers that read into the caller's memory (a disk tier reads into its
-    own reused staging instead and hands the bytes over from there).
+class _LowerReads:
+    """The blocks of a load that the host tier lacks, read through the store in spans on its I/O
+    threads (two in flight, more queued behind them) into ``staging``, each block placed into the
+    storage as soon as its tier has verified it, on the thread that verified it (a disk tier: each
+    request's blocks while it reads the next), so that placing hides behind the reads and the
+    last span leaves only its last request's blocks to place. A block placed past a miss is
+    harmless: the cache stops at the miss."""
 
-    Each block is placed as soon as its tier has verified it, on the thread that verified it
-    (a disk tier: each request's blocks while it reads the next): placing hides behind the
-    reads instead of following each span, and the last span leaves only its last request's
-    blocks to place. A block placed past a miss is harmless: the cache stops at the miss."""
-    nbytes = layout.block_nbytes
-    n = len(keys)
-    outs = [buf[k * nbytes : (k + 1) * nbytes] for k in range(n)]
-    spans = deque(read_spans(n, max(1, READ_CHUNK_BYTES // nbytes), READS_IN_FLIGHT, run_request_blocks(nbytes)))
-    running: dict = {}  # future -> (a, b)
-    results: list[tuple[int, object]] = []  # (a, result) of each span read
-    served = n
+    def __init__(self, store: TieredStore, keys: Sequence[BlockKey], raw: np.ndarray, layout: KVLayout,
+                 staging: Staging) -> None:
+        self.store, self.keys, self.raw, self.layout, self.staging = store, keys, raw, layout, staging
+        self.nbytes = layout.block_nbytes
+        self.spans: deque = deque()  # (a, b, first, buf, outs) not yet handed to the store
+        self.running: dict = {}  # future -> (a, b)
+        self.results: list[tuple[int, object]] = []  # (a, result) of each span read
+        self.served = len(keys)
 
-    def place(a: int, ready: list[int], payloads: list[np.ndarray]) -> None:
-        for s, e, run in _runs([a + i for i in ready], payloads, outs, buf, nbytes):
-            _place_run(raw, first + s, run, e - s, layout)
+    def add(self, a: int, b: int) -> None:
+        """Read blocks ``a .. b - 1`` of the load."""
+        nbytes = self.nbytes
+        buf = self.staging.take((b - a) * nbytes)
+        outs = [buf[k * nbytes : (k + 1) * nbytes] for k in range(b - a)]
+        for s, e in read_spans(b - a, max(1, READ_CHUNK_BYTES // nbytes), READS_IN_FLIGHT, run_request_blocks(nbytes)):
+            self.spans.append((a + s, a + e, a, buf, outs))
+        self._top_up()
 
-    def top_up() -> None:
-        while spans and len(running) < READS_IN_FLIGHT + SPANS_AHEAD:
-            a, b = spans.popleft()
-            running[store.get_async(keys[a:b], outs[a:b], promote_in_background=True,
-                                    on_ready=lambda ready, payloads, a=a: place(a, ready, payloads))] = (a, b)
+    def _top_up(self) -> None:
+        while self.spans and len(self.running) < READS_IN_FLIGHT + SPANS_AHEAD:
+            a, b, first, buf, outs = self.spans.popleft()
+            if a >= self.served:
+                continue  # past a miss: useless
+            segment = outs[a - first : b - first]
+            future = self.store.get_async(
+                self.keys[a:b], segment, promote_in_background=True,
+                on_ready=lambda ready, payloads, a=a, first=first, buf=buf, outs=outs: self._place(
+                    a, first, buf, outs, ready, payloads))
+            self.running[future] = (a, b)
 
-    top_up()
-    try:
-        while running:
-            finished, _ = wait(list(running), return_when=FIRST_COMPLETED)
+    def _place(self, a: int, first: int, buf: np.ndarray, outs: list, ready: list[int], payloads: list) -> None:
+        for s, e, run in _runs([a - first + i for i in ready], payloads, outs, buf, self.nbytes):
+            _place_run(self.raw, first + s, run, e - s, self.layout)
+
+    def finish(self) -> int:
+        """Wait for every read; the blocks served from the load's start (up to the first miss)."""
+        while self.running:
+            finished, _ = wait(list(self.running), return_when=FIRST_COMPLETED)
             for future in finished:
-                a, b = running.pop(future)
+                a, b = self.running.pop(future)
                 result = future.result()
-                results.append((a, result))
+                self.results.append((a, result))
                 if result.loaded < b - a:
-                    served = min(served, a + result.loaded)  # later spans are useless past a miss
-                    spans.clear()
-            top_up()
-    finally:
-        for future in running:  # useless past a miss, but they write into staging: wait
+                    self.served = min(self.served, a + result.loaded)  # later spans are useless past a miss
+            self._top_up()
+        return self.served
+
+    def close(self) -> None:
+        """Never leave a read writing into staging the next load takes (after an error, say)."""
+        self.spans.clear()
+        for future in self.running:
             if not future.cancel():
-                future.result()
-    for a, result in results:
-        for k in range(min(result.loaded, served - a)):
-            tier = result.tiers[k] or "?"
-            by_tier[tier] = by_tier.get(tier, 0) + nbytes
-    return served
+                future.exception()
+        self.running.clear()
+
+    def bytes_by_tier(self, served: int) -> dict[str, int]:
+        by_tier: dict[str, int] = {}
+        for a, result in self.results:
+            for k in range(min(result.loaded, served - a)):
+                tier = result.tiers[k] or "?"
+                by_tier[tier] = by_tier.get(tier, 0) + self.nbytes
+        return by_tier
 
 
 def _runs(indices: list[int], payloads: list[np.ndarray], outs: Sequence[np.ndarray], buf: np.ndarray,
