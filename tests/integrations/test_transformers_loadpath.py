@@ -227,6 +227,21 @@ def test_a_large_loads_staging_and_a_large_saves_gather_are_huge_page_buffers():
     assert gathered[0].__array_interface__["data"][0] % HUGE_PAGE == 0
 
 
+def _load_checked(host, disk, keys, blocks):
+    """``load_blocks`` of every key through ``[host, disk]`` into poisoned storage; every block
+    must be served and placed right. The report."""
+    store = TieredStore([host, disk], write_mode="write-through")
+    storage = KVStorage(LAYOUT, 256, torch.float32, poison=True)
+    try:
+        report = load_blocks(store, keys, storage, Staging(poison=True))
+    finally:
+        store.close()
+    assert report.blocks == len(keys)
+    for i, block in enumerate(blocks):
+        assert np.array_equal(placed(storage, i), block), f"block {i} placed wrong"
+    return report
+
+
 def test_lower_tier_reads_start_before_the_host_runs_are_copied_and_run_beside_them(tmp_path):
     """A load whose first blocks sit in DRAM and the rest on disk: the disk's reads are handed to
     the store's I/O threads first and run while this thread copies the host runs, so the load
@@ -259,16 +274,8 @@ def test_lower_tier_reads_start_before_the_host_runs_are_copied_and_run_beside_t
     for i in range(in_host):
         assert host.put(keys[i], blocks[i]) is Status.OK
     assert disk.put_many(keys[in_host:], blocks[in_host:]) == [Status.OK] * (n - in_host)
-    store = TieredStore([host, disk], write_mode="write-through")
-    storage = KVStorage(LAYOUT, 256, torch.float32, poison=True)
-    try:
-        report = load_blocks(store, keys, storage, Staging(poison=True))
-    finally:
-        store.close()
-    assert report.blocks == n
+    report = _load_checked(host, disk, keys, blocks)
     assert report.bytes_by_tier == {"host": in_host * NB, "disk": (n - in_host) * NB}
-    for i in range(n):
-        assert np.array_equal(placed(storage, i), blocks[i]), f"block {i} placed wrong"
     when = {name: t for name, t in events}
     assert {"host copy starts", "host copy ends", "disk get starts"} <= set(when), events
     assert when["disk get starts"] < when["host copy ends"], \
@@ -297,16 +304,7 @@ def test_a_host_block_evicted_after_the_load_planned_is_read_from_below(tmp_path
         for i in range(n):
             assert host.put(keys[i], blocks[i]) is Status.OK
         assert disk.put_many(keys, blocks) == [Status.OK] * n
-        store = TieredStore([host, disk], write_mode="write-through")
-        storage = KVStorage(LAYOUT, 256, torch.float32, poison=True)
-        try:
-            report = load_blocks(store, keys, storage, Staging(poison=True))
-        finally:
-            store.close()
-        assert report.blocks == n
-        for i in range(n):
-            assert np.array_equal(placed(storage, i), blocks[i]), f"block {i} placed wrong (evict={evict})"
-        return report.bytes_by_tier
+        return _load_checked(host, disk, keys, blocks).bytes_by_tier
 
     assert run(False) == {"host": n * NB}
     assert run(True) == {"host": (n - 1) * NB, "disk": NB}
