@@ -163,7 +163,7 @@ class PrefillFit:
     sums with no intercept, what the router did before.
     """
 
-    __slots__ = ("window", "samples", "_line")
+    __slots__ = ("samples", "_line")
 
     #: token counts must spread at least this much (standard deviation) to fit a slope
     MIN_SPREAD_TOKENS = 64.0
@@ -174,8 +174,7 @@ class PrefillFit:
     def __init__(self, window: int = WINDOW) -> None:
         if window < 3:
             raise ValueError(f"a prefill line needs a window of at least 3 samples, got {window}")
-        self.window = window
-        self.samples: deque[tuple[int, float]] = deque(maxlen=window)
+        self.samples: deque[tuple[int, float]] = deque(maxlen=window)  # the window: the oldest goes
         self._line: tuple[float, float] | None = None
 
     @property
