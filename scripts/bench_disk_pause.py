@@ -11,6 +11,7 @@ The raw reads are the floor of any loader: the same requests, two in flight, int
 huge-page ring per lane (the disk tier's kind of staging), nothing verified or placed. Their
 efficiency after a pause is what a loader with no cost of its own would score on that turn.
 Prints one JSON object; the four cases run interleaved, in a shuffled order per repetition.
+Every kvtier load goes into storage poisoned before it (untimed) and its bytes are checked after.
 """
 
 from __future__ import annotations
@@ -85,12 +86,17 @@ def main() -> int:
     staging = Staging(poison=True)
     staging.reserve(n * nb)
     keys = disk_load._keys(n)
+    want = disk_load._blocks(n)
 
     def kvtier() -> float:
-        staging.poison()  # untimed, as the demo's session poisons before a request
+        storage.poison()  # untimed, as the demo's session poisons before a request:
+        staging.poison()  # a load that writes nothing leaves NaN and fails the check below
         report = load_blocks(store, keys, storage, staging)
         if report.blocks != n:
             raise SystemExit(f"kvtier loaded {report.blocks} of {n} blocks")
+        loaded = gather_blocks(storage, 0, n)
+        if not all(np.array_equal(got.view(np.uint8), block) for got, block in zip(loaded, want)):
+            raise SystemExit("kvtier loaded wrong bytes")
         return report.seconds
 
     lanes = _record_requests(kvtier)
@@ -122,9 +128,6 @@ def main() -> int:
                 else:
                     raw()  # another burst right before
                 times[case].append(kvtier() if case.startswith("kvtier") else raw())
-        loaded = gather_blocks(storage, 0, n)
-        if not all(np.array_equal(got.view(np.uint8), want) for got, want in zip(loaded, disk_load._blocks(n))):
-            raise SystemExit("kvtier loaded wrong bytes")
         limit = limits.disk_limit_gib_s(directory, nb, in_flight=READS_IN_FLIGHT,
                                         span_blocks=max(1, READ_CHUNK_BYTES // nb))
     finally:
