@@ -8,7 +8,8 @@ one cut to the request's length, scaled like its blocks; prompts cut at ``MAX_BL
 The window (:func:`trace_window`) is a contiguous stretch of the trace, not a sample:
 ``--warmup-requests`` requests that fill the caches and are not counted (replayed as
 :func:`warmup_replay` says), then ``--requests`` counted ones whose arrival times are
-compressed to ``--span-s`` so that the engine is loaded. Sampling conversations (what
+compressed to ``--span-s`` (by default sized on the machine at hand, :func:`auto_span`) so
+that every engine is loaded to the last arrival. Sampling conversations (what
 this bench did first) keeps each conversation's reuse but shrinks the distance between
 its turns, so that even a minimal vLLM cache hit every reusable token and no connector
 could add any; in a contiguous stretch a conversation's next turn comes hundreds of
@@ -71,7 +72,14 @@ TRACE_WARMUP_REQUESTS = 3600
 #: the engine time; 256 over 16 s (16 requests/s, more than any system here serves: all
 #: engine-bound) leave that drain a few percent, as on a server that runs for hours.
 TRACE_REQUESTS = 256
-SPAN_S = 16.0
+#: the auto span (the default) is the longest at which an engine that computes only the
+#: window's non-reusable tokens, at the prefill speed vLLM alone's warm-up showed, would sit
+#: idle for at most this share of its work before the last arrival: then every system's engine
+#: stays busy to the end and output tokens/s measures what each serves, not the offered load.
+#: (A fixed 16 s did that on one machine; on one 1.3x faster both vLLM alone and kvtier idled
+#: 9-17 % of the window and the ratio between them fell toward 1.) Real engines are slower than
+#: that ideal one (decode steps, attention over loaded context), which leaves a margin.
+IDLE_SHARE = 0.02
 KV_FRACTION = 0.25
 
 
@@ -84,11 +92,14 @@ def add_arguments(p) -> None:
     p.add_argument("--start", type=int, default=0, help="--trace: the window's first request in the trace")
     p.add_argument("--full-warmup", action="store_true",
                    help="--trace: replay every warm-up request whole (default: the exact shortcut of warmup_replay)")
-    # The span keeps every system's engine saturated on 2 cores (makespan above the span): only
-    # then does output tokens/s measure what an engine can serve. (64 requests over 20 s: all
-    # three finished with the last arrival and tokens/s was the offered load, 1.00x apart.)
-    p.add_argument("--span-s", type=finite_float, default=SPAN_S,
-                   help=f"--trace: the counted arrivals compressed to this span (default {SPAN_S:g})")
+    # The span must keep every system's engine busy: only then does output tokens/s measure
+    # what an engine can serve. (64 requests over 20 s: all three finished with the last
+    # arrival and tokens/s was the offered load, 1.00x apart.) A fixed span does so on one
+    # machine only, hence the default measured on this one (auto_span).
+    p.add_argument("--span-s", type=finite_float, default=None,
+                   help="--trace: the counted arrivals compressed to this span (default: auto, "
+                        "the longest over which an engine computing only the window's non-reusable tokens at vLLM "
+                        "alone's warm-up prefill speed is never idle)")
     # The share is of the blocks the counted window references (its working set), not of
     # the whole stretch: with a long history, a tenth of the stretch would exceed what the
     # window touches. 0.25 keeps vLLM's cache the size it had before (1,216 pages = 0.24 of
@@ -217,6 +228,9 @@ def metrics(reply: dict, bound: list[int] | None = None, helper_cpu_s: float = 0
         "after_last_arrival_s": round(makespan - max(r["arrival_s"] for r in rows), 2),
         "output_tokens_per_s": round(sum(r["output_tokens"] for r in rows) / makespan, 2),
         "requests_per_s": round(len(rows) / makespan, 3),
+        # time the engine had nothing to run before the last arrival: while it idles,
+        # tokens/s is paced by the arrivals, not by what the engine can serve
+        **({"engine_idle_s": reply["idle_s"]} if "idle_s" in reply else {}),
         "ttft_p50_s": round(_percentile(ttfts, 0.5), 3),
         "ttft_p90_s": round(_percentile(ttfts, 0.9), 3),
         "cached_token_ratio": round(sum(r["cached_tokens"] or 0 for r in rows)
@@ -277,7 +291,43 @@ def trace_model_spec(name: str, positions: int):
     return spec
 
 
-def window_facts(warm: list[dict], counted: list[dict], sent_warm: list[dict], span_s: float) -> dict:
+def ideal_idle_s(arrivals: list[float], work_tokens: list[int], tokens_per_s: float) -> float:
+    """Time a one-queue engine serving ``work_tokens`` at ``tokens_per_s`` sits idle before the
+    last of ``arrivals`` (a fluid model: no step granularity, no decode)."""
+    t = idle = 0.0
+    for arrival, work in sorted(zip(arrivals, work_tokens)):
+        idle += max(0.0, arrival - t)
+        t = max(t, arrival) + work / tokens_per_s
+    return idle
+
+
+def auto_span(unit_arrivals: list[float], nonreusable_tokens: list[int], prefill_tokens_per_s: float) -> float:
+    """The default span: the longest (to 0.01 s) over which ``unit_arrivals`` (spread over a span
+    of 1) leave an engine that computes only each request's ``nonreusable_tokens`` at
+    ``prefill_tokens_per_s`` idle for at most ``IDLE_SHARE`` of its work, so that no engine,
+    not even one that hits every reusable token, runs out of work before the last arrival.
+    The arrivals' own bursts and lulls decide it, not a fixed fraction."""
+    if prefill_tokens_per_s <= 0:
+        raise ValueError("the warm-up computed no token: no prefill speed to size the span by")
+    busy = sum(nonreusable_tokens) / prefill_tokens_per_s
+    lo, hi = 0.0, 2 * busy + 1.0  # idle grows with the span; at 2x the work time it is well past the share
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        scaled = [a * mid for a in unit_arrivals]
+        if ideal_idle_s(scaled, nonreusable_tokens, prefill_tokens_per_s) <= IDLE_SHARE * busy:
+            lo = mid
+        else:
+            hi = mid
+    return max(0.01, math.floor(lo * 100) / 100)
+
+
+def warmup_prefill_speed(reply: dict) -> float:
+    """Prompt tokens computed per second in a warm-up replay (sent at once: the engine saturated)."""
+    rows = reply["requests"]
+    return sum(r["prompt_tokens"] - (r["cached_tokens"] or 0) for r in rows) / reply["seconds"]
+
+
+def window_facts(warm: list[dict], counted: list[dict], sent_warm: list[dict], span_s: float | None) -> dict:
     """What the JSON says about the replayed window (both trace benches)."""
     return {
         "requests": len(counted),
@@ -294,8 +344,9 @@ def run(args) -> dict:
     from kvtier.integrations.transformers.models import ensure_model
 
     started = time.monotonic()
-    warm, counted = trace_window(args.trace, args.requests or TRACE_REQUESTS, args.warmup_requests, args.span_s,
-                                 args.start)
+    # arrivals over a span of 1 here, scaled by each replay (the auto span is known only once
+    # vLLM alone's warm-up has shown this machine's prefill speed)
+    warm, counted = trace_window(args.trace, args.requests or TRACE_REQUESTS, args.warmup_requests, 1.0, args.start)
     # vLLM refuses a KV cache smaller than one request of max_model_len: fit it to the slice.
     max_len = max(r["tokens"] + r["max_tokens"] for r in warm + counted) + HASH_TOKENS
     spec = trace_model_spec(args.trace_model, max_len)
@@ -336,8 +387,19 @@ def run(args) -> dict:
 def _run_systems(args, base, phases, result, workdir, store_bytes, started) -> dict:
     disk = workdir / "kvtier-disk"
     kvtier = kvtier_extra(HASH_TOKENS, host_bytes=f"{store_bytes >> 20}MiB", disk_path=str(disk), disk_bytes="4GiB")
-    result["systems"]["vllm"] = _replay(base | {"extra": None}, phases, workdir / "engine-vllm.log")
-    result["systems"]["kvtier"] = _replay(base | {"extra": kvtier}, phases, workdir / "engine-kvtier.log")
+    span = args.span_s
+    if span is None:
+        unit = [r["arrival_s"] for r in phases["counted"]]
+        work = [len(r["prompt"]) - hit for r, hit in zip(phases["counted"], phases["bound"])]
+
+        def span(warm_reply: dict) -> float:  # noqa: F811 - the auto span, once vLLM alone warmed up
+            speed = warmup_prefill_speed(warm_reply)
+            result["auto_span"] = {"idle_share": IDLE_SHARE, "nonreusable_tokens": sum(work),
+                                   "warmup_prefill_tokens_per_s": round(speed, 1)}
+            return auto_span(unit, work, speed)
+    result["systems"]["vllm"] = _replay(base | {"extra": None}, phases, workdir / "engine-vllm.log", span=span)
+    span = result["span_s"] = result["systems"]["vllm"].pop("span_s", span)
+    result["systems"]["kvtier"] = _replay(base | {"extra": kvtier}, phases, workdir / "engine-kvtier.log", span=span)
     shutil.rmtree(disk, ignore_errors=True)
     result["systems"]["lmcache"] = None
     if args.no_lmcache:
@@ -349,11 +411,11 @@ def _run_systems(args, base, phases, result, workdir, store_bytes, started) -> d
                                 pids=pids) as port:
                 try:
                     lm = _replay(lmcache_settings(base, port, prefix_caching=True), phases,
-                                 workdir / "engine-lmcache.log", env=LMCACHE_ENV, helpers=pids)
+                                 workdir / "engine-lmcache.log", span=span, env=LMCACHE_ENV, helpers=pids)
                     lm["vllm_prefix_caching"] = True
                 except Exception as exc:  # noqa: BLE001 - its connector may refuse vLLM's prefix cache
                     lm = _replay(lmcache_settings(base, port, prefix_caching=False), phases,
-                                 workdir / "engine-lmcache-noprefix.log", env=LMCACHE_ENV, helpers=pids)
+                                 workdir / "engine-lmcache-noprefix.log", span=span, env=LMCACHE_ENV, helpers=pids)
                     lm["vllm_prefix_caching"] = False
                     lm["note"] = f"with vLLM's prefix cache on it failed ({str(exc).splitlines()[0][:200]})"
             result["systems"]["lmcache"] = lm
@@ -362,8 +424,10 @@ def _run_systems(args, base, phases, result, workdir, store_bytes, started) -> d
     vllm_alone, ours, lm = result["systems"]["vllm"], result["systems"]["kvtier"], result["systems"]["lmcache"]
     for system in (vllm_alone, ours, lm):
         if system:
-            # arrivals: the engine kept up, tokens/s is the offered load and compares nothing
-            system["throughput_bound_by"] = "engine" if system["makespan_s"] > 1.1 * args.span_s else "arrivals"
+            # arrivals: the engine ran dry before the last arrival (idle over 5 % of the replay),
+            # so tokens/s is partly the offered load and understates what the engine serves
+            system["throughput_bound_by"] = "engine" if system["engine_idle_s"] <= 0.05 * system["makespan_s"] \
+                else "arrivals"
     result["kvtier_vs_vllm_tokens_per_s"] = round(ours["output_tokens_per_s"] / vllm_alone["output_tokens_per_s"], 3)
     if lm:
         result["kvtier_vs_lmcache_tokens_per_s"] = round(ours["output_tokens_per_s"] / lm["output_tokens_per_s"], 3)
@@ -379,9 +443,13 @@ def _run_systems(args, base, phases, result, workdir, store_bytes, started) -> d
     return result
 
 
-def _replay(settings: dict, phases: dict, log: Path, *, env: dict | None = None, helpers: list[int] = ()) -> dict:
-    """One system's engine: first use, warm-up, then the counted replay. ``helpers``: pids of
-    processes that work for it (LMCache's server), whose CPU counts with the engine's."""
+def _replay(settings: dict, phases: dict, log: Path, *, span, env: dict | None = None,
+            helpers: list[int] = ()) -> dict:
+    """One system's engine: first use, warm-up, then the counted replay. ``span``: the counted
+    arrivals' span in seconds (``phases["counted"]`` arrive over a span of 1), or a function of
+    the warm-up's reply that returns it (the auto span, on the first engine); the result's
+    ``span_s`` says which. ``helpers``: pids of processes that work for it (LMCache's server),
+    whose CPU counts with the engine's."""
     from kvtier.integrations.vllm.engine_proc import EngineProcess
 
     engine = EngineProcess(settings, log, env=env)
@@ -395,11 +463,15 @@ def _replay(settings: dict, phases: dict, log: Path, *, env: dict | None = None,
         t0 = time.monotonic()
         warm = engine.call(op="replay", requests=phases["warmup"], timeout=3600)
         warm_s = time.monotonic() - t0
+        span_s = span(warm) if callable(span) else span
+        arrivals = [{**r, "arrival_s": round(r["arrival_s"] * span_s, 4)} for r in phases["counted"]]
         helper_cpu = sum(process_cpu_s(pid) for pid in helpers)
-        counted = engine.call(op="replay", requests=phases["counted"], timeout=3600)
+        counted = engine.call(op="replay", requests=arrivals, timeout=3600)
         helper_cpu = sum(process_cpu_s(pid) for pid in helpers) - helper_cpu
         out = metrics(counted, phases["bound"], helper_cpu)
         out["warmup_s"] = round(warm_s, 1)
+        if callable(span):
+            out["span_s"] = span_s  # the auto span, for the next systems
         if "profile" in counted:  # KVTIER_ENGINE_PROFILE set: where the engine's time went
             out["profile"] = {"warmup": warm["profile"], "counted": counted["profile"]}
         return out

@@ -116,15 +116,19 @@ def test_ttft_smoke_run_against_the_floor():
 @needs_vllm
 @pytest.mark.timeout(420)
 def test_trace_smoke_run():
-    r = _bench("--trace", str(SLICE), "--trace-model", "tiny", "--warmup-requests", "30", "--requests", "12",
-               "--span-s", "3")
+    r = _bench("--trace", str(SLICE), "--trace-model", "tiny", "--warmup-requests", "30", "--requests", "12")
     assert set(r["systems"]) == {"vllm", "kvtier", "lmcache"} and r["systems"]["lmcache"] is None
+    # the default span, sized from vLLM alone's warm-up speed, and used for every system
+    auto = r["auto_span"]
+    assert auto["warmup_prefill_tokens_per_s"] > 0 and auto["nonreusable_tokens"] > 0
+    assert 0 < r["span_s"] < auto["nonreusable_tokens"] / auto["warmup_prefill_tokens_per_s"]
     for name in ("vllm", "kvtier"):
         row = r["systems"][name]
         assert row["requests"] == r["requests"] and row["output_tokens_per_s"] > 0
         assert 0 <= row["cached_token_ratio"] <= 1 and row["ttft_p90_s"] >= row["ttft_p50_s"]
         assert row["throughput_bound_by"] in ("engine", "arrivals")
         assert row["cpu_ms_per_output_token"] > 0 and row["after_last_arrival_s"] >= 0
+        assert 0 <= row["engine_idle_s"] < row["makespan_s"]
     assert r["kvtier_cpu_saving_vs_vllm"] > 0
     assert 0 < r["reusable_token_ratio"] < 1
 

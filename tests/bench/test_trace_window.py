@@ -98,3 +98,35 @@ def test_metrics_count_the_drain_and_the_cpu_of_helper_processes():
     # a peer whose work runs partly in a server process pays for that process's CPU too
     assert vt.metrics(reply, helper_cpu_s=4.0)["cpu_ms_per_output_token"] == 200.0
     assert "cpu_ms_per_output_token" not in vt.metrics({"requests": reply["requests"]})
+
+
+def test_the_auto_span_leaves_an_engine_that_hits_every_reusable_token_busy_to_the_end():
+    """The default span is sized on the machine: the longest over which a fluid engine computing
+    only the window's non-reusable tokens, at the warm-up's prefill speed, idles at most
+    IDLE_SHARE of its work. Control: at twice the span (what a fixed span is on a machine twice
+    as fast) the same engine idles far more, and tokens/s would be the offered load."""
+    warm, counted = vt.trace_window(str(SLICE), 60, 300, span_s=1.0)
+    unit = [r["arrival_s"] for r in counted]
+    work = [r["tokens"] - b for r, b in zip(counted, vt.reusable_tokens(counted, warm))]
+    speed = 10_000.0
+    busy = sum(work) / speed
+    span = vt.auto_span(unit, work, speed)
+    assert 0 < span < busy
+    assert vt.ideal_idle_s([a * span for a in unit], work, speed) <= vt.IDLE_SHARE * busy
+    assert vt.ideal_idle_s([a * (span + 0.05) for a in unit], work, speed) > vt.IDLE_SHARE * busy  # the longest
+    assert vt.ideal_idle_s([a * 2 * span for a in unit], work, speed) > 3 * vt.IDLE_SHARE * busy  # control
+    assert vt.auto_span(unit, work, 2 * speed) < span  # a faster machine gets a shorter span
+    with pytest.raises(ValueError, match="no prefill speed"):
+        vt.auto_span(unit, work, 0.0)
+
+
+def test_the_warm_up_speed_counts_computed_tokens_only():
+    reply = {"requests": [_row(0.0, 0.5, 1.0, 1, prompt=640, cached=128), _row(0.0, 0.9, 1.0, 1, prompt=400, cached=0)],
+             "seconds": 2.0}
+    assert vt.warmup_prefill_speed(reply) == (512 + 400) / 2.0
+
+
+def test_metrics_report_the_engine_idle_time():
+    reply = {"requests": [_row(0.0, 0.5, 1.0, 10)], "idle_s": 0.25}
+    assert vt.metrics(reply)["engine_idle_s"] == 0.25
+    assert "engine_idle_s" not in vt.metrics({"requests": reply["requests"]})

@@ -284,7 +284,7 @@ def replay(llm, cmd: dict) -> dict:
              "finish_s": None, "cached_tokens": None, "output_tokens": 0} for r in cmd["requests"]]
     cpu = os.times()
     start = time.perf_counter()
-    nxt = 0
+    nxt, idle = 0, 0.0
     while nxt < len(todo) or engine.has_unfinished_requests():
         now = time.perf_counter() - start
         while nxt < len(todo) and todo[nxt][1]["arrival_s"] <= now:
@@ -293,7 +293,9 @@ def replay(llm, cmd: dict) -> dict:
                                _params(req["max_tokens"], delta=True))
             nxt += 1
         if not engine.has_unfinished_requests():
-            time.sleep(max(0.0, min(0.05, todo[nxt][1]["arrival_s"] - now)))
+            wait = max(0.0, min(0.05, todo[nxt][1]["arrival_s"] - now))
+            time.sleep(wait)
+            idle += wait
             continue
         for out in engine.step():
             row = rows[int(out.request_id)]
@@ -308,7 +310,7 @@ def replay(llm, cmd: dict) -> dict:
     end = os.times()
     # CPU seconds of this process (every thread: the forward's, the connector's) over the replay:
     # what the work cost, less sensitive than wall time to other jobs sharing the cores
-    return {"requests": rows, "seconds": time.perf_counter() - start,
+    return {"requests": rows, "seconds": time.perf_counter() - start, "idle_s": round(idle, 3),
             "cpu_s": round(end.user + end.system - cpu.user - cpu.system, 3)}
 
 
