@@ -287,14 +287,20 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
         path = self.path_of(key)
         try:
             st = os.lstat(path)
-            packed = self._packed_location(path) if stat.S_ISLNK(st.st_mode) else None
+            if stat.S_ISLNK(st.st_mode):
+                packed = self._packed_location(path)
+            elif stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
+                packed = self._tabled_location(key, path, st)
+            else:
+                packed = None
         except OSError:
             return None
-        if stat.S_ISLNK(st.st_mode):
+        if stat.S_ISLNK(st.st_mode) or (stat.S_ISREG(st.st_mode) and st.st_nlink > 1):
             if packed is None or self._expired(st.st_mtime):
                 return None  # the reader that opens it (or a restart) sorts it out
-            rel, offset, size = packed
-            self._index_block(key, _Entry(size, st.st_mtime, self._extent(rel), offset), None)
+            rel, offset, size, index = packed
+            extent = self._extent(rel, None if index < 0 else st.st_ino)
+            self._index_block(key, _Entry(size, st.st_mtime, extent, offset, index), None)
         else:
             if not _plausible(st.st_size) or self._expired(st.st_mtime):
                 return None
@@ -302,8 +308,9 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
         self._make_room(0)
         return self._index.get(key)
 
-    def _packed_location(self, path: str) -> tuple[str, int, int] | None:
-        """``(extent rel, offset, length)`` of a block link whose extent exists and reaches its end."""
+    def _packed_location(self, path: str) -> tuple[str, int, int, int] | None:
+        """``(extent rel, offset, length, -1)`` of a block's symbolic link (an extent from before
+        tables) whose extent exists and reaches its end."""
         place = disk_extents.parse_link(os.readlink(path))
         if place is None:
             return None
@@ -311,12 +318,31 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
             size = os.stat(os.path.join(self.path, place[0])).st_size
         except OSError:
             return None
-        return place if place[1] + place[2] <= size else None
+        return (*place, -1) if place[1] + place[2] <= size else None
 
-    def _extent(self, rel: str) -> Extent:
+    def _tabled_location(self, key: BlockKey, path: str, st: os.stat_result) -> tuple[str, int, int, int] | None:
+        """``(extent rel, offset, length, table index)`` of a block whose name is a hard link to
+        an extent: from the table the name opens, if the extent's own name is that same file."""
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            table = disk_extents.read_table(fd, st.st_size)
+        finally:
+            os.close(fd)
+        if table is None or key not in table.blocks or not disk_extents.is_extent_rel(table.rel):
+            return None
+        try:
+            own = os.stat(os.path.join(self.path, table.rel))
+        except OSError:
+            return None
+        if (own.st_ino, own.st_dev) != (st.st_ino, st.st_dev):
+            return None  # the table names another file: not an extent of this directory
+        index, offset, length = table.blocks[key]
+        return table.rel, offset, length, index
+
+    def _extent(self, rel: str, ino: int | None = None) -> Extent:
         extent = self._extents.get(rel)
         if extent is None:
-            extent = self._extents[rel] = Extent(rel)
+            extent = self._extents[rel] = Extent(rel, ino=ino)
         return extent
 
     def _index_block(self, key: BlockKey, entry: _Entry, parent: BlockKey | None) -> None:
@@ -413,7 +439,10 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
         if extent.live == 0:
             return  # the extent went with its last block
         try:
-            freed = disk_extents.erase(os.path.join(self.path, extent.rel), entry.offset, entry.size)
+            # None: its name (or table entry) led to another block's place, as tampering can:
+            # those bytes are that block's, not ours to erase
+            freed = disk_extents.erase_block(os.path.join(self.path, extent.rel), entry.offset, entry.size, key,
+                                             entry.index if entry.index >= 0 else None)
         except OSError as exc:
             log.warning("disk tier %s: cannot erase %s in %s: %s", self.path, key.hex(), extent.rel, exc)
             return
@@ -451,6 +480,9 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
         if entry is None or entry.extent is None:
             return True
         try:
+            if entry.extent.ino is not None:  # a hard link: the same extent (its place is fixed in it)
+                st = os.lstat(self.path_of(key))
+                return stat.S_ISREG(st.st_mode) and st.st_ino == entry.extent.ino
             target = os.readlink(self.path_of(key))
         except OSError:
             return False
@@ -475,8 +507,9 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
         """Index every published block under ``path`` (files of their own, and links into extents);
         remove dead writers' temp files, broken links and extents no link reaches."""
         now = time.time()
-        found: list[tuple[float, BlockKey, int, tuple[str, int] | None]] = []
+        found: list[tuple[float, BlockKey, int, tuple[str, int, int] | None]] = []
         links: list[tuple[float, BlockKey, str]] = []
+        named: list[tuple[os.stat_result, BlockKey, str]] = []
         extents: dict[str, os.stat_result] = {}
         for shard in os.scandir(self.path):
             if shard.name.endswith(TEMP_SUFFIX):
@@ -503,6 +536,8 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
                 key = BlockKey(bytes.fromhex(stem))
                 if stat.S_ISLNK(st.st_mode):
                     links.append((st.st_mtime, key, item.path))
+                elif stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
+                    named.append((st, key, item.path))  # a hard link to an extent, found by its table below
                 elif not _plausible(st.st_size):
                     self.stats.verify_failures += 1
                     _unlink(item.path)
@@ -525,13 +560,30 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
                 self.stats.expirations += 1
                 _unlink(path)  # its bytes are counted below as dead until its extent goes
             else:
-                found.append((mtime, key, place[2], (place[0], place[1])))
+                found.append((mtime, key, place[2], (place[0], place[1], -1)))
                 live[place[0]] = live.get(place[0], 0) + place[2]
+        tables = self._tables_of(extents, {(st.st_ino, st.st_dev) for st, _, _ in named})
+        for st, key, path in named:
+            rel, table = tables.get((st.st_ino, st.st_dev), (None, None))
+            where = table.blocks.get(key) if table is not None else None
+            if where is None:
+                self.stats.verify_failures += 1  # its extent is gone, or its table does not list it
+                _unlink(path)
+            elif self._expired(st.st_mtime, now):
+                self.stats.expirations += 1
+                _unlink(path)
+            else:
+                index, offset, length = where
+                found.append((st.st_mtime, key, length, (rel, offset, index)))
+                live[rel] = live.get(rel, 0) + length
+        table_bytes = {rel: table.nbytes for rel, table in tables.values() if table is not None}
         for rel, inode in extents.items():
             if rel not in live:
                 _unlink(os.path.join(self.path, rel))  # no block reaches it (a writer died before linking)
             else:
-                self._extent(rel).dead = max(0, disk_extents.allocated_bytes(inode) - live[rel])
+                ino = inode.st_ino if rel in table_bytes else None
+                self._extent(rel, ino).dead = max(
+                    0, disk_extents.allocated_bytes(inode) - live[rel] - table_bytes.get(rel, 0))
                 self._used += self._extents[rel].dead
         found.sort(key=lambda item: (item[0], item[1]))
         # LRU ignores parent links: do not read a page per block for nothing.
@@ -541,9 +593,28 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
             if place is None:
                 entry = _Entry(size, mtime)
             else:
-                entry = _Entry(size, mtime, self._extent(place[0]), place[1])
+                entry = _Entry(size, mtime, self._extent(place[0]), place[1], place[2])
             self._index_block(key, entry, parents.get(key))
         self._make_room(0)
+
+    def _tables_of(self, extents: dict[str, os.stat_result], wanted: set[tuple[int, int]]) -> dict:
+        """``(inode, device) -> (rel, table)`` for the extents some name links to (one read each);
+        the table None where the extent has none or it names another file."""
+        out: dict[tuple[int, int], tuple[str, disk_extents.Table | None]] = {}
+        for rel, inode in extents.items():
+            ident = (inode.st_ino, inode.st_dev)
+            if ident not in wanted:
+                continue
+            try:
+                fd = os.open(os.path.join(self.path, rel), os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                table = disk_extents.read_table(fd, inode.st_size)
+            finally:
+                os.close(fd)
+            out[ident] = (rel, table if table is not None and table.rel == rel else None)
+        return out
 
     def _recorded_parents(self, blocks: list[tuple[BlockKey, tuple[str, int] | None]]) -> dict[BlockKey, BlockKey]:
         """key → recorded parent, for the blocks whose header page records one (unverified

@@ -102,6 +102,7 @@ class _Entry:
     created: float  #: publication time, wall clock (file mtime after a restart)
     extent: Extent | None = None  #: the extent it is packed in; None: a file of its own
     offset: int = 0  #: where it starts in its extent
+    index: int = -1  #: its entry in its extent's table (-1: none, an extent from before tables)
 
 
 def records_ok(heads: np.ndarray, keys: np.ndarray) -> np.ndarray:

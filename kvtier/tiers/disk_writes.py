@@ -93,7 +93,7 @@ class DiskWrites:
                 with self._lock:
                     self.stats.put_failures += 1
         todo = [i for i in todo if statuses[i] is None]
-        need = sum(sizes[i] for i in todo)
+        need = sum(sizes[i] for i in todo)  # the table is metadata, like the names: not counted
         if len(todo) < 2:
             return
         with self._lock:
@@ -102,14 +102,15 @@ class DiskWrites:
             self._reserved += need
         stem = disk_extents.extent_stem(keys[todo[0]])
         rel = f"{stem[:2]}/{stem}{EXTENT_SUFFIX}"
-        offsets, off = {}, 0
+        offsets, off = {}, disk_extents.table_bytes(rel, len(todo))
         for i in todo:
             offsets[i] = off
             off += sizes[i]
         try:
-            status = self._write_extent(stem, rel, [(keys[i], srcs[i], metas[i], pack_record(keys[i], records[i]),
-                                                      offsets[i]) for i in todo])
-            linked = self._link_all(rel, [(keys[i], offsets[i], sizes[i]) for i in todo]) if status is Status.OK else []
+            table = disk_extents.pack_table(rel, [(keys[i], offsets[i], sizes[i]) for i in todo])
+            status, ino = self._write_extent(stem, rel, table, [
+                (keys[i], srcs[i], metas[i], pack_record(keys[i], records[i]), offsets[i]) for i in todo])
+            linked = self._link_all(rel, [keys[i] for i in todo]) if status is Status.OK else []
         except BaseException:
             with self._lock:
                 self._reserved -= need
@@ -122,10 +123,10 @@ class DiskWrites:
                 self.stats.put_failures += len(todo)
                 self.stats.errors += len(todo) if status is Status.ERROR else 0
                 return
-            extent = Extent(rel)
+            extent = Extent(rel, ino=ino)
             self._extents[rel] = extent
             now = time.time()
-            for i, ok in zip(todo, linked):
+            for index, (i, ok) in enumerate(zip(todo, linked)):
                 key = keys[i]
                 if not ok:
                     statuses[i] = Status.ERROR
@@ -137,7 +138,7 @@ class DiskWrites:
                 if key in self._index:  # another thread of ours published it meanwhile: our link replaced it
                     self._forget(key)
                 extent.live += 1
-                self._index[key] = _Entry(sizes[i], now, extent, offsets[i])
+                self._index[key] = _Entry(sizes[i], now, extent, offsets[i], index)
                 self._used += sizes[i]
                 self._policy.on_insert(key, records[i].parent)
                 self.stats.puts += 1
@@ -146,32 +147,39 @@ class DiskWrites:
             if extent.live == 0:
                 self._drop_extent(extent)
 
-    def _write_extent(self, stem: str, rel: str, blocks) -> Status:
-        """Write ``(key, payload, meta, record bytes, offset)`` blocks into extent ``rel``: temp file,
-        one fsync, rename (nothing links into it yet, so a crash leaves no torn block reachable)."""
+    def _write_extent(self, stem: str, rel: str, table, blocks) -> tuple[Status, int | None]:
+        """Write ``table`` and ``(key, payload, meta, record bytes, offset)`` blocks into extent
+        ``rel``: temp file, one fsync, rename (nothing links into it yet, so a crash leaves no torn
+        block reachable). Returns the status and the extent's inode (its names link to it)."""
         final = os.path.join(self.path, rel)
+        inode: list[int] = []
 
         def write(fd: int) -> None:
+            inode.append(os.fstat(fd).st_ino)
+            direct_io.pwrite_all(fd, table, 0)
             for key, src, meta, record, offset in blocks:
                 self._io.write(fd, src, lambda digest, key=key, src=src, meta=meta, record=record: pack_header(
                     key, src.nbytes, digest, meta, flags=FLAG_CHECKSUM | FLAG_RECORD) + record, base=offset, sync=False)
             os.fsync(fd)
 
-        return self._publish(final, stem, write, what=f"extent {stem}")
+        status = self._publish(final, stem, write, what=f"extent {stem}")
+        return status, (inode[0] if inode else None)
 
-    def _link_all(self, rel: str, blocks) -> list[bool]:
-        """Point each block's name at its place in extent ``rel`` (a temp link renamed onto the
-        name: atomic, whatever stood there before); whether each link was made."""
+    def _link_all(self, rel: str, keys) -> list[bool]:
+        """Give each block of extent ``rel`` its name: a hard link to the extent (a directory
+        entry, no inode of its own), made under a temp name and renamed onto the name (atomic,
+        whatever stood there before); whether each was made. Its place is in the table."""
+        extent = os.path.join(self.path, rel)
         done = []
-        for key, offset, size in blocks:
+        for key in keys:
             final = self.path_of(key)
             temp = os.path.join(os.path.dirname(final), f".{key.hex()}.{direct_io.temp_tag()}{TEMP_SUFFIX}")
             try:
                 try:
-                    os.symlink(disk_extents.link_target(rel, offset, size), temp)
+                    os.link(extent, temp)
                 except FileNotFoundError:  # someone removed the shard directory
                     make_private_dirs(os.path.dirname(temp))
-                    os.symlink(disk_extents.link_target(rel, offset, size), temp)
+                    os.link(extent, temp)
                 os.rename(temp, final)
                 done.append(True)
             except OSError as exc:

@@ -4,6 +4,7 @@ Reads land in page-aligned buffers poisoned before them (the direct paths, not t
 
 from __future__ import annotations
 
+import hashlib
 import os
 import stat
 import subprocess
@@ -18,7 +19,7 @@ from kvtier.tiers import direct_io
 from kvtier.tiers.base import Status
 from kvtier.tiers.direct_io import PAGE, aligned_buffer
 from kvtier.tiers.disk import DiskTier
-from kvtier.tiers.disk_extents import link_target, parse_link
+from kvtier.tiers.disk_extents import link_target, pack_table, parse_link, read_table
 from tests.tiers.test_disk import _flip  # one byte flipped in place
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -79,8 +80,12 @@ def test_put_many_packs_one_extent_and_get_many_reads_it_in_few_requests(tier, t
     assert put_chain(tier, ids, nbytes) == [Status.OK] * 16
     assert len(extents(tmp_path / "d")) == 1
     names = [Path(tier.path_of(k(i))) for i in ids]
-    assert all(stat.S_ISLNK(os.lstat(p).st_mode) for p in names), "each block keeps its name, as a link"
-    assert not any(p.exists() for p in names), "a link never resolves: nothing reads another block by its name"
+    extent = os.stat(extents(tmp_path / "d")[0])
+    # each block keeps its name, a hard link to the extent: a directory entry, not an inode per block
+    assert all(stat.S_ISREG(os.lstat(p).st_mode) and os.lstat(p).st_ino == extent.st_ino for p in names)
+    assert extent.st_nlink == 1 + 16
+    with open(names[3], "rb") as f:  # a name opened as a file shows the table, not a block
+        assert f.read(4) == b"KVXT"
     tier.check_integrity(deep=True)
     calls = count_preadv(monkeypatch)
     statuses, outs = read_all(tier, ids, nbytes)
@@ -136,24 +141,65 @@ def test_a_damaged_block_in_an_extent_is_a_miss_and_only_it_goes(tier, damage):
     tier.check_integrity(deep=True)
 
 
-def test_a_link_moved_onto_another_block_returns_neither(tier):
-    """Tampering with the names: k(2)'s name now points at k(4)'s place. Reading k(2) must not
-    return k(4)'s bytes (the header names its key), nor fail the read of k(4) itself."""
+def _as_symlinks(tier: DiskTier, ids) -> None:
+    """Give blocks ``ids`` the names extents had before tables: a symbolic link whose target is
+    the block's place (``<rel>@<offset>:<length>``), as directories written then hold."""
+    for i in ids:
+        path, offset = tier.locate(k(i))
+        name = tier.path_of(k(i))
+        os.unlink(name)
+        os.symlink(link_target(os.path.relpath(path, tier.path), offset, ON_DISK), name)
+
+
+def _retable(tier: DiskTier, moves: dict[int, int | None]) -> None:
+    """Rewrite the extent's table (with valid checks: anyone who can write the file can) so that
+    block ``a`` is listed at block ``b``'s place, for each ``a: b`` of ``moves`` (``b`` None:
+    ``a`` no longer listed)."""
+    path = tier.locate(k(0))[0]
+    rel = os.path.relpath(path, tier.path)
+    with open(path, "rb") as f:
+        table = read_table(f.fileno(), os.fstat(f.fileno()).st_size)
+    places = {key: (offset, length) for key, (_, offset, length) in table.blocks.items()}
+    for a, b in moves.items():
+        if b is None:
+            del places[k(a)]
+        else:
+            places[k(a)] = places[k(b)]
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.pwrite(fd, pack_table(rel, [(key, o, n) for key, (o, n) in places.items()]).tobytes(), 0)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("names", ["hard links", "symlinks"])
+def test_a_name_moved_onto_another_block_returns_neither(tier, names):
+    """Tampering: k(2)'s place is now k(4)'s (its table entry rewritten, or, in a directory
+    from before tables, its link). Reading k(2) must not return k(4)'s bytes (the header names
+    its key), nor fail the read of k(4) itself."""
     assert put_chain(tier, range(6)) == [Status.OK] * 6
-    rel = parse_link(os.readlink(tier.path_of(k(4))))
-    os.unlink(tier.path_of(k(2)))
-    os.symlink(link_target(*rel), tier.path_of(k(2)))
+    if names == "symlinks":
+        _as_symlinks(tier, range(6))
+        rel = parse_link(os.readlink(tier.path_of(k(4))))
+        os.unlink(tier.path_of(k(2)))
+        os.symlink(link_target(*rel), tier.path_of(k(2)))
+    else:
+        _retable(tier, {2: 4})
     tier.close()
     with DiskTier(tier.path, 1 << 30) as again:
-        statuses, outs = read_all(again, [2, 4])
-        assert statuses == [Status.CORRUPT, Status.OK]
-        assert np.array_equal(outs[1], data(4))
+        # k(2) first, on its own: removing it must not erase the bytes its name led to (k(4)'s)
+        statuses, outs = read_all(again, [2])
+        assert statuses == [Status.CORRUPT]
         assert (outs[0] == POISON).all() or not np.array_equal(outs[0], data(2))
+        statuses, outs = read_all(again, [4])
+        assert statuses == [Status.OK] and np.array_equal(outs[0], data(4))
 
 
 @pytest.mark.parametrize("target", ["../../etc/passwd", "00/nothing.kvx@0:69632", "{rel}@4097:69632", "{rel}@0:100"])
 def test_links_that_point_nowhere_valid_are_dropped_at_restart(tier, target):
+    """A directory from before tables: symbolic links that lead nowhere valid."""
     assert put_chain(tier, range(3)) == [Status.OK] * 3
+    _as_symlinks(tier, range(3))
     rel = parse_link(os.readlink(tier.path_of(k(0))))[0]
     os.unlink(tier.path_of(k(1)))
     os.symlink(target.format(rel=rel), tier.path_of(k(1)))
@@ -162,6 +208,50 @@ def test_links_that_point_nowhere_valid_are_dropped_at_restart(tier, target):
         assert not again.contains(k(1))
         assert read_all(again, [0, 2])[0] == [Status.OK] * 2
         again.check_integrity(deep=True)
+
+
+@pytest.mark.parametrize("how", ["a file that is no extent", "another extent", "its entry gone", "none"])
+def test_names_an_extent_table_does_not_list_are_dropped_at_restart_and_not_adopted(tier, tmp_path, how):
+    """k(1)'s name is a hard link to something whose table does not list k(1): it is not
+    indexed at a restart, nor found by another process; the other blocks are. Control
+    (``none``): untouched, k(1) is found both ways."""
+    assert put_chain(tier, range(3)) == [Status.OK] * 3
+    assert put_chain(tier, range(10, 13)) == [Status.OK] * 3
+    name = tier.path_of(k(1))
+    if how == "a file that is no extent":
+        other = tmp_path / "d" / "00" / "stray"
+        other.write_bytes(data(99).tobytes())
+        os.unlink(name)
+        os.link(other, name)
+        os.link(other, tmp_path / "d" / "00" / "stray2")  # two names, as an extent's have
+    elif how == "another extent":
+        os.unlink(name)
+        os.link(tier.locate(k(10))[0], name)
+    elif how == "its entry gone":
+        _retable(tier, {1: None})
+    with DiskTier(tier.path, 1 << 30) as other:  # another process, finding blocks by their names
+        assert other.contains(k(1)) is (how == "none")
+        assert other.contains(k(0)) and other.contains(k(11))
+    tier.close()
+    with DiskTier(tier.path, 1 << 30) as again:
+        assert again.contains(k(1)) is (how == "none")
+        assert read_all(again, [0, 2, 10, 11, 12])[0] == [Status.OK] * 5
+        again.check_integrity(deep=True)
+
+
+def test_an_erased_block_leaves_no_trace_of_its_key_in_the_extent(tier):
+    """Erasure punches the block out and zeroes its table entry: its key is gone from the file.
+    Control: a block kept is still listed, and its key is in the file. (Unrelated blocks: a
+    chain's records would name a removed parent in its child's header.)"""
+    keys = [hashlib.sha256(bytes([i])).digest() for i in range(4)]
+    assert tier.put_many(keys, [data(i) for i in range(4)], parents=[None] * 4) == [Status.OK] * 4
+    path = tier.locate(keys[0])[0]
+    assert tier.delete(keys[2])
+    raw = Path(path).read_bytes()
+    assert keys[2] not in raw and keys[1] in raw
+    with open(path, "rb") as f:
+        listed = read_table(f.fileno(), os.fstat(f.fileno()).st_size).blocks
+    assert set(listed) == {keys[0], keys[1], keys[3]}
 
 
 def test_a_restart_rebuilds_the_index_from_the_links(tmp_path):
@@ -310,3 +400,17 @@ def test_a_restart_removes_extents_no_link_reaches_and_leaves_other_files(tmp_pa
         assert sorted(t.keys()) == [k(0), k(1), k(2)]
         assert t.used_bytes == 3 * ON_DISK
         t.check_integrity(deep=True)
+
+
+def test_an_erasure_keeps_the_other_blocks_publication_time(tier):
+    """The names are links to the extent, so its mtime is every block's publication time (TTL,
+    restart order): erasing one block must not renew the others'. Control: without the restore,
+    punching and zeroing would set it to now."""
+    assert put_chain(tier, range(3)) == [Status.OK] * 3
+    path = tier.locate(k(0))[0]
+    os.utime(path, (1000, 1000))
+    assert tier.delete(k(1))
+    assert os.stat(path).st_mtime == 1000 and os.lstat(tier.path_of(k(2))).st_mtime == 1000
+    with DiskTier(tier.path, 1 << 30, ttl_s=3600) as other:  # another process: published long ago, expired
+        assert not other.contains(k(2))
+
