@@ -71,8 +71,11 @@ _TABLE_VERSION = 1
 _HEAD = struct.Struct("<4sBxHI4x")  # magic, version, name length, entries
 _ENTRY = struct.Struct("<32sQQQ")  # key, offset, length, check
 _CHECK = struct.Struct("<Q")
-#: entries a table may claim: more than any batch, and a bound on what a damaged one makes us read
-MAX_TABLE_ENTRIES = 1 << 16
+#: blocks packed in one extent at most (a larger put_many writes several): each has a name
+#: linked to the extent, and file systems bound an inode's links (ext4: 65,000)
+EXTENT_BLOCKS = 4096
+#: entries a table may claim: a bound on what a damaged one makes us read
+MAX_TABLE_ENTRIES = EXTENT_BLOCKS
 
 
 def _pad8(n: int) -> int:

@@ -68,7 +68,10 @@ class DiskWrites:
                     statuses[i] = Status.OK
         todo = [i for i in first_of.values() if statuses[i] is None]
         if len(todo) >= 2 and self.pack_batches:
-            self._put_packed(keys, srcs, parents, metas, todo, statuses)
+            # an extent per EXTENT_BLOCKS at most: each block's name is a link to it, and file
+            # systems bound an inode's links (ext4: 65,000)
+            for start in range(0, len(todo), disk_extents.EXTENT_BLOCKS):
+                self._put_packed(keys, srcs, parents, metas, todo[start:start + disk_extents.EXTENT_BLOCKS], statuses)
         for i in todo:
             if statuses[i] is None:  # the batch did not fit whole: one by one (each makes room)
                 statuses[i] = self.put(keys[i], srcs[i], parent=parents[i], meta=metas[i])

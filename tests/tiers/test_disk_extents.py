@@ -414,3 +414,19 @@ def test_an_erasure_keeps_the_other_blocks_publication_time(tier):
     with DiskTier(tier.path, 1 << 30, ttl_s=3600) as other:  # another process: published long ago, expired
         assert not other.contains(k(2))
 
+
+
+def test_a_batch_larger_than_an_extent_takes_several(tier, tmp_path, monkeypatch):
+    """File systems bound an inode's links (ext4: 65,000), and each packed block's name is one:
+    a batch is packed EXTENT_BLOCKS at a time. Control: the same batch under the bound is one."""
+    from kvtier.tiers import disk_extents
+
+    assert put_chain(tier, range(10)) == [Status.OK] * 10
+    assert len(extents(tmp_path / "d")) == 1
+    monkeypatch.setattr(disk_extents, "EXTENT_BLOCKS", 4)
+    assert put_chain(tier, range(20, 30)) == [Status.OK] * 10
+    found = extents(tmp_path / "d")
+    assert len(found) == 1 + 3 and max(os.stat(p).st_nlink for p in found) <= 1 + 10
+    assert sorted(os.stat(p).st_nlink - 1 for p in found) == [2, 4, 4, 10]
+    assert read_all(tier, range(20, 30))[0] == [Status.OK] * 10
+    tier.check_integrity(deep=True)
