@@ -323,9 +323,12 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
     def _tabled_location(self, key: BlockKey, path: str, st: os.stat_result) -> tuple[str, int, int, int] | None:
         """``(extent rel, offset, length, table index)`` of a block whose name is a hard link to
         an extent: from the table the name opens, if the extent's own name is that same file."""
-        fd = os.open(path, os.O_RDONLY)
+        # no following a link, no blocking on a FIFO swapped in since the lstat; then the same file
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         try:
-            table = disk_extents.read_table(fd, st.st_size)
+            now = os.fstat(fd)
+            table = disk_extents.read_table(fd, st.st_size) if (now.st_ino, now.st_dev) == (st.st_ino, st.st_dev) \
+                else None
         finally:
             os.close(fd)
         if table is None or key not in table.blocks or not disk_extents.is_extent_rel(table.rel):
@@ -441,8 +444,8 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
         try:
             # None: its name (or table entry) led to another block's place, as tampering can:
             # those bytes are that block's, not ours to erase
-            freed = disk_extents.erase_block(os.path.join(self.path, extent.rel), entry.offset, entry.size, key,
-                                             entry.index if entry.index >= 0 else None)
+            freed = disk_extents.erase_block(os.path.join(self.path, extent.rel), extent.rel, entry.offset,
+                                             entry.size, key, entry.index if entry.index >= 0 else None)
         except OSError as exc:
             log.warning("disk tier %s: cannot erase %s in %s: %s", self.path, key.hex(), extent.rel, exc)
             return

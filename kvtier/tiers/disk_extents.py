@@ -225,10 +225,12 @@ def punch_hole(fd: int, offset: int, length: int) -> bool:
     raise OSError(err, os.strerror(err))
 
 
-def erase_block(path: str, offset: int, length: int, key: bytes, entry: int | None) -> bool | None:
-    """Erase one block of extent ``path`` in place: its bytes punched out (True: its space is free
-    again) or, where that is unsupported, overwritten with zeros (False: the space stays taken),
-    and its table entry ``entry`` (an index, None: an extent from before tables) zeroed. None: the
+def erase_block(path: str, rel: str, offset: int, length: int, key: bytes, entry: int | None) -> bool | None:
+    """Erase one block of extent ``path`` (named ``rel``) in place: its bytes punched out (True:
+    its space is free again) or, where that is unsupported, overwritten with zeros (False: the
+    space stays taken), and its table entry ``entry`` (an index, None: an extent from before
+    tables) zeroed, where the table written under that name put it (never where a damaged head
+    would say). None: the
     place holds a whole header of another key's block (a name or entry led there by tampering),
     which is left alone. The extent's modification time is kept: it is every block's publication
     time (their names are links to it), which retention and restart order go by.
@@ -239,9 +241,7 @@ def erase_block(path: str, offset: int, length: int, key: bytes, entry: int | No
         header = unpack_header(os.pread(fd, PAGE, offset))
         freed = None if header is not None and header.key != key else _erase_range(fd, offset, length)
         if entry is not None:
-            table = os.pread(fd, PAGE, 0)
-            _, _, name_len, _ = _HEAD.unpack_from(table, 0)
-            os.pwrite(fd, bytes(_ENTRY.size), _HEAD.size + _pad8(name_len) + _CHECK.size + entry * _ENTRY.size)
+            os.pwrite(fd, bytes(_ENTRY.size), _HEAD.size + _pad8(len(rel.encode())) + _CHECK.size + entry * _ENTRY.size)
         os.utime(fd, ns=(before.st_atime_ns, before.st_mtime_ns))
         return freed
     finally:

@@ -430,3 +430,21 @@ def test_a_batch_larger_than_an_extent_takes_several(tier, tmp_path, monkeypatch
     assert sorted(os.stat(p).st_nlink - 1 for p in found) == [2, 4, 4, 10]
     assert read_all(tier, range(20, 30))[0] == [Status.OK] * 10
     tier.check_integrity(deep=True)
+
+
+def test_erasing_a_block_writes_only_its_own_table_entry_whatever_the_table_head_says(tier):
+    """A damaged table head (its name length) must not steer the zeroing of an erased block's
+    entry into another block: the entry's place comes from the extent's name this process wrote.
+    Control: the head's name length, read back, is what the old code took."""
+    assert put_chain(tier, range(3)) == [Status.OK] * 3
+    path, first = tier.locate(k(0))
+    assert first == PAGE  # one table page, then the blocks
+    with open(path, "r+b") as f:
+        head = bytearray(f.read(16))
+        assert int.from_bytes(head[6:8], "little") == len(os.path.relpath(path, tier.path))  # control
+        head[6:8] = (PAGE - 16 - 8 - 56 + 40).to_bytes(2, "little")  # entry 1 would land in k(0)'s header
+        f.seek(0)
+        f.write(head)
+    assert tier.delete(k(1))
+    statuses, outs = read_all(tier, [0, 2])
+    assert statuses == [Status.OK] * 2 and np.array_equal(outs[0], data(0))
