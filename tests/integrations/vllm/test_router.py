@@ -181,7 +181,10 @@ def test_streaming_passes_every_event_through(stack):
             done = True
             break
     conn.close()
-    assert len(arrivals) >= 24 and done    # about one event per token (vLLM merges a few at times)
+    # Streamed, not buffered into one reply: many events for 48 tokens. vLLM merges the outputs of
+    # steps its HTTP layer has not sent yet, more on a faster machine (24+ on one VM, 20 on another
+    # whose decode steps are quicker), so this asks for a quarter, not one event per token.
+    assert len(arrivals) >= 12 and done
     # Arrival times are only reported: this tiny model decodes a token in ~2 ms and vLLM
     # often hands several steps' events to its HTTP layer at once, so their spacing here
     # says more about vLLM than about the router. That the router passes each chunk on as
