@@ -287,15 +287,14 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
         path = self.path_of(key)
         try:
             st = os.lstat(path)
+            hard_link = stat.S_ISREG(st.st_mode) and st.st_nlink > 1  # a name of an extent with a table
             if stat.S_ISLNK(st.st_mode):
                 packed = self._packed_location(path)
-            elif stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
-                packed = self._tabled_location(key, path, st)
             else:
-                packed = None
+                packed = self._tabled_location(key, path, st) if hard_link else None
         except OSError:
             return None
-        if stat.S_ISLNK(st.st_mode) or (stat.S_ISREG(st.st_mode) and st.st_nlink > 1):
+        if stat.S_ISLNK(st.st_mode) or hard_link:
             if packed is None or self._expired(st.st_mtime):
                 return None  # the reader that opens it (or a restart) sorts it out
             rel, offset, size, index = packed

@@ -82,9 +82,14 @@ def _pad8(n: int) -> int:
     return (n + 7) & ~7
 
 
+def _entries_at(name_len: int) -> int:
+    """Where a table's entries start, after its head, name and the check over both."""
+    return _HEAD.size + _pad8(name_len) + _CHECK.size
+
+
 def table_bytes(rel: str, count: int) -> int:
     """Bytes (whole pages) the table of an extent named ``rel`` with ``count`` blocks takes."""
-    raw = _HEAD.size + _pad8(len(rel.encode())) + _CHECK.size + count * _ENTRY.size
+    raw = _entries_at(len(rel.encode())) + count * _ENTRY.size
     return -(-raw // PAGE) * PAGE
 
 
@@ -103,9 +108,8 @@ def pack_table(rel: str, blocks: list[tuple[bytes, int, int]]) -> np.ndarray:
     head = _HEAD.pack(_TABLE_MAGIC, _TABLE_VERSION, len(name), len(blocks))
     view[: _HEAD.size] = head
     view[_HEAD.size: _HEAD.size + len(name)] = name
-    pos = _HEAD.size + _pad8(len(name))
-    _CHECK.pack_into(view, pos, xxhash.xxh3_64_intdigest(head + name))
-    pos += _CHECK.size
+    _CHECK.pack_into(view, _entries_at(len(name)) - _CHECK.size, xxhash.xxh3_64_intdigest(head + name))
+    pos = _entries_at(len(name))
     for key, offset, length in blocks:
         _ENTRY.pack_into(view, pos, key, offset, length, _entry_check(name, key, offset, length))
         pos += _ENTRY.size
@@ -134,11 +138,11 @@ def read_table(fd: int, file_size: int) -> Table | None:
     magic, version, name_len, count = _HEAD.unpack_from(page, 0)
     if magic != _TABLE_MAGIC or version != _TABLE_VERSION or count > MAX_TABLE_ENTRIES:
         return None
-    pos = _HEAD.size + _pad8(name_len)
-    if pos + _CHECK.size > len(page):
+    pos = _entries_at(name_len)
+    if pos > len(page):
         return None
     name = page[_HEAD.size: _HEAD.size + name_len]
-    if _CHECK.unpack_from(page, pos)[0] != xxhash.xxh3_64_intdigest(page[: _HEAD.size] + name):
+    if _CHECK.unpack_from(page, pos - _CHECK.size)[0] != xxhash.xxh3_64_intdigest(page[: _HEAD.size] + name):
         return None
     try:
         rel = name.decode()
@@ -152,7 +156,6 @@ def read_table(fd: int, file_size: int) -> Table | None:
             return None
         if len(page) < nbytes:
             return None
-    pos += _CHECK.size
     blocks: dict[bytes, tuple[int, int, int]] = {}
     for index in range(count):
         key, offset, length, check = _ENTRY.unpack_from(page, pos + index * _ENTRY.size)
@@ -241,7 +244,7 @@ def erase_block(path: str, rel: str, offset: int, length: int, key: bytes, entry
         header = unpack_header(os.pread(fd, PAGE, offset))
         freed = None if header is not None and header.key != key else _erase_range(fd, offset, length)
         if entry is not None:
-            os.pwrite(fd, bytes(_ENTRY.size), _HEAD.size + _pad8(len(rel.encode())) + _CHECK.size + entry * _ENTRY.size)
+            os.pwrite(fd, bytes(_ENTRY.size), _entries_at(len(rel.encode())) + entry * _ENTRY.size)
         os.utime(fd, ns=(before.st_atime_ns, before.st_mtime_ns))
         return freed
     finally:
