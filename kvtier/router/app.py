@@ -28,6 +28,7 @@ from kvtier.router.admin import install as install_admin
 from kvtier.router.admission import AsyncAdmission
 from kvtier.router.config import RouterConfig
 from kvtier.router.events import SharedTierEvents, VllmEvents
+from kvtier.router.http_log import server_log
 from kvtier.router.index import (NO_READ_SEED, ROOT_SEED, BlockIndex, context_seed, reads_prefix_cache,
                                  truncated_prompt)
 from kvtier.router.metrics import RouterMetrics
@@ -53,8 +54,9 @@ _RESPONSE = web.RequestKey("kvtier_response", web.StreamResponse)
 #: how the router's app must be served. A client that leaves cancels its handler, which closes
 #: the worker's request with it: vLLM then aborts the generation (its own server does the same
 #: for a client of its own) instead of decoding to ``max_tokens`` for nobody. aiohttp's default
-#: lets the handler run to the end.
-SERVE_OPTIONS = {"handler_cancellation": True}
+#: lets the handler run to the end. A message aiohttp's HTTP parser rejects is logged as the
+#: client's mistake, in one line (kvtier/router/http_log.py), not as an error with a traceback.
+SERVE_OPTIONS = {"handler_cancellation": True, "logger": server_log()}
 
 
 class RouteRequest(NamedTuple):

@@ -1567,10 +1567,68 @@ def test_a_client_gone_by_the_next_write_is_no_error_in_the_routers_log(caplog):
 
     with caplog.at_level(logging.DEBUG, logger="aiohttp.server"):
         run(main())
-    errors = [r for r in caplog.records if r.name == "aiohttp.server" and r.levelno >= logging.ERROR]
+    # the router's server logs through kvtier.router.http (kvtier/router/http_log.py), the
+    # stand-in worker's through aiohttp.server
+    errors = [r for r in caplog.records if r.name in ("aiohttp.server", "kvtier.router.http")
+              and r.levelno >= logging.ERROR]
     ours = [r for r in errors if r.exc_info and "kvtier/router" in "".join(traceback.format_exception(*r.exc_info))]
     assert not ours, [r.getMessage() for r in ours]
     assert len(errors) >= 1   # control: the worker's own failed write (tests/router, not kvtier/router)
+
+
+#: HTTP messages aiohttp's parser rejects before any handler of the router runs
+MALFORMED_HTTP = {
+    "a header over 8,190 bytes": b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 9000
+                                 + b"\r\nContent-Length: 2\r\n\r\n{}",
+    "a request line over 8,190 bytes": b"GET /" + b"a" * 9000 + b" HTTP/1.1\r\nHost: x\r\n\r\n",
+    "a bad Content-Length": b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n{}",
+    "a bad chunk size": b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                        b"zz\r\n{}\r\n0\r\n\r\n",
+    "an unknown HTTP version": b"GET /v1/models HTTP/9.9\r\nHost: x\r\n\r\n",
+    "a header without a colon": b"GET /v1/models HTTP/1.1\r\nHost: x\r\nnocolon\r\n\r\n",
+}
+
+
+def test_malformed_http_is_a_400_and_one_warning_line_not_a_logged_traceback(caplog):
+    """aiohttp's parser answers these with a 400 before any handler runs, and logged each at
+    ERROR with a traceback ("Error handling request"): a client could fill the router's log with
+    tracebacks and an operator's alarms with failures that were the client's. Now each is one
+    WARNING line naming what was wrong. Controls: the router still serves a well-formed request
+    afterwards, and an exception that is no client mistake keeps its traceback at ERROR."""
+    async def main():
+        async with one_worker_router() as (w, router, url, s):
+            port = int(url.rsplit(":", 1)[1])
+            for name, raw in MALFORMED_HTTP.items():
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.write(raw)
+                await writer.drain()
+                answer = await asyncio.wait_for(reader.read(4096), 5)
+                writer.close()
+                assert answer.startswith(b"HTTP/1.") and b" 400 " in answer.split(b"\r\n")[0], (name, answer[:200])
+            async with s.post(url + "/v1/completions", json={"prompt": "a b"}) as r:
+                assert r.status == 200
+
+    with caplog.at_level(logging.DEBUG):
+        run(main())
+    server = [r for r in caplog.records if r.name in ("aiohttp.server", "kvtier.router.http")]
+    assert not [r for r in server if r.levelno >= logging.ERROR or r.exc_info], \
+        [(r.levelname, r.getMessage()) for r in server]
+    said = [r.getMessage() for r in server if r.levelno == logging.WARNING]
+    assert len(said) == len(MALFORMED_HTTP), said
+    assert all("malformed HTTP request from 127.0.0.1" in line and "\n" not in line for line in said), said
+    assert any("8190 bytes" in line for line in said) and any("chunk size" in line for line in said), said
+
+    # control: what is not a client's malformed message is logged as aiohttp would, traceback and all
+    from kvtier.router.http_log import server_log
+
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="kvtier.router.http"):
+        try:
+            raise RuntimeError("a fault of the router's")
+        except RuntimeError:
+            server_log().exception("Error handling request from %s", "127.0.0.1")
+    [record] = caplog.records
+    assert record.levelno == logging.ERROR and record.exc_info and record.exc_info[0] is RuntimeError
 
 
 
