@@ -4,7 +4,8 @@ The window and its prompts are :mod:`kvtier.bench.vllm_trace`'s: a contiguous st
 of the trace (each hash id → ``HASH_TOKENS`` tokens from a generator seeded by the id,
 so equal ids give equal token blocks), its first ``--warmup-requests`` sent through the
 router first to fill the caches (a few at a time, not measured), then the counted
-``--requests`` at their arrival times compressed to ``--span-s``. Every request is
+``--requests`` at their arrival times compressed to a span (``--span-s``; by default one that
+loads the workers a fixed share, measured in the run: :func:`auto_span`). Every request is
 streamed, with ``stream_options.include_usage`` so the last chunk carries
 ``usage.prompt_tokens_details.cached_tokens``.
 
@@ -74,6 +75,14 @@ from kvtier.core.units import finite_float
 from kvtier.router.config import measured_bandwidth
 
 WORKERS = 2
+#: the default span loads the two workers this much: the window's non-reusable tokens (what even
+#: a deployment that hits every reusable token computes) at the workers' prefill speed measured in
+#: the same run, over the span. A fixed span loaded them by the size of a trace's requests instead:
+#: 15 s kept them 25-30 % busy on the Mooncake conversation trace here, and 4 % on an agent trace
+#: of shorter requests, where every round's TTFT was the same 0.03 s of fixed costs and the
+#: comparison said nothing. The conversation trace's bursts make queues at this load (a busy
+#: deployment, not a saturated one: TTFT, not throughput, is this bench's figure).
+BUSY_SHARE = 0.25
 #: the kvtier deployment's rounds, in the order run
 POLICIES = ("round-robin", "least-loaded", "prefix", "approximate", "tier-aware")
 TOKEN = "kvtier-bench-route-token"
@@ -89,11 +98,14 @@ def add_arguments(p) -> None:
     p.add_argument("--full-warmup", action="store_true",
                    help="--trace: replay every warm-up request whole (default: the exact shortcut of "
                         "kvtier.bench.vllm_trace.warmup_replay)")
-    # Defaults that put the two workers under load: with the slice spread over 30 s they
-    # keep up (makespan = span), nothing queues, and TTFT is mostly fixed overheads, so a
-    # cache's saving hardly shows; 15 s and a KV cache of a tenth of the working set (at
-    # least one longest request) make vLLM queue and evict, as on a busy deployment.
-    p.add_argument("--span-s", type=finite_float, default=15.0, help="--trace: arrivals compressed to this span")
+    # Defaults that put the two workers under load: spread too thin, they keep up, nothing
+    # queues, and TTFT is mostly fixed overheads, so a cache's saving hardly shows; the auto
+    # span (BUSY_SHARE) and a KV cache of a tenth of the working set (at least one longest
+    # request) make vLLM queue and evict, as on a busy deployment.
+    p.add_argument("--span-s", type=finite_float, default=None,
+                   help=f"--trace: arrivals compressed to this span (default: auto, the span over which the "
+                        f"window's non-reusable tokens keep the two workers {BUSY_SHARE:.0%} busy at the prefill "
+                        f"speed their warm-up showed)")
     p.add_argument("--kv-fraction", type=finite_float, default=0.1,
                    help="--trace: each worker's vLLM KV cache as a share of the stretch's working set")
     p.add_argument("--policies", default=",".join(POLICIES), help="--trace: comma-separated policies")
@@ -278,6 +290,25 @@ async def _one(session, url: str, model: str, r: dict, salt: str, t0: float) -> 
             "held_s": timing.get("held")}
 
 
+def auto_span(nonreusable_tokens: int, prefill_tokens_per_s: float) -> float:
+    """The default span: the one over which ``nonreusable_tokens`` at ``prefill_tokens_per_s``
+    (both workers together) keep the workers ``BUSY_SHARE`` busy."""
+    if prefill_tokens_per_s <= 0:
+        raise ValueError("the warm-up computed no token: no prefill speed to size the span by")
+    return max(0.01, round(nonreusable_tokens / (BUSY_SHARE * prefill_tokens_per_s), 2))
+
+
+def replay_prefill_speed(rows: list[dict], seconds: float) -> float:
+    """Prompt tokens the workers computed per second, together, in a warm-up replay (sent a few
+    at a time: the workers kept busy, decoding little)."""
+    return sum(r["prompt_tokens"] - r["cached_tokens"] for r in rows) / seconds
+
+
+def at_span(requests: list[dict], span_s: float) -> list[dict]:
+    """``requests`` with arrivals over a span of 1 spread over ``span_s``."""
+    return [{**r, "arrival_s": r["arrival_s"] * span_s} for r in requests]
+
+
 async def _replay(url: str, model: str, requests: list[dict], salt: str, at_once: int | None = None) -> list[dict]:
     """Every request at its arrival time; ``at_once``: instead, in order, that many in flight
     (the warm-up: as fast as the workers take it, the router still deciding on a live load)."""
@@ -326,9 +357,11 @@ def summarise(rows: list[dict], metrics_text: str, bound: list[int] | None = Non
 
 
 def _round(model: str, workers: list, phases: dict, policy: str, workdir: Path, *, events: bool,
-           salt: str, measured: list[str] = (), keep_rows: Path | None = None, log_level: str = "info",
+           salt: str, span, measured: list[str] = (), keep_rows: Path | None = None, log_level: str = "info",
            router_args: tuple = (), ttfts: list[float] | None = None) -> dict:
-    """One round; ``ttfts``, if given, gets each counted request's TTFT in request order."""
+    """One round; ``ttfts``, if given, gets each counted request's TTFT in request order.
+    ``span``: the counted arrivals' span, or ``span(warm-up rows, seconds)`` that sizes it from
+    this round's warm-up (the first round's, when no priming replay measured it)."""
     from kvtier.bench.route_stack import events_connected, start_router
 
     reset = all(reset_prefix_cache(w.url) for w in workers)
@@ -340,11 +373,13 @@ def _round(model: str, workers: list, phases: dict, policy: str, workdir: Path, 
         if events and not events_connected(router, len(workers)):
             raise RuntimeError(f"router {policy}: workers' KV events not connected\n{router.log_tail()}")
         t0 = time.monotonic()
-        asyncio.run(_replay(router.url, model, phases["warmup"], salt, at_once=4))
+        warm_rows = asyncio.run(_replay(router.url, model, phases["warmup"], salt, at_once=4))
         warm_s = time.monotonic() - t0
+        if callable(span):
+            span = span(warm_rows, warm_s)
         time.sleep(0.5)   # the warm-up's last KV events reach the router
         before = [vllm_sums(_get(w.url + "/metrics")) for w in workers]
-        rows = asyncio.run(_replay(router.url, model, phases["counted"], salt))
+        rows = asyncio.run(_replay(router.url, model, at_span(phases["counted"], span), salt))
         out = summarise(rows, _get(router.url + "/metrics"), phases["bound"])
         out["worker_side"] = worker_side(before, [vllm_sums(_get(w.url + "/metrics")) for w in workers])
         if keep_rows is not None:
@@ -359,18 +394,18 @@ def _round(model: str, workers: list, phases: dict, policy: str, workdir: Path, 
         router.stop()
 
 
-def _prime(model: str, workers: list, phases: dict, workdir: Path, salt: str) -> float:
+def _prime(model: str, workers: list, phases: dict, workdir: Path, salt: str) -> tuple[list[dict], float]:
     """The warm-up once through a round-robin router, not counted (see the module's "Fair
     among the policies"): the first policy round then finds the workers' host tiers and the
-    server holding an earlier round's blocks, as every later round does. Seconds taken."""
+    server holding an earlier round's blocks, as every later round does. Its rows and seconds."""
     from kvtier.bench.route_stack import start_router
 
     router = start_router(model, workers, workdir / f"router-{salt}.log", policy="round-robin", events=False,
                           extra_args=["--block-tokens", str(HASH_TOKENS)])
     try:
         t0 = time.monotonic()
-        asyncio.run(_replay(router.url, model, phases["warmup"], salt, at_once=4))
-        return round(time.monotonic() - t0, 1)
+        rows = asyncio.run(_replay(router.url, model, phases["warmup"], salt, at_once=4))
+        return rows, time.monotonic() - t0
     finally:
         router.stop()
 
@@ -433,7 +468,9 @@ def run(args) -> dict:
     started = time.monotonic()
     seed = args.order_seed if args.order_seed is not None else random.SystemRandom().randrange(1 << 16)
     order = round_order(policies, seed)
-    warm, counted = trace_window(args.trace, args.requests, args.warmup_requests, args.span_s, args.start)
+    # arrivals over a span of 1 here, spread over the span by each round (the auto span is
+    # known only once a warm-up has shown the workers' prefill speed)
+    warm, counted = trace_window(args.trace, args.requests, args.warmup_requests, 1.0, args.start)
     max_len = max(r["tokens"] + r["max_tokens"] for r in warm + counted) + HASH_TOKENS
     spec = trace_model_spec(args.model, max_len)
     model = str(ensure_model(spec)[0])
@@ -446,6 +483,7 @@ def run(args) -> dict:
     sent_warm = warmup_replay(warm, counted, WORKERS * kv_pages, args.full_warmup)
     phases = {"warmup": synthesise(sent_warm, spec.vocab_size), "counted": synthesise(counted, spec.vocab_size),
               "bound": reusable_tokens(counted, warm)}
+    nonreusable = sum(len(r["prompt"]) - hit for r, hit in zip(phases["counted"], phases["bound"]))
     sent_blocks = len({b for r in sent_warm + counted for b in r["blocks"]})
     # Each worker's host tier holds everything sent (every round's, as the salts keep them
     # apart and LRU ages the old ones out first).
@@ -457,7 +495,7 @@ def run(args) -> dict:
         "trace": str(args.trace),
         "window": f"requests {args.start}..{args.start + len(warm) + len(counted) - 1} of the trace, "
                   f"the first {len(warm)} as warm-up (not counted)",
-        **window_facts(warm, counted, sent_warm, args.span_s),
+        **window_facts(warm, counted, sent_warm, args.span_s),   # span_s: the auto span once known
         "vllm_kv_pages_per_worker": kv_pages,
         "vllm_kv_share_of_working_set": round(kv_pages / unique_blocks, 3),
         "kvtier_host_mib_per_worker": host_mib,
@@ -473,6 +511,18 @@ def run(args) -> dict:
     }
     load = [os.getloadavg()[0]]
     ttfts: dict[str, list[float]] = {}   # each round's TTFT per counted request, in request order
+
+    def sized(rows: list[dict], seconds: float, measured_in: str = "the first round's warm-up") -> float:
+        """The auto span, from the first warm-up replay (every round then gets the same)."""
+        speed = replay_prefill_speed(rows, seconds)
+        result["auto_span"] = {"busy_share": BUSY_SHARE, "nonreusable_tokens": nonreusable,
+                               "prefill_tokens_per_s": round(speed, 1), "measured_in": measured_in}
+        result["span_s"] = auto_span(nonreusable, speed)
+        return result["span_s"]
+
+    def span():
+        return result["span_s"] if result["span_s"] is not None else sized
+
     # The shared tier holds one round's blocks and more (older rounds' age out under LRU).
     # A server of ~2 GiB pages its arena in before it answers: over 20 s (the launcher's
     # default wait) on the shared 2-core machine at load 7, so wait longer.
@@ -486,10 +536,13 @@ def run(args) -> dict:
         try:
             _warm(model, workers, spec.vocab_size)
             if not args.no_priming:
-                result["priming_s"] = _prime(model, workers, phases, workdir, salt=f"prime-{nonce}")
+                rows, seconds = _prime(model, workers, phases, workdir, salt=f"prime-{nonce}")
+                result["priming_s"] = round(seconds, 1)
+                if result["span_s"] is None:
+                    sized(rows, seconds, "the priming replay")
             for policy in order:
                 result["policies"][policy] = _round(model, workers, phases, policy, workdir, events=True,
-                                                    measured=measured, salt=f"{policy}-{nonce}",
+                                                    span=span(), measured=measured, salt=f"{policy}-{nonce}",
                                                     keep_rows=workdir / f"rows-{policy}.json" if args.workdir else None,
                                                     log_level=args.router_log_level,
                                                     router_args=("--admission-tokens", str(args.admission_tokens)),
@@ -506,13 +559,14 @@ def run(args) -> dict:
         # Today's deployment: a plain round-robin proxy that sends every request at once
         # (the router's admission off), as the baseline has always been run.
         result["baseline"] = _round(model, workers, phases, "round-robin", workdir, events=False,
-                                    salt=f"baseline-{nonce}",
+                                    salt=f"baseline-{nonce}", span=span(),
                                     keep_rows=workdir / "rows-baseline.json" if args.workdir else None,
                                     router_args=("--admission-tokens", "0"), ttfts=ttfts.setdefault("baseline", []))
         load.append(os.getloadavg()[0])
         if args.baseline_admission:
             result["baseline_admission"] = _round(
                 model, workers, phases, "round-robin", workdir, events=False, salt=f"baseline-admission-{nonce}",
+                span=span(),
                 keep_rows=workdir / "rows-baseline-admission.json" if args.workdir else None,
                 router_args=("--admission-tokens", str(args.admission_tokens or 2048)),
                 ttfts=ttfts.setdefault("baseline_admission", []))

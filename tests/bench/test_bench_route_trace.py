@@ -23,6 +23,47 @@ from kvtier.router.metrics import RouterMetrics
 SLICE = Path(__file__).resolve().parents[1] / "data" / "mooncake_conversation_head500.jsonl"
 
 
+def _window_work(path: Path, requests: int, warmup: int, start: int = 0, vocab: int = 2048) -> int:
+    """The counted window's non-reusable tokens, as the bench counts them."""
+    from kvtier.bench import vllm_trace as vt
+
+    warm, counted = vt.trace_window(str(path), requests, warmup, 1.0, start)
+    prompts = vt.synthesise(counted, vocab)
+    return sum(len(p["prompt"]) - hit for p, hit in zip(prompts, vt.reusable_tokens(counted, warm)))
+
+
+def test_auto_span_loads_the_workers_the_same_share_whatever_the_requests_and_the_machine(tmp_path):
+    """The default span was a fixed 15 s: the load it put on the workers was the window's work,
+    so a trace of shorter requests left them idle (4 % busy on an agent trace, every round's TTFT
+    the same 0.03 s). The auto span gives every window and machine the same busy share.
+    Control: a fixed span, the old default, loads two windows of different work differently."""
+    small = tmp_path / "short.jsonl"   # the slice with every request a quarter as long
+    rows = [json.loads(line) for line in SLICE.read_text().splitlines()]
+    short = [r["hash_ids"][: max(1, len(r["hash_ids"]) // 4)] for r in rows]
+    small.write_text("".join(json.dumps({**r, "input_length": len(ids) * 512 - 100, "hash_ids": ids}) + "\n"
+                             for r, ids in zip(rows, short)))
+    work = {name: _window_work(path, 64, 200) for name, path in (("full", SLICE), ("short", small))}
+    assert work["short"] < 0.5 * work["full"], work
+    for speed in (4000.0, 9000.0):   # both workers' prompt tokens per second
+        spans = {name: route_trace.auto_span(w, speed) for name, w in work.items()}
+        for name, span in spans.items():
+            assert work[name] / (span * speed) == pytest.approx(route_trace.BUSY_SHARE, rel=0.02)
+        assert spans["short"] < spans["full"]
+    assert route_trace.auto_span(work["full"], 9000.0) < route_trace.auto_span(work["full"], 4000.0)  # faster: shorter
+    busy_at_15s = {name: w / (15.0 * 4000.0) for name, w in work.items()}   # control: the old fixed default
+    assert busy_at_15s["short"] < 0.5 * busy_at_15s["full"]
+    with pytest.raises(ValueError, match="no prefill speed"):
+        route_trace.auto_span(work["full"], 0.0)
+
+
+def test_warm_up_speed_counts_computed_tokens_and_arrivals_spread_over_the_span():
+    rows = [{"prompt_tokens": 1000, "cached_tokens": 600}, {"prompt_tokens": 500, "cached_tokens": 0}]
+    assert route_trace.replay_prefill_speed(rows, 0.5) == pytest.approx(1800.0)   # (400 + 500) / 0.5
+    unit = [{"arrival_s": 0.0, "prompt": [1]}, {"arrival_s": 0.5, "prompt": [2]}, {"arrival_s": 1.0, "prompt": [3]}]
+    assert [r["arrival_s"] for r in route_trace.at_span(unit, 12.0)] == [0.0, 6.0, 12.0]
+    assert [r["arrival_s"] for r in unit] == [0.0, 0.5, 1.0]   # the unit arrivals stay for the next round
+
+
 def test_decision_p99_is_read_from_the_routers_histogram():
     m = RouterMetrics()
     for _ in range(980):
@@ -157,7 +198,7 @@ def test_trace_smoke_run(tmp_path):
     """The whole command on a tiny slice: kvtier deployment (one policy) and the baseline.
     Most of its time is four vLLM start-ups (two deployments of two workers)."""
     out = subprocess.run([sys.executable, "-m", "kvtier.cli.main", "bench", "route", "--trace", str(SLICE),
-                          "--json", "--model", "tiny", "--warmup-requests", "20", "--requests", "6", "--span-s", "2",
+                          "--json", "--model", "tiny", "--warmup-requests", "20", "--requests", "6", "--start", "4",
                           "--policies", "tier-aware", "--workdir", str(tmp_path)],
                          capture_output=True, text=True, timeout=580)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -189,4 +230,11 @@ def test_trace_smoke_run(tmp_path):
     assert r["warmup_requests"] == 20 and r["shared_read_gbps_measured"] > 0
     # the uncounted priming replay ran before the first round, and the JSON names the order
     assert r["priming"] is True and r["priming_s"] > 0 and r["round_order"] == ["tier-aware"]
+    # the default span: sized on the priming replay's prefill speed, the same for every round
+    auto = r["auto_span"]
+    assert auto["measured_in"] == "the priming replay" and auto["prefill_tokens_per_s"] > 0
+    assert r["span_s"] == route_trace.auto_span(auto["nonreusable_tokens"], auto["prefill_tokens_per_s"]) > 0
+    for rows_of in (rows, baseline_rows):   # the counted arrivals (two 3-s slots of the trace) spread over it
+        sent = sorted(x["arrival_s"] for x in rows_of)
+        assert sent[-1] - sent[0] == pytest.approx(r["span_s"], abs=0.25)
     assert any(tmp_path.glob("router-prime-*.log"))
