@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import math
 import subprocess
 import sys
 import time
@@ -54,6 +55,17 @@ def test_auto_span_loads_the_workers_the_same_share_whatever_the_requests_and_th
     assert busy_at_15s["short"] < 0.5 * busy_at_15s["full"]
     with pytest.raises(ValueError, match="no prefill speed"):
         route_trace.auto_span(work["full"], 0.0)
+
+
+def test_the_shared_tier_holds_every_round_the_run_replays():
+    """With room for three rounds, the replay that filled the server was the slowest of its run
+    whichever policy held its slot: the server now holds the priming round, each policy's and one
+    more. Control: the old size (two host tiers of 1.5 rounds) holds fewer than a default run's six."""
+    round_mib = 617.0   # the conversation trace's default window, mid model
+    rounds = 1 + len(route_trace.POLICIES)
+    assert route_trace.shared_tier_mib(round_mib, rounds) >= (rounds + 1) * round_mib
+    assert 2 * math.ceil(round_mib * 1.5) < rounds * round_mib   # control: the old size
+    assert route_trace.shared_tier_mib(0.5, 2) == 128          # a floor for tiny windows
 
 
 def test_warm_up_speed_counts_computed_tokens_and_arrivals_spread_over_the_span():
