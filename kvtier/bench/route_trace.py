@@ -44,8 +44,8 @@ of the warm-up (its own salt, round-robin) runs before the first policy round, a
 rounds run in a **shuffled order** (``--order-seed``; the JSON says which), so that over
 the ≥ 3 runs a figure is the median of, no policy keeps the first or the last slot; and (3)
 the shared tier holds every round the run replays (:func:`shared_tier_mib`): with room for
-three, the round that filled it was the slowest of its run in 3 runs of 3 on an agent trace,
-whichever policy held that slot.
+three, the fourth policy round (the server evicting since the round before) was the slowest of
+its run in 3 runs of 3 on an agent trace, whichever policy held that slot.
 """
 
 from __future__ import annotations
@@ -298,7 +298,7 @@ async def _one(session, url: str, model: str, r: dict, salt: str, t0: float) -> 
 def shared_tier_mib(round_mib: float, rounds: int) -> int:
     """The kvtier server's capacity: every round the run replays (the priming one and each policy's,
     each under its own salt) and one more, so that no round pays the shared tier's evictions. With
-    room for three rounds, the fourth replay of an agent trace's window was the slowest of its run
+    room for three rounds, the fourth policy round on an agent trace's window was the slowest of its run
     (TTFT p50 2-4x the others') and hit fewer tokens (0.690-0.698 of its prompts against 0.704),
     in three runs of three, whichever policy held that slot; with room for all, that slot was like
     the others. (Why the server's evictions cost that round so much is not found.)"""
