@@ -101,12 +101,15 @@ class Service:
         self.events = events
         self.io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvtier-serve-io")
         self._scratch: ScratchPool | None = None
-        # Slots reserved by uploads in flight: slow clients must not pin the whole pool,
-        # and one tenant's slow uploads must not take the room of the others'.
-        self._inflight = 0
-        self._inflight_by_owner: dict[str, int] = {}
-        self._max_inflight = max(1, host.num_slots // 2)
-        self._max_inflight_per_owner = max(1, host.num_slots // 8)
+        # Pool bytes reserved by uploads in flight: slow clients must not pin the whole pool,
+        # and one tenant's slow uploads must not take the room of the others'. Counted in
+        # bytes, not uploads: capped at a count of the largest blocks, a pool of 8 blocks of
+        # max_block let a tenant one upload at a time, and its workers' concurrent writes of
+        # small blocks were refused (FULL: lost) while the pool had room for hundreds.
+        self._inflight_bytes = 0
+        self._inflight_bytes_by_owner: dict[str, int] = {}
+        self._max_inflight_bytes = max(host.slot_bytes, host.capacity_bytes // 2)
+        self._max_inflight_bytes_per_owner = max(host.slot_bytes, host.capacity_bytes // 8)
         m = metrics
         ops = [op for op in Op if op not in (Op.HELLO, Op.ERROR)]
         self._lat = {op: m.latency.labels(op.name.lower()) for op in ops}
@@ -378,8 +381,8 @@ class Service:
         footprint = self.host.footprint(n)
         if not all(self.gov.admits(a, footprint) for a in accounts):  # quotas charge the pool bytes a block takes
             status = Status.FULL
-        elif (self._inflight >= self._max_inflight
-              or self._inflight_by_owner.get(owner, 0) >= self._max_inflight_per_owner):
+        elif (self._inflight_bytes + footprint > self._max_inflight_bytes
+              or self._inflight_bytes_by_owner.get(owner, 0) + footprint > self._max_inflight_bytes_per_owner):
             status = Status.FULL
         if status is not Status.OK:
             await conn.discard(h.data_len)
@@ -391,8 +394,8 @@ class Service:
                 if self.drop(victim) is not None:
                     self.metrics.count_quota_eviction(account)
         block_meta = BlockMeta(bh.dtype, bh.shape, bh.token_count)
-        self._inflight += 1
-        self._inflight_by_owner[owner] = self._inflight_by_owner.get(owner, 0) + 1
+        self._inflight_bytes += footprint
+        self._inflight_bytes_by_owner[owner] = self._inflight_bytes_by_owner.get(owner, 0) + footprint
         try:
             if self.host.free_slots or len(self.store.tiers) == 1:
                 status, res = self.host.reserve(skey, n, meta=block_meta)
@@ -417,8 +420,8 @@ class Service:
                 self.host.abort(res)
                 raise
         finally:
-            self._inflight -= 1
-            self._inflight_by_owner[owner] -= 1
+            self._inflight_bytes -= footprint
+            self._inflight_bytes_by_owner[owner] -= footprint
         self.metrics.bytes_in.inc(n)
         digest = hasher.digest() if hasher is not None else _NO_CHECKSUM  # sealed: the trailer is zeros
         if digest != trailer:
