@@ -301,7 +301,10 @@ def shared_tier_mib(round_mib: float, rounds: int) -> int:
     room for three rounds, the fourth policy round on an agent trace's window was the slowest of its run
     (TTFT p50 2-4x the others') and hit fewer tokens (0.690-0.698 of its prompts against 0.704),
     in three runs of three, whichever policy held that slot; with room for all, that slot was like
-    the others. (Why the server's evictions cost that round so much is not found.)"""
+    the others. The cause was the server's: it capped a tenant's uploads in flight at a count of
+    ``max_block`` slots (2 here), refusing the workers' concurrent writes once evictions slowed
+    each one (fixed in kvtier/server/service.py). Room for every round still keeps the rounds'
+    conditions equal: no round pays evictions the others do not."""
     return max(128, math.ceil(round_mib * (rounds + 1)))
 
 
