@@ -30,7 +30,7 @@ BIG = 8 << 20
 def few_slots(tmp_path_factory):
     """8 blocks of the largest size: the old per-tenant cap was one upload."""
     srv = ServerProcess.start(tenants(), shared=SHARED, workdir=str(tmp_path_factory.mktemp("kvtier-cap")),
-                              server={"capacity": "64MiB", "max_block": "8MiB", "frame_timeout_s": 5.0})
+                              server={"capacity": "64MiB", "max_block": "8MiB", "frame_timeout_s": 15.0})
     yield srv
     srv.stop()
 
@@ -79,9 +79,17 @@ def test_a_tenants_uploads_in_flight_are_still_capped(few_slots):
     globex = RemoteTier(url, TOKENS["globex"], namespace="cap-next", timeout_s=10)
     other = RemoteTier(url, TOKENS["acme"], namespace="cap-other", timeout_s=10)
     try:
-        time.sleep(0.3)  # the stalled upload has its reservation
-        key, small = keys_for("next-big", 1)[0], keys_for("other-tenant", 1)[0]
-        assert globex.put(key, block(key, BIG)) is Status.FULL
+        # refused once the server has taken the stalled upload's reservation (a loaded machine
+        # may take a while to read its header: each try is a new key, as a stored one is not put again)
+        deadline = time.monotonic() + 10
+        for attempt in range(1000):
+            key = keys_for(f"next-big-{attempt}", 1)[0]
+            status = globex.put(key, block(key, BIG))
+            if status is Status.FULL or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert status is Status.FULL, status
+        small = keys_for("other-tenant", 1)[0]
         assert other.put(small, block(small, SMALL)) is Status.OK
         stalled.close()
         deadline = time.monotonic() + 5
