@@ -29,8 +29,7 @@ class ServerLog(logging.LoggerAdapter):
             text = " ".join(str(exc.message or type(exc).__name__).split())
             if len(text) > QUOTE_CHARS:
                 text = text[:QUOTE_CHARS] + "..."
-            said = msg % args if args else str(msg)   # aiohttp's: "Error handling request from <peer>"
-            peer = said.rsplit(" from ", 1)[-1] if " from " in said else "?"
+            peer = args[-1] if args else "?"   # aiohttp's: ("Error handling request from %s", peer)
             self.warning("answered %d to a malformed HTTP request from %s: %s", exc.code or 400, peer, text)
             return
         super().exception(msg, *args, exc_info=exc_info, **kwargs)
