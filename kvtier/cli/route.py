@@ -95,7 +95,8 @@ def run(args) -> int:
     from aiohttp import web
 
     from kvtier.errors import ConfigError
-    from kvtier.router.app import SERVE_OPTIONS, PromptTokenizer, Router
+    from kvtier.router.app import SERVE_OPTIONS, Router
+    from kvtier.router.requests import PromptTokenizer
 
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

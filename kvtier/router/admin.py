@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from kvtier.router.events import VllmEvents
+from kvtier.router.requests import RequestError
 from kvtier.router.workers import Worker
 
 if TYPE_CHECKING:
@@ -56,10 +57,8 @@ def _loopback(remote: str | None) -> bool:
         return False
 
 
-def _error(status: int, message: str) -> Exception:
+def _error(status: int, message: str) -> RequestError:
     """Raised; the router's error middleware answers it in the OpenAI error shape."""
-    from kvtier.router.app import RequestError   # here: app.py imports this module
-
     return RequestError(status, message, "admin_error")
 
 

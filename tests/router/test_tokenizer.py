@@ -11,7 +11,7 @@ def test_prompt_ids_are_the_model_tokenizers(tmp_path):
     from transformers import AutoTokenizer
 
     from kvtier.integrations.transformers.models import VLLM_TEST_SPEC, ensure_model
-    from kvtier.router.app import PromptTokenizer, RequestError
+    from kvtier.router.requests import PromptTokenizer, RequestError
 
     spec = VLLM_TEST_SPEC
     path = str(ensure_model(spec)[0])
@@ -88,8 +88,9 @@ def test_a_long_prompt_is_tokenized_off_the_event_loop():
     from aiohttp import ClientSession, web
 
     from kvtier.integrations.transformers.models import VLLM_TEST_SPEC, ensure_model
-    from kvtier.router.app import PromptTokenizer, Router
+    from kvtier.router.app import Router
     from kvtier.router.config import RouterConfig, WorkerSpec
+    from kvtier.router.requests import PromptTokenizer
     from tests.router.test_http import free_port
 
     spec = VLLM_TEST_SPEC
@@ -163,8 +164,9 @@ def test_a_prompt_without_special_tokens_is_keyed_as_vllm_tokenizes_it(tmp_path)
     from aiohttp import ClientSession, web
 
     from kvtier.integrations.transformers.models import VLLM_TEST_SPEC, ensure_model
-    from kvtier.router.app import PromptTokenizer, Router
+    from kvtier.router.app import Router
     from kvtier.router.config import RouterConfig, WorkerSpec
+    from kvtier.router.requests import PromptTokenizer
     from tests.router.test_http import StandIn, free_port
 
     spec = VLLM_TEST_SPEC

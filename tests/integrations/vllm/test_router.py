@@ -221,7 +221,7 @@ def test_an_agents_chat_with_tools_is_routed_to_its_context(stack):
     """vLLM renders tool definitions through its own schema (defaults filled in) before the
     template: the router's own rendering of the same request has other ids, so it asks a
     worker. Repeating the request must then be predicted where vLLM finds it cached."""
-    from kvtier.router.app import PromptTokenizer
+    from kvtier.router.requests import PromptTokenizer
 
     model, url = stack["model"], stack["routers"]["tier-aware"].url
     rng = random.Random(21)
