@@ -31,6 +31,7 @@ import mmap
 import os
 import queue
 import socket
+import stat
 import threading
 import uuid
 from collections.abc import Callable, Sequence
@@ -135,12 +136,14 @@ def temp_tag() -> str:
 
 def stale_temp(name: str, mtime: float, now: float, max_age_s: float) -> bool:
     """Whether temp file ``.<what>.<temp_tag()>.tmp`` belongs to a dead writer: its
-    process is gone from this host, or it is older than any write takes."""
+    process is gone from this host, or it is older than any write takes. The name is checked
+    first: a file named otherwise is not ours, however old (a scan never removes others' files)."""
+    parts = name[1:-4].split(".", 3)
+    if (not name.startswith(".") or not name.endswith(".tmp") or len(parts) != 4 or len(parts[1]) != 8
+            or not all(c in "0123456789abcdef" for c in parts[1]) or not parts[2].isdigit()):
+        return False  # not ours: leave it
     if now - mtime > max_age_s:
         return True
-    parts = name[1:-4].split(".", 3)
-    if len(parts) != 4 or not parts[2].isdigit():
-        return False  # not ours: leave it
     pid, host = int(parts[2]), parts[3]
     if host != socket.gethostname() or pid == os.getpid():
         return False  # another node of a shared mount (only age tells), or us
@@ -151,6 +154,41 @@ def stale_temp(name: str, mtime: float, now: float, max_age_s: float) -> bool:
     except PermissionError:
         pass  # alive, another user's
     return False
+
+
+class NotAFile(OSError):
+    """What a block's path names is no regular file (a symbolic link, a FIFO, a device put
+    there): nothing of ours, never read or written through."""
+
+
+def open_regular(path: str, flags: int = os.O_RDONLY) -> int:
+    """Open the regular file at ``path``: never through a symbolic link there (it may lead out of
+    the tier's directory), never blocking on a FIFO or device put there (O_NONBLOCK for the open
+    only: it is cleared again, whatever a file system makes of it). Raises :class:`NotAFile` for
+    anything else, OSError as ``os.open`` does."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:  # ELOOP: a link; EINVAL: O_DIRECT on a FIFO, for one
+        if exc.errno == errno.ELOOP or not _is_regular(path):
+            raise NotAFile(exc.errno, "not a regular file", path) from exc
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise NotAFile(errno.EINVAL, "not a regular file", path)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _is_regular(path: str) -> bool:
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return True  # gone too: the open's own error stands
 
 
 def probe_direct_io(directory: str) -> bool:
@@ -320,7 +358,8 @@ class BlockIO:
         return os.open(path, flags, FILE_MODE)  # blocks are prompts in another form: owner only
 
     def open_read(self, path: str) -> int:
-        return os.open(path, os.O_RDONLY | (os.O_DIRECT if self.direct else 0))
+        """A block's file (or extent) opened for reading: see :func:`open_regular`."""
+        return open_regular(path, os.O_RDONLY | (os.O_DIRECT if self.direct else 0))
 
     @contextmanager
     def _lease(self):

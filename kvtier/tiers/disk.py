@@ -30,7 +30,11 @@ back in one *extent* file, each block the same bytes as a file of its own, and
 * **Restart recovery.** Opening scans the directory: every published block is
   indexed again (LRU order = publication order; with a policy that uses
   parents, each block's recorded parent link is restored, parents first), and
-  temp files of dead writers are removed.
+  temp files of dead writers are removed. Only the directory's own entries are
+  touched: no shard that is a link elsewhere is entered, no file named otherwise removed.
+* **A hostile directory.** Files are opened without following a symbolic link
+  and without blocking on a FIFO; what is not a regular file is a miss, and an
+  extent is written to only while it is still the file indexed.
 * **Shared directories.** The in-process index is a cache of the directory:
   on an index miss, ``contains``/``get``/``put`` look for the file (one stat),
   so blocks other processes wrote are found; writers of the same key each use
@@ -287,14 +291,14 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
         path = self.path_of(key)
         try:
             st = os.lstat(path)
-            hard_link = stat.S_ISREG(st.st_mode) and st.st_nlink > 1  # a name of an extent with a table
+            table = self._table_behind(path, st) if stat.S_ISREG(st.st_mode) and st.st_nlink > 1 else None
             if stat.S_ISLNK(st.st_mode):
                 packed = self._packed_location(path)
             else:
-                packed = self._tabled_location(key, path, st) if hard_link else None
+                packed = self._tabled_location(key, table, st) if table is not None else None
         except OSError:
             return None
-        if stat.S_ISLNK(st.st_mode) or hard_link:
+        if stat.S_ISLNK(st.st_mode) or table is not None:
             if packed is None or self._expired(st.st_mtime):
                 return None  # the reader that opens it (or a restart) sorts it out
             rel, offset, size, index = packed
@@ -309,31 +313,39 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
 
     def _packed_location(self, path: str) -> tuple[str, int, int, int] | None:
         """``(extent rel, offset, length, -1)`` of a block's symbolic link (an extent from before
-        tables) whose extent exists and reaches its end."""
+        tables) whose extent is a regular file (not a link out of the directory) reaching its end."""
         place = disk_extents.parse_link(os.readlink(path))
         if place is None:
             return None
         try:
-            size = os.stat(os.path.join(self.path, place[0])).st_size
+            st = os.lstat(os.path.join(self.path, place[0]))
         except OSError:
             return None
-        return (*place, -1) if place[1] + place[2] <= size else None
+        return (*place, -1) if stat.S_ISREG(st.st_mode) and place[1] + place[2] <= st.st_size else None
 
-    def _tabled_location(self, key: BlockKey, path: str, st: os.stat_result) -> tuple[str, int, int, int] | None:
-        """``(extent rel, offset, length, table index)`` of a block whose name is a hard link to
-        an extent: from the table the name opens, if the extent's own name is that same file."""
-        # no following a link, no blocking on a FIFO swapped in since the lstat; then the same file
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    @staticmethod
+    def _table_behind(path: str, st: os.stat_result) -> disk_extents.Table | None:
+        """The table at the start of a block's name that has several links (``st``, its lstat): an
+        extent's name. None: no table there, a block file of its own that is also linked elsewhere
+        (a hard-link snapshot of the directory, a backup). Raises OSError if the name now holds
+        another file than ``st``, or none."""
+        fd = direct_io.open_regular(path)  # no following a link, no blocking on a FIFO swapped in since the lstat
         try:
             now = os.fstat(fd)
-            table = disk_extents.read_table(fd, st.st_size) if (now.st_ino, now.st_dev) == (st.st_ino, st.st_dev) \
-                else None
+            if (now.st_ino, now.st_dev) != (st.st_ino, st.st_dev):
+                raise FileNotFoundError(path)  # replaced since the lstat
+            return disk_extents.read_table(fd, now.st_size)
         finally:
             os.close(fd)
-        if table is None or key not in table.blocks or not disk_extents.is_extent_rel(table.rel):
+
+    def _tabled_location(self, key: BlockKey, table: disk_extents.Table,
+                         st: os.stat_result) -> tuple[str, int, int, int] | None:
+        """``(extent rel, offset, length, table index)`` of a block whose name (``st``) is a hard link
+        to an extent: from the table it opens, if the extent's own name is that same file."""
+        if key not in table.blocks or not disk_extents.is_extent_rel(table.rel):
             return None
         try:
-            own = os.stat(os.path.join(self.path, table.rel))
+            own = os.lstat(os.path.join(self.path, table.rel))
         except OSError:
             return None
         if (own.st_ino, own.st_dev) != (st.st_ino, st.st_dev):
@@ -379,15 +391,20 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
         """Hand a victim's verified bytes to ``on_evict`` (a read-only view of a file mapping)."""
         entry = self._index[key]
         try:
-            with open(self._file_of(key, entry), "rb") as f:
-                size = os.fstat(f.fileno()).st_size - entry.offset
-                if entry.extent is not None:
-                    size = min(size, entry.size)
-                if not _plausible(size):
-                    return
-                mapped = mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ, offset=entry.offset)
+            fd = direct_io.open_regular(self._file_of(key, entry))
         except OSError:
-            return  # gone or unreadable: nothing to demote
+            return  # gone, unreadable or no file of ours: nothing to demote
+        try:
+            size = os.fstat(fd).st_size - entry.offset
+            if entry.extent is not None:
+                size = min(size, entry.size)
+            if not _plausible(size):
+                return
+            mapped = mmap.mmap(fd, size, prot=mmap.PROT_READ, offset=entry.offset)
+        except OSError:
+            return
+        finally:
+            os.close(fd)  # the mapping keeps its own reference to the file
         try:
             page = mapped[: PAGE]
             header = unpack_header(page)
@@ -433,28 +450,29 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
         """Unindex a block and remove its bytes: its file, or its name and its place in its extent."""
         entry = self._index.get(key)
         _unlink(self.path_of(key))
-        if entry is None or entry.extent is None:
-            self._forget(key)
-            return
-        extent = entry.extent
+        freed = entry is not None and entry.extent is not None and self._erase(key, entry)
         self._forget(key)
-        if extent.live == 0:
-            return  # the extent went with its last block
+        if freed and entry.extent.live:  # (an extent no longer counted here took its dead bytes along)
+            entry.extent.dead -= entry.size
+            self._used -= entry.size
+
+    def _erase(self, key: BlockKey, entry: _Entry) -> bool:
+        """Erase a packed block in its extent (the last one indexed here too: other processes may
+        hold the extent's other blocks); whether its space is free again."""
+        extent = entry.extent
         try:
-            # None: its name (or table entry) led to another block's place, as tampering can:
-            # those bytes are that block's, not ours to erase
-            freed = disk_extents.erase_block(os.path.join(self.path, extent.rel), extent.rel, entry.offset,
-                                             entry.size, key, entry.index if entry.index >= 0 else None)
+            # None: its name (or table entry) led to a place that is not exactly a block of this key,
+            # as tampering can: those bytes may be another block's, not ours to erase
+            return bool(disk_extents.erase_block(os.path.join(self.path, extent.rel), extent.rel, entry.offset,
+                                                 entry.size, key, entry.index if entry.index >= 0 else None,
+                                                 extent.ino))
         except OSError as exc:
             log.warning("disk tier %s: cannot erase %s in %s: %s", self.path, key.hex(), extent.rel, exc)
-            return
-        if freed:
-            extent.dead -= entry.size
-            self._used -= entry.size
+            return False
 
     def _forget(self, key: BlockKey) -> _Entry | None:
         """Unindex a block (its bytes left where they are: a packed block's still count until
-        erased, or until its extent goes with the last block indexed in it)."""
+        erased, or until no block indexed here is in its extent)."""
         entry = self._index.pop(key, None)
         if entry is not None:
             self._used -= entry.size
@@ -469,11 +487,22 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
         return entry
 
     def _drop_extent(self, extent: Extent) -> None:
-        """Remove an extent no indexed block is in (its space no longer counted)."""
+        """Stop counting an extent no indexed block is in, and remove it once no block's name links
+        to it: other processes may index blocks of it that this one never did (each name is a hard
+        link, so the extent's link count tells). An extent from before tables (symbolic links, which
+        the count does not show) is left to a restart, which removes it when no link reaches it."""
         self._extents.pop(extent.rel, None)
         self._used -= extent.dead
         extent.dead = 0
-        _unlink(os.path.join(self.path, extent.rel))
+        if extent.ino is None:
+            return
+        path = os.path.join(self.path, extent.rel)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            return
+        if stat.S_ISREG(st.st_mode) and st.st_ino == extent.ino and st.st_nlink == 1:
+            _unlink(path)
 
     def _still_there(self, key: BlockKey) -> bool:
         """False if a packed block's name no longer links to where we read it (another process
@@ -490,16 +519,17 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
             return False
         return target == disk_extents.link_target(entry.extent.rel, entry.offset, entry.size)
 
-    def _discard(self, key: BlockKey, path: str, bad: os.stat_result) -> None:
-        """Drop a block that failed verification, unless its name now holds another file
-        (a good copy another process published meanwhile)."""
-        entry = self._index.get(key)
-        if entry is not None and entry.extent is not None:
-            self._remove(key)  # its name still links to the bytes that failed (checked by the caller)
+    def _discard(self, key: BlockKey, entry: _Entry, path: str, bad: os.stat_result) -> None:
+        """Drop a block that failed verification (``entry``, still indexed and still named: checked
+        by the caller): a packed block is erased from its extent, which stays while other blocks'
+        names link to it; a file of its own is unlinked, unless its name now holds another file (a
+        good copy another process published meanwhile)."""
+        if entry.extent is not None:
+            self._remove(key)
             return
         self._forget(key)
         try:
-            st = os.stat(path)
+            st = os.lstat(path)
         except OSError:
             return
         if (st.st_ino, st.st_dev) == (bad.st_ino, bad.st_dev):
@@ -507,7 +537,12 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
 
     def _recover(self) -> None:
         """Index every published block under ``path`` (files of their own, and links into extents);
-        remove dead writers' temp files, broken links and extents no link reaches."""
+        remove dead writers' temp files, broken links and extents no link reaches. Only this
+        directory's own entries are looked at: a shard that is a link elsewhere, a file not named
+        as this tier names files, or something other than a file at an extent's name is left alone.
+        Another process may be publishing meanwhile: an extent no name reaches yet, or a name
+        whose extent the scan passed before it was renamed in, is judged only once older than
+        :data:`STALE_TEMP_S` (as a temp file)."""
         now = time.time()
         found: list[tuple[float, BlockKey, int, tuple[str, int, int] | None]] = []
         links: list[tuple[float, BlockKey, str]] = []
@@ -516,7 +551,7 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
         for shard in os.scandir(self.path):
             if shard.name.endswith(TEMP_SUFFIX):
                 _reap_temp(shard, now)  # a dead prober's
-            if not (shard.is_dir() and len(shard.name) == 2 and _is_hex(shard.name)):
+            if not (shard.is_dir(follow_symlinks=False) and len(shard.name) == 2 and _is_hex(shard.name)):
                 continue
             for item in os.scandir(shard.path):
                 if item.name.endswith(TEMP_SUFFIX):
@@ -524,9 +559,11 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
                     continue
                 if disk_extents.is_extent_name(item.name):
                     try:
-                        extents[f"{shard.name}/{item.name}"] = item.stat(follow_symlinks=False)
+                        st = item.stat(follow_symlinks=False)
                     except OSError:
-                        pass
+                        continue
+                    if stat.S_ISREG(st.st_mode):
+                        extents[f"{shard.name}/{item.name}"] = st
                     continue
                 stem = item.name[: -len(SUFFIX)]
                 if not item.name.endswith(SUFFIX) or len(stem) != 2 * KEY_BYTES or not _is_hex(stem):
@@ -539,15 +576,9 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
                 if stat.S_ISLNK(st.st_mode):
                     links.append((st.st_mtime, key, item.path))
                 elif stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
-                    named.append((st, key, item.path))  # a hard link to an extent, found by its table below
-                elif not _plausible(st.st_size):
-                    self.stats.verify_failures += 1
-                    _unlink(item.path)
-                elif self._expired(st.st_mtime, now):
-                    self.stats.expirations += 1
-                    _unlink(item.path)
-                else:
-                    found.append((st.st_mtime, key, st.st_size, None))
+                    named.append((st, key, item.path))  # a hard link to an extent (found by its table below)
+                elif stat.S_ISREG(st.st_mode):
+                    self._scanned_file(found, st, key, item.path, now)
         live: dict[str, int] = {}
         for mtime, key, path in links:
             try:
@@ -567,6 +598,16 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
         tables = self._tables_of(extents, {(st.st_ino, st.st_dev) for st, _, _ in named})
         for st, key, path in named:
             rel, table = tables.get((st.st_ino, st.st_dev), (None, None))
+            if rel is None:  # no extent the scan found
+                try:
+                    behind = self._table_behind(path, st)
+                except OSError:
+                    continue  # gone or replaced meanwhile
+                if behind is None:  # a block file of its own with another name too (a hard-link snapshot)
+                    self._scanned_file(found, st, key, path, now)
+                    continue
+                if now - st.st_mtime <= STALE_TEMP_S:
+                    continue  # its extent may have been renamed in after the scan passed it: a later look finds it
             where = table.blocks.get(key) if table is not None else None
             if where is None:
                 self.stats.verify_failures += 1  # its extent is gone, or its table does not list it
@@ -581,11 +622,14 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
         table_bytes = {rel: table.nbytes for rel, table in tables.values() if table is not None}
         for rel, inode in extents.items():
             if rel not in live:
-                _unlink(os.path.join(self.path, rel))  # no block reaches it (a writer died before linking)
+                if now - inode.st_mtime > STALE_TEMP_S:
+                    _unlink(os.path.join(self.path, rel))  # no block reaches it (a writer died before linking)
+                # else: a live writer may be linking its names now (its space is its own to count)
             else:
                 ino = inode.st_ino if rel in table_bytes else None
                 self._extent(rel, ino).dead = max(
-                    0, disk_extents.allocated_bytes(inode) - live[rel] - table_bytes.get(rel, 0))
+                    0, disk_extents.allocated_bytes(os.path.join(self.path, rel), inode)
+                    - live[rel] - table_bytes.get(rel, 0))
                 self._used += self._extents[rel].dead
         found.sort(key=lambda item: (item[0], item[1]))
         # LRU ignores parent links: do not read a page per block for nothing.
@@ -599,6 +643,18 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
             self._index_block(key, entry, parents.get(key))
         self._make_room(0)
 
+    def _scanned_file(self, found: list, st: os.stat_result, key: BlockKey, path: str, now: float) -> None:
+        """A block file of its own the restart scan met: to be indexed (into ``found``), or removed
+        if it cannot be a block or has expired."""
+        if not _plausible(st.st_size):
+            self.stats.verify_failures += 1
+            _unlink(path)
+        elif self._expired(st.st_mtime, now):
+            self.stats.expirations += 1
+            _unlink(path)
+        else:
+            found.append((st.st_mtime, key, st.st_size, None))
+
     def _tables_of(self, extents: dict[str, os.stat_result], wanted: set[tuple[int, int]]) -> dict:
         """``(inode, device) -> (rel, table)`` for the extents some name links to (one read each);
         the table None where the extent has none or it names another file."""
@@ -608,13 +664,17 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
             if ident not in wanted:
                 continue
             try:
-                fd = os.open(os.path.join(self.path, rel), os.O_RDONLY)
+                fd = direct_io.open_regular(os.path.join(self.path, rel))
             except OSError:
                 continue
             try:
-                table = disk_extents.read_table(fd, inode.st_size)
+                now = os.fstat(fd)
+                same = (now.st_ino, now.st_dev) == ident  # not replaced since the scan
+                table = disk_extents.read_table(fd, inode.st_size) if same else None
             finally:
                 os.close(fd)
+            if not same:
+                continue
             out[ident] = (rel, table if table is not None and table.rel == rel else None)
         return out
 
@@ -625,7 +685,7 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
         for key, place in blocks:
             path, base = (self.path_of(key), 0) if place is None else (os.path.join(self.path, place[0]), place[1])
             try:
-                fd = os.open(path, os.O_RDONLY)
+                fd = direct_io.open_regular(path)
             except OSError:
                 continue
             try:

@@ -23,7 +23,7 @@ from kvtier.core.payload import FLAG_SEALED, header_mismatch, plain_headers, unp
 from kvtier.tiers import direct_io
 from kvtier.tiers.base import Status
 from kvtier.tiers.direct_io import PAGE, ReadJob, ReadOutcome, RunOutcome, as_bytes, round_up
-from kvtier.tiers.disk_records import FLAG_RECORD, StoredRecord, _Entry, _record_in, log, records_ok
+from kvtier.tiers.disk_records import FLAG_RECORD, StoredRecord, _Entry, _record_in, _unlink, log, records_ok
 from kvtier.tiers.streams import PayloadSink, SinkFeeder, Unverifiable
 
 
@@ -69,6 +69,7 @@ class DiskReads:
         statuses = [Status.MISS] * len(keys)
         staged = ready is not None  # read into the tier's staging, handed to ready from there
         streamed: list[int] = []
+        read_entries: list[_Entry] = []  # what each streamed block's read is of (judged against the index after)
         jobs: list[ReadJob] = []
         # Small blocks cost Python per block: look them all up under one lock, and name each
         # extent file once (a span of blocks mostly lies in a few extents).
@@ -105,6 +106,7 @@ class DiskReads:
                     path = paths[id(entry.extent)] = self._file_of(key, entry)
                 jobs.append(ReadJob(path, out, entry.offset, dst.nbytes))
             streamed.append(i)
+            read_entries.append(entry)
 
         def judge(run: RunOutcome) -> None:
             j, k = run.first, run.count
@@ -119,7 +121,8 @@ class DiskReads:
                 if whole[m]:
                     statuses[i] = Status.OK
                 else:  # the slow path: it says why, and removes a bad block
-                    statuses[i] = self._judge_read(keys[i], payloads[m], jobs[j + m], run.outcome(m))
+                    statuses[i] = self._judge_read(keys[i], read_entries[j + m], payloads[m], jobs[j + m],
+                                                   run.outcome(m))
             if any(whole):
                 self._settle_ok(sum(payloads[m].nbytes for m in range(k) if whole[m]), sum(whole))
             if ready is not None:
@@ -160,10 +163,11 @@ class DiskReads:
             self.stats.hits += blocks
             self.stats.bytes_read += nbytes
 
-    def _judge_read(self, key: BlockKey, dst: np.ndarray, job: ReadJob, got: ReadOutcome) -> Status:
-        """A get's status from what :meth:`BlockIO.read_many` read (as :meth:`_get` judges its own read)."""
-        if isinstance(got.error, FileNotFoundError):
-            return self._vanished(key)
+    def _judge_read(self, key: BlockKey, entry: _Entry, dst: np.ndarray, job: ReadJob, got: ReadOutcome) -> Status:
+        """A get's status from what :meth:`BlockIO.read_many` read of ``entry`` (as :meth:`_get`
+        judges its own read)."""
+        if isinstance(got.error, (FileNotFoundError, direct_io.NotAFile)):
+            return self._vanished(key, entry)
         if got.error is not None:
             return self._failed_get(key, got.error)
         if job.offset is None and got.inode.st_size != PAGE + round_up(dst.nbytes):
@@ -177,7 +181,7 @@ class DiskReads:
                 return xxhash.xxh3_128_digest(dst)
 
             status, why = self._read_checked(key, dst.nbytes, digest, sealed=False)
-        return self._settle(key, dst.nbytes, status, why, job.path, got.inode)
+        return self._settle(key, entry, dst.nbytes, status, why, job.path, got.inode)
 
     def _lookup(self, key: BlockKey) -> _Entry | None:
         """The entry of a block a get should read (a miss is counted here)."""
@@ -196,10 +200,16 @@ class DiskReads:
                 out.append(entry)
         return out
 
-    def _vanished(self, key: BlockKey) -> Status:
-        """The file went away since we indexed it (another process removed it): a miss."""
+    def _vanished(self, key: BlockKey, entry: _Entry) -> Status:
+        """The file of ``entry`` went away since we indexed it, or its name now holds no regular
+        file (another process removed or replaced it): a miss. A packed block's name that still
+        links to the extent is removed too: without the extent's own name neither another process
+        nor a restart can find the block, and the name would hold the extent's space for nobody."""
         with self._lock:
-            self._forget(key)
+            if self._index.get(key) is entry:  # (not removed or published again meanwhile)
+                if entry.extent is not None and self._still_there(key):
+                    _unlink(self.path_of(key))
+                self._forget(key)
             self.stats.misses += 1
         return Status.MISS
 
@@ -215,8 +225,8 @@ class DiskReads:
         packed = entry.extent is not None
         try:
             fd = self._io.open_read(path)
-        except FileNotFoundError:  # removed by another process since we indexed it
-            return self._vanished(key)
+        except (FileNotFoundError, direct_io.NotAFile):  # removed or replaced by another process since we indexed it
+            return self._vanished(key, entry)
         except OSError as exc:
             return self._failed_get(key, exc)
         try:
@@ -234,26 +244,36 @@ class DiskReads:
             return self._failed_get(key, exc)
         finally:
             os.close(fd)
-        return self._settle(key, nbytes, status, why, path, inode)
+        return self._settle(key, entry, nbytes, status, why, path, inode)
 
-    def _settle(self, key: BlockKey, nbytes: int, status: Status, why: str, path: str,
+    def _settle(self, key: BlockKey, entry: _Entry, nbytes: int, status: Status, why: str, path: str,
                 inode: os.stat_result) -> Status:
-        """Count a judged read; a block that failed verification is removed."""
+        """Count a judged read of ``entry``; a block that failed verification is removed."""
         with self._lock:
             if status is Status.OK:
                 self.stats.hits += 1
                 self.stats.bytes_read += nbytes
             elif status in (Status.BAD_SIZE, Status.MISS):
                 self.stats.misses += 1
-            elif not self._still_there(key):
-                self._forget(key)  # another process removed (and erased) it meanwhile: a plain miss
+            elif not self._drop_bad(key, entry, path, inode):
                 self.stats.misses += 1
                 return Status.MISS
             else:
-                self.stats.verify_failures += 1
                 log.warning("disk tier %s: block %s failed verification (%s); removed", self.path, key.hex(), why)
-                self._discard(key, path, inode)
         return status
+
+    def _drop_bad(self, key: BlockKey, entry: _Entry, path: str, inode: os.stat_result) -> bool:
+        """Remove a block whose read of ``entry`` failed verification (under the lock); False if that
+        read was not of a block still here, a plain miss: removed meanwhile, by a thread of ours or
+        another process (perhaps erasing the bytes being read), or published again."""
+        if self._index.get(key) is not entry:
+            return False
+        if not self._still_there(key):
+            self._forget(key)
+            return False
+        self.stats.verify_failures += 1
+        self._discard(key, entry, path, inode)
+        return True
 
     def records(self) -> Iterator[StoredRecord]:
         """Read back the header and record of every indexed block (one page each, outside the lock).
@@ -283,9 +303,9 @@ class DiskReads:
             if (record is None or size != PAGE + round_up(header.payload_nbytes)
                     or inode.st_size < entry.offset + size):
                 with self._lock:
-                    self.stats.verify_failures += 1
-                    self._discard(key, path, inode)
-                log.warning("disk tier %s: block %s has a bad header or record; removed", self.path, key.hex())
+                    dropped = self._drop_bad(key, entry, path, inode)
+                if dropped:
+                    log.warning("disk tier %s: block %s has a bad header or record; removed", self.path, key.hex())
                 continue
             yield StoredRecord(key, header.payload_nbytes, record.parent, record.annotation, header)
 
