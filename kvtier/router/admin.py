@@ -34,7 +34,6 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from kvtier.router.events import VllmEvents
 from kvtier.router.requests import RequestError
 from kvtier.router.workers import Worker
 
@@ -132,6 +131,7 @@ class WorkerAdmin:
         if known is not None:
             if known.draining:
                 known.draining = False
+                self.router._update_mode()   # its events count again for approximate mode
                 log.info("worker %s back in rotation", known.url)
             return web.json_response(describe(known), status=200)
         used = {w.id for w in self.router.workers}
@@ -144,10 +144,7 @@ class WorkerAdmin:
         self.router.metrics.healthy.labels(worker.url).set(1)
         self.router.metrics.events_up.labels(worker.url).set(0)
         if worker.events_endpoint:
-            listener = VllmEvents(worker, self.router.index, shared_writes=self.router.config.shared_writes,
-                                  on_change=self.router._update_mode)
-            listener.start()
-            self.router.listeners.append(listener)
+            self.router.listen(worker)
         self.router._update_mode()
         self.router._refresh_models_soon()   # which models it serves (router/models.py)
         log.info("worker %s added (id %d)", worker.url, wid)
@@ -163,6 +160,7 @@ class WorkerAdmin:
                                            for w in self.router.workers):
             raise _error(409, f"{worker.url} is the last healthy routable worker; add another before draining it")
         worker.draining = True
+        self.router._update_mode()   # its events no longer count for approximate mode
         log.info("worker %s draining (%d in flight)", worker.url, worker.inflight)
         return web.json_response(describe(worker))
 
@@ -174,10 +172,14 @@ class WorkerAdmin:
             raise _error(409, f"{worker.url} is serving: drain it first")
         if worker.inflight and not body.get("force"):
             raise _error(409, f"{worker.url} has {worker.inflight} requests in flight; wait, or force")
+        # Everything kept per id goes before the first await: once the worker is out of the
+        # list an add may take its id (and, with the same URL, its metric series), and a cleanup
+        # after the await wiped the newcomer's admission queue, index entries and blocks.
         self.router.workers.remove(worker)
-        for listener in [x for x in self.router.listeners if x.worker is worker]:
+        listeners = [x for x in self.router.listeners if x.worker is worker]
+        for listener in listeners:
             self.router.listeners.remove(listener)
-            await listener.stop()
+            listener.cancel()     # no event of the removed worker is applied after the cleanup
         self.router.index.clear_worker(worker.id)
         self.router.metrics.forget_worker(worker.url)
         # its admission queue goes too: a worker added later takes the freed id and must not
@@ -185,6 +187,8 @@ class WorkerAdmin:
         self.router.admission.pop(worker.id, None)
         self.router.approx.forget_worker(worker.id)   # nor the blocks the router's decisions sent it
         self.router._update_mode()
+        for listener in listeners:
+            await listener.stop()
         log.info("worker %s removed", worker.url)
         return web.json_response({**describe(worker), "state": "removed"})
 

@@ -166,11 +166,7 @@ class Router:
         self.session = ClientSession(timeout=timeout, connector=TCPConnector(limit=0), auto_decompress=False)
         for w in self.workers:
             if w.events_endpoint:
-                listener = VllmEvents(w, self.index, shared_writes=self.config.shared_writes,
-                                      on_change=self._update_mode, on_resync=self._resynced,
-                                      on_ignored=lambda w, reason, n: self.metrics.ignored.labels(w.url, reason).inc(n))
-                listener.start()
-                self.listeners.append(listener)
+                self.listen(w)
         if self.config.shared_events:
             curve = {}
             if self.config.shared_events_server_public:
@@ -225,11 +221,25 @@ class Router:
     @property
     def approximate_mode(self) -> bool:
         """Event-driven policies fall back to the router's own decisions while any admitted
-        worker's events are down (its part of the index would be missing or stale)."""
-        return self.uses_events and any(w.healthy and not w.events_up for w in self.workers)
+        worker's events are down (its part of the index would be missing or stale). A draining
+        worker is routed nothing, so its events do not count: a planner stopping a drained
+        engine put the whole pool in approximate mode until health checks ejected it."""
+        return self.uses_events and any(w.healthy and not w.draining and not w.events_up for w in self.workers)
+
+    def listen(self, worker: Worker) -> VllmEvents:
+        """Start feeding the index from ``worker``'s events: the one place listeners are built,
+        so a worker added at run time is counted in the metrics as a configured one is."""
+        listener = VllmEvents(worker, self.index, shared_writes=self.config.shared_writes,
+                              on_change=self._update_mode, on_resync=self._resynced, on_ignored=self._ignored)
+        listener.start()
+        self.listeners.append(listener)
+        return listener
 
     def _resynced(self, worker: Worker, reason: str) -> None:
         self.metrics.resyncs.labels(worker.url, reason).inc()
+
+    def _ignored(self, worker: Worker, reason: str, blocks: int) -> None:
+        self.metrics.ignored.labels(worker.url, reason).inc(blocks)
 
     def _update_mode(self) -> None:
         self.metrics.approximate.set(1 if self.approximate_mode else 0)

@@ -4,9 +4,10 @@
   ``--kv-events-config``; ``[topic, seq (u64 BE), msgpack [ts, [event…], dp_rank]]``,
   each event a map tagged ``type`` (``BlockStored`` / ``BlockRemoved`` /
   ``AllBlocksCleared``). A socket monitor says when the publisher is connected; a
-  disconnect, a sequence gap or a sequence that goes back (a restarted publisher)
-  clears what this worker reported, so the index never holds blocks from before a
-  hole: the worker then counts as events-down until new events come in order again.
+  disconnect, a sequence gap, a sequence that goes back (a restarted publisher) or a
+  message that cannot be wholly applied clears what this worker reported, so the index
+  never holds blocks from before a hole: the worker then counts as events-down until new
+  events come in order again.
   With the publisher's replay endpoint (vLLM's ``replay_endpoint``: a ROUTER serving
   its last ``buffer_steps`` batches) the listener also catches up instead of starting
   blind: on connecting (a router that restarts, or a publisher that did) it replays
@@ -80,10 +81,15 @@ class VllmEvents:
     def start(self) -> None:
         self._task = asyncio.ensure_future(self._run())
 
-    async def stop(self) -> None:
+    def cancel(self) -> None:
+        """Stop at once: no event is applied after this returns (:meth:`stop` awaits the end)."""
         self._stopping = True
         if self._task is not None:
             self._task.cancel()
+
+    async def stop(self) -> None:
+        self.cancel()
+        if self._task is not None:
             try:
                 await self._task
             except (asyncio.CancelledError, Exception):
@@ -97,8 +103,9 @@ class VllmEvents:
     def resync(self, reason: str, detail: str = "") -> None:
         """Forget this worker's blocks: what came before a hole cannot be trusted.
 
-        ``reason``: ``disconnected``, ``restarted`` (the sequence went back) or ``gap``
-        (messages lost); the index is rebuilt from the events that follow.
+        ``reason``: ``disconnected``, ``restarted`` (the sequence went back), ``gap``
+        (messages lost) or ``malformed`` (part of a message could not be applied); the index
+        is rebuilt from the events that follow.
         """
         log.info("worker %s events: %s%s; clearing its index entries", self.worker.url, reason,
                  f" ({detail})" if detail else "")
@@ -157,6 +164,9 @@ class VllmEvents:
         buffered batch at or after it as ``["", topic, seq, payload]``, then
         ``["", "", -1, ""]``. A buffer that no longer starts at ``start`` (or a replay
         that fails) leaves the hole: then the usual clear applies (``handle`` sees the gap).
+        A listener with no state yet takes the buffer from wherever it starts: vLLM keeps only
+        the last ``buffer_steps`` batches, so a router started next to a long-running worker
+        replayed nothing, and the window applied to an empty index holds no stale block.
         """
         import zmq
 
@@ -177,7 +187,7 @@ class VllmEvents:
                 seq = self._seq(frames)
                 if seq is None or (upto is not None and seq >= upto):
                     continue
-                if seq != expected:   # the buffer lost these already: a hole the replay cannot fill
+                if seq != expected and self.next_seq is not None:   # a hole the replay cannot fill
                     log.info("worker %s events: replay starts at %d, %d needed", self.worker.url, seq, expected)
                     return
                 self.handle(frames, replayed=True)
@@ -198,7 +208,8 @@ class VllmEvents:
         return _SEQ.unpack(frames[-2])[0] if len(frames) >= 3 and len(frames[-2]) == 8 else None
 
     def handle(self, frames: list[bytes], replayed: bool = False) -> None:
-        """One published message; malformed ones are logged and skipped (a miss, never a crash)."""
+        """One published message. Never raises: a malformed one is logged, and what of it cannot
+        be applied is a hole (this worker's entries are cleared, as for a gap)."""
         import msgpack
 
         seq = self._seq(frames)
@@ -217,14 +228,26 @@ class VllmEvents:
         self.next_seq = seq + 1
         self.messages += 1
         try:
-            batch = msgpack.unpackb(frames[-1], raw=False, strict_map_key=False)
-            events = batch[1]
-            for event in events:
+            events = list(msgpack.unpackb(frames[-1], raw=False, strict_map_key=False)[1])
+        except Exception as exc:   # malformed input from the network: what it said is lost, a hole
+            self._malformed(seq, f"cannot decode message {seq}: {exc}")
+            events = []
+        # Event by event: one that cannot be applied must not take the rest of its batch (a
+        # later BlockRemoved dropped left its blocks credited). It is a hole, cleared at once:
+        # the events after it rebuild the worker's entries.
+        for event in events:
+            try:
                 self.apply(event)
-        except Exception as exc:   # malformed input from the network: skip it, say so
-            log.warning("worker %s events: cannot apply message %d: %s", self.worker.url, seq, exc)
+            except Exception as exc:   # noqa: BLE001 - malformed input from the network
+                self._malformed(seq, f"an event of message {seq} not applied: {exc!r}")
         if not self.worker.events_up:
             self._set_up(True)
+
+    def _malformed(self, seq: int, detail: str) -> None:
+        """Part of message ``seq`` was lost (undecodable, or events that raise): a hole, as a gap
+        is, so this worker's entries are cleared; the sequence goes on from ``seq``."""
+        self.resync("malformed", detail)
+        self.next_seq = seq + 1
 
     def _ignore(self, reason: str, blocks: int, why: str) -> None:
         self.on_ignored(self.worker, reason, blocks)
@@ -292,18 +315,19 @@ class SharedTierEvents:
         from kvtier.server.events import EventSubscriber
 
         sub = EventSubscriber(self.endpoint, **self.curve)
-        gaps = 0
+        holes = 0
         try:
             while not self._stop.is_set():
                 got = sub.recv(timeout_s=1.0)
                 if sub.status in (b"SYNC", b"EV"):
                     self.up = True
-                if got is None:
-                    continue
-                self.messages += 1
-                if sub.gaps != gaps:   # lost events: the shared marks may be stale
-                    gaps = sub.gaps
+                # lost events, or a restarted server (an in-memory tier lost what it held):
+                # the shared marks may be stale
+                if sub.gaps + sub.restarts != holes:
+                    holes = sub.gaps + sub.restarts
                     self._clear()
+                if got is not None:
+                    self.messages += 1
         except Exception as exc:
             log.warning("shared-tier events from %s stopped: %s", self.endpoint, exc)
             self.up = False

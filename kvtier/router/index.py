@@ -21,8 +21,12 @@ Per key, one int: bit 0 = a shared tier every worker can load holds it; bit
 ``1 + 2 x worker + tier`` = ``worker`` holds it in ``tier`` (0 = GPU/HBM, 1 = CPU/host).
 Events are applied idempotently (a duplicate store sets bits already set, a duplicate
 removal clears bits already clear), out of order (a block whose parent is not yet
-known waits, bounded, for it), and the whole index is an LRU of at most ``capacity``
-keys (oldest dropped first) so memory is bounded whatever the publishers send.
+known waits for it, bounded in events and blocks, for at most ``orphan_ttl_s``), and the
+whole index is an LRU of at most ``capacity`` keys (least recently stored or, once nearly
+full, matched by a decision dropped first) so memory is bounded whatever the publishers
+send. A block hash a worker reported keeps its key until removed (a later copy of it, in
+another tier, is credited to the same key), and every bit a worker set is reachable from its
+hashes, so a removal or a resync clears it.
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ from __future__ import annotations
 import array
 import functools
 import json
-from collections import OrderedDict
+import time
+from collections import OrderedDict, deque
 from itertools import repeat
 from typing import Iterable, Sequence
 
@@ -180,6 +185,12 @@ def _powers(n: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 MAX_LORA_NAMES = 4096      #: adapters remembered from events (oldest forgotten first)
+#: orphans' budget in blocks, per allowed orphan event: a stored event is one request's new blocks
+ORPHAN_BLOCKS_PER_EVENT = 64
+#: how long an orphan waits for its parent: a publisher sends a chain in order, so a parent not
+#: seen by then was published before the router listened and never comes; a removal of an
+#: orphan's blocks meanwhile is ignored (its hashes are unknown), so a late orphan may be stale
+ORPHAN_TTL_S = 30.0
 
 
 class _Extras:
@@ -200,7 +211,7 @@ def _content_extras(block_hashes: Sequence[object], starts_chain: bool, lora_nam
     for i, entry in enumerate(list(extra_keys)[:len(block_hashes)]):
         if not entry:
             continue
-        items = list(entry)
+        items = list(entry) if isinstance(entry, (list, tuple)) else [entry]   # (odd input: no raise)
         if lora_name and items and items[0] == lora_name:
             items = items[1:]
         if i == 0 and starts_chain:
@@ -216,23 +227,31 @@ def _content_extras(block_hashes: Sequence[object], starts_chain: bool, lora_nam
 class _Source:
     """What the index knows of one worker's publisher: its hashes → our keys, and orphans."""
 
-    __slots__ = ("hash_to_key", "orphans", "orphan_count")
+    __slots__ = ("hash_to_key", "orphans", "orphans_since", "orphan_count", "orphan_blocks")
 
     def __init__(self) -> None:
         self.hash_to_key: OrderedDict[object, int] = OrderedDict()
-        self.orphans: dict[object, list[tuple]] = {}   # parent hash → stored events waiting for it
+        #: parent hash → stored events waiting for it, oldest first; and since when
+        self.orphans: OrderedDict[object, list[tuple]] = OrderedDict()
+        self.orphans_since: dict[object, float] = {}
         self.orphan_count = 0
+        self.orphan_blocks = 0
 
 
 class BlockIndex:
     """Blocks per worker and tier, fed by events, read by the live cluster view."""
 
-    def __init__(self, block_tokens: int, capacity: int = 1 << 22, max_orphans: int = 4096) -> None:
+    def __init__(self, block_tokens: int, capacity: int = 1 << 22, max_orphans: int = 4096,
+                 orphan_ttl_s: float = ORPHAN_TTL_S) -> None:
         if block_tokens <= 0 or capacity <= 0:
             raise ValueError("block_tokens and capacity must be positive")
         self.block_tokens = block_tokens
         self.capacity = capacity
+        self._refresh_from = capacity - capacity // 8   # size from which lookups refresh keys
         self.max_orphans = max_orphans
+        #: orphans hold their token ids: bounded in blocks too (one event can be a 30 k-token prompt)
+        self.max_orphan_blocks = ORPHAN_BLOCKS_PER_EVENT * max_orphans
+        self.orphan_ttl_s = orphan_ttl_s
         self._masks: OrderedDict[int, int] = OrderedDict()
         self._sources: dict[int, _Source] = {}
         self._max_worker = 0      # highest worker id ever indexed: how wide masks can be
@@ -257,12 +276,25 @@ class BlockIndex:
         return out
 
     def leading_masks(self, keys: Sequence[int]) -> list[int]:
-        """:meth:`masks` with the lookups done at C speed (one ``dict.get`` per key, then a scan)."""
+        """:meth:`masks` with the lookups done at C speed (one ``dict.get`` per key, then a scan);
+        the keys found count as used (see :meth:`_used`)."""
         found = list(map(self._masks.get, keys, repeat(0)))
         try:
-            return found[:found.index(0)]
+            found = found[:found.index(0)]
         except ValueError:
-            return found
+            pass
+        if found and len(self._masks) >= self._refresh_from:
+            self._used(keys[:len(found)])
+        return found
+
+    def _used(self, keys: Sequence[int]) -> None:
+        """Move a decision's matched keys to the young end of the LRU, the root last (youngest).
+
+        vLLM publishes a block once, when cached, and a prefix-cache hit publishes nothing:
+        evicted by first store, the system prompt every request reads went first, and with its
+        root gone its whole chain was unreachable. Only done once the index is nearly full
+        (until then nothing is evicted and the order does not matter): ~20 ns a key."""
+        deque(map(self._masks.move_to_end, reversed(keys)), maxlen=0)
 
     def tier_runs(self, worker_ids: Sequence[int], keys: Sequence[int],
                   codes: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -340,47 +372,77 @@ class BlockIndex:
         event's (vLLM's untagged per-block extras): a chain that starts here is rooted in
         its context (:func:`context_seed`); content extras are folded into their block's key.
         """
-        tier = tier_of_medium(medium)
-        if tier is None or block_size != self.block_tokens or not block_hashes:
+        if tier_of_medium(medium) is None or block_size != self.block_tokens or not block_hashes:
             return 0
         src = self._source(worker)
+        # A worklist, not recursion: a long chain of orphans (a decode whose root event was
+        # missed) resolved one frame per event raised RecursionError and lost the rest.
+        pending = [(block_hashes, parent_hash, token_ids, block_size, medium, shared, lora_name, extra_keys)]
+        done = 0
+        while pending:
+            hashes = self._store(worker, src, pending.pop())
+            done += len(hashes)
+            for h in hashes:
+                pending.extend(self._orphans_of(src, h))
+        return done
+
+    def _store(self, worker: int, src: _Source, event: tuple) -> Sequence[object]:
+        """One stored event whose tier and block size are good; returns the hashes indexed."""
+        block_hashes, parent_hash, token_ids, block_size, medium, shared, lora_name, extra_keys = event
         extras = _content_extras(block_hashes, parent_hash is None, lora_name, extra_keys)
         if parent_hash is None:
             parent = context_seed(lora_name, extras.salt)
         else:
             parent = src.hash_to_key.get(parent_hash)
             if parent is None:
-                self._wait_for_parent(src, (block_hashes, parent_hash, token_ids, block_size, medium, shared,
-                                            lora_name, extra_keys))
-                return 0
+                self._wait_for_parent(src, event)
+                return ()
         if lora_name:
             self.add_lora_names([str(lora_name)])
-        tokens = token_ids[:len(block_hashes) * block_size]
-        if not extras.per_block:
-            keys = block_keys(tokens, block_size, seed=parent)
-        else:   # rare (multimodal, embeddings): block by block, folding each block's extras
-            keys, key = [], parent
-            for i in range(len(tokens) // block_size):
-                key = block_keys(tokens[i * block_size:(i + 1) * block_size], block_size, seed=key)[0]
-                if extras.per_block.get(i):
-                    key = _fold(key, extras.per_block[i])
-                keys.append(key)
-        bits = worker_bit(worker, tier) | (SHARED_BIT if shared else 0)
+        keys = self._event_keys(src, block_hashes, parent, token_ids[:len(block_hashes) * block_size], extras)
+        bits = worker_bit(worker, tier_of_medium(medium)) | (SHARED_BIT if shared else 0)
+        both = worker_bit(worker, GPU) | worker_bit(worker, CPU)
         h2k = src.hash_to_key
         for h, key in zip(block_hashes, keys):
+            old = h2k.get(h)
+            if old is not None and old != key:
+                self._clear(old, both)   # the old key is reached through this mapping only
             h2k[h] = key
             h2k.move_to_end(h)
             self._set(key, bits)
         while len(h2k) > self.capacity:
-            h2k.popitem(last=False)
-        done = len(keys)
-        for h in block_hashes[:len(keys)]:
-            waiting = src.orphans.pop(h, None)
-            if waiting:
-                src.orphan_count -= len(waiting)
-                for event in waiting:
-                    done += self.stored(worker, *event)
-        return done
+            # the key may live on in the shared LRU (another worker holds it): this worker's
+            # bits on it could never be cleared once its hash is forgotten
+            self._clear(h2k.popitem(last=False)[1], both)
+        return block_hashes[:len(keys)]
+
+    def _event_keys(self, src: _Source, block_hashes: Sequence[object], parent: int,
+                    tokens: Sequence[int], extras: _Extras) -> list[int]:
+        """Keys of an event's blocks. A block hash this worker already reported keeps its key:
+        vLLM's CPU offloading connector publishes its copies of a salted prompt's blocks with
+        ``extra_keys=None``, and recomputed they were keyed as an unsalted prompt's (another
+        tenant's hits). The hashes already carry the context; only new blocks are keyed anew,
+        chained on the last known one."""
+        h2k, block_size = src.hash_to_key, self.block_tokens
+        known = []
+        for h in block_hashes[:len(tokens) // block_size]:
+            key = h2k.get(h)
+            if key is None:
+                break
+            known.append(key)
+        start = len(known)
+        seed = known[-1] if known else parent
+        rest = tokens[start * block_size:]
+        if not any(i >= start for i in extras.per_block):
+            return known + block_keys(rest, block_size, seed=seed)
+        # rare (multimodal, embeddings): block by block, folding each block's extras
+        key = seed
+        for i in range(start, len(tokens) // block_size):
+            key = block_keys(tokens[i * block_size:(i + 1) * block_size], block_size, seed=key)[0]
+            if extras.per_block.get(i):
+                key = _fold(key, extras.per_block[i])
+            known.append(key)
+        return known
 
     def is_lora(self, model: object) -> bool:
         """Whether a request's ``model`` names a LoRA adapter (named by some worker's events,
@@ -396,11 +458,42 @@ class BlockIndex:
             self._lora_names.popitem(last=False)
 
     def _wait_for_parent(self, src: _Source, event: tuple) -> None:
-        if src.orphan_count >= self.max_orphans:
+        """Keep ``event`` until its parent arrives; the oldest orphans go first when over budget
+        (a new orphan is likelier to resolve than one that has waited). Token ids are kept as
+        uint32 (a list of Python ints is 8 to 36 bytes a token)."""
+        blocks = len(event[0])
+        if blocks > self.max_orphan_blocks:
             self.dropped_orphans += 1   # a miss later, never a wrong answer
             return
+        while src.orphans and (src.orphan_count >= self.max_orphans
+                               or src.orphan_blocks + blocks > self.max_orphan_blocks):
+            self._drop_orphans(src, next(iter(src.orphans)))
+        if src.orphan_count >= self.max_orphans:   # (max_orphans 0: none kept)
+            self.dropped_orphans += 1
+            return
+        event = (event[0], event[1], as_token_array(event[2][:blocks * event[3]]), *event[3:])
+        if event[1] not in src.orphans:
+            src.orphans_since[event[1]] = time.monotonic()
         src.orphans.setdefault(event[1], []).append(event)
         src.orphan_count += 1
+        src.orphan_blocks += blocks
+
+    def _orphans_of(self, src: _Source, parent_hash: object) -> list[tuple]:
+        """The events waiting for ``parent_hash`` (now indexed), unless they waited too long."""
+        if parent_hash not in src.orphans:
+            return []
+        fresh = time.monotonic() - src.orphans_since[parent_hash] <= self.orphan_ttl_s
+        waiting = src.orphans[parent_hash]
+        self._drop_orphans(src, parent_hash, dropped=not fresh)
+        return waiting if fresh else []
+
+    def _drop_orphans(self, src: _Source, parent_hash: object, dropped: bool = True) -> None:
+        waiting = src.orphans.pop(parent_hash)
+        del src.orphans_since[parent_hash]
+        src.orphan_count -= len(waiting)
+        src.orphan_blocks -= sum(len(e[0]) for e in waiting)
+        if dropped:
+            self.dropped_orphans += len(waiting)
 
     def removed(self, worker: int, block_hashes: Iterable[object], medium: str | None = "GPU") -> None:
         """Apply a ``BlockRemoved`` event (unknown hashes are ignored: duplicates, or never seen)."""

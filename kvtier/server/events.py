@@ -352,7 +352,10 @@ class EventSubscriber:
     """The subscriber side, for routers and tests: register, replay, receive, renew.
 
     ``recv`` returns ``(seq, events)`` or None on timeout; it renews the
-    registration as it goes. ``gaps`` counts sequence numbers that never arrived.
+    registration as it goes. ``gaps`` counts sequence numbers that never arrived;
+    ``restarts`` counts sequences that went back (a ``SYNC`` or ``EV`` below the next
+    expected number: a restarted server numbers from 0 again, and what was learnt of the
+    old one is stale).
     """
 
     def __init__(self, endpoint: str, *, server_public: str | None = None, public: str | None = None,
@@ -371,6 +374,7 @@ class EventSubscriber:
         self._last_sub = 0.0
         self.next_seq: int | None = None
         self.gaps = 0
+        self.restarts = 0
         self.status: bytes | None = None
         self._sub(since)
 
@@ -393,15 +397,26 @@ class EventSubscriber:
             frames = self._sock.recv_multipart()
             kind = frames[0]
             self.status = kind
-            if kind == b"SYNC" and self.next_seq is None:
-                self.next_seq = _SEQ.unpack(frames[1])[0]
+            if kind == b"SYNC":
+                # every renewal is answered with the next number: one that went back is a restart
+                self._went_back(_SEQ.unpack(frames[1])[0])
+                continue
             if kind != b"EV":
                 continue
             seq = _SEQ.unpack(frames[1])[0]
+            self._went_back(seq)
             if self.next_seq is not None and seq > self.next_seq:
                 self.gaps += seq - self.next_seq
             self.next_seq = seq + 1
             return seq, msgpack.unpackb(frames[2], raw=False)[1]
+
+    def _went_back(self, seq: int) -> None:
+        """Take ``seq`` as the next number if none is known yet, or if it went back (a restart)."""
+        if self.next_seq is not None and seq < self.next_seq:
+            self.restarts += 1
+            self.next_seq = seq
+        elif self.next_seq is None:
+            self.next_seq = seq
 
     def close(self) -> None:
         self._sock.close()

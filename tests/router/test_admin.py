@@ -204,3 +204,110 @@ def test_an_added_worker_backlog_is_priced_at_the_fleets_measured_speed():
             for w in (a, b, c):
                 await w.stop()
     run(main())
+
+
+class _Call:
+    """A loopback admin call, without a server (for what races the event loop)."""
+    remote = "127.0.0.1"
+    headers: dict = {}
+
+    def __init__(self, body: dict) -> None:
+        self._body = body
+
+    async def json(self) -> dict:
+        return self._body
+
+
+def _bare_router(events: list[bool]):
+    import os
+
+    from kvtier.router.app import Router
+    from kvtier.router.config import RouterConfig, WorkerSpec
+    from tests.router.test_http import WordTokenizer
+    specs = [WorkerSpec(f"http://127.0.0.1:{9 + i}", f"ipc:///tmp/kvtier-test-admin-{os.getpid()}-{i}" if e else None)
+             for i, e in enumerate(events)]
+    router = Router(RouterConfig(workers=specs, block_tokens=4, kv_bytes_per_token=4096), WordTokenizer())
+    router._refresh_models_soon = lambda: None       # no HTTP session here
+    return router
+
+
+def test_an_add_while_a_removal_stops_its_listener_keeps_the_new_workers_state():
+    """The removal took the worker out of the list, awaited its listener's stop, then cleaned up
+    per id: an add in that window took the freed id, and the cleanup wiped the newcomer's
+    admission queue, index entries, approximate-tree blocks and (same URL) metric series."""
+    from kvtier.router.admin import WorkerAdmin
+
+    async def main():
+        router = _bare_router([False, True])
+        _, old = router.workers
+        router.listen(old)
+        router.index.stored(old.id, [7], None, [2] * 4, 4)
+        await asyncio.sleep(0.2)                          # the listener waits in its poll
+        old.draining = True
+        admin = WorkerAdmin(router)
+        remove = asyncio.create_task(admin.remove_worker(_Call({"url": old.url})))
+        add = asyncio.create_task(admin.add_worker(_Call({"url": old.url})))
+        await add
+        new = next(w for w in router.workers if w.url == old.url)
+        assert new is not old and new.id == old.id        # the freed id, taken mid-removal
+        assert router.index.worker_blocks(new.id) == 0    # control: nothing of the old one's
+        queue = router._admission(new)                    # a stream routed to it meanwhile
+        router.index.stored(new.id, [11], None, [1] * 4, 4)   # its first events
+        router.approx.record([123], new.id)
+        await remove
+        assert router.admission.get(new.id) is queue
+        assert router.index.worker_blocks(new.id) == 1 and len(router.approx) == 1
+        assert f'kvtier_router_worker_healthy{{worker="{new.url}"}}' in router.metrics.render().decode()
+        for listener in router.listeners:
+            await listener.stop()
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+
+
+def test_a_worker_added_at_run_time_counts_its_resyncs_and_ignored_events():
+    """Its listener was built without the metrics' callbacks: its resyncs and ignored blocks (a
+    block-size mismatch: the one loud sign it is never predicted a hit) never reached /metrics."""
+    import os
+    import struct
+
+    import msgpack
+
+    from kvtier.router.admin import WorkerAdmin
+
+    async def main():
+        router = _bare_router([False, False])
+        url = "http://127.0.0.1:20"
+        call = _Call({"url": url, "events": f"ipc:///tmp/kvtier-test-admin-{os.getpid()}-x"})
+        assert (await WorkerAdmin(router).add_worker(call)).status == 201
+        listener = router.listeners[-1]
+        wrong = {"type": "BlockStored", "block_hashes": [1, 2], "parent_block_hash": None,
+                 "token_ids": list(range(2 * 16)), "block_size": 16, "medium": "GPU"}
+        listener.handle([b"", struct.pack(">Q", 0), msgpack.packb([1.0, [wrong], None])])
+        listener.handle([b"", struct.pack(">Q", 5), msgpack.packb([1.0, [], None])])       # a gap
+        await listener.stop()
+        text = router.metrics.render().decode()
+        assert f'kvtier_router_event_blocks_ignored_total{{reason="block_size",worker="{url}"}} 2.0' in text
+        assert f'kvtier_router_event_resyncs_total{{reason="gap",worker="{url}"}} 1.0' in text
+
+    asyncio.run(main())
+
+
+def test_a_draining_worker_whose_events_dropped_leaves_the_pool_in_event_mode():
+    """A planner drains a worker and stops its engine: its events drop at once, its health checks
+    eject it only later, and meanwhile every request of the pool was routed approximately."""
+    from kvtier.router.admin import WorkerAdmin
+
+    async def main():
+        router = _bare_router([False, False])
+        a, b = router.workers
+        a.events_up = b.events_up = True
+        router._update_mode()
+        assert not router.approximate_mode
+        b.events_up = False
+        router._update_mode()
+        assert router.approximate_mode            # control: a serving worker's events count
+        assert (await WorkerAdmin(router).drain_worker(_Call({"url": b.url}))).status == 200
+        assert not router.approximate_mode
+        assert "kvtier_router_approximate_mode 0.0" in router.metrics.render().decode()
+
+    asyncio.run(main())

@@ -173,3 +173,118 @@ def test_sequence_gap_and_publisher_restart_clear_the_workers_entries():
     assert len(index) == 0
     events.handle([b"garbage"])
     events.handle([b"", struct.pack(">Q", 2), b"\xc1not msgpack"])
+
+
+def test_an_offloaded_copy_of_a_salted_prompt_keeps_its_key_and_is_cleared_with_it():
+    """vLLM's CPU offloading connector publishes its copies with ``extra_keys=None`` for the same
+    block hashes the GPU pool published with the request's cache salt. Recomputed, they were keyed
+    as an unsalted prompt's: another tenant was predicted a CPU hit, and the salted key's GPU bit,
+    no longer reachable through its hash, survived its removal and clear_worker."""
+    from kvtier.router.index import context_seed
+    index = BlockIndex(BS)
+    index.stored(0, [11, 12], None, TOKENS[:2 * BS], BS, "GPU", extra_keys=[["tenant-a"], None])
+    index.stored(0, [11, 12], None, TOKENS[:2 * BS], BS, "CPU", extra_keys=None)     # the offloaded copy
+    salted = index.keys_of(TOKENS[:2 * BS], context_seed(None, "tenant-a"))
+    both0 = worker_bit(0, GPU) | worker_bit(0, CPU)
+    assert index.leading_masks(salted) == [both0] * 2          # positive control: the tenant's own hits
+    assert index.leading_masks(index.keys_of(TOKENS[:2 * BS])) == []    # no salt: no hit
+    index.removed(0, [11, 12], "GPU")
+    assert index.leading_masks(salted) == [worker_bit(0, CPU)] * 2
+    index.removed(0, [11, 12], "CPU")
+    assert index.leading_masks(salted) == [] and len(index) == 0
+    # a chain extended in the same event keeps the known blocks' context
+    index.stored(0, [11, 12], None, TOKENS[:2 * BS], BS, "GPU", extra_keys=[["tenant-a"], None])
+    index.stored(0, [11, 12, 13], None, TOKENS[:3 * BS], BS, "CPU", extra_keys=None)
+    salted = index.keys_of(TOKENS[:3 * BS], context_seed(None, "tenant-a"))
+    assert len(index.leading_masks(salted)) == 3
+    index.clear_worker(0)
+    assert len(index) == 0
+
+
+def test_a_hash_bound_to_a_new_key_clears_its_old_keys_bits():
+    index = BlockIndex(BS)
+    store_chain(index, 0, TOKENS[:2 * BS], (11, 12))
+    old = block_keys(TOKENS[:2 * BS], BS)[1]
+    index.stored(1, [91], None, [7] * BS, BS)
+    # hash 12 again, after a new block: chained on it, its key differs (contrived: vLLM's hashes
+    # chain too); the old key must not keep a bit that no hash reaches any more
+    index.stored(0, [21, 12], None, [7] * BS + TOKENS[BS:2 * BS], BS)
+    assert not index.mask(old) & worker_bit(0, GPU)
+    assert index.mask(block_keys([7] * BS, BS)[0]) == worker_bit(0, GPU) | worker_bit(1, GPU)
+    index.clear_worker(0)
+    assert len(index) == 1        # worker 1's block only
+
+
+def test_the_per_worker_hash_cap_clears_the_dropped_hashs_bits():
+    """Each worker's hash map is capped; the key of a dropped hash may live on in the shared LRU
+    (another worker touched it), so the dropping worker's bit on it had to go with the hash."""
+    index = BlockIndex(BS, capacity=2)
+    a = [1] * BS
+    index.stored(0, [11], None, a, BS)                    # worker 0: key k1
+    index.stored(1, [91], None, a, BS)                    # worker 1: same content
+    index.stored(0, [12], 11, [2] * BS, BS)               # worker 0: k2 (child of k1)
+    index.stored(1, [91], None, a, BS)                    # worker 1 touches k1 again (LRU: newest)
+    k1 = index.keys_of(a)[0]
+    assert index.mask(k1) & worker_bit(0, GPU)            # control: before the cap drops hash 11
+    index.stored(0, [13], 12, [3] * BS, BS)               # worker 0: k3; its map drops hash 11
+    assert index.mask(k1) == worker_bit(1, GPU)           # worker 1 keeps its bit
+    index.clear_worker(0)
+    assert index.mask(k1) == worker_bit(1, GPU)
+
+
+def test_a_long_chain_of_orphans_resolves_without_recursion():
+    """Orphans were re-applied recursively, a frame per chained event: ~1500 raised RecursionError
+    when their root arrived, losing the orphans popped and the rest of the listener's batch."""
+    index = BlockIndex(BS)
+    n = 1500
+    tokens = [(i * 7) % 50000 for i in range(n * BS)]
+    for i in range(n - 1, 0, -1):     # children first
+        index.stored(0, [1000 + i], 1000 + i - 1, tokens[i * BS:(i + 1) * BS], BS)
+    assert index._sources[0].orphan_count == n - 1
+    assert index.stored(0, [1000], None, tokens[:BS], BS) == n
+    assert len(index.masks(index.keys_of(tokens))) == n and index._sources[0].orphan_count == 0
+
+
+def test_orphans_are_bounded_in_blocks_kept_compact_and_expire(monkeypatch):
+    """``max_orphans`` counted events, not their size, and kept each one's whole token list for
+    the router's lifetime: 64 events of a 30 k-token prompt held 1.92 M Python ints."""
+    index = BlockIndex(BS, max_orphans=64)
+    prompt = list(range(30_000))
+    for i in range(64):
+        index.stored(0, [10_000 + i], 99_000 + i, prompt, BS)     # one block each, and its tokens only
+    held = sum(len(e[2]) for waiting in index._sources[0].orphans.values() for e in waiting)
+    assert held == 64 * BS and index.dropped_orphans == 0
+    # a budget in blocks too (64 a permitted event), the oldest orphans dropped first
+    index.stored(0, list(range(20_000, 24_050)), 99_500, prompt[:4050 * BS], BS)
+    assert index._sources[0].orphan_blocks == 64 * 64 and index.dropped_orphans == 18
+    assert 99_017 not in index._sources[0].orphans and 99_018 in index._sources[0].orphans
+    # an orphan that waited longer than orphan_ttl_s is dropped, not applied, when its parent comes
+    clock = [1000.0]
+    monkeypatch.setattr("kvtier.router.index.time.monotonic", lambda: clock[0])
+    index = BlockIndex(BS, orphan_ttl_s=30.0)
+    index.stored(0, [13], 12, TOKENS[2 * BS:3 * BS], BS)     # waits for 12
+    index.stored(0, [22], 21, TOKENS[BS:2 * BS], BS)         # waits for 21
+    clock[0] += 10
+    assert index.stored(0, [12], None, TOKENS[:BS], BS) == 2     # control: in time
+    clock[0] += 31
+    assert index.stored(0, [21], None, TOKENS[:BS], BS) == 1 and index.dropped_orphans == 1
+
+
+def test_lookups_keep_a_hot_prefix_in_a_full_index():
+    """The capped index evicted by first store: lookups never refreshed a key, and vLLM publishes
+    a block once, so the system prompt every request reads was the first evicted (root first:
+    its whole chain unreachable)."""
+    def run(read: bool) -> int:
+        index = BlockIndex(BS, capacity=16)
+        system = list(range(500, 500 + 4 * BS))
+        index.stored(0, [1, 2, 3, 4], None, system, BS, shared=True)
+        hot = index.keys_of(system)
+        for i in range(40):
+            if read:
+                index.leading_masks(hot)                  # read by every routing decision
+            index.stored(0, [100 + i], None, [10_000 + i] * BS, BS, shared=True)   # a one-off prompt
+            index.removed(0, [100 + i])                   # vLLM evicts it; the shared tier keeps it
+        assert len(index) == 16
+        return len(index.leading_masks(hot))
+    assert run(read=False) == 0      # control: unread, it is evicted as the oldest
+    assert run(read=True) == 4

@@ -167,3 +167,31 @@ def test_a_full_event_queue_drops_and_leaves_a_gap_subscribers_can_see(tmp_path)
         sub.close()
     finally:
         pub.close()
+
+
+def test_a_subscriber_counts_a_restarted_server_as_a_restart_not_a_gap(tmp_path):
+    """A restarted server numbers from 0 again; a sequence that went back counted as nothing, so
+    a router kept what it had learnt of the old server's tier. Its SYNC (a renewal's answer) or
+    EV below the next number expected is a restart."""
+    endpoint = f"ipc://{tmp_path}/r.sock"
+    pub = EventPublisher(endpoint, name_key=os.urandom(32), batch_s=0.01)
+    sub = EventSubscriber(endpoint, renew_s=0.2)
+    try:
+        time.sleep(0.2)
+        for i in range(3):
+            pub.emit("stored", "host", "acme", "ns", [bytes([i]) * 32], 1)
+            assert sub.recv(timeout_s=2) is not None
+        sub.recv(timeout_s=0.5)       # a renewal's SYNC: the next number, no restart (control)
+        assert sub.next_seq == 3 and sub.restarts == 0 and sub.gaps == 0
+        pub.close()
+        pub = EventPublisher(endpoint, name_key=os.urandom(32), batch_s=0.01)
+        deadline = time.monotonic() + 5
+        while sub.restarts == 0 and time.monotonic() < deadline:
+            sub.recv(timeout_s=0.2)
+        assert sub.restarts == 1 and sub.gaps == 0 and sub.next_seq == 0
+        pub.emit("stored", "host", "acme", "ns", [b"n" * 32], 1)
+        got = sub.recv(timeout_s=2)
+        assert got is not None and got[0] == 0 and sub.restarts == 1
+    finally:
+        sub.close()
+        pub.close()

@@ -1,0 +1,161 @@
+"""The router's event listeners (kvtier/router/events.py): what they do with holes in a worker's
+stream (a message or event that cannot be applied), with a replay buffer that no longer starts at
+0, and with a restarted kvtier server. Sequence gaps and publisher restarts: test_index.py."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import struct
+import threading
+import time
+
+import msgpack
+import zmq
+import zmq.asyncio
+
+from kvtier.router.events import SharedTierEvents, VllmEvents
+from kvtier.router.index import SHARED_BIT, BlockIndex, block_keys
+from kvtier.router.workers import Worker
+
+BS = 4
+TOKENS = list(range(100, 100 + 2 * BS))
+OTHER = [7] * BS
+
+
+def message(seq, events):
+    return [b"", struct.pack(">Q", seq), msgpack.packb([1.0, events, None])]
+
+
+def stored(hashes, parent, tokens):
+    return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent, "token_ids": tokens,
+            "block_size": BS, "lora_id": None, "medium": "GPU", "lora_name": None}
+
+
+def listener(resyncs: list | None = None) -> tuple[BlockIndex, VllmEvents]:
+    index = BlockIndex(BS)
+    on_resync = (lambda w, reason: resyncs.append(reason)) if resyncs is not None else None
+    return index, VllmEvents(Worker(0, "http://w0"), index, on_resync=on_resync)
+
+
+def test_an_event_that_cannot_be_applied_is_a_hole_and_the_rest_of_its_batch_applies():
+    """One try around the whole batch: an event that raised skipped every later one (a
+    BlockRemoved: its blocks stayed credited), and next_seq had advanced, so nothing resynced."""
+    reasons: list[str] = []
+    index, events = listener(reasons)
+    events.handle(message(0, [stored([11, 12], None, TOKENS)]))
+    assert len(index.masks(block_keys(TOKENS, BS))) == 2                     # control
+    bad = stored([[1]], None, [1] * BS)            # an unhashable block hash: TypeError in the index
+    events.handle(message(1, [bad, {"type": "BlockRemoved", "block_hashes": [11, 12], "medium": "GPU"},
+                              stored([21], None, OTHER)]))
+    assert reasons == ["malformed"] and index.masks(block_keys(TOKENS, BS)) == []
+    assert len(index.masks(block_keys(OTHER, BS))) == 1                       # the events after it apply
+    events.handle(message(2, [stored([22], 21, OTHER)]))                      # the sequence goes on
+    assert reasons == ["malformed"] and len(index.masks(block_keys(OTHER * 2, BS))) == 2
+
+
+def test_an_undecodable_message_is_a_hole():
+    """Skipped after next_seq advanced, whatever it said (removals included) was lost, yet the
+    index kept what came before it."""
+    reasons: list[str] = []
+    index, events = listener(reasons)
+    events.handle(message(0, [stored([11, 12], None, TOKENS)]))
+    events.handle([b"", struct.pack(">Q", 1), b"\xc1"])          # e.g. the removal of 11, 12
+    assert reasons == ["malformed"] and index.masks(block_keys(TOKENS, BS)) == []
+    events.handle(message(2, [stored([21], None, OTHER)]))
+    assert reasons == ["malformed"] and len(index.masks(block_keys(OTHER, BS))) == 1
+
+
+def _serve_replay(endpoint: str, buffer: list[tuple[int, bytes]], requests: int = 1) -> threading.Thread:
+    """A stand-in for vLLM's ZmqEventPublisher._service_replay (its frames), for ``requests`` asks."""
+    def serve():
+        sync = zmq.Context()
+        router = sync.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        router.bind(endpoint)
+        ready.set()
+        try:
+            for _ in range(requests):
+                if not router.poll(5000):
+                    return
+                client, _, start = router.recv_multipart()
+                start = int.from_bytes(start, "big")
+                for seq, buf in buffer:
+                    if seq >= start:
+                        router.send_multipart([client, b"", b"", seq.to_bytes(8, "big"), buf])
+                router.send_multipart([client, b"", b"", (-1).to_bytes(8, "big", signed=True), b""])
+        finally:
+            router.close(0)
+            sync.term()
+
+    ready = threading.Event()
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    ready.wait(5)
+    return thread
+
+
+def test_a_listener_without_state_replays_a_buffer_that_no_longer_starts_at_zero(tmp_path):
+    """vLLM keeps its last buffer_steps batches: a router started next to a worker that had
+    published more asked from 0, refused the buffer's first batch and started blind. With state
+    (a gap to fill), a buffer that lost the batches needed is still refused."""
+    endpoint = f"ipc://{tmp_path}/replay.sock"
+    buffer = [(500, msgpack.packb([1.0, [stored([11, 12], None, TOKENS)], None])),
+              (501, msgpack.packb([1.0, [], None]))]
+    thread = _serve_replay(endpoint, buffer, requests=2)
+    index = BlockIndex(BS)
+    events = VllmEvents(Worker(0, "http://w0", "ipc:///unused", endpoint), index)
+
+    async def main():
+        ctx = zmq.asyncio.Context.instance()
+        await events._replay(ctx, 0, timeout_s=5.0)
+        assert events.replayed == 2 and events.next_seq == 502
+        assert len(index.masks(block_keys(TOKENS, BS))) == 2
+        events.next_seq = 400          # control: a gap from 400 that the buffer cannot fill
+        await events._replay(ctx, 400, upto=600, timeout_s=5.0)
+        assert events.replayed == 2
+
+    try:
+        asyncio.run(asyncio.wait_for(main(), 30))
+    finally:
+        thread.join(5)
+
+
+def test_a_restarted_shared_tier_server_clears_the_shared_marks(tmp_path):
+    """A restarted kvtier server numbers from 0 again: its first messages go back, which counted
+    as no gap, so every block marked shared before the restart (an in-memory tier lost them) stayed
+    predicted as loadable by every worker."""
+    from kvtier.server.events import EventPublisher
+
+    endpoint = f"ipc://{tmp_path}/ev.sock"
+    index = BlockIndex(BS)
+    keys = block_keys(TOKENS, BS)
+    index.add_shared(keys)
+
+    async def until(cond, what, timeout=15.0):
+        deadline = time.monotonic() + timeout
+        while not cond():
+            assert time.monotonic() < deadline, f"timed out: {what}"
+            await asyncio.sleep(0.05)
+
+    async def main():
+        pub = EventPublisher(endpoint, name_key=os.urandom(32), batch_s=0.01)
+        shared = SharedTierEvents(index, endpoint, asyncio.get_running_loop())
+        shared.start()
+        try:
+            for i in range(3):
+                await until(lambda: shared.up, "subscribed")
+                pub.emit("stored", "dram", "t", "ns", [os.urandom(8)], 1)
+                await until(lambda: shared.messages >= i + 1, f"message {i}")
+            assert index.mask(keys[0]) & SHARED_BIT and shared.resyncs == 0     # control: no clear so far
+            pub.close()
+            pub = EventPublisher(endpoint, name_key=os.urandom(32), batch_s=0.01)   # restarted: seq from 0
+            # the subscriber renews its SUB every 5 s; the new server's SYNC (0) goes back
+            await until(lambda: shared.resyncs >= 1, "the restart seen", timeout=20.0)
+            await asyncio.sleep(0.2)
+            assert not index.mask(keys[0]) & SHARED_BIT
+        finally:
+            pub.close()
+            await asyncio.to_thread(shared.stop)
+
+    asyncio.run(asyncio.wait_for(main(), 60))
