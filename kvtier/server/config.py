@@ -9,6 +9,8 @@ a bare "512M" is refused as ambiguous: see kvtier/core/units.py)::
                                # refused unless insecure_plaintext = true: use tls:// (tls_cert, tls_key)
     capacity = "8GiB"          # host DRAM pool
     max_block = "32MiB"        # largest block (one pool slot)
+    max_connections = 1024     # logged-in connections, at most max_connections_per_tenant
+    max_connections_per_tenant = 512   # per tenant (default: half of max_connections)
     disk_dir = "/mnt/nvme/kvtier"   # optional spill tier
     mooncake_master = "10.0.0.5:50051"   # optional: spill below that to a Mooncake Store fleet
     mooncake_metadata = "http://10.0.0.5:8080/metadata"   # its metadata server (default P2PHANDSHAKE)
@@ -107,7 +109,9 @@ class ServerConfig:
     max_connections: int = 1024
     max_unauthenticated: int = 64
     max_connections_per_peer: int = 32
-    max_connections_per_tenant: int = 0  # 0: max_connections
+    #: logged-in connections one tenant may hold; 0: half of ``max_connections`` (at least 1), so that
+    #: one tenant's token (or a leak of it) cannot take every slot and lock the other tenants out
+    max_connections_per_tenant: int = 0
     hello_timeout_s: float = 5.0
     login_failure_burst: int = 10  # failed logins a TCP peer may make at once …
     login_failure_rate_per_s: float = 1.0  # … and per second after that
@@ -138,6 +142,11 @@ class ServerConfig:
 
     def tenant(self, name: str) -> TenantConfig | None:
         return next((t for t in self.tenants if t.name == name), None)
+
+    @property
+    def tenant_connection_cap(self) -> int:
+        """``max_connections_per_tenant``, or its default when 0 (see the field)."""
+        return self.max_connections_per_tenant or max(1, self.max_connections // 2)
 
 
 # [server] keys of the file (and KVTIER_SERVE_<KEY> variables, and --<key> flags) → field, parser

@@ -4,9 +4,13 @@
   *footprint* (what the pool really spends on it, :meth:`HostTier.footprint
   <kvtier.tiers.host.HostTier.footprint>`), not its payload, so that a tenant
   cannot take more of the pool than its quota by storing many tiny blocks. A put
-  that would take a tenant over its quota first evicts that tenant's own least
+  that would take a tenant over its quota evicts that tenant's own least
   recently used blocks (:meth:`Governance.quota_victims`); other tenants are
-  never touched. A block larger than the whole quota is refused. Finding the
+  never touched. The service asks once the payload is verified, just before the
+  block is committed and indexed: an upload that fails evicts nothing, and
+  concurrent uploads cannot each count on the room that one eviction made (an
+  upload in flight holds its pool slot, bounded by the service's in-flight caps,
+  not quota). A block larger than the whole quota is refused. Finding the
   victims walks the tenant's LRU order only as far as the bytes it must free
   (O(victims)): the walk runs on the event loop under the index lock, and a
   walk over every block stalled all tenants (335 ms per PUT at 500 k blocks).

@@ -105,7 +105,7 @@ class Server:
         self.admission = Admission(
             max_connections=config.max_connections, max_unauthenticated=config.max_unauthenticated,
             max_per_peer=config.max_connections_per_peer,
-            max_per_tenant=config.max_connections_per_tenant or config.max_connections,
+            max_per_tenant=config.tenant_connection_cap,
             hello_timeout_s=config.hello_timeout_s)
         self.logins = LoginLimiter(burst=config.login_failure_burst, per_s=config.login_failure_rate_per_s)
         self._tls: ssl.SSLContext | None = None

@@ -13,7 +13,11 @@ Data paths (no copy in user space on the host tier):
   block its reader authenticates, the server cannot) is stored unhashed, and
   served with that flag so that only a reader that opens it accepts it.
   A key already held is answered OK and its payload read into a discard buffer:
-  identical blocks are stored once.
+  identical blocks are stored once. A key whose upload is still in flight on
+  another connection is received too (the host tier gives it a slot of its own),
+  so that the first upload failing cannot lose this one's acknowledged block.
+  Everything that can refuse a PUT is checked before its slot is committed; a
+  failure after the reservation aborts the slot, never leaves it unindexed.
 * GET: a host-tier block is pinned and its slot sent as is; a block on a lower
   tier is read by the store (verified there, promoted) into a scratch buffer on
   an I/O thread, then sent.
@@ -106,10 +110,12 @@ class Service:
         # bytes, not uploads: capped at a count of the largest blocks, a pool of 8 blocks of
         # max_block let a tenant one upload at a time, and its workers' concurrent writes of
         # small blocks were refused (FULL: lost) while the pool had room for hundreds.
+        # Per writer, not per owner of the space written: a tenant publishing into shared
+        # namespaces must not get a share per namespace.
         self._inflight_bytes = 0
-        self._inflight_bytes_by_owner: dict[str, int] = {}
+        self._inflight_bytes_by_writer: dict[str, int] = {}
         self._max_inflight_bytes = max(host.slot_bytes, host.capacity_bytes // 2)
-        self._max_inflight_bytes_per_owner = max(host.slot_bytes, host.capacity_bytes // 8)
+        self._max_inflight_bytes_per_writer = max(host.slot_bytes, host.capacity_bytes // 8)
         m = metrics
         ops = [op for op in Op if op not in (Op.HELLO, Op.ERROR)]
         self._lat = {op: m.latency.labels(op.name.lower()) for op in ops}
@@ -203,7 +209,7 @@ class Service:
         elif op == Op.CONTAINS:
             self._contains(conn, p, h, meta)
         elif op == Op.DELETE:
-            self._delete(conn, p, h, meta)
+            await self._delete(conn, p, h, meta)
         elif op == Op.LIST:
             self._list(conn, p, h, meta)
         elif op == Op.PING:
@@ -251,11 +257,20 @@ class Service:
         now = time.monotonic()
         conn.reply(h, 0, bytes(self.resolve(p, k, now) is not None for k in split_keys(meta)))
 
-    def _delete(self, conn, p: Principal, h: Header, meta: bytes) -> None:
+    async def _delete(self, conn, p: Principal, h: Header, meta: bytes) -> None:
+        """Index look-ups on the event loop (as CONTAINS); the held blocks are dropped on an
+        I/O thread: deleting from a disk tier costs system calls per key, and 16 k of them
+        stalled every other tenant's requests."""
         out = bytearray(len(meta) // 32)
         if p.write_space is not None:
-            for i, key in enumerate(split_keys(meta)):
-                out[i] = self.drop(p.write_space.storage_key(key)) is not None
+            space = p.write_space
+            held = [(i, skey) for i, skey in enumerate(map(space.storage_key, split_keys(meta)))
+                    if self.index.get(skey) is not None]
+            if held:  # the connection is in its WORK phase: no timeout runs meanwhile
+                dropped = await asyncio.get_running_loop().run_in_executor(
+                    self.io, lambda: [self.drop(skey) is not None for _, skey in held])
+                for (i, _), gone in zip(held, dropped):
+                    out[i] = gone
         conn.reply(h, 0, bytes(out))
 
     def _list(self, conn, p: Principal, h: Header, meta: bytes) -> None:
@@ -286,12 +301,15 @@ class Service:
         conn.reply(h, 0, b"".join(out))
 
     def drop(self, skey: bytes) -> BlockEntry | None:
-        """Remove a block from the index and every tier."""
+        """Remove a block from the index and every tier. A key the index does not hold is in
+        no tier either (a PUT is committed and indexed with no await in between): no tier is
+        asked, which for a disk tier would cost system calls."""
         entry = self.index.remove(skey)
+        if entry is None:
+            return None
         self.gov.release(skey)
         self.store.delete([skey])
-        if entry is not None:
-            self.emit("removed", entry.tier, entry)
+        self.emit("removed", entry.tier, entry)
         return entry
 
     # -- GET ------------------------------------------------------------------------------
@@ -356,6 +374,8 @@ class Service:
         n = h.data_len - CHECKSUM_NBYTES
         if bh is None or bh.payload_nbytes != n:
             raise ProtocolError(ErrorCode.BAD_META, "PUT block header is malformed or disagrees with data_len")
+        if not bh.dtype.isascii():  # decoded with replacement characters: it could not be packed back
+            raise ProtocolError(ErrorCode.BAD_META, "PUT block header's dtype is not ASCII")
         verified_by = bh.flags & (FLAG_CHECKSUM | FLAG_SEALED)
         if verified_by not in (FLAG_CHECKSUM, FLAG_SEALED):
             raise ProtocolError(ErrorCode.BAD_META, "PUT block header must flag either a checksum or a sealed payload")
@@ -379,23 +399,20 @@ class Service:
             return
         status = Status.OK
         footprint = self.host.footprint(n)
+        writer = p.tenant
         if not all(self.gov.admits(a, footprint) for a in accounts):  # quotas charge the pool bytes a block takes
             status = Status.FULL
         elif (self._inflight_bytes + footprint > self._max_inflight_bytes
-              or self._inflight_bytes_by_owner.get(owner, 0) + footprint > self._max_inflight_bytes_per_owner):
+              or self._inflight_bytes_by_writer.get(writer, 0) + footprint > self._max_inflight_bytes_per_writer):
             status = Status.FULL
         if status is not Status.OK:
             await conn.discard(h.data_len)
             self._put_result[status].inc()
             conn.reply(h, status)
             return
-        for account in accounts:  # one after the other: a victim of the writer may free the namespace too
-            for victim in self.gov.quota_victims(self.index, account, footprint):
-                if self.drop(victim) is not None:
-                    self.metrics.count_quota_eviction(account)
         block_meta = BlockMeta(bh.dtype, bh.shape, bh.token_count)
         self._inflight_bytes += footprint
-        self._inflight_bytes_by_owner[owner] = self._inflight_bytes_by_owner.get(owner, 0) + footprint
+        self._inflight_bytes_by_writer[writer] = self._inflight_bytes_by_writer.get(writer, 0) + footprint
         try:
             if self.host.free_slots or len(self.store.tiers) == 1:
                 status, res = self.host.reserve(skey, n, meta=block_meta)
@@ -421,7 +438,7 @@ class Service:
                 raise
         finally:
             self._inflight_bytes -= footprint
-            self._inflight_bytes_by_owner[owner] -= footprint
+            self._inflight_bytes_by_writer[writer] -= footprint
         self.metrics.bytes_in.inc(n)
         digest = hasher.digest() if hasher is not None else _NO_CHECKSUM  # sealed: the trailer is zeros
         if digest != trailer:
@@ -431,10 +448,16 @@ class Service:
             conn.reply(h, Status.CORRUPT)
             return
         parent = space.storage_key(pm.parent) if pm.parent else None
-        self.host.commit(res, parent=parent)
-        # with the checksum we verified (zeros for a sealed payload) and how to verify it
-        header = pack_block_header(bh.key, n, digest, block_meta, flags=verified_by)
-        disk_name = self.spill.disk_name_or_none(owner, skey) if self.spill is not None else None
+        try:
+            # with the checksum we verified (zeros for a sealed payload) and how to verify it
+            header = pack_block_header(bh.key, n, digest, block_meta, flags=verified_by)
+            # (with encryption at rest, the owner's key may be made and stored on first use)
+            disk_name = self.spill.disk_name_or_none(owner, skey) if self.spill is not None else None
+            self._make_room(skey, accounts, footprint)
+        except BaseException:  # a slot committed but never indexed would be held, charged to no one
+            self.host.abort(res)
+            raise
+        self.host.commit(res, parent=parent)  # False: a concurrent upload of the block committed first
         entry = BlockEntry(owner, space.namespace, bh.key, n, header, time.monotonic(), pm.session, self.host.name,
                            parent, disk_name, payer=p.tenant if p.tenant != owner else "")
         if self.index.add(skey, entry):
@@ -443,6 +466,19 @@ class Service:
             self._write_behind(skey, parent, block_meta)
         self._put_result[Status.OK].inc()
         conn.reply(h, Status.OK)
+
+    def _make_room(self, skey: bytes, accounts: tuple[str, ...], footprint: int) -> None:
+        """Evict the accounts' least recently used blocks so that the block about to be indexed
+        fits their quotas. Run once the payload is verified, with no await until it is indexed:
+        an upload that fails then costs the tenant nothing, and concurrent uploads cannot each
+        count on the room one eviction made (every commit re-checks the quota). A block that a
+        concurrent upload of the same key indexed meanwhile is charged already."""
+        if self.index.get(skey) is not None:
+            return
+        for account in accounts:  # one after the other: a victim of the writer may free the namespace too
+            for victim in self.gov.quota_victims(self.index, account, footprint):
+                if self.drop(victim) is not None:
+                    self.metrics.count_quota_eviction(account)
 
     def _write_behind(self, skey: bytes, parent: bytes | None, meta: BlockMeta) -> None:
         """Have the store copy a committed block to disk in the background now, not only when DRAM

@@ -12,7 +12,10 @@ Writes are two-phase: :meth:`HostTier.reserve` takes memory under the lock and
 hands out a writable view of exactly the block's bytes, the caller fills it
 outside the lock (``put`` copies; the server receives straight from a socket),
 then :meth:`HostTier.commit` publishes it or :meth:`HostTier.abort` frees it --
-a torn upload leaves no trace. Readers pin a block (refcount) while they copy,
+a torn upload leaves no trace. Two writers of one key each fill a reservation of
+their own, and the first to commit publishes the block (the other's copy is
+freed): had the second been told "being written" and done nothing, the block
+would be lost when the first writer aborted. Readers pin a block (refcount) while they copy,
 ``borrow`` or ``hold`` it; a pinned block is never evicted, overwritten or
 reused, and ``delete`` of a pinned block hides it at once and frees its memory
 at the last unpin.
@@ -118,6 +121,8 @@ class HostTier(Tier):
         if prefault:  # fault every page in now, so that puts copy into warm memory
             self._pool[:: mmap.PAGESIZE] = 0
         self._entries: dict[BlockKey, _Entry] = {}
+        #: reservations of a key whose ``_entries`` holder was still being written (see :meth:`reserve`)
+        self._rivals: dict[BlockKey, list[_Entry]] = {}
         #: deleted while pinned: memory freed at their last unpin
         self._doomed: dict[BlockKey, list[_Entry]] = {}
         self._policy = policy if policy is not None else LRUPolicy()  # an empty policy is falsy
@@ -204,7 +209,7 @@ class HostTier(Tier):
         src = _as_bytes(data)
         status, res = self.reserve(key, src.nbytes, meta=meta)
         if res is None:
-            return status  # OK (already held or being written), FULL or TOO_LARGE
+            return status  # OK (already held), FULL or TOO_LARGE
         np.copyto(res.view, src)
         self.commit(res, parent=parent)
         return Status.OK
@@ -216,16 +221,18 @@ class HostTier(Tier):
         """Take memory for ``key`` (evicting as needed) and return a writable view of it.
 
         Returns (OK, reservation) to fill then :meth:`commit` or :meth:`abort`;
-        (OK, None) if the key is already held or being written (content
-        addressed: nothing to do); (FULL or TOO_LARGE, None) otherwise. Nothing
-        is visible to readers before ``commit``.
+        (OK, None) if the key is already held (content addressed: nothing to
+        do); (FULL or TOO_LARGE, None) otherwise. Nothing is visible to readers
+        before ``commit``. A key another writer is still writing gets a
+        reservation of its own (a *rival*): whichever commits first is the
+        block, so neither writer's abort can lose it.
         """
         if not 0 < nbytes <= self.slot_bytes:
             with self._lock:
                 self.stats.put_failures += 1
             return Status.TOO_LARGE, None
         with self._lock:
-            if self._live(key) is not None or key in self._entries:
+            if self._live(key) is not None:
                 self._policy.on_access(key)
                 return Status.OK, None
             entry = _Entry(key, 0, None, nbytes, self._alloc.plan(nbytes)[2], meta,  # type: ignore[arg-type]
@@ -235,28 +242,57 @@ class HostTier(Tier):
                 self.stats.put_failures += 1
                 return Status.FULL, None
             entry.offset, entry.home = got
-            self._entries[key] = entry
+            if key in self._entries:  # being written by another writer
+                self._rivals.setdefault(key, []).append(entry)
+            else:
+                self._entries[key] = entry
             self._used += nbytes
             self._footprint += entry.footprint
         return Status.OK, Reservation(key, entry, self._view(entry))
 
-    def commit(self, res: Reservation, *, parent: BlockKey | None = None) -> None:
-        """Publish a filled reservation."""
+    def commit(self, res: Reservation, *, parent: BlockKey | None = None) -> bool:
+        """Publish a filled reservation; False if another writer's copy of the key was
+        published first (content addressed: the same bytes), and this one is freed."""
+        key, entry = res.key, res.entry
         with self._lock:
-            res.entry.published = True
-            self._policy.on_insert(res.key, parent)
-            self.stats.puts += 1
-            self.stats.bytes_written += res.entry.nbytes
-        self._unpin_entry(res.key, res.entry)
+            holder = self._entries.get(key)
+            if holder is not entry:  # a rival: the first copy committed wins
+                self._forget_rival_locked(key, entry)
+                if self._live(key) is not None:
+                    entry.doomed = True  # the last unpin (ours) frees the memory
+                    won = False
+                else:
+                    if holder is not None:  # still being written: that writer is now the rival
+                        self._rivals.setdefault(key, []).append(holder)
+                    self._entries[key] = entry
+                    won = True
+            else:
+                won = True
+            if won:
+                entry.published = True
+                self._policy.on_insert(key, parent)
+                self.stats.puts += 1
+                self.stats.bytes_written += entry.nbytes
+        self._unpin_entry(key, entry)
+        return won
 
     def abort(self, res: Reservation) -> None:
         """Drop a reservation: its memory is freed, nothing was ever visible."""
         with self._lock:
             if self._entries.get(res.key) is res.entry:
                 del self._entries[res.key]
+            else:
+                self._forget_rival_locked(res.key, res.entry)
             self.stats.put_failures += 1
             res.entry.doomed = True  # the last unpin (ours) frees the memory
         self._unpin_entry(res.key, res.entry)
+
+    def _forget_rival_locked(self, key: BlockKey, entry: _Entry) -> None:
+        rivals = self._rivals.get(key)
+        if rivals is not None and entry in rivals:
+            rivals.remove(entry)
+            if not rivals:
+                del self._rivals[key]
 
     def hold(self, key: BlockKey) -> Held | None:
         """Pin a block and return a read-only view plus its ``release``; None if absent.
@@ -541,10 +577,12 @@ class HostTier(Tier):
         with self._lock:
             live = list(self._entries.values())
             doomed = [e for group in self._doomed.values() for e in group]
+            rivals = [e for group in self._rivals.values() for e in group]
             assert all(e.doomed and e.pins > 0 for e in doomed), "a doomed entry outlived its pins"
+            assert all(e.pins > 0 and not e.published for e in rivals), "a rival reservation is not being written"
             assert all(e.pins >= 0 for e in live), "negative pin count"
             assert all(0 <= e.key_pins <= e.pins for e in live + doomed), "more key pins than pins"
-            holders = live + doomed
+            holders = live + doomed + rivals
             per_class = self._alloc.check()
             runs = self._alloc.runs()
             owned = [r.tag for r in runs if r.tag is not None]
@@ -581,6 +619,7 @@ class HostTier(Tier):
     def close(self) -> None:
         with self._lock:
             self._entries.clear()
+            self._rivals.clear()
             self._pool = None  # type: ignore[assignment]
             try:
                 self._mmap.close()

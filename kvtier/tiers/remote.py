@@ -374,6 +374,12 @@ class RemoteTier(Tier, StreamingTier):
                 statuses[i] = Status.OK
             todo = [i for i in todo if not present[i]]
         flags = FLAG_SEALED if sealed else FLAG_CHECKSUM
+        # Packed before a connection is taken: a caller's mistake (a session id over
+        # MAX_SESSION_BYTES, a meta no header can hold) is the caller's ValueError, not a
+        # server failure that closes the connection and puts the tier into backoff. The
+        # checksum travels as a trailer (see remote_protocol): none in the header.
+        put_metas = {i: pack_put_meta(pack_header(bytes(keys[i]), sizes[i], _NO_CHECKSUM, metas[i], flags=flags),
+                                      parents[i], session) for i in todo}
         try:
             with self._conn(deadline) as c:
                 if sealed and "sealed" not in c.info.get("features", ()):
@@ -386,9 +392,7 @@ class RemoteTier(Tier, StreamingTier):
                     if max_block and n > max_block or n == 0:
                         statuses[i] = Status.TOO_LARGE
                         continue
-                    # The checksum travels as a trailer (see remote_protocol): none in the header.
-                    header = pack_header(bytes(keys[i]), n, _NO_CHECKSUM, metas[i], flags=flags)
-                    meta = pack_put_meta(header, parents[i], session)
+                    meta = put_metas[i]
                     if sealed:
                         rid = c.send_put_stream(meta, payloads[i], deadline)
                     else:

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from kvtier.server.admission import Admission, LoginLimiter
+from kvtier.server.config import ServerConfig
 from kvtier.server.launch import ServerProcess
 from kvtier.tiers.base import Status
 from kvtier.tiers.remote import RemoteTier
@@ -119,6 +120,35 @@ def test_one_tenant_cannot_take_every_connection(tmp_path):
         assert other.put_many(k, [block(k[0], 4096)]) == [Status.OK], other.last_error
         for s in [*held, fourth]:
             s.close()
+
+
+def test_by_default_one_tenant_gets_half_the_connections(tmp_path):
+    """The per-tenant cap defaulted to max_connections: one tenant's token held every slot and
+    every other tenant was refused TOO_MANY_CONNECTIONS. Only max_connections is set here."""
+    with ServerProcess.start(tenants(), shared=SHARED, workdir=str(tmp_path), server={
+        "capacity": "16MiB", "max_block": "1MiB", "max_connections": 8,
+    }) as srv:
+        held = []
+        for _ in range(8):
+            s = _open_from("127.0.0.1", srv.tcp_url)
+            s.sendall(hello_frame(TOKENS["globex"], "hog"))
+            held.append(s)
+            if unpack_header(s.recv(22)).code != 0:
+                break
+        assert len(held) == 5, "the fifth of one tenant's logins is refused, not the ninth"
+        other = RemoteTier(srv.tcp_url, TOKENS["acme"], namespace="fair", timeout_s=2)  # control: still served
+        k = keys_for("fair-default", 1)
+        assert other.put_many(k, [block(k[0], 4096)]) == [Status.OK], other.last_error
+        other.close()
+        for s in held:
+            s.close()
+
+
+def test_the_per_tenant_connection_cap_defaults_to_half_and_an_explicit_one_wins():
+    assert ServerConfig().tenant_connection_cap == 512
+    assert ServerConfig(max_connections=1).tenant_connection_cap == 1
+    assert ServerConfig(max_connections=8, max_connections_per_tenant=8).tenant_connection_cap == 8
+    assert ServerConfig(max_connections=8, max_connections_per_tenant=3).tenant_connection_cap == 3
 
 
 def test_failed_logins_are_throttled_per_address_and_audited_boundedly(tmp_path):

@@ -100,3 +100,39 @@ def test_a_tenants_uploads_in_flight_are_still_capped(few_slots):
         stalled.close()
         globex.close()
         other.close()
+
+
+@pytest.fixture(scope="module")
+def publisher(tmp_path_factory):
+    """ops publishes into three shared namespaces besides its own: four owners to write for."""
+    shared = [{"name": n, "writers": ["ops"]} for n in ("a", "b", "c", "system-prompts")]
+    srv = ServerProcess.start(tenants(), shared=shared, workdir=str(tmp_path_factory.mktemp("kvtier-cap-writer")),
+                              server={"capacity": "8MiB", "max_block": "1MiB", "frame_timeout_s": 20.0})
+    yield srv
+    srv.stop()
+
+
+def test_the_per_tenant_cap_counts_the_writer_not_the_owner_of_the_namespace(publisher):
+    """The cap was kept per owner of the space written: a tenant stalling an upload of an eighth of
+    the pool in its own namespace and in three shared ones held the whole global cap (half the
+    pool), and every other tenant's PUT was refused FULL. Now its second stalled upload is
+    refused, and another tenant is served."""
+    url = publisher.tcp_url
+    first = _slow_put(url, TOKENS["ops"], keys_for("stall-own", 1)[0], 1 << 20)  # capacity // 8
+    ops = RemoteTier(url, TOKENS["ops"], namespace="shared/a", timeout_s=10)
+    globex = RemoteTier(url, TOKENS["globex"], namespace="mine", timeout_s=10)
+    try:
+        deadline = time.monotonic() + 10
+        for attempt in range(1000):  # refused once the server has taken the stalled reservation
+            key = keys_for(f"stall-shared-{attempt}", 1)[0]
+            status = ops.put(key, block(key, 1 << 20))
+            if status is Status.FULL or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert status is Status.FULL, status
+        small = keys_for("globex-small", 1)[0]
+        assert globex.put(small, block(small, SMALL)) is Status.OK  # control: another tenant is served
+    finally:
+        first.close()
+        ops.close()
+        globex.close()

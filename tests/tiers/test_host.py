@@ -153,3 +153,46 @@ def test_get_many_counts_each_miss_once_and_says_what_get_says():
     frozen.flags.writeable = False
     with pytest.raises(ValueError, match="read-only"):
         many.get_many([bytes([1]) * 32], [frozen])  # a miss, but the buffer is the caller's mistake
+
+
+@pytest.mark.parametrize("first_fails", [True, False])
+def test_a_second_writer_of_a_key_being_written_keeps_its_own_copy(first_fails):
+    """A reservation of a key another writer is still filling was answered "nothing to do": when the
+    first writer then aborted (torn upload, bad checksum), the second writer's acknowledged block
+    was never stored. Now each writer fills its own copy, and the first to commit is the block."""
+    t = HostTier(8 * BLOCK, BLOCK)
+    status, first = t.reserve(k(1), BLOCK)
+    assert status is Status.OK and first is not None
+    status, second = t.reserve(k(1), BLOCK)
+    assert status is Status.OK and second is not None and second.view.ctypes.data != first.view.ctypes.data
+    first.view[:] = 1
+    second.view[:] = 1
+    assert not t.contains(k(1))  # nothing visible before a commit
+    t.check_integrity()
+    assert t.commit(second) is True
+    if first_fails:
+        t.abort(first)
+    else:
+        assert t.commit(first) is False  # the same bytes are held already: this copy is freed
+    out = np.empty(BLOCK, np.uint8)
+    assert t.get(k(1), out) is Status.OK and (out == 1).all()
+    assert t.used_bytes == BLOCK
+    t.check_integrity()
+
+
+def test_a_rival_of_a_committed_key_is_freed_and_an_aborted_first_writer_leaves_it_to_the_rival():
+    t = HostTier(8 * BLOCK, BLOCK)
+    _, first = t.reserve(k(1), BLOCK)
+    _, second = t.reserve(k(1), BLOCK)
+    _, third = t.reserve(k(1), BLOCK)
+    t.abort(first)  # the first writer goes: the key is free to be reserved anew
+    _, fourth = t.reserve(k(1), BLOCK)
+    t.check_integrity()
+    for res in (second, third, fourth):
+        res.view[:] = 3
+    assert [t.commit(third), t.commit(second), t.commit(fourth)] == [True, False, False]
+    assert t.contains(k(1)) and t.used_bytes == BLOCK
+    assert t.reserve(k(1), BLOCK) == (Status.OK, None)  # held: nothing to do
+    t.check_integrity()
+    assert t.delete(k(1)) and t.used_bytes == 0
+    t.check_integrity()
