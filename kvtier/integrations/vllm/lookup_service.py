@@ -32,6 +32,7 @@ import stat
 import struct
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 
 from kvtier.core.keys import KEY_BYTES, BlockKey
@@ -214,15 +215,37 @@ class LookupServer:
 
 
 class LookupClient:
-    """The scheduler's end. Not thread safe (vLLM's scheduler is one thread)."""
+    """The scheduler's end. Not thread safe (vLLM's scheduler is one thread).
 
-    def __init__(self, path: str | None, timeout_s: float = 2.0) -> None:
+    After a failed call (a timeout: the worker's lookup stuck on a hung tier; a refused
+    connection) lookups fail at once for a while, doubling from ``backoff_s`` up to
+    ``max_backoff_s`` while they keep failing: the scheduler asks for every waiting request
+    on every step, and each call to a stuck worker cost it the whole timeout, stalling every
+    request of the engine for seconds a step."""
+
+    def __init__(self, path: str | None, timeout_s: float = 2.0, backoff_s: float = 0.5,
+                 max_backoff_s: float = 8.0) -> None:
         self.path = path
         self.timeout_s = timeout_s
         self._sock: socket.socket | None = None
+        self._backoff_min, self._backoff_max = backoff_s, max_backoff_s
+        self._backoff = backoff_s
+        self._down_until = 0.0
 
     def lookup(self, keys: Sequence[BlockKey]) -> int:
         """Blocks of ``keys`` the worker's store holds as a prefix; raises OSError if it cannot tell."""
+        if time.monotonic() < self._down_until:
+            raise OSError("kvtier lookups back off after a failed one")
+        try:
+            hit = self._ask(keys)
+        except OSError:
+            self._down_until = time.monotonic() + self._backoff
+            self._backoff = min(2 * self._backoff, self._backoff_max)
+            raise
+        self._backoff = self._backoff_min
+        return hit
+
+    def _ask(self, keys: Sequence[BlockKey]) -> int:
         if self._sock is None:
             if self.path is None:
                 raise OSError("no private directory for the lookup socket")

@@ -94,6 +94,9 @@ class WorkerStats:
     failed_pages: int = 0
     saved_blocks: int = 0
     save_failures: int = 0
+    #: blocks not saved because a synchronous load of their step failed (their KV may have been
+    #: computed on pages the load left unfilled)
+    saves_dropped: int = 0
 
 
 class WorkerSide:
@@ -113,6 +116,8 @@ class WorkerSide:
         self._inflight: dict[str, Future] = {}
         self._load_errors: set[int] = set()
         self._saves: list[Future] = []
+        #: a synchronous load of the current step failed: that step's saves are dropped
+        self._step_load_failed = False
         #: loads copy from this host pool without staging; None: every read goes through
         #: the store (tests set it to None to make store reads fail)
         self.direct_host = direct_host_tier(store)
@@ -126,13 +131,16 @@ class WorkerSide:
 
     # -- loads -----------------------------------------------------------------------
     def start_loads(self, meta: KvtierMetadata) -> None:
+        self._step_load_failed = False
         for job in meta.loads:
             self.stats.load_jobs += 1
             if job.is_async:
                 self.stats.async_load_jobs += 1
                 self._inflight[job.req_id] = self._loader.submit(self._load, job)
             else:
-                self._load_errors |= self._load(job)
+                failed = self._load(job)
+                self._load_errors |= failed
+                self._step_load_failed |= bool(failed)
 
     def _load(self, job: LoadJob) -> set[int]:
         """Fill the job's pages; returns the ids of pages left unfilled."""
@@ -215,6 +223,14 @@ class WorkerSide:
         if self.paged is None:
             return
         self._saves = [f for f in self._saves if not f.done()]
+        if self._step_load_failed:
+            # vLLM ran this step's forward over pages a synchronous load left unfilled (it learns
+            # of the failure from this step's report and recomputes after): the KV computed on
+            # them is wrong, and saved it would be served under the blocks' real keys. Every
+            # save of the step goes (another request may read those pages through vLLM's prefix
+            # cache): a dropped save is a later miss; the scheduler saves the recomputed blocks.
+            self.stats.saves_dropped += sum(len(job.blocks) for job in meta.saves)
+            return
         for job in meta.saves:
             self._save(job)
 
