@@ -334,6 +334,20 @@ class Keyring:
         self.missing_key_reloads += 1
         return True
 
+    def retired_any(self, tenant: str) -> bool:
+        """Whether an epoch of ``tenant`` was retired: else no block of it can be sealed under a
+        retired key (cheap, from what is loaded: epochs are 0..current, never reused)."""
+        with self._lock:
+            state = self._load(tenant, create=False)
+            return state is None or len(state.keys) <= state.current_epoch
+
+    def retired(self, tenant: str, epoch: int) -> bool:
+        """Whether ``epoch`` of ``tenant`` was retired or shredded: no key store will hold its key
+        again, so a block sealed under it can never be read (unlike a newer epoch from elsewhere)."""
+        with self._lock:
+            state = self._load(tenant, create=False)
+            return state is None or (epoch not in state.keys and epoch <= state.current_epoch)
+
     def index_key(self, tenant: str) -> bytes:
         with self._lock:
             return self._load(tenant, create=True).index_key

@@ -20,8 +20,13 @@ thread. Choices, and why:
 * **Bounded, never blocking.** At most ``limit_blocks`` keys wait; one more
   drops the oldest (counted): a cache may skip a promotion, the block is
   still in its slower tier.
-* **Erasure wins.** A key deleted while it waits is dropped; one deleted while
-  its copy is in flight is deleted again from the tiers it was copied into.
+* **Erasure wins.** A key deleted while it waits is dropped. A copy -- this
+  thread's or a get's inline one -- is published only if no delete started
+  since its source was read (:class:`EraseGuard`), and a delete waits for the
+  publications under way before it erases: a block read before its erasure is
+  never copied back after it, not even for a moment. A delete of another key
+  makes the copies in flight skip too: deletes are rare (erasure requests), and
+  a cache may skip a promotion.
 
 The thread starts with the first key and ends after a while without work, so
 that an idle store keeps no thread.
@@ -49,6 +54,54 @@ log = logging.getLogger(__name__)
 _IDLE_EXIT_S = 2.0
 
 
+class EraseGuard:
+    """Orders deletes against the copies promotions publish (see "Erasure wins").
+
+    A copier notes :meth:`seen` before it reads its source and publishes inside
+    ``with guard.publishing(seen) as ok:`` only if ``ok``; :meth:`erasing` wraps a delete.
+    ``_seq`` changes when a delete starts and when it ends, so a copier whose read
+    overlapped any delete sees a change (or one still running) and publishes nothing."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._seq = 0
+        self._erasing = 0  # deletes running
+        self._publishing = 0  # copiers publishing
+
+    def seen(self) -> int:
+        return self._seq  # (read without the lock: a stale value only makes publishing refuse)
+
+    @contextmanager
+    def publishing(self, seen: int):
+        with self._cond:
+            ok = seen == self._seq and not self._erasing
+            if ok:
+                self._publishing += 1
+        try:
+            yield ok
+        finally:
+            if ok:
+                with self._cond:
+                    self._publishing -= 1
+                    self._cond.notify_all()
+
+    @contextmanager
+    def erasing(self):
+        """Wrap a delete: copies not yet published are refused; those publishing finish first
+        (what they published is then deleted with the rest)."""
+        with self._cond:
+            self._seq += 1
+            self._erasing += 1
+            while self._publishing:
+                self._cond.wait()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._seq += 1
+                self._erasing -= 1
+
+
 class _Wanted(NamedTuple):
     source: int  #: index of the tier that served the block
     nbytes: int
@@ -59,7 +112,8 @@ class Promoter:
 
     ``count(promotions=…, promotions_dropped=…, promotion_failures=…)`` records outcomes;
     ``promoted(level, key)`` is called once ``tiers[level]`` holds a promoted copy (the
-    store marks it clean for write-behind: the tier below holds it).
+    store marks it clean for write-behind: the tier below holds it); ``guard`` is the
+    store's, which its deletes go through.
     """
 
     def __init__(
@@ -67,6 +121,7 @@ class Promoter:
         tiers: Sequence[Tier],
         count: Callable[..., None],
         promoted: Callable[[int, BlockKey], None],
+        guard: EraseGuard,
         *,
         limit_blocks: int = 4096,
     ) -> None:
@@ -76,13 +131,15 @@ class Promoter:
         self.limit_blocks = limit_blocks
         self._count = count
         self._promoted = promoted
+        self._guard = guard
         self._queue: OrderedDict[BlockKey, _Wanted] = OrderedDict()
-        self._inflight: dict[BlockKey, bool] = {}  #: key -> deleted while in flight
+        self._inflight: set[BlockKey] = set()
         self._busy = 0  # foreground gets running
         self._cond = threading.Condition(threading.Lock())
-        self._running = False  # the promoter thread exists
-        self._exited = threading.Event()  # set when it ends
-        self._exited.set()
+        self._running = False  # a promoter thread serves the queue
+        # Threads not yet ended: one that decided to exit may still be winding down when the next
+        # submit starts another, so close() counts them instead of waiting for "the" thread.
+        self._threads = 0
         self._closed = False
         self._staging: np.ndarray | None = None  # for a fastest tier without reserve()
 
@@ -117,19 +174,17 @@ class Promoter:
                 # Not threading.Thread.start(): it waits until the new thread runs, which on a
                 # busy machine takes milliseconds (seen: 17 ms) -- here, inside a reader's get.
                 self._running = True
-                self._exited.clear()
+                self._threads += 1
                 _thread.start_new_thread(self._run, ())
             self._cond.notify_all()
         if dropped:
             self._count(promotions_dropped=dropped)
 
     def forget(self, keys: Sequence[BlockKey]) -> None:
-        """The store deletes ``keys``: drop them from the queue; a copy in flight is undone when it lands."""
+        """The store deletes ``keys``: drop them from the queue (a copy in flight is refused by the guard)."""
         with self._cond:
             for key in keys:
                 self._queue.pop(key, None)
-                if key in self._inflight:
-                    self._inflight[key] = True
 
     def pending(self) -> int:
         with self._cond:
@@ -152,14 +207,17 @@ class Promoter:
             self._closed = True
             self._queue.clear()
             self._cond.notify_all()
-        self._exited.wait()
+            while self._threads:
+                self._cond.wait()
 
     # -- the promoter thread -------------------------------------------------------------
     def _run(self) -> None:
         try:
             self._loop()
         finally:
-            self._exited.set()
+            with self._cond:
+                self._threads -= 1
+                self._cond.notify_all()
 
     def _loop(self) -> None:
         while True:
@@ -179,23 +237,21 @@ class Promoter:
                     self._cond.notify_all()
                     return
                 key, wanted = self._queue.popitem(last=False)
-                self._inflight[key] = False
-            landed: list[int] = []
+                self._inflight.add(key)
+                seen = self._guard.seen()  # (forget() has dropped it from the queue if a delete came first)
             try:
-                landed = self._promote(key, wanted)
+                self._promote(key, wanted, seen)
             except Exception:  # noqa: BLE001 - a broken tier must not kill the promoter
                 if not self._closed:
                     log.exception("promotion of %s failed", key.hex())
                 self._count(promotion_failures=1)
             with self._cond:
-                deleted = self._inflight.pop(key)
+                self._inflight.discard(key)
                 self._cond.notify_all()
-            if deleted:
-                for level in landed:  # erased while we copied: an erasure stays one
-                    self.tiers[level].delete(key)
 
-    def _promote(self, key: BlockKey, wanted: _Wanted) -> list[int]:
-        """Read ``key`` again from its source into the faster tiers; the levels it landed in."""
+    def _promote(self, key: BlockKey, wanted: _Wanted, seen: int) -> list[int]:
+        """Read ``key`` again from its source into the faster tiers, unless a delete started
+        since ``seen``; the levels it landed in."""
         upper = self.tiers[: wanted.source]
         source = self.tiers[wanted.source]
         first = upper[0]
@@ -228,11 +284,24 @@ class Promoter:
                 first.abort(res)  # a torn or missing read publishes nothing
             self._count(promotion_failures=1)
             return []
+        with self._guard.publishing(seen) as ok:
+            if not ok:  # erased (or another key was) since the read: publish nothing
+                if res is not None:
+                    first.abort(res)
+                return []
+            landed = self._publish(key, buf, res, middle)
+        if landed:
+            self._count(promotions=len(landed))
+        return landed
+
+    def _publish(self, key: BlockKey, buf, res, middle: list[int]) -> list[int]:
+        """Put the verified copy in ``buf`` into the tiers it is missing from; the levels it landed in."""
+        first = self.tiers[0]
         landed = []
         # Lower tiers first: once the fastest tier publishes it, an eviction there finds
         # the block below already (a clean eviction, no demotion).
         for level in reversed(middle):
-            if upper[level].put(key, buf) is Status.OK:
+            if self.tiers[level].put(key, buf) is Status.OK:
                 landed.append(level)
         if res is not None:
             first.commit(res)
@@ -242,8 +311,6 @@ class Promoter:
                 landed.append(0)
         for level in landed:
             self._promoted(level, key)
-        if landed:
-            self._count(promotions=len(landed))
         return landed
 
     def _stage(self, nbytes: int) -> np.ndarray:

@@ -6,7 +6,9 @@
   verification there is tried in the next tier; a block read from a slower tier
   is promoted (copied) into the faster ones: at once, or with
   ``promote_in_background`` later, off the reader's path, by key (the
-  reader's buffer is never kept; see :mod:`kvtier.store.promotion`).
+  reader's buffer is never kept; see :mod:`kvtier.store.promotion`). Either
+  copy is dropped if a delete started since the block was read: an erased
+  block never comes back.
 * ``put`` is write-behind by default (``"write-back"`` names the same mode):
   blocks go to the fastest tier, are marked dirty, and a flusher thread copies
   them one tier down in the background, in batches; evicting a block already
@@ -14,7 +16,8 @@
   never loses a block. A block that lands in a middle tier is dirty there for
   the tier below (see :mod:`kvtier.store.writebehind`). Write-through puts
   into every tier; a single tier has nothing below it and nothing is dirty.
-* ``close`` first copies what is still dirty, waiting at most
+* ``close`` waits for the puts under way (a put after it is refused), then
+  copies what is still dirty, waiting at most
   ``close_flush_timeout_s``, and reports it (:class:`FlushReport`): a graceful
   shutdown leaves every block in the slower, durable tiers.
 * The ``*_async`` forms run on a small I/O thread pool so that loads and saves
@@ -24,6 +27,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import threading
@@ -35,7 +39,7 @@ from typing import NamedTuple
 from kvtier.core.keys import BlockKey
 from kvtier.core.payload import BlockMeta
 from kvtier.core.thread_pools import started_pool
-from kvtier.store.promotion import Promoter
+from kvtier.store.promotion import EraseGuard, Promoter
 from kvtier.store.writebehind import FlushReport, WriteBehind
 from kvtier.tiers.base import Status, Tier
 
@@ -127,12 +131,18 @@ class TieredStore:
         self._pending: set[Future] = set()
         self._pending_lock = threading.Lock()
         self._closed = False
+        # puts under way, so that close() copies down every block a put acknowledged
+        self._puts = 0
+        self._puts_open = True
+        self._puts_cond = threading.Condition(threading.Lock())
         self._writebehind: WriteBehind | None = None
         if self.write_mode is WriteMode.WRITE_BEHIND and len(self.tiers) > 1:
             # installs the demotion hooks (on_evict) of every tier but the last
             self._writebehind = WriteBehind(self.tiers, self._stats, dirty_limit_blocks=dirty_limit_blocks,
                                             batch_blocks=writebehind_batch_blocks)
-        self._promoter = Promoter(self.tiers, self._count, self._mark_promoted, limit_blocks=promotion_limit_blocks)
+        self._guard = EraseGuard()  # deletes against promotions: an erased block is never copied back
+        self._promoter = Promoter(self.tiers, self._count, self._mark_promoted, self._guard,
+                                  limit_blocks=promotion_limit_blocks)
 
     def tier(self, name: str) -> Tier:
         for t in self.tiers:
@@ -220,8 +230,9 @@ class TieredStore:
         for i, tier in enumerate(self.tiers):
             if not todo:
                 break
-            rest = []
+            rest, served = [], []
             asked = ([keys[j] for j in todo], [outs[j] for j in todo])
+            seen = self._guard.seen()  # before the read: a delete from now on cancels its promotion
             if on_ready is None:
                 statuses = tier.get_many(*asked)
             else:
@@ -229,24 +240,34 @@ class TieredStore:
                     *asked, lambda got, payloads, todo=todo: on_ready([todo[m] for m in got], payloads))
             for j, status in zip(todo, statuses):
                 if status is Status.OK:
-                    if inline and self.promote and i > 0:
-                        self._promote(keys[j], outs[j], self.tiers[:i])
+                    served.append(j)
                     found[j] = (status, tier.name, i)
                 elif status is Status.BAD_SIZE:
                     found[j] = (status, None, 0)  # a caller error: the same in every tier
                 else:
                     worst[j] = status if worst[j] is Status.MISS else worst[j]
                     rest.append(j)
+            if served and inline and self.promote and i > 0:
+                self._promote([keys[j] for j in served], [outs[j] for j in served], self.tiers[:i], seen)
             todo = rest
         for j in todo:
             found[j] = (Status.MISS if worst[j] in (Status.MISS, Status.CORRUPT) else worst[j], None, 0)
         return found
 
-    def _promote(self, key: BlockKey, data, upper: Sequence[Tier]) -> None:
-        for level, tier in enumerate(upper):
-            if tier.put(key, data) is Status.OK:
-                self._count(promotions=1)
-                self._mark_promoted(level, key)
+    def _promote(self, keys: list[BlockKey], datas: list, upper: Sequence[Tier], seen: int) -> None:
+        """Copy blocks read from a slower tier into ``upper``, unless a delete started since ``seen``
+        (it may have erased one of them: a cache may skip a promotion, never undo an erasure)."""
+        promoted = 0
+        with self._guard.publishing(seen) as ok:
+            if not ok:
+                return
+            for key, data in zip(keys, datas):
+                for level, tier in enumerate(upper):
+                    if tier.put(key, data) is Status.OK:
+                        promoted += 1
+                        self._mark_promoted(level, key)
+        if promoted:
+            self._count(promotions=promoted)
 
     def _mark_promoted(self, level: int, key: BlockKey) -> None:
         if self._writebehind is not None:
@@ -282,7 +303,26 @@ class TieredStore:
         below happen later) or the best status over all tiers (write-through:
         OK if any tier took the block).
         """
-        keys = list(keys)
+        with self._put_under_way():
+            return self._put(list(keys), blocks, parents, metas)
+
+    @contextlib.contextmanager
+    def _put_under_way(self):
+        """Count a put while it runs: close() waits for it, so that its blocks are marked dirty
+        before the last flush (one lock per put call, not per block)."""
+        with self._puts_cond:
+            if not self._puts_open:
+                raise RuntimeError("put on a closed TieredStore")
+            self._puts += 1
+        try:
+            yield
+        finally:
+            with self._puts_cond:
+                self._puts -= 1
+                if not self._puts:
+                    self._puts_cond.notify_all()
+
+    def _put(self, keys: list[BlockKey], blocks: Sequence, parents, metas) -> list[Status]:
         if parents is None:
             parents = [None, *keys[:-1]]
         targets = self.tiers if self.write_mode is WriteMode.WRITE_THROUGH else self.tiers[:1]
@@ -332,13 +372,15 @@ class TieredStore:
     def delete(self, keys: Sequence[BlockKey]) -> int:
         """Delete from every tier; returns how many (tier, key) copies were removed.
 
-        A write-behind copy in flight is deleted again where it lands."""
+        A write-behind copy in flight is deleted again where it lands; a promotion not yet
+        published is dropped, one being published lands first and is deleted here."""
         keys = list(keys)
-        self._promoter.forget(keys)  # a promotion in flight deletes what it copies, once it lands
-        if self._writebehind is None:
-            return sum(sum(tier.delete_many(keys)) for tier in self.tiers)
-        with self._writebehind.deleting(keys):  # fastest tier first: an eviction cannot move it back up
-            return sum(sum(tier.delete_many(keys)) for tier in self.tiers)
+        self._promoter.forget(keys)
+        with self._guard.erasing():
+            if self._writebehind is None:
+                return sum(sum(tier.delete_many(keys)) for tier in self.tiers)
+            with self._writebehind.deleting(keys):  # fastest tier first: an eviction cannot move it back up
+                return sum(sum(tier.delete_many(keys)) for tier in self.tiers)
 
     # -- asynchronous forms ---------------------------------------------------------
     def get_async(self, keys: Sequence[BlockKey], outs: Sequence, **kw) -> Future[GetResult]:
@@ -382,7 +424,8 @@ class TieredStore:
             t.check_integrity()
 
     def close(self, flush_timeout_s: float | None = _CONFIGURED) -> FlushReport:  # type: ignore[assignment]
-        """Finish the asynchronous puts, copy what is still dirty down (at most
+        """Finish the asynchronous puts and those under way on other threads (later ones are
+        refused), copy what is still dirty down (at most
         ``flush_timeout_s``, default ``close_flush_timeout_s``; None: no limit), then close
         the tiers. Returns (and logs) what the flush did; a second close does nothing."""
         if self._closed:
@@ -390,6 +433,10 @@ class TieredStore:
         self._closed = True
         timeout = self.close_flush_timeout_s if flush_timeout_s is _CONFIGURED else flush_timeout_s
         self._pool.shutdown(wait=True)  # their blocks are dirty too
+        with self._puts_cond:
+            self._puts_open = False
+            while self._puts:
+                self._puts_cond.wait()
         self._promoter.close()  # a cache may skip promotions; the one in flight ends first
         report = FlushReport(0, 0, 0.0)
         if self._writebehind is not None:

@@ -33,7 +33,8 @@ Choices, and why:
 Lock order: the write-behind lock is never held while calling into a tier
 (tiers call the demotion hook, which takes it, under their own locks).
 Races: a block deleted while its copy is in flight is deleted again from the
-lower tier once the copy lands (an erasure stays an erasure); a block evicted
+lower tier once the copy lands (an erasure stays an erasure); saved again
+meanwhile, it is marked dirty anew after that late delete. A block evicted
 mid-copy (a source tier without pins) is not marked clean afterwards.
 """
 
@@ -117,6 +118,8 @@ class WriteBehind:
         self._dirty: list[OrderedDict[BlockKey, _Dirty]] = [OrderedDict() for _ in range(levels)]
         self._clean: list[OrderedDict[BlockKey, None]] = [OrderedDict() for _ in range(levels)]
         self._inflight: list[dict[BlockKey, str]] = [{} for _ in range(levels)]
+        # blocks saved again while their deleted copy is in flight: marked dirty once it is settled
+        self._redo: list[dict[BlockKey, _Dirty]] = [{} for _ in range(levels)]
         self._deleting: dict[BlockKey, int] = {}  # keys being deleted now, by how many callers
         self._cond = threading.Condition(threading.Lock())
         self._thread: threading.Thread | None = None
@@ -137,6 +140,10 @@ class WriteBehind:
                 return
             dirty, clean, inflight = self._dirty[level], self._clean[level], self._inflight[level]
             for key, parent, meta, nbytes in zip(keys, parents, metas, sizes):
+                if inflight.get(key) == _DELETED and key not in self._deleting:
+                    # its old copy is deleted from the tier below when it lands: copy this one after
+                    self._redo[level][key] = _Dirty(parent, meta, nbytes)
+                    continue
                 if key in dirty or key in clean or key in inflight or key in self._deleting:
                     continue  # already copied, queued or being copied (the same bytes), or going
                 dirty[key] = _Dirty(parent, meta, nbytes)
@@ -168,6 +175,7 @@ class WriteBehind:
                 for key in keys:
                     self._dirty[level].pop(key, None)
                     self._clean[level].pop(key, None)
+                    self._redo[level].pop(key, None)
                     if key in self._inflight[level]:
                         self._inflight[level][key] = _DELETED
             self._cond.notify_all()
@@ -311,6 +319,9 @@ class WriteBehind:
         flushed = dropped = 0
         with self._cond:
             inflight = self._inflight[level]
+            redo = self._redo[level]
+            settled = [*gone, *(key for key, _ in deferred), *(key for key, _ in taken)]
+            again = [(key, redo.pop(key)) for key in settled if key in redo]
             for key in gone:
                 inflight.pop(key, None)
             for key, entry in reversed(deferred):
@@ -337,6 +348,8 @@ class WriteBehind:
             self._count(writebehind_flushed=flushed, writebehind_dropped=dropped)
         if late_deletes:
             lower.delete_many(late_deletes)  # an erasure that raced its copy stays an erasure
+        if again:  # saved again after that erasure: copied anew
+            self.mark_dirty(level, *map(list, zip(*((k, e.parent, e.meta, e.nbytes) for k, e in again))))
         if below:
             self.mark_dirty(level + 1, *map(list, zip(*below)))
 
@@ -372,6 +385,8 @@ class WriteBehind:
             abandoned = self._pending_locked()
             for dirty in self._dirty:
                 dirty.clear()
+            for redo in self._redo:
+                redo.clear()
             thread = self._thread
             self._cond.notify_all()
         if abandoned:

@@ -11,9 +11,22 @@ another key or tenant -- is :attr:`Status.CORRUPT`: counted in
 another process rotated and wrote with the new key, or the epoch was retired
 or shredded -- is a :attr:`Status.MISS` and is *kept*: the keyring re-reads
 its store once (rate limited, :meth:`Keyring.key_for_read`) before giving up,
-and a reader that has the key still opens it. Nothing else (a malformed or
-wrong-size block) deletes either: only a failed tag under a key we hold proves
-a block bad.
+and a reader that has the key still opens it -- unless the key store says its
+epoch was retired (retention) or the tenant shredded: no one can read it again,
+and it is deleted. Nothing else (a malformed or wrong-size block) deletes
+either: only a failed tag under a key we hold, or a retired key, proves a
+block bad.
+
+Retirement keeps the tenant's index key, so a block sealed under a retired
+epoch keeps its storage name: for a tenant with a retired epoch
+(:meth:`Keyring.retired_any`, cheap), a block found under a name is only
+trusted -- by ``contains``, ``lookup_prefix`` and a put's "already stored" --
+once its header names a live epoch; one sealed under a retired epoch is deleted
+(a put then stores the block anew). The header is read in place from a tier
+that lends views (the host pool); over another tier a put reads the block back
+(a get, which deletes it if its epoch is retired), and ``contains`` /
+``lookup_prefix``, which do not know its size, count it until a get or put
+meets it.
 
 Over a remote tier this is end-to-end encryption: the server only ever stores
 ciphertext under names it cannot link to prompts.
@@ -26,9 +39,12 @@ checksum. A batch is split over ``streams`` lanes, block *i* in lane *i* mod
 ``streams``, each sealing and moving its blocks on its own connection (or file)
 and thread: sealing then runs beside the I/O instead of after it.
 
-Not supported: demotion *out of* an encrypted tier (the store would need the
-plaintext and the client key back); blocks it evicts are dropped. ``keys()``
-lists nothing: storage names are one-way by design.
+Demotion *out of* an encrypted tier (a store's sealed host tier above its disk):
+when the store installs an eviction hook, the tier remembers the block key of
+each storage name it stores (names are one-way), and a block the inner tier
+evicts is opened and handed to the hook in plaintext, under its block key; the
+tier below seals it again for itself, or keeps it plain if it is a plaintext
+tier. ``keys()`` lists nothing: storage names are one-way by design.
 """
 
 from __future__ import annotations
@@ -176,11 +192,45 @@ class EncryptedTier(WrappingTier):
 
     @property
     def on_evict(self):
-        return None
+        return self._on_evict
 
     @on_evict.setter
-    def on_evict(self, _hook) -> None:
-        pass  # see module docstring: no demotion out of an encrypted tier
+    def on_evict(self, hook) -> None:
+        self._on_evict = hook
+        if hook is not None:
+            self.inner.on_evict = self._unseal_evicted
+            return
+        # storage name -> block key of what we stored, kept only while a hook wants evicted blocks
+        self._keys: dict[BlockKey, BlockKey] = {}
+        if self.inner.on_evict == self._unseal_evicted:
+            self.inner.on_evict = None
+
+    def _remember(self, keys, names) -> None:
+        if self._on_evict is not None:
+            self._keys.update(zip(names, keys))
+
+    def _unseal_evicted(self, name: BlockKey, sealed, meta) -> None:
+        """The inner tier evicts ``name``: hand the hook its block key and plaintext, so that a dirty
+        block is demoted, not lost (under the inner tier's lock, as every demotion hook runs)."""
+        key, hook = self._keys.pop(name, None), self._on_evict
+        if hook is None:
+            return
+        if key is None:  # not stored through this tier (or its put failed): no key to demote it under
+            log.warning("encrypted tier %s: evicted block %s… has no known block key: not demoted",
+                        self.name, name.hex()[:16])
+            return
+        owner = self._owner(key)
+        header = aead.parse_header(sealed)
+        if header is None:
+            log.warning("encrypted tier %s: evicted block %s… is not a sealed block", self.name, name.hex()[:16])
+            return
+        plain = np.empty(header.plain_nbytes, np.uint8)
+        why = aead.open_into(self._lookup_for(owner), storage_key=name, context=self._context(owner),
+                             sealed=sealed, out=plain, executor=self._pool)
+        if why is not None:  # tampered, or its key retired: nothing anyone could read is lost
+            log.warning("encrypted tier %s: evicted block %s… not demoted: %s", self.name, name.hex()[:16], why)
+            return
+        hook(key, plain, meta)
 
     def _owner(self, key: BlockKey) -> str | None:
         return self.tenant if self._tenant_of is None else self._tenant_of(key)
@@ -204,10 +254,45 @@ class EncryptedTier(WrappingTier):
 
     # -- contract ---------------------------------------------------------------
     def contains(self, key: BlockKey) -> bool:
-        return self.inner.contains(self._name(key))
+        name = self._name(key)
+        return self.inner.contains(name) and not self._stale(self._owner(key), key, name)
 
     def lookup_prefix(self, keys) -> int:
-        return self.inner.lookup_prefix([self._name(k) for k in keys])
+        names = [self._name(k) for k in keys]
+        n = self.inner.lookup_prefix(names)
+        if self._tenant_of is None and not self.keyring.retired_any(self.tenant):
+            return n  # the common case: no block of ours can be sealed under a retired key
+        for i in range(n):
+            if self._stale(self._owner(keys[i]), keys[i], names[i]):
+                return i
+        return n
+
+    def _stale(self, owner: str | None, key: BlockKey, name: BlockKey, nbytes: int | None = None) -> bool:
+        """Whether the block stored under ``name`` is sealed under a retired epoch (then deleted: it
+        can never be read). Free unless ``owner`` has a retired epoch; then its header is read in
+        place from a tier that lends views, else the block is read back (a get: ``nbytes``, its
+        plaintext size, must be known; deleted there if retired), else it is trusted."""
+        if owner is None or not self.keyring.retired_any(owner):
+            return False
+        borrow = getattr(self.inner, "borrow", None)
+        if borrow is None:
+            if nbytes is None:
+                return False
+            self.get(key, np.empty(nbytes, np.uint8))
+            return not self.inner.contains(name)
+        with borrow(name) as view:
+            header = None if view is None else aead.parse_header(view)
+        if header is None or not self.keyring.retired(owner, header.epoch):
+            return False
+        log.info("encrypted block %s… of tenant %r deleted: sealed under retired epoch %d",
+                 name.hex()[:16], owner, header.epoch)
+        self._remove(name)
+        return True
+
+    def _still_stored(self, present, owners, keys, names, datas) -> list[bool]:
+        """``present`` (the inner tier holds the name), less the blocks sealed under a retired epoch."""
+        return [here and not self._stale(owner, key, name, memoryview(data).nbytes)
+                for here, owner, key, name, data in zip(present, owners, keys, names, datas)]
 
     def _seal(self, tenant: str, name: BlockKey, data, out: np.ndarray, executor) -> np.ndarray:
         """Seal ``data`` into ``out`` for ``tenant``; returns the view of the sealed bytes."""
@@ -251,16 +336,25 @@ class EncryptedTier(WrappingTier):
         """Log a block that did not open; delete it only if it failed authentication under a key we
         hold (tampered: it will never verify). A missing key proves nothing about the block."""
         if lookup.missing:
+            if self.keyring.retired(tenant, lookup.epoch):  # retention: no key store holds it again
+                log.info("encrypted block %s… of tenant %r deleted: %s (epoch %d retired)",
+                         name.hex()[:16], tenant, why, lookup.epoch)
+                self._remove(name)
+                return
             log.info("encrypted block %s… of tenant %r kept unread: %s (not in this key store)",
                      name.hex()[:16], tenant, why)
             return
         log.warning("encrypted block %s… of tenant %r rejected: %s", name.hex()[:16], tenant, why)
         if lookup.found:  # the tag failed under our key: it will never verify, free the space
-            remove = getattr(self.inner, "remove_unverifiable", None) if self._direct else None
-            if remove is not None:  # (read unhashed below: the tags were the check, remove by force)
-                remove(name)
-            else:
-                self.inner.delete(name)
+            self._remove(name)
+
+    def _remove(self, name: BlockKey) -> None:
+        self._keys.pop(name, None)
+        remove = getattr(self.inner, "remove_unverifiable", None) if self._direct else None
+        if remove is not None:  # (read unhashed below: the tags were the check, remove by force)
+            remove(name)
+        else:
+            self.inner.delete(name)
 
     def _sealed_size(self, plain_nbytes: int) -> int:
         return aead.sealed_nbytes(plain_nbytes, self.chunk_bytes)
@@ -270,14 +364,23 @@ class EncryptedTier(WrappingTier):
         if owner is None:
             return Status.ERROR
         name = self._name(key)
-        if self.inner.contains(name):
-            return Status.OK
-        if self._streaming():
-            return self._put_lane([(owner, name, data, self._name(parent) if parent else None)])[0]
         nbytes = memoryview(data).nbytes
-        sealed = self._seal(owner, name, data, self._staging.get(self._sealed_size(nbytes)), self._pool)
-        # meta stays out: dtype and shape are not secret-free (they reveal the model).
-        return self.inner.put(name, sealed, parent=self._name(parent) if parent else None)
+        if self.inner.contains(name) and not self._stale(owner, key, name, nbytes):
+            return Status.OK
+        self._remember([key], [name])
+        if self._streaming():
+            status = self._put_lane([(owner, name, data, self._name(parent) if parent else None)])[0]
+        else:
+            sealed = self._seal(owner, name, data, self._staging.get(self._sealed_size(nbytes)), self._pool)
+            # meta stays out: dtype and shape are not secret-free (they reveal the model).
+            status = self.inner.put(name, sealed, parent=self._name(parent) if parent else None)
+        self._forget_failed([name], [status])
+        return status
+
+    def _forget_failed(self, names, statuses) -> None:
+        for name, status in zip(names, statuses):
+            if status is not Status.OK:
+                self._keys.pop(name, None)
 
     def get(self, key: BlockKey, out) -> Status:
         dst = writable_bytes(out)
@@ -305,8 +408,9 @@ class EncryptedTier(WrappingTier):
         if parents is None:
             parents = [None, *keys[:-1]]
         names = [self._name(k) for k in keys]
-        present = self.inner.contains_many(names)
+        present = self._still_stored(self.inner.contains_many(names), [self.tenant] * len(keys), keys, names, datas)
         todo = [i for i in range(len(keys)) if not present[i]]
+        self._remember([keys[i] for i in todo], [names[i] for i in todo])
         statuses = [Status.OK] * len(keys)
         sizes = {i: self._sealed_size(memoryview(datas[i]).nbytes) for i in todo}
         groups = list(runs_by_bytes(todo, [_page_up(sizes[i]) for i in todo], GROUP_BYTES))
@@ -332,6 +436,7 @@ class EncryptedTier(WrappingTier):
                 job = start(g + 1) if g + 1 < len(groups) else None
                 group_parents = [self._name(parents[i]) if parents[i] else None for i in group]
                 stored = self.inner.put_many([names[i] for i in group], sealed, parents=group_parents)
+                self._forget_failed([names[i] for i in group], stored)
                 for i, status in zip(group, stored):
                     statuses[i] = status
                 self._release(held[:1])  # this group's buffer; the next one's is being sealed
@@ -436,11 +541,13 @@ class EncryptedTier(WrappingTier):
         owners = [self._owner(k) for k in keys]
         names = [self._name(k) for k in keys]
         statuses = [Status.OK if o is not None else Status.ERROR for o in owners]
-        present = self.inner.contains_many(names)
+        present = self._still_stored(self.inner.contains_many(names), owners, keys, names, datas)
         todo = [i for i in range(len(keys)) if owners[i] is not None and not present[i]]
+        self._remember([keys[i] for i in todo], [names[i] for i in todo])
         items = [(owners[i], names[i], datas[i], self._name(parents[i]) if parents[i] else None) for i in todo]
         for i, status in zip(todo, self._in_lanes(self._put_lane, items)):
             statuses[i] = status
+        self._forget_failed([names[i] for i in todo], [statuses[i] for i in todo])
         return statuses
 
     def _get_streamed(self, keys, outs) -> list[Status]:
@@ -499,7 +606,9 @@ class EncryptedTier(WrappingTier):
         return statuses
 
     def delete(self, key: BlockKey) -> bool:
-        return self.inner.delete(self._name(key))
+        name = self._name(key)
+        self._keys.pop(name, None)
+        return self.inner.delete(name)
 
     def keys(self) -> Iterator[BlockKey]:
         return iter(())
@@ -518,15 +627,17 @@ class _KeyLookup:
     It remembers what it found, so that a block whose key this process lacks (a miss, kept) is
     told apart from one that failed authentication under a key it holds (tampered, deleted)."""
 
-    __slots__ = ("keyring", "tenant", "found", "missing")
+    __slots__ = ("keyring", "tenant", "found", "missing", "epoch")
 
     def __init__(self, keyring: Keyring, tenant: str) -> None:
         self.keyring = keyring
         self.tenant = tenant
         self.found = False  #: the block's key was found (so a failure after this is its tag)
         self.missing = False  #: the block names a key the key store does not hold, even re-read
+        self.epoch = -1  #: the epoch the block names
 
     def __call__(self, epoch: int, key_id: bytes):
+        self.epoch = epoch
         key = self.keyring.key_for_read(self.tenant, epoch, key_id)
         self.found, self.missing = key is not None, key is None
         return key.aead if key is not None else None

@@ -232,6 +232,8 @@ class HostTier(Tier):
                 self.stats.put_failures += 1
             return Status.TOO_LARGE, None
         with self._lock:
+            if self._pool is None:
+                raise RuntimeError(f"put into a closed HostTier {self.name!r}")
             if self._live(key) is not None:
                 self._policy.on_access(key)
                 return Status.OK, None
