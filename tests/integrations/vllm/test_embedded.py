@@ -190,4 +190,15 @@ def test_a_block_corrupted_on_disk_mid_chain_stops_the_load_there(engine, reader
     assert after_stats["failed_pages"] - before_stats["failed_pages"] == (6 - k) * 2, "the rest is recomputed"
     assert out["token_ids"] == reference["token_ids"]
     assert out["logprobs"] == reference["logprobs"]
-    assert not block_k.exists(), "a corrupt block is dropped"
+    # The corrupt copy was dropped, and blocks k..5, recomputed, were saved again (before, the
+    # save cursor had passed them at the lookup: the chain stayed broken at k for good): the
+    # next load reads the whole chain, and it is right.
+    reader.call(op="flush")
+    reader.call(op="reset")
+    before_stats = reader.call(op="stats")["worker"]
+    again = reader.generate([base], max_tokens=8)[0]
+    after_stats = reader.call(op="stats")["worker"]
+    assert after_stats["loaded_blocks"] - before_stats["loaded_blocks"] == 6, "the recomputed blocks were saved"
+    assert after_stats["failed_pages"] == before_stats["failed_pages"]
+    assert again["token_ids"] == reference["token_ids"]
+    assert again["logprobs"] == reference["logprobs"]
