@@ -11,6 +11,9 @@ mode is their owner's choice (a shared mount an operator set up, say).
 from __future__ import annotations
 
 import os
+import stat
+
+from kvtier.errors import ConfigError
 
 #: mode of every file kvtier creates (blocks, temp files, state, secrets); a umask
 #: can only clear bits of it, so a file created with it is never readable by others
@@ -38,3 +41,25 @@ def make_private_dirs(path: str | os.PathLike) -> None:
             continue  # another process made it first: theirs to set up
         os.chmod(directory, DIR_MODE)  # mkdir's mode went through the umask
 
+
+
+def read_private_file(path: str, what: str, fix: str) -> bytes:
+    """The bytes of the secret at ``path`` (``what`` names it in errors), refused unless it is a
+    regular file owned by this user that nobody else may read or write, and never through a
+    symbolic link: whoever reads it can name, read or forge the blocks it keys. ``fix``: what the
+    error tells the operator to do besides ``chmod 600``."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as exc:
+        raise ConfigError(f"cannot read {what} {path!r} ({exc}); {fix}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+            raise ConfigError(f"{what} {path!r} must be a regular file owned by this user with mode 0600 (it "
+                              f"authenticates blocks); fix it with chmod 600 {path}, or {fix}")
+        chunks = []
+        while chunk := os.read(fd, 1 << 16):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)

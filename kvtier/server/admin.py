@@ -11,8 +11,9 @@ threads (a tenant may have many blocks on disk); the rest is immediate.
 from __future__ import annotations
 
 import asyncio
+import math
 
-from kvtier.server.config import SHARED_PREFIX
+from kvtier.server.config import SHARED_PREFIX, check_namespace
 from kvtier.tiers.remote_protocol import ErrorCode, ProtocolError, unpack_msgpack
 
 
@@ -97,15 +98,25 @@ class AdminAPI:
         quota = args.get("bytes")
         if quota is not None and (not isinstance(quota, int) or isinstance(quota, bool) or quota < 0):
             raise ValueError("bytes must be a non-negative integer (0 or null: no quota)")
-        self.svc.gov.set_quota(owner, quota)
+        _persisted(self.svc.gov.set_quota, owner, quota)
         return {"quota": quota}
 
     def set_ttl(self, args: dict) -> dict:
         owner = self._owner(args)
         ttl, namespace = args.get("ttl_s"), _opt_str(args, "namespace")
-        if ttl is not None and (not isinstance(ttl, (int, float)) or isinstance(ttl, bool) or ttl < 0):
-            raise ValueError("ttl_s must be a non-negative number of seconds (0 or null: no expiry)")
-        self.svc.gov.set_ttl(owner, ttl, namespace)
+        if ttl is not None and (not isinstance(ttl, (int, float)) or isinstance(ttl, bool)
+                                or not math.isfinite(ttl) or ttl < 0):
+            raise ValueError("ttl_s must be a finite non-negative number of seconds (0 or null: no expiry)")
+        if owner.startswith(SHARED_PREFIX):
+            # A shared space has one namespace, its name, and its TTL lives in the namespace
+            # table (which wins over the owner table): write there, or the change is a no-op.
+            name = owner[len(SHARED_PREFIX):]
+            if namespace not in (None, name):
+                raise ValueError(f"{owner} has one namespace, {name!r}; leave namespace out")
+            namespace = name
+        elif namespace is not None:
+            check_namespace(namespace)
+        _persisted(self.svc.gov.set_ttl, owner, ttl, namespace)
         return {"ttl_s": ttl}
 
     def _owner(self, args: dict) -> str:
@@ -113,6 +124,16 @@ class AdminAPI:
         if not isinstance(owner, str) or owner not in self.owners:
             raise ValueError(f"unknown tenant {owner!r}; known: {sorted(self.owners)}")
         return owner
+
+
+def _persisted(change, *args) -> None:
+    """Run a governance change that persists itself; a save that fails leaves nothing changed
+    (RuntimeState rolls back, Governance applies only after the save) and becomes a refusal."""
+    try:
+        change(*args)
+    except OSError as exc:
+        raise ValueError(f"not changed: the runtime overrides could not be saved ({exc}); "
+                         f"check the state directory (space, permissions)") from None
 
 
 def _opt_str(args: dict, name: str) -> str | None:

@@ -19,6 +19,8 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from kvtier.core.framing import frame_head, frame_str
@@ -27,6 +29,8 @@ from kvtier.server.config import SHARED_PREFIX, ServerConfig, check_namespace
 _DOMAIN = "kvtier/server/storage-key/v1"
 _T_DOMAIN, _T_KIND, _T_OWNER, _T_NAMESPACE, _T_KEY = 1, 2, 3, 4, 5
 ADMIN = "__admin__"
+#: key spaces kept ready (LRU); HELLOs may name any number of namespaces, so the cache is bounded
+SPACE_CACHE_SIZE = 4096
 
 
 def hash_token(token: str) -> str:
@@ -92,7 +96,8 @@ class Authenticator:
             self._digests += [(bytes.fromhex(h), t.name) for h in t.token_sha256]
         self._tenants = {t.name: t for t in config.tenants}
         self._shared = {s.name: s for s in config.shared}
-        self._spaces: dict[tuple[str, str], KeySpace] = {}
+        self._spaces: OrderedDict[tuple[str, str], KeySpace] = OrderedDict()  # LRU, SPACE_CACHE_SIZE at most
+        self._spaces_lock = threading.Lock()
 
     def identify(self, token: str) -> str | None:
         """The tenant name (or :data:`ADMIN`) of ``token``; None if no token matches."""
@@ -104,9 +109,18 @@ class Authenticator:
         return found
 
     def space(self, owner: str, namespace: str) -> KeySpace:
-        ks = self._spaces.get((owner, namespace))
-        if ks is None:
-            ks = self._spaces[(owner, namespace)] = KeySpace.of(owner, namespace)
+        key = (owner, namespace)
+        with self._spaces_lock:
+            ks = self._spaces.get(key)
+            if ks is not None:
+                self._spaces.move_to_end(key)
+                return ks
+        ks = KeySpace.of(owner, namespace)  # the same value whenever made: a miss only costs a hash
+        with self._spaces_lock:
+            self._spaces[key] = ks
+            self._spaces.move_to_end(key)
+            while len(self._spaces) > SPACE_CACHE_SIZE:
+                self._spaces.popitem(last=False)
         return ks
 
     def shared_space(self, name: str) -> KeySpace:

@@ -18,6 +18,7 @@ Format (version 1)::
 from __future__ import annotations
 
 import json
+import math
 import os
 import threading
 
@@ -58,16 +59,26 @@ class RuntimeState:
     # -- changes (each one persisted before it returns) -------------------------------------
     def set_quota(self, owner: str, quota: int | None) -> None:
         with self._lock:
+            before = self.quota.copy()
             self.quota[owner] = quota
-            self._save()
+            try:
+                self._save()
+            except BaseException:
+                self.quota = before  # not saved: not changed (the caller reports the error)
+                raise
 
     def set_ttl(self, owner: str, ttl_s: float | None, namespace: str | None) -> None:
         with self._lock:
+            tenant_before, ns_before = self.tenant_ttl_s.copy(), self.namespace_ttl_s.copy()
             if namespace is None:
                 self.tenant_ttl_s[owner] = ttl_s
             else:
                 self.namespace_ttl_s[(owner, namespace)] = ttl_s
-            self._save()
+            try:
+                self._save()
+            except BaseException:
+                self.tenant_ttl_s, self.namespace_ttl_s = tenant_before, ns_before
+                raise
 
     def _save(self) -> None:
         if self.path is None:
@@ -106,6 +117,7 @@ def _opt_int(v) -> int | None:
 def _opt_float(v) -> float | None:
     if v is None:
         return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
-        raise ValueError(f"a TTL is a non-negative number or null, got {v!r}")
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+        # NaN would make the sweeper expire every block of the owner: refuse to start instead
+        raise ValueError(f"a TTL is a finite non-negative number or null, got {v!r}")
     return float(v)

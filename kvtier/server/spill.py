@@ -32,7 +32,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
-import stat
 import time
 from dataclasses import dataclass
 
@@ -40,6 +39,7 @@ import msgpack
 
 from kvtier.core.framing import frame_str
 from kvtier.errors import ConfigError
+from kvtier.private_files import read_private_file
 
 SECRET_FILE = "server.secret"
 _VERSION = 1
@@ -134,20 +134,8 @@ def secret_in(disk_dir: str) -> bytes:
             os.fsync(fd)
         finally:
             os.close(fd)
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError as exc:
-        raise ConfigError(f"cannot read the spill secret {path!r} ({exc}); remove it to make a new one") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
-            raise ConfigError(
-                f"{path!r} must be a regular file owned by this user with mode 0600 (it authenticates spilled "
-                f"blocks); fix it with chmod 600, or remove it (spilled blocks are then dropped at start)"
-            )
-        secret = os.read(fd, 64)
-    finally:
-        os.close(fd)
+    secret = read_private_file(path, "the spill secret",
+                               "remove it to make a new one (spilled blocks are then dropped at start)")
     if len(secret) != 32:
         raise ConfigError(f"{path!r} is not a 32-byte secret; remove it (spilled blocks are then dropped at start)")
     return secret

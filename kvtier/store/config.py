@@ -24,6 +24,7 @@ from pathlib import Path
 from kvtier.core.layout import KVLayout
 from kvtier.core.units import parse_size
 from kvtier.errors import ConfigError
+from kvtier.private_files import read_private_file
 
 #: ``8GiB``, ``500 GB``, ``1048576`` → bytes: the one size parser (units defined there)
 parse_bytes = parse_size
@@ -179,7 +180,8 @@ def _mooncake_tier(config: StoreConfig, keyring):
     from kvtier.tiers.mooncake import MooncakeTier
 
     if config.mooncake_secret_file:
-        secret = Path(config.mooncake_secret_file).read_bytes()
+        secret = read_private_file(config.mooncake_secret_file, "mooncake_secret_file",
+                                   "write a new secret to every server of the fleet")
     elif keyring is not None:
         secret = keyring.storage_key(config.tenant, b"kvtier mooncake tier secret".ljust(32, b"\0"))
     else:

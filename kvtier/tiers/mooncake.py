@@ -77,6 +77,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import math
 import time
 from collections.abc import Iterator, Sequence
 
@@ -133,8 +134,10 @@ class MooncakeTier(TierReads, TierWrites, BoundedEngineCalls, TenantNaming, Tier
             raise ValueError("secret: give at least 16 random bytes, the same for every process of the tenant")
         if replicas < 1:
             raise ValueError(f"replicas={replicas}; give 1 or more")
-        if timeout_s <= 0 or min_rate_bytes_s <= 0:
-            raise ValueError(f"timeout_s ({timeout_s}) and min_rate_bytes_s ({min_rate_bytes_s}) must be positive")
+        if not (math.isfinite(timeout_s) and timeout_s > 0 and math.isfinite(min_rate_bytes_s)
+                and min_rate_bytes_s > 0):
+            raise ValueError(f"timeout_s ({timeout_s}) and min_rate_bytes_s ({min_rate_bytes_s}) must be "
+                             f"finite and positive")
         self.master = master
         self.tenant = tenant
         self._secret = hmac.new(bytes(secret), b"tenant\0" + tenant.encode(), hashlib.sha256).digest()

@@ -129,3 +129,98 @@ def test_admin_cli(gov_server):
     out = subprocess.run(env_cmd + ["admin", "--url", gov_server.tcp_url, "--token", "wrong", "usage"],
                          capture_output=True, text=True, timeout=30)
     assert out.returncode == 1 and "refused" in out.stderr
+
+
+# -- admin argument checks, without a server (AdminAPI over a stub service) ----------------
+class _Audit:
+    def __init__(self):
+        self.lines = []
+
+    def write(self, kind, **fields):
+        self.lines.append((kind, fields))
+
+
+class _StubService:
+    def __init__(self, config, state_path=None):
+        from kvtier.server.governance import Governance
+        from kvtier.server.index import BlockIndex
+        from kvtier.server.runtime_state import RuntimeState
+
+        self.config = config
+        self.gov = Governance(config, RuntimeState(state_path))
+        self.index = BlockIndex()
+        self.audit = _Audit()
+
+
+def _stub(state_path=None, shared=()):
+    from kvtier.server.config import ServerConfig, TenantConfig
+
+    return _StubService(ServerConfig(tenants=(TenantConfig("acme", ("0" * 64,)),), shared=shared), state_path)
+
+
+def _call(svc, cmd, **args):
+    import asyncio
+
+    import msgpack
+
+    from kvtier.server.admin import AdminAPI
+
+    return asyncio.run(AdminAPI(svc).call("test", msgpack.packb({"cmd": cmd, "args": args})))
+
+
+@pytest.mark.parametrize("ttl", [float("nan"), float("inf"), -1.0])
+def test_set_ttl_refuses_a_non_finite_or_negative_ttl(tmp_path, ttl):
+    svc = _stub(str(tmp_path / "runtime.json"))
+    reply = _call(svc, "set_ttl", tenant="acme", ttl_s=ttl)
+    assert reply["ok"] is False and "finite" in reply["error"], reply
+    assert svc.gov.ttl("acme", "default") is None and not (tmp_path / "runtime.json").exists()
+    # a NaN would have made the sweeper expire every block: nothing is expired
+    from kvtier.server.index import BlockEntry
+
+    now = time.monotonic()
+    svc.index.add(b"k" * 32, BlockEntry("acme", "default", b"k" * 32, 10, b"", now, "", "host"))
+    assert svc.index.expired(now + 1.0, svc.gov.ttl) == []
+    # control: a finite TTL is accepted and applied
+    assert _call(svc, "set_ttl", tenant="acme", ttl_s=2.5) == {"ok": True, "ttl_s": 2.5}
+    assert svc.gov.ttl("acme", "default") == 2.5
+
+
+def test_set_ttl_checks_the_namespace_like_a_client_hello():
+    svc = _stub()
+    for ns in ("", "a" * 5000, "no spaces/or slashes"):
+        reply = _call(svc, "set_ttl", tenant="acme", ttl_s=5, namespace=ns)
+        assert reply["ok"] is False and "namespace" in reply["error"], str(reply)[:120]
+    assert svc.gov.describe()["namespace_ttl_s"] == {}
+    assert _call(svc, "set_ttl", tenant="acme", ttl_s=5, namespace="scratch")["ok"]     # control
+    assert svc.gov.ttl("acme", "scratch") == 5
+
+
+def test_set_ttl_on_a_shared_owner_changes_its_effective_ttl():
+    from kvtier.server.config import SharedConfig
+
+    svc = _stub(shared=(SharedConfig("sp", (), 60.0),))
+    assert svc.gov.ttl("shared/sp", "sp") == 60.0
+    assert _call(svc, "set_ttl", tenant="shared/sp", ttl_s=0)["ok"]
+    assert svc.gov.ttl("shared/sp", "sp") is None, "the configured namespace TTL still won"
+    assert _call(svc, "set_ttl", tenant="shared/sp", ttl_s=30, namespace="sp")["ok"]
+    assert svc.gov.ttl("shared/sp", "sp") == 30
+    reply = _call(svc, "set_ttl", tenant="shared/sp", ttl_s=30, namespace="other")
+    assert reply["ok"] is False and "namespace" in reply["error"], reply
+
+
+@pytest.mark.parametrize("cmd,args", [("set_quota", {"bytes": 1 << 20}), ("set_ttl", {"ttl_s": 7}),
+                                      ("set_ttl", {"ttl_s": 7, "namespace": "scratch"})])
+def test_an_override_that_cannot_be_saved_is_refused_audited_and_not_applied(tmp_path, cmd, args):
+    blocker = tmp_path / "state"
+    blocker.write_text("a file where the state directory should be")
+    svc = _stub(str(blocker / "runtime.json"))
+    reply = _call(svc, cmd, tenant="acme", **args)
+    assert reply["ok"] is False and "could not be saved" in reply["error"], reply
+    assert svc.audit.lines and svc.audit.lines[-1][1]["ok"] is False
+    assert (svc.gov.quota("acme"), svc.gov.ttl("acme", "scratch")) == (None, None), "applied though not saved"
+    state = svc.gov._state
+    assert (state.quota, state.tenant_ttl_s, state.namespace_ttl_s) == ({}, {}, {}), "kept in memory, unsaved"
+    # control: once the state directory can be written, the same change is saved and applied
+    blocker.unlink()
+    assert _call(svc, cmd, tenant="acme", **args)["ok"]
+    assert (blocker / "runtime.json").exists()

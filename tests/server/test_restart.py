@@ -331,3 +331,21 @@ def test_runtime_quota_and_ttl_changes_survive_a_restart_and_win_over_the_config
     put(s.srv, "acme", "q", keys_for("runtime-quota", 5))
     assert s.admin("usage")["usage"]["acme"]["bytes"] == 3 * SLOT
     stopped_cleanly(*s.stop())
+
+
+@pytest.mark.parametrize("bad", ["NaN", "Infinity", "-1"])
+def test_a_persisted_non_finite_ttl_is_refused_at_start_naming_the_file(tmp_path, bad):
+    """json reads NaN / Infinity; a NaN TTL would make the sweeper delete every block of the
+    owner, so a runtime.json holding one stops the start (naming the file) instead."""
+    from kvtier.errors import ConfigError
+    from kvtier.server.runtime_state import RuntimeState
+
+    for doc in (f'{{"version": 1, "tenant_ttl_s": {{"acme": {bad}}}}}',
+                f'{{"version": 1, "namespace_ttl_s": [["acme", "scratch", {bad}]]}}'):
+        path = tmp_path / "runtime.json"
+        path.write_text(doc)
+        with pytest.raises(ConfigError, match="runtime.json"):
+            RuntimeState(str(path))
+    path.write_text('{"version": 1, "tenant_ttl_s": {"acme": 3.5}, "namespace_ttl_s": [["acme", "scratch", 9]]}')
+    state = RuntimeState(str(path))                                     # control: finite values load
+    assert (state.tenant_ttl_s, state.namespace_ttl_s) == ({"acme": 3.5}, {("acme", "scratch"): 9.0})

@@ -100,3 +100,21 @@ def test_names_are_matched_whole(name):
 def test_token_digests_are_matched_whole():
     with pytest.raises(ConfigError, match="SHA-256"):
         ServerConfig(tenants=(TenantConfig("acme", (HASH + "\n",)),))
+
+
+def test_the_key_space_cache_is_bounded_whatever_namespaces_hellos_name(monkeypatch):
+    import kvtier.server.auth as auth_module
+
+    monkeypatch.setattr(auth_module, "SPACE_CACHE_SIZE", 100, raising=False)
+    auth = Authenticator(ServerConfig(tenants=(TenantConfig("acme", (HASH,)),)))
+    first = auth.authenticate("acme-token", "ns0").write_space
+    for i in range(1, 1000):
+        auth.authenticate("acme-token", f"ns{i}")
+    assert len(auth._spaces) <= 100
+    # an evicted space is made again, the same: its storage keys do not change
+    again = auth.authenticate("acme-token", "ns0").write_space
+    assert again.storage_key(b"k" * 32) == first.storage_key(b"k" * 32)
+    hot = auth.space("acme", "hot")
+    for i in range(150):          # a space in use stays cached (least recently used goes first)
+        auth.space("acme", f"cold{i}")
+        assert auth.space("acme", "hot") is hot

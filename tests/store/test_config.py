@@ -95,3 +95,26 @@ def test_good_settings_of_each_kind_pass(tmp_path):
         "mooncake_replicas": 2, "encrypt_host": False, "disk_path": str(tmp_path), "debug_poison": None})
     assert (config.async_load, config.pd_wait_s, config.store.mooncake_replicas) == (False, 0, 2)
     assert StoreConfig(disk_path=Path(tmp_path)).disk_path == str(tmp_path)   # a Path from Python callers
+
+
+def test_a_mooncake_secret_file_others_can_read_is_refused(tmp_path, monkeypatch):
+    import kvtier.tiers.mooncake as mc
+    from kvtier.store.config import _mooncake_tier
+
+    secret = tmp_path / "mooncake.secret"
+    secret.write_bytes(b"0123456789abcdef0123456789abcdef")
+    made = []
+    monkeypatch.setattr(mc, "MooncakeTier", lambda *a, **k: made.append(k) or object())
+    config = StoreConfig(host_bytes=0, mooncake_master="127.0.0.1:1", mooncake_secret_file=str(secret))
+    for mode in (0o644, 0o640, 0o604, 0o620):
+        secret.chmod(mode)
+        with pytest.raises(ConfigError, match="chmod 600"):
+            _mooncake_tier(config, None)
+    link = tmp_path / "link.secret"
+    link.symlink_to(secret)
+    secret.chmod(0o600)
+    with pytest.raises(ConfigError, match="cannot read"):   # a symlink is not followed
+        _mooncake_tier(config.replace(mooncake_secret_file=str(link)), None)
+    assert not made
+    _mooncake_tier(config, None)                             # control: a 0600 file is used
+    assert made and made[0]["secret"] == b"0123456789abcdef0123456789abcdef"

@@ -63,3 +63,23 @@ def test_each_header_row_has_a_fresh_salt_and_names_its_block():
     assert not names_block(rows[0], tier._digest(b"j" * 32), payload.nbytes)
     assert not names_block(rows[0], digest, payload.nbytes + 1)
     assert len(header_row(tier, digest, payload, None)) == HEADER_NBYTES
+
+
+def test_the_tier_refuses_non_finite_deadlines_before_connecting(monkeypatch):
+    import pytest
+
+    from kvtier.tiers import mooncake as mc
+
+    class Connected(Exception):
+        pass
+
+    def no_engine(*a, **k):
+        raise Connected("the checks passed: the tier went on to connect")
+
+    monkeypatch.setattr(mc.SharedClient, "acquire", no_engine)
+    for field, value in (("timeout_s", float("inf")), ("timeout_s", float("nan")), ("timeout_s", 0),
+                         ("min_rate_bytes_s", float("nan")), ("min_rate_bytes_s", float("inf"))):
+        with pytest.raises(ValueError, match="finite and positive"):
+            mc.MooncakeTier("127.0.0.1:1", tenant="acme", secret=b"s" * 32, **{field: value})
+    with pytest.raises(Connected):  # control: finite positive values pass the checks
+        mc.MooncakeTier("127.0.0.1:1", tenant="acme", secret=b"s" * 32, timeout_s=1.5, min_rate_bytes_s=1e6)
