@@ -311,6 +311,7 @@ def test_two_stores_configured_alike_share_blocks_through_the_fleet(tmp_path, sm
     c = shared_cluster()
     secret = tmp_path / "mooncake.secret"
     secret.write_bytes(b"t" * 32)
+    secret.chmod(0o600)   # the rule for a fleet secret (store.config refuses one others can read)
     cfg = StoreConfig(host_bytes="1MiB", tenant="acme", mooncake_master=c.master_address,
                       mooncake_metadata=c.metadata_url, mooncake_secret_file=str(secret), write_mode="write-through")
     nbytes = small_layout.block_nbytes
