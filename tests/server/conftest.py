@@ -69,6 +69,15 @@ def hello_frame(token: str, namespace: str = "default", **extra) -> bytes:
     return frame(Op.HELLO, pack_msgpack({"token": token, "namespace": namespace, **extra}))
 
 
+def logged_in(url: str, token: str, namespace: str = "default") -> socket.socket:
+    """A raw connection past its HELLO (asserted accepted)."""
+    s = connect(url)
+    s.sendall(hello_frame(token, namespace))
+    h, meta, _ = read_frame(s)
+    assert h.code == 0, (h, meta)
+    return s
+
+
 def recv_exact(s: socket.socket, n: int) -> bytes:
     out = bytearray()
     while len(out) < n:

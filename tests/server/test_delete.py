@@ -17,7 +17,7 @@ from kvtier.server.launch import ServerProcess
 from kvtier.tiers.base import Status
 from kvtier.tiers.remote import RemoteTier
 from kvtier.tiers.remote_protocol import MAX_KEYS, Op
-from tests.server.conftest import block, connect, frame, hello_frame, keys_for, read_frame
+from tests.server.conftest import block, frame, keys_for, logged_in, read_frame
 from tests.server.harness import SHARED, TOKENS, tenants
 from tests.server.test_restart import SLOT, Restartable
 
@@ -32,12 +32,6 @@ def srv(tmp_path_factory):
     s.stop()
 
 
-def login(url: str, who: str, namespace: str):
-    s = connect(url)
-    s.sendall(hello_frame(TOKENS[who], namespace))
-    h, meta, _ = read_frame(s)
-    assert h.op == Op.HELLO and h.code == 0, (h, meta)
-    return s
 
 
 def test_delete_answers_per_key_and_removes_held_blocks_from_every_tier(tmp_path):
@@ -67,8 +61,8 @@ def test_delete_answers_per_key_and_removes_held_blocks_from_every_tier(tmp_path
 
 
 def _worst_ping_behind(srv, op: int, frames: int = 4) -> float:
-    hog = login(srv.tcp_url, "acme", "hog")
-    victim = login(srv.tcp_url, "globex", "victim")
+    hog = logged_in(srv.tcp_url, TOKENS["acme"], "hog")
+    victim = logged_in(srv.tcp_url, TOKENS["globex"], "victim")
     meta = os.urandom(32 * MAX_KEYS)  # keys the server never held
     hog.sendall(b"".join(frame(op, meta, req_id=i + 1) for i in range(frames)))
     worst = 0.0

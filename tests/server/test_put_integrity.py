@@ -23,7 +23,7 @@ from kvtier.server.launch import ServerProcess
 from kvtier.tiers.base import Status
 from kvtier.tiers.remote import RemoteTier
 from kvtier.tiers.remote_protocol import GET_ITEM, NO_PARENT, ErrorCode, Op
-from tests.server.conftest import block, connect, frame, hello_frame, keys_for, read_frame
+from tests.server.conftest import block, frame, keys_for, logged_in, read_frame
 from tests.server.harness import TOKENS, tenants
 
 SMALL = 16 * 1024  # whole pages: footprint == payload
@@ -41,12 +41,6 @@ def srv(tmp_path_factory):
     s.stop()
 
 
-def login(url: str, who: str, namespace: str):
-    s = connect(url)
-    s.sendall(hello_frame(TOKENS[who], namespace))
-    h, meta, _ = read_frame(s)
-    assert h.op == Op.HELLO and h.code == 0, (h, meta)
-    return s
 
 
 def put_head(key: bytes, n: int, header: bytes | None = None, req_id: int = 2) -> bytes:
@@ -74,11 +68,11 @@ def non_ascii_dtype_header(key: bytes, n: int) -> bytes:
 def test_a_non_ascii_dtype_is_refused_and_does_not_poison_the_key(srv):
     key = keys_for("poisoned", 1)[0]
     data = block(key, SMALL).tobytes()
-    s = login(srv.tcp_url, "acme", "evil")
+    s = logged_in(srv.tcp_url, TOKENS["acme"], "evil")
     h, meta, _ = put(s, key, data, header=non_ascii_dtype_header(key, SMALL))
     assert h.op == Op.ERROR and h.code == ErrorCode.BAD_META, (h, meta)
     s.close()
-    s = login(srv.tcp_url, "acme", "evil")  # control: a well-formed PUT of the same key is stored
+    s = logged_in(srv.tcp_url, TOKENS["acme"], "evil")  # control: a well-formed PUT of the same key is stored
     h, _, _ = put(s, key, data)
     assert h.code == Status.OK
     assert get(s, key, SMALL) == (Status.OK, data)
@@ -90,7 +84,7 @@ def test_malformed_puts_leave_no_orphans_to_evict_another_tenant(srv):
     keys = keys_for("globex-victim", 48)  # 768 KiB of a 2 MiB pool
     assert globex.put_many(keys, [block(k, SMALL) for k in keys]) == [Status.OK] * len(keys)
     for key in keys_for("evil", 160):  # 2.5 MiB from a tenant with a 64 KiB quota
-        s = login(srv.tcp_url, "acme", "evil")
+        s = logged_in(srv.tcp_url, TOKENS["acme"], "evil")
         h, meta, _ = put(s, key, block(key, SMALL).tobytes(), header=non_ascii_dtype_header(key, SMALL))
         s.close()
         assert h.op == Op.ERROR and h.code == ErrorCode.BAD_META, (h, meta)
@@ -104,10 +98,10 @@ def test_malformed_puts_leave_no_orphans_to_evict_another_tenant(srv):
 def test_a_put_acknowledged_while_the_same_key_was_in_flight_survives_the_first_uploads_failure(srv, how):
     key = keys_for(f"same-key-{how}", 1)[0]
     data = block(key, N).tobytes()
-    first = login(srv.tcp_url, "acme", "ns")
+    first = logged_in(srv.tcp_url, TOKENS["acme"], "ns")
     first.sendall(put_head(key, N) + data[: N // 2])  # stalls half way, holding its reservation
     time.sleep(0.5)
-    second = login(srv.tcp_url, "acme2", "ns")  # another worker of the tenant
+    second = logged_in(srv.tcp_url, TOKENS["acme2"], "ns")  # another worker of the tenant
     assert put(second, key, data)[0].code == Status.OK
     if how == "torn":
         first.close()
@@ -124,10 +118,10 @@ def test_same_key_uploads_both_succeed_and_the_block_is_stored_once(srv):
     """Control: when both uploads succeed, both are acknowledged and the block is indexed once."""
     key = keys_for("same-key-both", 1)[0]
     data = block(key, N).tobytes()
-    first = login(srv.tcp_url, "acme", "both")
+    first = logged_in(srv.tcp_url, TOKENS["acme"], "both")
     first.sendall(put_head(key, N) + data[: N // 2])
     time.sleep(0.3)
-    second = login(srv.tcp_url, "acme2", "both")
+    second = logged_in(srv.tcp_url, TOKENS["acme2"], "both")
     assert put(second, key, data)[0].code == Status.OK
     first.sendall(data[N // 2:] + xxhash.xxh3_128(data).digest())
     assert read_frame(first)[0].code == Status.OK
@@ -144,14 +138,14 @@ def test_same_key_uploads_both_succeed_and_the_block_is_stored_once(srv):
 def test_one_publishers_failed_upload_does_not_lose_anothers_acknowledged_block(srv):
     key = keys_for("shared-same-key", 1)[0]
     data = block(key, N).tobytes()
-    ops = login(srv.tcp_url, "ops", "shared/system-prompts")
+    ops = logged_in(srv.tcp_url, TOKENS["ops"], "shared/system-prompts")
     ops.sendall(put_head(key, N) + data[:1000])
     time.sleep(0.5)
-    globex = login(srv.tcp_url, "globex", "shared/system-prompts")
+    globex = logged_in(srv.tcp_url, TOKENS["globex"], "shared/system-prompts")
     assert put(globex, key, data)[0].code == Status.OK
     ops.close()
     globex.close()
     time.sleep(0.3)
-    reader = login(srv.tcp_url, "acme", "mine")  # a granted reader
+    reader = logged_in(srv.tcp_url, TOKENS["acme"], "mine")  # a granted reader
     assert get(reader, key, N) == (Status.OK, data)
     reader.close()

@@ -21,7 +21,7 @@ from kvtier.server.launch import ServerProcess
 from kvtier.tiers.base import Status
 from kvtier.tiers.remote import RemoteTier
 from kvtier.tiers.remote_protocol import NO_PARENT, Op
-from tests.server.conftest import block, connect, frame, hello_frame, keys_for, read_frame
+from tests.server.conftest import block, frame, keys_for, logged_in, read_frame
 from tests.server.harness import SHARED, TOKENS, tenants
 
 SMALL = 16 * 1024  # whole pages: footprint == payload
@@ -37,12 +37,6 @@ def srv(tmp_path_factory):
     s.stop()
 
 
-def login(url: str, token: str, namespace: str):
-    s = connect(url)
-    s.sendall(hello_frame(token, namespace))
-    h, meta, _ = read_frame(s)
-    assert h.op == Op.HELLO and h.code == 0, (h, meta)
-    return s
 
 
 def put_head(key: bytes, n: int, req_id: int = 2) -> bytes:
@@ -65,7 +59,7 @@ def test_a_failed_upload_does_not_evict_the_tenants_blocks(srv, how):
     tier, keys = fill(srv, ns)
     bad = keys_for(f"{ns}/bad", 1)[0]
     data = block(bad, SMALL).tobytes()
-    s = login(srv.tcp_url, TOKENS["acme"], ns)
+    s = logged_in(srv.tcp_url, TOKENS["acme"], ns)
     if how == "bad_checksum":
         s.sendall(put_head(bad, SMALL) + data + bytes(16))
         assert read_frame(s)[0].code == Status.CORRUPT
@@ -91,7 +85,7 @@ def test_concurrent_uploads_do_not_take_a_tenant_past_its_quota(srv):
     new = keys_for(f"{ns}/new", 6)
     socks = []
     for i, key in enumerate(new):  # 6 workers of the tenant start together, each stalls half way
-        s = login(srv.tcp_url, TOKENS["acme" if i % 2 else "acme2"], ns)
+        s = logged_in(srv.tcp_url, TOKENS["acme" if i % 2 else "acme2"], ns)
         s.sendall(put_head(key, SMALL) + block(key, SMALL).tobytes()[: SMALL // 2])
         socks.append(s)
     time.sleep(1.0)
