@@ -157,10 +157,10 @@ def _as_symlinks(tier: DiskTier, ids) -> None:
         os.symlink(link_target(os.path.relpath(path, tier.path), offset, ON_DISK), name)
 
 
-def _retable(tier: DiskTier, moves: dict[int, int | None]) -> None:
+def _retable(tier: DiskTier, moves: dict[int, int | tuple[int, int] | None]) -> None:
     """Rewrite the extent's table (with valid checks: anyone who can write the file can) so that
-    block ``a`` is listed at block ``b``'s place, for each ``a: b`` of ``moves`` (``b`` None:
-    ``a`` no longer listed)."""
+    block ``a`` is listed at block ``b``'s place, for each ``a: b`` of ``moves`` (``b`` an
+    ``(offset, length)``: there; None: ``a`` no longer listed)."""
     path = tier.locate(k(0))[0]
     rel = os.path.relpath(path, tier.path)
     with open(path, "rb") as f:
@@ -170,7 +170,7 @@ def _retable(tier: DiskTier, moves: dict[int, int | None]) -> None:
         if b is None:
             del places[k(a)]
         else:
-            places[k(a)] = places[k(b)]
+            places[k(a)] = b if isinstance(b, tuple) else places[k(b)]
     fd = os.open(path, os.O_WRONLY)
     try:
         os.pwrite(fd, pack_table(rel, [(key, o, n) for key, (o, n) in places.items()]).tobytes(), 0)

@@ -17,9 +17,9 @@ from kvtier.tiers import direct_io
 from kvtier.tiers.base import Status
 from kvtier.tiers.direct_io import PAGE, aligned_buffer
 from kvtier.tiers.disk import STALE_TEMP_S, DiskTier
-from kvtier.tiers.disk_extents import link_target, pack_table, read_table
+from kvtier.tiers.disk_extents import link_target
 from tests.tiers.test_disk import _flip
-from tests.tiers.test_disk_extents import ON_DISK, _as_symlinks, data, extents, k, put_chain, read_all
+from tests.tiers.test_disk_extents import ON_DISK, _as_symlinks, _retable, data, extents, k, put_chain, read_all
 
 
 def _age(path, seconds: float = STALE_TEMP_S + 60) -> None:
@@ -179,23 +179,6 @@ def test_a_link_to_an_extent_that_is_a_link_out_of_the_directory_is_not_adopted(
         assert not again.contains(k(2))
         again.delete(k(2))
     assert victim.read_bytes() == b"A" * (3 * PAGE)
-
-
-def _retable(tier: DiskTier, places: dict[int, tuple[int, int]]) -> None:
-    """Rewrite the extent's table (with valid checks: anyone who can write the file can) so that
-    block ``a`` is listed at ``(offset, length)``, for each ``a`` of ``places``."""
-    path = tier.locate(k(0))[0]
-    rel = os.path.relpath(path, tier.path)
-    with open(path, "rb") as f:
-        table = read_table(f.fileno(), os.fstat(f.fileno()).st_size)
-    now = {key: (o, n) for key, (_, o, n) in table.blocks.items()}
-    for a, place in places.items():
-        now[k(a)] = place
-    fd = os.open(path, os.O_WRONLY)
-    try:
-        os.pwrite(fd, pack_table(rel, [(key, o, n) for key, (o, n) in now.items()]).tobytes(), 0)
-    finally:
-        os.close(fd)
 
 
 @pytest.mark.parametrize("how", ["offset one page into k(4)", "length spanning k(3)", "symlink into k(4)"])
