@@ -26,8 +26,10 @@ Data paths (no copy in user space on the host tier):
 from __future__ import annotations
 
 import asyncio
+import logging
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import xxhash
@@ -63,6 +65,8 @@ from kvtier.tiers.remote_protocol import (
 
 BLOCK_HEADER_NBYTES = 128
 _NO_CHECKSUM = bytes(CHECKSUM_NBYTES)
+
+log = logging.getLogger("kvtier.server")
 
 
 class ScratchPool:
@@ -105,6 +109,8 @@ class Service:
         self.events = events
         self.io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvtier-serve-io")
         self._scratch: ScratchPool | None = None
+        self._deleting: dict[bytes, Future] = {}  # storage key → its deletion under way (drop_soon)
+        self._deleting_lock = threading.Lock()
         # Pool bytes reserved by uploads in flight: slow clients must not pin the whole pool,
         # and one tenant's slow uploads must not take the room of the others'. Counted in
         # bytes, not uploads: capped at a count of the largest blocks, a pool of 8 blocks of
@@ -147,15 +153,37 @@ class Service:
             self.emit("removed", tier.name, entry)
             if entry.tier != tier.name:
                 return  # a faster tier still holds it (promoted copy)
-            # NOTE: only the upper tier asks the lower one (lock order upper → lower).
-            if lower is not None and lower.contains(skey):
-                self.index.set_tier(skey, lower.name)
-                self.emit("stored", lower.name, entry)
-            else:
-                self.index.remove(skey)
-                self.gov.release(skey)
+            if lower is None:
+                self._forget_evicted(skey, entry)
+                return
+            # Where the block went is asked off this tier's lock: the lower tier may be a fleet
+            # whose lookup is a network call, and every GET of a DRAM block (on the event loop)
+            # waits for the host tier's lock. Until it is settled the index names this tier,
+            # whose miss sends a GET to the lower tiers: a late answer costs nothing.
+            try:
+                self.io.submit(self._settle_eviction, skey, tier, lower)
+            except RuntimeError:  # shutting down: settled here, as nothing else waits
+                self._settle_eviction(skey, tier, lower)
 
         return hook
+
+    def _settle_eviction(self, skey: bytes, tier, lower) -> None:
+        """The index follows a block that ``tier`` evicted: into ``lower``, or out."""
+        entry = self.index.get(skey)
+        if entry is None or entry.tier != tier.name or tier.contains(skey):
+            return  # erased, moved or put back meanwhile
+        # A lower tier that could not be asked (backing off: a fleet not answering) may well hold
+        # it: forgotten, a block the fleet held was lost to its tenant and beyond a later erase.
+        # Indexed there, a GET finds out (and drops it if no tier holds it).
+        if lower.contains(skey) or not lower.available:
+            if self.index.set_tier(skey, lower.name) is not None:
+                self.emit("stored", lower.name, entry)
+        else:
+            self._forget_evicted(skey, entry)
+
+    def _forget_evicted(self, skey: bytes, entry: BlockEntry) -> None:
+        if self.index.remove(skey) is not None:
+            self.gov.release(skey)
 
     def emit(self, kind: str, tier: str, entry: BlockEntry) -> None:
         if self.events is not None:
@@ -233,7 +261,7 @@ class Service:
             if entry is None:
                 continue
             if self.gov.is_expired(entry.owner, entry.namespace, entry.created, now):
-                self.drop(skey)
+                self.drop_soon(skey)
                 self.metrics.expirations.inc()
                 continue
             return skey, entry
@@ -301,14 +329,51 @@ class Service:
         conn.reply(h, 0, b"".join(out))
 
     def drop(self, skey: bytes) -> BlockEntry | None:
-        """Remove a block from the index and every tier. A key the index does not hold is in
-        no tier either (a PUT is committed and indexed with no await in between): no tier is
-        asked, which for a disk tier would cost system calls."""
+        """Remove a block from the index and every tier, on an I/O thread (it waits for every
+        tier). A key the index does not hold is in no tier either (a PUT is committed and indexed
+        with no await in between): no tier is asked, which for a disk tier would cost system calls."""
+        entry = self._unindex(skey)
+        if entry is not None:
+            self.store.delete([skey])
+        return entry
+
+    def drop_soon(self, skey: bytes) -> BlockEntry | None:
+        """:meth:`drop`, for the event loop: the index forgets the block at once and the tiers'
+        copies are deleted on an I/O thread. A fleet tier's delete is a network call: run on the
+        loop, one expiring block on a frozen fleet stalled every tenant for the engine's deadline.
+        A PUT of the key waits for the deletion (:meth:`_deleted`), so it never deletes the new block."""
+        entry = self._unindex(skey)
+        if entry is None:
+            return None
+        try:
+            future = self.io.submit(self.store.delete, [skey])
+        except RuntimeError:  # shutting down: the I/O threads are gone
+            self.store.delete([skey])
+            return entry
+        with self._deleting_lock:
+            self._deleting[skey] = future
+        future.add_done_callback(lambda f: self._deletion_ended(skey, f))
+        return entry
+
+    def _deletion_ended(self, skey: bytes, future) -> None:
+        with self._deleting_lock:
+            if self._deleting.get(skey) is future:
+                del self._deleting[skey]
+        if not future.cancelled() and future.exception() is not None:
+            log.warning("deleting a dropped block failed: %s", future.exception())
+
+    async def _deleted(self, skey: bytes) -> None:
+        """Wait until a deletion of ``skey`` that :meth:`drop_soon` started has run."""
+        with self._deleting_lock:
+            future = self._deleting.get(skey)
+        if future is not None:
+            await asyncio.wait([asyncio.wrap_future(future)])  # (its failure is logged where it ends)
+
+    def _unindex(self, skey: bytes) -> BlockEntry | None:
         entry = self.index.remove(skey)
         if entry is None:
             return None
         self.gov.release(skey)
-        self.store.delete([skey])
         self.emit("removed", entry.tier, entry)
         return entry
 
@@ -345,7 +410,7 @@ class Service:
 
     async def _get_lower(self, conn, h: Header, skey: bytes, entry: BlockEntry) -> bool:
         if len(self.store.tiers) == 1:
-            self.drop(skey)  # the index outlived the block (e.g. a tier dropped it on its own)
+            self.drop_soon(skey)  # the index outlived the block (e.g. a tier dropped it on its own)
             return False
         if self._scratch is None:
             self._scratch = ScratchPool(4, self.config.max_block_bytes)
@@ -355,7 +420,11 @@ class Service:
             loop = asyncio.get_running_loop()
             result = await loop.run_in_executor(self.io, self.store.get, [skey], [out])
             if result.statuses[0] is not Status.OK:
-                self.drop(skey)
+                # Only a block no tier holds leaves the index. A tier that failed (ERROR: a fleet
+                # not answering) may hold it still: dropped then, its copy was orphaned, beyond
+                # the reach of a later erase of its tenant.
+                if result.statuses[0] is Status.MISS:
+                    self.drop_soon(skey)
                 return False
             if result.tiers[0] != self.host.name and self.host.contains(skey):
                 if self.index.set_tier(skey, self.host.name) is not None:
@@ -397,6 +466,7 @@ class Service:
             self._put_result[Status.OK].inc()
             conn.reply(h, Status.OK)
             return
+        await self._deleted(skey)  # an expired or evicted copy being deleted is gone before this one lands
         status = Status.OK
         footprint = self.host.footprint(n)
         writer = p.tenant
@@ -477,7 +547,7 @@ class Service:
             return
         for account in accounts:  # one after the other: a victim of the writer may free the namespace too
             for victim in self.gov.quota_victims(self.index, account, footprint):
-                if self.drop(victim) is not None:
+                if self.drop_soon(victim) is not None:
                     self.metrics.count_quota_eviction(account)
 
     def _write_behind(self, skey: bytes, parent: bytes | None, meta: BlockMeta) -> None:

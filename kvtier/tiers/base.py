@@ -76,6 +76,9 @@ class Tier(ABC):
     #: network call with its deadline. An engine may then wait for a small read inside a
     #: step (the vLLM connector's ``sync_load_max_bytes``); a disk read has no such bound.
     bounded_reads: bool = False
+    #: False while the tier backs off after a failure (a server or fleet not answering): its
+    #: misses and ``False`` lookups then say nothing about what it holds
+    available: bool = True
 
     def __init__(self) -> None:
         self.stats = TierStats()

@@ -30,11 +30,13 @@ What kvtier adds:
 * **Content addressed.** The engine's ``put`` keeps an existing object and answers 0,
   which is the contract's "put of a present key is a no-op" -- and safe, because
   whatever is kept is verified on every read (and dropped if it fails).
-* **Leases.** Each read grants a lease (10 s by default) during which the engine
-  refuses ``remove`` (-706). ``delete`` does not force it: the name is hidden from this
-  tier's reads and lookups at once and its removal retried on later deletes and puts;
-  a put of the key brings it back. Only a block that failed verification is removed
-  by force (it can never verify).
+* **Leases.** Each read and each lookup grants a lease (10 s by default) during which
+  the engine refuses a plain ``remove`` (-706). ``delete`` forces it: an erase must leave
+  no copy that another process of the tenant (or this one after a restart) reads whole.
+  A read under way elsewhere then fails its verification (a miss). What the engine still
+  refuses, or could not be asked (the tier is down), is hidden from this tier's reads and
+  lookups at once and its removal retried on later deletes and puts; a put of the key
+  brings it back.
 * **Replicas.** ``replicas`` copies on distinct holders. The engine always reads the
   first replica and does not fall back to another when its holder is dead (it answers
   -800 until the master drops the holder after its ``client_ttl``). A read that fails
@@ -148,7 +150,8 @@ class MooncakeTier(TierReads, TierWrites, BoundedEngineCalls, TenantNaming, Tier
         self._capacity = capacity_bytes
         if name:
             self.name = name
-        self._client = SharedClient.acquire(master, metadata, hostname, engine_tenant=engine_tenant)
+        self._client = SharedClient.acquire(master, metadata, hostname, engine_tenant=engine_tenant,
+                                            connect_timeout_s=timeout_s)
         self._engine = self._client.store
         self._staging = self._client.staging
         self._caller = BoundedCaller()
@@ -162,7 +165,7 @@ class MooncakeTier(TierReads, TierWrites, BoundedEngineCalls, TenantNaming, Tier
         self._down_until = 0.0
         self._closed = False
         self.last_error: str | None = None
-        self._unremoved: dict[str, float] = {}  # name → when its removal was refused (a lease)
+        self._unremoved: dict[str, float] = {}  # name → since when its removal is owed (refused or not asked)
         self._regions: list[tuple[int, int, object]] = []  # (start, end, the caller's buffer) registered
         self._late_direct_reads = 0
         self._direct_overruns = 0
@@ -208,8 +211,14 @@ class MooncakeTier(TierReads, TierWrites, BoundedEngineCalls, TenantNaming, Tier
         try:
             self._check_up()
             self._retry_removals(deadline)
-            codes = self._call(deadline, self._engine.batch_remove, names, False)
+            codes = self._call(deadline, self._engine.batch_remove, names, True)
         except Down:
+            # Hidden at once and removed once the fleet answers: dropped, a copy would stay
+            # readable in the fleet, beyond the reach of any later delete.
+            now = time.monotonic()
+            with self._lock:
+                for name in names:
+                    self._unremoved.setdefault(name, now)
             return out
         self._codes(codes)
         now = time.monotonic()
@@ -218,10 +227,13 @@ class MooncakeTier(TierReads, TierWrites, BoundedEngineCalls, TenantNaming, Tier
                 if code == 0:
                     out[j] = True
                     self._unremoved.pop(name, None)
-                elif code == RC_HAS_LEASE and name not in self._unremoved:
-                    # a reader holds it: hidden from this tier now, removed once its lease ends
+                elif code == RC_NOT_FOUND:
+                    self._unremoved.pop(name, None)
+                elif name not in self._unremoved:
+                    # refused (a lease the force did not break) or failed: hidden from this
+                    # tier now, removed by a later retry
                     self._unremoved[name] = now
-                    out[j] = True
+                    out[j] = code == RC_HAS_LEASE
             self.stats.deletes += sum(out)
         return out
 
@@ -246,7 +258,7 @@ class MooncakeTier(TierReads, TierWrites, BoundedEngineCalls, TenantNaming, Tier
                 return
             self._next_removal_retry = now + 1.0
             names = list(self._unremoved)
-        codes = self._call(deadline, self._engine.batch_remove, names, False)
+        codes = self._call(deadline, self._engine.batch_remove, names, True)
         with self._lock:
             for name, code in zip(names, codes):
                 if code in (0, RC_NOT_FOUND):

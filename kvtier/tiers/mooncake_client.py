@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -204,12 +205,13 @@ class SharedClient:
 
     @classmethod
     def acquire(cls, master: str, metadata: str, hostname: str, *, local_buffer_bytes: int = 16 << 20,
-                engine_tenant: str = "default") -> "SharedClient":
+                engine_tenant: str = "default", connect_timeout_s: float = 2.0) -> "SharedClient":
         key = (master, metadata, hostname, engine_tenant)
         with cls._registry_lock:
             shared = cls._registry.get(key)
             if shared is None:
-                shared = cls(key, *_setup_client(master, metadata, hostname, local_buffer_bytes, engine_tenant))
+                shared = cls(key, *_setup_client(master, metadata, hostname, local_buffer_bytes, engine_tenant,
+                                                 connect_timeout_s))
                 cls._registry[key] = shared
             shared.refs += 1
             return shared
@@ -227,7 +229,20 @@ class SharedClient:
             log.debug("mooncake: close failed: %s", exc)
 
 
-def _setup_client(master: str, metadata: str, hostname: str, local_buffer_bytes: int, engine_tenant: str):
+def _probe_master(master: str, timeout_s: float) -> None:
+    """Refuse a master nothing listens at, within ``timeout_s``. The engine's setup retries such
+    a master for ~90 s holding the GIL (no thread of the process runs, no deadline can stop it)."""
+    host, _, port = master.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout=timeout_s):
+            pass
+    except (OSError, ValueError) as exc:
+        raise ConnectionError(f"the Mooncake master at {master} does not answer ({exc}): is mooncake_master "
+                              f"running there?") from None
+
+
+def _setup_client(master: str, metadata: str, hostname: str, local_buffer_bytes: int, engine_tenant: str,
+                  connect_timeout_s: float = 2.0):
     """A pure client (contributes no memory: holders do) of the master at ``master``."""
     if hostname.startswith(("127.", "localhost")):
         # Otherwise the transfer engine advertises the first interface's address, which a
@@ -250,6 +265,7 @@ def _setup_client(master: str, metadata: str, hostname: str, local_buffer_bytes:
     except Exception as exc:  # noqa: BLE001 - an engine without it: reads fall back by retrying only
         log.debug("mooncake: no transfer engine of our own (%s)", exc)
         transfer = None
+    _probe_master(master, connect_timeout_s)
     store = MooncakeDistributedStore()
     rc = store.setup(hostname, metadata, 0, local_buffer_bytes, "tcp", "", master,
                      transfer.get_engine() if transfer is not None else None, False, "", engine_tenant)

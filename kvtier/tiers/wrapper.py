@@ -32,6 +32,10 @@ class WrappingTier(Tier):
         return self.inner.bounded_reads
 
     @property
+    def available(self) -> bool:
+        return self.inner.available
+
+    @property
     def used_bytes(self) -> int:
         return self.inner.used_bytes
 

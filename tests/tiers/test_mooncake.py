@@ -6,16 +6,21 @@ kill and freeze processes, so they get a cluster of their own (a master + two ho
 
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from kvtier.core.payload import HEADER_NBYTES, pack_header, unpack_header
 from kvtier.tiers.base import Status
-from tests.tiers.mooncake_harness import both_transfer_paths, CLIENT_TTL_S, make_tier, mooncake_available, shared_cluster, start_cluster
+from tests.tiers.mooncake_harness import (both_transfer_paths, CLIENT_TTL_S, fresh_secret, make_tier, mooncake_available,
+                                          shared_cluster, start_cluster)
 
 pytestmark = pytest.mark.skipif(mooncake_available() is not None, reason=str(mooncake_available()))
 
@@ -170,14 +175,44 @@ def test_a_tampered_object_is_a_miss_and_is_dropped(tier, forgery):
         bare.release()
 
 
-def test_delete_under_a_readers_lease_hides_the_block_and_a_put_brings_it_back(tier):
-    assert tier.put(key(5), block(5)) is Status.OK
+@pytest.mark.parametrize("leased_by", ["a read", "a lookup"])
+def test_a_delete_under_a_lease_leaves_no_copy_another_process_of_the_tenant_reads(leased_by):
+    """Every process of a tenant shares its secret: what one deletes, none may read whole, not even
+    one started later (what a tier only hid in its own memory was served again after a restart).
+    A read and a lookup both make the engine grant a lease that refuses a plain remove (-706)."""
+    secret = fresh_secret()
+    mine, theirs = make_tier(tenant="acme", secret=secret), make_tier(tenant="acme", secret=secret)
     out = np.zeros(BLOCK, np.uint8)
-    assert tier.get(key(5), out) is Status.OK  # the read grants a lease: removal is refused (-706)
-    assert tier.delete(key(5)) is True
-    assert tier.get(key(5), out) is Status.MISS and not tier.contains(key(5))
-    assert tier.put(key(5), block(5)) is Status.OK
-    assert tier.get(key(5), out) is Status.OK and np.array_equal(out, block(5))
+    try:
+        assert mine.put(key(5), block(5)) is Status.OK
+        assert theirs.get(key(5), out) is Status.OK and np.array_equal(out, block(5))  # control: shared
+        assert (mine.get(key(5), out) is Status.OK) if leased_by == "a read" else mine.contains(key(5))
+        assert mine.delete(key(5)) is True
+        out[:] = 0xA5
+        assert mine.get(key(5), out) is Status.MISS and not mine.contains(key(5))
+        assert theirs.get(key(5), out) is Status.MISS and not theirs.contains(key(5)), \
+            "an acknowledged delete left a copy the tenant's other processes read"
+        assert mine.put(key(5), block(5)) is Status.OK  # a put brings it back, for everyone
+        assert theirs.get(key(5), out) is Status.OK and np.array_equal(out, block(5))
+    finally:
+        mine.close()
+        theirs.close()
+
+
+def test_a_master_nothing_listens_at_is_refused_within_the_deadline():
+    """The engine's own setup retries such a master for ~90 s holding the GIL (so no thread can time
+    it out); a child process, since the old behaviour cannot be interrupted."""
+    child = ("from kvtier.tiers.mooncake import MooncakeTier\n"
+             "try:\n    MooncakeTier('127.0.0.1:1', tenant='acme', secret=b's' * 32, timeout_s=1.0)\n"
+             "except ConnectionError as exc:\n    print('refused:', exc)\n")
+    start = time.monotonic()
+    try:
+        done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=30,
+                              cwd=str(Path(__file__).resolve().parents[2]))
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"MooncakeTier() against a master that is down had not returned after {time.monotonic() - start:.0f} s")
+    assert "refused:" in done.stdout and "127.0.0.1:1" in done.stdout, done.stdout + done.stderr[-2000:]
+    assert time.monotonic() - start < 20
 
 
 # -- faults ------------------------------------------------------------------------------------------
@@ -277,6 +312,30 @@ def test_killing_a_holder_mid_traffic_never_returns_a_wrong_block_and_replicas_k
     finally:
         t.close()
         cluster.start_holder(1)
+
+
+def test_a_delete_the_fleet_could_not_be_asked_is_hidden_at_once_and_done_once_it_answers(cluster):
+    secret = fresh_secret()
+    mine = make_tier(cluster, tenant="acme", secret=secret, timeout_s=0.5, backoff_s=2.0, max_backoff_s=2.0)
+    theirs = make_tier(cluster, tenant="acme", secret=secret)
+    out = np.zeros(BLOCK, np.uint8)
+    try:
+        assert mine.put(key(310), block(310)) is Status.OK and mine.put(key(311), block(311)) is Status.OK
+        os.killpg(cluster.master.pid, signal.SIGSTOP)
+        try:
+            assert mine.contains(key(311)) is False  # the master does not answer: the tier backs off 2 s
+        finally:
+            os.killpg(cluster.master.pid, signal.SIGCONT)
+        assert mine.delete(key(310)) is False  # backing off: the fleet is not asked
+        assert _wait(lambda: mine.healthy(), 10)
+        assert mine.get(key(310), out) is Status.MISS and not mine.contains(key(310))  # hidden at once
+        assert theirs.get(key(310), out) is Status.OK  # control: the fleet still holds it
+        time.sleep(1.1)  # removals owed are retried at most once a second, on the next delete or put
+        assert mine.delete(key(311)) is True
+        assert theirs.get(key(310), out) is Status.MISS, "a delete the fleet could not be asked was never done"
+    finally:
+        mine.close()
+        theirs.close()
 
 
 def test_killing_the_master_gives_misses_within_the_deadline_and_recovery_after_restart(cluster):
