@@ -37,7 +37,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from kvtier.core.keys import BlockKey
 from kvtier.core.layout import KVLayout
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, LayoutError
 from kvtier.integrations import poison as poisoning
 from kvtier.store.tiered import TieredStore
 from kvtier.tiers.direct_io import run_request_blocks
@@ -163,6 +163,14 @@ class StorageLayer(DynamicLayer):
         pass  # the storage exists already
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        lay = self.storage.layout
+        want = (1, lay.num_kv_heads, key_states.shape[-2], lay.head_dim)
+        if tuple(key_states.shape) != want or tuple(value_states.shape) != want:
+            # copy_ would broadcast (one head into N, a batch into one): wrong KV, saved under real keys.
+            raise LayoutError(
+                f"layer {self.index} appends K {tuple(key_states.shape)} and V {tuple(value_states.shape)}, but "
+                f"the cache holds (batch 1, {lay.num_kv_heads} KV heads, tokens, {lay.head_dim}): one sequence "
+                f"of the namespace's layout (no beam search or batch; a namespace of this model)")
         end = self.length + key_states.shape[-2]
         self.storage.ensure_capacity(end)
         t = self.storage.tensor

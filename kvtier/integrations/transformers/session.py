@@ -19,8 +19,12 @@
 * Greedy decoding; logits of a hit equal those of a recompute up to float
   rounding (tests: fp32 max abs difference ≤ 1e-4, same tokens).
 
-One request at a time per instance (the storage is a single sequence); the
-store may be shared by many instances and processes.
+One request at a time per instance (the storage is a single sequence): calls
+from several threads are served one after another, each under the instance's
+request lock (``generate`` holds it throughout; a caller that drives the model
+itself holds it from ``prepare`` to ``save`` with ``with lm.request():``). The
+store may be shared by many instances and processes. After :meth:`KVTierLM.close`
+every call raises at once.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import threading
 import inspect
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import NamedTuple
 
 import numpy as np
@@ -42,6 +46,7 @@ from kvtier.errors import ConfigError
 from kvtier.integrations.transformers.cache_io import KVStorage, LoadReport, Staging, gather_blocks, load_blocks
 from kvtier.integrations.transformers.namespace import (
     DEFAULT_BLOCK_TOKENS,
+    is_length_dependent_rope,
     kv_layout,
     model_dtype_name,
     namespace_for_model,
@@ -97,6 +102,20 @@ def cache_keyword(model) -> str:
                       f"this transformers version is not supported")
 
 
+def _refuse_length_dependent_rope_modules(model) -> None:
+    """Raise :class:`ConfigError` if a rotary embedding of ``model`` recomputes its frequencies
+    from the request's length: what the config check (:func:`kv_layout`) reads from the config,
+    read here from the modules themselves, which a config under other field names still sets."""
+    for name, module in model.named_modules():
+        kinds = getattr(module, "rope_type", None)
+        for kind in kinds.values() if isinstance(kinds, dict) else [kinds]:
+            if isinstance(kind, str) and is_length_dependent_rope(kind):
+                raise ConfigError(
+                    f"{name or type(model).__name__}.rope_type = {kind!r}: transformers picks this model's "
+                    f"RoPE frequencies from each request's total length, so a cached block is not what a "
+                    f"recompute gives; kvtier cannot serve it")
+
+
 class KVTierLM:
     """A causal LM that loads cached context from a :class:`TieredStore`.
 
@@ -127,10 +146,17 @@ class KVTierLM:
         if store is not None and namespace is None:
             namespace = namespace_for_model(model, block_tokens=block_tokens, weights_dir=weights_dir, tenant=tenant)
         self.namespace = namespace
-        layout = namespace.layout if namespace is not None else kv_layout(model.config, dtype_name, block_tokens)
+        expected = kv_layout(model.config, dtype_name, namespace.layout.block_tokens if namespace else block_tokens)
+        layout = namespace.layout if namespace is not None else expected
         if layout.dtype != dtype_name:
             raise ConfigError(f"namespace layout holds {layout.dtype} KV but the model computes {dtype_name}; "
                               f"build the namespace from this model (namespace_for_model)")
+        if layout != expected:
+            # Blocks of another geometry would be misread on load, or (a head count of 1 against
+            # the layout's N) broadcast in by the cache's copy and saved under this namespace.
+            raise ConfigError(f"namespace layout {layout} is not this model's KV layout {expected}; "
+                              f"build the namespace from this model (namespace_for_model)")
+        _refuse_length_dependent_rope_modules(model)
         self.layout = layout
         self._meta = BlockMeta.of_layout(layout)
         param = next(model.parameters())
@@ -152,7 +178,23 @@ class KVTierLM:
         self._storage_free.set()
         self._gathers = 0
         self._gathers_lock = threading.Lock()
-        self._saves: list[Future] = []
+        self._saves: list[Future] = []  # saves not yet finished or waited for (under _gathers_lock)
+        # Held by a whole request: the storage, staging and cache are one sequence's, so a second
+        # thread's request (its poison fill, its load, its appends) must not run inside another's.
+        # Reentrant: generate() calls save(), and request() holders call prepare() and save().
+        self._request_lock = threading.RLock()
+        self._closed = False
+
+    def request(self):
+        """The request lock, for callers that drive the model themselves: ``with lm.request():``
+        around ``prepare`` … forward passes … ``save`` keeps other threads' requests out of the
+        cache until the save has started (``generate`` takes it by itself)."""
+        return self._request_lock
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this KVTierLM is closed (its save thread is stopped); create a new one "
+                               "(the store stays usable)")
 
     # -- the two halves, for callers that drive the model themselves ------------------
     def prepare(
@@ -161,11 +203,14 @@ class KVTierLM:
         """Look up ``tokens`` and load their longest cached prefix into a fresh cache.
 
         Room for ``extra_tokens`` more positions is reserved (generation).
-        The returned cache stays valid until the next ``prepare``/``generate``.
+        The returned cache stays valid until the next ``prepare``/``generate`` (of any
+        thread: hold :meth:`request` from here to :meth:`save` when threads share this instance).
         ``use_store=False`` returns an empty cache (nothing looked up).
         """
-        self._reuse_storage()
-        return self._prepare(as_token_array(tokens), extra_tokens, use_store)
+        with self._request_lock:
+            self._check_open()
+            self._reuse_storage()
+            return self._prepare(as_token_array(tokens), extra_tokens, use_store)
 
     def _reuse_storage(self) -> None:
         """Before a request, untimed: wait until no save reads the storage and the previous
@@ -209,36 +254,48 @@ class KVTierLM:
         ``tokens`` are the positions the current cache holds KV for (prompt and
         fed generated tokens). Returns the future of the per-block statuses.
         """
-        if self.store is None:
-            return None
-        arr = np.array(as_token_array(tokens))  # our own copy: the caller may reuse theirs
-        held = min(arr.size, self.storage.layers[0].length if self.storage.layers else 0)
-        n_full = held // self.layout.block_tokens
-        if n_full <= known_blocks:
-            return None
+        with self._request_lock:
+            self._check_open()
+            if self.store is None:
+                return None
+            arr = np.array(as_token_array(tokens))  # our own copy: the caller may reuse theirs
+            held = min(arr.size, self.storage.layers[0].length if self.storage.layers else 0)
+            n_full = held // self.layout.block_tokens
+            if n_full <= known_blocks:
+                return None
+            with self._gathers_lock:
+                self._gathers += 1
+                self._storage_free.clear()
+            try:
+                future = self._saver.submit(self._save_job, arr[: n_full * self.layout.block_tokens], known_blocks)
+            except BaseException:
+                self._gather_done()  # no job will: the next request must not wait for it forever
+                raise
+            with self._gathers_lock:
+                # Finished saves go: a service calling generate() in a loop would keep one per
+                # request forever. Their statuses are in each Generation.saved already.
+                self._saves = [f for f in self._saves if not f.done()]
+                self._saves.append(future)
+            return future
+
+    def _gather_done(self) -> None:
         with self._gathers_lock:
-            self._gathers += 1
-            self._storage_free.clear()
-        future = self._saver.submit(self._save_job, arr[: n_full * self.layout.block_tokens], known_blocks)
-        self._saves.append(future)
-        return future
+            self._gathers -= 1
+            if self._gathers == 0:
+                self._storage_free.set()
 
     def _save_job(self, tokens: np.ndarray, known_blocks: int) -> list[Status]:
         try:
             n_full = tokens.size // self.layout.block_tokens
             blocks = gather_blocks(self.storage, known_blocks, n_full - known_blocks)
         finally:
-            with self._gathers_lock:
-                self._gathers -= 1
-                if self._gathers == 0:
-                    self._storage_free.set()
+            self._gather_done()
         keys: list[BlockKey] = block_keys(self.namespace, tokens)
         new = keys[known_blocks:]
         parents = [keys[known_blocks - 1] if known_blocks else None, *new[:-1]]
         return self.store.put(new, blocks, parents=parents, metas=[self._meta] * len(new))
 
     # -- the whole flow -------------------------------------------------------------
-    @torch.inference_mode()
     def generate(
         self,
         tokens: Sequence[int] | np.ndarray,
@@ -251,8 +308,15 @@ class KVTierLM:
         """Greedy generation of up to ``max_new_tokens`` after ``tokens``.
 
         ``use_store=False`` recomputes the whole prompt (the baseline) through
-        the same path; ``save=False`` skips storing the new blocks.
+        the same path; ``save=False`` skips storing the new blocks. Another
+        thread's request waits until this one's save has started.
         """
+        with self._request_lock:
+            self._check_open()
+            return self._generate(tokens, max_new_tokens, use_store, save, eos_token_id)
+
+    @torch.inference_mode()
+    def _generate(self, tokens, max_new_tokens: int, use_store: bool, save: bool, eos_token_id: int | None):
         if max_new_tokens < 1:
             raise ValueError("max_new_tokens must be at least 1 (the first token is the point)")
         arr = as_token_array(tokens)
@@ -296,17 +360,29 @@ class KVTierLM:
         )
 
     def wait_saves(self) -> list[Status]:
-        """Wait for every background save; returns their statuses, concatenated."""
+        """Wait for every background save still running or not yet waited for; returns their
+        statuses, concatenated (a save that finished before a later one started is dropped
+        here: its statuses are in its own future, ``Generation.saved``). Raises the first
+        failed save's error, after all have ended."""
+        self._check_open()
+        with self._gathers_lock:
+            saves, self._saves = self._saves, []
+        wait(saves)
         statuses: list[Status] = []
-        for future in self._saves:
+        for future in saves:
             statuses.extend(future.result())
-        self._saves.clear()
         return statuses
 
     def close(self) -> None:
-        """Finish pending saves and stop the save thread (the store stays open: the caller owns it)."""
+        """Let a request under way finish, finish pending saves and stop the save thread (the store
+        stays open: the caller owns it). Idempotent; any later call raises at once."""
+        with self._request_lock:
+            if self._closed:
+                return
+            self._closed = True
         self._saver.shutdown(wait=True)
-        self._saves.clear()
+        with self._gathers_lock:
+            self._saves.clear()
 
     def __enter__(self):
         return self
