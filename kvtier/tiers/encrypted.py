@@ -52,6 +52,7 @@ from __future__ import annotations
 import logging
 import mmap
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor, wait
 
@@ -67,6 +68,9 @@ from kvtier.tiers.streams import StreamingTier, Unverifiable
 from kvtier.tiers.wrapper import WrappingTier
 
 log = logging.getLogger(__name__)
+
+#: names of blocks found sealed under an epoch unknown here that are remembered (then replaced by a put)
+_UNREADABLE_KEPT = 4096
 
 
 class _Staging(threading.local):
@@ -189,6 +193,12 @@ class EncryptedTier(WrappingTier):
         self._lanes = (ThreadPoolExecutor(self.streams - 1, thread_name_prefix="kvtier-aead-lane")
                        if self.streams > 1 else None)
         self._scratch = _BufferPool()  # one chunk-sized buffer per lane
+        # Names read under an epoch no key store here holds, kept unread (a missing key proves
+        # nothing): a put of one replaces it. Else one forged header poisoned a key for good on a
+        # content-addressed tier (Mooncake keeps an existing object on put). Bounded: forgetting
+        # one only keeps that key a miss.
+        self._unreadable: OrderedDict[BlockKey, None] = OrderedDict()
+        self._unreadable_lock = threading.Lock()
 
     @property
     def on_evict(self):
@@ -290,9 +300,25 @@ class EncryptedTier(WrappingTier):
         return True
 
     def _still_stored(self, present, owners, keys, names, datas) -> list[bool]:
-        """``present`` (the inner tier holds the name), less the blocks sealed under a retired epoch."""
-        return [here and not self._stale(owner, key, name, memoryview(data).nbytes)
+        """For a put: ``present`` (the inner tier holds the name), less the blocks sealed under a
+        retired epoch and those a read found under an epoch unknown here (both deleted, to be
+        stored again)."""
+        return [here and not self._replaced_unreadable(owner, name)
+                and not self._stale(owner, key, name, memoryview(data).nbytes)
                 for here, owner, key, name, data in zip(present, owners, keys, names, datas)]
+
+    def _replaced_unreadable(self, owner: str | None, name: BlockKey) -> bool:
+        """Delete a block a read found sealed under an epoch unknown here, for a put to replace it."""
+        if not self._unreadable:
+            return False
+        with self._unreadable_lock:
+            if name not in self._unreadable:
+                return False
+            del self._unreadable[name]
+        log.info("encrypted block %s… of tenant %r replaced: sealed under an epoch unknown here",
+                 name.hex()[:16], owner)
+        self._remove(name)
+        return True
 
     def _seal(self, tenant: str, name: BlockKey, data, out: np.ndarray, executor) -> np.ndarray:
         """Seal ``data`` into ``out`` for ``tenant``; returns the view of the sealed bytes."""
@@ -343,6 +369,10 @@ class EncryptedTier(WrappingTier):
                 return
             log.info("encrypted block %s… of tenant %r kept unread: %s (not in this key store)",
                      name.hex()[:16], tenant, why)
+            with self._unreadable_lock:
+                self._unreadable[name] = None
+                if len(self._unreadable) > _UNREADABLE_KEPT:
+                    self._unreadable.popitem(last=False)
             return
         log.warning("encrypted block %s… of tenant %r rejected: %s", name.hex()[:16], tenant, why)
         if lookup.found:  # the tag failed under our key: it will never verify, free the space
@@ -365,7 +395,7 @@ class EncryptedTier(WrappingTier):
             return Status.ERROR
         name = self._name(key)
         nbytes = memoryview(data).nbytes
-        if self.inner.contains(name) and not self._stale(owner, key, name, nbytes):
+        if self._still_stored([self.inner.contains(name)], [owner], [key], [name], [data])[0]:
             return Status.OK
         self._remember([key], [name])
         if self._streaming():

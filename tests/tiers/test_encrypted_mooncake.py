@@ -156,3 +156,33 @@ def test_a_sealed_read_that_overruns_quarantines_its_staging_until_the_late_read
     finally:
         enc.close()
         cluster.stop()
+
+
+def test_a_forged_unknown_epoch_does_not_poison_a_key_for_good(tmp_path):
+    """Anyone on the fleet can overwrite an object (Mooncake authenticates nobody): the genuine bytes
+    with the sealed header's epoch set to one no key store holds. The read keeps it unread (a missing
+    key proves nothing) and the engine keeps an existing object on put: every later put answered OK
+    and the key missed for good. A put of such a key now replaces it."""
+    enc = sealed_tier(tmp_path)
+    data = block(40)
+    try:
+        assert enc.put(key(40), data) is Status.OK
+        engine = enc.inner._engine
+        name = enc.inner.storage_name(enc.storage_name(key(40)))
+        size = engine.get_size(name)
+        obj = np.empty(size, np.uint8)
+        assert engine.get_into(name, obj.ctypes.data, size) == size
+        obj[HEADER_NBYTES + 8:HEADER_NBYTES + 12] = np.frombuffer((77).to_bytes(4, "little"), np.uint8)  # epoch
+        assert engine.upsert_from(name, obj.ctypes.data, size) == 0
+        out = poisoned(1)[0]
+        assert enc.get_many([key(40)], [out]) == [Status.MISS]  # unreadable here: a miss
+        assert enc.put_many([key(40)], [data]) == [Status.OK]  # the genuine writer stores it again
+        out = poisoned(1)[0]
+        assert enc.get_many([key(40)], [out]) == [Status.OK] and np.array_equal(out, data), \
+            f"the key stays poisoned (the forged object kept: {engine.is_exist(name) == 1})"
+        # control: an untouched neighbour stored twice still hits (only names a read found
+        # unreadable are replaced)
+        assert enc.put(key(41), block(41)) is Status.OK and enc.put(key(41), block(41)) is Status.OK
+        assert enc.get_many([key(41)], poisoned(1)) == [Status.OK]
+    finally:
+        enc.close()
