@@ -40,7 +40,8 @@ import asyncio
 import logging
 import socket
 import uuid
-from typing import Any, Callable, Iterable, Mapping
+import re
+from typing import Any, Callable, Iterable, Mapping, NamedTuple
 
 from aiohttp import ClientError, ClientSession, ClientTimeout
 
@@ -57,6 +58,12 @@ _PREFIX = {"/v1/completions": "cmpl-", "/v1/chat/completions": "chatcmpl-",
 #: under the 5 s this was, and a worker's /metrics once took 31 s. An abort the worker takes
 #: late still stops its decoding, so it is waited for and counted ``ok``.
 ABORT_TIMEOUT_S = 30.0
+#: the most engine requests one abort names: a larger batch is left to its closed connection,
+#: since its ids would be megabytes of JSON to build and send (a completion batch's size is
+#: bounded only by the body's)
+MAX_ABORT_IDS = 1024
+#: a body's ``request_id`` the router sends as a header as it is: printable ASCII, no space
+_HEADER_TOKEN = re.compile(r"[\x21-\x7e]{1,256}")
 #: how often the client's socket is looked at while its request waits on the worker
 CLIENT_POLL_S = 0.5
 
@@ -99,25 +106,50 @@ def request_id(headers: Mapping[str, str], body: Any) -> tuple[str, bool]:
     """The id the worker will know the request by, and whether the router must send it as a
     header. A client's own ``X-Request-Id`` (or the body's ``request_id``, which vLLM takes
     when there is no header) is kept: it is how the client finds the request in the
-    worker's logs."""
+    worker's logs. A body's id that is no safe header value (a control character, a space,
+    non-ASCII; over 256 characters) is not: sent as the header it made aiohttp's client raise
+    (header injection), a 500; the router names the request itself then."""
     given = headers.get("X-Request-Id")
     if given:
         return given, False
     own = body.get("request_id") if isinstance(body, dict) else None
-    return (own if isinstance(own, str) and own else uuid.uuid4().hex), True
+    return (own if isinstance(own, str) and _HEADER_TOKEN.fullmatch(own) else uuid.uuid4().hex), True
+
+
+class EngineIds(NamedTuple):
+    """The external ids vLLM gives the engine requests of one HTTP request, named but not built:
+    a completion batch of N prompts has N (``cmpl-<id>-<i>``), and building them for every
+    request, though only an abort uses them, cost ~100 bytes and some event-loop time per prompt
+    (a 64 MiB body of empty prompts: ~22 M ids, ~2 GB)."""
+
+    prefix: str
+    rid: str
+    count: int       #: engine requests
+    numbered: bool   #: ``<prefix><rid>-<i>`` each (a completion), else the one ``<prefix><rid>``
+
+    def ids(self) -> list[str]:
+        if not self.numbered:
+            return [self.prefix + self.rid]
+        return [f"{self.prefix}{self.rid}-{i}" for i in range(self.count)]
+
+
+def engine_requests(path: str, rid: str, body: Any) -> EngineIds | None:
+    """The engine requests of one HTTP request (None: the endpoint is not aborted by the router)."""
+    prefix = _PREFIX.get(path)
+    if prefix is None:
+        return None
+    if path != "/v1/completions":
+        return EngineIds(prefix, rid, 1, False)
+    prompt = body.get("prompt") if isinstance(body, dict) else None
+    batch = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (list, str))
+    return EngineIds(prefix, rid, len(prompt) if batch else 1, True)
 
 
 def engine_request_ids(path: str, rid: str, body: Any) -> list[str]:
-    """The external ids vLLM gives the engine requests of one HTTP request (empty: the
-    endpoint is not aborted by the router)."""
-    prefix = _PREFIX.get(path)
-    if prefix is None:
-        return []
-    if path != "/v1/completions":
-        return [prefix + rid]
-    prompt = body.get("prompt") if isinstance(body, dict) else None
-    batch = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (list, str))
-    return [f"{prefix}{rid}-{i}" for i in range(len(prompt) if batch else 1)]
+    """Every external id vLLM gives the engine requests of one HTTP request, built (empty: the
+    endpoint is not aborted by the router). The router keeps :func:`engine_requests` instead."""
+    engine = engine_requests(path, rid, body)
+    return engine.ids() if engine is not None else []
 
 
 class WorkerAborts:
@@ -131,23 +163,29 @@ class WorkerAborts:
         self._waiting: set[asyncio.Task] = set()   # asleep until an abort is sent again
         self._refusing: set[str] = set()   # workers told about once
 
-    def send(self, session: ClientSession | None, worker_url: str, ids: list[str],
+    def send(self, session: ClientSession | None, worker_url: str, ids: EngineIds | None,
              headers: Mapping[str, str] | None, again_after_s: Iterable[float] = (),
              still_wanted: Callable[[], bool] | None = None) -> None:
         """Abort ``ids`` on the worker now, and again ``again_after_s`` seconds from now (each
         time only if ``still_wanted()``): ``record`` counts the first as ``ok``/``refused``/
-        ``failed`` and each one sent again as ``again`` (or its failure)."""
-        if session is None or session.closed or not ids:
+        ``failed`` and each one sent again as ``again`` (or its failure); a request of more than
+        :data:`MAX_ABORT_IDS` engine requests is not named (``too_many``): its closed connection
+        is what tells the worker."""
+        if session is None or session.closed or ids is None:
+            return
+        if ids.count > MAX_ABORT_IDS:
+            self._record(worker_url, "too_many")
             return
         task = asyncio.get_running_loop().create_task(
             self._aborts(session, worker_url, ids, headers, sorted(again_after_s), still_wanted))
         self._pending.add(task)   # held: the loop keeps only weak references to tasks
         task.add_done_callback(self._pending.discard)
 
-    async def _aborts(self, session: ClientSession, worker_url: str, ids: list[str],
+    async def _aborts(self, session: ClientSession, worker_url: str, engine: EngineIds,
                       headers: Mapping[str, str] | None, again_after_s: list[float],
                       still_wanted: Callable[[], bool] | None) -> None:
         t0 = asyncio.get_running_loop().time()
+        ids = engine.ids()   # built here, once the client has left: at most MAX_ABORT_IDS
         self._record(worker_url, await self._post(session, worker_url, ids, headers))
         for at in again_after_s:
             self._waiting.add(asyncio.current_task())

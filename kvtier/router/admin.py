@@ -16,7 +16,13 @@ Endpoints (JSON):
 Who may call: with ``KVTIER_ROUTER_ADMIN_TOKEN`` set in the router's environment, a caller
 presenting ``Authorization: Bearer <that token>`` (compared as SHA-256 digests in constant
 time); without it, callers on loopback only (the router's default address), since adding
-a worker points user traffic at an address of the caller's choosing.
+a worker points user traffic at an address of the caller's choosing. Loopback is not enough
+alone: a web page open in a browser on the router's host is a loopback caller too (a
+cross-site ``text/plain`` form post needs no CORS preflight; DNS rebinding names the page's
+own host). So without a token a call is also refused if it carries an ``Origin`` header (a
+browser's), a ``Host`` other than ``127.0.0.1``, ``[::1]`` or ``localhost`` (any port), or a
+body that is not ``Content-Type: application/json`` (which a browser sends cross-site only
+after a preflight, and the router answers none).
 
 A worker added is priced at the median measured prefill speed of the others until its own
 answers measure it. Worker ids are index bit positions: a removed worker's id is reused by the next one added,
@@ -43,6 +49,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 TOKEN_ENV = "KVTIER_ROUTER_ADMIN_TOKEN"
+#: the names a loopback caller may use for the router without a token (a browser's page after
+#: DNS rebinding names its own host)
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1", "localhost"})
 
 
 def _digest(token: str) -> bytes:
@@ -54,6 +63,14 @@ def _loopback(remote: str | None) -> bool:
         return remote is not None and ipaddress.ip_address(remote.split("%")[0]).is_loopback
     except ValueError:
         return False
+
+
+def _host_name(host: str) -> str:
+    """``Host``'s name without its port: ``[::1]:8000`` → ``::1``, ``localhost:80`` → ``localhost``."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[1:host.find("]")] if "]" in host else host
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
 
 
 def _error(status: int, message: str) -> RequestError:
@@ -85,12 +102,21 @@ class WorkerAdmin:
         if self._token is None:
             if not _loopback(request.remote):
                 raise _error(403, f"admin API without {TOKEN_ENV} set: loopback callers only")
+            if request.headers.get("Origin") is not None:
+                raise _error(403, f"admin API without {TOKEN_ENV} set: no calls from a web page (an Origin header)")
+            host = request.headers.get("Host")
+            if host is not None and _host_name(host) not in LOOPBACK_HOSTS:
+                raise _error(403, f"admin API without {TOKEN_ENV} set: call it as 127.0.0.1, [::1] or "
+                                  f"localhost, not {host!r}")
             return
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(_digest(token.strip()), self._token):
             raise _error(401, "admin API: missing or wrong bearer token")
 
     async def _body(self, request: web.Request) -> dict:
+        ctype = request.headers.get("Content-Type", "").partition(";")[0].strip().lower()
+        if self._token is None and ctype != "application/json":
+            raise _error(415, f"admin API without {TOKEN_ENV} set: send the body as Content-Type: application/json")
         try:
             body = await request.json()
         except (ValueError, RecursionError):   # (a body nested too deeply is a RecursionError)

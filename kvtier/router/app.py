@@ -23,7 +23,7 @@ from typing import Any, Sequence
 from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
 
 from kvtier.policy.routing import Approximate, make_policy
-from kvtier.router.abort import WorkerAborts, engine_request_ids, request_id, watch_client
+from kvtier.router.abort import EngineIds, WorkerAborts, engine_requests, request_id, watch_client
 from kvtier.router.admin import install as install_admin
 from kvtier.router.admission import AsyncAdmission
 from kvtier.router.config import RouterConfig
@@ -35,15 +35,15 @@ from kvtier.router.metrics import RouterMetrics
 from kvtier.router.models import (LORA_PATHS, TOKENIZER_CHECK_TEXT, first_refusal, listed_models, lora_adapters,
                                   merge_listings, model_missing, post_to_all, requested_model, serving,
                                   tokenizes_alike)
+from kvtier.router.relay import KeptAnswer, forwarded_headers
 from kvtier.router.requests import (RENDER_FIELDS, WORKER_RENDERED, RequestError, RouteRequest, cached_tokens,
-                                   check_body, error_response, text_chars, usage_of_stream)
+                                   check_body, error_response, text_chars)
 from kvtier.router.view import LinearPrefill, LiveView
 from kvtier.router.workers import Health, PrefillFit, Worker
 from kvtier.sim.service import ServiceModel
 
 log = logging.getLogger(__name__)
 
-_HOP_HEADERS = {"host", "content-length", "transfer-encoding", "connection", "keep-alive"}
 _RETRY_STATUS = {502, 503, 504}
 #: when the router got the request (its own time before forwarding goes into Server-Timing)
 _RECEIVED = web.RequestKey("kvtier_received", float)
@@ -60,11 +60,9 @@ _RESPONSE = web.RequestKey("kvtier_response", web.StreamResponse)
 #: client's mistake, in one line (kvtier/router/http_log.py), not as an error with a traceback.
 SERVE_OPTIONS = {"handler_cancellation": True, "logger": server_log()}
 
-#: a Responses API answer's id (vLLM: ``resp_`` + hex); output items have other prefixes
-#: how much of a stream's start and end the router keeps (the response id; usage at the end)
-_TAIL = 65536
 #: what a stored response's id may be, for asking the workers about it (vLLM: resp_<hex>)
 _STORED_ID = re.compile(r"[A-Za-z0-9_-]{1,200}")
+#: a Responses API answer's id (vLLM: ``resp_`` + hex); output items have other prefixes
 _RESPONSE_ID = re.compile(rb'"id"\s*:\s*"(resp_[A-Za-z0-9_-]+)"')
 #: response ids remembered for ``previous_response_id`` (the oldest forgotten first)
 MAX_RESPONSE_OWNERS = 1 << 16
@@ -163,7 +161,11 @@ class Router:
         # streams longer than it (an agent's long answer), mid-stream.
         timeout = ClientTimeout(total=None, sock_connect=self.config.connect_timeout_s,
                                 sock_read=self.config.request_timeout_s)
-        self.session = ClientSession(timeout=timeout, connector=TCPConnector(limit=0), auto_decompress=False)
+        # Plaintext asked of the workers for every call (aiohttp would ask for gzip and, with
+        # auto_decompress off, leave it compressed): the router reads its answers' bytes (usage,
+        # renders, listings); a relayed request asks the same (router/relay.py).
+        self.session = ClientSession(timeout=timeout, connector=TCPConnector(limit=0), auto_decompress=False,
+                                     headers={"Accept-Encoding": "identity"})
         for w in self.workers:
             if w.events_endpoint:
                 self.listen(w)
@@ -560,8 +562,8 @@ class Router:
                                    model=requested_model(body))
 
     def _remember_response(self, kept: bytes, worker: Worker, tail: bytes = b"") -> None:
-        """Which worker holds the response an answer created (its ``resp_…`` id: in the whole
-        JSON answer, or a stream's first events; ``tail``, a stream's last bytes, if not there)."""
+        """Which worker holds the response an answer created (its ``resp_…`` id: in the answer's
+        first bytes, a stream's first events; ``tail``, its last bytes, if not there)."""
         # ("previous_response_id" is not matched: no quote before "id")
         found = _RESPONSE_ID.search(kept) or _RESPONSE_ID.search(tail)
         if found is None:
@@ -645,7 +647,7 @@ class Router:
         raw, body = await self._json(request)
         if not isinstance(body, dict):
             raise RequestError(400, "the request body must be a JSON object")
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
+        headers = forwarded_headers(request.headers)
         workers = [w for w in self.workers if w.healthy] or list(self.workers)
         if not workers:
             raise RequestError(503, "no worker to load the adapter on", "service_unavailable_error")
@@ -699,13 +701,13 @@ class Router:
                         streaming: bool = False, seed: int = ROOT_SEED,
                         pinned_url: str | None = None, body: Any = None,
                         model: str | None = None) -> web.StreamResponse:
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
+        headers = forwarded_headers(request.headers)   # (router/relay.py)
         # named, so that the worker can be told to abort it if the client leaves (router/abort.py)
         rid, add_header = request_id(request.headers, body)
-        abort_ids = engine_request_ids(request.path, rid, body)
-        if add_header and abort_ids:
+        abort_ids = engine_requests(request.path, rid, body)   # (ids built only if an abort needs them)
+        if add_header and abort_ids is not None:
             headers["X-Request-Id"] = rid
-        if abort_ids:
+        if abort_ids is not None:
             request[_NAMED] = (rid, not add_header)
             self._names[rid] += 1
         # pinned: only that worker can serve it (it holds state the request refers to)
@@ -732,7 +734,7 @@ class Router:
             # prefill, which frees the queue; a non-streamed answer comes whole after its decode,
             # and counting its tokens until then would throttle the worker.
             admission = self._admission(worker) if streaming else None
-            sent = False
+            sent = sending = False
             watcher: asyncio.Task | None = None
             try:
                 held_t0 = time.monotonic()
@@ -747,8 +749,10 @@ class Router:
                 # until the first byte nothing is written to the client, which is how a departure
                 # is otherwise noticed (router/abort.py): look at its socket meanwhile
                 watcher = watch_client(request.transport, asyncio.current_task().cancel)
+                sending = True
                 async with self.session.request(request.method, worker.url + request.path_qs, data=raw,
                                                 headers=headers) as resp:
+                    sending = False
                     if resp.status in _RETRY_STATUS:
                         last_error = f"worker {worker.url} answered {resp.status}"
                         self._record_health(worker, False)
@@ -783,7 +787,7 @@ class Router:
                     timing = (f"router;dur={own_s * 1e3:.3f}, held;dur={held_s * 1e3:.3f}, "
                               f"upstream;dur={upstream_s * 1e3:.3f}")
                     return await self._relay(request, resp, first, worker, timing, predicted,
-                                             rid if abort_ids else None)
+                                             rid if abort_ids is not None else None)
             except asyncio.CancelledError:   # the client left (its handler is cancelled)
                 log.debug("request %s: its client left (%s the first byte) on %s", rid,
                           "after" if answered else "before", worker.url)
@@ -799,6 +803,13 @@ class Router:
                 last_error = f"worker {worker.url}: {exc.__class__.__name__}: {exc}"
                 log.warning("request failed before its first byte on %s (%s); retrying elsewhere", worker.url, exc)
                 self._record_health(worker, False)
+            except ValueError as exc:
+                if not sending:
+                    raise
+                # aiohttp's client refuses what it cannot send (a header value with a control
+                # character: header injection). The request's, not the worker's nor the router's
+                # fault: no retry, no failure charged, no 500 with a logged traceback.
+                raise RequestError(400, f"the request cannot be forwarded: {exc}") from None
             finally:
                 if watcher is not None:
                     watcher.cancel()
@@ -810,7 +821,7 @@ class Router:
             return unserved
         raise RequestError(503, f"no worker could serve the request ({last_error})", "service_unavailable_error")
 
-    def _abort_on(self, worker: Worker, ids: list[str], request: web.Request, again: bool = False) -> None:
+    def _abort_on(self, worker: Worker, ids: EngineIds | None, request: web.Request, again: bool = False) -> None:
         """The client left: beside closing the worker's connection, ask the worker to abort the
         request by name (vLLM does not always notice a closed connection in time: router/abort.py);
         ``again``: it left before the first byte, so the abort is sent again later, in case the
@@ -834,6 +845,13 @@ class Router:
         ctype = resp.headers.get("Content-Type")
         if ctype:
             out.headers["Content-Type"] = ctype
+        # Asked for none (router/relay.py), but a worker or an ingress before it may compress all
+        # the same: the client must be told to decode what it is relayed, and the router cannot
+        # read usage from it.
+        encoding = resp.headers.get("Content-Encoding")
+        encoded = encoding is not None and encoding.lower() != "identity"
+        if encoded:
+            out.headers["Content-Encoding"] = encoding
         out.headers["X-Kvtier-Worker"] = worker.url
         if rid is not None:   # the id the worker runs it under (its logs, an abort): router/abort.py
             out.headers["X-Request-Id"] = rid
@@ -846,10 +864,9 @@ class Router:
         request[_RESPONSE] = out
         await out.prepare(request)
         streaming = "text/event-stream" in (ctype or "")
-        kept = bytearray(first)
-        # a streamed response's first event (response.created) names it; its last
-        # (response.completed, the whole output) may be longer than the kept tail
-        head = bytearray(first[:_TAIL]) if streaming and request.path == "/v1/responses" else None
+        # a bounded head and tail (a whole answer up to 1 MiB in full), never the whole answer:
+        # the response id is in a Responses answer's first bytes; usage at the end
+        kept = KeptAnswer(first, streaming, keep_head=request.path == "/v1/responses")
         try:
             await out.write(first)
             last, mark = time.monotonic(), worker.quiet_mark()
@@ -866,11 +883,7 @@ class Router:
                     worker.decode_gap(now - last, mark)
                     last, mark = now, worker.quiet_mark()
                 await out.write(chunk)
-                kept += chunk
-                if head is not None and len(head) < _TAIL:
-                    head += chunk[:_TAIL - len(head)]
-                if streaming and len(kept) > _TAIL:
-                    del kept[:-_TAIL]     # the usage chunk comes last: keep a tail only
+                kept.add(chunk)
             await out.write_eof()
         except (ConnectionResetError, asyncio.CancelledError):
             # The client left, or the shutdown's drain ended the answer: leaving here closes the
@@ -884,16 +897,11 @@ class Router:
                     await out.write(f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode())
                     await out.write_eof()
             raise
-        usage = None
-        if streaming:
-            usage = usage_of_stream(bytes(kept))
-        elif resp.status == 200:
-            try:
-                usage = json.loads(kept).get("usage")
-            except (ValueError, AttributeError, RecursionError):
-                usage = None
+        if encoded:
+            return out
+        usage = kept.usage() if streaming or resp.status == 200 else None
         if request.path == "/v1/responses" and resp.status == 200:
-            self._remember_response(bytes(kept) if head is None else bytes(head), worker, bytes(kept))
+            self._remember_response(bytes(kept.head), worker, bytes(kept.tail))
         got = cached_tokens(usage)
         if got is not None:
             self.metrics.actual_cached.labels(worker.url).inc(got[0])

@@ -13,6 +13,11 @@
   blind: on connecting (a router that restarts, or a publisher that did) it replays
   the buffer, and lost messages are replayed rather than cleared (cleared only when
   the buffer no longer has them).
+  Only one KV-cache group is indexed (``VllmEvents.group``): vLLM publishes each
+  block once per group (``group_idx``; ``kv_cache_spec_kind`` on stores), and the groups
+  of a hybrid model (Gemma 3: full attention and sliding window) hold the same block
+  hashes but evict them apart, so a sliding window's removal of a block outside its window
+  uncredited a prefix the full-attention group still held and served.
 * :class:`SharedTierEvents` — the kvtier server's authenticated events
   (:class:`kvtier.server.events.EventSubscriber`, CURVE credentials). Their block
   names are HMACs of the connector's client keys, which chain over vLLM's own block
@@ -52,6 +57,13 @@ from kvtier.router.workers import Worker
 
 log = logging.getLogger(__name__)
 _SEQ = struct.Struct(">Q")
+#: vLLM's ``KVCacheSpecKind`` values of groups that keep every block of a prefix (the others keep
+#: a window, a chunk or a state only): the group indexed is the first of these
+FULL_ATTENTION_KINDS = frozenset({"full_attention", "mla_attention", "sink_full_attention"})
+#: the fields of vLLM's events in order (``vllm/distributed/kv_events.py``), for the array-like encoding
+_FIELDS = {"BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
+                           "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind"),
+           "BlockRemoved": ("block_hashes", "medium", "group_idx")}
 
 
 class VllmEvents:
@@ -69,6 +81,10 @@ class VllmEvents:
         #: blocks of events the index cannot take (reason, count): said, not dropped in silence
         self.on_ignored = on_ignored or (lambda worker, reason, n: None)
         self._told: set[str] = set()
+        #: the KV-cache group indexed, and whether it is known to be a full-attention one (until
+        #: then group 0, a model's only group when its vLLM names none)
+        self.group = 0
+        self._group_known = False
         self.next_seq: int | None = None
         self.resyncs = 0
         self.messages = 0
@@ -110,6 +126,7 @@ class VllmEvents:
         log.info("worker %s events: %s%s; clearing its index entries", self.worker.url, reason,
                  f" ({detail})" if detail else "")
         self.index.clear_worker(self.worker.id)
+        self.group, self._group_known = 0, False   # (a restarted worker may serve another model)
         self.next_seq = None
         self._skip_below = None
         self.resyncs += 1
@@ -249,11 +266,26 @@ class VllmEvents:
         self.resync("malformed", detail)
         self.next_seq = seq + 1
 
-    def _ignore(self, reason: str, blocks: int, why: str) -> None:
+    def _ignore(self, reason: str, blocks: int, why: str, level: int = logging.ERROR) -> None:
         self.on_ignored(self.worker, reason, blocks)
         if reason not in self._told:
             self._told.add(reason)
-            log.error("worker %s %s", self.worker.url, why)
+            log.log(level, "worker %s %s", self.worker.url, why)
+
+    def _in_indexed_group(self, group, kind) -> bool:
+        """Whether events of KV-cache group ``group`` (None: vLLM names none, group 0) are indexed;
+        ``kind``: its ``kv_cache_spec_kind``, which only stores carry. The first full-attention
+        group is; until one is seen, group 0. A full-attention group seen first, or one of a
+        lower index than the one indexed, takes over: what the other group put in the index is
+        cleared (it is in the same batch, in practice: vLLM stores a block in every group at once)."""
+        group = group or 0
+        if kind in FULL_ATTENTION_KINDS and (not self._group_known or group < self.group):
+            if group != self.group:
+                log.info("worker %s events: indexing KV-cache group %d (%s), not %d", self.worker.url, group,
+                         kind, self.group)
+                self.index.clear_worker(self.worker.id)
+            self.group, self._group_known = group, True
+        return group == self.group
 
     def apply(self, event) -> None:
         if isinstance(event, dict):
@@ -261,15 +293,23 @@ class VllmEvents:
             get = event.get
         else:   # array-like encoding: [tag, fields…]
             kind, fields = event[0], event[1:]
-            names = {"BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size",
-                                     "lora_id", "medium", "lora_name", "extra_keys"),
-                     "BlockRemoved": ("block_hashes", "medium")}.get(kind, ())
-            mapping = dict(zip(names, fields))
+            mapping = dict(zip(_FIELDS.get(kind, ()), fields))
             get = mapping.get
         wid = self.worker.id
         if kind == "BlockStored":
             size = int(get("block_size") or 0)
+            spec = get("kv_cache_spec_kind")
+            indexed = self._in_indexed_group(get("group_idx"), spec)
             if size and size != self.index.block_tokens:
+                if not indexed or spec not in FULL_ATTENTION_KINDS | {None}:
+                    # another kind of group (a Mamba hybrid's state, published first): not one the
+                    # router indexes, and nothing --block-tokens could change
+                    self._ignore("kv_cache_group", len(get("block_hashes") or []),
+                                 f"publishes KV-cache group {get('group_idx')} ({spec}) in blocks of {size} "
+                                 f"tokens: ignored, the router indexes one full-attention group only (in a model "
+                                 f"with none, group 0: then give the router --block-tokens {size})",
+                                 level=logging.INFO)
+                    return
                 # a router keyed for another block size than the worker's finds nothing, ever:
                 # every prediction would be 0 and routing fall back to load, with no sign why
                 self._ignore("block_size", len(get("block_hashes") or []),
@@ -277,11 +317,14 @@ class VllmEvents:
                              f"{self.index.block_tokens} (--block-tokens): its events are ignored; start the "
                              f"router with --block-tokens {size} (vLLM's --block-size)")
                 return
+            if not indexed:
+                return
             self.index.stored(wid, get("block_hashes") or [], get("parent_block_hash"), get("token_ids") or [],
                               int(get("block_size") or 0), get("medium"), shared=self.shared_writes,
                               lora_name=get("lora_name"), extra_keys=get("extra_keys"))
         elif kind == "BlockRemoved":
-            self.index.removed(wid, get("block_hashes") or [], get("medium"))
+            if self._in_indexed_group(get("group_idx"), None):
+                self.index.removed(wid, get("block_hashes") or [], get("medium"))
         elif kind == "AllBlocksCleared":
             self.index.clear_worker(wid)
 

@@ -59,11 +59,13 @@ class RouterMetrics:
                               "Requests the router asked a worker to abort because their client left "
                               "(result: ok; refused, the worker answered an error status; failed, no answer; shared_name, not asked: "
                               "another request under way has the same client-given id; again, an abort sent again because "
-                              "the client left before the worker's first byte, when the worker may not have had it yet)",
+                              "the client left before the worker's first byte, when the worker may not have had it yet; too_many, not "
+                              "asked: a batch of more engine requests than one abort names)",
                               ["worker", "result"], registry=r)
         self.ignored = Counter("kvtier_router_event_blocks_ignored",
                                "Blocks of KV events the router could not index (reason block_size: the worker's "
-                               "vLLM --block-size is not the router's --block-tokens)", ["worker", "reason"],
+                               "vLLM --block-size is not the router's --block-tokens; kv_cache_group: a KV-cache group the "
+                               "router does not index, whose blocks are of another size)", ["worker", "reason"],
                                registry=r)
         self.tokenizer_mismatch = Gauge("kvtier_router_worker_tokenizer_mismatch",
                                         "1 if the worker tokenized the router's check text differently from the "

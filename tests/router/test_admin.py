@@ -209,7 +209,7 @@ def test_an_added_worker_backlog_is_priced_at_the_fleets_measured_speed():
 class _Call:
     """A loopback admin call, without a server (for what races the event loop)."""
     remote = "127.0.0.1"
-    headers: dict = {}
+    headers: dict = {"Content-Type": "application/json"}   # as the planner's launcher sends it
 
     def __init__(self, body: dict) -> None:
         self._body = body

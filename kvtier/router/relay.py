@@ -1,0 +1,99 @@
+"""What the router passes between a client and a worker, and what it keeps of an answer: the
+request headers a worker is sent (hop-by-hop ones dropped, plaintext asked for), and a bounded
+record of the answer relayed (for its usage and a Responses API id). No I/O: :mod:`kvtier.router.app`
+calls these.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Mapping
+
+from kvtier.router.requests import usage_of_stream
+
+#: Headers meant for one connection, not for the next hop (RFC 9110 §7.6.1: a proxy must drop
+#: them, and any header the request's ``Connection`` names), and the framing aiohttp sets itself.
+#: ``Proxy-Authorization`` is the client's credential for a proxy in front of the router: a
+#: worker must never see it.
+HOP_HEADERS = frozenset({"connection", "keep-alive", "te", "trailer", "transfer-encoding", "upgrade",
+                         "proxy-authorization", "proxy-authenticate", "proxy-connection", "host",
+                         "content-length"})
+#: a stream's head and tail kept (its response id first; its usage chunk last)
+TAIL_BYTES = 65536
+#: a whole (non-streamed) answer up to this size is parsed for its usage; a larger one only has its
+#: tail searched, as a stream's is: a 97 MB embeddings answer held in memory and parsed on the
+#: event loop stalled every stream the router relayed for 0.76 s
+WHOLE_PARSE_BYTES = 1 << 20
+_USAGE_KEY = re.compile(rb'"usage"\s*:\s*')
+
+
+def forwarded_headers(headers: Mapping[str, str]) -> dict[str, str]:
+    """The client's headers as a worker is sent them: hop-by-hop ones dropped (and those the
+    client's ``Connection`` header names), and ``Accept-Encoding: identity`` instead of whatever
+    the client or aiohttp would ask for, since the router reads the answer's usage from its bytes
+    and relays it with its own framing."""
+    named = {t.strip().lower() for v in _all(headers, "Connection") for t in v.split(",")}
+    drop = HOP_HEADERS | named | {"accept-encoding"}
+    out = {k: v for k, v in headers.items() if k.lower() not in drop}
+    out["Accept-Encoding"] = "identity"
+    return out
+
+
+def _all(headers: Mapping[str, str], name: str) -> list[str]:
+    getall = getattr(headers, "getall", None)   # a multidict: a header may come more than once
+    if getall is not None:
+        return list(getall(name, []))
+    return [v for k, v in headers.items() if k.lower() == name.lower()]
+
+
+def usage_of_tail(tail: bytes) -> Any:
+    """The ``usage`` object of a whole JSON answer from its last bytes (vLLM writes it after the
+    choices or data), or None: the last ``"usage":`` key's value, decoded alone."""
+    found = None
+    for found in _USAGE_KEY.finditer(tail):
+        pass
+    if found is None:
+        return None
+    try:
+        usage, _ = json.JSONDecoder().raw_decode(tail[found.end():].decode("utf-8", "replace"))
+    except (ValueError, RecursionError):
+        return None
+    return usage
+
+
+class KeptAnswer:
+    """What the router keeps of an answer it relays, bounded whatever the answer's size: its
+    head (``keep_head``: a Responses API answer's id), its last :data:`TAIL_BYTES`, and, for a
+    whole answer, all of it while it is at most :data:`WHOLE_PARSE_BYTES`. Owned by one relay;
+    ``add`` copies the chunk's bytes it keeps."""
+
+    def __init__(self, first: bytes, streaming: bool, keep_head: bool) -> None:
+        self.streaming = streaming
+        self.head = bytearray(first[:TAIL_BYTES]) if keep_head else None
+        self.tail = bytearray(first[-TAIL_BYTES:])
+        self.whole = None if streaming or len(first) > WHOLE_PARSE_BYTES else bytearray(first)
+
+    def add(self, chunk: bytes) -> None:
+        if self.head is not None and len(self.head) < TAIL_BYTES:
+            self.head += chunk[:TAIL_BYTES - len(self.head)]
+        if self.whole is not None:
+            if len(self.whole) + len(chunk) <= WHOLE_PARSE_BYTES:
+                self.whole += chunk
+            else:
+                self.whole = None   # too large to parse on the event loop: its tail will do
+        self.tail += chunk[-TAIL_BYTES:]
+        if len(self.tail) > TAIL_BYTES:
+            del self.tail[:-TAIL_BYTES]
+
+    def usage(self) -> Any:
+        """The answer's ``usage``: a stream's last usage chunk; a whole answer parsed, or (too
+        large to parse) read from its tail."""
+        if self.streaming:
+            return usage_of_stream(bytes(self.tail))
+        if self.whole is None:
+            return usage_of_tail(bytes(self.tail))
+        try:
+            return json.loads(self.whole).get("usage")
+        except (ValueError, AttributeError, RecursionError):
+            return None
