@@ -11,6 +11,7 @@ mode is their owner's choice (a shared mount an operator set up, say).
 from __future__ import annotations
 
 import os
+import secrets
 import stat
 
 from kvtier.errors import ConfigError
@@ -41,6 +42,40 @@ def make_private_dirs(path: str | os.PathLike) -> None:
             continue  # another process made it first: theirs to set up
         os.chmod(directory, DIR_MODE)  # mkdir's mode went through the umask
 
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Make the renames and unlinks done in directory ``path`` survive a crash."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def replace_private_file(path: str | os.PathLike, data: bytes) -> None:
+    """Replace ``path`` with ``data`` at once: readers see the old file or the new, whole.
+
+    The bytes go to a new 0600 temp file beside it, ``<stem>.tmp<pid>.<random>``, fsync'd, then
+    renamed over ``path``. The temp name is unpredictable and opened with ``O_EXCL|O_NOFOLLOW``:
+    a file or link planted there is never written through. If anything fails the temp file is
+    removed (it may hold secrets); a crash before the rename leaves it for the owner to sweep.
+    The caller syncs the directory (:func:`fsync_dir`) when the rename must survive a crash."""
+    path = os.fspath(path)
+    stem = os.path.splitext(path)[0]
+    tmp = f"{stem}.tmp{os.getpid()}.{secrets.token_hex(4)}"
+    fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, FILE_MODE)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.rename(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
 
 
 def read_private_file(path: str, what: str, fix: str) -> bytes:

@@ -20,9 +20,19 @@
   before any encryption under it; a process that dies loses the unspent rest
   (wasted, never reused), and unspent leases are never handed back.
 * Several processes may share a keystore directory: writes are atomic
-  (temp + rename) under an ``flock``; a process re-reads a tenant's file when it
-  changed, at most every ``refresh_s``, so a shred elsewhere takes effect here
-  within ``refresh_s`` (immediately in the shredding process).
+  (temp + rename, the directory synced) under an ``flock``; a process re-reads a
+  tenant's file when it changed (another inode, mtime or size than the one its
+  keys were read from), at most every ``refresh_s``, so a shred elsewhere takes
+  effect here within ``refresh_s`` (immediately in the shredding process).
+* The store belongs to one master key: ``keystore-check.json`` holds an HMAC of a
+  fixed label under it, written when the store is created (for a store from
+  before the check, once a key file there opens under the master key). Another
+  master key is refused (:class:`~kvtier.errors.ConfigError`) before anything is
+  read or written: a wrong key would otherwise make new keys beside the old ones
+  and orphan every block. ``required_by`` refuses a missing or empty store the
+  same way, for callers (the server's spill) whose data needs the existing one.
+* A damaged key file is a :class:`~kvtier.errors.ConfigError` naming it, never
+  replaced by new keys: that would shred the tenant.
 * Keys from elsewhere: a read that names an epoch (or key id) this process has
   not loaded -- another process rotated and wrote with the new key -- re-reads
   the tenant's file at once, whatever ``refresh_s`` says, at most once per
@@ -40,11 +50,14 @@ import hashlib
 import hmac
 import json
 import os
+import re
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
+from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
@@ -52,12 +65,21 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from kvtier.core.framing import frame_int, frame_str
 from kvtier.crypto.providers import MasterKeyProvider
 from kvtier.errors import ConfigError
+from kvtier.private_files import fsync_dir, make_private_dirs, replace_private_file
 
 ROTATE_AFTER = 1 << 30
 #: encryptions one lease grants: 2^20 chunks (64 GiB at the stream chunk size) cost one locked
 #: key-store write, and a crash wastes at most 1/1024 of a key's budget
 LEASE_SIZE = 1 << 20
 _GCM_RANDOM_NONCE_BOUND = 1 << 32  # NIST SP 800-38D, random 96-bit IVs
+#: the file that ties a key store to its master key (see the module docstring)
+CHECK_FILE = "keystore-check.json"
+_CHECK_LABEL = b"kvtier/keystore-check/v1"
+_DOC_NAME = re.compile(r"[0-9a-f]{32}\.json")
+#: temp files of key-store writes (this version's and older ones'): stem, then what follows
+_TEMP_NAME = re.compile(r"([0-9a-f]{32}|keystore-check)\.tmp[0-9]+\.[0-9a-f]+")
+#: what a damaged key file raises while it is parsed or unwrapped
+_DAMAGE = (ValueError, KeyError, TypeError, AttributeError, InvalidTag)
 
 
 @dataclass(slots=True)
@@ -84,6 +106,20 @@ class Lease:
     remaining: int
 
 
+class _Read(NamedTuple):
+    """A tenant's key file as read through one descriptor: ``doc`` (None: absent) and the
+    ``version`` (inode, mtime, size) of the very file the content came from."""
+
+    doc: dict | None
+    version: tuple[int, int, int] | None
+
+
+def _version(st: os.stat_result) -> tuple[int, int, int]:
+    # A rewrite is a rename of a new inode over the file, so the inode alone tells a change
+    # from the file this process read; mtime and size guard against inode numbers reused.
+    return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+
 def _leased(entry: dict) -> int:
     # "encryptions": what key stores written before leases recorded (a lower bound of use)
     return int(entry.get("leased", entry.get("encryptions", 0)))
@@ -91,22 +127,24 @@ def _leased(entry: dict) -> int:
 
 @dataclass(slots=True)
 class _TenantKeys:
-    mtime_ns: int
+    version: tuple[int, int, int]
     checked: float
     current_epoch: int
     keys: dict[int, DataKey]
-    index_key: bytes
+    index_key: bytes = field(repr=False)
     created: dict[int, float]
 
 
 class Keyring:
     def __init__(self, provider: MasterKeyProvider, keystore_dir: str | Path, *, refresh_s: float = 1.0,
                  missing_reload_s: float = 1.0, rotate_after: int = ROTATE_AFTER,
-                 lease_size: int = LEASE_SIZE) -> None:
+                 lease_size: int = LEASE_SIZE, required_by: str | None = None) -> None:
         """``rotate_after``: encryptions (chunks) under one data key, all processes sharing
         ``keystore_dir`` together, after which writes use a new epoch; every process sharing
         the store must use the same value. ``lease_size``: encryptions taken from the store
-        at a time (clipped to ``rotate_after``)."""
+        at a time (clipped to ``rotate_after``). ``required_by``: what needs the store to
+        exist already (say, blocks sealed with it); a missing or empty store is then refused
+        instead of created. Raises :class:`ConfigError` if the store is another master key's."""
         if not 1 <= rotate_after <= _GCM_RANDOM_NONCE_BOUND:
             raise ConfigError(f"rotate_after={rotate_after}: give 1..2^32 encryptions per data key "
                               f"(AES-GCM's random-nonce bound); default 2^30")
@@ -116,7 +154,8 @@ class Keyring:
         self.lease_size = min(lease_size, rotate_after)
         self._master = provider.master_key()
         self.dir = Path(keystore_dir)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self._unverified: set[str] = set()  # key files of a store from before the check (see _check_master)
+        self._open_store(required_by)
         self.refresh_s = refresh_s
         self.missing_reload_s = missing_reload_s
         self._lock = threading.RLock()
@@ -146,31 +185,132 @@ class Keyring:
         return base64.b64encode(nonce + sealed).decode()
 
     def _unwrap(self, tenant: str, purpose: str, text: str) -> bytes:
-        blob = base64.b64decode(text)
-        return self._kek(tenant).decrypt(blob[:12], blob[12:], frame_str(1, tenant) + frame_str(2, purpose))
+        """A key from the tenant's file; :class:`ConfigError` naming the file if it does not open."""
+        try:
+            blob = base64.b64decode(text)
+            return self._kek(tenant).decrypt(blob[:12], blob[12:], frame_str(1, tenant) + frame_str(2, purpose))
+        except _DAMAGE as exc:
+            raise self._damaged(tenant, exc) from None
+
+    # -- the store and its master key ---------------------------------------------------
+    def _open_store(self, required_by: str | None) -> None:
+        missing = not self.dir.is_dir()
+        if required_by is not None and (missing or not (self.dir / CHECK_FILE).exists() and not self._documents()):
+            raise ConfigError(
+                f"the key store {self.dir} is {'missing' if missing else 'empty'}, but {required_by}: mount or "
+                f"restore it (or fix keystore_dir) and start again. New keys would orphan those blocks, so "
+                f"none were made; to start afresh on purpose, delete the blocks first")
+        # 0700 whatever the umask, parents included: whoever may write here can shred or replace keys
+        make_private_dirs(self.dir)
+        self._sweep_temp_files()
+        self._check_master()
+
+    def _documents(self) -> list[Path]:
+        return [p for p in self.dir.iterdir() if _DOC_NAME.fullmatch(p.name)] if self.dir.is_dir() else []
+
+    def _check_value(self) -> str:
+        return hmac.new(self._master, _CHECK_LABEL, hashlib.sha256).hexdigest()
+
+    def _is_mine(self, stored: str) -> bool:
+        return hmac.compare_digest(stored.encode(), self._check_value().encode())
+
+    def _stored_check(self) -> str | None:
+        try:
+            doc = json.loads((self.dir / CHECK_FILE).read_text())
+            return str(doc["hmac"])
+        except FileNotFoundError:
+            return None
+        except _DAMAGE as exc:
+            raise ConfigError(f"{self.dir / CHECK_FILE} is damaged ({exc}); restore it from a backup, or delete "
+                              f"it only if you are sure the master key is this key store's") from None
+
+    def _check_master(self) -> None:
+        """Refuse another master key's store; write the check if the store has none yet."""
+        stored = self._stored_check()
+        if stored is None:
+            documents = self._documents()
+            if documents:
+                # A store from before the check: which master key it is can only be told by
+                # opening one of its files, so the check is written then (see _load), never
+                # from a key that might be the wrong one.
+                self._unverified = {p.name for p in documents}
+            else:
+                self._write_check()
+        elif not self._is_mine(stored):
+            raise self._other_master()
+
+    def _other_master(self) -> ConfigError:
+        return ConfigError(
+            f"the master key does not match the key store in {self.dir} (see {CHECK_FILE}): start with the "
+            f"master key this store was made with (KVTIER_MASTER_KEY or master_key_file), or point "
+            f"keystore_dir at this key's own store. New keys here would orphan every block sealed before")
+
+    def _write_check(self) -> None:
+        fd = self._locked(self.dir / "keystore-check.lock")
+        try:
+            stored = self._stored_check()  # another process may have written it meanwhile
+            if stored is None:
+                replace_private_file(self.dir / CHECK_FILE, json.dumps({"hmac": self._check_value()}).encode())
+                fsync_dir(self.dir)
+        finally:
+            os.close(fd)
+        self._unverified = set()
+        if stored is not None and not self._is_mine(stored):
+            raise self._other_master()
+
+    def _sweep_temp_files(self) -> None:
+        """Remove temp files of writers that died before their rename: each holds a whole key
+        document, which a later shred would not remove. A temp file is only ever written under
+        its file's lock, so one found while holding that lock has no live writer."""
+        for path in self.dir.iterdir():
+            match = _TEMP_NAME.fullmatch(path.name)
+            if match is None:
+                continue
+            fd = self._locked(self.dir / f"{match.group(1)}.lock")
+            try:
+                path.unlink(missing_ok=True)
+            finally:
+                os.close(fd)
 
     # -- persistence ------------------------------------------------------------
-    def _locked_file(self, tenant: str):
-        lock_path = self._file(tenant).with_suffix(".lock")
-        fd = os.open(lock_path, os.O_CREAT | os.O_RDWR, 0o600)
+    @staticmethod
+    def _locked(lock_path: Path) -> int:
+        # O_NOFOLLOW: a link planted as the lock file must not make us create a file elsewhere
+        fd = os.open(lock_path, os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW, 0o600)
         fcntl.flock(fd, fcntl.LOCK_EX)
         return fd
 
-    def _read_doc(self, tenant: str) -> dict | None:
+    def _locked_file(self, tenant: str) -> int:
+        return self._locked(self._file(tenant).with_suffix(".lock"))
+
+    def _damaged(self, tenant: str, exc: BaseException) -> ConfigError:
+        path = self._file(tenant)
+        return ConfigError(f"key store file {path} is damaged or not this master key's ({type(exc).__name__}: "
+                           f"{exc}); restore it from a backup -- do not delete it: that shreds the tenant")
+
+    def _read_doc(self, tenant: str) -> _Read:
+        """The tenant's key file, content and version from one open (see :class:`_Read`)."""
         try:
-            return json.loads(self._file(tenant).read_text())
+            f = open(self._file(tenant), "rb")
         except FileNotFoundError:
-            return None
+            return _Read(None, None)
+        with f:
+            version = _version(os.fstat(f.fileno()))
+            data = f.read()
+        try:
+            doc = json.loads(data)
+            if not (isinstance(doc.get("epochs"), dict) and isinstance(doc.get("current_epoch"), int)
+                    and isinstance(doc.get("index_key"), str)):
+                raise ValueError("not a key document")
+        except _DAMAGE as exc:
+            raise self._damaged(tenant, exc) from None
+        return _Read(doc, version)
 
     def _write_doc(self, tenant: str, doc: dict) -> None:
-        path = self._file(tenant)
-        tmp = path.with_suffix(f".tmp{os.getpid()}.{threading.get_ident()}")
-        fd = os.open(tmp, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(doc, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.rename(tmp, path)
+        """Replace the tenant's file (caller holds its lock); durable on return: a rename the
+        crash undoes would bring back a retired key, or hand out a lease twice."""
+        replace_private_file(self._file(tenant), json.dumps(doc).encode())
+        fsync_dir(self.dir)
 
     def _load(self, tenant: str, *, create: bool) -> _TenantKeys | None:
         """The tenant's keys, re-read if the file changed; created if absent and ``create``."""
@@ -179,44 +319,56 @@ class Keyring:
         if cached is not None and now - cached.checked < self.refresh_s:
             return cached
         path = self._file(tenant)
-        try:
-            mtime = path.stat().st_mtime_ns
-        except FileNotFoundError:
-            mtime = None
-        if cached is not None and mtime == cached.mtime_ns:
+        if cached is not None and self._current_version(path) == cached.version:
             cached.checked = now
             return cached
-        if mtime is None:
-            self._tenants.pop(tenant, None)
-            if not create:
-                return None
-            fd = self._locked_file(tenant)
-            try:
-                if self._read_doc(tenant) is None:
-                    self._write_doc(tenant, self._new_doc(tenant))
-            finally:
-                os.close(fd)
-            return self._load(tenant, create=False)
-        doc = self._read_doc(tenant)
-        if doc is None:
-            return self._load(tenant, create=create)
-        keys = {}
-        created = {}
-        for text_epoch, entry in doc["epochs"].items():
-            epoch = int(text_epoch)
-            raw = self._unwrap(tenant, f"data/{epoch}", entry["key"])
-            keys[epoch] = DataKey(tenant, epoch, self._key_id(tenant, epoch, raw), AESGCM(raw), _leased(entry))
-            created[epoch] = entry["created"]
-        state = _TenantKeys(
-            mtime_ns=path.stat().st_mtime_ns,
-            checked=now,
-            current_epoch=doc["current_epoch"],
-            keys=keys,
-            index_key=self._unwrap(tenant, "index", doc["index_key"]),
-            created=created,
-        )
+        for _ in range(3):  # the keys are cached under the version they were read from, so a
+            # change that lands while they are unwrapped is seen at the next look in any case;
+            # reading again now only spares the caller keys that are already stale
+            read = self._read_doc(tenant)
+            if read.doc is None:
+                self._tenants.pop(tenant, None)
+                if not create:
+                    return None
+                fd = self._locked_file(tenant)
+                try:
+                    if self._read_doc(tenant).doc is None:
+                        self._write_doc(tenant, self._new_doc(tenant))
+                finally:
+                    os.close(fd)
+                return self._load(tenant, create=False)
+            state = self._parse(tenant, read, now)
+            if self._current_version(path) == read.version:
+                break
         self._tenants[tenant] = state
+        if path.name in self._unverified:  # a key file from before the check opened: the key is this store's
+            self._write_check()
         return state
+
+    @staticmethod
+    def _current_version(path: Path) -> tuple[int, int, int] | None:
+        try:
+            return _version(path.stat())
+        except FileNotFoundError:
+            return None
+
+    def _parse(self, tenant: str, read: _Read, now: float) -> _TenantKeys:
+        doc = read.doc
+        try:
+            keys = {}
+            created = {}
+            for text_epoch, entry in doc["epochs"].items():
+                epoch = int(text_epoch)
+                raw = self._unwrap(tenant, f"data/{epoch}", entry["key"])
+                keys[epoch] = DataKey(tenant, epoch, self._key_id(tenant, epoch, raw), AESGCM(raw), _leased(entry))
+                created[epoch] = float(entry["created"])
+            index_key = self._unwrap(tenant, "index", doc["index_key"])
+        except ConfigError:
+            raise  # _unwrap's, already naming the file
+        except _DAMAGE as exc:
+            raise self._damaged(tenant, exc) from None
+        return _TenantKeys(version=read.version, checked=now, current_epoch=doc["current_epoch"], keys=keys,
+                           index_key=index_key, created=created)
 
     def _new_doc(self, tenant: str) -> dict:
         index_key = self._wrap(tenant, "index", os.urandom(32))
@@ -267,7 +419,7 @@ class Keyring:
         One write per ``lease_size`` encryptions keeps the cost off the encryption path."""
         fd = self._locked_file(tenant)
         try:
-            doc = self._read_doc(tenant)
+            doc = self._read_doc(tenant).doc
             if doc is None:  # shredded elsewhere since we loaded it: start afresh, as a first write would
                 doc = self._new_doc(tenant)
             epoch = doc["current_epoch"]
@@ -284,8 +436,7 @@ class Keyring:
             grant = max(need, min(self.lease_size, self.rotate_after - leased))
             entry["leased"] = leased + grant
             entry.pop("encryptions", None)
-            self._write_doc(tenant, doc)
-            fsync_dir(self.dir)
+            self._write_doc(tenant, doc)  # durable before any encryption under the lease
         finally:
             os.close(fd)
         self._tenants.pop(tenant, None)  # re-read (the new count, perhaps a new key) on next use
@@ -304,7 +455,7 @@ class Keyring:
         """Encryptions leased so far under each of ``tenant``'s data keys, all processes
         together, read from the store now: epoch -> count."""
         with self._lock:
-            doc = self._read_doc(tenant)
+            doc = self._read_doc(tenant).doc
             return {} if doc is None else {int(e): _leased(entry) for e, entry in doc["epochs"].items()}
 
     def key_for_read(self, tenant: str, epoch: int, key_id: bytes) -> DataKey | None:
@@ -356,6 +507,14 @@ class Keyring:
         """Keyed name of a block: a listing of shared storage reveals nothing about prompts."""
         return hmac.new(self.index_key(tenant), block_key, hashlib.sha256).digest()
 
+    def existing_storage_key(self, tenant: str, block_key: bytes) -> bytes | None:
+        """:meth:`storage_key`, or None if the store holds no keys of ``tenant``; never creates
+        them (for checking names found on disk: no block can carry a tenant's name before its
+        keys exist, and a check must write nothing)."""
+        with self._lock:
+            state = self._load(tenant, create=False)
+            return None if state is None else hmac.new(state.index_key, block_key, hashlib.sha256).digest()
+
     def epochs(self, tenant: str) -> list[int]:
         with self._lock:
             state = self._load(tenant, create=False)
@@ -374,7 +533,7 @@ class Keyring:
             def bump(doc: dict) -> None:
                 new_epoch["value"] = self._add_epoch(tenant, doc)
 
-            self._update(tenant, bump)
+            self._update(tenant, bump, create=True)  # shredded elsewhere meanwhile: start afresh
             self._leases.pop(tenant, None)  # the rest of our lease was for the old key
             return new_epoch["value"]
 
@@ -411,8 +570,12 @@ class Keyring:
             try:
                 path = self._file(tenant)
                 existed = path.exists()
-                if existed:
-                    path.unlink()
+                path.unlink(missing_ok=True)
+                # a writer that died before its rename left the whole key document in a temp file
+                leftovers = list(self.dir.glob(f"{path.stem}.tmp*"))
+                for leftover in leftovers:
+                    leftover.unlink(missing_ok=True)
+                if existed or leftovers:
                     fsync_dir(self.dir)
             finally:
                 os.close(fd)
@@ -420,22 +583,18 @@ class Keyring:
             self._leases.pop(tenant, None)
             return existed
 
-    def _update(self, tenant: str, mutate) -> None:
+    def _update(self, tenant: str, mutate, *, create: bool = False) -> None:
+        """``mutate`` the tenant's document under its lock and write it back; if the tenant is
+        gone (shredded), a new document is mutated if ``create``, else nothing happens."""
         fd = self._locked_file(tenant)
         try:
-            doc = self._read_doc(tenant)
+            doc = self._read_doc(tenant).doc
             if doc is None:
-                return
+                if not create:
+                    return
+                doc = self._new_doc(tenant)
             mutate(doc)
             self._write_doc(tenant, doc)
         finally:
             os.close(fd)
         self._tenants.pop(tenant, None)  # re-read (with fresh wraps) on next use
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

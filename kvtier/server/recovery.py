@@ -14,7 +14,10 @@
   (tag, owner still configured, the disk name derived again from the claimed
   owner, namespace and key, sizes) and adds the good ones to the index, oldest
   first (creation time kept: TTLs go on counting). Every other block file is
-  deleted: nothing is served that the server cannot attribute.
+  deleted: nothing is served that the server cannot attribute -- unless, with
+  encryption at rest, *none* authenticates: that is a master key or key store
+  that is not the one they were written with, not a disk of forgeries, so the
+  start is refused (:class:`~kvtier.errors.ConfigError`) and nothing deleted.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import logging
 from dataclasses import dataclass, field
 
 from kvtier.core.payload import unpack_header
+from kvtier.errors import ConfigError
 from kvtier.server.auth import KeySpace
 from kvtier.server.index import BlockEntry, BlockIndex
 from kvtier.server.spill import SpillAnnotation, SpillCodec, monotonic_of, wall_of
@@ -78,20 +82,31 @@ class SpillBinding:
         """Index every attributable block on disk (call once, before serving)."""
         out = Rebuilt()
         found: list[tuple[float, bytes, SpillAnnotation]] = []
+        rejected: list[bytes] = []
+        doomed: list[bytes] = []
         for rec in self.disk.records():
             note = self.codec.unpack(rec.key, rec.annotation)
             if rec.annotation is None:
                 out.unattributed += 1
             elif note is None or not self._bound(rec, note):
                 out.rejected += 1
-                log.warning("disk block %s… has an annotation that does not authenticate; deleted",
-                            rec.key.hex()[:16])
+                rejected.append(rec.key)
+                continue
             elif note.owner not in owners:
                 out.unknown_owner += 1
             else:
                 found.append((note.created_wall, rec.key, note))
                 continue
-            self.disk.delete(rec.key)
+            doomed.append(rec.key)
+        if self.keyring is not None and rejected and not found and not out.unknown_owner:
+            raise ConfigError(
+                f"none of the {len(rejected)} sealed block files in {self.disk.path} authenticates under this "
+                f"master key and key store ({self.keyring.dir}): start with the master key and keystore_dir "
+                f"they were written with. Nothing was deleted; to discard them, delete them yourself")
+        for key in rejected:
+            log.warning("disk block %s… has an annotation that does not authenticate; deleted", key.hex()[:16])
+        for key in rejected + doomed:
+            self.disk.delete(key)
         found.sort(key=lambda item: item[0])  # oldest first: the index's age order
         for _, disk_key, note in found:
             skey = KeySpace.of(note.owner, note.namespace).storage_key(note.key)
@@ -106,7 +121,10 @@ class SpillBinding:
         """The annotation describes the file it is in: its disk name derives from the claimed
         owner, namespace and key; the served header and the sizes agree."""
         skey = KeySpace.of(note.owner, note.namespace).storage_key(note.key)
-        if self.disk_name(note.owner, skey) != rec.key:
+        # existing_storage_key: checking a name must not create keys for an owner the store
+        # lacks (a misconfigured start would leave them behind)
+        name = skey if self.keyring is None else self.keyring.existing_storage_key(note.owner, skey)
+        if name != rec.key:
             return False
         header = unpack_header(note.header)
         if header is None or header.key != note.key or header.payload_nbytes != note.nbytes:

@@ -125,7 +125,11 @@ class Server:
         provider = FileMasterKey(self.config.master_key_file) if self.config.master_key_file else EnvMasterKey()
         self._master_key = provider.master_key()
         keystore = self.config.keystore_dir or os.path.join(self.config.disk_dir, "keys")
-        self.keyring = Keyring(provider, keystore)
+        # Blocks on disk need the key store they were sealed with: a missing or empty one (a
+        # volume not mounted, a typo) is refused, not replaced by new keys that orphan them all.
+        held = sum(1 for _ in disk.keys())  # what the disk tier found at its start
+        self.keyring = Keyring(provider, keystore, required_by=(
+            f"{self.config.disk_dir} holds {held} spilled block files sealed with it" if held else None))
 
         def owner_of(skey: bytes) -> str | None:
             # also a block just removed from the index: store.delete runs after index.remove
