@@ -12,7 +12,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -89,6 +88,49 @@ def test_positive_controls_the_same_commands_run_with_good_input(tmp_path, capsy
     rc, out = _run(["plan", "workers", "--ttft", "1", "--itl", "0.05", "--rate", "2", "--input-tokens", "100",
                     "--output-tokens", "0", "--hit-rate", "0.5"], capsys)
     assert rc == 0, out
+
+
+SLICE = ROOT / "tests" / "data" / "mooncake_conversation_head500.jsonl"
+ROUTE_SYNTHETIC = ["bench", "route", "--synthetic", "--workers", "2", "--indexed-blocks", "100", "--runs", "3",
+                   "--tokens", "64"]
+
+
+@pytest.fixture
+def odd_files(tmp_path) -> dict:
+    """A trace with a number json reads as infinity, one that is binary, and a plain file."""
+    files = {"overflow": tmp_path / "overflow.jsonl", "binary": tmp_path / "t.bin", "file": tmp_path / "plots"}
+    files["overflow"].write_text('{"timestamp": 0, "input_length": 1e999, "output_length": 10, "hash_ids": [1]}\n')
+    files["binary"].write_bytes(b"\x1f\x8b\x08\x00garbage\xff\xfe\n")
+    files["file"].write_text("I am a file")
+    return {name: str(path) for name, path in files.items()}
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["simulate", "--trace", "{overflow}", "--json"], "line 1: not a Mooncake request"),
+    (["simulate", "--trace", "{binary}", "--json"], "not a UTF-8 JSONL"),
+    (["plan", "workers", "--ttft", "1", "--itl", "0.05", "--trace", "{binary}"], "not a UTF-8 JSONL"),
+    (["simulate", "--trace", "{slice}", "--limit", "5", "--policies", "round_robin", "--plot", "{file}"],
+     "--plot DIR: {file} exists and is not a directory"),
+    (["simulate", "--trace", "{slice}", "--planner", "--interval", "1e-7", "--json"], "--interval must be >= 0.864"),
+    ([*ROUTE_SYNTHETIC, "--tokens", "0"], "--tokens >= --block-tokens"),
+    ([*ROUTE_SYNTHETIC, "--runs", "0"], "--runs >= 1"),
+    ([*ROUTE_SYNTHETIC, "--indexed-blocks", "-1"], "--indexed-blocks >= 0"),
+])
+def test_odd_files_and_degenerate_counts_are_a_clear_error(argv, says, odd_files, capsys):
+    """Before: OverflowError, UnicodeDecodeError, FileExistsError after the whole run, numpy's
+    MemoryError for 6 TiB of bins, numpy's ValueError and StatisticsError (audit s25 D1, D2, D7, D9, D12)."""
+    names = {**odd_files, "slice": str(SLICE)}
+    rc, out = _run([a.format(**names) for a in argv], capsys)
+    assert rc == 2 and "Traceback" not in out, out
+    assert says.format(**names) in out, out
+
+
+def test_positive_controls_for_the_odd_files_and_counts(tmp_path, capsys):
+    rc, out = _run(ROUTE_SYNTHETIC + ["--json"], capsys)
+    assert rc == 0 and json.loads(out)["runs"] == 3, out
+    rc, out = _run(["simulate", "--trace", str(SLICE), "--planner", "--interval", "864", "--scale", "2", "--json"],
+                   capsys)
+    assert rc == 0 and json.loads(out)["planner"]["in_day_seconds"]["interval_s"] == 864, out
 
 
 def test_router_config_refuses_nan_and_names_the_setting():

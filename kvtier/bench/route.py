@@ -28,6 +28,7 @@ import time
 import numpy as np
 
 from kvtier.bench import route_trace
+from kvtier.errors import ConfigError
 
 #: kvtier route's defaults for the workers' vLLM block size
 BLOCK_TOKENS = 32
@@ -75,6 +76,11 @@ def fill_index(router, prompt: np.ndarray, indexed_blocks: int, seed: int = 0) -
 def synthetic(tokens: int, workers: int, indexed_blocks: int, runs: int, block_tokens: int = BLOCK_TOKENS) -> dict:
     from kvtier.router.view import LiveView
 
+    if block_tokens < 1 or tokens < block_tokens or workers < 1 or runs < 1 or indexed_blocks < 0:
+        # a prompt under one block has nothing to price, and zero runs have no median
+        raise ConfigError(f"--synthetic needs --block-tokens >= 1, --tokens >= --block-tokens ({block_tokens}), "
+                          f"--workers >= 1, --runs >= 1 and --indexed-blocks >= 0; got tokens {tokens}, "
+                          f"workers {workers}, runs {runs}, indexed blocks {indexed_blocks}")
     router = _router(workers, block_tokens)
     prompt = np.random.default_rng(1).integers(0, 150_000, tokens, dtype=np.uint32)
     t0 = time.perf_counter()

@@ -55,6 +55,10 @@ def run(args) -> int:
     from kvtier.sim.trace import TRACE_HINT, default_trace_path, load_trace
 
     started = time.perf_counter()
+    # Checked before the simulation runs, not after it has: the run may be long.
+    if args.plot and Path(args.plot).exists() and not Path(args.plot).is_dir():
+        print(f"kvtier simulate: --plot DIR: {args.plot} exists and is not a directory", file=sys.stderr)
+        return 2
     try:
         cluster = load_cluster(args.cluster)
     except ConfigError as exc:
@@ -87,7 +91,11 @@ def run(args) -> int:
     except ConfigError as exc:
         print(f"kvtier simulate: {exc}", file=sys.stderr)
         return 2
-    plots = _plot(args.plot, sim, trace, cluster) if args.plot else []
+    try:
+        plots = _plot(args.plot, sim, trace, cluster) if args.plot else []
+    except OSError as exc:   # made unwritable, or a file, since the check above
+        print(f"kvtier simulate: --plot DIR: cannot write plots to {args.plot} ({exc})", file=sys.stderr)
+        return 2
     elapsed = time.perf_counter() - started
     if args.json:
         print(json.dumps({

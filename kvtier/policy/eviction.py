@@ -79,7 +79,9 @@ class PrefixAwareLRUPolicy(EvictionPolicy):
 
     A block without its ancestors is useless (lookups are longest-prefix), so
     dropping a parent first would strand its whole subtree. Leaves are kept in
-    a heap ordered by last access; stale heap entries are skipped lazily.
+    a heap ordered by last access; stale heap entries are skipped lazily, and the
+    heap is rebuilt from the live leaves once stale entries outnumber them, so its
+    size follows the blocks held, not the hits they took.
     """
 
     name = "prefix-lru"
@@ -87,24 +89,35 @@ class PrefixAwareLRUPolicy(EvictionPolicy):
     def __init__(self) -> None:
         self._tick = itertools.count()
         self._last: dict[BlockKey, int] = {}
-        self._parent: dict[BlockKey, BlockKey | None] = {}
+        self._born: dict[BlockKey, int] = {}      # tick of the key's current insertion
+        # (parent, the parent's birth tick) or None: a link to an earlier life of the parent
+        # (removed, then stored again) is stale and must not touch the new one's count.
+        self._parent: dict[BlockKey, tuple[BlockKey, int] | None] = {}
         self._children: dict[BlockKey, int] = {}
         self._heap: list[tuple[int, BlockKey]] = []
 
     def _push_if_leaf(self, key: BlockKey) -> None:
         if self._children.get(key, 0) == 0 and key in self._last:
             heapq.heappush(self._heap, (self._last[key], key))
+            if len(self._heap) > 2 * len(self._last) + 64:
+                self._compact()
+
+    def _compact(self) -> None:
+        """Keep one entry per live leaf. O(n), after at least n pushes since the last one."""
+        self._heap = [(t, k) for k, t in self._last.items() if self._children[k] == 0]
+        heapq.heapify(self._heap)
 
     def on_insert(self, key: BlockKey, parent: BlockKey | None = None) -> None:
         if key in self._last:
             self.on_access(key)
             return
-        self._last[key] = next(self._tick)
-        known_parent = parent if parent in self._last else None
-        self._parent[key] = known_parent
-        self._children.setdefault(key, 0)
-        if known_parent is not None:
-            self._children[known_parent] += 1
+        self._last[key] = self._born[key] = next(self._tick)
+        if parent in self._last:
+            self._parent[key] = (parent, self._born[parent])
+            self._children[parent] += 1
+        else:
+            self._parent[key] = None
+        self._children[key] = 0
         self._push_if_leaf(key)
 
     def on_access(self, key: BlockKey) -> None:
@@ -115,14 +128,13 @@ class PrefixAwareLRUPolicy(EvictionPolicy):
     def on_remove(self, key: BlockKey) -> None:
         if key not in self._last:
             return
-        del self._last[key]
-        parent = self._parent.pop(key, None)
-        self._children.pop(key, None)
-        if parent is not None and parent in self._children:
-            self._children[parent] -= 1
-            self._push_if_leaf(parent)
-        # Children of a removed block (possible via delete()) become roots.
-        # They keep their stale parent link; on_remove of them tolerates it.
+        del self._last[key], self._born[key], self._children[key]
+        link = self._parent.pop(key)
+        # Children of a removed block (possible via delete()) become roots: their links
+        # name this life of it, which no later insertion of the key has.
+        if link is not None and self._born.get(link[0]) == link[1]:
+            self._children[link[0]] -= 1
+            self._push_if_leaf(link[0])
 
     def victims(self) -> Iterator[BlockKey]:
         skipped: set[BlockKey] = set()

@@ -44,6 +44,11 @@ from kvtier.planner.live import Decision, FleetSizer, LivePlanner, Observation, 
 from kvtier.sim.simulator import ClusterSimulator
 from kvtier.sim.trace import Trace
 
+DAY_S = 86400.0
+#: planner intervals a simulated day may hold (an interval of >= 0.864 s): each is a planner
+#: decision and a bin of the peak-rate histogram, so the run's time and memory follow the count
+MAX_INTERVALS = 100_000
+
 
 @dataclass(frozen=True, slots=True)
 class DiurnalProfile:
@@ -287,11 +292,15 @@ def simulate_planned_day(trace: Trace, cluster, targets, *, peak_to_trough: floa
     from kvtier.sim.policies import make_policy
 
     day_settings = settings or PlannerSettings(interval_s=360.0, startup_s=480.0, down_cooldown_s=1440.0)
+    if DAY_S / day_settings.interval_s > MAX_INTERVALS:
+        # Each interval is a planner decision and a histogram bin: 1e-7 s asked numpy for TiBs.
+        raise ConfigError(f"--interval must be >= {DAY_S / MAX_INTERVALS:g} s of the day (at most "
+                          f"{MAX_INTERVALS:,} planner decisions a day), got {day_settings.interval_s:g}")
     model = load_model(cluster.model)
     costs = cost_models(model, cluster.accelerator, cluster.devices_per_worker, calibration or cluster.calibration)
     duration = trace.duration_s
     profile = DiurnalProfile(peak_to_trough, duration)
-    squeeze = duration / 86400.0
+    squeeze = duration / DAY_S
     settings = dataclasses.replace(day_settings, interval_s=day_settings.interval_s * squeeze,
                                    startup_s=day_settings.startup_s * squeeze,
                                    down_cooldown_s=day_settings.down_cooldown_s * squeeze,

@@ -42,7 +42,7 @@ def summarize(result: SimResult) -> PolicyReport:
         by_tier += o.plan.blocks_by_tier
         saved += o.recompute_s - o.plan.seconds
     total = max(result.total_blocks, 1)
-    span = max(result.end_s, 1e-9)
+    span = max(result.end_s - result.start_s, 1e-9)   # the simulated span, not the clock reading
     itl = np.array(result.decode_itl_s) if result.decode_itl_s else np.zeros(1)
     busy = np.array(result.busy_s_per_worker)
     return PolicyReport(

@@ -51,6 +51,7 @@ class SimResult(NamedTuple):
     decode_itl_s: list[float]
     decode_tokens_per_worker: list[int]
     end_s: float
+    start_s: float = 0.0    # the first arrival: rates are over end_s - start_s, not from clock 0
 
 
 def _capacity_blocks(capacity_bytes: float | None, block_bytes: int) -> int | None:
@@ -189,6 +190,13 @@ class ClusterSimulator:
         events: list = []   # (finish time, worker, request, start, plan): one running request per worker
         outcomes: list[RequestOutcome] = []
         jobs: list[DecodeJob] = []
+        # The workers are idle from the first arrival, wherever the trace's clock starts: from
+        # 0 a request at -5 s would wait 5 s for an idle worker (traces built in code are not
+        # rebased as load_trace's are).
+        origin = trace.requests[0].arrival_s if trace.requests else 0.0
+        self.now = origin
+        for w in self.workers:
+            w.busy_until = origin
         for request in trace.requests:
             self._drain_until(request.arrival_s, outcomes, jobs, events)
             self.now = request.arrival_s
@@ -209,9 +217,9 @@ class ClusterSimulator:
                 self._start(worker, events)
         self._drain_until(float("inf"), outcomes, jobs, events)
         decode = simulate_decode(jobs, self.cluster.decode_workers, self.decode_model,
-                                 int(self.cluster.decode_kv_bytes // self.model.bytes_per_token))
-        end = max((o.finish_s for o in outcomes), default=0.0)
+                                 int(self.cluster.decode_kv_bytes // self.model.bytes_per_token), origin)
+        end = max((o.finish_s for o in outcomes), default=origin)
         return SimResult(self.policy.name, self.cluster.tier_names, outcomes,
                          sum(len(r.blocks) for r in trace.requests),
                          [w.busy_s for w in self.workers], [w.computed_tokens for w in self.workers],
-                         decode.itl_s, decode.tokens_per_worker, max(end, decode.busy_until_s))
+                         decode.itl_s, decode.tokens_per_worker, max(end, decode.busy_until_s), origin)

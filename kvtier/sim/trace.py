@@ -4,13 +4,21 @@
 ``hash_ids``: one id per ``block_tokens``-token block of the prompt; equal ids mean an
 equal prefix up to and including that block, so a hash id *is* a block identity and
 the simulator needs no token text.
+
+Arrival times are read relative to the trace's first request: a window cut from a longer
+trace, or one exported with absolute or negative times, is the same workload and gives the
+same figures. A file may be gzipped and may start with a UTF-8 byte-order mark.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import gzip
+import io
 import json
 import math
 import os
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +30,8 @@ TRACE_ENV = "KVTIER_TRACE"
 #: (tests/data holds only a 500-request slice of it, so that no test needs it).
 TRACE_HINT = ("get conversation_trace.jsonl from the Mooncake repository (kvcache-ai/Mooncake, "
               "FAST25-release/traces/) and put it in ../shared/data/traces/")
+#: a gzip stream's first two bytes: a ``.jsonl.gz`` trace is read as it is, whatever its name
+GZIP_MAGIC = b"\x1f\x8b"
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,10 +69,11 @@ def parse_trace_lines(lines, block_tokens: int = 512, source: str = "") -> Trace
             continue
         try:
             row = json.loads(line)
-            req = TraceRequest(row["timestamp"] / 1000.0, int(row["input_length"]), int(row["output_length"]),
+            req = TraceRequest(row["timestamp"] / 1000.0, _count(row, "input_length"), _count(row, "output_length"),
                                tuple(row["hash_ids"]))
             _check_request(req)
-        except (ValueError, KeyError, TypeError) as exc:
+        # OverflowError: json reads 1e999 and 10**400; neither fits a float arrival or a count
+        except (ValueError, KeyError, TypeError, OverflowError) as exc:
             raise ConfigError(f"{source or 'trace'} line {lineno}: not a Mooncake request ({exc})") from None
         if req.input_tokens <= 0 or len(req.blocks) != math.ceil(req.input_tokens / block_tokens):
             raise ConfigError(
@@ -72,7 +83,22 @@ def parse_trace_lines(lines, block_tokens: int = 512, source: str = "") -> Trace
             )
         requests.append(req)
     requests.sort(key=lambda r: r.arrival_s)  # stable: ties keep file order
+    # Time from the first request: the simulator's workers are idle from 0, and its
+    # throughput is over the simulated span; an offset clock would skew both.
+    t0 = requests[0].arrival_s if requests else 0.0
+    if t0:
+        requests = [dataclasses.replace(r, arrival_s=r.arrival_s - t0) for r in requests]
     return Trace(tuple(requests), block_tokens, source)
+
+
+def _count(row: dict, field: str) -> int:
+    """A token count: an integer (``1000.0`` is one too); not ``true``, not ``1000.9`` truncated."""
+    value = row[field]
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{field} {value!r} is not a whole number of tokens")
+    return value
 
 
 def _check_request(req: TraceRequest) -> None:
@@ -92,8 +118,16 @@ def load_trace(path: str | Path, block_tokens: int = 512) -> Trace:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"trace {path} not found; {TRACE_HINT}")
-    with path.open() as fh:
-        trace = parse_trace_lines(fh, block_tokens, str(path))
+    # Bytes are decoded (and gunzipped) while the lines are iterated, so the whole parse is
+    # inside the try: a bad byte on line 90,000 is reported as well as one on line 1.
+    try:
+        with path.open("rb") as raw:
+            gzipped = raw.read(2) == GZIP_MAGIC
+            raw.seek(0)
+            fh = gzip.GzipFile(fileobj=raw) if gzipped else raw
+            trace = parse_trace_lines(io.TextIOWrapper(fh, encoding="utf-8-sig"), block_tokens, str(path))
+    except (UnicodeDecodeError, OSError, EOFError, zlib.error) as exc:
+        raise ConfigError(f"trace {path}: not a UTF-8 JSONL (or gzipped JSONL) file ({exc})") from None
     if not trace.requests:
         raise ConfigError(f"trace {path} holds no request (an empty file, or only blank lines)")
     return trace

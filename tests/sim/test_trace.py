@@ -16,7 +16,7 @@ def _line(ts, n, out, ids):
 
 def test_parses_and_orders_by_arrival_with_partial_last_block():
     trace = parse_trace_lines([_line(2000, 1100, 5, [0, 1, 2]), "", _line(1000, 512, 3, [0])], block_tokens=512)
-    assert [r.arrival_s for r in trace.requests] == [1.0, 2.0]
+    assert [r.arrival_s for r in trace.requests] == [0.0, 1.0]   # from the first request
     assert trace.block_token_counts(trace.requests[1]) == [512, 512, 76]
     assert trace.duration_s == 1.0
 
