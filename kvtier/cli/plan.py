@@ -229,6 +229,7 @@ def _verify_by_simulation(trace, cluster, plan, targets, calibration) -> dict:
 def run_live(args) -> int:
     """Poll the router's counters (and the workers' vLLM metrics), decide, act through a launcher."""
     import logging
+    import os
     import time
 
     from kvtier.cli.top import scrape
@@ -245,6 +246,10 @@ def run_live(args) -> int:
         raise ConfigError(f"--output-tokens is the mean output tokens per request, > 0; got {args.output_tokens}")
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
         raise ConfigError(f"--metrics-port must be 0-65535 (0: any free port), got {args.metrics_port}")
+    for flag, path in (("--status-file", args.status_file), ("--targets-file", args.targets_file)):
+        # said at start-up; a directory that disappears later is only logged (kvtier.planner.loop)
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            raise ConfigError(f"{flag} {path}: its directory does not exist; create it or give another path")
     cluster = load_cluster(args.cluster)
     model = load_model(cluster.model)
     costs = cost_models(model, cluster.accelerator, cluster.devices_per_worker, args.calibration or cluster.calibration)

@@ -10,6 +10,7 @@ never a crash.
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import sys
@@ -67,15 +68,15 @@ def scrape(address: str | None, token: str | None = None, timeout_s: float = 2.0
     from prometheus_client.parser import text_string_to_metric_families
 
     request = urllib.request.Request(_url(address), headers={"Authorization": f"Bearer {token}"} if token else {})
-    try:
+    values = {}
+    try:   # the parse too: a 200 that is not the text format (an HTML error page) is down, not a crash
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
             text = response.read().decode()
-    except (urllib.error.URLError, OSError, ValueError) as exc:
-        return Samples(False, {}, str(exc))
-    values = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            values[(s.name, frozenset(s.labels.items()))] = s.value
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                values[(s.name, frozenset(s.labels.items()))] = s.value
+    except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException) as exc:
+        return Samples(False, {}, str(exc) or type(exc).__name__)
     return Samples(True, values)
 
 

@@ -17,6 +17,7 @@ hardware: rates are properties of the device, FLOPs are properties of the model.
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, NamedTuple
 
@@ -50,8 +51,9 @@ class CalibrationTable:
                 f"calibration {self.accelerator!r} has {len(self.points)} points; the fit needs >= 3 "
                 "prompt lengths (run `kvtier bench prefill` with more --tokens)"
             )
-        if any(t <= 0 or s <= 0 for t, s in self.points):
-            raise ConfigError(f"calibration {self.accelerator!r}: tokens and seconds must be positive")
+        # NaN passes ``<= 0``, and then breaks the least-squares fit: finiteness first
+        if any(not (math.isfinite(t) and math.isfinite(s)) or t <= 0 or s <= 0 for t, s in self.points):
+            raise ConfigError(f"calibration {self.accelerator!r}: tokens and seconds must be finite and positive")
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> "CalibrationTable":
@@ -60,9 +62,20 @@ class CalibrationTable:
         if missing:
             raise ConfigError(f"calibration table lacks {sorted(missing)}; write it with `kvtier bench prefill`")
         extra = {k: v for k, v in data.items() if k not in known}
-        points = tuple((int(t), float(s)) for t, s in data["points"])
-        return cls(str(data["accelerator"]), int(data["devices"]), dict(data["model_config"]), points,
-                   str(data.get("source", "")), extra)
+        if not isinstance(data["model_config"], Mapping):
+            raise ConfigError("model_config: expected the measured model's config.json object")
+        try:
+            points = tuple((int(t), float(s)) for t, s in data["points"])
+            table = cls(str(data["accelerator"]), int(data["devices"]), dict(data["model_config"]), points,
+                        str(data.get("source", "")), extra)
+            # its model is read at fit time: a field of the wrong kind is said here, with the file
+            geometry_from_hf_config(table.model_config, name=f"{table.accelerator}-calibration")
+        except ConfigError:
+            raise
+        except (TypeError, ValueError, OverflowError, ZeroDivisionError, AttributeError) as exc:
+            raise ConfigError(f"points are [tokens, seconds] pairs of finite numbers and model_config a "
+                              f"Hugging Face config.json ({exc})") from None
+        return table
 
     def to_json(self) -> dict[str, Any]:
         return {"accelerator": self.accelerator, "devices": self.devices, "model_config": dict(self.model_config),

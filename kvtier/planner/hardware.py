@@ -70,7 +70,12 @@ def load_accelerator(name: str, table: CalibrationTable | None = None) -> Accele
 
 def find_calibration(accelerator: str, path: str | Path | None = None) -> CalibrationTable | None:
     if path is not None:
-        return CalibrationTable.from_json(read_json_object(path, "calibration table"))
+        try:
+            return CalibrationTable.from_json(read_json_object(path, "calibration table"))
+        except ConfigError as exc:
+            if str(path) in str(exc):   # read_json_object's own errors name the file already
+                raise
+            raise ConfigError(f"calibration table {path}: {exc}") from None
     name = f"prefill_{accelerator.lower()}.json"
     if has_data_file(name):
         return CalibrationTable.from_json(read_data_json(name))

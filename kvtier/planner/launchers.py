@@ -17,7 +17,8 @@ with the kvtier connector, registered with ``kvtier route`` through its admin AP
 :class:`kvtier.planner.local_launcher.LocalLauncher`.
 
 Worker states: ``starting`` → ``serving`` → ``draining`` → ``stopped``, or ``failed`` (never
-became healthy).
+became healthy, or its process died while serving: ``list`` leaves it out, so the next
+decision replaces it).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ POOLS = ("prefill", "decode")
 class WorkerRecord:
     name: str
     pool: str
-    state: str = "starting"   # starting → serving → draining → stopped
+    state: str = "starting"   # starting → serving → draining → stopped, or failed
     url: str = ""
 
 
@@ -49,19 +50,32 @@ class Launcher(Protocol):
 
 def apply(decision: Decision, launcher: Launcher) -> list[WorkerRecord]:
     """Bring each pool to its decided target: start the missing, drain the surplus (the
-    youngest first: a worker still starting holds no requests and no cache)."""
-    touched = []
+    youngest first: a worker still starting holds no requests and no cache).
+
+    A launcher that cannot act now (its failure backoff, a router refusing) costs only that
+    action: the other pool, and the other drains, are still acted on; the first error is
+    raised once both pools are done."""
+    touched: list[WorkerRecord] = []
+    errors: list[Exception] = []
     for pool_decision in (decision.prefill, decision.decode):
         pool = pool_decision.pool
         live = [w for w in launcher.list(pool) if w.state in ("starting", "serving")]
-        for _ in range(pool_decision.target - len(live)):
-            touched.append(launcher.start(pool))
+        try:   # the next start would fail the same way (a backoff): stop at the first
+            for _ in range(pool_decision.target - len(live)):
+                touched.append(launcher.start(pool))
+        except Exception as exc:
+            errors.append(exc)
         surplus = len(live) - pool_decision.target
         # starting ones first, then the most recently started (``list`` is in start order)
         youngest_first = sorted(reversed(live), key=lambda w: w.state != "starting")
         for worker in youngest_first[:max(0, surplus)]:
-            launcher.drain(worker)
-            touched.append(worker)
+            try:
+                launcher.drain(worker)
+                touched.append(worker)
+            except Exception as exc:
+                errors.append(exc)
+    if errors:
+        raise errors[0]
     return touched
 
 
@@ -70,10 +84,11 @@ def aggregated(decision: Decision) -> Decision:
     one pool, ``prefill``, whose target holds both needs (the larger of the two targets); the
     ``decode`` pool holds no workers of its own."""
     p, d = decision.prefill, decision.decode
-    target = max(p.target, d.target)
-    action = "scale_up" if target > p.current else "scale_down" if target < p.current else "hold"
+    # what runs is what the last aggregated decision asked for: the larger of the two pools' counts
+    current, target = max(p.current, d.current), max(p.target, d.target)
+    action = "scale_up" if target > current else "scale_down" if target < current else "hold"
     reason = p.reason if target == p.target else f"decode needs {d.target}: {d.reason}"
-    both = p._replace(needed=max(p.needed, d.needed), target=target, action=action, reason=reason)
+    both = p._replace(current=current, needed=max(p.needed, d.needed), target=target, action=action, reason=reason)
     none = d._replace(current=0, needed=0, target=0, action="hold", reason="aggregated into the prefill pool")
     return decision._replace(prefill=both, decode=none)
 

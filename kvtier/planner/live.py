@@ -34,7 +34,8 @@ import numpy as np
 
 from kvtier.errors import ConfigError
 from kvtier.planner.costmodel import DecodeCostModel, PrefillCostModel
-from kvtier.planner.workers import MAX_WORKERS, SLATargets, Workload, plan_workers, prefill_service_times
+from kvtier.planner.workers import (MAX_WORKERS, SLATargets, Workload, decode_workers_for, prefill_service_times,
+                                    prefill_workers_for, ttft_quantile)
 
 #: prompt-length samples kept per observation: the queue model's cost is linear in them
 MAX_SAMPLES = 512
@@ -125,8 +126,10 @@ class FleetNeed(NamedTuple):
 
 class FleetSizer:
     """Worker counts for a rate, prompt mix and hit rate: ``plan_workers`` of ``kvtier plan
-    workers``; where even an idle worker misses the TTFT target (prompts too long for the
-    hardware), enough workers to keep up (utilization ≤ 0.9) and a note that says so."""
+    workers``, each pool sized on its own. A pool whose target is out of reach (prompts too
+    long for even an idle prefill worker to meet the TTFT; a single sequence stepping slower
+    than the ITL) gets enough workers to keep up and a note that says so; the other pool is
+    still sized for its own target."""
 
     def __init__(self, targets: SLATargets, prefill: PrefillCostModel, decode: DecodeCostModel,
                  load_bytes_per_s: float, decode_kv_tokens: int) -> None:
@@ -144,19 +147,37 @@ class FleetSizer:
             raise ConfigError(f"cannot size a fleet for a request rate of {rate}")
         inputs, outputs = _thin(input_tokens), _thin(output_tokens or (1,))
         workload = Workload(rate, inputs, outputs, min(hit_rate, 0.999), arrival_scv)
-        busy = rate * float(prefill_service_times(workload, self.prefill, self.load_bytes_per_s).mean())
+        service = prefill_service_times(workload, self.prefill, self.load_bytes_per_s)
+        mean_prefill = float(service.mean())
+        busy = rate * mean_prefill
         if busy > MAX_WORKERS / 2:  # the queue model's search would crawl to its bound: say so at once
-            return FleetNeed(MAX_WORKERS, MAX_WORKERS, math.inf, busy / rate,
+            return FleetNeed(MAX_WORKERS, MAX_WORKERS, math.inf, mean_prefill,
                              f"{busy:.0f} workers busy on prefill alone: beyond what the planner sizes")
+        notes = []
         try:
-            plan = plan_workers(workload, self.targets, self.prefill, self.decode, self.load_bytes_per_s,
-                                self.decode_kv_tokens)
+            prefill = prefill_workers_for(rate, service, arrival_scv, self.targets)
+            ttft = ttft_quantile(prefill, rate, service, arrival_scv, self.targets.ttft_percentile)
         except ConfigError as exc:
-            service = prefill_service_times(workload, self.prefill, self.load_bytes_per_s)
-            prefill = math.ceil(rate * float(service.mean()) / 0.9)
-            return FleetNeed(min(prefill, MAX_WORKERS), max(1, math.ceil(prefill / 4)), math.inf,
-                             float(service.mean()), f"target unreachable ({exc}); sized to keep up")
-        return FleetNeed(plan.prefill_workers, plan.decode_workers, plan.predicted_ttft_s, plan.mean_prefill_s, "")
+            prefill, ttft = min(math.ceil(busy / 0.9), MAX_WORKERS), math.inf   # utilization <= 0.9
+            notes.append(f"TTFT target unreachable ({exc}); prefill sized to keep up")
+        decode, note = self._decode(rate, float(np.mean(inputs)), float(np.mean(outputs)))
+        notes += [note] if note else []
+        return FleetNeed(prefill, decode, ttft, mean_prefill, "; ".join(notes))
+
+    def _decode(self, rate: float, mean_in: float, mean_out: float) -> tuple[int, str]:
+        """Decode workers for the ITL target; else the fewest that keep up (a finite batch) in
+        their KV memory; else the fewest that keep up at all. The note says which, and why."""
+        first: ConfigError | None = None
+        relaxed = ((self.targets.itl_s, self.decode_kv_tokens), (math.inf, self.decode_kv_tokens), (math.inf, math.inf))
+        for i, (itl_s, kv_tokens) in enumerate(relaxed):
+            try:
+                workers = decode_workers_for(rate, mean_in, mean_out, self.decode, itl_s, kv_tokens)[0]
+            except ConfigError as exc:
+                first = first or exc
+                continue
+            return workers, "" if i == 0 else (f"ITL target unreachable ({first}); decode sized to keep up"
+                                               + (" ignoring its KV memory" if i == 2 else ""))
+        return MAX_WORKERS, f"ITL target unreachable ({first}); keeping up needs over {MAX_WORKERS} decode workers"
 
 
 def _thin(samples: Sequence[int]) -> tuple[int, ...]:
@@ -219,6 +240,10 @@ class _Pool:
         needed = min(max(needed, settings.min_workers), settings.max_workers)
         banded = min(max(needed_banded, needed), settings.max_workers)
         current = self.count
+        if current > settings.max_workers:   # a bound is not a forecast: no hysteresis, no cooldown
+            self._change(now, settings.max_workers, up=False)
+            return PoolDecision(self.name, current, needed, settings.max_workers, "scale_down",
+                                f"{current} above --max-workers {settings.max_workers}; {why}")
         if needed > current:
             self.low_intervals = 0
             wait = self.last_up_s + settings.up_cooldown_s - now

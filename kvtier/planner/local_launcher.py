@@ -6,13 +6,19 @@ It keeps :mod:`kvtier.planner.launchers`' contract against a running ``kvtier ro
   own CLI, which also gives a kvtier-connector worker its shutdown grace) on a free port,
   with its KV events on an ipc socket in the run directory; a thread polls the worker's
   ``/health`` and only once it answers 200 adds it to the router (``POST /admin/workers``)
-  — a worker still loading its model never sees a request. A worker that exits or does
-  not become healthy in time is stopped and marked ``failed``; no new start is tried for
-  ``failure_backoff_s`` (a broken command must not be relaunched every interval).
+  — a worker still loading its model never sees a request. A worker that exits, does not
+  become healthy in time or cannot be registered (the router refuses it or does not answer)
+  is stopped with its whole process group and marked ``failed``; no new start is tried for
+  ``failure_backoff_s`` (a broken command must not be relaunched every interval). The same
+  thread then watches the serving worker: one whose process exits (OOM, a crash) is marked
+  ``failed``, its group killed and the router told to forget it, so that ``list`` no longer
+  counts it and the planner starts a replacement.
 - ``drain(worker)`` tells the router to send it nothing new (``/admin/workers/drain``), waits
   until the router counts no request in flight on it (or ``drain_timeout_s`` passed),
   removes it from the router, then stops it: SIGTERM to its main process (vLLM shuts down in
   order, the connector flushes its store), SIGKILL to its process group after ``stop_timeout_s``.
+  A drain the router refuses or does not answer leaves the worker serving (the planner asks
+  again next interval), except during ``close()``: then the worker is stopped regardless.
 - Workers found already running (``adopt``) are drained and removed like the others but
   never signalled: this launcher did not start them.
 
@@ -26,6 +32,7 @@ kernel sends it SIGTERM and vLLM shuts down in order.
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import os
@@ -83,6 +90,9 @@ class RouterAdmin:
         self.timeout_s = timeout_s
 
     def _call(self, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
+        """(status, JSON body) of an answer, 4xx/5xx included; :class:`LaunchError` when there is
+        no answer to read (refused, timed out, reset, not HTTP, a 2xx body that is not JSON), so
+        that every caller handles a router that is down the way it handles one that refuses."""
         headers = {"Content-Type": "application/json"}
         if self.token:
             headers["Authorization"] = f"Bearer {self.token}"
@@ -94,8 +104,10 @@ class RouterAdmin:
         except urllib.error.HTTPError as err:
             try:
                 return err.code, json.loads(err.read() or b"{}")
-            except ValueError:
+            except (OSError, ValueError, http.client.HTTPException):
                 return err.code, {}
+        except (OSError, ValueError, http.client.HTTPException) as exc:   # URLError is an OSError
+            raise LaunchError(f"router {method} {path}: {exc}") from None
 
     def _ok(self, method: str, path: str, body: dict | None = None) -> dict:
         status, out = self._call(method, path, body)
@@ -130,7 +142,7 @@ def _healthy(url: str) -> bool:
     try:
         with urllib.request.urlopen(url + "/health", timeout=2) as resp:
             return resp.status == 200
-    except (OSError, ValueError):
+    except (OSError, ValueError, http.client.HTTPException):   # not up yet, or not HTTP on that port
         return False
 
 
@@ -157,6 +169,7 @@ class LocalLauncher:
     _serial: int = 0
     _last_failure_s: float = -1e18
     _threads: list[threading.Thread] = field(default_factory=list)
+    _closing: bool = False
 
     def __post_init__(self) -> None:
         self.run_dir = Path(self.run_dir)
@@ -258,7 +271,9 @@ class LocalLauncher:
         return {n: p.proc.pid for n, p in self._procs.items() if p.proc is not None and p.proc.poll() is None}
 
     def close(self, timeout_s: float | None = None) -> None:
-        """Drain and stop every live worker this launcher started; wait for the transitions."""
+        """Drain and stop every live worker this launcher started; wait for the transitions. A
+        worker whose drain the router refuses or does not answer is stopped all the same."""
+        self._closing = True
         for worker in [w for w in self.workers if w.state in ("starting", "serving")]:
             if self._procs[worker.name].proc is not None:
                 self.drain(worker)
@@ -284,18 +299,25 @@ class LocalLauncher:
         deadline = time.monotonic() + self.health_timeout_s
         while worker.state == "starting":
             if proc.proc.poll() is not None:
+                # stop() kills what is left of its process group (vLLM's engine core): a fork
+                # does not inherit PR_SET_PDEATHSIG, so nothing else would
+                self.stop(worker)
                 return self._failed(worker, f"exited ({proc.proc.returncode}) before it was healthy")
             if _healthy(worker.url):
                 try:
                     self.admin.add(worker.url, proc.events)
                 except LaunchError as exc:
+                    # refused, or no answer: a timed-out add may still have landed, so forget it
+                    # too; the failure backoff then spaces out the next try
+                    self._forget(worker)
                     self.stop(worker)
-                    return self._failed(worker, f"healthy but the router refused it: {exc}")
+                    return self._failed(worker, f"healthy but the router did not take it: {exc}")
                 with self._lock:
                     if worker.state == "starting":
                         worker.state = "serving"
                         self._record("serving", worker)
-                        return
+                if worker.state == "serving":
+                    return self._watch(worker)
                 break   # drained while we registered it: fall through and take it out again
             if time.monotonic() > deadline:
                 self.stop(worker)
@@ -304,17 +326,44 @@ class LocalLauncher:
         if worker.state == "draining":   # drained before it ever served: the drain thread stops it
             return
 
+    def _watch(self, worker: WorkerRecord) -> None:
+        """While it serves (a drain takes over from here; a refused drain starts a new watch): a
+        process that exited is a worker gone, however the router's health check sees it."""
+        proc = self._procs[worker.name].proc
+        while proc is not None and worker.state == "serving":   # None: adopted, not ours to watch
+            if proc.poll() is not None:
+                with self._lock:
+                    if worker.state != "serving":   # a drain began: its thread stops the worker
+                        return
+                    worker.state = "failed"         # claimed: drain() leaves a failed worker alone
+                self.stop(worker)                   # reaps it and kills what is left of its group
+                self._forget(worker)
+                return self._failed(worker, f"exited ({proc.returncode}) while serving")
+            time.sleep(self.poll_s)
+
+    def _forget(self, worker: WorkerRecord) -> None:
+        """Best effort: the router stops routing to ``worker`` and forgets it (it may not know it)."""
+        try:
+            if worker.url in self.admin.workers():
+                self.admin.drain(worker.url)
+                self.admin.remove(worker.url, force=True)
+        except LaunchError as exc:
+            log.warning("could not remove %s from the router: %s", worker.name, exc)
+
     def _drain_then_stop(self, worker: WorkerRecord, registered: bool) -> None:
         if registered:
             try:
                 self.admin.drain(worker.url)
             except LaunchError as exc:
+                if self._closing:   # close() promises every started worker stopped: stop it unregistered
+                    log.warning("drain of %s failed while closing: %s; stopping it anyway", worker.name, exc)
+                    return self.stop(worker)
                 # 409 (the router's last routable worker) or the router is down: keep it serving
                 log.warning("drain of %s refused: %s; it stays in rotation", worker.name, exc)
                 with self._lock:
                     worker.state = "serving"
                 self._record("drain_refused", worker)
-                return
+                return self._watch(worker)   # serving again: this thread watches it now
             deadline = time.monotonic() + self.drain_timeout_s
             force = False
             while True:
@@ -340,12 +389,7 @@ class LocalLauncher:
             # still starting: it never joined the router. Wait for the start thread to see the
             # state change (it may be mid-registration), then make sure the router forgets it.
             time.sleep(self.poll_s)
-            try:
-                if worker.url in self.admin.workers():
-                    self.admin.drain(worker.url)
-                    self.admin.remove(worker.url, force=True)
-            except LaunchError:
-                pass
+            self._forget(worker)
         self.stop(worker)
 
     def _failed(self, worker: WorkerRecord, why: str) -> None:

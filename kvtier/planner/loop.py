@@ -5,6 +5,11 @@ own ``/metrics`` (vLLM) give the engine-side view reported beside it; the planne
 (:mod:`kvtier.planner.live`); a launcher acts (:func:`kvtier.planner.launchers.apply`, on the
 aggregated decision where workers prefill and decode alike); the decision goes to the
 planner's metrics and a JSON status file (``kvtier top --planner-status``).
+
+An interval never ends the planner for a reason that is not the planner's: an endpoint that
+does not answer, or answers something that is not metrics, counts as down; a status or
+targets file that cannot be written is logged and counted (``kvtier_planner_status_write_errors``).
+Either way the workers keep running and the next interval tries again.
 """
 
 from __future__ import annotations
@@ -45,17 +50,18 @@ class PlannerLoop:
 
     def step(self) -> Decision | None:
         """One interval: a decision, or None (first scrape, a counter reset, the router down)."""
-        samples = self.scrape(self.router)
+        samples = self._scrape(self.router)
         self._record_launcher()
         self.write_targets()
-        if not samples.up:
+        if samples is None or not samples.up:
             self.metrics.scrape_errors.inc()
-            log.warning("router metrics unreachable (%s); holding", samples.error)
+            log.warning("router metrics unreachable (%s); holding", samples.error if samples else "scrape failed")
             return None
         now = RouterCounters.from_samples(time.monotonic(), samples)
         obs = observation_between(self._before, now, self.output_tokens) if self._before else None
         self._before = now
-        scraped = {url: self.scrape(url) for url in self.worker_urls()}
+        # a worker whose scrape failed is left out: fleet_load counts only workers that answered
+        scraped = {url: s for url in self.worker_urls() if (s := self._scrape(url)) is not None}
         self.last_load = fleet_load(scraped, self._before_workers, self.planner.sizer.targets.ttft_percentile)
         self._before_workers = scraped
         self.metrics.record_fleet(self.last_load)
@@ -83,7 +89,25 @@ class PlannerLoop:
 
         hosts = sorted({urlsplit(w.url).netloc for pool in ("prefill", "decode") for w in self.launcher.list(pool)
                         if w.state == "serving" and w.url})
-        _replace_json(self.targets_file, [{"targets": hosts, "labels": {"job": "vllm"}}])
+        self._write_side_file(self.targets_file, [{"targets": hosts, "labels": {"job": "vllm"}}])
+
+    def _scrape(self, url: str):
+        """``scrape(url)``, or None if it raised: a bad endpoint is down, never the planner's end
+        (whose ``finally`` would drain every worker it started)."""
+        try:
+            return self.scrape(url)
+        except Exception as exc:
+            log.warning("scraping %s failed: %r", url, exc)
+            return None
+
+    def _write_side_file(self, path: str, value) -> None:
+        """Status and targets are for people and Prometheus: failing to write one (its directory
+        removed, the disk full) is reported, not a reason to stop deciding."""
+        try:
+            _replace_json(path, value)
+        except OSError as exc:
+            self.metrics.status_write_errors.inc()
+            log.warning("cannot write %s: %s", path, exc)
 
     def _record_launcher(self) -> None:
         self.metrics.record_launcher(self.launcher)
@@ -104,12 +128,19 @@ class PlannerLoop:
         pids = getattr(self.launcher, "pids", None)
         if pids is not None:
             status["pids"] = pids()
-        _replace_json(self.status_file, status)
+        self._write_side_file(self.status_file, status)
 
 
 def _replace_json(path: str, value) -> None:
     """Readers see the old file or the new one, never half of one."""
     tmp = path + ".tmp"
-    with open(tmp, "w") as fh:
-        json.dump(value, fh)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as fh:
+            json.dump(value, fh)
+        os.replace(tmp, path)
+    except OSError:
+        try:   # a half-written temporary (disk full) is not left behind
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise

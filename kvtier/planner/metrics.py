@@ -59,6 +59,9 @@ class PlannerMetrics:
         self.engine_itl = Gauge("kvtier_planner_engine_itl_seconds",
                                 "Inter-token latency at the target percentile over the interval (vLLM)", registry=r)
         self.scrape_errors = Counter("kvtier_planner_scrape_errors", "Router metrics scrapes that failed", registry=r)
+        self.status_write_errors = Counter("kvtier_planner_status_write_errors",
+                                           "Status or targets file writes that failed (the planner goes on)",
+                                           registry=r)
         for pool in POOLS:
             for action in ACTIONS:
                 self.decisions.labels(pool, action)

@@ -219,6 +219,7 @@ def load_model(name_or_path: str, kv_dtype: str | None = None) -> ModelGeometry:
         return geometry_from_hf_config(config, name=path.parent.name or "custom", kv_dtype=kv_dtype)
     except ConfigError:
         raise
-    except (AttributeError, TypeError, ValueError, ZeroDivisionError) as exc:   # a field of the wrong type or 0
+    # a field of the wrong type, 0, or past a float (1e999 parses as inf: int(inf) overflows)
+    except (AttributeError, TypeError, ValueError, ZeroDivisionError, OverflowError) as exc:
         raise ConfigError(f"model config {path}: a field is not what a Hugging Face config.json holds "
                           f"({exc})") from None

@@ -9,6 +9,7 @@ router) restart the baseline instead of giving negative rates.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 from kvtier.planner.live import Observation
@@ -32,6 +33,8 @@ def observation_between(before: RouterCounters, after: RouterCounters, output_to
     requests = after.requests - before.requests
     prompt = after.prompt_tokens - before.prompt_tokens
     cached = after.cached_tokens - before.cached_tokens
+    if not all(math.isfinite(x) for x in (dt, requests, prompt, cached)):
+        return None   # a router exporting NaN or Inf: no figure to size on, like a reset
     if dt <= 0 or requests < 0 or prompt < 0 or cached < 0:
         return None
     if requests == 0:
@@ -67,7 +70,10 @@ def _buckets(samples, name: str) -> dict[float, float]:
     out: dict[float, float] = {}
     for (n, labels), value in samples.values.items():
         if n == name + "_bucket":
-            le = float(dict(labels).get("le", "inf").replace("+Inf", "inf"))
+            try:
+                le = float(dict(labels).get("le", "inf").replace("+Inf", "inf"))
+            except ValueError:   # not a bound: the series is not a histogram bucket after all
+                continue
             out[le] = out.get(le, 0.0) + value
     return out
 

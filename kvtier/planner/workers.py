@@ -140,36 +140,59 @@ def decode_batch(workers: int, rate: float, mean_output: float, kv_per_request: 
     return batch, decode.step_seconds(max(1, round(batch)), batch * kv_per_request)
 
 
-def plan_workers(workload: Workload, targets: SLATargets, prefill: PrefillCostModel, decode: DecodeCostModel,
-                 load_bytes_per_s: float, decode_kv_tokens: int) -> WorkerPlan:
-    """The fewest prefill and decode workers that meet ``targets``; raise if none can."""
-    service = prefill_service_times(workload, prefill, load_bytes_per_s)
+def prefill_workers_for(rate: float, service: np.ndarray, arrival_scv: float, targets: SLATargets) -> int:
+    """The fewest prefill workers whose TTFT percentile meets the target; raise if none can."""
     if float(np.quantile(service, targets.ttft_percentile)) > targets.ttft_s:
         raise ConfigError(
             f"even an idle worker misses the TTFT target: p{targets.ttft_percentile * 100:g} prefill alone takes "
             f"{np.quantile(service, targets.ttft_percentile):.2f} s > {targets.ttft_s} s; raise the hit rate, "
             "the devices per worker, or the target"
         )
-    rate = workload.arrival_rate_per_s
-    prefill_workers = max(1, math.ceil(rate * service.mean()))
-    while ttft_quantile(prefill_workers, rate, service, workload.arrival_scv, targets.ttft_percentile) > targets.ttft_s:
-        prefill_workers += 1
-        if prefill_workers > MAX_WORKERS:
+    workers = max(1, math.ceil(rate * service.mean()))
+    while ttft_quantile(workers, rate, service, arrival_scv, targets.ttft_percentile) > targets.ttft_s:
+        workers += 1
+        if workers > MAX_WORKERS:
             raise ConfigError("no prefill worker count under 100,000 meets the TTFT target")
-    mean_in = float(np.mean(workload.input_tokens))
-    mean_out = float(np.mean(workload.output_tokens))
+    return workers
+
+
+def decode_workers_for(rate: float, mean_in: float, mean_out: float, decode: DecodeCostModel, itl_s: float,
+                       decode_kv_tokens: float) -> tuple[int, float, float]:
+    """(workers, batch, step seconds): the fewest decode workers whose steady batch steps
+    within ``itl_s`` and fits ``decode_kv_tokens``; raise if none can. ``itl_s`` of infinity
+    asks for the fewest that keep up at all (a finite batch)."""
     kv_per_request = mean_in + mean_out / 2  # KV read per step, averaged over a request's life
-    if decode.step_seconds(1, kv_per_request) > targets.itl_s:
-        raise ConfigError(f"a single sequence already steps slower than the ITL target {targets.itl_s} s;"
+    if decode.step_seconds(1, kv_per_request) > itl_s:
+        raise ConfigError(f"a single sequence already steps slower than the ITL target {itl_s} s;"
                           " use more devices per decode worker or a looser target")
-    decode_workers = 1
-    while True:
-        batch, step = decode_batch(decode_workers, rate, mean_out, kv_per_request, decode)
-        if step <= targets.itl_s and batch * (mean_in + mean_out) <= decode_kv_tokens:
-            break
-        decode_workers += 1
-        if decode_workers > MAX_WORKERS:
+
+    def meets(workers: int) -> bool:
+        batch, step = decode_batch(workers, rate, mean_out, kv_per_request, decode)
+        return math.isfinite(step) and step <= itl_s and batch * (mean_in + mean_out) <= decode_kv_tokens
+
+    # More workers never make a worker's batch larger: the answer is the edge of a monotone
+    # predicate, found by doubling then bisecting (a linear search took seconds to reach 100,000)
+    low, high = 0, 1   # low fails (0 workers trivially), high is the candidate
+    while not meets(high):
+        if high >= MAX_WORKERS:
             raise ConfigError("no decode worker count under 100,000 meets the ITL target")
+        low, high = high, min(2 * high, MAX_WORKERS)
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (low, mid) if meets(mid) else (mid, high)
+    batch, step = decode_batch(high, rate, mean_out, kv_per_request, decode)
+    return high, batch, step
+
+
+def plan_workers(workload: Workload, targets: SLATargets, prefill: PrefillCostModel, decode: DecodeCostModel,
+                 load_bytes_per_s: float, decode_kv_tokens: int) -> WorkerPlan:
+    """The fewest prefill and decode workers that meet ``targets``; raise if none can."""
+    service = prefill_service_times(workload, prefill, load_bytes_per_s)
+    rate = workload.arrival_rate_per_s
+    prefill_workers = prefill_workers_for(rate, service, workload.arrival_scv, targets)
+    decode_workers, batch, step = decode_workers_for(rate, float(np.mean(workload.input_tokens)),
+                                                     float(np.mean(workload.output_tokens)), decode, targets.itl_s,
+                                                     decode_kv_tokens)
     return WorkerPlan(
         prefill_workers=prefill_workers,
         decode_workers=decode_workers,

@@ -7,6 +7,7 @@ are bytes and bytes per second; a tier's ``capacity_bytes`` of ``null`` is unbou
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -41,10 +42,12 @@ class TierSpec:
     def __post_init__(self) -> None:
         if self.scope not in TIER_SCOPES:
             raise ConfigError(f"tier {self.name!r}: scope must be one of {TIER_SCOPES}, got {self.scope!r}")
-        if self.capacity_bytes is not None and self.capacity_bytes < 0:
-            raise ConfigError(f"tier {self.name!r}: capacity_bytes must be >= 0 or null (unbounded)")
-        if self.read_bytes_per_s <= 0 or self.latency_s < 0:
-            raise ConfigError(f"tier {self.name!r}: read_bytes_per_s must be > 0 and latency_s >= 0")
+        # NaN passes every comparison below: finiteness first (null, not Infinity, is unbounded)
+        if self.capacity_bytes is not None and not (math.isfinite(self.capacity_bytes) and self.capacity_bytes >= 0):
+            raise ConfigError(f"tier {self.name!r}: capacity_bytes must be a finite number >= 0 or null (unbounded)")
+        if not (math.isfinite(self.read_bytes_per_s) and math.isfinite(self.latency_s)) \
+                or self.read_bytes_per_s <= 0 or self.latency_s < 0:
+            raise ConfigError(f"tier {self.name!r}: read_bytes_per_s must be a finite number > 0 and latency_s >= 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,8 +73,16 @@ class ClusterConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"cluster {name} must be a positive integer, got {value!r}")
-        if self.hbm_cache_bytes < 0 or self.decode_kv_bytes <= 0 or self.transfer_bytes_per_s <= 0:
-            raise ConfigError("cluster hbm_cache_bytes must be >= 0, decode_kv_bytes and transfer_bytes_per_s > 0")
+        for name in ("model", "accelerator"):
+            if not isinstance(getattr(self, name), str):
+                raise ConfigError(f"cluster {name} must be a string, got {getattr(self, name)!r:.40}")
+        if self.calibration is not None and not isinstance(self.calibration, str):
+            raise ConfigError(f"cluster calibration must be a path (a string) or null, got {self.calibration!r:.40}")
+        sizes = (self.hbm_cache_bytes, self.decode_kv_bytes, self.transfer_bytes_per_s)
+        if not all(map(math.isfinite, sizes)) or self.hbm_cache_bytes < 0 or self.decode_kv_bytes <= 0 \
+                or self.transfer_bytes_per_s <= 0:
+            raise ConfigError("cluster hbm_cache_bytes must be a finite number >= 0, decode_kv_bytes and "
+                              "transfer_bytes_per_s finite and > 0")
         names = [t.name for t in self.tiers]
         if "hbm" in names or len(set(names)) != len(names):
             raise ConfigError(f"tier names must be distinct and not 'hbm' (HBM is implicit), got {names}")
@@ -117,5 +128,5 @@ def load_cluster(path: str | Path | None = None) -> ClusterConfig:
         return ClusterConfig.from_json(data)
     except ConfigError:
         raise
-    except (TypeError, ValueError) as exc:   # a missing tier field, a size that is not a number
+    except (TypeError, ValueError, OverflowError) as exc:   # a missing field, a size not a number (or past a float)
         raise ConfigError(f"cluster config {path}: {exc}") from None
