@@ -2,9 +2,12 @@
 
 The router counts what the planner needs: requests routed, prompt tokens and the tokens
 the workers reported cached (``kvtier_router_*_total``, summed over workers). Between
-two scrapes ``Δt`` apart: rate = Δrequests / Δt, mean prompt = Δprompt tokens / Δrequests,
-hit rate = Δcached tokens / Δprompt tokens. Counters that went backwards (a restarted
-router) restart the baseline instead of giving negative rates.
+two scrapes ``Δt`` apart: rate = Δrequests / Δt, mean prompt = Δprompt tokens / Δanswers
+whose usage the router read, hit rate = Δcached tokens / Δprompt tokens. (A stream carries
+usage only when its client asks, which OpenAI clients do not by default: over all requests,
+every such stream counted as a 0-token prompt. A router without that counter: Δrequests.)
+Counters that went backwards (a restarted router) restart the baseline instead of giving
+negative rates.
 """
 
 from __future__ import annotations
@@ -20,11 +23,13 @@ class RouterCounters(NamedTuple):
     requests: float
     prompt_tokens: float
     cached_tokens: float
+    usage_answers: float = 0.0  # answers whose usage prompt_tokens sums over (0: a router without it)
 
     @classmethod
     def from_samples(cls, at_s: float, samples) -> "RouterCounters":
         return cls(at_s, samples.get("kvtier_router_requests_total"), samples.get("kvtier_router_prompt_tokens_total"),
-                   samples.get("kvtier_router_actual_cached_tokens_total"))
+                   samples.get("kvtier_router_actual_cached_tokens_total"),
+                   samples.get("kvtier_router_usage_answers_total"))
 
 
 def observation_between(before: RouterCounters, after: RouterCounters, output_tokens: int) -> Observation | None:
@@ -39,7 +44,10 @@ def observation_between(before: RouterCounters, after: RouterCounters, output_to
         return None
     if requests == 0:
         return Observation(after.at_s, 0.0, (), (), 0.0)
-    mean_prompt = max(1, round(prompt / requests))
+    answers = after.usage_answers - before.usage_answers
+    if not (math.isfinite(answers) and answers > 0):
+        answers = requests  # a router that does not count them (or no usage this interval)
+    mean_prompt = max(1, round(prompt / answers))
     hit = min(max(cached / prompt, 0.0), 1.0) if prompt > 0 else 0.0
     count = min(int(requests), 64)
     return Observation(after.at_s, requests / dt, (mean_prompt,) * count, (output_tokens,) * count, hit)

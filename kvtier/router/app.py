@@ -906,6 +906,7 @@ class Router:
         if got is not None:
             self.metrics.actual_cached.labels(worker.url).inc(got[0])
             self.metrics.prompt_tokens.labels(worker.url).inc(got[1])
+            self.metrics.usage_answers.labels(worker.url).inc()
         return out
 
     async def _cut_by_worker(self, request: web.Request, out: web.StreamResponse, worker: Worker,

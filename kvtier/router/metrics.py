@@ -17,6 +17,11 @@ class RouterMetrics:
                                      ["worker"], registry=r)
         self.prompt_tokens = Counter("kvtier_router_prompt_tokens", "usage.prompt_tokens reported by the worker",
                                      ["worker"], registry=r)
+        # The requests prompt_tokens covers: a stream carries usage only when its client asked
+        # (stream_options.include_usage), so prompt_tokens / requests understated prompts.
+        self.usage_answers = Counter("kvtier_router_usage_answers",
+                                     "Answers whose usage the router read (what prompt_tokens sums over)",
+                                     ["worker"], registry=r)
         self.decision = Histogram("kvtier_router_decision_seconds", "Time to pick a worker (keys + index + policy)",
                                   buckets=(1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1), registry=r)
         self.approximate = Gauge("kvtier_router_approximate_mode",
