@@ -166,7 +166,8 @@ def render(frame: Frame):
         for col in ("pool", "action", "current → target", "reason"):
             p.add_column(col)
         for pool in ("prefill", "decode"):
-            d = frame.planner.get(pool) or {}
+            d = frame.planner.get(pool)
+            d = d if isinstance(d, dict) else {}  # a status file of another shape: shown empty
             p.add_row(pool, str(d.get("action", "-")), f"{d.get('current', '-')} → {d.get('target', '-')}",
                       str(d.get("reason", "")))
         parts.append(p)
@@ -197,9 +198,10 @@ def _planner_status(path: str | None) -> dict | None:
         return None
     try:
         with open(path) as fh:
-            return json.load(fh)
+            status = json.load(fh)
     except (OSError, ValueError):
         return None
+    return status if isinstance(status, dict) else None  # not a planner's status: not shown
 
 
 def run(args) -> int:

@@ -72,3 +72,18 @@ def test_without_any_endpoint_it_says_what_to_give(capsys):
     args = parser.parse_args(["top", "--once"])
     assert args.func(args) == 2
     assert "--server" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("status", ['[1, 2]', '{"prefill": "scale_up"}', '"text"'])
+def test_a_planner_status_file_of_another_shape_is_shown_empty_not_a_crash(tmp_path, capsys, status):
+    parser = argparse.ArgumentParser()
+    top_cli.register(parser.add_subparsers())
+    path = tmp_path / "status.json"
+    path.write_text(status)
+    args = parser.parse_args(["top", "--once", "--router", "127.0.0.1:1", "--planner-status", str(path)])
+    assert args.func(args) == 0
+    assert "down: router" in capsys.readouterr().out
+    # control: a planner's status file is shown
+    path.write_text('{"prefill": {"action": "scale_up", "current": 2, "target": 3, "reason": "queue"}}')
+    assert args.func(args) == 0
+    assert "scale_up" in capsys.readouterr().out
