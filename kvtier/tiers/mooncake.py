@@ -162,7 +162,8 @@ class MooncakeTier(TierReads, TierWrites, BoundedEngineCalls, TenantNaming, Tier
         self._backoff_min = backoff_s
         self._backoff_max = max_backoff_s
         self._backoff = backoff_s
-        self._down_until = 0.0
+        self._down_until = 0.0  # 0.0: up; else down, and a health check is due from then (mooncake_calls)
+        self._probing = False
         self._closed = False
         self.last_error: str | None = None
         self._unremoved: dict[str, float] = {}  # name → since when its removal is owed (refused or not asked)
@@ -280,12 +281,15 @@ class MooncakeTier(TierReads, TierWrites, BoundedEngineCalls, TenantNaming, Tier
         if self._closed:
             return
         self._closed = True
+        # An overrun call still in the engine (a frozen holder or master) must end before the
+        # client closes under it; bounded: past it the client is left open (SharedClient.release).
+        ended = self._caller.wait_idle(self.timeout_s)
         self._caller.close()
-        if not self._late_direct_reads:  # a late read still uses its registration: leave it to close()
+        if not self._late_direct_reads and ended:  # a late read still uses its registration
             for start, _, _ in self._regions:
                 self._engine.unregister_buffer(start)
         self._regions = []
-        self._client.release()
+        self._client.release(calls_ended=ended)
 
     def __repr__(self) -> str:
         return f"<MooncakeTier master={self.master} tenant={self.tenant!r} replicas={self.replicas}>"

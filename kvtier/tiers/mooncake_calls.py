@@ -3,19 +3,27 @@
 Each call has one deadline, ``max(timeout_s, bytes / min_rate_bytes_s)``; the engine call
 runs on a worker thread (:class:`~kvtier.tiers.mooncake_client.BoundedCaller`) and the tier
 stops waiting at the deadline. After an overrun or a master that does not answer the tier is
-*down* for a backoff that doubles up to ``max_backoff_s``: calls return misses at once; then a
-health check decides.
+*down*: calls return misses at once. Once a backoff (doubling up to ``max_backoff_s``) is over, a
+health check on a thread of its own decides; the callers go on failing fast meanwhile. (When the
+first call after the backoff found out, every backoff of a long outage cost one caller the whole
+deadline -- a host eviction demoting to the fleet holds the DRAM tier's lock, so every GET of a
+DRAM block too.)
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Sequence
 
 from kvtier.tiers.mooncake_client import MASTER_DOWN_CODES, Overrun
 
 log = logging.getLogger("kvtier.tiers.mooncake")
+
+#: the name a health check looks up (a master RPC; no block is ever stored under it: names are
+#: NAME_PREFIX + 64 hex digits)
+_PROBE = "kvtier/health-check"
 
 
 class Down(Exception):
@@ -36,8 +44,39 @@ class BoundedEngineCalls:
     def _check_up(self) -> None:
         if self._closed:
             raise Down("tier closed")
-        if time.monotonic() < self._down_until:
+        if self._down_until:  # down since a failure (0.0: up)
+            if time.monotonic() >= self._down_until:
+                self._probe_in_background()
             raise Down(self.last_error or "down")
+
+    def _probe_in_background(self) -> None:
+        """Start the health check that ends an outage (one at a time); until it answers, the
+        tier stays down for one more backoff."""
+        with self._lock:
+            if self._probing or self._closed:
+                return
+            self._probing = True
+            self._down_until = time.monotonic() + self._backoff
+
+        def probe() -> None:
+            try:
+                ok = self._master_answers(self._caller.call(self.timeout_s, self._engine.batch_is_exist, [_PROBE]))
+                why = "the master did not answer the health check"
+            except Overrun as exc:
+                ok, why = False, f"the health check: {exc}"
+            except Exception as exc:  # noqa: BLE001 - the binding raising is the engine failing
+                ok, why = False, f"the health check: {type(exc).__name__}: {exc}"
+            if ok:
+                with self._lock:
+                    self._down_until = 0.0
+                    self._probing = False
+                log.info("mooncake tier %s: the master answers again", self.master)
+                return
+            with self._lock:
+                self._probing = False
+            self._failed(why)
+
+        threading.Thread(target=probe, name="kvtier-mooncake-probe", daemon=True).start()
 
     def _call(self, deadline: float, fn, *args, if_late=None):
         """One engine call, waited for until ``deadline`` (monotonic); an overrun puts the tier in
@@ -75,13 +114,19 @@ class BoundedEngineCalls:
 
     @property
     def available(self) -> bool:
-        """False while in backoff after a failure."""
-        return not self._closed and time.monotonic() >= self._down_until
+        """False from a failure until a health check finds the master answering again."""
+        return not self._closed and not self._down_until
 
     def healthy(self) -> bool:
-        """The engine's own check (the master answers), bounded by ``timeout_s``."""
+        """Whether the master answers a lookup, within ``timeout_s``. (The engine's own
+        ``health_check`` asks nobody: it answered 0 within 1 ms with the master frozen.)"""
         try:
             self._check_up()
-            return self._call(time.monotonic() + self.timeout_s, self._engine.health_check) == 0
+            return self._master_answers(self._call(time.monotonic() + self.timeout_s, self._engine.batch_is_exist,
+                                                   [_PROBE]))
         except Down:
             return False
+
+    @staticmethod
+    def _master_answers(codes) -> bool:
+        return isinstance(codes, (list, tuple)) and len(codes) == 1 and codes[0] not in MASTER_DOWN_CODES

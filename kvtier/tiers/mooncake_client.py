@@ -56,6 +56,19 @@ class BoundedCaller:
         # A stuck call holds its thread until the engine gives up on it; enough threads that a
         # few stuck calls do not queue the healthy ones behind them.
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="kvtier-mooncake")
+        self._running = 0  # calls submitted and not ended (overrun ones included)
+        self._idle = threading.Condition()
+
+    def _ended(self, _future) -> None:
+        with self._idle:
+            self._running -= 1
+            if not self._running:
+                self._idle.notify_all()
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Whether every call submitted has ended, waiting at most ``timeout_s``."""
+        with self._idle:
+            return self._idle.wait_for(lambda: not self._running, timeout=timeout_s)
 
     def call(self, deadline_in_s: float, fn: Callable, *args, if_late: Callable[[], None] | None = None):
         """``fn(*args)``; raises :class:`Overrun` after ``deadline_in_s`` seconds. ``if_late`` runs
@@ -64,7 +77,15 @@ class BoundedCaller:
 
     def submit(self, fn: Callable, *args) -> Future:
         """Start ``fn(*args)`` (to overlap it with work of the caller's); :meth:`wait` for it."""
-        return self._pool.submit(fn, *args)
+        with self._idle:
+            self._running += 1
+        try:
+            future = self._pool.submit(fn, *args)
+        except BaseException:
+            self._ended(None)
+            raise
+        future.add_done_callback(self._ended)
+        return future
 
     def wait(self, future: Future, deadline_in_s: float, *, if_late: Callable[[], None] | None = None):
         """The result of a :meth:`submit`-ted call, as :meth:`call` waits for it."""
@@ -152,6 +173,7 @@ class SharedClient:
         #: the store's own transfer engine, for reading one chosen replica (None: not available)
         self.transfer = transfer
         self.refs = 0
+        self.abandoned_calls = False  # a user let go while an engine call of its still ran
         self.staging = StagingPool(store)
         self._sessions: dict[str, int] = {}  # name → this process's reads in a get session of it
         self._ending: dict[str, threading.Event] = {}  # name → set once its session's end has run
@@ -216,12 +238,19 @@ class SharedClient:
             shared.refs += 1
             return shared
 
-    def release(self) -> None:
+    def release(self, *, calls_ended: bool = True) -> None:
+        """One user less; the last one closes the client, unless a user's engine call was still
+        running when it let go (``calls_ended`` False): closing the store under a running call
+        crashed the process (a segmentation fault), so such a client is left to the process's end."""
         with self._registry_lock:
             self.refs -= 1
+            self.abandoned_calls |= not calls_ended
             if self.refs > 0:
                 return
             self._registry.pop(self.key, None)
+        if self.abandoned_calls:
+            log.warning("mooncake: an engine call still runs; the client is left open until the process ends")
+            return
         self.staging.clear()
         try:
             self.store.close()

@@ -338,6 +338,80 @@ def test_a_delete_the_fleet_could_not_be_asked_is_hidden_at_once_and_done_once_i
         theirs.close()
 
 
+@pytest.fixture(scope="module")
+def outage_cluster():
+    """For freezing the master longer than ``CLIENT_TTL_S``: with the engine's default client_ttl
+    (10 s), so that the master, woken, does not drop the holders' segments (their heartbeats
+    queued behind the freeze) and the blocks on them."""
+    from kvtier.tiers.mooncake_launch import MooncakeCluster
+
+    c = MooncakeCluster.start(holders=1, segment_bytes=64 << 20)
+    yield c
+    c.stop()
+
+
+def test_a_long_outage_costs_one_deadline_not_one_per_backoff(outage_cluster):
+    """Once its backoff was over, the tier's next call found out whether the master answered: during
+    a long freeze every backoff cost one caller the whole deadline (a host eviction demoting to the
+    fleet holds the DRAM tier's lock meanwhile). A health check on its own thread decides now."""
+    t = make_tier(outage_cluster, timeout_s=1.0, backoff_s=0.2, max_backoff_s=0.4)
+    out = np.zeros(BLOCK, np.uint8)
+    try:
+        assert t.put(key(320), block(320)) is Status.OK
+        os.killpg(outage_cluster.master.pid, signal.SIGSTOP)
+        try:
+            start = time.monotonic()
+            assert t.contains(key(320)) is False  # the call that finds the outage: one deadline
+            assert time.monotonic() - start < 1.5
+            slowest, calls = 0.0, 0
+            until = time.monotonic() + 3.0  # several backoffs
+            while time.monotonic() < until:
+                start = time.monotonic()
+                assert t.get(key(320), out) is Status.ERROR
+                slowest, calls = max(slowest, time.monotonic() - start), calls + 1
+                time.sleep(0.05)
+        finally:
+            os.killpg(outage_cluster.master.pid, signal.SIGCONT)
+        assert calls > 15 and slowest < 0.3, f"a call during the outage took {slowest:.2f} s"
+        assert not t.available
+        assert _wait(lambda: t.get(key(320), out) is Status.OK, 15), t.last_error  # and it comes back
+        assert np.array_equal(out, block(320)) and t.available
+    finally:
+        t.close()
+
+
+_CLOSE_UNDER_A_LATE_CALL = """
+import os, signal, sys
+import numpy as np
+from kvtier.tiers.mooncake import MooncakeTier
+master, metadata, pid = sys.argv[1], sys.argv[2], int(sys.argv[3])
+t = MooncakeTier(master, metadata, tenant="acme", secret=os.urandom(32), timeout_s=0.5)
+key = bytes(32)
+assert t.put(key, np.ones(1 << 18, np.uint8)).name == "OK"
+os.killpg(pid, signal.SIGSTOP)
+try:
+    print("while frozen:", t.get(key, np.zeros(1 << 18, np.uint8)).name, flush=True)
+    t.close()  # the read is still in the engine
+    print("closed", flush=True)
+finally:
+    os.killpg(pid, signal.SIGCONT)
+"""
+
+
+def test_closing_a_tier_while_an_engine_call_still_runs_does_not_crash_the_process(outage_cluster):
+    """A frozen master keeps an overrun call in the engine; closing the client under it was a
+    segmentation fault (a server's shutdown during a fleet outage). A child process: the old
+    behaviour kills whatever runs it."""
+    try:
+        done = subprocess.run([sys.executable, "-c", _CLOSE_UNDER_A_LATE_CALL, outage_cluster.master_address,
+                               outage_cluster.metadata_url, str(outage_cluster.master.pid)], capture_output=True, text=True,
+                              timeout=60, cwd=str(Path(__file__).resolve().parents[2]))
+    finally:
+        os.killpg(outage_cluster.master.pid, signal.SIGCONT)
+    assert "while frozen: ERROR" in done.stdout, done.stdout + done.stderr[-3000:]  # control: it overran
+    assert done.returncode == 0 and "closed" in done.stdout, f"exit {done.returncode}: {done.stderr[-3000:]}"
+
+
 def test_killing_the_master_gives_misses_within_the_deadline_and_recovery_after_restart(cluster):
     t = make_tier(cluster, timeout_s=1.0, max_backoff_s=0.5)
     try:
