@@ -145,11 +145,14 @@ class BlockIndex:
                 entry.tier = tier
             return entry
 
-    def remove(self, skey: bytes) -> BlockEntry | None:
+    def remove(self, skey: bytes, *, only: BlockEntry | None = None) -> BlockEntry | None:
+        """Forget ``skey``'s block; with ``only``, only if that entry is still the one indexed (a
+        block judged earlier, say expired, and put again since is a new entry, left alone)."""
         with self._lock:
-            entry = self._entries.pop(skey, None)
-            if entry is None:
+            entry = self._entries.get(skey)
+            if entry is None or (only is not None and entry is not only):
                 return None
+            del self._entries[skey]
             self._former[skey] = entry.owner
             if len(self._former) > _FORMER_OWNERS:
                 self._former.popitem(last=False)

@@ -182,7 +182,7 @@ class Service:
             self._forget_evicted(skey, entry)
 
     def _forget_evicted(self, skey: bytes, entry: BlockEntry) -> None:
-        if self.index.remove(skey) is not None:
+        if self.index.remove(skey, only=entry) is not None:  # (not a block put again since)
             self.gov.release(skey)
 
     def emit(self, kind: str, tier: str, entry: BlockEntry) -> None:
@@ -328,14 +328,24 @@ class Service:
                 break
         conn.reply(h, 0, b"".join(out))
 
-    def drop(self, skey: bytes) -> BlockEntry | None:
+    def drop(self, skey: bytes, *, only: BlockEntry | None = None) -> BlockEntry | None:
         """Remove a block from the index and every tier, on an I/O thread (it waits for every
-        tier). A key the index does not hold is in no tier either (a PUT is committed and indexed
-        with no await in between): no tier is asked, which for a disk tier would cost system calls."""
-        entry = self._unindex(skey)
-        if entry is not None:
-            self.store.delete([skey])
-        return entry
+        tier); with ``only``, only if that entry is still the one indexed. A key the index does not
+        hold is in no tier either (a PUT is committed and indexed with no await in between): no
+        tier is asked, which for a disk tier would cost system calls. The deletion is announced
+        before the index forgets the block: a PUT of the key in between waits for it (else it
+        found the old copy still in DRAM, was acknowledged and never indexed)."""
+        pending: Future = Future()
+        with self._deleting_lock:
+            self._deleting[skey] = pending
+        try:
+            entry = self._unindex(skey, only)
+            if entry is not None:
+                self.store.delete([skey])
+            return entry
+        finally:
+            pending.set_result(None)
+            self._deletion_ended(skey, pending)
 
     def drop_soon(self, skey: bytes) -> BlockEntry | None:
         """:meth:`drop`, for the event loop: the index forgets the block at once and the tiers'
@@ -369,8 +379,8 @@ class Service:
         if future is not None:
             await asyncio.wait([asyncio.wrap_future(future)])  # (its failure is logged where it ends)
 
-    def _unindex(self, skey: bytes) -> BlockEntry | None:
-        entry = self.index.remove(skey)
+    def _unindex(self, skey: bytes, only: BlockEntry | None = None) -> BlockEntry | None:
+        entry = self.index.remove(skey, only=only)
         if entry is None:
             return None
         self.gov.release(skey)
@@ -575,10 +585,15 @@ class Service:
 
     # -- retention ---------------------------------------------------------------------------
     def sweep(self) -> int:
-        """Delete expired blocks; returns how many."""
-        expired = self.index.expired(time.monotonic(), self.gov.ttl)
-        for skey in expired:
-            self.drop(skey)
-        self.metrics.expirations.inc(len(expired))
-        return len(expired)
+        """Delete expired blocks; returns how many. Each is judged again as its turn comes, and
+        only the entry judged is removed: a block put again (acknowledged) while a long sweep
+        worked through its list was deleted with the expired one's key."""
+        dropped = 0
+        for skey in self.index.expired(time.monotonic(), self.gov.ttl):
+            entry = self.index.get(skey)
+            if entry is None or not self.gov.is_expired(entry.owner, entry.namespace, entry.created, time.monotonic()):
+                continue
+            dropped += self.drop(skey, only=entry) is not None
+        self.metrics.expirations.inc(dropped)
+        return dropped
 
