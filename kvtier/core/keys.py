@@ -56,6 +56,10 @@ def as_token_array(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
     if arr.ndim != 1:
         raise ValueError(f"token ids must be one-dimensional, got shape {arr.shape}")
     if arr.dtype != np.dtype("<u4"):
+        # A float array would be truncated by the cast: tokens k + 0.5 would share k's keys.
+        # (An empty array has no token to misread: np.asarray([]) is float64.)
+        if arr.dtype.kind not in "iu" and arr.size:
+            raise ValueError(f"token ids must be integers, got an array of {arr.dtype}")
         if arr.size and (arr.min() < 0 or arr.max() > 0xFFFFFFFF):
             raise ValueError("token ids must be in 0 .. 2**32-1")
         arr = arr.astype("<u4")

@@ -46,6 +46,7 @@ capacity when it has none.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -118,8 +119,11 @@ class RemoteTier(Tier, StreamingTier):
         self._token = resolve_token(self.address, token)
         self.namespace = namespace or self.address.namespace
         self.session = session
-        if timeout_s <= 0 or min_rate_bytes_s <= 0:
-            raise ValueError(f"timeout_s ({timeout_s}) and min_rate_bytes_s ({min_rate_bytes_s}) must be positive")
+        # NaN or infinity would be no deadline at all: "bounded" needs finite numbers
+        for what, v in (("timeout_s", timeout_s), ("connect_timeout_s", connect_timeout_s),
+                        ("min_rate_bytes_s", min_rate_bytes_s)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise ValueError(f"{what}={v!r}: give a finite number > 0")
         self.timeout_s = timeout_s
         self.min_rate_bytes_s = min_rate_bytes_s
         self.connect_timeout_s = connect_timeout_s
@@ -134,7 +138,8 @@ class RemoteTier(Tier, StreamingTier):
         self._down_until = 0.0
         self._closed = False
         self.last_error: str | None = None
-        self._server_info: dict = {}
+        self._server_info: dict = {}  #: the last HELLO reply, as sent (unchecked: for display)
+        self._server_features: frozenset[str] = frozenset()  #: checked (WireClient.features)
 
     # -- connections, failures, backoff ---------------------------------------------------
     @contextmanager
@@ -160,6 +165,7 @@ class RemoteTier(Tier, StreamingTier):
                 self._failed(exc)
                 raise TierDown(str(exc)) from exc
             self._server_info = conn.info
+            self._server_features = conn.features
         try:
             yield conn
         except TierDown:
@@ -354,7 +360,7 @@ class RemoteTier(Tier, StreamingTier):
     def streams_available(self) -> bool:
         if not self._server_info:
             self.ping()  # learn what the server offers (HELLO); nothing if it is down
-        return "sealed" in self._server_info.get("features", ())
+        return "sealed" in self._server_features
 
     def _put_blocks(self, keys: Sequence[BlockKey], payloads: Sequence, sizes: list[int], parents, metas,
                     session: str | None, skip_present: bool, *, sealed: bool) -> list[Status]:
@@ -382,7 +388,7 @@ class RemoteTier(Tier, StreamingTier):
                                       parents[i], session) for i in todo}
         try:
             with self._conn(deadline) as c:
-                if sealed and "sealed" not in c.info.get("features", ()):
+                if sealed and "sealed" not in c.features:
                     self.last_error = f"{self.address} does not take sealed payloads (an older server)"
                     todo = []
                 max_block = c.max_block
@@ -448,22 +454,22 @@ class RemoteTier(Tier, StreamingTier):
         if not self._server_info:
             self.ping()  # learn what the server offers (HELLO); nothing if it is down
         try:
-            if "list_cursor" in self._server_info.get("features", ()):
+            if "list_cursor" in self._server_features:
                 cursor = 0
                 while True:
                     deadline = self._deadline(MAX_KEYS * KEY_BYTES)
-                    with self._conn(deadline) as c:
+                    with self._conn(deadline) as c:  # the reply's checks too: a bad one is TierDown
                         _, body = c.call(Op.LIST, LIST_CURSOR_ARGS.pack(cursor, MAX_KEYS), deadline=deadline,
                                          reply_meta=(U64.size, U64.size + MAX_KEYS * KEY_BYTES))
-                    if len(body) < U64.size or (len(body) - U64.size) % KEY_BYTES:
-                        raise ProtocolError(ErrorCode.BAD_LENGTH, f"LIST reply of {len(body)} bytes: not a cursor "
-                                                                  f"and whole keys")
-                    (next_cursor,) = U64.unpack_from(body)
+                        if len(body) < U64.size or (len(body) - U64.size) % KEY_BYTES:
+                            raise ProtocolError(ErrorCode.BAD_LENGTH, f"LIST reply of {len(body)} bytes: not a "
+                                                                      f"cursor and whole keys")
+                        (next_cursor,) = U64.unpack_from(body)
+                        if next_cursor and next_cursor <= cursor:
+                            raise ProtocolError(ErrorCode.BAD_META, "LIST cursor did not advance")
                     found += [BlockKey(body[i : i + KEY_BYTES]) for i in range(U64.size, len(body), KEY_BYTES)]
                     if not next_cursor:
                         return iter(found)
-                    if next_cursor <= cursor:
-                        raise ProtocolError(ErrorCode.BAD_META, "LIST cursor did not advance")
                     cursor = next_cursor
             while True:
                 deadline = self._deadline(MAX_KEYS * KEY_BYTES)
@@ -500,12 +506,11 @@ class RemoteTier(Tier, StreamingTier):
 
     @property
     def capacity_bytes(self) -> int:
-        s = self.server_stats()
-        return int(s.get("quota_bytes") or s.get("capacity_bytes") or 0)
+        return _stat_int(self.server_stats(), "quota_bytes", "capacity_bytes")
 
     @property
     def used_bytes(self) -> int:
-        return int(self.server_stats().get("namespace_bytes", 0))
+        return _stat_int(self.server_stats(), "namespace_bytes")
 
     def close(self) -> None:
         with self._pool_lock:
@@ -526,6 +531,16 @@ def _check_key(key) -> bytes:
 
 def _keys_meta(keys: Sequence[BlockKey]) -> bytes:
     return b"".join(_check_key(k) for k in keys)
+
+
+def _stat_int(stats: dict, *names: str) -> int:
+    """The first of ``names`` in a STATS map that is a positive int, else 0: a value of another
+    type (a string, a float, a bool) from another version's server is no number of bytes."""
+    for name in names:
+        v = stats.get(name)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    return 0
 
 
 def _chunks(seq: Sequence, n: int):

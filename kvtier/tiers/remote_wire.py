@@ -18,6 +18,7 @@ close it and open another.
 
 from __future__ import annotations
 
+import math
 import os
 import select
 import socket
@@ -25,7 +26,7 @@ import ssl
 import struct
 import time
 from dataclasses import dataclass
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qs, parse_qsl, urlsplit, urlunsplit
 
 import xxhash
 
@@ -54,6 +55,9 @@ _ZERO_TRAILER = bytes(CHECKSUM_NBYTES)  #: a sealed PUT's trailer: its AEAD tags
 #: a kernel timeout may end this much after the deadline before it is re-armed (a setsockopt
 #: pair per re-arm; the loops also check the deadline between system calls)
 _ARM_SLACK_S = 0.01
+#: the longest kernel timeout set at once (a C ``long`` of seconds must hold it; a longer deadline
+#: is still checked between system calls)
+_MAX_ARM_S = 86400.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,14 +78,15 @@ def parse_url(url: str) -> Address:
     """``tcp://HOST:PORT``, ``tls://HOST:PORT`` or ``unix:///PATH``, with optional
     ``?namespace=NAME&token=T&ca=CA.pem`` (prefer ``KVTIER_TOKEN`` to a token in a URL)."""
     parts = urlsplit(url)
+    shown = _redacted(parts)  # errors end up in logs: never the token
     query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
     unknown = set(query) - {"namespace", "token", "ca"}
     if unknown:
-        raise ConfigError(f"{url!r}: unknown parameter(s) {sorted(unknown)}; use namespace, token or ca")
+        raise ConfigError(f"{shown!r}: unknown parameter(s) {sorted(unknown)}; use namespace, token or ca")
     common = dict(namespace=query.get("namespace", "default"), token=query.get("token"), ca_file=query.get("ca"))
     if parts.scheme == "unix":
         if not parts.path.startswith("/"):
-            raise ConfigError(f"{url!r}: a unix socket URL needs an absolute path: unix:///run/kvtier.sock")
+            raise ConfigError(f"{shown!r}: a unix socket URL needs an absolute path: unix:///run/kvtier.sock")
         return Address("unix", parts.path, None, **common)
     if parts.scheme in ("tcp", "tls"):
         try:
@@ -89,9 +94,17 @@ def parse_url(url: str) -> Address:
         except ValueError:
             port = None
         if not parts.hostname or port is None:
-            raise ConfigError(f"{url!r}: expected {parts.scheme}://HOST:PORT, e.g. {parts.scheme}://127.0.0.1:7070")
+            raise ConfigError(f"{shown!r}: expected {parts.scheme}://HOST:PORT, e.g. {parts.scheme}://127.0.0.1:7070")
         return Address(parts.scheme, parts.hostname, port, **common)
-    raise ConfigError(f"{url!r}: use tcp://HOST:PORT, tls://HOST:PORT or unix:///PATH")
+    raise ConfigError(f"{shown!r}: use tcp://HOST:PORT, tls://HOST:PORT or unix:///PATH")
+
+
+def _redacted(parts) -> str:
+    """The URL to quote in an error: every query value but a namespace's or a CA file's masked
+    (``token=***``; a misspelt ``tokn=`` may hold one too), no user info, no fragment."""
+    query = "&".join(f"{k}={v}" if k in ("namespace", "ca") else f"{k}=***"
+                     for k, v in parse_qsl(parts.query, keep_blank_values=True))
+    return urlunsplit((parts.scheme, parts.netloc.rpartition("@")[2], parts.path, query, ""))
 
 
 class RemoteError(Exception):
@@ -124,14 +137,14 @@ class WireClient:
                 raise
         else:
             sock = socket.create_connection((address.host, address.port), timeout=connect_timeout_s)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if address.scheme == "tls":
-                ctx = ssl.create_default_context(cafile=address.ca_file)
-                try:
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                if address.scheme == "tls":
+                    ctx = ssl.create_default_context(cafile=address.ca_file)
                     sock = ctx.wrap_socket(sock, server_hostname=address.host)
-                except BaseException:
-                    sock.close()
-                    raise
+            except BaseException:
+                sock.close()
+                raise
         # Blocking mode with kernel timeouts (SO_RCVTIMEO / SO_SNDTIMEO), not Python's
         # timeout mode: one syscall moves a whole piece (no poll() before each call,
         # no partial sends of non-blocking mode) and loops check the deadline.
@@ -151,11 +164,12 @@ class WireClient:
             h = self.read_header(deadline, rid)
             check_reply(h, Op.HELLO, meta=(1, MAX_MAP_REPLY))
             self.info = unpack_msgpack(self.read_bytes(h.meta_len, deadline), "HELLO reply")
+            # The reply's fields, read once and checked: another version's server (or a man in
+            # the middle without TLS) may send anything, and only these are used afterwards.
+            self.features, self.max_block, self.idle_timeout_s = _hello_fields(self.info)
         except BaseException:
             self.close()
             raise
-        self.max_block = int(self.info.get("max_block", 0))
-        self.idle_timeout_s = float(self.info.get("idle_timeout_s", 0) or 0)
         self.last_used = time.monotonic()
 
     def reusable(self) -> bool:
@@ -380,11 +394,25 @@ class WireClient:
                 pass
 
 
+def _hello_fields(info: dict) -> tuple[frozenset[str], int, float]:
+    """(features, max_block, idle_timeout_s) of a HELLO reply; a field of the wrong type or
+    range is its default: no features, no block limit (0), no idle timeout (0.0)."""
+    feats = info.get("features", ())
+    features = frozenset(f for f in feats if isinstance(f, str)) if isinstance(feats, (list, tuple)) else frozenset()
+    mb = info.get("max_block", 0)
+    max_block = mb if isinstance(mb, int) and not isinstance(mb, bool) and mb >= 0 else 0
+    it = info.get("idle_timeout_s", 0)
+    ok = isinstance(it, (int, float)) and not isinstance(it, bool) and math.isfinite(it) and it > 0
+    return features, max_block, float(it) if ok else 0.0
+
+
 def _remaining(deadline: float) -> float:
+    """Seconds left to ``deadline``, at most ``_MAX_ARM_S`` (what a kernel timeout is set to);
+    raises TimeoutError when none is left -- and for a NaN deadline, which would never pass."""
     left = deadline - time.monotonic()
-    if left <= 0:
+    if not left > 0:
         raise TimeoutError("kvtier server did not answer in time")
-    return left
+    return min(left, _MAX_ARM_S)
 
 
 def resolve_token(address: Address, token: str | None) -> str:
