@@ -19,8 +19,11 @@
   payload must be the size asked for, a CONTAINS reply one byte a key, ...;
   anything else (say, a server announcing a 1 GiB reply) is a protocol error
   handled the same way, with nothing allocated. After a failure the tier stays
-  *down* for a backoff period that doubles up to ``max_backoff_s`` (operations
-  fail at once, without network), then tries to reconnect; a success resets it.
+  *down* (operations fail at once, without network); once a backoff that doubles
+  up to ``max_backoff_s`` is over, a connection attempt on a thread of its own
+  decides, and the callers go on failing fast meanwhile. (When the first call
+  after the backoff tried, a frozen server cost one caller the whole deadline
+  every backoff, all outage long.) A success resets the backoff.
 * **Verified.** A put sends the block header with the payload's xxh3-128
   checksum; the server checks it before storing. A get checks the returned
   header (key, size) and the checksum of the bytes received: a torn or
@@ -135,7 +138,8 @@ class RemoteTier(Tier, StreamingTier):
         self._backoff_min = backoff_s
         self._backoff_max = max_backoff_s
         self._backoff = backoff_s
-        self._down_until = 0.0
+        self._down_until = 0.0  # 0.0: up; else down, and a reconnection is due from then
+        self._probing = False
         self._closed = False
         self.last_error: str | None = None
         self._server_info: dict = {}  #: the last HELLO reply, as sent (unchecked: for display)
@@ -145,10 +149,11 @@ class RemoteTier(Tier, StreamingTier):
     @contextmanager
     def _conn(self, deadline: float):
         """A connection for one call: pooled, or opened (connect + HELLO) before ``deadline``."""
-        now = time.monotonic()
         if self._closed:
             raise TierDown("tier closed")
-        if now < self._down_until:
+        if self._down_until:  # down since a failure (0.0: up)
+            if time.monotonic() >= self._down_until:
+                self._probe_in_background()
             raise TierDown(self.last_error or "server down")
         conn = None
         with self._pool_lock:
@@ -203,14 +208,47 @@ class RemoteTier(Tier, StreamingTier):
         for c in idle:
             c.close()
 
+    def _probe_in_background(self) -> None:
+        """Start the connection attempt that ends an outage (one at a time); until it succeeds
+        the tier stays down for one more backoff. The connection it opens joins the pool."""
+        with self._lock:
+            if self._probing or self._closed:
+                return
+            self._probing = True
+            self._down_until = time.monotonic() + self._backoff
+
+        def probe() -> None:
+            try:
+                conn = WireClient(self.address, self._token, namespace=self.namespace,
+                                  connect_timeout_s=self.connect_timeout_s, deadline=self._deadline())
+            except Exception as exc:  # noqa: BLE001 - refused, timed out, bad token: still down
+                with self._lock:
+                    self._probing = False
+                self._failed(exc)
+                return
+            self._server_info, self._server_features = conn.info, conn.features
+            conn.last_used = time.monotonic()
+            with self._pool_lock:
+                keep = not self._closed and len(self._idle) < self.pool_size
+                if keep:
+                    self._idle.append(conn)
+            if not keep:
+                conn.close()
+            with self._lock:
+                self._down_until = 0.0
+                self._probing = False
+            log.info("remote tier %s: the server answers again", self.address)
+
+        threading.Thread(target=probe, name="kvtier-remote-probe", daemon=True).start()
+
     def _deadline(self, nbytes: int = 0) -> float:
         """The one deadline of a call that moves ``nbytes`` payload bytes, set at its start."""
         return time.monotonic() + max(self.timeout_s, nbytes / self.min_rate_bytes_s)
 
     @property
     def available(self) -> bool:
-        """False while in backoff after a failure."""
-        return time.monotonic() >= self._down_until and not self._closed
+        """False from a failure until a connection to the server succeeds again."""
+        return not self._down_until and not self._closed
 
     # -- contract ----------------------------------------------------------------------------
     def contains(self, key: BlockKey) -> bool:

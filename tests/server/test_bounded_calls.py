@@ -108,6 +108,8 @@ def test_a_reply_announcing_1gib_is_a_miss_with_nothing_allocated(call, tmp_path
         if call == "get_streams":
             assert tier.streams_available()  # learnt from HELLO (its PING fails on the huge reply)
             time.sleep(0.05)  # past the backoff that failure started
+            assert tier.contains(key) is False  # down: at once, and a reconnection starts on its own thread
+            assert _wait_for(lambda: tier.available)  # the peer answers HELLO: up again
         closed_before = peer.closed_by_client
         rss0 = _peak_rss_bytes()
         tracemalloc.start()

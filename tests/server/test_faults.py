@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import threading
 import time
@@ -163,3 +165,37 @@ def test_pooled_connections_closed_for_idling_are_replaced_without_a_miss(tmp_pa
         time.sleep(0.45)  # idle for most of the allowance: replaced before use, not raced
         assert tier.lookup_prefix(keys) == 2
         assert tier.stats.errors == 0 and tier.last_error is None
+
+
+def test_a_long_outage_of_a_frozen_server_costs_one_deadline_not_one_per_backoff(tmp_path):
+    """Once its backoff was over, the tier's next call tried to reconnect: a frozen server (the
+    kernel still accepts, nothing answers the HELLO) cost one caller the whole deadline every
+    backoff, all outage long. A connection attempt on a thread of its own decides now."""
+    srv = ServerProcess.start(tenants(), shared=SHARED, workdir=str(tmp_path))
+    tier = remote(srv, timeout_s=1.0, connect_timeout_s=1.0, backoff_s=0.2, max_backoff_s=0.4)
+    k = keys_for("outage", 1)[0]
+    out = np.zeros(BLOCK, np.uint8)
+    try:
+        assert tier.put(k, block(k)) is Status.OK
+        os.kill(srv.proc.pid, signal.SIGSTOP)
+        try:
+            start = time.monotonic()
+            assert tier.get(k, out) is Status.ERROR  # the call that finds the outage: one deadline
+            assert time.monotonic() - start < 1.5
+            slowest, calls = 0.0, 0
+            until = time.monotonic() + 3.0  # several backoffs
+            while time.monotonic() < until:
+                start = time.monotonic()
+                assert tier.get(k, out) is Status.ERROR
+                slowest, calls = max(slowest, time.monotonic() - start), calls + 1
+                time.sleep(0.05)
+        finally:
+            os.kill(srv.proc.pid, signal.SIGCONT)
+        assert calls > 15 and slowest < 0.3, f"a call during the outage took {slowest:.2f} s"
+        end = time.monotonic() + 10
+        while tier.get(k, out) is not Status.OK and time.monotonic() < end:
+            time.sleep(0.1)  # it comes back
+        assert np.array_equal(out, block(k)) and tier.available
+    finally:
+        tier.close()
+        srv.stop()
