@@ -2,8 +2,9 @@
 256 KiB blocks (the demo model's layout: 8 layers, 4 KV heads, head dim 64, fp32, 16 tokens; or
 ``--block-kib`` K: K / 8 layers of one KV head, the same tokens and head dim) that
 a write-behind flusher's batches of 32 put on the disk tier, read by a fresh process through
-``TieredStore([host, disk])`` (spans of 16, two reads in flight, background promotion), against the
-demo's disk limit measured in that process before and after (the best counts).
+``TieredStore([host, disk])`` (the loader's spans of ``READ_CHUNK_BYTES``, ``READS_IN_FLIGHT`` reads in
+flight, background promotion), against the demo's disk limit measured in that process before and
+after (the best counts), with the span and reads in flight the demo's worker gives it.
 
     python scripts/bench_disk_load.py [--blocks 128] [--runs 5] [--block-kib 256] [--dir DIR]
 
@@ -37,8 +38,6 @@ def _keys(n: int) -> list[bytes]:
 
 
 def write(directory: str, n: int) -> None:
-    import numpy as np
-
     from kvtier.tiers.direct_io import aligned_buffer
     from kvtier.tiers.disk import DiskTier
 
@@ -67,7 +66,8 @@ def read(directory: str, n: int) -> dict:
     from kvtier.demo import limits
     import numpy as np
 
-    from kvtier.integrations.transformers.cache_io import KVStorage, Staging, gather_blocks, load_blocks
+    from kvtier.integrations.transformers.cache_io import (READ_CHUNK_BYTES, READS_IN_FLIGHT, KVStorage, Staging,
+                                                           gather_blocks, load_blocks)
     from kvtier.store.tiered import TieredStore
     from kvtier.tiers.disk import DiskTier
     from kvtier.tiers.host import HostTier
@@ -75,9 +75,10 @@ def read(directory: str, n: int) -> dict:
     lay = _layout()
 
     def limit() -> float:
-        if hasattr(limits, "disk_limit_gib_s"):
-            return limits.disk_limit_gib_s(directory, NB, in_flight=2, span_blocks=max(1, min(n, (4 << 20) // NB)))
-        return limits.disk_read_gib_s(directory, NB, in_flight=2, total_bytes=16 << 20)
+        if hasattr(limits, "disk_limit_gib_s"):  # as the demo's worker measures it: the loader's span
+            return limits.disk_limit_gib_s(directory, NB, in_flight=READS_IN_FLIGHT,
+                                           span_blocks=max(1, READ_CHUNK_BYTES // NB))
+        return limits.disk_read_gib_s(directory, NB, in_flight=READS_IN_FLIGHT, total_bytes=16 << 20)
 
     before = limit()
     store = TieredStore([HostTier(64 << 20, NB), DiskTier(directory, 1 << 30)])

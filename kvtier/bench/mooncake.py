@@ -1,4 +1,4 @@
-"""``kvtier bench remote --target mooncake``: MooncakeTier against the bare Mooncake client and a socket pair.
+"""``kvtier bench remote --target mooncake``: MooncakeTier against the bare Mooncake client and raw TCP.
 
 A real ``mooncake_master`` and one segment-holder process on loopback; this process is a
 pure client (it contributes no memory), so every put writes into the holder's segment
@@ -17,7 +17,16 @@ together on the same block bytes:
 * ``sealed``: the same through :class:`~kvtier.tiers.encrypted.EncryptedTier`, beside the raw
   AES-256-GCM rate of this machine, measured the way the sealed tier seals (``encrypt_into`` of
   2 MiB chunks into a preallocated buffer, one thread);
-* ``socket``: a Python socket pair moving the same bytes (``sendall`` / ``recv_into``).
+* ``socket``: the raw TCP loopback limit, Mooncake's transport here: a peer process that only
+  moves bytes (:class:`~kvtier.bench.remote.RawPeer`, ``TCP_NODELAY``, as the server bench's
+  limit) is sent the same distinct ``blocks`` buffers (``socket_put``) and sends them back into
+  the same distinct outs (``socket_get``, poisoned first and verified).
+
+Every round's gets are checked (outs poisoned before, compared after, untimed): a put that
+failed or a get that missed or returned other bytes stops the bench with ``RuntimeError`` (as
+the storage and server benches do) instead of posting the rate of a transfer that did not
+happen. Ratios against the socket and the bare client above
+:data:`~kvtier.bench.baselines.RATIO_WARN_ABOVE` are said in ``warnings``: the baseline is wrong.
 
 Medians of ``runs`` at the largest size and proportionally more at smaller ones (``runs_per_size``:
 every size's median rests on the same bytes moved; a 4 x 8 MiB phase lasts ~18 ms, and 7 of them
@@ -28,39 +37,28 @@ each run's own kvtier/bare ratio, the steadier figure on a shared machine).
 from __future__ import annotations
 
 import os
-import socket
 import statistics
-import threading
 import time
 
 import numpy as np
 
+from kvtier.bench.baselines import ratio_warnings
+from kvtier.bench.remote import RawPeer
 from kvtier.tiers.base import Status
 
+#: the byte gets' outs are filled with before each get (untimed): a get that writes nothing fails its check
+POISON = 0xA5
 
-def _socket_rate(data: np.ndarray, out: np.ndarray, count: int) -> float:
-    a, b = socket.socketpair()
-    for s in (a, b):
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
 
-    def send() -> None:
-        for _ in range(count):
-            a.sendall(data)
-
-    th = threading.Thread(target=send)
-    start = time.perf_counter()
-    th.start()
-    view = memoryview(out)
-    for _ in range(count):
-        got = 0
-        while got < out.nbytes:
-            got += b.recv_into(view[got:])
-    th.join()
-    took = time.perf_counter() - start
-    a.close()
-    b.close()
-    return count * data.nbytes / took
+def _verify(what: str, moved: bool, detail, outs: list[np.ndarray], datas: list[np.ndarray]) -> None:
+    """Stop the bench when a round did not move its bytes (its rate would be of nothing): the
+    statuses (``moved`` False, ``detail`` says them), or an out that differs from what was put."""
+    if not moved:
+        raise RuntimeError(f"{what}: {detail}; no rate is posted for a round that did not move its bytes")
+    for i, (got, want) in enumerate(zip(outs, datas)):
+        if not np.array_equal(got, want):
+            state = "was never written (still poisoned)" if np.all(got == POISON) else "holds other bytes than were put"
+            raise RuntimeError(f"{what}: get of block {i} reported success but the buffer {state}")
 
 
 def _aes_rate(data: np.ndarray) -> float:
@@ -143,7 +141,10 @@ def run(sizes_mib=(8, 32), blocks: int = 4, runs: int = 5, sealed: bool = True) 
                                 Keyring(StaticMasterKey(os.urandom(32)), keydir), "bench-sealed")
         engine = tier._engine  # the same client the tier uses: bare calls on the same connection set
         bare_session = _BareSession(engine, tier._config)
+        peer = None
         try:
+            # the socket limit: TCP loopback to a peer process, with room for a phase of the largest blocks
+            peer = RawPeer(None, int(max(sizes_mib) * (1 << 20)) * blocks)
             for mib in sizes_mib:
                 n = int(mib * (1 << 20))
                 rng = np.random.default_rng(mib)
@@ -156,41 +157,44 @@ def run(sizes_mib=(8, 32), blocks: int = 4, runs: int = 5, sealed: bool = True) 
                 rates: dict[str, list[float]] = {k: [] for k in
                                                  ("bare_put", "bare_get", "bare_session_put", "bare_session_get",
                                                   "kvtier_put", "kvtier_get",
-                                                  "sealed_put", "sealed_get", "socket")}
+                                                  "sealed_put", "sealed_get", "socket_put", "socket_get")}
                 for run_i in range(runs_per_size[mib]):
                     names = [f"bench/{mib}/{run_i}/{i}" for i in range(blocks)]
                     keys = [int(mib * 1000 + run_i * blocks + i).to_bytes(32, "big") for i in range(blocks)]
                     codes, got, put_s, get_s = _timed_round(
                         lambda: engine.batch_put_from(names, [d.ctypes.data for d in datas], [n] * blocks),
                         lambda: engine.batch_get_into(names, [o.ctypes.data for o in outs], [n] * blocks), outs)
-                    if any(codes) or any(g != n for g in got) or not _equal(outs, datas):
-                        result["warnings"].append(f"bare client at {mib} MiB: put {codes} get {got}")
+                    _verify(f"bare client at {mib} MiB", not any(codes) and all(g == n for g in got),
+                            f"put {codes} get {got}", outs, datas)
                     rates["bare_put"].append(blocks * n / put_s)
                     rates["bare_get"].append(blocks * n / get_s)
                     snames = [f"bench-session/{mib}/{run_i}/{i}" for i in range(blocks)]
                     codes, got, put_s, get_s = _timed_round(lambda: bare_session.put(snames, datas),
                                                             lambda: bare_session.get(snames, outs), outs)
-                    if any(codes) or any(g != n for g in got) or not _equal(outs, datas):
-                        result["warnings"].append(f"bare client in a session at {mib} MiB: put {codes} get {got}")
+                    _verify(f"bare client in a session at {mib} MiB", not any(codes) and all(g == n for g in got),
+                            f"put {codes} get {got}", outs, datas)
                     rates["bare_session_put"].append(blocks * n / put_s)
                     rates["bare_session_get"].append(blocks * n / get_s)
                     engine.batch_remove(snames, True)
                     ps, gs, put_s, get_s = _timed_round(lambda: tier.put_many(keys, datas),
                                                         lambda: tier.get_many(keys, outs), outs)
-                    if ps != [Status.OK] * blocks or gs != [Status.OK] * blocks or not _equal(outs, datas):
-                        result["warnings"].append(f"kvtier tier at {mib} MiB: put {ps} get {gs}")
+                    _verify(f"kvtier tier at {mib} MiB", ps == gs == [Status.OK] * blocks, f"put {ps} get {gs}",
+                            outs, datas)
                     rates["kvtier_put"].append(blocks * n / put_s)
                     rates["kvtier_get"].append(blocks * n / get_s)
                     if enc is not None:
                         ps, gs, put_s, get_s = _timed_round(lambda: enc.put_many(keys, datas),
                                                             lambda: enc.get_many(keys, outs), outs)
-                        if ps != [Status.OK] * blocks or gs != [Status.OK] * blocks or not _equal(outs, datas):
-                            result["warnings"].append(f"sealed tier at {mib} MiB: put {ps} get {gs}")
+                        _verify(f"sealed tier at {mib} MiB", ps == gs == [Status.OK] * blocks, f"put {ps} get {gs}",
+                                outs, datas)
                         rates["sealed_put"].append(blocks * n / put_s)
                         rates["sealed_get"].append(blocks * n / get_s)
                         # the reads' leases refuse a plain removal: force, so the segment never fills
                         engine.batch_remove([enc.inner.storage_name(enc.storage_name(k)) for k in keys], True)
-                    rates["socket"].append(_socket_rate(datas[0], outs[0], blocks))
+                    _, _, put_s, get_s = _timed_round(lambda: peer.put(datas), lambda: peer.get(outs), outs)
+                    _verify(f"raw TCP socket at {mib} MiB", True, "", outs, datas)
+                    rates["socket_put"].append(blocks * n / put_s)
+                    rates["socket_get"].append(blocks * n / get_s)
                     # leave the segment as empty as it was (the reads' leases: force)
                     engine.batch_remove(names, True)
                     engine.batch_remove([tier.storage_name(k) for k in keys], True)
@@ -212,15 +216,23 @@ def run(sizes_mib=(8, 32), blocks: int = 4, runs: int = 5, sealed: bool = True) 
                     result[f"{op}_ratio_vs_mooncake_paired_{tag}"] = round(statistics.median(
                         k / max(b, bs) for k, b, bs in
                         zip(rates[f"kvtier_{op}"], rates[f"bare_{op}"], rates[f"bare_session_{op}"])), 3)
-                result[f"get_ratio_vs_socket_{tag}"] = round(med["kvtier_get"] / med["socket"], 3)
-                result[f"put_ratio_vs_socket_{tag}"] = round(med["kvtier_put"] / med["socket"], 3)
-                result[f"bare_get_ratio_vs_socket_{tag}"] = round(med["bare_get"] / med["socket"], 3)
-                result[f"bare_put_ratio_vs_socket_{tag}"] = round(med["bare_put"] / med["socket"], 3)
+                for op in ("get", "put"):
+                    result[f"{op}_ratio_vs_socket_{tag}"] = round(med[f"kvtier_{op}"] / med[f"socket_{op}"], 3)
+                    result[f"bare_{op}_ratio_vs_socket_{tag}"] = round(med[f"bare_{op}"] / med[f"socket_{op}"], 3)
+                # above 1.05 the baseline is wrong (not the transport, memory or calls the tier had)
+                result["warnings"] += ratio_warnings(
+                    {k: v for k, v in result.items() if k.endswith(f"_{tag}") and "_ratio_vs_socket_" in k},
+                    what="raw TCP loopback socket limit")
+                result["warnings"] += ratio_warnings(
+                    {k: v for k, v in result.items() if k.endswith(f"_{tag}") and "_ratio_vs_mooncake" in k},
+                    what="bare Mooncake client")
                 if enc is not None:
                     result[f"sealed_get_ratio_vs_plain_{tag}"] = round(med["sealed_get"] / med["kvtier_get"], 3)
                     result[f"sealed_put_ratio_vs_plain_{tag}"] = round(med["sealed_put"] / med["kvtier_put"], 3)
                     result[f"aes_gcm_gbs_{tag}"] = round(_aes_rate(datas[0]) / 1e9, 3)
         finally:
+            if peer is not None:
+                peer.close()
             bare_session.close()
             if enc is not None:
                 enc.close()
@@ -243,8 +255,4 @@ def _timed_round(put, get, outs):
 
 def _poison(bufs) -> None:
     for b in bufs:
-        b.fill(0xA5)
-
-
-def _equal(outs, datas) -> bool:
-    return all(np.array_equal(o, d) for o, d in zip(outs, datas))
+        b.fill(POISON)

@@ -587,7 +587,7 @@ def register(subparsers) -> None:
     p.add_argument("--blocks", type=int, default=500_000, help="--quota-stress: blocks indexed (default 500000)")
     p.add_argument("--measure-puts", type=int, default=2000, help="--quota-stress: single puts timed at quota")
     p.add_argument("--target", choices=("server", "mooncake"), default="server",
-                   help="mooncake: MooncakeTier vs the bare Mooncake client and a socket pair, 8 and 32 MiB "
+                   help="mooncake: MooncakeTier vs the bare Mooncake client and raw TCP loopback, 8 and 32 MiB "
                         "(kvtier/bench/mooncake.py)")
     p.add_argument("--no-server", action="store_true",
                    help="--target mooncake: skip the kvtier server and Redis figures run beside it")

@@ -109,8 +109,8 @@ def add_arguments(p) -> None:
     # request) make vLLM queue and evict, as on a busy deployment.
     p.add_argument("--span-s", type=finite_float, default=None,
                    help=f"--trace: arrivals compressed to this span (default: auto, the span over which the "
-                        f"window's non-reusable tokens keep the two workers {BUSY_SHARE:.0%} busy at the prefill "
-                        f"speed their warm-up showed)")
+                        f"window's non-reusable tokens keep the two workers {BUSY_SHARE * 100:.0f}%% busy "  # %%: argparse
+                        f"at the prefill speed their warm-up showed)")
     p.add_argument("--kv-fraction", type=finite_float, default=0.1,
                    help="--trace: each worker's vLLM KV cache as a share of the stretch's working set")
     p.add_argument("--policies", default=",".join(POLICIES), help="--trace: comma-separated policies")

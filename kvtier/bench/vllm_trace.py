@@ -27,11 +27,9 @@ The systems run one after the other (an engine each; two at once would share the
 
 from __future__ import annotations
 
-import contextlib
 import math
 import random
 import shutil
-import statistics
 import tempfile
 import time
 from dataclasses import replace
