@@ -16,6 +16,7 @@ The server token comes from ``remote_token``, the URL or ``$KVTIER_TOKEN``.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 from dataclasses import dataclass, field, fields
@@ -30,6 +31,9 @@ from kvtier.store import safety
 from kvtier.store.config import StoreConfig, check_flag, check_seconds, check_text
 
 log = logging.getLogger(__name__)
+
+#: the longest flush at shutdown ``shutdown_flush_s`` may ask for, in seconds
+MAX_SHUTDOWN_FLUSH_S = 3600
 
 #: torch dtype name → kvtier dtype name
 _DTYPES = {
@@ -80,7 +84,9 @@ class ConnectorConfig:
       process exit) the store flushes host blocks not yet on disk for at most
       this long. vLLM gives a worker about 5 s between asking it to stop and
       killing it (``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS``, the engine-core
-      process manager's grace), hence the default of 4.
+      process manager's grace), hence the default of 4. At most
+      :data:`MAX_SHUTDOWN_FLUSH_S` (an hour): "no limit" is not a setting, and a
+      timeout past the platform's (``threading.TIMEOUT_MAX``) would make shutdown raise.
     * ``allow_weak_block_hashes``: accept vLLM's non-cryptographic block hashes
       (``prefix_caching_hash_algo`` "xxhash" / "xxhash_cbor") as key material,
       with a warning. Off by default: keys chain over those hashes, and a
@@ -113,6 +119,11 @@ class ConnectorConfig:
         object.__setattr__(self, "sync_load_max_bytes", parse_size(self.sync_load_max_bytes, "sync_load_max_bytes"))
         check_seconds(self.pd_wait_s, "pd_wait_s")
         check_seconds(self.shutdown_flush_s, "shutdown_flush_s", hint=" (0: drop what only DRAM holds)")
+        if self.shutdown_flush_s > MAX_SHUTDOWN_FLUSH_S:
+            raise ConfigError(
+                f"shutdown_flush_s={self.shutdown_flush_s!r}; give at most {MAX_SHUTDOWN_FLUSH_S} seconds (the "
+                f"flush at shutdown is bounded: vLLM and the orchestrator kill the worker long before, and "
+                f"timeouts past the platform's limit make the shutdown raise instead of flushing)")
         for name in ("async_load", "sync_load_when_alone", "allow_weak_block_hashes"):
             check_flag(getattr(self, name), name)
         check_flag(self.debug_poison, "debug_poison", optional=True)
@@ -249,10 +260,13 @@ def is_latent(spec) -> bool:
     return isinstance(spec, MLAAttentionSpec)
 
 
-def engine_kv(config: ConnectorConfig, vllm_config, kv_cache_config, *, tp_rank: int = 0) -> EngineKV:
+def engine_kv(config: ConnectorConfig, vllm_config, kv_cache_config, *, tp_rank: int = 0,
+              pp_rank: int = 0) -> EngineKV:
     """Namespace and geometry from vLLM's configuration (both roles see the same).
 
-    The scheduler looks up under ``tp_rank`` 0; each worker keys its own shard.
+    The scheduler looks up under ``tp_rank`` 0 of pipeline stage ``pp_rank`` 0 (vLLM gives it
+    the first worker's KV cache config: stage 0's layers); each worker keys its own shard of
+    its own stage's layers (:func:`_pipeline_stage`).
     """
     check_block_hashes(config, vllm_config.cache_config)
     groups = kv_cache_config.kv_cache_groups
@@ -308,11 +322,32 @@ def engine_kv(config: ConnectorConfig, vllm_config, kv_cache_config, *, tp_rank:
         page_tokens=page_tokens,
         hash_tokens=hash_tokens,
         num_layers=layout.num_layers,
-        format_tag=_format_tag(vllm_config, kv_cache_config, spec),
+        format_tag=_format_tag(vllm_config, kv_cache_config, spec,
+                               _pipeline_stage(parallel, pp_rank, groups[0].layer_names)),
     )
 
 
-def _format_tag(vllm_config, kv_cache_config, spec) -> str:
+def _pipeline_stage(parallel, pp_rank: int, layer_names) -> dict | None:
+    """Which layers a worker's pages hold, for the format tag; None without pipeline parallelism.
+
+    With ``--pipeline-parallel-size`` N each stage's worker holds only its own layers (vLLM
+    projects the KV cache groups per worker), and ``tp_rank`` is 0 in every stage: without the
+    stage in the tag, two stages of as many layers would save other layers' KV under one key,
+    and on a shared tier (disk, kvtier server) each would load the other's. The rank and size
+    alone do not say which layers either (``VLLM_PP_LAYER_PARTITION`` 8,8,8,8 and 7,8,9,8 give
+    stage 1 eight layers each, not the same eight): the layer names do. Absent when N is 1,
+    so that the keys of an engine without pipeline parallelism stay what they were.
+    """
+    size = int(getattr(parallel, "pipeline_parallel_size", 1) or 1)
+    if not 0 <= pp_rank < size:
+        raise ConfigError(f"pipeline stage {pp_rank} of {size}: not a stage of this engine")
+    if size == 1:
+        return None
+    layers = hashlib.sha256("\n".join(sorted(layer_names)).encode()).hexdigest()[:32]
+    return {"rank": pp_rank, "size": size, "layers": layers}
+
+
+def _format_tag(vllm_config, kv_cache_config, spec, pipeline: dict | None = None) -> str:
     from vllm.platforms import current_platform
 
     cache = vllm_config.cache_config
@@ -326,11 +361,14 @@ def _format_tag(vllm_config, kv_cache_config, spec) -> str:
         "kv_cache_dtype": str(cache.cache_dtype),
         "hash": str(cache.prefix_caching_hash_algo),
     }
+    if pipeline is not None:
+        parts["pipeline_stage"] = pipeline
     if current_platform.device_type == "cpu":
-        # the CPU kernels' page layout depends on the host (AMX or not): cpu_pages
+        # the CPU kernels' page layout depends on the host (AMX or not) and the model dtype: cpu_pages
         from kvtier.integrations.vllm.cpu_pages import page_format
 
         requested = getattr(attention, "backend", None)
         parts["page_format"] = page_format(spec, str(cache.cache_dtype),
-                                           getattr(requested, "name", None) or (str(requested) if requested else None))
+                                           getattr(requested, "name", None) or (str(requested) if requested else None),
+                                           model_dtype=getattr(vllm_config.model_config, "dtype", None))
     return "vllm-page/1 " + json.dumps(parts, sort_keys=True)

@@ -76,12 +76,18 @@ class KvtierConnector(KVConnectorBase_V1):
         _log_through_vllm()
         transfer = self._kv_transfer_config
         self.config = ConnectorConfig.from_extra_config(transfer.kv_connector_extra_config)
-        tp_rank = 0
+        # The scheduler keys as TP rank 0 of pipeline stage 0 (vLLM gives it the first worker's KV
+        # cache config). With pipeline parallelism each stage keys its own layers (config's
+        # _pipeline_stage) and serves lookups on its own socket; the scheduler asks stage 0's, and a
+        # block another stage lacks is a failed load there, which vLLM gathers from every worker
+        # (load_failure_policy: recomputed, or the request fails).
+        tp_rank = pp_rank = 0
         if role == KVConnectorRole.WORKER:
-            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+            from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 
             tp_rank = get_tensor_model_parallel_rank()
-        self.engine = engine_kv(self.config, vllm_config, kv_cache_config, tp_rank=tp_rank)
+            pp_rank = get_pp_group().rank_in_group
+        self.engine = engine_kv(self.config, vllm_config, kv_cache_config, tp_rank=tp_rank, pp_rank=pp_rank)
         engine_id = str(transfer.engine_id)
         self.store = None
         self.scheduler: SchedulerSide | None = None
@@ -116,7 +122,8 @@ class KvtierConnector(KVConnectorBase_V1):
             self.worker = WorkerSide(self.engine, self.store, poison=poisoning.enabled(self.config.debug_poison))
             if tp_rank == 0:
                 store = self.store
-                self._lookup_server = LookupServer(socket_path(engine_id), lambda keys: store.lookup(keys).hit_blocks)
+                self._lookup_server = LookupServer(socket_path(engine_id, pp_rank=pp_rank),
+                                                   lambda keys: store.lookup(keys).hit_blocks)
         log.info("kvtier connector (%s): namespace %s, %d-token blocks, %s",
                  role.name, self.engine.namespace.model_id, self.engine.block_tokens,
                  f"tiers {[t.name for t in self.store.tiers]}" if self.store else "lookups via the worker")

@@ -4,8 +4,8 @@ vLLM keeps its KV connector in a process-wide global, so each engine instance
 (a prefill and a decode instance, a fresh engine, one per benchmarked tier)
 runs in its own process.
 Usage: ``python -m kvtier.integrations.vllm.engine_proc '<json settings>'``; then one JSON command per
-line on stdin, one reply per command on stdout as ``KVTIER-REPLY <json>``
-(vLLM's own log lines are skipped by the reader).
+line on stdin, one reply per command on stdout as ``KVTIER-REPLY {"seq": n, "reply": <json>}``
+(``seq``: the command's number, 0 for the ready reply; vLLM's own log lines are skipped by the reader).
 
 Settings: ``model`` (a directory), ``extra`` (kv_connector_extra_config, or
 null for no connector), ``role`` (kv_both | kv_producer | kv_consumer),
@@ -29,6 +29,7 @@ page; ``fix_loads`` undoes it), ``kill_on_next_load`` (SIGKILL a process at the 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import os
@@ -70,7 +71,11 @@ class EngineDied(RuntimeError):
 
 
 class EngineProcess:
-    """The parent's handle on an engine process; ``call`` sends one command and returns its reply."""
+    """The parent's handle on an engine process; ``call`` sends one command and returns its reply.
+
+    Commands are numbered (``seq``) and the child echoes the number: a reply that comes after
+    its command timed out (:class:`EngineDied` "no reply") is dropped, never taken as the answer
+    to a later command. Not thread safe (one caller at a time)."""
 
     def __init__(self, settings: dict, log_path: Path, *, env: dict | None = None) -> None:
         self.log_path = log_path
@@ -82,7 +87,10 @@ class EngineProcess:
             preexec_fn=die_with_parent,   # a bench or test run killed mid-way takes its engines along
         )
         self._replies: queue.Queue = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
+        self._seq = 0                                   # the last command's number; 0: the ready reply
+        self._awaited: collections.deque = collections.deque([0])   # numbers sent, not yet answered
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
 
     def _read(self) -> None:
         for line in self.proc.stdout:
@@ -96,8 +104,10 @@ class EngineProcess:
         self._reply(timeout)
 
     def send(self, **cmd) -> None:
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self._seq += 1
+        self.proc.stdin.write(json.dumps({**cmd, "seq": self._seq}) + "\n")
         self.proc.stdin.flush()
+        self._awaited.append(self._seq)
 
     def reply(self, timeout: float = 240) -> dict:
         return self._reply(timeout)
@@ -107,13 +117,23 @@ class EngineProcess:
         return self._reply(timeout)
 
     def _reply(self, timeout: float) -> dict:
-        try:
-            got = self._replies.get(timeout=timeout)
-        except queue.Empty:
-            raise EngineDied(f"no reply in {timeout}s; log: {self.log_path}\n{self.tail()}") from None
-        if got is None:
-            raise EngineDied(f"engine exited ({self.proc.poll()}); log: {self.log_path}\n{self.tail()}")
-        return got
+        """The reply to the oldest command not yet answered; one that times out is given up."""
+        if not self._awaited:
+            raise RuntimeError("no command awaits a reply")
+        seq = self._awaited.popleft()
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                got = self._replies.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise EngineDied(f"no reply in {timeout}s; log: {self.log_path}\n{self.tail()}") from None
+            if got is None:
+                self._replies.put(None)   # the end, for every later call too
+                raise EngineDied(f"engine exited ({self.proc.poll()}); log: {self.log_path}\n{self.tail()}")
+            if got["seq"] == seq:
+                return got["reply"]
+            # an older command's reply, come after that command timed out: not this one's
+            self._log.write(f"kvtier engine_proc: dropped the late reply to command {got['seq']}\n")
 
     def generate(self, prompts, *, sequential: bool = True, **kw) -> list[dict]:
         """Outputs of ``prompts``; ``sequential`` (one request at a time) keeps results bit-comparable."""
@@ -134,12 +154,17 @@ class EngineProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        self._reader.join(timeout=10)   # it reads stdout to its end, writing to the log
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            with contextlib.suppress(OSError, ValueError):   # stdin: a flush into a dead child
+                pipe.close()
         self._log.close()
 
 
 # -- the child ------------------------------------------------------------------------------
-def reply(obj) -> None:
-    sys.stdout.write(MARK + json.dumps(obj) + "\n")
+def reply(seq: int, obj) -> None:
+    """Answer command ``seq`` (0: the ready reply)."""
+    sys.stdout.write(MARK + json.dumps({"seq": seq, "reply": obj}) + "\n")
     sys.stdout.flush()
 
 
@@ -480,21 +505,21 @@ def main() -> int:
 
         torch.cpu._is_amx_tile_supported = lambda: False
     llm = build(settings)
-    reply({"ready": True})
+    reply(0, {"ready": True})
     for line in sys.stdin:
         cmd = json.loads(line)
-        op = cmd["op"]
+        op, seq = cmd["op"], cmd.get("seq", 0)
         if op == "generate":
-            reply(generate(llm, cmd))
+            reply(seq, generate(llm, cmd))
         elif op == "ttft":
-            reply(ttft(llm, cmd))
+            reply(seq, ttft(llm, cmd))
         elif op == "replay":
             profile = os.environ.get("KVTIER_ENGINE_PROFILE")
-            reply(profiled_replay(llm, cmd, profile) if profile else replay(llm, cmd))
+            reply(seq, profiled_replay(llm, cmd, profile) if profile else replay(llm, cmd))
         elif op == "reset":
-            reply({"ok": llm.reset_prefix_cache()})
+            reply(seq, {"ok": llm.reset_prefix_cache()})
         elif op == "stats":
-            reply(stats(llm))
+            reply(seq, stats(llm))
         elif op == "flush":
             from vllm.distributed.kv_transfer import get_kv_transfer_group
 
@@ -503,7 +528,7 @@ def main() -> int:
             if worker is not None:
                 worker.flush()
                 connector.store.flush_dirty(cmd.get("timeout_s", 60.0))  # write-behind copies landed too
-            reply({"ok": True})
+            reply(seq, {"ok": True})
         elif op == "clear_store":
             # Test hook: empty kvtier's tiers while vLLM's own prefix cache keeps its pages.
             from vllm.distributed.kv_transfer import get_kv_transfer_group
@@ -511,7 +536,7 @@ def main() -> int:
             store = get_kv_transfer_group().store
             store.flush_dirty(60.0)
             keys = {k for tier in store.tiers for k in tier.keys()}
-            reply({"ok": True, "deleted": store.delete(list(keys))})
+            reply(seq, {"ok": True, "deleted": store.delete(list(keys))})
         elif op == "break_loads":
             # Test hook: lookups still hit, every read fails (a tier that dies between the two).
             from vllm.distributed.kv_transfer import get_kv_transfer_group
@@ -523,7 +548,7 @@ def main() -> int:
             connector.worker.direct_host = None  # every read through store.get, failing below
             store = connector.store
             store.get = lambda keys, outs, **kw: GetResult([Status.ERROR] * len(keys), [None] * len(keys), 0)
-            reply({"ok": True})
+            reply(seq, {"ok": True})
         elif op == "kill_on_next_load":
             # Test hook: the next store read first SIGKILLs process ``pid`` (a kvtier server), so
             # the scheduler's lookup saw the server alive and the worker's load finds it dead.
@@ -541,14 +566,14 @@ def main() -> int:
                 return original(keys, outs, **kw)
 
             store.get = get
-            reply({"ok": True})
+            reply(seq, {"ok": True})
         elif op == "skip_load_copies":
             # Test hook: a broken load that reads and verifies blocks, reports them loaded and
             # writes no page (what poisoning must catch).
             from vllm.distributed.kv_transfer import get_kv_transfer_group
 
             get_kv_transfer_group().worker.paged.scatter = lambda src, transfer: None
-            reply({"ok": True})
+            reply(seq, {"ok": True})
         elif op == "fix_loads":
             from vllm.distributed.kv_transfer import get_kv_transfer_group
 
@@ -558,9 +583,9 @@ def main() -> int:
             vars(connector.store).pop("get", None)
             vars(connector.worker.paged).pop("scatter", None)
             connector.worker.direct_host = direct_host_tier(connector.store)
-            reply({"ok": True})
+            reply(seq, {"ok": True})
         elif op == "quit":
-            reply({"ok": True})
+            reply(seq, {"ok": True})
             break
     return 0
 

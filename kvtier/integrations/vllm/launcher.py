@@ -12,15 +12,19 @@ SIGTERM/SIGINT kill the engine-core and worker processes at once: the worker
 that owns kvtier's store never runs ``KvtierConnector.shutdown``, so blocks
 only DRAM held are lost. When ``serve`` runs with ``KvtierConnector`` and no
 ``--shutdown-timeout`` is given, this launcher adds one long enough for the
-store's bounded flush (``shutdown_flush_s``) plus vLLM's own teardown. Give
-``--shutdown-timeout`` yourself to choose another (0 restores the immediate kill).
-With plain ``vllm serve``, pass it.
+store's bounded flush (``shutdown_flush_s``) plus vLLM's own teardown. Both are
+read with vLLM's own ``serve`` parser, so every spelling vLLM accepts counts (a
+``--config`` file too). Give ``--shutdown-timeout`` yourself to choose another
+(0 restores the immediate kill). With plain ``vllm serve``, pass it. A kvtier
+setting the connector would refuse stops the launcher with the connector's message.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.metadata
-import json
+import io
 import math
 import sys
 
@@ -47,41 +51,77 @@ def patch_version() -> None:
 
 
 def with_shutdown_grace(args: list[str]) -> list[str]:
-    """``args`` plus ``--shutdown-timeout N`` for ``serve`` with kvtier's connector, unless given."""
-    if not args or args[0] != "serve" or any(a.split("=")[0] == "--shutdown-timeout" for a in args):
+    """``args`` plus ``--shutdown-timeout N`` for ``serve`` with kvtier's connector, unless given.
+
+    What vLLM will run with is read by vLLM's own ``serve`` parser, so every way it accepts is
+    seen: ``--kv-transfer-config`` or ``--kv_transfer_config``, with ``=`` or not, dotted
+    ``--kv-transfer-config.kv_connector …`` fields, a ``--config`` file; a timeout the user set
+    in any of those ways is kept. Arguments vLLM refuses are left to vLLM to report. Raises
+    :class:`~kvtier.errors.ConfigError` for a kvtier setting the connector would refuse.
+    """
+    if not args or args[0] != "serve":
         return args
-    flush_s = _kvtier_flush_s(args)
+    parsed = _parse_serve(args)
+    if parsed is None or parsed.shutdown_timeout is not _UNSET:
+        return args
+    flush_s = _kvtier_flush_s(parsed.kv_transfer_config)
     if flush_s is None:
         return args
     return [*args, "--shutdown-timeout", str(math.ceil(flush_s) + TEARDOWN_MARGIN_S)]
 
 
-def _kvtier_flush_s(args: list[str]) -> float | None:
-    """The connector's ``shutdown_flush_s`` if ``--kv-transfer-config`` names KvtierConnector, else None."""
-    for i, arg in enumerate(args):
-        if arg == "--kv-transfer-config" and i + 1 < len(args):
-            text = args[i + 1]
-        elif arg.startswith("--kv-transfer-config="):
-            text = arg.split("=", 1)[1]
-        else:
-            continue
-        try:
-            transfer = json.loads(text)
-        except ValueError:
-            return None  # vLLM reports the malformed JSON itself
-        if isinstance(transfer, dict) and transfer.get("kv_connector") == "KvtierConnector":
-            from kvtier.integrations.vllm.config import ConnectorConfig
+#: the parser's default for ``--shutdown-timeout``: anything else was set by the user
+_UNSET = object()
 
-            extra = transfer.get("kv_connector_extra_config") or {}
-            return float(extra.get("shutdown_flush_s", ConnectorConfig.shutdown_flush_s))
-    return None
+
+@functools.cache
+def _serve_parser():
+    """vLLM's parser of ``vllm serve`` (the CLI's own subcommand), unset timeouts told apart."""
+    patch_version()
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser(prog="vllm")
+    subparsers = parser.add_subparsers(dest="subparser")
+    ServeSubcommand().subparser_init(subparsers).set_defaults(shutdown_timeout=_UNSET)
+    return parser
+
+
+def _parse_serve(args: list[str]):
+    """vLLM's reading of ``vllm serve`` ``args``, or None where vLLM will refuse them (it says why)."""
+    quiet = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
+            return _serve_parser().parse_args(args)
+    except (SystemExit, Exception):  # noqa: BLE001 - a bad argument, --help, an unreadable --config:
+        return None                  # vLLM's own run, parsing the same, says it
+
+
+def _kvtier_flush_s(transfer) -> float | None:
+    """The connector's ``shutdown_flush_s`` if vLLM's KV transfer config names KvtierConnector, else None."""
+    if transfer is None or getattr(transfer, "kv_connector", None) != "KvtierConnector":
+        return None
+    from kvtier.errors import ConfigError
+    from kvtier.integrations.vllm.config import ConnectorConfig
+
+    extra = transfer.kv_connector_extra_config
+    if extra is not None and not isinstance(extra, dict):
+        raise ConfigError(f"kv_connector_extra_config={extra!r}; give a JSON object of kvtier settings")
+    return ConnectorConfig.from_extra_config(extra).shutdown_flush_s   # the connector's own checks
 
 
 def main(argv: list[str] | None = None) -> int:
     patch_version()
+    from kvtier.errors import ConfigError
+
+    try:
+        args = with_shutdown_grace(list(sys.argv[1:] if argv is None else argv))
+    except ConfigError as exc:   # what the connector would refuse at start-up, before loading a model
+        print(f"kvtier: {exc}", file=sys.stderr)
+        return 2
     from vllm.entrypoints.cli.main import main as vllm_main
 
-    sys.argv = ["vllm", *with_shutdown_grace(list(sys.argv[1:] if argv is None else argv))]
+    sys.argv = ["vllm", *args]
     return vllm_main() or 0
 
 

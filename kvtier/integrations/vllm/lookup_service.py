@@ -2,8 +2,11 @@
 
 With vLLM's multiprocess executor (``vllm serve`` on CPU, tensor parallelism)
 the scheduler and the worker live in different processes, and the worker's
-host tier is private memory. The worker (TP rank 0) therefore answers lookups
-on a Unix socket named after the engine id; the scheduler asks it.
+host tier is private memory. The worker (TP rank 0; with pipeline parallelism,
+of each stage) therefore answers lookups on a Unix socket named after the engine
+id and its stage; the scheduler asks stage 0's. The name is a SHA-256 digest of
+the two: every id gets its own socket however long, whatever its characters
+(vLLM's data-parallel ranks are ``<engine_id>_dp<rank>``), and the path stays short.
 
 Wire format (no pickle): request ``u32 n`` then ``n`` 32-byte keys; reply
 ``u32 hit_blocks``. A client that cannot get an answer within ``timeout_s``
@@ -25,6 +28,8 @@ could make the scheduler plan loads of blocks that do not exist, so:
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import socket
@@ -36,12 +41,18 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 
 from kvtier.core.keys import KEY_BYTES, BlockKey
+from kvtier.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
 _U32 = struct.Struct("<I")
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 MAX_KEYS = 1 << 20
+#: the longest path a Unix socket can be bound at (``sun_path`` is 108 bytes on Linux, NUL included)
+MAX_SOCKET_PATH = 107
+#: hex digits of SHA-256 in a socket's name: 128 bits, no collision between engine ids to fear
+_DIGEST_HEX = 32
+_NAME_BYTES = len("/lookup-.sock") + _DIGEST_HEX
 
 
 def lookup_dir(env: Mapping[str, str] | None = None) -> str | None:
@@ -76,13 +87,26 @@ def _private_dir(path: str) -> bool:
     return True
 
 
-def socket_path(engine_id: str, env: Mapping[str, str] | None = None) -> str | None:
-    """Where the worker of ``engine_id`` answers lookups; None if there is no private directory."""
+def socket_path(engine_id: str, env: Mapping[str, str] | None = None, *, pp_rank: int = 0) -> str | None:
+    """Where the worker of ``engine_id`` (of pipeline stage ``pp_rank``) answers lookups; None if
+    there is no private directory. Raises ConfigError if the directory leaves no room for the name.
+
+    Named by a SHA-256 digest of both: distinct ids (or stages) never share a socket, however long
+    the id and whatever its characters."""
     directory = lookup_dir(env)
     if directory is None:
         return None
-    safe = "".join(c for c in engine_id if c.isalnum() or c in "-_")[:64]
-    return os.path.join(directory, f"lookup-{safe}.sock")
+    name = json.dumps([engine_id, pp_rank])   # one string per pair, whatever the id holds
+    digest = hashlib.sha256(name.encode()).hexdigest()[:_DIGEST_HEX]
+    path = os.path.join(directory, f"lookup-{digest}.sock")
+    if len(os.fsencode(path)) > MAX_SOCKET_PATH:
+        # bind() would fail and the engine count misses, the reason only in a log line
+        raise ConfigError(
+            f"kvtier's lookup socket {path} would be {len(os.fsencode(path))} bytes, over the {MAX_SOCKET_PATH} "
+            f"a Unix socket path may have: the directory {directory} is too long. Set XDG_RUNTIME_DIR (or, "
+            f"without it, TMPDIR) to a directory of at most {MAX_SOCKET_PATH - _NAME_BYTES - len('/kvtier')} "
+            f"bytes, e.g. /run/user/{os.getuid()}")
+    return path
 
 
 def peer_credentials(conn: socket.socket) -> tuple[int, int, int]:
