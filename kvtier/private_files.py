@@ -78,11 +78,11 @@ def replace_private_file(path: str | os.PathLike, data: bytes) -> None:
         raise
 
 
-def read_private_file(path: str, what: str, fix: str) -> bytes:
-    """The bytes of the secret at ``path`` (``what`` names it in errors), refused unless it is a
-    regular file owned by this user that nobody else may read or write, and never through a
-    symbolic link: whoever reads it can name, read or forge the blocks it keys. ``fix``: what the
-    error tells the operator to do besides ``chmod 600``."""
+def open_private_file(path: str, what: str, fix: str, why: str = "it authenticates blocks") -> int:
+    """A read-only descriptor of the secret at ``path`` (``what`` names it in errors, ``why`` says
+    what it guards), refused unless it is a regular file owned by this user that nobody else may
+    read or write, and never through a symbolic link. ``fix``: what the error tells the operator
+    to do besides ``chmod 600``. The caller closes the descriptor."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except OSError as exc:
@@ -90,8 +90,21 @@ def read_private_file(path: str, what: str, fix: str) -> bytes:
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
-            raise ConfigError(f"{what} {path!r} must be a regular file owned by this user with mode 0600 (it "
-                              f"authenticates blocks); fix it with chmod 600 {path}, or {fix}")
+            raise ConfigError(f"{what} {path!r} must be a regular file owned by this user with mode 0600 ({why}); "
+                              f"fix it with chmod 600 {path}, or {fix}")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_private_file(path: str, what: str, fix: str) -> bytes:
+    """The bytes of the secret at ``path`` (``what`` names it in errors), refused unless it is a
+    regular file owned by this user that nobody else may read or write, and never through a
+    symbolic link: whoever reads it can name, read or forge the blocks it keys. ``fix``: what the
+    error tells the operator to do besides ``chmod 600``."""
+    fd = open_private_file(path, what, fix)
+    try:
         chunks = []
         while chunk := os.read(fd, 1 << 16):
             chunks.append(chunk)

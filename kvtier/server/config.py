@@ -176,11 +176,21 @@ def _float(v: Any, what: str) -> float:
     return f
 
 
+def _timeout(v: Any, what: str) -> float:
+    f = _float(v, what)
+    if f == 0:  # a zero timeout fires at once: every connection (or call) would fail
+        raise ConfigError(f"{what}: must be more than 0 seconds, got {v!r}")
+    return f
+
+
 def _int(v: Any, what: str) -> int:
+    # bool is an int to Python (true → 1), and int(2.9) is 2: neither is what was meant
+    if isinstance(v, bool) or (isinstance(v, float) and not v.is_integer()):
+        raise ConfigError(f"{what}: expected a whole number, got {v!r}")
     try:
         i = int(v)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{what}: expected an integer, got {v!r}") from None
+    except (TypeError, ValueError, OverflowError):
+        raise ConfigError(f"{what}: expected a whole number, got {v!r}") from None
     if i <= 0:
         raise ConfigError(f"{what}: must be positive, got {v!r}")
     return i
@@ -217,19 +227,19 @@ _SERVER_KEYS: dict[str, tuple[str, Any]] = {
     "mooncake_metadata": ("mooncake_metadata", _str),
     "mooncake_hostname": ("mooncake_hostname", _str),
     "mooncake_replicas": ("mooncake_replicas", _int),
-    "mooncake_timeout_s": ("mooncake_timeout_s", _float),
+    "mooncake_timeout_s": ("mooncake_timeout_s", _timeout),
     "mooncake_secret_file": ("mooncake_secret_file", _str_or_none),
     "mooncake_tenant": ("mooncake_tenant", _str),
     "encrypt_at_rest": ("encrypt_at_rest", _bool),
     "master_key_file": ("master_key_file", _str_or_none),
     "keystore_dir": ("keystore_dir", _str_or_none),
-    "idle_timeout_s": ("idle_timeout_s", _float),
-    "frame_timeout_s": ("frame_timeout_s", _float),
+    "idle_timeout_s": ("idle_timeout_s", _timeout),
+    "frame_timeout_s": ("frame_timeout_s", _timeout),
     "max_connections": ("max_connections", _int),
     "max_unauthenticated": ("max_unauthenticated", _int),
     "max_connections_per_peer": ("max_connections_per_peer", _int),
     "max_connections_per_tenant": ("max_connections_per_tenant", _int),
-    "hello_timeout_s": ("hello_timeout_s", _float),
+    "hello_timeout_s": ("hello_timeout_s", _timeout),
     "login_failure_burst": ("login_failure_burst", _int),
     "login_failure_rate_per_s": ("login_failure_rate_per_s", _float),
     "metrics": ("metrics", _str_or_none),
@@ -327,6 +337,11 @@ def load_config(
         for section in doc:
             if section not in ("server", "admin", "tenant", "shared"):
                 raise _unknown(section, ["server", "admin", "tenant", "shared"], f"{os.fspath(path)}")
+        for section, fix in (("server", "write [server] once, as a table"),
+                             ("admin", "write [admin] with token_sha256 = [...] under it")):
+            if not isinstance(doc.get(section, {}), dict):
+                raise ConfigError(f"{os.fspath(path)}: {section} must be a table ({fix}), not "
+                                  f"[[{section}]] or {section} = ...")
         for key, value in doc.get("server", {}).items():
             if key not in _SERVER_KEYS or key == "admin_token_sha256":
                 raise _unknown(key, set(_SERVER_KEYS) - {"admin_token_sha256"}, f"{os.fspath(path)} [server]")
@@ -340,6 +355,11 @@ def load_config(
         raw_shared = doc.get("shared", [])
         if not isinstance(raw_tenants, list) or not isinstance(raw_shared, list):
             raise ConfigError("tenants and shared namespaces are arrays of tables: write [[tenant]] and [[shared]]")
+        for kind, raw in (("tenant", raw_tenants), ("shared", raw_shared)):
+            for i, entry in enumerate(raw):
+                if not isinstance(entry, dict):
+                    raise ConfigError(f"[[{kind}]] #{i + 1} is {entry!r}, not a table: write each {kind} as "
+                                      f"[[{kind}]] followed by its name = \"...\" and other keys")
         tenants += [_tenant(t, f"[[tenant]] #{i + 1}") for i, t in enumerate(raw_tenants)]
         shared += [_shared(s, f"[[shared]] #{i + 1}") for i, s in enumerate(raw_shared)]
     for key, (fname, parse) in _SERVER_KEYS.items():
@@ -398,6 +418,13 @@ def _validate_events(c: ServerConfig) -> None:
 
 
 def _validate(c: ServerConfig) -> None:
+    for name in ("idle_timeout_s", "frame_timeout_s", "hello_timeout_s", "mooncake_timeout_s"):
+        _timeout(getattr(c, name), name)  # also for a ServerConfig built in code (with_fields)
+    for name in ("max_connections", "max_unauthenticated", "max_connections_per_peer", "login_failure_burst",
+                 "mooncake_replicas", "events_buffer"):
+        _int(getattr(c, name), name)
+    if c.max_connections_per_tenant:  # 0: the default (see the field)
+        _int(c.max_connections_per_tenant, "max_connections_per_tenant")
     if not c.listen:
         raise ConfigError("listen: give at least one address, e.g. tcp://127.0.0.1:7070 or unix:///tmp/kvtier.sock")
     for url in c.listen:

@@ -12,7 +12,10 @@ until it is full, then reading pauses (per-connection backpressure). Replies
 are written with ``transport.writelines`` (the payload as a view of its slot,
 no copy) and the task waits for the write buffer to drain before it releases
 the slot or reads on, so a client that does not read its replies stops being
-read from and holds at most one block.
+read from and holds at most one block. Over TLS the payload is handed to TLS in
+pieces of ``TLS_PIECE_BYTES`` by :meth:`Connection.drain`, each once the buffer
+is under its limits: TLS encrypts what it is given at once, so a block given
+whole would sit encrypted in memory until a client that does not read took it.
 
 Timeouts are enforced by the server's watchdog (:meth:`expired`): a connection
 idle between frames for ``idle_timeout_s``, or one whose current frame (or the
@@ -45,6 +48,8 @@ from kvtier.tiers.remote_protocol import (
 log = logging.getLogger(__name__)
 
 STAGING_BYTES = 64 * 1024
+#: over TLS a payload goes to the transport in pieces of at most this many bytes (see drain)
+TLS_PIECE_BYTES = 256 * 1024
 _DISCARD = memoryview(bytearray(1 << 20))  # payloads the server refuses are read into this, and dropped
 
 
@@ -82,6 +87,7 @@ class Connection(asyncio.BufferedProtocol):
         self._waiter: asyncio.Future | None = None
         self._drain_waiter: asyncio.Future | None = None
         self._write_paused = False
+        self._unsent: memoryview | None = None  #: over TLS, the rest of a payload drain() sends
         self._read_paused = False
         self._eof = False
         self._closed = False
@@ -134,8 +140,8 @@ class Connection(asyncio.BufferedProtocol):
             self.server.forget(self)  # a failed handshake may never reach connection_lost
             return False
         self.tls = True
-        # TLS encrypts (copies) anyway: payloads are written as copies and the slot
-        # released at once; ordinary limits give backpressure.
+        # TLS encrypts (copies) every piece as it is written: payloads go in pieces (see
+        # drain) and these limits bound what waits encrypted for a client that does not read.
         self.transport.set_write_buffer_limits(high=1 << 20, low=256 << 10)
         return True
 
@@ -283,17 +289,37 @@ class Connection(asyncio.BufferedProtocol):
 
     # -- writing --------------------------------------------------------------------------
     def write(self, *parts) -> None:
+        if self._unsent is not None:  # a payload drain() has not sent yet goes first, whole
+            parts, self._unsent = (self._unsent, *parts), None
         if not self._closed:
             self.transport.writelines(parts)
 
     def write_payload(self, head: bytes, block_header: bytes, payload) -> None:
-        """A GET reply; ``payload`` (a view of a pinned slot) may be released after :meth:`drain`."""
-        if self.tls:
-            payload = bytes(payload)  # released right away; TLS copies anyway
-        self.write(head, block_header, payload)
+        """A GET reply; ``payload`` (a view of a pinned slot) may be released after :meth:`drain`.
+
+        Over TLS only the headers are written here: :meth:`drain` writes the payload, piece by
+        piece, so the caller must await it before releasing the slot (as it must anyway)."""
+        if not self.tls:
+            self.write(head, block_header, payload)
+            return
+        self.write(head, block_header)
+        self._unsent = memoryview(payload).cast("B")
 
     async def drain(self) -> None:
-        """Return once everything written so far is in the kernel (a sent slot may be released)."""
+        """Return once everything written so far is in the kernel or, over TLS, encrypted and
+        under the write limits (then a sent slot may be released: nothing refers to it)."""
+        try:
+            while self._unsent is not None:
+                await self._writable()
+                piece, rest = self._unsent[:TLS_PIECE_BYTES], self._unsent[TLS_PIECE_BYTES:]
+                self._unsent = rest if len(rest) else None
+                self.transport.write(piece)  # TLS encrypts it now: the view is not kept
+            await self._writable()
+        finally:
+            self._unsent = None  # never written after the caller has released its slot
+
+    async def _writable(self) -> None:
+        """Wait until the write buffer is under its low limit (at once if it is not paused)."""
         if self._closed:
             raise Closed(False)
         if not self._write_paused:
@@ -319,6 +345,7 @@ class Connection(asyncio.BufferedProtocol):
             self.transport.abort()
             self._wake()
             return
+        self._unsent = None  # the rest of a payload is not sent ahead of the error
         body = message.encode("utf-8", "replace")[:1024]
         self.write(pack_header(Op.ERROR, 0, len(body), 0, int(code)), body)
         self._closed = True

@@ -24,8 +24,9 @@ Protocol (ROUTER on the server, DEALER on the subscriber; frames are bytes):
   every ``peer_ttl_s / 3``); ``since`` is empty, or a u64 big-endian sequence
   number to replay from. Replays are rate-limited per subscriber key (``BUSY`` answers).
 * server → subscriber ``[b"EV", seq, payload]`` live and replayed, then
-  ``[b"SYNC", next_seq]`` after a SUB; ``[b"FULL"]`` when ``max_subscribers``
-  are registered; ``[b"BUSY"]`` for a replay asked again too soon.
+  ``[b"SYNC", next_seq]`` after a SUB (and, unasked, when the server checks who
+  is still connected); ``[b"FULL"]`` when no slot is left (see below);
+  ``[b"BUSY"]`` for a replay asked again too soon.
 * ``payload`` is msgpack ``[timestamp, [event, …]]``, each event a map
   ``{"type": "stored" | "removed", "tier", "owner", "namespace",
   "blocks": [name, …], "nbytes"}``.
@@ -34,6 +35,22 @@ Protocol (ROUTER on the server, DEALER on the subscriber; frames are bytes):
 (the ring moved on, or the bounded event queue overflowed: then every scope's
 sequence skips one) means the subscriber's view is incomplete: it must clear
 what it learnt from this publisher and start again.
+
+**Who a peer is.** A registration belongs to the pair (ZMQ routing id, CURVE
+key that sent the SUB), and its scope is taken from that key on every SUB: a
+routing id is the peer's choice, so a tenant's key that reuses a router's id
+replaces the router's registration instead of inheriting its scope. A routing
+id that no longer reaches anyone is forgotten at once: the socket is
+``ROUTER_MANDATORY`` (a send to a departed id fails, and the peer goes) and a
+socket monitor reports disconnects, after which every peer is sent a ``SYNC``
+to find the departed. Otherwise a registration lapses after ``peer_ttl_s``.
+
+**Slots.** ``max_subscribers`` in all; one key holds at most
+``max_peers_per_key`` (another SUB from the key replaces its least recently
+seen peer, which then gets nothing until it renews); keys of scope ``*`` (the
+cluster routers) have ``max_peers_per_key`` slots each set aside (at most half
+of all), which tenant-scoped keys cannot take. Over ``ipc://`` there are no
+keys: only ``max_subscribers`` applies.
 
 Events come from any thread (tier eviction hooks run in I/O threads); one
 publisher thread owns the sockets (ZMQ sockets are not thread safe).
@@ -62,6 +79,9 @@ ALL_TENANTS = "*"
 _ZAP_DOMAIN = "kvtier-events"
 _SEQ = struct.Struct(">Q")
 _TAG_OWNER, _TAG_NAMESPACE, _TAG_KEY = 1, 2, 3
+#: how long after a disconnect the peers are checked (at most this often): the socket drops
+#: the departed pipe meanwhile, and a burst of disconnects costs one check
+_CHECK_DELAY_S = 0.05
 
 
 def event_block_name(name_key: bytes, owner: str, namespace: str, key: bytes) -> bytes:
@@ -117,6 +137,10 @@ class _Peer:
         self.last_seen = now
 
 
+#: a registration: (ZMQ routing id, the CURVE key that sent its SUB; "" over ipc)
+_PeerId = tuple[bytes, str]
+
+
 class EventPublisher:
     """Publishes KV events to admitted subscribers (see the module docstring).
 
@@ -134,6 +158,7 @@ class EventPublisher:
         buffer: int = 10000,
         queue_limit: int = 100_000,
         max_subscribers: int = 64,
+        max_peers_per_key: int = 4,
         peer_ttl_s: float = 30.0,
         replay_interval_s: float = 1.0,
         batch_s: float = 0.005,
@@ -153,6 +178,7 @@ class EventPublisher:
         self._sock.setsockopt(zmq.SNDHWM, 10_000)  # a stalled subscriber loses messages, never our memory
         self._sock.setsockopt(zmq.RCVHWM, 1_000)
         self._sock.setsockopt(zmq.MAXMSGSIZE, 4096)  # subscribers send only tiny SUB frames (and handshakes)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a departed routing id fails: forget it
         if curve_secret is not None:
             self._start_curve(curve_secret)
         self._bind(endpoint)
@@ -161,9 +187,16 @@ class EventPublisher:
         self._scopes: dict[str, _Scope] = {ALL_TENANTS: _Scope(ALL_TENANTS, buffer)}
         for scope in set(self._subscribers.values()):
             self._scopes.setdefault(scope, _Scope(scope, buffer))
-        self._peers: dict[bytes, _Peer] = {}
+        self._peers: dict[_PeerId, _Peer] = {}
         self._last_replay: dict[str, float] = {}
         self._max_subscribers = max_subscribers
+        self._max_per_key = max_peers_per_key
+        all_keys = sum(1 for scope in self._subscribers.values() if scope == ALL_TENANTS)
+        #: slots tenant-scoped keys may not take: kept for the all-tenant keys (routers)
+        self._reserved = min(max_subscribers // 2, max_peers_per_key * all_keys)
+        # disconnects (of some peer: the monitor does not say which) → check every peer
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._check_at: float | None = None
         self._peer_ttl_s = peer_ttl_s
         self._replay_interval_s = replay_interval_s
         self._queue: queue.Queue = queue.Queue(maxsize=queue_limit)
@@ -230,6 +263,7 @@ class EventPublisher:
         zmq = self._zmq
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
         while not self._stop.is_set():
             batch = []
             try:
@@ -240,8 +274,16 @@ class EventPublisher:
                 pass
             if batch or self._overflowed:
                 self._publish(batch)
-            if poller.poll(0):
+            ready = dict(poller.poll(0))
+            if self._sock in ready:
                 self._serve_requests()
+            if self._monitor in ready:
+                self._drain_monitor()
+                if self._check_at is None:  # coalesced, and after the socket has dropped the pipe
+                    self._check_at = time.monotonic() + _CHECK_DELAY_S
+            if self._check_at is not None and time.monotonic() >= self._check_at:
+                self._check_at = None
+                self._check_peers()
             self._expire_peers()
 
     def _publish(self, batch: list[tuple]) -> None:
@@ -261,9 +303,9 @@ class EventPublisher:
             scope.seq += 1
             scope.ring.append((seq, payload))
             frames = [b"EV", _SEQ.pack(seq), payload]
-            for ident, peer in self._peers.items():
+            for pid, peer in list(self._peers.items()):
                 if peer.scope is scope:
-                    self._send(ident, frames)
+                    self._send(pid[0], frames)
 
     def _render(self, event: tuple) -> dict:
         kind, tier, owner, namespace, keys, nbytes = event
@@ -271,11 +313,32 @@ class EventPublisher:
         return {"type": kind, "tier": tier, "owner": owner, "namespace": namespace, "blocks": names,
                 "nbytes": nbytes}
 
-    def _send(self, ident: bytes, frames: list[bytes]) -> None:
+    def _send(self, ident: bytes, frames: list[bytes]) -> bool:
+        """Send to a routing id; False (and its registrations forgotten) if it reaches no one."""
         try:
             self._sock.send_multipart([ident, *frames], self._zmq.NOBLOCK)
         except self._zmq.Again:
             pass  # that subscriber is not reading: it will see a gap
+        except self._zmq.ZMQError:  # EHOSTUNREACH (ROUTER_MANDATORY): that peer is gone
+            self._forget(ident)
+            return False
+        return True
+
+    def _forget(self, ident: bytes) -> None:
+        for pid in [pid for pid in self._peers if pid[0] == ident]:
+            del self._peers[pid]
+
+    def _drain_monitor(self) -> None:
+        for _ in range(1000):
+            try:
+                self._monitor.recv_multipart(self._zmq.NOBLOCK)
+            except self._zmq.Again:
+                return
+
+    def _check_peers(self) -> None:
+        """Some peer disconnected: find which by sending each a SYNC (a departed one fails)."""
+        for (ident, _), peer in list(self._peers.items()):
+            self._send(ident, [b"SYNC", _SEQ.pack(peer.scope.seq)])
 
     def _serve_requests(self) -> None:
         zmq = self._zmq
@@ -305,12 +368,13 @@ class EventPublisher:
     def _subscribe(self, ident: bytes, user: str, since_raw: bytes) -> None:
         scope = self._scopes[self._subscribers.get(user, ALL_TENANTS)]
         now = time.monotonic()
-        peer = self._peers.get(ident)
+        peer = self._peers.get((ident, user))
         if peer is None:
-            if len(self._peers) >= self._max_subscribers:
+            self._forget(ident)  # the id now speaks for another key: its old scope must not follow
+            if not self._make_room(user, scope):
                 self._send(ident, [b"FULL"])
                 return
-            peer = self._peers[ident] = _Peer(scope, now)
+            peer = self._peers[(ident, user)] = _Peer(scope, now)
         peer.last_seen = now
         if since_raw:
             # Per key, not per connection: reconnecting must not buy another replay.
@@ -324,14 +388,31 @@ class EventPublisher:
                     self._send(ident, [b"EV", _SEQ.pack(seq), payload])
         self._send(ident, [b"SYNC", _SEQ.pack(scope.seq)])
 
+    def _make_room(self, user: str, scope: _Scope) -> bool:
+        """Whether a new peer of ``user`` may register (see "Slots" in the module docstring);
+        may forget that key's least recently seen peer to make room."""
+        if self._auth is not None:  # ipc has no keys to count by
+            mine = [pid for pid in self._peers if pid[1] == user]
+            if len(mine) >= self._max_per_key:
+                del self._peers[min(mine, key=lambda pid: self._peers[pid].last_seen)]
+                return True  # its own slot, reused
+        if len(self._peers) >= self._max_subscribers:
+            return False
+        if scope.name == ALL_TENANTS:
+            return True
+        tenant_peers = sum(1 for p in self._peers.values() if p.scope.name != ALL_TENANTS)
+        return tenant_peers < self._max_subscribers - self._reserved
+
     def _expire_peers(self) -> None:
         now = time.monotonic()
-        for ident in [i for i, p in self._peers.items() if now - p.last_seen > self._peer_ttl_s]:
-            del self._peers[ident]
+        for pid in [i for i, p in self._peers.items() if now - p.last_seen > self._peer_ttl_s]:
+            del self._peers[pid]
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=2)
+        self._sock.disable_monitor()
+        self._monitor.close()
         self._sock.close()
         if self._auth is not None:
             self._auth.stop()

@@ -16,7 +16,11 @@ set, a :class:`~kvtier.tiers.disk.DiskTier`. With a disk tier:
   toward quotas, expire and are erased as before the restart;
 * SIGTERM / SIGINT stop accepting, close connections, then flush the blocks
   not yet on disk for at most ``shutdown_flush_timeout_s`` and report
-  ("flushed N, dropped M") before exiting 0.
+  ("flushed N, dropped M": M blocks that only DRAM held are lost) before
+  exiting 0. The write-behind backlog holds a mark for every block the pool
+  can hold, so no acknowledged block loses its mark before the shutdown, and
+  the shutdown marks again any block the pool holds that no lower tier does
+  (a copy that failed).
 
 Runtime admin changes (quotas, TTLs) persist in ``state_dir`` (default
 ``disk_dir``; :mod:`kvtier.server.runtime_state`) and win over the config file.
@@ -35,6 +39,7 @@ import time
 from collections.abc import Callable
 
 from kvtier.errors import ConfigError
+from kvtier.private_files import open_private_file
 from kvtier.server.admission import Admission, LoginLimiter
 from kvtier.server.audit import AuditLog
 from kvtier.server.auth import Authenticator
@@ -57,6 +62,8 @@ log = logging.getLogger(__name__)
 class Server:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
+        # first: a key file to fix stops the start before anything is allocated
+        self._tls = self._tls_context() if any(parse_listen(u)[0] == "tls" for u in config.listen) else None
         self.host = HostTier(config.capacity_bytes, config.max_block_bytes)
         self.index = BlockIndex()
         self.keyring = None
@@ -73,7 +80,11 @@ class Server:
             tiers.append(self._sealed(disk) if config.encrypt_at_rest else disk)
         if config.mooncake_master:  # the fleet below: blocks evicted above spill there (kvtier/tiers/mooncake.py)
             tiers.append(self._fleet_tier())
-        self.store = TieredStore(tiers)
+        # A write-behind mark for every block the pool can hold (blocks of the smallest footprint):
+        # a mark dropped from a full backlog would leave its block out of the shutdown flush. Marks
+        # exist only for blocks in DRAM not yet copied down (~160 B each while they wait).
+        most_blocks = self.host.capacity_bytes // self.host.footprint(1)
+        self.store = TieredStore(tiers, dirty_limit_blocks=max(16384, most_blocks))
         state_dir = config.state_dir or config.disk_dir
         self.governance = Governance(
             config, RuntimeState(os.path.join(state_dir, RUNTIME_STATE_FILE) if state_dir else None))
@@ -108,7 +119,6 @@ class Server:
             max_per_tenant=config.tenant_connection_cap,
             hello_timeout_s=config.hello_timeout_s)
         self.logins = LoginLimiter(burst=config.login_failure_burst, per_s=config.login_failure_rate_per_s)
-        self._tls: ssl.SSLContext | None = None
         self._listeners: list[asyncio.AbstractServer] = []
         self._unix_paths: list[str] = []
         self._timers: list[asyncio.Task] = []
@@ -223,8 +233,6 @@ class Server:
             else:
                 # TLS is started by the connection once admitted, so that handshakes in
                 # progress hold pre-login slots and run under the HELLO deadline.
-                if scheme == "tls" and self._tls is None:
-                    self._tls = self._tls_context()
                 factory = (lambda: Connection(self, tls=self._tls)) if scheme == "tls" else factory  # noqa: E731
                 srv = await loop.create_server(factory, host, port, backlog=1024, reuse_address=True)
                 bound = srv.sockets[0].getsockname()
@@ -245,9 +253,24 @@ class Server:
         return self.addresses
 
     def _tls_context(self) -> ssl.SSLContext:
+        """The listeners' TLS; the private key held to the rules of every other secret (0600, ours,
+        no symbolic link): whoever reads it can pose as this server and collect tenant tokens."""
         ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-        ctx.load_cert_chain(self.config.tls_cert, self.config.tls_key)
+        # a payload piece handed to TLS is encrypted at once (connection.py), never held for a renegotiation
+        ctx.options |= ssl.OP_NO_RENEGOTIATION
+        key = self.config.tls_key
+        fd = open_private_file(key, "tls_key", "point tls_key at the key file itself",
+                               why="whoever reads it can pose as this server")
+        try:
+            # the file checked, not whatever the path names by now (Linux: /proc/self/fd)
+            checked = f"/proc/self/fd/{fd}" if os.path.isdir("/proc/self/fd") else key
+            ctx.load_cert_chain(self.config.tls_cert, checked)
+        except (OSError, ssl.SSLError) as exc:
+            raise ConfigError(f"tls_cert {self.config.tls_cert!r} / tls_key {key!r}: cannot load them ({exc}); "
+                              f"give a PEM certificate chain and its PEM private key") from None
+        finally:
+            os.close(fd)
         return ctx
 
     async def _watchdog(self) -> None:
@@ -298,13 +321,37 @@ class Server:
                 pass
         self.service.close()
         # Connections are gone: copy what only DRAM holds to disk, within the configured time.
-        report = await asyncio.get_running_loop().run_in_executor(
-            None, lambda: self.store.close(flush_timeout_s=self.config.shutdown_flush_timeout_s))
-        self.shutdown_report = {"flushed": report.flushed, "dropped": report.dropped,
-                                "seconds": round(report.seconds, 3)}
+        self.shutdown_report = await asyncio.get_running_loop().run_in_executor(None, self._shutdown_flush)
         if self.events is not None:
             self.events.close()
         self.audit.close()
+
+    def _shutdown_flush(self) -> dict:
+        """Copy down every indexed block only DRAM holds (at most ``shutdown_flush_timeout_s``),
+        close the store; "dropped" counts the blocks still only in DRAM then (lost)."""
+        t0 = time.monotonic()
+        limit = self.config.shutdown_flush_timeout_s
+        if self.spill is None:  # no disk: nothing is written behind (a fleet only takes evictions)
+            r = self.store.close(flush_timeout_s=limit)
+            return {"flushed": r.flushed, "dropped": r.dropped, "seconds": round(r.seconds, 3)}
+        flushed = self.store.flush_dirty(limit).flushed
+        unsaved = self._dram_only()
+        if unsaved:  # a copy that failed (or a mark lost some other way): once more
+            self.store.schedule_writeback(unsaved)
+            flushed += self.store.flush_dirty(max(0.0, limit - (time.monotonic() - t0))).flushed
+            unsaved = self._dram_only()
+        r = self.store.close(flush_timeout_s=0)  # what is still queued is in `unsaved`
+        return {"flushed": flushed + r.flushed, "dropped": len(unsaved),
+                "seconds": round(time.monotonic() - t0, 3)}
+
+    def _dram_only(self) -> list[bytes]:
+        """The indexed blocks the DRAM pool holds that no lower tier does."""
+        missing = [k for k in self.host.keys() if self.index.get(k) is not None]
+        for tier in self.store.tiers[1:]:
+            if not missing:
+                break
+            missing = [k for k, held in zip(missing, tier.contains_many(missing)) if not held]
+        return missing
 
 
 def _start_warnings(config: ServerConfig) -> list[str]:

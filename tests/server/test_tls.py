@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import os
 import ipaddress
 
 import numpy as np
@@ -34,6 +35,7 @@ def _self_signed(tmp_path):
     cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                            serialization.NoEncryption()))
+    os.chmod(key_path, 0o600)  # the server refuses a private key others may read
     return str(cert_path), str(key_path)
 
 
