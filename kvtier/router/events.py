@@ -57,6 +57,8 @@ from kvtier.router.workers import Worker
 
 log = logging.getLogger(__name__)
 _SEQ = struct.Struct(">Q")
+#: a replay that sent batches and then nothing for this long was cut short by the publisher
+_REPLAY_QUIET_S = 0.5
 #: vLLM's ``KVCacheSpecKind`` values of groups that keep every block of a prefix (the others keep
 #: a window, a chunk or a state only): the group indexed is the first of these
 FULL_ATTENTION_KINDS = frozenset({"full_attention", "mla_attention", "sink_full_attention"})
@@ -189,22 +191,36 @@ class VllmEvents:
 
         dealer = ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.RCVHWM, 0)
         applied = 0
         try:
             dealer.connect(self.worker.replay_endpoint)
             await dealer.send_multipart([b"", start.to_bytes(8, "big")])
             expected = start
+            got = 0   # batches received since the last request
             while True:
-                if not await dealer.poll(timeout_s * 1000):
-                    log.warning("worker %s events: replay from %d timed out", self.worker.url, start)
+                # vLLM's ROUTER sends the whole buffer at once, without flow control: past its send
+                # high-water mark (1,000 messages by default) it drops the rest, the end marker
+                # too. A replay that goes quiet after some batches was cut short: ask again from
+                # where it stopped (else a router started next to a worker of more than 1,000
+                # batches replayed the oldest 1,000 and none of the newest).
+                if not await dealer.poll((timeout_s if not got else _REPLAY_QUIET_S) * 1000):
+                    if got:
+                        await dealer.send_multipart([b"", expected.to_bytes(8, "big")])
+                        got = 0
+                        continue
+                    log.warning("worker %s events: replay from %d timed out", self.worker.url, expected)
                     return
                 frames = await dealer.recv_multipart()
                 if len(frames) < 4 or frames[-2] == b"\xff" * 8:
                     return    # the end marker
+                got += 1
                 seq = self._seq(frames)
-                if seq is None or (upto is not None and seq >= upto):
+                if seq is None or seq < expected:
+                    continue   # (a repeat of what an earlier request already sent)
+                if upto is not None and seq >= upto:
                     continue
-                if seq != expected and self.next_seq is not None:   # a hole the replay cannot fill
+                if seq != expected and (self.next_seq is not None or applied):   # a hole the replay cannot fill
                     log.info("worker %s events: replay starts at %d, %d needed", self.worker.url, seq, expected)
                     return
                 self.handle(frames, replayed=True)

@@ -159,3 +159,38 @@ def test_a_restarted_shared_tier_server_clears_the_shared_marks(tmp_path):
             await asyncio.to_thread(shared.stop)
 
     asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_a_late_listener_replays_a_buffer_longer_than_the_publishers_send_limit(tmp_path):
+    """vLLM's publisher (the real one) answers a replay with its whole buffer at once, with no flow
+    control: past the ROUTER's send high-water mark (1,000 messages) it drops the rest, end marker
+    included. A router started next to a worker of 2,500 batches replayed the oldest 1,000 and
+    none of the newest (the blocks the worker holds now). Control: every batch's block is indexed."""
+    from vllm.distributed.kv_events import BlockStored, KVEventBatch, ZmqEventPublisher
+
+    n = 2500
+    endpoint = f"ipc://{tmp_path}/pub.sock"
+    publisher = ZmqEventPublisher(0, endpoint=endpoint, replay_endpoint=f"ipc://{tmp_path}/replay.sock",
+                                  buffer_steps=10_000)
+    seqs = [[100_000 + i] * BS for i in range(n)]  # one block of its own per batch
+    try:
+        for i, toks in enumerate(seqs):
+            publisher.publish(KVEventBatch(ts=time.time(), events=[BlockStored(
+                block_hashes=[i + 1], parent_block_hash=None, token_ids=toks, block_size=BS, lora_id=None,
+                medium="GPU", lora_name=None)]))
+        deadline = time.monotonic() + 20
+        while len(publisher._buffer) < n and time.monotonic() < deadline:
+            time.sleep(0.05)  # (its thread sends and buffers them)
+        assert len(publisher._buffer) == n
+        index = BlockIndex(BS)
+        events = VllmEvents(Worker(0, "http://w0", endpoint, f"ipc://{tmp_path}/replay.sock"), index)
+
+        async def main():
+            await events._replay(zmq.asyncio.Context.instance(), 0, timeout_s=5.0)
+
+        asyncio.run(asyncio.wait_for(main(), 60))
+        assert events.replayed == n and events.next_seq == n, (events.replayed, events.next_seq)
+        assert len(index.masks(block_keys(seqs[0], BS))) == 1          # the oldest
+        assert len(index.masks(block_keys(seqs[-1], BS))) == 1, "the newest batches were never replayed"
+    finally:
+        publisher.shutdown()
