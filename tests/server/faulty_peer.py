@@ -18,9 +18,7 @@ that waits long enough gets verified hits: the tests see timing, not garbage, at
 
 from __future__ import annotations
 
-import hashlib
 import socket
-import threading
 import time
 
 from kvtier.core.payload import checksum
@@ -35,18 +33,13 @@ from kvtier.tiers.remote_protocol import (
     pack_msgpack,
     unpack_header,
 )
+from tests.server.loopback_peer import LoopbackPeer, payload_for
 
 GIB = 1 << 30
 MODES = ("stall", "slow_blocks", "drip", "rate", "huge", "huge_hello")
 
 
-def payload_for(key: bytes, nbytes: int) -> bytes:
-    """Bytes derived from the key: the reader can check them."""
-    seed = hashlib.sha256(key).digest()
-    return (seed * (nbytes // len(seed) + 1))[:nbytes]
-
-
-class FaultyPeer:
+class FaultyPeer(LoopbackPeer):
     def __init__(self, mode: str, *, delay_s: float = 0.1, rate: float = 1e6, max_block: int = 8 << 20) -> None:
         if mode not in MODES:
             raise ValueError(f"mode {mode!r}: use one of {MODES}")
@@ -54,54 +47,7 @@ class FaultyPeer:
         self.delay_s = delay_s
         self.rate = rate
         self.max_block = max_block
-        self.connections = 0  #: accepted so far
-        self.closed_by_client = 0  #: connections the client closed (EOF or reset seen)
-        self._stop = threading.Event()
-        self._listener = socket.socket()
-        self._listener.bind(("127.0.0.1", 0))
-        self._listener.listen(16)
-        self._listener.settimeout(0.05)
-        self.url = f"tcp://127.0.0.1:{self._listener.getsockname()[1]}"
-        self._threads: list[threading.Thread] = []
-        self._socks: list[socket.socket] = []
-        self._lock = threading.Lock()
-        self._accepter = threading.Thread(target=self._accept, daemon=True)
-        self._accepter.start()
-
-    # -- lifecycle ----------------------------------------------------------------------
-    def __enter__(self) -> "FaultyPeer":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def close(self) -> None:
-        self._stop.set()
-        self._accepter.join(5)
-        with self._lock:
-            socks = list(self._socks)
-        for s in socks:
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            s.close()
-        for t in self._threads:
-            t.join(5)
-        self._listener.close()
-
-    def _accept(self) -> None:
-        while not self._stop.is_set():
-            try:
-                s, _ = self._listener.accept()
-            except OSError:
-                continue
-            with self._lock:
-                self.connections += 1
-                self._socks.append(s)
-            t = threading.Thread(target=self._serve, args=(s,), daemon=True)
-            self._threads.append(t)
-            t.start()
+        super().__init__(backlog=16)
 
     # -- one connection -------------------------------------------------------------------
     def _recv_exact(self, s: socket.socket, n: int) -> bytes | None:

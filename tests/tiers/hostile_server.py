@@ -9,9 +9,7 @@ sockets, kvtier's own frame encoders.
 
 from __future__ import annotations
 
-import hashlib
 import socket
-import threading
 
 from kvtier.core.payload import checksum
 from kvtier.core.payload import pack_header as pack_block_header
@@ -25,17 +23,12 @@ from kvtier.tiers.remote_protocol import (
     pack_msgpack,
     unpack_header,
 )
+from tests.server.loopback_peer import LoopbackPeer, payload_for
 
 #: what ``kvtier serve`` says in its HELLO reply (the fields the client reads)
 GOOD_HELLO = {"server": "hostile", "tenant": "t", "max_block": 8 << 20, "idle_timeout_s": 300.0,
               "features": list(FEATURES)}
 GOOD_STATS = {"namespace_bytes": 4096, "capacity_bytes": 1 << 20}
-
-
-def payload_for(key: bytes, nbytes: int) -> bytes:
-    """The bytes the stand-in holds for ``key``: derived from it, so a reader can check them."""
-    seed = hashlib.sha256(key).digest()
-    return (seed * (nbytes // len(seed) + 1))[:nbytes]
 
 
 def reply(h, body: bytes = b"", code: int = 0) -> bytes:
@@ -72,61 +65,14 @@ def answering(op: int, fn):
     return handler
 
 
-class HostileServer:
+class HostileServer(LoopbackPeer):
     """Listens on a loopback port (``url``); one thread per connection. ``connections`` counts
     accepted ones, ``closed_by_client`` those the client closed (EOF)."""
 
     def __init__(self, handler=healthy, *, hello: dict | None = None) -> None:
         self.handler = handler
         self.hello = GOOD_HELLO if hello is None else hello
-        self.connections = 0
-        self.closed_by_client = 0
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self._socks: list[socket.socket] = []
-        self._threads: list[threading.Thread] = []
-        self._listener = socket.socket()
-        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._listener.bind(("127.0.0.1", 0))
-        self._listener.listen(64)
-        self._listener.settimeout(0.05)
-        self.url = f"tcp://127.0.0.1:{self._listener.getsockname()[1]}"
-        self._accepter = threading.Thread(target=self._accept, daemon=True)
-        self._accepter.start()
-
-    def __enter__(self) -> HostileServer:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def close(self) -> None:
-        self._stop.set()
-        self._accepter.join(5)
-        with self._lock:
-            socks = list(self._socks)
-        for s in socks:
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            s.close()
-        for t in self._threads:
-            t.join(5)
-        self._listener.close()
-
-    def _accept(self) -> None:
-        while not self._stop.is_set():
-            try:
-                s, _ = self._listener.accept()
-            except OSError:
-                continue
-            with self._lock:
-                self.connections += 1
-                self._socks.append(s)
-            t = threading.Thread(target=self._serve, args=(s,), daemon=True)
-            self._threads.append(t)
-            t.start()
+        super().__init__(backlog=64)
 
     def _recv_exact(self, s: socket.socket, n: int) -> bytes | None:
         out = bytearray()
