@@ -26,12 +26,10 @@ from kvtier.core.payload import pack_header as pack_block_header
 from kvtier.tiers.base import Status
 from kvtier.tiers.remote_protocol import (
     GET_ITEM,
-    HEADER_NBYTES,
     FEATURES,
     Op,
     pack_header,
     pack_msgpack,
-    unpack_header,
 )
 from tests.server.loopback_peer import LoopbackPeer, payload_for
 
@@ -65,17 +63,6 @@ class FaultyPeer(LoopbackPeer):
                 return None
             out += chunk
         return bytes(out)
-
-    def _read_frame(self, s: socket.socket):
-        raw = self._recv_exact(s, HEADER_NBYTES)
-        if raw is None:
-            return None
-        h = unpack_header(raw)
-        meta = self._recv_exact(s, h.meta_len) if h.meta_len else b""
-        data = self._recv_exact(s, h.data_len) if h.data_len else b""
-        if meta is None or data is None:
-            return None
-        return h, meta, data
 
     def _serve(self, s: socket.socket) -> None:
         s.settimeout(0.05)

@@ -8,6 +8,8 @@ import hashlib
 import socket
 import threading
 
+from kvtier.tiers.remote_protocol import HEADER_NBYTES, unpack_header
+
 
 def payload_for(key: bytes, nbytes: int) -> bytes:
     """The bytes a stand-in holds for ``key``: derived from it, so a reader can check them."""
@@ -69,6 +71,22 @@ class LoopbackPeer:
             t = threading.Thread(target=self._serve, args=(s,), daemon=True)
             self._threads.append(t)
             t.start()
+
+    def _read_frame(self, s: socket.socket):
+        """One request frame (header, meta, data), or None once the connection or the peer ends
+        (read through the subclass's ``_recv_exact``)."""
+        raw = self._recv_exact(s, HEADER_NBYTES)
+        if raw is None:
+            return None
+        h = unpack_header(raw)
+        meta = self._recv_exact(s, h.meta_len) if h.meta_len else b""
+        data = self._recv_exact(s, h.data_len) if h.data_len else b""
+        if meta is None or data is None:
+            return None
+        return h, meta, data
+
+    def _recv_exact(self, s: socket.socket, n: int) -> bytes | None:
+        raise NotImplementedError
 
     def _serve(self, s: socket.socket) -> None:
         raise NotImplementedError

@@ -17,11 +17,9 @@ from kvtier.tiers.base import Status
 from kvtier.tiers.remote_protocol import (
     FEATURES,
     GET_ITEM,
-    HEADER_NBYTES,
     Op,
     pack_header,
     pack_msgpack,
-    unpack_header,
 )
 from tests.server.loopback_peer import LoopbackPeer, payload_for
 
@@ -92,17 +90,6 @@ class HostileServer(LoopbackPeer):
                 return None
             out += chunk
         return bytes(out)
-
-    def _read_frame(self, s: socket.socket):
-        raw = self._recv_exact(s, HEADER_NBYTES)
-        if raw is None:
-            return None
-        h = unpack_header(raw)
-        meta = self._recv_exact(s, h.meta_len) if h.meta_len else b""
-        data = self._recv_exact(s, h.data_len) if h.data_len else b""
-        if meta is None or data is None:
-            return None
-        return h, meta, data
 
     def _send(self, s: socket.socket, data: bytes) -> None:
         view = memoryview(data)
