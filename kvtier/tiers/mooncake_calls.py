@@ -13,11 +13,11 @@ DRAM block too.)
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Sequence
 
 from kvtier.tiers.mooncake_client import MASTER_DOWN_CODES, Overrun
+from kvtier.tiers.recovery_probe import start_probe
 
 log = logging.getLogger("kvtier.tiers.mooncake")
 
@@ -32,6 +32,10 @@ class Down(Exception):
 
 class Late(Down):
     """An engine call overran its deadline and may still be running."""
+
+
+class _Unanswered(Exception):
+    """The health check found the master not answering (its message says how)."""
 
 
 class BoundedEngineCalls:
@@ -50,33 +54,20 @@ class BoundedEngineCalls:
             raise Down(self.last_error or "down")
 
     def _probe_in_background(self) -> None:
-        """Start the health check that ends an outage (one at a time); until it answers, the
-        tier stays down for one more backoff."""
-        with self._lock:
-            if self._probing or self._closed:
-                return
-            self._probing = True
-            self._down_until = time.monotonic() + self._backoff
+        """Start the health check that ends an outage (a master RPC; one at a time)."""
 
-        def probe() -> None:
+        def check() -> None:
             try:
-                ok = self._master_answers(self._caller.call(self.timeout_s, self._engine.batch_is_exist, [_PROBE]))
-                why = "the master did not answer the health check"
+                codes = self._caller.call(self.timeout_s, self._engine.batch_is_exist, [_PROBE])
             except Overrun as exc:
-                ok, why = False, f"the health check: {exc}"
+                raise _Unanswered(f"the health check: {exc}") from None
             except Exception as exc:  # noqa: BLE001 - the binding raising is the engine failing
-                ok, why = False, f"the health check: {type(exc).__name__}: {exc}"
-            if ok:
-                with self._lock:
-                    self._down_until = 0.0
-                    self._probing = False
-                log.info("mooncake tier %s: the master answers again", self.master)
-                return
-            with self._lock:
-                self._probing = False
-            self._failed(why)
+                raise _Unanswered(f"the health check: {type(exc).__name__}: {exc}") from None
+            if not self._master_answers(codes):
+                raise _Unanswered("the master did not answer the health check")
 
-        threading.Thread(target=probe, name="kvtier-mooncake-probe", daemon=True).start()
+        start_probe(self, check, lambda exc: self._failed(str(exc)), thread_name="kvtier-mooncake-probe",
+                    answered=lambda: log.info("mooncake tier %s: the master answers again", self.master))
 
     def _call(self, deadline: float, fn, *args, if_late=None):
         """One engine call, waited for until ``deadline`` (monotonic); an overrun puts the tier in

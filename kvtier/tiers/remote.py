@@ -68,6 +68,7 @@ from kvtier.core.payload import (
 )
 from kvtier.core.payload import HEADER_NBYTES as BLOCK_HEADER_NBYTES
 from kvtier.tiers.base import Status, Tier, writable_bytes
+from kvtier.tiers.recovery_probe import start_probe
 from kvtier.tiers.remote_protocol import (
     GET_ITEM,
     LIST_ARGS,
@@ -209,23 +210,12 @@ class RemoteTier(Tier, StreamingTier):
             c.close()
 
     def _probe_in_background(self) -> None:
-        """Start the connection attempt that ends an outage (one at a time); until it succeeds
-        the tier stays down for one more backoff. The connection it opens joins the pool."""
-        with self._lock:
-            if self._probing or self._closed:
-                return
-            self._probing = True
-            self._down_until = time.monotonic() + self._backoff
+        """Start the connection attempt that ends an outage (one at a time). The connection it
+        opens joins the pool."""
 
-        def probe() -> None:
-            try:
-                conn = WireClient(self.address, self._token, namespace=self.namespace,
-                                  connect_timeout_s=self.connect_timeout_s, deadline=self._deadline())
-            except Exception as exc:  # noqa: BLE001 - refused, timed out, bad token: still down
-                with self._lock:
-                    self._probing = False
-                self._failed(exc)
-                return
+        def check() -> None:
+            conn = WireClient(self.address, self._token, namespace=self.namespace,
+                              connect_timeout_s=self.connect_timeout_s, deadline=self._deadline())
             self._server_info, self._server_features = conn.info, conn.features
             conn.last_used = time.monotonic()
             with self._pool_lock:
@@ -234,12 +224,9 @@ class RemoteTier(Tier, StreamingTier):
                     self._idle.append(conn)
             if not keep:
                 conn.close()
-            with self._lock:
-                self._down_until = 0.0
-                self._probing = False
-            log.info("remote tier %s: the server answers again", self.address)
 
-        threading.Thread(target=probe, name="kvtier-remote-probe", daemon=True).start()
+        start_probe(self, check, self._failed, thread_name="kvtier-remote-probe",
+                    answered=lambda: log.info("remote tier %s: the server answers again", self.address))
 
     def _deadline(self, nbytes: int = 0) -> float:
         """The one deadline of a call that moves ``nbytes`` payload bytes, set at its start."""
