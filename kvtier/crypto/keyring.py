@@ -24,13 +24,9 @@
   tenant's file when it changed (another inode, mtime or size than the one its
   keys were read from), at most every ``refresh_s``, so a shred elsewhere takes
   effect here within ``refresh_s`` (immediately in the shredding process).
-* The store belongs to one master key: ``keystore-check.json`` holds an HMAC of a
-  fixed label under it, written when the store is created (for a store from
-  before the check, once a key file there opens under the master key). Another
-  master key is refused (:class:`~kvtier.errors.ConfigError`) before anything is
-  read or written: a wrong key would otherwise make new keys beside the old ones
-  and orphan every block. ``required_by`` refuses a missing or empty store the
-  same way, for callers (the server's spill) whose data needs the existing one.
+* The store belongs to one master key, and ``required_by`` refuses a missing or
+  empty one, for callers whose data needs the existing store
+  (:mod:`kvtier.crypto.keystore_dir`).
 * A damaged key file is a :class:`~kvtier.errors.ConfigError` naming it, never
   replaced by new keys: that would shred the tenant.
 * Keys from elsewhere: a read that names an epoch (or key id) this process has
@@ -45,19 +41,16 @@ Thread safe.
 from __future__ import annotations
 
 import base64
-import fcntl
 import hashlib
 import hmac
 import json
 import os
-import re
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
-from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
@@ -65,21 +58,15 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from kvtier.core.framing import frame_int, frame_str
 from kvtier.crypto.providers import MasterKeyProvider
 from kvtier.errors import ConfigError
-from kvtier.private_files import fsync_dir, make_private_dirs, replace_private_file
+from kvtier.crypto.keystore_dir import KeyStoreDir, locked
+from kvtier.crypto.keystore_dir import DAMAGE as _DAMAGE
+from kvtier.private_files import fsync_dir, replace_private_file
 
 ROTATE_AFTER = 1 << 30
 #: encryptions one lease grants: 2^20 chunks (64 GiB at the stream chunk size) cost one locked
 #: key-store write, and a crash wastes at most 1/1024 of a key's budget
 LEASE_SIZE = 1 << 20
 _GCM_RANDOM_NONCE_BOUND = 1 << 32  # NIST SP 800-38D, random 96-bit IVs
-#: the file that ties a key store to its master key (see the module docstring)
-CHECK_FILE = "keystore-check.json"
-_CHECK_LABEL = b"kvtier/keystore-check/v1"
-_DOC_NAME = re.compile(r"[0-9a-f]{32}\.json")
-#: temp files of key-store writes (this version's and older ones'): stem, then what follows
-_TEMP_NAME = re.compile(r"([0-9a-f]{32}|keystore-check)\.tmp[0-9]+\.[0-9a-f]+")
-#: what a damaged key file raises while it is parsed or unwrapped
-_DAMAGE = (ValueError, KeyError, TypeError, AttributeError, InvalidTag)
 
 
 @dataclass(slots=True)
@@ -154,8 +141,7 @@ class Keyring:
         self.lease_size = min(lease_size, rotate_after)
         self._master = provider.master_key()
         self.dir = Path(keystore_dir)
-        self._unverified: set[str] = set()  # key files of a store from before the check (see _check_master)
-        self._open_store(required_by)
+        self._store = KeyStoreDir(self.dir, self._master, required_by)
         self.refresh_s = refresh_s
         self.missing_reload_s = missing_reload_s
         self._lock = threading.RLock()
@@ -192,96 +178,9 @@ class Keyring:
         except _DAMAGE as exc:
             raise self._damaged(tenant, exc) from None
 
-    # -- the store and its master key ---------------------------------------------------
-    def _open_store(self, required_by: str | None) -> None:
-        missing = not self.dir.is_dir()
-        if required_by is not None and (missing or not (self.dir / CHECK_FILE).exists() and not self._documents()):
-            raise ConfigError(
-                f"the key store {self.dir} is {'missing' if missing else 'empty'}, but {required_by}: mount or "
-                f"restore it (or fix keystore_dir) and start again. New keys would orphan those blocks, so "
-                f"none were made; to start afresh on purpose, delete the blocks first")
-        # 0700 whatever the umask, parents included: whoever may write here can shred or replace keys
-        make_private_dirs(self.dir)
-        self._sweep_temp_files()
-        self._check_master()
-
-    def _documents(self) -> list[Path]:
-        return [p for p in self.dir.iterdir() if _DOC_NAME.fullmatch(p.name)] if self.dir.is_dir() else []
-
-    def _check_value(self) -> str:
-        return hmac.new(self._master, _CHECK_LABEL, hashlib.sha256).hexdigest()
-
-    def _is_mine(self, stored: str) -> bool:
-        return hmac.compare_digest(stored.encode(), self._check_value().encode())
-
-    def _stored_check(self) -> str | None:
-        try:
-            doc = json.loads((self.dir / CHECK_FILE).read_text())
-            return str(doc["hmac"])
-        except FileNotFoundError:
-            return None
-        except _DAMAGE as exc:
-            raise ConfigError(f"{self.dir / CHECK_FILE} is damaged ({exc}); restore it from a backup, or delete "
-                              f"it only if you are sure the master key is this key store's") from None
-
-    def _check_master(self) -> None:
-        """Refuse another master key's store; write the check if the store has none yet."""
-        stored = self._stored_check()
-        if stored is None:
-            documents = self._documents()
-            if documents:
-                # A store from before the check: which master key it is can only be told by
-                # opening one of its files, so the check is written then (see _load), never
-                # from a key that might be the wrong one.
-                self._unverified = {p.name for p in documents}
-            else:
-                self._write_check()
-        elif not self._is_mine(stored):
-            raise self._other_master()
-
-    def _other_master(self) -> ConfigError:
-        return ConfigError(
-            f"the master key does not match the key store in {self.dir} (see {CHECK_FILE}): start with the "
-            f"master key this store was made with (KVTIER_MASTER_KEY or master_key_file), or point "
-            f"keystore_dir at this key's own store. New keys here would orphan every block sealed before")
-
-    def _write_check(self) -> None:
-        fd = self._locked(self.dir / "keystore-check.lock")
-        try:
-            stored = self._stored_check()  # another process may have written it meanwhile
-            if stored is None:
-                replace_private_file(self.dir / CHECK_FILE, json.dumps({"hmac": self._check_value()}).encode())
-                fsync_dir(self.dir)
-        finally:
-            os.close(fd)
-        self._unverified = set()
-        if stored is not None and not self._is_mine(stored):
-            raise self._other_master()
-
-    def _sweep_temp_files(self) -> None:
-        """Remove temp files of writers that died before their rename: each holds a whole key
-        document, which a later shred would not remove. A temp file is only ever written under
-        its file's lock, so one found while holding that lock has no live writer."""
-        for path in self.dir.iterdir():
-            match = _TEMP_NAME.fullmatch(path.name)
-            if match is None:
-                continue
-            fd = self._locked(self.dir / f"{match.group(1)}.lock")
-            try:
-                path.unlink(missing_ok=True)
-            finally:
-                os.close(fd)
-
     # -- persistence ------------------------------------------------------------
-    @staticmethod
-    def _locked(lock_path: Path) -> int:
-        # O_NOFOLLOW: a link planted as the lock file must not make us create a file elsewhere
-        fd = os.open(lock_path, os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW, 0o600)
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        return fd
-
     def _locked_file(self, tenant: str) -> int:
-        return self._locked(self._file(tenant).with_suffix(".lock"))
+        return locked(self._file(tenant).with_suffix(".lock"))
 
     def _damaged(self, tenant: str, exc: BaseException) -> ConfigError:
         path = self._file(tenant)
@@ -341,8 +240,7 @@ class Keyring:
             if self._current_version(path) == read.version:
                 break
         self._tenants[tenant] = state
-        if path.name in self._unverified:  # a key file from before the check opened: the key is this store's
-            self._write_check()
+        self._store.opened(path.name)  # a key file from before the check: the key is this store's
         return state
 
     @staticmethod

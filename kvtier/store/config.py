@@ -125,19 +125,49 @@ class StoreConfig:
 
 
 def build_store(config: StoreConfig, layout: KVLayout, *, io_threads: int = 2):
-    """A TieredStore of host → disk → remote → Mooncake as configured, encrypted where configured."""
-    from kvtier.policy.eviction import make_policy
+    """A TieredStore of host → disk → remote → Mooncake as configured, encrypted where configured.
+    A setting refused part-way closes the tiers already opened (their threads, pools and files)."""
     from kvtier.store.tiered import TieredStore
+
+    encrypt = config.wants_encryption()
+    opened: list = []
+    try:
+        tiers = _open_tiers(config, layout, encrypt, opened)
+        if not tiers:
+            raise ConfigError("the store has no tier: set host_bytes, disk_path, remote_url or mooncake_master")
+        return TieredStore(tiers, write_mode=config.write_mode, io_threads=io_threads,
+                           dirty_limit_blocks=config.dirty_limit_blocks,
+                           close_flush_timeout_s=config.close_flush_timeout_s)
+    except BaseException:
+        for tier in reversed(opened):
+            tier.close()
+        raise
+
+
+def _open_tiers(config: StoreConfig, layout: KVLayout, encrypt: bool, opened: list) -> list:
+    """The store's tiers, top first; each one opened is appended to ``opened`` at once."""
+    from kvtier.policy.eviction import make_policy
     from kvtier.tiers.host import HostTier
 
+    disk = None
+    if config.disk_path:
+        from kvtier.tiers.disk import DiskTier
+
+        disk = DiskTier(config.disk_path, config.disk_bytes, policy=make_policy(config.eviction))
+        opened.append(disk)
     keyring = None
-    if config.wants_encryption():
+    if encrypt:
         from kvtier.crypto.keyring import Keyring
         from kvtier.crypto.providers import EnvMasterKey, FileMasterKey
 
         provider = FileMasterKey(config.master_key_file) if config.master_key_file else EnvMasterKey()
         keystore = config.keystore_dir or str(Path(config.disk_path or _cache_dir()) / "keys")
-        keyring = Keyring(provider, keystore)
+        # Blocks on disk need the key store they were sealed with: a missing or empty one (a
+        # volume not mounted, a typo in keystore_dir) is refused, as `kvtier serve` refuses it,
+        # rather than replaced by new keys under which every block there is a miss for good.
+        held = sum(1 for _ in disk.keys()) if disk is not None else 0
+        keyring = Keyring(provider, keystore, required_by=(
+            f"{config.disk_path} holds {held} block files that need it" if held else None))
 
     _warn_unsafe(config, keyring is not None)
 
@@ -155,23 +185,22 @@ def build_store(config: StoreConfig, layout: KVLayout, *, io_threads: int = 2):
     if config.host_bytes:
         host = HostTier(config.host_bytes, slot if config.encrypt_host else layout.block_nbytes,
                         policy=make_policy(config.eviction))
+        opened.append(host)
         tiers.append(seal(host) if config.encrypt_host else host)
-    if config.disk_path:
-        from kvtier.tiers.disk import DiskTier
-
-        tiers.append(seal(DiskTier(config.disk_path, config.disk_bytes, policy=make_policy(config.eviction))))
+    if disk is not None:
+        tiers.append(seal(disk))
     if config.remote_url:
         from kvtier.tiers.remote import RemoteTier
 
-        tiers.append(seal(RemoteTier(config.remote_url, token=config.remote_token, namespace=config.remote_namespace,
-                                     timeout_s=config.remote_timeout_s)))
+        remote = RemoteTier(config.remote_url, token=config.remote_token, namespace=config.remote_namespace,
+                            timeout_s=config.remote_timeout_s)
+        opened.append(remote)
+        tiers.append(seal(remote))
     if config.mooncake_master:
-        tiers.append(seal(_mooncake_tier(config, keyring)))
-    if not tiers:
-        raise ConfigError("the store has no tier: set host_bytes, disk_path, remote_url or mooncake_master")
-    return TieredStore(tiers, write_mode=config.write_mode, io_threads=io_threads,
-                       dirty_limit_blocks=config.dirty_limit_blocks,
-                       close_flush_timeout_s=config.close_flush_timeout_s)
+        fleet = _mooncake_tier(config, keyring)
+        opened.append(fleet)
+        tiers.append(seal(fleet))
+    return tiers
 
 
 def _mooncake_tier(config: StoreConfig, keyring):

@@ -20,7 +20,8 @@ import threading
 import pytest
 
 import kvtier.crypto.keyring as keyring_mod
-from kvtier.crypto.keyring import CHECK_FILE, Keyring
+from kvtier.crypto.keyring import Keyring
+from kvtier.crypto.keystore_dir import CHECK_FILE
 from kvtier.crypto.providers import StaticMasterKey
 from kvtier.errors import ConfigError
 

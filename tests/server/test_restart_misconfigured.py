@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 
-from kvtier.crypto.keyring import CHECK_FILE
+from kvtier.crypto.keystore_dir import CHECK_FILE
 from tests.server.conftest import keys_for
 from tests.server.test_restart import Restartable, block_files, get, put, stopped_cleanly
 

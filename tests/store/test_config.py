@@ -118,3 +118,40 @@ def test_a_mooncake_secret_file_others_can_read_is_refused(tmp_path, monkeypatch
     assert not made
     _mooncake_tier(config, None)                             # control: a 0600 file is used
     assert made and made[0]["secret"] == b"0123456789abcdef0123456789abcdef"
+
+
+def _sealed_store_with_blocks_on_disk(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVTIER_MASTER_KEY", "22" * 32)
+    config = StoreConfig(host_bytes=4 * LAYOUT.block_nbytes, disk_path=str(tmp_path / "d"), tenant="acme",
+                         write_mode="write-through")
+    store = build_store(config, LAYOUT)
+    cache = ContextCache(store, Namespace("m", LAYOUT, tenant="acme"))
+    tokens = np.arange(6 * LAYOUT.block_tokens)
+    blocks = [np.full(LAYOUT.block_shape, i, np.float16) for i in range(6)]
+    cache.save(cache.keys(tokens), blocks)
+    store.close()
+    return config, tokens, blocks
+
+
+def test_a_missing_key_store_is_refused_when_the_disk_holds_blocks(tmp_path, monkeypatch):
+    """A key store not mounted (or a typo in keystore_dir) must not be replaced by new keys, under
+    which every sealed block on disk would be a miss for good: the start is refused, nothing lost."""
+    import shutil
+
+    config, tokens, blocks = _sealed_store_with_blocks_on_disk(tmp_path, monkeypatch)
+    files = sorted(p.name for p in (tmp_path / "d").rglob("*.kvb"))
+    assert files
+    shutil.move(tmp_path / "d" / "keys", tmp_path / "keys-elsewhere")
+    with pytest.raises(ConfigError, match="key store .* is missing, but .* holds 6 block files"):
+        build_store(config, LAYOUT)
+    assert not (tmp_path / "d" / "keys").exists(), "no new key store was made"
+    assert sorted(p.name for p in (tmp_path / "d").rglob("*.kvb")) == files
+    # Control: the key store back in place, every block loads again.
+    shutil.move(tmp_path / "keys-elsewhere", tmp_path / "d" / "keys")
+    store = build_store(config, LAYOUT)
+    cache = ContextCache(store, Namespace("m", LAYOUT, tenant="acme"))
+    outs = [np.full(LAYOUT.block_shape, -1, np.float16) for _ in blocks]
+    assert cache.load(cache.keys(tokens), outs).loaded == 6
+    assert all(np.array_equal(a, b) for a, b in zip(outs, blocks))
+    store.close()
+
