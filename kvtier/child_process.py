@@ -11,6 +11,7 @@ that lives as long as they should (the main thread, or a :class:`Spawner`).
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
@@ -32,10 +33,32 @@ def _resolve_prctl():
 _prctl = _resolve_prctl()
 
 
+# The pid of the process that forked last, recorded in it just before each fork (``subprocess`` runs
+# the fork hooks when a ``preexec_fn`` is given); the child inherits the value.
+_forker = 0
+
+
+def _record_forker() -> None:
+    global _forker
+    _forker = os.getpid()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_record_forker)
+
+
 def die_with_parent() -> None:
-    """In the child, before exec: ask for SIGTERM when the parent dies."""
+    """In the child, before exec: ask for SIGTERM when the parent dies.
+
+    The request covers only a death after it is made: a child whose starter died between the
+    fork and this call (it now has another parent, init or a subreaper) ends here instead of
+    running on as the orphan this exists to prevent."""
     if _prctl is not None:
         _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if _forker and os.getppid() != _forker:
+            # Ended as the signal would have ended it; not by os.kill: a SIGTERM handler the
+            # starter had set would run here, in the child, which would then exec.
+            os._exit(128 + signal.SIGTERM)
 
 
 class Spawner:

@@ -40,7 +40,27 @@ def make_private_dirs(path: str | os.PathLike) -> None:
             if not os.path.isdir(directory):
                 raise
             continue  # another process made it first: theirs to set up
-        os.chmod(directory, DIR_MODE)  # mkdir's mode went through the umask
+        _chmod_new_dir(directory)  # mkdir's mode went through the umask
+
+
+def _chmod_new_dir(directory: str) -> None:
+    """``chmod 0700`` the directory just made at ``directory``, never through a symbolic link: in
+    a parent others may write to, the new directory could be renamed away and a link planted in
+    its place before the chmod, which would then open up the link's target instead."""
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except PermissionError:
+        # a umask that took the owner's read bit: a path descriptor, changed through /proc
+        fd = os.open(directory, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            os.chmod(f"/proc/self/fd/{fd}", DIR_MODE)
+        finally:
+            os.close(fd)
+        return
+    try:
+        os.fchmod(fd, DIR_MODE)
+    finally:
+        os.close(fd)
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -84,7 +104,9 @@ def open_private_file(path: str, what: str, fix: str, why: str = "it authenticat
     read or write, and never through a symbolic link. ``fix``: what the error tells the operator
     to do besides ``chmod 600``. The caller closes the descriptor."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        # O_NONBLOCK: opening a FIFO for reading would wait for a writer, before the check below
+        # could refuse it
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError as exc:
         raise ConfigError(f"cannot read {what} {path!r} ({exc}); {fix}") from None
     try:
@@ -92,22 +114,34 @@ def open_private_file(path: str, what: str, fix: str, why: str = "it authenticat
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
             raise ConfigError(f"{what} {path!r} must be a regular file owned by this user with mode 0600 ({why}); "
                               f"fix it with chmod 600 {path}, or {fix}")
+        os.set_blocking(fd, True)
     except BaseException:
         os.close(fd)
         raise
     return fd
 
 
+#: the most :func:`read_private_file` reads: a secret is bytes (32 for the spill secret), and a
+#: path pointed at a large file by mistake is refused before it is read into memory
+MAX_SECRET_BYTES = 1 << 16
+
+
 def read_private_file(path: str, what: str, fix: str) -> bytes:
     """The bytes of the secret at ``path`` (``what`` names it in errors), refused unless it is a
-    regular file owned by this user that nobody else may read or write, and never through a
-    symbolic link: whoever reads it can name, read or forge the blocks it keys. ``fix``: what the
-    error tells the operator to do besides ``chmod 600``."""
+    regular file owned by this user that nobody else may read or write, of at most
+    :data:`MAX_SECRET_BYTES`, and never through a symbolic link: whoever reads it can name, read
+    or forge the blocks it keys. ``fix``: what the error tells the operator to do besides
+    ``chmod 600``."""
     fd = open_private_file(path, what, fix)
     try:
         chunks = []
-        while chunk := os.read(fd, 1 << 16):
+        size = 0
+        # bounded by what is read, not by fstat's size: the file may grow while it is read
+        while size <= MAX_SECRET_BYTES and (chunk := os.read(fd, MAX_SECRET_BYTES + 1 - size)):
             chunks.append(chunk)
+            size += len(chunk)
+        if size > MAX_SECRET_BYTES:
+            raise ConfigError(f"{what} {path!r} is larger than {MAX_SECRET_BYTES} bytes: not a secret; {fix}")
         return b"".join(chunks)
     finally:
         os.close(fd)

@@ -119,3 +119,67 @@ def test_spawner_close_signals_what_it_started():
     finally:
         child.kill()
         child.wait()
+
+
+LATE_STARTER = r"""
+import os, subprocess, sys, time
+from kvtier.child_process import die_with_parent
+pidfile = sys.argv[1]
+starter = os.getpid()
+
+def late():
+    # the window between fork and the child's prctl, stretched: the starter is SIGKILLed inside it
+    with open(pidfile + ".tmp", "w") as f:
+        f.write(str(os.getpid()))
+    os.rename(pidfile + ".tmp", pidfile)
+    while os.getppid() == starter:
+        time.sleep(0.01)
+    die_with_parent()
+
+subprocess.Popen(["sleep", "60"], preexec_fn=late, start_new_session=True)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_child_whose_starter_died_before_its_prctl_does_not_run_on(tmp_path):
+    """PR_SET_PDEATHSIG covers only a death after it is asked for; the child then checks that its
+    parent is still the process that forked it (audit s26, D2: the child ran on with ppid 1)."""
+    pidfile = tmp_path / "child.pid"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    starter = subprocess.Popen([sys.executable, "-c", LATE_STARTER, str(pidfile)], cwd=root)
+    deadline = time.monotonic() + 10
+    while not pidfile.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    child = int(pidfile.read_text())
+    starter.send_signal(signal.SIGKILL)
+    starter.wait()
+    try:
+        deadline = time.monotonic() + 5
+        while _alive(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(child), "the child outlived its starter: it asked for PDEATHSIG after the starter was gone"
+    finally:
+        try:
+            os.kill(child, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_control_a_child_whose_starter_lives_runs_its_program():
+    """The check after prctl does not end a child whose parent is alive, wherever it was forked."""
+    from kvtier.child_process import Spawner, die_with_parent
+
+    spawner = Spawner()
+    children = [subprocess.Popen(["sleep", "60"], preexec_fn=die_with_parent), spawner.popen(["sleep", "60"])]
+    try:
+        time.sleep(0.3)
+        for child in children:
+            assert child.poll() is None
+            with open(f"/proc/{child.pid}/comm") as f:
+                assert f.read().strip() == "sleep"   # it got as far as exec
+    finally:
+        for child in children:
+            child.kill()
+            child.wait()
+        spawner.close()

@@ -196,3 +196,20 @@ def test_serve_start_failures_name_their_cause_and_only_a_taken_port_gets_the_po
         assert run.returncode == 1 and "Traceback" not in run.stderr and "cannot start" in run.stderr, run.stderr
     assert "pick a free port" in taken.stderr
     assert "pick a free port" not in audit.stderr and "No such file" in audit.stderr
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["simulate", "--cluster", "{deep}"], "cluster config {deep}: not a readable JSON file"),
+    (["simulate", "--calibration", "{deep}", "--limit", "10"], "calibration table {deep}: not a readable JSON file"),
+    (["plan", "capacity", "--model", "{deep}", "--users", "1", "--context-tokens", "10"], "model config {deep}"),
+    (["plan", "capacity", "--model", "{nan}", "--users", "1", "--context-tokens", "10"], "model config {nan}: NaN"),
+])
+def test_a_deeply_nested_or_nan_json_file_is_a_clear_error(argv, says, tmp_path, capsys):
+    """Before: RecursionError out of main() for 100,000 '[' (audit s26, D3)."""
+    names = {"deep": tmp_path / "deep.json", "nan": tmp_path / "nan.json"}
+    names["deep"].write_text("[" * 100_000)
+    names["nan"].write_text('{"num_hidden_layers": 2, "hidden_size": NaN, "num_attention_heads": 4, '
+                            '"intermediate_size": 128}')
+    rc, out = _run([a.format(**names) for a in argv], capsys)
+    assert rc == 2 and "Traceback" not in out, out
+    assert says.format(**names) in out, out

@@ -20,7 +20,7 @@ from __future__ import annotations
 import array
 import hashlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import NewType
 
 import numpy as np
@@ -86,14 +86,24 @@ def block_keys(
     frames = np.empty((n_full, _HEAD_BYTES + step), np.uint8)
     frames[:, :_HEAD_BYTES] = np.frombuffer(frame_head(_T_TOKENS, step), np.uint8)
     frames[:, _HEAD_BYTES:] = arr[: n_full * block_tokens].view(np.uint8).reshape(n_full, step)
-    prev = namespace.root if parent is None else parent
-    return _chain(prev, frames)
+    return _chain(_parent_key(namespace, parent), frames)
+
+
+def _parent_key(namespace: Namespace, parent: bytes | None) -> bytes:
+    """The key a chain starts from, as ``bytes`` (any bytes-like parent is read as its bytes, on
+    every path alike), refused unless it is a key: the parent frame's head says ``KEY_BYTES``."""
+    if parent is None:
+        return namespace.root
+    # memoryview, not bytes(): bytes(32) would be 32 zero bytes, a key made up from an int
+    prev = parent if type(parent) is bytes else memoryview(parent).tobytes()
+    if len(prev) != KEY_BYTES:
+        raise ValueError(f"a parent key is {KEY_BYTES} bytes, got {len(prev)}")
+    return prev
 
 
 def _chain(prev: bytes, frames: np.ndarray) -> list[BlockKey]:
-    """``key_i = SHA-256(parent head | key_{i-1} | frames[i])`` for every row of ``frames``."""
-    if len(prev) != KEY_BYTES:
-        raise ValueError(f"a parent key is {KEY_BYTES} bytes, got {len(prev)}")
+    """``key_i = SHA-256(parent head | key_{i-1} | frames[i])`` for every row of ``frames``;
+    ``prev`` a checked key (:func:`_parent_key`)."""
     if _c_chain is not None:
         return _c_chain(prev, _PARENT_HEAD, frames, frames.shape[1])
     # Python: a copy of a started hash is cheaper than a new one; bytes slices of
@@ -118,7 +128,7 @@ def block_keys_reference(
     arr = as_token_array(tokens)
     raw = memoryview(arr[: arr.size // block_tokens * block_tokens]).cast("B")
     step = block_tokens * 4
-    prev = namespace.root if parent is None else parent
+    prev = _parent_key(namespace, parent)
     keys: list[BlockKey] = []
     for i in range(arr.size // block_tokens):
         h = hashlib.sha256(_PARENT_HEAD)
@@ -130,16 +140,23 @@ def block_keys_reference(
     return keys
 
 
+def _hash_bytes(hashes: Iterable[bytes]) -> list[bytes]:
+    """``hashes`` as a list of ``bytes``: an iterator is read once, and a bytes-like hash is framed
+    with its byte count (``len()`` of a uint32 array counts its items)."""
+    return [h if type(h) is bytes else memoryview(h).tobytes() for h in hashes]
+
+
 def chain_external_hashes(
-    namespace: Namespace, hashes: Sequence[bytes], *, parent: bytes | None = None
+    namespace: Namespace, hashes: Iterable[bytes], *, parent: bytes | None = None
 ) -> list[BlockKey]:
     """Keys chained over an engine's own block hashes (e.g. vLLM's) instead of tokens.
 
     The engine's hashes already chain over tokens, salt and LoRA; chaining them
     again under the namespace root binds them to model, layout and tenant.
     """
-    prev = namespace.root if parent is None else parent
-    if hashes and _c_chain is not None and len(prev) == KEY_BYTES:
+    prev = _parent_key(namespace, parent)
+    hashes = _hash_bytes(hashes)
+    if hashes and _c_chain is not None:
         sizes = set(map(len, hashes))
         if len(sizes) == 1:  # vLLM's: all one digest size; framed in one numpy pass
             width = sizes.pop()
@@ -147,16 +164,16 @@ def chain_external_hashes(
             frames[:, :_HEAD_BYTES] = np.frombuffer(frame_head(_T_EXTERNAL, width), np.uint8)
             frames[:, _HEAD_BYTES:] = np.frombuffer(b"".join(hashes), np.uint8).reshape(len(hashes), width)
             return _c_chain(prev, _PARENT_HEAD, frames, frames.shape[1])
-    return chain_external_hashes_reference(namespace, hashes, parent=parent)
+    return chain_external_hashes_reference(namespace, hashes, parent=prev)
 
 
 def chain_external_hashes_reference(
-    namespace: Namespace, hashes: Sequence[bytes], *, parent: bytes | None = None
+    namespace: Namespace, hashes: Iterable[bytes], *, parent: bytes | None = None
 ) -> list[BlockKey]:
     """The definition of :func:`chain_external_hashes` (and its path for hashes of mixed sizes)."""
-    prev = namespace.root if parent is None else parent
+    prev = _parent_key(namespace, parent)
     keys: list[BlockKey] = []
-    for value in hashes:
+    for value in _hash_bytes(hashes):
         h = hashlib.sha256(_PARENT_HEAD)
         h.update(prev)
         h.update(frame_head(_T_EXTERNAL, len(value)))

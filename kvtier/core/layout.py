@@ -51,6 +51,8 @@ class KVLayout:
                 raise LayoutError(f"KVLayout.{name} must be a positive int, got {value!r}")
         if self.kv_parts not in (1, 2):
             raise LayoutError(f"KVLayout.kv_parts must be 1 (MLA latent) or 2 (K and V), got {self.kv_parts}")
+        if not isinstance(self.tp_rank, int):   # a float passed every check and broke the namespace root
+            raise LayoutError(f"KVLayout.tp_rank must be an int, got {self.tp_rank!r}")
         if not 0 <= self.tp_rank < self.tp_size:
             raise LayoutError(f"KVLayout.tp_rank {self.tp_rank} is outside 0..{self.tp_size - 1}")
 

@@ -29,6 +29,10 @@ UNITS = {"": 1, "b": 1, **BINARY, **DECIMAL}
 #: bare prefixes whose base is a matter of convention: refused, see the module docstring
 AMBIGUOUS = ("k", "m", "g", "t")
 
+#: the largest size accepted: what a file offset (``off_t``) or a C ``int64`` holds; 8 EiB, beyond
+#: any memory, disk or quota, so a larger number is a typo, and one that would overflow further on
+MAX_SIZE = (1 << 63) - 1
+
 _SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*")
 _EXAMPLES = "write e.g. 8GiB or 512MiB (powers of 1024), 500GB (powers of 1000) or a byte count like 1048576"
 
@@ -46,8 +50,8 @@ def parse_size(value: Any, what: str) -> int:
         value = int(value)
     if isinstance(value, int):
         if value < 0:
-            raise ConfigError(f"{what}={value}: a size cannot be negative")
-        return value
+            raise ConfigError(f"{what}={_shown(value)}: a size cannot be negative")
+        return _bounded(value, value, what)
     text = str(value)
     match = _SIZE.fullmatch(text)
     if match is None:
@@ -61,10 +65,28 @@ def parse_size(value: Any, what: str) -> int:
     if unit.lower() not in UNITS:
         raise ConfigError(f"{what}={value!r}: unknown unit {unit!r}; {_EXAMPLES}")
     scale = UNITS[unit.lower()]
-    exact = Fraction(number) * scale
+    try:
+        exact = Fraction(number) * scale
+    except ValueError:   # more digits than Python converts (sys.get_int_max_str_digits)
+        raise ConfigError(f"{what}={_shown(value)} is not a size: too many digits; {_EXAMPLES}") from None
     if scale == 1 and exact.denominator != 1:
         raise ConfigError(f"{what}={value!r} is not a whole number of bytes; {_EXAMPLES}")
-    return int(exact)  # a fraction of a larger unit rounds down to whole bytes
+    return _bounded(int(exact), value, what)  # a fraction of a larger unit rounds down to whole bytes
+
+
+def _bounded(nbytes: int, value: Any, what: str) -> int:
+    if nbytes > MAX_SIZE:
+        raise ConfigError(f"{what}={_shown(value)} is larger than any size kvtier takes (at most {MAX_SIZE} "
+                          f"bytes, 8 EiB); {_EXAMPLES}")
+    return nbytes
+
+
+def _shown(value: Any) -> str:
+    """``value`` for an error message, cut short: a number of thousands of digits is not repeated."""
+    if isinstance(value, int):   # str() of an int of over 4,300 digits raises
+        return str(value) if value.bit_length() <= 128 else f"<a number of {value.bit_length()} bits>"
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:20]}...{text[-10:]} ({len(text)} characters)"
 
 
 def finite_float(text: str) -> float:

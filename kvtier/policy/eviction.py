@@ -111,8 +111,11 @@ class PrefixAwareLRUPolicy(EvictionPolicy):
         if key in self._last:
             self.on_access(key)
             return
+        # Decided before the key is entered: a block named as its own parent (a caller's bug, or a
+        # record on a shared mount) is a plain root, never its own child.
+        linked = parent is not None and parent != key and parent in self._last
         self._last[key] = self._born[key] = next(self._tick)
-        if parent in self._last:
+        if linked:
             self._parent[key] = (parent, self._born[parent])
             self._children[parent] += 1
         else:

@@ -142,3 +142,62 @@ def test_fast_external_chain_equals_the_reference(keying_path):
 def test_a_parent_that_is_not_a_key_is_refused(keying_path):
     with pytest.raises(ValueError, match="32 bytes"):
         block_keys(ns(), list(range(8)), parent=b"short")
+
+
+# -- the C path and the fallback agree on every input either takes (audit s26, D6) -------------
+def test_a_bytes_like_parent_gives_the_same_keys_on_both_paths(keying_path):
+    """D6a: the fallback raised TypeError for a memoryview parent (and numpy's for an array)."""
+    n = ns(tenant="acme")
+    tokens = list(range(12))
+    parent = block_keys(n, list(range(4)))[0]
+    want = block_keys_reference(n, tokens, parent=parent)
+    assert len(want) == 3 and block_keys(n, tokens, parent=parent) == want   # control: bytes
+    for like in (memoryview(parent), bytearray(parent), np.frombuffer(parent, np.uint8),
+                 np.frombuffer(parent, np.uint32)):     # 8 items, 32 bytes: read as its bytes
+        assert block_keys(n, tokens, parent=like) == want
+        assert chain_external_hashes(n, [b"h" * 32], parent=like) == \
+            chain_external_hashes_reference(n, [b"h" * 32], parent=parent)
+
+
+def test_an_int_parent_is_refused_not_read_as_zero_bytes(keying_path):
+    # bytes(32) is 32 zero bytes: a parent key made up from an int
+    for call in (lambda: block_keys(ns(), list(range(8)), parent=32),
+                 lambda: chain_external_hashes(ns(), [b"h"], parent=32)):
+        with pytest.raises(TypeError):
+            call()
+
+
+def test_external_hashes_from_an_iterator_give_the_same_keys_on_both_paths(keying_path):
+    """D6b: with the extension, a one-shot iterator of one-sized hashes raised TypeError, and one of
+    mixed sizes returned [] (the sizes were read off it before it was chained)."""
+    same = [bytes([i]) * 32 for i in range(3)]
+    mixed = [b"a", b"bc", b"d" * 32]
+    for hashes in (same, mixed):
+        want = chain_external_hashes_reference(ns(), hashes)
+        assert len(want) == 3 and chain_external_hashes(ns(), hashes) == want   # control: a list
+        assert chain_external_hashes(ns(), iter(hashes)) == want
+        assert chain_external_hashes(ns(), (h for h in hashes)) == want
+        assert chain_external_hashes_reference(ns(), iter(hashes)) == want
+
+
+def test_an_external_hash_is_framed_with_its_byte_count(keying_path):
+    """A uint32 array's len() counts items: it was framed as 8 bytes long (reference) or failed to
+    reshape (C path). Now it is its 32 bytes, whatever holds them."""
+    digests = [bytes([i]) * 32 for i in range(3)]
+    want = chain_external_hashes_reference(ns(), digests)
+    as_arrays = [np.frombuffer(d, np.uint32) for d in digests]
+    assert chain_external_hashes(ns(), as_arrays) == want
+    assert chain_external_hashes_reference(ns(), as_arrays) == want
+    assert chain_external_hashes(ns(), [memoryview(d) for d in digests]) == want
+
+
+def test_an_external_chain_refuses_a_parent_that_is_not_a_key(keying_path):
+    """D6c: a 31-byte parent was chained under a parent frame head that says 32 bytes."""
+    root = chain_external_hashes(ns(), [b"page-format"])[0]
+    assert chain_external_hashes(ns(), [b"h" * 32], parent=root)   # control: a key is taken
+    for short in (b"s" * 31, b"s" * 33, b""):
+        for chain in (chain_external_hashes, chain_external_hashes_reference):
+            with pytest.raises(ValueError, match="32 bytes"):
+                chain(ns(), [b"h" * 32], parent=short)
+        with pytest.raises(ValueError, match="32 bytes"):
+            block_keys_reference(ns(), list(range(8)), parent=short)

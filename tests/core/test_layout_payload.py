@@ -19,6 +19,9 @@ def test_layout_geometry():
         (dict(num_layers=0), "num_layers must be a positive int"),
         (dict(kv_parts=3), "kv_parts"),
         (dict(tp_rank=2, tp_size=2), "tp_rank 2 is outside"),
+        # a float rank passed validation, then broke the namespace root (AttributeError)
+        (dict(tp_rank=0.0), "tp_rank must be an int, got 0.0"),
+        (dict(tp_rank="0", tp_size=2), "tp_rank must be an int"),
     ],
 )
 def test_bad_layouts_name_the_problem(kw, match):
@@ -26,6 +29,13 @@ def test_bad_layouts_name_the_problem(kw, match):
     base.update(kw)
     with pytest.raises(LayoutError, match=match):
         KVLayout(**base)
+
+
+def test_control_an_int_rank_keys_a_namespace():
+    from kvtier.core.namespace import Namespace
+
+    roots = {Namespace("m", KVLayout(2, 2, 8, tp_rank=r, tp_size=2)).root for r in (0, 1)}
+    assert len(roots) == 2
 
 
 def test_wrong_block_shape_names_the_mismatch(small_layout):

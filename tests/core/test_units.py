@@ -40,3 +40,28 @@ def test_server_store_and_cli_share_the_parser():
             parse("512M", "x")
     with pytest.raises(ConfigError, match="ambiguous"):
         store_config.StoreConfig(host_bytes="1g")
+
+
+@pytest.mark.parametrize("bad", ["1" * 5000, "1" * 5000 + "GiB", "0." + "1" * 5000 + "GiB"])
+def test_a_number_of_thousands_of_digits_is_a_config_error_not_a_value_error(bad):
+    """Before: Python's int-max-str-digits ValueError, naming no setting (audit s26, D5)."""
+    with pytest.raises(ConfigError, match="capacity=.*too many digits") as info:
+        parse_size(bad, "capacity")
+    assert len(str(info.value)) < 300   # the number is not repeated whole
+
+
+@pytest.mark.parametrize("bad", [1 << 63, 10**5000, 1e300, "9223372036854775808", "8388608TiB", "1" * 4000],
+                         ids=["2**63", "10**5000", "1e300", "2**63 as text", "8 EiB in TiB", "4000 digits"])
+def test_a_size_beyond_8_eib_is_refused(bad):
+    with pytest.raises(ConfigError, match="capacity=.*larger than any size"):
+        parse_size(bad, "capacity")
+
+
+def test_control_the_largest_size_is_taken():
+    from kvtier.core.units import MAX_SIZE
+
+    assert MAX_SIZE == (1 << 63) - 1
+    assert parse_size(MAX_SIZE, "capacity") == parse_size(str(MAX_SIZE), "capacity") == MAX_SIZE
+    assert parse_size("8388607TiB", "capacity") == 8388607 << 40
+    with pytest.raises(ConfigError, match="capacity=<a number of 16610 bits>: a size cannot be negative"):
+        parse_size(-10**5000, "capacity")
