@@ -28,6 +28,7 @@ a bare "512M" is refused as ambiguous: see kvtier/core/units.py)::
     events_curve_secret = "<z85>"   # from `kvtier admin new-events-keys` (or $KVTIER_SERVE_EVENTS_CURVE_SECRET)
     events_name_key = "<hex>"       # the secret subscribers name blocks with (same command)
     events_subscribers = ["<z85 public key>=*", "<z85 public key>=acme"]   # key=scope: '*' or a tenant
+    events_buffer = 10000           # events (not messages) kept for replay, per scope ('*' and each tenant's)
     audit_log = "/var/log/kvtier/audit.jsonl"
 
     [admin]
@@ -122,6 +123,8 @@ class ServerConfig:
     events_curve_secret: str | None = None
     events_name_key: str | None = None
     events_subscribers: tuple[str, ...] = ()
+    #: events (not messages) kept for replay, per subscriber scope (``*`` and each tenant scope): the
+    #: newest messages holding at most this many events in all (a message carries up to 1,000)
     events_buffer: int = 10000
     audit_log: str | None = None
     tls_cert: str | None = None

@@ -31,10 +31,11 @@ Protocol (ROUTER on the server, DEALER on the subscriber; frames are bytes):
   ``{"type": "stored" | "removed", "tier", "owner", "namespace",
   "blocks": [name, …], "nbytes"}``.
 
-``seq`` grows by one per message of a scope. A gap that replay cannot fill
-(the ring moved on, or the bounded event queue overflowed: then every scope's
-sequence skips one) means the subscriber's view is incomplete: it must clear
-what it learnt from this publisher and start again.
+``seq`` grows by one per message of a scope; each scope's replay ring keeps its
+newest messages holding at most ``buffer`` events in all (``events_buffer``). A
+gap that replay cannot fill (the ring moved on, or the bounded event queue
+overflowed: then every scope's sequence skips one) means the subscriber's view
+is incomplete: it must clear what it learnt from this publisher and start again.
 
 **Who a peer is.** A registration belongs to the pair (ZMQ routing id, CURVE
 key that sent the SUB), and its scope is taken from that key on every SUB: a
@@ -69,6 +70,7 @@ import struct
 import threading
 import time
 from collections.abc import Mapping
+from typing import NamedTuple
 from urllib.parse import urlsplit
 
 from kvtier.core.framing import frame, frame_str
@@ -82,6 +84,8 @@ _TAG_OWNER, _TAG_NAMESPACE, _TAG_KEY = 1, 2, 3
 #: how long after a disconnect the peers are checked (at most this often): the socket drops
 #: the departed pipe meanwhile, and a burst of disconnects costs one check
 _CHECK_DELAY_S = 0.05
+#: the most queued events one message carries (fewer when the replay buffer is under 10,000)
+_BATCH_EVENTS = 1000
 
 
 def event_block_name(name_key: bytes, owner: str, namespace: str, key: bytes) -> bytes:
@@ -115,18 +119,41 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-class _Scope:
-    """The stream one kind of subscriber sees: its own sequence numbers and replay ring."""
+class _Kept(NamedTuple):
+    """A message kept for replay."""
 
-    __slots__ = ("name", "seq", "ring")
+    seq: int
+    payload: bytes
+    events: int  #: how many events it holds (what the ring's bound counts)
+
+
+class _Scope:
+    """The stream one kind of subscriber sees: its own sequence numbers and replay ring.
+
+    The ring keeps the newest messages holding at most ``buffer`` events in all. Its
+    bound counts events, not messages: a message holds 1 to :data:`_BATCH_EVENTS` events
+    (as many as were queued when it was sent), so a bound in messages kept up to 1,000x
+    ``buffer`` events under load.
+    """
+
+    __slots__ = ("name", "seq", "ring", "buffer", "held")
 
     def __init__(self, name: str, buffer: int) -> None:
         self.name = name
         self.seq = 0
-        self.ring: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=buffer)
+        self.ring: collections.deque[_Kept] = collections.deque()
+        self.buffer = buffer
+        self.held = 0  #: events in ``ring``
 
     def admits(self, owner: str) -> bool:
         return self.name == ALL_TENANTS or self.name == owner
+
+    def keep(self, seq: int, payload: bytes, events: int) -> None:
+        """Keep a message for replay, dropping the oldest while the ring holds more than ``buffer`` events."""
+        self.ring.append(_Kept(seq, payload, events))
+        self.held += events
+        while self.held > self.buffer and self.ring:
+            self.held -= self.ring.popleft().events
 
 
 class _Peer:
@@ -146,6 +173,8 @@ class EventPublisher:
 
     ``subscribers`` maps a subscriber's z85 CURVE public key to its scope (``*``
     or a tenant name); it is required with ``curve_secret`` and unused over ipc.
+    ``buffer``: events (not messages) each scope keeps for replay; a message carries at
+    most 1,000 events and at most a tenth of ``buffer`` (at least one).
     """
 
     def __init__(
@@ -168,6 +197,8 @@ class EventPublisher:
         check_endpoint(endpoint, curve=curve_secret is not None)
         if len(name_key) < 16:
             raise ValueError("events name_key must be at least 16 bytes of secret")
+        if buffer < 1:
+            raise ValueError(f"events buffer: keep at least 1 event for replay, got {buffer}")
         self._zmq = zmq
         self._name_key = bytes(name_key)
         self._subscribers = dict(subscribers or {})
@@ -184,6 +215,9 @@ class EventPublisher:
         self._bind(endpoint)
         self.endpoint = self._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
         self._buffer = buffer
+        #: a message holds at most a tenth of what the ring keeps: the newest message is always
+        #: kept, and dropping the oldest whole messages leaves more than 90 % of ``buffer`` events
+        self._batch_events = max(1, min(_BATCH_EVENTS, buffer // 10))
         self._scopes: dict[str, _Scope] = {ALL_TENANTS: _Scope(ALL_TENANTS, buffer)}
         for scope in set(self._subscribers.values()):
             self._scopes.setdefault(scope, _Scope(scope, buffer))
@@ -268,7 +302,7 @@ class EventPublisher:
             batch = []
             try:
                 batch.append(self._queue.get(timeout=self._batch_s))
-                while len(batch) < 1000:
+                while len(batch) < self._batch_events:
                     batch.append(self._queue.get_nowait())
             except queue.Empty:
                 pass
@@ -301,7 +335,7 @@ class EventPublisher:
             payload = msgpack.packb([now, events], use_bin_type=True)
             seq = scope.seq
             scope.seq += 1
-            scope.ring.append((seq, payload))
+            scope.keep(seq, payload, len(events))
             frames = [b"EV", _SEQ.pack(seq), payload]
             for pid, peer in list(self._peers.items()):
                 if peer.scope is scope:
@@ -383,7 +417,7 @@ class EventPublisher:
                 return
             self._last_replay[user] = now
             (since,) = _SEQ.unpack(since_raw)
-            for seq, payload in list(scope.ring):
+            for seq, payload, _ in list(scope.ring):
                 if seq >= since:
                     self._send(ident, [b"EV", _SEQ.pack(seq), payload])
         self._send(ident, [b"SYNC", _SEQ.pack(scope.seq)])

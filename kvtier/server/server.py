@@ -64,7 +64,7 @@ class Server:
         self.config = config
         # first: a key file to fix stops the start before anything is allocated
         self._tls = self._tls_context() if any(parse_listen(u)[0] == "tls" for u in config.listen) else None
-        self.host = HostTier(config.capacity_bytes, config.max_block_bytes)
+        self.host = HostTier(config.capacity_bytes, config.max_block_bytes, slabs=False)  # quotas charge exactly
         self.index = BlockIndex()
         self.keyring = None
         self._master_key: bytes | None = None

@@ -5,8 +5,11 @@ prefault) and advised to use huge pages, so that puts copy into warm memory at
 memcpy speed. :mod:`kvtier.tiers.host_alloc` carves it: a block takes a run of
 whole pages (page aligned, so it can be written to an O_DIRECT file or a socket
 without another copy, and a 256 KiB block takes 256 KiB, not a ``max_block``
-slot); blocks under half a page take a chunk of a size class. ``slot_bytes`` is
-the largest block accepted.
+slot); blocks under half a page take a chunk of a size class, unless the pool is
+built with ``slabs=False`` (the server's: a chunk's slab stays taken while any
+chunk of it lives, so what a chunk is charged is not what it keeps from reuse;
+without slabs a block's :meth:`HostTier.footprint` is exactly the pool memory it
+holds). ``slot_bytes`` is the largest block accepted.
 
 Writes are two-phase: :meth:`HostTier.reserve` takes memory under the lock and
 hands out a writable view of exactly the block's bytes, the caller fills it
@@ -78,7 +81,13 @@ class HostTier(Tier):
     """A DRAM pool of ``capacity_bytes`` holding blocks of up to ``slot_bytes`` each.
 
     A block takes :meth:`footprint` bytes: its size rounded up to a page (to 64
-    bytes for blocks under half a page, or when ``slot_bytes`` is under a page).
+    bytes when ``slot_bytes`` is under a page; for blocks under half a page, their
+    size class's chunk, unless ``slabs=False``).
+
+    ``slabs=False``: no size-class slabs; every block takes a run of whole pages, so
+    the footprint charged for it (quotas) is exactly the memory it keeps from other
+    blocks. With slabs a tiny block is charged one chunk but keeps its whole slab
+    (16 pages) from reuse while it lives.
     """
 
     name = "host"
@@ -92,6 +101,7 @@ class HostTier(Tier):
         policy: EvictionPolicy | None = None,
         ttl_s: float | None = None,
         prefault: bool = True,
+        slabs: bool = True,
     ) -> None:
         super().__init__()
         if slot_bytes <= 0:
@@ -99,7 +109,7 @@ class HostTier(Tier):
         # Page-granular runs can go straight to O_DIRECT files and sockets; a pool of
         # sub-page blocks (tests, toy models) only gets cache-line granules, not a page each.
         granule = PAGE if slot_bytes >= PAGE else CACHE_LINE
-        self._alloc = RunAllocator(max(1, capacity_bytes // granule), granule)
+        self._alloc = RunAllocator(max(1, capacity_bytes // granule), granule, slabs=slabs)
         #: the largest block accepted, as the pool rounds it
         self.slot_bytes = self._alloc.footprint(slot_bytes)
         if capacity_bytes < self.slot_bytes:

@@ -18,6 +18,11 @@ Blocks of at most half a granule (tests, toy models) would waste most of a
 page each; they take a chunk of a size class instead (64-byte aligned, 1.25x
 apart), carved from a *slab* of :data:`SLAB_GRANULES` granules that is itself a
 run -- memcached's scheme, with the slab coming from the same run allocator.
+A slab's run is freed only with its last chunk, so a chunk's footprint is not
+what its block keeps from reuse: one live chunk pins the whole slab. Where
+footprints are charged to someone (the server's per-tenant quotas), build the
+allocator with ``slabs=False``: every block then takes a page run, and its
+footprint is exactly the memory it holds.
 
 Free runs are coalesced on free and found best fit (smallest free run that is
 long enough), which keeps long runs for long blocks. When no run is long
@@ -91,16 +96,18 @@ class RunAllocator:
     ``alloc(n)`` returns ``(offset, home)`` where ``home`` is the :class:`Run`
     the block owns or the :class:`Slab` it has a chunk of; ``free(offset,
     home)`` gives it back. Offsets are in bytes from the start of the pool.
+    With ``slabs=False`` there are no size classes: every block, however small,
+    owns a run of whole granules (see the module docstring for why).
     """
 
-    def __init__(self, granules: int, granule: int) -> None:
+    def __init__(self, granules: int, granule: int, *, slabs: bool = True) -> None:
         if granules < 1:
             raise ValueError("the pool needs at least one granule")
         self.granule = granule
         self.granules = granules
         self.slab_granules = min(SLAB_GRANULES, granules)
-        #: chunk sizes of the tiny-block classes (none when blocks are sub-page anyway)
-        self.classes: list[int] = _class_sizes(granule)
+        #: chunk sizes of the tiny-block classes (none without slabs, or when granules are sub-page anyway)
+        self.classes: list[int] = _class_sizes(granule) if slabs else []
         self._by_start: dict[int, Run] = {}
         self._by_end: dict[int, Run] = {}
         self._free_lens: list[int] = []  #: sorted distinct lengths of free runs

@@ -162,10 +162,11 @@ def test_reserve_gives_an_exact_aligned_zero_copy_view():
     t.check_integrity()
 
 
-def test_random_workload_keeps_the_pool_whole_under_threads():
+@pytest.mark.parametrize("slabs", [True, False], ids=["slabs", "page-runs-only"])
+def test_random_workload_keeps_the_pool_whole_under_threads(slabs):
     # Working set of 3x the capacity, mixed sizes, four threads putting, reading,
     # pinning, deleting and aborting; every read must see its own block's bytes.
-    t = HostTier(4 * MIB, 512 * KIB)
+    t = HostTier(4 * MIB, 512 * KIB, slabs=slabs)
     sizes = [100, 2000, 3000, PAGE, 20_000, 64 * KIB, 200 * KIB, 512 * KIB]
     keyspace = 3 * 4 * MIB // (sum(sizes) // len(sizes))
     errors: list[str] = []
@@ -212,3 +213,5 @@ def test_random_workload_keeps_the_pool_whole_under_threads():
     assert t.stats.evictions > 0
     t.check_integrity()
     assert t.footprint_bytes <= t.capacity_bytes
+    if not slabs:  # every block a page run: nothing of the pool is neither charged nor free
+        assert t.footprint_bytes + t._alloc.free_bytes == t.capacity_bytes
