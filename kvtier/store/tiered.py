@@ -40,12 +40,13 @@ from kvtier.core.keys import BlockKey
 from kvtier.core.payload import BlockMeta
 from kvtier.core.thread_pools import started_pool
 from kvtier.store.promotion import EraseGuard, Promoter
+from kvtier.errors import TierError
 from kvtier.store.writebehind import FlushReport, WriteBehind
-from kvtier.tiers.base import Status, Tier
+from kvtier.tiers.base import RefusedRemoval, Status, Tier, refused_removals
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FlushReport", "GetResult", "PrefixMatch", "StoreStats", "TieredStore", "WriteMode"]
+__all__ = ["DeleteRefused", "FlushReport", "GetResult", "PrefixMatch", "StoreStats", "TieredStore", "WriteMode"]
 
 #: ``close()`` without an argument waits as long as the store was configured to
 _CONFIGURED = object()
@@ -60,6 +61,21 @@ class WriteMode(str, enum.Enum):
     @classmethod
     def _missing_(cls, value):
         return cls.WRITE_BEHIND if value == "write-back" else None
+
+
+class DeleteRefused(TierError):
+    """:meth:`TieredStore.delete` could not remove every copy: ``refused`` lists the copies a
+    tier could not remove (withheld there: no longer served by this process, still on the
+    medium), ``removed`` counts the (tier, key) copies that were removed."""
+
+    def __init__(self, removed: int, refused: list[RefusedRemoval]) -> None:
+        first = refused[0]
+        super().__init__(
+            f"{len(refused)} stored block copies could not be removed (first: {first.path}: "
+            f"{first.error.strerror or first.error}); they are no longer served but stay on the medium: "
+            f"make the directory writable, then delete again")
+        self.removed = removed
+        self.refused = refused
 
 
 class PrefixMatch(NamedTuple):
@@ -373,14 +389,24 @@ class TieredStore:
         """Delete from every tier; returns how many (tier, key) copies were removed.
 
         A write-behind copy in flight is deleted again where it lands; a promotion not yet
-        published is dropped, one being published lands first and is deleted here."""
+        published is dropped, one being published lands first and is deleted here.
+
+        Raises :class:`DeleteRefused` (a :class:`~kvtier.errors.TierError`), once every tier
+        was asked, if a tier could not remove a copy it holds (a disk tier whose file system
+        refused the unlink: read-only, EACCES, EIO). That copy is no longer served by this
+        process, but its bytes are still on the medium and a restart would find them: the
+        caller must not report the erasure done (``removed`` and ``refused`` say what was)."""
         keys = list(keys)
         self._promoter.forget(keys)
-        with self._guard.erasing():
+        with self._guard.erasing(), refused_removals() as refused:
             if self._writebehind is None:
-                return sum(sum(tier.delete_many(keys)) for tier in self.tiers)
-            with self._writebehind.deleting(keys):  # fastest tier first: an eviction cannot move it back up
-                return sum(sum(tier.delete_many(keys)) for tier in self.tiers)
+                removed = sum(sum(tier.delete_many(keys)) for tier in self.tiers)
+            else:
+                with self._writebehind.deleting(keys):  # fastest tier first: an eviction cannot move it back up
+                    removed = sum(sum(tier.delete_many(keys)) for tier in self.tiers)
+        if refused:
+            raise DeleteRefused(removed, refused)
+        return removed
 
     # -- asynchronous forms ---------------------------------------------------------
     def get_async(self, keys: Sequence[BlockKey], outs: Sequence, **kw) -> Future[GetResult]:

@@ -19,11 +19,14 @@ Semantics shared by all tiers (the contract suite in tests/tiers checks them):
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
+from contextvars import ContextVar
 from dataclasses import asdict, dataclass
+from typing import NamedTuple
 
 from kvtier.core.keys import BlockKey
 from kvtier.core.payload import BlockMeta
@@ -102,7 +105,9 @@ class Tier(ABC):
 
     @abstractmethod
     def delete(self, key: BlockKey) -> bool:
-        """Remove a block; True if it was present. A pinned block is removed when unpinned."""
+        """Remove a block; True if it was present. A pinned block is removed when unpinned.
+        False too where the medium refused the removal: such a block is never served again by
+        this tier, and the refusal is reported to a caller collecting :func:`refused_removals`."""
 
     @abstractmethod
     def keys(self) -> Iterator[BlockKey]:
@@ -209,3 +214,38 @@ def runs_by_bytes(items: Sequence, sizes: Sequence[int], limit: int) -> Iterator
         total += size
     if run:
         yield run
+
+
+class RefusedRemoval(NamedTuple):
+    """A delete a tier could not carry out: the block is no longer served by that tier
+    (withheld), but its bytes are still on the medium."""
+
+    key: bytes  #: the key the tier was asked to delete (an encrypting wrapper's storage name)
+    path: str  #: what could not be removed
+    error: OSError
+
+
+_REFUSED: ContextVar[list[RefusedRemoval] | None] = ContextVar("kvtier_refused_removals", default=None)
+
+
+@contextlib.contextmanager
+def refused_removals() -> Iterator[list[RefusedRemoval]]:
+    """Collect every delete a tier could not carry out while the block runs, on this thread
+    (a wrapper's ``delete`` reaches the disk tier's on the same thread). Outside such a block a
+    refused delete only returns False (and is logged and counted): callers that delete on a read
+    path (a block failing its check) or a flusher must not get an exception. The caller that must
+    not report an erasure it could not do (:meth:`kvtier.store.tiered.TieredStore.delete`) looks
+    at the list afterwards."""
+    found: list[RefusedRemoval] = []
+    token = _REFUSED.set(found)
+    try:
+        yield found
+    finally:
+        _REFUSED.reset(token)
+
+
+def report_refused(key: bytes, path: str, error: OSError) -> None:
+    """Tell the caller collecting :func:`refused_removals`, if any."""
+    found = _REFUSED.get()
+    if found is not None:
+        found.append(RefusedRemoval(bytes(key), path, error))

@@ -145,14 +145,20 @@ def stale_temp(name: str, mtime: float, now: float, max_age_s: float) -> bool:
     if now - mtime > max_age_s:
         return True
     pid, host = int(parts[2]), parts[3]
-    if host != socket.gethostname() or pid == os.getpid():
-        return False  # another node of a shared mount (only age tells), or us
+    return host == socket.gethostname() and process_gone(pid)  # another node of a shared mount: only age tells
+
+
+def process_gone(pid: int) -> bool:
+    """Whether process ``pid`` of this host is gone (never for this process itself): a writer's
+    files named with its pid may then be removed at once."""
+    if pid == os.getpid():
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return True
-    except PermissionError:
-        pass  # alive, another user's
+    except (PermissionError, OverflowError):
+        pass  # alive, another user's (or no pid at all: not ours to judge)
     return False
 
 

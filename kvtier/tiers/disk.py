@@ -39,6 +39,9 @@ back in one *extent* file, each block the same bytes as a file of its own, and
   on an index miss, ``contains``/``get``/``put`` look for the file (one stat),
   so blocks other processes wrote are found; writers of the same key each use
   their own temp file and the renames are atomic.
+* **Deletes the file system refuses** (read-only, EACCES, EIO) are not reported done:
+  ``delete`` returns False, the block is *withheld* (never served, listed or adopted again,
+  still counted) and its removal retried; see :meth:`DiskTier.delete`.
 * **Capacity** counts bytes on disk (header page + padded payload) of the blocks
   this process knows of; eviction asks the policy, skips pinned blocks and
   calls ``on_evict`` with the verified bytes before unlinking.
@@ -71,7 +74,7 @@ from kvtier.errors import ConfigError, TierError
 from kvtier.policy.eviction import EvictionPolicy, LRUPolicy
 from kvtier.private_files import make_private_dirs
 from kvtier.tiers import direct_io, disk_extents
-from kvtier.tiers.base import Tier
+from kvtier.tiers.base import Tier, report_refused
 from kvtier.tiers.direct_io import PAGE, BlockIO, round_up
 from kvtier.tiers.disk_extents import Extent
 from kvtier.tiers.disk_reads import DiskReads
@@ -86,6 +89,7 @@ from kvtier.tiers.disk_records import (
     _Entry,
     _record_in,
     _unlink,
+    _unlink_name,
     log,
     pack_record,
     unpack_record,
@@ -159,6 +163,9 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
         self._index: dict[BlockKey, _Entry] = {}  # insertion order ~ publication order (for TTL)
         self._extents: dict[str, Extent] = {}  # rel → extent holding indexed blocks
         self._pins: dict[BlockKey, int] = {}
+        #: indexed blocks whose removal the file system refused: never served, listed, adopted or
+        #: demoted again; their bytes stay counted; every later look at the key retries (see delete)
+        self._withheld: set[BlockKey] = set()
         self._used = 0
         self._reserved = 0  # room promised to puts in flight
         #: see :data:`Annotator`; called outside the lock, once per block published
@@ -186,21 +193,49 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
         return self.path_of(key) if entry.extent is None else os.path.join(self.path, entry.extent.rel)
 
     def delete(self, key: BlockKey) -> bool:
-        """Remove a block at once, pinned or not: readers holding it open keep whole bytes."""
+        """Remove a block at once, pinned or not: readers holding it open keep whole bytes.
+
+        True: it was here and is removed. False: nothing of it was here (a name already gone,
+        ENOENT, is a normal delete), or the file system refused to remove it (read-only, EACCES,
+        EBUSY, EIO): the block is then *withheld* -- it stays indexed and counted (its bytes are
+        still on the medium) but is never served, listed, pinned, demoted or adopted again by this
+        tier, and its removal is retried at every later look at the key (a get, contains, put or
+        delete), at each :meth:`expire` and when eviction reaches it; it is counted in
+        ``stats.errors``, logged, and reported to a caller collecting
+        :func:`~kvtier.tiers.base.refused_removals` (as ``TieredStore.delete`` does, which
+        then raises), so that an erasure the disk could not carry out is not reported done. A
+        restart knows nothing of it: a caller that must keep an erasure across restarts keeps
+        its own record of what it could not remove."""
         with self._lock:
             # a block another process packed is indexed first, so that its bytes are erased too
             if key in self._index or self._adopt(key) is not None:
-                self._remove(key)
-                found = True
+                error = self._remove(key)
+                path = self.path_of(key)
             else:
-                found = _unlink(self.path_of(key))
-            self.stats.deletes += found
-            return found
+                path, error = self.path_of(key), None
+                try:
+                    # a stray name (expired, no block): removed too; a directory there is none of ours
+                    found = not stat.S_ISDIR(os.lstat(path).st_mode) and _unlink_name(path)
+                except FileNotFoundError:
+                    found = False
+                except OSError as exc:
+                    found, error = False, exc
+                if error is None:
+                    self.stats.deletes += found
+                    return found
+            if error is not None:
+                self.stats.errors += 1
+                log.warning("disk tier %s: cannot delete %s (%s); withheld until its removal succeeds",
+                            self.path, key.hex(), error)
+                report_refused(key, getattr(error, "filename", None) or path, error)
+                return False
+            self.stats.deletes += 1
+            return True
 
     def keys(self) -> Iterator[BlockKey]:
         """The indexed keys (a snapshot; blocks other processes wrote since are not listed)."""
         with self._lock:
-            return iter(list(self._index))
+            return iter([key for key in self._index if key not in self._withheld])
 
     def pin(self, key: BlockKey) -> bool:
         """Keep a block from eviction and expiry until :meth:`unpin`; False if absent."""
@@ -233,8 +268,12 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
         return os.path.join(self.path, name[:2], name + SUFFIX)
 
     def expire(self) -> int:
-        """Remove expired blocks now (they are also removed lazily); returns how many."""
+        """Remove expired blocks now (they are also removed lazily); returns how many. Retries the
+        removal of withheld blocks too (see :meth:`delete`)."""
         with self._lock:
+            for key in list(self._withheld):
+                if self._remove(key) is None:
+                    self.stats.deletes += 1
             return self._purge_expired()
 
     def check_integrity(self, *, deep: bool = False) -> None:
@@ -258,6 +297,7 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
                 f"policy tracks {len(self._policy)} keys, index holds {len(self._index)}"
             )
             assert all(c > 0 for c in self._pins.values()), "non-positive pin count"
+            assert self._withheld <= self._index.keys(), "a withheld block is not indexed"
             for key, entry in self._index.items():
                 assert entry.size >= PAGE and entry.size % PAGE == 0, f"odd size {entry.size} for {key.hex()}"
                 if deep and entry.extent is None:
@@ -278,6 +318,10 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
         entry = self._index.get(key)
         if entry is None:
             return self._adopt(key)
+        if key in self._withheld:  # deleted, but the file system refused: try again, serve never
+            if self._remove(key) is None:
+                self.stats.deletes += 1
+            return None
         if self._expired(entry.created) and key not in self._pins:
             self._remove(key)
             self.stats.expirations += 1
@@ -305,7 +349,9 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
             extent = self._extent(rel, None if index < 0 else st.st_ino)
             self._index_block(key, _Entry(size, st.st_mtime, extent, offset, index), None)
         else:
-            if not _plausible(st.st_size) or self._expired(st.st_mtime):
+            # a block file of its own: a regular file (a directory put at the name is no block,
+            # and its size would pass for one: ext4's are a page)
+            if not stat.S_ISREG(st.st_mode) or not _plausible(st.st_size) or self._expired(st.st_mtime):
                 return None
             self._index_block(key, _Entry(st.st_size, st.st_mtime), None)
         self._make_room(0)
@@ -381,10 +427,18 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
             if key in self._pins:
                 self._policy.on_access(key)
                 continue
+            if key in self._withheld:  # deleted already: its removal retried, its bytes never demoted
+                if self._remove(key) is None:
+                    self.stats.deletes += 1
+                else:
+                    self._policy.on_access(key)
+                continue
             if self.on_evict is not None:
                 self._demote(key)
-            self._remove(key)
-            self.stats.evictions += 1
+            if self._remove(key) is None:
+                self.stats.evictions += 1
+            else:
+                self._policy.on_access(key)  # withheld: the file system refused; the next victim
         return True
 
     def _demote(self, key: BlockKey) -> None:
@@ -439,22 +493,52 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
         for key, entry in self._index.items():
             if not self._expired(entry.created, now):
                 break
-            if key not in self._pins:
+            if key not in self._pins and key not in self._withheld:
                 doomed.append(key)
-        for key in doomed:
-            self._remove(key)
-        self.stats.expirations += len(doomed)
-        return len(doomed)
+        removed = sum(self._remove(key) is None for key in doomed)
+        self.stats.expirations += removed
+        return removed
 
-    def _remove(self, key: BlockKey) -> None:
-        """Unindex a block and remove its bytes: its file, or its name and its place in its extent."""
-        entry = self._index.get(key)
-        _unlink(self.path_of(key))
-        freed = entry is not None and entry.extent is not None and self._erase(key, entry)
+    def _remove(self, key: BlockKey) -> OSError | None:
+        """Unindex a block and remove its bytes: its file, or its name and its place in its extent
+        (the whole extent when no other name links to it). None once done; the error where the
+        file system refused to remove a name: the block then stays indexed, *withheld* (see
+        :meth:`delete`), and the next call retries. An erasure in place that fails once the name
+        is gone is only logged: nothing reaches those bytes, still counted until the extent goes."""
+        entry = self._index[key]
+        whole = False
+        try:
+            if entry.extent is not None and self._last_name(key, entry):
+                # its extent's own name first: a crash in between leaves this name, a file that a
+                # restart counts (and a read removes), never an extent that nothing reaches or counts
+                whole = _unlink_name(os.path.join(self.path, entry.extent.rel))
+            _unlink_name(self.path_of(key))
+        except OSError as exc:
+            if key not in self._withheld:
+                self._withheld.add(key)
+                self._policy.on_access(key)  # (eviction order: not the first victim again at once)
+            return exc
+        self._withheld.discard(key)
+        freed = entry.extent is not None and (whole or self._erase(key, entry))
         self._forget(key)
         if freed and entry.extent.live:  # (an extent no longer counted here took its dead bytes along)
             entry.extent.dead -= entry.size
             self._used -= entry.size
+        return None
+
+    def _last_name(self, key: BlockKey, entry: _Entry) -> bool:
+        """Whether ``key``'s name is the only one still linked to its extent (the extent's own name
+        and this one: two links), the extent's only block indexed here."""
+        extent = entry.extent
+        if extent.ino is None or extent.live != 1:
+            return False
+        try:
+            own = os.lstat(os.path.join(self.path, extent.rel))
+            name = os.lstat(self.path_of(key))
+        except OSError:
+            return False
+        return (stat.S_ISREG(own.st_mode) and own.st_ino == extent.ino == name.st_ino
+                and own.st_dev == name.st_dev and own.st_nlink == 2)
 
     def _erase(self, key: BlockKey, entry: _Entry) -> bool:
         """Erase a packed block in its extent (the last one indexed here too: other processes may
@@ -466,6 +550,8 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
             return bool(disk_extents.erase_block(os.path.join(self.path, extent.rel), extent.rel, entry.offset,
                                                  entry.size, key, entry.index if entry.index >= 0 else None,
                                                  extent.ino))
+        except (FileNotFoundError, direct_io.NotAFile):
+            return False  # the extent is gone (its bytes with it), or what is at its name is not ours
         except OSError as exc:
             log.warning("disk tier %s: cannot erase %s in %s: %s", self.path, key.hex(), extent.rel, exc)
             return False
@@ -474,6 +560,7 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
         """Unindex a block (its bytes left where they are: a packed block's still count until
         erased, or until no block indexed here is in its extent)."""
         entry = self._index.pop(key, None)
+        self._withheld.discard(key)
         if entry is not None:
             self._used -= entry.size
             self._policy.on_remove(key)
@@ -542,18 +629,20 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
         as this tier names files, or something other than a file at an extent's name is left alone.
         Another process may be publishing meanwhile: an extent no name reaches yet, or a name
         whose extent the scan passed before it was renamed in, is judged only once older than
-        :data:`STALE_TEMP_S` (as a temp file)."""
+        :data:`STALE_TEMP_S` (as a temp file), or, for the extent, once its writer is known dead
+        (:func:`~kvtier.tiers.disk_extents.writer_gone`). A shard this user cannot list is a
+        :class:`TierError` that names it."""
         now = time.time()
         found: list[tuple[float, BlockKey, int, tuple[str, int, int] | None]] = []
         links: list[tuple[float, BlockKey, str]] = []
         named: list[tuple[os.stat_result, BlockKey, str]] = []
         extents: dict[str, os.stat_result] = {}
-        for shard in os.scandir(self.path):
+        for shard in _listed(self.path):
             if shard.name.endswith(TEMP_SUFFIX):
                 _reap_temp(shard, now)  # a dead prober's
             if not (shard.is_dir(follow_symlinks=False) and len(shard.name) == 2 and _is_hex(shard.name)):
                 continue
-            for item in os.scandir(shard.path):
+            for item in _listed(shard.path):
                 if item.name.endswith(TEMP_SUFFIX):
                     _reap_temp(item, now)
                     continue
@@ -622,9 +711,11 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
         table_bytes = {rel: table.nbytes for rel, table in tables.values() if table is not None}
         for rel, inode in extents.items():
             if rel not in live:
-                if now - inode.st_mtime > STALE_TEMP_S:
-                    _unlink(os.path.join(self.path, rel))  # no block reaches it (a writer died before linking)
-                # else: a live writer may be linking its names now (its space is its own to count)
+                # no block reaches it: a writer died before linking (or a remover before unlinking it)
+                if now - inode.st_mtime > STALE_TEMP_S or disk_extents.writer_gone(rel.partition("/")[2]):
+                    _unlink(os.path.join(self.path, rel))
+                # else: its writer is alive (or on another host) and may be linking its names now:
+                # its space is its own to count
             else:
                 ino = inode.st_ino if rel in table_bytes else None
                 self._extent(rel, ino).dead = max(
@@ -722,6 +813,17 @@ def _probe(path: str) -> bool:
     except OSError as exc:
         raise TierError(f"cannot write in {path!r} ({exc}); pass a writable directory") from exc
 
+
+
+def _listed(path: str) -> list[os.DirEntry]:
+    """The entries of a directory of the tier; TierError (naming the fix) where it cannot be listed:
+    its blocks would be neither found nor counted, nor its dead writers' files removed."""
+    try:
+        with os.scandir(path) as entries:
+            return list(entries)
+    except OSError as exc:
+        raise TierError(f"cannot list {path!r} ({exc}); make it readable and searchable by this user "
+                        f"(or remove it), or pass another directory") from exc
 
 
 def _plausible(size: int) -> bool:

@@ -1,6 +1,7 @@
 """Packed extents of the disk tier: the blocks of one ``put_many`` in one file, a name per block.
 
-An *extent* ``<dir>/<shard>/<first key hex>-<random>.kvx`` starts with a *table* (a page or a
+An *extent* ``<dir>/<shard>/<first key hex>-<random>-<pid>-<host tag>.kvx`` (its writer's process
+and host: :func:`writer_gone`; extents named before that lack both) starts with a *table* (a page or a
 few: the extent's own name and, per block, its key, offset and length, each entry with its own
 check) and then holds blocks back to back, each exactly what a block file of its own holds
 (header page with key, sizes, checksum and record, then the payload padded to a page), so every
@@ -20,7 +21,11 @@ Publication order keeps crashes harmless: the extent (table included) is written
 file, fsync'd and renamed onto its name before any name links to it; a name is linked under a
 temp name and renamed onto the block's name. A crash leaves at worst an extent that some
 blocks' names do not reach (a restart counts those bytes, and removes an extent no name reaches
-once it is older than any write takes: a younger one may be a live writer's, about to link).
+once its writer is known dead -- it ran on this host and its pid is gone -- or once it is older
+than any write takes: a younger one of a live writer, or of another host, may be about to link).
+The last block of an extent (no other name links to it) takes the extent with it, the extent's
+own name unlinked first: a crash in between leaves that block's name, a file a restart counts and
+whose first read removes it (a table is no block), never an extent that nothing counts.
 
 Space: a removed block is erased in place with ``fallocate(PUNCH_HOLE)`` (its space returns to
 the file system), and its table entry is zeroed (the key is gone from the file too); where the
@@ -40,6 +45,7 @@ import ctypes.util
 import errno
 import os
 import re
+import socket
 import struct
 import uuid
 from dataclasses import dataclass
@@ -48,11 +54,11 @@ import numpy as np
 import xxhash
 
 from kvtier.core.payload import unpack_header
-from kvtier.tiers.direct_io import PAGE, aligned_buffer, open_regular, pwrite_all, round_up
+from kvtier.tiers.direct_io import PAGE, aligned_buffer, open_regular, process_gone, pwrite_all, round_up
 
 EXTENT_SUFFIX = ".kvx"
-_NAME = re.compile(r"[0-9a-f]{64}-[0-9a-f]{8}\.kvx")
-_TARGET = re.compile(r"([0-9a-f]{2}/[0-9a-f]{64}-[0-9a-f]{8}\.kvx)@([0-9]+):([0-9]+)")
+_NAME = re.compile(r"[0-9a-f]{64}-[0-9a-f]{8}(?:-([0-9]{1,10})-([0-9a-f]{8}))?\.kvx")
+_TARGET = re.compile(r"([0-9a-f]{2}/[0-9a-f]{64}-[0-9a-f]{8}(?:-[0-9]{1,10}-[0-9a-f]{8})?\.kvx)@([0-9]+):([0-9]+)")
 
 _FALLOC_FL_KEEP_SIZE = 0x01
 _FALLOC_FL_PUNCH_HOLE = 0x02
@@ -173,8 +179,24 @@ def read_table(fd: int, file_size: int) -> Table | None:
 
 
 def extent_stem(first_key: bytes) -> str:
-    """The name of a new extent without its suffix (no dots: temp-file names are parsed on dots)."""
-    return f"{first_key.hex()}-{uuid.uuid4().hex[:8]}"
+    """The name of a new extent without its suffix: the first key, a random part, then its
+    writer's pid and host tag, so that a restart can tell a dead writer's extent that no name
+    reaches from a live one's about to be linked (no dots: temp-file names are parsed on dots)."""
+    return f"{first_key.hex()}-{uuid.uuid4().hex[:8]}-{os.getpid()}-{_host_tag()}"
+
+
+def _host_tag() -> str:
+    return xxhash.xxh32_hexdigest(socket.gethostname().encode())
+
+
+def writer_gone(name: str) -> bool:
+    """Whether the process that wrote extent ``name`` is known to be dead: it ran on this host
+    (its host tag is ours) and its pid is gone (never this process). False for an extent named
+    before names carried their writer, and for another host's (on a shared mount only age tells)."""
+    match = _NAME.fullmatch(name)
+    if match is None or match.group(1) is None or match.group(2) != _host_tag():
+        return False
+    return process_gone(int(match.group(1)))
 
 
 def is_extent_name(name: str) -> bool:

@@ -144,3 +144,14 @@ def _unlink(path: str) -> bool:
     except OSError as exc:
         log.warning("disk tier: cannot remove %s: %s", path, exc)
         return False
+
+
+def _unlink_name(path: str) -> bool:
+    """Remove a block's name (or an extent's): True; False if nothing was there (ENOENT: removed
+    already, a normal delete). Raises OSError where the file system refuses (read-only, EACCES,
+    EBUSY, EIO): the caller must not take the name for gone."""
+    try:
+        os.unlink(path)
+        return True
+    except FileNotFoundError:
+        return False

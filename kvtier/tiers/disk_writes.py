@@ -66,6 +66,9 @@ class DiskWrites:
                 if self._live(key) is not None:
                     self._policy.on_access(key)  # content addressed: the same bytes are there
                     statuses[i] = Status.OK
+                elif key in self._withheld:  # deleted, and its name still cannot be removed
+                    self.stats.put_failures += 1
+                    statuses[i] = Status.ERROR
         todo = [i for i in first_of.values() if statuses[i] is None]
         if len(todo) >= 2 and self.pack_batches:
             # an extent per EXTENT_BLOCKS at most: each block's name is a link to it, and file
@@ -216,6 +219,9 @@ class DiskWrites:
             if self._live(key) is not None:
                 self._policy.on_access(key)  # content addressed: the same bytes are there
                 return Status.OK
+            if key in self._withheld:  # deleted, and its name still cannot be removed: not a new block's
+                self.stats.put_failures += 1
+                return Status.ERROR
         record = self._record_of(key, parent)
         if record is None:
             with self._lock:
