@@ -5,13 +5,16 @@ Requests are ADMIN frames ``{"cmd": NAME, "args": {...}}`` (see
 client. Every call, refused or not, is written to the audit log. Commands are a
 table (name → method); a bad argument is an ``{"ok": false, "error": …}``
 reply naming the fix, never a dropped connection. Erasure runs on the I/O
-threads (a tenant may have many blocks on disk); the rest is immediate.
+threads (a tenant may have many blocks on disk); with a disk spill it is
+recorded first (a tombstone in the runtime state: it outlasts a restart, and an
+old copy of the files does not bring them back); the rest is immediate.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
+import time
 
 from kvtier.server.config import SHARED_PREFIX, check_namespace
 from kvtier.tiers.remote_protocol import ErrorCode, ProtocolError, unpack_msgpack
@@ -81,17 +84,33 @@ class AdminAPI:
         owner = self._owner(args)
         namespace, session = _opt_str(args, "namespace"), _opt_str(args, "session")
         keys = self.svc.index.select(owner, namespace=namespace, session=session)
+        # On the event loop, as every commit: the blocks indexed now are those created by now.
+        erased_at = time.time()
         loop = asyncio.get_running_loop()
-        erased = await loop.run_in_executor(self.svc.io, lambda: sum(self.svc.drop(k) is not None for k in keys))
+        if self.svc.spill is not None and session != "":  # ("": no session is named so; erases nothing)
+            # The tombstone first: an old copy of these files (a backup put back, a crash before
+            # their unlink) must not bring them back at the next start (kvtier/server/recovery.py).
+            try:
+                await loop.run_in_executor(self.svc.io, self.svc.spill.record_erasure, owner, namespace, session,
+                                           erased_at)
+            except OSError as exc:
+                raise ValueError(f"not erased: the erasure could not be recorded in the runtime state ({exc}); "
+                                 f"check the state directory (space, permissions)") from None
+        results = await loop.run_in_executor(self.svc.io, lambda: [self.svc.erase(k) for k in keys])
+        erased, refused = results.count(True), results.count(False)
         self.svc.metrics.erasures.inc(erased)
+        # A copy a tier could not remove (a read-only disk) is no longer served, but it is not
+        # erased: said so, never counted as done (the tombstone above keeps it from coming back).
+        failed = {"refused": refused, "error": f"{refused} blocks could not be removed from a tier (see the "
+                                               f"server's log); make it writable and erase again"} if refused else {}
         if self.svc.keyring is None:
-            return {"erased": erased}
+            return {"erased": erased, **failed}
         shredded = False
         if namespace is None and session is None:
             # Crypto-shredding: whatever copy of the tenant's sealed blocks survives
             # anywhere (a file not yet unlinked, a backup) is noise from now on.
             shredded = await loop.run_in_executor(self.svc.io, self.svc.keyring.shred_tenant, owner)
-        return {"erased": erased, "keys_shredded": shredded}
+        return {"erased": erased, "keys_shredded": shredded, **failed}
 
     def set_quota(self, args: dict) -> dict:
         owner = self._owner(args)

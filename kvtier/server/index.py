@@ -29,9 +29,10 @@ call them (lock order: tier → index).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from kvtier.server.namespace_order import NamespaceOrder
@@ -77,8 +78,12 @@ class BlockIndex:
         self._by_disk_name: dict[bytes, bytes] = {}
         # Owners of recently removed blocks: deleting a block's sealed copy needs its owner (the
         # disk name is the owner's HMAC), also after the index let it go -- e.g. a write-behind
-        # copy that lands after an erasure is deleted again then. Bounded; oldest forgotten first.
+        # copy that lands after an erasure is deleted again then. Bounded; oldest forgotten first:
+        # a hint only. The service's own deletions never rely on it (see :meth:`deleting`).
         self._former: OrderedDict[bytes, str] = OrderedDict()
+        # Owners of removed blocks whose tiers' deletion is running (:meth:`deleting`): held until
+        # it ends, however many other blocks leave meanwhile. storage key → (owner, deletions).
+        self._deleting: dict[bytes, tuple[str, int]] = {}
         self._bytes = 0
         self._seq = 0  # listing positions: every added block gets the next one
         #: LRU entries quota eviction has looked at, in all (a test's window on O(victims))
@@ -123,9 +128,31 @@ class BlockIndex:
         return self._entries.get(skey)
 
     def owner_of(self, skey: bytes) -> str | None:
-        """The owner of a block in the index, or of one removed recently."""
+        """The owner of a block in the index, of one whose deletion is running (:meth:`deleting`),
+        or of one removed recently (a bounded memory: None once enough others left since)."""
         entry = self._entries.get(skey)
-        return entry.owner if entry is not None else self._former.get(skey)
+        if entry is not None:
+            return entry.owner
+        held = self._deleting.get(skey)
+        return held[0] if held is not None else self._former.get(skey)
+
+    @contextlib.contextmanager
+    def deleting(self, skey: bytes, owner: str) -> Iterator[None]:
+        """Within it, :meth:`owner_of` answers ``owner`` for ``skey``: a deletion carries the owner
+        of the entry it removed to the tiers (a sealed tier names a block by its owner's HMAC),
+        however late it runs. (A storage key derives from its owner: one key, one owner.)"""
+        with self._lock:
+            _, n = self._deleting.get(skey, (owner, 0))
+            self._deleting[skey] = (owner, n + 1)
+        try:
+            yield
+        finally:
+            with self._lock:
+                _, n = self._deleting[skey]
+                if n > 1:
+                    self._deleting[skey] = (owner, n - 1)
+                else:
+                    del self._deleting[skey]
 
     def storage_key_of(self, disk_name: bytes) -> bytes | None:
         """The storage key of the block the disk tier stores under ``disk_name`` (see ``disk_name``)."""

@@ -18,6 +18,10 @@
   encryption at rest, *none* authenticates: that is a master key or key store
   that is not the one they were written with, not a disk of forgeries, so the
   start is refused (:class:`~kvtier.errors.ConfigError`) and nothing deleted.
+  A block an erasure covers (a tombstone in the runtime state,
+  :mod:`kvtier.server.runtime_state`: same owner and scope, created at or before
+  it) is deleted too: an old copy of erased files does not bring them back.
+  Tombstones older than every block left are then dropped (they cover none).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from kvtier.core.payload import unpack_header
 from kvtier.errors import ConfigError
 from kvtier.server.auth import KeySpace
 from kvtier.server.index import BlockEntry, BlockIndex
+from kvtier.server.runtime_state import RuntimeState
 from kvtier.server.spill import SpillAnnotation, SpillCodec, monotonic_of, wall_of
 from kvtier.tiers.disk import BlockRecord, DiskTier
 
@@ -43,17 +48,21 @@ class Rebuilt:
     rejected: int = 0  #: failed authentication or binding: never served
     unattributed: int = 0  #: no annotation (written before annotations, or by something else)
     unknown_owner: int = 0  #: the owner is no longer configured
+    erased: int = 0  #: an erasure covers it (an old copy of erased files)
 
     def summary(self) -> dict:
         return {"recovered": len(self.entries), "rejected": self.rejected, "unattributed": self.unattributed,
-                "unknown_owner": self.unknown_owner}
+                "unknown_owner": self.unknown_owner, "erased": self.erased}
 
 
 class SpillBinding:
-    def __init__(self, index: BlockIndex, disk: DiskTier, codec: SpillCodec, keyring=None) -> None:
+    def __init__(self, index: BlockIndex, disk: DiskTier, codec: SpillCodec, keyring=None,
+                 erasures: RuntimeState | None = None) -> None:
         self.index = index
         self.disk = disk
         self.codec = codec
+        #: where erasures are recorded and read back (the server's runtime state; None: not kept)
+        self.erasures = erasures
         #: with encryption at rest, files are named by the owner's keyed HMAC of the storage key
         self.keyring = keyring
         #: the server's summary of the last :meth:`rebuild` (admin ``stats`` shows it)
@@ -65,6 +74,12 @@ class SpillBinding:
     def disk_name_or_none(self, owner: str, skey: bytes) -> bytes | None:
         """What :class:`BlockEntry.disk_name` holds: only names that differ from the storage key."""
         return None if self.keyring is None else self.keyring.storage_key(owner, skey)
+
+    def record_erasure(self, owner: str, namespace: str | None, session: str | None, erased_at: float) -> None:
+        """Make an erasure outlast a restart (before its files are deleted; raises OSError if it
+        cannot be written): :meth:`rebuild` then drops any copy of the blocks it covers."""
+        if self.erasures is not None:
+            self.erasures.record_erasure(owner, namespace, session, erased_at)
 
     # -- writing ---------------------------------------------------------------------------
     def record(self, disk_key: bytes) -> BlockRecord | None:
@@ -81,6 +96,7 @@ class SpillBinding:
     def rebuild(self, owners: set[str]) -> Rebuilt:
         """Index every attributable block on disk (call once, before serving)."""
         out = Rebuilt()
+        erasures = self.erasures
         found: list[tuple[float, bytes, SpillAnnotation]] = []
         rejected: list[bytes] = []
         doomed: list[bytes] = []
@@ -94,11 +110,14 @@ class SpillBinding:
                 continue
             elif note.owner not in owners:
                 out.unknown_owner += 1
+            elif erasures is not None and erasures.erased(note.owner, note.namespace, note.session,
+                                                          note.created_wall):
+                out.erased += 1
             else:
                 found.append((note.created_wall, rec.key, note))
                 continue
             doomed.append(rec.key)
-        if self.keyring is not None and rejected and not found and not out.unknown_owner:
+        if self.keyring is not None and rejected and not found and not out.unknown_owner and not out.erased:
             raise ConfigError(
                 f"none of the {len(rejected)} sealed block files in {self.disk.path} authenticates under this "
                 f"master key and key store ({self.keyring.dir}): start with the master key and keystore_dir "
@@ -115,6 +134,11 @@ class SpillBinding:
                                disk_key if self.keyring is not None else None)
             if self.index.add(skey, entry):
                 out.entries.append((skey, entry))
+        if erasures is not None and found:
+            try:  # what every file left on disk is younger than covers none of them
+                erasures.forget_erasures_before(found[0][0])
+            except OSError as exc:  # kept: they cost a lookup per file at the next start
+                log.warning("could not drop tombstones older than every spilled block: %s", exc)
         return out
 
     def _bound(self, rec, note: SpillAnnotation) -> bool:

@@ -85,10 +85,13 @@ class Server:
         # exist only for blocks in DRAM not yet copied down (~160 B each while they wait).
         most_blocks = self.host.capacity_bytes // self.host.footprint(1)
         self.store = TieredStore(tiers, dirty_limit_blocks=max(16384, most_blocks))
+        codec = self._spill_codec() if disk is not None else None
         state_dir = config.state_dir or config.disk_dir
-        self.governance = Governance(
-            config, RuntimeState(os.path.join(state_dir, RUNTIME_STATE_FILE) if state_dir else None))
-        self.spill = self._spill_binding(disk) if disk is not None else None
+        # erasure records (a spill's tombstones) are authenticated under the spill secret
+        state = RuntimeState(os.path.join(state_dir, RUNTIME_STATE_FILE) if state_dir else None,
+                             erasure_key=codec.erasure_key() if codec is not None else None)
+        self.governance = Governance(config, state)
+        self.spill = self._spill_binding(disk, codec, state) if disk is not None else None
         #: what the start found on disk (see :meth:`_recover`)
         self.recovered: dict = {}
         #: what the shutdown flush did: {"flushed", "dropped", "seconds"}
@@ -142,7 +145,8 @@ class Server:
             f"{self.config.disk_dir} holds {held} spilled block files sealed with it" if held else None))
 
         def owner_of(skey: bytes) -> str | None:
-            # also a block just removed from the index: store.delete runs after index.remove
+            # also a block removed from the index whose deletion is running: the service holds
+            # its owner there until the tiers' delete ends (BlockIndex.deleting)
             return self.index.owner_of(skey)
 
         sealed = EncryptedTier(disk, self.keyring, tenant_of=owner_of)
@@ -161,15 +165,20 @@ class Server:
         sealed.name = fleet.name
         return sealed
 
-    def _spill_binding(self, disk):
-        from kvtier.server.recovery import SpillBinding
-        from kvtier.server.spill import SpillCodec, secret_from_master_key, secret_in
+    def _spill_codec(self):
+        from kvtier.server.spill import SpillCodec, secret_in
 
-        # With encryption at rest the secret derives from the master key, which lives outside
-        # disk_dir; otherwise a 0600 file in disk_dir (see kvtier/server/spill.py for why).
-        secret = (secret_from_master_key(self._master_key) if self._master_key is not None
-                  else secret_in(self.config.disk_dir))
-        binding = SpillBinding(self.index, disk, SpillCodec(secret), self.keyring)
+        # With encryption at rest the codec's keys derive from the master key, which lives outside
+        # disk_dir, and it seals what it writes; otherwise an HMAC under a 0600 file in disk_dir
+        # (see kvtier/server/spill.py for why).
+        if self._master_key is not None:
+            return SpillCodec.for_master_key(self._master_key)
+        return SpillCodec(secret_in(self.config.disk_dir))
+
+    def _spill_binding(self, disk, codec, state):
+        from kvtier.server.recovery import SpillBinding
+
+        binding = SpillBinding(self.index, disk, codec, self.keyring, erasures=state)
         disk.annotator = binding.record
         return binding
 

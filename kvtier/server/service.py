@@ -39,6 +39,7 @@ from kvtier.core.payload import pack_header as pack_block_header
 from kvtier.server.admin import AdminAPI
 from kvtier.server.auth import AuthError, Principal
 from kvtier.server.index import BlockEntry
+from kvtier.store.tiered import DeleteRefused
 from kvtier.tiers.base import Status
 from kvtier.tiers.remote_protocol import (
     CHECKSUM_NBYTES,
@@ -296,7 +297,7 @@ class Service:
                     if self.index.get(skey) is not None]
             if held:  # the connection is in its WORK phase: no timeout runs meanwhile
                 dropped = await asyncio.get_running_loop().run_in_executor(
-                    self.io, lambda: [self.drop(skey) is not None for _, skey in held])
+                    self.io, lambda: [self.erase(skey) is True for _, skey in held])
                 for (i, _), gone in zip(held, dropped):
                     out[i] = gone
         conn.reply(h, 0, bytes(out))
@@ -334,18 +335,31 @@ class Service:
         hold is in no tier either (a PUT is committed and indexed with no await in between): no
         tier is asked, which for a disk tier would cost system calls. The deletion is announced
         before the index forgets the block: a PUT of the key in between waits for it (else it
-        found the old copy still in DRAM, was acknowledged and never indexed)."""
+        found the old copy still in DRAM, was acknowledged and never indexed). Raises
+        :class:`~kvtier.store.tiered.DeleteRefused` where a tier could not remove its copy (see
+        :meth:`erase`)."""
         pending: Future = Future()
         with self._deleting_lock:
             self._deleting[skey] = pending
         try:
             entry = self._unindex(skey, only)
             if entry is not None:
-                self.store.delete([skey])
+                self._delete_from_tiers(skey, entry.owner)
             return entry
         finally:
             pending.set_result(None)
             self._deletion_ended(skey, pending)
+
+    def erase(self, skey: bytes, *, only: BlockEntry | None = None) -> bool | None:
+        """:meth:`drop`, for a caller that reports what it erased: True once the block left the
+        index and every tier; None if it was not indexed; False if a tier could not remove its
+        copy (a disk whose file system refused the unlink: the copy is no longer served, but
+        its bytes are on the medium, so the erasure must not be reported done)."""
+        try:
+            return True if self.drop(skey, only=only) is not None else None
+        except DeleteRefused as exc:
+            log.warning("block %s left the index, but %s", skey.hex()[:16], exc)
+            return False
 
     def drop_soon(self, skey: bytes) -> BlockEntry | None:
         """:meth:`drop`, for the event loop: the index forgets the block at once and the tiers'
@@ -356,14 +370,23 @@ class Service:
         if entry is None:
             return None
         try:
-            future = self.io.submit(self.store.delete, [skey])
+            future = self.io.submit(self._delete_from_tiers, skey, entry.owner)
         except RuntimeError:  # shutting down: the I/O threads are gone
-            self.store.delete([skey])
+            self._delete_from_tiers(skey, entry.owner)
             return entry
         with self._deleting_lock:
             self._deleting[skey] = future
         future.add_done_callback(lambda f: self._deletion_ended(skey, f))
         return entry
+
+    def _delete_from_tiers(self, skey: bytes, owner: str) -> None:
+        """Delete a block the index no longer holds from every tier. Its owner travels with the
+        deletion: a sealed tier (encryption at rest, a sealed fleet) names the block by its owner's
+        HMAC and asks the index, which then answers from here, not from its bounded memory of
+        removed blocks (a deletion queued behind 65,536 others' removals found no owner, deleted
+        nothing, and the block's file came back at the next start)."""
+        with self.index.deleting(skey, owner):
+            self.store.delete([skey])
 
     def _deletion_ended(self, skey: bytes, future) -> None:
         with self._deleting_lock:
@@ -593,7 +616,7 @@ class Service:
             entry = self.index.get(skey)
             if entry is None or not self.gov.is_expired(entry.owner, entry.namespace, entry.created, time.monotonic()):
                 continue
-            dropped += self.drop(skey, only=entry) is not None
+            dropped += self.erase(skey, only=entry) is True
         self.metrics.expirations.inc(dropped)
         return dropped
 

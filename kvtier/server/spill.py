@@ -25,6 +25,19 @@ its file deleted; nothing is served from it. The secret is
   the server's user, and one who cannot read it cannot forge a tag). Whoever
   can read that file can forge annotations; with plaintext spill they can read
   the blocks anyway.
+
+Secrecy. With ``encrypt_at_rest`` the payload is sealed and the file named by
+the owner's keyed HMAC, so that ``disk_dir`` cannot be linked to prompts; an
+annotation in clear would undo that (the client's key is a public function of
+namespace and tokens, the served header holds the xxh3 of the plaintext, and
+namespace and session names are the tenant's). A codec made from the master key
+(:meth:`SpillCodec.for_master_key`) therefore *seals* each annotation:
+AES-256-GCM under a key of its own (a random 128-bit salt, HMAC'd with a key
+HKDF derives from the master key: one server writes far more than the 2**32
+annotations that random 96-bit nonces under one key allow), the disk key in the
+AAD. Annotations written before sealing (msgpack + HMAC) are still read, so an
+upgrade loses no block; what it writes is sealed. Without a master key the
+annotation stays in clear, HMAC'd: the payload beside it is plaintext anyway.
 """
 
 from __future__ import annotations
@@ -37,6 +50,11 @@ from dataclasses import dataclass
 
 import msgpack
 
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
 from kvtier.core.framing import frame_str
 from kvtier.errors import ConfigError
 from kvtier.private_files import read_private_file
@@ -45,6 +63,13 @@ SECRET_FILE = "server.secret"
 _VERSION = 1
 _MAC_NBYTES = 32
 _DOMAIN = frame_str(1, "kvtier/server-spill/v1")
+#: a sealed annotation: this byte, the salt its key derives from, then AES-256-GCM ciphertext and tag
+#: (an HMAC'd one starts with msgpack's 9-element array, 0x99)
+_SEALED = b"\x02"
+_SALT_NBYTES = 16
+_SEALED_DOMAIN = frame_str(1, "kvtier/server-spill/sealed/v1")
+_ZERO_NONCE = bytes(12)  # each annotation has a key of its own: one message per key
+_ERASURES_DOMAIN = frame_str(1, "kvtier/server-erasures/v1")
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,43 +85,84 @@ class SpillAnnotation:
 
 
 class SpillCodec:
-    """Packs and checks annotations under one server secret."""
+    """Packs and checks annotations under one server secret; with a ``seal_key`` (a codec made
+    from the master key) it seals them too (see the module's docstring)."""
 
-    def __init__(self, secret: bytes) -> None:
+    def __init__(self, secret: bytes, *, seal_key: bytes | None = None) -> None:
         if len(secret) < 32:
             raise ValueError("a spill secret has at least 32 bytes")
+        if seal_key is not None and len(seal_key) != 32:
+            raise ValueError("an annotation sealing key has 32 bytes")
         self._secret = secret
+        self._seal_key = seal_key
+
+    @classmethod
+    def for_master_key(cls, master: bytes) -> "SpillCodec":
+        """The codec of a server with encryption at rest: seals what it packs; reads sealed
+        annotations and, from before sealing, HMAC'd ones."""
+        return cls(secret_from_master_key(master), seal_key=_hkdf(master, b"annotation sealing"))
+
+    @property
+    def seals(self) -> bool:
+        return self._seal_key is not None
+
+    def erasure_key(self) -> bytes:
+        """The key that authenticates the server's erasure records (:mod:`kvtier.server.runtime_state`)."""
+        return hmac.new(self._secret, _ERASURES_DOMAIN, hashlib.sha256).digest()
 
     def _mac(self, disk_key: bytes, body: bytes) -> bytes:
         return hmac.new(self._secret, _DOMAIN + disk_key + body, hashlib.sha256).digest()
 
+    def _sealer(self, salt: bytes) -> AESGCM:
+        return AESGCM(hmac.new(self._seal_key, _SEALED_DOMAIN + salt, hashlib.sha256).digest())
+
     def pack(self, disk_key: bytes, a: SpillAnnotation) -> bytes:
         body = msgpack.packb([_VERSION, a.owner, a.namespace, a.key, a.session, a.created_wall, a.header,
                               a.nbytes, a.parent], use_bin_type=True)
-        return body + self._mac(disk_key, body)
+        if self._seal_key is None:
+            return body + self._mac(disk_key, body)
+        salt = os.urandom(_SALT_NBYTES)
+        return _SEALED + salt + self._sealer(salt).encrypt(_ZERO_NONCE, body, _SEALED_DOMAIN + _SEALED + disk_key)
 
     def unpack(self, disk_key: bytes, raw: bytes | None) -> SpillAnnotation | None:
-        """The annotation if its tag verifies for ``disk_key`` and it is well formed; else None."""
-        if raw is None or len(raw) <= _MAC_NBYTES:
+        """The annotation if it authenticates for ``disk_key`` (sealed, with a sealing codec; else
+        HMAC'd) and is well formed; else None."""
+        if raw is None:
+            return None
+        if self._seal_key is not None and raw[:1] == _SEALED:
+            salt, sealed = raw[1:1 + _SALT_NBYTES], raw[1 + _SALT_NBYTES:]
+            if len(salt) != _SALT_NBYTES:
+                return None
+            try:
+                body = self._sealer(salt).decrypt(_ZERO_NONCE, sealed, _SEALED_DOMAIN + _SEALED + disk_key)
+            except InvalidTag:
+                return None
+            return _annotation(body)
+        if len(raw) <= _MAC_NBYTES:
             return None
         body, tag = raw[:-_MAC_NBYTES], raw[-_MAC_NBYTES:]
         if not hmac.compare_digest(self._mac(disk_key, body), tag):
             return None
-        try:
-            fields = msgpack.unpackb(body, raw=False, strict_map_key=True, max_bin_len=4096, max_str_len=4096,
-                                     max_array_len=16)
-        except (ValueError, msgpack.exceptions.ExtraData, msgpack.exceptions.FormatError,
-                msgpack.exceptions.StackError):
-            return None
-        if not isinstance(fields, list) or len(fields) != 9 or fields[0] != _VERSION:
-            return None
-        _, owner, namespace, key, session, created, header, nbytes, parent = fields
-        if not (isinstance(owner, str) and isinstance(namespace, str) and isinstance(key, bytes) and len(key) == 32
-                and isinstance(session, str) and isinstance(created, (int, float)) and isinstance(header, bytes)
-                and isinstance(nbytes, int) and nbytes >= 0
-                and (parent is None or (isinstance(parent, bytes) and len(parent) == 32))):
-            return None
-        return SpillAnnotation(owner, namespace, key, session, float(created), header, nbytes, parent)
+        return _annotation(body)
+
+
+def _annotation(body: bytes) -> SpillAnnotation | None:
+    """An authenticated annotation body, if well formed."""
+    try:
+        fields = msgpack.unpackb(body, raw=False, strict_map_key=True, max_bin_len=4096, max_str_len=4096,
+                                 max_array_len=16)
+    except (ValueError, msgpack.exceptions.ExtraData, msgpack.exceptions.FormatError,
+            msgpack.exceptions.StackError):
+        return None
+    if not isinstance(fields, list) or len(fields) != 9 or fields[0] != _VERSION:
+        return None
+    _, owner, namespace, key, session, created, header, nbytes, parent = fields
+    if not (isinstance(owner, str) and isinstance(namespace, str) and isinstance(key, bytes) and len(key) == 32
+            and isinstance(session, str) and isinstance(created, (int, float)) and isinstance(header, bytes)
+            and isinstance(nbytes, int) and nbytes >= 0
+            and (parent is None or (isinstance(parent, bytes) and len(parent) == 32))):
+        return None
+    return SpillAnnotation(owner, namespace, key, session, float(created), header, nbytes, parent)
 
 
 # -- clocks: the index keeps monotonic time (immune to clock steps); disk keeps wall time ---------
@@ -113,11 +179,12 @@ def monotonic_of(created_wall: float) -> float:
 
 # -- the secret ------------------------------------------------------------------------------
 def secret_from_master_key(master: bytes) -> bytes:
-    from cryptography.hazmat.primitives import hashes
-    from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+    """The HMAC secret of a server with encryption at rest (as before sealing: old files still read)."""
+    return _hkdf(master, b"annotations")
 
-    hkdf = HKDF(algorithm=hashes.SHA256(), length=32, salt=b"kvtier/server-spill/v1", info=b"annotations")
-    return hkdf.derive(master)
+
+def _hkdf(master: bytes, info: bytes) -> bytes:
+    return HKDF(algorithm=hashes.SHA256(), length=32, salt=b"kvtier/server-spill/v1", info=info).derive(master)
 
 
 def secret_in(disk_dir: str) -> bytes:

@@ -13,9 +13,14 @@ or shredded -- is a :attr:`Status.MISS` and is *kept*: the keyring re-reads
 its store once (rate limited, :meth:`Keyring.key_for_read`) before giving up,
 and a reader that has the key still opens it -- unless the key store says its
 epoch was retired (retention) or the tenant shredded: no one can read it again,
-and it is deleted. Nothing else (a malformed or wrong-size block) deletes
-either: only a failed tag under a key we hold, or a retired key, proves a
-block bad.
+and it is deleted. Nothing else (a malformed block) deletes either: only a
+failed tag under a key we hold, a retired key, or a stored size the tier below
+calls wrong (:attr:`Status.BAD_SIZE`), proves a block bad. The last is
+tampering, not the caller's mistake: the sealed size is derived from the
+plaintext size of the block's key, so only someone below the encryption edits
+it (the disk header and record checks are unkeyed); it is a
+:attr:`Status.CORRUPT` miss, counted and deleted, so that a store asks its next
+tier instead of taking the block's size for the caller's error.
 
 Retirement keeps the tenant's index key, so a block sealed under a retired
 epoch keeps its storage name: for a tenant with a retired epoch
@@ -378,6 +383,17 @@ class EncryptedTier(WrappingTier):
         if lookup.found:  # the tag failed under our key: it will never verify, free the space
             self._remove(name)
 
+    def _resized(self, tenant: str, name: BlockKey) -> Status:
+        """The tier below holds ``name`` at another size than its sealed size: edited below the
+        encryption (a reader's size derives from the block's key), never the caller's mistake.
+        Counted, deleted, a miss: a store asks its next tier, which may hold the genuine block."""
+        with self._lock:
+            self.inner.stats.verify_failures += 1
+        log.warning("encrypted block %s… of tenant %r rejected: stored at another size than its seal's "
+                    "(edited below the encryption)", name.hex()[:16], tenant)
+        self._remove(name)
+        return Status.CORRUPT
+
     def _remove(self, name: BlockKey) -> None:
         self._keys.pop(name, None)
         remove = getattr(self.inner, "remove_unverifiable", None) if self._direct else None
@@ -422,6 +438,8 @@ class EncryptedTier(WrappingTier):
             return self._get_lane([(owner, name, dst)])[0]
         staging = self._staging.get(self._sealed_size(dst.nbytes))
         status = self.inner.get(name, staging)
+        if status is Status.BAD_SIZE:
+            return self._resized(owner, name)
         if status is not Status.OK:
             return status
         return self._open(owner, name, staging, dst, self._pool)
@@ -517,6 +535,8 @@ class EncryptedTier(WrappingTier):
                 for i, name, view, status in zip(group, names, views, fetched):
                     if status is Status.OK:
                         ready.append((i, name, view))
+                    elif status is Status.BAD_SIZE:
+                        statuses[i] = self._resized(self.tenant, name)
                     else:
                         statuses[i] = status
                 if ready and g + 1 < len(groups):
@@ -630,8 +650,10 @@ class EncryptedTier(WrappingTier):
             statuses = self.inner.get_streams([it[1] for it in items], sinks)
         finally:
             self._scratch.give(scratch)
-        for (owner, name, _), sink, status in zip(items, sinks, statuses):
-            if status is Status.CORRUPT or (status is Status.MISS and sink.lookup.missing):  # counted below
+        for j, ((owner, name, _), sink, status) in enumerate(zip(items, sinks, statuses)):
+            if status is Status.BAD_SIZE:
+                statuses[j] = self._resized(owner, name)
+            elif status is Status.CORRUPT or (status is Status.MISS and sink.lookup.missing):  # counted below
                 self._reject(owner, name, sink.failure or "not a sealed block", sink.lookup)
         return statuses
 
