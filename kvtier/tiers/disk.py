@@ -44,7 +44,7 @@ back in one *extent* file, each block the same bytes as a file of its own, and
   still counted) and its removal retried; see :meth:`DiskTier.delete`.
 * **Capacity** counts bytes on disk (header page + padded payload) of the blocks
   this process knows of; eviction asks the policy, skips pinned blocks and
-  calls ``on_evict`` with the verified bytes before unlinking.
+  calls ``on_evict`` with the verified bytes (read into memory of their own, never a file mapping: a file that shrank under one killed the process with SIGBUS) before unlinking.
 
 Thread safety: all methods are; file I/O of gets and puts runs outside the lock
 (an unlinked file stays readable through an open descriptor, so a read racing
@@ -60,12 +60,12 @@ back), :mod:`~kvtier.tiers.disk_writes` (puts, extents, publishing) and
 
 from __future__ import annotations
 
-import mmap
 import os
 import stat
 import time
 from collections.abc import Iterator
 
+import numpy as np
 import xxhash
 
 from kvtier.core.keys import KEY_BYTES, BlockKey
@@ -442,7 +442,10 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
         return True
 
     def _demote(self, key: BlockKey) -> None:
-        """Hand a victim's verified bytes to ``on_evict`` (a read-only view of a file mapping)."""
+        """Hand a victim's verified bytes to ``on_evict`` (read into memory of their own: a mapping
+        of the file would kill the process with SIGBUS where the file shrank under it, which a
+        process sharing the directory or an NFS server may do, and eviction is rare enough for
+        one copy)."""
         entry = self._index[key]
         try:
             fd = direct_io.open_regular(self._file_of(key, entry))
@@ -454,34 +457,29 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
                 size = min(size, entry.size)
             if not _plausible(size):
                 return
-            mapped = mmap.mmap(fd, size, prot=mmap.PROT_READ, offset=entry.offset)
+            block = np.empty(size, np.uint8)
+            if os.preadv(fd, [block], entry.offset) != size:
+                return  # shrank since the fstat: nothing whole to demote
         except OSError:
             return
         finally:
-            os.close(fd)  # the mapping keeps its own reference to the file
+            os.close(fd)
+        page = block[:PAGE].tobytes()
+        header = unpack_header(page)
+        if (header is None or header.key != key or size != PAGE + round_up(header.payload_nbytes)
+                or _record_in(page, header, key) is None):
+            self.stats.verify_failures += 1
+            return
+        payload = memoryview(block)[PAGE : PAGE + header.payload_nbytes]
+        if xxhash.xxh3_128_digest(payload) != header.checksum:
+            self.stats.verify_failures += 1
+            return
+        meta = BlockMeta(header.dtype, header.shape, header.token_count)
         try:
-            page = mapped[: PAGE]
-            header = unpack_header(page)
-            if (header is None or header.key != key or size != PAGE + round_up(header.payload_nbytes)
-                    or _record_in(page, header, key) is None):
-                self.stats.verify_failures += 1
-                return
-            payload = memoryview(mapped)[PAGE : PAGE + header.payload_nbytes]
-            if xxhash.xxh3_128_digest(payload) != header.checksum:
-                self.stats.verify_failures += 1
-                return
-            meta = BlockMeta(header.dtype, header.shape, header.token_count)
-            try:
-                self.on_evict(key, payload.toreadonly(), meta)
-            except Exception:  # noqa: BLE001 - a failed demotion only loses a cached block
-                self.stats.errors += 1
-                log.exception("disk tier %s: on_evict failed for %s", self.path, key.hex())
-            payload.release()
-        finally:
-            try:
-                mapped.close()
-            except BufferError:
-                pass  # the hook kept a view; the mapping goes with it
+            self.on_evict(key, payload.toreadonly(), meta)
+        except Exception:  # noqa: BLE001 - a failed demotion only loses a cached block
+            self.stats.errors += 1
+            log.exception("disk tier %s: on_evict failed for %s", self.path, key.hex())
 
     def _purge_expired(self) -> int:
         # Entries are indexed in publication order, so the expired ones lead

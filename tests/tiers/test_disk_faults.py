@@ -359,3 +359,39 @@ def test_restart_accounting_matches_the_disk_after_ordinary_use(tmp_path):
     with DiskTier(d, 1 << 24) as t:
         assert t.used_bytes == _on_disk_data_bytes(d)
         t.check_integrity(deep=True)
+
+
+_SHRINK_UNDER_THE_HOOK = r"""
+import os, sys
+import numpy as np
+from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.direct_io import PAGE
+
+BLOCK = 64 * 1024
+path = sys.argv[1]
+block = np.random.default_rng(1).integers(0, 256, BLOCK, dtype=np.uint8)
+seen = []
+with DiskTier(path, 2 * (PAGE + BLOCK)) as t:
+    t.put(bytes(32), block)
+
+    def hook(key, view, meta):
+        # another process (or an NFS server) shrinks the file while the demotion reads it
+        with open(t.path_of(key), "r+b") as f:
+            f.truncate(PAGE)
+        seen.append(bytes(view) == block.tobytes())
+
+    t.on_evict = hook
+    t.put(b"\x01" * 32, block)
+    t.put(b"\x02" * 32, block)  # evicts the first block
+print("demoted whole" if seen == [True] else f"demoted {seen}", flush=True)
+"""
+
+
+def test_a_block_file_shrinking_during_its_demotion_does_not_kill_the_process(tmp_path):
+    """The demotion handed the hook a view of a file mapping: a file that shrank under it (a
+    process sharing the directory, an NFS server) killed the whole process with SIGBUS. The hook
+    now gets the verified bytes in memory of their own."""
+    done = subprocess.run([sys.executable, "-c", _SHRINK_UNDER_THE_HOOK, str(tmp_path / "d")],
+                          capture_output=True, text=True, timeout=60, cwd=str(Path(__file__).resolve().parents[2]))
+    assert done.returncode == 0, f"the process died (status {done.returncode}): {done.stderr[-500:]}"
+    assert "demoted whole" in done.stdout, done.stdout + done.stderr[-500:]
