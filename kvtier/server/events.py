@@ -86,6 +86,10 @@ _TAG_OWNER, _TAG_NAMESPACE, _TAG_KEY = 1, 2, 3
 _CHECK_DELAY_S = 0.05
 #: the most queued events one message carries (fewer when the replay buffer is under 10,000)
 _BATCH_EVENTS = 1000
+#: messages queued for one subscriber that does not read, before the next ones are dropped (it sees
+#: a gap and asks for a replay): at most 1,000 x _BATCH_EVENTS events (~160 MB) held for it, where
+#: 10,000 messages held up to ~1.6 GB for each stalled subscriber
+_SEND_QUEUE_MESSAGES = 1000
 
 
 def event_block_name(name_key: bytes, owner: str, namespace: str, key: bytes) -> bytes:
@@ -206,7 +210,7 @@ class EventPublisher:
         self._auth = None
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.SNDHWM, 10_000)  # a stalled subscriber loses messages, never our memory
+        self._sock.setsockopt(zmq.SNDHWM, _SEND_QUEUE_MESSAGES)  # a stalled subscriber loses messages
         self._sock.setsockopt(zmq.RCVHWM, 1_000)
         self._sock.setsockopt(zmq.MAXMSGSIZE, 4096)  # subscribers send only tiny SUB frames (and handshakes)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a departed routing id fails: forget it

@@ -110,3 +110,70 @@ def test_a_served_events_buffer_bounds_the_events_kept(tmp_path):
         assert names[-1] == event_block_name(name_key, "acme", "burst", keys[-1]), "the newest event is kept"
     finally:
         srv.stop()
+
+
+def _live_subscriber(endpoint: str):
+    import zmq
+
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    sock.send_multipart([b"SUB", b""])  # live events only
+    assert sock.poll(5000) and sock.recv_multipart()[0] == b"SYNC"
+    return sock
+
+
+def _emit_one_event_messages(pub, n: int, on_each=None) -> None:
+    for i in range(n):
+        pub.emit("stored", "host", "acme", "ns", [_key(i)], 4096)
+        if i % 50 == 0:
+            time.sleep(0.001)  # a trickle: messages of one event each (buffer 10: one per message)
+            if on_each is not None:
+                on_each()
+    deadline = time.monotonic() + 20
+    while pub._queue.qsize() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.3)
+
+
+def _drain(sock, timeout_ms: int = 300) -> list[int]:
+    from kvtier.server.events import _SEQ
+
+    seqs = []
+    while sock.poll(timeout_ms):
+        frames = sock.recv_multipart()
+        if frames[0] == b"EV":
+            seqs.append(_SEQ.unpack(frames[1])[0])
+    return seqs
+
+
+def test_a_subscriber_that_stops_reading_holds_a_bounded_queue_of_messages(tmp_path):
+    """The server queued up to 10,000 messages (of up to 1,000 events each, ~1.6 GB) for every
+    admitted subscriber that stopped reading; now 1,000 (it sees a gap and asks for a replay)."""
+    pub = EventPublisher(f"ipc://{tmp_path}/ev.sock", name_key=os.urandom(32), buffer=10, batch_s=0.005,
+                         replay_interval_s=0)
+    stalled = _live_subscriber(pub.endpoint)
+    try:
+        _emit_one_event_messages(pub, 30_000)
+        assert pub.seq >= 20_000, "the trickle went out as messages of an event or two"
+        held = len(_drain(stalled))
+        # 1,000 queued by the server, 1,000 by the subscriber's own receive queue, some in the socket
+        assert held <= 4_000, f"{held} messages were queued for a subscriber that read nothing"
+    finally:
+        stalled.close()
+        pub.close()
+
+
+def test_control_a_subscriber_that_reads_gets_every_message_without_a_gap(tmp_path):
+    pub = EventPublisher(f"ipc://{tmp_path}/ev.sock", name_key=os.urandom(32), buffer=10, batch_s=0.005,
+                         replay_interval_s=0)
+    reader = _live_subscriber(pub.endpoint)
+    seqs: list[int] = []
+    try:
+        _emit_one_event_messages(pub, 30_000, on_each=lambda: seqs.extend(_drain(reader, 0)))
+        seqs += _drain(reader)
+        assert seqs == list(range(seqs[0], pub.seq)) and len(seqs) > 20_000
+    finally:
+        reader.close()
+        pub.close()
