@@ -20,7 +20,8 @@ _FLAGS = ("host", "port", "policy", "model_path", "block_tokens", "kv_bytes_per_
           "shared_events_secret", "prefill_tokens_per_s", "decode_block_s", "step_tokens", "admission_tokens",
           "temperature",
           "index_capacity",
-          "health_interval_s", "eject_after", "max_attempts", "drain_timeout_s")
+          "health_interval_s", "eject_after", "max_attempts", "drain_timeout_s", "max_held", "max_body_bytes",
+          "max_route_tokens", "body_timeout_s")
 
 
 def register(subparsers) -> None:
@@ -61,6 +62,18 @@ def register(subparsers) -> None:
                    help="predicted uncached tokens sent to a worker at a time; its further requests wait in the "
                         "router and go soonest-finishing first (e.g. --step-tokens' 2048; default 0: send every "
                         "request at once)")
+    p.add_argument("--max-held", dest="max_held", type=int,
+                   help="with --admission-tokens: the most requests held in the router at once, all workers "
+                        "together; one more that would wait is answered 429 at once (default 1000)")
+    p.add_argument("--max-body-bytes", dest="max_body_bytes", metavar="SIZE",
+                   help="the largest request body taken, e.g. 16MiB (the default: a prompt of 1 M token ids "
+                        "twice over); a larger one is answered 413")
+    p.add_argument("--max-route-tokens", dest="max_route_tokens", type=int,
+                   help="the leading tokens of a prompt tokenized and keyed to route it (default 262144); the "
+                        "worker still gets the whole prompt. Raise it to the workers' max_model_len if longer")
+    p.add_argument("--body-timeout-s", dest="body_timeout_s", type=finite_float,
+                   help="the longest a client may take to send a request's body (default 60); then 408 and "
+                        "the connection closed")
     p.add_argument("--temperature", type=finite_float, help="softmax temperature of tier-aware (0: take the minimum)")
     p.add_argument("--index-capacity", dest="index_capacity", type=int)
     p.add_argument("--health-interval-s", dest="health_interval_s", type=finite_float)

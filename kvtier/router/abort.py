@@ -37,6 +37,7 @@ The Responses API is left out: a ``background`` response must outlive its client
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import socket
 import uuid
@@ -68,26 +69,37 @@ _HEADER_TOKEN = re.compile(r"[\x21-\x7e]{1,256}")
 CLIENT_POLL_S = 0.5
 
 
+#: what a look at a socket that failed says of the connection itself: it is over
+_DEAD = frozenset({errno.ECONNRESET, errno.ECONNABORTED, errno.EPIPE, errno.ETIMEDOUT, errno.ENOTCONN})
+
+
 def client_gone(transport) -> bool:
     """The client closed its connection: a FIN (reads as end of stream) or a reset waits in the
-    socket, whatever the event loop's reader made of it. Pipelined bytes read as alive."""
+    socket, whatever the event loop's reader made of it. Pipelined bytes read as alive.
+
+    Looked at through the connection's own descriptor, never a new one: out of descriptors
+    (EMFILE, the overload many clients make) a ``dup()`` failed, and taking that for a
+    departure cancelled every request then waiting for its first byte. A look that fails for
+    any reason but the socket's own state is "not known", which is not "gone"."""
     if transport is None or transport.is_closing():
         return True
     sock = transport.get_extra_info("socket")
     if sock is None:
         return False
     try:
-        peek = sock.dup()   # asyncio's socket wrapper has no recv; a duplicate shares the socket
-    except OSError:
-        return True
+        # asyncio's socket wrapper has no recv: a socket object over the same descriptor, detached
+        # (never closed) after the look, so the connection's descriptor stays the transport's
+        peek = socket.socket(fileno=sock.fileno())
+    except (OSError, ValueError):
+        return False
     try:
         return peek.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
     except (BlockingIOError, InterruptedError):
         return False
-    except OSError:
-        return True   # reset
+    except OSError as exc:   # a reset or a dead connection: gone; anything else (no memory): not known
+        return exc.errno in _DEAD
     finally:
-        peek.close()
+        peek.detach()
 
 
 def watch_client(transport, on_gone, interval_s: float = CLIENT_POLL_S) -> asyncio.Task:

@@ -31,6 +31,7 @@ after its index entries were cleared, so masks stay as narrow as the live pool.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import ipaddress
@@ -40,6 +41,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
+from kvtier.router.reads import body_too_late
 from kvtier.router.requests import RequestError
 from kvtier.router.workers import Worker
 
@@ -118,7 +120,9 @@ class WorkerAdmin:
         if self._token is None and ctype != "application/json":
             raise _error(415, f"admin API without {TOKEN_ENV} set: send the body as Content-Type: application/json")
         try:
-            body = await request.json()
+            body = await asyncio.wait_for(request.json(), self.router.config.body_timeout_s)
+        except asyncio.TimeoutError:
+            raise body_too_late(self.router.config.body_timeout_s) from None
         except (ValueError, RecursionError):   # (a body nested too deeply is a RecursionError)
             raise _error(400, "the request body must be a JSON object") from None
         if not isinstance(body, dict) or not isinstance(body.get("url"), str):
@@ -186,6 +190,7 @@ class WorkerAdmin:
                                            for w in self.router.workers):
             raise _error(409, f"{worker.url} is the last healthy routable worker; add another before draining it")
         worker.draining = True
+        self.router.redecide_held(worker)   # what waits in the router for it goes elsewhere
         self.router._update_mode()   # its events no longer count for approximate mode
         log.info("worker %s draining (%d in flight)", worker.url, worker.inflight)
         return web.json_response(describe(worker))
@@ -209,7 +214,9 @@ class WorkerAdmin:
         self.router.index.clear_worker(worker.id)
         self.router.metrics.forget_worker(worker.url)
         # its admission queue goes too: a worker added later takes the freed id and must not
-        # start with this one's tokens in flight (requests still held keep their own reference)
+        # start with this one's tokens in flight (requests still sent keep their own reference;
+        # those still held are decided again)
+        self.router.redecide_held(worker)
         self.router.admission.pop(worker.id, None)
         self.router.approx.forget_worker(worker.id)   # nor the blocks the router's decisions sent it
         self.router._update_mode()

@@ -25,7 +25,7 @@ from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
 from kvtier.policy.routing import Approximate, make_policy
 from kvtier.router.abort import EngineIds, WorkerAborts, engine_requests, request_id, watch_client
 from kvtier.router.admin import install as install_admin
-from kvtier.router.admission import AsyncAdmission
+from kvtier.router.admission import AsyncAdmission, QueueFull
 from kvtier.router.config import RouterConfig
 from kvtier.router.events import SharedTierEvents, VllmEvents
 from kvtier.router.http_log import server_log
@@ -35,9 +35,11 @@ from kvtier.router.metrics import RouterMetrics
 from kvtier.router.models import (LORA_PATHS, TOKENIZER_CHECK_TEXT, first_refusal, listed_models, lora_adapters,
                                   merge_listings, model_missing, post_to_all, requested_model, serving,
                                   tokenizes_alike)
+from kvtier.router.reads import LISTING_BYTES, SMALL_ANSWER_BYTES, answer_json, read_body, read_capped
 from kvtier.router.relay import KeptAnswer, forwarded_headers
-from kvtier.router.requests import (RENDER_FIELDS, WORKER_RENDERED, RequestError, RouteRequest, cached_tokens,
-                                   check_body, error_response, text_chars)
+from kvtier.router.requests import (CHARS_PER_ROUTE_TOKEN, RENDER_FIELDS, WORKER_RENDERED, RequestError, RoutedPrompt,
+                                   RouteRequest, cached_tokens, check_body, error_response, first_prompt,
+                                   route_prefix, text_chars)
 from kvtier.router.view import LinearPrefill, LiveView
 from kvtier.router.workers import Health, PrefillFit, Worker
 from kvtier.sim.service import ServiceModel
@@ -45,6 +47,9 @@ from kvtier.sim.service import ServiceModel
 log = logging.getLogger(__name__)
 
 _RETRY_STATUS = {502, 503, 504}
+#: how many times one request may be decided again for free after its worker became unroutable
+#: while the request was held (a bound on a loop of workers that flap)
+_MAX_REDECISIONS = 8
 #: when the router got the request (its own time before forwarding goes into Server-Timing)
 _RECEIVED = web.RequestKey("kvtier_received", float)
 #: the worker's first byte was passed on: the client has a response under way
@@ -68,6 +73,10 @@ _RESPONSE_ID = re.compile(rb'"id"\s*:\s*"(resp_[A-Za-z0-9_-]+)"')
 MAX_RESPONSE_OWNERS = 1 << 16
 #: texts shorter than this (characters) are tokenized on the event loop, longer ones on a thread
 TOKENIZE_INLINE_CHARS = 16384
+#: request bodies larger than this (bytes) are parsed and checked on a thread of their own: a
+#: 10 MiB one takes ~0.2 s, which on the loop would stall every other request and stream (the
+#: parser holds the GIL, but the loop gets its turn every switch interval, 5 ms)
+PARSE_INLINE_BYTES = 256 << 10
 
 
 #: vLLM's other POST endpoints, forwarded as they are to a worker chosen on load: tokenizer
@@ -75,6 +84,25 @@ TOKENIZE_INLINE_CHARS = 16384
 #: answers its own 404)
 ON_LOAD = ("/tokenize", "/detokenize", "/v1/messages/count_tokens", "/v1/embeddings", "/pooling",
            "/classify", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank")
+
+
+def _parsed(raw: bytes, field: str | None) -> Any:
+    """``raw`` as JSON, checked: ``field`` None: any JSON; "": an object; "name": an object with
+    that field (:func:`check_body`); "name?": an object, with that field checked if it has it."""
+    try:
+        body = json.loads(raw)
+    except ValueError as exc:
+        raise RequestError(400, f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:   # (not a ValueError: it escaped as a 500 with a logged traceback)
+        raise RequestError(400, "the request body is not valid JSON: nested too deeply") from None
+    if field is None:
+        return body
+    if not isinstance(body, dict):
+        raise RequestError(400, "the request body must be a JSON object")
+    name = field.rstrip("?")
+    if name and (name in body or not field.endswith("?")):
+        check_body(body, name)
+    return body
 
 
 class Router:
@@ -123,6 +151,7 @@ class Router:
         # cores (bench route --trace), against ~1 ms to encode 4 k characters. The thread has its
         # own tokenizer object (``clone``): calls into one must not overlap.
         self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-tokenize")
+        self._parse_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-parse")
         self._pooled_tokenizer = tokenizer.clone() if hasattr(tokenizer, "clone") else tokenizer
         for w in self.workers:
             self.metrics.healthy.labels(w.url).set(1)
@@ -132,7 +161,7 @@ class Router:
 
     # --- lifecycle -------------------------------------------------------------------
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._errors], client_max_size=64 * 1024 * 1024)
+        app = web.Application(middlewares=[self._errors], client_max_size=self.config.max_body_bytes)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/responses", self.responses)
@@ -212,13 +241,64 @@ class Router:
         if self.session:
             await self.session.close()
         self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        self._parse_pool.shutdown(wait=False, cancel_futures=True)
 
-    async def _tokenize(self, method: str, text_chars: int, *args) -> list[int]:
+    async def _tokenize(self, method: str, text_chars: int, *args) -> Any:
         """``tokenizer.<method>(*args)``: on the loop for a short text, else on the tokenizer thread."""
         if text_chars < TOKENIZE_INLINE_CHARS:
             return getattr(self.tokenizer, method)(*args)
         return await asyncio.get_running_loop().run_in_executor(
             self._tokenize_pool, getattr(self._pooled_tokenizer, method), *args)
+
+    @property
+    def _route_chars(self) -> int:
+        """The most characters of a text tokenized to route it (``max_route_tokens``' worth)."""
+        return self.config.max_route_tokens * CHARS_PER_ROUTE_TOKEN
+
+    def _routed(self, ids: list[int], share: float = 1.0) -> RoutedPrompt:
+        return route_prefix(ids, share, self.config.max_route_tokens, self.config.block_tokens)
+
+    async def _completion_prompt(self, body: dict) -> RoutedPrompt:
+        """What a completion is routed on: its (first) prompt's leading tokens. A text longer than
+        routing needs is cut before it is tokenized (the worker is sent the whole body)."""
+        prompt = first_prompt(body["prompt"])
+        add_special = body.get("add_special_tokens") is not False
+        if not isinstance(prompt, str):   # token ids: routed on the prompt vLLM runs, as they are
+            ids = truncated_prompt(prompt, body)
+            return RoutedPrompt(self._routed(ids).ids, len(ids))
+        share = 1.0
+        if len(prompt) > self._route_chars:
+            share = self._route_chars / len(prompt)
+            prompt = prompt[:self._route_chars]
+        ids = await self._tokenize("completion", text_chars(prompt), prompt, add_special)
+        if share >= 1.0:
+            ids = truncated_prompt(ids, body)
+            return self._routed(ids)
+        return self._cut_truncated(self._routed(ids, share), body)
+
+    async def _chat_prompt(self, body: dict, raw_bytes: int) -> RoutedPrompt:
+        """What a chat is routed on: its rendering's leading tokens; a rendering longer than routing
+        needs is tokenized only that far (the tokenizer's ``chat_prefix``; a tokenizer without one
+        is given the whole chat)."""
+        if not hasattr(self.tokenizer, "chat_prefix"):
+            ids = await self._tokenize("chat", raw_bytes, body["messages"], body)
+            return self._routed(truncated_prompt(ids, body))
+        ids, share = await self._tokenize("chat_prefix", raw_bytes, body["messages"], body, self._route_chars)
+        if share >= 1.0:
+            return self._routed(truncated_prompt(ids, body))
+        return self._cut_truncated(self._routed(ids, share), body)
+
+    @staticmethod
+    def _cut_truncated(routed: RoutedPrompt, body: dict) -> RoutedPrompt:
+        """A cut prompt that the worker truncates (``truncate_prompt_tokens``: index.truncated_prompt):
+        its first N tokens are the routed ones' first N; its last N are not known here, so it is
+        routed on load alone."""
+        n = body.get("truncate_prompt_tokens")
+        if type(n) is not int or n < 0:
+            return routed
+        if body.get("truncation_side") == "right":
+            return RoutedPrompt(routed.ids[:n], min(n, routed.tokens))
+        return RoutedPrompt([], min(n, routed.tokens))
 
     @property
     def approximate_mode(self) -> bool:
@@ -291,7 +371,7 @@ class Router:
             try:
                 async with self.session.get(w.url + "/v1/models", headers=headers,
                                             timeout=ClientTimeout(total=5.0)) as resp:
-                    answer = await resp.json(content_type=None)
+                    answer = await answer_json(resp, LISTING_BYTES)
             except (ClientError, asyncio.TimeoutError, ValueError, RecursionError) as exc:
                 log.debug("worker %s: /v1/models failed (%s)", w.url, exc)
                 return None
@@ -360,8 +440,24 @@ class Router:
                 log.info("worker %s re-admitted", worker.url)
         elif self.health.failed(worker):
             log.warning("worker %s ejected", worker.url)
+            self.redecide_held(worker)
         self.metrics.healthy.labels(worker.url).set(1 if worker.healthy else 0)
         self._update_mode()
+
+    def _routable(self, worker: Worker) -> bool:
+        """The router would send ``worker`` a request now: admitted, not draining, not removed."""
+        return worker.healthy and not worker.draining and self._listed(worker)
+
+    def _held(self) -> int:
+        """Requests held for admission, every worker's together (``max_held``)."""
+        return sum(queue.held for queue in self.admission.values())
+
+    def redecide_held(self, worker: Worker) -> None:
+        """``worker`` was ejected, drained or removed: its held requests are decided again now,
+        not when one of those it was sent ends (a hung worker's: one ``request_timeout_s`` each)."""
+        queue = self.admission.get(worker.id)
+        if queue is not None and queue.held:
+            log.info("worker %s: %d held requests decided again", worker.url, queue.redecide_all())
 
     def _admission(self, worker: Worker) -> AsyncAdmission:
         queue = self.admission.get(worker.id)
@@ -381,11 +477,13 @@ class Router:
         return speed, overhead
 
     def decide(self, token_ids: Sequence[int], exclude: set[int], seed: int = ROOT_SEED,
-               model: str | None = None) -> tuple[Worker, int, list[int]] | None:
+               model: str | None = None, prompt_tokens: int | None = None) -> tuple[Worker, int, list[int]] | None:
         """Pick a worker (among those serving ``model``, router/models.py); returns it, the
         predicted cached tokens and the prompt's keys (rooted in ``seed``, the request's
-        context: :func:`~kvtier.router.index.context_seed`)."""
+        context: :func:`~kvtier.router.index.context_seed`). ``token_ids`` may be the prompt's
+        leading tokens only (``max_route_tokens``); ``prompt_tokens``: its whole length, priced."""
         t0 = time.perf_counter()
+        total = len(token_ids) if prompt_tokens is None else max(prompt_tokens, len(token_ids))
         candidates = [w for w in self.workers if w.healthy and not w.draining and w.id not in exclude]
         if not candidates:   # every admitted worker failed this request: try the ejected ones
             candidates = [w for w in self.workers if not w.draining and w.id not in exclude]
@@ -396,7 +494,7 @@ class Router:
         speed, _ = self._prefill_line()
         view = LiveView(self.service, candidates, self.index, keys, speed, self.config.decode_block_s,
                         self.config.step_tokens)
-        request = RouteRequest(len(token_ids), keys)
+        request = RouteRequest(total, keys)
         policy = self.approx if self.approximate_mode else self.policy
         i = policy.choose(request, view)
         worker = candidates[i]
@@ -404,13 +502,13 @@ class Router:
             costs = policy.costs(request, view) if hasattr(policy, "costs") else None
             log.debug("decision tokens=%d chose=%s backlog=%s costs=%s pending=%s queued=%s inflight=%s step=%s "
                       "speed=%.0f overhead=%.4f",
-                      len(token_ids), worker.url, [round(view.backlog_s(j), 4) for j in range(len(candidates))],
+                      total, worker.url, [round(view.backlog_s(j), 4) for j in range(len(candidates))],
                       costs and [round(c, 4) for c in costs], [w.pending_tokens for w in candidates],
                       [w.pending_requests for w in candidates], [w.inflight for w in candidates],
                       [w.decode_step_s and round(w.decode_step_s, 4) for w in candidates], view.default_speed,
                       self.prefill.overhead_s)
         cached_blocks = view.cached_blocks(i)
-        predicted = min(cached_blocks * self.config.block_tokens, max(0, len(token_ids) - 1))
+        predicted = min(cached_blocks * self.config.block_tokens, max(0, total - 1))
         self.last_decision_s = time.perf_counter() - t0
         self.metrics.decision.observe(self.last_decision_s)
         # Its queue carries this request's load time until the first byte (off the decision clock).
@@ -428,7 +526,10 @@ class Router:
             return await handler(request)
         except RequestError as exc:
             self.metrics.errors.labels(exc.kind).inc()
-            return error_response(exc.status, str(exc), exc.kind, exc.param)
+            response = error_response(exc.status, str(exc), exc.kind, exc.param)
+            if exc.close:
+                await self._answer_and_close(request, response)
+            return response
         except web.HTTPException as exc:   # unknown path, wrong method
             if exc.status < 400:
                 raise
@@ -453,42 +554,52 @@ class Router:
             self.metrics.errors.labels("internal").inc()
             return error_response(500, "internal router error", "internal_server_error")
 
-    async def _json(self, request: web.Request) -> tuple[bytes, dict]:
-        raw = await request.read()
-        try:
-            body = json.loads(raw)
-        except ValueError as exc:
-            raise RequestError(400, f"the request body is not valid JSON: {exc}") from None
-        except RecursionError:   # (not a ValueError: it escaped as a 500 with a logged traceback)
-            raise RequestError(400, "the request body is not valid JSON: nested too deeply") from None
-        return raw, body
+    @staticmethod
+    async def _answer_and_close(request: web.Request, response: web.Response) -> None:
+        """Send ``response`` now, then close the connection: the request's body was not read
+        whole, and aiohttp would otherwise linger up to 10 s reading its rest (of a client that
+        stalled, which is why it is answered) before closing."""
+        response.force_close()
+        with contextlib.suppress(ConnectionResetError, RuntimeError):
+            await response.prepare(request)
+            await response.write_eof()
+        if request.protocol is not None:
+            request.protocol.force_close()
+
+    async def _read(self, request: web.Request) -> bytes:
+        """The request's body (``body_timeout_s``, ``max_body_bytes``: router/reads.py)."""
+        return await read_body(request, self.config.body_timeout_s, self.config.max_body_bytes)
+
+    async def _json(self, request: web.Request, field: str | None = None) -> tuple[bytes, Any]:
+        """The request's body and its JSON, checked for ``field`` (:func:`check_body`); a large
+        body parsed and checked on a thread of its own (``PARSE_INLINE_BYTES``)."""
+        raw = await self._read(request)
+        if len(raw) <= PARSE_INLINE_BYTES:
+            return raw, _parsed(raw, field)
+        return raw, await asyncio.get_running_loop().run_in_executor(self._parse_pool, _parsed, raw, field)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         request[_RECEIVED] = time.perf_counter()
-        raw, body = await self._json(request)
-        if isinstance(body, dict) and "prompt" not in body and body.get("prompt_embeds") is not None:
-            # vLLM takes prompt embeddings instead of a prompt: the router cannot key them (their
-            # KV depends on the vectors), so load alone decides; the worker checks the rest
-            ids: list[int] = []
-        else:
-            check_body(body, "prompt")
-            ids = await self._tokenize("completion", text_chars(body["prompt"]), body["prompt"],
-                                       body.get("add_special_tokens") is not False)
-            ids = truncated_prompt(ids, body)
-        return await self._forward(request, raw, ids, streaming=body.get("stream") is True,
-                                   seed=self._context(body), body=body, model=requested_model(body))
+        # (prompt embeddings instead of a prompt: vLLM takes them, the router cannot key them, since
+        # their KV depends on the vectors; load alone decides and the worker checks the rest)
+        raw, body = await self._json(request, "prompt?")
+        if "prompt" not in body and body.get("prompt_embeds") is None:
+            check_body(body, "prompt")   # (raises: the prompt is missing)
+        routed = RoutedPrompt([], 0) if "prompt" not in body else await self._completion_prompt(body)
+        return await self._forward(request, raw, routed.ids, prompt_tokens=routed.tokens,
+                                   streaming=body.get("stream") is True, seed=self._context(body), body=body,
+                                   model=requested_model(body))
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         request[_RECEIVED] = time.perf_counter()
-        raw, body = await self._json(request)
-        check_body(body, "messages")
+        raw, body = await self._json(request, "messages")
         ids = (await self._worker_render(body, request.headers.get("Authorization"))
                if any(body.get(f) for f in WORKER_RENDERED) else None)
-        if ids is None:
-            ids = await self._tokenize("chat", len(raw), body["messages"], body)
-        ids = truncated_prompt(ids, body)
-        return await self._forward(request, raw, ids, streaming=body.get("stream") is True,
-                                   seed=self._context(body, chat=True), body=body, model=requested_model(body))
+        routed = (await self._chat_prompt(body, len(raw)) if ids is None
+                  else self._routed(truncated_prompt(ids, body)))
+        return await self._forward(request, raw, routed.ids, prompt_tokens=routed.tokens,
+                                   streaming=body.get("stream") is True, seed=self._context(body, chat=True),
+                                   body=body, model=requested_model(body))
 
     async def responses(self, request: web.Request) -> web.StreamResponse:
         """The Responses API (vLLM's ``/v1/responses``), routed on load alone: its prompt is
@@ -497,9 +608,7 @@ class Router:
         (``previous_response_id``) must go to the worker that stored it (vLLM keeps responses
         per process): the router remembers which worker answered each response id."""
         request[_RECEIVED] = time.perf_counter()
-        raw, body = await self._json(request)
-        if not isinstance(body, dict):
-            raise RequestError(400, "the request body must be a JSON object")
+        raw, body = await self._json(request, "")
         if "input" not in body and "previous_response_id" not in body:
             raise RequestError(400, "'input' is a required property", param="input")
         previous = body.get("previous_response_id")
@@ -516,7 +625,7 @@ class Router:
         owner = await self._response_owner(rid, request.headers.get("Authorization"))
         if owner is None:
             raise RequestError(404, f"Response with id '{rid}' not found.", param="response_id")
-        return await self._forward(request, await request.read(), [], pinned_url=owner)
+        return await self._forward(request, await self._read(request), [], pinned_url=owner)
 
     async def _response_owner(self, rid: str, authorization: str | None) -> str | None:
         """The worker that stored response ``rid``. Remembered from its answer; else (the router
@@ -545,19 +654,18 @@ class Router:
         with ``--enable-scale-out``): the conversion to a chat prompt is vLLM's own, which a
         router cannot reproduce byte for byte. If no worker renders, it is routed on load."""
         request[_RECEIVED] = time.perf_counter()
-        raw, body = await self._json(request)
-        check_body(body, "messages")
+        raw, body = await self._json(request, "messages")
         ids = await self._render_on_worker("/v1/messages/render", body, request.headers.get("Authorization"),
                                            "token_ids")
-        return await self._forward(request, raw, ids or [], streaming=body.get("stream") is True,
-                                   seed=self._context(body), body=body, model=requested_model(body))
+        routed = self._routed(ids or [])
+        return await self._forward(request, raw, routed.ids, prompt_tokens=routed.tokens,
+                                   streaming=body.get("stream") is True, seed=self._context(body), body=body,
+                                   model=requested_model(body))
 
     async def on_load(self, request: web.Request) -> web.StreamResponse:
         """vLLM's other endpoints (``ON_LOAD``): forwarded unchanged, on load alone."""
         request[_RECEIVED] = time.perf_counter()
-        raw, body = await self._json(request)
-        if not isinstance(body, dict):
-            raise RequestError(400, "the request body must be a JSON object")
+        raw, body = await self._json(request, "")
         return await self._forward(request, raw, [], streaming=body.get("stream") is True,
                                    model=requested_model(body))
 
@@ -597,12 +705,16 @@ class Router:
         """``payload``'s prompt token ids as a worker renders them (``field`` of its answer to
         ``path``), or None when none of two workers can."""
         headers = self._worker_auth(authorization)
+        # A rendering is held whole: read no further than the tokens routing uses (ids of up to
+        # 10 digits and a separator), beside the answer's other fields; a longer one is no rendering
+        # here (the router renders the chat itself, its head only)
+        cap = 12 * self.config.max_route_tokens + SMALL_ANSWER_BYTES
         for w in sorted(self.workers, key=lambda w: not w.healthy)[:2]:
             try:
                 async with self.session.post(w.url + path, json=payload, headers=headers,
                                              timeout=ClientTimeout(total=self.config.render_timeout_s)) as resp:
-                    out = await resp.json() if resp.status == 200 else None
-            except (ClientError, asyncio.TimeoutError, ValueError) as exc:
+                    out = await answer_json(resp, cap) if resp.status == 200 else None
+            except (ClientError, asyncio.TimeoutError, ValueError, RecursionError) as exc:
                 log.debug("worker %s could not render a prompt (%s): %s", w.url, path, exc)
                 continue
             tokens = out.get(field) if isinstance(out, dict) else None
@@ -644,9 +756,7 @@ class Router:
         refusal is the answer (with the worker named); to load an adapter on some workers only,
         call them directly: the router learns it from their listings (``models_refresh_s``, or a
         worker's 404 for the name)."""
-        raw, body = await self._json(request)
-        if not isinstance(body, dict):
-            raise RequestError(400, "the request body must be a JSON object")
+        raw, body = await self._json(request, "")
         headers = forwarded_headers(request.headers)
         workers = [w for w in self.workers if w.healthy] or list(self.workers)
         if not workers:
@@ -700,7 +810,7 @@ class Router:
     async def _attempts(self, request: web.Request, raw: bytes, token_ids: list[int], *,
                         streaming: bool = False, seed: int = ROOT_SEED,
                         pinned_url: str | None = None, body: Any = None,
-                        model: str | None = None) -> web.StreamResponse:
+                        model: str | None = None, prompt_tokens: int | None = None) -> web.StreamResponse:
         headers = forwarded_headers(request.headers)   # (router/relay.py)
         # named, so that the worker can be told to abort it if the client leaves (router/abort.py)
         rid, add_header = request_id(request.headers, body)
@@ -715,8 +825,10 @@ class Router:
                            if pinned_url and any(w.url == pinned_url for w in self.workers) else set())
         last_error = "no worker available"
         unserved: web.Response | None = None   # a worker's 404 for the model, if none serves it
-        for attempt in range(self.config.max_attempts):
-            decision = self.decide(token_ids, tried, seed, model)
+        prompt_tokens = len(token_ids) if prompt_tokens is None else max(prompt_tokens, len(token_ids))
+        attempt = redecisions = 0
+        while attempt < self.config.max_attempts:
+            decision = self.decide(token_ids, tried, seed, model, prompt_tokens)
             if decision is None:
                 break
             worker, predicted, keys = decision
@@ -724,7 +836,8 @@ class Router:
             tried.add(worker.id)
             if attempt:
                 self.metrics.retries.inc()
-            prefill_tokens = len(token_ids) - predicted
+            attempt += 1
+            prefill_tokens = prompt_tokens - predicted
             others = worker.inflight   # what it found there
             ticket = worker.start(prefill_tokens, len(keys), load_s)
             answered = admitted = False
@@ -740,8 +853,25 @@ class Router:
                 held_t0 = time.monotonic()
                 # soonest virtual finish first: arrival + its own predicted prefill seconds
                 if admission is not None:
-                    await admission.admit(prefill_tokens, held_t0 + self.prefill.seconds(prefill_tokens))
-                    admitted = True
+                    routable = self._routable(worker)
+                    try:
+                        admitted = await admission.admit(prefill_tokens, held_t0 + self.prefill.seconds(prefill_tokens),
+                                                         may_hold=self._held() < self.config.max_held)
+                    except QueueFull:
+                        raise RequestError(429, f"the router holds {self.config.max_held} requests for their "
+                                                "workers (max_held); send it again later", "rate_limit_error") from None
+                    if (not admitted or (routable and not self._routable(worker))) \
+                            and redecisions < _MAX_REDECISIONS:
+                        # Its worker was ejected, drained or removed while it waited here: decided
+                        # again, not sent where the router no longer sends (behind a hung worker,
+                        # the held ones went there one request_timeout_s after another). No failure
+                        # is charged, and it costs no attempt.
+                        redecisions += 1
+                        attempt -= 1
+                        tried.discard(worker.id)   # (ejected, it is still the last resort of decide())
+                        self.metrics.held.observe(time.monotonic() - held_t0)
+                        continue
+                    # (else, decided again too often: it goes where it was decided, uncounted if so woken)
                 t0 = time.monotonic()
                 held_s = t0 - held_t0
                 self.metrics.held.observe(held_s)
@@ -758,8 +888,10 @@ class Router:
                         self._record_health(worker, False)
                         continue
                     if resp.status == 404 and model is not None:
-                        first = await resp.read()   # (an error: small)
-                        if model_missing(404, first):
+                        # vLLM's 404 for a model is a line; a larger one (a proxy's page, a broken
+                        # worker: 300 MiB grew the router by ~1 GiB) is relayed as any answer is
+                        first, whole = await read_capped(resp.content, SMALL_ANSWER_BYTES)
+                        if whole and model_missing(404, first):
                             # its listing was stale, or not known yet: another worker may serve it
                             unserved = web.Response(status=404, body=first, content_type=resp.content_type)
                             last_error = f"worker {worker.url} does not serve {model!r}"

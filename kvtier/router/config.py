@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from kvtier.core.units import parse_size
 from kvtier.errors import ConfigError
 from kvtier.policy.routing import ROUTE_NAMES
 
@@ -105,6 +106,24 @@ class RouterConfig:
     #: once. Off by default: on the trace bench it helped the baseline's plain workers (p50 0.69x)
     #: but not the kvtier workers, whose connector loads then start only when a request is sent.
     admission_tokens: int = 0
+    #: the most streamed requests the router holds for admission at once, every worker's together;
+    #: one more that would have to wait is answered 429 (``rate_limit_error``) at once: each held
+    #: request keeps its body and a handler, and a hung worker's queue would otherwise grow without
+    #: end. 0: none is held (a worker's step full, the request is refused). Only with admission on.
+    max_held: int = 1000
+    #: the largest request body the router takes (bytes, or a size such as "16MiB" in the file);
+    #: a larger one is answered 413 in the OpenAI error format before it is read whole. The
+    #: default holds a prompt of 1 M token ids (about 7-8 MiB of JSON) twice over.
+    max_body_bytes: int = 16 << 20
+    #: the most leading tokens of a prompt the router tokenizes and keys to route it (a longer
+    #: text is cut, its last partial block dropped): routing gains nothing past the longest
+    #: prompt a worker takes, and a tokenized token costs the router ~400 bytes. The worker is
+    #: still sent the whole body. Raise it to the workers' ``max_model_len`` if that is longer.
+    max_route_tokens: int = 1 << 18
+    #: the longest a client may take to send a request's body once its headers are in; past it,
+    #: 408 and the connection closed (a client that stalls mid-body otherwise holds a socket
+    #: and a handler for ever: aiohttp's keep-alive deadline covers only a wait for headers)
+    body_timeout_s: float = 60.0
     temperature: float = 0.0
     index_capacity: int = 1 << 22
     health_interval_s: float = 2.0
@@ -167,6 +186,9 @@ class RouterConfig:
         "eject_after": (True, True, ""), "kv_bytes_per_token": (True, True, ""),
         "step_tokens": (True, False, " (0: no shared prefill steps)"),
         "admission_tokens": (True, False, " (0: send every request at once)"),
+        "max_held": (True, False, " (0: hold no request)"),
+        "max_body_bytes": (True, True, ""), "max_route_tokens": (True, True, ""),
+        "body_timeout_s": (False, True, ""),
         "host_read_bytes_per_s": (False, True, ""), "shared_read_bytes_per_s": (False, True, ""),
         "prefill_tokens_per_s": (False, True, ""), "health_interval_s": (False, True, ""),
         "connect_timeout_s": (False, True, ""), "request_timeout_s": (False, True, ""),
@@ -184,6 +206,8 @@ class RouterConfig:
             raise ConfigError("no workers: give --worker URL (repeatable) or [[worker]] in the config file")
         if self.policy not in ROUTE_NAMES:
             raise ConfigError(f"unknown --policy {self.policy!r}; use one of {sorted(ROUTE_NAMES)}")
+        if isinstance(self.max_body_bytes, str):   # "16MiB" (the file), or a flag's text
+            self.max_body_bytes = parse_size(self.max_body_bytes, "max_body_bytes")
         for name, (integer, positive, zero) in self._NUMBERS.items():
             value = getattr(self, name)
             if value is None and name == "kv_bytes_per_token":   # from the model's config.json
@@ -200,6 +224,7 @@ class RouterConfig:
             raise ConfigError(f"host must be an address to listen on, got {self.host!r}")
         if self.shared_events is not None:
             zmq_endpoint(self.shared_events, "shared_events ")
+        self.abort_again_s = seconds_list(self.abort_again_s, "abort_again_s")
         return self
 
     @property
@@ -230,6 +255,16 @@ class RouterConfig:
             config.workers.append(WorkerSpec.parse(w["url"] + "".join(f",{k}={w[k]}" for k in ("events", "replay")
                                                                       if w.get(k))))
         return config
+
+
+def seconds_list(value, name: str) -> tuple[float, ...]:
+    """``value`` as a tuple of finite seconds >= 0, else a :class:`ConfigError` naming ``name``
+    (a bare number or a string, which TOML allows, failed only when first used: in the path
+    that aborts a departed client's request)."""
+    if isinstance(value, (list, tuple)) and all(not isinstance(x, bool) and isinstance(x, (int, float))
+                                                and math.isfinite(x) and x >= 0 for x in value):
+        return tuple(float(x) for x in value)
+    raise ConfigError(f"{name} must be a list of seconds >= 0 (e.g. [1.0, 5.0]; [] for none), got {value!r}")
 
 
 def measured_bandwidth(path: str | Path) -> tuple[str, float]:

@@ -25,6 +25,8 @@ from typing import Any, Iterable, Sequence
 
 from aiohttp import ClientError, ClientSession, ClientTimeout
 
+from kvtier.router.reads import SMALL_ANSWER_BYTES, answer_json, read_capped
+
 #: vLLM's model-management endpoints, sent to every worker (``/v1/models`` then lists the
 #: adapter on each): a router is one front door, and its clients cannot reach the workers
 LORA_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
@@ -93,16 +95,23 @@ def model_missing(status: int, body: bytes) -> bool:
 async def post_to_all(session: ClientSession, workers: Sequence, path: str, raw: bytes, headers: dict,
                       timeout_s: float) -> list[tuple[Any, int, bytes, str]]:
     """POST ``raw`` to ``path`` on every worker at once: (worker, status, body, content type) each;
-    a worker that cannot be reached is a 502 of the OpenAI shape."""
+    a worker that cannot be reached, or whose answer runs past ``SMALL_ANSWER_BYTES`` (vLLM's are
+    a line; each is held whole), is a 502 of the OpenAI shape."""
+    def bad_gateway_of(w, message: str) -> tuple[Any, int, bytes, str]:
+        error = {"error": {"message": message, "type": "bad_gateway", "param": None, "code": 502}}
+        return w, 502, json.dumps(error).encode(), "application/json"
+
     async def send(w) -> tuple[Any, int, bytes, str]:
         try:
             async with session.post(w.url + path, data=raw, headers=headers,
                                     timeout=ClientTimeout(total=timeout_s)) as resp:
-                return w, resp.status, await resp.read(), resp.content_type
+                data, complete = await read_capped(resp.content, SMALL_ANSWER_BYTES)
+                if not complete:
+                    return bad_gateway_of(w, f"the worker's answer ({resp.status}) is larger than "
+                                             f"{SMALL_ANSWER_BYTES} bytes")
+                return w, resp.status, data, resp.content_type
         except (ClientError, asyncio.TimeoutError, OSError) as exc:
-            error = {"error": {"message": f"{exc.__class__.__name__}: {exc}", "type": "bad_gateway",
-                               "param": None, "code": 502}}
-            return w, 502, json.dumps(error).encode(), "application/json"
+            return bad_gateway_of(w, f"{exc.__class__.__name__}: {exc}")
 
     return list(await asyncio.gather(*(send(w) for w in workers)))
 
@@ -136,7 +145,7 @@ async def tokenizes_alike(session: ClientSession, worker, headers: dict | None, 
     try:
         async with session.post(worker.url + "/tokenize", json={"prompt": TOKENIZER_CHECK_TEXT}, headers=headers,
                                 timeout=ClientTimeout(total=timeout_s)) as resp:
-            answer = await resp.json(content_type=None) if resp.status == 200 else None
+            answer = await answer_json(resp, SMALL_ANSWER_BYTES) if resp.status == 200 else None
     except (ClientError, asyncio.TimeoutError, ValueError, RecursionError):
         return None
     tokens = answer.get("tokens") if isinstance(answer, dict) else None
