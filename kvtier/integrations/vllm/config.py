@@ -178,9 +178,13 @@ class EngineKV:
     def pages_per_block(self) -> int:
         return self.layout.block_tokens // self.page_tokens
 
-    def keys(self, hashes: list[bytes]) -> list[BlockKey]:
-        """Keys of kvtier blocks 0..n-1, given vLLM's hash of the last page of each."""
-        root = chain_external_hashes(self.namespace, [self.format_tag.encode()])[0]
+    def keys(self, hashes: list[bytes], epoch: str = "") -> list[BlockKey]:
+        """Keys of kvtier blocks 0..n-1, given vLLM's hash of the last page of each.
+
+        ``epoch``: the connector's key epoch (``KvtierConnector.reset_cache``); "" (no reset
+        yet) keys as before epochs existed, so a store filled earlier still hits."""
+        links = [self.format_tag.encode()] + ([b"epoch " + epoch.encode()] if epoch else [])
+        root = chain_external_hashes(self.namespace, links)[-1]
         return chain_external_hashes(self.namespace, hashes, parent=root)
 
     def block_hashes(self, request_hashes: list[bytes], num_tokens: int) -> list[bytes]:

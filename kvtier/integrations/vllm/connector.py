@@ -9,6 +9,19 @@ in one process, share it (:mod:`~kvtier.integrations.vllm.shared_store`).
 
 ``kv_role``: ``kv_both`` loads and saves, ``kv_producer`` (a prefill instance)
 only saves, ``kv_consumer`` (a decode instance) only loads.
+
+**Reset** (``reset_cache``: vLLM's ``reset_prefix_cache(reset_connector=True)``, which
+``pause_generation(clear_cache=True)`` for a weight update, ``release_kv_cache_memory``
+and ``POST /reset_prefix_cache?reset_external=true`` call): every later lookup misses
+what was stored before. The store is shared (a disk tier, a kvtier server, other engines),
+so nothing is deleted: the scheduler draws a fresh random key epoch, part of the root of
+every key from then on, and sends it to the workers with each step's metadata; the old
+blocks age out. The epoch lives in this engine process only: other engines sharing the
+store still see the old blocks (reset them too), they do not see this engine's blocks
+saved after the reset, and a restarted engine keys as before any reset (the blocks of its
+weights on disk). Random, not counted: an epoch is never reused by a restart or another
+engine for other weights. Weights that change and are kept across restarts, or shared by
+several engines, need a new ``weights_revision``.
 """
 
 from __future__ import annotations
@@ -27,7 +40,7 @@ from kvtier.integrations import poison as poisoning
 from kvtier.integrations.vllm import cpu_windows, shared_store
 from kvtier.integrations.vllm.config import ConnectorConfig, engine_kv
 from kvtier.integrations.vllm.lookup_service import LookupClient, LookupServer, socket_path
-from kvtier.integrations.vllm.metadata import KvtierMetadata
+from kvtier.integrations.vllm.metadata import KvtierMetadata, KvtierWorkerMetadata
 from kvtier.integrations.vllm.scheduler_side import SchedulerSide
 from kvtier.integrations.vllm.worker_side import WorkerSide
 
@@ -160,6 +173,10 @@ class KvtierConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_load_errors()
 
+    def build_connector_worker_meta(self) -> KvtierWorkerMetadata:
+        # Names the step this report is of; never empty, so the scheduler sees every report.
+        return KvtierWorkerMetadata(self.worker.step)
+
     def shutdown(self) -> None:
         """vLLM's stop signal (worker shutdown, scheduler shutdown): saves reach the store, and
         the last connector of the process closes it, flushing DRAM-only blocks to disk
@@ -185,7 +202,14 @@ class KvtierConnector(KVConnectorBase_V1):
         return self.scheduler.build(scheduler_output)
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
-        self.scheduler.update(connector_output.finished_recving, connector_output.invalid_block_ids)
+        worker_meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        step = worker_meta.step if isinstance(worker_meta, KvtierWorkerMetadata) else None
+        self.scheduler.update(connector_output.finished_recving, connector_output.invalid_block_ids, step)
+
+    def reset_cache(self) -> bool:
+        """Every later lookup misses what was stored before (a new key epoch; see the module's
+        docstring). True: vLLM treats the connector's cache as cleared."""
+        return self.scheduler.reset() if self.scheduler is not None else False
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler.finished(request)

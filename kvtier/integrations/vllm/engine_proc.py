@@ -517,7 +517,10 @@ def main() -> int:
             profile = os.environ.get("KVTIER_ENGINE_PROFILE")
             reply(seq, profiled_replay(llm, cmd, profile) if profile else replay(llm, cmd))
         elif op == "reset":
-            reply(seq, {"ok": llm.reset_prefix_cache()})
+            # connector: also reset the connector's cache, as vLLM's reset_prefix_cache?reset_external
+            # and its cache clearing on a weight update do
+            ok = llm.reset_prefix_cache(reset_connector=True) if cmd.get("connector") else llm.reset_prefix_cache()
+            reply(seq, {"ok": ok})
         elif op == "stats":
             reply(seq, stats(llm))
         elif op == "flush":

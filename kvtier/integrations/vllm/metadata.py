@@ -1,15 +1,22 @@
-"""What the scheduler-side connector tells the worker side each step.
+"""What the scheduler-side connector tells the worker side each step, and what a worker
+tells it back.
 
-Plain dataclasses of ints and bytes: vLLM may send them to another process.
+Plain dataclasses of ints, strings and bytes: vLLM may send them to another process.
 A kvtier block spans ``pages_per_block`` vLLM pages; a transfer names the
 pages of one block it reads or writes, from page ``first`` of the block on.
+
+Steps are numbered by the scheduler's builds (0, 1, 2, ...). With more than one batch in
+flight (async scheduling, pipeline parallelism) vLLM builds step N+1 before it takes step
+N's report, so a step carries both its own number and the last step whose report the
+scheduler had taken (``reported_step``); each worker names the step of its report
+(:class:`KvtierWorkerMetadata`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 
 @dataclass(slots=True)
@@ -45,3 +52,23 @@ class KvtierMetadata(KVConnectorMetadata):
     #: the step runs no forward pass: the worker may block on its loads instead of
     #: returning at once to an engine loop that would spin (and hold the GIL) meanwhile
     idle_step: bool = False
+    step: int = 0  #: this step's number
+    #: the last step whose report the scheduler had taken when it built this one (-1: none): a
+    #: worker whose load failed in a later step drops its saves (their KV may have been
+    #: computed over the pages the load left unfilled, and the scheduler has not rewound yet)
+    reported_step: int = -1
+    #: the key epoch the step's loads and saves use: "" until the first ``reset_cache``
+    #: (keys as before any reset), then a fresh random value for each reset
+    epoch: str = ""
+
+
+@dataclass
+class KvtierWorkerMetadata(KVConnectorWorkerMetadata):
+    """A worker's report names its step. Never empty: vLLM then hands the scheduler
+    connector every step's report (an empty one it skips), in step order."""
+
+    step: int
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        # The workers (tensor and pipeline ranks) of one step report the same step.
+        return KvtierWorkerMetadata(min(self.step, other.step)) if isinstance(other, KvtierWorkerMetadata) else self

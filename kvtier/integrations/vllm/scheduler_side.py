@@ -20,6 +20,16 @@
   a sliding window ends that prefix); a decode instance given them waits (up to
   ``pd_wait_s``) until the store shows those blocks, since the prefill
   instance's writes are asynchronous.
+* **Steps in flight.** With more than one batch in flight (async scheduling, pipeline
+  parallelism) vLLM builds step N+1 before it takes step N's report. Each build is kept
+  (its synchronous loads, its saves) until its report: a report charges a failed load
+  only to the loads of its own step, and a failure rewinds the save cursors of every save
+  the workers dropped for it (that step's and those built before the report, see
+  ``KvtierMetadata.reported_step``), so those blocks are planned again.
+* **Reset** (``reset``, vLLM's ``reset_cache``): a fresh random key epoch; every later lookup,
+  load and save keys under it, so nothing stored before hits again (the store keeps it
+  until evicted). Requests known at the reset save nothing more (their pages may hold KV of
+  the old weights) unless they come back with nothing computed.
 
 Not thread safe: vLLM calls the scheduler connector from its scheduler thread only.
 A lookup that fails (a tier down, a timeout) counts as a miss; it never raises.
@@ -28,7 +38,9 @@ A lookup that fails (a tier down, a timeout) counts as a miss; it never raises.
 from __future__ import annotations
 
 import logging
+import secrets
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -78,6 +90,20 @@ class _Request:
     async_load: bool = True  #: how the load planned at the last lookup runs
     loaded_tokens: int = 0
     wait_until: float | None = None
+    #: known at a ``reset``: its pages may hold KV computed before it, never saved under the new
+    #: epoch; cleared when it comes back with nothing computed (preempted, vLLM's cache reset)
+    stale: bool = False
+
+
+@dataclass(slots=True)
+class _Step:
+    """A built step whose report has not come: what its report concerns."""
+
+    seq: int
+    #: its synchronous loads: the request and the ``load_pages`` the load set
+    sync_loads: list[tuple[_Request, dict[int, int]]]
+    #: its saves: the request and the first block of each; a worker may drop them (a failed load)
+    saves: list[tuple[_Request, int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -115,13 +141,24 @@ class SchedulerSide:
         self.stats = SchedulerStats()
         self._requests: dict[str, _Request] = {}
         self._pending_loads: list[LoadJob] = []
-        #: requests given a synchronous load since the last report: its outcome comes with the
-        #: report of the step that ran it (invalid pages), then its pages are no longer its own
-        self._sync_loads: list[_Request] = []
+        #: synchronous loads planned for the next build: a load's outcome comes with the report
+        #: of the step that ran it (invalid pages), then its pages are no longer its own
+        self._sync_loads: list[tuple[_Request, dict[int, int]]] = []
+        #: built steps not reported yet, oldest first (vLLM reports steps in order)
+        self._steps: deque[_Step] = deque()
+        self._next_step = 0
+        self._reported_step = -1
+        #: the key epoch: "" until the first reset (keys as before epochs existed)
+        self.epoch = ""
 
     # -- lookup ---------------------------------------------------------------------
     def num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         state = self._state(request)
+        if state.stale and num_computed_tokens == 0:
+            # back after a reset with nothing computed: its pages will hold KV of the current
+            # weights only; what it stored before is under the old epoch
+            state.stale = False
+            state.stored_blocks = state.announced_blocks = 0
         # vLLM reads no cached block for a request that skips the prefix cache (prompt logprobs:
         # a block keeps no logits) and drops whatever is returned here: no lookup, no P/D wait
         if not self.loads or state.load_failed or getattr(request, "skip_reading_prefix_cache", False):
@@ -177,7 +214,7 @@ class SchedulerSide:
             return 0, None
         self.stats.lookups += 1
         try:
-            found = self.lookup(self.engine.keys(hashes))
+            found = self.lookup(self.engine.keys(hashes, self.epoch))
         except Exception as exc:  # noqa: BLE001 - a broken tier is a miss, never a failed request
             self.stats.lookup_errors += 1
             log.warning("kvtier lookup failed (%s); treating it as a miss", exc)
@@ -213,15 +250,20 @@ class SchedulerSide:
         state.load_pages = {p: t.index for t in transfers for p in t.page_ids}
         state.loading = state.async_load
         if not state.async_load:
-            self._sync_loads.append(state)
+            self._sync_loads.append((state, state.load_pages))
         state.loaded_tokens = num_external_tokens
         self.stats.load_jobs += 1
         self.stats.hit_tokens += num_external_tokens
 
     # -- per step ------------------------------------------------------------------------
     def build(self, scheduler_output) -> KvtierMetadata:
-        meta = KvtierMetadata(loads=self._pending_loads, idle_step=scheduler_output.total_num_scheduled_tokens == 0)
+        meta = KvtierMetadata(loads=self._pending_loads, idle_step=scheduler_output.total_num_scheduled_tokens == 0,
+                              step=self._next_step, reported_step=self._reported_step, epoch=self.epoch)
+        step = _Step(self._next_step, self._sync_loads)
+        self._steps.append(step)
+        self._next_step += 1
         self._pending_loads = []
+        self._sync_loads = []
         if not self.saves:
             return meta
         scheduled = scheduler_output.num_scheduled_tokens
@@ -242,11 +284,14 @@ class SchedulerSide:
             elif new_ids:
                 state.page_ids.extend(new_ids[0])
             self._plan_save(meta, req_id, state, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
+        step.saves = [(self._requests[job.req_id], job.blocks[0].index) for job in meta.saves]
         return meta
 
     def _plan_save(self, meta: KvtierMetadata, req_id: str, state: _Request, computed_tokens: int) -> None:
         """Queue the blocks whose last token this step computes (KV of known tokens only)."""
         engine = self.engine
+        if state.stale:
+            return
         # Most steps of a request save nothing (a decode step completes a block every
         # block_tokens tokens): say so before listing its blocks' hashes, which costs Python per
         # block of every running request every step (3.3 ms a step at 256 requests of 32 k).
@@ -272,31 +317,63 @@ class SchedulerSide:
         meta.saves.append(SaveJob(req_id, hashes[:full], transfers))
         self.stats.save_blocks += len(transfers)
 
-    def update(self, finished_loads, invalid_pages) -> None:
+    def update(self, finished_loads, invalid_pages, step: int | None = None) -> None:
         """Take the workers' report of a step: loads that ended, pages they could not fill.
+
+        ``step``: the step the report is of (the workers' ``KvtierWorkerMetadata``); None: the
+        oldest step not reported yet (vLLM reports steps in order, but skips an empty report:
+        the connector passes the step).
 
         A failed load's blocks from its first failed one on are neither stored nor announced:
         vLLM recomputes them, and they are saved as they are computed again (before, the save
         cursor had passed them at the lookup, so they were never saved, and a decode instance
-        was told to wait for them). Only loads whose outcome is pending are matched: a load
-        reported before, or planned for pages vLLM has since given another request, is not
-        this report's."""
+        was told to wait for them). Only loads whose outcome is pending are matched: a
+        synchronous load of this step (or an earlier one), an asynchronous load in flight; not a
+        load reported before, one of a later step (built before this report came), nor one
+        planned for pages vLLM has since given another request.
+
+        A worker whose load failed drops the saves of that step and of every step built before
+        the scheduler took the failure's report (``KvtierMetadata.reported_step``): the save
+        cursors of all of those rewind, and their blocks are planned again (their pages still
+        hold them, or vLLM recomputes them)."""
+        if step is None:
+            step = self._steps[0].seq if self._steps else self._reported_step
+        reported = []
+        while self._steps and self._steps[0].seq <= step:
+            reported.append(self._steps.popleft())
+        self._reported_step = max(self._reported_step, step)
         if invalid_pages:
-            for state in self._requests.values():
-                failed = [index for page, index in state.load_pages.items() if page in invalid_pages]
-                if failed:
+            pending = [(state, pages) for s in reported for state, pages in s.sync_loads]
+            pending += [(state, state.load_pages) for state in self._requests.values() if state.loading]
+            for state, pages in pending:
+                failed = [index for page, index in pages.items() if page in invalid_pages]
+                if failed and state.load_pages is pages:
                     state.load_failed = True
-                    first = min(failed)
-                    state.stored_blocks = min(state.stored_blocks, first)
-                    state.announced_blocks = min(state.announced_blocks, first)
+                    _rewind(state, min(failed))
+            for dropped in (*reported, *self._steps):
+                for state, first in dropped.saves:
+                    _rewind(state, first)
         for req_id in finished_loads or ():
             state = self._requests.get(req_id)
             if state is not None:
                 state.loading = False
                 state.load_pages = {}
-        for state in self._sync_loads:
-            state.load_pages = {}
-        self._sync_loads = []
+        for s in reported:
+            for state, pages in s.sync_loads:
+                if state.load_pages is pages:
+                    state.load_pages = {}
+
+    def reset(self) -> bool:
+        """Make every later lookup miss what is stored now (``reset_cache``): a fresh random key
+        epoch, which the workers take from the next step's metadata. Steps built before key
+        their loads and saves as before. Requests known now save nothing more unless they come
+        back with nothing computed. Returns True."""
+        self.epoch = secrets.token_hex(16)
+        for state in self._requests.values():
+            state.stale = True
+        log.info("kvtier: connector cache reset; new key epoch %s (blocks stored before stay in the store, "
+                 "unseen, until evicted)", self.epoch)
+        return True
 
     def finished(self, request) -> tuple[bool, dict | None]:
         """Forget the request. Returns (keep its pages until the worker reports its
@@ -314,6 +391,12 @@ class SchedulerSide:
         else:
             state.request = request
         return state
+
+
+def _rewind(state: _Request, first: int) -> None:
+    """Blocks ``first``.. of the request are neither stored nor queued: plan them again."""
+    state.stored_blocks = min(state.stored_blocks, first)
+    state.announced_blocks = min(state.announced_blocks, first)
 
 
 def _announced_blocks(request) -> int:

@@ -13,6 +13,10 @@
 * **Saves** copy the pages of newly computed blocks into a staging buffer in
   ``wait_for_save`` (so vLLM may reuse the pages right after) and hand the
   buffer to the store's I/O pool; the engine does not wait for the write.
+  After a failed load, no save goes until the scheduler has taken that step's
+  report (``KvtierMetadata.reported_step``): the steps vLLM ran meanwhile may have
+  computed over the pages the load left unfilled.
+* **Keys** are those of the step's ``epoch`` (a ``reset_cache`` starts a new one).
 
 Thread safety: the vLLM-facing methods run on the worker's thread; the loader
 thread only touches the pages of its own jobs and shares ``_done`` under a lock.
@@ -94,8 +98,9 @@ class WorkerStats:
     failed_pages: int = 0
     saved_blocks: int = 0
     save_failures: int = 0
-    #: blocks not saved because a synchronous load of their step failed (their KV may have been
-    #: computed on pages the load left unfilled)
+    #: blocks not saved because a load of their step, or of a step before it that the scheduler
+    #: had not taken the report of, failed (their KV may have been computed on pages the load
+    #: left unfilled)
     saves_dropped: int = 0
 
 
@@ -116,8 +121,10 @@ class WorkerSide:
         self._inflight: dict[str, Future] = {}
         self._load_errors: set[int] = set()
         self._saves: list[Future] = []
-        #: a synchronous load of the current step failed: that step's saves are dropped
-        self._step_load_failed = False
+        #: the step being run (its metadata's ``step``), and the last one whose loads failed:
+        #: saves are dropped until the scheduler has taken that step's report
+        self.step = 0
+        self._failed_step = -1
         #: loads copy from this host pool without staging; None: every read goes through
         #: the store (tests set it to None to make store reads fail)
         self.direct_host = direct_host_tier(store)
@@ -131,19 +138,21 @@ class WorkerSide:
 
     # -- loads -----------------------------------------------------------------------
     def start_loads(self, meta: KvtierMetadata) -> None:
-        self._step_load_failed = False
+        self.step = meta.step
         for job in meta.loads:
             self.stats.load_jobs += 1
             if job.is_async:
                 self.stats.async_load_jobs += 1
-                self._inflight[job.req_id] = self._loader.submit(self._load, job)
+                self._inflight[job.req_id] = self._loader.submit(self._load, job, meta.epoch)
             else:
-                failed = self._load(job)
+                failed = self._load(job, meta.epoch)
                 self._load_errors |= failed
-                self._step_load_failed |= bool(failed)
+                if failed:
+                    self._failed_step = self.step
 
-    def _load(self, job: LoadJob) -> set[int]:
-        """Fill the job's pages; returns the ids of pages left unfilled."""
+    def _load(self, job: LoadJob, epoch: str = "") -> set[int]:
+        """Fill the job's pages from the blocks of key epoch ``epoch``; returns the ids of pages
+        left unfilled."""
         if self.paged is None:
             return {p for t in job.blocks for p in t.page_ids}
         loaded = 0
@@ -151,7 +160,7 @@ class WorkerSide:
         if self.poison:
             self.paged.poison(job.blocks)
         try:
-            keys = self.engine.keys(job.hashes)
+            keys = self.engine.keys(job.hashes, epoch)
             wanted = [keys[t.index] for t in job.blocks]
             # Promotions of blocks this load reads from a lower tier wait until the whole
             # load is over: their reads would compete with ours.
@@ -215,7 +224,12 @@ class WorkerSide:
         return done
 
     def take_load_errors(self) -> set[int]:
+        """Pages loads left unfilled since the last call: this step's report. A report with any
+        (an asynchronous load's too) stops saves until the scheduler has taken it, as the
+        scheduler rewinds the saves of every step built before it took a failure's report."""
         errors, self._load_errors = self._load_errors, set()
+        if errors:
+            self._failed_step = max(self._failed_step, self.step)
         return errors
 
     # -- saves -----------------------------------------------------------------------
@@ -223,19 +237,22 @@ class WorkerSide:
         if self.paged is None:
             return
         self._saves = [f for f in self._saves if not f.done()]
-        if self._step_load_failed:
-            # vLLM ran this step's forward over pages a synchronous load left unfilled (it learns
-            # of the failure from this step's report and recomputes after): the KV computed on
-            # them is wrong, and saved it would be served under the blocks' real keys. Every
-            # save of the step goes (another request may read those pages through vLLM's prefix
-            # cache): a dropped save is a later miss; the scheduler saves the recomputed blocks.
+        if meta.reported_step < self._failed_step:
+            # vLLM ran this step's forward over pages a synchronous load left unfilled: the load
+            # was of this step, or of an earlier one whose report the scheduler had not taken when
+            # it built this step (more than one batch in flight: async scheduling, pipeline
+            # parallelism; the request's next chunk ran over them). vLLM learns of the failure from
+            # that step's report and recomputes; the KV computed meanwhile is wrong, and saved it
+            # would be served under the blocks' real keys. Every save of the step goes (another
+            # request may read those pages through vLLM's prefix cache): the scheduler rewinds
+            # them all when it takes the report, and plans them again.
             self.stats.saves_dropped += sum(len(job.blocks) for job in meta.saves)
             return
         for job in meta.saves:
-            self._save(job)
+            self._save(job, meta.epoch)
 
-    def _save(self, job: SaveJob) -> None:
-        keys = self.engine.keys(job.hashes)
+    def _save(self, job: SaveJob, epoch: str = "") -> None:
+        keys = self.engine.keys(job.hashes, epoch)
         staging = self._buffers.take(len(job.blocks))
         for buf, transfer in zip(staging, job.blocks):
             self.paged.gather(transfer, buf)

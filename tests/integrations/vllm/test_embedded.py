@@ -202,3 +202,32 @@ def test_a_block_corrupted_on_disk_mid_chain_stops_the_load_there(engine, reader
     assert after_stats["failed_pages"] == before_stats["failed_pages"]
     assert again["token_ids"] == reference["token_ids"]
     assert again["logprobs"] == reference["logprobs"]
+
+
+# Last in the module on purpose: it moves the writer's key epoch, and the tests above read its
+# blocks from another engine process (the reader keys as before any reset).
+def test_a_connector_cache_reset_makes_every_prompt_seen_before_miss(engine):
+    """vLLM's reset_prefix_cache(reset_connector=True) -- what a weight update's cache clearing,
+    release_kv_cache_memory and POST /reset_prefix_cache?reset_external=true call -- reported
+    success and kvtier went on serving every block stored before (KV of the old weights)."""
+    batch = prompts(2, 300, seed=61)
+    cold = engine.generate(batch, max_tokens=8)
+    engine.call(op="flush")
+    assert engine.call(op="reset")["ok"]
+    warm = engine.generate(batch, max_tokens=8)
+    for prompt, a, b in zip(batch, cold, warm):   # control: before the connector's reset, a hit
+        assert loaded_tokens(b) == expected_hit(len(prompt)) > 0
+        assert b["token_ids"] == a["token_ids"]
+    engine.call(op="flush")
+    assert engine.call(op="reset", connector=True)["ok"]
+    after = engine.generate(batch, max_tokens=8)
+    for a, b in zip(cold, after):
+        assert loaded_tokens(b) == 0 and b["num_cached_tokens"] == 0, "nothing stored before the reset hits"
+        assert b["token_ids"] == a["token_ids"] and b["logprobs"] == a["logprobs"]
+    # what was computed after the reset is saved under the new epoch, and hits
+    engine.call(op="flush")
+    assert engine.call(op="reset")["ok"]
+    again = engine.generate(batch, max_tokens=8)
+    for prompt, a, b in zip(batch, cold, again):
+        assert loaded_tokens(b) == expected_hit(len(prompt)) > 0
+        assert b["token_ids"] == a["token_ids"] and b["logprobs"] == a["logprobs"]
