@@ -29,7 +29,9 @@ thread. Choices, and why:
   a cache may skip a promotion.
 
 The thread starts with the first key and ends after a while without work, so
-that an idle store keeps no thread.
+that an idle store keeps no thread. :meth:`Promoter.close` also closes reads:
+it waits for the foreground reads under way on other threads (the store closes
+its tiers next, under none of them), and later ones are told not to read.
 """
 
 from __future__ import annotations
@@ -135,6 +137,9 @@ class Promoter:
         self._queue: OrderedDict[BlockKey, _Wanted] = OrderedDict()
         self._inflight: set[BlockKey] = set()
         self._busy = 0  # foreground gets running
+        # of those, the ones begun before close(), per thread: close waits for them (not its own
+        # thread's, nor those begun after it, which read nothing: new ones cannot hold it up)
+        self._readers: dict[int, int] = {}
         self._cond = threading.Condition(threading.Lock())
         self._running = False  # a promoter thread serves the queue
         # Threads not yet ended: one that decided to exit may still be winding down when the next
@@ -146,15 +151,26 @@ class Promoter:
     # -- the store's side --------------------------------------------------------------
     @contextmanager
     def foreground(self):
-        """Wrap a foreground read: promotions wait until no such read runs."""
+        """Wrap a foreground read: promotions wait until no such read runs, and :meth:`close`
+        until those begun before it end. Yields whether the read may go on: False once
+        ``close`` began (the tiers are about to close: the read must touch none, its blocks
+        are misses)."""
+        me = threading.get_ident()
         with self._cond:
+            open_ = not self._closed
             self._busy += 1
+            if open_:
+                self._readers[me] = self._readers.get(me, 0) + 1
         try:
-            yield
+            yield open_
         finally:
             with self._cond:
                 self._busy -= 1
-                if not self._busy:
+                if open_:
+                    left = self._readers.pop(me) - 1
+                    if left:
+                        self._readers[me] = left
+                if not self._busy or self._closed:  # the promoter (no read runs), or close
                     self._cond.notify_all()
 
     def submit(self, keys: Sequence[BlockKey], sources: Sequence[int], sizes: Sequence[int]) -> None:
@@ -202,12 +218,16 @@ class Promoter:
             return not (self._queue or self._inflight)
 
     def close(self) -> None:
-        """Drop what waits, let the promotion in flight finish (the tiers close next)."""
+        """Drop what waits, let the promotion in flight finish, and wait for the foreground
+        reads under way (the tiers close next); later reads are refused (see :meth:`foreground`).
+        Reads of the calling thread are not waited for (a close inside its own ``reading()``
+        would wait for itself); they must not touch the tiers after it."""
+        me = threading.get_ident()
         with self._cond:
             self._closed = True
             self._queue.clear()
             self._cond.notify_all()
-            while self._threads:
+            while self._threads or sum(self._readers.values()) > self._readers.get(me, 0):
                 self._cond.wait()
 
     # -- the promoter thread -------------------------------------------------------------

@@ -16,10 +16,11 @@
   never loses a block. A block that lands in a middle tier is dirty there for
   the tier below (see :mod:`kvtier.store.writebehind`). Write-through puts
   into every tier; a single tier has nothing below it and nothing is dirty.
-* ``close`` waits for the puts under way (a put after it is refused), then
-  copies what is still dirty, waiting at most
-  ``close_flush_timeout_s``, and reports it (:class:`FlushReport`): a graceful
-  shutdown leaves every block in the slower, durable tiers.
+* ``close`` waits for the puts under way (a put after it is refused) and the
+  gets under way (a get after it is a miss), then copies what is still dirty,
+  waiting at most ``close_flush_timeout_s``, and reports it
+  (:class:`FlushReport`): a graceful shutdown leaves every block in the
+  slower, durable tiers, and no load in flight meets a closed tier.
 * The ``*_async`` forms run on a small I/O thread pool so that loads and saves
   overlap the engine's compute; the numpy copies, hashing and file I/O they do
   release the GIL.
@@ -42,7 +43,7 @@ from kvtier.core.thread_pools import started_pool
 from kvtier.store.promotion import EraseGuard, Promoter
 from kvtier.errors import TierError
 from kvtier.store.writebehind import FlushReport, WriteBehind
-from kvtier.tiers.base import RefusedRemoval, Status, Tier, refused_removals
+from kvtier.tiers.base import RefusedRemoval, Status, Tier, check_batch_lengths, refused_removals
 
 log = logging.getLogger(__name__)
 
@@ -212,11 +213,14 @@ class TieredStore:
         statuses: list[Status] = []
         tiers: list[str | None] = []
         later: list[tuple[BlockKey, int, int]] = []
-        with self._promoter.foreground():
+        with self._promoter.foreground() as open_:
             # One get_many per tier (a disk tier reads block i+1 while it verifies block i); past
-            # a miss nothing is used (a lookup before the get makes that rare).
+            # a miss nothing is used (a lookup before the get makes that rare). Once close() has
+            # closed reads, nothing is read: the tiers are about to close (close waits for the
+            # gets that began before).
             background = promote_in_background or on_ready is not None
-            found = self._get_all(keys, outs, inline=not background, on_ready=on_ready)
+            found = (self._get_all(keys, outs, inline=not background, on_ready=on_ready) if open_
+                     else [(Status.MISS, None, 0)] * len(keys))
             for key, out, (status, source, level) in zip(keys, outs, found):
                 statuses.append(status)
                 tiers.append(source)
@@ -272,10 +276,11 @@ class TieredStore:
 
     def _promote(self, keys: list[BlockKey], datas: list, upper: Sequence[Tier], seen: int) -> None:
         """Copy blocks read from a slower tier into ``upper``, unless a delete started since ``seen``
-        (it may have erased one of them: a cache may skip a promotion, never undo an erasure)."""
+        (it may have erased one of them: a cache may skip a promotion, never undo an erasure)
+        or the store is closing (nothing is published behind its last flush)."""
         promoted = 0
         with self._guard.publishing(seen) as ok:
-            if not ok:
+            if not ok or self._closed:
                 return
             for key, data in zip(keys, datas):
                 for level, tier in enumerate(upper):
@@ -317,10 +322,13 @@ class TieredStore:
 
         Returns per-key status of the fastest tier (write-behind: the copies
         below happen later) or the best status over all tiers (write-through:
-        OK if any tier took the block).
+        OK if any tier took the block). ``blocks``, and ``parents`` and ``metas`` where given,
+        hold one item per key (else ValueError, before anything is stored).
         """
+        keys = list(keys)
+        check_batch_lengths("put", keys, blocks, parents, metas)
         with self._put_under_way():
-            return self._put(list(keys), blocks, parents, metas)
+            return self._put(keys, blocks, parents, metas)
 
     @contextlib.contextmanager
     def _put_under_way(self):
@@ -388,8 +396,10 @@ class TieredStore:
     def delete(self, keys: Sequence[BlockKey]) -> int:
         """Delete from every tier; returns how many (tier, key) copies were removed.
 
-        A write-behind copy in flight is deleted again where it lands; a promotion not yet
-        published is dropped, one being published lands first and is deleted here.
+        A write-behind copy of a key in flight lands first and is deleted here (the delete waits
+        for it: at most one batch's copy); a promotion not yet published is dropped, one being
+        published lands first and is deleted here. Once this returns, no tier serves the keys
+        and no copy begun before brings them back.
 
         Raises :class:`DeleteRefused` (a :class:`~kvtier.errors.TierError`), once every tier
         was asked, if a tier could not remove a copy it holds (a disk tier whose file system
@@ -451,9 +461,10 @@ class TieredStore:
 
     def close(self, flush_timeout_s: float | None = _CONFIGURED) -> FlushReport:  # type: ignore[assignment]
         """Finish the asynchronous puts and those under way on other threads (later ones are
-        refused), copy what is still dirty down (at most
-        ``flush_timeout_s``, default ``close_flush_timeout_s``; None: no limit), then close
-        the tiers. Returns (and logs) what the flush did; a second close does nothing."""
+        refused) and the gets under way on other threads (later ones miss; a ``reading()``
+        bracket counts as a get), copy what is still dirty down (at most ``flush_timeout_s``,
+        default ``close_flush_timeout_s``; None: no limit), then close the tiers. Returns (and
+        logs) what the flush did; a second close does nothing."""
         if self._closed:
             return FlushReport(0, 0, 0.0)
         self._closed = True
@@ -463,7 +474,9 @@ class TieredStore:
             self._puts_open = False
             while self._puts:
                 self._puts_cond.wait()
-        self._promoter.close()  # a cache may skip promotions; the one in flight ends first
+        # A cache may skip promotions: the one in flight ends first. Reads close here too: the
+        # gets under way end first (no tier closes under one), later ones miss.
+        self._promoter.close()
         report = FlushReport(0, 0, 0.0)
         if self._writebehind is not None:
             report = self._writebehind.close(timeout)

@@ -32,9 +32,15 @@ Choices, and why:
 
 Lock order: the write-behind lock is never held while calling into a tier
 (tiers call the demotion hook, which takes it, under their own locks).
-Races: a block deleted while its copy is in flight is deleted again from the
-lower tier once the copy lands (an erasure stays an erasure); saved again
-meanwhile, it is marked dirty anew after that late delete. A block evicted
+Races: a delete of a block whose copy is in flight waits until that copy has
+landed (at most one batch: a key being deleted is never taken again), and only
+then deletes it from every tier. Deleting the landed copy afterwards instead
+left a window in which the erased block was served and promoted back, or in
+which it was saved again and its only copy then deleted. The wait holds no
+lock the copy needs (the copy takes this lock only briefly, in demotion hooks
+and to settle, and the wait releases it), so it ends when the copy does (a
+copy that fails or raises settles too). A block saved while it is being deleted is marked dirty
+once the delete is over (copied if its tier still holds it). A block evicted
 mid-copy (a source tier without pins) is not marked clean afterwards.
 """
 
@@ -64,7 +70,7 @@ _STAGING_BYTES = 64 << 20
 _IDLE_EXIT_S = 2.0
 
 # states of a block whose copy is in flight
-_COPYING, _EVICTED, _DELETED = "copying", "evicted", "deleted"
+_COPYING, _EVICTED = "copying", "evicted"
 
 
 class FlushReport(NamedTuple):
@@ -118,8 +124,8 @@ class WriteBehind:
         self._dirty: list[OrderedDict[BlockKey, _Dirty]] = [OrderedDict() for _ in range(levels)]
         self._clean: list[OrderedDict[BlockKey, None]] = [OrderedDict() for _ in range(levels)]
         self._inflight: list[dict[BlockKey, str]] = [{} for _ in range(levels)]
-        # blocks saved again while their deleted copy is in flight: marked dirty once it is settled
-        self._redo: list[dict[BlockKey, _Dirty]] = [{} for _ in range(levels)]
+        # blocks saved while they are being deleted: marked dirty once the deletes are over
+        self._after_delete: list[dict[BlockKey, _Dirty]] = [{} for _ in range(levels)]
         self._deleting: dict[BlockKey, int] = {}  # keys being deleted now, by how many callers
         self._cond = threading.Condition(threading.Lock())
         self._thread: threading.Thread | None = None
@@ -140,12 +146,13 @@ class WriteBehind:
                 return
             dirty, clean, inflight = self._dirty[level], self._clean[level], self._inflight[level]
             for key, parent, meta, nbytes in zip(keys, parents, metas, sizes):
-                if inflight.get(key) == _DELETED and key not in self._deleting:
-                    # its old copy is deleted from the tier below when it lands: copy this one after
-                    self._redo[level][key] = _Dirty(parent, meta, nbytes)
+                if key in self._deleting:
+                    # the delete may remove this copy or not (it may have passed this tier): its
+                    # end decides, so that no block saved meanwhile stays uncopied
+                    self._after_delete[level][key] = _Dirty(parent, meta, nbytes)
                     continue
-                if key in dirty or key in clean or key in inflight or key in self._deleting:
-                    continue  # already copied, queued or being copied (the same bytes), or going
+                if key in dirty or key in clean or key in inflight:
+                    continue  # already copied, queued or being copied (the same bytes)
                 dirty[key] = _Dirty(parent, meta, nbytes)
                 if len(dirty) > self.dirty_limit:
                     dirty.popitem(last=False)  # the oldest: LRU evicts (and so demotes) it next anyway
@@ -165,9 +172,16 @@ class WriteBehind:
 
     @contextlib.contextmanager
     def deleting(self, keys: Sequence[BlockKey]):
-        """Wrap the deletion of ``keys`` from every tier: their marks go, a copy in flight is
-        deleted from its lower tier when it lands, and none is marked again until the
-        deletion is over (an eviction racing it may demote a block once more)."""
+        """Wrap the deletion of ``keys`` from every tier: their marks go, and the body runs once
+        no copy of them is in flight (it has landed: the body deletes it with the rest). None
+        is copied or marked until the deletion is over (an eviction racing it may demote a
+        block once more, before the body deletes it there); a block saved meanwhile is marked
+        dirty at the end.
+
+        Waits at most for the flusher's batch under way (keys being deleted are never taken
+        again; after :meth:`close` too, as a copy may still land). Call it holding no lock that
+        a tier's put or a demotion hook takes."""
+        keys = list(dict.fromkeys(keys))
         with self._cond:
             for key in keys:
                 self._deleting[key] = self._deleting.get(key, 0) + 1
@@ -175,11 +189,15 @@ class WriteBehind:
                 for key in keys:
                     self._dirty[level].pop(key, None)
                     self._clean[level].pop(key, None)
-                    self._redo[level].pop(key, None)
-                    if key in self._inflight[level]:
-                        self._inflight[level][key] = _DELETED
-            self._cond.notify_all()
+                    self._after_delete[level].pop(key, None)  # saved before this delete: it goes too
+            self._cond.notify_all()  # flush() counts the marks dropped here
+        again = []
         try:
+            with self._cond:
+                copying = self._copying_locked(keys)
+                while copying:
+                    self._cond.wait()  # _settle notifies
+                    copying = self._copying_locked(copying)
             yield
         finally:
             with self._cond:
@@ -187,13 +205,24 @@ class WriteBehind:
                     left = self._deleting.pop(key) - 1
                     if left:
                         self._deleting[key] = left
+                        continue
+                    for level, saved in enumerate(self._after_delete):
+                        entry = saved.pop(key, None)
+                        if entry is not None:
+                            again.append((level, key, entry))
+            for level, key, entry in again:  # gone from its tier meanwhile: the flusher skips it
+                self.mark_dirty(level, [key], [entry.parent], [entry.meta], [entry.nbytes])
+
+    def _copying_locked(self, keys) -> list[BlockKey]:
+        """Those of ``keys`` whose copy is in flight (in the flusher's batch)."""
+        return [key for key in keys if any(key in inflight for inflight in self._inflight)]
 
     def dirty_count(self) -> int:
         with self._cond:
             return self._pending_locked()
 
     def _pending_locked(self) -> int:
-        return sum(map(len, self._dirty)) + sum(map(len, self._inflight))
+        return sum(map(len, self._dirty)) + sum(map(len, self._inflight)) + sum(map(len, self._after_delete))
 
     def _add_clean_locked(self, level: int, key: BlockKey) -> None:
         clean = self._clean[level]
@@ -261,6 +290,11 @@ class WriteBehind:
                     log.exception("write-behind: copying %d blocks from %s failed", len(batch),
                                   self.tiers[level].name)
                 self._settle(level, batch, [Status.ERROR] * len(batch), [])
+            except BaseException:  # the thread ends: nothing stays in flight (a delete waits on it)
+                self._settle(level, batch, [Status.ERROR] * len(batch), [])
+                with self._cond:
+                    self._thread = None  # the next mark starts another
+                raise
 
     def _take_locked(self) -> tuple[int, list[tuple[BlockKey, _Dirty]]]:
         """Take the oldest dirty blocks of one level (levels in turn, so none starves)."""
@@ -313,26 +347,21 @@ class WriteBehind:
         self._settle(level, taken, statuses, gone, deferred, sizes)
 
     def _settle(self, level: int, taken, statuses, gone, deferred=(), sizes=None) -> None:
-        """Record the outcome of a batch: clean marks above, dirty marks below, late deletes."""
-        lower = self.tiers[level + 1]
-        late_deletes, below = [], []
+        """Record the outcome of a batch: clean marks above, dirty marks below. A key being
+        deleted gets neither: its delete waits for this, then removes the copy that landed."""
+        below = []
         flushed = dropped = 0
         with self._cond:
             inflight = self._inflight[level]
-            redo = self._redo[level]
-            settled = [*gone, *(key for key, _ in deferred), *(key for key, _ in taken)]
-            again = [(key, redo.pop(key)) for key in settled if key in redo]
             for key in gone:
                 inflight.pop(key, None)
             for key, entry in reversed(deferred):
-                if inflight.pop(key, None) == _COPYING:
+                if inflight.pop(key, None) == _COPYING and key not in self._deleting:
                     self._dirty[level][key] = entry
                     self._dirty[level].move_to_end(key, last=False)
             for i, ((key, entry), status) in enumerate(zip(taken, statuses)):
                 state = inflight.pop(key, _COPYING)
-                if state == _DELETED or key in self._deleting:
-                    if status is Status.OK:
-                        late_deletes.append(key)
+                if key in self._deleting:
                     continue
                 if status is not Status.OK:
                     dropped += 1  # still in its tier, not clean: an eviction demotes it
@@ -346,10 +375,6 @@ class WriteBehind:
             closed = self._closed  # then close() has counted the whole batch as dropped
         if (flushed or dropped) and not closed:
             self._count(writebehind_flushed=flushed, writebehind_dropped=dropped)
-        if late_deletes:
-            lower.delete_many(late_deletes)  # an erasure that raced its copy stays an erasure
-        if again:  # saved again after that erasure: copied anew
-            self.mark_dirty(level, *map(list, zip(*((k, e.parent, e.meta, e.nbytes) for k, e in again))))
         if below:
             self.mark_dirty(level + 1, *map(list, zip(*below)))
 
@@ -385,8 +410,8 @@ class WriteBehind:
             abandoned = self._pending_locked()
             for dirty in self._dirty:
                 dirty.clear()
-            for redo in self._redo:
-                redo.clear()
+            for saved in self._after_delete:
+                saved.clear()
             thread = self._thread
             self._cond.notify_all()
         if abandoned:

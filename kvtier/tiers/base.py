@@ -168,8 +168,7 @@ class Tier(ABC):
         metas: Sequence[BlockMeta | None] | None = None,
     ) -> list[Status]:
         """Put several blocks. Without ``parents``, ``keys`` are taken as one chain."""
-        if len(keys) != len(datas):
-            raise ValueError(f"put_many: {len(keys)} keys but {len(datas)} buffers")
+        check_batch_lengths("put_many", keys, datas, parents, metas)
         if parents is None:
             parents = [None, *keys[:-1]]
         metas = metas or [None] * len(keys)
@@ -186,6 +185,16 @@ class Tier(ABC):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name} used={self.used_bytes}/{self.capacity_bytes}>"
+
+
+def check_batch_lengths(op: str, keys: Sequence, datas: Sequence, parents: Sequence | None,
+                        metas: Sequence | None) -> None:
+    """Raise ValueError unless ``datas`` (and ``parents``, ``metas`` where given) have one item per
+    key: zipped, a shorter list would store only the first blocks and report fewer statuses."""
+    parts = [("buffers", datas), ("parents", parents), ("metas", metas)]
+    wrong = [f"{len(seq)} {what}" for what, seq in parts if seq is not None and len(seq) != len(keys)]
+    if wrong:
+        raise ValueError(f"{op}: {len(keys)} keys but {', '.join(wrong)}; give one per key")
 
 
 def buffer_nbytes(buf) -> int:

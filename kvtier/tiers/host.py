@@ -195,8 +195,9 @@ class HostTier(Tier):
                 return Status.BAD_SIZE
             entry.pins += 1
             self._policy.on_access(key)
+            pool = self._pool  # taken with the pin: close() may drop the tier's, never this one
         try:
-            np.copyto(dst, self._view(entry))
+            np.copyto(dst, self._view(entry, pool))
         finally:
             self._unpin_entry(key, entry)
         with self._lock:
@@ -260,15 +261,20 @@ class HostTier(Tier):
                 self._entries[key] = entry
             self._used += nbytes
             self._footprint += entry.footprint
-        return Status.OK, Reservation(key, entry, self._view(entry))
+            pool = self._pool
+        return Status.OK, Reservation(key, entry, self._view(entry, pool))
 
     def commit(self, res: Reservation, *, parent: BlockKey | None = None) -> bool:
         """Publish a filled reservation; False if another writer's copy of the key was
-        published first (content addressed: the same bytes), and this one is freed."""
+        published first (content addressed: the same bytes), and this one is freed, or if the
+        tier was closed meanwhile (nothing is published in a closed pool)."""
         key, entry = res.key, res.entry
         with self._lock:
             holder = self._entries.get(key)
-            if holder is not entry:  # a rival: the first copy committed wins
+            if self._pool is None:
+                entry.doomed = True
+                won = False
+            elif holder is not entry:  # a rival: the first copy committed wins
                 self._forget_rival_locked(key, entry)
                 if self._live(key) is not None:
                     entry.doomed = True  # the last unpin (ours) frees the memory
@@ -320,7 +326,8 @@ class HostTier(Tier):
             self._policy.on_access(key)
             self.stats.hits += 1
             self.stats.bytes_read += entry.nbytes
-        view = self._view(entry)
+            pool = self._pool
+        view = self._view(entry, pool)
         view.flags.writeable = False
         released = False
 
@@ -363,11 +370,12 @@ class HostTier(Tier):
             if entry is not None:
                 entry.pins += 1
                 self._policy.on_access(key)
+            pool = self._pool
         if entry is None:
             yield None
             return
         try:
-            view = self._view(entry)
+            view = self._view(entry, pool)
             view.flags.writeable = False
             yield view
         finally:
@@ -382,11 +390,11 @@ class HostTier(Tier):
         For loaders that copy many blocks out at once: per-block borrows cost a lock
         round trip and a generator each, a noticeable share of a 256 KiB copy.
         """
-        entries = self._pin_leading(keys, nbytes)
+        pool, entries = self._pin_leading(keys, nbytes)
         try:
             views = []
             for entry in entries:
-                view = self._view(entry)
+                view = self._view(entry, pool)
                 view.flags.writeable = False
                 views.append(view)
             yield views
@@ -403,26 +411,27 @@ class HostTier(Tier):
         ones apart from their addresses, cost a few microseconds a block in Python, a
         noticeable share of copying 256 KiB at memory speed.
         """
-        entries = self._pin_leading(keys, nbytes)
+        pool, entries = self._pin_leading(keys, nbytes)
         try:
             runs = []
             start = end = -1
             for entry in entries:
                 if entry.offset != end:
                     if end >= 0:
-                        runs.append(self._pool[start:end])
+                        runs.append(pool[start:end])
                     start = entry.offset
                 end = entry.offset + nbytes
             if end >= 0:
-                runs.append(self._pool[start:end])
+                runs.append(pool[start:end])
             for view in runs:
                 view.flags.writeable = False
             yield runs
         finally:
             self._unpin_all(entries)
 
-    def _pin_leading(self, keys, nbytes: int | None) -> list[_Entry]:
-        """Pin the leading run of ``keys`` this tier holds (each of ``nbytes`` if given), counted as read."""
+    def _pin_leading(self, keys, nbytes: int | None) -> tuple[np.ndarray, list[_Entry]]:
+        """Pin the leading run of ``keys`` this tier holds (each of ``nbytes`` if given), counted as
+        read; the pool to view them in (taken with the pins: see :meth:`_view`)."""
         entries: list[_Entry] = []
         with self._lock:
             for key in keys:
@@ -438,7 +447,7 @@ class HostTier(Tier):
             # store for it next, and that get counts it.
             self.stats.hits += len(entries)
             self.stats.bytes_read += sum(entry.nbytes for entry in entries)
-        return entries
+            return self._pool, entries
 
     def _unpin_all(self, entries: list[_Entry]) -> None:
         if entries:
@@ -476,8 +485,10 @@ class HostTier(Tier):
             return entry.meta if entry else None
 
     # -- internals ---------------------------------------------------------------
-    def _view(self, entry: _Entry) -> np.ndarray:
-        return self._pool[entry.offset : entry.offset + entry.nbytes]
+    def _view(self, entry: _Entry, pool: np.ndarray) -> np.ndarray:
+        """A block's bytes in ``pool``, which the caller took under the lock with the block's pin
+        (or holds the lock): ``close()`` drops the tier's pool, but a view keeps the mapping alive."""
+        return pool[entry.offset : entry.offset + entry.nbytes]
 
     def _live(self, key: BlockKey) -> _Entry | None:
         entry = self._entries.get(key)
@@ -520,7 +531,7 @@ class HostTier(Tier):
         # absent from this tier and not yet in the next one.
         if self.on_evict is not None:
             try:
-                self.on_evict(entry.key, memoryview(self._view(entry)).toreadonly(), entry.meta)
+                self.on_evict(entry.key, memoryview(self._view(entry, self._pool)).toreadonly(), entry.meta)
             except Exception:  # noqa: BLE001 - a failed demotion only loses a cached block
                 self.stats.errors += 1
         self._policy.on_remove(entry.key)
@@ -629,6 +640,8 @@ class HostTier(Tier):
         return sum(r.length * g - len(r.slab.tags) * r.slab.chunk for r in self._alloc.runs() if r.slab)
 
     def close(self) -> None:
+        """Forget every block; later gets miss and puts raise. A reader that pinned a block before
+        copies it still (the mapping lives until its last view goes)."""
         with self._lock:
             self._entries.clear()
             self._rivals.clear()

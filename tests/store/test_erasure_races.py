@@ -51,6 +51,52 @@ def in_other_thread(fn):
     return box.get("value")
 
 
+class Started:
+    """``fn`` running on another thread (a concurrent caller that may block): ``done()``, and
+    ``join()`` for its result or error."""
+
+    def __init__(self, fn) -> None:
+        self._box: dict = {}
+        self._thread = threading.Thread(target=self._run, args=(fn,), daemon=True)
+        self._thread.start()
+
+    def _run(self, fn) -> None:
+        try:
+            self._box["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - re-raised by join()
+            self._box["error"] = exc
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def join(self, timeout: float = 10.0):
+        self._thread.join(timeout)
+        assert not self._thread.is_alive(), "the concurrent call hung"
+        if "error" in self._box:
+            raise self._box["error"]
+        return self._box.get("value")
+
+
+def wait_until(condition, timeout: float = 10.0) -> bool:
+    """Wait until ``condition()``, at most ``timeout``; whether it came."""
+    end = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() >= end:
+            return False
+        time.sleep(0.001)
+    return True
+
+
+def start_delete(store, keys) -> Started:
+    """Start ``store.delete(keys)`` on another thread; return once it has returned, or has marked
+    the keys as being deleted and not returned within 0.2 s (it waits for their copies in flight:
+    a hook of that copy's put calls this, so the copy goes on once this returns)."""
+    deleter = Started(lambda: store.delete(keys))
+    assert wait_until(lambda: deleter.done() or all(k in store._writebehind._deleting for k in keys))
+    wait_until(deleter.done, 0.2)
+    return deleter
+
+
 class HookHost(HostTier):
     """A HostTier whose get/get_many/put_many/commit run a one-shot hook: another caller's step."""
 
@@ -164,13 +210,14 @@ def test_a_background_promotion_without_a_delete_lands_and_is_clean(tiered):
 def test_a_block_saved_again_while_its_deleted_copy_is_in_flight_is_copied_down(tiered):
     store, fast, slow = tiered
     k = key(1)
-
-    def delete_then_save_again():  # while the flusher's copy of k is in flight
-        in_other_thread(lambda: store.delete([k]))
-        assert in_other_thread(lambda: store.put([k], [block(1)])) == [Status.OK]
-
-    slow.before_put_many = delete_then_save_again
+    deleters = []
+    # while the flusher's copy of k is in flight (the delete waits for it: the flusher goes on)
+    slow.before_put_many = lambda: deleters.append(start_delete(store, [k]))
     assert store.put([k], [block(1)]) == [Status.OK]
+    store.flush_dirty(10)
+    deleters[0].join()
+    assert slow.stats.puts == 1 and not holds(fast, k) and not holds(slow, k)
+    assert store.put([k], [block(1)]) == [Status.OK]  # saved again once delete() returned
     assert store.flush_dirty(10).dropped == 0
     assert holds(fast, k)
     assert holds(slow, k), "the block saved again after the delete never reached the lower tier"
@@ -179,9 +226,12 @@ def test_a_block_saved_again_while_its_deleted_copy_is_in_flight_is_copied_down(
 def test_a_delete_during_a_copy_still_erases_the_copy(tiered):
     store, fast, slow = tiered
     k = key(1)
-    slow.before_put_many = lambda: in_other_thread(lambda: store.delete([k]))
+    deleters = []
+    slow.before_put_many = lambda: deleters.append(start_delete(store, [k]))
     store.put([k], [block(1)])
     store.flush_dirty(10)
+    deleters[0].join()
+    assert slow.stats.puts == 1  # the copy landed (it was in flight when the delete began)
     assert not holds(fast, k) and not holds(slow, k)
 
 
