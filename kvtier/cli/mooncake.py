@@ -30,13 +30,20 @@ def register(subparsers) -> None:
     up.set_defaults(func=_up)
 
 
-def _up(args) -> int:
-    from kvtier.tiers.mooncake_launch import MooncakeCluster
+#: the smallest segment a Mooncake holder accepts ("Total size must be at least 16777216")
+MIN_SEGMENT_BYTES = 16 << 20
 
+
+def _up(args) -> int:
     if args.holders < 1:
         print("kvtier mooncake up: --holders must be 1 or more", file=sys.stderr)
         return 2
     segment = parse_size(args.segment, "--segment")
+    if segment < MIN_SEGMENT_BYTES:
+        print(f"kvtier mooncake up: --segment must be at least 16MiB, Mooncake's minimum (got {args.segment})",
+              file=sys.stderr)
+        return 2
+    from kvtier.tiers.mooncake_launch import MooncakeCluster
     stop = False
 
     def on_signal(*_):
@@ -45,8 +52,16 @@ def _up(args) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    cluster = MooncakeCluster.start(holders=args.holders, segment_bytes=segment, workdir=args.workdir,
-                                    master_flags=[f"--client_ttl={args.client_ttl_s}"])
+    try:
+        cluster = MooncakeCluster.start(holders=args.holders, segment_bytes=segment, workdir=args.workdir,
+                                        master_flags=[f"--client_ttl={args.client_ttl_s}"])
+    except (RuntimeError, OSError) as exc:
+        # a master or holder that exited or hung at start (the others are stopped): the first line
+        # of why, not a traceback over a page of its log
+        where = f"; logs in {args.workdir}" if args.workdir else " (rerun with --workdir DIR to keep the logs)"
+        print(f"kvtier mooncake up: could not start: {str(exc).splitlines()[0] if str(exc) else exc!r}{where}",
+              file=sys.stderr)
+        return 1
     try:
         print(json.dumps({
             "ready": True,

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import http.client
 import json
+import math
 import os
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections import defaultdict
 from typing import NamedTuple
@@ -62,22 +64,65 @@ def _url(address: str) -> str:
     return base.rstrip("/") + ("" if base.rstrip("/").endswith("/metrics") else "/metrics")
 
 
+#: the most bytes of one ``/metrics`` answer read: a vLLM worker's is tens of KiB, a kvtier
+#: server's with many tenants a few MiB; anything larger is refused (down), not held in memory
+MAX_METRICS_BYTES = 16 << 20
+
+
 def scrape(address: str | None, token: str | None = None, timeout_s: float = 2.0) -> Samples:
+    """The samples at ``address``'s ``/metrics``, or a down result with its reason; never raises.
+
+    ``timeout_s`` bounds the whole body, not each socket read: a peer that drips its answer (an
+    overloaded exporter, a broken proxy) is down once the time is spent, so one slow endpoint
+    cannot hold ``kvtier top`` or the live planner's loop. (Connecting and the headers are bounded
+    per read by urllib, each read ``timeout_s``.) An answer over :data:`MAX_METRICS_BYTES` is down."""
     if not address:
         return Samples(False, {}, "not given")
     from prometheus_client.parser import text_string_to_metric_families
 
-    request = urllib.request.Request(_url(address), headers={"Authorization": f"Bearer {token}"} if token else {})
+    deadline = time.monotonic() + timeout_s
     values = {}
     try:   # the parse too: a 200 that is not the text format (an HTML error page) is down, not a crash
+        # the request as well: a malformed address (``http://[::1``) raises ValueError here
+        request = urllib.request.Request(_url(address), headers={"Authorization": f"Bearer {token}"} if token else {})
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            text = response.read().decode()
-        for family in text_string_to_metric_families(text):
+            body = _read_bounded(response, deadline)
+        if isinstance(body, str):
+            return Samples(False, {}, body)
+        for family in text_string_to_metric_families(body.decode()):
             for s in family.samples:
                 values[(s.name, frozenset(s.labels.items()))] = s.value
     except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException) as exc:
         return Samples(False, {}, str(exc) or type(exc).__name__)
     return Samples(True, values)
+
+
+def _read_bounded(response, deadline: float) -> bytes | str:
+    """The body of ``response``, or why not (a str): larger than :data:`MAX_METRICS_BYTES`, or not
+    all there by ``deadline`` (monotonic)."""
+    length = response.headers.get("Content-Length")
+    if length and length.strip().isdigit() and int(length) > MAX_METRICS_BYTES:
+        return f"answer of {int(length)} bytes, over the {MAX_METRICS_BYTES >> 20} MiB limit"
+    # urllib keeps the socket's timeout per read; it is set to what is left of the deadline before
+    # each read, so no read waits past it (private attributes: without them, each read waits at
+    # most the original timeout and the deadline is checked between reads)
+    sock = getattr(getattr(getattr(response, "fp", None), "raw", None), "_sock", None)
+    chunks, n = [], 0
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return "answer not complete within the timeout"
+        if sock is not None:
+            sock.settimeout(left)
+        chunk = response.read1(65536)
+        if not chunk:
+            if getattr(response, "length", None):   # bytes of its Content-Length never came
+                raise http.client.IncompleteRead(b"".join(chunks), response.length)
+            return b"".join(chunks)
+        n += len(chunk)
+        if n > MAX_METRICS_BYTES:
+            return f"answer over the {MAX_METRICS_BYTES >> 20} MiB limit"
+        chunks.append(chunk)
 
 
 class Frame(NamedTuple):
@@ -132,17 +177,25 @@ def _bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
+def _count(value: float) -> int | None:
+    """A gauge as a whole count; None for NaN or an infinity (the text format allows them)."""
+    return int(value) if math.isfinite(value) else None
+
+
 def render(frame: Frame):
+    """The frame as rich renderables. Every name or label that comes from an endpoint (tiers,
+    tenants, workers, the planner's action and reason) is a ``Text``, never markup: an IPv6
+    worker's ``[fd00::1]`` would be taken for a style tag, and a ``[/x]`` in a label raise."""
     from rich.console import Group
     from rich.table import Table
+    from rich.text import Text
 
     tiers = Table(title="kvtier server: tiers", expand=False)
     for col in ("tier", "used", "capacity", "fill"):
         tiers.add_column(col, justify="right" if col != "tier" else "left")
     for name, used, cap in frame.tiers:
-        tiers.add_row(name, _bytes(used), _bytes(cap), f"{used / cap:.1%}" if cap else "-")
+        tiers.add_row(Text(name), _bytes(used), _bytes(cap), f"{used / cap:.1%}" if cap else "-")
     hits = " · ".join(f"{op} hit rate {'-' if r is None else f'{r:.1%}'}" for op, r in frame.server_hit_rate.items())
-    from rich.text import Text
 
     parts = [tiers, Text(f"server: {hits} · {frame.stored_blocks:.0f} blocks stored", no_wrap=True)]
     if frame.tenants:
@@ -150,14 +203,14 @@ def render(frame: Frame):
         for col in ("tenant", "bytes", "blocks"):
             t.add_column(col)
         for name, nbytes, blocks in frame.tenants:
-            t.add_row(name, _bytes(nbytes), f"{blocks:.0f}")
+            t.add_row(Text(name), _bytes(nbytes), f"{blocks:.0f}")
         parts.append(t)
     if frame.workers:
         w = Table(title="workers")
         for col in ("worker", "healthy", "routed", "running", "waiting", "KV use"):
             w.add_column(col)
         for row in frame.workers:
-            w.add_row(row["worker"], "-" if row["healthy"] is None else ("yes" if row["healthy"] else "no"),
+            w.add_row(Text(row["worker"]), "-" if row["healthy"] is None else ("yes" if row["healthy"] else "no"),
                       f"{row['routed']:.0f}", *("-" if row[k] is None else f"{row[k]:.0f}" for k in ("running", "waiting")),
                       "-" if row["kv_usage"] is None else f"{row['kv_usage']:.0%}")
         parts.append(w)
@@ -168,11 +221,12 @@ def render(frame: Frame):
         for pool in ("prefill", "decode"):
             d = frame.planner.get(pool)
             d = d if isinstance(d, dict) else {}  # a status file of another shape: shown empty
-            p.add_row(pool, str(d.get("action", "-")), f"{d.get('current', '-')} → {d.get('target', '-')}",
-                      str(d.get("reason", "")))
+            shown = lambda v: "-" if v is None else str(v)  # noqa: E731  (None: a NaN or infinite gauge)
+            p.add_row(pool, Text(shown(d.get("action"))),
+                      Text(f"{shown(d.get('current'))} → {shown(d.get('target'))}"), Text(str(d.get("reason", ""))))
         parts.append(p)
     if frame.down:
-        parts.append(Text("down: " + ", ".join(frame.down), style="bold red"))
+        parts.append(Text("down: " + ", ".join(frame.down), style="bold red"))   # a Text: no markup
     return Group(*parts)
 
 
@@ -188,8 +242,8 @@ def planner_from_metrics(samples: Samples) -> dict | None:
             ls = dict(labels)
             pool = ls.get("pool", "")
             out[pool] = {"action": ls.get("action"), "reason": ls.get("reason", ""),
-                         "current": int(samples.get("kvtier_planner_workers", pool=pool)),
-                         "target": int(samples.get("kvtier_planner_target_workers", pool=pool))}
+                         "current": _count(samples.get("kvtier_planner_workers", pool=pool)),
+                         "target": _count(samples.get("kvtier_planner_target_workers", pool=pool))}
     return out
 
 
@@ -205,9 +259,6 @@ def _planner_status(path: str | None) -> dict | None:
 
 
 def run(args) -> int:
-    from rich.console import Console
-    from rich.live import Live
-
     token = args.token or os.environ.get("KVTIER_ADMIN_TOKEN")
     if not (args.server or args.router or args.worker or args.planner):
         print("kvtier top: give at least one of --server, --router, --worker, --planner", file=sys.stderr)
@@ -216,14 +267,47 @@ def run(args) -> int:
         print("kvtier top: --interval must be > 0 seconds", file=sys.stderr)
         return 2
 
+    for flag, address in [("--server", args.server), ("--router", args.router), ("--planner", args.planner),
+                          *(("--worker", w) for w in args.worker)]:
+        if address and (problem := _bad_address(address)):
+            print(f"kvtier top: {flag} {address!r}: {problem}", file=sys.stderr)
+            return 2
+    from concurrent.futures import ThreadPoolExecutor
+
+    # every endpoint at once: a slow one costs a frame its timeout once, not once per endpoint after it
+    pool = ThreadPoolExecutor(max_workers=min(16, 3 + len(args.worker)), thread_name_prefix="kvtier-top")
+
     def sample(prev_server=None):
-        server = scrape(args.server, token)
+        server = pool.submit(scrape, args.server, token)
+        router = pool.submit(scrape, args.router)
         # keyed as the router labels its workers (base URLs), so that one worker is one row
-        workers = {(w if "://" in w else f"http://{w}").rstrip("/"): scrape(w) for w in args.worker}
-        planner = _planner_status(args.planner_status) or (planner_from_metrics(scrape(args.planner))
-                                                           if args.planner else None)
-        frame = build_frame(server, scrape(args.router), workers, planner, prev_server=prev_server)
-        return frame, server
+        workers = {(w if "://" in w else f"http://{w}").rstrip("/"): pool.submit(scrape, w) for w in args.worker}
+        planner_samples = pool.submit(scrape, args.planner) if args.planner else None
+        planner = _planner_status(args.planner_status) or (planner_from_metrics(planner_samples.result())
+                                                           if planner_samples else None)
+        frame = build_frame(server.result(), router.result(), {k: f.result() for k, f in workers.items()},
+                            planner, prev_server=prev_server)
+        return frame, server.result()
+
+    try:
+        return _show(args, sample)
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _bad_address(address: str) -> str | None:
+    """Why ``address`` cannot be a URL at all (an unclosed ``[``), or None. A port out of range or
+    an unknown scheme is left to the scrape: that endpoint is shown down with its reason."""
+    try:
+        urllib.parse.urlsplit(_url(address))
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def _show(args, sample) -> int:
+    from rich.console import Console
+    from rich.live import Live
 
     if args.once:
         frame, _ = sample()

@@ -68,6 +68,8 @@ class Reporter:
                 f"limits measured now: {limits}; {event['threads']} threads, "
                 f"block {event['block_tokens']} tokens x {event['bytes_per_token'] // 1024} KiB"
             )
+        elif kind == "note":
+            self.note(f"   {event['text']}")
         elif kind == "start":
             self.status(f"{event['session']}: {event['label']} ({event['context_tokens']} tokens) - recompute")
         elif kind == "cold_done":
@@ -108,7 +110,7 @@ def print_summary(console: Console, s: dict) -> None:
                      f"prefill of the rest {s['prefill_s_p50'] * 1e3:.0f} ms")
     if "resume_speedup" in s:
         lines.append(
-            f"resume ({s['resume_context_tokens']} cached-context tokens, {s['resume_new_tokens']} new, from "
+            f"resume ({s['resume_context_tokens']}-token context, {s['resume_new_tokens']} new, from "
             f"{'+'.join(s['resume_tiers'])}): {s['resume_ttft_cold_s']:.1f} s -> {s['resume_ttft_warm_s']:.3f} s = "
             f"{s['resume_speedup']:.0f}x"
         )

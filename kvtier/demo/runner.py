@@ -16,13 +16,15 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 from kvtier.bench.baselines import report_warnings
 from kvtier.child_process import die_with_parent
+from kvtier.demo.preflight import check_remote, exit_on_termination, make_store_dir, writable_dir
 from kvtier.demo.report import Reporter, plot, print_summary
 from kvtier.demo.summary import summarize
 from kvtier.demo.workload import Scenario, default_scenario, quick_scenario
+from kvtier.errors import ConfigError, KvtierError, LayoutError, TierError
+from kvtier.integrations.transformers.models import DEMO_SPEC, cache_dir, remove_dead_builds  # no torch at import
 from kvtier.integrations.transformers.namespace import DEFAULT_BLOCK_TOKENS  # no torch at import
 
 #: tokens per block: see DEFAULT_BLOCK_TOKENS for why 16 suits conversation turns
@@ -53,7 +55,13 @@ def store_settings(store_dir: str, remote_url: str | None = None) -> dict:
 
 
 def run_phase(job: dict, reporter: Reporter) -> tuple[list[dict], dict]:
-    """Run one worker process to completion; its turn records and its summary of itself."""
+    """Run one worker process to completion; its turn records and its summary of itself.
+
+    A worker that reports a setting or tier it cannot use (an ``error`` event) raises the
+    :class:`~kvtier.errors.KvtierError` it named (``kvtier`` prints one line and exits 2); one
+    that fails otherwise raises RuntimeError with its stderr. However this ends (an exception, a
+    signal turned into SystemExit), the worker is stopped and reaped before this returns, so that
+    nothing writes into the store directory while the caller removes it."""
     env = dict(os.environ)
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read by OpenMP at torch import, so set before exec
     spawned = time.perf_counter()
@@ -63,23 +71,55 @@ def run_phase(job: dict, reporter: Reporter) -> tuple[list[dict], dict]:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errors, text=True, env=env,
             preexec_fn=die_with_parent,
         )
-        proc.stdin.write(json.dumps(job))
-        proc.stdin.close()
-        turns: list[dict] = []
-        info: dict = {"phase": job["phase"]}
-        for line in proc.stdout:
-            event = json.loads(line)
-            if event["event"] == "ready":
-                info.update(event, spawn_to_ready_s=time.perf_counter() - spawned)
-            elif event["event"] == "turn":
-                turns.append(event)
-            elif event["event"] == "done":
-                info.update(sessions=event["sessions"], store_stats=event["store_stats"])
-            reporter.on_event(event)
-        if proc.wait() != 0:
-            errors.seek(0)
-            raise RuntimeError(f"demo worker (phase {job['phase']}) failed:\n{errors.read()[-4000:]}")
+        try:
+            proc.stdin.write(json.dumps(job))
+            proc.stdin.close()
+            turns: list[dict] = []
+            info: dict = {"phase": job["phase"]}
+            failure: dict | None = None
+            for line in proc.stdout:
+                event = json.loads(line)
+                if event["event"] == "ready":
+                    info.update(event, spawn_to_ready_s=time.perf_counter() - spawned)
+                elif event["event"] == "turn":
+                    turns.append(event)
+                elif event["event"] == "done":
+                    info.update(sessions=event["sessions"], store_stats=event["store_stats"])
+                elif event["event"] == "error":
+                    failure = event
+                reporter.on_event(event)
+            if proc.wait() != 0:
+                if failure is not None:
+                    raise _ERRORS.get(failure.get("kind"), ConfigError)(failure["message"])
+                errors.seek(0)
+                raise RuntimeError(f"demo worker (phase {job['phase']}) failed:\n{errors.read()[-4000:]}")
+        finally:
+            _stop(proc)
+            # a model build the worker could not clean up (killed hard) is removed now that it is gone
+            remove_dead_builds(job.get("model_root") or cache_dir() / "models")
     return turns, info
+
+
+#: the errors a worker may report by name (anything else it reports is a ConfigError)
+_ERRORS = {cls.__name__: cls for cls in (ConfigError, TierError, LayoutError, KvtierError)}
+
+
+def _stop(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
+    """Stop ``proc`` if it still runs (SIGTERM: its ``finally`` blocks run; SIGKILL after ``grace_s``)
+    and reap it."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    for pipe in (proc.stdin, proc.stdout):
+        if pipe is not None:
+            try:
+                pipe.close()
+            except OSError:
+                pass
 
 
 def replay(
@@ -129,30 +169,56 @@ def run_demo(args) -> int:
     started = time.perf_counter()
     scenario = quick_scenario() if args.quick else default_scenario()
     phases = phases_of(scenario)
-    from kvtier.integrations.transformers.models import cache_dir  # no torch at import
-
+    remote = getattr(args, "remote", None)
+    cache = cache_dir()
     own_dir = args.store_dir is None
-    store_dir = args.store_dir or tempfile.mkdtemp(prefix="demo-store-", dir=_mkdir(cache_dir()))
-    try:
-        with Reporter(sum(len(p) for p in phases), quiet_stdout=args.json) as reporter:
-            turns, infos = replay(scenario, store_dir, reporter, threads=args.threads,
-                                  remote_url=getattr(args, "remote", None))
-        summary = summarize(turns, infos, runtime_s=time.perf_counter() - started, scenario=scenario.name)
-        report_warnings(summary["warnings"])  # a load faster than its limit: the limit is wrong
+    try:   # everything that can be wrong with the input is found here, before a worker loads a model
+        if remote:
+            check_remote(remote)
+        if args.store_dir is not None and not remote:
+            writable_dir(args.store_dir, "--store-dir")
         if args.plot:
-            boundaries = [sum(len(p) for p in phases[: k + 1]) for k in range(len(phases) - 1)]
+            check_plot_path(args.plot)
+        if own_dir or not (cache / "models" / DEMO_SPEC.name / "config.json").exists():
+            # the model is built and cached there (and the store directory made) on first use
+            writable_dir(cache / "models", "the cache directory", fix="; set XDG_CACHE_HOME to a writable directory")
+    except ConfigError as exc:
+        print(f"kvtier demo: {exc}", file=sys.stderr)   # as kvtier's main would: one line, exit 2
+        return 2
+    with exit_on_termination():   # SIGTERM/SIGHUP unwind too: the finally below removes the store
+        store_dir = make_store_dir(cache) if own_dir else args.store_dir
+        try:
+            with Reporter(sum(len(p) for p in phases), quiet_stdout=args.json) as reporter:
+                turns, infos = replay(scenario, store_dir, reporter, threads=args.threads, remote_url=remote)
+        finally:
+            if own_dir:
+                shutil.rmtree(store_dir, ignore_errors=True)
+    summary = summarize(turns, infos, runtime_s=time.perf_counter() - started, scenario=scenario.name)
+    report_warnings(summary["warnings"])  # a load faster than its limit: the limit is wrong
+    if args.plot:
+        # after the runs, before the figures are printed, but never instead of them
+        boundaries = [sum(len(p) for p in phases[: k + 1]) for k in range(len(phases) - 1)]
+        try:
             plot(turns, args.plot, boundaries)
             summary["plot"] = args.plot
-        if args.json:
-            print(json.dumps(summary))
-        else:
-            print_summary(reporter.console, summary)
-    finally:
-        if own_dir:
-            shutil.rmtree(store_dir, ignore_errors=True)
+        except OSError as exc:
+            summary["plot_error"] = f"{args.plot}: {exc.strerror or exc}"
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print_summary(reporter.console, summary)
+    if "plot_error" in summary:
+        print(f"kvtier demo: the plot could not be written: {summary['plot_error']}", file=sys.stderr)
+        return 1
     return 0
 
 
-def _mkdir(path: Path) -> str:
-    path.mkdir(parents=True, exist_ok=True)
-    return str(path)
+def check_plot_path(path: str) -> None:
+    """``--plot``'s directory exists and can be written (the file is drawn after the runs); else ConfigError."""
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ConfigError(f"--plot {path!r} is a directory; name a .png file")
+    if not os.path.isdir(parent):
+        raise ConfigError(f"--plot {path!r}: {parent!r} is not a directory")
+    if not os.access(parent, os.W_OK):
+        raise ConfigError(f"--plot {path!r}: {parent!r} is not writable")

@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import sys
 import time
 
@@ -116,9 +117,13 @@ class LimitMeter:
     did. The scratch storage is this meter's, allocated on the first host measurement. Not thread
     safe."""
 
-    def __init__(self, layout, storage, disk=None) -> None:
+    def __init__(self, layout, storage, disk=None, note=None) -> None:
         self.layout, self.storage, self.disk = layout, storage, disk
         self._scratch = None
+        #: ``note(text)`` is told, once, that the disk limit could not be measured
+        self.note = note
+        #: why the last disk measurement failed (None: it did not)
+        self.disk_error: str | None = None
 
     def _scratch_storage(self):
         from kvtier.integrations.transformers.cache_io import KVStorage
@@ -150,7 +155,16 @@ class LimitMeter:
             # request (DiskTier.put_many packs the write-behind batches): the limit is the faster of
             # that and a request per block, READS_IN_FLIGHT at once
             span = max(1, READ_CHUNK_BYTES // nbytes)
-            measured["disk"] = disk_limit_gib_s(self.disk.path, nbytes, in_flight=READS_IN_FLIGHT, span_blocks=span)
+            try:
+                measured["disk"] = disk_limit_gib_s(self.disk.path, nbytes, in_flight=READS_IN_FLIGHT,
+                                                    span_blocks=span)
+            except OSError as exc:
+                # The probe writes a scratch file of tens of MiB beside the blocks: on a small or full
+                # file system (ENOSPC), a read-only one, it fails where the store itself still works.
+                # A demo-only measurement: the limit is left out (no efficiency), the run goes on.
+                if self.disk_error is None and self.note is not None:
+                    self.note(f"disk limit not measured (no load efficiency for the disk tier): {exc}")
+                self.disk_error = str(exc)
         return measured
 
 
@@ -206,7 +220,21 @@ def run_turn(lm, context: list[int], gen_tokens: int, limits: dict, emit_cold,
 
 
 def main() -> int:
-    job = json.loads(sys.stdin.read())
+    # SIGTERM (the parent stopping this worker, or the kernel's die-with-parent signal) unwinds,
+    # so that ``finally`` blocks run: a half-built model directory is removed, not left behind.
+    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
+    from kvtier.errors import KvtierError
+
+    try:
+        return _run(json.loads(sys.stdin.read()))
+    except KvtierError as exc:
+        # A setting or tier that cannot be used: said to the parent as an event (one line there,
+        # exit 2), not as a traceback.
+        _emit("error", kind=type(exc).__name__, message=str(exc))
+        return 2
+
+
+def _run(job: dict) -> int:
     _configure_threads(job.get("threads"))
     started = time.perf_counter()
 
@@ -251,7 +279,7 @@ def main() -> int:
     # Warm up the kernels (first calls allocate and tune); nothing is stored.
     lm.generate(system[:64], 2, use_store=False)
 
-    meter = LimitMeter(namespace.layout, lm.storage, disk)
+    meter = LimitMeter(namespace.layout, lm.storage, disk, note=lambda text: _emit("note", text=text))
     measure_limits = meter.measure
     limits = measure_limits()
     _emit("ready", pid=os.getpid(), phase=job["phase"], ready_s=time.perf_counter() - started,

@@ -71,7 +71,7 @@ def test_replay_through_a_kvtier_server_resumes_from_it(tmp_path, monkeypatch):
                                    model_spec=asdict(TINY_SPEC), model_root=str(tmp_path / "models"),
                                    remote_url=srv.tcp_url)
     assert all(t["outputs_equal"] for t in turns)
-    ann_resume, ben_after, ann_after = turns[2], turns[3], turns[4]
+    ann_resume, ann_after = turns[2], turns[4]
     assert ann_resume["tokens_by_tier"].keys() == {"host"}
     assert "remote" in ann_after["tokens_by_tier"], ann_after["tokens_by_tier"]
     assert ann_after["cached_tokens"] >= ann_resume["context_tokens"] - 16

@@ -113,7 +113,10 @@ def ensure_model(spec: ModelSpec = DEMO_SPEC, root: str | os.PathLike | None = N
     if (target / "config.json").exists() and (target / "tokenizer.json").exists():
         return target, False
     root.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{spec.name}-", dir=root))
+    remove_dead_builds(root, spec)
+    # the builder's pid in the name: a build killed before its ``finally`` (SIGKILL, or SIGTERM in
+    # a process that does not turn it into SystemExit) is found and removed by the next one
+    work = Path(tempfile.mkdtemp(prefix=f".{spec.name}-{os.getpid()}-", dir=root))
     try:
         build_model(spec, work)
         try:
@@ -124,6 +127,28 @@ def ensure_model(spec: ModelSpec = DEMO_SPEC, root: str | os.PathLike | None = N
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return target, True
+
+
+def remove_dead_builds(root: str | os.PathLike, spec: ModelSpec | None = None) -> list[Path]:
+    """Remove the unfinished builds (``.{name}-{pid}-XXXX``) in ``root`` of ``spec`` (of any spec
+    when None) whose builder process is gone; the directories removed. A build of a live
+    process, and a name without a pid, are left alone."""
+    from kvtier.tiers.direct_io import process_gone
+
+    removed = []
+    try:
+        entries = list(Path(root).iterdir())
+    except OSError:
+        return removed
+    for entry in entries:
+        if not entry.name.startswith(f".{spec.name}-" if spec is not None else "."):
+            continue
+        parts = entry.name.rsplit("-", 2)   # ".{name}", pid, mkdtemp's suffix
+        if (len(parts) == 3 and parts[1].isdigit() and process_gone(int(parts[1])) and entry.is_dir()
+                and not entry.is_symlink()):
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+    return removed
 
 
 def corpus_files(limit_bytes: int) -> list[Path]:

@@ -1,0 +1,118 @@
+"""What ``kvtier demo`` checks before it spawns anything, and the leftovers it sweeps.
+
+Bad input (a store directory that cannot be written, a server URL without a token, an
+unwritable cache directory) raises :class:`~kvtier.errors.ConfigError` here, in the parent,
+so that ``kvtier`` prints one line and exits 2 before a model is loaded, instead of a
+worker's traceback after it. Nothing here imports torch.
+
+Directories the demo makes for itself carry the pid of the process that made them
+(``demo-store-<pid>-XXXX``): one whose process is gone was left by a run killed too hard to
+clean up (SIGKILL, a power cut) and is removed by the next run.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import tempfile
+import threading
+from contextlib import contextmanager
+from pathlib import Path
+
+from kvtier.errors import ConfigError
+from kvtier.tiers.direct_io import process_gone
+
+STORE_PREFIX = "demo-store-"
+
+
+def writable_dir(path: str | os.PathLike, what: str, fix: str = "") -> str:
+    """``path``, created if missing, once a file could be made in it; else ConfigError naming ``what``.
+
+    A probe file, not ``os.access``: root passes ``access(W_OK)`` on a read-only mount or in
+    ``/proc``, where creating a file still fails."""
+    path = os.fspath(path)
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise ConfigError(f"{what} {path!r} is not a writable directory ({reason}){fix}") from None
+    return path
+
+
+def check_remote(url: str) -> None:
+    """The URL parses and a token is at hand (``$KVTIER_TOKEN`` or in the URL); else ConfigError."""
+    from kvtier.tiers.remote_wire import parse_url, resolve_token
+
+    resolve_token(parse_url(url), None)
+
+
+def positive_int(text: str) -> int:
+    """argparse ``type=``: an integer of 1 or more."""
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of 1 or more, got {text!r}")
+    return value
+
+
+def _pid_of(name: str, prefix: str) -> int | None:
+    head = name[len(prefix):].split("-", 1)[0]
+    return int(head) if head.isdigit() else None
+
+
+def sweep_stale(directory: str | os.PathLike, prefix: str) -> list[Path]:
+    """Remove the directories ``<prefix><pid>-*`` in ``directory`` whose process is gone; the ones removed.
+
+    A name without a pid (an older kvtier's) is left alone: nothing says its owner is gone."""
+    removed = []
+    try:
+        entries = list(Path(directory).iterdir())
+    except OSError:
+        return removed
+    for entry in entries:
+        pid = _pid_of(entry.name, prefix) if entry.name.startswith(prefix) else None
+        if pid is not None and process_gone(pid) and entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+    return removed
+
+
+def make_store_dir(cache: str | os.PathLike) -> str:
+    """A fresh ``demo-store-<pid>-XXXX`` under ``cache`` (swept of dead runs' ones first)."""
+    sweep_stale(cache, STORE_PREFIX)
+    return tempfile.mkdtemp(prefix=f"{STORE_PREFIX}{os.getpid()}-", dir=cache)
+
+
+@contextmanager
+def exit_on_termination():
+    """Within it, SIGTERM and SIGHUP raise ``SystemExit(128 + signal)``, so that ``finally`` blocks
+    (the worker's stop, the store directory's removal) run: Python's default for them ends the
+    process without unwinding. Only the main thread can set handlers; elsewhere it does nothing.
+    The previous handlers are put back on the way out."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {}
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        previous[sig] = signal.signal(sig, _raise_exit)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _raise_exit(signum, _frame) -> None:
+    raise SystemExit(128 + signum)
+
+
+__all__ = ["check_remote", "exit_on_termination", "make_store_dir", "positive_int", "sweep_stale",
+           "writable_dir", "STORE_PREFIX"]
+
