@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.tmpfs import mounted_tmpfs
+
 ROOT = Path(__file__).resolve().parents[2]
 REAL_MODELS = Path.home() / ".cache" / "kvtier" / "models"
 
@@ -130,16 +132,8 @@ def test_synthetic_runs_without_the_disk_limit_when_its_probe_fails(monkeypatch,
 
 @pytest.fixture
 def small_fs(tmp_path):
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=40m", "tmpfs", str(mnt)]).returncode != 0:
-        pytest.skip("cannot mount a tmpfs here")
-    try:
+    with mounted_tmpfs(tmp_path / "small", "40m") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def test_a_store_on_a_small_file_system_does_not_kill_the_demo(tmp_path, small_fs):

@@ -2,30 +2,20 @@
 bring the blocks back (the disk tier withholds what it could not remove; the erasure's tombstone,
 kept in a state directory the disk's failure does not reach, covers the files at the next start)."""
 
-import os
 import subprocess
 
 import pytest
 
 from tests.server.conftest import keys_for, remote
 from tests.server.test_restart import Restartable, get, put, stopped_cleanly
+from tests.tmpfs import mounted_tmpfs
 
 
 @pytest.fixture
 def tmpfs(tmp_path):
     """A small real tmpfs (root only) for disk_dir, unmounted afterwards."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mnt)], capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-    try:
+    with mounted_tmpfs(tmp_path / "mnt", "16m") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["mount", "-o", "remount,rw", str(mnt)], capture_output=True)
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def _spilled_server(tmp_path, tmpfs, name: str, keys) -> Restartable:

@@ -20,6 +20,7 @@ from kvtier.tiers.base import Status
 from kvtier.tiers.direct_io import PAGE, aligned_buffer, temp_tag
 from kvtier.tiers.disk import MAX_ANNOTATION, BlockRecord, DiskTier
 from tests.tiers.disk_writer import content_of, key_of, size_of
+from tests.tmpfs import mounted_tmpfs
 
 ROOT = Path(__file__).resolve().parents[2]
 BLOCK = 16 * 1024
@@ -347,15 +348,8 @@ def test_enospc_mid_write_fails_cleanly(tier, monkeypatch):
 
 @pytest.fixture
 def tiny_tmpfs(tmp_path):
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-    try:
+    with mounted_tmpfs(tmp_path / "mnt", "2m") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def test_a_real_full_file_system_fails_puts_cleanly(tiny_tmpfs):

@@ -31,6 +31,7 @@ from kvtier.tiers import disk_extents
 from kvtier.tiers.base import Status
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.base import refused_removals
+from tests.tmpfs import mounted_tmpfs
 
 ROOT = Path(__file__).resolve().parents[2]
 NB = 8192  # payload bytes; 12 KiB on disk with the header page
@@ -57,18 +58,8 @@ def _mount(args: list[str]) -> None:
 @pytest.fixture
 def tmpfs(tmp_path):
     """A small real tmpfs (root only), unmounted afterwards."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)], capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-    try:
+    with mounted_tmpfs(tmp_path / "mnt", "8m") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["mount", "-o", "remount,rw", str(mnt)], capture_output=True)
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def _on_disk_data_bytes(path: Path) -> int:
