@@ -12,9 +12,12 @@ that lives as long as they should (the main thread, or a :class:`Spawner`).
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
 
@@ -81,3 +84,35 @@ class Spawner:
     def close(self) -> None:
         """End the spawning thread: children still running get their SIGTERM now."""
         self._pool.shutdown(wait=True)
+
+
+def process_gone(pid: int) -> bool:
+    """Whether process ``pid`` of this host is gone (never for this process itself): a writer's
+    files named with its pid may then be removed at once."""
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except (PermissionError, OverflowError):
+        pass  # alive, another user's (or no pid at all: not ours to judge)
+    return False
+
+
+def remove_dead_dirs(directory: str | os.PathLike, pid_of: Callable[[str], int | None]) -> list[Path]:
+    """Remove the directories in ``directory`` whose name ``pid_of`` reads a pid from and whose
+    process is gone (what a process killed before its clean-up left: a scratch store, an
+    unfinished build); returns those removed. A name without a pid (``pid_of`` None) is left
+    alone: nothing says its owner is gone."""
+    removed = []
+    try:
+        entries = list(Path(directory).iterdir())
+    except OSError:
+        return removed
+    for entry in entries:
+        pid = pid_of(entry.name)
+        if pid is not None and process_gone(pid) and entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+    return removed

@@ -13,7 +13,6 @@ clean up (SIGKILL, a power cut) and is removed by the next run.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import tempfile
 import threading
@@ -21,7 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from kvtier.errors import ConfigError
-from kvtier.tiers.direct_io import process_gone
+from kvtier.child_process import remove_dead_dirs
 
 STORE_PREFIX = "demo-store-"
 
@@ -71,17 +70,7 @@ def sweep_stale(directory: str | os.PathLike, prefix: str) -> list[Path]:
     """Remove the directories ``<prefix><pid>-*`` in ``directory`` whose process is gone; the ones removed.
 
     A name without a pid (an older kvtier's) is left alone: nothing says its owner is gone."""
-    removed = []
-    try:
-        entries = list(Path(directory).iterdir())
-    except OSError:
-        return removed
-    for entry in entries:
-        pid = _pid_of(entry.name, prefix) if entry.name.startswith(prefix) else None
-        if pid is not None and process_gone(pid) and entry.is_dir() and not entry.is_symlink():
-            shutil.rmtree(entry, ignore_errors=True)
-            removed.append(entry)
-    return removed
+    return remove_dead_dirs(directory, lambda name: _pid_of(name, prefix) if name.startswith(prefix) else None)
 
 
 def make_store_dir(cache: str | os.PathLike) -> str:

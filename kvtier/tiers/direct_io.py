@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
+from kvtier.child_process import process_gone
 from kvtier.core.thread_pools import started_pool
 from kvtier.private_files import FILE_MODE
 
@@ -146,20 +147,6 @@ def stale_temp(name: str, mtime: float, now: float, max_age_s: float) -> bool:
         return True
     pid, host = int(parts[2]), parts[3]
     return host == socket.gethostname() and process_gone(pid)  # another node of a shared mount: only age tells
-
-
-def process_gone(pid: int) -> bool:
-    """Whether process ``pid`` of this host is gone (never for this process itself): a writer's
-    files named with its pid may then be removed at once."""
-    if pid == os.getpid():
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except (PermissionError, OverflowError):
-        pass  # alive, another user's (or no pid at all: not ours to judge)
-    return False
 
 
 class NotAFile(OSError):

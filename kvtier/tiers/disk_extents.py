@@ -54,7 +54,8 @@ import numpy as np
 import xxhash
 
 from kvtier.core.payload import unpack_header
-from kvtier.tiers.direct_io import PAGE, aligned_buffer, open_regular, process_gone, pwrite_all, round_up
+from kvtier.child_process import process_gone
+from kvtier.tiers.direct_io import PAGE, aligned_buffer, open_regular, pwrite_all, round_up
 
 EXTENT_SUFFIX = ".kvx"
 _NAME = re.compile(r"[0-9a-f]{64}-[0-9a-f]{8}(?:-([0-9]{1,10})-([0-9a-f]{8}))?\.kvx")

@@ -133,22 +133,15 @@ def remove_dead_builds(root: str | os.PathLike, spec: ModelSpec | None = None) -
     """Remove the unfinished builds (``.{name}-{pid}-XXXX``) in ``root`` of ``spec`` (of any spec
     when None) whose builder process is gone; the directories removed. A build of a live
     process, and a name without a pid, are left alone."""
-    from kvtier.tiers.direct_io import process_gone
+    from kvtier.child_process import remove_dead_dirs
 
-    removed = []
-    try:
-        entries = list(Path(root).iterdir())
-    except OSError:
-        return removed
-    for entry in entries:
-        if not entry.name.startswith(f".{spec.name}-" if spec is not None else "."):
-            continue
-        parts = entry.name.rsplit("-", 2)   # ".{name}", pid, mkdtemp's suffix
-        if (len(parts) == 3 and parts[1].isdigit() and process_gone(int(parts[1])) and entry.is_dir()
-                and not entry.is_symlink()):
-            shutil.rmtree(entry, ignore_errors=True)
-            removed.append(entry)
-    return removed
+    head = f".{spec.name}-" if spec is not None else "."
+
+    def builder(name: str) -> int | None:
+        parts = name.rsplit("-", 2)   # ".{name}", pid, mkdtemp's suffix
+        return int(parts[1]) if name.startswith(head) and len(parts) == 3 and parts[1].isdigit() else None
+
+    return remove_dead_dirs(root, builder)
 
 
 def corpus_files(limit_bytes: int) -> list[Path]:
