@@ -35,7 +35,8 @@ def register(subparsers) -> None:
     planner.add_argument("--diurnal", type=finite_float, default=3.0, metavar="K",
                          help="peak/trough arrival-rate ratio")
     planner.add_argument("--scale", type=int, default=100, metavar="COPIES",
-                         help="copies of the trace's users (sets the fleet size: 100 gives hundreds of workers)")
+                         help="copies of the trace's users (sets the fleet size: 100 gives hundreds of workers);"
+                              " copies x trace requests may not exceed the requests a simulated day holds")
     planner.add_argument("--ttft", type=finite_float, default=2.0, help="TTFT target in seconds (SLA)")
     planner.add_argument("--ttft-percentile", type=finite_float, default=90.0, help="percentile the planner sizes for")
     planner.add_argument("--itl", type=finite_float, default=0.05, help="inter-token latency target in seconds")

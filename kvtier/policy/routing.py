@@ -42,7 +42,12 @@ class ClusterView(Protocol):
     num_workers: int
 
     def outstanding_tokens(self, worker: int) -> int:
-        """Prompt tokens routed to ``worker`` and not yet prefilled."""
+        """Uncached prompt tokens ``worker`` still has to prefill: for each request routed
+        there and not yet prefilled (queued or running), its prompt less the prefix predicted
+        reused (from HBM or loaded from a tier) when it was routed; at least one token each.
+        Not whole prompts: a fully cached prompt adds one token. The router books
+        ``prompt - predicted cached`` (``Worker.pending_tokens``); the simulator the tokens
+        its routing-time plan computes."""
 
     def active_blocks(self, worker: int) -> int:
         """Blocks of the requests queued or running on ``worker`` (Dynamo's decode blocks)."""
@@ -62,10 +67,13 @@ class ClusterView(Protocol):
     #   step_sharing_delay_s(worker, request) -> float: the seconds ``request`` sent to
     #   ``worker`` would add, summed, to the first tokens of the requests already waiting
     #   there (engines that prefill a queue in shared token-budgeted steps, as vLLM does).
-    # Optional fast path (the router's live view has it, the simulator does not):
-    #   service_seconds(request) -> sequence of floats, for every worker
-    #   ``service.plan(prefix_tiers(worker, request.blocks), request.input_tokens).seconds``
-    #   computed at once (numpy over a workers x blocks tier matrix).
+    # Optional fast path (both views have it; TierAware uses it where present):
+    #   service_seconds(request) -> sequence of floats: for every worker, the predicted
+    #   prefill seconds of ``request`` there, the cheapest load-or-recompute plan. The router's
+    #   is ``service.plan(prefix_tiers(worker, request.blocks), request.input_tokens).seconds``
+    #   computed at once (numpy over a workers x blocks tier matrix). The simulator's weighs
+    #   every tier holding each block (``ServiceModel.plan_any``: a slower tier with less
+    #   latency may be the cheaper one to load from), so it may be below that.
 
 
 class RoutingPolicy(Protocol):
@@ -131,9 +139,13 @@ def softmax_pick(costs: Sequence[float], temperature: float, rng: random.Random)
     worst worker is e times less likely than the best.
     """
     low, high = min(costs), max(costs)
-    if temperature <= 0 or high == low or not math.isfinite(high):
+    scale = temperature * (high - low) if temperature > 0 else 0.0
+    # A temperature so small that the scale underflows to 0 (a subnormal one, or a tiny
+    # spread) is as good as 0: the minimum, not a division by zero.
+    if not scale > 0 or not math.isfinite(high - low):
         return costs.index(low)
-    scale = temperature * (high - low)
+    if scale == math.inf:     # a huge temperature over a finite spread: uniform
+        return rng.choices(range(len(costs)))[0]
     weights = [math.exp(-(c - low) / scale) for c in costs]
     return rng.choices(range(len(costs)), weights)[0]
 

@@ -17,6 +17,9 @@ from kvtier.json_files import read_json_object
 from kvtier.planner.hardware import read_data_json
 
 TIER_SCOPES = ("worker", "pod")
+#: tiers below HBM a cluster may have: a worker's load plan tries every set of the tiers
+#: holding a prompt's prefix (``ServiceModel.plan_any``), 2**k of them
+MAX_TIERS = 8
 
 
 def _reject_unknown(cls, data: Mapping[str, Any], what: str) -> None:
@@ -83,6 +86,9 @@ class ClusterConfig:
                 or self.transfer_bytes_per_s <= 0:
             raise ConfigError("cluster hbm_cache_bytes must be a finite number >= 0, decode_kv_bytes and "
                               "transfer_bytes_per_s finite and > 0")
+        if len(self.tiers) > MAX_TIERS:
+            raise ConfigError(f"cluster has {len(self.tiers)} tiers below HBM; at most {MAX_TIERS} (each load plan "
+                              "tries every set of the tiers holding the prefix)")
         names = [t.name for t in self.tiers]
         if "hbm" in names or len(set(names)) != len(names):
             raise ConfigError(f"tier names must be distinct and not 'hbm' (HBM is implicit), got {names}")

@@ -48,6 +48,11 @@ DAY_S = 86400.0
 #: planner intervals a simulated day may hold (an interval of >= 0.864 s): each is a planner
 #: decision and a bin of the peak-rate histogram, so the run's time and memory follow the count
 MAX_INTERVALS = 100_000
+#: requests a simulated day may hold (``--scale`` copies x the trace's requests; the default,
+#: 100 copies of the published trace, is 1.2 M): the pool replay keeps ~140 bytes a request
+#: (its arrays and its loop's lists) and takes ~20 s a million, so a day at the cap needs
+#: ~1.5 GB and minutes; past some multiple of it, memory runs out before the run ends
+MAX_DAY_REQUESTS = 10_000_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,15 +132,25 @@ class DayLoad(NamedTuple):
     source: np.ndarray          # index of the trace request each arrival replays
 
 
-def day_load(trace: Trace, copies: int, profile: DiurnalProfile) -> DayLoad:
+def check_day_size(copies: int, requests: int) -> None:
+    """Refuse a day of more than :data:`MAX_DAY_REQUESTS` requests before anything is built."""
     if copies < 1:
         raise ConfigError(f"--scale is a number of trace copies >= 1, got {copies}")
+    if copies * requests > MAX_DAY_REQUESTS:
+        raise ConfigError(f"--scale {copies:,} copies x {requests:,} requests = {copies * requests:,} requests in"
+                          f" the day, over the {MAX_DAY_REQUESTS:,} a simulated day may hold; lower --scale (at"
+                          f" most {max(MAX_DAY_REQUESTS // max(requests, 1), 1):,} for this trace) or --limit")
+
+
+def day_load(trace: Trace, copies: int, profile: DiurnalProfile) -> DayLoad:
+    check_day_size(copies, len(trace.requests))
     times = np.array([r.arrival_s for r in trace.requests])
     if len(times) < 2 or times[-1] <= times[0]:
         raise ConfigError("the trace needs requests spread over time to shape a day")
     span = times[-1] - times[0]
     base = (times - times[0]) / span  # fraction of the span, in [0, 1]
-    fractions = np.concatenate([(base + k / copies) % 1.0 for k in range(copies)])
+    # copies x requests in one array (row k: copy k, shifted by k/copies), no list of copies
+    fractions = ((base[None, :] + (np.arange(copies) / copies)[:, None]) % 1.0).ravel()
     source = np.tile(np.arange(len(times)), copies)
     order = np.argsort(fractions, kind="stable")
     return DayLoad(profile.warp(fractions[order]), source[order])
@@ -296,6 +311,7 @@ def simulate_planned_day(trace: Trace, cluster, targets, *, peak_to_trough: floa
         # Each interval is a planner decision and a histogram bin: 1e-7 s asked numpy for TiBs.
         raise ConfigError(f"--interval must be >= {DAY_S / MAX_INTERVALS:g} s of the day (at most "
                           f"{MAX_INTERVALS:,} planner decisions a day), got {day_settings.interval_s:g}")
+    check_day_size(copies, len(trace.requests))   # before the service passes, which take a while
     model = load_model(cluster.model)
     costs = cost_models(model, cluster.accelerator, cluster.devices_per_worker, calibration or cluster.calibration)
     duration = trace.duration_s

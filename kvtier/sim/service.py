@@ -39,7 +39,7 @@ class ServiceModel:
     ``block_bytes / read_bytes_per_s`` a block.
     """
 
-    __slots__ = ("prefill", "block_tokens", "block_load_s", "tier_latency_s", "num_tiers")
+    __slots__ = ("prefill", "block_tokens", "block_load_s", "tier_latency_s", "num_tiers", "_cheapest")
 
     def __init__(self, prefill: PrefillCostModel, block_tokens: int, block_bytes: int,
                  tier_read_bytes_per_s: Sequence[float], tier_latency_s: Sequence[float]) -> None:
@@ -49,6 +49,7 @@ class ServiceModel:
         self.block_load_s = (0.0, *(block_bytes / bw for bw in tier_read_bytes_per_s))
         self.tier_latency_s = (0.0, *tier_latency_s)
         self.num_tiers = len(self.block_load_s)
+        self._cheapest: dict[int, int] = {}   # tier mask -> its tier that reads a block soonest
 
     def full_recompute_s(self, input_tokens: int) -> float:
         return self.prefill.seconds(input_tokens, 0)
@@ -78,6 +79,69 @@ class ServiceModel:
         by_tier = [0] * self.num_tiers
         for tier in prefix_tiers[:best_j]:
             by_tier[tier] += 1
+        return ServicePlan(best_j, tuple(by_tier), best_load, best_total - best_load)
+
+    def soonest_tier(self, mask: int) -> int:
+        """The tier of bit mask ``mask`` that reads a block soonest: HBM, else the highest
+        bandwidth (the lowest index of equals). ``mask`` must name at least one tier."""
+        tier = self._cheapest.get(mask)
+        if tier is None:
+            tier = self._cheapest[mask] = min((t for t in range(self.num_tiers) if mask >> t & 1),
+                                              key=self.block_load_s.__getitem__)
+        return tier
+
+    def plan_any(self, holders: Sequence[int], input_tokens: int) -> ServicePlan:
+        """The cheapest plan where a block may sit in several tiers.
+
+        ``holders[i]`` is a bit mask of the tiers holding block ``i`` (bit ``t``: tier
+        ``t``, bit 0: HBM); the list stops at the first block no tier holds. The block a
+        tier reads soonest is not always the one to read it from: a tier's latency is paid
+        once per request, so a prefix that a nearby tier and a faster but distant one both
+        hold may load sooner from the nearby one. So every set of tiers below HBM that hold
+        some of the prefix is tried (HBM, free, always in it): each block from the set's
+        tier that reads it soonest, each cut priced as :meth:`plan` does, the latency of
+        each tier used counted once. ``2**k`` passes for ``k`` tiers holding blocks (a
+        cluster has a handful: :data:`~kvtier.sim.cluster.MAX_TIERS`); a pass ends as soon
+        as its loads alone cost more than the best plan. Where every block has one tier to
+        come from this is :meth:`plan` of those tiers; the full set is tried first, so a
+        tie keeps the soonest-reading tiers.
+        """
+        seconds = self.prefill.seconds
+        block_tokens = self.block_tokens
+        block_load_s, latency_s = self.block_load_s, self.tier_latency_s
+        cheapest = self._cheapest
+        union = 0
+        for mask in holders:
+            union |= mask
+        compute = [seconds(input_tokens, j * block_tokens) for j in range(len(holders) + 1)]
+        best_total, best_load, best_j, best_set = compute[0], 0.0, 0, 0
+        lower = union & ~1
+        subset = lower
+        while True:
+            allowed = subset | 1
+            load, used = 0.0, 0
+            for j, mask in enumerate(holders, 1):
+                mask &= allowed
+                if not mask:
+                    break
+                tier = cheapest.get(mask)
+                if tier is None:
+                    tier = self.soonest_tier(mask)
+                if not used >> tier & 1:
+                    used |= 1 << tier
+                    load += latency_s[tier]
+                load += block_load_s[tier]
+                if load >= best_total:
+                    break   # compute is never negative: no later cut of this set can win
+                total = load + compute[j]
+                if total < best_total:
+                    best_total, best_load, best_j, best_set = total, load, j, allowed
+            if not subset:
+                break
+            subset = (subset - 1) & lower
+        by_tier = [0] * self.num_tiers
+        for mask in holders[:best_j]:
+            by_tier[cheapest[mask & best_set]] += 1
         return ServicePlan(best_j, tuple(by_tier), best_load, best_total - best_load)
 
     # --- many workers at once (the router's decision path) ------------------------------

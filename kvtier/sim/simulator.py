@@ -4,8 +4,14 @@ Mechanism only: a routing policy (``kvtier.sim.policies``) picks the prefill wor
 this module queues, loads, computes, stores and measures.
 
 - A prefill worker serves its FIFO queue one request at a time. At the start of a
-  request it looks up the prompt's prefix in HBM, its own host DRAM and NVMe, then
-  the pod tiers, and follows the cheapest load-or-recompute plan.
+  request it looks up the prompt's prefix in HBM, its own host DRAM and NVMe and the
+  pod tiers, and follows the cheapest load-or-recompute plan over every tier holding
+  each block (``ServiceModel.plan_any``: a tier's latency is paid once per request, so
+  the tier that reads a block soonest is not always the one to read it from).
+- At routing, the estimate of a request's service time (what later requests see as
+  this worker's backlog) and its outstanding tokens come from the same plan, with the
+  blocks of the requests queued or running there credited where their write-through
+  will leave them (nowhere, for a cache too small for the prompt).
 - When the prefill ends the first token is out (TTFT), and every block of the prompt
   is stored in HBM and written through to every tier below (asynchronously: writes
   are not charged to the request, nor do they contend with reads).
@@ -24,7 +30,7 @@ from kvtier.sim.cache import LRUBlockCache
 from kvtier.sim.cluster import ClusterConfig
 from kvtier.sim.decode import DecodeJob, simulate_decode
 from kvtier.sim.policies import RoutingPolicy
-from kvtier.sim.service import HBM, ServiceModel, ServicePlan
+from kvtier.sim.service import ServiceModel, ServicePlan
 from kvtier.sim.trace import Trace, TraceRequest
 
 
@@ -58,16 +64,22 @@ def _capacity_blocks(capacity_bytes: float | None, block_bytes: int) -> int | No
     return None if capacity_bytes is None else int(capacity_bytes // block_bytes)
 
 
+def _keeps(capacity_blocks: int | None, prompt_blocks: int) -> bool:
+    """Whether a cache of ``capacity_blocks`` still holds a prompt's blocks once they are written."""
+    return capacity_blocks is None or 0 < capacity_blocks and prompt_blocks <= capacity_blocks
+
+
 class _PrefillWorker:
-    __slots__ = ("hbm", "local", "lookup", "queue", "running", "busy_until", "queued_est_s",
+    __slots__ = ("hbm", "local", "lookup", "queue", "running", "running_tokens", "busy_until", "queued_est_s",
                  "outstanding_tokens", "active_blocks", "pending", "busy_s", "computed_tokens")
 
     def __init__(self, hbm_blocks: int | None, local_blocks: Sequence[int | None]) -> None:
         self.hbm = LRUBlockCache(hbm_blocks)
         self.local = [LRUBlockCache(c) for c in local_blocks]
-        self.lookup: list = []            # (tier index, cache), fastest first
-        self.queue: deque = deque()       # (request, estimated service seconds)
+        self.lookup: list = []            # (1 << tier index, cache), every tier below HBM
+        self.queue: deque = deque()       # (request, estimated service seconds, tokens to compute)
         self.running = False
+        self.running_tokens = 0           # its outstanding tokens, taken off when it finishes
         self.busy_until = 0.0
         self.queued_est_s = 0.0
         self.outstanding_tokens = 0
@@ -89,9 +101,7 @@ class ClusterSimulator:
         self.block_bytes = model.block_bytes(cluster.block_tokens)
         worker_tiers = [t for t in cluster.tiers if t.scope == "worker"]
         pod_tiers = [t for t in cluster.tiers if t.scope == "pod"]
-        # Tier index = position in cluster.tier_names. A block is read from the fastest
-        # tier that holds it, so lookups go in order of read bandwidth.
-        fastest_first = sorted(range(len(cluster.tiers)), key=lambda i: -cluster.tiers[i].read_bytes_per_s)
+        # Tier index = position in cluster.tier_names; a prefix's holders are bit masks over it.
         self.workers = [
             _PrefillWorker(_capacity_blocks(cluster.hbm_cache_bytes, self.block_bytes),
                            [_capacity_blocks(t.capacity_bytes, self.block_bytes) for t in worker_tiers])
@@ -102,14 +112,17 @@ class ClusterSimulator:
             # Each worker sees, per tier index, its own cache of a worker tier or the shared pod one.
             own, shared = iter(w.local), iter(self.pod)
             by_index = [next(own) if t.scope == "worker" else next(shared) for t in cluster.tiers]
-            w.lookup = [(1 + i, by_index[i]) for i in fastest_first]
+            w.lookup = [(1 << (1 + i), cache) for i, cache in enumerate(by_index)]
         self.service = ServiceModel(prefill, cluster.block_tokens, self.block_bytes,
                                     [t.read_bytes_per_s for t in cluster.tiers], [t.latency_s for t in cluster.tiers])
         self.num_workers = cluster.prefill_workers
         self.now = 0.0
+        self._priced: tuple | None = None   # (request, every worker's plan): service_seconds' last answer
 
     # --- the ClusterView the policies read -------------------------------------------
     def outstanding_tokens(self, worker: int) -> int:
+        """The tokens its queued and running requests compute: each prompt less the prefix
+        its plan at routing reuses (the router's meaning, ``ClusterView.outstanding_tokens``)."""
         return self.workers[worker].outstanding_tokens
 
     def active_blocks(self, worker: int) -> int:
@@ -122,30 +135,67 @@ class ClusterSimulator:
     def hbm_prefix_blocks(self, worker: int, blocks: Sequence[int]) -> int:
         return self.workers[worker].hbm.prefix_length(blocks)
 
-    def prefix_tiers(self, worker: int, blocks: Sequence[int], include_pending: bool = True) -> list[int]:
+    def prefix_holders(self, worker: int, blocks: Sequence[int], include_pending: bool = True) -> list[int]:
+        """For each leading block, a bit mask of the tiers from which ``worker`` can have it
+        (bit ``t``: tier ``t``, bit 0 alone: HBM, which beats every other); the list stops at
+        the first block none holds.
+
+        ``include_pending``: as at routing, a block of a request queued or running on
+        ``worker`` counts in every cache of it that the request's write-through will leave
+        it in: one with room for this prompt (a cache of 0 blocks keeps nothing; one smaller
+        than the prompt has evicted its leading blocks by the time this one starts). At a
+        request's start nothing is pending ahead of it: the caches are as they are.
+        """
         w = self.workers[worker]
         hbm, pending, lookup = w.hbm, w.pending, w.lookup
-        tiers = []
+        landing = 0
+        if include_pending and pending:
+            count = len(blocks)
+            landing = sum(bit for bit, cache in ((1, hbm), *lookup) if _keeps(cache.capacity_blocks, count))
+            if landing & 1:
+                landing = 1   # in HBM: nothing else matters
+        holders = []
         for block in blocks:
-            if block in hbm or (include_pending and block in pending):
-                tiers.append(HBM)
+            if block in hbm:
+                holders.append(1)
                 continue
-            for index, cache in lookup:
+            mask = 0
+            for bit, cache in lookup:
                 if block in cache:
-                    tiers.append(index)
-                    break
-            else:
+                    mask |= bit
+            if landing and block in pending:
+                mask = 1 if landing == 1 else mask | landing
+            if not mask:
                 break
-        return tiers
+            holders.append(mask)
+        return holders
+
+    def prefix_tiers(self, worker: int, blocks: Sequence[int], include_pending: bool = True) -> list[int]:
+        """For each leading block, the tier that reads it soonest (HBM, else the highest read
+        bandwidth) among those :meth:`prefix_holders` finds. The plans use every holder
+        (:meth:`service_seconds`); this is the protocol's one-tier-per-block answer."""
+        soonest = self.service.soonest_tier
+        return [soonest(mask) for mask in self.prefix_holders(worker, blocks, include_pending)]
+
+    def _plan(self, worker: int, request: TraceRequest, include_pending: bool) -> ServicePlan:
+        return self.service.plan_any(self.prefix_holders(worker, request.blocks, include_pending),
+                                     request.input_tokens)
+
+    def service_seconds(self, request: TraceRequest) -> list[float]:
+        """Every worker's predicted prefill seconds for ``request`` (the tier-aware path): its
+        plan over every tier holding each block, pending blocks where they will land. The
+        plans are kept for the routing estimate of the worker chosen."""
+        plans = [self._plan(worker, request, True) for worker in range(self.num_workers)]
+        self._priced = (request, plans)
+        return [plan.seconds for plan in plans]
 
     # --- the mechanism ------------------------------------------------------------------
     def _start(self, worker: int, events: list) -> None:
         w = self.workers[worker]
-        request, estimate = w.queue.popleft()
+        request, estimate, w.running_tokens = w.queue.popleft()
         w.queued_est_s -= estimate
         # Requests ahead of this one have stored their blocks: no pending credit here.
-        plan = self.service.plan(self.prefix_tiers(worker, request.blocks, include_pending=False),
-                                 request.input_tokens)
+        plan = self._plan(worker, request, include_pending=False)
         start = max(self.now, w.busy_until)
         w.running = True
         w.busy_until = start + plan.seconds
@@ -166,7 +216,7 @@ class ClusterSimulator:
                 pending[block] = count
             else:
                 del pending[block]  # membership means "still pending"
-        w.outstanding_tokens -= request.input_tokens
+        w.outstanding_tokens -= w.running_tokens
         w.active_blocks -= len(request.blocks)
         reused_tokens = min(plan.reused_blocks * self.cluster.block_tokens, request.input_tokens - 1)
         w.computed_tokens += request.input_tokens - reused_tokens
@@ -204,11 +254,16 @@ class ClusterSimulator:
             if not 0 <= worker < self.num_workers:
                 raise ValueError(f"policy {self.policy.name} chose worker {worker} of {self.num_workers}")
             w = self.workers[worker]
-            # The router's estimate of this request's service time feeds the backlog others see.
-            estimate = self.service.plan(self.prefix_tiers(worker, request.blocks), request.input_tokens).seconds
-            w.queue.append((request, estimate))
-            w.queued_est_s += estimate
-            w.outstanding_tokens += request.input_tokens
+            # The router's estimate of this request's service time feeds the backlog others see,
+            # and the tokens it leaves to compute the outstanding tokens (as the router books them).
+            priced, self._priced = self._priced, None
+            plan = priced[1][worker] if priced is not None and priced[0] is request \
+                else self._plan(worker, request, True)
+            tokens = request.input_tokens - min(plan.reused_blocks * self.cluster.block_tokens,
+                                                request.input_tokens - 1)
+            w.queue.append((request, plan.seconds, tokens))
+            w.queued_est_s += plan.seconds
+            w.outstanding_tokens += tokens
             w.active_blocks += len(request.blocks)
             pending = w.pending
             for block in request.blocks:

@@ -103,7 +103,8 @@ def _count(row: dict, field: str) -> int:
 
 def _check_request(req: TraceRequest) -> None:
     """Values the format allows but no request can have: a NaN arrival would leave the sort
-    unordered; hash ids are integers in the format (the benches seed each block's tokens with one)."""
+    unordered; hash ids are integers in the format (the benches seed each block's tokens with
+    one), distinct within a request (each names a different prefix)."""
     if not math.isfinite(req.arrival_s):
         raise ValueError(f"timestamp {req.arrival_s * 1000.0} is not a finite number")
     if req.output_tokens < 0:
@@ -111,6 +112,13 @@ def _check_request(req: TraceRequest) -> None:
     for block in req.blocks:
         if isinstance(block, bool) or not isinstance(block, int):
             raise TypeError(f"hash id {block!r} is not an integer")
+    if len(set(req.blocks)) != len(req.blocks):
+        # A hash id names the prefix up to its block, so it cannot come twice in one prompt;
+        # per-block content hashes would let one cached block serve every repeat of it.
+        seen: set[int] = set()
+        repeated = next(b for b in req.blocks if b in seen or seen.add(b))
+        raise ValueError(f"hash id {repeated} repeats within the request (hash ids name prefixes, "
+                         "not block contents: each block of a prompt has its own)")
 
 
 def load_trace(path: str | Path, block_tokens: int = 512) -> Trace:

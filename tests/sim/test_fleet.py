@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import resource
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -12,10 +16,12 @@ import pytest
 from kvtier.cli import simulate as simulate_cli
 from kvtier.errors import ConfigError
 from kvtier.planner.live import PlannerSettings
+from kvtier.sim import fleet
 from kvtier.sim.fleet import DayLoad, DiurnalProfile, ServicePass, day_load, run_pool
 from kvtier.sim.trace import Trace, TraceRequest
 
-SLICE = Path(__file__).resolve().parents[1] / "data" / "mooncake_conversation_head500.jsonl"
+REPO = Path(__file__).resolve().parents[2]
+SLICE = REPO / "tests" / "data" / "mooncake_conversation_head500.jsonl"
 
 
 def test_profile_peak_is_k_times_trough_and_the_warp_realises_it():
@@ -85,3 +91,42 @@ def test_simulate_planner_refuses_a_bad_ratio(capsys):
     args = _parse(["simulate", "--planner", "--diurnal", "0.5", "--trace", str(SLICE)])
     assert args.func(args) == 2
     assert "--diurnal" in capsys.readouterr().err
+
+
+# -- audit s27/audit_sim2 D6: --scale has a bound ------------------------------------------------
+def _address_space_3gb():
+    resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
+
+
+def test_a_scale_too_large_for_memory_is_a_clear_error_not_an_oom():
+    """--scale 100000000 on the 500-request slice ran 72 s and was killed for memory (rc 137, no
+    message). The CLI runs here under a 3 GB address-space limit, so that it can never take the
+    machine's memory: before the fix, a MemoryError traceback (rc 1)."""
+    proc = subprocess.run([sys.executable, "-m", "kvtier.cli.main", "simulate", "--trace", str(SLICE), "--planner",
+                           "--scale", "100000000"], cwd=REPO, capture_output=True, text=True, timeout=60,
+                          preexec_fn=_address_space_3gb, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-600:])
+    assert "Traceback" not in proc.stderr
+    assert "--scale 100,000,000 copies x 500 requests" in proc.stderr and "--limit" in proc.stderr
+
+
+def test_the_day_size_cap_is_inclusive(monkeypatch):
+    reqs = tuple(TraceRequest(float(t), 10, 5, (t,)) for t in range(100))
+    monkeypatch.setattr(fleet, "MAX_DAY_REQUESTS", 700)
+    assert len(day_load(Trace(reqs, 16), 7, DiurnalProfile(3.0, 99.0)).arrivals_s) == 700
+    with pytest.raises(ConfigError, match=r"--scale 8 copies x 100 requests = 800 .*at most 7 for this trace"):
+        day_load(Trace(reqs, 16), 8, DiurnalProfile(3.0, 99.0))
+
+
+def test_day_load_builds_the_copies_as_the_concatenation_did():
+    """One array for every copy (no Python list of copies), the same day as copy by copy."""
+    times = np.sort(np.random.default_rng(3).uniform(0, 50, 200))
+    reqs = tuple(TraceRequest(float(t), 10, 5, (i,)) for i, t in enumerate(times))
+    profile = DiurnalProfile(3.0, 50.0)
+    for copies in (1, 3, 13):
+        day = day_load(Trace(reqs, 16), copies, profile)
+        base = (times - times[0]) / (times[-1] - times[0])
+        fractions = np.concatenate([(base + k / copies) % 1.0 for k in range(copies)])
+        order = np.argsort(fractions, kind="stable")
+        assert np.array_equal(day.arrivals_s, profile.warp(fractions[order]))
+        assert np.array_equal(day.source, np.tile(np.arange(len(times)), copies)[order])

@@ -134,3 +134,21 @@ def test_throughput_does_not_depend_on_where_the_clock_starts(shipped_trace):
     assert sum(a.prefill_tokens_per_s_per_worker) > 0
     assert sum(b.prefill_tokens_per_s_per_worker) == pytest.approx(sum(a.prefill_tokens_per_s_per_worker), rel=0.01)
     assert sum(b.decode_tokens_per_s_per_worker) == pytest.approx(sum(a.decode_tokens_per_s_per_worker), rel=0.01)
+
+
+# -- audit s27/audit_sim2 D5: a hash id twice in one request --------------------------------------
+def test_a_request_repeating_a_hash_id_is_refused(tmp_path):
+    """A hash id names the prefix up to its block, so one id cannot come twice in a request.
+    Such a trace (per-block content hashes, not chained: a prompt of repeated boilerplate) was
+    accepted, and a cache holding ONE block then served the whole 3-block prompt."""
+    rows = [{"timestamp": t, "input_length": 1536, "output_length": 8, "hash_ids": [7, 7, 7]} for t in (0, 1000)]
+    path = _write(tmp_path, rows)
+    with pytest.raises(ConfigError, match=r"line 1: .*hash id 7 repeats within the request"):
+        load_trace(path, 512)
+
+
+def test_an_id_repeated_across_requests_is_a_shared_prefix(tmp_path):
+    """The control: the same ids in two requests are a shared prefix, as the format means."""
+    rows = [{"timestamp": t, "input_length": 1536, "output_length": 8, "hash_ids": [7, 8, 9]} for t in (0, 1000)]
+    trace = load_trace(_write(tmp_path, rows), 512)
+    assert [r.blocks for r in trace.requests] == [(7, 8, 9), (7, 8, 9)]
