@@ -11,9 +11,12 @@ that lives as long as they should (the main thread, or a :class:`Spawner`).
 
 from __future__ import annotations
 
+import hashlib
 import os
+import re
 import shutil
 import signal
+import socket
 import subprocess
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -100,11 +103,43 @@ def process_gone(pid: int) -> bool:
     return False
 
 
+def host_tag() -> str:
+    """8 hex digits naming this host and PID namespace: a pid means a process only within them (a
+    cache directory shared by hosts or containers holds names of pids this process cannot see)."""
+    try:
+        namespace = os.readlink("/proc/self/ns/pid")   # "pid:[4026531836]": the same for all of this namespace
+    except OSError:
+        namespace = ""   # not Linux, or no /proc: the host's name alone
+    return hashlib.blake2s(f"{socket.gethostname()}\0{namespace}".encode(), digest_size=4).hexdigest()
+
+
+def owner_tag() -> str:
+    """``{pid}-h{host_tag}``: what a directory's name carries to say that this process owns it,
+    read back by :func:`owner_pid` (a name made with it still shows ``-{pid}-``)."""
+    return f"{os.getpid()}-h{host_tag()}"
+
+
+_OWNER = re.compile(r"-([0-9]+)(?:-h([0-9a-f]{8}))?\Z")
+
+
+def owner_pid(stem: str) -> int | None:
+    """The pid of the owner tag that ``stem`` ends with (after a ``-``), if that owner is of this host
+    and PID namespace: ``…-{pid}-h{host_tag}`` with this host's tag, or ``…-{pid}`` alone (a name from
+    before the tag, judged as before). None for another host's tag (its pid says nothing here) and
+    for a stem without one."""
+    match = _OWNER.search(stem)
+    if match is None or (match.group(2) is not None and match.group(2) != host_tag()):
+        return None
+    return int(match.group(1))
+
+
 def remove_dead_dirs(directory: str | os.PathLike, pid_of: Callable[[str], int | None]) -> list[Path]:
     """Remove the directories in ``directory`` whose name ``pid_of`` reads a pid from and whose
     process is gone (what a process killed before its clean-up left: a scratch store, an
     unfinished build); returns those removed. A name without a pid (``pid_of`` None) is left
-    alone: nothing says its owner is gone."""
+    alone: nothing says its owner is gone. ``pid_of`` gives only pids of this host: a directory
+    shared across hosts or containers holds others' live ones (:func:`owner_pid` reads names
+    made with :func:`owner_tag` so)."""
     removed = []
     try:
         entries = list(Path(directory).iterdir())

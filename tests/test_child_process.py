@@ -183,3 +183,61 @@ def test_control_a_child_whose_starter_lives_runs_its_program():
             child.kill()
             child.wait()
         spawner.close()
+
+
+# -- remove_dead_dirs: only this host's dead owners ------------------------------------------------
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def _other_host_tag() -> str:
+    from kvtier.child_process import host_tag
+
+    return "0" * 8 if host_tag() != "0" * 8 else "1" * 8
+
+
+def test_an_owner_tag_reads_back_as_its_pid_here_and_as_none_for_another_host():
+    from kvtier.child_process import host_tag, owner_pid, owner_tag
+
+    tag = owner_tag()
+    assert tag == f"{os.getpid()}-h{host_tag()}" and len(host_tag()) == 8
+    assert owner_pid(f".name-with-dashes-{tag}") == os.getpid()
+    assert owner_pid(f".name-{os.getpid()}-h{_other_host_tag()}") is None   # another host's pid: not ours
+    assert owner_pid(".name-1234") == 1234                                 # a name from before the tag
+    for stem in (".name", ".name-h1234abcd", ".name-12-habc", ".name-12-h1234abcd-x", ".name-12x", "1234"):
+        assert owner_pid(stem) is None, stem
+
+
+def test_remove_dead_dirs_sweeps_this_hosts_dead_owners_and_keeps_another_hosts(tmp_path):
+    from kvtier.child_process import host_tag, owner_pid, remove_dead_dirs
+
+    dead = _dead_pid()
+    here_dead = tmp_path / f"s-{dead}-h{host_tag()}-abc"
+    old_dead = tmp_path / f"s-{dead}-def"                      # named before the host tag: judged as before
+    elsewhere = tmp_path / f"s-{dead}-h{_other_host_tag()}-ghi"  # its pid is another host's (or container's)
+    here_live = tmp_path / f"s-{os.getpid()}-h{host_tag()}-jkl"
+    for d in (here_dead, old_dead, elsewhere, here_live):
+        d.mkdir()
+    removed = remove_dead_dirs(tmp_path, lambda name: owner_pid(name.rpartition("-")[0]))
+    assert sorted(removed) == sorted([here_dead, old_dead])
+    assert elsewhere.exists() and here_live.exists()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PID namespaces are Linux's")
+def test_another_pid_namespace_has_another_host_tag():
+    """Containers on one host may share its name and a cache directory; their pids are not ours."""
+    from kvtier.child_process import host_tag
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = "from kvtier.child_process import host_tag; print(host_tag())"
+    try:
+        inner = subprocess.run(["unshare", "-Urpf", "--mount-proc", sys.executable, "-c", code], cwd=root,
+                               capture_output=True, text=True, timeout=30)
+    except (FileNotFoundError, subprocess.TimeoutExpired):
+        pytest.skip("no unshare(1)")
+    if inner.returncode != 0:
+        pytest.skip(f"no user/PID namespaces here: {inner.stderr.strip()[:200]}")
+    assert inner.stdout.strip() != host_tag() and len(inner.stdout.strip()) == 8

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from kvtier.errors import ConfigError
-from kvtier.child_process import remove_dead_dirs
+from kvtier.child_process import owner_pid, owner_tag, remove_dead_dirs
 
 STORE_PREFIX = "demo-store-"
 
@@ -61,22 +61,20 @@ def positive_int(text: str) -> int:
     return value
 
 
-def _pid_of(name: str, prefix: str) -> int | None:
-    head = name[len(prefix):].split("-", 1)[0]
-    return int(head) if head.isdigit() else None
-
-
 def sweep_stale(directory: str | os.PathLike, prefix: str) -> list[Path]:
-    """Remove the directories ``<prefix><pid>-*`` in ``directory`` whose process is gone; the ones removed.
+    """Remove the directories ``<prefix><pid>-h<host>-*`` (or ``<prefix><pid>-*``, an older kvtier's)
+    in ``directory`` whose process of this host is gone; the ones removed.
 
-    A name without a pid (an older kvtier's) is left alone: nothing says its owner is gone."""
-    return remove_dead_dirs(directory, lambda name: _pid_of(name, prefix) if name.startswith(prefix) else None)
+    A name without a pid, or of another host or container (a shared cache directory), is left
+    alone: nothing here says its owner is gone."""
+    return remove_dead_dirs(directory, lambda name: owner_pid(name.rpartition("-")[0])
+                            if name.startswith(prefix) else None)
 
 
 def make_store_dir(cache: str | os.PathLike) -> str:
-    """A fresh ``demo-store-<pid>-XXXX`` under ``cache`` (swept of dead runs' ones first)."""
+    """A fresh ``demo-store-<pid>-h<host>-XXXX`` under ``cache`` (swept of dead runs' ones first)."""
     sweep_stale(cache, STORE_PREFIX)
-    return tempfile.mkdtemp(prefix=f"{STORE_PREFIX}{os.getpid()}-", dir=cache)
+    return tempfile.mkdtemp(prefix=f"{STORE_PREFIX}{owner_tag()}-", dir=cache)
 
 
 @contextmanager

@@ -33,15 +33,22 @@ def _dead_pid() -> int:
 def test_a_dead_runs_store_directory_is_swept_and_a_live_ones_is_kept(tmp_path):
     from kvtier.demo.preflight import make_store_dir, sweep_stale
 
-    dead = tmp_path / f"demo-store-{_dead_pid()}-abc_12"
-    live = tmp_path / f"demo-store-{os.getpid()}-def_34"
+    from kvtier.child_process import host_tag
+
+    dead_pid = _dead_pid()
+    dead = tmp_path / f"demo-store-{dead_pid}-h{host_tag()}-abc_12"
+    dead_untagged = tmp_path / f"demo-store-{dead_pid}-ghi_56"     # a name from before the host tag
+    elsewhere = tmp_path / f"demo-store-{dead_pid}-h00000000-jkl_78"   # another host's: its pid means nothing here
+    live = tmp_path / f"demo-store-{os.getpid()}-h{host_tag()}-def_34"
     old_style = tmp_path / "demo-store-x1y2z3"            # an older kvtier's: no pid, owner unknown
     other = tmp_path / "models"
-    for d in (dead, live, old_style, other):
+    for d in (dead, dead_untagged, elsewhere, live, old_style, other):
         (d / "sub").mkdir(parents=True)
     fresh = Path(make_store_dir(tmp_path))
-    assert not dead.exists()
+    assert not dead.exists() and not dead_untagged.exists()
+    assert elsewhere.exists() or host_tag() == "00000000"
     assert live.exists() and old_style.exists() and other.exists()   # controls
+    assert fresh.name.startswith(f"demo-store-{os.getpid()}-h{host_tag()}-")
     assert fresh.name.startswith(f"demo-store-{os.getpid()}-") and fresh.is_dir()
     assert sweep_stale(tmp_path, "demo-store-") == []
 

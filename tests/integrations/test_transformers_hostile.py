@@ -3,7 +3,8 @@
 Each case is checked numerically against a recompute without kvtier, or must be refused
 with an error that names the cause: RoPE that depends on the request's length, weights
 changed in memory (a merged LoRA), one session used from two threads, a session used
-after ``close()``, finished saves piling up, a namespace of another KV geometry.
+after ``close()``, finished saves piling up, a namespace of another KV geometry, an
+``eos_token_id`` given as a list (as HF configs hold it).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import threading
 import types
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -326,3 +328,25 @@ def test_an_append_of_another_shape_is_refused_before_the_copy():
         with pytest.raises(LayoutError, match="batch 1, 2 KV heads"):
             layer.update(bad, bad)
     assert layer.get_seq_length() == 3  # nothing appended by the refused ones
+
+
+# -- eos_token_id as HF configs hold it --------------------------------------------------------
+
+def test_generation_stops_at_any_id_of_an_eos_collection_and_a_non_id_is_refused(tiny):
+    lm = KVTierLM(tiny, None, block_tokens=BLOCK, capacity_tokens=256)
+    try:
+        prompt = tokens(40, seed=7)
+        free = lm.generate(prompt, 8)
+        stop = free.tokens[3]
+        upto = free.tokens[: free.tokens.index(stop) + 1]
+        assert len(upto) < 8   # control: generation without it runs on past that token
+        unused = next(t for t in range(TINY_SPEC.vocab_size) if t not in free.tokens)
+        for eos in (stop, np.int64(stop), [stop], (unused, stop), {stop}, torch.tensor([unused, stop]),
+                    np.array([stop])):
+            assert lm.generate(prompt, 8, eos_token_id=eos).tokens == upto, f"eos_token_id={eos!r}"  # old: [..] ran on
+        assert lm.generate(prompt, 8, eos_token_id=[unused]).tokens == free.tokens
+        for bad in ("7", float(stop), [stop, "x"], [float(stop)], True, [True], object()):
+            with pytest.raises(TypeError, match="eos_token_id"):
+                lm.generate(prompt, 8, eos_token_id=bad)
+    finally:
+        lm.close()

@@ -77,6 +77,9 @@ class KVStorage:
         self.poisoned = poisoning.enabled(poison)
         self.tensor = self._alloc(capacity_tokens)
         self.layers: list[StorageLayer] = []
+        #: why an append of the current cache was refused (None: none was): its layers may then
+        #: hold different lengths, so the session saves nothing of it (cleared by :meth:`new_cache`)
+        self.refused: str | None = None
 
     def _alloc(self, capacity: int) -> torch.Tensor:
         lay = self.layout
@@ -130,8 +133,13 @@ class KVStorage:
                 f"{len(cache.layers)} layers of kind {kinds} (sliding-window or hybrid attention is not supported)"
             )
         self.layers = [StorageLayer(self, i) for i in range(self.layout.num_layers)]
+        self.refused = None
         cache.layers = list(self.layers)
         return cache
+
+    def held_tokens(self) -> int:
+        """Positions every layer holds (after a refused append, some layers hold more than others)."""
+        return min((layer.length for layer in self.layers), default=0)
 
     def set_length(self, tokens: int) -> None:
         """Declare positions ``0:tokens`` valid in every layer (after a load)."""
@@ -163,14 +171,25 @@ class StorageLayer(DynamicLayer):
         pass  # the storage exists already
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Append K/V of the layout's shape and the storage's dtype in place; anything else raises
+        :class:`LayoutError` before a byte is copied, and marks the storage refused (nothing of
+        this cache is saved)."""
         lay = self.storage.layout
         want = (1, lay.num_kv_heads, key_states.shape[-2], lay.head_dim)
         if tuple(key_states.shape) != want or tuple(value_states.shape) != want:
             # copy_ would broadcast (one head into N, a batch into one): wrong KV, saved under real keys.
-            raise LayoutError(
+            self._refuse(
                 f"layer {self.index} appends K {tuple(key_states.shape)} and V {tuple(value_states.shape)}, but "
                 f"the cache holds (batch 1, {lay.num_kv_heads} KV heads, tokens, {lay.head_dim}): one sequence "
                 f"of the namespace's layout (no beam search or batch; a namespace of this model)")
+        dtype = self.storage.dtype
+        if key_states.dtype != dtype or value_states.dtype != dtype:
+            # copy_ would convert: KV computed in bf16 (autocast, a layer of another dtype) saved under
+            # the namespace of fp32 KV, and served to requests that computed none of it.
+            self._refuse(
+                f"layer {self.index} appends K of {key_states.dtype} and V of {value_states.dtype}, but the "
+                f"namespace holds {dtype} KV (autocast, or a model whose layers differ in dtype from its "
+                f"first parameter); run the model in one dtype, without autocast")
         end = self.length + key_states.shape[-2]
         self.storage.ensure_capacity(end)
         t = self.storage.tensor
@@ -179,6 +198,10 @@ class StorageLayer(DynamicLayer):
         self.length = end
         self.refresh()
         return self.keys, self.values
+
+    def _refuse(self, why: str):
+        self.storage.refused = why
+        raise LayoutError(why)
 
     def get_seq_length(self) -> int:
         return self.length

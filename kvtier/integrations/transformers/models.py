@@ -114,9 +114,12 @@ def ensure_model(spec: ModelSpec = DEMO_SPEC, root: str | os.PathLike | None = N
         return target, False
     root.mkdir(parents=True, exist_ok=True)
     remove_dead_builds(root, spec)
-    # the builder's pid in the name: a build killed before its ``finally`` (SIGKILL, or SIGTERM in
-    # a process that does not turn it into SystemExit) is found and removed by the next one
-    work = Path(tempfile.mkdtemp(prefix=f".{spec.name}-{os.getpid()}-", dir=root))
+    # the builder's pid and host in the name: a build killed before its ``finally`` (SIGKILL, or
+    # SIGTERM in a process that does not turn it into SystemExit) is found and removed by the next
+    # one of this host; another host's (a cache directory shared by hosts or containers) is left be
+    from kvtier.child_process import owner_tag
+
+    work = Path(tempfile.mkdtemp(prefix=f".{spec.name}-{owner_tag()}-", dir=root))
     try:
         build_model(spec, work)
         try:
@@ -130,16 +133,17 @@ def ensure_model(spec: ModelSpec = DEMO_SPEC, root: str | os.PathLike | None = N
 
 
 def remove_dead_builds(root: str | os.PathLike, spec: ModelSpec | None = None) -> list[Path]:
-    """Remove the unfinished builds (``.{name}-{pid}-XXXX``) in ``root`` of ``spec`` (of any spec
-    when None) whose builder process is gone; the directories removed. A build of a live
-    process, and a name without a pid, are left alone."""
-    from kvtier.child_process import remove_dead_dirs
+    """Remove the unfinished builds (``.{name}-{pid}-h{host}-XXXX``, or ``.{name}-{pid}-XXXX`` from
+    before the host tag) in ``root`` of ``spec`` (of any spec when None) whose builder process, of
+    this host, is gone; the directories removed. A build of a live process, another host's
+    (:func:`~kvtier.child_process.owner_pid`), and a name without a pid are left alone."""
+    from kvtier.child_process import owner_pid, remove_dead_dirs
 
     head = f".{spec.name}-" if spec is not None else "."
 
     def builder(name: str) -> int | None:
-        parts = name.rsplit("-", 2)   # ".{name}", pid, mkdtemp's suffix
-        return int(parts[1]) if name.startswith(head) and len(parts) == 3 and parts[1].isdigit() else None
+        stem, dash, _ = name.rpartition("-")   # mkdtemp's suffix has no dash
+        return owner_pid(stem) if name.startswith(head) and dash and len(stem) > len(head) else None
 
     return remove_dead_dirs(root, builder)
 

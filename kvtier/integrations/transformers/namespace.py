@@ -113,6 +113,12 @@ def kv_layout(config, dtype: str, block_tokens: int) -> KVLayout:
     of the prefix alone.
     """
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    heads = getattr(text, "num_attention_heads", None)
+    if not heads:
+        raise ConfigError(
+            f"{type(text).__name__} has no attention heads (num_attention_heads): a state-space or "
+            f"recurrent model (Mamba, RWKV, xLSTM, ...) caches a recurrent state, not per-token K/V; "
+            f"kvtier cannot store it. Serve this model without kvtier")
     _refuse_length_dependent_rope(text)
     serve = ("Serve it with vLLM and the kvtier connector, which stores latent-attention (MLA) caches "
              "as vLLM keeps them")
@@ -121,7 +127,6 @@ def kv_layout(config, dtype: str, block_tokens: int) -> KVLayout:
             f"this model uses multi-head latent attention: transformers caches a latent of "
             f"{text.kv_lora_rank} and a RoPE key of {getattr(text, 'qk_rope_head_dim', '?')} values a "
             f"token, which kvtier's transformers integration does not store. {serve}")
-    heads = text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     k_dim = getattr(text, "qk_head_dim", None) or head_dim
     v_dim = getattr(text, "v_head_dim", None) or head_dim
@@ -244,6 +249,32 @@ def loaded_weights_digest(model) -> str:
     return h.hexdigest()
 
 
+def pad_counted_positions(model) -> frozenset[int]:
+    """The pad ids that ``model`` numbers positions past: empty for most models; the RoBERTa family
+    (RoBERTa, XLM-RoBERTa(-XL), CamemBERT, Data2VecText, RoBERTa-PreLayerNorm, X-MOD) and TrOCR with
+    sinusoidal positions give a token the count of non-pad tokens up to it
+    (``create_position_ids_from_input_ids``), starting after the pad id.
+
+    A suffix after a cached prefix is numbered from the prefix's *length*, a recompute numbers it
+    from the prefix's count of non-pad tokens: the two agree only when the prefix holds no pad id,
+    so a hit must stop before the first block holding one (the session caps it there). A module
+    that numbers so without an integer ``padding_idx`` is refused: the cap would not know what
+    to look for.
+    """
+    pads = set()
+    for name, module in model.named_modules():
+        if not callable(getattr(module, "create_position_ids_from_input_ids", None)):
+            continue
+        pad = getattr(module, "padding_idx", None)
+        if isinstance(pad, bool) or not isinstance(pad, int):
+            raise ConfigError(
+                f"{name or type(model).__name__} numbers positions by counting non-pad tokens, but its "
+                f"padding_idx is {pad!r}: kvtier cannot tell which cached prefixes a recompute numbers "
+                f"the same way; set the config's pad_token_id, or serve this model without kvtier")
+        pads.add(pad)
+    return frozenset(pads)
+
+
 def model_dtype_name(model) -> str:
     dtype = next(model.parameters()).dtype
     return str(dtype).removeprefix("torch.")
@@ -283,4 +314,9 @@ def namespace_for_model(
     dtype = model_dtype_name(model)
     layout = kv_layout(config, dtype, block_tokens)
     model_id = f"hf:{config.model_type}:cfg={config_fingerprint(config)}"
+    pads = pad_counted_positions(model)
+    if pads:
+        # pad_token_id is no part of the fingerprint (it changes no KV of most models); here it
+        # shifts every position (they start after it), so models differing in it share no KV.
+        model_id += f":pads={','.join(map(str, sorted(pads)))}"
     return Namespace(model_id, layout, weights_revision=weights_revision, tenant=tenant, adapter=adapter, salt=salt)

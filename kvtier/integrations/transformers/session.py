@@ -17,7 +17,10 @@
   of a conversation starts with them) and puts them in the store. The cache
   storage is reused by the next request only once that gather is done.
 * Greedy decoding; logits of a hit equal those of a recompute up to float
-  rounding (tests: fp32 max abs difference ≤ 1e-4, same tokens).
+  rounding (tests: fp32 max abs difference ≤ 1e-4, same tokens). So K/V computed in
+  another dtype than the namespace's (autocast, a model of mixed dtypes) is refused,
+  never saved; and a model that numbers positions past pad tokens (RoBERTa and kin)
+  loads no block from the first one holding the pad id on.
 
 One request at a time per instance (the storage is a single sequence): calls
 from several threads are served one after another, each under the instance's
@@ -32,7 +35,7 @@ from __future__ import annotations
 import threading
 import inspect
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import NamedTuple
 
@@ -42,7 +45,7 @@ import torch
 from kvtier.core.keys import BlockKey, as_token_array, block_keys
 from kvtier.core.namespace import Namespace
 from kvtier.core.payload import BlockMeta
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, LayoutError
 from kvtier.integrations.transformers.cache_io import KVStorage, LoadReport, Staging, gather_blocks, load_blocks
 from kvtier.integrations.transformers.namespace import (
     DEFAULT_BLOCK_TOKENS,
@@ -50,6 +53,7 @@ from kvtier.integrations.transformers.namespace import (
     kv_layout,
     model_dtype_name,
     namespace_for_model,
+    pad_counted_positions,
 )
 from kvtier.store.tiered import TieredStore
 from kvtier.tiers.base import Status
@@ -116,6 +120,27 @@ def _refuse_length_dependent_rope_modules(model) -> None:
                     f"recompute gives; kvtier cannot serve it")
 
 
+def _eos_ids(eos_token_id) -> frozenset[int]:
+    """``eos_token_id`` as a set of ids: None, one integer, or a collection of integers (a list,
+    a tuple, a tensor: HF configs often hold several); anything else raises (a list compared
+    with a token is never equal: generation would silently never stop)."""
+    if eos_token_id is None:
+        return frozenset()
+    if isinstance(eos_token_id, torch.Tensor):
+        eos_token_id = eos_token_id.tolist()
+    items = [eos_token_id] if _is_id(eos_token_id) else eos_token_id
+    if isinstance(items, (str, bytes)) or not isinstance(items, Iterable):
+        raise TypeError(f"eos_token_id must be a token id or a collection of them, not {eos_token_id!r}")
+    items = list(items)
+    if not all(_is_id(i) for i in items):
+        raise TypeError(f"eos_token_id must be a token id or a collection of them, not {eos_token_id!r}")
+    return frozenset(int(i) for i in items)
+
+
+def _is_id(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
 class KVTierLM:
     """A causal LM that loads cached context from a :class:`TieredStore`.
 
@@ -157,6 +182,8 @@ class KVTierLM:
             raise ConfigError(f"namespace layout {layout} is not this model's KV layout {expected}; "
                               f"build the namespace from this model (namespace_for_model)")
         _refuse_length_dependent_rope_modules(model)
+        # RoBERTa and kin: a hit stops before the first block holding one of these (see _prepare)
+        self._position_pads = np.array(sorted(pad_counted_positions(model)), dtype=np.int64)
         self.layout = layout
         self._meta = BlockMeta.of_layout(layout)
         param = next(model.parameters())
@@ -223,9 +250,34 @@ class KVTierLM:
         self.storage.poison()
         self._staging.poison()
 
+    def _refuse_autocast(self) -> None:
+        """Raise :class:`LayoutError` if autocast would compute this request's K/V in another dtype
+        than the storage's (bf16 autocast over an fp32 model): before anything is looked up or
+        computed. The storage's own check (``StorageLayer.update``) refuses such K/V too, but the
+        projections of a RoPE model's K come out promoted back to fp32 by the rotation, so the dtype
+        seen there may hide the precision they were computed in."""
+        device = self.storage.device.type
+        if torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) != self.storage.dtype:
+            raise LayoutError(
+                f"autocast to {torch.get_autocast_dtype(device)} is on, but this model's namespace holds "
+                f"{self.storage.dtype} KV: KV computed under it would be saved and served as "
+                f"{self.storage.dtype} KV; run the model without autocast (or convert the model to "
+                f"{torch.get_autocast_dtype(device)} and build its namespace from it)")
+
+    def _pad_cap(self, arr: np.ndarray, blocks: int) -> int:
+        """``blocks`` capped before the first block holding a pad id that this model numbers
+        positions past (:func:`pad_counted_positions`): a hit past it gives other logits than a
+        recompute; the rest of such a prompt is recomputed."""
+        if not self._position_pads.size or not blocks:
+            return blocks
+        head = arr[: blocks * self.layout.block_tokens]
+        at = np.flatnonzero(np.isin(head, self._position_pads))
+        return int(at[0]) // self.layout.block_tokens if at.size else blocks
+
     def _prepare(self, arr: np.ndarray, extra_tokens: int, use_store: bool) -> Prepared:
         if arr.size == 0:
             raise ValueError("the prompt is empty; pass at least one token id")
+        self._refuse_autocast()
         start = time.perf_counter()
         cache = self.storage.new_cache(self.model.config)
         cached, known, report = 0, 0, None
@@ -233,12 +285,12 @@ class KVTierLM:
         if self.store is not None and use_store:
             keys = block_keys(self.namespace, arr)
             match = self.store.lookup(keys)
-            hit = match.hit_blocks
+            hit = self._pad_cap(arr, match.hit_blocks)
             lookup_s = time.perf_counter() - start
             if hit:
                 # Staging for the blocks not copied straight from a host pool, before the load's timer.
                 top = self.store.tiers[0]
-                staged = sum(t != top.name for t in match.tiers) if isinstance(top, HostTier) else hit
+                staged = sum(t != top.name for t in match.tiers[:hit]) if isinstance(top, HostTier) else hit
                 self._staging.reserve(staged * self.layout.block_nbytes)
                 report = load_blocks(self.store, keys[:hit], self.storage, self._staging)
                 known = report.blocks
@@ -252,14 +304,18 @@ class KVTierLM:
         """Store, in the background, the full blocks of ``tokens`` past ``known_blocks``.
 
         ``tokens`` are the positions the current cache holds KV for (prompt and
-        fed generated tokens). Returns the future of the per-block statuses.
+        fed generated tokens). Returns the future of the per-block statuses. A cache that
+        refused an append (K/V of another dtype or shape) is not saved: :class:`LayoutError`.
         """
         with self._request_lock:
             self._check_open()
             if self.store is None:
                 return None
+            if self.storage.refused is not None:
+                # Its layers may hold different lengths, or KV that a refused forward left half written.
+                raise LayoutError(f"nothing of this request is saved: {self.storage.refused}")
             arr = np.array(as_token_array(tokens))  # our own copy: the caller may reuse theirs
-            held = min(arr.size, self.storage.layers[0].length if self.storage.layers else 0)
+            held = min(arr.size, self.storage.held_tokens())
             n_full = held // self.layout.block_tokens
             if n_full <= known_blocks:
                 return None
@@ -303,20 +359,22 @@ class KVTierLM:
         *,
         use_store: bool = True,
         save: bool = True,
-        eos_token_id: int | None = None,
+        eos_token_id: int | Iterable[int] | None = None,
     ) -> Generation:
         """Greedy generation of up to ``max_new_tokens`` after ``tokens``.
 
         ``use_store=False`` recomputes the whole prompt (the baseline) through
-        the same path; ``save=False`` skips storing the new blocks. Another
-        thread's request waits until this one's save has started.
+        the same path; ``save=False`` skips storing the new blocks. Generation stops
+        after a token of ``eos_token_id`` (one id, or several as HF configs often list
+        them). Another thread's request waits until this one's save has started.
         """
+        eos = _eos_ids(eos_token_id)
         with self._request_lock:
             self._check_open()
-            return self._generate(tokens, max_new_tokens, use_store, save, eos_token_id)
+            return self._generate(tokens, max_new_tokens, use_store, save, eos)
 
     @torch.inference_mode()
-    def _generate(self, tokens, max_new_tokens: int, use_store: bool, save: bool, eos_token_id: int | None):
+    def _generate(self, tokens, max_new_tokens: int, use_store: bool, save: bool, eos: frozenset[int]):
         if max_new_tokens < 1:
             raise ValueError("max_new_tokens must be at least 1 (the first token is the point)")
         arr = as_token_array(tokens)
@@ -333,7 +391,7 @@ class KVTierLM:
         first_cpu = time.process_time()
         generated = [token]
         step = torch.empty((1, 1), dtype=torch.long)
-        while len(generated) < max_new_tokens and token != eos_token_id:
+        while len(generated) < max_new_tokens and token not in eos:
             step[0, 0] = token
             out = self.model(input_ids=step, **{self._cache_kw: prep.cache}, use_cache=True)
             token = int(torch.argmax(out.logits[0, -1]))
