@@ -11,6 +11,11 @@ Against a server (admin token from --token or KVTIER_ADMIN_TOKEN)::
     kvtier admin --url … erase --tenant acme [--namespace NS] [--session ID]
     kvtier admin --url … set-quota --tenant acme 2GiB        # 0: no quota
     kvtier admin --url … set-ttl --tenant acme [--namespace NS] 3600   # 0: no expiry
+    kvtier admin --url … set-ttl --tenant acme --namespace NS --unset  # NS follows the tenant's TTL
+
+A namespace's TTL wins over its tenant's: ``--namespace keep 0`` keeps that namespace's blocks
+even under a tenant TTL; ``--unset`` removes the namespace's own TTL (it then follows its
+tenant's). A tenant's ``0`` (or ``--unset``) removes the tenant's TTL.
     kvtier admin --url … stats
 
 Every admin call is recorded in the server's audit log. Output is JSON.
@@ -46,10 +51,17 @@ def register(subparsers) -> None:
     q = sub.add_parser("set-quota", help="set a tenant's quota (0: none)")
     q.add_argument("--tenant", required=True)
     q.add_argument("size", help="e.g. 2GiB; 0 removes the quota")
-    t = sub.add_parser("set-ttl", help="set the retention of a tenant or one of its namespaces (0: none)")
-    t.add_argument("--tenant", required=True)
+    t = sub.add_parser("set-ttl", help="set the retention of a tenant or one of its namespaces (0: no expiry)",
+                       description="A namespace's TTL wins over its tenant's. 0: no expiry (a namespace's 0 keeps its "
+                                   "blocks even under a tenant TTL); --unset: no TTL of its own (a namespace then "
+                                   "follows its tenant's). Kept across restarts, over the config file.")
+    t.add_argument("--tenant", required=True, help="tenant name, or shared/NAME for a shared namespace")
     t.add_argument("--namespace")
-    t.add_argument("seconds", type=finite_float)
+    what = t.add_mutually_exclusive_group(required=True)
+    what.add_argument("seconds", type=finite_float, nargs="?",
+                      help="seconds a block lives (0: no expiry, for a namespace even under its tenant's TTL)")
+    what.add_argument("--unset", action="store_true",
+                      help="remove the TTL set for it (a namespace follows its tenant's; a tenant has none)")
     p.set_defaults(func=_run)
 
 
@@ -95,7 +107,8 @@ def _run(args) -> int:
             return 2
         call = {"cmd": "set_quota", "args": {"tenant": args.tenant, "bytes": size}}
     else:
-        call = {"cmd": "set_ttl", "args": {"tenant": args.tenant, "ttl_s": args.seconds, "namespace": args.namespace}}
+        ttl = None if args.unset else args.seconds
+        call = {"cmd": "set_ttl", "args": {"tenant": args.tenant, "ttl_s": ttl, "namespace": args.namespace}}
     token = args.token or os.environ.get("KVTIER_ADMIN_TOKEN")
     if not token:
         print("kvtier admin: give the admin token with --token or KVTIER_ADMIN_TOKEN", file=sys.stderr)

@@ -42,14 +42,15 @@ class AdminAPI:
         command = self._commands.get(cmd) if isinstance(cmd, str) else None
         try:
             if command is None:
-                raise ValueError(f"unknown admin command {cmd!r}; use one of {sorted(self._commands)}")
+                raise ValueError(f"unknown admin command {client_text(cmd, 40)!r}; "
+                                 f"use one of {sorted(self._commands)}")
             result = command(args)
             if asyncio.iscoroutine(result):
                 result = await result
             ok = True
         except (KeyError, ValueError, TypeError) as exc:
             result, ok = {"error": str(exc)}, False
-        self.svc.audit.write("admin", peer=peer, cmd=str(cmd)[:40], args=_printable(args), ok=ok,
+        self.svc.audit.write("admin", peer=peer, cmd=client_text(cmd, 40), args=_printable(args), ok=ok,
                              **({"erased": result["erased"]} if ok and "erased" in result else {}))
         return {"ok": ok, **result}
 
@@ -121,11 +122,15 @@ class AdminAPI:
         return {"quota": quota}
 
     def set_ttl(self, args: dict) -> dict:
+        """``ttl_s``: seconds; 0, no expiry (a namespace's: even under its tenant's TTL); null, no
+        TTL of its own (a namespace then follows its tenant's; a tenant has none). A shared space's
+        TTL is its one namespace's."""
         owner = self._owner(args)
         ttl, namespace = args.get("ttl_s"), _opt_str(args, "namespace")
         if ttl is not None and (not isinstance(ttl, (int, float)) or isinstance(ttl, bool)
                                 or not math.isfinite(ttl) or ttl < 0):
-            raise ValueError("ttl_s must be a finite non-negative number of seconds (0 or null: no expiry)")
+            raise ValueError("ttl_s must be a finite non-negative number of seconds (0: no expiry, for a namespace "
+                             "even under its tenant's TTL; null: none of its own, a namespace follows its tenant's)")
         if owner.startswith(SHARED_PREFIX):
             # A shared space has one namespace, its name, and its TTL lives in the namespace
             # table (which wins over the owner table): write there, or the change is a no-op.
@@ -141,7 +146,7 @@ class AdminAPI:
     def _owner(self, args: dict) -> str:
         owner = args.get("tenant")
         if not isinstance(owner, str) or owner not in self.owners:
-            raise ValueError(f"unknown tenant {owner!r}; known: {sorted(self.owners)}")
+            raise ValueError(f"unknown tenant {client_text(owner)!r}; known: {sorted(self.owners)}")
         return owner
 
 
@@ -164,4 +169,13 @@ def _opt_str(args: dict, name: str) -> str | None:
 
 def _printable(args: dict) -> dict:
     plain = (int, float, bool, type(None))
-    return {str(k)[:40]: (v if isinstance(v, plain) else str(v)[:200]) for k, v in args.items()}
+    return {client_text(k, 40): (v if isinstance(v, plain) else client_text(v, 200)) for k, v in args.items()}
+
+
+def client_text(value: object, limit: int = 80) -> str:
+    """A value a client sent, for a log or audit line: a string cut to ``limit`` characters, anything
+    else only its type's name. Never ``str()`` of it: a msgpack list nested 1,000 deep fits in a
+    HELLO, and its ``str()`` raises RecursionError (a traceback and INTERNAL, not a refusal)."""
+    if isinstance(value, str):
+        return value[:limit]
+    return f"<{type(value).__name__}>"

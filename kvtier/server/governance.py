@@ -22,7 +22,13 @@
   shared namespace (erase that namespace's owner, ``shared/NAME``, for them).
 * Retention is a TTL per tenant, per tenant namespace, or per shared namespace
   (the namespace TTL wins over the tenant's). Expired blocks are misses at once
-  and are deleted by the server's sweeper.
+  (and unlisted) and are deleted by the server's sweeper. A tenant TTL of 0 is
+  none; a *namespace* TTL of 0 means that namespace never expires, even under a
+  tenant TTL; a namespace without one (``null`` through the admin API removes
+  it) follows its tenant's. (A 0 once meant "no override" for a namespace too,
+  so a tenant TTL still deleted the blocks of a namespace set to "no expiry".
+  Runtime overrides saved then hold ``null`` for it, which still means "follow
+  the tenant", as it did.)
 
 Quotas and TTLs start from the config and can be changed at run time through the
 admin API (:meth:`set_quota`, :meth:`set_ttl`). Changes are not written back to
@@ -46,8 +52,9 @@ class Governance:
         self._state = state if state is not None else RuntimeState(None)
         self._quota: dict[str, int] = {t.name: t.quota_bytes for t in config.tenants if t.quota_bytes}
         self._tenant_ttl: dict[str, float] = {t.name: t.ttl_s for t in config.tenants if t.ttl_s}
+        # (owner, namespace) -> seconds; 0: never expires (see ttl)
         self._ns_ttl: dict[tuple[str, str], float] = {
-            (t.name, ns): ttl for t in config.tenants for ns, ttl in t.namespace_ttl_s.items() if ttl
+            (t.name, ns): ttl for t in config.tenants for ns, ttl in t.namespace_ttl_s.items()
         }
         for s in config.shared:
             if s.ttl_s:
@@ -72,8 +79,11 @@ class Governance:
         return self._quota.get(owner)
 
     def ttl(self, owner: str, namespace: str) -> float | None:
+        """Seconds a block of ``owner``'s ``namespace`` lives; None: it never expires."""
         ttl = self._ns_ttl.get((owner, namespace))
-        return ttl if ttl is not None else self._tenant_ttl.get(owner)
+        if ttl is None:
+            return self._tenant_ttl.get(owner)
+        return ttl or None  # 0: this namespace never expires, whatever its tenant's TTL
 
     def is_expired(self, owner: str, namespace: str, created: float, now: float) -> bool:
         ttl = self.ttl(owner, namespace)
@@ -139,8 +149,10 @@ class Governance:
         self._apply_quota(owner, quota_bytes)
 
     def set_ttl(self, owner: str, ttl_s: float | None, namespace: str | None = None) -> None:
-        """Change a TTL now and persist it (a restart keeps it)."""
-        self._state.set_ttl(owner, ttl_s or None, namespace)
+        """Change a TTL now and persist it (a restart keeps it). A tenant's: 0 or None, none. A
+        namespace's: 0, it never expires (kept as 0); None, it follows its tenant's (kept as null,
+        which also wins over the config file's value for it)."""
+        self._state.set_ttl(owner, ttl_s if namespace is not None else ttl_s or None, namespace)
         self._apply_ttl(owner, ttl_s, namespace)
 
     def _apply_quota(self, owner: str, quota_bytes: int | None) -> None:
@@ -155,10 +167,11 @@ class Governance:
         if namespace is None:
             table = dict(self._tenant_ttl)
             key: object = owner
+            ttl_s = ttl_s or None  # a tenant TTL of 0: none
         else:
             table = dict(self._ns_ttl)
-            key = (owner, namespace)
-        if ttl_s:
+            key = (owner, namespace)  # (a namespace TTL of 0 is kept: it never expires)
+        if ttl_s is not None:
             table[key] = ttl_s
         else:
             table.pop(key, None)

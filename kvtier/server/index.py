@@ -13,7 +13,13 @@ governance needs:
   O(blocks) -- it runs under the index lock on the event loop;
 * per (owner, namespace), oldest first (:class:`NamespaceOrder`): TTL
   retention scans only the fronts, and ``LIST`` pages resume after an opaque
-  cursor in O(page) instead of copying the namespace for every page;
+  cursor in O(page) instead of copying the namespace for every page. Cursors
+  are the namespace's own position numbers: one apart per block added to it,
+  from a first number read off a clock (nanoseconds, wall-clock aligned, never
+  going back in the process) when the namespace gets its first block, so that
+  a namespace emptied and filled again numbers its new blocks after any cursor
+  handed out before (and mostly after a restart too), and no cursor tells how
+  many blocks other namespaces got;
 * per (owner, session) a set (session erasure).
 
 Blocks spilled to disk carry their entry with them (:mod:`kvtier.server.spill`);
@@ -31,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -85,7 +92,9 @@ class BlockIndex:
         # it ends, however many other blocks leave meanwhile. storage key → (owner, deletions).
         self._deleting: dict[bytes, tuple[str, int]] = {}
         self._bytes = 0
-        self._seq = 0  # listing positions: every added block gets the next one
+        # The clock a new namespace's first listing position is read from: monotonic in this
+        # process, about the wall clock's nanoseconds (so cursors mostly keep growing over a restart).
+        self._clock_offset_ns = time.time_ns() - time.monotonic_ns()
         #: LRU entries quota eviction has looked at, in all (a test's window on O(victims))
         self.victims_walked = 0
 
@@ -109,11 +118,10 @@ class BlockIndex:
                 self._lru.setdefault(account, OrderedDict())[skey] = None
                 self._charged[account] = self._charged.get(account, 0) + entry.nbytes
             group = (entry.owner, entry.namespace)
-            self._seq += 1
             order = self._age.get(group)
-            if order is None:
-                order = self._age[group] = NamespaceOrder()
-            order.add(skey, self._seq)
+            if order is None:  # (a block takes far longer than 1 ns to add: after every earlier position)
+                order = self._age[group] = NamespaceOrder(first=time.monotonic_ns() + self._clock_offset_ns)
+            order.append(skey)
             if entry.session:
                 self._sessions.setdefault((entry.owner, entry.session), set()).add(skey)
             if entry.disk_name is not None:

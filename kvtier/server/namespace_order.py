@@ -7,7 +7,12 @@ the previous page looked at) and costs O(page):
 
 * every block gets a position number when it is added (increasing, never
   reused), kept in two parallel append-only lists, so a cursor is found by
-  bisection even after the block it named was deleted;
+  bisection even after the block it named was deleted. Positions are the
+  namespace's own (:meth:`append`: one more than the last), from a first one
+  its index picks (a clock: see :class:`~kvtier.server.index.BlockIndex`): a
+  cursor counts only this namespace's blocks, never other namespaces' or
+  tenants' (numbered from one server-wide counter, the gap between two cursors
+  counted every other tenant's writes in between);
 * a deletion leaves a tombstone in the lists (O(log n) to find it); tombstones
   at the front -- quota and TTL delete the oldest blocks first -- are skipped
   for good at once, and the lists are compacted when tombstones outnumber live
@@ -33,14 +38,18 @@ _COMPACT_MIN = 1024  # below this many tombstones compaction is not worth a pass
 
 
 class NamespaceOrder:
-    __slots__ = ("_pos", "_positions", "_keys", "_head", "_dead")
+    __slots__ = ("_pos", "_positions", "_keys", "_head", "_dead", "_next")
 
-    def __init__(self) -> None:
+    def __init__(self, first: int = 1) -> None:
+        """``first``: the position :meth:`append` gives the first block (> 0: a cursor of 0 is "from the start")."""
+        if first < 1:
+            raise ValueError("positions start at 1 or later")
         self._pos: dict[bytes, int] = {}  # storage key -> position number
         self._positions: list[int] = []  # increasing
         self._keys: list[bytes | None] = []  # None: a tombstone
         self._head = 0  # slots before it are all tombstones
         self._dead = 0  # tombstones at or after the head
+        self._next = first  # the position append gives next
 
     def __len__(self) -> int:
         return len(self._pos)
@@ -56,12 +65,19 @@ class NamespaceOrder:
             if k is not None:
                 yield k
 
+    def append(self, skey: bytes) -> int:
+        """Add a block at the next position of this namespace; returns it."""
+        position = self._next
+        self.add(skey, position)
+        return position
+
     def add(self, skey: bytes, position: int) -> None:
-        if self._positions and position <= self._positions[-1]:
+        if position < self._next:
             raise ValueError("positions must increase")
         self._pos[skey] = position
         self._positions.append(position)
         self._keys.append(skey)
+        self._next = position + 1
 
     def discard(self, skey: bytes) -> None:
         position = self._pos.pop(skey, None)

@@ -20,7 +20,9 @@ Data paths (no copy in user space on the host tier):
   failure after the reservation aborts the slot, never leaves it unindexed.
 * GET: a host-tier block is pinned and its slot sent as is; a block on a lower
   tier is read by the store (verified there, promoted) into a scratch buffer on
-  an I/O thread, then sent.
+  an I/O thread, then sent from its promoted copy, pinned like a DRAM hit: the
+  scratch buffers are shared by every tenant, and are not held while a client
+  takes its time reading (:class:`ScratchPool`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import asyncio
 import logging
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -36,7 +39,7 @@ import xxhash
 
 from kvtier.core.payload import FLAG_CHECKSUM, FLAG_SEALED, BlockMeta, unpack_header
 from kvtier.core.payload import pack_header as pack_block_header
-from kvtier.server.admin import AdminAPI
+from kvtier.server.admin import AdminAPI, client_text
 from kvtier.server.auth import AuthError, Principal
 from kvtier.server.index import BlockEntry
 from kvtier.store.tiered import DeleteRefused
@@ -65,31 +68,112 @@ from kvtier.tiers.remote_protocol import (
 )
 
 BLOCK_HEADER_NBYTES = 128
+#: lower-tier reads in flight at once (each in a max_block scratch buffer; the I/O threads are 2)
+SCRATCH_BUFFERS = 4
 _NO_CHECKSUM = bytes(CHECKSUM_NBYTES)
 
 log = logging.getLogger("kvtier.server")
 
 
 class ScratchPool:
-    """A few block-sized buffers for lower-tier reads; memory stays bounded under load."""
+    """Block-sized buffers that lower-tier reads land in, shared by every connection: the server's
+    memory stays bounded under load, and no tenant can take them all.
 
-    def __init__(self, count: int, nbytes: int) -> None:
-        self._free: list[np.ndarray] = []
-        self._made = 0
+    A buffer is held for the tier read only, never across a send the client paces: four
+    connections of one tenant that sent GETs and read nothing held all four for
+    ``frame_timeout_s``, and every other tenant's read of a block not in DRAM missed its deadline.
+    The reply goes out from the host pool's copy the read promoted, pinned as a DRAM hit's is
+    (:meth:`Service._get_lower`); where there is none (the pool full of pinned blocks, a promotion
+    an erasure cancelled), the buffer itself is *lent* to the connection until its send has
+    drained, and the pool makes another in its place.
+
+    * at most ``count`` buffers are out for reads, at most ``share`` of them to one tenant; a wait
+      for one ends at its deadline (the caller answers MISS), first come first served among the
+      tenants under their share;
+    * at most ``count`` are lent, ``share`` to one tenant (past that the caller answers MISS):
+      ``2 * count`` buffers of ``nbytes`` in all.
+
+    Event loop only (not thread safe).
+    """
+
+    def __init__(self, count: int, nbytes: int, share: int | None = None) -> None:
         self._count = count
         self._nbytes = nbytes
-        self._sem = asyncio.Semaphore(count)
+        self._share = share if share is not None else max(1, count // 2)
+        self._free: list[np.ndarray] = []
+        self._reading: dict[str, int] = {}  # tenant -> buffers out for its reads
+        self._n_reading = 0
+        self._lent: dict[str, int] = {}  # tenant -> buffers its connections send from
+        self._n_lent = 0
+        self._waiters: deque[tuple[str, asyncio.Future]] = deque()  # none of them could take one now
 
-    async def acquire(self) -> np.ndarray:
-        await self._sem.acquire()
-        if self._free:
-            return self._free.pop()
-        self._made += 1
-        return np.empty(self._nbytes, np.uint8)
+    def _can_read(self, tenant: str) -> bool:
+        return self._n_reading < self._count and self._reading.get(tenant, 0) < self._share
 
-    def release(self, buf: np.ndarray) -> None:
+    def _take(self, tenant: str) -> None:
+        self._n_reading += 1
+        self._reading[tenant] = self._reading.get(tenant, 0) + 1
+
+    def _give(self, tenant: str) -> None:
+        self._n_reading -= 1
+        left = self._reading[tenant] - 1
+        if left:
+            self._reading[tenant] = left
+        else:
+            del self._reading[tenant]
+        for waiter in list(self._waiters):  # the first that may take one now gets it
+            if self._can_read(waiter[0]):
+                self._waiters.remove(waiter)
+                self._take(waiter[0])
+                waiter[1].set_result(None)
+
+    async def acquire(self, tenant: str, timeout_s: float) -> np.ndarray | None:
+        """A buffer for one of ``tenant``'s reads (:meth:`release` it, or :meth:`lend` it), or None
+        if none came within ``timeout_s``."""
+        if not self._can_read(tenant):
+            waiter = (tenant, asyncio.get_running_loop().create_future())
+            self._waiters.append(waiter)
+            try:
+                await asyncio.wait([waiter[1]], timeout=timeout_s)
+            except BaseException:  # cancelled: what was handed over meanwhile goes on
+                if waiter[1].done():
+                    self._give(tenant)
+                else:
+                    self._waiters.remove(waiter)
+                raise
+            if not waiter[1].done():
+                self._waiters.remove(waiter)
+                return None
+        else:
+            self._take(tenant)
+        return self._free.pop() if self._free else np.empty(self._nbytes, np.uint8)
+
+    def release(self, tenant: str, buf: np.ndarray) -> None:
+        """The read into ``buf`` is over and nothing refers to it: back to the pool."""
         self._free.append(buf)
-        self._sem.release()
+        self._give(tenant)
+
+    def lend(self, tenant: str) -> bool:
+        """Let a connection send from the buffer it read into (its place goes to the next reader,
+        with a buffer of its own) until :meth:`returned`; False past the bounds on lent buffers
+        (then :meth:`release` it)."""
+        if self._n_lent >= self._count or self._lent.get(tenant, 0) >= self._share:
+            return False
+        self._n_lent += 1
+        self._lent[tenant] = self._lent.get(tenant, 0) + 1
+        self._give(tenant)
+        return True
+
+    def returned(self, tenant: str, buf: np.ndarray) -> None:
+        """A lent buffer's send has drained: kept for a later read if the pool is short of one."""
+        self._n_lent -= 1
+        left = self._lent[tenant] - 1
+        if left:
+            self._lent[tenant] = left
+        else:
+            del self._lent[tenant]
+        if len(self._free) + self._n_reading < self._count:
+            self._free.append(buf)
 
 
 class Service:
@@ -193,6 +277,9 @@ class Service:
     # -- HELLO ------------------------------------------------------------------------
     def hello(self, conn, h: Header, meta: bytes) -> Principal:
         fields = unpack_msgpack(meta, "HELLO")
+        for name in ("namespace", "client"):  # (a token of another type is a failed login, audited)
+            if not isinstance(fields.get(name, ""), str):
+                raise ProtocolError(ErrorCode.BAD_META, f"HELLO {name} must be a string")
         token = fields.get("token")
         logins = conn.server.logins
         # Refused before the token is even looked at. Unix peers share one "address" and
@@ -208,7 +295,7 @@ class Service:
                 tag = self.auth.identify(token) if isinstance(token, str) and len(token) <= 1024 else None
                 self.audit.write(
                     "auth_failure", peer=conn.peer, reason=str(exc), tenant=tag,
-                    namespace=str(fields.get("namespace", ""))[:80], client=str(fields.get("client", ""))[:80],
+                    namespace=client_text(fields.get("namespace", "")), client=client_text(fields.get("client", "")),
                 )
             raise ProtocolError(ErrorCode.FORBIDDEN if exc.forbidden else ErrorCode.AUTH_FAILED, str(exc)) from None
         refused = conn.server.logged_in(conn, principal.tenant)  # before any OK reaches the client
@@ -306,11 +393,13 @@ class Service:
         """A page of the connection's namespace, oldest first, in O(page) (see
         :class:`~kvtier.server.namespace_order.NamespaceOrder`). The cursor form answers the next
         cursor and the keys; the offset form of older clients walks to its offset, so it is served
-        only for offsets a few pages deep (:data:`LIST_MAX_OFFSET`)."""
+        only for offsets a few pages deep (:data:`LIST_MAX_OFFSET`). Blocks past their TTL are
+        left out (and dropped), as a GET or LOOKUP of them would: a page may then be shorter than
+        its limit, and its cursor still goes on."""
         space = p.read_spaces[0]
         if len(meta) == LIST_CURSOR_ARGS.size:
             after, limit = LIST_CURSOR_ARGS.unpack(meta)
-            entries, cursor = self.index.page(space.owner, space.namespace, after, max(1, min(limit, MAX_KEYS)))
+            entries, cursor = self._live_page(space, after, max(1, min(limit, MAX_KEYS)))
             conn.reply(h, 0, U64.pack(cursor) + b"".join(e.key for e in entries))
             return
         offset, limit = LIST_ARGS.unpack(meta)
@@ -321,13 +410,30 @@ class Service:
         out: list[bytes] = []
         after = 0
         while offset + limit > 0:  # whole pages up to the offset, then the page asked for
-            entries, after = self.index.page(space.owner, space.namespace, after, min(offset + limit, MAX_KEYS))
+            entries, after = self._live_page(space, after, min(offset + limit, MAX_KEYS))
             skip = min(offset, len(entries))
             offset -= skip
             out += [e.key for e in entries[skip:]][: limit - len(out)]
             if not after or len(out) >= limit:
                 break
         conn.reply(h, 0, b"".join(out))
+
+    def _live_page(self, space, after: int, limit: int) -> tuple[list[BlockEntry], int]:
+        """:meth:`BlockIndex.page <kvtier.server.index.BlockIndex.page>` without the blocks past
+        their TTL, which leave the index here (one TTL for the whole namespace, oldest first: the
+        expired are at its front, and a page of live blocks costs no storage key)."""
+        entries, cursor = self.index.page(space.owner, space.namespace, after, limit)
+        if self.gov.ttl(space.owner, space.namespace) is None:
+            return entries, cursor
+        now = time.monotonic()
+        live = []
+        for entry in entries:
+            if self.gov.is_expired(entry.owner, entry.namespace, entry.created, now):
+                if self.drop_soon(space.storage_key(entry.key)) is not None:
+                    self.metrics.expirations.inc()
+            else:
+                live.append(entry)
+        return live, cursor
 
     def drop(self, skey: bytes, *, only: BlockEntry | None = None) -> BlockEntry | None:
         """Remove a block from the index and every tier, on an I/O thread (it waits for every
@@ -433,7 +539,7 @@ class Service:
                     await conn.drain()
                 finally:
                     held.release()
-            elif not await self._get_lower(conn, h, skey, entry):
+            elif not await self._get_lower(conn, p, h, skey, entry):
                 self._miss["get"].inc()
                 conn.write(pack_header(Op.GET, h.req_id, 0, 0, Status.MISS))
                 continue
@@ -441,17 +547,31 @@ class Service:
             self._hit["get"].inc()
             self.metrics.bytes_out.inc(entry.nbytes)
 
-    async def _get_lower(self, conn, h: Header, skey: bytes, entry: BlockEntry) -> bool:
+    async def _get_lower(self, conn, p: Principal, h: Header, skey: bytes, entry: BlockEntry) -> bool:
+        """Read a block no tier above holds through the store (verified there, promoted) into a
+        scratch buffer, and send it; False: a miss. The buffer is the server's, shared by every
+        tenant: it is given back before the send, which the client paces (see :class:`ScratchPool`)."""
         if len(self.store.tiers) == 1:
             self.drop_soon(skey)  # the index outlived the block (e.g. a tier dropped it on its own)
             return False
         if self._scratch is None:
-            self._scratch = ScratchPool(4, self.config.max_block_bytes)
-        buf = await self._scratch.acquire()
+            self._scratch = ScratchPool(SCRATCH_BUFFERS, self.config.max_block_bytes)
+        scratch, tenant = self._scratch, p.tenant
+        # Bounded: past it the block is a miss (the client recomputes), never a wait past its deadline.
+        buf = await scratch.acquire(tenant, self.config.frame_timeout_s)
+        if buf is None:
+            return False
+        out = buf[: entry.nbytes]
+        held = None
+        release = True  # False once the buffer is lent, or left to a read that outlives a cancellation
         try:
-            out = buf[: entry.nbytes]
-            loop = asyncio.get_running_loop()
-            result = await loop.run_in_executor(self.io, self.store.get, [skey], [out])
+            read = asyncio.get_running_loop().run_in_executor(self.io, self.store.get, [skey], [out])
+            try:
+                result = await asyncio.shield(read)
+            except asyncio.CancelledError:  # (the server stopping) the I/O thread still writes into it
+                release = False
+                read.add_done_callback(lambda _: scratch.release(tenant, buf))
+                raise
             if result.statuses[0] is not Status.OK:
                 # Only a block no tier holds leaves the index. A tier that failed (ERROR: a fleet
                 # not answering) may hold it still: dropped then, its copy was orphaned, beyond
@@ -462,12 +582,24 @@ class Service:
             if result.tiers[0] != self.host.name and self.host.contains(skey):
                 if self.index.set_tier(skey, self.host.name) is not None:
                     self.emit("stored", self.host.name, entry)
-            conn.write_payload(pack_header(Op.GET, h.req_id, BLOCK_HEADER_NBYTES, entry.nbytes, Status.OK),
-                               entry.header, out)
-            await conn.drain()
-            return True
+            held = self.host.hold(skey)  # the promoted copy: sent from the pool, as a DRAM hit
+            if held is None:
+                if not scratch.lend(tenant):  # this tenant's connections hold as many as they may: a miss
+                    return False
+                release = False
         finally:
-            self._scratch.release(buf)
+            if release:
+                scratch.release(tenant, buf)
+        try:
+            conn.write_payload(pack_header(Op.GET, h.req_id, BLOCK_HEADER_NBYTES, entry.nbytes, Status.OK),
+                               entry.header, held.view if held is not None else out)
+            await conn.drain()
+        finally:
+            if held is not None:
+                held.release()
+            else:
+                scratch.returned(tenant, buf)
+        return True
 
     # -- PUT ------------------------------------------------------------------------------
     async def _put(self, conn, p: Principal, h: Header, meta: bytes) -> None:

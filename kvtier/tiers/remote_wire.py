@@ -18,13 +18,17 @@ close it and open another.
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import os
 import select
 import socket
 import ssl
 import struct
+import threading
 import time
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from urllib.parse import parse_qs, parse_qsl, urlsplit, urlunsplit
 
@@ -136,7 +140,7 @@ class WireClient:
                 sock.close()
                 raise
         else:
-            sock = socket.create_connection((address.host, address.port), timeout=connect_timeout_s)
+            sock = _connect_tcp(address.host, address.port, deadline)
             try:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 if address.scheme == "tls":
@@ -404,6 +408,71 @@ def _hello_fields(info: dict) -> tuple[frozenset[str], int, float]:
     it = info.get("idle_timeout_s", 0)
     ok = isinstance(it, (int, float)) and not isinstance(it, bool) and math.isfinite(it) and it > 0
     return features, max_block, float(it) if ok else 0.0
+
+
+def _connect_tcp(host: str, port: int, deadline: float) -> socket.socket:
+    """A TCP connection to ``host``, its name looked up and each of its addresses tried with only
+    what is left before ``deadline`` (``socket.create_connection`` looks the name up with no bound
+    at all, then gives each address the whole timeout)."""
+    error: OSError | None = None
+    for family, kind, proto, _, sockaddr in _resolve(host, port, deadline):
+        left = _remaining(deadline)
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.settimeout(left)
+            sock.connect(sockaddr)
+            return sock
+        except OSError as exc:
+            sock.close()
+            error = exc
+        except BaseException:
+            sock.close()
+            raise
+    raise error if error is not None else OSError(f"{host!r} resolves to no address")
+
+
+#: name look-ups under way: (host, port) -> their outcome (one at a time per name; see _resolve)
+_lookups: dict[tuple[str, int], Future] = {}
+_lookups_lock = threading.Lock()
+
+
+def _resolve(host: str, port: int, deadline: float) -> list:
+    """``getaddrinfo`` of ``host`` within the deadline. A name is looked up on a helper thread that
+    the caller waits for only until ``deadline``: a resolver whose DNS server does not answer waits
+    5 s per try, and a load in an engine's forward step (``bounded_reads``) must not. A look-up
+    that outlives its caller goes on and serves the callers that come meanwhile, so a silent DNS
+    server costs one thread per name, not one per call. An address literal is read in place."""
+    try:
+        ipaddress.ip_address(host.partition("%")[0])
+    except ValueError:
+        pass
+    else:  # (AI_NUMERICHOST: no name service is asked)
+        return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_NUMERICHOST)
+    key = (host, port)
+    with _lookups_lock:
+        lookup = _lookups.get(key)
+        if lookup is None:
+            lookup = _lookups[key] = Future()
+            threading.Thread(target=_look_up, args=(key, lookup), name="kvtier-resolve", daemon=True).start()
+    try:
+        return lookup.result(timeout=_remaining(deadline))
+    except FutureTimeout:
+        raise TimeoutError(f"looking up {host!r} took longer than the call's deadline") from None
+
+
+def _look_up(key: tuple[str, int], lookup: Future) -> None:
+    try:
+        infos = socket.getaddrinfo(key[0], key[1], type=socket.SOCK_STREAM)
+    except BaseException as exc:  # noqa: BLE001 - handed to the callers waiting for it
+        outcome: tuple = (None, exc)
+    else:
+        outcome = (infos, None)
+    with _lookups_lock:
+        _lookups.pop(key, None)  # the next call looks the name up afresh (the system caches, not us)
+    if outcome[1] is not None:
+        lookup.set_exception(outcome[1])
+    else:
+        lookup.set_result(outcome[0])
 
 
 def _remaining(deadline: float) -> float:

@@ -7,6 +7,7 @@ open at the moment the legitimate client is served.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import ssl
 import time
@@ -197,3 +198,85 @@ def test_login_limiter_refills_and_bounds_audit_lines(burst):
     assert audited == [True, True, False] and not lim.allowed("p", now=0.0)
     assert lim.allowed("q", now=0.0)  # another address is untouched
     assert lim.allowed("p", now=1.5)  # refilled
+
+
+# -- HELLO fields of the wrong shape -------------------------------------------------------------
+def _nested(depth: int):
+    v = 0
+    for _ in range(depth):
+        v = [v]
+    return v
+
+
+@pytest.fixture(scope="module")
+def hello_srv(tmp_path_factory):
+    wd = tmp_path_factory.mktemp("kvtier-hello")
+    srv = ServerProcess.start(tenants(), shared=SHARED, admin_token=TOKENS["admin"], workdir=str(wd), server={
+        "capacity": "16MiB", "max_block": "1MiB", "audit_log": str(wd / "audit.jsonl")})
+    yield srv
+    srv.stop()
+
+
+def _hello_code(srv, fields: dict) -> tuple[int, bytes]:
+    import msgpack
+
+    from tests.server.conftest import connect, frame, read_frame
+
+    meta = msgpack.packb(fields)
+    assert len(meta) <= 4096  # a HELLO the server reads whole
+    s = connect(srv.tcp_url)
+    try:
+        s.sendall(frame(Op.HELLO, meta))
+        h, body, _ = read_frame(s)
+    finally:
+        s.close()
+    return h.code, body
+
+
+@pytest.mark.parametrize("token,field", [("not-a-token", "namespace"), ("not-a-token", "client"),
+                                         (TOKENS["acme"], "namespace"), (TOKENS["acme"], "client"),
+                                         (TOKENS["admin"], "namespace")])
+def test_a_nested_hello_field_is_refused_not_an_internal_error(hello_srv, token, field):
+    """A msgpack list nested 1,000 deep fits in a HELLO; the failed login's audit line took its
+    str(), which raised RecursionError: INTERNAL and a traceback, from anyone who can connect."""
+    code, body = _hello_code(hello_srv, {"token": token, "namespace": "default", field: _nested(1000)})
+    assert code == ErrorCode.BAD_META, (ErrorCode(code).name, body)
+    assert b"must be a string" in body
+    assert "Traceback" not in hello_srv.log(), hello_srv.log()[-1500:]
+
+
+@pytest.mark.parametrize("field,value", [("namespace", 7), ("client", {"a": 1}), ("namespace", b"default")])
+def test_a_hello_field_that_is_no_string_is_bad_meta(hello_srv, field, value):
+    code, body = _hello_code(hello_srv, {"token": TOKENS["acme"], "namespace": "default", field: value})
+    assert code == ErrorCode.BAD_META and f"HELLO {field} must be a string".encode() in body, (code, body)
+
+
+def test_hello_fields_of_the_right_type_still_log_in_and_fail_as_before(hello_srv):
+    """Controls: a string client name logs in; an unknown token is AUTH_FAILED, audited with the
+    fields it sent, cut short."""
+    code, _ = _hello_code(hello_srv, {"token": TOKENS["acme"], "namespace": "default", "client": "vllm"})
+    assert code == 0
+    code, _ = _hello_code(hello_srv, {"token": "not-a-token", "namespace": "ns-x" * 40, "client": "c" * 500})
+    assert code == ErrorCode.AUTH_FAILED
+    failed = [r for r in _audit(hello_srv) if r["event"] == "auth_failure"]
+    assert failed and failed[-1]["namespace"] == ("ns-x" * 40)[:80] and failed[-1]["client"] == "c" * 80, failed[-1:]
+
+
+def test_nested_admin_arguments_are_refused_and_audited_not_an_internal_error(hello_srv):
+    """The admin API's replies and audit lines quoted the client's values with str()/repr() too."""
+    from kvtier.cli.admin import admin_call
+
+    reply = admin_call(hello_srv.tcp_url, TOKENS["admin"], "set_ttl", {"tenant": _nested(900), "ttl_s": 1})
+    assert reply["ok"] is False and "unknown tenant '<list>'" in reply["error"], reply
+    reply = admin_call(hello_srv.tcp_url, TOKENS["admin"], _nested(900), {"x": _nested(900)})
+    assert reply["ok"] is False and "unknown admin command" in reply["error"], reply
+    assert admin_call(hello_srv.tcp_url, TOKENS["admin"], "usage", {})["ok"]  # control
+    assert "Traceback" not in hello_srv.log(), hello_srv.log()[-1500:]
+    admin = [r for r in _audit(hello_srv) if r["event"] == "admin"]
+    assert any(r["cmd"] == "<list>" and r["args"] == {"x": "<list>"} and r["ok"] is False for r in admin), admin[-3:]
+
+
+def _audit(srv) -> list[dict]:
+    time.sleep(0.2)  # (written by the server as it answers; flushed per line)
+    with open(os.path.join(srv.workdir, "audit.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]

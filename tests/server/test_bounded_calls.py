@@ -173,3 +173,78 @@ def test_positive_control_a_real_server_answers_the_same_calls_in_time(server):
     assert sorted(tier.keys()) == sorted(keys)
     assert tier.stats.errors == 0
     tier.close()
+
+
+# -- the name lookup of a new connection -------------------------------------------------------
+def _slow_lookups(monkeypatch, delay_s: float, name: str = "localhost") -> list[str]:
+    """``getaddrinfo`` of ``name`` takes ``delay_s``, as a resolver whose DNS server does not
+    answer does (5 s per try by default); returns the names looked up, as they start."""
+    import socket
+
+    real = socket.getaddrinfo
+    asked: list[str] = []
+
+    def slow(host, *args, **kw):
+        asked.append(host)
+        if host == name:
+            time.sleep(delay_s)
+        return real(host, *args, **kw)
+
+    monkeypatch.setattr(socket, "getaddrinfo", slow)
+    return asked
+
+
+def test_a_slow_name_lookup_is_bounded_by_the_calls_deadline(server, monkeypatch):
+    """socket.create_connection looked the name up before any timeout applied: a get with
+    timeout_s=1 took 3 s, and a load in an engine's forward step (bounded_reads) with it."""
+    from kvtier.tiers import remote_wire
+
+    port = int(server.tcp_url.rsplit(":", 1)[1])
+    asked = _slow_lookups(monkeypatch, 1.5)
+    tier = RemoteTier(f"tcp://localhost:{port}", "acme-token-1", namespace="dns", timeout_s=1.0,
+                      connect_timeout_s=0.5, backoff_s=0.01, max_backoff_s=0.01)
+    t0 = time.monotonic()
+    assert tier.get(keys_for("dns", 1)[0], np.empty(4096, np.uint8)) is not Status.OK
+    took = time.monotonic() - t0
+    assert took < 0.5 + SLACK_S, f"get with connect_timeout_s=0.5 took {took:.1f} s (the name lookup is not bounded)"
+    assert "timeout" in (tier.last_error or "").lower() or "took longer" in (tier.last_error or ""), tier.last_error
+    # Calls meanwhile wait for the one look-up under way: a silent DNS server costs one thread.
+    time.sleep(0.05)
+    for _ in range(3):
+        assert tier.contains_many(keys_for("dns", 1)) == [False]
+        time.sleep(0.02)
+    tier.close()
+    assert asked.count("localhost") == 1, asked
+    assert _wait_for(lambda: not remote_wire._lookups, timeout=3.0)  # it ends on its own (and the next test)
+
+
+def test_a_name_that_resolves_in_time_and_an_address_literal_connect(server, monkeypatch):
+    """Controls: a lookup that ends within the deadline connects; an address literal asks no name
+    service (a slow one does not matter to it)."""
+    port = int(server.tcp_url.rsplit(":", 1)[1])
+    asked = _slow_lookups(monkeypatch, 0.2)
+    for host in ("localhost", "127.0.0.1"):
+        tier = RemoteTier(f"tcp://{host}:{port}", "acme-token-1", namespace="dns", timeout_s=2.0,
+                          connect_timeout_s=1.0)
+        key = keys_for(f"dns-{host}", 1)[0]
+        assert tier.put(key, block(key, 4096)) is Status.OK, tier.last_error
+        out = np.empty(4096, np.uint8)
+        assert tier.get(key, out) is Status.OK and np.array_equal(out, block(key, 4096))
+        tier.close()
+    assert asked.count("localhost") == 1 and "127.0.0.1" in asked  # (read in place: AI_NUMERICHOST)
+
+
+def test_a_lookup_that_keeps_failing_is_a_failed_call_not_a_hang(server, monkeypatch):
+    import socket
+
+    def broken(host, *args, **kw):
+        raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+
+    monkeypatch.setattr(socket, "getaddrinfo", broken)
+    tier = RemoteTier("tcp://kvtier.invalid:7070", "acme-token-1", namespace="dns", timeout_s=1.0,
+                      connect_timeout_s=0.5)
+    t0 = time.monotonic()
+    assert tier.get(keys_for("dns", 1)[0], np.empty(4096, np.uint8)) is not Status.OK
+    assert time.monotonic() - t0 < 0.5 + SLACK_S
+    assert "name resolution" in (tier.last_error or ""), tier.last_error
+    tier.close()

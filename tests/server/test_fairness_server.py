@@ -125,3 +125,66 @@ def test_the_offset_form_of_older_clients_is_served_a_few_pages_deep_only(srv):
     h, meta, _ = read_frame(s)
     assert h.op == Op.ERROR and h.code == ErrorCode.BAD_META and b"cursor" in meta
     s.close()
+
+
+def _cursors(srv, who: str, ns: str, n: int = 2) -> list[int]:
+    """The cursors of ``n`` one-block pages of ``ns`` from the start, on a raw connection."""
+    s = connect(srv.tcp_url)
+    s.sendall(hello_frame(TOKENS[who], ns))
+    assert read_frame(s)[0].code == 0
+    cursors, cursor = [], 0
+    for _ in range(n):
+        cursor, _ = _list(s, cursor, 1)
+        cursors.append(cursor)
+    s.close()
+    return cursors
+
+
+def _cursor_gap(srv, other_puts: int) -> int:
+    """How far apart acme's cursors of its blocks B and C are, when another tenant stored
+    ``other_puts`` blocks in its own namespace between acme's A and B."""
+    ns = fresh_namespace("gap")
+    acme = remote(srv, "acme", namespace=ns)
+    globex = remote(srv, "globex", namespace=fresh_namespace("gap"))
+    a, b, c = keys_for(f"acme-{ns}", 3)
+    assert acme.put(a, block(a, 64)) is Status.OK
+    others = keys_for(f"globex-{ns}", other_puts)
+    if others:
+        assert globex.put_many(others, [block(k, 64) for k in others]) == [Status.OK] * other_puts
+    assert acme.put_many([b, c], [block(b, 64), block(c, 64)]) == [Status.OK, Status.OK]
+    c1, c2 = _cursors(srv, "acme", ns)
+    acme.close()
+    globex.close()
+    assert 0 < c1 < c2, (c1, c2)  # the cursor contract: increasing, 0 only at the end
+    return c2 - c1
+
+
+def test_list_cursors_do_not_count_other_tenants_blocks(srv):
+    """Cursors were one server-wide sequence: the gap between two of acme's consecutive cursors
+    counted the blocks every other tenant stored in between (37 here)."""
+    quiet = _cursor_gap(srv, 0)
+    busy = _cursor_gap(srv, 37)
+    assert busy == quiet, (f"acme's consecutive LIST cursors are {busy} apart after globex stored 37 blocks "
+                           f"({quiet} apart otherwise): acme can count another tenant's writes")
+
+
+def test_a_namespace_emptied_and_filled_again_lists_its_new_blocks_after_an_old_cursor(srv):
+    """Cursors are the namespace's own: a namespace that empties (its order is dropped) and gets
+    blocks again must not number them from where the old cursors were, or a pager holding one
+    skips them."""
+    ns = fresh_namespace("refill")
+    tier = remote(srv, "globex", namespace=ns)
+    old = keys_for(f"old-{ns}", 2)
+    assert tier.put_many(old, [block(k, 64) for k in old]) == [Status.OK] * 2
+    (cursor,) = _cursors(srv, "globex", ns, 1)
+    assert cursor
+    assert tier.delete_many(old) == [True, True]  # the namespace is empty now
+    new = keys_for(f"new-{ns}", 3)
+    assert tier.put_many(new, [block(k, 64) for k in new]) == [Status.OK] * 3
+    s = connect(srv.tcp_url)
+    s.sendall(hello_frame(TOKENS["globex"], ns))
+    assert read_frame(s)[0].code == 0
+    end, page = _list(s, cursor, 10)
+    s.close()
+    tier.close()
+    assert (end, page) == (0, new), "blocks added after the cursor was handed out were skipped"

@@ -224,3 +224,109 @@ def test_an_override_that_cannot_be_saved_is_refused_audited_and_not_applied(tmp
     blocker.unlink()
     assert _call(svc, cmd, tenant="acme", **args)["ok"]
     assert (blocker / "runtime.json").exists()
+
+
+# -- a namespace TTL of 0: no expiry, even under the tenant's TTL -------------------------------
+def _retention_server(tmp_path, tenant_specs, **server):
+    return ServerProcess.start(tenant_specs, shared=SHARED, admin_token=TOKENS["admin"], workdir=str(tmp_path),
+                               server={"capacity": "16MiB", "max_block": "256KiB", **server})
+
+
+def test_a_namespace_ttl_of_0_means_no_expiry_even_under_a_tenant_ttl(tmp_path):
+    """``set-ttl --namespace keep 0`` is documented as "no expiry"; governance stored 0 as "no
+    override", so the tenant's 1 s TTL deleted keep's blocks anyway, after answering ok. The
+    config file's ``namespace_ttl_s = { cfg = 0 }`` was dropped the same way."""
+    specs = tenants(acme={"ttl_s": 1.0, "namespace_ttl_s": {"cfg": 0}})
+    with _retention_server(tmp_path, specs, sweep_interval_s=0.1) as srv:
+        reply = admin_call(srv.tcp_url, TOKENS["admin"], "set_ttl", {"tenant": "acme", "namespace": "keep", "ttl_s": 0})
+        assert reply == {"ok": True, "ttl_s": 0}
+        tiers = {ns: remote(srv, "acme", namespace=ns) for ns in ("keep", "cfg", "other", "unset")}
+        try:
+            keys = keys_for("keep", 3)
+            for tier in tiers.values():
+                assert tier.put_many(keys, [block(k) for k in keys]) == [Status.OK] * 3
+            # null removes a namespace's own TTL: "unset" had 0, and follows the tenant's again
+            assert admin_call(srv.tcp_url, TOKENS["admin"], "set_ttl",
+                              {"tenant": "acme", "namespace": "unset", "ttl_s": 0})["ok"]
+            assert admin_call(srv.tcp_url, TOKENS["admin"], "set_ttl",
+                              {"tenant": "acme", "namespace": "unset", "ttl_s": None})["ok"]
+            time.sleep(1.6)  # past the tenant's TTL, ~15 sweeps
+            assert tiers["keep"].lookup_prefix(keys) == 3, "a namespace set to 'no expiry' (0) expired"
+            assert tiers["cfg"].lookup_prefix(keys) == 3, "the config file's namespace TTL of 0 expired"
+            out = np.zeros(BLOCK, np.uint8)
+            assert tiers["keep"].get(keys[0], out) is Status.OK and np.array_equal(out, block(keys[0]))
+            # controls: a namespace without a TTL of its own expires with its tenant's
+            assert tiers["other"].lookup_prefix(keys) == 0
+            assert tiers["unset"].lookup_prefix(keys) == 0
+            policy = admin_call(srv.tcp_url, TOKENS["admin"], "usage", {})["policy"]
+            assert policy["namespace_ttl_s"] == {"acme:cfg": 0, "acme:keep": 0}, policy
+        finally:
+            for tier in tiers.values():
+                tier.close()
+
+
+def test_set_ttl_unset_in_the_cli_removes_a_namespace_ttl(tmp_path):
+    specs = tenants(acme={"ttl_s": 600})
+    cli = [sys.executable, "-m", "kvtier.cli.main", "admin"]
+    with _retention_server(tmp_path, specs) as srv:
+        base = cli + ["--url", srv.tcp_url, "--token", TOKENS["admin"], "set-ttl", "--tenant", "acme"]
+        out = subprocess.run(base + ["--namespace", "keep", "0"], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0 and json.loads(out.stdout) == {"ok": True, "ttl_s": 0.0}, out.stderr
+        assert admin_call(srv.tcp_url, TOKENS["admin"], "usage", {})["policy"]["namespace_ttl_s"] == {"acme:keep": 0}
+        out = subprocess.run(base + ["--namespace", "keep", "--unset"], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0 and json.loads(out.stdout) == {"ok": True, "ttl_s": None}, out.stderr
+        assert admin_call(srv.tcp_url, TOKENS["admin"], "usage", {})["policy"]["namespace_ttl_s"] == {}
+        out = subprocess.run(base + ["--namespace", "keep"], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2 and "--unset" in out.stderr  # seconds or --unset, one of them
+
+
+def test_governance_reads_a_namespace_ttl_of_0_as_never_and_null_as_the_tenants(tmp_path):
+    """Runtime overrides saved before kept null for a namespace set to 0 (it followed the tenant
+    then): such a file still loads, and means the same."""
+    from kvtier.server.config import ServerConfig, TenantConfig
+    from kvtier.server.governance import Governance
+    from kvtier.server.runtime_state import RuntimeState
+
+    path = tmp_path / "runtime.json"
+    path.write_text(json.dumps({"version": 1, "tenant_ttl_s": {"acme": 60},
+                                "namespace_ttl_s": [["acme", "old", None], ["acme", "keep", 0]]}))
+    config = ServerConfig(tenants=(TenantConfig("acme", ("0" * 64,), namespace_ttl_s={"old": 5.0}),))
+    gov = Governance(config, RuntimeState(str(path)))
+    assert gov.ttl("acme", "old") == 60, "a saved null: the namespace follows its tenant (over the config's 5)"
+    assert gov.ttl("acme", "keep") is None and not gov.is_expired("acme", "keep", 0.0, 1e9)
+    assert gov.ttl("acme", "other") == 60 and gov.is_expired("acme", "other", 0.0, 61.0)
+    gov.set_ttl("acme", 0, "other")
+    gov.set_ttl("acme", None, "keep")
+    gov.set_ttl("acme", 0)  # a tenant's 0: none
+    saved = json.loads(path.read_text())
+    assert saved["namespace_ttl_s"] == [["acme", "keep", None], ["acme", "old", None], ["acme", "other", 0]]
+    assert saved["tenant_ttl_s"] == {"acme": None}
+    again = Governance(config, RuntimeState(str(path)))
+    assert (again.ttl("acme", "other"), again.ttl("acme", "keep"), again.ttl("acme", "x")) == (None, None, None)
+
+
+# -- LIST leaves out blocks past their TTL ---------------------------------------------------------
+def test_list_does_not_name_blocks_past_their_retention(tmp_path):
+    """Expired blocks are misses at once (GET, LOOKUP, CONTAINS); LIST named them until the sweeper
+    came (every sweep_interval_s), and usage counted them."""
+    specs = tenants(acme={"namespace_ttl_s": {"scratch": 0.5}})
+    with _retention_server(tmp_path, specs, sweep_interval_s=30) as srv:
+        scratch = remote(srv, "acme", namespace="scratch")
+        keep = remote(srv, "acme", namespace="keep")
+        try:
+            keys = keys_for("scratch-list", 3)
+            assert scratch.put_many(keys, [block(k) for k in keys]) == [Status.OK] * 3
+            assert keep.put_many(keys, [block(k) for k in keys]) == [Status.OK] * 3
+            assert sorted(scratch.keys()) == sorted(keys)  # control: listed while alive
+            time.sleep(0.8)
+            later = keys_for("scratch-later", 2)
+            assert scratch.put_many(later, [block(k) for k in later]) == [Status.OK] * 2
+            listed = list(scratch.keys())
+            assert listed == later, f"LIST named {len(listed) - 2} blocks past their 0.5 s TTL"
+            assert admin_call(srv.tcp_url, TOKENS["admin"], "usage", {})["usage"]["acme"]["blocks"] == 5, (
+                "the expired blocks LIST saw were not dropped")
+            assert sorted(keep.keys()) == sorted(keys)  # control: another namespace is left alone
+            assert scratch.contains_many(keys + later) == [False] * 3 + [True] * 2
+        finally:
+            scratch.close()
+            keep.close()

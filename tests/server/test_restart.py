@@ -333,6 +333,29 @@ def test_runtime_quota_and_ttl_changes_survive_a_restart_and_win_over_the_config
     stopped_cleanly(*s.stop())
 
 
+def test_a_namespace_kept_from_its_tenants_ttl_stays_kept_after_a_restart(tmp_path):
+    """A namespace TTL of 0 (no expiry, even under the tenant's TTL) is saved as 0, a removed one
+    as null; after a restart keep's blocks (rebuilt from disk, with their age) still do not expire,
+    while a namespace whose own TTL was removed follows the tenant's again."""
+    s = Restartable(tmp_path, tenants(acme={"ttl_s": 2.0, "namespace_ttl_s": {"cfg": 600}}))
+    s.start()
+    assert s.admin("set_ttl", tenant="acme", ttl_s=0, namespace="keep")["ok"]
+    assert s.admin("set_ttl", tenant="acme", ttl_s=None, namespace="cfg")["ok"]  # the config's 600 s removed
+    t0 = time.monotonic()
+    keep, cfg = keys_for("keep-restart", 3), keys_for("cfg-restart", 3)
+    put(s.srv, "acme", "keep", keep)
+    put(s.srv, "acme", "cfg", cfg)
+    stopped_cleanly(*s.stop())
+    saved = json.loads((s.disk / "runtime.json").read_text())["namespace_ttl_s"]
+    assert saved == [["acme", "cfg", None], ["acme", "keep", 0]], saved
+    s.start()
+    assert s.admin("usage")["policy"]["namespace_ttl_s"] == {"acme:keep": 0}
+    time.sleep(max(0.0, t0 + 2.0 + 0.5 - time.monotonic()))  # past the tenant's TTL
+    assert get(s.srv, "acme", "keep", keep) == [True] * 3, "no expiry (0) did not outlast the restart"
+    assert get(s.srv, "acme", "cfg", cfg) == [False] * 3, "a removed namespace TTL: the tenant's 2 s apply"
+    stopped_cleanly(*s.stop())
+
+
 @pytest.mark.parametrize("bad", ["NaN", "Infinity", "-1"])
 def test_a_persisted_non_finite_ttl_is_refused_at_start_naming_the_file(tmp_path, bad):
     """json reads NaN / Infinity; a NaN TTL would make the sweeper delete every block of the
