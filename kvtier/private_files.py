@@ -121,18 +121,34 @@ def open_private_file(path: str, what: str, fix: str, why: str = "it authenticat
     return fd
 
 
+def refuse_readable_secrets(fd: int, path: str, secrets: list[str], fix: str) -> None:
+    """Refuse the configuration file open at ``fd`` (read from ``path``) if it holds secret settings
+    (``secrets``: their names; none, nothing to refuse) and another user owns it or anyone but its
+    owner may read or write it: a secret in a 0644 file is every local user's. ``fix``: where
+    else the secrets may go. Unlike :func:`open_private_file`, a link to the file or a pipe
+    (``--config <(…)``) is taken: the file opened is the one judged."""
+    if not secrets:
+        return
+    st = os.fstat(fd)
+    if st.st_uid != os.getuid() or st.st_mode & 0o077:
+        who = "another user owns it" if st.st_uid != os.getuid() else f"its mode is {stat.S_IMODE(st.st_mode):04o}"
+        raise ConfigError(f"config file {path!r} holds {', '.join(sorted(secrets))} but {who}: it must be this "
+                          f"user's with mode 0600 (whoever reads it holds the secrets); fix it with chmod 600 {path} "
+                          f"(and chown, if another user owns it), or {fix}")
+
+
 #: the most :func:`read_private_file` reads: a secret is bytes (32 for the spill secret), and a
 #: path pointed at a large file by mistake is refused before it is read into memory
 MAX_SECRET_BYTES = 1 << 16
 
 
-def read_private_file(path: str, what: str, fix: str) -> bytes:
+def read_private_file(path: str, what: str, fix: str, why: str = "it authenticates blocks") -> bytes:
     """The bytes of the secret at ``path`` (``what`` names it in errors), refused unless it is a
     regular file owned by this user that nobody else may read or write, of at most
     :data:`MAX_SECRET_BYTES`, and never through a symbolic link: whoever reads it can name, read
     or forge the blocks it keys. ``fix``: what the error tells the operator to do besides
-    ``chmod 600``."""
-    fd = open_private_file(path, what, fix)
+    ``chmod 600``; ``why``: what the secret guards, as the error says it."""
+    fd = open_private_file(path, what, fix, why)
     try:
         chunks = []
         size = 0

@@ -7,6 +7,7 @@ flags win. Once listening it prints one JSON line (``"ready": true``) on stdout.
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
@@ -17,7 +18,7 @@ from kvtier.core.units import finite_float
 # flag dest → RouterConfig field (given flags only override the file)
 _FLAGS = ("host", "port", "policy", "model_path", "block_tokens", "kv_bytes_per_token", "host_read_bytes_per_s",
           "shared_read_bytes_per_s", "shared_events", "shared_events_server_public", "shared_events_public",
-          "shared_events_secret", "prefill_tokens_per_s", "decode_block_s", "step_tokens", "admission_tokens",
+          "shared_events_secret_file", "prefill_tokens_per_s", "decode_block_s", "step_tokens", "admission_tokens",
           "temperature",
           "index_capacity",
           "health_interval_s", "eject_after", "max_attempts", "drain_timeout_s", "max_held", "max_body_bytes",
@@ -49,7 +50,9 @@ def register(subparsers) -> None:
     p.add_argument("--shared-events", dest="shared_events", help="the kvtier server's events endpoint")
     p.add_argument("--shared-events-server-public", dest="shared_events_server_public")
     p.add_argument("--shared-events-public", dest="shared_events_public")
-    p.add_argument("--shared-events-secret", dest="shared_events_secret")
+    p.add_argument("--shared-events-secret-file", dest="shared_events_secret_file", metavar="PATH",
+                   help="a 0600 file holding the router's z85 CURVE secret (or $KVTIER_ROUTER_EVENTS_SECRET)")
+    p.add_argument("--shared-events-secret", action=_SecretOnArgv, help=argparse.SUPPRESS)
     p.add_argument("--prefill-tokens-per-s", dest="prefill_tokens_per_s", type=finite_float)
     p.add_argument("--decode-block-s", dest="decode_block_s", type=finite_float,
                    help="decode pressure, seconds per active block, until the router has measured the worker's "
@@ -87,8 +90,20 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
+class _SecretOnArgv(argparse.Action):
+    """``--shared-events-secret``: refused, naming where the secret goes instead. A command line is
+    public (``ps``, ``/proc/PID/cmdline``), and whoever holds this secret subscribes to every
+    tenant's events as the router."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from kvtier.router.config import SECRETS_ENV
+
+        parser.error(f"{option_string} would put the CURVE secret on the command line, which every local user can "
+                     f"read (ps); give it as ${SECRETS_ENV} or in a 0600 file: --shared-events-secret-file PATH")
+
+
 def build_config(args):
-    from kvtier.router.config import RouterConfig, WorkerSpec
+    from kvtier.router.config import SECRETS_ENV, RouterConfig, WorkerSpec
 
     config = RouterConfig.from_file(args.config) if args.config else RouterConfig()
     for name in _FLAGS:
@@ -101,6 +116,11 @@ def build_config(args):
     config.workers.extend(WorkerSpec.parse(w) for w in args.worker)
     # the workers' --api-key, for the router's own calls to them (a flag would show in `ps`)
     config.worker_api_key = os.environ.get("KVTIER_WORKER_API_KEY") or config.worker_api_key
+    # the CURVE secret likewise: --shared-events-secret-file, else the environment, else the config file's
+    if getattr(args, "shared_events_secret_file", None) is not None:
+        config.shared_events_secret = None
+    elif os.environ.get(SECRETS_ENV):
+        config.shared_events_secret, config.shared_events_secret_file = os.environ[SECRETS_ENV], None
     return config.check()
 
 

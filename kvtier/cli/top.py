@@ -31,7 +31,9 @@ def register(subparsers) -> None:
     parser.add_argument("--router", default=None, help="kvtier route address (host:port or URL)")
     parser.add_argument("--worker", action="append", default=[], help="a worker's vLLM address (repeatable)")
     parser.add_argument("--token", default=None,
-                        help="admin token for the server's per-tenant series (default: $KVTIER_ADMIN_TOKEN)")
+                        help="the server's metrics token (its metrics_token_sha256) for the per-tenant series; "
+                             "the admin token works only on a loopback metrics address (default: "
+                             "$KVTIER_METRICS_TOKEN, then $KVTIER_ADMIN_TOKEN)")
     parser.add_argument("--planner-status", default=None, help="JSON status file written by a planner")
     parser.add_argument("--planner", default=None, help="kvtier plan live --metrics-port address (host:port or URL)")
     parser.add_argument("--interval", type=finite_float, default=1.0, help="seconds between frames")
@@ -69,13 +71,27 @@ def _url(address: str) -> str:
 MAX_METRICS_BYTES = 16 << 20
 
 
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """A 3xx is the answer, never followed: urllib copies every header of a request into the one it
+    redirects, to whatever host ``Location`` names, and a scrape with a token must not hand it there."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        return None   # urllib then raises the 3xx as an HTTPError
+
+
+#: what a request that carries a token is sent through (redirects not followed)
+_TOKEN_OPENER = urllib.request.build_opener(_NoRedirect)
+
+
 def scrape(address: str | None, token: str | None = None, timeout_s: float = 2.0) -> Samples:
     """The samples at ``address``'s ``/metrics``, or a down result with its reason; never raises.
 
     ``timeout_s`` bounds the whole body, not each socket read: a peer that drips its answer (an
     overloaded exporter, a broken proxy) is down once the time is spent, so one slow endpoint
     cannot hold ``kvtier top`` or the live planner's loop. (Connecting and the headers are bounded
-    per read by urllib, each read ``timeout_s``.) An answer over :data:`MAX_METRICS_BYTES` is down."""
+    per read by urllib, each read ``timeout_s``.) An answer over :data:`MAX_METRICS_BYTES` is down.
+    With a ``token`` a redirect is not followed (down, naming where it pointed): the token goes to
+    ``address`` only."""
     if not address:
         return Samples(False, {}, "not given")
     from prometheus_client.parser import text_string_to_metric_families
@@ -85,13 +101,18 @@ def scrape(address: str | None, token: str | None = None, timeout_s: float = 2.0
     try:   # the parse too: a 200 that is not the text format (an HTML error page) is down, not a crash
         # the request as well: a malformed address (``http://[::1``) raises ValueError here
         request = urllib.request.Request(_url(address), headers={"Authorization": f"Bearer {token}"} if token else {})
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+        with (_TOKEN_OPENER.open if token else urllib.request.urlopen)(request, timeout=timeout_s) as response:
             body = _read_bounded(response, deadline)
         if isinstance(body, str):
             return Samples(False, {}, body)
         for family in text_string_to_metric_families(body.decode()):
             for s in family.samples:
                 values[(s.name, frozenset(s.labels.items()))] = s.value
+    except urllib.error.HTTPError as exc:
+        if 300 <= exc.code < 400:
+            return Samples(False, {}, f"redirected ({exc.code}) to {exc.headers.get('Location')!r}: not followed "
+                                      f"with the token; give that address itself")
+        return Samples(False, {}, str(exc))
     except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException) as exc:
         return Samples(False, {}, str(exc) or type(exc).__name__)
     return Samples(True, values)
@@ -259,7 +280,7 @@ def _planner_status(path: str | None) -> dict | None:
 
 
 def run(args) -> int:
-    token = args.token or os.environ.get("KVTIER_ADMIN_TOKEN")
+    token = args.token or os.environ.get("KVTIER_METRICS_TOKEN") or os.environ.get("KVTIER_ADMIN_TOKEN")
     if not (args.server or args.router or args.worker or args.planner):
         print("kvtier top: give at least one of --server, --router, --worker, --planner", file=sys.stderr)
         return 2

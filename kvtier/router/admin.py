@@ -24,6 +24,12 @@ browser's), a ``Host`` other than ``127.0.0.1``, ``[::1]`` or ``localhost`` (any
 body that is not ``Content-Type: application/json`` (which a browser sends cross-site only
 after a preflight, and the router answers none).
 
+A wrong token is a failed login of the caller's address, as at the kvtier server: a token
+bucket per address (:class:`kvtier.server.admission.LoginLimiter`, 10 at once, then one a
+second), a warning logged for the first few of a burst, and an address over its budget is
+answered 429 before its token is compared. (A local guesser can thus hold a loopback planner
+off for a while; it cannot guess on.)
+
 A worker added is priced at the median measured prefill speed of the others until its own
 answers measure it. Worker ids are index bit positions: a removed worker's id is reused by the next one added,
 after its index entries were cleared, so masks stay as narrow as the live pool.
@@ -44,6 +50,7 @@ from aiohttp import web
 from kvtier.router.reads import body_too_late
 from kvtier.router.requests import RequestError
 from kvtier.router.workers import Worker
+from kvtier.server.admission import LoginLimiter
 
 if TYPE_CHECKING:
     from kvtier.router.app import Router
@@ -92,6 +99,8 @@ class WorkerAdmin:
     def __init__(self, router: "Router", token: str | None = None) -> None:
         self.router = router
         self._token = _digest(token) if token else None
+        #: failed tokens per caller address (used on the event loop only)
+        self.logins = LoginLimiter()
 
     def install(self, app: web.Application) -> None:
         app.router.add_get("/admin/workers", self.list_workers)
@@ -112,7 +121,14 @@ class WorkerAdmin:
                                   f"localhost, not {host!r}")
             return
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(_digest(token.strip()), self._token):
+        if scheme.lower() != "bearer" or not token.strip():   # no guess: nothing to charge
+            raise _error(401, "admin API: missing or wrong bearer token")
+        peer = request.remote or "?"
+        if not self.logins.allowed(peer):
+            raise _error(429, "admin API: too many wrong tokens from this address; retry later")
+        if not hmac.compare_digest(_digest(token.strip()), self._token):
+            if self.logins.failed(peer):   # a burst logs a few lines, not one per try
+                log.warning("admin API: wrong bearer token from %s", peer)
             raise _error(401, "admin API: missing or wrong bearer token")
 
     async def _body(self, request: web.Request) -> dict:

@@ -21,6 +21,12 @@ from urllib.parse import urlsplit
 from kvtier.core.units import parse_size
 from kvtier.errors import ConfigError
 from kvtier.policy.routing import ROUTE_NAMES
+from kvtier.private_files import read_private_file, refuse_readable_secrets
+
+#: where ``kvtier route`` takes its CURVE secret from (a flag would show in ``ps``)
+SECRETS_ENV = "KVTIER_ROUTER_EVENTS_SECRET"
+#: settings that hold a secret: a config file with one must be this user's, mode 0600
+SECRET_SETTINGS = ("shared_events_secret", "worker_api_key")
 
 
 @dataclass
@@ -95,7 +101,12 @@ class RouterConfig:
     shared_events: str | None = None       #: the kvtier server's events endpoint
     shared_events_server_public: str | None = None
     shared_events_public: str | None = None
+    #: the router's CURVE secret (the server admits its public key, usually for every tenant's
+    #: events): from the environment (KVTIER_ROUTER_EVENTS_SECRET), ``shared_events_secret_file``
+    #: or a 0600 config file, never a flag: argv is public
     shared_events_secret: str | None = None
+    #: a file holding that secret (0600, this user's; beside the config file if relative)
+    shared_events_secret_file: str | None = None
     measured: list[str] = field(default_factory=list)   #: bench JSON files: bandwidths measured on this deployment
     prefill_tokens_per_s: float = 2000.0   #: until measured per worker
     prefill_overhead_s: float = 0.005
@@ -224,6 +235,17 @@ class RouterConfig:
             raise ConfigError(f"host must be an address to listen on, got {self.host!r}")
         if self.shared_events is not None:
             zmq_endpoint(self.shared_events, "shared_events ")
+        if self.shared_events_secret_file:
+            if self.shared_events_secret:
+                raise ConfigError("shared_events_secret and shared_events_secret_file both set: give one")
+            self.shared_events_secret = read_private_file(
+                self.shared_events_secret_file, "shared_events_secret_file", f"give the secret as ${SECRETS_ENV}",
+                why="it lets its holder subscribe to the server's events as this router",
+            ).decode("ascii", "replace").strip()
+            self.shared_events_secret_file = None   # read: check() runs again in Router()
+        if self.shared_events_secret is not None and len(self.shared_events_secret) != 40:
+            raise ConfigError("shared_events_secret: expected the 40-character z85 CURVE secret (`kvtier admin "
+                              "new-events-keys`)")
         self.abort_again_s = seconds_list(self.abort_again_s, "abort_again_s")
         return self
 
@@ -234,9 +256,15 @@ class RouterConfig:
 
     @classmethod
     def from_file(cls, path: str | Path) -> "RouterConfig":
+        """The settings of a TOML file; one that holds a secret (:data:`SECRET_SETTINGS`) must be this
+        user's, mode 0600."""
         try:
-            data = tomllib.loads(Path(path).read_text())
-        except (OSError, tomllib.TOMLDecodeError) as exc:
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+                refuse_readable_secrets(f.fileno(), str(path), [k for k in SECRET_SETTINGS if data.get(k)],
+                                        f"give them as ${SECRETS_ENV} / $KVTIER_WORKER_API_KEY, or the CURVE "
+                                        f"secret as shared_events_secret_file (a 0600 file)")
+        except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
             raise ConfigError(f"router config {path}: {exc}") from None
         known = {f.name for f in fields(cls)}
         workers = data.pop("worker", [])
@@ -244,8 +272,10 @@ class RouterConfig:
         if unknown:
             raise ConfigError(f"router config {path}: unknown settings {unknown}; known: {sorted(known - {'workers'})}")
         config = cls(**data)
-        # measurement files named in the config file are found beside it
+        # measurement files named in the config file are found beside it, and so is the secret file
         config.measured = [str(Path(path).parent / m) for m in config.measured]
+        if config.shared_events_secret_file:
+            config.shared_events_secret_file = str(Path(path).parent / config.shared_events_secret_file)
         # bandwidths written in the file are the user's own: measurement files do not override them
         config._explicit.update(k for k in data if k in cls._DEFAULT_BANDWIDTHS)
         for w in workers:

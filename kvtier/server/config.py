@@ -22,11 +22,14 @@ a bare "512M" is refused as ambiguous: see kvtier/core/units.py)::
     encrypt_at_rest = true          # seal spilled blocks per tenant (needs a master key:
     master_key_file = "/etc/kvtier/master.key"   # this file, mode 0600, or $KVTIER_MASTER_KEY)
     keystore_dir = "/var/lib/kvtier/keys"        # wrapped per-tenant keys (default: <disk_dir>/keys)
-    metrics = "127.0.0.1:9400"      # Prometheus /metrics and /healthz (per-tenant series only with the admin token)
-    metrics_require_token = false   # true: /metrics answers only a scrape with "Authorization: Bearer <admin token>"
+    metrics = "127.0.0.1:9400"      # Prometheus /metrics and /healthz: plain HTTP (per-tenant series only
+                                    # with a metrics token, or the admin token on a loopback address)
+    metrics_token_sha256 = ["<hash of a read-only scrape token>"]   # "Authorization: Bearer <metrics token>"
+    metrics_require_token = false   # true: /metrics answers only a scrape with such a token
     events = "tcp://127.0.0.1:5557" # KV events for routers (CURVE-authenticated; or ipc:///path, 0600)
     events_curve_secret = "<z85>"   # from `kvtier admin new-events-keys` (or $KVTIER_SERVE_EVENTS_CURVE_SECRET)
-    events_name_key = "<hex>"       # the secret subscribers name blocks with (same command)
+    events_name_key = "<hex>"       # the secret subscribers name blocks with (same command); a file
+                                    # holding either secret must be 0600 and this user's
     events_subscribers = ["<z85 public key>=*", "<z85 public key>=acme"]   # key=scope: '*' or a tenant
     events_buffer = 10000           # events (not messages) kept for replay, per scope ('*' and each tenant's)
     audit_log = "/var/log/kvtier/audit.jsonl"
@@ -62,6 +65,7 @@ from typing import Any
 
 from kvtier.core.units import parse_size  # the one size parser; imported from here too
 from kvtier.errors import ConfigError
+from kvtier.private_files import refuse_readable_secrets
 
 SHARED_PREFIX = "shared/"
 ENV_PREFIX = "KVTIER_SERVE_"
@@ -117,7 +121,11 @@ class ServerConfig:
     login_failure_burst: int = 10  # failed logins a TCP peer may make at once …
     login_failure_rate_per_s: float = 1.0  # … and per second after that
     metrics: str | None = None
-    #: /metrics only for a scrape presenting the admin token (``Authorization: Bearer``); /healthz stays open
+    #: read-only scrape tokens (hashes): they unlock the per-tenant series of /metrics and nothing else.
+    #: The admin token does too, but only on a loopback metrics address (or with ``insecure_plaintext``):
+    #: /metrics is plain HTTP, and the admin token erases tenants
+    metrics_token_sha256: tuple[str, ...] = ()
+    #: /metrics only for a scrape presenting one of those tokens (``Authorization: Bearer``); /healthz stays open
     metrics_require_token: bool = False
     events: str | None = None
     events_curve_secret: str | None = None
@@ -145,6 +153,12 @@ class ServerConfig:
 
     def tenant(self, name: str) -> TenantConfig | None:
         return next((t for t in self.tenants if t.name == name), None)
+
+    @property
+    def metrics_takes_admin_token(self) -> bool:
+        """Whether /metrics takes the admin token: only where it does not cross the network in
+        cleartext (a loopback address), or where ``insecure_plaintext`` accepts that."""
+        return self.insecure_plaintext or not (self.metrics and cleartext_beyond_host("tcp://" + self.metrics))
 
     @property
     def tenant_connection_cap(self) -> int:
@@ -246,6 +260,7 @@ _SERVER_KEYS: dict[str, tuple[str, Any]] = {
     "login_failure_burst": ("login_failure_burst", _int),
     "login_failure_rate_per_s": ("login_failure_rate_per_s", _float),
     "metrics": ("metrics", _str_or_none),
+    "metrics_token_sha256": ("metrics_token_sha256", _str_list),
     "metrics_require_token": ("metrics_require_token", _bool),
     "events": ("events", _str_or_none),
     "events_curve_secret": ("events_curve_secret", _str_or_none),
@@ -261,6 +276,8 @@ _SERVER_KEYS: dict[str, tuple[str, Any]] = {
     "state_dir": ("state_dir", _str_or_none),
     "admin_token_sha256": ("admin_token_sha256", _str_list),
 }
+#: [server] keys that hold a secret itself (not a path to one): a file with them must be private
+SECRET_KEYS = ("events_curve_secret", "events_name_key")
 _TENANT_KEYS = {"name", "token_sha256", "quota", "ttl_s", "namespace_ttl_s", "read_shared"}
 _SHARED_KEYS = {"name", "writers", "ttl_s"}
 
@@ -329,6 +346,10 @@ def load_config(
         try:
             with open(path, "rb") as f:
                 doc = tomllib.load(f)
+                server = doc.get("server")
+                refuse_readable_secrets(
+                    f.fileno(), os.fspath(path), [k for k in SECRET_KEYS if isinstance(server, dict) and server.get(k)],
+                    "give them as $KVTIER_SERVE_EVENTS_CURVE_SECRET and $KVTIER_SERVE_EVENTS_NAME_KEY instead")
         except FileNotFoundError:
             raise ConfigError(
                 f"config file {os.fspath(path)!r} does not exist; pass an existing file to --config"
@@ -420,6 +441,23 @@ def _validate_events(c: ServerConfig) -> None:
             raise ConfigError(f"events_subscribers: scope {scope!r} is neither '*' nor a configured tenant")
 
 
+def _validate_metrics(c: ServerConfig) -> None:
+    if c.metrics:
+        try:
+            parse_listen("tcp://" + c.metrics)
+        except ConfigError:
+            raise ConfigError(f"metrics {c.metrics!r}: expected HOST:PORT, e.g. 127.0.0.1:9400") from None
+    if c.metrics_require_token and not (c.admin_token_sha256 or c.metrics_token_sha256):
+        raise ConfigError("metrics_require_token needs a token to scrape with: add metrics_token_sha256 (a read-only "
+                          "scrape token, hashed with `kvtier admin hash-token`) or [admin] token_sha256 (or turn it off)")
+    if c.metrics_require_token and not c.metrics_token_sha256 and not c.metrics_takes_admin_token:
+        raise ConfigError(
+            f"metrics {c.metrics!r}: plain HTTP beyond loopback would take the admin token (which erases tenants) in "
+            f"cleartext on every scrape, so it is not taken there, and metrics_require_token leaves nothing to scrape "
+            f"with. Add metrics_token_sha256 (a read-only scrape token: `kvtier admin new-token`), or keep metrics on "
+            f"127.0.0.1; to accept cleartext anyway set insecure_plaintext = true")
+
+
 def _validate(c: ServerConfig) -> None:
     for name in ("idle_timeout_s", "frame_timeout_s", "hello_timeout_s", "mooncake_timeout_s"):
         _timeout(getattr(c, name), name)  # also for a ServerConfig built in code (with_fields)
@@ -450,8 +488,7 @@ def _validate(c: ServerConfig) -> None:
         )
     if c.disk_dir and c.disk_capacity_bytes < c.max_block_bytes:
         raise ConfigError("disk_dir is set: give disk_capacity (e.g. \"100GiB\") of at least one block")
-    if c.metrics_require_token and not c.admin_token_sha256:
-        raise ConfigError("metrics_require_token needs an admin token: add [admin] token_sha256 (or turn it off)")
+    _validate_metrics(c)
     _validate_events(c)
     if c.mooncake_master and not c.mooncake_secret_file and not c.encrypt_at_rest:
         raise ConfigError("mooncake_master: set mooncake_secret_file (a 0600 file of >= 16 random bytes; every "
@@ -462,6 +499,8 @@ def _validate(c: ServerConfig) -> None:
         raise ConfigError("encrypt_at_rest needs a master key: set master_key_file or $KVTIER_MASTER_KEY")
     for h in c.admin_token_sha256:
         _check_hash(h, "[admin] token_sha256")
+    for h in c.metrics_token_sha256:
+        _check_hash(h, "metrics_token_sha256")
     names = [t.name for t in c.tenants]
     shared_names = {s.name for s in c.shared}
     for t in c.tenants:
@@ -478,9 +517,11 @@ def _validate(c: ServerConfig) -> None:
                 raise ConfigError(f"tenant {t.name!r} reads shared namespace {s!r}, which no [[shared]] defines")
         for ns in t.namespace_ttl_s:
             check_namespace(ns)
-    all_hashes = [h for t in c.tenants for h in t.token_sha256] + list(c.admin_token_sha256)
+    all_hashes = [h for t in c.tenants for h in t.token_sha256] + list(c.admin_token_sha256) + list(
+        c.metrics_token_sha256)
     if len(set(all_hashes)) != len(all_hashes):
-        raise ConfigError("the same token hash is listed twice; every token belongs to one tenant (or the admin)")
+        raise ConfigError("the same token hash is listed twice; every token belongs to one tenant (or the admin, "
+                          "or the metrics scrapers)")
     for s in c.shared:
         if not _NAME.fullmatch(s.name):
             raise ConfigError(f"shared namespace name {s.name!r}: use 1-64 letters, digits, '.', '_' or '-'")

@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvtier.child_process import die_with_parent
+from kvtier.private_files import replace_private_file
 from kvtier.server.auth import hash_token
 
 
@@ -54,8 +55,9 @@ def write_config(path: str, server: dict, tenants: dict[str, dict], shared: list
         lines += [f"{k} = {_toml_value(v)}" for k, v in spec.items()]
     for s in shared or []:
         lines += ["", "[[shared]]"] + [f"{k} = {_toml_value(v)}" for k, v in s.items()]
-    with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n")
+    # 0600 like every file kvtier makes: a server config may hold secrets (events keys), and the
+    # server refuses such a file that others can read.
+    replace_private_file(path, ("\n".join(lines) + "\n").encode())
 
 
 @dataclass

@@ -7,13 +7,19 @@ collector, so the hot path pays nothing for them.
 
 Per-tenant series (``kvtier_tenant_*{tenant=…}``) say when a tenant stores
 and how much: a side channel between tenants. They live in a registry of their
-own that is rendered only to a scrape presenting the admin token
+own that is rendered only to a scrape presenting a metrics token
+(``metrics_token_sha256``: read-only, good for nothing else) or the admin token
 (``Authorization: Bearer <token>``, hashed and compared in constant time with
-every configured admin digest); other scrapes see aggregates without a tenant
-label. ``metrics_require_token`` closes ``/metrics`` altogether to scrapes
-without it (``/healthz`` stays open). The endpoint is bounded: a few
-connections at once (more are closed at once), a header count and line size,
-and one deadline for the whole request.
+every configured digest); other scrapes see aggregates without a tenant label.
+The endpoint is plain HTTP, so the admin token (which erases tenants) is taken
+only on a loopback address, or where ``insecure_plaintext`` says cleartext is
+accepted. ``metrics_require_token`` closes ``/metrics`` altogether to scrapes
+without such a token (``/healthz`` stays open). A token presented and refused is
+a failed login of the peer's address, as a refused HELLO is: charged to the
+server's login limiter, counted in ``kvtier_auth_failures`` and audited a few
+lines per burst; an address over its budget is answered 429 before its token is
+looked at. The endpoint is bounded: a few connections at once (more are closed
+at once), a header count and line size, and one deadline for the whole request.
 """
 
 from __future__ import annotations
@@ -25,6 +31,9 @@ from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from kvtier.server.admission import LoginLimiter
+from kvtier.server.audit import AuditLog
 
 # Fine around a millisecond: a PUT's server time is judged against 2 ms (``kvtier bench remote --quota-stress``).
 _LATENCY_BUCKETS = (2.5e-5, 5e-5, 7.5e-5, 1e-4, 1.5e-4, 2e-4, 2.5e-4, 3.5e-4, 5e-4, 7.5e-4, 1e-3, 1.5e-3, 2e-3,
@@ -58,7 +67,7 @@ class ServerMetrics:
                                               ["tenant"], registry=self.tenant_registry)
         self.expirations = Counter("kvtier_expirations", "Blocks removed by TTL retention", registry=r)
         self.erasures = Counter("kvtier_erased_blocks", "Blocks removed by admin erasure", registry=r)
-        self.auth_failures = Counter("kvtier_auth_failures", "Refused HELLOs", registry=r)
+        self.auth_failures = Counter("kvtier_auth_failures", "Refused HELLOs and /metrics tokens", registry=r)
         self.protocol_errors = Counter("kvtier_protocol_errors", "Connections closed for a protocol error", ["code"],
                                        registry=r)
         self.connections = Gauge("kvtier_connections", "Open client connections", registry=r)
@@ -118,16 +127,53 @@ def tier_and_tenant_families(store, index, governance, event_count: Callable[[],
     return [used, cap, evictions, verify, held, blocks, t_bytes, t_blocks, t_quota, events]
 
 
-def is_admin_token(token: str | None, admin_digests: Iterable[bytes]) -> bool:
-    """Whether ``token`` is an admin token: its SHA-256 compared with every digest (constant time,
+def token_matches(token: str | None, digests: Iterable[bytes]) -> bool:
+    """Whether ``token``'s SHA-256 is one of ``digests``: compared with every digest (constant time,
     no early exit)."""
     if not token:
         return False
     digest = hashlib.sha256(token.encode("utf-8")).digest()
     found = False
-    for candidate in admin_digests:
+    for candidate in digests:
         found |= hmac.compare_digest(candidate, digest)
     return found
+
+
+class MetricsAuth:
+    """Who may see the per-tenant series (and, with ``require_token``, any): a scrape presenting a
+    metrics token, or the admin token where ``admin_accepted`` (a loopback listener, or cleartext
+    accepted). ``logins`` and ``audit`` are the server's (a failed scrape and a failed HELLO share
+    one budget per address); both are used on the event loop only, as the HELLO path uses them."""
+
+    def __init__(self, metrics: ServerMetrics, *, metrics_token_sha256: Iterable[str] = (),
+                 admin_token_sha256: Iterable[str] = (), admin_accepted: bool = True,
+                 logins: LoginLimiter | None = None, audit: AuditLog | None = None) -> None:
+        self.metrics = metrics
+        self.scrape_digests = [bytes.fromhex(h) for h in metrics_token_sha256]
+        self.admin_digests = [bytes.fromhex(h) for h in admin_token_sha256]
+        self.admin_accepted = admin_accepted
+        self.logins = LoginLimiter() if logins is None else logins
+        self.audit = AuditLog(None) if audit is None else audit
+
+    def judge(self, token: str | None, peer: str) -> str:
+        """``"tenant"`` (per-tenant series), ``"open"`` (no token: aggregates), ``"refused"`` (a token
+        that unlocks nothing here: a failed login, charged and counted) or ``"throttled"`` (the
+        address is over its failed-login budget: the token not even compared)."""
+        if not token:
+            return "open"
+        if not self.logins.allowed(peer):
+            self.metrics.auth_failures.inc()
+            return "throttled"
+        # both lists compared whatever the first gave: no early exit
+        scrape, admin = token_matches(token, self.scrape_digests), token_matches(token, self.admin_digests)
+        if scrape or (admin and self.admin_accepted):
+            return "tenant"
+        self.metrics.auth_failures.inc()
+        if self.logins.failed(peer):   # a burst writes a few audit lines, not one per try
+            reason = ("metrics: the admin token is not taken on a plain-HTTP listener beyond loopback; "
+                      "scrape with a metrics token (metrics_token_sha256)") if admin else "metrics: wrong token"
+            self.audit.write("auth_failure", peer=peer, reason=reason)
+        return "refused"
 
 
 def _bearer(headers: list[bytes]) -> str | None:
@@ -142,7 +188,7 @@ def _bearer(headers: list[bytes]) -> str | None:
 
 async def serve_http(
     host: str, port: int, metrics: ServerMetrics, healthy: Callable[[], bool], *,
-    admin_token_sha256: Iterable[str] = (), require_token: bool = False,
+    auth: MetricsAuth | None = None, require_token: bool = False,
     max_connections: int = MAX_METRICS_CONNECTIONS, deadline_s: float = REQUEST_DEADLINE_S,
 ) -> asyncio.AbstractServer:
     """A minimal HTTP/1.0 endpoint: ``GET /metrics`` and ``GET /healthz``.
@@ -150,11 +196,14 @@ async def serve_http(
     At most ``max_connections`` at once (one more is closed at once), at most
     :data:`MAX_HEADERS` header lines of :data:`MAX_HEADER_LINE` bytes, and
     ``deadline_s`` for the whole request, reply included: a slow or silent
-    client holds a slot for seconds, never longer."""
-    digests = [bytes.fromhex(h) for h in admin_token_sha256]
+    client holds a slot for seconds, never longer. ``auth``: who sees the per-tenant
+    series (default: nobody)."""
+    auth = MetricsAuth(metrics) if auth is None else auth
     active = 0
 
     async def respond(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = writer.get_extra_info("peername")
+        peer = peer[0] if isinstance(peer, tuple) else "?"
         line = await reader.readline()
         headers: list[bytes] = []
         while True:
@@ -170,12 +219,15 @@ async def serve_http(
         if parts[:1] != ["GET"]:
             status, body, ctype = "405 Method Not Allowed", b"GET only\n", "text/plain"
         elif path.startswith("/metrics"):
-            admin = is_admin_token(_bearer(headers), digests)
-            if require_token and not admin:
-                status, body, ctype = "401 Unauthorized", b"metrics need the admin token\n", "text/plain"
-                extra = 'WWW-Authenticate: Bearer realm="kvtier"\r\n'
+            verdict = auth.judge(_bearer(headers), peer)
+            if verdict == "throttled":
+                status, ctype, extra = "429 Too Many Requests", "text/plain", "Retry-After: 1\r\n"
+                body = b"too many failed logins from this address; retry later\n"
+            elif require_token and verdict != "tenant":
+                status, ctype, extra = "401 Unauthorized", "text/plain", 'WWW-Authenticate: Bearer realm="kvtier"\r\n'
+                body = b"metrics need the metrics token (or the admin token, on a loopback address)\n"
             else:
-                status, body = "200 OK", metrics.render(per_tenant=admin)
+                status, body = "200 OK", metrics.render(per_tenant=verdict == "tenant")
                 ctype = "text/plain; version=0.0.4; charset=utf-8"
         elif path.startswith("/healthz"):
             ok = healthy()

@@ -47,7 +47,7 @@ from kvtier.server.config import ServerConfig, cleartext_beyond_host, events_sub
 from kvtier.server.connection import Connection
 from kvtier.server.governance import Governance
 from kvtier.server.index import BlockIndex
-from kvtier.server.metrics import ServerMetrics, serve_http, tier_and_tenant_families
+from kvtier.server.metrics import MetricsAuth, ServerMetrics, serve_http, tier_and_tenant_families
 from kvtier.server.runtime_state import FILE_NAME as RUNTIME_STATE_FILE
 from kvtier.server.runtime_state import RuntimeState
 from kvtier.server.service import Service
@@ -249,10 +249,17 @@ class Server:
             self._listeners.append(srv)
         self.addresses = {"listen": urls, "pid": os.getpid()}
         if self.config.metrics:
-            _, host, port = parse_listen("tcp://" + self.config.metrics)
-            http = await serve_http(host, port, self.metrics, self.healthy,
-                                    admin_token_sha256=self.config.admin_token_sha256,
-                                    require_token=self.config.metrics_require_token)
+            c = self.config
+            _, host, port = parse_listen("tcp://" + c.metrics)
+            if c.admin_token_sha256 and not c.metrics_takes_admin_token and not c.metrics_token_sha256:
+                log.warning("metrics %s is plain HTTP beyond loopback: the admin token is not taken there (it would "
+                            "cross the network in cleartext), so its per-tenant series are shown to no one; add "
+                            "metrics_token_sha256 (a read-only scrape token) or keep metrics on 127.0.0.1", c.metrics)
+            auth = MetricsAuth(self.metrics, metrics_token_sha256=c.metrics_token_sha256,
+                               admin_token_sha256=c.admin_token_sha256, admin_accepted=c.metrics_takes_admin_token,
+                               logins=self.logins, audit=self.audit)
+            http = await serve_http(host, port, self.metrics, self.healthy, auth=auth,
+                                    require_token=c.metrics_require_token)
             self._listeners.append(http)
             bound = http.sockets[0].getsockname()
             self.addresses["metrics"] = f"{bound[0]}:{bound[1]}"

@@ -31,6 +31,7 @@ def server(tmp_path_factory):
             **EVENTS_KEYS.server_config(),
             "audit_log": str(wd / "audit.jsonl"), "sweep_interval_s": 0.1,
         },
+        env=EVENTS_KEYS.server_env(),
     )
     yield srv
     srv.stop()

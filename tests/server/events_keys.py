@@ -23,7 +23,9 @@ def _pair() -> tuple[str, str]:
 
 
 class EventsKeys:
-    """Keys for one test server; ``server_config()`` goes into its [server] table."""
+    """Keys for one test server; ``server_config()`` goes into its [server] table and ``server_env()``
+    into its environment (the two secrets: a config file that held them would have to be 0600, and
+    ``ServerProcess`` writes its file with the umask's mode)."""
 
     def __init__(self, scopes: dict[str, str]) -> None:
         self.server_public, self.server_secret = _pair()
@@ -35,10 +37,12 @@ class EventsKeys:
     def server_config(self, endpoint: str = "tcp://127.0.0.1:*") -> dict:
         return {
             "events": endpoint,
-            "events_curve_secret": self.server_secret,
-            "events_name_key": self.name_key.hex(),
             "events_subscribers": [f"{self.subscribers[label].public}={scope}" for label, scope in self.scopes.items()],
         }
+
+    def server_env(self) -> dict:
+        return {"KVTIER_SERVE_EVENTS_CURVE_SECRET": self.server_secret,
+                "KVTIER_SERVE_EVENTS_NAME_KEY": self.name_key.hex()}
 
     def creds(self, label: str) -> dict:
         return self.subscribers[label].creds(self.server_public)

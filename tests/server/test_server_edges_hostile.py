@@ -153,7 +153,8 @@ def test_one_tenant_key_cannot_take_every_subscriber_slot(tmp_path):
     events only."""
     keys = EventsKeys({"router": "*", "acme": "acme"})
     with ServerProcess.start(tenants(), shared=SHARED, admin_token=TOKENS["admin"], workdir=str(tmp_path),
-                             server={"capacity": "16MiB", "max_block": "1MiB", **keys.server_config()}) as srv:
+                             server={"capacity": "16MiB", "max_block": "1MiB", **keys.server_config()},
+                             env=keys.server_env()) as srv:
         endpoint = srv.info["events"]
         hogs = [_dealer(keys.creds("acme"), endpoint) for _ in range(64)]
         for s in hogs:

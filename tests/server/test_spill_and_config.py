@@ -26,7 +26,7 @@ def test_blocks_evicted_from_dram_spill_to_disk_and_come_back(tmp_path):
     with ServerProcess.start(tenants(), shared=SHARED, workdir=str(tmp_path), server={
         "capacity": 4 * SLOT, "max_block": SLOT, "disk_dir": str(tmp_path / "disk"), "disk_capacity": "16MiB",
         **EVENTS.server_config(),
-    }) as srv:
+    }, env=EVENTS.server_env()) as srv:
         sub = EventSubscriber(srv.info["events"], **EVENTS.creds("router"))
         time.sleep(0.3)
         tier = remote(srv, "acme", namespace="spill")
