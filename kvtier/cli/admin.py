@@ -82,7 +82,7 @@ def _run(args) -> int:
 
         public, secret = zmq.curve_keypair()
         keys = {"public": public.decode(), "secret": secret.decode()}
-        if cmd == "new-events-keys":  # the server's: secret and name key go in its config
+        if cmd == "new-events-keys":  # the server's: secret and name key go in its 0600 config or its environment
             keys = {"events_curve_public": keys["public"], "events_curve_secret": keys["secret"],
                     "events_name_key": secrets.token_hex(32)}
         print(json.dumps(keys))
