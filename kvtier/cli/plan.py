@@ -8,6 +8,14 @@ import sys
 from kvtier.core.units import finite_float
 
 
+def _print_json(value) -> None:
+    """Strict JSON: a size or time that is not finite (``--retention-s 1e308``) is ``null``, never
+    ``Infinity`` / ``NaN``, which are not JSON (jq, Go and JavaScript refuse them)."""
+    from kvtier.planner.live import json_safe
+
+    print(json.dumps(json_safe(value), allow_nan=False))
+
+
 def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(part) for part in text.split(",") if part.strip())
 
@@ -123,14 +131,14 @@ def run_capacity(args) -> int:
                             active_fraction=args.active_fraction)
     plan = plan_capacity(model, inputs)
     if args.json:
-        print(json.dumps({
+        _print_json({
             "model": plan.model,
             "bytes_per_token": plan.bytes_per_token,
             "session_bytes": plan.session_bytes,
             "units": "bytes (decimal: 1 TB = 1e12)",
             "formula": "users x sessions x context_tokens x bytes_per_token x (1 + overhead) x replication",
             "rows": [row._asdict() for row in plan.rows],
-        }))
+        })
     else:
         print(render_plan(plan, inputs))
     return 0
@@ -187,7 +195,7 @@ def run_workers(args) -> int:
            "arrival_rate_per_s": workload.arrival_rate_per_s, **plan._asdict(), "tiers": tiers,
            "simulated": verified}
     if args.json:
-        print(json.dumps(out))
+        _print_json(out)
         return 0
     print(f"{model.name} on {cluster.devices_per_worker}x{cluster.accelerator} per worker; {costs.provenance}")
     print(f"workload: {workload.arrival_rate_per_s:.2f} req/s (arrival SCV {workload.arrival_scv:.2f}),"

@@ -12,7 +12,9 @@ every interval and act on the :class:`Decision` it returns through a launcher.
   (:func:`kvtier.planner.workers.plan_workers`): M/G/c prefill for the TTFT percentile,
   Little's law for decode, fed by the *measured* hit rate and prompt mix, so that a
   context tier that loads more of each prompt shortens the modelled prefill and needs
-  fewer prefill workers. A headroom factor on the rate covers forecast error.
+  fewer prefill workers. A headroom factor on the rate covers forecast error. An interval
+  whose answers told no prompt lengths (streams without usage) is sized on the mix of the
+  intervals before it; with none measured yet, the pools hold (within their bounds).
 - **Decide.** Scale up at once (a missed TTFT cannot be undone); scale down only when
   the count that would hold a rate higher by a band is still below the current count,
   for several intervals in a row, and not within a cooldown of the last change, by at
@@ -214,13 +216,26 @@ class Decision(NamedTuple):
         return self.prefill.action != "hold" or self.decode.action != "hold"
 
     def to_json(self) -> dict:
-        out = {k: (round(v, 6) if isinstance(v, float) and math.isfinite(v) else v)
+        """Strict JSON values: a figure that is not finite (a TTFT out of reach, one not
+        predicted) is ``null``."""
+        out = {k: round(v, 6) if isinstance(v, float) else v
                for k, v in self._asdict().items() if k not in ("prefill", "decode")}
-        if not math.isfinite(self.predicted_ttft_s):
-            out["predicted_ttft_s"] = None
         out["prefill"] = self.prefill._asdict()
         out["decode"] = self.decode._asdict()
-        return out
+        return json_safe(out)
+
+
+def json_safe(value):
+    """``value`` with every float that is not finite (NaN, ±Infinity) replaced by ``None``,
+    through dicts, lists and tuples: what ``json.dumps(..., allow_nan=False)`` accepts (NaN
+    and Infinity are not JSON; jq, Go and JavaScript refuse them)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
 
 
 class _Pool:
@@ -232,6 +247,15 @@ class _Pool:
         self.last_change_s = -math.inf
         self.last_up_s = -math.inf
         self.low_intervals = 0
+
+    def hold(self, now: float, settings: PlannerSettings, why: str) -> PoolDecision:
+        """No need measured to size on: the count stays, brought within the bounds; no interval
+        counts towards a scale-down."""
+        bounded = min(max(self.count, settings.min_workers), settings.max_workers)
+        if bounded != self.count:
+            return self.decide(now, bounded, bounded, settings, why)
+        self.low_intervals = 0
+        return PoolDecision(self.name, self.count, self.count, self.count, "hold", f"holds {self.count}: {why}")
 
     def decide(self, now: float, needed: int, needed_banded: int, settings: PlannerSettings,
                why: str) -> PoolDecision:
@@ -313,12 +337,22 @@ class LivePlanner:
         horizon = s.startup_s + s.interval_s
         forecast = self.forecaster.forecast(horizon)
         sizing_rate = max(forecast, obs.request_rate) * (1 + s.headroom)
+        if sizing_rate > 0 and not inputs:
+            # requests, but no answer has told a prompt length yet (streams without usage):
+            # sizing on no prompts would say "no requests" and shed the pools
+            why = (f"{obs.request_rate:.2f} req/s measured, {forecast:.2f} forecast in {horizon:.0f} s, but no"
+                   " prompt length known yet (no answer carried usage: streams without"
+                   " stream_options.include_usage)")
+            return Decision(obs.at_s, forecast, sizing_rate, hit, math.nan, self.prefill.hold(obs.at_s, s, why),
+                            self.decode.hold(obs.at_s, s, why))
         need = self.sizer.size(sizing_rate, inputs, outputs, hit, scv)
         pct = f"p{self.sizer.targets.ttft_percentile * 100:g}"
         why = (f"{obs.request_rate:.2f} req/s measured, {forecast:.2f} forecast in {horizon:.0f} s,"
                f" sized for {sizing_rate:.2f} at hit rate {hit:.1%}"
                f" (mean prefill {need.mean_prefill_s:.3f} s, {pct} TTFT {need.predicted_ttft_s:.2f} s"
-               f" <= {self.sizer.targets.ttft_s:g} s)" + (f"; {need.note}" if need.note else ""))
+               f" <= {self.sizer.targets.ttft_s:g} s)" + (f"; {need.note}" if need.note else "")
+               + ("" if obs.input_tokens or not obs.request_rate else
+                  "; prompt mix of earlier intervals (no answer carried usage in this one)"))
         banded = self.sizer.size(sizing_rate * (1 + s.scale_down_band), inputs, outputs, hit, scv)
         prefill = self.prefill.decide(obs.at_s, need.prefill_workers, banded.prefill_workers, s, why)
         decode = self.decode.decide(obs.at_s, need.decode_workers, banded.decode_workers, s, why)

@@ -9,10 +9,13 @@ It keeps :mod:`kvtier.planner.launchers`' contract against a running ``kvtier ro
   — a worker still loading its model never sees a request. A worker that exits, does not
   become healthy in time or cannot be registered (the router refuses it or does not answer)
   is stopped with its whole process group and marked ``failed``; no new start is tried for
-  ``failure_backoff_s`` (a broken command must not be relaunched every interval). The same
+  ``failure_backoff_s``, doubled after each further round of failures up to
+  ``max_failure_backoff_s`` (a broken command must not be relaunched every interval). The same
   thread then watches the serving worker: one whose process exits (OOM, a crash) is marked
   ``failed``, its group killed and the router told to forget it, so that ``list`` no longer
-  counts it and the planner starts a replacement.
+  counts it and the planner starts a replacement; one the router no longer lists (a restarted
+  ``kvtier route`` knows only its configured workers) is added again, or failed and replaced
+  if the router refuses it.
 - ``drain(worker)`` tells the router to send it nothing new (``/admin/workers/drain``), waits
   until the router counts no request in flight on it (or ``drain_timeout_s`` passed),
   removes it from the router, then stops it: SIGTERM to its main process (vLLM shuts down in
@@ -21,6 +24,13 @@ It keeps :mod:`kvtier.planner.launchers`' contract against a running ``kvtier ro
   again next interval), except during ``close()``: then the worker is stopped regardless.
 - Workers found already running (``adopt``) are drained and removed like the others but
   never signalled: this launcher did not start them.
+- A worker drained while it starts is taken out of the router by its drain thread once its
+  start thread is done, so a registration under way at the drain cannot outlive the worker.
+- A crash loop stays bounded: the logs of the last ``KEEP_FINISHED`` failed starts and the
+  records of the last ``KEEP_FINISHED`` finished workers are kept (each failure's log tail is in
+  the planner's log), the last ``ACTIONS_KEPT`` actions.
+- The ipc socket paths must fit a unix socket (107 bytes): a ``run_dir`` too long for them is a
+  :class:`ConfigError` at construction, not workers that die at start.
 
 Each transition runs on its own thread so that the planner's loop never waits on a
 worker's start-up; ``list`` reads the records under a lock. ``close()`` drains and stops
@@ -44,6 +54,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -55,8 +66,26 @@ from kvtier.router.config import replay_beside
 log = logging.getLogger(__name__)
 
 
+#: finished (stopped or failed) workers whose records, and failed starts whose logs, are kept
+KEEP_FINISHED = 5
+#: launcher actions kept (``actions``); ``actions_since`` counts all of them
+ACTIONS_KEPT = 1000
+#: the longest worker name an ipc path is checked for up front (serials of six digits)
+_LONGEST_NAME = "prefill-999999"
+
+
 class LaunchError(RuntimeError):
     """A worker could not be started (now): the planner reports it and tries again later."""
+
+
+def _ipc_path_max() -> int:
+    """The bytes a unix socket path holds (sun_path less its NUL): zmq's bound on an ipc endpoint."""
+    try:
+        import zmq
+
+        return zmq.IPC_PATH_MAX_LEN
+    except (ImportError, AttributeError):
+        return 107
 
 
 @dataclass(frozen=True)
@@ -81,17 +110,29 @@ class WorkerTemplate:
                                   "worker arguments")
 
 
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """A 3xx is the answer, never followed: urllib copies every header of a request into the one it
+    redirects, to whatever host ``Location`` names, so the admin token would go there too."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        return None   # urllib then raises the 3xx as an HTTPError
+
+
 class RouterAdmin:
-    """The router's ``/admin/workers`` API over HTTP (urllib: runs on the launcher's threads)."""
+    """The router's ``/admin/workers`` API over HTTP (urllib: runs on the launcher's threads).
+
+    A redirect is not followed (a :class:`LaunchError` naming where it pointed): the token goes
+    to ``router_url`` only."""
 
     def __init__(self, router_url: str, token: str | None = None, timeout_s: float = 10.0) -> None:
         self.base = (router_url if "://" in router_url else f"http://{router_url}").rstrip("/")
         self.token = token
         self.timeout_s = timeout_s
+        self._opener = urllib.request.build_opener(_NoRedirect)
 
     def _call(self, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
         """(status, JSON body) of an answer, 4xx/5xx included; :class:`LaunchError` when there is
-        no answer to read (refused, timed out, reset, not HTTP, a 2xx body that is not JSON), so
+        no answer to read (refused, timed out, reset, not HTTP, a 2xx body that is not JSON, a redirect), so
         that every caller handles a router that is down the way it handles one that refuses."""
         headers = {"Content-Type": "application/json"}
         if self.token:
@@ -99,9 +140,13 @@ class RouterAdmin:
         data = json.dumps(body).encode() if body is not None else None
         request = urllib.request.Request(self.base + path, data=data, headers=headers, method=method)
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as resp:
+            with self._opener.open(request, timeout=self.timeout_s) as resp:
                 return resp.status, json.loads(resp.read() or b"{}")
         except urllib.error.HTTPError as err:
+            if 300 <= err.code < 400:
+                raise LaunchError(f"router {method} {path}: answered {err.code}, redirecting to "
+                                  f"{err.headers.get('Location')!r}; not followed with the admin token: give the "
+                                  f"router's own address") from None
             try:
                 return err.code, json.loads(err.read() or b"{}")
             except (OSError, ValueError, http.client.HTTPException):
@@ -151,6 +196,12 @@ class _Process:
     proc: subprocess.Popen | None       # None: adopted, not ours to signal
     events: str | None
     log_path: Path | None
+    started_s: float = 0.0              # monotonic time of the start (a round of failures: after the last one)
+    serving_s: float = 0.0              # when it joined the router (a listing older than that does not show it)
+    starter: threading.Thread | None = None                            # the thread that brings it up
+    threads: list[threading.Thread] = field(default_factory=list)      # its transitions' threads
+    #: held while a thread changes its registration (a re-add, a drain): neither undoes the other
+    admin_lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 @dataclass
@@ -162,19 +213,34 @@ class LocalLauncher:
     drain_timeout_s: float = 300.0
     stop_timeout_s: float = 60.0
     failure_backoff_s: float = 60.0
+    max_failure_backoff_s: float = 600.0   #: the backoff doubles per round of failed starts up to this
     poll_s: float = 0.5
+    registration_check_s: float = 2.0      #: how often a serving worker is looked for in the router's list
     workers: list[WorkerRecord] = field(default_factory=list)
-    actions: list[tuple[float, str, str]] = field(default_factory=list)   #: (time, action, worker) log
+    #: (time, action, worker) log, the last ACTIONS_KEPT
+    actions: deque[tuple[float, str, str]] = field(default_factory=lambda: deque(maxlen=ACTIONS_KEPT))
     _procs: dict[str, _Process] = field(default_factory=dict)
     _serial: int = 0
     _last_failure_s: float = -1e18
+    _failures: int = 0                     # rounds of failures since a worker last joined the router
+    _actions_total: int = 0
+    _failed_logs: deque = field(default_factory=deque)
+    _listing: tuple[float, set[str] | None] = (-1e18, None)   # (fetched at, URLs) shared by the watchers
     _threads: list[threading.Thread] = field(default_factory=list)
     _closing: bool = False
 
     def __post_init__(self) -> None:
         self.run_dir = Path(self.run_dir)
+        if self.template.kv_events:
+            # vLLM binds its publisher at start-up: a path too long kills every worker it starts
+            path = replay_beside(self._events_endpoint(_LONGEST_NAME)).split("://", 1)[1]
+            if len(os.fsencode(path)) > _ipc_path_max():
+                raise ConfigError(f"--run-dir {self.run_dir}: too long for the workers' KV-event ipc sockets "
+                                  f"({path} would be {len(os.fsencode(path))} bytes, a unix socket path holds at "
+                                  f"most {_ipc_path_max()}); give a shorter --run-dir")
         self.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._lock = threading.RLock()   # _record is called with it held too
+        self._listing_lock = threading.Lock()
         # start() may run on any thread, and PR_SET_PDEATHSIG follows the thread that forked
         self._spawner = Spawner("kvtier-launcher-spawn")
 
@@ -189,7 +255,7 @@ class LocalLauncher:
         return worker
 
     def start(self, pool: str) -> WorkerRecord:
-        wait = self._last_failure_s + self.failure_backoff_s - time.monotonic()
+        wait = self._last_failure_s + self._backoff_s() - time.monotonic()
         if wait > 0:
             raise LaunchError(f"a worker failed to start; next try in {wait:.0f} s")
         with self._lock:
@@ -198,7 +264,7 @@ class LocalLauncher:
             core = self.template.cores[(self._serial - 1) % len(self.template.cores)] if self.template.cores else None
         port = _free_port(self.template.host)
         url = f"http://{self.template.host}:{port}"
-        events = f"ipc://{self.run_dir.resolve()}/{name}.events" if self.template.kv_events else None
+        events = self._events_endpoint(name) if self.template.kv_events else None
         cmd = [*self.template.program, "serve", self.template.model,
                "--host", self.template.host, "--port", str(port), *self.template.vllm_args]
         if "--enable-scale-out" not in self.template.vllm_args:
@@ -220,11 +286,12 @@ class LocalLauncher:
             proc = self._spawner.popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                        start_new_session=True)
         worker = WorkerRecord(name, pool, "starting", url)
-        with self._lock:
+        with self._lock:   # held until its start thread is known: a drain from now on waits for that thread
+            self._prune_finished()
             self.workers.append(worker)
-            self._procs[name] = _Process(proc, events, log_path)
-        self._record("start", worker)
-        self._spawn(self._bring_up, worker)
+            self._procs[name] = _Process(proc, events, log_path, started_s=time.monotonic())
+            self._record("start", worker)
+            self._procs[name].starter = self._spawn(self._bring_up, worker)
         return worker
 
     def drain(self, worker: WorkerRecord) -> None:
@@ -268,25 +335,42 @@ class LocalLauncher:
 
     def pids(self) -> dict[str, int]:
         """Process ids of the workers this launcher started and that still run (for status files)."""
-        return {n: p.proc.pid for n, p in self._procs.items() if p.proc is not None and p.proc.poll() is None}
+        with self._lock:
+            procs = list(self._procs.items())
+        return {n: p.proc.pid for n, p in procs if p.proc is not None and p.proc.poll() is None}
+
+    def actions_since(self, seen: int) -> tuple[list[tuple[float, str, str]], int]:
+        """The actions after the first ``seen`` of all recorded (those still kept), and how
+        many have been recorded: the planner's metrics count each once."""
+        with self._lock:
+            new = min(max(self._actions_total - seen, 0), len(self.actions))
+            return list(self.actions)[len(self.actions) - new:], self._actions_total
 
     def close(self, timeout_s: float | None = None) -> None:
         """Drain and stop every live worker this launcher started; wait for the transitions. A
         worker whose drain the router refuses or does not answer is stopped all the same."""
         self._closing = True
-        for worker in [w for w in self.workers if w.state in ("starting", "serving")]:
-            if self._procs[worker.name].proc is not None:
-                self.drain(worker)
+        with self._lock:
+            live = [w for w in self.workers
+                    if w.state in ("starting", "serving") and self._procs[w.name].proc is not None]
+        for worker in live:
+            self.drain(worker)
         deadline = time.monotonic() + (timeout_s if timeout_s is not None
                                        else self.drain_timeout_s + self.stop_timeout_s + 5)
         for t in list(self._threads):
             t.join(max(0.0, deadline - time.monotonic()))
 
     # --- transitions (each on its own thread) ------------------------------------------
-    def _spawn(self, fn, *args) -> None:
-        t = threading.Thread(target=self._guarded, args=(fn, *args), daemon=True, name=f"kvtier-launcher-{fn.__name__}")
-        self._threads = [x for x in self._threads if x.is_alive()] + [t]
+    def _spawn(self, fn, worker: WorkerRecord, *args) -> threading.Thread:
+        t = threading.Thread(target=self._guarded, args=(fn, worker, *args), daemon=True,
+                             name=f"kvtier-launcher-{fn.__name__}")
+        with self._lock:
+            self._threads = [x for x in self._threads if x.is_alive()] + [t]
+            proc = self._procs.get(worker.name)
+            if proc is not None:
+                proc.threads = [x for x in proc.threads if x.is_alive()] + [t]
         t.start()
+        return t
 
     def _guarded(self, fn, *args) -> None:
         try:
@@ -315,10 +399,12 @@ class LocalLauncher:
                 with self._lock:
                     if worker.state == "starting":
                         worker.state = "serving"
+                        proc.serving_s = time.monotonic()
+                        self._failures = 0   # a start that works ends a round of failures
                         self._record("serving", worker)
                 if worker.state == "serving":
                     return self._watch(worker)
-                break   # drained while we registered it: fall through and take it out again
+                break   # drained while we registered it: its drain thread, waiting for this one, takes it out
             if time.monotonic() > deadline:
                 self.stop(worker)
                 return self._failed(worker, f"not healthy after {self.health_timeout_s:.0f} s")
@@ -328,8 +414,11 @@ class LocalLauncher:
 
     def _watch(self, worker: WorkerRecord) -> None:
         """While it serves (a drain takes over from here; a refused drain starts a new watch): a
-        process that exited is a worker gone, however the router's health check sees it."""
-        proc = self._procs[worker.name].proc
+        process that exited is a worker gone, however the router's health check sees it; a
+        worker the router no longer lists is added again (every ``registration_check_s``)."""
+        record = self._procs[worker.name]
+        proc = record.proc
+        next_check = time.monotonic() + self.registration_check_s
         while proc is not None and worker.state == "serving":   # None: adopted, not ours to watch
             if proc.poll() is not None:
                 with self._lock:
@@ -339,7 +428,53 @@ class LocalLauncher:
                 self.stop(worker)                   # reaps it and kills what is left of its group
                 self._forget(worker)
                 return self._failed(worker, f"exited ({proc.returncode}) while serving")
+            if time.monotonic() >= next_check:
+                if not self._registered_again(worker, record):
+                    return
+                next_check = time.monotonic() + self.registration_check_s
             time.sleep(self.poll_s)
+
+    def _registered_again(self, worker: WorkerRecord, record: _Process) -> bool:
+        """Make sure the router still lists a serving ``worker``: a restarted router knows only
+        its configured workers, and one it forgot gets no request while ``list`` counts it. Added
+        again if missing (the add is idempotent); False once it is failed instead (the router
+        refused it: the planner replaces it). A router that does not answer is asked next time."""
+        listed = self._router_urls(newer_than=record.serving_s)
+        if listed is None or worker.url in listed:
+            return True
+        with record.admin_lock:   # a drain that began meanwhile is sent after this add, not undone by it
+            if worker.state != "serving":
+                return True
+            try:
+                self.admin.add(worker.url, record.events)
+            except LaunchError as exc:
+                refused = exc
+            else:
+                self._record("registered_again", worker)
+                return True
+        with self._lock:
+            if worker.state != "serving":
+                return True
+            worker.state = "failed"
+        self.stop(worker)
+        self._forget(worker)
+        self._failed(worker, f"the router forgot it and did not take it again: {refused}")
+        return False
+
+    def _router_urls(self, newer_than: float) -> set[str] | None:
+        """The URLs the router lists, fetched at most once per ``registration_check_s`` for all
+        the watchers, and not before ``newer_than``; None if the router does not answer."""
+        with self._listing_lock:
+            at, urls = self._listing
+            now = time.monotonic()
+            if at < newer_than or now - at >= self.registration_check_s:
+                try:
+                    urls = set(self.admin.workers())
+                except LaunchError as exc:
+                    log.warning("cannot list the router's workers: %s", exc)
+                    urls = None
+                self._listing = (now, urls)
+            return urls
 
     def _forget(self, worker: WorkerRecord) -> None:
         """Best effort: the router stops routing to ``worker`` and forgets it (it may not know it)."""
@@ -351,9 +486,14 @@ class LocalLauncher:
             log.warning("could not remove %s from the router: %s", worker.name, exc)
 
     def _drain_then_stop(self, worker: WorkerRecord, registered: bool) -> None:
+        record = self._procs.get(worker.name)
         if registered:
             try:
-                self.admin.drain(worker.url)
+                if record is not None:
+                    with record.admin_lock:
+                        self.admin.drain(worker.url)
+                else:
+                    self.admin.drain(worker.url)
             except LaunchError as exc:
                 if self._closing:   # close() promises every started worker stopped: stop it unregistered
                     log.warning("drain of %s failed while closing: %s; stopping it anyway", worker.name, exc)
@@ -386,27 +526,68 @@ class LocalLauncher:
                 log.warning("removing %s from the router: %s", worker.name, exc)
             self._record("removed", worker)
         else:
-            # still starting: it never joined the router. Wait for the start thread to see the
-            # state change (it may be mid-registration), then make sure the router forgets it.
-            time.sleep(self.poll_s)
+            # still starting: it never served, but its start thread may be adding it to the router
+            # right now. That thread ends once it sees the drain (an add under way first; every
+            # step of it is bounded: /health 2 s, the admin call its timeout); then the router
+            # forgets whatever landed.
+            starter = record.starter if record is not None else None
+            if starter is not None and starter is not threading.current_thread():
+                starter.join()
             self._forget(worker)
         self.stop(worker)
 
     def _failed(self, worker: WorkerRecord, why: str) -> None:
-        proc = self._procs[worker.name]
+        proc = self._procs.get(worker.name)
+        log_path = proc.log_path if proc is not None else None
         tail = ""
-        if proc.log_path is not None:
+        if log_path is not None:
             try:
-                tail = proc.log_path.read_text(errors="replace")[-2000:]
+                tail = log_path.read_text(errors="replace")[-2000:]
             except OSError:
                 pass
-        log.error("worker %s %s; log %s:\n%s", worker.name, why, proc.log_path, tail)
+        log.error("worker %s %s; log %s:\n%s", worker.name, why, log_path, tail)
         with self._lock:
             worker.state = "failed"
-        self._last_failure_s = time.monotonic()
+            # a start begun after the last failure is a new round; those begun before (started
+            # in the same apply, failing alike) are the same round and do not double the backoff
+            if proc is None or proc.started_s >= self._last_failure_s:
+                self._failures += 1
+            self._last_failure_s = time.monotonic()
+            if log_path is not None:   # its tail is in the planner's log now: keep the last few only
+                self._failed_logs.append(log_path)
+                while len(self._failed_logs) > KEEP_FINISHED:
+                    try:
+                        self._failed_logs.popleft().unlink()
+                    except OSError:
+                        pass
         self._record("failed", worker)
+
+    def _backoff_s(self) -> float:
+        """No start within this long of the last failure: ``failure_backoff_s`` after one round
+        of failures, doubled for each further one, at most ``max_failure_backoff_s``."""
+        if not self._failures:
+            return 0.0
+        cap = max(self.max_failure_backoff_s, self.failure_backoff_s)
+        return min(self.failure_backoff_s * 2.0 ** min(self._failures - 1, 60), cap)
+
+    def _events_endpoint(self, name: str) -> str:
+        return f"ipc://{self.run_dir.resolve()}/{name}.events"
+
+    def _prune_finished(self) -> None:
+        """Forget all but the last ``KEEP_FINISHED`` stopped or failed workers whose processes are
+        reaped and whose transitions are over (called with the lock held): a crash loop must not
+        grow the records for the planner's whole life."""
+        finished = [w for w in self.workers if w.state in ("stopped", "failed")]
+        for worker in finished[:-KEEP_FINISHED]:
+            proc = self._procs.get(worker.name)
+            if proc is not None and ((proc.proc is not None and proc.proc.poll() is None)
+                                     or any(t.is_alive() for t in proc.threads)):
+                continue
+            self.workers.remove(worker)
+            self._procs.pop(worker.name, None)
 
     def _record(self, action: str, worker: WorkerRecord) -> None:
         with self._lock:
             self.actions.append((time.time(), action, worker.name))
+            self._actions_total += 1
         log.info("launcher: %s %s (%s)", action, worker.name, worker.url)

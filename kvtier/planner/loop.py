@@ -9,7 +9,10 @@ planner's metrics and a JSON status file (``kvtier top --planner-status``).
 An interval never ends the planner for a reason that is not the planner's: an endpoint that
 does not answer, or answers something that is not metrics, counts as down; a status or
 targets file that cannot be written is logged and counted (``kvtier_planner_status_write_errors``).
-Either way the workers keep running and the next interval tries again.
+Either way the workers keep running and the next interval tries again. A worker whose scrape
+failed keeps its last good scrape as the baseline of its latencies (one timeout does not make
+the next interval read its whole life). The status and targets files are strict JSON (a
+figure that is not finite is ``null``).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from kvtier.planner.launchers import aggregated, apply
-from kvtier.planner.live import Decision, LivePlanner
+from kvtier.planner.live import Decision, LivePlanner, json_safe
 from kvtier.planner.metrics import PlannerMetrics
 from kvtier.planner.observe import FleetLoad, RouterCounters, fleet_load, observation_between
 
@@ -61,9 +64,13 @@ class PlannerLoop:
         obs = observation_between(self._before, now, self.output_tokens) if self._before else None
         self._before = now
         # a worker whose scrape failed is left out: fleet_load counts only workers that answered
-        scraped = {url: s for url in self.worker_urls() if (s := self._scrape(url)) is not None}
+        urls = self.worker_urls()
+        scraped = {url: s for url in urls if (s := self._scrape(url)) is not None}
         self.last_load = fleet_load(scraped, self._before_workers, self.planner.sizer.targets.ttft_percentile)
-        self._before_workers = scraped
+        # each worker's baseline is its last good scrape: a failed one (a timeout under load)
+        # would make the next interval read the worker's histograms since it started
+        kept = {url: s for url, s in (self._before_workers or {}).items() if url in urls}
+        self._before_workers = {**kept, **{url: s for url, s in scraped.items() if s.up}}
         self.metrics.record_fleet(self.last_load)
         if obs is None:
             return None
@@ -111,11 +118,17 @@ class PlannerLoop:
 
     def _record_launcher(self) -> None:
         self.metrics.record_launcher(self.launcher)
-        actions = getattr(self.launcher, "actions", None)
-        if actions is not None:
-            for _, action, _ in actions[self._actions_seen:]:
-                self.metrics.launcher_actions.labels(action).inc()
-            self._actions_seen = len(actions)
+        since = getattr(self.launcher, "actions_since", None)   # a launcher that keeps only its last actions
+        if since is not None:
+            new, self._actions_seen = since(self._actions_seen)
+        else:
+            actions = getattr(self.launcher, "actions", None)
+            if actions is None:
+                return
+            new = list(actions)[self._actions_seen:]
+            self._actions_seen += len(new)
+        for _, action, _ in new:
+            self.metrics.launcher_actions.labels(action).inc()
 
     def _write_status(self, decision: Decision) -> None:
         if not self.status_file:
@@ -132,11 +145,13 @@ class PlannerLoop:
 
 
 def _replace_json(path: str, value) -> None:
-    """Readers see the old file or the new one, never half of one."""
+    """Readers see the old file or the new one, never half of one; strict JSON (``null`` for a
+    figure that is not finite), which jq, Go and JavaScript read too."""
+    text = json.dumps(json_safe(value), allow_nan=False)
     tmp = path + ".tmp"
     try:
         with open(tmp, "w") as fh:
-            json.dump(value, fh)
+            fh.write(text)
         os.replace(tmp, path)
     except OSError:
         try:   # a half-written temporary (disk full) is not left behind

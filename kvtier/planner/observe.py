@@ -6,6 +6,9 @@ two scrapes ``Δt`` apart: rate = Δrequests / Δt, mean prompt = Δprompt token
 whose usage the router read, hit rate = Δcached tokens / Δprompt tokens. (A stream carries
 usage only when its client asks, which OpenAI clients do not by default: over all requests,
 every such stream counted as a 0-token prompt. A router without that counter: Δrequests.)
+An interval with requests but no prompt token counted (every answer a stream without usage)
+says nothing of prompt lengths: its observation carries the rate and no lengths, and the
+planner keeps the mix it measured before (never 1-token prompts).
 Counters that went backwards (a restarted router) restart the baseline instead of giving
 negative rates.
 """
@@ -44,9 +47,11 @@ def observation_between(before: RouterCounters, after: RouterCounters, output_to
         return None
     if requests == 0:
         return Observation(after.at_s, 0.0, (), (), 0.0)
+    if prompt == 0:   # no answer carried usage: the prompt lengths are unknown, not 0 (nor 1) tokens
+        return Observation(after.at_s, requests / dt, (), (), 0.0)
     answers = after.usage_answers - before.usage_answers
     if not (math.isfinite(answers) and answers > 0):
-        answers = requests  # a router that does not count them (or no usage this interval)
+        answers = requests  # a router that does not count them: prompt tokens moved, so usage came
     mean_prompt = max(1, round(prompt / answers))
     hit = min(max(cached / prompt, 0.0), 1.0) if prompt > 0 else 0.0
     count = min(int(requests), 64)
@@ -73,11 +78,18 @@ class FleetLoad(NamedTuple):
     itl_s: float | None            # inter-token latency, same percentile
 
 
+def _finite(samples, name: str) -> list[float]:
+    """The finite values of ``name``'s series: a NaN (a 0/0 while an engine restarts) or an
+    infinity is no measurement, and it would poison a sum or a ``max`` over the fleet."""
+    return [v for (n, _), v in samples.values.items() if n == name and math.isfinite(v)]
+
+
 def _buckets(samples, name: str) -> dict[float, float]:
-    """Cumulative bucket counts of a histogram summed over its series: upper bound → count."""
+    """Cumulative bucket counts of a histogram summed over its series: upper bound → count
+    (a non-finite count skipped)."""
     out: dict[float, float] = {}
     for (n, labels), value in samples.values.items():
-        if n == name + "_bucket":
+        if n == name + "_bucket" and math.isfinite(value):
             try:
                 le = float(dict(labels).get("le", "inf").replace("+Inf", "inf"))
             except ValueError:   # not a bound: the series is not a histogram bucket after all
@@ -105,23 +117,47 @@ def histogram_quantile(q: float, buckets: dict[float, float]) -> float | None:
     return lower
 
 
+def _restarted(cur: dict[float, float], prev: dict[float, float], now, before, name: str) -> bool:
+    """Whether a worker's histogram ``name`` began again between two scrapes (an engine restart),
+    judged on the whole histogram, as a counter reset is: a bucket or ``_count`` went down; the
+    deltas are not cumulative (a restart whose new counts passed the old ones in every bucket,
+    e.g. 0, 40, 40 → 50, 60, 60); or the process started at another time."""
+    if any(cur.get(le, 0.0) < count for le, count in prev.items()):
+        return True
+    deltas = [cur[le] - prev.get(le, 0.0) for le in sorted(cur)]
+    counts = _finite(now, name + "_count"), _finite(before, name + "_count")
+    if counts[0] and counts[1]:
+        if sum(counts[0]) < sum(counts[1]):
+            return True
+        deltas.append(sum(counts[0]) - sum(counts[1]))   # as many as the +Inf bucket's
+    if any(low > high for low, high in zip(deltas, deltas[1:])):
+        return True
+    started = _finite(now, "process_start_time_seconds"), _finite(before, "process_start_time_seconds")
+    return bool(started[0] and started[1]) and max(started[0]) != max(started[1])
+
+
 def fleet_load(now: dict, before: dict | None, quantile: float) -> FleetLoad:
     """``now`` / ``before``: worker URL → scraped samples (``kvtier.cli.top.scrape``). Latencies
-    are over the interval between the two (bucket deltas, for workers in both scrapes), else
-    since each worker started."""
+    are over the interval between the two (bucket deltas, for workers up in both scrapes), else
+    since each worker started. A worker whose histogram began again (:func:`_restarted`) is read
+    from its current counts, all of them, as Prometheus reads a counter reset: deltas taken
+    bucket by bucket across a restart are not a histogram. Non-finite samples are skipped
+    worker by worker; a worker's KV fill is its fullest series."""
     up = {url: s for url, s in now.items() if s.up}
-    running = sum(s.get("vllm:num_requests_running") for s in up.values())
-    waiting = sum(s.get("vllm:num_requests_waiting") for s in up.values())
-    usage = [max(s.get("vllm:kv_cache_usage_perc"), s.get("vllm:gpu_cache_usage_perc")) for s in up.values()]
+    running = sum(sum(_finite(s, "vllm:num_requests_running")) for s in up.values())
+    waiting = sum(sum(_finite(s, "vllm:num_requests_waiting")) for s in up.values())
+    usage = [max(fills) for s in up.values()
+             if (fills := _finite(s, "vllm:kv_cache_usage_perc") + _finite(s, "vllm:gpu_cache_usage_perc"))]
 
     def interval_quantile(name: str) -> float | None:
         total: dict[float, float] = {}
         for url, s in up.items():
             cur = _buckets(s, name)
-            prev = _buckets(before[url], name) if before and url in before and before[url].up else {}
+            base = before.get(url) if before else None
+            prev = _buckets(base, name) if base is not None and base.up else {}
+            reset = bool(prev) and _restarted(cur, prev, s, base, name)
             for le, count in cur.items():
-                delta = count - prev.get(le, 0.0)
-                total[le] = total.get(le, 0.0) + (delta if delta >= 0 else count)   # a restart: since start
+                total[le] = total.get(le, 0.0) + (count if reset else count - prev.get(le, 0.0))
         return histogram_quantile(quantile, total)
 
     return FleetLoad(len(up), running, waiting, max(usage) if usage else None,

@@ -6,6 +6,7 @@ Router on a real socket, stand-in worker processes, real HTTP /metrics endpoints
 from __future__ import annotations
 
 import io
+import json
 import logging
 import os
 import shutil
@@ -438,3 +439,17 @@ def test_a_model_config_with_an_infinite_size_is_a_config_error(size, tmp_path, 
     assert "model config" in capsys.readouterr().err
     path.write_text(SMALL_MODEL)                                     # control
     assert main(["plan", "capacity", "--users", "10", "--context-tokens", "100", "--model", str(path)]) == 0
+
+
+@pytest.mark.parametrize("command", [
+    ["plan", "workers", "--ttft", "1", "--itl", "0.05", "--rate", "2", "--input-tokens", "100", "--output-tokens", "10",
+     "--hit-rate", "0.5", "--retention-s", "1e308", "--json"],
+    ["plan", "capacity", "--users", "10", "--context-tokens", "100", "--replication", "1e308", "--json"],
+])
+def test_plan_json_is_strict_json_a_size_that_overflows_is_null(command, capsys):
+    """``--retention-s 1e308`` sized the shared tier at ``inf`` bytes and ``--json`` printed
+    ``Infinity``, which is not JSON (jq, Go and JavaScript refuse it): null instead."""
+    assert main(command) == 0
+    out = json.loads(capsys.readouterr().out, parse_constant=lambda c: pytest.fail(f"{c} is not JSON"))
+    sizes = out["tiers"]["shared_bytes"] if "tiers" in out else out["rows"][0]["total_bytes"]
+    assert sizes is None
