@@ -13,8 +13,11 @@ every interval and act on the :class:`Decision` it returns through a launcher.
   Little's law for decode, fed by the *measured* hit rate and prompt mix, so that a
   context tier that loads more of each prompt shortens the modelled prefill and needs
   fewer prefill workers. A headroom factor on the rate covers forecast error. An interval
-  whose answers told no prompt lengths (streams without usage) is sized on the mix of the
-  intervals before it; with none measured yet, the pools hold (within their bounds).
+  whose answers told no prompt lengths (streams without usage, through a router that does not
+  count the lengths it priced) is sized on the mix of the intervals before it; with none
+  measured yet, the pools hold (within their bounds). The hit rate is pooled over the
+  intervals that measured it (cached tokens come only with usage); with none, nothing is
+  taken as cached.
 - **Decide.** Scale up at once (a missed TTFT cannot be undone); scale down only when
   the count that would hold a rate higher by a band is still below the current count,
   for several intervals in a row, and not within a cooldown of the last change, by at
@@ -53,6 +56,7 @@ class Observation:
     output_tokens: tuple[int, ...]
     hit_rate: float                     # share of prompt tokens loaded, not recomputed
     arrival_scv: float = 1.0            # squared coefficient of variation of the gaps
+    hit_measured: bool = True           # False: no answer told cached tokens (hit_rate is no figure)
 
     def __post_init__(self) -> None:
         if self.request_rate < 0 or not math.isfinite(self.request_rate):
@@ -315,34 +319,54 @@ class LivePlanner:
         self.prefill = _Pool("prefill", prefill_workers)
         self.decode = _Pool("decode", decode_workers)
         self._mix: deque[Observation] = deque(maxlen=self.settings.mix_intervals)
+        # the intervals that measured a hit rate, apart: one whose prompt lengths came from the
+        # router but whose answers carried no usage measured none, and must neither count as 0 %
+        # hits nor push the last measured ones out of the pool
+        self._hits: deque[Observation] = deque(maxlen=self.settings.mix_intervals)
 
     def _pooled_mix(self) -> tuple[tuple[int, ...], tuple[int, ...], float, float]:
         """Prompt and output lengths, the token hit rate and the arrival burstiness of the last
-        few intervals: they change slowly, and one interval's sample is noisy (a few long
-        prompts move its mean; a few close arrivals its SCV)."""
+        few intervals (the hit rate: of the last few that measured it; none, 0): they change
+        slowly, and one interval's sample is noisy (a few long prompts move its mean; a few
+        close arrivals its SCV)."""
         inputs = tuple(n for o in self._mix for n in o.input_tokens)
         outputs = tuple(n for o in self._mix for n in o.output_tokens)
-        tokens = [sum(o.input_tokens) for o in self._mix]
+        tokens = [sum(o.input_tokens) for o in self._hits]
         total = sum(tokens)
-        hit = sum(o.hit_rate * t for o, t in zip(self._mix, tokens)) / total if total else 0.0
+        hit = sum(o.hit_rate * t for o, t in zip(self._hits, tokens)) / total if total else 0.0
         scv = sum(o.arrival_scv for o in self._mix) / len(self._mix) if self._mix else 1.0
         return inputs, outputs, hit, scv
+
+    def _unmeasured(self, obs: Observation) -> str:
+        """What the decision's reason says of figures this interval did not measure."""
+        if not obs.request_rate:
+            return ""
+        if not obs.input_tokens:
+            return "; prompt mix of earlier intervals (no answer carried usage in this one)"
+        if not self._hits:
+            return "; no hit rate measured yet (no answer carried usage): sized as if nothing were cached"
+        if not obs.hit_measured:
+            return "; hit rate of earlier intervals (no answer carried usage in this one)"
+        return ""
 
     def decide(self, obs: Observation) -> Decision:
         s = self.settings
         self.forecaster.update(obs.at_s, obs.request_rate)
         if obs.input_tokens:
             self._mix.append(obs)
+            if obs.hit_measured:
+                self._hits.append(obs)
         inputs, outputs, hit, scv = self._pooled_mix()
         horizon = s.startup_s + s.interval_s
         forecast = self.forecaster.forecast(horizon)
         sizing_rate = max(forecast, obs.request_rate) * (1 + s.headroom)
         if sizing_rate > 0 and not inputs:
-            # requests, but no answer has told a prompt length yet (streams without usage):
-            # sizing on no prompts would say "no requests" and shed the pools
+            # requests, but no prompt length known yet (a router that does not count the lengths
+            # it priced, and streams without usage): sizing on no prompts would say "no
+            # requests" and shed the pools
             why = (f"{obs.request_rate:.2f} req/s measured, {forecast:.2f} forecast in {horizon:.0f} s, but no"
-                   " prompt length known yet (no answer carried usage: streams without"
-                   " stream_options.include_usage)")
+                   " prompt length known yet (the router priced none and no answer carried usage: streams"
+                   " without stream_options.include_usage)")
             return Decision(obs.at_s, forecast, sizing_rate, hit, math.nan, self.prefill.hold(obs.at_s, s, why),
                             self.decode.hold(obs.at_s, s, why))
         need = self.sizer.size(sizing_rate, inputs, outputs, hit, scv)
@@ -351,8 +375,7 @@ class LivePlanner:
                f" sized for {sizing_rate:.2f} at hit rate {hit:.1%}"
                f" (mean prefill {need.mean_prefill_s:.3f} s, {pct} TTFT {need.predicted_ttft_s:.2f} s"
                f" <= {self.sizer.targets.ttft_s:g} s)" + (f"; {need.note}" if need.note else "")
-               + ("" if obs.input_tokens or not obs.request_rate else
-                  "; prompt mix of earlier intervals (no answer carried usage in this one)"))
+               + self._unmeasured(obs))
         banded = self.sizer.size(sizing_rate * (1 + s.scale_down_band), inputs, outputs, hit, scv)
         prefill = self.prefill.decide(obs.at_s, need.prefill_workers, banded.prefill_workers, s, why)
         decode = self.decode.decide(obs.at_s, need.decode_workers, banded.decode_workers, s, why)

@@ -1,14 +1,19 @@
 """Observations for the live planner from a running deployment's Prometheus counters.
 
-The router counts what the planner needs: requests routed, prompt tokens and the tokens
-the workers reported cached (``kvtier_router_*_total``, summed over workers). Between
-two scrapes ``Δt`` apart: rate = Δrequests / Δt, mean prompt = Δprompt tokens / Δanswers
-whose usage the router read, hit rate = Δcached tokens / Δprompt tokens. (A stream carries
-usage only when its client asks, which OpenAI clients do not by default: over all requests,
-every such stream counted as a 0-token prompt. A router without that counter: Δrequests.)
-An interval with requests but no prompt token counted (every answer a stream without usage)
-says nothing of prompt lengths: its observation carries the rate and no lengths, and the
-planner keeps the mix it measured before (never 1-token prompts).
+The router counts what the planner needs: requests routed, the prompt lengths it priced, and
+the prompt and cached tokens the workers' usage reported (``kvtier_router_*_total``, summed
+over workers). Between two scrapes ``Δt`` apart: rate = Δrequests / Δt; mean prompt =
+Δrouted prompt tokens / Δrequests whose length the router knew (Δrequests − Δunknown-length
+requests); hit rate = Δcached tokens / Δusage prompt tokens.
+
+The router's own lengths come with every routed request; usage only with the answers that
+carry it (a stream carries usage only when its client asks, which OpenAI clients do not by
+default). A router that does not count its lengths (an older one), or an interval in which it
+knew none (every request on the Responses API, say), falls back to usage: Δusage prompt
+tokens / Δanswers whose usage the router read (a router without that counter: Δrequests).
+An interval with requests but no prompt length either way says nothing of prompt lengths:
+its observation carries the rate and no lengths, and the planner keeps the mix it measured
+before (never 1-token prompts). One whose answers carried no usage measured no hit rate.
 Counters that went backwards (a restarted router) restart the baseline instead of giving
 negative rates.
 """
@@ -20,19 +25,44 @@ from typing import NamedTuple
 
 from kvtier.planner.live import Observation
 
+ROUTED_PROMPT_TOKENS = "kvtier_router_routed_prompt_tokens_total"
+UNKNOWN_LENGTH = "kvtier_router_routed_unknown_length_requests_total"
+
 
 class RouterCounters(NamedTuple):
     at_s: float
     requests: float
-    prompt_tokens: float
+    prompt_tokens: float          # usage.prompt_tokens of the answers that carried usage
     cached_tokens: float
-    usage_answers: float = 0.0  # answers whose usage prompt_tokens sums over (0: a router without it)
+    usage_answers: float = 0.0    # answers whose usage prompt_tokens sums over (0: a router without it)
+    # the lengths the router priced, and the requests whose length it did not know: None where it
+    # exports neither (an older router, or no request routed yet: 0 then, as its other counters)
+    routed_prompt_tokens: float | None = None
+    unknown_length: float | None = None
 
     @classmethod
     def from_samples(cls, at_s: float, samples) -> "RouterCounters":
+        counts = any(name in (ROUTED_PROMPT_TOKENS, UNKNOWN_LENGTH) for name, _ in samples.values)
         return cls(at_s, samples.get("kvtier_router_requests_total"), samples.get("kvtier_router_prompt_tokens_total"),
                    samples.get("kvtier_router_actual_cached_tokens_total"),
-                   samples.get("kvtier_router_usage_answers_total"))
+                   samples.get("kvtier_router_usage_answers_total"),
+                   samples.get(ROUTED_PROMPT_TOKENS) if counts else None,
+                   samples.get(UNKNOWN_LENGTH) if counts else None)
+
+
+def _routed_mean(before: RouterCounters, after: RouterCounters, requests: float) -> float | None:
+    """The interval's mean prompt from the lengths the router priced; None where it counts none
+    (an older router) or knew none in the interval. NaN when its counters went back (a reset).
+    A baseline without them is 0: the router had routed nothing (both are set at a worker's
+    first routed request)."""
+    if after.routed_prompt_tokens is None or after.unknown_length is None:
+        return None
+    tokens = after.routed_prompt_tokens - (before.routed_prompt_tokens or 0.0)
+    unknown = after.unknown_length - (before.unknown_length or 0.0)
+    if not (math.isfinite(tokens) and math.isfinite(unknown)) or tokens < 0 or unknown < 0:
+        return math.nan
+    known = requests - unknown
+    return tokens / known if known > 0 else None
 
 
 def observation_between(before: RouterCounters, after: RouterCounters, output_tokens: int) -> Observation | None:
@@ -45,17 +75,25 @@ def observation_between(before: RouterCounters, after: RouterCounters, output_to
         return None   # a router exporting NaN or Inf: no figure to size on, like a reset
     if dt <= 0 or requests < 0 or prompt < 0 or cached < 0:
         return None
+    routed = _routed_mean(before, after, requests)
+    if routed is not None and math.isnan(routed):
+        return None
     if requests == 0:
         return Observation(after.at_s, 0.0, (), (), 0.0)
-    if prompt == 0:   # no answer carried usage: the prompt lengths are unknown, not 0 (nor 1) tokens
-        return Observation(after.at_s, requests / dt, (), (), 0.0)
-    answers = after.usage_answers - before.usage_answers
-    if not (math.isfinite(answers) and answers > 0):
-        answers = requests  # a router that does not count them: prompt tokens moved, so usage came
-    mean_prompt = max(1, round(prompt / answers))
+    # the hit rate is over the answers that carried usage, whichever source gives the lengths
     hit = min(max(cached / prompt, 0.0), 1.0) if prompt > 0 else 0.0
+    if routed is not None:
+        mean_prompt = max(1, round(routed))
+    elif prompt > 0:
+        answers = after.usage_answers - before.usage_answers
+        if not (math.isfinite(answers) and answers > 0):
+            answers = requests  # a router that does not count them: prompt tokens moved, so usage came
+        mean_prompt = max(1, round(prompt / answers))
+    else:   # no length known either way: the prompt lengths are unknown, not 0 (nor 1) tokens
+        return Observation(after.at_s, requests / dt, (), (), 0.0, hit_measured=False)
     count = min(int(requests), 64)
-    return Observation(after.at_s, requests / dt, (mean_prompt,) * count, (output_tokens,) * count, hit)
+    return Observation(after.at_s, requests / dt, (mean_prompt,) * count, (output_tokens,) * count, hit,
+                       hit_measured=prompt > 0)
 
 
 # --- the workers' own metrics (vLLM's /metrics) ----------------------------------------------

@@ -586,7 +586,7 @@ class Router:
         if "prompt" not in body and body.get("prompt_embeds") is None:
             check_body(body, "prompt")   # (raises: the prompt is missing)
         routed = RoutedPrompt([], 0) if "prompt" not in body else await self._completion_prompt(body)
-        return await self._forward(request, raw, routed.ids, prompt_tokens=routed.tokens,
+        return await self._forward(request, raw, routed.ids, prompt_tokens=routed.tokens if "prompt" in body else None,
                                    streaming=body.get("stream") is True, seed=self._context(body), body=body,
                                    model=requested_model(body))
 
@@ -658,7 +658,7 @@ class Router:
         ids = await self._render_on_worker("/v1/messages/render", body, request.headers.get("Authorization"),
                                            "token_ids")
         routed = self._routed(ids or [])
-        return await self._forward(request, raw, routed.ids, prompt_tokens=routed.tokens,
+        return await self._forward(request, raw, routed.ids, prompt_tokens=None if ids is None else routed.tokens,
                                    streaming=body.get("stream") is True, seed=self._context(body), body=body,
                                    model=requested_model(body))
 
@@ -825,6 +825,7 @@ class Router:
                            if pinned_url and any(w.url == pinned_url for w in self.workers) else set())
         last_error = "no worker available"
         unserved: web.Response | None = None   # a worker's 404 for the model, if none serves it
+        known_length = prompt_tokens is not None   # (None: not tokenized here, e.g. routed on load alone)
         prompt_tokens = len(token_ids) if prompt_tokens is None else max(prompt_tokens, len(token_ids))
         attempt = redecisions = 0
         while attempt < self.config.max_attempts:
@@ -915,6 +916,10 @@ class Router:
                         self.speed.sample(prefill_tokens, upstream_s - load_s)
                     answered = request[_ANSWERED] = True
                     self.metrics.routed.labels(worker.url).inc()
+                    # once per routed request: the prompt mix the live planner sizes on (usage
+                    # comes only with answers that carry it); both series set, the one at 0
+                    self.metrics.routed_prompt_tokens.labels(worker.url).inc(prompt_tokens if known_length else 0)
+                    self.metrics.unknown_length.labels(worker.url).inc(0 if known_length else 1)
                     self.metrics.predicted_cached.labels(worker.url).inc(predicted)
                     timing = (f"router;dur={own_s * 1e3:.3f}, held;dur={held_s * 1e3:.3f}, "
                               f"upstream;dur={upstream_s * 1e3:.3f}")

@@ -22,6 +22,19 @@ class RouterMetrics:
         self.usage_answers = Counter("kvtier_router_usage_answers",
                                      "Answers whose usage the router read (what prompt_tokens sums over)",
                                      ["worker"], registry=r)
+        # The prompt lengths the router itself priced, for every request routed, streamed with or
+        # without usage: the live planner's prompt mix (kvtier/planner/observe.py). Both series are
+        # set for a worker at its first routed request, so that "no length known" is told apart
+        # from a router without them.
+        self.routed_prompt_tokens = Counter("kvtier_router_routed_prompt_tokens",
+                                            "Prompt tokens of the requests routed, as the router priced them "
+                                            "(the whole prompt, past max_route_tokens too; once per request, "
+                                            "not per retry)", ["worker"], registry=r)
+        self.unknown_length = Counter("kvtier_router_routed_unknown_length_requests",
+                                      "Requests routed whose prompt length the router did not know (the "
+                                      "Responses API, endpoints forwarded on load, prompt embeddings, a "
+                                      "Messages request no worker rendered): routed_prompt_tokens / "
+                                      "(requests - these) is the mean prompt", ["worker"], registry=r)
         self.decision = Histogram("kvtier_router_decision_seconds", "Time to pick a worker (keys + index + policy)",
                                   buckets=(1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1), registry=r)
         self.approximate = Gauge("kvtier_router_approximate_mode",

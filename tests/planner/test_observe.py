@@ -111,14 +111,16 @@ def _interval(streams: list[bool]):
     return run(main())
 
 
-def test_an_interval_whose_answers_all_lack_usage_tells_the_rate_and_no_prompt_lengths():
+def test_an_interval_whose_answers_all_lack_usage_tells_the_rate_and_the_routers_prompt_lengths():
     """Every request streamed by a client that did not ask for include_usage (OpenAI clients'
     default; a chat UI streams everything): the router's prompt-token and usage-answer counters
-    do not move. The prompt lengths are unknown, not 1 token each (the planner sized prefill for
-    1-token prompts and shed a saturated pool). Through a real router, as the planner reads it."""
+    do not move. The prompt lengths are those the router priced (they were unknown, and before
+    that 1 token each: the planner sized prefill for 1-token prompts and shed a saturated pool);
+    the hit rate is not measured. Through a real router, as the planner reads it. (A router that
+    does not count its lengths: tests/planner/test_observe_routed.py.)"""
     obs = _interval([True] * 8)
     assert obs is not None and obs.request_rate == pytest.approx(0.8)
-    assert obs.input_tokens == ()
+    assert set(obs.input_tokens) == {PROMPT_WORDS} and not obs.hit_measured
 
 
 @pytest.fixture(scope="module")
