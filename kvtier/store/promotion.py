@@ -12,7 +12,8 @@ thread. Choices, and why:
   it -- straight into a reservation of the fastest tier when that tier has
   two-phase writes (the host pool: the O_DIRECT read lands in the pool, no
   staging) -- and publishes it only after that read verified. A failed or torn
-  read aborts the reservation: nothing is published.
+  read aborts the reservation: nothing is published. The copy keeps the
+  block's age (the source tier's ``created_of``): no new life by being read.
 * **Reads first.** The promoter waits while any foreground get runs (the
   store tells it, :meth:`Promoter.foreground`), so its reads never compete
   with the load that asked for them; it starts when the load is over, while
@@ -48,7 +49,7 @@ from typing import NamedTuple
 import numpy as np
 
 from kvtier.core.keys import BlockKey
-from kvtier.tiers.base import Status, Tier
+from kvtier.tiers.base import Status, Tier, age_kw
 
 log = logging.getLogger(__name__)
 
@@ -274,11 +275,15 @@ class Promoter:
         since ``seen``; the levels it landed in."""
         upper = self.tiers[: wanted.source]
         source = self.tiers[wanted.source]
+        created = source.created_of(key)
+        if created is None and source.keeps_age:
+            self._count(promotion_failures=1)  # gone from its tier since the get read it
+            return []
         first = upper[0]
         reserve = getattr(first, "reserve", None)
         res = None
         if reserve is not None:
-            status, res = reserve(key, wanted.nbytes)
+            status, res = reserve(key, wanted.nbytes, **age_kw(first, created))
             if res is None:
                 if status is not Status.OK:
                     self._count(promotion_failures=1)  # FULL: everything pinned, say
@@ -309,25 +314,27 @@ class Promoter:
                 if res is not None:
                     first.abort(res)
                 return []
-            landed = self._publish(key, buf, res, middle)
+            landed = self._publish(key, buf, res, middle, created)
         if landed:
             self._count(promotions=len(landed))
         return landed
 
-    def _publish(self, key: BlockKey, buf, res, middle: list[int]) -> list[int]:
-        """Put the verified copy in ``buf`` into the tiers it is missing from; the levels it landed in."""
+    def _publish(self, key: BlockKey, buf, res, middle: list[int], created: float | None) -> list[int]:
+        """Put the verified copy in ``buf`` into the tiers it is missing from, with its age
+        (``created``); the levels it landed in."""
         first = self.tiers[0]
         landed = []
         # Lower tiers first: once the fastest tier publishes it, an eviction there finds
         # the block below already (a clean eviction, no demotion).
         for level in reversed(middle):
-            if self.tiers[level].put(key, buf) is Status.OK:
+            tier = self.tiers[level]
+            if tier.put(key, buf, **age_kw(tier, created)) is Status.OK:
                 landed.append(level)
         if res is not None:
             first.commit(res)
             landed.append(0)
         elif buf is not None and 0 not in landed and not first.contains(key):
-            if first.put(key, buf) is Status.OK:
+            if first.put(key, buf, **age_kw(first, created)) is Status.OK:
                 landed.append(0)
         for level in landed:
             self._promoted(level, key)

@@ -8,13 +8,17 @@
   ``promote_in_background`` later, off the reader's path, by key (the
   reader's buffer is never kept; see :mod:`kvtier.store.promotion`). Either
   copy is dropped if a delete started since the block was read: an erased
-  block never comes back.
+  block never comes back. A promoted copy keeps the block's age (see
+  *retention* in :mod:`kvtier.tiers.base`): reading a block gives it no new life.
 * ``put`` is write-behind by default (``"write-back"`` names the same mode):
   blocks go to the fastest tier, are marked dirty, and a flusher thread copies
   them one tier down in the background, in batches; evicting a block already
   copied costs no I/O, evicting a dirty one demotes it at once, so eviction
-  never loses a block. A block that lands in a middle tier is dirty there for
-  the tier below (see :mod:`kvtier.store.writebehind`). Write-through puts
+  never loses a block (nor does expiry: an expiring dirty block is copied
+  down too, if the tier below's TTL admits its age). A block that lands in a
+  middle tier is dirty there for the tier below (see
+  :mod:`kvtier.store.writebehind`). Copies and demotions carry the block's
+  age, so no tier serves it past its own TTL. Write-through puts
   into every tier; a single tier has nothing below it and nothing is dirty.
 * ``close`` waits for the puts under way (a put after it is refused) and the
   gets under way (a get after it is a miss), then copies what is still dirty,
@@ -43,7 +47,7 @@ from kvtier.core.thread_pools import started_pool
 from kvtier.store.promotion import EraseGuard, Promoter
 from kvtier.errors import TierError
 from kvtier.store.writebehind import FlushReport, WriteBehind
-from kvtier.tiers.base import RefusedRemoval, Status, Tier, check_batch_lengths, refused_removals
+from kvtier.tiers.base import RefusedRemoval, Status, Tier, age_kw, check_batch_lengths, refused_removals
 
 log = logging.getLogger(__name__)
 
@@ -105,10 +109,12 @@ class StoreStats:
     promotions: int = 0
     promotions_dropped: int = 0  #: background promotions skipped (queue full)
     promotion_failures: int = 0  #: background promotions that could not read or place the block
+    #: blocks handed down on an eviction (or a DRAM expiry) before their copy: one already past the
+    #: lower tier's TTL is refused there, counted in that tier's ``expirations``
     demotions: int = 0
     demotion_failures: int = 0
     puts: int = 0
-    clean_evictions: int = 0  #: evictions of blocks already copied down: no I/O
+    clean_evictions: int = 0  #: evictions (and expiries) of blocks already copied down: no I/O
     writebehind_flushed: int = 0  #: copies made by write-behind (one per block and tier pair)
     writebehind_dropped: int = 0  #: dirty blocks not copied (backlog full, lower tier failed, close timed out)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -268,23 +274,26 @@ class TieredStore:
                     worst[j] = status if worst[j] is Status.MISS else worst[j]
                     rest.append(j)
             if served and inline and self.promote and i > 0:
-                self._promote([keys[j] for j in served], [outs[j] for j in served], self.tiers[:i], seen)
+                self._promote([keys[j] for j in served], [outs[j] for j in served], tier, self.tiers[:i], seen)
             todo = rest
         for j in todo:
             found[j] = (Status.MISS if worst[j] in (Status.MISS, Status.CORRUPT) else worst[j], None, 0)
         return found
 
-    def _promote(self, keys: list[BlockKey], datas: list, upper: Sequence[Tier], seen: int) -> None:
-        """Copy blocks read from a slower tier into ``upper``, unless a delete started since ``seen``
-        (it may have erased one of them: a cache may skip a promotion, never undo an erasure)
-        or the store is closing (nothing is published behind its last flush)."""
+    def _promote(self, keys: list[BlockKey], datas: list, source: Tier, upper: Sequence[Tier], seen: int) -> None:
+        """Copy blocks read from ``source`` into ``upper`` with their age, unless a delete started
+        since ``seen`` (it may have erased one of them: a cache may skip a promotion, never undo an
+        erasure) or the store is closing (nothing is published behind its last flush)."""
         promoted = 0
         with self._guard.publishing(seen) as ok:
             if not ok or self._closed:
                 return
             for key, data in zip(keys, datas):
+                created = source.created_of(key)
+                if created is None and source.keeps_age:
+                    continue  # left its tier since the read (evicted, say): its age is unknown
                 for level, tier in enumerate(upper):
-                    if tier.put(key, data) is Status.OK:
+                    if tier.put(key, data, **age_kw(tier, created)) is Status.OK:
                         promoted += 1
                         self._mark_promoted(level, key)
         if promoted:

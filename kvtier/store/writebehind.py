@@ -5,7 +5,13 @@ thread copies it one tier down in batches (``put_many`` on the lower tier), off
 the caller's path. A copied block is *clean*: when its tier evicts it, nothing
 is written (the demotion hook skips it). A dirty block that is evicted before
 its copy is demoted synchronously, as write-back always did, so eviction never
-loses a block.
+loses a block; nor does expiry: a tier that expires a block hands it to
+the same hook (the host tier; the flusher asks each tier with dirty marks to
+``expire()`` before each batch, so an expired block does not wait for a
+look-up). Every copy carries the block's age (the source tier's
+``created_of``, see *retention* in :mod:`kvtier.tiers.base`): a tier below
+whose TTL the block has outlived refuses it (counted in its ``expirations``),
+and no copy gives a block a new life.
 
 Choices, and why:
 
@@ -59,7 +65,7 @@ import numpy as np
 
 from kvtier.core.keys import BlockKey
 from kvtier.core.payload import BlockMeta
-from kvtier.tiers.base import Status, Tier
+from kvtier.tiers.base import Status, Tier, age_kw
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +133,7 @@ class WriteBehind:
         # blocks saved while they are being deleted: marked dirty once the deletes are over
         self._after_delete: list[dict[BlockKey, _Dirty]] = [{} for _ in range(levels)]
         self._deleting: dict[BlockKey, int] = {}  # keys being deleted now, by how many callers
+        self._demoting = 0  # demotions under way (their marks already gone): a flush waits for them
         self._cond = threading.Condition(threading.Lock())
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -222,6 +229,9 @@ class WriteBehind:
             return self._pending_locked()
 
     def _pending_locked(self) -> int:
+        return self._marked_locked() + self._demoting
+
+    def _marked_locked(self) -> int:
         return sum(map(len, self._dirty)) + sum(map(len, self._inflight)) + sum(map(len, self._after_delete))
 
     def _add_clean_locked(self, level: int, key: BlockKey) -> None:
@@ -233,9 +243,10 @@ class WriteBehind:
 
     # -- eviction ------------------------------------------------------------------
     def _demoter(self, level: int):
-        lower = self.tiers[level + 1]
+        upper, lower = self.tiers[level], self.tiers[level + 1]
 
         def demote(key: BlockKey, data: memoryview, meta: BlockMeta | None) -> None:
+            # (an expiring block comes here too: copied down if the tier below admits its age)
             # Runs under the evicting tier's lock: take ours only briefly, call no tier under it.
             with self._cond:
                 if key in self._clean[level] and key not in self._inflight[level]:
@@ -246,18 +257,25 @@ class WriteBehind:
                     entry = self._dirty[level].pop(key, None)
                     if self._inflight[level].get(key) == _COPYING:
                         self._inflight[level][key] = _EVICTED  # its tier no longer holds it: never clean
+                    self._demoting += 1
             if clean:
                 self._count(clean_evictions=1)
                 return
-            parent = entry.parent if entry is not None else None
-            if meta is None and entry is not None:
-                meta = entry.meta
-            status = lower.put(key, data, parent=parent, meta=meta)
-            if status is Status.OK:
-                self._count(demotions=1)
-                self.mark_dirty(level + 1, [key], [parent], [meta], [memoryview(data).nbytes])
-            else:
-                self._count(demotion_failures=1)
+            try:
+                parent = entry.parent if entry is not None else None
+                if meta is None and entry is not None:
+                    meta = entry.meta
+                created = upper.created_of(key) if lower.keeps_age else None  # (the victim is still held)
+                status = lower.put(key, data, parent=parent, meta=meta, **age_kw(lower, created))
+                if status is Status.OK:
+                    self._count(demotions=1)
+                    self.mark_dirty(level + 1, [key], [parent], [meta], [memoryview(data).nbytes])
+                else:
+                    self._count(demotion_failures=1)
+            finally:
+                with self._cond:
+                    self._demoting -= 1
+                    self._cond.notify_all()  # flush() waits for it
 
         return demote
 
@@ -269,6 +287,7 @@ class WriteBehind:
 
     def _run(self) -> None:
         while True:
+            self._expire()
             with self._cond:
                 idle_until = time.monotonic() + _IDLE_EXIT_S
                 while not self._closed and not any(self._dirty):
@@ -296,6 +315,16 @@ class WriteBehind:
                     self._thread = None  # the next mark starts another
                 raise
 
+    def _expire(self) -> None:
+        """Ask each tier with dirty marks to expire its old blocks now (called holding no lock):
+        an expired dirty block then goes down through the demotion hook, with its parent link,
+        instead of sitting in its tier until a look-up or the batch that takes it."""
+        for tier in self.tiers[:-1]:
+            try:
+                tier.expire()
+            except Exception:  # noqa: BLE001 - a broken tier must not kill the flusher
+                log.exception("write-behind: expiring blocks of %s failed", tier.name)
+
     def _take_locked(self) -> tuple[int, list[tuple[BlockKey, _Dirty]]]:
         """Take the oldest dirty blocks of one level (levels in turn, so none starves)."""
         levels = len(self._dirty)
@@ -316,9 +345,10 @@ class WriteBehind:
         upper, lower = self.tiers[level], self.tiers[level + 1]
         borrow = getattr(upper, "borrow", None)
         meta_of = getattr(upper, "meta_of", None)
+        carry = lower.keeps_age  # the blocks' ages go down with them
         budget = max(1, upper.capacity_bytes // 4) if borrow is not None else _STAGING_BYTES
         with contextlib.ExitStack() as held:
-            keys, datas, parents, metas, taken, deferred = [], [], [], [], [], []
+            keys, datas, parents, metas, created, taken, deferred = [], [], [], [], [], [], []
             used = 0
             for i, (key, entry) in enumerate(batch):
                 if used >= budget:
@@ -339,9 +369,11 @@ class WriteBehind:
                 datas.append(data)
                 parents.append(entry.parent)
                 metas.append(meta)
+                created.append(upper.created_of(key) if carry else None)  # (pinned, or read: still held)
                 taken.append((key, entry))
             sizes = [d.nbytes for d in datas]
-            statuses = lower.put_many(keys, datas, parents=parents, metas=metas) if keys else []
+            statuses = (lower.put_many(keys, datas, parents=parents, metas=metas, **age_kw(lower, created))
+                        if keys else [])
         copied = set(keys)
         gone = [key for key, _ in batch[: len(batch) - len(deferred)] if key not in copied]
         self._settle(level, taken, statuses, gone, deferred, sizes)
@@ -407,7 +439,7 @@ class WriteBehind:
         report = self.flush(timeout_s)
         with self._cond:
             self._closed = True
-            abandoned = self._pending_locked()
+            abandoned = self._marked_locked()  # (a demotion under way is no mark: it lands or fails on its own)
             for dirty in self._dirty:
                 dirty.clear()
             for saved in self._after_delete:

@@ -14,6 +14,14 @@ Semantics shared by all tiers (the contract suite in tests/tiers checks them):
 * When a tier needs room it asks its eviction policy for victims, skips pinned
   blocks, calls :attr:`Tier.on_evict` with each victim's bytes *before* freeing
   it (so a store can demote it), then frees it.
+* Retention: a block's age counts from its first write into a store (``created``,
+  wall-clock seconds, so that a disk tier keeps it across restarts in its files'
+  mtimes). Tiers that keep ages (:attr:`Tier.keeps_age`: host, disk, and wrappers of
+  them) take it on ``put`` / ``put_many`` and report it (:meth:`Tier.created_of`),
+  so that a block promoted, copied down or demoted keeps its age. A tier with a
+  ``ttl_s`` serves a block only while its age is under it, and refuses one that
+  arrives older (OK, nothing stored, counted in ``expirations``). Tiers that keep
+  their own retention (remote, Mooncake) are given no age (:func:`age_kw`).
 * All methods are thread safe.
 """
 
@@ -21,6 +29,10 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import heapq
+import itertools
+import math
+import numbers
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
@@ -30,6 +42,7 @@ from typing import NamedTuple
 
 from kvtier.core.keys import BlockKey
 from kvtier.core.payload import BlockMeta
+from kvtier.errors import ConfigError
 
 
 class Status(enum.IntEnum):
@@ -66,8 +79,10 @@ class TierStats:
         return asdict(self)
 
 
-#: ``on_evict(key, data)``: called with a read-only view of a victim's bytes
-#: before it is freed. It must not call back into the same tier.
+#: ``on_evict(key, data, meta)``: called with a read-only view of a victim's bytes
+#: before it is freed (the host tier hands over an expiring block too, so that a block not yet
+#: copied down reaches the tier below if that tier's TTL admits it). It must not call back into
+#: the same tier, except :meth:`Tier.created_of` for the victim (still held during the call).
 EvictHook = Callable[[BlockKey, memoryview, BlockMeta | None], None]
 
 
@@ -82,6 +97,9 @@ class Tier(ABC):
     #: False while the tier backs off after a failure (a server or fleet not answering): its
     #: misses and ``False`` lookups then say nothing about what it holds
     available: bool = True
+    #: the tier keeps each block's age: its puts take ``created`` and :meth:`created_of` answers.
+    #: Others (remote, Mooncake) keep their own retention and are given no age (:func:`age_kw`).
+    keeps_age: bool = False
 
     def __init__(self) -> None:
         self.stats = TierStats()
@@ -101,7 +119,10 @@ class Tier(ABC):
     def put(
         self, key: BlockKey, data, *, parent: BlockKey | None = None, meta: BlockMeta | None = None
     ) -> Status:
-        """Store a copy of ``data`` (any C-contiguous buffer); the caller keeps ownership."""
+        """Store a copy of ``data`` (any C-contiguous buffer); the caller keeps ownership.
+
+        A tier that keeps ages also takes ``created: float | None`` (see the module docstring:
+        when the block was first written into the store, wall clock; None: now)."""
 
     @abstractmethod
     def delete(self, key: BlockKey) -> bool:
@@ -120,6 +141,16 @@ class Tier(ABC):
     @property
     @abstractmethod
     def used_bytes(self) -> int: ...
+
+    def created_of(self, key: BlockKey) -> float | None:
+        """When a held block was first written into the store (wall-clock seconds), as this tier
+        keeps it; None if the tier does not hold it or keeps no ages (:attr:`keeps_age`)."""
+        return None
+
+    def expire(self) -> int:
+        """Remove the blocks past this tier's TTL now (they are misses already); how many.
+        Here: none (no TTL, or a tier that keeps its own retention)."""
+        return 0
 
     def check_integrity(self) -> None:
         """Raise AssertionError if internal accounting is inconsistent."""
@@ -166,13 +197,18 @@ class Tier(ABC):
         *,
         parents: Sequence[BlockKey | None] | None = None,
         metas: Sequence[BlockMeta | None] | None = None,
+        created: Sequence[float | None] | None = None,
     ) -> list[Status]:
-        """Put several blocks. Without ``parents``, ``keys`` are taken as one chain."""
-        check_batch_lengths("put_many", keys, datas, parents, metas)
+        """Put several blocks. Without ``parents``, ``keys`` are taken as one chain. ``created``
+        (one ``float | None`` per key) only for a tier that keeps ages: passed on to ``put``."""
+        check_batch_lengths("put_many", keys, datas, parents, metas, created)
         if parents is None:
             parents = [None, *keys[:-1]]
         metas = metas or [None] * len(keys)
-        return [self.put(k, d, parent=p, meta=m) for k, d, p, m in zip(keys, datas, parents, metas)]
+        if created is None:  # (a tier that keeps no ages takes no such argument)
+            return [self.put(k, d, parent=p, meta=m) for k, d, p, m in zip(keys, datas, parents, metas)]
+        return [self.put(k, d, parent=p, meta=m, created=c)
+                for k, d, p, m, c in zip(keys, datas, parents, metas, created)]
 
     def delete_many(self, keys: Sequence[BlockKey]) -> list[bool]:
         return [self.delete(k) for k in keys]
@@ -188,13 +224,70 @@ class Tier(ABC):
 
 
 def check_batch_lengths(op: str, keys: Sequence, datas: Sequence, parents: Sequence | None,
-                        metas: Sequence | None) -> None:
-    """Raise ValueError unless ``datas`` (and ``parents``, ``metas`` where given) have one item per
-    key: zipped, a shorter list would store only the first blocks and report fewer statuses."""
-    parts = [("buffers", datas), ("parents", parents), ("metas", metas)]
+                        metas: Sequence | None, created: Sequence | None = None) -> None:
+    """Raise ValueError unless ``datas`` (and ``parents``, ``metas``, ``created`` where given) have
+    one item per key: zipped, a shorter list would store only the first blocks and report fewer
+    statuses."""
+    parts = [("buffers", datas), ("parents", parents), ("metas", metas), ("creation times", created)]
     wrong = [f"{len(seq)} {what}" for what, seq in parts if seq is not None and len(seq) != len(keys)]
     if wrong:
         raise ValueError(f"{op}: {len(keys)} keys but {', '.join(wrong)}; give one per key")
+
+
+def check_ttl(ttl_s) -> float | None:
+    """A tier's ``ttl_s``: a positive, finite number of seconds, or None (no expiry); else
+    ConfigError. (0 or less expired every block at once, NaN none ever.)"""
+    if ttl_s is None:
+        return None
+    if isinstance(ttl_s, bool) or not isinstance(ttl_s, numbers.Real) or not (math.isfinite(ttl_s) and ttl_s > 0):
+        raise ConfigError(f"ttl_s must be a positive number of seconds or None (no expiry), got {ttl_s!r}")
+    return float(ttl_s)
+
+
+def age_kw(tier: Tier, created) -> dict:
+    """``{"created": created}`` for a tier that keeps ages (:attr:`Tier.keeps_age`), else ``{}``:
+    what a caller passes on to its ``put`` (``created`` a float) or ``put_many`` (one float or None
+    per key). Tiers that keep their own retention (remote, Mooncake) take no such argument."""
+    if created is None or not tier.keeps_age:
+        return {}
+    if not isinstance(created, (int, float)) and all(c is None for c in created):
+        return {}
+    return {"created": created}
+
+
+class AgeQueue:
+    """Blocks ordered by creation (oldest first), so that a TTL sweep takes only the expired ones
+    instead of scanning every block. A block's item is not removed when the block goes: the tier
+    checks each item :meth:`due` hands back against its index (an item whose block left, or was
+    stored anew, is dropped), and :meth:`push` rebuilds the queue from ``live()`` once stale items
+    outnumber live ones (amortised: one rebuild per that many pushes). Not thread safe: the
+    tier's lock guards it."""
+
+    def __init__(self, live: Callable[[], Iterator[tuple[float, BlockKey, object]]]) -> None:
+        self._heap: list[tuple[float, int, BlockKey, object]] = []
+        self._tick = itertools.count()  # ties: never compare keys or tokens
+        self._live = live
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def push(self, created: float, key: BlockKey, token: object, *, held: int) -> None:
+        """Queue a block the tier holds (``held``: how many it holds now)."""
+        heapq.heappush(self._heap, (created, next(self._tick), key, token))
+        if len(self._heap) > 2 * held + 64:
+            self._heap = [(c, next(self._tick), k, t) for c, k, t in self._live()]
+            heapq.heapify(self._heap)
+
+    def due(self, cutoff: float) -> list[tuple[BlockKey, object]]:
+        """Take the items created before ``cutoff`` (oldest first)."""
+        out = []
+        while self._heap and self._heap[0][0] < cutoff:
+            _, _, key, token = heapq.heappop(self._heap)
+            out.append((key, token))
+        return out
+
+    def clear(self) -> None:
+        self._heap = []
 
 
 def buffer_nbytes(buf) -> int:

@@ -74,7 +74,7 @@ from kvtier.errors import ConfigError, TierError
 from kvtier.policy.eviction import EvictionPolicy, LRUPolicy
 from kvtier.private_files import make_private_dirs
 from kvtier.tiers import direct_io, disk_extents
-from kvtier.tiers.base import Tier, report_refused
+from kvtier.tiers.base import AgeQueue, Tier, check_ttl, report_refused
 from kvtier.tiers.direct_io import PAGE, BlockIO, round_up
 from kvtier.tiers.disk_extents import Extent
 from kvtier.tiers.disk_reads import DiskReads
@@ -120,12 +120,16 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
 
     ``direct_io``: "auto" probes O_DIRECT at open and falls back to buffered
     I/O; True requires it; False never uses it. ``ttl_s``: blocks older than
-    this (since publication) are misses and are removed. ``pack_batches``:
+    this are misses and are removed; a block's age counts from its first write into
+    the store (``created`` on a put: a block demoted or copied down keeps its age;
+    else its publication), kept in its file's mtime, so a restart reads the same age
+    (blocks packed in one extent share the oldest one's). ``pack_batches``:
     ``put_many`` of several blocks writes one extent (False: a file per block,
     as every ``put`` and sealed stream does; blocks of both kinds are read).
     """
 
     name = "disk"
+    keeps_age = True
 
     def __init__(
         self,
@@ -140,8 +144,7 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
         super().__init__()
         if capacity_bytes <= 0:
             raise ConfigError(f"capacity_bytes must be positive, got {capacity_bytes}")
-        if ttl_s is not None and ttl_s <= 0:
-            raise ConfigError(f"ttl_s must be positive or None (no expiry), got {ttl_s}")
+        ttl_s = check_ttl(ttl_s)
         if direct_io not in ("auto", True, False):
             raise ConfigError(f"direct_io must be 'auto', True or False, got {direct_io!r}")
         self.path = os.path.abspath(os.fspath(path))
@@ -160,7 +163,10 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
         self._ttl_s = ttl_s
         self.pack_batches = pack_batches
         self._policy = policy if policy is not None else LRUPolicy()  # an empty policy is falsy
-        self._index: dict[BlockKey, _Entry] = {}  # insertion order ~ publication order (for TTL)
+        self._index: dict[BlockKey, _Entry] = {}  # insertion order ~ publication order
+        #: indexed blocks by age, for expiry (only with a TTL): ages carried in by puts, and blocks
+        #: adopted from other processes, arrive in any order
+        self._ages = AgeQueue(lambda: ((e.created, k, e) for k, e in self._index.items())) if ttl_s is not None else None
         self._extents: dict[str, Extent] = {}  # rel → extent holding indexed blocks
         self._pins: dict[BlockKey, int] = {}
         #: indexed blocks whose removal the file system refused: never served, listed, adopted or
@@ -254,6 +260,14 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
                 del self._pins[key]
             else:
                 self._pins[key] = count - 1
+
+    def created_of(self, key: BlockKey) -> float | None:
+        """When an indexed block was first written into the store (wall clock: its file's mtime);
+        None if not indexed (or withheld). Expired blocks not yet removed answer too (an
+        ``on_evict`` hook asks about its victim)."""
+        with self._lock:
+            entry = self._index.get(key)
+            return None if entry is None or key in self._withheld else entry.created
 
     def locate(self, key: BlockKey) -> tuple[str, int] | None:
         """``(file, offset)`` of an indexed block's bytes (its header page first): its own file at
@@ -411,6 +425,12 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
         if entry.extent is not None:
             entry.extent.live += 1
         self._policy.on_insert(key, parent)
+        self._queue_age(key, entry)
+
+    def _queue_age(self, key: BlockKey, entry: _Entry) -> None:
+        """Queue a block just indexed for expiry (with a TTL)."""
+        if self._ages is not None:
+            self._ages.push(entry.created, key, entry, held=len(self._index))
 
     def _make_room(self, need: int) -> bool:
         def fits() -> bool:
@@ -482,18 +502,20 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
             log.exception("disk tier %s: on_evict failed for %s", self.path, key.hex())
 
     def _purge_expired(self) -> int:
-        # Entries are indexed in publication order, so the expired ones lead
-        # (blocks adopted from other processes may sit a little out of order).
-        if self._ttl_s is None:
+        """Remove the expired blocks, taken from the age queue, not the index's leading run: blocks
+        arrive out of age order (ages carried in by puts, blocks adopted from other processes), and
+        an expired block behind a young one would stay, counted, until evicted. Pinned ones stay
+        queued; withheld ones are retried by :meth:`expire` and look-ups."""
+        if self._ages is None:
             return 0
-        now = time.time()
-        doomed = []
-        for key, entry in self._index.items():
-            if not self._expired(entry.created, now):
-                break
-            if key not in self._pins and key not in self._withheld:
-                doomed.append(key)
-        removed = sum(self._remove(key) is None for key in doomed)
+        doomed, pinned = [], []
+        for key, entry in self._ages.due(time.time() - self._ttl_s):
+            if self._index.get(key) is not entry or key in self._withheld:
+                continue  # gone (or indexed anew: queued again then)
+            (pinned if key in self._pins else doomed).append((key, entry))
+        for key, entry in pinned:
+            self._ages.push(entry.created, key, entry, held=len(self._index))
+        removed = sum(self._remove(key) is None for key, _ in doomed)
         self.stats.expirations += removed
         return removed
 

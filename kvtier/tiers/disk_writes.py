@@ -6,6 +6,10 @@ links each block's name to its place in it (:mod:`kvtier.tiers.disk_extents`); a
 does not fit whole goes block by block. Each block's record (parent link, the annotator's
 annotation) is made before any I/O; room is reserved under the lock and settled in the same
 locked step as the index.
+
+A put may carry the block's age (``created``: when it was first written into the store, wall
+clock): the published file's mtime is set to it before the rename, so a restart reads the same
+age; a block already older than the tier's TTL is not written (OK, counted as expired).
 """
 
 from __future__ import annotations
@@ -18,23 +22,29 @@ from kvtier.core.keys import KEY_BYTES, BlockKey
 from kvtier.core.payload import FLAG_CHECKSUM, FLAG_SEALED, BlockMeta, pack_header
 from kvtier.private_files import make_private_dirs
 from kvtier.tiers import direct_io, disk_extents
-from kvtier.tiers.base import Status
+from kvtier.tiers.base import Status, check_batch_lengths
 from kvtier.tiers.direct_io import PAGE, as_bytes, round_up
 from kvtier.tiers.disk_extents import EXTENT_SUFFIX, Extent
 from kvtier.tiers.disk_records import FLAG_RECORD, TEMP_SUFFIX, BlockRecord, _Entry, _unlink, log, pack_record
 from kvtier.tiers.streams import PayloadSource, PieceReader
 
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+#: a block older than this (its ``created``) is written as a file of its own, never packed: an
+#: extent's mtime is its blocks' age, and a restart in another process takes an extent no name
+#: reaches yet (its writer still linking them) for a dead writer's once its mtime is older than
+#: ``disk.STALE_TEMP_S`` (an hour): extents stay far from that.
+PACK_AGE_MAX_S = 600.0
 
 
 class DiskWrites:
     """``put`` / ``put_many`` / ``put_streams`` and publishing files (a mixin of the tier)."""
 
-    def put(self, key: BlockKey, data, *, parent: BlockKey | None = None, meta: BlockMeta | None = None) -> Status:
+    def put(self, key: BlockKey, data, *, parent: BlockKey | None = None, meta: BlockMeta | None = None,
+            created: float | None = None) -> Status:
         """Write a copy of ``data`` durably (fsync'd before it becomes visible).
 
         ``data`` stays the caller's and is not retained; a page-aligned buffer
-        is written without a copy."""
+        is written without a copy. ``created``: see the module docstring (None: now)."""
         _check_key(key)
         src = as_bytes(data)
 
@@ -42,17 +52,18 @@ class DiskWrites:
             self._io.write(fd, src, lambda digest: pack_header(
                 key, src.nbytes, digest, meta, flags=FLAG_CHECKSUM | FLAG_RECORD) + record)
 
-        return self._put(key, src.nbytes, parent, write)
+        return self._put(key, src.nbytes, parent, write, created)
 
-    def put_many(self, keys, datas, *, parents=None, metas=None) -> list[Status]:
+    def put_many(self, keys, datas, *, parents=None, metas=None, created=None) -> list[Status]:
         """:meth:`put` of several blocks (a chain unless ``parents`` says otherwise), packed in one
         extent file, fsync'd once, each block then linked under its own name (see
-        :mod:`kvtier.tiers.disk_extents`). A batch that does not fit whole goes block by block."""
-        if len(keys) != len(datas):
-            raise ValueError(f"put_many: {len(keys)} keys but {len(datas)} buffers")
+        :mod:`kvtier.tiers.disk_extents`). A batch that does not fit whole goes block by block.
+        ``created``: one ``float | None`` per key (the extent's mtime is the oldest block's)."""
+        check_batch_lengths("put_many", keys, datas, parents, metas, created)
         if parents is None:
             parents = [None, *keys[:-1]]
         metas = metas or [None] * len(keys)
+        created = created or [None] * len(keys)
         for key in keys:
             _check_key(key)
         srcs = [as_bytes(d) for d in datas]
@@ -69,18 +80,24 @@ class DiskWrites:
                 elif key in self._withheld:  # deleted, and its name still cannot be removed
                     self.stats.put_failures += 1
                     statuses[i] = Status.ERROR
+                elif created[i] is not None and self._expired(created[i]):
+                    self.stats.expirations += 1  # older than this tier keeps blocks: not written
+                    statuses[i] = Status.OK
         todo = [i for i in first_of.values() if statuses[i] is None]
-        if len(todo) >= 2 and self.pack_batches:
+        now = time.time()
+        packable = [i for i in todo if created[i] is None or now - created[i] < PACK_AGE_MAX_S]
+        if len(packable) >= 2 and self.pack_batches:
             # an extent per EXTENT_BLOCKS at most: each block's name is a link to it, and file
             # systems bound an inode's links (ext4: 65,000)
-            for start in range(0, len(todo), disk_extents.EXTENT_BLOCKS):
-                self._put_packed(keys, srcs, parents, metas, todo[start:start + disk_extents.EXTENT_BLOCKS], statuses)
+            for start in range(0, len(packable), disk_extents.EXTENT_BLOCKS):
+                self._put_packed(keys, srcs, parents, metas, created,
+                                 packable[start:start + disk_extents.EXTENT_BLOCKS], statuses)
         for i in todo:
-            if statuses[i] is None:  # the batch did not fit whole: one by one (each makes room)
-                statuses[i] = self.put(keys[i], srcs[i], parent=parents[i], meta=metas[i])
+            if statuses[i] is None:  # not packed (the batch did not fit whole, old): one by one (each makes room)
+                statuses[i] = self.put(keys[i], srcs[i], parent=parents[i], meta=metas[i], created=created[i])
         return [statuses[first_of[key]] for key in keys]
 
-    def _put_packed(self, keys, srcs, parents, metas, todo: list[int], statuses: list) -> None:
+    def _put_packed(self, keys, srcs, parents, metas, created, todo: list[int], statuses: list) -> None:
         """Publish blocks ``todo`` in one extent; sets their statuses (None: not attempted, too big)."""
         records = {}
         for i in todo:
@@ -112,10 +129,15 @@ class DiskWrites:
         for i in todo:
             offsets[i] = off
             off += sizes[i]
+        now = time.time()
+        born = {i: now if created[i] is None else min(created[i], now) for i in todo}
         try:
             table = disk_extents.pack_table(rel, [(keys[i], offsets[i], sizes[i]) for i in todo])
+            # one mtime for the extent's names (hard links of one inode): the oldest block's, so that
+            # after a restart none is served past its TTL (a younger one may expire early: a cache may lose)
+            oldest = min(born.values()) if any(created[i] is not None for i in todo) else None
             status, ino = self._write_extent(stem, rel, table, [
-                (keys[i], srcs[i], metas[i], pack_record(keys[i], records[i]), offsets[i]) for i in todo])
+                (keys[i], srcs[i], metas[i], pack_record(keys[i], records[i]), offsets[i]) for i in todo], oldest)
             linked = self._link_all(rel, [keys[i] for i in todo]) if status is Status.OK else []
         except BaseException:
             with self._lock:
@@ -131,7 +153,6 @@ class DiskWrites:
                 return
             extent = Extent(rel, ino=ino)
             self._extents[rel] = extent
-            now = time.time()
             for index, (i, ok) in enumerate(zip(todo, linked)):
                 key = keys[i]
                 if not ok:
@@ -144,19 +165,21 @@ class DiskWrites:
                 if key in self._index:  # another thread of ours published it meanwhile: our link replaced it
                     self._forget(key)
                 extent.live += 1
-                self._index[key] = _Entry(sizes[i], now, extent, offsets[i], index)
+                entry = self._index[key] = _Entry(sizes[i], born[i], extent, offsets[i], index)
                 self._used += sizes[i]
                 self._policy.on_insert(key, records[i].parent)
+                self._queue_age(key, entry)
                 self.stats.puts += 1
                 self.stats.bytes_written += srcs[i].nbytes
                 statuses[i] = Status.OK
             if extent.live == 0:
                 self._drop_extent(extent)
 
-    def _write_extent(self, stem: str, rel: str, table, blocks) -> tuple[Status, int | None]:
+    def _write_extent(self, stem: str, rel: str, table, blocks, mtime: float | None) -> tuple[Status, int | None]:
         """Write ``table`` and ``(key, payload, meta, record bytes, offset)`` blocks into extent
-        ``rel``: temp file, one fsync, rename (nothing links into it yet, so a crash leaves no torn
-        block reachable). Returns the status and the extent's inode (its names link to it)."""
+        ``rel``: temp file, one fsync, its ``mtime`` (None: left), rename (nothing links into it
+        yet, so a crash leaves no torn block reachable). Returns the status and the extent's inode
+        (its names link to it)."""
         final = os.path.join(self.path, rel)
         inode: list[int] = []
 
@@ -168,7 +191,7 @@ class DiskWrites:
                     key, src.nbytes, digest, meta, flags=FLAG_CHECKSUM | FLAG_RECORD) + record, base=offset, sync=False)
             os.fsync(fd)
 
-        status = self._publish(final, stem, write, what=f"extent {stem}")
+        status = self._publish(final, stem, write, what=f"extent {stem}", mtime=mtime)
         return status, (inode[0] if inode else None)
 
     def _link_all(self, rel: str, keys) -> list[bool]:
@@ -194,14 +217,16 @@ class DiskWrites:
                 done.append(False)
         return done
 
-    def put_streams(self, keys, sources: list[PayloadSource], *, parents=None) -> list[Status]:
+    def put_streams(self, keys, sources: list[PayloadSource], *, parents=None, created=None) -> list[Status]:
+        """``created``: one ``float | None`` per key, as :meth:`put_many` takes it."""
         if len(keys) != len(sources):
             raise ValueError(f"put_streams: {len(keys)} keys but {len(sources)} sources")
         parents = parents or [None] * len(keys)
+        created = created or [None] * len(keys)
         for k in keys:
             _check_key(k)
-        return [self._put(k, s.nbytes, p, lambda fd, record, k=k, s=s: self._write_stream(fd, k, s, record))
-                for k, s, p in zip(keys, sources, parents)]
+        return [self._put(k, s.nbytes, p, lambda fd, record, k=k, s=s: self._write_stream(fd, k, s, record), c)
+                for k, s, p, c in zip(keys, sources, parents, created)]
 
     def _write_stream(self, fd: int, key: BlockKey, source: PayloadSource, record: bytes) -> None:
         reader = PieceReader(source)
@@ -212,8 +237,9 @@ class DiskWrites:
 
         self._io.write_filled(fd, source.nbytes, lambda off, view: reader.fill(view), header)
 
-    def _put(self, key: BlockKey, nbytes: int, parent: BlockKey | None, write) -> Status:
-        """A put of ``nbytes`` whose file I/O ``write(fd, record_bytes)`` is the caller's."""
+    def _put(self, key: BlockKey, nbytes: int, parent: BlockKey | None, write, created: float | None = None) -> Status:
+        """A put of ``nbytes`` whose file I/O ``write(fd, record_bytes)`` is the caller's, of a
+        block first written into the store at ``created`` (None: now)."""
         need = PAGE + round_up(nbytes)
         with self._lock:
             if self._live(key) is not None:
@@ -222,6 +248,9 @@ class DiskWrites:
             if key in self._withheld:  # deleted, and its name still cannot be removed: not a new block's
                 self.stats.put_failures += 1
                 return Status.ERROR
+            if created is not None and self._expired(created):
+                self.stats.expirations += 1  # older than this tier keeps blocks: not written
+                return Status.OK
         record = self._record_of(key, parent)
         if record is None:
             with self._lock:
@@ -237,8 +266,9 @@ class DiskWrites:
                 self.stats.put_failures += 1
                 return Status.FULL
             self._reserved += need
+        born = None if created is None else min(created, time.time())
         try:
-            status = self._write(key, lambda fd: write(fd, packed))
+            status = self._write(key, lambda fd: write(fd, packed), born)
         except BaseException:
             with self._lock:
                 self._reserved -= need
@@ -252,9 +282,10 @@ class DiskWrites:
             if key in self._index:  # another thread of ours published it meanwhile
                 self._policy.on_access(key)
             else:
-                self._index[key] = _Entry(need, time.time())
+                entry = self._index[key] = _Entry(need, time.time() if born is None else born)
                 self._used += need
                 self._policy.on_insert(key, parent)
+                self._queue_age(key, entry)
             self.stats.puts += 1
             self.stats.bytes_written += nbytes
         return Status.OK
@@ -277,11 +308,13 @@ class DiskWrites:
             return None
 
     # -- writing -------------------------------------------------------------------
-    def _write(self, key: BlockKey, write) -> Status:
-        return self._publish(self.path_of(key), key.hex(), write, what=key.hex())
+    def _write(self, key: BlockKey, write, mtime: float | None = None) -> Status:
+        return self._publish(self.path_of(key), key.hex(), write, what=key.hex(), mtime=mtime)
 
-    def _publish(self, final: str, stem: str, write, *, what: str) -> Status:
-        """Write a file through ``write(fd)`` under a temp name beside ``final``, then rename it there."""
+    def _publish(self, final: str, stem: str, write, *, what: str, mtime: float | None = None) -> Status:
+        """Write a file through ``write(fd)`` under a temp name beside ``final``, set its ``mtime``
+        (the age of its blocks, which a restart reads back; None: the write's time), then rename it
+        there."""
         temp = os.path.join(os.path.dirname(final), f".{stem}.{direct_io.temp_tag()}{TEMP_SUFFIX}")
         try:
             try:
@@ -291,6 +324,8 @@ class DiskWrites:
                 fd = self._io.open_write(temp)
             try:
                 write(fd)
+                if mtime is not None:  # last: writes set it. (A temp file over an hour old looks a dead
+                    os.utime(fd, (mtime, mtime))  # writer's to a restart scan, for the moment until the rename.)
             finally:
                 os.close(fd)
             # The directory entry is not fsync'd: a power cut may lose the

@@ -68,7 +68,7 @@ from kvtier.core.keys import BlockKey
 from kvtier.core.payload import BlockMeta
 from kvtier.crypto import aead
 from kvtier.crypto.keyring import Keyring
-from kvtier.tiers.base import Status, Tier, runs_by_bytes, writable_bytes
+from kvtier.tiers.base import Status, Tier, age_kw, runs_by_bytes, writable_bytes
 from kvtier.tiers.streams import StreamingTier, Unverifiable
 from kvtier.tiers.wrapper import WrappingTier
 
@@ -405,7 +405,9 @@ class EncryptedTier(WrappingTier):
     def _sealed_size(self, plain_nbytes: int) -> int:
         return aead.sealed_nbytes(plain_nbytes, self.chunk_bytes)
 
-    def put(self, key: BlockKey, data, *, parent: BlockKey | None = None, meta: BlockMeta | None = None) -> Status:
+    def put(self, key: BlockKey, data, *, parent: BlockKey | None = None, meta: BlockMeta | None = None,
+            created: float | None = None) -> Status:
+        """``created`` (the block's age) passes on to a tier below that keeps ages."""
         owner = self._owner(key)
         if owner is None:
             return Status.ERROR
@@ -415,11 +417,12 @@ class EncryptedTier(WrappingTier):
             return Status.OK
         self._remember([key], [name])
         if self._streaming():
-            status = self._put_lane([(owner, name, data, self._name(parent) if parent else None)])[0]
+            status = self._put_lane([(owner, name, data, self._name(parent) if parent else None, created)])[0]
         else:
             sealed = self._seal(owner, name, data, self._staging.get(self._sealed_size(nbytes)), self._pool)
             # meta stays out: dtype and shape are not secret-free (they reveal the model).
-            status = self.inner.put(name, sealed, parent=self._name(parent) if parent else None)
+            status = self.inner.put(name, sealed, parent=self._name(parent) if parent else None,
+                                    **age_kw(self.inner, created))
         self._forget_failed([name], [status])
         return status
 
@@ -444,15 +447,16 @@ class EncryptedTier(WrappingTier):
             return status
         return self._open(owner, name, staging, dst, self._pool)
 
-    def put_many(self, keys, datas, *, parents=None, metas=None) -> list[Status]:
+    def put_many(self, keys, datas, *, parents=None, metas=None, created=None) -> list[Status]:
         """Seal group g+1 while the inner tier stores group g (double buffered; groups as in
-        :meth:`get_many`, stored with one ``inner.put_many`` each)."""
+        :meth:`get_many`, stored with one ``inner.put_many`` each). ``created`` (one age per key)
+        passes on to a tier below that keeps ages."""
         if len(keys) != len(datas):
             raise ValueError(f"put_many: {len(keys)} keys but {len(datas)} buffers")
         if self._streaming():
-            return self._put_streamed(keys, datas, parents)
+            return self._put_streamed(keys, datas, parents, created)
         if self._tenant_of is not None:  # one tenant per key: the plain per-key path
-            return super().put_many(keys, datas, parents=parents, metas=metas)
+            return super().put_many(keys, datas, parents=parents, metas=metas, **age_kw(self, created))
         if parents is None:
             parents = [None, *keys[:-1]]
         names = [self._name(k) for k in keys]
@@ -483,7 +487,8 @@ class EncryptedTier(WrappingTier):
                 sealed = job.result()
                 job = start(g + 1) if g + 1 < len(groups) else None
                 group_parents = [self._name(parents[i]) if parents[i] else None for i in group]
-                stored = self.inner.put_many([names[i] for i in group], sealed, parents=group_parents)
+                ages = age_kw(self.inner, created and [created[i] for i in group])
+                stored = self.inner.put_many([names[i] for i in group], sealed, parents=group_parents, **ages)
                 self._forget_failed([names[i] for i in group], stored)
                 for i, status in zip(group, stored):
                     statuses[i] = status
@@ -585,16 +590,18 @@ class EncryptedTier(WrappingTier):
     def _streaming(self) -> bool:
         return isinstance(self.inner, StreamingTier) and self.inner.streams_available()
 
-    def _put_streamed(self, keys, datas, parents) -> list[Status]:
+    def _put_streamed(self, keys, datas, parents, created=None) -> list[Status]:
         if parents is None:
             parents = [None, *keys[:-1]]
+        created = created or [None] * len(keys)
         owners = [self._owner(k) for k in keys]
         names = [self._name(k) for k in keys]
         statuses = [Status.OK if o is not None else Status.ERROR for o in owners]
         present = self._still_stored(self.inner.contains_many(names), owners, keys, names, datas)
         todo = [i for i in range(len(keys)) if owners[i] is not None and not present[i]]
         self._remember([keys[i] for i in todo], [names[i] for i in todo])
-        items = [(owners[i], names[i], datas[i], self._name(parents[i]) if parents[i] else None) for i in todo]
+        items = [(owners[i], names[i], datas[i], self._name(parents[i]) if parents[i] else None, created[i])
+                 for i in todo]
         for i, status in zip(todo, self._in_lanes(self._put_lane, items)):
             statuses[i] = status
         self._forget_failed([names[i] for i in todo], [statuses[i] for i in todo])
@@ -623,18 +630,19 @@ class EncryptedTier(WrappingTier):
         return out
 
     def _put_lane(self, items) -> list[Status]:
-        """Seal and store ``(owner, name, data, parent name)`` items in order through one buffer."""
+        """Seal and store ``(owner, name, data, parent name, created)`` items in order through one buffer."""
         scratch = self._scratch.take(aead.stream_buffer_nbytes(self.chunk_bytes))
         try:
             sources = []
-            for owner, name, data, _ in items:
+            for owner, name, data, _, _ in items:
                 data_key = self.keyring.key_for_write(owner, aead.n_chunks(memoryview(data).nbytes, self.chunk_bytes))
                 source = aead.SealingSource(
                     data_key.aead, epoch=data_key.epoch, key_id=data_key.key_id, storage_key=name,
                     context=self._context(owner), plain=data, scratch=scratch, chunk_bytes=self.chunk_bytes,
                 )
                 sources.append(source)
-            return self.inner.put_streams([it[1] for it in items], sources, parents=[it[3] for it in items])
+            return self.inner.put_streams([it[1] for it in items], sources, parents=[it[3] for it in items],
+                                          **age_kw(self.inner, [it[4] for it in items]))
         finally:
             self._scratch.give(scratch)
 
@@ -661,6 +669,9 @@ class EncryptedTier(WrappingTier):
         name = self._name(key)
         self._keys.pop(name, None)
         return self.inner.delete(name)
+
+    def created_of(self, key: BlockKey) -> float | None:
+        return self.inner.created_of(self._name(key))
 
     def keys(self) -> Iterator[BlockKey]:
         return iter(())

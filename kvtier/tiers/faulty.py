@@ -16,7 +16,7 @@ import numpy as np
 
 from kvtier.core.keys import BlockKey
 from kvtier.core.payload import BlockMeta
-from kvtier.tiers.base import Status, Tier
+from kvtier.tiers.base import Status, Tier, age_kw
 from kvtier.tiers.wrapper import WrappingTier
 
 
@@ -73,12 +73,13 @@ class FaultyTier(WrappingTier):
             buf[self._rng.randrange(buf.size)] ^= 1 << self._rng.randrange(8)
         return status
 
-    def put(self, key: BlockKey, data, *, parent: BlockKey | None = None, meta: BlockMeta | None = None) -> Status:
+    def put(self, key: BlockKey, data, *, parent: BlockKey | None = None, meta: BlockMeta | None = None,
+            created: float | None = None) -> Status:
         self._pause()
         if self.faults.down or self._roll(self.faults.put_error):
             self.stats.errors += 1
             return Status.ERROR
-        return self.inner.put(key, data, parent=parent, meta=meta)
+        return self.inner.put(key, data, parent=parent, meta=meta, **age_kw(self.inner, created))
 
     def delete(self, key: BlockKey) -> bool:
         self._pause()

@@ -29,6 +29,14 @@ the new block fits. Memory freed by a victim of another size may not be usable
 victims evicted add up to what the new block needs, the tier also evicts the
 fewest bytes of unpinned neighbours around the last hole so that a long enough
 run appears (memcached's slab rebalance, at page granularity).
+
+Retention (``ttl_s``): a block's age counts from its first write into the store,
+carried in by ``put``/``reserve`` (``created``, wall clock) and kept here on the
+monotonic clock. An expired block is a miss; it leaves the pool as an evicted one
+does, through ``on_evict`` (counted in ``expirations``, not ``evictions``), so that
+a block the tier below has no copy of yet reaches it if that tier's TTL admits it.
+:meth:`HostTier.expire` does that at once for every expired block (a store's
+write-behind flusher calls it); otherwise a look-up or an eviction finds them.
 """
 
 from __future__ import annotations
@@ -45,7 +53,7 @@ import numpy as np
 from kvtier.core.keys import BlockKey
 from kvtier.core.payload import BlockMeta
 from kvtier.policy.eviction import EvictionPolicy, LRUPolicy
-from kvtier.tiers.base import Status, Tier
+from kvtier.tiers.base import AgeQueue, Status, Tier, check_ttl
 from kvtier.tiers.host_alloc import CACHE_LINE, Run, RunAllocator, Slab
 
 PAGE = mmap.PAGESIZE
@@ -59,7 +67,7 @@ class _Entry:
     nbytes: int
     footprint: int  #: bytes of pool it takes
     meta: BlockMeta | None
-    created: float
+    created: float  #: first written into the store, on the monotonic clock
     pins: int = 0
     key_pins: int = 0  #: those of ``pins`` taken by :meth:`HostTier.pin` (``unpin`` releases only these)
     published: bool = False
@@ -88,10 +96,14 @@ class HostTier(Tier):
     the footprint charged for it (quotas) is exactly the memory it keeps from other
     blocks. With slabs a tiny block is charged one chunk but keeps its whole slab
     (16 pages) from reuse while it lives.
+
+    ``ttl_s``: blocks older than this (since their first write into the store, see the
+    module docstring) are misses; a positive number of seconds or None (no expiry).
     """
 
     name = "host"
     bounded_reads = True  # a memcpy
+    keeps_age = True
 
     def __init__(
         self,
@@ -106,6 +118,7 @@ class HostTier(Tier):
         super().__init__()
         if slot_bytes <= 0:
             raise ValueError(f"slot_bytes must be positive, got {slot_bytes}")
+        ttl_s = check_ttl(ttl_s)
         # Page-granular runs can go straight to O_DIRECT files and sockets; a pool of
         # sub-page blocks (tests, toy models) only gets cache-line granules, not a page each.
         granule = PAGE if slot_bytes >= PAGE else CACHE_LINE
@@ -137,6 +150,8 @@ class HostTier(Tier):
         self._doomed: dict[BlockKey, list[_Entry]] = {}
         self._policy = policy if policy is not None else LRUPolicy()  # an empty policy is falsy
         self._ttl_s = ttl_s
+        #: published blocks by age, for :meth:`expire` (only with a TTL)
+        self._ages = AgeQueue(self._aged_entries) if ttl_s is not None else None
         self._used = 0  # payload bytes of every block holding memory
         self._footprint = 0  # pool bytes they take
 
@@ -216,24 +231,29 @@ class HostTier(Tier):
             self.stats.misses += held.count(False)
         return [self.get(key, dst) if here else Status.MISS for key, dst, here in zip(keys, dsts, held)]
 
-    def put(self, key: BlockKey, data, *, parent: BlockKey | None = None, meta: BlockMeta | None = None) -> Status:
+    def put(self, key: BlockKey, data, *, parent: BlockKey | None = None, meta: BlockMeta | None = None,
+            created: float | None = None) -> Status:
+        """Copy ``data`` in. ``created``: when the block was first written into the store (wall
+        clock; None: now); one already past ``ttl_s`` is not stored (OK, counted as expired)."""
         src = _as_bytes(data)
-        status, res = self.reserve(key, src.nbytes, meta=meta)
+        status, res = self.reserve(key, src.nbytes, meta=meta, created=created)
         if res is None:
-            return status  # OK (already held), FULL or TOO_LARGE
+            return status  # OK (already held, or expired already), FULL or TOO_LARGE
         np.copyto(res.view, src)
         self.commit(res, parent=parent)
         return Status.OK
 
     # -- two-phase writes and held views --------------------------------------------
     def reserve(
-        self, key: BlockKey, nbytes: int, *, meta: BlockMeta | None = None
+        self, key: BlockKey, nbytes: int, *, meta: BlockMeta | None = None, created: float | None = None
     ) -> tuple[Status, Reservation | None]:
         """Take memory for ``key`` (evicting as needed) and return a writable view of it.
 
         Returns (OK, reservation) to fill then :meth:`commit` or :meth:`abort`;
         (OK, None) if the key is already held (content addressed: nothing to
-        do); (FULL or TOO_LARGE, None) otherwise. Nothing is visible to readers
+        do) or ``created`` (wall clock: when the block was first written into the
+        store; None: now) is already past ``ttl_s`` (nothing stored, counted as
+        expired); (FULL or TOO_LARGE, None) otherwise. Nothing is visible to readers
         before ``commit``. A key another writer is still writing gets a
         reservation of its own (a *rival*): whichever commits first is the
         block, so neither writer's abort can lose it.
@@ -248,8 +268,13 @@ class HostTier(Tier):
             if self._live(key) is not None:
                 self._policy.on_access(key)
                 return Status.OK, None
+            now = time.monotonic()
+            born = now if created is None else now - max(0.0, time.time() - created)
+            if self._ttl_s is not None and now - born > self._ttl_s:
+                self.stats.expirations += 1  # older than this tier keeps blocks: never stored
+                return Status.OK, None
             entry = _Entry(key, 0, None, nbytes, self._alloc.plan(nbytes)[2], meta,  # type: ignore[arg-type]
-                           time.monotonic(), pins=1)
+                           born, pins=1)
             got = self._alloc.alloc(nbytes, entry) or self._evict_for_locked(nbytes, entry)
             if got is None:
                 self.stats.put_failures += 1
@@ -288,6 +313,8 @@ class HostTier(Tier):
                 won = True
             if won:
                 entry.published = True
+                if self._ages is not None:
+                    self._ages.push(entry.created, key, entry, held=len(self._entries))
                 self._policy.on_insert(key, parent)
                 self.stats.puts += 1
                 self.stats.bytes_written += entry.nbytes
@@ -484,6 +511,36 @@ class HostTier(Tier):
             entry = self._live(key)
             return entry.meta if entry else None
 
+    def created_of(self, key: BlockKey) -> float | None:
+        """When a held block was first written into the store (wall clock); None if not held.
+        Expired blocks not yet freed answer too (an ``on_evict`` hook asks about its victim)."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or not entry.published:
+                return None
+            return time.time() - (time.monotonic() - entry.created)
+
+    def expire(self) -> int:
+        """Free every expired block now (through ``on_evict``, as a look-up would); returns how
+        many. Pinned ones stay until their last unpin and a later look. Cheap when nothing is
+        due: the blocks are queued by age."""
+        if self._ages is None:
+            return 0
+        n = 0
+        with self._lock:
+            pinned = []
+            for key, entry in self._ages.due(time.monotonic() - self._ttl_s):
+                if self._entries.get(key) is not entry:
+                    continue  # gone already (evicted, deleted, expired at a look-up)
+                if entry.pins:
+                    pinned.append(entry)
+                    continue
+                self._evict_locked(entry)
+                n += 1
+            for entry in pinned:
+                self._ages.push(entry.created, entry.key, entry, held=len(self._entries))
+        return n
+
     # -- internals ---------------------------------------------------------------
     def _view(self, entry: _Entry, pool: np.ndarray) -> np.ndarray:
         """A block's bytes in ``pool``, which the caller took under the lock with the block's pin
@@ -494,12 +551,17 @@ class HostTier(Tier):
         entry = self._entries.get(key)
         if entry is None or not entry.published:
             return None
-        if self._ttl_s is not None and time.monotonic() - entry.created > self._ttl_s and not entry.pins:
-            self._policy.on_remove(key)
-            self._free_locked(key, entry)
-            self.stats.expirations += 1
+        if not entry.pins and self._expired(entry):
+            self._evict_locked(entry)  # through on_evict: a block not copied down yet may go on
             return None
         return entry
+
+    def _expired(self, entry: _Entry) -> bool:
+        return self._ttl_s is not None and time.monotonic() - entry.created > self._ttl_s
+
+    def _aged_entries(self) -> Iterator[tuple[float, BlockKey, _Entry]]:
+        """The published blocks, for rebuilding the age queue."""
+        return ((e.created, k, e) for k, e in self._entries.items() if e.published)
 
     def _unpin_entry(self, key: BlockKey, entry: _Entry) -> None:
         with self._lock:
@@ -525,17 +587,22 @@ class HostTier(Tier):
         return self._alloc.free(entry.offset, entry.home)
 
     def _evict_locked(self, entry: _Entry, *, keep_memory: bool = False) -> Run | None:
-        """Evict an unpinned published block; returns the run that holds the freed
+        """Evict (or expire) an unpinned published block; returns the run that holds the freed
         memory (None with ``keep_memory``: the caller hands it over)."""
         # The demotion hook runs under the lock, so that a block is never both
-        # absent from this tier and not yet in the next one.
+        # absent from this tier and not yet in the next one. An expired block goes through it
+        # too: the hook skips blocks already copied down and passes the block's age on
+        # (created_of), so that the tier below stores it only if its own TTL admits it.
         if self.on_evict is not None:
             try:
                 self.on_evict(entry.key, memoryview(self._view(entry, self._pool)).toreadonly(), entry.meta)
             except Exception:  # noqa: BLE001 - a failed demotion only loses a cached block
                 self.stats.errors += 1
         self._policy.on_remove(entry.key)
-        self.stats.evictions += 1
+        if self._expired(entry):
+            self.stats.expirations += 1
+        else:
+            self.stats.evictions += 1
         if keep_memory:
             del self._entries[entry.key]
             self._used -= entry.nbytes
@@ -645,6 +712,8 @@ class HostTier(Tier):
         with self._lock:
             self._entries.clear()
             self._rivals.clear()
+            if self._ages is not None:
+                self._ages.clear()
             self._pool = None  # type: ignore[assignment]
             try:
                 self._mmap.close()

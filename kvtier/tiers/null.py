@@ -19,7 +19,8 @@ class NullTier(Tier):
         self.stats.misses += 1
         return Status.MISS
 
-    def put(self, key: BlockKey, data, *, parent: BlockKey | None = None, meta: BlockMeta | None = None) -> Status:
+    def put(self, key: BlockKey, data, *, parent: BlockKey | None = None, meta: BlockMeta | None = None,
+            created: float | None = None) -> Status:
         # Accepting and dropping is the cache contract ("may lose, never wrong").
         self.stats.puts += 1
         return Status.OK

@@ -1,7 +1,10 @@
 """``WrappingTier``: the base of tiers that transform or perturb another tier.
 
 Delegates what a wrapper does not change -- counters, capacity, integrity,
-closing -- so that a wrapper states only what it adds.
+closing, blocks' ages -- so that a wrapper states only what it adds. Over a tier
+that keeps ages (:attr:`~kvtier.tiers.base.Tier.keeps_age`) a wrapper's puts are
+given ``created`` and must pass it on; one that renames keys answers
+:meth:`created_of` under its own names.
 """
 
 from __future__ import annotations
@@ -36,8 +39,18 @@ class WrappingTier(Tier):
         return self.inner.available
 
     @property
+    def keeps_age(self) -> bool:
+        return self.inner.keeps_age
+
+    @property
     def used_bytes(self) -> int:
         return self.inner.used_bytes
+
+    def created_of(self, key):
+        return self.inner.created_of(key)
+
+    def expire(self) -> int:
+        return self.inner.expire()
 
     def check_integrity(self) -> None:
         self.inner.check_integrity()

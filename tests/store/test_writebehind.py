@@ -46,13 +46,13 @@ class Recording(WrappingTier):
         self.flusher_waiting = threading.Event()
         self._count = threading.Lock()
 
-    def put(self, key, data, *, parent=None, meta=None):
+    def put(self, key, data, *, parent=None, meta=None, **age):
         if self.gate is not None and threading.current_thread().name == FLUSHER:
             self.flusher_waiting.set()
             self.gate.wait()
         with self._count:
             self.put_keys[key] += 1
-        return self.inner.put(key, data, parent=parent, meta=meta)
+        return self.inner.put(key, data, parent=parent, meta=meta, **age)  # (created: the block's age)
 
     def contains(self, key):
         return self.inner.contains(key)

@@ -5,6 +5,7 @@ the block by a put, ``contains`` or ``lookup_prefix``; and a store whose upper t
 from __future__ import annotations
 
 import hashlib
+import time
 
 import numpy as np
 import pytest
@@ -162,3 +163,44 @@ def test_an_encrypted_tier_outside_a_store_keeps_no_block_keys(keyring):
     for i in range(4):
         tier.put(key(i), block(i))
     assert tier.on_evict is None and tier._keys == {}
+
+
+# -- blocks' ages (retention) pass through the encryption ---------------------------------------------
+@pytest.mark.parametrize("over", ["disk", "host"])
+def test_an_encrypted_tier_passes_each_blocks_age_to_the_tier_below(keyring, tmp_path, over):
+    """``created`` reaches the tier below under the storage name (over a disk: streamed; over a host:
+    sealed in groups) and ``created_of`` answers by block key; a block already past the TTL below is
+    refused there. Control: a put without an age is as old as the put."""
+    inner = (DiskTier(tmp_path / "d", 64 * SLOT, ttl_s=60) if over == "disk"
+             else HostTier(16 * SLOT, SLOT, ttl_s=60, prefault=False))
+    tier = EncryptedTier(inner, keyring, "t", chunk_bytes=CHUNK, threads=1)
+    assert tier.keeps_age
+    born = time.time() - 30
+    assert tier.put(key(1), block(1), created=born) is Status.OK
+    assert tier.put_many([key(2), key(3), key(4)], [block(2), block(3), block(4)],
+                         created=[born - 1, None, time.time() - 61]) == [Status.OK] * 3
+    assert abs(tier.created_of(key(1)) - born) < 0.01
+    assert abs(inner.created_of(tier.storage_name(key(1))) - born) < 0.01
+    assert abs(tier.created_of(key(2)) - (born - 1)) < 0.01
+    assert time.time() - tier.created_of(key(3)) < 5
+    assert tier.created_of(key(4)) is None and inner.stats.expirations == 1
+    assert all(reads_back(tier, i) for i in (1, 2, 3))
+    tier.close()
+
+
+def test_an_encrypted_upper_tier_demotes_an_expiring_dirty_block_with_its_age(keyring, tmp_path):
+    """A sealed DRAM tier whose block expires before its write-behind copy hands it, opened, to the
+    tier below with its age (the hook asks the encrypted tier, by block key)."""
+    top = EncryptedTier(HostTier(4 * SLOT, SLOT, ttl_s=0.2, prefault=False), keyring, "t",
+                        chunk_bytes=CHUNK, threads=1)
+    top.name = "sealed-host"
+    disk = DiskTier(tmp_path / "d", 64 * SLOT)
+    store = TieredStore([top, disk])
+    try:
+        born = time.time()
+        assert top.put(key(1), block(1)) is Status.OK  # in DRAM only, with no dirty mark: no copy
+        time.sleep(0.3)
+        assert not top.contains(key(1))  # expired: handed to the demotion hook
+        assert reads_back(disk, 1) and abs(disk.created_of(key(1)) - born) < 0.2
+    finally:
+        store.close()

@@ -1,6 +1,9 @@
+import time
+
 import numpy as np
 import pytest
 
+from kvtier.errors import ConfigError
 from kvtier.policy.eviction import PrefixAwareLRUPolicy
 from kvtier.tiers.base import Status
 from kvtier.tiers.host import HostTier
@@ -60,6 +63,79 @@ def test_ttl_expires_blocks():
     time.sleep(0.08)
     assert not t.contains(k(1))
     assert t.stats.expirations == 1
+    t.check_integrity()
+
+
+@pytest.mark.parametrize("ttl_s", [0, -1, float("nan"), float("inf"), True, "60"])
+def test_a_ttl_that_is_no_positive_number_is_refused(ttl_s):
+    """0 or less expired every block at once, NaN none ever: refused as DiskTier refuses them."""
+    with pytest.raises(ConfigError, match="ttl_s"):
+        HostTier(4 * BLOCK, BLOCK, ttl_s=ttl_s)
+    assert HostTier(4 * BLOCK, BLOCK, ttl_s=None) and HostTier(4 * BLOCK, BLOCK, ttl_s=2)  # controls
+
+
+def test_a_put_keeps_the_age_it_is_given():
+    """``created`` (wall clock: the block's first write into the store) is the block's age here: a
+    block older than the TTL is not stored (OK, counted as expired), a younger one expires when
+    its TTL runs out from that time, not from this put."""
+    t = HostTier(4 * BLOCK, BLOCK, ttl_s=1.0)
+    assert t.put(k(1), data(1), created=time.time() - 5) is Status.OK
+    assert not t.contains(k(1)) and t.stats.expirations == 1 and t.used_bytes == 0
+    born = time.time() - 0.8
+    assert t.put_many([k(2), k(3)], [data(2), data(3)], created=[born, None]) == [Status.OK] * 2
+    assert abs(t.created_of(k(2)) - born) < 0.01 and abs(t.created_of(k(3)) - time.time()) < 0.05
+    time.sleep(0.4)
+    assert not t.contains(k(2)), "1.2 s old: past the TTL counted from its first write"
+    assert t.contains(k(3)), "control: a block put without an age is 0.4 s old"
+    assert t.created_of(k(9)) is None
+    t.check_integrity()
+
+
+def test_expire_frees_expired_blocks_through_the_eviction_hook():
+    """expire() frees what has expired without a look-up, each block through ``on_evict`` (a store
+    copies a block not yet copied down), counted as expired, not evicted; a pinned one stays."""
+    t = HostTier(8 * BLOCK, BLOCK, ttl_s=0.5)
+    handed = []
+    t.on_evict = lambda key, view, meta: handed.append((key, bytes(view[:1]), t.created_of(key) is not None))
+    for i in range(3):
+        t.put(k(i), data(i))
+    assert t.expire() == 0, "nothing is due yet"
+    assert t.pin(k(2))
+    time.sleep(0.6)
+    t.put(k(5), data(5))  # young: stays
+    assert t.expire() == 2
+    assert sorted(handed) == [(k(0), b"\x00", True), (k(1), b"\x01", True)], "the victim is still held during the hook"
+    assert t.stats.expirations == 2 and t.stats.evictions == 0
+    assert set(t.keys()) == {k(2), k(5)}
+    t.unpin(k(2))
+    assert t.expire() == 1 and set(t.keys()) == {k(5)}
+    t.check_integrity()
+
+
+def test_wrappers_pass_the_age_through():
+    """A fault-injecting wrapper keeps ages as the tier it wraps does; a tier that keeps none (the
+    null tier) takes the argument and ignores it."""
+    from kvtier.tiers.faulty import FaultyTier
+    from kvtier.tiers.null import NullTier
+
+    t = FaultyTier(HostTier(4 * BLOCK, BLOCK, ttl_s=60))
+    assert t.keeps_age and not NullTier().keeps_age
+    born = time.time() - 30
+    assert t.put(k(1), data(1), created=born) is Status.OK
+    assert t.put(k(2), data(2), created=time.time() - 61) is Status.OK and not t.contains(k(2))
+    assert abs(t.created_of(k(1)) - born) < 0.01
+    assert NullTier().put(k(1), data(1), created=born) is Status.OK
+
+
+def test_the_age_queue_stays_bounded_under_churn():
+    """Blocks evicted or deleted leave their queue items behind; the queue is rebuilt before those
+    outnumber the blocks held (a pool turned over many times within one TTL)."""
+    t = HostTier(4 * BLOCK, BLOCK, ttl_s=3600)
+    for i in range(2000):
+        t.put(k(i), data(i))
+        if i % 3 == 0:
+            t.delete(k(i))
+    assert len(t._ages) <= 2 * 4 + 64 + 1
     t.check_integrity()
 
 
