@@ -22,12 +22,20 @@ saved after the reset, and a restarted engine keys as before any reset (the bloc
 weights on disk). Random, not counted: an epoch is never reused by a restart or another
 engine for other weights. Weights that change and are kept across restarts, or shared by
 several engines, need a new ``weights_revision``.
+
+**KV events** (vLLM's ``--kv-events-config``): vLLM publishes its GPU pool's events; the
+connector adds ``BlockStored`` / ``BlockRemoved`` of medium ``"CPU"`` for the blocks the host
+tier holds (``take_events``), so that a router prices a worker's DRAM copies after vLLM evicted
+its pages (:mod:`~kvtier.integrations.vllm.host_events`). A store without a host tier publishes
+none (a disk or shared tier is no CPU medium); a reset removes them all.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from array import array
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -38,7 +46,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvtier.integrations import poison as poisoning
 from kvtier.integrations.vllm import cpu_windows, shared_store
-from kvtier.integrations.vllm.config import ConnectorConfig, engine_kv
+from kvtier.integrations.vllm.config import ConnectorConfig, EngineKV, engine_kv
+from kvtier.integrations.vllm.host_events import HostBlock, HostEvents, HostResidency, Removed, host_tier
 from kvtier.integrations.vllm.lookup_service import LookupClient, LookupServer, socket_path
 from kvtier.integrations.vllm.metadata import KvtierMetadata, KvtierWorkerMetadata
 from kvtier.integrations.vllm.scheduler_side import SchedulerSide
@@ -47,6 +56,7 @@ from kvtier.integrations.vllm.worker_side import WorkerSide
 if TYPE_CHECKING:
     import torch
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -79,6 +89,77 @@ def _log_through_vllm() -> None:
 IDLE_WAIT_S = 0.05
 
 
+def _kv_event_ranks(vllm_config: "VllmConfig") -> int | None:
+    """The workers whose host tiers must all hold a block for a CPU-medium ``BlockStored``;
+    None when no KV events are published (or the ranks are not told apart here)."""
+    events = getattr(vllm_config, "kv_events_config", None)
+    if events is None or not events.enable_kv_cache_events:
+        return None
+    parallel = vllm_config.parallel_config
+    if int(getattr(parallel, "prefill_context_parallel_size", 1) or 1) > 1:
+        log.info("kvtier: no CPU-medium KV events with prefill context parallelism")
+        return None
+    return parallel.tensor_parallel_size * parallel.pipeline_parallel_size
+
+
+def _host_blocks(config: ConnectorConfig, engine: EngineKV) -> int:
+    """The most blocks the host tier can hold (each takes at least a block's bytes)."""
+    return config.store.host_bytes // engine.layout.block_nbytes + 1
+
+
+def _block_describer(engine: EngineKV):
+    """``describe(request, index)``: kvtier block ``index`` of a vLLM request as its CPU-medium
+    ``BlockStored`` states it, page by page as vLLM's own GPU events do (``BlockPool``)."""
+    from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, to_event_extra_keys
+
+    page, pages, per_page = engine.page_tokens, engine.pages_per_block, engine.page_tokens // engine.hash_tokens
+
+    def describe(request, index: int) -> HostBlock:
+        hashes, first = request.block_hashes, index * pages
+        start = first * page
+        extra, mm = [], 0
+        for j in range(pages):
+            keys, mm = generate_block_hash_extra_keys(request, start + j * page, start + (j + 1) * page, mm)
+            extra.append(keys)
+        lora = request.lora_request
+        return HostBlock(
+            page_hashes=tuple(hashes[(j + 1) * per_page - 1] for j in range(first, first + pages)),
+            parent=hashes[first * per_page - 1] if first else None,
+            token_ids=array("q", request.all_token_ids[start:start + pages * page]),
+            lora_id=lora.adapter_id if lora else None,
+            lora_name=lora.name if lora else None,
+            extra_keys=to_event_extra_keys(extra),
+            session_id=getattr(request, "session_id", None),
+        )
+
+    return describe
+
+
+def _vllm_events(items: list, engine: EngineKV, kv_cache_config: "KVCacheConfig") -> list["KVCacheEvent"]:
+    """:mod:`~kvtier.integrations.vllm.host_events`'s events as vLLM's, fields as its GPU pool's
+    (hashes as its ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`` says; the connector's one KV cache
+    group, 0, with its spec's kind)."""
+    from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+    from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind, get_kv_cache_spec_sliding_window
+
+    spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    kind, window = get_kv_cache_spec_kind(spec).value, get_kv_cache_spec_sliding_window(spec)
+    events = []
+    for item in items:
+        hashes = [maybe_convert_block_hash(h) for h in item.page_hashes]
+        if isinstance(item, Removed):
+            events.append(BlockRemoved(block_hashes=hashes, medium=MEDIUM_CPU, group_idx=0))
+            continue
+        events.append(BlockStored(
+            block_hashes=hashes,
+            parent_block_hash=None if item.parent is None else maybe_convert_block_hash(item.parent),
+            token_ids=item.token_ids.tolist(), block_size=engine.page_tokens, lora_id=item.lora_id,
+            medium=MEDIUM_CPU, lora_name=item.lora_name, extra_keys=item.extra_keys, group_idx=0,
+            kv_cache_spec_kind=kind, kv_cache_spec_sliding_window=window, session_id=item.session_id))
+    return events
+
+
 class KvtierConnector(KVConnectorBase_V1):
     @property
     def requires_kv_delivery(self) -> bool:
@@ -102,6 +183,11 @@ class KvtierConnector(KVConnectorBase_V1):
             pp_rank = get_pp_group().rank_in_group
         self.engine = engine_kv(self.config, vllm_config, kv_cache_config, tp_rank=tp_rank, pp_rank=pp_rank)
         engine_id = str(transfer.engine_id)
+        # CPU-medium KV events: with vLLM's KV events on and a host tier (module docstring), pages
+        # named by whole hash-blocks (one KV cache group: always)
+        ranks = (_kv_event_ranks(vllm_config)
+                 if self.config.store.host_bytes and self.engine.page_tokens % self.engine.hash_tokens == 0 else None)
+        self.host_events: HostEvents | None = None
         self.store = None
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
@@ -122,17 +208,27 @@ class KvtierConnector(KVConnectorBase_V1):
                 log.info("kvtier: kv_load_failure_policy=%s (a failed load is recomputed)",
                          self.config.load_failure_policy)
                 transfer.kv_load_failure_policy = self.config.load_failure_policy
+            if ranks is not None:
+                self.host_events = HostEvents(ranks, _block_describer(self.engine),
+                                              _host_blocks(self.config, self.engine))
             self.scheduler = SchedulerSide(
                 self.config, self.engine, lookup,
                 loads=transfer.kv_role in ("kv_both", "kv_consumer"),
                 saves=transfer.kv_role in ("kv_both", "kv_producer"),
                 bounded_tiers=bounded,
+                host_events=self.host_events,
             )
         else:
             self.store = shared_store.acquire(self.config.store, self.engine.layout,
                                               flush_timeout_s=self.config.shutdown_flush_s)
             shared_store.register_worker(engine_id, self.store)
-            self.worker = WorkerSide(self.engine, self.store, poison=poisoning.enabled(self.config.debug_poison))
+            host = host_tier(self.store.tiers)
+            residency = None
+            if ranks is not None and host is not None:
+                rank = pp_rank * vllm_config.parallel_config.tensor_parallel_size + tp_rank
+                residency = HostResidency(host, rank, _host_blocks(self.config, self.engine))
+            self.worker = WorkerSide(self.engine, self.store, poison=poisoning.enabled(self.config.debug_poison),
+                                     residency=residency)
             if tp_rank == 0:
                 store = self.store
                 self._lookup_server = LookupServer(socket_path(engine_id, pp_rank=pp_rank),
@@ -175,7 +271,7 @@ class KvtierConnector(KVConnectorBase_V1):
 
     def build_connector_worker_meta(self) -> KvtierWorkerMetadata:
         # Names the step this report is of; never empty, so the scheduler sees every report.
-        return KvtierWorkerMetadata(self.worker.step)
+        return KvtierWorkerMetadata(self.worker.step, self.worker.host_report())
 
     def shutdown(self) -> None:
         """vLLM's stop signal (worker shutdown, scheduler shutdown): saves reach the store, and
@@ -205,6 +301,15 @@ class KvtierConnector(KVConnectorBase_V1):
         worker_meta = getattr(connector_output, "kv_connector_worker_meta", None)
         step = worker_meta.step if isinstance(worker_meta, KvtierWorkerMetadata) else None
         self.scheduler.update(connector_output.finished_recving, connector_output.invalid_block_ids, step)
+        if isinstance(worker_meta, KvtierWorkerMetadata):
+            self.scheduler.host_report(worker_meta.host)
+
+    def take_events(self) -> Iterable["KVCacheEvent"]:
+        """The CPU-medium events since the last call (vLLM publishes them after its GPU pool's)."""
+        if self.host_events is None:
+            return ()
+        items = self.host_events.take()
+        return _vllm_events(items, self.engine, self._kv_cache_config) if items else ()
 
     def reset_cache(self) -> bool:
         """Every later lookup misses what was stored before (a new key epoch; see the module's

@@ -13,7 +13,8 @@ null for no connector), ``role`` (kv_both | kv_producer | kv_consumer),
 where its CPU platform turns it off, for latent-attention models: the reference a test compares a
 kvtier hit with, as both take vLLM's context-attention path), ``hide_amx`` (vLLM's CPU kernels run
 as on a host without AMX tiles: their other page layout, for a test of two hosts), ``kv_pages`` (vLLM's KV cache size in pages, to make it
-smaller than a workload), or ``transfer`` (a whole
+smaller than a workload), ``kv_events`` (a KVEventsConfig dict: vLLM publishes its KV events,
+the connector's CPU-medium ones among them), or ``transfer`` (a whole
 KVTransferConfig dict, for another connector such as LMCache's). Commands: ``generate`` (prompts as token-id lists,
 ``max_tokens``, optional ``cache_salt``, ``kv_transfer_params``), ``reset``
 (vLLM's prefix cache; replies ``{"ok": bool}``, False when vLLM refused), ``ttft`` (one
@@ -174,6 +175,10 @@ def build(settings: dict):
 
     transfer = None
     engine_args = dict(settings.get("engine_args", {}))
+    if settings.get("kv_events") is not None:
+        from vllm.config import KVEventsConfig
+
+        engine_args["kv_events_config"] = KVEventsConfig(**settings["kv_events"])
     if settings.get("force_prefix_caching"):
         _keep_prefix_caching()
         engine_args.setdefault("distributed_executor_backend", "uni")   # the patch must reach the worker

@@ -9,7 +9,8 @@ Steps are numbered by the scheduler's builds (0, 1, 2, ...). With more than one 
 flight (async scheduling, pipeline parallelism) vLLM builds step N+1 before it takes step
 N's report, so a step carries both its own number and the last step whose report the
 scheduler had taken (``reported_step``); each worker names the step of its report
-(:class:`KvtierWorkerMetadata`).
+(:class:`KvtierWorkerMetadata`), and which saved blocks its host tier took or lost since its
+last report (:mod:`~kvtier.integrations.vllm.host_events`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+
+from kvtier.integrations.vllm.host_events import HostReport, merge_reports
 
 
 @dataclass(slots=True)
@@ -68,7 +71,13 @@ class KvtierWorkerMetadata(KVConnectorWorkerMetadata):
     connector every step's report (an empty one it skips), in step order."""
 
     step: int
+    #: blocks its host tier took or lost since the last report: (key epoch, block id) → (rank
+    #: bits holding it, rank bits not); empty without KV events or a host tier
+    host: HostReport = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
-        # The workers (tensor and pipeline ranks) of one step report the same step.
-        return KvtierWorkerMetadata(min(self.step, other.step)) if isinstance(other, KvtierWorkerMetadata) else self
+        # The workers (tensor and pipeline ranks) of one step report the same step, each its own
+        # host tier under its own rank bit.
+        if not isinstance(other, KvtierWorkerMetadata):
+            return self
+        return KvtierWorkerMetadata(min(self.step, other.step), merge_reports(self.host, other.host))

@@ -30,6 +30,10 @@
   load and save keys under it, so nothing stored before hits again (the store keeps it
   until evicted). Requests known at the reset save nothing more (their pages may hold KV of
   the old weights) unless they come back with nothing computed.
+* **KV events** (``host_events``, with vLLM's KV events on and a host tier): each save planned
+  is described, and the workers' reports of what their host tiers hold become ``BlockStored``
+  / ``BlockRemoved`` events of medium ``"CPU"`` (:mod:`~kvtier.integrations.vllm.host_events`);
+  a reset removes them all.
 
 Not thread safe: vLLM calls the scheduler connector from its scheduler thread only.
 A lookup that fails (a tier down, a timeout) counts as a miss; it never raises.
@@ -46,6 +50,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from kvtier.integrations.vllm.config import ConnectorConfig, EngineKV
+from kvtier.integrations.vllm.host_events import HostEvents, HostReport
 from kvtier.core.keys import BlockKey
 from kvtier.store.tiered import PrefixMatch
 from kvtier.integrations.vllm.metadata import BlockTransfer, KvtierMetadata, LoadJob, SaveJob
@@ -126,13 +131,16 @@ class SchedulerSide:
         loads: bool,
         saves: bool,
         bounded_tiers: frozenset[str] = frozenset(),
+        host_events: HostEvents | None = None,
     ) -> None:
         """``lookup(keys)`` returns the store's longest prefix of ``keys`` (the worker's store):
         a :class:`PrefixMatch` where this process holds the store and can tell which tier
         holds each block, else just its length (a lookup socket). ``bounded_tiers``: the
         names of the store's tiers with bounded reads (``Tier.bounded_reads``); a small
-        load from those alone runs in its forward's step (``sync_load_max_bytes``)."""
+        load from those alone runs in its forward's step (``sync_load_max_bytes``).
+        ``host_events``: the CPU-medium KV events' queue, None when none are published."""
         self.config = config
+        self.host_events = host_events
         self.engine = engine
         self.lookup = lookup
         self.bounded_tiers = bounded_tiers
@@ -316,6 +324,8 @@ class SchedulerSide:
             return
         meta.saves.append(SaveJob(req_id, hashes[:full], transfers))
         self.stats.save_blocks += len(transfers)
+        if self.host_events is not None:
+            self.host_events.planned(state.request, [(t.index, hashes[t.index]) for t in transfers])
 
     def update(self, finished_loads, invalid_pages, step: int | None = None) -> None:
         """Take the workers' report of a step: loads that ended, pages they could not fill.
@@ -363,6 +373,11 @@ class SchedulerSide:
                 if state.load_pages is pages:
                     state.load_pages = {}
 
+    def host_report(self, report: HostReport) -> None:
+        """Take the workers' report of what their host tiers took and lost (KV events)."""
+        if self.host_events is not None and report:
+            self.host_events.report(report, self.epoch)
+
     def reset(self) -> bool:
         """Make every later lookup miss what is stored now (``reset_cache``): a fresh random key
         epoch, which the workers take from the next step's metadata. Steps built before key
@@ -371,6 +386,8 @@ class SchedulerSide:
         self.epoch = secrets.token_hex(16)
         for state in self._requests.values():
             state.stale = True
+        if self.host_events is not None:
+            self.host_events.reset()   # the host tiers' blocks are unreachable now: removed
         log.info("kvtier: connector cache reset; new key epoch %s (blocks stored before stay in the store, "
                  "unseen, until evicted)", self.epoch)
         return True

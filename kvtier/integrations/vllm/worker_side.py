@@ -17,6 +17,8 @@
   report (``KvtierMetadata.reported_step``): the steps vLLM ran meanwhile may have
   computed over the pages the load left unfilled.
 * **Keys** are those of the step's ``epoch`` (a ``reset_cache`` starts a new one).
+* **Host residency** (with KV events on and a host tier): which saved blocks the host tier
+  holds or has lost, for the step's report (:mod:`~kvtier.integrations.vllm.host_events`).
 
 Thread safety: the vLLM-facing methods run on the worker's thread; the loader
 thread only touches the pages of its own jobs and shares ``_done`` under a lock.
@@ -37,6 +39,7 @@ from kvtier.core.keys import BlockKey
 from kvtier.core.payload import BlockMeta
 from kvtier.integrations import poison as poisoning
 from kvtier.integrations.vllm.config import EngineKV
+from kvtier.integrations.vllm.host_events import HostReport, HostResidency
 from kvtier.integrations.vllm.metadata import BlockTransfer, KvtierMetadata, LoadJob, SaveJob
 from kvtier.integrations.vllm.paged_layout import PagedKV
 from kvtier.store.tiered import TieredStore
@@ -108,10 +111,13 @@ class WorkerSide:
     """``poison`` (debug): before each load, fill its pages and staging buffers with
     NaN (:mod:`kvtier.integrations.poison`); a load that writes nothing then shows."""
 
-    def __init__(self, engine: EngineKV, store: TieredStore, *, poison: bool = False) -> None:
+    def __init__(self, engine: EngineKV, store: TieredStore, *, poison: bool = False,
+                 residency: HostResidency | None = None) -> None:
+        """``residency``: follows what the host tier holds of this worker's saves (KV events)."""
         self.engine = engine
         self.store = store
         self.poison = poison
+        self.residency = residency
         #: vLLM's CPU split-KV decode turned off for this model's windows (cpu_windows.py)
         self.split_kv_off = False
         self.paged: PagedKV | None = None
@@ -258,26 +264,48 @@ class WorkerSide:
             self.paged.gather(transfer, buf)
         indexes = [t.index for t in job.blocks]
         meta = BlockMeta(self.engine.layout.dtype, self.paged.block_shape, self.engine.block_tokens)
+        saved = [keys[i] for i in indexes]
+        if self.residency is not None:
+            self.residency.saving(saved, [job.hashes[i] for i in indexes], epoch)
         future = self.store.put_async(
-            [keys[i] for i in indexes],
+            saved,
             staging,
             parents=[keys[i - 1] if i else None for i in indexes],
             metas=[meta] * len(indexes),
         )
-        future.add_done_callback(lambda f: (self._saved(f), self._buffers.give(staging)))
-        self._saves.append(future)
+        # What flush() waits for: the put, then its accounting (a put's own future is done before
+        # its callbacks run, so a flush that returned could still miss the save's stats and report).
+        accounted: Future = Future()
 
-    def _saved(self, future: Future) -> None:
+        def account(put: Future) -> None:
+            try:
+                self._saved(put, saved)
+                self._buffers.give(staging)
+            finally:
+                accounted.set_result(None)
+
+        future.add_done_callback(account)
+        self._saves.append(accounted)
+
+    def _saved(self, future: Future, keys: list[BlockKey]) -> None:
         try:
             statuses = future.result()
         except Exception as exc:  # noqa: BLE001 - a lost save is a future miss
             log.warning("kvtier save failed (%s)", exc)
             with self._lock:
                 self.stats.save_failures += 1
-            return
-        with self._lock:
-            self.stats.saved_blocks += sum(s is Status.OK for s in statuses)
-            self.stats.save_failures += sum(s is not Status.OK for s in statuses)
+            statuses = None
+        else:
+            with self._lock:
+                self.stats.saved_blocks += sum(s is Status.OK for s in statuses)
+                self.stats.save_failures += sum(s is not Status.OK for s in statuses)
+        if self.residency is not None:
+            self.residency.saved(keys, statuses)
+
+    def host_report(self) -> HostReport:
+        """The host tier's changes to this worker's saved blocks since the last call (empty
+        without a residency): this step's part of the report to the scheduler."""
+        return self.residency.take() if self.residency is not None else {}
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait (at most ``timeout_s``) for every save and load submitted so far; True if all ended."""
@@ -290,3 +318,5 @@ class WorkerSide:
             log.warning("kvtier: saves still running after %.1fs at shutdown; the store's bounded close takes over",
                         timeout_s)
         self._loader.shutdown(wait=False, cancel_futures=True)
+        if self.residency is not None:
+            self.residency.close()

@@ -5,9 +5,14 @@ disk tier (evicted, or copied by write-behind); a second engine process on the
 same directory, with no host tier, then loads them from disk. Every load writes
 into pages poisoned with NaN first (``KVTIER_DEBUG_POISON``, set by the suite),
 so a load that writes nothing fails its comparison.
+
+Both engines publish vLLM's KV events over ZMQ (ipc): the writer's host tier as medium
+"CPU" events beside its GPU pool's, the reader (no host tier) its GPU pool's only.
 """
 
 from __future__ import annotations
+
+import time
 
 import pytest
 
@@ -28,25 +33,36 @@ def disk_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def engine(engines, tiny_model, disk_dir):
+def events_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("kv-events")
+
+
+def kv_events(events_dir, name: str) -> dict:
+    """vLLM's KV events published on an ipc socket (vLLM binds it) in ``events_dir``."""
+    return {"enable_kv_cache_events": True, "publisher": "zmq", "topic": "",
+            "endpoint": f"ipc://{events_dir}/{name}.events"}
+
+
+@pytest.fixture(scope="module")
+def engine(engines, tiny_model, disk_dir, events_dir):
     extra = {
         "block_tokens": BLOCK_TOKENS,
         "host_bytes": HOST_BLOCKS * BLOCK_BYTES,
         "disk_path": str(disk_dir),
         "disk_bytes": "256MiB",
     }
-    engine = engines("embedded", {"model": tiny_model, "extra": extra})
+    engine = engines("embedded", {"model": tiny_model, "extra": extra, "kv_events": kv_events(events_dir, "writer")})
     engine.wait_ready()
     return engine
 
 
 @pytest.fixture(scope="module")
-def reader(engines, tiny_model, disk_dir):
+def reader(engines, tiny_model, disk_dir, events_dir):
     """A second engine process on the writer's disk directory, without a host tier: every
     block it loads comes from disk, every block it saves goes straight there. Started
     once, by the first test that needs it."""
     extra = {"block_tokens": BLOCK_TOKENS, "host_bytes": 0, "disk_path": str(disk_dir), "disk_bytes": "256MiB"}
-    reader = engines("reader", {"model": tiny_model, "extra": extra})
+    reader = engines("reader", {"model": tiny_model, "extra": extra, "kv_events": kv_events(events_dir, "reader")})
     reader.wait_ready()
     return reader
 
@@ -204,8 +220,8 @@ def test_a_block_corrupted_on_disk_mid_chain_stops_the_load_there(engine, reader
     assert again["logprobs"] == reference["logprobs"]
 
 
-# Last in the module on purpose: it moves the writer's key epoch, and the tests above read its
-# blocks from another engine process (the reader keys as before any reset).
+# After the tests that read the writer's blocks from another engine process (the reader keys as
+# before any reset): it moves the writer's key epoch.
 def test_a_connector_cache_reset_makes_every_prompt_seen_before_miss(engine):
     """vLLM's reset_prefix_cache(reset_connector=True) -- what a weight update's cache clearing,
     release_kv_cache_memory and POST /reset_prefix_cache?reset_external=true call -- reported
@@ -231,3 +247,160 @@ def test_a_connector_cache_reset_makes_every_prompt_seen_before_miss(engine):
     for prompt, a, b in zip(batch, cold, again):
         assert loaded_tokens(b) == expected_hit(len(prompt)) > 0
         assert b["token_ids"] == a["token_ids"] and b["logprobs"] == a["logprobs"]
+
+
+# -- KV events: the host tier as medium "CPU" -------------------------------------------------
+PAGE = 32
+
+
+class EventTap:
+    """A subscriber to an engine's KV events (vLLM's ZMQ publisher: topic, sequence, a msgpack
+    ``KVEventBatch``); ``events`` keeps every event received, in order."""
+
+    def __init__(self, endpoint: str) -> None:
+        import msgspec
+        import zmq
+        from vllm.distributed.kv_events import KVEventBatch
+
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.SUB)
+        self.sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sock.connect(endpoint)
+        self.decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        self.events: list = []
+
+    def drain(self, wait_s: float = 0.3) -> None:
+        while self.sock.poll(int(wait_s * 1000)):
+            _topic, _seq, payload = self.sock.recv_multipart()
+            self.events.extend(self.decoder.decode(payload).events)
+            wait_s = 0.05
+
+    def stored(self, medium: str) -> list:
+        return [e for e in self.events if type(e).__name__ == "BlockStored" and (e.medium or "GPU") == medium]
+
+    def removed(self, medium: str) -> list:
+        return [h for e in self.events if type(e).__name__ == "BlockRemoved" and (e.medium or "GPU") == medium
+                for h in e.block_hashes]
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        self.ctx.term()
+
+
+def _tap(engine, endpoint: str, seed: int) -> EventTap:
+    """A tap that receives: a subscription takes a moment to reach the publisher, so prompts are
+    sent until one's GPU events arrive."""
+    tap = EventTap(endpoint)
+    for attempt in range(20):
+        engine.generate(prompts(1, 70, seed=seed + attempt), max_tokens=1)   # two new pages: GPU events
+        tap.drain()
+        if tap.stored("GPU"):
+            return tap
+    tap.close()
+    raise AssertionError(f"no KV event from {endpoint}")
+
+
+def _until(tap: EventTap, engine, done, what: str, timeout_s: float = 60) -> None:
+    """Drain until ``done()``. A worker reports saves finished after its last step with its next
+    step's metadata: a short prompt (no kvtier block, a vLLM prefix hit after the first) makes one."""
+    deadline = time.monotonic() + timeout_s
+    nudge = prompts(1, 40, seed=99)
+    while True:
+        tap.drain()
+        if done():
+            return
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s}s"
+        engine.generate(nudge, max_tokens=1)
+
+
+def _page_hashes(tap: EventTap, tokens: list[int]) -> list:
+    """vLLM's hashes of ``tokens``' full pages, from its GPU BlockStored events (by page content:
+    the prompts are random)."""
+    by_content = {tuple(e.token_ids[i * PAGE:(i + 1) * PAGE]): h
+                  for e in tap.stored("GPU") for i, h in enumerate(e.block_hashes)}
+    return [by_content[tuple(tokens[j * PAGE:(j + 1) * PAGE])] for j in range(len(tokens) // PAGE)]
+
+
+def test_a_disk_only_store_publishes_no_cpu_events(reader, events_dir):
+    """A disk block is no CPU-medium block (and a shared tier publishes its own events)."""
+    tap = _tap(reader, f"ipc://{events_dir}/reader.events", seed=300)
+    try:
+        saved = reader.call(op="stats")["worker"]["saved_blocks"]
+        reader.generate(prompts(1, 300, seed=310), max_tokens=2)
+        reader.call(op="flush")
+        for _ in range(3):
+            reader.generate(prompts(1, 40, seed=99), max_tokens=1)
+        tap.drain()
+        assert reader.call(op="stats")["worker"]["saved_blocks"] - saved >= 4, "control: the blocks were saved"
+        assert len(tap.stored("GPU")) >= 2, "control: the GPU pool's events arrive"
+        assert not tap.stored("CPU") and not tap.removed("CPU")
+    finally:
+        tap.close()
+
+
+def test_the_host_tier_is_published_as_cpu_kv_events_until_it_evicts_or_resets(engine, events_dir):
+    """The audit's E1 end to end: vLLM's scheduler publishes the connector's take_events() beside
+    its GPU pool's, and a router (its real BlockIndex here) credits the worker's CPU tier from
+    them: after vLLM evicts the pages, the host tier's copies stay credited; once the host tier
+    evicts them, nothing is; a connector reset removes what the host tier held."""
+    from kvtier.router.index import CPU, GPU, BlockIndex, worker_bit
+
+    tap = _tap(engine, f"ipc://{events_dir}/writer.events", seed=200)
+    try:
+        (target,) = prompts(1, 300, seed=81)          # 4 full blocks of 64 tokens: 8 pages saved
+        pages = 4 * BLOCK_TOKENS // PAGE
+        engine.generate([target], max_tokens=4)
+        engine.call(op="flush")
+        def all_stored() -> bool:
+            try:
+                wanted = set(_page_hashes(tap, target)[:pages])
+            except KeyError:
+                return False   # the GPU events of the target's pages are not in yet
+            return wanted <= {h for e in tap.stored("CPU") for h in e.block_hashes}
+
+        _until(tap, engine, all_stored, "a CPU BlockStored of every saved page")
+        hashes = _page_hashes(tap, target)[:pages]     # positive control: the GPU events of the same pages
+        for b in range(4):                             # one event per kvtier block, as vLLM's GPU pages say
+            (event,) = [e for e in tap.stored("CPU") if hashes[2 * b] in e.block_hashes]
+            assert event.block_hashes == hashes[2 * b:2 * b + 2] and event.block_size == PAGE
+            assert event.parent_block_hash == (hashes[2 * b - 1] if b else None)
+            assert event.token_ids == target[b * BLOCK_TOKENS:(b + 1) * BLOCK_TOKENS]
+            assert event.group_idx == 0 and event.kv_cache_spec_kind == "full_attention"
+
+        index = BlockIndex(PAGE)
+        _apply(index, tap.events)
+        keys = index.keys_of(target)[:pages]
+        assert index.masks(keys) == [worker_bit(0, GPU) | worker_bit(0, CPU)] * pages
+        index.removed(0, hashes, "GPU")                # as when vLLM evicts the pages
+        assert index.masks(keys) == [worker_bit(0, CPU)] * pages, "the host tier's copies stay credited"
+        seen = len(tap.events)
+
+        # 4 more prompts of 400+ tokens: 25 blocks through the 16-block host tier evict the target's
+        evictions = engine.call(op="stats")["worker"]["store"]["tiers"]["host"]["evictions"]
+        engine.generate(prompts(4, 400, seed=82), max_tokens=1)
+        engine.call(op="flush")
+        _until(tap, engine, lambda: set(hashes) <= set(tap.removed("CPU")), "a CPU BlockRemoved of every page")
+        assert engine.call(op="stats")["worker"]["store"]["tiers"]["host"]["evictions"] > evictions
+        _apply(index, tap.events[seen:])
+        assert index.masks(keys) == [], "evicted from the host tier too: not credited"
+
+        # a connector reset (a new key epoch): every block the host tier holds is unreachable
+        held = {h for e in tap.stored("CPU") for h in e.block_hashes} - set(tap.removed("CPU"))
+        assert held, "control: the last prompts' blocks are in the host tier"
+        assert engine.call(op="reset", connector=True)["ok"]
+        _until(tap, engine, lambda: held <= set(tap.removed("CPU")), "a CPU BlockRemoved at the reset")
+    finally:
+        tap.close()
+
+
+def _apply(index, events) -> None:
+    """What ``kvtier route`` does with a worker's events (kvtier/router/events.py)."""
+    for e in events:
+        kind = type(e).__name__
+        if kind == "BlockStored":
+            index.stored(0, e.block_hashes, e.parent_block_hash, e.token_ids, e.block_size, e.medium,
+                         lora_name=e.lora_name, extra_keys=e.extra_keys)
+        elif kind == "BlockRemoved":
+            index.removed(0, e.block_hashes, e.medium)
+        else:
+            index.clear_worker(0)
