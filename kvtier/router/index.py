@@ -21,12 +21,14 @@ Per key, one int: bit 0 = a shared tier every worker can load holds it; bit
 ``1 + 2 x worker + tier`` = ``worker`` holds it in ``tier`` (0 = GPU/HBM, 1 = CPU/host).
 Events are applied idempotently (a duplicate store sets bits already set, a duplicate
 removal clears bits already clear), out of order (a block whose parent is not yet
-known waits for it, bounded in events and blocks, for at most ``orphan_ttl_s``), and the
-whole index is an LRU of at most ``capacity`` keys (least recently stored or, once nearly
-full, matched by a decision dropped first) so memory is bounded whatever the publishers
-send. A block hash a worker reported keeps its key until removed (a later copy of it, in
-another tier, is credited to the same key), and every bit a worker set is reachable from its
-hashes, so a removal or a resync clears it.
+known waits for it, bounded in events and blocks, for at most ``orphan_ttl_s``; a removal of
+its blocks meanwhile strikes them from it), and the whole index is an LRU of at most
+``capacity`` keys (least recently stored or, once nearly full, matched by a decision dropped
+first) holding at most ``capacity`` workers' block hashes in all (each points at a key, and
+goes with it), so memory is bounded whatever the publishers send, however many workers send
+it. A block hash a worker reported keeps its key until removed (a later copy of it, in another
+tier, is credited to the same key), and every bit a worker set is reachable from its hashes,
+so a removal or a resync clears it.
 """
 
 from __future__ import annotations
@@ -188,8 +190,7 @@ MAX_LORA_NAMES = 4096      #: adapters remembered from events (oldest forgotten 
 #: orphans' budget in blocks, per allowed orphan event: a stored event is one request's new blocks
 ORPHAN_BLOCKS_PER_EVENT = 64
 #: how long an orphan waits for its parent: a publisher sends a chain in order, so a parent not
-#: seen by then was published before the router listened and never comes; a removal of an
-#: orphan's blocks meanwhile is ignored (its hashes are unknown), so a late orphan may be stale
+#: seen by then was published before the router listened and never comes
 ORPHAN_TTL_S = 30.0
 
 
@@ -225,17 +226,23 @@ def _content_extras(block_hashes: Sequence[object], starts_chain: bool, lora_nam
 
 
 class _Source:
-    """What the index knows of one worker's publisher: its hashes → our keys, and orphans."""
+    """What the index knows of one worker's publisher: its hashes → our keys (and back), and orphans."""
 
-    __slots__ = ("hash_to_key", "orphans", "orphans_since", "orphan_count", "orphan_blocks")
+    __slots__ = ("hash_to_key", "key_to_hash", "orphans", "orphans_since", "orphan_count", "orphan_blocks",
+                 "orphan_hashes")
 
     def __init__(self) -> None:
-        self.hash_to_key: OrderedDict[object, int] = OrderedDict()
-        #: parent hash → stored events waiting for it, oldest first; and since when
-        self.orphans: OrderedDict[object, list[tuple]] = OrderedDict()
+        self.hash_to_key: dict[object, int] = {}
+        #: the inverse (one hash per key and worker): a key the LRU drops takes its hashes with it
+        self.key_to_hash: dict[int, object] = {}
+        #: parent hash → stored events waiting for it (lists: a removal shortens them), oldest
+        #: first; and since when
+        self.orphans: OrderedDict[object, list[list]] = OrderedDict()
         self.orphans_since: dict[object, float] = {}
         self.orphan_count = 0
         self.orphan_blocks = 0
+        #: block hash → the waiting events that store it: a removal of it strikes it from them
+        self.orphan_hashes: dict[object, list[list]] = {}
 
 
 class BlockIndex:
@@ -254,6 +261,9 @@ class BlockIndex:
         self.orphan_ttl_s = orphan_ttl_s
         self._masks: OrderedDict[int, int] = OrderedDict()
         self._sources: dict[int, _Source] = {}
+        #: workers' block hashes held, all sources together (bounded by ``capacity`` too: each
+        #: worker's map capped on its own held up to workers x ``capacity`` entries)
+        self._hashes = 0
         self._max_worker = 0      # highest worker id ever indexed: how wide masks can be
         self._lora_names: OrderedDict[str, None] = OrderedDict()   # adapters seen in events
         self.dropped_orphans = 0
@@ -283,7 +293,7 @@ class BlockIndex:
             found = found[:found.index(0)]
         except ValueError:
             pass
-        if found and len(self._masks) >= self._refresh_from:
+        if found and (len(self._masks) >= self._refresh_from or self._hashes >= self._refresh_from):
             self._used(keys[:len(found)])
         return found
 
@@ -336,11 +346,35 @@ class BlockIndex:
 
     # --- mutations ------------------------------------------------------------------
     def _set(self, key: int, bits: int) -> None:
+        """Set ``bits`` on ``key`` (the youngest now), within the bounds (:meth:`_evict`)."""
         masks = self._masks
         masks[key] = masks.get(key, 0) | bits
         masks.move_to_end(key)
-        while len(masks) > self.capacity:
-            masks.popitem(last=False)
+        self._evict()
+
+    def _evict(self) -> None:
+        """The oldest keys go while over ``capacity`` keys or hashes, each with the workers' hashes
+        that point at it: each worker's map capped on its own, a key's hashes outlived it, and the
+        index held up to (workers + 1) x ``capacity`` entries in all."""
+        masks, sources = self._masks, self._sources
+        while (len(masks) > self.capacity or self._hashes > self.capacity) and masks:
+            key, rest = masks.popitem(last=False)
+            rest &= ~SHARED_BIT
+            while rest:   # the workers with a bit on it, from the bits (usually one)
+                worker = ((rest & -rest).bit_length() - 2) >> 1
+                rest &= ~(worker_bit(worker, GPU) | worker_bit(worker, CPU))
+                src = sources.get(worker)
+                h = src.key_to_hash.pop(key, None) if src is not None else None
+                if h is not None:
+                    del src.hash_to_key[h]
+                    self._hashes -= 1
+
+    def _unbind(self, src: _Source, h: object, key: int) -> None:
+        """Forget ``src``'s hash ``h`` (bound to ``key``)."""
+        del src.hash_to_key[h]
+        if src.key_to_hash.get(key) == h:
+            del src.key_to_hash[key]
+        self._hashes -= 1
 
     def _clear(self, key: int, bits: int) -> None:
         m = self._masks.get(key)
@@ -386,7 +420,7 @@ class BlockIndex:
                 pending.extend(self._orphans_of(src, h))
         return done
 
-    def _store(self, worker: int, src: _Source, event: tuple) -> Sequence[object]:
+    def _store(self, worker: int, src: _Source, event: Sequence) -> Sequence[object]:
         """One stored event whose tier and block size are good; returns the hashes indexed."""
         block_hashes, parent_hash, token_ids, block_size, medium, shared, lora_name, extra_keys = event
         extras = _content_extras(block_hashes, parent_hash is None, lora_name, extra_keys)
@@ -402,18 +436,24 @@ class BlockIndex:
         keys = self._event_keys(src, block_hashes, parent, token_ids[:len(block_hashes) * block_size], extras)
         bits = worker_bit(worker, tier_of_medium(medium)) | (SHARED_BIT if shared else 0)
         both = worker_bit(worker, GPU) | worker_bit(worker, CPU)
-        h2k = src.hash_to_key
+        h2k, k2h, masks = src.hash_to_key, src.key_to_hash, self._masks
         for h, key in zip(block_hashes, keys):
             old = h2k.get(h)
-            if old is not None and old != key:
-                self._clear(old, both)   # the old key is reached through this mapping only
-            h2k[h] = key
-            h2k.move_to_end(h)
-            self._set(key, bits)
-        while len(h2k) > self.capacity:
-            # the key may live on in the shared LRU (another worker holds it): this worker's
-            # bits on it could never be cleared once its hash is forgotten
-            self._clear(h2k.popitem(last=False)[1], both)
+            if old != key:
+                if old is not None:
+                    self._clear(old, both)   # the old key is reached through this mapping only
+                    self._unbind(src, h, old)
+                other = k2h.get(key)
+                if other is not None:
+                    # another hash of this worker with the same key (a collision): one hash per
+                    # key and worker, the newest; the key's bits stay reachable from it
+                    self._unbind(src, other, key)
+                h2k[h] = key
+                k2h[key] = h
+                self._hashes += 1
+            masks[key] = masks.get(key, 0) | bits
+            masks.move_to_end(key)
+        self._evict()   # once an event (over the bounds meanwhile by at most its blocks)
         return block_hashes[:len(keys)]
 
     def _event_keys(self, src: _Source, block_hashes: Sequence[object], parent: int,
@@ -457,10 +497,11 @@ class BlockIndex:
         while len(self._lora_names) > MAX_LORA_NAMES:
             self._lora_names.popitem(last=False)
 
-    def _wait_for_parent(self, src: _Source, event: tuple) -> None:
+    def _wait_for_parent(self, src: _Source, event: Sequence) -> None:
         """Keep ``event`` until its parent arrives; the oldest orphans go first when over budget
         (a new orphan is likelier to resolve than one that has waited). Token ids are kept as
         uint32 (a list of Python ints is 8 to 36 bytes a token)."""
+        hash(tuple(event[0]))   # an unhashable block hash raises here, before anything changes
         blocks = len(event[0])
         if blocks > self.max_orphan_blocks:
             self.dropped_orphans += 1   # a miss later, never a wrong answer
@@ -471,14 +512,16 @@ class BlockIndex:
         if src.orphan_count >= self.max_orphans:   # (max_orphans 0: none kept)
             self.dropped_orphans += 1
             return
-        event = (event[0], event[1], as_token_array(event[2][:blocks * event[3]]), *event[3:])
+        event = [event[0], event[1], as_token_array(event[2][:blocks * event[3]]), *event[3:]]
         if event[1] not in src.orphans:
             src.orphans_since[event[1]] = time.monotonic()
         src.orphans.setdefault(event[1], []).append(event)
         src.orphan_count += 1
         src.orphan_blocks += blocks
+        for h in event[0]:
+            src.orphan_hashes.setdefault(h, []).append(event)
 
-    def _orphans_of(self, src: _Source, parent_hash: object) -> list[tuple]:
+    def _orphans_of(self, src: _Source, parent_hash: object) -> list[list]:
         """The events waiting for ``parent_hash`` (now indexed), unless they waited too long."""
         if parent_hash not in src.orphans:
             return []
@@ -492,11 +535,46 @@ class BlockIndex:
         del src.orphans_since[parent_hash]
         src.orphan_count -= len(waiting)
         src.orphan_blocks -= sum(len(e[0]) for e in waiting)
+        for event in waiting:
+            self._unlist_orphan_hashes(src, event, event[0])
         if dropped:
             self.dropped_orphans += len(waiting)
 
+    @staticmethod
+    def _unlist_orphan_hashes(src: _Source, event: list, hashes: Sequence[object]) -> None:
+        for h in hashes:
+            events = src.orphan_hashes.get(h)
+            if events is None:
+                continue
+            events[:] = [e for e in events if e is not event]
+            if not events:
+                del src.orphan_hashes[h]
+
+    def _strike_orphans(self, src: _Source, h: object, tier: int) -> None:
+        """The worker removed block ``h`` from ``tier`` while an event storing it there waits for
+        its parent: that block and the ones after it in the event (its descendants) are struck,
+        or the parent's arrival credited blocks the worker no longer holds, for good (vLLM sends
+        a removal once)."""
+        events = {id(e): e for e in src.orphan_hashes[h]}   # (one per event, if h repeats in it)
+        for event in events.values():
+            if tier_of_medium(event[4]) != tier:
+                continue
+            cut = list(event[0]).index(h)
+            struck = event[0][cut:]
+            self._unlist_orphan_hashes(src, event, struck)
+            src.orphan_blocks -= len(struck)
+            if cut:
+                event[0], event[2] = event[0][:cut], event[2][:cut * event[3]]
+                continue
+            waiting = src.orphans[event[1]]
+            waiting[:] = [e for e in waiting if e is not event]
+            src.orphan_count -= 1
+            if not waiting:
+                del src.orphans[event[1]], src.orphans_since[event[1]]
+
     def removed(self, worker: int, block_hashes: Iterable[object], medium: str | None = "GPU") -> None:
-        """Apply a ``BlockRemoved`` event (unknown hashes are ignored: duplicates, or never seen)."""
+        """Apply a ``BlockRemoved`` event (unknown hashes are ignored: duplicates, or never seen;
+        a block of an orphan that waits is struck from it, with its descendants)."""
         tier = tier_of_medium(medium)
         src = self._sources.get(worker)
         if tier is None or src is None:
@@ -504,12 +582,14 @@ class BlockIndex:
         bit = worker_bit(worker, tier)
         both = worker_bit(worker, GPU) | worker_bit(worker, CPU)
         for h in block_hashes:
+            if src.orphan_hashes and h in src.orphan_hashes:
+                self._strike_orphans(src, h, tier)
             key = src.hash_to_key.get(h)
             if key is None:
                 continue
             self._clear(key, bit)
             if not self._masks.get(key, 0) & both:
-                del src.hash_to_key[h]
+                self._unbind(src, h, key)
 
     def clear_worker(self, worker: int) -> None:
         """Forget everything ``worker`` reported (it left, its publisher restarted, or a gap)."""
@@ -517,7 +597,8 @@ class BlockIndex:
         if src is None:
             return
         bits = worker_bit(worker, GPU) | worker_bit(worker, CPU)
-        for key in set(src.hash_to_key.values()):
+        self._hashes -= len(src.hash_to_key)
+        for key in src.key_to_hash:
             self._clear(key, bits)
 
     def add_shared(self, keys: Iterable[int]) -> None:
@@ -536,3 +617,20 @@ class BlockIndex:
 
     def workers_known(self) -> list[int]:
         return sorted(self._sources)
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError unless the bounds hold, each worker's hash → key map is one to
+        one and points only at keys that carry that worker's bits, and the orphans' counts and
+        hash lists agree with the events waiting."""
+        assert len(self._masks) <= self.capacity, f"{len(self._masks)} keys over capacity {self.capacity}"
+        assert self._hashes == sum(len(s.hash_to_key) for s in self._sources.values()), "hash count disagrees"
+        assert self._hashes <= self.capacity, f"{self._hashes} hashes over capacity {self.capacity}"
+        for worker, src in self._sources.items():
+            both = worker_bit(worker, GPU) | worker_bit(worker, CPU)
+            assert {k: h for h, k in src.hash_to_key.items()} == src.key_to_hash, f"worker {worker}: maps disagree"
+            assert all(self._masks.get(k, 0) & both for k in src.key_to_hash), f"worker {worker}: a hash of no bit"
+            waiting = [e for events in src.orphans.values() for e in events]
+            assert src.orphan_count == len(waiting) and set(src.orphans) == set(src.orphans_since)
+            assert src.orphan_blocks == sum(len(e[0]) for e in waiting), f"worker {worker}: orphan blocks disagree"
+            listed = {(h, id(e)) for h, events in src.orphan_hashes.items() for e in events}
+            assert listed == {(h, id(e)) for e in waiting for h in e[0]}, f"worker {worker}: orphan hashes disagree"

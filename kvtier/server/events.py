@@ -90,6 +90,25 @@ _BATCH_EVENTS = 1000
 #: a gap and asks for a replay): at most 1,000 x _BATCH_EVENTS events (~160 MB) held for it, where
 #: 10,000 messages held up to ~1.6 GB for each stalled subscriber
 _SEND_QUEUE_MESSAGES = 1000
+#: ZMTP heartbeats on a listener's connections (the router's SUB to each vLLM worker and its replay
+#: DEALER, :class:`EventSubscriber`'s DEALER): a listener sends nothing once subscribed, so a flow
+#: that died without a FIN or RST reaching it (a crashed or rebooted host, a NAT or firewall that
+#: dropped an idle flow) was never noticed: the stale entries stayed, and a publisher restarted on
+#: the same address was never heard. A PING every 2 s; no traffic for 6 s (three unanswered) ends
+#: the connection, ZMQ reconnects and the listener's disconnect path (clear, replay) runs. The peer
+#: answers in libzmq's I/O thread (ZMTP 3.1, libzmq >= 4.2: vLLM's pyzmq publisher, kvtier serve),
+#: so a worker busy in Python still answers, and 6 s rides out a loaded host's scheduling stalls.
+#: No TCP keepalive: the PINGs are traffic on the flow, so they keep a NAT's entry alive too, and
+#: find a dead peer long before the kernel's keepalive would (2 h idle by default).
+HEARTBEAT_IVL_MS = 2000
+HEARTBEAT_TIMEOUT_MS = 6000
+#: asks the peer to drop its end after as long without a word from us (our PINGs are that word):
+#: a publisher stops queueing messages into a dead router's flow
+HEARTBEAT_TTL_MS = 6000
+#: renewals a subscriber queues while the server is unreachable (it sends one every ``renew_s``):
+#: past this they are skipped, not blocking the thread (at the default 1,000, after ~83 minutes)
+#: nor sent to the server in a pile when it is back
+_SUB_QUEUE = 4
 
 
 def event_block_name(name_key: bytes, owner: str, namespace: str, key: bytes) -> bytes:
@@ -112,6 +131,15 @@ def check_endpoint(endpoint: str, *, curve: bool) -> None:
             f"events endpoint {endpoint!r} without CURVE would let {where} read every tenant's KV events; "
             f"set events_curve_secret (`kvtier admin new-events-keys`) or use ipc:///path (a 0600 socket)"
         )
+
+
+def heartbeat(sock) -> None:
+    """Set :data:`HEARTBEAT_IVL_MS` and its timeouts on a listener's ``sock``, before it connects."""
+    import zmq
+
+    sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TTL, HEARTBEAT_TTL_MS)
 
 
 def _is_loopback(host: str) -> bool:
@@ -471,10 +499,13 @@ class EventSubscriber:
     """The subscriber side, for routers and tests: register, replay, receive, renew.
 
     ``recv`` returns ``(seq, events)`` or None on timeout; it renews the
-    registration as it goes. ``gaps`` counts sequence numbers that never arrived;
-    ``restarts`` counts sequences that went back (a ``SYNC`` or ``EV`` below the next
-    expected number: a restarted server numbers from 0 again, and what was learnt of the
-    old one is stale).
+    registration as it goes, and never raises on what the server sends. ``gaps`` counts
+    sequence numbers that never arrived, and messages that could not be read (``malformed``:
+    frames missing or short, a payload that is not ``[timestamp, [event, …]]``), whose
+    events are as lost; ``restarts`` counts sequences that went back (a ``SYNC`` or ``EV``
+    below the next expected number: a restarted server numbers from 0 again, and what was
+    learnt of the old one is stale). ``heard``: when a ``SYNC`` or ``EV`` last came
+    (``time.monotonic``; 0.0 before the first). Not thread safe: one thread uses it.
     """
 
     def __init__(self, endpoint: str, *, server_public: str | None = None, public: str | None = None,
@@ -484,50 +515,84 @@ class EventSubscriber:
         self._zmq = zmq
         self._sock = zmq.Context.instance().socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.SNDHWM, _SUB_QUEUE)
+        heartbeat(self._sock)
         if server_public is not None:
             self._sock.curve_serverkey = server_public.encode()
             self._sock.curve_publickey = (public or "").encode()
             self._sock.curve_secretkey = (secret or "").encode()
         self._sock.connect(endpoint)
-        self._renew_s = renew_s
+        self.endpoint = endpoint
+        self.renew_s = renew_s
         self._last_sub = 0.0
         self.next_seq: int | None = None
         self.gaps = 0
         self.restarts = 0
+        self.malformed = 0
         self.status: bytes | None = None
+        self.heard = 0.0
         self._sub(since)
 
     def _sub(self, since: int | None) -> None:
-        self._sock.send_multipart([b"SUB", b"" if since is None else _SEQ.pack(since)])
+        try:
+            self._sock.send_multipart([b"SUB", b"" if since is None else _SEQ.pack(since)], self._zmq.NOBLOCK)
+        except self._zmq.Again:
+            pass   # the server is unreachable and renewals are queued already: one is enough
         self._last_sub = time.monotonic()
 
     def recv(self, timeout_s: float = 1.0) -> tuple[int, list] | None:
-        import msgpack
-
         deadline = time.monotonic() + timeout_s
         while True:
-            if time.monotonic() - self._last_sub > self._renew_s:
+            if time.monotonic() - self._last_sub > self.renew_s:
                 self._sub(None)
             left = deadline - time.monotonic()
-            if left <= 0 or not self._sock.poll(int(min(left, self._renew_s) * 1000)):
+            if left <= 0 or not self._sock.poll(int(min(left, self.renew_s) * 1000)):
                 if time.monotonic() >= deadline:
                     return None
                 continue
-            frames = self._sock.recv_multipart()
-            kind = frames[0]
-            self.status = kind
-            if kind == b"SYNC":
-                # every renewal is answered with the next number: one that went back is a restart
-                self._went_back(_SEQ.unpack(frames[1])[0])
-                continue
-            if kind != b"EV":
-                continue
-            seq = _SEQ.unpack(frames[1])[0]
-            self._went_back(seq)
-            if self.next_seq is not None and seq > self.next_seq:
-                self.gaps += seq - self.next_seq
-            self.next_seq = seq + 1
-            return seq, msgpack.unpackb(frames[2], raw=False)[1]
+            got = self._take(self._sock.recv_multipart())
+            if got is not None:
+                return got
+
+    def _take(self, frames: list[bytes]) -> tuple[int, list] | None:
+        """One message from the server: an ``EV``'s ``(seq, events)``, else None (after noting a
+        ``SYNC``'s number, or a message that cannot be read as a gap)."""
+        import msgpack
+
+        kind = frames[0]
+        if kind not in (b"SYNC", b"EV"):
+            if kind in (b"BUSY", b"FULL"):
+                self.status = kind
+            else:
+                self._malformed(f"a message of kind {kind[:16]!r}")
+            return None
+        seq = _SEQ.unpack(frames[1])[0] if len(frames) >= 2 and len(frames[1]) == _SEQ.size else None
+        if seq is None or (kind == b"EV" and len(frames) < 3):
+            self._malformed(f"{kind.decode()} of {len(frames)} frames")
+            return None
+        self.status, self.heard = kind, time.monotonic()
+        # every renewal is answered with the next number: one that went back is a restart
+        self._went_back(seq)
+        if kind == b"SYNC":
+            return None
+        if self.next_seq is not None and seq > self.next_seq:
+            self.gaps += seq - self.next_seq
+        self.next_seq = seq + 1
+        try:
+            events = msgpack.unpackb(frames[2], raw=False)[1]
+            if not isinstance(events, list):
+                raise TypeError(f"events of type {type(events).__name__}")
+        except Exception as exc:   # noqa: BLE001 - malformed input from the network: its events are lost
+            self._malformed(f"EV {seq} unreadable: {exc!r}")
+            return None
+        return seq, events
+
+    def _malformed(self, what: str) -> None:
+        """A message that cannot be read: what it said is lost, counted as a gap."""
+        self.malformed += 1
+        self.gaps += 1
+        log.log(logging.WARNING if self.malformed == 1 else logging.DEBUG,
+                "events from %s: %s, counted as lost (%d so far)", self.endpoint, what, self.malformed)
 
     def _went_back(self, seq: int) -> None:
         """Take ``seq`` as the next number if none is known yet, or if it went back (a restart)."""

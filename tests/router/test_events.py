@@ -194,3 +194,61 @@ def test_a_late_listener_replays_a_buffer_longer_than_the_publishers_send_limit(
         assert len(index.masks(block_keys(seqs[-1], BS))) == 1, "the newest batches were never replayed"
     finally:
         publisher.shutdown()
+
+
+def test_an_orphan_the_worker_removed_before_its_parent_came_is_not_credited(tmp_path):
+    """Through vLLM's own publisher. The worker holds block P from before the router listened (or
+    before a resync cleared it). It stores C (child of P): C waits as an orphan. vLLM evicts C (its
+    BlockRemoved was ignored: an unknown hash), then evicts and recomputes P, publishing P again.
+    P's arrival credited C although the worker had removed it, and vLLM never sends C's removal
+    again: the stale credit stayed until the LRU or a resync dropped it."""
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch, ZmqEventPublisher
+
+    p_tokens, c_tokens = TOKENS[:BS], TOKENS[BS:]
+    p, c = 11, 12
+
+    def store(h, parent, toks):
+        return BlockStored(block_hashes=[h], parent_block_hash=parent, token_ids=toks, block_size=BS,
+                           lora_id=None, medium="GPU", lora_name=None)
+
+    endpoint = f"ipc://{tmp_path}/w0.events"
+    pub = ZmqEventPublisher(0, endpoint=endpoint, replay_endpoint=None, buffer_steps=100)
+    index = BlockIndex(BS)
+    worker = Worker(0, "http://w0", endpoint)
+    events = VllmEvents(worker, index)
+    keys = block_keys(TOKENS, BS)
+
+    async def until(cond, what, timeout=10.0):
+        deadline = time.monotonic() + timeout
+        while not cond():
+            assert time.monotonic() < deadline, f"timed out: {what}"
+            await asyncio.sleep(0.02)
+
+    async def main():
+        pub.publish(KVEventBatch(ts=time.time(), events=[store(p, None, p_tokens)]))   # before we listen
+        await until(lambda: len(pub._buffer) == 1, "P sent")          # (its thread sends and buffers it)
+        events.start()
+        try:
+            await until(lambda: worker.events_up, "connected")
+            while events.messages == 0:      # (slow joiner: publish empty batches until one arrives)
+                pub.publish(KVEventBatch(ts=time.time(), events=[]))
+                await asyncio.sleep(0.05)
+            assert index.masks(keys) == []                                     # control: P unknown
+            base = events.messages
+            for batch in ([store(c, p, c_tokens)],                                   # an orphan
+                          [BlockRemoved(block_hashes=[c], medium="GPU")],             # evicted
+                          [BlockRemoved(block_hashes=[p], medium="GPU")],             # the parent evicted
+                          [store(p, None, p_tokens)]):                                # and recomputed
+                pub.publish(KVEventBatch(ts=time.time(), events=batch))
+            await until(lambda: events.messages >= base + 4, "the four batches")
+            assert index.masks(keys[:1]) != [], "control: P is indexed"
+            assert len(index.masks(keys)) == 1, "C was credited after the worker removed it"
+            assert events.resyncs == 0
+            index.check_integrity()
+        finally:
+            await events.stop()
+
+    try:
+        asyncio.run(asyncio.wait_for(main(), 30))
+    finally:
+        pub.shutdown()

@@ -215,21 +215,121 @@ def test_a_hash_bound_to_a_new_key_clears_its_old_keys_bits():
     assert len(index) == 1        # worker 1's block only
 
 
-def test_the_per_worker_hash_cap_clears_the_dropped_hashs_bits():
-    """Each worker's hash map is capped; the key of a dropped hash may live on in the shared LRU
-    (another worker touched it), so the dropping worker's bit on it had to go with the hash."""
+def test_a_key_the_lru_drops_takes_every_workers_hash_of_it():
+    """A worker's hash outlived its key (each worker's map was capped on its own); now the hashes go
+    with their key, so no bit is left that no hash reaches: a key another worker stores again comes
+    back with that worker's bit only, and a removal of a forgotten hash does nothing."""
     index = BlockIndex(BS, capacity=2)
     a = [1] * BS
     index.stored(0, [11], None, a, BS)                    # worker 0: key k1
     index.stored(1, [91], None, a, BS)                    # worker 1: same content
-    index.stored(0, [12], 11, [2] * BS, BS)               # worker 0: k2 (child of k1)
-    index.stored(1, [91], None, a, BS)                    # worker 1 touches k1 again (LRU: newest)
     k1 = index.keys_of(a)[0]
-    assert index.mask(k1) & worker_bit(0, GPU)            # control: before the cap drops hash 11
-    index.stored(0, [13], 12, [3] * BS, BS)               # worker 0: k3; its map drops hash 11
-    assert index.mask(k1) == worker_bit(1, GPU)           # worker 1 keeps its bit
-    index.clear_worker(0)
-    assert index.mask(k1) == worker_bit(1, GPU)
+    assert index.mask(k1) == worker_bit(0, GPU) | worker_bit(1, GPU)            # control
+    index.check_integrity()
+    index.stored(0, [12], 11, [2] * BS, BS)               # worker 0: k2, a third hash: k1 (oldest) goes
+    assert index.mask(k1) == 0 and len(index) == 1
+    assert index.worker_blocks(0) == 1 and index.worker_blocks(1) == 0
+    index.check_integrity()
+    index.stored(1, [91], None, a, BS)                    # worker 1 stores k1 again
+    assert index.mask(k1) == worker_bit(1, GPU)           # worker 0's bit did not come back with it
+    index.removed(0, [11])                                # a hash forgotten with its key: nothing
+    index.check_integrity()
+    index.clear_worker(1)
+    assert index.mask(k1) == 0
+    index.check_integrity()
+
+
+def test_the_index_holds_about_capacity_entries_not_workers_plus_one_times_it():
+    """``capacity`` capped the mask LRU, but each worker's hash → key map was capped at ``capacity``
+    on its own and kept the entries of keys the LRU had dropped: 8 workers each reporting their own
+    prompts left 1,000 masks and 8,000 hash entries for a capacity of 1,000 (at the default 4 Mi
+    and 16 workers, ~70 M entries, over 10 GB). Now the hashes go with their keys and count
+    against ``capacity`` too, however the workers' blocks overlap."""
+    cap, workers = 1000, 8
+    index = BlockIndex(BS, capacity=cap)
+    for w in range(workers):                       # each its own prompts
+        for i in range(cap):
+            index.stored(w, [(w, i)], None, [w * 1_000_000 + i * BS + t for t in range(BS)], BS, "GPU")
+    hashes = sum(index.worker_blocks(w) for w in range(workers))
+    assert len(index) == cap                                                    # control
+    assert len(index) + hashes <= 2 * cap, f"{len(index)} masks and {hashes} hash entries for capacity {cap}"
+    newest = [(workers - 1) * 1_000_000 + (cap - 1) * BS + t for t in range(BS)]
+    assert index.mask(index.keys_of(newest)[0]) == worker_bit(workers - 1, GPU)   # the newest kept
+    index.check_integrity()
+    index = BlockIndex(BS, capacity=cap)
+    for i in range(cap):                           # every worker the same prompts (GPU and CPU)
+        for w in range(workers):
+            index.stored(w, [(w, i)], None, [i * BS + t for t in range(BS)], BS, ("GPU", "CPU")[w % 2])
+    hashes = sum(index.worker_blocks(w) for w in range(workers))
+    assert hashes <= cap and len(index) >= cap // workers - 1, (len(index), hashes)
+    keys = index.keys_of([(cap - 1) * BS + t for t in range(BS)])
+    assert index.mask(keys[0]) == sum(worker_bit(w, w % 2) for w in range(workers))   # all of the newest
+    index.check_integrity()
+
+
+def test_a_full_index_stays_consistent_through_any_events():
+    """Random stores (chains, orphans, overlapping workers, both media, shared marks), removals,
+    worker clears and shared clears against a small capacity: the integrity check after each."""
+    rng = np.random.default_rng(7)
+    index = BlockIndex(BS, capacity=40, max_orphans=6)
+    contents = [[int(t) for t in rng.integers(0, 50, BS)] for _ in range(30)]
+    for step in range(3000):
+        op = rng.integers(0, 20)
+        w = int(rng.integers(0, 4))
+        if op < 12:
+            n = int(rng.integers(1, 4))
+            first = int(rng.integers(0, 60))
+            hashes = [first + i for i in range(n)]
+            parent = None if rng.integers(0, 3) == 0 else first - 1
+            tokens = [t for i in range(n) for t in contents[(first + i) % len(contents)]]
+            index.stored(w, hashes, parent, tokens, BS, ("GPU", "CPU")[int(rng.integers(0, 2))],
+                         shared=bool(rng.integers(0, 2)))
+        elif op < 18:
+            index.removed(w, [int(h) for h in rng.integers(0, 60, 3)], ("GPU", "CPU")[int(rng.integers(0, 2))])
+        elif op < 19:
+            index.clear_worker(w)
+        else:
+            index.clear_shared()
+        index.check_integrity()
+    assert len(index) > 0
+
+
+def test_an_orphan_removed_before_its_parent_came_is_not_credited():
+    """The worker stores C (child of P, which the router does not know: P was stored before it
+    listened or before a resync), then evicts C (its removal was ignored: an unknown hash), then
+    publishes P again: P's arrival credited the orphan C, and vLLM never sends C's removal again.
+    A removal strikes the block and the ones after it in the waiting event (its descendants)."""
+    p, c = TOKENS[:BS], TOKENS[BS:]
+    keys = block_keys(TOKENS, BS)
+
+    def run(removed: list, medium: str = "GPU") -> int:
+        index = BlockIndex(BS)
+        index.stored(0, [12, 13, 14], 11, c, BS)          # C and its children wait for P (11)
+        index.removed(0, removed, medium)
+        index.check_integrity()
+        index.stored(0, [11], None, p, BS)                # P (again)
+        index.check_integrity()
+        assert index._sources[0].orphan_count == 0
+        return len(index.masks(keys))
+
+    assert run([]) == 4                                   # control: the orphan is credited
+    assert run([12]) == 1, "C was credited after the worker removed it"
+    assert run([13]) == 2                                 # C kept, its child and grandchild struck
+    assert run([14, 14]) == 3
+    assert run([12], "CPU") == 4                          # a removal from another tier strikes nothing
+    assert run([99]) == 4                                 # nor one of another block
+    # two events wait for the same parent; each is struck on its own
+    index = BlockIndex(BS)
+    index.stored(0, [12], 11, c[:BS], BS)
+    index.stored(0, [22, 23], 11, [9] * 2 * BS, BS)
+    index.removed(0, [23])
+    assert index._sources[0].orphan_count == 2 and index._sources[0].orphan_blocks == 2
+    index.removed(0, [12])
+    assert index._sources[0].orphan_count == 1 and index._sources[0].orphan_blocks == 1
+    index.check_integrity()
+    assert index.stored(0, [11], None, p, BS) == 2        # P and 22
+    assert len(index.masks(block_keys(p + [9] * 2 * BS, BS))) == 2
+    index.check_integrity()
 
 
 def test_a_long_chain_of_orphans_resolves_without_recursion():
