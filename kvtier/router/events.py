@@ -211,21 +211,28 @@ class VllmEvents:
             await dealer.send_multipart([b"", start.to_bytes(8, "big")])
             expected = start
             got = 0   # batches received since the last request
+            cut = False   # a batch of this answer was dropped on the way (its later ones skipped)
             while True:
                 # vLLM's ROUTER sends the whole buffer at once, without flow control: past its send
-                # high-water mark (1,000 messages by default) it drops the rest, the end marker
-                # too. A replay that goes quiet after some batches was cut short: ask again from
-                # where it stopped (else a router started next to a worker of more than 1,000
-                # batches replayed the oldest 1,000 and none of the newest).
+                # high-water mark (1,000 messages by default) it drops what does not fit, the end
+                # marker too, and under load not only at the tail: a batch may be dropped while later
+                # ones, sent once the queue drained a little, arrive. A replay that goes quiet after
+                # some batches, or ends after such a hole, was cut short: ask again from where it
+                # stopped (else a router started next to a worker of more than 1,000 batches
+                # replayed the oldest 1,000 and none of the newest).
                 if not await dealer.poll((timeout_s if not got else _REPLAY_QUIET_S) * 1000):
                     if got:
                         await dealer.send_multipart([b"", expected.to_bytes(8, "big")])
-                        got = 0
+                        got, cut = 0, False
                         continue
                     log.warning("worker %s events: replay from %d timed out", self.worker.url, expected)
                     return
                 frames = await dealer.recv_multipart()
                 if len(frames) < 4 or frames[-2] == b"\xff" * 8:
+                    if cut:   # the end of an answer that lost batches on the way: ask again
+                        await dealer.send_multipart([b"", expected.to_bytes(8, "big")])
+                        got, cut = 0, False
+                        continue
                     return    # the end marker
                 got += 1
                 seq = self._seq(frames)
@@ -233,7 +240,11 @@ class VllmEvents:
                     continue   # (a repeat of what an earlier request already sent)
                 if upto is not None and seq >= upto:
                     continue
-                if seq != expected and (self.next_seq is not None or applied):   # a hole the replay cannot fill
+                if seq != expected and (self.next_seq is not None or applied):
+                    if got > 1 or cut:
+                        cut = True   # dropped by the publisher's send limit mid-answer: asked again
+                        continue
+                    # the answer's first batch is past the one needed: the buffer no longer has it
                     log.info("worker %s events: replay starts at %d, %d needed", self.worker.url, seq, expected)
                     return
                 self.handle(frames, replayed=True)
