@@ -38,7 +38,11 @@ back in one *extent* file, each block the same bytes as a file of its own, and
 * **Shared directories.** The in-process index is a cache of the directory:
   on an index miss, ``contains``/``get``/``put`` look for the file (one stat),
   so blocks other processes wrote are found; writers of the same key each use
-  their own temp file and the renames are atomic.
+  their own temp file and the renames are atomic. On a hit, ``put``/``put_many``/``contains``
+  (and ``contains_many``) confirm the entry (one lstat: the name still holds the indexed file,
+  or still links to the indexed extent), since another process may have removed the block
+  (evicted, expired, deleted): an entry that fails is forgotten, and the block written again /
+  not claimed. Reads (and ``lookup_prefix``) trust the entry: a get finds the file gone and misses.
 * **Deletes the file system refuses** (read-only, EACCES, EIO) are not reported done:
   ``delete`` returns False, the block is *withheld* (never served, listed or adopted again,
   still counted) and its removal retried; see :meth:`DiskTier.delete`.
@@ -188,8 +192,26 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
         return self._used
 
     def contains(self, key: BlockKey) -> bool:
+        return self.contains_many((key,))[0]
+
+    def contains_many(self, keys) -> list[bool]:
+        """Whether each block is here, its indexed entry confirmed against the directory (one lstat
+        per indexed key, outside the lock: see :meth:`_drop_stale`); what it does not index is
+        looked for as a get would (one stat)."""
+        self._drop_stale(keys)
         with self._lock:
-            return self._live(key) is not None
+            return [self._live(key) is not None for key in keys]
+
+    def lookup_prefix(self, keys) -> int:
+        """Leading ``keys`` held, under one hold of the lock. Trusts the index, like a get (no stat
+        for an indexed block: one another process removed since is a miss when read)."""
+        n = 0
+        with self._lock:
+            for key in keys:
+                if self._live(key) is None:
+                    break
+                n += 1
+        return n
 
     def streams_available(self) -> bool:
         return True
@@ -367,7 +389,7 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
             # and its size would pass for one: ext4's are a page)
             if not stat.S_ISREG(st.st_mode) or not _plausible(st.st_size) or self._expired(st.st_mtime):
                 return None
-            self._index_block(key, _Entry(st.st_size, st.st_mtime), None)
+            self._index_block(key, _Entry(st.st_size, st.st_mtime, ino=st.st_ino), None)
         self._make_room(0)
         return self._index.get(key)
 
@@ -615,16 +637,42 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
         """False if a packed block's name no longer links to where we read it (another process
         removed it, perhaps erasing its bytes: what we read is not a damaged block of ours)."""
         entry = self._index.get(key)
-        if entry is None or entry.extent is None:
-            return True
+        return entry is None or entry.extent is None or self._holds(key, entry)
+
+    def _holds(self, key: BlockKey, entry: _Entry) -> bool:
+        """Whether ``key``'s name still holds the block ``entry`` describes (one lstat, or one
+        readlink; no lock needed): a file of its own is a regular file of the entry's size (and
+        inode, where known); a packed block's name links to the indexed extent."""
+        path = self.path_of(key)
         try:
+            if entry.extent is None:
+                st = os.lstat(path)
+                return (stat.S_ISREG(st.st_mode) and st.st_size == entry.size
+                        and entry.ino in (None, st.st_ino))
             if entry.extent.ino is not None:  # a hard link: the same extent (its place is fixed in it)
-                st = os.lstat(self.path_of(key))
+                st = os.lstat(path)
                 return stat.S_ISREG(st.st_mode) and st.st_ino == entry.extent.ino
-            target = os.readlink(self.path_of(key))
+            target = os.readlink(path)
         except OSError:
             return False
         return target == disk_extents.link_target(entry.extent.rel, entry.offset, entry.size)
+
+    def _drop_stale(self, keys) -> None:
+        """Forget the indexed blocks among ``keys`` whose name no longer holds what the index says
+        (another process sharing the directory removed or replaced them): one lstat per indexed key,
+        outside the lock, so a batch never holds it across its stats (a slow mount's round trips).
+        Their bytes are another process's business now (a packed one's place counts as dead until
+        its extent goes); a later look adopts whatever the name holds then. Withheld blocks are left
+        to :meth:`_live` (which retries their removal)."""
+        with self._lock:
+            held = [(key, entry) for key in dict.fromkeys(keys)
+                    if (entry := self._index.get(key)) is not None and key not in self._withheld]
+        gone = [(key, entry) for key, entry in held if not self._holds(key, entry)]
+        if gone:
+            with self._lock:
+                for key, entry in gone:
+                    if self._index.get(key) is entry:  # (not published or removed again meanwhile)
+                        self._forget(key)
 
     def _discard(self, key: BlockKey, entry: _Entry, path: str, bad: os.stat_result) -> None:
         """Drop a block that failed verification (``entry``, still indexed and still named: checked
@@ -653,7 +701,8 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
         (:func:`~kvtier.tiers.disk_extents.writer_gone`). A shard this user cannot list is a
         :class:`TierError` that names it."""
         now = time.time()
-        found: list[tuple[float, BlockKey, int, tuple[str, int, int] | None]] = []
+        # (mtime, key, size, place in an extent or None, inode of a file of its own or None)
+        found: list[tuple[float, BlockKey, int, tuple[str, int, int] | None, int | None]] = []
         links: list[tuple[float, BlockKey, str]] = []
         named: list[tuple[os.stat_result, BlockKey, str]] = []
         extents: dict[str, os.stat_result] = {}
@@ -702,7 +751,7 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
                 self.stats.expirations += 1
                 _unlink(path)  # its bytes are counted below as dead until its extent goes
             else:
-                found.append((mtime, key, place[2], (place[0], place[1], -1)))
+                found.append((mtime, key, place[2], (place[0], place[1], -1), None))
                 live[place[0]] = live.get(place[0], 0) + place[2]
         tables = self._tables_of(extents, {(st.st_ino, st.st_dev) for st, _, _ in named})
         for st, key, path in named:
@@ -726,7 +775,7 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
                 _unlink(path)
             else:
                 index, offset, length = where
-                found.append((st.st_mtime, key, length, (rel, offset, index)))
+                found.append((st.st_mtime, key, length, (rel, offset, index), None))
                 live[rel] = live.get(rel, 0) + length
         table_bytes = {rel: table.nbytes for rel, table in tables.values() if table is not None}
         for rel, inode in extents.items():
@@ -744,11 +793,11 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
                 self._used += self._extents[rel].dead
         found.sort(key=lambda item: (item[0], item[1]))
         # LRU ignores parent links: do not read a page per block for nothing.
-        parents = (self._recorded_parents([(k, p) for _, k, _, p in found])
+        parents = (self._recorded_parents([(k, p) for _, k, _, p, _ in found])
                    if not isinstance(self._policy, LRUPolicy) else {})
-        for mtime, key, size, place in _parents_first(found, parents):
+        for mtime, key, size, place, ino in _parents_first(found, parents):
             if place is None:
-                entry = _Entry(size, mtime)
+                entry = _Entry(size, mtime, ino=ino)
             else:
                 entry = _Entry(size, mtime, self._extent(place[0]), place[1], place[2])
             self._index_block(key, entry, parents.get(key))
@@ -764,7 +813,7 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
             self.stats.expirations += 1
             _unlink(path)
         else:
-            found.append((st.st_mtime, key, st.st_size, None))
+            found.append((st.st_mtime, key, st.st_size, None, st.st_ino))
 
     def _tables_of(self, extents: dict[str, os.stat_result], wanted: set[tuple[int, int]]) -> dict:
         """``(inode, device) -> (rel, table)`` for the extents some name links to (one read each);

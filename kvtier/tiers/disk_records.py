@@ -103,6 +103,9 @@ class _Entry:
     extent: Extent | None = None  #: the extent it is packed in; None: a file of its own
     offset: int = 0  #: where it starts in its extent
     index: int = -1  #: its entry in its extent's table (-1: none, an extent from before tables)
+    #: a file of its own: its inode, which its name must still hold for a put or ``contains`` to
+    #: trust the entry (a packed block's is its extent's, ``extent.ino``); None: not known
+    ino: int | None = None
 
 
 def records_ok(heads: np.ndarray, keys: np.ndarray) -> np.ndarray:

@@ -7,6 +7,12 @@ does not fit whole goes block by block. Each block's record (parent link, the an
 annotation) is made before any I/O; room is reserved under the lock and settled in the same
 locked step as the index.
 
+Content addressed: a block already indexed is not written again, once its name is confirmed to
+hold it still (one lstat, :meth:`~kvtier.tiers.disk.DiskTier._drop_stale`: another process sharing
+the directory may have removed it). Two writers of ours publishing one key at once (a put and a
+``put_many``, say): whichever rename or link reached the name last wins it, and the index takes
+that copy whichever settles last (the other's file is gone, or its place in an extent dead).
+
 A put may carry the block's age (``created``: when it was first written into the store, wall
 clock): the published file's mtime is set to it before the rename, so a restart reads the same
 age; a block already older than the tier's TTL is not written (OK, counted as expired).
@@ -16,6 +22,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 import time
 
 from kvtier.core.keys import KEY_BYTES, BlockKey
@@ -69,6 +76,7 @@ class DiskWrites:
         srcs = [as_bytes(d) for d in datas]
         statuses: list[Status | None] = [None] * len(keys)
         first_of: dict[BlockKey, int] = {}
+        self._drop_stale(keys)  # blocks another process removed are written again, not taken as there
         with self._lock:
             for i, key in enumerate(keys):
                 if key in first_of:
@@ -162,8 +170,16 @@ class DiskWrites:
                     extent.dead += sizes[i]  # written, unreachable: still on disk until the extent goes
                     self._used += sizes[i]
                     continue
-                if key in self._index:  # another thread of ours published it meanwhile: our link replaced it
-                    self._forget(key)
+                if key in self._index:  # another thread of ours published it meanwhile
+                    if not self._name_holds(key, ino):  # its rename came after our link: the name holds its
+                        extent.dead += sizes[i]         # copy, indexed; our place is unreachable
+                        self._used += sizes[i]
+                        self._policy.on_access(key)
+                        self.stats.puts += 1
+                        self.stats.bytes_written += srcs[i].nbytes
+                        statuses[i] = Status.OK
+                        continue
+                    self._forget(key)  # our link replaced its file (or its place in an extent: dead now)
                 extent.live += 1
                 entry = self._index[key] = _Entry(sizes[i], born[i], extent, offsets[i], index)
                 self._used += sizes[i]
@@ -241,6 +257,7 @@ class DiskWrites:
         """A put of ``nbytes`` whose file I/O ``write(fd, record_bytes)`` is the caller's, of a
         block first written into the store at ``created`` (None: now)."""
         need = PAGE + round_up(nbytes)
+        self._drop_stale((key,))  # a block another process removed is written again, not taken as there
         with self._lock:
             if self._live(key) is not None:
                 self._policy.on_access(key)  # content addressed: the same bytes are there
@@ -267,8 +284,14 @@ class DiskWrites:
                 return Status.FULL
             self._reserved += need
         born = None if created is None else min(created, time.time())
+        inode: list[int] = []
+
+        def writing(fd: int) -> None:
+            inode.append(os.fstat(fd).st_ino)  # the rename keeps it: what our file is at the name
+            write(fd, packed)
+
         try:
-            status = self._write(key, lambda fd: write(fd, packed), born)
+            status = self._write(key, writing, born)
         except BaseException:
             with self._lock:
                 self._reserved -= need
@@ -279,10 +302,15 @@ class DiskWrites:
                 self.stats.put_failures += 1
                 self.stats.errors += status is Status.ERROR
                 return status
-            if key in self._index:  # another thread of ours published it meanwhile
+            ino = inode[0] if inode else None
+            if key in self._index and not self._name_holds(key, ino):
+                # another thread of ours published it meanwhile, its rename or link after ours: the
+                # name holds its copy, which the index describes (ours is gone)
                 self._policy.on_access(key)
             else:
-                entry = self._index[key] = _Entry(need, time.time() if born is None else born)
+                if key in self._index:  # published meanwhile, but our rename replaced it: its file is
+                    self._forget(key)   # gone, or its place in an extent unreachable (dead bytes)
+                entry = self._index[key] = _Entry(need, time.time() if born is None else born, ino=ino)
                 self._used += need
                 self._policy.on_insert(key, parent)
                 self._queue_age(key, entry)
@@ -306,6 +334,15 @@ class DiskWrites:
         except Exception:  # noqa: BLE001 - a block we cannot annotate is not published (a cache may lose)
             log.exception("disk tier %s: annotating %s failed; not stored", self.path, key.hex())
             return None
+
+    def _name_holds(self, key: BlockKey, ino: int | None) -> bool:
+        """Whether ``key``'s name is file ``ino`` (one lstat; asked only when two writers of ours
+        published the same key at once: the last rename or link wins the name)."""
+        try:
+            st = os.lstat(self.path_of(key))
+        except OSError:
+            return False
+        return stat.S_ISREG(st.st_mode) and st.st_ino == ino
 
     # -- writing -------------------------------------------------------------------
     def _write(self, key: BlockKey, write, mtime: float | None = None) -> Status:
