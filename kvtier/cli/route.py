@@ -166,8 +166,37 @@ def run(args) -> int:
 
     app = router.app()
     app.on_startup.append(announce)
+    app.on_startup.append(_second_signal_hurries_the_drain(router))
     web.run_app(app, sock=socks, print=None, access_log=None, **SERVE_OPTIONS)
     return 0
+
+
+def _second_signal_hurries_the_drain(router):
+    """A startup hook: the first SIGTERM or SIGINT shuts down as aiohttp's own handler does
+    (``GracefulExit``: the drain, then cleanup); a later one ends the drain early
+    (:meth:`Router.end_drain`) and leaves the rest of the cleanup (aborts, sessions) alone.
+    aiohttp's handler stays installed until its cleanup ends, and raised again out of it: the
+    drain was abandoned, the answers in flight cut without an error event, 503 or abort."""
+    import asyncio
+    import signal
+
+    from aiohttp import web
+
+    async def install(app) -> None:
+        stopping = False
+
+        def on_signal() -> None:
+            nonlocal stopping
+            if not stopping:
+                stopping = True
+                raise web.GracefulExit()
+            router.end_drain()
+
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):   # replaces aiohttp's; its cleanup removes them at the end
+            loop.add_signal_handler(sig, on_signal)
+
+    return install
 
 
 def _listen(host: str, port: int) -> list:

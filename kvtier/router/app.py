@@ -138,6 +138,7 @@ class Router:
         self._active: set[asyncio.Task] = set()    #: handlers forwarding a request now
         self._drained: set[asyncio.Task] = set()   #: those the drain's deadline ended
         self._draining = False
+        self._drain_ended = False   #: end_drain() was called: the drain stops waiting
         #: request ids of the answers under way (a client may give the same one twice)
         self._names: Counter[str] = Counter()
         self.aborts = WorkerAborts(lambda url, result: self.metrics.aborts.labels(url, result).inc())
@@ -216,19 +217,29 @@ class Router:
         ends one (an error event and ``[DONE]``; a request not yet answered gets a 503 to send
         again), and aborted on its worker. Left to aiohttp, a long generation held the router
         up to twice its shutdown timeout and was then cut without a word, and beyond an
-        orchestrator's grace period the router is killed mid-stream anyway."""
+        orchestrator's grace period the router is killed mid-stream anyway. :meth:`end_drain`
+        ends the wait early, with the same word to each."""
         self._draining = True
-        deadline = time.monotonic() + self.config.drain_timeout_s
-        while self._active and time.monotonic() < deadline:
+        started = time.monotonic()
+        deadline = started + self.config.drain_timeout_s
+        while self._active and not self._drain_ended and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if not self._active:
             return
-        log.warning("shutting down: ending %d answers still open after %.1f s", len(self._active),
-                    self.config.drain_timeout_s)
+        log.warning("shutting down: ending %d answers still open after %.1f s%s", len(self._active),
+                    time.monotonic() - started, " (asked to stop at once)" if self._drain_ended else "")
         for task in list(self._active):
             self._drained.add(task)
             task.cancel()
         await asyncio.wait(list(self._active), timeout=5.0)
+
+    def end_drain(self) -> None:
+        """Stop the shutdown's drain now (``kvtier route``: a second SIGTERM or SIGINT): the
+        answers still open are ended as at its deadline (an error event or a 503, an abort by
+        name on their worker). Before the drain began, it makes the drain end at once."""
+        if not self._drain_ended:
+            log.warning("shutting down: asked to stop at once; ending the %d answers still open", len(self._active))
+        self._drain_ended = True
 
     async def _stop(self, app: web.Application) -> None:
         for t in self._tasks:
