@@ -25,7 +25,7 @@ def register(subparsers) -> None:
     up.add_argument("--holders", type=int, default=2, help="segment-holder processes (default 2)")
     up.add_argument("--segment", default="1GiB", help="memory each holder contributes (default 1GiB)")
     up.add_argument("--client-ttl-s", type=int, default=10,
-                    help="seconds the master waits before dropping a silent holder (default 10)")
+                    help="seconds the master waits before dropping a silent holder (default 10; 1 or more)")
     up.add_argument("--workdir", help="where logs go (default: a temporary directory, removed at exit)")
     up.set_defaults(func=_up)
 
@@ -37,6 +37,14 @@ MIN_SEGMENT_BYTES = 16 << 20
 def _up(args) -> int:
     if args.holders < 1:
         print("kvtier mooncake up: --holders must be 1 or more", file=sys.stderr)
+        return 2
+    if args.client_ttl_s < 1:
+        # The master takes any number: below 0 it drops every holder at once (a fleet that says
+        # ready, answers OK to puts and loses every block within seconds); at 0 it drops a holder
+        # as soon as it misses a heartbeat (a killed one was gone within 2 s, against 5-7 s at 3),
+        # so a holder that merely paused would lose its blocks.
+        print(f"kvtier mooncake up: --client-ttl-s must be 1 or more, the seconds the master keeps a "
+              f"silent holder's blocks (got {args.client_ttl_s})", file=sys.stderr)
         return 2
     segment = parse_size(args.segment, "--segment")
     if segment < MIN_SEGMENT_BYTES:

@@ -30,12 +30,20 @@ from kvtier.private_files import read_private_file
 parse_bytes = parse_size
 
 
+#: the longest duration a setting may give: a day. Python's waits refuse more than
+#: ``threading.TIMEOUT_MAX`` (~9.2e9 s: "never give up" written as 1e10 crashed the fleet tier's
+#: start with OverflowError), and no timeout or wait of a store means more than a day.
+MAX_SECONDS = 86400
+
+
 def check_seconds(value, name: str, *, positive: bool = False, hint: str = "") -> None:
-    """A duration setting: a finite number of seconds, >= 0 (> 0 if ``positive``). A JSON or TOML
-    config can hold a string, a boolean or NaN, which pass a bare ``< 0`` check or break it."""
+    """A duration setting: a finite number of seconds, >= 0 (> 0 if ``positive``), at most
+    :data:`MAX_SECONDS`. A JSON or TOML config can hold a string, a boolean or NaN, which pass a
+    bare ``< 0`` check or break it."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or value < 0 or (positive and value == 0):
-        raise ConfigError(f"{name}={value!r}; give seconds {'> 0' if positive else '>= 0'}{hint}")
+            or value < 0 or (positive and value == 0) or value > MAX_SECONDS:
+        raise ConfigError(f"{name}={value!r}; give seconds {'> 0' if positive else '>= 0'} and at most "
+                          f"{MAX_SECONDS} (a day){hint}")
 
 
 def check_flag(value, name: str, *, optional: bool = False) -> None:
@@ -101,8 +109,9 @@ class StoreConfig:
             raise ConfigError(f"dirty_limit_blocks={self.dirty_limit_blocks!r}; give a whole number of blocks >= 1")
         timeout = self.close_flush_timeout_s
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                    or not timeout >= 0):
-            raise ConfigError(f"close_flush_timeout_s={timeout!r}; give seconds >= 0, or null for no limit")
+                                    or not 0 <= timeout <= MAX_SECONDS):
+            raise ConfigError(f"close_flush_timeout_s={timeout!r}; give seconds >= 0 and at most {MAX_SECONDS} "
+                              f"(a day), or null for no limit")
         if self.encrypt not in ("auto", True, False):
             raise ConfigError(f"encrypt={self.encrypt!r}; use 'auto', true or false")
 

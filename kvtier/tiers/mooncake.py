@@ -29,7 +29,9 @@ What kvtier adds:
   misses at once; then a health check decides.
 * **Content addressed.** The engine's ``put`` keeps an existing object and answers 0,
   which is the contract's "put of a present key is a no-op" -- and safe, because
-  whatever is kept is verified on every read (and dropped if it fails).
+  whatever is kept is verified on every read (and dropped if it fails). The engine's
+  "already there" is confirmed (:mod:`~kvtier.tiers.mooncake_writes`): another writer's
+  unfinished put is no stored block, an object of another size is replaced.
 * **Leases.** Each read and each lookup grants a lease (10 s by default) during which
   the engine refuses a plain ``remove`` (-706). ``delete`` forces it: an erase must leave
   no copy that another process of the tenant (or this one after a restart) reads whole.
@@ -80,12 +82,13 @@ from __future__ import annotations
 import hashlib
 import hmac
 import math
+import threading
 import time
 from collections.abc import Iterator, Sequence
 
 from kvtier.core.keys import BlockKey
 from kvtier.tiers.base import Tier
-from kvtier.tiers.mooncake_calls import BoundedEngineCalls, Down
+from kvtier.tiers.mooncake_calls import MAX_CALL_S, BoundedEngineCalls, Down
 from kvtier.tiers.mooncake_client import RC_HAS_LEASE, RC_NOT_FOUND, BoundedCaller, SharedClient
 from kvtier.tiers.mooncake_names import NAME_PREFIX, TenantNaming
 from kvtier.tiers.mooncake_reads import TierReads
@@ -140,6 +143,8 @@ class MooncakeTier(TierReads, TierWrites, BoundedEngineCalls, TenantNaming, Tier
                 and min_rate_bytes_s > 0):
             raise ValueError(f"timeout_s ({timeout_s}) and min_rate_bytes_s ({min_rate_bytes_s}) must be "
                              f"finite and positive")
+        if timeout_s > MAX_CALL_S:
+            raise ValueError(f"timeout_s ({timeout_s}) must be at most {MAX_CALL_S:.0f} seconds (a day)")
         self.master = master
         self.tenant = tenant
         self._secret = hmac.new(bytes(secret), b"tenant\0" + tenant.encode(), hashlib.sha256).digest()
@@ -168,6 +173,9 @@ class MooncakeTier(TierReads, TierWrites, BoundedEngineCalls, TenantNaming, Tier
         self.last_error: str | None = None
         self._unremoved: dict[str, float] = {}  # name → since when its removal is owed (refused or not asked)
         self._regions: list[tuple[int, int, object]] = []  # (start, end, the caller's buffer) registered
+        #: held by register_memory / unregister_memory and by close() as it marks the tier closed:
+        #: no registration reaches an engine that close() may be closing
+        self._registration = threading.Lock()
         self._late_direct_reads = 0
         self._direct_overruns = 0
         self._transfer = self._client.transfer
@@ -188,8 +196,8 @@ class MooncakeTier(TierReads, TierWrites, BoundedEngineCalls, TenantNaming, Tier
         except Down:
             return [False] * len(names)
         self._codes(codes)
-        hidden = self._hidden()
-        return [c == 1 and n not in hidden for c, n in zip(codes, names)]
+        hidden = self._hidden(names)
+        return [c == 1 and not h for c, h in zip(codes, hidden)]
 
     def lookup_prefix(self, keys: Sequence[BlockKey]) -> int:
         n = 0
@@ -247,9 +255,23 @@ class MooncakeTier(TierReads, TierWrites, BoundedEngineCalls, TenantNaming, Tier
         with self._lock:
             self._unremoved.pop(self.storage_name(key), None)
 
-    def _hidden(self) -> frozenset[str]:
+    def _hidden(self, names: Sequence[str]) -> list[bool]:
+        """Which of ``names`` are hidden (a removal owed): asked name by name, so that a call costs
+        its own size, not the number of deletes an outage left owed (it copied them all)."""
         with self._lock:
-            return frozenset(self._unremoved) if self._unremoved else frozenset()
+            unremoved = self._unremoved
+            return [name in unremoved for name in names] if unremoved else [False] * len(names)
+
+    def _stored_sizes(self, names: Sequence[str], deadline: float) -> dict[str, int | None]:
+        """The size of the object each of ``names`` holds, for the names that hold a complete one
+        (one master RPC for them all; a name another writer reserved and has not published, or
+        none, is absent). None: no replica in memory, whose size the master tells."""
+        descs = self._call(deadline, self._engine.batch_get_replica_desc, list(names))
+        sizes: dict[str, int | None] = {}
+        for name, replicas in descs.items():
+            memory = [r for r in replicas if r.is_memory_replica()]
+            sizes[name] = memory[0].get_memory_descriptor().buffer_descriptor.size if memory else None
+        return sizes
 
     def _retry_removals(self, deadline: float) -> None:
         """Try again to remove what a lease protected; at most once a second."""
@@ -278,9 +300,10 @@ class MooncakeTier(TierReads, TierWrites, BoundedEngineCalls, TenantNaming, Tier
         return 0  # the fleet's fill is the master's to know (its metrics endpoint)
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+        with self._registration:
+            if self._closed:
+                return
+            self._closed = True
         # An overrun call still in the engine (a frozen holder or master) must end before the
         # client closes under it; bounded: past it the client is left open (SharedClient.release).
         ended = self._caller.wait_idle(self.timeout_s)

@@ -16,18 +16,22 @@ import logging
 import time
 from collections.abc import Sequence
 
-from kvtier.tiers.mooncake_client import MASTER_DOWN_CODES, Overrun
+from kvtier.tiers.mooncake_client import MASTER_DOWN_CODES, Down, Overrun
 from kvtier.tiers.recovery_probe import start_probe
 
 log = logging.getLogger("kvtier.tiers.mooncake")
+
+#: the longest one call may be waited for, however large and slow (a day). Python's waits refuse
+#: more than ``threading.TIMEOUT_MAX`` (~9.2e9 s) with OverflowError, which here would be a call
+#: that fails for good; ``timeout_s`` above it is refused, ``bytes / min_rate_bytes_s`` capped.
+MAX_CALL_S = 86400.0
 
 #: the name a health check looks up (a master RPC; no block is ever stored under it: names are
 #: NAME_PREFIX + 64 hex digits)
 _PROBE = "kvtier/health-check"
 
 
-class Down(Exception):
-    """The tier is backing off after a failure (internal: becomes a status)."""
+__all__ = ["MAX_CALL_S", "BoundedEngineCalls", "Down", "Late", "log"]
 
 
 class Late(Down):
@@ -43,7 +47,7 @@ class BoundedEngineCalls:
     ``_engine``, ``_lock``, ``stats``, ``timeout_s``, ``min_rate_bytes_s`` and ``_backoff*``)."""
 
     def _deadline_in(self, nbytes: int = 0) -> float:
-        return max(self.timeout_s, nbytes / self.min_rate_bytes_s)
+        return min(max(self.timeout_s, nbytes / self.min_rate_bytes_s), MAX_CALL_S)
 
     def _check_up(self) -> None:
         if self._closed:

@@ -49,6 +49,10 @@ class Overrun(Exception):
     """An engine call passed its deadline (it may still be running)."""
 
 
+class Down(Exception):
+    """The tier is backing off after a failure, or closed (internal to the tier: becomes a status)."""
+
+
 class BoundedCaller:
     """Runs engine calls on worker threads; the caller waits at most until its deadline."""
 
@@ -76,11 +80,15 @@ class BoundedCaller:
         return self.wait(self.submit(fn, *args), deadline_in_s, if_late=if_late)
 
     def submit(self, fn: Callable, *args) -> Future:
-        """Start ``fn(*args)`` (to overlap it with work of the caller's); :meth:`wait` for it."""
+        """Start ``fn(*args)`` (to overlap it with work of the caller's); :meth:`wait` for it.
+        After :meth:`close`: :class:`Down` (a call racing the tier's close is a miss, not a crash)."""
         with self._idle:
             self._running += 1
         try:
             future = self._pool.submit(fn, *args)
+        except RuntimeError:  # shut down: the tier closed under a call of one of its callers
+            self._ended(None)
+            raise Down("tier closed") from None
         except BaseException:
             self._ended(None)
             raise

@@ -8,6 +8,13 @@ into it and verified in place; any other lands in registered staging and is veri
 copied out. A read the engine's first replica failed is sent to another replica's holder at
 once. Every object's header must name the block at its size and its payload match its keyed
 tag, or it is :attr:`~kvtier.tiers.base.Status.CORRUPT` (a miss) and removed.
+
+An object of another size than the buffer asked for (a short read, -600 "larger than the
+buffer", -800 from a batch call, or a header naming another size) is read whole and judged
+(:meth:`TierReads._judge_resized`): this block, whole and tagged, at that size is the caller's
+mistake (``BAD_SIZE``, kept); anything else is ``CORRUPT`` and removed. Kept, a resized forgery
+poisoned its key for good (the engine's put keeps what a name holds); and -800 read as a failed
+holder was retried, then an ``ERROR`` that an EncryptedTier took for no proof of tampering.
 """
 
 from __future__ import annotations
@@ -58,20 +65,26 @@ class TierReads:
         view = writable_bytes(buf)
         arr = np.frombuffer(view, dtype=np.uint8)
         start = arr.ctypes.data
-        rc = self._engine.register_buffer(start, arr.nbytes)
-        if rc != 0:
-            raise RuntimeError(f"mooncake: register_buffer({arr.nbytes} bytes) returned {rc}")
-        with self._lock:
-            self._regions.append((start, start + arr.nbytes, arr))
+        with self._registration:
+            if self._closed:  # its engine may be closed: reads after close miss anyway
+                raise RuntimeError("mooncake: register_memory on a closed tier")
+            rc = self._engine.register_buffer(start, arr.nbytes)
+            if rc != 0:
+                raise RuntimeError(f"mooncake: register_buffer({arr.nbytes} bytes) returned {rc}")
+            with self._lock:
+                self._regions.append((start, start + arr.nbytes, arr))
 
     def unregister_memory(self, buf) -> None:
         """Stop receiving into ``buf`` (after :meth:`quiesce`, if a read may have overrun)."""
         start = np.frombuffer(writable_bytes(buf), dtype=np.uint8).ctypes.data
-        with self._lock:
-            found = [r for r in self._regions if r[0] == start]
-            self._regions = [r for r in self._regions if r[0] != start]
-        if found:
-            self._engine.unregister_buffer(start)
+        with self._registration:
+            if self._closed:  # close() unregisters what is left (or leaves it to a late read)
+                return
+            with self._lock:
+                found = [r for r in self._regions if r[0] == start]
+                self._regions = [r for r in self._regions if r[0] != start]
+            if found:
+                self._engine.unregister_buffer(start)
 
     @property
     def late_direct_reads(self) -> int:
@@ -128,11 +141,11 @@ class TierReads:
         digests = [self._digest(k) for k in keys]
         deadline = time.monotonic() + self._deadline_in(sum(v.nbytes for v in views))
         statuses = [Status.ERROR] * len(keys)
-        hidden = self._hidden()
+        hidden = self._hidden([NAME_PREFIX + d.hex() for d in digests])
         rounds: list[list[int]] = []  # the engine reads a name once per batch: a repeated key waits a round
         seen: dict[bytes, int] = {}
         for i, d in enumerate(digests):
-            if NAME_PREFIX + d.hex() in hidden:
+            if hidden[i]:
                 statuses[i] = Status.MISS
                 continue
             r = seen[d] = seen.get(d, -1) + 1
@@ -259,7 +272,7 @@ class TierReads:
             served = False
             for b in replicas:
                 if b.size != n:
-                    statuses[i] = Status.BAD_SIZE
+                    statuses[i] = self._judge_resized(name, digests[i], views[i].nbytes, b.size)
                     served = True
                     break
                 staged = self._staging.take(n)
@@ -331,6 +344,7 @@ class TierReads:
             self._failed(f"{type(exc).__name__}: {exc}")
             raise Down(str(exc)) from None
         failed: list[int] = []
+        sized: list[tuple[int, str, int]] = []  # (block, name, code): read at another size than asked?
         try:
             self._codes(codes)
             for j, (i, name, buf, n, code) in enumerate(zip(read.chunk, read.names, read.bufs, read.sizes, codes)):
@@ -344,28 +358,96 @@ class TierReads:
                                                         payload_tag)
                 elif code in (RC_NOT_FOUND, RC_NOT_READY):
                     statuses[i] = Status.MISS  # absent, or still being written by another put
-                elif 0 <= code < n or code == RC_BAD_PARAMS:
-                    # a smaller object, or one larger than the buffer (or, rarely, a session another
-                    # thread's get of the same name ended under this one: a miss either way)
-                    statuses[i] = Status.BAD_SIZE
+                elif 0 <= code < n or code in (RC_BAD_PARAMS, RC_TRANSFER_FAILED):
+                    # a smaller object (a short count; a batch call's -800), one larger than the
+                    # buffer (-600), or none of these: a dead holder (-800), a session another
+                    # thread's get of the same name ended under this one (-600)
+                    sized.append((i, name, code))
                 else:
                     log.info("mooncake tier: read of %s… failed (rc=%d)", name[len(NAME_PREFIX):][:16], code)
                     statuses[i] = Status.ERROR
-                    if code == RC_TRANSFER_FAILED:
-                        failed.append(i)
         finally:
             read.give_back()
+        if sized:
+            failed += self._judge_sizes(sized, digests, views, statuses)
         return failed
 
-    def _header_of(self, name: str, digest: bytes, header_bytes, n: int) -> BlockHeader | None:
-        """An object's header if it names this block at this size in this format (else the object
-        is dropped: None)."""
+    def _judge_sizes(self, sized: list[tuple[int, str, int]], digests, views, statuses: list[Status]) -> list[int]:
+        """Reads that failed in a way an object of another size also causes: asks the master the
+        objects' sizes (one RPC), judges those of another size (:meth:`_judge_resized`); the rest
+        are ERRORs, and those a holder failed (-800) are returned, to be read again."""
+        failed: list[int] = []
+        # after a failed read, like _drop: a deadline of its own (the read's may have passed)
+        sizes = self._stored_sizes([name for _, name, _ in sized], time.monotonic() + self.timeout_s)
+        for i, name, code in sized:
+            want = views[i].nbytes + HEADER_NBYTES
+            if name not in sizes:
+                statuses[i] = Status.MISS  # removed meanwhile, or being written again
+            elif sizes[name] not in (None, want):
+                statuses[i] = self._judge_resized(name, digests[i], views[i].nbytes, sizes[name])
+            else:
+                log.info("mooncake tier: read of %s… failed (rc=%d)", name[len(NAME_PREFIX):][:16], code)
+                statuses[i] = Status.ERROR
+                if code == RC_TRANSFER_FAILED:
+                    failed.append(i)
+        return failed
+
+    def _judge_resized(self, name: str, digest: bytes, nbytes: int, size: int) -> Status:
+        """The object under ``name`` is ``size`` bytes, not those of a block of ``nbytes``: read it
+        whole and check it. This block, whole and tagged, at another size: the caller's buffer is
+        wrong (``BAD_SIZE``; kept for callers that ask right). Anything else is not the block
+        (a resized forgery, a torn or foreign object): removed, ``CORRUPT`` (a miss, so a store asks
+        its next tier, and a put can store the block again). An object larger than a read of this
+        block may take to check is removed unchecked (a forger sizes it, not us)."""
+        payload = size - HEADER_NBYTES
+        if payload <= 0 or self._deadline_in(size) > self._deadline_in(nbytes + HEADER_NBYTES):
+            self._drop(name, f"an object of {size} bytes under the name of a block of {nbytes + HEADER_NBYTES}")
+            return Status.CORRUPT
+        staged = self._staging.take(size)
+        deadline = time.monotonic() + self._deadline_in(nbytes + HEADER_NBYTES)
+        try:
+            codes = self._call(deadline, self._engine.batch_get_into_multi_buffers, [name],
+                               [[staged[1].ctypes.data]], [[size]], if_late=lambda: self._staging.give(staged))
+        except Late:
+            raise  # the late call gives the staging back
+        except Down:
+            self._staging.give(staged)
+            raise
+        try:
+            if codes[0] in (RC_NOT_FOUND, RC_NOT_READY):
+                return Status.MISS
+            if codes[0] != size:  # changed again meanwhile, or a holder failure: nothing proven
+                return Status.ERROR
+            obj = staged[1][:size]
+            header = unpack_header(obj[:HEADER_NBYTES])
+            if header is not None and names_block(header, digest, payload) and hmac.compare_digest(
+                    self.payload_tag(digest, salt_of(header), obj[HEADER_NBYTES:]), header.checksum):
+                return Status.BAD_SIZE
+        finally:
+            self._staging.give(staged)
+        self._drop(name, f"an object of {size} bytes under the name of a block of {nbytes + HEADER_NBYTES}, "
+                         f"not this block at that size")
+        return Status.CORRUPT
+
+    def _header_of(self, name: str, digest: bytes, header_bytes, n: int) -> BlockHeader | Status:
+        """An object's header if it names this block at this size in this format; else what the
+        read is: the object judged whole if its header names this block at another size (a read
+        into a buffer shorter than the object: BAD_SIZE if it is that, else dropped), or dropped,
+        CORRUPT."""
         header = unpack_header(header_bytes)
-        if header is None or not names_block(header, digest, n):
-            named = header is not None and header.key[:NAME_ID_BYTES] == digest[:NAME_ID_BYTES]
-            self._drop(name, "size or format differs" if named else "header does not name this block")
-            return None
-        return header
+        if header is not None and names_block(header, digest, n):
+            return header
+        if header is not None and names_block(header, digest, header.payload_nbytes):
+            size = self._stored_sizes([name], time.monotonic() + self.timeout_s).get(name, -1)
+            if size == -1:
+                return Status.MISS  # removed meanwhile
+            if size not in (None, n + HEADER_NBYTES):
+                return self._judge_resized(name, digest, n, size)
+            self._drop(name, "its header names another size than the object's")
+            return Status.CORRUPT
+        named = header is not None and header.key[:NAME_ID_BYTES] == digest[:NAME_ID_BYTES]
+        self._drop(name, "format differs" if named else "header does not name this block")
+        return Status.CORRUPT
 
     def _tag_matches(self, name: str, computed: bytes, header: BlockHeader) -> Status:
         if not hmac.compare_digest(computed, header.checksum):
@@ -379,8 +461,8 @@ class TierReads:
         already, by the call's worker; not at all if the caller authenticates its payloads: then
         only its header is checked)."""
         header = self._header_of(name, digest, header_bytes, out.nbytes)
-        if header is None:
-            return Status.CORRUPT
+        if isinstance(header, Status):
+            return header
         if not hashed:
             return Status.OK
         if payload_tag is None:
@@ -395,8 +477,8 @@ class TierReads:
         checked)."""
         n = out.nbytes
         header = self._header_of(name, digest, staged[:HEADER_NBYTES], n)
-        if header is None:
-            return Status.CORRUPT
+        if isinstance(header, Status):
+            return header
         payload = staged[HEADER_NBYTES:]
         dst = np.frombuffer(out, dtype=np.uint8)
         if not hashed or payload_tag is not None:

@@ -71,6 +71,10 @@ def test_write_behind_settings_are_validated_and_reach_the_store(tmp_path):
     {"shutdown_flush_s": float("inf")},
     {"remote_timeout_s": 0},
     {"mooncake_timeout_s": float("nan")},
+    {"mooncake_timeout_s": 1e10},       # finite, "never give up": the fleet tier's start raised OverflowError
+    {"remote_timeout_s": 86400.5},
+    {"pd_wait_s": 1e10},
+    {"close_flush_timeout_s": 1e10},    # close() with dirty blocks raised OverflowError
     {"mooncake_replicas": 0},
     {"mooncake_replicas": True},
     {"encrypt_host": "yes"},
@@ -95,6 +99,17 @@ def test_good_settings_of_each_kind_pass(tmp_path):
         "mooncake_replicas": 2, "encrypt_host": False, "disk_path": str(tmp_path), "debug_poison": None})
     assert (config.async_load, config.pd_wait_s, config.store.mooncake_replicas) == (False, 0, 2)
     assert StoreConfig(disk_path=Path(tmp_path)).disk_path == str(tmp_path)   # a Path from Python callers
+
+
+def test_seconds_settings_up_to_a_day_pass():
+    from kvtier.store.config import MAX_SECONDS
+
+    assert MAX_SECONDS == 86400
+    config = StoreConfig(remote_timeout_s=MAX_SECONDS, mooncake_timeout_s=MAX_SECONDS,
+                         close_flush_timeout_s=MAX_SECONDS)
+    assert (config.remote_timeout_s, config.mooncake_timeout_s, config.close_flush_timeout_s) == (86400,) * 3
+    with pytest.raises(ConfigError, match=r"mooncake_timeout_s=10000000000.0; give seconds > 0 and at most 86400"):
+        StoreConfig(mooncake_timeout_s=1e10)
 
 
 def test_a_mooncake_secret_file_others_can_read_is_refused(tmp_path, monkeypatch):

@@ -470,3 +470,55 @@ def test_a_mooncake_tier_without_a_secret_is_a_config_error(small_layout, monkey
     monkeypatch.delenv("KVTIER_MASTER_KEY", raising=False)
     with pytest.raises(ConfigError, match="mooncake_secret_file"):
         build_store(StoreConfig(host_bytes=0, mooncake_master="127.0.0.1:1"), small_layout)
+
+
+def test_a_timeout_past_a_day_is_refused_and_no_call_waits_past_one(tmp_path):
+    """``mooncake_timeout_s = 1e10`` ("never give up") passed validation, then the tier's start
+    raised a bare OverflowError (Python's waits refuse more than threading.TIMEOUT_MAX, ~9.2e9 s);
+    had it started, every call's wait would have raised and the tier stayed down for good."""
+    from kvtier.errors import ConfigError
+    from kvtier.store.config import StoreConfig
+    from kvtier.tiers.mooncake import MooncakeTier
+
+    c = shared_cluster()
+    with pytest.raises(ConfigError, match="mooncake_timeout_s"):
+        StoreConfig(host_bytes=0, mooncake_master=c.master_address, mooncake_metadata=c.metadata_url,
+                    mooncake_timeout_s=1e10)
+    with pytest.raises(ValueError, match="timeout_s"):  # a Python caller: before anything is connected
+        MooncakeTier(c.master_address, c.metadata_url, tenant="t", secret=fresh_secret(), timeout_s=1e10)
+    # the deadline of a large call (bytes / min_rate_bytes_s) is capped at a day: a tiny rate works
+    t = make_tier(c, min_rate_bytes_s=1e-300)
+    try:
+        assert t.put(key(500), block(500)) is Status.OK
+        out = np.zeros(BLOCK, np.uint8)
+        assert t.get(key(500), out) is Status.OK and np.array_equal(out, block(500))
+        assert t.contains(key(500)) and t.delete(key(500))
+    finally:
+        t.close()
+
+
+def test_a_tier_used_during_or_after_close_misses_and_never_raises():
+    """A call that passed the closed check as close() shut the call pool down got RuntimeError
+    from it (not a miss); after close, remove_unverifiable raised the same, and register_memory
+    called into an engine close() may have closed."""
+    from kvtier.tiers.mooncake_client import SharedClient
+
+    c = shared_cluster()
+    keep = SharedClient.acquire(c.master_address, c.metadata_url, "127.0.0.1")  # keeps the engine open
+    t = make_tier(c)
+    try:
+        assert t.put(key(600), block(600)) is Status.OK
+        t._caller.close()  # the moment close() shuts the pool down under a call already past its check
+        out = np.zeros(BLOCK, np.uint8)
+        assert t.get(key(600), out) is Status.ERROR and t.put(key(601), block(601)) is Status.ERROR
+        assert t.contains_many([key(600)]) == [False] and t.delete_many([key(600)]) == [False]
+        t.remove_unverifiable(key(600))
+        t.close()
+        t.remove_unverifiable(key(600))  # after close: nothing to do, nothing raised
+        with pytest.raises(RuntimeError, match="closed"):
+            t.register_memory(np.zeros(BLOCK, np.uint8))
+        t.unregister_memory(out)
+        assert t.get(key(600), out) is not Status.OK and t.put(key(600), block(600)) is not Status.OK
+    finally:
+        t.close()
+        keep.release()
