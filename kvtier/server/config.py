@@ -65,6 +65,7 @@ from typing import Any
 
 from kvtier.core.units import parse_size  # the one size parser; imported from here too
 from kvtier.errors import ConfigError
+from kvtier.store.config import MAX_SECONDS
 from kvtier.private_files import refuse_readable_secrets
 
 SHARED_PREFIX = "shared/"
@@ -197,6 +198,8 @@ def _timeout(v: Any, what: str) -> float:
     f = _float(v, what)
     if f == 0:  # a zero timeout fires at once: every connection (or call) would fail
         raise ConfigError(f"{what}: must be more than 0 seconds, got {v!r}")
+    if f > MAX_SECONDS:  # a wait longer than that overflows the platform's clocks (a traceback at start)
+        raise ConfigError(f"{what}: at most {MAX_SECONDS} seconds (a day), got {v!r}")
     return f
 
 

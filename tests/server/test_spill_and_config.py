@@ -85,3 +85,14 @@ def test_bench_remote_runs_and_reports_the_ratios():
     for field in ("put_gbps", "get_gbps", "put_ratio_vs_socket", "get_ratio_vs_socket"):
         assert result[field] and result[field] > 0, result
     assert result["get_ratio_vs_redis_py"] or "redis_error" in result
+
+
+@pytest.mark.parametrize("name", ["idle_timeout_s", "frame_timeout_s", "hello_timeout_s", "mooncake_timeout_s"])
+def test_a_timeout_longer_than_a_day_is_a_config_error_naming_it(name):
+    """A "never give up" timeout such as 1e10 passed the check, then a wait on it overflowed the
+    platform's clock at start (OverflowError, a traceback). Control: a day exactly is taken."""
+    from kvtier.server.config import load_config
+
+    with pytest.raises(ConfigError, match=name.replace("_", "[_-]") + ".*at most 86400"):
+        load_config(None, env={}, overrides={"listen": ["tcp://127.0.0.1:0"], name: 1e10})
+    assert getattr(load_config(None, env={}, overrides={"listen": ["tcp://127.0.0.1:0"], name: 86400}), name) == 86400
