@@ -23,9 +23,10 @@ governance needs:
 * per (owner, session) a set (session erasure).
 
 Blocks spilled to disk carry their entry with them (:mod:`kvtier.server.spill`);
-a restarted server adds them back from there (``tier`` "disk"). The spill
-annotation does not name a payer: after a restart a shared block is charged to
-the shared namespace only.
+a restarted server adds them back from there (``tier`` "disk"), and those it
+placed in a Mooncake fleet from its fleet journal (``tier`` "mooncake",
+:mod:`kvtier.server.fleet`). The spill annotation does not name a payer: after
+a restart a shared block is charged to the shared namespace only.
 
 A block is in the index from its commit until it is deleted, expires or leaves
 the last tier (the server's eviction hooks call :meth:`remove`). All methods are
@@ -62,6 +63,9 @@ class BlockEntry:
     disk_name: bytes | None = None
     #: the tenant that wrote a block into a shared namespace ("": the owner pays alone)
     payer: str = ""
+    #: the tiers KV events announced holding it and not since gone (a block promoted from disk is
+    #: held, and was announced, in both): its removal is announced for each (:meth:`BlockIndex.announce`)
+    announced: tuple[str, ...] = ()
 
     @property
     def accounts(self) -> tuple[str, ...]:
@@ -135,6 +139,11 @@ class BlockIndex:
     def get(self, skey: bytes) -> BlockEntry | None:
         return self._entries.get(skey)
 
+    def keys(self) -> list[bytes]:
+        """Every storage key indexed (a snapshot)."""
+        with self._lock:
+            return list(self._entries)
+
     def owner_of(self, skey: bytes) -> str | None:
         """The owner of a block in the index, of one whose deletion is running (:meth:`deleting`),
         or of one removed recently (a bounded memory: None once enough others left since)."""
@@ -179,6 +188,23 @@ class BlockIndex:
             if entry is not None:
                 entry.tier = tier
             return entry
+
+    def announce(self, skey: bytes, entry: BlockEntry, tier: str) -> bool:
+        """Note that ``tier`` is announced holding ``entry``'s block; False (nothing noted, nothing to
+        announce) once the entry is no longer the one indexed under ``skey``: its removal has been
+        announced already, and a late "stored" would outlive it at every subscriber."""
+        with self._lock:
+            if self._entries.get(skey) is not entry:
+                return False
+            if tier not in entry.announced:
+                entry.announced += (tier,)
+            return True
+
+    def announce_gone(self, entry: BlockEntry, tier: str) -> None:
+        """Note that ``tier`` is announced no longer holding ``entry``'s block."""
+        with self._lock:
+            if tier in entry.announced:
+                entry.announced = tuple(t for t in entry.announced if t != tier)
 
     def remove(self, skey: bytes, *, only: BlockEntry | None = None) -> BlockEntry | None:
         """Forget ``skey``'s block; with ``only``, only if that entry is still the one indexed (a

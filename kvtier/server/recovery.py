@@ -22,11 +22,16 @@
   :mod:`kvtier.server.runtime_state`: same owner and scope, created at or before
   it) is deleted too: an old copy of erased files does not bring them back.
   Tombstones older than every block left are then dropped (they cover none).
+* Blocks the server placed in a Mooncake fleet come back from its fleet journal
+  (:mod:`kvtier.server.fleet`): :meth:`SpillBinding.rebuild` indexes them with the disk's,
+  all in one age order (a block both hold is indexed as the disk's), and keeps the tombstones
+  that still cover a record the journal keeps.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvtier.core.payload import unpack_header
@@ -50,9 +55,25 @@ class Rebuilt:
     unknown_owner: int = 0  #: the owner is no longer configured
     erased: int = 0  #: an erasure covers it (an old copy of erased files)
 
-    def summary(self) -> dict:
-        return {"recovered": len(self.entries), "rejected": self.rejected, "unattributed": self.unattributed,
+    def summary(self, tier: str | None = None) -> dict:
+        """Counts; ``recovered``: the entries indexed at ``tier`` (None: all of them)."""
+        recovered = sum(1 for _, e in self.entries if tier is None or e.tier == tier)
+        return {"recovered": recovered, "rejected": self.rejected, "unattributed": self.unattributed,
                 "unknown_owner": self.unknown_owner, "erased": self.erased}
+
+
+#: (wall-clock creation, storage key, entry): a block found again at start, not yet indexed
+Found = tuple[float, bytes, BlockEntry]
+
+
+def index_oldest_first(index: BlockIndex, found: Sequence[Found]) -> list[tuple[bytes, BlockEntry]]:
+    """Add ``found`` to ``index`` oldest first -- its age order, where a TTL sweep stops at the first
+    young block of a namespace -- and return the entries added (not those of a key indexed already)."""
+    added = []
+    for _, skey, entry in sorted(found, key=lambda item: item[0]):
+        if index.add(skey, entry):
+            added.append((skey, entry))
+    return added
 
 
 class SpillBinding:
@@ -93,8 +114,11 @@ class SpillBinding:
         return BlockRecord(parent, self.codec.pack(disk_key, note))
 
     # -- starting --------------------------------------------------------------------------
-    def rebuild(self, owners: set[str]) -> Rebuilt:
-        """Index every attributable block on disk (call once, before serving)."""
+    def rebuild(self, owners: set[str], also: Sequence[Found] = (), also_oldest: float | None = None) -> Rebuilt:
+        """Index every attributable block on disk (call once, before serving), and ``also`` (the
+        blocks a fleet journal found, :func:`kvtier.server.fleet.rebuild_from_journal`) but those
+        the disk holds; ``also_oldest``: the creation of the oldest record that journal keeps (the
+        tombstones that may cover it stay)."""
         out = Rebuilt()
         erasures = self.erasures
         found: list[tuple[float, bytes, SpillAnnotation]] = []
@@ -126,17 +150,18 @@ class SpillBinding:
             log.warning("disk block %s… has an annotation that does not authenticate; deleted", key.hex()[:16])
         for key in rejected + doomed:
             self.disk.delete(key)
-        found.sort(key=lambda item: item[0])  # oldest first: the index's age order
-        for _, disk_key, note in found:
+        entries: list[Found] = []
+        for created_wall, disk_key, note in found:
             skey = KeySpace.of(note.owner, note.namespace).storage_key(note.key)
-            entry = BlockEntry(note.owner, note.namespace, note.key, note.nbytes, note.header,
-                               monotonic_of(note.created_wall), note.session, self.disk.name, note.parent,
-                               disk_key if self.keyring is not None else None)
-            if self.index.add(skey, entry):
-                out.entries.append((skey, entry))
-        if erasures is not None and found:
-            try:  # what every file left on disk is younger than covers none of them
-                erasures.forget_erasures_before(found[0][0])
+            entries.append((created_wall, skey, BlockEntry(
+                note.owner, note.namespace, note.key, note.nbytes, note.header, monotonic_of(created_wall),
+                note.session, self.disk.name, note.parent, disk_key if self.keyring is not None else None)))
+        on_disk = {skey for _, skey, _ in entries}
+        out.entries = index_oldest_first(self.index, entries + [f for f in also if f[1] not in on_disk])
+        walls = [created_wall for created_wall, _, _ in found] + ([also_oldest] if also_oldest is not None else [])
+        if erasures is not None and walls:
+            try:  # what every file left on disk (and every fleet record kept) is younger than covers none of them
+                erasures.forget_erasures_before(min(walls))
             except OSError as exc:  # kept: they cost a lookup per file at the next start
                 log.warning("could not drop tombstones older than every spilled block: %s", exc)
         return out

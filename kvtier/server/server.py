@@ -22,6 +22,16 @@ set, a :class:`~kvtier.tiers.disk.DiskTier`. With a disk tier:
   the shutdown marks again any block the pool holds that no lower tier does
   (a copy that failed).
 
+With a Mooncake fleet below (``mooncake_master``), what DRAM or disk evicts
+spills there. The fleet's names are one-way and cannot be listed, so the server
+journals what it places there in ``state_dir`` (default ``disk_dir``;
+:mod:`kvtier.server.fleet`), before each put, and indexes it again at start,
+after a SIGTERM or a crash: restarted, it serves, erases and expires those
+blocks as before. Without any state directory nothing is journaled: the
+shutdown deletes from the fleet every block the server indexes (a restart could
+not reach them; "deleted N from the Mooncake fleet"), and after a crash they
+are left to the fleet's own eviction -- give such a server a ``state_dir``.
+
 Runtime admin changes (quotas, TTLs) persist in ``state_dir`` (default
 ``disk_dir``; :mod:`kvtier.server.runtime_state`) and win over the config file.
 """
@@ -78,15 +88,17 @@ class Server:
             if not config.encrypt_at_rest:
                 safety.warn_server_plaintext(config.disk_dir)
             tiers.append(self._sealed(disk) if config.encrypt_at_rest else disk)
+        codec = self._spill_codec() if disk is not None else None
+        state_dir = config.state_dir or config.disk_dir
+        #: the fleet tier with its journal (kvtier/server/fleet.py); None: no fleet, or no state_dir to keep it in
+        self.fleet = None
         if config.mooncake_master:  # the fleet below: blocks evicted above spill there (kvtier/tiers/mooncake.py)
-            tiers.append(self._fleet_tier())
+            tiers.append(self._fleet_tier(state_dir, codec))
         # A write-behind mark for every block the pool can hold (blocks of the smallest footprint):
         # a mark dropped from a full backlog would leave its block out of the shutdown flush. Marks
         # exist only for blocks in DRAM not yet copied down (~160 B each while they wait).
         most_blocks = self.host.capacity_bytes // self.host.footprint(1)
         self.store = TieredStore(tiers, dirty_limit_blocks=max(16384, most_blocks))
-        codec = self._spill_codec() if disk is not None else None
-        state_dir = config.state_dir or config.disk_dir
         # erasure records (a spill's tombstones) are authenticated under the spill secret
         state = RuntimeState(os.path.join(state_dir, RUNTIME_STATE_FILE) if state_dir else None,
                              erasure_key=codec.erasure_key() if codec is not None else None)
@@ -111,7 +123,7 @@ class Server:
             auth=Authenticator(config), metrics=self.metrics, audit=self.audit, events=self.events,
             keyring=self.keyring, spill=self.spill,
         )
-        if self.spill is not None:
+        if self.spill is not None or self.fleet is not None:
             self._recover()
         self.metrics.add_collector(lambda: tier_and_tenant_families(
             self.store, self.index, self.governance, lambda: self.events.emitted if self.events else 0))
@@ -153,10 +165,28 @@ class Server:
         sealed.name = disk.name  # metrics and KV events name the medium
         return sealed
 
-    def _fleet_tier(self):
+    def _fleet_tier(self, state_dir: str | None, codec):
+        """The Mooncake fleet, with a journal of what is placed there in ``state_dir`` (its records
+        authenticated by the disk spill's ``codec``, else by a secret of its own in ``state_dir``),
+        so that erase and TTL reach those blocks after a restart. Without a state directory a
+        clean shutdown deletes them from the fleet instead (:meth:`_shutdown_flush`)."""
         from kvtier.store.config import mooncake_tier_for_server
 
+        journal = None
+        if state_dir:
+            from kvtier.server.fleet_journal import JOURNAL_FILE, FleetJournal
+
+            journal = FleetJournal(os.path.join(state_dir, JOURNAL_FILE))
+            if codec is None:  # no disk spill: a secret of its own, as disk_dir's (0600, refused if others may read it)
+                from kvtier.server.spill import SpillCodec, secret_in
+
+                codec = SpillCodec(secret_in(state_dir))
         fleet = mooncake_tier_for_server(self.config, self.keyring)
+        if journal is not None:
+            from kvtier.server.fleet import FleetRecords, JournaledFleet
+
+            # (under the sealing tier: it records the names blocks are stored under, as the disk does)
+            fleet = self.fleet = JournaledFleet(fleet, journal, FleetRecords(self.index, codec, self.keyring))
         if self.keyring is None:
             return fleet  # names keyed, reads verified; plaintext in the fleet's memory
         from kvtier.tiers.encrypted import EncryptedTier
@@ -183,16 +213,32 @@ class Server:
         return binding
 
     def _recover(self) -> None:
-        """Index again what a previous run spilled (before any connection is accepted)."""
+        """Index again what a previous run spilled to disk or placed in the fleet (before any
+        connection is accepted), in one age order."""
         from kvtier.server.config import SHARED_PREFIX
+        from kvtier.server.recovery import Rebuilt, index_oldest_first
 
         t0 = time.monotonic()
         owners = {t.name for t in self.config.tenants} | {SHARED_PREFIX + s.name for s in self.config.shared}
-        rebuilt = self.spill.rebuild(owners)
-        for _, entry in rebuilt.entries:
-            self.service.emit("stored", entry.tier, entry)
-        self.recovered = {**rebuilt.summary(), "seconds": round(time.monotonic() - t0, 3)}
-        self.spill.last_rebuild = self.recovered  # admin stats show it
+        fleet = None
+        if self.fleet is not None:
+            from kvtier.server.fleet import rebuild_from_journal
+
+            # (erasure tombstones are kept with a disk spill: its runtime state authenticates them)
+            fleet = rebuild_from_journal(self.fleet, owners, self.spill.erasures if self.spill is not None else None)
+        if self.spill is not None:
+            rebuilt = self.spill.rebuild(owners, also=fleet.found if fleet else (),
+                                         also_oldest=fleet.oldest_kept if fleet else None)
+        else:
+            rebuilt = Rebuilt(entries=index_oldest_first(self.index, fleet.found))
+        for skey, entry in rebuilt.entries:
+            self.service.announce_stored(skey, entry.tier, entry)
+        self.recovered = rebuilt.summary(self.spill.disk.name if self.spill is not None else "")
+        if fleet is not None:  # (recovered: those indexed at the fleet; a block the disk holds too is the disk's)
+            self.recovered["fleet"] = {**fleet.summary(), "recovered": rebuilt.summary(self.fleet.name)["recovered"]}
+        self.recovered["seconds"] = round(time.monotonic() - t0, 3)
+        if self.spill is not None:
+            self.spill.last_rebuild = self.recovered  # admin stats show it
 
     # -- connections ----------------------------------------------------------------------
     def admit(self, conn: Connection) -> bool:
@@ -348,8 +394,18 @@ class Server:
         t0 = time.monotonic()
         limit = self.config.shutdown_flush_timeout_s
         if self.spill is None:  # no disk: nothing is written behind (a fleet only takes evictions)
-            r = self.store.close(flush_timeout_s=limit)
-            return {"flushed": r.flushed, "dropped": r.dropped, "seconds": round(r.seconds, 3)}
+            cleared = {}
+            if self.config.mooncake_master and self.fleet is None:
+                # No state directory, no fleet journal: a restarted server could neither serve, erase
+                # nor expire what it placed in the fleet, so it goes now. (A crash leaves it to the
+                # fleet's own eviction.)
+                from kvtier.server.fleet import clear_fleet
+
+                removed, left = clear_fleet(self.store.tiers[-1], self.index, limit)
+                cleared = {"fleet_deleted": removed, "fleet_left": left}
+            r = self.store.close(flush_timeout_s=max(0.0, limit - (time.monotonic() - t0)))
+            return {"flushed": r.flushed, "dropped": r.dropped, "seconds": round(time.monotonic() - t0, 3),
+                    **cleared}
         flushed = self.store.flush_dirty(limit).flushed
         unsaved = self._dram_only()
         if unsaved:  # a copy that failed (or a mark lost some other way): once more
@@ -398,6 +454,12 @@ def run(config: ServerConfig, ready: Callable[[dict], None] | None = None) -> No
             print(f"kvtier serve: recovered {r['recovered']} blocks from {config.disk_dir} in {r['seconds']} s "
                   f"(deleted: {r['rejected']} failing authentication, {r['unattributed']} unattributed, "
                   f"{r['unknown_owner']} of unconfigured tenants)", file=sys.stderr, flush=True)
+        if server.fleet is not None:
+            f = server.recovered["fleet"]
+            print(f"kvtier serve: indexed again {f['recovered']} blocks placed in the Mooncake fleet "
+                  f"({server.fleet.journal.path}; {f['gone']} the fleet no longer holds; deleted: {f['rejected']} "
+                  f"failing authentication, {f['unknown_owner']} of unconfigured tenants, {f['erased']} erased)",
+                  file=sys.stderr, flush=True)
         addresses = await server.start()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -406,8 +468,10 @@ def run(config: ServerConfig, ready: Callable[[dict], None] | None = None) -> No
             ready(addresses)
         await server.serve_until_stopped()
         r = server.shutdown_report
+        cleared = (f"; deleted {r['fleet_deleted']} blocks from the Mooncake fleet (no state_dir: a restart could "
+                   f"not reach them), {r['fleet_left']} left to its eviction" if "fleet_deleted" in r else "")
         print(f"kvtier serve: stopped; flushed {r['flushed']}, dropped {r['dropped']} blocks "
-              f"in {r['seconds']} s", file=sys.stderr, flush=True)
+              f"in {r['seconds']} s{cleared}", file=sys.stderr, flush=True)
 
     try:
         import uvloop

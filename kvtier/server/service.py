@@ -13,9 +13,13 @@ Data paths (no copy in user space on the host tier):
   block its reader authenticates, the server cannot) is stored unhashed, and
   served with that flag so that only a reader that opens it accepts it.
   A key already held is answered OK and its payload read into a discard buffer:
-  identical blocks are stored once. A key whose upload is still in flight on
-  another connection is received too (the host tier gives it a slot of its own),
-  so that the first upload failing cannot lose this one's acknowledged block.
+  identical blocks are stored once -- held, that is, by a tier the server controls:
+  an index entry at a Mooncake fleet, which drops blocks on its own, counts only
+  once the fleet confirms it (:class:`~kvtier.server.fleet.FleetPresence`, off the
+  event loop; LOOKUP and CONTAINS ask it too), else the block is stored again.
+  A key whose upload is still in flight on another connection is received too
+  (the host tier gives it a slot of its own), so that the first upload failing
+  cannot lose this one's acknowledged block.
   Everything that can refuse a PUT is checked before its slot is committed; a
   failure after the reservation aborts the slot, never leaves it unindexed.
 * GET: a host-tier block is pinned and its slot sent as is; a block on a lower
@@ -216,29 +220,39 @@ class Service:
         self._put_result = {s: m.put_results.labels(s.name.lower()) for s in Status}
         self._put_result["forbidden"] = m.put_results.labels("forbidden")
         self._install_hooks()
+        # A Mooncake fleet drops blocks on its own (eviction, a master restart) and tells no one: an
+        # index entry at the fleet is a claim it confirms (kvtier/server/fleet.py), never a fact.
+        self._fleet_name: str | None = None
+        self._presence = None
+        if config.mooncake_master and len(store.tiers) > 1:
+            from kvtier.server.fleet import FleetPresence
+
+            self._fleet_name = store.tiers[-1].name
+            self._presence = FleetPresence(store.tiers[-1])
         self.admin = AdminAPI(self)
 
     def close(self) -> None:
         self.io.shutdown(wait=True)
+        if self._presence is not None:
+            self._presence.close()
 
     # -- tier hooks: keep the index and the events in step with evictions ---------------
     def _install_hooks(self) -> None:
         tiers = self.store.tiers
         for i, tier in enumerate(tiers):
-            lower = tiers[i + 1] if i + 1 < len(tiers) else None
-            tier.on_evict = self._eviction_hook(tier, lower, tier.on_evict)
+            tier.on_evict = self._eviction_hook(tier, tuple(tiers[i + 1:]), tier.on_evict)
 
-    def _eviction_hook(self, tier, lower, demote):
+    def _eviction_hook(self, tier, below, demote):
         def hook(skey, data, meta) -> None:
             if demote is not None:
                 demote(skey, data, meta)  # the store's write-back demotion, one tier down
             entry = self.index.get(skey)
             if entry is None:
                 return
-            self.emit("removed", tier.name, entry)
+            self._announce_removed(tier.name, entry)
             if entry.tier != tier.name:
                 return  # a faster tier still holds it (promoted copy)
-            if lower is None:
+            if not below:
                 self._forget_evicted(skey, entry)
                 return
             # Where the block went is asked off this tier's lock: the lower tier may be a fleet
@@ -246,33 +260,60 @@ class Service:
             # waits for the host tier's lock. Until it is settled the index names this tier,
             # whose miss sends a GET to the lower tiers: a late answer costs nothing.
             try:
-                self.io.submit(self._settle_eviction, skey, tier, lower)
+                self.io.submit(self._settle_eviction, skey, tier, below)
             except RuntimeError:  # shutting down: settled here, as nothing else waits
-                self._settle_eviction(skey, tier, lower)
+                self._settle_eviction(skey, tier, below)
 
         return hook
 
-    def _settle_eviction(self, skey: bytes, tier, lower) -> None:
-        """The index follows a block that ``tier`` evicted: into ``lower``, or out."""
+    def _settle_eviction(self, skey: bytes, tier, below) -> None:
+        """The index follows a block that ``tier`` evicted: into the fastest tier ``below`` it that
+        holds it, or out. (Not the next one only: the disk may have passed it on to the fleet
+        meanwhile, or held it no longer when DRAM let go of a clean copy; forgotten, the fleet's
+        copy was beyond a later erase.)"""
         entry = self.index.get(skey)
         if entry is None or entry.tier != tier.name or tier.contains(skey):
             return  # erased, moved or put back meanwhile
-        # A lower tier that could not be asked (backing off: a fleet not answering) may well hold
-        # it: forgotten, a block the fleet held was lost to its tenant and beyond a later erase.
-        # Indexed there, a GET finds out (and drops it if no tier holds it).
-        if lower.contains(skey) or not lower.available:
-            if self.index.set_tier(skey, lower.name) is not None:
-                self.emit("stored", lower.name, entry)
-        else:
-            self._forget_evicted(skey, entry)
+        for lower in below:
+            # A lower tier that could not be asked (backing off: a fleet not answering) may well hold
+            # it: forgotten, a block the fleet held was lost to its tenant and beyond a later erase.
+            # Indexed there, a GET finds out (and drops it if no tier holds it).
+            if lower.contains(skey) or not lower.available:
+                if self.index.set_tier(skey, lower.name) is not None:
+                    self.announce_stored(skey, lower.name, entry)
+                return
+        self._forget_evicted(skey, entry)
 
     def _forget_evicted(self, skey: bytes, entry: BlockEntry) -> None:
         if self.index.remove(skey, only=entry) is not None:  # (not a block put again since)
             self.gov.release(skey)
+            # (the evicting tier's removal is announced by the hook; a copy announced elsewhere is gone too)
+            self._announce_gone(entry, own_tier=False)
 
+    # -- KV events: a block is announced "stored" per tier, and "removed" from each of them -------
     def emit(self, kind: str, tier: str, entry: BlockEntry) -> None:
         if self.events is not None:
             self.events.emit(kind, tier, entry.owner, entry.namespace, [entry.key], entry.nbytes)
+
+    def announce_stored(self, skey: bytes, tier: str, entry: BlockEntry) -> None:
+        """Announce that ``tier`` holds the block ``entry`` indexes under ``skey``; noted on the entry
+        (:attr:`BlockEntry.announced`), so that its removal is announced for that tier too. Nothing
+        is announced for an entry no longer indexed (its removal went out already)."""
+        if self.events is not None and self.index.announce(skey, entry, tier):
+            self.emit("stored", tier, entry)
+
+    def _announce_removed(self, tier: str, entry: BlockEntry) -> None:
+        if self.events is not None:
+            self.index.announce_gone(entry, tier)
+            self.emit("removed", tier, entry)
+
+    def _announce_gone(self, entry: BlockEntry, *, own_tier: bool = True) -> None:
+        """``entry`` left the index and its block every tier: "removed" for each tier it was announced
+        in (a block promoted from disk was announced in DRAM and on disk; its own tier alone left the
+        disk copy held at every subscriber for good), and for its own tier (``own_tier``)."""
+        if self.events is not None:
+            for tier in dict.fromkeys(((entry.tier,) if own_tier else ()) + entry.announced):
+                self.emit("removed", tier, entry)
 
     # -- HELLO ------------------------------------------------------------------------
     def hello(self, conn, h: Header, meta: bytes) -> Principal:
@@ -321,9 +362,9 @@ class Service:
         elif op == Op.PUT:
             await self._put(conn, p, h, meta)
         elif op == Op.LOOKUP:
-            self._lookup(conn, p, h, meta)
+            await self._lookup(conn, p, h, meta)
         elif op == Op.CONTAINS:
-            self._contains(conn, p, h, meta)
+            await self._contains(conn, p, h, meta)
         elif op == Op.DELETE:
             await self._delete(conn, p, h, meta)
         elif op == Op.LIST:
@@ -355,23 +396,54 @@ class Service:
             return skey, entry
         return None
 
-    def _lookup(self, conn, p: Principal, h: Header, meta: bytes) -> None:
+    async def _lookup(self, conn, p: Principal, h: Header, meta: bytes) -> None:
         now = time.monotonic()
         keys = split_keys(meta)
-        n = 0
+        prefix = []
         for key in keys:
             found = self.resolve(p, key, now)
             if found is None:
                 break
-            self.index.touch(found[0])
-            n += 1
+            prefix.append(found)
+        held = await self._fleet_holds(prefix)
+        n = held.index(False) if False in held else len(held)
+        for skey, _ in prefix[:n]:
+            self.index.touch(skey)
         self._hit["lookup"].inc(n)
         self._miss["lookup"].inc(len(keys) - n)
         conn.reply(h, 0, U32.pack(n))
 
-    def _contains(self, conn, p: Principal, h: Header, meta: bytes) -> None:
+    async def _contains(self, conn, p: Principal, h: Header, meta: bytes) -> None:
         now = time.monotonic()
-        conn.reply(h, 0, bytes(self.resolve(p, k, now) is not None for k in split_keys(meta)))
+        resolved = [self.resolve(p, k, now) for k in split_keys(meta)]
+        found = [f for f in resolved if f is not None]
+        held = iter(await self._fleet_holds(found))
+        conn.reply(h, 0, bytes(f is not None and next(held) for f in resolved))
+
+    async def _fleet_holds(self, found: list[tuple[bytes, BlockEntry]]) -> list[bool]:
+        """Per resolved (storage key, entry): False if the entry places the block in the fleet alone
+        and the fleet does not confirm it (asked in one batch, off the event loop). An entry the
+        fleet answered it does not hold leaves the index (the fleet evicted it on its own); one it
+        could not answer about (down) stays, as a GET's ERROR keeps it: it may hold it still."""
+        out = [True] * len(found)
+        if self._presence is None:
+            return out
+        ask = [i for i, (skey, entry) in enumerate(found)
+               if entry.tier == self._fleet_name and not self.host.contains(skey)]
+        if not ask:
+            return out
+        held = await self._presence.held([found[i][0] for i in ask])
+        for j, i in enumerate(ask):
+            if held is not None and held[j]:
+                continue
+            skey, entry = found[i]
+            if self.index.get(skey) is not entry or entry.tier != self._fleet_name or self.host.contains(skey):
+                out[i] = self.index.get(skey) is not None  # moved meanwhile (promoted, put again) or gone
+                continue
+            out[i] = False
+            if held is not None:
+                self.drop_soon(skey, only=entry)
+        return out
 
     async def _delete(self, conn, p: Principal, h: Header, meta: bytes) -> None:
         """Index look-ups on the event loop (as CONTAINS); the held blocks are dropped on an
@@ -467,12 +539,13 @@ class Service:
             log.warning("block %s left the index, but %s", skey.hex()[:16], exc)
             return False
 
-    def drop_soon(self, skey: bytes) -> BlockEntry | None:
+    def drop_soon(self, skey: bytes, *, only: BlockEntry | None = None) -> BlockEntry | None:
         """:meth:`drop`, for the event loop: the index forgets the block at once and the tiers'
         copies are deleted on an I/O thread. A fleet tier's delete is a network call: run on the
         loop, one expiring block on a frozen fleet stalled every tenant for the engine's deadline.
-        A PUT of the key waits for the deletion (:meth:`_deleted`), so it never deletes the new block."""
-        entry = self._unindex(skey)
+        A PUT of the key waits for the deletion (:meth:`_deleted`), so it never deletes the new block.
+        With ``only``, only if that entry is still the one indexed."""
+        entry = self._unindex(skey, only)
         if entry is None:
             return None
         try:
@@ -513,7 +586,7 @@ class Service:
         if entry is None:
             return None
         self.gov.release(skey)
-        self.emit("removed", entry.tier, entry)
+        self._announce_gone(entry)
         return entry
 
     # -- GET ------------------------------------------------------------------------------
@@ -581,7 +654,7 @@ class Service:
                 return False
             if result.tiers[0] != self.host.name and self.host.contains(skey):
                 if self.index.set_tier(skey, self.host.name) is not None:
-                    self.emit("stored", self.host.name, entry)
+                    self.announce_stored(skey, self.host.name, entry)
             held = self.host.hold(skey)  # the promoted copy: sent from the pool, as a DRAM hit
             if held is None:
                 if not scratch.lend(tenant):  # this tenant's connections hold as many as they may: a miss
@@ -625,6 +698,13 @@ class Service:
         # could store without limit there): the accounts it is charged to, writer first.
         accounts = (p.tenant, owner) if p.tenant != owner else (owner,)
         existing = self.resolve(Principal(p.tenant, p.namespace, read_spaces=(space,)), bh.key, time.monotonic())
+        if existing is not None and existing[1].tier == self._fleet_name:
+            # Not "already stored" on the word of an index entry at the fleet: it may have evicted the
+            # block (an OK that stored nothing). Unconfirmed, the block is stored again below.
+            conn.working()
+            if not (await self._fleet_holds([existing]))[0]:
+                existing = None
+            conn.receiving()
         if existing is not None:  # content addressed: same key, same bytes
             await conn.discard(h.data_len)
             self.index.touch(skey)
@@ -697,8 +777,12 @@ class Service:
                            parent, disk_name, payer=p.tenant if p.tenant != owner else "")
         if self.index.add(skey, entry):
             self.gov.charge(skey, entry.accounts, n, footprint)
-            self.emit("stored", self.host.name, entry)
+            self.announce_stored(skey, self.host.name, entry)
             self._write_behind(skey, parent, block_meta)
+        elif (held := self.index.get(skey)) is not None and held.tier != self.host.name and self.host.contains(skey):
+            # indexed at a fleet that could not confirm it (down): DRAM holds it again now
+            if self.index.set_tier(skey, self.host.name) is not None:
+                self.announce_stored(skey, self.host.name, held)
         self._put_result[Status.OK].inc()
         conn.reply(h, Status.OK)
 

@@ -1,0 +1,353 @@
+"""The server's side of a Mooncake fleet below its tiers: what it placed there, kept across a
+restart, and whether the fleet still holds what the index says it does.
+
+The fleet cannot be listed (its names are one-way HMACs), and it drops blocks on its own
+(eviction above ~90 % fill, a master restart, a holder lost) without telling anyone. So:
+
+* :class:`~kvtier.server.fleet_journal.FleetJournal`: an append-only file,
+  ``<state_dir>/fleet.journal`` (``state_dir`` defaults to ``disk_dir``), 0600.
+  :class:`JournaledFleet`, the fleet tier as the server's store sees it (below the sealing
+  tier with ``encrypt_at_rest``: it sees the names blocks are stored under), appends a record
+  for each block *before* the fleet is asked to store it (fsync'd once per batch) -- the
+  block's index entry as a disk spill's annotation carries it (:mod:`kvtier.server.spill`:
+  owner, namespace, key, session, creation time, header, size, parent; HMAC'd under the spill
+  secret, sealed with encryption at rest) -- and refuses to store a block the index no longer
+  holds (erased meanwhile). A record is forgotten once a delete of the block reached the
+  fleet; one whose delete the fleet could not be asked about stays (the removal is owed). A
+  crash between a record and its put leaves a record of a block the fleet may not hold:
+  harmless (see below). (A removal the fleet refuses even forced -- a lease it would not
+  break -- is retried by the fleet tier while the server runs; a crash before that retry
+  leaves the copy to the fleet's own eviction.)
+* At start, :func:`rebuild_from_journal` reads the records back: one that does not
+  authenticate or whose owner is no longer configured, or that an erasure tombstone covers
+  (:mod:`kvtier.server.runtime_state`), has its block deleted from the fleet; one of a block
+  the fleet no longer holds (one batched lookup) is forgotten; the others are indexed again
+  (tier ``mooncake``), merged with the disk's in age order, so that erase, TTL and quotas reach
+  them as before the restart. The journal is then written anew with the live records only
+  (and again whenever forgotten records outnumber them). (Tombstones exist where the runtime
+  state can authenticate them, with a disk spill. Without one, an erasure cut short by a crash
+  -- the index forgot the block, the fleet's delete never ran -- leaves its record: the block is
+  indexed again at the next start, where the erase, asked again, reaches it.)
+* Without any state directory (no ``disk_dir``, no ``state_dir``) nothing is journaled: a clean
+  shutdown deletes from the fleet every block the server indexes (a restarted server could not
+  reach them), and a crash leaves them to the fleet's own eviction (see the server module).
+* :class:`FleetPresence`: index entries at the fleet are trusted only once it confirms them: a
+  PUT of such a block is not answered "already stored" (content addressed) unless the fleet
+  still holds it, and LOOKUP / CONTAINS ask it too. Asked in batches, on a thread of its own
+  (never the event loop, nor the I/O threads that disk reads queue on): the requests that
+  arrive while one batch is asked form the next.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from kvtier.core.payload import unpack_header
+from kvtier.errors import ConfigError
+from kvtier.server.auth import KeySpace
+from kvtier.server.fleet_journal import FleetJournal
+from kvtier.server.index import BlockEntry, BlockIndex
+from kvtier.server.recovery import Found
+from kvtier.server.spill import SpillAnnotation, SpillCodec, monotonic_of, wall_of
+from kvtier.tiers.base import Status
+from kvtier.tiers.wrapper import WrappingTier
+
+log = logging.getLogger(__name__)
+
+#: names per fleet call at start (lookups, removals) and at a shutdown that clears the fleet
+BATCH = 4096
+
+
+class FleetRecords:
+    """What a block's record says: its index entry, as a disk spill annotates it."""
+
+    def __init__(self, index: BlockIndex, codec: SpillCodec, keyring=None) -> None:
+        self.index = index
+        self.codec = codec
+        #: with encryption at rest the fleet names a block by its owner's keyed HMAC (as the disk does)
+        self.keyring = keyring
+
+    def record(self, name: bytes) -> tuple[bytes, BlockEntry] | None:
+        """The record of the block stored under ``name`` and the entry it was made from; None if the
+        index no longer holds it (deleted since: it must not be stored behind its erasure)."""
+        skey = name if self.keyring is None else self.index.storage_key_of(name)
+        entry = self.index.get(skey) if skey is not None else None
+        if entry is None:
+            return None
+        note = SpillAnnotation(entry.owner, entry.namespace, entry.key, entry.session, wall_of(entry.created),
+                               entry.header, entry.nbytes, entry.parent)
+        return self.codec.pack(name, note), entry
+
+    def read(self, name: bytes, record: bytes) -> SpillAnnotation | None:
+        """The annotation of a record if it authenticates and describes the block named ``name``:
+        the name derives from its owner, namespace and key (as a disk file's does)."""
+        note = self.codec.unpack(name, record)
+        if note is None:
+            return None
+        skey = KeySpace.of(note.owner, note.namespace).storage_key(note.key)
+        # (existing_storage_key: checking a name creates no keys for an owner the store lacks)
+        if name != (skey if self.keyring is None else self.keyring.existing_storage_key(note.owner, skey)):
+            return None
+        header = unpack_header(note.header)
+        if header is None or header.key != note.key or header.payload_nbytes != note.nbytes:
+            return None
+        return note
+
+
+class JournaledFleet(WrappingTier):
+    """The fleet tier with its journal (see the module's docstring). Everything else is the fleet's
+    own: lookups and reads go straight to it, and so do the attributes a sealing tier above asks
+    of it (registered memory, unhashed reads)."""
+
+    def __init__(self, inner, journal: FleetJournal, records: FleetRecords) -> None:
+        super().__init__(inner)
+        self.name = inner.name
+        self.journal = journal
+        self.records = records
+
+    def __getattr__(self, attr: str):
+        if attr == "inner":  # (not set yet)
+            raise AttributeError(attr)
+        return getattr(self.inner, attr)
+
+    # -- writes: recorded first --------------------------------------------------------------------
+    def _record(self, keys: Sequence[bytes]) -> list[bool]:
+        """Record each key's placement; False for one the index no longer holds, or all of them when
+        the journal cannot be written (never placed without a record)."""
+        made = [self.records.record(bytes(k)) for k in keys]
+        items = [(bytes(k), m[0], m[1]) for k, m in zip(keys, made) if m is not None]
+        if items:
+            try:
+                self.journal.placed(items)
+            except OSError as exc:
+                log.warning("fleet journal %s cannot be written (%s): %d blocks not placed in the fleet",
+                            self.journal.path, exc, len(keys))
+                return [False] * len(keys)
+        return [m is not None for m in made]
+
+    def _refused(self, n: int) -> None:
+        with self._lock:  # (counted into the fleet's counters, as the wrapper's stats are)
+            self.inner.stats.put_failures += n
+
+    def put(self, key, data, *, parent=None, meta=None, **kw) -> Status:
+        if not self._record([key])[0]:
+            self._refused(1)
+            return Status.ERROR
+        return self.inner.put(key, data, parent=parent, meta=meta, **kw)
+
+    def put_many(self, keys, datas, *, parents=None, metas=None, **kw) -> list[Status]:
+        ok = self._record(keys)
+        if all(ok):
+            return self.inner.put_many(keys, datas, parents=parents, metas=metas, **kw)
+        if parents is None:
+            parents = [None, *keys[:-1]]
+        out = [Status.ERROR] * len(keys)
+        todo = [i for i, good in enumerate(ok) if good]
+        self._refused(len(keys) - len(todo))
+        if todo:
+            pick = lambda seq: None if seq is None else [seq[i] for i in todo]  # noqa: E731
+            statuses = self.inner.put_many(pick(keys), pick(datas), parents=pick(parents), metas=pick(metas),
+                                           **{k: pick(v) for k, v in kw.items()})
+            for i, status in zip(todo, statuses):
+                out[i] = status
+        return out
+
+    # -- removal: forgotten once the fleet was asked -----------------------------------------------
+    def delete(self, key) -> bool:
+        return self.delete_many([key])[0]
+
+    def delete_many(self, keys) -> list[bool]:
+        since = self.journal.seq
+        out = self.inner.delete_many(keys)
+        if self.inner.available:  # (else the removal is owed: the record stays for a later start)
+            self.journal.forget([bytes(k) for k in keys], since)
+        return out
+
+    # -- the rest, as the fleet -------------------------------------------------------------------
+    def contains(self, key) -> bool:
+        return self.inner.contains(key)
+
+    def contains_many(self, keys) -> list[bool]:
+        return self.inner.contains_many(keys)
+
+    def lookup_prefix(self, keys) -> int:
+        return self.inner.lookup_prefix(keys)
+
+    def get(self, key, out) -> Status:
+        return self.inner.get(key, out)
+
+    def get_many(self, keys, outs, **kw) -> list[Status]:
+        return self.inner.get_many(keys, outs, **kw)
+
+    def get_many_as_ready(self, keys, outs, ready) -> list[Status]:
+        return self.inner.get_many_as_ready(keys, outs, ready)
+
+    def keys(self):
+        return self.inner.keys()
+
+    def close(self) -> None:
+        self.inner.close()
+        self.journal.close()
+
+
+# -- start ---------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class FleetRebuilt:
+    """What a start found in the fleet journal."""
+
+    found: list[Found] = field(default_factory=list)  #: to index (the fleet holds them, or could not say)
+    rejected: int = 0  #: a record that does not authenticate: its block deleted
+    unknown_owner: int = 0  #: the owner is no longer configured: deleted
+    erased: int = 0  #: an erasure covers it: deleted
+    gone: int = 0  #: the fleet no longer holds it: forgotten
+    #: the creation (wall clock) of the oldest record kept (found, or a removal the fleet owes)
+    oldest_kept: float | None = None
+
+    def summary(self) -> dict:
+        return {"recovered": len(self.found), "rejected": self.rejected, "unknown_owner": self.unknown_owner,
+                "erased": self.erased, "gone": self.gone}
+
+
+def rebuild_from_journal(fleet: JournaledFleet, owners: set[str], erasures=None) -> FleetRebuilt:
+    """Read the journal back at start (see the module's docstring); the index is not touched: the
+    entries to add are in ``found``. Deletes what must not stay in the fleet, then writes the
+    journal anew. With encryption at rest, records none of which authenticates (while some exist)
+    are a master key or key store other than the one they were written with: the start is refused
+    and nothing deleted, as for the disk (:mod:`kvtier.server.recovery`)."""
+    journal, records, raw = fleet.journal, fleet.records, fleet.inner
+    out = FleetRebuilt()
+    good: list[tuple[bytes, SpillAnnotation]] = []
+    doomed: list[tuple[bytes, float | None]] = []
+    for name, record in journal.records():
+        note = records.read(name, record)
+        if note is None:
+            out.rejected += 1
+            doomed.append((name, None))
+        elif note.owner not in owners:
+            out.unknown_owner += 1
+            doomed.append((name, note.created_wall))
+        elif erasures is not None and erasures.erased(note.owner, note.namespace, note.session, note.created_wall):
+            out.erased += 1
+            doomed.append((name, note.created_wall))
+        else:
+            good.append((name, note))
+    if records.keyring is not None and out.rejected and not good and not out.unknown_owner and not out.erased:
+        raise ConfigError(
+            f"none of the {out.rejected} records of blocks placed in the Mooncake fleet ({journal.path}) authenticates "
+            f"under this master key: start with the master key they were written with. Nothing was deleted; to "
+            f"leave those blocks to the fleet's own eviction, move the journal away")
+    if out.rejected:
+        log.warning("fleet journal %s: %d records do not authenticate; their blocks are deleted from the fleet",
+                    journal.path, out.rejected)
+    kept_walls: list[float] = []
+    for part in _batches(doomed):
+        since = journal.seq
+        raw.delete_many([name for name, _ in part])
+        if raw.available:
+            journal.forget([name for name, _ in part], since)
+        else:  # owed: asked again at the next start
+            kept_walls += [wall for _, wall in part if wall is not None]
+    for part in _batches(good):
+        held = raw.contains_many([name for name, _ in part])
+        if not raw.available:  # the fleet could not say: kept (a GET that misses drops it)
+            held = [True] * len(part)
+        gone = [name for (name, _), h in zip(part, held) if not h]
+        out.gone += len(gone)
+        journal.forget(gone, journal.seq)
+        for (name, note), h in zip(part, held):
+            if h:
+                skey = KeySpace.of(note.owner, note.namespace).storage_key(note.key)
+                out.found.append((note.created_wall, skey, BlockEntry(
+                    note.owner, note.namespace, note.key, note.nbytes, note.header, monotonic_of(note.created_wall),
+                    note.session, fleet.name, note.parent, name if records.keyring is not None else None)))
+                kept_walls.append(note.created_wall)
+    out.oldest_kept = min(kept_walls) if kept_walls else None
+    journal.rewrite()
+    return out
+
+
+def _batches(items: list) -> list[list]:
+    return [items[i:i + BATCH] for i in range(0, len(items), BATCH)]
+
+
+# -- presence --------------------------------------------------------------------------------------
+class FleetPresence:
+    """Asks the fleet which of the blocks the index places there it still holds: in batches, on a
+    thread of its own. Event loop only (:meth:`held`), but for the thread it runs the calls on."""
+
+    def __init__(self, tier) -> None:
+        self.tier = tier
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-serve-fleet")
+        self._queued: list[tuple[list[bytes], asyncio.Future]] = []
+        self._asking = False
+
+    async def held(self, skeys: Sequence[bytes]) -> list[bool] | None:
+        """Per storage key, whether the fleet holds it; None when the fleet could not say (down,
+        backing off: its misses say nothing)."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._queued.append((list(skeys), future))
+        if not self._asking:
+            self._ask_next(loop)
+        return await future
+
+    def _ask_next(self, loop) -> None:
+        batch, self._queued = self._queued, []
+        self._asking = bool(batch)
+        if not batch:
+            return
+        keys = [k for ks, _ in batch for k in ks]
+        try:
+            done = loop.run_in_executor(self._pool, self._ask, keys)
+        except RuntimeError:  # shut down: nothing can be confirmed
+            self._asking = False
+            for _, future in batch:
+                if not future.done():
+                    future.set_result(None)
+            return
+        done.add_done_callback(lambda f: self._answer(loop, batch, f))
+
+    def _ask(self, keys: list[bytes]) -> list[bool] | None:
+        held = self.tier.contains_many(keys)
+        return held if self.tier.available else None
+
+    def _answer(self, loop, batch, done) -> None:
+        if done.cancelled():
+            held = None
+        elif done.exception() is not None:
+            log.warning("asking the fleet which blocks it holds failed: %r", done.exception())
+            held = None
+        else:
+            held = done.result()
+        at = 0
+        for keys, future in batch:
+            if not future.done():
+                future.set_result(None if held is None else held[at:at + len(keys)])
+            at += len(keys)
+        self._ask_next(loop)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+def clear_fleet(fleet, index: BlockIndex, limit_s: float) -> tuple[int, int]:
+    """Delete from ``fleet`` every block ``index`` holds, within about ``limit_s`` (the shutdown of a
+    server with no state directory: nothing could reach them after a restart). Returns (removed,
+    left): the blocks the fleet was asked to remove (or did not hold), and those left to its own
+    eviction (out of time, or the fleet not answering)."""
+    keys = index.keys()
+    deadline = time.monotonic() + limit_s
+    removed = 0
+    for part in _batches(keys):
+        if time.monotonic() > deadline:
+            break
+        fleet.delete_many(part)
+        if not fleet.available:  # not asked: owed, and this process is ending
+            break
+        removed += len(part)
+    return removed, len(keys) - removed

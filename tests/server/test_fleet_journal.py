@@ -1,0 +1,243 @@
+"""The server's fleet journal (kvtier/server/fleet.py, fleet_journal.py) over a stand-in fleet: a
+record before each placement, forgotten after a delete the fleet was asked, read back at start (authenticated, erasures
+and owners applied, blocks the fleet lost forgotten), a torn tail, compaction, sealed names.
+The same with a real fleet and server: test_fleet_restart.py."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import pytest
+
+from kvtier.core.payload import pack_header
+from kvtier.crypto.keyring import Keyring
+from kvtier.crypto.providers import StaticMasterKey
+from kvtier.errors import ConfigError
+from kvtier.server.auth import KeySpace
+from kvtier.server.fleet import FleetRecords, JournaledFleet, rebuild_from_journal
+from kvtier.server.fleet_journal import JOURNAL_FILE, FleetJournal
+from kvtier.server.index import BlockEntry, BlockIndex
+from kvtier.server.runtime_state import RuntimeState
+from kvtier.server.spill import SpillCodec
+from kvtier.tiers.base import Status, Tier
+
+NBYTES = 64
+CODEC = SpillCodec(b"s" * 32)
+
+
+class StandInFleet(Tier):
+    """A fleet: names → bytes; ``available`` False plays one that cannot be asked."""
+
+    name = "mooncake"
+
+    def __init__(self, journal: FleetJournal | None = None) -> None:
+        super().__init__()
+        self.objects: dict[bytes, bytes] = {}
+        self.journal = journal  # to check that a record precedes each put
+        self.recorded_first = True
+
+    def contains(self, key) -> bool:
+        return self.available and key in self.objects
+
+    def get(self, key, out) -> Status:
+        if key not in self.objects:
+            return Status.MISS
+        np.frombuffer(out, np.uint8)[:] = np.frombuffer(self.objects[key], np.uint8)
+        return Status.OK
+
+    def put(self, key, data, *, parent=None, meta=None) -> Status:
+        if not self.available:
+            return Status.ERROR
+        if self.journal is not None and key not in dict(self.journal.records()):
+            self.recorded_first = False
+        self.objects[key] = bytes(data)
+        return Status.OK
+
+    def delete(self, key) -> bool:
+        if not self.available:
+            return False
+        return self.objects.pop(key, None) is not None
+
+    def keys(self):
+        return iter(())
+
+    @property
+    def capacity_bytes(self) -> int:
+        return 0
+
+    @property
+    def used_bytes(self) -> int:
+        return 0
+
+
+def _entry(owner: str, ns: str, i: int, session: str = "", created: float | None = None,
+           disk_name: bytes | None = None) -> tuple[bytes, BlockEntry]:
+    key = bytes([i]) * 32
+    header = pack_header(key, NBYTES, bytes(16))
+    skey = KeySpace.of(owner, ns).storage_key(key)
+    return skey, BlockEntry(owner, ns, key, NBYTES, header, time.monotonic() if created is None else created,
+                            session, "host", None, disk_name)
+
+
+def _fleet(tmp_path, index: BlockIndex, keyring=None) -> JournaledFleet:
+    journal = FleetJournal(str(tmp_path / JOURNAL_FILE))
+    inner = StandInFleet(journal)
+    return JournaledFleet(inner, journal, FleetRecords(index, CODEC, keyring))
+
+
+def _reopened(tmp_path, keyring=None) -> tuple[JournaledFleet, BlockIndex]:
+    index = BlockIndex()
+    return _fleet(tmp_path, index, keyring), index
+
+
+def _place(fleet: JournaledFleet, index: BlockIndex, *entries) -> list[bytes]:
+    for skey, entry in entries:
+        index.add(skey, entry)
+    keys = [skey for skey, _ in entries]
+    assert fleet.put_many(keys, [np.full(NBYTES, 7, np.uint8) for _ in keys]) == [Status.OK] * len(keys)
+    return keys
+
+
+def test_a_placement_is_recorded_before_the_put_and_forgotten_once_deleted(tmp_path):
+    index = BlockIndex()
+    fleet = _fleet(tmp_path, index)
+    a, b = _place(fleet, index, _entry("acme", "chat", 1), _entry("acme", "chat", 2))
+    assert fleet.inner.recorded_first and set(fleet.inner.objects) == {a, b}
+    assert fleet.put(a, np.full(NBYTES, 7, np.uint8)) is Status.OK  # again: not recorded twice
+    assert fleet.delete(a) is True
+    fleet.close()
+    again, _ = _reopened(tmp_path)
+    assert [name for name, _ in again.journal.records()] == [b]
+
+
+def test_a_block_the_index_no_longer_holds_is_not_placed(tmp_path):
+    """(Erased meanwhile: a demotion must not store it behind its erasure, as the disk refuses it.)"""
+    index = BlockIndex()
+    fleet = _fleet(tmp_path, index)
+    held, gone = _entry("acme", "chat", 1), _entry("acme", "chat", 2)
+    index.add(*held)
+    statuses = fleet.put_many([held[0], gone[0]], [np.zeros(NBYTES, np.uint8)] * 2)
+    assert statuses == [Status.OK, Status.ERROR] and set(fleet.inner.objects) == {held[0]}
+    assert [name for name, _ in fleet.journal.records()] == [held[0]]
+
+
+def test_a_delete_the_fleet_could_not_be_asked_about_keeps_its_record(tmp_path):
+    index = BlockIndex()
+    fleet = _fleet(tmp_path, index)
+    (a,) = _place(fleet, index, _entry("acme", "chat", 1))
+    fleet.inner.available = False
+    fleet.delete(a)
+    assert [name for name, _ in fleet.journal.records()] == [a]  # the removal is owed: asked again at start
+
+
+def test_a_placement_that_began_during_a_delete_keeps_its_record(tmp_path):
+    index = BlockIndex()
+    fleet = _fleet(tmp_path, index)
+    (a,) = _place(fleet, index, _entry("acme", "chat", 1))
+    since = fleet.journal.seq  # a delete begins
+    assert fleet.put(a, np.zeros(NBYTES, np.uint8)) is Status.OK  # a copy lands meanwhile
+    fleet.journal.forget([a], since)  # the delete ends
+    assert [name for name, _ in fleet.journal.records()] == [a]
+
+
+def test_a_start_indexes_what_the_fleet_holds_and_deletes_what_it_must_not(tmp_path):
+    index = BlockIndex()
+    fleet = _fleet(tmp_path, index)
+    old = time.monotonic() - 100
+    kept = [_entry("acme", "chat", 1), _entry("acme", "docs", 2, session="s1", created=old)]
+    erased = _entry("acme", "chat", 3, created=old)
+    lost = _entry("acme", "chat", 4)
+    stranger = _entry("initech", "chat", 5)
+    forged = _entry("acme", "chat", 6)
+    names = _place(fleet, index, *kept, erased, lost, stranger, forged)
+    del fleet.inner.objects[lost[0]]  # the fleet evicted it on its own
+    fleet.close()
+    # a record altered in the file: it no longer authenticates
+    path = tmp_path / JOURNAL_FILE
+    data = bytearray(path.read_bytes())
+    at = data.index(forged[0]) + 32 + 4 + 10
+    data[at] ^= 1
+    path.write_bytes(bytes(data))
+
+    index2 = BlockIndex()
+    journal = FleetJournal(str(path))
+    inner = StandInFleet()
+    inner.objects = {n: b"x" for n in names if n != lost[0]}
+    again = JournaledFleet(inner, journal, FleetRecords(index2, CODEC))
+    state = RuntimeState(str(tmp_path / "runtime.json"), erasure_key=CODEC.erasure_key())
+    state.record_erasure("acme", "chat", None, time.time() - 50)  # covers "chat" blocks 100 s old, not new ones
+    out = rebuild_from_journal(again, {"acme", "globex"}, state)
+    assert sorted(skey for _, skey, _ in out.found) == sorted(skey for skey, _ in kept)
+    assert (out.erased, out.unknown_owner, out.rejected, out.gone) == (1, 1, 1, 1)
+    assert set(inner.objects) == {kept[0][0], kept[1][0]}  # erased, stranger's and forged blocks deleted
+    found = {skey: e for _, skey, e in out.found}
+    docs = found[kept[1][0]]
+    assert (docs.owner, docs.namespace, docs.session, docs.tier, docs.header) == ("acme", "docs", "s1", "mooncake",
+                                                                                 kept[1][1].header)
+    assert abs(docs.created - old) < 1  # its age goes on counting
+    assert out.oldest_kept is not None
+    journal.close()
+    survivor = FleetJournal(str(path))  # written anew: the live records only
+    assert sorted(n for n, _ in survivor.records()) == sorted(skey for skey, _ in kept)
+
+
+def test_a_torn_last_append_is_cut_off_and_later_records_read_back(tmp_path):
+    index = BlockIndex()
+    fleet = _fleet(tmp_path, index)
+    (a,) = _place(fleet, index, _entry("acme", "chat", 1))
+    fleet.close()
+    with open(tmp_path / JOURNAL_FILE, "ab") as f:
+        f.write(b"P" + b"\x01" * 20)  # a crash while appending
+    fleet, index = _reopened(tmp_path)
+    (b,) = _place(fleet, index, _entry("acme", "chat", 2))
+    fleet.close()
+    again, _ = _reopened(tmp_path)
+    assert sorted(n for n, _ in again.journal.records()) == sorted([a, b])
+
+
+def test_a_file_that_is_no_journal_stops_the_start_naming_it(tmp_path):
+    (tmp_path / JOURNAL_FILE).write_bytes(b"something else entirely\n")
+    with pytest.raises(ConfigError, match="not a kvtier fleet journal"):
+        FleetJournal(str(tmp_path / JOURNAL_FILE))
+
+
+def test_the_journal_stays_about_the_size_of_what_it_holds(tmp_path):
+    index = BlockIndex()
+    fleet = _fleet(tmp_path, index)
+    for i in range(40):
+        entries = [_entry("acme", f"ns{i}", j) for j in range(250)]
+        keys = _place(fleet, index, *entries)
+        fleet.delete_many(keys)
+        for skey in keys:
+            index.remove(skey)
+    assert len(fleet.journal) == 0
+    assert os.path.getsize(tmp_path / JOURNAL_FILE) < 4 * 4096 * 300  # 10,000 placements, compacted
+    assert os.stat(tmp_path / JOURNAL_FILE).st_mode & 0o777 == 0o600
+
+
+def test_sealed_names_map_back_to_their_blocks_and_another_master_key_deletes_nothing(tmp_path):
+    keyring = Keyring(StaticMasterKey(b"k" * 32), tmp_path / "keys", refresh_s=0.0)
+    index = BlockIndex()
+    fleet = _fleet(tmp_path, index, keyring)
+    skey, entry = _entry("acme", "chat", 1)
+    name = keyring.storage_key("acme", skey)  # what the sealing tier above names it
+    entry.disk_name = name
+    index.add(skey, entry)
+    assert fleet.put(name, np.zeros(NBYTES, np.uint8)) is Status.OK
+    fleet.close()
+    journal = FleetJournal(str(tmp_path / JOURNAL_FILE))
+    inner = StandInFleet()
+    inner.objects = {name: b"x"}
+    out = rebuild_from_journal(JournaledFleet(inner, journal, FleetRecords(BlockIndex(), CODEC, keyring)), {"acme"})
+    [(_, found_skey, found)] = out.found
+    assert found_skey == skey and found.disk_name == name
+    journal.close()
+    # another master key (and its codec): nothing authenticates, nothing is deleted
+    other = Keyring(StaticMasterKey(b"o" * 32), tmp_path / "other-keys", refresh_s=0.0)
+    journal = FleetJournal(str(tmp_path / JOURNAL_FILE))
+    with pytest.raises(ConfigError, match="master key"):
+        rebuild_from_journal(JournaledFleet(inner, journal, FleetRecords(BlockIndex(), SpillCodec(b"o" * 32), other)),
+                             {"acme"})
+    assert set(inner.objects) == {name} and len(journal) == 1

@@ -1,0 +1,193 @@
+"""``kvtier serve`` over a Mooncake fleet, restarted: erase and TTL still reach the blocks it placed in
+the fleet, whose names are one-way and cannot be listed. With a state directory the server journals
+what it places there (kvtier/server/fleet.py) and indexes it again at start, after a SIGTERM or a
+crash; without one, its clean shutdown deletes them from the fleet. Real processes: mooncake_master, a
+segment holder, the kvtier server, clients over TCP; a fleet client with the fleet's secret plays any
+other server of the fleet.
+
+(s27 retention audit, R1: after a restart `admin erase --tenant acme` answered erased: 0 while all of
+acme's spilled blocks stayed readable whole in the fleet, and a namespace TTL never removed them.)"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from kvtier.cli.admin import admin_call
+from kvtier.crypto.keyring import Keyring
+from kvtier.crypto.providers import StaticMasterKey
+from kvtier.server.auth import KeySpace
+from kvtier.server.launch import ServerProcess
+from kvtier.tiers.base import Status
+from tests.server.conftest import block, keys_for, remote
+from tests.server.harness import SHARED, TOKENS, tenants
+from tests.server.test_fleet_erase_and_stalls import SECRET, SLOT, _readable_in_fleet, _serve, cluster  # noqa: F401
+from tests.tiers.mooncake_harness import make_tier, mooncake_available
+
+pytestmark = pytest.mark.skipif(mooncake_available() is not None, reason=str(mooncake_available()))
+
+
+def _put_spilling(srv, ns: str, n: int = 12) -> list[bytes]:
+    """``n`` blocks of acme's; DRAM holds 4: the others go to the fleet."""
+    keys = keys_for(ns, n)
+    acme = remote(srv, "acme", namespace=ns)
+    try:
+        assert acme.put_many(keys, [block(k, SLOT) for k in keys]) == [Status.OK] * n
+    finally:
+        acme.close()
+    return keys
+
+
+def _gets(srv, ns: str, keys) -> list[Status]:
+    acme = remote(srv, "acme", namespace=ns)
+    try:
+        outs = [np.full(SLOT, 0xA5, np.uint8) for _ in keys]
+        statuses = acme.get_many(keys, outs)
+        for s, o, k in zip(statuses, outs, keys):
+            assert s is not Status.OK or np.array_equal(o, block(k, SLOT)), "a wrong block came back"
+        return statuses
+    finally:
+        acme.close()
+
+
+def _crash(srv) -> None:
+    srv.proc.kill()  # SIGKILL: no shutdown of any kind
+    srv.proc.wait()
+    srv.stop()
+
+
+# -- without a state directory: the clean shutdown takes them out of the fleet -------------------------
+def test_an_erase_after_a_restart_reaches_the_blocks_the_fleet_holds(tmp_path, cluster):  # noqa: F811
+    with _serve(tmp_path, cluster) as srv:
+        keys = _put_spilling(srv, "restart-erase")
+        assert sum(_readable_in_fleet(cluster, "restart-erase", keys)) >= 8  # control: the fleet holds them
+    with _serve(tmp_path, cluster) as srv:  # the same server, restarted (SIGTERM above)
+        reply = admin_call(srv.tcp_url, TOKENS["admin"], "erase", {"tenant": "acme"})
+        assert reply["ok"], reply
+        left = _readable_in_fleet(cluster, "restart-erase", keys)
+        assert not any(left), (f"after a restart, `erase --tenant acme` answered erased={reply['erased']} and "
+                               f"{sum(left)} of acme's blocks are still readable whole in the fleet")
+
+
+def test_blocks_in_the_fleet_expire_after_a_restart(tmp_path, cluster):  # noqa: F811
+    keys = keys_for("restart-ttl", 12)
+    acme_ttl = {"namespace_ttl_s": {"restart-ttl": 1.0}}
+    with _serve(tmp_path, cluster, acme=acme_ttl, sweep_interval_s=0.1) as srv:
+        keys = _put_spilling(srv, "restart-ttl")
+    with _serve(tmp_path, cluster, acme=acme_ttl, sweep_interval_s=0.1):
+        time.sleep(2.0)  # twice the TTL, twenty sweeps
+        left = _readable_in_fleet(cluster, "restart-ttl", keys)
+        assert not any(left), f"{sum(left)} blocks past their 1 s retention are still readable in the fleet"
+
+
+def test_without_a_state_directory_the_shutdown_deletes_what_the_fleet_holds(tmp_path, cluster):  # noqa: F811
+    with _serve(tmp_path, cluster) as srv:
+        keys = _put_spilling(srv, "no-state")
+        assert sum(_readable_in_fleet(cluster, "no-state", keys)) >= 8  # control: the fleet holds them
+        assert _gets(srv, "no-state", keys) == [Status.OK] * 12  # and serves them while it runs
+    assert not any(_readable_in_fleet(cluster, "no-state", keys))
+    assert "deleted" in srv.log() and "Mooncake fleet" in srv.log()
+
+
+# -- with a state directory: journaled, indexed again at start -----------------------------------------
+def test_a_restarted_server_serves_then_erases_what_it_placed_in_the_fleet(tmp_path, cluster):  # noqa: F811
+    state = {"state_dir": str(tmp_path / "state")}
+    with _serve(tmp_path, cluster, **state) as srv:
+        keys = _put_spilling(srv, "journaled")
+    assert sum(_readable_in_fleet(cluster, "journaled", keys)) >= 8  # kept across the restart
+    with _serve(tmp_path, cluster, **state) as srv:
+        statuses = _gets(srv, "journaled", keys)
+        assert statuses.count(Status.OK) >= 8, [s.name for s in statuses]  # DRAM's 4 were lost, the fleet's not
+        reply = admin_call(srv.tcp_url, TOKENS["admin"], "erase", {"tenant": "acme"})
+        assert reply["ok"] and reply["erased"] >= 8, reply
+        assert not any(_readable_in_fleet(cluster, "journaled", keys))
+        assert _gets(srv, "journaled", keys) == [Status.MISS] * 12
+    with _serve(tmp_path, cluster, **state) as srv:  # and an erased block does not come back later
+        assert _gets(srv, "journaled", keys) == [Status.MISS] * 12
+
+
+def test_a_crashed_server_still_erases_what_it_placed_in_the_fleet(tmp_path, cluster):  # noqa: F811
+    state = {"state_dir": str(tmp_path / "state")}
+    srv = _serve(tmp_path, cluster, **state)
+    keys = _put_spilling(srv, "crashed")
+    _crash(srv)
+    assert sum(_readable_in_fleet(cluster, "crashed", keys)) >= 8  # control
+    with _serve(tmp_path, cluster, **state) as srv:
+        reply = admin_call(srv.tcp_url, TOKENS["admin"], "erase", {"tenant": "acme", "namespace": "crashed"})
+        assert reply["ok"] and reply["erased"] >= 8, reply
+        left = _readable_in_fleet(cluster, "crashed", keys)
+        assert not any(left), f"{sum(left)} of the erased namespace's blocks are still readable in the fleet"
+
+
+def test_blocks_a_crashed_server_placed_in_the_fleet_expire_after_its_restart(tmp_path, cluster):  # noqa: F811
+    state = {"state_dir": str(tmp_path / "state")}
+    acme_ttl = {"namespace_ttl_s": {"crash-ttl": 1.5}}
+    srv = _serve(tmp_path, cluster, acme=acme_ttl, sweep_interval_s=0.1, **state)
+    keys = _put_spilling(srv, "crash-ttl")
+    _crash(srv)
+    assert sum(_readable_in_fleet(cluster, "crash-ttl", keys)) >= 8  # control: not yet expired
+    with _serve(tmp_path, cluster, acme=acme_ttl, sweep_interval_s=0.1, **state):
+        time.sleep(2.5)
+        left = _readable_in_fleet(cluster, "crash-ttl", keys)
+        assert not any(left), f"{sum(left)} blocks past their retention are still readable in the fleet"
+
+
+def test_with_a_disk_spill_erase_after_a_restart_reaches_both_disk_and_fleet(tmp_path, cluster):  # noqa: F811
+    """DRAM → disk → fleet: the disk (room for 4) evicts into the fleet; its write-behind copies there too."""
+    spill = {"disk_dir": str(tmp_path / "disk"), "disk_capacity": "256KiB"}
+    with _serve(tmp_path, cluster, **spill) as srv:
+        keys = _put_spilling(srv, "three-tiers", 16)
+        deadline = time.monotonic() + 10  # the copies down run in the background
+        while sum(_readable_in_fleet(cluster, "three-tiers", keys)) < 8 and time.monotonic() < deadline:
+            time.sleep(0.2)
+    assert sum(_readable_in_fleet(cluster, "three-tiers", keys)) >= 8  # control
+    with _serve(tmp_path, cluster, **spill) as srv:
+        assert _gets(srv, "three-tiers", keys) == [Status.OK] * 16  # from disk and fleet, after the restart
+        reply = admin_call(srv.tcp_url, TOKENS["admin"], "erase", {"tenant": "acme"})
+        assert reply["ok"] and reply["erased"] == 16, reply
+        assert not any(_readable_in_fleet(cluster, "three-tiers", keys))
+
+
+def test_sealed_blocks_in_the_fleet_are_erased_after_a_restart(tmp_path, cluster):  # noqa: F811
+    """With encrypt_at_rest: the fleet holds sealed blocks under their owner's keyed names, and the
+    journal names them so (its records sealed too); a namespace erase (no key shredding) after a
+    restart removes them."""
+    master = bytes.fromhex("5a" * 32)
+    secret = tmp_path / "mooncake.secret"
+    secret.write_bytes(SECRET)
+    secret.chmod(0o600)
+    (tmp_path / "srv").mkdir()
+
+    def serve():
+        return ServerProcess.start(
+            tenants(), shared=SHARED, admin_token=TOKENS["admin"], workdir=str(tmp_path / "srv"),
+            env={"KVTIER_MASTER_KEY": master.hex()},
+            server={"capacity": 4 * SLOT, "max_block": SLOT, "mooncake_master": cluster.master_address,
+                    "mooncake_metadata": cluster.metadata_url, "mooncake_secret_file": str(secret),
+                    "disk_dir": str(tmp_path / "disk"), "disk_capacity": "256KiB", "encrypt_at_rest": True})
+
+    def in_fleet(names) -> int:
+        reader = make_tier(cluster, tenant="kvtier-serve", secret=SECRET)
+        try:
+            return sum(reader.contains_many(names))
+        finally:
+            reader.close()
+
+    with serve() as srv:
+        keys = _put_spilling(srv, "sealed", 16)
+        keyring = Keyring(StaticMasterKey(master), tmp_path / "disk" / "keys")
+        names = [keyring.storage_key("acme", KeySpace.of("acme", "sealed").storage_key(k)) for k in keys]
+        deadline = time.monotonic() + 10  # the copies down run in the background
+        while in_fleet(names) < 8 and time.monotonic() < deadline:
+            time.sleep(0.2)
+    assert in_fleet(names) >= 8  # control: the fleet holds them, sealed
+    assert not any(_readable_in_fleet(cluster, "sealed", keys))  # (never in plaintext)
+    journal = tmp_path / "disk" / "fleet.journal"
+    assert journal.exists() and b"sealed" not in journal.read_bytes()  # its records are sealed too
+    with serve() as srv:
+        assert _gets(srv, "sealed", keys) == [Status.OK] * 16
+        reply = admin_call(srv.tcp_url, TOKENS["admin"], "erase", {"tenant": "acme", "namespace": "sealed"})
+        assert reply["ok"] and reply["erased"] == 16, reply
+        assert in_fleet(names) == 0
