@@ -39,9 +39,11 @@ Runtime admin changes (quotas, TTLs) persist in ``state_dir`` (default
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import signal
+import socket
 import ssl
 import stat
 import sys
@@ -68,6 +70,34 @@ from kvtier.store.tiered import TieredStore
 
 log = logging.getLogger(__name__)
 
+
+
+def _remove_stale_socket(path: str) -> None:
+    """Remove the socket a previous run left at ``path``; raise ``OSError(EADDRINUSE)`` if a live
+    server answers there. A socket file says nothing of whether anyone listens on it: removing it
+    unasked let a second server (a restart begun early, a duplicate launch) take over a running
+    server's path, and the first one's stop then removed the second's socket."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        return   # not a socket: binding fails with its own error, nothing of ours is removed
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        try:
+            os.unlink(path)   # nobody listens: a stale socket of a previous run
+        except FileNotFoundError:
+            pass
+        return
+    except OSError:
+        pass   # (a full backlog times out: someone listens)
+    finally:
+        probe.close()
+    raise OSError(errno.EADDRINUSE, f"another server listens on unix://{path}")
 
 class Server:
     def __init__(self, config: ServerConfig) -> None:
@@ -135,7 +165,7 @@ class Server:
             hello_timeout_s=config.hello_timeout_s)
         self.logins = LoginLimiter(burst=config.login_failure_burst, per_s=config.login_failure_rate_per_s)
         self._listeners: list[asyncio.AbstractServer] = []
-        self._unix_paths: list[str] = []
+        self._unix_paths: list[tuple[str, int, int]] = []  # (path, st_dev, st_ino) of each socket bound
         self._timers: list[asyncio.Task] = []
         self._stopping: asyncio.Event | None = None
         self.addresses: dict = {}
@@ -279,11 +309,11 @@ class Server:
             scheme, host, port = parse_listen(url)
             factory = lambda: Connection(self)  # noqa: E731
             if scheme == "unix":
-                if os.path.exists(host) and stat.S_ISSOCK(os.stat(host).st_mode):
-                    os.unlink(host)  # a stale socket of a previous run
+                _remove_stale_socket(host)
                 srv = await loop.create_unix_server(factory, path=host, backlog=1024)
                 os.chmod(host, 0o660)
-                self._unix_paths.append(host)
+                bound = os.stat(host)
+                self._unix_paths.append((host, bound.st_dev, bound.st_ino))
                 urls.append(f"unix://{host}")
             else:
                 # TLS is started by the connection once admitted, so that handshakes in
@@ -376,9 +406,13 @@ class Server:
                 await asyncio.wait_for(srv.wait_closed(), 2)
             except asyncio.TimeoutError:
                 pass
-        for path in self._unix_paths:
+        for path, dev, ino in self._unix_paths:
             try:
-                os.unlink(path)
+                st = os.stat(path)
+                # Only the socket this server bound: another server may have taken the path since
+                # (a restart begun before this one stopped), and its socket is not ours to remove.
+                if (st.st_dev, st.st_ino) == (dev, ino):
+                    os.unlink(path)
             except OSError:
                 pass
         self.service.close()
