@@ -13,8 +13,11 @@ each on a fresh server:
 
 Each run then keeps putting for another pool's worth of bytes and reports the
 lowest and mean efficiency while evicting (``*_steady_min`` / ``*_steady_mean``),
-and reads the last blocks back (verified by the client) so that a full pool is
-seen to return what it holds.
+then reads back a random sample of the blocks the server still lists (verified by
+the client, and compared with what was put), so that a full pool is seen to return
+what it counts: a block that does not come back stops the bench with
+``RuntimeError`` (as the storage and server benches do) instead of posting an
+efficiency of bytes the pool does not serve.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import hashlib
 import json
 import math
 import os
+import random
 import tempfile
 import time
 
@@ -32,16 +36,20 @@ from kvtier.core.units import parse_size
 from kvtier.errors import ConfigError
 
 KIB, MIB = 1 << 10, 1 << 20
+#: blocks read back after the fill, drawn at random from all the server still lists
+READ_BACK_SAMPLE = 64
 
 
-def _sizes(kind: str, seed: int):
+def _sizes(kind: str, seed: int, max_block: int):
+    """Block sizes, none above the server's ``max_block`` (a size above it was put cut short to
+    what the source holds, yet counted whole, and read back as the wrong size)."""
     rng = np.random.default_rng(seed)
     lo, hi = math.log(16 * KIB), math.log(32 * MIB)
     while True:
         if kind == "uniform":
-            yield 256 * KIB
+            yield min(256 * KIB, max_block)
         else:
-            yield int(math.exp(rng.uniform(lo, hi)))
+            yield min(int(math.exp(rng.uniform(lo, hi))), max_block)
 
 
 def fill_until_eviction(capacity: int, max_block: int, kind: str, *, seed: int = 0,
@@ -65,11 +73,11 @@ def fill_until_eviction(capacity: int, max_block: int, kind: str, *, seed: int =
             host = s["store"]["tiers"]["host"]
             return sum(u["bytes"] for u in s["usage"].values()), host["evictions"], host["capacity_bytes"]
 
-        sizes = _sizes(kind, seed)
+        sizes = _sizes(kind, seed, max_block)
         put = put_bytes = mark = 0
         first: dict | None = None
         steady: list[float] = []
-        recent: list[tuple[bytes, int, int]] = []  # (key, offset in source, size) of the last puts
+        placed: dict[bytes, tuple[int, int]] = {}  # key → (offset in source, size) of every put
         t0 = time.perf_counter()
         try:
             while time.perf_counter() - t0 < timeout_s:
@@ -80,7 +88,7 @@ def fill_until_eviction(capacity: int, max_block: int, kind: str, *, seed: int =
                 if status is not Status.OK:
                     raise RuntimeError(f"put of a {n}-byte block failed with {status.name}")
                 put, put_bytes = put + 1, put_bytes + n
-                recent = (recent + [(key, offset, n)])[-16:]
+                placed[key] = (offset, n)
                 payload, evictions, pool = held()
                 if first is None and evictions:
                     first = {"payload_bytes": payload, "blocks_put": put, "bytes_put": put_bytes,
@@ -92,12 +100,7 @@ def fill_until_eviction(capacity: int, max_block: int, kind: str, *, seed: int =
                         break
             if first is None:
                 raise RuntimeError(f"the server did not evict within {timeout_s:.0f} s ({put_bytes} bytes put)")
-            # Read the last blocks back: the client verifies each one, and so do we.
-            verified = 0
-            for key, offset, n in recent:
-                out = np.empty(n, np.uint8)
-                if tier.get(key, out) is Status.OK and np.array_equal(out, source[offset : offset + n]):
-                    verified += 1
+            listed, sample, verified = _read_back(tier, placed, source, random.Random(seed))
         finally:
             tier.close()
             stats.close()
@@ -109,9 +112,38 @@ def fill_until_eviction(capacity: int, max_block: int, kind: str, *, seed: int =
         "payload_at_first_eviction": first["payload_bytes"],
         "capacity_bytes": first["capacity_bytes"],
         "blocks_put": put,
-        "read_back_verified": f"{verified}/{len(recent)}",
+        "blocks_listed": listed,
+        "read_back_verified": f"{verified}/{sample}",
         "seconds": round(time.perf_counter() - t0, 1),
     }
+
+
+def _read_back(tier, placed: dict[bytes, tuple[int, int]], source: np.ndarray,
+               rng: random.Random) -> tuple[int, int, int]:
+    """Read back up to :data:`READ_BACK_SAMPLE` blocks drawn from all the server lists (not only the
+    newest, the least likely to have been lost), each verified by the client and compared with the
+    bytes put. Returns (blocks listed, blocks read, blocks verified); raises ``RuntimeError`` unless
+    the server lists blocks, all of them put here, and every one read comes back."""
+    from kvtier.tiers.base import Status
+
+    listed = [bytes(k) for k in tier.keys()]
+    unknown = sum(k not in placed for k in listed)
+    if not listed or unknown:
+        raise RuntimeError(f"the server lists {len(listed)} blocks ({unknown} never put) after "
+                           f"{len(placed)} puts; no efficiency is posted for an index the pool cannot be seen to serve")
+    failed = []
+    sample = rng.sample(listed, min(READ_BACK_SAMPLE, len(listed)))
+    for key in sample:
+        offset, n = placed[key]
+        out = np.empty(n, np.uint8)
+        status = tier.get(key, out)
+        if status is not Status.OK or not np.array_equal(out, source[offset : offset + n]):
+            failed.append(status.name if status is not Status.OK else "other bytes")
+    if failed:
+        raise RuntimeError(f"{len(failed)} of {len(sample)} blocks the server lists did not read back "
+                           f"({', '.join(sorted(set(failed)))}): the index counts bytes the pool does not serve; "
+                           f"no efficiency is posted")
+    return len(listed), len(sample), len(sample)
 
 
 def run(capacity: int, max_block: int, seed: int = 0) -> dict:

@@ -17,8 +17,10 @@ the other (interleaved, so that a change of machine load hits all of them alike)
   server``, computed once then loaded (vLLM's prefix cache off, as that
   connector requires).
 
-Every reset is checked; every kvtier warm run must load at least the prompt
-minus one kvtier block; each run generates ``--gen-tokens`` tokens and the top-5
+Every reset is checked; every kvtier warm run, and LMCache's (tried again after
+a pause, within a bound, until its asynchronous store has landed), must load at
+least the prompt minus one kvtier block, or the bench stops naming the engine's
+log; each run generates ``--gen-tokens`` tokens and the top-5
 logprobs of every position are compared with the recompute's: equal means the same
 token ids and logprobs within a few times what vLLM's own prefix cache differs from the
 recompute in the same run (a cached prefix changes the tail's rounding; see
@@ -241,10 +243,6 @@ def _one_prompt(engines: dict, prompt: list[int], args) -> dict:
     runs["remote"]["load_s"] = engines["remote"].call(op="stats")["worker"]["load_seconds"] - before
     if "mooncake" in engines:
         vllm_mooncake.one_prompt(engines, prompt, args, runs)
-    if "lmcache" in engines:
-        runs["lmcache_cold"] = ttft("lmcache")
-        time.sleep(1.0)  # LMCache stores asynchronously
-        runs["lmcache"] = ttft("lmcache")
     floor_tokens = len(prompt) - args.block_tokens
     for name in ("host", "remote"):
         loaded = (runs[name]["kv_transfer_params"] or {}).get("kvtier_loaded_tokens", 0)
@@ -254,7 +252,39 @@ def _one_prompt(engines: dict, prompt: list[int], args) -> dict:
                                f"log: {engines[name].log_path}")
     if runs["prefix_cache"]["num_cached_tokens"] < floor_tokens:
         raise RuntimeError(f"vLLM's prefix cache hit only {runs['prefix_cache']['num_cached_tokens']} tokens")
+    if "lmcache" in engines:
+        runs["lmcache_cold"] = ttft("lmcache")
+        runs["lmcache"] = _lmcache_warm(lambda: ttft("lmcache"), engines["lmcache"].log_path, len(prompt),
+                                        floor_tokens)
     return runs
+
+
+#: pauses before each try of LMCache's warm run: its store lands asynchronously, after the cold
+#: run returns (the bench used to sleep a fixed 1 s and post whatever the warm run then hit)
+LMCACHE_WARM_WAITS_S = (1.0, 1.0, 2.0, 4.0, 8.0)
+
+
+def _lmcache_warm(warm_run, log_path, prompt_tokens: int, floor_tokens: int) -> dict:
+    """LMCache's warm run, held to what kvtier's are: at least ``floor_tokens`` loaded.
+
+    ``warm_run()`` is tried after each pause of :data:`LMCACHE_WARM_WAITS_S` until the cold run's
+    store has landed. Every try is a warm run measured alike (the same prompt, vLLM's prefix cache
+    off, nothing reset between): one that hit part of the prompt recomputed the rest and stored
+    it, so the next try is still LMCache loading what it holds, never a cold run. Returns the
+    first run that hit enough, with ``tries`` its number; if none did, raises ``RuntimeError``
+    naming the engine's log, as for kvtier's systems (a recompute posted as LMCache's warm TTFT
+    would make kvtier's ratios against it meaningless)."""
+    hits = []
+    for tries, wait in enumerate(LMCACHE_WARM_WAITS_S, 1):
+        time.sleep(wait)
+        run = warm_run()
+        hits.append(run["num_cached_tokens"])
+        if run["num_cached_tokens"] >= floor_tokens:
+            run["tries"] = tries
+            return run
+    raise RuntimeError(f"LMCache's warm run hit {hits} of {prompt_tokens} tokens in {len(hits)} tries over "
+                       f"{sum(LMCACHE_WARM_WAITS_S):g} s (expected ≥ {floor_tokens}); log: {log_path} "
+                       f"(and lmcache-server.log beside it)")
 
 
 def _compare(run: dict, reference: dict) -> tuple[bool, float]:
@@ -357,6 +387,8 @@ def _summary(runs: list[dict], args, lmcache_reason: str | None) -> dict:
             "speedup": round(rec / warm, 2),
             "warm_vs_floor": round(warm / floor, 3),
             "loaded_tokens": out["loaded_tokens"]["lmcache"],
+            # warm runs tried until one hit (its store had landed): the most any prompt took
+            "warm_tries_max": max(r["lmcache"].get("tries", 1) for r in runs),
             "note": "vLLM prefix caching off (the MP connector needs it); LMCache saves whole chunks "
                     f"of {args.block_tokens} tokens",
         }
