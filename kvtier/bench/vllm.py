@@ -38,6 +38,7 @@ import math
 import random
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -161,10 +162,29 @@ def run(args) -> dict:
                   **({"latent_backend": latent["backend"]} if spec.latent_rank else {})}, "kv_bytes": kv_bytes, "memcpy_kv_s": memcpy_s(kv_bytes),
     }
     try:
-        return _run_systems(args, base, prompts, kv_bytes, store_bytes, workdir, result, started)
-    finally:
+        out = _run_systems(args, base, prompts, kv_bytes, store_bytes, workdir, result, started)
+    except BaseException:
         if args.workdir is None:
-            shutil.rmtree(workdir, ignore_errors=True)
+            # A failure names an engine's log: keep the logs (not the stores) for whoever reads it.
+            _keep_only_logs(workdir)
+            print(f"kvtier bench vllm: logs kept in {workdir}", file=sys.stderr)
+        raise
+    if args.workdir is None:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return out
+
+
+def _keep_only_logs(workdir: Path) -> None:
+    """Remove everything under ``workdir`` but its ``*.log`` files (stores can be gigabytes)."""
+    for path in sorted(workdir.rglob("*"), key=lambda p: len(p.parts), reverse=True):
+        try:
+            if path.is_dir() and not path.is_symlink():
+                if not any(path.iterdir()):
+                    path.rmdir()
+            elif path.suffix != ".log":
+                path.unlink()
+        except OSError:
+            pass
 
 
 def _run_systems(args, base, prompts, kv_bytes, store_bytes, workdir, result, started) -> dict:

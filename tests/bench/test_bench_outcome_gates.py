@@ -270,3 +270,18 @@ def test_the_aes_gcm_rate_is_measured_for_blocks_that_are_not_whole_chunks(nbyte
     from kvtier.bench import mooncake
 
     assert mooncake._aes_rate(np.zeros(nbytes, np.uint8)) > 0
+
+
+def test_a_failed_vllm_bench_keeps_the_logs_its_error_names_and_drops_the_stores(tmp_path):
+    """A failure names an engine's log, but the bench's temp directory was removed on the way out,
+    the log with it. Now only the logs stay (stores can be gigabytes); a directory left empty goes."""
+    from kvtier.bench.vllm import _keep_only_logs
+
+    (tmp_path / "engine-host.log").write_text("the reason")
+    (tmp_path / "store" / "shard").mkdir(parents=True)
+    (tmp_path / "store" / "shard" / "block").write_bytes(b"\0" * 4096)
+    (tmp_path / "lmcache").mkdir()
+    (tmp_path / "lmcache" / "lmcache-server.log").write_text("its log")
+    _keep_only_logs(tmp_path)
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == \
+        ["engine-host.log", "lmcache", "lmcache/lmcache-server.log"]
