@@ -18,6 +18,7 @@ from collections import OrderedDict
 from collections.abc import Iterator
 
 from kvtier.core.keys import BlockKey
+from kvtier.errors import ConfigError
 
 
 class EvictionPolicy(ABC):
@@ -161,8 +162,12 @@ POLICIES: dict[str, type[EvictionPolicy]] = {
 }
 
 
+def check_policy_name(name) -> None:
+    """Raise :class:`~kvtier.errors.ConfigError` unless ``name`` is a policy of :data:`POLICIES`."""
+    if not isinstance(name, str) or name not in POLICIES:
+        raise ConfigError(f"eviction={name!r}; choose one of {sorted(POLICIES)}")
+
+
 def make_policy(name: str) -> EvictionPolicy:
-    try:
-        return POLICIES[name]()
-    except KeyError:
-        raise ValueError(f"unknown eviction policy {name!r}; choose one of {sorted(POLICIES)}") from None
+    check_policy_name(name)
+    return POLICIES[name]()

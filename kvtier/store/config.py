@@ -24,6 +24,7 @@ from pathlib import Path
 from kvtier.core.layout import KVLayout
 from kvtier.core.units import parse_size
 from kvtier.errors import ConfigError
+from kvtier.policy.eviction import check_policy_name
 from kvtier.private_files import read_private_file
 
 #: ``8GiB``, ``500 GB``, ``1048576`` → bytes: the one size parser (units defined there)
@@ -88,11 +89,24 @@ class StoreConfig:
         for name in ("disk_path", "mooncake_secret_file", "master_key_file", "keystore_dir"):
             if isinstance(getattr(self, name), os.PathLike):   # a pathlib.Path from Python callers
                 object.__setattr__(self, name, os.fspath(getattr(self, name)))
-        for name in ("disk_path", "remote_url", "remote_token", "remote_namespace", "mooncake_master",
+        for name in ("disk_path", "remote_url", "remote_namespace", "mooncake_master",
                      "mooncake_secret_file", "master_key_file", "keystore_dir"):
             check_text(getattr(self, name), name, optional=True)
-        for name in ("mooncake_metadata", "mooncake_hostname", "eviction", "tenant"):
+        if self.remote_token is not None and not isinstance(self.remote_token, str):
+            # never its value: an unquoted numeric token in a YAML file is still the secret
+            raise ConfigError(f"remote_token: give a string (quoted in YAML), not a "
+                              f"{type(self.remote_token).__name__}")
+        for name in ("mooncake_metadata", "mooncake_hostname", "tenant"):
             check_text(getattr(self, name), name, optional=False, empty=name == "tenant")
+        # Checked here, not when the tiers open: an engine reads this before loading its model.
+        check_policy_name(self.eviction)
+        if self.remote_url:
+            from kvtier.tiers.remote_wire import parse_url
+
+            try:
+                parse_url(self.remote_url)
+            except ConfigError as exc:   # its message shows the URL with any token masked
+                raise ConfigError(f"remote_url {exc}") from None
         check_seconds(self.remote_timeout_s, "remote_timeout_s", positive=True)
         check_seconds(self.mooncake_timeout_s, "mooncake_timeout_s", positive=True)
         check_flag(self.encrypt_host, "encrypt_host")

@@ -170,3 +170,49 @@ def test_a_missing_key_store_is_refused_when_the_disk_holds_blocks(tmp_path, mon
     assert all(np.array_equal(a, b) for a, b in zip(outs, blocks))
     store.close()
 
+
+
+# -- audit s27 (vLLM edges, second pass) V2: values checked when the config is read ----------------
+@pytest.mark.parametrize("policy", ["lfu", "LRU", "", 3, None])
+def test_an_unknown_eviction_policy_is_refused_when_the_config_is_read(policy):
+    """It was a ValueError from ``build_store``, in an engine's worker after its model loaded."""
+    with pytest.raises(ConfigError, match="eviction=.*choose one of \\['lru', 'prefix-lru'\\]"):
+        StoreConfig(eviction=policy)
+
+
+def test_the_policy_factory_refuses_with_a_config_error_too():
+    from kvtier.policy.eviction import POLICIES, make_policy
+
+    with pytest.raises(ConfigError, match="eviction='lfu'"):
+        make_policy("lfu")
+    for name in POLICIES:      # control: every policy there is passes, in the config and the factory
+        assert StoreConfig(eviction=name).eviction == name
+        assert make_policy(name).name == name
+
+
+@pytest.mark.parametrize("url", ["tcp://kv-0", "http://kv-0:7400", "tcp://:7400", "unix:run/kvtier.sock",
+                                 "tcp://kv-0:7400?tokn=abc"])
+def test_a_remote_url_that_cannot_be_opened_is_refused_when_the_config_is_read(url):
+    with pytest.raises(ConfigError, match="remote_url"):
+        StoreConfig(remote_url=url)
+
+
+def test_a_refused_remote_url_never_shows_its_token():
+    for url in ("tcp://kv-0/ns?token=s3cret-t0ken", "tcp://user:s3cret-t0ken@kv-0", "bogus://h:1?token=s3cret-t0ken"):
+        with pytest.raises(ConfigError) as err:
+            StoreConfig(remote_url=url)
+        assert "s3cret-t0ken" not in str(err.value), err.value
+
+
+def test_good_remote_urls_still_pass():
+    for url in ("tcp://kv-0:7400", "tls://kv-0:7400?ca=/etc/ca.pem", "unix:///run/kvtier.sock",
+                "tcp://127.0.0.1:7400/?namespace=a&token=t"):
+        assert StoreConfig(remote_url=url).remote_url == url
+
+
+@pytest.mark.parametrize("token", [12345678, 1.5, True, ["s3cret"]])
+def test_a_remote_token_that_is_no_string_is_refused_without_its_value(token):
+    """An unquoted numeric token in a YAML config is still the secret: the message names its type."""
+    with pytest.raises(ConfigError, match="remote_token: give a string") as err:
+        StoreConfig(remote_token=token)
+    assert str(token) not in str(err.value) and "s3cret" not in str(err.value)

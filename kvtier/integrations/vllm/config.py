@@ -35,6 +35,9 @@ log = logging.getLogger(__name__)
 #: the longest flush at shutdown ``shutdown_flush_s`` may ask for, in seconds
 MAX_SHUTDOWN_FLUSH_S = 3600
 
+#: seconds a scheduler waits for the worker's answer to a lookup of DRAM and disk tiers
+LOOKUP_TIMEOUT_S = 2.0
+
 #: torch dtype name → kvtier dtype name
 _DTYPES = {
     "float32": "float32",
@@ -84,7 +87,9 @@ class ConnectorConfig:
       process exit) the store flushes host blocks not yet on disk for at most
       this long. vLLM gives a worker about 5 s between asking it to stop and
       killing it (``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS``, the engine-core
-      process manager's grace), hence the default of 4. At most
+      process manager's grace), hence the default of 4; kvtier's launcher
+      (:mod:`kvtier.integrations.vllm.launcher`) raises that grace to cover a
+      longer flush unless the variable is set. At most
       :data:`MAX_SHUTDOWN_FLUSH_S` (an hour): "no limit" is not a setting, and a
       timeout past the platform's (``threading.TIMEOUT_MAX``) would make shutdown raise.
     * ``allow_weak_block_hashes``: accept vLLM's non-cryptographic block hashes
@@ -148,6 +153,17 @@ class ConnectorConfig:
 
     def replace(self, **changes) -> "ConnectorConfig":
         return dataclasses.replace(self, **changes)
+
+    @property
+    def lookup_timeout_s(self) -> float:
+        """How long a scheduler in another process than the store's worker waits for its lookup
+        answer: :data:`LOOKUP_TIMEOUT_S`, plus the call deadline of each tier the worker's lookup may
+        wait on (a kvtier server's ``remote_timeout_s``, Mooncake's ``mooncake_timeout_s``), so a
+        slow tier's hit is a hit as it is for a scheduler in the worker's process. Finite: each
+        deadline is at most a day (``StoreConfig``)."""
+        store = self.store
+        return (LOOKUP_TIMEOUT_S + (store.remote_timeout_s if store.remote_url else 0.0)
+                + (store.mooncake_timeout_s if store.mooncake_master else 0.0))
 
 
 @dataclass(frozen=True)

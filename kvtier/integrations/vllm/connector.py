@@ -202,7 +202,7 @@ class KvtierConnector(KVConnectorBase_V1):
                 # small loads from these run in the forward's step (ConnectorConfig.sync_load_max_bytes)
                 bounded = frozenset(t.name for t in self.store.tiers if t.bounded_reads)
             else:
-                lookup = LookupClient(socket_path(engine_id)).lookup
+                lookup = LookupClient(socket_path(engine_id), timeout_s=self.config.lookup_timeout_s).lookup
             if transfer.kv_load_failure_policy != self.config.load_failure_policy:
                 # Read by vLLM's scheduler right after it builds this connector.
                 log.info("kvtier: kv_load_failure_policy=%s (a failed load is recomputed)",
