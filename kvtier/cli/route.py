@@ -173,24 +173,27 @@ def run(args) -> int:
 
 def _second_signal_hurries_the_drain(router):
     """A startup hook: the first SIGTERM or SIGINT shuts down as aiohttp's own handler does
-    (``GracefulExit``: the drain, then cleanup); a later one ends the drain early
-    (:meth:`Router.end_drain`) and leaves the rest of the cleanup (aborts, sessions) alone.
-    aiohttp's handler stays installed until its cleanup ends, and raised again out of it: the
-    drain was abandoned, the answers in flight cut without an error event, 503 or abort."""
+    (``GracefulExit``: the drain, then cleanup); the second ends the drain early
+    (:meth:`Router.end_drain`) and leaves the rest of the cleanup (aborts, sessions) alone; one
+    more, or a second once no drain is left to end, stops at once as aiohttp's does (requests
+    the drain does not hold, a client still sending its body, would keep the router up to
+    aiohttp's shutdown timeout, 60 s, that no signal could end). aiohttp's handler stays
+    installed until its cleanup ends, and raised again out of it: the drain was abandoned, the
+    answers in flight cut without an error event, 503 or abort."""
     import asyncio
     import signal
 
     from aiohttp import web
 
     async def install(app) -> None:
-        stopping = False
+        signals = 0
 
         def on_signal() -> None:
-            nonlocal stopping
-            if not stopping:
-                stopping = True
-                raise web.GracefulExit()
-            router.end_drain()
+            nonlocal signals
+            signals += 1
+            if signals == 2 and router.end_drain():
+                return
+            raise web.GracefulExit()
 
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):   # replaces aiohttp's; its cleanup removes them at the end

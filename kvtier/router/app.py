@@ -139,6 +139,7 @@ class Router:
         self._drained: set[asyncio.Task] = set()   #: those the drain's deadline ended
         self._draining = False
         self._drain_ended = False   #: end_drain() was called: the drain stops waiting
+        self._drain_over = False    #: the drain has ended its answers (or had none)
         #: request ids of the answers under way (a client may give the same one twice)
         self._names: Counter[str] = Counter()
         self.aborts = WorkerAborts(lambda url, result: self.metrics.aborts.labels(url, result).inc())
@@ -220,26 +221,32 @@ class Router:
         orchestrator's grace period the router is killed mid-stream anyway. :meth:`end_drain`
         ends the wait early, with the same word to each."""
         self._draining = True
-        started = time.monotonic()
-        deadline = started + self.config.drain_timeout_s
-        while self._active and not self._drain_ended and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        if not self._active:
-            return
-        log.warning("shutting down: ending %d answers still open after %.1f s%s", len(self._active),
-                    time.monotonic() - started, " (asked to stop at once)" if self._drain_ended else "")
-        for task in list(self._active):
-            self._drained.add(task)
-            task.cancel()
-        await asyncio.wait(list(self._active), timeout=5.0)
+        try:
+            started = time.monotonic()
+            deadline = started + self.config.drain_timeout_s
+            while self._active and not self._drain_ended and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            if not self._active:
+                return
+            log.warning("shutting down: ending %d answers still open after %.1f s%s", len(self._active),
+                        time.monotonic() - started, " (asked to stop at once)" if self._drain_ended else "")
+            for task in list(self._active):
+                self._drained.add(task)
+                task.cancel()
+            await asyncio.wait(list(self._active), timeout=5.0)
+        finally:
+            self._drain_over = True
 
-    def end_drain(self) -> None:
+    def end_drain(self) -> bool:
         """Stop the shutdown's drain now (``kvtier route``: a second SIGTERM or SIGINT): the
         answers still open are ended as at its deadline (an error event or a 503, an abort by
-        name on their worker). Before the drain began, it makes the drain end at once."""
-        if not self._drain_ended:
-            log.warning("shutting down: asked to stop at once; ending the %d answers still open", len(self._active))
+        name on their worker). Before the drain began, it makes the drain end at once. False when
+        there is no drain left to end (asked before, or it is over): the caller stops otherwise."""
+        if self._drain_ended or self._drain_over:
+            return False
+        log.warning("shutting down: asked to stop at once; ending the %d answers still open", len(self._active))
         self._drain_ended = True
+        return True
 
     async def _stop(self, app: web.Application) -> None:
         for t in self._tasks:

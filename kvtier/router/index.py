@@ -561,7 +561,9 @@ class BlockIndex:
                 continue
             cut = list(event[0]).index(h)
             struck = event[0][cut:]
-            self._unlist_orphan_hashes(src, event, struck)
+            # a hash also in the kept part still names this event (a publisher may repeat one)
+            kept = set(event[0][:cut])
+            self._unlist_orphan_hashes(src, event, [x for x in struck if x not in kept])
             src.orphan_blocks -= len(struck)
             if cut:
                 event[0], event[2] = event[0][:cut], event[2][:cut * event[3]]

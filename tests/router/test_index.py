@@ -388,3 +388,21 @@ def test_lookups_keep_a_hot_prefix_in_a_full_index():
         return len(index.leading_masks(hot))
     assert run(read=False) == 0      # control: unread, it is evicted as the oldest
     assert run(read=True) == 4
+
+
+def test_striking_an_orphan_keeps_the_hash_lists_of_the_blocks_it_keeps():
+    """R2 (low; a publisher that repeats a block hash inside one event). An orphan [25, 11, 25]
+    (parent 1) loses 11 to a removal: it keeps [25], but _strike_orphans unlists every hash of the
+    struck tail [11, 25] — 25 included — so the kept block is no longer found by a removal: its
+    BlockRemoved is ignored, and the parent's arrival credits a block the worker removed."""
+    from kvtier.router.index import BlockIndex, block_keys
+
+    bs = 2
+    idx = BlockIndex(bs)
+    toks = [1, 2, 3, 4, 5, 6, 7, 8]
+    idx.stored(0, [25, 11, 25], 1, toks[bs:], bs, "CPU")      # waits for parent 1
+    idx.removed(0, [11], "CPU")                               # struck from 11 on: [25] waits
+    idx.removed(0, [25], "CPU")                               # the kept block goes too
+    idx.stored(0, [1], None, toks[:bs], bs, "CPU")             # the parent arrives
+    idx.check_integrity()
+    assert len(idx.masks(block_keys(toks[:2 * bs], bs))) == 1, "a block the worker removed was credited"
