@@ -18,12 +18,15 @@
   The writer that finds a key's budget spent rotates, under the same lock, so all
   processes together never exceed the bound under one key. A lease is durable
   before any encryption under it; a process that dies loses the unspent rest
-  (wasted, never reused), and unspent leases are never handed back.
+  (wasted, never reused), and unspent leases are never handed back. A leased
+  budget is one process's: a child forked from it starts with no lease (and
+  re-reads its keys), so it takes its own from the store.
 * Several processes may share a keystore directory: writes are atomic
   (temp + rename, the directory synced) under an ``flock``; a process re-reads a
   tenant's file when it changed (another inode, mtime or size than the one its
   keys were read from), at most every ``refresh_s``, so a shred elsewhere takes
-  effect here within ``refresh_s`` (immediately in the shredding process).
+  effect here within ``refresh_s`` (immediately in the shredding process). A
+  tenant's first use that races a shred elsewhere creates its keys again.
 * The store belongs to one master key, and ``required_by`` refuses a missing or
   empty one, for callers whose data needs the existing store
   (:mod:`kvtier.crypto.keystore_dir`).
@@ -47,6 +50,7 @@ import json
 import os
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
@@ -122,6 +126,19 @@ class _TenantKeys:
     created: dict[int, float]
 
 
+#: every live keyring of this process, for the fork hook below (weak: a keyring's life is its owner's)
+_KEYRINGS: weakref.WeakSet[Keyring] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for keyring in list(_KEYRINGS):
+        keyring._forked()
+
+
+# One hook for every keyring (a hook cannot be unregistered, so not one per keyring).
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class Keyring:
     def __init__(self, provider: MasterKeyProvider, keystore_dir: str | Path, *, refresh_s: float = 1.0,
                  missing_reload_s: float = 1.0, rotate_after: int = ROTATE_AFTER,
@@ -150,6 +167,17 @@ class Keyring:
         self._leases: dict[str, Lease] = {}  # tenant -> what this process may still encrypt, and under which key
         self.leases_taken = 0  #: leases this process took from the store (observability, tests)
         self.missing_key_reloads = 0  #: re-reads forced by a missing key (observability, tests)
+        _KEYRINGS.add(self)
+
+    def _forked(self) -> None:
+        """In a child just forked: the parent's lease is the parent's to spend (a child spending it
+        too would make more encryptions under the key than the store ever granted), so the child
+        takes its own from the store; its cached keys are re-read, and the lock is new (a thread of
+        the parent, gone here, may have held it at the fork)."""
+        self._lock = threading.RLock()
+        self._leases = {}
+        self._tenants = {}
+        self._missing_reloads = {}
 
     # -- derivations ------------------------------------------------------------
     def _kek(self, tenant: str) -> AESGCM:
@@ -212,7 +240,25 @@ class Keyring:
         fsync_dir(self.dir)
 
     def _load(self, tenant: str, *, create: bool) -> _TenantKeys | None:
-        """The tenant's keys, re-read if the file changed; created if absent and ``create``."""
+        """The tenant's keys, re-read if the file changed; created if absent and ``create``
+        (then never None: a shred elsewhere between the creation and the read-back of the
+        file, which another process may do, only means creating them again)."""
+        state = self._load_existing(tenant)
+        while state is None and create:
+            self._create_if_absent(tenant)
+            state = self._load_existing(tenant)
+        return state
+
+    def _create_if_absent(self, tenant: str) -> None:
+        fd = self._locked_file(tenant)
+        try:
+            if self._read_doc(tenant).doc is None:
+                self._write_doc(tenant, self._new_doc(tenant))
+        finally:
+            os.close(fd)
+
+    def _load_existing(self, tenant: str) -> _TenantKeys | None:
+        """The tenant's keys, re-read if the file changed; None if the store holds none."""
         now = time.monotonic()
         cached = self._tenants.get(tenant)
         if cached is not None and now - cached.checked < self.refresh_s:
@@ -227,15 +273,7 @@ class Keyring:
             read = self._read_doc(tenant)
             if read.doc is None:
                 self._tenants.pop(tenant, None)
-                if not create:
-                    return None
-                fd = self._locked_file(tenant)
-                try:
-                    if self._read_doc(tenant).doc is None:
-                        self._write_doc(tenant, self._new_doc(tenant))
-                finally:
-                    os.close(fd)
-                return self._load(tenant, create=False)
+                return None
             state = self._parse(tenant, read, now)
             if self._current_version(path) == read.version:
                 break

@@ -59,18 +59,58 @@ class EnvMasterKey:
         return _decode(value, f"${self.variable}")
 
 
+#: the most a master key file may hold: a key is 32 bytes, 64 hex digits or 44 base64 characters
+MAX_KEY_FILE_BYTES = 4096
+#: bytes of text (printable ASCII and whitespace): a 32-byte file of only these is a key written
+#: as text, never the raw key (a random key is all text with probability (100/256)^32, ~1e-13)
+_TEXT_BYTES = frozenset(range(0x20, 0x7F)) | frozenset(b"\t\n\v\f\r")
+
+
 class FileMasterKey:
-    """A key file readable by its owner only (mode 0600 or stricter is enforced)."""
+    """A key file readable by its owner only (mode 0600 or stricter is enforced): the raw 32
+    bytes, or the key as 64 hex digits or base64 (whitespace around it ignored). A symbolic
+    link is followed (Kubernetes mounts secrets as links); what it leads to must be a regular
+    file of at most :data:`MAX_KEY_FILE_BYTES`."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
 
     def master_key(self) -> bytes:
+        raw = self._read()
+        if len(raw) == 32 and not _TEXT_BYTES.issuperset(raw):
+            return raw
+        # 32 characters of text (a 16-byte key in hex, a passphrase) are refused here, as they
+        # are with a newline after them or in $KVTIER_MASTER_KEY
+        return _decode(raw.decode("ascii", "replace"), str(self.path))
+
+    def _read(self) -> bytes:
+        """The file's bytes; every refusal a :class:`ConfigError` naming it (a start must not hang on
+        a FIFO, nor end in a traceback on a directory or a file it may not read)."""
+        path = self.path
         try:
-            mode = self.path.stat().st_mode
+            # O_NONBLOCK: opening a FIFO for reading would wait for a writer before fstat could
+            # refuse it; links followed (no O_NOFOLLOW): the file they lead to is the one judged
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         except FileNotFoundError:
-            raise ConfigError(f"master key file {self.path} does not exist") from None
-        if mode & (stat.S_IRWXG | stat.S_IRWXO):
-            raise ConfigError(f"master key file {self.path} is readable by others; run: chmod 600 {self.path}")
-        raw = self.path.read_bytes()
-        return raw if len(raw) == 32 else _decode(raw.decode("ascii", "replace"), str(self.path))
+            raise ConfigError(f"master key file {path} does not exist") from None
+        except OSError as exc:
+            raise ConfigError(f"cannot read master key file {path} ({exc.strerror})") from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise ConfigError(f"master key file {path} is not a regular file; point master_key_file at "
+                                  f"the file that holds the key")
+            if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+                raise ConfigError(f"master key file {path} is readable by others; run: chmod 600 {path}")
+            chunks, size = [], 0
+            # bounded by what is read, not by fstat's size: the file may grow while it is read
+            while size <= MAX_KEY_FILE_BYTES and (chunk := os.read(fd, MAX_KEY_FILE_BYTES + 1 - size)):
+                chunks.append(chunk)
+                size += len(chunk)
+        except OSError as exc:
+            raise ConfigError(f"cannot read master key file {path} ({exc.strerror})") from None
+        finally:
+            os.close(fd)
+        if size > MAX_KEY_FILE_BYTES:
+            raise ConfigError(f"master key file {path} is larger than {MAX_KEY_FILE_BYTES} bytes: not a key file")
+        return b"".join(chunks)
