@@ -18,6 +18,13 @@ The fleet cannot be listed (its names are one-way HMACs), and it drops blocks on
   harmless (see below). (A removal the fleet refuses even forced -- a lease it would not
   break -- is retried by the fleet tier while the server runs; a crash before that retry
   leaves the copy to the fleet's own eviction.)
+* Erase against demotion: a placement recorded before an erase read :attr:`FleetJournal.seq`
+  (``delete_many``) is forgotten by it, so its put must have landed before the fleet's delete.
+  It has: a demotion into the fleet runs in the evicting tier's eviction, under that tier's
+  lock (disk or DRAM), from its record to its put; ``TieredStore.delete`` deletes tier by tier
+  from the top, taking each one's lock, so the fleet's delete comes after any such put; and
+  write-behind copies are waited for (``WriteBehind.deleting``). A placement begun after the
+  erase read the sequence number keeps its record (:meth:`FleetJournal.forget`).
 * At start, :func:`rebuild_from_journal` reads the records back: one that does not
   authenticate or whose owner is no longer configured, or that an erasure tombstone covers
   (:mod:`kvtier.server.runtime_state`), has its block deleted from the fleet; one of a block

@@ -158,18 +158,19 @@ class FleetJournal:
         with self._lock:
             todo = [(n, r, e) for n, r, e in items if self._written_for.get(n) is not e]
             self._seq += 1
+            if todo:
+                parts = []
+                for name, record, _ in todo:
+                    parts += [_PLACED, name, _LEN.pack(len(record)), record]
+                self._append_locked(b"".join(parts), durable=True)  # raises: nothing is placed, nothing kept
+                for name, record, entry in todo:
+                    self._dead += name in self._live
+                    self._live[name] = record
+                    self._written_for[name] = entry
+            # Only once recorded: a name whose append failed is never placed, and never reaches
+            # ``_live``, so :meth:`forget` would never pop its entry here.
             for name, _, _ in items:
                 self._placed_seq[name] = self._seq
-            if not todo:
-                return
-            parts = []
-            for name, record, _ in todo:
-                parts += [_PLACED, name, _LEN.pack(len(record)), record]
-            self._append_locked(b"".join(parts), durable=True)
-            for name, record, entry in todo:
-                self._dead += name in self._live
-                self._live[name] = record
-                self._written_for[name] = entry
 
     def forget(self, names: Sequence[bytes], since: int) -> None:
         """Forget the records of ``names`` whose blocks the fleet no longer holds, unless a

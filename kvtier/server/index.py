@@ -18,8 +18,13 @@ governance needs:
   from a first number read off a clock (nanoseconds, wall-clock aligned, never
   going back in the process) when the namespace gets its first block, so that
   a namespace emptied and filled again numbers its new blocks after any cursor
-  handed out before (and mostly after a restart too), and no cursor tells how
-  many blocks other namespaces got;
+  handed out before, and no cursor tells how many blocks other namespaces got.
+  A cursor from an earlier run never skips a block (it may list some again):
+  a server with a state directory persists a high-water mark past every cursor
+  it hands out (:meth:`BlockIndex.number_after`, written ahead by an hour of
+  clock, so about once an hour) and numbers after the last run's mark, however
+  far its wall clock went back; and a cursor at or past a namespace's next
+  position pages from its start (:class:`NamespaceOrder`);
 * per (owner, session) a set (session erasure).
 
 Blocks spilled to disk carry their entry with them (:mod:`kvtier.server.spill`);
@@ -37,6 +42,7 @@ call them (lock order: tier → index).
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -46,6 +52,10 @@ from dataclasses import dataclass
 from kvtier.server.namespace_order import NamespaceOrder
 
 _FORMER_OWNERS = 1 << 16
+#: how far past a cursor handed out the persisted high-water mark is set (one write per hour of clock)
+HIGH_WATER_LEASE_NS = 3600 * 10**9
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -99,11 +109,39 @@ class BlockIndex:
         # The clock a new namespace's first listing position is read from: monotonic in this
         # process, about the wall clock's nanoseconds (so cursors mostly keep growing over a restart).
         self._clock_offset_ns = time.time_ns() - time.monotonic_ns()
+        # The persisted high-water mark: no cursor handed out (by this run or, read back, an earlier
+        # one) is past it. Persisted only with a state directory (``_save_high_water`` None: none).
+        self._high_water = 0
+        self._save_high_water: Callable[[int], None] | None = None
+        self._high_water_lock = threading.Lock()  # (a write under the index lock would stall its hooks)
         #: LRU entries quota eviction has looked at, in all (a test's window on O(victims))
         self.victims_walked = 0
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def number_after(self, high_water: int, save: Callable[[int], None]) -> None:
+        """Number namespaces created from now on after ``high_water`` (the mark an earlier run
+        persisted: none of its cursors is past it), whatever the wall clock says, and have
+        :meth:`page` persist a new mark through ``save`` before it hands out a cursor past the
+        last one (``save`` raises OSError if it could not: logged, and the page still answered).
+        Call it before the first block is added."""
+        with self._lock:
+            self._clock_offset_ns = max(self._clock_offset_ns, high_water + 1 - time.monotonic_ns())
+            self._high_water = high_water
+            self._save_high_water = save
+
+    def _raise_high_water(self, cursor: int) -> None:
+        with self._high_water_lock:
+            if cursor <= self._high_water:
+                return
+            mark = max(cursor, time.monotonic_ns() + self._clock_offset_ns) + HIGH_WATER_LEASE_NS
+            try:
+                self._save_high_water(mark)
+            except OSError as exc:  # (not retried for the lease: a LIST must not write on every page)
+                log.warning("LIST cursor high-water mark not saved (%s): after a restart with the clock "
+                            "set back, a cursor handed out now may skip blocks", exc)
+            self._high_water = mark
 
     @property
     def total_bytes(self) -> int:
@@ -300,7 +338,10 @@ class BlockIndex:
             if order is None:
                 return [], 0
             skeys, cursor = order.page(after, limit)
-            return [self._entries[k] for k in skeys], cursor
+            entries = [self._entries[k] for k in skeys]
+        if cursor > self._high_water and self._save_high_water is not None:
+            self._raise_high_water(cursor)  # persisted before the cursor reaches the client
+        return entries, cursor
 
     def select(self, owner: str, *, namespace: str | None = None, session: str | None = None) -> list[bytes]:
         """Storage keys of ``owner``'s blocks (one namespace, one session, or all of them). Blocks a

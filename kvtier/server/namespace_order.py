@@ -23,7 +23,16 @@ the previous page looked at) and costs O(page):
   slower.
 
 A block present for a whole listing is listed exactly once; blocks added
-meanwhile come after the ones already listed. Not thread safe: the
+meanwhile come after the ones already listed.
+
+The cursor contract: a cursor never makes a block unreachable; across a
+restart it may list blocks again (duplicates), never skip them. Within a run
+every cursor handed out is below the namespace's next position (a namespace
+emptied and filled again starts after it: its index's clock), so a cursor at
+or past it is from another run (a server whose clock was behind the previous
+run's) and pages from the start (:meth:`page`); a server with a state
+directory also numbers after every cursor an earlier run handed out (its
+persisted high-water mark, :class:`~kvtier.server.index.BlockIndex`). Not thread safe: the
 :class:`~kvtier.server.index.BlockIndex` lock guards it.
 """
 
@@ -106,7 +115,11 @@ class NamespaceOrder:
 
     def page(self, after: int, limit: int) -> tuple[list[bytes], int]:
         """Up to ``limit`` storage keys added after the block at position ``after`` (0: from the
-        start), and the cursor to continue from (0: nothing is left)."""
+        start), and the cursor to continue from (0: nothing is left). A cursor at or past the next
+        position was never handed out by this order: it is from an earlier run, numbered on a clock
+        that was ahead of this one's, and pages from the start (duplicates, never a skip)."""
+        if after >= self._next:
+            after = 0
         keys, positions = self._keys, self._positions
         i = bisect_right(positions, after, self._head)
         end = min(len(keys), i + limit + MAX_SKIP)

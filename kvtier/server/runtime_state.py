@@ -35,7 +35,12 @@ Format (version 1)::
      "tenant_ttl_s": {"acme": 3600},
      "namespace_ttl_s": [["acme", "scratch", 600], ["globex", "tmp", null]],
      "erasures": [["acme", "chat", null, 1767225600.25], ["globex", null, "s-42", 1767225601.5]],
-     "erasures_mac": "<hex HMAC-SHA256 of the compact JSON of erasures>"}
+     "erasures_mac": "<hex HMAC-SHA256 of the compact JSON of erasures>",
+     "list_high_water": 1767229200000000000}
+
+``list_high_water``: no ``LIST`` cursor handed out is past it; a restarted
+server numbers after it (:meth:`~kvtier.server.index.BlockIndex.number_after`),
+so an old cursor never skips a block, even with the wall clock set back.
 """
 
 from __future__ import annotations
@@ -74,6 +79,8 @@ class RuntimeState:
         #: scope → wall-clock time of its latest erasure
         self._erasures: dict[Scope, float] = {}
         self._kept_erasures: tuple[list, str] | None = None  # (records, tag) not ours to check
+        #: no LIST cursor handed out is past it (see the module's docstring)
+        self.list_high_water = 0
         if path is not None and os.path.exists(path):
             self._load(path)
 
@@ -88,6 +95,10 @@ class RuntimeState:
             self.namespace_ttl_s = {(str(o), str(n)): _opt_float(v) for o, n, v in doc.get("namespace_ttl_s", [])}
             if "erasures" in doc:
                 self._load_erasures(doc["erasures"], doc.get("erasures_mac"))
+            mark = doc.get("list_high_water", 0)
+            if isinstance(mark, bool) or not isinstance(mark, int) or not 0 <= mark < 1 << 63:
+                raise ValueError(f"list_high_water is a non-negative integer, got {mark!r}")
+            self.list_high_water = mark
         except (OSError, ValueError, TypeError, AttributeError) as exc:
             raise ConfigError(
                 f"runtime overrides {path!r} are unreadable ({exc}); fix or remove the file "
@@ -194,6 +205,17 @@ class RuntimeState:
                 self.tenant_ttl_s, self.namespace_ttl_s = tenant_before, ns_before
                 raise
 
+    def set_list_high_water(self, mark: int) -> None:
+        """Persist a new LIST cursor high-water mark (kept only once written; OSError otherwise)."""
+        with self._lock:
+            before = self.list_high_water
+            self.list_high_water = max(before, mark)
+            try:
+                self._save()
+            except BaseException:
+                self.list_high_water = before
+                raise
+
     def _save(self) -> None:
         if self.path is None:
             return
@@ -208,6 +230,8 @@ class RuntimeState:
             doc["erasures"], doc["erasures_mac"] = records, self._erasures_mac(records)
         elif self._kept_erasures is not None:
             doc["erasures"], doc["erasures_mac"] = self._kept_erasures
+        if self.list_high_water:
+            doc["list_high_water"] = self.list_high_water
         directory = os.path.dirname(self.path) or "."
         make_private_dirs(directory)
         temp = f"{self.path}.{os.getpid()}.tmp"

@@ -133,6 +133,8 @@ class Server:
         state = RuntimeState(os.path.join(state_dir, RUNTIME_STATE_FILE) if state_dir else None,
                              erasure_key=codec.erasure_key() if codec is not None else None)
         self.governance = Governance(config, state)
+        if state.path is not None:  # LIST cursors of an earlier run never skip a block (kvtier/server/index.py)
+            self.index.number_after(state.list_high_water, state.set_list_high_water)
         self.spill = self._spill_binding(disk, codec, state) if disk is not None else None
         #: what the start found on disk (see :meth:`_recover`)
         self.recovered: dict = {}

@@ -26,7 +26,12 @@ Data paths (no copy in user space on the host tier):
   tier is read by the store (verified there, promoted) into a scratch buffer on
   an I/O thread, then sent from its promoted copy, pinned like a DRAM hit: the
   scratch buffers are shared by every tenant, and are not held while a client
-  takes its time reading (:class:`ScratchPool`).
+  takes its time reading (:class:`ScratchPool`). A pin held across a send the
+  client paces keeps its slot from every PUT, so pinned slots are bounded
+  (:meth:`Service._pin`): a reader's tenant pins at most a quarter of the pool,
+  all readers together at most what uploads in flight leave of it; past that
+  the block is copied into a scratch buffer lent to the connection (bounded per
+  tenant), else the GET is a MISS.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ from kvtier.server.auth import AuthError, Principal
 from kvtier.server.index import BlockEntry
 from kvtier.store.tiered import DeleteRefused
 from kvtier.tiers.base import Status
+from kvtier.tiers.host import Held
 from kvtier.tiers.remote_protocol import (
     CHECKSUM_NBYTES,
     FEATURES,
@@ -88,8 +94,10 @@ class ScratchPool:
     ``frame_timeout_s``, and every other tenant's read of a block not in DRAM missed its deadline.
     The reply goes out from the host pool's copy the read promoted, pinned as a DRAM hit's is
     (:meth:`Service._get_lower`); where there is none (the pool full of pinned blocks, a promotion
-    an erasure cancelled), the buffer itself is *lent* to the connection until its send has
-    drained, and the pool makes another in its place.
+    an erasure cancelled) or pinning it would pass the bounds on pinned slots (the reader's tenant
+    has a quarter of the pool pinned: :meth:`Service._pin`; a DRAM hit past them is read here
+    too, a copy), the buffer itself is *lent* to the connection until its send has drained, and
+    the pool makes another in its place.
 
     * at most ``count`` buffers are out for reads, at most ``share`` of them to one tenant; a wait
       for one ends at its deadline (the caller answers MISS), first come first served among the
@@ -211,6 +219,17 @@ class Service:
         self._inflight_bytes_by_writer: dict[str, int] = {}
         self._max_inflight_bytes = max(host.slot_bytes, host.capacity_bytes // 2)
         self._max_inflight_bytes_per_writer = max(host.slot_bytes, host.capacity_bytes // 8)
+        # Pool bytes pinned by GET replies a client has not read yet (a DRAM hit's slot, or a disk
+        # block's promoted copy): a pinned slot is no PUT's, and a tenant leaving a few GETs unread
+        # on as many connections as the pool has slots made every other tenant's PUT FULL for
+        # frame_timeout_s. Per reading tenant a quarter of the pool; in all what uploads in flight
+        # leave of it. Past either, the reply is copied into a lent scratch buffer (or missed).
+        self._pinned_bytes = 0
+        self._pinned_bytes_by_tenant: dict[str, int] = {}
+        self._slot_pins: dict[int, int] = {}  # slot address → replies sending it
+        self._reader_pins: dict[tuple[str, int], int] = {}  # (tenant, slot address) → its replies sending it
+        self._max_pinned_bytes = max(host.slot_bytes, host.capacity_bytes - self._max_inflight_bytes)
+        self._max_pinned_bytes_per_tenant = max(host.slot_bytes, host.capacity_bytes // 4)
         m = metrics
         ops = [op for op in Op if op not in (Op.HELLO, Op.ERROR)]
         self._lat = {op: m.latency.labels(op.name.lower()) for op in ops}
@@ -604,8 +623,8 @@ class Service:
             if entry.nbytes != want:
                 conn.write(pack_header(Op.GET, h.req_id, 0, 0, Status.BAD_SIZE))
                 continue
-            held = self.host.hold(skey)
-            if held is not None:
+            held = self._pin(p.tenant, skey, entry.nbytes)
+            if held is not None:  # the common case: the slot itself is sent, no copy
                 try:
                     conn.write_payload(pack_header(Op.GET, h.req_id, BLOCK_HEADER_NBYTES, entry.nbytes, Status.OK),
                                        entry.header, held.view)
@@ -620,11 +639,57 @@ class Service:
             self._hit["get"].inc()
             self.metrics.bytes_out.inc(entry.nbytes)
 
+    def _pin(self, tenant: str, skey: bytes, nbytes: int) -> Held | None:
+        """Pin ``skey``'s DRAM copy for a reply ``tenant``'s client reads at its own pace, counted
+        against the bounds on pinned bytes (see ``__init__``); None if the pool does not hold it, or
+        if pinning it would pass ``tenant``'s share or the budget of all readers (then the caller
+        sends a copy). A slot is charged once however many replies send it (a hot block read by
+        many connections stays zero-copy): to the reply's tenant while one of its replies pins
+        it, and to the budget of all while any does. ``release`` (idempotent) unpins and
+        uncounts. Event loop only."""
+        held = self.host.hold(skey)
+        if held is None:
+            return None
+        cost = self.host.footprint(nbytes)
+        slot = held.view.ctypes.data  # the slot itself (a key deleted and put again is another one)
+        mine = (tenant, slot)
+        to_all = 0 if slot in self._slot_pins else cost
+        to_tenant = 0 if mine in self._reader_pins else cost
+        if (self._pinned_bytes + to_all > self._max_pinned_bytes
+                or self._pinned_bytes_by_tenant.get(tenant, 0) + to_tenant > self._max_pinned_bytes_per_tenant):
+            held.release()
+            return None
+        self._slot_pins[slot] = self._slot_pins.get(slot, 0) + 1
+        self._reader_pins[mine] = self._reader_pins.get(mine, 0) + 1
+        self._pinned_bytes += to_all
+        self._pinned_bytes_by_tenant[tenant] = self._pinned_bytes_by_tenant.get(tenant, 0) + to_tenant
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if released:
+                return
+            released = True
+            held.release()
+            if _uncount(self._slot_pins, slot):
+                self._pinned_bytes -= cost
+            if _uncount(self._reader_pins, mine):
+                _uncount(self._pinned_bytes_by_tenant, tenant, cost)
+
+        return Held(held.view, release)
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Pool bytes pinned by replies being sent now (a test's window on the bounds)."""
+        return self._pinned_bytes
+
     async def _get_lower(self, conn, p: Principal, h: Header, skey: bytes, entry: BlockEntry) -> bool:
-        """Read a block no tier above holds through the store (verified there, promoted) into a
-        scratch buffer, and send it; False: a miss. The buffer is the server's, shared by every
-        tenant: it is given back before the send, which the client paces (see :class:`ScratchPool`)."""
-        if len(self.store.tiers) == 1:
+        """Read a block through the store (verified there, promoted) into a scratch buffer, and send
+        it; False: a miss. For a block no tier above holds, or one in DRAM whose pin :meth:`_pin`
+        refused (its reader's share of pinned slots taken): the store reads it from the pool then,
+        a copy. The buffer is the server's, shared by every tenant: it is given back before the
+        send, which the client paces (see :class:`ScratchPool`), unless it is lent for that send."""
+        if len(self.store.tiers) == 1 and not self.host.contains(skey):
             self.drop_soon(skey)  # the index outlived the block (e.g. a tier dropped it on its own)
             return False
         if self._scratch is None:
@@ -655,7 +720,8 @@ class Service:
             if result.tiers[0] != self.host.name and self.host.contains(skey):
                 if self.index.set_tier(skey, self.host.name) is not None:
                     self.announce_stored(skey, self.host.name, entry)
-            held = self.host.hold(skey)  # the promoted copy: sent from the pool, as a DRAM hit
+            # the promoted copy, sent from the pool as a DRAM hit is, within the bounds on pins
+            held = self._pin(tenant, skey, entry.nbytes)
             if held is None:
                 if not scratch.lend(tenant):  # this tenant's connections hold as many as they may: a miss
                     return False
@@ -836,3 +902,12 @@ class Service:
         self.metrics.expirations.inc(dropped)
         return dropped
 
+
+def _uncount(counts: dict, key, by: int = 1) -> bool:
+    """Take ``by`` off ``counts[key]``, dropping the key at 0; True once it went."""
+    left = counts[key] - by
+    if left:
+        counts[key] = left
+        return False
+    del counts[key]
+    return True

@@ -241,3 +241,80 @@ def test_sealed_names_map_back_to_their_blocks_and_another_master_key_deletes_no
         rebuild_from_journal(JournaledFleet(inner, journal, FleetRecords(BlockIndex(), SpillCodec(b"o" * 32), other)),
                              {"acme"})
     assert set(inner.objects) == {name} and len(journal) == 1
+
+
+def test_a_placement_whose_record_could_not_be_written_leaves_nothing_behind(tmp_path, monkeypatch):
+    """``placed`` noted the placement's sequence number before the append: a failed write left an
+    entry for a name that never reached the live records, so nothing ever removed it."""
+    journal = FleetJournal(str(tmp_path / JOURNAL_FILE))
+
+    def refuse(blob, *, durable):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(journal, "_append_locked", refuse)
+    with pytest.raises(OSError):
+        journal.placed([(b"n" * 32, b"record", object())])
+    assert journal._placed_seq == {} and len(journal) == 0
+    monkeypatch.undo()
+    journal.placed([(b"m" * 32, b"record", object())])  # the control: a written one is noted
+    assert list(journal._placed_seq) == [b"m" * 32] and len(journal) == 1
+    journal.close()
+
+
+class _SlowFleet(StandInFleet):
+    """A fleet whose puts wait for ``go`` (``entered`` set when one is under way)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import threading
+
+        self.entered, self.go = threading.Event(), threading.Event()
+
+    def put(self, key, data, *, parent=None, meta=None) -> Status:
+        self.entered.set()
+        assert self.go.wait(10)
+        return super().put(key, data, parent=parent, meta=meta)
+
+
+def test_an_erase_racing_a_demotion_into_the_fleet_leaves_no_copy_and_no_record(tmp_path):
+    """A disk eviction demotes a block into the fleet (recorded while the index still held it)
+    and its put lands late; an erase of the block runs meanwhile. The demotion runs under the
+    disk tier's lock and the store deletes tier by tier from the top, so the erase's fleet delete
+    (and its journal sequence number) comes after the put landed: no copy, no record is left.
+    Pins that ordering (kvtier/server/fleet.py, "Erase against demotion")."""
+    import threading
+
+    from kvtier.core.payload import BlockMeta
+    from kvtier.store.tiered import TieredStore
+    from kvtier.tiers.disk import DiskTier
+    from kvtier.tiers.host import HostTier
+
+    index = BlockIndex()
+    slow = _SlowFleet()
+    fleet = JournaledFleet(slow, FleetJournal(str(tmp_path / JOURNAL_FILE)), FleetRecords(index, CODEC))
+    disk = DiskTier(str(tmp_path / "disk"), 2 * 8192, pack_batches=False)  # two blocks
+    store = TieredStore([HostTier(1 << 20, 4096), disk, fleet])
+    entries = [_entry("acme", "ns", i) for i in range(3)]
+    meta = BlockMeta("uint8", (NBYTES,), 0)
+    for skey, entry in entries[:2]:
+        index.add(skey, entry)
+        assert disk.put(skey, np.full(NBYTES, 7, np.uint8), meta=meta) is Status.OK
+    victim = entries[0][0]
+    evicting = threading.Thread(target=disk.put, args=(entries[2][0], np.full(NBYTES, 7, np.uint8)),
+                                kwargs={"meta": meta})
+    evicting.start()  # evicts the oldest: its demotion's fleet put waits
+    try:
+        assert slow.entered.wait(10), "no demotion into the fleet"
+        assert victim in dict(fleet.journal.records())
+        index.remove(victim)  # the erase: out of the index, then out of every tier
+        erasing = threading.Thread(target=store.delete, args=([victim],))
+        erasing.start()
+        time.sleep(0.3)
+        assert erasing.is_alive(), "the erase did not wait for the demotion under way"
+    finally:
+        slow.go.set()
+        evicting.join(10)
+    erasing.join(10)
+    assert victim not in slow.objects, "the erased block stayed in the fleet"
+    assert victim not in dict(fleet.journal.records()), "the erased block's record stayed"
+    store.close()

@@ -105,7 +105,10 @@ def test_a_tenant_that_stalls_four_gets_does_not_block_another_tenants_disk_read
         f"globex's GET of its own block: {st.name} after {took:.1f} s while acme stalls 4 reads")
     assert same
     assert acme_after
-    assert answers == [Status.OK] * 4, answers  # (3 sent from pinned pool slots, 1 from a lent buffer)
+    # One sent from a pinned pool slot (acme's share of pinned slots: a quarter of the pool, at
+    # least one block), two from lent buffers (acme's share of them); past both, a MISS. (All four
+    # were OK when stalled replies could pin every slot of the pool: test_pinned_slots.py.)
+    assert sorted(answers) == [Status.OK] * 3 + [Status.MISS], answers
 
 
 def test_ten_stalled_gets_of_one_tenant_leave_the_others_reads_alone(srv):
@@ -114,8 +117,8 @@ def test_ten_stalled_gets_of_one_tenant_leave_the_others_reads_alone(srv):
     st, took, same, acme_after, answers = _victim_get_while_acme_stalls(srv, 10, stored=12)
     assert st is Status.OK and took < 3.0 and same, (st, took)
     assert acme_after
-    # Sent from the three pool slots (pinned) and from two lent buffers, at most; the rest missed.
-    assert answers.count(Status.OK) <= 5 and set(answers) == {Status.OK, Status.MISS}, answers
+    # Sent from acme's one pinned pool slot and from its two lent buffers, at most; the rest missed.
+    assert answers.count(Status.OK) <= 3 and set(answers) == {Status.OK, Status.MISS}, answers
 
 
 # -- ScratchPool's bounds ----------------------------------------------------------------------
