@@ -13,7 +13,9 @@ thread. Choices, and why:
   two-phase writes (the host pool: the O_DIRECT read lands in the pool, no
   staging) -- and publishes it only after that read verified. A failed or torn
   read aborts the reservation: nothing is published. The copy keeps the
-  block's age (the source tier's ``created_of``): no new life by being read.
+  block's age (the source tier's ``created_of``): no new life by being read;
+  a tier whose TTL the block has outlived (``admits``) is no target, and is
+  neither counted as a promotion nor marked clean.
 * **Reads first.** The promoter waits while any foreground get runs (the
   store tells it, :meth:`Promoter.foreground`), so its reads never compete
   with the load that asked for them; it starts when the load is over, while
@@ -280,9 +282,13 @@ class Promoter:
             self._count(promotion_failures=1)  # gone from its tier since the get read it
             return []
         first = upper[0]
+        # a tier whose TTL the block has outlived stores nothing (and answers OK): not a target
+        into_first = first.admits(created)
         reserve = getattr(first, "reserve", None)
         res = None
-        if reserve is not None:
+        if not into_first:
+            buf = None
+        elif reserve is not None:
             status, res = reserve(key, wanted.nbytes, **age_kw(first, created))
             if res is None:
                 if status is not Status.OK:
@@ -293,7 +299,8 @@ class Promoter:
                 buf = res.view
         else:
             buf = None if first.contains(key) else self._stage(wanted.nbytes)
-        middle = [level for level in range(1, len(upper)) if not upper[level].contains(key)]
+        middle = [level for level in range(1, len(upper))
+                  if upper[level].admits(created) and not upper[level].contains(key)]
         if buf is None and middle:
             buf = self._stage(wanted.nbytes)
         if buf is None:
@@ -314,14 +321,16 @@ class Promoter:
                 if res is not None:
                     first.abort(res)
                 return []
-            landed = self._publish(key, buf, res, middle, created)
+            landed = self._publish(key, buf, res, middle, created, into_first)
         if landed:
             self._count(promotions=len(landed))
         return landed
 
-    def _publish(self, key: BlockKey, buf, res, middle: list[int], created: float | None) -> list[int]:
+    def _publish(self, key: BlockKey, buf, res, middle: list[int], created: float | None,
+                 into_first: bool) -> list[int]:
         """Put the verified copy in ``buf`` into the tiers it is missing from, with its age
-        (``created``); the levels it landed in."""
+        (``created``): ``middle``, and the fastest tier if ``into_first`` (its TTL admits the
+        block); the levels it landed in."""
         first = self.tiers[0]
         landed = []
         # Lower tiers first: once the fastest tier publishes it, an eviction there finds
@@ -333,7 +342,7 @@ class Promoter:
         if res is not None:
             first.commit(res)
             landed.append(0)
-        elif buf is not None and 0 not in landed and not first.contains(key):
+        elif into_first and buf is not None and 0 not in landed and not first.contains(key):
             if first.put(key, buf, **age_kw(first, created)) is Status.OK:
                 landed.append(0)
         for level in landed:

@@ -283,7 +283,9 @@ class TieredStore:
     def _promote(self, keys: list[BlockKey], datas: list, source: Tier, upper: Sequence[Tier], seen: int) -> None:
         """Copy blocks read from ``source`` into ``upper`` with their age, unless a delete started
         since ``seen`` (it may have erased one of them: a cache may skip a promotion, never undo an
-        erasure) or the store is closing (nothing is published behind its last flush)."""
+        erasure) or the store is closing (nothing is published behind its last flush). A tier whose
+        TTL the block has outlived (:meth:`~kvtier.tiers.base.Tier.admits`) is skipped: neither
+        counted as a promotion nor marked clean."""
         promoted = 0
         with self._guard.publishing(seen) as ok:
             if not ok or self._closed:
@@ -293,6 +295,8 @@ class TieredStore:
                 if created is None and source.keeps_age:
                     continue  # left its tier since the read (evicted, say): its age is unknown
                 for level, tier in enumerate(upper):
+                    if not tier.admits(created):
+                        continue  # older than it keeps blocks: an OK would store nothing
                     if tier.put(key, data, **age_kw(tier, created)) is Status.OK:
                         promoted += 1
                         self._mark_promoted(level, key)

@@ -247,7 +247,9 @@ class WriteBehind:
 
         def demote(key: BlockKey, data: memoryview, meta: BlockMeta | None) -> None:
             # (an expiring block comes here too: copied down if the tier below admits its age)
-            # Runs under the evicting tier's lock: take ours only briefly, call no tier under it.
+            # Runs under the evicting tier's lock (an eviction), or outside it for a block the
+            # host's expire() hands over (its deletes wait for this to return): take ours only
+            # briefly, call no tier under it.
             with self._cond:
                 if key in self._clean[level] and key not in self._inflight[level]:
                     del self._clean[level][key]
@@ -318,7 +320,9 @@ class WriteBehind:
     def _expire(self) -> None:
         """Ask each tier with dirty marks to expire its old blocks now (called holding no lock):
         an expired dirty block then goes down through the demotion hook, with its parent link,
-        instead of sitting in its tier until a look-up or the batch that takes it."""
+        instead of sitting in its tier until a look-up or the batch that takes it. The host tier
+        runs those demotions outside its lock (a backlog of them under it stalled every DRAM
+        read and write), each counted in ``_demoting`` while it runs, as an eviction's is."""
         for tier in self.tiers[:-1]:
             try:
                 tier.expire()

@@ -20,7 +20,9 @@ Semantics shared by all tiers (the contract suite in tests/tiers checks them):
   them) take it on ``put`` / ``put_many`` and report it (:meth:`Tier.created_of`),
   so that a block promoted, copied down or demoted keeps its age. A tier with a
   ``ttl_s`` serves a block only while its age is under it, and refuses one that
-  arrives older (OK, nothing stored, counted in ``expirations``). Tiers that keep
+  arrives older (OK, nothing stored, counted in ``expirations``); :meth:`Tier.admits`
+  says so beforehand, so that a caller that counts, marks or seals what it puts
+  (promotions, an encrypting wrapper) skips such a put. Tiers that keep
   their own retention (remote, Mooncake) are given no age (:func:`age_kw`).
 * All methods are thread safe.
 """
@@ -82,7 +84,9 @@ class TierStats:
 #: ``on_evict(key, data, meta)``: called with a read-only view of a victim's bytes
 #: before it is freed (the host tier hands over an expiring block too, so that a block not yet
 #: copied down reaches the tier below if that tier's TTL admits it). It must not call back into
-#: the same tier, except :meth:`Tier.created_of` for the victim (still held during the call).
+#: the same tier, except :meth:`Tier.created_of` for the victim (still answered during the call).
+#: Evictions call it under the tier's lock; the host tier's ``expire()`` calls it outside (a delete of
+#: the key waits for it to return).
 EvictHook = Callable[[BlockKey, memoryview, BlockMeta | None], None]
 
 
@@ -146,6 +150,13 @@ class Tier(ABC):
         """When a held block was first written into the store (wall-clock seconds), as this tier
         keeps it; None if the tier does not hold it or keeps no ages (:attr:`keeps_age`)."""
         return None
+
+    def admits(self, created: float | None) -> bool:
+        """Whether a put of a block first written into the store at ``created`` (wall clock; None:
+        now) would store it: False where it is already past this tier's TTL (such a put answers
+        OK and stores nothing). Cheap (no I/O, no lock): a promotion or an encrypting wrapper asks
+        before it reads, seals or counts anything. Here: True (no TTL of its own)."""
+        return True
 
     def expire(self) -> int:
         """Remove the blocks past this tier's TTL now (they are misses already); how many.

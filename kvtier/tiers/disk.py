@@ -40,9 +40,10 @@ back in one *extent* file, each block the same bytes as a file of its own, and
   so blocks other processes wrote are found; writers of the same key each use
   their own temp file and the renames are atomic. On a hit, ``put``/``put_many``/``contains``
   (and ``contains_many``) confirm the entry (one lstat: the name still holds the indexed file,
-  or still links to the indexed extent), since another process may have removed the block
-  (evicted, expired, deleted): an entry that fails is forgotten, and the block written again /
-  not claimed. Reads (and ``lookup_prefix``) trust the entry: a get finds the file gone and misses.
+  or still links to the indexed place, a symbolic link's target compared as the place it names),
+  since another process may have removed the block (evicted, expired, deleted): an entry that
+  fails is forgotten (a packed block's place counted dead), and the block written again / not
+  claimed; a place adopted again after that is counted live once, no longer dead. Reads (and ``lookup_prefix``) trust the entry: a get finds the file gone and misses.
 * **Deletes the file system refuses** (read-only, EACCES, EIO) are not reported done:
   ``delete`` returns False, the block is *withheld* (never served, listed or adopted again,
   still counted) and its removal retried; see :meth:`DiskTier.delete`.
@@ -172,6 +173,9 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
         #: adopted from other processes, arrive in any order
         self._ages = AgeQueue(lambda: ((e.created, k, e) for k, e in self._index.items())) if ttl_s is not None else None
         self._extents: dict[str, Extent] = {}  # rel → extent holding indexed blocks
+        #: places in those extents that :meth:`_forget` counted dead (rel → offset → size): one a name
+        #: reaches again and :meth:`_adopt` indexes anew moves back from dead to live, never counted twice
+        self._forgotten: dict[str, dict[int, int]] = {}
         self._pins: dict[BlockKey, int] = {}
         #: indexed blocks whose removal the file system refused: never served, listed, adopted or
         #: demoted again; their bytes stay counted; every later look at the key retries (see delete)
@@ -303,6 +307,10 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
         name = key.hex()
         return os.path.join(self.path, name[:2], name + SUFFIX)
 
+    def admits(self, created: float | None) -> bool:
+        """False for a block already past ``ttl_s`` (a put of it writes nothing)."""
+        return created is None or not self._expired(created)
+
     def expire(self) -> int:
         """Remove expired blocks now (they are also removed lazily); returns how many. Retries the
         removal of withheld blocks too (see :meth:`delete`)."""
@@ -327,6 +335,9 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
                 indexed = live.get(rel, 0)
                 assert extent.live == indexed > 0, f"extent {rel}: {extent.live} live, the index has {indexed}"
                 assert extent.dead >= 0, f"extent {rel}: negative dead bytes"
+                forgotten = sum(self._forgotten.get(rel, {}).values())
+                assert forgotten <= extent.dead, f"extent {rel}: {forgotten} bytes forgotten, {extent.dead} dead"
+            assert self._forgotten.keys() <= self._extents.keys(), "places forgotten in an extent not counted"
             assert self._used <= self._capacity, f"used {self._used} > capacity {self._capacity}"
             assert self._reserved >= 0, f"negative reservation {self._reserved}"
             assert len(self._policy) == len(self._index), (
@@ -446,6 +457,7 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
         self._used += entry.size
         if entry.extent is not None:
             entry.extent.live += 1
+            self._revive(entry.extent, entry.offset, entry.size)  # (a place forgotten, then adopted again)
         self._policy.on_insert(key, parent)
         self._queue_age(key, entry)
 
@@ -563,9 +575,8 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
         self._withheld.discard(key)
         freed = entry.extent is not None and (whole or self._erase(key, entry))
         self._forget(key)
-        if freed and entry.extent.live:  # (an extent no longer counted here took its dead bytes along)
-            entry.extent.dead -= entry.size
-            self._used -= entry.size
+        if freed:  # (an extent no longer counted here took its dead bytes along: nothing to revive)
+            self._revive(entry.extent, entry.offset, entry.size)
         return None
 
     def _last_name(self, key: BlockKey, entry: _Entry) -> bool:
@@ -613,7 +624,21 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
                 self._used += entry.size
                 if extent.live == 0:
                     self._drop_extent(extent)
+                else:
+                    self._forgotten.setdefault(extent.rel, {})[entry.offset] = entry.size
         return entry
+
+    def _revive(self, extent: Extent, offset: int, size: int) -> None:
+        """A place :meth:`_forget` counted dead is no longer dead: indexed again (a name reaches it
+        once more) or erased. Its bytes leave the dead count (once); any other place: nothing."""
+        places = self._forgotten.get(extent.rel)
+        if places is None or places.get(offset) != size or self._extents.get(extent.rel) is not extent:
+            return
+        del places[offset]
+        if not places:
+            del self._forgotten[extent.rel]
+        extent.dead -= size
+        self._used -= size
 
     def _drop_extent(self, extent: Extent) -> None:
         """Stop counting an extent no indexed block is in, and remove it once no block's name links
@@ -621,6 +646,7 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
         link, so the extent's link count tells). An extent from before tables (symbolic links, which
         the count does not show) is left to a restart, which removes it when no link reaches it."""
         self._extents.pop(extent.rel, None)
+        self._forgotten.pop(extent.rel, None)
         self._used -= extent.dead
         extent.dead = 0
         if extent.ino is None:
@@ -655,7 +681,8 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
             target = os.readlink(path)
         except OSError:
             return False
-        return target == disk_extents.link_target(entry.extent.rel, entry.offset, entry.size)
+        # the place the target names, as adoption reads it (not its spelling: "@04096" is "@4096")
+        return disk_extents.parse_link(target) == (entry.extent.rel, entry.offset, entry.size)
 
     def _drop_stale(self, keys) -> None:
         """Forget the indexed blocks among ``keys`` whose name no longer holds what the index says

@@ -49,7 +49,10 @@ when the store installs an eviction hook, the tier remembers the block key of
 each storage name it stores (names are one-way), and a block the inner tier
 evicts is opened and handed to the hook in plaintext, under its block key; the
 tier below seals it again for itself, or keeps it plain if it is a plaintext
-tier. ``keys()`` lists nothing: storage names are one-way by design.
+tier. A put of a block the inner tier's TTL refuses (:meth:`Tier.admits`) is
+skipped before sealing and remembers no name (the inner tier would never hold,
+so never evict, it). ``keys()`` lists nothing: storage names are one-way by
+design.
 """
 
 from __future__ import annotations
@@ -407,10 +410,14 @@ class EncryptedTier(WrappingTier):
 
     def put(self, key: BlockKey, data, *, parent: BlockKey | None = None, meta: BlockMeta | None = None,
             created: float | None = None) -> Status:
-        """``created`` (the block's age) passes on to a tier below that keeps ages."""
+        """``created`` (the block's age) passes on to a tier below that keeps ages; a block past
+        that tier's TTL (:meth:`admits`) is neither sealed nor remembered (OK, nothing stored)."""
         owner = self._owner(key)
         if owner is None:
             return Status.ERROR
+        if not self.inner.admits(created):
+            self._count_refused(1)
+            return Status.OK  # as the tier below would answer: nothing stored (nor sealed, nor named)
         name = self._name(key)
         nbytes = memoryview(data).nbytes
         if self._still_stored([self.inner.contains(name)], [owner], [key], [name], [data])[0]:
@@ -425,6 +432,21 @@ class EncryptedTier(WrappingTier):
                                     **age_kw(self.inner, created))
         self._forget_failed([name], [status])
         return status
+
+    def _refused(self, created, n: int) -> set[int]:
+        """Indices of the blocks the tier below would not store, being past its TTL (``created``:
+        one age per block, or None); counted as it would count them (``expirations``). They are
+        neither sealed nor remembered: a put of one answers OK and stores nothing."""
+        if created is None:
+            return set()
+        refused = {i for i in range(n) if not self.inner.admits(created[i])}
+        self._count_refused(len(refused))
+        return refused
+
+    def _count_refused(self, n: int) -> None:
+        if n:
+            with self._lock:
+                self.inner.stats.expirations += n
 
     def _forget_failed(self, names, statuses) -> None:
         for name, status in zip(names, statuses):
@@ -460,8 +482,11 @@ class EncryptedTier(WrappingTier):
         if parents is None:
             parents = [None, *keys[:-1]]
         names = [self._name(k) for k in keys]
-        present = self._still_stored(self.inner.contains_many(names), [self.tenant] * len(keys), keys, names, datas)
-        todo = [i for i in range(len(keys)) if not present[i]]
+        refused = self._refused(created, len(keys))
+        ask = [i for i in range(len(keys)) if i not in refused]
+        present = self._still_stored(self.inner.contains_many([names[i] for i in ask]), [self.tenant] * len(ask),
+                                     [keys[i] for i in ask], [names[i] for i in ask], [datas[i] for i in ask])
+        todo = [i for i, here in zip(ask, present) if not here]
         self._remember([keys[i] for i in todo], [names[i] for i in todo])
         statuses = [Status.OK] * len(keys)
         sizes = {i: self._sealed_size(memoryview(datas[i]).nbytes) for i in todo}
@@ -593,12 +618,16 @@ class EncryptedTier(WrappingTier):
     def _put_streamed(self, keys, datas, parents, created=None) -> list[Status]:
         if parents is None:
             parents = [None, *keys[:-1]]
-        created = created or [None] * len(keys)
         owners = [self._owner(k) for k in keys]
         names = [self._name(k) for k in keys]
         statuses = [Status.OK if o is not None else Status.ERROR for o in owners]
-        present = self._still_stored(self.inner.contains_many(names), owners, keys, names, datas)
-        todo = [i for i in range(len(keys)) if owners[i] is not None and not present[i]]
+        refused = self._refused(created and [c if o is not None else None for c, o in zip(created, owners)],
+                                len(keys))
+        created = created or [None] * len(keys)
+        ask = [i for i in range(len(keys)) if owners[i] is not None and i not in refused]
+        present = self._still_stored(self.inner.contains_many([names[i] for i in ask]), [owners[i] for i in ask],
+                                     [keys[i] for i in ask], [names[i] for i in ask], [datas[i] for i in ask])
+        todo = [i for i, here in zip(ask, present) if not here]
         self._remember([keys[i] for i in todo], [names[i] for i in todo])
         items = [(owners[i], names[i], datas[i], self._name(parents[i]) if parents[i] else None, created[i])
                  for i in todo]

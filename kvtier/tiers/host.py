@@ -36,12 +36,17 @@ monotonic clock. An expired block is a miss; it leaves the pool as an evicted on
 does, through ``on_evict`` (counted in ``expirations``, not ``evictions``), so that
 a block the tier below has no copy of yet reaches it if that tier's TTL admits it.
 :meth:`HostTier.expire` does that at once for every expired block (a store's
-write-behind flusher calls it); otherwise a look-up or an eviction finds them.
+write-behind flusher calls it), handing them to ``on_evict`` outside the lock
+(misses already, their memory pinned until the hook returns; a ``delete`` of
+one waits for it): a demotion is a put into the tier below, and a backlog of
+them under the lock stalled every DRAM read and write. Otherwise a look-up or
+an eviction finds them (one block, under the lock).
 """
 
 from __future__ import annotations
 
 import mmap
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -148,6 +153,10 @@ class HostTier(Tier):
         self._rivals: dict[BlockKey, list[_Entry]] = {}
         #: deleted while pinned: memory freed at their last unpin
         self._doomed: dict[BlockKey, list[_Entry]] = {}
+        #: expired blocks :meth:`expire` is handing to ``on_evict`` outside the lock (misses already,
+        #: pinned and doomed: their memory stays valid until the hook returns); a delete of one waits
+        self._leaving: dict[BlockKey, list[_Entry]] = {}
+        self._left = threading.Condition(self._lock)  # notified as each of those is freed
         self._policy = policy if policy is not None else LRUPolicy()  # an empty policy is falsy
         self._ttl_s = ttl_s
         #: published blocks by age, for :meth:`expire` (only with a TTL)
@@ -367,7 +376,12 @@ class HostTier(Tier):
         return Held(view, release)
 
     def delete(self, key: BlockKey) -> bool:
+        """Remove a block (False if not held). Waits for a demotion of the key that :meth:`expire`
+        has under way (as a delete waits for the lock an eviction's demotion holds), so that a store
+        deleting its fastest tier first finds the demoted copy in the tier below and removes it too."""
         with self._lock:
+            while key in self._leaving:
+                self._left.wait()
             entry = self._entries.get(key)
             if entry is None or not entry.published or entry.doomed:
                 return False
@@ -513,33 +527,85 @@ class HostTier(Tier):
 
     def created_of(self, key: BlockKey) -> float | None:
         """When a held block was first written into the store (wall clock); None if not held.
-        Expired blocks not yet freed answer too (an ``on_evict`` hook asks about its victim)."""
+        Expired blocks not yet freed answer too (an ``on_evict`` hook asks about its victim,
+        also while :meth:`expire` hands it over outside the lock): the oldest copy's age."""
         with self._lock:
             entry = self._entries.get(key)
-            if entry is None or not entry.published:
+            copies = [entry] if entry is not None and entry.published else []
+            copies += self._leaving.get(key, ())
+            if not copies:
                 return None
-            return time.time() - (time.monotonic() - entry.created)
+            return time.time() - (time.monotonic() - min(e.created for e in copies))
+
+    def admits(self, created: float | None) -> bool:
+        """False for a block already past ``ttl_s`` (a put of it stores nothing; see :meth:`reserve`)."""
+        return self._ttl_s is None or created is None or time.time() - created <= self._ttl_s
 
     def expire(self) -> int:
         """Free every expired block now (through ``on_evict``, as a look-up would); returns how
         many. Pinned ones stay until their last unpin and a later look. Cheap when nothing is
-        due: the blocks are queued by age."""
+        due: the blocks are queued by age.
+
+        With a hook, the due blocks become misses under one hold of the lock, and are handed to it
+        after, outside the lock, each freed once its hook returns: a store's hook demotes a dirty
+        block with a put into the tier below (a file write, a network call), and a sweep of a
+        backlog under the lock stalled every DRAM read and write for all of them (seconds). A
+        delete of such a key waits for its hand-over (see :meth:`delete`)."""
         if self._ages is None:
             return 0
-        n = 0
         with self._lock:
-            pinned = []
+            due, pinned = [], []
             for key, entry in self._ages.due(time.monotonic() - self._ttl_s):
                 if self._entries.get(key) is not entry:
                     continue  # gone already (evicted, deleted, expired at a look-up)
-                if entry.pins:
-                    pinned.append(entry)
-                    continue
-                self._evict_locked(entry)
-                n += 1
+                (pinned if entry.pins else due).append(entry)
             for entry in pinned:
                 self._ages.push(entry.created, entry.key, entry, held=len(self._entries))
-        return n
+            hook, pool = self.on_evict, self._pool
+            if hook is None:  # nothing to hand over: freed at once
+                for entry in due:
+                    self._evict_locked(entry)
+                return len(due)
+            for entry in due:
+                self._leave_locked(entry)
+        done = 0
+        try:
+            for entry in due:
+                try:
+                    hook(entry.key, memoryview(self._view(entry, pool)).toreadonly(), entry.meta)
+                except Exception:  # noqa: BLE001 - a failed demotion only loses a cached block
+                    with self._lock:
+                        self.stats.errors += 1
+                finally:
+                    done += 1
+                    self._settle_leaving(entry)
+        finally:
+            for entry in due[done:]:  # (interrupted: free the rest, or their deletes would wait for good)
+                self._settle_leaving(entry)
+        return len(due)
+
+    def _leave_locked(self, entry: _Entry) -> None:
+        """An expired block leaves: a miss from now on (a put may store the key anew), its memory
+        pinned and doomed (freed by :meth:`_settle_leaving`), counted as expired."""
+        key = entry.key
+        self._policy.on_remove(key)
+        self.stats.expirations += 1
+        del self._entries[key]
+        entry.pins += 1
+        entry.doomed = True
+        self._doomed.setdefault(key, []).append(entry)
+        self._leaving.setdefault(key, []).append(entry)
+
+    def _settle_leaving(self, entry: _Entry) -> None:
+        """The hand-over of an entry :meth:`_leave_locked` took is done: free it (at its last
+        unpin) and let a delete of its key go on."""
+        with self._lock:
+            leaving = self._leaving[entry.key]
+            leaving.remove(entry)
+            if not leaving:
+                del self._leaving[entry.key]
+            self._unpin_locked(entry.key, entry)
+            self._left.notify_all()
 
     # -- internals ---------------------------------------------------------------
     def _view(self, entry: _Entry, pool: np.ndarray) -> np.ndarray:
@@ -669,6 +735,8 @@ class HostTier(Tier):
             doomed = [e for group in self._doomed.values() for e in group]
             rivals = [e for group in self._rivals.values() for e in group]
             assert all(e.doomed and e.pins > 0 for e in doomed), "a doomed entry outlived its pins"
+            assert all(e in self._doomed.get(k, ()) for k, group in self._leaving.items() for e in group), (
+                "a block being handed over by expire() is not held doomed")
             assert all(e.pins > 0 and not e.published for e in rivals), "a rival reservation is not being written"
             assert all(e.pins >= 0 for e in live), "negative pin count"
             assert all(0 <= e.key_pins <= e.pins for e in live + doomed), "more key pins than pins"

@@ -1,9 +1,10 @@
 """``WrappingTier``: the base of tiers that transform or perturb another tier.
 
 Delegates what a wrapper does not change -- counters, capacity, integrity,
-closing, blocks' ages -- so that a wrapper states only what it adds. Over a tier
-that keeps ages (:attr:`~kvtier.tiers.base.Tier.keeps_age`) a wrapper's puts are
-given ``created`` and must pass it on; one that renames keys answers
+closing, blocks' ages and whether its TTL admits one (:meth:`admits`) -- so
+that a wrapper states only what it adds. Over a tier that keeps ages
+(:attr:`~kvtier.tiers.base.Tier.keeps_age`) a wrapper's puts are given
+``created`` and must pass it on; one that renames keys answers
 :meth:`created_of` under its own names.
 """
 
@@ -48,6 +49,9 @@ class WrappingTier(Tier):
 
     def created_of(self, key):
         return self.inner.created_of(key)
+
+    def admits(self, created) -> bool:
+        return self.inner.admits(created)
 
     def expire(self) -> int:
         return self.inner.expire()
