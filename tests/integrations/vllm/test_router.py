@@ -424,7 +424,10 @@ def test_the_router_names_requests_as_vllm_does_so_that_they_can_be_aborted(stac
     for n, (path, extra) in enumerate(cases):
         wrong = extra.pop("wrong_name", False)
         body = {"model": model, **long, **extra}
-        for attempt in range(3):    # an API server short of CPU may take the abort after the end
+        # An API server short of CPU may take the abort after the end, or (a chat, whose template the
+        # API server renders first) before it has registered the request: a no-op. Each try waits
+        # longer before aborting (a full fresh-clone CI run missed 3 tries of 0.5 s on the chat).
+        for attempt, wait_s in enumerate((0.5, 1.5, 3.0, 3.0)):
             rid = f"kvtier-test-{n}-{attempt}"
             ids = engine_request_ids(path, rid + ("-x" if wrong else ""), body)
             result: dict = {}
@@ -433,7 +436,7 @@ def test_the_router_names_requests_as_vllm_does_so_that_they_can_be_aborted(stac
             client.start()
             # once vLLM has it (an abort before that is a no-op: the next try). Not by polling
             # /metrics: while an engine decodes, that answer can take longer than the generation.
-            time.sleep(0.5)
+            time.sleep(wait_s)
             aborted = [post(w.url, {"request_ids": ids}, "/inference/v1/abort_requests")[0] for w in workers]
             client.join(120)
             status, _, out = result["answer"]
