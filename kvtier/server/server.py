@@ -43,7 +43,6 @@ import errno
 import logging
 import os
 import signal
-import socket
 import ssl
 import stat
 import sys
@@ -67,9 +66,9 @@ from kvtier.tiers.remote_protocol import ErrorCode
 from kvtier.tiers.host import HostTier
 from kvtier.store import safety
 from kvtier.store.tiered import TieredStore
+from kvtier.unix_sockets import socket_is_live
 
 log = logging.getLogger(__name__)
-
 
 
 def _remove_stale_socket(path: str) -> None:
@@ -83,21 +82,14 @@ def _remove_stale_socket(path: str) -> None:
         return
     if not stat.S_ISSOCK(st.st_mode):
         return   # not a socket: binding fails with its own error, nothing of ours is removed
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    probe.settimeout(1.0)
-    try:
-        probe.connect(path)
-    except (ConnectionRefusedError, FileNotFoundError):
+    if not socket_is_live(path):
         try:
             os.unlink(path)   # nobody listens: a stale socket of a previous run
         except FileNotFoundError:
             pass
         return
-    except OSError:
-        pass   # (a full backlog times out: someone listens)
-    finally:
-        probe.close()
     raise OSError(errno.EADDRINUSE, f"another server listens on unix://{path}")
+
 
 class Server:
     def __init__(self, config: ServerConfig) -> None:

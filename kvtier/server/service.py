@@ -208,6 +208,11 @@ class Service:
         self._scratch: ScratchPool | None = None
         self._deleting: dict[bytes, Future] = {}  # storage key → its deletion under way (drop_soon)
         self._deleting_lock = threading.Lock()
+        # account → deletions under way of blocks charged to it (quota evictions, DELETEs, expiry):
+        # its next upload reserves DRAM only once they freed theirs (else, with the I/O threads
+        # behind, the pool ran full and the reservation evicted another tenant's blocks for the
+        # room its quota had made).
+        self._freeing: dict[str, set[Future]] = {}
         # Pool bytes reserved by uploads in flight: slow clients must not pin the whole pool,
         # and one tenant's slow uploads must not take the room of the others'. Counted in
         # bytes, not uploads: capped at a count of the largest blocks, a pool of 8 blocks of
@@ -574,7 +579,9 @@ class Service:
             return entry
         with self._deleting_lock:
             self._deleting[skey] = future
-        future.add_done_callback(lambda f: self._deletion_ended(skey, f))
+            for account in entry.accounts:  # (its charge left with the index entry; its DRAM leaves now)
+                self._freeing.setdefault(account, set()).add(future)
+        future.add_done_callback(lambda f: self._deletion_ended(skey, f, entry.accounts))
         return entry
 
     def _delete_from_tiers(self, skey: bytes, owner: str) -> None:
@@ -586,10 +593,16 @@ class Service:
         with self.index.deleting(skey, owner):
             self.store.delete([skey])
 
-    def _deletion_ended(self, skey: bytes, future) -> None:
+    def _deletion_ended(self, skey: bytes, future, accounts: tuple[str, ...] = ()) -> None:
         with self._deleting_lock:
             if self._deleting.get(skey) is future:
                 del self._deleting[skey]
+            for account in accounts:
+                pending = self._freeing.get(account)
+                if pending is not None:
+                    pending.discard(future)
+                    if not pending:
+                        del self._freeing[account]
         if not future.cancelled() and future.exception() is not None:
             log.warning("deleting a dropped block failed: %s", future.exception())
 
@@ -778,6 +791,7 @@ class Service:
             conn.reply(h, Status.OK)
             return
         await self._deleted(skey)  # an expired or evicted copy being deleted is gone before this one lands
+        await self._room_freed(accounts)
         status = Status.OK
         footprint = self.host.footprint(n)
         writer = p.tenant
@@ -864,6 +878,18 @@ class Service:
             for victim in self.gov.quota_victims(self.index, account, footprint):
                 if self.drop_soon(victim) is not None:
                     self.metrics.count_quota_eviction(account)
+
+    async def _room_freed(self, accounts: tuple[str, ...]) -> None:
+        """Wait until the DRAM of the blocks charged to the accounts that :meth:`drop_soon` let go
+        (quota evictions, DELETEs, expiry) is free again. They leave the index, and the charge, at
+        once but are deleted on the I/O threads: a tenant at its quota that uploaded faster than
+        they ran found the pool full and had the reservation evict the least recently used blocks
+        of the pool, another tenant's, for room its quota had already made. (The wait is one
+        I/O-thread hop per upload, for a tenant with deletions under way only.)"""
+        with self._deleting_lock:
+            pending = [f for a in accounts for f in self._freeing.get(a, ())]
+        if pending:
+            await asyncio.wait([asyncio.wrap_future(f) for f in pending])
 
     def _write_behind(self, skey: bytes, parent: bytes | None, meta: BlockMeta) -> None:
         """Have the store copy a committed block to disk in the background now, not only when DRAM

@@ -42,6 +42,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from kvtier.core.keys import KEY_BYTES, BlockKey
 from kvtier.errors import ConfigError
+from kvtier.unix_sockets import socket_is_live
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +174,7 @@ class LookupServer:
             log.error("kvtier lookup: a directory sits at the socket path %s; this worker serves no lookups "
                       "(remove it)", path)
             return False
-        if stat.S_ISSOCK(st.st_mode) and _answers(path):
+        if stat.S_ISSOCK(st.st_mode) and socket_is_live(path):
             log.error("kvtier lookup: another process already serves lookups at %s (the same engine id "
                       "twice?); this worker serves none", path)
             return False
@@ -307,19 +308,6 @@ def _recv(sock: socket.socket, n: int) -> bytes:
             raise ConnectionError("peer closed")
         buf += chunk
     return bytes(buf)
-
-
-def _answers(path: str) -> bool:
-    """Whether a process accepts connections on the socket at ``path`` (a stale one refuses)."""
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    probe.settimeout(0.5)
-    try:
-        probe.connect(path)
-        return True
-    except OSError:
-        return False
-    finally:
-        probe.close()
 
 
 def _kind(mode: int) -> str:
