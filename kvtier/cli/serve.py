@@ -47,7 +47,10 @@ def register(subparsers) -> None:
     p.add_argument("--listen", action="append", metavar="URL",
                    help="tcp://HOST:PORT, tls://HOST:PORT or unix:///PATH (repeatable; default tcp://127.0.0.1:7070)")
     p.add_argument("--capacity", metavar="SIZE", help="host DRAM pool, e.g. 8GiB")
-    p.add_argument("--max-block", metavar="SIZE", help="largest block (one pool slot), e.g. 32MiB")
+    p.add_argument("--max-block", metavar="SIZE",
+                   help="largest block accepted, e.g. 32MiB (not what each block costs: blocks take whole pages "
+                        "of their own size); end-to-end sealed blocks need room for the seal: "
+                        "kvtier.crypto.aead.sealed_stream_nbytes(SIZE)")
     p.add_argument("--disk-dir", metavar="DIR", help="spill tier directory (local NVMe or shared mount)")
     p.add_argument("--disk-capacity", metavar="SIZE", help="spill tier capacity, e.g. 500GiB")
     p.add_argument("--mooncake-master", metavar="HOST:PORT",

@@ -73,6 +73,14 @@ def sealed_nbytes(plain_nbytes: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> 
     return HEADER_BYTES + plain_nbytes + TAG_BYTES * n_chunks(plain_nbytes, chunk_bytes)
 
 
+def sealed_stream_nbytes(plain_nbytes: int) -> int:
+    """What a block of ``plain_nbytes`` takes once sealed as a stream (:data:`STREAM_CHUNK_BYTES`
+    chunks): the size an ``EncryptedTier`` over a server or disk tier stores, hence the room a
+    server's ``max_block`` must give the largest block sealed end to end. (:func:`sealed_nbytes`
+    alone counts the larger :data:`DEFAULT_CHUNK_BYTES` chunks: fewer tags, too little room.)"""
+    return sealed_nbytes(plain_nbytes, STREAM_CHUNK_BYTES)
+
+
 def parse_header(sealed, sealed_size: int | None = None) -> SealedHeader | None:
     """The header at the start of ``sealed``; None unless it is well formed and describes a
     block of exactly ``sealed_size`` bytes (default: ``sealed``'s own length)."""

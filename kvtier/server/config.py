@@ -2,20 +2,39 @@
 
 Later sources override earlier ones field by field. Every error names the field,
 the source and the fix. Example file (sizes take KiB/MiB/GiB/TiB, powers of 1024, or KB/MB/GB/TB, powers of 1000;
-a bare "512M" is refused as ambiguous: see kvtier/core/units.py)::
+a bare "512M" is refused as ambiguous: see kvtier/core/units.py); every [server] key is shown, and
+``tests/docs/test_server_config_example.py`` loads it as written, placeholders filled::
 
     [server]
     listen = ["tcp://127.0.0.1:7070", "unix:///run/kvtier/kvtier.sock"]   # tcp:// beyond loopback is
                                # refused unless insecure_plaintext = true: use tls:// (tls_cert, tls_key)
+    tls_cert = "/etc/kvtier/tls.crt"   # PEM chain and key, for tls:// listeners (both or neither)
+    tls_key = "/etc/kvtier/tls.key"
+    insecure_plaintext = false # true: accept tcp:// (cleartext tokens and blocks) beyond loopback
     capacity = "8GiB"          # host DRAM pool
-    max_block = "32MiB"        # largest block (one pool slot)
+    max_block = "32MiB"        # largest block accepted (not what each block costs: blocks take whole
+                               # pages of their own size); end-to-end sealed blocks need room for the
+                               # seal: kvtier.crypto.aead.sealed_stream_nbytes(largest plaintext block)
     max_connections = 1024     # logged-in connections, at most max_connections_per_tenant
-    max_connections_per_tenant = 512   # per tenant (default: half of max_connections)
+    max_connections_per_tenant = 512   # per tenant (leave it out for half of max_connections)
+    max_unauthenticated = 64   # connections not yet logged in, in all ...
+    max_connections_per_peer = 32      # ... and per address (the oldest silent one makes room)
+    hello_timeout_s = 5        # a connection must log in within this
+    idle_timeout_s = 300       # close a connection idle this long
+    frame_timeout_s = 30       # close a connection whose frame takes this long
+    login_failure_burst = 10   # failed logins an address may make at once ...
+    login_failure_rate_per_s = 1.0   # ... and per second after that
     disk_dir = "/mnt/nvme/kvtier"   # optional spill tier
+    disk_capacity = "500GiB"
     mooncake_master = "10.0.0.5:50051"   # optional: spill below that to a Mooncake Store fleet
     mooncake_metadata = "http://10.0.0.5:8080/metadata"   # its metadata server (default P2PHANDSHAKE)
     mooncake_secret_file = "/etc/kvtier/mooncake.secret"  # 0600, >= 16 random bytes (keys names and tags)
-    disk_capacity = "500GiB"
+    mooncake_hostname = "10.0.0.7"  # the address the fleet's holders reach this server at (default 127.0.0.1)
+    mooncake_tenant = "kvtier-serve"   # the fleet tenant the blocks are named under (the default): servers
+                                       # that share the fleet's blocks use the same one and the same secret
+    mooncake_replicas = 1
+    mooncake_timeout_s = 2.0   # deadline of each fleet call (longer for a large transfer): past it, a miss
+    sweep_interval_s = 1.0     # how often blocks past their TTL are removed (at most every 0.05 s)
     shutdown_flush_timeout_s = 30   # SIGTERM/SIGINT: copy DRAM-only blocks to disk_dir for at most this long
     state_dir = "/var/lib/kvtier"   # runtime admin changes (quotas, TTLs) kept here (default: disk_dir);
                                     # they win over this file's values after a restart
@@ -47,7 +66,7 @@ a bare "512M" is refused as ambiguous: see kvtier/core/units.py)::
 
     [[shared]]
     name = "system-prompts"   # clients address it as namespace "shared/system-prompts"
-    writers = ["ops"]         # tenants that may publish into it
+    writers = ["acme"]        # tenants that may publish into it (each a [[tenant]] above)
     ttl_s = 0                 # 0: no expiry
 """
 
@@ -115,8 +134,9 @@ class ServerConfig:
     max_connections: int = 1024
     max_unauthenticated: int = 64
     max_connections_per_peer: int = 32
-    #: logged-in connections one tenant may hold; 0: half of ``max_connections`` (at least 1), so that
-    #: one tenant's token (or a leak of it) cannot take every slot and lock the other tenants out
+    #: logged-in connections one tenant may hold. The default, 0, stands for half of ``max_connections``
+    #: (at least 1), so that one tenant's token (or a leak of it) cannot take every slot and lock the
+    #: other tenants out; a file, variable or flag gets it by leaving the key out (a written 0 is refused)
     max_connections_per_tenant: int = 0
     hello_timeout_s: float = 5.0
     login_failure_burst: int = 10  # failed logins a TCP peer may make at once …
@@ -140,6 +160,8 @@ class ServerConfig:
     tls_key: str | None = None
     #: allow tcp:// (cleartext) listeners on addresses other than loopback
     insecure_plaintext: bool = False
+    #: how often blocks past their TTL are removed; the server sweeps at most every 0.05 s (a smaller
+    #: value, 0 included, is taken as 0.05: kvtier/server/server.py's sweeper), so none spins
     sweep_interval_s: float = 1.0
     #: SIGTERM / SIGINT: how long to copy blocks not yet on disk there before exiting
     shutdown_flush_timeout_s: float = 30.0
@@ -224,6 +246,15 @@ def _str_list(v: Any, what: str) -> tuple[str, ...]:
     return tuple(v)
 
 
+def _tenant_connection_cap(v: Any, what: str) -> int:
+    # 0 is the field's "unset", but written in a file it would read as "no cap" or "no connections":
+    # refused like any count below 1, with the way to the default
+    if not isinstance(v, bool) and v in (0, "0"):
+        raise ConfigError(f"{what}: must be positive, got {v!r}; leave it out for the default, half of "
+                          f"max_connections")
+    return _int(v, what)
+
+
 def _bool(v: Any, what: str) -> bool:
     if isinstance(v, bool):
         return v
@@ -258,7 +289,7 @@ _SERVER_KEYS: dict[str, tuple[str, Any]] = {
     "max_connections": ("max_connections", _int),
     "max_unauthenticated": ("max_unauthenticated", _int),
     "max_connections_per_peer": ("max_connections_per_peer", _int),
-    "max_connections_per_tenant": ("max_connections_per_tenant", _int),
+    "max_connections_per_tenant": ("max_connections_per_tenant", _tenant_connection_cap),
     "hello_timeout_s": ("hello_timeout_s", _timeout),
     "login_failure_burst": ("login_failure_burst", _int),
     "login_failure_rate_per_s": ("login_failure_rate_per_s", _float),
