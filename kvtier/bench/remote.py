@@ -73,7 +73,7 @@ import numpy as np
 from kvtier.bench.baselines import ratio_warnings, report_warnings
 from kvtier.child_process import die_with_parent
 from kvtier.core.units import finite_float
-from kvtier.crypto.aead import STREAM_CHUNK_BYTES, sealed_nbytes
+from kvtier.crypto.aead import sealed_stream_nbytes
 from kvtier.errors import ConfigError
 
 MIB = 1 << 20
@@ -314,7 +314,7 @@ def run(block_mib: float, run_mib: int, runs: int, unix: bool, with_redis: bool 
     }
     try:
         # End-to-end encryption: the client seals, the server stores ciphertext.
-        max_block = sealed_nbytes(nbytes, STREAM_CHUNK_BYTES) if encrypt else nbytes
+        max_block = sealed_stream_nbytes(nbytes) if encrypt else nbytes
         pool = (3 if encrypt else 1) * (blocks + 4) * max_block
         server = ServerProcess.start(
             {"bench": token}, unix=unix, tcp=not unix, workdir=workdir,
