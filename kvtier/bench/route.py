@@ -197,7 +197,11 @@ def register(subparsers) -> None:
     p.add_argument("--workers", type=int, default=16, help="--synthetic: workers")
     p.add_argument("--indexed-blocks", type=int, default=1_000_000, help="--synthetic: blocks in the index")
     p.add_argument("--runs", type=int, default=300, help="--synthetic: decisions timed")
-    p.add_argument("--block-tokens", type=int, default=BLOCK_TOKENS)
+    # None: not given. --trace replays with the workers' page (vllm_trace.HASH_TOKENS) and reads
+    # the trace's own block size from --trace-block-tokens, so this one is --synthetic's alone.
+    p.add_argument("--block-tokens", type=int, default=None,
+                   help=f"--synthetic: the router's block size in tokens (default {BLOCK_TOKENS}); "
+                        "for a trace's block size give --trace-block-tokens")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     route_trace.add_arguments(p)
     p.set_defaults(func=_main)
@@ -205,9 +209,15 @@ def register(subparsers) -> None:
 
 def _main(args) -> int:
     if args.trace:
+        if args.block_tokens is not None:
+            # it was accepted and ignored: a 16-token trace was still read as 512-token blocks
+            raise ConfigError(f"--block-tokens is --synthetic's (the router's block size); --trace replays a trace "
+                              f"of {args.trace_block_tokens}-token blocks, each one {route_trace.HASH_TOKENS}-token "
+                              "page of the workers: give the trace's block size with --trace-block-tokens")
         result = route_trace.run(args)
     else:
-        result = synthetic(args.tokens, args.workers, args.indexed_blocks, args.runs, args.block_tokens)
+        block_tokens = BLOCK_TOKENS if args.block_tokens is None else args.block_tokens
+        result = synthetic(args.tokens, args.workers, args.indexed_blocks, args.runs, block_tokens)
     if args.json:
         print(json.dumps(result))
     else:

@@ -2,7 +2,7 @@
 
 The window and its prompts are :mod:`kvtier.bench.vllm_trace`'s: a contiguous stretch
 of the trace (each hash id → ``HASH_TOKENS`` tokens from a generator seeded by the id,
-so equal ids give equal token blocks), its first ``--warmup-requests`` sent through the
+so equal ids give equal token blocks; ``--trace-block-tokens``: the trace's tokens per id), its first ``--warmup-requests`` sent through the
 router first to fill the caches (a few at a time, not measured), then the counted
 ``--requests`` at their arrival times compressed to a span (``--span-s``; by default one that
 loads the workers a fixed share, measured in the run: :func:`auto_span`). Every request is
@@ -66,6 +66,7 @@ from pathlib import Path
 from kvtier.bench.vllm_trace import (
     HASH_TOKENS,
     WARMUP_REQUESTS,
+    add_trace_block_tokens,
     against_bound,
     reusable_tokens,
     synthesise,
@@ -94,6 +95,7 @@ TOKEN = "kvtier-bench-route-token"
 
 
 def add_arguments(p) -> None:
+    add_trace_block_tokens(p)
     p.add_argument("--model", default="mid", choices=["tiny", "mid", "demo"],
                    help="--trace: random Llama (tiny: hidden 128 / 2 layers; mid: 512 / 4; demo: 1024 / 8)")
     p.add_argument("--requests", type=int, default=64, help="--trace: requests of the counted window")
@@ -488,7 +490,8 @@ def run(args) -> dict:
     order = round_order(policies, seed)
     # arrivals over a span of 1 here, spread over the span by each round (the auto span is
     # known only once a warm-up has shown the workers' prefill speed)
-    warm, counted = trace_window(args.trace, args.requests, args.warmup_requests, 1.0, args.start)
+    window = trace_window(args.trace, args.requests, args.warmup_requests, 1.0, args.start, args.trace_block_tokens)
+    warm, counted = window.warm, window.counted
     max_len = max(r["tokens"] + r["max_tokens"] for r in warm + counted) + HASH_TOKENS
     spec = trace_model_spec(args.model, max_len)
     model = str(ensure_model(spec)[0])
@@ -515,7 +518,7 @@ def run(args) -> dict:
         "trace": str(args.trace),
         "window": f"requests {args.start}..{args.start + len(warm) + len(counted) - 1} of the trace, "
                   f"the first {len(warm)} as warm-up (not counted)",
-        **window_facts(warm, counted, sent_warm, args.span_s),   # span_s: the auto span once known
+        **window_facts(window, sent_warm, args.span_s, args.trace_block_tokens),   # span_s: the auto span once known
         "vllm_kv_pages_per_worker": kv_pages,
         "vllm_kv_share_of_working_set": round(kv_pages / unique_blocks, 3),
         "kvtier_host_mib_per_worker": host_mib,

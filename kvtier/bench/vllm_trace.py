@@ -4,12 +4,15 @@ The trace gives block identities, not text (:mod:`kvtier.sim.trace`): each hash 
 becomes ``HASH_TOKENS`` tokens drawn from a generator seeded by the id, so that equal
 ids give equal token blocks and a prompt is the concatenation of its blocks (the last
 one cut to the request's length, scaled like its blocks; prompts cut at ``MAX_BLOCKS``).
+A trace block is ``--trace-block-tokens`` tokens (Mooncake's 512 by default): any size
+scales to one ``HASH_TOKENS`` page, lengths by the same ratio.
 
 The window (:func:`trace_window`) is a contiguous stretch of the trace, not a sample:
 ``--warmup-requests`` requests that fill the caches and are not counted (replayed as
 :func:`warmup_replay` says), then ``--requests`` counted ones whose arrival times are
 compressed to ``--span-s`` (by default sized on the machine at hand, :func:`auto_span`) so
-that every engine is loaded to the last arrival. Sampling conversations (what
+that every engine is loaded to the last arrival; a window whose counted requests share one
+timestamp (a batch trace) is spread evenly over the span, as the JSON's ``arrivals`` says. Sampling conversations (what
 this bench did first) keeps each conversation's reuse but shrinks the distance between
 its turns, so that even a minimal vLLM cache hit every reusable token and no connector
 could add any; in a contiguous stretch a conversation's next turn comes hundreds of
@@ -34,6 +37,7 @@ import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import NamedTuple
 
 from kvtier.bench.vllm_systems import (
     LMCACHE_ENV,
@@ -47,8 +51,11 @@ from kvtier.bench.vllm_systems import (
 )
 from kvtier.core.units import finite_float
 
-#: trace blocks are 512 tokens; each becomes HASH_TOKENS tokens (one vLLM page on CPU)
+#: trace blocks are 512 tokens (Mooncake's; --trace-block-tokens for others); each becomes
+#: HASH_TOKENS tokens (one vLLM page on CPU)
 TRACE_BLOCK_TOKENS = 512
+#: the loader's advice when a trace's hash ids do not fit the block size in use
+TRACE_BLOCK_SIZE_HINT = "give the trace's block size with --trace-block-tokens"
 HASH_TOKENS = 32
 MAX_BLOCKS = 64  #: prompts cut to this many blocks, 2048 tokens (the trace reaches 240; median 14)
 MAX_OUTPUT = 32  #: output lengths scaled like prompts, then capped
@@ -81,7 +88,16 @@ IDLE_SHARE = 0.02
 KV_FRACTION = 0.25
 
 
+def add_trace_block_tokens(p) -> None:
+    """``--trace-block-tokens``, in both trace benches: the trace's block size, not the engines'
+    page (a trace block becomes one ``HASH_TOKENS`` page whatever its size)."""
+    p.add_argument("--trace-block-tokens", type=int, default=TRACE_BLOCK_TOKENS,
+                   help=f"--trace: tokens per hash id of the trace (default {TRACE_BLOCK_TOKENS}, Mooncake's); each "
+                        f"becomes one {HASH_TOKENS}-token page, lengths scaled alike")
+
+
 def add_arguments(p) -> None:
+    add_trace_block_tokens(p)
     p.add_argument("--trace-model", default="mid", choices=["tiny", "mid", "demo"],
                    help="--trace: random Llama (tiny: hidden 128 / 2 layers; mid: 512 / 4; demo: 1024 / 8)")
     p.add_argument("--warmup-requests", type=int, default=TRACE_WARMUP_REQUESTS,
@@ -106,41 +122,68 @@ def add_arguments(p) -> None:
                    help=f"--trace: vLLM's KV cache as a share of the window's working set (default {KV_FRACTION:g})")
 
 
-def _scaled(r, t0: float, squeeze: float, warmup: bool) -> dict:
-    scale = TRACE_BLOCK_TOKENS // HASH_TOKENS
+class TraceWindow(NamedTuple):
+    warm: list[dict]       #: the warm-up requests (sent at once, not counted)
+    counted: list[dict]    #: the counted ones, ``arrival_s`` over ``span_s``
+    arrivals: str          #: how the counted arrivals were placed (the JSON's ``arrivals``)
+
+
+def _scaled(r, arrival_s: float, block_tokens: int, warmup: bool) -> dict:
+    """One trace request as the benches send it: each block one ``HASH_TOKENS`` page, the
+    prompt and output lengths scaled by the same ratio (``block_tokens`` trace tokens a page)."""
     blocks = r.blocks[:MAX_BLOCKS]
-    tokens = min(len(blocks) * HASH_TOKENS, math.ceil(r.input_tokens / scale))
-    return {"arrival_s": 0.0 if warmup else round((r.arrival_s - t0) * squeeze, 4), "blocks": list(blocks),
-            "tokens": tokens,
+    tokens = min(len(blocks) * HASH_TOKENS, -(-r.input_tokens * HASH_TOKENS // block_tokens))
+    return {"arrival_s": arrival_s, "blocks": list(blocks), "tokens": tokens,
             # a warm-up request only has to leave its blocks in the caches: one output token
-            "max_tokens": 1 if warmup else min(MAX_OUTPUT, max(1, r.output_tokens // scale))}
+            "max_tokens": 1 if warmup else min(MAX_OUTPUT, max(1, r.output_tokens * HASH_TOKENS // block_tokens))}
 
 
-def trace_window(path: str, requests: int, warmup: int, span_s: float, start: int = 0) -> tuple[list[dict], list[dict]]:
+def counted_arrivals(arrivals_s: list[float], span_s: float) -> tuple[list[float], str]:
+    """The counted requests' arrival times over ``span_s``, and how they were placed: the
+    trace's gaps compressed so that the last arrives ``span_s`` after the first; or, where they
+    all share one timestamp (a batch or offline trace, or a burst at the trace's start), spread
+    evenly, since compressing no spread would send them at once while the JSON says ``span_s``."""
+    t0, t1 = arrivals_s[0], arrivals_s[-1]
+    n = len(arrivals_s)
+    if t1 > t0:
+        squeeze = span_s / (t1 - t0)
+        return [round((t - t0) * squeeze, 4) for t in arrivals_s], "the trace's gaps, compressed to span_s"
+    if n == 1:
+        return [0.0], "one counted request, at 0"
+    return [round(i * span_s / (n - 1), 4) for i in range(n)], \
+        (f"spread evenly over span_s: the window's {n} counted requests share one timestamp in the trace "
+         f"({t0 * 1000:g} ms from its first)")
+
+
+def trace_window(path: str, requests: int, warmup: int, span_s: float, start: int = 0,
+                 block_tokens: int = TRACE_BLOCK_TOKENS) -> TraceWindow:
     """A contiguous stretch of the trace: ``warmup`` requests, then ``requests`` counted ones.
 
-    Returns ``(warm_up, counted)``, each request ``arrival_s``, ``blocks`` (hash ids),
-    ``tokens``, ``max_tokens``. Contiguous (every request of the stretch, in arrival
-    order), so that reuse distances are the trace's own: a conversation's next turn comes
-    hundreds of requests after the last one (the median on the Mooncake conversation
-    trace is ~380), which is what pushes it out of a small engine cache. The warm-up
-    requests fill the caches as the trace before the window would have (sent at once, one
-    output token each, not measured); the counted requests keep their order and gaps,
-    compressed so that the last arrives ``span_s`` after the first.
+    Returns the warm-up and the counted requests, each ``arrival_s``, ``blocks`` (hash ids),
+    ``tokens``, ``max_tokens``, and how the arrivals were placed. Contiguous (every request
+    of the stretch, in arrival order), so that reuse distances are the trace's own: a
+    conversation's next turn comes hundreds of requests after the last one (the median on
+    the Mooncake conversation trace is ~380), which is what pushes it out of a small engine
+    cache. The warm-up requests fill the caches as the trace before the window would have
+    (sent at once, one output token each, not measured); the counted requests keep their
+    order and gaps, compressed so that the last arrives ``span_s`` after the first
+    (:func:`counted_arrivals`). ``block_tokens``: the trace's tokens per hash id.
     """
     from kvtier.sim.trace import load_trace
 
     if requests <= 0 or warmup < 0 or start < 0:
         raise SystemExit("--requests must be > 0, --warmup-requests and --start >= 0")
-    trace = load_trace(path, TRACE_BLOCK_TOKENS).requests
+    if block_tokens <= 0:
+        raise SystemExit(f"--trace-block-tokens must be > 0 (the trace's tokens per hash id), got {block_tokens}")
+    trace = load_trace(path, block_tokens, block_size_hint=TRACE_BLOCK_SIZE_HINT).requests
     if start + warmup + requests > len(trace):
         raise SystemExit(f"{path}: {len(trace)} requests, fewer than --start {start} + --warmup-requests "
                          f"{warmup} + --requests {requests}")
     warm = trace[start:start + warmup]
     counted = trace[start + warmup:start + warmup + requests]
-    t0, t1 = counted[0].arrival_s, counted[-1].arrival_s
-    squeeze = span_s / (t1 - t0) if t1 > t0 else 0.0
-    return ([_scaled(r, t0, squeeze, True) for r in warm], [_scaled(r, t0, squeeze, False) for r in counted])
+    arrivals, how = counted_arrivals([r.arrival_s for r in counted], span_s)
+    return TraceWindow([_scaled(r, 0.0, block_tokens, True) for r in warm],
+                       [_scaled(r, a, block_tokens, False) for r, a in zip(counted, arrivals)], how)
 
 
 def synthesise(requests: list[dict], vocab: int) -> list[dict]:
@@ -325,14 +368,17 @@ def warmup_prefill_speed(reply: dict) -> float:
     return sum(r["prompt_tokens"] - (r["cached_tokens"] or 0) for r in rows) / reply["seconds"]
 
 
-def window_facts(warm: list[dict], counted: list[dict], sent_warm: list[dict], span_s: float | None) -> dict:
+def window_facts(window: TraceWindow, sent_warm: list[dict], span_s: float | None, block_tokens: int) -> dict:
     """What the JSON says about the replayed window (both trace benches)."""
+    warm, counted = window.warm, window.counted
     return {
         "requests": len(counted),
         "warmup_requests": len(warm),
         "warmup_replayed": {"requests": len(sent_warm), "prompt_tokens": sum(r["tokens"] for r in sent_warm)},
         "span_s": span_s,
+        "arrivals": window.arrivals,
         "prompt_tokens": sum(r["tokens"] for r in counted),
+        "trace_block_tokens": block_tokens,
         "hash_tokens": HASH_TOKENS,
         "reusable_token_ratio": round(reusable_token_ratio(counted, warm), 4),
     }
@@ -344,7 +390,10 @@ def run(args) -> dict:
     started = time.monotonic()
     # arrivals over a span of 1 here, scaled by each replay (the auto span is known only once
     # vLLM alone's warm-up has shown this machine's prefill speed)
-    warm, counted = trace_window(args.trace, args.requests or TRACE_REQUESTS, args.warmup_requests, 1.0, args.start)
+    # None: not given (an explicit 0 is refused by trace_window, not replaced by the default)
+    requests = TRACE_REQUESTS if args.requests is None else args.requests
+    window = trace_window(args.trace, requests, args.warmup_requests, 1.0, args.start, args.trace_block_tokens)
+    warm, counted = window.warm, window.counted
     # vLLM refuses a KV cache smaller than one request of max_model_len: fit it to the slice.
     max_len = max(r["tokens"] + r["max_tokens"] for r in warm + counted) + HASH_TOKENS
     spec = trace_model_spec(args.trace_model, max_len)
@@ -365,7 +414,7 @@ def run(args) -> dict:
         "trace": str(args.trace),
         "window": f"requests {args.start}..{args.start + len(warm) + len(counted) - 1} of the trace, "
                   f"the first {len(warm)} as warm-up (not counted)",
-        **window_facts(warm, counted, sent_warm, args.span_s),
+        **window_facts(window, sent_warm, args.span_s, args.trace_block_tokens),
         "working_set_bytes": working_set,
         "vllm_kv_pages": kv_pages,
         "vllm_kv_share_of_working_set": round(kv_pages / unique_blocks, 3),

@@ -148,7 +148,8 @@ def run_workers(args) -> int:
     from kvtier.planner.capacity import human_bytes
     from kvtier.planner.hardware import cost_models
     from kvtier.planner.models import load_model
-    from kvtier.planner.workers import SLATargets, Workload, plan_workers, shared_tier_bytes_for_retention
+    from kvtier.planner.workers import (SLATargets, Workload, plan_workers, shared_tier_bytes_for_hit_rate,
+                                         shared_tier_bytes_for_retention)
     from kvtier.sim.cluster import load_cluster
 
     cluster = load_cluster(args.cluster)
@@ -170,10 +171,7 @@ def run_workers(args) -> int:
                                           [r.input_tokens for r in trace.requests],
                                           [r.output_tokens for r in trace.requests], hit_rate)
         # The shared tier: the smallest capacity on the LRU curve that reaches the assumed hit rate.
-        for point in hit_rate_curve(trace):
-            if point.token_hit_rate >= min(hit_rate, unbounded.token_hit_rate) * 0.999:
-                tiers["shared_bytes"] = point.capacity_blocks * block_bytes
-                break
+        tiers["shared_bytes"] = shared_tier_bytes_for_hit_rate(hit_rate_curve(trace), hit_rate, block_bytes)
         hit_source = "given" if args.hit_rate is not None else "replay of the trace, unbounded LRU (token hits)"
     else:
         if None in (args.rate, args.input_tokens, args.output_tokens, args.hit_rate):

@@ -213,3 +213,18 @@ def shared_tier_bytes_for_retention(rate: float, retention_s: float, mean_input_
     if retention_s <= 0:
         raise ConfigError("retention must be positive seconds (e.g. --retention-s 3600)")
     return rate * retention_s * mean_input_tokens * (1.0 - hit_rate) * bytes_per_token
+
+
+def shared_tier_bytes_for_hit_rate(curve: Sequence, hit_rate: float, block_bytes: int) -> float:
+    """Bytes of the smallest shared tier on an LRU ``curve`` (``hit_rate_curve``'s points, in
+    ascending capacity, the last one unbounded) whose token hit rate reaches ``hit_rate`` (or
+    the unbounded one, if that is lower). 0 when that rate is 0: a tier that is to hit nothing
+    needs no bytes (the curve's first point reached 0 >= 0, and a trace with no reuse was
+    given a shared tier of 0.2 % of its blocks)."""
+    target = min(hit_rate, max((p.token_hit_rate for p in curve), default=0.0))
+    if target <= 0:
+        return 0.0
+    # 0.999: the assumed rate is the unbounded replay's own figure; the last point equals it
+    # up to float rounding of the same sums
+    point = next(p for p in curve if p.token_hit_rate >= target * 0.999)
+    return float(point.capacity_blocks * block_bytes)

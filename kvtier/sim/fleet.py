@@ -142,11 +142,20 @@ def check_day_size(copies: int, requests: int) -> None:
                           f" most {max(MAX_DAY_REQUESTS // max(requests, 1), 1):,} for this trace) or --limit")
 
 
+def check_time_spread(trace: Trace) -> None:
+    """Refuse a trace whose requests all arrive at one instant (or one request): its span is the
+    day's length, and a day of no length has no shape to follow."""
+    if len(trace.requests) < 2 or trace.duration_s <= 0:
+        held = ("a single request" if len(trace.requests) < 2
+                else f"{len(trace.requests):,} requests that all arrive at one instant")
+        raise ConfigError(f"the trace needs requests spread over time to shape a day; this one holds {held}"
+                          " (--planner needs a trace with arrival times)")
+
+
 def day_load(trace: Trace, copies: int, profile: DiurnalProfile) -> DayLoad:
     check_day_size(copies, len(trace.requests))
+    check_time_spread(trace)
     times = np.array([r.arrival_s for r in trace.requests])
-    if len(times) < 2 or times[-1] <= times[0]:
-        raise ConfigError("the trace needs requests spread over time to shape a day")
     span = times[-1] - times[0]
     base = (times - times[0]) / span  # fraction of the span, in [0, 1]
     # copies x requests in one array (row k: copy k, shifted by k/copies), no list of copies
@@ -312,6 +321,7 @@ def simulate_planned_day(trace: Trace, cluster, targets, *, peak_to_trough: floa
         raise ConfigError(f"--interval must be >= {DAY_S / MAX_INTERVALS:g} s of the day (at most "
                           f"{MAX_INTERVALS:,} planner decisions a day), got {day_settings.interval_s:g}")
     check_day_size(copies, len(trace.requests))   # before the service passes, which take a while
+    check_time_spread(trace)   # before the profile, whose period is the trace's span
     model = load_model(cluster.model)
     costs = cost_models(model, cluster.accelerator, cluster.devices_per_worker, calibration or cluster.calibration)
     duration = trace.duration_s

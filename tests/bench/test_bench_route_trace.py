@@ -28,7 +28,7 @@ def _window_work(path: Path, requests: int, warmup: int, start: int = 0, vocab: 
     """The counted window's non-reusable tokens, as the bench counts them."""
     from kvtier.bench import vllm_trace as vt
 
-    warm, counted = vt.trace_window(str(path), requests, warmup, 1.0, start)
+    warm, counted, _ = vt.trace_window(str(path), requests, warmup, 1.0, start)
     prompts = vt.synthesise(counted, vocab)
     return sum(len(p["prompt"]) - hit for p, hit in zip(prompts, vt.reusable_tokens(counted, warm)))
 

@@ -19,7 +19,7 @@ def _req(blocks, tokens=None):
 
 
 def test_window_is_contiguous_warm_up_first_and_compressed():
-    warm, counted = vt.trace_window(str(SLICE), 40, 100, span_s=10.0, start=5)
+    warm, counted, _ = vt.trace_window(str(SLICE), 40, 100, span_s=10.0, start=5)
     lines = [line for line in SLICE.read_text().splitlines() if line.strip()]
     assert len(warm) == 100 and len(counted) == 40
     # the 105th request of the file (sorted by time; the head slice is in time order) opens the window
@@ -65,7 +65,7 @@ def _lru_hits(sent: list[dict], counted: list[dict], capacity: int | None) -> in
 
 @pytest.mark.parametrize("capacity", [None, 60, 150])
 def test_warm_up_shortcut_leaves_the_same_hits_as_the_whole_stretch(capacity):
-    warm, counted = vt.trace_window(str(SLICE), 60, 300, span_s=10.0)
+    warm, counted, _ = vt.trace_window(str(SLICE), 60, 300, span_s=10.0)
     short = vt.warmup_replay(warm, counted, cache_pages=capacity or 60)
     assert sum(r["tokens"] for r in short) < 0.5 * sum(r["tokens"] for r in warm)   # it is a shortcut
     assert _lru_hits(short, counted, capacity) == _lru_hits(warm, counted, capacity)
@@ -105,7 +105,7 @@ def test_the_auto_span_leaves_an_engine_that_hits_every_reusable_token_busy_to_t
     only the window's non-reusable tokens, at the warm-up's prefill speed, idles at most
     IDLE_SHARE of its work. Control: at twice the span (what a fixed span is on a machine twice
     as fast) the same engine idles far more, and tokens/s would be the offered load."""
-    warm, counted = vt.trace_window(str(SLICE), 60, 300, span_s=1.0)
+    warm, counted, _ = vt.trace_window(str(SLICE), 60, 300, span_s=1.0)
     unit = [r["arrival_s"] for r in counted]
     work = [r["tokens"] - b for r, b in zip(counted, vt.reusable_tokens(counted, warm))]
     speed = 10_000.0
@@ -130,3 +130,120 @@ def test_metrics_report_the_engine_idle_time():
     reply = {"requests": [_row(0.0, 0.5, 1.0, 10)], "idle_s": 0.25}
     assert vt.metrics(reply)["engine_idle_s"] == 0.25
     assert "engine_idle_s" not in vt.metrics({"requests": reply["requests"]})
+
+
+# -- audit s28: the trace benches on traces they were not built on ----------------------------------
+import argparse  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+
+from kvtier.errors import ConfigError  # noqa: E402
+
+
+class _ModelBuilt(Exception):
+    """Raised where the bench would build its model: the trace was read and its window cut."""
+
+
+@pytest.fixture
+def stop_at_the_model(monkeypatch):
+    """The benches up to the model build, no engine: ``ensure_model`` raises :class:`_ModelBuilt`."""
+    import kvtier.integrations.transformers.models as models
+
+    def stop(*_a, **_k):
+        raise _ModelBuilt
+
+    monkeypatch.setattr(models, "ensure_model", stop)
+
+
+def _bench_args(*argv):
+    """``argv`` parsed by the CLI's own ``kvtier bench`` parser."""
+    from kvtier.cli import bench
+
+    parser = argparse.ArgumentParser()
+    bench.register(parser.add_subparsers())
+    return parser.parse_args(["bench", *argv])
+
+
+def _rows(n):
+    return [json.loads(line) for line in SLICE.read_text().splitlines()[:n]]
+
+
+def _trace_of_16_token_blocks(tmp_path, n=12):
+    """The slice's first ``n`` requests with 16-token blocks (the same ids, lengths to fit)."""
+    rows = [dict(r, input_length=len(r["hash_ids"]) * 16 - 3) for r in _rows(n)]
+    path = tmp_path / "b16.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_s28_d3_a_trace_of_another_block_size_replays_with_trace_block_tokens(tmp_path):
+    """bench vllm --trace had TRACE_BLOCK_TOKENS = 512 hard-coded: a 16-token trace could not be
+    replayed at all. With --trace-block-tokens each trace block is still one page."""
+    path = _trace_of_16_token_blocks(tmp_path)
+    with pytest.raises(ConfigError, match=r"with 512-token blocks expect .*--trace-block-tokens"):
+        vt.trace_window(str(path), 4, 2, span_s=1.0)
+    window = vt.trace_window(str(path), 4, 2, span_s=1.0, block_tokens=16)
+    for r in window.warm + window.counted:
+        assert math.ceil(r["tokens"] / B) == len(r["blocks"])   # one page per trace block, the last partial
+        assert r["tokens"] == len(r["blocks"]) * B - 6          # 3 of 16 tokens short, scaled x2
+
+
+def test_s28_d3_the_512_token_scaling_is_unchanged():
+    """The generalised scaling gives the 512-token trace what the integer one (scale 16) gave."""
+    from kvtier.sim.trace import load_trace
+
+    counted = vt.trace_window(str(SLICE), 40, 100, span_s=10.0)[1]
+    reqs = load_trace(SLICE).requests[100:140]
+    assert [r["tokens"] for r in counted] == [min(min(len(q.blocks), vt.MAX_BLOCKS) * B,
+                                                         math.ceil(q.input_tokens / 16)) for q in reqs]
+    assert [r["max_tokens"] for r in counted] == [min(vt.MAX_OUTPUT, max(1, q.output_tokens // 16))
+                                                         for q in reqs]
+
+
+@pytest.mark.parametrize("bench", ["vllm", "route"])
+def test_s28_d3_both_benches_take_the_trace_block_size(tmp_path, stop_at_the_model, bench):
+    """bench route --trace accepted --block-tokens (its --synthetic flag), ignored it and refused
+    the 16-token trace anyway; bench vllm had no way to say it."""
+    path = str(_trace_of_16_token_blocks(tmp_path))
+    common = ["--trace", path, "--warmup-requests", "2", "--requests", "4"]
+    extra = ["--policies", "round-robin"] if bench == "route" else []
+    args = _bench_args(bench, *common, *extra)
+    with pytest.raises(ConfigError, match="--trace-block-tokens"):
+        args.func(args)   # 512-token blocks, the default: refused, naming the flag that fixes it
+    args = _bench_args(bench, *common, *extra, "--trace-block-tokens", "16")
+    with pytest.raises(_ModelBuilt):
+        args.func(args)   # read as 16-token blocks: on to the model
+    if bench == "route":   # the flag it ignored is refused with --trace, naming the right one
+        args = _bench_args(bench, *common, *extra, "--block-tokens", "16")
+        with pytest.raises(ConfigError, match="--block-tokens is --synthetic's.*--trace-block-tokens"):
+            args.func(args)
+
+
+def test_s28_d4_a_window_of_one_timestamp_is_spread_over_the_span_and_says_so():
+    """The slice's first 5 requests share timestamp 0: the counted arrivals all came out at 0 s
+    (squeeze 0) while the JSON reported span_s (or an auto span bisected on no spread)."""
+    counted = vt.trace_window(str(SLICE), 4, 1, span_s=10.0, start=0)[1]
+    assert [r["arrival_s"] for r in counted] == [0.0, 3.3333, 6.6667, 10.0]   # rounded as ever (was 0, 0, 0, 0)
+    window = vt.trace_window(str(SLICE), 4, 1, span_s=10.0, start=0)
+    facts = vt.window_facts(window, window.warm, 10.0, vt.TRACE_BLOCK_TOKENS)
+    assert facts["arrivals"].startswith("spread evenly over span_s: the window's 4 counted requests share one")
+    # the control: a window with spread keeps the trace's gaps, and says that
+    spread = vt.trace_window(str(SLICE), 40, 100, span_s=10.0, start=5)
+    assert spread.arrivals == "the trace's gaps, compressed to span_s"
+    # and the auto span sizes on the spread arrivals (not the 2 x busy + 1 of arrivals all at 0)
+    work = [r["tokens"] for r in window.counted]
+    busy = sum(work) / 1000.0
+    assert vt.auto_span([r["arrival_s"] / 10 for r in window.counted], work, 1000.0) < busy
+
+
+def test_s28_d5_requests_0_is_refused_not_replaced_by_256(tmp_path, stop_at_the_model):
+    """`args.requests or TRACE_REQUESTS` turned an explicit 0 into 256: on a short trace the error
+    named a --requests 256 never given, on a long one 256 requests were replayed."""
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in _rows(20)))
+    args = _bench_args("vllm", "--trace", str(path), "--requests", "0", "--warmup-requests", "2")
+    with pytest.raises(SystemExit, match="--requests must be > 0"):
+        args.func(args)
+    args = _bench_args("vllm", "--trace", str(path), "--warmup-requests", "2")   # not given: the default
+    with pytest.raises(SystemExit, match=f"--requests {vt.TRACE_REQUESTS}"):
+        args.func(args)

@@ -75,3 +75,32 @@ def test_workload_from_arrivals_measures_rate_and_burstiness():
 def test_shared_tier_holds_the_retained_misses():
     size = shared_tier_bytes_for_retention(2.0, 3600, 10_000, 0.4, 327_680)
     assert size == pytest.approx(2 * 3600 * 10_000 * 0.6 * 327_680)
+
+
+# -- audit s28 (observation): a trace with no reuse needs no shared tier ----------------------------
+def _trace(tmp_path, ids_of):
+    import json
+
+    from kvtier.sim.trace import load_trace
+
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps({"timestamp": 1000 * i, "input_length": 1024, "output_length": 8,
+                                        "hash_ids": ids_of(i)}) + "\n" for i in range(200)))
+    return load_trace(path)
+
+
+def test_a_trace_with_no_reuse_is_given_no_shared_tier(tmp_path):
+    """`plan workers` took the curve's first point that reached the assumed hit rate: with no
+    reuse, 0 >= 0 at the first point, and it recommended 0.2 % of the trace's blocks."""
+    from kvtier.planner.workers import shared_tier_bytes_for_hit_rate
+    from kvtier.sim.cache import hit_rate_curve
+
+    curve = hit_rate_curve(_trace(tmp_path, lambda i: [2 * i, 2 * i + 1]))
+    assert curve[0].capacity_blocks >= 1 and curve[-1].token_hit_rate == 0
+    assert shared_tier_bytes_for_hit_rate(curve, 0.0, 4096) == 0.0
+    assert shared_tier_bytes_for_hit_rate(curve, 0.5, 4096) == 0.0   # more asked than the trace can hit
+    # the control: a trace whose requests share a prefix is given the smallest tier that holds it
+    curve = hit_rate_curve(_trace(tmp_path, lambda i: [0, 1000 + i]))
+    size = shared_tier_bytes_for_hit_rate(curve, 1.0, 4096)
+    first = next(p for p in curve if p.token_hit_rate >= curve[-1].token_hit_rate * 0.999)
+    assert size == first.capacity_blocks * 4096 > 0

@@ -130,3 +130,18 @@ def test_day_load_builds_the_copies_as_the_concatenation_did():
         order = np.argsort(fractions, kind="stable")
         assert np.array_equal(day.arrivals_s, profile.warp(fractions[order]))
         assert np.array_equal(day.source, np.tile(np.arange(len(times)), copies)[order])
+
+
+# -- audit s28 D6: a trace of one instant is named, not a period the user never gave ------------------
+@pytest.mark.parametrize("rows", [10, 1], ids=["ten_at_one_instant", "one_request"])
+def test_planner_on_a_trace_without_spread_names_the_trace(tmp_path, capsys, rows):
+    """Every request at one timestamp (or one request): the day's profile was built on the trace's
+    span of 0 first, and the command said "the day's period must be positive seconds", a setting
+    the user never gave."""
+    lines = SLICE.read_text().splitlines()[:rows]
+    path = tmp_path / "one_instant.jsonl"
+    path.write_text("".join(json.dumps(dict(json.loads(line), timestamp=5)) + "\n" for line in lines))
+    args = _parse(["simulate", "--planner", "--scale", "2", "--trace", str(path)])
+    assert args.func(args) == 2
+    err = capsys.readouterr().err
+    assert "the trace needs requests spread over time" in err and "period" not in err, err

@@ -22,8 +22,13 @@ def test_parses_and_orders_by_arrival_with_partial_last_block():
 
 
 def test_a_wrong_block_count_names_the_line_and_the_fix():
-    with pytest.raises(ConfigError, match=r"line 2: .*--block-tokens"):
+    # the default advice is the setting simulate and plan workers read (audit s28 D3: it named a
+    # --block-tokens flag neither has); a caller with its own setting names that instead
+    with pytest.raises(ConfigError, match=r"line 2: .*set block_tokens in the --cluster JSON"):
         parse_trace_lines([_line(0, 512, 1, [0]), _line(0, 1500, 1, [0, 1])], block_tokens=512)
+    with pytest.raises(ConfigError, match=r"line 2: .*\(give --trace-block-tokens\)"):
+        parse_trace_lines([_line(0, 512, 1, [0]), _line(0, 1500, 1, [0, 1])], block_tokens=512,
+                          block_size_hint="give --trace-block-tokens")
 
 
 def test_malformed_line_and_missing_file_are_config_errors(tmp_path):

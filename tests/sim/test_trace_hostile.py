@@ -12,10 +12,12 @@ import json
 
 import pytest
 
+from kvtier.cli.main import main
 from kvtier.errors import ConfigError
 from kvtier.planner.hardware import cost_models
 from kvtier.planner.models import load_model
 from kvtier.sim import run_simulation
+from kvtier.sim.cache import replay_prefix_hits
 from kvtier.sim.cluster import ClusterConfig, load_cluster
 from kvtier.sim.metrics import summarize
 from kvtier.sim.policies import make_policy
@@ -136,15 +138,17 @@ def test_throughput_does_not_depend_on_where_the_clock_starts(shipped_trace):
     assert sum(b.decode_tokens_per_s_per_worker) == pytest.approx(sum(a.decode_tokens_per_s_per_worker), rel=0.01)
 
 
-# -- audit s27/audit_sim2 D5: a hash id twice in one request --------------------------------------
-def test_a_request_repeating_a_hash_id_is_refused(tmp_path):
-    """A hash id names the prefix up to its block, so one id cannot come twice in a request.
-    Such a trace (per-block content hashes, not chained: a prompt of repeated boilerplate) was
-    accepted, and a cache holding ONE block then served the whole 3-block prompt."""
+# -- audit s27/audit_sim2 D5, s28 D2: a hash id twice in one request ------------------------------
+def test_a_request_repeating_a_hash_id_is_read_as_a_prefix(tmp_path):
+    """Per-block content hashes (a prompt of repeated boilerplate: [7, 7, 7]) were accepted, and a
+    cache holding ONE block then served the whole 3-block prompt. s27 refused them; s28 re-keys
+    them as prefixes (7, then 7 after 7, then 7 after that): three blocks, which the same prompt
+    again hits in full and nothing else does."""
     rows = [{"timestamp": t, "input_length": 1536, "output_length": 8, "hash_ids": [7, 7, 7]} for t in (0, 1000)]
-    path = _write(tmp_path, rows)
-    with pytest.raises(ConfigError, match=r"line 1: .*hash id 7 repeats within the request"):
-        load_trace(path, 512)
+    trace = load_trace(_write(tmp_path, rows), 512)
+    first, again = (r.blocks for r in trace.requests)
+    assert first == again and len(set(first)) == 3 and first[0] == 7
+    assert replay_prefix_hits(trace).hit_blocks == 3   # the second prompt only
 
 
 def test_an_id_repeated_across_requests_is_a_shared_prefix(tmp_path):
@@ -152,3 +156,111 @@ def test_an_id_repeated_across_requests_is_a_shared_prefix(tmp_path):
     rows = [{"timestamp": t, "input_length": 1536, "output_length": 8, "hash_ids": [7, 8, 9]} for t in (0, 1000)]
     trace = load_trace(_write(tmp_path, rows), 512)
     assert [r.blocks for r in trace.requests] == [(7, 8, 9), (7, 8, 9)]
+
+
+# -- audit s28 (traces kvtier was not built on) -----------------------------------------------------
+def test_s28_d1_a_deeply_nested_line_is_a_config_error_not_a_traceback(tmp_path, capsys):
+    """json raises RecursionError on [[[[...]]]] 100,000 deep; the loader caught only
+    ValueError/KeyError/TypeError/OverflowError, so every trace command printed a traceback."""
+    path = _write(tmp_path, [GOOD, "[" * 100_000 + "]" * 100_000])
+    with pytest.raises(ConfigError, match="line 2: not a Mooncake request"):
+        load_trace(path)
+    assert main(["simulate", "--trace", path, "--policies", "round_robin"]) == 2
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_s28_a_line_that_is_not_an_object_is_named_so(tmp_path):
+    with pytest.raises(ConfigError, match="line 2: not a Mooncake request .*not a JSON object but a list"):
+        load_trace(_write(tmp_path, [GOOD, [1, 2]]))
+
+
+@pytest.mark.parametrize("stamp", [True, None, "12"])
+def test_s28_a_timestamp_that_is_no_number_is_named_so(tmp_path, stamp):
+    """true loaded as 1 ms; null read "unsupported operand type(s) for /"."""
+    with pytest.raises(ConfigError, match=rf"line 2: .*timestamp {stamp!r} is not a number of milliseconds"):
+        load_trace(_write(tmp_path, [GOOD, dict(GOOD, timestamp=stamp)]))
+
+
+CONTENT_HASHED = [{"timestamp": 1000 * i, "input_length": 1024, "output_length": 8, "hash_ids": ids}
+                  for i, ids in enumerate(([1, 2], [3, 2], [2, 3], [3, 2]))]
+
+
+def test_s28_d2_ids_of_block_contents_are_re_keyed_as_prefixes(tmp_path, capsys):
+    """An id under two parents ([1, 2] then [3, 2]: ids hashing each block's content alone) loaded
+    silently, and every hit count took [2, 3] as hitting both blocks: 0.50 of blocks where prefix
+    semantics give 0.25 (only the last request's [3, 2] repeats a prefix)."""
+    trace = load_trace(_write(tmp_path, CONTENT_HASHED), 512)
+    assert replay_prefix_hits(trace).block_hit_rate == pytest.approx(2 / 8)
+    blocks = [r.blocks for r in trace.requests]
+    assert blocks[0] == (1, 2) and blocks[1] == blocks[3] and blocks[1][0] == 3
+    assert len({b for req in blocks for b in req}) == 6   # six prefixes: [1] [1,2] [3] [3,2] [2] [2,3]
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "re-keyed 3 (parent, id) pairs" in err[0] and "2 of them" in err[0]
+    # and the simulator's figures follow: no policy hits more than the prefix bound
+    report = run_simulation(trace, ClusterConfig(prefill_workers=1, decode_workers=1, block_tokens=512),
+                            ["round_robin"]).reports["round_robin"]
+    assert report.hit_rate <= 2 / 8 + 1e-9
+
+
+@pytest.mark.parametrize("capacity", [None, 7])
+def test_s28_d2_re_keyed_ids_count_exactly_the_prefix_hits(tmp_path, capacity):
+    """Random prompts over 4 block contents: the replay of the re-keyed trace equals one whose
+    block identity is the whole prefix (the tuple of contents up to it), unbounded and under LRU."""
+    import random
+    from collections import OrderedDict
+
+    rng = random.Random(5)
+    prompts = [[rng.randrange(4) for _ in range(rng.randrange(1, 6))] for _ in range(80)]
+    rows = [{"timestamp": i, "input_length": 512 * len(p), "output_length": 1, "hash_ids": p}
+            for i, p in enumerate(prompts)]
+    got = replay_prefix_hits(load_trace(_write(tmp_path, rows), 512), capacity).hit_blocks
+    cache: OrderedDict = OrderedDict()
+    want = 0
+    for p in prompts:
+        paths = [tuple(p[:k + 1]) for k in range(len(p))]
+        want += next((k for k, path in enumerate(paths) if path not in cache), len(paths))
+        for path in paths:
+            cache[path] = None
+            cache.move_to_end(path)
+        while capacity is not None and len(cache) > capacity:
+            cache.popitem(last=False)
+    assert got == want > 0
+
+
+def test_s28_d2_a_trace_of_chained_ids_is_read_unchanged_and_quietly(capsys):
+    """The control: the shipped slice (chained ids, as every published trace) keeps every id."""
+    raw = [tuple(json.loads(line)["hash_ids"]) for line in SHIPPED_SLICE.read_text().splitlines()]
+    trace = load_trace(SHIPPED_SLICE)
+    assert sorted(r.blocks for r in trace.requests) == sorted(raw)
+    assert trace.notes == () and capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("length", [0, -5])
+def test_s28_d3_a_prompt_of_no_tokens_is_named_as_such(tmp_path, length):
+    """input_length 0 with no ids read '0 hash ids for 0 tokens; with 512-token blocks expect 0':
+    the count matched what it expected, and the fault was never named."""
+    with pytest.raises(ConfigError, match=rf"line 2: .*input_length {length}: a prompt has at least one token"):
+        load_trace(_write(tmp_path, [GOOD, dict(GOOD, input_length=length, hash_ids=[])]))
+
+
+def _timed(stamps):
+    return [dict(GOOD, timestamp=t) for t in stamps]
+
+
+@pytest.mark.parametrize("stamps, why", [
+    ([0.0, 0.0, 1.52, 3.7, 4.25], "none of them a whole number"),           # seconds from 0
+    ([1717000000.25, 1717000001.5, 1717000003.75], "none of them a whole number"),  # epoch seconds
+    (list(range(200)), "200 requests within 199 ms"),                       # whole seconds, many requests
+])
+def test_s28_timestamps_that_look_like_seconds_are_flagged_on_one_line(tmp_path, capsys, stamps, why):
+    trace = load_trace(_write(tmp_path, _timed(stamps)))
+    assert len(trace.requests) == len(stamps)   # still read, as milliseconds
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "look like seconds" in err[0] and why in err[0], err
+
+
+@pytest.mark.parametrize("stamps", [[0, 1000, 2500], [0, 0, 0], [0.0, 1000.0, 27000.0], list(range(0, 200_000, 1000)),
+                                    [5] * 200])   # the last: an offline batch, every request at one instant
+def test_s28_timestamps_in_milliseconds_are_not_flagged(tmp_path, capsys, stamps):
+    load_trace(_write(tmp_path, _timed(stamps)))
+    assert capsys.readouterr().err == ""
