@@ -796,7 +796,8 @@ class Service:
             conn.reply(h, Status.OK)
             return
         await self._deleted(skey)  # an expired or evicted copy being deleted is gone before this one lands
-        await self._room_freed(accounts)
+        if not self.host.fits_now(n):  # (room enough: no reason to wait for anything)
+            await self._room_freed(accounts)
         status = Status.OK
         footprint = self.host.footprint(n)
         writer = p.tenant
@@ -889,8 +890,8 @@ class Service:
         (quota evictions, DELETEs, expiry) is free again. They leave the index, and the charge, at
         once but are deleted on the I/O threads: a tenant at its quota that uploaded faster than
         they ran found the pool full and had the reservation evict the least recently used blocks
-        of the pool, another tenant's, for room its quota had already made. (The wait is one
-        I/O-thread hop per upload, for a tenant with deletions under way only.)"""
+        of the pool, another tenant's, for room its quota had already made. (Asked only when the
+        pool has no room for the upload without evicting: the wait is then one I/O-thread hop.)"""
         with self._deleting_lock:
             pending = [f for a in accounts for f in self._freeing.get(a, ())]
         if pending:

@@ -194,6 +194,11 @@ class HostTier(Tier):
         with self._lock:
             return self._alloc.largest_free_bytes // self.slot_bytes
 
+    def fits_now(self, nbytes: int) -> bool:
+        """Whether a block of ``nbytes`` would be placed now without evicting one."""
+        with self._lock:
+            return self._alloc.alloc_fits(nbytes)
+
     def contains(self, key: BlockKey) -> bool:
         with self._lock:
             return self._live(key) is not None

@@ -158,6 +158,13 @@ class RunAllocator:
     def largest_free_bytes(self) -> int:
         return (self._free_lens[-1] if self._free_lens else 0) * self.granule
 
+    def alloc_fits(self, nbytes: int) -> bool:
+        """Whether :meth:`alloc` of ``nbytes`` would succeed now (a free run or chunk for it)."""
+        cls, length, _ = self.plan(nbytes)
+        if cls is not None and self._partial[cls]:
+            return True
+        return bool(self._free_lens) and self._free_lens[-1] >= length
+
     # -- allocation ----------------------------------------------------------------------
     def alloc(self, nbytes: int, tag: object) -> tuple[int, Run | Slab] | None:
         """Memory for a block of ``nbytes`` owned by ``tag``, without evicting; None if none."""
