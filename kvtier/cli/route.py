@@ -22,7 +22,8 @@ _FLAGS = ("host", "port", "policy", "model_path", "block_tokens", "kv_bytes_per_
           "temperature",
           "index_capacity",
           "health_interval_s", "eject_after", "max_attempts", "drain_timeout_s", "max_held", "max_body_bytes",
-          "max_route_tokens", "body_timeout_s")
+          "max_route_tokens", "body_timeout_s", "header_timeout_s", "max_connections_per_peer",
+          "max_inflight_body_bytes")
 
 
 def register(subparsers) -> None:
@@ -77,6 +78,15 @@ def register(subparsers) -> None:
     p.add_argument("--body-timeout-s", dest="body_timeout_s", type=finite_float,
                    help="the longest a client may take to send a request's body (default 60); then 408 and "
                         "the connection closed")
+    p.add_argument("--header-timeout-s", dest="header_timeout_s", type=finite_float,
+                   help="the longest a connection may go without sending a whole request head, from its connect "
+                        "and between requests (default 5); then it is closed")
+    p.add_argument("--max-connections-per-peer", dest="max_connections_per_peer", type=int,
+                   help="the most connections one client address may hold (default 0: a quarter of the open-file "
+                        "limit); past it, its longest idle one is closed. Raise it behind a proxy")
+    p.add_argument("--max-inflight-body-bytes", dest="max_inflight_body_bytes", metavar="SIZE",
+                   help="the request bodies held at once, every request's together (default 1GiB); one more is "
+                        "answered 429")
     p.add_argument("--temperature", type=finite_float, help="softmax temperature of tier-aware (0: take the minimum)")
     p.add_argument("--index-capacity", dest="index_capacity", type=int)
     p.add_argument("--health-interval-s", dest="health_interval_s", type=finite_float)
@@ -125,13 +135,12 @@ def build_config(args):
 
 
 def run(args) -> int:
-    from aiohttp import web
-
     from kvtier.errors import ConfigError
-    from kvtier.router.app import SERVE_OPTIONS, Router
+    from kvtier.router.app import Router
     from kvtier.router.requests import PromptTokenizer
 
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _raise_open_file_limit()   # before the Router: its default connections per address follow the limit
     try:
         config = build_config(args)
         if not config.model_path:
@@ -164,11 +173,69 @@ def run(args) -> int:
                                                for tier, (v, src) in config.read_bandwidths().items()}}),
               flush=True)
 
-    app = router.app()
-    app.on_startup.append(announce)
-    app.on_startup.append(_second_signal_hurries_the_drain(router))
-    web.run_app(app, sock=socks, print=None, access_log=None, **SERVE_OPTIONS)
+    runner = router.runner(handle_signals=True, access_log=None)
+    runner.app.on_startup.append(announce)
+    runner.app.on_startup.append(_second_signal_hurries_the_drain(router))
+    _serve(runner, socks)
     return 0
+
+
+def _raise_open_file_limit() -> None:
+    """The soft ``RLIMIT_NOFILE`` raised to the hard one: every client connection, every call to a
+    worker and each event socket takes a descriptor, and the soft default (often 1024) is what
+    one busy fleet, or one client's flood of sockets, runs the router out of (EMFILE: no accept,
+    no call to a worker)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == hard:
+        return
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ValueError, OSError) as exc:   # (a hard limit of "unlimited" that the kernel caps lower)
+        logging.getLogger(__name__).info("open-file limit left at %s (raising it to %s failed: %s)", soft, hard, exc)
+
+
+def _serve(runner, socks: list) -> None:
+    """aiohttp's ``web.run_app`` over ``runner`` (:meth:`Router.runner`, which bounds connections
+    per client address: ``run_app`` builds a plain runner of its own and takes none), in its
+    order: a signal's ``GracefulExit`` ends the wait, the runner is cleaned up (the drain), then
+    every task left is cancelled and the loop closed; ``GracefulExit`` raised during the cleanup
+    (one more signal) cuts it short, as under ``run_app``."""
+    import asyncio
+    import contextlib
+
+    from aiohttp import web
+
+    async def serve() -> None:
+        await runner.setup()
+        try:
+            for sock in socks:
+                await web.SockSite(runner, sock).start()
+            await asyncio.Event().wait()   # until a signal
+        finally:
+            await runner.cleanup()
+
+    loop = asyncio.new_event_loop()
+    main = loop.create_task(serve())
+    try:
+        asyncio.set_event_loop(loop)
+        loop.run_until_complete(main)
+    except (web.GracefulExit, KeyboardInterrupt):
+        pass
+    finally:
+        try:
+            if not main.done():
+                main.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    loop.run_until_complete(main)
+        finally:
+            left = asyncio.all_tasks(loop)
+            for task in left:
+                task.cancel()
+            loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.close()
 
 
 def _second_signal_hurries_the_drain(router):

@@ -18,7 +18,7 @@ import re
 import time
 from collections import Counter, OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
 
@@ -35,7 +35,8 @@ from kvtier.router.metrics import RouterMetrics
 from kvtier.router.models import (LORA_PATHS, TOKENIZER_CHECK_TEXT, first_refusal, listed_models, lora_adapters,
                                   merge_listings, model_missing, post_to_all, requested_model, serving,
                                   tokenizes_alike)
-from kvtier.router.reads import LISTING_BYTES, SMALL_ANSWER_BYTES, answer_json, read_body, read_capped
+from kvtier.router.reads import (LISTING_BYTES, SMALL_ANSWER_BYTES, BodyBytes, PeerConnections, answer_json,
+                                 default_per_peer, read_body, read_capped)
 from kvtier.router.relay import KeptAnswer, forwarded_headers
 from kvtier.router.requests import (CHARS_PER_ROUTE_TOKEN, RENDER_FIELDS, WORKER_RENDERED, RequestError, RoutedPrompt,
                                    RouteRequest, cached_tokens, check_body, error_response, first_prompt,
@@ -58,6 +59,8 @@ _ANSWERED = web.RequestKey("kvtier_answered", bool)
 _NAMED = web.RequestKey("kvtier_named", tuple)
 #: the answer the router began to send the client (relayed from a worker)
 _RESPONSE = web.RequestKey("kvtier_response", web.StreamResponse)
+#: the bytes this request's body counts in the bodies in flight (``max_inflight_body_bytes``)
+_BODY_BYTES = web.RequestKey("kvtier_body_bytes", int)
 #: how the router's app must be served. A client that leaves cancels its handler, which closes
 #: the worker's request with it: vLLM then aborts the generation (its own server does the same
 #: for a client of its own) instead of decoding to ``max_tokens`` for nobody. aiohttp's default
@@ -84,6 +87,28 @@ PARSE_INLINE_BYTES = 256 << 10
 #: answers its own 404)
 ON_LOAD = ("/tokenize", "/detokenize", "/v1/messages/count_tokens", "/v1/embeddings", "/pooling",
            "/classify", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank")
+
+
+class _CountingRunner(web.AppRunner):
+    """aiohttp's runner of an app, each of its connections counted per client address
+    (:class:`PeerConnections`) from when its server exists (aiohttp builds it in ``setup``)."""
+
+    def __init__(self, app: web.Application, peers: PeerConnections, **options: Any) -> None:
+        super().__init__(app, **options)
+        self._peers = peers
+
+    async def setup(self) -> None:
+        await super().setup()
+        self._peers.watch(self.server)
+
+
+class RequestName(NamedTuple):
+    """What names a request on its worker (router/abort.py), read from its body before the body is
+    dropped: the id, whether the router sends it as ``X-Request-Id``, the engine requests to abort."""
+
+    rid: str
+    add_header: bool
+    engines: EngineIds | None
 
 
 def _parsed(raw: bytes, field: str | None) -> Any:
@@ -116,6 +141,10 @@ class Router:
         self.admission: dict[int, AsyncAdmission] = {}
         self.index = BlockIndex(config.block_tokens, capacity=config.index_capacity)
         self.metrics = RouterMetrics()
+        #: the router's front door: connections per client address (the header deadline beside it
+        #: is aiohttp's keep-alive timer: ``runner``), request bodies held at once
+        self.peers = PeerConnections(config.max_connections_per_peer or default_per_peer())
+        self.bodies = BodyBytes(config.max_inflight_body_bytes)
         self.health = Health(config.eject_after)
         self.policy = make_policy(config.policy, **({"temperature": config.temperature}
                                                     if config.policy == "tier-aware" else {}))
@@ -163,7 +192,8 @@ class Router:
 
     # --- lifecycle -------------------------------------------------------------------
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._errors], client_max_size=self.config.max_body_bytes)
+        app = web.Application(middlewares=[self.peers.middleware, self._errors],
+                              client_max_size=self.config.max_body_bytes)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/responses", self.responses)
@@ -183,9 +213,13 @@ class Router:
         app.on_cleanup.append(self._stop)
         return app
 
-    def runner(self) -> web.AppRunner:
-        """An aiohttp runner for :meth:`app`, served as ``kvtier route`` serves it (SERVE_OPTIONS)."""
-        return web.AppRunner(self.app(), **SERVE_OPTIONS)
+    def runner(self, **options: Any) -> web.AppRunner:
+        """An aiohttp runner for :meth:`app`, the one ``kvtier route`` serves it with (SERVE_OPTIONS,
+        aiohttp's other runner ``options``): a connection that sends no whole request head within
+        ``header_timeout_s`` is closed (aiohttp's keep-alive timer, which runs from the connect),
+        and one address holds at most ``max_connections_per_peer`` connections (``self.peers``)."""
+        return _CountingRunner(self.app(), self.peers, keepalive_timeout=self.config.header_timeout_s,
+                               **SERVE_OPTIONS, **options)
 
     async def _start(self, app: web.Application) -> None:
         # A bound on silence, not on the whole answer: a total would cut every generation that
@@ -571,6 +605,9 @@ class Router:
             log.exception("router error on %s %s", request.method, request.path)
             self.metrics.errors.labels("internal").inc()
             return error_response(500, "internal router error", "internal_server_error")
+        finally:   # the answer is over (or handed to aiohttp whole): its body is no longer held
+            self.bodies.give(request.get(_BODY_BYTES, 0))
+            request[_BODY_BYTES] = 0
 
     @staticmethod
     async def _answer_and_close(request: web.Request, response: web.Response) -> None:
@@ -585,8 +622,22 @@ class Router:
             request.protocol.force_close()
 
     async def _read(self, request: web.Request) -> bytes:
-        """The request's body (``body_timeout_s``, ``max_body_bytes``: router/reads.py)."""
-        return await read_body(request, self.config.body_timeout_s, self.config.max_body_bytes)
+        """The request's body (``body_timeout_s``, ``max_body_bytes``: router/reads.py), counted in
+        the bodies in flight until its answer ends (``max_inflight_body_bytes``: 429 past it,
+        before a byte is read: a body declared larger than ``max_body_bytes`` counts that much, as
+        does a chunked one until it is in)."""
+        limit = self.config.max_body_bytes
+        declared = request.content_length if request.body_exists else 0
+        counted = limit if declared is None else min(declared, limit)
+        if not self.bodies.take(counted):
+            raise RequestError(429, f"the router holds {self.bodies.held} bytes of request bodies, near its "
+                                    f"max_inflight_body_bytes ({self.bodies.limit}); retry later",
+                               "rate_limit_error", close=True)
+        request[_BODY_BYTES] = counted
+        raw = await read_body(request, self.config.body_timeout_s, limit)
+        self.bodies.give(counted - len(raw))
+        request[_BODY_BYTES] = len(raw)
+        return raw
 
     async def _json(self, request: web.Request, field: str | None = None) -> tuple[bytes, Any]:
         """The request's body and its JSON, checked for ``field`` (:func:`check_body`); a large
@@ -604,9 +655,10 @@ class Router:
         if "prompt" not in body and body.get("prompt_embeds") is None:
             check_body(body, "prompt")   # (raises: the prompt is missing)
         routed = RoutedPrompt([], 0) if "prompt" not in body else await self._completion_prompt(body)
-        return await self._forward(request, raw, routed.ids, prompt_tokens=routed.tokens if "prompt" in body else None,
-                                   streaming=body.get("stream") is True, seed=self._context(body), body=body,
-                                   model=requested_model(body))
+        how = dict(prompt_tokens=routed.tokens if "prompt" in body else None, streaming=body.get("stream") is True,
+                   seed=self._context(body), name=self._name(request, body), model=requested_model(body))
+        del body   # (only what ``how`` holds is needed from here on: :meth:`_forward`)
+        return await self._forward(request, raw, routed.ids, **how)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         request[_RECEIVED] = time.perf_counter()
@@ -615,9 +667,10 @@ class Router:
                if any(body.get(f) for f in WORKER_RENDERED) else None)
         routed = (await self._chat_prompt(body, len(raw)) if ids is None
                   else self._routed(truncated_prompt(ids, body)))
-        return await self._forward(request, raw, routed.ids, prompt_tokens=routed.tokens,
-                                   streaming=body.get("stream") is True, seed=self._context(body, chat=True),
-                                   body=body, model=requested_model(body))
+        how = dict(streaming=body.get("stream") is True, seed=self._context(body, chat=True),
+                   name=self._name(request, body), model=requested_model(body))
+        del body
+        return await self._forward(request, raw, routed.ids, prompt_tokens=routed.tokens, **how)
 
     async def responses(self, request: web.Request) -> web.StreamResponse:
         """The Responses API (vLLM's ``/v1/responses``), routed on load alone: its prompt is
@@ -630,10 +683,11 @@ class Router:
         if "input" not in body and "previous_response_id" not in body:
             raise RequestError(400, "'input' is a required property", param="input")
         previous = body.get("previous_response_id")
+        how = dict(streaming=body.get("stream") is True, model=requested_model(body))
+        del body
         owner = (await self._response_owner(previous, request.headers.get("Authorization"))
                  if isinstance(previous, str) else None)
-        return await self._forward(request, raw, [], streaming=body.get("stream") is True, pinned_url=owner,
-                                   model=requested_model(body))
+        return await self._forward(request, raw, [], pinned_url=owner, **how)
 
     async def stored_response(self, request: web.Request) -> web.StreamResponse:
         """``GET /v1/responses/{id}`` (a stored or background response, streamed with
@@ -676,16 +730,19 @@ class Router:
         ids = await self._render_on_worker("/v1/messages/render", body, request.headers.get("Authorization"),
                                            "token_ids")
         routed = self._routed(ids or [])
+        how = dict(streaming=body.get("stream") is True, seed=self._context(body), name=self._name(request, body),
+                   model=requested_model(body))
+        del body
         return await self._forward(request, raw, routed.ids, prompt_tokens=None if ids is None else routed.tokens,
-                                   streaming=body.get("stream") is True, seed=self._context(body), body=body,
-                                   model=requested_model(body))
+                                   **how)
 
     async def on_load(self, request: web.Request) -> web.StreamResponse:
         """vLLM's other endpoints (``ON_LOAD``): forwarded unchanged, on load alone."""
         request[_RECEIVED] = time.perf_counter()
         raw, body = await self._json(request, "")
-        return await self._forward(request, raw, [], streaming=body.get("stream") is True,
-                                   model=requested_model(body))
+        how = dict(streaming=body.get("stream") is True, model=requested_model(body))
+        del body
+        return await self._forward(request, raw, [], **how)
 
     def _remember_response(self, kept: bytes, worker: Worker, tail: bytes = b"") -> None:
         """Which worker holds the response an answer created (its ``resp_…`` id: in the answer's
@@ -803,8 +860,20 @@ class Router:
             self.metrics.decode_step.labels(w.url).set(w.decode_step_s or 0)
         return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
 
+    @staticmethod
+    def _name(request: web.Request, body: Any) -> RequestName:
+        """How the worker will know the request (router/abort.py), read from its body (None: from
+        its headers alone)."""
+        rid, add_header = request_id(request.headers, body)
+        return RequestName(rid, add_header, engine_requests(request.path, rid, body))
+
     async def _forward(self, request: web.Request, raw: bytes, token_ids: list[int], **how) -> web.StreamResponse:
-        """Route and relay (:meth:`_attempts`), as one of the answers a shutdown drains."""
+        """Route and relay (:meth:`_attempts`), as one of the answers a shutdown drains.
+
+        Only ``raw`` and what ``how`` names are kept while the answer lasts (a stream's whole
+        decode, a held request's wait), never the parsed body: a field the router never reads
+        such as ``[{}, {}, …]`` is ~25 bytes of Python per byte of JSON, so a 16 MiB body held
+        ~400 MB, times every request in flight."""
         task = asyncio.current_task()
         self._active.add(task)
         try:
@@ -827,12 +896,12 @@ class Router:
 
     async def _attempts(self, request: web.Request, raw: bytes, token_ids: list[int], *,
                         streaming: bool = False, seed: int = ROOT_SEED,
-                        pinned_url: str | None = None, body: Any = None,
+                        pinned_url: str | None = None, name: RequestName | None = None,
                         model: str | None = None, prompt_tokens: int | None = None) -> web.StreamResponse:
         headers = forwarded_headers(request.headers)   # (router/relay.py)
-        # named, so that the worker can be told to abort it if the client leaves (router/abort.py)
-        rid, add_header = request_id(request.headers, body)
-        abort_ids = engine_requests(request.path, rid, body)   # (ids built only if an abort needs them)
+        # named, so that the worker can be told to abort it if the client leaves (router/abort.py;
+        # engine ids built only if an abort needs them)
+        rid, add_header, abort_ids = name if name is not None else self._name(request, None)
         if add_header and abort_ids is not None:
             headers["X-Request-Id"] = rid
         if abort_ids is not None:

@@ -135,6 +135,22 @@ class RouterConfig:
     #: 408 and the connection closed (a client that stalls mid-body otherwise holds a socket
     #: and a handler for ever: aiohttp's keep-alive deadline covers only a wait for headers)
     body_timeout_s: float = 60.0
+    #: the longest a connection may go without a whole request head: from when it connects, and
+    #: between two requests on a kept-alive one (aiohttp's keep-alive timer); past it the
+    #: connection is closed. aiohttp's default, an hour (75 s under ``run_app``), let silent
+    #: sockets pile up; vLLM's own API server keeps an idle connection 5 s.
+    header_timeout_s: float = 5.0
+    #: the most connections one client address may hold (kvtier.router.reads.PeerConnections):
+    #: past it, that address's connection idle longest is closed, or the newcomer if every one
+    #: has a request under way. 0 (default): a quarter of the router's open-file limit (which
+    #: ``kvtier route`` raises to its hard limit at start). Behind a proxy every client shares
+    #: the proxy's address: raise it there.
+    max_connections_per_peer: int = 0
+    #: the bytes of request bodies the router holds at once, every request's together (bytes, or
+    #: a size such as "1GiB" in the file): a body is kept until its answer ends; one more that
+    #: would pass it is answered 429 (``rate_limit_error``) before it is read. At least
+    #: ``max_body_bytes``.
+    max_inflight_body_bytes: int = 1 << 30
     temperature: float = 0.0
     index_capacity: int = 1 << 22
     health_interval_s: float = 2.0
@@ -199,7 +215,9 @@ class RouterConfig:
         "admission_tokens": (True, False, " (0: send every request at once)"),
         "max_held": (True, False, " (0: hold no request)"),
         "max_body_bytes": (True, True, ""), "max_route_tokens": (True, True, ""),
-        "body_timeout_s": (False, True, ""),
+        "body_timeout_s": (False, True, ""), "header_timeout_s": (False, True, ""),
+        "max_connections_per_peer": (True, False, " (0: a quarter of the open-file limit)"),
+        "max_inflight_body_bytes": (True, True, ""),
         "host_read_bytes_per_s": (False, True, ""), "shared_read_bytes_per_s": (False, True, ""),
         "prefill_tokens_per_s": (False, True, ""), "health_interval_s": (False, True, ""),
         "connect_timeout_s": (False, True, ""), "request_timeout_s": (False, True, ""),
@@ -217,8 +235,9 @@ class RouterConfig:
             raise ConfigError("no workers: give --worker URL (repeatable) or [[worker]] in the config file")
         if self.policy not in ROUTE_NAMES:
             raise ConfigError(f"unknown --policy {self.policy!r}; use one of {sorted(ROUTE_NAMES)}")
-        if isinstance(self.max_body_bytes, str):   # "16MiB" (the file), or a flag's text
-            self.max_body_bytes = parse_size(self.max_body_bytes, "max_body_bytes")
+        for name in ("max_body_bytes", "max_inflight_body_bytes"):
+            if isinstance(getattr(self, name), str):   # "16MiB" (the file), or a flag's text
+                setattr(self, name, parse_size(getattr(self, name), name))
         for name, (integer, positive, zero) in self._NUMBERS.items():
             value = getattr(self, name)
             if value is None and name == "kv_bytes_per_token":   # from the model's config.json
@@ -229,6 +248,9 @@ class RouterConfig:
                 raise ConfigError(f"{name} must be {'an integer' if integer else 'a finite number'}, got {value!r}")
             if value < 0 or (positive and value == 0):
                 raise ConfigError(f"{name} must be {'> 0' if positive else '>= 0' + zero}, got {value}")
+        if self.max_inflight_body_bytes < self.max_body_bytes:
+            raise ConfigError(f"max_inflight_body_bytes ({self.max_inflight_body_bytes}) must be at least "
+                              f"max_body_bytes ({self.max_body_bytes}), or no body of that size is ever taken")
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be 0-65535 (0: any free port), got {self.port!r}")
         if not isinstance(self.host, str) or not self.host:
@@ -272,6 +294,10 @@ class RouterConfig:
         if unknown:
             raise ConfigError(f"router config {path}: unknown settings {unknown}; known: {sorted(known - {'workers'})}")
         config = cls(**data)
+        # a bare string is iterable too: measured = "host.json" would be read one character at a time
+        if not isinstance(config.measured, list) or not all(isinstance(m, str) for m in config.measured):
+            raise ConfigError(f"router config {path}: measured must be a list of bench JSON files, e.g. "
+                              f"measured = [\"host.json\"], got {config.measured!r}")
         # measurement files named in the config file are found beside it, and so is the secret file
         config.measured = [str(Path(path).parent / m) for m in config.measured]
         if config.shared_events_secret_file:

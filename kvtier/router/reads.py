@@ -2,17 +2,26 @@
 that the router holds whole (a 404 it looks into, a listing, a rendering, a LoRA answer) up to a
 cap. A relayed answer is never held whole (router/relay.py); these are the reads that were, and a
 worker (or a proxy in front of one) whose 404 ran to 300 MiB grew the router by ~1 GiB.
+
+Also what clients may make the router hold while it reads from them: connections per address
+(:class:`PeerConnections`) and the bytes of request bodies in flight (:class:`BodyBytes`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import resource
+from collections import OrderedDict
 from typing import Any
 
 from aiohttp import StreamReader, web
+from aiohttp.web import RequestHandler
 
 from kvtier.router.requests import RequestError
+
+log = logging.getLogger(__name__)
 
 #: a worker's error answer the router looks into (a 404 for a model), or a LoRA load's answer:
 #: vLLM's are a few hundred bytes
@@ -63,3 +72,119 @@ async def read_body(request: web.Request, timeout_s: float, max_bytes: int) -> b
 def body_too_late(timeout_s: float) -> RequestError:
     """The error of a body not read whole within ``timeout_s``: a 408, and the connection closed."""
     return RequestError(408, f"the request body did not arrive within {timeout_s:g} s", "timeout_error", close=True)
+
+
+class BodyBytes:
+    """The bytes of request bodies the router holds at once, every request's together: a body is
+    kept from its read until its answer ends (it is what is forwarded, and a retry forwards it
+    again), so without a bound a client with many slow or held requests of ``max_body_bytes``
+    each grew the router by that many times 16 MiB. Counted before a byte is read (the declared
+    ``Content-Length``, or the most a chunked body may be, set right once it is in). Event loop only."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+
+    def take(self, nbytes: int) -> bool:
+        """Count ``nbytes`` more if they fit under the limit (else False: nothing counted)."""
+        if self.held + nbytes > self.limit:
+            return False
+        self.held += nbytes
+        return True
+
+    def give(self, nbytes: int) -> None:
+        self.held -= nbytes
+
+
+def default_per_peer() -> int:
+    """The connections one address may hold when ``max_connections_per_peer`` is 0: a quarter of
+    this process's open-file limit, so that one client, whatever it does, leaves the router
+    descriptors for other clients and for its own calls to the workers."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return max(4, (soft if soft != resource.RLIM_INFINITY else 1 << 20) // 4)
+
+
+class PeerConnections:
+    """At most ``per_peer`` client connections per address (TCP; a Unix socket's are not counted).
+
+    A connection past the cap closes that address's connection that has waited longest for a
+    request (silent since it connected, or idle between requests), so a flood of silent sockets
+    from one address only churns its own; if every one of that address's connections has a
+    request under way, the newcomer is closed instead. A connection is *busy* from when its
+    request's head is in until its handler returns (:meth:`middleware`). Before this bound (and
+    the header deadline, ``header_timeout_s``) one client that opened a few hundred silent sockets
+    took every descriptor of the router: at ``RLIMIT_NOFILE`` its accept loop failed (EMFILE) and
+    no other client was served, nor could it reach its workers.
+
+    Installed on aiohttp's connection manager by :meth:`watch` (``Router.runner``); aiohttp has
+    no hook of its own for a new connection. Event loop only."""
+
+    def __init__(self, per_peer: int) -> None:
+        self.per_peer = per_peer
+        self._peer: dict[RequestHandler, str] = {}             #: counted connection → its address
+        self._count: dict[str, int] = {}                       #: address → its connections
+        #: address → its connections without a request under way, the longest waiting first
+        self._idle: dict[str, OrderedDict[RequestHandler, None]] = {}
+        self._refusing: set[str] = set()   #: addresses told about once (until they hold none)
+
+    def watch(self, server: web.Server) -> None:
+        """Count the connections of ``server`` (its ``connection_made`` / ``connection_lost``,
+        which each of its connections calls)."""
+        made, lost = server.connection_made, server.connection_lost
+
+        def connection_made(handler: RequestHandler, transport: asyncio.Transport) -> None:
+            made(handler, transport)
+            self.connected(handler, transport)
+
+        def connection_lost(handler: RequestHandler, exc: BaseException | None = None) -> None:
+            self.forget(handler)
+            lost(handler, exc)
+
+        server.connection_made, server.connection_lost = connection_made, connection_lost
+
+    def connected(self, handler: RequestHandler, transport: asyncio.Transport) -> None:
+        peer = transport.get_extra_info("peername")
+        if not isinstance(peer, tuple):   # a Unix socket: its file's permissions decide who connects
+            return
+        address = peer[0]
+        if self._count.get(address, 0) >= self.per_peer:
+            idle = self._idle[address]
+            if not idle:
+                if address not in self._refusing:
+                    self._refusing.add(address)
+                    log.warning("%s holds %d connections, each with a request under way "
+                                "(max_connections_per_peer); closing its new ones", address, self.per_peer)
+                handler.force_close()
+                return
+            oldest, _ = idle.popitem(last=False)
+            self.forget(oldest)
+            oldest.force_close()
+        self._peer[handler] = address
+        self._count[address] = self._count.get(address, 0) + 1
+        self._idle.setdefault(address, OrderedDict())[handler] = None
+
+    def forget(self, handler: RequestHandler) -> None:
+        address = self._peer.pop(handler, None)
+        if address is None:
+            return
+        self._idle[address].pop(handler, None)
+        self._count[address] -= 1
+        if not self._count[address]:
+            del self._count[address], self._idle[address]
+            self._refusing.discard(address)
+
+    def connections(self, address: str) -> int:
+        return self._count.get(address, 0)
+
+    @web.middleware
+    async def middleware(self, request: web.Request, handler):
+        """Marks the request's connection busy while its handler runs (the outermost middleware)."""
+        conn = request.protocol
+        address = self._peer.get(conn)
+        if address is not None:
+            self._idle[address].pop(conn, None)
+        try:
+            return await handler(request)
+        finally:
+            if address is not None and self._peer.get(conn) == address:
+                self._idle[address][conn] = None

@@ -18,8 +18,8 @@ without such a token (``/healthz`` stays open). A token presented and refused is
 a failed login of the peer's address, as a refused HELLO is: charged to the
 server's login limiter, counted in ``kvtier_auth_failures`` and audited a few
 lines per burst; an address over its budget is answered 429 before its token is
-looked at. The endpoint is bounded: a few connections at once (more are closed
-at once), a header count and line size, and one deadline for the whole request.
+looked at. The endpoint is bounded: a few connections at once, a few of them per
+peer address, a header count and line size, and one deadline for the whole request.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from kvtier.server.admission import LoginLimiter
+from kvtier.server.admission import Admission, LoginLimiter
 from kvtier.server.audit import AuditLog
 
 # Fine around a millisecond: a PUT's server time is judged against 2 ms (``kvtier bench remote --quota-stress``).
@@ -41,6 +41,9 @@ _LATENCY_BUCKETS = (2.5e-5, 5e-5, 7.5e-5, 1e-4, 1.5e-4, 2e-4, 2.5e-4, 3.5e-4, 5e
 #: families with a tenant label: rendered only to the admin token
 TENANT_PREFIX = "kvtier_tenant_"
 MAX_METRICS_CONNECTIONS = 16
+#: of those, what one peer address may hold: a scraper, ``kvtier top`` and a liveness probe ask one
+#: at a time
+MAX_METRICS_PER_PEER = 4
 MAX_HEADERS = 64
 MAX_HEADER_LINE = 8192
 REQUEST_DEADLINE_S = 5.0
@@ -189,21 +192,26 @@ def _bearer(headers: list[bytes]) -> str | None:
 async def serve_http(
     host: str, port: int, metrics: ServerMetrics, healthy: Callable[[], bool], *,
     auth: MetricsAuth | None = None, require_token: bool = False,
-    max_connections: int = MAX_METRICS_CONNECTIONS, deadline_s: float = REQUEST_DEADLINE_S,
+    max_connections: int = MAX_METRICS_CONNECTIONS, max_per_peer: int = MAX_METRICS_PER_PEER,
+    deadline_s: float = REQUEST_DEADLINE_S,
 ) -> asyncio.AbstractServer:
     """A minimal HTTP/1.0 endpoint: ``GET /metrics`` and ``GET /healthz``.
 
-    At most ``max_connections`` at once (one more is closed at once), at most
-    :data:`MAX_HEADERS` header lines of :data:`MAX_HEADER_LINE` bytes, and
-    ``deadline_s`` for the whole request, reply included: a slow or silent
-    client holds a slot for seconds, never longer. ``auth``: who sees the per-tenant
-    series (default: nobody)."""
+    At most ``max_connections`` at once and ``max_per_peer`` of them per peer address, at most
+    :data:`MAX_HEADERS` header lines of :data:`MAX_HEADER_LINE` bytes, and ``deadline_s`` for the
+    whole request, reply included: a slow or silent client holds a slot for seconds, never
+    longer. A newcomer is never refused: past its address's share, that address's oldest
+    connection is dropped, past the whole cap the oldest of all. With one cap and no share, a
+    single client that kept 16 silent sockets open had every other client's scrape and
+    ``/healthz`` aborted at once: a liveness probe failed and an orchestrator restarted a healthy
+    server. ``auth``: who sees the per-tenant series (default: nobody)."""
     auth = MetricsAuth(metrics) if auth is None else auth
-    active = 0
+    # The rule of the server's own pre-login connections (kvtier.server.admission): a flood from
+    # one address pushes out only its own sockets. Nobody logs in here: the other limits are unused.
+    slots = Admission(max_connections=0, max_unauthenticated=max_connections, max_per_peer=max_per_peer,
+                      max_per_tenant=0, hello_timeout_s=deadline_s)
 
-    async def respond(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        peer = writer.get_extra_info("peername")
-        peer = peer[0] if isinstance(peer, tuple) else "?"
+    async def respond(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: str) -> None:
         line = await reader.readline()
         headers: list[bytes] = []
         while True:
@@ -242,19 +250,19 @@ async def serve_http(
         await writer.drain()
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        nonlocal active
-        if active >= max_connections:
+        peer = writer.get_extra_info("peername")
+        peer = peer[0] if isinstance(peer, tuple) else None
+        evict = slots.connect(writer, peer).evict
+        if evict is not None:   # (its own handler then ends on the lost connection, and forgets it)
             metrics.refused_connections.labels("metrics").inc()
-            writer.transport.abort()
-            return
-        active += 1
+            evict.transport.abort()
         try:
-            await asyncio.wait_for(respond(reader, writer), deadline_s)
+            await asyncio.wait_for(respond(reader, writer, peer or "?"), deadline_s)
         except (asyncio.TimeoutError, ConnectionError, UnicodeError, ValueError, asyncio.LimitOverrunError,
                 asyncio.IncompleteReadError):
             writer.transport.abort()  # nothing more for it, and nothing buffered kept
         finally:
-            active -= 1
+            slots.forget(writer)
             writer.close()
 
     return await asyncio.start_server(handle, host, port, limit=MAX_HEADER_LINE)
