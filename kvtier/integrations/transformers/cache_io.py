@@ -126,7 +126,10 @@ class KVStorage:
     def new_cache(self, config) -> DynamicCache:
         """A ``DynamicCache`` for ``config`` whose layers are views of this storage, empty."""
         cache = DynamicCache(config=config)
-        if len(cache.layers) != self.layout.num_layers or any(type(layer) is not DynamicLayer for layer in cache.layers):
+        # The kinds of layers transformers would cache for this config; not their count, which it
+        # reads from fields that name an encoder-decoder config's encoder (BartForCausalLM): the
+        # session checks the count the model really writes once, at construction (cache_probe).
+        if any(type(layer) is not DynamicLayer for layer in cache.layers):
             kinds = sorted({type(layer).__name__ for layer in cache.layers})
             raise ConfigError(
                 f"kvtier loads KV into full-attention DynamicLayer caches only; this model's cache has "

@@ -101,6 +101,38 @@ def _refuse_length_dependent_rope(text) -> None:
                     f"'yarn', 'llama3') or serve this model without kvtier")
 
 
+def _refuse_bidirectional_config(text) -> None:
+    """Raise :class:`ConfigError` if the config asks for bidirectional self-attention.
+
+    The BERT family (BERT, RoBERTa, ELECTRA, BigBird, RemBERT, RoFormer, ...) picks its mask by
+    ``is_decoder``, which every encoder checkpoint ships False; ``AutoModelForCausalLM`` loads
+    such a checkpoint anyway (transformers only logs a warning). Its attention then sees the
+    tokens after a position, so a prefix's K/V depends on what follows it: a block saved by a
+    shorter prompt is not what a recompute of a longer one holds. ``add_cross_attention`` marks
+    those configs: BART-style configs also carry ``is_decoder``, but their ``*ForCausalLM`` runs
+    the causal decoder whatever it says.
+    """
+    if getattr(text, "is_decoder", None) is False and hasattr(text, "add_cross_attention"):
+        raise ConfigError(
+            f"{type(text).__name__} has is_decoder=False: this model's attention is bidirectional (an "
+            f"encoder checkpoint loaded as a causal LM), so a cached prefix's K/V depends on the tokens "
+            f"after it and no block can be reused; kvtier cannot serve it. Load it with is_decoder=True "
+            f"(a decoder, as fine-tuned for generation) or serve it without kvtier")
+
+
+def _decoder_field(text, names: tuple[str, ...]):
+    """The first of ``names`` that ``text`` sets to a positive int, or None.
+
+    Encoder-decoder configs (BART, mBART, Marian, Pegasus, Whisper, ...) map ``num_hidden_layers``
+    and ``num_attention_heads`` to the *encoder's* fields, while their ``*ForCausalLM`` runs the
+    decoder alone (distilbart-*-12-6: 12 and 6 layers), whose own fields say its size."""
+    for name in names:
+        value = getattr(text, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
 def kv_layout(config, dtype: str, block_tokens: int) -> KVLayout:
     """The canonical block layout of a decoder config (Llama, Qwen2, Mistral and kin).
 
@@ -110,15 +142,47 @@ def kv_layout(config, dtype: str, block_tokens: int) -> KVLayout:
     K and V heads differ (``qk_head_dim`` / ``v_head_dim``). A wrong head size would otherwise
     surface as a shape error inside the model's forward. RoPE whose frequencies depend on the
     request's length is refused too (:func:`is_length_dependent_rope`): its KV is no function
-    of the prefix alone.
+    of the prefix alone; so is bidirectional attention (:func:`_refuse_bidirectional_config`).
+    An encoder-decoder config gives its decoder's layers and heads (:func:`_decoder_field`).
+    A config whose layers differ (transformers' ``per_layer_config``) is read layer by layer:
+    refused unless every layer has the same layout.
     """
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    heads = getattr(text, "num_attention_heads", None)
+    # Of a flat encoder-decoder config (BartConfig as saved, is_encoder_decoder=True), transformers 5
+    # returns a decoder view: a copy of the same class whose generic fields hold the decoder's and
+    # whose decoder_* fields fall back to the class defaults. A *ForCausalLM's own config
+    # (is_encoder_decoder=False) comes back as itself, generic fields naming the encoder: there
+    # the decoder_* fields are the ones to read.
+    decoder_view = text is not config and type(text) is type(config)
+    if getattr(text, "is_heterogeneous", False):
+        # Reading a per-layer field off the global config raises transformers' own
+        # AmbiguousGlobalPerLayerAttributeError; each layer's config answers for itself.
+        layers = list(text.per_layer_config)
+        layouts = [_layer_kv_layout(layer, dtype, block_tokens, decoder_view) for layer in layers]
+        differ = [i for i, lay in enumerate(layouts) if lay != layouts[0]]
+        if differ:
+            raise ConfigError(
+                f"this model's layers differ in their KV geometry (per_layer_config: layer 0 {layouts[0]}, "
+                f"layer {differ[0]} {layouts[differ[0]]}): one KVLayout cannot hold them; kvtier's "
+                f"transformers integration cannot serve it")
+        return layouts[0]
+    return _layer_kv_layout(text, dtype, block_tokens, decoder_view)
+
+
+def _layer_kv_layout(text, dtype: str, block_tokens: int, decoder_view: bool) -> KVLayout:
+    """:func:`kv_layout` of one text config whose fields hold for every layer (``decoder_view``: its
+    generic fields are the decoder's already)."""
+    def decoder(*names):
+        return None if decoder_view else _decoder_field(text, names)
+
+    heads = (decoder("decoder_attention_heads", "num_decoder_attention_heads")
+             or getattr(text, "num_attention_heads", None))
     if not heads:
         raise ConfigError(
             f"{type(text).__name__} has no attention heads (num_attention_heads): a state-space or "
             f"recurrent model (Mamba, RWKV, xLSTM, ...) caches a recurrent state, not per-token K/V; "
             f"kvtier cannot store it. Serve this model without kvtier")
+    _refuse_bidirectional_config(text)
     _refuse_length_dependent_rope(text)
     serve = ("Serve it with vLLM and the kvtier connector, which stores latent-attention (MLA) caches "
              "as vLLM keeps them")
@@ -144,7 +208,7 @@ def kv_layout(config, dtype: str, block_tokens: int) -> KVLayout:
     if dtype not in TORCH_TO_LAYOUT_DTYPE:
         raise ConfigError(f"KV dtype {dtype!r} is not supported; use one of {sorted(TORCH_TO_LAYOUT_DTYPE)}")
     return KVLayout(
-        num_layers=text.num_hidden_layers,
+        num_layers=decoder("decoder_layers", "num_decoder_layers") or text.num_hidden_layers,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
         dtype=TORCH_TO_LAYOUT_DTYPE[dtype],
@@ -280,6 +344,21 @@ def model_dtype_name(model) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def attention_implementation(config) -> str:
+    """The attention kernel transformers runs the model's text layers with (``eager``, ``sdpa``,
+    ``flash_attention_2``, a hub kernel, ...), as the loaded model resolved it.
+
+    It joins the namespace although the config fingerprint leaves it out: kernels do not all
+    compute the same K/V. Gemma 2's attention soft-capping is applied by the eager kernel and
+    skipped by sdpa, so the same files under the two give other hidden states, hence other K/V
+    from the second layer on. Where kernels agree (up to rounding) the cost is a miss between
+    servers running different ones, never a wrong hit; so every model's namespace names it, not
+    only those with a known difference.
+    """
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    return getattr(text, "_attn_implementation", None) or getattr(config, "_attn_implementation", None) or "default"
+
+
 def namespace_for_model(
     model,
     *,
@@ -313,7 +392,7 @@ def namespace_for_model(
         weights_revision = f"{files}+mem:{loaded_weights_digest(model)}"
     dtype = model_dtype_name(model)
     layout = kv_layout(config, dtype, block_tokens)
-    model_id = f"hf:{config.model_type}:cfg={config_fingerprint(config)}"
+    model_id = f"hf:{config.model_type}:cfg={config_fingerprint(config)}:attn={attention_implementation(config)}"
     pads = pad_counted_positions(model)
     if pads:
         # pad_token_id is no part of the fingerprint (it changes no KV of most models); here it

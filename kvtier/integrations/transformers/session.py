@@ -47,6 +47,7 @@ from kvtier.core.namespace import Namespace
 from kvtier.core.payload import BlockMeta
 from kvtier.errors import ConfigError, LayoutError
 from kvtier.integrations.transformers.cache_io import KVStorage, LoadReport, Staging, gather_blocks, load_blocks
+from kvtier.integrations.transformers.cache_probe import check_cache_geometry
 from kvtier.integrations.transformers.namespace import (
     DEFAULT_BLOCK_TOKENS,
     is_length_dependent_rope,
@@ -151,6 +152,8 @@ class KVTierLM:
     load that writes nothing cannot pass for a correct one. ``capacity_tokens`` preallocates the KV
     storage (an engine sizes its KV memory at start; allocating during a
     request would put page faults on its critical path); it grows if needed.
+    A model kvtier cannot serve is refused here, with a :class:`ConfigError`, not at its first
+    request: one token runs through it once to check what it caches (:mod:`.cache_probe`).
     """
 
     def __init__(
@@ -194,6 +197,11 @@ class KVTierLM:
                               f"Move it with model.to('cpu'), or serve GPUs through the vLLM connector")
         self.storage = KVStorage(layout, capacity_tokens, param.dtype, param.device, poison=poison)
         self._cache_kw = cache_keyword(model)
+        # What the first request would find, found at start so that a service fails there: a
+        # cache with sliding-window, chunked or hybrid layers (new_cache's layer-kind check), a
+        # model caching another geometry than its config's layout (check_cache_geometry).
+        self.storage.new_cache(model.config)
+        check_cache_geometry(model, self._cache_kw, layout)
         self._staging = Staging(poison=self.storage.poisoned)
         if store is not None and (len(store.tiers) > 1 or not isinstance(store.tiers[0], HostTier)):
             # Reads from slower tiers land in staging: sized now, like the storage, so that
