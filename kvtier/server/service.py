@@ -584,8 +584,9 @@ class Service:
             return entry
         with self._deleting_lock:
             self._deleting[skey] = future
-            for account in entry.accounts:  # (its charge left with the index entry; its DRAM leaves now)
-                self._freeing.setdefault(account, set()).add(future)
+            if entry.tier == self.host.name:  # its charge left with the index entry; its DRAM leaves now
+                for account in entry.accounts:
+                    self._freeing.setdefault(account, set()).add(future)
         future.add_done_callback(lambda f: self._deletion_ended(skey, f, entry.accounts))
         return entry
 
@@ -796,8 +797,7 @@ class Service:
             conn.reply(h, Status.OK)
             return
         await self._deleted(skey)  # an expired or evicted copy being deleted is gone before this one lands
-        if not self.host.fits_now(n):  # (room enough: no reason to wait for anything)
-            await self._room_freed(accounts)
+        await self._room_freed(accounts, n)
         status = Status.OK
         footprint = self.host.footprint(n)
         writer = p.tenant
@@ -885,17 +885,30 @@ class Service:
                 if self.drop_soon(victim) is not None:
                     self.metrics.count_quota_eviction(account)
 
-    async def _room_freed(self, accounts: tuple[str, ...]) -> None:
-        """Wait until the DRAM of the blocks charged to the accounts that :meth:`drop_soon` let go
-        (quota evictions, DELETEs, expiry) is free again. They leave the index, and the charge, at
+    async def _room_freed(self, accounts: tuple[str, ...], nbytes: int) -> None:
+        """Wait until the pool has room for a block of ``nbytes`` without evicting, while DRAM
+        that :meth:`drop_soon` let go of blocks charged to the accounts (quota evictions,
+        DELETEs, expiry) is still being freed. Those blocks leave the index, and the charge, at
         once but are deleted on the I/O threads: a tenant at its quota that uploaded faster than
-        they ran found the pool full and had the reservation evict the least recently used blocks
-        of the pool, another tenant's, for room its quota had already made. (Asked only when the
-        pool has no room for the upload without evicting: the wait is then one I/O-thread hop.)"""
+        they ran found the pool full and had the reservation evict the least recently used
+        blocks of the pool, another tenant's, for room its quota had already made.
+
+        Only as long as it takes: the wait ends as soon as the block fits (one deletion often
+        does it), when none of the accounts' deletions is left, or after a quarter of
+        ``frame_timeout_s`` (the upload's frame deadline runs meanwhile); the reservation then
+        goes on as before. Not asked at all when the pool has room."""
+        if self.host.fits_now(nbytes):
+            return
         with self._deleting_lock:
-            pending = [f for a in accounts for f in self._freeing.get(a, ())]
-        if pending:
-            await asyncio.wait([asyncio.wrap_future(f) for f in pending])
+            pending = {asyncio.wrap_future(f) for a in accounts for f in self._freeing.get(a, ())}
+        for waiter in pending:  # a failed deletion is logged where it ends (_deletion_ended), not here again
+            waiter.add_done_callback(lambda f: f.cancelled() or f.exception())
+        deadline = time.monotonic() + self.config.frame_timeout_s / 4
+        while pending and not self.host.fits_now(nbytes):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            _, pending = await asyncio.wait(pending, timeout=left, return_when=asyncio.FIRST_COMPLETED)
 
     def _write_behind(self, skey: bytes, parent: bytes | None, meta: BlockMeta) -> None:
         """Have the store copy a committed block to disk in the background now, not only when DRAM

@@ -36,9 +36,9 @@ SLOW_DELETE_S = 0.02  # per deletion: far behind an upload of one page
 class _InProcessServer:
     """``kvtier serve`` on a thread of this process: its service stays reachable to wrap."""
 
-    def __init__(self, tmp_path, quota: int):
+    def __init__(self, tmp_path, quota: int, **server):
         path = str(tmp_path / "kvtier.toml")
-        write_config(path, {"listen": ["tcp://127.0.0.1:0"], "capacity": POOL, "max_block": "256KiB"},
+        write_config(path, {"listen": ["tcp://127.0.0.1:0"], "capacity": POOL, "max_block": "256KiB", **server},
                      tenants(acme={"quota": quota}), SHARED, TOKENS["admin"])
         self.server = Server(load_config(path, env={}))
         self.loop = asyncio.new_event_loop()
@@ -113,3 +113,37 @@ def test_a_tenant_at_its_quota_waits_for_its_evictions_rather_than_evicting_othe
     out = block(mine[-1], 512).copy()
     out[:] = 0
     assert acme.get(mine[-1], out) is Status.OK and (out == block(mine[-1], 512)).all()
+
+
+@pytest.fixture
+def short_frames(tmp_path):
+    srv = _InProcessServer(tmp_path, QUOTA, frame_timeout_s=1.0)
+    yield srv
+    srv.stop()
+
+
+def test_a_put_waits_only_until_its_block_fits_not_for_every_deletion(short_frames):
+    """Regression audit s28 R2: a PUT into a full pool waited for every deletion under way of its
+    tenant's blocks, however little room it needed: 16 slowed deletions (2 s) behind a one-page
+    PUT whose frame deadline is 1 s, and the PUT failed. It waits only until its block fits."""
+    slow = 0.25
+    globex = short_frames.remote("globex")
+    theirs = keys_for("globex-held", (POOL - 80 * PAGE) // BLOCK)  # all the pool but 80 pages
+    assert set(globex.put_many(theirs, [block(k) for k in theirs])) == {Status.OK}
+    acme = short_frames.remote("acme")
+    mine = keys_for("acme-small", QUOTA // PAGE)  # acme at its quota, a page each
+    assert set(acme.put_many(mine, [block(k, 512) for k in mine])) == {Status.OK}
+    ran = short_frames.slow_deletions(slow)
+    big = keys_for("acme-big", 1)
+    assert acme.put_many(big, [block(big[0])]) == [Status.OK]  # 16 pages: 16 quota evictions
+    service = short_frames.server.service
+    # Positive control: the deletions lag and the pool has no room for one more page.
+    assert len(service._freeing.get("acme", ())) >= 8 and not service.host.fits_now(512), "no lag to test"
+
+    one = keys_for("acme-one", 1)
+    t0 = time.monotonic()
+    got = acme.put_many(one, [block(one[0], 512)])
+    took = time.monotonic() - t0
+    assert got == [Status.OK] and took < 1.0, (f"a one-page PUT answered {got} after {took:.2f} s, behind "
+                                               f"{len(ran)} of its tenant's deletions")
+    assert sum(globex.contains_many(theirs)) == len(theirs), "the wait's purpose: no other tenant's block lost"
