@@ -59,7 +59,9 @@ class ConnectorConfig:
       the last one).
     * ``model_id`` / ``weights_revision``: the namespace; default: vLLM's model
       name and revision. Set them when two paths hold the same weights, or one
-      path is reused for other weights.
+      path is reused for other weights. They name the weights only: what vLLM
+      computes from them (its hf config after ``--hf-overrides``, dtype,
+      quantization: :func:`model_computation_digest`) joins every key by itself.
     * ``async_load``: load between scheduler steps (``get_finished``) instead of
       before the forward pass that needs the blocks.
     * ``sync_load_when_alone``: with ``async_load``, a request that finds no other
@@ -171,9 +173,10 @@ class EngineKV:
     """The geometry of one engine's KV cache and the identity of its blocks.
 
     ``format_tag`` names the engine-native byte order of a page (platform, KV
-    cache layout, attention spec, hash algorithm). Blocks are stored in that
-    order, so the tag is the first link of every key chain: engines whose pages
-    differ never share a key.
+    cache layout, attention spec, hash algorithm) and the computation that fills
+    it (:func:`model_computation_digest`). Blocks are stored in that order, so the
+    tag is the first link of every key chain: engines whose pages differ, in
+    layout or in content, never share a key.
     """
 
     namespace: Namespace
@@ -367,6 +370,81 @@ def _pipeline_stage(parallel, pp_rank: int, layer_names) -> dict | None:
     return {"rank": pp_rank, "size": size, "layers": layers}
 
 
+#: hf config fields that differ between hosts, processes or library versions for the same
+#: weights and the same computation; any other field is digested (an unknown one makes a miss,
+#: never a wrong hit). Dropped at every level of nesting, as are private ``_`` fields
+#: (``_name_or_path``: where the files are; ``_commit_hash``; ``_attn_implementation``, which
+#: vLLM's Transformers backend sets in its worker while it loads the model).
+_HOST_LOCAL_HF_FIELDS = frozenset({
+    "transformers_version",
+    # the class names the checkpoint was saved from: vLLM's resolved architecture stands for them
+    "architectures", "auto_map",
+    # spelled "torch_dtype" or "dtype" by transformers' version, and rewritten by vLLM's
+    # Transformers backend in its worker: the dtype vLLM computes in stands for it
+    "dtype", "torch_dtype",
+    # switches of transformers' own forward and its classification heads, not of vLLM's model
+    "use_cache", "return_dict", "output_attentions", "output_hidden_states",
+    "id2label", "label2id", "problem_type", "tokenizer_class",
+})
+
+
+def _host_independent(value):
+    """``value`` (an hf config dict) without :data:`_HOST_LOCAL_HF_FIELDS` nor private fields."""
+    if isinstance(value, dict):
+        return {str(k): _host_independent(v) for k, v in value.items()
+                if not str(k).startswith("_") and k not in _HOST_LOCAL_HF_FIELDS}
+    if isinstance(value, (list, tuple)):
+        return [_host_independent(v) for v in value]
+    return value
+
+
+def model_computation_digest(vllm_config) -> str:
+    """A digest of the model computation vLLM runs, beyond the weights: what makes the KV of one
+    token sequence differ between engines of the same model path and revision.
+
+    * the hf text config *after* ``--hf-overrides`` and vLLM's own config hooks: RoPE theta and
+      scaling (YaRN, llama3, ...), sliding windows, norms, soft-caps, head sizes;
+    * the architecture vLLM resolved and any class override (which model code runs), the
+      remote code's revision;
+    * the dtype vLLM computes in (with ``--kv-cache-dtype fp8`` the pages are fp8 whatever it
+      is, yet fp16- and bf16-computed KV differ), and the quantization (``--quantization fp8``
+      of a bf16 checkpoint on a GPU computes other K and V from the same files);
+    * the cache settings that change K/V but not the page geometry: layers kept out of a
+      quantized KV cache, a sliding window disabled or overridden.
+
+    Not in it: where the files are, the transformers version, and settings that change no KV
+    (``max_model_len``, ``gpu_memory_utilization``, ...), so the same weights with the same
+    settings on two hosts share keys. Scheduler and workers compute it from their own copy of
+    the configuration: a model whose vLLM code writes a KV-relevant config field while a
+    multi-process worker loads it would have its lookups miss its saves (lost, never wrong).
+    """
+    from vllm.config.utils import normalize_value
+
+    model = vllm_config.model_config
+    cache = vllm_config.cache_config
+    computation = {
+        "hf": _host_independent(model.hf_text_config.to_dict()),
+        "architecture": str(model.architecture),
+        "class_overrides": getattr(model, "model_class_overrides", None) or {},
+        "code_revision": getattr(model, "code_revision", None) or "",
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "quantization": str(model.quantization or ""),
+        "quantization_args": getattr(model, "quantization_config", None),
+        "disable_sliding_window": bool(getattr(model, "disable_sliding_window", False)),
+        "sliding_window": getattr(cache, "sliding_window", None),
+        "kv_cache_dtype_skip_layers": sorted(getattr(cache, "kv_cache_dtype_skip_layers", None) or []),
+    }
+    try:
+        # vLLM's own canonical form for its config hashes: it refuses what has no stable
+        # encoding rather than digesting a repr that names a memory address (such a digest
+        # would differ between the scheduler and the workers: every lookup a miss)
+        canonical = json.dumps(normalize_value(computation), sort_keys=True, separators=(",", ":"))
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"KvtierConnector cannot key blocks on this model's configuration ({e}); "
+                          f"run this model without the connector") from e
+    return hashlib.sha256(canonical.encode()).hexdigest()[:32]
+
+
 def _format_tag(vllm_config, kv_cache_config, spec, pipeline: dict | None = None) -> str:
     from vllm.platforms import current_platform
 
@@ -380,6 +458,7 @@ def _format_tag(vllm_config, kv_cache_config, spec, pipeline: dict | None = None
         "spec": type(spec).__name__,
         "kv_cache_dtype": str(cache.cache_dtype),
         "hash": str(cache.prefix_caching_hash_algo),
+        "model": model_computation_digest(vllm_config),
     }
     if pipeline is not None:
         parts["pipeline_stage"] = pipeline

@@ -32,6 +32,7 @@ none (a disk or shared tier is no CPU medium); a reset removes them all.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from array import array
@@ -49,7 +50,7 @@ from kvtier.integrations.vllm import cpu_windows, shared_store
 from kvtier.integrations.vllm.config import ConnectorConfig, EngineKV, engine_kv
 from kvtier.integrations.vllm.host_events import HostBlock, HostEvents, HostResidency, Removed, host_tier
 from kvtier.integrations.vllm.lookup_service import LookupClient, LookupServer, socket_path
-from kvtier.integrations.vllm.metadata import KvtierMetadata, KvtierWorkerMetadata
+from kvtier.integrations.vllm.metadata import KvtierHandshake, KvtierMetadata, KvtierWorkerMetadata
 from kvtier.integrations.vllm.scheduler_side import SchedulerSide
 from kvtier.integrations.vllm.worker_side import WorkerSide
 
@@ -269,6 +270,16 @@ class KvtierConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_load_errors()
 
+    def get_handshake_metadata(self) -> KvtierHandshake | None:
+        """The worker's format tag, for the scheduler (:class:`KvtierHandshake`). None inside a
+        ``MultiConnector``: it passes on only the first sub-connector's metadata, and kvtier's
+        would take the place of another's that needs it (NIXL's); the scheduler keeps its own."""
+        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+        if self.worker is None or (has_kv_transfer_group() and get_kv_transfer_group() is not self):
+            return None
+        return KvtierHandshake(self.engine.format_tag)
+
     def build_connector_worker_meta(self) -> KvtierWorkerMetadata:
         # Names the step this report is of; never empty, so the scheduler sees every report.
         return KvtierWorkerMetadata(self.worker.step, self.worker.host_report())
@@ -288,6 +299,24 @@ class KvtierConnector(KVConnectorBase_V1):
             shared_store.release(store, flush_timeout_s=max(0.0, deadline - time.monotonic()))
 
     # -- scheduler side ---------------------------------------------------------------
+    def set_xfer_handshake_metadata(self, metadata: dict) -> None:
+        self.set_xfer_handshake_metadata_pp_aware({(0, rank): m for rank, m in metadata.items()})
+
+    def set_xfer_handshake_metadata_pp_aware(self, metadata: dict) -> None:
+        """Key lookups from the format tag of the worker that answers them (stage 0, TP rank 0;
+        :class:`KvtierHandshake`): where the worker's model loading changed its config, the tag
+        the scheduler computed from its own copy named another root, and no lookup could hit."""
+        if self.scheduler is None:
+            return
+        told = metadata.get((0, 0))
+        if not isinstance(told, KvtierHandshake) or told.format_tag == self.engine.format_tag:
+            return
+        log.warning("kvtier connector: the worker keys blocks from another model digest than this scheduler "
+                    "(vLLM's code for this model changed its config while the worker loaded it); lookups "
+                    "follow the worker's keys")
+        self.engine = dataclasses.replace(self.engine, format_tag=told.format_tag)
+        self.scheduler.engine = self.engine
+
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         return self.scheduler.num_new_matched_tokens(request, num_computed_tokens)
 

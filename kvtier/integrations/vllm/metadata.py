@@ -17,9 +17,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorHandshakeMetadata, KVConnectorMetadata,
+                                                                KVConnectorWorkerMetadata)
 
 from kvtier.integrations.vllm.host_events import HostReport, merge_reports
+
+
+@dataclass(slots=True)
+class KvtierHandshake(KVConnectorHandshakeMetadata):
+    """What a worker tells the scheduler once, after its KV caches are registered: the format
+    tag its keys start from (``EngineKV.format_tag``). The tag digests the model config as the
+    worker runs it, and vLLM's code for some models writes config fields while a worker loads
+    the model (Falcon's ``num_ln_in_parallel_attn``, Llama 4's ``attn_temperature_tuning``):
+    a scheduler in another process keeps the config as it was, and keyed its lookups from
+    another root than the worker's saves (every lookup a miss)."""
+
+    format_tag: str
 
 
 @dataclass(slots=True)

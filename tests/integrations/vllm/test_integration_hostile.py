@@ -40,10 +40,15 @@ pytestmark = pytest.mark.timeout(120)
 
 def _vllm_config(*, model_dtype=torch.bfloat16, cache_dtype="auto", tp=1, pp=1):
     """The parts of vLLM's VllmConfig that ``engine_kv`` and the connector read."""
+    from transformers import LlamaConfig
+
+    # the model vLLM runs, digested into every key (config.model_computation_digest)
+    hf = LlamaConfig(hidden_size=64, num_attention_heads=2, num_key_value_heads=2, head_dim=32, num_hidden_layers=2)
     return SimpleNamespace(
         cache_config=SimpleNamespace(prefix_caching_hash_algo="sha256", cache_dtype=cache_dtype),
         parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp),
-        model_config=SimpleNamespace(model="m", revision=None, dtype=model_dtype),
+        model_config=SimpleNamespace(model="m", revision=None, dtype=model_dtype, hf_text_config=hf,
+                                     architecture="LlamaForCausalLM", quantization=None),
         attention_config=SimpleNamespace(backend=None),
     )
 

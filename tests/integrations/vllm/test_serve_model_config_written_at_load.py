@@ -1,0 +1,91 @@
+"""``vllm serve`` of a model whose vLLM code writes its config while the worker loads it still hits.
+
+The connector's keys start from a format tag that digests the model config vLLM runs (so that
+engines computing other KV never share keys). ``vllm serve`` runs the scheduler and the worker
+in two processes, each with its own copy of the config, and vLLM's Falcon code sets
+``num_ln_in_parallel_attn`` (None in the file, 2 for the new decoder architecture) in the
+worker's copy as it builds the model: the scheduler's tag then named another root than the
+worker's saves, and every lookup missed. The worker now tells the scheduler its tag (vLLM's
+connector handshake, ``KvtierHandshake``) and lookups follow it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from tests.integrations.vllm.harness import skip_without_vllm
+from tests.integrations.vllm.test_serve import _free_port, _post, _text
+
+skip_without_vllm()
+
+pytestmark = pytest.mark.timeout(400)
+
+
+@pytest.fixture(scope="module")
+def falcon(tmp_path_factory) -> str:
+    from transformers import FalconConfig
+
+    from kvtier.integrations.transformers.models import ModelSpec, build_model
+
+    spec = ModelSpec(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                     intermediate_size=512, vocab_size=2048, max_position_embeddings=2048, seed=5)
+    out = tmp_path_factory.mktemp("falcon")
+    build_model(spec, out, config_class=FalconConfig, new_decoder_architecture=True, num_kv_heads=2,
+                parallel_attn=True, bias=False, alibi=False)
+    path = out / "config.json"
+    config = json.loads(path.read_text())
+    config["num_ln_in_parallel_attn"] = None   # as many Falcon checkpoints have it: vLLM sets it at load
+    path.write_text(json.dumps(config))
+    return str(out)
+
+
+def test_a_model_whose_config_vllm_writes_at_load_is_reloaded_from_kvtier(falcon, tmp_path):
+    port = _free_port()
+    transfer = {"kv_connector": "KvtierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
+                "kv_role": "kv_both", "kv_connector_extra_config": {"block_tokens": 64, "host_bytes": "64MiB"}}
+    log_path = tmp_path / "vllm-serve.log"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1"}
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvtier.integrations.vllm.launcher", "serve", falcon, "--host", "127.0.0.1",
+             "--port", str(port), "--dtype", "float32", "--enforce-eager", "--block-size", "32",
+             "--max-model-len", "2048", "--enable-prompt-tokens-details", "--kv-transfer-config", json.dumps(transfer)],
+            stdout=log, stderr=subprocess.STDOUT, env=env)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                with urllib.request.urlopen(base + "/health", timeout=2):
+                    break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"vllm serve did not come up:\n{log_path.read_text()[-3000:]}")
+                time.sleep(1)
+        body = {"model": falcon, "prompt": _text(300, seed=7), "max_tokens": 8, "temperature": 0}
+        first = _post(base + "/v1/completions", body)
+        prompt_tokens = first["usage"]["prompt_tokens"]
+        assert prompt_tokens > 256 and first["kv_transfer_params"]["kvtier_loaded_tokens"] == 0
+        time.sleep(0.5)  # the connector's writes are asynchronous
+        _post(base + "/reset_prefix_cache")
+        second = _post(base + "/v1/completions", body)
+        loaded = second["kv_transfer_params"]["kvtier_loaded_tokens"]
+        assert loaded == min(prompt_tokens // 64 * 64, (prompt_tokens - 2) // 32 * 32) > 0, \
+            "the scheduler's lookups missed what the worker saved"
+        assert second["choices"][0]["text"] == first["choices"][0]["text"]
+        # Positive control of the premise: the tags differed, and the scheduler followed the worker's.
+        assert "lookups follow the worker's keys" in log_path.read_text()
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
