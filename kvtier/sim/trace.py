@@ -130,9 +130,12 @@ def parse_trace_lines(lines, block_tokens: int = 512, source: str = "",
 
 def _seconds_like(requests: int, nonzero: int, whole: int, span_s: float) -> str:
     """Why the timestamps look like seconds rather than the format's milliseconds ('' if not):
-    a millisecond clock gives whole numbers, and a conversation service's requests over a span
+    seconds read as milliseconds pack a service's requests a thousand times closer (fractional
+    ones, under 0.1 s apart on average), and a conversation service's requests over a span
     under a second would be a burst no published trace has."""
-    if requests >= 2 and nonzero and not whole:
+    # (fractional alone says nothing of the unit: float milliseconds from datetimes are common;
+    # as milliseconds, seconds-valued stamps put requests under 0.1 s apart on average)
+    if requests >= 2 and nonzero and not whole and span_s / (requests - 1) < 0.1:
         return f"none of them a whole number; as milliseconds, {requests:,} requests over {span_s:g} s"
     # 0: every request at one instant, an offline batch, not a clock in the wrong unit
     if requests >= SECONDS_SUSPECT_REQUESTS and 0 < span_s < 1.0:

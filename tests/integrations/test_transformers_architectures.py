@@ -16,6 +16,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -212,3 +214,46 @@ def test_softcapped_attention_under_eager_and_sdpa_gets_two_namespaces(tmp_path)
     assert a.weights_revision == b.weights_revision and a.root != b.root
     assert ":attn=eager" in a.model_id and ":attn=sdpa" in b.model_id
     assert namespace_for_model(eager, block_tokens=BLOCK) == a   # control: the same load, the same namespace
+
+
+def _checkpoint_with_legacy_config_keys(config, path, extra: dict):
+    """A decoder-only checkpoint whose config.json carries the generic fields transformers 4.x's
+    ``PretrainedConfig.to_dict()`` writes for every model (``is_decoder: false``,
+    ``add_cross_attention: false``, ...), as conversion/merge tools that dump the full dict leave them."""
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    cfg_file = path / "config.json"
+    data = json.loads(cfg_file.read_text())
+    data.update(extra)
+    cfg_file.write_text(json.dumps(data))
+    return transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+
+
+LEGACY_4X_KEYS = {"is_decoder": False, "add_cross_attention": False, "is_encoder_decoder": False,
+                  "chunk_size_feed_forward": 0, "cross_attention_hidden_size": None, "tie_encoder_decoder": False}
+
+
+# -- causal decoders whose config.json names is_decoder=false (transformers 4 dumps) are served --------
+
+def test_a_llama_checkpoint_with_transformers4_full_config_keys_is_still_served(tmp_path):
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, intermediate_size=96, initializer_range=0.2)
+    model = _checkpoint_with_legacy_config_keys(config, tmp_path, LEGACY_4X_KEYS)
+    # a Llama is causal whatever is_decoder says (LlamaModel never reads it)
+    prompt = np.random.default_rng(1).integers(3, VOCAB, 100)
+    ids = torch.from_numpy(prompt.astype(np.int64))[None]
+    with torch.inference_mode():
+        head = model(input_ids=ids[:, :50]).logits[0, -1]
+        whole = model(input_ids=ids).logits[0, 49]
+    assert float((head - whole).abs().max()) <= FP32_TOL   # causal: later tokens change nothing before them
+    kv_layout(model.config, "float32", BLOCK)   # regression audit s28 R1: was refused as bidirectional
+    cached, diff = _warm_hit_error(model, prompt)
+    assert cached == 80 and diff <= FP32_TOL
+
+
+def test_a_gpt2_checkpoint_with_is_decoder_false_in_config_json_is_still_served(tmp_path):
+    """GPT2Config declares add_cross_attention itself, so one stray key suffices."""
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, initializer_range=0.2)
+    model = _checkpoint_with_legacy_config_keys(config, tmp_path, {"is_decoder": False})
+    cached, diff = _warm_hit_error(model, np.random.default_rng(1).integers(3, VOCAB, 100))
+    assert cached == 80 and diff <= FP32_TOL

@@ -22,7 +22,7 @@ from kvtier.sim.cluster import ClusterConfig, load_cluster
 from kvtier.sim.metrics import summarize
 from kvtier.sim.policies import make_policy
 from kvtier.sim.simulator import ClusterSimulator
-from kvtier.sim.trace import Trace, TraceRequest, load_trace
+from kvtier.sim.trace import Trace, TraceRequest, load_trace, parse_trace_lines
 
 from tests.sim.conftest import SHIPPED_SLICE
 
@@ -264,3 +264,26 @@ def test_s28_timestamps_that_look_like_seconds_are_flagged_on_one_line(tmp_path,
 def test_s28_timestamps_in_milliseconds_are_not_flagged(tmp_path, capsys, stamps):
     load_trace(_write(tmp_path, _timed(stamps)))
     assert capsys.readouterr().err == ""
+
+
+def _lines(stamps):
+    return [json.dumps({"timestamp": t, "input_length": 600, "output_length": 10, "hash_ids": [2 * i, 2 * i + 1]})
+            for i, t in enumerate(stamps)]
+
+
+def test_s28_r2_float_millisecond_timestamps_over_an_hour_are_not_taken_for_seconds():
+    # 200 requests over one hour in milliseconds, with sub-millisecond parts (exported from
+    # datetimes / time.time() * 1000): 18 s apart, a plausible conversation service
+    stamps = [round(i * 18_090.137 + 0.25, 3) for i in range(200)]
+    trace = parse_trace_lines(_lines(stamps), 512, "float_ms.jsonl")
+    assert 3590 < trace.duration_s < 3610
+    seconds_notes = [n for n in trace.notes if "seconds" in n]
+    # (regression audit s28 R2: the note said to multiply them by 1000, making the hour 41 days)
+    assert seconds_notes == []
+
+
+def test_s28_r2_control_a_real_seconds_trace_is_still_noted():
+    """What the note is for: fractional seconds read as milliseconds squeeze an hour into 3.6 s."""
+    stamps = [round(i * 18.090137 + 0.25, 6) for i in range(200)]
+    trace = parse_trace_lines(_lines(stamps), 512, "seconds.jsonl")
+    assert any("seconds" in n for n in trace.notes)

@@ -110,9 +110,13 @@ def _refuse_bidirectional_config(text) -> None:
     tokens after a position, so a prefix's K/V depends on what follows it: a block saved by a
     shorter prompt is not what a recompute of a longer one holds. ``add_cross_attention`` marks
     those configs: BART-style configs also carry ``is_decoder``, but their ``*ForCausalLM`` runs
-    the causal decoder whatever it says.
+    the causal decoder whatever it says. Fields the config *class* declares, not attributes of
+    the instance: transformers makes every key of a config.json an attribute, and checkpoints
+    saved by transformers 4 carry ``"is_decoder": false`` and ``"add_cross_attention": false``
+    whatever the model (a Llama or GPT-2 of that kind was refused though its attention is causal).
     """
-    if getattr(text, "is_decoder", None) is False and hasattr(text, "add_cross_attention"):
+    declared = getattr(type(text), "__dataclass_fields__", {})
+    if "is_decoder" in declared and "add_cross_attention" in declared and getattr(text, "is_decoder", None) is False:
         raise ConfigError(
             f"{type(text).__name__} has is_decoder=False: this model's attention is bidirectional (an "
             f"encoder checkpoint loaded as a causal LM), so a cached prefix's K/V depends on the tokens "
