@@ -584,7 +584,9 @@ class Service:
             return entry
         with self._deleting_lock:
             self._deleting[skey] = future
-            if entry.tier == self.host.name:  # its charge left with the index entry; its DRAM leaves now
+            # its charge left with the index entry; its DRAM leaves now (a copy promoted into DRAM
+            # by a GET that timed out before it moved the entry's tier holds DRAM too)
+            if entry.tier == self.host.name or self.host.contains(skey):
                 for account in entry.accounts:
                     self._freeing.setdefault(account, set()).add(future)
         future.add_done_callback(lambda f: self._deletion_ended(skey, f, entry.accounts))

@@ -385,6 +385,8 @@ _HOST_LOCAL_HF_FIELDS = frozenset({
     # switches of transformers' own forward and its classification heads, not of vLLM's model
     "use_cache", "return_dict", "output_attentions", "output_hidden_states",
     "id2label", "label2id", "problem_type", "tokenizer_class",
+    # vLLM's MiniMax-M2 code writes the engine's --max-model-len here in its worker: no KV follows it
+    "max_model_len",
 })
 
 

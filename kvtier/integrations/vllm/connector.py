@@ -271,12 +271,21 @@ class KvtierConnector(KVConnectorBase_V1):
         return self.worker.take_load_errors()
 
     def get_handshake_metadata(self) -> KvtierHandshake | None:
-        """The worker's format tag, for the scheduler (:class:`KvtierHandshake`). None inside a
-        ``MultiConnector``: it passes on only the first sub-connector's metadata, and kvtier's
-        would take the place of another's that needs it (NIXL's); the scheduler keeps its own."""
+        """The worker's format tag, for the scheduler (:class:`KvtierHandshake`). Inside a
+        ``MultiConnector``, which passes on only the first sub-connector's metadata that is not
+        None, only if no other sub-connector has any: kvtier's would take the place of one that
+        needs it (NIXL's). Then the scheduler keeps its own tag, and says so once here."""
         from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
-        if self.worker is None or (has_kv_transfer_group() and get_kv_transfer_group() is not self):
+        if self.worker is None:
+            return None
+        group = get_kv_transfer_group() if has_kv_transfer_group() else self
+        others = [c for c in getattr(group, "_connectors", ()) if c is not self] if group is not self else []
+        if any(c.get_handshake_metadata() is not None for c in others):
+            log.warning("kvtier connector: another connector of this MultiConnector hands vLLM its handshake, "
+                        "so kvtier's format tag does not reach the scheduler; a model whose vLLM code writes "
+                        "its config as the worker loads it (Falcon, Llama 4) then gets no hits in a "
+                        "multiprocess engine")
             return None
         return KvtierHandshake(self.engine.format_tag)
 

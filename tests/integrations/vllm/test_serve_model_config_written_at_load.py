@@ -46,10 +46,16 @@ def falcon(tmp_path_factory) -> str:
     return str(out)
 
 
-def test_a_model_whose_config_vllm_writes_at_load_is_reloaded_from_kvtier(falcon, tmp_path):
+KVTIER = {"kv_connector": "KvtierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
+          "kv_role": "kv_both", "kv_connector_extra_config": {"block_tokens": 64, "host_bytes": "64MiB"}}
+#: kvtier as vLLM's MultiConnector's only sub-connector: MultiConnector hands on one sub-connector's
+#: handshake, and kvtier's goes when no other has one (regression audit s28 K1: it declined)
+MULTI = {"kv_connector": "MultiConnector", "kv_role": "kv_both", "kv_connector_extra_config": {"connectors": [KVTIER]}}
+
+
+@pytest.mark.parametrize("transfer", [KVTIER, MULTI], ids=["kvtier", "multiconnector"])
+def test_a_model_whose_config_vllm_writes_at_load_is_reloaded_from_kvtier(falcon, tmp_path, transfer):
     port = _free_port()
-    transfer = {"kv_connector": "KvtierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
-                "kv_role": "kv_both", "kv_connector_extra_config": {"block_tokens": 64, "host_bytes": "64MiB"}}
     log_path = tmp_path / "vllm-serve.log"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1"}
     with open(log_path, "w") as log:
