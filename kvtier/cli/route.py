@@ -22,8 +22,8 @@ _FLAGS = ("host", "port", "policy", "model_path", "block_tokens", "kv_bytes_per_
           "temperature",
           "index_capacity",
           "health_interval_s", "eject_after", "max_attempts", "drain_timeout_s", "max_held", "max_body_bytes",
-          "max_route_tokens", "body_timeout_s", "header_timeout_s", "max_connections_per_peer",
-          "max_inflight_body_bytes")
+          "max_route_tokens", "body_timeout_s", "header_timeout_s", "keepalive_timeout_s",
+          "max_connections_per_peer", "max_inflight_body_bytes", "max_arriving_body_bytes_per_peer")
 
 
 def register(subparsers) -> None:
@@ -79,14 +79,20 @@ def register(subparsers) -> None:
                    help="the longest a client may take to send a request's body (default 60); then 408 and "
                         "the connection closed")
     p.add_argument("--header-timeout-s", dest="header_timeout_s", type=finite_float,
-                   help="the longest a connection may go without sending a whole request head, from its connect "
-                        "and between requests (default 5); then it is closed")
+                   help="the longest a new connection may go without sending a whole request head (default 5); "
+                        "then it is closed")
+    p.add_argument("--keepalive-timeout-s", dest="keepalive_timeout_s", type=finite_float,
+                   help="the longest a kept-alive connection may stay idle between requests (default 75, longer "
+                        "than clients keep pooled connections); then it is closed")
     p.add_argument("--max-connections-per-peer", dest="max_connections_per_peer", type=int,
                    help="the most connections one client address may hold (default 0: a quarter of the open-file "
                         "limit); past it, its longest idle one is closed. Raise it behind a proxy")
     p.add_argument("--max-inflight-body-bytes", dest="max_inflight_body_bytes", metavar="SIZE",
-                   help="the request bodies held at once, every request's together (default 1GiB); one more is "
-                        "answered 429")
+                   help="the request bodies held at once, every request's together, counted as they arrive "
+                        "(default 1GiB); past it, 429")
+    p.add_argument("--max-arriving-body-bytes-per-peer", dest="max_arriving_body_bytes_per_peer", metavar="SIZE",
+                   help="the request bodies one client address may have begun and not finished sending (default 0: "
+                        "an eighth of --max-inflight-body-bytes); past it, 429. Raise it behind a proxy")
     p.add_argument("--temperature", type=finite_float, help="softmax temperature of tier-aware (0: take the minimum)")
     p.add_argument("--index-capacity", dest="index_capacity", type=int)
     p.add_argument("--health-interval-s", dest="health_interval_s", type=finite_float)

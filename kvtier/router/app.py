@@ -35,8 +35,8 @@ from kvtier.router.metrics import RouterMetrics
 from kvtier.router.models import (LORA_PATHS, TOKENIZER_CHECK_TEXT, first_refusal, listed_models, lora_adapters,
                                   merge_listings, model_missing, post_to_all, requested_model, serving,
                                   tokenizes_alike)
-from kvtier.router.reads import (LISTING_BYTES, SMALL_ANSWER_BYTES, BodyBytes, PeerConnections, answer_json,
-                                 default_per_peer, read_body, read_capped)
+from kvtier.router.reads import (LISTING_BYTES, SMALL_ANSWER_BYTES, BodyBytes, BodyHold, PeerConnections,
+                                 answer_json, default_per_peer, read_body, read_capped)
 from kvtier.router.relay import KeptAnswer, forwarded_headers
 from kvtier.router.requests import (CHARS_PER_ROUTE_TOKEN, RENDER_FIELDS, WORKER_RENDERED, RequestError, RoutedPrompt,
                                    RouteRequest, cached_tokens, check_body, error_response, first_prompt,
@@ -59,8 +59,8 @@ _ANSWERED = web.RequestKey("kvtier_answered", bool)
 _NAMED = web.RequestKey("kvtier_named", tuple)
 #: the answer the router began to send the client (relayed from a worker)
 _RESPONSE = web.RequestKey("kvtier_response", web.StreamResponse)
-#: the bytes this request's body counts in the bodies in flight (``max_inflight_body_bytes``)
-_BODY_BYTES = web.RequestKey("kvtier_body_bytes", int)
+#: this request's body's bytes in the bodies in flight (``max_inflight_body_bytes``)
+_BODY = web.RequestKey("kvtier_body", BodyHold)
 #: how the router's app must be served. A client that leaves cancels its handler, which closes
 #: the worker's request with it: vLLM then aborts the generation (its own server does the same
 #: for a client of its own) instead of decoding to ``max_tokens`` for nobody. aiohttp's default
@@ -141,10 +141,10 @@ class Router:
         self.admission: dict[int, AsyncAdmission] = {}
         self.index = BlockIndex(config.block_tokens, capacity=config.index_capacity)
         self.metrics = RouterMetrics()
-        #: the router's front door: connections per client address (the header deadline beside it
-        #: is aiohttp's keep-alive timer: ``runner``), request bodies held at once
-        self.peers = PeerConnections(config.max_connections_per_peer or default_per_peer())
-        self.bodies = BodyBytes(config.max_inflight_body_bytes)
+        #: the router's front door: connections per client address and their first request head's
+        #: deadline, request bodies held at once
+        self.peers = PeerConnections(config.max_connections_per_peer or default_per_peer(), config.header_timeout_s)
+        self.bodies = BodyBytes(config.max_inflight_body_bytes, config.arriving_body_bytes_per_peer())
         self.health = Health(config.eject_after)
         self.policy = make_policy(config.policy, **({"temperature": config.temperature}
                                                     if config.policy == "tier-aware" else {}))
@@ -215,10 +215,11 @@ class Router:
 
     def runner(self, **options: Any) -> web.AppRunner:
         """An aiohttp runner for :meth:`app`, the one ``kvtier route`` serves it with (SERVE_OPTIONS,
-        aiohttp's other runner ``options``): a connection that sends no whole request head within
-        ``header_timeout_s`` is closed (aiohttp's keep-alive timer, which runs from the connect),
-        and one address holds at most ``max_connections_per_peer`` connections (``self.peers``)."""
-        return _CountingRunner(self.app(), self.peers, keepalive_timeout=self.config.header_timeout_s,
+        aiohttp's other runner ``options``): a new connection that sends no whole request head
+        within ``header_timeout_s`` is closed, and one address holds at most
+        ``max_connections_per_peer`` connections (``self.peers``); a kept-alive connection idle
+        between requests is closed after ``keepalive_timeout_s`` (aiohttp's keep-alive timer)."""
+        return _CountingRunner(self.app(), self.peers, keepalive_timeout=self.config.keepalive_timeout_s,
                                **SERVE_OPTIONS, **options)
 
     async def _start(self, app: web.Application) -> None:
@@ -606,8 +607,9 @@ class Router:
             self.metrics.errors.labels("internal").inc()
             return error_response(500, "internal router error", "internal_server_error")
         finally:   # the answer is over (or handed to aiohttp whole): its body is no longer held
-            self.bodies.give(request.get(_BODY_BYTES, 0))
-            request[_BODY_BYTES] = 0
+            body = request.get(_BODY)
+            if body is not None:
+                body.release()
 
     @staticmethod
     async def _answer_and_close(request: web.Request, response: web.Response) -> None:
@@ -623,21 +625,10 @@ class Router:
 
     async def _read(self, request: web.Request) -> bytes:
         """The request's body (``body_timeout_s``, ``max_body_bytes``: router/reads.py), counted in
-        the bodies in flight until its answer ends (``max_inflight_body_bytes``: 429 past it,
-        before a byte is read: a body declared larger than ``max_body_bytes`` counts that much, as
-        does a chunked one until it is in)."""
-        limit = self.config.max_body_bytes
-        declared = request.content_length if request.body_exists else 0
-        counted = limit if declared is None else min(declared, limit)
-        if not self.bodies.take(counted):
-            raise RequestError(429, f"the router holds {self.bodies.held} bytes of request bodies, near its "
-                                    f"max_inflight_body_bytes ({self.bodies.limit}); retry later",
-                               "rate_limit_error", close=True)
-        request[_BODY_BYTES] = counted
-        raw = await read_body(request, self.config.body_timeout_s, limit)
-        self.bodies.give(counted - len(raw))
-        request[_BODY_BYTES] = len(raw)
-        return raw
+        the bodies in flight as it arrives and until its answer ends (``max_inflight_body_bytes``
+        and, while it arrives, its address's ``max_arriving_body_bytes_per_peer``: 429 past them)."""
+        request[_BODY] = hold = self.bodies.hold(self.peers.address(request.protocol))
+        return await read_body(request, hold, self.config.body_timeout_s, self.config.max_body_bytes)
 
     async def _json(self, request: web.Request, field: str | None = None) -> tuple[bytes, Any]:
         """The request's body and its JSON, checked for ``field`` (:func:`check_body`); a large

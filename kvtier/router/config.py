@@ -133,13 +133,18 @@ class RouterConfig:
     max_route_tokens: int = 1 << 18
     #: the longest a client may take to send a request's body once its headers are in; past it,
     #: 408 and the connection closed (a client that stalls mid-body otherwise holds a socket
-    #: and a handler for ever: aiohttp's keep-alive deadline covers only a wait for headers)
+    #: and a handler for ever: ``header_timeout_s`` covers only a new connection's wait for its head)
     body_timeout_s: float = 60.0
-    #: the longest a connection may go without a whole request head: from when it connects, and
-    #: between two requests on a kept-alive one (aiohttp's keep-alive timer); past it the
-    #: connection is closed. aiohttp's default, an hour (75 s under ``run_app``), let silent
-    #: sockets pile up; vLLM's own API server keeps an idle connection 5 s.
+    #: the longest a new connection may go without a whole request head, from when it connects;
+    #: past it the connection is closed. aiohttp's keep-alive timer, an hour (75 s under
+    #: ``run_app``), was all there was, and silent sockets piled up.
     header_timeout_s: float = 5.0
+    #: the longest a kept-alive connection may stay idle between two requests (aiohttp's
+    #: keep-alive timer); past it the connection is closed. Longer than clients keep pooled
+    #: connections (aiohttp's 15 s, httpx's 5 s): a client that reuses one the router has just
+    #: closed may fail its request (aiohttp's does not retry a POST). Idle connections are also
+    #: the first closed when an address passes ``max_connections_per_peer``.
+    keepalive_timeout_s: float = 75.0
     #: the most connections one client address may hold (kvtier.router.reads.PeerConnections):
     #: past it, that address's connection idle longest is closed, or the newcomer if every one
     #: has a request under way. 0 (default): a quarter of the router's open-file limit (which
@@ -147,10 +152,16 @@ class RouterConfig:
     #: the proxy's address: raise it there.
     max_connections_per_peer: int = 0
     #: the bytes of request bodies the router holds at once, every request's together (bytes, or
-    #: a size such as "1GiB" in the file): a body is kept until its answer ends; one more that
-    #: would pass it is answered 429 (``rate_limit_error``) before it is read. At least
-    #: ``max_body_bytes``.
+    #: a size such as "1GiB" in the file): counted as they arrive (never as a ``Content-Length``
+    #: declares) and kept until the answer ends; a body whose next piece would pass it is answered
+    #: 429 (``rate_limit_error``) and its connection closed. At least ``max_body_bytes``.
     max_inflight_body_bytes: int = 1 << 30
+    #: the bytes of request bodies one client address may have begun and not finished sending
+    #: (bytes, or a size such as "128MiB" in the file): sending most of many bodies and then
+    #: stalling is the cheapest way to hold ``max_inflight_body_bytes``; past it, 429 as there.
+    #: 0 (default): an eighth of ``max_inflight_body_bytes``, at least ``max_body_bytes``. Bodies
+    #: wholly in do not count. Behind a proxy every client shares the proxy's address: raise it there.
+    max_arriving_body_bytes_per_peer: int = 0
     temperature: float = 0.0
     index_capacity: int = 1 << 22
     health_interval_s: float = 2.0
@@ -198,6 +209,11 @@ class RouterConfig:
                 setattr(self, name, value)
                 self._sources[name] = str(path)
 
+    def arriving_body_bytes_per_peer(self) -> int:
+        """``max_arriving_body_bytes_per_peer``, its 0 read as an eighth of the bodies in flight
+        (``max_inflight_body_bytes``), never less than one body of ``max_body_bytes``."""
+        return self.max_arriving_body_bytes_per_peer or max(self.max_inflight_body_bytes // 8, self.max_body_bytes)
+
     def read_bandwidths(self) -> dict[str, tuple[float, str]]:
         """``{"host": (bytes/s, source), "shared": …}``: what loads are priced with, and why."""
         out = {}
@@ -216,8 +232,10 @@ class RouterConfig:
         "max_held": (True, False, " (0: hold no request)"),
         "max_body_bytes": (True, True, ""), "max_route_tokens": (True, True, ""),
         "body_timeout_s": (False, True, ""), "header_timeout_s": (False, True, ""),
+        "keepalive_timeout_s": (False, True, ""),
         "max_connections_per_peer": (True, False, " (0: a quarter of the open-file limit)"),
         "max_inflight_body_bytes": (True, True, ""),
+        "max_arriving_body_bytes_per_peer": (True, False, " (0: an eighth of max_inflight_body_bytes)"),
         "host_read_bytes_per_s": (False, True, ""), "shared_read_bytes_per_s": (False, True, ""),
         "prefill_tokens_per_s": (False, True, ""), "health_interval_s": (False, True, ""),
         "connect_timeout_s": (False, True, ""), "request_timeout_s": (False, True, ""),
@@ -235,7 +253,7 @@ class RouterConfig:
             raise ConfigError("no workers: give --worker URL (repeatable) or [[worker]] in the config file")
         if self.policy not in ROUTE_NAMES:
             raise ConfigError(f"unknown --policy {self.policy!r}; use one of {sorted(ROUTE_NAMES)}")
-        for name in ("max_body_bytes", "max_inflight_body_bytes"):
+        for name in ("max_body_bytes", "max_inflight_body_bytes", "max_arriving_body_bytes_per_peer"):
             if isinstance(getattr(self, name), str):   # "16MiB" (the file), or a flag's text
                 setattr(self, name, parse_size(getattr(self, name), name))
         for name, (integer, positive, zero) in self._NUMBERS.items():
@@ -251,6 +269,10 @@ class RouterConfig:
         if self.max_inflight_body_bytes < self.max_body_bytes:
             raise ConfigError(f"max_inflight_body_bytes ({self.max_inflight_body_bytes}) must be at least "
                               f"max_body_bytes ({self.max_body_bytes}), or no body of that size is ever taken")
+        if 0 < self.max_arriving_body_bytes_per_peer < self.max_body_bytes:
+            raise ConfigError(f"max_arriving_body_bytes_per_peer ({self.max_arriving_body_bytes_per_peer}) must be "
+                              f"at least max_body_bytes ({self.max_body_bytes}), or no body of that size is ever "
+                              f"taken (0: an eighth of max_inflight_body_bytes)")
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be 0-65535 (0: any free port), got {self.port!r}")
         if not isinstance(self.host, str) or not self.host:

@@ -3,8 +3,9 @@ that the router holds whole (a 404 it looks into, a listing, a rendering, a LoRA
 cap. A relayed answer is never held whole (router/relay.py); these are the reads that were, and a
 worker (or a proxy in front of one) whose 404 ran to 300 MiB grew the router by ~1 GiB.
 
-Also what clients may make the router hold while it reads from them: connections per address
-(:class:`PeerConnections`) and the bytes of request bodies in flight (:class:`BodyBytes`).
+Also what clients may make the router hold while it reads from them: connections per address and
+the deadline for a connection's first request head (:class:`PeerConnections`), and the bytes of
+request bodies in flight (:class:`BodyBytes`).
 """
 
 from __future__ import annotations
@@ -55,18 +56,42 @@ async def answer_json(resp, cap: int) -> Any:
     return json.loads(data)
 
 
-async def read_body(request: web.Request, timeout_s: float, max_bytes: int) -> bytes:
+async def read_body(request: web.Request, hold: BodyHold, timeout_s: float, max_bytes: int) -> bytes:
     """The client's request body, in ``timeout_s`` at most from when its reading began (408 after;
     a client that sends its headers and then nothing, or a byte now and then, otherwise holds a
-    connection and a handler for ever), and no larger than the app's ``client_max_size``,
-    ``max_bytes`` (413)."""
+    connection and a handler for ever), no larger than ``max_bytes`` (413; at once for a larger
+    ``Content-Length``), each piece counted in ``hold`` as it arrives (429 and the connection
+    closed when one does not fit: :class:`BodyBytes`)."""
+    declared = request.content_length if request.body_exists else 0
+    if declared is not None and declared > max_bytes:
+        raise body_too_large(max_bytes)
     try:
-        return await asyncio.wait_for(request.read(), timeout_s)
+        return await asyncio.wait_for(_read_pieces(request.content, hold, max_bytes), timeout_s)
     except asyncio.TimeoutError:
         raise body_too_late(timeout_s) from None
-    except web.HTTPRequestEntityTooLarge:
-        raise RequestError(413, f"the request body is larger than the router takes (max_body_bytes = "
-                                f"{max_bytes})") from None
+
+
+async def _read_pieces(content: StreamReader, hold: BodyHold, max_bytes: int) -> bytes:
+    # Piece by piece as the socket gives them (aiohttp's ``request.read`` takes the whole body
+    # before anything can count it); the stream's own buffer, which aiohttp stops filling past
+    # twice its ``read_bufsize`` (512 KiB a connection), is the only part not counted.
+    body = bytearray()
+    while piece := await content.readany():
+        if len(body) + len(piece) > max_bytes:
+            raise body_too_large(max_bytes)
+        if not hold.take(len(piece)):
+            bodies = hold.bodies
+            raise RequestError(429, f"the router holds {bodies.held} bytes of request bodies (max_inflight_body_bytes "
+                                    f"= {bodies.limit}), {bodies.arriving(hold.address)} of them still arriving "
+                                    f"from this address (max_arriving_body_bytes_per_peer = {bodies.per_peer}); "
+                                    f"retry later", "rate_limit_error", close=True)
+        body += piece
+    hold.arrived()
+    return bytes(body)
+
+
+def body_too_large(max_bytes: int) -> RequestError:
+    return RequestError(413, f"the request body is larger than the router takes (max_body_bytes = {max_bytes})")
 
 
 def body_too_late(timeout_s: float) -> RequestError:
@@ -78,22 +103,72 @@ class BodyBytes:
     """The bytes of request bodies the router holds at once, every request's together: a body is
     kept from its read until its answer ends (it is what is forwarded, and a retry forwards it
     again), so without a bound a client with many slow or held requests of ``max_body_bytes``
-    each grew the router by that many times 16 MiB. Counted before a byte is read (the declared
-    ``Content-Length``, or the most a chunked body may be, set right once it is in). Event loop only."""
+    each grew the router by that many times 16 MiB.
 
-    def __init__(self, limit: int) -> None:
+    Counted as they arrive (:func:`read_body`), never as declared: a ``Content-Length`` (or a
+    chunked body's most) costs a client nothing to say, and when heads were charged what they
+    declared, 64 idle sockets that each declared 16 MiB and sent one byte held the whole 1 GiB and
+    every other client was answered 429 for ``body_timeout_s`` (audit s28 R1). Sending bytes and
+    then stalling is still the cheapest way to hold them, so one address's bodies *still arriving*
+    count at most ``per_peer`` (a Unix socket's, like :class:`PeerConnections`, are not counted
+    per address); bodies wholly in count only in the limit, since a proxy's clients share its
+    address and their bodies are held as long as their answers last. Event loop only."""
+
+    def __init__(self, limit: int, per_peer: int) -> None:
         self.limit = limit
+        self.per_peer = per_peer
         self.held = 0
+        self._arriving: dict[str, int] = {}   #: address → bytes of its bodies not yet wholly in
+
+    def hold(self, address: str | None) -> BodyHold:
+        """An empty count for one request's body from ``address`` (None: not counted per address)."""
+        return BodyHold(self, address)
+
+    def arriving(self, address: str | None) -> int:
+        """The bytes of ``address``'s bodies that are not yet wholly in."""
+        return self._arriving.get(address, 0) if address is not None else 0
+
+
+class BodyHold:
+    """One request's bytes in :class:`BodyBytes`: taken as its body arrives (in its address's
+    share until :meth:`arrived`), all given back by :meth:`release` (once the answer is over;
+    idempotent). Event loop only."""
+
+    __slots__ = ("bodies", "address", "nbytes", "_arriving")
+
+    def __init__(self, bodies: BodyBytes, address: str | None) -> None:
+        self.bodies = bodies
+        self.address = address
+        self.nbytes = 0
+        self._arriving = address is not None
 
     def take(self, nbytes: int) -> bool:
-        """Count ``nbytes`` more if they fit under the limit (else False: nothing counted)."""
-        if self.held + nbytes > self.limit:
+        """Count ``nbytes`` more if they fit under the limit and the address's share (else False:
+        nothing counted)."""
+        bodies = self.bodies
+        if bodies.held + nbytes > bodies.limit:
             return False
-        self.held += nbytes
+        if self._arriving:
+            arriving = bodies._arriving.get(self.address, 0) + nbytes
+            if arriving > bodies.per_peer:
+                return False
+            bodies._arriving[self.address] = arriving
+        bodies.held += nbytes
+        self.nbytes += nbytes
         return True
 
-    def give(self, nbytes: int) -> None:
-        self.held -= nbytes
+    def arrived(self) -> None:
+        """The body is wholly in: it leaves its address's share (it stays in the limit)."""
+        if self._arriving:
+            self._arriving = False
+            left = self.bodies._arriving.pop(self.address, 0) - self.nbytes
+            if left:
+                self.bodies._arriving[self.address] = left
+
+    def release(self) -> None:
+        self.arrived()
+        self.bodies.held -= self.nbytes
+        self.nbytes = 0
 
 
 def default_per_peer() -> int:
@@ -105,7 +180,8 @@ def default_per_peer() -> int:
 
 
 class PeerConnections:
-    """At most ``per_peer`` client connections per address (TCP; a Unix socket's are not counted).
+    """At most ``per_peer`` client connections per address (TCP; a Unix socket's are not counted),
+    and each connection's first request head within ``header_timeout_s`` of its connect.
 
     A connection past the cap closes that address's connection that has waited longest for a
     request (silent since it connected, or idle between requests), so a flood of silent sockets
@@ -116,11 +192,19 @@ class PeerConnections:
     took every descriptor of the router: at ``RLIMIT_NOFILE`` its accept loop failed (EMFILE) and
     no other client was served, nor could it reach its workers.
 
+    The head deadline covers a new connection only: a kept-alive one idle between requests is
+    aiohttp's keep-alive timer's (``keepalive_timeout_s``, far longer). One timer for both closed
+    idle pooled connections after 5 s, and an aiohttp client, which reuses a pooled socket without
+    looking at it and does not retry a POST, failed its next request (audit s28 R3).
+
     Installed on aiohttp's connection manager by :meth:`watch` (``Router.runner``); aiohttp has
     no hook of its own for a new connection. Event loop only."""
 
-    def __init__(self, per_peer: int) -> None:
+    def __init__(self, per_peer: int, header_timeout_s: float) -> None:
         self.per_peer = per_peer
+        self.header_timeout_s = header_timeout_s
+        #: connections without a request begun yet → the timer that closes them at the deadline
+        self._no_head_yet: dict[RequestHandler, asyncio.TimerHandle] = {}
         self._peer: dict[RequestHandler, str] = {}             #: counted connection → its address
         self._count: dict[str, int] = {}                       #: address → its connections
         #: address → its connections without a request under way, the longest waiting first
@@ -145,6 +229,7 @@ class PeerConnections:
     def connected(self, handler: RequestHandler, transport: asyncio.Transport) -> None:
         peer = transport.get_extra_info("peername")
         if not isinstance(peer, tuple):   # a Unix socket: its file's permissions decide who connects
+            self._await_head(handler)
             return
         address = peer[0]
         if self._count.get(address, 0) >= self.per_peer:
@@ -162,8 +247,20 @@ class PeerConnections:
         self._peer[handler] = address
         self._count[address] = self._count.get(address, 0) + 1
         self._idle.setdefault(address, OrderedDict())[handler] = None
+        self._await_head(handler)
+
+    def _await_head(self, handler: RequestHandler) -> None:
+        self._no_head_yet[handler] = asyncio.get_running_loop().call_later(
+            self.header_timeout_s, self._no_head, handler)
+
+    def _no_head(self, handler: RequestHandler) -> None:
+        if self._no_head_yet.pop(handler, None) is not None:
+            handler.force_close()
 
     def forget(self, handler: RequestHandler) -> None:
+        timer = self._no_head_yet.pop(handler, None)
+        if timer is not None:
+            timer.cancel()
         address = self._peer.pop(handler, None)
         if address is None:
             return
@@ -176,10 +273,18 @@ class PeerConnections:
     def connections(self, address: str) -> int:
         return self._count.get(address, 0)
 
+    def address(self, handler: RequestHandler) -> str | None:
+        """The address ``handler``'s connection is counted under (None: not counted, a Unix socket)."""
+        return self._peer.get(handler)
+
     @web.middleware
     async def middleware(self, request: web.Request, handler):
-        """Marks the request's connection busy while its handler runs (the outermost middleware)."""
+        """Marks the request's connection busy while its handler runs, and as having begun a
+        request (its head is in: the head deadline is over for it). The outermost middleware."""
         conn = request.protocol
+        timer = self._no_head_yet.pop(conn, None)
+        if timer is not None:
+            timer.cancel()
         address = self._peer.get(conn)
         if address is not None:
             self._idle[address].pop(conn, None)

@@ -1,11 +1,15 @@
 """What one client can make the router hold at its front door (audit s28, DOS-2 and DOS-3):
-connections that send no request, connections per address, request bodies in flight."""
+connections that send no request, connections per address, request bodies in flight (counted as
+they arrive, one address's still arriving bounded: R1); a kept-alive connection is not held to the
+first head's deadline (R3)."""
 
 from __future__ import annotations
 
 import asyncio
 import gc
+import json
 import os
+import select
 import socket
 import subprocess
 import sys
@@ -14,8 +18,11 @@ import tracemalloc
 import urllib.request
 from pathlib import Path
 
+import pytest
 from aiohttp import ClientSession, web
 
+from kvtier.errors import ConfigError
+from kvtier.router.config import RouterConfig, WorkerSpec
 from tests.router.test_http import StandIn, one_worker_router, run, start_router, until
 
 HERE = Path(__file__).resolve().parent
@@ -229,3 +236,167 @@ def test_bodies_in_flight_are_bounded_in_bytes():
             await runner.cleanup()
             await w.stop()
     run(main())
+
+
+def _declare_body(port: int, head: bytes, sent: bytes, source: str = "127.0.0.1") -> socket.socket:
+    """A connection from ``source`` that sends ``head`` and the first bytes of its body, ``sent``,
+    and then nothing (well within ``body_timeout_s``)."""
+    sock = socket.socket()
+    sock.bind((source, 0))
+    sock.connect(("127.0.0.1", port))
+    sock.sendall(head + sent)
+    return sock
+
+
+async def _first_bytes(sock: socket.socket, seconds: float = 5.0) -> bytes:
+    """What the router sends first on ``sock`` (read on the test's loop, which is the router's)."""
+    sock.setblocking(False)
+    return await asyncio.wait_for(asyncio.get_running_loop().sock_recv(sock, 4096), seconds)
+
+
+def _post_head(length: int | None) -> bytes:
+    framing = b"Transfer-Encoding: chunked" if length is None else b"Content-Length: %d" % length
+    return (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" + framing
+            + b"\r\n\r\n")
+
+
+@pytest.mark.parametrize("framing", ["content-length", "chunked"])
+def test_bodies_declared_but_not_sent_do_not_lock_other_clients_out(framing):
+    """Audit s28 R1: the budget charged what a head *declared* (its Content-Length, or
+    ``max_body_bytes`` for a chunked body) before a byte arrived. 64 sockets that each declared
+    16 MiB (the default ``max_body_bytes``) and sent one byte held the whole default 1 GiB, and
+    every other client was answered 429 for ``body_timeout_s``. Now a body counts what arrived."""
+    head, sent = (_post_head(16 << 20), b"{") if framing == "content-length" else (_post_head(None), b"1\r\n{")
+
+    async def main():
+        async with one_worker_router() as (w, router, url, s):
+            port = int(url.rsplit(":", 1)[1])
+            hog = [_declare_body(port, head, sent) for _ in range(64)]
+            try:
+                await until(lambda: router.bodies.held >= 64)
+                async with s.post(url + "/v1/completions", json={"prompt": "a b c d"}) as r:
+                    assert r.status == 200, f"another client was refused: {r.status} {(await r.text())[:160]}"
+                assert router.bodies.held == 64, f"64 sockets that sent 1 body byte each hold {router.bodies.held}"
+            finally:
+                for sock in hog:
+                    sock.close()
+            await until(lambda: router.bodies.held == 0)
+            assert router.bodies.held == 0 and router.bodies.arriving("127.0.0.1") == 0
+    run(main())
+
+
+def test_one_address_holds_at_most_its_share_of_bodies_still_arriving():
+    """Audit s28 R1, the rest: sending most of many bodies and stalling is the cheapest way left to
+    hold the budget, so one address's bodies still arriving count at most
+    ``max_arriving_body_bytes_per_peer``. Its body whose next piece would pass that is answered
+    429 and closed; another address is served, and bodies wholly in do not count."""
+    async def main():
+        async with one_worker_router(max_body_bytes=1000, max_arriving_body_bytes_per_peer=2000) as (w, router, url, s):
+            port = int(url.rsplit(":", 1)[1])
+            hog = []
+            try:
+                for n in range(1, 4):
+                    hog.append(_declare_body(port, _post_head(1000), b"{" + b" " * 599, source="127.0.0.2"))
+                    await until(lambda: router.bodies.arriving("127.0.0.2") == 600 * n)
+                assert router.bodies.arriving("127.0.0.2") == 1800
+                fourth = _declare_body(port, _post_head(1000), b"{" + b" " * 599, source="127.0.0.2")
+                hog.append(fourth)
+                answer = await _first_bytes(fourth)
+                assert answer.startswith(b"HTTP/1.1 429") and b"max_arriving_body_bytes_per_peer" in answer, answer[:300]
+                assert router.bodies.arriving("127.0.0.2") == 1800
+                async with s.post(url + "/v1/completions", json={"prompt": "a b c d"}) as r:   # another address
+                    assert r.status == 200
+                assert router.bodies.arriving("127.0.0.1") == 0, "a body wholly in still counts as arriving"
+            finally:
+                for sock in hog:
+                    sock.close()
+            await until(lambda: router.bodies.held == 0)
+            assert router.bodies.held == 0 and router.bodies.arriving("127.0.0.2") == 0
+    run(main())
+
+
+def test_a_kept_alive_connection_reused_after_the_header_timeout_still_gets_an_answer():
+    """Audit s28 R3: ``header_timeout_s`` was aiohttp's keep-alive timer, so it also closed a
+    kept-alive connection idle *between* requests (5 s; 75 s under ``run_app`` before). aiohttp's
+    client pools connections 15 s, reuses one without looking at it and does not retry a POST:
+    a client busy past the header timeout then failed its next POST (ClientOSError). The head
+    deadline now covers a new connection's first head; idle ones have ``keepalive_timeout_s``."""
+    async def main():
+        async with one_worker_router(header_timeout_s=1.0) as (w, router, url, s):
+            async with ClientSession() as client:
+                async with client.post(url + "/v1/completions", json={"prompt": "a b c d"}) as r:
+                    assert r.status == 200
+                    await r.read()
+                time.sleep(1.5)   # the client's loop busy (a blocking call) past the header timeout
+                try:
+                    async with client.post(url + "/v1/completions", json={"prompt": "a b c d"}) as r:
+                        got = r.status
+                except Exception as exc:  # noqa: BLE001
+                    got = type(exc).__name__
+                assert got == 200, f"a POST on a kept-alive connection idle 1.5 s: {got}"
+                assert router.peers.connections("127.0.0.1") == 1, "the pooled connection was not the one reused"
+    run(main())
+
+
+def test_a_kept_alive_connection_idle_past_the_keepalive_timeout_is_closed():
+    """The other half of R3's split: idle between requests, a connection is closed after
+    ``keepalive_timeout_s`` (here shorter than the head deadline, to tell the two apart)."""
+    async def main():
+        async with one_worker_router(header_timeout_s=5.0, keepalive_timeout_s=0.5) as (w, router, url, s):
+            port = int(url.rsplit(":", 1)[1])
+            sock = socket.create_connection(("127.0.0.1", port))
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert (await _first_bytes(sock)).startswith(b"HTTP/1.1 200")
+            t0 = time.monotonic()
+            assert await closed_within(sock, 3.0), "an idle kept-alive connection was kept past keepalive_timeout_s"
+            assert time.monotonic() - t0 < 2.0
+            sock.close()
+            await until(lambda: router.peers.connections("127.0.0.1") == 0)
+    run(main())
+
+
+def test_an_answer_being_written_reaches_a_connection_closed_for_a_newcomer():
+    """Audit s28 suspicion: a connection counts as idle once its handler returns, before aiohttp
+    writes the ``web.Response`` it returned, so a newcomer at the address's cap closes it. Its
+    answer still arrives whole: aiohttp hands the transport the whole body in one write, and a
+    closed transport sends what it was given before it closes. Pinned here (a listing of ~800 KB
+    to a reader with a 4 KiB receive buffer, at ``max_connections_per_peer = 1``)."""
+    async def main():
+        async with one_worker_router(max_connections_per_peer=1, models_refresh_s=0) as (w, router, url, s):
+            w.loras = [f"adapter-{i:06d}-" + "x" * 40 for i in range(5000)]
+            port = int(url.rsplit(":", 1)[1])
+            loop = asyncio.get_running_loop()
+            slow = socket.socket()
+            slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            slow.connect(("127.0.0.1", port))
+            slow.setblocking(False)
+            slow.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+            await until(lambda: select.select([slow], [], [], 0)[0])   # its answer is being written
+            before = set(router.peers._peer)
+            newcomer = socket.create_connection(("127.0.0.1", port))
+            await until(lambda: router.peers._peer and not before & set(router.peers._peer))
+            assert not before & set(router.peers._peer), "the connection being answered was not the one closed"
+            data = b""
+            while chunk := await asyncio.wait_for(loop.sock_recv(slow, 1 << 16), 5.0):
+                data += chunk
+            slow.close()
+            newcomer.close()
+            head, _, body = data.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 200") and len(json.loads(body)["data"]) == 5001, len(body)
+    run(main())
+
+
+def test_the_front_door_settings_are_checked_at_start():
+    """``keepalive_timeout_s`` > 0; ``max_arriving_body_bytes_per_peer`` a size, 0 for an eighth of
+    the bodies in flight (never under one body), and at least ``max_body_bytes`` when set."""
+    def config(**kw):
+        return RouterConfig(workers=[WorkerSpec("http://127.0.0.1:1")], **kw).check()
+
+    assert config().arriving_body_bytes_per_peer() == 128 << 20
+    assert config(max_arriving_body_bytes_per_peer="256MiB").arriving_body_bytes_per_peer() == 256 << 20
+    assert config(max_body_bytes=1000, max_inflight_body_bytes=2000).arriving_body_bytes_per_peer() == 1000
+    for bad in ({"keepalive_timeout_s": 0}, {"keepalive_timeout_s": float("nan")},
+                {"max_arriving_body_bytes_per_peer": -1},
+                {"max_body_bytes": 1000, "max_arriving_body_bytes_per_peer": 999}):
+        with pytest.raises(ConfigError):
+            config(**bad)
