@@ -65,10 +65,15 @@ async def read_body(request: web.Request, hold: BodyHold, timeout_s: float, max_
     declared = request.content_length if request.body_exists else 0
     if declared is not None and declared > max_bytes:
         raise body_too_large(max_bytes)
+    hold.start(request.content)
     try:
         return await asyncio.wait_for(_read_pieces(request.content, hold, max_bytes), timeout_s)
     except asyncio.TimeoutError:
         raise body_too_late(timeout_s) from None
+    except ConnectionResetError:
+        # the client left mid-body (aiohttp fails the payload before it cancels the handler, and
+        # wait_for hands on that failure): the handler is being cancelled, nothing to answer or log
+        raise asyncio.CancelledError() from None
 
 
 async def _read_pieces(content: StreamReader, hold: BodyHold, max_bytes: int) -> bytes:
@@ -80,11 +85,7 @@ async def _read_pieces(content: StreamReader, hold: BodyHold, max_bytes: int) ->
         if len(body) + len(piece) > max_bytes:
             raise body_too_large(max_bytes)
         if not hold.take(len(piece)):
-            bodies = hold.bodies
-            raise RequestError(429, f"the router holds {bodies.held} bytes of request bodies (max_inflight_body_bytes "
-                                    f"= {bodies.limit}), {bodies.arriving(hold.address)} of them still arriving "
-                                    f"from this address (max_arriving_body_bytes_per_peer = {bodies.per_peer}); "
-                                    f"retry later", "rate_limit_error", close=True)
+            raise hold.bodies.refusal(hold.address)
         body += piece
     hold.arrived()
     return bytes(body)
@@ -112,13 +113,34 @@ class BodyBytes:
     then stalling is still the cheapest way to hold them, so one address's bodies *still arriving*
     count at most ``per_peer`` (a Unix socket's, like :class:`PeerConnections`, are not counted
     per address); bodies wholly in count only in the limit, since a proxy's clients share its
-    address and their bodies are held as long as their answers last. Event loop only."""
+    address and their bodies are held as long as their answers last.
+
+    Past a bound, the youngest body still arriving yields (429, its connection closed, its bytes
+    given back at once), never the piece that happened to come next: refused that way, a batch of
+    17 concurrent 8 MiB uploads from one address, each part-way in when the share ran out, was
+    answered 429 to every request and none completed (audit s28 F1). The oldest bodies finish.
+    Event loop only."""
 
     def __init__(self, limit: int, per_peer: int) -> None:
         self.limit = limit
         self.per_peer = per_peer
         self.held = 0
         self._arriving: dict[str, int] = {}   #: address → bytes of its bodies not yet wholly in
+        #: the bodies being read, oldest first (a dict: ordered, O(1) removal)
+        self._reading: dict[BodyHold, None] = {}
+
+    def refusal(self, address: str | None) -> RequestError:
+        return RequestError(429, f"the router holds {self.held} bytes of request bodies (max_inflight_body_bytes "
+                                 f"= {self.limit}), {self.arriving(address)} of them still arriving from this "
+                                 f"address (max_arriving_body_bytes_per_peer = {self.per_peer}); retry later",
+                            "rate_limit_error", close=True)
+
+    def _youngest(self, address: str | None) -> BodyHold | None:
+        """The body that began reading last (of ``address``, or of anyone for None)."""
+        for hold in reversed(self._reading):
+            if address is None or hold.address == address:
+                return hold
+        return None
 
     def hold(self, address: str | None) -> BodyHold:
         """An empty count for one request's body from ``address`` (None: not counted per address)."""
@@ -134,31 +156,51 @@ class BodyHold:
     share until :meth:`arrived`), all given back by :meth:`release` (once the answer is over;
     idempotent). Event loop only."""
 
-    __slots__ = ("bodies", "address", "nbytes", "_arriving")
+    __slots__ = ("bodies", "address", "nbytes", "_arriving", "_content", "refused")
 
     def __init__(self, bodies: BodyBytes, address: str | None) -> None:
         self.bodies = bodies
         self.address = address
         self.nbytes = 0
         self._arriving = address is not None
+        self._content: StreamReader | None = None
+        self.refused = False
+
+    def start(self, content: StreamReader) -> None:
+        """The body begins to be read from ``content``: from now on it is among those that yield."""
+        self._content = content
+        self.bodies._reading[self] = None
 
     def take(self, nbytes: int) -> bool:
-        """Count ``nbytes`` more if they fit under the limit and the address's share (else False:
-        nothing counted)."""
+        """Count ``nbytes`` more if they fit under the limit and the address's share, younger bodies
+        still arriving yielding until they do; False (nothing counted) if this one is the youngest
+        left in the way, or was itself made to yield."""
         bodies = self.bodies
-        if bodies.held + nbytes > bodies.limit:
-            return False
-        if self._arriving:
-            arriving = bodies._arriving.get(self.address, 0) + nbytes
-            if arriving > bodies.per_peer:
+        while not self.refused:
+            share = self._arriving and bodies._arriving.get(self.address, 0) + nbytes > bodies.per_peer
+            if not share and bodies.held + nbytes <= bodies.limit:
+                if self._arriving:
+                    bodies._arriving[self.address] = bodies._arriving.get(self.address, 0) + nbytes
+                bodies.held += nbytes
+                self.nbytes += nbytes
+                return True
+            victim = bodies._youngest(self.address if share else None)
+            if victim is None or victim is self:
                 return False
-            bodies._arriving[self.address] = arriving
-        bodies.held += nbytes
-        self.nbytes += nbytes
-        return True
+            victim.yield_to_older()
+        return False
+
+    def yield_to_older(self) -> None:
+        """Refused for an older body: its bytes given back now, its read failed with a 429 (the
+        reader wakes with it at once, even from a client that sends nothing more)."""
+        self.refused = True
+        self.release()
+        if self._content is not None:
+            self._content.set_exception(self.bodies.refusal(self.address))
 
     def arrived(self) -> None:
         """The body is wholly in: it leaves its address's share (it stays in the limit)."""
+        self.bodies._reading.pop(self, None)
         if self._arriving:
             self._arriving = False
             left = self.bodies._arriving.pop(self.address, 0) - self.nbytes
