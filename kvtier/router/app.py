@@ -26,11 +26,12 @@ from kvtier.policy.routing import Approximate, make_policy
 from kvtier.router.abort import EngineIds, WorkerAborts, engine_requests, request_id, watch_client
 from kvtier.router.admin import install as install_admin
 from kvtier.router.admission import AsyncAdmission, QueueFull
+from kvtier.router.chat_messages import lax_bool, worker_renders
 from kvtier.router.config import RouterConfig
 from kvtier.router.events import SharedTierEvents, VllmEvents
 from kvtier.router.http_log import server_log
 from kvtier.router.index import (NO_READ_SEED, ROOT_SEED, BlockIndex, context_seed, reads_prefix_cache,
-                                 truncated_prompt)
+                                 tokenizer_truncation, truncated_prompt)
 from kvtier.router.metrics import RouterMetrics
 from kvtier.router.models import (LORA_PATHS, TOKENIZER_CHECK_TEXT, first_refusal, listed_models, lora_adapters,
                                   merge_listings, model_missing, post_to_all, requested_model, serving,
@@ -113,7 +114,7 @@ class RequestName(NamedTuple):
 
 def _parsed(raw: bytes, field: str | None) -> Any:
     """``raw`` as JSON, checked: ``field`` None: any JSON; "": an object; "name": an object with
-    that field (:func:`check_body`); "name?": an object, with that field checked if it has it."""
+    that field (:func:`check_body`); "name?": an object, with that field checked if it has it (not null)."""
     try:
         body = json.loads(raw)
     except ValueError as exc:
@@ -125,7 +126,7 @@ def _parsed(raw: bytes, field: str | None) -> Any:
     if not isinstance(body, dict):
         raise RequestError(400, "the request body must be a JSON object")
     name = field.rstrip("?")
-    if name and (name in body or not field.endswith("?")):
+    if name and (body.get(name) is not None or not field.endswith("?")):
         check_body(body, name)
     return body
 
@@ -315,7 +316,7 @@ class Router:
         """What a completion is routed on: its (first) prompt's leading tokens. A text longer than
         routing needs is cut before it is tokenized (the worker is sent the whole body)."""
         prompt = first_prompt(body["prompt"])
-        add_special = body.get("add_special_tokens") is not False
+        add_special = lax_bool(body.get("add_special_tokens"), True)   # ("false", 0: as vLLM's model reads them)
         if not isinstance(prompt, str):   # token ids: routed on the prompt vLLM runs, as they are
             ids = truncated_prompt(prompt, body)
             return RoutedPrompt(self._routed(ids).ids, len(ids))
@@ -323,7 +324,10 @@ class Router:
         if len(prompt) > self._route_chars:
             share = self._route_chars / len(prompt)
             prompt = prompt[:self._route_chars]
-        ids = await self._tokenize("completion", text_chars(prompt), prompt, add_special)
+        # (truncated without a side: the tokenizer truncates as vLLM's does; truncated_prompt then keeps it whole)
+        truncate = tokenizer_truncation(body) if share >= 1.0 else None
+        ids = await self._tokenize("completion", text_chars(prompt), prompt, add_special,
+                                   *((truncate,) if truncate else ()))
         if share >= 1.0:
             ids = truncated_prompt(ids, body)
             return self._routed(ids)
@@ -642,11 +646,13 @@ class Router:
         request[_RECEIVED] = time.perf_counter()
         # (prompt embeddings instead of a prompt: vLLM takes them, the router cannot key them, since
         # their KV depends on the vectors; load alone decides and the worker checks the rest)
+        # ("prompt": null beside them is no prompt, as vLLM reads it: its own example sends that)
         raw, body = await self._json(request, "prompt?")
-        if "prompt" not in body and body.get("prompt_embeds") is None:
-            check_body(body, "prompt")   # (raises: the prompt is missing)
-        routed = RoutedPrompt([], 0) if "prompt" not in body else await self._completion_prompt(body)
-        how = dict(prompt_tokens=routed.tokens if "prompt" in body else None, streaming=body.get("stream") is True,
+        has_prompt = body.get("prompt") is not None
+        if not has_prompt and body.get("prompt_embeds") is None:
+            check_body(body, "prompt")   # (raises: the prompt is missing or null)
+        routed = await self._completion_prompt(body) if has_prompt else RoutedPrompt([], 0)
+        how = dict(prompt_tokens=routed.tokens if has_prompt else None, streaming=body.get("stream") is True,
                    seed=self._context(body), name=self._name(request, body), model=requested_model(body))
         del body   # (only what ``how`` holds is needed from here on: :meth:`_forward`)
         return await self._forward(request, raw, routed.ids, **how)
@@ -654,8 +660,9 @@ class Router:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         request[_RECEIVED] = time.perf_counter()
         raw, body = await self._json(request, "messages")
+        # (what the router's own rendering cannot match: a worker renders it; chat_messages.py)
         ids = (await self._worker_render(body, request.headers.get("Authorization"))
-               if any(body.get(f) for f in WORKER_RENDERED) else None)
+               if any(body.get(f) for f in WORKER_RENDERED) or worker_renders(body) else None)
         routed = (await self._chat_prompt(body, len(raw)) if ids is None
                   else self._routed(truncated_prompt(ids, body)))
         how = dict(streaming=body.get("stream") is True, seed=self._context(body, chat=True),

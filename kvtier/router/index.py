@@ -99,6 +99,18 @@ def truncated_prompt(token_ids: list[int], body: dict) -> list[int]:
     return token_ids[:n] if body.get("truncation_side") == "right" else token_ids[-n:]
 
 
+def tokenizer_truncation(body: dict) -> int | None:
+    """The N a text prompt is encoded to when the request truncates it and names no side
+    (``truncate_prompt_tokens`` N > 0): vLLM then lets its tokenizer truncate (``truncation=True,
+    max_length=N``, on the left), which keeps the special tokens it adds (a BOS) and cuts the
+    text's tokens, where :func:`truncated_prompt` would cut the BOS. None: the text is encoded whole
+    (an explicit ``truncation_side``: vLLM slices the whole encoding, as ``truncated_prompt`` does)."""
+    n = body.get("truncate_prompt_tokens")
+    if type(n) is not int or n <= 0 or body.get("truncation_side") is not None:
+        return None
+    return n
+
+
 def _fold(key: int, extras: list) -> int:
     """A block's key with content the tokens do not show (multimodal ids, embedding digests)."""
     return xxhash.xxh3_64_intdigest(repr(extras).encode(), seed=key)

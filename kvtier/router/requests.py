@@ -7,9 +7,11 @@ answer's usage reports. No I/O, no routing: :mod:`kvtier.router.app` calls these
 from __future__ import annotations
 
 import json
-from typing import Any, Mapping, NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
 from aiohttp import web
+
+from kvtier.router import chat_messages
 
 
 class RouteRequest(NamedTuple):
@@ -40,83 +42,89 @@ class PromptTokenizer:
         from transformers import AutoTokenizer
 
         self.model_path = model_path
-        self.tok = AutoTokenizer.from_pretrained(model_path)
+        # truncating on the left, as vLLM loads a generating model's tokenizer (tokenizers/registry.py)
+        self.tok = AutoTokenizer.from_pretrained(model_path, truncation_side="left")
 
     def clone(self) -> "PromptTokenizer":
         """Another instance, for another thread: calls into one HF tokenizer object must not overlap."""
         return PromptTokenizer(self.model_path)
 
-    def completion(self, prompt: Any, add_special_tokens: bool = True) -> list[int]:
+    def completion(self, prompt: Any, add_special_tokens: bool = True, truncate_to: int | None = None) -> list[int]:
         """A completion prompt's ids as vLLM makes them (``add_special_tokens``: the request's,
-        vLLM's default True: a BOS first, for most models)."""
+        vLLM's default True: a BOS first, for most models). ``truncate_to`` N (a text's
+        ``truncate_prompt_tokens`` without ``truncation_side``: index.tokenizer_truncation): encoded
+        as vLLM encodes it, truncated by the tokenizer on the left *before* its special tokens are
+        added, so a BOS stays first: ``[BOS] + the last N-1``, not the last N of ``[BOS, ...]``."""
         prompt = first_prompt(prompt)     # a batch: route on its first prompt
         if isinstance(prompt, str):
+            if truncate_to:
+                return self._encode(prompt, "prompt", add_special_tokens=add_special_tokens, truncation=True,
+                                    max_length=truncate_to)
             return self._encode(prompt, "prompt", add_special_tokens=add_special_tokens)
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             return prompt
         raise RequestError(400, "prompt must be a string, a list of token ids, or a list of those", param="prompt")
 
     def chat(self, messages: list, body: dict) -> list[int]:
-        kwargs, generation_prompt = self._template_kwargs(body)
-        if getattr(self.tok, "chat_template", None):
-            try:
-                ids = self.tok.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True,
-                                                   **kwargs)
-            except Exception as exc:   # a template that rejects these messages: the worker will too
-                raise RequestError(400, f"messages do not fit the model's chat template: {exc}",
-                                   param="messages") from None
-            # (transformers 5 answers a BatchEncoding, a Mapping but no dict: its list was its keys)
-            return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
-        # No template: key on the concatenated contents (routing still groups a session's turns).
-        return self._encode(self._plain_chat(messages), "messages")
+        """A chat prompt's ids as vLLM makes them: its rendering tokenized without special tokens
+        (vLLM's default ``add_special_tokens: false`` for chats; the template holds the BOS)."""
+        return self.chat_prefix(messages, body, -1)[0]
 
     def chat_prefix(self, messages: list, body: dict, max_chars: int) -> tuple[list[int], float]:
         """The leading tokens of a chat prompt as :meth:`chat` makes them, from its first
-        ``max_chars`` rendered characters at most, and the share of the rendering they come from
-        (1.0: all of it, the ids whole). A long chat is rendered whole (a string: cheap) but only
-        its head tokenized, at ~400 bytes a token: the router routes on a prompt's first blocks,
-        and ``chat`` of a 16 MiB body held gigabytes. The last tokens of a cut rendering may
+        ``max_chars`` rendered characters at most (-1: all), and the share of the rendering they
+        come from (1.0: all of it, the ids whole). A long chat is rendered whole (a string: cheap)
+        but only its head tokenized, at ~400 bytes a token: the router routes on a prompt's first
+        blocks, and tokenizing a 16 MiB body held gigabytes. The last tokens of a cut rendering may
         straddle the cut: the caller drops them (:func:`route_prefix`)."""
-        kwargs, generation_prompt = self._template_kwargs(body)
-        if getattr(self.tok, "chat_template", None):
-            try:
-                text = self.tok.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False,
-                                                    **kwargs)
-            except Exception as exc:   # as in chat()
-                raise RequestError(400, f"messages do not fit the model's chat template: {exc}",
-                                   param="messages") from None
-            if len(text) <= max_chars:
-                return self.chat(messages, body), 1.0   # (exactly as chat() tokenizes it)
-            # what apply_chat_template(tokenize=True) does with its rendering, on the head alone
-            try:
-                ids = self.tok(text[:max_chars], add_special_tokens=False)["input_ids"]
-            except (TypeError, ValueError) as exc:
-                raise RequestError(400, f"messages are not text the model's tokenizer can encode: {exc}",
-                                   param="messages") from None
-            return list(ids), max_chars / len(text)
-        text = self._plain_chat(messages)
-        if len(text) <= max_chars:
+        if not getattr(self.tok, "chat_template", None):
+            # no template: key on the concatenated contents (routing still groups a session's turns)
+            text = self._plain_chat(messages)
+            if 0 <= max_chars < len(text):
+                return self._encode(text[:max_chars], "messages"), max_chars / len(text)
             return self._encode(text, "messages"), 1.0
-        return self._encode(text[:max_chars], "messages"), max_chars / len(text)
+        text = self._rendered(messages, body)
+        share = 1.0
+        if 0 <= max_chars < len(text):
+            text, share = text[:max_chars], max_chars / len(text)
+        # what vLLM does with its rendering (and apply_chat_template(tokenize=True) too)
+        try:
+            ids = self.tok(text, add_special_tokens=False)["input_ids"]
+        except (TypeError, ValueError) as exc:
+            raise RequestError(400, f"messages are not text the model's tokenizer can encode: {exc}",
+                               param="messages") from None
+        return list(ids), share
+
+    def _rendered(self, messages: list, body: dict) -> str:
+        """The chat template's rendering of ``messages`` as a vLLM worker renders them: messages
+        prepared as vLLM prepares them (:mod:`kvtier.router.chat_messages`) for the template's
+        content format, the template arguments vLLM builds from the request's fields."""
+        kwargs, generation_prompt = self._template_kwargs(body)
+        try:
+            template = self.tok.get_chat_template(kwargs.get("chat_template"), tools=kwargs.get("tools"))
+            conv = chat_messages.conversation(messages, chat_messages.content_format(template), template)
+            return self.tok.apply_chat_template(conv, add_generation_prompt=generation_prompt, tokenize=False,
+                                                **kwargs)
+        except Exception as exc:   # a template that rejects these messages: the worker will too
+            raise RequestError(400, f"messages do not fit the model's chat template: {exc}",
+                               param="messages") from None
 
     @staticmethod
     def _plain_chat(messages: list) -> str:
         return "\n".join(str(m.get("content", "")) for m in messages)
 
-    def _template_kwargs(self, body: dict) -> tuple[dict, bool]:
+    @staticmethod
+    def _template_kwargs(body: dict) -> tuple[dict, bool]:
         """What vLLM passes the chat template for ``body``, and whether a generation prompt ends it."""
-        kwargs = {}
-        if body.get("chat_template_kwargs") and isinstance(body["chat_template_kwargs"], dict):
-            kwargs = dict(body["chat_template_kwargs"])
-        # what vLLM passes its template too (defaults as vLLM's)
+        kwargs, generation_prompt, continue_final = chat_messages.template_kwargs(body)
+        # what vLLM passes its template too (when no worker could render them)
         for name in ("tools", "documents"):
             if isinstance(body.get(name), list):
                 kwargs[name] = body[name]
         if isinstance(body.get("chat_template"), str) and body["chat_template"]:
-            kwargs["chat_template"] = body["chat_template"]   # (when no worker renders it)
-        kwargs["continue_final_message"] = body.get("continue_final_message") is True
-        generation_prompt = body.get("add_generation_prompt") is not False and not kwargs["continue_final_message"]
-        return kwargs, generation_prompt
+            kwargs["chat_template"] = body["chat_template"]
+        kwargs["continue_final_message"] = continue_final
+        return kwargs, generation_prompt and not continue_final
 
     def _encode(self, text: str, param: str, **kwargs) -> list[int]:
         """``text``'s ids; a string no tokenizer can take (JSON may carry a lone UTF-16 surrogate,

@@ -28,10 +28,13 @@ BS = 4
 class WordTokenizer:
     """Token ids = word lengths: deterministic, and the stand-in workers use the same one."""
 
-    def completion(self, prompt, add_special_tokens=True):
+    def completion(self, prompt, add_special_tokens=True, truncate_to=None):
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]     # a batch: routed on its first prompt, as PromptTokenizer does
-        return [len(w) for w in prompt.split()] if isinstance(prompt, str) else list(prompt)
+        if not isinstance(prompt, str):
+            return list(prompt)
+        ids = [len(w) for w in prompt.split()]
+        return ids[-truncate_to:] if truncate_to else ids   # (no special tokens to keep)
 
     def chat(self, messages, body):
         return self.completion(" ".join(m.get("content", "") for m in messages))
@@ -1635,8 +1638,8 @@ def test_malformed_http_is_a_400_and_one_warning_line_not_a_logged_traceback(cap
 class OtherTokenizer(WordTokenizer):
     """Another model's tokenizer: the same words, other ids."""
 
-    def completion(self, prompt, add_special_tokens=True):
-        return [t + 1000 for t in super().completion(prompt)]
+    def completion(self, prompt, add_special_tokens=True, truncate_to=None):
+        return [t + 1000 for t in super().completion(prompt, add_special_tokens, truncate_to)]
 
 
 def test_a_worker_that_tokenizes_differently_is_named(caplog):

@@ -1,0 +1,323 @@
+"""The router keys the token ids a vLLM worker runs: for each request shape, the router's own
+prompt (``Router._chat_prompt`` / ``_completion_prompt`` over a real ``PromptTokenizer``) is
+compared with vLLM's rendering of the same request, in-process (``_vllm_ref.vllm_ids``: vLLM's
+OnlineRenderer; those tests are skipped where vLLM is not installed, and ``make test`` installs
+it). Tokenizers are local: the test Llama's BPE with hand-written templates of real families'
+shapes (Llama 3, Qwen 2.5, Mistral v3, Gemma, a gpt-oss-like system header)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from functools import lru_cache
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from tests.router._vllm_ref import (DEVELOPER_AWARE, GEMMA, LLAMA3, MISTRAL_V3, OPENAI_ONLY, QWEN25,  # noqa: E402
+                                    SYSTEM_EFFORT, THINKING, TOOL_CALL_JSON, make_model, vllm_ids)
+
+TEMPLATES = {"llama3": (LLAMA3, True), "qwen": (QWEN25, False), "mistral": (MISTRAL_V3, True),
+             "gemma": (GEMMA, True), "effort": (SYSTEM_EFFORT, True), "openai": (OPENAI_ONLY, True),
+             "developer": (DEVELOPER_AWARE, True), "tool_json": (TOOL_CALL_JSON, False), "thinking": (THINKING, False)}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tok")
+    return {name: make_model(root, name, template, bos=bos) for name, (template, bos) in TEMPLATES.items()}
+
+
+@lru_cache(maxsize=None)
+def _router(path: str):
+    from kvtier.router.app import Router
+    from kvtier.router.config import RouterConfig, WorkerSpec
+    from kvtier.router.requests import PromptTokenizer
+
+    config = RouterConfig(workers=[WorkerSpec("http://127.0.0.1:9")], block_tokens=16, kv_bytes_per_token=4096)
+    return Router(config, PromptTokenizer(path))
+
+
+def router_ids(path: str, kind: str, body: dict) -> list[int]:
+    """The ids ``kvtier route`` keys for ``body`` (short prompts: routed whole). A chat must be one
+    the router renders itself (none of it is sent to a worker's /tokenize)."""
+    from kvtier.router.requests import WORKER_RENDERED
+
+    router = _router(path)
+    if kind == "chat":
+        from kvtier.router.chat_messages import worker_renders
+
+        assert not any(body.get(f) for f in WORKER_RENDERED) and not worker_renders(body)
+        routed = asyncio.run(router._chat_prompt(json.loads(json.dumps(body)), len(json.dumps(body))))
+    else:
+        routed = asyncio.run(router._completion_prompt(json.loads(json.dumps(body))))
+    assert routed.tokens == len(routed.ids)
+    return routed.ids
+
+
+def assert_keyed_as_vllm(path: str, kind: str, body: dict) -> None:
+    from kvtier.router.requests import RequestError
+
+    expected = vllm_ids(path, kind, body)
+    try:
+        got = router_ids(path, kind, body)
+    except RequestError as exc:
+        pytest.fail(f"the router refused a request vLLM renders: {exc.status} {exc}")
+    assert got == expected
+
+
+PARTS = [{"type": "text", "text": "Summarise this:"}, {"type": "text", "text": "the quick brown fox"}]
+
+
+# --- D1: content as a list of text parts -------------------------------------------------------
+
+def test_content_parts_are_keyed_as_vllm_joins_them(models):
+    """OpenAI's ``content: [{"type": "text", ...}]``: vLLM ("string" content format, as Llama 3's
+    template is) joins the texts with "\\n"; handed the list, the template printed its repr."""
+    body = {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": PARTS}]}
+    assert_keyed_as_vllm(models["llama3"], "chat", body)
+
+
+def test_content_parts_with_a_concatenating_template_are_not_refused(models):
+    """Mistral-v3-style ``'[INST] ' + message['content']`` raised on a list: a 400 for a valid request."""
+    assert_keyed_as_vllm(models["mistral"], "chat", {"messages": [{"role": "user", "content": PARTS}]})
+
+
+@pytest.mark.parametrize("name", ["gemma", "openai"])
+def test_openai_format_templates_get_parts(models, name):
+    """A template that loops over a message's content gets parts, strings wrapped as one
+    (empty ones kept, a text part's other fields beside), null content as no parts."""
+    body = {"messages": [{"role": "system", "content": "sys"},
+                         {"role": "user", "content": [*PARTS, {"type": "text", "text": "", "cache_control": {"t": 1}}]},
+                         {"role": "assistant", "content": None}, {"role": "user", "content": "again"}]}
+    assert_keyed_as_vllm(models[name], "chat", body)
+
+
+def test_text_like_parts_and_skipped_empties(models):
+    """Every text-like part type vLLM reads (refusal, input_text, thinking, a bare string), an
+    empty text left out of the join, a null text skipped."""
+    body = {"messages": [{"role": "user", "content": [
+        "plain", {"type": "input_text", "text": "in"}, {"type": "text", "text": ""}, {"type": "text", "text": None},
+        {"type": "refusal", "refusal": "no"}, {"type": "thinking", "thinking": "hmm"}]}]}
+    assert_keyed_as_vllm(models["qwen"], "chat", body)
+
+
+def test_claude_code_billing_header_is_dropped_from_system_text(models):
+    """vLLM drops Claude Code's per-request attribution line from system text (a cache breaker)."""
+    body = {"messages": [{"role": "system", "content": [
+        {"type": "text", "text": "x-anthropic-billing-header: cch=123\nYou are Claude Code."}]},
+        {"role": "user", "content": "hi"}]}
+    assert_keyed_as_vllm(models["llama3"], "chat", body)
+
+
+# --- D2: tool-call arguments -------------------------------------------------------------------
+
+TOOL_HISTORY = [
+    {"role": "user", "content": "weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}, "id": "c1"},
+        {"id": "c2", "type": "function", "function": {"arguments": "not json", "name": "f"}},
+        {"id": "c3", "type": "function", "function": {"arguments": "[1, 2]", "name": "g"}},
+        {"id": "c4", "type": "function", "function": {"arguments": "", "name": "h"}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    {"role": "assistant", "content": "ok", "tool_calls": []},
+    {"role": "user", "content": "thanks, and tomorrow?"}]
+
+
+@pytest.mark.parametrize("name", ["qwen", "tool_json"])
+def test_tool_call_arguments_are_keyed_as_a_dict(models, name):
+    """An agent's history carries ``arguments`` as JSON strings: vLLM parses them to dicts
+    (``{}`` when invalid, not an object or empty) and drops an empty ``tool_calls``, so
+    ``arguments | tojson`` prints an object; a template printing a call whole prints its fields
+    in the request model's order."""
+    assert_keyed_as_vllm(models[name], "chat", {"messages": TOOL_HISTORY})
+
+
+# --- D3, D4: null content, tool results as parts -----------------------------------------------
+
+def test_null_content_is_keyed_as_empty(models):
+    body = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None},
+                         {"role": "user", "content": "again"}]}
+    assert_keyed_as_vllm(models["qwen"], "chat", body)
+
+
+@pytest.mark.parametrize("name", ["qwen", "openai"])
+def test_tool_message_parts_are_joined(models, name):
+    """A tool result as text parts (Claude Code, Cursor): joined with "\\n", for either format."""
+    body = {"messages": [{"role": "user", "content": "run it"}, {"role": "assistant", "content": "ok"},
+                         {"role": "tool", "tool_call_id": "c1",
+                          "content": [{"type": "text", "text": "out1"}, {"type": "text", "text": "out2"}]}]}
+    assert_keyed_as_vllm(models[name], "chat", body)
+
+
+# --- D5: developer role ------------------------------------------------------------------------
+
+def test_developer_role_is_rendered_as_system(models):
+    body = {"messages": [{"role": "developer", "content": "be brief"}, {"role": "user", "content": "hi"}]}
+    assert_keyed_as_vllm(models["llama3"], "chat", body)
+
+
+def test_developer_turns_are_merged_into_the_first_system_message(models):
+    """A developer turn after a system one: converted, then all system text merged at the front."""
+    body = {"messages": [{"role": "system", "content": "one"}, {"role": "user", "content": "hi"},
+                         {"role": "developer", "content": [{"type": "text", "text": "two"}]},
+                         {"role": "user", "content": "again"}]}
+    assert_keyed_as_vllm(models["llama3"], "chat", body)
+
+
+def test_a_template_that_names_developer_keeps_it(models):
+    body = {"messages": [{"role": "developer", "content": "be brief"}, {"role": "user", "content": "hi"}]}
+    assert_keyed_as_vllm(models["developer"], "chat", body)
+
+
+# --- D6, D7: template arguments ----------------------------------------------------------------
+
+@pytest.mark.parametrize("extra", [{"reasoning_effort": "high"}, {"reasoning_effort": "none"},
+                                   {"reasoning_effort": "low", "chat_template_kwargs": {"reasoning_effort": "x"}}])
+def test_reasoning_effort_reaches_the_template(models, extra):
+    """gpt-oss / Gemma-4 style: the effort printed in the system header, the request's field over
+    ``chat_template_kwargs``."""
+    assert_keyed_as_vllm(models["effort"], "chat", {"messages": [{"role": "user", "content": "hi"}], **extra})
+
+
+@pytest.mark.parametrize("extra", [{"reasoning_effort": "none"}, {"reasoning_effort": "high"},
+                                   {"reasoning_effort": "none", "chat_template_kwargs": {"enable_thinking": True}}])
+def test_reasoning_effort_sets_enable_thinking(models, extra):
+    """Qwen3 style: ``enable_thinking`` follows the effort unless the request's kwargs name it."""
+    assert_keyed_as_vllm(models["thinking"], "chat", {"messages": [{"role": "user", "content": "hi"}], **extra})
+
+
+def test_generation_prompt_in_chat_template_kwargs_is_not_refused(models):
+    """``chat_template_kwargs`` naming ``add_generation_prompt``: the request's own field wins
+    (vLLM's merge_kwargs); passed twice to apply_chat_template it was a TypeError, a 400."""
+    body = {"messages": [{"role": "user", "content": "hi"}],
+            "chat_template_kwargs": {"add_generation_prompt": False, "enable_thinking": False, "tokenize": False}}
+    assert_keyed_as_vllm(models["qwen"], "chat", body)
+
+
+@pytest.mark.parametrize("flags", [{"add_generation_prompt": "false"}, {"add_generation_prompt": 0},
+                                   {"add_generation_prompt": False, "continue_final_message": "true"}])
+def test_chat_booleans_read_as_vllm_reads_them(models, flags):
+    body = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure, "}], **flags}
+    assert_keyed_as_vllm(models["qwen"], "chat", body)
+
+
+# --- D8, D9: completions -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("extra", [{}, {"truncation_side": "left"}, {"truncation_side": "right"},
+                                   {"add_special_tokens": False}])
+def test_truncated_text_completion_keeps_the_bos(models, extra):
+    """``truncate_prompt_tokens`` N on a text: vLLM's tokenizer truncates on the left before it
+    adds the BOS: ``[BOS] + the last N-1``. (An explicit side slices the whole encoding.)"""
+    body = {"prompt": "the quick brown fox jumps over the lazy dog " * 8, "truncate_prompt_tokens": 40, **extra}
+    assert_keyed_as_vllm(models["llama3"], "cmpl", body)
+
+
+@pytest.mark.parametrize("value", ["false", 0, "no", "off", "true", 1])
+def test_add_special_tokens_read_as_vllm_reads_it(models, value):
+    assert_keyed_as_vllm(models["llama3"], "cmpl", {"prompt": "hello world", "add_special_tokens": value})
+
+
+# --- the parts of the mirror that need no vLLM -------------------------------------------------
+
+def test_lax_booleans_are_pydantics():
+    """vLLM's request models are pydantic's: its lax reading of a boolean, value by value."""
+    from kvtier.router.chat_messages import lax_bool
+
+    table = {"false": False, "FALSE": False, "No": False, "off": False, "0": False, "f": False, "n": False,
+             0: False, 0.0: False, "true": True, "Yes": True, "on": True, "1": True, "t": True, "y": True,
+             1: True, 1.0: True}
+    for value, expected in table.items():
+        assert lax_bool(value, not expected) is expected, value
+    for refused in ("", " false", "2", 2, 0.5, None, [], {}):   # (the worker refuses these: the default)
+        assert lax_bool(refused, True) is True and lax_bool(refused, False) is False, refused
+    pydantic = pytest.importorskip("pydantic")
+    adapter = pydantic.TypeAdapter(bool)
+    for value, expected in table.items():
+        assert adapter.validate_python(value) is expected
+
+
+def test_content_format_is_detected_as_vllm_detects_it():
+    """"openai" when the template loops over a message's content (directly, through a variable
+    assigned from ``messages``, a macro's parameter, a filter), else "string"."""
+    from kvtier.router.chat_messages import content_format
+
+    assert content_format(LLAMA3) == content_format(QWEN25) == content_format(MISTRAL_V3) == "string"
+    assert content_format(GEMMA) == content_format(OPENAI_ONLY) == "openai"
+    assert content_format("{% set msgs = messages %}{% for m in msgs %}{% for c in m.content | list %}"
+                          "{{ c.text }}{% endfor %}{% endfor %}") == "openai"
+    assert content_format("{% macro render(x) %}{% for c in x %}{{ c.text }}{% endfor %}{% endmacro %}"
+                          "{% for m in messages %}{{ render(m['content']) }}{% endfor %}") == "openai"
+    assert content_format("{% for m in messages %}{{ m.content }}{% endfor %}{% for x in tools %}{% endfor %}") \
+        == "string"
+    assert content_format("{% for a, b in messages %}{% endfor %}") == "string"   # (vLLM's assertion fails)
+    assert content_format("{% if %}") == "string"                                 # (unparsable)
+
+
+def test_chats_the_router_cannot_mirror_go_to_a_worker():
+    """Media, tool references and unknown parts: a worker's /tokenize renders them (vLLM inserts
+    placeholders and processes the media); text parts, strings and null content the router does."""
+    from kvtier.router.chat_messages import worker_renders
+
+    def chat(content):
+        return {"messages": [{"role": "user", "content": content}]}
+
+    assert not worker_renders(chat("hi")) and not worker_renders(chat(None)) and not worker_renders(chat(PARTS))
+    assert not worker_renders(chat(["a", {"type": "refusal", "refusal": "no"}]))
+    for part in ({"type": "image_url", "image_url": {"url": "data:"}}, {"type": "input_audio"},
+                 {"type": "tool_reference", "name": "t"}, {"type": "text", "text": "a", "uuid": "u"},
+                 {"type": "mystery"}, {"image_url": "x"}, {"type": "text", "text": 3}):
+        assert worker_renders(chat([part])), part
+    assert worker_renders(chat({"type": "text"}))
+    assert worker_renders({**chat("hi"), "chat_template_kwargs": {"chat_template": "{{ messages }}"}})
+
+
+def test_a_media_chat_is_rendered_by_a_worker_and_never_refused(models):
+    """When no worker can render a media chat, the router renders its text alone (the media parts
+    left out) rather than refuse it: even a concatenating template takes it."""
+    from kvtier.router.requests import PromptTokenizer
+
+    tok = PromptTokenizer(models["mistral"])
+    media = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:"}}, *PARTS]}]}
+    assert tok.chat(media["messages"], media) == tok.chat([{"role": "user", "content": PARTS}], {})
+
+
+# --- D10: prompt null beside prompt embeddings ---------------------------------------------------
+
+def test_completion_with_null_prompt_and_prompt_embeds_is_routed():
+    """vLLM's own example, ``completions.create(prompt=None, extra_body={"prompt_embeds": ...})``,
+    sends ``"prompt": null``: routed on load; a null prompt without embeddings is still refused."""
+    from tests.router.test_http import one_worker_router, run
+
+    async def main():
+        async with one_worker_router(policy="tier-aware") as (w, _, url, s):
+            async with s.post(url + "/v1/completions",
+                              json={"model": "tiny", "prompt": None, "prompt_embeds": "AAAA"}) as r:
+                assert r.status == 200, (r.status, await r.text())
+            async with s.post(url + "/v1/completions", json={"model": "tiny", "prompt": None}) as r:
+                assert r.status == 400 and (await r.json())["error"]["param"] == "prompt"
+            assert w.requests == 1
+    run(main())
+
+
+def test_a_media_chat_is_sent_to_a_workers_tokenize():
+    """Through the router's front door: a chat with an image part is keyed as a worker's
+    /tokenize renders it; a text chat is rendered by the router."""
+    from tests.router.test_http import BS, one_worker_router, run
+
+    async def main():
+        async with one_worker_router(policy="tier-aware") as (w, router, url, s):
+            rendered = [7] * 40                                   # ten blocks, as the worker renders
+            router.index.stored(0, list(range(10)), None, rendered, BS, "GPU")
+            w.rendered = rendered
+            image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+            body = {"model": "tiny", "messages": [{"role": "user", "content": [image, *PARTS]}]}
+            async with s.post(url + "/v1/chat/completions", json=body) as r:
+                assert r.status == 200 and int(r.headers["X-Kvtier-Predicted-Cached"]) == 39
+            assert len(w.tokenized) == 1
+            body["messages"][0]["content"] = "find it"            # control: text (the stand-in tokenizer's)
+            async with s.post(url + "/v1/chat/completions", json=body) as r:
+                assert r.status == 200 and r.headers["X-Kvtier-Predicted-Cached"] == "0"
+            assert len(w.tokenized) == 1
+    run(main())
