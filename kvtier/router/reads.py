@@ -87,6 +87,8 @@ async def _read_pieces(content: StreamReader, hold: BodyHold, max_bytes: int) ->
         if not hold.take(len(piece)):
             raise hold.bodies.refusal(hold.address)
         body += piece
+    if hold.refused:   # made to yield after its last piece, its end already read: not served uncounted
+        raise hold.bodies.refusal(hold.address)
     hold.arrived()
     return bytes(body)
 
@@ -176,7 +178,9 @@ class BodyHold:
         still arriving yielding until they do; False (nothing counted) if this one is the youngest
         left in the way, or was itself made to yield."""
         bodies = self.bodies
-        while not self.refused:
+        if self.refused or not self._room_if_younger_yield(nbytes):
+            return False   # (no one refused for nothing: yielding would not make the piece fit)
+        while True:
             share = self._arriving and bodies._arriving.get(self.address, 0) + nbytes > bodies.per_peer
             if not share and bodies.held + nbytes <= bodies.limit:
                 if self._arriving:
@@ -184,11 +188,22 @@ class BodyHold:
                 bodies.held += nbytes
                 self.nbytes += nbytes
                 return True
-            victim = bodies._youngest(self.address if share else None)
-            if victim is None or victim is self:
-                return False
-            victim.yield_to_older()
-        return False
+            bodies._youngest(self.address if share else None).yield_to_older()
+
+    def _room_if_younger_yield(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` more would fit once every body younger than this one gave its bytes
+        back (those of this address for its share, anyone's for the limit)."""
+        bodies = self.bodies
+        mine = anyone = 0
+        for hold in reversed(bodies._reading):
+            if hold is self:
+                break
+            anyone += hold.nbytes
+            if hold.address == self.address:
+                mine += hold.nbytes
+        if self._arriving and bodies._arriving.get(self.address, 0) - mine + nbytes > bodies.per_peer:
+            return False
+        return bodies.held - anyone + nbytes <= bodies.limit
 
     def yield_to_older(self) -> None:
         """Refused for an older body: its bytes given back now, its read failed with a 429 (the
