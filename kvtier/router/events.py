@@ -179,9 +179,17 @@ class VllmEvents:
                 if sock in ready:
                     frames = await sock.recv_multipart()
                     seq = self._seq(frames)
-                    if (seq is not None and self.next_seq is not None and seq > self.next_seq
-                            and self.worker.replay_endpoint):
-                        await self._replay(ctx, self.next_seq, upto=seq)   # lost messages, from the buffer
+                    if seq is not None and self.worker.replay_endpoint:
+                        if self.next_seq is None and seq > 0:
+                            # Nothing indexed since a resync: what came before this message, from
+                            # the buffer. A disconnect clears the worker's entries, and a message
+                            # queued before the reconnect was announced set the sequence going:
+                            # the index then started from the middle of the stream (a router
+                            # that lost a worker's connection for a moment held a third of its
+                            # blocks, and never the rest)
+                            await self._replay(ctx, 0, upto=seq)
+                        elif self.next_seq is not None and seq > self.next_seq:
+                            await self._replay(ctx, self.next_seq, upto=seq)   # lost messages, from the buffer
                     self.handle(frames)
         finally:
             sock.disable_monitor()

@@ -252,3 +252,58 @@ def test_an_orphan_the_worker_removed_before_its_parent_came_is_not_credited(tmp
         asyncio.run(asyncio.wait_for(main(), 30))
     finally:
         pub.shutdown()
+
+
+def test_a_listener_cleared_by_a_disconnect_rebuilds_the_whole_index_from_the_buffer(tmp_path):
+    """Through vLLM's own publisher. A worker's event connection drops for a moment (a heartbeat
+    missed on a loaded host) and the publisher goes on: the listener clears the worker's entries
+    (``resync("disconnected")``), and the next live message, queued before the reconnect was
+    announced, set the sequence going again. The index then started from the middle of the
+    stream: every block the worker held from before was lost (a router in CI held 305 of a
+    worker's 646 blocks, and a late router caught up to more than the one that listened all
+    along). A message after a resync now replays the buffer before it first."""
+    from vllm.distributed.kv_events import BlockStored, KVEventBatch, ZmqEventPublisher
+
+    endpoint, replay = f"ipc://{tmp_path}/pub.sock", f"ipc://{tmp_path}/replay.sock"
+    publisher = ZmqEventPublisher(0, endpoint=endpoint, replay_endpoint=replay, buffer_steps=100)
+    blocks = [[300 + i] * BS for i in range(6)]
+
+    def publish(i):
+        publisher.publish(KVEventBatch(ts=time.time(), events=[BlockStored(
+            block_hashes=[i + 1], parent_block_hash=None, token_ids=blocks[i], block_size=BS, lora_id=None,
+            medium="GPU", lora_name=None)]))
+
+    def held(i):
+        return bool(index.masks(block_keys(blocks[i], BS)))
+
+    index = BlockIndex(BS)
+    resyncs: list[str] = []
+    events = VllmEvents(Worker(0, "http://w0", endpoint, replay), index,
+                        on_resync=lambda w, reason: resyncs.append(reason))
+
+    async def until(cond, what):
+        deadline = time.monotonic() + 15
+        while not cond():
+            assert time.monotonic() < deadline, what
+            await asyncio.sleep(0.05)
+
+    async def main():
+        events.start()
+        try:
+            for i in range(5):
+                publish(i)
+            await until(lambda: all(held(i) for i in range(5)), "control: the first five blocks were indexed")
+            events.resync("disconnected")   # what the monitor's DISCONNECTED does; the publisher goes on
+            assert not any(held(i) for i in range(5))
+            publish(5)
+            await until(lambda: held(5), "the block published after the resync was never indexed")
+            lost = [i for i in range(5) if not held(i)]
+            assert not lost, f"blocks {lost}, held by the worker from before the resync, were never indexed again"
+        finally:
+            await events.stop()
+
+    try:
+        asyncio.run(asyncio.wait_for(main(), 60))
+    finally:
+        publisher.shutdown()
+    assert resyncs == ["disconnected"]
