@@ -42,9 +42,43 @@ def _post(url: str, body: dict | None = None) -> dict:
     return json.loads(text) if text.strip().startswith("{") else {}
 
 
+def start_vllm_serve(model: str, transfer: dict, log_path, timeout_s: float = 200) -> tuple[subprocess.Popen, str]:
+    """``vllm serve`` of ``model`` with ``transfer`` as its KV transfer config (multiprocess executor:
+    the scheduler's lookups cross to the worker), ready; its output in ``log_path``."""
+    port = _free_port()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1"}
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvtier.integrations.vllm.launcher", "serve", model,
+             "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
+             "--block-size", "32", "--max-model-len", "2048", "--enable-prompt-tokens-details",
+             "--kv-transfer-config", json.dumps(transfer)],
+            stdout=log, stderr=subprocess.STDOUT, env=env,
+        )
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=2):
+                return proc, base
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                stop_vllm_serve(proc)
+                pytest.fail(f"vllm serve did not come up:\n{open(log_path).read()[-3000:]}")
+            time.sleep(1)
+
+
+def stop_vllm_serve(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
-    port = _free_port()
     disk = tmp_path_factory.mktemp("serve-disk")
     transfer = {
         "kv_connector": "KvtierConnector",
@@ -53,35 +87,10 @@ def server(tiny_model, tmp_path_factory):
         # A host tier far larger than the test's blocks: they leave DRAM only by write-behind or at shutdown.
         "kv_connector_extra_config": {"block_tokens": 64, "host_bytes": "64MiB", "disk_path": str(disk)},
     }
-    log = open(tmp_path_factory.mktemp("serve") / "vllm-serve.log", "w")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvtier.integrations.vllm.launcher", "serve", tiny_model,
-         "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
-         "--block-size", "32", "--max-model-len", "2048", "--enable-prompt-tokens-details",
-         "--kv-transfer-config", json.dumps(transfer)],
-        stdout=log, stderr=subprocess.STDOUT, env=env,
-    )
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 200
-    while True:
-        try:
-            with urllib.request.urlopen(base + "/health", timeout=2):
-                break
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                log.close()
-                pytest.fail(f"vllm serve did not come up; see {log.name}")
-            time.sleep(1)
-    yield base, tiny_model, proc, disk, log.name
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    log.close()
+    log_path = tmp_path_factory.mktemp("serve") / "vllm-serve.log"
+    proc, base = start_vllm_serve(tiny_model, transfer, log_path)
+    yield base, tiny_model, proc, disk, str(log_path)
+    stop_vllm_serve(proc)
 
 
 def _text(words: int, seed: int = 0) -> str:

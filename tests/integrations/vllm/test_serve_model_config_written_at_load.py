@@ -12,16 +12,12 @@ connector handshake, ``KvtierHandshake``) and lookups follow it.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
-import urllib.request
 
 import pytest
 
 from tests.integrations.vllm.harness import skip_without_vllm
-from tests.integrations.vllm.test_serve import _free_port, _post, _text
+from tests.integrations.vllm.test_serve import _post, _text, start_vllm_serve, stop_vllm_serve
 
 skip_without_vllm()
 
@@ -55,26 +51,9 @@ MULTI = {"kv_connector": "MultiConnector", "kv_role": "kv_both", "kv_connector_e
 
 @pytest.mark.parametrize("transfer", [KVTIER, MULTI], ids=["kvtier", "multiconnector"])
 def test_a_model_whose_config_vllm_writes_at_load_is_reloaded_from_kvtier(falcon, tmp_path, transfer):
-    port = _free_port()
     log_path = tmp_path / "vllm-serve.log"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1"}
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "kvtier.integrations.vllm.launcher", "serve", falcon, "--host", "127.0.0.1",
-             "--port", str(port), "--dtype", "float32", "--enforce-eager", "--block-size", "32",
-             "--max-model-len", "2048", "--enable-prompt-tokens-details", "--kv-transfer-config", json.dumps(transfer)],
-            stdout=log, stderr=subprocess.STDOUT, env=env)
-    base = f"http://127.0.0.1:{port}"
+    proc, base = start_vllm_serve(falcon, transfer, log_path, timeout_s=300)
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                with urllib.request.urlopen(base + "/health", timeout=2):
-                    break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail(f"vllm serve did not come up:\n{log_path.read_text()[-3000:]}")
-                time.sleep(1)
         body = {"model": falcon, "prompt": _text(300, seed=7), "max_tokens": 8, "temperature": 0}
         first = _post(base + "/v1/completions", body)
         prompt_tokens = first["usage"]["prompt_tokens"]
@@ -89,9 +68,4 @@ def test_a_model_whose_config_vllm_writes_at_load_is_reloaded_from_kvtier(falcon
         # Positive control of the premise: the tags differed, and the scheduler followed the worker's.
         assert "lookups follow the worker's keys" in log_path.read_text()
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_vllm_serve(proc)
