@@ -56,24 +56,39 @@ from kvtier.bench.vllm_systems import (
     model_spec,
     reset,
 )
+from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.engine_proc import PAGE_TOKENS
 
 #: the systems compared with the recompute, in the order each prompt visits them
 SYSTEMS = ("prefix_cache", "host", "remote", "lmcache")
 
 
+#: the TTFT bench's own flags and their defaults. The parser defaults them to None, so that
+#: --trace, which replays the trace's prompts on its own model and pages, can refuse one given
+#: (each was accepted and ignored: --model deepseek ran on --trace-model's Llama)
+NON_TRACE_DEFAULTS = {"tokens": 4096, "runs": 3, "gen_tokens": 4, "model": "demo", "block_tokens": 256,
+                      "stores": "host,remote"}
+
+
 def register(subparsers) -> None:
+    d = NON_TRACE_DEFAULTS
     p = subparsers.add_parser("vllm", help="TTFT of a long prompt in vLLM: recompute, vLLM's own prefix cache "
                                            "(the floor), kvtier host/server, LMCache; or --trace replay")
-    p.add_argument("--tokens", type=int, default=4096, help="prompt length (default 4096)")
-    p.add_argument("--runs", type=int, default=3, help="prompts timed (default 3)")
-    p.add_argument("--gen-tokens", type=int, default=4, help="tokens generated per run; logprobs compared at each")
-    p.add_argument("--model", default="demo", choices=["demo", "tiny", "deepseek"],
-                   help="locally built random model: a Llama, or deepseek: a DeepSeek-V2 of the demo's size "
-                        "with multi-head latent attention")
-    p.add_argument("--block-tokens", type=int, default=256, help="kvtier block size (tokens)")
+    p.add_argument("--tokens", type=int, default=None, help=f"without --trace: prompt length (default {d['tokens']})")
+    p.add_argument("--runs", type=int, default=None, help=f"without --trace: prompts timed (default {d['runs']})")
+    p.add_argument("--gen-tokens", type=int, default=None,
+                   help=f"without --trace: tokens generated per run; logprobs compared at each "
+                        f"(default {d['gen_tokens']})")
+    p.add_argument("--model", default=None, choices=["demo", "tiny", "deepseek"],
+                   help="without --trace: locally built random model: a Llama, or deepseek: a DeepSeek-V2 of the "
+                        f"demo's size with multi-head latent attention (default {d['model']}; --trace: --trace-model)")
+    p.add_argument("--block-tokens", type=int, default=None,
+                   help=f"without --trace: kvtier block size in tokens (default {d['block_tokens']}; "
+                        "--trace: --trace-block-tokens is the trace's)")
     p.add_argument("--no-lmcache", action="store_true", help="skip LMCache")
-    p.add_argument("--stores", default="host,remote", help="kvtier systems; add mooncake (kvtier/bench/vllm_mooncake.py)")
+    p.add_argument("--stores", default=None,
+                   help=f"without --trace: kvtier systems (default {d['stores']}); add mooncake "
+                        "(kvtier/bench/vllm_mooncake.py)")
     p.add_argument("--trace", default=None, help="replay a Mooncake-format trace instead (see kvtier.bench.vllm_trace)")
     p.add_argument("--requests", type=int, default=None, help="--trace: requests of the slice")
     vllm_trace.add_arguments(p)
@@ -84,18 +99,33 @@ def register(subparsers) -> None:
 
 def _main(args) -> int:
     if args.trace:
+        _refuse_non_trace_flags(args)
         result = vllm_trace.run(args)
         if args.json:
             print(json.dumps(result))
         else:
             vllm_trace.print_table(result)
         return 0
+    for name, default in NON_TRACE_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
     result = run(args)
     if args.json:
         print(json.dumps(result))
     else:
         _print_table(result)
     return 0
+
+
+def _refuse_non_trace_flags(args) -> None:
+    """With ``--trace``, refuse the TTFT bench's flags, named, rather than run without them."""
+    given = ["--" + name.replace("_", "-") for name in NON_TRACE_DEFAULTS if getattr(args, name) is not None]
+    if given:
+        named = given[0] if len(given) == 1 else f"{', '.join(given[:-1])} and {given[-1]}"
+        raise ConfigError(f"{named} {'is' if len(given) == 1 else 'are'} for the run without --trace: "
+                          "--trace replays the trace's prompts and output lengths on --trace-model's random Llama "
+                          f"(kvtier: host tier and disk), each trace block one {vllm_trace.HASH_TOKENS}-token page; "
+                          "give the trace's block size with --trace-block-tokens")
 
 
 def _print_table(result: dict) -> None:

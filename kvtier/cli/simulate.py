@@ -21,12 +21,12 @@ def register(subparsers) -> None:
     parser.add_argument("--cluster", default=None, help="cluster config JSON (default: the one shipped with kvtier)")
     parser.add_argument("--calibration", default=None, help="prefill calibration table (kvtier bench prefill)")
     parser.add_argument("--policies", type=_names, default=None,
-                        help="comma-separated routing policies: round_robin, least_loaded, prefix_overlap,"
-                             " tier_aware (default: all)")
+                        help="without --planner: comma-separated routing policies: round_robin, least_loaded,"
+                             " prefix_overlap, tier_aware (default: all)")
     parser.add_argument("--prefill-workers", type=int, default=None, help="override the cluster's prefill workers")
     parser.add_argument("--decode-workers", type=int, default=None, help="override the cluster's decode workers")
     parser.add_argument("--limit", type=int, default=None, help="simulate only the first N requests")
-    parser.add_argument("--plot", default=None, metavar="DIR", help="write PNG plots to DIR")
+    parser.add_argument("--plot", default=None, metavar="DIR", help="without --planner: write PNG plots to DIR")
     parser.add_argument("--json", action="store_true")
     planner = parser.add_argument_group("live planner over a day (--planner)")
     planner.add_argument("--planner", action="store_true",
@@ -56,6 +56,11 @@ def run(args) -> int:
     from kvtier.sim.trace import TRACE_HINT, default_trace_path, load_trace
 
     started = time.perf_counter()
+    ignored = _not_for_the_planner(args)
+    if ignored:
+        print(f"kvtier simulate: {' and '.join(ignored)} {'is' if len(ignored) == 1 else 'are'} for the run without"
+              " --planner: the planner's day is routed tier_aware and draws no plot", file=sys.stderr)
+        return 2
     # Checked before the simulation runs, not after it has: the run may be long.
     if args.plot and Path(args.plot).exists() and not Path(args.plot).is_dir():
         print(f"kvtier simulate: --plot DIR: {args.plot} exists and is not a directory", file=sys.stderr)
@@ -126,6 +131,15 @@ def run(args) -> int:
         print(f"wrote {path}")
     print(f"simulated in {elapsed:.1f} s")
     return 0
+
+
+def _not_for_the_planner(args) -> list[str]:
+    """The flags given that ``--planner`` would take and ignore (it replays the day with its own
+    tier-aware routing and writes no plot): refused, as a plot that never appears or a policy
+    name never checked would pass for a run that used them."""
+    if not args.planner:
+        return []
+    return [flag for flag, value in (("--plot", args.plot), ("--policies", args.policies)) if value is not None]
 
 
 def _plot(directory: str, sim, trace, cluster) -> list[Path]:

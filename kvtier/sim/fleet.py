@@ -365,31 +365,45 @@ def simulate_planned_day(trace: Trace, cluster, targets, *, peak_to_trough: floa
             "hit_rate": round(svc.hit_rate, 4), "mean_prefill_service_s": round(float(svc.service_s.mean()), 4),
             "peak_rate_per_s": round(peak, 2),
             "static": {"prefill_workers": static_p, "decode_workers": static_d,
-                       "prefill_worker_hours": round(static.prefill_worker_s / 3600, 2),
-                       "decode_worker_hours": round(static.decode_worker_s / 3600, 2),
+                       "prefill_worker_hours": _hours(static.prefill_worker_s),
+                       "decode_worker_hours": _hours(static.decode_worker_s),
                        "sla_attainment": round(static.attainment(targets.ttft_s), 5),
                        "misses_from_queueing": round(static.queueing_misses(service, targets.ttft_s), 5),
                        "ttft_p90_s": round(float(np.percentile(static.ttft_s, 90)), 3)},
             "planned": {"peak_prefill_workers": planned.peak_prefill,
                         "min_prefill_workers": min((d.prefill.target for d in planned.decisions), default=static_p),
                         "peak_decode_workers": planned.peak_decode,
-                        "prefill_worker_hours": round(planned.prefill_worker_s / 3600, 2),
-                        "decode_worker_hours": round(planned.decode_worker_s / 3600, 2),
+                        "prefill_worker_hours": _hours(planned.prefill_worker_s),
+                        "decode_worker_hours": _hours(planned.decode_worker_s),
                         "sla_attainment": round(planned.attainment(targets.ttft_s), 5),
                         "misses_from_queueing": round(planned.queueing_misses(service, targets.ttft_s), 5),
                         "ttft_p90_s": round(float(np.percentile(planned.ttft_s, 90)), 3),
                         "decisions": len(planned.decisions), "prefill_scale_ups": ups, "prefill_scale_downs": downs},
         }
     static, planned = runs["with_tier"]
+    static_s = static.prefill_worker_s + static.decode_worker_s
+    planned_s = planned.prefill_worker_s + planned.decode_worker_s
     out.update({
-        "static_worker_hours": round((static.prefill_worker_s + static.decode_worker_s) / 3600, 2),
-        "planned_worker_hours": round((planned.prefill_worker_s + planned.decode_worker_s) / 3600, 2),
+        "static_worker_hours": _hours(static_s),
+        "planned_worker_hours": _hours(planned_s),
         "sla_attainment_static": round(static.attainment(targets.ttft_s), 5),
         "sla_attainment_planned": round(planned.attainment(targets.ttft_s), 5),
-        "prefill_worker_hours_with_tier": round(planned.prefill_worker_s / 3600, 2),
-        "prefill_worker_hours_without_tier": round(runs["without_tier"][1].prefill_worker_s / 3600, 2),
+        "prefill_worker_hours_with_tier": _hours(planned.prefill_worker_s),
+        "prefill_worker_hours_without_tier": _hours(runs["without_tier"][1].prefill_worker_s),
         "sla": f"share of requests with TTFT (queue + prefill) <= {targets.ttft_s:g} s; requests whose prefill"
                " alone is longer miss in every fleet (misses_from_queueing: those that missed for waiting)",
     })
-    out["planned_over_static"] = round(out["planned_worker_hours"] / max(out["static_worker_hours"], 1e-9), 4)
+    # of the run's worker-seconds, not of the hours rounded for the JSON: a trace of minutes has
+    # worker-hours of hundredths, and their ratio at 0.01 h was 0.7 for a run's 0.7298. (The
+    # static fleet holds a worker over the trace's span, which check_time_spread made nonzero.)
+    out["planned_over_static"] = round(planned_s / static_s, 4)
     return out
+
+
+def _hours(worker_s: float) -> float:
+    """Worker-seconds as the JSON's worker-hours: to 0.01 h, or 4 significant figures where that
+    is finer. Worker-hours are in the timeline's hours, so a trace of minutes has hundredths."""
+    hours = worker_s / 3600
+    if hours <= 0:
+        return 0.0
+    return round(hours, max(2, 3 - math.floor(math.log10(hours))))

@@ -41,7 +41,15 @@ TRACE_HINT = ("get conversation_trace.jsonl from the Mooncake repository (kvcach
 GZIP_MAGIC = b"\x1f\x8b"
 #: what the block-count error advises where the caller does not say (simulate, plan workers)
 BLOCK_SIZE_HINT = "set block_tokens in the --cluster JSON to the trace's block size"
-#: a trace this long over less than a second of milliseconds is taken for one in seconds
+#: timestamps this close on average, read as milliseconds, are taken for seconds: a mean load
+#: above 200 requests a second, which no published conversation trace comes near (Mooncake's:
+#: 3.4 a second), while a service's stamps in seconds are this close from one request every
+#: 5 s up. (0.1 s, 10 requests a second, told busy float-millisecond exports to multiply.)
+SECONDS_SUSPECT_GAP_S = 0.005
+#: ... if most of the nonzero stamps are fractional: float seconds at millisecond resolution
+#: are whole one time in 1,000 (x.000), at 0.1 s one in 10; whole stamps are the format's own
+SECONDS_SUSPECT_FRACTIONAL_SHARE = 0.75
+#: ... or, whole, if there are this many: a handful 1 ms apart is a hand-written test trace
 SECONDS_SUSPECT_REQUESTS = 100
 
 
@@ -130,15 +138,18 @@ def parse_trace_lines(lines, block_tokens: int = 512, source: str = "",
 
 def _seconds_like(requests: int, nonzero: int, whole: int, span_s: float) -> str:
     """Why the timestamps look like seconds rather than the format's milliseconds ('' if not):
-    seconds read as milliseconds pack a service's requests a thousand times closer (fractional
-    ones, under 0.1 s apart on average), and a conversation service's requests over a span
-    under a second would be a burst no published trace has."""
-    # (fractional alone says nothing of the unit: float milliseconds from datetimes are common;
-    # as milliseconds, seconds-valued stamps put requests under 0.1 s apart on average)
-    if requests >= 2 and nonzero and not whole and span_s / (requests - 1) < 0.1:
-        return f"none of them a whole number; as milliseconds, {requests:,} requests over {span_s:g} s"
-    # 0: every request at one instant, an offline batch, not a clock in the wrong unit
-    if requests >= SECONDS_SUSPECT_REQUESTS and 0 < span_s < 1.0:
+    as milliseconds, their mean gap is a load no conversation service has, and they are
+    fractional (most of them: a few of a seconds export are whole by chance) or many."""
+    # 0 (or one request): every request at one instant, an offline batch, not a clock in the
+    # wrong unit. Fractional alone says nothing of the unit (float milliseconds from datetimes
+    # are common); the gap decides.
+    if requests < 2 or not 0 < span_s / (requests - 1) < SECONDS_SUSPECT_GAP_S:
+        return ""
+    fractional = nonzero - whole
+    if nonzero and fractional >= SECONDS_SUSPECT_FRACTIONAL_SHARE * nonzero:
+        form = "none of them a whole number" if not whole else f"{fractional:,} of {nonzero:,} fractional"
+        return f"{form}; as milliseconds, {requests:,} requests over {span_s:g} s"
+    if requests >= SECONDS_SUSPECT_REQUESTS:
         return f"{requests:,} requests within {span_s * 1000:g} ms"
     return ""
 

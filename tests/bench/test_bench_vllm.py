@@ -96,7 +96,9 @@ needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason
 
 
 def _bench(*args: str) -> dict:
-    out = subprocess.run([sys.executable, "-m", "kvtier.cli.main", "bench", "vllm", "--model", "tiny",
+    # --model is the run's without --trace (refused with it: --trace-model is the replay's)
+    model = [] if "--trace" in args else ["--model", "tiny"]
+    out = subprocess.run([sys.executable, "-m", "kvtier.cli.main", "bench", "vllm", *model,
                           "--no-lmcache", "--json", *args], capture_output=True, text=True, timeout=400)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])

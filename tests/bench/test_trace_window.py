@@ -75,6 +75,25 @@ def test_warm_up_shortcut_leaves_the_same_hits_as_the_whole_stretch(capacity):
     assert vt.warmup_replay(warm, counted, 60, full=True) == warm
 
 
+def test_s29_d2_the_shortcut_s_tail_holds_2x_cache_pages_distinct_blocks():
+    """The tail was grown to 2 x cache_pages blocks counted with repeats: a tail of one prompt
+    sent again (a shared system prompt) held 2 distinct blocks of a 4-page cache, so the older
+    requests still decided what it kept; the shortcut dropped them and a window block the whole
+    stretch evicts stayed cached (vLLM alone given hits it would not have)."""
+    warm = [_req([1, 2, 3], 3 * B + 1),   # the window hits its first block...
+            _req([7, 8], 2 * B + 1),      # ...which these, dropped by the shortcut, push out
+            *[_req([5, 6], 2 * B + 1)] * 4]   # 8 blocks counted (2 x 4 pages), 2 distinct
+    counted = [_req([1, 9], 2 * B + 1)]
+    short = vt.warmup_replay(warm, counted, cache_pages=4)
+    assert _lru_hits(warm, counted, 4) == 0
+    assert _lru_hits(short, counted, 4) == 0   # was 32 tokens
+    # the tail starts where it holds 2 x cache_pages distinct blocks: with 2 pages, at [7, 8]
+    # (the four [5, 6] hold 2); the request before it is cut to what the window can hit
+    short = vt.warmup_replay(warm, counted, cache_pages=2)
+    assert [r["blocks"] for r in short[:2]] == [[1, 2], [7, 8]] and short[2:] == warm[2:]
+    assert _lru_hits(short, counted, 2) == _lru_hits(warm, counted, 2)
+
+
 def test_the_gap_to_the_bound_is_counted_request_by_request():
     bound = vt.reusable_tokens([_req([1, 2, 3]), _req([1, 2, 3, 4]), _req([1, 5])])
     assert bound == [0, 3 * B, B]
@@ -247,3 +266,39 @@ def test_s28_d5_requests_0_is_refused_not_replaced_by_256(tmp_path, stop_at_the_
     args = _bench_args("vllm", "--trace", str(path), "--warmup-requests", "2")   # not given: the default
     with pytest.raises(SystemExit, match=f"--requests {vt.TRACE_REQUESTS}"):
         args.func(args)
+
+
+@pytest.mark.parametrize("flag, value", [("--model", "deepseek"), ("--block-tokens", "64"),
+                                         ("--stores", "host,remote,mooncake"), ("--tokens", "512"),
+                                         ("--runs", "1"), ("--gen-tokens", "2")])
+def test_s29_d5_bench_vllm_trace_refuses_the_flags_of_the_run_without_it(tmp_path, stop_at_the_model, flag, value):
+    """--trace took the TTFT bench's flags and ignored them: --model deepseek (latent attention)
+    replayed on --trace-model's Llama, --block-tokens 64 on 32-token pages, --stores mooncake as
+    host + disk. Refused now, naming the flags --trace does read."""
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in _rows(20)))
+    common = ["--trace", str(path), "--requests", "4", "--warmup-requests", "2"]
+    args = _bench_args("vllm", *common, flag, value)
+    with pytest.raises(ConfigError, match=rf"^{flag} is for the run without --trace: .*--trace-model.*"
+                                          "--trace-block-tokens"):
+        args.func(args)
+    args = _bench_args("vllm", *common, "--model", "tiny", "--block-tokens", "64")
+    with pytest.raises(ConfigError, match="^--model and --block-tokens are for the run without --trace"):
+        args.func(args)
+    args = _bench_args("vllm", *common, "--trace-model", "tiny")   # control: the trace's own flags run on
+    with pytest.raises(_ModelBuilt):
+        args.func(args)
+
+
+def test_s29_d5_bench_vllm_without_trace_keeps_its_defaults(stop_at_the_model):
+    """The flags default to None so that --trace can tell one given: the run without --trace
+    fills in the defaults it always had."""
+    args = _bench_args("vllm")
+    with pytest.raises((_ModelBuilt, SystemExit)):   # SystemExit: no vLLM on this machine
+        args.func(args)
+    assert (args.tokens, args.runs, args.gen_tokens, args.model, args.block_tokens, args.stores) == (
+        4096, 3, 4, "demo", 256, "host,remote")
+    args = _bench_args("vllm", "--model", "tiny", "--tokens", "1024", "--block-tokens", "128")
+    with pytest.raises((_ModelBuilt, SystemExit)):
+        args.func(args)
+    assert (args.tokens, args.model, args.block_tokens, args.runs) == (1024, "tiny", 128, 3)

@@ -79,3 +79,45 @@ def test_a_limit_that_is_not_a_positive_count_is_refused(small_trace_file, capsy
     args = _parse(["simulate", "--trace", str(small_trace_file), "--json", "--limit", limit])
     assert args.func(args) == 2
     assert "--limit must be a positive number" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra, named", [(["--plot", "PLOTS"], "--plot"),
+                                         (["--policies", "no_such_policy"], "--policies"),
+                                         (["--plot", "PLOTS", "--policies", "round_robin"], "--plot and --policies")])
+def test_s29_d3_planner_refuses_the_flags_it_would_ignore(small_trace_file, tmp_path, capsys, extra, named):
+    """`simulate --planner` took --plot DIR and --policies and ignored both, exit 0: no plot was
+    written, and a policy name that does not exist was not even refused."""
+    plots = tmp_path / "plots"
+    argv = ["simulate", "--planner", "--scale", "2", "--trace", str(small_trace_file), "--json"]
+    args = _parse(argv + [str(plots) if a == "PLOTS" else a for a in extra])
+    assert args.func(args) == 2
+    err = capsys.readouterr().err
+    assert f"kvtier simulate: {named} " in err and "without --planner" in err
+    assert not plots.exists()
+    # control: the same day without them runs
+    args = _parse(argv)
+    assert args.func(args) == 0
+    assert json.loads(capsys.readouterr().out)["day"]["requests"] == 2 * 120
+
+
+def test_s29_d6_verify_reports_the_token_hit_rate_it_assumed(tmp_path, capsys):
+    """--verify set the simulator's BLOCK hit rate beside the assumed TOKEN hit rate, both "hit
+    rate": prompts of one shared block and one token of their own read 47.5 % against 94.8 %, a
+    failed assumption, while the simulation reused exactly the tokens assumed."""
+    path = tmp_path / "tail1.jsonl"
+    path.write_text("".join(json.dumps({"timestamp": 1000 * i, "input_length": 513, "output_length": 16,
+                                        "hash_ids": [0, 100 + i]}) + "\n" for i in range(20)))
+    argv = ["plan", "workers", "--trace", str(path), "--ttft", "2", "--itl", "0.05", "--verify"]
+    args = _parse(argv + ["--json"])
+    assert args.func(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    reused = 19 * 512 / (20 * 513)   # every request after the first reuses the shared block
+    sim = out["simulated"]
+    assert out["hit_rate_assumed"] == pytest.approx(reused)
+    assert sim["token_hit_rate"] == pytest.approx(reused) and sim["hit_rate"] == sim["token_hit_rate"]
+    assert sim["block_hit_rate"] == pytest.approx(19 / 40)
+    args = _parse(argv)
+    assert args.func(args) == 0
+    text = capsys.readouterr().out
+    assert f"token hit rate assumed {reused:.1%}" in text
+    assert f"token hit rate {reused:.1%} (block hit rate 47.5%)" in text

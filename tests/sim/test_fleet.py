@@ -145,3 +145,26 @@ def test_planner_on_a_trace_without_spread_names_the_trace(tmp_path, capsys, row
     assert args.func(args) == 2
     err = capsys.readouterr().err
     assert "the trace needs requests spread over time" in err and "period" not in err, err
+
+
+def test_s29_d4_a_trace_of_seconds_keeps_the_figures_of_its_worker_hours():
+    """Worker-hours are in the timeline's hours: a 20 s trace's day has hundredths of them, and
+    at 0.01 h the static fleet's 16 prefill and 1 decode workers read 0.09 and 0.01 h, and
+    planned_over_static, a ratio of such rounded hours, read 0.7 for a run's 0.7298."""
+    from kvtier.planner.workers import SLATargets
+    from kvtier.sim.cluster import load_cluster
+    from kvtier.sim.trace import parse_trace_lines
+
+    lines = [json.dumps({"timestamp": 50 * i, "input_length": 8192, "output_length": 100,
+                         "hash_ids": list(range(100 * i, 100 * i + 16))}) for i in range(400)]
+    out = fleet.simulate_planned_day(parse_trace_lines(lines), load_cluster(), SLATargets(2.0, 0.05, 0.9), copies=1)
+    static = out["with_tier"]["static"]
+    assert out["static_worker_hours"] < 0.2   # the case: hundredths of an hour
+    # both static pools run the whole timeline: their hours are in the ratio of their workers
+    assert static["prefill_worker_hours"] / static["decode_worker_hours"] == pytest.approx(
+        static["prefill_workers"] / static["decode_workers"], rel=1e-3)
+    assert out["static_worker_hours"] == pytest.approx(
+        static["prefill_worker_hours"] + static["decode_worker_hours"], rel=1e-3)
+    assert out["planned_over_static"] == pytest.approx(
+        out["planned_worker_hours"] / out["static_worker_hours"], rel=1e-3)
+    assert 0 < out["planned_over_static"] < 1

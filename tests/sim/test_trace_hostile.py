@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import random
 
 import pytest
 
@@ -283,7 +284,60 @@ def test_s28_r2_float_millisecond_timestamps_over_an_hour_are_not_taken_for_seco
 
 
 def test_s28_r2_control_a_real_seconds_trace_is_still_noted():
-    """What the note is for: fractional seconds read as milliseconds squeeze an hour into 3.6 s."""
-    stamps = [round(i * 18.090137 + 0.25, 6) for i in range(200)]
+    """What the note is for: fractional seconds read as milliseconds squeeze 6 min into 0.36 s.
+    (Requests 1.8 s apart: at 18 s apart, s28's control, the file is the same as a 55-a-second
+    float-millisecond export, which s29 D1 leaves unflagged.)"""
+    stamps = [round(i * 1.8090137 + 0.25, 6) for i in range(200)]
     trace = parse_trace_lines(_lines(stamps), 512, "seconds.jsonl")
     assert any("seconds" in n for n in trace.notes)
+
+
+def _arrivals_s(requests: int, mean_gap_s: float) -> list[float]:
+    """A service's arrival times in seconds (Poisson)."""
+    rng, t, out = random.Random(7), 0.0, []
+    for _ in range(requests):
+        t += rng.expovariate(1 / mean_gap_s)
+        out.append(t)
+    return out
+
+
+def test_s29_d1_seconds_with_a_few_whole_stamps_are_still_noted():
+    """About one stamp in 1,000 of such an export is whole (x.000): one of them turned the note
+    off, and an hour of 3,000 requests loaded as 3.5 s, 1.2 ms apart, without a word."""
+    stamps = [round(t, 3) for t in _arrivals_s(3000, 1.2)]   # the usual round(time.time() - t0, 3)
+    whole = sum(float(s).is_integer() for s in stamps)
+    assert 0 < whole < 10   # the case: a handful whole, by chance
+    trace = parse_trace_lines(_lines(stamps), 512, "seconds.jsonl")
+    assert len(trace.requests) == 3000 and trace.duration_s < 4   # still read as milliseconds
+    assert [n for n in trace.notes if "look like seconds" in n] == [
+        f"seconds.jsonl: the timestamps look like seconds ({3000 - whole:,} of 3,000 fractional; as milliseconds, "
+        f"3,000 requests over {trace.duration_s:g} s); the format's are milliseconds, and they are read so: "
+        "if they are seconds, multiply them by 1000"]
+
+
+@pytest.mark.parametrize("per_s", [20, 100])
+def test_s29_d1_float_milliseconds_of_a_busy_service_are_not_taken_for_seconds(per_s):
+    """The reverse: a float-millisecond export (datetimes, time.time() * 1000) of a service at
+    more than 10 requests a second was told to multiply its stamps by 1000."""
+    stamps = [round(1000 * t, 6) for t in _arrivals_s(3000, 1 / per_s)]   # time.time() * 1000
+    assert not any(float(s).is_integer() for s in stamps)   # all fractional, as float seconds are
+    trace = parse_trace_lines(_lines(stamps), 512, "float_ms.jsonl")
+    assert 3000 / per_s * 0.9 < trace.duration_s < 3000 / per_s * 1.1
+    assert [n for n in trace.notes if "seconds" in n] == []
+
+
+def test_s29_d1_whole_seconds_over_an_hour_are_noted_and_whole_milliseconds_of_a_busy_service_are_not():
+    """Whole seconds were noted only for 100 requests within 1,000 s; an hour of them loaded as
+    3.6 s. The gap decides, as for fractional stamps; whole milliseconds at 100 a second pass."""
+    arrivals = _arrivals_s(1000, 3.6)
+    trace = parse_trace_lines(_lines([round(t) for t in arrivals]), 512, "seconds.jsonl")
+    assert [n for n in trace.notes if "look like seconds" in n] == [
+        f"seconds.jsonl: the timestamps look like seconds (1,000 requests within {trace.duration_s * 1000:g} ms); "
+        "the format's are milliseconds, and they are read so: if they are seconds, multiply them by 1000"]
+    trace = parse_trace_lines(_lines([round(t * 1000) for t in _arrivals_s(3000, 0.01)]), 512, "ms.jsonl")
+    assert trace.notes == ()
+
+
+def test_s29_d1_the_shipped_traces_load_with_no_note(conversation_trace, shipped_trace):
+    """Whole milliseconds, ~0.3 s apart: the published trace (or its slice) is read as it is."""
+    assert conversation_trace.trace.notes == () and shipped_trace.trace.notes == ()
