@@ -12,8 +12,14 @@
   With the publisher's replay endpoint (vLLM's ``replay_endpoint``: a ROUTER serving
   its last ``buffer_steps`` batches) the listener also catches up instead of starting
   blind: on connecting (a router that restarts, or a publisher that did) it replays
-  the buffer, and lost messages are replayed rather than cleared (cleared only when
-  the buffer no longer has them).
+  the buffer, and lost messages are replayed rather than cleared. A hole the buffer
+  cannot wholly fill, or a sequence that goes back, clears the worker and rebuilds it
+  from the buffer's start up to the message, as a disconnect does: the index never
+  restarts from the middle of the stream while the buffer holds what came before. A
+  disconnect discards what the SUB still holds of the dropped connection, and the next
+  connection replays from the buffer's start. A replay endpoint that did not answer is
+  not asked again until the next connection (said once in the log, counted in
+  ``replays_unanswered``): live events go on at once, without catching up.
   Only one KV-cache group is indexed (``VllmEvents.group``): vLLM publishes each
   block once per group (``group_idx``; ``kv_cache_spec_kind`` on stores), and the groups
   of a hybrid model (Gemma 3: full attention and sliding window) hold the same block
@@ -63,6 +69,8 @@ log = logging.getLogger(__name__)
 _SEQ = struct.Struct(">Q")
 #: a replay that sent batches and then nothing for this long was cut short by the publisher
 _REPLAY_QUIET_S = 0.5
+#: a replay endpoint that sent nothing for this long after a request does not answer
+_REPLAY_ANSWER_S = 5.0
 #: a shared-tier listener that failed waits this long before it starts again, doubled up to
 #: _RESTART_MAX_S while it keeps failing (an error that repeats is not retried in a tight loop)
 _RESTART_S = 0.5
@@ -102,8 +110,16 @@ class VllmEvents:
         self.resyncs = 0
         self.messages = 0
         self.replayed = 0             #: batches applied from the publisher's replay buffer
+        self.replays_unanswered = 0   #: replays that got nothing back within replay_timeout_s
+        #: how long a replay waits for the publisher's first answer
+        self.replay_timeout_s = _REPLAY_ANSWER_S
         #: after a replay, live messages below this are the replay's own (queued meanwhile): skipped
         self._skip_below: int | None = None
+        #: the entries were cleared since the last connection: the next one replays from the start
+        self._resynced_since_connect = True
+        #: this connection's replay endpoint did not answer: not asked again until the next one
+        #: (a silent endpoint held up every live message after a resync for the whole timeout)
+        self._replay_silent = False
         self._task: asyncio.Task | None = None
         self._stopping = False
 
@@ -138,12 +154,17 @@ class VllmEvents:
         """
         log.info("worker %s events: %s%s; clearing its index entries", self.worker.url, reason,
                  f" ({detail})" if detail else "")
+        self._forget()
+        self.resyncs += 1
+        self.on_resync(self.worker, reason)
+
+    def _forget(self) -> None:
+        """Clear this worker's entries and the stream's state (no resync counted: see :meth:`resync`)."""
         self.index.clear_worker(self.worker.id)
         self.group, self._group_known = 0, False   # (a restarted worker may serve another model)
         self.next_seq = None
         self._skip_below = None
-        self.resyncs += 1
-        self.on_resync(self.worker, reason)
+        self._resynced_since_connect = True
 
     async def _run(self) -> None:
         import zmq
@@ -168,47 +189,95 @@ class VllmEvents:
                 if monitor in ready:
                     event = parse_monitor_message(await monitor.recv_multipart())
                     if event["event"] == zmq.EVENT_CONNECTED:
-                        if self.next_seq is None and self.worker.replay_endpoint:
-                            await self._replay(ctx, 0)   # what the worker holds from before we listened
-                        self._set_up(True)
+                        await self._connected(ctx)
                     elif event["event"] == zmq.EVENT_DISCONNECTED:
-                        # The publisher went away: its GPU cache may be gone, and what it
-                        # sends meanwhile is lost to us.
-                        self.resync("disconnected")
-                        self._set_up(False)
+                        await self._disconnected(sock)
+                    continue   # (a disconnect emptied the SUB: poll it again before reading)
                 if sock in ready:
                     frames = await sock.recv_multipart()
-                    seq = self._seq(frames)
-                    if seq is not None and self.worker.replay_endpoint:
-                        if self.next_seq is None and seq > 0:
-                            # Nothing indexed since a resync: what came before this message, from
-                            # the buffer. A disconnect clears the worker's entries, and a message
-                            # queued before the reconnect was announced set the sequence going:
-                            # the index then started from the middle of the stream (a router
-                            # that lost a worker's connection for a moment held a third of its
-                            # blocks, and never the rest)
-                            await self._replay(ctx, 0, upto=seq)
-                        elif self.next_seq is not None and seq > self.next_seq:
-                            await self._replay(ctx, self.next_seq, upto=seq)   # lost messages, from the buffer
+                    await self._catch_up(ctx, frames)
                     self.handle(frames)
         finally:
             sock.disable_monitor()
             monitor.close(0)
             sock.close(0)
 
-    async def _replay(self, ctx, start: int, upto: int | None = None, timeout_s: float = 5.0) -> None:
+    async def _connected(self, ctx) -> None:
+        """A connection to the publisher (the first, or a reconnect): after a resync, what the worker
+        holds from before is taken from the buffer's start."""
+        self._replay_silent = False   # a new connection, maybe a new publisher: its endpoint may answer
+        if self.worker.replay_endpoint and self._resynced_since_connect:
+            if self.next_seq is not None:
+                # messages applied since the resync may be the dropped connection's: the buffer
+                # rebuilds the entries alone (part of that resync, not counted again)
+                self._forget()
+            await self._replay(ctx, 0)
+        self._resynced_since_connect = False
+        self._set_up(True)
+
+    async def _disconnected(self, sock) -> None:
+        """The publisher went away: its GPU cache may be gone, and what it sends meanwhile is lost to us.
+
+        What the SUB still holds of that connection is discarded: applied after the clear, it
+        was taken for the start of the stream and spliced onto a restarted publisher's buffer
+        (blocks of the dead process credited for good, the new process's sequence read as a
+        gap). Messages of a connection made meanwhile go too: the replay on connecting brings
+        them back."""
+        import zmq
+
+        discarded = 0
+        while True:
+            try:
+                await sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            discarded += 1
+        self.resync("disconnected", f"{discarded} queued messages discarded" if discarded else "")
+        self._set_up(False)
+
+    async def _catch_up(self, ctx, frames: list[bytes]) -> None:
+        """Before live message ``frames`` is handled: what the index lacks before it, from the buffer.
+
+        Messages lost on the way are replayed. A hole the buffer cannot wholly fill, or a sequence
+        that goes back (a restarted publisher), is a resync, and then, as after any resync, the
+        buffer is replayed from its start up to the message: else the index restarted from the
+        middle of the stream (a router that lost a worker's connection for a moment held a third
+        of its blocks, and never the rest; one that listened all along held fewer of them than a
+        router started later).
+        """
+        seq = self._seq(frames)
+        if seq is None or not self.worker.replay_endpoint or self._replay_silent:
+            return
+        if self._skip_below is not None and seq < self._skip_below:
+            return   # a replayed batch, also queued live (handle skips it)
+        if self.next_seq is not None and seq > self.next_seq:
+            lost = seq - self.next_seq
+            await self._replay(ctx, self.next_seq, upto=seq)
+            if self.next_seq == seq or self._replay_silent:
+                return   # filled (or not: then handle sees the gap)
+            self.resync("gap", f"{lost} messages lost, {lost - (seq - self.next_seq)} of them replayed")
+        elif self.next_seq is not None and seq < self.next_seq:
+            self.resync("restarted", f"sequence {seq} after {self.next_seq - 1}")
+        if self.next_seq is None and seq > 0:
+            await self._replay(ctx, 0, upto=seq)
+
+    async def _replay(self, ctx, start: int, upto: int | None = None, timeout_s: float | None = None) -> None:
         """Apply the publisher's buffered batches from sequence ``start`` (up to ``upto``).
 
         vLLM's protocol: a DEALER sends ``["", start (u64 BE)]``; the ROUTER answers each
         buffered batch at or after it as ``["", topic, seq, payload]``, then
         ``["", "", -1, ""]``. A buffer that no longer starts at ``start`` (or a replay
-        that fails) leaves the hole: then the usual clear applies (``handle`` sees the gap).
+        that fails) leaves the hole: ``next_seq`` tells the caller how far it got.
         A listener with no state yet takes the buffer from wherever it starts: vLLM keeps only
         the last ``buffer_steps`` batches, so a router started next to a long-running worker
         replayed nothing, and the window applied to an empty index holds no stale block.
+        An endpoint that sends nothing within ``timeout_s`` (default ``replay_timeout_s``) is not
+        asked again on this connection.
         """
         import zmq
 
+        if timeout_s is None:
+            timeout_s = self.replay_timeout_s
         dealer = ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.setsockopt(zmq.RCVHWM, 0)
@@ -218,6 +287,7 @@ class VllmEvents:
             dealer.connect(self.worker.replay_endpoint)
             await dealer.send_multipart([b"", start.to_bytes(8, "big")])
             expected = start
+            answered = False   # anything received at all
             got = 0   # batches received since the last request
             cut = False   # a batch of this answer was dropped on the way (its later ones skipped)
             while True:
@@ -233,9 +303,13 @@ class VllmEvents:
                         await dealer.send_multipart([b"", expected.to_bytes(8, "big")])
                         got, cut = 0, False
                         continue
-                    log.warning("worker %s events: replay from %d timed out", self.worker.url, expected)
+                    if not answered:
+                        self._silent_replay(timeout_s)
+                    else:
+                        log.warning("worker %s events: replay from %d timed out", self.worker.url, expected)
                     return
                 frames = await dealer.recv_multipart()
+                answered = True
                 if len(frames) < 4 or frames[-2] == b"\xff" * 8:
                     if cut:   # the end of an answer that lost batches on the way: ask again
                         await dealer.send_multipart([b"", expected.to_bytes(8, "big")])
@@ -267,6 +341,14 @@ class VllmEvents:
             if applied:
                 self._skip_below = self.next_seq
                 log.info("worker %s events: %d batches replayed from %d", self.worker.url, applied, start)
+
+    def _silent_replay(self, timeout_s: float) -> None:
+        self._replay_silent = True
+        self.replays_unanswered += 1
+        self._say_once("replay_silent", logging.WARNING,
+                       f"events: its replay endpoint {self.worker.replay_endpoint} sent nothing in {timeout_s:.1f} s: "
+                       f"not asked again until the events reconnect; live events go on without catching up (a "
+                       f"vLLM started without replay_endpoint?)")
 
     @staticmethod
     def _seq(frames: list[bytes]) -> int | None:
@@ -316,9 +398,13 @@ class VllmEvents:
 
     def _ignore(self, reason: str, blocks: int, why: str, level: int = logging.ERROR) -> None:
         self.on_ignored(self.worker, reason, blocks)
-        if reason not in self._told:
-            self._told.add(reason)
-            log.log(level, "worker %s %s", self.worker.url, why)
+        self._say_once(reason, level, why)
+
+    def _say_once(self, topic: str, level: int, what: str) -> None:
+        """Log ``what`` the first time ``topic`` comes up (a condition that repeats is no flood)."""
+        if topic not in self._told:
+            self._told.add(topic)
+            log.log(level, "worker %s %s", self.worker.url, what)
 
     def _in_indexed_group(self, group, kind) -> bool:
         """Whether events of KV-cache group ``group`` (None: vLLM names none, group 0) are indexed;

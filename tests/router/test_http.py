@@ -839,8 +839,9 @@ def test_a_message_lost_on_the_live_stream_is_replayed_not_cleared(tmp_path, in_
             listener = router.listeners[0]
             if in_buffer:
                 assert router.index.worker_blocks(0) == 6 and listener.resyncs == 0
-            else:   # the hole cannot be filled: cleared, and what follows it waits for its parents
-                assert listener.resyncs == 1 and router.index.worker_blocks(0) == 0
+            else:   # the hole cannot be filled: cleared, and what follows it waits for its parents (the
+                # buffer, replayed from its start, has the same hole: cleared again, or not yet)
+                assert listener.resyncs in (1, 2) and router.index.worker_blocks(0) == 0
     run(main())
 
 

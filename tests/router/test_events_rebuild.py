@@ -1,0 +1,296 @@
+"""How a worker's event listener (kvtier/router/events.py) rebuilds that worker's index entries after
+a hole, with the publisher's replay buffer: from the buffer's start, never from the middle of the
+stream; never from a dropped connection's leftovers; and without holding up live events when the
+replay endpoint does not answer. Real ZMQ sockets, through a stand-in for vLLM's publisher whose
+every send the test decides (test_events.py drives vLLM's own)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import struct
+import threading
+import time
+from collections import deque
+
+import msgpack
+import zmq
+
+from kvtier.router.events import VllmEvents
+from kvtier.router.index import BlockIndex, block_keys
+from kvtier.router.workers import Worker
+
+BS = 4
+OLD, NEW = 0, 100   # block numbers of a publisher and of its restarted process
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+
+def block(i: int) -> list[int]:
+    return [1000 + i] * BS
+
+
+def stored(i: int) -> dict:
+    """Block ``i``: a root block of its own (hash i + 1)."""
+    return {"type": "BlockStored", "block_hashes": [i + 1], "parent_block_hash": None, "token_ids": block(i),
+            "block_size": BS, "lora_id": None, "medium": "GPU", "lora_name": None}
+
+
+class StandInPublisher:
+    """vLLM's ZmqEventPublisher as a listener sees it (``[topic, seq, payload]`` live; a replay ROUTER
+    answering ``["", topic, seq, payload]``… then the end marker, over its last ``buffer_steps``
+    batches), with what goes out live, what is only buffered (lost on the way) and whether the
+    replay answers left to the test. Its PUB is an XPUB, which says when the listener's
+    subscription arrived: no batch is lost to a slow joiner."""
+
+    def __init__(self, tmp_path, buffer_steps: int = 100, answers: bool = True) -> None:
+        self.endpoint, self.replay_endpoint = f"ipc://{tmp_path}/pub.sock", f"ipc://{tmp_path}/replay.sock"
+        self.ctx = zmq.Context()
+        self.pub = self.ctx.socket(zmq.XPUB)
+        self.pub.setsockopt(zmq.LINGER, 5000)       # close() delivers what was sent before it
+        self.handshakes = self.pub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        self.pub.bind(self.endpoint)
+        self.buffer: deque = deque(maxlen=buffer_steps)
+        self.seq = 0
+        self.answers = answers
+        self.requests = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._serve_replay, daemon=True)
+        self._thread.start()
+        assert self._ready.wait(5)
+
+    def publish(self, i: int, live: bool = True) -> None:
+        """Block ``i``'s batch: buffered, and sent unless ``live`` is false (lost on the way)."""
+        payload = msgpack.packb([time.time(), [stored(i)], None])
+        with self._lock:
+            seq, self.seq = self.seq, self.seq + 1
+            self.buffer.append((seq, payload))
+        if live:
+            self.pub.send_multipart([b"kv", struct.pack(">Q", seq), payload])
+
+    def restart_sequence(self) -> None:
+        """As a restarted publisher: numbered from 0 again, with an empty buffer."""
+        with self._lock:
+            self.seq = 0
+            self.buffer.clear()
+
+    def subscribed(self) -> bool:
+        """Whether a subscription came (each is told once)."""
+        return bool(self.pub.poll(0)) and self.pub.recv().startswith(b"\x01")
+
+    def wait_connected(self) -> None:
+        """Blocks until a subscriber's connection finished its handshake (the I/O threads' work: the
+        subscriber's event loop may be held meanwhile)."""
+        assert self.handshakes.poll(10_000), "the listener never connected"
+        self.handshakes.recv_multipart()
+
+    def _serve_replay(self) -> None:
+        router = self.ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        router.bind(self.replay_endpoint)
+        self._ready.set()
+        try:
+            while not self._stop.is_set():
+                if not router.poll(50):
+                    continue
+                client, _, start = router.recv_multipart()
+                self.requests += 1
+                if self.answers:
+                    start = int.from_bytes(start, "big")
+                    with self._lock:
+                        batches = [(seq, payload) for seq, payload in self.buffer if seq >= start]
+                    for seq, payload in batches:
+                        router.send_multipart([client, b"", b"kv", seq.to_bytes(8, "big"), payload])
+                    router.send_multipart([client, b"", b"", END_SEQ, b""])
+        finally:
+            router.close(0)
+
+    def close(self) -> None:
+        """Blocks until what was published is delivered (the PUB's linger)."""
+        self._stop.set()
+        self._thread.join(5)
+        self.pub.disable_monitor()
+        self.handshakes.close(0)
+        self.pub.close()
+        self.ctx.term()
+
+
+def listener(pub: StandInPublisher, resyncs: list[str]) -> tuple[BlockIndex, VllmEvents]:
+    index = BlockIndex(BS)
+    return index, VllmEvents(Worker(0, "http://w0", pub.endpoint, pub.replay_endpoint), index,
+                             on_resync=lambda worker, reason: resyncs.append(reason))
+
+
+def held(index: BlockIndex) -> set[int]:
+    """The blocks (of both processes' numbers) the index credits."""
+    return {i for i in (*range(OLD, OLD + 50), *range(NEW, NEW + 50)) if index.masks(block_keys(block(i), BS))}
+
+
+async def until(cond, what: str, timeout_s: float = 15.0) -> None:
+    """Waits for a condition (the deadline only says what never came)."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out: {what}"
+        await asyncio.sleep(0.02)
+
+
+async def in_step(pub: StandInPublisher, events: VllmEvents) -> None:
+    """The listener connected (its replay on connecting done) and its subscription arrived."""
+    await until(lambda: events.worker.events_up, "connected")
+    await until(pub.subscribed, "subscribed")
+
+
+def run(main) -> None:
+    asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_a_gap_the_buffer_only_partly_holds_rebuilds_from_the_buffers_start(tmp_path):
+    """Batches 1-5 lost on the way; when 6 comes the buffer (4 steps) holds 3-6. The gap replay
+    refused the buffer (it no longer starts at 1), the gap cleared the worker and only 6 was
+    indexed: 3-5, which a router started at that moment replays, were never indexed by the one
+    that listened all along."""
+    pub = StandInPublisher(tmp_path, buffer_steps=4)
+    resyncs: list[str] = []
+    index, events = listener(pub, resyncs)
+
+    async def main():
+        events.start()
+        try:
+            await in_step(pub, events)
+            pub.publish(0)
+            await until(lambda: held(index) == {0}, "control: block 0 indexed")
+            for i in range(1, 6):
+                pub.publish(i, live=False)
+            pub.publish(6)
+            await until(lambda: 6 in held(index), "block 6 indexed")
+            assert resyncs == ["gap"]
+            assert held(index) == {3, 4, 5, 6}, "the buffer's blocks before the live one were not replayed"
+        finally:
+            await events.stop()
+
+    try:
+        run(main)
+    finally:
+        pub.close()
+
+
+def test_a_sequence_that_goes_back_rebuilds_from_the_restarted_publishers_buffer(tmp_path):
+    """The publisher numbers from 0 again (a restart) and the listener hears its batch 3 first: the
+    restart cleared the worker and only 3 was indexed, not the 0-2 its buffer holds."""
+    pub = StandInPublisher(tmp_path)
+    resyncs: list[str] = []
+    index, events = listener(pub, resyncs)
+
+    async def main():
+        events.start()
+        try:
+            await in_step(pub, events)
+            for i in range(5):
+                pub.publish(OLD + i)
+            await until(lambda: held(index) == set(range(OLD, OLD + 5)), "control: the first five indexed")
+            pub.restart_sequence()
+            for i in range(3):
+                pub.publish(NEW + i, live=False)
+            pub.publish(NEW + 3)
+            await until(lambda: NEW + 3 in held(index), "the restarted publisher's live block indexed")
+            assert resyncs == ["restarted"]
+            assert held(index) == set(range(NEW, NEW + 4)), "the restarted publisher's buffer was not replayed"
+        finally:
+            await events.stop()
+
+    try:
+        run(main)
+    finally:
+        pub.close()
+
+
+def test_a_dropped_connections_queued_messages_are_not_spliced_onto_a_restarted_publisher(tmp_path):
+    """The worker's process restarts while its last batches (5-9) still wait in the listener's SUB
+    (its event loop busy). The disconnect was handled first, then those leftovers: 5 replayed 0-4
+    from the restarted process's buffer and the dead process's 5-9 were applied on top as their
+    continuation (credited for good: the new process never removes them), and the new process's
+    live 20 read as a gap. The loop is held here by running the restart inside it: everything
+    it then finds (leftovers, disconnect, reconnect) was queued before it looks."""
+    first = StandInPublisher(tmp_path)
+    resyncs: list[str] = []
+    index, events = listener(first, resyncs)
+    restarted: list[StandInPublisher] = []
+
+    def restart_while_the_loop_is_busy():
+        for i in range(5, 10):
+            first.publish(OLD + i)                 # live: queued in the listener's SUB
+        first.close()                              # delivered, then the process is gone
+        new = StandInPublisher(tmp_path)           # back on the same endpoints, numbered from 0
+        restarted.append(new)
+        for i in range(20):
+            new.publish(NEW + i, live=False)       # before the listener resubscribed: buffer only
+        new.wait_connected()                       # the SUB reconnected: connected is queued too
+
+    async def main():
+        events.start()
+        try:
+            await in_step(first, events)
+            for i in range(5):
+                first.publish(OLD + i)
+            await until(lambda: held(index) == set(range(OLD, OLD + 5)), "control: the first five indexed")
+            restart_while_the_loop_is_busy()
+            new = restarted[0]
+            await until(new.subscribed, "subscribed to the restarted publisher")
+            new.publish(NEW + 20)
+            await until(lambda: NEW + 20 in held(index), "the restarted publisher's live block indexed")
+            phantoms = sorted(held(index) & set(range(OLD, OLD + 10)))
+            assert not phantoms, f"the dead process's blocks {phantoms} are credited to the restarted worker"
+            assert held(index) == set(range(NEW, NEW + 21))
+            assert resyncs == ["disconnected"], "the restarted publisher's stream was read as a hole"
+        finally:
+            await events.stop()
+
+    try:
+        run(main)
+    finally:
+        for pub in (first, *restarted):
+            if not pub.ctx.closed:
+                pub.close()
+
+
+def test_a_replay_endpoint_that_does_not_answer_does_not_hold_up_live_events(tmp_path, caplog):
+    """vLLM started without ``replay_endpoint`` (while the router's config points at one), or a stuck
+    publisher thread: requests are taken and never answered. Every hole then waited out the replay's
+    whole timeout before the live message that showed it was applied (the worker's entries, just
+    cleared, stayed empty meanwhile). Not asked again on this connection: the connection's own replay
+    is the only request, and the silence is logged once."""
+    pub = StandInPublisher(tmp_path, answers=False)
+    resyncs: list[str] = []
+    index, events = listener(pub, resyncs)
+    events.replay_timeout_s = 0.5
+
+    async def main():
+        events.start()
+        try:
+            await in_step(pub, events)           # after the connection's replay went unanswered
+            await until(lambda: pub.requests == 1, "control: the connection's replay asked")
+            for i in range(5):
+                pub.publish(i)
+            await until(lambda: held(index) == set(range(5)), "control: the listener is in step")
+            for lost, live in ((5, 6), (7, 8)):  # two holes
+                pub.publish(lost, live=False)
+                pub.publish(live)
+                await until(lambda: live in held(index), f"block {live} indexed")
+                assert pub.requests == 1, "the replay endpoint was asked again, the live message held up meanwhile"
+            events.resync("disconnected")        # what the monitor's disconnect does; the publisher goes on
+            pub.publish(9)
+            await until(lambda: 9 in held(index), "block 9 indexed")
+            assert pub.requests == 1
+            assert resyncs == ["gap", "gap", "disconnected"] and held(index) == {9}
+            assert events.replays_unanswered == 1
+        finally:
+            await events.stop()
+
+    with caplog.at_level(logging.INFO, logger="kvtier.router.events"):
+        try:
+            run(main)
+        finally:
+            pub.close()
+    said = [r for r in caplog.records if "replay endpoint" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.WARNING, [r.getMessage() for r in said]
