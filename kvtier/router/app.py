@@ -38,7 +38,7 @@ from kvtier.router.models import (LORA_PATHS, TOKENIZER_CHECK_TEXT, first_refusa
                                   tokenizes_alike)
 from kvtier.router.reads import (LISTING_BYTES, SMALL_ANSWER_BYTES, BodyBytes, BodyHold, PeerConnections,
                                  answer_json, default_per_peer, read_body, read_capped)
-from kvtier.router.relay import KeptAnswer, forwarded_headers
+from kvtier.router.relay import KeptAnswer, WriteWatch, forwarded_headers
 from kvtier.router.requests import (CHARS_PER_ROUTE_TOKEN, RENDER_FIELDS, WORKER_RENDERED, RequestError, RoutedPrompt,
                                    RouteRequest, cached_tokens, check_body, error_response, first_prompt,
                                    route_prefix, text_chars)
@@ -129,6 +129,25 @@ def _parsed(raw: bytes, field: str | None) -> Any:
     if name and (body.get(name) is not None or not field.endswith("?")):
         check_body(body, name)
     return body
+
+
+def _run_lent(fn: Any, lent: list) -> Any:
+    """On a pool's thread: ``fn`` of the arguments ``lent`` holds, unless its caller took them back
+    first (it stopped waiting: nothing to do)."""
+    try:
+        args = lent.pop()
+    except IndexError:
+        return None
+    return fn(*args)
+
+
+def _took_back(lent: list) -> bool:
+    """Take back the arguments lent to a job (:func:`_run_lent`); False: its thread has them."""
+    try:
+        lent.pop()
+    except IndexError:
+        return False
+    return True
 
 
 class Router:
@@ -297,12 +316,29 @@ class Router:
         self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
         self._parse_pool.shutdown(wait=False, cancel_futures=True)
 
-    async def _tokenize(self, method: str, text_chars: int, *args) -> Any:
-        """``tokenizer.<method>(*args)``: on the loop for a short text, else on the tokenizer thread."""
+    async def _tokenize(self, method: str, text_chars: int, *args, hold: BodyHold | None = None) -> Any:
+        """``tokenizer.<method>(*args)``: on the loop for a short text, else on the tokenizer thread
+        (``hold``: the request's body, :meth:`_on_thread`)."""
         if text_chars < TOKENIZE_INLINE_CHARS:
             return getattr(self.tokenizer, method)(*args)
-        return await asyncio.get_running_loop().run_in_executor(
-            self._tokenize_pool, getattr(self._pooled_tokenizer, method), *args)
+        return await self._on_thread(self._tokenize_pool, hold, getattr(self._pooled_tokenizer, method), *args)
+
+    @staticmethod
+    async def _on_thread(pool: ThreadPoolExecutor, hold: BodyHold | None, fn: Any, *args) -> Any:
+        """``fn(*args)`` on ``pool``'s thread, for a request whose body is ``hold``. A caller that
+        stops waiting (its client left) takes the arguments back if the thread has not begun the
+        job, else the body stays counted until the thread is done with it. A cancelled await
+        leaves its job in the executor's queue, and a departed client's body (or its parsed
+        messages) stayed there, counted nowhere, until the thread reached it: 43 MB queued under a
+        ``max_inflight_body_bytes`` of 4 MiB (audit s29 a2 D2)."""
+        lent = [args]
+        job = asyncio.wrap_future(pool.submit(_run_lent, fn, lent))
+        try:
+            return await asyncio.shield(job)   # (the job runs on; its arguments are what matter)
+        except asyncio.CancelledError:
+            if not _took_back(lent) and hold is not None:
+                hold.lent_to(job)
+            raise
 
     @property
     def _route_chars(self) -> int:
@@ -312,9 +348,10 @@ class Router:
     def _routed(self, ids: list[int], share: float = 1.0) -> RoutedPrompt:
         return route_prefix(ids, share, self.config.max_route_tokens, self.config.block_tokens)
 
-    async def _completion_prompt(self, body: dict) -> RoutedPrompt:
+    async def _completion_prompt(self, body: dict, hold: BodyHold | None = None) -> RoutedPrompt:
         """What a completion is routed on: its (first) prompt's leading tokens. A text longer than
-        routing needs is cut before it is tokenized (the worker is sent the whole body)."""
+        routing needs is cut before it is tokenized (the worker is sent the whole body; ``hold``:
+        the request's, :meth:`_on_thread`)."""
         prompt = first_prompt(body["prompt"])
         add_special = lax_bool(body.get("add_special_tokens"), True)   # ("false", 0: as vLLM's model reads them)
         if not isinstance(prompt, str):   # token ids: routed on the prompt vLLM runs, as they are
@@ -327,20 +364,21 @@ class Router:
         # (truncated without a side: the tokenizer truncates as vLLM's does; truncated_prompt then keeps it whole)
         truncate = tokenizer_truncation(body) if share >= 1.0 else None
         ids = await self._tokenize("completion", text_chars(prompt), prompt, add_special,
-                                   *((truncate,) if truncate else ()))
+                                   *((truncate,) if truncate else ()), hold=hold)
         if share >= 1.0:
             ids = truncated_prompt(ids, body)
             return self._routed(ids)
         return self._cut_truncated(self._routed(ids, share), body)
 
-    async def _chat_prompt(self, body: dict, raw_bytes: int) -> RoutedPrompt:
+    async def _chat_prompt(self, body: dict, raw_bytes: int, hold: BodyHold | None = None) -> RoutedPrompt:
         """What a chat is routed on: its rendering's leading tokens; a rendering longer than routing
         needs is tokenized only that far (the tokenizer's ``chat_prefix``; a tokenizer without one
-        is given the whole chat)."""
+        is given the whole chat). ``hold``: the request's body (:meth:`_on_thread`)."""
         if not hasattr(self.tokenizer, "chat_prefix"):
-            ids = await self._tokenize("chat", raw_bytes, body["messages"], body)
+            ids = await self._tokenize("chat", raw_bytes, body["messages"], body, hold=hold)
             return self._routed(truncated_prompt(ids, body))
-        ids, share = await self._tokenize("chat_prefix", raw_bytes, body["messages"], body, self._route_chars)
+        ids, share = await self._tokenize("chat_prefix", raw_bytes, body["messages"], body, self._route_chars,
+                                          hold=hold)
         if share >= 1.0:
             return self._routed(truncated_prompt(ids, body))
         return self._cut_truncated(self._routed(ids, share), body)
@@ -610,7 +648,7 @@ class Router:
             log.exception("router error on %s %s", request.method, request.path)
             self.metrics.errors.labels("internal").inc()
             return error_response(500, "internal router error", "internal_server_error")
-        finally:   # the answer is over (or handed to aiohttp whole): its body is no longer held
+        finally:   # the request is over (or its answer handed to aiohttp whole): its body is no longer held
             body = request.get(_BODY)
             if body is not None:
                 body.release()
@@ -629,46 +667,50 @@ class Router:
 
     async def _read(self, request: web.Request) -> bytes:
         """The request's body (``body_timeout_s``, ``max_body_bytes``: router/reads.py), counted in
-        the bodies in flight as it arrives and until its answer ends (``max_inflight_body_bytes``
-        and, while it arrives, its address's ``max_arriving_body_bytes_per_peer``: 429 past them)."""
+        the bodies in flight as it arrives and until its worker's first byte is relayed or its
+        request ends (``max_inflight_body_bytes`` and, while it arrives, its address's
+        ``max_arriving_body_bytes_per_peer``: 429 past them). Kept in the request's ``BodyHold``
+        (``request[_BODY].body``), the one place that holds it on while the request is forwarded."""
         request[_BODY] = hold = self.bodies.hold(self.peers.address(request.protocol))
         return await read_body(request, hold, self.config.body_timeout_s, self.config.max_body_bytes)
 
-    async def _json(self, request: web.Request, field: str | None = None) -> tuple[bytes, Any]:
-        """The request's body and its JSON, checked for ``field`` (:func:`check_body`); a large
-        body parsed and checked on a thread of its own (``PARSE_INLINE_BYTES``)."""
+    async def _json(self, request: web.Request, field: str | None = None) -> Any:
+        """The request's body's JSON, checked for ``field`` (:func:`check_body`); a large body parsed
+        and checked on a thread of its own (``PARSE_INLINE_BYTES``). The raw body is the request's
+        ``BodyHold``'s (:meth:`_read`)."""
         raw = await self._read(request)
         if len(raw) <= PARSE_INLINE_BYTES:
-            return raw, _parsed(raw, field)
-        return raw, await asyncio.get_running_loop().run_in_executor(self._parse_pool, _parsed, raw, field)
+            return _parsed(raw, field)
+        return await self._on_thread(self._parse_pool, request[_BODY], _parsed, raw, field)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         request[_RECEIVED] = time.perf_counter()
         # (prompt embeddings instead of a prompt: vLLM takes them, the router cannot key them, since
         # their KV depends on the vectors; load alone decides and the worker checks the rest)
         # ("prompt": null beside them is no prompt, as vLLM reads it: its own example sends that)
-        raw, body = await self._json(request, "prompt?")
+        body = await self._json(request, "prompt?")
         has_prompt = body.get("prompt") is not None
         if not has_prompt and body.get("prompt_embeds") is None:
             check_body(body, "prompt")   # (raises: the prompt is missing or null)
-        routed = await self._completion_prompt(body) if has_prompt else RoutedPrompt([], 0)
+        routed = await self._completion_prompt(body, request[_BODY]) if has_prompt else RoutedPrompt([], 0)
         how = dict(prompt_tokens=routed.tokens if has_prompt else None, streaming=body.get("stream") is True,
                    seed=self._context(body), name=self._name(request, body), model=requested_model(body))
         del body   # (only what ``how`` holds is needed from here on: :meth:`_forward`)
-        return await self._forward(request, raw, routed.ids, **how)
+        return await self._forward(request, routed.ids, **how)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         request[_RECEIVED] = time.perf_counter()
-        raw, body = await self._json(request, "messages")
+        body = await self._json(request, "messages")
         # (what the router's own rendering cannot match: a worker renders it; chat_messages.py)
         ids = (await self._worker_render(body, request.headers.get("Authorization"))
                if any(body.get(f) for f in WORKER_RENDERED) or worker_renders(body) else None)
-        routed = (await self._chat_prompt(body, len(raw)) if ids is None
+        hold = request[_BODY]
+        routed = (await self._chat_prompt(body, len(hold.body), hold) if ids is None
                   else self._routed(truncated_prompt(ids, body)))
         how = dict(streaming=body.get("stream") is True, seed=self._context(body, chat=True),
                    name=self._name(request, body), model=requested_model(body))
         del body
-        return await self._forward(request, raw, routed.ids, prompt_tokens=routed.tokens, **how)
+        return await self._forward(request, routed.ids, prompt_tokens=routed.tokens, **how)
 
     async def responses(self, request: web.Request) -> web.StreamResponse:
         """The Responses API (vLLM's ``/v1/responses``), routed on load alone: its prompt is
@@ -677,7 +719,7 @@ class Router:
         (``previous_response_id``) must go to the worker that stored it (vLLM keeps responses
         per process): the router remembers which worker answered each response id."""
         request[_RECEIVED] = time.perf_counter()
-        raw, body = await self._json(request, "")
+        body = await self._json(request, "")
         if "input" not in body and "previous_response_id" not in body:
             raise RequestError(400, "'input' is a required property", param="input")
         previous = body.get("previous_response_id")
@@ -685,7 +727,7 @@ class Router:
         del body
         owner = (await self._response_owner(previous, request.headers.get("Authorization"))
                  if isinstance(previous, str) else None)
-        return await self._forward(request, raw, [], pinned_url=owner, **how)
+        return await self._forward(request, [], pinned_url=owner, **how)
 
     async def stored_response(self, request: web.Request) -> web.StreamResponse:
         """``GET /v1/responses/{id}`` (a stored or background response, streamed with
@@ -695,7 +737,8 @@ class Router:
         owner = await self._response_owner(rid, request.headers.get("Authorization"))
         if owner is None:
             raise RequestError(404, f"Response with id '{rid}' not found.", param="response_id")
-        return await self._forward(request, await self._read(request), [], pinned_url=owner)
+        await self._read(request)
+        return await self._forward(request, [], pinned_url=owner)
 
     async def _response_owner(self, rid: str, authorization: str | None) -> str | None:
         """The worker that stored response ``rid``. Remembered from its answer; else (the router
@@ -724,23 +767,22 @@ class Router:
         with ``--enable-scale-out``): the conversion to a chat prompt is vLLM's own, which a
         router cannot reproduce byte for byte. If no worker renders, it is routed on load."""
         request[_RECEIVED] = time.perf_counter()
-        raw, body = await self._json(request, "messages")
+        body = await self._json(request, "messages")
         ids = await self._render_on_worker("/v1/messages/render", body, request.headers.get("Authorization"),
                                            "token_ids")
         routed = self._routed(ids or [])
         how = dict(streaming=body.get("stream") is True, seed=self._context(body), name=self._name(request, body),
                    model=requested_model(body))
         del body
-        return await self._forward(request, raw, routed.ids, prompt_tokens=None if ids is None else routed.tokens,
-                                   **how)
+        return await self._forward(request, routed.ids, prompt_tokens=None if ids is None else routed.tokens, **how)
 
     async def on_load(self, request: web.Request) -> web.StreamResponse:
         """vLLM's other endpoints (``ON_LOAD``): forwarded unchanged, on load alone."""
         request[_RECEIVED] = time.perf_counter()
-        raw, body = await self._json(request, "")
+        body = await self._json(request, "")
         how = dict(streaming=body.get("stream") is True, model=requested_model(body))
         del body
-        return await self._forward(request, raw, [], **how)
+        return await self._forward(request, [], **how)
 
     def _remember_response(self, kept: bytes, worker: Worker, tail: bytes = b"") -> None:
         """Which worker holds the response an answer created (its ``resp_…`` id: in the answer's
@@ -829,12 +871,13 @@ class Router:
         refusal is the answer (with the worker named); to load an adapter on some workers only,
         call them directly: the router learns it from their listings (``models_refresh_s``, or a
         worker's 404 for the name)."""
-        raw, body = await self._json(request, "")
+        await self._json(request, "")
         headers = forwarded_headers(request.headers)
         workers = [w for w in self.workers if w.healthy] or list(self.workers)
         if not workers:
             raise RequestError(503, "no worker to load the adapter on", "service_unavailable_error")
-        answers = await post_to_all(self.session, workers, request.path, raw, headers, self.config.request_timeout_s)
+        answers = await post_to_all(self.session, workers, request.path, request[_BODY].body, headers,
+                                    self.config.request_timeout_s)
         await self._refresh_models(request)
         refused = first_refusal(answers)
         if refused is None:
@@ -865,17 +908,18 @@ class Router:
         rid, add_header = request_id(request.headers, body)
         return RequestName(rid, add_header, engine_requests(request.path, rid, body))
 
-    async def _forward(self, request: web.Request, raw: bytes, token_ids: list[int], **how) -> web.StreamResponse:
-        """Route and relay (:meth:`_attempts`), as one of the answers a shutdown drains.
+    async def _forward(self, request: web.Request, token_ids: list[int], **how) -> web.StreamResponse:
+        """Route and relay (:meth:`_attempts`) the request's body (``request[_BODY]``), as one of the
+        answers a shutdown drains.
 
-        Only ``raw`` and what ``how`` names are kept while the answer lasts (a stream's whole
-        decode, a held request's wait), never the parsed body: a field the router never reads
-        such as ``[{}, {}, …]`` is ~25 bytes of Python per byte of JSON, so a 16 MiB body held
-        ~400 MB, times every request in flight."""
+        Only the raw body (until the worker's first byte is relayed) and what ``how`` names are
+        kept while the answer lasts (a stream's whole decode, a held request's wait), never the
+        parsed body: a field the router never reads such as ``[{}, {}, …]`` is ~25 bytes of
+        Python per byte of JSON, so a 16 MiB body held ~400 MB, times every request in flight."""
         task = asyncio.current_task()
         self._active.add(task)
         try:
-            return await self._attempts(request, raw, token_ids, **how)
+            return await self._attempts(request, token_ids, **how)
         except asyncio.CancelledError:
             if task in self._drained and not request.get(_ANSWERED, False):
                 task.uncancel()   # ended by the drain, not by its client: it still gets an answer
@@ -892,7 +936,7 @@ class Router:
                 if self._names[named[0]] <= 0:
                     del self._names[named[0]]
 
-    async def _attempts(self, request: web.Request, raw: bytes, token_ids: list[int], *,
+    async def _attempts(self, request: web.Request, token_ids: list[int], *,
                         streaming: bool = False, seed: int = ROOT_SEED,
                         pinned_url: str | None = None, name: RequestName | None = None,
                         model: str | None = None, prompt_tokens: int | None = None) -> web.StreamResponse:
@@ -966,8 +1010,8 @@ class Router:
                 # is otherwise noticed (router/abort.py): look at its socket meanwhile
                 watcher = watch_client(request.transport, asyncio.current_task().cancel)
                 sending = True
-                async with self.session.request(request.method, worker.url + request.path_qs, data=raw,
-                                                headers=headers) as resp:
+                async with self.session.request(request.method, worker.url + request.path_qs,
+                                                data=request[_BODY].body, headers=headers) as resp:
                     sending = False
                     if resp.status in _RETRY_STATUS:
                         last_error = f"worker {worker.url} answered {resp.status}"
@@ -1008,6 +1052,11 @@ class Router:
                     self.metrics.predicted_cached.labels(worker.url).inc(predicted)
                     timing = (f"router;dur={own_s * 1e3:.3f}, held;dur={held_s * 1e3:.3f}, "
                               f"upstream;dur={upstream_s * 1e3:.3f}")
+                    # The answer is the client's from here: no retry will forward the body again,
+                    # so it is given back now, not when the answer ends. A client that read its
+                    # answer slowly, or never, kept it counted for as long as the answer lasted,
+                    # and two such clients had every other request refused 429 (audit s29 a2 D1).
+                    request[_BODY].release()
                     return await self._relay(request, resp, first, worker, timing, predicted,
                                              rid if abort_ids is not None else None)
             except asyncio.CancelledError:   # the client left (its handler is cancelled)
@@ -1089,14 +1138,16 @@ class Router:
         # a bounded head and tail (a whole answer up to 1 MiB in full), never the whole answer:
         # the response id is in a Responses answer's first bytes; usage at the end
         kept = KeptAnswer(first, streaming, keep_head=request.path == "/v1/responses")
+        # a client that takes none of its answer for request_timeout_s is dropped as one that left
+        watch = WriteWatch(self.config.request_timeout_s, lambda: self._client_stalled(request))
         try:
-            await out.write(first)
+            await watch.send(out.write(first))
             last, mark = time.monotonic(), worker.quiet_mark()
             while True:
                 try:
                     chunk = await resp.content.readany()
                 except (ClientError, asyncio.TimeoutError, OSError) as exc:
-                    await self._cut_by_worker(request, out, worker, exc, streaming)
+                    await self._cut_by_worker(request, out, worker, exc, streaming, watch)
                     return out
                 if not chunk:
                     break
@@ -1104,21 +1155,24 @@ class Router:
                     now = time.monotonic()
                     worker.decode_gap(now - last, mark)
                     last, mark = now, worker.quiet_mark()
-                await out.write(chunk)
+                await watch.send(out.write(chunk))
                 kept.add(chunk)
-            await out.write_eof()
+            await watch.send(out.write_eof())
         except (ConnectionResetError, asyncio.CancelledError):
-            # The client left, or the shutdown's drain ended the answer: leaving here closes the
-            # worker's request (the caller's ``async with``), and the caller aborts it by name.
+            # The client left (or took none of its answer: its connection was dropped), or the
+            # shutdown's drain ended the answer: leaving here closes the worker's request (the
+            # caller's ``async with``), and the caller aborts it by name.
             drained = asyncio.current_task() in self._drained
             self.metrics.cut.labels(worker.url, "shutdown" if drained else "client").inc()
             if drained and streaming:   # the client is still there: tell it, as a worker cut does
                 with contextlib.suppress(ConnectionResetError, RuntimeError):
                     error = {"error": {"message": "the router is shutting down; the answer ends here",
                                        "type": "service_unavailable_error", "param": None, "code": 503}}
-                    await out.write(f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode())
-                    await out.write_eof()
+                    await watch.send(out.write(f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()))
+                    await watch.send(out.write_eof())
             raise
+        finally:
+            watch.stop()
         if encoded:
             return out
         usage = kept.usage() if streaming or resp.status == 200 else None
@@ -1131,8 +1185,17 @@ class Router:
             self.metrics.usage_answers.labels(worker.url).inc()
         return out
 
+    @staticmethod
+    def _client_stalled(request: web.Request) -> None:
+        """The client took none of its answer for ``request_timeout_s``: its connection is dropped
+        (aborted: a close would wait for the bytes it does not read), which ends its handler as a
+        client that leaves does (its worker's request closed and aborted by name)."""
+        log.debug("%s %s: the client took none of its answer; dropping its connection", request.method, request.path)
+        if request.transport is not None:
+            request.transport.abort()
+
     async def _cut_by_worker(self, request: web.Request, out: web.StreamResponse, worker: Worker,
-                             exc: BaseException, streaming: bool) -> None:
+                             exc: BaseException, streaming: bool, watch: WriteWatch) -> None:
         """The worker failed or went silent after the client had part of its answer: it cannot
         go to another worker, so the client must learn that it ended short, never wait on it.
 
@@ -1149,8 +1212,8 @@ class Router:
             error = {"error": {"message": message, "type": "service_unavailable_error", "param": None,
                                "code": 503}}
             try:
-                await out.write(f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode())
-                await out.write_eof()
+                await watch.send(out.write(f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()))
+                await watch.send(out.write_eof())
                 return
             except ConnectionResetError:
                 pass   # the client left too

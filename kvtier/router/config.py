@@ -169,6 +169,7 @@ class RouterConfig:
     connect_timeout_s: float = 5.0
     #: the longest a worker may stay silent: before its first byte, or between two chunks of an
     #: answer (no cap on a whole answer: a long generation that keeps streaming is never cut)
+    #: and the longest a client may take none of its relayed answer (its connection dropped)
     request_timeout_s: float = 600.0
     #: how often the router reads the workers' ``/v1/models`` for LoRA adapters (0: never;
     #: then adapters are learnt from KV events only)

@@ -1,14 +1,16 @@
 """What the router passes between a client and a worker, and what it keeps of an answer: the
-request headers a worker is sent (hop-by-hop ones dropped, plaintext asked for), and a bounded
-record of the answer relayed (for its usage and a Responses API id). No I/O: :mod:`kvtier.router.app`
-calls these.
+request headers a worker is sent (hop-by-hop ones dropped, plaintext asked for), a bounded
+record of the answer relayed (for its usage and a Responses API id), and the deadline on the
+answer's writes to a client that takes none of it (:class:`WriteWatch`). No I/O:
+:mod:`kvtier.router.app` calls these.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
-from typing import Any, Mapping
+from typing import Any, Awaitable, Callable, Mapping
 
 from kvtier.router.requests import usage_of_stream
 
@@ -19,6 +21,11 @@ from kvtier.router.requests import usage_of_stream
 HOP_HEADERS = frozenset({"connection", "keep-alive", "te", "trailer", "transfer-encoding", "upgrade",
                          "proxy-authorization", "proxy-authenticate", "proxy-connection", "host",
                          "content-length"})
+#: Headers that describe the bytes the client sent, when the body was encoded: aiohttp's server
+#: decodes a gzip, deflate, br or zstd body as it reads it, and the worker is sent the decoded
+#: body. Told it was still gzip, a worker (or an ingress before it) that honours the header
+#: failed the request.
+ENCODED_BODY_HEADERS = frozenset({"content-encoding", "content-md5", "digest", "content-digest", "repr-digest"})
 #: a stream's head and tail kept (its response id first; its usage chunk last)
 TAIL_BYTES = 65536
 #: a whole (non-streamed) answer up to this size is parsed for its usage; a larger one only has its
@@ -30,11 +37,14 @@ _USAGE_KEY = re.compile(rb'"usage"\s*:\s*')
 
 def forwarded_headers(headers: Mapping[str, str]) -> dict[str, str]:
     """The client's headers as a worker is sent them: hop-by-hop ones dropped (and those the
-    client's ``Connection`` header names), and ``Accept-Encoding: identity`` instead of whatever
+    client's ``Connection`` header names), those of an encoded body (:data:`ENCODED_BODY_HEADERS`:
+    the body forwarded is the decoded one), and ``Accept-Encoding: identity`` instead of whatever
     the client or aiohttp would ask for, since the router reads the answer's usage from its bytes
     and relays it with its own framing."""
     named = {t.strip().lower() for v in _all(headers, "Connection") for t in v.split(",")}
     drop = HOP_HEADERS | named | {"accept-encoding"}
+    if _all(headers, "Content-Encoding"):
+        drop |= ENCODED_BODY_HEADERS
     out = {k: v for k, v in headers.items() if k.lower() not in drop}
     out["Accept-Encoding"] = "identity"
     return out
@@ -45,6 +55,44 @@ def _all(headers: Mapping[str, str], name: str) -> list[str]:
     if getall is not None:
         return list(getall(name, []))
     return [v for k, v in headers.items() if k.lower() == name.lower()]
+
+
+class WriteWatch:
+    """A deadline on an answer's writes to its client, as ``request_timeout_s`` is one on its
+    worker's silence: ``on_stall`` is called once one write has waited ``timeout_s`` (found
+    within twice that: one timer per answer, looking every ``timeout_s``, since a timer per write
+    cost ~8 µs a relayed chunk, a stream's every token). Without it a client that sent its
+    request and never read its answer held the handler and its worker's request for ever (audit
+    s29 a2 D1). Event loop only; :meth:`stop` once the answer is over."""
+
+    __slots__ = ("timeout_s", "_on_stall", "_begun", "_writing", "_seen", "_timer")
+
+    def __init__(self, timeout_s: float, on_stall: Callable[[], None]) -> None:
+        self.timeout_s = timeout_s
+        self._on_stall = on_stall
+        self._begun = 0          #: writes begun
+        self._writing = False
+        self._seen = -1          #: writes begun when it last looked
+        self._timer = asyncio.get_running_loop().call_later(timeout_s, self._look)
+
+    async def send(self, write: Awaitable[None]) -> None:
+        """Await ``write``, one write of the answer to the client, under the deadline."""
+        self._begun += 1
+        self._writing = True
+        try:
+            await write
+        finally:
+            self._writing = False
+
+    def _look(self) -> None:
+        if self._writing and self._begun == self._seen:   # the write under way when it last looked
+            self._on_stall()
+            return
+        self._seen = self._begun
+        self._timer = asyncio.get_running_loop().call_later(self.timeout_s, self._look)
+
+    def stop(self) -> None:
+        self._timer.cancel()
 
 
 def usage_of_tail(tail: bytes) -> Any:
