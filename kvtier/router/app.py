@@ -39,9 +39,9 @@ from kvtier.router.models import (LORA_PATHS, TOKENIZER_CHECK_TEXT, first_refusa
 from kvtier.router.reads import (LISTING_BYTES, SMALL_ANSWER_BYTES, BodyBytes, BodyHold, PeerConnections,
                                  answer_json, default_per_peer, read_body, read_capped)
 from kvtier.router.relay import KeptAnswer, WriteWatch, forwarded_headers
-from kvtier.router.requests import (CHARS_PER_ROUTE_TOKEN, RENDER_FIELDS, WORKER_RENDERED, RequestError, RoutedPrompt,
+from kvtier.router.requests import (CHARS_PER_ROUTE_TOKEN, WORKER_RENDERED, RequestError, RoutedPrompt,
                                    RouteRequest, cached_tokens, check_body, error_response, first_prompt,
-                                   route_prefix, text_chars)
+                                   route_prefix, text_chars, truncated_chat, worker_render_payload)
 from kvtier.router.view import LinearPrefill, LiveView
 from kvtier.router.workers import Health, PrefillFit, Worker
 from kvtier.sim.service import ServiceModel
@@ -706,7 +706,7 @@ class Router:
                if any(body.get(f) for f in WORKER_RENDERED) or worker_renders(body) else None)
         hold = request[_BODY]
         routed = (await self._chat_prompt(body, len(hold.body), hold) if ids is None
-                  else self._routed(truncated_prompt(ids, body)))
+                  else self._routed(truncated_chat(ids, body, self.tokenizer)))
         how = dict(streaming=body.get("stream") is True, seed=self._context(body, chat=True),
                    name=self._name(request, body), model=requested_model(body))
         del body
@@ -810,7 +810,7 @@ class Router:
         requests would never be routed to their context. A worker renders them exactly, at
         the cost of one loopback round trip; if none can, the router renders them itself.
         """
-        fields = {k: body[k] for k in RENDER_FIELDS if k in body}
+        fields = worker_render_payload(body)
         tokens = await self._render_on_worker("/tokenize", fields, authorization, "tokens")
         self.metrics.renders.labels("router" if tokens is None else "worker").inc()
         return tokens

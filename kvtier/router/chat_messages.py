@@ -40,6 +40,9 @@ BILLING_HEADER = "x-anthropic-billing-header"
 #: gets back (a dict, arrays, a mask), not the prompt
 ROUTER_OWNED = ("tokenize", "return_dict", "return_tensors", "return_assistant_tokens_mask", "chat_template",
                 "add_generation_prompt", "continue_final_message")
+#: template arguments vLLM leaves unset when a request gives them (renderers/params.py merge_kwargs'
+#: ``unset_values``): the template sees the variable undefined, its own default
+UNSET = (None, "auto")
 #: how pydantic's lax mode reads a boolean (vLLM's request models): anything else is refused
 _TRUE, _FALSE = frozenset({"1", "on", "t", "true", "y", "yes"}), frozenset({"0", "off", "f", "false", "n", "no"})
 
@@ -61,18 +64,45 @@ def lax_bool(value: Any, default: bool) -> bool:
 
 
 def template_kwargs(body: dict) -> tuple[dict, bool, bool]:
-    """The template variables vLLM renders ``body`` with (``build_chat_params``: the request's
-    ``chat_template_kwargs`` under its own fields, which win), less those the router passes
-    itself, and the request's ``add_generation_prompt`` and ``continue_final_message``."""
+    """The template variables vLLM renders ``body`` with (``build_chat_params``, then
+    ``ChatParams.with_defaults``: the request's ``chat_template_kwargs`` under its own fields,
+    which win, and values :data:`UNSET` dropped), less those the router passes itself, and the
+    request's ``add_generation_prompt`` and ``continue_final_message``."""
     given = body.get("chat_template_kwargs")
-    kwargs = {k: v for k, v in given.items() if k not in ROUTER_OWNED} if isinstance(given, dict) else {}
+    kwargs = ({k: v for k, v in given.items() if k not in ROUTER_OWNED and v not in UNSET}
+              if isinstance(given, dict) else {})
+    kwargs.update(chat_request_kwargs(body))
+    return (kwargs, lax_bool(body.get("add_generation_prompt"), True),
+            lax_bool(body.get("continue_final_message"), False))
+
+
+def chat_request_kwargs(body: dict) -> dict:
+    """The template variables a chat request adds from its own fields (vLLM's
+    ``ChatCompletionRequest.build_chat_params``): ``documents``, ``reasoning_effort`` and the
+    ``enable_thinking`` it implies, unless ``chat_template_kwargs`` names that. A worker's
+    ``/tokenize`` request has none of these fields (requests.worker_render_payload)."""
+    given = body.get("chat_template_kwargs")
+    kwargs = {"documents": body["documents"]} if isinstance(body.get("documents"), list) else {}
     effort = body.get("reasoning_effort")
-    if effort is not None and effort != "auto":   # (merge_kwargs leaves None and "auto" unset)
+    if effort not in UNSET:
         kwargs["reasoning_effort"] = effort
         if not (isinstance(given, dict) and "enable_thinking" in given):
             kwargs["enable_thinking"] = effort != "none"
-    return (kwargs, lax_bool(body.get("add_generation_prompt"), True),
-            lax_bool(body.get("continue_final_message"), False))
+    return kwargs
+
+
+def reasoning_renamed(messages: list) -> list:
+    """``messages`` as vLLM's chat request reads them (``_normalize_messages_before``): a
+    message's older ``reasoning_content`` renamed ``reasoning`` where that is unset (dropped
+    otherwise). Copies the messages it changes: the client's body is left as it came."""
+    return [_reasoning_renamed(m) if isinstance(m, dict) and "reasoning_content" in m else m for m in messages]
+
+
+def _reasoning_renamed(message: dict) -> dict:
+    out = {k: v for k, v in message.items() if k != "reasoning_content"}
+    if message["reasoning_content"] is not None and out.get("reasoning") is None:
+        out["reasoning"] = message["reasoning_content"]
+    return out
 
 
 def worker_renders(body: dict) -> bool:
@@ -92,17 +122,24 @@ def worker_renders(body: dict) -> bool:
         for part in content:
             if isinstance(part, str):
                 continue
-            if not (isinstance(part, dict) and part.get("type") in TEXT_PARTS and part.get("uuid") is None
-                    and isinstance(part.get(TEXT_PARTS[part["type"]]), (str, type(None)))):
+            kind = _text_kind(part)
+            if kind is None or not isinstance(part.get(TEXT_PARTS[kind]), (str, type(None))):
                 return True
     return False
+
+
+def _text_kind(part: Any) -> str | None:
+    """A part's type if vLLM reads it as text (a dict of a text type, without a ``uuid``), else
+    None. (A type that is no string, a list or an object, is no text part: vLLM refuses it.)"""
+    kind = part.get("type") if isinstance(part, dict) else None
+    return kind if isinstance(kind, str) and kind in TEXT_PARTS and part.get("uuid") is None else None
 
 
 def conversation(messages: list, content_format: ContentFormat, template: str) -> list[dict]:
     """``messages`` as vLLM gives them to ``template``. Parts :func:`worker_renders` names are
     left out (the router renders such a chat only when no worker could: its text still keys the
     session's turns alike)."""
-    conv = [_message(m, content_format) for m in messages]
+    conv = [_message(m, content_format) for m in reasoning_renamed(messages)]
     for m in conv:
         _parse_tool_calls(m)
     if any(m["role"] == "developer" for m in conv) and not ('"developer"' in template or "'developer'" in template):
@@ -124,10 +161,8 @@ def _message(msg: dict, content_format: ContentFormat) -> dict:
     if role == "assistant":
         if msg.get("tool_calls") is not None:
             out["tool_calls"] = msg["tool_calls"]
-        # (the request model renames the older ``reasoning_content`` to ``reasoning``)
-        reasoning = msg.get("reasoning") if msg.get("reasoning") is not None else msg.get("reasoning_content")
-        if reasoning is not None:
-            out["reasoning"] = out["reasoning_content"] = reasoning
+        if msg.get("reasoning") is not None:
+            out["reasoning"] = out["reasoning_content"] = msg["reasoning"]
     elif role == "tool":
         if "tool_call_id" in msg:
             out["tool_call_id"] = msg["tool_call_id"]
@@ -146,9 +181,9 @@ def _text_part(part: Any, content_format: ContentFormat) -> Any:
     """A part's text ("string" format) or text part ("openai" format), or None: skipped."""
     if isinstance(part, str):
         text, extras = part, {}
-    elif isinstance(part, dict) and part.get("type") in TEXT_PARTS and part.get("uuid") is None:
-        text = part.get(TEXT_PARTS[part["type"]])
-        if text is None and part["type"] in SKIP_NONE:
+    elif (kind := _text_kind(part)) is not None:
+        text = part.get(TEXT_PARTS[kind])
+        if text is None and kind in SKIP_NONE:
             return None
         extras = {k: v for k, v in part.items() if k not in KNOWN_PART_FIELDS}
     else:

@@ -12,11 +12,25 @@ from typing import Any, NamedTuple, Sequence
 from aiohttp import web
 
 from kvtier.router import chat_messages
+from kvtier.router.index import tokenizer_truncation, truncated_prompt
 
 
 class RouteRequest(NamedTuple):
     input_tokens: int
     blocks: Sequence[int]
+
+
+class AddedSpecial(NamedTuple):
+    """How many special tokens a tokenizer's ``add_special_tokens`` puts before a text (a BOS)
+    and after it (an EOS, for some models)."""
+    before: int
+    after: int
+
+
+#: a tokenizer that adds none (or one the router cannot ask: a test's stand-in)
+NO_SPECIAL = AddedSpecial(0, 0)
+#: the largest ``truncate_prompt_tokens`` vLLM takes (its request models' ``le=_INT64_MAX``)
+INT64_MAX = 2**63 - 1
 
 
 class RequestError(Exception):
@@ -44,6 +58,7 @@ class PromptTokenizer:
         self.model_path = model_path
         # truncating on the left, as vLLM loads a generating model's tokenizer (tokenizers/registry.py)
         self.tok = AutoTokenizer.from_pretrained(model_path, truncation_side="left")
+        self.added_special = self._added_special()
 
     def clone(self) -> "PromptTokenizer":
         """Another instance, for another thread: calls into one HF tokenizer object must not overlap."""
@@ -66,8 +81,9 @@ class PromptTokenizer:
         raise RequestError(400, "prompt must be a string, a list of token ids, or a list of those", param="prompt")
 
     def chat(self, messages: list, body: dict) -> list[int]:
-        """A chat prompt's ids as vLLM makes them: its rendering tokenized without special tokens
-        (vLLM's default ``add_special_tokens: false`` for chats; the template holds the BOS)."""
+        """A chat prompt's ids as vLLM makes them: its rendering tokenized, special tokens added
+        only if the chat asks (vLLM's default ``add_special_tokens: false`` for chats: the
+        template holds the BOS), truncated as vLLM truncates it (:func:`truncated_chat`)."""
         return self.chat_prefix(messages, body, -1)[0]
 
     def chat_prefix(self, messages: list, body: dict, max_chars: int) -> tuple[list[int], float]:
@@ -76,7 +92,9 @@ class PromptTokenizer:
         come from (1.0: all of it, the ids whole). A long chat is rendered whole (a string: cheap)
         but only its head tokenized, at ~400 bytes a token: the router routes on a prompt's first
         blocks, and tokenizing a 16 MiB body held gigabytes. The last tokens of a cut rendering may
-        straddle the cut: the caller drops them (:func:`route_prefix`)."""
+        straddle the cut: the caller drops them (:func:`route_prefix`). Whole ids come truncated
+        as vLLM truncates the chat (:func:`truncated_chat`); a cut rendering's truncation is the
+        caller's (its last tokens are not known here)."""
         if not getattr(self.tok, "chat_template", None):
             # no template: key on the concatenated contents (routing still groups a session's turns)
             text = self._plain_chat(messages)
@@ -88,12 +106,13 @@ class PromptTokenizer:
         if 0 <= max_chars < len(text):
             text, share = text[:max_chars], max_chars / len(text)
         # what vLLM does with its rendering (and apply_chat_template(tokenize=True) too)
+        add_special = chat_messages.lax_bool(body.get("add_special_tokens"), False)
         try:
-            ids = self.tok(text, add_special_tokens=False)["input_ids"]
+            ids = list(self.tok(text, add_special_tokens=add_special)["input_ids"])
         except (TypeError, ValueError) as exc:
             raise RequestError(400, f"messages are not text the model's tokenizer can encode: {exc}",
                                param="messages") from None
-        return list(ids), share
+        return (truncated_chat(ids, body, self) if share >= 1.0 else ids), share
 
     def _rendered(self, messages: list, body: dict) -> str:
         """The chat template's rendering of ``messages`` as a vLLM worker renders them: messages
@@ -109,6 +128,12 @@ class PromptTokenizer:
             raise RequestError(400, f"messages do not fit the model's chat template: {exc}",
                                param="messages") from None
 
+    def _added_special(self) -> AddedSpecial:
+        """Where this tokenizer's special tokens go around a text (found by encoding one)."""
+        bare, full = self.tok.encode("a", add_special_tokens=False), self.tok.encode("a")
+        before = next((i for i in range(len(full) - len(bare) + 1) if full[i:i + len(bare)] == bare), 0)
+        return AddedSpecial(before, max(len(full) - len(bare) - before, 0))
+
     @staticmethod
     def _plain_chat(messages: list) -> str:
         return "\n".join(str(m.get("content", "")) for m in messages)
@@ -118,9 +143,8 @@ class PromptTokenizer:
         """What vLLM passes the chat template for ``body``, and whether a generation prompt ends it."""
         kwargs, generation_prompt, continue_final = chat_messages.template_kwargs(body)
         # what vLLM passes its template too (when no worker could render them)
-        for name in ("tools", "documents"):
-            if isinstance(body.get(name), list):
-                kwargs[name] = body[name]
+        if isinstance(body.get("tools"), list):
+            kwargs["tools"] = body["tools"]
         if isinstance(body.get("chat_template"), str) and body["chat_template"]:
             kwargs["chat_template"] = body["chat_template"]
         kwargs["continue_final_message"] = continue_final
@@ -134,6 +158,25 @@ class PromptTokenizer:
         except (TypeError, ValueError) as exc:
             raise RequestError(400, f"{param} is not text the model's tokenizer can encode: {exc}",
                                param=param) from None
+
+
+def truncated_chat(ids: list[int], body: dict, tokenizer: Any) -> list[int]:
+    """A chat's whole ids (its rendering's tokens, and around them the special tokens the chat
+    asks ``tokenizer`` to add; a worker's ``/tokenize`` or the router's own) as vLLM truncates
+    them for ``truncate_prompt_tokens`` N: index.truncated_prompt's slice, except where the chat
+    adds special tokens and names no side. vLLM's tokenizer truncates those (``truncation=True,
+    max_length=N``, as tokenizer_truncation does for a completion) and keeps the special tokens it
+    adds: ``[BOS] + the last N-1``, not the last N of ``[BOS, ...]`` (every block keyed wrong).
+    (An N below their count: they are kept, then sliced to N, as vLLM slices them.) Truncating
+    the result again leaves it as it is."""
+    n = tokenizer_truncation(body)
+    added = getattr(tokenizer, "added_special", NO_SPECIAL)
+    if (n is None or n >= len(ids) or added == NO_SPECIAL
+            or not chat_messages.lax_bool(body.get("add_special_tokens"), False)):
+        return truncated_prompt(ids, body)
+    end = len(ids) - added.after
+    kept = ids[:added.before] + ids[max(end - max(n - added.before - added.after, 0), added.before):end] + ids[end:]
+    return truncated_prompt(kept, body)
 
 
 def token_list(value: Any) -> bool:
@@ -196,11 +239,31 @@ def route_prefix(ids: list[int], share: float, max_tokens: int, block_tokens: in
 
 #: chat fields a worker renders: tools and documents (vLLM normalises them through its own
 #: schema first), a request's own ``chat_template`` and ``add_special_tokens`` (the router's
-#: rendering used the model's template, without special tokens: every block keyed wrong)
+#: rendering once ignored them: every block keyed wrong; it adds the special tokens now, when
+#: no worker renders)
 WORKER_RENDERED = ("tools", "documents", "chat_template", "add_special_tokens")
-#: what a worker's ``/tokenize`` takes of a chat request (vLLM's TokenizeChatRequest)
-RENDER_FIELDS = ("model", "messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
-                  "chat_template", "chat_template_kwargs", "add_special_tokens", "mm_processor_kwargs")
+#: the fields of a chat request that a worker's ``/tokenize`` takes as they are (vLLM's
+#: TokenizeChatRequest); the others it renders with: :func:`worker_render_payload`
+RENDER_FIELDS = ("model", "messages", "tools", "add_generation_prompt", "continue_final_message", "chat_template",
+                  "chat_template_kwargs", "add_special_tokens", "media_io_kwargs", "mm_processor_kwargs")
+
+
+def worker_render_payload(body: dict) -> dict:
+    """What a worker's ``/tokenize`` is sent to render the chat ``body`` as its
+    ``/v1/chat/completions`` renders it. vLLM's TokenizeChatRequest is not its chat request: it
+    has no ``documents`` and no ``reasoning_effort`` (nor the ``enable_thinking`` that implies),
+    and it reads a message's ``reasoning`` only, never renaming the older ``reasoning_content``
+    (a request sent as it came rendered without its documents, its effort or an agent's
+    thinking turns: every block from there on keyed wrong). Those fields are folded into its
+    ``chat_template_kwargs`` as the chat request merges them (their values win), and the
+    messages renamed as the chat request renames them. ``body`` is left as it came."""
+    payload = {k: body[k] for k in RENDER_FIELDS if k in body}
+    given = body.get("chat_template_kwargs")
+    added = chat_messages.chat_request_kwargs(body)
+    if added and (given is None or isinstance(given, dict)):   # (any other: the chat is refused)
+        payload["chat_template_kwargs"] = {**(given or {}), **added}
+    payload["messages"] = chat_messages.reasoning_renamed(body["messages"])
+    return payload
 
 
 def check_body(body: Any, field: str) -> None:
@@ -216,6 +279,10 @@ def check_body(body: Any, field: str) -> None:
         if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) and "role" in m for m in msgs):
             raise RequestError(400, "'messages' must be a non-empty list of {role, content} objects",
                                param="messages")
+    n = body.get("truncate_prompt_tokens")
+    if type(n) is int and not -1 <= n <= INT64_MAX:   # (as vLLM refuses it: past 2**64 the tokenizer raised, a 500)
+        raise RequestError(400, f"'truncate_prompt_tokens' must be -1 (the model's limit) or from 0 to {INT64_MAX}",
+                           param="truncate_prompt_tokens")
 
 
 def cached_tokens(usage: Any) -> tuple[int, int] | None:

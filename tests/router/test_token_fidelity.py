@@ -2,8 +2,10 @@
 prompt (``Router._chat_prompt`` / ``_completion_prompt`` over a real ``PromptTokenizer``) is
 compared with vLLM's rendering of the same request, in-process (``_vllm_ref.vllm_ids``: vLLM's
 OnlineRenderer; those tests are skipped where vLLM is not installed, and ``make test`` installs
-it). Tokenizers are local: the test Llama's BPE with hand-written templates of real families'
-shapes (Llama 3, Qwen 2.5, Mistral v3, Gemma, a gpt-oss-like system header)."""
+it). A chat the router has a worker render is rendered by vLLM's own ``/tokenize`` code
+(``_vllm_ref.vllm_tokenize``); test_worker_render.py sends such chats through a real router.
+Tokenizers are local: the test Llama's BPE with hand-written templates of real families'
+shapes (Llama 3, Qwen 2.5 and 3, Mistral v3, Gemma, a gpt-oss-like system header, Command-R)."""
 
 from __future__ import annotations
 
@@ -15,18 +17,22 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from tests.router._vllm_ref import (DEVELOPER_AWARE, GEMMA, LLAMA3, MISTRAL_V3, OPENAI_ONLY, QWEN25,  # noqa: E402
-                                    SYSTEM_EFFORT, THINKING, TOOL_CALL_JSON, make_model, vllm_ids)
+from tests.router._vllm_ref import (AGENT, DEVELOPER_AWARE, DOCUMENTS, GEMMA, LLAMA3, MISTRAL_V3,  # noqa: E402
+                                    OPENAI_ONLY, QWEN25, SYSTEM_EFFORT, THINKING, TOOL_CALL_JSON, make_model,
+                                    vllm_ids, vllm_tokenize)
 
 TEMPLATES = {"llama3": (LLAMA3, True), "qwen": (QWEN25, False), "mistral": (MISTRAL_V3, True),
              "gemma": (GEMMA, True), "effort": (SYSTEM_EFFORT, True), "openai": (OPENAI_ONLY, True),
-             "developer": (DEVELOPER_AWARE, True), "tool_json": (TOOL_CALL_JSON, False), "thinking": (THINKING, False)}
+             "developer": (DEVELOPER_AWARE, True), "tool_json": (TOOL_CALL_JSON, False), "thinking": (THINKING, False),
+             "documents": (DOCUMENTS, True), "agent": (AGENT, False)}
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("tok")
-    return {name: make_model(root, name, template, bos=bos) for name, (template, bos) in TEMPLATES.items()}
+    out = {name: make_model(root, name, template, bos=bos) for name, (template, bos) in TEMPLATES.items()}
+    out["llama3_eos"] = make_model(root, "llama3_eos", LLAMA3, bos=True, eos=True)   # a special token after too
+    return out
 
 
 @lru_cache(maxsize=None)
@@ -39,29 +45,41 @@ def _router(path: str):
     return Router(config, PromptTokenizer(path))
 
 
-def router_ids(path: str, kind: str, body: dict) -> list[int]:
-    """The ids ``kvtier route`` keys for ``body`` (short prompts: routed whole). A chat must be one
-    the router renders itself (none of it is sent to a worker's /tokenize)."""
+def worker_rendered(body: dict) -> bool:
+    """Whether the router has a worker render this chat (Router.chat's test)."""
+    from kvtier.router.chat_messages import worker_renders
     from kvtier.router.requests import WORKER_RENDERED
 
-    router = _router(path)
-    if kind == "chat":
-        from kvtier.router.chat_messages import worker_renders
+    return any(body.get(f) for f in WORKER_RENDERED) or worker_renders(body)
 
-        assert not any(body.get(f) for f in WORKER_RENDERED) and not worker_renders(body)
-        routed = asyncio.run(router._chat_prompt(json.loads(json.dumps(body)), len(json.dumps(body))))
+
+def router_ids(path: str, kind: str, body: dict, worker: bool = True) -> list[int]:
+    """The ids ``kvtier route`` keys for ``body`` (short prompts: routed whole). A chat the router
+    has a worker render is sent to vLLM's own ``/tokenize`` code as Router.chat sends it
+    (requests.worker_render_payload) and its answer truncated as Router.chat truncates it
+    (requests.truncated_chat); ``worker`` False: no worker answers, the router renders it."""
+    router = _router(path)
+    body = json.loads(json.dumps(body))
+    if kind == "chat" and worker and worker_rendered(body):
+        from kvtier.router.requests import truncated_chat, worker_render_payload
+
+        status, answer = asyncio.run(vllm_tokenize(path, worker_render_payload(body)))
+        assert status == 200, answer
+        routed = router._routed(truncated_chat(answer["tokens"], body, router.tokenizer))
+    elif kind == "chat":
+        routed = asyncio.run(router._chat_prompt(body, len(json.dumps(body))))
     else:
-        routed = asyncio.run(router._completion_prompt(json.loads(json.dumps(body))))
+        routed = asyncio.run(router._completion_prompt(body))
     assert routed.tokens == len(routed.ids)
     return routed.ids
 
 
-def assert_keyed_as_vllm(path: str, kind: str, body: dict) -> None:
+def assert_keyed_as_vllm(path: str, kind: str, body: dict, worker: bool = True) -> None:
     from kvtier.router.requests import RequestError
 
     expected = vllm_ids(path, kind, body)
     try:
-        got = router_ids(path, kind, body)
+        got = router_ids(path, kind, body, worker)
     except RequestError as exc:
         pytest.fail(f"the router refused a request vLLM renders: {exc.status} {exc}")
     assert got == expected
@@ -217,6 +235,136 @@ def test_truncated_text_completion_keeps_the_bos(models, extra):
 @pytest.mark.parametrize("value", ["false", 0, "no", "off", "true", 1])
 def test_add_special_tokens_read_as_vllm_reads_it(models, value):
     assert_keyed_as_vllm(models["llama3"], "cmpl", {"prompt": "hello world", "add_special_tokens": value})
+
+
+# --- s29 D1-D6: chats a worker renders, and the router's own rendering of them ----------------
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "the weather",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+AGENT_TURNS = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "weather in Paris?"},
+               {"role": "assistant", "content": "It is sunny.", "reasoning_content": "Check the tool."},
+               {"role": "user", "content": "and tomorrow?"}]
+WHERE = pytest.mark.parametrize("worker", [True, False], ids=["worker-renders", "router-renders"])
+
+
+@WHERE
+@pytest.mark.parametrize("name, extra", [
+    ("effort", {"tools": TOOLS, "reasoning_effort": "none"}),
+    ("agent", {"tools": TOOLS, "reasoning_effort": "none"}),
+    ("agent", {"tools": TOOLS, "reasoning_effort": "high", "chat_template_kwargs": {"enable_thinking": False}}),
+    ("agent", {"tools": TOOLS, "reasoning_effort": "low", "chat_template_kwargs": {"enable_thinking": None}}),
+    ("documents", {"documents": [{"title": "Paris", "text": "Sunny all week, 21C."}]}),
+    ("documents", {"documents": [{"title": "Paris", "text": "Sunny."}], "tools": TOOLS,
+                   "chat_template_kwargs": {"documents": [{"title": "Lyon", "text": "Rain."}]}})],
+    ids=["effort-header", "effort-thinking", "kwargs-thinking", "kwargs-null-thinking", "documents",
+         "documents-over-kwargs"])
+def test_a_worker_rendered_chat_is_keyed_as_the_chat_runs(models, name, extra, worker):
+    """An agent's chat (tools, a reasoning effort, its thinking turns) or a RAG chat (documents)
+    is rendered by a worker's /tokenize, whose request (vLLM's TokenizeChatRequest) has no
+    ``documents`` or ``reasoning_effort`` and never renames ``reasoning_content``: sent as it
+    came, the worker rendered the chat without them (a system header's effort: block 0 keyed
+    wrong; documents: every block). Its own fields folded into its template arguments as the
+    chat request folds them, the worker renders the prompt the chat runs; so does the router
+    when no worker answers."""
+    assert_keyed_as_vllm(models[name], "chat", {"messages": AGENT_TURNS, **extra}, worker=worker)
+
+
+@WHERE
+@pytest.mark.parametrize("assistant", [{"reasoning_content": "Check the tool."},
+                                       {"reasoning": "Look it up.", "reasoning_content": "Check the tool."},
+                                       {"reasoning": None, "reasoning_content": "Check the tool."}])
+def test_an_agents_thinking_turns_are_keyed_as_the_chat_runs(models, assistant, worker):
+    """The assistant's ``reasoning_content`` (the field vLLM's reasoning parsers answer with) is
+    what the chat's template prints; ``reasoning`` wins where both are set."""
+    turns = [*AGENT_TURNS[:2], {"role": "assistant", "content": "It is sunny.", **assistant}, AGENT_TURNS[3]]
+    assert_keyed_as_vllm(models["agent"], "chat", {"messages": turns, "tools": TOOLS}, worker=worker)
+
+
+@WHERE
+@pytest.mark.parametrize("name", ["llama3", "llama3_eos"])
+@pytest.mark.parametrize("extra", [{}, {"truncate_prompt_tokens": 1}, {"truncate_prompt_tokens": 2},
+                                   {"truncation_side": "left"}, {"truncation_side": "right"},
+                                   {"add_special_tokens": "false"}, {"truncate_prompt_tokens": 2000}])
+def test_a_truncated_chat_keeps_the_special_tokens_it_adds(models, name, extra, worker):
+    """``add_special_tokens`` with ``truncate_prompt_tokens`` N and no side: vLLM's tokenizer
+    truncates the rendering before it adds its special tokens, so a BOS (and an EOS after, for
+    some models) stays: ``[BOS] + the last N-1``. The router cut the last N of ``[BOS, ...]``:
+    every block keyed wrong. (An explicit side slices the whole encoding, as before.)"""
+    body = {"messages": AGENT_TURNS * 3, "add_special_tokens": True, "truncate_prompt_tokens": 40, **extra}
+    assert_keyed_as_vllm(models[name], "chat", body, worker=worker)
+
+
+@pytest.mark.parametrize("name, extra", [
+    ("thinking", {"chat_template_kwargs": {"enable_thinking": None}}),
+    ("effort", {"chat_template_kwargs": {"reasoning_effort": "auto"}}),
+    ("effort", {"chat_template_kwargs": {"reasoning_effort": None}}),
+    ("thinking", {"reasoning_effort": "high", "chat_template_kwargs": {"enable_thinking": None}})])
+def test_unset_template_arguments_are_left_unset(models, name, extra):
+    """vLLM drops ``chat_template_kwargs`` values null and "auto" (merge_kwargs): the template
+    sees the variable undefined, its own default. The router passed them on."""
+    assert_keyed_as_vllm(models[name], "chat", {"messages": [{"role": "user", "content": "hi"}], **extra})
+
+
+@WHERE
+@pytest.mark.parametrize("value", [True, "true", 1, "on"])
+def test_a_chat_asking_for_special_tokens_is_keyed_with_them(models, value, worker):
+    """``add_special_tokens`` on a chat: a BOS before the template's own. The router's own
+    rendering (no worker answers) left it out: every block keyed wrong."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "add_special_tokens": value}
+    assert_keyed_as_vllm(models["llama3"], "chat", body, worker=worker)
+
+
+def test_the_worker_render_payload_carries_what_tokenize_lacks():
+    """What a worker's /tokenize is sent: the fields it takes as they are, the chat request's
+    own template arguments in its ``chat_template_kwargs`` (theirs win, as vLLM merges them),
+    ``reasoning_content`` renamed; the client's body is left as it came."""
+    import copy
+
+    from kvtier.router.requests import worker_render_payload
+
+    body = {"model": "tiny", "messages": AGENT_TURNS, "tools": TOOLS, "documents": [{"title": "t", "text": "x"}],
+            "reasoning_effort": "low", "chat_template_kwargs": {"documents": [], "custom": 1},
+            "add_special_tokens": True, "stream": True, "max_tokens": 5}
+    sent = copy.deepcopy(body)
+    payload = worker_render_payload(body)
+    assert body == sent
+    assert payload == {
+        "model": "tiny", "tools": TOOLS, "add_special_tokens": True,
+        "messages": [*AGENT_TURNS[:2], {"role": "assistant", "content": "It is sunny.", "reasoning": "Check the tool."},
+                     AGENT_TURNS[3]],
+        "chat_template_kwargs": {"documents": body["documents"], "custom": 1, "reasoning_effort": "low",
+                                 "enable_thinking": True}}
+    plain = {"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS}
+    assert worker_render_payload(plain) == plain   # nothing to fold: sent as it came
+
+
+def test_a_part_whose_type_is_no_string_is_left_to_the_worker():
+    """A content part whose ``type`` is a list or an object (vLLM refuses it: a 400) raised
+    TypeError in the router (a 500 with a traceback)."""
+    from kvtier.router.chat_messages import conversation, worker_renders
+
+    for kind in (["text"], {"t": 1}, 3, None):
+        messages = [{"role": "user", "content": [{"type": kind, "text": "a"}, {"type": "text", "text": "b"}]}]
+        assert worker_renders({"messages": messages}), kind
+        # (rendered by the router only when no worker could: the part left out, as media parts are)
+        assert conversation(messages, "string", "")[0]["content"] == "b"
+        assert conversation(messages, "openai", "")[0]["content"] == [{"type": "text", "text": "b"}]
+
+
+@pytest.mark.parametrize("n", [2 ** 63, 2 ** 64, 10 ** 30, -2])
+def test_truncate_prompt_tokens_out_of_vllms_range_is_refused(models, n):
+    """vLLM takes -1 <= ``truncate_prompt_tokens`` <= 2**63-1 and refuses the rest (a 400); past
+    2**64 the router's tokenizer raised OverflowError (a 500)."""
+    from kvtier.router.requests import RequestError, check_body
+
+    for field, body in (("prompt", {"prompt": "a b"}), ("messages", {"messages": [{"role": "user", "content": "a"}]})):
+        with pytest.raises(RequestError) as refused:
+            check_body({**body, "truncate_prompt_tokens": n}, field)
+        assert refused.value.status == 400 and refused.value.param == "truncate_prompt_tokens"
+        with pytest.raises(ValueError):   # vLLM's validation error
+            vllm_ids(models["llama3"], "cmpl" if field == "prompt" else "chat", {**body, "truncate_prompt_tokens": n})
+    for n in (-1, 0, 40, 2 ** 63 - 1):   # (taken; vLLM refuses one past its model's length later)
+        check_body({"prompt": "a b", "truncate_prompt_tokens": n}, "prompt")
 
 
 # --- the parts of the mirror that need no vLLM -------------------------------------------------
