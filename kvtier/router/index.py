@@ -48,7 +48,10 @@ from kvtier.core.keys import as_token_array
 
 GPU, CPU = 0, 1          #: worker tiers, as vLLM's ``medium``
 SHARED_BIT = 1
-ROOT_SEED = 0
+#: the chain's root for the base model without a salt. Not 0: ``key_0 = seed * M + h_0``, and a
+#: block whose tokens are all 0 has ``h = 0``, so from a root of 0 a prompt that began with such
+#: blocks was keyed as the same prompt without them (its later blocks predicted as hits)
+ROOT_SEED = 0x6B76746965722D72   # b"kvtier-r"
 _MEDIUM = {"GPU": GPU, None: GPU, "CPU": CPU}
 _U64 = (1 << 64) - 1
 

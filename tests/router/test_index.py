@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from kvtier.router.events import VllmEvents
-from kvtier.router.index import CPU, GPU, SHARED_BIT, BlockIndex, block_keys, block_keys_reference, worker_bit
+from kvtier.router.index import (CPU, GPU, ROOT_SEED, SHARED_BIT, BlockIndex, block_keys, block_keys_reference,
+                                 context_seed, worker_bit)
 from kvtier.router.workers import Worker
 
 BS = 4
@@ -406,3 +407,18 @@ def test_striking_an_orphan_keeps_the_hash_lists_of_the_blocks_it_keeps():
     idx.stored(0, [1], None, toks[:bs], bs, "CPU")             # the parent arrives
     idx.check_integrity()
     assert len(idx.masks(block_keys(toks[:2 * bs], bs))) == 1, "a block the worker removed was credited"
+
+
+def test_a_prompt_that_begins_with_blocks_of_token_0_is_not_keyed_as_the_prompt_without_them():
+    """A block of token 0 (a model's BOS or pad id, ``!`` in Llama 3's vocabulary) digests to 0;
+    from a root of 0 the chain's first key was then 0 and the next ones those of the prompt
+    without it, so a request was predicted to hit blocks it does not share."""
+    text = list(range(1, 17))
+    for seed in (ROOT_SEED, context_seed("adapter")):
+        with_zeros = block_keys([0] * 8 + text, 8, seed)
+        without = block_keys(text, 8, seed)
+        assert with_zeros[0] != 0
+        assert not set(with_zeros) & set(without), "the prompt's keys reappear after blocks of token 0"
+        assert with_zeros == block_keys_reference([0] * 8 + text, 8, seed)
+    # (control: the same text after another first block keys apart too, and a prompt keys as itself)
+    assert block_keys(text, 8) == block_keys(list(text), 8)
