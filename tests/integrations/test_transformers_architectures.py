@@ -6,7 +6,7 @@
 * An encoder-decoder family's ``*ForCausalLM`` (BART and kin) runs the decoder, whose layers and
   heads the config's generic fields do not name: the layout takes the decoder's, and hits are
   right whether the decoder has more layers than the encoder or fewer.
-* What the model itself caches is checked once at construction (one token through the model):
+* What the model itself caches is checked once at construction (a few tokens through the model):
   a config that says another geometry than the model computes, a model with layers pruned in
   memory, and sliding-window layers are refused when the session is built, not at a request.
 * A config whose layers differ (``per_layer_config``) is a ``ConfigError``, not transformers' own.
@@ -27,6 +27,7 @@ transformers = pytest.importorskip("transformers")
 from kvtier.errors import ConfigError  # noqa: E402
 from kvtier.integrations.transformers import KVTierLM, kv_layout, namespace_for_model  # noqa: E402
 from kvtier.integrations.transformers import namespace as namespace_module  # noqa: E402
+from kvtier.integrations.transformers import session as session_module  # noqa: E402
 from tests.integrations.test_transformers import BLOCK, FP32_TOL, host_store  # noqa: E402
 
 VOCAB = 256
@@ -95,9 +96,13 @@ def test_a_bidirectional_encoder_loaded_as_a_causal_lm_is_refused_by_name(family
 
 
 def test_control_without_the_refusal_a_bidirectional_encoders_hit_is_wrong(tmp_path, monkeypatch):
-    """Why it is refused: the old behaviour, kept reachable by switching the refusal off."""
+    """Why it is refused: the old behaviour, kept reachable by switching the refusals off. Without the
+    config's, the construction probe refuses it (its prefix's logits change when tokens follow)."""
     model = _saved(BIDIRECTIONAL["bert"](), tmp_path)
     monkeypatch.setattr(namespace_module, "_refuse_bidirectional_config", lambda text: None)
+    with pytest.raises(ConfigError, match="prefix run into a fresh cache gave other logits"):
+        KVTierLM(model, None, block_tokens=BLOCK, capacity_tokens=64)
+    monkeypatch.setattr(session_module, "check_model_cache", lambda *args, **kwargs: None)
     cached, diff = _warm_hit_error(model, _prompt())
     assert cached == 80 and diff > 100 * FP32_TOL
 
@@ -142,13 +147,13 @@ def test_an_encoder_decoder_causal_lm_hits_and_equals_its_full_forward(encoder_l
 
 def test_a_model_caching_another_geometry_than_its_config_says_is_refused_at_construction():
     """CPM-Ant sizes its heads by ``dim_head`` (not hidden/heads) and caches 32 prompt positions ahead
-    of the tokens. Old code: accepted, then a LayoutError at every request."""
+    of the tokens (here the probe's prefix of 3). Old code: accepted, then a LayoutError at every request."""
     config = transformers.CpmAntConfig(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, dim_head=8,
                                        dim_ff=96, num_hidden_layers=2, position_bias_num_buckets=32,
                                        position_bias_max_distance=128)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    with pytest.raises(ConfigError, match=r"cache layer 0 holds K \(1, 4, 33, 8\).*\(1, 4, 1, 16\)"):
+    with pytest.raises(ConfigError, match=r"cache layer 0 holds K \(1, 4, 35, 8\).*\(1, 4, 3, 16\)"):
         KVTierLM(model, None, block_tokens=BLOCK, capacity_tokens=64)
 
 

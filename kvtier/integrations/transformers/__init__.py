@@ -3,7 +3,8 @@
 * :mod:`.namespace` — the namespace of a model: KV layout from its config, an exact weights identity
   (every byte hashed once, cached by :mod:`.weights_hash`).
 * :mod:`.cache_io` — store blocks ↔ the model's ``DynamicCache``, one large copy per block.
-* :mod:`.cache_probe` — what the model really caches (one token through it), checked against the layout at start.
+* :mod:`.cache_probe` — what the model really caches, and whether it resumes from a cache as kvtier feeds it
+  (a few tokens whole, then as a cached prefix and a suffix), checked at start.
 * :mod:`.session` — :class:`KVTierLM`: lookup → load → prefill the suffix → generate → save.
 * :mod:`.models` — random-weight Llama models and a local tokenizer, built once and cached.
 

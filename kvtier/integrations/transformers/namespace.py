@@ -114,7 +114,22 @@ def _refuse_bidirectional_config(text) -> None:
     the instance: transformers makes every key of a config.json an attribute, and checkpoints
     saved by transformers 4 carry ``"is_decoder": false`` and ``"add_cross_attention": false``
     whatever the model (a Llama or GPT-2 of that kind was refused though its attention is causal).
+
+    Gemma's family says it with ``use_bidirectional_attention`` (EmbeddingGemma, PaliGemma's text
+    model: True; Gemma 4 and DiffusionGemma: "all"): refused. Gemma 4's "vision" is not: it makes
+    attention bidirectional only within an image's tokens, and only where the multimodal model is
+    given ``mm_token_type_ids``, which kvtier never passes (its text attention is causal:
+    ``is_causal = use_bidirectional_attention != "all"``). The construction probe
+    (:mod:`.cache_probe`) catches a bidirectional model too, but as logits that differ; this
+    check says why, and costs nothing.
     """
+    both_ways = getattr(text, "use_bidirectional_attention", None)
+    if both_ways and both_ways != "vision":
+        raise ConfigError(
+            f"{type(text).__name__} has use_bidirectional_attention={both_ways!r}: this model's attention "
+            f"sees the tokens after a position, so a cached prefix's K/V depends on what follows it and no "
+            f"block can be reused; kvtier cannot serve it. Serve it without kvtier (or load it with "
+            f"use_bidirectional_attention=False if it was trained causal)")
     declared = getattr(type(text), "__dataclass_fields__", {})
     if "is_decoder" in declared and "add_cross_attention" in declared and getattr(text, "is_decoder", None) is False:
         raise ConfigError(
@@ -179,8 +194,8 @@ def _layer_kv_layout(text, dtype: str, block_tokens: int, decoder_view: bool) ->
     def decoder(*names):
         return None if decoder_view else _decoder_field(text, names)
 
-    heads = (decoder("decoder_attention_heads", "num_decoder_attention_heads")
-             or getattr(text, "num_attention_heads", None))
+    decoder_heads = decoder("decoder_attention_heads", "num_decoder_attention_heads")
+    heads = decoder_heads or getattr(text, "num_attention_heads", None)
     if not heads:
         raise ConfigError(
             f"{type(text).__name__} has no attention heads (num_attention_heads): a state-space or "
@@ -203,7 +218,12 @@ def _layer_kv_layout(text, dtype: str, block_tokens: int, decoder_view: bool) ->
             f"this model's attention caches K of {k_dim} and V of {v_dim} values a head; kvtier's "
             f"transformers integration needs one head size for both. {serve}")
     head_dim = k_dim
-    kv_heads = getattr(text, "num_key_value_heads", None)
+    # An encoder-decoder config's num_key_value_heads is no decoder field: Whisper's attribute_map
+    # points it at encoder_attention_heads. Its decoder's own KV head count, or its heads, say it.
+    if decoder_heads:
+        kv_heads = decoder("decoder_num_key_value_heads", "num_decoder_key_value_heads") or decoder_heads
+    else:
+        kv_heads = getattr(text, "num_key_value_heads", None)
     if kv_heads is None and getattr(text, "multi_query", False) and not getattr(text, "new_decoder_architecture", False):
         # Falcon's multi-query attention caches one K/V head; its config has no num_key_value_heads
         # (the cache's own shape check in StorageLayer.update refuses a count that is wrong).

