@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -160,6 +162,21 @@ def test_a_block_corrupted_on_disk_mid_chain_stops_the_load_there(tiny, ns, tmp_
 TOKEN = "checks-token"
 
 
+def _spilled(spill, payload: bytes) -> list:
+    """(file, offset) of each published spill file under ``spill`` holding ``payload``."""
+    hits = []
+    for path in spill.rglob("*"):
+        if path.name.endswith(".tmp") or not path.is_file():
+            continue
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:   # (renamed or dropped meanwhile)
+            continue
+        if payload in data:
+            hits.append((path, data.find(payload)))
+    return hits
+
+
 def test_a_block_tampered_on_a_servers_disk_mid_chain_stops_the_load_there(tiny, ns, tmp_path):
     from kvtier.integrations.transformers.cache_io import gather_blocks
     from kvtier.server.launch import ServerProcess
@@ -183,8 +200,13 @@ def test_a_block_tampered_on_a_servers_disk_mid_chain_stops_the_load_there(tiny,
         writer_store.close()
 
         # Find block k in the server's spill files by its bytes (their names are the server's business).
-        hits = [(path, data.find(payload)) for path in spill.rglob("*") if path.is_file()
-                for data in [path.read_bytes()] if payload in data]
+        # The server spills on its I/O threads after answering the PUTs: look until it has (a file
+        # being written, or renamed from its temporary name, is looked at again next time).
+        hits = _spilled(spill, payload)
+        deadline = time.monotonic() + 30
+        while len(hits) != 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+            hits = _spilled(spill, payload)
         assert len(hits) == 1, f"block {k} should be spilled to the server's disk once, found {len(hits)}"
         path, offset = hits[0]
         _flip_byte(path, offset + nbytes // 2)
