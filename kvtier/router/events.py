@@ -18,8 +18,9 @@
   restarts from the middle of the stream while the buffer holds what came before. A
   disconnect discards what the SUB still holds of the dropped connection, and the next
   connection replays from the buffer's start. A replay endpoint that did not answer is
-  not asked again until the next connection (said once in the log, counted in
-  ``replays_unanswered``): live events go on at once, without catching up.
+  not asked again for a while (30 s, doubled at each further silence up to 5 minutes, back
+  to 30 s once it answers or the events reconnect; said once in the log, counted in
+  ``replays_unanswered``): live events go on at once meanwhile, without catching up.
   Only one KV-cache group is indexed (``VllmEvents.group``): vLLM publishes each
   block once per group (``group_idx``; ``kv_cache_spec_kind`` on stores), and the groups
   of a hybrid model (Gemma 3: full attention and sliding window) hold the same block
@@ -56,6 +57,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import struct
 import threading
 import time
@@ -71,6 +73,12 @@ _SEQ = struct.Struct(">Q")
 _REPLAY_QUIET_S = 0.5
 #: a replay endpoint that sent nothing for this long after a request does not answer
 _REPLAY_ANSWER_S = 5.0
+#: a replay endpoint that did not answer is not asked again for this long (live events would wait
+#: on it at every hole), doubled at each further silence up to _REPLAY_BACKOFF_MAX_S: never asked
+#: again on that connection, one stall of the publisher's replay thread (a GC or GIL pause in a
+#: busy engine core) made every later hole the buffer held a resync, for as long as the worker ran
+_REPLAY_BACKOFF_S = 30.0
+_REPLAY_BACKOFF_MAX_S = 300.0
 #: a shared-tier listener that failed waits this long before it starts again, doubled up to
 #: _RESTART_MAX_S while it keeps failing (an error that repeats is not retried in a tight loop)
 _RESTART_S = 0.5
@@ -117,9 +125,14 @@ class VllmEvents:
         self._skip_below: int | None = None
         #: the entries were cleared since the last connection: the next one replays from the start
         self._resynced_since_connect = True
-        #: this connection's replay endpoint did not answer: not asked again until the next one
-        #: (a silent endpoint held up every live message after a resync for the whole timeout)
-        self._replay_silent = False
+        #: how long a replay endpoint that did not answer is not asked again, at first (doubled
+        #: while it stays silent); measured on ``clock``
+        self.replay_backoff_s = _REPLAY_BACKOFF_S
+        self.clock: Callable[[], float] = time.monotonic
+        #: the replay endpoint did not answer: not asked again before this time (a silent endpoint
+        #: held up every live message after a resync for the whole timeout)
+        self._replay_silent_until = -math.inf
+        self._next_backoff_s = self.replay_backoff_s   #: the rest after the endpoint's next silence
         self._task: asyncio.Task | None = None
         self._stopping = False
 
@@ -205,7 +218,7 @@ class VllmEvents:
     async def _connected(self, ctx) -> None:
         """A connection to the publisher (the first, or a reconnect): after a resync, what the worker
         holds from before is taken from the buffer's start."""
-        self._replay_silent = False   # a new connection, maybe a new publisher: its endpoint may answer
+        self._trust_replay()   # a new connection, maybe a new publisher: its endpoint may answer
         if self.worker.replay_endpoint and self._resynced_since_connect:
             if self.next_seq is not None:
                 # messages applied since the resync may be the dropped connection's: the buffer
@@ -246,15 +259,15 @@ class VllmEvents:
         router started later).
         """
         seq = self._seq(frames)
-        if seq is None or not self.worker.replay_endpoint or self._replay_silent:
+        if seq is None or not self.worker.replay_endpoint or self._replay_resting():
             return
         if self._skip_below is not None and seq < self._skip_below:
             return   # a replayed batch, also queued live (handle skips it)
         if self.next_seq is not None and seq > self.next_seq:
             lost = seq - self.next_seq
             await self._replay(ctx, self.next_seq, upto=seq)
-            if self.next_seq == seq or self._replay_silent:
-                return   # filled (or not: then handle sees the gap)
+            if self.next_seq == seq or self._replay_resting():
+                return   # filled (or not, the endpoint silent: then handle sees the gap)
             self.resync("gap", f"{lost} messages lost, {lost - (seq - self.next_seq)} of them replayed")
         elif self.next_seq is not None and seq < self.next_seq:
             self.resync("restarted", f"sequence {seq} after {self.next_seq - 1}")
@@ -272,7 +285,7 @@ class VllmEvents:
         the last ``buffer_steps`` batches, so a router started next to a long-running worker
         replayed nothing, and the window applied to an empty index holds no stale block.
         An endpoint that sends nothing within ``timeout_s`` (default ``replay_timeout_s``) is not
-        asked again on this connection.
+        asked again for a while (:meth:`_silent_replay`).
         """
         import zmq
 
@@ -283,11 +296,11 @@ class VllmEvents:
         dealer.setsockopt(zmq.RCVHWM, 0)
         heartbeat(dealer)
         applied = 0
+        answered = False   # anything received at all
         try:
             dealer.connect(self.worker.replay_endpoint)
             await dealer.send_multipart([b"", start.to_bytes(8, "big")])
             expected = start
-            answered = False   # anything received at all
             got = 0   # batches received since the last request
             cut = False   # a batch of this answer was dropped on the way (its later ones skipped)
             while True:
@@ -338,17 +351,34 @@ class VllmEvents:
                         self.worker.replay_endpoint, exc)
         finally:
             dealer.close(0)
+            if answered:
+                self._trust_replay()
             if applied:
                 self._skip_below = self.next_seq
                 log.info("worker %s events: %d batches replayed from %d", self.worker.url, applied, start)
 
     def _silent_replay(self, timeout_s: float) -> None:
-        self._replay_silent = True
+        """The replay endpoint sent nothing: it rests, twice as long as last time (at most
+        _REPLAY_BACKOFF_MAX_S), and live events go on meanwhile without catching up."""
+        rest = self._next_backoff_s
+        self._replay_silent_until = self.clock() + rest
+        self._next_backoff_s = min(2 * rest, _REPLAY_BACKOFF_MAX_S)
         self.replays_unanswered += 1
         self._say_once("replay_silent", logging.WARNING,
                        f"events: its replay endpoint {self.worker.replay_endpoint} sent nothing in {timeout_s:.1f} s: "
-                       f"not asked again until the events reconnect; live events go on without catching up (a "
-                       f"vLLM started without replay_endpoint?)")
+                       f"not asked again for {rest:.0f} s, longer while it stays silent (up to "
+                       f"{_REPLAY_BACKOFF_MAX_S:.0f} s); live events go on meanwhile without catching up (a vLLM "
+                       f"started without replay_endpoint?)")
+
+    def _replay_resting(self) -> bool:
+        """Whether the replay endpoint was silent lately: not asked again yet."""
+        return self.clock() < self._replay_silent_until
+
+    def _trust_replay(self) -> None:
+        """The replay endpoint answered, or may (a new connection): asked, and its next silence
+        rests it ``replay_backoff_s`` again."""
+        self._replay_silent_until = -math.inf
+        self._next_backoff_s = self.replay_backoff_s
 
     @staticmethod
     def _seq(frames: list[bytes]) -> int | None:

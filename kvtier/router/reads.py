@@ -320,8 +320,12 @@ class PeerConnections:
     for a request (silent since it connected, or idle between requests), so a flood of silent
     sockets from one address only churns its own; past the cap of all, the connection of any
     address that has waited longest is closed. If every connection that could make room has a
-    request under way, the newcomer is closed instead. A connection is *busy* from when its
-    request's head is in until its handler returns (:meth:`middleware`). Before these bounds (and
+    request under way, the newcomer is closed instead. A connection is *busy* from when aiohttp
+    builds its request (its request factory, :meth:`watch`) until its handler returns
+    (:meth:`middleware`). Busy only from the middleware on, a kept-alive connection whose request
+    was built, its handler task not yet started (a loop turn), was closed for a newcomer and its
+    client got no answer (audit s29 a9 D1). A head aiohttp parsed in the loop turn before it
+    builds the request still counts as waiting: aiohttp tells nothing of it. Before these bounds (and
     the header deadline, ``header_timeout_s``) clients that opened a few hundred silent or idle
     sockets took every descriptor of the router: at ``RLIMIT_NOFILE`` its accept loop failed
     (EMFILE) and no other client was served, nor could it reach its workers.
@@ -352,8 +356,9 @@ class PeerConnections:
 
     def watch(self, server: web.Server) -> None:
         """Count the connections of ``server`` (its ``connection_made`` / ``connection_lost``,
-        which each of its connections calls)."""
-        made, lost = server.connection_made, server.connection_lost
+        which each of its connections calls), and mark one busy as its request is built (its
+        ``request_factory``, which each connection takes when it is made: call before serving)."""
+        made, lost, build = server.connection_made, server.connection_lost, server.request_factory
 
         def connection_made(handler: RequestHandler, transport: asyncio.Transport) -> None:
             made(handler, transport)
@@ -363,7 +368,12 @@ class PeerConnections:
             self.forget(handler)
             lost(handler, exc)
 
+        def request_factory(message, payload, handler: RequestHandler, writer, task) -> web.BaseRequest:
+            self._request_begun(handler)
+            return build(message, payload, handler, writer, task)
+
         server.connection_made, server.connection_lost = connection_made, connection_lost
+        server.request_factory = request_factory
         quiet_accept_failures()
 
     def connected(self, handler: RequestHandler, transport: asyncio.Transport) -> None:
@@ -439,6 +449,13 @@ class PeerConnections:
         """The address ``handler``'s connection is counted under (None: not counted, a Unix socket)."""
         return self._peer.get(handler)
 
+    def _request_begun(self, conn: RequestHandler) -> None:
+        """``conn``'s request is built: it is busy, and its head deadline is over."""
+        timer = self._no_head_yet.pop(conn, None)
+        if timer is not None:
+            timer.cancel()
+        self._busy(conn)
+
     def _busy(self, conn: RequestHandler) -> None:
         self._idle_all.pop(conn, None)
         address = self._peer.get(conn)
@@ -455,17 +472,14 @@ class PeerConnections:
 
     @web.middleware
     async def middleware(self, request: web.Request, handler):
-        """Marks the request's connection busy while its handler runs, and as having begun a
-        request (its head is in: the head deadline is over for it). The outermost middleware."""
-        conn = request.protocol
-        timer = self._no_head_yet.pop(conn, None)
-        if timer is not None:
-            timer.cancel()
-        self._busy(conn)
+        """Marks the request's connection idle again once its handler returns (it was marked busy
+        when the request was built, :meth:`watch`). The outermost middleware. A request aiohttp
+        answers itself (a head it cannot parse: 400) passes no middleware, but aiohttp closes its
+        connection, which :meth:`forget` then drops."""
         try:
             return await handler(request)
         finally:
-            self._idle_again(conn)
+            self._idle_again(request.protocol)
 
 
 #: what asyncio logs, with a traceback, when its accept loop finds no descriptor left (EMFILE),

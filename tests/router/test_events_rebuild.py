@@ -1,8 +1,9 @@
 """How a worker's event listener (kvtier/router/events.py) rebuilds that worker's index entries after
 a hole, with the publisher's replay buffer: from the buffer's start, never from the middle of the
-stream; never from a dropped connection's leftovers; and without holding up live events when the
-replay endpoint does not answer. Real ZMQ sockets, through a stand-in for vLLM's publisher whose
-every send the test decides (test_events.py drives vLLM's own)."""
+stream; never from a dropped connection's leftovers; without holding up live events when the
+replay endpoint does not answer, yet asking it again after a back-off. Real ZMQ sockets, through a
+stand-in for vLLM's publisher whose every send the test decides (test_events.py drives vLLM's own),
+and a clock for the back-off that the test moves on."""
 
 from __future__ import annotations
 
@@ -114,6 +115,16 @@ class StandInPublisher:
         self.handshakes.close(0)
         self.pub.close()
         self.ctx.term()
+
+
+class SteppedClock:
+    """The listener's clock for its replay back-off: stands still until the test moves it on."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
 
 
 def listener(pub: StandInPublisher, resyncs: list[str]) -> tuple[BlockIndex, VllmEvents]:
@@ -258,12 +269,13 @@ def test_a_replay_endpoint_that_does_not_answer_does_not_hold_up_live_events(tmp
     """vLLM started without ``replay_endpoint`` (while the router's config points at one), or a stuck
     publisher thread: requests are taken and never answered. Every hole then waited out the replay's
     whole timeout before the live message that showed it was applied (the worker's entries, just
-    cleared, stayed empty meanwhile). Not asked again on this connection: the connection's own replay
-    is the only request, and the silence is logged once."""
+    cleared, stayed empty meanwhile). Not asked again while its back-off lasts (the clock stands
+    still here): the connection's own replay is the only request, and the silence is logged once."""
     pub = StandInPublisher(tmp_path, answers=False)
     resyncs: list[str] = []
     index, events = listener(pub, resyncs)
     events.replay_timeout_s = 0.5
+    events.clock = SteppedClock()
 
     async def main():
         events.start()
@@ -284,6 +296,99 @@ def test_a_replay_endpoint_that_does_not_answer_does_not_hold_up_live_events(tmp
             assert pub.requests == 1
             assert resyncs == ["gap", "gap", "disconnected"] and held(index) == {9}
             assert events.replays_unanswered == 1
+        finally:
+            await events.stop()
+
+    with caplog.at_level(logging.INFO, logger="kvtier.router.events"):
+        try:
+            run(main)
+        finally:
+            pub.close()
+    said = [r for r in caplog.records if "replay endpoint" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.WARNING, [r.getMessage() for r in said]
+
+
+async def hole(pub: StandInPublisher, index: BlockIndex, lost: int, live: int) -> None:
+    """Batch ``lost`` buffered only (lost on the way), then ``live`` sent, and indexed."""
+    pub.publish(lost, live=False)
+    pub.publish(live)
+    await until(lambda: live in held(index), f"block {live} indexed")
+
+
+def test_a_replay_endpoint_silent_once_fills_holes_again_after_its_back_off(tmp_path):
+    """a9 D2: the publisher's replay thread stalled past ``replay_timeout_s`` once (a GC or GIL pause
+    in a busy engine core) and answered every request after that, but was never asked again on that
+    connection, which lasts as long as the worker: every later hole its buffer held cleared the
+    worker's entries. Now it rests for its back-off (10 s here): a hole meanwhile is a resync, the
+    live message not held up; the first hole after it is filled from the buffer. An answer ends
+    the doubling: the next silence rests it 10 s again, not 20."""
+    pub = StandInPublisher(tmp_path, answers=False)
+    resyncs: list[str] = []
+    index, events = listener(pub, resyncs)
+    events.replay_timeout_s = 0.5
+    events.replay_backoff_s = 10.0
+    clock = events.clock = SteppedClock()
+
+    async def main():
+        events.start()
+        try:
+            await in_step(pub, events)
+            await until(lambda: events.replays_unanswered == 1, "control: the connection's replay unanswered")
+            pub.answers = True                           # the stall is over
+            for i in range(5):
+                pub.publish(i)
+            await until(lambda: held(index) == set(range(5)), "control: the listener is in step")
+            await hole(pub, index, 5, 6)
+            assert pub.requests == 1 and resyncs == ["gap"], "asked during its back-off, the live message held up"
+            clock.now += 10.0
+            await hole(pub, index, 7, 8)
+            assert pub.requests == 2, "the replay endpoint was not asked again after its back-off"
+            assert resyncs == ["gap"] and held(index) == {6, 7, 8}, "a hole the buffer held cleared the worker"
+            pub.answers = False                          # silent again: rests 10 s (it answered since)
+            await hole(pub, index, 9, 10)
+            assert pub.requests == 3 and events.replays_unanswered == 2
+            clock.now += 10.0
+            await hole(pub, index, 11, 12)
+            assert pub.requests == 4, "an endpoint that answered since its last silence rested longer"
+            assert resyncs == ["gap"] * 3 and events.replays_unanswered == 3
+        finally:
+            await events.stop()
+
+    try:
+        run(main)
+    finally:
+        pub.close()
+
+
+def test_a_replay_endpoint_that_stays_silent_rests_twice_as_long_up_to_five_minutes(tmp_path, caplog):
+    """a9 D2: an endpoint that never answers (vLLM started without ``replay_endpoint``) is asked again
+    after each back-off, each silence doubling the next (200 s, then 300 s: the 400 s past the 5
+    minute cap), and the silence is logged once."""
+    pub = StandInPublisher(tmp_path, answers=False)
+    resyncs: list[str] = []
+    index, events = listener(pub, resyncs)
+    events.replay_timeout_s = 0.5
+    events.replay_backoff_s = 200.0
+    clock = events.clock = SteppedClock()
+
+    async def main():
+        events.start()
+        try:
+            await in_step(pub, events)
+            await until(lambda: events.replays_unanswered == 1, "control: the connection's replay unanswered")
+            for i in range(5):
+                pub.publish(i)
+            await until(lambda: held(index) == set(range(5)), "control: the listener is in step")
+            clock.now += 200.0
+            await hole(pub, index, 5, 6)
+            assert pub.requests == 2, "not asked again after its back-off"
+            clock.now += 299.0
+            await hole(pub, index, 7, 8)
+            assert pub.requests == 2, "asked again before its doubled back-off ended"
+            clock.now += 1.0
+            await hole(pub, index, 9, 10)
+            assert pub.requests == 3, "its back-off grew past five minutes"
+            assert resyncs == ["gap"] * 3 and held(index) == {10} and events.replays_unanswered == 3
         finally:
             await events.stop()
 

@@ -2,7 +2,8 @@
 worker's first byte is relayed (D1), a client that takes none of its answer (D1), a body a thread
 still works on or no longer needs (D2), a body that does not decode (D4) or was decoded (D5), a
 younger body whose bytes a piece does not need (D6), and connections of every address together
-(D3). Real sockets, stand-in workers as in test_http.py; no vLLM."""
+(D3); a connection whose request is built is busy for the connection caps (a9 D1). Real sockets,
+stand-in workers as in test_http.py; no vLLM."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import gzip
 import json
 import logging
 import os
+import select
 import socket
 import subprocess
 import sys
@@ -502,3 +504,90 @@ def test_asyncio_accept_failures_for_want_of_descriptors_are_logged_about_once_a
     messages = [r.getMessage() for r in caplog.records if r.name == "asyncio"]
     assert len([m for m in messages if not m.startswith("another error")]) <= 1, len(messages)
     assert len([m for m in messages if m.startswith("another error")]) == 2
+
+
+# --- a9 D1: a connection is busy from when its request is built ----------------------------------
+_COMPLETION = _post_head("/v1/completions", 17) + b'{"prompt": "a b"}'
+
+
+async def _answer(sock: socket.socket) -> bytes:
+    """What the router sends on ``sock`` up to the end of a (chunked) answer, or of the connection."""
+    loop, data = asyncio.get_running_loop(), b""
+    with contextlib.suppress(ConnectionError):
+        while not data.endswith(b"\r\n0\r\n\r\n"):
+            piece = await asyncio.wait_for(loop.sock_recv(sock, 65536), 10.0)
+            if not piece:
+                break
+            data += piece
+    return data
+
+
+async def _kept_alive(port: int) -> socket.socket:
+    """A connection that has had one completion answered and stays open for the next."""
+    sock = socket.socket()
+    sock.setblocking(False)
+    loop = asyncio.get_running_loop()
+    await loop.sock_connect(sock, ("127.0.0.1", port))
+    await loop.sock_sendall(sock, _COMPLETION)
+    assert (await _answer(sock)).startswith(b"HTTP/1.1 200")
+    return sock
+
+
+def _router_end(runner: web.AppRunner, sock: socket.socket):
+    """The router's socket of client connection ``sock``."""
+    return next(h.transport.get_extra_info("socket") for h in runner.server.connections
+                if h.transport.get_extra_info("peername") == sock.getsockname())
+
+
+def _hold_until_readable(*socks) -> None:
+    """Blocks, and the event loop with it, until each of ``socks`` has something to read."""
+    waiting = list(socks)
+    while waiting:
+        readable, _, _ = select.select(waiting, [], [], 5.0)
+        assert readable, "the router's sockets were never readable"
+        waiting = [s for s in waiting if s not in readable]
+
+
+def test_a_connection_whose_request_is_built_is_not_closed_for_a_newcomer():
+    """a9 D1: a kept-alive connection counted as waiting for a request until its handler ran, a loop
+    turn after aiohttp had built its request. A newcomer set up in that turn, past the cap of all,
+    closed it, and its client got no answer (most clients, aiohttp's included, do not retry a POST).
+    Here the newcomer's connect and A's next request are read in one loop turn (the loop held
+    meanwhile, as under load). The connection closed for room is B, which waits for a request;
+    A's request and the newcomer's are answered."""
+    async def main():
+        w = StandIn("w0")
+        await w.start()
+        listener = socket.create_server(("127.0.0.1", 0))
+        port = listener.getsockname()[1]
+        router = Router(RouterConfig(workers=[WorkerSpec(w.url)], block_tokens=BS, kv_bytes_per_token=4096,
+                                     port=port), WordTokenizer())
+        router.peers.max_connections = 2
+        runner = router.runner()
+        await runner.setup()
+        await web.SockSite(runner, listener).start()
+        socks = []
+        try:
+            a = await _kept_alive(port)
+            b = await _kept_alive(port)
+            socks += [a, b]
+            waiting = lambda: len(router.peers._idle_all)  # noqa: E731 (their handlers returned)
+            await until(lambda: waiting() == 2)
+            assert waiting() == 2, "control: A and B wait for their next requests"
+            newcomer = socket.create_connection(("127.0.0.1", port))
+            newcomer.setblocking(False)
+            socks.append(newcomer)
+            a.send(_COMPLETION)
+            _hold_until_readable(listener, _router_end(runner, a))
+            assert (await _answer(a)).startswith(b"HTTP/1.1 200"), \
+                "A's request, built when the newcomer came, was closed for it unanswered"
+            assert await closed_within(b, 2.0), "B, waiting for a request, was kept beside the newcomer"
+            await asyncio.get_running_loop().sock_sendall(newcomer, _COMPLETION)
+            assert (await _answer(newcomer)).startswith(b"HTTP/1.1 200")
+            assert w.requests == 4
+        finally:
+            for sock in socks:
+                sock.close()
+            await runner.cleanup()
+            await w.stop()
+    run(main())
