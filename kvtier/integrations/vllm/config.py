@@ -19,6 +19,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -27,6 +28,7 @@ from kvtier.core.layout import KVLayout
 from kvtier.core.namespace import Namespace
 from kvtier.core.units import parse_size
 from kvtier.errors import ConfigError
+from kvtier.integrations.vllm.model_digest import model_computation_digest
 from kvtier.store import safety
 from kvtier.store.config import StoreConfig, check_flag, check_seconds, check_text
 
@@ -58,10 +60,12 @@ class ConnectorConfig:
       Lookups, loads and saves are in whole kvtier blocks (a load may stop inside
       the last one).
     * ``model_id`` / ``weights_revision``: the namespace; default: vLLM's model
-      name and revision. Set them when two paths hold the same weights, or one
-      path is reused for other weights. They name the weights only: what vLLM
-      computes from them (its hf config after ``--hf-overrides``, dtype,
-      quantization: :func:`model_computation_digest`) joins every key by itself.
+      name and revision (for a hub cache's snapshot path, which vLLM gives with
+      ``HF_HUB_OFFLINE=1``: the repository and the snapshot's commit). Set them
+      when two paths hold the same weights, or one path is reused for other
+      weights. They name the weights only: what vLLM computes from them (its hf
+      config after ``--hf-overrides``, dtype, quantization:
+      :func:`model_computation_digest`) joins every key by itself.
     * ``async_load``: load between scheduler steps (``get_finished``) instead of
       before the forward pass that needs the blocks.
     * ``sync_load_when_alone``: with ``async_load``, a request that finds no other
@@ -292,6 +296,7 @@ def engine_kv(config: ConnectorConfig, vllm_config, kv_cache_config, *, tp_rank:
     its own stage's layers (:func:`_pipeline_stage`).
     """
     check_block_hashes(config, vllm_config.cache_config)
+    check_real_weights(vllm_config.load_config)
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
         raise ConfigError(
@@ -334,10 +339,11 @@ def engine_kv(config: ConnectorConfig, vllm_config, kv_cache_config, *, tp_rank:
         tp_rank=tp_rank,
         tp_size=parallel.tensor_parallel_size,
     )
+    model_id, revision = _weights_identity(model.model, model.revision)
     namespace = Namespace(
-        model_id=config.model_id or model.model,
+        model_id=config.model_id or model_id,
         layout=layout,
-        weights_revision=config.weights_revision if config.weights_revision is not None else (model.revision or ""),
+        weights_revision=config.weights_revision if config.weights_revision is not None else revision,
         tenant=config.store.tenant,
     )
     return EngineKV(
@@ -348,6 +354,32 @@ def engine_kv(config: ConnectorConfig, vllm_config, kv_cache_config, *, tp_rank:
         format_tag=_format_tag(vllm_config, kv_cache_config, spec,
                                _pipeline_stage(parallel, pp_rank, groups[0].layer_names)),
     )
+
+
+def check_real_weights(load_config) -> None:
+    """Refuse ``--load-format dummy``: vLLM's benchmarking mode runs random weights under the real
+    model's path and config, so its blocks would carry the real model's keys, and every engine of
+    the real weights sharing the store (a disk, a kvtier server) would load their KV."""
+    if str(load_config.load_format) == "dummy":
+        raise ConfigError(
+            "vLLM runs random weights with --load-format dummy, and kvtier keys blocks by the model they "
+            "claim to be: engines of the real weights sharing this store would load their KV. Run the "
+            "benchmark without --kv-transfer-config, or with the real weights")
+
+
+#: a hub cache's snapshot: ``…/models--{org}--{name}/snapshots/{commit}`` (hub repo names hold no "--")
+_HUB_SNAPSHOT = re.compile(r"(?:^|/)models--(?P<repo>[^/]+)/snapshots/(?P<commit>[0-9a-f]{40})/?$")
+
+
+def _weights_identity(model: str, revision: str | None) -> tuple[str, str]:
+    """The default ``model_id`` and ``weights_revision``: vLLM's model name or path and its
+    ``--revision``. With ``HF_HUB_OFFLINE=1`` vLLM replaces ``--model org/name`` by the path of its
+    snapshot in the local hub cache, which differs between hosts (``HF_HOME``, the user's home) for
+    the same files: a snapshot path names the repository, and its commit is the revision."""
+    snapshot = _HUB_SNAPSHOT.search(str(model))
+    if snapshot is None:
+        return str(model), revision or ""
+    return snapshot["repo"].replace("--", "/"), snapshot["commit"]
 
 
 def _pipeline_stage(parallel, pp_rank: int, layer_names) -> dict | None:
@@ -370,81 +402,16 @@ def _pipeline_stage(parallel, pp_rank: int, layer_names) -> dict | None:
     return {"rank": pp_rank, "size": size, "layers": layers}
 
 
-#: hf config fields that differ between hosts, processes or library versions for the same
-#: weights and the same computation; any other field is digested (an unknown one makes a miss,
-#: never a wrong hit). Dropped at every level of nesting, as are private ``_`` fields
-#: (``_name_or_path``: where the files are; ``_commit_hash``; ``_attn_implementation``, which
-#: vLLM's Transformers backend sets in its worker while it loads the model).
-_HOST_LOCAL_HF_FIELDS = frozenset({
-    "transformers_version",
-    # the class names the checkpoint was saved from: vLLM's resolved architecture stands for them
-    "architectures", "auto_map",
-    # spelled "torch_dtype" or "dtype" by transformers' version, and rewritten by vLLM's
-    # Transformers backend in its worker: the dtype vLLM computes in stands for it
-    "dtype", "torch_dtype",
-    # switches of transformers' own forward and its classification heads, not of vLLM's model
-    "use_cache", "return_dict", "output_attentions", "output_hidden_states",
-    "id2label", "label2id", "problem_type", "tokenizer_class",
-    # vLLM's MiniMax-M2 code writes the engine's --max-model-len here in its worker: no KV follows it
-    "max_model_len",
-})
+#: vLLM's spellings of one KV cache format ("fp8" is "fp8_e4m3" on every platform and backend of vLLM 0.32)
+_CACHE_DTYPE_SYNONYMS = {"fp8": "fp8_e4m3"}
 
 
-def _host_independent(value):
-    """``value`` (an hf config dict) without :data:`_HOST_LOCAL_HF_FIELDS` nor private fields."""
-    if isinstance(value, dict):
-        return {str(k): _host_independent(v) for k, v in value.items()
-                if not str(k).startswith("_") and k not in _HOST_LOCAL_HF_FIELDS}
-    if isinstance(value, (list, tuple)):
-        return [_host_independent(v) for v in value]
-    return value
-
-
-def model_computation_digest(vllm_config) -> str:
-    """A digest of the model computation vLLM runs, beyond the weights: what makes the KV of one
-    token sequence differ between engines of the same model path and revision.
-
-    * the hf text config *after* ``--hf-overrides`` and vLLM's own config hooks: RoPE theta and
-      scaling (YaRN, llama3, ...), sliding windows, norms, soft-caps, head sizes;
-    * the architecture vLLM resolved and any class override (which model code runs), the
-      remote code's revision;
-    * the dtype vLLM computes in (with ``--kv-cache-dtype fp8`` the pages are fp8 whatever it
-      is, yet fp16- and bf16-computed KV differ), and the quantization (``--quantization fp8``
-      of a bf16 checkpoint on a GPU computes other K and V from the same files);
-    * the cache settings that change K/V but not the page geometry: layers kept out of a
-      quantized KV cache, a sliding window disabled or overridden.
-
-    Not in it: where the files are, the transformers version, and settings that change no KV
-    (``max_model_len``, ``gpu_memory_utilization``, ...), so the same weights with the same
-    settings on two hosts share keys. Scheduler and workers compute it from their own copy of
-    the configuration: a model whose vLLM code writes a KV-relevant config field while a
-    multi-process worker loads it would have its lookups miss its saves (lost, never wrong).
-    """
-    from vllm.config.utils import normalize_value
-
-    model = vllm_config.model_config
-    cache = vllm_config.cache_config
-    computation = {
-        "hf": _host_independent(model.hf_text_config.to_dict()),
-        "architecture": str(model.architecture),
-        "class_overrides": getattr(model, "model_class_overrides", None) or {},
-        "code_revision": getattr(model, "code_revision", None) or "",
-        "dtype": str(model.dtype).removeprefix("torch."),
-        "quantization": str(model.quantization or ""),
-        "quantization_args": getattr(model, "quantization_config", None),
-        "disable_sliding_window": bool(getattr(model, "disable_sliding_window", False)),
-        "sliding_window": getattr(cache, "sliding_window", None),
-        "kv_cache_dtype_skip_layers": sorted(getattr(cache, "kv_cache_dtype_skip_layers", None) or []),
-    }
-    try:
-        # vLLM's own canonical form for its config hashes: it refuses what has no stable
-        # encoding rather than digesting a repr that names a memory address (such a digest
-        # would differ between the scheduler and the workers: every lookup a miss)
-        canonical = json.dumps(normalize_value(computation), sort_keys=True, separators=(",", ":"))
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"KvtierConnector cannot key blocks on this model's configuration ({e}); "
-                          f"run this model without the connector") from e
-    return hashlib.sha256(canonical.encode()).hexdigest()[:32]
+def _page_dtype(cache_dtype: str, spec) -> str:
+    """The KV cache's format, one name for one format: ``auto`` is the dtype of the pages vLLM
+    allocated (the model's), a synonym its canonical name."""
+    if cache_dtype == "auto":
+        return str(spec.dtype).removeprefix("torch.")
+    return _CACHE_DTYPE_SYNONYMS.get(cache_dtype, cache_dtype)
 
 
 def _format_tag(vllm_config, kv_cache_config, spec, pipeline: dict | None = None) -> str:
@@ -458,7 +425,7 @@ def _format_tag(vllm_config, kv_cache_config, spec, pipeline: dict | None = None
         "layout": str(kv_cache_config.kv_cache_layout or ""),
         "backend": str(getattr(attention, "backend", None) or "auto"),
         "spec": type(spec).__name__,
-        "kv_cache_dtype": str(cache.cache_dtype),
+        "kv_cache_dtype": _page_dtype(str(cache.cache_dtype), spec),
         "hash": str(cache.prefix_caching_hash_algo),
         "model": model_computation_digest(vllm_config),
     }

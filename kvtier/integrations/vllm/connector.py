@@ -161,7 +161,34 @@ def _vllm_events(items: list, engine: EngineKV, kv_cache_config: "KVCacheConfig"
     return events
 
 
+def _leaf_connectors(connector) -> Iterable[KVConnectorBase_V1]:
+    """The connectors of vLLM's KV transfer group, MultiConnectors opened at any depth."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
+
+    if isinstance(connector, MultiConnector):
+        for child in connector._connectors:
+            yield from _leaf_connectors(child)
+    else:
+        yield connector
+
+
+def _other_handshakes() -> bool:
+    """Whether a connector beside kvtier in this worker's KV transfer group hands vLLM a handshake.
+    Neither a MultiConnector (its children are asked) nor a kvtier connector is asked: either would
+    ask this one back, without end."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    if not has_kv_transfer_group():
+        return False
+    return any(c.get_handshake_metadata() is not None for c in _leaf_connectors(get_kv_transfer_group())
+               if not isinstance(c, KvtierConnector))
+
+
 class KvtierConnector(KVConnectorBase_V1):
+    #: whether this connector's handshake reaches the scheduler: only the worker of pipeline stage 0,
+    #: TP rank 0 (set in ``__init__``) hands its format tag over
+    _hands_tag_over = False
+
     @property
     def requires_kv_delivery(self) -> bool:
         return False  # a cache: a lost save is a future miss, not a lost hand-off
@@ -183,6 +210,10 @@ class KvtierConnector(KVConnectorBase_V1):
             tp_rank = get_tensor_model_parallel_rank()
             pp_rank = get_pp_group().rank_in_group
         self.engine = engine_kv(self.config, vllm_config, kv_cache_config, tp_rank=tp_rank, pp_rank=pp_rank)
+        # vLLM keys each worker's handshake (pp_rank, tp_rank) and the scheduler reads (0, 0) only;
+        # a handshake of another stage reaches every sub-connector of a MultiConnector, and those
+        # without a handshake of their own refuse pp_rank > 0 (the engine fails to start)
+        self._hands_tag_over = role == KVConnectorRole.WORKER and tp_rank == 0 and pp_rank == 0
         engine_id = str(transfer.engine_id)
         # CPU-medium KV events: with vLLM's KV events on and a host tier (module docstring), pages
         # named by whole hash-blocks (one KV cache group: always)
@@ -271,17 +302,14 @@ class KvtierConnector(KVConnectorBase_V1):
         return self.worker.take_load_errors()
 
     def get_handshake_metadata(self) -> KvtierHandshake | None:
-        """The worker's format tag, for the scheduler (:class:`KvtierHandshake`). Inside a
-        ``MultiConnector``, which passes on only the first sub-connector's metadata that is not
-        None, only if no other sub-connector has any: kvtier's would take the place of one that
-        needs it (NIXL's). Then the scheduler keeps its own tag, and says so once here."""
-        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
-
-        if self.worker is None:
+        """The worker's format tag, for the scheduler (:class:`KvtierHandshake`), from the worker
+        the scheduler reads (pipeline stage 0, TP rank 0) only. Inside a ``MultiConnector``, which
+        passes on only the first sub-connector's metadata that is not None, only if no other
+        sub-connector has any: kvtier's would take the place of one that needs it (NIXL's). Then
+        the scheduler keeps its own tag, and says so once here."""
+        if not self._hands_tag_over:
             return None
-        group = get_kv_transfer_group() if has_kv_transfer_group() else self
-        others = [c for c in getattr(group, "_connectors", ()) if c is not self] if group is not self else []
-        if any(c.get_handshake_metadata() is not None for c in others):
+        if _other_handshakes():
             log.warning("kvtier connector: another connector of this MultiConnector hands vLLM its handshake, "
                         "so kvtier's format tag does not reach the scheduler; a model whose vLLM code writes "
                         "its config as the worker loads it (Falcon, Llama 4) then gets no hits in a "

@@ -47,8 +47,9 @@ def _vllm_config(*, model_dtype=torch.bfloat16, cache_dtype="auto", tp=1, pp=1):
     return SimpleNamespace(
         cache_config=SimpleNamespace(prefix_caching_hash_algo="sha256", cache_dtype=cache_dtype),
         parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp),
-        model_config=SimpleNamespace(model="m", revision=None, dtype=model_dtype, hf_text_config=hf,
+        model_config=SimpleNamespace(model="m", revision=None, dtype=model_dtype, hf_config=hf, hf_text_config=hf,
                                      architecture="LlamaForCausalLM", quantization=None),
+        load_config=SimpleNamespace(load_format="auto"),
         attention_config=SimpleNamespace(backend=None),
     )
 
