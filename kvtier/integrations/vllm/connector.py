@@ -161,6 +161,30 @@ def _vllm_events(items: list, engine: EngineKV, kv_cache_config: "KVCacheConfig"
     return events
 
 
+def _kv_owning_layers(kv_cache_config) -> frozenset[str] | None:
+    """The layers the connector's KV cache config names, over all its groups: the layers that own
+    KV pages. None where that config is unknown (none, or no groups)."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None)
+    if not groups:
+        return None
+    return frozenset(name for group in groups for name in group.layer_names)
+
+
+def _layers_to_store(kv_caches: dict[str, "torch.Tensor"], owners: frozenset[str] | None) -> dict[str, "torch.Tensor"]:
+    """The registered caches of the layers that own their KV, in vLLM's order.
+
+    With cross-layer KV sharing (Gemma 3n, Gemma 4: the last ``num_kv_shared_layers`` layers attend
+    over an earlier layer's KV) vLLM registers the sharing layers too, each as its target's tensor.
+    Their KV is not theirs: it is stored and loaded once, with the owner, whose tensor the sharing
+    layer reads. vLLM builds the connector from the KV cache config before it adds the sharing layers
+    (gpu_worker.py, "NOTE(Kuntai)"), so that config names the owners only. All layers are kept
+    where the config is unknown or names none of them (the layout's count check then judges)."""
+    if owners is None:
+        return kv_caches
+    owned = {name: kv for name, kv in kv_caches.items() if name in owners}
+    return owned or kv_caches
+
+
 def _leaf_connectors(connector) -> Iterable[KVConnectorBase_V1]:
     """The connectors of vLLM's KV transfer group, MultiConnectors opened at any depth."""
     from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
@@ -210,6 +234,9 @@ class KvtierConnector(KVConnectorBase_V1):
             tp_rank = get_tensor_model_parallel_rank()
             pp_rank = get_pp_group().rank_in_group
         self.engine = engine_kv(self.config, vllm_config, kv_cache_config, tp_rank=tp_rank, pp_rank=pp_rank)
+        # named now, as engine_kv counted them: vLLM 0.32 adds the KV-sharing layers to a copy of this
+        # config (initialize_kv_cache), and one that added them to this object would change nothing here
+        self._kv_owning_layers = _kv_owning_layers(kv_cache_config)
         # vLLM keys each worker's handshake (pp_rank, tp_rank) and the scheduler reads (0, 0) only;
         # a handshake of another stage reaches every sub-connector of a MultiConnector, and those
         # without a handshake of their own refuse pp_rank > 0 (the engine fails to start)
@@ -274,7 +301,7 @@ class KvtierConnector(KVConnectorBase_V1):
         # The hybrid manager is off with this connector: on CPU that exposes a model of mixed
         # sliding windows to a vLLM decode defect, avoided here (cpu_windows.py).
         self.worker.split_kv_off = cpu_windows.guard(self._vllm_config, self._kv_cache_config)
-        self.worker.register(kv_caches)
+        self.worker.register(_layers_to_store(kv_caches, self._kv_owning_layers))
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()

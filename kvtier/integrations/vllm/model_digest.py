@@ -36,9 +36,11 @@ _HOST_LOCAL_HF_FIELDS = frozenset({
     "id2label", "label2id", "problem_type", "tokenizer_class",
     # vLLM's MiniMax-M2 code writes the engine's --max-model-len here in its worker: no KV follows it
     "max_model_len",
-    # vLLM's Llama 4 code writes it into hf_config from --max-model-len as its worker loads the model;
-    # it scales the queries of the NoPE layers (llama4.py: q * attn_scale), never K or V
-    "attn_temperature_tuning",
+    # Not here: ``attn_temperature_tuning``, which vLLM's Llama 4 code writes into hf_config as its
+    # worker loads the model (true when --max-model-len exceeds 32768, unless the generation config
+    # sets it). It scales the queries of the NoPE layers (llama4.py: q * attn_scale): their output
+    # changes, and with it the K and V of every later layer. The worker's value reaches the
+    # scheduler's keys through the handshake (metadata.KvtierHandshake).
 })
 
 #: hf config fields that change no KV unless the model's vLLM code reads them: the generation's
@@ -197,7 +199,8 @@ def model_computation_digest(vllm_config) -> str:
     Not in it: where the files are, the transformers version, the fields of
     :data:`_HOST_LOCAL_HF_FIELDS` and, for models whose code does not read them,
     :data:`_INERT_UNLESS_READ` (special token ids, initialisation, dropout), and settings that
-    change no KV (``max_model_len`` outside the RoPE above, ``gpu_memory_utilization``, ...), so
+    change no KV (``max_model_len`` outside the RoPE above and the config fields vLLM's model code
+    writes from it, as Llama 4's ``attn_temperature_tuning``; ``gpu_memory_utilization``, ...), so
     the same weights with the same settings on two hosts share keys. Scheduler and workers compute
     it from their own copy of the configuration: a model whose vLLM code writes a KV-relevant
     config field while a multi-process worker loads it would have its lookups miss its saves

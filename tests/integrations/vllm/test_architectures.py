@@ -242,6 +242,36 @@ def test_a_model_of_sliding_and_full_layers_loads_what_vllms_own_hit_holds(engin
     _assert_a_hit_equals_vllms_own_hit(plain, kv, batch)
 
 
+@pytest.fixture(scope="module")
+def kv_sharing_gemma4(tmp_path_factory) -> str:
+    """A Gemma 4 of four layers whose last two attend over the KV of earlier layers
+    (``num_kv_shared_layers``, as in Gemma 3n and Gemma 4): vLLM allocates KV for two."""
+    from transformers import Gemma4TextConfig
+
+    from kvtier.integrations.transformers.models import ModelSpec, build_model
+
+    spec = ModelSpec(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                     intermediate_size=256, vocab_size=2048, max_position_embeddings=2048, seed=9)
+    out = tmp_path_factory.mktemp("gemma4-kv-sharing")
+    build_model(spec, out, config_class=Gemma4TextConfig, head_dim=32, layer_types=["full_attention"] * 4,
+                num_kv_shared_layers=2, sliding_window=2 * PAGE_TOKENS, hidden_size_per_layer_input=16,
+                vocab_size_per_layer_input=spec.vocab_size)
+    return str(out)
+
+
+def test_a_model_whose_layers_share_kv_loads_what_vllms_own_hit_holds(engines, kv_sharing_gemma4):
+    """vLLM builds the connector from the KV cache config of the layers that own KV, then registers
+    every layer's cache, a sharing layer's being its target's tensor. Before the fix the engine died
+    at start-up (LayoutError: 4 KV layers registered, the config has 2). The connector stores and
+    loads the owners' pages; the sharing layers read them there."""
+    plain = engines("gemma4-shared-plain", {"model": kv_sharing_gemma4, "extra": None})
+    kv = engines("gemma4-shared-kvtier", {"model": kv_sharing_gemma4,
+                                          "extra": {"block_tokens": PAGE_TOKENS, "host_bytes": "64MiB"}})
+    plain.wait_ready()
+    kv.wait_ready()
+    _assert_a_hit_equals_vllms_own_hit(plain, kv, _batch())
+
+
 #: the backend vLLM's CPU platform picks for latent attention here: CPU_MLA (any dtype, 16-token
 #: pages: it overrides the suite's 32) or, on a CPU with AMX, AMX_MLA (bfloat16 weights only)
 MLA_HOST = latent_attention_host()

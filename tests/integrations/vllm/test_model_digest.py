@@ -8,7 +8,9 @@ namespace and the format tag), audit s29 a3:
 * fields no KV follows (special token ids, training-only settings, ``10000`` vs ``10000.0``,
   another spelling of the KV cache's dtype) keep the keys, except for the models whose vLLM code
   reads them;
-* a hub cache's snapshot path (``HF_HUB_OFFLINE=1``) keys as its repository and commit.
+* a hub cache's snapshot path (``HF_HUB_OFFLINE=1``) keys as its repository and commit;
+* (audit s29 a8 D3) Llama 4's ``attn_temperature_tuning``, which vLLM sets from ``--max-model-len``
+  and which changes K and V, gives other keys.
 
 Each builds vLLM's own ``VllmConfig`` (``EngineArgs.create_engine_config``), no engine (the
 LLaVA ones a stand-in holding transformers' real ``LlavaConfig``: vLLM cannot build a LLaVA model
@@ -174,16 +176,22 @@ def test_kv_cache_dtypes_that_differ_still_change_the_keys(tiny_model):
     assert e4m3.keys(HASHES) != e5m2.keys(HASHES)
 
 
+def _digest(hf, architecture: str) -> str:
+    """The digest of transformers config ``hf`` run as ``architecture`` (the parts of a VllmConfig
+    the digest reads)."""
+    from kvtier.integrations.vllm.config import model_computation_digest
+
+    model = types.SimpleNamespace(hf_config=hf, hf_text_config=hf, architecture=architecture, dtype=torch.bfloat16,
+                                  quantization=None, max_model_len=2048)
+    return model_computation_digest(types.SimpleNamespace(model_config=model, cache_config=types.SimpleNamespace()))
+
+
 def _llama_digest(architecture: str, **fields) -> str:
     """The digest of a Llama-shaped config run as ``architecture``."""
     from transformers import LlamaConfig
 
-    from kvtier.integrations.vllm.config import model_computation_digest
-
     hf = LlamaConfig(hidden_size=64, num_attention_heads=2, num_key_value_heads=2, num_hidden_layers=2, **fields)
-    model = types.SimpleNamespace(hf_config=hf, hf_text_config=hf, architecture=architecture, dtype=torch.bfloat16,
-                                  quantization=None, max_model_len=2048)
-    return model_computation_digest(types.SimpleNamespace(model_config=model, cache_config=types.SimpleNamespace()))
+    return _digest(hf, architecture)
 
 
 @pytest.mark.parametrize("architecture, field, values", [
@@ -201,6 +209,27 @@ def test_an_architecture_whose_code_cannot_be_read_keeps_every_field():
     """An out-of-tree model (not in vLLM's registry): its code may read anything."""
     assert _llama_digest("NotInVllmForCausalLM", eos_token_id=1) != _llama_digest("NotInVllmForCausalLM",
                                                                                      eos_token_id=2)
+
+
+# == audit s29 a8 D3: Llama 4's attention temperature tuning ======================================
+def test_llama4_engines_with_and_without_attention_temperature_tuning_do_not_share_keys():
+    """vLLM's Llama 4 code sets ``attn_temperature_tuning`` as its worker loads the model, on for a
+    ``--max-model-len`` over 32768. The NoPE layers' queries are scaled then, which changes their
+    output and the K and V of every later layer (measured: a hit across the two settings was 0.0024
+    off in a logprob). Engines on either side must not share keys."""
+    from transformers import Llama4TextConfig
+
+    def llama4(tuning: bool):
+        return Llama4TextConfig(hidden_size=128, intermediate_size=256, intermediate_size_mlp=256,
+                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                num_local_experts=2, num_experts_per_tok=1, no_rope_layers=[0, 1],
+                                attention_chunk_size=None, attn_temperature_tuning=tuning)
+
+    on, off = llama4(True), llama4(False)
+    assert {k: v for k, v in on.to_dict().items() if k != "attn_temperature_tuning"} == \
+        {k: v for k, v in off.to_dict().items() if k != "attn_temperature_tuning"}, "control: only it differs"
+    assert _digest(on, "Llama4ForCausalLM") == _digest(llama4(True), "Llama4ForCausalLM"), "control: stable"
+    assert _digest(on, "Llama4ForCausalLM") != _digest(off, "Llama4ForCausalLM")
 
 
 # == D7: a hub cache's snapshot path =============================================================
