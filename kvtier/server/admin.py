@@ -17,6 +17,7 @@ import math
 import time
 
 from kvtier.server.config import SHARED_PREFIX, check_namespace
+from kvtier.server.io_lanes import ADMIN_LANE
 from kvtier.tiers.remote_protocol import ErrorCode, ProtocolError, unpack_msgpack
 
 
@@ -87,17 +88,16 @@ class AdminAPI:
         keys = self.svc.index.select(owner, namespace=namespace, session=session)
         # On the event loop, as every commit: the blocks indexed now are those created by now.
         erased_at = time.time()
-        loop = asyncio.get_running_loop()
+        io = self.svc.io
         if self.svc.spill is not None and session != "":  # ("": no session is named so; erases nothing)
             # The tombstone first: an old copy of these files (a backup put back, a crash before
             # their unlink) must not bring them back at the next start (kvtier/server/recovery.py).
             try:
-                await loop.run_in_executor(self.svc.io, self.svc.spill.record_erasure, owner, namespace, session,
-                                           erased_at)
+                await io.run(ADMIN_LANE, self.svc.spill.record_erasure, owner, namespace, session, erased_at)
             except OSError as exc:
                 raise ValueError(f"not erased: the erasure could not be recorded in the runtime state ({exc}); "
                                  f"check the state directory (space, permissions)") from None
-        results = await loop.run_in_executor(self.svc.io, lambda: [self.svc.erase(k) for k in keys])
+        results = await self.svc.in_jobs(ADMIN_LANE, keys, self.svc.erase)  # (other lanes' jobs in between)
         erased, refused = results.count(True), results.count(False)
         self.svc.metrics.erasures.inc(erased)
         # A copy a tier could not remove (a read-only disk) is no longer served, but it is not
@@ -110,7 +110,7 @@ class AdminAPI:
         if namespace is None and session is None:
             # Crypto-shredding: whatever copy of the tenant's sealed blocks survives
             # anywhere (a file not yet unlinked, a backup) is noise from now on.
-            shredded = await loop.run_in_executor(self.svc.io, self.svc.keyring.shred_tenant, owner)
+            shredded = await io.run(ADMIN_LANE, self.svc.keyring.shred_tenant, owner)
         return {"erased": erased, "keys_shredded": shredded, **failed}
 
     def set_quota(self, args: dict) -> dict:

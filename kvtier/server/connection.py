@@ -34,6 +34,7 @@ import ssl
 import struct
 import time
 
+from kvtier.server.io_lanes import Stopped
 from kvtier.tiers.remote_protocol import (
     HEADER_NBYTES,
     ErrorCode,
@@ -409,7 +410,7 @@ class Connection(asyncio.BufferedProtocol):
                 self.fail(ErrorCode.TRUNCATED, "connection closed in the middle of a frame")
             else:
                 self.close()
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, Stopped):  # (Stopped: the server stopping, its I/O threads gone)
             self.close()
         except Exception:  # noqa: BLE001 - one connection's bug must not take the server down
             log.exception("internal error on connection from %s", self.peer)

@@ -10,7 +10,10 @@
   block is committed and indexed: an upload that fails evicts nothing, and
   concurrent uploads cannot each count on the room that one eviction made (an
   upload in flight holds its pool slot, bounded by the service's in-flight caps,
-  not quota). A block larger than the whole quota is refused. Finding the
+  not quota). Only where the pool has no room for the block does its reservation
+  evict those victims' DRAM copies first, before the pool's least recently used
+  blocks (another tenant's): demoted if a tier lies below, lost otherwise, even
+  if the upload then fails. A block larger than the whole quota is refused. Finding the
   victims walks the tenant's LRU order only as far as the bytes it must free
   (O(victims)): the walk runs on the event loop under the index lock, and a
   walk over every block stalled all tenants (335 ms per PUT at 500 k blocks).

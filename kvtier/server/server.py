@@ -70,6 +70,9 @@ from kvtier.unix_sockets import socket_is_live
 
 log = logging.getLogger(__name__)
 
+#: how long a stop waits for the connections' cancelled tasks to end
+TASKS_END_S = 10.0
+
 
 def _remove_stale_socket(path: str) -> None:
     """Remove the socket a previous run left at ``path``; raise ``OSError(EADDRINUSE)`` if a live
@@ -375,8 +378,8 @@ class Server:
     async def _sweeper(self) -> None:
         while True:
             await asyncio.sleep(max(0.05, self.config.sweep_interval_s))
-            try:  # on an I/O thread: expired blocks may be files to unlink
-                await asyncio.get_running_loop().run_in_executor(self.service.io, self.service.sweep)
+            try:  # on the I/O threads: expired blocks may be files to unlink
+                await self.service.sweep()
             except Exception:  # noqa: BLE001 - retention retries at the next sweep
                 log.exception("retention sweep failed")
 
@@ -395,6 +398,7 @@ class Server:
             srv.close()
         for conn in list(self.connections):
             conn.close()
+        await self._tasks_ended()
         for srv in self._listeners:
             try:
                 await asyncio.wait_for(srv.wait_closed(), 2)
@@ -409,12 +413,27 @@ class Server:
                     os.unlink(path)
             except OSError:
                 pass
-        self.service.close()
+        self.service.close()  # (runs what the I/O threads have queued)
         # Connections are gone: copy what only DRAM holds to disk, within the configured time.
         self.shutdown_report = await asyncio.get_running_loop().run_in_executor(None, self._shutdown_flush)
         if self.events is not None:
             self.events.close()
         self.audit.close()
+
+    async def _tasks_ended(self) -> None:
+        """Cancel the connections' tasks and the timers, and wait for them to end, before the I/O
+        threads are shut down: a task left running went on when they were gone (a DELETE's next
+        job, an upload's reservation) and failed with a traceback ("cannot schedule new futures
+        after shutdown"). A cancelled request ends at its next await; its I/O job already under
+        way still runs before the threads stop."""
+        tasks = [t for t in self._timers if not t.done()]
+        tasks += [c.task for c in list(self.connections) if c.task is not None and not c.task.done()]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            _, stuck = await asyncio.wait(tasks, timeout=TASKS_END_S)
+            if stuck:
+                log.warning("%d tasks did not end within %g s of the stop", len(stuck), TASKS_END_S)
 
     def _shutdown_flush(self) -> dict:
         """Copy down every indexed block only DRAM holds (at most ``shutdown_flush_timeout_s``),

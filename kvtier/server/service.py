@@ -41,7 +41,8 @@ import logging
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future
 
 import numpy as np
 import xxhash
@@ -51,6 +52,7 @@ from kvtier.core.payload import pack_header as pack_block_header
 from kvtier.server.admin import AdminAPI, client_text
 from kvtier.server.auth import AuthError, Principal
 from kvtier.server.index import BlockEntry
+from kvtier.server.io_lanes import EVICTION_LANE, SWEEP_LANE, IOLanes
 from kvtier.store.tiered import DeleteRefused
 from kvtier.tiers.base import Status
 from kvtier.tiers.host import Held
@@ -78,10 +80,17 @@ from kvtier.tiers.remote_protocol import (
 )
 
 BLOCK_HEADER_NBYTES = 128
-#: lower-tier reads in flight at once (each in a max_block scratch buffer; the I/O threads are 2)
+#: lower-tier reads in flight at once (each in a max_block scratch buffer; see IO_THREADS)
 SCRATCH_BUFFERS = 4
-#: keys a DELETE drops per I/O-thread job: a big DELETE lets other tenants' I/O in between its jobs
+#: the I/O threads: one is always left for lower-tier reads and evicting reservations, a tenant's
+#: deletions run on two at most, leaving one to another tenant's (kvtier/server/io_lanes.py)
+IO_THREADS = 4
+#: keys deleted per I/O-thread job (a DELETE's, the blocks a request dropped, the sweep's): other
+#: lanes' jobs run in between (kvtier/server/io_lanes.py)
 DELETE_JOB_KEYS = 256
+#: and no key more once a job has run this long: on a slow disk (or behind the write-behind
+#: copies of its blocks) 256 deletions took a second, and another tenant's job waited for it
+JOB_SLICE_S = 0.05
 _NO_CHECKSUM = bytes(CHECKSUM_NBYTES)
 
 log = logging.getLogger("kvtier.server")
@@ -190,6 +199,17 @@ class ScratchPool:
             self._free.append(buf)
 
 
+class _DropBatch:
+    """Blocks dropped on the event loop, deleted from the tiers by I/O jobs (:func:`_job_slice`);
+    ``done`` once they all were. Open (more blocks join it) until its first job starts."""
+
+    __slots__ = ("blocks", "done")
+
+    def __init__(self) -> None:
+        self.blocks: list[tuple[bytes, str]] = []  # (storage key, owner)
+        self.done: Future = Future()
+
+
 class Service:
     def __init__(self, *, config, store, host, index, governance, auth, metrics, audit, events,
                  keyring=None, spill=None) -> None:
@@ -206,15 +226,16 @@ class Service:
         self.metrics = metrics
         self.audit = audit
         self.events = events
-        self.io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvtier-serve-io")
+        #: the I/O threads, a lane per tenant served in turn (kvtier/server/io_lanes.py)
+        self.io = IOLanes(IO_THREADS, "kvtier-serve-io")
         self._scratch: ScratchPool | None = None
-        self._deleting: dict[bytes, Future] = {}  # storage key → its deletion under way (drop_soon)
-        self._deleting_lock = threading.Lock()
-        # account → deletions under way of blocks charged to it (quota evictions, DELETEs, expiry):
-        # its next upload reserves DRAM only once they freed theirs (else, with the I/O threads
-        # behind, the pool ran full and the reservation evicted another tenant's blocks for the
-        # room its quota had made).
-        self._freeing: dict[str, set[Future]] = {}
+        # storage key → the deletions of it under way: a PUT of the key waits for all of them. A
+        # set, each deletion taking out only its own: one slot per key let a DELETE's erase end the
+        # wait for an expired copy's deletion still running, and the PUT after it was acknowledged,
+        # found the old copy in DRAM, stored nothing, and then lost the old copy too.
+        self._deleting: dict[bytes, set[Future]] = {}
+        self._deleting_lock = threading.Lock()  # (also over _open_drops)
+        self._open_drops: dict[str, _DropBatch] = {}  # lane → its batch of dropped blocks not yet started
         # Pool bytes reserved by uploads in flight: slow clients must not pin the whole pool,
         # and one tenant's slow uploads must not take the room of the others'. Counted in
         # bytes, not uploads: capped at a count of the largest blocks, a pool of 8 blocks of
@@ -286,8 +307,8 @@ class Service:
             # waits for the host tier's lock. Until it is settled the index names this tier,
             # whose miss sends a GET to the lower tiers: a late answer costs nothing.
             try:
-                self.io.submit(self._settle_eviction, skey, tier, below)
-            except RuntimeError:  # shutting down: settled here, as nothing else waits
+                self.io.submit(EVICTION_LANE, self._settle_eviction, skey, tier, below)
+            except RuntimeError:  # shutting down (Stopped): settled here, as nothing else waits
                 self._settle_eviction(skey, tier, below)
 
         return hook
@@ -473,22 +494,29 @@ class Service:
 
     async def _delete(self, conn, p: Principal, h: Header, meta: bytes) -> None:
         """Index look-ups on the event loop (as CONTAINS); the held blocks are dropped on the
-        I/O threads: deleting from a disk tier costs system calls per key, and 16 k of them
-        stalled every other tenant's requests. In jobs of :data:`DELETE_JOB_KEYS`, one after the
-        other: as one job, a tenant's 8 k-key DELETE over a disk spill held an I/O thread for
-        seconds, and other tenants' deletes, disk GETs and evictions queued behind it (1.25 s)."""
+        I/O threads, in the tenant's lane: deleting from a disk tier costs system calls per key,
+        and 16 k of them stalled every other tenant's requests. In jobs of
+        :data:`DELETE_JOB_KEYS`, one after the other: as one job, a tenant's 8 k-key DELETE over
+        a disk spill held an I/O thread for seconds, and other tenants' deletes, disk GETs and
+        evictions queued behind it (1.25 s)."""
         out = bytearray(len(meta) // 32)
         if p.write_space is not None:
             space = p.write_space
             held = [(i, skey) for i, skey in enumerate(map(space.storage_key, split_keys(meta)))
                     if self.index.get(skey) is not None]
-            loop = asyncio.get_running_loop()
-            for start in range(0, len(held), DELETE_JOB_KEYS):  # the connection is in its WORK phase: no timeout
-                part = held[start : start + DELETE_JOB_KEYS]
-                dropped = await loop.run_in_executor(self.io, lambda part=part: [self.erase(k) is True for _, k in part])
-                for (i, _), gone in zip(part, dropped):
-                    out[i] = gone
+            # (the connection is in its WORK phase: no timeout)
+            erased = await self.in_jobs(p.tenant, [skey for _, skey in held], self.erase)
+            for (i, _), result in zip(held, erased):
+                out[i] = result is True
         conn.reply(h, 0, bytes(out))
+
+    async def in_jobs(self, lane: str, skeys: list[bytes], fn: Callable[[bytes], object]) -> list:
+        """``fn`` of each key on the I/O threads, in ``lane``'s jobs (:func:`_job_slice`), one after
+        the other (other lanes' jobs run in between); the results in order."""
+        out: list = []
+        while len(out) < len(skeys):
+            out += await self.io.run(lane, _job_slice, skeys, len(out), fn)
+        return out
 
     def _list(self, conn, p: Principal, h: Header, meta: bytes) -> None:
         """A page of the connection's namespace, oldest first, in O(page) (see
@@ -546,16 +574,15 @@ class Service:
         :class:`~kvtier.store.tiered.DeleteRefused` where a tier could not remove its copy (see
         :meth:`erase`)."""
         pending: Future = Future()
-        with self._deleting_lock:
-            self._deleting[skey] = pending
+        self._deletion_started(skey, pending)
         try:
             entry = self._unindex(skey, only)
             if entry is not None:
                 self._delete_from_tiers(skey, entry.owner)
             return entry
         finally:
+            self._forget_deletion((skey,), pending)
             pending.set_result(None)
-            self._deletion_ended(skey, pending)
 
     def erase(self, skey: bytes, *, only: BlockEntry | None = None) -> bool | None:
         """:meth:`drop`, for a caller that reports what it erased: True once the block left the
@@ -569,28 +596,70 @@ class Service:
             return False
 
     def drop_soon(self, skey: bytes, *, only: BlockEntry | None = None) -> BlockEntry | None:
-        """:meth:`drop`, for the event loop: the index forgets the block at once and the tiers'
-        copies are deleted on an I/O thread. A fleet tier's delete is a network call: run on the
-        loop, one expiring block on a frozen fleet stalled every tenant for the engine's deadline.
-        A PUT of the key waits for the deletion (:meth:`_deleted`), so it never deletes the new block.
-        With ``only``, only if that entry is still the one indexed."""
+        """:meth:`drop`, for the event loop: the index forgets the block and the DRAM pool frees
+        its copy at once (a memory operation); the lower tiers' copies are deleted on an I/O
+        thread (a disk unlink; a fleet's delete is a network call: run on the loop, one expiring
+        block on a frozen fleet stalled every tenant for the engine's deadline). A PUT of the key
+        waits for that deletion (:meth:`_deleted`), so it never deletes the new block. With
+        ``only``, only if that entry is still the one indexed.
+
+        The DRAM goes now because the charge goes now: freed on the I/O threads, behind, a tenant
+        at its quota uploading faster than they ran found the pool full of the blocks its quota
+        had let go, and its reservation evicted another tenant's blocks for the room. (A copy a
+        reply is sending stays until the send is over, as with any delete.)
+
+        The deletions of the blocks one request drops (the expired blocks a CONTAINS or LIST met,
+        an upload's quota victims) go in jobs of up to :data:`DELETE_JOB_KEYS`, in the owner's lane
+        of the I/O threads: one job per block queued 16 k jobs ahead of every other tenant's I/O."""
         entry = self._unindex(skey, only)
         if entry is None:
             return None
-        try:
-            future = self.io.submit(self._delete_from_tiers, skey, entry.owner)
-        except RuntimeError:  # shutting down: the I/O threads are gone
-            self._delete_from_tiers(skey, entry.owner)
-            return entry
-        with self._deleting_lock:
-            self._deleting[skey] = future
-            # its charge left with the index entry; its DRAM leaves now (a copy promoted into DRAM
-            # by a GET that timed out before it moved the entry's tier holds DRAM too)
-            if entry.tier == self.host.name or self.host.contains(skey):
-                for account in entry.accounts:
-                    self._freeing.setdefault(account, set()).add(future)
-        future.add_done_callback(lambda f: self._deletion_ended(skey, f, entry.accounts))
+        self.host.delete(skey)
+        self._delete_later(skey, entry.owner)
         return entry
+
+    def _delete_later(self, skey: bytes, owner: str) -> None:
+        """Add a dropped block to its owner's open batch (a new one if none is open or it is
+        full), whose job deletes it from the tiers."""
+        with self._deleting_lock:
+            batch = self._open_drops.get(owner)
+            fresh = batch is None or len(batch.blocks) >= DELETE_JOB_KEYS
+            if fresh:
+                batch = self._open_drops[owner] = _DropBatch()
+            batch.blocks.append((skey, owner))
+            self._deleting.setdefault(skey, set()).add(batch.done)
+        if fresh:
+            try:
+                self.io.submit(owner, self._delete_batch, owner, batch)
+            except RuntimeError:  # shutting down (Stopped): the I/O threads are gone
+                self._delete_batch(owner, batch)
+
+    def _delete_batch(self, lane: str, batch: _DropBatch, start: int = 0) -> None:
+        """The job of a batch of dropped blocks, from ``start``: a slice of them (:func:`_job_slice`),
+        the rest in a job queued after the other lanes' turns. Once started, no block joins it."""
+        if start == 0:
+            with self._deleting_lock:
+                if self._open_drops.get(lane) is batch:
+                    del self._open_drops[lane]
+        blocks = batch.blocks
+        while True:
+            end = start + len(_job_slice(blocks, start, self._delete_dropped))
+            self._forget_deletion([skey for skey, _ in blocks[start:end]], batch.done)
+            if end == len(blocks):
+                batch.done.set_result(None)
+                return
+            try:
+                self.io.submit(lane, self._delete_batch, lane, batch, end)
+                return
+            except RuntimeError:  # shutting down (Stopped): the rest here
+                start = end
+
+    def _delete_dropped(self, block: tuple[bytes, str]) -> None:
+        skey, owner = block
+        try:
+            self._delete_from_tiers(skey, owner)
+        except Exception as exc:  # noqa: BLE001 - the block left the index: the others go on
+            log.warning("deleting a dropped block failed: %s", exc)
 
     def _delete_from_tiers(self, skey: bytes, owner: str) -> None:
         """Delete a block the index no longer holds from every tier. Its owner travels with the
@@ -601,25 +670,27 @@ class Service:
         with self.index.deleting(skey, owner):
             self.store.delete([skey])
 
-    def _deletion_ended(self, skey: bytes, future, accounts: tuple[str, ...] = ()) -> None:
+    def _deletion_started(self, skey: bytes, pending: Future) -> None:
         with self._deleting_lock:
-            if self._deleting.get(skey) is future:
-                del self._deleting[skey]
-            for account in accounts:
-                pending = self._freeing.get(account)
-                if pending is not None:
-                    pending.discard(future)
-                    if not pending:
-                        del self._freeing[account]
-        if not future.cancelled() and future.exception() is not None:
-            log.warning("deleting a dropped block failed: %s", future.exception())
+            self._deleting.setdefault(skey, set()).add(pending)
+
+    def _forget_deletion(self, skeys, pending: Future) -> None:
+        """``pending``, a deletion of ``skeys`` (among others), is over for them: a PUT of one of
+        them from now on does not wait for it."""
+        with self._deleting_lock:
+            for skey in skeys:
+                under_way = self._deleting.get(skey)
+                if under_way is not None:
+                    under_way.discard(pending)
+                    if not under_way:
+                        del self._deleting[skey]
 
     async def _deleted(self, skey: bytes) -> None:
-        """Wait until a deletion of ``skey`` that :meth:`drop_soon` started has run."""
+        """Wait until every deletion of ``skey`` under way (:meth:`drop_soon`, :meth:`drop`) has run."""
         with self._deleting_lock:
-            future = self._deleting.get(skey)
-        if future is not None:
-            await asyncio.wait([asyncio.wrap_future(future)])  # (its failure is logged where it ends)
+            under_way = [asyncio.wrap_future(f) for f in self._deleting.get(skey, ())]
+        if under_way:
+            await asyncio.wait(under_way)
 
     def _unindex(self, skey: bytes, only: BlockEntry | None = None) -> BlockEntry | None:
         entry = self.index.remove(skey, only=only)
@@ -724,7 +795,7 @@ class Service:
         held = None
         release = True  # False once the buffer is lent, or left to a read that outlives a cancellation
         try:
-            read = asyncio.get_running_loop().run_in_executor(self.io, self.store.get, [skey], [out])
+            read = asyncio.wrap_future(self.io.submit(tenant, self.store.get, [skey], [out], urgent=True))
             try:
                 result = await asyncio.shield(read)
             except asyncio.CancelledError:  # (the server stopping) the I/O thread still writes into it
@@ -799,7 +870,6 @@ class Service:
             conn.reply(h, Status.OK)
             return
         await self._deleted(skey)  # an expired or evicted copy being deleted is gone before this one lands
-        await self._room_freed(accounts, n)
         status = Status.OK
         footprint = self.host.footprint(n)
         writer = p.tenant
@@ -817,14 +887,7 @@ class Service:
         self._inflight_bytes += footprint
         self._inflight_bytes_by_writer[writer] = self._inflight_bytes_by_writer.get(writer, 0) + footprint
         try:
-            if self.host.free_slots or len(self.store.tiers) == 1:
-                status, res = self.host.reserve(skey, n, meta=block_meta)
-            else:  # eviction will demote to disk: do that I/O off the event loop
-                conn.working()
-                status, res = await asyncio.get_running_loop().run_in_executor(
-                    self.io, lambda: self.host.reserve(skey, n, meta=block_meta)
-                )
-                conn.receiving()
+            status, res = await self._reserve(conn, writer, accounts, skey, n, footprint, block_meta)
             if res is None:
                 await conn.discard(h.data_len)
                 self._put_result[status].inc()
@@ -887,30 +950,54 @@ class Service:
                 if self.drop_soon(victim) is not None:
                     self.metrics.count_quota_eviction(account)
 
-    async def _room_freed(self, accounts: tuple[str, ...], nbytes: int) -> None:
-        """Wait until the pool has room for a block of ``nbytes`` without evicting, while DRAM
-        that :meth:`drop_soon` let go of blocks charged to the accounts (quota evictions,
-        DELETEs, expiry) is still being freed. Those blocks leave the index, and the charge, at
-        once but are deleted on the I/O threads: a tenant at its quota that uploaded faster than
-        they ran found the pool full and had the reservation evict the least recently used
-        blocks of the pool, another tenant's, for room its quota had already made.
+    async def _reserve(self, conn, writer: str, accounts: tuple[str, ...], skey: bytes, n: int, footprint: int,
+                       meta: BlockMeta):
+        """A pool slot for an upload (:meth:`HostTier.reserve <kvtier.tiers.host.HostTier.reserve>`).
 
-        Only as long as it takes: the wait ends as soon as the block fits (one deletion often
-        does it), when none of the accounts' deletions is left, or after a quarter of
-        ``frame_timeout_s`` (the upload's frame deadline runs meanwhile); the reservation then
-        goes on as before. Not asked at all when the pool has room."""
-        if self.host.fits_now(nbytes):
-            return
-        with self._deleting_lock:
-            pending = {asyncio.wrap_future(f) for a in accounts for f in self._freeing.get(a, ())}
-        for waiter in pending:  # a failed deletion is logged where it ends (_deletion_ended), not here again
-            waiter.add_done_callback(lambda f: f.cancelled() or f.exception())
-        deadline = time.monotonic() + self.config.frame_timeout_s / 4
-        while pending and not self.host.fits_now(nbytes):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            _, pending = await asyncio.wait(pending, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+        Where the block does not fit without evicting, the blocks its accounts' quotas will give
+        up (:meth:`_make_room`, once the payload is verified) are evicted first, before the pool's
+        least recently used: a tenant at its quota uploading into a full pool evicted another
+        tenant's block for the room, and then one of its own for the quota. (They stay indexed if
+        a tier below takes them.)
+
+        Only a reservation that evicts with a tier below (the eviction demotes: disk I/O) runs on
+        the I/O threads, urgent (in the writer's lane): never behind a deletion. One that fits
+        runs here, without I/O: sent to the I/O threads whenever less than a whole ``max_block``
+        was free, a one-page upload waited behind every deletion queued (2 s, past its frame's
+        deadline)."""
+        if self.host.fits_now(n):  # (a promotion on an I/O thread taking the room meanwhile: it evicts here)
+            return self.host.reserve(skey, n, meta=meta)
+        # victim -> the account whose quota gives it up
+        victims = {v: account for account in accounts for v in self.gov.quota_victims(self.index, account, footprint)}
+
+        def reserve():
+            return self.host.reserve(skey, n, meta=meta, evict_first=list(victims))
+
+        if len(self.store.tiers) > 1:
+            return await self._reserve_off_loop(conn, writer, reserve)
+        got = reserve()
+        for victim, account in victims.items():  # with no tier below, evicted is lost to the quota, as in _make_room
+            if self.index.get(victim) is None:
+                self.metrics.count_quota_eviction(account)
+        return got
+
+    async def _reserve_off_loop(self, conn, writer: str, reserve: Callable):
+        """``reserve()`` on the I/O threads, urgent in the writer's lane."""
+        conn.working()
+        job = self.io.submit(writer, reserve, urgent=True)
+        try:
+            got = await asyncio.shield(asyncio.wrap_future(job))
+        except asyncio.CancelledError:  # (the server stopping) a slot reserved meanwhile is given back
+            if not job.cancel():
+                job.add_done_callback(self._abort_unclaimed)
+            raise
+        conn.receiving()
+        return got
+
+    def _abort_unclaimed(self, job: Future) -> None:
+        """A reservation whose upload was cancelled while it ran: its slot, if any, is freed."""
+        if not job.cancelled() and job.exception() is None and job.result()[1] is not None:
+            self.host.abort(job.result()[1])
 
     def _write_behind(self, skey: bytes, parent: bytes | None, meta: BlockMeta) -> None:
         """Have the store copy a committed block to disk in the background now, not only when DRAM
@@ -936,18 +1023,34 @@ class Service:
         return out
 
     # -- retention ---------------------------------------------------------------------------
-    def sweep(self) -> int:
-        """Delete expired blocks; returns how many. Each is judged again as its turn comes, and
-        only the entry judged is removed: a block put again (acknowledged) while a long sweep
-        worked through its list was deleted with the expired one's key."""
-        dropped = 0
-        for skey in self.index.expired(time.monotonic(), self.gov.ttl):
-            entry = self.index.get(skey)
-            if entry is None or not self.gov.is_expired(entry.owner, entry.namespace, entry.created, time.monotonic()):
-                continue
-            dropped += self.erase(skey, only=entry) is True
+    async def sweep(self) -> int:
+        """Delete expired blocks; returns how many. On the I/O threads, in the sweeper's lane: the
+        list, then jobs of :data:`DELETE_JOB_KEYS` (as one job, up to 100 k unlinks held a thread
+        from every tenant). Each block is judged again as its turn comes, and only the entry
+        judged is removed: a block put again (acknowledged) while a long sweep worked through its
+        list was deleted with the expired one's key."""
+        expired = await self.io.run(SWEEP_LANE, self.index.expired, time.monotonic(), self.gov.ttl)
+        dropped = sum(await self.in_jobs(SWEEP_LANE, expired, self._erase_if_expired))
         self.metrics.expirations.inc(dropped)
         return dropped
+
+    def _erase_if_expired(self, skey: bytes) -> bool:
+        entry = self.index.get(skey)
+        if entry is None or not self.gov.is_expired(entry.owner, entry.namespace, entry.created, time.monotonic()):
+            return False
+        return self.erase(skey, only=entry) is True
+
+
+def _job_slice(items, start: int, fn: Callable) -> list:
+    """``fn`` of ``items[start:]``, as many as one I/O job takes: :data:`DELETE_JOB_KEYS` at most,
+    and no more once :data:`JOB_SLICE_S` has passed (one at least); their results."""
+    deadline = time.monotonic() + JOB_SLICE_S
+    out = []
+    for item in items[start : start + DELETE_JOB_KEYS]:
+        out.append(fn(item))
+        if time.monotonic() >= deadline:
+            break
+    return out
 
 
 def _uncount(counts: dict, key, by: int = 1) -> bool:

@@ -48,7 +48,7 @@ from __future__ import annotations
 import mmap
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -259,7 +259,8 @@ class HostTier(Tier):
 
     # -- two-phase writes and held views --------------------------------------------
     def reserve(
-        self, key: BlockKey, nbytes: int, *, meta: BlockMeta | None = None, created: float | None = None
+        self, key: BlockKey, nbytes: int, *, meta: BlockMeta | None = None, created: float | None = None,
+        evict_first: Sequence[BlockKey] = (),
     ) -> tuple[Status, Reservation | None]:
         """Take memory for ``key`` (evicting as needed) and return a writable view of it.
 
@@ -271,6 +272,10 @@ class HostTier(Tier):
         before ``commit``. A key another writer is still writing gets a
         reservation of its own (a *rival*): whichever commits first is the
         block, so neither writer's abort can lose it.
+
+        ``evict_first``: where the block does not fit, these blocks (those held and not
+        pinned) are evicted before the policy's victims, until it does (a server's tenant at
+        its quota gives up its own blocks, not another tenant's).
         """
         if not 0 < nbytes <= self.slot_bytes:
             with self._lock:
@@ -289,7 +294,7 @@ class HostTier(Tier):
                 return Status.OK, None
             entry = _Entry(key, 0, None, nbytes, self._alloc.plan(nbytes)[2], meta,  # type: ignore[arg-type]
                            born, pins=1)
-            got = self._alloc.alloc(nbytes, entry) or self._evict_for_locked(nbytes, entry)
+            got = self._alloc.alloc(nbytes, entry) or self._evict_for_locked(nbytes, entry, evict_first)
             if got is None:
                 self.stats.put_failures += 1
                 return Status.FULL, None
@@ -681,8 +686,16 @@ class HostTier(Tier):
             return None
         return self._free_locked(entry.key, entry)
 
-    def _evict_for_locked(self, nbytes: int, tag: _Entry) -> tuple[int, Run | Slab] | None:
-        """Evict, in the policy's order, until a block of ``nbytes`` fits; None if it cannot."""
+    def _evict_for_locked(self, nbytes: int, tag: _Entry,
+                          first: Sequence[BlockKey] = ()) -> tuple[int, Run | Slab] | None:
+        """Evict the blocks named in ``first`` (those held, published and unpinned), then in the
+        policy's order, until a block of ``nbytes`` fits; None if it cannot."""
+        for key in first:
+            entry = self._entries.get(key)
+            if entry is not None and entry.published and not entry.pins:
+                got, _ = self._evict_to_place_locked(entry, nbytes, tag)
+                if got is not None:
+                    return got
         need = 0  # bytes the block needs, once a victim's memory does not fit as is
         evicted = 0
         for key in self._policy.victims():
@@ -690,19 +703,11 @@ class HostTier(Tier):
             if entry.pins:
                 self._policy.on_access(key)
                 continue
-            # Uniform blocks: the victim's memory is the new block's as it is. (Equal
-            # footprints mean equal runs or chunks of one class: runs are whole pages,
-            # chunks at most half a page.)
-            if entry.footprint == tag.footprint:
-                self._evict_locked(entry, keep_memory=True)
-                return self._alloc.hand_over(entry.offset, entry.home, tag)
-            hole = self._evict_locked(entry)
-            assert hole is not None
-            evicted += entry.footprint
-            need = need or self._alloc.granules_for(nbytes) * self._alloc.granule
-            got = self._alloc.alloc(nbytes, tag)
+            got, hole = self._evict_to_place_locked(entry, nbytes, tag)
             if got is not None:
                 return got
+            evicted += entry.footprint
+            need = need or self._alloc.granules_for(nbytes) * self._alloc.granule
             # The victims have paid for the block, but their memory is not usable as
             # it is (holes too short, chunks of another class): evict the cheapest
             # stretch of unpinned neighbours around the last hole too.
@@ -711,6 +716,19 @@ class HostTier(Tier):
                 if got is not None:
                     return got
         return None
+
+    def _evict_to_place_locked(self, entry: _Entry, nbytes: int, tag: _Entry):
+        """Evict ``entry``, then place the block of ``nbytes`` (``tag``): (its place or None, and
+        the run the eviction freed, None where the block took it over)."""
+        # Uniform blocks: the victim's memory is the new block's as it is. (Equal
+        # footprints mean equal runs or chunks of one class: runs are whole pages,
+        # chunks at most half a page.)
+        if entry.footprint == tag.footprint:
+            self._evict_locked(entry, keep_memory=True)
+            return self._alloc.hand_over(entry.offset, entry.home, tag), None
+        hole = self._evict_locked(entry)
+        assert hole is not None
+        return self._alloc.alloc(nbytes, tag), hole
 
     def _rebalance_locked(self, hole: Run, nbytes: int, tag: _Entry) -> tuple[int, Run | Slab] | None:
         window = self._alloc.window(hole, self._alloc.granules_for(nbytes), self._pinned)

@@ -202,7 +202,8 @@ def test_a_block_dropped_on_the_event_loop_leaves_the_sealed_spill_however_late_
         file = server.spill.disk.path_of(server.keyring.storage_key("acme", skey))
         assert os.path.exists(file)
         gate = threading.Event()
-        busy = [svc.io.submit(gate.wait) for _ in range(svc.io._max_workers)]  # the I/O threads are busy
+        # the I/O threads are busy
+        busy = [svc.io.submit("test", gate.wait, urgent=True) for _ in range(svc.io.workers)]
         assert svc.drop_soon(skey) is not None  # unindexed; the tiers' delete queued
         for i in range(1, (1 << 16) + 2):  # other blocks leave the index meanwhile
             other = i.to_bytes(32, "little")
