@@ -185,7 +185,8 @@ def run_turn(lm, context: list[int], gen_tokens: int, limits: dict, emit_cold,
     warms = measure(lambda: lm.generate(prompt, gen_tokens, save=False), lambda g: set(g.loaded_bytes) <= {"host"})
     warm = median(warms)
     # Store what this request added, as generate() would have: the storage
-    # holds the last run's KV (every run computed the same tokens).
+    # holds the last run's KV (every run computed the same tokens), and save()
+    # without a mask after generate() saves it as generate() does (every token attended).
     last = warms[-1]
     t = time.perf_counter()
     lm.save(np.concatenate([prompt, np.asarray(last.tokens[:-1], dtype=np.int64)]), known_blocks=last.known_blocks)

@@ -30,7 +30,7 @@ from kvtier.router.chat_messages import lax_bool, worker_renders
 from kvtier.router.config import RouterConfig
 from kvtier.router.events import SharedTierEvents, VllmEvents
 from kvtier.router.http_log import server_log
-from kvtier.router.index import (NO_READ_SEED, ROOT_SEED, BlockIndex, context_seed, reads_prefix_cache,
+from kvtier.router.index import (NO_READ_SEED, ROOT_SEED, BlockIndex, context_seed, lax_int, reads_prefix_cache,
                                  tokenizer_truncation, truncated_prompt)
 from kvtier.router.metrics import RouterMetrics
 from kvtier.router.models import (LORA_PATHS, TOKENIZER_CHECK_TEXT, first_refusal, listed_models, lora_adapters,
@@ -388,8 +388,8 @@ class Router:
         """A cut prompt that the worker truncates (``truncate_prompt_tokens``: index.truncated_prompt):
         its first N tokens are the routed ones' first N; its last N are not known here, so it is
         routed on load alone."""
-        n = body.get("truncate_prompt_tokens")
-        if type(n) is not int or n < 0:
+        n = lax_int(body.get("truncate_prompt_tokens"))
+        if n is None or n < 0:
             return routed
         if body.get("truncation_side") == "right":
             return RoutedPrompt(routed.ids[:n], min(n, routed.tokens))

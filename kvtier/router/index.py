@@ -36,6 +36,7 @@ from __future__ import annotations
 import array
 import functools
 import json
+import re
 import time
 from collections import OrderedDict, deque
 from itertools import repeat
@@ -89,13 +90,35 @@ def reads_prefix_cache(body: dict, chat: bool) -> bool:
     return prompt_logprobs is None
 
 
+#: a string pydantic's lax mode reads as an integer, once stripped: digits (single underscores between
+#: them, as Python's ``int`` takes them) and a fraction of zeros only
+_LAX_INT_TEXT = re.compile(r"[+-]?[0-9]+(?:_[0-9]+)*(?:\.0+)?")
+
+
+def lax_int(value) -> int | None:
+    """``value`` as vLLM's pydantic request models read an integer field in lax mode (``true`` is 1,
+    ``5.0`` and ``"5"``, ``" 5.00 "`` are 5), or None where pydantic refuses it (``5.5``, ``"0x10"``, a
+    float past int64, a list): the worker then refuses the request, so its routing does not matter."""
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        return int(value) if value.is_integer() and abs(value) < 2 ** 63 else None
+    if isinstance(value, str):
+        text = value.strip()
+        if _LAX_INT_TEXT.fullmatch(text):
+            return int(text.partition(".")[0])
+    return None
+
+
 def truncated_prompt(token_ids: list[int], body: dict) -> list[int]:
     """The prompt vLLM runs when a request asks it to truncate (``truncate_prompt_tokens`` N > 0):
     its last N tokens (a generating model's tokenizer truncates on the left), or its first N with
     ``truncation_side: right``. Keyed whole, its cut prefix was predicted as a hit. (-1, the
     model's own limit, is left whole: the router does not know every worker's.)"""
-    n = body.get("truncate_prompt_tokens")
-    if type(n) is not int or n < 0 or n >= len(token_ids):
+    n = lax_int(body.get("truncate_prompt_tokens"))
+    if n is None or n < 0 or n >= len(token_ids):
         return token_ids
     if n == 0:
         return []
@@ -108,8 +131,8 @@ def tokenizer_truncation(body: dict) -> int | None:
     max_length=N``, on the left), which keeps the special tokens it adds (a BOS) and cuts the
     text's tokens, where :func:`truncated_prompt` would cut the BOS. None: the text is encoded whole
     (an explicit ``truncation_side``: vLLM slices the whole encoding, as ``truncated_prompt`` does)."""
-    n = body.get("truncate_prompt_tokens")
-    if type(n) is not int or n <= 0 or body.get("truncation_side") is not None:
+    n = lax_int(body.get("truncate_prompt_tokens"))
+    if n is None or n <= 0 or body.get("truncation_side") is not None:
         return None
     return n
 

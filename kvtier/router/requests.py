@@ -12,7 +12,7 @@ from typing import Any, NamedTuple, Sequence
 from aiohttp import web
 
 from kvtier.router import chat_messages
-from kvtier.router.index import tokenizer_truncation, truncated_prompt
+from kvtier.router.index import lax_int, tokenizer_truncation, truncated_prompt
 
 
 class RouteRequest(NamedTuple):
@@ -279,8 +279,8 @@ def check_body(body: Any, field: str) -> None:
         if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) and "role" in m for m in msgs):
             raise RequestError(400, "'messages' must be a non-empty list of {role, content} objects",
                                param="messages")
-    n = body.get("truncate_prompt_tokens")
-    if type(n) is int and not -1 <= n <= INT64_MAX:   # (as vLLM refuses it: past 2**64 the tokenizer raised, a 500)
+    n = lax_int(body.get("truncate_prompt_tokens"))   # ("40", 40.0: vLLM reads them as 40)
+    if n is not None and not -1 <= n <= INT64_MAX:   # (as vLLM refuses it: past 2**64 the tokenizer raised, a 500)
         raise RequestError(400, f"'truncate_prompt_tokens' must be -1 (the model's limit) or from 0 to {INT64_MAX}",
                            param="truncate_prompt_tokens")
 

@@ -184,3 +184,66 @@ def test_control_kvtiers_own_generate_attends_every_token_and_hits_past_pad_ids(
 def test_a_mask_that_is_not_one_entry_per_token_is_refused(lm, mask):
     with pytest.raises(ValueError, match="attention_mask"):
         lm.prepare(_text(70), attention_mask=mask)
+
+
+# -- s29 a10 D1: the pad id HF generate masks is read at each call, as HF generate reads it ----------
+
+@pytest.fixture
+def lm_built_before_the_pad_id():
+    """A session over a model whose generation config gets its pad id only after the session is
+    built (``model.generation_config.pad_token_id = tokenizer.pad_token_id``, as scripts do before
+    calling HF generate)."""
+    unpadded = _llama(pad_token_id=None)
+    ns = namespace_for_model(unpadded, block_tokens=BLOCK, weights_revision="test")
+    store = host_store(ns)
+    session = KVTierLM(unpadded, store, ns, capacity_tokens=256, poison=True)
+    unpadded.generation_config.pad_token_id = PAD
+    yield session
+    session.close()
+    store.check_integrity()
+    store.close()
+
+
+def test_a_pad_id_set_after_the_session_is_built_stops_the_hit_as_hf_generate_masks_it(lm_built_before_the_pad_id):
+    """Old code read the pad id once, at construction: 64 cached, logits 0.36 off, another token."""
+    lm = lm_built_before_the_pad_id
+    prompt = _text(70)
+    prompt[40] = PAD
+    lm.generate(prompt, 1)
+    lm.wait_saves()
+    cached, alone, warm = _hf_generate_with_and_without_kvtier(lm, prompt, tell_prepare=False)
+    assert cached == 32
+    _assert_same_generation(warm, alone)
+
+
+def test_a_pad_id_set_after_the_session_is_built_stops_what_save_stores(lm_built_before_the_pad_id):
+    """HF generate ran under the mask it infers from the new pad id (position 40): save() without a
+    mask stores blocks 0-1 only. Old code stored all 4, and later prompts sharing the prefix loaded
+    the masked K/V (logits 0.63 off their recompute)."""
+    lm = lm_built_before_the_pad_id
+    prompt = _text(70)
+    prompt[40] = PAD
+    with torch.inference_mode(), lm.request():
+        prep = lm.prepare(prompt, extra_tokens=8)
+        lm.model.generate(_ids(prompt), **{cache_keyword(lm.model): prep.cache}, **GENERATE)
+        statuses = lm.save(prompt, known_blocks=prep.known_blocks).result()
+    assert len(statuses) == 2
+    assert lm.store.lookup(block_keys(lm.namespace, prompt)).hit_blocks == 2
+
+
+# -- s29 a10 D3: save() after generate(save=False) stores what generate() would have -----------------
+
+def test_save_after_kvtiers_own_generate_stores_what_generate_would_have(lm):
+    """The demo's pattern: generate(save=False), then save(prompt + reply[:-1]). generate() attends
+    every token, pad ids included, so its K/V past a pad id is what a block key names. Old code
+    stopped at the pad id (position 40): 2 of the prompt's 4 blocks stored, where generate() stores 4."""
+    prompt = _text(70)
+    prompt[40] = PAD
+    first = lm.generate(prompt, 4, save=False)
+    held = np.concatenate([prompt, np.asarray(first.tokens[:-1], dtype=np.int64)])
+    lm.save(held, known_blocks=first.known_blocks).result()
+    assert lm.store.lookup(block_keys(lm.namespace, prompt)).hit_blocks == 4
+    warm = lm.generate(prompt, 4, save=False)
+    cold = lm.generate(prompt, 4, use_store=False, save=False)
+    assert warm.cached_tokens == 64
+    assert float((warm.first_logits - cold.first_logits).abs().max()) <= FP32_TOL and warm.tokens == cold.tokens

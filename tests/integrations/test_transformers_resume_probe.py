@@ -210,3 +210,34 @@ def test_servable_models_pass_the_probe_in_every_dtype(family, dtype):
     """The probe's tolerance must never lock out a servable model: rounding in half precision is all
     that its split run shows."""
     _construct(_model(SERVABLE[family](), dtype))
+
+
+# -- s29 a10 D4: a torch.compile(model) wrapper ----------------------------------------------------------
+
+def test_a_torch_compiled_model_is_served_and_hits_like_a_recompute():
+    """``torch.compile(model)`` gives an OptimizedModule whose forward is ``(*args, **kwargs)``: the
+    compiled model's own forward names the cache argument. Old code refused it, saying a Llama
+    "keeps no DynamicCache of per-token K/V". (The eager backend: dynamo traces the model as any
+    backend would, without a C++ compiler's minutes on this CPU.)"""
+    compiled = torch.compile(_model(_llama()), backend="eager")
+    assert cache_keyword(compiled) == cache_keyword(compiled._orig_mod)
+    cached, diff = _hit_error(compiled)
+    assert cached == 64 and diff <= FP32_TOL
+
+
+class _OpaqueWrapper(torch.nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args, **kwargs):
+        return self.inner(*args, **kwargs)
+
+
+def test_a_wrapper_hiding_its_forward_arguments_is_refused_saying_so():
+    """Old code said the model keeps no per-token K/V cache, which the wrapped Llama does."""
+    with pytest.raises(ConfigError) as refused:
+        cache_keyword(_OpaqueWrapper(_model(_llama())))
+    message = str(refused.value)
+    assert "a wrapper whose forward arguments cannot be seen" in message and "model.compile()" in message
+    assert "keeps no DynamicCache" not in message

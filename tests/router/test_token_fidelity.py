@@ -469,3 +469,59 @@ def test_a_media_chat_is_sent_to_a_workers_tokenize():
                 assert r.status == 200 and r.headers["X-Kvtier-Predicted-Cached"] == "0"
             assert len(w.tokenized) == 1
     run(main())
+
+
+# --- s29 a10 D2: truncate_prompt_tokens read as pydantic's lax int ---------------------------------
+
+LAX_TRUNCATIONS = ["5", " 5 ", "5.00", 5.0, True]
+
+
+@pytest.mark.parametrize("value", LAX_TRUNCATIONS)
+def test_a_lax_truncate_prompt_tokens_truncates_a_completion_as_vllm_does(models, value):
+    """vLLM's request model reads ``"5"``, ``5.0`` and ``true`` as 5 (1) and runs the last tokens;
+    the router read only a JSON int: the whole prompt (87 tokens) keyed, its cut head predicted as hits."""
+    body = {"prompt": "The quick brown fox jumps over the lazy dog " * 4, "truncate_prompt_tokens": value}
+    assert_keyed_as_vllm(models["llama3"], "cmpl", body)
+
+
+@WHERE
+@pytest.mark.parametrize("extra", [{}, {"add_special_tokens": True}, {"truncation_side": "right"}])
+@pytest.mark.parametrize("value", ["20", 20.0])
+def test_a_lax_truncate_prompt_tokens_truncates_a_chat_as_vllm_does(models, value, extra, worker):
+    body = {"messages": AGENT_TURNS * 3, "truncate_prompt_tokens": value, **extra}
+    assert_keyed_as_vllm(models["llama3"], "chat", body, worker=worker)
+
+
+@pytest.mark.parametrize("n", [str(2 ** 63), "-2", -2.0])
+def test_a_lax_truncate_prompt_tokens_out_of_vllms_range_is_refused(models, n):
+    """As vLLM reads it, out of -1..2**63-1: refused with a 400, as vLLM refuses it. Old code let it through."""
+    from kvtier.router.requests import RequestError, check_body
+
+    with pytest.raises(RequestError) as refused:
+        check_body({"prompt": "a b", "truncate_prompt_tokens": n}, "prompt")
+    assert refused.value.status == 400 and refused.value.param == "truncate_prompt_tokens"
+    with pytest.raises(ValueError):   # vLLM's validation error
+        vllm_ids(models["llama3"], "cmpl", {"prompt": "a b", "truncate_prompt_tokens": n})
+
+
+def test_lax_integers_are_pydantics():
+    """vLLM's request models are pydantic's: its lax reading of an integer, value by value; None
+    where pydantic refuses (the worker refuses the request: it stays as the router read it before)."""
+    from kvtier.router.index import lax_int
+
+    table = {"5": 5, " 5 ": 5, "\t5\n": 5, "+5": 5, "-1": -1, "-0": 0, "00012": 12, "1_000": 1000, "5.0": 5,
+             "5.00": 5, "-5.0": -5, "1_000.0": 1000, "9" * 30: int("9" * 30), True: 1, False: 0, 5: 5, 5.0: 5,
+             -0.0: 0, 1e18: 10 ** 18}
+    refused = ["5.", ".0", "5.5", "1e3", "0x10", "", " ", "1__0", "_1", "1_", "+-1", "- 5", "5.0_0", "5.0.0",
+               "٥", 5.5, 1e20, 2.0 ** 63, float("inf"), float("nan"), None, [5], {}]
+    for value, expected in table.items():
+        assert lax_int(value) == expected and type(lax_int(value)) is int, value
+    for value in refused:
+        assert lax_int(value) is None, value
+    pydantic = pytest.importorskip("pydantic")
+    adapter = pydantic.TypeAdapter(int)
+    for value, expected in table.items():
+        assert adapter.validate_python(value) == expected, value
+    for value in refused:
+        with pytest.raises(pydantic.ValidationError):
+            adapter.validate_python(value)

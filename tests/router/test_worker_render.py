@@ -4,9 +4,7 @@ tiny tokenizers: tests/router/_vllm_ref.py), and the blocks it predicts a hit on
 ``/v1/chat/completions`` refuses what vLLM refuses and holds, in the router's index, the blocks of
 the prompt vLLM runs for the chat: a router that keys the chat's own ids predicts all of them
 (less the last token, which no request finds cached). Blocks are two tokens: the prediction then
-counts nearly every token the router's keys share with the chat's (with one-token blocks, a lone
-BOS, id 0 in the test's vocabulary, keys as no block at all: index.block_keys' chain starts at 0
-and a block of zeros adds 0 to it)."""
+counts nearly every token the router's keys share with the chat's (all but an odd last one)."""
 
 from __future__ import annotations
 

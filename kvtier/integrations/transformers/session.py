@@ -104,12 +104,19 @@ def cache_keyword(model) -> str:
     would silently run without our cache, so fail loudly instead of guessing. A model
     taking neither keeps no per-token K/V cache (OpenAI GPT keeps none; XLNet's ``mems``
     and Reformer's ``past_buckets_states`` are other kinds of state): no transformers
-    version changes that, so the refusal says so.
+    version changes that, so the refusal says so. A ``torch.compile(model)`` wrapper takes
+    ``(*args, **kwargs)``: the model it compiles (``_orig_mod``) names the arguments, and calling
+    the wrapper runs that model's compiled forward with them.
     """
-    params = inspect.signature(model.forward).parameters
+    forward = getattr(model, "_orig_mod", model).forward
+    params = inspect.signature(forward).parameters
     for name in ("cache", "past_key_values"):
         if name in params:
             return name
+    if all(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params.values()):
+        raise ConfigError(f"{type(model).__name__}.forward takes only (*args, **kwargs): a wrapper whose forward "
+                          f"arguments cannot be seen, so kvtier cannot tell how to pass it a KV cache; pass the "
+                          f"model itself or use model.compile()")
     other = [p for p in params if not p.startswith("use_") and any(part in p for part in ("cache", "past", "mems"))]
     keeps = (f"it keeps {', '.join(repr(p) for p in other)} instead, another kind of state" if other
              else "every forward recomputes the whole sequence")
@@ -232,8 +239,6 @@ class KVTierLM:
         _refuse_length_dependent_rope_modules(model)
         # RoBERTa and kin: a hit stops before the first block holding one of these (see _reusable_tokens)
         self._position_pads = np.array(sorted(pad_counted_positions(model)), dtype=np.int64)
-        # What HF generate masks in a prompt passed without an attention mask (see prepare)
-        self._masked_pads = np.array(sorted(generate_masked_pads(model)), dtype=np.int64)
         self.layout = layout
         self._meta = BlockMeta.of_layout(layout)
         param = next(model.parameters())
@@ -249,7 +254,8 @@ class KVTierLM:
         # model caching another geometry than its config's layout or not resuming from a cache
         # as kvtier feeds it (check_model_cache; its probe prompt holds no pad id).
         self.storage.new_cache(model.config)
-        pads = {int(i) for i in np.concatenate([self._position_pads, self._masked_pads])}
+        # (HF generate's pad ids are read again at each request: a script may set one after this)
+        pads = {int(i) for i in self._position_pads} | set(generate_masked_pads(model))
         check_model_cache(model, self._cache_kw, layout, avoid_ids=pads | _config_pad_ids(model))
         self._staging = Staging(poison=self.storage.poisoned)
         if store is not None and (len(store.tiers) > 1 or not isinstance(store.tiers[0], HostTier)):
@@ -267,6 +273,9 @@ class KVTierLM:
         # thread's request (its poison fill, its load, its appends) must not run inside another's.
         # Reentrant: generate() calls save(), and request() holders call prepare() and save().
         self._request_lock = threading.RLock()
+        # Whether the storage holds what generate() computed (every token attended, no mask), not
+        # what a caller's forward did: save() without a mask then saves it as generate() does.
+        self._filled_by_generate = False
         self._closed = False
 
     def request(self):
@@ -313,6 +322,7 @@ class KVTierLM:
         """Before a request, untimed: wait until no save reads the storage and the previous
         load's promotions are done (bounded); then (debug) poison the storage and staging."""
         self._storage_free.wait()  # a previous save may still be reading the storage
+        self._filled_by_generate = False
         if self.store is not None:
             # Promotions run while the previous request computed; one still going would
             # race this request's reads (and a measured load would find blocks half moved).
@@ -337,13 +347,14 @@ class KVTierLM:
     def _reusable_tokens(self, arr: np.ndarray, attention_mask, *, mask_covers_all: bool) -> int:
         """How many leading positions of ``arr`` have the K/V that stored blocks hold (every position
         attended, numbered from 0): those before the first masked position of ``attention_mask``
-        (``None``: before the first pad id HF generate masks, :func:`generate_masked_pads`), and
+        (``None``: before the first pad id HF generate masks, :func:`generate_masked_pads`, read from
+        the model's generation config now, as HF generate reads it at each call), and
         before the first pad id this model numbers positions past (:func:`pad_counted_positions`:
         a suffix after it is numbered otherwise by a recompute). ``mask_covers_all``: the mask must
         have one entry per token (else it may be shorter: the tokens past it are generated ones,
         which HF generate attends)."""
         if attention_mask is None:
-            masked = np.isin(arr, self._masked_pads) if self._masked_pads.size else np.zeros(arr.size, bool)
+            masked = np.isin(arr, np.array(sorted(generate_masked_pads(self.model)), dtype=np.int64))
         else:
             mask = _mask_array(attention_mask)
             if mask.size > arr.size or (mask_covers_all and mask.size != arr.size):
@@ -393,11 +404,15 @@ class KVTierLM:
         ``attention_mask``: the mask the model ran with, as for :meth:`prepare` (it may end before
         ``tokens`` do: the generated tokens after it count as attended, as HF generate extends
         it); only the blocks before the first masked position are saved (K/V computed under a
-        mask is not what a block key names), and without a mask, those before the first pad id
-        HF generate masks. A left-padded prompt saves nothing.
+        mask is not what a block key names); without a mask, those before the first pad id HF
+        generate masks, unless the cache was filled by :meth:`generate` (``save=False``), which
+        attends every token: then every block, as ``generate`` saves them. A left-padded prompt
+        saves nothing.
         """
         with self._request_lock:
             arr = np.array(as_token_array(tokens))  # our own copy: the caller may reuse theirs
+            if attention_mask is None and self._filled_by_generate:
+                return self._save(arr, known_blocks, self._reusable_unmasked(arr))
             return self._save(arr, known_blocks, self._reusable_tokens(arr, attention_mask, mask_covers_all=False))
 
     def _save(self, arr: np.ndarray, known_blocks: int, reusable_tokens: int) -> Future | None:
@@ -457,7 +472,8 @@ class KVTierLM:
         """Greedy generation of up to ``max_new_tokens`` after ``tokens``.
 
         ``use_store=False`` recomputes the whole prompt (the baseline) through
-        the same path; ``save=False`` skips storing the new blocks. Generation stops
+        the same path; ``save=False`` skips storing the new blocks (a :meth:`save` without a mask
+        right after stores them as this call would have). Generation stops
         after a token of ``eos_token_id`` (one id, or several as HF configs often list
         them). Another thread's request waits until this one's save has started.
         Every prompt token is attended, pad ids included (no mask: to mask padding, drive the
@@ -474,6 +490,7 @@ class KVTierLM:
             raise ValueError("max_new_tokens must be at least 1 (the first token is the point)")
         arr = as_token_array(tokens)
         self._reuse_storage()
+        self._filled_by_generate = True
         start = time.perf_counter()
         cpu_start = time.process_time()
         # This forward attends every prompt token (no mask): the K/V stored blocks hold, so the
