@@ -297,6 +297,7 @@ def engine_kv(config: ConnectorConfig, vllm_config, kv_cache_config, *, tp_rank:
     """
     check_block_hashes(config, vllm_config.cache_config)
     check_real_weights(vllm_config.load_config)
+    check_weights_from_model_path(vllm_config.load_config, config)
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
         raise ConfigError(
@@ -365,6 +366,26 @@ def check_real_weights(load_config) -> None:
             "vLLM runs random weights with --load-format dummy, and kvtier keys blocks by the model they "
             "claim to be: engines of the real weights sharing this store would load their KV. Run the "
             "benchmark without --kv-transfer-config, or with the real weights")
+
+
+#: vLLM 0.32's load formats that read the weights from the model path's files (its default loader)
+_MODEL_PATH_LOAD_FORMATS = frozenset({"auto", "hf", "pt", "safetensors", "npcache", "fastsafetensors",
+                                      "instanttensor", "mistral"})
+
+
+def check_weights_from_model_path(load_config, config: ConnectorConfig) -> None:
+    """Refuse a load format whose weights may come from elsewhere than the model path (tensorizer's
+    URI, a sharded or streamed copy, another process, a plugin's loader) unless ``model_id`` and
+    ``weights_revision`` are given: the default namespace names the model path and revision, which
+    two engines of two such weight files share, and each would load the other's KV."""
+    load_format = str(load_config.load_format)
+    if load_format in _MODEL_PATH_LOAD_FORMATS or load_format == "dummy":   # dummy: check_real_weights
+        return
+    if not config.model_id or config.weights_revision is None:
+        raise ConfigError(
+            f"with --load-format {load_format} vLLM may load weights other than the model path's, and "
+            "kvtier keys blocks by that path: set model_id and weights_revision in "
+            "kv_connector_extra_config to name the weights this engine runs")
 
 
 #: a hub cache's snapshot: ``…/models--{org}--{name}/snapshots/{commit}`` (hub repo names hold no "--")

@@ -10,7 +10,12 @@ namespace and the format tag), audit s29 a3:
   reads them;
 * a hub cache's snapshot path (``HF_HUB_OFFLINE=1``) keys as its repository and commit;
 * (audit s29 a8 D3) Llama 4's ``attn_temperature_tuning``, which vLLM sets from ``--max-model-len``
-  and which changes K and V, gives other keys.
+  and which changes K and V, gives other keys;
+* (audit s29 a11) a torchao scheme named in private fields or in a ``quantization_config_file``, a
+  nested ``architectures``, the checkpoint's dtype where the model code computes in it give other
+  keys; a placeholder id a worker writes keeps them; weights loaded from elsewhere than the model
+  path need ``model_id`` / ``weights_revision``; ``--max-model-len -1`` with a RoPE built from the
+  length is refused.
 
 Each builds vLLM's own ``VllmConfig`` (``EngineArgs.create_engine_config``), no engine (the
 LLaVA ones a stand-in holding transformers' real ``LlavaConfig``: vLLM cannot build a LLaVA model
@@ -275,3 +280,142 @@ def test_a_given_weights_revision_and_model_id_win_over_the_snapshots(tiny_model
 def test_a_path_that_is_no_hub_snapshot_keys_as_it_is(tiny_model):
     _, engine = _engine_kv(tiny_model)
     assert (engine.namespace.model_id, engine.namespace.weights_revision) == (tiny_model, "")
+
+
+# == audit s29 a11 ===============================================================================
+def _torchao(scheme: dict) -> dict:
+    """A torchao ``quantization_config`` as transformers saves it: the scheme only in private fields."""
+    return {"quant_method": "torchao", "quant_type": {"default": scheme}}
+
+
+INT4 = {"_type": "Int4WeightOnlyConfig", "_version": 1, "_data": {"group_size": 128}}
+FP8 = {"_type": "Float8DynamicActivationFloat8WeightConfig", "_version": 2, "_data": {"granularity": {"_type": "PerRow"}}}
+
+
+# D2: private fields name a torchao scheme
+def test_torchao_quantization_schemes_named_in_private_fields_do_not_share_keys():
+    """One bf16 checkpoint quantized online as int4 or as fp8 (``quantization`` is "torchao" in
+    both): vLLM's torchao method reads the scheme from ``_type`` / ``_data``."""
+    int4, int4_again, fp8 = (_llama_digest("LlamaForCausalLM", quantization_config=_torchao(s))
+                             for s in (INT4, INT4, FP8))
+    assert int4 == int4_again, "control: stable"
+    assert int4 != fp8
+
+
+def test_host_local_private_fields_keep_the_keys():
+    """Where the files are and which attention kernel transformers picked name no computation."""
+    from transformers import LlamaConfig
+
+    def config(path: str, attention: str):
+        hf = LlamaConfig(hidden_size=64, num_attention_heads=2, num_key_value_heads=2, num_hidden_layers=2,
+                         name_or_path=path)
+        hf._commit_hash = path[-1] * 40
+        hf._attn_implementation = attention
+        return hf
+
+    a, b = config("/host/a", "sdpa"), config("/other/b", "eager")
+    assert a.to_dict()["_name_or_path"] != b.to_dict()["_name_or_path"], "control: the field differs"
+    assert _digest(a, "LlamaForCausalLM") == _digest(b, "LlamaForCausalLM")
+
+
+# D3: a nested config's architectures picks the code of a part
+def test_a_multimodal_model_whose_text_model_code_differs_gets_another_digest():
+    """vLLM's LLaVA builds its language model by ``text_config.architectures``."""
+    from kvtier.integrations.vllm.config import model_computation_digest
+
+    def llava(text_architecture: str):
+        config = _llava_config()
+        config.model_config.hf_config.text_config.architectures = [text_architecture]
+        return model_computation_digest(config)
+
+    assert llava("LlamaForCausalLM") == llava("LlamaForCausalLM"), "control: stable"
+    assert llava("LlamaForCausalLM") != llava("Qwen2ForCausalLM")
+
+
+def test_the_top_level_architectures_keep_the_keys():
+    """vLLM's resolved architecture stands for the top-level class names (the same code runs)."""
+    a = _llama_digest("LlamaForCausalLM", architectures=["LlamaForCausalLM"])
+    assert a == _llama_digest("LlamaForCausalLM", architectures=["MyLlama"], auto_map={"AutoModel": "x.Y"})
+
+
+# D7: the checkpoint's dtype, where the model's code computes in it
+OPENPANGU = "PanguUltraMoEForCausalLM"   # allocates its attention sinks in config.torch_dtype
+
+
+def test_the_config_dtype_stays_in_the_digest_where_the_model_code_computes_in_it():
+    assert _llama_digest(OPENPANGU, dtype=torch.float16) != _llama_digest(OPENPANGU, dtype=torch.bfloat16)
+    assert _llama_digest(OPENPANGU, dtype=torch.float16) == _llama_digest(OPENPANGU, dtype="float16"), \
+        "one dtype, two spellings"
+    assert _llama_digest("LlamaForCausalLM", dtype=torch.float16) == \
+        _llama_digest("LlamaForCausalLM", dtype=torch.bfloat16), "control: Llama computes in vLLM's dtype"
+
+
+# D5: placeholder ids the model code writes in its workers
+def test_a_placeholder_id_the_model_code_writes_in_its_worker_keeps_the_keys():
+    """vLLM's Isaac code sets ``image_token_id`` from the tokenizer as each worker builds the model;
+    the scheduler's copy of the config never has it (a multi-process executor)."""
+    from transformers import LlamaConfig
+
+    scheduler = LlamaConfig(hidden_size=64, num_attention_heads=2, num_key_value_heads=2, num_hidden_layers=2)
+    worker = LlamaConfig(**scheduler.to_dict())
+    worker.image_token_id = 151655
+    assert _digest(scheduler, "IsaacForConditionalGeneration") == _digest(worker, "IsaacForConditionalGeneration")
+
+
+def test_a_placeholder_id_the_model_code_reads_stays_in_the_digest():
+    """Qwen2-VL's M-RoPE positions follow ``image_token_id``: other positions, other K."""
+    a, b = (_llama_digest("Qwen2VLForConditionalGeneration", image_token_id=i) for i in (151655, 7))
+    assert a != b
+
+
+# D6: weights from elsewhere than the model path
+@pytest.mark.parametrize("load", [
+    {"load_format": "tensorizer", "model_loader_extra_config": {"tensorizer_uri": "/w/finetune-A.tensors"}},
+    {"load_format": "sharded_state"},
+    {"load_format": "runai_streamer"},
+], ids=["tensorizer", "sharded-state", "runai-streamer"])
+def test_a_load_format_whose_weights_may_not_be_the_model_paths_needs_the_weights_named(tiny_model, load):
+    from kvtier.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="model_id and weights_revision"):
+        _engine_kv(tiny_model, **load)
+    with pytest.raises(ConfigError, match="model_id and weights_revision"):
+        _engine_kv(tiny_model, {"model_id": "finetune-A"}, **load)
+    _, engine = _engine_kv(tiny_model, {"model_id": "finetune-A", "weights_revision": "1"}, **load)
+    assert (engine.namespace.model_id, engine.namespace.weights_revision) == ("finetune-A", "1")
+
+
+# D1: a quantization scheme in a file
+def test_quantization_config_files_of_other_schemes_do_not_share_keys(tiny_model, tmp_path):
+    """vLLM's torchao quantization reads its scheme from the file ``quantization_config_file`` names;
+    one path can hold either scheme (two hosts, an edit between runs)."""
+    path = tmp_path / "torchao.json"
+    keys = {}
+    for name, scheme in (("int4", INT4), ("int4-again", INT4), ("fp8", FP8)):
+        path.write_text(json.dumps(scheme))
+        keys[name] = _engine_kv(tiny_model, hf_overrides={"quantization_config_file": str(path)})[1].keys(HASHES)
+    assert keys["int4"] == keys["int4-again"], "control: stable"
+    assert keys["int4"] != keys["fp8"]
+
+
+def test_a_quantization_config_file_that_cannot_be_read_is_refused(tiny_model, tmp_path):
+    from kvtier.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="quantization_config_file"):
+        _engine_kv(tiny_model, hf_overrides={"quantization_config_file": str(tmp_path / "absent.json")})
+
+
+# D4: --max-model-len -1 with a RoPE built from the length
+DYNAMIC_NTK = {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "max_trained_positions": 1024,
+                                   "rope_theta": 10000.0}}
+
+
+def test_auto_fit_max_model_len_with_a_length_dependent_rope_is_refused(tiny_model):
+    """vLLM builds the model at the derived length, then lowers ``max_model_len`` to what fits
+    before the connector is built: the length the RoPE rotates by is gone."""
+    from kvtier.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="max-model-len -1"):
+        _engine_kv(tiny_model, hf_overrides=DYNAMIC_NTK, max_model_len=-1)
+    _engine_kv(tiny_model, hf_overrides=DYNAMIC_NTK, max_model_len=2048)   # control: explicit length
+    _engine_kv(tiny_model, max_model_len=-1)   # control: a RoPE that rotates alike at any length
