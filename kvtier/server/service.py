@@ -199,15 +199,28 @@ class ScratchPool:
             self._free.append(buf)
 
 
-class _DropBatch:
-    """Blocks dropped on the event loop, deleted from the tiers by I/O jobs (:func:`_job_slice`);
-    ``done`` once they all were. Open (more blocks join it) until its first job starts."""
+class _DroppedBlock(Future):
+    """A block dropped on the event loop, to be deleted from the tiers; the future is done once it
+    was. Its own future, not its batch's: a PUT of the key waited for the whole batch (256
+    deletions of other keys, 2.6 s on a slow disk) and its frame deadline ran out meanwhile.
+    ``claimed`` (under the service's ``_deleting_lock``) once its deletion started: by its batch's
+    job, or ahead of it by a PUT of the key (:meth:`Service._deleted`)."""
 
-    __slots__ = ("blocks", "done")
+    def __init__(self, skey: bytes, owner: str) -> None:
+        super().__init__()
+        self.skey = skey
+        self.owner = owner
+        self.claimed = False
+
+
+class _DropBatch:
+    """Blocks dropped on the event loop, deleted from the tiers by I/O jobs (:func:`_job_slice`).
+    Open (more blocks join it) until its first job starts."""
+
+    __slots__ = ("blocks",)
 
     def __init__(self) -> None:
-        self.blocks: list[tuple[bytes, str]] = []  # (storage key, owner)
-        self.done: Future = Future()
+        self.blocks: list[_DroppedBlock] = []
 
 
 class Service:
@@ -621,13 +634,14 @@ class Service:
     def _delete_later(self, skey: bytes, owner: str) -> None:
         """Add a dropped block to its owner's open batch (a new one if none is open or it is
         full), whose job deletes it from the tiers."""
+        dropped = _DroppedBlock(skey, owner)
         with self._deleting_lock:
             batch = self._open_drops.get(owner)
             fresh = batch is None or len(batch.blocks) >= DELETE_JOB_KEYS
             if fresh:
                 batch = self._open_drops[owner] = _DropBatch()
-            batch.blocks.append((skey, owner))
-            self._deleting.setdefault(skey, set()).add(batch.done)
+            batch.blocks.append(dropped)
+            self._deleting.setdefault(skey, set()).add(dropped)
         if fresh:
             try:
                 self.io.submit(owner, self._delete_batch, owner, batch)
@@ -644,9 +658,7 @@ class Service:
         blocks = batch.blocks
         while True:
             end = start + len(_job_slice(blocks, start, self._delete_dropped))
-            self._forget_deletion([skey for skey, _ in blocks[start:end]], batch.done)
             if end == len(blocks):
-                batch.done.set_result(None)
                 return
             try:
                 self.io.submit(lane, self._delete_batch, lane, batch, end)
@@ -654,12 +666,30 @@ class Service:
             except RuntimeError:  # shutting down (Stopped): the rest here
                 start = end
 
-    def _delete_dropped(self, block: tuple[bytes, str]) -> None:
-        skey, owner = block
+    def _delete_dropped(self, dropped: _DroppedBlock) -> None:
+        """A batch job's deletion of one of its blocks, unless a PUT of the key claimed it first."""
+        with self._deleting_lock:
+            claimed = self._claim_locked(dropped)
+        if claimed:
+            self._delete_claimed(dropped)
+
+    @staticmethod
+    def _claim_locked(dropped: _DroppedBlock) -> bool:
+        """Claim the deletion of ``dropped`` (under ``_deleting_lock``); False if it was started already."""
+        if dropped.claimed:
+            return False
+        dropped.claimed = True
+        return True
+
+    def _delete_claimed(self, dropped: _DroppedBlock) -> None:
+        """Delete a claimed dropped block from the tiers; then its deletion is over, failed or not."""
         try:
-            self._delete_from_tiers(skey, owner)
+            self._delete_from_tiers(dropped.skey, dropped.owner)
         except Exception as exc:  # noqa: BLE001 - the block left the index: the others go on
             log.warning("deleting a dropped block failed: %s", exc)
+        finally:
+            self._forget_deletion((dropped.skey,), dropped)
+            dropped.set_result(None)
 
     def _delete_from_tiers(self, skey: bytes, owner: str) -> None:
         """Delete a block the index no longer holds from every tier. Its owner travels with the
@@ -686,11 +716,24 @@ class Service:
                         del self._deleting[skey]
 
     async def _deleted(self, skey: bytes) -> None:
-        """Wait until every deletion of ``skey`` under way (:meth:`drop_soon`, :meth:`drop`) has run."""
+        """Wait until every deletion of ``skey`` under way (:meth:`drop_soon`, :meth:`drop`) has run.
+        A dropped copy whose batch has not reached it yet is taken out of the batch and deleted
+        now, in an urgent job of its owner's lane: the PUT waits for that deletion alone, not
+        behind the bulk deletions of other keys queued ahead of it."""
         with self._deleting_lock:
-            under_way = [asyncio.wrap_future(f) for f in self._deleting.get(skey, ())]
+            under_way = list(self._deleting.get(skey, ()))
+            claimed = [f for f in under_way if isinstance(f, _DroppedBlock) and self._claim_locked(f)]
+        for dropped in claimed:
+            self._delete_soonest(dropped)
         if under_way:
-            await asyncio.wait(under_way)
+            # (the wait, not the job, is cancelled with the PUT: a claimed deletion always runs)
+            await asyncio.wait([asyncio.wrap_future(f) for f in under_way])
+
+    def _delete_soonest(self, dropped: _DroppedBlock) -> None:
+        try:
+            self.io.submit(dropped.owner, self._delete_claimed, dropped, urgent=True)
+        except RuntimeError:  # shutting down (Stopped): the I/O threads are gone
+            self._delete_claimed(dropped)
 
     def _unindex(self, skey: bytes, only: BlockEntry | None = None) -> BlockEntry | None:
         entry = self.index.remove(skey, only=only)

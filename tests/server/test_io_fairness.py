@@ -203,3 +203,51 @@ def test_a_stop_during_a_deletes_jobs_logs_no_error(tmp_path, caplog):
     assert srv.server.shutdown_report is not None, "the stop did not finish"
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert not errors, f"the stop mid-DELETE logged: {errors}"
+
+
+def _drop_one_batch(srv, namespace: str) -> tuple:
+    """A batch of DELETE_JOB_KEYS expired blocks of acme's, dropped by one CONTAINS, whose
+    deletions take 10 ms each (a slow disk or fleet): acme's tier, the keys, the deletions run."""
+    keys = _expired(srv, "acme", namespace, DELETE_JOB_KEYS, ttl_s=1)
+    ran = srv.before_deletions(lambda _: time.sleep(0.01))
+    acme = srv.remote("acme", namespace=namespace, timeout_s=WAIT_S)
+    assert not any(acme.contains_many(keys))  # every block expired: all dropped in one batch
+    return acme, keys, ran
+
+
+def _all_run(ran: list, n: int) -> bool:
+    deadline = time.monotonic() + WAIT_S
+    while len(ran) < n and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return len(ran) == n
+
+
+def test_a_put_of_a_dropped_key_waits_for_its_own_deletion_only(tmp_path):
+    """A dropped key's deletion was its batch's: a PUT of the key waited for all DELETE_JOB_KEYS
+    deletions (2.6 s). The PUT now takes its key out of the batch and deletes it at once, even the
+    batch's last; the batch skips it later (else it would delete the new copy)."""
+    srv = InProcessServer(tmp_path, {"acme": {"ttl_s": 1}}, capacity="8MiB", sweep_interval_s=3600)
+    try:
+        acme, keys, ran = _drop_one_batch(srv, "batch")
+        last = keys[-1]
+        t0 = time.monotonic()
+        assert acme.put_many([last], [block(last, 512)]) == [Status.OK]
+        waited = time.monotonic() - t0
+        assert waited < 0.5, f"the PUT waited {waited:.2f} s, behind {len(ran)} deletions of other keys"
+        assert _all_run(ran, len(keys)), "every dropped block is deleted"
+        # (the new copy's TTL runs out meanwhile: the deletions are counted, not the copy read)
+        assert ran.count(KeySpace.of("acme", "batch").storage_key(last)) == 1, "the PUT's copy was deleted too"
+    finally:
+        srv.stop()
+
+
+def test_a_put_of_a_dropped_key_is_answered_within_the_frame_timeout(tmp_path):
+    """The PUT waits in its receive phase, where its frame deadline runs: behind a whole batch of
+    deletions, a PUT under frame_timeout_s=1 failed (TIMEOUT)."""
+    srv = InProcessServer(tmp_path, {"acme": {"ttl_s": 1}}, capacity="8MiB", sweep_interval_s=3600,
+                          frame_timeout_s=1)
+    try:
+        acme, keys, _ = _drop_one_batch(srv, "frame")
+        assert acme.put_many(keys[:1], [block(keys[0], 512)]) == [Status.OK]
+    finally:
+        srv.stop()
