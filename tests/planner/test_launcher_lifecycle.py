@@ -167,8 +167,9 @@ def test_a_serving_worker_the_router_forgot_after_a_restart_is_registered_again(
         _restart_router(router)
         assert worker.url not in router.urls()        # control: the restarted router does not know it
         _until(lambda: worker.url in router.urls(), 10)
+        # (the launcher records the add once the router's answer is back: the router lists it first)
+        _until(lambda: ("registered_again", worker.name) in [(a, n) for _, a, n in launcher.actions], 10)
         assert worker.state == "serving" and router.urls().count(worker.url) == 1
-        assert ("registered_again", worker.name) in [(a, n) for _, a, n in launcher.actions]
         launcher.drain(worker)                        # and it drains as any other
         _until(lambda: worker.state == "stopped", 20)
         assert router.urls() == [router.first.url]
