@@ -315,6 +315,29 @@ async def hole(pub: StandInPublisher, index: BlockIndex, lost: int, live: int) -
     await until(lambda: live in held(index), f"block {live} indexed")
 
 
+def silent_listener(tmp_path, backoff_s: float):
+    """A listener of a publisher whose replay endpoint does not answer yet, on a stepped clock:
+    (publisher, resyncs, index, listener, clock)."""
+    pub = StandInPublisher(tmp_path, answers=False)
+    resyncs: list[str] = []
+    index, events = listener(pub, resyncs)
+    events.replay_timeout_s = 0.5
+    events.replay_backoff_s = backoff_s
+    clock = events.clock = SteppedClock()
+    return pub, resyncs, index, events, clock
+
+
+async def in_step_after_silence(pub: StandInPublisher, events: VllmEvents, index: BlockIndex, answers: bool) -> None:
+    """Connected, its first replay unanswered; then (``answers``: the endpoint answering from now
+    on) blocks 0-4 published and indexed."""
+    await in_step(pub, events)
+    await until(lambda: events.replays_unanswered == 1, "control: the connection's replay unanswered")
+    pub.answers = answers
+    for i in range(5):
+        pub.publish(i)
+    await until(lambda: held(index) == set(range(5)), "control: the listener is in step")
+
+
 def test_a_replay_endpoint_silent_once_fills_holes_again_after_its_back_off(tmp_path):
     """a9 D2: the publisher's replay thread stalled past ``replay_timeout_s`` once (a GC or GIL pause
     in a busy engine core) and answered every request after that, but was never asked again on that
@@ -322,22 +345,12 @@ def test_a_replay_endpoint_silent_once_fills_holes_again_after_its_back_off(tmp_
     worker's entries. Now it rests for its back-off (10 s here): a hole meanwhile is a resync, the
     live message not held up; the first hole after it is filled from the buffer. An answer ends
     the doubling: the next silence rests it 10 s again, not 20."""
-    pub = StandInPublisher(tmp_path, answers=False)
-    resyncs: list[str] = []
-    index, events = listener(pub, resyncs)
-    events.replay_timeout_s = 0.5
-    events.replay_backoff_s = 10.0
-    clock = events.clock = SteppedClock()
+    pub, resyncs, index, events, clock = silent_listener(tmp_path, backoff_s=10.0)
 
     async def main():
         events.start()
         try:
-            await in_step(pub, events)
-            await until(lambda: events.replays_unanswered == 1, "control: the connection's replay unanswered")
-            pub.answers = True                           # the stall is over
-            for i in range(5):
-                pub.publish(i)
-            await until(lambda: held(index) == set(range(5)), "control: the listener is in step")
+            await in_step_after_silence(pub, events, index, answers=True)   # (the stall is over)
             await hole(pub, index, 5, 6)
             assert pub.requests == 1 and resyncs == ["gap"], "asked during its back-off, the live message held up"
             clock.now += 10.0
@@ -364,21 +377,12 @@ def test_a_replay_endpoint_that_stays_silent_rests_twice_as_long_up_to_five_minu
     """a9 D2: an endpoint that never answers (vLLM started without ``replay_endpoint``) is asked again
     after each back-off, each silence doubling the next (200 s, then 300 s: the 400 s past the 5
     minute cap), and the silence is logged once."""
-    pub = StandInPublisher(tmp_path, answers=False)
-    resyncs: list[str] = []
-    index, events = listener(pub, resyncs)
-    events.replay_timeout_s = 0.5
-    events.replay_backoff_s = 200.0
-    clock = events.clock = SteppedClock()
+    pub, resyncs, index, events, clock = silent_listener(tmp_path, backoff_s=200.0)
 
     async def main():
         events.start()
         try:
-            await in_step(pub, events)
-            await until(lambda: events.replays_unanswered == 1, "control: the connection's replay unanswered")
-            for i in range(5):
-                pub.publish(i)
-            await until(lambda: held(index) == set(range(5)), "control: the listener is in step")
+            await in_step_after_silence(pub, events, index, answers=False)
             clock.now += 200.0
             await hole(pub, index, 5, 6)
             assert pub.requests == 2, "not asked again after its back-off"
