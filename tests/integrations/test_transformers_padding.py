@@ -101,9 +101,9 @@ def test_hf_generate_on_the_prepared_cache_equals_hf_generate_alone_for_a_left_p
     _assert_same_generation(warm, alone)
 
 
-def test_without_a_mask_the_hit_stops_before_the_first_pad_id_as_hf_generate_masks_it(lm):
-    """A pad id inside the prompt (position 40): HF generate masks it, so blocks 0-1 (before it)
-    hold its K/V and the rest do not. Old code: 64 cached and other logits."""
+def _assert_the_hit_stops_before_the_pad_at_40(lm) -> None:
+    """A prompt of 70 tokens with the pad id at position 40, saved, then run through HF generate on
+    the prepared cache (no mask given to prepare): blocks 0-1 hit, and the generation is HF's alone."""
     prompt = _text(70)
     prompt[40] = PAD
     lm.generate(prompt, 1)
@@ -111,6 +111,12 @@ def test_without_a_mask_the_hit_stops_before_the_first_pad_id_as_hf_generate_mas
     cached, alone, warm = _hf_generate_with_and_without_kvtier(lm, prompt, tell_prepare=False)
     assert cached == 32
     _assert_same_generation(warm, alone)
+
+
+def test_without_a_mask_the_hit_stops_before_the_first_pad_id_as_hf_generate_masks_it(lm):
+    """A pad id inside the prompt (position 40): HF generate masks it, so blocks 0-1 (before it)
+    hold its K/V and the rest do not. Old code: 64 cached and other logits."""
+    _assert_the_hit_stops_before_the_pad_at_40(lm)
 
 
 def test_a_masked_forward_saves_only_the_blocks_before_its_first_masked_position(lm):
@@ -207,13 +213,7 @@ def lm_built_before_the_pad_id():
 def test_a_pad_id_set_after_the_session_is_built_stops_the_hit_as_hf_generate_masks_it(lm_built_before_the_pad_id):
     """Old code read the pad id once, at construction: 64 cached, logits 0.36 off, another token."""
     lm = lm_built_before_the_pad_id
-    prompt = _text(70)
-    prompt[40] = PAD
-    lm.generate(prompt, 1)
-    lm.wait_saves()
-    cached, alone, warm = _hf_generate_with_and_without_kvtier(lm, prompt, tell_prepare=False)
-    assert cached == 32
-    _assert_same_generation(warm, alone)
+    _assert_the_hit_stops_before_the_pad_at_40(lm)
 
 
 def test_a_pad_id_set_after_the_session_is_built_stops_what_save_stores(lm_built_before_the_pad_id):
