@@ -79,7 +79,7 @@ demo: $(STAMP)
 	$(BIN)/kvtier demo
 
 test: $(VLLM_STAMP) sysdeps
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=60
 
 clean:
 	rm -rf $(VENV) build *.egg-info
