@@ -184,8 +184,14 @@ def _is_regular(path: str) -> bool:
         return True  # gone too: the open's own error stands
 
 
+#: errnos of a write the file system has no room for (full, or the user's quota spent)
+NO_ROOM = (errno.ENOSPC, errno.EDQUOT)
+
+
 def probe_direct_io(directory: str) -> bool:
-    """Whether files in ``directory`` accept O_DIRECT page-aligned writes and reads."""
+    """Whether files in ``directory`` accept O_DIRECT page-aligned writes and reads. Raises
+    OSError where the probe's file cannot be written (a :data:`NO_ROOM` errno on a full file
+    system: :func:`probe_direct_read` can tell then)."""
     if not hasattr(os, "O_DIRECT"):
         return False
     path = os.path.join(directory, f".probe.{temp_tag()}.tmp")
@@ -207,6 +213,27 @@ def probe_direct_io(directory: str) -> bool:
     finally:
         os.close(fd)
         os.unlink(path)
+
+
+def probe_direct_read(path: str) -> bool:
+    """Whether an existing regular file (a page long at least) reads with O_DIRECT: the probe of a
+    file system too full for :func:`probe_direct_io`'s page. Raises OSError (:class:`NotAFile`
+    included) where the file cannot be opened or read for another reason."""
+    if not hasattr(os, "O_DIRECT"):
+        return False
+    try:
+        fd = open_regular(path, os.O_RDONLY | os.O_DIRECT)
+        try:
+            os.preadv(fd, [aligned_buffer(PAGE)], 0)
+        finally:
+            os.close(fd)
+    except NotAFile:
+        raise
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:  # the open or the aligned read refused: no O_DIRECT here
+            return False
+        raise
+    return True
 
 
 def drop_cache(fd: int) -> None:

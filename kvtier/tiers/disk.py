@@ -50,6 +50,10 @@ back in one *extent* file, each block the same bytes as a file of its own, and
 * **Capacity** counts bytes on disk (header page + padded payload) of the blocks
   this process knows of; eviction asks the policy, skips pinned blocks and
   calls ``on_evict`` with the verified bytes (read into memory of their own, never a file mapping: a file that shrank under one killed the process with SIGBUS) before unlinking.
+  A file system that runs out of room first (shared with other writers, or smaller than
+  ``capacity_bytes``) is the limit from then on: puts evict to make room and are written again
+  (see :meth:`DiskTier._medium_full`); a full directory still opens (its O_DIRECT probe, which
+  needs a page, told by reading a block file instead).
 
 Thread safety: all methods are; file I/O of gets and puts runs outside the lock
 (an unlinked file stays readable through an open descriptor, so a read racing
@@ -153,18 +157,14 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
         if direct_io not in ("auto", True, False):
             raise ConfigError(f"direct_io must be 'auto', True or False, got {direct_io!r}")
         self.path = os.path.abspath(os.fspath(path))
-        try:
-            make_private_dirs(self.path)
-            for shard in range(256):
-                make_private_dirs(os.path.join(self.path, f"{shard:02x}"))
-        except OSError as exc:
-            raise TierError(f"cannot use {self.path!r} as a disk tier ({exc}); pass a writable directory") from exc
-        supported = _probe(self.path)
-        if direct_io is True and not supported:
-            raise TierError(f"{self.path!r} does not support O_DIRECT; pass direct_io='auto' or False")
-        self.direct_io = bool(supported and direct_io)
+        _make_tier_dirs(self.path)
+        self.direct_io = _uses_direct_io(self.path, direct_io)
         self._io = BlockIO(self.direct_io)
         self._capacity = capacity_bytes
+        #: the bytes eviction keeps the tier to: ``capacity_bytes``, or fewer while the file system
+        #: holds less than that for it (see :meth:`_medium_full`)
+        self._limit = capacity_bytes
+        self._quota_limited = False  # whether a spent quota set the limit (statvfs does not show it)
         self._ttl_s = ttl_s
         self.pack_batches = pack_batches
         self._policy = policy if policy is not None else LRUPolicy()  # an empty policy is falsy
@@ -339,6 +339,7 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
                 assert forgotten <= extent.dead, f"extent {rel}: {forgotten} bytes forgotten, {extent.dead} dead"
             assert self._forgotten.keys() <= self._extents.keys(), "places forgotten in an extent not counted"
             assert self._used <= self._capacity, f"used {self._used} > capacity {self._capacity}"
+            assert 0 <= self._limit <= self._capacity, f"limit {self._limit}, capacity {self._capacity}"
             assert self._reserved >= 0, f"negative reservation {self._reserved}"
             assert len(self._policy) == len(self._index), (
                 f"policy tracks {len(self._policy)} keys, index holds {len(self._index)}"
@@ -468,9 +469,9 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
 
     def _make_room(self, need: int) -> bool:
         def fits() -> bool:
-            return self._used + self._reserved + need <= self._capacity
+            return self._used + self._reserved + need <= self._limit
 
-        if fits():
+        if fits() or (self._medium_freed() and fits()):
             return True
         self._purge_expired()
         victims = self._policy.victims()
@@ -494,6 +495,42 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
             else:
                 self._policy.on_access(key)  # withheld: the file system refused; the next victim
         return True
+
+    def _medium_full(self, quota: bool) -> None:
+        """A write found no room on the file system before ``capacity_bytes`` was reached: other
+        writers share it, or it holds less than that. The medium is the limit from now on: what
+        this tier holds plus the room the file system has left (statvfs; none for a spent quota,
+        EDQUOT, which statvfs does not show), so that puts evict the policy's victims to make room,
+        as at capacity, instead of failing one after another. A full file system's limit rises
+        again as it frees space (:meth:`_medium_freed`); a quota's holds until the tier is reopened."""
+        before = self._limit
+        self._quota_limited = quota
+        self._limit = min(self._capacity, self._used + self._reserved + (0 if quota else self._medium_room()))
+        if before == self._capacity > self._limit:
+            log.warning("disk tier %s: no room on the file system (%s) with %d of capacity_bytes %d used "
+                        "here; evicting to make room (pass a capacity_bytes the file system holds)",
+                        self.path, "quota spent" if quota else "full", self._used, self._capacity)
+
+    def _medium_freed(self) -> bool:
+        """Whether the limit :meth:`_medium_full` lowered for a full file system rose again, to what
+        this tier holds plus the room the file system has now (someone freed some), at most
+        ``capacity_bytes``. Puts under way may take some of that room first: a write that then
+        finds no room lowers the limit again."""
+        if self._limit >= self._capacity or self._quota_limited:
+            return False
+        limit = min(self._capacity, self._used + self._reserved + self._medium_room())
+        if limit <= self._limit:
+            return False
+        self._limit = limit
+        return True
+
+    def _medium_room(self) -> int:
+        """Bytes the file system has free for this user (0 where statvfs fails)."""
+        try:
+            fs = os.statvfs(self.path)
+        except OSError:
+            return 0
+        return fs.f_bavail * fs.f_frsize
 
     def _demote(self, key: BlockKey) -> None:
         """Hand a victim's verified bytes to ``on_evict`` (read into memory of their own: a mapping
@@ -903,12 +940,71 @@ def _parents_first(found: list[tuple], parents: dict[BlockKey, BlockKey]):
         yield from reversed(chain)
 
 
-def _probe(path: str) -> bool:
+def _make_tier_dirs(path: str) -> None:
+    """``path`` and its 256 shard directories (0700), missing ones made. A shard a full file system
+    has no room for (ENOSPC, EDQUOT) is left to the first write into it, which makes it."""
     try:
-        return direct_io.probe_direct_io(path)
+        make_private_dirs(path)
+        for shard in range(256):
+            try:
+                make_private_dirs(os.path.join(path, f"{shard:02x}"))
+            except OSError as exc:
+                if exc.errno not in direct_io.NO_ROOM:
+                    raise
     except OSError as exc:
-        raise TierError(f"cannot write in {path!r} ({exc}); pass a writable directory") from exc
+        raise TierError(f"cannot use {path!r} as a disk tier ({exc}); pass a writable directory") from exc
 
+
+def _uses_direct_io(path: str, wanted: bool | str) -> bool:
+    """Whether the tier in ``path`` does its I/O with O_DIRECT (``wanted``: its ``direct_io``; False:
+    never, and no probe written). A directory this user cannot write to is refused. A file system
+    too full for the probe's page (ENOSPC, EDQUOT) is no reason to refuse the tier: its blocks are
+    readable and its puts evict to make room (:meth:`DiskTier._medium_full`); a block file already
+    there, read with O_DIRECT, tells then, and with none to read, buffered I/O ("auto"), or
+    O_DIRECT as required (True: its writes fail, as ERROR, if the file system refuses it)."""
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise TierError(f"cannot write in {path!r} (read-only, or not this user's to write); "
+                        f"pass a writable directory")
+    if wanted is False:
+        return False
+    try:
+        supported = direct_io.probe_direct_io(path)
+    except OSError as exc:
+        if exc.errno not in direct_io.NO_ROOM:
+            raise TierError(f"cannot write in {path!r} ({exc}); pass a writable directory") from exc
+        supported = _probe_by_reading(path, exc)
+    if wanted is True and supported is False:
+        raise TierError(f"{path!r} does not support O_DIRECT; pass direct_io='auto' or False")
+    return supported is True or (supported is None and wanted is True)
+
+
+def _probe_by_reading(path: str, full: OSError) -> bool | None:
+    """Whether O_DIRECT works in ``path``, whose file system had no room for the probe (``full``),
+    told by reading a block file there; None where none could be read."""
+    for file in _block_files(path):
+        try:
+            supported = direct_io.probe_direct_read(file)
+        except OSError:
+            continue  # removed meanwhile, or unreadable: another one tells
+        log.warning("disk tier %s: no room to probe O_DIRECT (%s); reading a block file says it %s",
+                    path, full, "works" if supported else "does not")
+        return supported
+    log.warning("disk tier %s: no room to probe O_DIRECT (%s) and no block file to read it with; "
+                "direct_io='auto' does buffered I/O", path, full)
+    return None
+
+
+def _block_files(path: str) -> Iterator[str]:
+    """The block files and extents in the shards of ``path`` (regular files, as named), lazily."""
+    for shard in range(256):
+        try:
+            with os.scandir(os.path.join(path, f"{shard:02x}")) as items:
+                for item in items:
+                    if (item.name.endswith((SUFFIX, disk_extents.EXTENT_SUFFIX))
+                            and item.is_file(follow_symlinks=False)):
+                        yield item.path
+        except OSError:
+            pass  # a shard missing or unreadable: the others tell
 
 
 def _listed(path: str) -> list[os.DirEntry]:

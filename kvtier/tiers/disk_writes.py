@@ -3,15 +3,19 @@
 A block is published crash safe: written to a temp file beside its final name, fsync'd, then
 renamed there. ``put_many`` of several blocks packs them in one extent file (one fsync), then
 links each block's name to its place in it (:mod:`kvtier.tiers.disk_extents`); a batch that
-does not fit whole goes block by block. Each block's record (parent link, the annotator's
-annotation) is made before any I/O; room is reserved under the lock and settled in the same
-locked step as the index.
+does not fit whole goes block by block (one whose extent the file system has no room for too).
+Each block's record (parent link, the annotator's annotation) is made before any I/O; room is
+reserved under the lock and settled in the same locked step as the index.
 
 Content addressed: a block already indexed is not written again, once its name is confirmed to
 hold it still (one lstat, :meth:`~kvtier.tiers.disk.DiskTier._drop_stale`: another process sharing
 the directory may have removed it). Two writers of ours publishing one key at once (a put and a
 ``put_many``, say): whichever rename or link reached the name last wins it, and the index takes
 that copy whichever settles last (the other's file is gone, or its place in an extent dead).
+
+A file system that runs out of space (ENOSPC, EDQUOT) before ``capacity_bytes`` is reached is the
+limit from then on (``DiskTier._medium_full``): a put evicts the policy's victims worth what it
+needs and is written again (:data:`NO_ROOM_RETRIES` times at most), rather than failing for good.
 
 A put may carry the block's age (``created``: when it was first written into the store, wall
 clock): the published file's mtime is set to it before the rename, so a restart reads the same
@@ -35,12 +39,22 @@ from kvtier.tiers.disk_extents import EXTENT_SUFFIX, Extent
 from kvtier.tiers.disk_records import FLAG_RECORD, TEMP_SUFFIX, BlockRecord, _Entry, _unlink, log, pack_record
 from kvtier.tiers.streams import PayloadSource, PieceReader
 
-_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+#: how many times a put is written again after the file system ran out of space (each time
+#: after evicting what it needs: others may fill the space first, or the file system count more)
+NO_ROOM_RETRIES = 2
 #: a block older than this (its ``created``) is written as a file of its own, never packed: an
 #: extent's mtime is its blocks' age, and a restart in another process takes an extent no name
 #: reaches yet (its writer still linking them) for a dead writer's once its mtime is older than
 #: ``disk.STALE_TEMP_S`` (an hour): extents stay far from that.
 PACK_AGE_MAX_S = 600.0
+
+
+class _NoRoom(Exception):
+    """A write the file system had no room for (ENOSPC, EDQUOT: ``quota``); nothing published."""
+
+    def __init__(self, quota: bool) -> None:
+        super().__init__("quota spent" if quota else "file system full")
+        self.quota = quota
 
 
 class DiskWrites:
@@ -101,12 +115,13 @@ class DiskWrites:
                 self._put_packed(keys, srcs, parents, metas, created,
                                  packable[start:start + disk_extents.EXTENT_BLOCKS], statuses)
         for i in todo:
-            if statuses[i] is None:  # not packed (the batch did not fit whole, old): one by one (each makes room)
+            if statuses[i] is None:  # not packed (no room for the whole batch, old): one by one (each makes room)
                 statuses[i] = self.put(keys[i], srcs[i], parent=parents[i], meta=metas[i], created=created[i])
         return [statuses[first_of[key]] for key in keys]
 
     def _put_packed(self, keys, srcs, parents, metas, created, todo: list[int], statuses: list) -> None:
-        """Publish blocks ``todo`` in one extent; sets their statuses (None: not attempted, too big)."""
+        """Publish blocks ``todo`` in one extent; sets their statuses (None: not written, to be put
+        one by one: the batch did not fit whole, or the file system had no room for the extent)."""
         records = {}
         for i in todo:
             record = self._record_of(keys[i], parents[i])
@@ -144,8 +159,12 @@ class DiskWrites:
             # one mtime for the extent's names (hard links of one inode): the oldest block's, so that
             # after a restart none is served past its TTL (a younger one may expire early: a cache may lose)
             oldest = min(born.values()) if any(created[i] is not None for i in todo) else None
-            status, ino = self._write_extent(stem, rel, table, [
-                (keys[i], srcs[i], metas[i], pack_record(keys[i], records[i]), offsets[i]) for i in todo], oldest)
+            full = None
+            try:
+                status, ino = self._write_extent(stem, rel, table, [
+                    (keys[i], srcs[i], metas[i], pack_record(keys[i], records[i]), offsets[i]) for i in todo], oldest)
+            except _NoRoom as exc:
+                status, ino, full = Status.FULL, None, exc
             linked = self._link_all(rel, [keys[i] for i in todo]) if status is Status.OK else []
         except BaseException:
             with self._lock:
@@ -153,6 +172,11 @@ class DiskWrites:
             raise
         with self._lock:
             self._reserved -= need  # in the same locked step as the index: room is never counted twice or not at all
+            if full is not None:
+                # the file system had no room for the extent (before capacity_bytes): block by block
+                # (statuses left None), each making room under the limit the medium sets now
+                self._medium_full(full.quota)
+                return
             if status is not Status.OK:
                 for i in todo:
                     statuses[i] = status
@@ -195,7 +219,7 @@ class DiskWrites:
         """Write ``table`` and ``(key, payload, meta, record bytes, offset)`` blocks into extent
         ``rel``: temp file, one fsync, its ``mtime`` (None: left), rename (nothing links into it
         yet, so a crash leaves no torn block reachable). Returns the status and the extent's inode
-        (its names link to it)."""
+        (its names link to it); raises :class:`_NoRoom` as :meth:`_publish` does."""
         final = os.path.join(self.path, rel)
         inode: list[int] = []
 
@@ -241,7 +265,9 @@ class DiskWrites:
         created = created or [None] * len(keys)
         for k in keys:
             _check_key(k)
-        return [self._put(k, s.nbytes, p, lambda fd, record, k=k, s=s: self._write_stream(fd, k, s, record), c)
+        # a source is read once: a stream the file system has no room for is not written again
+        return [self._put(k, s.nbytes, p, lambda fd, record, k=k, s=s: self._write_stream(fd, k, s, record), c,
+                          rewritable=False)
                 for k, s, p, c in zip(keys, sources, parents, created)]
 
     def _write_stream(self, fd: int, key: BlockKey, source: PayloadSource, record: bytes) -> None:
@@ -253,9 +279,13 @@ class DiskWrites:
 
         self._io.write_filled(fd, source.nbytes, lambda off, view: reader.fill(view), header)
 
-    def _put(self, key: BlockKey, nbytes: int, parent: BlockKey | None, write, created: float | None = None) -> Status:
+    def _put(self, key: BlockKey, nbytes: int, parent: BlockKey | None, write, created: float | None = None,
+             *, rewritable: bool = True) -> Status:
         """A put of ``nbytes`` whose file I/O ``write(fd, record_bytes)`` is the caller's, of a
-        block first written into the store at ``created`` (None: now)."""
+        block first written into the store at ``created`` (None: now). A file system that has no
+        room for it (before ``capacity_bytes``) becomes the limit (see ``DiskTier._medium_full``):
+        victims worth the block are evicted and, where ``write`` can run again (``rewritable``), it
+        is written again, :data:`NO_ROOM_RETRIES` times at most."""
         need = PAGE + round_up(nbytes)
         self._drop_stale((key,))  # a block another process removed is written again, not taken as there
         with self._lock:
@@ -279,10 +309,6 @@ class DiskWrites:
             if need > self._capacity:
                 self.stats.put_failures += 1
                 return Status.TOO_LARGE
-            if not self._make_room(need):
-                self.stats.put_failures += 1
-                return Status.FULL
-            self._reserved += need
         born = None if created is None else min(created, time.time())
         inode: list[int] = []
 
@@ -290,32 +316,52 @@ class DiskWrites:
             inode.append(os.fstat(fd).st_ino)  # the rename keeps it: what our file is at the name
             write(fd, packed)
 
-        try:
-            status = self._write(key, writing, born)
-        except BaseException:
+        retries = NO_ROOM_RETRIES if rewritable else 0
+        while True:
             with self._lock:
-                self._reserved -= need
-            raise
-        with self._lock:
-            self._reserved -= need  # in the same locked step as the index: room is never counted twice or not at all
-            if status is not Status.OK:
-                self.stats.put_failures += 1
-                self.stats.errors += status is Status.ERROR
-                return status
-            ino = inode[0] if inode else None
-            if key in self._index and not self._name_holds(key, ino):
-                # another thread of ours published it meanwhile, its rename or link after ours: the
-                # name holds its copy, which the index describes (ours is gone)
-                self._policy.on_access(key)
-            else:
-                if key in self._index:  # published meanwhile, but our rename replaced it: its file is
-                    self._forget(key)   # gone, or its place in an extent unreachable (dead bytes)
-                entry = self._index[key] = _Entry(need, time.time() if born is None else born, ino=ino)
-                self._used += need
-                self._policy.on_insert(key, parent)
-                self._queue_age(key, entry)
-            self.stats.puts += 1
-            self.stats.bytes_written += nbytes
+                if not self._make_room(need):
+                    self.stats.put_failures += 1
+                    return Status.FULL
+                self._reserved += need
+            full = None
+            try:
+                status = self._write(key, writing, born)
+            except _NoRoom as exc:
+                status, full = Status.FULL, exc
+            except BaseException:
+                with self._lock:
+                    self._reserved -= need
+                raise
+            with self._lock:
+                self._reserved -= need  # in the same locked step as the index: room is never counted twice or not at all
+                if full is not None:
+                    self._medium_full(full.quota)  # (our reservation returned first: not room the medium has)
+                    if retries > 0:
+                        retries -= 1
+                        continue  # (its temp file is gone) room is made for it first
+                return self._settle_put(key, status, need, nbytes, inode[-1] if inode else None, born, parent)
+
+    def _settle_put(self, key: BlockKey, status: Status, need: int, nbytes: int, ino: int | None,
+                    born: float | None, parent: BlockKey | None) -> Status:
+        """Count a put's write (under the lock) and index its block where it was published
+        (``ino``: the file at its name)."""
+        if status is not Status.OK:
+            self.stats.put_failures += 1
+            self.stats.errors += status is Status.ERROR
+            return status
+        if key in self._index and not self._name_holds(key, ino):
+            # another thread of ours published it meanwhile, its rename or link after ours: the
+            # name holds its copy, which the index describes (ours is gone)
+            self._policy.on_access(key)
+        else:
+            if key in self._index:  # published meanwhile, but our rename replaced it: its file is
+                self._forget(key)   # gone, or its place in an extent unreachable (dead bytes)
+            entry = self._index[key] = _Entry(need, time.time() if born is None else born, ino=ino)
+            self._used += need
+            self._policy.on_insert(key, parent)
+            self._queue_age(key, entry)
+        self.stats.puts += 1
+        self.stats.bytes_written += nbytes
         return Status.OK
 
     def _record_of(self, key: BlockKey, parent: BlockKey | None) -> BlockRecord | None:
@@ -351,7 +397,7 @@ class DiskWrites:
     def _publish(self, final: str, stem: str, write, *, what: str, mtime: float | None = None) -> Status:
         """Write a file through ``write(fd)`` under a temp name beside ``final``, set its ``mtime``
         (the age of its blocks, which a restart reads back; None: the write's time), then rename it
-        there."""
+        there. Raises :class:`_NoRoom` where the file system had no room for it (temp file removed)."""
         temp = os.path.join(os.path.dirname(final), f".{stem}.{direct_io.temp_tag()}{TEMP_SUFFIX}")
         try:
             try:
@@ -371,8 +417,8 @@ class DiskWrites:
             return Status.OK
         except OSError as exc:
             _unlink(temp)
-            if exc.errno in _FULL_ERRNOS:
-                return Status.FULL
+            if exc.errno in direct_io.NO_ROOM:
+                raise _NoRoom(exc.errno == errno.EDQUOT) from exc
             log.warning("disk tier %s: writing %s failed: %s", self.path, what, exc)
             return Status.ERROR
         except ValueError as exc:  # a payload source that broke its word: nothing is published

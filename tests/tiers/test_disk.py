@@ -353,7 +353,8 @@ def tiny_tmpfs(tmp_path):
 
 
 def test_a_real_full_file_system_fails_puts_cleanly(tiny_tmpfs):
-    # Capacity far above the medium: the file system, not the tier, runs out.
+    # Capacity far above the medium: the file system, not the tier, runs out. A put then evicts to
+    # make room (tests/tiers/test_disk_full.py); with every block pinned nothing can be: FULL.
     with DiskTier(tiny_tmpfs, 64 << 20) as t:
         n = 256 * 1024 + 100
         stored, status = [], Status.OK
@@ -361,6 +362,7 @@ def test_a_real_full_file_system_fails_puts_cleanly(tiny_tmpfs):
             status = t.put(k(i), data(i, n))
             if status is not Status.OK:
                 break
+            assert t.pin(k(i))
             stored.append(i)
         assert status is Status.FULL
         assert 2 <= len(stored) < 40
