@@ -2,23 +2,30 @@
 
 Requests are ADMIN frames ``{"cmd": NAME, "args": {...}}`` (see
 :mod:`kvtier.tiers.remote_protocol`); ``kvtier admin`` is the command-line
-client. Every call, refused or not, is written to the audit log. Commands are a
-table (name → method); a bad argument is an ``{"ok": false, "error": …}``
-reply naming the fix, never a dropped connection. Erasure runs on the I/O
-threads (a tenant may have many blocks on disk); with a disk spill it is
-recorded first (a tombstone in the runtime state: it outlasts a restart, and an
-old copy of the files does not bring them back); the rest is immediate.
+client. Every call, refused or not, is written to the audit log (one made with
+a tenant's token too, by the service: :func:`admin_request_fields`, throttled per tenant).
+Commands are a table (name → method); a bad argument is an
+``{"ok": false, "error": …}`` reply naming the fix, never a dropped connection.
+Erasure runs on the I/O threads (a tenant may have many blocks on disk); with a
+disk spill it is recorded first (a tombstone in the runtime state: it outlasts
+a restart, and an old copy of the files does not bring them back), and the
+fleet journal, if any, is written anew after it (no record of an erased block
+stays in it); the rest is immediate.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 
 from kvtier.server.config import SHARED_PREFIX, check_namespace
+from kvtier.server.fleet_journal import journal_under
 from kvtier.server.io_lanes import ADMIN_LANE
 from kvtier.tiers.remote_protocol import ErrorCode, ProtocolError, unpack_msgpack
+
+log = logging.getLogger(__name__)
 
 
 class AdminAPI:
@@ -102,8 +109,11 @@ class AdminAPI:
         self.svc.metrics.erasures.inc(erased)
         # A copy a tier could not remove (a read-only disk) is no longer served, but it is not
         # erased: said so, never counted as done (the tombstone above keeps it from coming back).
-        failed = {"refused": refused, "error": f"{refused} blocks could not be removed from a tier (see the "
-                                               f"server's log); make it writable and erase again"} if refused else {}
+        problems = [f"{refused} blocks could not be removed from a tier (see the server's log); make it writable "
+                    f"and erase again"] if refused else []
+        if keys:  # (cheap where the journal holds no forgotten entry)
+            problems += await io.run(ADMIN_LANE, self._compact_fleet_journal)
+        failed = ({"refused": refused} if refused else {}) | ({"error": "; ".join(problems)} if problems else {})
         if self.svc.keyring is None:
             return {"erased": erased, **failed}
         shredded = False
@@ -112,6 +122,21 @@ class AdminAPI:
             # anywhere (a file not yet unlinked, a backup) is noise from now on.
             shredded = await io.run(ADMIN_LANE, self.svc.keyring.shred_tenant, owner)
         return {"erased": erased, "keys_shredded": shredded, **failed}
+
+    def _compact_fleet_journal(self) -> list[str]:
+        """Write the fleet journal anew without the records the erasure forgot (their owner,
+        namespace, session and client keys); the problem, if it could not be."""
+        for tier in self.svc.store.tiers:
+            journal = journal_under(tier)
+            if journal is None:
+                continue
+            try:
+                journal.compact()
+            except OSError as exc:
+                log.warning("fleet journal %s could not be written anew after an erasure: %s", journal.path, exc)
+                return [f"the fleet journal {journal.path} could not be written anew ({exc}): the erased blocks' "
+                        f"records stay in it until it can (at the next erasure or start); check state_dir"]
+        return []
 
     def set_quota(self, args: dict) -> dict:
         owner = self._owner(args)
@@ -148,6 +173,17 @@ class AdminAPI:
         if not isinstance(owner, str) or owner not in self.owners:
             raise ValueError(f"unknown tenant {client_text(owner)!r}; known: {sorted(self.owners)}")
         return owner
+
+
+def admin_request_fields(meta: bytes) -> dict:
+    """What an ADMIN frame asks, for the audit line of a refused one: its command and arguments
+    as far as they decode (``cmd`` "<undecodable>" if the frame does not)."""
+    try:
+        req = unpack_msgpack(meta, "ADMIN")
+    except ProtocolError:
+        return {"cmd": "<undecodable>"}
+    args = req.get("args")
+    return {"cmd": client_text(req.get("cmd"), 40), "args": _printable(args) if isinstance(args, dict) else {}}
 
 
 def _persisted(change, *args) -> None:

@@ -6,7 +6,11 @@ and its record; ``F`` (forgotten) and the name. A placement is fsync'd before it
 forgetting is not (one lost to a power cut names a block the next start looks up and finds
 gone, or one whose removal was owed). A torn last entry (a crash while appending) is cut off at
 open; what came before is whole. The file is written anew (temp, fsync, rename) with the live
-records only at start and whenever forgotten entries outnumber them.
+records only: at start; after an admin erasure (:meth:`FleetJournal.compact`), so that no record
+of an erased block (owner, namespace, session, the client's key: in clear without encryption at
+rest) stays in the file; and whenever forgotten entries outnumber the live records and number
+more than :data:`_COMPACT_AFTER` -- a rewrite costs O(live records), so it comes at most once per
+that many forgettings and once per as many as there are live records: O(1) each, amortised.
 
 What a record says and who writes it: :mod:`kvtier.server.fleet`.
 """
@@ -30,7 +34,7 @@ _PLACED, _FORGOTTEN = b"P", b"F"  # an entry: kind, name (32 bytes), then for P 
 _NAME_NBYTES = 32
 _LEN = struct.Struct("<I")
 _MAX_RECORD = 64 << 10
-#: forgotten records the file may carry before it is written anew (and at least as many as live ones)
+#: forgotten entries the file may carry before it is written anew (and at least as many as live records)
 _COMPACT_AFTER = 4096
 
 
@@ -130,6 +134,15 @@ class FleetJournal:
         with self._lock:
             self._rewrite_locked()
 
+    def compact(self) -> bool:
+        """Write the file anew if it holds any forgotten entry (an erasure's: its records must not
+        stay readable in the file); returns whether it did. Raises OSError if it could not."""
+        with self._lock:
+            if not self._dead:
+                return False
+            self._rewrite_locked()
+            return True
+
     def _rewrite_locked(self) -> None:
         parts = [_MAGIC]
         for name, record in self._live.items():
@@ -190,7 +203,7 @@ class FleetJournal:
                 del self._live[name]
                 self._written_for.pop(name, None)
                 self._placed_seq.pop(name, None)
-            self._dead += 2 * len(gone)
+            self._dead += 2 * len(gone)  # the P entry and its F
             if self._dead > max(_COMPACT_AFTER, len(self._live)):
                 try:
                     self._rewrite_locked()
@@ -220,6 +233,17 @@ class FleetJournal:
             if self._fd is not None:
                 os.close(self._fd)
                 self._fd = None
+
+
+def journal_under(tier) -> FleetJournal | None:
+    """The fleet journal of ``tier`` or of a tier it wraps (the server's fleet tier may be under a
+    sealing tier); None if it has none."""
+    while tier is not None:
+        journal = getattr(tier, "journal", None)
+        if isinstance(journal, FleetJournal):
+            return journal
+        tier = getattr(tier, "inner", None)
+    return None
 
 
 def _write_all(fd: int, blob: bytes) -> None:

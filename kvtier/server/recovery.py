@@ -20,12 +20,17 @@
   start is refused (:class:`~kvtier.errors.ConfigError`) and nothing deleted.
   A block an erasure covers (a tombstone in the runtime state,
   :mod:`kvtier.server.runtime_state`: same owner and scope, created at or before
-  it) is deleted too: an old copy of erased files does not bring them back.
-  Tombstones older than every block left are then dropped (they cover none).
+  it) is deleted too: an old copy of erased files does not bring them back. So
+  is, with encryption at rest, a block whose owner has no keys in the key store
+  (shredded: it can never be read). Both are judged on the authenticated
+  annotation before the file's name is checked against the owner's keys (a
+  shredded owner's names no longer derive), and neither counts toward that
+  refusal: the master key that authenticated their annotations is the right one.
+  Tombstones are kept whatever is left on disk (a backup put back later is what
+  they are for); :mod:`kvtier.server.runtime_state` bounds them.
 * Blocks the server placed in a Mooncake fleet come back from its fleet journal
   (:mod:`kvtier.server.fleet`): :meth:`SpillBinding.rebuild` indexes them with the disk's,
-  all in one age order (a block both hold is indexed as the disk's), and keeps the tombstones
-  that still cover a record the journal keeps.
+  all in one age order (a block both hold is indexed as the disk's).
 """
 
 from __future__ import annotations
@@ -100,7 +105,15 @@ class SpillBinding:
         """Make an erasure outlast a restart (before its files are deleted; raises OSError if it
         cannot be written): :meth:`rebuild` then drops any copy of the blocks it covers."""
         if self.erasures is not None:
-            self.erasures.record_erasure(owner, namespace, session, erased_at)
+            self.erasures.record_erasure(owner, namespace, session, erased_at, live_blocks=self._held_blocks)
+
+    def _held_blocks(self, owner: str):
+        """``owner``'s indexed blocks as (namespace, session, wall-clock creation): what a folded
+        tombstone must not reach (asked only when there are too many tombstones)."""
+        for skey in self.index.select(owner):
+            entry = self.index.get(skey)
+            if entry is not None:
+                yield entry.namespace, entry.session, wall_of(entry.created)
 
     # -- writing ---------------------------------------------------------------------------
     def record(self, disk_key: bytes) -> BlockRecord | None:
@@ -117,30 +130,32 @@ class SpillBinding:
     def rebuild(self, owners: set[str], also: Sequence[Found] = (), also_oldest: float | None = None) -> Rebuilt:
         """Index every attributable block on disk (call once, before serving), and ``also`` (the
         blocks a fleet journal found, :func:`kvtier.server.fleet.rebuild_from_journal`) but those
-        the disk holds; ``also_oldest``: the creation of the oldest record that journal keeps (the
-        tombstones that may cover it stay)."""
+        the disk holds. (``also_oldest`` is not used: tombstones are kept whatever is left.)"""
         out = Rebuilt()
-        erasures = self.erasures
         found: list[tuple[float, bytes, SpillAnnotation]] = []
         rejected: list[bytes] = []
         doomed: list[bytes] = []
+        keyless: dict[str, bool] = {}  # owner → whether the key store holds none of its keys
         for rec in self.disk.records():
             note = self.codec.unpack(rec.key, rec.annotation)
             if rec.annotation is None:
                 out.unattributed += 1
+            elif note is not None and self._erased(note):
+                out.erased += 1  # (its name is not checked: a shredded owner's no longer derives)
+            elif note is not None and self._keys_shredded(note.owner, keyless):
+                out.erased += 1
             elif note is None or not self._bound(rec, note):
                 out.rejected += 1
                 rejected.append(rec.key)
                 continue
             elif note.owner not in owners:
                 out.unknown_owner += 1
-            elif erasures is not None and erasures.erased(note.owner, note.namespace, note.session,
-                                                          note.created_wall):
-                out.erased += 1
             else:
                 found.append((note.created_wall, rec.key, note))
                 continue
             doomed.append(rec.key)
+        for owner in sorted(o for o, shredded in keyless.items() if shredded):
+            log.warning("the key store holds no keys of %s (shredded): its sealed block files are deleted", owner)
         if self.keyring is not None and rejected and not found and not out.unknown_owner and not out.erased:
             raise ConfigError(
                 f"none of the {len(rejected)} sealed block files in {self.disk.path} authenticates under this "
@@ -158,13 +173,22 @@ class SpillBinding:
                 note.session, self.disk.name, note.parent, disk_key if self.keyring is not None else None)))
         on_disk = {skey for _, skey, _ in entries}
         out.entries = index_oldest_first(self.index, entries + [f for f in also if f[1] not in on_disk])
-        walls = [created_wall for created_wall, _, _ in found] + ([also_oldest] if also_oldest is not None else [])
-        if erasures is not None and walls:
-            try:  # what every file left on disk (and every fleet record kept) is younger than covers none of them
-                erasures.forget_erasures_before(min(walls))
-            except OSError as exc:  # kept: they cost a lookup per file at the next start
-                log.warning("could not drop tombstones older than every spilled block: %s", exc)
         return out
+
+    def _erased(self, note: SpillAnnotation) -> bool:
+        """Whether an erasure's tombstone covers the block an authenticated annotation describes."""
+        return self.erasures is not None and self.erasures.erased(note.owner, note.namespace, note.session,
+                                                                  note.created_wall)
+
+    def _keys_shredded(self, owner: str, known: dict[str, bool]) -> bool:
+        """With encryption at rest, whether the key store holds no keys of ``owner`` (asked once per
+        owner, answers kept in ``known``): its blocks can never be read again. (The key store is
+        checked against the master key when it opens -- :mod:`kvtier.crypto.keystore_dir` -- and
+        no block is written before its owner's keys exist, so an owner without keys is one whose
+        keys were shredded.) Creates no keys."""
+        if owner not in known:
+            known[owner] = self.keyring is not None and self.keyring.existing_storage_key(owner, bytes(32)) is None
+        return known[owner]
 
     def _bound(self, rec, note: SpillAnnotation) -> bool:
         """The annotation describes the file it is in: its disk name derives from the claimed

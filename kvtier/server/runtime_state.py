@@ -20,13 +20,17 @@ one that was edited stops the start, naming the file. (Whoever can write
 ``state_dir`` can still delete them with the file, as any override: keep it
 apart from ``disk_dir`` where that matters.)
 
-They stay bounded. Per scope only the latest erasure is kept, and one that a
-wider, later erasure of the same owner covers goes. After a rebuild, those
-older than every file left on disk go (:meth:`RuntimeState.forget_erasures_before`):
-they cover no file that is there. Past :data:`MAX_ERASURES`, the oldest half is
-folded into one tombstone per owner at the latest of their times: it drops
-more at the next start (blocks of the owner created before then: a cache may
-lose), never less.
+They are kept: a tombstone goes only where a wider one at least as late covers
+it (per scope only the latest erasure is kept, and one that a wider, later
+erasure of the same owner covers goes), never because the files it covers are
+gone from ``disk_dir`` (a backup put back later would bring them back). Past
+:data:`MAX_ERASURES` they are folded: an owner's tombstones older than its
+oldest block the server still holds (that no tombstone covers) become one
+tombstone of the whole owner at the latest of their times, which covers all
+they covered and no block the server keeps. If that is not enough (an owner
+whose old blocks stay, erasing one session after another), the oldest
+tombstones go, logged: a copy of the blocks they covered, put back, would be
+served again.
 
 Format (version 1)::
 
@@ -48,9 +52,12 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import logging
 import math
 import os
 import threading
+from collections.abc import Callable, Iterable
+from datetime import datetime, timezone
 
 from kvtier.errors import ConfigError
 from kvtier.private_files import make_private_dirs
@@ -59,9 +66,15 @@ FILE_NAME = "runtime.json"
 _VERSION = 1
 #: tombstones kept at most (a few hundred KB of JSON, rewritten at each erasure); past it, folded
 MAX_ERASURES = 4096
+#: a folded tombstone stays this far before the oldest block it must not reach (wall clocks slew)
+FOLD_MARGIN_S = 1.0
 
 #: an erasure's scope: (owner, namespace or None: all, session or None: all)
 Scope = tuple[str, str | None, str | None]
+#: an owner's blocks the server holds, each as (namespace, session, wall-clock creation)
+LiveBlocks = Callable[[str], Iterable[tuple[str, str, float]]]
+
+log = logging.getLogger(__name__)
 
 
 class RuntimeState:
@@ -131,55 +144,32 @@ class RuntimeState:
     def erased(self, owner: str, namespace: str, session: str, created_wall: float) -> bool:
         """Whether an erasure covers a block of ``owner`` in ``namespace`` and ``session``
         created at ``created_wall`` (at or before the erasure). Four lookups, whatever the count."""
-        erasures = self._erasures
-        if not erasures:
-            return False
-        scopes = [(owner, None, None), (owner, namespace, None)]
-        if session:  # ("": no session; the index lists no such session, and erasing it erases nothing)
-            scopes += [(owner, None, session), (owner, namespace, session)]
-        for scope in scopes:
-            at = erasures.get(scope)
-            if at is not None and created_wall <= at:
-                return True
-        return False
+        return _covers(self._erasures, owner, namespace, session, created_wall)
 
     def erasures(self) -> dict[Scope, float]:
         """A copy: scope → time of its latest erasure."""
         return dict(self._erasures)
 
-    def record_erasure(self, owner: str, namespace: str | None, session: str | None, erased_at: float) -> None:
+    def record_erasure(self, owner: str, namespace: str | None, session: str | None, erased_at: float,
+                       live_blocks: LiveBlocks | None = None) -> None:
         """Persist a tombstone for ``owner``'s blocks (one namespace, one session, or all of them)
         created at or before ``erased_at`` (wall clock); kept only once written (rolled back and
-        the error raised otherwise). A server without an erasure key records nothing."""
+        the error raised otherwise). A server without an erasure key records nothing.
+        ``live_blocks``: the blocks the server holds, asked only past :data:`MAX_ERASURES` (a
+        fold must not reach them; None: nothing is folded, the oldest go)."""
         if self._erasure_key is None:
             return
         with self._lock:
-            before = self._erasures.copy()
-            scope = (owner, namespace, session)
-            self._erasures[scope] = max(erased_at, self._erasures.get(scope, erased_at))
-            self._erasures = _compacted(self._erasures)
-            try:
-                self._save()
-            except BaseException:
-                self._erasures = before
-                raise
-
-    def forget_erasures_before(self, oldest_wall: float) -> int:
-        """Drop the tombstones older than ``oldest_wall``, the creation of the oldest block left on
-        disk after a rebuild: they cover none of them. Returns how many went (persisted; an error
-        writing keeps them and is raised)."""
-        with self._lock:
             before = self._erasures
-            kept = {scope: at for scope, at in before.items() if at >= oldest_wall}
-            if len(kept) == len(before):
-                return 0
-            self._erasures = kept
+            erasures = dict(before)
+            scope = (owner, namespace, session)
+            erasures[scope] = max(erased_at, erasures.get(scope, erased_at))
+            self._erasures = _bounded(_without_covered(erasures), live_blocks)
             try:
                 self._save()
             except BaseException:
                 self._erasures = before
                 raise
-            return len(before) - len(kept)
 
     # -- changes (each one persisted before it returns) -------------------------------------
     def set_quota(self, owner: str, quota: int | None) -> None:
@@ -271,15 +261,22 @@ def _scope_order(item: tuple[Scope, float]) -> tuple:
     return (owner, namespace or "", namespace is not None, session or "", session is not None, at)
 
 
-def _compacted(erasures: dict[Scope, float]) -> dict[Scope, float]:
-    """Without the tombstones a wider one at least as late covers; within :data:`MAX_ERASURES`
-    (the oldest half folded into one per owner, at the latest of their times: wider, later)."""
-    if len(erasures) > MAX_ERASURES:
-        by_age = sorted(erasures.items(), key=lambda item: item[1])
-        erasures = dict(by_age[len(by_age) // 2:])
-        for (owner, _, _), at in by_age[:len(by_age) // 2]:
-            wide = (owner, None, None)
-            erasures[wide] = max(at, erasures.get(wide, at))
+def _covers(erasures: dict[Scope, float], owner: str, namespace: str, session: str, created_wall: float) -> bool:
+    """Whether a tombstone of ``erasures`` covers a block (see :meth:`RuntimeState.erased`)."""
+    if not erasures:
+        return False
+    scopes = [(owner, None, None), (owner, namespace, None)]
+    if session:  # ("": no session; the index lists no such session, and erasing it erases nothing)
+        scopes += [(owner, None, session), (owner, namespace, session)]
+    for scope in scopes:
+        at = erasures.get(scope)
+        if at is not None and created_wall <= at:
+            return True
+    return False
+
+
+def _without_covered(erasures: dict[Scope, float]) -> dict[Scope, float]:
+    """Without the tombstones that a wider one of the same owner, at least as late, covers."""
     out = {}
     for scope, at in erasures.items():
         owner, namespace, session = scope
@@ -287,3 +284,52 @@ def _compacted(erasures: dict[Scope, float]) -> dict[Scope, float]:
         if not any(erasures.get(w, -math.inf) >= at for w in wider):
             out[scope] = at
     return out
+
+
+def _bounded(erasures: dict[Scope, float], live_blocks: LiveBlocks | None) -> dict[Scope, float]:
+    """Within :data:`MAX_ERASURES`: folded where that reaches no block the server holds, then,
+    if still too many, without the oldest (logged: what they covered may come back)."""
+    if len(erasures) <= MAX_ERASURES:
+        return erasures
+    if live_blocks is not None:
+        erasures = _without_covered(_folded(erasures, live_blocks))
+    if len(erasures) <= MAX_ERASURES:
+        return erasures
+    by_age = sorted(erasures.items(), key=lambda item: item[1])
+    dropped = by_age[:len(by_age) - MAX_ERASURES]
+    log.warning("%d erasure tombstones dropped, the oldest (erased up to %s): past %d, those that cannot be "
+                "folded go; a copy of the blocks they covered, put back, would be served again",
+                len(dropped), _utc(dropped[-1][1]), MAX_ERASURES)
+    return dict(by_age[len(dropped):])
+
+
+def _folded(erasures: dict[Scope, float], live_blocks: LiveBlocks) -> dict[Scope, float]:
+    """Per owner, the tombstones older than its oldest held block that none covers (less
+    :data:`FOLD_MARGIN_S`) as one tombstone of the whole owner at the latest of their times: it
+    covers every block they cover, and none that the server keeps."""
+    by_owner: dict[str, list[tuple[Scope, float]]] = {}
+    for scope, at in erasures.items():
+        by_owner.setdefault(scope[0], []).append((scope, at))
+    out = dict(erasures)
+    for owner, held in by_owner.items():
+        if len(held) < 2:
+            continue  # one tombstone folded is no fewer
+        horizon = _oldest_uncovered(erasures, owner, live_blocks(owner)) - FOLD_MARGIN_S
+        old = [(scope, at) for scope, at in held if at < horizon]
+        if len(old) < 2:
+            continue
+        for scope, _ in old:
+            del out[scope]
+        out[(owner, None, None)] = max(at for _, at in old)
+    return out
+
+
+def _oldest_uncovered(erasures: dict[Scope, float], owner: str,
+                      blocks: Iterable[tuple[str, str, float]]) -> float:
+    """The creation of ``owner``'s oldest block that no tombstone covers (infinity: none)."""
+    return min((wall for namespace, session, wall in blocks
+                if not _covers(erasures, owner, namespace, session, wall)), default=math.inf)
+
+
+def _utc(wall: float) -> str:
+    return datetime.fromtimestamp(wall, timezone.utc).isoformat(timespec="seconds")

@@ -49,7 +49,7 @@ import xxhash
 
 from kvtier.core.payload import FLAG_CHECKSUM, FLAG_SEALED, BlockMeta, unpack_header
 from kvtier.core.payload import pack_header as pack_block_header
-from kvtier.server.admin import AdminAPI, client_text
+from kvtier.server.admin import AdminAPI, admin_request_fields, client_text
 from kvtier.server.auth import AuthError, Principal
 from kvtier.server.index import BlockEntry
 from kvtier.server.io_lanes import EVICTION_LANE, SWEEP_LANE, IOLanes
@@ -416,6 +416,7 @@ class Service:
         op = Op(h.op)
         t0 = time.perf_counter()
         if p.is_admin and op not in (Op.ADMIN, Op.STATS, Op.PING):
+            self.audit.write_refusal(p.tenant, "admin_token_refused", peer=conn.peer, op=op.name)
             raise ProtocolError(ErrorCode.FORBIDDEN, "the admin token administers; use a tenant token for data")
         if op == Op.GET:
             await self._get(conn, p, h, meta)
@@ -434,7 +435,9 @@ class Service:
         elif op == Op.STATS:
             conn.reply(h, 0, pack_msgpack(self._stats(p)))
         elif op == Op.ADMIN:
-            if not p.is_admin:
+            if not p.is_admin:  # audited as every admin call (throttled: a tenant may repeat it at will)
+                self.audit.write_refusal(p.tenant, "admin_refused", peer=conn.peer, tenant=p.tenant,
+                                         **admin_request_fields(meta))
                 raise ProtocolError(ErrorCode.FORBIDDEN, "ADMIN needs the admin token")
             conn.reply(h, 0, pack_msgpack(await self.admin.call(conn.peer, meta)))
         await conn.drain()
