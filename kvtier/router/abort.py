@@ -18,10 +18,11 @@ is gone. It does not always do so in time:
   decoded whole before the worker had even sent its first event.
 
 So the router names every request it forwards (``X-Request-Id``, which vLLM turns into its
-engine request ids) and, when the client leaves, also asks the worker to abort those ids
-(``POST /inference/v1/abort_requests``, vLLM's endpoint for routers; behind ``--api-key``
-with the client's own credentials). An id the worker no longer runs is a no-op there; a
-worker without the endpoint answers 404, counted and otherwise harmless.
+engine request ids, unless the client named it: :func:`request_id`) and, when the client
+leaves, also asks the worker to abort those ids (``POST /inference/v1/abort_requests``,
+vLLM's endpoint for routers; behind ``--api-key`` with the client's own credentials). An id
+the worker no longer runs is a no-op there; a worker without the endpoint answers 404,
+counted and otherwise harmless.
 
 An id the worker does not run *yet* is a no-op too, and it answers 200 all the same: vLLM
 registers a request only once its API server has processed it, which beside a decoding
@@ -41,10 +42,11 @@ import errno
 import logging
 import socket
 import uuid
-import re
 from typing import Any, Callable, Iterable, Mapping, NamedTuple
 
 from aiohttp import ClientError, ClientSession, ClientTimeout
+
+from kvtier.router.requests import is_batch
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +65,9 @@ ABORT_TIMEOUT_S = 30.0
 #: since its ids would be megabytes of JSON to build and send (a completion batch's size is
 #: bounded only by the body's)
 MAX_ABORT_IDS = 1024
-#: a body's ``request_id`` the router sends as a header as it is: printable ASCII, no space
-_HEADER_TOKEN = re.compile(r"[\x21-\x7e]{1,256}")
+#: endpoints whose vLLM request model has a ``request_id`` field, the id vLLM runs the request
+#: under when no ``X-Request-Id`` header names it (its Messages API has none: a body's is ignored)
+_BODY_NAMED = frozenset({"/v1/completions", "/v1/chat/completions"})
 #: how often the client's socket is looked at while its request waits on the worker
 CLIENT_POLL_S = 0.5
 
@@ -114,18 +117,22 @@ def watch_client(transport, on_gone, interval_s: float = CLIENT_POLL_S) -> async
     return asyncio.get_running_loop().create_task(watch())
 
 
-def request_id(headers: Mapping[str, str], body: Any) -> tuple[str, bool]:
+def request_id(path: str, headers: Mapping[str, str], body: Any) -> tuple[str, bool]:
     """The id the worker will know the request by, and whether the router must send it as a
-    header. A client's own ``X-Request-Id`` (or the body's ``request_id``, which vLLM takes
-    when there is no header) is kept: it is how the client finds the request in the
-    worker's logs. A body's id that is no safe header value (a control character, a space,
-    non-ASCII; over 256 characters) is not: sent as the header it made aiohttp's client raise
-    (header injection), a 500; the router names the request itself then."""
+    header. A client's own ``X-Request-Id`` is kept, and so is the body's ``request_id`` on an
+    endpoint whose vLLM request has that field (:data:`_BODY_NAMED`; vLLM takes it when no header
+    comes): it is how the client finds the request in the worker's logs, and vLLM names its
+    answer by it. Neither is sent as a header: the worker reads each where the client put it. (A
+    body's id was once sent as the header, and replaced by the router's when it was no header
+    value, a space, non-ASCII or over 256 characters: vLLM then named the answer by the router's
+    id, audit s30 a4 D5.) Any other request the router names itself, in the header."""
     given = headers.get("X-Request-Id")
     if given:
         return given, False
-    own = body.get("request_id") if isinstance(body, dict) else None
-    return (own if isinstance(own, str) and _HEADER_TOKEN.fullmatch(own) else uuid.uuid4().hex), True
+    own = body.get("request_id") if path in _BODY_NAMED and isinstance(body, dict) else None
+    if isinstance(own, str):
+        return own, False
+    return uuid.uuid4().hex, True
 
 
 class EngineIds(NamedTuple):
@@ -153,8 +160,7 @@ def engine_requests(path: str, rid: str, body: Any) -> EngineIds | None:
     if path != "/v1/completions":
         return EngineIds(prefix, rid, 1, False)
     prompt = body.get("prompt") if isinstance(body, dict) else None
-    batch = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (list, str))
-    return EngineIds(prefix, rid, len(prompt) if batch else 1, True)
+    return EngineIds(prefix, rid, len(prompt) if is_batch(prompt) else 1, True)
 
 
 def engine_request_ids(path: str, rid: str, body: Any) -> list[str]:

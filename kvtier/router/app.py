@@ -39,9 +39,10 @@ from kvtier.router.models import (LORA_PATHS, TOKENIZER_CHECK_TEXT, first_refusa
 from kvtier.router.reads import (LISTING_BYTES, SMALL_ANSWER_BYTES, BodyBytes, BodyHold, PeerConnections,
                                  answer_json, default_per_peer, read_body, read_capped)
 from kvtier.router.relay import KeptAnswer, WriteWatch, forwarded_headers
-from kvtier.router.requests import (CHARS_PER_ROUTE_TOKEN, WORKER_RENDERED, RequestError, RoutedPrompt,
-                                   RouteRequest, cached_tokens, check_body, error_response, first_prompt,
-                                   route_prefix, text_chars, truncated_chat, worker_render_payload)
+from kvtier.router.requests import (CHARS_PER_ROUTE_TOKEN, NO_SPECIAL, WORKER_RENDERED, RequestError, RoutedPrompt,
+                                   RouteRequest, cached_tokens, check_body, error_response, first_prompt, is_batch,
+                                   rest_of_batch_tokens, route_prefix, text_chars, token_ids, truncated_chat,
+                                   worker_render_payload)
 from kvtier.router.view import LinearPrefill, LiveView
 from kvtier.router.workers import Health, PrefillFit, Worker
 from kvtier.sim.service import ServiceModel
@@ -84,10 +85,16 @@ PARSE_INLINE_BYTES = 256 << 10
 
 
 #: vLLM's other POST endpoints, forwarded as they are to a worker chosen on load: tokenizer
-#: utilities, Anthropic token counting, pooling models' endpoints (a worker without one
-#: answers its own 404)
-ON_LOAD = ("/tokenize", "/detokenize", "/v1/messages/count_tokens", "/v1/embeddings", "/pooling",
-           "/classify", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank")
+#: utilities, Anthropic token counting, pooling models' endpoints (Cohere's ``/v2/embed`` too),
+#: generative scoring, SageMaker's ``/invocations`` (which vLLM dispatches on the body's form; a
+#: worker without one answers its own 404)
+ON_LOAD = ("/tokenize", "/detokenize", "/v1/messages/count_tokens", "/v1/embeddings", "/v2/embed", "/pooling",
+           "/classify", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank", "/generative_scoring",
+           "/invocations")
+#: vLLM's endpoints whose body is no JSON: speech-to-text models take a multipart form (the audio
+#: file and its fields). Forwarded as they came, unparsed, on load: the router reads nothing of a
+#: form, so a streamed transcription is not held for admission (its prefill is not known here).
+AS_IS = ("/v1/audio/transcriptions", "/v1/audio/translations")
 
 
 class _CountingRunner(web.AppRunner):
@@ -226,6 +233,13 @@ class Router:
         for path in LORA_PATHS:
             app.router.add_post(path, self.lora_adapter)
         app.router.add_get("/health", self.health_endpoint)
+        # SageMaker's health probe, which vLLM answers as it answers /health
+        app.router.add_get("/ping", self.health_endpoint)
+        app.router.add_post("/ping", self.health_endpoint)
+        app.router.add_get("/version", self.as_is)   # (a worker's: the router serves no model)
+        app.router.add_get("/load", self.load_endpoint)
+        for path in AS_IS:
+            app.router.add_post(path, self.as_is)
         app.router.add_get("/metrics", self.metrics_endpoint)
         install_admin(self, app)   # /admin/workers: runtime add / drain / remove (kvtier/router/admin.py)
         app.on_startup.append(self._start)
@@ -349,14 +363,29 @@ class Router:
         return route_prefix(ids, share, self.config.max_route_tokens, self.config.block_tokens)
 
     async def _completion_prompt(self, body: dict, hold: BodyHold | None = None) -> RoutedPrompt:
-        """What a completion is routed on: its (first) prompt's leading tokens. A text longer than
-        routing needs is cut before it is tokenized (the worker is sent the whole body; ``hold``:
-        the request's, :meth:`_on_thread`)."""
-        prompt = first_prompt(body["prompt"])
+        """What a completion is routed on: its first prompt's leading tokens (``hold``: the
+        request's body, :meth:`_on_thread`), and the prefill tokens of all its prompts. vLLM runs
+        each prompt of a batch as an engine request of its own: counted as its first prompt
+        alone, a worker holding a batch of 16 looked as loaded as one holding 1 prompt, in its
+        queue's price, the admission cap and the routed-tokens metric (audit s30 a4 D1)."""
+        prompts = body["prompt"]
+        routed, tokens_per_char = await self._one_prompt(first_prompt(prompts), body, hold)
+        if not is_batch(prompts):
+            return routed
+        rest = rest_of_batch_tokens(prompts, tokens_per_char, self._special_tokens(body), body)
+        return RoutedPrompt(routed.ids, routed.tokens + rest)
+
+    async def _one_prompt(self, prompt: Any, body: dict, hold: BodyHold | None) -> tuple[RoutedPrompt, float]:
+        """One completion prompt as it is routed (a text longer than routing needs cut before it
+        is tokenized: the worker is sent the whole body), and a text's tokens per character, its
+        special tokens aside (0.0 for ids), at which a batch's other texts are priced. A text the
+        tokenizer truncated (``truncate_prompt_tokens``) gives fewer per character than it has:
+        its batch's other texts are then priced low, never high."""
         add_special = lax_bool(body.get("add_special_tokens"), True)   # ("false", 0: as vLLM's model reads them)
         if not isinstance(prompt, str):   # token ids: routed on the prompt vLLM runs, as they are
             ids = truncated_prompt(prompt, body)
-            return RoutedPrompt(self._routed(ids).ids, len(ids))
+            # the routed ones as ints: vLLM reads 3.0 and "3" as ids (token_ids), and is sent them as they came
+            return RoutedPrompt(token_ids(self._routed(ids).ids), len(ids)), 0.0
         share = 1.0
         if len(prompt) > self._route_chars:
             share = self._route_chars / len(prompt)
@@ -365,10 +394,18 @@ class Router:
         truncate = tokenizer_truncation(body) if share >= 1.0 else None
         ids = await self._tokenize("completion", text_chars(prompt), prompt, add_special,
                                    *((truncate,) if truncate else ()), hold=hold)
+        tokens_per_char = max(len(ids) - self._special_tokens(body), 0) / max(len(prompt), 1)
         if share >= 1.0:
-            ids = truncated_prompt(ids, body)
-            return self._routed(ids)
-        return self._cut_truncated(self._routed(ids, share), body)
+            return self._routed(truncated_prompt(ids, body)), tokens_per_char
+        return self._cut_truncated(self._routed(ids, share), body), tokens_per_char
+
+    def _special_tokens(self, body: dict) -> int:
+        """The special tokens the tokenizer adds around each completion text: its BOS (and EOS),
+        unless the request's ``add_special_tokens`` (vLLM's default: true) says not to."""
+        if not lax_bool(body.get("add_special_tokens"), True):
+            return 0
+        added = getattr(self.tokenizer, "added_special", NO_SPECIAL)
+        return added.before + added.after
 
     async def _chat_prompt(self, body: dict, raw_bytes: int, hold: BodyHold | None = None) -> RoutedPrompt:
         """What a chat is routed on: its rendering's leading tokens; a rendering longer than routing
@@ -693,8 +730,10 @@ class Router:
         if not has_prompt and body.get("prompt_embeds") is None:
             check_body(body, "prompt")   # (raises: the prompt is missing or null)
         routed = await self._completion_prompt(body, request[_BODY]) if has_prompt else RoutedPrompt([], 0)
-        how = dict(prompt_tokens=routed.tokens if has_prompt else None, streaming=body.get("stream") is True,
-                   seed=self._context(body), name=self._name(request, body), model=requested_model(body))
+        # a batch's first byte ends its first prompt's prefill only: no sample of the prefill line
+        how = dict(prompt_tokens=routed.tokens if has_prompt else None, streaming=self._streams(body),
+                   first_byte_ends_prefill=not is_batch(body.get("prompt")), seed=self._context(body),
+                   name=self._name(request, body), model=requested_model(body))
         del body   # (only what ``how`` holds is needed from here on: :meth:`_forward`)
         return await self._forward(request, routed.ids, **how)
 
@@ -707,7 +746,7 @@ class Router:
         hold = request[_BODY]
         routed = (await self._chat_prompt(body, len(hold.body), hold) if ids is None
                   else self._routed(truncated_chat(ids, body, self.tokenizer)))
-        how = dict(streaming=body.get("stream") is True, seed=self._context(body, chat=True),
+        how = dict(streaming=self._streams(body), seed=self._context(body, chat=True),
                    name=self._name(request, body), model=requested_model(body))
         del body
         return await self._forward(request, routed.ids, prompt_tokens=routed.tokens, **how)
@@ -723,7 +762,7 @@ class Router:
         if "input" not in body and "previous_response_id" not in body:
             raise RequestError(400, "'input' is a required property", param="input")
         previous = body.get("previous_response_id")
-        how = dict(streaming=body.get("stream") is True, model=requested_model(body))
+        how = dict(streaming=self._streams(body), model=requested_model(body))
         del body
         owner = (await self._response_owner(previous, request.headers.get("Authorization"))
                  if isinstance(previous, str) else None)
@@ -771,7 +810,7 @@ class Router:
         ids = await self._render_on_worker("/v1/messages/render", body, request.headers.get("Authorization"),
                                            "token_ids")
         routed = self._routed(ids or [])
-        how = dict(streaming=body.get("stream") is True, seed=self._context(body), name=self._name(request, body),
+        how = dict(streaming=self._streams(body), seed=self._context(body), name=self._name(request, body),
                    model=requested_model(body))
         del body
         return await self._forward(request, routed.ids, prompt_tokens=None if ids is None else routed.tokens, **how)
@@ -780,9 +819,29 @@ class Router:
         """vLLM's other endpoints (``ON_LOAD``): forwarded unchanged, on load alone."""
         request[_RECEIVED] = time.perf_counter()
         body = await self._json(request, "")
-        how = dict(streaming=body.get("stream") is True, model=requested_model(body))
+        how = dict(streaming=self._streams(body), model=requested_model(body))
         del body
         return await self._forward(request, [], **how)
+
+    async def as_is(self, request: web.Request) -> web.StreamResponse:
+        """``GET /version`` and the endpoints of a multipart form (``AS_IS``): forwarded as they
+        came, body unparsed, on load alone."""
+        request[_RECEIVED] = time.perf_counter()
+        await self._read(request)
+        return await self._forward(request, [])
+
+    async def load_endpoint(self, request: web.Request) -> web.Response:
+        """vLLM's ``GET /load`` (``server_load``: the requests its handlers hold) for the router:
+        the requests it is forwarding now, those held for admission included. A worker's own
+        would be one worker's, not the front door's."""
+        return web.json_response({"server_load": len(self._active)})
+
+    @staticmethod
+    def _streams(body: dict) -> bool:
+        """The request asks for a stream, ``stream`` read as vLLM's request models read a boolean
+        (``"true"``, ``1``): taken for a whole answer, such a stream skipped admission and gave no
+        prefill sample (audit s30 a4 D2)."""
+        return lax_bool(body.get("stream"), False)
 
     def _remember_response(self, kept: bytes, worker: Worker, tail: bytes = b"") -> None:
         """Which worker holds the response an answer created (its ``resp_…`` id: in the answer's
@@ -905,7 +964,7 @@ class Router:
     def _name(request: web.Request, body: Any) -> RequestName:
         """How the worker will know the request (router/abort.py), read from its body (None: from
         its headers alone)."""
-        rid, add_header = request_id(request.headers, body)
+        rid, add_header = request_id(request.path, request.headers, body)
         return RequestName(rid, add_header, engine_requests(request.path, rid, body))
 
     async def _forward(self, request: web.Request, token_ids: list[int], **how) -> web.StreamResponse:
@@ -939,7 +998,8 @@ class Router:
     async def _attempts(self, request: web.Request, token_ids: list[int], *,
                         streaming: bool = False, seed: int = ROOT_SEED,
                         pinned_url: str | None = None, name: RequestName | None = None,
-                        model: str | None = None, prompt_tokens: int | None = None) -> web.StreamResponse:
+                        model: str | None = None, prompt_tokens: int | None = None,
+                        first_byte_ends_prefill: bool = True) -> web.StreamResponse:
         headers = forwarded_headers(request.headers)   # (router/relay.py)
         # named, so that the worker can be told to abort it if the client leaves (router/abort.py;
         # engine ids built only if an abort needs them)
@@ -1039,7 +1099,7 @@ class Router:
                         admission.done(prefill_tokens)
                     # only a stream's first byte ends its prefill (a whole answer comes after its decode)
                     if worker.first_byte(prefill_tokens, upstream_s - load_s, others=others, load_s=load_s,
-                                         ticket=ticket, timed=streaming):
+                                         ticket=ticket, timed=streaming and first_byte_ends_prefill):
                         # the prefill line is fitted to the time less the predicted tier loads,
                         # which the queue prices apart (pending_load_s)
                         self.speed.sample(prefill_tokens, upstream_s - load_s)
@@ -1057,8 +1117,9 @@ class Router:
                     # answer slowly, or never, kept it counted for as long as the answer lasted,
                     # and two such clients had every other request refused 429 (audit s29 a2 D1).
                     request[_BODY].release()
+                    # a client's id is echoed unless it holds what no header may (CR, LF: a body's can)
                     return await self._relay(request, resp, first, worker, timing, predicted,
-                                             rid if abort_ids is not None else None)
+                                             rid if abort_ids is not None and rid.isprintable() else None)
             except asyncio.CancelledError:   # the client left (its handler is cancelled)
                 log.debug("request %s: its client left (%s the first byte) on %s", rid,
                           "after" if answered else "before", worker.url)

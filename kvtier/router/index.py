@@ -46,6 +46,7 @@ import numpy as np
 import xxhash
 
 from kvtier.core.keys import as_token_array
+from kvtier.router.chat_messages import lax_bool
 
 GPU, CPU = 0, 1          #: worker tiers, as vLLM's ``medium``
 SHARED_BIT = 1
@@ -81,13 +82,16 @@ NO_READ_SEED = context_seed("\0kvtier: reads no cached block")
 
 def reads_prefix_cache(body: dict, chat: bool) -> bool:
     """Whether vLLM may serve this request's prompt from cached blocks: not when it asks for
-    prompt logprobs (``prompt_logprobs``, or ``echo`` with ``logprobs`` / chat's
-    ``top_logprobs``), since a cached block keeps no logits; vLLM's sampling params then skip
-    reading the prefix cache, and the connector's loads with it."""
-    prompt_logprobs = body.get("prompt_logprobs")
-    if prompt_logprobs is None and body.get("echo") is True:
-        prompt_logprobs = body.get("top_logprobs" if chat else "logprobs")
-    return prompt_logprobs is None
+    prompt logprobs, since a cached block keeps no logits; vLLM's sampling params then skip
+    reading the prefix cache, and the connector's loads with it. vLLM's ``to_sampling_params``
+    takes ``prompt_logprobs``, or with ``echo`` (read as its pydantic model reads a boolean:
+    ``1``, ``"true"``) a completion's ``logprobs`` or a chat's ``top_logprobs``; a chat's is
+    never None (absent or null, it is 0), so a chat that echoes never reads the cache."""
+    if body.get("prompt_logprobs") is not None:
+        return False
+    if not lax_bool(body.get("echo"), False):
+        return True
+    return not chat and body.get("logprobs") is None
 
 
 #: a string pydantic's lax mode reads as an integer, once stripped: digits (single underscores between

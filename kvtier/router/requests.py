@@ -6,9 +6,11 @@ answer's usage reports. No I/O, no routing: :mod:`kvtier.router.app` calls these
 
 from __future__ import annotations
 
+import itertools
 import json
 from typing import Any, NamedTuple, Sequence
 
+import numpy as np
 from aiohttp import web
 
 from kvtier.router import chat_messages
@@ -76,8 +78,9 @@ class PromptTokenizer:
                 return self._encode(prompt, "prompt", add_special_tokens=add_special_tokens, truncation=True,
                                     max_length=truncate_to)
             return self._encode(prompt, "prompt", add_special_tokens=add_special_tokens)
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            return prompt
+        ids = token_ids(prompt)
+        if ids is not None:
+            return ids
         raise RequestError(400, "prompt must be a string, a list of token ids, or a list of those", param="prompt")
 
     def chat(self, messages: list, body: dict) -> list[int]:
@@ -179,28 +182,70 @@ def truncated_chat(ids: list[int], body: dict, tokenizer: Any) -> list[int]:
     return truncated_prompt(kept, body)
 
 
-def token_list(value: Any) -> bool:
-    """A list of token ids (ints, 0 <= id < 2**32; bools are no ids). Checked in C loops (the
-    types as a set, then min and max): a million ids in ~25 ms instead of ~60."""
+#: token ids are below this (vLLM's are ``>= 0``; the router's keys take 32 bits)
+TOKEN_ID_LIMIT = 1 << 32
+
+
+def token_ids(value: Any) -> list[int] | None:
+    """``value`` as vLLM's request model reads a list of token ids, as ints (0 <= id < 2**32), or
+    None if it is none. Its pydantic lax mode takes what :func:`lax_int` takes: ``3.0`` (numpy
+    and torch float arrays' ``tolist()`` give those), ``true``, ``"3"``; never ``1.5``. A list of
+    ints is handed back as it is, checked in C loops (the types as a set, then min and max): a
+    million ids in ~25 ms instead of ~60."""
     if not isinstance(value, list):
-        return False
+        return None
     if len(value) < 64:   # (a batch of many short ones: the generator costs less than the set)
-        return all(type(t) is int and 0 <= t < 1 << 32 for t in value)
-    return set(map(type, value)) == {int} and min(value) >= 0 and max(value) < 1 << 32
+        if all(type(t) is int and 0 <= t < TOKEN_ID_LIMIT for t in value):
+            return value
+    elif set(map(type, value)) == {int}:
+        return value if min(value) >= 0 and max(value) < TOKEN_ID_LIMIT else None
+    ids = [lax_int(t) for t in value]
+    return ids if all(t is not None and 0 <= t < TOKEN_ID_LIMIT for t in ids) else None
+
+
+def token_list(value: Any) -> bool:
+    """``value`` is a list of token ids as vLLM reads one (:func:`token_ids`)."""
+    return token_ids(value) is not None
 
 
 def valid_prompt(prompt: Any) -> bool:
-    if isinstance(prompt, str) or (token_list(prompt) and prompt):
+    """A completion's ``prompt`` as vLLM takes it: a text, a non-empty list of token ids, or a
+    batch (:func:`is_batch`) of texts or of non-empty lists of ids. (A list that begins with a
+    text is a batch of texts, so ``["3", 4]``, which vLLM reads as ids, is refused.)"""
+    if isinstance(prompt, str):
         return True
-    return (isinstance(prompt, list) and bool(prompt)
-            and (set(map(type, prompt)) == {str} or all(token_list(p) and p for p in prompt)))
+    if not isinstance(prompt, list) or not prompt:
+        return False
+    if is_batch(prompt):
+        return set(map(type, prompt)) == {str} or all(token_list(p) and p for p in prompt)
+    return token_list(prompt)
+
+
+def is_batch(prompt: Any) -> bool:
+    """A completion's ``prompt`` is a batch: a list of texts or of token-id lists, each of which
+    vLLM runs as an engine request of its own."""
+    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (list, str))
 
 
 def first_prompt(prompt: Any) -> Any:
     """The prompt a completion is routed on: a batch's first (a text or a list of ids)."""
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
-        return prompt[0]
-    return prompt
+    return prompt[0] if is_batch(prompt) else prompt
+
+
+def rest_of_batch_tokens(prompts: list, tokens_per_char: float, special_tokens: int, body: dict) -> int:
+    """The prefill tokens of a completion batch's prompts after its first: a list of ids its
+    length; a text estimated from its characters at the first text's ``tokens_per_char``, plus
+    the ``special_tokens`` the tokenizer adds to each (a batch is texts or ids, never both); each
+    cut to the request's ``truncate_prompt_tokens`` N as vLLM cuts each of its prompts (N >= 0:
+    at most N; -1, the model's own limit, unknown here: whole). Counted in numpy, not a Python loop
+    (a 64 MiB body holds millions of prompts)."""
+    lengths = np.fromiter(map(len, itertools.islice(prompts, 1, None)), dtype=np.int64, count=len(prompts) - 1)
+    if isinstance(prompts[0], str):
+        lengths = special_tokens + np.rint(lengths * tokens_per_char).astype(np.int64)
+    n = lax_int(body.get("truncate_prompt_tokens"))
+    if n is not None and n >= 0:
+        lengths = np.minimum(lengths, n)
+    return int(lengths.sum())
 
 
 def text_chars(prompt: Any) -> int:
