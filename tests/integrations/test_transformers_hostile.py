@@ -26,6 +26,7 @@ from kvtier.integrations.transformers import namespace as namespace_module  # no
 from kvtier.integrations.transformers import session as session_module  # noqa: E402
 from kvtier.integrations.transformers.cache_io import KVStorage  # noqa: E402
 from kvtier.integrations.transformers.models import TINY_SPEC, build_model, load_model  # noqa: E402
+from kvtier.integrations.transformers.session import cache_keyword  # noqa: E402
 from tests.integrations.test_transformers import BLOCK, assert_same, host_store, tokens  # noqa: E402
 
 
@@ -234,12 +235,15 @@ def test_a_caller_driving_the_model_holds_the_request_lock_from_prepare_to_save(
     lm = KVTierLM(tiny, store, ns, capacity_tokens=256)
     try:
         with lm.request():
-            lm.prepare(tokens(40, seed=3))
+            prompt = tokens(40, seed=3)
+            prep = lm.prepare(prompt)
             other = threading.Thread(target=lm.generate, args=(tokens(40, seed=4), 1))
             other.start()
             other.join(0.5)
             assert other.is_alive()  # another thread's request waits for this one
-            lm.save(tokens(40, seed=3))
+            with torch.inference_mode():
+                tiny(input_ids=torch.from_numpy(prompt.astype(np.int64))[None], **{cache_keyword(tiny): prep.cache})
+            lm.save(prompt)
         other.join(30)
         assert not other.is_alive()
     finally:

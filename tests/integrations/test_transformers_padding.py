@@ -225,8 +225,8 @@ def test_a_pad_id_set_after_the_session_is_built_stops_what_save_stores(lm_built
     prompt[40] = PAD
     with torch.inference_mode(), lm.request():
         prep = lm.prepare(prompt, extra_tokens=8)
-        lm.model.generate(_ids(prompt), **{cache_keyword(lm.model): prep.cache}, **GENERATE)
-        statuses = lm.save(prompt, known_blocks=prep.known_blocks).result()
+        out = lm.model.generate(_ids(prompt), **{cache_keyword(lm.model): prep.cache}, **GENERATE)
+        statuses = lm.save(out.sequences[0], known_blocks=prep.known_blocks).result()
     assert len(statuses) == 2
     assert lm.store.lookup(block_keys(lm.namespace, prompt)).hit_blocks == 2
 

@@ -83,15 +83,19 @@ class KVStorage:
 
     def _alloc(self, capacity: int) -> torch.Tensor:
         lay = self.layout
-        # Filled, not empty: the pages are faulted in now, at allocation,
-        # instead of during a timed load (a first write runs ~6x below memcpy speed).
-        tensor = torch.zeros(
-            (lay.num_layers, lay.kv_parts, 1, lay.num_kv_heads, capacity, lay.head_dim),
-            dtype=self.dtype,
-            device=self.device,
-        )
-        if self.poisoned:
-            poisoning.fill_tensor(tensor)
+        # A normal tensor even when a request grows the storage inside torch.inference_mode
+        # (KVTierLM.generate): an inference tensor cannot be written outside that mode, and HF
+        # generate, which a caller runs on a prepared cache, runs under no_grad only.
+        with torch.inference_mode(False):
+            # Filled, not empty: the pages are faulted in now, at allocation,
+            # instead of during a timed load (a first write runs ~6x below memcpy speed).
+            tensor = torch.zeros(
+                (lay.num_layers, lay.kv_parts, 1, lay.num_kv_heads, capacity, lay.head_dim),
+                dtype=self.dtype,
+                device=self.device,
+            )
+            if self.poisoned:
+                poisoning.fill_tensor(tensor)
         return tensor
 
     def poison(self) -> None:
@@ -114,7 +118,8 @@ class KVStorage:
         if tokens <= self.capacity:
             return
         bigger = self._alloc(max(tokens, 2 * self.capacity))
-        bigger[:, :, :, :, : self.capacity].copy_(self.tensor)
+        with torch.inference_mode(False):  # as in _alloc: the storage stays a normal tensor
+            bigger[:, :, :, :, : self.capacity].copy_(self.tensor)
         self.tensor = bigger
         for layer in self.layers:
             layer.refresh()
@@ -152,6 +157,12 @@ class KVStorage:
             layer.length = tokens
             layer.refresh()
 
+    def expect_prompt_suffix(self, prompt_tokens: int) -> None:
+        """After a load of a prompt's prefix: every layer's next append must end at position
+        ``prompt_tokens`` (the uncached suffix, fed once), or it is refused (:meth:`StorageLayer.update`)."""
+        for layer in self.layers:
+            layer.prompt_end = prompt_tokens
+
 
 class StorageLayer(DynamicLayer):
     """A ``DynamicLayer`` whose keys/values are views of a :class:`KVStorage`; appends in place."""
@@ -161,6 +172,8 @@ class StorageLayer(DynamicLayer):
         self.storage = storage
         self.index = index
         self.length = 0
+        #: where the next append must end (:meth:`KVStorage.expect_prompt_suffix`); None: anywhere
+        self.prompt_end: int | None = None
         self.device = storage.device
         self.is_initialized = True
         self.refresh()
@@ -176,7 +189,8 @@ class StorageLayer(DynamicLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Append K/V of the layout's shape and the storage's dtype in place; anything else raises
         :class:`LayoutError` before a byte is copied, and marks the storage refused (nothing of
-        this cache is saved)."""
+        this cache is saved). So does a first append after a load that is not the prompt's
+        uncached suffix (:meth:`KVStorage.expect_prompt_suffix`)."""
         lay = self.storage.layout
         want = (1, lay.num_kv_heads, key_states.shape[-2], lay.head_dim)
         if tuple(key_states.shape) != want or tuple(value_states.shape) != want:
@@ -194,6 +208,8 @@ class StorageLayer(DynamicLayer):
                 f"namespace holds {dtype} KV (autocast, or a model whose layers differ in dtype from its "
                 f"first parameter); run the model in one dtype, without autocast")
         end = self.length + key_states.shape[-2]
+        if self.prompt_end is not None:
+            self._check_prompt_suffix(end)
         self.storage.ensure_capacity(end)
         t = self.storage.tensor
         t[self.index, 0, :, :, self.length : end].copy_(key_states)
@@ -201,6 +217,21 @@ class StorageLayer(DynamicLayer):
         self.length = end
         self.refresh()
         return self.keys, self.values
+
+    def _check_prompt_suffix(self, end: int) -> None:
+        """The first append after a load must fill positions ``length .. prompt_end - 1``: HF generate
+        in some modes feeds the whole prompt again after the loaded prefix, and appended there its
+        K/V would sit at positions (and carry the RoPE) of other tokens: wrong logits now, wrong
+        blocks saved under real keys."""
+        prompt, loaded = self.prompt_end, self.length
+        self.prompt_end = None
+        if end != prompt:
+            self._refuse(
+                f"layer {self.index}: the first forward after prepare() appends {end - loaded} positions after the "
+                f"{loaded} loaded, but the prompt has {prompt} tokens: feed prompt[{loaded}:] only. HF generate "
+                f"feeds the whole prompt again after a loaded prefix with assisted or prompt-lookup decoding "
+                f"(assistant_model, prompt_lookup_num_tokens) or prefill_chunk_size: drop those options, or "
+                f"pass use_store=False to prepare() for such requests")
 
     def _refuse(self, why: str):
         self.storage.refused = why

@@ -310,6 +310,19 @@ class KVTierLM:
         has a ``pad_token_id`` that is not one of its ``eos_token_id``, HF masks every pad id in the
         prompt, so the hit stops before the first pad id. (A caller that passes ``generate`` another
         ``pad_token_id``, or feeds the model a mask it builds otherwise, passes that mask here.)
+
+        The next forward must feed ``tokens[cached_tokens:]``, in one call (or start from position 0
+        when nothing was loaded); after a load, a first append that ends elsewhere is refused with
+        :class:`LayoutError` before anything is written, and the cache is not saved. HF ``generate``
+        on the returned cache (under ``no_grad`` or ``inference_mode``): greedy and sampling decoding
+        (its logits processors and stopping criteria included) give what HF ``generate`` alone gives.
+        Assisted and prompt-lookup decoding (``assistant_model``, ``prompt_lookup_num_tokens``) and
+        ``prefill_chunk_size`` feed the whole prompt again after a loaded prefix: served as without
+        kvtier when nothing was loaded, refused after a load (pass ``use_store=False`` for such
+        requests). Beam search and ``num_return_sequences > 1`` (several sequences in one cache) are
+        refused. With ``use_cache=False``, HF feeds the whole sequence at every step into the cache
+        it is given (its output is wrong with any cache passed, kvtier's or its own): not supported;
+        :meth:`save` then refuses, since the cache holds more positions than tokens.
         """
         with self._request_lock:
             self._check_open()
@@ -393,14 +406,24 @@ class KVTierLM:
                 cached = min(report.blocks * self.layout.block_tokens, arr.size - 1)
         self.storage.ensure_capacity(arr.size + extra_tokens)
         self.storage.set_length(cached)
+        if cached:
+            # A forward that feeds more than the uncached suffix (HF generate's assisted decoding, say)
+            # would append K/V of the prompt's first tokens after the loaded ones: refused instead.
+            # With nothing loaded, whatever is fed starts at position 0 and lands where it belongs
+            # (chunked prefill included); save() checks that every position was fed once.
+            self.storage.expect_prompt_suffix(arr.size)
         return Prepared(cache, cached, known, lookup_s, report)
 
     def save(self, tokens: Sequence[int] | np.ndarray, *, known_blocks: int = 0, attention_mask=None) -> Future | None:
         """Store, in the background, the full blocks of ``tokens`` past ``known_blocks``.
 
-        ``tokens`` are the positions the current cache holds KV for (prompt and
-        fed generated tokens). Returns the future of the per-block statuses. A cache that
-        refused an append (K/V of another dtype or shape) is not saved: :class:`LayoutError`.
+        ``tokens`` are the positions the current cache holds KV for, one token per position (prompt
+        and fed generated tokens; one more at the end, the last generated token that HF ``generate``
+        never feeds, is allowed: its output sequence may be passed whole). Returns the future of the
+        per-block statuses. Nothing is saved, with :class:`LayoutError`, of a cache that refused an
+        append (K/V of another dtype or shape, a forward after a load that re-fed the prompt: see
+        :meth:`prepare`) or that holds another count of positions (positions fed again:
+        HF ``generate`` with ``use_cache=False``).
         ``attention_mask``: the mask the model ran with, as for :meth:`prepare` (it may end before
         ``tokens`` do: the generated tokens after it count as attended, as HF generate extends
         it); only the blocks before the first masked position are saved (K/V computed under a
@@ -423,6 +446,7 @@ class KVTierLM:
             if self.storage.refused is not None:
                 # Its layers may hold different lengths, or KV that a refused forward left half written.
                 raise LayoutError(f"nothing of this request is saved: {self.storage.refused}")
+            self._refuse_tokens_not_held(arr)
             held = min(arr.size, self.storage.held_tokens(), reusable_tokens)
             n_full = held // self.layout.block_tokens
             if n_full <= known_blocks:
@@ -441,6 +465,20 @@ class KVTierLM:
                 self._saves = [f for f in self._saves if not f.done()]
                 self._saves.append(future)
             return future
+
+    def _refuse_tokens_not_held(self, arr: np.ndarray) -> None:
+        """Raise :class:`LayoutError` unless the storage holds one position per token of ``arr``
+        (``arr`` may end with one more: the last generated token, which HF generate never feeds).
+        Blocks are gathered by position and keyed by token: a cache holding more positions than
+        tokens had some fed again (HF generate with ``use_cache=False`` feeds the whole sequence at
+        every step), and its position i is no longer token i's K/V."""
+        held = self.storage.held_tokens()
+        if held not in (arr.size, arr.size - 1):
+            raise LayoutError(
+                f"nothing of this request is saved: save() got {arr.size} tokens, but the cache holds K/V of "
+                f"{held} positions. Pass the tokens fed to the model, one per position (prompt and generated "
+                f"tokens; HF generate's output sequence, whose last token was never fed, is fine); a cache "
+                f"holding more positions than tokens had positions fed again (HF generate with use_cache=False)")
 
     def _gather_done(self) -> None:
         with self._gathers_lock:
