@@ -65,7 +65,9 @@ class ConnectorConfig:
       when two paths hold the same weights, or one path is reused for other
       weights. They name the weights only: what vLLM computes from them (its hf
       config after ``--hf-overrides``, dtype, quantization:
-      :func:`model_computation_digest`) joins every key by itself.
+      :func:`model_computation_digest`) joins every key by itself, as a LoRA request's
+      adapter does (its files' contents and the engine's LoRA settings:
+      :mod:`~kvtier.integrations.vllm.lora_digest`).
     * ``async_load``: load between scheduler steps (``get_finished``) instead of
       before the forward pass that needs the blocks.
     * ``sync_load_when_alone``: with ``async_load``, a request that finds no other
@@ -201,14 +203,18 @@ class EngineKV:
     def pages_per_block(self) -> int:
         return self.layout.block_tokens // self.page_tokens
 
-    def keys(self, hashes: list[bytes], epoch: str = "") -> list[BlockKey]:
+    def keys(self, hashes: list[bytes], epoch: str = "", adapter: str = "") -> list[BlockKey]:
         """Keys of kvtier blocks 0..n-1, given vLLM's hash of the last page of each.
 
         ``epoch``: the connector's key epoch (``KvtierConnector.reset_cache``); "" (no reset
-        yet) keys as before epochs existed, so a store filled earlier still hits."""
+        yet) keys as before epochs existed, so a store filled earlier still hits.
+        ``adapter``: the request's LoRA adapter, its files and the engine's LoRA settings
+        (:mod:`~kvtier.integrations.vllm.lora_digest`), as the namespace's ``adapter``; ""
+        (no adapter) keys as before adapters were named."""
+        namespace = dataclasses.replace(self.namespace, adapter=adapter) if adapter else self.namespace
         links = [self.format_tag.encode()] + ([b"epoch " + epoch.encode()] if epoch else [])
-        root = chain_external_hashes(self.namespace, links)[-1]
-        return chain_external_hashes(self.namespace, hashes, parent=root)
+        root = chain_external_hashes(namespace, links)[-1]
+        return chain_external_hashes(namespace, hashes, parent=root)
 
     def block_hashes(self, request_hashes: list[bytes], num_tokens: int) -> list[bytes]:
         """vLLM's hash of the last hash-block of each full kvtier block within ``num_tokens``."""

@@ -50,6 +50,7 @@ from kvtier.integrations.vllm import cpu_windows, shared_store
 from kvtier.integrations.vllm.config import ConnectorConfig, EngineKV, engine_kv
 from kvtier.integrations.vllm.host_events import HostBlock, HostEvents, HostResidency, Removed, host_tier
 from kvtier.integrations.vllm.lookup_service import LookupClient, LookupServer, socket_path
+from kvtier.integrations.vllm.lora_digest import AdapterKeys, lora_settings
 from kvtier.integrations.vllm.metadata import KvtierHandshake, KvtierMetadata, KvtierWorkerMetadata
 from kvtier.integrations.vllm.scheduler_side import SchedulerSide
 from kvtier.integrations.vllm.worker_side import WorkerSide
@@ -276,6 +277,7 @@ class KvtierConnector(KVConnectorBase_V1):
                 saves=transfer.kv_role in ("kv_both", "kv_producer"),
                 bounded_tiers=bounded,
                 host_events=self.host_events,
+                adapters=AdapterKeys(lora_settings(vllm_config)),
             )
         else:
             self.store = shared_store.acquire(self.config.store, self.engine.layout,

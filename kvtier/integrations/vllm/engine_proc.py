@@ -16,7 +16,8 @@ as on a host without AMX tiles: their other page layout, for a test of two hosts
 smaller than a workload), ``kv_events`` (a KVEventsConfig dict: vLLM publishes its KV events,
 the connector's CPU-medium ones among them), or ``transfer`` (a whole
 KVTransferConfig dict, for another connector such as LMCache's). Commands: ``generate`` (prompts as token-id lists,
-``max_tokens``, optional ``cache_salt``, ``kv_transfer_params``), ``reset``
+``max_tokens``, optional ``cache_salt``, ``kv_transfer_params``, ``lora``: an adapter as
+``{"name", "id", "path"}`` for every prompt, with ``engine_args`` ``{"enable_lora": true}``), ``reset``
 (vLLM's prefix cache; replies ``{"ok": bool}``, False when vLLM refused), ``ttft`` (one
 prompt stepped through the engine: time to its first token, then ``max_tokens`` tokens with
 top-5 logprobs), ``replay`` (requests added at their arrival times; per-request TTFT,
@@ -237,13 +238,14 @@ def generate(llm, cmd: dict) -> dict:
             max_tokens=cmd.get("max_tokens", 8), temperature=0.0, logprobs=5, ignore_eos=True,
             extra_args={"kv_transfer_params": extra} if extra else None,
         ))
+    lora = _lora_request(cmd.get("lora"))
     start = time.perf_counter()
     if cmd.get("sequential"):
         # One request at a time: batch composition changes float rounding in the
         # decode GEMMs, which would blur a comparison of cached and uncached runs.
-        outs = [llm.generate([p], [sp], use_tqdm=False)[0] for p, sp in zip(prompts, params)]
+        outs = [llm.generate([p], [sp], use_tqdm=False, lora_request=lora)[0] for p, sp in zip(prompts, params)]
     else:
-        outs = llm.generate(prompts, params, use_tqdm=False)
+        outs = llm.generate(prompts, params, use_tqdm=False, lora_request=lora)
     elapsed = time.perf_counter() - start
     results = []
     for out in outs:
@@ -255,6 +257,15 @@ def generate(llm, cmd: dict) -> dict:
             "kv_transfer_params": out.kv_transfer_params,
         })
     return {"outputs": results, "seconds": elapsed}
+
+
+def _lora_request(spec: dict | None):
+    """vLLM's LoRARequest of a command's ``lora`` (``{"name", "id", "path"}``); None: the base model."""
+    if spec is None:
+        return None
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(spec["name"], spec["id"], spec["path"])
 
 
 def _params(max_tokens: int, *, delta: bool = False):

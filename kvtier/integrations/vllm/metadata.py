@@ -50,6 +50,8 @@ class LoadJob:
     hashes: list[bytes]
     blocks: list[BlockTransfer]
     is_async: bool
+    #: the request's LoRA adapter as its keys name it (``EngineKV.keys``); "": none
+    adapter: str = ""
 
 
 @dataclass(slots=True)
@@ -59,6 +61,8 @@ class SaveJob:
     req_id: str
     hashes: list[bytes]
     blocks: list[BlockTransfer]
+    #: the request's LoRA adapter as its keys name it (``EngineKV.keys``); "": none
+    adapter: str = ""
 
 
 @dataclass

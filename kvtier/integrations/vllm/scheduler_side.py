@@ -1,9 +1,13 @@
 """The scheduler half of the connector: how many prompt tokens kvtier holds, and what to move.
 
 * **Lookup.** A request's kvtier keys are chained over vLLM's own block hashes
-  (which already carry ``cache_salt``, LoRA and multimodal hashes), one per
-  kvtier block. The hit is the store's longest prefix, cut to whole vLLM pages
-  and so that at least two tokens remain to compute (see ``MIN_COMPUTED_TOKENS``).
+  (which already carry ``cache_salt``, the LoRA adapter's name and path, and multimodal
+  hashes), one per kvtier block; a LoRA request's are rooted in its adapter's files and the
+  engine's LoRA settings too, named once per request and handed to the workers with its
+  loads and saves (:mod:`~kvtier.integrations.vllm.lora_digest`; an adapter whose files
+  cannot be read: neither looked up nor saved). The hit is the store's longest prefix, cut
+  to whole vLLM pages and so that at least two tokens remain to compute (see
+  ``MIN_COMPUTED_TOKENS``).
 * **Loads** cover the pages past vLLM's local prefix hit; a load may stop
   inside a kvtier block (the worker reads the block and writes only the pages
   asked for). Loads are asynchronous (other requests keep running) unless the
@@ -51,6 +55,7 @@ from typing import NamedTuple
 
 from kvtier.integrations.vllm.config import ConnectorConfig, EngineKV
 from kvtier.integrations.vllm.host_events import HostEvents, HostReport
+from kvtier.integrations.vllm.lora_digest import AdapterKeys
 from kvtier.core.keys import BlockKey
 from kvtier.store.tiered import PrefixMatch
 from kvtier.integrations.vllm.metadata import BlockTransfer, KvtierMetadata, LoadJob, SaveJob
@@ -79,6 +84,9 @@ class Match(NamedTuple):
 @dataclass(slots=True)
 class _Request:
     request: object  #: vllm.v1.request.Request (kept for its growing block_hashes)
+    #: its LoRA adapter as its keys name it ("": none); None: the adapter's files cannot be read,
+    #: so kvtier neither looks the request up nor saves it
+    adapter: str | None = ""
     stored_blocks: int = 0  #: blocks 0..n-1 are in the store, queued for saving, or never to be saved here
     #: blocks 0..n-1 are in the store or queued for saving: what a decode instance is told to
     #: wait for. Below ``stored_blocks`` where a block was skipped (its pages out of a sliding
@@ -132,15 +140,19 @@ class SchedulerSide:
         saves: bool,
         bounded_tiers: frozenset[str] = frozenset(),
         host_events: HostEvents | None = None,
+        adapters: AdapterKeys | None = None,
     ) -> None:
         """``lookup(keys)`` returns the store's longest prefix of ``keys`` (the worker's store):
         a :class:`PrefixMatch` where this process holds the store and can tell which tier
         holds each block, else just its length (a lookup socket). ``bounded_tiers``: the
         names of the store's tiers with bounded reads (``Tier.bounded_reads``); a small
         load from those alone runs in its forward's step (``sync_load_max_bytes``).
-        ``host_events``: the CPU-medium KV events' queue, None when none are published."""
+        ``host_events``: the CPU-medium KV events' queue, None when none are published.
+        ``adapters``: names a LoRA request's adapter in its keys (default: an engine without
+        LoRA settings)."""
         self.config = config
         self.host_events = host_events
+        self.adapters = adapters if adapters is not None else AdapterKeys(None)
         self.engine = engine
         self.lookup = lookup
         self.bounded_tiers = bounded_tiers
@@ -169,12 +181,14 @@ class SchedulerSide:
             state.stored_blocks = state.announced_blocks = 0
         # vLLM reads no cached block for a request that skips the prefix cache (prompt logprobs:
         # a block keeps no logits) and drops whatever is returned here: no lookup, no P/D wait
-        if not self.loads or state.load_failed or getattr(request, "skip_reading_prefix_cache", False):
+        # nor for one whose adapter's files could not be read (its KV has no identity to key it by)
+        if not self.loads or state.load_failed or state.adapter is None \
+                or getattr(request, "skip_reading_prefix_cache", False):
             return 0, False
         state.load_planned = False  # a fresh admission (a new request, or one preempted) plans afresh
         state.load_pages = {}       # (a preempted request's pages went back to vLLM)
         hashes = self.engine.block_hashes(request.block_hashes, request.num_tokens)
-        stored, tiers = self._lookup(hashes)
+        stored, tiers = self._lookup(hashes, state.adapter)
         announced = min(_announced_blocks(request), len(hashes))
         if stored < announced:
             now = time.monotonic()
@@ -216,13 +230,13 @@ class SchedulerSide:
         the scheduler admits passes through this side's lookup and leaves through ``finished``."""
         return len(self._requests) == 1 and request.request_id in self._requests
 
-    def _lookup(self, hashes: list[bytes]) -> tuple[int, list[str] | None]:
+    def _lookup(self, hashes: list[bytes], adapter: str) -> tuple[int, list[str] | None]:
         """Blocks the store holds as a prefix, and the tier of each (None: not known here)."""
         if not hashes:
             return 0, None
         self.stats.lookups += 1
         try:
-            found = self.lookup(self.engine.keys(hashes, self.epoch))
+            found = self.lookup(self.engine.keys(hashes, self.epoch, adapter))
         except Exception as exc:  # noqa: BLE001 - a broken tier is a miss, never a failed request
             self.stats.lookup_errors += 1
             log.warning("kvtier lookup failed (%s); treating it as a miss", exc)
@@ -252,7 +266,7 @@ class SchedulerSide:
         hashes = (self.engine.block_hashes(request.block_hashes, request.num_tokens)[: transfers[-1].index + 1]
                   if transfers else [])
         self._pending_loads.append(
-            LoadJob(request.request_id, hashes, transfers, is_async=state.async_load)
+            LoadJob(request.request_id, hashes, transfers, is_async=state.async_load, adapter=state.adapter)
         )
         state.load_planned = True
         state.load_pages = {p: t.index for t in transfers for p in t.page_ids}
@@ -298,7 +312,7 @@ class SchedulerSide:
     def _plan_save(self, meta: KvtierMetadata, req_id: str, state: _Request, computed_tokens: int) -> None:
         """Queue the blocks whose last token this step computes (KV of known tokens only)."""
         engine = self.engine
-        if state.stale:
+        if state.stale or state.adapter is None:
             return
         # Most steps of a request save nothing (a decode step completes a block every
         # block_tokens tokens): say so before listing its blocks' hashes, which costs Python per
@@ -322,7 +336,7 @@ class SchedulerSide:
         state.stored_blocks = full
         if not transfers:
             return
-        meta.saves.append(SaveJob(req_id, hashes[:full], transfers))
+        meta.saves.append(SaveJob(req_id, hashes[:full], transfers, state.adapter))
         self.stats.save_blocks += len(transfers)
         if self.host_events is not None:
             self.host_events.planned(state.request, [(t.index, hashes[t.index]) for t in transfers])
@@ -404,7 +418,9 @@ class SchedulerSide:
     def _state(self, request) -> _Request:
         state = self._requests.get(request.request_id)
         if state is None:
-            state = self._requests[request.request_id] = _Request(request)
+            # the adapter is named once: a request computes under the files vLLM loaded for it
+            adapter = self.adapters.of(getattr(request, "lora_request", None))
+            state = self._requests[request.request_id] = _Request(request, adapter)
         else:
             state.request = request
         return state

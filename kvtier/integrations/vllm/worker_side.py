@@ -16,7 +16,8 @@
   After a failed load, no save goes until the scheduler has taken that step's
   report (``KvtierMetadata.reported_step``): the steps vLLM ran meanwhile may have
   computed over the pages the load left unfilled.
-* **Keys** are those of the step's ``epoch`` (a ``reset_cache`` starts a new one).
+* **Keys** are those of the step's ``epoch`` (a ``reset_cache`` starts a new one) and of the
+  job's LoRA adapter (named by the scheduler: :mod:`~kvtier.integrations.vllm.lora_digest`).
 * **Host residency** (with KV events on and a host tier): which saved blocks the host tier
   holds or has lost, for the step's report (:mod:`~kvtier.integrations.vllm.host_events`).
 
@@ -166,7 +167,7 @@ class WorkerSide:
         if self.poison:
             self.paged.poison(job.blocks)
         try:
-            keys = self.engine.keys(job.hashes, epoch)
+            keys = self.engine.keys(job.hashes, epoch, job.adapter)
             wanted = [keys[t.index] for t in job.blocks]
             # Promotions of blocks this load reads from a lower tier wait until the whole
             # load is over: their reads would compete with ours.
@@ -258,7 +259,7 @@ class WorkerSide:
             self._save(job, meta.epoch)
 
     def _save(self, job: SaveJob, epoch: str = "") -> None:
-        keys = self.engine.keys(job.hashes, epoch)
+        keys = self.engine.keys(job.hashes, epoch, job.adapter)
         staging = self._buffers.take(len(job.blocks))
         for buf, transfer in zip(staging, job.blocks):
             self.paged.gather(transfer, buf)
