@@ -22,6 +22,7 @@ import time
 
 from kvtier.server.config import SHARED_PREFIX, check_namespace
 from kvtier.server.fleet_journal import journal_under
+from kvtier.server.index import BlockEntry
 from kvtier.server.io_lanes import ADMIN_LANE
 from kvtier.tiers.remote_protocol import ErrorCode, ProtocolError, unpack_msgpack
 
@@ -92,8 +93,12 @@ class AdminAPI:
     async def erase(self, args: dict) -> dict:
         owner = self._owner(args)
         namespace, session = _opt_str(args, "namespace"), _opt_str(args, "session")
-        keys = self.svc.index.select(owner, namespace=namespace, session=session)
-        # On the event loop, as every commit: the blocks indexed now are those created by now.
+        # On the event loop, as every commit: the blocks indexed now are those created by now. Their
+        # entries, not only their keys: a block deleted and put again while the erasure's jobs work
+        # through the list (acknowledged, created after ``erased_at``) is another entry, left alone.
+        index = self.svc.index
+        selected = [(skey, entry) for skey in index.select(owner, namespace=namespace, session=session)
+                    if (entry := index.get(skey)) is not None]
         erased_at = time.time()
         io = self.svc.io
         if self.svc.spill is not None and session != "":  # ("": no session is named so; erases nothing)
@@ -104,14 +109,14 @@ class AdminAPI:
             except OSError as exc:
                 raise ValueError(f"not erased: the erasure could not be recorded in the runtime state ({exc}); "
                                  f"check the state directory (space, permissions)") from None
-        results = await self.svc.in_jobs(ADMIN_LANE, keys, self.svc.erase)  # (other lanes' jobs in between)
+        results = await self.svc.in_jobs(ADMIN_LANE, selected, self._erase_entry)  # (other lanes' jobs in between)
         erased, refused = results.count(True), results.count(False)
         self.svc.metrics.erasures.inc(erased)
         # A copy a tier could not remove (a read-only disk) is no longer served, but it is not
         # erased: said so, never counted as done (the tombstone above keeps it from coming back).
         problems = [f"{refused} blocks could not be removed from a tier (see the server's log); make it writable "
                     f"and erase again"] if refused else []
-        if keys:  # (cheap where the journal holds no forgotten entry)
+        if selected:  # (cheap where the journal holds no forgotten entry)
             problems += await io.run(ADMIN_LANE, self._compact_fleet_journal)
         failed = ({"refused": refused} if refused else {}) | ({"error": "; ".join(problems)} if problems else {})
         if self.svc.keyring is None:
@@ -122,6 +127,13 @@ class AdminAPI:
             # anywhere (a file not yet unlinked, a backup) is noise from now on.
             shredded = await io.run(ADMIN_LANE, self.svc.keyring.shred_tenant, owner)
         return {"erased": erased, "keys_shredded": shredded, **failed}
+
+    def _erase_entry(self, selected: tuple[bytes, BlockEntry]) -> bool | None:
+        """Erase a block the erasure selected if its entry is still the one indexed (see
+        :meth:`Service.erase <kvtier.server.service.Service.erase>`); None (not erased) if it left
+        meanwhile, or was put again since. On an I/O thread."""
+        skey, entry = selected
+        return self.svc.erase(skey, only=entry)
 
     def _compact_fleet_journal(self) -> list[str]:
         """Write the fleet journal anew without the records the erasure forgot (their owner,

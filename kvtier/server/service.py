@@ -43,6 +43,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
+from typing import Any
 
 import numpy as np
 import xxhash
@@ -526,12 +527,13 @@ class Service:
                 out[i] = result is True
         conn.reply(h, 0, bytes(out))
 
-    async def in_jobs(self, lane: str, skeys: list[bytes], fn: Callable[[bytes], object]) -> list:
-        """``fn`` of each key on the I/O threads, in ``lane``'s jobs (:func:`_job_slice`), one after
-        the other (other lanes' jobs run in between); the results in order."""
+    async def in_jobs(self, lane: str, items: list, fn: Callable[[Any], object]) -> list:
+        """``fn`` of each item (a storage key, say) on the I/O threads, in ``lane``'s jobs
+        (:func:`_job_slice`), one after the other (other lanes' jobs run in between); the results
+        in order."""
         out: list = []
-        while len(out) < len(skeys):
-            out += await self.io.run(lane, _job_slice, skeys, len(out), fn)
+        while len(out) < len(items):
+            out += await self.io.run(lane, _job_slice, items, len(out), fn)
         return out
 
     def _list(self, conn, p: Principal, h: Header, meta: bytes) -> None:
@@ -781,12 +783,17 @@ class Service:
         """Pin ``skey``'s DRAM copy for a reply ``tenant``'s client reads at its own pace, counted
         against the bounds on pinned bytes (see ``__init__``); None if the pool does not hold it, or
         if pinning it would pass ``tenant``'s share or the budget of all readers (then the caller
-        sends a copy). A slot is charged once however many replies send it (a hot block read by
-        many connections stays zero-copy): to the reply's tenant while one of its replies pins
-        it, and to the budget of all while any does. ``release`` (idempotent) unpins and
-        uncounts. Event loop only."""
+        sends a copy). None too if the pool holds a block of another size than ``nbytes``, the
+        size the reply's frame declares: another block than the one the reply is about, and sent,
+        a payload of another length would cost the client's stream its place. A slot is charged
+        once however many replies send it (a hot block read by many connections stays zero-copy):
+        to the reply's tenant while one of its replies pins it, and to the budget of all while any
+        does. ``release`` (idempotent) unpins and uncounts. Event loop only."""
         held = self.host.hold(skey)
         if held is None:
+            return None
+        if held.view.nbytes != nbytes:
+            held.release()
             return None
         cost = self.host.footprint(nbytes)
         slot = held.view.ctypes.data  # the slot itself (a key deleted and put again is another one)
@@ -828,7 +835,7 @@ class Service:
         a copy. The buffer is the server's, shared by every tenant: it is given back before the
         send, which the client paces (see :class:`ScratchPool`), unless it is lent for that send."""
         if len(self.store.tiers) == 1 and not self.host.contains(skey):
-            self.drop_soon(skey)  # the index outlived the block (e.g. a tier dropped it on its own)
+            self.drop_soon(skey, only=entry)  # the index outlived the block (e.g. a tier dropped it on its own)
             return False
         if self._scratch is None:
             self._scratch = ScratchPool(SCRATCH_BUFFERS, self.config.max_block_bytes)
@@ -848,12 +855,18 @@ class Service:
                 release = False
                 read.add_done_callback(lambda _: scratch.release(tenant, buf))
                 raise
+            if self.index.get(skey) is not entry:
+                # Deleted (and perhaps put again, other bytes) while this GET waited for a buffer or
+                # for the read: what the read found, and what DRAM holds now, may be the new block,
+                # never to be sent under this entry's header, nor dropped for its miss. The block
+                # the GET resolved is gone: a miss. (No await from here to the send below.)
+                return False
             if result.statuses[0] is not Status.OK:
                 # Only a block no tier holds leaves the index. A tier that failed (ERROR: a fleet
                 # not answering) may hold it still: dropped then, its copy was orphaned, beyond
                 # the reach of a later erase of its tenant.
                 if result.statuses[0] is Status.MISS:
-                    self.drop_soon(skey)
+                    self.drop_soon(skey, only=entry)
                 return False
             if result.tiers[0] != self.host.name and self.host.contains(skey):
                 if self.index.set_tier(skey, self.host.name) is not None:
