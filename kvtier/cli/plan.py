@@ -16,6 +16,12 @@ def _print_json(value) -> None:
     print(json.dumps(json_safe(value), allow_nan=False))
 
 
+#: ``plan live --launcher local`` starts ``vllm serve`` on this host: without ``--max-workers`` it
+#: was bounded only by the sizing's 100,000, and a few refused over-long prompts (audit s30 a7 D2)
+#: had it spawn dozens; a host holds a few GPUs' workers
+LOCAL_MAX_WORKERS = 8
+
+
 def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(part) for part in text.split(",") if part.strip())
 
@@ -72,7 +78,10 @@ def register(subparsers) -> None:
     live.add_argument("--json", action="store_true", help="one JSON line per decision")
     live.add_argument("--iterations", type=int, default=0, help="stop after N decisions (0: run until interrupted)")
     live.add_argument("--min-workers", type=int, default=1, help="never fewer workers per pool")
-    live.add_argument("--max-workers", type=int, default=None, help="never more workers per pool")
+    live.add_argument("--max-workers", type=int, default=None,
+                      help=f"never more workers per pool (default with --launcher local, which runs them on this "
+                           f"host: {LOCAL_MAX_WORKERS}, or the --adopt or --min-workers count if higher; else "
+                           "100,000)")
     live.add_argument("--headroom", type=finite_float, default=0.10, help="size for the forecast x (1 + headroom)")
     live.add_argument("--scale-down-after", type=int, default=2, help="intervals the need must stay low")
     live.add_argument("--down-cooldown", type=finite_float, default=60.0,
@@ -85,7 +94,9 @@ def register(subparsers) -> None:
                       help="write the serving workers here as a Prometheus file_sd list (job vllm)")
     launch = live.add_argument_group("launcher")
     launch.add_argument("--launcher", choices=("dry-run", "local"), default="dry-run",
-                        help="dry-run: print decisions; local: start/drain/stop `vllm serve` workers behind the router")
+                        help="dry-run: print decisions; local: start/drain/stop `vllm serve` workers behind the router "
+                             "(either way one interval starts at most as many workers as the pool runs, a few "
+                             "when it runs fewer; the next intervals start the rest)")
     launch.add_argument("--model", default=None, help="local: the model the started workers serve")
     launch.add_argument("--worker-args", default="",
                         help="local: `vllm serve` flags for every started worker, one shell-quoted string "
@@ -256,7 +267,7 @@ def run_live(args) -> int:
     from kvtier.planner.live import FleetSizer, LivePlanner, PlannerSettings
     from kvtier.planner.loop import PlannerLoop
     from kvtier.planner.models import load_model
-    from kvtier.planner.workers import MAX_WORKERS, SLATargets
+    from kvtier.planner.workers import SLATargets
     from kvtier.errors import ConfigError
     from kvtier.sim.cluster import load_cluster
 
@@ -278,7 +289,7 @@ def run_live(args) -> int:
                        load_bw, int(cluster.decode_kv_bytes // model.bytes_per_token))
     settings = PlannerSettings(interval_s=args.interval, startup_s=args.startup, headroom=args.headroom,
                                scale_down_after=args.scale_down_after, down_cooldown_s=args.down_cooldown,
-                               min_workers=args.min_workers, max_workers=args.max_workers or MAX_WORKERS)
+                               min_workers=args.min_workers, max_workers=live_max_workers(args))
     launcher, report, worker_urls = _live_launcher(args)
     current = len(args.adopt) if args.launcher == "local" else args.prefill_workers
     planner = LivePlanner(sizer, settings, max(current, settings.min_workers), args.decode_workers)
@@ -305,6 +316,19 @@ def run_live(args) -> int:
         if server is not None:
             server.shutdown()
     return 0
+
+
+def live_max_workers(args) -> int:
+    """``--max-workers``; without it, 100,000 (the sizing's bound) for a dry run, and for the
+    local launcher :data:`LOCAL_MAX_WORKERS`, or more where the workers adopted or
+    ``--min-workers`` are more (a lower bound would drain adopted workers at once)."""
+    from kvtier.planner.workers import MAX_WORKERS
+
+    if args.max_workers:
+        return args.max_workers
+    if args.launcher != "local":
+        return MAX_WORKERS
+    return max(LOCAL_MAX_WORKERS, len(args.adopt), args.min_workers)
 
 
 def _interrupted(signum, frame):

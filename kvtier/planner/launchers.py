@@ -24,6 +24,7 @@ decision replaces it).
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from dataclasses import dataclass, field
 from typing import Protocol, TextIO
@@ -31,6 +32,14 @@ from typing import Protocol, TextIO
 from kvtier.planner.live import Decision
 
 POOLS = ("prefill", "decode")
+
+#: one ``apply`` starts at most as many workers as the pool has live (it doubles), and at least
+#: this many: a decision far above the pool (a spike, or figures gone wrong: five refused
+#: over-long prompts asked for 9x the pool) costs a few starts an interval, never thousands of
+#: ``vllm serve`` at once; the rest are started in the next intervals if the decision stands
+MIN_STARTS_PER_APPLY = 4
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -48,9 +57,16 @@ class Launcher(Protocol):
     def list(self, pool: str) -> list[WorkerRecord]: ...
 
 
+def starts_this_interval(missing: int, live: int) -> int:
+    """How many of the ``missing`` workers one ``apply`` starts beside ``live`` ones."""
+    return min(missing, max(live, MIN_STARTS_PER_APPLY))
+
+
 def apply(decision: Decision, launcher: Launcher) -> list[WorkerRecord]:
-    """Bring each pool to its decided target: start the missing, drain the surplus (the
-    youngest first: a worker still starting holds no requests and no cache).
+    """Bring each pool towards its decided target: start the missing, at most
+    :func:`starts_this_interval` of them (the next interval's ``apply`` starts more), and
+    drain the surplus (the youngest first: a worker still starting holds no requests and no
+    cache).
 
     A launcher that cannot act now (its failure backoff, a router refusing) costs only that
     action: the other pool, and the other drains, are still acted on; the first error is
@@ -60,8 +76,12 @@ def apply(decision: Decision, launcher: Launcher) -> list[WorkerRecord]:
     for pool_decision in (decision.prefill, decision.decode):
         pool = pool_decision.pool
         live = [w for w in launcher.list(pool) if w.state in ("starting", "serving")]
+        missing = pool_decision.target - len(live)
+        starts = starts_this_interval(missing, len(live))
+        if starts < missing:
+            log.info("%s: starting %d of the %d workers missing this interval", pool, starts, missing)
         try:   # the next start would fail the same way (a backoff): stop at the first
-            for _ in range(pool_decision.target - len(live)):
+            for _ in range(starts):
                 touched.append(launcher.start(pool))
         except Exception as exc:
             errors.append(exc)

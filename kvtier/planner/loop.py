@@ -8,11 +8,14 @@ planner's metrics and a JSON status file (``kvtier top --planner-status``).
 
 An interval never ends the planner for a reason that is not the planner's: an endpoint that
 does not answer, or answers something that is not metrics, counts as down; a status or
-targets file that cannot be written is logged and counted (``kvtier_planner_status_write_errors``).
-Either way the workers keep running and the next interval tries again. A worker whose scrape
-failed keeps its last good scrape as the baseline of its latencies (one timeout does not make
-the next interval read its whole life). The status and targets files are strict JSON (a
-figure that is not finite is ``null``).
+targets file that cannot be written is logged and counted (``kvtier_planner_status_write_errors``);
+figures the planner cannot decide on (whatever raises while sizing) are logged and counted as a
+scrape error (``kvtier_planner_scrape_errors``), and the interval holds. Either way the workers
+keep running and the next interval tries again; and one interval starts only so many workers
+(:func:`kvtier.planner.launchers.apply`). A worker whose scrape failed keeps its last good
+scrape as the baseline of its latencies (one timeout does not make the next interval read its
+whole life). The status and targets files are strict JSON (a figure that is not finite is
+``null``).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from kvtier.planner.launchers import aggregated, apply
-from kvtier.planner.live import Decision, LivePlanner, json_safe
+from kvtier.planner.live import Decision, LivePlanner, Observation, json_safe
 from kvtier.planner.metrics import PlannerMetrics
 from kvtier.planner.observe import FleetLoad, RouterCounters, fleet_load, observation_between
 
@@ -74,8 +77,9 @@ class PlannerLoop:
         self.metrics.record_fleet(self.last_load)
         if obs is None:
             return None
-        decision = self.planner.decide(obs)
-        acted = aggregated(decision) if self.aggregate else decision
+        acted = self._decide(obs)
+        if acted is None:
+            return None
         self.metrics.record(obs, acted)
         if self.report:
             self.report(acted)
@@ -87,6 +91,18 @@ class PlannerLoop:
         self.last = acted
         self._write_status(acted)
         return acted
+
+    def _decide(self, obs: Observation) -> Decision | None:
+        """The decision to act on, or None if deciding raised: the loop's caller (``kvtier plan
+        live``) would end, and its ``finally`` drain every worker it started, for one interval's
+        figures (a garbled counter sized into an overflow)."""
+        try:
+            decision = self.planner.decide(obs)
+            return aggregated(decision) if self.aggregate else decision
+        except Exception as exc:
+            self.metrics.scrape_errors.inc()
+            log.warning("no decision on this interval's figures (%r); holding", exc)
+            return None
 
     def write_targets(self) -> None:
         """The serving workers as a Prometheus ``file_sd_configs`` file (host:port, job ``vllm``)."""

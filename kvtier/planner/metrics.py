@@ -58,7 +58,10 @@ class PlannerMetrics:
                                  "TTFT at the target percentile over the interval, from vLLM's histograms", registry=r)
         self.engine_itl = Gauge("kvtier_planner_engine_itl_seconds",
                                 "Inter-token latency at the target percentile over the interval (vLLM)", registry=r)
-        self.scrape_errors = Counter("kvtier_planner_scrape_errors", "Router metrics scrapes that failed", registry=r)
+        self.scrape_errors = Counter("kvtier_planner_scrape_errors",
+                                     "Intervals without a decision: the router's metrics could not be read, or "
+                                     "the planner could not decide on them (it holds, and tries again)",
+                                     registry=r)
         self.status_write_errors = Counter("kvtier_planner_status_write_errors",
                                            "Status or targets file writes that failed (the planner goes on)",
                                            registry=r)

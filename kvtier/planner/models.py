@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+import numpy as np
+
 from kvtier.core.layout import DTYPE_ITEMSIZE, KVLayout
 from kvtier.errors import ConfigError
 from kvtier.json_files import read_json_object
@@ -90,15 +92,17 @@ class ModelGeometry:
         return self.bytes_per_token * block_tokens
 
     def linear_flops(self, tokens: float) -> float:
-        return 2.0 * self.matmul_params * tokens
+        return 2.0 * self.matmul_params * _floats(tokens)
 
     def attention_flops(self, tokens: float, cached_tokens: float = 0.0) -> float:
         """Causal attention work for ``tokens - cached_tokens`` new queries.
 
         Query ``i`` attends to ``i`` keys, so the new queries ``cached+1 .. tokens``
-        form ``(tokens² - cached²) / 2`` pairs: the quadratic term of a prefill.
+        form ``(tokens² - cached²) / 2`` pairs: the quadratic term of a prefill. As
+        ``(tokens - cached) * (tokens + cached)``: past a float it is ``inf``, never ``inf - inf``.
         """
-        return self.attn_flops_per_pair * (tokens * tokens - cached_tokens * cached_tokens) / 2.0
+        tokens, cached_tokens = _floats(tokens), _floats(cached_tokens)
+        return self.attn_flops_per_pair * (tokens - cached_tokens) * (tokens + cached_tokens) / 2.0
 
     def kv_formula(self) -> str:
         lay = self.kv_layout
@@ -107,6 +111,13 @@ class ModelGeometry:
                     f" x {lay.itemsize} B ({lay.dtype}) = {self.bytes_per_token:,} B/token (MLA latent)")
         return (f"2 (K,V) x {self.num_layers} layers x {lay.num_kv_heads} kv heads x {lay.head_dim} head_dim"
                 f" x {lay.itemsize} B ({lay.dtype}) = {self.bytes_per_token:,} B/token")
+
+
+def _floats(tokens):
+    """Token counts as floats (arrays stay arrays): an int's square past a float raised
+    OverflowError when mixed with a float, and ended ``kvtier plan live`` (audit s30 a7 D1);
+    a float's square is ``inf``, which the sizing bounds."""
+    return tokens.astype(float) if isinstance(tokens, np.ndarray) else float(tokens)
 
 
 def _need(config: Mapping[str, Any], field: str, source: str) -> Any:

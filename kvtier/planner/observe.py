@@ -15,7 +15,9 @@ An interval with requests but no prompt length either way says nothing of prompt
 its observation carries the rate and no lengths, and the planner keeps the mix it measured
 before (never 1-token prompts). One whose answers carried no usage measured no hit rate.
 Counters that went backwards (a restarted router) restart the baseline instead of giving
-negative rates.
+negative rates. Figures no deployment can produce (a mean prompt over
+:data:`MAX_MEAN_PROMPT_TOKENS`, a rate past a float) are a garbled counter, not load: that
+interval gives no observation either, as NaN and Inf do.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ from kvtier.planner.live import Observation
 
 ROUTED_PROMPT_TOKENS = "kvtier_router_routed_prompt_tokens_total"
 UNKNOWN_LENGTH = "kvtier_router_routed_unknown_length_requests_total"
+#: no model serves a context near 100M tokens: a mean prompt above it is a garbled counter (a
+#: router exporting ``1e300``), and sizing on it overflowed the cost model and ended the planner
+MAX_MEAN_PROMPT_TOKENS = 1e8
 
 
 class RouterCounters(NamedTuple):
@@ -80,19 +85,24 @@ def observation_between(before: RouterCounters, after: RouterCounters, output_to
         return None
     if requests == 0:
         return Observation(after.at_s, 0.0, (), (), 0.0)
+    rate = requests / dt
+    if not math.isfinite(rate):
+        return None   # finite counters over a tiny interval: a rate past a float is no measurement
     # the hit rate is over the answers that carried usage, whichever source gives the lengths
     hit = min(max(cached / prompt, 0.0), 1.0) if prompt > 0 else 0.0
     if routed is not None:
-        mean_prompt = max(1, round(routed))
+        mean = routed
     elif prompt > 0:
         answers = after.usage_answers - before.usage_answers
         if not (math.isfinite(answers) and answers > 0):
             answers = requests  # a router that does not count them: prompt tokens moved, so usage came
-        mean_prompt = max(1, round(prompt / answers))
+        mean = prompt / answers
     else:   # no length known either way: the prompt lengths are unknown, not 0 (nor 1) tokens
-        return Observation(after.at_s, requests / dt, (), (), 0.0, hit_measured=False)
+        return Observation(after.at_s, rate, (), (), 0.0, hit_measured=False)
+    if mean > MAX_MEAN_PROMPT_TOKENS:
+        return None   # a garbled counter, not load: nothing to size on, as after a reset
     count = min(int(requests), 64)
-    return Observation(after.at_s, requests / dt, (mean_prompt,) * count, (output_tokens,) * count, hit,
+    return Observation(after.at_s, rate, (max(1, round(mean)),) * count, (output_tokens,) * count, hit,
                        hit_measured=prompt > 0)
 
 

@@ -1097,19 +1097,27 @@ class Router:
                     if admitted:   # its tokens left the engine's queue: the next may go
                         admitted = False
                         admission.done(prefill_tokens)
-                    # only a stream's first byte ends its prefill (a whole answer comes after its decode)
+                    # only a stream's first byte ends its prefill (a whole answer comes after its decode);
+                    # a refusal (a 400 for a prompt over max_model_len) ran no prefill: no sample (one such
+                    # stream of 5,000 tokens set an idle worker's speed to 5.9M tokens/s)
+                    ran = 200 <= resp.status < 300
                     if worker.first_byte(prefill_tokens, upstream_s - load_s, others=others, load_s=load_s,
-                                         ticket=ticket, timed=streaming and first_byte_ends_prefill):
+                                         ticket=ticket, timed=streaming and first_byte_ends_prefill and ran):
                         # the prefill line is fitted to the time less the predicted tier loads,
                         # which the queue prices apart (pending_load_s)
                         self.speed.sample(prefill_tokens, upstream_s - load_s)
                     answered = request[_ANSWERED] = True
-                    self.metrics.routed.labels(worker.url).inc()
-                    # once per routed request: the prompt mix the live planner sizes on (usage
-                    # comes only with answers that carry it); both series set, the one at 0
-                    self.metrics.routed_prompt_tokens.labels(worker.url).inc(prompt_tokens if known_length else 0)
-                    self.metrics.unknown_length.labels(worker.url).inc(0 if known_length else 1)
-                    self.metrics.predicted_cached.labels(worker.url).inc(predicted)
+                    if 200 <= resp.status < 300:
+                        self.metrics.routed.labels(worker.url).inc()
+                        # once per routed request: the prompt mix the live planner sizes on (usage
+                        # comes only with answers that carry it); both series set, the one at 0
+                        self.metrics.routed_prompt_tokens.labels(worker.url).inc(prompt_tokens if known_length else 0)
+                        self.metrics.unknown_length.labels(worker.url).inc(0 if known_length else 1)
+                        self.metrics.predicted_cached.labels(worker.url).inc(predicted)
+                    else:
+                        # the worker ran no prefill (vLLM's 400 for a prompt over max_model_len):
+                        # counted as routed, a few over-long prompts sized the fleet up (s30 a7 D2)
+                        self.metrics.refused.labels(worker.url, str(resp.status)).inc()
                     timing = (f"router;dur={own_s * 1e3:.3f}, held;dur={held_s * 1e3:.3f}, "
                               f"upstream;dur={upstream_s * 1e3:.3f}")
                     # The answer is the client's from here: no retry will forward the body again,

@@ -8,9 +8,19 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 class RouterMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
-        self.routed = Counter("kvtier_router_requests", "Requests routed, per worker", ["worker"], registry=r)
+        # Only answers whose status says the worker ran the request (2xx) count as routed, here and
+        # in routed_prompt_tokens, unknown_length and predicted_cached: the live planner sizes its
+        # pools on them, and a refused request (a 400 for a prompt over max_model_len) ran no prefill.
+        self.routed = Counter("kvtier_router_requests",
+                              "Requests routed that the worker ran (answered 2xx), per worker; those it "
+                              "refused are kvtier_router_refused_requests", ["worker"], registry=r)
+        self.refused = Counter("kvtier_router_refused_requests",
+                               "Requests a worker answered with a status other than 2xx (vLLM's 400 for a prompt "
+                               "over max_model_len, a 413, a 429; not 502/503/504, retried elsewhere): in none "
+                               "of the routed counters, as no worker ran them", ["worker", "status"], registry=r)
         self.predicted_cached = Counter("kvtier_router_predicted_cached_tokens",
-                                        "Prompt tokens the router predicted cached on the chosen worker",
+                                        "Prompt tokens the router predicted cached on the chosen worker, of "
+                                        "the requests it ran (answered 2xx)",
                                         ["worker"], registry=r)
         self.actual_cached = Counter("kvtier_router_actual_cached_tokens",
                                      "usage.prompt_tokens_details.cached_tokens reported by the worker",
@@ -24,16 +34,17 @@ class RouterMetrics:
                                      ["worker"], registry=r)
         # The prompt lengths the router itself priced, for every request routed, streamed with or
         # without usage: the live planner's prompt mix (kvtier/planner/observe.py). Both series are
-        # set for a worker at its first routed request, so that "no length known" is told apart
+        # set for a worker at the first request it ran, so that "no length known" is told apart
         # from a router without them.
         self.routed_prompt_tokens = Counter("kvtier_router_routed_prompt_tokens",
-                                            "Prompt tokens of the requests routed, as the router priced them "
-                                            "(the whole prompt, past max_route_tokens too; once per request, "
-                                            "not per retry)", ["worker"], registry=r)
+                                            "Prompt tokens of the requests routed that the worker ran "
+                                            "(answered 2xx), as the router priced them (the whole prompt, past "
+                                            "max_route_tokens too; once per request, not per retry)", ["worker"],
+                                            registry=r)
         self.unknown_length = Counter("kvtier_router_routed_unknown_length_requests",
-                                      "Requests routed whose prompt length the router did not know (the "
-                                      "Responses API, endpoints forwarded on load, prompt embeddings, a "
-                                      "Messages request no worker rendered): routed_prompt_tokens / "
+                                      "Requests routed and run (answered 2xx) whose prompt length the router "
+                                      "did not know (the Responses API, endpoints forwarded on load, prompt "
+                                      "embeddings, a Messages request no worker rendered): routed_prompt_tokens / "
                                       "(requests - these) is the mean prompt", ["worker"], registry=r)
         self.decision = Histogram("kvtier_router_decision_seconds", "Time to pick a worker (keys + index + policy)",
                                   buckets=(1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1), registry=r)
