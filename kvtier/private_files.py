@@ -75,27 +75,59 @@ def fsync_dir(path: str | os.PathLike) -> None:
 def replace_private_file(path: str | os.PathLike, data: bytes) -> None:
     """Replace ``path`` with ``data`` at once: readers see the old file or the new, whole.
 
-    The bytes go to a new 0600 temp file beside it, ``<stem>.tmp<pid>.<random>``, fsync'd, then
-    renamed over ``path``. The temp name is unpredictable and opened with ``O_EXCL|O_NOFOLLOW``:
-    a file or link planted there is never written through. If anything fails the temp file is
-    removed (it may hold secrets); a crash before the rename leaves it for the owner to sweep.
-    The caller syncs the directory (:func:`fsync_dir`) when the rename must survive a crash."""
-    path = os.fspath(path)
-    stem = os.path.splitext(path)[0]
+    The bytes go to a new 0600 temp file beside it (:func:`_written_temp`), renamed over ``path``.
+    If anything fails the temp file is removed (it may hold secrets); a crash before the rename
+    leaves it for the owner to sweep. The caller syncs the directory (:func:`fsync_dir`) when the
+    rename must survive a crash."""
+    tmp = _written_temp(path, data)
+    try:
+        os.rename(tmp, path)
+    except BaseException:
+        _unlink_quietly(tmp)
+        raise
+
+
+def create_private_file(path: str | os.PathLike, data: bytes) -> bool:
+    """Create ``path`` holding ``data``, whole, unless something is there already; returns whether
+    it did. Unlike ``O_CREAT|O_EXCL`` then a write, no crash or full disk ever leaves ``path``
+    empty or cut short: the bytes go to a temp file beside it (:func:`_written_temp`), which is
+    hard-linked into place (the link fails where another creator won) and then removed. The
+    directory is synced: a file created is there after a power cut."""
+    tmp = _written_temp(path, data)
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        return False
+    finally:
+        _unlink_quietly(tmp)
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
+    return True
+
+
+def _written_temp(path: str | os.PathLike, data: bytes) -> str:
+    """A new 0600 file beside ``path``, ``<stem>.tmp<pid>.<random>``, holding ``data`` whole and
+    fsync'd (a write the disk cuts short raises, ENOSPC); returns its name. The name is
+    unpredictable and opened with ``O_EXCL|O_NOFOLLOW``: a file or link planted there is never
+    written through. If anything fails it is removed (it may hold secrets)."""
+    stem = os.path.splitext(os.fspath(path))[0]
     tmp = f"{stem}.tmp{os.getpid()}.{secrets.token_hex(4)}"
     fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, FILE_MODE)
     try:
-        with os.fdopen(fd, "wb") as f:
+        with os.fdopen(fd, "wb") as f:  # (a buffered write loops over short writes)
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.rename(tmp, path)
     except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
+        _unlink_quietly(tmp)
         raise
+    return tmp
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def open_private_file(path: str, what: str, fix: str, why: str = "it authenticates blocks") -> int:

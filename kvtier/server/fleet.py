@@ -27,7 +27,10 @@ The fleet cannot be listed (its names are one-way HMACs), and it drops blocks on
   erase read the sequence number keeps its record (:meth:`FleetJournal.forget`).
 * At start, :func:`rebuild_from_journal` reads the records back: one that does not
   authenticate or whose owner is no longer configured, or that an erasure tombstone covers
-  (:mod:`kvtier.server.runtime_state`), has its block deleted from the fleet; one of a block
+  (:mod:`kvtier.server.runtime_state`), or, with encryption at rest, whose owner has no keys
+  left (shredded), has its block deleted from the fleet -- the last two judged before the
+  record's name is checked against the owner's keys, as a disk file's are
+  (:mod:`kvtier.server.recovery`): a shredded owner's names no longer derive; one of a block
   the fleet no longer holds (one batched lookup) is forgotten; the others are indexed again
   (tier ``mooncake``), merged with the disk's in age order, so that erase, TTL and quotas reach
   them as before the restart. The journal is then written anew with the live records only
@@ -90,20 +93,29 @@ class FleetRecords:
                                entry.header, entry.nbytes, entry.parent)
         return self.codec.pack(name, note), entry
 
-    def read(self, name: bytes, record: bytes) -> SpillAnnotation | None:
-        """The annotation of a record if it authenticates and describes the block named ``name``:
-        the name derives from its owner, namespace and key (as a disk file's does)."""
-        note = self.codec.unpack(name, record)
-        if note is None:
-            return None
+    def authenticated(self, name: bytes, record: bytes) -> SpillAnnotation | None:
+        """The annotation of a record if it authenticates for ``name`` (whether it describes the
+        block so named is :meth:`describes`); else None."""
+        return self.codec.unpack(name, record)
+
+    def describes(self, name: bytes, note: SpillAnnotation) -> bool:
+        """Whether an authenticated annotation describes the block named ``name``: the name derives
+        from its owner, namespace and key (as a disk file's does), and its header from its key and size."""
         skey = KeySpace.of(note.owner, note.namespace).storage_key(note.key)
         # (existing_storage_key: checking a name creates no keys for an owner the store lacks)
         if name != (skey if self.keyring is None else self.keyring.existing_storage_key(note.owner, skey)):
-            return None
+            return False
         header = unpack_header(note.header)
-        if header is None or header.key != note.key or header.payload_nbytes != note.nbytes:
-            return None
-        return note
+        return header is not None and header.key == note.key and header.payload_nbytes == note.nbytes
+
+    def keys_shredded(self, owner: str, known: dict[str, bool]) -> bool:
+        """With encryption at rest, whether the key store holds no keys of ``owner`` (shredded: its
+        blocks can never be read again, and no name of theirs derives any more), as
+        :class:`~kvtier.server.recovery.SpillBinding` judges a disk file's. Asked once per owner
+        (answers kept in ``known``); creates no keys."""
+        if owner not in known:
+            known[owner] = self.keyring is not None and self.keyring.existing_storage_key(owner, bytes(32)) is None
+        return known[owner]
 
 
 class JournaledFleet(WrappingTier):
@@ -210,10 +222,8 @@ class FleetRebuilt:
     found: list[Found] = field(default_factory=list)  #: to index (the fleet holds them, or could not say)
     rejected: int = 0  #: a record that does not authenticate: its block deleted
     unknown_owner: int = 0  #: the owner is no longer configured: deleted
-    erased: int = 0  #: an erasure covers it: deleted
+    erased: int = 0  #: an erasure covers it, or its owner's keys were shredded: deleted
     gone: int = 0  #: the fleet no longer holds it: forgotten
-    #: the creation (wall clock) of the oldest record kept (found, or a removal the fleet owes)
-    oldest_kept: float | None = None
 
     def summary(self) -> dict:
         return {"recovered": len(self.found), "rejected": self.rejected, "unknown_owner": self.unknown_owner,
@@ -229,20 +239,28 @@ def rebuild_from_journal(fleet: JournaledFleet, owners: set[str], erasures=None)
     journal, records, raw = fleet.journal, fleet.records, fleet.inner
     out = FleetRebuilt()
     good: list[tuple[bytes, SpillAnnotation]] = []
-    doomed: list[tuple[bytes, float | None]] = []
+    doomed: list[bytes] = []
+    keyless: dict[str, bool] = {}  # owner → whether the key store holds none of its keys
     for name, record in journal.records():
-        note = records.read(name, record)
-        if note is None:
+        note = records.authenticated(name, record)
+        # Erased (a tombstone, or the owner's keys shredded) is judged before the name is checked: a
+        # shredded owner's names no longer derive, and its records say nothing about the master key.
+        if note is not None and erasures is not None and erasures.erased(note.owner, note.namespace, note.session,
+                                                                         note.created_wall):
+            out.erased += 1
+        elif note is not None and records.keys_shredded(note.owner, keyless):
+            out.erased += 1
+        elif note is None or not records.describes(name, note):
             out.rejected += 1
-            doomed.append((name, None))
         elif note.owner not in owners:
             out.unknown_owner += 1
-            doomed.append((name, note.created_wall))
-        elif erasures is not None and erasures.erased(note.owner, note.namespace, note.session, note.created_wall):
-            out.erased += 1
-            doomed.append((name, note.created_wall))
         else:
             good.append((name, note))
+            continue
+        doomed.append(name)
+    for owner in sorted(o for o, shredded in keyless.items() if shredded):
+        log.warning("the key store holds no keys of %s (shredded): its blocks are deleted from the Mooncake fleet",
+                    owner)
     if records.keyring is not None and out.rejected and not good and not out.unknown_owner and not out.erased:
         raise ConfigError(
             f"none of the {out.rejected} records of blocks placed in the Mooncake fleet ({journal.path}) authenticates "
@@ -251,14 +269,11 @@ def rebuild_from_journal(fleet: JournaledFleet, owners: set[str], erasures=None)
     if out.rejected:
         log.warning("fleet journal %s: %d records do not authenticate; their blocks are deleted from the fleet",
                     journal.path, out.rejected)
-    kept_walls: list[float] = []
     for part in _batches(doomed):
         since = journal.seq
-        raw.delete_many([name for name, _ in part])
-        if raw.available:
-            journal.forget([name for name, _ in part], since)
-        else:  # owed: asked again at the next start
-            kept_walls += [wall for _, wall in part if wall is not None]
+        raw.delete_many(part)
+        if raw.available:  # (else owed: the records stay, asked again at the next start)
+            journal.forget(part, since)
     for part in _batches(good):
         held = raw.contains_many([name for name, _ in part])
         if not raw.available:  # the fleet could not say: kept (a GET that misses drops it)
@@ -272,8 +287,6 @@ def rebuild_from_journal(fleet: JournaledFleet, owners: set[str], erasures=None)
                 out.found.append((note.created_wall, skey, BlockEntry(
                     note.owner, note.namespace, note.key, note.nbytes, note.header, monotonic_of(note.created_wall),
                     note.session, fleet.name, note.parent, name if records.keyring is not None else None)))
-                kept_walls.append(note.created_wall)
-    out.oldest_kept = min(kept_walls) if kept_walls else None
     journal.rewrite()
     return out
 

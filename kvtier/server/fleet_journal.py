@@ -2,15 +2,25 @@
 
 ``<state_dir>/fleet.journal`` (0600, never through a symbolic link) is a magic line, then
 entries appended one ``write`` each: ``P`` (placed), the block's name (32 bytes), a u32 length
-and its record; ``F`` (forgotten) and the name. A placement is fsync'd before it returns; a
-forgetting is not (one lost to a power cut names a block the next start looks up and finds
-gone, or one whose removal was owed). A torn last entry (a crash while appending) is cut off at
-open; what came before is whole. The file is written anew (temp, fsync, rename) with the live
-records only: at start; after an admin erasure (:meth:`FleetJournal.compact`), so that no record
-of an erased block (owner, namespace, session, the client's key: in clear without encryption at
-rest) stays in the file; and whenever forgotten entries outnumber the live records and number
-more than :data:`_COMPACT_AFTER` -- a rewrite costs O(live records), so it comes at most once per
-that many forgettings and once per as many as there are live records: O(1) each, amortised.
+and its record; ``F`` (forgotten) and the name; each entry ends with the xxh3-64 of what comes
+before it in the entry. A placement is fsync'd before it returns; a forgetting is not (one lost
+to a power cut names a block the next start looks up and finds gone, or one whose removal was
+owed). At open, a bad entry that no whole entry follows is a torn last append (a crash while
+writing it): it is cut off, and what came before is whole. A bad entry that whole entries follow
+is damage (a flipped bit, a bad sector): it is skipped, the reading goes on at the next whole
+entry, and the start goes on with every record but the damaged ones, logged (the blocks those
+named are left to the fleet's own eviction); nothing after the damage is cut off. (Whole entries
+are found again by their checksum; a record's bytes that imitate one -- a tenant's namespace,
+say -- yield a record that does not authenticate at the start, :mod:`kvtier.server.fleet`.) A
+journal of the first format (magic ``v1``: no checksums, so a bad entry ends the reading as a
+torn tail did) is read, then written anew in this format at open: an upgrade loses no record.
+
+The file is written anew (temp, fsync, rename) with the live records only: at start; after an
+admin erasure (:meth:`FleetJournal.compact`), so that no record of an erased block (owner,
+namespace, session, the client's key: in clear without encryption at rest) stays in the file;
+and whenever forgotten entries outnumber the live records and number more than
+:data:`_COMPACT_AFTER` -- a rewrite costs O(live records), so it comes at most once per that many
+forgettings and once per as many as there are live records: O(1) each, amortised.
 
 What a record says and who writes it: :mod:`kvtier.server.fleet`.
 """
@@ -19,9 +29,13 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import struct
 import threading
 from collections.abc import Sequence
+from typing import NamedTuple
+
+import xxhash
 
 from kvtier.errors import ConfigError
 from kvtier.private_files import FILE_MODE, fsync_dir, make_private_dirs
@@ -29,10 +43,14 @@ from kvtier.private_files import FILE_MODE, fsync_dir, make_private_dirs
 log = logging.getLogger(__name__)
 
 JOURNAL_FILE = "fleet.journal"
-_MAGIC = b"kvtier fleet journal v1\n"
+_MAGIC = b"kvtier fleet journal v2\n"
+#: the first format's: the same entries without their checksums (read, then written anew)
+_MAGIC_V1 = b"kvtier fleet journal v1\n"
 _PLACED, _FORGOTTEN = b"P", b"F"  # an entry: kind, name (32 bytes), then for P a u32 length and the record
 _NAME_NBYTES = 32
 _LEN = struct.Struct("<I")
+_CHECK_NBYTES = 8  # each entry's xxh3-64, after the rest of it
+_KIND = re.compile(b"[PF]")  # where an entry may begin (the search for the next whole one)
 _MAX_RECORD = 64 << 10
 #: forgotten entries the file may carry before it is written anew (and at least as many as live records)
 _COMPACT_AFTER = 4096
@@ -59,60 +77,76 @@ class FleetJournal:
             # never through a symbolic link; created 0600
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
             try:
-                whole = self._read(fd)
+                whole, current = self._read(fd)
                 if whole == 0:  # a new journal (or one whose creation a crash cut short)
                     os.ftruncate(fd, 0)
                     os.lseek(fd, 0, os.SEEK_SET)
                     _write_all(fd, _MAGIC)
                     os.fsync(fd)
                     fsync_dir(os.path.dirname(path) or ".")
-                    whole = len(_MAGIC)
-                os.ftruncate(fd, whole)  # a torn last append goes: what is appended next must be readable
-                os.lseek(fd, whole, os.SEEK_SET)
+                    whole, current = len(_MAGIC), True
+                if current:
+                    os.ftruncate(fd, whole)  # a torn last append goes: what is appended next must be readable
+                    os.lseek(fd, whole, os.SEEK_SET)
             except BaseException:
                 os.close(fd)
                 raise
+            self._fd, self._size = fd, whole
+            if not current:  # the first format: appends in this one must follow entries in this one
+                self._rewrite_locked()  # (on failure the old file stays as it was)
         except OSError as exc:
+            self.close()
             raise ConfigError(f"fleet journal {path!r}: {exc}; give the server a state_dir (or disk_dir) it can "
                               f"write: the journal is what lets erase and TTL reach the blocks it placed in the "
                               f"Mooncake fleet after a restart") from None
-        self._fd, self._size = fd, whole
 
-    def _read(self, fd: int) -> int:
-        """Load the file's records; returns how many of its bytes are whole entries (0: empty)."""
+    def _read(self, fd: int) -> tuple[int, bool]:
+        """Load the file's records; returns how many of its bytes end in a whole entry (0: empty) and
+        whether it is in this version's format (else the first's, without checksums)."""
         chunks = []
         while chunk := os.read(fd, 1 << 20):
             chunks.append(chunk)
         data = b"".join(chunks)
-        if _MAGIC.startswith(data):  # empty, or its first write cut short
-            return 0
-        if not data.startswith(_MAGIC):
+        if _MAGIC.startswith(data) or _MAGIC_V1.startswith(data):  # empty, or its first write cut short
+            return 0, True
+        if data.startswith(_MAGIC):
+            check = _CHECK_NBYTES
+        elif data.startswith(_MAGIC_V1):
+            check = 0
+        else:
             raise ConfigError(f"fleet journal {self.path!r} is not a kvtier fleet journal; move it away (blocks "
                               f"it names in the Mooncake fleet are then left to the fleet's own eviction)")
         pos, end = len(_MAGIC), len(data)
+        damaged = skipped = 0
         while pos < end:
-            kind, name_end = data[pos:pos + 1], pos + 1 + _NAME_NBYTES
-            if kind not in (_PLACED, _FORGOTTEN) or name_end > end:
-                break
-            name = data[pos + 1:name_end]
-            if kind == _FORGOTTEN:
-                self._dead += 1 + (self._live.pop(name, None) is not None)
-                pos = name_end
+            entry = _entry_at(data, pos, check)
+            if entry is None:
+                resume = _next_entry_after(data, pos, check) if check else None
+                if resume is None:
+                    break  # a torn last append (a crash while writing it): what came before is whole
+                damaged += 1
+                skipped += resume - pos
+                self._dead += 1  # (a compaction writes the file without it)
+                pos = resume
                 continue
-            if name_end + _LEN.size > end:
-                break
-            (n,) = _LEN.unpack_from(data, name_end)
-            start = name_end + _LEN.size
-            if n > _MAX_RECORD or start + n > end:
-                break
-            if name in self._live:
-                self._dead += 1
-            self._live[name] = data[start:start + n]
-            pos = start + n
-        if pos < end:  # a torn last append (a crash while writing it): what came before is whole
+            self._load(entry)
+            pos = entry.end
+        if damaged:
+            log.error("fleet journal %s: %d damaged entries skipped (%d bytes; whole entries follow them, so no "
+                      "torn append): the blocks they named in the Mooncake fleet are left to its own eviction; "
+                      "every other record is kept", self.path, damaged, skipped)
+        if pos < end:
             log.warning("fleet journal %s: %d bytes at its end are not a whole record; ignored", self.path, end - pos)
             self._dead += 1
-        return pos
+        return pos, bool(check)
+
+    def _load(self, entry: "_Entry") -> None:
+        if entry.kind == _FORGOTTEN:
+            self._dead += 1 + (self._live.pop(entry.name, None) is not None)
+            return
+        if entry.name in self._live:
+            self._dead += 1
+        self._live[entry.name] = entry.record
 
     # -- reads (at start) ------------------------------------------------------------------------
     def records(self) -> list[tuple[bytes, bytes]]:
@@ -144,10 +178,7 @@ class FleetJournal:
             return True
 
     def _rewrite_locked(self) -> None:
-        parts = [_MAGIC]
-        for name, record in self._live.items():
-            parts += [_PLACED, name, _LEN.pack(len(record)), record]
-        blob = b"".join(parts)
+        blob = b"".join([_MAGIC, *(_placed_entry(name, record) for name, record in self._live.items())])
         temp = f"{self.path}.{os.getpid()}.tmp"
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
         try:
@@ -172,10 +203,8 @@ class FleetJournal:
             todo = [(n, r, e) for n, r, e in items if self._written_for.get(n) is not e]
             self._seq += 1
             if todo:
-                parts = []
-                for name, record, _ in todo:
-                    parts += [_PLACED, name, _LEN.pack(len(record)), record]
-                self._append_locked(b"".join(parts), durable=True)  # raises: nothing is placed, nothing kept
+                blob = b"".join(_placed_entry(name, record) for name, record, _ in todo)
+                self._append_locked(blob, durable=True)  # raises: nothing is placed, nothing kept
                 for name, record, entry in todo:
                     self._dead += name in self._live
                     self._live[name] = record
@@ -195,7 +224,7 @@ class FleetJournal:
             if not gone:
                 return
             try:
-                self._append_locked(b"".join(_FORGOTTEN + n for n in gone), durable=False)
+                self._append_locked(b"".join(_checked(_FORGOTTEN + n) for n in gone), durable=False)
             except OSError as exc:
                 log.warning("fleet journal %s: could not forget %d records: %s", self.path, len(gone), exc)
                 return
@@ -250,3 +279,51 @@ def _write_all(fd: int, blob: bytes) -> None:
     view = memoryview(blob)
     while view:
         view = view[os.write(fd, view):]
+
+
+# -- entries ---------------------------------------------------------------------------------------
+class _Entry(NamedTuple):
+    kind: bytes
+    name: bytes
+    record: bytes | None  #: a placement's (None: a forgetting)
+    end: int  #: where the next entry begins
+
+
+def _placed_entry(name: bytes, record: bytes) -> bytes:
+    return _checked(_PLACED + name + _LEN.pack(len(record)) + record)
+
+
+def _checked(body: bytes) -> bytes:
+    return body + xxhash.xxh3_64_digest(body)
+
+
+def _entry_at(data: bytes, pos: int, check: int) -> _Entry | None:
+    """The whole entry at ``pos`` of ``data`` (``check``: its checksum's size, 0 in the first format);
+    None if there is none: cut short, malformed, or its checksum does not match."""
+    kind, name_end = data[pos:pos + 1], pos + 1 + _NAME_NBYTES
+    if kind not in (_PLACED, _FORGOTTEN) or name_end > len(data):
+        return None
+    record, body_end = None, name_end
+    if kind == _PLACED:
+        if name_end + _LEN.size > len(data):
+            return None
+        (n,) = _LEN.unpack_from(data, name_end)
+        if n > _MAX_RECORD:
+            return None
+        body_end = name_end + _LEN.size + n
+        record = data[name_end + _LEN.size:body_end]
+    end = body_end + check
+    if end > len(data):
+        return None
+    if check and data[body_end:end] != xxhash.xxh3_64_digest(memoryview(data)[pos:body_end]):
+        return None
+    return _Entry(kind, data[pos + 1:name_end], record, end)
+
+
+def _next_entry_after(data: bytes, pos: int, check: int) -> int | None:
+    """Where the first whole entry after a bad one at ``pos`` begins; None if none follows (a torn
+    last append)."""
+    for candidate in _KIND.finditer(data, pos + 1):
+        if _entry_at(data, candidate.start(), check) is not None:
+            return candidate.start()
+    return None

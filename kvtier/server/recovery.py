@@ -127,10 +127,10 @@ class SpillBinding:
         return BlockRecord(parent, self.codec.pack(disk_key, note))
 
     # -- starting --------------------------------------------------------------------------
-    def rebuild(self, owners: set[str], also: Sequence[Found] = (), also_oldest: float | None = None) -> Rebuilt:
+    def rebuild(self, owners: set[str], also: Sequence[Found] = ()) -> Rebuilt:
         """Index every attributable block on disk (call once, before serving), and ``also`` (the
         blocks a fleet journal found, :func:`kvtier.server.fleet.rebuild_from_journal`) but those
-        the disk holds. (``also_oldest`` is not used: tombstones are kept whatever is left.)"""
+        the disk holds."""
         out = Rebuilt()
         found: list[tuple[float, bytes, SpillAnnotation]] = []
         rejected: list[bytes] = []

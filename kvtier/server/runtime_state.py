@@ -60,7 +60,7 @@ from collections.abc import Callable, Iterable
 from datetime import datetime, timezone
 
 from kvtier.errors import ConfigError
-from kvtier.private_files import make_private_dirs
+from kvtier.private_files import fsync_dir, make_private_dirs, replace_private_file
 
 FILE_NAME = "runtime.json"
 _VERSION = 1
@@ -224,19 +224,11 @@ class RuntimeState:
             doc["list_high_water"] = self.list_high_water
         directory = os.path.dirname(self.path) or "."
         make_private_dirs(directory)
-        temp = f"{self.path}.{os.getpid()}.tmp"
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-        try:
-            os.write(fd, json.dumps(doc, indent=1, sort_keys=True).encode())
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(temp, self.path)
-        dfd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(dfd)  # the rename itself survives a power cut
-        finally:
-            os.close(dfd)
+        # Written whole or not at all: a write the disk cuts short (nearly full) raises ENOSPC and
+        # removes its temp file, and the old file stays (a short file renamed over it stopped every
+        # later start); the caller then rolls the change back.
+        replace_private_file(self.path, json.dumps(doc, indent=1, sort_keys=True).encode())
+        fsync_dir(directory)  # the rename itself survives a power cut
 
 
 def _opt_int(v) -> int | None:

@@ -254,8 +254,7 @@ class Server:
             # (erasure tombstones are kept with a disk spill: its runtime state authenticates them)
             fleet = rebuild_from_journal(self.fleet, owners, self.spill.erasures if self.spill is not None else None)
         if self.spill is not None:
-            rebuilt = self.spill.rebuild(owners, also=fleet.found if fleet else (),
-                                         also_oldest=fleet.oldest_kept if fleet else None)
+            rebuilt = self.spill.rebuild(owners, also=fleet.found if fleet else ())
         else:
             rebuilt = Rebuilt(entries=index_oldest_first(self.index, fleet.found))
         for skey, entry in rebuilt.entries:

@@ -42,6 +42,7 @@ annotation stays in clear, HMAC'd: the payload beside it is plaintext anyway.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import hmac
 import os
@@ -57,7 +58,8 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from kvtier.core.framing import frame_str
 from kvtier.errors import ConfigError
-from kvtier.private_files import read_private_file
+from kvtier.private_files import (create_private_file, fsync_dir, open_private_file, read_private_file,
+                                  replace_private_file)
 
 SECRET_FILE = "server.secret"
 _VERSION = 1
@@ -187,22 +189,39 @@ def _hkdf(master: bytes, info: bytes) -> bytes:
     return HKDF(algorithm=hashes.SHA256(), length=32, salt=b"kvtier/server-spill/v1", info=info).derive(master)
 
 
+_REMOVE_SECRET = "remove it to make a new one (spilled blocks are then dropped at start)"
+
+
 def secret_in(disk_dir: str) -> bytes:
     """The server secret in ``disk_dir`` (made on first use, 0600); refused if anyone else could
-    have written or read it."""
+    have written or read it, or if it is not 32 bytes."""
     path = os.path.join(disk_dir, SECRET_FILE)
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    except FileExistsError:
-        pass
-    else:
-        try:
-            os.write(fd, os.urandom(32))
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    secret = read_private_file(path, "the spill secret",
-                               "remove it to make a new one (spilled blocks are then dropped at start)")
+    if not os.path.lexists(path):
+        create_private_file(path, os.urandom(32))  # False: another starter won; theirs is read below
+    secret = _read_secret(path)
+    if not secret:
+        _replace_empty_secret(path)
+        secret = _read_secret(path)
     if len(secret) != 32:
         raise ConfigError(f"{path!r} is not a 32-byte secret; remove it (spilled blocks are then dropped at start)")
     return secret
+
+
+def _read_secret(path: str) -> bytes:
+    return read_private_file(path, "the spill secret", _REMOVE_SECRET)
+
+
+def _replace_empty_secret(path: str) -> None:
+    """Replace an empty secret (private, checked by the caller's read) with a new one. An older
+    version created the file in place, then wrote it: a crash or a full disk in between left it
+    empty, and no block was annotated under it. Under an ``flock`` on the empty file, and only
+    while ``path`` still names it: a starter racing this one waits, then reads the new secret."""
+    fd = open_private_file(path, "the spill secret", _REMOVE_SECRET)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        st = os.fstat(fd)
+        if st.st_size == 0 and os.stat(path, follow_symlinks=False).st_ino == st.st_ino:
+            replace_private_file(path, os.urandom(32))
+            fsync_dir(os.path.dirname(os.path.abspath(path)))
+    finally:
+        os.close(fd)  # (releases the lock)

@@ -1,6 +1,7 @@
 """The server's fleet journal (kvtier/server/fleet.py, fleet_journal.py) over a stand-in fleet: a
 record before each placement, forgotten after a delete the fleet was asked, read back at start (authenticated, erasures
-and owners applied, blocks the fleet lost forgotten), a torn tail, compaction, sealed names.
+and owners applied, blocks the fleet lost forgotten), a torn tail, damage in the middle, a journal of the first format,
+compaction, sealed names, a shredded owner's records.
 The same with a real fleet and server: test_fleet_restart.py."""
 
 from __future__ import annotations
@@ -154,12 +155,13 @@ def test_a_start_indexes_what_the_fleet_holds_and_deletes_what_it_must_not(tmp_p
     names = _place(fleet, index, *kept, erased, lost, stranger, forged)
     del fleet.inner.objects[lost[0]]  # the fleet evicted it on its own
     fleet.close()
-    # a record altered in the file: it no longer authenticates
+    # a record altered by someone who can write the file (a well-formed entry): it no longer authenticates
     path = tmp_path / JOURNAL_FILE
-    data = bytearray(path.read_bytes())
-    at = data.index(forged[0]) + 32 + 4 + 10
-    data[at] ^= 1
-    path.write_bytes(bytes(data))
+    journal = FleetJournal(str(path))
+    altered = bytearray(dict(journal.records())[forged[0]])
+    altered[10] ^= 1
+    journal.placed([(forged[0], bytes(altered), object())])
+    journal.close()
 
     index2 = BlockIndex()
     journal = FleetJournal(str(path))
@@ -177,7 +179,6 @@ def test_a_start_indexes_what_the_fleet_holds_and_deletes_what_it_must_not(tmp_p
     assert (docs.owner, docs.namespace, docs.session, docs.tier, docs.header) == ("acme", "docs", "s1", "mooncake",
                                                                                  kept[1][1].header)
     assert abs(docs.created - old) < 1  # its age goes on counting
-    assert out.oldest_kept is not None
     journal.close()
     survivor = FleetJournal(str(path))  # written anew: the live records only
     assert sorted(n for n, _ in survivor.records()) == sorted(skey for skey, _ in kept)
@@ -195,6 +196,71 @@ def test_a_torn_last_append_is_cut_off_and_later_records_read_back(tmp_path):
     fleet.close()
     again, _ = _reopened(tmp_path)
     assert sorted(n for n, _ in again.journal.records()) == sorted([a, b])
+
+
+def _hundred_records(path) -> list[bytes]:
+    journal = FleetJournal(str(path))
+    names = [bytes([i]) * 32 for i in range(100)]
+    for name in names:
+        journal.placed([(name, b"record-" + name[:3], object())])
+    journal.close()
+    return names
+
+
+def test_a_damaged_entry_in_the_middle_is_skipped_and_every_later_record_kept(tmp_path, caplog):
+    """(s30 a3 D6: one flipped bit in the 11th record's length was taken for a torn tail: the 90
+    records after it were dropped and cut off the file at open, with a warning.)"""
+    path = tmp_path / JOURNAL_FILE
+    names = _hundred_records(path)
+    data = bytearray(path.read_bytes())
+    data[data.index(names[10]) + 32 + 3] ^= 0x80  # the high byte of its length
+    path.write_bytes(bytes(data))
+    journal = FleetJournal(str(path))
+    assert sorted(n for n, _ in journal.records()) == sorted(names[:10] + names[11:])
+    assert "damaged" in caplog.text
+    assert path.stat().st_size == len(data), "the file was cut at the damage"
+    journal.placed([(b"z" * 32, b"later", object())])  # appended after the whole entries
+    journal.close()
+    again = FleetJournal(str(path))
+    assert len(again) == 100 and dict(again.records())[b"z" * 32] == b"later"
+    assert again.compact()  # (the damaged entry counts as dead: the next compaction drops it)
+    again.close()
+    assert len(FleetJournal(str(path))) == 100
+
+
+def test_a_bad_last_entry_is_a_torn_tail_whatever_byte_is_bad(tmp_path):
+    """The control to the damage above: no whole entry follows, so it is cut off."""
+    path = tmp_path / JOURNAL_FILE
+    names = _hundred_records(path)
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1  # the last entry's checksum
+    path.write_bytes(bytes(data))
+    journal = FleetJournal(str(path))
+    assert sorted(n for n, _ in journal.records()) == sorted(names[:-1])
+    journal.close()
+    assert path.stat().st_size < len(data)
+
+
+_MAGIC_V1 = b"kvtier fleet journal v1\n"  # the first format's, as it was written
+
+
+def _v1_entry(name: bytes, record: bytes | None = None) -> bytes:
+    """An entry as the first format wrote it: no checksum."""
+    return b"F" + name if record is None else b"P" + name + len(record).to_bytes(4, "little") + record
+
+
+def test_a_journal_of_the_first_format_is_read_and_written_anew(tmp_path):
+    """An upgrade loses no placement: the old journal's records are read, the file migrated."""
+    path = tmp_path / JOURNAL_FILE
+    a, b, c = (bytes([i]) * 32 for i in (1, 2, 3))
+    path.write_bytes(_MAGIC_V1 + _v1_entry(a, b"rec-a") + _v1_entry(b, b"rec-b") + _v1_entry(c, b"rec-c")
+                     + _v1_entry(b) + b"P" + bytes(7))  # b forgotten, then a torn append
+    journal = FleetJournal(str(path))
+    assert dict(journal.records()) == {a: b"rec-a", c: b"rec-c"}
+    assert _MAGIC_V1 not in path.read_bytes()  # written in this version's format
+    journal.placed([(b, b"rec-b2", object())])
+    journal.close()
+    assert dict(FleetJournal(str(path)).records()) == {a: b"rec-a", b: b"rec-b2", c: b"rec-c"}
 
 
 def test_a_file_that_is_no_journal_stops_the_start_naming_it(tmp_path):
@@ -241,6 +307,39 @@ def test_sealed_names_map_back_to_their_blocks_and_another_master_key_deletes_no
         rebuild_from_journal(JournaledFleet(inner, journal, FleetRecords(BlockIndex(), SpillCodec(b"o" * 32), other)),
                              {"acme"})
     assert set(inner.objects) == {name} and len(journal) == 1
+
+
+def test_a_shredded_owners_records_are_erased_not_taken_for_another_master_key(tmp_path):
+    """With encryption at rest: a tenant erased and its keys shredded while its fleet deletes were
+    owed (the fleet could not be asked) leaves records whose names no longer derive. They are the
+    right master key's (their annotations authenticate): their blocks are deleted at the next
+    start, which the name check, made first, refused as "authenticates under this master key"."""
+    keyring = Keyring(StaticMasterKey(b"k" * 32), tmp_path / "keys", refresh_s=0.0)
+    index = BlockIndex()
+    fleet = _fleet(tmp_path, index, keyring)
+    names = []
+    for i in (1, 2):
+        skey, entry = _entry("acme", "chat", i)
+        entry.disk_name = keyring.storage_key("acme", skey)  # what the sealing tier above names it
+        index.add(skey, entry)
+        names.append(entry.disk_name)
+    assert fleet.put_many(names, [np.zeros(NBYTES, np.uint8)] * 2) == [Status.OK] * 2
+    fleet.inner.available = False  # the erase: the fleet cannot be asked, the removal is owed
+    fleet.delete_many(names)
+    assert keyring.shred_tenant("acme")
+    fleet.close()
+    inner = StandInFleet()
+    inner.objects = {name: b"x" for name in names}
+    journal = FleetJournal(str(tmp_path / JOURNAL_FILE))
+    assert len(journal) == 2  # the control: the owed records stayed
+    try:
+        out = rebuild_from_journal(JournaledFleet(inner, journal, FleetRecords(BlockIndex(), CODEC, keyring)),
+                                   {"acme"})
+    except ConfigError as exc:
+        pytest.fail(f"the start after a shredded tenant's owed fleet deletes was refused: {exc}")
+    assert (out.erased, out.rejected, out.found) == (2, 0, [])
+    assert inner.objects == {} and len(journal) == 0  # deleted from the fleet, then forgotten
+    journal.close()
 
 
 def test_a_placement_whose_record_could_not_be_written_leaves_nothing_behind(tmp_path, monkeypatch):

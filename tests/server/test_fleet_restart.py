@@ -10,6 +10,8 @@ acme's spilled blocks stayed readable whole in the fleet, and a namespace TTL ne
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import numpy as np
@@ -19,6 +21,7 @@ from kvtier.cli.admin import admin_call
 from kvtier.crypto.keyring import Keyring
 from kvtier.crypto.providers import StaticMasterKey
 from kvtier.server.auth import KeySpace
+from kvtier.server.fleet_journal import FleetJournal
 from kvtier.server.launch import ServerProcess
 from kvtier.tiers.base import Status
 from tests.server.conftest import block, keys_for, remote
@@ -150,44 +153,91 @@ def test_with_a_disk_spill_erase_after_a_restart_reaches_both_disk_and_fleet(tmp
         assert not any(_readable_in_fleet(cluster, "three-tiers", keys))
 
 
+MASTER = bytes.fromhex("5a" * 32)
+
+
+def _serve_sealed(tmp_path, cluster, **server):  # noqa: F811
+    """A server with encrypt_at_rest: DRAM (4 blocks), a disk (room for 4), the fleet."""
+    secret = tmp_path / "mooncake.secret"
+    secret.write_bytes(SECRET)
+    secret.chmod(0o600)
+    (tmp_path / "srv").mkdir(exist_ok=True)
+    return ServerProcess.start(
+        tenants(), shared=SHARED, admin_token=TOKENS["admin"], workdir=str(tmp_path / "srv"),
+        env={"KVTIER_MASTER_KEY": MASTER.hex()},
+        server={"capacity": 4 * SLOT, "max_block": SLOT, "mooncake_master": cluster.master_address,
+                "mooncake_metadata": cluster.metadata_url, "mooncake_secret_file": str(secret),
+                "disk_dir": str(tmp_path / "disk"), "disk_capacity": "256KiB", "encrypt_at_rest": True, **server})
+
+
+def _sealed_names(tmp_path, ns: str, keys) -> list[bytes]:
+    """The names the fleet holds acme's sealed blocks in ``ns`` under (keyed by its keys: derive them first)."""
+    keyring = Keyring(StaticMasterKey(MASTER), tmp_path / "disk" / "keys")
+    return [keyring.storage_key("acme", KeySpace.of("acme", ns).storage_key(k)) for k in keys]
+
+
+def _in_fleet(cluster, names) -> int:  # noqa: F811
+    reader = make_tier(cluster, tenant="kvtier-serve", secret=SECRET)
+    try:
+        return sum(reader.contains_many(names))
+    finally:
+        reader.close()
+
+
+def _spilled_sealed(tmp_path, cluster, srv, ns: str) -> tuple[list[bytes], list[bytes]]:  # noqa: F811
+    """16 of acme's blocks put, at least 8 of them in the fleet (the copies down run in the
+    background); their keys and fleet names."""
+    keys = _put_spilling(srv, ns, 16)
+    names = _sealed_names(tmp_path, ns, keys)
+    deadline = time.monotonic() + 10
+    while _in_fleet(cluster, names) < 8 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _in_fleet(cluster, names) >= 8  # control: the fleet holds them, sealed
+    return keys, names
+
+
 def test_sealed_blocks_in_the_fleet_are_erased_after_a_restart(tmp_path, cluster):  # noqa: F811
     """With encrypt_at_rest: the fleet holds sealed blocks under their owner's keyed names, and the
     journal names them so (its records sealed too); a namespace erase (no key shredding) after a
     restart removes them."""
-    master = bytes.fromhex("5a" * 32)
-    secret = tmp_path / "mooncake.secret"
-    secret.write_bytes(SECRET)
-    secret.chmod(0o600)
-    (tmp_path / "srv").mkdir()
-
-    def serve():
-        return ServerProcess.start(
-            tenants(), shared=SHARED, admin_token=TOKENS["admin"], workdir=str(tmp_path / "srv"),
-            env={"KVTIER_MASTER_KEY": master.hex()},
-            server={"capacity": 4 * SLOT, "max_block": SLOT, "mooncake_master": cluster.master_address,
-                    "mooncake_metadata": cluster.metadata_url, "mooncake_secret_file": str(secret),
-                    "disk_dir": str(tmp_path / "disk"), "disk_capacity": "256KiB", "encrypt_at_rest": True})
-
-    def in_fleet(names) -> int:
-        reader = make_tier(cluster, tenant="kvtier-serve", secret=SECRET)
-        try:
-            return sum(reader.contains_many(names))
-        finally:
-            reader.close()
-
-    with serve() as srv:
-        keys = _put_spilling(srv, "sealed", 16)
-        keyring = Keyring(StaticMasterKey(master), tmp_path / "disk" / "keys")
-        names = [keyring.storage_key("acme", KeySpace.of("acme", "sealed").storage_key(k)) for k in keys]
-        deadline = time.monotonic() + 10  # the copies down run in the background
-        while in_fleet(names) < 8 and time.monotonic() < deadline:
-            time.sleep(0.2)
-    assert in_fleet(names) >= 8  # control: the fleet holds them, sealed
+    with _serve_sealed(tmp_path, cluster) as srv:
+        keys, names = _spilled_sealed(tmp_path, cluster, srv, "sealed")
     assert not any(_readable_in_fleet(cluster, "sealed", keys))  # (never in plaintext)
     journal = tmp_path / "disk" / "fleet.journal"
     assert journal.exists() and b"sealed" not in journal.read_bytes()  # its records are sealed too
-    with serve() as srv:
+    with _serve_sealed(tmp_path, cluster) as srv:
         assert _gets(srv, "sealed", keys) == [Status.OK] * 16
         reply = admin_call(srv.tcp_url, TOKENS["admin"], "erase", {"tenant": "acme", "namespace": "sealed"})
         assert reply["ok"] and reply["erased"] == 16, reply
-        assert in_fleet(names) == 0
+        assert _in_fleet(cluster, names) == 0
+
+
+@pytest.mark.parametrize("tombstones", [True, False], ids=["with-tombstone", "runtime-state-lost"])
+def test_a_shredded_tenants_owed_fleet_deletes_do_not_stop_the_next_start(tmp_path, cluster, tombstones):  # noqa: F811
+    """A tenant erase while the fleet does not answer: acme's keys are shredded, its fleet deletes
+    owed, their records kept. Those records authenticate under the master key but their names no
+    longer derive: the next start deletes their blocks (judged erased: by the tombstone, or, the
+    runtime state lost, by the keys being gone), where it refused "none of the records ...
+    authenticates under this master key" (the name was checked first)."""
+    with _serve_sealed(tmp_path, cluster, mooncake_timeout_s=0.5) as srv:
+        _, names = _spilled_sealed(tmp_path, cluster, srv, "shredded")
+        os.killpg(cluster.master.pid, signal.SIGSTOP)
+        try:
+            reply = admin_call(srv.tcp_url, TOKENS["admin"], "erase", {"tenant": "acme"})
+        finally:
+            os.killpg(cluster.master.pid, signal.SIGCONT)
+        assert reply["keys_shredded"], reply
+    owed = len(FleetJournal(str(tmp_path / "disk" / "fleet.journal")))
+    assert owed >= 8  # the control: their records stayed
+    if not tombstones:
+        (tmp_path / "disk" / "runtime.json").unlink()
+    try:
+        srv = _serve_sealed(tmp_path, cluster)
+    except RuntimeError as exc:  # (its log's line that says why, not the fleet client's chatter after it)
+        why = next((line for line in str(exc).splitlines() if line.startswith("kvtier serve: ")), str(exc)[-400:])
+        pytest.fail(f"the start after a shredded tenant's owed fleet deletes was refused: {why}")
+    with srv:
+        fleet = admin_call(srv.tcp_url, TOKENS["admin"], "stats", {})["recovered"]["fleet"]
+        assert (fleet["erased"], fleet["rejected"], fleet["recovered"]) == (owed, 0, 0), fleet
+        assert _in_fleet(cluster, names) == 0
+    assert len(FleetJournal(str(tmp_path / "disk" / "fleet.journal"))) == 0
