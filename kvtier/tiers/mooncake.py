@@ -35,7 +35,10 @@ What kvtier adds:
 * **Leases.** Each read and each lookup grants a lease (10 s by default) during which
   the engine refuses a plain ``remove`` (-706). ``delete`` forces it: an erase must leave
   no copy that another process of the tenant (or this one after a restart) reads whole.
-  A read under way elsewhere then fails its verification (a miss). What the engine still
+  A read under way elsewhere may then receive the freed memory, reused at once by another
+  object: a miss, not a verification failure, if a removal of that name by this tier overlapped
+  the read, or if a second read no longer fails (another process's delete); only an object that
+  fails twice with no removal of ours beside it is ``CORRUPT`` and removed. What the engine still
   refuses, or could not be asked (the tier is down), is hidden from this tier's reads and
   lookups at once and its removal retried on later deletes and puts; a put of the key
   brings it back.
@@ -84,17 +87,19 @@ import hmac
 import math
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 from kvtier.core.keys import BlockKey
 from kvtier.tiers.base import Tier
 from kvtier.tiers.mooncake_calls import MAX_CALL_S, BoundedEngineCalls, Down
-from kvtier.tiers.mooncake_client import RC_HAS_LEASE, RC_NOT_FOUND, BoundedCaller, SharedClient
+from kvtier.tiers.mooncake_client import RC_HAS_LEASE, RC_NOT_FOUND, RC_NOT_READY, BoundedCaller, SharedClient
 from kvtier.tiers.mooncake_names import NAME_PREFIX, TenantNaming
 from kvtier.tiers.mooncake_reads import TierReads
 from kvtier.tiers.mooncake_writes import TierWrites
 
-__all__ = ["DEFAULT_MIN_RATE_BYTES_S", "NAME_PREFIX", "SESSION_MIN_BYTES", "MooncakeTier"]
+__all__ = ["DEFAULT_MIN_RATE_BYTES_S", "NAME_PREFIX", "SESSION_MIN_BYTES", "MooncakeTier", "RemovalLog"]
 
 DEFAULT_MIN_RATE_BYTES_S = 50e6
 #: blocks of at least this size move in *sessions*: one master RPC for the batch (as the engine's
@@ -104,6 +109,72 @@ DEFAULT_MIN_RATE_BYTES_S = 50e6
 #: (4 x 8 and 4 x 32 MiB). One block per call: a call of several whose holder died waits ~1 s
 #: per block, one after the other.
 SESSION_MIN_BYTES = 2 << 20
+#: a forced remove's answers that leave nothing to remove later: no object (-704), or only
+#: another writer's unfinished put of the name (-703), which the delete is ordered before.
+#: (-703 once hid, and the next delete then removed, the block that put published meanwhile.)
+_NOTHING_TO_REMOVE = frozenset({RC_NOT_FOUND, RC_NOT_READY})
+
+
+class RemovalLog:
+    """Which names a tier removed while a read was under way (thread safe).
+
+    Removals and their ends take turns from one counter; a read notes the counter when it starts,
+    and asks :meth:`overlapped` about a name whose object failed verification. Per name, kept only
+    while a read under way may still ask: how many of its removals are in flight, and the turn the
+    last one ended at (so memory grows with the removals that overlap reads, not with all)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._turn = 0
+        self._names: dict[str, list[int]] = {}  # name → [removals in flight, the turn the last ended at]
+        self._reads: Counter[int] = Counter()  # the turn each read under way started at → how many
+
+    @contextmanager
+    def removing(self, names: Sequence[str]) -> Iterator[None]:
+        """Around an engine call that removes ``names``."""
+        with self._lock:
+            for name in names:
+                self._names.setdefault(name, [0, 0])[0] += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._turn += 1
+                for name in names:
+                    entry = self._names[name]
+                    entry[0] -= 1
+                    entry[1] = self._turn
+                self._forget()
+
+    @contextmanager
+    def reading(self) -> Iterator[int]:
+        """Around a read; yields its start, for :meth:`overlapped`."""
+        with self._lock:
+            since = self._turn
+            self._reads[since] += 1
+        try:
+            yield since
+        finally:
+            with self._lock:
+                self._reads[since] -= 1
+                if not self._reads[since]:
+                    del self._reads[since]
+                self._forget()
+
+    def overlapped(self, name: str, since: int) -> bool:
+        """Whether a removal of ``name`` ran at some point after the read that started at ``since``
+        began (still in flight, or ended since)."""
+        with self._lock:
+            entry = self._names.get(name)
+            return entry is not None and (entry[0] > 0 or entry[1] > since)
+
+    def _forget(self) -> None:
+        """Drop the names no read under way can ask about (under the lock)."""
+        if not self._names:
+            return
+        oldest = min(self._reads, default=self._turn)
+        for name in [n for n, (flying, ended) in self._names.items() if not flying and ended <= oldest]:
+            del self._names[name]
 
 
 class MooncakeTier(TierReads, TierWrites, BoundedEngineCalls, TenantNaming, Tier):
@@ -172,6 +243,7 @@ class MooncakeTier(TierReads, TierWrites, BoundedEngineCalls, TenantNaming, Tier
         self._closed = False
         self.last_error: str | None = None
         self._unremoved: dict[str, float] = {}  # name → since when its removal is owed (refused or not asked)
+        self._removals = RemovalLog()  # this tier's removals, for reads they may have torn (mooncake_reads)
         self._regions: list[tuple[int, int, object]] = []  # (start, end, the caller's buffer) registered
         #: held by register_memory / unregister_memory and by close() as it marks the tier closed:
         #: no registration reaches an engine that close() may be closing
@@ -220,7 +292,8 @@ class MooncakeTier(TierReads, TierWrites, BoundedEngineCalls, TenantNaming, Tier
         try:
             self._check_up()
             self._retry_removals(deadline)
-            codes = self._call(deadline, self._engine.batch_remove, names, True)
+            with self._removals.removing(names):
+                codes = self._call(deadline, self._engine.batch_remove, names, True)
         except Down:
             # Hidden at once and removed once the fleet answers: dropped, a copy would stay
             # readable in the fleet, beyond the reach of any later delete.
@@ -236,7 +309,7 @@ class MooncakeTier(TierReads, TierWrites, BoundedEngineCalls, TenantNaming, Tier
                 if code == 0:
                     out[j] = True
                     self._unremoved.pop(name, None)
-                elif code == RC_NOT_FOUND:
+                elif code in _NOTHING_TO_REMOVE:
                     self._unremoved.pop(name, None)
                 elif name not in self._unremoved:
                     # refused (a lease the force did not break) or failed: hidden from this
@@ -281,10 +354,11 @@ class MooncakeTier(TierReads, TierWrites, BoundedEngineCalls, TenantNaming, Tier
                 return
             self._next_removal_retry = now + 1.0
             names = list(self._unremoved)
-        codes = self._call(deadline, self._engine.batch_remove, names, True)
+        with self._removals.removing(names):
+            codes = self._call(deadline, self._engine.batch_remove, names, True)
         with self._lock:
             for name, code in zip(names, codes):
-                if code in (0, RC_NOT_FOUND):
+                if code == 0 or code in _NOTHING_TO_REMOVE:
                     self._unremoved.pop(name, None)
 
     # -- the rest of the contract ---------------------------------------------------------------

@@ -7,7 +7,13 @@ output lies in memory registered with :meth:`TierReads.register_memory` is recei
 into it and verified in place; any other lands in registered staging and is verified while
 copied out. A read the engine's first replica failed is sent to another replica's holder at
 once. Every object's header must name the block at its size and its payload match its keyed
-tag, or it is :attr:`~kvtier.tiers.base.Status.CORRUPT` (a miss) and removed.
+tag, or it is :attr:`~kvtier.tiers.base.Status.CORRUPT` (a miss) and removed -- unless a removal
+explains the failure: a forced removal breaks the lease of a read under way and the engine
+reuses the memory at once, so the read receives another object's bytes. A failed read that a
+removal of the name by this tier overlapped (:class:`~kvtier.tiers.mooncake.RemovalLog`) is a
+miss, and nothing is removed (the name may already hold a block a later put stored); any other
+failed read is read once more (another process's delete), and only an object that fails again
+is ``CORRUPT``.
 
 An object of another size than the buffer asked for (a short read, -600 "larger than the
 buffer", -800 from a batch call, or a header naming another size) is read whole and judged
@@ -24,7 +30,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
@@ -47,6 +53,13 @@ _INFLIGHT_CALLS = 8
 _SUSPECT_S = 30.0
 #: pieces a verified payload is copied out in: each is MACed while still in cache
 _COPY_PIECE = 1 << 20
+
+
+class _Rejected(NamedTuple):
+    """A read whose object failed verification, not judged yet (:meth:`TierReads._judge_rejected`):
+    held in the read's statuses until then."""
+
+    why: str
 
 
 class TierReads:
@@ -140,22 +153,56 @@ class TierReads:
         views = [writable_bytes(o) for o in outs]
         digests = [self._digest(k) for k in keys]
         deadline = time.monotonic() + self._deadline_in(sum(v.nbytes for v in views))
-        statuses = [Status.ERROR] * len(keys)
+        statuses: list[Status | _Rejected] = [Status.ERROR] * len(keys)
         hidden = self._hidden([NAME_PREFIX + d.hex() for d in digests])
-        rounds: list[list[int]] = []  # the engine reads a name once per batch: a repeated key waits a round
-        seen: dict[bytes, int] = {}
-        for i, d in enumerate(digests):
+        for i in range(len(keys)):
             if hidden[i]:
                 statuses[i] = Status.MISS
-                continue
-            r = seen[d] = seen.get(d, -1) + 1
-            if r == len(rounds):
-                rounds.append([])
-            rounds[r].append(i)
-        for todo in rounds:
-            self._read_round(todo, digests, views, statuses, deadline, hash_payloads)
+        with self._removals.reading() as since:
+            for todo in _rounds([i for i in range(len(keys)) if not hidden[i]], digests):
+                self._read_round(todo, digests, views, statuses, deadline, hash_payloads)
+            self._judge_rejected(digests, views, statuses, since, hash_payloads)
         self._count_reads(statuses, views)
         return statuses
+
+    def _judge_rejected(self, digests, views, statuses: list, since: int, hashed: bool) -> None:
+        """The blocks whose object failed verification (``_Rejected``, see the module's docstring):
+        a MISS where a removal of the name by this tier overlapped the read (it tore it: nothing
+        to remove, and the name may hold a block put since); the others are read once more, with a
+        deadline of their own (the read's may have passed), since another process's removal may
+        have torn the first read. What fails again, with no removal of ours beside it, is removed
+        and ``CORRUPT``."""
+        again = self._not_torn([i for i, s in enumerate(statuses) if isinstance(s, _Rejected)], digests, statuses,
+                               since)
+        if not again:
+            return
+        for i in again:
+            log.info("mooncake tier: block %s… rejected: %s; reading it again", digests[i].hex()[:16],
+                     statuses[i].why)
+            statuses[i] = Status.ERROR
+        deadline = time.monotonic() + self._deadline_in(sum(views[i].nbytes + HEADER_NBYTES for i in again))
+        for todo in _rounds(again, digests):
+            self._read_round(todo, digests, views, statuses, deadline, hashed)
+        failed_twice = self._not_torn([i for i in again if isinstance(statuses[i], _Rejected)], digests, statuses,
+                                      since)
+        dropped: set[bytes] = set()
+        for i in failed_twice:
+            if digests[i] not in dropped:  # a key asked twice is removed once
+                dropped.add(digests[i])
+                self._drop(NAME_PREFIX + digests[i].hex(), statuses[i].why)
+            statuses[i] = Status.CORRUPT
+
+    def _not_torn(self, rejected: list[int], digests, statuses: list, since: int) -> list[int]:
+        """Of ``rejected``, those no removal of this tier overlapped; the others are MISSes."""
+        left = []
+        for i in rejected:
+            if self._removals.overlapped(NAME_PREFIX + digests[i].hex(), since):
+                log.debug("mooncake tier: read of %s… overlapped its removal: %s", digests[i].hex()[:16],
+                          statuses[i].why)
+                statuses[i] = Status.MISS
+            else:
+                left.append(i)
+        return left
 
     def _read_round(self, todo: list[int], digests, views, statuses: list[Status], deadline: float,
                     hashed: bool) -> None:
@@ -429,11 +476,11 @@ class TierReads:
                          f"not this block at that size")
         return Status.CORRUPT
 
-    def _header_of(self, name: str, digest: bytes, header_bytes, n: int) -> BlockHeader | Status:
+    def _header_of(self, name: str, digest: bytes, header_bytes, n: int) -> BlockHeader | Status | _Rejected:
         """An object's header if it names this block at this size in this format; else what the
         read is: the object judged whole if its header names this block at another size (a read
-        into a buffer shorter than the object: BAD_SIZE if it is that, else dropped), or dropped,
-        CORRUPT."""
+        into a buffer shorter than the object: BAD_SIZE if it is that, else dropped), or rejected
+        (:meth:`_judge_rejected`)."""
         header = unpack_header(header_bytes)
         if header is not None and names_block(header, digest, n):
             return header
@@ -443,61 +490,60 @@ class TierReads:
                 return Status.MISS  # removed meanwhile
             if size not in (None, n + HEADER_NBYTES):
                 return self._judge_resized(name, digest, n, size)
-            self._drop(name, "its header names another size than the object's")
-            return Status.CORRUPT
+            return _Rejected("its header names another size than the object's")
         named = header is not None and header.key[:NAME_ID_BYTES] == digest[:NAME_ID_BYTES]
-        self._drop(name, "format differs" if named else "header does not name this block")
-        return Status.CORRUPT
+        return _Rejected("format differs" if named else "header does not name this block")
 
-    def _tag_matches(self, name: str, computed: bytes, header: BlockHeader) -> Status:
+    @staticmethod
+    def _tag_matches(computed: bytes, header: BlockHeader) -> Status | _Rejected:
         if not hmac.compare_digest(computed, header.checksum):
-            self._drop(name, "payload fails its keyed tag (torn, tampered or not ours)")
-            return Status.CORRUPT
+            return _Rejected("payload fails its keyed tag (torn, tampered or not ours)")
         return Status.OK
 
     def _verify_in_place(self, name: str, digest: bytes, header_bytes: np.ndarray, out: memoryview,
-                         hashed: bool = True, payload_tag: bytes | None = None) -> Status:
+                         hashed: bool = True, payload_tag: bytes | None = None) -> Status | _Rejected:
         """A block received straight into the caller's buffer: MACed where it lies (``payload_tag``:
         already, by the call's worker; not at all if the caller authenticates its payloads: then
         only its header is checked)."""
         header = self._header_of(name, digest, header_bytes, out.nbytes)
-        if isinstance(header, Status):
+        if not isinstance(header, BlockHeader):
             return header
         if not hashed:
             return Status.OK
         if payload_tag is None:
             payload_tag = self.payload_tag(digest, salt_of(header), out)
-        return self._tag_matches(name, payload_tag, header)
+        return self._tag_matches(payload_tag, header)
 
     def _verify_into(self, name: str, digest: bytes, staged: np.ndarray, out: memoryview,
-                     hashed: bool = True, payload_tag: bytes | None = None) -> Status:
+                     hashed: bool = True, payload_tag: bytes | None = None) -> Status | _Rejected:
         """A block received into staging: MACed piece by piece while copied out (``payload_tag``:
         computed already, by the call's worker, in staging that nothing writes once the call
         ended; not at all if the caller authenticates its payloads: then only its header is
         checked)."""
         n = out.nbytes
         header = self._header_of(name, digest, staged[:HEADER_NBYTES], n)
-        if isinstance(header, Status):
+        if not isinstance(header, BlockHeader):
             return header
         payload = staged[HEADER_NBYTES:]
         dst = np.frombuffer(out, dtype=np.uint8)
         if not hashed or payload_tag is not None:
-            if payload_tag is not None and self._tag_matches(name, payload_tag, header) is not Status.OK:
-                return Status.CORRUPT  # (nothing copied: the caller's buffer keeps what it held)
-            dst[:] = payload[:n]
-            return Status.OK
+            verdict = Status.OK if payload_tag is None else self._tag_matches(payload_tag, header)
+            if verdict is Status.OK:
+                dst[:] = payload[:n]
+            return verdict  # (rejected: nothing copied, the caller's buffer keeps what it held)
         mac = self.payload_mac(digest, n, salt_of(header))
         for start in range(0, n, _COPY_PIECE):  # MAC each piece while in cache, then copy it
             piece = payload[start : start + _COPY_PIECE]
             mac.update(piece)
             dst[start : start + _COPY_PIECE] = piece
-        return self._tag_matches(name, mac.tag(), header)
+        return self._tag_matches(mac.tag(), header)
 
     def _drop(self, name: str, why: str) -> None:
         """Remove an object that can never verify (forced: a lease protects nothing worth keeping)."""
         log.warning("mooncake tier: block %s… rejected: %s; removing it", name[len(NAME_PREFIX):][:16], why)
         try:
-            self._call(time.monotonic() + self.timeout_s, self._engine.remove, name, True)
+            with self._removals.removing([name]):
+                self._call(time.monotonic() + self.timeout_s, self._engine.remove, name, True)
         except Down:
             pass
 
@@ -511,6 +557,19 @@ class TierReads:
                     self.stats.verify_failures += 1
                 elif s is not Status.ERROR:
                     self.stats.misses += 1
+
+
+def _rounds(indices: list[int], digests) -> list[list[int]]:
+    """``indices`` in rounds that name each block at most once: the engine reads a name once per
+    batch, so a repeated key waits a round."""
+    rounds: list[list[int]] = []
+    seen: dict[bytes, int] = {}
+    for i in indices:
+        r = seen[digests[i]] = seen.get(digests[i], -1) + 1
+        if r == len(rounds):
+            rounds.append([])
+        rounds[r].append(i)
+    return rounds
 
 
 class _ChunkRead:

@@ -12,6 +12,10 @@ engine keeps whatever a name holds: a resized forgery would poison the key for g
 answers are checked (:meth:`TierWrites._confirm_stored`, one master RPC for the batch): OK only
 for a complete object of the block's size; an unpublished one is waited for until the put's
 deadline, then an ERROR; one of another size is removed and the block written again, once.
+A session start's -600 (this process's own client holds a reservation of the name: another
+thread's put of the same block) is waited for the same way. A name found empty after the engine
+answered (a delete racing the put) is written again, once; found empty again, the put is OK: it
+stored the block, and a delete removed it after.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from kvtier.core.keys import BlockKey
 from kvtier.core.payload import HEADER_NBYTES, BlockMeta
 from kvtier.tiers.base import Status
 from kvtier.tiers.mooncake_calls import Down, log
-from kvtier.tiers.mooncake_client import RC_NO_SPACE, RC_NOT_FOUND, RC_NOT_READY, RC_OBJECT_EXISTS
+from kvtier.tiers.mooncake_client import RC_BAD_PARAMS, RC_NO_SPACE, RC_NOT_FOUND, RC_NOT_READY, RC_OBJECT_EXISTS
 from kvtier.tiers.mooncake_names import NAME_PREFIX, header_row
 
 if TYPE_CHECKING:
@@ -63,15 +67,22 @@ class TierWrites:
             self._retry_removals(deadline)
             for _ in range(2):  # a second round: names that held an object of another size, or lost it
                 again: list[int] = []
+                vanished: set[int] = set()  # accepted by the engine, then gone (see _confirm_stored)
                 small = [i for i in todo if views[i].nbytes < self._session_min_bytes]
                 if small:
-                    again += self._put_batched(small, names, digests, views, metas, statuses, deadline)
+                    again += self._put_batched(small, names, digests, views, metas, statuses, deadline, vanished)
                 big = [i for i in todo if views[i].nbytes >= self._session_min_bytes]
                 if big:
-                    again += _PutSession(self, big, names, digests, views, metas).run(statuses, deadline)
+                    again += _PutSession(self, big, names, digests, views, metas).run(statuses, deadline, vanished)
                 todo = again
                 if not todo:
                     break
+            # Accepted twice and gone both times: a delete (or the engine's eviction) took the block
+            # after the engine had it. The put is linearized before that delete, as if it ran alone
+            # before it: OK. Nothing failed; an ERROR here counted a put failure the tier never had.
+            for i in todo:
+                if i in vanished:
+                    statuses[i] = Status.OK
         except Down:
             pass
         for i in range(len(keys)):
@@ -87,7 +98,7 @@ class TierWrites:
         return statuses
 
     def _put_batched(self, todo: list[int], names, digests, views, metas, statuses: list[Status],
-                     deadline: float) -> list[int]:
+                     deadline: float, vanished: set[int]) -> list[int]:
         """Small blocks: tagged first (a later change of the caller's bytes, even under an overrun
         put, is then a verification failure, not data), then one batch call. Returns the blocks to
         write again (:meth:`_confirm_stored`)."""
@@ -108,16 +119,19 @@ class TierWrites:
                 statuses[i] = Status.FULL if code == RC_NO_SPACE else Status.ERROR
         # One master RPC more per batch call (~0.1 ms on loopback): the engine's 0 does not say
         # which of the three it was.
-        return self._confirm_stored(told, names, views, statuses, deadline)
+        return self._confirm_stored(told, names, views, statuses, deadline, vanished)
 
-    def _confirm_stored(self, told: list[int], names, views, statuses: list[Status], deadline: float) -> list[int]:
+    def _confirm_stored(self, told: list[int], names, views, statuses: list[Status], deadline: float,
+                        vanished: set[int]) -> list[int]:
         """The blocks of ``told``, whose names the engine says hold an object. OK once it is
         complete and of the block's size (what is kept is verified on every read). Another
         writer's put still under way is waited for, until this put's deadline (a live writer
         publishes within its own put; a dead one's reservation lasts until the master discards
         it): then ERROR, nothing readable being stored. Returned, to be written again: those that
         held an object of another size (removed here) and those removed since the engine
-        answered (a delete racing this put)."""
+        answered (a delete racing this put, or another writer's put given up): these are also
+        added to ``vanished`` (the name may have held only another writer's reservation, since
+        given up, so the block is written once more; gone again, :meth:`put_many` answers OK)."""
         again: list[int] = []
         pause = 0.001
         while told:
@@ -130,6 +144,7 @@ class TierWrites:
                     unfinished.append(i)
                 elif size == RC_NOT_FOUND:
                     again.append(i)
+                    vanished.add(i)
                 elif size is not None and size < 0:
                     self._codes([size])
                     statuses[i] = Status.ERROR
@@ -171,12 +186,13 @@ class _PutSession:
         self.tier, self.todo, self.names, self.digests, self.views, self.metas = tier, todo, names, digests, views, metas
         self.headers = np.empty((len(names), HEADER_NBYTES), dtype=np.uint8)
         self.reserved: list[int] = []
-        self.present: list[int] = []  # the blocks whose name the master says holds an object (-705)
+        self.present: list[int] = []  # blocks whose name holds an object or another's reservation (-705, -600)
         self._running = 0  # calls not yet ended, while late
         self._lock = threading.Lock()
 
-    def run(self, statuses: list[Status], deadline: float) -> list[int]:
-        """Write the blocks; returns those to write again (:meth:`TierWrites._confirm_stored`)."""
+    def run(self, statuses: list[Status], deadline: float, vanished: set[int]) -> list[int]:
+        """Write the blocks; returns those to write again (:meth:`TierWrites._confirm_stored`, which
+        adds those whose name emptied after the engine answered to ``vanished``)."""
         tier, todo, names, views = self.tier, self.todo, self.names, self.views
         sizes = [views[i].nbytes + HEADER_NBYTES for i in todo]
         start = tier._caller.submit(tier._engine.batch_put_session_start, [names[i] for i in todo], sizes,
@@ -220,16 +236,19 @@ class _PutSession:
             self._late([fut for _, fut, _ in calls])
             raise
         self._revoke()
-        return tier._confirm_stored(self.present, names, views, statuses, deadline)
+        return tier._confirm_stored(self.present, names, views, statuses, deadline, vanished)
 
     def _reserved(self, codes: Sequence[int], statuses: list[Status]) -> set[int]:
         self.tier._codes(codes)
         for i, code in zip(self.todo, codes):
             if code == 0:
                 self.reserved.append(i)
-            elif code == RC_OBJECT_EXISTS:
+            elif code in (RC_OBJECT_EXISTS, RC_BAD_PARAMS):
                 # content addressed: OK once confirmed (-705 is also another writer's unpublished
-                # reservation, or an object of another size: TierWrites._confirm_stored)
+                # reservation, or an object of another size: TierWrites._confirm_stored). -600 is
+                # the engine's answer when this process's client already reserved the name: another
+                # thread's put session of it (or another tier's of this tenant), under way; it is
+                # waited for like any other writer's.
                 self.present.append(i)
             elif code == RC_NO_SPACE:
                 statuses[i] = Status.FULL
