@@ -7,7 +7,12 @@ the whole prompt after a loaded prefix. Old code served those without an error a
 other positions under real block keys. Now a forward that re-feeds a loaded prefix is refused
 before its K/V is written, and ``save()`` stores nothing of a cache holding another count of
 positions than tokens; the same modes on an empty cache are served as HF serves them alone.
-Everything here runs HF generate under ``no_grad``, as HF itself does (not ``inference_mode``).
+HF generate runs under ``no_grad``, as HF itself does (not ``inference_mode``), unless a test says.
+
+A count of positions cannot tell the uncached suffix from as many of the prompt's first tokens:
+HF's chunked prefill with a chunk as long as the suffix (audit s30 a11 D1) is refused by the ids
+the first forward after a load feeds (hooks on the model, its base model and its input embeddings,
+removed after it).
 """
 
 from __future__ import annotations
@@ -23,15 +28,23 @@ from kvtier.errors import LayoutError  # noqa: E402
 from kvtier.integrations.transformers import KVTierLM, namespace_for_model  # noqa: E402
 from kvtier.integrations.transformers.session import cache_keyword  # noqa: E402
 from tests.integrations.test_transformers import BLOCK, FP32_TOL, host_store  # noqa: E402
-from tests.integrations.test_transformers_padding import GENERATE, _ids, _llama, _text  # noqa: E402
+from tests.integrations.test_transformers_padding import (  # noqa: E402
+    BOS, EOS, GENERATE, PAD, VOCAB, _ids, _llama, _text)
 
 #: HF generate modes that feed the whole prompt again after the prefix a cache holds (each a
-#: factory: an assistant model is built per call, since HF keeps state on it)
+#: factory: an assistant model is built per call, since HF keeps state on it). The tests' prompt
+#: has 70 tokens, 64 of them loaded on a hit: a chunk of 6 is the prompt's first 6 tokens, the
+#: length of the uncached suffix, and ends where the suffix ends.
 REFEEDING_MODES = {
     "prompt-lookup": lambda: dict(prompt_lookup_num_tokens=3),
     "assisted": lambda: dict(assistant_model=_llama()),
     "chunked-prefill": lambda: dict(prefill_chunk_size=16),
+    "chunked-prefill-as-long-as-the-suffix": lambda: dict(prefill_chunk_size=6),
 }
+
+#: the refusal of a first forward after a load that is not the prompt's uncached suffix
+REFUSED_REFEED = ("the first forward after prepare\\(\\) .* after the 64 loaded.*: feed prompt\\[64:\\] only, "
+                  "as input_ids.*assisted or prompt-lookup.*prefill_chunk_size.*use_store=False")
 
 
 @pytest.fixture(scope="module")
@@ -139,9 +152,7 @@ def test_hf_generate_that_feeds_the_prompt_again_after_a_hit_is_refused_and_noth
     _store_prompt(lm, prompt)
     before = _stored(lm)
     with torch.no_grad(), lm.request():
-        with pytest.raises(LayoutError, match="appends .* positions after the 64 loaded, but the prompt has 70 "
-                                              "tokens: feed prompt\\[64:\\] only.*assisted or prompt-lookup.*"
-                                              "prefill_chunk_size.*use_store=False"):
+        with pytest.raises(LayoutError, match=REFUSED_REFEED):
             _hf_generate_on_prepared(lm, prompt, **REFEEDING_MODES[mode]())
         assert all(layer.get_seq_length() == 64 for layer in lm.storage.layers)   # refused before the copy
         with pytest.raises(LayoutError, match="nothing of this request is saved"):
@@ -189,6 +200,124 @@ def test_a_forward_feeding_the_suffix_in_two_parts_after_a_load_is_refused(lm):
         logits = lm.model(input_ids=_ids(prompt[64:]), **{keyword: prep.cache}, use_cache=True).logits[0, -1]
         full = lm.model(input_ids=_ids(prompt), use_cache=False).logits[0, -1]
     assert float((logits - full).abs().max()) <= FP32_TOL
+
+
+# -- s30 a11 D1: the first forward after a load is checked by its token ids -------------------------
+
+GRAD_MODES = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}
+
+
+def _hooks_left(lm) -> int:
+    """Forward pre-hooks on the model's modules (kvtier's watch the ids fed)."""
+    return sum(len(module._forward_pre_hooks) for module in lm.model.modules())
+
+
+@pytest.mark.parametrize("grad", list(GRAD_MODES))
+def test_hf_chunked_prefill_whose_chunk_is_as_long_as_the_suffix_is_refused_after_a_hit(lm, grad):
+    """prefill_chunk_size = 6 = 70 - 64: HF's first chunk is prompt[:6], 6 positions that end at the
+    prompt's end. Old code checked only where that append ended: it wrote prompt[:6]'s K/V at
+    positions 64..69, appended the later chunks unchecked (139 positions for 70 tokens) and HF
+    generated other tokens (logits 0.71 off HF alone), with no error."""
+    prompt = _text(70)
+    _store_prompt(lm, prompt)
+    with GRAD_MODES[grad](), lm.request():
+        with pytest.raises(LayoutError, match="layer 0: the first forward after prepare\\(\\) feeds 6 token ids "
+                                              "after the 64 loaded that are not prompt\\[64:\\] of a 70-token "
+                                              "prompt: feed prompt\\[64:\\] only.*prefill_chunk_size"):
+            _hf_generate_on_prepared(lm, prompt, prefill_chunk_size=6)
+        assert all(layer.get_seq_length() == 64 for layer in lm.storage.layers)   # refused before the copy
+    assert _hooks_left(lm) == 0
+    _assert_later_request_equals_its_recompute(lm, prompt, cached=64)
+
+
+FORWARDS = {
+    "model": lambda model, **kw: model(**kw),
+    "forward-method": lambda model, **kw: model.forward(**kw),
+    "base-model": lambda model, **kw: model.model(**kw),
+}
+
+
+@pytest.mark.parametrize("call", list(FORWARDS))
+@pytest.mark.parametrize("grad", list(GRAD_MODES))
+def test_a_first_forward_of_other_tokens_as_many_as_the_suffix_is_refused_however_the_model_is_called(lm, grad, call):
+    """The user's own forward of the prompt's first 6 tokens after 64 loaded: refused, however the
+    model is called; the suffix itself then passes, and its logits are a recompute's."""
+    prompt = _text(70)
+    _store_prompt(lm, prompt)
+    keyword = cache_keyword(lm.model)
+    forward = FORWARDS[call]
+    with GRAD_MODES[grad](), lm.request():
+        prep = lm.prepare(prompt)
+        with pytest.raises(LayoutError, match="feeds 6 token ids after the 64 loaded that are not prompt\\[64:\\]"):
+            forward(lm.model, input_ids=_ids(prompt[:6]), **{keyword: prep.cache}, use_cache=True)
+        with pytest.raises(LayoutError, match="nothing of this request is saved"):
+            lm.save(prompt)
+        prep = lm.prepare(prompt)
+        forward(lm.model, input_ids=_ids(prompt[64:]), **{keyword: prep.cache}, use_cache=True)
+        assert lm.storage.held_tokens() == 70 and _hooks_left(lm) == 0
+        logits = lm.model(input_ids=_ids(prompt[-1:]), **{keyword: prep.cache}, use_cache=True).logits[0, -1]
+        full = lm.model(input_ids=_ids(np.concatenate([prompt, prompt[-1:]])), use_cache=False).logits[0, -1]
+    assert float((logits - full).abs().max()) <= FP32_TOL
+
+
+def test_a_first_forward_of_inputs_embeds_is_refused_after_a_hit_and_served_after_a_miss(lm):
+    """Embeddings carry no token ids to check, even those of the right tokens: refused after a load
+    (the ids the model's embeddings took just before, to make them, are forgotten at the model's
+    call). With nothing loaded, a forward starts at position 0 and nothing is checked."""
+    prompt = _text(70)
+    keyword = cache_keyword(lm.model)
+    embed = lm.model.get_input_embeddings()
+    with torch.no_grad(), lm.request():
+        prep = lm.prepare(prompt)
+        assert prep.cached_tokens == 0
+        lm.model(inputs_embeds=embed(_ids(prompt)), **{keyword: prep.cache}, use_cache=True)
+        lm.save(prompt).result()
+        prep = lm.prepare(prompt)
+        assert prep.cached_tokens == 64
+        with pytest.raises(LayoutError, match="feeds 6 positions after the 64 loaded without input_ids "
+                                              "\\(inputs_embeds\\).*feed prompt\\[64:\\] only, as input_ids"):
+            lm.model(inputs_embeds=embed(_ids(prompt[64:])), **{keyword: prep.cache}, use_cache=True)
+    assert _hooks_left(lm) == 0
+
+
+def test_a_model_whose_head_skips_its_base_model_is_checked_by_the_ids_it_embeds():
+    """OPTForCausalLM runs its decoder, not its base model (OPTModel): the ids are seen by its input
+    embeddings. The suffix is served as HF serves the prompt alone; the prompt's first tokens are
+    refused, as for Llama."""
+    config = transformers.OPTConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                    ffn_dim=128, init_std=0.1, pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS)
+    torch.manual_seed(0)
+    lm = _session(transformers.OPTForCausalLM(config).eval())
+    try:
+        prompt = _text(70)
+        _store_prompt(lm, prompt)
+        with torch.no_grad():
+            alone = lm.model.generate(_ids(prompt), **GENERATE)
+            with lm.request():
+                with pytest.raises(LayoutError, match="feeds 6 token ids after the 64 loaded that are not prompt"):
+                    _hf_generate_on_prepared(lm, prompt, prefill_chunk_size=6)
+                prep, warm = _hf_generate_on_prepared(lm, prompt)
+        assert prep.cached_tokens == 64
+        _assert_same_generation(warm, alone)
+    finally:
+        lm.close()
+        lm.store.close()
+
+
+def test_no_hook_is_left_on_the_model_by_a_prepare_that_no_forward_followed(model):
+    """The hook goes at the next prepare() or at close(), not only at a forward: the model outlives
+    the session, and each forward would otherwise run a hook of a closed one."""
+    lm = _session(model)
+    try:
+        prompt = _text(70)
+        _store_prompt(lm, prompt)
+        assert lm.prepare(prompt).cached_tokens == 64 and _hooks_left(lm) > 0
+        hooks = _hooks_left(lm)
+        assert lm.prepare(prompt).cached_tokens == 64 and _hooks_left(lm) == hooks
+    finally:
+        lm.close()
+        lm.store.close()
+    assert _hooks_left(lm) == 0
 
 
 # -- D3: a storage grown inside kvtier's inference_mode stays writable under no_grad -------------

@@ -25,6 +25,7 @@ wrong cache.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from concurrent.futures import FIRST_COMPLETED, wait
@@ -80,6 +81,8 @@ class KVStorage:
         #: why an append of the current cache was refused (None: none was): its layers may then
         #: hold different lengths, so the session saves nothing of it (cleared by :meth:`new_cache`)
         self.refused: str | None = None
+        #: what the first forward after a load must feed (:meth:`expect_prompt_suffix`)
+        self.expected: PromptSuffix | None = None
 
     def _alloc(self, capacity: int) -> torch.Tensor:
         lay = self.layout
@@ -140,6 +143,7 @@ class KVStorage:
                 f"kvtier loads KV into full-attention DynamicLayer caches only; this model's cache has "
                 f"{len(cache.layers)} layers of kind {kinds} (sliding-window or hybrid attention is not supported)"
             )
+        self.stop_expecting()
         self.layers = [StorageLayer(self, i) for i in range(self.layout.num_layers)]
         self.refused = None
         cache.layers = list(self.layers)
@@ -157,11 +161,71 @@ class KVStorage:
             layer.length = tokens
             layer.refresh()
 
-    def expect_prompt_suffix(self, prompt_tokens: int) -> None:
-        """After a load of a prompt's prefix: every layer's next append must end at position
-        ``prompt_tokens`` (the uncached suffix, fed once), or it is refused (:meth:`StorageLayer.update`)."""
+    def expect_prompt_suffix(self, suffix: np.ndarray, fed_to: Sequence[torch.nn.Module]) -> None:
+        """After a load of a prompt's prefix: every layer's next append must be that of ``suffix``,
+        the prompt's uncached tokens, fed once as ids to the modules ``fed_to`` (see
+        :class:`PromptSuffix`), or it is refused (:meth:`StorageLayer.update`). Watching them stops
+        at that append, at the next :meth:`new_cache` or at :meth:`stop_expecting`."""
+        self.stop_expecting()
+        self.expected = PromptSuffix(suffix, fed_to)
         for layer in self.layers:
-            layer.prompt_end = prompt_tokens
+            layer.expected = self.expected
+
+    def stop_expecting(self) -> None:
+        """Check no append of the current cache against a prompt's suffix (and leave the module
+        it watched without a hook)."""
+        if self.expected is not None:
+            self.expected.stop_watching()
+            self.expected = None
+        for layer in self.layers:
+            layer.expected = None
+
+
+class PromptSuffix:
+    """The uncached tokens of a prompt whose prefix was loaded, which the next forward must feed,
+    and the ids each thread last fed the modules watched, seen by forward pre-hooks on them. A
+    count of positions cannot tell the suffix from another run of as many tokens: HF generate's
+    chunked prefill feeds the prompt's first tokens after the loaded ones, in a chunk as long as
+    the suffix when ``prefill_chunk_size`` equals its length.
+
+    The session watches the model, its base model and its input embeddings: a forward runs the
+    embeddings on its ids whichever of them is called (HF generate, the model called by the
+    user, its ``forward`` method or its base model called directly), and the model's (or base
+    model's) call first records its ``input_ids``, None for a forward of ``inputs_embeds``, so
+    that ids embedded before such a forward are not taken for it. The one hole: ``inputs_embeds``
+    passed to the ``forward`` method of a model whose base model it skips (OPT calls its decoder)
+    is checked against the ids this thread last embedded. By thread, since sessions of other
+    threads may run the same model meanwhile."""
+
+    def __init__(self, suffix: np.ndarray, fed_to: Sequence[torch.nn.Module]) -> None:
+        self.tokens = torch.from_numpy(np.asarray(suffix, dtype=np.int64))
+        self._fed: dict[int, torch.Tensor | None] = {}  # thread id -> the ids it last fed
+        self._hooks = [module.register_forward_pre_hook(self._note_fed, with_kwargs=True) for module in fed_to]
+
+    def _note_fed(self, module, args, kwargs) -> None:
+        # HF models take input_ids first; an embedding module takes them first as ``input``.
+        ids = kwargs.get("input_ids", kwargs.get("input", args[0] if args else None))
+        self._fed[threading.get_ident()] = ids if isinstance(ids, torch.Tensor) else None
+
+    def stop_watching(self) -> None:
+        for hook in self._hooks:
+            hook.remove()  # idempotent
+
+    def wrong_feed(self, loaded: int, appended: int) -> str | None:
+        """What is wrong with a first append of ``appended`` positions after ``loaded`` loaded ones
+        on this thread, in words (None: it is the suffix's)."""
+        n = self.tokens.numel()
+        if appended != n:
+            return f"appends {appended} positions after the {loaded} loaded, but the prompt has {loaded + n} tokens"
+        fed = self._fed.get(threading.get_ident())
+        if fed is None:
+            return (f"feeds {appended} positions after the {loaded} loaded without input_ids (inputs_embeds), "
+                    f"which kvtier cannot check against the prompt's tokens")
+        if tuple(fed.shape) not in ((n,), (1, n)) or not torch.equal(fed.reshape(-1).to("cpu", torch.int64),
+                                                                      self.tokens):
+            return (f"feeds {appended} token ids after the {loaded} loaded that are not prompt[{loaded}:] of a "
+                    f"{loaded + n}-token prompt")
+        return None
 
 
 class StorageLayer(DynamicLayer):
@@ -172,8 +236,8 @@ class StorageLayer(DynamicLayer):
         self.storage = storage
         self.index = index
         self.length = 0
-        #: where the next append must end (:meth:`KVStorage.expect_prompt_suffix`); None: anywhere
-        self.prompt_end: int | None = None
+        #: what the next append must be (:meth:`KVStorage.expect_prompt_suffix`); None: anything
+        self.expected: PromptSuffix | None = None
         self.device = storage.device
         self.is_initialized = True
         self.refresh()
@@ -190,7 +254,7 @@ class StorageLayer(DynamicLayer):
         """Append K/V of the layout's shape and the storage's dtype in place; anything else raises
         :class:`LayoutError` before a byte is copied, and marks the storage refused (nothing of
         this cache is saved). So does a first append after a load that is not the prompt's
-        uncached suffix (:meth:`KVStorage.expect_prompt_suffix`)."""
+        uncached suffix, by count and by token ids (:meth:`KVStorage.expect_prompt_suffix`)."""
         lay = self.storage.layout
         want = (1, lay.num_kv_heads, key_states.shape[-2], lay.head_dim)
         if tuple(key_states.shape) != want or tuple(value_states.shape) != want:
@@ -207,9 +271,9 @@ class StorageLayer(DynamicLayer):
                 f"layer {self.index} appends K of {key_states.dtype} and V of {value_states.dtype}, but the "
                 f"namespace holds {dtype} KV (autocast, or a model whose layers differ in dtype from its "
                 f"first parameter); run the model in one dtype, without autocast")
+        if self.expected is not None:
+            self._check_prompt_suffix(key_states.shape[-2])
         end = self.length + key_states.shape[-2]
-        if self.prompt_end is not None:
-            self._check_prompt_suffix(end)
         self.storage.ensure_capacity(end)
         t = self.storage.tensor
         t[self.index, 0, :, :, self.length : end].copy_(key_states)
@@ -218,20 +282,21 @@ class StorageLayer(DynamicLayer):
         self.refresh()
         return self.keys, self.values
 
-    def _check_prompt_suffix(self, end: int) -> None:
-        """The first append after a load must fill positions ``length .. prompt_end - 1``: HF generate
-        in some modes feeds the whole prompt again after the loaded prefix, and appended there its
-        K/V would sit at positions (and carry the RoPE) of other tokens: wrong logits now, wrong
-        blocks saved under real keys."""
-        prompt, loaded = self.prompt_end, self.length
-        self.prompt_end = None
-        if end != prompt:
+    def _check_prompt_suffix(self, appended: int) -> None:
+        """The first append after a load must be the K/V of the prompt's uncached tokens: HF generate
+        in some modes feeds the whole prompt again after the loaded prefix (or its first tokens, in
+        chunks), and appended there their K/V would sit at positions (and carry the RoPE) of other
+        tokens: wrong logits now, wrong blocks saved under real keys. Later appends (decode steps)
+        are not checked: the hook goes now."""
+        expected, self.expected = self.expected, None
+        expected.stop_watching()
+        wrong = expected.wrong_feed(self.length, appended)
+        if wrong is not None:
             self._refuse(
-                f"layer {self.index}: the first forward after prepare() appends {end - loaded} positions after the "
-                f"{loaded} loaded, but the prompt has {prompt} tokens: feed prompt[{loaded}:] only. HF generate "
-                f"feeds the whole prompt again after a loaded prefix with assisted or prompt-lookup decoding "
-                f"(assistant_model, prompt_lookup_num_tokens) or prefill_chunk_size: drop those options, or "
-                f"pass use_store=False to prepare() for such requests")
+                f"layer {self.index}: the first forward after prepare() {wrong}: feed prompt[{self.length}:] only, "
+                f"as input_ids. HF generate feeds the whole prompt again after a loaded prefix with assisted or "
+                f"prompt-lookup decoding (assistant_model, prompt_lookup_num_tokens) or prefill_chunk_size: drop "
+                f"those options, or pass use_store=False to prepare() for such requests")
 
     def _refuse(self, why: str):
         self.storage.refused = why

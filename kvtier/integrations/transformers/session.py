@@ -125,6 +125,21 @@ def cache_keyword(model) -> str:
                       f"store or load and cannot serve it")
 
 
+def _modules_fed_ids(model) -> list[torch.nn.Module]:
+    """The modules a forward of ``model`` passes its token ids to (see
+    :class:`~kvtier.integrations.transformers.cache_io.PromptSuffix`): the model, its base model and
+    its input embeddings (a ``torch.compile`` wrapper's: those of the model it compiles), those it
+    has."""
+    inner = getattr(model, "_orig_mod", model)
+    try:
+        embeddings = inner.get_input_embeddings()
+    except (AttributeError, NotImplementedError, TypeError):
+        embeddings = None
+    found = [model, inner, getattr(inner, "base_model", None), embeddings]
+    modules = [m for m in found if isinstance(m, torch.nn.Module)]
+    return [m for i, m in enumerate(modules) if all(m is not seen for seen in modules[:i])]
+
+
 def _refuse_length_dependent_rope_modules(model) -> None:
     """Raise :class:`ConfigError` if a rotary embedding of ``model`` recomputes its frequencies
     from the request's length: what the config check (:func:`kv_layout`) reads from the config,
@@ -249,6 +264,8 @@ class KVTierLM:
                               f"Move it with model.to('cpu'), or serve GPUs through the vLLM connector")
         self.storage = KVStorage(layout, capacity_tokens, param.dtype, param.device, poison=poison)
         self._cache_kw = cache_keyword(model)
+        # where the first forward after a load is seen to feed the prompt's uncached tokens
+        self._modules_fed_ids = _modules_fed_ids(model)
         # What the first request would find, found at start so that a service fails there: a
         # cache with sliding-window, chunked or hybrid layers (new_cache's layer-kind check), a
         # model caching another geometry than its config's layout or not resuming from a cache
@@ -311,8 +328,9 @@ class KVTierLM:
         prompt, so the hit stops before the first pad id. (A caller that passes ``generate`` another
         ``pad_token_id``, or feeds the model a mask it builds otherwise, passes that mask here.)
 
-        The next forward must feed ``tokens[cached_tokens:]``, in one call (or start from position 0
-        when nothing was loaded); after a load, a first append that ends elsewhere is refused with
+        The next forward must feed ``tokens[cached_tokens:]`` as ``input_ids``, in one call (or start
+        from position 0 when nothing was loaded); after a load, a first append of other positions or
+        other token ids, or of ``inputs_embeds`` (whose tokens cannot be checked), is refused with
         :class:`LayoutError` before anything is written, and the cache is not saved. HF ``generate``
         on the returned cache (under ``no_grad`` or ``inference_mode``): greedy and sampling decoding
         (its logits processors and stopping criteria included) give what HF ``generate`` alone gives.
@@ -407,11 +425,13 @@ class KVTierLM:
         self.storage.ensure_capacity(arr.size + extra_tokens)
         self.storage.set_length(cached)
         if cached:
-            # A forward that feeds more than the uncached suffix (HF generate's assisted decoding, say)
-            # would append K/V of the prompt's first tokens after the loaded ones: refused instead.
-            # With nothing loaded, whatever is fed starts at position 0 and lands where it belongs
-            # (chunked prefill included); save() checks that every position was fed once.
-            self.storage.expect_prompt_suffix(arr.size)
+            # A forward that feeds other tokens than the uncached suffix (HF generate's assisted
+            # decoding: the whole prompt; its chunked prefill: the prompt's first tokens, as many as
+            # the suffix's when the chunk size is its length) would append their K/V after the loaded
+            # ones: refused instead, by count and by id. With nothing loaded, whatever is fed starts
+            # at position 0 and lands where it belongs (chunked prefill included); save() checks that
+            # every position was fed once.
+            self.storage.expect_prompt_suffix(arr[cached:], self._modules_fed_ids)
         return Prepared(cache, cached, known, lookup_s, report)
 
     def save(self, tokens: Sequence[int] | np.ndarray, *, known_blocks: int = 0, attention_mask=None) -> Future | None:
@@ -590,6 +610,7 @@ class KVTierLM:
             if self._closed:
                 return
             self._closed = True
+            self.storage.stop_expecting()  # the model outlives this instance: no hook left on it
         self._saver.shutdown(wait=True)
         with self._gathers_lock:
             self._saves.clear()
