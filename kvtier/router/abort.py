@@ -40,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
+import re
 import socket
 import uuid
 from typing import Any, Callable, Iterable, Mapping, NamedTuple
@@ -68,6 +69,9 @@ MAX_ABORT_IDS = 1024
 #: endpoints whose vLLM request model has a ``request_id`` field, the id vLLM runs the request
 #: under when no ``X-Request-Id`` header names it (its Messages API has none: a body's is ignored)
 _BODY_NAMED = frozenset({"/v1/completions", "/v1/chat/completions"})
+#: the request ids echoed in an answer's ``X-Request-Id``: printable ASCII, no space, at most 256
+#: characters (:func:`echoed_id`)
+_ECHOED_ID = re.compile(r"[!-~]{1,256}")
 #: how often the client's socket is looked at while its request waits on the worker
 CLIENT_POLL_S = 0.5
 
@@ -125,14 +129,26 @@ def request_id(path: str, headers: Mapping[str, str], body: Any) -> tuple[str, b
     answer by it. Neither is sent as a header: the worker reads each where the client put it. (A
     body's id was once sent as the header, and replaced by the router's when it was no header
     value, a space, non-ASCII or over 256 characters: vLLM then named the answer by the router's
-    id, audit s30 a4 D5.) Any other request the router names itself, in the header."""
+    id, audit s30 a4 D5.) Any other request the router names itself, in the header. A header is
+    the client's id whenever it is there, an empty one too, as vLLM reads it (its
+    ``_base_request_id``: ``is not None``): taken for no id, the router named the request by its
+    body's while the worker ran it as ``cmpl--0``, and its abort missed (audit s30 a11 D5)."""
     given = headers.get("X-Request-Id")
-    if given:
+    if given is not None:
         return given, False
     own = body.get("request_id") if path in _BODY_NAMED and isinstance(body, dict) else None
     if isinstance(own, str):
         return own, False
     return uuid.uuid4().hex, True
+
+
+def echoed_id(rid: str) -> str | None:
+    """``rid`` as the answer's ``X-Request-Id``, or None where it is not a short header-safe token
+    (:data:`_ECHOED_ID`). A body's ``request_id`` has no bound on its length nor on what it holds:
+    one of 20,000 characters, echoed, made an answer head aiohttp's client (8,190 bytes a field)
+    could not read, though the worker had answered (audit s30 a11 D2); a CR or LF would inject a
+    header."""
+    return rid if _ECHOED_ID.fullmatch(rid) else None
 
 
 class EngineIds(NamedTuple):

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple, Sequence
 from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
 
 from kvtier.policy.routing import Approximate, make_policy
-from kvtier.router.abort import EngineIds, WorkerAborts, engine_requests, request_id, watch_client
+from kvtier.router.abort import EngineIds, WorkerAborts, echoed_id, engine_requests, request_id, watch_client
 from kvtier.router.admin import install as install_admin
 from kvtier.router.admission import AsyncAdmission, QueueFull
 from kvtier.router.chat_messages import lax_bool, worker_renders
@@ -39,9 +39,10 @@ from kvtier.router.models import (LORA_PATHS, TOKENIZER_CHECK_TEXT, first_refusa
 from kvtier.router.reads import (LISTING_BYTES, SMALL_ANSWER_BYTES, BodyBytes, BodyHold, PeerConnections,
                                  answer_json, default_per_peer, read_body, read_capped)
 from kvtier.router.relay import KeptAnswer, WriteWatch, forwarded_headers
-from kvtier.router.requests import (CHARS_PER_ROUTE_TOKEN, NO_SPECIAL, WORKER_RENDERED, RequestError, RoutedPrompt,
-                                   RouteRequest, cached_tokens, check_body, error_response, first_prompt, is_batch,
-                                   rest_of_batch_tokens, route_prefix, text_chars, token_ids, truncated_chat,
+from kvtier.router.requests import (CHARS_PER_ROUTE_TOKEN, DEFAULT_TOKENS_PER_CHAR, NO_SPECIAL, WORKER_RENDERED,
+                                   RequestError, RoutedPrompt, RouteRequest, cached_tokens, check_body,
+                                   error_response, first_prompt, is_batch, rate_sample, rest_of_batch_tokens,
+                                   route_prefix, text_chars, text_rate, token_ids, truncated_chat,
                                    worker_render_payload)
 from kvtier.router.view import LinearPrefill, LiveView
 from kvtier.router.workers import Health, PrefillFit, Worker
@@ -79,9 +80,15 @@ MAX_RESPONSE_OWNERS = 1 << 16
 #: texts shorter than this (characters) are tokenized on the event loop, longer ones on a thread
 TOKENIZE_INLINE_CHARS = 16384
 #: request bodies larger than this (bytes) are parsed and checked on a thread of their own: a
-#: 10 MiB one takes ~0.2 s, which on the loop would stall every other request and stream (the
-#: parser holds the GIL, but the loop gets its turn every switch interval, 5 ms)
+#: 10 MiB one takes ~0.2 s, which on the loop would stall every other request and stream. (The
+#: loop gets the GIL back only between Python steps: json's C parser holds it until it returns,
+#: so a body of millions of small values, 5.6 M empty texts in 16 MiB, still stalled the loop
+#: ~0.3 s from this thread, s30 f11.)
 PARSE_INLINE_BYTES = 256 << 10
+#: completion batches of more prompts than this are measured and priced on the parse thread, a
+#: slice at a time (``requests.prompt_lengths``): a 16 MiB body holds ~5.6 M empty texts, whose
+#: lengths alone stalled the loop 0.2-0.4 s (audit s30 a11 D4)
+BATCH_INLINE_PROMPTS = 16384
 
 
 #: vLLM's other POST endpoints, forwarded as they are to a worker chosen on load: tokenizer
@@ -95,6 +102,11 @@ ON_LOAD = ("/tokenize", "/detokenize", "/v1/messages/count_tokens", "/v1/embeddi
 #: file and its fields). Forwarded as they came, unparsed, on load: the router reads nothing of a
 #: form, so a streamed transcription is not held for admission (its prefill is not known here).
 AS_IS = ("/v1/audio/transcriptions", "/v1/audio/translations")
+#: vLLM's endpoints a worker answers from its tokenizer or its version alone, running no engine
+#: request: not in the routed counters, which the live planner reads as the fleet's load (a monitor
+#: polling ``/version`` each second was 1 request/s of it: audit s30 a11 D6), but in
+#: ``kvtier_router_no_inference_requests``
+NO_INFERENCE = frozenset({"/version", "/tokenize", "/detokenize", "/v1/messages/count_tokens"})
 
 
 class _CountingRunner(web.AppRunner):
@@ -372,16 +384,38 @@ class Router:
         routed, tokens_per_char = await self._one_prompt(first_prompt(prompts), body, hold)
         if not is_batch(prompts):
             return routed
-        rest = rest_of_batch_tokens(prompts, tokens_per_char, self._special_tokens(body), body)
+        if tokens_per_char is None:
+            tokens_per_char = await self._batch_rate(prompts, body, hold)
+        rest = await self._over_batch(len(prompts), hold, rest_of_batch_tokens, prompts, tokens_per_char,
+                                      self._special_tokens(body), body)
         return RoutedPrompt(routed.ids, routed.tokens + rest)
 
-    async def _one_prompt(self, prompt: Any, body: dict, hold: BodyHold | None) -> tuple[RoutedPrompt, float]:
+    async def _batch_rate(self, prompts: list, body: dict, hold: BodyHold | None) -> float:
+        """The tokens per character a batch of texts is priced at when its first text is too short
+        to measure it: the first text long enough (``rate_sample``), its head tokenized; else
+        ``DEFAULT_TOKENS_PER_CHAR``."""
+        sample = await self._over_batch(len(prompts), hold, rate_sample, prompts)
+        if sample is None:
+            return DEFAULT_TOKENS_PER_CHAR
+        ids = await self._tokenize("completion", len(sample), sample, self._adds_special(body), hold=hold)
+        return text_rate(len(ids) - self._special_tokens(body), len(sample))
+
+    async def _over_batch(self, prompts: int, hold: BodyHold | None, fn: Any, *args) -> Any:
+        """``fn(*args)``, a pass over a completion batch of ``prompts`` prompts: on the loop for a
+        small batch, else on the parse thread (``hold``: the request's body, :meth:`_on_thread`)."""
+        if prompts <= BATCH_INLINE_PROMPTS:
+            return fn(*args)
+        return await self._on_thread(self._parse_pool, hold, fn, *args)
+
+    async def _one_prompt(self, prompt: Any, body: dict,
+                          hold: BodyHold | None) -> tuple[RoutedPrompt, float | None]:
         """One completion prompt as it is routed (a text longer than routing needs cut before it
         is tokenized: the worker is sent the whole body), and a text's tokens per character, its
-        special tokens aside (0.0 for ids), at which a batch's other texts are priced. A text the
-        tokenizer truncated (``truncate_prompt_tokens``) gives fewer per character than it has:
-        its batch's other texts are then priced low, never high."""
-        add_special = lax_bool(body.get("add_special_tokens"), True)   # ("false", 0: as vLLM's model reads them)
+        special tokens aside (0.0 for ids; None for a text too short to measure it: ``text_rate``),
+        at which a batch's other texts are priced. A text the tokenizer truncated
+        (``truncate_prompt_tokens``) gives fewer per character than it has: its batch's other
+        texts are then priced low, never high."""
+        add_special = self._adds_special(body)
         if not isinstance(prompt, str):   # token ids: routed on the prompt vLLM runs, as they are
             ids = truncated_prompt(prompt, body)
             # the routed ones as ints: vLLM reads 3.0 and "3" as ids (token_ids), and is sent them as they came
@@ -394,15 +428,21 @@ class Router:
         truncate = tokenizer_truncation(body) if share >= 1.0 else None
         ids = await self._tokenize("completion", text_chars(prompt), prompt, add_special,
                                    *((truncate,) if truncate else ()), hold=hold)
-        tokens_per_char = max(len(ids) - self._special_tokens(body), 0) / max(len(prompt), 1)
+        tokens_per_char = text_rate(len(ids) - self._special_tokens(body), len(prompt))
         if share >= 1.0:
             return self._routed(truncated_prompt(ids, body)), tokens_per_char
         return self._cut_truncated(self._routed(ids, share), body), tokens_per_char
 
+    @staticmethod
+    def _adds_special(body: dict) -> bool:
+        """The request's ``add_special_tokens`` (vLLM's default: true; ``"false"``, 0 as its model
+        reads them)."""
+        return lax_bool(body.get("add_special_tokens"), True)
+
     def _special_tokens(self, body: dict) -> int:
         """The special tokens the tokenizer adds around each completion text: its BOS (and EOS),
-        unless the request's ``add_special_tokens`` (vLLM's default: true) says not to."""
-        if not lax_bool(body.get("add_special_tokens"), True):
+        unless the request's ``add_special_tokens`` says not to."""
+        if not self._adds_special(body):
             return 0
         added = getattr(self.tokenizer, "added_special", NO_SPECIAL)
         return added.before + added.after
@@ -1107,17 +1147,8 @@ class Router:
                         # which the queue prices apart (pending_load_s)
                         self.speed.sample(prefill_tokens, upstream_s - load_s)
                     answered = request[_ANSWERED] = True
-                    if 200 <= resp.status < 300:
-                        self.metrics.routed.labels(worker.url).inc()
-                        # once per routed request: the prompt mix the live planner sizes on (usage
-                        # comes only with answers that carry it); both series set, the one at 0
-                        self.metrics.routed_prompt_tokens.labels(worker.url).inc(prompt_tokens if known_length else 0)
-                        self.metrics.unknown_length.labels(worker.url).inc(0 if known_length else 1)
-                        self.metrics.predicted_cached.labels(worker.url).inc(predicted)
-                    else:
-                        # the worker ran no prefill (vLLM's 400 for a prompt over max_model_len):
-                        # counted as routed, a few over-long prompts sized the fleet up (s30 a7 D2)
-                        self.metrics.refused.labels(worker.url, str(resp.status)).inc()
+                    self._count_answer(request.path, worker, resp.status, prompt_tokens if known_length else None,
+                                       predicted)
                     timing = (f"router;dur={own_s * 1e3:.3f}, held;dur={held_s * 1e3:.3f}, "
                               f"upstream;dur={upstream_s * 1e3:.3f}")
                     # The answer is the client's from here: no retry will forward the body again,
@@ -1125,9 +1156,8 @@ class Router:
                     # answer slowly, or never, kept it counted for as long as the answer lasted,
                     # and two such clients had every other request refused 429 (audit s29 a2 D1).
                     request[_BODY].release()
-                    # a client's id is echoed unless it holds what no header may (CR, LF: a body's can)
                     return await self._relay(request, resp, first, worker, timing, predicted,
-                                             rid if abort_ids is not None and rid.isprintable() else None)
+                                             echoed_id(rid) if abort_ids is not None else None)
             except asyncio.CancelledError:   # the client left (its handler is cancelled)
                 log.debug("request %s: its client left (%s the first byte) on %s", rid,
                           "after" if answered else "before", worker.url)
@@ -1160,6 +1190,24 @@ class Router:
             self.metrics.errors.labels("model_not_found").inc()
             return unserved
         raise RequestError(503, f"no worker could serve the request ({last_error})", "service_unavailable_error")
+
+    def _count_answer(self, path: str, worker: Worker, status: int, prompt_tokens: int | None,
+                      predicted: int) -> None:
+        """Count a worker's answer to a request on ``path`` whose prompt the router priced at
+        ``prompt_tokens`` (None: not known) with ``predicted`` tokens cached."""
+        if path in NO_INFERENCE:   # no engine request: no load the planner may size on
+            self.metrics.no_inference.labels(worker.url, str(status)).inc()
+        elif 200 <= status < 300:
+            self.metrics.routed.labels(worker.url).inc()
+            # once per routed request: the prompt mix the live planner sizes on (usage comes only
+            # with answers that carry it); both series set, the one at 0
+            self.metrics.routed_prompt_tokens.labels(worker.url).inc(prompt_tokens or 0)
+            self.metrics.unknown_length.labels(worker.url).inc(0 if prompt_tokens is not None else 1)
+            self.metrics.predicted_cached.labels(worker.url).inc(predicted)
+        else:
+            # the worker ran no prefill (vLLM's 400 for a prompt over max_model_len): counted as
+            # routed, a few over-long prompts sized the fleet up (s30 a7 D2)
+            self.metrics.refused.labels(worker.url, str(status)).inc()
 
     def _abort_on(self, worker: Worker, ids: EngineIds | None, request: web.Request, again: bool = False) -> None:
         """The client left: beside closing the worker's connection, ask the worker to abort the

@@ -18,6 +18,11 @@ class RouterMetrics:
                                "Requests a worker answered with a status other than 2xx (vLLM's 400 for a prompt "
                                "over max_model_len, a 413, a 429; not 502/503/504, retried elsewhere): in none "
                                "of the routed counters, as no worker ran them", ["worker", "status"], registry=r)
+        self.no_inference = Counter("kvtier_router_no_inference_requests",
+                                    "Requests a worker answered without running the model (GET /version, "
+                                    "/tokenize, /detokenize, /v1/messages/count_tokens), by status: in none of "
+                                    "the routed counters, which the live planner reads as load",
+                                    ["worker", "status"], registry=r)
         self.predicted_cached = Counter("kvtier_router_predicted_cached_tokens",
                                         "Prompt tokens the router predicted cached on the chosen worker, of "
                                         "the requests it ran (answered 2xx)",

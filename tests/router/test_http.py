@@ -892,7 +892,8 @@ class Deaf(StandIn):
 
     async def complete(self, request):
         body = await request.json()
-        rid = request.headers.get("X-Request-Id") or body.get("request_id") or "unnamed"
+        header = request.headers.get("X-Request-Id")   # vLLM's: the header whenever it comes, an empty one too
+        rid = header if header is not None else body.get("request_id") or "unnamed"
         if request.path == "/v1/chat/completions":
             ids = [f"chatcmpl-{rid}"]
         else:

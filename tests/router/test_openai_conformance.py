@@ -267,8 +267,9 @@ def test_a_body_request_id_names_the_request_on_its_worker_as_it_would_direct(ow
                 async with s.post(url + "/v1/completions", json={"prompt": "a b", "request_id": own}) as r:
                     answer = await r.json()
                     assert answer["id"] == f"cmpl-{own}-0" and w.headers == [None], (answer, w.headers)
-                    # echoed where a header may hold it; never an injected header
-                    assert r.headers.get("X-Request-Id") == (own if own.isprintable() else None)
+                    # echoed only as a short header-safe token (test_ids_batches_and_counts.py); never
+                    # an injected header
+                    assert r.headers.get("X-Request-Id") is None
                     assert "X-Evil" not in r.headers
                 w.steps = 30
                 await leave_early(s, url, "/v1/completions", {"prompt": "a b", "request_id": own}, worker=w)
