@@ -3,7 +3,8 @@
 Requests are ADMIN frames ``{"cmd": NAME, "args": {...}}`` (see
 :mod:`kvtier.tiers.remote_protocol`); ``kvtier admin`` is the command-line
 client. Every call, refused or not, is written to the audit log (one made with
-a tenant's token too, by the service: :func:`admin_request_fields`, throttled per tenant).
+a tenant's token too, by the service: :func:`admin_request_fields`, its command and argument
+names only, a few a minute per tenant: :meth:`~kvtier.server.audit.AuditLog.write_refusal`).
 Commands are a table (name → method); a bad argument is an
 ``{"ok": false, "error": …}`` reply naming the fix, never a dropped connection.
 Erasure runs on the I/O threads (a tenant may have many blocks on disk); with a
@@ -16,6 +17,7 @@ stays in it); the rest is immediate.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import time
@@ -187,15 +189,35 @@ class AdminAPI:
         return owner
 
 
+#: the most bytes the argument names of a refused ADMIN frame take in its audit line, escaped
+REFUSED_ARGS_BYTES = 640
+
+
 def admin_request_fields(meta: bytes) -> dict:
-    """What an ADMIN frame asks, for the audit line of a refused one: its command and arguments
-    as far as they decode (``cmd`` "<undecodable>" if the frame does not)."""
+    """What an ADMIN frame asks, for the audit line of a refused one: its command and the *names* of
+    its arguments (``cmd`` "<undecodable>" if the frame does not decode). Bounded whatever the frame:
+    a name cut to 40 characters, the names to :data:`REFUSED_ARGS_BYTES` as JSON escapes them (a
+    control character takes 6 bytes), those left out counted in ``args_left_out``; no values (a
+    tenant would repeat a refused frame of 64 long strings at will)."""
     try:
         req = unpack_msgpack(meta, "ADMIN")
     except ProtocolError:
         return {"cmd": "<undecodable>"}
     args = req.get("args")
-    return {"cmd": client_text(req.get("cmd"), 40), "args": _printable(args) if isinstance(args, dict) else {}}
+    names = [client_text(k, 40) for k in args] if isinstance(args, dict) else []
+    kept = _fitting(names, REFUSED_ARGS_BYTES)
+    return {"cmd": client_text(req.get("cmd"), 40), "args": kept,
+            **({"args_left_out": len(names) - len(kept)} if len(kept) < len(names) else {})}
+
+
+def _fitting(names: list[str], limit: int) -> list[str]:
+    """The leading ``names`` whose JSON list takes at most ``limit`` bytes."""
+    used = 2  # []
+    for i, name in enumerate(names):
+        used += len(json.dumps(name)) + 1
+        if used > limit:
+            return names[:i]
+    return names
 
 
 def _persisted(change, *args) -> None:

@@ -27,11 +27,13 @@ The fleet cannot be listed (its names are one-way HMACs), and it drops blocks on
   erase read the sequence number keeps its record (:meth:`FleetJournal.forget`).
 * At start, :func:`rebuild_from_journal` reads the records back: one that does not
   authenticate or whose owner is no longer configured, or that an erasure tombstone covers
-  (:mod:`kvtier.server.runtime_state`), or, with encryption at rest, whose owner has no keys
-  left (shredded), has its block deleted from the fleet -- the last two judged before the
-  record's name is checked against the owner's keys, as a disk file's are
-  (:mod:`kvtier.server.recovery`): a shredded owner's names no longer derive; one of a block
-  the fleet no longer holds (one batched lookup) is forgotten; the others are indexed again
+  (:mod:`kvtier.server.runtime_state`), has its block deleted from the fleet -- the tombstone
+  judged before the record's name is checked against the owner's keys, as a disk file's is
+  (:mod:`kvtier.server.recovery`): a shredded owner's names no longer derive. With encryption at
+  rest, a record that authenticates but whose owner has no keys in the key store is kept, its
+  block left in the fleet (not indexed): that key store may just not be the one it was written
+  with (:class:`~kvtier.server.recovery.OwnersWithoutKeys`); only a tombstone erases. One of a
+  block the fleet no longer holds (one batched lookup) is forgotten; the others are indexed again
   (tier ``mooncake``), merged with the disk's in age order, so that erase, TTL and quotas reach
   them as before the restart. The journal is then written anew with the live records only
   (and again whenever forgotten records outnumber them). (Tombstones exist where the runtime
@@ -62,7 +64,7 @@ from kvtier.errors import ConfigError
 from kvtier.server.auth import KeySpace
 from kvtier.server.fleet_journal import FleetJournal
 from kvtier.server.index import BlockEntry, BlockIndex
-from kvtier.server.recovery import Found
+from kvtier.server.recovery import Found, OwnersWithoutKeys
 from kvtier.server.spill import SpillAnnotation, SpillCodec, monotonic_of, wall_of
 from kvtier.tiers.base import Status
 from kvtier.tiers.wrapper import WrappingTier
@@ -107,15 +109,6 @@ class FleetRecords:
             return False
         header = unpack_header(note.header)
         return header is not None and header.key == note.key and header.payload_nbytes == note.nbytes
-
-    def keys_shredded(self, owner: str, known: dict[str, bool]) -> bool:
-        """With encryption at rest, whether the key store holds no keys of ``owner`` (shredded: its
-        blocks can never be read again, and no name of theirs derives any more), as
-        :class:`~kvtier.server.recovery.SpillBinding` judges a disk file's. Asked once per owner
-        (answers kept in ``known``); creates no keys."""
-        if owner not in known:
-            known[owner] = self.keyring is not None and self.keyring.existing_storage_key(owner, bytes(32)) is None
-        return known[owner]
 
 
 class JournaledFleet(WrappingTier):
@@ -220,9 +213,11 @@ class FleetRebuilt:
     """What a start found in the fleet journal."""
 
     found: list[Found] = field(default_factory=list)  #: to index (the fleet holds them, or could not say)
-    rejected: int = 0  #: a record that does not authenticate: its block deleted
+    #: a record that does not authenticate or describe its block: its block deleted (but one whose
+    #: owner has no keys in the key store: kept, see OwnersWithoutKeys)
+    rejected: int = 0
     unknown_owner: int = 0  #: the owner is no longer configured: deleted
-    erased: int = 0  #: an erasure covers it, or its owner's keys were shredded: deleted
+    erased: int = 0  #: an erasure covers it: deleted
     gone: int = 0  #: the fleet no longer holds it: forgotten
 
     def summary(self) -> dict:
@@ -240,47 +235,50 @@ def rebuild_from_journal(fleet: JournaledFleet, owners: set[str], erasures=None)
     out = FleetRebuilt()
     good: list[tuple[bytes, SpillAnnotation]] = []
     doomed: list[bytes] = []
-    keyless: dict[str, bool] = {}  # owner → whether the key store holds none of its keys
+    keyless = OwnersWithoutKeys(records.keyring)
+    kept: list[bytes] = []  # records of owners the key store has no keys of: left as they are
     for name, record in journal.records():
         note = records.authenticated(name, record)
-        # Erased (a tombstone, or the owner's keys shredded) is judged before the name is checked: a
-        # shredded owner's names no longer derive, and its records say nothing about the master key.
+        # An erasure's tombstone is judged before the name is checked: a shredded owner's names no
+        # longer derive, and its records say nothing about the master key.
         if note is not None and erasures is not None and erasures.erased(note.owner, note.namespace, note.session,
                                                                          note.created_wall):
             out.erased += 1
-        elif note is not None and records.keys_shredded(note.owner, keyless):
-            out.erased += 1
         elif note is None or not records.describes(name, note):
             out.rejected += 1
+            if note is not None and keyless.kept(note.owner):
+                kept.append(name)
+                continue
         elif note.owner not in owners:
             out.unknown_owner += 1
         else:
             good.append((name, note))
             continue
         doomed.append(name)
-    for owner in sorted(o for o, shredded in keyless.items() if shredded):
-        log.warning("the key store holds no keys of %s (shredded): its blocks are deleted from the Mooncake fleet",
-                    owner)
     if records.keyring is not None and out.rejected and not good and not out.unknown_owner and not out.erased:
         raise ConfigError(
             f"none of the {out.rejected} records of blocks placed in the Mooncake fleet ({journal.path}) authenticates "
-            f"under this master key: start with the master key they were written with. Nothing was deleted; to "
-            f"leave those blocks to the fleet's own eviction, move the journal away")
-    if out.rejected:
+            f"under this master key and key store ({records.keyring.dir}): start with the master key and "
+            f"keystore_dir they were written with.{keyless.explained('records')} Nothing was deleted; to leave "
+            f"those blocks to the fleet's own eviction, move the journal away")
+    if keyless:
+        log.warning("fleet journal %s, key store %s:%s Their blocks are left in the Mooncake fleet, not served, "
+                    "their records kept: restart with the keystore_dir they were written with; if their keys were "
+                    "shredded, the fleet evicts them on its own", journal.path, records.keyring.dir,
+                    keyless.explained("records"))
+    if out.rejected > len(kept):
         log.warning("fleet journal %s: %d records do not authenticate; their blocks are deleted from the fleet",
-                    journal.path, out.rejected)
+                    journal.path, out.rejected - len(kept))
     for part in _batches(doomed):
         since = journal.seq
         raw.delete_many(part)
         if raw.available:  # (else owed: the records stay, asked again at the next start)
             journal.forget(part, since)
+    for part in _batches(kept):  # (their records go once the fleet no longer holds them)
+        _held(raw, journal, part)
     for part in _batches(good):
-        held = raw.contains_many([name for name, _ in part])
-        if not raw.available:  # the fleet could not say: kept (a GET that misses drops it)
-            held = [True] * len(part)
-        gone = [name for (name, _), h in zip(part, held) if not h]
-        out.gone += len(gone)
-        journal.forget(gone, journal.seq)
+        held = _held(raw, journal, [name for name, _ in part])
+        out.gone += held.count(False)
         for (name, note), h in zip(part, held):
             if h:
                 skey = KeySpace.of(note.owner, note.namespace).storage_key(note.key)
@@ -289,6 +287,16 @@ def rebuild_from_journal(fleet: JournaledFleet, owners: set[str], erasures=None)
                     note.session, fleet.name, note.parent, name if records.keyring is not None else None)))
     journal.rewrite()
     return out
+
+
+def _held(raw, journal: FleetJournal, names: list[bytes]) -> list[bool]:
+    """Whether the fleet holds each of ``names``; the records of those it does not are forgotten. All
+    True when the fleet could not say (kept: a GET that misses drops it)."""
+    held = raw.contains_many(names)
+    if not raw.available:
+        return [True] * len(names)
+    journal.forget([name for name, h in zip(names, held) if not h], journal.seq)
+    return held
 
 
 def _batches(items: list) -> list[list]:

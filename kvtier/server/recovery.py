@@ -20,12 +20,18 @@
   start is refused (:class:`~kvtier.errors.ConfigError`) and nothing deleted.
   A block an erasure covers (a tombstone in the runtime state,
   :mod:`kvtier.server.runtime_state`: same owner and scope, created at or before
-  it) is deleted too: an old copy of erased files does not bring them back. So
-  is, with encryption at rest, a block whose owner has no keys in the key store
-  (shredded: it can never be read). Both are judged on the authenticated
-  annotation before the file's name is checked against the owner's keys (a
-  shredded owner's names no longer derive), and neither counts toward that
-  refusal: the master key that authenticated their annotations is the right one.
+  it) is deleted too: an old copy of erased files does not bring them back. It
+  is judged on the authenticated annotation before the file's name is checked
+  against the owner's keys (a shredded owner's names no longer derive), and does
+  not count toward that refusal: the master key that authenticated it is the
+  right one. Only a tombstone erases: a block whose annotation authenticates but
+  whose owner has no keys in the key store is *not* taken for shredded -- a key
+  store that merely lacks the owner (``keystore_dir`` pointed at another store
+  of the same master key, a store restored from an older backup) looks the same,
+  and its blocks come back once the right store is given. Such a block is
+  rejected but kept on disk (not served; the disk tier evicts it when it needs
+  the room), and the refusal above, or the warning when other blocks do
+  authenticate, names its owner (:class:`OwnersWithoutKeys`).
   Tombstones are kept whatever is left on disk (a backup put back later is what
   they are for); :mod:`kvtier.server.runtime_state` bounds them.
 * Blocks the server placed in a Mooncake fleet come back from its fleet journal
@@ -55,7 +61,7 @@ class Rebuilt:
     """What a start found on disk: entries indexed again, and files deleted by reason."""
 
     entries: list[tuple[bytes, BlockEntry]] = field(default_factory=list)
-    rejected: int = 0  #: failed authentication or binding: never served
+    rejected: int = 0  #: failed authentication or binding: never served (deleted, but see OwnersWithoutKeys)
     unattributed: int = 0  #: no annotation (written before annotations, or by something else)
     unknown_owner: int = 0  #: the owner is no longer configured
     erased: int = 0  #: an erasure covers it (an old copy of erased files)
@@ -79,6 +85,45 @@ def index_oldest_first(index: BlockIndex, found: Sequence[Found]) -> list[tuple[
         if index.add(skey, entry):
             added.append((skey, entry))
     return added
+
+
+class OwnersWithoutKeys:
+    """With encryption at rest, the owners of blocks whose annotations authenticate but whose names
+    do not derive because the key store holds no keys of theirs, and how many of their blocks were
+    found. Such a block is kept (not deleted, not served), never taken for erased: an owner the key
+    store lacks is one whose keys were shredded *or* one this key store never held (another store of
+    the same master key, an older backup) -- only an erasure's tombstone tells them apart. The key
+    store is asked once per owner (no keys are created). Not thread safe (one start uses it)."""
+
+    def __init__(self, keyring) -> None:
+        self.keyring = keyring
+        self._lacks: dict[str, bool] = {}  # owner → whether the key store holds none of its keys
+        #: owner → its blocks kept for lack of keys
+        self.blocks: dict[str, int] = {}
+
+    def kept(self, owner: str) -> bool:
+        """Whether a block of ``owner``'s, its name not derived, is kept: the key store lacks the owner."""
+        if owner not in self._lacks:
+            self._lacks[owner] = (self.keyring is not None
+                                  and self.keyring.existing_storage_key(owner, bytes(32)) is None)
+        if self._lacks[owner]:
+            self.blocks[owner] = self.blocks.get(owner, 0) + 1
+        return self._lacks[owner]
+
+    def __bool__(self) -> bool:
+        return bool(self.blocks)
+
+    def named(self, what: str) -> str:
+        """The owners, each with its count of ``what``: ``acme (4 files), globex (1 files)``."""
+        return ", ".join(f"{owner} ({n} {what})" for owner, n in sorted(self.blocks.items()))
+
+    def explained(self, what: str) -> str:
+        """A sentence naming the owners (with their counts of ``what``) and the two causes ("" if none)."""
+        if not self.blocks:
+            return ""
+        return (f" The key store holds no keys of {self.named(what)}: either it is not the key store they were "
+                f"written with, or their keys were shredded by an erasure whose tombstone was lost (the runtime "
+                f"state lost or replaced; then nothing can read them any more).")
 
 
 class SpillBinding:
@@ -135,18 +180,17 @@ class SpillBinding:
         found: list[tuple[float, bytes, SpillAnnotation]] = []
         rejected: list[bytes] = []
         doomed: list[bytes] = []
-        keyless: dict[str, bool] = {}  # owner → whether the key store holds none of its keys
+        keyless = OwnersWithoutKeys(self.keyring)
         for rec in self.disk.records():
             note = self.codec.unpack(rec.key, rec.annotation)
             if rec.annotation is None:
                 out.unattributed += 1
             elif note is not None and self._erased(note):
                 out.erased += 1  # (its name is not checked: a shredded owner's no longer derives)
-            elif note is not None and self._keys_shredded(note.owner, keyless):
-                out.erased += 1
             elif note is None or not self._bound(rec, note):
                 out.rejected += 1
-                rejected.append(rec.key)
+                if note is None or not keyless.kept(note.owner):
+                    rejected.append(rec.key)
                 continue
             elif note.owner not in owners:
                 out.unknown_owner += 1
@@ -154,13 +198,16 @@ class SpillBinding:
                 found.append((note.created_wall, rec.key, note))
                 continue
             doomed.append(rec.key)
-        for owner in sorted(o for o, shredded in keyless.items() if shredded):
-            log.warning("the key store holds no keys of %s (shredded): its sealed block files are deleted", owner)
-        if self.keyring is not None and rejected and not found and not out.unknown_owner and not out.erased:
+        if self.keyring is not None and out.rejected and not found and not out.unknown_owner and not out.erased:
             raise ConfigError(
-                f"none of the {len(rejected)} sealed block files in {self.disk.path} authenticates under this "
+                f"none of the {out.rejected} sealed block files in {self.disk.path} authenticates under this "
                 f"master key and key store ({self.keyring.dir}): start with the master key and keystore_dir "
-                f"they were written with. Nothing was deleted; to discard them, delete them yourself")
+                f"they were written with.{keyless.explained('files')} Nothing was deleted; to discard them, "
+                f"delete them yourself")
+        if keyless:
+            log.warning("key store %s:%s They are kept on disk, not served: restart with the keystore_dir they "
+                        "were written with; if their keys were shredded, they go as the disk tier needs the room",
+                        self.keyring.dir, keyless.explained("sealed block files"))
         for key in rejected:
             log.warning("disk block %s… has an annotation that does not authenticate; deleted", key.hex()[:16])
         for key in rejected + doomed:
@@ -179,16 +226,6 @@ class SpillBinding:
         """Whether an erasure's tombstone covers the block an authenticated annotation describes."""
         return self.erasures is not None and self.erasures.erased(note.owner, note.namespace, note.session,
                                                                   note.created_wall)
-
-    def _keys_shredded(self, owner: str, known: dict[str, bool]) -> bool:
-        """With encryption at rest, whether the key store holds no keys of ``owner`` (asked once per
-        owner, answers kept in ``known``): its blocks can never be read again. (The key store is
-        checked against the master key when it opens -- :mod:`kvtier.crypto.keystore_dir` -- and
-        no block is written before its owner's keys exist, so an owner without keys is one whose
-        keys were shredded.) Creates no keys."""
-        if owner not in known:
-            known[owner] = self.keyring is not None and self.keyring.existing_storage_key(owner, bytes(32)) is None
-        return known[owner]
 
     def _bound(self, rec, note: SpillAnnotation) -> bool:
         """The annotation describes the file it is in: its disk name derives from the claimed

@@ -1,16 +1,20 @@
 """An erasure's tombstone outlasts every restart: an old copy of the erased files put back later
 (a backup restored, someone who can write ``disk_dir``) is deleted at the next start, not served;
 with encryption at rest, a whole-tenant erase the disk refused (its keys shredded all the same)
-does not stop the next start. Past the bound on tombstones, a fold never reaches a block the server
-keeps, and what must go is logged. Real ``kvtier serve`` processes, clients over TCP.
+does not stop the next start: its tombstone erases the files. Without the tombstone nothing tells
+shredded keys from a key store that never held them: the files are kept, and the start names the
+tenant. Past the bound on tombstones, a fold never reaches a block the server keeps, and what must
+go is logged. Real ``kvtier serve`` processes, clients over TCP.
 
 (s30 audit a2: D1, the tombstone was dropped at the first start after which any younger block was
-left on disk; D2, the shredded tenant's files made the start refuse with "wrong master key".)"""
+left on disk; D2, the shredded tenant's files made the start refuse with "wrong master key". s30 a10
+D1: its fix took any owner without keys for shredded, and a wrong key store deleted every file.)"""
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import subprocess
 
@@ -78,8 +82,9 @@ def tmpfs(tmp_path):
         yield mnt
 
 
-def _refused_tenant_erase(tmp_path, tmpfs) -> tuple[Restartable, list[bytes]]:
-    """globex's 4 sealed files on disk, its erase refused by the read-only disk: keys shredded."""
+def _refused_tenant_erase(tmp_path, tmpfs, others=()) -> tuple[Restartable, list[bytes]]:
+    """globex's 4 sealed files on disk (and acme's ``others``), globex's erase refused by the read-only
+    disk: its keys shredded."""
     (tmp_path / "work").mkdir()
     s = Restartable(tmp_path / "work", **_encrypted(tmp_path, disk_dir=str(tmpfs / "disk"), disk_capacity="8MiB",
                                                     state_dir=str(tmp_path / "state")))
@@ -87,6 +92,8 @@ def _refused_tenant_erase(tmp_path, tmpfs) -> tuple[Restartable, list[bytes]]:
     keys = keys_for("globex-shred", 4)
     srv = s.start()
     put(srv, "globex", "chat", keys)
+    if others:
+        put(srv, "acme", "chat", others)
     stopped_cleanly(*s.stop())  # flushed, sealed, to disk
     s.start()
     subprocess.run(["mount", "-o", "remount,ro", str(tmpfs)], check=True)
@@ -96,7 +103,7 @@ def _refused_tenant_erase(tmp_path, tmpfs) -> tuple[Restartable, list[bytes]]:
         subprocess.run(["mount", "-o", "remount,rw", str(tmpfs)], check=True)
     assert answer["refused"] == 4 and answer["keys_shredded"] is True, answer
     stopped_cleanly(*s.stop())
-    assert len(block_files(s.disk)) == 4  # the control: the files stayed
+    assert len(block_files(s.disk)) == 4 + len(others)  # the control: the files stayed
     return s, keys
 
 
@@ -119,11 +126,39 @@ def test_a_tenant_erase_the_disk_refused_does_not_stop_the_next_start(tmp_path, 
     _starts_and_deletes_them(s, keys)  # the tombstone covers them
 
 
-def test_a_shredded_tenants_files_are_erased_even_without_its_tombstone(tmp_path, tmpfs):
-    """Its keys are gone: its files can never be read, and they say nothing about the master key."""
-    s, keys = _refused_tenant_erase(tmp_path, tmpfs)
-    (tmp_path / "state" / "runtime.json").unlink()  # the tombstones lost with the state directory
-    _starts_and_deletes_them(s, keys)
+# -- without the tombstone: an owner the key store lacks is never taken for shredded (s30 a10 D1) ----------
+_NO_KEYS = (r"holds no keys of globex \(4 {what}\): either it is not the key store they were written with, or their "
+            r"keys were shredded by an erasure whose tombstone was lost")
+
+
+def test_a_shredded_tenants_files_without_its_tombstone_are_kept_and_the_start_names_it(tmp_path, tmpfs):
+    """The tombstone lost with the state directory: nothing tells globex's shredded keys from a key
+    store that never held them (another store of the same master key, an older backup), so its files
+    are not deleted, and the start, no other file authenticating, is refused naming globex and both
+    causes. (Before: taken for shredded -- and so were every tenant's files under a wrong key store.)"""
+    s, _ = _refused_tenant_erase(tmp_path, tmpfs)
+    (tmp_path / "state" / "runtime.json").unlink()
+    with pytest.raises(RuntimeError, match=r"none of the 4 sealed block files .*" + _NO_KEYS.format(what="files")):
+        s.start()
+    assert len(block_files(s.disk)) == 4, "the files of a tenant the key store lacks were deleted"
+
+
+def test_without_its_tombstone_a_shredded_tenants_files_are_kept_unserved_beside_the_others(tmp_path, tmpfs):
+    """acme's files authenticate: the start goes on; globex's are rejected, kept, not served, and the
+    log names globex."""
+    acme = keys_for("acme-kept", 2)
+    s, keys = _refused_tenant_erase(tmp_path, tmpfs, others=acme)
+    (tmp_path / "state" / "runtime.json").unlink()
+    srv = s.start()
+    try:
+        recovered = s.admin("stats")["recovered"]
+        assert (recovered["recovered"], recovered["rejected"], recovered["erased"]) == (2, 4, 0), recovered
+        assert get(srv, "globex", "chat", keys) == [False] * 4
+        assert get(srv, "acme", "chat", acme) == [True, True]
+    finally:
+        _, log = s.stop()
+    assert re.search(_NO_KEYS.format(what="sealed block files"), log), log[-2000:]
+    assert len(block_files(s.disk)) == 6, "the files of a tenant the key store lacks were deleted"
 
 
 # -- the bound: folding reaches no block the server keeps, and forgets nothing it need not ----------------

@@ -6,6 +6,7 @@ The same with a real fleet and server: test_fleet_restart.py."""
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 
@@ -17,7 +18,7 @@ from kvtier.crypto.keyring import Keyring
 from kvtier.crypto.providers import StaticMasterKey
 from kvtier.errors import ConfigError
 from kvtier.server.auth import KeySpace
-from kvtier.server.fleet import FleetRecords, JournaledFleet, rebuild_from_journal
+from kvtier.server.fleet import FleetRebuilt, FleetRecords, JournaledFleet, rebuild_from_journal
 from kvtier.server.fleet_journal import JOURNAL_FILE, FleetJournal
 from kvtier.server.index import BlockEntry, BlockIndex
 from kvtier.server.runtime_state import RuntimeState
@@ -309,36 +310,92 @@ def test_sealed_names_map_back_to_their_blocks_and_another_master_key_deletes_no
     assert set(inner.objects) == {name} and len(journal) == 1
 
 
-def test_a_shredded_owners_records_are_erased_not_taken_for_another_master_key(tmp_path):
-    """With encryption at rest: a tenant erased and its keys shredded while its fleet deletes were
-    owed (the fleet could not be asked) leaves records whose names no longer derive. They are the
-    right master key's (their annotations authenticate): their blocks are deleted at the next
-    start, which the name check, made first, refused as "authenticates under this master key"."""
-    keyring = Keyring(StaticMasterKey(b"k" * 32), tmp_path / "keys", refresh_s=0.0)
+def _owed_records_of_a_shredded_tenant(tmp_path, keyring, others=()) -> tuple[list[bytes], list[bytes]]:
+    """acme's two sealed blocks (and ``others``' one each) placed; acme erased while the fleet could not
+    be asked (its removals owed, its records kept), its tombstone recorded and its keys shredded, as
+    the server's erase does. The names of acme's blocks and of the others'."""
     index = BlockIndex()
     fleet = _fleet(tmp_path, index, keyring)
-    names = []
-    for i in (1, 2):
-        skey, entry = _entry("acme", "chat", i)
-        entry.disk_name = keyring.storage_key("acme", skey)  # what the sealing tier above names it
+    named = {}
+    for i, owner in enumerate(["acme", "acme", *others], start=1):
+        skey, entry = _entry(owner, "chat", i, created=time.monotonic() - 10)
+        entry.disk_name = keyring.storage_key(owner, skey)  # what the sealing tier above names it
         index.add(skey, entry)
-        names.append(entry.disk_name)
-    assert fleet.put_many(names, [np.zeros(NBYTES, np.uint8)] * 2) == [Status.OK] * 2
+        named[entry.disk_name] = owner
+    assert fleet.put_many(list(named), [np.zeros(NBYTES, np.uint8)] * len(named)) == [Status.OK] * len(named)
+    acme = [name for name, owner in named.items() if owner == "acme"]
     fleet.inner.available = False  # the erase: the fleet cannot be asked, the removal is owed
-    fleet.delete_many(names)
+    fleet.delete_many(acme)
+    _tombstones(tmp_path).record_erasure("acme", None, None, time.time())
     assert keyring.shred_tenant("acme")
     fleet.close()
+    return acme, [name for name, owner in named.items() if owner != "acme"]
+
+
+def _tombstones(tmp_path) -> RuntimeState:
+    return RuntimeState(str(tmp_path / "runtime.json"), erasure_key=CODEC.erasure_key())
+
+
+def _restart(tmp_path, keyring, held: list[bytes], erasures) -> tuple[FleetRebuilt, StandInFleet, FleetJournal]:
+    """:func:`rebuild_from_journal` over a fleet that holds ``held``."""
     inner = StandInFleet()
-    inner.objects = {name: b"x" for name in names}
+    inner.objects = {name: b"x" for name in held}
     journal = FleetJournal(str(tmp_path / JOURNAL_FILE))
-    assert len(journal) == 2  # the control: the owed records stayed
     try:
         out = rebuild_from_journal(JournaledFleet(inner, journal, FleetRecords(BlockIndex(), CODEC, keyring)),
-                                   {"acme"})
+                                   {"acme", "globex"}, erasures)
+    except ConfigError:
+        journal.close()
+        raise
+    return out, inner, journal
+
+
+def test_a_shredded_owners_records_covered_by_its_tombstone_are_erased(tmp_path):
+    """With encryption at rest: a tenant erased and its keys shredded while its fleet deletes were
+    owed leaves records whose names no longer derive. Its tombstone, judged before the name, erases
+    them: their blocks are deleted at the next start, which the name check, made first, refused as
+    "authenticates under this master key"."""
+    keyring = Keyring(StaticMasterKey(b"k" * 32), tmp_path / "keys", refresh_s=0.0)
+    acme, _ = _owed_records_of_a_shredded_tenant(tmp_path, keyring)
+    assert len(FleetJournal(str(tmp_path / JOURNAL_FILE))) == 2  # the control: the owed records stayed
+    try:
+        out, inner, journal = _restart(tmp_path, keyring, acme, _tombstones(tmp_path))
     except ConfigError as exc:
         pytest.fail(f"the start after a shredded tenant's owed fleet deletes was refused: {exc}")
     assert (out.erased, out.rejected, out.found) == (2, 0, [])
     assert inner.objects == {} and len(journal) == 0  # deleted from the fleet, then forgotten
+    journal.close()
+
+
+def test_records_of_an_owner_without_keys_or_tombstone_are_kept_and_the_start_names_it(tmp_path):
+    """The tombstone lost (the runtime state replaced): nothing tells acme's shredded keys from a key
+    store that never held them (another store of the same master key, an older backup), so nothing
+    of acme's is deleted; with no other record the start is refused naming acme and both causes.
+    (s30 a10 D1: an owner without keys was taken for shredded, its blocks deleted.)"""
+    keyring = Keyring(StaticMasterKey(b"k" * 32), tmp_path / "keys", refresh_s=0.0)
+    acme, _ = _owed_records_of_a_shredded_tenant(tmp_path, keyring)
+    with pytest.raises(ConfigError, match=r"holds no keys of acme \(2 records\): either it is not the key store they "
+                                          r"were written with, or their keys were shredded .* tombstone was lost"):
+        _restart(tmp_path, keyring, acme, erasures=None)
+    assert len(FleetJournal(str(tmp_path / JOURNAL_FILE))) == 2  # nothing forgotten
+
+
+def test_records_of_an_owner_without_keys_are_kept_while_the_others_are_indexed(tmp_path, caplog):
+    """globex's record authenticates and is indexed; acme's (no keys, no tombstone) stay in the journal
+    and their blocks in the fleet, not indexed, the log naming acme -- until the fleet drops them."""
+    keyring = Keyring(StaticMasterKey(b"k" * 32), tmp_path / "keys", refresh_s=0.0)
+    acme, others = _owed_records_of_a_shredded_tenant(tmp_path, keyring, others=["globex"])
+    with caplog.at_level(logging.WARNING, logger="kvtier.server.fleet"):
+        out, inner, journal = _restart(tmp_path, keyring, acme + others, erasures=None)
+    assert [e.owner for _, _, e in out.found] == ["globex"]
+    assert (out.rejected, out.erased) == (2, 0)
+    assert set(inner.objects) == set(acme + others), "blocks of an owner the key store lacks were deleted"
+    assert sorted(n for n, _ in journal.records()) == sorted(acme + others)
+    assert any("holds no keys of acme (2 records)" in r.getMessage() for r in caplog.records), caplog.text
+    journal.close()
+    out, inner, journal = _restart(tmp_path, keyring, others, erasures=None)  # the fleet evicted acme's
+    assert (len(out.found), out.rejected) == (1, 2)
+    assert [n for n, _ in journal.records()] == others  # their records forgotten
     journal.close()
 
 

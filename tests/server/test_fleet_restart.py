@@ -212,13 +212,9 @@ def test_sealed_blocks_in_the_fleet_are_erased_after_a_restart(tmp_path, cluster
         assert _in_fleet(cluster, names) == 0
 
 
-@pytest.mark.parametrize("tombstones", [True, False], ids=["with-tombstone", "runtime-state-lost"])
-def test_a_shredded_tenants_owed_fleet_deletes_do_not_stop_the_next_start(tmp_path, cluster, tombstones):  # noqa: F811
+def _erased_while_the_fleet_is_stopped(tmp_path, cluster) -> tuple[list[bytes], int]:  # noqa: F811
     """A tenant erase while the fleet does not answer: acme's keys are shredded, its fleet deletes
-    owed, their records kept. Those records authenticate under the master key but their names no
-    longer derive: the next start deletes their blocks (judged erased: by the tombstone, or, the
-    runtime state lost, by the keys being gone), where it refused "none of the records ...
-    authenticates under this master key" (the name was checked first)."""
+    owed, their records kept. The names of its blocks in the fleet and how many records stayed."""
     with _serve_sealed(tmp_path, cluster, mooncake_timeout_s=0.5) as srv:
         _, names = _spilled_sealed(tmp_path, cluster, srv, "shredded")
         os.killpg(cluster.master.pid, signal.SIGSTOP)
@@ -229,8 +225,14 @@ def test_a_shredded_tenants_owed_fleet_deletes_do_not_stop_the_next_start(tmp_pa
         assert reply["keys_shredded"], reply
     owed = len(FleetJournal(str(tmp_path / "disk" / "fleet.journal")))
     assert owed >= 8  # the control: their records stayed
-    if not tombstones:
-        (tmp_path / "disk" / "runtime.json").unlink()
+    return names, owed
+
+
+def test_a_shredded_tenants_owed_fleet_deletes_do_not_stop_the_next_start(tmp_path, cluster):  # noqa: F811
+    """Those records authenticate under the master key but their names no longer derive: the next
+    start deletes their blocks (the tombstone, judged before the name, covers them), where it
+    refused "none of the records ... authenticates under this master key" (the name was checked first)."""
+    names, owed = _erased_while_the_fleet_is_stopped(tmp_path, cluster)
     try:
         srv = _serve_sealed(tmp_path, cluster)
     except RuntimeError as exc:  # (its log's line that says why, not the fleet client's chatter after it)
@@ -241,3 +243,18 @@ def test_a_shredded_tenants_owed_fleet_deletes_do_not_stop_the_next_start(tmp_pa
         assert (fleet["erased"], fleet["rejected"], fleet["recovered"]) == (owed, 0, 0), fleet
         assert _in_fleet(cluster, names) == 0
     assert len(FleetJournal(str(tmp_path / "disk" / "fleet.journal"))) == 0
+
+
+def test_untombstoned_shredded_tenants_fleet_records_stay_and_the_start_names_it(tmp_path, cluster):  # noqa: F811
+    """The runtime state lost: nothing tells acme's shredded keys from a key store that never held
+    them (another store of the same master key, an older backup). Nothing of acme's is deleted, and
+    the start -- no other record, no disk file -- is refused naming acme and both causes. (s30 a10
+    D1: taken for shredded, as a wrong key store's tenants all were.)"""
+    names, owed = _erased_while_the_fleet_is_stopped(tmp_path, cluster)
+    held = _in_fleet(cluster, names)
+    (tmp_path / "disk" / "runtime.json").unlink()
+    with pytest.raises(RuntimeError, match=rf"holds no keys of acme \({owed} records\): either it is not the key "
+                                           rf"store they were written with, or their keys were shredded"):
+        _serve_sealed(tmp_path, cluster)
+    assert len(FleetJournal(str(tmp_path / "disk" / "fleet.journal"))) == owed
+    assert _in_fleet(cluster, names) == held

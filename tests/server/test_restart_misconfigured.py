@@ -1,4 +1,5 @@
-"""A restart with the wrong master key or without its key store refuses to start and deletes nothing.
+"""A restart with the wrong master key or without its key store refuses to start and deletes nothing;
+nor does one with another key store of the same master key, or a key store restored without a tenant.
 
 Real ``kvtier serve`` processes (:class:`tests.server.test_restart.Restartable`): start, put,
 SIGTERM, start misconfigured (refused, saying what to fix), restore the configuration, start
@@ -7,11 +8,14 @@ again: every block the first run stored is served.
 
 from __future__ import annotations
 
+import re
 import shutil
 
 import pytest
 
+from kvtier.crypto.keyring import Keyring
 from kvtier.crypto.keystore_dir import CHECK_FILE
+from kvtier.crypto.providers import StaticMasterKey
 from tests.server.conftest import keys_for
 from tests.server.test_restart import Restartable, block_files, get, put, stopped_cleanly
 
@@ -82,3 +86,58 @@ def test_a_store_from_before_the_check_with_the_wrong_key_is_refused_by_recovery
     s.env = WRONG
     with pytest.raises(RuntimeError, match="the master key does not match"):
         s.start()
+
+
+# -- a key store that lacks a tenant: never taken for its keys shredded (s30 a10 D1) ----------------------
+def _no_keys_of(tenant: str, n: int, what: str) -> str:
+    return (rf"holds no keys of {tenant} \({n} {what}\): either it is not the key store they were written with, "
+            rf"or their keys were shredded by an erasure whose tombstone was lost")
+
+
+def test_another_key_store_of_the_same_master_key_is_refused_naming_the_tenant_and_deletes_nothing(tmp_path):
+    """keystore_dir pointed at a sibling server's store (one master key for both: it passes the master
+    key check) that holds globex's keys only. Before: acme taken for shredded, its 6 files deleted."""
+    s, keys = _stored(tmp_path, "misconf-sibling")
+    sibling = Keyring(StaticMasterKey(bytes.fromhex(RIGHT["KVTIER_MASTER_KEY"])), tmp_path / "sibling")
+    sibling.storage_key("globex", bytes(32))  # (makes globex's keys)
+    s.server["keystore_dir"] = str(tmp_path / "sibling")
+    with pytest.raises(RuntimeError, match=f"none of the {N} sealed block files .*" + _no_keys_of("acme", N, "files")):
+        s.start()
+    assert len(block_files(s.disk)) == N
+    s.server["keystore_dir"] = str(tmp_path / "keystore")
+    _served_again(s, keys)
+
+
+def test_a_key_store_restored_without_a_tenant_keeps_its_files_until_the_right_one_is_back(tmp_path):
+    """The key store restored from a backup taken before acme's first write: globex's blocks are
+    served, acme's files kept (not served, the log naming acme), and served once its keys are back.
+    (Before: deleted as files that do not authenticate; since 0fe05d9, as shredded.)"""
+    s = Restartable(tmp_path, encrypt_at_rest=True, keystore_dir=str(tmp_path / "keystore"))
+    s.env = RIGHT
+    srv = s.start()
+    globex = keys_for("restored-globex", 2)
+    put(srv, "globex", "enc", globex)
+    shutil.copytree(tmp_path / "keystore", tmp_path / "backup", ignore=shutil.ignore_patterns("*.tmp*"))
+    acme = keys_for("restored-acme", N)
+    put(srv, "acme", "enc", acme)
+    stopped_cleanly(*s.stop())
+    (tmp_path / "keystore").rename(tmp_path / "keystore.current")
+    shutil.copytree(tmp_path / "backup", tmp_path / "keystore")
+    srv = s.start()
+    try:
+        recovered = s.admin("stats")["recovered"]
+        assert (recovered["recovered"], recovered["rejected"]) == (2, N), recovered
+        assert get(srv, "globex", "enc", globex) == [True, True]
+        assert get(srv, "acme", "enc", acme) == [False] * N
+    finally:
+        _, log = s.stop()
+    assert re.search(_no_keys_of("acme", N, "sealed block files"), log), log[-2000:]
+    assert len(block_files(s.disk)) == N + 2, "the files of a tenant the restored key store lacks were deleted"
+    shutil.rmtree(tmp_path / "keystore")
+    (tmp_path / "keystore.current").rename(tmp_path / "keystore")
+    srv = s.start()
+    try:
+        assert get(srv, "acme", "enc", acme) == [True] * N
+        assert get(srv, "globex", "enc", globex) == [True, True]
+    finally:
+        stopped_cleanly(*s.stop())
