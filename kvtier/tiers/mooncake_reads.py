@@ -15,6 +15,13 @@ miss, and nothing is removed (the name may already hold a block a later put stor
 failed read is read once more (another process's delete), and only an object that fails again
 is ``CORRUPT``.
 
+A get session is the client's, per name, shared by this process's reads of it; another read's
+session start that finds the name removed or not yet published (-704, -703) drops it, and a read
+under way in it then answers -600 though the name may hold the block again, at its size (a delete
+and a put of the block meanwhile). Nothing failed: such a read is made once more, in a session of
+its own, while its deadline allows, and a miss if that one loses its session too (an ``ERROR``
+said the tier failed).
+
 An object of another size than the buffer asked for (a short read, -600 "larger than the
 buffer", -800 from a batch call, or a header naming another size) is read whole and judged
 (:meth:`TierReads._judge_resized`): this block, whole and tagged, at that size is the caller's
@@ -60,6 +67,12 @@ class _Rejected(NamedTuple):
     held in the read's statuses until then."""
 
     why: str
+
+
+class _SessionLost(NamedTuple):
+    """A session read the engine refused (-600) while the name held an object of the block's size:
+    another read of the name dropped the session (see the module's docstring). Held in the read's
+    statuses until :meth:`TierReads._read_lost_again`; a miss if still lost then."""
 
 
 class TierReads:
@@ -161,9 +174,24 @@ class TierReads:
         with self._removals.reading() as since:
             for todo in _rounds([i for i in range(len(keys)) if not hidden[i]], digests):
                 self._read_round(todo, digests, views, statuses, deadline, hash_payloads)
+            self._read_lost_again(digests, views, statuses, deadline, hash_payloads)
             self._judge_rejected(digests, views, statuses, since, hash_payloads)
+        statuses = [Status.MISS if isinstance(s, _SessionLost) else s for s in statuses]
         self._count_reads(statuses, views)
         return statuses
+
+    def _read_lost_again(self, digests, views, statuses: list, deadline: float, hashed: bool) -> None:
+        """The blocks whose session another read dropped (``_SessionLost``), read once more if the
+        read's deadline has not passed; what loses its session again stays lost (a miss). Read
+        again, a block the tier failed to read is an ``ERROR`` (the master down, an overrun)."""
+        lost = [i for i, s in enumerate(statuses) if isinstance(s, _SessionLost)]
+        if not lost or time.monotonic() >= deadline:
+            return
+        for i in lost:
+            log.debug("mooncake tier: a read of %s… lost its get session; reading it again", digests[i].hex()[:16])
+            statuses[i] = Status.ERROR
+        for todo in _rounds(lost, digests):
+            self._read_round(todo, digests, views, statuses, deadline, hashed)
 
     def _judge_rejected(self, digests, views, statuses: list, since: int, hashed: bool) -> None:
         """The blocks whose object failed verification (``_Rejected``, see the module's docstring):
@@ -359,7 +387,7 @@ class TierReads:
                 ptrs.append([buf[1].ctypes.data])
                 lens.append([n])
                 offsets.append([0])
-        read = _ChunkRead(self, chunk, names, sizes, bufs, headers)
+        read = _ChunkRead(self, chunk, names, sizes, bufs, headers, session)
         # Each payload is MACed on the call's worker as soon as the call returns, while it is
         # still in cache and while the batch's other calls still transfer (on the caller's thread,
         # after the calls that run at once have all ended together, it was a serial tail).
@@ -408,7 +436,7 @@ class TierReads:
                 elif 0 <= code < n or code in (RC_BAD_PARAMS, RC_TRANSFER_FAILED):
                     # a smaller object (a short count; a batch call's -800), one larger than the
                     # buffer (-600), or none of these: a dead holder (-800), a session another
-                    # thread's get of the same name ended under this one (-600)
+                    # read of the same name dropped under this one (-600)
                     sized.append((i, name, code))
                 else:
                     log.info("mooncake tier: read of %s… failed (rc=%d)", name[len(NAME_PREFIX):][:16], code)
@@ -416,13 +444,15 @@ class TierReads:
         finally:
             read.give_back()
         if sized:
-            failed += self._judge_sizes(sized, digests, views, statuses)
+            failed += self._judge_sizes(sized, digests, views, statuses, read.session)
         return failed
 
-    def _judge_sizes(self, sized: list[tuple[int, str, int]], digests, views, statuses: list[Status]) -> list[int]:
+    def _judge_sizes(self, sized: list[tuple[int, str, int]], digests, views, statuses: list[Status],
+                     session: bool) -> list[int]:
         """Reads that failed in a way an object of another size also causes: asks the master the
-        objects' sizes (one RPC), judges those of another size (:meth:`_judge_resized`); the rest
-        are ERRORs, and those a holder failed (-800) are returned, to be read again."""
+        objects' sizes (one RPC), judges those of another size (:meth:`_judge_resized`); a session
+        read's -600 at the block's size lost its session (``_SessionLost``); the rest are ERRORs,
+        and those a holder failed (-800) are returned, to be read again."""
         failed: list[int] = []
         # after a failed read, like _drop: a deadline of its own (the read's may have passed)
         sizes = self._stored_sizes([name for _, name, _ in sized], time.monotonic() + self.timeout_s)
@@ -432,6 +462,8 @@ class TierReads:
                 statuses[i] = Status.MISS  # removed meanwhile, or being written again
             elif sizes[name] not in (None, want):
                 statuses[i] = self._judge_resized(name, digests[i], views[i].nbytes, sizes[name])
+            elif session and code == RC_BAD_PARAMS and sizes[name] == want:
+                statuses[i] = _SessionLost()
             else:
                 log.info("mooncake tier: read of %s… failed (rc=%d)", name[len(NAME_PREFIX):][:16], code)
                 statuses[i] = Status.ERROR
@@ -576,8 +608,9 @@ class _ChunkRead:
     """One started engine read: its buffers (registered staging, header rows) are the call's until
     it ends; :meth:`give_back` returns them to the pool exactly once."""
 
-    def __init__(self, tier: MooncakeTier, chunk, names, sizes, bufs, headers) -> None:
+    def __init__(self, tier: MooncakeTier, chunk, names, sizes, bufs, headers, session: bool) -> None:
         self.tier, self.chunk, self.names, self.sizes, self.bufs, self.headers = tier, chunk, names, sizes, bufs, headers
+        self.session = session  # a ranged read in an open get session (else a batch call)
         self.nbytes = sum(sizes)
         self.future = None
         #: the MAC of each payload the call read whole, under its header's salt (None: not

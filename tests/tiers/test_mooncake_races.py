@@ -18,9 +18,10 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
+from kvtier.core.payload import HEADER_NBYTES
 from kvtier.tiers.base import Status
 from kvtier.tiers.mooncake import MooncakeTier
-from kvtier.tiers.mooncake_client import RC_NOT_READY
+from kvtier.tiers.mooncake_client import RC_BAD_PARAMS, RC_NOT_READY
 from tests.tiers.mooncake_harness import fresh_secret, make_tier, mooncake_available
 
 pytestmark = pytest.mark.skipif(mooncake_available() is not None, reason=str(mooncake_available()))
@@ -74,6 +75,23 @@ def once(hook: Callable) -> Callable:
             hook(*args)
 
     return first
+
+
+def first_calls(times: int, hook: Callable) -> Callable:
+    """``hook`` on the first ``times`` calls but those it makes itself (they, and the calls after
+    the last, run plain)."""
+    left, running = [times], threading.Event()
+
+    def call(*args):
+        if left[0] and not running.is_set():
+            left[0] -= 1
+            running.set()
+            try:
+                hook(*args)
+            finally:
+                running.clear()
+
+    return call
 
 
 @pytest.fixture
@@ -259,3 +277,51 @@ def test_a_delete_that_meets_an_unfinished_put_neither_hides_nor_later_removes_i
     assert tier.delete(key(6)) is False
     out[:] = 0
     assert tier.contains(k) and tier.get(k, out) is Status.OK and np.array_equal(out, data)
+
+
+# -- a get whose session another read of the name dropped ------------------------------------------------
+def _drop_session_under_read(tier, k: bytes, data: np.ndarray) -> Callable:
+    """A hook for the end of a get session's start: the block is deleted, another read of it (a
+    request of this process: the same engine client, whose get sessions the reads of a name share)
+    starts a session of the name, which the engine refuses (-704) and so drops this client's
+    session of the name, and the block is put again, at its size. The read's ranged call then
+    answers -600, though the name holds the block."""
+
+    def drop(codes, names):
+        assert tier.delete(k) is True
+        assert tier.get(k, np.zeros_like(data)) is Status.MISS
+        assert tier.put(k, data) is Status.OK
+
+    return drop
+
+
+def test_a_read_whose_session_another_read_dropped_is_read_again(tier, sessions):
+    """Nothing failed: the name was removed and stored again while the read held its session. The
+    read is made once more, in a session of its own, and serves the block put since."""
+    k, data = key(7), block(7)
+    assert tier.put(k, data) is Status.OK
+    answers: list[int] = []
+    tier._engine.after["batch_get_session_start"] = first_calls(1, _drop_session_under_read(tier, k, data))
+    tier._engine.after["batch_get_into_multi_buffer_ranges"] = lambda codes, *args: answers.extend(codes)
+    out = np.zeros_like(data)
+    assert tier.get(k, out) is Status.OK and np.array_equal(out, data)
+    assert answers == [RC_BAD_PARAMS, HEADER_NBYTES + BLOCK], \
+        "premise: the first ranged read answered -600, the second read the block whole"
+    assert (tier.stats.errors, tier.stats.verify_failures) == (0, 0)
+
+
+def test_a_read_whose_session_is_dropped_again_when_read_again_is_a_miss_and_removes_nothing(tier, sessions):
+    """The same race twice: the read made again loses its session too. Read once more only: a MISS
+    (not an ERROR: the tier did not fail; not CORRUPT: no object failed verification), and the name
+    keeps the block the last put stored."""
+    k, data = key(8), block(8)
+    assert tier.put(k, data) is Status.OK
+    answers: list[int] = []
+    tier._engine.after["batch_get_session_start"] = first_calls(2, _drop_session_under_read(tier, k, data))
+    tier._engine.after["batch_get_into_multi_buffer_ranges"] = lambda codes, *args: answers.extend(codes)
+    out = np.zeros_like(data)
+    assert tier.get(k, out) is Status.MISS
+    assert answers == [RC_BAD_PARAMS, RC_BAD_PARAMS], "premise: both ranged reads answered -600"
+    assert (tier.stats.errors, tier.stats.verify_failures) == (0, 0)
+    assert not out.any(), "a miss writes nothing into the caller's buffer"
+    assert tier.get(k, out) is Status.OK and np.array_equal(out, data)
