@@ -84,17 +84,19 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import errno
 import math
 import threading
 import time
-from collections import Counter
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from itertools import islice
 
 from kvtier.core.keys import BlockKey
-from kvtier.tiers.base import Tier
+from kvtier.tiers.base import Tier, report_refused
 from kvtier.tiers.mooncake_calls import MAX_CALL_S, BoundedEngineCalls, Down
-from kvtier.tiers.mooncake_client import RC_HAS_LEASE, RC_NOT_FOUND, RC_NOT_READY, BoundedCaller, SharedClient
+from kvtier.tiers.mooncake_client import RC_NOT_FOUND, RC_NOT_READY, BoundedCaller, SharedClient
 from kvtier.tiers.mooncake_names import NAME_PREFIX, TenantNaming
 from kvtier.tiers.mooncake_reads import TierReads
 from kvtier.tiers.mooncake_writes import TierWrites
@@ -113,6 +115,8 @@ SESSION_MIN_BYTES = 2 << 20
 #: another writer's unfinished put of the name (-703), which the delete is ordered before.
 #: (-703 once hid, and the next delete then removed, the block that put published meanwhile.)
 _NOTHING_TO_REMOVE = frozenset({RC_NOT_FOUND, RC_NOT_READY})
+#: owed removals retried per engine call
+_RETRY_BATCH = 4096
 
 
 class RemovalLog:
@@ -127,7 +131,13 @@ class RemovalLog:
         self._lock = threading.Lock()
         self._turn = 0
         self._names: dict[str, list[int]] = {}  # name → [removals in flight, the turn the last ended at]
-        self._reads: Counter[int] = Counter()  # the turn each read under way started at → how many
+        # the names with no removal in flight, in the order their last removal ended (turns only
+        # grow): forgetting pops from the front, so a read's end costs O(names it forgets), not
+        # O(names kept) under the lock (an erase beside one long read was quadratic, audit s30 a14)
+        self._ended: OrderedDict[str, None] = OrderedDict()
+        # the turn each read under way started at → how many; turns only grow, so the first key is
+        # the oldest (a key re-added is the current turn, the largest)
+        self._reads: dict[int, int] = {}
 
     @contextmanager
     def removing(self, names: Sequence[str]) -> Iterator[None]:
@@ -135,6 +145,7 @@ class RemovalLog:
         with self._lock:
             for name in names:
                 self._names.setdefault(name, [0, 0])[0] += 1
+                self._ended.pop(name, None)
         try:
             yield
         finally:
@@ -144,6 +155,8 @@ class RemovalLog:
                     entry = self._names[name]
                     entry[0] -= 1
                     entry[1] = self._turn
+                    if not entry[0]:
+                        self._ended[name] = None  # (its last removal ended: at the back)
                 self._forget()
 
     @contextmanager
@@ -151,7 +164,7 @@ class RemovalLog:
         """Around a read; yields its start, for :meth:`overlapped`."""
         with self._lock:
             since = self._turn
-            self._reads[since] += 1
+            self._reads[since] = self._reads.get(since, 0) + 1
         try:
             yield since
         finally:
@@ -169,12 +182,14 @@ class RemovalLog:
             return entry is not None and (entry[0] > 0 or entry[1] > since)
 
     def _forget(self) -> None:
-        """Drop the names no read under way can ask about (under the lock)."""
-        if not self._names:
-            return
-        oldest = min(self._reads, default=self._turn)
-        for name in [n for n, (flying, ended) in self._names.items() if not flying and ended <= oldest]:
-            del self._names[name]
+        """Drop the names no read under way can ask about (under the lock): those whose last
+        removal ended no later than the oldest read under way started."""
+        oldest = next(iter(self._reads), self._turn)
+        while self._ended:
+            name = next(iter(self._ended))
+            if self._names[name][1] > oldest:
+                return
+            del self._ended[name], self._names[name]
 
 
 class MooncakeTier(TierReads, TierWrites, BoundedEngineCalls, TenantNaming, Tier):
@@ -284,6 +299,13 @@ class MooncakeTier(TierReads, TierWrites, BoundedEngineCalls, TenantNaming, Tier
         return self.delete_many([key])[0]
 
     def delete_many(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """True for each block removed. False for one the fleet did not hold, and for one whose
+        removal is *owed*: the fleet could not be asked (down, backing off) or refused it (a lease
+        the force did not break). An owed name is hidden from this tier's reads and lookups at once,
+        its removal retried (:meth:`retry_removals`, and on later deletes and puts), and it is
+        reported to a caller collecting :func:`~kvtier.tiers.base.refused_removals`: a copy other
+        processes of the fleet read whole may stay until the retry lands, so an erasure must not be
+        reported done (``TieredStore.delete`` then raises ``DeleteRefused``)."""
         names = [self.storage_name(k) for k in keys]
         if not names:
             return []
@@ -294,16 +316,14 @@ class MooncakeTier(TierReads, TierWrites, BoundedEngineCalls, TenantNaming, Tier
             self._retry_removals(deadline)
             with self._removals.removing(names):
                 codes = self._call(deadline, self._engine.batch_remove, names, True)
-        except Down:
+        except Down as exc:
             # Hidden at once and removed once the fleet answers: dropped, a copy would stay
             # readable in the fleet, beyond the reach of any later delete.
-            now = time.monotonic()
-            with self._lock:
-                for name in names:
-                    self._unremoved.setdefault(name, now)
+            self._owe(keys, names, range(len(names)), errno.ETIMEDOUT,
+                      f"did not answer ({exc}): the removal is owed, retried until it lands")
             return out
         self._codes(codes)
-        now = time.monotonic()
+        refused = []
         with self._lock:
             for j, (name, code) in enumerate(zip(names, codes)):
                 if code == 0:
@@ -311,13 +331,37 @@ class MooncakeTier(TierReads, TierWrites, BoundedEngineCalls, TenantNaming, Tier
                     self._unremoved.pop(name, None)
                 elif code in _NOTHING_TO_REMOVE:
                     self._unremoved.pop(name, None)
-                elif name not in self._unremoved:
-                    # refused (a lease the force did not break) or failed: hidden from this
-                    # tier now, removed by a later retry
-                    self._unremoved[name] = now
-                    out[j] = code == RC_HAS_LEASE
+                else:  # refused (a lease the force did not break) or failed
+                    refused.append(j)
             self.stats.deletes += sum(out)
+        if refused:
+            self._owe(keys, names, refused, errno.EBUSY,
+                      f"refused it (rc={min(codes[j] for j in refused)}): the removal is owed, retried until it lands")
         return out
+
+    def _owe(self, keys: Sequence[BlockKey], names: Sequence[str], which, code: int, why: str) -> None:
+        """Hide ``names[j]`` for ``j`` in ``which`` until their removal lands, and report them."""
+        now = time.monotonic()
+        with self._lock:
+            for j in which:
+                self._unremoved.setdefault(names[j], now)
+        where = f"Mooncake fleet {self.master}"
+        for j in which:
+            report_refused(keys[j], where, OSError(code, f"the fleet {why}"))
+
+    def retry_removals(self, keys: Sequence[BlockKey] = ()) -> list[bool]:
+        """Retry the removals owed now (at most once a second), not only at the next delete or put,
+        which may never come; a server calls it periodically. Returns, for each of ``keys``, whether
+        its removal is still owed. Never raises for a fleet that does not answer (all stay owed)."""
+        with self._lock:
+            anything_owed = bool(self._unremoved)
+        if anything_owed:
+            try:
+                self._check_up()  # (once the backoff is over, starts the health check that ends an outage)
+                self._retry_removals(time.monotonic() + self._deadline_in())
+            except Down:
+                pass
+        return self._hidden([self.storage_name(k) for k in keys])
 
     def remove_unverifiable(self, key: BlockKey) -> None:
         """Remove a block that a caller reading it with ``hash_payloads=False`` found failing its own
@@ -347,15 +391,18 @@ class MooncakeTier(TierReads, TierWrites, BoundedEngineCalls, TenantNaming, Tier
         return sizes
 
     def _retry_removals(self, deadline: float) -> None:
-        """Try again to remove what a lease protected; at most once a second."""
+        """Try again to remove what is owed (a lease protected it, or the fleet could not be asked);
+        at most once a second, and :data:`_RETRY_BATCH` names a call (an outage may leave many owed:
+        one call for them all could overrun its deadline every time). Raises Down as engine calls do."""
         now = time.monotonic()
         with self._lock:
             if not self._unremoved or now < self._next_removal_retry:
                 return
             self._next_removal_retry = now + 1.0
-            names = list(self._unremoved)
+            names = list(islice(self._unremoved, _RETRY_BATCH))
         with self._removals.removing(names):
             codes = self._call(deadline, self._engine.batch_remove, names, True)
+        self._codes(codes)
         with self._lock:
             for name, code in zip(names, codes):
                 if code == 0 or code in _NOTHING_TO_REMOVE:
