@@ -21,6 +21,7 @@ without kvtier (the baseline); see :mod:`kvtier.bench.route_trace`.
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import os
@@ -188,36 +189,82 @@ class _Req:
         self.input_tokens, self.blocks = input_tokens, blocks
 
 
+class ModeFlags:
+    """The flags one mode of a bench reads, added through :meth:`add_argument` as to the parser.
+
+    Each is defaulted to None in the parser, so that a flag given can be told from one left out
+    (a value equal to the default included), and its default is kept here: the other mode
+    refuses it by name (:meth:`refuse`), its own fills the defaults in (:meth:`fill_defaults`).
+    Each flag a mode ignored was accepted and ignored: ``--trace --workers 4 --runs 10`` replayed
+    on two workers, ``--synthetic --policies round-robin`` timed tier-aware.
+    """
+
+    def __init__(self, parser, mode: str) -> None:
+        self.parser, self.mode = parser, mode
+        self.defaults: dict[str, object] = {}
+        self.flags: dict[str, str] = {}
+
+    def add_argument(self, *names, **kwargs):
+        action = self.parser.add_argument(*names, **kwargs)
+        self.defaults[action.dest] = self.parser.get_default(action.dest)
+        self.flags[action.dest] = action.option_strings[0]
+        self.parser.set_defaults(**{action.dest: None})
+        return action
+
+    def given(self, args) -> list[str]:
+        return [flag for dest, flag in self.flags.items() if getattr(args, dest) is not None]
+
+    def fill_defaults(self, args) -> None:
+        for dest, default in self.defaults.items():
+            if getattr(args, dest) is None:
+                setattr(args, dest, default)
+
+    def refuse(self, args, why: str) -> None:
+        """Raise ``ConfigError`` naming this mode's flags ``args`` has, if any; ``why``: what the
+        mode run instead reads, and how to say what was meant."""
+        given = self.given(args)
+        if given:
+            named = given[0] if len(given) == 1 else f"{', '.join(given[:-1])} and {given[-1]}"
+            raise ConfigError(f"{named} {'is' if len(given) == 1 else 'are'} {self.mode}'s; {why}")
+
+
 def register(subparsers) -> None:
     p = subparsers.add_parser("route", help="kvtier route: decision time (--synthetic) or a trace through real workers")
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--synthetic", action="store_true", help="decision time over a synthetically filled index")
     mode.add_argument("--trace", metavar="FILE", help="replay a Mooncake-format trace through kvtier route and vLLM")
-    p.add_argument("--tokens", type=int, default=32768, help="--synthetic: prompt tokens")
-    p.add_argument("--workers", type=int, default=16, help="--synthetic: workers")
-    p.add_argument("--indexed-blocks", type=int, default=1_000_000, help="--synthetic: blocks in the index")
-    p.add_argument("--runs", type=int, default=300, help="--synthetic: decisions timed")
-    # None: not given. --trace replays with the workers' page (vllm_trace.HASH_TOKENS) and reads
-    # the trace's own block size from --trace-block-tokens, so this one is --synthetic's alone.
-    p.add_argument("--block-tokens", type=int, default=None,
-                   help=f"--synthetic: the router's block size in tokens (default {BLOCK_TOKENS}); "
-                        "for a trace's block size give --trace-block-tokens")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    route_trace.add_arguments(p)
-    p.set_defaults(func=_main)
+    synthetic_flags = ModeFlags(p, "--synthetic")
+    synthetic_flags.add_argument("--tokens", type=int, default=32768, help="--synthetic: prompt tokens (default 32768)")
+    synthetic_flags.add_argument("--workers", type=int, default=16, help="--synthetic: workers (default 16)")
+    synthetic_flags.add_argument("--indexed-blocks", type=int, default=1_000_000,
+                                 help="--synthetic: blocks in the index (default 1000000)")
+    synthetic_flags.add_argument("--runs", type=int, default=300, help="--synthetic: decisions timed (default 300)")
+    # --trace replays with the workers' page (vllm_trace.HASH_TOKENS) and reads the trace's own
+    # block size from --trace-block-tokens, so this one is --synthetic's alone.
+    synthetic_flags.add_argument("--block-tokens", type=int, default=BLOCK_TOKENS,
+                                 help=f"--synthetic: the router's block size in tokens (default {BLOCK_TOKENS}); "
+                                      "for a trace's block size give --trace-block-tokens")
+    trace_flags = ModeFlags(p, "--trace")
+    route_trace.add_arguments(trace_flags)
+    p.set_defaults(func=functools.partial(_main, synthetic_flags=synthetic_flags, trace_flags=trace_flags))
 
 
-def _main(args) -> int:
+def _main(args, *, synthetic_flags: ModeFlags, trace_flags: ModeFlags) -> int:
     if args.trace:
-        if args.block_tokens is not None:
-            # it was accepted and ignored: a 16-token trace was still read as 512-token blocks
-            raise ConfigError(f"--block-tokens is --synthetic's (the router's block size); --trace replays a trace "
-                              f"of {args.trace_block_tokens}-token blocks, each one {route_trace.HASH_TOKENS}-token "
-                              "page of the workers: give the trace's block size with --trace-block-tokens")
+        trace_flags.fill_defaults(args)
+        # --block-tokens was accepted and ignored: a 16-token trace was still read as 512-token blocks
+        synthetic_flags.refuse(args, f"--trace replays a trace of {args.trace_block_tokens}-token blocks through "
+                                     f"{route_trace.WORKERS} real vLLM workers, each block one "
+                                     f"{route_trace.HASH_TOKENS}-token page of the workers: give the trace's block "
+                                     "size with --trace-block-tokens, its window with --start and --requests")
         result = route_trace.run(args)
     else:
-        block_tokens = BLOCK_TOKENS if args.block_tokens is None else args.block_tokens
-        result = synthetic(args.tokens, args.workers, args.indexed_blocks, args.runs, block_tokens)
+        synthetic_flags.fill_defaults(args)
+        trace_flags.refuse(args, "--synthetic times the router's decision over a filled index with the tier-aware "
+                                 "policy and no model: give it --tokens, --workers, --indexed-blocks, --runs or "
+                                 "--block-tokens")
+        result = synthetic(args.tokens, args.workers, args.indexed_blocks, args.runs, args.block_tokens)
     if args.json:
         print(json.dumps(result))
     else:

@@ -95,6 +95,8 @@ TOKEN = "kvtier-bench-route-token"
 
 
 def add_arguments(p) -> None:
+    """``--trace``'s flags, added with ``p.add_argument``: the parser, or the
+    :class:`~kvtier.bench.route.ModeFlags` that makes ``--synthetic`` refuse them."""
     add_trace_block_tokens(p)
     p.add_argument("--model", default="mid", choices=["tiny", "mid", "demo"],
                    help="--trace: random Llama (tiny: hidden 128 / 2 layers; mid: 512 / 4; demo: 1024 / 8)")

@@ -7,7 +7,9 @@ random blocks of the demo model's geometry through the token-level
 pool evicts it to disk, reloads it (from disk, promoting into the room the other context left), reloads it again
 (from host), then reopens the store as a restart would and reloads from disk.
 Every reload is compared byte for byte; each phase is timed against the tier
-limit measured in the same run.
+limit measured in the same run (the disk's at the layout's block size, the best of
+the request shapes a load of the context can take), and a phase above its limit
+is printed with a warning: the limit is then wrong, not the phase fast.
 """
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from kvtier.bench.baselines import ratio_warnings
 from kvtier.core.layout import KVLayout
 from kvtier.core.namespace import Namespace
-from kvtier.demo.limits import disk_read_gib_s, host_copy_gib_s
+from kvtier.demo.limits import disk_limit_gib_s, host_copy_gib_s
 from kvtier.demo.preflight import writable_dir
 from kvtier.store.context import ContextCache
 from kvtier.store.tiered import TieredStore
@@ -38,6 +41,13 @@ CONTEXT_TOKENS = 4096
 def _open(directory: str, host_blocks: int) -> TieredStore:
     host = HostTier(host_blocks * LAYOUT.block_nbytes, LAYOUT.block_nbytes)
     return TieredStore([host, DiskTier(directory, 1 << 30)], write_mode="write-back")
+
+
+def _limit_warnings(rows: list[tuple]) -> list[str]:
+    """A warning for each phase above its tier's limit (``ratio_warnings``' bound)."""
+    return ratio_warnings({f"{phase!r} of the {tier} limit": gib_s / limit
+                           for phase, tier, _, gib_s, limit, _ in rows if limit},
+                          what="tier limit measured in this run")
 
 
 def run_synthetic(args) -> int:
@@ -65,7 +75,8 @@ def run_synthetic(args) -> int:
     try:
         limits["host"] = host_copy_gib_s(LAYOUT.block_nbytes)
         try:
-            limits["disk"] = disk_read_gib_s(directory)
+            # the blocks the phases read, one get_many of the whole context (one request in flight)
+            limits["disk"] = disk_limit_gib_s(directory, LAYOUT.block_nbytes, in_flight=1, span_blocks=n_blocks)
         except OSError as exc:
             # the probe's scratch file did not fit (ENOSPC) or could not be made: a measurement
             # only, the round trip runs without a disk limit
@@ -100,6 +111,8 @@ def run_synthetic(args) -> int:
         table.add_row(phase, tier, f"{seconds * 1000:.1f}", f"{gib_s:.2f}", f"{limit:.2f}" if limit else "-",
                       f"{gib_s / limit * 100:.0f}%" if limit else "-", "-" if same is None else ("yes" if same else "NO"))
     console.print(table)
+    for warning in _limit_warnings(rows):
+        console.print(f"WARNING: {warning}", style="bold red")
     console.print(f"after eviction the context was found in: {sorted(set(where))}; "
                   f"after the restart: {after.hit_blocks}/{n_blocks} blocks, in {sorted(set(after.tiers))}")
     ok = all(same in (None, True) for *_, same in rows) and after.hit_blocks == n_blocks

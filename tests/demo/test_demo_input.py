@@ -124,7 +124,7 @@ def test_synthetic_runs_without_the_disk_limit_when_its_probe_fails(monkeypatch,
     def full(*_a, **_k):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(synthetic, "disk_read_gib_s", full)
+    monkeypatch.setattr(synthetic, "disk_limit_gib_s", full)
     rc = synthetic.run_synthetic(argparse.Namespace(store_dir=str(tmp_path / "s")))   # old code: OSError
     out = capsys.readouterr().out
     assert rc == 0 and "disk limit not measured" in out and "NO" not in out
