@@ -22,11 +22,16 @@ so that the noise of a shared machine hits both:
 * ``disk --encrypt``: the sealed tier (chunked AES-256-GCM, streamed in 2 MiB
   chunks with the next chunk sealed / opened on a helper while one is written /
   read) against two baselines of the same run: the raw O_DIRECT limit with the
-  same I/O (2 MiB requests, one in flight, ``fsync``; cold reads), and plain
+  same I/O (2 MiB requests, one in flight, ``fsync``; cold reads) from and into
+  the same kind of memory as the tier's staging (huge pages,
+  :func:`~kvtier.tiers.direct_io.io_buffer`: into 4 KiB pages a request is a
+  device segment per page, a slower limit than the tier's own I/O), and plain
   data through the same streamed path (the disk tier's ``put_streams`` /
   ``get_streams`` with a source and sink that only copy), so that
   ``encrypt_*_ratio`` isolates the cipher's cost and ``put_ratio`` /
   ``get_ratio`` say how far the whole is from the device.
+
+``--dir`` and ``--drop-caches`` are for the disk tier: with ``--tier host`` they are refused.
 
 Throughputs are medians over runs in GB/s (1e9 bytes); each ratio is the
 median of the per-run ratios tier / limit (paired, so slow phases of the
@@ -62,6 +67,7 @@ from kvtier.tiers.direct_io import (
     PIECED_MIN,
     aligned_buffer,
     drop_cache,
+    io_buffer,
     pwrite_all,
     read_pieces,
     round_up,
@@ -277,11 +283,15 @@ class _DiskBench:
         _verify(self.outs[i % 2], self.srcs[i % 2], who, i, ("tier", "limit", "limit_pieces"))
 
     def between(self, keys):
-        """Make the gets cold: forget every file's cached pages (not timed)."""
+        """Make the gets cold (not timed)."""
         paths = [self.tier.path_of(k) for k in keys] + [self._raw(i) for i in range(len(keys))]
         if self.pieced:
             self._write_pieced_copies(len(keys))
             paths += [self._raw_pieced(i) for i in range(len(keys))]
+        self._make_cold(paths)
+
+    def _make_cold(self, paths: list[str]) -> None:
+        """Forget every file's cached pages; with ``--drop-caches``, the machine's whole page cache too."""
         for path in paths:
             fd = os.open(path, os.O_RDONLY)
             try:
@@ -340,14 +350,21 @@ class _EncryptedDiskBench(_DiskBench):
     :class:`~kvtier.tiers.encrypted.EncryptedTier` over a disk tier (sealed chunk
     by chunk, streamed); the plain disk tier moving the same bytes through its
     streams (same staging, chunking and helper thread, no cipher); raw O_DIRECT
-    files written and read in the same 2 MiB requests, one in flight.
+    files written and read in the same 2 MiB requests, one in flight, from and into
+    buffers of their own of the same memory kind as the tier's staging.
     """
 
     SIDES = ("sealed", "plain_stream", "limit")
+    LIMIT = 2  #: the raw limit's side
 
     def __init__(self, nbytes: int, blocks: int, directory: str | None, drop_caches: bool) -> None:
         super().__init__(nbytes, blocks, directory, drop_caches)
         self.pieced = False  # its raw limit reads in the streamed path's 2 MiB requests instead
+        self.chunk = CHUNK  # the disk tier's staging chunk (BlockIO's default), in both baselines
+        # The tier's O_DIRECT requests leave from and land in its staging (io_buffer: huge pages
+        # where the kernel gives them); the limit's do the same. At least the staging's two chunks,
+        # so that a block smaller than a huge page gets one too, as the staging does.
+        self.limit_bufs = [self._like_staging(b) for b in self.padded]  # srcs (copies), then outs
         from kvtier.crypto.keyring import Keyring
         from kvtier.crypto.providers import StaticMasterKey
         from kvtier.tiers.disk import DiskTier
@@ -356,7 +373,11 @@ class _EncryptedDiskBench(_DiskBench):
         keyring = Keyring(StaticMasterKey(os.urandom(32)), os.path.join(self.dir, "keys"))
         inner = DiskTier(os.path.join(self.dir, "sealed"), 2 * blocks * (round_up(nbytes) + 2 * PAGE + nbytes // 1000))
         self.sealed = EncryptedTier(inner, keyring, "bench")
-        self.chunk = CHUNK  # the disk tier's staging chunk (BlockIO's default), in both baselines
+
+    def _like_staging(self, data: np.ndarray) -> np.ndarray:
+        buf = io_buffer(max(data.nbytes, 2 * self.chunk))[: data.nbytes]
+        np.copyto(buf, data)
+        return buf
 
     def put_ops(self):
         return [self.sealed_put, self.stream_put, lambda i, key: self.limit_put(i)]
@@ -373,7 +394,7 @@ class _EncryptedDiskBench(_DiskBench):
     def limit_put(self, i: int) -> None:
         fd = os.open(self._raw(i), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | self._flags(), 0o600)
         try:
-            src = self.padded[i % 2]
+            src = self.limit_bufs[i % 2]
             for off in range(0, src.nbytes, self.chunk):
                 pwrite_all(fd, src[off : off + self.chunk], off)
             os.fsync(fd)
@@ -389,7 +410,7 @@ class _EncryptedDiskBench(_DiskBench):
     def limit_get(self, i: int) -> None:
         fd = os.open(self._raw(i), os.O_RDONLY | self._flags())
         try:
-            out = self.padded[2 + i % 2]
+            out = self.limit_bufs[2 + i % 2]
             for off in range(0, out.nbytes, self.chunk):
                 want = min(self.chunk, out.nbytes - off)
                 if os.preadv(fd, [out[off : off + want]], off) != want:
@@ -397,18 +418,18 @@ class _EncryptedDiskBench(_DiskBench):
         finally:
             os.close(fd)
 
+    def poison_get(self, i: int) -> None:
+        _poison(self.padded[2 + i % 2])
+        _poison(self.limit_bufs[2 + i % 2])
+
     def verify_get(self, i: int, who: int) -> None:
-        _verify(self.outs[i % 2], self.srcs[i % 2], who, i, self.SIDES)
+        got = self.limit_bufs[2 + i % 2][: self.n] if who == self.LIMIT else self.outs[i % 2]
+        _verify(got, self.srcs[i % 2], who, i, self.SIDES)
 
     def between(self, keys):
         paths = [self.tier.path_of(k) for k in keys] + [self._raw(i) for i in range(len(keys))]
         paths += [self.sealed.inner.path_of(self.sealed.storage_name(k)) for k in keys]
-        for path in paths:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                drop_cache(fd)
-            finally:
-                os.close(fd)
+        self._make_cold(paths)
 
     def cleanup(self, keys):
         super().cleanup(keys)
@@ -519,11 +540,23 @@ def register(subparsers) -> None:
     p.set_defaults(func=_main)
 
 
+def _refuse_disk_flags_for_host(args) -> None:
+    """``--dir`` and ``--drop-caches`` say where and how cold the disk tier's files are; the host
+    bench has no files, and would run without them."""
+    given = [flag for flag, is_given in (("--dir", args.dir is not None), ("--drop-caches", args.drop_caches))
+             if is_given]
+    if args.tier == "host" and given:
+        one = len(given) == 1
+        raise ConfigError(f"{' and '.join(given)} {'is' if one else 'are'} for --tier disk: the host tier keeps "
+                          f"no files; leave {'it' if one else 'them'} out or measure --tier disk")
+
+
 def _main(args) -> int:
+    _refuse_disk_flags_for_host(args)
     result = run(args.tier, args.block_mib, args.blocks, args.runs, args.dir, args.drop_caches, args.encrypt)
     report_warnings(result["warnings"])
     if args.json or args.encrypt:
-        print(json.dumps(result))
+        print(json.dumps(result, allow_nan=False))  # NaN or Infinity is no JSON: fail here, not in a reader
         return 0
     from rich.console import Console
     from rich.table import Table
