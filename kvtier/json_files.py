@@ -1,9 +1,11 @@
 """A user's JSON file (a model's config.json, a calibration table, a cluster), read with errors
-that name the file and what was expected of it, never a traceback."""
+that name the file and what was expected of it, never a traceback; and JSON kvtier prints, strict
+(:func:`strict_json`: no NaN or Infinity, which jq, Go and JavaScript refuse)."""
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -41,3 +43,22 @@ def read_json_object(path: str | Path, what: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"{what} {path}: expected a JSON object, got {type(data).__name__}")
     return data
+
+
+def json_safe(value):
+    """``value`` with every float that is not finite (NaN, ±Infinity) replaced by ``None``,
+    through dicts, lists and tuples: what ``json.dumps(..., allow_nan=False)`` accepts (NaN
+    and Infinity are not JSON; jq, Go and JavaScript refuse them)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
+def strict_json(value, **kw) -> str:
+    """``value`` as strict JSON: a figure that is not finite is ``null`` (a bench's ratio of a
+    missing measurement, say), never the ``NaN`` / ``Infinity`` Python writes by default."""
+    return json.dumps(json_safe(value), allow_nan=False, **kw)

@@ -18,7 +18,6 @@ Two keyings are timed, each followed by the same prefix lookup:
 from __future__ import annotations
 
 import hashlib
-import json
 import statistics
 import time
 
@@ -29,6 +28,7 @@ from kvtier.core.layout import KVLayout
 from kvtier.core.namespace import Namespace
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.config import EngineKV  # plain values: no vLLM import
+from kvtier.json_files import strict_json
 from kvtier.store.tiered import TieredStore
 from kvtier.tiers.host import HostTier
 
@@ -118,7 +118,7 @@ def register(subparsers) -> None:
 def _main(args) -> int:
     result = run(args.tokens, args.block_tokens, args.runs)
     if args.json:
-        print(json.dumps(result))
+        print(strict_json(result))
     else:
         from rich.console import Console
         from rich.table import Table

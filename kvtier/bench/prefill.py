@@ -16,6 +16,8 @@ import platform
 import time
 from pathlib import Path
 
+from kvtier.json_files import strict_json
+
 
 def _ints(text: str) -> list[int]:
     return [int(part) for part in text.split(",") if part.strip()]
@@ -111,7 +113,7 @@ def run(args) -> int:
     path = Path(args.output or f"prefill_{accelerator}.json")
     path.write_text(json.dumps(profile, indent=1) + "\n")
     if args.json:
-        print(json.dumps(profile))
+        print(strict_json(profile))
         return 0
     for n, seconds in points:
         print(f"{n:>7} tokens  {seconds * 1000:9.1f} ms  {n / seconds:10.0f} tokens/s")

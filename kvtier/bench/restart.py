@@ -59,6 +59,7 @@ import time
 import numpy as np
 
 from kvtier.errors import ConfigError
+from kvtier.json_files import strict_json
 
 KIB = 1 << 10
 MIB = 1 << 20
@@ -244,7 +245,7 @@ def register(subparsers) -> None:
 def _main(args) -> int:
     result = run(args.blocks, args.block_kib, args.dir, server=not args.no_server)
     if args.json:
-        print(json.dumps(result))
+        print(strict_json(result))
         return 0
     for key, value in result.items():
         print(f"{key:>24}  {value}")

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import functools
 import gc
-import json
 import os
 import statistics
 import time
@@ -32,6 +31,7 @@ import numpy as np
 
 from kvtier.bench import route_trace
 from kvtier.errors import ConfigError
+from kvtier.json_files import strict_json
 
 #: kvtier route's defaults for the workers' vLLM block size
 BLOCK_TOKENS = 32
@@ -266,7 +266,7 @@ def _main(args, *, synthetic_flags: ModeFlags, trace_flags: ModeFlags) -> int:
                                  "--block-tokens")
         result = synthetic(args.tokens, args.workers, args.indexed_blocks, args.runs, args.block_tokens)
     if args.json:
-        print(json.dumps(result))
+        print(strict_json(result))
     else:
-        print(json.dumps(result, indent=2))
+        print(strict_json(result, indent=2))
     return 0

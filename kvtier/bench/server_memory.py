@@ -23,7 +23,6 @@ efficiency of bytes the pool does not serve.
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import os
 import random
@@ -34,6 +33,7 @@ import numpy as np
 
 from kvtier.core.units import parse_size
 from kvtier.errors import ConfigError
+from kvtier.json_files import strict_json
 
 KIB, MIB = 1 << 10, 1 << 20
 #: blocks read back after the fill, drawn at random from all the server still lists
@@ -181,7 +181,7 @@ def _main(args) -> int:
         raise ConfigError(f"--seed must be >= 0, got {args.seed}")
     result = run(capacity, max_block, args.seed)
     if args.json:
-        print(json.dumps(result))
+        print(strict_json(result))
     else:
         for k, v in result.items():
             print(f"{k:>36}: {v}")

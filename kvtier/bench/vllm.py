@@ -35,7 +35,6 @@ instead (:mod:`~kvtier.bench.vllm_trace`).
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import random
 import shutil
@@ -61,6 +60,7 @@ from kvtier.bench.vllm_systems import (
 )
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.engine_proc import PAGE_TOKENS
+from kvtier.json_files import strict_json
 
 #: the systems compared with the recompute, in the order each prompt visits them
 SYSTEMS = ("prefix_cache", "host", "remote", "lmcache")
@@ -110,7 +110,7 @@ def _main(args) -> int:
         _refuse_non_trace_flags(args)
         result = vllm_trace.run(args)
         if args.json:
-            print(json.dumps(result))
+            print(strict_json(result))
         else:
             vllm_trace.print_table(result)
         return 0
@@ -119,7 +119,7 @@ def _main(args) -> int:
             setattr(args, name, default)
     result = run(args)
     if args.json:
-        print(json.dumps(result))
+        print(strict_json(result))
     else:
         _print_table(result)
     report_warnings(result["warnings"])

@@ -38,6 +38,7 @@ from typing import NamedTuple, Sequence
 import numpy as np
 
 from kvtier.errors import ConfigError
+from kvtier.json_files import json_safe  # (here too: the planner's status and decisions use it)
 from kvtier.planner.costmodel import DecodeCostModel, PrefillCostModel
 from kvtier.planner.workers import (MAX_WORKERS, SLATargets, Workload, decode_workers_for, prefill_service_times,
                                     prefill_workers_for, ttft_quantile)
@@ -227,19 +228,6 @@ class Decision(NamedTuple):
         out["prefill"] = self.prefill._asdict()
         out["decode"] = self.decode._asdict()
         return json_safe(out)
-
-
-def json_safe(value):
-    """``value`` with every float that is not finite (NaN, ±Infinity) replaced by ``None``,
-    through dicts, lists and tuples: what ``json.dumps(..., allow_nan=False)`` accepts (NaN
-    and Infinity are not JSON; jq, Go and JavaScript refuse them)."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_safe(v) for v in value]
-    return value
 
 
 class _Pool:

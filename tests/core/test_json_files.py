@@ -72,3 +72,17 @@ def test_other_failures_are_still_config_errors(tmp_path):
     (tmp_path / "list.json").write_text("[1]")
     with pytest.raises(ConfigError, match="expected a JSON object, got list"):
         read_json_object(tmp_path / "list.json", "cluster config")
+
+
+def test_printed_json_is_strict_a_figure_that_is_not_finite_is_null():
+    """A bench's --json line is read by jq, Go, JavaScript: none takes NaN or Infinity, which
+    ``json.dumps`` writes by default (bench lookup, route, vllm, server-memory, restart and
+    prefill did)."""
+    import json
+
+    from kvtier.json_files import strict_json
+
+    value = {"ratio": float("nan"), "p99": [1.5, float("inf"), -float("inf")], "n": 3, "ok": (True, None)}
+    text = strict_json(value)
+    assert json.loads(text, parse_constant=lambda c: (_ for _ in ()).throw(ValueError(c))) == {
+        "ratio": None, "p99": [1.5, None, None], "n": 3, "ok": [True, None]}
