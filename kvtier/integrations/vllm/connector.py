@@ -383,6 +383,12 @@ class KvtierConnector(KVConnectorBase_V1):
         self.engine = dataclasses.replace(self.engine, format_tag=told.format_tag)
         self.scheduler.engine = self.engine
 
+    def bind_gpu_block_pool(self, gpu_block_pool) -> None:
+        """vLLM's prefix cache: which LoRA adapter versions it holds pages of is forgotten at each of
+        its resets (:meth:`~kvtier.integrations.vllm.lora_digest.AdapterKeys.watch_prefix_cache`)."""
+        if self.scheduler is not None:
+            self.scheduler.adapters.watch_prefix_cache(gpu_block_pool)
+
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         return self.scheduler.num_new_matched_tokens(request, num_computed_tokens)
 

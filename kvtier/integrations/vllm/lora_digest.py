@@ -25,13 +25,30 @@ request's KV (a miss, logged once per adapter), rather than key it by its name.
 
 The scheduler side names a request's adapter once, at its first lookup (it alone sees the
 request), and hands the name to the workers with each load and save (``LoadJob.adapter``,
-``SaveJob.adapter``): both key alike, whatever the files become meanwhile.
+``SaveJob.adapter``), so both key alike. The name holds only while vLLM computes with the files
+it was named from, and vLLM reads them again while a request runs (after an unload, and at every
+step with ``load_inplace``): so the files' identities as they were named (:class:`AdapterFiles`,
+a few ``stat`` calls) are checked again before each save is planned, and by the worker after vLLM
+loaded the step's adapters (``SaveJob.adapter_files``). A request whose adapter's files changed
+while it ran is neither looked up nor saved again: its later KV is another version's.
 
-Hashing runs on the scheduler's thread, once per adapter version (about a second a GB). Limit: vLLM
-keeps an adapter loaded under its ``lora_int_id``; files replaced under a running engine and
-requested under the same id (without ``load_inplace``) are still computed with the old weights,
-which kvtier would key by the new files. Replace an adapter's files under a new id (vLLM's
-``/v1/load_lora_adapter`` after an unload), with ``load_inplace``, or across a restart.
+vLLM's own prefix cache keys an adapter's pages by name and path only: after the files are
+replaced in place, it gives the new version's requests the old version's pages (and the old
+version's, at a rollback, the new one's), in this process. :class:`AdapterKeys` remembers which
+version vLLM computed under each name and path since that cache was last reset (it sees the
+resets through vLLM's block pool, :meth:`AdapterKeys.watch_prefix_cache`); once a second version
+is named there, a request that vLLM serves from its prefix cache under that name and path is not
+saved (its pages may be the other version's), until the cache is reset.
+
+Hashing runs on the scheduler's thread, once per adapter version (about a second a GB). To
+replace an adapter's files: under a new id (vLLM's ``/v1/load_lora_adapter`` after an unload),
+with ``load_inplace``, or across a restart; then reset vLLM's prefix cache (``POST
+/reset_prefix_cache``), or every request of the adapter that vLLM serves from it goes unsaved
+until the next reset; or put the new version at a new path, which needs neither. Requests in
+flight during the replacement save nothing more. Limit: vLLM keeps an adapter loaded under its
+``lora_int_id``; files replaced under a running engine and requested under the same id (without
+``load_inplace``) are still computed with the old weights, which kvtier would key by the new
+files.
 """
 
 from __future__ import annotations
@@ -42,11 +59,12 @@ import json
 import logging
 import os
 import threading
+import weakref
+from collections import OrderedDict
 from typing import Any, NamedTuple
 
 from kvtier.errors import ConfigError
 from kvtier.integrations.transformers.weights_hash import file_stamp, hash_file
-from kvtier.store import safety
 
 log = logging.getLogger(__name__)
 
@@ -116,8 +134,91 @@ class _Digest(NamedTuple):
     digest: str
 
 
+class AdapterFiles(NamedTuple):
+    """The files an adapter was named from, as they were then: its directory and each file's
+    identity (real path, device, inode, size, mtime, ctime). Strings and ints: it travels to the
+    workers with each save (``SaveJob.adapter_files``)."""
+
+    directory: str
+    stamps: tuple[tuple, ...]
+
+    def unchanged(self) -> bool:
+        """The directory still holds these very files (a few ``stat`` calls, nothing read); False
+        where they cannot be read."""
+        try:
+            return _stamps(adapter_files(self.directory)) == self.stamps
+        except OSError:
+            return False
+
+
+class AdapterName(NamedTuple):
+    """A request's adapter as its keys name it (:meth:`AdapterKeys.name`)."""
+
+    #: "" for a request without an adapter; None where its files cannot be read
+    key: str | None
+    #: the files ``key`` was named from; None without an adapter or a key
+    files: AdapterFiles | None
+
+
+#: adapter versions whose digests are remembered, the least recently named dropped first (named
+#: again, hashed again): an engine serves a handful at a time (``max_cpu_loras``)
+MAX_ADAPTERS = 1024
+#: adapter names and paths whose versions in vLLM's prefix cache are remembered (a few hundred
+#: bytes each); past it, a name and path not remembered counts as holding several versions
+MAX_CACHED_NAMES = 65536
+#: what vLLM's prefix cache holds under a name and path that more than one version computed under
+MIXED = "mixed"
+
+
+class _Said:
+    """Subjects already logged, at most ``limit`` (the oldest forgotten, then logged again)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._subjects: OrderedDict[str, None] = OrderedDict()
+
+    def first_time(self, subject: str) -> bool:
+        if subject in self._subjects:
+            return False
+        self._subjects[subject] = None
+        if len(self._subjects) > self.limit:
+            self._subjects.popitem(last=False)
+        return True
+
+
+class _PrefixCacheResets:
+    """Says whether vLLM's prefix cache was reset since it was last asked. vLLM tells a connector of
+    a reset only when it resets the connector's cache too (``reset_cache``, which also draws kvtier
+    a new key epoch); its block pool replaces its map of cached pages (``cached_block_hash_to_block``)
+    with a new one at every reset, and at no other time. Without a pool (never bound, or one
+    without that map) no reset is ever seen."""
+
+    def __init__(self) -> None:
+        self._pool = None
+        self._map: weakref.ref | None = None   # weak: the pool drops its old map at a reset
+
+    def watch(self, block_pool) -> None:
+        current = getattr(block_pool, "cached_block_hash_to_block", None)
+        try:
+            self._map = weakref.ref(current)
+        except TypeError:   # no map, or one that takes no weak reference: resets stay unseen
+            log.info("kvtier: cannot tell when vLLM's prefix cache is reset (block pool %s)", type(block_pool))
+            return
+        self._pool = block_pool
+
+    def seen(self) -> bool:
+        if self._pool is None:
+            return False
+        current = self._pool.cached_block_hash_to_block
+        if self._map() is current:
+            return False
+        self._map = weakref.ref(current)
+        return True
+
+
 class AdapterKeys:
-    """The ``adapter`` of a request's keys (:meth:`of`). Thread safe.
+    """The ``adapter`` of a request's keys (:meth:`of`, :meth:`name`), and which adapter versions
+    vLLM's prefix cache holds pages of (:meth:`note_in_prefix_cache`). Thread safe.
 
     ``settings``: :func:`lora_settings` of the engine. :attr:`adapters_hashed` counts the adapter
     versions actually read (not those found remembered)."""
@@ -131,49 +232,132 @@ class AdapterKeys:
         self.settings = settings
         self.adapters_hashed = 0
         self._lock = threading.Lock()
-        self._digests: dict[str, _Digest] = {}   #: adapter directory → its last version's digest
+        #: adapter directory → its last version's digest, the least recently named first
+        self._digests: OrderedDict[str, _Digest] = OrderedDict()
+        self._unreadable = _Said(MAX_ADAPTERS)
+        #: (lora_name, lora_path), as vLLM hashes a request's pages → the one adapter version (key)
+        #: vLLM computed under it since its prefix cache was last reset, or MIXED
+        self._in_prefix_cache: OrderedDict[tuple[str, str], str] = OrderedDict()
+        #: an entry of _in_prefix_cache was dropped since the last reset: a pair not in it may be MIXED
+        self._forgot_some = False
+        self._resets = _PrefixCacheResets()
 
     def of(self, lora_request) -> str | None:
         """"" for a request without an adapter (its keys as ever); the adapter's identity for one
         with; None where its files cannot be read (the request is neither served nor stored)."""
+        return self.name(lora_request).key
+
+    def name(self, lora_request) -> AdapterName:
+        """:meth:`of`, with the files the adapter was named from, to check before each save."""
         if lora_request is None:
-            return ""
+            return AdapterName("", None)
         try:
             directory = adapter_dir(lora_request.lora_path)
             if directory is None:
                 raise FileNotFoundError(f"{lora_request.lora_path!r} is no local directory (a hub name?)")
-            digest = self.digest(directory)
+            version = self._version(directory)
         except (OSError, ConfigError) as exc:
-            if safety.first_time("unreadable-lora", f"{lora_request.lora_name}\0{lora_request.lora_path}"):
+            with self._lock:
+                first = self._unreadable.first_time(f"{lora_request.lora_name}\0{lora_request.lora_path}")
+            if first:
                 log.warning("kvtier: LoRA adapter %r (%s): cannot read its files (%s); its requests are neither "
                             "served nor stored by kvtier", lora_request.lora_name, lora_request.lora_path, exc)
-            return None
-        identity = {"files": digest, "settings": self.settings}
+            return AdapterName(None, None)
+        identity = {"files": version.digest, "settings": self.settings}
         if getattr(lora_request, "is_3d_lora_weight", False):
             identity["moe_3d_weights"] = True   # how vLLM reads the MoE weights of the same files
-        return "vllm-lora/1 " + json.dumps(identity, sort_keys=True, separators=(",", ":"))
+        key = "vllm-lora/1 " + json.dumps(identity, sort_keys=True, separators=(",", ":"))
+        return AdapterName(key, AdapterFiles(directory, version.stamps))
 
     def digest(self, directory: str) -> str:
         """SHA-256 over the names and digests of the adapter's files: remembered while the files'
         identities stay, hashed again when one changes. Raises OSError where they cannot be read,
         ConfigError where they change while hashed."""
+        return self._version(directory).digest
+
+    def _version(self, directory: str) -> _Digest:
         files = adapter_files(directory)
-        stamps = self._stamps(files)
+        stamps = _stamps(files)
         with self._lock:
             known = self._digests.get(directory)
-        if known is not None and known.stamps == stamps:
-            return known.digest
+            if known is not None and known.stamps == stamps:
+                self._digests.move_to_end(directory)
+                return known
         top = hashlib.sha256()
         for path in files:
             top.update(f"{os.path.basename(path)}\0{hash_file(path)}\n".encode())
-        if self._stamps(files) != stamps:
+        if _stamps(files) != stamps:
             raise ConfigError(f"the adapter's files in {directory} changed while they were hashed")
-        digest = top.hexdigest()
+        version = _Digest(stamps, top.hexdigest())
         with self._lock:
-            self._digests[directory] = _Digest(stamps, digest)
+            self._digests[directory] = version
+            self._digests.move_to_end(directory)
+            if len(self._digests) > MAX_ADAPTERS:
+                self._digests.popitem(last=False)
             self.adapters_hashed += 1
-        return digest
+        return version
 
-    @staticmethod
-    def _stamps(files: list[str]) -> tuple[tuple, ...]:
-        return tuple(tuple(sorted(file_stamp(path).items())) for path in files)
+    # -- vLLM's prefix cache ----------------------------------------------------------------------
+    def watch_prefix_cache(self, block_pool) -> None:
+        """Forget which versions vLLM's prefix cache holds whenever ``block_pool`` (the scheduler's,
+        vLLM's ``bind_gpu_block_pool``) resets it. Unwatched, nothing is ever forgotten: a name and
+        path once served two versions stays so for the process."""
+        with self._lock:
+            self._resets.watch(block_pool)
+
+    def note_in_prefix_cache(self, lora_request, key: str) -> bool:
+        """Note that a request of ``lora_request``, named ``key``, computes pages into vLLM's prefix
+        cache, which keys them by the adapter's name and path. True where every page that cache
+        holds under them since its last reset was computed under ``key``; False where another
+        version of the adapter computed some (replaced in place): a prefix hit there may be its KV."""
+        pair = (lora_request.lora_name, lora_request.lora_path)
+        with self._lock:
+            self._forget_if_reset()
+            known = self._in_prefix_cache.get(pair)
+            if known is None:
+                known = MIXED if self._forgot_some else key
+                self._remember(pair, known)
+            else:
+                self._in_prefix_cache.move_to_end(pair)
+            if known in (key, MIXED):
+                return known == key
+            self._in_prefix_cache[pair] = MIXED
+        log.warning("kvtier: LoRA adapter %r (%s) is served with other files than before (replaced in place). "
+                    "vLLM's prefix cache keys an adapter's pages by its name and path only and may give a "
+                    "request of one version the other's pages, so kvtier stores no request of this adapter "
+                    "that vLLM serves from that cache until it is reset. After replacing an adapter's files in "
+                    "place, reset vLLM's prefix cache (POST /reset_prefix_cache), or put the new version at a "
+                    "new path", *pair)
+        return False
+
+    def replaced_while_running(self, lora_request) -> None:
+        """The files of a running request's adapter changed: vLLM's prefix cache now holds pages
+        of another version under its name and path too (those the request computed after)."""
+        pair = (lora_request.lora_name, lora_request.lora_path)
+        with self._lock:
+            self._forget_if_reset()
+            known = self._in_prefix_cache.get(pair)
+            self._remember(pair, MIXED)
+        if known != MIXED:
+            log.warning("kvtier: LoRA adapter %r (%s): its files changed while requests ran; kvtier saves no "
+                        "more of those requests, and no request of the adapter that vLLM serves from its "
+                        "prefix cache until that cache is reset (POST /reset_prefix_cache)", *pair)
+
+    def _forget_if_reset(self) -> None:
+        """vLLM's prefix cache was reset: it holds no adapter's pages (caller holds the lock)."""
+        if self._resets.seen():
+            self._in_prefix_cache.clear()
+            self._forgot_some = False
+
+    def _remember(self, pair: tuple[str, str], version: str) -> None:
+        """Note ``version`` for ``pair``, dropping the least recently noted pair past
+        ``MAX_CACHED_NAMES`` (caller holds the lock)."""
+        self._in_prefix_cache[pair] = version
+        self._in_prefix_cache.move_to_end(pair)
+        if len(self._in_prefix_cache) > MAX_CACHED_NAMES:
+            self._in_prefix_cache.popitem(last=False)
+            self._forgot_some = True
+
+
+def _stamps(files: list[str]) -> tuple[tuple, ...]:
+    return tuple(tuple(sorted(file_stamp(path).items())) for path in files)

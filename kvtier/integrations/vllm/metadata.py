@@ -1,7 +1,8 @@
 """What the scheduler-side connector tells the worker side each step, and what a worker
 tells it back.
 
-Plain dataclasses of ints, strings and bytes: vLLM may send them to another process.
+Plain dataclasses of ints, strings and bytes (and tuples of them): vLLM may send them to another
+process.
 A kvtier block spans ``pages_per_block`` vLLM pages; a transfer names the
 pages of one block it reads or writes, from page ``first`` of the block on.
 
@@ -21,6 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorHandsh
                                                                 KVConnectorWorkerMetadata)
 
 from kvtier.integrations.vllm.host_events import HostReport, merge_reports
+from kvtier.integrations.vllm.lora_digest import AdapterFiles
 
 
 @dataclass(slots=True)
@@ -63,6 +65,9 @@ class SaveJob:
     blocks: list[BlockTransfer]
     #: the request's LoRA adapter as its keys name it (``EngineKV.keys``); "": none
     adapter: str = ""
+    #: the files ``adapter`` was named from, as they were then (None: no adapter): the worker saves
+    #: nothing where they changed by the time vLLM ran the step (it may have read the new ones)
+    adapter_files: AdapterFiles | None = None
 
 
 @dataclass

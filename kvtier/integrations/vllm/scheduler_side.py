@@ -5,9 +5,9 @@
   hashes), one per kvtier block; a LoRA request's are rooted in its adapter's files and the
   engine's LoRA settings too, named once per request and handed to the workers with its
   loads and saves (:mod:`~kvtier.integrations.vllm.lora_digest`; an adapter whose files
-  cannot be read: neither looked up nor saved). The hit is the store's longest prefix, cut
-  to whole vLLM pages and so that at least two tokens remain to compute (see
-  ``MIN_COMPUTED_TOKENS``).
+  cannot be read: neither looked up nor saved; nor, from then on, a request whose adapter's
+  files change while it runs). The hit is the store's longest prefix, cut to whole vLLM pages
+  and so that at least two tokens remain to compute (see ``MIN_COMPUTED_TOKENS``).
 * **Loads** cover the pages past vLLM's local prefix hit; a load may stop
   inside a kvtier block (the worker reads the block and writes only the pages
   asked for). Loads are asynchronous (other requests keep running) unless the
@@ -16,7 +16,9 @@
   a kvtier server, Mooncake Store; ``sync_load_max_bytes``): then it loads in the
   step of its forward, which saves the request an engine step of waiting.
 * **Saves** cover each kvtier block once all its tokens are computed, unless the
-  lookup found it in the store already.
+  lookup found it in the store already. A LoRA request that vLLM served pages of its prefix
+  cache that another version of its adapter may have computed (files replaced in place, that
+  cache not reset since: ``AdapterKeys.note_in_prefix_cache``) saves nothing.
 * **Sliding windows.** Where vLLM dropped a request's leading pages out of the window
   (``NULL_PAGE``), nothing is loaded into them and nothing is saved from them.
 * **P/D.** A prefill instance returns ``{"kvtier_blocks": n}`` as the request's
@@ -55,7 +57,7 @@ from typing import NamedTuple
 
 from kvtier.integrations.vllm.config import ConnectorConfig, EngineKV
 from kvtier.integrations.vllm.host_events import HostEvents, HostReport
-from kvtier.integrations.vllm.lora_digest import AdapterKeys
+from kvtier.integrations.vllm.lora_digest import AdapterFiles, AdapterKeys
 from kvtier.core.keys import BlockKey
 from kvtier.store.tiered import PrefixMatch
 from kvtier.integrations.vllm.metadata import BlockTransfer, KvtierMetadata, LoadJob, SaveJob
@@ -85,8 +87,13 @@ class Match(NamedTuple):
 class _Request:
     request: object  #: vllm.v1.request.Request (kept for its growing block_hashes)
     #: its LoRA adapter as its keys name it ("": none); None: the adapter's files cannot be read,
-    #: so kvtier neither looks the request up nor saves it
+    #: or changed while it ran, so kvtier neither looks the request up nor saves it
     adapter: str | None = ""
+    #: the files ``adapter`` was named from, as they were then (None: none to check)
+    adapter_files: AdapterFiles | None = None
+    #: vLLM served it pages of its prefix cache that another version of its adapter may have
+    #: computed (``AdapterKeys.note_in_prefix_cache``): never saved
+    untrusted_local_hit: bool = False
     stored_blocks: int = 0  #: blocks 0..n-1 are in the store, queued for saving, or never to be saved here
     #: blocks 0..n-1 are in the store or queued for saving: what a decode instance is told to
     #: wait for. Below ``stored_blocks`` where a block was skipped (its pages out of a sliding
@@ -179,6 +186,8 @@ class SchedulerSide:
             # weights only; what it stored before is under the old epoch
             state.stale = False
             state.stored_blocks = state.announced_blocks = 0
+        if state.adapter_files is not None:
+            self._check_adapter(state, num_computed_tokens)
         # vLLM reads no cached block for a request that skips the prefix cache (prompt logprobs:
         # a block keeps no logits) and drops whatever is returned here: no lookup, no P/D wait
         # nor for one whose adapter's files could not be read (its KV has no identity to key it by)
@@ -212,6 +221,23 @@ class SchedulerSide:
             (self.config.sync_load_when_alone and self._alone(request))
             or self._bounded_read(tiers, num_computed_tokens, usable))
         return external, external > 0 and state.async_load
+
+    def _check_adapter(self, state: _Request, local_tokens: int) -> None:
+        """At a LoRA request's lookup (it computes next): its adapter's files are still those it was
+        named from, and the ``local_tokens`` vLLM's prefix cache gives it were computed under them."""
+        if self._adapter_unchanged(state) and \
+                not self.adapters.note_in_prefix_cache(state.request.lora_request, state.adapter) and local_tokens:
+            state.untrusted_local_hit = True
+
+    def _adapter_unchanged(self, state: _Request) -> bool:
+        """Whether a LoRA request's adapter files are those its keys name. vLLM reads them again while
+        a request runs (after an unload, at every step with ``load_inplace``): changed, its later KV
+        is another version's, and it is neither looked up nor saved again."""
+        if state.adapter_files is None or state.adapter_files.unchanged():
+            return True
+        self.adapters.replaced_while_running(state.request.lora_request)
+        state.adapter = state.adapter_files = None
+        return False
 
     def _bounded_read(self, tiers: list[str] | None, local_tokens: int, usable_tokens: int) -> bool:
         """The load of tokens ``local_tokens..usable_tokens`` is at most ``sync_load_max_bytes``
@@ -312,7 +338,7 @@ class SchedulerSide:
     def _plan_save(self, meta: KvtierMetadata, req_id: str, state: _Request, computed_tokens: int) -> None:
         """Queue the blocks whose last token this step computes (KV of known tokens only)."""
         engine = self.engine
-        if state.stale or state.adapter is None:
+        if state.stale or state.adapter is None or state.untrusted_local_hit:
             return
         # Most steps of a request save nothing (a decode step completes a block every
         # block_tokens tokens): say so before listing its blocks' hashes, which costs Python per
@@ -323,7 +349,7 @@ class SchedulerSide:
         hashes = engine.block_hashes(state.request.block_hashes, computed_tokens)
         k = engine.pages_per_block
         full = min(len(hashes), len(state.page_ids) // k)
-        if full <= state.stored_blocks:
+        if full <= state.stored_blocks or not self._adapter_unchanged(state):
             return
         transfers = [
             BlockTransfer(index, 0, pages)
@@ -336,7 +362,7 @@ class SchedulerSide:
         state.stored_blocks = full
         if not transfers:
             return
-        meta.saves.append(SaveJob(req_id, hashes[:full], transfers, state.adapter))
+        meta.saves.append(SaveJob(req_id, hashes[:full], transfers, state.adapter, state.adapter_files))
         self.stats.save_blocks += len(transfers)
         if self.host_events is not None:
             self.host_events.planned(state.request, [(t.index, hashes[t.index]) for t in transfers])
@@ -412,15 +438,16 @@ class SchedulerSide:
         state = self._requests.pop(request.request_id, None)
         if state is None:
             return False, None
+        self._adapter_unchanged(state)   # changed since its last save: so are its last pages in vLLM's cache
         loaded = 0 if state.load_failed else state.loaded_tokens
         return state.loading, {PD_PARAM: state.announced_blocks, "kvtier_loaded_tokens": loaded}
 
     def _state(self, request) -> _Request:
         state = self._requests.get(request.request_id)
         if state is None:
-            # the adapter is named once: a request computes under the files vLLM loaded for it
-            adapter = self.adapters.of(getattr(request, "lora_request", None))
-            state = self._requests[request.request_id] = _Request(request, adapter)
+            # the adapter is named once, with the files' identities: checked before each save
+            named = self.adapters.name(getattr(request, "lora_request", None))
+            state = self._requests[request.request_id] = _Request(request, named.key, named.files)
         else:
             state.request = request
         return state

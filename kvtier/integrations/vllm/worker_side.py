@@ -18,6 +18,9 @@
   computed over the pages the load left unfilled.
 * **Keys** are those of the step's ``epoch`` (a ``reset_cache`` starts a new one) and of the
   job's LoRA adapter (named by the scheduler: :mod:`~kvtier.integrations.vllm.lora_digest`).
+  A LoRA request's save goes only if its adapter's files are still those the scheduler named
+  (``SaveJob.adapter_files``) once the step ran: vLLM loads a step's adapters before its
+  forward, and may have read new files (after an unload, or with ``load_inplace``).
 * **Host residency** (with KV events on and a host tier): which saved blocks the host tier
   holds or has lost, for the step's report (:mod:`~kvtier.integrations.vllm.host_events`).
 
@@ -41,6 +44,7 @@ from kvtier.core.payload import BlockMeta
 from kvtier.integrations import poison as poisoning
 from kvtier.integrations.vllm.config import EngineKV
 from kvtier.integrations.vllm.host_events import HostReport, HostResidency
+from kvtier.integrations.vllm.lora_digest import AdapterFiles
 from kvtier.integrations.vllm.metadata import BlockTransfer, KvtierMetadata, LoadJob, SaveJob
 from kvtier.integrations.vllm.paged_layout import PagedKV
 from kvtier.store.tiered import TieredStore
@@ -79,6 +83,13 @@ class BlockBuffers:
             self._free.extend(buffers[: self._keep - len(self._free)])
 
 
+def _adapter_unchanged(files: AdapterFiles, checked: dict[AdapterFiles, bool]) -> bool:
+    """``files.unchanged()``, remembered in ``checked``."""
+    if files not in checked:
+        checked[files] = files.unchanged()
+    return checked[files]
+
+
 class _Served(NamedTuple):
     done: int  #: blocks of the run whose pages were written
     more: bool  #: the run was served whole: the load may go on past it
@@ -106,6 +117,9 @@ class WorkerStats:
     #: had not taken the report of, failed (their KV may have been computed on pages the load
     #: left unfilled)
     saves_dropped: int = 0
+    #: blocks not saved because their LoRA adapter's files changed since the scheduler named them
+    #: (the step may have computed with the new ones)
+    adapter_saves_dropped: int = 0
 
 
 class WorkerSide:
@@ -255,7 +269,11 @@ class WorkerSide:
             # them all when it takes the report, and plans them again.
             self.stats.saves_dropped += sum(len(job.blocks) for job in meta.saves)
             return
+        unchanged: dict[AdapterFiles, bool] = {}   # each adapter's files checked once a step
         for job in meta.saves:
+            if job.adapter_files is not None and not _adapter_unchanged(job.adapter_files, unchanged):
+                self.stats.adapter_saves_dropped += len(job.blocks)
+                continue
             self._save(job, meta.epoch)
 
     def _save(self, job: SaveJob, epoch: str = "") -> None:

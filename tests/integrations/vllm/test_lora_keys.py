@@ -4,9 +4,13 @@ by an engine that computes it in another dtype, never gets the other's KV from k
 Requests without an adapter keep their keys, and base-model blocks stay shared between engines
 with and without LoRA.
 
-The digest and scheduler tests run without an engine; the last two run two engines (started
-together) on one disk directory: ``writer`` (LoRA in the model's dtype, float32) and ``reader``
-(LoRA in bfloat16).
+An adapter's files replaced while the engine runs: a request in flight saves nothing it computed
+after (vLLM may have read the new files), and requests that vLLM's own prefix cache (keyed by name
+and path only) may have served the other version's pages save nothing until that cache is reset.
+
+The digest, scheduler and worker tests run without an engine; the last three run two engines
+(started together) on one disk directory: ``writer`` (LoRA in the model's dtype, float32) and
+``reader`` (LoRA in bfloat16).
 """
 from __future__ import annotations
 
@@ -24,8 +28,12 @@ from kvtier.core.layout import KVLayout  # noqa: E402
 from kvtier.core.namespace import Namespace  # noqa: E402
 from kvtier.integrations.transformers.models import random_lora_adapter  # noqa: E402
 from kvtier.integrations.vllm.config import ConnectorConfig, EngineKV  # noqa: E402
+from kvtier.integrations.vllm import lora_digest  # noqa: E402
 from kvtier.integrations.vllm.lora_digest import AdapterKeys, lora_settings  # noqa: E402
+from kvtier.integrations.vllm.metadata import KvtierMetadata  # noqa: E402
 from kvtier.integrations.vllm.scheduler_side import SchedulerSide  # noqa: E402
+from kvtier.store.config import StoreConfig, build_store  # noqa: E402
+from tests.integrations.vllm.test_worker_saves import filled_worker  # noqa: E402
 
 PAGE, BLOCK = 32, 64
 HASHES = [bytes([i]) * 32 for i in range(3)]
@@ -94,6 +102,30 @@ def test_an_adapter_whose_files_cannot_be_read_has_no_identity_and_is_reported_o
     assert sum("some-org/some-adapter-kvtier-test" in r.getMessage() for r in caplog.records) == 1
 
 
+def test_what_an_adapter_keys_remembers_is_bounded(tiny_model, tmp_path, monkeypatch, caplog):
+    """One entry per adapter version, unreadable adapter and adapter name and path ever seen would
+    grow without end (thousands of adapters loaded and unloaded): the oldest are forgotten."""
+    monkeypatch.setattr(lora_digest, "MAX_ADAPTERS", 2)
+    monkeypatch.setattr(lora_digest, "MAX_CACHED_NAMES", 2)
+    adapters = AdapterKeys(SETTINGS)
+    loras = [_lora(f"ad{i}", i + 1, random_lora_adapter(tiny_model, tmp_path / f"ad{i}", seed=i)) for i in range(3)]
+    for lora in loras:
+        adapters.of(lora)
+    adapters.of(loras[2])
+    assert adapters.adapters_hashed == 3, "the latest adapter is remembered"
+    adapters.of(loras[0])
+    assert adapters.adapters_hashed == 4, "the oldest adapter was forgotten: hashed again"
+    # log-once of unreadable adapters: the oldest forgotten, so logged again
+    with caplog.at_level(logging.WARNING, logger="kvtier.integrations.vllm.lora_digest"):
+        for name in ("gone-0", "gone-1", "gone-2", "gone-0"):
+            assert adapters.of(_lora(name, 9, tmp_path / name)) is None
+    assert sum("'gone-0'" in r.getMessage() for r in caplog.records) == 2
+    # the versions vLLM's prefix cache holds: a name and path forgotten counts as holding any version
+    for lora in loras:
+        assert adapters.note_in_prefix_cache(lora, adapters.of(lora))
+    assert not adapters.note_in_prefix_cache(loras[0], adapters.of(loras[0]))
+
+
 def test_the_lora_settings_that_change_the_computation_are_digested(tiny_model):
     from vllm.engine.arg_utils import EngineArgs
 
@@ -120,6 +152,14 @@ def _new(req_id: str, pages: list[int], computed: int, scheduled: int):
     new = SimpleNamespace(req_id=req_id, block_ids=(pages,), num_computed_tokens=computed, scheduled=scheduled)
     cached = SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[])
     return SimpleNamespace(scheduled_new_reqs=[new], scheduled_cached_reqs=cached,
+                           num_scheduled_tokens={req_id: scheduled}, total_num_scheduled_tokens=scheduled)
+
+
+def _next_chunk(req_id: str, computed: int, scheduled: int):
+    """A step that runs ``scheduled`` more tokens of a running request (its pages allocated before)."""
+    cached = SimpleNamespace(req_ids=[req_id], resumed_req_ids=set(), new_block_ids=[None],
+                             num_computed_tokens=[computed])
+    return SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=cached,
                            num_scheduled_tokens={req_id: scheduled}, total_num_scheduled_tokens=scheduled)
 
 
@@ -150,6 +190,69 @@ def test_a_request_whose_adapter_cannot_be_read_is_neither_looked_up_nor_saved(e
     # control: the same request without an adapter is looked up and saved
     base = _request("b", 300)
     assert sched.num_new_matched_tokens(base, 0)[0] == 288 and looked_up
+
+
+def test_a_request_in_flight_while_its_adapter_is_replaced_saves_nothing_computed_after(engine, tiny_model,
+                                                                                           tmp_path):
+    """vLLM reads an adapter's files again while a request runs (after an unload, at every step with
+    ``load_inplace``): blocks computed with the new files must not be saved under the old ones' keys,
+    neither those planned after the change (scheduler) nor those planned before it and run after it
+    (worker, once vLLM loaded the step's adapters)."""
+    looked_up: list = []
+    sched = SchedulerSide(ConnectorConfig(block_tokens=BLOCK), engine, lambda keys: looked_up.append(keys) or 0,
+                          loads=True, saves=True, adapters=AdapterKeys(SETTINGS))
+    path = random_lora_adapter(tiny_model, tmp_path / "x", seed=1)
+    req = _request("a", 320, _lora("x", 1, path))
+    assert sched.num_new_matched_tokens(req, 0) == (0, False)
+    (first,) = sched.build(_new("a", list(range(10, 20)), 0, 64)).saves      # chunked prefill: block 0
+    (second,) = sched.build(_next_chunk("a", 64, 64)).saves                  # block 1, not run yet
+    store = build_store(StoreConfig(host_bytes="8MiB"), engine.layout)
+    try:
+        worker, _ = filled_worker(engine, store)
+        worker.save(KvtierMetadata(saves=[first]))      # control: run before the change, saved
+        random_lora_adapter(tiny_model, path, seed=3)   # the operator puts v2's files at the path
+        worker.save(KvtierMetadata(saves=[second]))     # run after: vLLM may have loaded v2 for it
+        assert worker.flush(10)
+        keys = engine.keys(second.hashes, "", second.adapter)
+        assert store.lookup(keys).hit_blocks == 1, "only the block computed before the change is stored"
+        assert worker.stats.adapter_saves_dropped == 1
+    finally:
+        store.close(flush_timeout_s=0)
+    assert sched.build(_next_chunk("a", 128, 64)).saves == [], "block 2, computed with v2, saved under v1's keys"
+    assert sched.build(_next_chunk("a", 192, 128)).saves == []
+    assert sched.num_new_matched_tokens(req, 0) == (0, False) and len(looked_up) == 1, "nor looked up again"
+
+
+def test_after_an_adapter_is_replaced_in_place_vllms_prefix_hits_are_not_saved_until_it_is_reset(engine, tiny_model,
+                                                                                                  tmp_path):
+    """vLLM's own prefix cache keys an adapter's pages by its name and path: after its files are replaced
+    in place it serves one version the other's pages. A request it served from that cache must save
+    nothing (it would store the old version's KV under the new version's keys), until vLLM's prefix
+    cache is reset (seen through its block pool, as vLLM binds it to the connector)."""
+    from vllm.v1.core.block_pool import BlockPool
+
+    pool = BlockPool(num_gpu_blocks=8, enable_caching=True, hash_block_size=PAGE)
+    adapters = AdapterKeys(SETTINGS)
+    adapters.watch_prefix_cache(pool)
+    sched = SchedulerSide(ConnectorConfig(block_tokens=BLOCK), engine, lambda keys: 0, loads=True, saves=True,
+                          adapters=adapters)
+    path = random_lora_adapter(tiny_model, tmp_path / "x", seed=1)
+    lora = _lora("x", 1, path)
+
+    def saves(req_id: str, local_tokens: int) -> int:
+        """Blocks saved of a request of ``lora`` whose first ``local_tokens`` vLLM's prefix cache served."""
+        assert sched.num_new_matched_tokens(_request(req_id, 320, lora), local_tokens) == (0, False)
+        jobs = sched.build(_new(req_id, list(range(10, 20)), local_tokens, 320 - local_tokens)).saves
+        return sum(len(job.blocks) for job in jobs)
+
+    assert saves("v1", 0) == 5 and saves("v1-again", 64) == 5, "one version: its own pages"
+    random_lora_adapter(tiny_model, path, seed=3)   # retrained in place
+    assert saves("v2-from-vllm-cache", 64) == 0, "v1's pages saved under v2's keys"
+    assert saves("v2-computed", 0) == 5, "control: a request vLLM served nothing computes v2 alone"
+    random_lora_adapter(tiny_model, path, seed=1)   # rolled back: vLLM's cache holds v2's pages now too
+    assert saves("v1-from-vllm-cache", 64) == 0
+    assert pool.reset_prefix_cache()
+    assert saves("v1-after-reset", 0) == 5 and saves("v1-after-reset-cached", 64) == 5
 
 
 # -- engines ------------------------------------------------------------------------------------------
@@ -193,6 +296,34 @@ def test_an_adapter_replaced_at_its_path_is_never_served_its_old_versions_kv(lor
     (again,) = writer.generate(batch, lora=_adapter("customer-x", 2, path), max_tokens=6)
     assert loaded_tokens(again) == expected_hit(320, BLOCK) > 0, "the new version's own KV is served"
     assert again["token_ids"] == new["token_ids"] and again["logprobs"] == new["logprobs"]
+
+
+@pytest.mark.timeout(400)
+def test_an_adapter_replaced_in_place_without_resetting_vllms_cache_stores_none_of_the_old_versions_kv(
+        lora_engines, tiny_model, tmp_path):
+    """The same, with vLLM's prefix cache not reset before the new version's first request: vLLM serves it
+    the old version's pages (its own cache keys them by name and path), which kvtier must not store
+    under the new version's keys, where every later request of the new version, after a restart or on
+    another host, would get them."""
+    writer = lora_engines.writer
+    path = tmp_path / "adapters" / "customer-y"
+    random_lora_adapter(tiny_model, path, seed=1)
+    batch = prompts(1, 320, seed=33)
+    writer.generate(batch, lora=_adapter("customer-y", 21, path), max_tokens=6)
+    shutil.rmtree(path)
+    random_lora_adapter(tiny_model, path, seed=3)
+    (mixed,) = writer.generate(batch, lora=_adapter("customer-y", 22, path), max_tokens=6)
+    assert mixed["num_cached_tokens"] > loaded_tokens(mixed) == 0, "control: vLLM served the old version's pages"
+    writer.call(op="flush")
+    assert writer.call(op="reset")["ok"]   # as a restart: vLLM's own cache emptied, kvtier's disk kept
+    (cold,) = writer.generate(batch, lora=_adapter("customer-y", 23, path), max_tokens=6)
+    assert loaded_tokens(cold) == 0, "the old version's KV was stored under the new version's keys"
+    assert "reset vLLM's prefix cache" in writer.tail(100_000), "the operator is told what to do"
+    writer.call(op="flush")
+    assert writer.call(op="reset")["ok"]
+    (again,) = writer.generate(batch, lora=_adapter("customer-y", 24, path), max_tokens=6)
+    assert loaded_tokens(again) == expected_hit(320, BLOCK) > 0, "after the reset, the new version is stored"
+    assert again["token_ids"] == cold["token_ids"] and again["logprobs"] == cold["logprobs"]
 
 
 @pytest.mark.timeout(400)
