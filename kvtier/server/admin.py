@@ -11,7 +11,9 @@ Erasure runs on the I/O threads (a tenant may have many blocks on disk); with a
 disk spill it is recorded first (a tombstone in the runtime state: it outlasts
 a restart, and an old copy of the files does not bring them back), and the
 fleet journal, if any, is written anew after it (no record of an erased block
-stays in it); the rest is immediate.
+stays in it; one whose removal a Mooncake fleet owes -- it did not answer -- goes
+once the removal lands, and the reply counts that block ``refused`` meanwhile);
+the rest is immediate.
 """
 
 from __future__ import annotations
@@ -21,11 +23,13 @@ import json
 import logging
 import math
 import time
+from functools import partial
 
 from kvtier.server.config import SHARED_PREFIX, check_namespace
 from kvtier.server.fleet_journal import journal_under
 from kvtier.server.index import BlockEntry
 from kvtier.server.io_lanes import ADMIN_LANE
+from kvtier.tiers.base import RefusedRemoval
 from kvtier.tiers.remote_protocol import ErrorCode, ProtocolError, unpack_msgpack
 
 log = logging.getLogger(__name__)
@@ -111,13 +115,18 @@ class AdminAPI:
             except OSError as exc:
                 raise ValueError(f"not erased: the erasure could not be recorded in the runtime state ({exc}); "
                                  f"check the state directory (space, permissions)") from None
-        results = await self.svc.in_jobs(ADMIN_LANE, selected, self._erase_entry)  # (other lanes' jobs in between)
+        refusals: list[RefusedRemoval] = []
+        # (other lanes' jobs in between)
+        results = await self.svc.in_jobs(ADMIN_LANE, selected, partial(self._erase_entry, refusals))
         erased, refused = results.count(True), results.count(False)
         self.svc.metrics.erasures.inc(erased)
-        # A copy a tier could not remove (a read-only disk) is no longer served, but it is not
-        # erased: said so, never counted as done (the tombstone above keeps it from coming back).
-        problems = [f"{refused} blocks could not be removed from a tier (see the server's log); make it writable "
-                    f"and erase again"] if refused else []
+        if self.svc.events is not None:  # nor their names in the events' replay rings (after their "removed")
+            self.svc.events.purge(owner, namespace, None if session is None else
+                                  [(entry.namespace, entry.key) for _, entry in selected])
+        # A copy a tier could not remove (a read-only disk, a Mooncake fleet that did not answer) is
+        # no longer served, but it is not erased: said so, never counted as done (the tombstone above
+        # keeps it from coming back at a restart).
+        problems = [_not_removed(refused, refusals)] if refused else []
         if selected:  # (cheap where the journal holds no forgotten entry)
             problems += await io.run(ADMIN_LANE, self._compact_fleet_journal)
         failed = ({"refused": refused} if refused else {}) | ({"error": "; ".join(problems)} if problems else {})
@@ -130,12 +139,13 @@ class AdminAPI:
             shredded = await io.run(ADMIN_LANE, self.svc.keyring.shred_tenant, owner)
         return {"erased": erased, "keys_shredded": shredded, **failed}
 
-    def _erase_entry(self, selected: tuple[bytes, BlockEntry]) -> bool | None:
+    def _erase_entry(self, refusals: list[RefusedRemoval], selected: tuple[bytes, BlockEntry]) -> bool | None:
         """Erase a block the erasure selected if its entry is still the one indexed (see
         :meth:`Service.erase <kvtier.server.service.Service.erase>`); None (not erased) if it left
-        meanwhile, or was put again since. On an I/O thread."""
+        meanwhile, or was put again since; False (copies not removed, added to ``refusals``) if a
+        tier could not remove its copy. On an I/O thread."""
         skey, entry = selected
-        return self.svc.erase(skey, only=entry)
+        return self.svc.erase(skey, only=entry, refusals=refusals)
 
     def _compact_fleet_journal(self) -> list[str]:
         """Write the fleet journal anew without the records the erasure forgot (their owner,
@@ -228,6 +238,18 @@ def _persisted(change, *args) -> None:
     except OSError as exc:
         raise ValueError(f"not changed: the runtime overrides could not be saved ({exc}); "
                          f"check the state directory (space, permissions)") from None
+
+
+def _not_removed(blocks: int, refusals: list[RefusedRemoval]) -> str:
+    """What an erase reply says of the blocks a tier could not remove: where and why (the first copy
+    of each cause, a few causes at most), and what becomes of them."""
+    causes: dict[str, str] = {}  # why → where, the first copy's
+    for r in refusals:
+        causes.setdefault(r.error.strerror or str(r.error), r.path)
+    said = "; ".join(f"{where}: {why}" for why, where in list(causes.items())[:3])
+    return (f"{blocks} blocks could not be removed from a tier, so they are not erased ({said}): this server no "
+            f"longer serves them, but a copy is left until the removal is done (a disk: make it writable and erase "
+            f"again; a Mooncake fleet: retried until it lands; see the server's log)")
 
 
 def _opt_str(args: dict, name: str) -> str | None:

@@ -34,8 +34,15 @@ Protocol (ROUTER on the server, DEALER on the subscriber; frames are bytes):
 ``seq`` grows by one per message of a scope; each scope's replay ring keeps its
 newest messages holding at most ``buffer`` events in all (``events_buffer``). A
 gap that replay cannot fill (the ring moved on, or the bounded event queue
-overflowed: then every scope's sequence skips one) means the subscriber's view
-is incomplete: it must clear what it learnt from this publisher and start again.
+overflowed: then ``*`` and the scopes of the tenants whose events were lost skip
+one, no other scope) means the subscriber's view is incomplete: it must clear
+what it learnt from this publisher and start again.
+
+**Erasure.** An admin erase purges the rings (:meth:`EventPublisher.purge`):
+every kept message that holds an erased event (of the tenant, namespace or
+session's blocks, the erasure's own ``removed`` events included) leaves the
+rings of ``*`` and of that tenant, so a replay returns none of its names. A
+replay across the purge sees a hole there, and starts again.
 
 **Who a peer is.** A registration belongs to the pair (ZMQ routing id, CURVE
 key that sent the SUB), and its scope is taken from that key on every SUB: a
@@ -187,6 +194,31 @@ class _Scope:
         while self.held > self.buffer and self.ring:
             self.held -= self.ring.popleft().events
 
+    def forget(self, holds_erased) -> None:
+        """Drop every kept message whose payload ``holds_erased`` says yes to."""
+        self.ring = collections.deque(m for m in self.ring if not holds_erased(m.payload))
+        self.held = sum(m.events for m in self.ring)
+
+
+class _Purge(NamedTuple):
+    """An erasure's purge of the replay rings, queued behind the events emitted before it."""
+
+    owner: str
+    namespace: str | None  #: None: every namespace of ``owner``
+    blocks: tuple[tuple[str, bytes], ...] | None  #: (namespace, key) of each block; None: all of them
+
+
+class _EventQueue(queue.Queue):
+    """The bounded event queue, which also carries purges (:meth:`put_beyond_bound`)."""
+
+    def put_beyond_bound(self, item) -> None:
+        """Queue ``item`` even when full, without waiting: a purge dropped on a full queue left an
+        erased tenant's names in the rings. Erasures are admin calls, so they add few items."""
+        with self.mutex:  # what put() does under it, less the wait for room
+            self._put(item)
+            self.unfinished_tasks += 1
+            self.not_empty.notify()
+
 
 class _Peer:
     __slots__ = ("scope", "last_seen")
@@ -265,9 +297,12 @@ class EventPublisher:
         self._check_at: float | None = None
         self._peer_ttl_s = peer_ttl_s
         self._replay_interval_s = replay_interval_s
-        self._queue: queue.Queue = queue.Queue(maxsize=queue_limit)
+        self._queue = _EventQueue(maxsize=queue_limit)
         self._batch_s = batch_s
-        self._overflowed = False
+        #: the scopes that skip a number at the next publish: ``*`` and those of the owners whose
+        #: events a full queue dropped; bounded, one entry per scope (producers add, the publisher takes)
+        self._lost_scopes: set[str] = set()
+        self._lost_lock = threading.Lock()
         #: events accepted / dropped because the queue was full
         self.emitted = 0
         self.dropped = 0
@@ -316,13 +351,24 @@ class EventPublisher:
 
     # -- producer side (any thread) -----------------------------------------------------------
     def emit(self, kind: str, tier: str, owner: str, namespace: str, keys: list[bytes], nbytes: int) -> None:
-        """Queue one event; never blocks. A full queue drops it and makes every scope skip a number."""
+        """Queue one event; never blocks. A full queue drops it and makes ``*`` and ``owner``'s scope
+        (those that would have carried it) skip a number; no other scope: a gap in one tenant's
+        stream from another's burst told it of that tenant's activity, and made it start again."""
         try:
             self._queue.put_nowait((kind, tier, owner, namespace, keys, nbytes))
             self.emitted += 1
         except queue.Full:
             self.dropped += 1
-            self._overflowed = True
+            with self._lost_lock:
+                self._lost_scopes.update({ALL_TENANTS, owner} & self._scopes.keys())
+
+    def purge(self, owner: str, namespace: str | None = None,
+              blocks: list[tuple[str, bytes]] | None = None) -> None:
+        """Take the erased events of ``owner`` (of ``namespace``; of these ``(namespace, key)`` blocks)
+        out of the replay rings: every kept message holding one leaves the rings of ``*`` and of
+        ``owner``. Applied after the events queued before (an erasure's "removed" ones among them),
+        on the publisher thread; any thread may call it, and it never blocks."""
+        self._queue.put_beyond_bound(_Purge(owner, namespace, None if blocks is None else tuple(blocks)))
 
     # -- publisher thread ----------------------------------------------------------------------
     def _run(self) -> None:
@@ -331,15 +377,11 @@ class EventPublisher:
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._monitor, zmq.POLLIN)
         while not self._stop.is_set():
-            batch = []
-            try:
-                batch.append(self._queue.get(timeout=self._batch_s))
-                while len(batch) < self._batch_events:
-                    batch.append(self._queue.get_nowait())
-            except queue.Empty:
-                pass
-            if batch or self._overflowed:
+            batch, purge = self._next_batch()
+            if batch or self._lost_scopes:
                 self._publish(batch)
+            if purge is not None:
+                self._purge(purge)
             ready = dict(poller.poll(0))
             if self._sock in ready:
                 self._serve_requests()
@@ -352,15 +394,30 @@ class EventPublisher:
                 self._check_peers()
             self._expire_peers()
 
+    def _next_batch(self) -> tuple[list[tuple], _Purge | None]:
+        """The events queued (waiting up to ``batch_s`` for the first), a batch at most, and the purge
+        queued after them that ended the batch, if one did."""
+        batch: list[tuple] = []
+        try:
+            item = self._queue.get(timeout=self._batch_s)
+            while not isinstance(item, _Purge):
+                batch.append(item)
+                if len(batch) >= self._batch_events:
+                    return batch, None
+                item = self._queue.get_nowait()
+            return batch, item
+        except queue.Empty:
+            return batch, None
+
     def _publish(self, batch: list[tuple]) -> None:
         import msgpack
 
-        skip = self._overflowed
-        self._overflowed = False
+        with self._lost_lock:
+            lost, self._lost_scopes = self._lost_scopes, set()
         now = time.time()
         for scope in self._scopes.values():
-            if skip:
-                scope.seq += 1  # the lost events leave a gap every subscriber can see
+            if scope.name in lost:
+                scope.seq += 1  # the lost events leave a gap every subscriber that would have had them sees
             events = [self._render(e) for e in batch if scope.admits(e[2])]
             if not events:
                 continue
@@ -372,6 +429,27 @@ class EventPublisher:
             for pid, peer in list(self._peers.items()):
                 if peer.scope is scope:
                     self._send(pid[0], frames)
+
+    def _purge(self, purge: _Purge) -> None:
+        """Forget the kept messages holding an event ``purge`` names. Whole messages: one packed again
+        without those events would hand a replaying subscriber a stream that looks complete but lacks
+        the erasure's "removed" events; the hole it sees instead makes it start again."""
+        import msgpack
+
+        names = None if purge.blocks is None else {
+            event_block_name(self._name_key, purge.owner, namespace, key) for namespace, key in purge.blocks}
+
+        def erased(event: dict) -> bool:
+            return (event["owner"] == purge.owner
+                    and (purge.namespace is None or event["namespace"] == purge.namespace)
+                    and (names is None or not names.isdisjoint(event["blocks"])))
+
+        def holds_erased(payload: bytes) -> bool:
+            return any(erased(e) for e in msgpack.unpackb(payload, raw=False)[1])
+
+        for scope in self._scopes.values():
+            if scope.admits(purge.owner):
+                scope.forget(holds_erased)
 
     def _render(self, event: tuple) -> dict:
         kind, tier, owner, namespace, keys, nbytes = event

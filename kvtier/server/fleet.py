@@ -13,11 +13,15 @@ The fleet cannot be listed (its names are one-way HMACs), and it drops blocks on
   owner, namespace, key, session, creation time, header, size, parent; HMAC'd under the spill
   secret, sealed with encryption at rest) -- and refuses to store a block the index no longer
   holds (erased meanwhile). A record is forgotten once a delete of the block reached the
-  fleet; one whose delete the fleet could not be asked about stays (the removal is owed). A
-  crash between a record and its put leaves a record of a block the fleet may not hold:
-  harmless (see below). (A removal the fleet refuses even forced -- a lease it would not
-  break -- is retried by the fleet tier while the server runs; a crash before that retry
-  leaves the copy to the fleet's own eviction.)
+  fleet. One whose removal is *owed* -- the fleet could not be asked, or refused it even forced
+  (a lease it would not break) -- stays, and the delete reports the block not removed (an erase
+  then answers it ``refused``: a copy other servers of the fleet read whole is still there).
+  Owed removals are retried periodically (:func:`settle_owed_removals`, from the server's
+  sweep), not only at the next delete, which may never come; once they land, their records are
+  forgotten and the journal is written anew without them. A restart before that finds the
+  records: an erasure's tombstone covers them (deleted at start), else the block is indexed
+  again and a later erase reaches it. A crash between a record and its put leaves a record of
+  a block the fleet may not hold: harmless (see below).
 * Erase against demotion: a placement recorded before an erase read :attr:`FleetJournal.seq`
   (``delete_many``) is forgotten by it, so its put must have landed before the fleet's delete.
   It has: a demotion into the fleet runs in the evicting tier's eviction, under that tier's
@@ -54,10 +58,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from itertools import groupby
 
 from kvtier.core.payload import unpack_header
 from kvtier.errors import ConfigError
@@ -66,7 +72,7 @@ from kvtier.server.fleet_journal import FleetJournal
 from kvtier.server.index import BlockEntry, BlockIndex
 from kvtier.server.recovery import Found, OwnersWithoutKeys
 from kvtier.server.spill import SpillAnnotation, SpillCodec, monotonic_of, wall_of
-from kvtier.tiers.base import Status
+from kvtier.tiers.base import Status, refused_removals, report_refused
 from kvtier.tiers.wrapper import WrappingTier
 
 log = logging.getLogger(__name__)
@@ -121,6 +127,9 @@ class JournaledFleet(WrappingTier):
         self.name = inner.name
         self.journal = journal
         self.records = records
+        self._owed_lock = threading.Lock()
+        #: name → the journal's seq read before the delete whose removal is owed (see settle_removals)
+        self._owed: dict[bytes, int] = {}
 
     def __getattr__(self, attr: str):
         if attr == "inner":  # (not set yet)
@@ -169,16 +178,57 @@ class JournaledFleet(WrappingTier):
                 out[i] = status
         return out
 
-    # -- removal: forgotten once the fleet was asked -----------------------------------------------
+    # -- removal: forgotten once it landed -----------------------------------------------------------
     def delete(self, key) -> bool:
         return self.delete_many([key])[0]
 
     def delete_many(self, keys) -> list[bool]:
+        """As the fleet's; the records of the blocks whose removal landed are forgotten. A removal
+        the fleet owes (it could not be asked, or refused) keeps its record until
+        :meth:`settle_removals` sees it land, and is reported on to the caller collecting
+        :func:`~kvtier.tiers.base.refused_removals` (an erase: not done)."""
         since = self.journal.seq
-        out = self.inner.delete_many(keys)
-        if self.inner.available:  # (else the removal is owed: the record stays for a later start)
-            self.journal.forget([bytes(k) for k in keys], since)
+        with refused_removals() as refused:
+            out = self.inner.delete_many(keys)
+        for r in refused:
+            report_refused(r.key, r.path, r.error)
+        owed = {r.key for r in refused}
+        if not self.inner.available:  # (a fleet found down was not asked: every removal is owed)
+            owed.update(map(bytes, keys))
+        self.journal.forget([name for name in map(bytes, keys) if name not in owed], since)
+        if owed:
+            with self._owed_lock:
+                self._owed.update(dict.fromkeys(owed, since))
         return out
+
+    def settle_removals(self) -> int:
+        """Retry the removals the fleet owes now (see :meth:`delete_many`); forget the records of
+        those that landed and write the journal anew without them (they may be an erasure's: no
+        record of an erased block stays in the file). Returns how many landed. Thread safe."""
+        retry = getattr(self.inner, "retry_removals", None)
+        if retry is None:  # (a fleet that owes nothing: it reports no removal refused)
+            return 0
+        with self._owed_lock:
+            owed = list(self._owed.items())
+        still = retry([name for name, _ in owed])
+        landed = [(name, since) for (name, since), s in zip(owed, still) if not s]
+        if not landed:
+            return 0
+        with self._owed_lock:
+            for name, since in landed:
+                if self._owed.get(name) == since:  # (not owed again by a later delete meanwhile)
+                    del self._owed[name]
+        # (a record placed again after its delete is kept: forget() judges by the seq it read)
+        landed.sort(key=lambda item: item[1])
+        for since, part in groupby(landed, key=lambda item: item[1]):
+            self.journal.forget([name for name, _ in part], since)
+        try:
+            self.journal.compact()
+        except OSError as exc:
+            log.warning("fleet journal %s could not be written anew after %d owed removals landed: %s",
+                        self.journal.path, len(landed), exc)
+        log.info("%d removals the Mooncake fleet owed landed; the fleet journal keeps no record of them", len(landed))
+        return len(landed)
 
     # -- the rest, as the fleet -------------------------------------------------------------------
     def contains(self, key) -> bool:
@@ -270,10 +320,7 @@ def rebuild_from_journal(fleet: JournaledFleet, owners: set[str], erasures=None)
         log.warning("fleet journal %s: %d records do not authenticate; their blocks are deleted from the fleet",
                     journal.path, out.rejected - len(kept))
     for part in _batches(doomed):
-        since = journal.seq
-        raw.delete_many(part)
-        if raw.available:  # (else owed: the records stay, asked again at the next start)
-            journal.forget(part, since)
+        fleet.delete_many(part)  # (what the fleet owes keeps its record: retried while the server runs)
     for part in _batches(kept):  # (their records go once the fleet no longer holds them)
         _held(raw, journal, part)
     for part in _batches(good):
@@ -297,6 +344,22 @@ def _held(raw, journal: FleetJournal, names: list[bytes]) -> list[bool]:
         return [True] * len(names)
     journal.forget([name for name, h in zip(names, held) if not h], journal.seq)
     return held
+
+
+def settle_owed_removals(tiers) -> int:
+    """Retry the removals a Mooncake fleet among ``tiers`` (under any wrapper) owes; how many
+    landed. The journaled fleet forgets their records too (:meth:`JournaledFleet.settle_removals`).
+    A network call where any is owed: off the event loop."""
+    for tier in tiers:
+        while tier is not None:
+            # (asked of the class: a wrapper forwarding attributes would answer for the tier it wraps)
+            if isinstance(tier, JournaledFleet):
+                return tier.settle_removals()
+            if callable(getattr(type(tier), "retry_removals", None)):
+                tier.retry_removals()
+                return 0
+            tier = getattr(tier, "inner", None)
+    return 0
 
 
 def _batches(items: list) -> list[list]:

@@ -52,6 +52,7 @@ from kvtier.core.payload import FLAG_CHECKSUM, FLAG_SEALED, BlockMeta, unpack_he
 from kvtier.core.payload import pack_header as pack_block_header
 from kvtier.server.admin import AdminAPI, admin_request_fields, client_text
 from kvtier.server.auth import AuthError, Principal
+from kvtier.server.fleet import settle_owed_removals
 from kvtier.server.index import BlockEntry
 from kvtier.server.io_lanes import EVICTION_LANE, SWEEP_LANE, IOLanes
 from kvtier.store.tiered import DeleteRefused
@@ -602,15 +603,19 @@ class Service:
             self._forget_deletion((skey,), pending)
             pending.set_result(None)
 
-    def erase(self, skey: bytes, *, only: BlockEntry | None = None) -> bool | None:
+    def erase(self, skey: bytes, *, only: BlockEntry | None = None, refusals: list | None = None) -> bool | None:
         """:meth:`drop`, for a caller that reports what it erased: True once the block left the
         index and every tier; None if it was not indexed; False if a tier could not remove its
-        copy (a disk whose file system refused the unlink: the copy is no longer served, but
-        its bytes are on the medium, so the erasure must not be reported done)."""
+        copy (a disk whose file system refused the unlink, a Mooncake fleet that did not answer:
+        the copy is no longer served by this server, but its bytes are still on the medium or
+        readable in the fleet, so the erasure must not be reported done). The copies not removed
+        (:class:`~kvtier.tiers.base.RefusedRemoval`: where, why) are added to ``refusals`` if given."""
         try:
             return True if self.drop(skey, only=only) is not None else None
         except DeleteRefused as exc:
             log.warning("block %s left the index, but %s", skey.hex()[:16], exc)
+            if refusals is not None:
+                refusals.extend(exc.refused)
             return False
 
     def drop_soon(self, skey: bytes, *, only: BlockEntry | None = None) -> BlockEntry | None:
@@ -1087,10 +1092,16 @@ class Service:
         list, then jobs of :data:`DELETE_JOB_KEYS` (as one job, up to 100 k unlinks held a thread
         from every tenant). Each block is judged again as its turn comes, and only the entry
         judged is removed: a block put again (acknowledged) while a long sweep worked through its
-        list was deleted with the expired one's key."""
+        list was deleted with the expired one's key.
+
+        Then the removals a Mooncake fleet owes (it did not answer an erase, say) are retried, and
+        the fleet journal forgets their records once they land: the next delete, which used to be
+        their only retry, may never come (:func:`~kvtier.server.fleet.settle_owed_removals`)."""
         expired = await self.io.run(SWEEP_LANE, self.index.expired, time.monotonic(), self.gov.ttl)
         dropped = sum(await self.in_jobs(SWEEP_LANE, expired, self._erase_if_expired))
         self.metrics.expirations.inc(dropped)
+        if self._fleet_name is not None:
+            await self.io.run(SWEEP_LANE, settle_owed_removals, self.store.tiers)
         return dropped
 
     def _erase_if_expired(self, skey: bytes) -> bool:

@@ -316,11 +316,11 @@ class MooncakeTier(TierReads, TierWrites, BoundedEngineCalls, TenantNaming, Tier
             self._retry_removals(deadline)
             with self._removals.removing(names):
                 codes = self._call(deadline, self._engine.batch_remove, names, True)
-        except Down as exc:
+        except Down:
             # Hidden at once and removed once the fleet answers: dropped, a copy would stay
             # readable in the fleet, beyond the reach of any later delete.
             self._owe(keys, names, range(len(names)), errno.ETIMEDOUT,
-                      f"did not answer ({exc}): the removal is owed, retried until it lands")
+                      "did not answer: the removal is owed, retried until it lands")
             return out
         self._codes(codes)
         refused = []
@@ -347,7 +347,7 @@ class MooncakeTier(TierReads, TierWrites, BoundedEngineCalls, TenantNaming, Tier
                 self._unremoved.setdefault(names[j], now)
         where = f"Mooncake fleet {self.master}"
         for j in which:
-            report_refused(keys[j], where, OSError(code, f"the fleet {why}"))
+            report_refused(keys[j], where, OSError(code, why))
 
     def retry_removals(self, keys: Sequence[BlockKey] = ()) -> list[bool]:
         """Retry the removals owed now (at most once a second), not only at the next delete or put,
