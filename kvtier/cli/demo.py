@@ -39,11 +39,27 @@ def register(subparsers) -> None:
     parser.set_defaults(func=run)
 
 
+#: the flags of the real replay that ``--synthetic`` (no model, a local store only) has no use for
+_REPLAY_ONLY = {"remote": "--remote", "plot": "--plot", "quick": "--quick", "threads": "--threads"}
+
+
 def run(args) -> int:
     if args.synthetic:
         from kvtier.demo.synthetic import run_synthetic
 
+        check_synthetic_flags(args)
         return run_synthetic(args)
     from kvtier.demo.runner import run_demo
 
     return run_demo(args)
+
+
+def check_synthetic_flags(args) -> None:
+    """ConfigError (one line, exit 2) naming the replay's flags given with ``--synthetic``: it ran
+    without them (a --remote server never asked, no --plot drawn) and exited 0 as if it had not."""
+    from kvtier.errors import ConfigError
+
+    given = [flag for name, flag in _REPLAY_ONLY.items() if getattr(args, name, None) not in (None, False)]
+    if given:
+        raise ConfigError(f"--synthetic takes only --store-dir and --json, not {', '.join(given)} "
+                          f"(those are the model replay's: drop --synthetic to use them)")

@@ -16,6 +16,7 @@ import os
 import signal
 import tempfile
 import threading
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -41,11 +42,34 @@ def writable_dir(path: str | os.PathLike, what: str, fix: str = "") -> str:
     return path
 
 
-def check_remote(url: str) -> None:
-    """The URL parses and a token is at hand (``$KVTIER_TOKEN`` or in the URL); else ConfigError."""
-    from kvtier.tiers.remote_wire import parse_url, resolve_token
+#: how long the preflight waits for the server to answer (connect, HELLO and PING together)
+REMOTE_PING_TIMEOUT_S = 3.0
 
-    resolve_token(parse_url(url), None)
+
+def check_remote(url: str, namespace: str | None = None, timeout_s: float = REMOTE_PING_TIMEOUT_S) -> None:
+    """The URL parses, a token is at hand (``$KVTIER_TOKEN`` or in the URL) and the server answers
+    one authenticated round trip (HELLO with the token for ``namespace``, then PING) within
+    ``timeout_s``; else ConfigError.
+
+    The store treats a server it cannot reach as a tier that misses: without this, a demo given a
+    wrong address or token ran without its shared tier and exited 0. A WireClient, not a
+    RemoteTier: a tier would log its failure (and back off) besides the one line said here."""
+    from kvtier.tiers.remote_protocol import Op
+    from kvtier.tiers.remote_wire import WireClient, parse_url, resolve_token
+
+    address = parse_url(url)
+    token = resolve_token(address, None)
+    deadline = time.monotonic() + timeout_s
+    try:
+        client = WireClient(address, token, namespace=namespace, connect_timeout_s=timeout_s, deadline=deadline)
+        try:
+            client.call(Op.PING, deadline=deadline, reply_meta=(0, 0))
+        finally:
+            client.close()
+    except Exception as exc:  # noqa: BLE001 - refused, timed out, bad token, not a kvtier server: all "cannot reach"
+        reason = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+        raise ConfigError(f"cannot reach the kvtier server at --remote {address} ({reason}); start it "
+                          f"(`kvtier serve`) or check the URL and $KVTIER_TOKEN") from None
 
 
 def positive_int(text: str) -> int:

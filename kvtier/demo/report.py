@@ -70,6 +70,8 @@ class Reporter:
             )
         elif kind == "note":
             self.note(f"   {event['text']}")
+        elif kind == "warning":
+            self.progress.console.print(f"   WARNING: {event['text']}", style="bold red")
         elif kind == "start":
             self.status(f"{event['session']}: {event['label']} ({event['context_tokens']} tokens) - recompute")
         elif kind == "cold_done":
@@ -125,12 +127,18 @@ def print_summary(console: Console, s: dict) -> None:
         f"bytes loaded: {mib(s['bytes_loaded_by_tier'])}; written: {mib(s['bytes_written_by_tier'])}; "
         f"held at the end: {mib(s['bytes_used_by_tier'])}",
         f"outputs equal (greedy tokens, kvtier vs recompute): {'yes' if s['outputs_equal'] else 'NO'}; "
-        f"max |logit difference| {s['logits_max_abs_diff']:.2e}",
+        f"max |logit difference| {_logits_diff(s)}",
         f"a TTFT under 1 s is the median of up to 3 identical runs (runs per turn without kvtier "
         f"{s['runs_per_turn']['without']}, with {s['runs_per_turn']['with']}); runtime {s['runtime_s']:.0f} s",
     ]
     for line in lines:
         console.print(line)
+
+
+def _logits_diff(s: dict) -> str:
+    if s.get("logits_nan"):
+        return "NaN (a turn's logits were NaN: its load left the poisoned KV in place)"
+    return "-" if s["logits_max_abs_diff"] is None else f"{s['logits_max_abs_diff']:.2e}"
 
 
 def plot(turns: list[dict], path: str, restart_after: list[int]) -> None:

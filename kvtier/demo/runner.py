@@ -26,9 +26,12 @@ from kvtier.demo.workload import Scenario, default_scenario, quick_scenario
 from kvtier.errors import ConfigError, KvtierError, LayoutError, TierError
 from kvtier.integrations.transformers.models import DEMO_SPEC, cache_dir, remove_dead_builds  # no torch at import
 from kvtier.integrations.transformers.namespace import DEFAULT_BLOCK_TOKENS  # no torch at import
+from kvtier.json_files import strict_json
 
 #: tokens per block: see DEFAULT_BLOCK_TOKENS for why 16 suits conversation turns
 BLOCK_TOKENS = DEFAULT_BLOCK_TOKENS
+#: the server-side key space the demo's engines share with ``--remote`` (the preflight checks it is usable)
+REMOTE_NAMESPACE = "kvtier-demo"
 
 
 def phases_of(scenario: Scenario) -> list[list[int]]:
@@ -50,7 +53,7 @@ def store_settings(store_dir: str, remote_url: str | None = None) -> dict:
     settings = {"host_bytes": "384MiB", "write_mode": "write-through"}
     if remote_url:
         # The shared server is the tier a new process resumes from (token: $KVTIER_TOKEN).
-        return {**settings, "remote_url": remote_url, "remote_namespace": "kvtier-demo", "remote_timeout_s": 30.0}
+        return {**settings, "remote_url": remote_url, "remote_namespace": REMOTE_NAMESPACE, "remote_timeout_s": 30.0}
     return {**settings, "disk_path": store_dir, "disk_bytes": "8GiB"}
 
 
@@ -87,6 +90,8 @@ def run_phase(job: dict, reporter: Reporter) -> tuple[list[dict], dict]:
                     info.update(sessions=event["sessions"], store_stats=event["store_stats"])
                 elif event["event"] == "error":
                     failure = event
+                elif event["event"] == "warning":
+                    info.setdefault("warnings", []).append(event["text"])
                 reporter.on_event(event)
             if proc.wait() != 0:
                 if failure is not None:
@@ -174,7 +179,7 @@ def run_demo(args) -> int:
     own_dir = args.store_dir is None
     try:   # everything that can be wrong with the input is found here, before a worker loads a model
         if remote:
-            check_remote(remote)
+            check_remote(remote, REMOTE_NAMESPACE)
         if args.store_dir is not None and not remote:
             writable_dir(args.store_dir, "--store-dir")
         if args.plot:
@@ -204,13 +209,25 @@ def run_demo(args) -> int:
         except OSError as exc:
             summary["plot_error"] = f"{args.plot}: {exc.strerror or exc}"
     if args.json:
-        print(json.dumps(summary))
+        print(strict_json(summary))   # NaN / Infinity are no JSON: jq, Go and JavaScript refuse them
     else:
         print_summary(reporter.console, summary)
+    return exit_code(summary)
+
+
+def exit_code(summary: dict) -> int:
+    """1, with a line on stderr for each reason, when the run did not show what it exists to show:
+    kvtier's outputs differ from the recompute's (a load served wrong or no KV), or the plot asked
+    for was not written; else 0. Said after the figures, never instead of them."""
+    failures = []
+    if not summary["outputs_equal"]:
+        failures.append("outputs differ between kvtier and the recompute (a load served wrong or missing KV): "
+                        "see the turns marked NO")
     if "plot_error" in summary:
-        print(f"kvtier demo: the plot could not be written: {summary['plot_error']}", file=sys.stderr)
-        return 1
-    return 0
+        failures.append(f"the plot could not be written: {summary['plot_error']}")
+    for failure in failures:
+        print(f"kvtier demo: {failure}", file=sys.stderr)
+    return 1 if failures else 0
 
 
 def check_plot_path(path: str) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from kvtier.bench.baselines import ratio_warnings
 
@@ -62,6 +62,17 @@ def main_tier(loaded_bytes: dict[str, int]) -> str | None:
     return max(loaded_bytes, key=loaded_bytes.get) if loaded_bytes else None
 
 
+def max_logits_diff(diffs: Iterable[float]) -> tuple[float | None, bool]:
+    """The largest |logit difference| over the turns (None: no turns, or a turn's was NaN) and
+    whether a turn's was NaN: a load that left the poisoned NaN KV in place gives NaN logits, and
+    ``max()`` over NaN depends on the order (a NaN after a finite value is dropped, a first one
+    wins), so that a turn the demo exists to catch read 0.0, or printed a bare NaN in --json."""
+    diffs = list(diffs)
+    if any(math.isnan(d) for d in diffs):
+        return None, True
+    return max(diffs, default=None), False
+
+
 def summarize(turns: list[dict], phases: list[dict], *, runtime_s: float, scenario: str) -> dict:
     """The figures a user checks: equality, speedups, load efficiency per tier and kvtier's time over
     the ideal transfer (lookup and load apart from the prefill), hit rate, CPU saved, bytes.
@@ -115,11 +126,15 @@ def summarize(turns: list[dict], phases: list[dict], *, runtime_s: float, scenar
         # kvtier's own time (lookup + load) over the ideal transfer; the suffix's prefill
         # is the engine's, not kvtier's, and no longer pads the ideal.
         overhead.append((t["lookup_s"] + t["load_s"]) / ideal)
+    # what the workers saw go wrong in their phase (a shared tier that failed or took nothing)
+    warnings += [f"phase {p['phase']}: {w}" for p in phases for w in p.get("warnings", ())]
+    logits_diff, logits_nan = max_logits_diff(t["logits_max_abs_diff"] for t in turns)
     summary = {
         "scenario": scenario,
         "turns": len(turns),
         "outputs_equal": all(t["outputs_equal"] for t in turns),
-        "logits_max_abs_diff": max((t["logits_max_abs_diff"] for t in turns), default=None),
+        "logits_max_abs_diff": logits_diff,
+        "logits_nan": logits_nan,
         "ttft_cold_p50_s": percentile(cold, 50),
         "ttft_cold_p90_s": percentile(cold, 90),
         "ttft_warm_p50_s": percentile(warm, 50),

@@ -220,6 +220,36 @@ def run_turn(lm, context: list[int], gen_tokens: int, limits: dict, emit_cold,
     return record, cold.tokens
 
 
+def shared_tier_warnings(tiers, blocks_saved: int) -> list[str]:
+    """What went wrong with a store's kvtier server (``--remote``) among ``tiers`` since they were
+    opened, said so that a demo that missed its shared tier does not pass for one that used it:
+    calls that failed (refused, timed out, lost connections: the store took them as misses and
+    skipped saves), and none of the ``blocks_saved`` (the store's puts) reaching the server.
+    Empty without a server."""
+    from kvtier.tiers.remote import RemoteTier
+
+    warnings = []
+    for tier in tiers:
+        server = _unwrapped(tier)
+        if not isinstance(server, RemoteTier):
+            continue
+        counts = server.stats.snapshot()
+        if counts["errors"]:
+            warnings.append(f"the kvtier server {server.address} failed ({counts['errors']} connection failures, "
+                            f"the last: {server.last_error}): what it should have stored or served was missed")
+        if blocks_saved and not counts["bytes_written"]:
+            warnings.append(f"the kvtier server {server.address} took 0 bytes of the {blocks_saved} blocks "
+                            f"this engine saved: the shared tier was not used")
+    return warnings
+
+
+def _unwrapped(tier):
+    """The tier a wrapper (encryption, fault injection) stands in front of."""
+    while hasattr(tier, "inner"):
+        tier = tier.inner
+    return tier
+
+
 def main() -> int:
     # SIGTERM (the parent stopping this worker, or the kernel's die-with-parent signal) unwinds,
     # so that ``finally`` blocks run: a half-built model directory is removed, not left behind.
@@ -303,6 +333,8 @@ def _run(job: dict) -> int:
 
     lm.close()
     stats = store.stats()
+    for text in shared_tier_warnings(store.tiers, blocks_saved=stats["store"]["puts"]):
+        _emit("warning", text=text)
     store.close()
     _emit("done", phase=job["phase"], sessions=sessions, store_stats=stats["tiers"],
           seconds=time.perf_counter() - started)

@@ -8,8 +8,10 @@ import argparse
 import errno
 import io
 import os
+import socket
 import subprocess
 import sys
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -47,6 +49,11 @@ BAD = {
     "synthetic_store_dir_file": (["--synthetic", "--store-dir", "{afile}"], "--store-dir"),
     "synthetic_store_dir_unwritable": (["--synthetic", "--store-dir", "/proc/self"], "--store-dir"),
     "cache_unwritable": (["--quick"], "XDG_CACHE_HOME"),
+    # s30 a15 D4: --synthetic ran without these and exited 0 (no server asked, no plot drawn)
+    "synthetic_remote": (["--synthetic", "--remote", "tcp://127.0.0.1:1?token=t"], "--remote"),
+    "synthetic_plot": (["--synthetic", "--plot", "{tmp}/syn.png"], "--plot"),
+    "synthetic_quick": (["--synthetic", "--quick"], "--quick"),
+    "synthetic_threads": (["--synthetic", "--threads", "2"], "--threads"),
 }
 
 
@@ -59,12 +66,13 @@ def test_bad_demo_input_is_one_clear_line_and_exit_2(case, tmp_path):
     env.pop("KVTIER_TOKEN", None)
     if case == "cache_unwritable":
         env["XDG_CACHE_HOME"] = "/proc/self/nope"   # a read-only home, as in a locked-down container
-    r = _demo([a.format(afile=afile) for a in argv], env, timeout=60)
+    r = _demo([a.format(afile=afile, tmp=tmp_path) for a in argv], env, timeout=60)
     # old code: a traceback (the worker's inside the parent's), exit 1, after loading the model
     assert "Traceback" not in r.stderr, r.stderr[-1500:]
     assert r.returncode == 2, (r.returncode, r.stderr[-800:])
     assert says in r.stderr, r.stderr
     assert not list((tmp_path / "xdg" / "kvtier").glob("demo-store-*"))
+    assert not (tmp_path / "syn.png").exists()
 
 
 def test_control_synthetic_with_a_good_store_dir_runs(tmp_path):
@@ -232,3 +240,58 @@ def test_the_resume_line_calls_the_context_a_context_not_cached_tokens():
     line = next(l for l in buf.getvalue().splitlines() if l.startswith("resume"))  # noqa: E741
     assert "4556 cached" not in line, line   # 4544 of the 4556 context tokens were cached, 12 new
     assert "4556-token context, 12 new" in line, line
+
+
+# --- s30 a15 D3: a --remote server that does not answer is refused before the runs ---
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """A real kvtier server and its tenant's token."""
+    from kvtier.server.launch import ServerProcess
+
+    token = "demo-token-" + "5" * 20
+    with ServerProcess.start({"demo": token}, workdir=str(tmp_path_factory.mktemp("srv"))) as srv:
+        yield srv, token
+
+
+def _refused_remote(url: str, canned, capsys) -> str:
+    from kvtier.demo import runner
+
+    started = time.monotonic()
+    rc = runner.run_demo(_args(remote=url))   # old code: the canned runs, exit 0, nothing said
+    err = capsys.readouterr().err
+    assert rc == 2 and not canned, (rc, err)
+    assert "cannot reach the kvtier server" in err and "token=" not in err, err
+    assert time.monotonic() - started < 15   # a short timeout, not the store's 30 s per call
+    return err
+
+
+def test_a_remote_url_where_nothing_listens_is_refused(canned, capsys, monkeypatch):
+    monkeypatch.setenv("KVTIER_TOKEN", "some-token")
+    with socket.socket() as s:   # a port nothing listens on: bound, never listening
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        err = _refused_remote(f"tcp://127.0.0.1:{port}", canned, capsys)
+    assert f"127.0.0.1:{port}" in err and "refused" in err
+
+
+def test_a_remote_url_whose_listener_never_answers_is_refused(canned, capsys, monkeypatch):
+    monkeypatch.setenv("KVTIER_TOKEN", "some-token")
+    with socket.socket() as s:   # connections queue in the backlog, no HELLO reply ever comes
+        s.bind(("127.0.0.1", 0))
+        s.listen(4)
+        _refused_remote(f"tcp://127.0.0.1:{s.getsockname()[1]}", canned, capsys)
+
+
+def test_a_remote_server_that_refuses_the_token_is_refused(server, canned, capsys):
+    srv, _ = server
+    err = _refused_remote(srv.tcp_url + "?token=not-the-tenants-token", canned, capsys)
+    assert "AUTH" in err, err
+
+
+def test_control_a_remote_server_that_answers_passes_the_preflight(server, canned, capsys, monkeypatch):
+    from kvtier.demo import runner
+
+    srv, token = server
+    monkeypatch.setenv("KVTIER_TOKEN", token)
+    assert runner.run_demo(_args(remote=srv.tcp_url)) == 0 and canned

@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
+
+import pytest
+
+from kvtier.tiers.disk import DiskTier
+from tests.tmpfs import mounted_tmpfs
 
 CODE = """
 import sys
@@ -56,3 +62,83 @@ def test_a_phase_above_its_limit_is_printed_with_a_warning_and_the_disk_limit_is
     monkeypatch.setattr(synthetic, "disk_limit_gib_s", lambda *a, **k: 1e6, raising=False)
     assert synthetic.run_synthetic(argparse.Namespace(store_dir=str(tmp_path / "b"))) == 0
     assert "WARNING" not in capsys.readouterr().out
+
+
+def _strict(text: str):
+    def refuse(name):
+        raise ValueError(f"{name} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_synthetic_json_is_one_strict_object_of_its_phases(tmp_path, capsys):
+    """--json was ignored: a rich table on stdout (s30 a15 D4)."""
+    from kvtier.demo import synthetic
+
+    rc = synthetic.run_synthetic(argparse.Namespace(store_dir=str(tmp_path / "s"), json=True))
+    out = capsys.readouterr().out
+    summary = _strict(out)
+    assert rc == 0 and summary["ok"] is True
+    blocks = synthetic.N_BLOCKS
+    assert [p["phase"] for p in summary["phases"]] == [
+        "save a 4k-token context", "reload after eviction", "reload again (promoted)", "reload after a restart"]
+    assert all(p["blocks"] == blocks and p["gib_s"] > 0 and p["shortfall"] is None for p in summary["phases"])
+    assert [p["bytes_equal"] for p in summary["phases"]] == [None, True, True, True]
+    assert summary["found_after_restart_blocks"] == blocks
+
+
+@pytest.mark.parametrize("as_json", [True, False])
+def test_loads_a_full_file_system_kept_short_are_not_posted_as_rates_or_corruption(tmp_path, capsys, as_json):
+    """A 40 MiB tmpfs holds less than the 64 MiB context: a load of 0 blocks was posted with a GiB/s
+    rate and "bytes equal NO" (s30 a15 D6)."""
+    from kvtier.demo import synthetic
+
+    with mounted_tmpfs(tmp_path / "small", "40m") as mnt:
+        rc = synthetic.run_synthetic(argparse.Namespace(store_dir=str(mnt / "s"), json=as_json))
+    out, err = capsys.readouterr()
+    assert rc == 1 and "not stored" in err and "MiB free" in err, err
+    if as_json:
+        loads = _strict(out)["phases"][1:]
+        assert all(p["blocks"] < synthetic.N_BLOCKS and p["shortfall"] == synthetic.DISK_FULL for p in loads), loads
+        assert all(p["bytes_equal"] is not False for p in loads)
+        assert all((p["gib_s"] is None) == (p["blocks"] == 0) for p in loads)
+    else:
+        row = next(line for line in out.splitlines() if "reload after eviction" in line)
+        assert "NO" not in out and "not stored (disk full)" in row, out
+        assert f"/{synthetic.N_BLOCKS}" in row
+
+
+@pytest.fixture
+def faulty_disk(monkeypatch):
+    """The synthetic store's disk tier behind kvtier's fault injector; the faults to set."""
+    from kvtier.demo import synthetic
+    from kvtier.tiers.faulty import Faults, FaultyTier
+
+    faults = Faults()
+    monkeypatch.setattr(synthetic, "DiskTier", lambda path, capacity: FaultyTier(DiskTier(path, capacity), faults))
+    return faults
+
+
+def test_a_load_is_judged_only_on_the_blocks_it_loaded(tmp_path, capsys, faulty_disk):
+    """Disk reads that fail part way: the rate over the blocks loaded, their bytes compared, the
+    rest "not loaded" (the disk had room: not a full disk)."""
+    from kvtier.demo import synthetic
+
+    faulty_disk.get_error = 0.05
+    rc = synthetic.run_synthetic(argparse.Namespace(store_dir=str(tmp_path / "s"), json=True))
+    out, err = capsys.readouterr()
+    disk_loads = [p for p in _strict(out)["phases"] if p["tier"] == "disk"]
+    assert rc == 1 and "not (missing or unreadable" in err
+    assert all(p["blocks"] < synthetic.N_BLOCKS and p["shortfall"] == synthetic.NOT_LOADED for p in disk_loads)
+    assert all(p["bytes_equal"] is (True if p["blocks"] else None) for p in disk_loads), disk_loads
+    assert all((p["gib_s"] is None) == (p["blocks"] == 0) for p in disk_loads)
+
+
+def test_control_corrupt_loaded_bytes_are_still_said_no(tmp_path, capsys, faulty_disk):
+    from kvtier.demo import synthetic
+
+    faulty_disk.corrupt_read = 1.0   # every disk read reported OK with a bit flipped
+    rc = synthetic.run_synthetic(argparse.Namespace(store_dir=str(tmp_path / "s")))
+    out, err = capsys.readouterr()
+    row = next(line for line in out.splitlines() if "reload after eviction" in line)
+    assert rc == 1 and "NO" in row and "128/128" in row and "bytes other than those saved" in err
