@@ -43,7 +43,11 @@ back in one *extent* file, each block the same bytes as a file of its own, and
   or still links to the indexed place, a symbolic link's target compared as the place it names),
   since another process may have removed the block (evicted, expired, deleted): an entry that
   fails is forgotten (a packed block's place counted dead), and the block written again / not
-  claimed; a place adopted again after that is counted live once, no longer dead. Reads (and ``lookup_prefix``) trust the entry: a get finds the file gone and misses.
+  claimed; a place adopted again after that is counted live once, no longer dead. Reads (and ``lookup_prefix``) trust the entry:
+  a get that finds the file gone, or the name holding another file than indexed, forgets the entry
+  and reads the block where the name holds it now (a miss where none). A name is removed for a
+  block gone or bad only while it holds the very file indexed and read (an extent known by its
+  table, not by its inode number alone, which the file system hands out again once it is free).
 * **Deletes the file system refuses** (read-only, EACCES, EIO) are not reported done:
   ``delete`` returns False, the block is *withheld* (never served, listed or adopted again,
   still counted) and its removal retried; see :meth:`DiskTier.delete`.
@@ -432,18 +436,24 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
         finally:
             os.close(fd)
 
+    @classmethod
+    def _still_links(cls, path: str, st: os.stat_result, rel: str) -> bool:
+        """Whether a block's name (``st``, its lstat in the restart scan) still links to extent
+        ``rel``, which the scan matched to it by inode number: the same file, whose table (where it
+        has one) is ``rel``'s. Asked before the name is removed: by then the number may be
+        another file's, one that got it after the one the scan saw was removed."""
+        try:
+            table = cls._table_behind(path, st)
+        except OSError:
+            return False
+        return table is None or table.rel == rel
+
     def _tabled_location(self, key: BlockKey, table: disk_extents.Table,
                          st: os.stat_result) -> tuple[str, int, int, int] | None:
         """``(extent rel, offset, length, table index)`` of a block whose name (``st``) is a hard link
         to an extent: from the table it opens, if the extent's own name is that same file."""
-        if key not in table.blocks or not disk_extents.is_extent_rel(table.rel):
-            return None
-        try:
-            own = os.lstat(os.path.join(self.path, table.rel))
-        except OSError:
-            return None
-        if (own.st_ino, own.st_dev) != (st.st_ino, st.st_dev):
-            return None  # the table names another file: not an extent of this directory
+        if key not in table.blocks or not self._is_extent(table, st):
+            return None  # (the table names another file: not an extent of this directory)
         index, offset, length = table.blocks[key]
         return table.rel, offset, length, index
 
@@ -696,16 +706,60 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
         if stat.S_ISREG(st.st_mode) and st.st_ino == extent.ino and st.st_nlink == 1:
             _unlink(path)
 
-    def _still_there(self, key: BlockKey) -> bool:
-        """False if a packed block's name no longer links to where we read it (another process
-        removed it, perhaps erasing its bytes: what we read is not a damaged block of ours)."""
-        entry = self._index.get(key)
-        return entry is None or entry.extent is None or self._holds(key, entry)
+    def _holds_exactly(self, key: BlockKey, entry: _Entry, read: os.stat_result | None = None) -> bool:
+        """Whether ``key``'s name still holds the very block ``entry`` indexed (and, given ``read``, the
+        fstat of the file a failed read of ``entry`` opened, the very file read): asked before a
+        name is removed for a block that vanished or failed verification (under the lock, on those
+        paths only: one open and one page read). An inode number alone does not tell, since a file
+        system hands a freed one out again (ext4 at once): another process may have removed the
+        indexed extent and packed the key again in a new extent that got its number, or replaced a
+        block file of its own with a link into an extent. So a packed block's name must be the
+        indexed extent by its table (which names the extent, a name no other extent has); a block
+        file of its own must be no extent of the directory (:meth:`_is_extent`) and be the file read,
+        unchanged (same device, inode, ctime and size; whichever process put it there: a bad file
+        at the name is bad for every reader), else the indexed inode. A symbolic link names its
+        place itself."""
+        extent = entry.extent
+        if extent is not None and extent.ino is None:
+            return self._holds(key, entry)
+        try:
+            fd = direct_io.open_regular(self.path_of(key))
+        except OSError:
+            return False
+        try:
+            st = os.fstat(fd)
+            table = disk_extents.read_table(fd, st.st_size)
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
+        if extent is None:  # read by its name: what the name holds is what is judged, unless an extent
+            return (not self._is_extent(table, st)
+                    and (_same_file(st, read) if read is not None else entry.ino in (None, st.st_ino)))
+        # an extent's ctime moves with every name linked or unlinked: its table tells it instead
+        # (one whose table is unreadable, damaged, is still the indexed inode's to judge)
+        return (st.st_ino == extent.ino and (table is None or table.rel == extent.rel)
+                and (read is None or (st.st_dev, st.st_ino) == (read.st_dev, read.st_ino)))
+
+    def _is_extent(self, table: disk_extents.Table | None, st: os.stat_result) -> bool:
+        """Whether a file (``st``, ``table``: its table or None) is an extent of this directory, its
+        own name still that same file: another process's blocks, never a damaged block file. One
+        its own name no longer reaches (a remover, or a writer, killed halfway) is only the name's."""
+        if table is None or not disk_extents.is_extent_rel(table.rel):
+            return False
+        try:
+            own = os.lstat(os.path.join(self.path, table.rel))
+        except OSError:
+            return False
+        return (own.st_dev, own.st_ino) == (st.st_dev, st.st_ino)
 
     def _holds(self, key: BlockKey, entry: _Entry) -> bool:
         """Whether ``key``'s name still holds the block ``entry`` describes (one lstat, or one
         readlink; no lock needed): a file of its own is a regular file of the entry's size (and
-        inode, where known); a packed block's name links to the indexed extent."""
+        inode, where known); a packed block's name links to the indexed extent. An inode number the
+        file system gave a new extent of the key once the indexed one was gone passes: the entry
+        then stays, stale but harmless (the name does hold the block, and a read of the entry finds
+        its extent gone and reads it there); nothing is removed on this check alone."""
         path = self.path_of(key)
         try:
             if entry.extent is None:
@@ -738,21 +792,16 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
                     if self._index.get(key) is entry:  # (not published or removed again meanwhile)
                         self._forget(key)
 
-    def _discard(self, key: BlockKey, entry: _Entry, path: str, bad: os.stat_result) -> None:
-        """Drop a block that failed verification (``entry``, still indexed and still named: checked
-        by the caller): a packed block is erased from its extent, which stays while other blocks'
-        names link to it; a file of its own is unlinked, unless its name now holds another file (a
-        good copy another process published meanwhile)."""
+    def _discard(self, key: BlockKey, entry: _Entry) -> None:
+        """Drop a block that failed verification (``entry``, still indexed, its name confirmed by
+        :meth:`_holds_exactly` to hold the very file read: checked by the caller): a packed block is
+        erased from its extent, which stays while other blocks' names link to it; a file of its own
+        is unlinked."""
         if entry.extent is not None:
             self._remove(key)
             return
         self._forget(key)
-        try:
-            st = os.lstat(path)
-        except OSError:
-            return
-        if (st.st_ino, st.st_dev) == (bad.st_ino, bad.st_dev):
-            _unlink(path)
+        _unlink(self.path_of(key))
 
     def _recover(self) -> None:
         """Index every published block under ``path`` (files of their own, and links into extents);
@@ -831,6 +880,8 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
                 if now - st.st_mtime <= STALE_TEMP_S:
                     continue  # its extent may have been renamed in after the scan passed it: a later look finds it
             where = table.blocks.get(key) if table is not None else None
+            if where is None and rel is not None and not self._still_links(path, st, rel):
+                continue  # the name holds another file now: its number was the extent's only by reuse
             if where is None:
                 self.stats.verify_failures += 1  # its extent is gone, or its table does not list it
                 _unlink(path)
@@ -1016,6 +1067,13 @@ def _listed(path: str) -> list[os.DirEntry]:
     except OSError as exc:
         raise TierError(f"cannot list {path!r} ({exc}); make it readable and searchable by this user "
                         f"(or remove it), or pass another directory") from exc
+
+
+def _same_file(a: os.stat_result, b: os.stat_result) -> bool:
+    """Whether two stats are of one file, unchanged between them: its inode number, which a file
+    system reuses once the file is gone, with its ctime and size (a new file at the old number was
+    made, or renamed in, at another time)."""
+    return (a.st_dev, a.st_ino, a.st_ctime_ns, a.st_size) == (b.st_dev, b.st_ino, b.st_ctime_ns, b.st_size)
 
 
 def _plausible(size: int) -> bool:

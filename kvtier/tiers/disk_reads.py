@@ -3,7 +3,9 @@
 Every read is verified before it counts (header key and size, the record's check, xxh3-128 of
 the payload; a sealed block only through a sink); a block that fails is
 :attr:`~kvtier.tiers.base.Status.CORRUPT`, counted and removed, unless another process removed
-or replaced it meanwhile (a plain miss). ``get_many`` hands runs of blocks to
+or replaced it meanwhile (a plain miss; never removed unless the name still holds the very file
+indexed and read, not merely one with its inode number): a block stored again elsewhere meanwhile
+(a file of its own, another extent) is read there, once. ``get_many`` hands runs of blocks to
 :meth:`~kvtier.tiers.direct_io.BlockIO.read_many` (a packed run is one request) and judges each
 request's blocks at once as they land: header fields, records and payload hashes checked
 together with numpy (a header object per block cost more than reading a 16 KiB block); a block
@@ -35,12 +37,13 @@ class DiskReads:
 
         On any status but OK the content of ``out`` is unspecified."""
         dst = as_bytes(out, writable=True)
-        return self._get(key, dst.nbytes, lambda fd, base: self._read_verified(fd, base, key, dst))
+        return self._get(key, dst.nbytes, lambda fd, base: self._read_verified(fd, base, key, dst), again=True)
 
     def get_streams(self, keys, sinks: list[PayloadSink]) -> list[Status]:
         if len(keys) != len(sinks):
             raise ValueError(f"get_streams: {len(keys)} keys but {len(sinks)} sinks")
-        return [self._get(k, s.nbytes, lambda fd, base, k=k, s=s: self._read_into_sink(fd, base, k, s))
+        # a sink is fed once: a block found elsewhere after a read of a stale entry is not read again
+        return [self._get(k, s.nbytes, lambda fd, base, k=k, s=s: self._read_into_sink(fd, base, k, s), again=False)
                 for k, s in zip(keys, sinks)]
 
     def get_many(self, keys, outs) -> list[Status]:
@@ -96,7 +99,7 @@ class DiskReads:
                 def read(fd, base, key=key, dst=dst):
                     return self._read_verified(fd, base, key, dst)
 
-                statuses[i] = self._get_found(key, entry, dst.nbytes, read)
+                statuses[i] = self._get_found(key, entry, dst.nbytes, read, again=True)
                 if statuses[i] is Status.OK:
                     done.append(i)
                 continue
@@ -165,7 +168,15 @@ class DiskReads:
 
     def _judge_read(self, key: BlockKey, entry: _Entry, dst: np.ndarray, job: ReadJob, got: ReadOutcome) -> Status:
         """A get's status from what :meth:`BlockIO.read_many` read of ``entry`` (as :meth:`_get`
-        judges its own read)."""
+        judges its own read); a block found elsewhere since is read into ``dst`` (:meth:`_read_moved`)."""
+        status = self._judge_read_once(key, entry, dst, job, got)
+        if status is not Status.MISS:
+            return status
+        return self._read_moved(key, entry, dst.nbytes, lambda fd, base: self._read_verified(fd, base, key, dst))
+
+    def _judge_read_once(self, key: BlockKey, entry: _Entry, dst: np.ndarray, job: ReadJob,
+                         got: ReadOutcome) -> Status:
+        """:meth:`_judge_read` of ``entry`` itself (a stale entry: a miss)."""
         if isinstance(got.error, (FileNotFoundError, direct_io.NotAFile)):
             return self._vanished(key, entry)
         if got.error is not None:
@@ -181,7 +192,7 @@ class DiskReads:
                 return xxhash.xxh3_128_digest(dst)
 
             status, why = self._read_checked(key, dst.nbytes, digest, sealed=False)
-        return self._settle(key, entry, dst.nbytes, status, why, job.path, got.inode)
+        return self._settle(key, entry, dst.nbytes, status, why, got.inode)
 
     def _lookup(self, key: BlockKey) -> _Entry | None:
         """The entry of a block a get should read (a miss is counted here)."""
@@ -202,25 +213,52 @@ class DiskReads:
 
     def _vanished(self, key: BlockKey, entry: _Entry) -> Status:
         """The file of ``entry`` went away since we indexed it, or its name now holds no regular
-        file (another process removed or replaced it): a miss. A packed block's name that still
-        links to the extent is removed too: without the extent's own name neither another process
-        nor a restart can find the block, and the name would hold the extent's space for nobody."""
+        file (another process removed or replaced it): a miss, the entry forgotten (a get reads
+        whatever the name holds then: :meth:`_read_moved`). A packed block's name that still links to the very
+        extent indexed (:meth:`_holds_exactly`: by its table, not its inode number, which a new
+        extent of another process may have been given) is removed too: without the extent's own
+        name neither another process nor a restart can find the block, and the name would hold the
+        extent's space for nobody. A name that holds anything else is left alone."""
         with self._lock:
             if self._index.get(key) is entry:  # (not removed or published again meanwhile)
-                if entry.extent is not None and self._still_there(key):
+                if entry.extent is not None and self._holds_exactly(key, entry):
                     _unlink(self.path_of(key))
                 self._forget(key)
             self.stats.misses += 1
         return Status.MISS
 
-    def _get(self, key: BlockKey, nbytes: int, read) -> Status:
-        """A get of ``nbytes`` whose verified read ``read(fd, base) -> (status, why)`` is the caller's."""
+    def _get(self, key: BlockKey, nbytes: int, read, *, again: bool) -> Status:
+        """A get of ``nbytes`` whose verified read ``read(fd, base) -> (status, why)`` is the caller's
+        (``again``: see :meth:`_get_found`)."""
         entry = self._lookup(key)
         if entry is None:
             return Status.MISS
-        return self._get_found(key, entry, nbytes, read)
+        return self._get_found(key, entry, nbytes, read, again=again)
 
-    def _get_found(self, key: BlockKey, entry: _Entry, nbytes: int, read) -> Status:
+    def _get_found(self, key: BlockKey, entry: _Entry, nbytes: int, read, *, again: bool) -> Status:
+        """:meth:`_get` of an indexed ``entry``; ``again``: a read that found the entry stale may read
+        the block where its name holds it now (:meth:`_read_moved`; not where ``read`` fed a sink)."""
+        status = self._get_once(key, entry, nbytes, read)
+        if status is not Status.MISS or not again:
+            return status
+        return self._read_moved(key, entry, nbytes, read)
+
+    def _read_moved(self, key: BlockKey, entry: _Entry, nbytes: int, read) -> Status:
+        """After a read of ``entry`` missed because the entry was stale (forgotten: another process
+        removed the block, or stored it again elsewhere, as a file of its own or in an extent of its
+        own), the block its name holds now, adopted (one lookup, as a get's) and read once, so that
+        a block another process moved is still served; MISS where the name holds none."""
+        with self._lock:
+            if self._index.get(key) is entry:
+                return Status.MISS  # a miss that kept its entry: not a stale one
+            moved = self._live(key)
+            if moved is None:
+                return Status.MISS
+            self.stats.misses -= 1  # one get, one count: the read goes on at the block's new place
+            self._policy.on_access(key)
+        return self._get_found(key, moved, nbytes, read, again=False)
+
+    def _get_once(self, key: BlockKey, entry: _Entry, nbytes: int, read) -> Status:
         path = self._file_of(key, entry)
         packed = entry.extent is not None
         try:
@@ -244,9 +282,9 @@ class DiskReads:
             return self._failed_get(key, exc)
         finally:
             os.close(fd)
-        return self._settle(key, entry, nbytes, status, why, path, inode)
+        return self._settle(key, entry, nbytes, status, why, inode)
 
-    def _settle(self, key: BlockKey, entry: _Entry, nbytes: int, status: Status, why: str, path: str,
+    def _settle(self, key: BlockKey, entry: _Entry, nbytes: int, status: Status, why: str,
                 inode: os.stat_result) -> Status:
         """Count a judged read of ``entry``; a block that failed verification is removed."""
         with self._lock:
@@ -255,24 +293,28 @@ class DiskReads:
                 self.stats.bytes_read += nbytes
             elif status in (Status.BAD_SIZE, Status.MISS):
                 self.stats.misses += 1
-            elif not self._drop_bad(key, entry, path, inode):
+            elif not self._drop_bad(key, entry, inode):
                 self.stats.misses += 1
                 return Status.MISS
             else:
                 log.warning("disk tier %s: block %s failed verification (%s); removed", self.path, key.hex(), why)
         return status
 
-    def _drop_bad(self, key: BlockKey, entry: _Entry, path: str, inode: os.stat_result) -> bool:
-        """Remove a block whose read of ``entry`` failed verification (under the lock); False if that
-        read was not of a block still here, a plain miss: removed meanwhile, by a thread of ours or
-        another process (perhaps erasing the bytes being read), or published again."""
+    def _drop_bad(self, key: BlockKey, entry: _Entry, inode: os.stat_result) -> bool:
+        """Remove a block whose read of ``entry`` (``inode``: the fstat of the file read)
+        failed verification (under the lock); False if that read was not of the block indexed, still
+        named: a plain miss, the entry forgotten. That is a block removed meanwhile, by a thread of
+        ours or another process (perhaps erasing the bytes being read), or published again, or a
+        name that now holds another file than the one indexed: another process's extent read as a
+        block file of its own, or one that got the indexed file's inode number once it was freed
+        (:meth:`_holds_exactly`); that file is never removed for a read of something else."""
         if self._index.get(key) is not entry:
             return False
-        if not self._still_there(key):
+        if not self._holds_exactly(key, entry, inode):
             self._forget(key)
             return False
         self.stats.verify_failures += 1
-        self._discard(key, entry, path, inode)
+        self._discard(key, entry)
         return True
 
     def records(self) -> Iterator[StoredRecord]:
@@ -303,7 +345,7 @@ class DiskReads:
             if (record is None or size != PAGE + round_up(header.payload_nbytes)
                     or inode.st_size < entry.offset + size):
                 with self._lock:
-                    dropped = self._drop_bad(key, entry, path, inode)
+                    dropped = self._drop_bad(key, entry, inode)
                 if dropped:
                     log.warning("disk tier %s: block %s has a bad header or record; removed", self.path, key.hex())
                 continue
