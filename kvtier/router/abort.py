@@ -45,7 +45,7 @@ import socket
 import uuid
 from typing import Any, Callable, Iterable, Mapping, NamedTuple
 
-from aiohttp import ClientError, ClientSession, ClientTimeout
+from aiohttp import ClientError, ClientSession, ClientTimeout, ServerDisconnectedError
 
 from kvtier.router.requests import is_batch
 
@@ -234,19 +234,31 @@ class WorkerAborts:
 
     async def _post(self, session: ClientSession, worker_url: str, ids: list[str],
                     headers: Mapping[str, str] | None) -> str:
-        try:
-            async with session.post(worker_url + ABORT_PATH, json={"request_ids": ids}, headers=headers,
-                                    timeout=ClientTimeout(total=ABORT_TIMEOUT_S)) as resp:
-                result = "ok" if resp.status < 400 else "refused"
-                if result == "refused" and worker_url not in self._refusing:
-                    self._refusing.add(worker_url)
-                    # vLLM answers 403 unless started with --enable-scale-out
-                    log.warning("worker %s refuses to abort requests by name (%s); start it with "
-                                "--enable-scale-out, or only a closed connection tells it", worker_url, resp.status)
-        except (ClientError, asyncio.TimeoutError, OSError) as exc:
-            result = "failed"
-            log.info("worker %s: aborting %s failed (%s)", worker_url, ids, exc)
-        return result
+        # An abort goes out on a pooled keep-alive connection, which the worker may have closed
+        # just then: aiohttp says "Server disconnected" without the worker having read it (a full
+        # fresh-clone CI run lost an abort so, and the generation ran on). Aborting is idempotent:
+        # sent once more, on a new connection.
+        for attempt in range(2):
+            try:
+                async with session.post(worker_url + ABORT_PATH, json={"request_ids": ids}, headers=headers,
+                                        timeout=ClientTimeout(total=ABORT_TIMEOUT_S)) as resp:
+                    result = "ok" if resp.status < 400 else "refused"
+                    if result == "refused" and worker_url not in self._refusing:
+                        self._refusing.add(worker_url)
+                        # vLLM answers 403 unless started with --enable-scale-out
+                        log.warning("worker %s refuses to abort requests by name (%s); start it with "
+                                    "--enable-scale-out, or only a closed connection tells it",
+                                    worker_url, resp.status)
+                return result
+            except ServerDisconnectedError as exc:
+                if attempt == 0:
+                    continue
+                failure: BaseException = exc
+            except (ClientError, asyncio.TimeoutError, OSError) as exc:
+                failure = exc
+            log.info("worker %s: aborting %s failed (%s)", worker_url, ids, failure)
+            return "failed"
+        return "failed"
 
     async def drain(self, timeout_s: float = 2.0) -> None:
         """Let the aborts under way finish (at shutdown, before the session closes); those

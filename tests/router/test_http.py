@@ -1099,6 +1099,49 @@ def test_an_abort_the_worker_answers_late_is_counted_as_taken(monkeypatch, bound
     run(main())
 
 
+class DropsTheFirstAbortConnection(Deaf):
+    """A worker that closes the connection of the first abort without answering, as one closing
+    an idle keep-alive connection just as the router reuses it: aiohttp says "Server
+    disconnected"."""
+
+    def __init__(self, name: str, **kw) -> None:
+        super().__init__(name, **kw)
+        self.dropped = 0
+
+    async def abort(self, request):
+        if not self.dropped:
+            self.dropped += 1
+            request.transport.close()
+            return web.Response(status=200)   # (never reaches the router)
+        return await super().abort(request)
+
+
+@pytest.mark.parametrize("drops", [True, False])
+def test_an_abort_whose_connection_the_worker_closed_is_sent_once_more(drops):
+    """A full fresh-clone CI run lost an abort to "Server disconnected" (a pooled keep-alive
+    connection the worker had closed), and the generation ran on. Aborting is idempotent: it is
+    sent once more on a new connection and counted ``ok``. Control: a worker that answers the
+    first is sent it once."""
+    async def main():
+        w = (DropsTheFirstAbortConnection if drops else Deaf)("w0", steps=200, gap_s=0.05)   # 10 s of decoding
+        await w.start()
+        router, runner, url = await start_router([w], abort_again_s=())
+        count = router.metrics.aborts.labels
+        try:
+            async with ClientSession() as s:
+                await leave_early(s, url, "/v1/completions", {"prompt": "a b"}, worker=w)
+                await until(lambda: count(w.url, "ok")._value.get() + count(w.url, "failed")._value.get() >= 1,
+                            timeout_s=10)
+                got = {r: count(w.url, r)._value.get() for r in ("ok", "failed")}
+                assert got == {"ok": 1, "failed": 0}, got
+                assert w.aborted == 1 and len(w.abort_posts) == 1, (w.aborted, w.abort_posts)
+                assert getattr(w, "dropped", 1) == 1
+        finally:
+            await runner.cleanup()
+            await w.stop()
+    run(main())
+
+
 def test_a_responses_api_client_that_leaves_is_not_aborted_by_name():
     """A Responses API request may run in the background past its client (``background``):
     the router does not abort it by name. Control: a completion's client leaving is."""
