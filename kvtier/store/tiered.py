@@ -77,8 +77,9 @@ class DeleteRefused(TierError):
         first = refused[0]
         super().__init__(
             f"{len(refused)} stored block copies could not be removed (first: {first.path}: "
-            f"{first.error.strerror or first.error}); they are no longer served but stay on the medium: "
-            f"make the directory writable, then delete again")
+            f"{first.error.strerror or first.error}); they are no longer served but a copy stays until "
+            f"the removal is done (a disk: make the directory writable, then delete again; a Mooncake "
+            f"fleet: the removal is retried until it lands)")
         self.removed = removed
         self.refused = refused
 
