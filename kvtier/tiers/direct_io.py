@@ -30,7 +30,6 @@ import errno
 import mmap
 import os
 import queue
-import socket
 import stat
 import threading
 import uuid
@@ -42,7 +41,7 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
-from kvtier.child_process import process_gone
+from kvtier.child_process import host_tag, process_gone
 from kvtier.core.thread_pools import started_pool
 from kvtier.private_files import FILE_MODE
 
@@ -131,13 +130,14 @@ def io_buffer(nbytes: int) -> np.ndarray:
 
 
 def temp_tag() -> str:
-    """``random.pid.host`` for temp-file names: a later scan can tell a dead writer's files."""
-    return f"{uuid.uuid4().hex[:8]}.{os.getpid()}.{socket.gethostname()}"
+    """``random.pid.host`` for temp-file names, the host being :func:`~kvtier.child_process.host_tag`
+    (host name and PID namespace): a later scan can tell a dead writer's files."""
+    return f"{uuid.uuid4().hex[:8]}.{os.getpid()}.{host_tag()}"
 
 
 def stale_temp(name: str, mtime: float, now: float, max_age_s: float) -> bool:
-    """Whether temp file ``.<what>.<temp_tag()>.tmp`` belongs to a dead writer: its
-    process is gone from this host, or it is older than any write takes. The name is checked
+    """Whether temp file ``.<what>.<temp_tag()>.tmp`` belongs to a dead writer: its process is gone
+    from this host and PID namespace, or it is older than any write takes. The name is checked
     first: a file named otherwise is not ours, however old (a scan never removes others' files)."""
     parts = name[1:-4].split(".", 3)
     if (not name.startswith(".") or not name.endswith(".tmp") or len(parts) != 4 or len(parts[1]) != 8
@@ -145,8 +145,10 @@ def stale_temp(name: str, mtime: float, now: float, max_age_s: float) -> bool:
         return False  # not ours: leave it
     if now - mtime > max_age_s:
         return True
+    # another node of a shared mount, or a container on this host with its own PID namespace (its
+    # pids mean nothing here), or a name from before the tag (a host name only): only age tells
     pid, host = int(parts[2]), parts[3]
-    return host == socket.gethostname() and process_gone(pid)  # another node of a shared mount: only age tells
+    return host == host_tag() and process_gone(pid)
 
 
 class NotAFile(OSError):

@@ -478,11 +478,17 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
             self._ages.push(entry.created, key, entry, held=len(self._index))
 
     def _make_room(self, need: int) -> bool:
+        """Evict the policy's victims (never pinned ones) until ``need`` more bytes fit under the
+        limit, besides the puts in flight; False where they cannot. Under a limit the medium lowered,
+        a put larger than the tier holds plus the room left is refused before anything is evicted:
+        it would evict the whole tier and fail all the same."""
         def fits() -> bool:
             return self._used + self._reserved + need <= self._limit
 
         if fits() or (self._medium_freed() and fits()):
             return True
+        if self._limit < self._capacity and need > self._used + self._medium_room():
+            return False  # more than the medium would hold with the whole tier evicted: evict nothing for it
         self._purge_expired()
         victims = self._policy.victims()
         while not fits():
@@ -510,12 +516,16 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
         """A write found no room on the file system before ``capacity_bytes`` was reached: other
         writers share it, or it holds less than that. The medium is the limit from now on: what
         this tier holds plus the room the file system has left (statvfs; none for a spent quota,
-        EDQUOT, which statvfs does not show), so that puts evict the policy's victims to make room,
-        as at capacity, instead of failing one after another. A full file system's limit rises
-        again as it frees space (:meth:`_medium_freed`); a quota's holds until the tier is reopened."""
+        EDQUOT, which statvfs does not show, nor while no inode is free), so that puts evict the
+        policy's victims to make room, as at capacity, instead of failing one after another. A full
+        file system's limit rises again as it frees space (:meth:`_medium_freed`); a quota's holds
+        until the tier is reopened. Puts in flight (``_reserved``) are left out: their bytes,
+        written or being written, are already missing from the room statvfs shows, and
+        :meth:`_make_room` adds them to what must fit (counted twice, the limit was too high by
+        them, and a put that found no room evicted too little to find it the next time)."""
         before = self._limit
         self._quota_limited = quota
-        self._limit = min(self._capacity, self._used + self._reserved + (0 if quota else self._medium_room()))
+        self._limit = min(self._capacity, self._used + (0 if quota else self._medium_room()))
         if before == self._capacity > self._limit:
             log.warning("disk tier %s: no room on the file system (%s) with %d of capacity_bytes %d used "
                         "here; evicting to make room (pass a capacity_bytes the file system holds)",
@@ -528,17 +538,22 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
         finds no room lowers the limit again."""
         if self._limit >= self._capacity or self._quota_limited:
             return False
-        limit = min(self._capacity, self._used + self._reserved + self._medium_room())
+        limit = min(self._capacity, self._used + self._medium_room())  # (puts in flight: as in _medium_full)
         if limit <= self._limit:
             return False
         self._limit = limit
         return True
 
     def _medium_room(self) -> int:
-        """Bytes the file system has free for this user (0 where statvfs fails)."""
+        """Bytes the file system has free for this user: none where statvfs fails, or while no inode
+        is free for a new file (the bytes are no room then: an ext4 full of others' small files, a
+        tmpfs with ``nr_inodes``; each block evicted frees one). A file system that shows no inode
+        count (``f_files`` 0: btrfs, some network mounts) is judged by its bytes."""
         try:
             fs = os.statvfs(self.path)
         except OSError:
+            return 0
+        if fs.f_files and not fs.f_favail:
             return 0
         return fs.f_bavail * fs.f_frsize
 
@@ -692,8 +707,9 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
         to it: other processes may index blocks of it that this one never did (each name is a hard
         link, so the extent's link count tells). An extent from before tables (symbolic links, which
         the count does not show) is left to a restart, which removes it when no link reaches it."""
-        self._extents.pop(extent.rel, None)
-        self._forgotten.pop(extent.rel, None)
+        if self._extents.get(extent.rel) is extent:  # (never another object counted at its name)
+            del self._extents[extent.rel]
+            self._forgotten.pop(extent.rel, None)
         self._used -= extent.dead
         extent.dead = 0
         if extent.ino is None:
@@ -729,6 +745,7 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
         try:
             st = os.fstat(fd)
             table = disk_extents.read_table(fd, st.st_size)
+            first_page = os.pread(fd, PAGE, 0) if table is None and extent is not None else b""
         except OSError:
             return False
         finally:
@@ -736,9 +753,12 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
         if extent is None:  # read by its name: what the name holds is what is judged, unless an extent
             return (not self._is_extent(table, st)
                     and (_same_file(st, read) if read is not None else entry.ino in (None, st.st_ino)))
-        # an extent's ctime moves with every name linked or unlinked: its table tells it instead
-        # (one whose table is unreadable, damaged, is still the indexed inode's to judge)
-        return (st.st_ino == extent.ino and (table is None or table.rel == extent.rel)
+        # an extent's ctime moves with every name linked or unlinked: its table tells it instead.
+        # One whose table is unreadable (damaged) is the indexed extent only if it cannot be a block
+        # file of its own: another process may have stored the key again as one, and the file
+        # system handed it the freed extent's number (a block file has no table, a header instead)
+        named = table.rel == extent.rel if table is not None else unpack_header(first_page) is None
+        return (st.st_ino == extent.ino and named
                 and (read is None or (st.st_dev, st.st_ino) == (read.st_dev, read.st_ino)))
 
     def _is_extent(self, table: disk_extents.Table | None, st: os.stat_result) -> bool:

@@ -1,7 +1,7 @@
 """Packed extents of the disk tier: the blocks of one ``put_many`` in one file, a name per block.
 
-An *extent* ``<dir>/<shard>/<first key hex>-<random>-<pid>-<host tag>.kvx`` (its writer's process
-and host: :func:`writer_gone`; extents named before that lack both) starts with a *table* (a page or a
+An *extent* ``<dir>/<shard>/<first key hex>-<random>-<pid>-<host tag>.kvx`` (its writer's process,
+host and PID namespace: :func:`writer_gone`; extents named before that lack them) starts with a *table* (a page or a
 few: the extent's own name and, per block, its key, offset and length, each entry with its own
 check) and then holds blocks back to back, each exactly what a block file of its own holds
 (header page with key, sizes, checksum and record, then the payload padded to a page), so every
@@ -45,7 +45,6 @@ import ctypes.util
 import errno
 import os
 import re
-import socket
 import struct
 import uuid
 from dataclasses import dataclass
@@ -54,7 +53,7 @@ import numpy as np
 import xxhash
 
 from kvtier.core.payload import unpack_header
-from kvtier.child_process import process_gone
+from kvtier.child_process import host_tag, process_gone
 from kvtier.tiers.direct_io import PAGE, aligned_buffer, open_regular, pwrite_all, round_up
 
 EXTENT_SUFFIX = ".kvx"
@@ -181,21 +180,20 @@ def read_table(fd: int, file_size: int) -> Table | None:
 
 def extent_stem(first_key: bytes) -> str:
     """The name of a new extent without its suffix: the first key, a random part, then its
-    writer's pid and host tag, so that a restart can tell a dead writer's extent that no name
-    reaches from a live one's about to be linked (no dots: temp-file names are parsed on dots)."""
-    return f"{first_key.hex()}-{uuid.uuid4().hex[:8]}-{os.getpid()}-{_host_tag()}"
-
-
-def _host_tag() -> str:
-    return xxhash.xxh32_hexdigest(socket.gethostname().encode())
+    writer's pid and :func:`~kvtier.child_process.host_tag` (host name and PID namespace), so that
+    a restart can tell a dead writer's extent that no name reaches from a live one's about to be
+    linked (no dots: temp-file names are parsed on dots)."""
+    return f"{first_key.hex()}-{uuid.uuid4().hex[:8]}-{os.getpid()}-{host_tag()}"
 
 
 def writer_gone(name: str) -> bool:
-    """Whether the process that wrote extent ``name`` is known to be dead: it ran on this host
-    (its host tag is ours) and its pid is gone (never this process). False for an extent named
-    before names carried their writer, and for another host's (on a shared mount only age tells)."""
+    """Whether the process that wrote extent ``name`` is known to be dead: it ran on this host and
+    in this PID namespace (its host tag is ours) and its pid is gone (never this process). False
+    for an extent named before names carried their writer, and for another host's or container's
+    (a shared mount, or containers on one host with the host's name: only age tells). A name whose
+    tag hashed the host name alone (before the PID namespace was in it) is another host's so."""
     match = _NAME.fullmatch(name)
-    if match is None or match.group(1) is None or match.group(2) != _host_tag():
+    if match is None or match.group(1) is None or match.group(2) != host_tag():
         return False
     return process_gone(int(match.group(1)))
 

@@ -16,6 +16,8 @@ that copy whichever settles last (the other's file is gone, or its place in an e
 A file system that runs out of space (ENOSPC, EDQUOT) before ``capacity_bytes`` is reached is the
 limit from then on (``DiskTier._medium_full``): a put evicts the policy's victims worth what it
 needs and is written again (:data:`NO_ROOM_RETRIES` times at most), rather than failing for good.
+A ``put_many`` block whose name finds no room (a full ext4's directory wants a new block for it)
+is put on its own likewise, not failed.
 
 A put may carry the block's age (``created``: when it was first written into the store, wall
 clock): the published file's mtime is set to it before the rename, so a restart reads the same
@@ -28,6 +30,7 @@ import errno
 import os
 import stat
 import time
+from dataclasses import dataclass
 
 from kvtier.core.keys import KEY_BYTES, BlockKey
 from kvtier.core.payload import FLAG_CHECKSUM, FLAG_SEALED, BlockMeta, pack_header
@@ -35,7 +38,7 @@ from kvtier.private_files import make_private_dirs
 from kvtier.tiers import direct_io, disk_extents
 from kvtier.tiers.base import Status, check_batch_lengths
 from kvtier.tiers.direct_io import PAGE, as_bytes, round_up
-from kvtier.tiers.disk_extents import EXTENT_SUFFIX, Extent
+from kvtier.tiers.disk_extents import EXTENT_SUFFIX
 from kvtier.tiers.disk_records import FLAG_RECORD, TEMP_SUFFIX, BlockRecord, _Entry, _unlink, log, pack_record
 from kvtier.tiers.streams import PayloadSource, PieceReader
 
@@ -55,6 +58,23 @@ class _NoRoom(Exception):
     def __init__(self, quota: bool) -> None:
         super().__init__("quota spent" if quota else "file system full")
         self.quota = quota
+
+
+#: what a put's settle step answers when the write found no room and is to be made again
+_AGAIN = object()
+
+
+@dataclass(frozen=True, slots=True)
+class _Placed:
+    """A block written into an extent, to be indexed once its name is linked."""
+
+    key: BlockKey
+    size: int  #: bytes on disk (header page and padded payload)
+    offset: int  #: where in the extent
+    index: int  #: its entry in the extent's table
+    born: float  #: its age (first written into the store)
+    parent: BlockKey | None
+    nbytes: int  #: payload bytes (counted written)
 
 
 class DiskWrites:
@@ -142,10 +162,6 @@ class DiskWrites:
         need = sum(sizes[i] for i in todo)  # the table is metadata, like the names: not counted
         if len(todo) < 2:
             return
-        with self._lock:
-            if need > self._capacity or not self._make_room(need):
-                return  # block by block: what fits, fits
-            self._reserved += need
         stem = disk_extents.extent_stem(keys[todo[0]])
         rel = f"{stem[:2]}/{stem}{EXTENT_SUFFIX}"
         offsets, off = {}, disk_extents.table_bytes(rel, len(todo))
@@ -154,66 +170,102 @@ class DiskWrites:
             off += sizes[i]
         now = time.time()
         born = {i: now if created[i] is None else min(created[i], now) for i in todo}
-        try:
+        # one mtime for the extent's names (hard links of one inode): the oldest block's, so that
+        # after a restart none is served past its TTL (a younger one may expire early: a cache may lose)
+        oldest = min(born.values()) if any(created[i] is not None for i in todo) else None
+
+        def write_and_link() -> tuple[Status, int | None, list[OSError | None]]:
             table = disk_extents.pack_table(rel, [(keys[i], offsets[i], sizes[i]) for i in todo])
-            # one mtime for the extent's names (hard links of one inode): the oldest block's, so that
-            # after a restart none is served past its TTL (a younger one may expire early: a cache may lose)
-            oldest = min(born.values()) if any(created[i] is not None for i in todo) else None
-            full = None
-            try:
-                status, ino = self._write_extent(stem, rel, table, [
-                    (keys[i], srcs[i], metas[i], pack_record(keys[i], records[i]), offsets[i]) for i in todo], oldest)
-            except _NoRoom as exc:
-                status, ino, full = Status.FULL, None, exc
-            linked = self._link_all(rel, [keys[i] for i in todo]) if status is Status.OK else []
-        except BaseException:
-            with self._lock:
-                self._reserved -= need
-            raise
-        with self._lock:
-            self._reserved -= need  # in the same locked step as the index: room is never counted twice or not at all
+            status, ino = self._write_extent(stem, rel, table, [
+                (keys[i], srcs[i], metas[i], pack_record(keys[i], records[i]), offsets[i]) for i in todo], oldest)
+            return status, ino, (self._link_all(rel, [keys[i] for i in todo]) if status is Status.OK else [])
+
+        def settle(written, full: _NoRoom | None) -> None:
             if full is not None:
-                # the file system had no room for the extent (before capacity_bytes): block by block
-                # (statuses left None), each making room under the limit the medium sets now
-                self._medium_full(full.quota)
-                return
+                return  # no room for the extent (before capacity_bytes): block by block (statuses left None)
+            status, ino, failures = written
             if status is not Status.OK:
                 for i in todo:
                     statuses[i] = status
                 self.stats.put_failures += len(todo)
                 self.stats.errors += len(todo) if status is Status.ERROR else 0
                 return
-            extent = Extent(rel, ino=ino)
-            self._extents[rel] = extent
-            for index, (i, ok) in enumerate(zip(todo, linked)):
-                key = keys[i]
-                if not ok:
-                    statuses[i] = Status.ERROR
+            placed = [_Placed(keys[i], sizes[i], offsets[i], index, born[i], records[i].parent, srcs[i].nbytes)
+                      for index, i in enumerate(todo)]
+            for i, done in zip(todo, self._index_extent(rel, ino, placed, failures)):
+                statuses[i] = done
+
+        self._reserved_write(need, write_and_link, settle, when_no_room=lambda: None)  # no room: block by block
+
+    def _index_extent(self, rel: str, ino: int | None, placed: list[_Placed],
+                      failures: list[OSError | None]) -> list[Status | None]:
+        """Index the blocks of extent ``rel`` (inode ``ino``) whose names were linked (``failures[i]``
+        None), under the lock; each one's status: OK, ERROR (its name could not be made), or None
+        where the file system had no room for its name (ENOSPC, EDQUOT: a full ext4's directory
+        needs a block for it): then the limit is lowered and the block is to be put on its own,
+        which evicts to make room. A name not made leaves its place in the extent dead."""
+        # an extent a lookup on another thread adopted while the names were linked is that same one
+        extent = self._extent(rel, ino)
+        extent.ino = ino
+        out: list[Status | None] = []
+        for block, failure in zip(placed, failures):
+            if failure is not None:
+                extent.dead += block.size  # written, unreachable: still on disk until the extent goes
+                self._used += block.size
+                if failure.errno in direct_io.NO_ROOM:
+                    self._medium_full(failure.errno == errno.EDQUOT)
+                    out.append(None)
+                else:
                     self.stats.put_failures += 1
                     self.stats.errors += 1
-                    extent.dead += sizes[i]  # written, unreachable: still on disk until the extent goes
-                    self._used += sizes[i]
-                    continue
-                if key in self._index:  # another thread of ours published it meanwhile
-                    if not self._name_holds(key, ino):  # its rename came after our link: the name holds its
-                        extent.dead += sizes[i]         # copy, indexed; our place is unreachable
-                        self._used += sizes[i]
-                        self._policy.on_access(key)
-                        self.stats.puts += 1
-                        self.stats.bytes_written += srcs[i].nbytes
-                        statuses[i] = Status.OK
-                        continue
-                    self._forget(key)  # our link replaced its file (or its place in an extent: dead now)
-                extent.live += 1
-                entry = self._index[key] = _Entry(sizes[i], born[i], extent, offsets[i], index)
-                self._used += sizes[i]
-                self._policy.on_insert(key, records[i].parent)
-                self._queue_age(key, entry)
-                self.stats.puts += 1
-                self.stats.bytes_written += srcs[i].nbytes
-                statuses[i] = Status.OK
-            if extent.live == 0:
-                self._drop_extent(extent)
+                    out.append(Status.ERROR)
+                continue
+            held = self._index.get(block.key)
+            if held is not None and (held.extent is extent and held.offset == block.offset
+                                     or not self._name_holds(block.key, ino)):
+                # indexed already: adopted at our very place by a lookup on another thread, or another
+                # thread of ours published it and its rename came after our link (the name holds its
+                # copy, indexed; our place is unreachable)
+                if held.extent is not extent or held.offset != block.offset:
+                    extent.dead += block.size
+                    self._used += block.size
+                self._policy.on_access(block.key)
+            else:
+                if held is not None:
+                    self._forget(block.key)  # our link replaced its file (or its place in an extent: dead now)
+                self._index_block(block.key, _Entry(block.size, block.born, extent, block.offset, block.index),
+                                  block.parent)
+            self.stats.puts += 1
+            self.stats.bytes_written += block.nbytes
+            out.append(Status.OK)
+        if extent.live == 0:
+            self._drop_extent(extent)
+        return out
+
+    def _reserved_write(self, need: int, write, settle, *, when_no_room):
+        """Make room for ``need`` bytes and reserve them (under the lock), run ``write()`` (outside it),
+        then return the reservation and ``settle(result, full)`` in one locked step, so that room is
+        never counted twice or not at all: ``full`` is the :class:`_NoRoom` the write raised (its
+        result None), after the medium lowered the limit. Returns what ``settle`` returns, or, where
+        no room could be made, what ``when_no_room()`` returns (under the lock)."""
+        with self._lock:
+            if not self._make_room(need):
+                return when_no_room()
+            self._reserved += need
+        result = full = None
+        try:
+            result = write()
+        except _NoRoom as exc:
+            full = exc
+        except BaseException:
+            with self._lock:
+                self._reserved -= need
+            raise
+        with self._lock:
+            self._reserved -= need
+            if full is not None:
+                self._medium_full(full.quota)  # (our reservation returned first: not room the medium has)
+            return settle(result, full)
 
     def _write_extent(self, stem: str, rel: str, table, blocks, mtime: float | None) -> tuple[Status, int | None]:
         """Write ``table`` and ``(key, payload, meta, record bytes, offset)`` blocks into extent
@@ -234,10 +286,11 @@ class DiskWrites:
         status = self._publish(final, stem, write, what=f"extent {stem}", mtime=mtime)
         return status, (inode[0] if inode else None)
 
-    def _link_all(self, rel: str, keys) -> list[bool]:
+    def _link_all(self, rel: str, keys) -> list[OSError | None]:
         """Give each block of extent ``rel`` its name: a hard link to the extent (a directory
         entry, no inode of its own), made under a temp name and renamed onto the name (atomic,
-        whatever stood there before); whether each was made. Its place is in the table."""
+        whatever stood there before); per block, None where it was made, else why not. Its place
+        is in the table."""
         extent = os.path.join(self.path, rel)
         done = []
         for key in keys:
@@ -250,11 +303,12 @@ class DiskWrites:
                     make_private_dirs(os.path.dirname(temp))
                     os.link(extent, temp)
                 os.rename(temp, final)
-                done.append(True)
+                done.append(None)
             except OSError as exc:
                 _unlink(temp)
-                log.warning("disk tier %s: linking %s failed: %s", self.path, key.hex(), exc)
-                done.append(False)
+                if exc.errno not in direct_io.NO_ROOM:  # (no room: the block is put on its own, evicting)
+                    log.warning("disk tier %s: linking %s failed: %s", self.path, key.hex(), exc)
+                done.append(exc)
         return done
 
     def put_streams(self, keys, sources: list[PayloadSource], *, parents=None, created=None) -> list[Status]:
@@ -317,29 +371,24 @@ class DiskWrites:
             write(fd, packed)
 
         retries = NO_ROOM_RETRIES if rewritable else 0
+
+        def settle(status: Status | None, full: _NoRoom | None):
+            if full is not None and retries > 0:
+                return _AGAIN  # (its temp file is gone) room is made for it first
+            return self._settle_put(key, Status.FULL if full is not None else status, need, nbytes,
+                                    inode[-1] if inode else None, born, parent)
+
         while True:
-            with self._lock:
-                if not self._make_room(need):
-                    self.stats.put_failures += 1
-                    return Status.FULL
-                self._reserved += need
-            full = None
-            try:
-                status = self._write(key, writing, born)
-            except _NoRoom as exc:
-                status, full = Status.FULL, exc
-            except BaseException:
-                with self._lock:
-                    self._reserved -= need
-                raise
-            with self._lock:
-                self._reserved -= need  # in the same locked step as the index: room is never counted twice or not at all
-                if full is not None:
-                    self._medium_full(full.quota)  # (our reservation returned first: not room the medium has)
-                    if retries > 0:
-                        retries -= 1
-                        continue  # (its temp file is gone) room is made for it first
-                return self._settle_put(key, status, need, nbytes, inode[-1] if inode else None, born, parent)
+            outcome = self._reserved_write(need, lambda: self._write(key, writing, born), settle,
+                                           when_no_room=self._refused_full)
+            if outcome is not _AGAIN:
+                return outcome
+            retries -= 1
+
+    def _refused_full(self) -> Status:
+        """A put no room could be made for (under the lock)."""
+        self.stats.put_failures += 1
+        return Status.FULL
 
     def _settle_put(self, key: BlockKey, status: Status, need: int, nbytes: int, ino: int | None,
                     born: float | None, parent: BlockKey | None) -> Status:
