@@ -45,6 +45,7 @@ import numpy as np
 
 from kvtier.bench.baselines import ratio_warnings
 from kvtier.bench.remote import RawPeer
+from kvtier.errors import ConfigError
 from kvtier.tiers.base import Status
 
 #: the byte gets' outs are filled with before each get (untimed): a get that writes nothing fails its check
@@ -122,6 +123,9 @@ def run(sizes_mib=(8, 32), blocks: int = 4, runs: int = 5, sealed: bool = True) 
     from kvtier.tiers.mooncake import MooncakeTier
     from kvtier.tiers.mooncake_launch import MooncakeCluster
 
+    if runs < 1:
+        # before the cluster starts: with no run, the medians are empty (a KeyError after the start)
+        raise ConfigError(f"runs must be at least 1, got {runs}")
     segment = int(max(sizes_mib) * (1 << 20) * blocks * 4 + (256 << 20))
     # the same bytes per size: short phases are noisier, so smaller blocks get more runs
     runs_per_size = {mib: runs * max(1, round(max(sizes_mib) / mib)) for mib in sizes_mib}

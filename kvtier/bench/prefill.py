@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import sys
 import time
 from pathlib import Path
 
@@ -90,14 +91,18 @@ def measure(model_config: dict, tokens: list[int], repeat: int, device: str) -> 
 def run(args) -> int:
     from kvtier.planner.costmodel import CalibrationTable, fit_rates
 
-    if len(args.tokens) < 3:
-        print("kvtier bench prefill: give at least 3 --tokens lengths (the fit has 3 terms)")
+    lengths = sorted(set(args.tokens))
+    if len(lengths) < 3 or lengths[0] < 1:
+        # counted without repeats: --tokens 32,32,32 fitted three rates to one point and wrote the
+        # profile the planner and the simulator read as this machine's prefill cost
+        print(f"kvtier bench prefill: give at least 3 distinct --tokens lengths, each at least 1 (the fit has "
+              f"3 terms); got {','.join(map(str, args.tokens))}", file=sys.stderr)
         return 2
     model_config = dict(num_hidden_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
                         num_key_value_heads=args.kv_heads, intermediate_size=args.intermediate,
                         vocab_size=args.vocab)
     accelerator = args.accelerator or args.device.split(":")[0]
-    points, runtime = measure(model_config, sorted(args.tokens), args.repeat, args.device)
+    points, runtime = measure(model_config, lengths, args.repeat, args.device)
     extra = {**runtime, "host": platform.node(),
              "machine": platform.machine(), "processor": platform.processor() or platform.machine(),
              "cpus": os.cpu_count(), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}

@@ -26,7 +26,9 @@ token ids and logprobs within a few times what vLLM's own prefix cache differs f
 recompute in the same run, at most :data:`LOGPROB_ATOL_MAX` (a cached prefix changes the
 tail's rounding; see ``_summary``). A kvtier system faster than the floor, or a floor whose own
 difference passes that bound, is posted with a warning (``warnings``, and on stderr): the
-floor run is then wrong, not kvtier fast. TTFT is the time
+floor run is then wrong, not kvtier fast. A kvtier system whose logprobs are not equal is
+posted with a warning too, and one neither equal to the recompute nor bit-equal to the floor
+(the store loaded wrong KV) makes the bench exit 1, after its figures. TTFT is the time
 from adding the request to its first token. Medians over ``--runs`` prompts,
 after a shorter warm-up prompt per engine. ``--trace FILE`` replays a trace
 instead (:mod:`~kvtier.bench.vllm_trace`).
@@ -35,6 +37,7 @@ instead (:mod:`~kvtier.bench.vllm_trace`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import random
 import shutil
@@ -43,9 +46,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from kvtier.bench import vllm_mooncake, vllm_trace
 from kvtier.bench.baselines import ratio_warnings, report_warnings
+from kvtier.bench.route import ModeFlags
 from kvtier.bench.vllm_systems import (
     LMCACHE_ENV,
     TOKEN,
@@ -98,22 +103,30 @@ def register(subparsers) -> None:
                    help=f"without --trace: kvtier systems, some of {','.join(STORES)} with host and remote "
                         f"(default {d['stores']}); add mooncake (kvtier/bench/vllm_mooncake.py)")
     p.add_argument("--trace", default=None, help="replay a Mooncake-format trace instead (see kvtier.bench.vllm_trace)")
-    p.add_argument("--requests", type=int, default=None, help="--trace: requests of the slice")
-    vllm_trace.add_arguments(p)
+    # --trace's own flags, defaulted to None so that the run without --trace can refuse one given:
+    # each was accepted and ignored there (--requests 99 timed the TTFT bench's --runs prompts).
+    # Not --workdir: both runs read it.
+    trace_flags = ModeFlags(p, "--trace")
+    trace_flags.add_argument("--requests", type=int, default=vllm_trace.TRACE_REQUESTS,
+                             help=f"--trace: requests of the slice (default {vllm_trace.TRACE_REQUESTS})")
+    vllm_trace.add_arguments(trace_flags)
     p.add_argument("--workdir", default=None, help="where logs and stores go (default: a temp dir, removed)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(func=_main)
+    p.set_defaults(func=functools.partial(_main, trace_flags=trace_flags))
 
 
-def _main(args) -> int:
+def _main(args, *, trace_flags: ModeFlags) -> int:
     if args.trace:
         _refuse_non_trace_flags(args)
+        trace_flags.fill_defaults(args)
         result = vllm_trace.run(args)
         if args.json:
             print(strict_json(result))
         else:
             vllm_trace.print_table(result)
         return 0
+    trace_flags.refuse(args, "without --trace the bench times one long prompt per --runs on --model: give --trace "
+                             "FILE to replay a trace, or leave the trace's flags out")
     for name, default in NON_TRACE_DEFAULTS.items():
         if getattr(args, name) is None:
             setattr(args, name, default)
@@ -123,7 +136,13 @@ def _main(args) -> int:
     else:
         _print_table(result)
     report_warnings(result["warnings"])
-    return 0
+    wrong = wrong_stores(result)
+    for name in wrong:
+        # said after the figures, never instead of them, as the demo does
+        print(f"kvtier bench vllm: kvtier {name} loaded KV that changes the outputs: its logprobs are neither "
+              "equal to the recompute's nor bit-equal to vLLM's own prefix-cache hit; its TTFT is no result",
+              file=sys.stderr)
+    return 1 if wrong else 0
 
 
 def _refuse_non_trace_flags(args) -> None:
@@ -419,10 +438,63 @@ def logprob_tolerance(floor_diff: float) -> float:
     return min(max(LOGPROB_TOL_FACTOR * floor_diff, LOGPROB_ATOL_MIN), LOGPROB_ATOL_MAX)
 
 
+class StoreExactness(NamedTuple):
+    """How one kvtier store's outputs compare, over every timed prompt."""
+
+    equal: bool            #: to the recompute's, within the run's logprob tolerance
+    equal_to_floor: bool   #: bit-equal to vLLM's own prefix-cache hit: the store gave what vLLM caches
+    max_abs_diff: float | None   #: its largest |Δ logprob| from the recompute (None: other ids, or not finite)
+
+
+def store_exactness(result: dict) -> dict[str, StoreExactness]:
+    """Each kvtier store that ran (``result["stores"]``), judged as :func:`_summary` and
+    ``vllm_mooncake.summary`` posted it."""
+    out = {}
+    for name in result["stores"]:
+        if name == "mooncake":
+            equal, diff = result["mooncake_logprobs_equal"], result["mooncake_logprobs_max_abs_diff"]
+        else:
+            equal, diff = result["logprobs_equal"][name], result["logprobs_max_abs_diff"][name]
+        out[name] = StoreExactness(equal, result["logprobs_equal_to_floor"][name], diff)
+    return out
+
+
+def wrong_stores(result: dict) -> list[str]:
+    """The kvtier stores that loaded wrong KV: logprobs neither equal to the recompute's nor
+    bit-equal to the floor's. Either alone is not enough: with ``--model deepseek`` vLLM's own hit
+    takes another kernel path (latent attention on CPU) and every store is off the recompute
+    while bit-equal to that hit, exact."""
+    return [name for name, e in store_exactness(result).items() if not e.equal and not e.equal_to_floor]
+
+
+def _shown_diff(max_abs_diff: float | None) -> str:
+    """A posted ``logprobs_max_abs_diff`` in words (None: :func:`_finite`'s "no difference measured")."""
+    return "other top-5 ids or a non-finite logprob" if max_abs_diff is None else f"|Δ| {max_abs_diff:.3g}"
+
+
+def _exactness_warnings(result: dict) -> list[str]:
+    """One warning per kvtier store whose logprobs are not equal to the recompute's, saying
+    whether it is at least bit-equal to the floor (exact) or not (wrong KV: the bench exits 1)."""
+    warnings = []
+    for name, e in store_exactness(result).items():
+        if e.equal:
+            continue
+        if e.equal_to_floor:
+            verdict = ("but bit-equal to vLLM's own prefix-cache hit, itself off the recompute: the store gave "
+                       "what vLLM caches")
+        else:
+            verdict = ("and not bit-equal to vLLM's own prefix-cache hit either: it loaded wrong KV, its TTFT is no "
+                       "result (the bench exits 1)")
+        warnings.append(f"kvtier {name}'s logprobs are off the recompute's ({_shown_diff(e.max_abs_diff)}; "
+                        f"tolerance {result['logprob_tolerance']:g}), {verdict}")
+    return warnings
+
+
 def summary_warnings(runs: list[dict], result: dict) -> list[str]:
     """The run's warnings: a kvtier system faster than vLLM's own prefix-cache hit (floor ÷ its
     TTFT, medians and paired, past ``ratio_warnings``' bound), and a floor whose own logprobs are
-    further from the recompute than :data:`LOGPROB_ATOL_MAX`. Either means the floor run is wrong."""
+    further from the recompute than :data:`LOGPROB_ATOL_MAX` (either means the floor run is
+    wrong); and each kvtier store whose logprobs are not equal (:func:`_exactness_warnings`)."""
     floor = result["ttft_prefix_cache_s"]
     systems = [name for name in STORES if f"ttft_{name}_s" in result]   # mooncake: when it ran
     ratios = {}
@@ -432,12 +504,12 @@ def summary_warnings(runs: list[dict], result: dict) -> list[str]:
     warnings = ratio_warnings(ratios, what="vLLM prefix-cache floor (its own hit of the same prompt)")
     floor_diff = result["logprobs_max_abs_diff"]["prefix_cache"]
     if floor_diff is None or floor_diff > LOGPROB_ATOL_MAX:
-        shown = "other top-5 ids or a non-finite logprob" if floor_diff is None else f"|Δ| {floor_diff:.3g}"
-        warnings.append(f"vLLM's prefix-cache floor is off the recompute ({shown}, above {LOGPROB_ATOL_MAX:g}): "
+        warnings.append(f"vLLM's prefix-cache floor is off the recompute ({_shown_diff(floor_diff)}, above "
+                        f"{LOGPROB_ATOL_MAX:g}): "
                         f"logprobs_equal is judged at a tolerance of {result['logprob_tolerance']:g}, and the floor "
                         "or the recompute run is wrong (or vLLM's hit takes another kernel path: latent attention "
                         "on CPU); logprobs_equal_to_floor is the store's own exactness")
-    return warnings
+    return warnings + _exactness_warnings(result)
 
 
 def _summary(runs: list[dict], args, lmcache_reason: str | None) -> dict:

@@ -178,9 +178,14 @@ def run_demo(args) -> int:
     cache = cache_dir()
     own_dir = args.store_dir is None
     try:   # everything that can be wrong with the input is found here, before a worker loads a model
+        if remote and args.store_dir is not None:
+            # the engines' store is then the server alone (store_settings): the directory was
+            # neither checked nor used, and the run exited 0 as if a disk tier had been there
+            raise ConfigError("--store-dir is the local disk tier's; --remote uses the server as the shared "
+                              "tier instead: give one of them")
         if remote:
             check_remote(remote, REMOTE_NAMESPACE)
-        if args.store_dir is not None and not remote:
+        if args.store_dir is not None:
             writable_dir(args.store_dir, "--store-dir")
         if args.plot:
             check_plot_path(args.plot)
