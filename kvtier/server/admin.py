@@ -8,8 +8,9 @@ names only, a few a minute per tenant: :meth:`~kvtier.server.audit.AuditLog.writ
 Commands are a table (name → method); a bad argument is an
 ``{"ok": false, "error": …}`` reply naming the fix, never a dropped connection.
 Erasure runs on the I/O threads (a tenant may have many blocks on disk); with a
-disk spill it is recorded first (a tombstone in the runtime state: it outlasts
-a restart, and an old copy of the files does not bring them back), and the
+disk spill or a fleet journal it is recorded first (a tombstone in the runtime
+state: it outlasts a restart, and neither an old copy of the files nor the
+journal's record of a block whose removal the fleet owes brings it back), and the
 fleet journal, if any, is written anew after it (no record of an erased block
 stays in it; one whose removal a Mooncake fleet owes -- it did not answer -- goes
 once the removal lands, and the reply counts that block ``refused`` meanwhile);
@@ -26,6 +27,7 @@ import time
 from functools import partial
 
 from kvtier.server.config import SHARED_PREFIX, check_namespace
+from kvtier.server.fleet import journaled_fleet_in
 from kvtier.server.fleet_journal import journal_under
 from kvtier.server.index import BlockEntry
 from kvtier.server.io_lanes import ADMIN_LANE
@@ -65,8 +67,9 @@ class AdminAPI:
             ok = True
         except (KeyError, ValueError, TypeError) as exc:
             result, ok = {"error": str(exc)}, False
+        # (an erase's outcome whole: a partly refused one must not read as done in the audit trail)
         self.svc.audit.write("admin", peer=peer, cmd=client_text(cmd, 40), args=_printable(args), ok=ok,
-                             **({"erased": result["erased"]} if ok and "erased" in result else {}))
+                             **{k: result[k] for k in ("erased", "refused", "keys_shredded") if ok and k in result})
         return {"ok": ok, **result}
 
     # -- commands ---------------------------------------------------------------------------
@@ -107,11 +110,13 @@ class AdminAPI:
                     if (entry := index.get(skey)) is not None]
         erased_at = time.time()
         io = self.svc.io
-        if self.svc.spill is not None and session != "":  # ("": no session is named so; erases nothing)
+        tombstones = self._tombstones()
+        if tombstones is not None and session != "":  # ("": no session is named so; erases nothing)
             # The tombstone first: an old copy of these files (a backup put back, a crash before
-            # their unlink) must not bring them back at the next start (kvtier/server/recovery.py).
+            # their unlink) must not bring them back at the next start (kvtier/server/recovery.py),
+            # nor a fleet journal's record of a block whose removal the fleet owes (kvtier/server/fleet.py).
             try:
-                await io.run(ADMIN_LANE, self.svc.spill.record_erasure, owner, namespace, session, erased_at)
+                await io.run(ADMIN_LANE, tombstones.record_erasure, owner, namespace, session, erased_at)
             except OSError as exc:
                 raise ValueError(f"not erased: the erasure could not be recorded in the runtime state ({exc}); "
                                  f"check the state directory (space, permissions)") from None
@@ -138,6 +143,11 @@ class AdminAPI:
             # anywhere (a file not yet unlinked, a backup) is noise from now on.
             shredded = await io.run(ADMIN_LANE, self.svc.keyring.shred_tenant, owner)
         return {"erased": erased, "keys_shredded": shredded, **failed}
+
+    def _tombstones(self):
+        """Where an erasure is recorded to outlast a restart: the disk spill (its runtime state is the
+        fleet journal's too), else the fleet journal; None where nothing is read back at a start."""
+        return self.svc.spill if self.svc.spill is not None else journaled_fleet_in(self.svc.store.tiers)
 
     def _erase_entry(self, refusals: list[RefusedRemoval], selected: tuple[bytes, BlockEntry]) -> bool | None:
         """Erase a block the erasure selected if its entry is still the one indexed (see

@@ -19,9 +19,14 @@ The fleet cannot be listed (its names are one-way HMACs), and it drops blocks on
   Owed removals are retried periodically (:func:`settle_owed_removals`, from the server's
   sweep), not only at the next delete, which may never come; once they land, their records are
   forgotten and the journal is written anew without them. A restart before that finds the
-  records: an erasure's tombstone covers them (deleted at start), else the block is indexed
-  again and a later erase reaches it. A crash between a record and its put leaves a record of
-  a block the fleet may not hold: harmless (see below).
+  records: the erasure's tombstone covers them (recorded before the erasure deleted anything),
+  so their blocks are deleted at start, never indexed again; the removal of one the fleet still
+  does not answer for stays owed. A removal of some other block (not deleted by an erasure: a
+  DELETE, an expiry) that a restart finds owed is indexed again, and a later delete reaches it.
+  Only a block with a record can be owed: one only DRAM or the disk held was never placed (a
+  record precedes each put), so it is neither reported left in the fleet nor retried there. A
+  crash between a record and its put leaves a record of a block the fleet may not hold:
+  harmless (see below).
 * Erase against demotion: a placement recorded before an erase read :attr:`FleetJournal.seq`
   (``delete_many``) is forgotten by it, so its put must have landed before the fleet's delete.
   It has: a demotion into the fleet runs in the evicting tier's eviction, under that tier's
@@ -40,10 +45,10 @@ The fleet cannot be listed (its names are one-way HMACs), and it drops blocks on
   block the fleet no longer holds (one batched lookup) is forgotten; the others are indexed again
   (tier ``mooncake``), merged with the disk's in age order, so that erase, TTL and quotas reach
   them as before the restart. The journal is then written anew with the live records only
-  (and again whenever forgotten records outnumber them). (Tombstones exist where the runtime
-  state can authenticate them, with a disk spill. Without one, an erasure cut short by a crash
-  -- the index forgot the block, the fleet's delete never ran -- leaves its record: the block is
-  indexed again at the next start, where the erase, asked again, reaches it.)
+  (and again whenever forgotten records outnumber them). (Tombstones are authenticated under the
+  disk spill's secret, or without a disk under the journal's own in ``state_dir``: an erasure cut
+  short by a crash -- the index forgot the block, the fleet's delete never ran -- is completed at
+  the next start.)
 * Without any state directory (no ``disk_dir``, no ``state_dir``) nothing is journaled: a clean
   shutdown deletes from the fleet every block the server indexes (a restarted server could not
   reach them), and a crash leaves them to the fleet's own eviction (see the server module).
@@ -71,6 +76,7 @@ from kvtier.server.auth import KeySpace
 from kvtier.server.fleet_journal import FleetJournal
 from kvtier.server.index import BlockEntry, BlockIndex
 from kvtier.server.recovery import Found, OwnersWithoutKeys
+from kvtier.server.runtime_state import RuntimeState, blocks_held_in
 from kvtier.server.spill import SpillAnnotation, SpillCodec, monotonic_of, wall_of
 from kvtier.tiers.base import Status, refused_removals, report_refused
 from kvtier.tiers.wrapper import WrappingTier
@@ -122,11 +128,14 @@ class JournaledFleet(WrappingTier):
     own: lookups and reads go straight to it, and so do the attributes a sealing tier above asks
     of it (registered memory, unhashed reads)."""
 
-    def __init__(self, inner, journal: FleetJournal, records: FleetRecords) -> None:
+    def __init__(self, inner, journal: FleetJournal, records: FleetRecords,
+                 tombstones: RuntimeState | None = None) -> None:
         super().__init__(inner)
         self.name = inner.name
         self.journal = journal
         self.records = records
+        #: where erasures are recorded (:meth:`record_erasure`; the server's runtime state)
+        self.tombstones = tombstones
         self._owed_lock = threading.Lock()
         #: name → the journal's seq read before the delete whose removal is owed (see settle_removals)
         self._owed: dict[bytes, int] = {}
@@ -186,20 +195,38 @@ class JournaledFleet(WrappingTier):
         """As the fleet's; the records of the blocks whose removal landed are forgotten. A removal
         the fleet owes (it could not be asked, or refused) keeps its record until
         :meth:`settle_removals` sees it land, and is reported on to the caller collecting
-        :func:`~kvtier.tiers.base.refused_removals` (an erase: not done)."""
+        :func:`~kvtier.tiers.base.refused_removals` (an erase: not done). Only a block the journal
+        holds a record of can be owed: no other was placed in the fleet (a record precedes each
+        put; a placement in flight has its record already), so a block only DRAM or the disk held
+        is not reported left in the fleet, nor is its removal retried against a fleet that is down."""
+        names = [bytes(k) for k in keys]
         since = self.journal.seq
-        with refused_removals() as refused:
-            out = self.inner.delete_many(keys)
-        for r in refused:
-            report_refused(r.key, r.path, r.error)
-        owed = {r.key for r in refused}
-        if not self.inner.available:  # (a fleet found down was not asked: every removal is owed)
-            owed.update(map(bytes, keys))
-        self.journal.forget([name for name in map(bytes, keys) if name not in owed], since)
+        recorded = self.journal.recorded_among(names)
+        down = not self.inner.available  # (a fleet found down is not asked: each removal asked would be owed)
+        asked = [i for i, name in enumerate(names) if not down or name in recorded]
+        removed, owed = self._delete_reporting([keys[i] for i in asked], recorded)
+        out = [False] * len(names)
+        for i, done in zip(asked, removed):
+            out[i] = done
+        if not self.inner.available:  # (not asked, or the fleet failed meanwhile: every placed block's removal is owed)
+            owed |= recorded
+        self.journal.forget([name for name in names if name not in owed], since)
         if owed:
             with self._owed_lock:
                 self._owed.update(dict.fromkeys(owed, since))
         return out
+
+    def _delete_reporting(self, keys, recorded: set[bytes]) -> tuple[list[bool], set[bytes]]:
+        """The fleet's delete of ``keys``, and the owed removals among ``recorded`` (blocks placed in
+        the fleet), reported on to the caller collecting refused removals."""
+        with refused_removals() as refused:
+            out = self.inner.delete_many(keys)
+        owed = set()
+        for r in refused:
+            if r.key in recorded:
+                report_refused(r.key, r.path, r.error)
+                owed.add(r.key)
+        return out, owed
 
     def settle_removals(self) -> int:
         """Retry the removals the fleet owes now (see :meth:`delete_many`); forget the records of
@@ -207,6 +234,12 @@ class JournaledFleet(WrappingTier):
         record of an erased block stays in the file). Returns how many landed. Thread safe."""
         retry = getattr(self.inner, "retry_removals", None)
         if retry is None:  # (a fleet that owes nothing: it reports no removal refused)
+            return 0
+        if not self.inner.available:
+            # Nothing can land: only the fleet's own retry is started (and with it, once its backoff
+            # is over, the health check that ends the outage). Asking about each owed name would cost
+            # every sweep in proportion to what the outage left owed.
+            retry([])
             return 0
         with self._owed_lock:
             owed = list(self._owed.items())
@@ -229,6 +262,16 @@ class JournaledFleet(WrappingTier):
                         self.journal.path, len(landed), exc)
         log.info("%d removals the Mooncake fleet owed landed; the fleet journal keeps no record of them", len(landed))
         return len(landed)
+
+    # -- erasures ---------------------------------------------------------------------------------
+    def record_erasure(self, owner: str, namespace: str | None, session: str | None, erased_at: float) -> None:
+        """Make an erasure outlast a restart (before its blocks are deleted; raises OSError if it
+        cannot be written): :func:`rebuild_from_journal` deletes every block its tombstone covers
+        rather than index it again -- one whose removal the fleet still owed when the server stopped
+        (it did not answer) stays erased. Nothing is recorded without ``tombstones``."""
+        if self.tombstones is not None:
+            self.tombstones.record_erasure(owner, namespace, session, erased_at,
+                                           live_blocks=blocks_held_in(self.records.index))
 
     # -- the rest, as the fleet -------------------------------------------------------------------
     def contains(self, key) -> bool:
@@ -344,6 +387,16 @@ def _held(raw, journal: FleetJournal, names: list[bytes]) -> list[bool]:
         return [True] * len(names)
     journal.forget([name for name, h in zip(names, held) if not h], journal.seq)
     return held
+
+
+def journaled_fleet_in(tiers) -> JournaledFleet | None:
+    """The journaled fleet among ``tiers`` (under any wrapper); None if there is none."""
+    for tier in tiers:
+        while tier is not None:
+            if isinstance(tier, JournaledFleet):
+                return tier
+            tier = getattr(tier, "inner", None)
+    return None
 
 
 def settle_owed_removals(tiers) -> int:

@@ -12,6 +12,8 @@ entry, and the start goes on with every record but the damaged ones, logged (the
 named are left to the fleet's own eviction); nothing after the damage is cut off. (Whole entries
 are found again by their checksum; a record's bytes that imitate one -- a tenant's namespace,
 say -- yield a record that does not authenticate at the start, :mod:`kvtier.server.fleet`.) A
+damaged magic line that a whole entry follows is damage too (logged; the file is written anew at
+open with a good one): only a file with no whole entry after its first line is refused. A
 journal of the first format (magic ``v1``: no checksums, so a bad entry ends the reading as a
 torn tail did) is read, then written anew in this format at open: an upgrade loses no record.
 
@@ -77,22 +79,22 @@ class FleetJournal:
             # never through a symbolic link; created 0600
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
             try:
-                whole, current = self._read(fd)
+                whole, appendable = self._read(fd)
                 if whole == 0:  # a new journal (or one whose creation a crash cut short)
                     os.ftruncate(fd, 0)
                     os.lseek(fd, 0, os.SEEK_SET)
                     _write_all(fd, _MAGIC)
                     os.fsync(fd)
                     fsync_dir(os.path.dirname(path) or ".")
-                    whole, current = len(_MAGIC), True
-                if current:
+                    whole, appendable = len(_MAGIC), True
+                if appendable:
                     os.ftruncate(fd, whole)  # a torn last append goes: what is appended next must be readable
                     os.lseek(fd, whole, os.SEEK_SET)
             except BaseException:
                 os.close(fd)
                 raise
             self._fd, self._size = fd, whole
-            if not current:  # the first format: appends in this one must follow entries in this one
+            if not appendable:  # the first format, or a damaged magic: appends must follow a good v2 head
                 self._rewrite_locked()  # (on failure the old file stays as it was)
         except OSError as exc:
             self.close()
@@ -102,20 +104,20 @@ class FleetJournal:
 
     def _read(self, fd: int) -> tuple[int, bool]:
         """Load the file's records; returns how many of its bytes end in a whole entry (0: empty) and
-        whether it is in this version's format (else the first's, without checksums)."""
+        whether appends may follow them as the file is (else it is written anew at open: the first
+        format, without checksums, or a damaged magic line)."""
         chunks = []
         while chunk := os.read(fd, 1 << 20):
             chunks.append(chunk)
         data = b"".join(chunks)
         if _MAGIC.startswith(data) or _MAGIC_V1.startswith(data):  # empty, or its first write cut short
             return 0, True
-        if data.startswith(_MAGIC):
-            check = _CHECK_NBYTES
-        elif data.startswith(_MAGIC_V1):
-            check = 0
-        else:
-            raise ConfigError(f"fleet journal {self.path!r} is not a kvtier fleet journal; move it away (blocks "
-                              f"it names in the Mooncake fleet are then left to the fleet's own eviction)")
+        check, appendable = _CHECK_NBYTES, True
+        if data.startswith(_MAGIC_V1):
+            check, appendable = 0, False
+        elif not data.startswith(_MAGIC):
+            self._check_damaged_magic(data)
+            appendable = False
         pos, end = len(_MAGIC), len(data)
         damaged = skipped = 0
         while pos < end:
@@ -138,7 +140,18 @@ class FleetJournal:
         if pos < end:
             log.warning("fleet journal %s: %d bytes at its end are not a whole record; ignored", self.path, end - pos)
             self._dead += 1
-        return pos, bool(check)
+        return pos, appendable
+
+    def _check_damaged_magic(self, data: bytes) -> None:
+        """Accept a file whose magic line is damaged (a flipped bit in its first sector) if a whole
+        entry of this format follows it: every entry carries its own checksum, so the damage is the
+        magic's only, and refusing the start would leave every block the journal names beyond the
+        reach of erase and TTL. Raises ConfigError for a file that is no journal (no whole entry there)."""
+        if _entry_at(data, len(_MAGIC), _CHECK_NBYTES) is None:
+            raise ConfigError(f"fleet journal {self.path!r} is not a kvtier fleet journal; move it away (blocks "
+                              f"it names in the Mooncake fleet are then left to the fleet's own eviction)")
+        log.error("fleet journal %s: its first line is damaged (%r) but whole entries follow it: read as a "
+                  "journal and written anew with a good first line", self.path, data[:len(_MAGIC)])
 
     def _load(self, entry: "_Entry") -> None:
         if entry.kind == _FORGOTTEN:
@@ -156,6 +169,12 @@ class FleetJournal:
 
     def __len__(self) -> int:
         return len(self._live)
+
+    def recorded_among(self, names: Sequence[bytes]) -> set[bytes]:
+        """Those of ``names`` with a live record: placed in the fleet, or being placed (a record
+        precedes its put). Only those can be in the fleet by this server's doing."""
+        with self._lock:
+            return {name for name in names if name in self._live}
 
     @property
     def seq(self) -> int:

@@ -10,15 +10,19 @@ set it again through the admin API or delete the file while the server is down.
 Erasures. ``admin erase`` deletes a tenant's, namespace's or session's files,
 but an older copy of them (a snapshot or backup put back, a crash between the
 index forgetting a block and its file's unlink, someone who can write
-``disk_dir``) still authenticates at the next start. So a server with a disk
-spill records each erasure here first, as a tombstone (owner, namespace or
-null, session or null, wall-clock time), and its rebuild drops every file a
-tombstone covers: same owner and scope, created at or before the erasure
-(:meth:`RuntimeState.erased`). Tombstones are authenticated (an HMAC under a
-key from the spill secret, :meth:`~kvtier.server.spill.SpillCodec.erasure_key`):
-one that was edited stops the start, naming the file. (Whoever can write
-``state_dir`` can still delete them with the file, as any override: keep it
-apart from ``disk_dir`` where that matters.)
+``disk_dir``) still authenticates at the next start; so does the fleet journal's
+record of a block whose removal a Mooncake fleet still owed (it did not answer)
+when the server stopped. So a server with a disk spill or a fleet journal
+records each erasure here first, as a tombstone (owner, namespace or null,
+session or null, wall-clock time), and its start drops every file and deletes
+from the fleet every journaled block a tombstone covers, never indexing them
+again: same owner and scope, created at or before the erasure
+(:meth:`RuntimeState.erased`). Tombstones are authenticated (an HMAC under a key
+from the spill secret -- without a disk, the fleet journal's secret in
+``state_dir`` -- :meth:`~kvtier.server.spill.SpillCodec.erasure_key`): one that
+was edited stops the start, naming the file. (Whoever can write ``state_dir``
+can still delete them with the file, as any override: keep it apart from
+``disk_dir`` where that matters.)
 
 They are kept: a tombstone goes only where a wider one at least as late covers
 it (per scope only the latest erasure is kept, and one that a wider, later
@@ -61,6 +65,7 @@ from datetime import datetime, timezone
 
 from kvtier.errors import ConfigError
 from kvtier.private_files import fsync_dir, make_private_dirs, replace_private_file
+from kvtier.server.spill import wall_of
 
 FILE_NAME = "runtime.json"
 _VERSION = 1
@@ -81,8 +86,8 @@ class RuntimeState:
     """The persisted overrides; ``path`` None keeps them in memory only (no disk_dir / state_dir)."""
 
     def __init__(self, path: str | None, *, erasure_key: bytes | None = None) -> None:
-        """``erasure_key`` authenticates the erasure records (a server with a disk spill); without
-        it they are neither read nor recorded, only kept in the file as they are."""
+        """``erasure_key`` authenticates the erasure records (a server with a disk spill or a fleet
+        journal); without it they are neither read nor recorded, only kept in the file as they are."""
         self.path = path
         self._lock = threading.Lock()
         self.quota: dict[str, int | None] = {}
@@ -229,6 +234,19 @@ class RuntimeState:
         # later start); the caller then rolls the change back.
         replace_private_file(self.path, json.dumps(doc, indent=1, sort_keys=True).encode())
         fsync_dir(directory)  # the rename itself survives a power cut
+
+
+def blocks_held_in(index) -> LiveBlocks:
+    """The blocks a :class:`~kvtier.server.index.BlockIndex` holds, as :meth:`RuntimeState.record_erasure`
+    asks for them: what a folded tombstone must not reach."""
+
+    def held(owner: str):
+        for skey in index.select(owner):
+            entry = index.get(skey)
+            if entry is not None:
+                yield entry.namespace, entry.session, wall_of(entry.created)
+
+    return held
 
 
 def _opt_int(v) -> int | None:

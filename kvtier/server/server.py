@@ -50,7 +50,7 @@ import time
 from collections.abc import Callable
 
 from kvtier.errors import ConfigError
-from kvtier.private_files import open_private_file
+from kvtier.private_files import make_private_dirs, open_private_file
 from kvtier.server.admission import Admission, LoginLimiter
 from kvtier.server.audit import AuditLog
 from kvtier.server.auth import Authenticator
@@ -113,20 +113,21 @@ class Server:
             if not config.encrypt_at_rest:
                 safety.warn_server_plaintext(config.disk_dir)
             tiers.append(self._sealed(disk) if config.encrypt_at_rest else disk)
-        codec = self._spill_codec() if disk is not None else None
         state_dir = config.state_dir or config.disk_dir
+        codec = self._state_codec(disk, state_dir)
+        # Erasure records (tombstones) are authenticated under the codec's secret: kept wherever a
+        # disk spill or a fleet journal could bring an erased block back at the next start.
+        state = RuntimeState(os.path.join(state_dir, RUNTIME_STATE_FILE) if state_dir else None,
+                             erasure_key=codec.erasure_key() if codec is not None else None)
         #: the fleet tier with its journal (kvtier/server/fleet.py); None: no fleet, or no state_dir to keep it in
         self.fleet = None
         if config.mooncake_master:  # the fleet below: blocks evicted above spill there (kvtier/tiers/mooncake.py)
-            tiers.append(self._fleet_tier(state_dir, codec))
+            tiers.append(self._fleet_tier(state_dir, codec, state))
         # A write-behind mark for every block the pool can hold (blocks of the smallest footprint):
         # a mark dropped from a full backlog would leave its block out of the shutdown flush. Marks
         # exist only for blocks in DRAM not yet copied down (~160 B each while they wait).
         most_blocks = self.host.capacity_bytes // self.host.footprint(1)
         self.store = TieredStore(tiers, dirty_limit_blocks=max(16384, most_blocks))
-        # erasure records (a spill's tombstones) are authenticated under the spill secret
-        state = RuntimeState(os.path.join(state_dir, RUNTIME_STATE_FILE) if state_dir else None,
-                             erasure_key=codec.erasure_key() if codec is not None else None)
         self.governance = Governance(config, state)
         if state.path is not None:  # LIST cursors of an earlier run never skip a block (kvtier/server/index.py)
             self.index.number_after(state.list_high_water, state.set_list_high_water)
@@ -151,7 +152,7 @@ class Server:
             keyring=self.keyring, spill=self.spill,
         )
         if self.spill is not None or self.fleet is not None:
-            self._recover()
+            self._recover(state)
         self.metrics.add_collector(lambda: tier_and_tenant_families(
             self.store, self.index, self.governance, lambda: self.events.emitted if self.events else 0))
         self.connections: set[Connection] = set()
@@ -192,11 +193,12 @@ class Server:
         sealed.name = disk.name  # metrics and KV events name the medium
         return sealed
 
-    def _fleet_tier(self, state_dir: str | None, codec):
+    def _fleet_tier(self, state_dir: str | None, codec, state: RuntimeState):
         """The Mooncake fleet, with a journal of what is placed there in ``state_dir`` (its records
-        authenticated by the disk spill's ``codec``, else by a secret of its own in ``state_dir``),
-        so that erase and TTL reach those blocks after a restart. Without a state directory a
-        clean shutdown deletes them from the fleet instead (:meth:`_shutdown_flush`)."""
+        authenticated by ``codec``, :meth:`_state_codec`) and the erasures' tombstones (``state``),
+        so that erase and TTL reach those blocks after a restart, and an erased one is never indexed
+        again. Without a state directory a clean shutdown deletes them from the fleet instead
+        (:meth:`_shutdown_flush`)."""
         from kvtier.store.config import mooncake_tier_for_server
 
         journal = None
@@ -204,16 +206,13 @@ class Server:
             from kvtier.server.fleet_journal import JOURNAL_FILE, FleetJournal
 
             journal = FleetJournal(os.path.join(state_dir, JOURNAL_FILE))
-            if codec is None:  # no disk spill: a secret of its own, as disk_dir's (0600, refused if others may read it)
-                from kvtier.server.spill import SpillCodec, secret_in
-
-                codec = SpillCodec(secret_in(state_dir))
         fleet = mooncake_tier_for_server(self.config, self.keyring)
         if journal is not None:
             from kvtier.server.fleet import FleetRecords, JournaledFleet
 
             # (under the sealing tier: it records the names blocks are stored under, as the disk does)
-            fleet = self.fleet = JournaledFleet(fleet, journal, FleetRecords(self.index, codec, self.keyring))
+            fleet = self.fleet = JournaledFleet(fleet, journal, FleetRecords(self.index, codec, self.keyring),
+                                                tombstones=state)
         if self.keyring is None:
             return fleet  # names keyed, reads verified; plaintext in the fleet's memory
         from kvtier.tiers.encrypted import EncryptedTier
@@ -221,6 +220,25 @@ class Server:
         sealed = EncryptedTier(fleet, self.keyring, tenant_of=self.index.owner_of)  # sealed per owner, as on disk
         sealed.name = fleet.name
         return sealed
+
+    def _state_codec(self, disk, state_dir: str | None):
+        """What authenticates the records a restart reads back (disk annotations, fleet records,
+        erasure tombstones): the disk spill's codec; without a disk, a fleet journal's, under a
+        secret of its own in ``state_dir`` (0600, refused if others may read it); None where
+        nothing is read back."""
+        if disk is not None:
+            return self._spill_codec()
+        if not (self.config.mooncake_master and state_dir):
+            return None
+        from kvtier.server.spill import SpillCodec, secret_in
+
+        try:
+            make_private_dirs(state_dir)  # (before the fleet journal would: its secret is made first)
+        except OSError as exc:
+            raise ConfigError(f"state_dir {state_dir!r}: {exc}; give the server a state_dir it can write: the fleet "
+                              f"journal is what lets erase and TTL reach the blocks it placed in the Mooncake fleet "
+                              f"after a restart") from None
+        return SpillCodec(secret_in(state_dir))
 
     def _spill_codec(self):
         from kvtier.server.spill import SpillCodec, secret_in
@@ -239,9 +257,10 @@ class Server:
         disk.annotator = binding.record
         return binding
 
-    def _recover(self) -> None:
+    def _recover(self, state: RuntimeState) -> None:
         """Index again what a previous run spilled to disk or placed in the fleet (before any
-        connection is accepted), in one age order."""
+        connection is accepted), in one age order; what an erasure's tombstone in ``state`` covers
+        is deleted instead."""
         from kvtier.server.config import SHARED_PREFIX
         from kvtier.server.recovery import Rebuilt, index_oldest_first
 
@@ -251,8 +270,7 @@ class Server:
         if self.fleet is not None:
             from kvtier.server.fleet import rebuild_from_journal
 
-            # (erasure tombstones are kept with a disk spill: its runtime state authenticates them)
-            fleet = rebuild_from_journal(self.fleet, owners, self.spill.erasures if self.spill is not None else None)
+            fleet = rebuild_from_journal(self.fleet, owners, state)
         if self.spill is not None:
             rebuilt = self.spill.rebuild(owners, also=fleet.found if fleet else ())
         else:
