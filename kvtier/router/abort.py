@@ -39,13 +39,14 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import json
 import logging
 import re
 import socket
 import uuid
 from typing import Any, Callable, Iterable, Mapping, NamedTuple
 
-from aiohttp import ClientError, ClientSession, ClientTimeout, ServerDisconnectedError
+from aiohttp import ClientError, ClientSession, ClientTimeout, ServerDisconnectedError, TCPConnector
 
 from kvtier.router.requests import is_batch
 
@@ -66,6 +67,16 @@ ABORT_TIMEOUT_S = 30.0
 #: since its ids would be megabytes of JSON to build and send (a completion batch's size is
 #: bounded only by the body's)
 MAX_ABORT_IDS = 1024
+#: the most bytes one abort's JSON body may take, whatever its count: each id repeats the request's
+#: name, and a 250 KB body ``request_id`` on a batch of 1,024 prompts made a 256 MB abort, built
+#: and encoded on the event loop (every stream stalled 2.5 s) and posted to the worker (audit s31
+#: a4 D2). A router-named batch of MAX_ABORT_IDS prompts takes ~48 KiB.
+MAX_ABORT_BYTES = 64 * 1024
+#: the longest body ``request_id`` the router keeps as a request's name: as long as a header line
+#: aiohttp reads (8,190 bytes), so that a body's id is held no longer than a header's for a
+#: stream's whole decode (a 16 MiB one was held, uncounted, after the body was released). No
+#: header carries a longer id, so a request left unnamed shares its id with no named one.
+MAX_KEPT_ID_CHARS = 8192
 #: endpoints whose vLLM request model has a ``request_id`` field, the id vLLM runs the request
 #: under when no ``X-Request-Id`` header names it (its Messages API has none: a body's is ignored)
 _BODY_NAMED = frozenset({"/v1/completions", "/v1/chat/completions"})
@@ -121,24 +132,31 @@ def watch_client(transport, on_gone, interval_s: float = CLIENT_POLL_S) -> async
     return asyncio.get_running_loop().create_task(watch())
 
 
-def request_id(path: str, headers: Mapping[str, str], body: Any) -> tuple[str, bool]:
+def request_id(path: str, headers: Mapping[str, str], body: Any) -> tuple[str | None, bool]:
     """The id the worker will know the request by, and whether the router must send it as a
-    header. A client's own ``X-Request-Id`` is kept, and so is the body's ``request_id`` on an
-    endpoint whose vLLM request has that field (:data:`_BODY_NAMED`; vLLM takes it when no header
-    comes): it is how the client finds the request in the worker's logs, and vLLM names its
-    answer by it. Neither is sent as a header: the worker reads each where the client put it. (A
-    body's id was once sent as the header, and replaced by the router's when it was no header
-    value, a space, non-ASCII or over 256 characters: vLLM then named the answer by the router's
-    id, audit s30 a4 D5.) Any other request the router names itself, in the header. A header is
-    the client's id whenever it is there, an empty one too, as vLLM reads it (its
-    ``_base_request_id``: ``is not None``): taken for no id, the router named the request by its
-    body's while the worker ran it as ``cmpl--0``, and its abort missed (audit s30 a11 D5)."""
+    header; None: the request goes unnamed, its body's id being too long to keep (over
+    :data:`MAX_KEPT_ID_CHARS`). A client's own ``X-Request-Id`` is kept, and so is the body's
+    ``request_id`` on an endpoint whose vLLM request has that field (:data:`_BODY_NAMED`; vLLM
+    takes it when no header comes): it is how the client finds the request in the worker's logs,
+    and vLLM names its answer by it. Neither is sent as a header: the worker reads each where
+    the client put it. (A body's id was once sent as the header, and replaced by the router's
+    when it was no header value, a space, non-ASCII or over 256 characters: vLLM then named the
+    answer by the router's id, audit s30 a4 D5.) Any other request the router names itself, in
+    the header. A header is the client's id whenever it is there, an empty one too, as vLLM
+    reads it (its ``_base_request_id``: ``is not None``): taken for no id, the router named the
+    request by its body's while the worker ran it as ``cmpl--0``, and its abort missed (audit
+    s30 a11 D5).
+
+    A body's id over :data:`MAX_KEPT_ID_CHARS` is not kept: vLLM runs the request under it all
+    the same (its ``request_id`` field has no bound), so the router can name no other (a header
+    would rename the answer) and leaves the request unnamed: only its closed connection tells the
+    worker that its client left, as for a batch too large to name (:data:`MAX_ABORT_BYTES`)."""
     given = headers.get("X-Request-Id")
     if given is not None:
         return given, False
     own = body.get("request_id") if path in _BODY_NAMED and isinstance(body, dict) else None
     if isinstance(own, str):
-        return own, False
+        return (own, False) if len(own) <= MAX_KEPT_ID_CHARS else (None, False)
     return uuid.uuid4().hex, True
 
 
@@ -167,11 +185,20 @@ class EngineIds(NamedTuple):
             return [self.prefix + self.rid]
         return [f"{self.prefix}{self.rid}-{i}" for i in range(self.count)]
 
+    def abort_bytes(self) -> int:
+        """The most bytes an abort's JSON body naming :meth:`ids` takes, known without building
+        them: the name is encoded once (its characters may be escaped), each id's number at its
+        longest."""
+        number = len(f"-{self.count - 1}") if self.numbered else 0
+        one = len(json.dumps(self.prefix + self.rid)) + number + len(", ")
+        return len(json.dumps({"request_ids": []})) + self.count * one
 
-def engine_requests(path: str, rid: str, body: Any) -> EngineIds | None:
-    """The engine requests of one HTTP request (None: the endpoint is not aborted by the router)."""
+
+def engine_requests(path: str, rid: str | None, body: Any) -> EngineIds | None:
+    """The engine requests of one HTTP request (None: the endpoint is not aborted by the router,
+    or the request is unnamed: ``rid`` None, :func:`request_id`)."""
     prefix = _PREFIX.get(path)
-    if prefix is None:
+    if prefix is None or rid is None:
         return None
     if path != "/v1/completions":
         return EngineIds(prefix, rid, 1, False)
@@ -203,11 +230,11 @@ class WorkerAborts:
         """Abort ``ids`` on the worker now, and again ``again_after_s`` seconds from now (each
         time only if ``still_wanted()``): ``record`` counts the first as ``ok``/``refused``/
         ``failed`` and each one sent again as ``again`` (or its failure); a request of more than
-        :data:`MAX_ABORT_IDS` engine requests is not named (``too_many``): its closed connection
-        is what tells the worker."""
+        :data:`MAX_ABORT_IDS` engine requests, or whose ids take more than :data:`MAX_ABORT_BYTES`,
+        is not named (``too_many``): its closed connection is what tells the worker."""
         if session is None or session.closed or ids is None:
             return
-        if ids.count > MAX_ABORT_IDS:
+        if ids.count > MAX_ABORT_IDS or ids.abort_bytes() > MAX_ABORT_BYTES:
             self._record(worker_url, "too_many")
             return
         task = asyncio.get_running_loop().create_task(
@@ -237,28 +264,35 @@ class WorkerAborts:
         # An abort goes out on a pooled keep-alive connection, which the worker may have closed
         # just then: aiohttp says "Server disconnected" without the worker having read it (a full
         # fresh-clone CI run lost an abort so, and the generation ran on). Aborting is idempotent:
-        # sent once more, on a new connection.
-        for attempt in range(2):
+        # sent once more, on a connection of its own. Not the pool's next: a worker closes those
+        # idle since one burst together (uvicorn's keep-alive timer), and a second stale one lost
+        # the abort all the same (audit s31 a4 D4).
+        body = {"request_ids": ids}
+        try:
             try:
-                async with session.post(worker_url + ABORT_PATH, json={"request_ids": ids}, headers=headers,
-                                        timeout=ClientTimeout(total=ABORT_TIMEOUT_S)) as resp:
-                    result = "ok" if resp.status < 400 else "refused"
-                    if result == "refused" and worker_url not in self._refusing:
-                        self._refusing.add(worker_url)
-                        # vLLM answers 403 unless started with --enable-scale-out
-                        log.warning("worker %s refuses to abort requests by name (%s); start it with "
-                                    "--enable-scale-out, or only a closed connection tells it",
-                                    worker_url, resp.status)
-                return result
-            except ServerDisconnectedError as exc:
-                if attempt == 0:
-                    continue
-                failure: BaseException = exc
-            except (ClientError, asyncio.TimeoutError, OSError) as exc:
-                failure = exc
-            log.info("worker %s: aborting %s failed (%s)", worker_url, ids, failure)
+                return await self._post_on(session, worker_url, body, headers)
+            except ServerDisconnectedError:
+                async with ClientSession(connector=TCPConnector(force_close=True)) as fresh:
+                    return await self._post_on(fresh, worker_url, body, headers)
+        except (ClientError, asyncio.TimeoutError, OSError) as exc:
+            # the count and the first, not the list: up to MAX_ABORT_BYTES of ids on one line
+            log.info("worker %s: aborting %d engine request(s) (%.80s…) failed (%s)",
+                     worker_url, len(ids), ids[0], exc)
             return "failed"
-        return "failed"
+
+    async def _post_on(self, session: ClientSession, worker_url: str, body: dict,
+                       headers: Mapping[str, str] | None) -> str:
+        async with session.post(worker_url + ABORT_PATH, json=body, headers=headers,
+                                timeout=ClientTimeout(total=ABORT_TIMEOUT_S)) as resp:
+            if resp.status < 400:
+                return "ok"
+            if worker_url not in self._refusing:
+                self._refusing.add(worker_url)
+                # vLLM answers 403 unless started with --enable-scale-out
+                log.warning("worker %s refuses to abort requests by name (%s); start it with "
+                            "--enable-scale-out, or only a closed connection tells it",
+                            worker_url, resp.status)
+            return "refused"
 
     async def drain(self, timeout_s: float = 2.0) -> None:
         """Let the aborts under way finish (at shutdown, before the session closes); those

@@ -12,6 +12,8 @@ import json
 import re
 from typing import Any, Awaitable, Callable, Mapping
 
+from multidict import CIMultiDict
+
 from kvtier.router.requests import usage_of_stream
 
 #: Headers meant for one connection, not for the next hop (RFC 9110 §7.6.1: a proxy must drop
@@ -35,17 +37,22 @@ WHOLE_PARSE_BYTES = 1 << 20
 _USAGE_KEY = re.compile(rb'"usage"\s*:\s*')
 
 
-def forwarded_headers(headers: Mapping[str, str]) -> dict[str, str]:
+def forwarded_headers(headers: Mapping[str, str]) -> CIMultiDict[str]:
     """The client's headers as a worker is sent them: hop-by-hop ones dropped (and those the
     client's ``Connection`` header names), those of an encoded body (:data:`ENCODED_BODY_HEADERS`:
     the body forwarded is the decoded one), and ``Accept-Encoding: identity`` instead of whatever
     the client or aiohttp would ask for, since the router reads the answer's usage from its bytes
-    and relays it with its own framing."""
+    and relays it with its own framing.
+
+    A header sent more than once is forwarded as every one of its lines, in order (a multidict):
+    collapsed to its last value, two ``X-Request-Id`` lines (a client's, one an ingress appended)
+    had the worker run the request under the last while the router, reading the first as vLLM
+    does, named and aborted it by the first, and missed (audit s31 a4 D1)."""
     named = {t.strip().lower() for v in _all(headers, "Connection") for t in v.split(",")}
     drop = HOP_HEADERS | named | {"accept-encoding"}
     if _all(headers, "Content-Encoding"):
         drop |= ENCODED_BODY_HEADERS
-    out = {k: v for k, v in headers.items() if k.lower() not in drop}
+    out = CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in drop)
     out["Accept-Encoding"] = "identity"
     return out
 

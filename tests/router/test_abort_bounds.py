@@ -1,0 +1,144 @@
+"""What an abort by name may cost the router (kvtier/router/abort.py; audit s31 a4 D2): each of its
+ids repeats the request's name, and a 250 KB body ``request_id`` on a batch of 1,024 prompts made
+a 256 MB abort, built and JSON-encoded on the event loop and posted to the worker. Now an abort
+whose ids would take more than ``MAX_ABORT_BYTES`` is not sent (counted ``too_many``; its closed
+connection tells the worker), a body ``request_id`` too long to keep leaves the request unnamed
+(nothing of it held for the whole decode), and a failed abort logs its count, not its ids.
+Real sockets, the real ``Router`` app, stand-in workers as in test_http.py; no vLLM."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+import pytest
+from aiohttp import ClientSession, web
+
+from kvtier.router.abort import MAX_ABORT_BYTES, MAX_KEPT_ID_CHARS, EngineIds
+from tests.router.test_http import Deaf, distinct, leave_early, run, start_router, until
+from tests.router.test_openai_conformance import NamingDeaf
+
+
+def counted(router, worker, result: str) -> float:
+    return router.metrics.aborts.labels(worker.url, result)._value.get()
+
+
+@pytest.mark.parametrize("rid, count", [("a" * 32, 1), ("r" * 4000, 64), ("x", 5000), ("réq \"1\"\n", 1000),
+                                        ("\U0001f600" * 300, 3), ("c" * 36, 1024)])
+@pytest.mark.parametrize("numbered", [True, False])
+def test_an_aborts_size_is_known_before_its_ids_are_built(rid, count, numbered):
+    """``abort_bytes`` is never below the body aiohttp sends (``json.dumps``, characters escaped),
+    and close to it: the bound is on what is sent."""
+    engine = EngineIds("cmpl-" if numbered else "chatcmpl-", rid, count if numbered else 1, numbered)
+    sent = len(json.dumps({"request_ids": engine.ids()}))
+    assert sent <= engine.abort_bytes() <= sent * 1.1 + 16
+
+
+@pytest.mark.parametrize("rid, sent", [("r" * 4000, False), ("r" * 40, True)], ids=["4000", "control-40"])
+def test_an_abort_whose_ids_exceed_its_byte_bound_is_counted_not_sent(rid, sent):
+    """A batch of 64 prompts named by a 4,000-character body ``request_id`` (kept: under
+    ``MAX_KEPT_ID_CHARS``): its abort would be ~256 KB (64 ids of ~4,000 characters), over
+    ``MAX_ABORT_BYTES``, so none is posted; ``too_many`` counts it. Before: posted whole. Control:
+    the same batch under a 40-character id is aborted, all 64 named."""
+    assert 64 * len(rid) > MAX_ABORT_BYTES if not sent else 64 * (len(rid) + 10) < MAX_ABORT_BYTES
+    assert len(rid) <= MAX_KEPT_ID_CHARS
+
+    async def main():
+        w = Deaf("w0", steps=100, gap_s=0.05)
+        await w.start()
+        router, runner, url = await start_router([w], abort_again_s=())
+        try:
+            async with ClientSession() as s:
+                await leave_early(s, url, "/v1/completions", {"prompt": ["abc"] * 64, "request_id": rid}, worker=w)
+                await until(lambda: counted(router, w, "too_many") + counted(router, w, "ok") >= 1, timeout_s=10)
+                if sent:
+                    await until(lambda: w.aborted == 1, timeout_s=10)
+                    assert [len(p["request_ids"]) for p in distinct(w.abort_posts)] == [64]
+                    assert w.aborted == 1 and counted(router, w, "too_many") == 0
+                else:
+                    assert w.abort_posts == [], f"an abort of {len(json.dumps(w.abort_posts[0]))} bytes was sent"
+                    assert counted(router, w, "too_many") == 1 and counted(router, w, "ok") == 0
+        finally:
+            await runner.cleanup()
+            await w.stop()
+    run(main())
+
+
+@pytest.mark.parametrize("length, kept", [(MAX_KEPT_ID_CHARS + 1, False), (200_000, False),
+                                          (MAX_KEPT_ID_CHARS, True)],
+                         ids=["bound+1", "200000", "control-bound"])
+def test_a_body_request_id_too_long_to_keep_leaves_the_request_unnamed(length, kept):
+    """vLLM runs a request under its body's ``request_id`` whatever its length. One longer than
+    ``MAX_KEPT_ID_CHARS`` is not kept by the router while the request lasts (before: held, uncounted,
+    for a stream's whole decode, after its body was released), nor replaced by a header of the
+    router's (that would rename the answer): the worker runs the request under the client's id,
+    and no abort by name is sent when its client leaves (it could name no other id). Control: an
+    id at the bound is kept and aborted by name."""
+    rid = "r" * length
+
+    async def main():
+        w = SeesTheRoutersNames("w0")
+        w.steps, w.gap_s = 100, 0.05
+        await w.start()
+        w.router, runner, url = await start_router([w], abort_again_s=())
+        try:
+            async with ClientSession() as s:
+                await leave_early(s, url, "/v1/completions", {"prompt": "a b", "request_id": rid}, worker=w)
+                assert w.headers == [None] and w.named == [[f"cmpl-{rid}-0"]]   # the client's id, no header added
+                if kept:
+                    assert w.names_held == [{rid: 1}]
+                    await until(lambda: w.aborted == 1, timeout_s=10)
+                    assert [p["request_ids"] for p in distinct(w.abort_posts)] == [[f"cmpl-{rid}-0"]]
+                else:
+                    assert w.names_held == [{}], "the router held the request's overlong id while it lasted"
+                    await asyncio.sleep(1.0)   # (an abort is sent as the client leaves: abort_again_s=())
+                    assert w.abort_posts == [] and w.router._names == {}
+        finally:
+            await runner.cleanup()
+            await w.stop()
+    run(main())
+
+
+class SeesTheRoutersNames(NamingDeaf):
+    """:class:`NamingDeaf`, noting as each request arrives the names its router holds."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.router = None
+        self.names_held: list[dict[str, int]] = []
+
+    async def complete(self, request):
+        self.names_held.append(dict(self.router._names))
+        return await super().complete(request)
+
+
+class DropsEveryAbort(Deaf):
+    """A worker that closes the connection of every abort without answering."""
+
+    async def abort(self, request):
+        request.transport.close()
+        return web.Response(status=200)   # (never reaches the router)
+
+
+def test_a_failed_abort_logs_its_count_not_its_ids(caplog):
+    """An abort that failed was logged with its whole id list (up to MAX_ABORT_IDS ids, each
+    repeating the request's name, on one line); now the count and the first id, shortened."""
+    async def main():
+        w = DropsEveryAbort("w0", steps=100, gap_s=0.05)
+        await w.start()
+        router, runner, url = await start_router([w], abort_again_s=())
+        try:
+            async with ClientSession() as s:
+                await leave_early(s, url, "/v1/completions", {"prompt": ["abc"] * 50, "request_id": "q" * 100},
+                                  worker=w)
+                await until(lambda: counted(router, w, "failed") >= 1, timeout_s=10)
+                assert counted(router, w, "failed") == 1
+        finally:
+            await runner.cleanup()
+            await w.stop()
+    with caplog.at_level(logging.INFO, logger="kvtier.router.abort"):
+        run(main())
+    failures = [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]
+    assert len(failures) == 1 and "aborting 50 engine request(s)" in failures[0], failures
+    assert "-49" not in failures[0] and len(failures[0]) < 400, failures[0]
