@@ -5,13 +5,16 @@ router's token ids are the worker's), key the prompt's blocks, let the policy pi
 worker over the live view, forward the body unchanged and pass the answer back chunk
 by chunk as it arrives. A worker that fails before the first byte is charged a failure
 and the request goes to another; after the first byte the client sees what the worker
-sent. Every error the router itself answers has the OpenAI error shape.
+sent. A worker the router gives up on is told to abort the request by name, as one whose
+client left is (router/abort.py). Every error the router itself answers has the OpenAI
+error shape.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import json
 import logging
 import re
@@ -20,10 +23,11 @@ from collections import Counter, OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple, Sequence
 
-from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
+from aiohttp import ClientConnectorError, ClientError, ClientSession, ClientTimeout, TCPConnector, web
 
 from kvtier.policy.routing import Approximate, make_policy
-from kvtier.router.abort import EngineIds, WorkerAborts, echoed_id, engine_requests, request_id, watch_client
+from kvtier.router.abort import (ABORT_TIMEOUT_S, EngineIds, WorkerAborts, echoed_id, engine_requests, request_id,
+                                 watch_client)
 from kvtier.router.admin import install as install_admin
 from kvtier.router.admission import AsyncAdmission, QueueFull
 from kvtier.router.chat_messages import lax_bool, worker_renders
@@ -51,6 +55,9 @@ from kvtier.sim.service import ServiceModel
 log = logging.getLogger(__name__)
 
 _RETRY_STATUS = {502, 503, 504}
+#: a gateway between the router and the worker gave up waiting: the worker may have the request
+#: and decode on, so it is aborted there by name before the request goes elsewhere
+_GATEWAY_TIMEOUT = 504
 #: how many times one request may be decided again for free after its worker became unroutable
 #: while the request was held (a bound on a loop of workers that flap)
 _MAX_REDECISIONS = 8
@@ -58,8 +65,12 @@ _MAX_REDECISIONS = 8
 _RECEIVED = web.RequestKey("kvtier_received", float)
 #: the worker's first byte was passed on: the client has a response under way
 _ANSWERED = web.RequestKey("kvtier_answered", bool)
-#: (the id the worker knows the request by, whether the client gave it)
+#: (the id the worker knows the request by, whether the client gave it, its engine requests)
 _NAMED = web.RequestKey("kvtier_named", tuple)
+#: the abort by name, (worker URL, request id), that the task posting it was created for: a task
+#: runs in a copy of the context it was created in, so WorkerAborts' ``record``, called in that
+#: task (or in ``send`` itself), tells each answer to the abort it answers (Router._abort_answered)
+_ABORT_KEY: contextvars.ContextVar[tuple[str, str] | None] = contextvars.ContextVar("kvtier_abort", default=None)
 #: the answer the router began to send the client (relayed from a worker)
 _RESPONSE = web.RequestKey("kvtier_response", web.StreamResponse)
 #: this request's body's bytes in the bodies in flight (``max_inflight_body_bytes``)
@@ -93,11 +104,10 @@ BATCH_INLINE_PROMPTS = 16384
 
 #: vLLM's other POST endpoints, forwarded as they are to a worker chosen on load: tokenizer
 #: utilities, Anthropic token counting, pooling models' endpoints (Cohere's ``/v2/embed`` too),
-#: generative scoring, SageMaker's ``/invocations`` (which vLLM dispatches on the body's form; a
-#: worker without one answers its own 404)
+#: generative scoring. (SageMaker's ``/invocations``, which vLLM dispatches on the body's form,
+#: has a handler of its own: ``Router.invocations``; a worker without one answers its own 404.)
 ON_LOAD = ("/tokenize", "/detokenize", "/v1/messages/count_tokens", "/v1/embeddings", "/v2/embed", "/pooling",
-           "/classify", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank", "/generative_scoring",
-           "/invocations")
+           "/classify", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank", "/generative_scoring")
 #: vLLM's endpoints whose body is no JSON: speech-to-text models take a multipart form (the audio
 #: file and its fields). Forwarded as they came, unparsed, on load: the router reads nothing of a
 #: form, so a streamed transcription is not held for admission (its prefill is not known here).
@@ -144,10 +154,35 @@ def _parsed(raw: bytes, field: str | None) -> Any:
         return body
     if not isinstance(body, dict):
         raise RequestError(400, "the request body must be a JSON object")
+    return _checked(body, field)
+
+
+def _checked(body: dict, field: str) -> dict:
+    """``body`` with ``field`` checked as :func:`_parsed` reads it ("", "name" or "name?")."""
     name = field.rstrip("?")
     if name and (body.get(name) is not None or not field.endswith("?")):
         check_body(body, name)
     return body
+
+
+#: the OpenAI endpoints vLLM's SageMaker ``/invocations`` serves a body as, and the field each checks
+_INVOKED = {"/v1/chat/completions": "messages", "/v1/completions": "prompt?"}
+
+
+def invoked_path(body: dict) -> str | None:
+    """The endpoint vLLM's ``/invocations`` serves ``body`` as: it tries its request types in
+    order, a chat (``messages``) before a completion (a ``prompt``, or ``prompt_embeds`` alone);
+    None: neither (a pooling model's request, or one vLLM answers with its own error)."""
+    if body.get("messages") is not None:
+        return "/v1/chat/completions"
+    if body.get("prompt") is not None or body.get("prompt_embeds") is not None:
+        return "/v1/completions"
+    return None
+
+
+def _ended(watch: asyncio.Task | None) -> bool:
+    """``watch`` (a task that ends True when it cancelled its request's task) did so."""
+    return watch is not None and watch.done() and not watch.cancelled() and watch.result() is True
 
 
 def _run_lent(fn: Any, lent: list) -> Any:
@@ -210,7 +245,16 @@ class Router:
         self._drain_over = False    #: the drain has ended its answers (or had none)
         #: request ids of the answers under way (a client may give the same one twice)
         self._names: Counter[str] = Counter()
-        self.aborts = WorkerAborts(lambda url, result: self.metrics.aborts.labels(url, result).inc())
+        self.aborts = WorkerAborts(self._abort_answered)
+        #: per (worker URL, request id): the abort posts sent there and not answered yet. vLLM aborts
+        #: every request of an id, and processes an abort when its API server gets to it (seconds,
+        #: beside a decoding engine): a new request of that id sent meanwhile was killed with the
+        #: one aborted (a client's retry under its idempotency key: audit s31 a4 D7)
+        self._unanswered_aborts: Counter[tuple[str, str]] = Counter()
+        #: set, then replaced, at each abort's answer: what requests waiting for one wake on
+        self._abort_answer = asyncio.Event()
+        #: per (worker URL, request id): the router's requests of that name on that worker now
+        self._named_on: Counter[tuple[str, str]] = Counter()
         #: Responses API: response id → the URL of the worker that stored it (most recent last)
         self._response_owners: OrderedDict[str, str] = OrderedDict()
         self._models_refresh: asyncio.Future | None = None   #: a refresh of the listings under way
@@ -232,7 +276,7 @@ class Router:
     # --- lifecycle -------------------------------------------------------------------
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self.peers.middleware, self._errors],
-                              client_max_size=self.config.max_body_bytes)
+                              client_max_size=max(self.config.max_body_bytes, self.config.max_form_body_bytes))
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/responses", self.responses)
@@ -241,6 +285,7 @@ class Router:
         app.router.add_post("/v1/messages", self.messages)
         for path in ON_LOAD:
             app.router.add_post(path, self.on_load)
+        app.router.add_post("/invocations", self.invocations)
         app.router.add_get("/v1/models", self.models)
         for path in LORA_PATHS:
             app.router.add_post(path, self.lora_adapter)
@@ -742,14 +787,15 @@ class Router:
         if request.protocol is not None:
             request.protocol.force_close()
 
-    async def _read(self, request: web.Request) -> bytes:
+    async def _read(self, request: web.Request, max_bytes: int | None = None) -> bytes:
         """The request's body (``body_timeout_s``, ``max_body_bytes``: router/reads.py), counted in
         the bodies in flight as it arrives and until its worker's first byte is relayed or its
         request ends (``max_inflight_body_bytes`` and, while it arrives, its address's
         ``max_arriving_body_bytes_per_peer``: 429 past them). Kept in the request's ``BodyHold``
-        (``request[_BODY].body``), the one place that holds it on while the request is forwarded."""
+        (``request[_BODY].body``), the one place that holds it on while the request is forwarded.
+        ``max_bytes``: its cap, if not ``max_body_bytes``."""
         request[_BODY] = hold = self.bodies.hold(self.peers.address(request.protocol))
-        return await read_body(request, hold, self.config.body_timeout_s, self.config.max_body_bytes)
+        return await read_body(request, hold, self.config.body_timeout_s, max_bytes or self.config.max_body_bytes)
 
     async def _json(self, request: web.Request, field: str | None = None) -> Any:
         """The request's body's JSON, checked for ``field`` (:func:`check_body`); a large body parsed
@@ -765,7 +811,10 @@ class Router:
         # (prompt embeddings instead of a prompt: vLLM takes them, the router cannot key them, since
         # their KV depends on the vectors; load alone decides and the worker checks the rest)
         # ("prompt": null beside them is no prompt, as vLLM reads it: its own example sends that)
-        body = await self._json(request, "prompt?")
+        return await self._completion(request, await self._json(request, "prompt?"), request.path)
+
+    async def _completion(self, request: web.Request, body: dict, path: str) -> web.StreamResponse:
+        """A completion (``body``: parsed, its prompt checked), named as vLLM names one on ``path``."""
         has_prompt = body.get("prompt") is not None
         if not has_prompt and body.get("prompt_embeds") is None:
             check_body(body, "prompt")   # (raises: the prompt is missing or null)
@@ -773,13 +822,16 @@ class Router:
         # a batch's first byte ends its first prompt's prefill only: no sample of the prefill line
         how = dict(prompt_tokens=routed.tokens if has_prompt else None, streaming=self._streams(body),
                    first_byte_ends_prefill=not is_batch(body.get("prompt")), seed=self._context(body),
-                   name=self._name(request, body), model=requested_model(body))
+                   name=self._name(request, body, path), model=requested_model(body))
         del body   # (only what ``how`` holds is needed from here on: :meth:`_forward`)
         return await self._forward(request, routed.ids, **how)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         request[_RECEIVED] = time.perf_counter()
-        body = await self._json(request, "messages")
+        return await self._chat(request, await self._json(request, "messages"), request.path)
+
+    async def _chat(self, request: web.Request, body: dict, path: str) -> web.StreamResponse:
+        """A chat (``body``: parsed, its messages checked), named as vLLM names one on ``path``."""
         # (what the router's own rendering cannot match: a worker renders it; chat_messages.py)
         ids = (await self._worker_render(body, request.headers.get("Authorization"))
                if any(body.get(f) for f in WORKER_RENDERED) or worker_renders(body) else None)
@@ -787,7 +839,7 @@ class Router:
         routed = (await self._chat_prompt(body, len(hold.body), hold) if ids is None
                   else self._routed(truncated_chat(ids, body, self.tokenizer)))
         how = dict(streaming=self._streams(body), seed=self._context(body, chat=True),
-                   name=self._name(request, body), model=requested_model(body))
+                   name=self._name(request, body, path), model=requested_model(body))
         del body
         return await self._forward(request, routed.ids, prompt_tokens=routed.tokens, **how)
 
@@ -858,16 +910,40 @@ class Router:
     async def on_load(self, request: web.Request) -> web.StreamResponse:
         """vLLM's other endpoints (``ON_LOAD``): forwarded unchanged, on load alone."""
         request[_RECEIVED] = time.perf_counter()
-        body = await self._json(request, "")
+        return await self._on_load(request, await self._json(request, ""))
+
+    async def _on_load(self, request: web.Request, body: dict) -> web.StreamResponse:
         how = dict(streaming=self._streams(body), model=requested_model(body))
         del body
         return await self._forward(request, [], **how)
 
+    async def invocations(self, request: web.Request) -> web.StreamResponse:
+        """SageMaker's ``/invocations``, which vLLM serves as a chat or a completion by the body's
+        form (:func:`invoked_path`): routed, keyed, named and aborted as that endpoint is (on
+        SageMaker all traffic comes here: forwarded on load alone and never named, a departed
+        client's generation decoded on and no request was routed to its prefix: audit s31 a4
+        D5). It is forwarded to the worker's ``/invocations`` all the same. Any other body (a
+        pooling model's) goes on load alone, as ``ON_LOAD``."""
+        request[_RECEIVED] = time.perf_counter()
+        body = await self._json(request, "")
+        path = invoked_path(body)
+        if path is None:
+            serve = self._on_load(request, body)
+        else:
+            if len(request[_BODY].body) <= PARSE_INLINE_BYTES:
+                _checked(body, _INVOKED[path])
+            else:   # (as _json checks a large body: off the loop)
+                await self._on_thread(self._parse_pool, request[_BODY], _checked, body, _INVOKED[path])
+            serve = (self._chat if path == "/v1/chat/completions" else self._completion)(request, body, path)
+        del body   # (held by ``serve`` alone, which lets it go once read: _forward)
+        return await serve
+
     async def as_is(self, request: web.Request) -> web.StreamResponse:
         """``GET /version`` and the endpoints of a multipart form (``AS_IS``): forwarded as they
-        came, body unparsed, on load alone."""
+        came, body unparsed, on load alone. A form is an audio file: its body may be as large as
+        ``max_form_body_bytes``, over the JSON bodies' ``max_body_bytes``."""
         request[_RECEIVED] = time.perf_counter()
-        await self._read(request)
+        await self._read(request, self.config.max_form_body_bytes if request.path in AS_IS else None)
         return await self._forward(request, [])
 
     async def load_endpoint(self, request: web.Request) -> web.Response:
@@ -1001,11 +1077,12 @@ class Router:
         return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
 
     @staticmethod
-    def _name(request: web.Request, body: Any) -> RequestName:
+    def _name(request: web.Request, body: Any, path: str | None = None) -> RequestName:
         """How the worker will know the request (router/abort.py), read from its body (None: from
-        its headers alone)."""
-        rid, add_header = request_id(request.path, request.headers, body)
-        return RequestName(rid, add_header, engine_requests(request.path, rid, body))
+        its headers alone); ``path``: the endpoint vLLM serves it as, if not its own."""
+        path = path or request.path
+        rid, add_header = request_id(path, request.headers, body)
+        return RequestName(rid, add_header, engine_requests(path, rid, body))
 
     async def _forward(self, request: web.Request, token_ids: list[int], **how) -> web.StreamResponse:
         """Route and relay (:meth:`_attempts`) the request's body (``request[_BODY]``), as one of the
@@ -1047,7 +1124,7 @@ class Router:
         if add_header and abort_ids is not None:
             headers["X-Request-Id"] = rid
         if abort_ids is not None:
-            request[_NAMED] = (rid, not add_header)
+            request[_NAMED] = (rid, not add_header, abort_ids)
             self._names[rid] += 1
         # pinned: only that worker can serve it (it holds state the request refers to)
         tried: set[int] = ({w.id for w in self.workers if w.url != pinned_url}
@@ -1079,6 +1156,7 @@ class Router:
             admission = self._admission(worker) if streaming else None
             sent = sending = False
             watcher: asyncio.Task | None = None
+            ejection: asyncio.Task | None = None   # a whole answer's watch on its worker's health
             try:
                 held_t0 = time.monotonic()
                 # soonest virtual finish first: arrival + its own predicted prefill seconds
@@ -1102,6 +1180,9 @@ class Router:
                         self.metrics.held.observe(time.monotonic() - held_t0)
                         continue
                     # (else, decided again too often: it goes where it was decided, uncounted if so woken)
+                if abort_ids is not None:
+                    await self._after_aborts_of(worker, rid)
+                    self._named_on[worker.url, rid] += 1
                 t0 = time.monotonic()
                 held_s = t0 - held_t0
                 self.metrics.held.observe(held_s)
@@ -1109,18 +1190,25 @@ class Router:
                 # until the first byte nothing is written to the client, which is how a departure
                 # is otherwise noticed (router/abort.py): look at its socket meanwhile
                 watcher = watch_client(request.transport, asyncio.current_task().cancel)
+                ejection = None if streaming else self._watch_ejection(worker)
                 sending = True
                 async with self.session.request(request.method, worker.url + request.path_qs,
-                                                data=request[_BODY].body, headers=headers) as resp:
+                                                data=request[_BODY].body, headers=headers,
+                                                timeout=self._answer_timeout(streaming)) as resp:
                     sending = False
+                    if ejection is not None:
+                        ejection.cancel()   # its head came: the worker lives
                     if resp.status in _RETRY_STATUS:
                         last_error = f"worker {worker.url} answered {resp.status}"
                         self._record_health(worker, False)
+                        if resp.status == _GATEWAY_TIMEOUT:
+                            self._abort_on(worker, request, again=True)
                         continue
                     if resp.status == 404 and model is not None:
                         # vLLM's 404 for a model is a line; a larger one (a proxy's page, a broken
                         # worker: 300 MiB grew the router by ~1 GiB) is relayed as any answer is
-                        first, whole = await read_capped(resp.content, SMALL_ANSWER_BYTES)
+                        first, whole = await self._read_bounded(read_capped(resp.content, SMALL_ANSWER_BYTES),
+                                                                streaming)
                         if whole and model_missing(404, first):
                             # its listing was stale, or not known yet: another worker may serve it
                             unserved = web.Response(status=404, body=first, content_type=resp.content_type)
@@ -1131,7 +1219,7 @@ class Router:
                                 await asyncio.wait_for(asyncio.shield(self._refresh_models_soon()), 5.0)
                             continue
                     else:
-                        first = await resp.content.readany()
+                        first = await self._read_bounded(resp.content.readany(), streaming)
                     watcher.cancel()
                     upstream_s = time.monotonic() - t0
                     if admitted:   # its tokens left the engine's queue: the next may go
@@ -1157,22 +1245,34 @@ class Router:
                     # and two such clients had every other request refused 429 (audit s29 a2 D1).
                     request[_BODY].release()
                     return await self._relay(request, resp, first, worker, timing, predicted,
-                                             echoed_id(rid) if abort_ids is not None else None)
+                                             echoed_id(rid) if abort_ids is not None else None, streaming)
             except asyncio.CancelledError:   # the client left (its handler is cancelled)
-                log.debug("request %s: its client left (%s the first byte) on %s", rid,
-                          "after" if answered else "before", worker.url)
-                if sent:   # before the first byte the worker may not have registered it yet
-                    self._abort_on(worker, abort_ids, request, again=not answered)
-                raise
+                if not _ended(ejection):
+                    log.debug("request %s: its client left (%s the first byte) on %s", rid,
+                              "after" if answered else "before", worker.url)
+                    if sent:   # before the first byte the worker may not have registered it yet
+                        self._abort_on(worker, request, again=not answered)
+                    raise
+                # (not the client: its worker was ejected while it decoded a whole answer)
+                asyncio.current_task().uncancel()
+                last_error = f"worker {worker.url} was ejected while it decoded a whole answer"
+                log.warning("%s; retrying elsewhere", last_error)
+                self._abort_on(worker, request, again=True)   # (no failure charged: its health checks did)
             except (ClientError, asyncio.TimeoutError, OSError) as exc:
                 if answered:
                     # mid-answer: what escapes the relay is the client's side (a write to a
                     # client that left); the worker's own failures end the answer in there
-                    self._abort_on(worker, abort_ids, request)
+                    self._abort_on(worker, request)
                     raise
                 last_error = f"worker {worker.url}: {exc.__class__.__name__}: {exc}"
                 log.warning("request failed before its first byte on %s (%s); retrying elsewhere", worker.url, exc)
                 self._record_health(worker, False)
+                if not isinstance(exc, ClientConnectorError):
+                    # The worker may have the request (silent past request_timeout_s, or its answer
+                    # broke off) and decode on for nobody: vLLM does not always notice a closed
+                    # connection (router/abort.py). Each retry elsewhere left one such generation
+                    # behind (audit s31 a4 D3). A connection never made carried no request.
+                    self._abort_on(worker, request, again=True)
             except ValueError as exc:
                 if not sending:
                     raise
@@ -1183,6 +1283,12 @@ class Router:
             finally:
                 if watcher is not None:
                     watcher.cancel()
+                if ejection is not None:
+                    ejection.cancel()
+                if sent and abort_ids is not None:
+                    self._named_on[worker.url, rid] -= 1
+                    if self._named_on[worker.url, rid] <= 0:
+                        del self._named_on[worker.url, rid]
                 if admitted:   # sent and failed (or the client left) before its first byte
                     admission.done(prefill_tokens)
                 worker.finish(prefill_tokens, len(keys), answered, load_s, ticket)
@@ -1209,26 +1315,115 @@ class Router:
             # routed, a few over-long prompts sized the fleet up (s30 a7 D2)
             self.metrics.refused.labels(worker.url, str(status)).inc()
 
-    def _abort_on(self, worker: Worker, ids: EngineIds | None, request: web.Request, again: bool = False) -> None:
-        """The client left: beside closing the worker's connection, ask the worker to abort the
-        request by name (vLLM does not always notice a closed connection in time: router/abort.py);
-        ``again``: it left before the first byte, so the abort is sent again later, in case the
-        worker had not registered the request yet."""
-        rid, clients_own = request.get(_NAMED, (None, False))
+    def _abort_on(self, worker: Worker, request: web.Request, again: bool = False) -> None:
+        """The client left, or the router gave up on the worker: beside closing the worker's
+        connection, ask the worker to abort the request by name (vLLM does not always notice a
+        closed connection in time: router/abort.py); ``again``: before the first byte, so the
+        abort is sent again later, in case the worker had not registered the request yet. Each
+        post is counted in ``_unanswered_aborts`` until answered (:meth:`_after_aborts_of`)."""
+        rid, clients_own, ids = request.get(_NAMED, (None, False, None))
+        if ids is None or self.session is None or self.session.closed:
+            return
         if clients_own and self._names[rid] > 1:
             # another request under way carries the same client-given id: vLLM aborts every
             # request of an id, so this one's leaving must not end that one (closing suffices)
             self.metrics.aborts.labels(worker.url, "shared_name").inc()
             return
+        key = (worker.url, rid)
 
-        def unshared() -> bool:   # by then this request is no longer counted: any count is another's
-            return not (clients_own and self._names.get(rid, 0) > 0)
+        def still_wanted() -> bool:
+            # Sent again only while no request of that name is on that worker (this one is no
+            # longer counted there by then: one of that name there now is another, or its retry)
+            if self._named_on.get(key, 0) > 0:
+                return False
+            self._unanswered_aborts[key] += 1
+            return True
 
-        self.aborts.send(self.session, worker.url, ids, self._worker_auth(request.headers.get("Authorization")),
-                         again_after_s=self.config.abort_again_s if again else (), still_wanted=unshared)
+        self._unanswered_aborts[key] += 1   # the first post (or the synchronous ``too_many``)
+        token = _ABORT_KEY.set(key)         # inherited by the task ``send`` creates
+        try:
+            self.aborts.send(self.session, worker.url, ids, self._worker_auth(request.headers.get("Authorization")),
+                             again_after_s=self.config.abort_again_s if again else (), still_wanted=still_wanted)
+        finally:
+            _ABORT_KEY.reset(token)
+
+    def _abort_answered(self, worker_url: str, result: str) -> None:
+        """WorkerAborts' ``record``: one post of an abort by name was answered (or failed, or was
+        not sent: ``too_many``). Counted; the abort it belongs to (:data:`_ABORT_KEY`) has one post
+        fewer under way, and requests waiting for it look again."""
+        self.metrics.aborts.labels(worker_url, result).inc()
+        key = _ABORT_KEY.get()
+        if key is None or self._unanswered_aborts.get(key, 0) <= 0:
+            return
+        self._unanswered_aborts[key] -= 1
+        if self._unanswered_aborts[key] <= 0:
+            del self._unanswered_aborts[key]
+        answered, self._abort_answer = self._abort_answer, asyncio.Event()
+        answered.set()
+
+    async def _after_aborts_of(self, worker: Worker, rid: str) -> None:
+        """Wait until no abort naming ``rid`` sent to ``worker`` is unanswered, for at most
+        ``ABORT_TIMEOUT_S`` (how long the abort itself waits for its answer; past it the router no
+        longer knows when the worker acts on it). vLLM aborts every request of an id when its API
+        server gets to the abort, seconds late beside a decoding engine: a request of that id sent
+        before then (a client's retry under the id of the attempt it left) was aborted with the
+        first (audit s31 a4 D7). Waiting costs an abort's round trip, and only a request that
+        reuses the id of one aborted on this worker."""
+        key = (worker.url, rid)
+        deadline = time.monotonic() + ABORT_TIMEOUT_S
+        while self._unanswered_aborts.get(key, 0) > 0:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                log.info("worker %s: the abort of %.80s is still unanswered after %.0f s; sending a new request "
+                         "of that id all the same", worker.url, rid, ABORT_TIMEOUT_S)
+                return
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._abort_answer.wait(), left)
+
+    def _answer_timeout(self, streaming: bool) -> ClientTimeout:
+        """The bound on a forwarded request's silence (a stream's: the session's, ``request_timeout_s``
+        between any two reads). A whole (non-streamed) answer has no such bound before its first
+        byte: the worker sends it only once the whole decode is over, and a long answer (a
+        reasoning model's, at 600 s the default) was taken for a dead worker, charged a failure
+        (two ejected a healthy worker), decoded again elsewhere and answered 503 at last (audit
+        s31 a4 D3). vLLM's own server puts no bound on a decode either. Whether the worker lives
+        is for its health checks to say (:meth:`_watch_ejection`); the client's own timeout bounds
+        the wait, and its leaving aborts the request. After the first byte, each read is bounded
+        by ``request_timeout_s`` all the same (:meth:`_read_bounded`)."""
+        if streaming:   # a stream's first byte ends its prefill: silence before it is a failure
+            return self.session.timeout
+        return ClientTimeout(total=None, sock_connect=self.config.connect_timeout_s, sock_read=None)
+
+    def _watch_ejection(self, worker: Worker) -> asyncio.Task:
+        """A task that cancels the current one, which waits for a whole answer's first byte with no
+        bound on its silence (:meth:`_answer_timeout`), once ``worker`` is ejected from now on
+        (``eject_after`` failed health checks: hung, or cut off), looked at each
+        ``health_interval_s``; it ends True then (:func:`_ended`). The wait itself stays in the
+        request's task: a task of its own cost a hop, and a worker's last bytes before it cut a
+        whole answer short then read as an error before them."""
+        waiting, sent_at = asyncio.current_task(), time.monotonic()
+
+        async def watch() -> bool:
+            while True:
+                await asyncio.sleep(self.config.health_interval_s)
+                if worker.ejected_at is not None and worker.ejected_at >= sent_at:
+                    waiting.cancel()
+                    return True
+        return asyncio.get_running_loop().create_task(watch())
+
+    async def _read_bounded(self, read, streaming: bool):
+        """``await read``, a read of the answer after its head: for a whole answer, which aiohttp
+        does not bound (:meth:`_answer_timeout`), within ``request_timeout_s``."""
+        if streaming:
+            return await read
+        async with asyncio.timeout(self.config.request_timeout_s):   # (no task per read, as wait_for makes)
+            return await read
 
     async def _relay(self, request: web.Request, resp, first: bytes, worker: Worker,
-                     timing: str, predicted: int, rid: str | None = None) -> web.StreamResponse:
+                     timing: str, predicted: int, rid: str | None = None,
+                     asked_stream: bool = True) -> web.StreamResponse:
+        """Pass the worker's answer ``resp`` (its ``first`` bytes read) to the client; ``rid``: the
+        id echoed, ``asked_stream``: the request asked for a stream (:meth:`_read_bounded`)."""
         out = web.StreamResponse(status=resp.status)
         ctype = resp.headers.get("Content-Type")
         if ctype:
@@ -1262,7 +1457,7 @@ class Router:
             last, mark = time.monotonic(), worker.quiet_mark()
             while True:
                 try:
-                    chunk = await resp.content.readany()
+                    chunk = await self._read_bounded(resp.content.readany(), asked_stream)
                 except (ClientError, asyncio.TimeoutError, OSError) as exc:
                     await self._cut_by_worker(request, out, worker, exc, streaming, watch)
                     return out
@@ -1325,6 +1520,8 @@ class Router:
         log.warning("%s; the client's answer ends here", message)
         self.metrics.cut.labels(worker.url, "worker").inc()
         self._record_health(worker, False)
+        # the worker may decode on for nobody (silent, or its connection cut on the way)
+        self._abort_on(worker, request)
         if streaming:
             error = {"error": {"message": message, "type": "service_unavailable_error", "param": None,
                                "code": 503}}

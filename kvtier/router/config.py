@@ -126,6 +126,13 @@ class RouterConfig:
     #: a larger one is answered 413 in the OpenAI error format before it is read whole. The
     #: default holds a prompt of 1 M token ids (about 7-8 MiB of JSON) twice over.
     max_body_bytes: int = 16 << 20
+    #: the largest multipart form the router takes on vLLM's speech-to-text endpoints
+    #: (``/v1/audio/transcriptions``, ``/v1/audio/translations``), whose audio file vLLM takes up
+    #: to 25 MiB (``VLLM_MAX_AUDIO_CLIP_FILESIZE_MB``, OpenAI's limit too): under
+    #: ``max_body_bytes``, sized for JSON, a 20 MB file vLLM transcribes was refused 413 (audit
+    #: s31 a4 D6). The default is that file and 7 MiB for the form's other fields and framing.
+    #: Counted in ``max_inflight_body_bytes`` as any body is. Raise it with the workers' own cap.
+    max_form_body_bytes: int = 32 << 20
     #: the most leading tokens of a prompt the router tokenizes and keys to route it (a longer
     #: text is cut, its last partial block dropped): routing gains nothing past the longest
     #: prompt a worker takes, and a tokenized token costs the router ~400 bytes. The worker is
@@ -167,9 +174,11 @@ class RouterConfig:
     health_interval_s: float = 2.0
     eject_after: int = 2
     connect_timeout_s: float = 5.0
-    #: the longest a worker may stay silent: before its first byte, or between two chunks of an
-    #: answer (no cap on a whole answer: a long generation that keeps streaming is never cut)
-    #: and the longest a client may take none of its relayed answer (its connection dropped)
+    #: the longest a worker may stay silent: before a stream's first byte, or between two chunks
+    #: of any answer (no cap on a whole answer: a long generation that keeps streaming is never
+    #: cut; a non-streamed answer's first byte, which comes after its whole decode, is waited for
+    #: while its worker passes its health checks), and the longest a client may take none of its
+    #: relayed answer (its connection dropped)
     request_timeout_s: float = 600.0
     #: how often the router reads the workers' ``/v1/models`` for LoRA adapters (0: never;
     #: then adapters are learnt from KV events only)
@@ -231,7 +240,8 @@ class RouterConfig:
         "step_tokens": (True, False, " (0: no shared prefill steps)"),
         "admission_tokens": (True, False, " (0: send every request at once)"),
         "max_held": (True, False, " (0: hold no request)"),
-        "max_body_bytes": (True, True, ""), "max_route_tokens": (True, True, ""),
+        "max_body_bytes": (True, True, ""), "max_form_body_bytes": (True, True, ""),
+        "max_route_tokens": (True, True, ""),
         "body_timeout_s": (False, True, ""), "header_timeout_s": (False, True, ""),
         "keepalive_timeout_s": (False, True, ""),
         "max_connections_per_peer": (True, False, " (0: a quarter of the open-file limit)"),
@@ -254,7 +264,8 @@ class RouterConfig:
             raise ConfigError("no workers: give --worker URL (repeatable) or [[worker]] in the config file")
         if self.policy not in ROUTE_NAMES:
             raise ConfigError(f"unknown --policy {self.policy!r}; use one of {sorted(ROUTE_NAMES)}")
-        for name in ("max_body_bytes", "max_inflight_body_bytes", "max_arriving_body_bytes_per_peer"):
+        for name in ("max_body_bytes", "max_form_body_bytes", "max_inflight_body_bytes",
+                     "max_arriving_body_bytes_per_peer"):
             if isinstance(getattr(self, name), str):   # "16MiB" (the file), or a flag's text
                 setattr(self, name, parse_size(getattr(self, name), name))
         for name, (integer, positive, zero) in self._NUMBERS.items():

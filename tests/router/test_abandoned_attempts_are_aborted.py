@@ -1,0 +1,188 @@
+"""A worker the router gives up on (silent past ``request_timeout_s``, cut off mid-answer, a
+gateway's 504, ejected while it decodes) may decode on for nobody: vLLM does not always notice a
+closed connection (vllm-project/vllm#54947, router/abort.py). The router aborts the request there
+by name before it goes elsewhere (audit s31 a4 D3). A whole answer's long decode is no failure:
+its first byte comes only once it is over. Real sockets, the real ``Router`` app, the stand-in
+workers of test_http.py (which name and abort requests as vLLM does); no vLLM."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+from aiohttp import ClientSession, ClientTimeout, web
+
+from tests.router.test_http import Deaf, distinct, run, start_router, until
+
+
+class FirstOfGroup(Deaf):
+    """A Deaf worker of a group (``group``: shared by them) whose first request anywhere in the
+    group goes wrong by ``fault``: "silent" (its engine decodes it, its API server sends nothing
+    for 2 s), "hangs" (it stops answering health checks and decodes on), "504" (a gateway before
+    it times out while it decodes on)."""
+
+    def __init__(self, name: str, group: list, fault: str, **kw) -> None:
+        super().__init__(name, **kw)
+        self.group, self.fault = group, fault
+
+    async def complete(self, request):
+        if self.group:   # not the first: answers as a Deaf worker does
+            return await super().complete(request)
+        self.group.append(self)
+        if self.fault == "silent":
+            return await self.silent(request)
+        if self.fault == "hangs":   # (5 s of decoding)
+            self.down, self.steps = True, 100
+        elif self.fault == "504":
+            await request.read()   # (kept: the decode below reads it after this answer)
+            asyncio.ensure_future(super().complete(request))
+            return web.json_response({"error": "gateway timeout"}, status=504)
+        return await super().complete(request)
+
+    async def silent(self, request):
+        """A completion named and run as vLLM runs one, nothing sent for 2 s (its first byte
+        comes late: a long queue, a long prefill), deaf to its connection closing meanwhile."""
+        rid = request.headers["X-Request-Id"]   # (the router names it)
+        ids = [f"cmpl-{rid}-0"]
+        self.named.append(ids)
+        self.requests += 1
+        stop = asyncio.Event()
+        self.running.update({i: stop for i in ids})
+        for _ in range(20):
+            if stop.is_set():
+                self.aborted += 1
+                return web.Response(status=499)
+            await asyncio.sleep(0.1)
+        self.finished += 1
+        return web.Response(status=200)
+
+
+async def pair(fault: str, **kw):
+    """Two workers, the first request's going wrong by ``fault``, behind a real router."""
+    group: list = []
+    workers = [FirstOfGroup(f"w{i}", group, fault, steps=10, gap_s=0.05)
+               for i in range(2)]
+    for w in workers:
+        await w.start()
+    router, runner, url = await start_router(workers, **kw)
+    return group, workers, router, runner, url
+
+
+async def stop(runner, workers) -> None:
+    await runner.cleanup()
+    for w in workers:
+        await w.stop()
+
+
+def test_a_whole_answer_decoded_longer_than_the_request_timeout_is_waited_for():
+    """A non-streamed answer's first byte comes after its whole decode (3 s here, over the 1 s
+    ``request_timeout_s``): the router waits for it on the worker that has it. Before, the
+    silence was taken for a dead worker: charged a failure, the request decoded again on the
+    next worker, then a 503, both generations left decoding for nobody."""
+    async def main():
+        workers = [Deaf(f"w{i}", steps=30, gap_s=0.1) for i in range(2)]
+        for w in workers:
+            await w.start()
+        router, runner, url = await start_router(workers, request_timeout_s=1.0, max_attempts=2)
+        try:
+            async with ClientSession() as s:
+                async with s.post(url + "/v1/completions", json={"prompt": "a b"}) as r:
+                    status, answer = r.status, await r.json()
+            assert status == 200 and answer["choices"][0]["text"] == "done", answer
+            assert sorted(w.requests for w in workers) == [0, 1] and sum(w.finished for w in workers) == 1
+            assert [w.failures for w in router.workers] == [0, 0] and all(w.healthy for w in router.workers)
+            assert [w.abort_posts for w in workers] == [[], []]
+        finally:
+            await stop(runner, workers)
+    run(main())
+
+
+def test_a_stream_silent_past_the_request_timeout_is_aborted_there_before_its_retry():
+    """A stream's first byte ends its prefill: a worker silent past ``request_timeout_s`` before
+    it is given up on and the request goes to another worker. The first worker, which had the
+    request and decodes on, is told to abort it by name: it stops there. Before, it decoded to
+    its end for nobody."""
+    async def main():
+        group, workers, router, runner, url = await pair("silent", request_timeout_s=1.0, abort_again_s=())
+        try:
+            async with ClientSession() as s:
+                async with s.post(url + "/v1/completions", json={"prompt": "a b", "stream": True}) as r:
+                    status, raw = r.status, await r.read()
+            assert status == 200 and raw.endswith(b"data: [DONE]\n\n"), raw
+            silent, other = group[0], next(w for w in workers if w is not group[0])
+            assert other.finished == 1
+            await until(lambda: silent.aborted + silent.finished == 1, timeout_s=5)
+            assert (silent.aborted, silent.finished) == (1, 0), (silent.aborted, silent.finished)
+            assert {tuple(p["request_ids"]) for p in distinct(silent.abort_posts)} == {tuple(silent.named[0])}
+            assert other.abort_posts == []
+        finally:
+            await stop(runner, workers)
+    run(main())
+
+
+def test_a_stream_whose_worker_falls_silent_mid_answer_is_aborted_there():
+    """A worker silent past ``request_timeout_s`` after the client had part of its stream: the
+    client's stream ends with an error event (as before) and the worker is told to abort the
+    request by name. Before, it decoded on for nobody."""
+    async def main():
+        w = Deaf("w0", steps=4, gap_s=1.5)   # a chunk, then 1.5 s of silence before each next
+        await w.start()
+        router, runner, url = await start_router([w], request_timeout_s=1.0, abort_again_s=())
+        try:
+            async with ClientSession() as s:
+                async with s.post(url + "/v1/completions", json={"prompt": "a b", "stream": True}) as r:
+                    raw = (await r.read()).decode()
+            events = [e[len("data: "):] for e in raw.split("\n\n") if e.startswith("data: ")]
+            assert json.loads(events[0])["choices"][0]["text"] == "0"
+            assert "went silent" in json.loads(events[1])["error"]["message"] and events[2:] == ["[DONE]"]
+            await until(lambda: w.aborted + w.finished == 1, timeout_s=8)
+            assert (w.aborted, w.finished) == (1, 0) and w.abort_posts[0]["request_ids"] == w.named[0]
+        finally:
+            await stop(runner, [w])
+    run(main())
+
+
+def test_a_gateways_504_is_aborted_behind_it_before_the_retry():
+    """A 504 is a gateway between the router and the worker that stopped waiting: the worker
+    behind it may decode on. The request goes to another worker (as before) and the first is
+    told to abort it by name. Before, it decoded to its end for nobody."""
+    async def main():
+        group, workers, router, runner, url = await pair("504", abort_again_s=(0.5,))
+        try:
+            async with ClientSession() as s:
+                async with s.post(url + "/v1/completions", json={"prompt": "a b"}) as r:
+                    status, answer = r.status, await r.json()
+            assert status == 200 and answer["choices"][0]["text"] == "done"
+            behind, other = group[0], next(w for w in workers if w is not group[0])
+            assert other.finished == 1
+            await until(lambda: behind.aborted + behind.finished == 1, timeout_s=5)
+            assert (behind.aborted, behind.finished) == (1, 0), (behind.aborted, behind.finished)
+        finally:
+            await stop(runner, workers)
+    run(main())
+
+
+def test_a_whole_answer_on_a_worker_ejected_while_it_decodes_is_aborted_and_sent_elsewhere():
+    """No silence bound before a whole answer's first byte: whether its worker lives is for its
+    health checks to say. One that fails them while it decodes (hung: 5 s of decoding, no health)
+    is given up on once ejected, told to abort the request by name, and the request goes to
+    another worker: answered within about the ejection's time. Before, the client waited for the
+    hung worker (here its whole decode; a real hung one, ``request_timeout_s``)."""
+    async def main():
+        group, workers, router, runner, url = await pair("hangs", eject_after=2, abort_again_s=(0.5,))
+        try:
+            async with ClientSession() as s:
+                t0 = time.monotonic()
+                async with s.post(url + "/v1/completions", json={"prompt": "a b"},
+                                  timeout=ClientTimeout(total=20)) as r:
+                    status, answer = r.status, await r.json()
+                took = time.monotonic() - t0
+            assert status == 200 and answer["choices"][0]["text"] == "done"
+            hung, other = group[0], next(w for w in workers if w is not group[0])
+            assert other.finished == 1 and took < 3.5, took
+            await until(lambda: hung.aborted + hung.finished == 1, timeout_s=8)
+            assert (hung.aborted, hung.finished) == (1, 0), (hung.aborted, hung.finished)
+        finally:
+            await stop(runner, workers)
+    run(main())

@@ -1,0 +1,112 @@
+"""vLLM's speech-to-text endpoints take a multipart form whose audio file may be up to 25 MiB
+(``VLLM_MAX_AUDIO_CLIP_FILESIZE_MB``, OpenAI's limit too). The router takes such a form up to
+``max_form_body_bytes`` (32 MiB by default: the file and its form), apart from the JSON bodies'
+``max_body_bytes`` (16 MiB), which refused it 413 (audit s31 a4 D6). Real sockets, the real
+``Router`` app, a stand-in worker that reads the form; no vLLM."""
+
+from __future__ import annotations
+
+import pytest
+from aiohttp import ClientSession, FormData, web
+
+from kvtier.errors import ConfigError
+from kvtier.router.config import RouterConfig, WorkerSpec
+from tests.router.test_http import free_port, run, start_router
+
+VLLM_AUDIO_CAP = 25 << 20   # VLLM_MAX_AUDIO_CLIP_FILESIZE_MB = 25, read as MiB (bytes / 1024**2)
+
+
+class SpeechWorker:
+    """A worker that serves ``/v1/audio/transcriptions`` as vLLM takes it (any form up to well
+    over vLLM's cap), answering the audio file's size; the paths the router polls besides."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.files: list[int] = []
+        self.runner: web.AppRunner | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def start(self) -> None:
+        app = web.Application(client_max_size=64 << 20)
+        app.router.add_post("/v1/audio/transcriptions", self.transcribe)
+        app.router.add_post("/v1/completions", self.transcribe)
+        app.router.add_get("/health", lambda request: web.Response())
+        app.router.add_get("/v1/models", lambda request: web.json_response({"object": "list", "data": []}))
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+
+    async def stop(self) -> None:
+        await self.runner.cleanup()
+
+    async def transcribe(self, request):
+        if request.content_type != "multipart/form-data":
+            return web.json_response({"text": "json"})
+        form = await request.post()
+        self.files.append(len(form["file"].file.read()))
+        return web.json_response({"text": "hello"})
+
+
+def audio_form(size: int) -> FormData:
+    form = FormData()
+    form.add_field("file", b"\x00" * size, filename="a.wav", content_type="audio/wav")
+    form.add_field("model", "tiny")
+    return form
+
+
+async def transcribe(url: str, size: int) -> tuple[int, str]:
+    async with ClientSession() as s:
+        async with s.post(url + "/v1/audio/transcriptions", data=audio_form(size)) as r:
+            return r.status, await r.text()
+
+
+def test_an_audio_file_as_large_as_vllm_takes_is_forwarded_whole():
+    """A 25 MiB audio file, vLLM's cap, in its form: forwarded and transcribed under the
+    default limits. Before, 413 (``max_body_bytes``, 16 MiB)."""
+    async def main():
+        w = SpeechWorker()
+        await w.start()
+        router, runner, url = await start_router([w])
+        try:
+            status, text = await transcribe(url, VLLM_AUDIO_CAP)
+            assert status == 200 and "hello" in text, (status, text[:200])
+            assert w.files == [VLLM_AUDIO_CAP]
+        finally:
+            await runner.cleanup()
+            await w.stop()
+    run(main())
+
+
+def test_the_form_cap_is_set_apart_from_the_json_bodies_cap():
+    """``max_form_body_bytes`` bounds the audio forms alone: a form over it is a 413, never
+    forwarded; a JSON body over ``max_body_bytes`` is still a 413 while a form of that size
+    passes."""
+    async def main():
+        w = SpeechWorker()
+        await w.start()
+        router, runner, url = await start_router([w], max_body_bytes=64 << 10, max_form_body_bytes=1 << 20)
+        try:
+            status, _ = await transcribe(url, 2 << 20)
+            assert status == 413 and w.files == []
+            status, _ = await transcribe(url, 100 << 10)
+            assert status == 200 and w.files == [100 << 10]
+            async with ClientSession() as s:
+                async with s.post(url + "/v1/completions", json={"prompt": "a " * (50 << 10)}) as r:
+                    assert r.status == 413
+        finally:
+            await runner.cleanup()
+            await w.stop()
+    run(main())
+
+
+def test_the_form_cap_is_read_as_a_size_and_checked():
+    def config(**kw):
+        return RouterConfig(workers=[WorkerSpec("http://w")], **kw).check()
+    assert config().max_form_body_bytes >= VLLM_AUDIO_CAP + (1 << 20)
+    assert config(max_form_body_bytes="40MiB").max_form_body_bytes == 40 << 20
+    for bad in (0, -1, "lots", 1.5):
+        with pytest.raises(ConfigError, match="max_form_body_bytes"):
+            config(max_form_body_bytes=bad)
