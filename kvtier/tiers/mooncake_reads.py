@@ -44,7 +44,7 @@ import numpy as np
 from kvtier.core.keys import BlockKey
 from kvtier.core.payload import HEADER_NBYTES, BlockHeader, unpack_header
 from kvtier.tiers.base import Status, runs_by_bytes, writable_bytes
-from kvtier.tiers.mooncake_calls import Down, Late, log
+from kvtier.tiers.mooncake_calls import Down, FollowUp, Late, log
 from kvtier.tiers.mooncake_client import RC_BAD_PARAMS, RC_NOT_FOUND, RC_NOT_READY, RC_TRANSFER_FAILED, Overrun
 from kvtier.tiers.mooncake_names import NAME_ID_BYTES, NAME_PREFIX, names_block, salt_of
 
@@ -182,16 +182,17 @@ class TierReads:
 
     def _read_lost_again(self, digests, views, statuses: list, deadline: float, hashed: bool) -> None:
         """The blocks whose session another read dropped (``_SessionLost``), read once more if the
-        read's deadline has not passed; what loses its session again stays lost (a miss). Read
-        again, a block the tier failed to read is an ``ERROR`` (the master down, an overrun)."""
+        read's deadline leaves time for it (a follow-up: its overrun leaves the tier up); what loses
+        its session again stays lost (a miss). Read again, a block the tier failed to read is an
+        ``ERROR`` (the master down, an overrun)."""
         lost = [i for i, s in enumerate(statuses) if isinstance(s, _SessionLost)]
-        if not lost or time.monotonic() >= deadline:
+        if not lost or not self._time_left_covers(deadline):
             return
         for i in lost:
             log.debug("mooncake tier: a read of %s… lost its get session; reading it again", digests[i].hex()[:16])
             statuses[i] = Status.ERROR
         for todo in _rounds(lost, digests):
-            self._read_round(todo, digests, views, statuses, deadline, hashed)
+            self._read_round(todo, digests, views, statuses, FollowUp(deadline), hashed)
 
     def _judge_rejected(self, digests, views, statuses: list, since: int, hashed: bool) -> None:
         """The blocks whose object failed verification (``_Rejected``, see the module's docstring):
@@ -234,14 +235,20 @@ class TierReads:
 
     def _read_round(self, todo: list[int], digests, views, statuses: list[Status], deadline: float,
                     hashed: bool) -> None:
+        """Read ``todo``; what a holder failed is read from other replicas, then tried again (up to
+        ``read_attempts`` in all). Those reads are follow-ups
+        (:class:`~kvtier.tiers.mooncake_calls.FollowUp`): an overrun of one leaves its blocks ERROR
+        and the tier up."""
+        by = deadline
         for _ in range(self.read_attempts):
+            started = time.monotonic()
             try:
                 self._check_up()
                 small = [i for i in todo if views[i].nbytes < self._session_min_bytes]
-                retry = self._read_pieces(small, digests, views, statuses, deadline, session=False, hashed=hashed)
+                retry = self._read_pieces(small, digests, views, statuses, by, session=False, hashed=hashed)
                 big = [i for i in todo if views[i].nbytes >= self._session_min_bytes]
                 if big:
-                    retry += self._read_in_session(big, digests, views, statuses, deadline, hashed)
+                    retry += self._read_in_session(big, digests, views, statuses, by, hashed)
             except Down:
                 break
             # A dead holder answers -800 until the master drops it (its client_ttl), and the engine
@@ -250,12 +257,16 @@ class TierReads:
             # copy is gone (a miss).
             if retry and self.replicas > 1 and self._transfer is not None:
                 try:
-                    retry = self._read_other_replicas(retry, digests, views, statuses, deadline, hashed)
+                    retry = self._read_other_replicas(retry, digests, views, statuses, FollowUp(deadline), hashed)
                 except Down:
                     break
             todo = retry
-            if not todo or time.monotonic() >= deadline:
+            # A retry costs what the attempt that failed did (a dead holder's -800 comes at once
+            # while its connections close, then after ~1 s a call): made only if the deadline
+            # leaves that. Made with less, it overran, and the tier went down (audit s31 a6 D4).
+            if not todo or not self._time_left_covers(deadline, time.monotonic() - started):
                 break
+            by = FollowUp(deadline)
 
     def _read_in_session(self, todo: list[int], digests, views, statuses: list[Status],
                          deadline: float, hashed: bool) -> list[int]:
@@ -412,8 +423,7 @@ class TierReads:
         except Overrun as exc:
             if direct:
                 self._note_late_direct_read()
-            self._failed(str(exc))
-            raise Late(str(exc)) from None  # the engine may still write: the late call gives back
+            raise self._overran(exc, deadline) from None  # the engine may still write: the late call gives back
         except Exception as exc:  # noqa: BLE001 - the binding raising is the engine failing
             read.give_back()
             self._failed(f"{type(exc).__name__}: {exc}")

@@ -10,8 +10,10 @@ another writer reserved and has not published (a writer killed mid-put holds it 
 master's ``put_start_discard_timeout_sec``, 30 s by default) and an object of another size (the
 engine keeps whatever a name holds: a resized forgery would poison the key for good). Such
 answers are checked (:meth:`TierWrites._confirm_stored`, one master RPC for the batch): OK only
-for a complete object of the block's size; an unpublished one is waited for until the put's
-deadline, then an ERROR; one of another size is removed and the block written again, once.
+for a complete object of the block's size; an unpublished one is waited for while the put's
+deadline leaves time for another poll, then an ERROR; one of another size is removed and the block
+written again, once. The checks and the second write are follow-up calls
+(:class:`~kvtier.tiers.mooncake_calls.FollowUp`): one that overruns fails its blocks, not the tier.
 A session start's -600 (this process's own client holds a reservation of the name: another
 thread's put of the same block) is waited for the same way. A name found empty after the engine
 answered (a delete racing the put) is written again, once; found empty again, the put is OK: it
@@ -30,7 +32,7 @@ import numpy as np
 from kvtier.core.keys import BlockKey
 from kvtier.core.payload import HEADER_NBYTES, BlockMeta
 from kvtier.tiers.base import Status
-from kvtier.tiers.mooncake_calls import Down, log
+from kvtier.tiers.mooncake_calls import Down, FollowUp, log
 from kvtier.tiers.mooncake_client import RC_BAD_PARAMS, RC_NO_SPACE, RC_NOT_FOUND, RC_NOT_READY, RC_OBJECT_EXISTS
 from kvtier.tiers.mooncake_names import NAME_PREFIX, header_row
 
@@ -65,18 +67,20 @@ class TierWrites:
         try:
             self._check_up()
             self._retry_removals(deadline)
+            by = deadline
             for _ in range(2):  # a second round: names that held an object of another size, or lost it
                 again: list[int] = []
                 vanished: set[int] = set()  # accepted by the engine, then gone (see _confirm_stored)
                 small = [i for i in todo if views[i].nbytes < self._session_min_bytes]
                 if small:
-                    again += self._put_batched(small, names, digests, views, metas, statuses, deadline, vanished)
+                    again += self._put_batched(small, names, digests, views, metas, statuses, by, vanished)
                 big = [i for i in todo if views[i].nbytes >= self._session_min_bytes]
                 if big:
-                    again += _PutSession(self, big, names, digests, views, metas).run(statuses, deadline, vanished)
+                    again += _PutSession(self, big, names, digests, views, metas).run(statuses, by, vanished)
                 todo = again
                 if not todo:
                     break
+                by = FollowUp(deadline)  # the second write has what the first left
             # Accepted twice and gone both times: a delete (or the engine's eviction) took the block
             # after the engine had it. The put is linearized before that delete, as if it ran alone
             # before it: OK. Nothing failed; an ERROR here counted a put failure the tier never had.
@@ -131,15 +135,21 @@ class TierWrites:
         held an object of another size (removed here) and those removed since the engine
         answered (a delete racing this put, or another writer's put given up): these are also
         added to ``vanished`` (the name may have held only another writer's reservation, since
-        given up, so the block is written once more; gone again, :meth:`put_many` answers OK)."""
+        given up, so the block is written once more; gone again, :meth:`put_many` answers OK).
+
+        Each check is a follow-up call (:meth:`_follow_up_by`): it has the time an answer takes
+        even at the end of the put, and one that overruns leaves its blocks ERROR and the tier up.
+        Polled with what was left of the deadline, the last poll often had nothing left under
+        load: it overran and took the tier down (a fresh-clone CI run; audit s31 a6 D1)."""
         again: list[int] = []
         pause = 0.001
         while told:
-            sizes = self._stored_sizes([names[i] for i in told], deadline)
+            by = self._follow_up_by(deadline)
+            sizes = self._stored_sizes([names[i] for i in told], by)
             unfinished = []
             for i in told:
                 name, want = names[i], views[i].nbytes + HEADER_NBYTES
-                size = sizes[name] if name in sizes else self._call(deadline, self._engine.get_size, name)
+                size = sizes[name] if name in sizes else self._call(by, self._engine.get_size, name)
                 if size == RC_NOT_READY:
                     unfinished.append(i)
                 elif size == RC_NOT_FOUND:
@@ -156,15 +166,21 @@ class TierWrites:
                     self._drop(name, f"an object of {size} bytes under the name of a block of {want}")
                     again.append(i)
             told = unfinished
-            if told and time.monotonic() + pause >= deadline:
+            if told and not self._paused_for_a_poll(deadline, pause):
                 for i in told:
                     log.info("mooncake tier: put of %s… not stored: another writer's put of it is unfinished",
                              names[i][len(NAME_PREFIX):][:16])
                 break
-            if told:
-                time.sleep(pause)
-                pause = min(pause * 2, 0.05)
+            pause = min(pause * 2, 0.05)
         return again
+
+    def _paused_for_a_poll(self, deadline: float, pause: float) -> bool:
+        """Sleep ``pause`` before another poll if the deadline leaves time for the poll after it;
+        whether it still does once awake (a loaded process oversleeps)."""
+        if not self._time_left_covers(deadline, pause):
+            return False
+        time.sleep(pause)
+        return self._time_left_covers(deadline)
 
 
 class _PutSession:
