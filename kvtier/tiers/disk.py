@@ -56,7 +56,8 @@ back in one *extent* file, each block the same bytes as a file of its own, and
   calls ``on_evict`` with the verified bytes (read into memory of their own, never a file mapping: a file that shrank under one killed the process with SIGBUS) before unlinking.
   A file system that runs out of room first (shared with other writers, or smaller than
   ``capacity_bytes``) is the limit from then on: puts evict to make room and are written again
-  (see :meth:`DiskTier._medium_full`); a full directory still opens (its O_DIRECT probe, which
+  (see :meth:`DiskTier._medium_full`; out of inodes, until one is free: a block file of its own,
+  or a packed block with the rest of its extent); a full directory still opens (its O_DIRECT probe, which
   needs a page, told by reading a block file instead).
 
 Thread safety: all methods are; file I/O of gets and puts runs outside the lock
@@ -77,6 +78,7 @@ import os
 import stat
 import time
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import numpy as np
 import xxhash
@@ -186,6 +188,12 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
         self._withheld: set[BlockKey] = set()
         self._used = 0
         self._reserved = 0  # room promised to puts in flight
+        #: of ``_reserved``: the bytes of puts in flight written already (their fsync under way), which
+        #: the file system's free room lacks (see :meth:`_medium_full`)
+        self._landed = 0
+        #: a write found no free inode: a put evicts until statvfs shows one (see :meth:`_inode_free`)
+        self._inodes_short = False
+        self._inodes_warned = False  # (logged once: a shared medium may run out again and again)
         #: see :data:`Annotator`; called outside the lock, once per block published
         self.annotator: Annotator | None = None
         self._recover()
@@ -344,7 +352,7 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
             assert self._forgotten.keys() <= self._extents.keys(), "places forgotten in an extent not counted"
             assert self._used <= self._capacity, f"used {self._used} > capacity {self._capacity}"
             assert 0 <= self._limit <= self._capacity, f"limit {self._limit}, capacity {self._capacity}"
-            assert self._reserved >= 0, f"negative reservation {self._reserved}"
+            assert 0 <= self._landed <= self._reserved, f"{self._landed} of {self._reserved} reserved landed"
             assert len(self._policy) == len(self._index), (
                 f"policy tracks {len(self._policy)} keys, index holds {len(self._index)}"
             )
@@ -479,83 +487,141 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
 
     def _make_room(self, need: int) -> bool:
         """Evict the policy's victims (never pinned ones) until ``need`` more bytes fit under the
-        limit, besides the puts in flight; False where they cannot. Under a limit the medium lowered,
-        a put larger than the tier holds plus the room left is refused before anything is evicted:
-        it would evict the whole tier and fail all the same."""
+        limit, besides the puts in flight, and, for a put (``need`` > 0) while a write found no free
+        inode, until statvfs shows one for its file; False where they cannot. Under a limit the
+        medium lowered, a put larger than the tier holds plus the bytes left is refused before
+        anything is evicted: it would evict the whole tier and fail all the same (an inode is no
+        such reason: evicting a block file frees one)."""
         def fits() -> bool:
-            return self._used + self._reserved + need <= self._limit
+            return self._used + self._reserved + need <= self._limit and (need == 0 or self._inode_free())
 
         if fits() or (self._medium_freed() and fits()):
             return True
-        if self._limit < self._capacity and need > self._used + self._medium_room():
+        if self._limit < self._capacity and need > self._used + self._medium_space().free:
             return False  # more than the medium would hold with the whole tier evicted: evict nothing for it
         self._purge_expired()
         victims = self._policy.victims()
         while not fits():
             key = next(victims, None)
             if key is None:
-                return False
-            if key in self._pins:
-                self._policy.on_access(key)
-                continue
-            if key in self._withheld:  # deleted already: its removal retried, its bytes never demoted
-                if self._remove(key) is None:
-                    self.stats.deletes += 1
-                else:
-                    self._policy.on_access(key)
-                continue
-            if self.on_evict is not None:
-                self._demote(key)
-            if self._remove(key) is None:
-                self.stats.evictions += 1
-            else:
-                self._policy.on_access(key)  # withheld: the file system refused; the next victim
+                return self._medium_freed() and fits()  # (another process may have freed room meanwhile)
+            extent = self._index[key].extent
+            if self._evict(key) and extent is not None and self._inodes_short:
+                self._evict_mates(extent)
         return True
+
+    def _evict(self, key: BlockKey) -> bool:
+        """Evict a victim (under the lock); whether it went. A pinned one stays, and so does one the
+        file system refuses to remove (withheld: see :meth:`delete`), each touched so that the policy
+        offers the next; a withheld one met again (deleted already) has its removal retried, its
+        bytes never demoted."""
+        if key in self._pins:
+            self._policy.on_access(key)
+            return False
+        withheld = key in self._withheld
+        if not withheld and self.on_evict is not None:
+            self._demote(key)
+        if self._remove(key) is not None:
+            self._policy.on_access(key)
+            return False
+        if withheld:
+            self.stats.deletes += 1
+        else:
+            self.stats.evictions += 1
+        return True
+
+    def _evict_mates(self, extent: Extent) -> None:
+        """While no inode is free, after a victim packed in ``extent``: evict the extent's other
+        blocks indexed here, until an inode is free. A packed block's name is a link, not an
+        inode: the extent's inode goes only with its last block, so victims taken one by one in
+        the policy's order, a block of each of many extents, would free none. Pinned ones stay.
+        (A ``put_many``'s blocks are mostly one span of a chain, which the policy takes together
+        anyway; a child of one of them packed elsewhere stays, a root now, as after a delete.)"""
+        for key in self._mates(extent):
+            if self._inode_free():
+                return
+            if key not in self._pins:
+                self._evict(key)
+
+    def _mates(self, extent: Extent) -> list[BlockKey]:
+        """The blocks of ``extent`` indexed here, as its table lists them (one read); none where the
+        table cannot be read or the extent has none (from before tables)."""
+        if extent.ino is None or extent.live == 0 or self._extents.get(extent.rel) is not extent:
+            return []
+        try:
+            fd = direct_io.open_regular(os.path.join(self.path, extent.rel))
+        except OSError:
+            return []
+        try:
+            st = os.fstat(fd)
+            table = disk_extents.read_table(fd, st.st_size) if st.st_ino == extent.ino else None
+        except OSError:
+            table = None
+        finally:
+            os.close(fd)
+        if table is None:
+            return []
+        return [key for key in table.blocks
+                if (entry := self._index.get(key)) is not None and entry.extent is extent]
 
     def _medium_full(self, quota: bool) -> None:
         """A write found no room on the file system before ``capacity_bytes`` was reached: other
         writers share it, or it holds less than that. The medium is the limit from now on: what
-        this tier holds plus the room the file system has left (statvfs; none for a spent quota,
-        EDQUOT, which statvfs does not show, nor while no inode is free), so that puts evict the
-        policy's victims to make room, as at capacity, instead of failing one after another. A full
-        file system's limit rises again as it frees space (:meth:`_medium_freed`); a quota's holds
-        until the tier is reopened. Puts in flight (``_reserved``) are left out: their bytes,
-        written or being written, are already missing from the room statvfs shows, and
-        :meth:`_make_room` adds them to what must fit (counted twice, the limit was too high by
-        them, and a put that found no room evicted too little to find it the next time)."""
+        this tier holds, with the bytes puts in flight wrote already, plus the bytes the file
+        system has left (statvfs; none for a spent quota, EDQUOT, which statvfs does not show), so
+        that puts evict the policy's victims to make room, as at capacity, instead of failing one
+        after another. A full file system's limit rises again as it frees space
+        (:meth:`_medium_freed`); a quota's holds until the tier is reopened. A put in flight is
+        counted whole in ``_reserved`` by :meth:`_make_room`; the part of it already written
+        (``_landed``: the write returned, the fsync, most of a put's time, under way) is missing
+        from the room statvfs shows, so the limit counts it back: else it would be counted twice
+        (a put that fits once a block is evicted evicted it and was refused FULL all the same),
+        and a reservation not yet written is counted once (the room still holds it). Where no
+        inode is free (an ext4 full of others' small files, a tmpfs with ``nr_inodes``), a put
+        evicts until one is (:meth:`_inode_free`), whatever the bytes say."""
         before = self._limit
+        space = self._medium_space()
         self._quota_limited = quota
-        self._limit = min(self._capacity, self._used + (0 if quota else self._medium_room()))
+        self._inodes_short = space.no_inode
+        self._limit = min(self._capacity, self._used + self._landed + (0 if quota else space.free))
         if before == self._capacity > self._limit:
             log.warning("disk tier %s: no room on the file system (%s) with %d of capacity_bytes %d used "
                         "here; evicting to make room (pass a capacity_bytes the file system holds)",
                         self.path, "quota spent" if quota else "full", self._used, self._capacity)
+        if space.no_inode and not self._inodes_warned:
+            self._inodes_warned = True
+            log.warning("disk tier %s: no free inode on the file system (%d bytes free); evicting to "
+                        "free one for each new file (give the tier a file system with inodes to spare)",
+                        self.path, space.free)
 
     def _medium_freed(self) -> bool:
         """Whether the limit :meth:`_medium_full` lowered for a full file system rose again, to what
-        this tier holds plus the room the file system has now (someone freed some), at most
-        ``capacity_bytes``. Puts under way may take some of that room first: a write that then
-        finds no room lowers the limit again."""
+        this tier holds (with the bytes of puts in flight written already) plus the bytes the file
+        system has free now (someone freed some), at most ``capacity_bytes``. Puts under way may
+        take some of that room first: a write that then finds no room lowers the limit again."""
         if self._limit >= self._capacity or self._quota_limited:
             return False
-        limit = min(self._capacity, self._used + self._medium_room())  # (puts in flight: as in _medium_full)
+        limit = min(self._capacity, self._used + self._landed + self._medium_space().free)
         if limit <= self._limit:
             return False
         self._limit = limit
         return True
 
-    def _medium_room(self) -> int:
-        """Bytes the file system has free for this user: none where statvfs fails, or while no inode
-        is free for a new file (the bytes are no room then: an ext4 full of others' small files, a
-        tmpfs with ``nr_inodes``; each block evicted frees one). A file system that shows no inode
-        count (``f_files`` 0: btrfs, some network mounts) is judged by its bytes."""
+    def _inode_free(self) -> bool:
+        """Whether a new file would get an inode: yes, unless a write found none; then statvfs
+        tells (one call), and the first free inode it shows ends the watch (a write that finds
+        none again starts it anew)."""
+        if self._inodes_short and not self._medium_space().no_inode:
+            self._inodes_short = False
+        return not self._inodes_short
+
+    def _medium_space(self) -> _Space:
+        """What the file system has free for this user (statvfs): nothing where that fails."""
         try:
             fs = os.statvfs(self.path)
         except OSError:
-            return 0
-        if fs.f_files and not fs.f_favail:
-            return 0
-        return fs.f_bavail * fs.f_frsize
+            return _Space(0, False)
+        return _Space(fs.f_bavail * fs.f_frsize, bool(fs.f_files) and not fs.f_favail)
 
     def _demote(self, key: BlockKey) -> None:
         """Hand a victim's verified bytes to ``on_evict`` (read into memory of their own: a mapping
@@ -994,6 +1060,15 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
             if record is not None and record.parent is not None:
                 out[key] = BlockKey(record.parent)
         return out
+
+
+class _Space(NamedTuple):
+    """A file system's free room, as statvfs shows it."""
+
+    free: int  #: bytes free for this user
+    #: no inode free for a new file (bytes are no room then; never on a file system that shows no
+    #: inode count, ``f_files`` 0: btrfs, some network mounts)
+    no_inode: bool
 
 
 def _parents_first(found: list[tuple], parents: dict[BlockKey, BlockKey]):

@@ -3,7 +3,8 @@
 A block is published crash safe: written to a temp file beside its final name, fsync'd, then
 renamed there. ``put_many`` of several blocks packs them in one extent file (one fsync), then
 links each block's name to its place in it (:mod:`kvtier.tiers.disk_extents`); a batch that
-does not fit whole goes block by block (one whose extent the file system has no room for too).
+does not fit whole goes block by block (so does one whose extent the file system still has no
+room for after evicting for it :data:`NO_ROOM_RETRIES` times).
 Each block's record (parent link, the annotator's annotation) is made before any I/O; room is
 reserved under the lock and settled in the same locked step as the index.
 
@@ -89,9 +90,11 @@ class DiskWrites:
         _check_key(key)
         src = as_bytes(data)
 
-        def write(fd: int, record: bytes) -> None:
+        def write(fd: int, record: bytes, landed) -> None:
             self._io.write(fd, src, lambda digest: pack_header(
-                key, src.nbytes, digest, meta, flags=FLAG_CHECKSUM | FLAG_RECORD) + record)
+                key, src.nbytes, digest, meta, flags=FLAG_CHECKSUM | FLAG_RECORD) + record, sync=False)
+            landed()
+            os.fsync(fd)
 
         return self._put(key, src.nbytes, parent, write, created)
 
@@ -141,7 +144,8 @@ class DiskWrites:
 
     def _put_packed(self, keys, srcs, parents, metas, created, todo: list[int], statuses: list) -> None:
         """Publish blocks ``todo`` in one extent; sets their statuses (None: not written, to be put
-        one by one: the batch did not fit whole, or the file system had no room for the extent)."""
+        one by one: the batch did not fit whole, or the file system had no room for the extent,
+        written again after each eviction for it, :data:`NO_ROOM_RETRIES` times)."""
         records = {}
         for i in todo:
             record = self._record_of(keys[i], parents[i])
@@ -174,15 +178,20 @@ class DiskWrites:
         # after a restart none is served past its TTL (a younger one may expire early: a cache may lose)
         oldest = min(born.values()) if any(created[i] is not None for i in todo) else None
 
-        def write_and_link() -> tuple[Status, int | None, list[OSError | None]]:
+        def write_and_link(landed) -> tuple[Status, int | None, list[OSError | None]]:
             table = disk_extents.pack_table(rel, [(keys[i], offsets[i], sizes[i]) for i in todo])
             status, ino = self._write_extent(stem, rel, table, [
-                (keys[i], srcs[i], metas[i], pack_record(keys[i], records[i]), offsets[i]) for i in todo], oldest)
+                (keys[i], srcs[i], metas[i], pack_record(keys[i], records[i]), offsets[i]) for i in todo],
+                oldest, landed)
             return status, ino, (self._link_all(rel, [keys[i] for i in todo]) if status is Status.OK else [])
 
-        def settle(written, full: _NoRoom | None) -> None:
+        retries = NO_ROOM_RETRIES
+
+        def settle(written, full: _NoRoom | None):
             if full is not None:
-                return  # no room for the extent (before capacity_bytes): block by block (statuses left None)
+                # no room for the extent (before capacity_bytes): written again once room is made for
+                # it (out of inodes, one inode is what it needs, not one per block), else block by block
+                return _AGAIN if retries > 0 else None
             status, ino, failures = written
             if status is not Status.OK:
                 for i in todo:
@@ -195,7 +204,9 @@ class DiskWrites:
             for i, done in zip(todo, self._index_extent(rel, ino, placed, failures)):
                 statuses[i] = done
 
-        self._reserved_write(need, write_and_link, settle, when_no_room=lambda: None)  # no room: block by block
+        # no room (statuses left None): block by block
+        while self._reserved_write(need, write_and_link, settle, when_no_room=lambda: None) is _AGAIN:
+            retries -= 1
 
     def _index_extent(self, rel: str, ino: int | None, placed: list[_Placed],
                       failures: list[OSError | None]) -> list[Status | None]:
@@ -208,12 +219,13 @@ class DiskWrites:
         extent = self._extent(rel, ino)
         extent.ino = ino
         out: list[Status | None] = []
+        no_room: OSError | None = None
         for block, failure in zip(placed, failures):
             if failure is not None:
                 extent.dead += block.size  # written, unreachable: still on disk until the extent goes
                 self._used += block.size
                 if failure.errno in direct_io.NO_ROOM:
-                    self._medium_full(failure.errno == errno.EDQUOT)
+                    no_room = failure
                     out.append(None)
                 else:
                     self.stats.put_failures += 1
@@ -238,40 +250,57 @@ class DiskWrites:
             self.stats.puts += 1
             self.stats.bytes_written += block.nbytes
             out.append(Status.OK)
+        if no_room is not None:  # once the whole extent is counted: its bytes are all on the medium
+            self._medium_full(no_room.errno == errno.EDQUOT)
         if extent.live == 0:
             self._drop_extent(extent)
         return out
 
     def _reserved_write(self, need: int, write, settle, *, when_no_room):
-        """Make room for ``need`` bytes and reserve them (under the lock), run ``write()`` (outside it),
-        then return the reservation and ``settle(result, full)`` in one locked step, so that room is
-        never counted twice or not at all: ``full`` is the :class:`_NoRoom` the write raised (its
-        result None), after the medium lowered the limit. Returns what ``settle`` returns, or, where
-        no room could be made, what ``when_no_room()`` returns (under the lock)."""
+        """Make room for ``need`` bytes and reserve them (under the lock), run ``write(landed)``
+        (outside it), then return the reservation and ``settle(result, full)`` in one locked step, so
+        that room is never counted twice or not at all: ``full`` is the :class:`_NoRoom` the write
+        raised (its result None), after the medium lowered the limit. ``write`` calls ``landed()``
+        once its bytes are written, before its fsync: from then on the file system's free room lacks
+        them (see ``DiskTier._medium_full``). Returns what ``settle`` returns, or, where no room
+        could be made, what ``when_no_room()`` returns (under the lock)."""
         with self._lock:
             if not self._make_room(need):
                 return when_no_room()
             self._reserved += need
+        landed: list[bool] = []
+
+        def land() -> None:
+            with self._lock:
+                if not landed:
+                    landed.append(True)
+                    self._landed += need
+
+        def release() -> None:
+            self._reserved -= need
+            self._landed -= need if landed else 0
+
         result = full = None
         try:
-            result = write()
+            result = write(land)
         except _NoRoom as exc:
             full = exc
         except BaseException:
             with self._lock:
-                self._reserved -= need
+                release()
             raise
         with self._lock:
-            self._reserved -= need
+            release()
             if full is not None:
                 self._medium_full(full.quota)  # (our reservation returned first: not room the medium has)
             return settle(result, full)
 
-    def _write_extent(self, stem: str, rel: str, table, blocks, mtime: float | None) -> tuple[Status, int | None]:
+    def _write_extent(self, stem: str, rel: str, table, blocks, mtime: float | None,
+                      landed) -> tuple[Status, int | None]:
         """Write ``table`` and ``(key, payload, meta, record bytes, offset)`` blocks into extent
-        ``rel``: temp file, one fsync, its ``mtime`` (None: left), rename (nothing links into it
-        yet, so a crash leaves no torn block reachable). Returns the status and the extent's inode
-        (its names link to it); raises :class:`_NoRoom` as :meth:`_publish` does."""
+        ``rel``: temp file, ``landed()``, one fsync, its ``mtime`` (None: left), rename (nothing links
+        into it yet, so a crash leaves no torn block reachable). Returns the status and the extent's
+        inode (its names link to it); raises :class:`_NoRoom` as :meth:`_publish` does."""
         final = os.path.join(self.path, rel)
         inode: list[int] = []
 
@@ -281,6 +310,7 @@ class DiskWrites:
             for key, src, meta, record, offset in blocks:
                 self._io.write(fd, src, lambda digest, key=key, src=src, meta=meta, record=record: pack_header(
                     key, src.nbytes, digest, meta, flags=FLAG_CHECKSUM | FLAG_RECORD) + record, base=offset, sync=False)
+            landed()
             os.fsync(fd)
 
         status = self._publish(final, stem, write, what=f"extent {stem}", mtime=mtime)
@@ -319,8 +349,9 @@ class DiskWrites:
         created = created or [None] * len(keys)
         for k in keys:
             _check_key(k)
-        # a source is read once: a stream the file system has no room for is not written again
-        return [self._put(k, s.nbytes, p, lambda fd, record, k=k, s=s: self._write_stream(fd, k, s, record), c,
+        # a source is read once: a stream the file system has no room for is not written again.
+        # (Its fsync is the writer's own: its bytes count as not yet written until it is settled.)
+        return [self._put(k, s.nbytes, p, lambda fd, record, landed, k=k, s=s: self._write_stream(fd, k, s, record), c,
                           rewritable=False)
                 for k, s, p, c in zip(keys, sources, parents, created)]
 
@@ -335,7 +366,8 @@ class DiskWrites:
 
     def _put(self, key: BlockKey, nbytes: int, parent: BlockKey | None, write, created: float | None = None,
              *, rewritable: bool = True) -> Status:
-        """A put of ``nbytes`` whose file I/O ``write(fd, record_bytes)`` is the caller's, of a
+        """A put of ``nbytes`` whose file I/O ``write(fd, record_bytes, landed)`` is the caller's (it
+        calls ``landed()`` once its bytes are written, before its fsync, where it can), of a
         block first written into the store at ``created`` (None: now). A file system that has no
         room for it (before ``capacity_bytes``) becomes the limit (see ``DiskTier._medium_full``):
         victims worth the block are evicted and, where ``write`` can run again (``rewritable``), it
@@ -366,9 +398,9 @@ class DiskWrites:
         born = None if created is None else min(created, time.time())
         inode: list[int] = []
 
-        def writing(fd: int) -> None:
+        def writing(fd: int, landed) -> None:
             inode.append(os.fstat(fd).st_ino)  # the rename keeps it: what our file is at the name
-            write(fd, packed)
+            write(fd, packed, landed)
 
         retries = NO_ROOM_RETRIES if rewritable else 0
 
@@ -379,8 +411,8 @@ class DiskWrites:
                                     inode[-1] if inode else None, born, parent)
 
         while True:
-            outcome = self._reserved_write(need, lambda: self._write(key, writing, born), settle,
-                                           when_no_room=self._refused_full)
+            outcome = self._reserved_write(need, lambda landed: self._write(key, lambda fd: writing(fd, landed), born),
+                                           settle, when_no_room=self._refused_full)
             if outcome is not _AGAIN:
                 return outcome
             retries -= 1

@@ -1,5 +1,5 @@
 """Puts on a file system that runs out of room before ``capacity_bytes`` evict what makes room,
-and only that (s31 a3 D1, D2, D4, D7).
+and only that (s31 a3 D1, D2, D4, D7; s31 r1 D1-D3).
 
 Real small file systems (root only, as CI runs; skipped otherwise): a tmpfs, and for names that
 need a directory block a loop-mounted ext4.
@@ -12,12 +12,23 @@ need a directory block a loop-mounted ext4.
   free room), so concurrent puts evicted too little and came back FULL.
 * A ``put_many`` block whose name found no room (a full ext4's directory needs a new block) was
   ERROR (a warning each, ``errors`` counted), never evicted for and written again.
+* A put in flight whose bytes were written (its fsync under way, most of a put's time on a real
+  disk) was counted twice again once the file system set the limit: a put that fit once one block
+  was evicted evicted it and was refused FULL.
+* Out of inodes, a put larger than the bytes the tier held was refused FULL with nothing evicted,
+  and a smaller one evicted its size in blocks where one inode was needed.
+* Out of inodes with packed blocks (an extent is one inode, a name per block), puts evicted
+  packed blocks by bytes, which freed no inode, and came back FULL; a batch whose extent found no
+  inode went block by block, an inode each.
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import shutil
 import subprocess
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -89,21 +100,38 @@ def test_concurrent_puts_on_a_full_file_system_all_land(tmp_path):
             tier.check_integrity(deep=True)
 
 
-@pytest.fixture
-def small_ext4(tmp_path):
-    """A 32 MiB ext4 (no blocks kept for root), loop-mounted; skipped where that cannot be done."""
+@contextlib.contextmanager
+def loop_ext4(tmp_path: Path, size: str, *mkfs_options: str):
+    """An ext4 of ``size`` (no blocks kept for root), loop-mounted; skipped where that cannot be done."""
     if os.geteuid() != 0 or shutil.which("mkfs.ext4") is None:
         pytest.skip("a loop-mounted ext4 needs root and mkfs.ext4")
     image, mnt = tmp_path / "ext4.img", tmp_path / "mnt"
     mnt.mkdir()
-    subprocess.run(["truncate", "-s", "32M", str(image)], check=True)
-    subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", str(image)], check=True, capture_output=True)
+    subprocess.run(["truncate", "-s", size, str(image)], check=True)
+    subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", *mkfs_options, str(image)], check=True, capture_output=True)
     if subprocess.run(["mount", "-o", "loop", str(image), str(mnt)], capture_output=True).returncode != 0:
         pytest.skip("cannot loop-mount an ext4 here")
     try:
         yield Path(mnt)
     finally:
         subprocess.run(["umount", str(mnt)], check=False)
+
+
+@pytest.fixture
+def small_ext4(tmp_path):
+    with loop_ext4(tmp_path, "32M") as mnt:
+        yield mnt
+
+
+def take_every_inode(mnt: Path) -> None:
+    """Another user makes empty files until the file system has no inode left (bytes it has)."""
+    other = mnt / "other"
+    other.mkdir()
+    with pytest.raises(OSError) as full:
+        for n in range(1 << 20):
+            (other / str(n)).touch()
+    assert full.value.errno == errno.ENOSPC
+    assert os.statvfs(mnt).f_favail == 0
 
 
 def test_a_put_many_name_with_no_room_is_written_again_after_eviction_not_an_error(small_ext4):
@@ -117,3 +145,74 @@ def test_a_put_many_name_with_no_room_is_written_again_after_eviction_not_an_err
         assert statuses.count(Status.OK) >= len(statuses) - 8  # (a put may still find no room 3 times: FULL)
         assert all(exact(tier, i, nb) for i in range(4 * 349, 4 * 350))
         tier.check_integrity(deep=True)
+
+
+def test_a_put_in_flight_whose_bytes_are_written_is_not_counted_twice(tmp_path, monkeypatch):
+    mib = 1 << 20
+    nb = 3 * mib - 4096  # 3 MiB on disk with the header page
+    a_syncing, a_may_finish = threading.Event(), threading.Event()
+    fsync = os.fsync
+
+    def slow_disk_fsync(fd):  # put A's fsync takes long, as on a real disk (tmpfs syncs at once)
+        if threading.current_thread().name == "put A":
+            a_syncing.set()
+            assert a_may_finish.wait(30)
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", slow_disk_fsync)
+    with mounted_tmpfs(tmp_path / "mnt", "10m") as mnt:
+        with DiskTier(mnt / "t", HUGE, direct_io=False) as tier:
+            assert tier.put(k(1), block(1, nb)) is Status.OK  # the tier's one old block
+            (mnt / "other").write_bytes(bytes(2 * mib))  # another user's 2 MiB
+            result = {}
+            a = threading.Thread(target=lambda: result.update(a=tier.put(k(2), block(2, nb))), name="put A")
+            a.start()
+            try:
+                assert a_syncing.wait(30)  # A's 3 MiB written, its fsync under way: 2 MiB free
+                # B fits once the old block is evicted (5 MiB free then): it is stored
+                assert tier.put(k(3), block(3, nb)) is Status.OK
+                assert tier.stats.evictions == 1
+            finally:
+                a_may_finish.set()
+                a.join(30)
+            assert result == {"a": Status.OK}
+            assert exact(tier, 2, nb) and exact(tier, 3, nb)
+            tier.check_integrity(deep=True)
+
+
+def test_out_of_inodes_a_put_larger_than_the_tier_evicts_one_block_file_for_its_inode(tmp_path):
+    with mounted_tmpfs(tmp_path / "mnt", "64m,nr_inodes=400") as mnt:
+        with DiskTier(mnt / "t", HUGE, direct_io=False) as tier:
+            assert all(tier.put(k(i), block(i, 4096)) is Status.OK for i in range(50))  # 400 KiB held
+            take_every_inode(mnt)
+            # 1 MiB: more than the tier holds, but the bytes are there; one inode is missing
+            assert tier.put(k(1000), block(1000, 1 << 20)) is Status.OK
+            assert tier.stats.evictions == 1
+            assert tier.put(k(1001), block(1001, 200_000)) is Status.OK  # one inode again, not 200 KB of blocks
+            assert tier.stats.evictions == 2
+            assert all(exact(tier, i, 4096) for i in range(2, 50))
+            assert exact(tier, 1000, 1 << 20) and exact(tier, 1001, 200_000)
+            tier.check_integrity(deep=True)
+
+
+def test_out_of_inodes_packed_blocks_are_evicted_an_extent_at_a_time(tmp_path):
+    nb, batch = 4096, 8
+    with loop_ext4(tmp_path, "64M", "-N", "400") as mnt:
+        with DiskTier(mnt / "t", HUGE, direct_io=False) as tier:
+            def put_batch(start: int) -> list[Status]:
+                keys = range(start, start + batch)
+                return tier.put_many([k(i) for i in keys], [block(i, nb) for i in keys])
+
+            for start in range(0, 20 * batch, batch):  # 20 extents of 8 blocks: 20 inodes
+                assert put_batch(start) == [Status.OK] * batch
+            take_every_inode(mnt)
+            statuses = [s for start in range(20 * batch, 50 * batch, batch) for s in put_batch(start)]
+            assert statuses == [Status.OK] * 30 * batch, {s.name: statuses.count(s) for s in set(statuses)}
+            # an inode per batch, freed by evicting one extent whole: a block evicted per block stored
+            assert tier.stats.evictions == 30 * batch
+            assert all(exact(tier, i, nb) for i in range(30 * batch, 50 * batch))  # the newest 20 extents
+            # a block file of its own needs an inode too: the oldest extent goes for each
+            singles = [tier.put(k(i), block(i, nb)) for i in range(50 * batch, 50 * batch + 20)]
+            assert singles == [Status.OK] * 20
+            assert all(exact(tier, i, nb) for i in range(50 * batch, 50 * batch + 20))
+            tier.check_integrity(deep=True)
