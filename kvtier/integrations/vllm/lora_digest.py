@@ -12,7 +12,11 @@ whose ``adapter`` (:attr:`kvtier.core.namespace.Namespace.adapter`) names
   the weights file it picks: ``adapter_model.safetensors``, else ``.bin``, else ``.pt``), every
   byte hashed (SHA-256, :mod:`kvtier.integrations.transformers.weights_hash`), once per version of
   the files: :class:`AdapterKeys` remembers a digest under the files' identity on this host (real
-  path, device, inode, size, mtime and ctime; any write changes the ctime);
+  path, device, inode, size, mtime and ctime; any write changes the ctime). Each file is read
+  through the real path its identity records, and only while the file open is that very file
+  (checked before reading and after each chunk): a link to the directory flipped to other files
+  and back while they are read cannot give one version's digest to the other's files, and a file
+  being written fails at its first chunk, not after its last byte;
 * the engine's LoRA settings that change what an adapter computes (:func:`lora_settings`):
   ``lora_dtype`` above all (the same adapter computes other V in bfloat16 than in float32).
 
@@ -21,7 +25,18 @@ blocks are shared by engines with and without LoRA, whose base KV is the same.
 
 An adapter whose files cannot be read here (a hub name vLLM downloads itself, a path missing on
 this host, files rewritten while hashed) has no identity: kvtier neither serves nor stores that
-request's KV (a miss, logged once per adapter), rather than key it by its name.
+request's KV (a miss, logged once per adapter), rather than key it by its name. A directory whose
+files changed while hashed (an upload in place) is not read again for ``CHANGING_RETRY_S``: each
+request of it would otherwise re-read the partial files on the scheduler's thread.
+
+vLLM's worker reads an adapter's files only when it loads its ``lora_int_id`` (at the id's first
+request, again after its LRU evicted it, and at every step of a request with ``load_inplace``), and
+computes the id's other requests with what it read then. So the scheduler names a request by the
+version its id was first named with (:meth:`AdapterKeys.for_request`): files replaced under a
+loaded id and requested without ``load_inplace`` are still computed with the old weights, and
+such a request is neither served nor stored (logged once), nor is any later one of that id
+without ``load_inplace`` (vLLM's evictions are not seen here, so which version it holds under the
+id is not known any more).
 
 The scheduler side names a request's adapter once, at its first lookup (it alone sees the
 request), and hands the name to the workers with each load and save (``LoadJob.adapter``,
@@ -37,18 +52,18 @@ replaced in place, it gives the new version's requests the old version's pages (
 version's, at a rollback, the new one's), in this process. :class:`AdapterKeys` remembers which
 version vLLM computed under each name and path since that cache was last reset (it sees the
 resets through vLLM's block pool, :meth:`AdapterKeys.watch_prefix_cache`); once a second version
-is named there, a request that vLLM serves from its prefix cache under that name and path is not
-saved (its pages may be the other version's), until the cache is reset.
+is named there, or a request that could not be named computed there (its version unknown), a
+request that vLLM serves from its prefix cache under that name and path is not saved (its pages
+may be another version's), until the cache is reset. A change of the files' identity alone (a
+``chmod``, a ``touch``, the same bytes deployed again) names the same version again: nothing is
+replaced.
 
 Hashing runs on the scheduler's thread, once per adapter version (about a second a GB). To
 replace an adapter's files: under a new id (vLLM's ``/v1/load_lora_adapter`` after an unload),
 with ``load_inplace``, or across a restart; then reset vLLM's prefix cache (``POST
 /reset_prefix_cache``), or every request of the adapter that vLLM serves from it goes unsaved
 until the next reset; or put the new version at a new path, which needs neither. Requests in
-flight during the replacement save nothing more. Limit: vLLM keeps an adapter loaded under its
-``lora_int_id``; files replaced under a running engine and requested under the same id (without
-``load_inplace``) are still computed with the old weights, which kvtier would key by the new
-files.
+flight during the replacement save nothing more.
 """
 
 from __future__ import annotations
@@ -59,12 +74,13 @@ import json
 import logging
 import os
 import threading
+import time
 import weakref
 from collections import OrderedDict
 from typing import Any, NamedTuple
 
 from kvtier.errors import ConfigError
-from kvtier.integrations.transformers.weights_hash import file_stamp, hash_file
+from kvtier.integrations.transformers import weights_hash
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +162,7 @@ class AdapterFiles(NamedTuple):
         """The directory still holds these very files (a few ``stat`` calls, nothing read); False
         where they cannot be read."""
         try:
-            return _stamps(adapter_files(self.directory)) == self.stamps
+            return _stamps(_current_files(self.directory)) == self.stamps
         except OSError:
             return False
 
@@ -166,8 +182,19 @@ MAX_ADAPTERS = 1024
 #: adapter names and paths whose versions in vLLM's prefix cache are remembered (a few hundred
 #: bytes each); past it, a name and path not remembered counts as holding several versions
 MAX_CACHED_NAMES = 65536
-#: what vLLM's prefix cache holds under a name and path that more than one version computed under
+#: what vLLM's prefix cache holds under a name and path that more than one version (or one not
+#: known) computed under; and the version of a ``lora_int_id`` vLLM may hold either of
 MIXED = "mixed"
+#: lora_int_ids whose loaded version is remembered, the least recently named dropped first. vLLM's
+#: worker keeps at most ``max_cpu_loras`` adapters loaded, evicting the least recently used too:
+#: an id forgotten here was evicted there long before, and is read from its files again at its next
+#: request. (A pinned adapter, which vLLM never evicts, unused while this many others were named is
+#: the exception.)
+MAX_LOADED_IDS = 65536
+#: seconds an adapter directory whose files changed while they were hashed is not read again:
+#: an upload in place would otherwise cost every request of the adapter a read of the partial
+#: files on vLLM's scheduler thread, which every request waits on
+CHANGING_RETRY_S = 1.0
 
 
 class _Said:
@@ -241,6 +268,12 @@ class AdapterKeys:
         #: an entry of _in_prefix_cache was dropped since the last reset: a pair not in it may be MIXED
         self._forgot_some = False
         self._resets = _PrefixCacheResets()
+        #: lora_int_id → the key it was first named with, the version vLLM's worker loaded under it
+        #: (MIXED: not known), the least recently named first
+        self._loaded: OrderedDict[int, str] = OrderedDict()
+        self._not_loaded = _Said(MAX_ADAPTERS)   # (id, key) refused, logged once
+        #: adapter directory → when its files were last found changing while hashed
+        self._changing: OrderedDict[str, float] = OrderedDict()
 
     def of(self, lora_request) -> str | None:
         """"" for a request without an adapter (its keys as ever); the adapter's identity for one
@@ -261,13 +294,42 @@ class AdapterKeys:
                 first = self._unreadable.first_time(f"{lora_request.lora_name}\0{lora_request.lora_path}")
             if first:
                 log.warning("kvtier: LoRA adapter %r (%s): cannot read its files (%s); its requests are neither "
-                            "served nor stored by kvtier", lora_request.lora_name, lora_request.lora_path, exc)
+                            "served nor stored by kvtier, nor, until vLLM's prefix cache is reset, those of its "
+                            "requests that vLLM serves from that cache", lora_request.lora_name,
+                            lora_request.lora_path, exc)
             return AdapterName(None, None)
         identity = {"files": version.digest, "settings": self.settings}
         if getattr(lora_request, "is_3d_lora_weight", False):
             identity["moe_3d_weights"] = True   # how vLLM reads the MoE weights of the same files
         key = "vllm-lora/1 " + json.dumps(identity, sort_keys=True, separators=(",", ":"))
         return AdapterName(key, AdapterFiles(directory, version.stamps))
+
+    def for_request(self, lora_request) -> AdapterName:
+        """:meth:`name` for a request vLLM computes: the version vLLM's worker holds under its
+        ``lora_int_id``, which is the one the id was first named with, or the one named now for a
+        request with ``load_inplace`` (vLLM reads the files again for it). A request naming another
+        version under a known id is ``AdapterName(None, None)``, neither served nor stored (logged
+        once): vLLM computes it with the old weights. From then on, which version vLLM holds under
+        the id is not known (an eviction there reads the new files), until a ``load_inplace``."""
+        named = self.name(lora_request)
+        if not named.key:
+            return named
+        lora_id = lora_request.lora_int_id
+        with self._lock:
+            loaded = self._loaded.get(lora_id)
+            if loaded in (None, named.key) or getattr(lora_request, "load_inplace", False):
+                self._remember_loaded(lora_id, named.key)
+                return named
+            self._remember_loaded(lora_id, MIXED)
+            first = self._not_loaded.first_time(f"{lora_id}\0{named.key}")
+        if first:
+            log.warning("kvtier: LoRA adapter %r (%s): its files are not those vLLM loaded under its id %d "
+                        "(replaced in place). vLLM reads an adapter's files only when it loads its id, and "
+                        "computes its requests with the old weights: kvtier neither serves nor stores "
+                        "requests of id %d. Load the new files under a new id (/v1/load_lora_adapter), with "
+                        "load_inplace, or restart", lora_request.lora_name, lora_request.lora_path, lora_id,
+                        lora_id)
+        return AdapterName(None, None)
 
     def digest(self, directory: str) -> str:
         """SHA-256 over the names and digests of the adapter's files: remembered while the files'
@@ -276,19 +338,20 @@ class AdapterKeys:
         return self._version(directory).digest
 
     def _version(self, directory: str) -> _Digest:
-        files = adapter_files(directory)
+        files = _current_files(directory)
         stamps = _stamps(files)
         with self._lock:
             known = self._digests.get(directory)
             if known is not None and known.stamps == stamps:
                 self._digests.move_to_end(directory)
                 return known
-        top = hashlib.sha256()
-        for path in files:
-            top.update(f"{os.path.basename(path)}\0{hash_file(path)}\n".encode())
-        if _stamps(files) != stamps:
-            raise ConfigError(f"the adapter's files in {directory} changed while they were hashed")
-        version = _Digest(stamps, top.hexdigest())
+            self._refuse_if_changing(directory)
+        try:
+            version = _Digest(stamps, _digest_of(files, stamps))
+        except (OSError, ConfigError):
+            with self._lock:
+                self._note_changing(directory)
+            raise
         with self._lock:
             self._digests[directory] = version
             self._digests.move_to_end(directory)
@@ -296,6 +359,32 @@ class AdapterKeys:
                 self._digests.popitem(last=False)
             self.adapters_hashed += 1
         return version
+
+    def _refuse_if_changing(self, directory: str) -> None:
+        """Raise ConfigError where the directory's files were found changing less than
+        ``CHANGING_RETRY_S`` ago (caller holds the lock)."""
+        since = self._changing.get(directory)
+        if since is None:
+            return
+        age = time.monotonic() - since
+        if age < CHANGING_RETRY_S:
+            raise ConfigError(f"the adapter's files in {directory} were changing {age:.2f} s ago "
+                              f"(not read again before {CHANGING_RETRY_S} s)")
+        del self._changing[directory]
+
+    def _note_changing(self, directory: str) -> None:
+        """The directory's files could not be hashed (caller holds the lock)."""
+        self._changing[directory] = time.monotonic()
+        self._changing.move_to_end(directory)
+        if len(self._changing) > MAX_ADAPTERS:
+            self._changing.popitem(last=False)
+
+    def _remember_loaded(self, lora_id: int, key: str) -> None:
+        """vLLM's worker holds ``key`` under ``lora_id`` (caller holds the lock)."""
+        self._loaded[lora_id] = key
+        self._loaded.move_to_end(lora_id)
+        if len(self._loaded) > MAX_LOADED_IDS:
+            self._loaded.popitem(last=False)
 
     # -- vLLM's prefix cache ----------------------------------------------------------------------
     def watch_prefix_cache(self, block_pool) -> None:
@@ -332,16 +421,33 @@ class AdapterKeys:
 
     def replaced_while_running(self, lora_request) -> None:
         """The files of a running request's adapter changed: vLLM's prefix cache now holds pages
-        of another version under its name and path too (those the request computed after)."""
+        of another version under its name and path too (those the request computed after), and
+        which version vLLM holds under its id is not known (it read the new files, or not), unless
+        its requests have vLLM read them at each step (``load_inplace``)."""
+        with self._lock:
+            if lora_request.lora_int_id in self._loaded and not getattr(lora_request, "load_inplace", False):
+                self._remember_loaded(lora_request.lora_int_id, MIXED)
+        if self._mark_mixed(lora_request):
+            log.warning("kvtier: LoRA adapter %r (%s): its files changed while requests ran; kvtier saves no "
+                        "more of those requests, and no request of the adapter that vLLM serves from its "
+                        "prefix cache until that cache is reset (POST /reset_prefix_cache)",
+                        lora_request.lora_name, lora_request.lora_path)
+
+    def computed_unnamed(self, lora_request) -> None:
+        """A request of ``lora_request`` that could not be named (:meth:`for_request` None) computes
+        pages into vLLM's prefix cache under its adapter's name and path all the same, with the
+        weights vLLM holds under its id: a version not known here (logged by :meth:`name`)."""
+        self._mark_mixed(lora_request)
+
+    def _mark_mixed(self, lora_request) -> bool:
+        """vLLM's prefix cache holds pages of a version not known under the adapter's name and path;
+        True where it was not known to before."""
         pair = (lora_request.lora_name, lora_request.lora_path)
         with self._lock:
             self._forget_if_reset()
             known = self._in_prefix_cache.get(pair)
             self._remember(pair, MIXED)
-        if known != MIXED:
-            log.warning("kvtier: LoRA adapter %r (%s): its files changed while requests ran; kvtier saves no "
-                        "more of those requests, and no request of the adapter that vLLM serves from its "
-                        "prefix cache until that cache is reset (POST /reset_prefix_cache)", *pair)
+        return known != MIXED
 
     def _forget_if_reset(self) -> None:
         """vLLM's prefix cache was reset: it holds no adapter's pages (caller holds the lock)."""
@@ -359,5 +465,63 @@ class AdapterKeys:
             self._forgot_some = True
 
 
+def _current_files(directory: str) -> list[str]:
+    """:func:`adapter_files` of the directory ``directory`` leads to now, resolved once: a link to
+    it flipped meanwhile cannot mix one version's config with another's weights."""
+    try:
+        real = os.path.realpath(directory)
+    except ValueError as exc:   # a NUL in the path: no file has that name
+        raise FileNotFoundError(f"{directory!r} names no directory ({exc})") from exc
+    return adapter_files(real)
+
+
+def _stamp(real_path: str, st: os.stat_result) -> tuple:
+    """A file's identity (``weights_hash.file_stamp``'s fields), from its ``stat``."""
+    return tuple(sorted({"path": real_path, "dev": st.st_dev, "ino": st.st_ino, "size": st.st_size,
+                         "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns}.items()))
+
+
 def _stamps(files: list[str]) -> tuple[tuple, ...]:
-    return tuple(tuple(sorted(file_stamp(path).items())) for path in files)
+    return tuple(_stamp(real, os.stat(real)) for real in map(os.path.realpath, files))
+
+
+def _digest_of(files: list[str], stamps: tuple[tuple, ...]) -> str:
+    """SHA-256 over the names and digests of the files with these identities; ConfigError where
+    one changed while read, or the directory holds others by the end."""
+    top = hashlib.sha256()
+    for path, stamp in zip(files, stamps):
+        top.update(f"{os.path.basename(path)}\0{_hash_stamped(stamp)}\n".encode())
+    if _stamps(files) != stamps:
+        raise ConfigError(f"the adapter's files in {os.path.dirname(files[0])} changed while they were hashed")
+    return top.hexdigest()
+
+
+def _hash_stamped(stamp: tuple) -> str:
+    """``weights_hash.hash_file``'s digest of the file ``stamp`` identifies, read through the real
+    path it records and only while the file open is that very file, unchanged: checked before
+    reading and after each chunk (a file being written fails at its first chunk)."""
+    path, size = dict(stamp)["path"], dict(stamp)["size"]
+    # a link put at the path since fails to open (O_NOFOLLOW), and a FIFO opens without waiting for
+    # a writer (O_NONBLOCK; it then fails the check) rather than block the scheduler's thread
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        _require_stamp(fd, stamp)
+        chunk_bytes = weights_hash.CHUNK_BYTES
+        chunks = []
+        for offset in range(0, size, chunk_bytes):   # hash_file's reads, with a check after each
+            chunks.append(weights_hash._hash_chunk(fd, offset, min(chunk_bytes, size - offset)))
+            _require_stamp(fd, stamp)
+    finally:
+        os.close(fd)
+    # hash_file's layout (its size, then each chunk's digest): an adapter's key as before
+    top = hashlib.new(weights_hash.HASH_NAME)
+    top.update(size.to_bytes(8, "little"))
+    for digest in chunks:
+        top.update(digest)
+    return top.hexdigest()
+
+
+def _require_stamp(fd: int, stamp: tuple) -> None:
+    path = dict(stamp)["path"]
+    if _stamp(path, os.fstat(fd)) != stamp:
+        raise ConfigError(f"{path} changed while it was hashed (not the file named, or written meanwhile)")

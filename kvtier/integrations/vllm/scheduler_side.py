@@ -5,9 +5,11 @@
   hashes), one per kvtier block; a LoRA request's are rooted in its adapter's files and the
   engine's LoRA settings too, named once per request and handed to the workers with its
   loads and saves (:mod:`~kvtier.integrations.vllm.lora_digest`; an adapter whose files
-  cannot be read: neither looked up nor saved; nor, from then on, a request whose adapter's
-  files change while it runs). The hit is the store's longest prefix, cut to whole vLLM pages
-  and so that at least two tokens remain to compute (see ``MIN_COMPUTED_TOKENS``).
+  cannot be read, or are not those vLLM loaded under the request's ``lora_int_id``: neither
+  looked up nor saved; nor, from then on, a request whose adapter's files change while it
+  runs, though not for a change of their identity alone, such as a ``chmod``). The hit is
+  the store's longest prefix, cut to whole vLLM pages and so that at least two tokens remain
+  to compute (see ``MIN_COMPUTED_TOKENS``).
 * **Loads** cover the pages past vLLM's local prefix hit; a load may stop
   inside a kvtier block (the worker reads the block and writes only the pages
   asked for). Loads are asynchronous (other requests keep running) unless the
@@ -17,15 +19,19 @@
   step of its forward, which saves the request an engine step of waiting.
 * **Saves** cover each kvtier block once all its tokens are computed, unless the
   lookup found it in the store already. A LoRA request that vLLM served pages of its prefix
-  cache that another version of its adapter may have computed (files replaced in place, that
-  cache not reset since: ``AdapterKeys.note_in_prefix_cache``) saves nothing.
+  cache that another version of its adapter may have computed (files replaced in place, or a
+  request of the adapter that could not be named computed there; that cache not reset since:
+  ``AdapterKeys.note_in_prefix_cache``) saves nothing.
 * **Sliding windows.** Where vLLM dropped a request's leading pages out of the window
   (``NULL_PAGE``), nothing is loaded into them and nothing is saved from them.
 * **P/D.** A prefill instance returns ``{"kvtier_blocks": n}`` as the request's
   ``kv_transfer_params``: blocks 0..n-1 are in the store or queued (a block skipped as out of
   a sliding window ends that prefix); a decode instance given them waits (up to
   ``pd_wait_s``) until the store shows those blocks, since the prefill
-  instance's writes are asynchronous.
+  instance's writes are asynchronous. A LoRA request whose adapter's files changed announces
+  none: the workers drop the saves of a step run after the change, and a decode instance that
+  names the new files looks up other keys, so it would wait for blocks it can never see (one
+  that names the old files still loads whatever is stored, without waiting).
 * **Steps in flight.** With more than one batch in flight (async scheduling, pipeline
   parallelism) vLLM builds step N+1 before it takes step N's report. Each build is kept
   (its synchronous loads, its saves) until its report: a report charges a failed load
@@ -186,8 +192,7 @@ class SchedulerSide:
             # weights only; what it stored before is under the old epoch
             state.stale = False
             state.stored_blocks = state.announced_blocks = 0
-        if state.adapter_files is not None:
-            self._check_adapter(state, num_computed_tokens)
+        self._check_adapter(state, num_computed_tokens)
         # vLLM reads no cached block for a request that skips the prefix cache (prompt logprobs:
         # a block keeps no logits) and drops whatever is returned here: no lookup, no P/D wait
         # nor for one whose adapter's files could not be read (its KV has no identity to key it by)
@@ -223,21 +228,38 @@ class SchedulerSide:
         return external, external > 0 and state.async_load
 
     def _check_adapter(self, state: _Request, local_tokens: int) -> None:
-        """At a LoRA request's lookup (it computes next): its adapter's files are still those it was
-        named from, and the ``local_tokens`` vLLM's prefix cache gives it were computed under them."""
-        if self._adapter_unchanged(state) and \
-                not self.adapters.note_in_prefix_cache(state.request.lora_request, state.adapter) and local_tokens:
+        """At a LoRA request's lookup (it computes next, into vLLM's prefix cache under its adapter's
+        name and path): its adapter's files are still those it was named from, and the
+        ``local_tokens`` vLLM's prefix cache gives it were computed under them. A request whose
+        adapter has no name computes there all the same, with a version not known here."""
+        lora = getattr(state.request, "lora_request", None)
+        if lora is None:
+            return
+        if state.adapter_files is None:   # not named, or its adapter replaced while it ran
+            self.adapters.computed_unnamed(lora)
+        elif self._adapter_unchanged(state) and not self.adapters.note_in_prefix_cache(lora, state.adapter) \
+                and local_tokens:
             state.untrusted_local_hit = True
 
     def _adapter_unchanged(self, state: _Request) -> bool:
         """Whether a LoRA request's adapter files are those its keys name. vLLM reads them again while
         a request runs (after an unload, at every step with ``load_inplace``): changed, its later KV
-        is another version's, and it is neither looked up nor saved again."""
-        if state.adapter_files is None or state.adapter_files.unchanged():
+        is another version's, and it is neither looked up nor saved again, nor announces any block
+        to a decode instance (see the module's P/D). Files whose identity alone changed (a
+        ``chmod``, a ``touch``, the same bytes written again) are named again: the same version,
+        whose new identity is kept."""
+        files = state.adapter_files
+        if files is None:
             return True
-        self.adapters.replaced_while_running(state.request.lora_request)
-        state.adapter = state.adapter_files = None
-        return False
+        if not files.unchanged():
+            renamed = self.adapters.for_request(state.request.lora_request)   # hashed once per new identity
+            if renamed.key != state.adapter:
+                self.adapters.replaced_while_running(state.request.lora_request)
+                state.adapter = state.adapter_files = None
+                state.announced_blocks = 0
+                return False
+            state.adapter_files = renamed.files
+        return True
 
     def _bounded_read(self, tiers: list[str] | None, local_tokens: int, usable_tokens: int) -> bool:
         """The load of tokens ``local_tokens..usable_tokens`` is at most ``sync_load_max_bytes``
@@ -446,7 +468,7 @@ class SchedulerSide:
         state = self._requests.get(request.request_id)
         if state is None:
             # the adapter is named once, with the files' identities: checked before each save
-            named = self.adapters.name(getattr(request, "lora_request", None))
+            named = self.adapters.for_request(getattr(request, "lora_request", None))
             state = self._requests[request.request_id] = _Request(request, named.key, named.files)
         else:
             state.request = request

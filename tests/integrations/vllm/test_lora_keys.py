@@ -44,10 +44,10 @@ PINNED_EPOCH_KEY = "a3068756306824d111b1ddbe1c4257895d02ddc01a1f06eec23061fa57e2
 SETTINGS = {"lora_dtype": "float32", "max_lora_rank": 8}
 
 
-def _lora(name: str, lora_id: int, path):
+def _lora(name: str, lora_id: int, path, **kw):
     from vllm.lora.request import LoRARequest
 
-    return LoRARequest(name, lora_id, str(path))
+    return LoRARequest(name, lora_id, str(path), **kw)
 
 
 @pytest.fixture
@@ -228,7 +228,9 @@ def test_after_an_adapter_is_replaced_in_place_vllms_prefix_hits_are_not_saved_u
     """vLLM's own prefix cache keys an adapter's pages by its name and path: after its files are replaced
     in place it serves one version the other's pages. A request it served from that cache must save
     nothing (it would store the old version's KV under the new version's keys), until vLLM's prefix
-    cache is reset (seen through its block pool, as vLLM binds it to the connector)."""
+    cache is reset (seen through its block pool, as vLLM binds it to the connector). The adapter is
+    requested with ``load_inplace``, so that vLLM computes with the files at the path (it reads
+    them again at each step)."""
     from vllm.v1.core.block_pool import BlockPool
 
     pool = BlockPool(num_gpu_blocks=8, enable_caching=True, hash_block_size=PAGE)
@@ -237,7 +239,7 @@ def test_after_an_adapter_is_replaced_in_place_vllms_prefix_hits_are_not_saved_u
     sched = SchedulerSide(ConnectorConfig(block_tokens=BLOCK), engine, lambda keys: 0, loads=True, saves=True,
                           adapters=adapters)
     path = random_lora_adapter(tiny_model, tmp_path / "x", seed=1)
-    lora = _lora("x", 1, path)
+    lora = _lora("x", 1, path, load_inplace=True)
 
     def saves(req_id: str, local_tokens: int) -> int:
         """Blocks saved of a request of ``lora`` whose first ``local_tokens`` vLLM's prefix cache served."""

@@ -1,0 +1,294 @@
+"""A LoRA request is keyed by the adapter version vLLM computes it with, and never saved where that
+version is not known.
+
+* vLLM reads an adapter's files only when it loads its ``lora_int_id`` (or at every step with
+  ``load_inplace``): files replaced under a loaded id are computed with the old weights, so such a
+  request is neither served nor saved.
+* A request whose adapter could not be named still computes into vLLM's prefix cache under the
+  adapter's name and path: pages of an unknown version, which no later request served them saves.
+* An adapter's files are hashed as the very files their identities name (a link to the directory
+  flipped and flipped back while they are read cannot pass one version off as another), a file
+  being written fails at its first chunk, and a directory whose files are changing is not read
+  again at once.
+* A change of the files' identity alone (a ``chmod``) is no new version.
+* A P/D prefill whose adapter changed while its saves were in flight announces no blocks.
+
+Scheduler side and one worker, without an engine: the adapter files are real files (their
+contents only hashed here); vLLM's rule for reading them is stated in each test.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+
+import pytest
+
+from tests.integrations.vllm.harness import skip_without_vllm
+
+skip_without_vllm()
+
+from kvtier.core.layout import KVLayout  # noqa: E402
+from kvtier.core.namespace import Namespace  # noqa: E402
+from kvtier.integrations.transformers import weights_hash  # noqa: E402
+from kvtier.integrations.vllm import lora_digest  # noqa: E402
+from kvtier.integrations.vllm.config import ConnectorConfig, EngineKV  # noqa: E402
+from kvtier.integrations.vllm.lora_digest import AdapterKeys  # noqa: E402
+from kvtier.integrations.vllm.scheduler_side import SchedulerSide  # noqa: E402
+from kvtier.store.config import StoreConfig, build_store  # noqa: E402
+from tests.integrations.vllm.test_lora_keys import _new, _next_chunk, _request  # noqa: E402
+from tests.integrations.vllm.test_worker_saves import filled_worker  # noqa: E402
+
+PAGE, BLOCK = 32, 64
+SETTINGS = {"lora_dtype": "float32", "max_lora_rank": 8}
+LOG = "kvtier.integrations.vllm.lora_digest"
+
+
+@pytest.fixture
+def engine() -> EngineKV:
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype="float32", block_tokens=BLOCK)
+    return EngineKV(Namespace("m", layout), page_tokens=PAGE, hash_tokens=PAGE, num_layers=2, format_tag="test")
+
+
+def _lora(name: str, lora_id: int, path, **kw):
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(name, lora_id, str(path), **kw)
+
+
+def _write_adapter(path, version: bytes, size: int = 64 << 10) -> str:
+    """An adapter's files as vLLM reads them, written in place (same inodes: a retrain job's output)."""
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        f.write('{"r": 8, "lora_alpha": 16}')
+    with open(os.path.join(path, "adapter_model.safetensors"), "wb") as f:
+        f.write((version * size)[:size])
+    return str(path)
+
+
+def _scheduler(engine, adapters: AdapterKeys, lookup=lambda keys: 0, **config) -> SchedulerSide:
+    return SchedulerSide(ConnectorConfig(block_tokens=BLOCK, **config), engine, lookup, loads=True, saves=True,
+                         adapters=adapters)
+
+
+def _run(sched: SchedulerSide, req_id: str, lora, local_tokens: int = 0) -> list:
+    """A 320-token request of ``lora`` whose first ``local_tokens`` vLLM's prefix cache served, run in
+    one step to its end: its save jobs."""
+    request = _request(req_id, 320, lora)
+    sched.num_new_matched_tokens(request, local_tokens)
+    saves = sched.build(_new(req_id, list(range(10, 20)), local_tokens, 320 - local_tokens)).saves
+    sched.finished(request)
+    return saves
+
+
+def _blocks(saves: list) -> int:
+    return sum(len(job.blocks) for job in saves)
+
+
+# -- vLLM computes an id's requests with the version it loaded under it ------------------------------
+def test_files_replaced_under_a_loaded_id_are_neither_looked_up_nor_saved_until_vllm_reads_them(
+        engine, tmp_path, caplog):
+    """vLLM's worker reads an adapter's files for an id it has not loaded, or with ``load_inplace``
+    (``WorkerLoRAManager.add_adapter``); a server keeps one id per adapter (``--lora-modules``,
+    ``/v1/load_lora_adapter``). Retrained in place, the old weights still compute the id's requests:
+    saved under the new files' keys, they would be served to the new version after a restart."""
+    looked_up: list = []
+    adapters = AdapterKeys(SETTINGS)
+    sched = _scheduler(engine, adapters, lambda keys: looked_up.append(keys) or 0)
+    path = _write_adapter(tmp_path / "customer-x", b"v1")
+    v1 = adapters.of(_lora("x", 1, path))
+    assert {job.adapter for job in _run(sched, "a", _lora("x", 1, path))} == {v1}, "control: v1 saved"
+    looked_up.clear()
+
+    _write_adapter(path, b"v2")                      # retrained in place; vLLM still holds v1 under id 1
+    v2 = adapters.of(_lora("x", 1, path))
+    with caplog.at_level(logging.WARNING, logger=LOG):
+        assert _run(sched, "b", _lora("x", 1, path)) == [], "KV computed with v1 saved under v2's keys"
+        assert _run(sched, "c", _lora("x", 1, path)) == []
+    assert looked_up == [], "nor looked up: v2's stored KV is not what vLLM computes with"
+    assert sum("not those vLLM loaded under its id 1" in r.getMessage() for r in caplog.records) == 1
+
+    # vLLM reads the files again: with load_inplace, or under an id it has not loaded
+    assert {job.adapter for job in _run(sched, "d", _lora("x", 1, path, load_inplace=True))} == {v2}
+    assert {job.adapter for job in _run(sched, "e", _lora("x", 1, path))} == {v2}, "id 1 holds v2 now"
+    assert {job.adapter for job in _run(sched, "f", _lora("x", 2, path))} == {v2}
+    # a rollback under id 2 without load_inplace: vLLM still holds v2 there
+    _write_adapter(path, b"v1")
+    assert _run(sched, "g", _lora("x", 2, path)) == []
+
+
+def test_the_versions_remembered_per_id_are_bounded(engine, tmp_path, monkeypatch):
+    """An id forgotten here was evicted from vLLM's adapter LRU long before (``max_cpu_loras``
+    adapters at most): vLLM reads its files again at its next request, so they name it again."""
+    monkeypatch.setattr(lora_digest, "MAX_LOADED_IDS", 2)
+    adapters = AdapterKeys(SETTINGS)
+    path = _write_adapter(tmp_path / "x", b"v1")
+    for lora_id in (1, 2, 3):
+        assert adapters.for_request(_lora("x", lora_id, path)).key
+    _write_adapter(path, b"v2")
+    assert adapters.for_request(_lora("x", 3, path)).key is None, "id 3 is remembered: vLLM holds v1"
+    assert adapters.for_request(_lora("x", 1, path)).key == adapters.of(_lora("x", 1, path)), \
+        "id 1 was forgotten: named by its files again"
+
+
+# -- requests that could not be named still compute into vLLM's prefix cache ---------------------------
+def test_pages_computed_by_a_request_whose_adapter_could_not_be_named_are_never_saved_by_another(
+        engine, tmp_path):
+    """A request arriving while its adapter's files are rewritten cannot be named, yet vLLM computes
+    it (with the weights it holds under its id) into its prefix cache under the adapter's name and
+    path. A request of the new version that vLLM serves those pages must not save them under the
+    new version's keys, until vLLM's prefix cache is reset."""
+    from vllm.v1.core.block_pool import BlockPool
+
+    pool = BlockPool(num_gpu_blocks=8, enable_caching=True, hash_block_size=PAGE)
+    adapters = AdapterKeys(SETTINGS)
+    adapters.watch_prefix_cache(pool)
+    sched = _scheduler(engine, adapters)
+    path = _write_adapter(tmp_path / "customer-x", b"v1")
+    assert _blocks(_run(sched, "a", _lora("x", 1, path))) == 5
+    assert pool.reset_prefix_cache()                 # an earlier reset: vLLM's cache knows no version now
+    os.remove(os.path.join(path, "adapter_model.safetensors"))   # the upload of v2 starts
+    assert _run(sched, "during-upload", _lora("x", 1, path)) == []
+    _write_adapter(path, b"v2")                      # uploaded; loaded in place; the reset not sent yet
+    v2_served_its_pages = _run(sched, "v2", _lora("x", 1, path, load_inplace=True), local_tokens=64)
+    assert v2_served_its_pages == [], "v1's pages from vLLM's prefix cache saved under v2's keys"
+    assert _blocks(_run(sched, "v2-computed", _lora("x", 1, path, load_inplace=True))) == 5, \
+        "control: a request vLLM served nothing computes v2 alone"
+    assert pool.reset_prefix_cache()
+    assert _blocks(_run(sched, "v2-after-reset", _lora("x", 1, path, load_inplace=True), local_tokens=64)) == 5
+
+
+# -- reading the files -----------------------------------------------------------------------------------
+def _point(link: str, target: str) -> None:
+    os.symlink(target, link + ".new")
+    os.replace(link + ".new", link)
+
+
+def test_a_link_flipped_to_other_files_and_back_while_they_are_hashed_names_the_files_it_leads_to(
+        tmp_path, monkeypatch):
+    """``cur -> v2`` flipped to v1 and back within the hash (a rollback and a redeploy): the files
+    read must be those whose identities the digest is remembered under, or v2's files are keyed as
+    v1 for as long as they stay."""
+    cur = str(tmp_path / "cur")
+    v1 = _write_adapter(tmp_path / "v1", b"one")
+    v2 = _write_adapter(tmp_path / "v2", b"two")
+    _point(cur, v1)
+    key_v1 = AdapterKeys(SETTINGS).of(_lora("x", 1, cur))
+    _point(cur, v2)
+    key_v2 = AdapterKeys(SETTINGS).of(_lora("x", 1, cur))
+    assert key_v1 != key_v2
+
+    hash_chunk = weights_hash._hash_chunk
+    chunks_read = []
+
+    def flip_while_read(fd, offset, nbytes):   # the operator's flips land while the files are read
+        if not chunks_read:
+            _point(cur, v1)
+        chunks_read.append(offset)
+        digest = hash_chunk(fd, offset, nbytes)
+        if len(chunks_read) == 2:
+            _point(cur, v2)
+        return digest
+
+    monkeypatch.setattr(weights_hash, "_hash_chunk", flip_while_read)
+    adapters = AdapterKeys(SETTINGS)
+    first = adapters.of(_lora("x", 1, cur))
+    monkeypatch.setattr(weights_hash, "_hash_chunk", hash_chunk)
+    assert len(chunks_read) >= 2, "the flips landed inside the hash"
+    assert os.path.realpath(cur) == v2
+    assert first in (None, key_v2)
+    assert [adapters.of(_lora("x", 1, cur)) for _ in range(2)] == [key_v2] * 2, "v2's files keyed as v1"
+
+
+def test_an_adapters_digest_is_the_files_digests_as_before(tmp_path):
+    """Reading through the files' identities keeps an adapter's key: its stored KV stays reachable."""
+    path = _write_adapter(tmp_path / "x", b"v1", size=(1 << 20) + 7)
+    top = hashlib.sha256()
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        top.update(f"{name}\0{weights_hash.hash_file(os.path.join(path, name))}\n".encode())
+    assert AdapterKeys(SETTINGS).digest(path) == top.hexdigest()
+
+
+def test_an_adapter_path_no_file_can_have_names_no_adapter(tmp_path):
+    """vLLM's API takes any string as a path: one with a NUL is unreadable, not a scheduler crash."""
+    assert AdapterKeys(SETTINGS).of(_lora("x", 1, f"{tmp_path}/x\0y")) is None
+
+
+def test_an_adapter_being_uploaded_in_place_is_not_read_whole_by_every_request(tmp_path, monkeypatch):
+    """Each request of an adapter whose weights file is being written read the whole partial file on
+    vLLM's scheduler thread, then gave up: the read stops at the first chunk the file changed in, and
+    the directory is not read again before ``CHANGING_RETRY_S``."""
+    monkeypatch.setattr(weights_hash, "CHUNK_BYTES", 64 << 10)
+    monkeypatch.setattr(lora_digest, "CHANGING_RETRY_S", 600.0, raising=False)
+    path = _write_adapter(tmp_path / "x", b"v1", size=1 << 20)   # 16 chunks
+    weights = os.path.join(path, "adapter_model.safetensors")
+    hash_chunk = weights_hash._hash_chunk
+    chunks_read = []
+    uploading = True
+
+    def read_while_uploading(fd, offset, nbytes):
+        chunks_read.append(offset)
+        if uploading:
+            with open(weights, "ab") as f:   # the upload goes on writing while the file is read
+                f.write(b"\0" * 4096)
+        return hash_chunk(fd, offset, nbytes)
+
+    monkeypatch.setattr(weights_hash, "_hash_chunk", read_while_uploading)
+    adapters = AdapterKeys(SETTINGS)
+    assert [adapters.of(_lora("x", 1, path)) for _ in range(5)] == [None] * 5
+    assert len(chunks_read) <= 2, f"{len(chunks_read)} chunks read for 5 requests (config 1, weights 16)"
+    uploading = False
+    monkeypatch.setattr(lora_digest, "CHANGING_RETRY_S", 0.0, raising=False)
+    assert adapters.of(_lora("x", 1, path)), "uploaded: named once the pause is over"
+
+
+# -- a change of identity alone --------------------------------------------------------------------------
+def test_a_chmod_of_an_adapter_while_its_request_runs_replaces_nothing(engine, tmp_path):
+    """The files' identity changes (ctime) but not their contents: the running request goes on
+    saving, and the requests vLLM serves from its prefix cache after are saved."""
+    from vllm.v1.core.block_pool import BlockPool
+
+    pool = BlockPool(num_gpu_blocks=8, enable_caching=True, hash_block_size=PAGE)
+    adapters = AdapterKeys(SETTINGS)
+    adapters.watch_prefix_cache(pool)
+    sched = _scheduler(engine, adapters)
+    path = _write_adapter(tmp_path / "x", b"v1")
+    lora = _lora("x", 1, path)
+    request = _request("a", 320, lora)
+    sched.num_new_matched_tokens(request, 0)
+    assert _blocks(sched.build(_new("a", list(range(10, 20)), 0, 64)).saves) == 1   # chunked prefill
+    weights = os.path.join(path, "adapter_model.safetensors")
+    os.chmod(weights, 0o600 if os.stat(weights).st_mode & 0o777 != 0o600 else 0o640)
+    rest = sched.build(_next_chunk("a", 64, 256)).saves
+    assert _blocks(rest) == 4, "a chmod stopped the running request's saves"
+    assert rest[0].adapter_files.unchanged(), "the new identity is kept: the worker saves the job"
+    sched.finished(request)
+    assert _blocks(_run(sched, "follow-up", lora, local_tokens=64)) == 5, \
+        "a chmod stopped saving every request vLLM serves from its prefix cache"
+    assert adapters.adapters_hashed == 2, "the same contents under a new identity: hashed once more"
+
+
+# -- P/D ---------------------------------------------------------------------------------------------------
+def test_a_prefill_whose_adapter_changed_while_its_saves_ran_announces_no_blocks(engine, tmp_path):
+    """The worker drops saves run after the adapter's files changed; announced, the decode instance
+    waited ``pd_wait_s`` for blocks that never land."""
+    path = _write_adapter(tmp_path / "x", b"v1")
+    prefill = _scheduler(engine, AdapterKeys(SETTINGS))
+    request = _request("r", 320, _lora("x", 1, path, load_inplace=True))
+    prefill.num_new_matched_tokens(request, 0)
+    meta = prefill.build(_new("r", list(range(10, 20)), 0, 320))
+    _write_adapter(path, b"v2")                      # replaced while the step runs
+    store = build_store(StoreConfig(host_bytes="8MiB"), engine.layout)
+    try:
+        worker, _ = filled_worker(engine, store)
+        worker.save(meta)
+        assert worker.flush(10)
+        assert worker.stats.adapter_saves_dropped == 5
+        _, params = prefill.finished(request)
+        assert params["kvtier_blocks"] == 0, "blocks the worker dropped announced"
+        decode = _scheduler(engine, AdapterKeys(SETTINGS), lambda keys: store.lookup(keys).hit_blocks)
+        waiting = _request("r", 320, _lora("x", 1, path))
+        waiting.kv_transfer_params = params
+        assert decode.num_new_matched_tokens(waiting, 0)[0] is not None, "the decode waits for them"
+    finally:
+        store.close(flush_timeout_s=0)
