@@ -302,6 +302,7 @@ def engine_kv(config: ConnectorConfig, vllm_config, kv_cache_config, *, tp_rank:
     its own stage's layers (:func:`_pipeline_stage`).
     """
     check_block_hashes(config, vllm_config.cache_config)
+    check_no_context_parallelism(vllm_config.parallel_config)
     check_real_weights(vllm_config.load_config)
     check_weights_from_model_path(vllm_config.load_config, config)
     groups = kv_cache_config.kv_cache_groups
@@ -361,6 +362,26 @@ def engine_kv(config: ConnectorConfig, vllm_config, kv_cache_config, *, tp_rank:
         format_tag=_format_tag(vllm_config, kv_cache_config, spec,
                                _pipeline_stage(parallel, pp_rank, groups[0].layer_names)),
     )
+
+
+#: vLLM's context parallelism settings, each with its flag
+_CONTEXT_PARALLEL_SETTINGS = (("decode_context_parallel_size", "--decode-context-parallel-size"),
+                              ("prefill_context_parallel_size", "--prefill-context-parallel-size"))
+
+
+def check_no_context_parallelism(parallel_config) -> None:
+    """Refuse decode or prefill context parallelism: each of vLLM's scheduler block ids then
+    stands for ``block_size`` tokens times the context-parallel size, spread over the ranks,
+    while kvtier maps tokens to block ids by ``block_size``: it would save and load the wrong
+    pages (tokens past a block, under the block's key)."""
+    for setting, flag in _CONTEXT_PARALLEL_SETTINGS:
+        size = int(getattr(parallel_config, setting, 1) or 1)
+        if size > 1:
+            raise ConfigError(
+                f"KvtierConnector does not support context parallelism ({flag} {size}): vLLM's block ids "
+                f"then cover {size} ranks' pages, and kvtier would save and load the wrong ones. Run "
+                f"without {flag} (or with 1) to use kvtier, or without --kv-transfer-config to use context "
+                "parallelism")
 
 
 def check_real_weights(load_config) -> None:

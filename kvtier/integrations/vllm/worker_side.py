@@ -15,7 +15,9 @@
   buffer to the store's I/O pool; the engine does not wait for the write.
   After a failed load, no save goes until the scheduler has taken that step's
   report (``KvtierMetadata.reported_step``): the steps vLLM ran meanwhile may have
-  computed over the pages the load left unfilled.
+  computed over the pages the load left unfilled. With tensor or pipeline parallelism
+  the workers agree on that step (:class:`FailedStepAgreement`): one worker's unfilled
+  pages spoil the forward of the ranks beside it and of the stages after it.
 * **Keys** are those of the step's ``epoch`` (a ``reset_cache`` starts a new one) and of the
   job's LoRA adapter (named by the scheduler: :mod:`~kvtier.integrations.vllm.lora_digest`).
   A LoRA request's save goes only if its adapter's files are still those the scheduler named
@@ -114,12 +116,74 @@ class WorkerStats:
     saved_blocks: int = 0
     save_failures: int = 0
     #: blocks not saved because a load of their step, or of a step before it that the scheduler
-    #: had not taken the report of, failed (their KV may have been computed on pages the load
-    #: left unfilled)
+    #: had not taken the report of, failed, on this worker or another of the engine (their KV may
+    #: have been computed on pages the load left unfilled)
     saves_dropped: int = 0
     #: blocks not saved because their LoRA adapter's files changed since the scheduler named them
     #: (the step may have computed with the new ones)
     adapter_saves_dropped: int = 0
+
+
+class FailedStepAgreement:
+    """How the workers of one engine agree on the last step whose loads failed
+    (``WorkerSide._failed_step``), in each step whose metadata has a synchronous load.
+
+    Such a load that fails on one worker spoils the step's forward beyond that worker: the
+    tensor-parallel ranks of a pipeline stage all-reduce their attention outputs, and each stage
+    hands its hidden states to the next. So a stage takes the upstream stage's step (sent point to
+    point, on the pipeline's CPU group), then its ranks take the MAX over the stage (all-reduce on
+    its tensor-parallel CPU group), then pass it on downstream. No collective spans the pipeline:
+    a stage saves (vLLM's ``wait_for_save``) before it sends its hidden states on, while the next
+    stage waits for them before it starts the step: such an all-reduce would never complete. Nor
+    vLLM's world group: with data parallelism it holds other engines' workers, running other steps.
+
+    Every worker of the engine calls :meth:`agree` in the same steps (the metadata is the same on
+    every worker), in step order, on the thread that runs vLLM's steps. Stage k's failure does
+    not reach stages before k: their KV does not depend on its pages.
+    """
+
+    #: the tag of the pipeline messages, apart from vLLM's own on that group (tag 0)
+    PIPELINE_TAG = 0x6B7674
+
+    def __init__(self, tp_group, pp_group) -> None:
+        """``tp_group``, ``pp_group``: vLLM's ``GroupCoordinator`` of this worker's stage and
+        of its pipeline."""
+        self._tp = tp_group
+        self._pp = pp_group
+        #: steps sent downstream, each with the tensor its send reads until it completes
+        self._sending: list[tuple] = []
+
+    @classmethod
+    def of_vllm(cls) -> "FailedStepAgreement | None":
+        """From vLLM's parallel state; None where there is nobody to agree with (one worker, or
+        no parallel state initialised)."""
+        from vllm.distributed import parallel_state
+
+        if not parallel_state.model_parallel_is_initialized():
+            return None
+        tp, pp = parallel_state.get_tp_group(), parallel_state.get_pp_group()
+        if tp.world_size == 1 and pp.world_size == 1:
+            return None
+        return cls(tp, pp)
+
+    def agree(self, failed_step: int) -> int:
+        """The latest of this worker's ``failed_step``, its stage's and every upstream stage's."""
+        import torch
+        import torch.distributed as dist
+
+        step = torch.tensor([failed_step], dtype=torch.int64)
+        if not self._pp.is_first_rank:
+            upstream = torch.empty_like(step)
+            dist.recv(upstream, src=self._pp.prev_rank, group=self._pp.cpu_group, tag=self.PIPELINE_TAG)
+            step = torch.maximum(step, upstream)
+        if self._tp.world_size > 1:
+            dist.all_reduce(step, op=dist.ReduceOp.MAX, group=self._tp.cpu_group)
+        if not self._pp.is_last_rank:
+            # Not waited for: the next stage receives it once it ran its step, after ours.
+            self._sending = [(work, sent) for work, sent in self._sending if not work.is_completed()]
+            work = dist.isend(step, dst=self._pp.next_rank, group=self._pp.cpu_group, tag=self.PIPELINE_TAG)
+            self._sending.append((work, step))
+        return int(step.item())
 
 
 class WorkerSide:
@@ -149,6 +213,8 @@ class WorkerSide:
         #: loads copy from this host pool without staging; None: every read goes through
         #: the store (tests set it to None to make store reads fail)
         self.direct_host = direct_host_tier(store)
+        #: the other workers of the engine (tensor and pipeline ranks); None: this one alone
+        self._agreement = FailedStepAgreement.of_vllm()
 
     def register(self, kv_caches) -> None:
         self.paged = PagedKV(kv_caches, self.engine)
@@ -255,6 +321,11 @@ class WorkerSide:
 
     # -- saves -----------------------------------------------------------------------
     def save(self, meta: KvtierMetadata) -> None:
+        if self._agreement is not None and any(not job.is_async for job in meta.loads):
+            # Another worker's failed load spoiled this step's forward here too. Only a synchronous
+            # load runs in the step of its request's forward: an asynchronous one's request runs
+            # once every worker reported it done, its failed pages with it, so vLLM recomputes them.
+            self._failed_step = self._agreement.agree(self._failed_step)
         if self.paged is None:
             return
         self._saves = [f for f in self._saves if not f.done()]

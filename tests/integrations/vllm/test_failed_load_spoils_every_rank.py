@@ -1,0 +1,145 @@
+"""A synchronous load that fails on one worker of a tensor- or pipeline-parallel engine stops the
+saves of that step on every worker whose forward it spoiled.
+
+Two processes, each a worker with its own store and ``WorkerSide``, joined by vLLM's own parallel
+state on gloo (``init_distributed_environment`` + ``initialize_model_parallel``, as vLLM's workers
+do; no engine). Both run the same steps: a synchronous load of block 0 of a request and the save of
+its block 1, which the step's forward completes. One worker's store lacks block 0 (its own host
+tier lost it), so its pages stay unfilled and the forward over them is wrong where it reaches:
+
+* tensor parallel: every rank of the stage (attention outputs are all-reduced);
+* pipeline parallel: the stages after the failing one (they compute on its hidden states), not
+  those before it;
+
+and a step with no failure (the scheduler having taken the failed step's report) saves on both.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import socket
+
+import numpy as np
+import pytest
+
+from tests.integrations.vllm.harness import skip_without_vllm
+
+skip_without_vllm()
+
+pytestmark = pytest.mark.timeout(300)
+
+PAGE, BLOCK, LAYERS, PAGES = 32, 64, 2, 16
+PAGE_SHAPE = (1, PAGE, 64)
+FIRST_PORT, LAST_PORT = 23500, 23599
+
+
+def _free_port() -> int:
+    for port in range(FIRST_PORT, LAST_PORT + 1):
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    pytest.skip(f"no free port in {FIRST_PORT}-{LAST_PORT}")
+
+
+def _hashes(request: str) -> list[bytes]:
+    return [f"{request}{i}".encode().ljust(32, b"h") for i in range(2)]
+
+
+def _step(step: int, reported_step: int, request: str):
+    """A step that loads a request's block 0 synchronously (pages 2, 3) and saves its block 1
+    (pages 4, 5), computed by the step's forward."""
+    from kvtier.integrations.vllm.metadata import BlockTransfer, KvtierMetadata, LoadJob, SaveJob
+
+    hashes = _hashes(request)
+    return KvtierMetadata(loads=[LoadJob(request, hashes[:1], [BlockTransfer(0, 0, [2, 3])], is_async=False)],
+                          saves=[SaveJob(request, hashes, [BlockTransfer(1, 0, [4, 5])])],
+                          step=step, reported_step=reported_step)
+
+
+def _join_engine(rank: int, port: int, tp: int, pp: int) -> None:
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import parallel_state
+
+    with set_current_vllm_config(VllmConfig()):
+        parallel_state.init_distributed_environment(world_size=2, rank=rank, local_rank=rank, backend="gloo",
+                                                    distributed_init_method=f"tcp://127.0.0.1:{port}")
+        parallel_state.initialize_model_parallel(tp, pp, backend="gloo")
+
+
+def _worker(rank: int, port: int, tp: int, pp: int, steps: list[tuple[int, int, str, int]], results) -> None:
+    """Run ``steps`` (step, reported step, request, rank whose store lacks the request's block 0)
+    as worker ``rank``; put the blocks saved in each step on ``results``."""
+    try:
+        import torch
+
+        from kvtier.core.layout import KVLayout
+        from kvtier.core.namespace import Namespace
+        from kvtier.integrations.vllm.config import EngineKV
+        from kvtier.integrations.vllm.worker_side import WorkerSide
+        from kvtier.store.config import StoreConfig, build_store
+
+        _join_engine(rank, port, tp, pp)
+        layout = KVLayout(num_layers=LAYERS, num_kv_heads=1, head_dim=32, dtype="float32", block_tokens=BLOCK)
+        engine = EngineKV(Namespace("m", layout), page_tokens=PAGE, hash_tokens=PAGE, num_layers=LAYERS,
+                          format_tag="t")
+        store = build_store(StoreConfig(host_bytes="4MiB"), layout)
+        side = WorkerSide(engine, store)
+        side.register({f"model.layers.{i}.self_attn.attn": torch.zeros(PAGES, *PAGE_SHAPE) for i in range(LAYERS)})
+        saved = []
+        for step, reported_step, request, lacking_rank in steps:
+            if rank != lacking_rank:
+                block = np.ones(layout.block_nbytes, dtype=np.uint8)
+                store.put(engine.keys(_hashes(request))[:1], [block])
+            before = side.stats.saved_blocks
+            meta = _step(step, reported_step, request)
+            side.start_loads(meta)      # vLLM: start_load_kv, the forward, then wait_for_save
+            side.save(meta)
+            assert side.flush(10)
+            side.take_load_errors()     # the step's report
+            saved.append(side.stats.saved_blocks - before)
+        side.shutdown(5)
+        store.close()
+        results.put((rank, saved))
+    except BaseException as exc:        # the parent reports it, rather than waiting out a timeout
+        results.put((rank, repr(exc)))
+        raise
+
+
+def _run_engine(tp: int, pp: int, steps) -> dict[int, list[int]]:
+    """The blocks each worker of a two-worker engine saved in each of ``steps``."""
+    spawn = multiprocessing.get_context("spawn")
+    results = spawn.Queue()
+    port = _free_port()
+    workers = [spawn.Process(target=_worker, args=(rank, port, tp, pp, steps, results)) for rank in (0, 1)]
+    for proc in workers:
+        proc.start()
+    try:
+        saved = dict(results.get(timeout=240) for _ in workers)
+    finally:
+        for proc in workers:
+            proc.join(10)
+            if proc.is_alive():     # a worker stuck in a collective: end it, the test fails
+                proc.kill()
+    for rank, result in saved.items():
+        assert isinstance(result, list), f"worker {rank} failed: {result}"
+    return saved
+
+
+def test_tensor_parallel_ranks_drop_the_step_of_a_load_that_failed_on_either():
+    saved = _run_engine(tp=2, pp=1, steps=[
+        (5, 4, "A", 1),     # rank 1 lacks A's block 0: both ranks' forward read its unfilled pages
+        (6, 5, "B", -1),    # the scheduler has taken step 5's report; no load fails
+    ])
+    assert saved == {0: [0, 1], 1: [0, 1]}
+
+
+def test_pipeline_stages_after_a_failed_load_drop_its_step_and_those_before_it_save():
+    saved = _run_engine(tp=1, pp=2, steps=[
+        (5, 4, "A", 0),     # stage 0 lacks A's block 0: stage 1 computed on its hidden states
+        (6, 5, "B", -1),    # no load fails: both save
+        (7, 6, "C", 1),     # stage 1 lacks C's block 0: stage 0's layers never read its pages
+    ])
+    assert saved == {0: [0, 1, 1], 1: [0, 1, 0]}
