@@ -410,13 +410,16 @@ class BlockIO:
         if sync:
             os.fsync(fd)
 
-    def write_filled(self, fd: int, nbytes: int, fill: Fill, header: Callable[[bytes], bytes]) -> None:
+    def write_filled(self, fd: int, nbytes: int, fill: Fill, header: Callable[[bytes], bytes], *,
+                     sync: bool = True) -> None:
         """:meth:`write` of an ``nbytes`` payload that ``fill`` produces chunk by chunk, in order,
-        on a helper while the chunk before is written (e.g. sealed as it goes)."""
+        on a helper while the chunk before is written (e.g. sealed as it goes); fsync'd unless not
+        ``sync`` (the caller syncs: e.g. after counting the written bytes as on the medium)."""
         with self._lease() as lease:
             digest = self._write_chunks(fd, nbytes, fill, lease)
             self._write_header(fd, header(digest), lease)
-        os.fsync(fd)
+        if sync:
+            os.fsync(fd)
 
     @staticmethod
     def _write_header(fd: int, head: bytes, lease: _Lease, base: int = 0) -> None:

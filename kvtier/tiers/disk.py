@@ -57,7 +57,8 @@ back in one *extent* file, each block the same bytes as a file of its own, and
   A file system that runs out of room first (shared with other writers, or smaller than
   ``capacity_bytes``) is the limit from then on: puts evict to make room and are written again
   (see :meth:`DiskTier._medium_full`; out of inodes, until one is free: a block file of its own,
-  or a packed block with the rest of its extent); a full directory still opens (its O_DIRECT probe, which
+  or a packed block with the rest of its extent, where no block of it is pinned and no other
+  process's name links to it); a full directory still opens (its O_DIRECT probe, which
   needs a page, told by reading a block file instead).
 
 Thread safety: all methods are; file I/O of gets and puts runs outside the lock
@@ -491,7 +492,9 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
         inode, until statvfs shows one for its file; False where they cannot. Under a limit the
         medium lowered, a put larger than the tier holds plus the bytes left is refused before
         anything is evicted: it would evict the whole tier and fail all the same (an inode is no
-        such reason: evicting a block file frees one)."""
+        such reason: evicting a block file frees one). While an inode is wanted, only victims whose
+        eviction frees one are taken (:meth:`_frees_inode`): a block file of its own, or a packed
+        block whose whole extent can go with it; the others are skipped, evicted for nothing."""
         def fits() -> bool:
             return self._used + self._reserved + need <= self._limit and (need == 0 or self._inode_free())
 
@@ -501,14 +504,41 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
             return False  # more than the medium would hold with the whole tier evicted: evict nothing for it
         self._purge_expired()
         victims = self._policy.victims()
+        skipped_for_inode = False
         while not fits():
             key = next(victims, None)
+            if key is None and skipped_for_inode and not self._inodes_short:
+                # an inode is free now, the bytes still short: the victims skipped for no inode count again
+                victims, skipped_for_inode = self._policy.victims(), False
+                continue
             if key is None:
                 return self._medium_freed() and fits()  # (another process may have freed room meanwhile)
             extent = self._index[key].extent
-            if self._evict(key) and extent is not None and self._inodes_short:
+            if need == 0 or not self._inodes_short:
+                self._evict(key)
+            elif not self._frees_inode(extent):
+                self._policy.on_access(key)  # evicting it frees no inode: the next victim
+                skipped_for_inode = True
+            elif self._evict(key) and extent is not None:
                 self._evict_mates(extent)
         return True
+
+    def _frees_inode(self, extent: Extent | None) -> bool:
+        """Whether evicting a victim in ``extent`` (None: a block file of its own) frees an inode: a
+        packed block's name is a link, so only with its whole extent, which can go only with no
+        block of it pinned and no name linked to it but the extent's own and those indexed here
+        (another process sharing the directory may index others). An extent from before tables
+        (its names symbolic links) is left to a restart: none."""
+        if extent is None:
+            return True
+        if extent.ino is None or any((entry := self._index.get(key)) is not None and entry.extent is extent
+                                     for key in self._pins):
+            return False
+        try:
+            st = os.lstat(os.path.join(self.path, extent.rel))
+        except OSError:
+            return False
+        return stat.S_ISREG(st.st_mode) and st.st_ino == extent.ino and st.st_nlink == extent.live + 1
 
     def _evict(self, key: BlockKey) -> bool:
         """Evict a victim (under the lock); whether it went. A pinned one stays, and so does one the
@@ -531,17 +561,17 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
         return True
 
     def _evict_mates(self, extent: Extent) -> None:
-        """While no inode is free, after a victim packed in ``extent``: evict the extent's other
-        blocks indexed here, until an inode is free. A packed block's name is a link, not an
-        inode: the extent's inode goes only with its last block, so victims taken one by one in
-        the policy's order, a block of each of many extents, would free none. Pinned ones stay.
-        (A ``put_many``'s blocks are mostly one span of a chain, which the policy takes together
-        anyway; a child of one of them packed elsewhere stays, a root now, as after a delete.)"""
+        """While no inode is free, after a victim packed in ``extent`` (one :meth:`_frees_inode`
+        judged free to go whole): evict the extent's other blocks indexed here, until an inode is
+        free. A packed block's name is a link, not an inode: the extent's inode goes only with its
+        last block, so victims taken one by one in the policy's order, a block of each of many
+        extents, would free none. (A ``put_many``'s blocks are mostly one span of a chain, which
+        the policy takes together anyway; a child of one of them packed elsewhere stays, a root
+        now, as after a delete.)"""
         for key in self._mates(extent):
             if self._inode_free():
                 return
-            if key not in self._pins:
-                self._evict(key)
+            self._evict(key)
 
     def _mates(self, extent: Extent) -> list[BlockKey]:
         """The blocks of ``extent`` indexed here, as its table lists them (one read); none where the

@@ -4,7 +4,7 @@ A block is published crash safe: written to a temp file beside its final name, f
 renamed there. ``put_many`` of several blocks packs them in one extent file (one fsync), then
 links each block's name to its place in it (:mod:`kvtier.tiers.disk_extents`); a batch that
 does not fit whole goes block by block (so does one whose extent the file system still has no
-room for after evicting for it :data:`NO_ROOM_RETRIES` times).
+room for once written again after evicting for it, :data:`EXTENT_NO_ROOM_RETRIES`).
 Each block's record (parent link, the annotator's annotation) is made before any I/O; room is
 reserved under the lock and settled in the same locked step as the index.
 
@@ -46,6 +46,10 @@ from kvtier.tiers.streams import PayloadSource, PieceReader
 #: how many times a put is written again after the file system ran out of space (each time
 #: after evicting what it needs: others may fill the space first, or the file system count more)
 NO_ROOM_RETRIES = 2
+#: how many times an extent is written again after the file system ran out of space: room is made
+#: for the whole file (its table too), so a rewrite that still finds none lost the room to others or
+#: to the file system's own metadata, and its blocks go one by one rather than the whole extent again
+EXTENT_NO_ROOM_RETRIES = 1
 #: a block older than this (its ``created``) is written as a file of its own, never packed: an
 #: extent's mtime is its blocks' age, and a restart in another process takes an extent no name
 #: reaches yet (its writer still linking them) for a dead writer's once its mtime is older than
@@ -145,7 +149,7 @@ class DiskWrites:
     def _put_packed(self, keys, srcs, parents, metas, created, todo: list[int], statuses: list) -> None:
         """Publish blocks ``todo`` in one extent; sets their statuses (None: not written, to be put
         one by one: the batch did not fit whole, or the file system had no room for the extent,
-        written again after each eviction for it, :data:`NO_ROOM_RETRIES` times)."""
+        written again after evicting for it, :data:`EXTENT_NO_ROOM_RETRIES` times)."""
         records = {}
         for i in todo:
             record = self._record_of(keys[i], parents[i])
@@ -163,7 +167,6 @@ class DiskWrites:
                 with self._lock:
                     self.stats.put_failures += 1
         todo = [i for i in todo if statuses[i] is None]
-        need = sum(sizes[i] for i in todo)  # the table is metadata, like the names: not counted
         if len(todo) < 2:
             return
         stem = disk_extents.extent_stem(keys[todo[0]])
@@ -185,7 +188,7 @@ class DiskWrites:
                 oldest, landed)
             return status, ino, (self._link_all(rel, [keys[i] for i in todo]) if status is Status.OK else [])
 
-        retries = NO_ROOM_RETRIES
+        retries = EXTENT_NO_ROOM_RETRIES
 
         def settle(written, full: _NoRoom | None):
             if full is not None:
@@ -205,8 +208,18 @@ class DiskWrites:
                 statuses[i] = done
 
         # no room (statuses left None): block by block
-        while self._reserved_write(need, write_and_link, settle, when_no_room=lambda: None) is _AGAIN:
+        while self._reserved_write(self._extent_need(off, sum(sizes[i] for i in todo)), write_and_link, settle,
+                                   when_no_room=lambda: None) is _AGAIN:
             retries -= 1
+
+    def _extent_need(self, file_bytes: int, block_bytes: int) -> int:
+        """The room to reserve for an extent of ``file_bytes``, ``block_bytes`` of them its blocks'.
+        Against ``capacity_bytes``, its blocks: the table is metadata, like the names, which
+        used_bytes leaves out (as a restart does). Against a limit the file system's room set, the
+        whole file, its table page too: that limit is bytes statvfs shows, and room made for the
+        blocks alone left a rewrite after evicting for it with no room again. (Read without the
+        lock: a limit that moves meanwhile sizes this one reservation only.)"""
+        return file_bytes if self._limit < self._capacity else block_bytes
 
     def _index_extent(self, rel: str, ino: int | None, placed: list[_Placed],
                       failures: list[OSError | None]) -> list[Status | None]:
@@ -349,20 +362,23 @@ class DiskWrites:
         created = created or [None] * len(keys)
         for k in keys:
             _check_key(k)
-        # a source is read once: a stream the file system has no room for is not written again.
-        # (Its fsync is the writer's own: its bytes count as not yet written until it is settled.)
-        return [self._put(k, s.nbytes, p, lambda fd, record, landed, k=k, s=s: self._write_stream(fd, k, s, record), c,
-                          rewritable=False)
+        # a source is read once: a stream the file system has no room for is not written again
+        return [self._put(k, s.nbytes, p, lambda fd, record, landed, k=k, s=s: self._write_stream(fd, k, s, record, landed),
+                          c, rewritable=False)
                 for k, s, p, c in zip(keys, sources, parents, created)]
 
-    def _write_stream(self, fd: int, key: BlockKey, source: PayloadSource, record: bytes) -> None:
+    def _write_stream(self, fd: int, key: BlockKey, source: PayloadSource, record: bytes, landed) -> None:
+        """Write ``source``'s block into ``fd``, ``landed()``, then fsync (as :meth:`put` does: while
+        the fsync runs, the file system's free room lacks the bytes, so they count as written)."""
         reader = PieceReader(source)
 
         def header(digest: bytes) -> bytes:
             reader.finish()  # a source that made more than it announced never publishes
             return pack_header(key, source.nbytes, digest, flags=FLAG_CHECKSUM | FLAG_SEALED | FLAG_RECORD) + record
 
-        self._io.write_filled(fd, source.nbytes, lambda off, view: reader.fill(view), header)
+        self._io.write_filled(fd, source.nbytes, lambda off, view: reader.fill(view), header, sync=False)
+        landed()
+        os.fsync(fd)
 
     def _put(self, key: BlockKey, nbytes: int, parent: BlockKey | None, write, created: float | None = None,
              *, rewritable: bool = True) -> Status:

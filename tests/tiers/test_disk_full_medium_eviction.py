@@ -20,6 +20,14 @@ need a directory block a loop-mounted ext4.
 * Out of inodes with packed blocks (an extent is one inode, a name per block), puts evicted
   packed blocks by bytes, which freed no inode, and came back FULL; a batch whose extent found no
   inode went block by block, an inode each.
+* A stream in flight (``put_streams``: every ``EncryptedTier`` put over a disk tier) whose bytes were
+  written was still counted twice while it fsync'd (s31 r4 D1).
+* An extent with no room was written again after evicting for its blocks only, not its table page:
+  the rewrite found no room again, and was written a third time before going block by block (s31
+  r4 D2).
+* Out of inodes, packed blocks were evicted beside a pinned mate (or names another tier on the
+  directory holds), though their extent, its inode, could not go: a put wiped the tier's packed
+  blocks for nothing (s31 r4 D3).
 """
 from __future__ import annotations
 
@@ -147,7 +155,28 @@ def test_a_put_many_name_with_no_room_is_written_again_after_eviction_not_an_err
         tier.check_integrity(deep=True)
 
 
-def test_a_put_in_flight_whose_bytes_are_written_is_not_counted_twice(tmp_path, monkeypatch):
+class _Pieces:
+    """A stream source: ``block(i, nbytes)`` in 64 KiB pieces."""
+
+    def __init__(self, i: int, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self._data = block(i, nbytes).tobytes()
+
+    def pieces(self):
+        for off in range(0, self.nbytes, 1 << 16):
+            yield memoryview(self._data[off:off + (1 << 16)])
+
+
+def _put_as_plain(tier: DiskTier, i: int, nbytes: int) -> Status:
+    return tier.put(k(i), block(i, nbytes))
+
+
+def _put_as_stream(tier: DiskTier, i: int, nbytes: int) -> Status:
+    return tier.put_streams([k(i)], [_Pieces(i, nbytes)])[0]
+
+
+@pytest.mark.parametrize("put_a", [_put_as_plain, _put_as_stream], ids=["put", "put_streams"])
+def test_a_put_in_flight_whose_bytes_are_written_is_not_counted_twice(tmp_path, monkeypatch, put_a):
     mib = 1 << 20
     nb = 3 * mib - 4096  # 3 MiB on disk with the header page
     a_syncing, a_may_finish = threading.Event(), threading.Event()
@@ -165,7 +194,7 @@ def test_a_put_in_flight_whose_bytes_are_written_is_not_counted_twice(tmp_path, 
             assert tier.put(k(1), block(1, nb)) is Status.OK  # the tier's one old block
             (mnt / "other").write_bytes(bytes(2 * mib))  # another user's 2 MiB
             result = {}
-            a = threading.Thread(target=lambda: result.update(a=tier.put(k(2), block(2, nb))), name="put A")
+            a = threading.Thread(target=lambda: result.update(a=put_a(tier, 2, nb)), name="put A")
             a.start()
             try:
                 assert a_syncing.wait(30)  # A's 3 MiB written, its fsync under way: 2 MiB free
@@ -176,7 +205,7 @@ def test_a_put_in_flight_whose_bytes_are_written_is_not_counted_twice(tmp_path, 
                 a_may_finish.set()
                 a.join(30)
             assert result == {"a": Status.OK}
-            assert exact(tier, 2, nb) and exact(tier, 3, nb)
+            assert tier.contains(k(2)) and exact(tier, 3, nb)  # (a stream is sealed: no plain get)
             tier.check_integrity(deep=True)
 
 
@@ -215,4 +244,81 @@ def test_out_of_inodes_packed_blocks_are_evicted_an_extent_at_a_time(tmp_path):
             singles = [tier.put(k(i), block(i, nb)) for i in range(50 * batch, 50 * batch + 20)]
             assert singles == [Status.OK] * 20
             assert all(exact(tier, i, nb) for i in range(50 * batch, 50 * batch + 20))
+            tier.check_integrity(deep=True)
+
+
+def fill_the_rest(mnt: Path) -> None:
+    """Another user takes every free byte of the file system, to the last page."""
+    fd = os.open(mnt / "other", os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        for chunk in (1 << 16, 4096):
+            with contextlib.suppress(OSError):
+                while True:
+                    os.write(fd, bytes(chunk))
+    finally:
+        os.close(fd)
+    assert os.statvfs(mnt).f_bavail == 0
+
+
+def test_an_extent_with_no_room_is_packed_after_evicting_for_its_table_too(tmp_path):
+    nb = 60000  # 64 KiB on disk with the header page; an extent of 2 is 132 KiB with its table page
+    with mounted_tmpfs(tmp_path / "mnt", "4m") as mnt:
+        with DiskTier(mnt / "t", HUGE, direct_io=False) as tier:
+            assert all(tier.put(k(i), block(i, nb)) is Status.OK for i in range(10))
+            fill_the_rest(mnt)
+            # the extent finds no room; evicting its blocks' 128 KiB alone left none for its table
+            assert tier.put_many([k(100), k(101)], [block(100, nb), block(101, nb)]) == [Status.OK] * 2
+            assert os.stat(tier.path_of(k(100))).st_nlink == 3  # packed: the extent's name and 2 links
+            assert os.path.samefile(tier.path_of(k(100)), tier.path_of(k(101)))
+            assert tier.stats.evictions == 3
+            assert exact(tier, 100, nb) and exact(tier, 101, nb)
+            tier.check_integrity(deep=True)
+            used = tier.used_bytes
+        with DiskTier(mnt / "t", HUGE, direct_io=False) as reopened:
+            assert reopened.used_bytes == used  # the table counted as a restart counts it
+            reopened.check_integrity(deep=True)
+
+
+def test_an_extent_that_finds_no_room_again_goes_block_by_block_not_a_third_time(tmp_path, monkeypatch):
+    nb = 60000
+    extent_syncs = []
+    fsync = os.fsync
+
+    def no_room_for_extents(fd):  # a file system that never has room for an extent (its blocks it has)
+        # (an extent's temp file: ".<its stem, with dashes>.<tag>.tmp"; a block file's: ".<key hex>.<tag>.tmp")
+        if "-" in os.path.basename(os.readlink(f"/proc/self/fd/{fd}")).split(".")[1]:
+            extent_syncs.append(fd)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", no_room_for_extents)
+    with DiskTier(tmp_path / "t", HUGE, direct_io=False) as tier:
+        statuses = tier.put_many([k(i) for i in range(4)], [block(i, nb) for i in range(4)])
+        assert statuses == [Status.OK] * 4  # block by block
+        assert len(extent_syncs) == 2  # written, and once again after making room: no third time
+        assert all(os.stat(tier.path_of(k(i))).st_nlink == 1 for i in range(4))
+        assert all(exact(tier, i, nb) for i in range(4))
+        assert not [name for _, _, names in os.walk(tmp_path / "t") for name in names if ".kvx" in name]
+        tier.check_integrity(deep=True)
+
+
+def test_out_of_inodes_packed_blocks_whose_extent_cannot_go_are_not_evicted(tmp_path):
+    nb, batch = 4096, 8
+    with loop_ext4(tmp_path, "64M", "-N", "400") as mnt:
+        with DiskTier(mnt / "t", HUGE, direct_io=False) as tier, \
+                DiskTier(mnt / "t", HUGE, direct_io=False) as other:  # another tier on the directory
+            for start in range(0, 10 * batch, batch):  # 10 extents of 8, a block of each pinned (being read)
+                keys = range(start, start + batch)
+                assert tier.put_many([k(i) for i in keys], [block(i, nb) for i in keys]) == [Status.OK] * batch
+                assert tier.pin(k(start + 3))
+            # an extent the other tier wrote, one block of which this one has found (its other names: the other's)
+            shared = range(500, 500 + batch)
+            assert other.put_many([k(i) for i in shared], [block(i, nb) for i in shared]) == [Status.OK] * batch
+            assert exact(tier, 500, nb)
+            assert tier.put(k(1000), block(1000, nb)) is Status.OK  # a block file of its own, the newest
+            take_every_inode(mnt)
+            assert tier.put(k(1001), block(1001, nb)) is Status.OK  # finds no inode: evicts for one
+            assert tier.stats.evictions == 1  # the block file: the only victim whose inode can go
+            assert not tier.contains(k(1000))
+            assert all(exact(tier, i, nb) for i in [*range(10 * batch), 500, 1001])
             tier.check_integrity(deep=True)
