@@ -34,9 +34,12 @@ request, again after its LRU evicted it, and at every step of a request with ``l
 computes the id's other requests with what it read then. So the scheduler names a request by the
 version its id was first named with (:meth:`AdapterKeys.for_request`): files replaced under a
 loaded id and requested without ``load_inplace`` are still computed with the old weights, and
-such a request is neither served nor stored (logged once), nor is any later one of that id
+such a request is neither served nor stored (logged once), nor, once that other version has stood
+``SETTLED_S`` (long enough for vLLM to have loaded it at an eviction), any later one of that id
 without ``load_inplace`` (vLLM's evictions are not seen here, so which version it holds under the
-id is not known any more).
+id is not known any more). Files caught while being written (the same bytes copied over
+themselves, a backup restored) refuse only the requests that see them: once they name the id's
+version again, its requests are served and stored again.
 
 The scheduler side names a request's adapter once, at its first lookup (it alone sees the
 request), and hands the name to the workers with each load and save (``LoadJob.adapter``,
@@ -52,9 +55,10 @@ replaced in place, it gives the new version's requests the old version's pages (
 version's, at a rollback, the new one's), in this process. :class:`AdapterKeys` remembers which
 version vLLM computed under each name and path since that cache was last reset (it sees the
 resets through vLLM's block pool, :meth:`AdapterKeys.watch_prefix_cache`); once a second version
-is named there, or a request that could not be named computed there (its version unknown), a
-request that vLLM serves from its prefix cache under that name and path is not saved (its pages
-may be another version's), until the cache is reset. A change of the files' identity alone (a
+is named there, or a request that could not be named computed there with a version not known
+(its id's is not known either: a request that could not be named computes with the version its id
+was named with, if known), a request that vLLM serves from its prefix cache under that name and
+path is not saved (its pages may be another version's), until the cache is reset. A change of the files' identity alone (a
 ``chmod``, a ``touch``, the same bytes deployed again) names the same version again: nothing is
 replaced.
 
@@ -176,6 +180,24 @@ class AdapterName(NamedTuple):
     files: AdapterFiles | None
 
 
+def _newest_change_ns(files: AdapterFiles) -> int:
+    """When any of the files last changed (ctime: set by the kernel at every write, rename or
+    chmod, which no tool sets back)."""
+    return max(dict(stamp)["ctime_ns"] for stamp in files.stamps)
+
+
+def _inodes(files: AdapterFiles) -> tuple[tuple, ...]:
+    """Which files these are (real path, device, inode), whatever their contents."""
+    return tuple((dict(stamp)["path"], dict(stamp)["dev"], dict(stamp)["ino"]) for stamp in files.stamps)
+
+
+class _Unsettled(NamedTuple):
+    """Another version of an id's files seen while young (:data:`SETTLED_S`): files being written."""
+
+    since_ns: int                 #: the newest ctime of the first such version seen
+    inodes: tuple[tuple, ...]     #: which files held it (:func:`_inodes`)
+
+
 #: adapter versions whose digests are remembered, the least recently named dropped first (named
 #: again, hashed again): an engine serves a handful at a time (``max_cpu_loras``)
 MAX_ADAPTERS = 1024
@@ -185,12 +207,25 @@ MAX_CACHED_NAMES = 65536
 #: what vLLM's prefix cache holds under a name and path that more than one version (or one not
 #: known) computed under; and the version of a ``lora_int_id`` vLLM may hold either of
 MIXED = "mixed"
+#: why a request naming another version than its id's is refused, where it stood settled
+REPLACED = "replaced in place"
 #: lora_int_ids whose loaded version is remembered, the least recently named dropped first. vLLM's
 #: worker keeps at most ``max_cpu_loras`` adapters loaded, evicting the least recently used too:
 #: an id forgotten here was evicted there long before, and is read from its files again at its next
 #: request. (A pinned adapter, which vLLM never evicts, unused while this many others were named is
 #: the exception.)
 MAX_LOADED_IDS = 65536
+#: seconds another version of an id's files must have stood unchanged before it counts as one vLLM
+#: may have loaded under the id (at an eviction, not seen here). Younger files are taken for files
+#: being written (``cp`` of the same bytes over themselves, a backup restored, ``rsync --inplace``):
+#: they refuse the request that sees them, but the id keeps its version if the same files (inodes)
+#: name it again within this time of when they were first seen changed (:meth:`AdapterKeys.for_request`).
+#: vLLM loads no truncated file, so a copy caught half way is no version it could hold; what this
+#: rule cannot see is a whole other version that vLLM loaded at an eviction within this time of its
+#: write, then written back to the old bytes in the same files within this time too. File times
+#: come from the file system's clock: one ahead of this host's makes settled files look young (their
+#: requests are refused all the same, only the id is not marked), one behind makes them settled.
+SETTLED_S = 5.0
 #: seconds an adapter directory whose files changed while they were hashed is not read again:
 #: an upload in place would otherwise cost every request of the adapter a read of the partial
 #: files on vLLM's scheduler thread, which every request waits on
@@ -271,6 +306,11 @@ class AdapterKeys:
         #: lora_int_id → the key it was first named with, the version vLLM's worker loaded under it
         #: (MIXED: not known), the least recently named first
         self._loaded: OrderedDict[int, str] = OrderedDict()
+        #: lora_int_id → the files being written it was last named from (:data:`SETTLED_S`)
+        self._unsettled: OrderedDict[int, _Unsettled] = OrderedDict()
+        #: each key named lately, as the one string every id and name and path remembered shares
+        #: (a key is some 350 bytes: a copy per id cost 65536 ids some 30 MB)
+        self._keys: OrderedDict[str, str] = OrderedDict()
         self._not_loaded = _Said(MAX_ADAPTERS)   # (id, key) refused, logged once
         #: adapter directory → when its files were last found changing while hashed
         self._changing: OrderedDict[str, float] = OrderedDict()
@@ -302,7 +342,17 @@ class AdapterKeys:
         if getattr(lora_request, "is_3d_lora_weight", False):
             identity["moe_3d_weights"] = True   # how vLLM reads the MoE weights of the same files
         key = "vllm-lora/1 " + json.dumps(identity, sort_keys=True, separators=(",", ":"))
-        return AdapterName(key, AdapterFiles(directory, version.stamps))
+        return AdapterName(self._shared(key), AdapterFiles(directory, version.stamps))
+
+    def _shared(self, key: str) -> str:
+        """The copy of ``key`` already remembered, if any: the maps keep one string per version,
+        not one per id (one forgotten past ``MAX_ADAPTERS`` costs only a copy)."""
+        with self._lock:
+            shared = self._keys.setdefault(key, key)
+            self._keys.move_to_end(key)
+            if len(self._keys) > MAX_ADAPTERS:
+                self._keys.popitem(last=False)
+        return shared
 
     def for_request(self, lora_request) -> AdapterName:
         """:meth:`name` for a request vLLM computes: the version vLLM's worker holds under its
@@ -310,26 +360,77 @@ class AdapterKeys:
         request with ``load_inplace`` (vLLM reads the files again for it). A request naming another
         version under a known id is ``AdapterName(None, None)``, neither served nor stored (logged
         once): vLLM computes it with the old weights. From then on, which version vLLM holds under
-        the id is not known (an eviction there reads the new files), until a ``load_inplace``."""
+        the id is not known (an eviction there reads the new files), until a ``load_inplace``;
+        unless the files were being written (:meth:`_other_version`)."""
         named = self.name(lora_request)
         if not named.key:
             return named
         lora_id = lora_request.lora_int_id
         with self._lock:
-            loaded = self._loaded.get(lora_id)
-            if loaded in (None, named.key) or getattr(lora_request, "load_inplace", False):
-                self._remember_loaded(lora_id, named.key)
-                return named
-            self._remember_loaded(lora_id, MIXED)
-            first = self._not_loaded.first_time(f"{lora_id}\0{named.key}")
+            refused = self._refuse(lora_id, named, getattr(lora_request, "load_inplace", False))
+            first = refused is not None and self._not_loaded.first_time(f"{lora_id}\0{named.key}")
+        if refused is None:
+            return named
         if first:
             log.warning("kvtier: LoRA adapter %r (%s): its files are not those vLLM loaded under its id %d "
-                        "(replaced in place). vLLM reads an adapter's files only when it loads its id, and "
-                        "computes its requests with the old weights: kvtier neither serves nor stores "
-                        "requests of id %d. Load the new files under a new id (/v1/load_lora_adapter), with "
-                        "load_inplace, or restart", lora_request.lora_name, lora_request.lora_path, lora_id,
-                        lora_id)
+                        "(%s). vLLM reads an adapter's files only when it loads its id, and computes its "
+                        "requests with the old weights: kvtier neither serves nor stores requests of id %d%s. "
+                        "Load new files under a new id (/v1/load_lora_adapter), with load_inplace, or restart",
+                        lora_request.lora_name, lora_request.lora_path, lora_id, refused, lora_id,
+                        " while they differ" if refused != REPLACED else "")
         return AdapterName(None, None)
+
+    def _refuse(self, lora_id: int, named: AdapterName, load_inplace: bool) -> str | None:
+        """Why vLLM does not compute a request of ``lora_id`` with the version ``named``, or None
+        where it does, noting what the request tells of the id's version (caller holds the lock)."""
+        loaded = self._loaded.get(lora_id)
+        if loaded is None or load_inplace:   # vLLM reads the files now
+            self._unsettled.pop(lora_id, None)
+            self._remember_loaded(lora_id, named.key)
+            return None
+        if loaded == named.key:
+            if self._written_back(lora_id, named.files):
+                self._remember_loaded(lora_id, loaded)
+                return None
+            return self._mixed(lora_id)
+        if loaded == MIXED:
+            return REPLACED
+        return self._other_version(lora_id, named.files)
+
+    def _other_version(self, lora_id: int, files: AdapterFiles) -> str:
+        """The files of ``lora_id`` name another version than the one vLLM loaded under it. Settled
+        files (unchanged ``SETTLED_S``) may be what vLLM holds after an eviction: the id's version is
+        not known any more. Younger ones are taken for files being written, and refuse this request
+        only: a write caught half way names a version vLLM never loaded (a truncated file does not
+        load), and one that stands is settled at a later request (caller holds the lock)."""
+        changed_ns = _newest_change_ns(files)
+        age_ns = time.time_ns() - changed_ns
+        seen = self._unsettled.get(lora_id)
+        # Other files than those first seen being written (a link flipped to them?): when the first
+        # stopped being the id's files is not known from file times, nor how long they stood.
+        if age_ns >= SETTLED_S * 1e9 or (seen is not None and seen.inodes != _inodes(files)):
+            return self._mixed(lora_id)
+        self._unsettled[lora_id] = _Unsettled(seen.since_ns if seen else changed_ns, _inodes(files))
+        self._unsettled.move_to_end(lora_id)
+        if len(self._unsettled) > MAX_ADAPTERS:   # its evidence forgotten: the id's version not known
+            self._remember_loaded(self._unsettled.popitem(last=False)[0], MIXED)
+        self._loaded.move_to_end(lora_id)
+        return f"being written: changed {age_ns / 1e9:.2f} s ago"
+
+    def _written_back(self, lora_id: int, files: AdapterFiles) -> bool:
+        """The id's files name its version again: True where no other version stood ``SETTLED_S``
+        since it was last named. The files seen being written in between were those very files
+        (inodes), last changed then at their first sighting and now at their newest ctime: every
+        content they held in between stood less than that apart (caller holds the lock)."""
+        seen = self._unsettled.pop(lora_id, None)
+        return seen is None or (seen.inodes == _inodes(files)
+                                and _newest_change_ns(files) - seen.since_ns < SETTLED_S * 1e9)
+
+    def _mixed(self, lora_id: int) -> str:
+        """vLLM may hold another version under ``lora_id`` (caller holds the lock)."""
+        self._unsettled.pop(lora_id, None)
+        self._remember_loaded(lora_id, MIXED)
+        return REPLACED
 
     def digest(self, directory: str) -> str:
         """SHA-256 over the names and digests of the adapter's files: remembered while the files'
@@ -419,15 +520,19 @@ class AdapterKeys:
                     "new path", *pair)
         return False
 
-    def replaced_while_running(self, lora_request) -> None:
-        """The files of a running request's adapter changed: vLLM's prefix cache now holds pages
-        of another version under its name and path too (those the request computed after), and
-        which version vLLM holds under its id is not known (it read the new files, or not), unless
-        its requests have vLLM read them at each step (``load_inplace``)."""
+    def replaced_while_running(self, lora_request, renamed: str | None) -> None:
+        """The files of a running request's adapter changed, and name ``renamed`` now
+        (:meth:`for_request`; None: refused, or not readable, e.g. being written). Its later pages
+        in vLLM's prefix cache are of the version vLLM holds under its id (:meth:`computed_unnamed`).
+        Where the new files were accepted under the id (vLLM may have read them, or not: it had
+        loaded the old ones), which version it holds there is not known, unless its requests have
+        vLLM read them at each step (``load_inplace``). A refusal marked the id already where the
+        new files may be a version vLLM loaded; files not readable are none it could load."""
         with self._lock:
-            if lora_request.lora_int_id in self._loaded and not getattr(lora_request, "load_inplace", False):
-                self._remember_loaded(lora_request.lora_int_id, MIXED)
-        if self._mark_mixed(lora_request):
+            if renamed is not None and lora_request.lora_int_id in self._loaded \
+                    and not getattr(lora_request, "load_inplace", False):
+                self._mixed(lora_request.lora_int_id)
+        if self._computed_with_loaded(lora_request):
             log.warning("kvtier: LoRA adapter %r (%s): its files changed while requests ran; kvtier saves no "
                         "more of those requests, and no request of the adapter that vLLM serves from its "
                         "prefix cache until that cache is reset (POST /reset_prefix_cache)",
@@ -436,8 +541,20 @@ class AdapterKeys:
     def computed_unnamed(self, lora_request) -> None:
         """A request of ``lora_request`` that could not be named (:meth:`for_request` None) computes
         pages into vLLM's prefix cache under its adapter's name and path all the same, with the
-        weights vLLM holds under its id: a version not known here (logged by :meth:`name`)."""
-        self._mark_mixed(lora_request)
+        weights vLLM holds under its id (logged by :meth:`name`)."""
+        self._computed_with_loaded(lora_request)
+
+    def _computed_with_loaded(self, lora_request) -> bool:
+        """A request computed pages into vLLM's prefix cache with the version vLLM holds under its
+        id: where that is known (and vLLM reads no files for it: no ``load_inplace``), noted for the
+        adapter's name and path like a named request's; else the pages are of a version not known
+        there. True where that made the name and path newly hold several versions, not warned of yet."""
+        with self._lock:
+            loaded = self._loaded.get(lora_request.lora_int_id)
+        if loaded in (None, MIXED) or getattr(lora_request, "load_inplace", False):
+            return self._mark_mixed(lora_request)
+        self.note_in_prefix_cache(lora_request, loaded)   # warns itself where another version was there
+        return False
 
     def _mark_mixed(self, lora_request) -> bool:
         """vLLM's prefix cache holds pages of a version not known under the adapter's name and path;

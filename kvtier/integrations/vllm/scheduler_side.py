@@ -254,7 +254,7 @@ class SchedulerSide:
         if not files.unchanged():
             renamed = self.adapters.for_request(state.request.lora_request)   # hashed once per new identity
             if renamed.key != state.adapter:
-                self.adapters.replaced_while_running(state.request.lora_request)
+                self.adapters.replaced_while_running(state.request.lora_request, renamed.key)
                 state.adapter = state.adapter_files = None
                 state.announced_blocks = 0
                 return False

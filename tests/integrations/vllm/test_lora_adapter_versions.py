@@ -11,6 +11,9 @@ version is not known.
   being written fails at its first chunk, and a directory whose files are changing is not read
   again at once.
 * A change of the files' identity alone (a ``chmod``) is no new version.
+* Files caught being written (the same bytes copied over themselves) refuse only the requests that
+  see them: the id keeps its version, unless another one stood ``SETTLED_S`` (vLLM may have loaded
+  it at an eviction).
 * A P/D prefill whose adapter changed while its saves were in flight announces no blocks.
 
 Scheduler side and one worker, without an engine: the adapter files are real files (their
@@ -21,6 +24,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import time
+import tracemalloc
 
 import pytest
 
@@ -292,3 +297,122 @@ def test_a_prefill_whose_adapter_changed_while_its_saves_ran_announces_no_blocks
         assert decode.num_new_matched_tokens(waiting, 0)[0] is not None, "the decode waits for them"
     finally:
         store.close(flush_timeout_s=0)
+
+
+# -- files being written -----------------------------------------------------------------------------------
+def _pool_watched(adapters: AdapterKeys):
+    from vllm.v1.core.block_pool import BlockPool
+
+    pool = BlockPool(num_gpu_blocks=8, enable_caching=True, hash_block_size=PAGE)
+    adapters.watch_prefix_cache(pool)
+    return pool
+
+
+def test_the_same_bytes_copied_over_a_loaded_adapter_refuse_only_the_request_that_sees_them_half_written(
+        engine, tmp_path):
+    """``cp`` of an adapter's own bytes over it (a backup restored, config management): a request
+    that names the half-written file is refused, but vLLM never loaded that (a truncated file does
+    not load) and the files end as it loaded them: the id's later requests, and those vLLM serves
+    from its prefix cache, are saved again (they were refused for the life of the process)."""
+    adapters = AdapterKeys(SETTINGS)
+    _pool_watched(adapters)
+    sched = _scheduler(engine, adapters)
+    path = _write_adapter(tmp_path / "x", b"v1", size=1 << 20)
+    weights = os.path.join(path, "adapter_model.safetensors")
+    with open(weights, "rb") as f:
+        original = f.read()
+    assert _blocks(_run(sched, "a", _lora("x", 1, path))) == 5, "control: saved"
+
+    with open(weights, "r+b") as f:                  # the copy: truncated, then written...
+        f.truncate(0)
+        f.write(original[: len(original) // 2])
+    assert _run(sched, "mid-copy", _lora("x", 1, path)) == [], "KV saved under the half-written files' key"
+    with open(weights, "r+b") as f:                  # ...to its end: the bytes vLLM loaded
+        f.seek(len(original) // 2)
+        f.write(original[len(original) // 2:])
+
+    later = [_blocks(_run(sched, f"later-{i}", _lora("x", 1, path))) for i in range(2)]
+    assert later == [5, 5], "the id refused for good after the same bytes were copied over it"
+    assert _blocks(_run(sched, "served-from-prefix-cache", _lora("x", 1, path), local_tokens=64)) == 5, \
+        "the adapter's pages in vLLM's prefix cache taken for another version's"
+
+
+def test_a_running_request_that_sees_its_adapter_rewritten_stops_saving_and_no_other_does(engine, tmp_path):
+    """A restore unlinks the file and writes it anew: the running request cannot name its adapter
+    meanwhile and saves nothing more, but vLLM goes on computing with what it loaded under the id,
+    which the files name again once written."""
+    adapters = AdapterKeys(SETTINGS)
+    _pool_watched(adapters)
+    sched = _scheduler(engine, adapters)
+    path = _write_adapter(tmp_path / "x", b"v1")
+    weights = os.path.join(path, "adapter_model.safetensors")
+    with open(weights, "rb") as f:
+        original = f.read()
+    request = _request("a", 320, _lora("x", 1, path))
+    sched.num_new_matched_tokens(request, 0)
+    assert _blocks(sched.build(_new("a", list(range(10, 20)), 0, 64)).saves) == 1   # chunked prefill
+    os.remove(weights)                                # the restore starts
+    assert sched.build(_next_chunk("a", 64, 256)).saves == [], "saved while its adapter's files were missing"
+    with open(weights, "wb") as f:                    # restored: the same bytes, another inode
+        f.write(original)
+    sched.finished(request)
+    assert _blocks(_run(sched, "next", _lora("x", 1, path))) == 5, "the id refused for good"
+    assert _blocks(_run(sched, "served-from-prefix-cache", _lora("x", 1, path), local_tokens=64)) == 5
+
+
+def test_another_version_that_stood_settled_s_refuses_the_id_after_the_files_are_rolled_back(
+        engine, tmp_path, monkeypatch):
+    """v2 written in place over a loaded v1 and left ``SETTLED_S``: vLLM may have loaded it at an
+    eviction of the id, so the id's version is not known, and a rollback to v1's bytes is not
+    served or saved either (vLLM may compute it with v2)."""
+    monkeypatch.setattr(lora_digest, "SETTLED_S", 1.0, raising=False)
+    adapters = AdapterKeys(SETTINGS)
+    sched = _scheduler(engine, adapters)
+    path = _write_adapter(tmp_path / "x", b"v1")
+    assert _blocks(_run(sched, "a", _lora("x", 1, path))) == 5
+    _write_adapter(path, b"v2")
+    assert _run(sched, "v2-young", _lora("x", 1, path)) == []
+    time.sleep(1.1)                                   # v2 stands: vLLM may load it now
+    _write_adapter(path, b"v1")
+    assert _run(sched, "rolled-back", _lora("x", 1, path)) == [], "v1's keys given to KV vLLM may compute with v2"
+
+    _write_adapter(path, b"v2")
+    assert _blocks(_run(sched, "v2-in-place", _lora("x", 2, path, load_inplace=True))) == 5
+    _write_adapter(path, b"v1")
+    monkeypatch.setattr(lora_digest, "SETTLED_S", 0.0, raising=False)   # v1 stood long before its first request
+    assert _run(sched, "v1-settled", _lora("x", 2, path)) == []
+    monkeypatch.setattr(lora_digest, "SETTLED_S", 1.0, raising=False)
+    _write_adapter(path, b"v2")
+    assert _run(sched, "v2-again", _lora("x", 2, path)) == [], "the id's version is not known any more"
+
+
+def test_young_files_a_link_was_flipped_to_and_back_from_refuse_the_id(engine, tmp_path):
+    """``cur`` flipped from v1 to freshly written v2 files and back: when it left v2 is not known
+    from the files' times, so vLLM may have loaded v2 under the id meanwhile."""
+    adapters = AdapterKeys(SETTINGS)
+    sched = _scheduler(engine, adapters)
+    cur = str(tmp_path / "cur")
+    _point(cur, _write_adapter(tmp_path / "v1", b"one"))
+    assert _blocks(_run(sched, "a", _lora("x", 1, cur))) == 5
+    _point(cur, _write_adapter(tmp_path / "v2", b"two"))
+    assert _run(sched, "v2", _lora("x", 1, cur)) == []
+    _point(cur, str(tmp_path / "v1"))
+    assert _run(sched, "v1-again", _lora("x", 1, cur)) == [], "v1's keys given to KV vLLM may compute with v2"
+
+
+def test_the_ids_remembered_share_one_copy_of_their_adapters_key(tmp_path):
+    """Each id remembered kept its own copy of its ~350-byte key: some 460 bytes an id, 30 MB at
+    ``MAX_LOADED_IDS``."""
+    adapters = AdapterKeys(SETTINGS)
+    path = _write_adapter(tmp_path / "x", b"v1")
+    assert adapters.for_request(_lora("x", 1, path)).key
+    ids = 4000
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for lora_id in range(1000, 1000 + ids):
+            adapters.for_request(_lora("x", lora_id, path))
+        per_id = (tracemalloc.get_traced_memory()[0] - before) / ids
+    finally:
+        tracemalloc.stop()
+    assert per_id < 250, f"{per_id:.0f} bytes per id remembered"
