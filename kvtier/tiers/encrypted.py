@@ -72,6 +72,7 @@ from kvtier.core.payload import BlockMeta
 from kvtier.crypto import aead
 from kvtier.crypto.keyring import Keyring
 from kvtier.tiers.base import Status, Tier, age_kw, runs_by_bytes, writable_bytes
+from kvtier.tiers.mooncake_client import Registrar
 from kvtier.tiers.streams import StreamingTier, Unverifiable
 from kvtier.tiers.wrapper import WrappingTier
 
@@ -97,25 +98,35 @@ class _Staging(threading.local):
 class _BufferPool:
     """Page-aligned buffers handed out and given back, so batch pipelines never allocate.
 
-    With a ``registrar`` (an inner tier that receives reads straight into memory registered with
-    it, :meth:`~kvtier.tiers.mooncake.MooncakeTier.register_memory`), each buffer is registered
-    once, when made, and unregistered when the pool lets it go. A read that overran its deadline
-    may still write into such a buffer: the caller then :meth:`quarantine`-s it instead of giving
-    it back, and it is handed out again only once the registrar has no late read left
+    With a ``tier`` that receives reads straight into memory registered with it
+    (:meth:`~kvtier.tiers.mooncake.MooncakeTier.register_memory`), each buffer is registered
+    once, when made, and unregistered when the pool lets it go: both on a thread of their own
+    (:class:`~kvtier.tiers.mooncake_client.Registrar`), since each updates the engine's metadata
+    server (6 s to register with it frozen, on a reader's thread, outside any deadline); a buffer
+    not registered yet is still correct, the tier reads it through its staging. A read that overran
+    its deadline may still write into a registered buffer: the caller then :meth:`quarantine`-s it
+    instead of giving it back, and it is handed out again only once the tier has no late read left
     (``late_direct_reads == 0``), so a late write never lands in a block read after it."""
 
     KEEP = 4
 
-    def __init__(self, registrar=None) -> None:
+    def __init__(self, tier=None) -> None:
         self._free: list[np.ndarray] = []
         self._quarantined: list[np.ndarray] = []
-        self._registrar = registrar
+        self._tier = tier
+        self._registrar = Registrar(self._register, tier.unregister_memory) if tier is not None else None
         self._lock = threading.Lock()
+
+    def _register(self, buf: np.ndarray) -> None:
+        try:
+            self._tier.register_memory(buf)
+        except RuntimeError as exc:  # still correct unregistered: the tier reads it through staging
+            log.warning("encrypted tier: staging not registered with %s (%s): reads copy", self._tier, exc)
 
     def take(self, nbytes: int) -> np.ndarray:
         with self._lock:
             released: list[np.ndarray] = []
-            if self._quarantined and self._registrar.late_direct_reads == 0:
+            if self._quarantined and self._tier.late_direct_reads == 0:
                 released, self._quarantined = self._quarantined, []
         for buf in released:
             self.give(buf)
@@ -126,10 +137,7 @@ class _BufferPool:
         size = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
         buf = np.frombuffer(mmap.mmap(-1, size), dtype=np.uint8)
         if self._registrar is not None:
-            try:
-                self._registrar.register_memory(buf)
-            except RuntimeError as exc:  # still correct unregistered: the tier reads it through staging
-                log.warning("encrypted tier: staging not registered with %s (%s): reads copy", self._registrar, exc)
+            self._registrar.register(buf)
         return buf
 
     def give(self, buf: np.ndarray) -> None:
@@ -138,12 +146,17 @@ class _BufferPool:
                 self._free.append(buf)
                 return
         if self._registrar is not None:
-            self._registrar.unregister_memory(buf)
+            self._registrar.unregister(buf)
 
     def quarantine(self, buf: np.ndarray) -> None:
         """``buf`` may still be written by a late read: keep it out of use until none is left."""
         with self._lock:
             self._quarantined.append(buf)
+
+    def close(self) -> None:
+        """Ask nothing more of the tier: what is still registered, the tier's close unregisters."""
+        if self._registrar is not None:
+            self._registrar.close(0.0)
 
 
 #: Sealed bytes fetched per inner ``get_many`` in a batch: large enough that a tier moving a
@@ -346,7 +359,9 @@ class EncryptedTier(WrappingTier):
         )
         return out[:n]
 
-    def _open(self, tenant: str, name: BlockKey, sealed: np.ndarray, out, executor) -> Status:
+    def _open(self, tenant: str, name: BlockKey, sealed: np.ndarray, out, executor, *, judged: bool = True) -> Status:
+        """Open ``sealed`` into ``out``. ``judged`` False: the tier below read it unhashed (its header
+        checked, not its payload), so a failed tag may be a read torn under way, not a bad block."""
         lookup = self._lookup_for(tenant)
         why = aead.open_into(lookup, storage_key=name, context=self._context(tenant), sealed=sealed, out=out,
                              executor=executor)
@@ -357,6 +372,8 @@ class EncryptedTier(WrappingTier):
             # left that block's plaintext in ``out``. Wiped, so that a caller who ignores the status
             # still never reads another block's bytes.
             np.frombuffer(memoryview(out).cast("B"), dtype=np.uint8).fill(0)
+            if not judged:
+                return self._read_hashed(tenant, name, sealed.nbytes, out, executor, why)
         status = Status.MISS if lookup.missing else Status.CORRUPT
         with self._lock:  # (the tier below counted a hit: it returned the sealed bytes)
             if status is Status.MISS:
@@ -365,6 +382,25 @@ class EncryptedTier(WrappingTier):
                 self.inner.stats.verify_failures += 1
         self._reject(tenant, name, why, lookup)
         return status
+
+    def _read_hashed(self, tenant: str, name: BlockKey, nbytes: int, out, executor, why: str) -> Status:
+        """A block read unhashed failed its tags under a key we hold: read it again, hashed, and take
+        the tier below's verdict. A forced delete breaks the lease of a read under way and the freed
+        memory is reused at once, so the read may be torn (a genuine header, another object's payload)
+        and the name may already hold a block a later put stored: removed on this read's word, that
+        block was lost. The tier below judges such a read as it judges its own (a MISS if its own
+        removal overlapped the read, read once more if another's may have; only what fails twice is
+        CORRUPT, counted and removed by it). What its hashed read serves but our tags still refuse
+        was written by a holder of its secret and is bad: CORRUPT, removed here."""
+        log.info("encrypted block %s… of tenant %r failed its tags read unhashed (%s): reading it again, hashed",
+                 name.hex()[:16], tenant, why)
+        staging = self._staging.get(nbytes)  # (unregistered: no late write of an overrun read lands here)
+        status = self.inner.get(name, staging)
+        if status is Status.BAD_SIZE:
+            return self._resized(tenant, name)
+        if status is not Status.OK:
+            return status
+        return self._open(tenant, name, staging, out, executor)
 
     def _reject(self, tenant: str, name: BlockKey, why: str, lookup: "_KeyLookup") -> None:
         """Log a block that did not open; delete it only if it failed authentication under a key we
@@ -588,10 +624,11 @@ class EncryptedTier(WrappingTier):
         Into registered staging (``self._direct``), the inner tier does not hash the payloads:
         each object's header must still name the block at its size, and the AES-GCM tags then
         authenticate every byte, bound to the tenant, the block's keyed name and its size (the
-        sealed header, in every chunk's AAD). A read of this group that overran its deadline
-        may still land in ``buf`` later (in the slice of a block that is a miss: a block read whole
-        is in a slice of its own): ``buf`` is then marked in ``tainted`` and, once released,
-        quarantined instead of reused."""
+        sealed header, in every chunk's AAD); a block that fails them is read again, hashed, before
+        it is judged (:meth:`_read_hashed`: the read may have been torn). A read of this group that
+        overran its deadline may still land in ``buf`` later (in the slice of a block that is a miss:
+        a block read whole is in a slice of its own): ``buf`` is then marked in ``tainted`` and, once
+        released, quarantined instead of reused."""
         if not self._direct:
             return self.inner.get_many(names, views)
         overruns = self.inner.direct_overruns
@@ -602,7 +639,7 @@ class EncryptedTier(WrappingTier):
 
     def _open_group(self, ready, dsts, statuses, executor) -> None:
         for i, name, view in ready:
-            statuses[i] = self._open(self.tenant, name, view, dsts[i], executor)
+            statuses[i] = self._open(self.tenant, name, view, dsts[i], executor, judged=not self._direct)
 
     def _release(self, bufs, tainted: set[int] = frozenset()) -> None:
         for b in bufs:
@@ -706,6 +743,7 @@ class EncryptedTier(WrappingTier):
         return iter(())
 
     def close(self) -> None:
+        self._buffers.close()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
         self._pipe.shutdown(wait=True)

@@ -91,17 +91,18 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from contextvars import ContextVar
 from itertools import islice
 
 from kvtier.core.keys import BlockKey
-from kvtier.tiers.base import Tier, report_refused
+from kvtier.tiers.base import Status, Tier, report_refused
 from kvtier.tiers.mooncake_calls import MAX_CALL_S, BoundedEngineCalls, Down
 from kvtier.tiers.mooncake_client import RC_NOT_FOUND, RC_NOT_READY, BoundedCaller, SharedClient
 from kvtier.tiers.mooncake_names import NAME_PREFIX, TenantNaming
 from kvtier.tiers.mooncake_reads import TierReads
 from kvtier.tiers.mooncake_writes import TierWrites
 
-__all__ = ["DEFAULT_MIN_RATE_BYTES_S", "NAME_PREFIX", "SESSION_MIN_BYTES", "MooncakeTier", "RemovalLog"]
+__all__ = ["DEFAULT_MIN_RATE_BYTES_S", "NAME_PREFIX", "SESSION_MIN_BYTES", "MooncakeTier", "RemovalLog", "unsent_puts"]
 
 DEFAULT_MIN_RATE_BYTES_S = 50e6
 #: blocks of at least this size move in *sessions*: one master RPC for the batch (as the engine's
@@ -117,6 +118,26 @@ SESSION_MIN_BYTES = 2 << 20
 _NOTHING_TO_REMOVE = frozenset({RC_NOT_FOUND, RC_NOT_READY})
 #: owed removals retried per engine call
 _RETRY_BATCH = 4096
+
+#: the caller's collection of unsent puts (see unsent_puts), on this thread
+_UNSENT: ContextVar[list[bytes] | None] = ContextVar("kvtier_mooncake_unsent_puts", default=None)
+#: while a put runs for such a caller: whether the tier's check refused it (see MooncakeTier._check_up)
+_PUT_REFUSED: ContextVar[list[bool] | None] = ContextVar("kvtier_mooncake_put_refused", default=None)
+
+
+@contextmanager
+def unsent_puts() -> Iterator[list[bytes]]:
+    """Collect, on this thread while the block runs, the keys of the blocks a :class:`MooncakeTier`
+    put refused before any engine call (the tier down, backing off, closed): the fleet never
+    received them. A put that reached the engine -- even one that failed or overran -- is not among
+    them: the fleet may hold it. (The server's journal of the blocks it placed in the fleet forgets
+    their records: :class:`kvtier.server.fleet.JournaledFleet`.)"""
+    found: list[bytes] = []
+    token = _UNSENT.set(found)
+    try:
+        yield found
+    finally:
+        _UNSENT.reset(token)
 
 
 class RemovalLog:
@@ -269,6 +290,33 @@ class MooncakeTier(TierReads, TierWrites, BoundedEngineCalls, TenantNaming, Tier
         self._suspect: dict[str, float] = {}  # a holder's endpoint → until when reads try it last
         self._next_removal_retry = 0.0
 
+    # -- puts never sent ------------------------------------------------------------------------
+    def put_many(self, keys: Sequence[BlockKey], datas: Sequence, *, parents=None, metas=None) -> list[Status]:
+        """As :meth:`TierWrites.put_many <kvtier.tiers.mooncake_writes.TierWrites.put_many>`, which
+        checks the tier once, first, before any engine call: the keys of a put that check refused are
+        told to a caller collecting :func:`unsent_puts` (``put`` comes here too)."""
+        unsent = _UNSENT.get()
+        if unsent is None:
+            return super().put_many(keys, datas, parents=parents, metas=metas)
+        refused: list[bool] = []
+        token = _PUT_REFUSED.set(refused)
+        try:
+            statuses = super().put_many(keys, datas, parents=parents, metas=metas)
+        finally:
+            _PUT_REFUSED.reset(token)
+        if refused:
+            unsent.extend(bytes(k) for k in keys)
+        return statuses
+
+    def _check_up(self) -> None:
+        try:
+            super()._check_up()
+        except Down:
+            refused = _PUT_REFUSED.get()
+            if refused is not None:  # (a put's check: nothing of it was sent)
+                refused.append(True)
+            raise
+
     # -- lookups --------------------------------------------------------------------------------
     def contains(self, key: BlockKey) -> bool:
         return self.contains_many([key])[0]
@@ -367,7 +415,9 @@ class MooncakeTier(TierReads, TierWrites, BoundedEngineCalls, TenantNaming, Tier
         """Remove a block that a caller reading it with ``hash_payloads=False`` found failing its own
         authentication (an AES-GCM tag under a key it holds): forced, as a block that fails this
         tier's tag is (a reader's lease protects nothing worth keeping; a plain delete would only
-        hide it, and a put of the key would then bring the bad object back)."""
+        hide it, and a put of the key would then bring the bad object back). Read it again hashed
+        first: a read torn by a delete fails too, and the name may hold a good block by now (the
+        hashed read judges that as this tier's own reads are judged)."""
         self._drop(self.storage_name(key), "fails its reader's authentication")
         with self._lock:
             self._unremoved.pop(self.storage_name(key), None)
@@ -421,19 +471,29 @@ class MooncakeTier(TierReads, TierWrites, BoundedEngineCalls, TenantNaming, Tier
         return 0  # the fleet's fill is the master's to know (its metrics endpoint)
 
     def close(self) -> None:
-        with self._registration:
+        deadline = time.monotonic() + self.timeout_s
+        # A registration of memory holds the lock while in the engine (6 s with the metadata server
+        # frozen: an EncryptedTier registers its staging from a thread of its own); waited for until
+        # the deadline, and past it the client is left open, as under any engine call still running.
+        locked = self._registration.acquire(timeout=self.timeout_s)
+        try:
             if self._closed:
                 return
             self._closed = True
+        finally:
+            if locked:
+                self._registration.release()
         # An overrun call still in the engine (a frozen holder or master) must end before the
         # client closes under it; bounded: past it the client is left open (SharedClient.release).
-        ended = self._caller.wait_idle(self.timeout_s)
+        ended = self._caller.wait_idle(max(0.0, deadline - time.monotonic())) and locked
         self._caller.close()
         if not self._late_direct_reads and ended:  # a late read still uses its registration
-            for start, _, _ in self._regions:
-                self._engine.unregister_buffer(start)
+            # off this thread, as the staging's: each is an update of the metadata server (3 s each
+            # with it frozen); the client's release waits for them, at most timeout_s
+            for _, _, buf in self._regions:
+                self._client.registrar.unregister(buf)
         self._regions = []
-        self._client.release(calls_ended=ended)
+        self._client.release(calls_ended=ended, timeout_s=self.timeout_s)
 
     def __repr__(self) -> str:
         return f"<MooncakeTier master={self.master} tenant={self.tenant!r} replicas={self.replicas}>"

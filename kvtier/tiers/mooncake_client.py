@@ -12,17 +12,22 @@ process, engine calls with a deadline, and the registered staging buffers they u
   got back.
 * **Staging.** Reads land in page-aligned buffers registered with the engine once and then
   reused (the engine never writes into a caller's buffer: see the point above); a pool
-  caps what it keeps registered.
+  caps what it keeps registered. Registering is an update of the metadata server, which
+  has no deadline either: it runs on a thread of its own (:class:`Registrar`), and a buffer
+  not registered in time is used as it is.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import mmap
 import os
 import socket
 import threading
 import time
+import weakref
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -109,15 +114,165 @@ class BoundedCaller:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
+#: how long :meth:`Registrar.register` waits for a new buffer's registration (one update of the
+#: metadata server, ~0.3 ms) before its caller uses the buffer unregistered
+REGISTER_WAIT_S = 0.05
+
+
+#: every registrar of the process, for :func:`_stop_registrars`
+_registrars: weakref.WeakSet[Registrar] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_registrars() -> None:
+    """At the process's end, let no registrar's thread (a daemon) be inside the engine: a daemon
+    thread still in an engine call when the interpreter finalizes aborts the process ("terminate
+    called without an active exception", exit 134). The engine's timeouts bound the wait."""
+    for registrar in list(_registrars):
+        registrar.stop()
+
+
+class Registrar:
+    """Registers and unregisters buffers with an engine (``register(array)``, ``unregister(array)``)
+    on a daemon thread of its own, in the order asked, so that no caller waits for them.
+
+    Each is an update of the metadata server (the master's HTTP server, as a rule): with that server
+    frozen or cut off, 3 s to unregister and 6 s to register, paid on a reader's thread before its
+    deadline even started (a get of 4 blocks against a 1 s deadline took 24 s). A buffer registered
+    late, or never (-600 then), is still correct to use: over TCP the engine copies what is not
+    registered, only a little slower. Every job holds its buffer, so an address is never reused
+    while a registration of it is still asked."""
+
+    def __init__(self, register: Callable[[np.ndarray], None], unregister: Callable[[np.ndarray], None]) -> None:
+        _registrars.add(self)
+        self._register_now, self._unregister_now = register, unregister
+        self._jobs: deque[tuple[Callable, np.ndarray, threading.Event]] = deque()
+        self._queued: dict[int, np.ndarray] = {}  # address → buffer whose registration has not started
+        self._idle = threading.Condition()
+        self._running_since: float | None = None  # when the job under way started (None: none)
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def register(self, array: np.ndarray) -> None:
+        """Ask for ``array`` to be registered, and wait for that at most :data:`REGISTER_WAIT_S` (not
+        at all while the job under way takes longer: the server does not answer); past it the
+        buffer is to be used as it is, registered later or never."""
+        registered = self._ask(self._register, array, queued=True)
+        if not self._behind():
+            registered.wait(REGISTER_WAIT_S)
+
+    def unregister(self, array: np.ndarray) -> None:
+        """Ask for ``array`` to be unregistered; nothing is asked of the engine if its registration
+        has not started yet (then neither runs)."""
+        with self._idle:
+            if self._queued.get(array.ctypes.data) is array:
+                del self._queued[array.ctypes.data]
+                return
+        self._ask(self._unregister, array)
+
+    def _behind(self) -> bool:
+        """Whether the job under way has taken longer than a registration should (the metadata
+        server does not answer): nobody should wait for the jobs queued behind it."""
+        started = self._running_since
+        return started is not None and time.monotonic() - started > REGISTER_WAIT_S
+
+    def settle(self, timeout_s: float) -> bool:
+        """Wait at most ``timeout_s`` for every job asked so far to have run (False: some still wait).
+        For callers that need the buffers registered before they go on (tests of the registered
+        path on a loaded host, where a registration can come later than REGISTER_WAIT_S)."""
+        with self._idle:
+            return self._idle.wait_for(lambda: not self._jobs and self._running_since is None, timeout=timeout_s)
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        """Drop the jobs not started and wait for the one under way to end (the engine's own timeouts
+        bound it: 6 s with the metadata server frozen; ``timeout_s`` only against an engine without)."""
+        self.close(0.0)
+        with self._idle:
+            self._idle.wait_for(lambda: self._running_since is None, timeout=timeout_s)
+
+    def close(self, timeout_s: float) -> bool:
+        """Run what was asked, waiting at most ``timeout_s``; then ask nothing more of the client
+        (the thread ends). False: the jobs did not all end in time (the metadata server does not
+        answer): those not started are dropped, and one may still be in the engine."""
+        with self._idle:
+            ran = self._idle.wait_for(lambda: not self._jobs and self._running_since is None, timeout=timeout_s)
+            self._closed = True
+            for _, _, done in self._jobs:
+                done.set()
+            self._jobs.clear()
+            self._queued.clear()
+            self._idle.notify_all()
+        return ran
+
+    def _ask(self, job: Callable, array: np.ndarray, *, queued: bool = False) -> threading.Event:
+        done = threading.Event()
+        with self._idle:
+            if self._closed:  # (a late call's buffer given back after close: the client is closed or left)
+                done.set()
+                return done
+            if queued:
+                self._queued[array.ctypes.data] = array
+            self._jobs.append((job, array, done))
+            if self._thread is None:
+                # a daemon, so that the process's exit waits for no job queued (nothing is lost with
+                # them: a registration only speeds reads up); _stop_registrars waits for the one under way
+                self._thread = threading.Thread(target=self._run, name="kvtier-mooncake-registrar", daemon=True)
+                self._thread.start()
+            self._idle.notify_all()
+        return done
+
+    def _run(self) -> None:
+        while True:
+            with self._idle:
+                self._idle.wait_for(lambda: self._jobs or self._closed)
+                if not self._jobs:
+                    return
+                job, array, done = self._jobs.popleft()
+                self._running_since = time.monotonic()
+            try:
+                job(array)
+            except Exception as exc:  # noqa: BLE001 - the binding raising: the buffer stays as it was
+                log.debug("mooncake: a buffer's (un)registration failed: %s", exc)
+            finally:
+                with self._idle:
+                    self._running_since = None
+                    self._idle.notify_all()
+                done.set()
+
+    def _register(self, array: np.ndarray) -> None:
+        with self._idle:
+            if self._queued.get(array.ctypes.data) is not array:
+                return  # unregistered (given up) before its turn came
+            del self._queued[array.ctypes.data]
+        self._register_now(array)
+
+    def _unregister(self, array: np.ndarray) -> None:
+        self._unregister_now(array)
+        # the mmap is unmapped when its last reference (the array's base) goes: this job's, at the latest
+
+
+def _client_registrar(store) -> Registrar:
+    """A registrar of staging buffers (and of memory a tier let go) with ``store``."""
+
+    def register(array: np.ndarray) -> None:
+        rc = store.register_buffer(array.ctypes.data, array.nbytes)
+        if rc != 0:  # unregistered still works over TCP (the engine copies), only slower
+            log.debug("mooncake: register_buffer(%d bytes) returned %d", array.nbytes, rc)
+
+    return Registrar(register, lambda array: store.unregister_buffer(array.ctypes.data))
+
+
 class StagingPool:
     """Page-aligned buffers registered with one client, handed out and given back.
 
     Buffers are rounded up to a power of two pages (so a few sizes recur and are reused);
     at most ``keep_bytes`` are kept registered while idle, the rest unregistered and freed.
+    (Un)registration runs on the ``registrar``'s thread: :meth:`take` and :meth:`give` never wait
+    for the metadata server past :data:`REGISTER_WAIT_S`.
     """
 
-    def __init__(self, client, keep_bytes: int = 256 << 20) -> None:
-        self._client = client
+    def __init__(self, registrar: Registrar, keep_bytes: int = 256 << 20) -> None:
+        self._registrar = registrar
         self._free: dict[int, list[tuple[mmap.mmap, np.ndarray]]] = {}
         self._kept = 0
         self.keep_bytes = keep_bytes
@@ -139,9 +294,7 @@ class StagingPool:
                 return free.pop()
         region = mmap.mmap(-1, size)
         array = np.frombuffer(region, dtype=np.uint8)
-        rc = self._client.register_buffer(array.ctypes.data, size)
-        if rc != 0:  # unregistered still works over TCP (the engine copies), only slower
-            log.debug("mooncake: register_buffer(%d bytes) returned %d", size, rc)
+        self._registrar.register(array)
         return region, array
 
     def give(self, item: tuple[mmap.mmap, np.ndarray]) -> None:
@@ -152,21 +305,15 @@ class StagingPool:
                 self._free.setdefault(size, []).append(item)
                 self._kept += size
                 return
-        self._release(array)
-
-    def _release(self, array: np.ndarray) -> None:
-        try:
-            self._client.unregister_buffer(array.ctypes.data)
-        except Exception:  # noqa: BLE001 - a closed client: nothing left to unregister from
-            pass
-        # the mmap is unmapped when its last reference (the array's base) goes
+        self._registrar.unregister(array)
 
     def clear(self) -> None:
+        """Let every kept buffer go (their unregistration asked of the registrar)."""
         with self._lock:
             free, self._free, self._kept = self._free, {}, 0
         for items in free.values():
             for _, array in items:
-                self._release(array)
+                self._registrar.unregister(array)
 
 
 class SharedClient:
@@ -182,7 +329,9 @@ class SharedClient:
         self.transfer = transfer
         self.refs = 0
         self.abandoned_calls = False  # a user let go while an engine call of its still ran
-        self.staging = StagingPool(store)
+        #: (un)registers buffers off the callers' threads: the staging's, and those a tier let go
+        self.registrar = _client_registrar(store)
+        self.staging = StagingPool(self.registrar)
         self._sessions: dict[str, int] = {}  # name → this process's reads in a get session of it
         self._ending: dict[str, threading.Event] = {}  # name → set once its session's end has run
         self._sessions_lock = threading.Lock()
@@ -246,10 +395,13 @@ class SharedClient:
             shared.refs += 1
             return shared
 
-    def release(self, *, calls_ended: bool = True) -> None:
+    def release(self, *, calls_ended: bool = True, timeout_s: float = 2.0) -> None:
         """One user less; the last one closes the client, unless a user's engine call was still
         running when it let go (``calls_ended`` False): closing the store under a running call
-        crashed the process (a segmentation fault), so such a client is left to the process's end."""
+        crashed the process (a segmentation fault), so such a client is left to the process's end.
+        So is one whose buffers' unregistration did not end within ``timeout_s``: its metadata
+        server does not answer (each took 3 s, one after the other, a close 3 s per staging buffer
+        kept; and the store's own close, holding the GIL, took 9 s with buffers still registered)."""
         with self._registry_lock:
             self.refs -= 1
             self.abandoned_calls |= not calls_ended
@@ -260,6 +412,10 @@ class SharedClient:
             log.warning("mooncake: an engine call still runs; the client is left open until the process ends")
             return
         self.staging.clear()
+        if not self.registrar.close(timeout_s):
+            log.warning("mooncake: the metadata server did not answer within %.1f s; the client is left open "
+                        "until the process ends", timeout_s)
+            return
         try:
             self.store.close()
         except Exception as exc:  # noqa: BLE001 - closing must not fail a shutdown
