@@ -23,10 +23,16 @@ The fleet cannot be listed (its names are one-way HMACs), and it drops blocks on
   so their blocks are deleted at start, never indexed again; the removal of one the fleet still
   does not answer for stays owed. A removal of some other block (not deleted by an erasure: a
   DELETE, an expiry) that a restart finds owed is indexed again, and a later delete reaches it.
-  Only a block with a record can be owed: one only DRAM or the disk held was never placed (a
-  record precedes each put), so it is neither reported left in the fleet nor retried there. A
-  crash between a record and its put leaves a record of a block the fleet may not hold:
-  harmless (see below).
+  A delete passes every name to the fleet, recorded or not, even while it is down: a fleet
+  shared by several servers under one secret names a block alike for all, so a block only DRAM
+  or the disk held here may be another server's copy there; the fleet hides it and retries its
+  removal until it lands. It is reported not removed only if this server placed it (a record) or
+  the fleet owed its removal already (an earlier delete of it failed): a block only DRAM or the
+  disk held, asked during an outage, is not reported left in the fleet. A put the fleet never
+  sent (refused before any engine call: known down) has the record it began forgotten at once
+  (:meth:`JournaledFleet.put_many`), so the blocks demoted during an outage count as never
+  placed. A crash between a record and its put leaves a record of a block the fleet may not
+  hold: harmless (see below).
 * Erase against demotion: a placement recorded before an erase read :attr:`FleetJournal.seq`
   (``delete_many``) is forgotten by it, so its put must have landed before the fleet's delete.
   It has: a demotion into the fleet runs in the evicting tier's eviction, under that tier's
@@ -65,8 +71,9 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import groupby
 
@@ -79,6 +86,7 @@ from kvtier.server.recovery import Found, OwnersWithoutKeys
 from kvtier.server.runtime_state import RuntimeState, blocks_held_in
 from kvtier.server.spill import SpillAnnotation, SpillCodec, monotonic_of, wall_of
 from kvtier.tiers.base import Status, refused_removals, report_refused
+from kvtier.tiers.mooncake import unsent_puts
 from kvtier.tiers.wrapper import WrappingTier
 
 log = logging.getLogger(__name__)
@@ -146,87 +154,106 @@ class JournaledFleet(WrappingTier):
         return getattr(self.inner, attr)
 
     # -- writes: recorded first --------------------------------------------------------------------
-    def _record(self, keys: Sequence[bytes]) -> list[bool]:
+    def _record(self, keys: Sequence[bytes]) -> tuple[list[bool], int]:
         """Record each key's placement; False for one the index no longer holds, or all of them when
-        the journal cannot be written (never placed without a record)."""
+        the journal cannot be written (never placed without a record). Also the placement's
+        sequence number (:meth:`_forgetting_unsent`)."""
         made = [self.records.record(bytes(k)) for k in keys]
         items = [(bytes(k), m[0], m[1]) for k, m in zip(keys, made) if m is not None]
+        seq = self.journal.seq
         if items:
             try:
-                self.journal.placed(items)
+                seq = self.journal.placed(items)
             except OSError as exc:
                 log.warning("fleet journal %s cannot be written (%s): %d blocks not placed in the fleet",
                             self.journal.path, exc, len(keys))
-                return [False] * len(keys)
-        return [m is not None for m in made]
+                return [False] * len(keys), seq
+        return [m is not None for m in made], seq
 
     def _refused(self, n: int) -> None:
         with self._lock:  # (counted into the fleet's counters, as the wrapper's stats are)
             self.inner.stats.put_failures += n
 
     def put(self, key, data, *, parent=None, meta=None, **kw) -> Status:
-        if not self._record([key])[0]:
+        ok, seq = self._record([key])
+        if not ok[0]:
             self._refused(1)
             return Status.ERROR
-        return self.inner.put(key, data, parent=parent, meta=meta, **kw)
+        with self._forgetting_unsent(seq):
+            return self.inner.put(key, data, parent=parent, meta=meta, **kw)
 
     def put_many(self, keys, datas, *, parents=None, metas=None, **kw) -> list[Status]:
-        ok = self._record(keys)
+        ok, seq = self._record(keys)
         if all(ok):
-            return self.inner.put_many(keys, datas, parents=parents, metas=metas, **kw)
+            with self._forgetting_unsent(seq):
+                return self.inner.put_many(keys, datas, parents=parents, metas=metas, **kw)
         if parents is None:
             parents = [None, *keys[:-1]]
         out = [Status.ERROR] * len(keys)
         todo = [i for i, good in enumerate(ok) if good]
         self._refused(len(keys) - len(todo))
         if todo:
-            pick = lambda seq: None if seq is None else [seq[i] for i in todo]  # noqa: E731
-            statuses = self.inner.put_many(pick(keys), pick(datas), parents=pick(parents), metas=pick(metas),
-                                           **{k: pick(v) for k, v in kw.items()})
+            pick = lambda items: None if items is None else [items[i] for i in todo]  # noqa: E731
+            with self._forgetting_unsent(seq):
+                statuses = self.inner.put_many(pick(keys), pick(datas), parents=pick(parents), metas=pick(metas),
+                                               **{k: pick(v) for k, v in kw.items()})
             for i, status in zip(todo, statuses):
                 out[i] = status
         return out
+
+    @contextmanager
+    def _forgetting_unsent(self, seq: int) -> Iterator[None]:
+        """Around the fleet's put of blocks recorded by placement ``seq``: the records of those it
+        never sent (refused before any engine call: the fleet known down) are forgotten at once, if
+        it began them (:meth:`~kvtier.server.fleet_journal.FleetJournal.unplace`).
+        Kept, they would count as placed, and a delete or erase during the outage would report a
+        block the fleet never received as left in it. (Not an ``available`` check beforehand: the
+        health check may end the outage in between, and a block would reach the fleet unrecorded.)"""
+        with unsent_puts() as unsent:
+            yield
+        if unsent:
+            self.journal.unplace(unsent, seq)
 
     # -- removal: forgotten once it landed -----------------------------------------------------------
     def delete(self, key) -> bool:
         return self.delete_many([key])[0]
 
     def delete_many(self, keys) -> list[bool]:
-        """As the fleet's; the records of the blocks whose removal landed are forgotten. A removal
-        the fleet owes (it could not be asked, or refused) keeps its record until
-        :meth:`settle_removals` sees it land, and is reported on to the caller collecting
-        :func:`~kvtier.tiers.base.refused_removals` (an erase: not done). Only a block the journal
-        holds a record of can be owed: no other was placed in the fleet (a record precedes each
-        put; a placement in flight has its record already), so a block only DRAM or the disk held
-        is not reported left in the fleet, nor is its removal retried against a fleet that is down."""
+        """As the fleet's; the records of the blocks whose removal landed are forgotten. Every name
+        is passed on, the fleet down or not: a block this server never placed may be another
+        server's copy (a fleet shared under one secret names it alike), and a fleet that cannot be
+        asked hides it and retries its removal until it lands. What is reported on to the caller
+        collecting :func:`~kvtier.tiers.base.refused_removals` (an erase: not done) is a removal the
+        fleet owes of a block placed here (a record: a record precedes each put; a placement in
+        flight has its record already), or of one whose removal it owed before this delete (an
+        earlier attempt failed: a copy may be left). A removal owed of a block only DRAM or the disk
+        held is retried, not reported: the common case during an outage, never placed anywhere. A
+        placed block's owed removal keeps its record until :meth:`settle_removals` sees it land."""
         names = [bytes(k) for k in keys]
         since = self.journal.seq
         recorded = self.journal.recorded_among(names)
-        down = not self.inner.available  # (a fleet found down is not asked: each removal asked would be owed)
-        asked = [i for i, name in enumerate(names) if not down or name in recorded]
-        removed, owed = self._delete_reporting([keys[i] for i in asked], recorded)
-        out = [False] * len(names)
-        for i, done in zip(asked, removed):
-            out[i] = done
-        if not self.inner.available:  # (not asked, or the fleet failed meanwhile: every placed block's removal is owed)
-            owed |= recorded
+        owed_before = self._owed_by_fleet(keys)
+        with refused_removals() as refused:
+            out = self.inner.delete_many(keys)
+        owed = set()
+        for r in refused:
+            if r.key in recorded or r.key in owed_before:
+                report_refused(r.key, r.path, r.error)
+                owed.add(r.key)
+        if not self.inner.available:  # (a fleet that owes without saying so: a placed block not removed stays owed)
+            owed |= {name for name, done in zip(names, out) if name in recorded and not done}
         self.journal.forget([name for name in names if name not in owed], since)
         if owed:
             with self._owed_lock:
                 self._owed.update(dict.fromkeys(owed, since))
         return out
 
-    def _delete_reporting(self, keys, recorded: set[bytes]) -> tuple[list[bool], set[bytes]]:
-        """The fleet's delete of ``keys``, and the owed removals among ``recorded`` (blocks placed in
-        the fleet), reported on to the caller collecting refused removals."""
-        with refused_removals() as refused:
-            out = self.inner.delete_many(keys)
-        owed = set()
-        for r in refused:
-            if r.key in recorded:
-                report_refused(r.key, r.path, r.error)
-                owed.add(r.key)
-        return out, owed
+    def _owed_by_fleet(self, keys) -> set[bytes]:
+        """Those of ``keys`` whose removal the fleet owes already (hidden: a delete of them failed)."""
+        retry = getattr(self.inner, "retry_removals", None)
+        if retry is None:  # (a fleet that owes nothing: it reports no removal refused)
+            return set()
+        return {bytes(k) for k, still in zip(keys, retry(keys)) if still}
 
     def settle_removals(self) -> int:
         """Retry the removals the fleet owes now (see :meth:`delete_many`); forget the records of

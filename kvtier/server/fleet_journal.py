@@ -12,7 +12,8 @@ entry, and the start goes on with every record but the damaged ones, logged (the
 named are left to the fleet's own eviction); nothing after the damage is cut off. (Whole entries
 are found again by their checksum; a record's bytes that imitate one -- a tenant's namespace,
 say -- yield a record that does not authenticate at the start, :mod:`kvtier.server.fleet`.) A
-damaged magic line that a whole entry follows is damage too (logged; the file is written anew at
+damaged magic line that a whole entry follows, at once or after damaged bytes (one bad sector
+may cover the magic and the first entries), is damage too (logged; the file is written anew at
 open with a good one): only a file with no whole entry after its first line is refused. A
 journal of the first format (magic ``v1``: no checksums, so a bad entry ends the reading as a
 torn tail did) is read, then written anew in this format at open: an upgrade loses no record.
@@ -70,6 +71,7 @@ class FleetJournal:
         self._live: dict[bytes, bytes] = {}  # name → record
         self._written_for: dict[bytes, object] = {}  # name → the index entry its record was made from
         self._placed_seq: dict[bytes, int] = {}  # name → the placement that last wrote it
+        self._created_by: dict[bytes, int] = {}  # name → the placement its live record began with (none: read at open)
         self._seq = 0
         self._dead = 0  # forgotten (or overwritten) records still in the file
         self._fd: int | None = None
@@ -143,11 +145,15 @@ class FleetJournal:
         return pos, appendable
 
     def _check_damaged_magic(self, data: bytes) -> None:
-        """Accept a file whose magic line is damaged (a flipped bit in its first sector) if a whole
-        entry of this format follows it: every entry carries its own checksum, so the damage is the
-        magic's only, and refusing the start would leave every block the journal names beyond the
-        reach of erase and TTL. Raises ConfigError for a file that is no journal (no whole entry there)."""
-        if _entry_at(data, len(_MAGIC), _CHECK_NBYTES) is None:
+        """Accept a file whose magic line is damaged (a flipped bit, a bad first sector) if a whole
+        entry of this format follows it, right after it or further on (the damage may reach the
+        first entries too; the reading then skips them as damaged): every entry carries its own
+        checksum, so the damage is the file's, not another kind of file, and refusing the start would
+        leave every block the journal names beyond the reach of erase and TTL. (Random bytes hold a
+        whole entry with a chance of 2^-64 per place.) Raises ConfigError for a file that is no
+        journal (no whole entry after its first line)."""
+        start = len(_MAGIC)
+        if _entry_at(data, start, _CHECK_NBYTES) is None and _next_entry_after(data, start, _CHECK_NBYTES) is None:
             raise ConfigError(f"fleet journal {self.path!r} is not a kvtier fleet journal; move it away (blocks "
                               f"it names in the Mooncake fleet are then left to the fleet's own eviction)")
         log.error("fleet journal %s: its first line is damaged (%r) but whole entries follow it: read as a "
@@ -214,10 +220,10 @@ class FleetJournal:
         self._fd, self._size, self._dead = fd, len(blob), 0
         os.lseek(fd, 0, os.SEEK_END)
 
-    def placed(self, items: Sequence[tuple[bytes, bytes, object]]) -> None:
+    def placed(self, items: Sequence[tuple[bytes, bytes, object]]) -> int:
         """Record ``(name, record, entry)`` placements, durable before it returns (raises OSError
-        otherwise: nothing then is to be stored). A name whose record was made from the same index
-        entry is not written again."""
+        otherwise: nothing then is to be stored); returns this placement's sequence number (see
+        :meth:`unplace`). A name whose record was made from the same index entry is not written again."""
         with self._lock:
             todo = [(n, r, e) for n, r, e in items if self._written_for.get(n) is not e]
             self._seq += 1
@@ -225,13 +231,24 @@ class FleetJournal:
                 blob = b"".join(_placed_entry(name, record) for name, record, _ in todo)
                 self._append_locked(blob, durable=True)  # raises: nothing is placed, nothing kept
                 for name, record, entry in todo:
-                    self._dead += name in self._live
+                    if name in self._live:
+                        self._dead += 1
+                    else:
+                        self._created_by[name] = self._seq
                     self._live[name] = record
                     self._written_for[name] = entry
             # Only once recorded: a name whose append failed is never placed, and never reaches
             # ``_live``, so :meth:`forget` would never pop its entry here.
             for name, _, _ in items:
                 self._placed_seq[name] = self._seq
+            return self._seq
+
+    def unplace(self, names: Sequence[bytes], seq: int) -> None:
+        """Forget the records that placement ``seq`` began, of blocks whose put was never sent: not
+        one whose record was live before it (an earlier placement of the name may have landed),
+        nor one a later placement recorded again (its put may be sent). Best effort, as :meth:`forget`."""
+        with self._lock:
+            self._forget_locked([n for n in names if self._created_by.get(n) == seq == self._placed_seq.get(n)])
 
     def forget(self, names: Sequence[bytes], since: int) -> None:
         """Forget the records of ``names`` whose blocks the fleet no longer holds, unless a
@@ -239,24 +256,27 @@ class FleetJournal:
         copy may have landed after it. Best effort: a record that cannot be forgotten stays (the
         next start looks it up)."""
         with self._lock:
-            gone = [n for n in names if n in self._live and self._placed_seq.get(n, 0) <= since]
-            if not gone:
-                return
+            self._forget_locked([n for n in names if n in self._live and self._placed_seq.get(n, 0) <= since])
+
+    def _forget_locked(self, gone: list[bytes]) -> None:
+        if not gone:
+            return
+        try:
+            self._append_locked(b"".join(_checked(_FORGOTTEN + n) for n in gone), durable=False)
+        except OSError as exc:
+            log.warning("fleet journal %s: could not forget %d records: %s", self.path, len(gone), exc)
+            return
+        for name in gone:
+            del self._live[name]
+            self._written_for.pop(name, None)
+            self._placed_seq.pop(name, None)
+            self._created_by.pop(name, None)
+        self._dead += 2 * len(gone)  # the P entry and its F
+        if self._dead > max(_COMPACT_AFTER, len(self._live)):
             try:
-                self._append_locked(b"".join(_checked(_FORGOTTEN + n) for n in gone), durable=False)
+                self._rewrite_locked()
             except OSError as exc:
-                log.warning("fleet journal %s: could not forget %d records: %s", self.path, len(gone), exc)
-                return
-            for name in gone:
-                del self._live[name]
-                self._written_for.pop(name, None)
-                self._placed_seq.pop(name, None)
-            self._dead += 2 * len(gone)  # the P entry and its F
-            if self._dead > max(_COMPACT_AFTER, len(self._live)):
-                try:
-                    self._rewrite_locked()
-                except OSError as exc:
-                    log.warning("fleet journal %s: could not be compacted: %s", self.path, exc)
+                log.warning("fleet journal %s: could not be compacted: %s", self.path, exc)
 
     def _append_locked(self, blob: bytes, *, durable: bool) -> None:
         if self._fd is None:

@@ -22,7 +22,15 @@ from the spill secret -- without a disk, the fleet journal's secret in
 ``state_dir`` -- :meth:`~kvtier.server.spill.SpillCodec.erasure_key`): one that
 was edited stops the start, naming the file. (Whoever can write ``state_dir``
 can still delete them with the file, as any override: keep it apart from
-``disk_dir`` where that matters.)
+``disk_dir`` where that matters.) The file names the key they were written
+under (``erasures_key``, an id derived from it): tombstones of another key -- a
+disk added to or dropped from the config switches the key -- are logged and
+dropped, the other overrides kept. They could only cover records this server
+rejects anyway (disk annotations and fleet records are authenticated under the
+same key). Only tombstones of this key whose MAC does not match stop the start.
+A file from before key ids that does not authenticate stops a server with a disk
+spill (they were written under a disk's key); without a disk it may be a
+dropped disk's: logged and dropped.
 
 They are kept: a tombstone goes only where a wider one at least as late covers
 it (per scope only the latest erasure is kept, and one that a wider, later
@@ -44,6 +52,7 @@ Format (version 1)::
      "namespace_ttl_s": [["acme", "scratch", 600], ["globex", "tmp", null]],
      "erasures": [["acme", "chat", null, 1767225600.25], ["globex", null, "s-42", 1767225601.5]],
      "erasures_mac": "<hex HMAC-SHA256 of the compact JSON of erasures>",
+     "erasures_key": "<the key's id: 16 hex digits of an HMAC under it>",
      "list_high_water": 1767229200000000000}
 
 ``list_high_water``: no ``LIST`` cursor handed out is past it; a restarted
@@ -85,18 +94,23 @@ log = logging.getLogger(__name__)
 class RuntimeState:
     """The persisted overrides; ``path`` None keeps them in memory only (no disk_dir / state_dir)."""
 
-    def __init__(self, path: str | None, *, erasure_key: bytes | None = None) -> None:
+    def __init__(self, path: str | None, *, erasure_key: bytes | None = None,
+                 unkeyed_erasures_must_authenticate: bool = True) -> None:
         """``erasure_key`` authenticates the erasure records (a server with a disk spill or a fleet
-        journal); without it they are neither read nor recorded, only kept in the file as they are."""
+        journal); without it they are neither read nor recorded, only kept in the file as they are.
+        ``unkeyed_erasures_must_authenticate``: whether records written before key ids were kept
+        that do not authenticate under ``erasure_key`` stop the start (a disk spill's key: only a
+        disk's wrote them) or are dropped, logged (a server without a disk: a dropped disk's)."""
         self.path = path
         self._lock = threading.Lock()
         self.quota: dict[str, int | None] = {}
         self.tenant_ttl_s: dict[str, float | None] = {}
         self.namespace_ttl_s: dict[tuple[str, str], float | None] = {}
         self._erasure_key = erasure_key
+        self._unkeyed_must_authenticate = unkeyed_erasures_must_authenticate
         #: scope → wall-clock time of its latest erasure
         self._erasures: dict[Scope, float] = {}
-        self._kept_erasures: tuple[list, str] | None = None  # (records, tag) not ours to check
+        self._kept_erasures: tuple[list, str, str | None] | None = None  # (records, tag, key id) not ours to check
         #: no LIST cursor handed out is past it (see the module's docstring)
         self.list_high_water = 0
         if path is not None and os.path.exists(path):
@@ -112,7 +126,7 @@ class RuntimeState:
             self.tenant_ttl_s = {str(o): _opt_float(v) for o, v in doc.get("tenant_ttl_s", {}).items()}
             self.namespace_ttl_s = {(str(o), str(n)): _opt_float(v) for o, n, v in doc.get("namespace_ttl_s", [])}
             if "erasures" in doc:
-                self._load_erasures(doc["erasures"], doc.get("erasures_mac"))
+                self._load_erasures(doc["erasures"], doc.get("erasures_mac"), doc.get("erasures_key"))
             mark = doc.get("list_high_water", 0)
             if isinstance(mark, bool) or not isinstance(mark, int) or not 0 <= mark < 1 << 63:
                 raise ValueError(f"list_high_water is a non-negative integer, got {mark!r}")
@@ -123,16 +137,14 @@ class RuntimeState:
                 f"(the config file's quotas and TTLs then apply)"
             ) from None
 
-    def _load_erasures(self, records, tag) -> None:
-        if not isinstance(records, list) or not isinstance(tag, str):
-            raise ValueError("erasures must be a list with its erasures_mac")
+    def _load_erasures(self, records, tag, key_id) -> None:
+        if not isinstance(records, list) or not isinstance(tag, str) or not isinstance(key_id, (str, type(None))):
+            raise ValueError("erasures must be a list with its erasures_mac (and the erasures_key id)")
         if self._erasure_key is None:
-            self._kept_erasures = (records, tag)
+            self._kept_erasures = (records, tag, key_id)
             return
-        if not hmac.compare_digest(self._erasures_mac(records), tag):
-            raise ValueError("its erasure records do not authenticate under this server's spill secret (edited, "
-                             "or written under another master key or server.secret; without them, erased blocks "
-                             "in disk_dir may come back)")
+        if not self._erasures_authenticate(records, tag, key_id):
+            return
         for owner, namespace, session, at in records:
             if not (isinstance(owner, str) and isinstance(namespace, (str, type(None)))
                     and isinstance(session, (str, type(None))) and isinstance(at, (int, float))
@@ -140,6 +152,35 @@ class RuntimeState:
                 raise ValueError(f"an erasure is [owner, namespace or null, session or null, time], got "
                                  f"{[owner, namespace, session, at]!r}")
             self._erasures[(owner, namespace, session)] = float(at)
+
+    def _erasures_authenticate(self, records: list, tag: str, key_id: str | None) -> bool:
+        """Whether the file's erasure records are this key's and authenticate (False: another key's,
+        logged and dropped); raises ValueError for records of this key that were edited."""
+        if key_id is not None and key_id != self._key_id():
+            self._drop_erasures(records, f"written under another key (id {key_id[:16]!r}, this server's "
+                                         f"{self._key_id()!r})")
+            return False
+        if hmac.compare_digest(self._erasures_mac(records), tag):
+            return True
+        if key_id is not None:
+            raise ValueError("its erasure records do not authenticate although written under this server's key "
+                             "(their erasures_key is its id): edited; without them, erased blocks may come back")
+        if not self._unkeyed_must_authenticate:
+            self._drop_erasures(records, "written before key ids were kept, under another key (a disk_dir dropped "
+                                         "from the config)")
+            return False
+        raise ValueError("its erasure records do not authenticate under this server's spill secret (edited, "
+                         "or written under another master key or server.secret; without them, erased blocks "
+                         "in disk_dir may come back)")
+
+    def _drop_erasures(self, records: list, why: str) -> None:
+        log.warning("runtime overrides %s: %d erasure records %s are dropped, the quotas and TTLs kept: a disk "
+                    "file or fleet record they covered was authenticated under that key too, and is not "
+                    "accepted under this one either", self.path, len(records), why)
+
+    def _key_id(self) -> str:
+        """The id of the erasure key the records are written under (not the key: one-way)."""
+        return hmac.new(self._erasure_key, b"kvtier erasures key id", hashlib.sha256).hexdigest()[:16]
 
     def _erasures_mac(self, records: list) -> str:
         body = json.dumps(records, separators=(",", ":"), ensure_ascii=True).encode()
@@ -223,8 +264,12 @@ class RuntimeState:
         if self._erasure_key is not None:
             records = [[o, n, se, at] for (o, n, se), at in sorted(self._erasures.items(), key=_scope_order)]
             doc["erasures"], doc["erasures_mac"] = records, self._erasures_mac(records)
+            doc["erasures_key"] = self._key_id()
         elif self._kept_erasures is not None:
-            doc["erasures"], doc["erasures_mac"] = self._kept_erasures
+            records, tag, key_id = self._kept_erasures
+            doc["erasures"], doc["erasures_mac"] = records, tag
+            if key_id is not None:
+                doc["erasures_key"] = key_id
         if self.list_high_water:
             doc["list_high_water"] = self.list_high_water
         directory = os.path.dirname(self.path) or "."

@@ -116,9 +116,11 @@ class Server:
         state_dir = config.state_dir or config.disk_dir
         codec = self._state_codec(disk, state_dir)
         # Erasure records (tombstones) are authenticated under the codec's secret: kept wherever a
-        # disk spill or a fleet journal could bring an erased block back at the next start.
+        # disk spill or a fleet journal could bring an erased block back at the next start. (Those of
+        # another secret, a disk added or dropped, are dropped: kvtier/server/runtime_state.py.)
         state = RuntimeState(os.path.join(state_dir, RUNTIME_STATE_FILE) if state_dir else None,
-                             erasure_key=codec.erasure_key() if codec is not None else None)
+                             erasure_key=codec.erasure_key() if codec is not None else None,
+                             unkeyed_erasures_must_authenticate=disk is not None)
         #: the fleet tier with its journal (kvtier/server/fleet.py); None: no fleet, or no state_dir to keep it in
         self.fleet = None
         if config.mooncake_master:  # the fleet below: blocks evicted above spill there (kvtier/tiers/mooncake.py)
