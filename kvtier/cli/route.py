@@ -22,7 +22,7 @@ _FLAGS = ("host", "port", "policy", "model_path", "block_tokens", "kv_bytes_per_
           "temperature",
           "index_capacity",
           "health_interval_s", "eject_after", "max_attempts", "drain_timeout_s", "max_held", "max_body_bytes",
-          "max_route_tokens", "body_timeout_s", "header_timeout_s", "keepalive_timeout_s",
+          "max_form_body_bytes", "max_route_tokens", "body_timeout_s", "header_timeout_s", "keepalive_timeout_s",
           "max_connections_per_peer", "max_inflight_body_bytes", "max_arriving_body_bytes_per_peer")
 
 
@@ -72,6 +72,10 @@ def register(subparsers) -> None:
     p.add_argument("--max-body-bytes", dest="max_body_bytes", metavar="SIZE",
                    help="the largest request body taken, e.g. 16MiB (the default: a prompt of 1 M token ids "
                         "twice over); a larger one is answered 413")
+    p.add_argument("--max-form-body-bytes", dest="max_form_body_bytes", metavar="SIZE",
+                   help="the largest multipart form taken on the speech-to-text endpoints (/v1/audio/transcriptions, "
+                        "/v1/audio/translations), e.g. 40MiB (default 32MiB: vLLM's 25 MiB audio file and its form); "
+                        "a larger one is answered 413. At most --max-inflight-body-bytes")
     p.add_argument("--max-route-tokens", dest="max_route_tokens", type=int,
                    help="the leading tokens of a prompt tokenized and keyed to route it (default 262144); the "
                         "worker still gets the whole prompt. Raise it to the workers' max_model_len if longer")

@@ -70,8 +70,14 @@ MAX_ABORT_IDS = 1024
 #: the most bytes one abort's JSON body may take, whatever its count: each id repeats the request's
 #: name, and a 250 KB body ``request_id`` on a batch of 1,024 prompts made a 256 MB abort, built
 #: and encoded on the event loop (every stream stalled 2.5 s) and posted to the worker (audit s31
-#: a4 D2). A router-named batch of MAX_ABORT_IDS prompts takes ~48 KiB.
-MAX_ABORT_BYTES = 64 * 1024
+#: a4 D2). Sized on the names clients give, not on the router's own (a 32-hex uuid: ~48 KiB at
+#: MAX_ABORT_IDS): 1,024 ids under a name of up to ~1,000 characters (a 64-hex trace id or
+#: idempotency key needs ~80 KiB: at 64 KiB such a batch went unaborted, audit s31 r3 D3), or the
+#: longest name kept (MAX_KEPT_ID_CHARS) on a batch of ~120. Over ENCODE_INLINE_BYTES it is built
+#: and encoded on a thread (:func:`abort_body`).
+MAX_ABORT_BYTES = 1 << 20
+#: an abort's body larger than this is built and encoded on a thread, not on the event loop
+ENCODE_INLINE_BYTES = 64 * 1024
 #: the longest body ``request_id`` the router keeps as a request's name: as long as a header line
 #: aiohttp reads (8,190 bytes), so that a body's id is held no longer than a header's for a
 #: stream's whole decode (a 16 MiB one was held, uncounted, after the body was released). No
@@ -185,6 +191,15 @@ class EngineIds(NamedTuple):
             return [self.prefix + self.rid]
         return [f"{self.prefix}{self.rid}-{i}" for i in range(self.count)]
 
+    def first(self) -> str:
+        """The first of :meth:`ids`, built alone."""
+        return f"{self.prefix}{self.rid}-0" if self.numbered else self.prefix + self.rid
+
+    def encoded(self) -> bytes:
+        """The abort's JSON body naming :meth:`ids`, id by id (on a thread, the GIL goes between
+        ids: one ``json.dumps`` of them all holds it until the whole body is encoded)."""
+        return b'{"request_ids": [' + b", ".join(json.dumps(i).encode() for i in self.ids()) + b"]}"
+
     def abort_bytes(self) -> int:
         """The most bytes an abort's JSON body naming :meth:`ids` takes, known without building
         them: the name is encoded once (its characters may be escaped), each id's number at its
@@ -192,6 +207,14 @@ class EngineIds(NamedTuple):
         number = len(f"-{self.count - 1}") if self.numbered else 0
         one = len(json.dumps(self.prefix + self.rid)) + number + len(", ")
         return len(json.dumps({"request_ids": []})) + self.count * one
+
+
+async def abort_body(engine: EngineIds) -> bytes:
+    """:meth:`EngineIds.encoded`, on a thread when it is over :data:`ENCODE_INLINE_BYTES`: a body of
+    up to :data:`MAX_ABORT_BYTES` built on the event loop would stall every stream the router relays."""
+    if engine.abort_bytes() <= ENCODE_INLINE_BYTES:
+        return engine.encoded()
+    return await asyncio.to_thread(engine.encoded)
 
 
 def engine_requests(path: str, rid: str | None, body: Any) -> EngineIds | None:
@@ -246,8 +269,10 @@ class WorkerAborts:
                       headers: Mapping[str, str] | None, again_after_s: list[float],
                       still_wanted: Callable[[], bool] | None) -> None:
         t0 = asyncio.get_running_loop().time()
-        ids = engine.ids()   # built here, once the client has left: at most MAX_ABORT_IDS
-        self._record(worker_url, await self._post(session, worker_url, ids, headers))
+        # built here, once the client has left (at most MAX_ABORT_IDS ids, MAX_ABORT_BYTES), and
+        # once: each post sends the same bytes
+        body = await abort_body(engine)
+        self._record(worker_url, await self._post(session, worker_url, engine, body, headers))
         for at in again_after_s:
             self._waiting.add(asyncio.current_task())
             try:
@@ -256,10 +281,10 @@ class WorkerAborts:
                 self._waiting.discard(asyncio.current_task())
             if session.closed or (still_wanted is not None and not still_wanted()):
                 return
-            result = await self._post(session, worker_url, ids, headers)
+            result = await self._post(session, worker_url, engine, body, headers)
             self._record(worker_url, "again" if result == "ok" else result)
 
-    async def _post(self, session: ClientSession, worker_url: str, ids: list[str],
+    async def _post(self, session: ClientSession, worker_url: str, engine: EngineIds, body: bytes,
                     headers: Mapping[str, str] | None) -> str:
         # An abort goes out on a pooled keep-alive connection, which the worker may have closed
         # just then: aiohttp says "Server disconnected" without the worker having read it (a full
@@ -267,7 +292,7 @@ class WorkerAborts:
         # sent once more, on a connection of its own. Not the pool's next: a worker closes those
         # idle since one burst together (uvicorn's keep-alive timer), and a second stale one lost
         # the abort all the same (audit s31 a4 D4).
-        body = {"request_ids": ids}
+        headers = {**(headers or {}), "Content-Type": "application/json"}
         try:
             try:
                 return await self._post_on(session, worker_url, body, headers)
@@ -277,12 +302,12 @@ class WorkerAborts:
         except (ClientError, asyncio.TimeoutError, OSError) as exc:
             # the count and the first, not the list: up to MAX_ABORT_BYTES of ids on one line
             log.info("worker %s: aborting %d engine request(s) (%.80s…) failed (%s)",
-                     worker_url, len(ids), ids[0], exc)
+                     worker_url, engine.count, engine.first(), exc)
             return "failed"
 
-    async def _post_on(self, session: ClientSession, worker_url: str, body: dict,
-                       headers: Mapping[str, str] | None) -> str:
-        async with session.post(worker_url + ABORT_PATH, json=body, headers=headers,
+    async def _post_on(self, session: ClientSession, worker_url: str, body: bytes,
+                       headers: Mapping[str, str]) -> str:
+        async with session.post(worker_url + ABORT_PATH, data=body, headers=headers,
                                 timeout=ClientTimeout(total=ABORT_TIMEOUT_S)) as resp:
             if resp.status < 400:
                 return "ok"

@@ -180,6 +180,21 @@ def invoked_path(body: dict) -> str | None:
     return None
 
 
+#: the header by which SageMaker names the LoRA adapter an ``/invocations`` request runs as
+SAGEMAKER_ADAPTER_HEADER = "X-Amzn-SageMaker-Adapter-Identifier"
+
+
+def sagemaker_model(headers) -> str | None:
+    """The model an ``/invocations`` request runs as on vLLM: the adapter its
+    :data:`SAGEMAKER_ADAPTER_HEADER` names. vLLM wraps ``/invocations`` in the SageMaker
+    standards' ``inject_adapter_id(adapter_path="model")`` (``model_hosting_container_standards``),
+    which sets the body's ``model`` to that header (its first line) before the request is read,
+    and to null when there is none: the base model, whatever the body named. Keyed as the body's
+    ``model``, an adapter's request was keyed, priced and routed on the base model's prefix,
+    which vLLM keys apart (audit s31 r3 D4)."""
+    return headers.get(SAGEMAKER_ADAPTER_HEADER)
+
+
 def _ended(watch: asyncio.Task | None) -> bool:
     """``watch`` (a task that ends True when it cancelled its request's task) did so."""
     return watch is not None and watch.done() and not watch.cancelled() and watch.result() is True
@@ -276,7 +291,7 @@ class Router:
     # --- lifecycle -------------------------------------------------------------------
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self.peers.middleware, self._errors],
-                              client_max_size=max(self.config.max_body_bytes, self.config.max_form_body_bytes))
+                              client_max_size=self.config.largest_body()[0])
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/responses", self.responses)
@@ -787,15 +802,15 @@ class Router:
         if request.protocol is not None:
             request.protocol.force_close()
 
-    async def _read(self, request: web.Request, max_bytes: int | None = None) -> bytes:
+    async def _read(self, request: web.Request, cap: str = "max_body_bytes") -> bytes:
         """The request's body (``body_timeout_s``, ``max_body_bytes``: router/reads.py), counted in
         the bodies in flight as it arrives and until its worker's first byte is relayed or its
         request ends (``max_inflight_body_bytes`` and, while it arrives, its address's
         ``max_arriving_body_bytes_per_peer``: 429 past them). Kept in the request's ``BodyHold``
         (``request[_BODY].body``), the one place that holds it on while the request is forwarded.
-        ``max_bytes``: its cap, if not ``max_body_bytes``."""
+        ``cap``: the setting that caps it, named in its 413, if not ``max_body_bytes``."""
         request[_BODY] = hold = self.bodies.hold(self.peers.address(request.protocol))
-        return await read_body(request, hold, self.config.body_timeout_s, max_bytes or self.config.max_body_bytes)
+        return await read_body(request, hold, self.config.body_timeout_s, getattr(self.config, cap), cap)
 
     async def _json(self, request: web.Request, field: str | None = None) -> Any:
         """The request's body's JSON, checked for ``field`` (:func:`check_body`); a large body parsed
@@ -923,9 +938,12 @@ class Router:
         SageMaker all traffic comes here: forwarded on load alone and never named, a departed
         client's generation decoded on and no request was routed to its prefix: audit s31 a4
         D5). It is forwarded to the worker's ``/invocations`` all the same. Any other body (a
-        pooling model's) goes on load alone, as ``ON_LOAD``."""
+        pooling model's) goes on load alone, as ``ON_LOAD``. Either runs as the model that
+        :func:`sagemaker_model` names, not the body's ``model``."""
         request[_RECEIVED] = time.perf_counter()
         body = await self._json(request, "")
+        # (the parsed body is only read here: the worker is sent the body as it came)
+        body["model"] = sagemaker_model(request.headers)
         path = invoked_path(body)
         if path is None:
             serve = self._on_load(request, body)
@@ -943,7 +961,7 @@ class Router:
         came, body unparsed, on load alone. A form is an audio file: its body may be as large as
         ``max_form_body_bytes``, over the JSON bodies' ``max_body_bytes``."""
         request[_RECEIVED] = time.perf_counter()
-        await self._read(request, self.config.max_form_body_bytes if request.path in AS_IS else None)
+        await self._read(request, "max_form_body_bytes" if request.path in AS_IS else "max_body_bytes")
         return await self._forward(request, [])
 
     async def load_endpoint(self, request: web.Request) -> web.Response:
@@ -1190,11 +1208,13 @@ class Router:
                 # until the first byte nothing is written to the client, which is how a departure
                 # is otherwise noticed (router/abort.py): look at its socket meanwhile
                 watcher = watch_client(request.transport, asyncio.current_task().cancel)
-                ejection = None if streaming else self._watch_ejection(worker)
+                # (vouched for when sent: an ejected worker, decide()'s last resort, keeps the bound)
+                watched = not streaming and self._health_watched(worker)
+                ejection = self._watch_ejection(worker) if watched else None
                 sending = True
                 async with self.session.request(request.method, worker.url + request.path_qs,
                                                 data=request[_BODY].body, headers=headers,
-                                                timeout=self._answer_timeout(streaming)) as resp:
+                                                timeout=self._answer_timeout(watched)) as resp:
                     sending = False
                     if ejection is not None:
                         ejection.cancel()   # its head came: the worker lives
@@ -1253,9 +1273,9 @@ class Router:
                     if sent:   # before the first byte the worker may not have registered it yet
                         self._abort_on(worker, request, again=not answered)
                     raise
-                # (not the client: its worker was ejected while it decoded a whole answer)
+                # (not the client: its worker was ejected or removed while it decoded a whole answer)
                 asyncio.current_task().uncancel()
-                last_error = f"worker {worker.url} was ejected while it decoded a whole answer"
+                last_error = f"worker {worker.url} was ejected or removed while it decoded a whole answer"
                 log.warning("%s; retrying elsewhere", last_error)
                 self._abort_on(worker, request, again=True)   # (no failure charged: its health checks did)
             except (ClientError, asyncio.TimeoutError, OSError) as exc:
@@ -1380,33 +1400,43 @@ class Router:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._abort_answer.wait(), left)
 
-    def _answer_timeout(self, streaming: bool) -> ClientTimeout:
-        """The bound on a forwarded request's silence (a stream's: the session's, ``request_timeout_s``
-        between any two reads). A whole (non-streamed) answer has no such bound before its first
-        byte: the worker sends it only once the whole decode is over, and a long answer (a
-        reasoning model's, at 600 s the default) was taken for a dead worker, charged a failure
-        (two ejected a healthy worker), decoded again elsewhere and answered 503 at last (audit
-        s31 a4 D3). vLLM's own server puts no bound on a decode either. Whether the worker lives
-        is for its health checks to say (:meth:`_watch_ejection`); the client's own timeout bounds
-        the wait, and its leaving aborts the request. After the first byte, each read is bounded
-        by ``request_timeout_s`` all the same (:meth:`_read_bounded`)."""
-        if streaming:   # a stream's first byte ends its prefill: silence before it is a failure
+    def _health_watched(self, worker: Worker) -> bool:
+        """The router's health checks vouch for ``worker`` now: it passes them (not ejected) and it is
+        still one of the router's workers (a removed one is no longer checked)."""
+        return worker.healthy and self._listed(worker)
+
+    def _answer_timeout(self, watched: bool) -> ClientTimeout:
+        """The bound on a forwarded request's silence (the session's: ``request_timeout_s`` between
+        any two reads, the first byte included). ``watched``: a whole (non-streamed) answer sent to a
+        worker its health checks vouch for (:meth:`_health_watched`), which has no such bound before
+        its first byte: the worker sends it only once the whole decode is over, and a long answer (a
+        reasoning model's, at 600 s the default) was taken for a dead worker, charged a failure (two
+        ejected a healthy worker), decoded again elsewhere and answered 503 at last (audit s31 a4
+        D3). vLLM's own server puts no bound on a decode either. Whether that worker lives is for
+        its health checks to say (:meth:`_watch_ejection`); the client's own timeout bounds the
+        wait, and its leaving aborts the request. A whole answer sent to a worker they do not vouch
+        for (ejected, sent as ``decide()``'s last resort, or removed while the request waited) keeps
+        the bound: no health check would ever end its wait, and a hung one waited for ever (audit
+        s31 r3 D1). After the first byte, each read is bounded by ``request_timeout_s`` all the same
+        (:meth:`_read_bounded`)."""
+        if not watched:   # (a stream's first byte ends its prefill: silence before it is a failure)
             return self.session.timeout
         return ClientTimeout(total=None, sock_connect=self.config.connect_timeout_s, sock_read=None)
 
     def _watch_ejection(self, worker: Worker) -> asyncio.Task:
         """A task that cancels the current one, which waits for a whole answer's first byte with no
-        bound on its silence (:meth:`_answer_timeout`), once ``worker`` is ejected from now on
-        (``eject_after`` failed health checks: hung, or cut off), looked at each
-        ``health_interval_s``; it ends True then (:func:`_ended`). The wait itself stays in the
-        request's task: a task of its own cost a hop, and a worker's last bytes before it cut a
-        whole answer short then read as an error before them."""
-        waiting, sent_at = asyncio.current_task(), time.monotonic()
+        bound on its silence (:meth:`_answer_timeout`), once the health checks no longer vouch for
+        ``worker`` (:meth:`_health_watched`: ejected after ``eject_after`` failed checks, hung or cut
+        off; or removed from the pool, an admin ``DELETE … force``, after which nothing checks it),
+        looked at each ``health_interval_s``; it ends True then (:func:`_ended`). The wait itself
+        stays in the request's task: a task of its own cost a hop, and a worker's last bytes before
+        it cut a whole answer short then read as an error before them."""
+        waiting = asyncio.current_task()
 
         async def watch() -> bool:
             while True:
                 await asyncio.sleep(self.config.health_interval_s)
-                if worker.ejected_at is not None and worker.ejected_at >= sent_at:
+                if not self._health_watched(worker):
                     waiting.cancel()
                     return True
         return asyncio.get_running_loop().create_task(watch())

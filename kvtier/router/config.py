@@ -131,7 +131,9 @@ class RouterConfig:
     #: to 25 MiB (``VLLM_MAX_AUDIO_CLIP_FILESIZE_MB``, OpenAI's limit too): under
     #: ``max_body_bytes``, sized for JSON, a 20 MB file vLLM transcribes was refused 413 (audit
     #: s31 a4 D6). The default is that file and 7 MiB for the form's other fields and framing.
-    #: Counted in ``max_inflight_body_bytes`` as any body is. Raise it with the workers' own cap.
+    #: Counted in ``max_inflight_body_bytes`` as any body is; that bound and
+    #: ``max_arriving_body_bytes_per_peer`` must take it, as they take ``max_body_bytes``. Raise it
+    #: with the workers' own cap; lower it (to ``max_body_bytes`` at least) for small body bounds.
     max_form_body_bytes: int = 32 << 20
     #: the most leading tokens of a prompt the router tokenizes and keys to route it (a longer
     #: text is cut, its last partial block dropped): routing gains nothing past the longest
@@ -161,13 +163,15 @@ class RouterConfig:
     #: the bytes of request bodies the router holds at once, every request's together (bytes, or
     #: a size such as "1GiB" in the file): counted as they arrive (never as a ``Content-Length``
     #: declares) and kept until the answer ends; a body whose next piece would pass it is answered
-    #: 429 (``rate_limit_error``) and its connection closed. At least ``max_body_bytes``.
+    #: 429 (``rate_limit_error``) and its connection closed. At least ``max_body_bytes`` and
+    #: ``max_form_body_bytes``.
     max_inflight_body_bytes: int = 1 << 30
     #: the bytes of request bodies one client address may have begun and not finished sending
     #: (bytes, or a size such as "128MiB" in the file): sending most of many bodies and then
     #: stalling is the cheapest way to hold ``max_inflight_body_bytes``; past it, 429 as there.
-    #: 0 (default): an eighth of ``max_inflight_body_bytes``, at least ``max_body_bytes``. Bodies
-    #: wholly in do not count. Behind a proxy every client shares the proxy's address: raise it there.
+    #: 0 (default): an eighth of ``max_inflight_body_bytes``, at least the larger of ``max_body_bytes``
+    #: and ``max_form_body_bytes`` (as is a value set). Bodies wholly in do not count. Behind a
+    #: proxy every client shares the proxy's address: raise it there.
     max_arriving_body_bytes_per_peer: int = 0
     temperature: float = 0.0
     index_capacity: int = 1 << 22
@@ -177,8 +181,9 @@ class RouterConfig:
     #: the longest a worker may stay silent: before a stream's first byte, or between two chunks
     #: of any answer (no cap on a whole answer: a long generation that keeps streaming is never
     #: cut; a non-streamed answer's first byte, which comes after its whole decode, is waited for
-    #: while its worker passes its health checks), and the longest a client may take none of its
-    #: relayed answer (its connection dropped)
+    #: while its worker passes its health checks and stays in the pool, unless it was sent to a
+    #: worker already ejected), and the longest a client may take none of its relayed answer (its
+    #: connection dropped)
     request_timeout_s: float = 600.0
     #: how often the router reads the workers' ``/v1/models`` for LoRA adapters (0: never;
     #: then adapters are learnt from KV events only)
@@ -219,10 +224,19 @@ class RouterConfig:
                 setattr(self, name, value)
                 self._sources[name] = str(path)
 
+    def largest_body(self) -> tuple[int, str]:
+        """The largest body the router takes, of any kind, and the setting that says so: a JSON
+        body's ``max_body_bytes`` or an audio form's ``max_form_body_bytes``, whichever is larger."""
+        if self.max_form_body_bytes > self.max_body_bytes:
+            return self.max_form_body_bytes, "max_form_body_bytes"
+        return self.max_body_bytes, "max_body_bytes"
+
     def arriving_body_bytes_per_peer(self) -> int:
         """``max_arriving_body_bytes_per_peer``, its 0 read as an eighth of the bodies in flight
-        (``max_inflight_body_bytes``), never less than one body of ``max_body_bytes``."""
-        return self.max_arriving_body_bytes_per_peer or max(self.max_inflight_body_bytes // 8, self.max_body_bytes)
+        (``max_inflight_body_bytes``), never less than the largest body taken (:meth:`largest_body`:
+        floored at ``max_body_bytes`` alone, every audio form over it was answered 429, a retryable
+        status, on every retry, though it could never fit: audit s31 r3 D2)."""
+        return self.max_arriving_body_bytes_per_peer or max(self.max_inflight_body_bytes // 8, self.largest_body()[0])
 
     def read_bandwidths(self) -> dict[str, tuple[float, str]]:
         """``{"host": (bytes/s, source), "shared": …}``: what loads are priced with, and why."""
@@ -278,13 +292,7 @@ class RouterConfig:
                 raise ConfigError(f"{name} must be {'an integer' if integer else 'a finite number'}, got {value!r}")
             if value < 0 or (positive and value == 0):
                 raise ConfigError(f"{name} must be {'> 0' if positive else '>= 0' + zero}, got {value}")
-        if self.max_inflight_body_bytes < self.max_body_bytes:
-            raise ConfigError(f"max_inflight_body_bytes ({self.max_inflight_body_bytes}) must be at least "
-                              f"max_body_bytes ({self.max_body_bytes}), or no body of that size is ever taken")
-        if 0 < self.max_arriving_body_bytes_per_peer < self.max_body_bytes:
-            raise ConfigError(f"max_arriving_body_bytes_per_peer ({self.max_arriving_body_bytes_per_peer}) must be "
-                              f"at least max_body_bytes ({self.max_body_bytes}), or no body of that size is ever "
-                              f"taken (0: an eighth of max_inflight_body_bytes)")
+        self._check_body_bounds()
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be 0-65535 (0: any free port), got {self.port!r}")
         if not isinstance(self.host, str) or not self.host:
@@ -304,6 +312,20 @@ class RouterConfig:
                               "new-events-keys`)")
         self.abort_again_s = seconds_list(self.abort_again_s, "abort_again_s")
         return self
+
+    def _check_body_bounds(self) -> None:
+        """The bounds on the bodies held at once take the largest body taken (:meth:`largest_body`),
+        or no body of that size is ever served: each is answered 429 on every retry."""
+        largest, setting = self.largest_body()
+        lower = " (or lower max_form_body_bytes, if no audio form is that large)" \
+            if setting == "max_form_body_bytes" else ""
+        if self.max_inflight_body_bytes < largest:
+            raise ConfigError(f"max_inflight_body_bytes ({self.max_inflight_body_bytes}) must be at least "
+                              f"{setting} ({largest}), or no body of that size is ever taken{lower}")
+        if 0 < self.max_arriving_body_bytes_per_peer < largest:
+            raise ConfigError(f"max_arriving_body_bytes_per_peer ({self.max_arriving_body_bytes_per_peer}) must be "
+                              f"at least {setting} ({largest}), or no body of that size is ever taken (0: an eighth "
+                              f"of max_inflight_body_bytes){lower}")
 
     @property
     def admission_cap(self) -> int:

@@ -19,8 +19,8 @@ from tests.router.test_http import Deaf, distinct, run, start_router, until
 class FirstOfGroup(Deaf):
     """A Deaf worker of a group (``group``: shared by them) whose first request anywhere in the
     group goes wrong by ``fault``: "silent" (its engine decodes it, its API server sends nothing
-    for 2 s), "hangs" (it stops answering health checks and decodes on), "504" (a gateway before
-    it times out while it decodes on)."""
+    for 2 s), "hangs" (it stops answering health checks and decodes on), "long" (a long decode,
+    healthy), "504" (a gateway before it times out while it decodes on)."""
 
     def __init__(self, name: str, group: list, fault: str, **kw) -> None:
         super().__init__(name, **kw)
@@ -34,6 +34,8 @@ class FirstOfGroup(Deaf):
             return await self.silent(request)
         if self.fault == "hangs":   # (5 s of decoding)
             self.down, self.steps = True, 100
+        elif self.fault == "long":   # (5 s of decoding, healthy)
+            self.steps = 100
         elif self.fault == "504":
             await request.read()   # (kept: the decode below reads it after this answer)
             asyncio.ensure_future(super().complete(request))
@@ -183,6 +185,67 @@ def test_a_whole_answer_on_a_worker_ejected_while_it_decodes_is_aborted_and_sent
             assert other.finished == 1 and took < 3.5, took
             await until(lambda: hung.aborted + hung.finished == 1, timeout_s=8)
             assert (hung.aborted, hung.finished) == (1, 0), (hung.aborted, hung.finished)
+        finally:
+            await stop(runner, workers)
+    run(main())
+
+
+def test_a_whole_answer_sent_to_a_worker_ejected_before_it_keeps_the_silence_bound():
+    """A worker ejected before the request was sent (the only one: ``decide()``'s last resort) is
+    vouched for by no health check, so nothing would end the wait for its whole answer: silent
+    for ``request_timeout_s`` (1 s) before its first byte, it is given up on, told to abort the
+    request by name, and the client gets its 503. Before, the client waited for the whole decode
+    (10 s here; a hung worker's: for ever, audit s31 r3 D1)."""
+    async def main():
+        w = Deaf("w0", steps=100, gap_s=0.1)   # 10 s of decoding, /health failing
+        w.down = True
+        await w.start()
+        router, runner, url = await start_router([w], request_timeout_s=1.0, max_attempts=2, abort_again_s=())
+        try:
+            await until(lambda: not router.workers[0].healthy, timeout_s=5)
+            assert not router.workers[0].healthy
+            async with ClientSession() as s:
+                t0 = time.monotonic()
+                async with s.post(url + "/v1/completions", json={"prompt": "a b"},
+                                  timeout=ClientTimeout(total=20)) as r:
+                    status, answer = r.status, await r.json()
+                took = time.monotonic() - t0
+            assert status == 503 and took < 4, (status, took, answer)
+            assert "Timeout" in answer["error"]["message"], answer
+            await until(lambda: w.aborted + w.finished == 1, timeout_s=5)
+            assert (w.aborted, w.finished) == (1, 0), (w.aborted, w.finished)
+        finally:
+            await stop(runner, [w])
+    run(main())
+
+
+def test_a_whole_answer_on_a_worker_removed_while_it_decodes_is_aborted_and_sent_elsewhere():
+    """A worker force-removed (admin ``DELETE … force``, as a planner replacing it does) is no
+    longer health-checked: a whole answer waiting on it with no silence bound is given up on at
+    the next look, the worker told to abort it by name, and the request goes to another worker.
+    Before, the client waited on the removed worker (its whole decode here; a hung one's: for ever,
+    audit s31 r3 D1)."""
+    async def main():
+        group, workers, router, runner, url = await pair("long", abort_again_s=())
+        try:
+            async with ClientSession() as s:
+                t0 = time.monotonic()
+                ask = asyncio.ensure_future(s.post(url + "/v1/completions", json={"prompt": "a b"},
+                                                   timeout=ClientTimeout(total=20)))
+                await until(lambda: bool(group), timeout_s=5)
+                removed = group[0]
+                for method, path, body in (("POST", "/admin/workers/drain", {"url": removed.url}),
+                                           ("DELETE", "/admin/workers", {"url": removed.url, "force": True})):
+                    async with s.request(method, url + path, json=body) as r:
+                        assert r.status == 200, (path, r.status, await r.text())
+                r = await ask
+                status, answer, took = r.status, await r.json(), time.monotonic() - t0
+                r.release()
+            other = next(w for w in workers if w is not removed)
+            assert status == 200 and answer["choices"][0]["text"] == "done" and other.finished == 1
+            assert took < 3.5, took
+            await until(lambda: removed.aborted + removed.finished == 1, timeout_s=8)
+            assert (removed.aborted, removed.finished) == (1, 0), (removed.aborted, removed.finished)
         finally:
             await stop(runner, workers)
     run(main())

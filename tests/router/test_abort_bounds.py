@@ -1,8 +1,9 @@
 """What an abort by name may cost the router (kvtier/router/abort.py; audit s31 a4 D2): each of its
 ids repeats the request's name, and a 250 KB body ``request_id`` on a batch of 1,024 prompts made
 a 256 MB abort, built and JSON-encoded on the event loop and posted to the worker. Now an abort
-whose ids would take more than ``MAX_ABORT_BYTES`` is not sent (counted ``too_many``; its closed
-connection tells the worker), a body ``request_id`` too long to keep leaves the request unnamed
+whose ids would take more than ``MAX_ABORT_BYTES`` (1 MiB: a full batch under a client's long id
+fits, audit s31 r3 D3; one over 64 KiB is built on a thread) is not sent (counted ``too_many``;
+its closed connection tells the worker), a body ``request_id`` too long to keep leaves the request unnamed
 (nothing of it held for the whole decode), and a failed abort logs its count, not its ids.
 Real sockets, the real ``Router`` app, stand-in workers as in test_http.py; no vLLM."""
 
@@ -31,17 +32,18 @@ def test_an_aborts_size_is_known_before_its_ids_are_built(rid, count, numbered):
     """``abort_bytes`` is never below the body aiohttp sends (``json.dumps``, characters escaped),
     and close to it: the bound is on what is sent."""
     engine = EngineIds("cmpl-" if numbered else "chatcmpl-", rid, count if numbered else 1, numbered)
-    sent = len(json.dumps({"request_ids": engine.ids()}))
+    sent = len(engine.encoded())
+    assert json.loads(engine.encoded()) == {"request_ids": engine.ids()} and engine.first() == engine.ids()[0]
     assert sent <= engine.abort_bytes() <= sent * 1.1 + 16
 
 
-@pytest.mark.parametrize("rid, sent", [("r" * 4000, False), ("r" * 40, True)], ids=["4000", "control-40"])
+@pytest.mark.parametrize("rid, sent", [("r" * 8000, False), ("r" * 40, True)], ids=["8000", "control-40"])
 def test_an_abort_whose_ids_exceed_its_byte_bound_is_counted_not_sent(rid, sent):
-    """A batch of 64 prompts named by a 4,000-character body ``request_id`` (kept: under
-    ``MAX_KEPT_ID_CHARS``): its abort would be ~256 KB (64 ids of ~4,000 characters), over
+    """A batch of 200 prompts named by an 8,000-character body ``request_id`` (kept: under
+    ``MAX_KEPT_ID_CHARS``): its abort would be ~1.6 MB (200 ids of ~8,000 characters), over
     ``MAX_ABORT_BYTES``, so none is posted; ``too_many`` counts it. Before: posted whole. Control:
-    the same batch under a 40-character id is aborted, all 64 named."""
-    assert 64 * len(rid) > MAX_ABORT_BYTES if not sent else 64 * (len(rid) + 10) < MAX_ABORT_BYTES
+    the same batch under a 40-character id is aborted, all 200 named."""
+    assert 200 * len(rid) > MAX_ABORT_BYTES if not sent else 200 * (len(rid) + 10) < MAX_ABORT_BYTES
     assert len(rid) <= MAX_KEPT_ID_CHARS
 
     async def main():
@@ -50,15 +52,39 @@ def test_an_abort_whose_ids_exceed_its_byte_bound_is_counted_not_sent(rid, sent)
         router, runner, url = await start_router([w], abort_again_s=())
         try:
             async with ClientSession() as s:
-                await leave_early(s, url, "/v1/completions", {"prompt": ["abc"] * 64, "request_id": rid}, worker=w)
+                await leave_early(s, url, "/v1/completions", {"prompt": ["abc"] * 200, "request_id": rid}, worker=w)
                 await until(lambda: counted(router, w, "too_many") + counted(router, w, "ok") >= 1, timeout_s=10)
                 if sent:
                     await until(lambda: w.aborted == 1, timeout_s=10)
-                    assert [len(p["request_ids"]) for p in distinct(w.abort_posts)] == [64]
+                    assert [len(p["request_ids"]) for p in distinct(w.abort_posts)] == [200]
                     assert w.aborted == 1 and counted(router, w, "too_many") == 0
                 else:
                     assert w.abort_posts == [], f"an abort of {len(json.dumps(w.abort_posts[0]))} bytes was sent"
                     assert counted(router, w, "too_many") == 1 and counted(router, w, "ok") == 0
+        finally:
+            await runner.cleanup()
+            await w.stop()
+    run(main())
+
+
+@pytest.mark.parametrize("rid", ["f" * 64, "k" * 560], ids=["64-hex-like", "560"])
+def test_a_full_batch_under_a_clients_long_id_is_aborted_by_name(rid):
+    """A batch of ``MAX_ABORT_IDS`` (1,024) prompts under a client's own ``X-Request-Id`` of 64
+    characters (a 64-hex trace id or idempotency key: an abort of ~80 KiB) or 560 (~590 KB, built
+    and encoded on a thread): its client leaves, and every engine request is aborted by name.
+    Before, over the 64 KiB bound, none was (``too_many``), and the whole batch decoded on for
+    nobody on a vLLM that misses the closed connection (audit s31 r3 D3)."""
+    async def main():
+        w = Deaf("w0", steps=100, gap_s=0.05)
+        await w.start()
+        router, runner, url = await start_router([w], abort_again_s=())
+        try:
+            async with ClientSession() as s:
+                await leave_early(s, url, "/v1/completions", {"prompt": ["a b"] * 1024, "max_tokens": 5},
+                                  headers={"X-Request-Id": rid}, worker=w)
+                await until(lambda: w.aborted + w.finished == 1, timeout_s=10)
+            assert (w.aborted, w.finished) == (1, 0), (w.aborted, w.finished, counted(router, w, "too_many"))
+            assert [p["request_ids"] for p in distinct(w.abort_posts)] == [[f"cmpl-{rid}-{i}" for i in range(1024)]]
         finally:
             await runner.cleanup()
             await w.stop()

@@ -6,9 +6,12 @@
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 from aiohttp import ClientSession, FormData, web
 
+from kvtier.cli import route
 from kvtier.errors import ConfigError
 from kvtier.router.config import RouterConfig, WorkerSpec
 from tests.router.test_http import free_port, run, start_router
@@ -89,13 +92,16 @@ def test_the_form_cap_is_set_apart_from_the_json_bodies_cap():
         await w.start()
         router, runner, url = await start_router([w], max_body_bytes=64 << 10, max_form_body_bytes=1 << 20)
         try:
-            status, _ = await transcribe(url, 2 << 20)
+            status, text = await transcribe(url, 2 << 20)
             assert status == 413 and w.files == []
+            # the 413 names the setting that refused it (before: max_body_bytes, for a form too)
+            assert f"max_form_body_bytes = {1 << 20}" in text, text
             status, _ = await transcribe(url, 100 << 10)
             assert status == 200 and w.files == [100 << 10]
             async with ClientSession() as s:
                 async with s.post(url + "/v1/completions", json={"prompt": "a " * (50 << 10)}) as r:
                     assert r.status == 413
+                    assert f"max_body_bytes = {64 << 10}" in (await r.json())["error"]["message"]
         finally:
             await runner.cleanup()
             await w.stop()
@@ -110,3 +116,47 @@ def test_the_form_cap_is_read_as_a_size_and_checked():
     for bad in (0, -1, "lots", 1.5):
         with pytest.raises(ConfigError, match="max_form_body_bytes"):
             config(max_form_body_bytes=bad)
+
+
+def test_a_form_under_its_cap_fits_the_bodies_in_flight_bounds():
+    """``max_inflight_body_bytes`` 128 MiB, a setting the router takes: one address's arriving
+    bodies are bounded at an eighth of it, floored at the largest body taken, the form cap (32
+    MiB). A 20 MB audio form is forwarded, twice. Before, the floor was ``max_body_bytes`` (16
+    MiB), and every form over it was answered 429, a retryable status, on every retry, though it
+    could never fit (audit s31 r3 D2)."""
+    async def main():
+        w = SpeechWorker()
+        await w.start()
+        router, runner, url = await start_router([w], max_inflight_body_bytes=128 << 20)
+        try:
+            assert router.config.arriving_body_bytes_per_peer() == router.config.max_form_body_bytes
+            for _ in range(2):
+                status, text = await transcribe(url, 20_000_000)
+                assert status == 200, (status, text[:200])
+            assert w.files == [20_000_000] * 2
+        finally:
+            await runner.cleanup()
+            await w.stop()
+    run(main())
+
+
+@pytest.mark.parametrize("bounds", [{"max_inflight_body_bytes": "20MiB"},
+                                    {"max_arriving_body_bytes_per_peer": "20MiB"}])
+def test_body_bounds_under_the_form_cap_are_refused_naming_it(bounds):
+    """A bound on the bodies held at once under the form cap (32 MiB) would refuse every larger
+    form 429 for ever: refused at start, naming the form cap, as a bound under ``max_body_bytes``
+    is. Before, taken. Control: with the form cap lowered to fit, taken."""
+    def config(**kw):
+        return RouterConfig(workers=[WorkerSpec("http://w")], **bounds, **kw).check()
+    with pytest.raises(ConfigError, match=r"at least max_form_body_bytes \(33554432\)"):
+        config()
+    assert config(max_form_body_bytes="16MiB").max_form_body_bytes == 16 << 20
+
+
+def test_kvtier_route_takes_the_form_cap_as_a_flag():
+    """``kvtier route --max-form-body-bytes`` sets the form cap, as ``--max-body-bytes`` sets the JSON
+    bodies' (before: the config file only)."""
+    parser = argparse.ArgumentParser()
+    route.register(parser.add_subparsers())
+    args = parser.parse_args(["route", "--worker", "http://127.0.0.1:1", "--max-form-body-bytes", "40MiB"])
+    assert route.build_config(args).max_form_body_bytes == 40 << 20

@@ -93,7 +93,7 @@ def test_a_body_is_given_back_once_its_answer_begins_not_when_it_ends():
     async def main():
         w = BigAnswer("w0")
         await w.start()
-        router, runner, url = await start_router([w], max_body_bytes=len(body),
+        router, runner, url = await start_router([w], max_body_bytes=len(body), max_form_body_bytes=len(body),
                                                  max_inflight_body_bytes=2 * len(body))
         socks = []
         try:
@@ -321,7 +321,8 @@ def test_a_younger_body_with_no_bytes_is_not_refused_for_an_older_ones_piece():
     async def main():
         w = Reader("w0")
         await w.start()
-        router, runner, url = await start_router([w], max_body_bytes=100_000, max_inflight_body_bytes=64 << 20,
+        router, runner, url = await start_router([w], max_body_bytes=100_000, max_form_body_bytes=100_000,
+                                                 max_inflight_body_bytes=64 << 20,
                                                  max_arriving_body_bytes_per_peer=100_000)
         arriving = lambda: router.bodies.arriving("127.0.0.1")  # noqa: E731
         writers = []

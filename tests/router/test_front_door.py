@@ -211,7 +211,8 @@ def test_bodies_in_flight_are_bounded_in_bytes():
     async def main():
         w = HeldWorker("w0")
         await w.start()
-        router, runner, url = await start_router([w], max_body_bytes=len(body), max_inflight_body_bytes=2 * len(body))
+        router, runner, url = await start_router([w], max_body_bytes=len(body), max_form_body_bytes=len(body),
+                                                 max_inflight_body_bytes=2 * len(body))
         try:
             async with ClientSession() as s:
                 async def one():
@@ -291,7 +292,8 @@ def test_one_address_holds_at_most_its_share_of_bodies_still_arriving():
     ``max_arriving_body_bytes_per_peer``. Its body whose next piece would pass that is answered
     429 and closed; another address is served, and bodies wholly in do not count."""
     async def main():
-        async with one_worker_router(max_body_bytes=1000, max_arriving_body_bytes_per_peer=2000) as (w, router, url, s):
+        async with one_worker_router(max_body_bytes=1000, max_form_body_bytes=1000,
+                                     max_arriving_body_bytes_per_peer=2000) as (w, router, url, s):
             port = int(url.rsplit(":", 1)[1])
             hog = []
             try:
@@ -394,9 +396,10 @@ def test_the_front_door_settings_are_checked_at_start():
 
     assert config().arriving_body_bytes_per_peer() == 128 << 20
     assert config(max_arriving_body_bytes_per_peer="256MiB").arriving_body_bytes_per_peer() == 256 << 20
-    assert config(max_body_bytes=1000, max_inflight_body_bytes=2000).arriving_body_bytes_per_peer() == 1000
+    assert config(max_body_bytes=1000, max_form_body_bytes=1000,
+                  max_inflight_body_bytes=2000).arriving_body_bytes_per_peer() == 1000
     for bad in ({"keepalive_timeout_s": 0}, {"keepalive_timeout_s": float("nan")},
                 {"max_arriving_body_bytes_per_peer": -1},
-                {"max_body_bytes": 1000, "max_arriving_body_bytes_per_peer": 999}):
+                {"max_body_bytes": 1000, "max_form_body_bytes": 1000, "max_arriving_body_bytes_per_peer": 999}):
         with pytest.raises(ConfigError):
             config(**bad)

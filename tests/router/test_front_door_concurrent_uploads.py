@@ -61,11 +61,11 @@ def test_concurrent_uploads_past_a_bound_are_not_all_refused(case):
     size = 1 << 20
     body = token_prompt(size)
     if case.startswith("one"):
-        limits = dict(max_body_bytes=size + 64, max_inflight_body_bytes=64 << 20,
+        limits = dict(max_body_bytes=size + 64, max_form_body_bytes=size + 64, max_inflight_body_bytes=64 << 20,
                       max_arriving_body_bytes_per_peer=2 * size + 128)
         sources = ["127.0.0.1"] * 6
     else:
-        limits = dict(max_body_bytes=size + 64, max_inflight_body_bytes=2 * size + 128)
+        limits = dict(max_body_bytes=size + 64, max_form_body_bytes=size + 64, max_inflight_body_bytes=2 * size + 128)
         sources = [f"127.0.0.{i}" for i in range(2, 8)]
 
     async def main():

@@ -49,7 +49,7 @@ def test_a_younger_body_is_not_refused_when_its_bytes_cannot_make_the_piece_fit(
         w = Reader("w0")
         await w.start()
         router, runner, url = await start_router(
-            [w], max_body_bytes=100_000, max_inflight_body_bytes=64 << 20,
+            [w], max_body_bytes=100_000, max_form_body_bytes=100_000, max_inflight_body_bytes=64 << 20,
             max_arriving_body_bytes_per_peer=100_000)
         arriving = lambda: router.bodies.arriving("127.0.0.1")  # noqa: E731
         socks = []

@@ -108,8 +108,8 @@ def test_engine_ids_are_built_only_for_an_abort_and_a_huge_batch_is_not_named():
         closed = False
         posts: list = []
 
-        def post(self, url, json, headers, timeout):
-            self.posts.append(json["request_ids"])
+        def post(self, url, data, headers, timeout):   # (the abort's JSON body, encoded)
+            self.posts.append(json.loads(data)["request_ids"])
             return _Answer()
 
     class _Answer:

@@ -7,12 +7,13 @@ request's name); no vLLM."""
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 
 import pytest
 from aiohttp import ClientSession, web
 
-from tests.router.test_http import Deaf, distinct, leave_early, run, start_router, until
+from tests.router.test_http import BS, Deaf, distinct, leave_early, run, start_router, until
 
 CHAT = {"messages": [{"role": "user", "content": "a b c d e"}]}
 COMPLETION = {"prompt": "a b c d e"}
@@ -118,6 +119,53 @@ def test_an_invocation_that_is_neither_chat_nor_completion_is_forwarded_unchange
                 async with s.post(url + "/invocations", json={"messages": "not a list"}) as r:
                     assert r.status == 400 and (await r.json())["error"]["param"] == "messages"
             assert seen == [raw]
+        finally:
+            await runner.cleanup()
+            await w.stop()
+    run(main())
+
+
+class RecordingSageMakerWorker(SageMakerWorker):
+    """:class:`SageMakerWorker`, noting each ``/invocations`` body as it came and its adapter header."""
+
+    def __init__(self, name: str, **kw) -> None:
+        super().__init__(name, **kw)
+        self.seen: list[tuple[bytes, str | None]] = []
+
+    async def invoke(self, request):
+        self.seen.append((await request.read(), request.headers.get("X-Amzn-SageMaker-Adapter-Identifier")))
+        return await super().invoke(request)
+
+
+def test_an_invocation_runs_as_the_adapter_its_sagemaker_header_names():
+    """SageMaker names an ``/invocations`` request's LoRA adapter in its
+    ``X-Amzn-SageMaker-Adapter-Identifier`` header; vLLM (``inject_adapter_id(adapter_path="model")``)
+    runs it as that adapter, whatever the body's ``model``, and as the base model when no header
+    comes. The router keys and prices it so: the base model's cached prefix is no hit for the
+    adapter's request (vLLM keys adapter blocks apart), and is one for a request without the
+    header, even one whose body names the adapter. The worker gets body and header as they came.
+    Before, the header was ignored: the adapter's request was predicted the base model's 39
+    cached tokens and routed on them (audit s31 r3 D4)."""
+    async def main():
+        w = RecordingSageMakerWorker("w0", steps=1, gap_s=0.0)
+        await w.start()
+        router, runner, url = await start_router([w], policy="tier-aware", models_refresh_s=0.2)
+        try:
+            w.loras = ["sql-lora"]
+            await until(lambda: router.index.is_lora("sql-lora"), timeout_s=5)
+            router.index.stored(0, list(range(10)), None, [3] * 40, BS, "GPU")   # the base model's blocks
+            prompt = " ".join(["abc"] * 40)
+            asked = [({"model": "tiny", "prompt": prompt}, "sql-lora"), ({"model": "tiny", "prompt": prompt}, None),
+                     ({"model": "sql-lora", "prompt": prompt}, None)]
+            predicted = []
+            async with ClientSession() as s:
+                for body, adapter in asked:
+                    headers = {"X-Amzn-SageMaker-Adapter-Identifier": adapter} if adapter else {}
+                    async with s.post(url + "/invocations", json=body, headers=headers) as r:
+                        assert r.status == 200, await r.text()
+                        predicted.append(r.headers["X-Kvtier-Predicted-Cached"])
+            assert predicted == ["0", "39", "39"], predicted
+            assert [(json.loads(raw), adapter) for raw, adapter in w.seen] == asked
         finally:
             await runner.cleanup()
             await w.stop()
