@@ -155,13 +155,14 @@ class RuntimeState:
 
     def _erasures_authenticate(self, records: list, tag: str, key_id: str | None) -> bool:
         """Whether the file's erasure records are this key's and authenticate (False: another key's,
-        logged and dropped); raises ValueError for records of this key that were edited."""
+        logged and dropped); raises ValueError for records of this key that were edited. The MAC is
+        checked first: the id is not under it, so a damaged id must not drop records that verify."""
+        if hmac.compare_digest(self._erasures_mac(records), tag):
+            return True
         if key_id is not None and key_id != self._key_id():
             self._drop_erasures(records, f"written under another key (id {key_id[:16]!r}, this server's "
                                          f"{self._key_id()!r})")
             return False
-        if hmac.compare_digest(self._erasures_mac(records), tag):
-            return True
         if key_id is not None:
             raise ValueError("its erasure records do not authenticate although written under this server's key "
                              "(their erasures_key is its id): edited; without them, erased blocks may come back")

@@ -54,6 +54,19 @@ def test_tombstones_of_this_key_that_were_edited_stop_the_start(tmp_path):
         RuntimeState(str(path), erasure_key=DISK_KEY)
 
 
+def test_tombstones_that_authenticate_under_this_key_are_kept_whatever_their_key_id_says(tmp_path):
+    """The id is not under the MAC: one damaged digit of it made records that verify read as another
+    key's, and dropped them with a warning (erased blocks could be indexed again). Control above: a
+    file of another key whose records do not verify is dropped."""
+    path = tmp_path / "runtime.json"
+    _erased_with_a_quota(path, DISK_KEY)
+    doc = json.loads(path.read_text())
+    doc["erasures_key"] = ("0" if doc["erasures_key"][0] != "0" else "1") + doc["erasures_key"][1:]
+    path.write_text(json.dumps(doc))
+    state = RuntimeState(str(path), erasure_key=DISK_KEY)
+    assert state.erasures() == {("acme", "chat", None): 1000.0} and state.erased("acme", "chat", "", 999.0)
+
+
 def _written_before_key_ids(path, key: bytes) -> None:
     _erased_with_a_quota(path, key)
     doc = json.loads(path.read_text())
