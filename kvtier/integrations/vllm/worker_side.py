@@ -133,13 +133,17 @@ class FailedStepAgreement:
     hands its hidden states to the next. So a stage takes the upstream stage's step (sent point to
     point, on the pipeline's CPU group), then its ranks take the MAX over the stage (all-reduce on
     its tensor-parallel CPU group), then pass it on downstream. No collective spans the pipeline:
-    a stage saves (vLLM's ``wait_for_save``) before it sends its hidden states on, while the next
-    stage waits for them before it starts the step: such an all-reduce would never complete. Nor
-    vLLM's world group: with data parallelism it holds other engines' workers, running other steps.
+    a stage starts its loads (vLLM's ``start_load_kv``) before it sends its hidden states on, while
+    the next stage waits for them before it starts the step: such an all-reduce would never
+    complete. Nor vLLM's world group: with data parallelism it holds other engines' workers,
+    running other steps.
 
     Every worker of the engine calls :meth:`agree` in the same steps (the metadata is the same on
-    every worker), in step order, on the thread that runs vLLM's steps. Stage k's failure does
-    not reach stages before k: their KV does not depend on its pages.
+    every worker), in step order, on the thread that runs vLLM's steps: at the end of
+    ``start_load_kv``, which vLLM calls once a step on every worker, a step without a forward too.
+    Not in ``wait_for_save``: vLLM's V1 model runner with speculative decoding calls it on the
+    last pipeline stage only, which would wait for ever for the earlier stages' step. Stage k's
+    failure does not reach stages before k: their KV does not depend on its pages.
     """
 
     #: the tag of the pipeline messages, apart from vLLM's own on that group (tag 0)
@@ -179,7 +183,7 @@ class FailedStepAgreement:
         if self._tp.world_size > 1:
             dist.all_reduce(step, op=dist.ReduceOp.MAX, group=self._tp.cpu_group)
         if not self._pp.is_last_rank:
-            # Not waited for: the next stage receives it once it ran its step, after ours.
+            # Not waited for: the next stage receives it once it starts its step, after ours.
             self._sending = [(work, sent) for work, sent in self._sending if not work.is_completed()]
             work = dist.isend(step, dst=self._pp.next_rank, group=self._pp.cpu_group, tag=self.PIPELINE_TAG)
             self._sending.append((work, step))
@@ -225,6 +229,8 @@ class WorkerSide:
 
     # -- loads -----------------------------------------------------------------------
     def start_loads(self, meta: KvtierMetadata) -> None:
+        """Run the step's synchronous loads, start its asynchronous ones, then agree with the
+        engine's other workers on the last step whose loads failed (vLLM's ``start_load_kv``)."""
         self.step = meta.step
         for job in meta.loads:
             self.stats.load_jobs += 1
@@ -236,6 +242,17 @@ class WorkerSide:
                 self._load_errors |= failed
                 if failed:
                     self._failed_step = self.step
+        self._agree_on_failed_step(meta)
+
+    def _agree_on_failed_step(self, meta: KvtierMetadata) -> None:
+        """Take the engine's last failed step (:class:`FailedStepAgreement`) in a step with a
+        synchronous load, once this worker's are done: another worker's failed one spoils this
+        step's forward here too. Only a synchronous load runs in the step of its request's
+        forward: an asynchronous one's request runs once every worker reported it done, its failed
+        pages with it, so vLLM recomputes them. Other steps skip the agreement's cost (a gloo
+        round trip on the step's critical path, before the forward)."""
+        if self._agreement is not None and any(not job.is_async for job in meta.loads):
+            self._failed_step = self._agreement.agree(self._failed_step)
 
     def _load(self, job: LoadJob, epoch: str = "") -> set[int]:
         """Fill the job's pages from the blocks of key epoch ``epoch``; returns the ids of pages
@@ -321,11 +338,8 @@ class WorkerSide:
 
     # -- saves -----------------------------------------------------------------------
     def save(self, meta: KvtierMetadata) -> None:
-        if self._agreement is not None and any(not job.is_async for job in meta.loads):
-            # Another worker's failed load spoiled this step's forward here too. Only a synchronous
-            # load runs in the step of its request's forward: an asynchronous one's request runs
-            # once every worker reported it done, its failed pages with it, so vLLM recomputes them.
-            self._failed_step = self._agreement.agree(self._failed_step)
+        """Hand the step's new blocks to the store, unless a failed load spoiled the step on any
+        worker (``_failed_step``, agreed in :meth:`start_loads`)."""
         if self.paged is None:
             return
         self._saves = [f for f in self._saves if not f.done()]

@@ -3,7 +3,7 @@ saves of that step on every worker whose forward it spoiled.
 
 Two processes, each a worker with its own store and ``WorkerSide``, joined by vLLM's own parallel
 state on gloo (``init_distributed_environment`` + ``initialize_model_parallel``, as vLLM's workers
-do; no engine). Both run the same steps: a synchronous load of block 0 of a request and the save of
+do; no engine). In each step both run a synchronous load of block 0 of a request and the save of
 its block 1, which the step's forward completes. One worker's store lacks block 0 (its own host
 tier lost it), so its pages stay unfilled and the forward over them is wrong where it reaches:
 
@@ -12,12 +12,18 @@ tier lost it), so its pages stay unfilled and the forward over them is wrong whe
   those before it;
 
 and a step with no failure (the scheduler having taken the failed step's report) saves on both.
+The workers agree in ``start_load_kv``, which vLLM calls on every worker in every step: vLLM's V1
+model runner with speculative decoding calls ``wait_for_save`` on the last pipeline stage only,
+and that stage must neither wait for the others nor miss their failures. A step with no
+synchronous load involves no other worker.
 """
 
 from __future__ import annotations
 
 import multiprocessing
+import queue
 import socket
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -30,7 +36,28 @@ pytestmark = pytest.mark.timeout(300)
 
 PAGE, BLOCK, LAYERS, PAGES = 32, 64, 2, 16
 PAGE_SHAPE = (1, PAGE, 64)
-FIRST_PORT, LAST_PORT = 23500, 23599
+FIRST_PORT, LAST_PORT = 23900, 23999
+#: two processes importing vLLM on a busy machine, then a few steps
+START_TIMEOUT_S = 240
+#: a few steps: a worker that ends this long after the other hangs
+SCENARIO_TIMEOUT_S = 30
+BOTH = (0, 1)
+
+
+class Step(NamedTuple):
+    """One engine step: a load of ``request``'s block 0 (pages 2, 3) and the save of its block 1
+    (pages 4, 5), computed by the step's forward."""
+    step: int
+    reported_step: int
+    request: str
+    #: the worker whose store lacks the request's block 0 (-1: none)
+    lacking_rank: int = -1
+    #: the workers that run the step at all (vLLM's ``start_load_kv``)
+    runners: tuple[int, ...] = BOTH
+    #: the workers that save it (vLLM's ``wait_for_save``)
+    savers: tuple[int, ...] = BOTH
+    #: whether the load is synchronous (in the step of its request's forward)
+    sync: bool = True
 
 
 def _free_port() -> int:
@@ -48,18 +75,18 @@ def _hashes(request: str) -> list[bytes]:
     return [f"{request}{i}".encode().ljust(32, b"h") for i in range(2)]
 
 
-def _step(step: int, reported_step: int, request: str):
-    """A step that loads a request's block 0 synchronously (pages 2, 3) and saves its block 1
-    (pages 4, 5), computed by the step's forward."""
+def _step(step: int, reported_step: int, request: str, *, sync: bool = True):
+    """The metadata of a :class:`Step`."""
     from kvtier.integrations.vllm.metadata import BlockTransfer, KvtierMetadata, LoadJob, SaveJob
 
     hashes = _hashes(request)
-    return KvtierMetadata(loads=[LoadJob(request, hashes[:1], [BlockTransfer(0, 0, [2, 3])], is_async=False)],
+    return KvtierMetadata(loads=[LoadJob(request, hashes[:1], [BlockTransfer(0, 0, [2, 3])], is_async=not sync)],
                           saves=[SaveJob(request, hashes, [BlockTransfer(1, 0, [4, 5])])],
                           step=step, reported_step=reported_step)
 
 
 def _join_engine(rank: int, port: int, tp: int, pp: int) -> None:
+    """Join the two workers' world and split it ``tp`` x ``pp``, as a vLLM worker starts."""
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.distributed import parallel_state
 
@@ -69,9 +96,9 @@ def _join_engine(rank: int, port: int, tp: int, pp: int) -> None:
         parallel_state.initialize_model_parallel(tp, pp, backend="gloo")
 
 
-def _worker(rank: int, port: int, tp: int, pp: int, steps: list[tuple[int, int, str, int]], results) -> None:
-    """Run ``steps`` (step, reported step, request, rank whose store lacks the request's block 0)
-    as worker ``rank``; put the blocks saved in each step on ``results``."""
+def _worker(rank: int, port: int, tp: int, pp: int, steps: list[Step], results) -> None:
+    """Run ``steps`` as worker ``rank`` of an engine split ``tp`` x ``pp``; put the blocks saved
+    in each step on ``results``."""
     try:
         import torch
 
@@ -89,16 +116,19 @@ def _worker(rank: int, port: int, tp: int, pp: int, steps: list[tuple[int, int, 
         side = WorkerSide(engine, store)
         side.register({f"model.layers.{i}.self_attn.attn": torch.zeros(PAGES, *PAGE_SHAPE) for i in range(LAYERS)})
         saved = []
-        for step, reported_step, request, lacking_rank in steps:
-            if rank != lacking_rank:
-                block = np.ones(layout.block_nbytes, dtype=np.uint8)
-                store.put(engine.keys(_hashes(request))[:1], [block])
+        for step in steps:
             before = side.stats.saved_blocks
-            meta = _step(step, reported_step, request)
-            side.start_loads(meta)      # vLLM: start_load_kv, the forward, then wait_for_save
-            side.save(meta)
-            assert side.flush(10)
-            side.take_load_errors()     # the step's report
+            if rank in step.runners:
+                if rank != step.lacking_rank:
+                    block = np.ones(layout.block_nbytes, dtype=np.uint8)
+                    store.put(engine.keys(_hashes(step.request))[:1], [block])
+                meta = _step(step.step, step.reported_step, step.request, sync=step.sync)
+                side.start_loads(meta)      # vLLM: start_load_kv, the forward, then wait_for_save
+                if rank in step.savers:
+                    side.save(meta)
+                assert side.flush(10)
+                side.finished_loads()
+                side.take_load_errors()     # the step's report
             saved.append(side.stats.saved_blocks - before)
         side.shutdown(5)
         store.close()
@@ -108,16 +138,23 @@ def _worker(rank: int, port: int, tp: int, pp: int, steps: list[tuple[int, int, 
         raise
 
 
-def _run_engine(tp: int, pp: int, steps) -> dict[int, list[int]]:
-    """The blocks each worker of a two-worker engine saved in each of ``steps``."""
+def _run_engine(tp: int, pp: int, steps: list[Step]) -> dict[int, list[int]]:
+    """The blocks each worker of a two-worker engine saved in each of ``steps``. A worker that
+    does not finish within SCENARIO_TIMEOUT_S of the other hangs: the test fails."""
     spawn = multiprocessing.get_context("spawn")
     results = spawn.Queue()
     port = _free_port()
-    workers = [spawn.Process(target=_worker, args=(rank, port, tp, pp, steps, results)) for rank in (0, 1)]
+    workers = [spawn.Process(target=_worker, args=(rank, port, tp, pp, steps, results)) for rank in BOTH]
     for proc in workers:
         proc.start()
+    saved: dict = {}
     try:
-        saved = dict(results.get(timeout=240) for _ in workers)
+        rank, result = results.get(timeout=START_TIMEOUT_S)
+        saved[rank] = result
+        rank, result = results.get(timeout=SCENARIO_TIMEOUT_S)
+        saved[rank] = result
+    except queue.Empty:
+        pytest.fail(f"worker {1 - rank} did not end {SCENARIO_TIMEOUT_S} s after worker {rank} (hung): {saved}")
     finally:
         for proc in workers:
             proc.join(10)
@@ -130,16 +167,40 @@ def _run_engine(tp: int, pp: int, steps) -> dict[int, list[int]]:
 
 def test_tensor_parallel_ranks_drop_the_step_of_a_load_that_failed_on_either():
     saved = _run_engine(tp=2, pp=1, steps=[
-        (5, 4, "A", 1),     # rank 1 lacks A's block 0: both ranks' forward read its unfilled pages
-        (6, 5, "B", -1),    # the scheduler has taken step 5's report; no load fails
+        Step(5, 4, "A", lacking_rank=1),    # rank 1 lacks A's block 0: both ranks' forward read its unfilled pages
+        Step(6, 5, "B"),                    # the scheduler has taken step 5's report; no load fails
     ])
     assert saved == {0: [0, 1], 1: [0, 1]}
 
 
 def test_pipeline_stages_after_a_failed_load_drop_its_step_and_those_before_it_save():
     saved = _run_engine(tp=1, pp=2, steps=[
-        (5, 4, "A", 0),     # stage 0 lacks A's block 0: stage 1 computed on its hidden states
-        (6, 5, "B", -1),    # no load fails: both save
-        (7, 6, "C", 1),     # stage 1 lacks C's block 0: stage 0's layers never read its pages
+        Step(5, 4, "A", lacking_rank=0),    # stage 0 lacks A's block 0: stage 1 computed on its hidden states
+        Step(6, 5, "B"),                    # no load fails: both save
+        Step(7, 6, "C", lacking_rank=1),    # stage 1 lacks C's block 0: stage 0's layers never read its pages
     ])
     assert saved == {0: [0, 1, 1], 1: [0, 1, 0]}
+
+
+def test_the_last_stage_saves_alone_without_waiting_and_drops_what_an_earlier_stage_spoiled():
+    """vLLM's V1 model runner with speculative decoding: a stage before the last returns from the
+    step without ``wait_for_save`` (its connector's finalize waits for the draft model, which runs
+    on the last stage only). The last stage must neither hang nor save over stage 0's failure."""
+    last_only = (1,)
+    saved = _run_engine(tp=1, pp=2, steps=[
+        Step(5, 4, "A", lacking_rank=0, savers=last_only),     # stage 0's load fails: stage 1 drops its save
+        Step(6, 5, "B", savers=last_only),                     # no load fails: stage 1 saves
+        Step(7, 6, "C", lacking_rank=1, savers=last_only),     # its own load fails: it drops its save
+    ])
+    assert saved == {0: [0, 0, 0], 1: [0, 1, 0]}
+
+
+def test_a_step_without_a_synchronous_load_involves_no_other_worker():
+    """The agreement's round trip is for steps with a synchronous load: stage 1 runs steps whose
+    load is asynchronous while stage 0 runs none (it would wait for ever for stage 0's send)."""
+    saved = _run_engine(tp=1, pp=2, steps=[
+        Step(5, 4, "A", runners=(1,), sync=False),
+        Step(6, 5, "B", runners=(1,), sync=False),
+        Step(7, 6, "C"),                    # then a step with one, run by both: nothing left over
+    ])
+    assert saved == {0: [0, 0, 1], 1: [1, 1, 1]}
