@@ -1273,9 +1273,11 @@ class Router:
                     if sent:   # before the first byte the worker may not have registered it yet
                         self._abort_on(worker, request, again=not answered)
                     raise
-                # (not the client: its worker was ejected or removed while it decoded a whole answer)
+                # (not the client: its worker was ejected or removed while it decoded a whole answer,
+                # and it stayed so and silent for request_timeout_s)
                 asyncio.current_task().uncancel()
-                last_error = f"worker {worker.url} was ejected or removed while it decoded a whole answer"
+                last_error = (f"worker {worker.url} was ejected or removed while it decoded a whole answer, "
+                              f"and sent nothing for {self.config.request_timeout_s:g} s after")
                 log.warning("%s; retrying elsewhere", last_error)
                 self._abort_on(worker, request, again=True)   # (no failure charged: its health checks did)
             except (ClientError, asyncio.TimeoutError, OSError) as exc:
@@ -1425,21 +1427,40 @@ class Router:
 
     def _watch_ejection(self, worker: Worker) -> asyncio.Task:
         """A task that cancels the current one, which waits for a whole answer's first byte with no
-        bound on its silence (:meth:`_answer_timeout`), once the health checks no longer vouch for
+        bound on its silence (:meth:`_answer_timeout`), once the health checks have not vouched for
         ``worker`` (:meth:`_health_watched`: ejected after ``eject_after`` failed checks, hung or cut
-        off; or removed from the pool, an admin ``DELETE … force``, after which nothing checks it),
-        looked at each ``health_interval_s``; it ends True then (:func:`_ended`). The wait itself
-        stays in the request's task: a task of its own cost a hop, and a worker's last bytes before
-        it cut a whole answer short then read as an error before them."""
+        off; or removed from the pool, an admin ``DELETE … force``, after which nothing checks it)
+        for ``request_timeout_s`` (:meth:`_unvouched_for`); it ends True then (:func:`_ended`). The
+        wait itself stays in the request's task: a task of its own cost a hop, and a worker's last
+        bytes before it cut a whole answer short then read as an error before them."""
         waiting = asyncio.current_task()
 
         async def watch() -> bool:
-            while True:
-                await asyncio.sleep(self.config.health_interval_s)
-                if not self._health_watched(worker):
-                    waiting.cancel()
-                    return True
+            await self._unvouched_for(worker, self.config.request_timeout_s)
+            waiting.cancel()
+            return True
         return asyncio.get_running_loop().create_task(watch())
+
+    async def _unvouched_for(self, worker: Worker, bound_s: float) -> None:
+        """Return once the health checks have not vouched for ``worker`` (:meth:`_health_watched`)
+        through ``bound_s``, counted from the first look, each ``health_interval_s``, that found it
+        so; a look that finds it vouched for again starts the count over. Not at that first look: a
+        worker force-removed after its drain still finishes what it decodes (router/admin.py), and
+        a short /health outage ejects a worker that decodes on (two slow checks, or one and a failed
+        request), and a whole answer given up on then lost its whole decode, or was answered 503
+        with one worker (audit s31 r7 D1, D2). A hung or removed one is still given up on:
+        ``request_timeout_s`` is the bound it had before its first byte (audit s31 r3 D1)."""
+        loop = asyncio.get_running_loop()
+        since: float | None = None   # when a look first found it not vouched for
+        while True:
+            left = self.config.health_interval_s if since is None else since + bound_s - loop.time()
+            await asyncio.sleep(max(0.0, min(self.config.health_interval_s, left)))
+            if self._health_watched(worker):
+                since = None
+            elif since is None:
+                since = loop.time()
+            elif loop.time() - since >= bound_s:
+                return
 
     async def _read_bounded(self, read, streaming: bool):
         """``await read``, a read of the answer after its head: for a whole answer, which aiohttp

@@ -12,6 +12,7 @@ uses that for queueing.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import tomllib
 from dataclasses import dataclass, field, fields
@@ -22,6 +23,12 @@ from kvtier.core.units import parse_size
 from kvtier.errors import ConfigError
 from kvtier.policy.routing import ROUTE_NAMES
 from kvtier.private_files import read_private_file, refuse_readable_secrets
+
+log = logging.getLogger(__name__)
+
+#: the form cap left unset (``max_form_body_bytes``): vLLM's 25 MiB audio file and 7 MiB for the
+#: form's other fields and framing, lowered to fit the bounds on bodies held at once
+DEFAULT_FORM_BODY_BYTES = 32 << 20
 
 #: where ``kvtier route`` takes its CURVE secret from (a flag would show in ``ps``)
 SECRETS_ENV = "KVTIER_ROUTER_EVENTS_SECRET"
@@ -130,11 +137,12 @@ class RouterConfig:
     #: (``/v1/audio/transcriptions``, ``/v1/audio/translations``), whose audio file vLLM takes up
     #: to 25 MiB (``VLLM_MAX_AUDIO_CLIP_FILESIZE_MB``, OpenAI's limit too): under
     #: ``max_body_bytes``, sized for JSON, a 20 MB file vLLM transcribes was refused 413 (audit
-    #: s31 a4 D6). The default is that file and 7 MiB for the form's other fields and framing.
-    #: Counted in ``max_inflight_body_bytes`` as any body is; that bound and
-    #: ``max_arriving_body_bytes_per_peer`` must take it, as they take ``max_body_bytes``. Raise it
-    #: with the workers' own cap; lower it (to ``max_body_bytes`` at least) for small body bounds.
-    max_form_body_bytes: int = 32 << 20
+    #: s31 a4 D6). Counted in ``max_inflight_body_bytes`` as any body is. Set, those bounds on
+    #: the bodies held at once must take it, as they take ``max_body_bytes``, and the default
+    #: per-address bound is floored at it. Unset (None): :data:`DEFAULT_FORM_BODY_BYTES`, lowered
+    #: to fit those bounds (:meth:`RouterConfig.check`, logged), so that a text-only deployment's
+    #: small bounds still start (audit s31 r7 D5). Raise it with the workers' own cap.
+    max_form_body_bytes: int | None = None
     #: the most leading tokens of a prompt the router tokenizes and keys to route it (a longer
     #: text is cut, its last partial block dropped): routing gains nothing past the longest
     #: prompt a worker takes, and a tokenized token costs the router ~400 bytes. The worker is
@@ -169,9 +177,10 @@ class RouterConfig:
     #: the bytes of request bodies one client address may have begun and not finished sending
     #: (bytes, or a size such as "128MiB" in the file): sending most of many bodies and then
     #: stalling is the cheapest way to hold ``max_inflight_body_bytes``; past it, 429 as there.
-    #: 0 (default): an eighth of ``max_inflight_body_bytes``, at least the larger of ``max_body_bytes``
-    #: and ``max_form_body_bytes`` (as is a value set). Bodies wholly in do not count. Behind a
-    #: proxy every client shares the proxy's address: raise it there.
+    #: 0 (default): an eighth of ``max_inflight_body_bytes``, at least ``max_body_bytes``, and at
+    #: least ``max_form_body_bytes`` where that is set (a value set must be at least the largest).
+    #: Bodies wholly in do not count. Behind a proxy every client shares the proxy's address:
+    #: raise it there.
     max_arriving_body_bytes_per_peer: int = 0
     temperature: float = 0.0
     index_capacity: int = 1 << 22
@@ -181,9 +190,9 @@ class RouterConfig:
     #: the longest a worker may stay silent: before a stream's first byte, or between two chunks
     #: of any answer (no cap on a whole answer: a long generation that keeps streaming is never
     #: cut; a non-streamed answer's first byte, which comes after its whole decode, is waited for
-    #: while its worker passes its health checks and stays in the pool, unless it was sent to a
-    #: worker already ejected), and the longest a client may take none of its relayed answer (its
-    #: connection dropped)
+    #: while its worker passes its health checks and stays in the pool, and for this long after it
+    #: fails them or leaves it, unless it was sent to a worker already ejected), and the longest a
+    #: client may take none of its relayed answer (its connection dropped)
     request_timeout_s: float = 600.0
     #: how often the router reads the workers' ``/v1/models`` for LoRA adapters (0: never;
     #: then adapters are learnt from KV events only)
@@ -211,10 +220,13 @@ class RouterConfig:
     def __post_init__(self) -> None:
         self._explicit: set[str] = set()    #: bandwidths the user set (file or flag): measurements do not override
         self._sources: dict[str, str] = {}  #: bandwidth → the measurement file it came from
+        self._form_cap_defaulted = False    #: max_form_body_bytes was unset: check() sized it
 
     def set_explicitly(self, name: str, value) -> None:
         setattr(self, name, value)
         self._explicit.add(name)
+        if name == "max_form_body_bytes":   # (set now, not sized by an earlier check())
+            self._form_cap_defaulted = False
 
     def apply_measured(self) -> None:
         """Bandwidths from the ``measured`` bench files, except those the user set."""
@@ -227,16 +239,24 @@ class RouterConfig:
     def largest_body(self) -> tuple[int, str]:
         """The largest body the router takes, of any kind, and the setting that says so: a JSON
         body's ``max_body_bytes`` or an audio form's ``max_form_body_bytes``, whichever is larger."""
-        if self.max_form_body_bytes > self.max_body_bytes:
-            return self.max_form_body_bytes, "max_form_body_bytes"
+        form = DEFAULT_FORM_BODY_BYTES if self.max_form_body_bytes is None else self.max_form_body_bytes
+        if form > self.max_body_bytes:
+            return form, "max_form_body_bytes"
         return self.max_body_bytes, "max_body_bytes"
+
+    def form_cap_set(self) -> bool:
+        """``max_form_body_bytes`` was set (file, flag or argument), not sized by :meth:`check`."""
+        return self.max_form_body_bytes is not None and not self._form_cap_defaulted
 
     def arriving_body_bytes_per_peer(self) -> int:
         """``max_arriving_body_bytes_per_peer``, its 0 read as an eighth of the bodies in flight
-        (``max_inflight_body_bytes``), never less than the largest body taken (:meth:`largest_body`:
-        floored at ``max_body_bytes`` alone, every audio form over it was answered 429, a retryable
-        status, on every retry, though it could never fit: audit s31 r3 D2)."""
-        return self.max_arriving_body_bytes_per_peer or max(self.max_inflight_body_bytes // 8, self.largest_body()[0])
+        (``max_inflight_body_bytes``), never less than ``max_body_bytes``, nor than a form cap set
+        (:meth:`largest_body`: floored at ``max_body_bytes`` alone, every audio form over it was
+        answered 429, a retryable status, on every retry, though it could never fit: audit s31 r3
+        D2). A form cap left unset is sized under this bound instead (:meth:`_size_form_cap`): floored
+        at its default, a text-only deployment's bound rose from 16 to 32 MiB (audit s31 r7 D5)."""
+        floor = self.largest_body()[0] if self.form_cap_set() else self.max_body_bytes
+        return self.max_arriving_body_bytes_per_peer or max(self.max_inflight_body_bytes // 8, floor)
 
     def read_bandwidths(self) -> dict[str, tuple[float, str]]:
         """``{"host": (bytes/s, source), "shared": …}``: what loads are priced with, and why."""
@@ -284,14 +304,15 @@ class RouterConfig:
                 setattr(self, name, parse_size(getattr(self, name), name))
         for name, (integer, positive, zero) in self._NUMBERS.items():
             value = getattr(self, name)
-            if value is None and name == "kv_bytes_per_token":   # from the model's config.json
-                continue
+            if value is None and name in ("kv_bytes_per_token", "max_form_body_bytes"):
+                continue   # (the first from the model's config.json; the second sized below)
             # NaN passes every comparison below and then every price compares false: refused by name
             if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)) \
                     or not math.isfinite(value):
                 raise ConfigError(f"{name} must be {'an integer' if integer else 'a finite number'}, got {value!r}")
             if value < 0 or (positive and value == 0):
                 raise ConfigError(f"{name} must be {'> 0' if positive else '>= 0' + zero}, got {value}")
+        self._size_form_cap()
         self._check_body_bounds()
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be 0-65535 (0: any free port), got {self.port!r}")
@@ -312,6 +333,22 @@ class RouterConfig:
                               "new-events-keys`)")
         self.abort_again_s = seconds_list(self.abort_again_s, "abort_again_s")
         return self
+
+    def _size_form_cap(self) -> None:
+        """A form cap left unset: :data:`DEFAULT_FORM_BODY_BYTES`, lowered to the bodies held at once
+        (``max_inflight_body_bytes``, one address's: :meth:`arriving_body_bytes_per_peer`), and
+        logged if so. Refusing such configs refused text-only deployments' small bounds, which
+        started before the form cap existed (audit s31 r7 D5); a form cap set is refused instead."""
+        if self.form_cap_set():
+            return
+        unset = self.max_form_body_bytes is None   # (else sized by an earlier check(): again, quietly)
+        self.max_form_body_bytes = None
+        cap = min(DEFAULT_FORM_BODY_BYTES, self.max_inflight_body_bytes, self.arriving_body_bytes_per_peer())
+        if unset and cap < DEFAULT_FORM_BODY_BYTES:
+            log.info("max_form_body_bytes (unset) is %d, under its default %d: the bounds on bodies held at "
+                     "once take no larger audio form (set max_form_body_bytes, and those bounds, to take one)",
+                     cap, DEFAULT_FORM_BODY_BYTES)
+        self.max_form_body_bytes, self._form_cap_defaulted = cap, True
 
     def _check_body_bounds(self) -> None:
         """The bounds on the bodies held at once take the largest body taken (:meth:`largest_body`),

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 
 import pytest
 from aiohttp import ClientSession, FormData, web
@@ -119,15 +120,17 @@ def test_the_form_cap_is_read_as_a_size_and_checked():
 
 
 def test_a_form_under_its_cap_fits_the_bodies_in_flight_bounds():
-    """``max_inflight_body_bytes`` 128 MiB, a setting the router takes: one address's arriving
-    bodies are bounded at an eighth of it, floored at the largest body taken, the form cap (32
-    MiB). A 20 MB audio form is forwarded, twice. Before, the floor was ``max_body_bytes`` (16
-    MiB), and every form over it was answered 429, a retryable status, on every retry, though it
-    could never fit (audit s31 r3 D2)."""
+    """``max_inflight_body_bytes`` 128 MiB and the form cap set to 32 MiB, settings the router
+    takes: one address's arriving bodies are bounded at an eighth of it, floored at the largest
+    body taken, the form cap. A 20 MB audio form is forwarded, twice. Before, the floor was
+    ``max_body_bytes`` (16 MiB), and every form over it was answered 429, a retryable status, on
+    every retry, though it could never fit (audit s31 r3 D2). (The form cap set: left unset, it is
+    sized under the bound instead, audit s31 r7 D5.)"""
     async def main():
         w = SpeechWorker()
         await w.start()
-        router, runner, url = await start_router([w], max_inflight_body_bytes=128 << 20)
+        router, runner, url = await start_router([w], max_inflight_body_bytes=128 << 20,
+                                                 max_form_body_bytes="32MiB")
         try:
             assert router.config.arriving_body_bytes_per_peer() == router.config.max_form_body_bytes
             for _ in range(2):
@@ -140,17 +143,60 @@ def test_a_form_under_its_cap_fits_the_bodies_in_flight_bounds():
     run(main())
 
 
-@pytest.mark.parametrize("bounds", [{"max_inflight_body_bytes": "20MiB"},
-                                    {"max_arriving_body_bytes_per_peer": "20MiB"}])
-def test_body_bounds_under_the_form_cap_are_refused_naming_it(bounds):
-    """A bound on the bodies held at once under the form cap (32 MiB) would refuse every larger
+@pytest.mark.parametrize("bounds, sized", [({"max_inflight_body_bytes": "20MiB"}, 16 << 20),
+                                           ({"max_arriving_body_bytes_per_peer": "20MiB"}, 20 << 20)])
+def test_body_bounds_under_the_form_cap_set_are_refused_naming_it(bounds, sized):
+    """A bound on the bodies held at once under a form cap set (32 MiB) would refuse every larger
     form 429 for ever: refused at start, naming the form cap, as a bound under ``max_body_bytes``
-    is. Before, taken. Control: with the form cap lowered to fit, taken."""
+    is. Before, taken. Control: with the form cap lowered to fit, taken; left unset, it is sized
+    to the bounds (one address's, by default ``max_body_bytes`` under 128 MiB in flight: audit s31
+    r7 D5)."""
     def config(**kw):
         return RouterConfig(workers=[WorkerSpec("http://w")], **bounds, **kw).check()
     with pytest.raises(ConfigError, match=r"at least max_form_body_bytes \(33554432\)"):
-        config()
+        config(max_form_body_bytes="32MiB")
     assert config(max_form_body_bytes="16MiB").max_form_body_bytes == 16 << 20
+    assert config().max_form_body_bytes == sized
+
+
+@pytest.mark.parametrize("bounds, form_cap, per_peer", [
+    ({"max_inflight_body_bytes": 16 << 20}, 16 << 20, 16 << 20),
+    ({"max_body_bytes": 1 << 20, "max_inflight_body_bytes": 8 << 20}, 1 << 20, 1 << 20),
+    ({"max_arriving_body_bytes_per_peer": 16 << 20}, 16 << 20, 16 << 20),
+    ({"max_inflight_body_bytes": 128 << 20}, 16 << 20, 16 << 20),
+    ({}, 32 << 20, 128 << 20),
+], ids=["inflight=max_body", "small-box", "per-peer=max_body", "inflight-128MiB", "control-defaults"])
+def test_a_text_only_deployments_body_bounds_start_with_the_form_cap_unset(bounds, form_cap, per_peer, caplog):
+    """Body bounds that started before the form cap existed (at least ``max_body_bytes``) still
+    start with ``max_form_body_bytes`` unset: it is lowered to the bounds on bodies held at once
+    (logged), and one address's default bound stays floored at ``max_body_bytes``, not raised to
+    the form cap. Before, each was refused at start, and an eighth of 128 MiB rose from 16 to 32
+    MiB (audit s31 r7 D5). Control: the defaults keep the 32 MiB form cap, unlogged."""
+    with caplog.at_level(logging.INFO, logger="kvtier.router.config"):
+        config = RouterConfig(workers=[WorkerSpec("http://w")], **bounds).check()
+        config.check()   # (Router() checks it again: sized again, the same, logged once)
+    assert (config.max_form_body_bytes, config.arriving_body_bytes_per_peer()) == (form_cap, per_peer)
+    logged = [r.getMessage() for r in caplog.records if "max_form_body_bytes (unset)" in r.getMessage()]
+    assert len(logged) == (form_cap < 32 << 20), logged
+
+
+def test_a_form_over_the_form_cap_sized_to_the_bounds_is_refused_413_not_429():
+    """``max_inflight_body_bytes`` 128 MiB, the form cap unset: sized to one address's bound, 16
+    MiB, so a 20 MB form is refused 413 naming the form cap (not a retryable 429 for ever, audit
+    s31 r3 D2), and a 10 MB one is forwarded."""
+    async def main():
+        w = SpeechWorker()
+        await w.start()
+        router, runner, url = await start_router([w], max_inflight_body_bytes=128 << 20)
+        try:
+            status, text = await transcribe(url, 20_000_000)
+            assert status == 413 and f"max_form_body_bytes = {16 << 20}" in text, (status, text[:200])
+            status, text = await transcribe(url, 10_000_000)
+            assert status == 200 and w.files == [10_000_000], (status, text[:200])
+        finally:
+            await runner.cleanup()
+            await w.stop()
+    run(main())
 
 
 def test_kvtier_route_takes_the_form_cap_as_a_flag():
