@@ -74,8 +74,9 @@ def register(subparsers) -> None:
                         "twice over); a larger one is answered 413")
     p.add_argument("--max-form-body-bytes", dest="max_form_body_bytes", metavar="SIZE",
                    help="the largest multipart form taken on the speech-to-text endpoints (/v1/audio/transcriptions, "
-                        "/v1/audio/translations), e.g. 40MiB (default 32MiB: vLLM's 25 MiB audio file and its form); "
-                        "a larger one is answered 413. At most --max-inflight-body-bytes")
+                        "/v1/audio/translations), e.g. 40MiB (default 32MiB: vLLM's 25 MiB audio file and its form, "
+                        "lowered when unset to fit --max-inflight-body-bytes and --max-arriving-body-bytes-per-peer); a "
+                        "larger one is answered 413. Set, at most those bounds, else the start is refused")
     p.add_argument("--max-route-tokens", dest="max_route_tokens", type=int,
                    help="the leading tokens of a prompt tokenized and keyed to route it (default 262144); the "
                         "worker still gets the whole prompt. Raise it to the workers' max_model_len if longer")

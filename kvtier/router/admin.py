@@ -9,9 +9,11 @@ Endpoints (JSON):
   draining puts it back in rotation; adding one that serves changes nothing (200, not 201).
 - ``POST /admin/workers/drain {"url"}`` — no new request goes to it; those in flight finish.
 - ``DELETE /admin/workers {"url", "force"?}`` — forget a drained worker once nothing is in
-  flight on it (409 otherwise, unless ``force``: its requests still finish, the router only
-  stops counting them). Its index entries and metric series go with it. The last healthy
-  routable worker cannot be drained (the router would answer every request 503).
+  flight on it (409 otherwise, unless ``force``: the router stops counting its requests, and
+  they still finish, but a whole answer whose first byte has not come ``request_timeout_s``
+  after the removal is seen is aborted there by name and sent to another worker). Its index
+  entries and metric series go with it. The last healthy routable worker cannot be drained (the
+  router would answer every request 503).
 
 Who may call: with ``KVTIER_ROUTER_ADMIN_TOKEN`` set in the router's environment, a caller
 presenting ``Authorization: Bearer <that token>`` (compared as SHA-256 digests in constant
