@@ -349,12 +349,20 @@ def refused_removals() -> Iterator[list[RefusedRemoval]]:
     path (a block failing its check) or a flusher must not get an exception. The caller that must
     not report an erasure it could not do (:meth:`kvtier.store.tiered.TieredStore.delete`) looks
     at the list afterwards."""
-    found: list[RefusedRemoval] = []
-    token = _REFUSED.set(found)
+    with collecting(_REFUSED) as found:
+        yield found
+
+
+@contextlib.contextmanager
+def collecting(var: ContextVar) -> Iterator[list]:
+    """A fresh list in ``var`` while the block runs, on this thread, restored after it: what a
+    tier's code reached from the block appends there is the caller's (``None`` outside: nobody asks)."""
+    found: list = []
+    token = var.set(found)
     try:
         yield found
     finally:
-        _REFUSED.reset(token)
+        var.reset(token)
 
 
 def report_refused(key: bytes, path: str, error: OSError) -> None:

@@ -95,7 +95,7 @@ from contextvars import ContextVar
 from itertools import islice
 
 from kvtier.core.keys import BlockKey
-from kvtier.tiers.base import Status, Tier, report_refused
+from kvtier.tiers.base import Status, Tier, collecting, report_refused
 from kvtier.tiers.mooncake_calls import MAX_CALL_S, BoundedEngineCalls, Down
 from kvtier.tiers.mooncake_client import RC_NOT_FOUND, RC_NOT_READY, BoundedCaller, SharedClient
 from kvtier.tiers.mooncake_names import NAME_PREFIX, TenantNaming
@@ -132,12 +132,8 @@ def unsent_puts() -> Iterator[list[bytes]]:
     received them. A put that reached the engine -- even one that failed or overran -- is not among
     them: the fleet may hold it. (The server's journal of the blocks it placed in the fleet forgets
     their records: :class:`kvtier.server.fleet.JournaledFleet`.)"""
-    found: list[bytes] = []
-    token = _UNSENT.set(found)
-    try:
+    with collecting(_UNSENT) as found:
         yield found
-    finally:
-        _UNSENT.reset(token)
 
 
 class RemovalLog:
@@ -298,12 +294,8 @@ class MooncakeTier(TierReads, TierWrites, BoundedEngineCalls, TenantNaming, Tier
         unsent = _UNSENT.get()
         if unsent is None:
             return super().put_many(keys, datas, parents=parents, metas=metas)
-        refused: list[bool] = []
-        token = _PUT_REFUSED.set(refused)
-        try:
+        with collecting(_PUT_REFUSED) as refused:
             statuses = super().put_many(keys, datas, parents=parents, metas=metas)
-        finally:
-            _PUT_REFUSED.reset(token)
         if refused:
             unsent.extend(bytes(k) for k in keys)
         return statuses
