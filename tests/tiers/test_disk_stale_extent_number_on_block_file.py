@@ -18,20 +18,8 @@ import numpy as np
 import pytest
 
 from kvtier.tiers.base import Status
-from kvtier.tiers.direct_io import aligned_buffer
 from kvtier.tiers.disk import DiskTier
-
-NB = 16384
-#: tries at making the writer's new block file get the old extent's inode number (ext4: the first, mostly)
-REUSE_TRIES = 20
-
-
-def k(i: int) -> bytes:
-    return bytes([i]) * 32
-
-
-def data(i: int) -> np.ndarray:
-    return np.random.default_rng(i).integers(0, 256, NB, dtype=np.uint8)
+from tests.tiers.test_disk_inode_reuse import REUSE_TRIES, data, k, read, readable_after_restart
 
 
 def _stale_extent_entry_whose_number_a_block_file_got(tmp_path) -> tuple[DiskTier, DiskTier, str]:
@@ -55,16 +43,10 @@ def _stale_extent_entry_whose_number_a_block_file_got(tmp_path) -> tuple[DiskTie
 def test_a_stale_packed_entry_never_removes_a_block_file_that_got_its_extents_number(tmp_path, how):
     writer, reader, root = _stale_extent_entry_whose_number_a_block_file_got(tmp_path)
     try:
-        out = aligned_buffer(NB)
-        status = reader.get(k(2), out) if how == "get" else reader.get_many([k(2)], [out])[0]
+        status, out = read(reader, k(2), how)
         assert os.path.exists(writer.path_of(k(2))), "the reader removed the writer's good block file"
         assert status is Status.OK and np.array_equal(out, data(2))  # read where the name holds it now
-        fresh = DiskTier(root, 1 << 24, direct_io=False)
-        try:
-            again = aligned_buffer(NB)
-            assert fresh.get(k(2), again) is Status.OK and np.array_equal(again, data(2))
-        finally:
-            fresh.close()
+        assert readable_after_restart(root, k(2))
         reader.check_integrity(deep=True)
         writer.check_integrity(deep=True)
     finally:
