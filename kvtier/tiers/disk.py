@@ -490,17 +490,22 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
         """Evict the policy's victims (never pinned ones) until ``need`` more bytes fit under the
         limit, besides the puts in flight, and, for a put (``need`` > 0) while a write found no free
         inode, until statvfs shows one for its file; False where they cannot. Under a limit the
-        medium lowered, a put larger than the tier holds plus the bytes left is refused before
-        anything is evicted: it would evict the whole tier and fail all the same (an inode is no
-        such reason: evicting a block file frees one). While an inode is wanted, only victims whose
+        medium lowered, a put larger than the tier holds plus the bytes left (a spent quota's: than
+        the limit) is refused before anything is evicted (:meth:`_room_with_nothing_held`): it
+        would evict the whole tier and fail all the same (an inode is no such reason: evicting a
+        block file frees one). While an inode is wanted, only victims whose
         eviction frees one are taken (:meth:`_frees_inode`): a block file of its own, or a packed
         block whose whole extent can go with it; the others are skipped, evicted for nothing."""
         def fits() -> bool:
-            return self._used + self._reserved + need <= self._limit and (need == 0 or self._inode_free())
+            # the inode asked first, every time: an eviction may have freed one while the bytes are
+            # still short, and only _inode_free ends the watch (else the victims skipped for their
+            # inode are never taken for their bytes, and the put is refused with room to be made)
+            inode = need == 0 or self._inode_free()
+            return inode and self._used + self._reserved + need <= self._limit
 
         if fits() or (self._medium_freed() and fits()):
             return True
-        if self._limit < self._capacity and need > self._used + self._medium_space().free:
+        if self._limit < self._capacity and need > self._room_with_nothing_held():
             return False  # more than the medium would hold with the whole tier evicted: evict nothing for it
         self._purge_expired()
         victims = self._policy.victims()
@@ -636,6 +641,15 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
             return False
         self._limit = limit
         return True
+
+    def _room_with_nothing_held(self) -> int:
+        """The most bytes the medium would let this tier hold with every block of it evicted (asked
+        under a limit :meth:`_medium_full` set): under a spent quota, the limit itself (all that is
+        known of a quota: statvfs does not show it, so its free bytes are the disk's, not ours);
+        else what the tier holds plus what the file system has free."""
+        if self._quota_limited:
+            return self._limit
+        return self._used + self._medium_space().free
 
     def _inode_free(self) -> bool:
         """Whether a new file would get an inode: yes, unless a write found none; then statvfs

@@ -171,7 +171,8 @@ class DiskWrites:
             return
         stem = disk_extents.extent_stem(keys[todo[0]])
         rel = f"{stem[:2]}/{stem}{EXTENT_SUFFIX}"
-        offsets, off = {}, disk_extents.table_bytes(rel, len(todo))
+        table_len = disk_extents.table_bytes(rel, len(todo))
+        offsets, off = {}, table_len
         for i in todo:
             offsets[i] = off
             off += sizes[i]
@@ -204,6 +205,7 @@ class DiskWrites:
                 return
             placed = [_Placed(keys[i], sizes[i], offsets[i], index, born[i], records[i].parent, srcs[i].nbytes)
                       for index, i in enumerate(todo)]
+            self._table_written(table_len)  # (first: a name that finds no room sets the limit anew, exactly)
             for i, done in zip(todo, self._index_extent(rel, ino, placed, failures)):
                 statuses[i] = done
 
@@ -217,9 +219,24 @@ class DiskWrites:
         Against ``capacity_bytes``, its blocks: the table is metadata, like the names, which
         used_bytes leaves out (as a restart does). Against a limit the file system's room set, the
         whole file, its table page too: that limit is bytes statvfs shows, and room made for the
-        blocks alone left a rewrite after evicting for it with no room again. (Read without the
-        lock: a limit that moves meanwhile sizes this one reservation only.)"""
+        blocks alone left a rewrite after evicting for it with no room again (once written, the
+        page leaves the limit: :meth:`_table_written`). (Read without the lock: a limit that moves
+        meanwhile sizes this one reservation only.)"""
         return file_bytes if self._limit < self._capacity else block_bytes
+
+    def _table_written(self, table_bytes: int) -> None:
+        """An extent's table page is on the medium (under the lock, as its blocks are indexed):
+        used_bytes leaves it out, as a restart does, so under a limit the file system's room set
+        (bytes statvfs shows) the limit loses it instead. Else each extent written since that limit
+        was set leaves limit - used a page above the room the file system has, and a put sized
+        within it evicts nothing and finds no room (a stream, read once, is refused FULL). This errs
+        low: an extent that goes frees its page, which the limit regains when
+        ``DiskTier._medium_freed`` next reads statvfs (before any eviction). Not under a spent
+        quota: its limit never rises until a reopen, so pages taken off it would never come back
+        and the limit would shrink with every extent written; there a write that finds the quota
+        spent sets the limit anew, exactly (a put is written again, a stream refused FULL)."""
+        if self._limit < self._capacity and not self._quota_limited:
+            self._limit = max(0, self._limit - table_bytes)
 
     def _index_extent(self, rel: str, ino: int | None, placed: list[_Placed],
                       failures: list[OSError | None]) -> list[Status | None]:

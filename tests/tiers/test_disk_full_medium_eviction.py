@@ -28,6 +28,14 @@ need a directory block a loop-mounted ext4.
 * Out of inodes, packed blocks were evicted beside a pinned mate (or names another tier on the
   directory holds), though their extent, its inode, could not go: a put wiped the tier's packed
   blocks for nothing (s31 r4 D3).
+* Out of inodes and bytes at once, a put evicted a block file (an inode freed) but never saw the
+  inode free while the bytes were short, so the packed blocks skipped for their inode were never
+  taken for their bytes: FULL, a block evicted for nothing (s32 a4 D1).
+* Under a spent quota, a put that could never fit was measured against the disk's free bytes (a
+  quota does not show in statvfs): it evicted the whole tier, then was refused FULL (s32 a4 D2).
+* Once the file system set the limit, each extent's table page was left out of both used_bytes
+  and the limit: the tier saw a page more room per extent than the file system had, and a stream
+  sized within it evicted nothing and was refused FULL (s32 a4 D3).
 """
 from __future__ import annotations
 
@@ -247,9 +255,10 @@ def test_out_of_inodes_packed_blocks_are_evicted_an_extent_at_a_time(tmp_path):
             tier.check_integrity(deep=True)
 
 
-def fill_the_rest(mnt: Path) -> None:
-    """Another user takes every free byte of the file system, to the last page."""
-    fd = os.open(mnt / "other", os.O_WRONLY | os.O_CREAT, 0o600)
+def fill_the_rest(mnt: Path, into: str = "other") -> None:
+    """Another user takes every free byte of the file system, to the last page (in its file ``into``,
+    which may be one it has already, where no inode is left for a new one)."""
+    fd = os.open(mnt / into, os.O_WRONLY | os.O_CREAT, 0o600)
     try:
         for chunk in (1 << 16, 4096):
             with contextlib.suppress(OSError):
@@ -322,3 +331,117 @@ def test_out_of_inodes_packed_blocks_whose_extent_cannot_go_are_not_evicted(tmp_
             assert not tier.contains(k(1000))
             assert all(exact(tier, i, nb) for i in [*range(10 * batch), 500, 1001])
             tier.check_integrity(deep=True)
+
+
+def take_every_inode_and_byte(mnt: Path) -> None:
+    take_every_inode(mnt)
+    fill_the_rest(mnt, into="other/0")  # (no inode left for a file of its own)
+
+
+def _pin_a_mate(tier: DiskTier, other: DiskTier, nb: int) -> list[int]:
+    """An extent of 8 with one block pinned (being read): its inode cannot go. The blocks held."""
+    assert tier.put_many([k(i) for i in range(8)], [block(i, nb) for i in range(8)]) == [Status.OK] * 8
+    assert tier.pin(k(3))
+    return list(range(8))
+
+
+def _share_with_another_tier(tier: DiskTier, other: DiskTier, nb: int) -> list[int]:
+    """An extent of 8 the other tier on the directory wrote, 4 blocks of which this one found: the
+    other's 4 names keep its inode. The blocks held here."""
+    assert other.put_many([k(i) for i in range(8)], [block(i, nb) for i in range(8)]) == [Status.OK] * 8
+    assert all(exact(tier, i, nb) for i in range(4))
+    return list(range(4))
+
+
+@pytest.mark.parametrize("extent_kept_by", [_pin_a_mate, _share_with_another_tier], ids=["pinned_mate", "shared_dir"])
+def test_out_of_inodes_and_bytes_packed_blocks_skipped_for_their_inode_are_evicted_for_their_bytes(
+        tmp_path, extent_kept_by):
+    nb = 60000  # 64 KiB on disk with the header page
+    with mounted_tmpfs(tmp_path / "mnt", "4m,nr_inodes=300") as mnt:
+        with DiskTier(mnt / "t", HUGE, direct_io=False) as tier, DiskTier(mnt / "t", HUGE, direct_io=False) as other:
+            held = extent_kept_by(tier, other, nb)
+            assert tier.put(k(50), block(50, 4096)) is Status.OK  # a block file of its own: 8 KiB, an inode
+            take_every_inode_and_byte(mnt)
+            # evicting k(50) frees the inode; a packed block (its place erased, a hole) the bytes
+            assert tier.put(k(99), block(99, nb)) is Status.OK
+            assert tier.stats.evictions == 2 and not tier.contains(k(50)) and not tier.contains(k(0))
+            assert all(exact(tier, i, nb) for i in [*held[1:], 99])
+            tier.check_integrity()
+
+
+def spent_quota(monkeypatch, path: Path, quota: int) -> None:
+    """A quota of ``quota`` bytes on the files under ``path`` (what they take: a hole punched is
+    free; each inode once, for names are links), as EDQUOT from the fsync of the write that passes
+    it (statvfs does not show a quota)."""
+    fsync = os.fsync
+
+    def taken() -> int:
+        files = {(st.st_dev, st.st_ino): st.st_blocks * 512 for st in
+                 (os.lstat(os.path.join(top, name)) for top, _, names in os.walk(path) for name in names)}
+        return sum(files.values())
+
+    def quota_fsync(fd):
+        if taken() > quota:
+            raise OSError(errno.EDQUOT, "Disk quota exceeded")
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", quota_fsync)
+
+
+def test_under_a_spent_quota_a_put_that_can_never_fit_evicts_nothing(tmp_path, monkeypatch):
+    nb = 60000  # 64 KiB on disk with the header page
+    quota = 10 * (64 << 10)
+    with mounted_tmpfs(tmp_path / "mnt", "16m") as mnt, DiskTier(mnt / "t", HUGE, direct_io=False) as tier:
+        spent_quota(monkeypatch, mnt / "t", quota)  # (a tmpfs: what a file takes is exact pages)
+        assert all(tier.put(k(i), block(i, nb)) is Status.OK for i in range(11))  # the 11th spends the quota
+        assert tier.stats.evictions == 1
+        # 2 MiB: more than the quota lets the tier hold, however much is evicted (the disk has room)
+        assert tier.put(k(99), block(99, 2 << 20)) is Status.FULL
+        assert tier.stats.evictions == 1
+        assert all(exact(tier, i, nb) for i in range(1, 11))
+        # the quota, not what the tier holds now, bounds a put: 384 KiB fits once one block goes
+        assert all(tier.delete(k(i)) for i in range(1, 6))
+        assert tier.put(k(100), block(100, 6 * (64 << 10) - 4096)) is Status.OK
+        assert tier.stats.evictions == 2 and not tier.contains(k(6))
+        assert all(exact(tier, i, nb) for i in range(7, 11)) and exact(tier, 100, 6 * (64 << 10) - 4096)
+        tier.check_integrity(deep=True)
+
+
+def test_under_a_spent_quota_extents_written_and_evicted_leave_the_tier_its_room(tmp_path, monkeypatch):
+    nb = 60000  # 64 KiB on disk with the header page; an extent of 2 is 132 KiB with its table page
+    quota = 10 * (64 << 10)
+    with mounted_tmpfs(tmp_path / "mnt", "16m") as mnt, DiskTier(mnt / "t", HUGE, direct_io=False) as tier:
+        spent_quota(monkeypatch, mnt / "t", quota)
+        assert all(tier.put(k(i), block(i, nb)) is Status.OK for i in range(11))  # the 11th spends the quota
+        # packed pairs, many times what the quota holds: a table page taken off the limit for each
+        # would never come back (a quota's limit does not rise again), and the tier would shrink
+        for j in range(200, 300, 2):
+            assert tier.put_many([k(j), k(j + 1)], [block(j, nb), block(j + 1, nb)]) == [Status.OK] * 2
+        assert tier.used_bytes >= quota - (64 << 10)  # (short of the quota by less than a pair's extent)
+        assert all(exact(tier, i, nb) for i in range(296, 300))
+        tier.check_integrity(deep=True)
+
+
+def test_table_pages_written_under_a_full_file_systems_limit_leave_its_room(tmp_path):
+    nb = 60000  # 64 KiB on disk with the header page; an extent of 2 is 132 KiB with its table page
+    with mounted_tmpfs(tmp_path / "mnt", "4m") as mnt:
+        with DiskTier(mnt / "t", HUGE, direct_io=False) as tier:
+            assert all(tier.put(k(i), block(i, nb)) is Status.OK for i in range(10))
+            fill_the_rest(mnt)
+            assert tier.put(k(10), block(10, nb)) is Status.OK  # no room: the file system sets the limit
+            assert tier.stats.evictions == 1
+            assert all(tier.delete(k(i)) for i in range(1, 10))  # 576 KiB free again
+            for j in range(100, 108, 2):  # 4 extents: 512 KiB of blocks, 16 KiB of table pages
+                assert tier.put_many([k(j), k(j + 1)], [block(j, nb), block(j + 1, nb)]) == [Status.OK] * 2
+            assert tier.stats.evictions == 1
+            free = os.statvfs(mnt).f_bavail * os.statvfs(mnt).f_frsize
+            # a stream a page larger than the room left: it evicts for it (it is read once: a write
+            # that finds no room is FULL)
+            assert tier.put_streams([k(99)], [_Pieces(99, free)])[0] is Status.OK
+            assert tier.stats.evictions == 2 and not tier.contains(k(10))
+            assert tier.contains(k(99)) and all(exact(tier, i, nb) for i in range(100, 108))
+            tier.check_integrity(deep=True)
+            used = tier.used_bytes
+        with DiskTier(mnt / "t", HUGE, direct_io=False) as reopened:
+            assert reopened.used_bytes == used  # table pages left out of used_bytes, as a restart counts
+            reopened.check_integrity(deep=True)
