@@ -42,6 +42,9 @@ JSON keys (``--json``; all flat):
 ``server_error``
     present only when the server section could not run (e.g. the server extras
     are not installed); its other keys are then absent.
+
+The exit status is 1, after the figures, when a block came back with wrong bytes or the
+server section did not run (without ``--no-server``): a script or CI reads a failed run as one.
 """
 
 from __future__ import annotations
@@ -242,11 +245,28 @@ def register(subparsers) -> None:
     p.set_defaults(func=_main)
 
 
+def failures(result: dict, server: bool) -> list[str]:
+    """What makes a run no pass, one line each: a block read back OK with other bytes (a cache may
+    lose, never return a wrong block), or, when the server section was asked for, that it did
+    not run. Empty for a pass; ``_main`` turns any into exit status 1."""
+    lines = [f"{result[key]} of {result['blocks']} blocks {where} came back with other bytes than were put"
+             for key, where in (("wrong_blocks", "read by a new process"),
+                                ("server_wrong_blocks", "read from the restarted server"))
+             if result.get(key)]
+    if server and "server_error" in result:
+        lines.append(f"the server section did not run ({result['server_error']}); --no-server skips it")
+    return lines
+
+
 def _main(args) -> int:
     result = run(args.blocks, args.block_kib, args.dir, server=not args.no_server)
     if args.json:
         print(strict_json(result))
-        return 0
-    for key, value in result.items():
-        print(f"{key:>24}  {value}")
-    return 0
+    else:
+        for key, value in result.items():
+            print(f"{key:>24}  {value}")
+    failed = failures(result, server=not args.no_server)
+    for line in failed:
+        # said after the figures, never instead of them, as bench vllm and the demo do
+        print(f"kvtier bench restart: {line}", file=sys.stderr)
+    return 1 if failed else 0

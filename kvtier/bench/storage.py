@@ -215,8 +215,10 @@ class _DiskBench:
         from kvtier.tiers.disk import DiskTier
 
         self.n, self.blocks = nbytes, blocks
-        self.own_dir = directory is None
-        self.dir = directory or tempfile.mkdtemp(prefix=".kvtier-bench-", dir=os.getcwd())
+        # A directory of this run's own, inside --dir when given, removed on close: a run left
+        # --dir's tier/, sealed/ and keys/ behind, and the next run's key store, bound to that
+        # run's random master key, refused the one left there.
+        self.dir = tempfile.mkdtemp(prefix=".kvtier-bench-", dir=directory or os.getcwd())
         self.tier = DiskTier(os.path.join(self.dir, "tier"), 2 * blocks * (round_up(nbytes) + PAGE))
         self.raw_paths: list[str] = []
         self.direct = self.tier.direct_io
@@ -313,8 +315,7 @@ class _DiskBench:
 
     def close(self):
         self.tier.close()
-        if self.own_dir:
-            shutil.rmtree(self.dir, ignore_errors=True)
+        shutil.rmtree(self.dir, ignore_errors=True)
 
     def describe(self) -> dict:
         return {"direct_io": self.direct, "dir": self.dir}
@@ -530,7 +531,9 @@ def register(subparsers) -> None:
     p.add_argument("--block-mib", type=finite_float, default=8.0, help="block size in MiB (default 8)")
     p.add_argument("--blocks", type=int, default=None, help="blocks per phase (default: 256 MiB worth, at least 4)")
     p.add_argument("--runs", type=int, default=9, help="interleaved rounds; medians are reported (default 9)")
-    p.add_argument("--dir", default=None, help="disk tier directory (default: a temp dir under the current one)")
+    p.add_argument("--dir", default=None,
+                   help="where the disk tier's files go: a temp dir of the run's own inside it, removed after "
+                        "(default: the current directory)")
     p.add_argument("--drop-caches", action="store_true",
                    help="also write /proc/sys/vm/drop_caches before gets (root; affects the whole machine)")
     p.add_argument("--encrypt", action="store_true",

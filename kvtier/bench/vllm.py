@@ -124,7 +124,10 @@ def _main(args, *, trace_flags: ModeFlags) -> int:
             print(strict_json(result))
         else:
             vllm_trace.print_table(result)
-        return 0
+        # judged on the figures printed, after them, as the run without --trace judges its logprobs
+        over = vllm_trace.above_bound(result["systems"])
+        report_warnings(over)
+        return 1 if over else 0
     trace_flags.refuse(args, "without --trace the bench times one long prompt per --runs on --model: give --trace "
                              "FILE to replay a trace, or leave the trace's flags out")
     for name, default in NON_TRACE_DEFAULTS.items():

@@ -26,7 +26,8 @@ vLLM + LMCache (its MP connector and an ``lmcache server`` with at least the sam
 window's prompt tokens an unbounded cache would hit, given everything before it in the
 stretch, counted as vLLM counts ``cached_tokens`` (whole pages): the bound on the
 ``cached_token_ratio`` of vLLM alone and of kvtier, which count so. LMCache can pass it by under
-a page a request, since it also stores and loads a prompt's last partial chunk.
+a page a request, since it also stores and loads a prompt's last partial chunk. vLLM alone or
+kvtier above it (:func:`above_bound`) is a bug: posted in ``warnings``, and the bench exits 1.
 The systems run one after the other (an engine each; two at once would share the cores).
 """
 
@@ -249,6 +250,26 @@ def against_bound(cached: list[int], bound: list[int]) -> dict:
     over = [(c - b) for c, b in zip(cached, bound) if c > b]
     return {"requests_below": len(short), "tokens_below": sum(short),
             "requests_above": len(over), "tokens_above": sum(over)}
+
+
+#: the systems that count cached tokens in whole pages, as the bound does: above it, one hit
+#: blocks never stored (KV that is not the prompt's). Not LMCache, which also loads a prompt's
+#: last partial chunk (see :func:`reusable_token_ratio`).
+WHOLE_PAGE_SYSTEMS = ("vllm", "kvtier")
+
+
+def above_bound(systems: dict) -> list[str]:
+    """One line per whole-page system (:data:`WHOLE_PAGE_SYSTEMS`) with requests that cached more
+    tokens than the exact bound: a bug, and its figures no result. Empty when none did; ``bench
+    vllm --trace`` posts them as ``warnings`` and exits 1."""
+    lines = []
+    for name in WHOLE_PAGE_SYSTEMS:
+        over = (systems.get(name) or {}).get("cached_vs_reusable", {})
+        if over.get("requests_above"):
+            lines.append(f"{name}: {over['requests_above']} requests cached {over['tokens_above']} tokens more than "
+                         "an unbounded prefix cache could hit (blocks never stored: KV that is not the prompt's); "
+                         "its figures are no result")
+    return lines
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -503,6 +524,7 @@ def _run_systems(args, base, phases, result, workdir, store_bytes, started) -> d
             result["kvtier_cpu_saving_vs_lmcache"] = round(lm[cpu] / ours[cpu], 3)
     result["kvtier_cached_vs_reusable"] = round(ours["cached_token_ratio"] / result["reusable_token_ratio"], 3) \
         if result["reusable_token_ratio"] else None
+    result["warnings"] = above_bound(result["systems"])
     result["wall_s"] = round(time.monotonic() - started, 1)
     return result
 

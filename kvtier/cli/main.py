@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import select
 import sys
 
 # Command modules, each with ``register(subparsers)``. Heavy imports (torch,
@@ -35,7 +37,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return int(args.func(args) or 0)
+        status = int(args.func(args) or 0)
+        sys.stdout.flush()  # a reader gone shows here, not as a traceback at the interpreter's exit
+        return status
+    except BrokenPipeError:
+        if not _stdout_reader_gone():
+            raise  # a peer's socket closed: a real failure, with its traceback
+        # The reader of stdout left (`| head -1`, a pager quit): what it wanted it has. Further
+        # writes go nowhere, so that the flush at exit stays quiet too; 141 = 128 + SIGPIPE, what
+        # a shell reports for a command ended by a closed pipe.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except KvtierError as exc:
         # A caller mistake kvtier raises on purpose (a setting, an input, a layout, a tier that
         # cannot be used): its message names the fix, a traceback adds nothing (argparse's own
@@ -47,6 +59,18 @@ def main(argv: list[str] | None = None) -> int:
         # 130 = 128 + SIGINT, what a shell reports for a process ended by Ctrl-C.
         print(f"kvtier {args.command}: interrupted", file=sys.stderr)
         return 130
+
+
+def _stdout_reader_gone() -> bool:
+    """Whether stdout is a pipe (or socket) whose reader has closed its end: poll reports an error
+    on the write end (a file or terminal never does), which tells it from a peer's socket."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # replaced by an object without a descriptor
+        return False
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    return any(events & select.POLLERR for _, events in poller.poll(0))
 
 
 if __name__ == "__main__":

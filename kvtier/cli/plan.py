@@ -21,6 +21,13 @@ def _print_json(value) -> None:
 #: had it spawn dozens; a host holds a few GPUs' workers
 LOCAL_MAX_WORKERS = 8
 
+#: ``plan workers``' description of the workload without a trace (a trace gives its own), and
+#: the shared tier's retention, which sizes it only then
+WORKLOAD_FLAGS = ("--rate", "--input-tokens", "--output-tokens", "--retention-s")
+DEFAULT_RETENTION_S = 3600.0
+#: fleets ``--verify`` simulates at most: the plan's, then one more prefill worker each
+VERIFY_FLEETS = 32
+
 
 def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(part) for part in text.split(",") if part.strip())
@@ -54,11 +61,14 @@ def register(subparsers) -> None:
     wk.add_argument("--output-tokens", type=int, default=None, help="mean output tokens (without --trace)")
     wk.add_argument("--hit-rate", type=finite_float, default=None,
                     help="share of prompt tokens loaded instead of recomputed (default with --trace: its replay)")
-    wk.add_argument("--retention-s", type=finite_float, default=3600.0,
-                    help="how long the shared tier keeps context, for sizing it without a trace")
+    wk.add_argument("--retention-s", type=finite_float, default=None,
+                    help=f"without --trace: how long the shared tier keeps context, for sizing it "
+                         f"(default {DEFAULT_RETENTION_S:g})")
     wk.add_argument("--cluster", default=None, help="cluster config JSON (model, accelerator, tiers)")
     wk.add_argument("--calibration", default=None, help="prefill calibration table (kvtier bench prefill)")
-    wk.add_argument("--verify", action="store_true", help="with --trace: check the plan by simulation")
+    wk.add_argument("--verify", action="store_true",
+                    help="with --trace: check the plan by simulation (exit 1 when the simulated fleet misses the "
+                         "TTFT target)")
     wk.add_argument("--json", action="store_true")
     wk.set_defaults(func=_reporting_config_errors(run_workers))
 
@@ -156,13 +166,13 @@ def run_capacity(args) -> int:
 
 
 def run_workers(args) -> int:
-    from kvtier.planner.capacity import human_bytes
     from kvtier.planner.hardware import cost_models
     from kvtier.planner.models import load_model
     from kvtier.planner.workers import (SLATargets, Workload, plan_workers, shared_tier_bytes_for_hit_rate,
                                          shared_tier_bytes_for_retention)
     from kvtier.sim.cluster import load_cluster
 
+    _refuse_flags_of_the_other_mode(args)
     cluster = load_cluster(args.cluster)
     model = load_model(cluster.model)
     costs = cost_models(model, cluster.accelerator, cluster.devices_per_worker, args.calibration or cluster.calibration)
@@ -178,6 +188,7 @@ def run_workers(args) -> int:
         block_bytes = model.block_bytes(cluster.block_tokens)
         unbounded = replay_prefix_hits(trace)
         hit_rate = args.hit_rate if args.hit_rate is not None else unbounded.token_hit_rate
+        _warn_of_a_hit_rate_above_the_traces(hit_rate, unbounded.token_hit_rate)
         workload = Workload.from_arrivals([r.arrival_s for r in trace.requests],
                                           [r.input_tokens for r in trace.requests],
                                           [r.output_tokens for r in trace.requests], hit_rate)
@@ -190,55 +201,98 @@ def run_workers(args) -> int:
                   file=sys.stderr)
             return 2
         workload = Workload(args.rate, (args.input_tokens,), (args.output_tokens,), args.hit_rate)
-        tiers["shared_bytes"] = shared_tier_bytes_for_retention(args.rate, args.retention_s, args.input_tokens,
+        retention_s = DEFAULT_RETENTION_S if args.retention_s is None else args.retention_s
+        tiers["shared_bytes"] = shared_tier_bytes_for_retention(args.rate, retention_s, args.input_tokens,
                                                                 args.hit_rate, model.bytes_per_token)
         hit_source = "given"
     decode_kv_tokens = int(cluster.decode_kv_bytes // model.bytes_per_token)
     plan = plan_workers(workload, targets, costs.prefill, costs.decode, load_bw, decode_kv_tokens)
     tiers["hbm_cache_bytes_per_prefill_worker"] = cluster.hbm_cache_bytes
     verified = None
-    if args.verify and args.trace:
+    if args.verify:
         verified = _verify_by_simulation(trace, cluster, plan, targets, args.calibration)
     out = {"model": model.name, "accelerator": cluster.accelerator, "devices_per_worker": cluster.devices_per_worker,
            "cost_model": costs.provenance, "hit_rate_assumed": plan.hit_rate, "hit_rate_source": hit_source,
            "arrival_rate_per_s": workload.arrival_rate_per_s, **plan._asdict(), "tiers": tiers,
            "simulated": verified}
+    missed = verified is not None and not verified["meets_target"]
     if args.json:
         _print_json(out)
-        return 0
-    print(f"{model.name} on {cluster.devices_per_worker}x{cluster.accelerator} per worker; {costs.provenance}")
-    print(f"workload: {workload.arrival_rate_per_s:.2f} req/s (arrival SCV {workload.arrival_scv:.2f}),"
-          f" token hit rate assumed {plan.hit_rate:.1%} ({hit_source})")
-    print(f"prefill workers: {plan.prefill_workers} (utilization {plan.prefill_utilization:.0%},"
-          f" predicted p{args.ttft_percentile:g} TTFT {plan.predicted_ttft_s:.2f} s <= {args.ttft} s)")
-    print(f"decode workers:  {plan.decode_workers} (batch ~{plan.decode_batch},"
-          f" predicted ITL {plan.predicted_itl_s * 1000:.1f} ms <= {args.itl * 1000:g} ms)")
-    for name, size in tiers.items():
+    else:
+        _print_workers(args, out)
+    if missed:
+        print(f"kvtier plan: the simulation misses the p{args.ttft_percentile:g} TTFT target of {args.ttft:g} s: "
+              f"{verified['ttft_s']:.3g} s with {verified['prefill_workers']} prefill workers, the most --verify "
+              "tries; the plan does not hold for this trace (its assumed hit rate or cost model)", file=sys.stderr)
+    return 1 if missed else 0
+
+
+def _print_workers(args, out: dict) -> None:
+    """The text form of ``out``, the plan ``--json`` posts."""
+    from kvtier.planner.capacity import human_bytes
+
+    print(f"{out['model']} on {out['devices_per_worker']}x{out['accelerator']} per worker; {out['cost_model']}")
+    print(f"workload: {out['arrival_rate_per_s']:.2f} req/s (arrival SCV {out['arrival_scv']:.2f}),"
+          f" token hit rate assumed {out['hit_rate_assumed']:.1%} ({out['hit_rate_source']})")
+    print(f"prefill workers: {out['prefill_workers']} (utilization {out['prefill_utilization']:.0%},"
+          f" predicted p{args.ttft_percentile:g} TTFT {out['predicted_ttft_s']:.2f} s <= {args.ttft} s)")
+    print(f"decode workers:  {out['decode_workers']} (batch ~{out['decode_batch']},"
+          f" predicted ITL {out['predicted_itl_s'] * 1000:.1f} ms <= {args.itl * 1000:g} ms)")
+    for name, size in out["tiers"].items():
         print(f"{name}: {human_bytes(size)}")
+    verified = out["simulated"]
     if verified:
+        verdict = "meets the target" if verified["meets_target"] else f"misses the target of {args.ttft:g} s"
         print(f"simulated with tier-aware routing and {verified['prefill_workers']} prefill workers:"
-              f" p{args.ttft_percentile:g} TTFT {verified['ttft_s']:.2f} s,"
+              f" p{args.ttft_percentile:g} TTFT {verified['ttft_s']:.2f} s ({verdict}),"
               f" ITL p50 {verified['itl_p50_s'] * 1000:.1f} ms, token hit rate {verified['token_hit_rate']:.1%}"
               f" (block hit rate {verified['block_hit_rate']:.1%})")
-    return 0
+
+
+def _refuse_flags_of_the_other_mode(args) -> None:
+    """Refuse, by name, the flags the mode run would ignore: with ``--trace``, the workload's
+    (:data:`WORKLOAD_FLAGS`: the trace gives rate and lengths, its replay the shared tier's size;
+    a plan printed "for 100 req/s" was the trace's 1 req/s); without it, ``--verify`` (nothing
+    to simulate: it posted ``"simulated": null``, exit 0)."""
+    from kvtier.errors import ConfigError
+
+    if args.trace:
+        given = [flag for flag in WORKLOAD_FLAGS if getattr(args, flag[2:].replace("-", "_")) is not None]
+        if given:
+            one = len(given) == 1
+            named = given[0] if one else f"{', '.join(given[:-1])} and {given[-1]}"
+            raise ConfigError(f"{named} {'is' if one else 'are'} for the plan without --trace: the "
+                              "trace gives the arrival rate and lengths, and its replay the shared tier's size; "
+                              f"leave {'it' if one else 'them'} out, or --trace out")
+    elif args.verify:
+        raise ConfigError("--verify simulates a --trace: give --trace FILE, or leave --verify out")
+
+
+def _warn_of_a_hit_rate_above_the_traces(assumed: float, unbounded: float) -> None:
+    """``--hit-rate`` above what even an unbounded cache gets from the trace: the plan is sized
+    for reuse the workload does not have (and ``--verify`` then misses its target)."""
+    if assumed > unbounded:
+        print(f"kvtier plan: warning: --hit-rate {assumed:g} is above the trace's own, {unbounded:.3g} with an "
+              "unbounded cache: the plan assumes reuse the trace does not have", file=sys.stderr)
 
 
 def _verify_by_simulation(trace, cluster, plan, targets, calibration) -> dict:
     """Simulate the plan with tier-aware routing; add prefill workers until the simulated
-    TTFT percentile meets the target too (the queueing formula is an approximation)."""
+    TTFT percentile meets the target too (the queueing formula is an approximation), at most
+    :data:`VERIFY_FLEETS` fleets. Posts the last fleet simulated and ``meets_target``."""
     import numpy as np
 
     from kvtier.sim import run_simulation
 
-    workers = plan.prefill_workers
-    for _ in range(32):
+    # the fleet posted is the last one simulated, whether or not it met the target
+    for extra in range(VERIFY_FLEETS):
+        workers = plan.prefill_workers + extra
         run = run_simulation(trace, cluster.replace(prefill_workers=workers, decode_workers=plan.decode_workers),
                              ["tier_aware"], calibration)
         ttft = float(np.percentile([o.ttft_s for o in run.results["tier_aware"].outcomes],
                                    targets.ttft_percentile * 100))
         if ttft <= targets.ttft_s:
             break
-        workers += 1
     report = run.reports["tier_aware"]
     token_hit_rate = _token_hit_rate(run.results["tier_aware"], trace)
     # hit_rate: the figure set beside hit_rate_assumed, in its unit (tokens); it was the block
