@@ -16,8 +16,11 @@ every interval and act on the :class:`Decision` it returns through a launcher.
   whose answers told no prompt lengths (streams without usage, through a router that does not
   count the lengths it priced) is sized on the mix of the intervals before it; with none
   measured yet, the pools hold (within their bounds). The hit rate is pooled over the
-  intervals that measured it (cached tokens come only with usage); with none, nothing is
-  taken as cached.
+  intervals that measured it (cached tokens come only with usage), each weighing as the prompt
+  tokens it is over; with none, nothing is taken as cached. The prompt mix is pooled with each
+  interval weighing as its requests: an observation's sample may be capped (the router's
+  intervals give at most 64 lengths), and a quiet interval's few long prompts must not weigh as
+  much as a busy interval's whole sample.
 - **Decide.** Scale up at once (a missed TTFT cannot be undone); scale down only when
   the count that would hold a rate higher by a band is still below the current count,
   for several intervals in a row, and not within a cooldown of the last change, by at
@@ -58,12 +61,28 @@ class Observation:
     hit_rate: float                     # share of prompt tokens loaded, not recomputed
     arrival_scv: float = 1.0            # squared coefficient of variation of the gaps
     hit_measured: bool = True           # False: no answer told cached tokens (hit_rate is no figure)
+    requests: float | None = None       # requests the sample stands for (None: one per length in it)
+    prompt_tokens: float | None = None  # prompt tokens hit_rate is over (None: the sample's sum)
 
     def __post_init__(self) -> None:
         if self.request_rate < 0 or not math.isfinite(self.request_rate):
             raise ConfigError(f"observed request rate must be a finite number >= 0, got {self.request_rate}")
         if not 0 <= self.hit_rate <= 1:
             raise ConfigError(f"observed hit rate is a fraction in [0, 1], got {self.hit_rate}")
+        for name in ("requests", "prompt_tokens"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value >= 0):
+                raise ConfigError(f"observed {name} must be a finite number >= 0, got {value}")
+
+    @property
+    def mix_weight(self) -> float:
+        """The interval's weight in a pooled prompt mix: the requests its sample stands for."""
+        return len(self.input_tokens) if self.requests is None else self.requests
+
+    @property
+    def hit_weight(self) -> float:
+        """The interval's weight in a pooled hit rate: the prompt tokens its hit rate is over."""
+        return sum(self.input_tokens) if self.prompt_tokens is None else self.prompt_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,6 +217,24 @@ def _thin(samples: Sequence[int]) -> tuple[int, ...]:
     return tuple(ordered[picks].tolist())
 
 
+def _pooled_lengths(samples: Sequence[tuple[Sequence[int], float]]) -> tuple[int, ...]:
+    """Several intervals' length samples as one mix, each interval weighing as the requests its
+    sample stands for (``(sample, requests)`` pairs). Samples of one length per request are
+    joined as they are; otherwise :data:`MAX_SAMPLES` evenly spaced quantiles of the weighted
+    lengths (as :func:`_thin` picks them): joined, a quiet interval's 2 long prompts weighed
+    2/66 against a busy one's 64 lengths sampled for 1,000 requests, not 2/1,002."""
+    groups = [(sample, weight) for sample, weight in samples if len(sample) and weight > 0]
+    if all(weight == len(sample) for sample, weight in groups):
+        return tuple(n for sample, _ in groups for n in sample)
+    lengths = np.concatenate([np.asarray(sample, dtype=np.int64) for sample, _ in groups])
+    weights = np.concatenate([np.full(len(sample), weight / len(sample)) for sample, weight in groups])
+    order = np.argsort(lengths, kind="stable")
+    lengths, cumulative = lengths[order], np.cumsum(weights[order])
+    picks = (np.arange(MAX_SAMPLES) + 0.5) * (cumulative[-1] / MAX_SAMPLES)
+    at = np.minimum(np.searchsorted(cumulative, picks, side="right"), len(lengths) - 1)
+    return tuple(lengths[at].tolist())
+
+
 class PoolDecision(NamedTuple):
     pool: str               # "prefill" or "decode"
     current: int
@@ -317,11 +354,10 @@ class LivePlanner:
         few intervals (the hit rate: of the last few that measured it; none, 0): they change
         slowly, and one interval's sample is noisy (a few long prompts move its mean; a few
         close arrivals its SCV)."""
-        inputs = tuple(n for o in self._mix for n in o.input_tokens)
-        outputs = tuple(n for o in self._mix for n in o.output_tokens)
-        tokens = [sum(o.input_tokens) for o in self._hits]
-        total = sum(tokens)
-        hit = sum(o.hit_rate * t for o, t in zip(self._hits, tokens)) / total if total else 0.0
+        inputs = _pooled_lengths([(o.input_tokens, o.mix_weight) for o in self._mix])
+        outputs = _pooled_lengths([(o.output_tokens, o.mix_weight) for o in self._mix])
+        total = sum(o.hit_weight for o in self._hits)
+        hit = sum(o.hit_rate * o.hit_weight for o in self._hits) / total if total else 0.0
         scv = sum(o.arrival_scv for o in self._mix) / len(self._mix) if self._mix else 1.0
         return inputs, outputs, hit, scv
 

@@ -16,8 +16,13 @@ its observation carries the rate and no lengths, and the planner keeps the mix i
 before (never 1-token prompts). One whose answers carried no usage measured no hit rate.
 Counters that went backwards (a restarted router) restart the baseline instead of giving
 negative rates. Figures no deployment can produce (a mean prompt over
-:data:`MAX_MEAN_PROMPT_TOKENS`, a rate past a float) are a garbled counter, not load: that
-interval gives no observation either, as NaN and Inf do.
+:data:`MAX_MEAN_PROMPT_TOKENS`, a request rate over :data:`MAX_REQUEST_RATE`) are a garbled
+counter, not load: that interval gives no observation either, as NaN and Inf do.
+
+The observation carries a sample of at most :data:`SAMPLE_REQUESTS` prompt lengths (the
+interval's mean, repeated: the router counts sums, not lengths), and beside it what the sample
+stands for: the interval's requests and the prompt tokens its hit rate is over, so that the
+planner pools intervals by their traffic, not by their capped samples.
 """
 
 from __future__ import annotations
@@ -32,6 +37,12 @@ UNKNOWN_LENGTH = "kvtier_router_routed_unknown_length_requests_total"
 #: no model serves a context near 100M tokens: a mean prompt above it is a garbled counter (a
 #: router exporting ``1e300``), and sizing on it overflowed the cost model and ended the planner
 MAX_MEAN_PROMPT_TOKENS = 1e8
+#: no router routes a million requests a second (one ``kvtier route`` handles thousands): a rate
+#: above it is a garbled requests counter (``1e300``), whose mean prompt came out under one token
+#: and whose rate scaled both pools to the sizing's bound
+MAX_REQUEST_RATE = 1e6
+#: prompt lengths an observation carries: the queue model's cost is linear in them
+SAMPLE_REQUESTS = 64
 
 
 class RouterCounters(NamedTuple):
@@ -86,8 +97,8 @@ def observation_between(before: RouterCounters, after: RouterCounters, output_to
     if requests == 0:
         return Observation(after.at_s, 0.0, (), (), 0.0)
     rate = requests / dt
-    if not math.isfinite(rate):
-        return None   # finite counters over a tiny interval: a rate past a float is no measurement
+    if not rate <= MAX_REQUEST_RATE:
+        return None   # a garbled counter (or finite counters over a tiny interval): no measurement
     # the hit rate is over the answers that carried usage, whichever source gives the lengths
     hit = min(max(cached / prompt, 0.0), 1.0) if prompt > 0 else 0.0
     if routed is not None:
@@ -101,9 +112,9 @@ def observation_between(before: RouterCounters, after: RouterCounters, output_to
         return Observation(after.at_s, rate, (), (), 0.0, hit_measured=False)
     if mean > MAX_MEAN_PROMPT_TOKENS:
         return None   # a garbled counter, not load: nothing to size on, as after a reset
-    count = min(int(requests), 64)
+    count = min(int(requests), SAMPLE_REQUESTS)
     return Observation(after.at_s, rate, (max(1, round(mean)),) * count, (output_tokens,) * count, hit,
-                       hit_measured=prompt > 0)
+                       hit_measured=prompt > 0, requests=requests, prompt_tokens=prompt)
 
 
 # --- the workers' own metrics (vLLM's /metrics) ----------------------------------------------

@@ -23,8 +23,8 @@ Protocol (ROUTER on the server, DEALER on the subscriber; frames are bytes):
 * subscriber → server ``[b"SUB", since]``: register (or renew: repeat at least
   every ``peer_ttl_s / 3``); ``since`` is empty, or a u64 big-endian sequence
   number to replay from. Replays are rate-limited per subscriber key (``BUSY`` answers).
-* server → subscriber ``[b"EV", seq, payload]`` live and replayed, then
-  ``[b"SYNC", next_seq]`` after a SUB (and, unasked, when the server checks who
+* server → subscriber ``[b"EV", seq, payload, publisher]`` live and replayed, then
+  ``[b"SYNC", next_seq, publisher]`` after a SUB (and, unasked, when the server checks who
   is still connected); ``[b"FULL"]`` when no slot is left (see below);
   ``[b"BUSY"]`` for a replay asked again too soon.
 * ``payload`` is msgpack ``[timestamp, [event, …]]``, each event a map
@@ -37,6 +37,17 @@ gap that replay cannot fill (the ring moved on, or the bounded event queue
 overflowed: then ``*`` and the scopes of the tenants whose events were lost skip
 one, no other scope) means the subscriber's view is incomplete: it must clear
 what it learnt from this publisher and start again.
+
+**Restarts.** ``publisher`` is :data:`PUBLISHER_ID_BYTES` random bytes drawn at each
+start of the server. A restarted server numbers from 0 again, but a subscriber hears from it
+only at its next renewal: writes meanwhile may have brought the new numbers up to the one the
+subscriber expects (or past it), so a number that went back does not tell every restart; a
+``publisher`` that changed does, and what was learnt from the old server is stale. A ``SYNC``
+ahead of the next number expected is a gap at once (messages sent while the subscriber was not
+registered), not only at the next ``EV``. The id is a trailing frame, so no version is needed
+either way: a subscriber from before it reads the first three frames and ignores it; frames
+without it (a server from before it) are no error, a restart is then told only by a number that
+went back. Frames after it are ignored, for later additions alike.
 
 **Erasure.** An admin erase purges the rings (:meth:`EventPublisher.purge`):
 every kept message that holds an erased event (of the tenant, namespace or
@@ -87,6 +98,8 @@ log = logging.getLogger(__name__)
 ALL_TENANTS = "*"
 _ZAP_DOMAIN = "kvtier-events"
 _SEQ = struct.Struct(">Q")
+#: the length of the id a publisher draws at each start (the last frame of its EV and SYNC)
+PUBLISHER_ID_BYTES = 16
 _TAG_OWNER, _TAG_NAMESPACE, _TAG_KEY = 1, 2, 3
 #: how long after a disconnect the peers are checked (at most this often): the socket drops
 #: the departed pipe meanwhile, and a burst of disconnects costs one check
@@ -265,6 +278,9 @@ class EventPublisher:
             raise ValueError(f"events buffer: keep at least 1 event for replay, got {buffer}")
         self._zmq = zmq
         self._name_key = bytes(name_key)
+        #: this start's own id, in every EV and SYNC: a subscriber tells a restarted server by it even
+        #: when the new numbers have reached the old ones (see "Restarts" in the module docstring)
+        self.publisher_id = os.urandom(PUBLISHER_ID_BYTES)
         self._subscribers = dict(subscribers or {})
         self._ctx = zmq.Context()
         self._auth = None
@@ -425,7 +441,7 @@ class EventPublisher:
             seq = scope.seq
             scope.seq += 1
             scope.keep(seq, payload, len(events))
-            frames = [b"EV", _SEQ.pack(seq), payload]
+            frames = self._ev(seq, payload)
             for pid, peer in list(self._peers.items()):
                 if peer.scope is scope:
                     self._send(pid[0], frames)
@@ -457,6 +473,12 @@ class EventPublisher:
         return {"type": kind, "tier": tier, "owner": owner, "namespace": namespace, "blocks": names,
                 "nbytes": nbytes}
 
+    def _ev(self, seq: int, payload: bytes) -> list[bytes]:
+        return [b"EV", _SEQ.pack(seq), payload, self.publisher_id]
+
+    def _sync(self, next_seq: int) -> list[bytes]:
+        return [b"SYNC", _SEQ.pack(next_seq), self.publisher_id]
+
     def _send(self, ident: bytes, frames: list[bytes]) -> bool:
         """Send to a routing id; False (and its registrations forgotten) if it reaches no one."""
         try:
@@ -482,7 +504,7 @@ class EventPublisher:
     def _check_peers(self) -> None:
         """Some peer disconnected: find which by sending each a SYNC (a departed one fails)."""
         for (ident, _), peer in list(self._peers.items()):
-            self._send(ident, [b"SYNC", _SEQ.pack(peer.scope.seq)])
+            self._send(ident, self._sync(peer.scope.seq))
 
     def _serve_requests(self) -> None:
         zmq = self._zmq
@@ -529,8 +551,8 @@ class EventPublisher:
             (since,) = _SEQ.unpack(since_raw)
             for seq, payload, _ in list(scope.ring):
                 if seq >= since:
-                    self._send(ident, [b"EV", _SEQ.pack(seq), payload])
-        self._send(ident, [b"SYNC", _SEQ.pack(scope.seq)])
+                    self._send(ident, self._ev(seq, payload))
+        self._send(ident, self._sync(scope.seq))
 
     def _make_room(self, user: str, scope: _Scope) -> bool:
         """Whether a new peer of ``user`` may register (see "Slots" in the module docstring);
@@ -578,12 +600,15 @@ class EventSubscriber:
 
     ``recv`` returns ``(seq, events)`` or None on timeout; it renews the
     registration as it goes, and never raises on what the server sends. ``gaps`` counts
-    sequence numbers that never arrived, and messages that could not be read (``malformed``:
-    frames missing or short, a payload that is not ``[timestamp, [event, …]]``), whose
-    events are as lost; ``restarts`` counts sequences that went back (a ``SYNC`` or ``EV``
-    below the next expected number: a restarted server numbers from 0 again, and what was
-    learnt of the old one is stale). ``heard``: when a ``SYNC`` or ``EV`` last came
-    (``time.monotonic``; 0.0 before the first). Not thread safe: one thread uses it.
+    sequence numbers that never arrived (an ``EV`` or ``SYNC`` ahead of the next expected
+    number), and messages that could not be read (``malformed``: frames missing or short, a
+    payload that is not ``[timestamp, [event, …]]``, a publisher id of another length), whose
+    events are as lost; ``restarts`` counts restarts of the server (another publisher id, or a
+    ``SYNC`` or ``EV`` below the next expected number: see "Restarts" in the module docstring),
+    after which what was learnt of the old one is stale. ``publisher_id``: the id of the
+    server heard last (None before, or from a server that sends none). ``heard``: when a
+    ``SYNC`` or ``EV`` last came (``time.monotonic``; 0.0 before the first). Not thread safe:
+    one thread uses it.
     """
 
     def __init__(self, endpoint: str, *, server_public: str | None = None, public: str | None = None,
@@ -604,6 +629,7 @@ class EventSubscriber:
         self.renew_s = renew_s
         self._last_sub = 0.0
         self.next_seq: int | None = None
+        self.publisher_id: bytes | None = None
         self.gaps = 0
         self.restarts = 0
         self.malformed = 0
@@ -648,13 +674,16 @@ class EventSubscriber:
         if seq is None or (kind == b"EV" and len(frames) < 3):
             self._malformed(f"{kind.decode()} of {len(frames)} frames")
             return None
+        id_at = 2 if kind == b"SYNC" else 3
+        publisher = frames[id_at] if len(frames) > id_at else None
+        if publisher is not None and len(publisher) != PUBLISHER_ID_BYTES:
+            self._malformed(f"{kind.decode()} with a publisher id of {len(publisher)} bytes")
+            return None
         self.status, self.heard = kind, time.monotonic()
-        # every renewal is answered with the next number: one that went back is a restart
-        self._went_back(seq)
+        # every renewal is answered with the next number, so a restart or a hole shows at the latest then
+        self._follow(seq, publisher)
         if kind == b"SYNC":
             return None
-        if self.next_seq is not None and seq > self.next_seq:
-            self.gaps += seq - self.next_seq
         self.next_seq = seq + 1
         try:
             events = msgpack.unpackb(frames[2], raw=False)[1]
@@ -672,13 +701,19 @@ class EventSubscriber:
         log.log(logging.WARNING if self.malformed == 1 else logging.DEBUG,
                 "events from %s: %s, counted as lost (%d so far)", self.endpoint, what, self.malformed)
 
-    def _went_back(self, seq: int) -> None:
-        """Take ``seq`` as the next number if none is known yet, or if it went back (a restart)."""
-        if self.next_seq is not None and seq < self.next_seq:
+    def _follow(self, seq: int, publisher: bytes | None) -> None:
+        """Take ``seq`` (an ``EV``'s own number, a ``SYNC``'s next one) from ``publisher`` as the next
+        number: a restart if another publisher sent it or the number went back (then the numbers
+        before it are the new server's, not lost ones of the old), else a gap if it skipped ahead."""
+        if self.next_seq is None:   # the first message: nothing to follow on from
+            if publisher is None:
+                log.info("events from %s carry no publisher id (a kvtier server from before it): a restart "
+                         "is told only by numbers that go back", self.endpoint)
+        elif publisher != self.publisher_id or seq < self.next_seq:
             self.restarts += 1
-            self.next_seq = seq
-        elif self.next_seq is None:
-            self.next_seq = seq
+        elif seq > self.next_seq:
+            self.gaps += seq - self.next_seq
+        self.publisher_id, self.next_seq = publisher, seq
 
     def close(self) -> None:
         self._sock.close()
