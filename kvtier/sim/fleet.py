@@ -25,8 +25,10 @@ decision and is paid from the decision; a worker removed is the one free soonest
 finishes what it was given first (drain), paid until then.
 
 Approximations, stated: the hit rate per request is the one of pass 1 (at the trace's own
-scale); decode is sized by the same model but not simulated at fleet scale (ITL is not
-in the attainment); the TTFT is queueing + prefill service (no network).
+scale); the planner's queue model loads every hit at one rate, the one at which pass 1's
+reused KV arrived (HBM hits free, the rest at their tier's); decode is sized by the same
+model but not simulated at fleet scale (ITL is not in the attainment); the TTFT is
+queueing + prefill service (no network).
 """
 
 from __future__ import annotations
@@ -93,38 +95,49 @@ class DiurnalProfile:
 
 
 class ServicePass(NamedTuple):
-    """Per trace request (trace order): prefill service seconds and prompt tokens reused."""
+    """Per trace request (trace order): prefill service seconds, prompt tokens reused and the
+    seconds spent loading them (0 for blocks already in the worker's HBM)."""
 
     service_s: np.ndarray
     reused_tokens: np.ndarray
     input_tokens: np.ndarray
     output_tokens: np.ndarray
+    load_s: np.ndarray
 
     @property
     def hit_rate(self) -> float:
         return float(self.reused_tokens.sum() / max(self.input_tokens.sum(), 1))
+
+    def load_bytes_per_s(self, bytes_per_token: int) -> float:
+        """The rate at which the replay's reused KV arrived, HBM hits included at no cost: the
+        queue model, which loads every hit at one rate, then spends on a hit rate the seconds
+        the replay spent loading (each tier's hits at that tier's bandwidth and latency).
+        Infinite when nothing was loaded from below HBM (no tier, or only HBM hits)."""
+        load_s = float(self.load_s.sum())
+        return float(self.reused_tokens.sum()) * bytes_per_token / load_s if load_s > 0 else math.inf
 
 
 class _RecordingSimulator(ClusterSimulator):
     """The cluster simulator, keeping each request's plan (its outcomes do not name the request)."""
 
     def run(self, trace: Trace):
-        self._by_request: dict[int, tuple[float, int]] = {}
+        self._by_request: dict[int, tuple[float, int, float]] = {}
         return super().run(trace)
 
     def _finish(self, worker, request, start, plan, outcomes, jobs, events) -> None:
         reused = min(plan.reused_blocks * self.cluster.block_tokens, request.input_tokens - 1)
-        self._by_request[id(request)] = (plan.seconds, reused)
+        self._by_request[id(request)] = (plan.seconds, reused, plan.load_s)
         super()._finish(worker, request, start, plan, outcomes, jobs, events)
 
 
 def service_pass(trace: Trace, cluster, model, prefill, decode, policy) -> ServicePass:
     sim = _RecordingSimulator(cluster, model, prefill, decode, policy)
     sim.run(trace)
-    rows = [sim._by_request[id(r)] for r in trace.requests]
-    return ServicePass(np.array([s for s, _ in rows]), np.array([u for _, u in rows], dtype=np.int64),
+    seconds, reused, load = zip(*(sim._by_request[id(r)] for r in trace.requests))
+    return ServicePass(np.array(seconds), np.array(reused, dtype=np.int64),
                        np.array([r.input_tokens for r in trace.requests], dtype=np.int64),
-                       np.array([r.output_tokens for r in trace.requests], dtype=np.int64))
+                       np.array([r.output_tokens for r in trace.requests], dtype=np.int64),
+                       np.array(load))
 
 
 class DayLoad(NamedTuple):
@@ -295,12 +308,16 @@ def static_fleet(day: DayLoad, svc: ServicePass, sizer: FleetSizer, settings: Pl
     return max(need.prefill_workers, 1), max(need.decode_workers, 1), rate
 
 
-def _sizer(cluster, model, costs, targets, with_tier: bool) -> FleetSizer:
-    """The planner's queue model for this cluster: hits loaded over the pod link with the
-    tier on (as ``kvtier plan workers``); with it off the only hits are HBM's, loaded free."""
-    pod = [t for t in cluster.tiers if t.scope == "pod"]
-    load_bw = min(t.read_bytes_per_s for t in (pod or cluster.tiers)) if (with_tier and cluster.tiers) else 1e18
-    return FleetSizer(targets, costs.prefill, costs.decode, load_bw,
+def fleet_sizer(cluster, model, costs, targets, svc: ServicePass) -> FleetSizer:
+    """The planner's queue model for this cluster, its hits loaded as its replay loaded them.
+
+    Tier on and tier off are sized by this one rule, so that they compare like for like:
+    HBM hits cost no load in either, and only hits from the tiers below are charged (at the
+    rate the replay read them). Pricing every hit at the pod link, as ``kvtier plan workers``
+    does with no replay to say where its hits sit, charged the tier-on fleet for the HBM hits
+    the tier-off fleet got free: on a trace of HBM hits only, 14 workers against 12 for the
+    same service."""
+    return FleetSizer(targets, costs.prefill, costs.decode, svc.load_bytes_per_s(model.bytes_per_token),
                       int(cluster.decode_kv_bytes // model.bytes_per_token))
 
 
@@ -353,7 +370,7 @@ def simulate_planned_day(trace: Trace, cluster, targets, *, peak_to_trough: floa
         sim_cluster = cluster if tiered else cluster.replace(tiers=())
         svc = service_pass(trace, sim_cluster, model, costs.prefill, costs.decode, make_policy("tier_aware"))
         service = svc.service_s[day.source]
-        sizer = _sizer(sim_cluster, model, costs, targets, tiered)
+        sizer = fleet_sizer(sim_cluster, model, costs, targets, svc)
         static_p, static_d, peak = static_fleet(day, svc, sizer, settings, duration)
         static = run_pool(day, svc, duration, settings, static=(static_p, static_d))
         planner = LivePlanner(sizer, settings, prefill_workers=static_p, decode_workers=static_d)

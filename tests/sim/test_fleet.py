@@ -45,7 +45,8 @@ def test_day_load_keeps_every_request_of_every_copy():
 
 
 def _svc(n, service):
-    return ServicePass(np.full(n, service), np.zeros(n, dtype=np.int64), np.full(n, 8000), np.full(n, 300))
+    return ServicePass(np.full(n, service), np.zeros(n, dtype=np.int64), np.full(n, 8000), np.full(n, 300),
+                       np.zeros(n))
 
 
 def test_pool_recursion_is_fifo_over_c_servers():
