@@ -76,6 +76,13 @@ MAX_ABORT_IDS = 1024
 #: longest name kept (MAX_KEPT_ID_CHARS) on a batch of ~120. Over ENCODE_INLINE_BYTES it is built
 #: and encoded on a thread (:func:`abort_body`).
 MAX_ABORT_BYTES = 1 << 20
+#: the most bytes of abort bodies the router holds at once (their :meth:`EngineIds.abort_bytes`):
+#: each is held while it is posted, until the worker answers (up to ABORT_TIMEOUT_S), and a ~9 KB
+#: request (an 8,000-character id over 120 empty prompts) makes a ~1 MiB one: 40 departures held
+#: 37 MiB, counted in no bound (audit s32 a1 D2). An abort over it is not sent (``over_budget``):
+#: its closed connection is what tells the worker, as for one too large to name. Sixteen of the
+#: largest fit, or some 100,000 of a uuid-named request's.
+MAX_ABORT_BYTES_IN_FLIGHT = 16 << 20
 #: an abort's body larger than this is built and encoded on a thread, not on the event loop
 ENCODE_INLINE_BYTES = 64 * 1024
 #: the longest body ``request_id`` the router keeps as a request's name: as long as a header line
@@ -239,13 +246,18 @@ def engine_request_ids(path: str, rid: str, body: Any) -> list[str]:
 class WorkerAborts:
     """Abort requests sent by the router in the background (the handler that asks is being
     cancelled); ``record(worker_url, result)`` counts each outcome: ``ok``, ``refused`` (the
-    worker answered an error status), ``failed`` (no answer), ``again`` (sent again, answered)."""
+    worker answered an error status), ``failed`` (no answer), ``again`` (sent again, answered),
+    ``over_budget`` (not sent: the bodies posted now take ``budget_bytes``)."""
 
-    def __init__(self, record) -> None:
+    def __init__(self, record, budget_bytes: int = MAX_ABORT_BYTES_IN_FLIGHT) -> None:
         self._record = record
         self._pending: set[asyncio.Task] = set()
         self._waiting: set[asyncio.Task] = set()   # asleep until an abort is sent again
         self._refusing: set[str] = set()   # workers told about once
+        self.budget_bytes = budget_bytes
+        #: the bytes of the abort bodies built and posted now (each its ``abort_bytes()``, a bound)
+        self.bytes_in_flight = 0
+        self._over_budget_told = False
 
     def send(self, session: ClientSession | None, worker_url: str, ids: EngineIds | None,
              headers: Mapping[str, str] | None, again_after_s: Iterable[float] = (),
@@ -286,8 +298,26 @@ class WorkerAborts:
         # The body is built here, once the client has left, and again for each post (off the loop
         # over ENCODE_INLINE_BYTES): kept between posts, up to MAX_ABORT_BYTES sat in the router
         # through the again-posts' sleeps, counted in no bound (~1 MiB for a ~6 KB request under a
-        # long client id, one per departed client: audit s31 r7 D3). Held only while posted now.
-        return await self._post(session, worker_url, engine, await abort_body(engine), headers)
+        # long client id, one per departed client: audit s31 r7 D3). Held only while posted now,
+        # and only within the budget on the bodies posted at once (audit s32 a1 D2).
+        size = engine.abort_bytes()
+        if self.bytes_in_flight + size > self.budget_bytes:
+            self._tell_over_budget(worker_url)
+            return "over_budget"
+        self.bytes_in_flight += size
+        try:
+            return await self._post(session, worker_url, engine, await abort_body(engine), headers)
+        finally:
+            self.bytes_in_flight -= size
+
+    def _tell_over_budget(self, worker_url: str) -> None:
+        if self._over_budget_told:   # (once: the count says how often)
+            return
+        self._over_budget_told = True
+        log.warning("worker %s: an abort by name not sent, the abort bodies posted now take %d bytes "
+                    "(MAX_ABORT_BYTES_IN_FLIGHT); its closed connection is what tells the worker "
+                    "(kvtier_router_worker_aborts_total{result=\"over_budget\"} counts them)",
+                    worker_url, self.bytes_in_flight)
 
     async def _post(self, session: ClientSession, worker_url: str, engine: EngineIds, body: bytes,
                     headers: Mapping[str, str] | None) -> str:

@@ -21,7 +21,7 @@ import re
 import time
 from collections import Counter, OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Iterable, NamedTuple, Sequence
 
 from aiohttp import ClientConnectorError, ClientError, ClientSession, ClientTimeout, TCPConnector, web
 
@@ -266,7 +266,8 @@ class Router:
         #: beside a decoding engine): a new request of that id sent meanwhile was killed with the
         #: one aborted (a client's retry under its idempotency key: audit s31 a4 D7)
         self._unanswered_aborts: Counter[tuple[str, str]] = Counter()
-        #: set, then replaced, at each abort's answer: what requests waiting for one wake on
+        #: set, then replaced, at each abort's answer and each worker ejected, drained or removed:
+        #: what requests waiting for an abort's answer wake on (:meth:`_wake_abort_waiters`)
         self._abort_answer = asyncio.Event()
         #: per (worker URL, request id): the router's requests of that name on that worker now
         self._named_on: Counter[tuple[str, str]] = Counter()
@@ -676,6 +677,13 @@ class Router:
         self.metrics.healthy.labels(worker.url).set(1 if worker.healthy else 0)
         self._update_mode()
 
+    def _excluded(self, tried: list[Worker], pinned_url: str | None) -> list[Worker]:
+        """The workers a request may not go to: those it was sent to, and, pinned to the one at
+        ``pinned_url``, every other one listed now (one added since it came included)."""
+        if pinned_url is None:
+            return tried
+        return tried + [w for w in self.workers if w.url != pinned_url]
+
     def _routable(self, worker: Worker) -> bool:
         """The router would send ``worker`` a request now: admitted, not draining, not removed."""
         return worker.healthy and not worker.draining and self._listed(worker)
@@ -686,7 +694,9 @@ class Router:
 
     def redecide_held(self, worker: Worker) -> None:
         """``worker`` was ejected, drained or removed: its held requests are decided again now,
-        not when one of those it was sent ends (a hung worker's: one ``request_timeout_s`` each)."""
+        not when one of those it was sent ends (a hung worker's: one ``request_timeout_s`` each),
+        and so are those waiting for the answer to an abort there (:meth:`_after_aborts_of`)."""
+        self._wake_abort_waiters()
         queue = self.admission.get(worker.id)
         if queue is not None and queue.held:
             log.info("worker %s: %d held requests decided again", worker.url, queue.redecide_all())
@@ -708,17 +718,23 @@ class Router:
         self.prefill.tokens_per_s, self.prefill.overhead_s = speed, overhead
         return speed, overhead
 
-    def decide(self, token_ids: Sequence[int], exclude: set[int], seed: int = ROOT_SEED,
+    def decide(self, token_ids: Sequence[int], exclude: Iterable[Worker] = (), seed: int = ROOT_SEED,
                model: str | None = None, prompt_tokens: int | None = None) -> tuple[Worker, int, list[int]] | None:
-        """Pick a worker (among those serving ``model``, router/models.py); returns it, the
-        predicted cached tokens and the prompt's keys (rooted in ``seed``, the request's
+        """Pick a worker (among those serving ``model``, router/models.py, none of ``exclude``); returns
+        it, the predicted cached tokens and the prompt's keys (rooted in ``seed``, the request's
         context: :func:`~kvtier.router.index.context_seed`). ``token_ids`` may be the prompt's
-        leading tokens only (``max_route_tokens``); ``prompt_tokens``: its whole length, priced."""
+        leading tokens only (``max_route_tokens``); ``prompt_tokens``: its whole length, priced.
+
+        ``exclude`` names workers by identity, not by ``Worker.id``: a removed worker's id is given
+        to the next one added (router/admin.py), and a request that had tried the removed one never
+        tried its replacement, answered 503 with a healthy worker in the pool (audit s32 a1 D1)."""
         t0 = time.perf_counter()
         total = len(token_ids) if prompt_tokens is None else max(prompt_tokens, len(token_ids))
-        candidates = [w for w in self.workers if w.healthy and not w.draining and w.id not in exclude]
+        # (``exclude`` holds its workers alive meanwhile, so no other object has one's id())
+        skip = {id(w) for w in exclude}
+        candidates = [w for w in self.workers if w.healthy and not w.draining and id(w) not in skip]
         if not candidates:   # every admitted worker failed this request: try the ejected ones
-            candidates = [w for w in self.workers if not w.draining and w.id not in exclude]
+            candidates = [w for w in self.workers if not w.draining and id(w) not in skip]
         if not candidates:
             return None
         candidates = serving(candidates, model)
@@ -1145,20 +1161,20 @@ class Router:
             request[_NAMED] = (rid, not add_header, abort_ids)
             self._names[rid] += 1
         # pinned: only that worker can serve it (it holds state the request refers to)
-        tried: set[int] = ({w.id for w in self.workers if w.url != pinned_url}
-                           if pinned_url and any(w.url == pinned_url for w in self.workers) else set())
+        pinned = pinned_url if pinned_url and any(w.url == pinned_url for w in self.workers) else None
+        tried: list[Worker] = []   # the workers it was sent to (by identity: decide())
         last_error = "no worker available"
         unserved: web.Response | None = None   # a worker's 404 for the model, if none serves it
         known_length = prompt_tokens is not None   # (None: not tokenized here, e.g. routed on load alone)
         prompt_tokens = len(token_ids) if prompt_tokens is None else max(prompt_tokens, len(token_ids))
         attempt = redecisions = 0
         while attempt < self.config.max_attempts:
-            decision = self.decide(token_ids, tried, seed, model, prompt_tokens)
+            decision = self.decide(token_ids, self._excluded(tried, pinned), seed, model, prompt_tokens)
             if decision is None:
                 break
             worker, predicted, keys = decision
             load_s = self.last_load_s   # read before any await: the next decision overwrites it
-            tried.add(worker.id)
+            tried.append(worker)
             if attempt:
                 self.metrics.retries.inc()
             attempt += 1
@@ -1177,29 +1193,31 @@ class Router:
             ejection: asyncio.Task | None = None   # a whole answer's watch on its worker's health
             try:
                 held_t0 = time.monotonic()
+                routable = self._routable(worker)   # (not so: sent as decide()'s last resort)
                 # soonest virtual finish first: arrival + its own predicted prefill seconds
                 if admission is not None:
-                    routable = self._routable(worker)
                     try:
                         admitted = await admission.admit(prefill_tokens, held_t0 + self.prefill.seconds(prefill_tokens),
                                                          may_hold=self._held() < self.config.max_held)
                     except QueueFull:
                         raise RequestError(429, f"the router holds {self.config.max_held} requests for their "
                                                 "workers (max_held); send it again later", "rate_limit_error") from None
-                    if (not admitted or (routable and not self._routable(worker))) \
-                            and redecisions < _MAX_REDECISIONS:
-                        # Its worker was ejected, drained or removed while it waited here: decided
-                        # again, not sent where the router no longer sends (behind a hung worker,
-                        # the held ones went there one request_timeout_s after another). No failure
-                        # is charged, and it costs no attempt.
-                        redecisions += 1
-                        attempt -= 1
-                        tried.discard(worker.id)   # (ejected, it is still the last resort of decide())
-                        self.metrics.held.observe(time.monotonic() - held_t0)
-                        continue
-                    # (else, decided again too often: it goes where it was decided, uncounted if so woken)
                 if abort_ids is not None:
-                    await self._after_aborts_of(worker, rid)
+                    await self._after_aborts_of(worker, rid, routable and redecisions < _MAX_REDECISIONS)
+                if ((admission is not None and not admitted) or (routable and not self._routable(worker))) \
+                        and redecisions < _MAX_REDECISIONS:
+                    # Its worker was ejected, drained or removed while it waited here, for its turn
+                    # or for an abort of its id there (a hung worker's, never answered: audit s32 a1
+                    # D5): decided again, not sent where the router no longer sends (behind a hung
+                    # worker, the held ones went there one request_timeout_s after another). No
+                    # failure is charged, and it costs no attempt.
+                    redecisions += 1
+                    attempt -= 1
+                    tried.pop()   # (this worker, the last tried: ejected, it is still decide()'s last resort)
+                    self.metrics.held.observe(time.monotonic() - held_t0)
+                    continue
+                # (else, decided again too often: it goes where it was decided, uncounted if so woken)
+                if abort_ids is not None:
                     self._named_on[worker.url, rid] += 1
                 t0 = time.monotonic()
                 held_s = t0 - held_t0
@@ -1208,8 +1226,9 @@ class Router:
                 # until the first byte nothing is written to the client, which is how a departure
                 # is otherwise noticed (router/abort.py): look at its socket meanwhile
                 watcher = watch_client(request.transport, asyncio.current_task().cancel)
-                # (vouched for when sent: an ejected worker, decide()'s last resort, keeps the bound)
-                watched = not streaming and self._health_watched(worker)
+                # a whole answer from a worker still listed, even one ejected now (decide()'s last
+                # resort; a /health blip): its health checks say whether it lives (audit s32 a1 D3)
+                watched = not streaming and self._listed(worker)
                 ejection = self._watch_ejection(worker) if watched else None
                 sending = True
                 async with self.session.request(request.method, worker.url + request.path_qs,
@@ -1380,20 +1399,29 @@ class Router:
         self._unanswered_aborts[key] -= 1
         if self._unanswered_aborts[key] <= 0:
             del self._unanswered_aborts[key]
-        answered, self._abort_answer = self._abort_answer, asyncio.Event()
-        answered.set()
+        self._wake_abort_waiters()
 
-    async def _after_aborts_of(self, worker: Worker, rid: str) -> None:
+    def _wake_abort_waiters(self) -> None:
+        """Requests waiting for an abort's answer (:meth:`_after_aborts_of`) look again."""
+        woken, self._abort_answer = self._abort_answer, asyncio.Event()
+        woken.set()
+
+    async def _after_aborts_of(self, worker: Worker, rid: str, while_routable: bool) -> None:
         """Wait until no abort naming ``rid`` sent to ``worker`` is unanswered, for at most
         ``ABORT_TIMEOUT_S`` (how long the abort itself waits for its answer; past it the router no
         longer knows when the worker acts on it). vLLM aborts every request of an id when its API
         server gets to the abort, seconds late beside a decoding engine: a request of that id sent
         before then (a client's retry under the id of the attempt it left) was aborted with the
         first (audit s31 a4 D7). Waiting costs an abort's round trip, and only a request that
-        reuses the id of one aborted on this worker."""
+        reuses the id of one aborted on this worker.
+
+        ``while_routable``: the wait ends too once the worker is no longer routable (ejected, drained
+        or removed: :meth:`redecide_held` wakes it), for the request to be decided again. A hung
+        worker answers no abort: its client's retry waited the whole bound, then went to it, ejected
+        meanwhile, and waited its silence out (audit s32 a1 D5)."""
         key = (worker.url, rid)
         deadline = time.monotonic() + ABORT_TIMEOUT_S
-        while self._unanswered_aborts.get(key, 0) > 0:
+        while self._unanswered_aborts.get(key, 0) > 0 and (not while_routable or self._routable(worker)):
             left = deadline - time.monotonic()
             if left <= 0:
                 log.info("worker %s: the abort of %.80s is still unanswered after %.0f s; sending a new request "
@@ -1410,17 +1438,19 @@ class Router:
     def _answer_timeout(self, watched: bool) -> ClientTimeout:
         """The bound on a forwarded request's silence (the session's: ``request_timeout_s`` between
         any two reads, the first byte included). ``watched``: a whole (non-streamed) answer sent to a
-        worker its health checks vouch for (:meth:`_health_watched`), which has no such bound before
+        worker its health checks watch (one still listed: :meth:`_listed`), which has no such bound before
         its first byte: the worker sends it only once the whole decode is over, and a long answer (a
         reasoning model's, at 600 s the default) was taken for a dead worker, charged a failure (two
         ejected a healthy worker), decoded again elsewhere and answered 503 at last (audit s31 a4
         D3). vLLM's own server puts no bound on a decode either. Whether that worker lives is for
-        its health checks to say (:meth:`_watch_ejection`); the client's own timeout bounds the
-        wait, and its leaving aborts the request. A whole answer sent to a worker they do not vouch
-        for (ejected, sent as ``decide()``'s last resort, or removed while the request waited) keeps
-        the bound: no health check would ever end its wait, and a hung one waited for ever (audit
-        s31 r3 D1). After the first byte, each read is bounded by ``request_timeout_s`` all the same
-        (:meth:`_read_bounded`)."""
+        its health checks to say (:meth:`_watch_ejection`), which go on checking an ejected one: a
+        whole answer sent to a worker ejected then (``decide()``'s last resort, a short /health
+        blip) is watched too, and given up on only if it stays so (before, it kept the bound: the
+        worker, re-admitted a moment later, was charged a failure for its long decode, audit s32 a1
+        D3). The client's own timeout bounds the wait, and its leaving aborts the request. One sent
+        to a worker removed while the request waited keeps the bound: nothing checks it any longer,
+        and a hung one waited for ever (audit s31 r3 D1). After the first byte, each read is bounded
+        by ``request_timeout_s`` all the same (:meth:`_read_bounded`)."""
         if not watched:   # (a stream's first byte ends its prefill: silence before it is a failure)
             return self.session.timeout
         return ClientTimeout(total=None, sock_connect=self.config.connect_timeout_s, sock_read=None)

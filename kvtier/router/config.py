@@ -338,12 +338,16 @@ class RouterConfig:
         """A form cap left unset: :data:`DEFAULT_FORM_BODY_BYTES`, lowered to the bodies held at once
         (``max_inflight_body_bytes``, one address's: :meth:`arriving_body_bytes_per_peer`), and
         logged if so. Refusing such configs refused text-only deployments' small bounds, which
-        started before the form cap existed (audit s31 r7 D5); a form cap set is refused instead."""
+        started before the form cap existed (audit s31 r7 D5); a form cap set is refused instead.
+        Never under ``max_body_bytes``, which both bounds take: before the form cap existed it was
+        the cap on forms too, and a deployment that had raised it to take larger audio files (64 MiB)
+        had every form over 32 MiB refused 413 on upgrade (audit s32 a1 D4)."""
         if self.form_cap_set():
             return
         unset = self.max_form_body_bytes is None   # (else sized by an earlier check(): again, quietly)
         self.max_form_body_bytes = None
-        cap = min(DEFAULT_FORM_BODY_BYTES, self.max_inflight_body_bytes, self.arriving_body_bytes_per_peer())
+        sized = min(DEFAULT_FORM_BODY_BYTES, self.max_inflight_body_bytes, self.arriving_body_bytes_per_peer())
+        cap = max(sized, self.max_body_bytes)
         if unset and cap < DEFAULT_FORM_BODY_BYTES:
             log.info("max_form_body_bytes (unset) is %d, under its default %d: the bounds on bodies held at "
                      "once take no larger audio form (set max_form_body_bytes, and those bounds, to take one)",

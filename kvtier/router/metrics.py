@@ -94,7 +94,8 @@ class RouterMetrics:
                               "(result: ok; refused, the worker answered an error status; failed, no answer; shared_name, not asked: "
                               "another request under way has the same client-given id; again, an abort sent again because "
                               "the client left before the worker's first byte, when the worker may not have had it yet; too_many, not "
-                              "asked: a batch of more engine requests than one abort names)",
+                              "asked: a batch of more engine requests than one abort names; over_budget, not asked: "
+                              "the abort bodies posted at once already take the router's bound on them, 16 MiB)",
                               ["worker", "result"], registry=r)
         self.ignored = Counter("kvtier_router_event_blocks_ignored",
                                "Blocks of KV events the router could not index (reason block_size: the worker's "

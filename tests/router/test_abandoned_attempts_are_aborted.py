@@ -193,11 +193,10 @@ def test_a_whole_answer_on_a_worker_ejected_while_it_decodes_is_aborted_and_sent
 
 
 def test_a_whole_answer_sent_to_a_worker_ejected_before_it_keeps_the_silence_bound():
-    """A worker ejected before the request was sent (the only one: ``decide()``'s last resort) is
-    vouched for by no health check, so nothing would end the wait for its whole answer: silent
-    for ``request_timeout_s`` (1 s) before its first byte, it is given up on, told to abort the
-    request by name, and the client gets its 503. Before, the client waited for the whole decode
-    (10 s here; a hung worker's: for ever, audit s31 r3 D1)."""
+    """A worker ejected before the request was sent (the only one: ``decide()``'s last resort) and
+    ejected still: silent for ``request_timeout_s`` (1 s) after its health checks were seen failing,
+    it is given up on, told to abort the request by name, and the client gets its 503. Before, the
+    client waited for the whole decode (10 s here; a hung worker's: for ever, audit s31 r3 D1)."""
     async def main():
         w = Deaf("w0", steps=100, gap_s=0.1)   # 10 s of decoding, /health failing
         w.down = True
@@ -213,9 +212,41 @@ def test_a_whole_answer_sent_to_a_worker_ejected_before_it_keeps_the_silence_bou
                     status, answer = r.status, await r.json()
                 took = time.monotonic() - t0
             assert status == 503 and took < 4, (status, took, answer)
-            assert "Timeout" in answer["error"]["message"], answer
+            assert "sent nothing for 1 s" in answer["error"]["message"], answer
             await until(lambda: w.aborted + w.finished == 1, timeout_s=5)
             assert (w.aborted, w.finished) == (1, 0), (w.aborted, w.finished)
+        finally:
+            await stop(runner, [w])
+    run(main())
+
+
+def test_a_whole_answer_sent_during_a_short_health_outage_is_waited_for():
+    """The only worker fails its health checks, is ejected, and gets a whole answer to decode (3 s)
+    as ``decide()``'s last resort; it passes them again a moment later and is re-admitted. Its
+    health checks say it lives, so its decode, longer than ``request_timeout_s`` (1 s), is waited
+    for: 200, decoded once, no failure charged. Before, a request sent while its worker was ejected
+    kept the silence bound whatever became of the worker: the decode was taken for a dead worker,
+    aborted, and the client got a 503 (audit s32 a1 D3)."""
+    async def main():
+        w = Deaf("w0", steps=30, gap_s=0.1)
+        await w.start()
+        router, runner, url = await start_router([w], request_timeout_s=1.0, eject_after=1, abort_again_s=())
+        try:
+            async with ClientSession() as s:
+                w.down = True
+                await until(lambda: not router.workers[0].healthy, timeout_s=5)
+                ask = asyncio.ensure_future(s.post(url + "/v1/completions", json={"prompt": "a b"},
+                                                   timeout=ClientTimeout(total=20)))
+                await until(lambda: w.requests == 1, timeout_s=5)
+                w.down = False
+                await until(lambda: router.workers[0].healthy, timeout_s=5)
+                assert router.workers[0].healthy and not ask.done()
+                r = await ask
+                status, answer = r.status, await r.json()
+                r.release()
+            assert status == 200 and answer["choices"][0]["text"] == "done", (status, answer)
+            assert (w.requests, w.finished, w.aborted) == (1, 1, 0), (w.requests, w.finished, w.aborted)
+            assert router.workers[0].failures == 0 and not w.abort_posts, w.abort_posts
         finally:
             await stop(runner, [w])
     run(main())

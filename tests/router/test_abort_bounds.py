@@ -130,6 +130,73 @@ def test_a_large_abort_body_is_held_only_while_it_is_posted():
     run(main())
 
 
+class AnswersAbortsWhenLet(Deaf):
+    """A worker whose API server, beside a busy engine, answers no abort until let (up to the
+    abort's ``ABORT_TIMEOUT_S`` of 30 s); it notes the aborts begun and the most bytes of their
+    bodies it held unanswered at once."""
+
+    def __init__(self, name: str, **kw) -> None:
+        super().__init__(name, **kw)
+        self.let = asyncio.Event()
+        self.begun = self.unanswered_bytes = self.most_unanswered_bytes = 0
+
+    async def abort(self, request):
+        self.begun += 1
+        size = len(await request.read())
+        self.unanswered_bytes += size
+        self.most_unanswered_bytes = max(self.most_unanswered_bytes, self.unanswered_bytes)
+        await self.let.wait()
+        self.unanswered_bytes -= size
+        return await super().abort(request)
+
+
+def test_the_abort_bodies_posted_at_once_are_bounded_and_those_over_the_bound_counted():
+    """24 clients each send a batch of 120 empty prompts under an 8,000-character ``X-Request-Id``
+    (~9 KB) and leave: each abort body is ~0.92 MiB, and the worker answers none for now. The router
+    posts only those that fit its 16 MiB bound on the abort bodies posted at once (17); the other 7
+    are not sent, counted ``over_budget`` (their closed connections tell the worker). Once the worker
+    answers, the bound is free again: the next client that leaves is aborted by name. Before, all 24
+    were posted and held, ~22 MiB counted in no bound, and N departures a second held ~N × 30 MiB
+    (audit s32 a1 D2)."""
+    n, budget, name = 24, 16 << 20, "x" * 7996
+    fit = budget // EngineIds("cmpl-", "0000" + name, 120, True).abort_bytes()
+
+    async def main():
+        w = AnswersAbortsWhenLet("w0", steps=100, gap_s=0.1)
+        await w.start()
+        router, runner, url = await start_router([w], abort_again_s=())
+        try:
+            async with ClientSession() as s:
+                async def ask(i: int) -> None:
+                    async with s.post(url + "/v1/completions", json={"prompt": [""] * 120},
+                                      headers={"X-Request-Id": f"{i:04d}{name}"}) as r:
+                        await r.read()
+                asks = [asyncio.ensure_future(ask(i)) for i in range(n)]
+                await until(lambda: w.requests == n, timeout_s=10)
+                for task in asks:   # every client leaves
+                    task.cancel()
+                await asyncio.gather(*asks, return_exceptions=True)
+                await until(lambda: w.begun + counted(router, w, "over_budget") >= n, timeout_s=15)
+                await asyncio.sleep(0.3)   # (none more comes)
+                assert (w.begun, counted(router, w, "over_budget")) == (fit, n - fit), (w.begun, fit)
+                assert w.most_unanswered_bytes <= budget and router.aborts.bytes_in_flight <= budget
+
+                w.let.set()
+                await until(lambda: counted(router, w, "ok") == fit and w.aborted == fit, timeout_s=10)
+                assert router.aborts.bytes_in_flight == 0 and w.aborted == fit
+                await leave_early(s, url, "/v1/completions", {"prompt": [""] * 120},
+                                  headers={"X-Request-Id": f"last{name}"}, worker=w)
+                await until(lambda: w.aborted == fit + 1, timeout_s=10)
+                assert w.aborted == fit + 1 and counted(router, w, "over_budget") == n - fit
+        finally:
+            w.let.set()
+            for stop in w.running.values():   # (the decodes no abort named end too)
+                stop.set()
+            await runner.cleanup()
+            await w.stop()
+    run(main())
+
+
 @pytest.mark.parametrize("length, kept", [(MAX_KEPT_ID_CHARS + 1, False), (200_000, False),
                                           (MAX_KEPT_ID_CHARS, True)],
                          ids=["bound+1", "200000", "control-bound"])

@@ -12,7 +12,7 @@ from aiohttp import ClientSession
 
 from kvtier.router.admin import TOKEN_ENV, _loopback
 from kvtier.router.view import LiveView
-from tests.router.test_http import StandIn, run, standin_router, start_router
+from tests.router.test_http import Deaf, StandIn, run, standin_router, start_router
 
 
 async def _admin(s: ClientSession, method: str, url: str, body: dict | None = None, token: str | None = None):
@@ -58,6 +58,88 @@ def test_a_worker_added_under_a_freed_id_inherits_nothing_of_the_removed_one():
             assert sent_to(a_id) > 0
             status, again = await _admin(s, "POST", url, {"url": b.url})
             assert status == 201 and again["id"] == b_id and sent_to(b_id) == 0
+    run(main())
+
+
+def test_a_request_retried_after_a_rolling_replacement_goes_to_the_worker_that_took_a_tried_ones_id():
+    """A planner replaces workers while a whole answer decodes on A (id 0, 4 s): C is added, A is
+    drained and force-removed, D is added (and takes id 0), C is drained and removed. Silent for
+    ``request_timeout_s`` after its removal, A's answer is given up on, and the request goes to D,
+    the one worker left: 200. Before, the request remembered the workers it tried by their ids, D's
+    among them, and answered 503 with D healthy in the pool (audit s32 a1 D1)."""
+    async def main():
+        a, c, d = Deaf("A", steps=40, gap_s=0.1), StandIn("C"), StandIn("D")
+        for w in (a, c, d):
+            await w.start()
+        router, runner, url = await start_router([a], request_timeout_s=1.0, abort_again_s=())
+        try:
+            async with ClientSession() as s:
+                ask = asyncio.ensure_future(_complete(s, url, "a b"))
+                await _until(lambda: a.requests == 1, what="A has the request")
+                a_id = router.workers[0].id
+                assert (await _admin(s, "POST", url, {"url": c.url}))[0] == 201
+                assert (await _admin(s, "DRAIN", url, {"url": a.url}))[0] == 200
+                assert (await _admin(s, "DELETE", url, {"url": a.url, "force": True}))[0] == 200
+                status, added = await _admin(s, "POST", url, {"url": d.url})
+                assert status == 201 and added["id"] == a_id   # (the freed id, as admin.py gives it)
+                assert (await _admin(s, "DRAIN", url, {"url": c.url}))[0] == 200
+                assert (await _admin(s, "DELETE", url, {"url": c.url}))[0] == 200
+                assert await asyncio.wait_for(ask, 15) == (200, d.url)
+            assert (c.requests, d.requests) == (0, 1)
+        finally:
+            await runner.cleanup()
+            for w in (a, c, d):
+                await w.stop()
+    run(main())
+
+
+class Continues(StandIn):
+    """A Responses API worker noting every ``/v1/responses`` it is sent; with ``cut`` set, it holds
+    the next one until ``cut`` is set, then closes its connection unanswered (a crash)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.responses_sent = 0
+        self.cut: asyncio.Event | None = None
+
+    async def respond(self, request):
+        self.responses_sent += 1
+        if self.cut is not None:
+            await self.cut.wait()
+            request.transport.close()
+            await asyncio.sleep(1)
+        return await super().respond(request)
+
+
+def test_a_continued_response_goes_to_no_worker_added_while_it_was_under_way():
+    """A continuation of a response stored on A is pinned to A. A worker B is added while A has it,
+    then A drops it: no other worker holds the response, so the router answers 503, and B is never
+    sent it, as when B was there from the start. Before, the workers pinned out were those listed
+    when the request came (by id), so B, added since, was tried (audit s32 a1 D1)."""
+    async def main():
+        a, b = Continues("A"), Continues("B")
+        for w in (a, b):
+            await w.start()
+        router, runner, url = await start_router([a])
+        try:
+            async with ClientSession() as s:
+                async with s.post(url + "/v1/responses", json={"model": "tiny", "input": "hi"}) as r:
+                    assert r.status == 200
+                    stored = (await r.json())["id"]
+                a.cut = asyncio.Event()
+                ask = asyncio.ensure_future(s.post(url + "/v1/responses", json={
+                    "model": "tiny", "input": "go on", "previous_response_id": stored}))
+                await _until(lambda: a.responses_sent == 2, what="A has the continuation")
+                assert (await _admin(s, "POST", url, {"url": b.url}))[0] == 201
+                a.cut.set()
+                r = await asyncio.wait_for(ask, 15)
+                status = r.status
+                r.release()
+            assert status == 503 and b.responses_sent == 0, (status, b.responses_sent)
+        finally:
+            await runner.cleanup()
+            for w in (a, b):
+                await w.stop()
     run(main())
 
 

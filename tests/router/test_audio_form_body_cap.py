@@ -165,13 +165,16 @@ def test_body_bounds_under_the_form_cap_set_are_refused_naming_it(bounds, sized)
     ({"max_arriving_body_bytes_per_peer": 16 << 20}, 16 << 20, 16 << 20),
     ({"max_inflight_body_bytes": 128 << 20}, 16 << 20, 16 << 20),
     ({}, 32 << 20, 128 << 20),
-], ids=["inflight=max_body", "small-box", "per-peer=max_body", "inflight-128MiB", "control-defaults"])
+    ({"max_body_bytes": 64 << 20}, 64 << 20, 128 << 20),
+], ids=["inflight=max_body", "small-box", "per-peer=max_body", "inflight-128MiB", "control-defaults",
+        "max_body-over-the-default"])
 def test_a_text_only_deployments_body_bounds_start_with_the_form_cap_unset(bounds, form_cap, per_peer, caplog):
     """Body bounds that started before the form cap existed (at least ``max_body_bytes``) still
     start with ``max_form_body_bytes`` unset: it is lowered to the bounds on bodies held at once
     (logged), and one address's default bound stays floored at ``max_body_bytes``, not raised to
     the form cap. Before, each was refused at start, and an eighth of 128 MiB rose from 16 to 32
-    MiB (audit s31 r7 D5). Control: the defaults keep the 32 MiB form cap, unlogged."""
+    MiB (audit s31 r7 D5). Control: the defaults keep the 32 MiB form cap, unlogged; a
+    ``max_body_bytes`` over it raises it to match, unlogged (audit s32 a1 D4)."""
     with caplog.at_level(logging.INFO, logger="kvtier.router.config"):
         config = RouterConfig(workers=[WorkerSpec("http://w")], **bounds).check()
         config.check()   # (Router() checks it again: sized again, the same, logged once)
@@ -193,6 +196,28 @@ def test_a_form_over_the_form_cap_sized_to_the_bounds_is_refused_413_not_429():
             assert status == 413 and f"max_form_body_bytes = {16 << 20}" in text, (status, text[:200])
             status, text = await transcribe(url, 10_000_000)
             assert status == 200 and w.files == [10_000_000], (status, text[:200])
+        finally:
+            await runner.cleanup()
+            await w.stop()
+    run(main())
+
+
+def test_a_form_under_a_raised_max_body_bytes_is_forwarded_with_the_form_cap_unset():
+    """``max_body_bytes`` raised to 64 MiB, the form cap unset: before the form cap existed, that
+    was how a deployment took audio files larger than 32 MiB (workers with a raised
+    ``VLLM_MAX_AUDIO_CLIP_FILESIZE_MB``). The unset cap is never under ``max_body_bytes``, so a 40 MB
+    form is forwarded whole. Before, it was capped at its 32 MiB default and refused 413: forms got
+    less than JSON bodies (audit s32 a1 D4). Control: a form over 64 MiB is still a 413."""
+    async def main():
+        w = SpeechWorker()
+        await w.start()
+        router, runner, url = await start_router([w], max_body_bytes=64 << 20)
+        try:
+            assert router.config.max_form_body_bytes == 64 << 20
+            status, text = await transcribe(url, 40_000_000)
+            assert status == 200 and w.files == [40_000_000], (status, text[:200])
+            status, text = await transcribe(url, (64 << 20) + 1)
+            assert status == 413 and "max_form_body_bytes" in text, (status, text[:200])
         finally:
             await runner.cleanup()
             await w.stop()

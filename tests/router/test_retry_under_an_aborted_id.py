@@ -9,10 +9,10 @@ from __future__ import annotations
 import asyncio
 import time
 
-from aiohttp import ClientSession, web
+from aiohttp import ClientSession, ClientTimeout, web
 
 from kvtier.router import app as router_app
-from tests.router.test_http import Deaf, leave_early, run, start_router, until
+from tests.router.test_http import Deaf, StandIn, leave_early, run, start_router, until
 
 
 class LateAborts(Deaf):
@@ -95,4 +95,66 @@ def test_a_retry_waits_for_an_unanswered_abort_no_longer_than_the_aborts_own_bou
         finally:
             await runner.cleanup()
             await w.stop()
+    run(main())
+
+
+class Hung(StandIn):
+    """A hung worker: it takes requests and answers none, nor the aborts of them, until released."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.release = asyncio.Event()
+
+    async def complete(self, request):
+        await request.read()
+        self.requests += 1
+        await self.release.wait()
+        return web.Response(status=499)
+
+    async def abort(self, request):
+        self.abort_posts.append(await request.json())
+        await self.release.wait()
+        return web.Response()
+
+
+def test_a_retry_waiting_for_an_abort_on_a_worker_ejected_meanwhile_goes_elsewhere_at_once(monkeypatch):
+    """A client leaves a stream on a hung worker A and sends it again under its id; A's abort is
+    never answered, so the retry waits for it (``ABORT_TIMEOUT_S``, 5 s here). A fails its health
+    checks meanwhile and is ejected: the wait ends, and the retry is decided again, to B, which
+    answers it within about the ejection's time. Before, it waited the whole bound, was then sent
+    to the ejected A all the same, and reached B only after ``request_timeout_s`` (4 s) more of
+    silence (600 s by default: audit s32 a1 D5)."""
+    monkeypatch.setattr(router_app, "ABORT_TIMEOUT_S", 5.0)
+
+    async def main():
+        a, b = Hung("A"), StandIn("B")
+        for w in (a, b):
+            await w.start()
+        router, runner, url = await start_router([a], request_timeout_s=4.0, abort_again_s=())
+        body, same = {"prompt": "one two three four five six seven eight", "stream": True}, {"X-Request-Id": "job-9"}
+        try:
+            async with ClientSession() as s:
+                await leave_early(s, url, "/v1/completions", body, headers=same, worker=a)
+                await until(lambda: a.abort_posts, timeout_s=5)
+                async with s.post(url + "/admin/workers", json={"url": b.url}) as r:
+                    assert r.status == 201
+                t0 = time.monotonic()
+
+                async def retry():
+                    async with s.post(url + "/v1/completions", json=body, headers=same,
+                                      timeout=ClientTimeout(total=30)) as r:
+                        return r.status, r.headers.get("X-Kvtier-Worker"), await r.text()
+                answer = asyncio.ensure_future(retry())
+                await asyncio.sleep(0.2)
+                assert not answer.done() and router._unanswered_aborts   # (waiting for A's abort)
+                a.down = True
+                status, worker, text = await answer
+                took = time.monotonic() - t0
+            assert status == 200 and worker == b.url and "[DONE]" in text, (status, worker, text[-80:])
+            assert a.requests == 1 and took < 3.0, (a.requests, took)
+        finally:
+            a.release.set()
+            await runner.cleanup()
+            for w in (a, b):
+                await w.stop()
     run(main())
