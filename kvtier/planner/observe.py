@@ -16,8 +16,10 @@ its observation carries the rate and no lengths, and the planner keeps the mix i
 before (never 1-token prompts). One whose answers carried no usage measured no hit rate.
 Counters that went backwards (a restarted router) restart the baseline instead of giving
 negative rates. Figures no deployment can produce (a mean prompt over
-:data:`MAX_MEAN_PROMPT_TOKENS`, a request rate over :data:`MAX_REQUEST_RATE`) are a garbled
-counter, not load: that interval gives no observation either, as NaN and Inf do.
+:data:`MAX_MEAN_PROMPT_TOKENS`, by the router's lengths or by usage, whichever gives the
+lengths; usage prompt tokens under one per answer counted; a request rate over
+:data:`MAX_REQUEST_RATE`) are a garbled counter, not load: that interval gives no observation
+either, as NaN and Inf do.
 
 The observation carries a sample of at most :data:`SAMPLE_REQUESTS` prompt lengths (the
 interval's mean, repeated: the router counts sums, not lengths), and beside it what the sample
@@ -35,7 +37,9 @@ from kvtier.planner.live import Observation
 ROUTED_PROMPT_TOKENS = "kvtier_router_routed_prompt_tokens_total"
 UNKNOWN_LENGTH = "kvtier_router_routed_unknown_length_requests_total"
 #: no model serves a context near 100M tokens: a mean prompt above it is a garbled counter (a
-#: router exporting ``1e300``), and sizing on it overflowed the cost model and ended the planner
+#: router exporting ``1e300``), and sizing on it overflowed the cost model and ended the planner;
+#: a usage mean above it, beside sane router lengths, weighed its ~0 hit rate by 1e300 tokens in
+#: the pooled hit rate (as if nothing were cached for the next few intervals)
 MAX_MEAN_PROMPT_TOKENS = 1e8
 #: no router routes a million requests a second (one ``kvtier route`` handles thousands): a rate
 #: above it is a garbled requests counter (``1e300``), whose mean prompt came out under one token
@@ -81,6 +85,20 @@ def _routed_mean(before: RouterCounters, after: RouterCounters, requests: float)
     return tokens / known if known > 0 else None
 
 
+def _usage_mean(before: RouterCounters, after: RouterCounters, requests: float, prompt: float) -> float | None:
+    """The interval's mean prompt by its answers' usage: Δusage prompt tokens over Δanswers whose
+    usage the router read (a router that does not count them: over Δrequests). None where no
+    usage prompt tokens came; NaN where they came in under one token an answer, which no answer
+    reports (its usage counts the prompt's tokens, one at least): a garbled answers counter, whose
+    mean came out as 1-token prompts."""
+    if prompt <= 0:
+        return None
+    answers = after.usage_answers - before.usage_answers
+    if not (math.isfinite(answers) and answers > 0):
+        return prompt / requests  # a router that does not count them: prompt tokens moved, so usage came
+    return prompt / answers if prompt >= answers else math.nan
+
+
 def observation_between(before: RouterCounters, after: RouterCounters, output_tokens: int) -> Observation | None:
     """The interval's observation, or None when there is no interval (first scrape, a reset)."""
     dt = after.at_s - before.at_s
@@ -99,16 +117,14 @@ def observation_between(before: RouterCounters, after: RouterCounters, output_to
     rate = requests / dt
     if not rate <= MAX_REQUEST_RATE:
         return None   # a garbled counter (or finite counters over a tiny interval): no measurement
-    # the hit rate is over the answers that carried usage, whichever source gives the lengths
+    usage = _usage_mean(before, after, requests, prompt)
+    if usage is not None and not usage <= MAX_MEAN_PROMPT_TOKENS:
+        # a garbled usage counter, whichever source gives the lengths: the hit rate is over the
+        # usage prompt tokens, and they are its weight in the planner's pooled hit rate
+        return None
     hit = min(max(cached / prompt, 0.0), 1.0) if prompt > 0 else 0.0
-    if routed is not None:
-        mean = routed
-    elif prompt > 0:
-        answers = after.usage_answers - before.usage_answers
-        if not (math.isfinite(answers) and answers > 0):
-            answers = requests  # a router that does not count them: prompt tokens moved, so usage came
-        mean = prompt / answers
-    else:   # no length known either way: the prompt lengths are unknown, not 0 (nor 1) tokens
+    mean = routed if routed is not None else usage
+    if mean is None:   # no length known either way: the prompt lengths are unknown, not 0 (nor 1) tokens
         return Observation(after.at_s, rate, (), (), 0.0, hit_measured=False)
     if mean > MAX_MEAN_PROMPT_TOKENS:
         return None   # a garbled counter, not load: nothing to size on, as after a reset
