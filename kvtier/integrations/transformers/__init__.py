@@ -5,6 +5,8 @@
 * :mod:`.cache_io` — store blocks ↔ the model's ``DynamicCache``, one large copy per block.
 * :mod:`.cache_probe` — what the model really caches, and whether it resumes from a cache as kvtier feeds it
   (a few tokens whole, then as a cached prefix and a suffix), checked at start.
+* :mod:`.weights_watch` — whether the model's weights changed since its session was built, checked at
+  each request without hashing them.
 * :mod:`.session` — :class:`KVTierLM`: lookup → load → prefill the suffix → generate → save.
 * :mod:`.models` — random-weight Llama models and a local tokenizer, built once and cached.
 

@@ -16,7 +16,10 @@ The files are not the whole story: a model can be changed after loading (PEFT's
 ``merge_and_unload()`` adds a LoRA into the q/v projections in memory) while its
 config still names the base model's directory. So a digest of the weights as they
 are in memory (:func:`loaded_weights_digest`) joins the files' identity: a merged
-model gets a namespace of its own, never its base model's KV.
+model gets a namespace of its own, never its base model's KV. A namespace given to a
+session is checked against the model it serves (:func:`refuse_foreign_namespace`), and
+weights changed in place once the session is built are refused at its next request
+(:mod:`.weights_watch`).
 """
 
 from __future__ import annotations
@@ -50,6 +53,8 @@ DEFAULT_BLOCK_TOKENS = 16
 
 #: the identity's version and hash (a new scheme gives new namespaces: old blocks are never reused)
 IDENTITY_PREFIX = f"st2:{HASH_NAME}:"
+#: joins the files' identity and the loaded weights' digest in a derived weights_revision
+_MEM_MARK = "+mem:"
 #: the most a safetensors JSON header may hold (the format's own limit is 100 MB)
 _MAX_HEADER = 100 << 20
 
@@ -315,11 +320,15 @@ def loaded_weights_digest(model) -> str:
     Exact, and the same on every machine that loads the same files in the same dtype. It costs
     one read of the weights on one core, at memory speed: measured 0.09-0.13 s for a 1.36 GB
     fp32 Llama (0.03 s in bf16) on a 2-core VM, i.e. ~1-1.5 s for a 16 GB model, once per
-    :func:`namespace_for_model` call (a session's start), never per request. A tensor tied to
+    :func:`namespace_for_model` call and once per check of a namespace given to a session
+    (:func:`refuse_foreign_namespace`): a session's start, never per request. A tensor tied to
     another (shared embeddings) is hashed once and named as the other's alias.
     """
     import torch
 
+    # A torch.compile wrapper's state dict names every weight "_orig_mod.<name>": the same weights
+    # under other names, digested as the model it compiles.
+    model = getattr(model, "_orig_mod", model)
     h = xxhash.xxh3_128()
     seen: dict[tuple, str] = {}
     for name, tensor in model.state_dict().items():
@@ -413,13 +422,44 @@ def namespace_for_model(
             )
         files = weights_identity(source)
         check_weights_match(model, source)
-        weights_revision = f"{files}+mem:{loaded_weights_digest(model)}"
+        weights_revision = f"{files}{_MEM_MARK}{loaded_weights_digest(model)}"
     dtype = model_dtype_name(model)
     layout = kv_layout(config, dtype, block_tokens)
+    return Namespace(model_id_of(model), layout, weights_revision=weights_revision, tenant=tenant,
+                     adapter=adapter, salt=salt)
+
+
+def model_id_of(model) -> str:
+    """The ``model_id`` of ``model``'s namespace: its model type, config fingerprint, attention
+    implementation and (models that number positions past it) pad id."""
+    config = model.config
     model_id = f"hf:{config.model_type}:cfg={config_fingerprint(config)}:attn={attention_implementation(config)}"
     pads = pad_counted_positions(model)
     if pads:
         # pad_token_id is no part of the fingerprint (it changes no KV of most models); here it
         # shifts every position (they start after it), so models differing in it share no KV.
         model_id += f":pads={','.join(map(str, sorted(pads)))}"
-    return Namespace(model_id, layout, weights_revision=weights_revision, tenant=tenant, adapter=adapter, salt=salt)
+    return model_id
+
+
+def refuse_foreign_namespace(model, namespace: Namespace) -> None:
+    """Raise :class:`ConfigError` unless ``namespace`` names ``model``: its ``model_id`` must be
+    :func:`model_id_of` the model (the same type, config, attention kernel and pad id), and a
+    ``weights_revision`` that :func:`namespace_for_model` derived (``...+mem:<digest>``) must hold
+    the :func:`loaded_weights_digest` of the weights loaded now: a namespace of another checkpoint
+    of the same config (a base model and its fine-tune) would otherwise serve that checkpoint's
+    K/V. A revision without that digest was given by the caller and is trusted as given. Costs
+    one read of the weights (what :func:`namespace_for_model` pays), once per session."""
+    mine = model_id_of(model)
+    if namespace.model_id != mine:
+        raise ConfigError(
+            f"the namespace's model_id {namespace.model_id!r} is not this model's {mine!r} (another model "
+            f"type, config, attention implementation or pad id): its blocks hold another model's K/V; build "
+            f"the namespace from this model (namespace_for_model)")
+    _, derived, digest = namespace.weights_revision.rpartition(_MEM_MARK)
+    if derived and digest != (loaded := loaded_weights_digest(model)):
+        raise ConfigError(
+            f"the namespace was built from other weights than this model's: its weights digest "
+            f"{_MEM_MARK}{digest} is not the loaded weights' {_MEM_MARK}{loaded} (another checkpoint of the "
+            f"same config, or weights changed since namespace_for_model ran); build the namespace from "
+            f"this model (namespace_for_model), or pass weights_revision= naming these weights")

@@ -59,7 +59,9 @@ from kvtier.integrations.transformers.namespace import (
     model_dtype_name,
     namespace_for_model,
     pad_counted_positions,
+    refuse_foreign_namespace,
 )
+from kvtier.integrations.transformers.weights_watch import WeightsWatch
 from kvtier.store.tiered import TieredStore
 from kvtier.tiers.base import Status
 from kvtier.tiers.host import HostTier
@@ -217,6 +219,10 @@ class KVTierLM:
     load that writes nothing cannot pass for a correct one. ``capacity_tokens`` preallocates the KV
     storage (an engine sizes its KV memory at start; allocating during a
     request would put page faults on its critical path); it grows if needed.
+    A ``namespace`` given is checked against the model (:func:`.refuse_foreign_namespace`: its
+    model id, and the weights digest of one :func:`.namespace_for_model` built); weights changed
+    in place after construction are refused at the next request (:class:`.WeightsWatch`: one
+    pass over the parameters, nothing hashed), with a :class:`ConfigError`.
     A model kvtier cannot serve is refused here, with a :class:`ConfigError`, not at its first
     request: a few tokens run through it once per construction, whole and as a cached prefix and
     a suffix, to check what it caches and that a resumed run gives the whole run's logits
@@ -238,6 +244,7 @@ class KVTierLM:
         self.model = model.eval()
         self.store = store
         dtype_name = model_dtype_name(model)
+        namespace_given = namespace is not None
         if store is not None and namespace is None:
             namespace = namespace_for_model(model, block_tokens=block_tokens, weights_dir=weights_dir, tenant=tenant)
         self.namespace = namespace
@@ -251,6 +258,12 @@ class KVTierLM:
             # the layout's N) broadcast in by the cache's copy and saved under this namespace.
             raise ConfigError(f"namespace layout {layout} is not this model's KV layout {expected}; "
                               f"build the namespace from this model (namespace_for_model)")
+        if namespace_given:
+            # Of this geometry, but maybe another model's or another checkpoint's (one config).
+            refuse_foreign_namespace(model, namespace)
+        # The weights the namespace names, as they are now: a request after they change is refused
+        # (see _refuse_changed_weights). Without a store nothing is loaded or saved.
+        self._weights = WeightsWatch(model) if store is not None else None
         _refuse_length_dependent_rope_modules(model)
         # RoBERTa and kin: a hit stops before the first block holding one of these (see _reusable_tokens)
         self._position_pads = np.array(sorted(pad_counted_positions(model)), dtype=np.int64)
@@ -375,6 +388,19 @@ class KVTierLM:
                 f"{self.storage.dtype} KV; run the model without autocast (or convert the model to "
                 f"{torch.get_autocast_dtype(device)} and build its namespace from it)")
 
+    def _refuse_changed_weights(self) -> None:
+        """Raise :class:`ConfigError` if the model's weights changed since construction
+        (:class:`WeightsWatch`): the namespace, fixed then, names the weights of that time, so the
+        blocks it keys are their K/V, not the changed model's. Nothing is looked up or saved."""
+        change = self._weights.change()
+        if change is not None:
+            raise ConfigError(
+                f"the model's weights changed after this KVTierLM was built ({change}): its namespace "
+                f"names the weights it was built with, whose cached K/V is not the changed model's. "
+                f"Build a new KVTierLM for the changed model: save it (save_pretrained) and let "
+                f"namespace_for_model identify it, or pass a namespace whose weights_revision names "
+                f"the new weights")
+
     def _reusable_tokens(self, arr: np.ndarray, attention_mask, *, mask_covers_all: bool) -> int:
         """How many leading positions of ``arr`` have the K/V that stored blocks hold (every position
         attended, numbered from 0): those before the first masked position of ``attention_mask``
@@ -409,6 +435,7 @@ class KVTierLM:
         cached, known, report = 0, 0, None
         lookup_s = 0.0
         if self.store is not None and use_store:
+            self._refuse_changed_weights()
             keys = block_keys(self.namespace, arr)
             match = self.store.lookup(keys)
             hit = min(match.hit_blocks, reusable_tokens // self.layout.block_tokens)
@@ -466,6 +493,9 @@ class KVTierLM:
             if self.storage.refused is not None:
                 # Its layers may hold different lengths, or KV that a refused forward left half written.
                 raise LayoutError(f"nothing of this request is saved: {self.storage.refused}")
+            # K/V that changed weights computed would be saved as the old weights' (and so would
+            # a cache loaded before the change but extended after it).
+            self._refuse_changed_weights()
             self._refuse_tokens_not_held(arr)
             held = min(arr.size, self.storage.held_tokens(), reusable_tokens)
             n_full = held // self.layout.block_tokens
