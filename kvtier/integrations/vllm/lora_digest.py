@@ -47,7 +47,8 @@ request), and hands the name to the workers with each load and save (``LoadJob.a
 it was named from, and vLLM reads them again while a request runs (after an unload, and at every
 step with ``load_inplace``): so the files' identities as they were named (:class:`AdapterFiles`,
 a few ``stat`` calls) are checked again before each save is planned, and by the worker after vLLM
-loaded the step's adapters (``SaveJob.adapter_files``). A request whose adapter's files changed
+loaded the step's adapters (``SaveJob.adapter_files``; files whose identity alone changed are
+hashed again there, :meth:`AdapterFiles.same_version`). A request whose adapter's files changed
 while it ran is neither looked up nor saved again: its later KV is another version's.
 
 vLLM's own prefix cache keys an adapter's pages by name and path only: after the files are
@@ -155,12 +156,13 @@ class _Digest(NamedTuple):
 
 
 class AdapterFiles(NamedTuple):
-    """The files an adapter was named from, as they were then: its directory and each file's
-    identity (real path, device, inode, size, mtime, ctime). Strings and ints: it travels to the
-    workers with each save (``SaveJob.adapter_files``)."""
+    """The files an adapter was named from, as they were then: its directory, each file's
+    identity (real path, device, inode, size, mtime, ctime) and their contents' digest. Strings
+    and ints: it travels to the workers with each save (``SaveJob.adapter_files``)."""
 
     directory: str
     stamps: tuple[tuple, ...]
+    digest: str = ""   #: :meth:`AdapterKeys.digest` of the files; "": not known (never the same version)
 
     def unchanged(self) -> bool:
         """The directory still holds these very files (a few ``stat`` calls, nothing read); False
@@ -168,6 +170,19 @@ class AdapterFiles(NamedTuple):
         try:
             return _stamps(_current_files(self.directory)) == self.stamps
         except OSError:
+            return False
+
+    def same_version(self) -> bool:
+        """The directory holds these files' version: these very files (:meth:`unchanged`), or files
+        whose identity alone changed (a ``chmod``, a ``touch``, the same bytes deployed again),
+        hashed again to tell (about a second a GB). False where they cannot be read, or change while
+        hashed. Like :meth:`unchanged`, it cannot see another version that came and went since the
+        files were named (a link to the directory flipped to it and back passes both)."""
+        try:
+            files = _current_files(self.directory)
+            stamps = _stamps(files)
+            return stamps == self.stamps or (bool(self.digest) and _digest_of(files, stamps) == self.digest)
+        except (OSError, ConfigError):
             return False
 
 
@@ -192,10 +207,20 @@ def _inodes(files: AdapterFiles) -> tuple[tuple, ...]:
 
 
 class _Unsettled(NamedTuple):
-    """Another version of an id's files seen while young (:data:`SETTLED_S`): files being written."""
+    """An id's files seen while young (:data:`SETTLED_S`): files being written."""
 
-    since_ns: int                 #: the newest ctime of the first such version seen
-    inodes: tuple[tuple, ...]     #: which files held it (:func:`_inodes`)
+    last_ns: int                  #: their newest ctime when last seen
+    inodes: tuple[tuple, ...]     #: which files they were (:func:`_inodes`)
+
+    @classmethod
+    def of(cls, files: AdapterFiles) -> "_Unsettled":
+        return cls(_newest_change_ns(files), _inodes(files))
+
+
+def _follows(seen: _Unsettled, files: AdapterFiles) -> bool:
+    """``files`` are the very files ``seen`` (inodes), last changed less than :data:`SETTLED_S` after
+    they were seen: whatever they held in between stood less than that."""
+    return seen.inodes == _inodes(files) and _newest_change_ns(files) - seen.last_ns < SETTLED_S * 1e9
 
 
 #: adapter versions whose digests are remembered, the least recently named dropped first (named
@@ -219,7 +244,8 @@ MAX_LOADED_IDS = 65536
 #: may have loaded under the id (at an eviction, not seen here). Younger files are taken for files
 #: being written (``cp`` of the same bytes over themselves, a backup restored, ``rsync --inplace``):
 #: they refuse the request that sees them, but the id keeps its version if the same files (inodes)
-#: name it again within this time of when they were first seen changed (:meth:`AdapterKeys.for_request`).
+#: name it again, each change seen within this time of the one seen before it (whatever the files
+#: held between two sightings stood less than their ctimes apart; :meth:`AdapterKeys.for_request`).
 #: vLLM loads no truncated file, so a copy caught half way is no version it could hold; what this
 #: rule cannot see is a whole other version that vLLM loaded at an eviction within this time of its
 #: write, then written back to the old bytes in the same files within this time too. File times
@@ -342,7 +368,7 @@ class AdapterKeys:
         if getattr(lora_request, "is_3d_lora_weight", False):
             identity["moe_3d_weights"] = True   # how vLLM reads the MoE weights of the same files
         key = "vllm-lora/1 " + json.dumps(identity, sort_keys=True, separators=(",", ":"))
-        return AdapterName(self._shared(key), AdapterFiles(directory, version.stamps))
+        return AdapterName(self._shared(key), AdapterFiles(directory, version.stamps, version.digest))
 
     def _shared(self, key: str) -> str:
         """The copy of ``key`` already remembered, if any: the maps keep one string per version,
@@ -384,9 +410,8 @@ class AdapterKeys:
         """Why vLLM does not compute a request of ``lora_id`` with the version ``named``, or None
         where it does, noting what the request tells of the id's version (caller holds the lock)."""
         loaded = self._loaded.get(lora_id)
-        if loaded is None or load_inplace:   # vLLM reads the files now
-            self._unsettled.pop(lora_id, None)
-            self._remember_loaded(lora_id, named.key)
+        if loaded is None or load_inplace:   # vLLM reads the files now (or read them at registration)
+            self._read_now(lora_id, named)
             return None
         if loaded == named.key:
             if self._written_back(lora_id, named.files):
@@ -397,6 +422,18 @@ class AdapterKeys:
             return REPLACED
         return self._other_version(lora_id, named.files)
 
+    def _read_now(self, lora_id: int, named: AdapterName) -> None:
+        """``named`` is the version of ``lora_id`` from now on (caller holds the lock), young files
+        or not: vLLM loads whole files however young, and its server loaded the id's files when it
+        was registered (``/v1/load_lora_adapter``, ``--lora-modules``: ``add_lora`` preloads them),
+        not at its first request. Truncated files at that request (an upload in place caught part
+        way), which vLLM cannot load, say the same: vLLM holds the version registered before them,
+        or whatever it read at some point of the upload, so the version they hold once complete is
+        none it is known to hold under the id (:meth:`_other_version`). (Whole files replaced
+        between the registration and the first request are not seen: nor is the registration.)"""
+        self._unsettled.pop(lora_id, None)
+        self._remember_loaded(lora_id, named.key)
+
     def _other_version(self, lora_id: int, files: AdapterFiles) -> str:
         """The files of ``lora_id`` name another version than the one vLLM loaded under it. Settled
         files (unchanged ``SETTLED_S``) may be what vLLM holds after an eviction: the id's version is
@@ -406,25 +443,27 @@ class AdapterKeys:
         changed_ns = _newest_change_ns(files)
         age_ns = time.time_ns() - changed_ns
         seen = self._unsettled.get(lora_id)
-        # Other files than those first seen being written (a link flipped to them?): when the first
-        # stopped being the id's files is not known from file times, nor how long they stood.
-        if age_ns >= SETTLED_S * 1e9 or (seen is not None and seen.inodes != _inodes(files)):
+        # Other files than those last seen being written (a link flipped to them?): when those
+        # stopped being the id's files is not known from file times, nor how long they stood. The
+        # same files changed SETTLED_S or more after: what they held in between may have stood.
+        if age_ns >= SETTLED_S * 1e9 or (seen is not None and not _follows(seen, files)):
             return self._mixed(lora_id)
-        self._unsettled[lora_id] = _Unsettled(seen.since_ns if seen else changed_ns, _inodes(files))
+        # named now, before the bound below drops the least recently named id (not this one)
+        self._loaded.move_to_end(lora_id)
+        self._unsettled[lora_id] = _Unsettled.of(files)
         self._unsettled.move_to_end(lora_id)
         if len(self._unsettled) > MAX_ADAPTERS:   # its evidence forgotten: the id's version not known
             self._remember_loaded(self._unsettled.popitem(last=False)[0], MIXED)
-        self._loaded.move_to_end(lora_id)
         return f"being written: changed {age_ns / 1e9:.2f} s ago"
 
     def _written_back(self, lora_id: int, files: AdapterFiles) -> bool:
         """The id's files name its version again: True where no other version stood ``SETTLED_S``
         since it was last named. The files seen being written in between were those very files
-        (inodes), last changed then at their first sighting and now at their newest ctime: every
-        content they held in between stood less than that apart (caller holds the lock)."""
+        (inodes), each sighting's ctime within ``SETTLED_S`` of the one before (:meth:`_other_version`),
+        and the files' newest ctime now within it of the last: every content they held in between
+        stood less than that (caller holds the lock)."""
         seen = self._unsettled.pop(lora_id, None)
-        return seen is None or (seen.inodes == _inodes(files)
-                                and _newest_change_ns(files) - seen.since_ns < SETTLED_S * 1e9)
+        return seen is None or _follows(seen, files)
 
     def _mixed(self, lora_id: int) -> str:
         """vLLM may hold another version under ``lora_id`` (caller holds the lock)."""

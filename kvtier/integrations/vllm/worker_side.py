@@ -20,9 +20,12 @@
   pages spoil the forward of the ranks beside it and of the stages after it.
 * **Keys** are those of the step's ``epoch`` (a ``reset_cache`` starts a new one) and of the
   job's LoRA adapter (named by the scheduler: :mod:`~kvtier.integrations.vllm.lora_digest`).
-  A LoRA request's save goes only if its adapter's files are still those the scheduler named
-  (``SaveJob.adapter_files``) once the step ran: vLLM loads a step's adapters before its
-  forward, and may have read new files (after an unload, or with ``load_inplace``).
+  A LoRA request's save goes only if its adapter's files still hold the version the scheduler
+  named (``SaveJob.adapter_files``) once the step ran: vLLM loads a step's adapters before its
+  forward, and may have read new files (after an unload, or with ``load_inplace``). Files whose
+  identity alone changed meanwhile (a ``chmod``, a ``touch``, the same bytes deployed again) are
+  hashed again and hold it still: the scheduler, which names them again at its next build, was
+  never told of a drop, and had announced and passed the step's blocks.
 * **Host residency** (with KV events on and a host tier): which saved blocks the host tier
   holds or has lost, for the step's report (:mod:`~kvtier.integrations.vllm.host_events`).
 
@@ -85,10 +88,10 @@ class BlockBuffers:
             self._free.extend(buffers[: self._keep - len(self._free)])
 
 
-def _adapter_unchanged(files: AdapterFiles, checked: dict[AdapterFiles, bool]) -> bool:
-    """``files.unchanged()``, remembered in ``checked``."""
+def _adapter_version_kept(files: AdapterFiles, checked: dict[AdapterFiles, bool]) -> bool:
+    """``files.same_version()``, remembered in ``checked``."""
     if files not in checked:
-        checked[files] = files.unchanged()
+        checked[files] = files.same_version()
     return checked[files]
 
 
@@ -119,7 +122,7 @@ class WorkerStats:
     #: had not taken the report of, failed, on this worker or another of the engine (their KV may
     #: have been computed on pages the load left unfilled)
     saves_dropped: int = 0
-    #: blocks not saved because their LoRA adapter's files changed since the scheduler named them
+    #: blocks not saved because their LoRA adapter's files hold another version than the scheduler named
     #: (the step may have computed with the new ones)
     adapter_saves_dropped: int = 0
 
@@ -354,9 +357,9 @@ class WorkerSide:
             # them all when it takes the report, and plans them again.
             self.stats.saves_dropped += sum(len(job.blocks) for job in meta.saves)
             return
-        unchanged: dict[AdapterFiles, bool] = {}   # each adapter's files checked once a step
+        checked: dict[AdapterFiles, bool] = {}   # each adapter's files checked once a step
         for job in meta.saves:
-            if job.adapter_files is not None and not _adapter_unchanged(job.adapter_files, unchanged):
+            if job.adapter_files is not None and not _adapter_version_kept(job.adapter_files, checked):
                 self.stats.adapter_saves_dropped += len(job.blocks)
                 continue
             self._save(job, meta.epoch)

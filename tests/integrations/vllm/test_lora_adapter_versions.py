@@ -14,7 +14,14 @@ version is not known.
 * Files caught being written (the same bytes copied over themselves) refuse only the requests that
   see them: the id keeps its version, unless another one stood ``SETTLED_S`` (vLLM may have loaded
   it at an eviction).
-* A P/D prefill whose adapter changed while its saves were in flight announces no blocks.
+* A P/D prefill whose adapter changed while its saves were in flight announces no blocks; one whose
+  adapter's files changed identity alone between a step's build and its save saves them all.
+* The bound on the ids remembered never drops the id being named (a KeyError there killed vLLM's
+  scheduler thread, and so the engine).
+* A copy of an id's own bytes over its files that takes longer than ``SETTLED_S`` in all, no state
+  of which stood that long, leaves the id its version; one state that stood that long does not.
+* An id first named from young files keeps that version: vLLM may hold it (whole files, loaded
+  however young) or the one its server registered (an upload over it caught part way).
 
 Scheduler side and one worker, without an engine: the adapter files are real files (their
 contents only hashed here); vLLM's rule for reading them is stated in each test.
@@ -416,3 +423,201 @@ def test_the_ids_remembered_share_one_copy_of_their_adapters_key(tmp_path):
     finally:
         tracemalloc.stop()
     assert per_id < 250, f"{per_id:.0f} bytes per id remembered"
+
+
+# -- files written while an engine serves them: bounds, identity changes, slow copies, uploads ----------
+SHORT_SETTLED_S = 0.6
+
+
+@pytest.fixture
+def short_settled_s(monkeypatch) -> float:
+    monkeypatch.setattr(lora_digest, "SETTLED_S", SHORT_SETTLED_S)
+    return SHORT_SETTLED_S
+
+
+def test_the_bound_on_ids_never_drops_the_id_being_named(tmp_path, monkeypatch):
+    """Past ``MAX_ADAPTERS`` ids seeing files being written, the oldest is marked as holding an
+    unknown version, which may push the least recently named id out of those remembered: that was
+    the id being named, and naming it then raised KeyError (on vLLM's scheduler thread: the engine
+    died)."""
+    monkeypatch.setattr(lora_digest, "MAX_LOADED_IDS", 8)
+    monkeypatch.setattr(lora_digest, "MAX_ADAPTERS", 2)
+    adapters = AdapterKeys(SETTINGS)
+    first, other = _write_adapter(tmp_path / "a", b"v1"), _write_adapter(tmp_path / "b", b"v1")
+    assert adapters.for_request(_lora("a", 100, first)).key
+    _write_adapter(first, b"v2")
+    assert adapters.for_request(_lora("a", 100, first)).key is None, "being written"
+    assert all(adapters.for_request(_lora("b", i, other)).key for i in range(1, 9))   # id 100 forgotten since
+    _write_adapter(other, b"v2")
+    # id 2 overflows the ids seeing files being written: id 100 is marked, which drops id 3
+    assert [adapters.for_request(_lora("b", i, other)).key for i in (1, 2, 2)] == [None] * 3, \
+        "requests of files being written under a loaded id served"
+
+
+def _same_bytes_again(path: str, how: str) -> None:
+    """The weights file's identity changes, its contents do not."""
+    weights = os.path.join(path, "adapter_model.safetensors")
+    if how == "chmod":
+        os.chmod(weights, 0o600 if os.stat(weights).st_mode & 0o777 != 0o600 else 0o640)
+    elif how == "touch":
+        os.utime(weights)
+    else:   # a redeploy: the same bytes written to a new file renamed over the old one
+        with open(weights, "rb") as f:
+            data = f.read()
+        with open(weights + ".new", "wb") as f:
+            f.write(data)
+        os.replace(weights + ".new", weights)
+
+
+@pytest.mark.parametrize("how", ["chmod", "touch", "redeploy"])
+def test_a_step_whose_adapter_changed_identity_alone_before_its_save_is_saved(engine, tmp_path, how):
+    """The scheduler announced and passed the step's blocks when it built the step: the worker
+    dropped them, and the request stored its later blocks behind that gap while a decode instance
+    waited ``pd_wait_s`` for blocks that never landed."""
+    path = _write_adapter(tmp_path / "x", b"v1")
+    sched = _scheduler(engine, AdapterKeys(SETTINGS))
+    request = _request("r", 320, _lora("x", 1, path))
+    sched.num_new_matched_tokens(request, 0)
+    store = build_store(StoreConfig(host_bytes="8MiB"), engine.layout)
+    try:
+        worker, _ = filled_worker(engine, store)
+        first = sched.build(_new("r", list(range(10, 20)), 0, 64))      # chunk 1: block 0
+        _same_bytes_again(path, how)                                    # before its wait_for_save
+        worker.save(first)
+        worker.save(sched.build(_next_chunk("r", 64, 256)))             # chunk 2: blocks 1..4
+        assert worker.flush(10)
+        _, params = sched.finished(request)
+        keys = engine.keys(engine.block_hashes(request.block_hashes, 320), "", first.saves[0].adapter)
+        assert worker.stats.adapter_saves_dropped == 0, "the same version dropped as another"
+        assert store.lookup(keys).hit_blocks == params["kvtier_blocks"] == 5
+    finally:
+        store.close(flush_timeout_s=0)
+
+
+def test_a_step_whose_adapter_was_replaced_identity_and_all_before_its_save_is_dropped(engine, tmp_path):
+    """Control: other bytes under a new identity are another version, hashed again or not."""
+    path = _write_adapter(tmp_path / "x", b"v1")
+    sched = _scheduler(engine, AdapterKeys(SETTINGS))
+    request = _request("r", 320, _lora("x", 1, path))
+    sched.num_new_matched_tokens(request, 0)
+    store = build_store(StoreConfig(host_bytes="8MiB"), engine.layout)
+    try:
+        worker, _ = filled_worker(engine, store)
+        meta = sched.build(_new("r", list(range(10, 20)), 0, 320))
+        os.remove(os.path.join(path, "adapter_model.safetensors"))
+        _write_adapter(path, b"v2")
+        worker.save(meta)
+        assert worker.flush(10)
+        assert worker.stats.adapter_saves_dropped == 5
+        keys = engine.keys(engine.block_hashes(request.block_hashes, 320), "", meta.saves[0].adapter)
+        assert store.lookup(keys).hit_blocks == 0
+    finally:
+        store.close(flush_timeout_s=0)
+
+
+def test_the_same_bytes_restored_slowly_leave_the_id_its_version(tmp_path, short_settled_s):
+    """``cp`` of the id's own bytes over its files takes longer than ``SETTLED_S`` in all, but no
+    state of the files stood that long (each sighting within it of the one before): vLLM could
+    have loaded none of them. The id was refused for good, as if another version had stood."""
+    path = _write_adapter(tmp_path / "x", b"v1", size=256 << 10)
+    weights = os.path.join(path, "adapter_model.safetensors")
+    with open(weights, "rb") as f:
+        data = f.read()
+    adapters = AdapterKeys(SETTINGS)
+    lora = _lora("x", 1, path)
+    v1 = adapters.for_request(lora).key
+    step = len(data) // 4
+    with open(weights, "wb") as f:                    # truncated, then written a chunk at a time
+        for i in range(4):
+            f.write(data[i * step:(i + 1) * step])
+            f.flush()
+            time.sleep(short_settled_s / 2)
+            if i < 3:
+                assert adapters.for_request(lora).key is None, "half-written files named"
+    assert adapters.for_request(lora).key == v1, "the id refused for good after the same bytes were restored"
+
+
+def test_a_copy_with_a_state_that_stood_settled_s_unseen_refuses_the_id(tmp_path, short_settled_s):
+    """Control: between two sightings the files stood ``SETTLED_S`` (a whole other version vLLM may
+    have loaded at an eviction): the id's version is not known any more."""
+    path = _write_adapter(tmp_path / "x", b"v1", size=256 << 10)
+    weights = os.path.join(path, "adapter_model.safetensors")
+    with open(weights, "rb") as f:
+        data = f.read()
+    adapters = AdapterKeys(SETTINGS)
+    lora = _lora("x", 1, path)
+    assert adapters.for_request(lora).key
+    third = len(data) // 3
+    with open(weights, "wb") as f:
+        f.write(data[:third])
+        f.flush()
+        time.sleep(short_settled_s / 4)
+        assert adapters.for_request(lora).key is None
+        f.write(data[third:2 * third])
+        f.flush()
+        time.sleep(short_settled_s + 0.2)             # this state stands, unseen
+        f.write(data[2 * third:])
+        f.flush()
+    time.sleep(short_settled_s / 4)
+    assert adapters.for_request(lora).key is None, "v1's keys given to KV vLLM may compute with another state"
+
+
+def _lora_weights(seed: int, rank: int) -> bytes:
+    """An adapter's weights file as PEFT writes it: a safetensors header, then the tensors."""
+    import numpy as np
+    from safetensors.numpy import save
+
+    rng = np.random.default_rng(seed)
+    prefix = "base_model.model.model.layers.0.self_attn.q_proj"
+    return save({f"{prefix}.lora_A.weight": rng.standard_normal((rank, 256), dtype=np.float32),
+                 f"{prefix}.lora_B.weight": rng.standard_normal((256, rank), dtype=np.float32)})
+
+
+def _write_lora(path, seed: int, rank: int) -> str:
+    """A loadable adapter written in place (same inodes), as a retrain or an upload leaves it."""
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        f.write(f'{{"r": {rank}, "lora_alpha": 16, "target_modules": ["q_proj"]}}')
+    with open(os.path.join(path, "adapter_model.safetensors"), "wb") as f:
+        f.write(_lora_weights(seed, rank))
+    return str(path)
+
+
+def test_young_whole_files_first_named_then_a_longer_version_in_place_refuse_the_id(
+        engine, tmp_path, short_settled_s):
+    """vLLM loads whole files however young: named at the id's first request, they are the version
+    vLLM holds under the id. A longer version written over them in place, however soon (no upload
+    caught part way: the first files were whole), is computed with the first one's weights: its
+    requests are refused, for good once it stood ``SETTLED_S``."""
+    path = _write_lora(tmp_path / "x", seed=1, rank=8)
+    sched = _scheduler(engine, AdapterKeys(SETTINGS))
+    lora = _lora("x", 1, path)
+    assert _blocks(_run(sched, "first", lora)) == 5
+    _write_lora(path, seed=2, rank=16)
+    assert _run(sched, "longer", lora) == [], "the longer version's keys given to KV computed with the first"
+    time.sleep(short_settled_s + 0.1)
+    assert _run(sched, "settled", lora) == []
+
+
+def test_an_upload_over_a_registered_adapter_caught_part_way_at_its_first_request_refuses_the_id(
+        engine, tmp_path, short_settled_s):
+    """vLLM's server loads an adapter when it is registered (``/v1/load_lora_adapter``,
+    ``--lora-modules``: ``add_lora`` "will also preload it for incoming requests"), and reads its
+    files again only after an eviction or with ``load_inplace``. Files found part way through an
+    upload at the id's first request are being written over the registered version, which vLLM
+    computes the id's requests with: the uploaded version's requests are refused, for good once it
+    stood ``SETTLED_S``. (An id's first naming is not known to be when vLLM read its files, so the
+    uploaded version cannot be taken for the id's, though vLLM cannot load the truncated files.)"""
+    path = _write_lora(tmp_path / "x", seed=1, rank=8)            # registered: vLLM holds this version
+    time.sleep(short_settled_s + 0.1)
+    sched = _scheduler(engine, AdapterKeys(SETTINGS))
+    lora = _lora("x", 1, path)
+    uploaded = _lora_weights(seed=2, rank=16)
+    with open(os.path.join(path, "adapter_model.safetensors"), "wb") as f:
+        f.write(uploaded[: len(uploaded) // 2])
+        f.flush()
+        _run(sched, "mid-upload", lora)
+        f.write(uploaded[len(uploaded) // 2:])
+    assert _run(sched, "uploaded", lora) == [], "the uploaded version's keys given to the registered one's KV"
+    time.sleep(short_settled_s + 0.1)
+    assert _run(sched, "settled", lora) == []
