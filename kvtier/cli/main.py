@@ -6,6 +6,7 @@ import argparse
 import importlib
 import os
 import select
+import stat
 import sys
 
 # Command modules, each with ``register(subparsers)``. Heavy imports (torch,
@@ -62,15 +63,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _stdout_reader_gone() -> bool:
-    """Whether stdout is a pipe (or socket) whose reader has closed its end: poll reports an error
-    on the write end (a file or terminal never does), which tells it from a peer's socket."""
+    """Whether stdout is a pipe or socket whose reader has closed its end (a file or terminal never
+    is), which tells it from another socket's peer gone: poll reports it on stdout itself. A pipe's
+    write end shows POLLERR; a socket's (systemd ``StandardOutput=socket``, inetd, socat, a
+    socketpair) shows POLLHUP once its peer has closed, and no POLLERR."""
     try:
         fd = sys.stdout.fileno()
+        gone = select.POLLERR | (select.POLLHUP if stat.S_ISSOCK(os.fstat(fd).st_mode) else 0)
     except (AttributeError, OSError, ValueError):  # replaced by an object without a descriptor
         return False
     poller = select.poll()
     poller.register(fd, select.POLLOUT)
-    return any(events & select.POLLERR for _, events in poller.poll(0))
+    return any(events & gone for _, events in poller.poll(0))
 
 
 if __name__ == "__main__":

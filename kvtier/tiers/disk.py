@@ -180,6 +180,9 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
         #: adopted from other processes, arrive in any order
         self._ages = AgeQueue(lambda: ((e.created, k, e) for k, e in self._index.items())) if ttl_s is not None else None
         self._extents: dict[str, Extent] = {}  # rel → extent holding indexed blocks
+        #: rel → bytes of its table pages, for the extents in ``_extents`` that have a table: on the
+        #: medium, freed with the extent's last block, yet left out of used_bytes (as a restart counts)
+        self._tables: dict[str, int] = {}
         #: places in those extents that :meth:`_forget` counted dead (rel → offset → size): one a name
         #: reaches again and :meth:`_adopt` indexes anew moves back from dead to live, never counted twice
         self._forgotten: dict[str, dict[int, int]] = {}
@@ -351,6 +354,7 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
                 forgotten = sum(self._forgotten.get(rel, {}).values())
                 assert forgotten <= extent.dead, f"extent {rel}: {forgotten} bytes forgotten, {extent.dead} dead"
             assert self._forgotten.keys() <= self._extents.keys(), "places forgotten in an extent not counted"
+            assert self._tables.keys() <= self._extents.keys(), "a table counted for an extent not indexed"
             assert self._used <= self._capacity, f"used {self._used} > capacity {self._capacity}"
             assert 0 <= self._limit <= self._capacity, f"limit {self._limit}, capacity {self._capacity}"
             assert 0 <= self._landed <= self._reserved, f"{self._landed} of {self._reserved} reserved landed"
@@ -407,7 +411,7 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
             if packed is None or self._expired(st.st_mtime):
                 return None  # the reader that opens it (or a restart) sorts it out
             rel, offset, size, index = packed
-            extent = self._extent(rel, None if index < 0 else st.st_ino)
+            extent = self._extent(rel, None if index < 0 else st.st_ino, table.nbytes if table is not None else 0)
             self._index_block(key, _Entry(size, st.st_mtime, extent, offset, index), None)
         else:
             # a block file of its own: a regular file (a directory put at the name is no block,
@@ -466,10 +470,14 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
         index, offset, length = table.blocks[key]
         return table.rel, offset, length, index
 
-    def _extent(self, rel: str, ino: int | None = None) -> Extent:
+    def _extent(self, rel: str, ino: int | None = None, table_bytes: int = 0) -> Extent:
+        """The extent indexed at ``rel``, counted from now if it was not (``table_bytes``: its table's
+        pages, where known: 0 for an extent from before tables, or one met by a name alone)."""
         extent = self._extents.get(rel)
         if extent is None:
             extent = self._extents[rel] = Extent(rel, ino=ino)
+        if table_bytes and rel not in self._tables:
+            self._tables[rel] = table_bytes
         return extent
 
     def _index_block(self, key: BlockKey, entry: _Entry, parent: BlockKey | None) -> None:
@@ -507,7 +515,8 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
             return True
         if self._limit < self._capacity and need > self._room_with_nothing_held():
             return False  # more than the medium would hold with the whole tier evicted: evict nothing for it
-        self._purge_expired()
+        if self._purge_expired():
+            self._medium_freed()  # (the expired blocks' extents may have gone whole: see the loop)
         victims = self._policy.victims()
         skipped_for_inode = False
         while not fits():
@@ -526,6 +535,11 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
                 skipped_for_inode = True
             elif self._evict(key) and extent is not None:
                 self._evict_mates(extent)
+            if extent is not None and self._extents.get(extent.rel) is not extent:
+                # its last block went, and with it (where no other name links to it) its table page,
+                # which used_bytes never counted: only statvfs shows that room, else a block more is
+                # evicted for it (and left free, unused)
+                self._medium_freed()
         return True
 
     def _frees_inode(self, extent: Extent | None) -> bool:
@@ -629,6 +643,22 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
                         "free one for each new file (give the tier a file system with inodes to spare)",
                         self.path, space.free)
 
+    def _medium_known_for(self, need: int) -> None:
+        """Before a write that cannot be made again (a stream, read once) of ``need`` bytes: where
+        the limit is still ``capacity_bytes`` (a fresh open or a restart on a full disk, no write
+        has found it full yet, or :meth:`_medium_freed` rose back there), the tier does not know
+        whether the file system has room, and a stream that finds none is refused FULL where
+        evicting would have made it (a plain put is written again). So statvfs is asked (one call):
+        where it shows less room than the write and the reservations not yet written need, or no
+        free inode, the medium is the limit from now, as the write's ENOSPC would have set it
+        (:meth:`_medium_full`), and :meth:`_make_room` then evicts for it. A spent quota does not
+        show there: its EDQUOT still refuses the stream (then the limit is exact)."""
+        if self._limit < self._capacity:
+            return  # the medium set it: counted since, every write and removal
+        space = self._statvfs()
+        if space is not None and (space.no_inode or space.free < need + self._reserved - self._landed):
+            self._medium_full(quota=False)
+
     def _medium_freed(self) -> bool:
         """Whether the limit :meth:`_medium_full` lowered for a full file system rose again, to what
         this tier holds (with the bytes of puts in flight written already) plus the bytes the file
@@ -646,10 +676,12 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
         """The most bytes the medium would let this tier hold with every block of it evicted (asked
         under a limit :meth:`_medium_full` set): under a spent quota, the limit itself (all that is
         known of a quota: statvfs does not show it, so its free bytes are the disk's, not ours);
-        else what the tier holds plus what the file system has free."""
+        else what the tier holds, its extents' table pages (freed with their last blocks, though
+        used_bytes leaves them out) and what the file system has free. At most: an extent another
+        process also links to keeps its table, so a put within this may still evict and fail."""
         if self._quota_limited:
             return self._limit
-        return self._used + self._medium_space().free
+        return self._used + sum(self._tables.values()) + self._medium_space().free
 
     def _inode_free(self) -> bool:
         """Whether a new file would get an inode: yes, unless a write found none; then statvfs
@@ -661,10 +693,15 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
 
     def _medium_space(self) -> _Space:
         """What the file system has free for this user (statvfs): nothing where that fails."""
+        return self._statvfs() or _Space(0, False)
+
+    def _statvfs(self) -> _Space | None:
+        """What the file system has free for this user; None where statvfs fails (no reason to
+        think it full)."""
         try:
             fs = os.statvfs(self.path)
         except OSError:
-            return _Space(0, False)
+            return None
         return _Space(fs.f_bavail * fs.f_frsize, bool(fs.f_files) and not fs.f_favail)
 
     def _demote(self, key: BlockKey) -> None:
@@ -820,6 +857,7 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
         if self._extents.get(extent.rel) is extent:  # (never another object counted at its name)
             del self._extents[extent.rel]
             self._forgotten.pop(extent.rel, None)
+            self._tables.pop(extent.rel, None)
         self._used -= extent.dead
         extent.dead = 0
         if extent.ino is None:
@@ -1032,7 +1070,7 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
                 # its space is its own to count
             else:
                 ino = inode.st_ino if rel in table_bytes else None
-                self._extent(rel, ino).dead = max(
+                self._extent(rel, ino, table_bytes.get(rel, 0)).dead = max(
                     0, disk_extents.allocated_bytes(os.path.join(self.path, rel), inode)
                     - live[rel] - table_bytes.get(rel, 0))
                 self._used += self._extents[rel].dead

@@ -206,7 +206,7 @@ class DiskWrites:
             placed = [_Placed(keys[i], sizes[i], offsets[i], index, born[i], records[i].parent, srcs[i].nbytes)
                       for index, i in enumerate(todo)]
             self._table_written(table_len)  # (first: a name that finds no room sets the limit anew, exactly)
-            for i, done in zip(todo, self._index_extent(rel, ino, placed, failures)):
+            for i, done in zip(todo, self._index_extent(rel, ino, table_len, placed, failures)):
                 statuses[i] = done
 
         # no room (statuses left None): block by block
@@ -231,22 +231,24 @@ class DiskWrites:
         was set leaves limit - used a page above the room the file system has, and a put sized
         within it evicts nothing and finds no room (a stream, read once, is refused FULL). This errs
         low: an extent that goes frees its page, which the limit regains when
-        ``DiskTier._medium_freed`` next reads statvfs (before any eviction). Not under a spent
-        quota: its limit never rises until a reopen, so pages taken off it would never come back
-        and the limit would shrink with every extent written; there a write that finds the quota
-        spent sets the limit anew, exactly (a put is written again, a stream refused FULL)."""
+        ``DiskTier._medium_freed`` next reads statvfs (before any eviction, and within one as soon
+        as an extent goes whole). Not under a spent quota: its limit never rises until a reopen, so
+        pages taken off it would never come back and the limit would shrink with every extent
+        written; there a write that finds the quota spent sets the limit anew, exactly (a put is
+        written again, a stream refused FULL)."""
         if self._limit < self._capacity and not self._quota_limited:
             self._limit = max(0, self._limit - table_bytes)
 
-    def _index_extent(self, rel: str, ino: int | None, placed: list[_Placed],
+    def _index_extent(self, rel: str, ino: int | None, table_bytes: int, placed: list[_Placed],
                       failures: list[OSError | None]) -> list[Status | None]:
-        """Index the blocks of extent ``rel`` (inode ``ino``) whose names were linked (``failures[i]``
-        None), under the lock; each one's status: OK, ERROR (its name could not be made), or None
-        where the file system had no room for its name (ENOSPC, EDQUOT: a full ext4's directory
-        needs a block for it): then the limit is lowered and the block is to be put on its own,
-        which evicts to make room. A name not made leaves its place in the extent dead."""
+        """Index the blocks of extent ``rel`` (inode ``ino``, its table ``table_bytes``) whose names
+        were linked (``failures[i]`` None), under the lock; each one's status: OK, ERROR (its name
+        could not be made), or None where the file system had no room for its name (ENOSPC, EDQUOT:
+        a full ext4's directory needs a block for it): then the limit is lowered and the block is
+        to be put on its own, which evicts to make room. A name not made leaves its place in the
+        extent dead."""
         # an extent a lookup on another thread adopted while the names were linked is that same one
-        extent = self._extent(rel, ino)
+        extent = self._extent(rel, ino, table_bytes)
         extent.ino = ino
         out: list[Status | None] = []
         no_room: OSError | None = None
@@ -286,15 +288,19 @@ class DiskWrites:
             self._drop_extent(extent)
         return out
 
-    def _reserved_write(self, need: int, write, settle, *, when_no_room):
+    def _reserved_write(self, need: int, write, settle, *, when_no_room, read_once: bool = False):
         """Make room for ``need`` bytes and reserve them (under the lock), run ``write(landed)``
         (outside it), then return the reservation and ``settle(result, full)`` in one locked step, so
         that room is never counted twice or not at all: ``full`` is the :class:`_NoRoom` the write
         raised (its result None), after the medium lowered the limit. ``write`` calls ``landed()``
         once its bytes are written, before its fsync: from then on the file system's free room lacks
         them (see ``DiskTier._medium_full``). Returns what ``settle`` returns, or, where no room
-        could be made, what ``when_no_room()`` returns (under the lock)."""
+        could be made, what ``when_no_room()`` returns (under the lock). A write that cannot be made
+        again (``read_once``: a stream) starts only once the tier knows whether the file system has
+        room for it (``DiskTier._medium_known_for``)."""
         with self._lock:
+            if read_once:
+                self._medium_known_for(need)
             if not self._make_room(need):
                 return when_no_room()
             self._reserved += need
@@ -445,7 +451,7 @@ class DiskWrites:
 
         while True:
             outcome = self._reserved_write(need, lambda landed: self._write(key, lambda fd: writing(fd, landed), born),
-                                           settle, when_no_room=self._refused_full)
+                                           settle, when_no_room=self._refused_full, read_once=not rewritable)
             if outcome is not _AGAIN:
                 return outcome
             retries -= 1

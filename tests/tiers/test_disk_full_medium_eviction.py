@@ -36,6 +36,13 @@ need a directory block a loop-mounted ext4.
 * Once the file system set the limit, each extent's table page was left out of both used_bytes
   and the limit: the tier saw a page more room per extent than the file system had, and a stream
   sized within it evicted nothing and was refused FULL (s32 a4 D3).
+* An extent evicted whole frees its table page too, which eviction did not see until it was over:
+  a put evicted a block more per extent it removed, its room left free, unused (s32 r1 D1).
+* A put that fits once the tier's extents are evicted (their blocks and table pages) was refused
+  FULL before any eviction: the room the tier could make left the table pages out (s32 r1 D3).
+* After a reopen on a full file system (or before a write found it full), the limit was still
+  ``capacity_bytes``: a stream, read once, wrote, found no room and was refused FULL where one
+  eviction made room; a plain put of the same size was written again (s32 r1 D4).
 """
 from __future__ import annotations
 
@@ -52,6 +59,7 @@ import numpy as np
 import pytest
 
 from kvtier.tiers.base import Status
+from kvtier.tiers.direct_io import PAGE, round_up
 from kvtier.tiers.disk import DiskTier
 from tests.tmpfs import mounted_tmpfs
 
@@ -445,3 +453,77 @@ def test_table_pages_written_under_a_full_file_systems_limit_leave_its_room(tmp_
         with DiskTier(mnt / "t", HUGE, direct_io=False) as reopened:
             assert reopened.used_bytes == used  # table pages left out of used_bytes, as a restart counts
             reopened.check_integrity(deep=True)
+
+
+def _free(mnt: Path) -> int:
+    fs = os.statvfs(mnt)
+    return fs.f_bavail * fs.f_frsize
+
+
+def _full_file_system_holding_extents(tier: DiskTier, mnt: Path, nb: int, extents: int) -> list[int]:
+    """The file system full (another writer), its limit set; the tier holding ``extents`` extents of
+    2 blocks of ``nb`` bytes, written in order (the first is the least recently used). Their keys."""
+    assert all(tier.put(k(i), block(i, 60000)) is Status.OK for i in range(10))
+    fill_the_rest(mnt)
+    assert tier.put(k(10), block(10, 60000)) is Status.OK  # no room: the file system sets the limit
+    assert all(tier.delete(k(i)) for i in range(1, 11))  # the tier holds nothing now
+    keys = list(range(1000, 1000 + 2 * extents))
+    for j in keys[::2]:
+        assert tier.put_many([k(j), k(j + 1)], [block(j, nb), block(j + 1, nb)]) == [Status.OK] * 2
+    return keys
+
+
+@pytest.mark.parametrize("nb, extents, gone", [(60000, 4, 1), (4096, 30, 20)], ids=["one of 4 extents", "20 of 30 small ones"])
+def test_a_put_evicts_the_extents_that_make_its_room_and_no_block_more(tmp_path, nb, extents, gone):
+    file_bytes = 2 * (PAGE + round_up(nb)) + PAGE  # an extent: 2 blocks and a table page
+    with mounted_tmpfs(tmp_path / "mnt", "4m") as mnt:
+        with DiskTier(mnt / "t", HUGE, direct_io=False) as tier:
+            keys = _full_file_system_holding_extents(tier, mnt, nb, extents)
+            evictions = tier.stats.evictions
+            # exactly the room of the `gone` least recently used extents' files, with what is free
+            need = _free(mnt) + gone * file_bytes
+            assert tier.put(k(99), block(99, need - PAGE)) is Status.OK
+            assert tier.stats.evictions - evictions == 2 * gone
+            assert [i for i in keys if tier.contains(k(i))] == keys[2 * gone:]
+            assert _free(mnt) == 0  # no room evicted for nothing
+            assert all(exact(tier, i, nb) for i in keys[2 * gone:]) and exact(tier, 99, need - PAGE)
+            tier.check_integrity(deep=True)
+
+
+def test_a_put_that_fits_once_the_tiers_extents_go_evicts_them(tmp_path):
+    nb = 60000  # 64 KiB on disk with the header page; an extent of 2 is 132 KiB with its table page
+    with mounted_tmpfs(tmp_path / "mnt", "4m") as mnt:
+        with DiskTier(mnt / "t", HUGE, direct_io=False) as tier:
+            assert tier.put(k(3), block(3, nb)) is Status.OK
+            assert tier.put_many([k(1), k(2)], [block(1, nb), block(2, nb)]) == [Status.OK] * 2
+            fill_the_rest(mnt)
+            assert tier.put(k(4), block(4, nb)) is Status.OK  # no room: the file system sets the limit; k(3) goes
+            assert tier.delete(k(4)) and not tier.contains(k(3))
+            fill_the_rest(mnt)  # another writer takes the room k(4) left: the tier holds the extent alone
+            # 132 KiB on disk: more than the extent's blocks and the free room, exactly its whole file
+            assert tier.put(k(9), block(9, (128 << 10))) is Status.OK
+            assert tier.stats.evictions == 3 and not tier.contains(k(1)) and not tier.contains(k(2))
+            assert exact(tier, 9, 128 << 10)
+            tier.check_integrity(deep=True)
+
+
+@pytest.mark.parametrize("reopened", [True, False], ids=["after a reopen", "before any write found it full"])
+def test_a_stream_on_a_full_file_system_whose_limit_is_still_capacity_evicts_for_it(tmp_path, reopened):
+    nb = 60000  # 64 KiB on disk with the header page
+    with mounted_tmpfs(tmp_path / "mnt", "4m") as mnt:
+        tier = DiskTier(mnt / "t", HUGE, direct_io=False)
+        try:
+            assert all(tier.put(k(i), block(i, nb)) is Status.OK for i in range(10))
+            assert _put_as_stream(tier, 10, nb) is Status.OK  # with room: nothing evicted for it
+            assert tier.stats.evictions == 0
+            fill_the_rest(mnt)
+            if reopened:
+                tier.close()
+                tier = DiskTier(mnt / "t", HUGE, direct_io=False)
+            # read once, it cannot be written again: the tier asks the file system before it starts
+            assert _put_as_stream(tier, 99, nb) is Status.OK
+            assert tier.stats.evictions == 1 and not tier.contains(k(0))
+            assert tier.contains(k(99)) and all(exact(tier, i, nb) for i in range(1, 10))
+            tier.check_integrity(deep=True)
+        finally:
+            tier.close()
