@@ -10,11 +10,13 @@ The fleet cannot be listed (its names are one-way HMACs), and it drops blocks on
   tier with ``encrypt_at_rest``: it sees the names blocks are stored under), appends a record
   for each block *before* the fleet is asked to store it (fsync'd once per batch) -- the
   block's index entry as a disk spill's annotation carries it (:mod:`kvtier.server.spill`:
-  owner, namespace, key, session, creation time, header, size, parent; HMAC'd under the spill
-  secret, sealed with encryption at rest) -- and refuses to store a block the index no longer
-  holds (erased meanwhile). A record is forgotten once a delete of the block reached the
-  fleet. One whose removal is *owed* -- the fleet could not be asked, or refused it even forced
-  (a lease it would not break) -- stays, and the delete reports the block not removed (an erase
+  owner, namespace, key, session, creation time, header, size, parent; HMAC'd under the
+  server's state key, the secret in ``state_dir`` whether or not there is a disk, so that a
+  disk added or dropped leaves them this server's; sealed under the master key with encryption
+  at rest) -- and refuses to store a block the index no longer holds (erased meanwhile). A
+  record is forgotten once a delete of the block reached the fleet. One whose removal is
+  *owed* -- the fleet could not be asked, or refused it even forced (a lease it would not
+  break) -- stays, and the delete reports the block not removed (an erase
   then answers it ``refused``: a copy other servers of the fleet read whole is still there).
   Owed removals are retried periodically (:func:`settle_owed_removals`, from the server's
   sweep), not only at the next delete, which may never come; once they land, their records are
@@ -51,10 +53,12 @@ The fleet cannot be listed (its names are one-way HMACs), and it drops blocks on
   block the fleet no longer holds (one batched lookup) is forgotten; the others are indexed again
   (tier ``mooncake``), merged with the disk's in age order, so that erase, TTL and quotas reach
   them as before the restart. The journal is then written anew with the live records only
-  (and again whenever forgotten records outnumber them). (Tombstones are authenticated under the
-  disk spill's secret, or without a disk under the journal's own in ``state_dir``: an erasure cut
-  short by a crash -- the index forgot the block, the fleet's delete never ran -- is completed at
-  the next start.)
+  (and again whenever forgotten records outnumber them). Records an earlier version wrote under
+  the disk spill's secret (it keyed them so wherever there was a disk) are read under it too and
+  written anew under the state key at this rewrite: never deleted from the fleet for authenticating
+  under another of the server's keys. (Tombstones are authenticated under the same state key: an
+  erasure cut short by a crash -- the index forgot the block, the fleet's delete never ran -- is
+  completed at the next start.)
 * Without any state directory (no ``disk_dir``, no ``state_dir``) nothing is journaled: a clean
   shutdown deletes from the fleet every block the server indexes (a restarted server could not
   reach them), and a crash leaves them to the fleet's own eviction (see the server module).
@@ -76,6 +80,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import groupby
+from typing import NamedTuple
 
 from kvtier.core.payload import unpack_header
 from kvtier.errors import ConfigError
@@ -84,7 +89,7 @@ from kvtier.server.fleet_journal import FleetJournal
 from kvtier.server.index import BlockEntry, BlockIndex
 from kvtier.server.recovery import Found, OwnersWithoutKeys
 from kvtier.server.runtime_state import RuntimeState, blocks_held_in
-from kvtier.server.spill import SpillAnnotation, SpillCodec, monotonic_of, wall_of
+from kvtier.server.spill import NewestStamps, SpillAnnotation, SpillCodec, monotonic_of, wall_of
 from kvtier.tiers.base import Status, refused_removals, report_refused
 from kvtier.tiers.mooncake import unsent_puts
 from kvtier.tiers.wrapper import WrappingTier
@@ -95,14 +100,27 @@ log = logging.getLogger(__name__)
 BATCH = 4096
 
 
+class Authenticated(NamedTuple):
+    """A record's annotation, if it authenticates, and whether only an older key of the server's does."""
+
+    note: SpillAnnotation | None
+    older_key: bool
+
+
 class FleetRecords:
     """What a block's record says: its index entry, as a disk spill annotates it."""
 
-    def __init__(self, index: BlockIndex, codec: SpillCodec, keyring=None) -> None:
+    def __init__(self, index: BlockIndex, codec: SpillCodec, keyring=None, *,
+                 older_codecs: Sequence[SpillCodec] = (), stamps: NewestStamps | None = None) -> None:
         self.index = index
+        #: writes the records, and reads them (the server's state key: the same with or without a disk)
         self.codec = codec
+        #: read too: other keys of this server that earlier versions wrote records under (a disk's secret)
+        self.older_codecs = tuple(older_codecs)
         #: with encryption at rest the fleet names a block by its owner's keyed HMAC (as the disk does)
         self.keyring = keyring
+        #: where each record's wall-clock creation is noted (an erasure's tombstone is never older)
+        self.stamps = stamps if stamps is not None else NewestStamps()
 
     def record(self, name: bytes) -> tuple[bytes, BlockEntry] | None:
         """The record of the block stored under ``name`` and the entry it was made from; None if the
@@ -113,12 +131,26 @@ class FleetRecords:
             return None
         note = SpillAnnotation(entry.owner, entry.namespace, entry.key, entry.session, wall_of(entry.created),
                                entry.header, entry.nbytes, entry.parent)
+        self.stamps.note(note.owner, note.created_wall)
         return self.codec.pack(name, note), entry
 
-    def authenticated(self, name: bytes, record: bytes) -> SpillAnnotation | None:
-        """The annotation of a record if it authenticates for ``name`` (whether it describes the
-        block so named is :meth:`describes`); else None."""
-        return self.codec.unpack(name, record)
+    def authenticated(self, name: bytes, record: bytes) -> Authenticated:
+        """The annotation of a record if it authenticates for ``name`` under one of the server's keys
+        (whether it describes the block so named is :meth:`describes`; None if none does), and
+        whether only an older key does: such a record is no stranger's, its block must not be
+        deleted for it; it is written anew under the current key (:meth:`rekeyed`)."""
+        note = self.codec.unpack(name, record)
+        if note is not None:
+            return Authenticated(note, False)
+        for codec in self.older_codecs:
+            if (note := codec.unpack(name, record)) is not None:
+                return Authenticated(note, True)
+        return Authenticated(None, False)
+
+    def rekeyed(self, name: bytes, note: SpillAnnotation) -> bytes:
+        """The record of ``note`` under the current key (one read under an older key, written anew:
+        that key may not be there at the next start -- a disk dropped from the config)."""
+        return self.codec.pack(name, note)
 
     def describes(self, name: bytes, note: SpillAnnotation) -> bool:
         """Whether an authenticated annotation describes the block named ``name``: the name derives
@@ -357,8 +389,11 @@ def rebuild_from_journal(fleet: JournaledFleet, owners: set[str], erasures=None)
     doomed: list[bytes] = []
     keyless = OwnersWithoutKeys(records.keyring)
     kept: list[bytes] = []  # records of owners the key store has no keys of: left as they are
+    rekeyed: dict[bytes, bytes] = {}  # name → its record under the current key, where an older one's
     for name, record in journal.records():
-        note = records.authenticated(name, record)
+        note, older_key = records.authenticated(name, record)
+        if older_key:
+            rekeyed[name] = records.rekeyed(name, note)
         # An erasure's tombstone is judged before the name is checked: a shredded owner's names no
         # longer derive, and its records say nothing about the master key.
         if note is not None and erasures is not None and erasures.erased(note.owner, note.namespace, note.session,
@@ -389,6 +424,7 @@ def rebuild_from_journal(fleet: JournaledFleet, owners: set[str], erasures=None)
     if out.rejected > len(kept):
         log.warning("fleet journal %s: %d records do not authenticate; their blocks are deleted from the fleet",
                     journal.path, out.rejected - len(kept))
+    journal.replace_records(rekeyed)  # (written at the rewrite below)
     for part in _batches(doomed):
         fleet.delete_many(part)  # (what the fleet owes keeps its record: retried while the server runs)
     for part in _batches(kept):  # (their records go once the fleet no longer holds them)
@@ -398,6 +434,7 @@ def rebuild_from_journal(fleet: JournaledFleet, owners: set[str], erasures=None)
         out.gone += held.count(False)
         for (name, note), h in zip(part, held):
             if h:
+                records.stamps.note(note.owner, note.created_wall)
                 skey = KeySpace.of(note.owner, note.namespace).storage_key(note.key)
                 out.found.append((note.created_wall, skey, BlockEntry(
                     note.owner, note.namespace, note.key, note.nbytes, note.header, monotonic_of(note.created_wall),

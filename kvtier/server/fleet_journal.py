@@ -14,9 +14,13 @@ are found again by their checksum; a record's bytes that imitate one -- a tenant
 say -- yield a record that does not authenticate at the start, :mod:`kvtier.server.fleet`.) A
 damaged magic line that a whole entry follows, at once or after damaged bytes (one bad sector
 may cover the magic and the first entries), is damage too (logged; the file is written anew at
-open with a good one): only a file with no whole entry after its first line is refused. A
-journal of the first format (magic ``v1``: no checksums, so a bad entry ends the reading as a
-torn tail did) is read, then written anew in this format at open: an upgrade loses no record.
+open with a good one): only a file with no whole entry after its first line is refused -- but for
+an empty journal (its first line alone) with at most :data:`_MAGIC_FLIPS_ACCEPTED` bits of it
+flipped, which holds nothing at stake: opened empty, logged, written anew. A journal of the first
+format (magic ``v1``: no checksums, so a bad entry ends the reading as a torn tail did) is read,
+then written anew in this format at open: an upgrade loses no record. A first line that reads as
+``v1`` but is followed by a whole checksummed entry is this format's, damaged (two bits): read in
+this format, logged, written anew.
 
 The file is written anew (temp, fsync, rename) with the live records only: at start; after an
 admin erasure (:meth:`FleetJournal.compact`), so that no record of an erased block (owner,
@@ -57,6 +61,8 @@ _KIND = re.compile(b"[PF]")  # where an entry may begin (the search for the next
 _MAX_RECORD = 64 << 10
 #: forgotten entries the file may carry before it is written anew (and at least as many as live records)
 _COMPACT_AFTER = 4096
+#: bits of an empty journal's magic line that may be flipped for it to be read as one (a bad bit or byte)
+_MAGIC_FLIPS_ACCEPTED = 8
 
 
 class FleetJournal:
@@ -115,11 +121,12 @@ class FleetJournal:
         if _MAGIC.startswith(data) or _MAGIC_V1.startswith(data):  # empty, or its first write cut short
             return 0, True
         check, appendable = _CHECK_NBYTES, True
-        if data.startswith(_MAGIC_V1):
-            check, appendable = 0, False
-        elif not data.startswith(_MAGIC):
-            self._check_damaged_magic(data)
+        if not data.startswith(_MAGIC):  # the first format, or a damaged first line: written anew at open
             appendable = False
+            if not data.startswith(_MAGIC_V1):
+                self._check_damaged_magic(data)
+            elif not self._v2_under_v1_magic(data):
+                check = 0  # the first format: entries without checksums
         pos, end = len(_MAGIC), len(data)
         damaged = skipped = 0
         while pos < end:
@@ -144,6 +151,18 @@ class FleetJournal:
             self._dead += 1
         return pos, appendable
 
+    def _v2_under_v1_magic(self, data: bytes) -> bool:
+        """Whether a file whose first line reads as the first format's holds this format's entries: a
+        whole checksummed one right after it (the v2 magic damaged into v1's: two bits). Read as v1,
+        with no checksums, the reading would stop at the first entry's checksum, and the rewrite at
+        open would keep that one record only. (A v1 entry followed by its own xxh3-64: 2^-64.)"""
+        if _entry_at(data, len(_MAGIC_V1), _CHECK_NBYTES) is None:
+            return False
+        log.error("fleet journal %s: its first line reads as the first format's, but checksummed entries follow "
+                  "it: the first line is damaged; read in this format and written anew with a good first line",
+                  self.path)
+        return True
+
     def _check_damaged_magic(self, data: bytes) -> None:
         """Accept a file whose magic line is damaged (a flipped bit, a bad first sector) if a whole
         entry of this format follows it, right after it or further on (the damage may reach the
@@ -153,6 +172,10 @@ class FleetJournal:
         whole entry with a chance of 2^-64 per place.) Raises ConfigError for a file that is no
         journal (no whole entry after its first line)."""
         start = len(_MAGIC)
+        if _is_damaged_magic_alone(data):
+            log.error("fleet journal %s: it holds no entry and its first line is damaged (%r): an empty journal, "
+                      "written anew", self.path, data)
+            return
         if _entry_at(data, start, _CHECK_NBYTES) is None and _next_entry_after(data, start, _CHECK_NBYTES) is None:
             raise ConfigError(f"fleet journal {self.path!r} is not a kvtier fleet journal; move it away (blocks "
                               f"it names in the Mooncake fleet are then left to the fleet's own eviction)")
@@ -188,6 +211,14 @@ class FleetJournal:
         return self._seq
 
     # -- writes ----------------------------------------------------------------------------------
+    def replace_records(self, records: dict[bytes, bytes]) -> None:
+        """Give live records new bytes (name → record: the same block's, under another key), written
+        at the next :meth:`rewrite`; a name with no live record is left out."""
+        with self._lock:
+            for name, record in records.items():
+                if name in self._live:
+                    self._live[name] = record
+
     def rewrite(self) -> None:
         """Write the live records anew (temp + fsync + rename) and append after them from now on."""
         with self._lock:
@@ -312,6 +343,19 @@ def journal_under(tier) -> FleetJournal | None:
             return journal
         tier = getattr(tier, "inner", None)
     return None
+
+
+def _is_damaged_magic_alone(data: bytes) -> bool:
+    """Whether ``data`` is a magic line alone (an empty journal) with at most
+    :data:`_MAGIC_FLIPS_ACCEPTED` bits of it flipped: nothing in such a file is at stake, so it is
+    no reason to refuse a start. (Random bytes come that close with a chance under 2^-140.)"""
+    if len(data) != len(_MAGIC):
+        return False
+    return min(_bits_apart(data, magic) for magic in (_MAGIC, _MAGIC_V1)) <= _MAGIC_FLIPS_ACCEPTED
+
+
+def _bits_apart(a: bytes, b: bytes) -> int:
+    return (int.from_bytes(a, "big") ^ int.from_bytes(b, "big")).bit_count()
 
 
 def _write_all(fd: int, blob: bytes) -> None:

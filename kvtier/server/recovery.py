@@ -50,7 +50,7 @@ from kvtier.errors import ConfigError
 from kvtier.server.auth import KeySpace
 from kvtier.server.index import BlockEntry, BlockIndex
 from kvtier.server.runtime_state import RuntimeState
-from kvtier.server.spill import SpillAnnotation, SpillCodec, monotonic_of, wall_of
+from kvtier.server.spill import NewestStamps, SpillAnnotation, SpillCodec, monotonic_of, wall_of
 from kvtier.tiers.disk import BlockRecord, DiskTier
 
 log = logging.getLogger(__name__)
@@ -134,6 +134,8 @@ class SpillBinding:
         self.codec = codec
         #: where erasures are recorded and read back (the server's runtime state; None: not kept)
         self.erasures = erasures
+        #: each annotation's wall-clock creation, noted there: an erasure's tombstone is never older
+        self.stamps = erasures.stamps if erasures is not None else NewestStamps()
         #: with encryption at rest, files are named by the owner's keyed HMAC of the storage key
         self.keyring = keyring
         #: the server's summary of the last :meth:`rebuild` (admin ``stats`` shows it)
@@ -169,6 +171,7 @@ class SpillBinding:
         parent = self.disk_name(entry.owner, entry.parent) if entry.parent is not None else None
         note = SpillAnnotation(entry.owner, entry.namespace, entry.key, entry.session, wall_of(entry.created),
                                entry.header, entry.nbytes, entry.parent)
+        self.stamps.note(note.owner, note.created_wall)
         return BlockRecord(parent, self.codec.pack(disk_key, note))
 
     # -- starting --------------------------------------------------------------------------
@@ -214,6 +217,7 @@ class SpillBinding:
             self.disk.delete(key)
         entries: list[Found] = []
         for created_wall, disk_key, note in found:
+            self.stamps.note(note.owner, created_wall)  # (perhaps ahead of the clock now: stepped back since)
             skey = KeySpace.of(note.owner, note.namespace).storage_key(note.key)
             entries.append((created_wall, skey, BlockEntry(
                 note.owner, note.namespace, note.key, note.nbytes, note.header, monotonic_of(created_wall),

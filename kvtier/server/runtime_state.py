@@ -17,20 +17,29 @@ records each erasure here first, as a tombstone (owner, namespace or null,
 session or null, wall-clock time), and its start drops every file and deletes
 from the fleet every journaled block a tombstone covers, never indexing them
 again: same owner and scope, created at or before the erasure
-(:meth:`RuntimeState.erased`). Tombstones are authenticated (an HMAC under a key
-from the spill secret -- without a disk, the fleet journal's secret in
-``state_dir`` -- :meth:`~kvtier.server.spill.SpillCodec.erasure_key`): one that
+(:meth:`RuntimeState.erased`). The erasure's time is the wall clock's, or the
+newest creation stamped on a block of the owner's where that is later (the clock
+stepped back since: :class:`~kvtier.server.spill.NewestStamps`), so that no
+erased block is left outside it.
+
+Tombstones are authenticated (an HMAC under a key from the server's state key --
+the secret in ``state_dir``, a disk configured or not, or the master key with
+encryption at rest: :meth:`~kvtier.server.spill.SpillCodec.erasure_key`): one that
 was edited stops the start, naming the file. (Whoever can write ``state_dir``
 can still delete them with the file, as any override: keep it apart from
 ``disk_dir`` where that matters.) The file names the key they were written
-under (``erasures_key``, an id derived from it): tombstones of another key -- a
-disk added to or dropped from the config switches the key -- are logged and
-dropped, the other overrides kept. They could only cover records this server
-rejects anyway (disk annotations and fleet records are authenticated under the
-same key). Only tombstones of this key whose MAC does not match stop the start.
-A file from before key ids that does not authenticate stops a server with a disk
-spill (they were written under a disk's key); without a disk it may be a
-dropped disk's: logged and dropped.
+under (``erasures_key``, an id derived from it). Earlier versions keyed them by
+the disk spill's secret wherever there was a disk: that key is still read (an
+older key of this server's), and what it authenticates is written anew under
+the state key at once, so that the upgrade, or a disk dropped later, loses none.
+Tombstones of a key this server does not hold (a disk dropped before an upgrade,
+a secret replaced) are logged and not applied, the other overrides kept; they
+stay in the file as they are (``foreign_erasures``, at most
+:data:`MAX_FOREIGN_SETS` sets) and are applied by a start that holds their key
+again. Only tombstones of this server's keys whose MAC does not match stop the
+start. A file from before key ids that does not authenticate stops a server
+with a disk spill (they were written under a disk's key); without a disk it may
+be a dropped disk's: logged, kept aside.
 
 They are kept: a tombstone goes only where a wider one at least as late covers
 it (per scope only the latest erasure is kept, and one that a wider, later
@@ -53,6 +62,7 @@ Format (version 1)::
      "erasures": [["acme", "chat", null, 1767225600.25], ["globex", null, "s-42", 1767225601.5]],
      "erasures_mac": "<hex HMAC-SHA256 of the compact JSON of erasures>",
      "erasures_key": "<the key's id: 16 hex digits of an HMAC under it>",
+     "foreign_erasures": [{"erasures": [...], "erasures_mac": "...", "erasures_key": "..."}],
      "list_high_water": 1767229200000000000}
 
 ``list_high_water``: no ``LIST`` cursor handed out is past it; a restarted
@@ -69,12 +79,12 @@ import logging
 import math
 import os
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime, timezone
 
 from kvtier.errors import ConfigError
 from kvtier.private_files import fsync_dir, make_private_dirs, replace_private_file
-from kvtier.server.spill import wall_of
+from kvtier.server.spill import NewestStamps, wall_of
 
 FILE_NAME = "runtime.json"
 _VERSION = 1
@@ -82,6 +92,8 @@ _VERSION = 1
 MAX_ERASURES = 4096
 #: a folded tombstone stays this far before the oldest block it must not reach (wall clocks slew)
 FOLD_MARGIN_S = 1.0
+#: sets of erasure records of keys this server does not hold kept in the file; past it the oldest go
+MAX_FOREIGN_SETS = 8
 
 #: an erasure's scope: (owner, namespace or None: all, session or None: all)
 Scope = tuple[str, str | None, str | None]
@@ -95,28 +107,39 @@ class RuntimeState:
     """The persisted overrides; ``path`` None keeps them in memory only (no disk_dir / state_dir)."""
 
     def __init__(self, path: str | None, *, erasure_key: bytes | None = None,
+                 older_erasure_keys: Sequence[bytes] = (),
                  unkeyed_erasures_must_authenticate: bool = True) -> None:
         """``erasure_key`` authenticates the erasure records (a server with a disk spill or a fleet
         journal); without it they are neither read nor recorded, only kept in the file as they are.
+        ``older_erasure_keys``: keys of this server that earlier versions wrote them under (a disk's
+        secret), still read; what they authenticate is written anew under ``erasure_key`` at once.
         ``unkeyed_erasures_must_authenticate``: whether records written before key ids were kept
-        that do not authenticate under ``erasure_key`` stop the start (a disk spill's key: only a
-        disk's wrote them) or are dropped, logged (a server without a disk: a dropped disk's)."""
+        that authenticate under none of these keys stop the start (a disk spill's key: only a disk's
+        wrote them) or are kept aside, logged (a server without a disk: a dropped disk's)."""
         self.path = path
         self._lock = threading.Lock()
         self.quota: dict[str, int | None] = {}
         self.tenant_ttl_s: dict[str, float | None] = {}
         self.namespace_ttl_s: dict[tuple[str, str], float | None] = {}
         self._erasure_key = erasure_key
+        self._older_keys = tuple(k for k in older_erasure_keys if k != erasure_key)
         self._unkeyed_must_authenticate = unkeyed_erasures_must_authenticate
         #: scope → wall-clock time of its latest erasure
         self._erasures: dict[Scope, float] = {}
-        self._kept_erasures: tuple[list, str, str | None] | None = None  # (records, tag, key id) not ours to check
+        #: without an erasure key: the file's erasure fields, kept as they are
+        self._kept_erasures: dict | None = None
+        #: sets of erasure records under keys this server does not hold, kept in the file as they are
+        #: (read again at each start: that key may be this server's again)
+        self._foreign: list[dict] = []
+        #: the newest creation stamped on each owner's blocks: no tombstone is recorded before it
+        self.stamps = NewestStamps()
         #: no LIST cursor handed out is past it (see the module's docstring)
         self.list_high_water = 0
-        if path is not None and os.path.exists(path):
-            self._load(path)
+        if path is not None and os.path.exists(path) and self._load(path):
+            self._write_migrated()
 
-    def _load(self, path: str) -> None:
+    def _load(self, path: str) -> bool:
+        """Read the file; returns whether erasure records were read under an older key (to write anew)."""
         try:
             with open(path, encoding="utf-8") as f:
                 doc = json.load(f)
@@ -125,67 +148,105 @@ class RuntimeState:
             self.quota = {str(o): _opt_int(v) for o, v in doc.get("quota", {}).items()}
             self.tenant_ttl_s = {str(o): _opt_float(v) for o, v in doc.get("tenant_ttl_s", {}).items()}
             self.namespace_ttl_s = {(str(o), str(n)): _opt_float(v) for o, n, v in doc.get("namespace_ttl_s", [])}
-            if "erasures" in doc:
-                self._load_erasures(doc["erasures"], doc.get("erasures_mac"), doc.get("erasures_key"))
+            migrated = self._load_erasures(_erasure_set(doc), doc.get("foreign_erasures", []))
             mark = doc.get("list_high_water", 0)
             if isinstance(mark, bool) or not isinstance(mark, int) or not 0 <= mark < 1 << 63:
                 raise ValueError(f"list_high_water is a non-negative integer, got {mark!r}")
             self.list_high_water = mark
+            return migrated
         except (OSError, ValueError, TypeError, AttributeError) as exc:
             raise ConfigError(
                 f"runtime overrides {path!r} are unreadable ({exc}); fix or remove the file "
                 f"(the config file's quotas and TTLs then apply)"
             ) from None
 
-    def _load_erasures(self, records, tag, key_id) -> None:
-        if not isinstance(records, list) or not isinstance(tag, str) or not isinstance(key_id, (str, type(None))):
-            raise ValueError("erasures must be a list with its erasures_mac (and the erasures_key id)")
+    def _load_erasures(self, main: dict | None, foreign) -> bool:
+        """Apply the file's erasure records (``main``: its own set; ``foreign``: sets kept aside by an
+        earlier start, of keys it did not hold) that authenticate under one of this server's keys;
+        keep the others aside, as they are. Returns whether any was read under an older key or from a
+        set kept aside: the caller writes them anew under this key (:meth:`_write_migrated`)."""
+        if not isinstance(foreign, list) or not all(isinstance(f, dict) for f in foreign):
+            raise ValueError("foreign_erasures must be a list of erasure record sets")
+        foreign = [_checked_set(f) for f in foreign]
         if self._erasure_key is None:
-            self._kept_erasures = (records, tag, key_id)
-            return
-        if not self._erasures_authenticate(records, tag, key_id):
-            return
+            self._kept_erasures = {"main": main, "foreign": foreign}
+            return False
+        migrated = False
+        for erasure_set in foreign + ([main] if main is not None else []):  # (oldest first, as they are kept)
+            key = self._key_of(erasure_set, is_main=erasure_set is main)
+            if key is None:
+                self._foreign.append(erasure_set)
+                continue
+            self._apply(erasure_set["erasures"])
+            migrated |= key != self._erasure_key or erasure_set is not main
+        if len(self._foreign) > MAX_FOREIGN_SETS:
+            dropped = self._foreign[:-MAX_FOREIGN_SETS]
+            log.warning("runtime overrides %s: %d sets of erasure records of keys this server does not hold "
+                        "dropped, the oldest (past %d)", self.path, len(dropped), MAX_FOREIGN_SETS)
+            self._foreign = self._foreign[-MAX_FOREIGN_SETS:]
+        return migrated
+
+    def _key_of(self, erasure_set: dict, *, is_main: bool) -> bytes | None:
+        """The key of this server's that a set of erasure records authenticates under; None for one
+        of a key it does not hold (logged: kept in the file, not applied). Raises ValueError for the
+        file's own records if they were edited (their id names one of this server's keys, or a disk
+        server's from before key ids that none of its keys authenticates). The MACs are checked
+        first: the id is not under them, so a damaged id must not set aside records that verify."""
+        records, tag, key_id = erasure_set["erasures"], erasure_set["erasures_mac"], erasure_set.get("erasures_key")
+        keys = (self._erasure_key, *self._older_keys)
+        for key in keys:
+            if hmac.compare_digest(_erasures_mac(key, records), tag):
+                return key
+        if not is_main:  # (set aside by an earlier start: judged already)
+            self._set_aside(records, f"set aside by an earlier start (another key's, id {str(key_id)[:16]!r})")
+            return None
+        if key_id is not None and key_id not in {_key_id(k) for k in keys}:
+            self._set_aside(records, f"written under another key (id {key_id[:16]!r}, this server's "
+                                     f"{self._key_id()!r})")
+            return None
+        if key_id is not None:
+            raise ValueError("its erasure records do not authenticate although written under this server's key "
+                             "(their erasures_key is its id): edited; without them, erased blocks may come back")
+        if not self._unkeyed_must_authenticate:
+            self._set_aside(records, "written before key ids were kept, under another key (a disk_dir dropped "
+                                     "from the config)")
+            return None
+        raise ValueError("its erasure records do not authenticate under this server's spill secret (edited, "
+                         "or written under another master key or server.secret; without them, erased blocks "
+                         "in disk_dir may come back)")
+
+    def _apply(self, records: list) -> None:
+        """Add authenticated erasure records (the latest time per scope wins)."""
         for owner, namespace, session, at in records:
             if not (isinstance(owner, str) and isinstance(namespace, (str, type(None)))
                     and isinstance(session, (str, type(None))) and isinstance(at, (int, float))
                     and not isinstance(at, bool) and math.isfinite(at)):
                 raise ValueError(f"an erasure is [owner, namespace or null, session or null, time], got "
                                  f"{[owner, namespace, session, at]!r}")
-            self._erasures[(owner, namespace, session)] = float(at)
+            scope = (owner, namespace, session)
+            self._erasures[scope] = max(float(at), self._erasures.get(scope, -math.inf))
 
-    def _erasures_authenticate(self, records: list, tag: str, key_id: str | None) -> bool:
-        """Whether the file's erasure records are this key's and authenticate (False: another key's,
-        logged and dropped); raises ValueError for records of this key that were edited. The MAC is
-        checked first: the id is not under it, so a damaged id must not drop records that verify."""
-        if hmac.compare_digest(self._erasures_mac(records), tag):
-            return True
-        if key_id is not None and key_id != self._key_id():
-            self._drop_erasures(records, f"written under another key (id {key_id[:16]!r}, this server's "
-                                         f"{self._key_id()!r})")
-            return False
-        if key_id is not None:
-            raise ValueError("its erasure records do not authenticate although written under this server's key "
-                             "(their erasures_key is its id): edited; without them, erased blocks may come back")
-        if not self._unkeyed_must_authenticate:
-            self._drop_erasures(records, "written before key ids were kept, under another key (a disk_dir dropped "
-                                         "from the config)")
-            return False
-        raise ValueError("its erasure records do not authenticate under this server's spill secret (edited, "
-                         "or written under another master key or server.secret; without them, erased blocks "
-                         "in disk_dir may come back)")
+    def _write_migrated(self) -> None:
+        """Write the erasures just read under an older key (or from a set kept aside) anew under this
+        server's key now, not at the next change: that older key (a disk's secret) may be gone at
+        the next start, and its records with it. Best effort: they are read again next time."""
+        self._erasures = _bounded(_without_covered(self._erasures), None)
+        try:
+            self._save()
+        except OSError as exc:
+            log.warning("runtime overrides %s: erasure records read under an older key could not be written "
+                        "anew under this one (%s); read again under it at the next start", self.path, exc)
+            return
+        log.info("runtime overrides %s: erasure records read under an older key of this server (a disk's "
+                 "secret) written anew under its state key", self.path)
 
-    def _drop_erasures(self, records: list, why: str) -> None:
-        log.warning("runtime overrides %s: %d erasure records %s are dropped, the quotas and TTLs kept: a disk "
-                    "file or fleet record they covered was authenticated under that key too, and is not "
-                    "accepted under this one either", self.path, len(records), why)
+    def _set_aside(self, records: list, why: str) -> None:
+        log.warning("runtime overrides %s: %d erasure records %s are not applied, the quotas and TTLs kept: they "
+                    "stay in the file as they are, applied again once a start holds that key (the disk_dir or "
+                    "master key they were written under configured again)", self.path, len(records), why)
 
     def _key_id(self) -> str:
-        """The id of the erasure key the records are written under (not the key: one-way)."""
-        return hmac.new(self._erasure_key, b"kvtier erasures key id", hashlib.sha256).hexdigest()[:16]
-
-    def _erasures_mac(self, records: list) -> str:
-        body = json.dumps(records, separators=(",", ":"), ensure_ascii=True).encode()
-        return hmac.new(self._erasure_key, body, hashlib.sha256).hexdigest()
+        return _key_id(self._erasure_key)
 
     # -- erasures ----------------------------------------------------------------------------
     def erased(self, owner: str, namespace: str, session: str, created_wall: float) -> bool:
@@ -206,6 +267,7 @@ class RuntimeState:
         fold must not reach them; None: nothing is folded, the oldest go)."""
         if self._erasure_key is None:
             return
+        erased_at = self._not_before_its_stamps(owner, erased_at)
         with self._lock:
             before = self._erasures
             erasures = dict(before)
@@ -217,6 +279,18 @@ class RuntimeState:
             except BaseException:
                 self._erasures = before
                 raise
+
+    def _not_before_its_stamps(self, owner: str, erased_at: float) -> float:
+        """``erased_at``, or the newest creation stamped on a block of ``owner``'s where that is later:
+        the wall clock was stepped back since (an NTP step), and a tombstone older than its blocks'
+        stamps would not cover them. (It may then cover blocks of the erased scope put in the next
+        moments too: dropped at the next start, a cache's loss; erased blocks back would be a leak.)"""
+        newest = self.stamps.newest(owner)
+        if newest <= erased_at:
+            return erased_at
+        log.warning("erasure of %r recorded at %s, the newest creation stamped on its blocks, %.3f s ahead of the "
+                    "wall clock: the clock was stepped back since", owner, _utc(newest), newest - erased_at)
+        return newest
 
     # -- changes (each one persisted before it returns) -------------------------------------
     def set_quota(self, owner: str, quota: int | None) -> None:
@@ -262,15 +336,16 @@ class RuntimeState:
             "tenant_ttl_s": self.tenant_ttl_s,
             "namespace_ttl_s": [[o, n, v] for (o, n), v in sorted(self.namespace_ttl_s.items())],
         }
+        foreign = self._foreign
         if self._erasure_key is not None:
             records = [[o, n, se, at] for (o, n, se), at in sorted(self._erasures.items(), key=_scope_order)]
-            doc["erasures"], doc["erasures_mac"] = records, self._erasures_mac(records)
-            doc["erasures_key"] = self._key_id()
+            doc.update(erasures=records, erasures_mac=_erasures_mac(self._erasure_key, records),
+                       erasures_key=self._key_id())
         elif self._kept_erasures is not None:
-            records, tag, key_id = self._kept_erasures
-            doc["erasures"], doc["erasures_mac"] = records, tag
-            if key_id is not None:
-                doc["erasures_key"] = key_id
+            doc.update(self._kept_erasures["main"] or {})
+            foreign = self._kept_erasures["foreign"]
+        if foreign:
+            doc["foreign_erasures"] = foreign
         if self.list_high_water:
             doc["list_high_water"] = self.list_high_water
         directory = os.path.dirname(self.path) or "."
@@ -293,6 +368,33 @@ def blocks_held_in(index) -> LiveBlocks:
                 yield entry.namespace, entry.session, wall_of(entry.created)
 
     return held
+
+
+def _erasure_set(doc: dict) -> dict | None:
+    """The file's own erasure records with their MAC and key id (None: it has none)."""
+    if "erasures" not in doc:
+        return None
+    erasure_set = {"erasures": doc["erasures"], "erasures_mac": doc.get("erasures_mac")}
+    if doc.get("erasures_key") is not None:
+        erasure_set["erasures_key"] = doc["erasures_key"]
+    return _checked_set(erasure_set)
+
+
+def _checked_set(erasure_set: dict) -> dict:
+    if not (isinstance(erasure_set.get("erasures"), list) and isinstance(erasure_set.get("erasures_mac"), str)
+            and isinstance(erasure_set.get("erasures_key"), (str, type(None)))):
+        raise ValueError("erasures must be a list with its erasures_mac (and the erasures_key id)")
+    return erasure_set
+
+
+def _key_id(key: bytes) -> str:
+    """The id of an erasure key the records are written under (not the key: one-way)."""
+    return hmac.new(key, b"kvtier erasures key id", hashlib.sha256).hexdigest()[:16]
+
+
+def _erasures_mac(key: bytes, records: list) -> str:
+    body = json.dumps(records, separators=(",", ":"), ensure_ascii=True).encode()
+    return hmac.new(key, body, hashlib.sha256).hexdigest()
 
 
 def _opt_int(v) -> int | None:

@@ -34,6 +34,9 @@ are left to the fleet's own eviction -- give such a server a ``state_dir``.
 
 Runtime admin changes (quotas, TTLs) persist in ``state_dir`` (default
 ``disk_dir``; :mod:`kvtier.server.runtime_state`) and win over the config file.
+What a restart reads back from ``state_dir`` (the fleet journal's records, the
+erasures' tombstones) is authenticated under one state key whatever the tiers
+(:meth:`Server._state_codecs`); the disk spill's annotations under the disk's.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ import stat
 import sys
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 from kvtier.errors import ConfigError
 from kvtier.private_files import make_private_dirs, open_private_file
@@ -62,6 +66,7 @@ from kvtier.server.metrics import MetricsAuth, ServerMetrics, serve_http, tier_a
 from kvtier.server.runtime_state import FILE_NAME as RUNTIME_STATE_FILE
 from kvtier.server.runtime_state import RuntimeState
 from kvtier.server.service import Service
+from kvtier.server.spill import SpillCodec, secret_in
 from kvtier.tiers.remote_protocol import ErrorCode
 from kvtier.tiers.host import HostTier
 from kvtier.store import safety
@@ -72,6 +77,13 @@ log = logging.getLogger(__name__)
 
 #: how long a stop waits for the connections' cancelled tasks to end
 TASKS_END_S = 10.0
+
+
+class StateCodecs(NamedTuple):
+    """The codecs of the records kept in ``state_dir`` (:meth:`Server._state_codecs`)."""
+
+    current: SpillCodec  #: writes them, and reads them
+    older: tuple[SpillCodec, ...]  #: other keys of this server that earlier versions wrote them under: read
 
 
 def _remove_stale_socket(path: str) -> None:
@@ -114,17 +126,19 @@ class Server:
                 safety.warn_server_plaintext(config.disk_dir)
             tiers.append(self._sealed(disk) if config.encrypt_at_rest else disk)
         state_dir = config.state_dir or config.disk_dir
-        codec = self._state_codec(disk, state_dir)
-        # Erasure records (tombstones) are authenticated under the codec's secret: kept wherever a
-        # disk spill or a fleet journal could bring an erased block back at the next start. (Those of
-        # another secret, a disk added or dropped, are dropped: kvtier/server/runtime_state.py.)
+        disk_codec = self._spill_codec() if disk is not None else None
+        codecs = self._state_codecs(disk_codec, state_dir)
+        # Erasure records (tombstones) are authenticated under the state key: kept wherever a disk
+        # spill or a fleet journal could bring an erased block back at the next start. (Those of a
+        # key this server does not hold are kept aside in the file: kvtier/server/runtime_state.py.)
         state = RuntimeState(os.path.join(state_dir, RUNTIME_STATE_FILE) if state_dir else None,
-                             erasure_key=codec.erasure_key() if codec is not None else None,
+                             erasure_key=codecs.current.erasure_key() if codecs is not None else None,
+                             older_erasure_keys=[c.erasure_key() for c in codecs.older] if codecs is not None else (),
                              unkeyed_erasures_must_authenticate=disk is not None)
         #: the fleet tier with its journal (kvtier/server/fleet.py); None: no fleet, or no state_dir to keep it in
         self.fleet = None
         if config.mooncake_master:  # the fleet below: blocks evicted above spill there (kvtier/tiers/mooncake.py)
-            tiers.append(self._fleet_tier(state_dir, codec, state))
+            tiers.append(self._fleet_tier(state_dir, codecs, state))
         # A write-behind mark for every block the pool can hold (blocks of the smallest footprint):
         # a mark dropped from a full backlog would leave its block out of the shutdown flush. Marks
         # exist only for blocks in DRAM not yet copied down (~160 B each while they wait).
@@ -133,7 +147,7 @@ class Server:
         self.governance = Governance(config, state)
         if state.path is not None:  # LIST cursors of an earlier run never skip a block (kvtier/server/index.py)
             self.index.number_after(state.list_high_water, state.set_list_high_water)
-        self.spill = self._spill_binding(disk, codec, state) if disk is not None else None
+        self.spill = self._spill_binding(disk, disk_codec, state) if disk is not None else None
         #: what the start found on disk (see :meth:`_recover`)
         self.recovered: dict = {}
         #: what the shutdown flush did: {"flushed", "dropped", "seconds"}
@@ -195,9 +209,9 @@ class Server:
         sealed.name = disk.name  # metrics and KV events name the medium
         return sealed
 
-    def _fleet_tier(self, state_dir: str | None, codec, state: RuntimeState):
+    def _fleet_tier(self, state_dir: str | None, codecs, state: RuntimeState):
         """The Mooncake fleet, with a journal of what is placed there in ``state_dir`` (its records
-        authenticated by ``codec``, :meth:`_state_codec`) and the erasures' tombstones (``state``),
+        authenticated by ``codecs``, :meth:`_state_codecs`) and the erasures' tombstones (``state``),
         so that erase and TTL reach those blocks after a restart, and an erased one is never indexed
         again. Without a state directory a clean shutdown deletes them from the fleet instead
         (:meth:`_shutdown_flush`)."""
@@ -213,8 +227,9 @@ class Server:
             from kvtier.server.fleet import FleetRecords, JournaledFleet
 
             # (under the sealing tier: it records the names blocks are stored under, as the disk does)
-            fleet = self.fleet = JournaledFleet(fleet, journal, FleetRecords(self.index, codec, self.keyring),
-                                                tombstones=state)
+            records = FleetRecords(self.index, codecs.current, self.keyring, older_codecs=codecs.older,
+                                   stamps=state.stamps)
+            fleet = self.fleet = JournaledFleet(fleet, journal, records, tombstones=state)
         if self.keyring is None:
             return fleet  # names keyed, reads verified; plaintext in the fleet's memory
         from kvtier.tiers.encrypted import EncryptedTier
@@ -223,28 +238,29 @@ class Server:
         sealed.name = fleet.name
         return sealed
 
-    def _state_codec(self, disk, state_dir: str | None):
-        """What authenticates the records a restart reads back (disk annotations, fleet records,
-        erasure tombstones): the disk spill's codec; without a disk, a fleet journal's, under a
-        secret of its own in ``state_dir`` (0600, refused if others may read it); None where
-        nothing is read back."""
-        if disk is not None:
-            return self._spill_codec()
-        if not (self.config.mooncake_master and state_dir):
+    def _state_codecs(self, disk_codec: SpillCodec | None, state_dir: str | None) -> StateCodecs | None:
+        """What authenticates the records a restart reads back from ``state_dir`` (fleet records,
+        erasure tombstones): one key whatever the tiers -- the master key's codec with encryption at
+        rest, else a secret of its own in ``state_dir`` (0600, refused if others may read it) -- so
+        that a disk added to or dropped from the config leaves them this server's. (Versions before
+        keyed them by the disk spill's secret where there was a disk: still read, ``older``.) None
+        where nothing is read back: no disk, and no fleet journal."""
+        if disk_codec is None and not (self.config.mooncake_master and state_dir):
             return None
-        from kvtier.server.spill import SpillCodec, secret_in
-
+        if self._master_key is not None:  # (the disk spill's codec too)
+            return StateCodecs(disk_codec, ())
         try:
             make_private_dirs(state_dir)  # (before the fleet journal would: its secret is made first)
+            current = SpillCodec(secret_in(state_dir))
         except OSError as exc:
-            raise ConfigError(f"state_dir {state_dir!r}: {exc}; give the server a state_dir it can write: the fleet "
-                              f"journal is what lets erase and TTL reach the blocks it placed in the Mooncake fleet "
+            raise ConfigError(f"state_dir {state_dir!r}: {exc}; give the server a state_dir it can write: it keeps "
+                              f"the erasures and the fleet journal, which let erase and TTL reach the blocks "
                               f"after a restart") from None
-        return SpillCodec(secret_in(state_dir))
+        if disk_codec is None or disk_codec.erasure_key() == current.erasure_key():  # (state_dir is disk_dir)
+            return StateCodecs(current, ())
+        return StateCodecs(current, (disk_codec,))
 
     def _spill_codec(self):
-        from kvtier.server.spill import SpillCodec, secret_in
-
         # With encryption at rest the codec's keys derive from the master key, which lives outside
         # disk_dir, and it seals what it writes; otherwise an HMAC under a 0600 file in disk_dir
         # (see kvtier/server/spill.py for why).

@@ -45,7 +45,9 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import hmac
+import math
 import os
+import threading
 import time
 from dataclasses import dataclass
 
@@ -177,6 +179,29 @@ def monotonic_of(created_wall: float) -> float:
     (a clock stepped back must not make a block younger than new, or expire it early)."""
     age = max(0.0, time.time() - created_wall)
     return time.monotonic() - age
+
+
+class NewestStamps:
+    """Per owner, the newest wall-clock creation stamped on any of its blocks' annotations or fleet
+    records (this run's, and those read back at start). An erasure's tombstone covers the blocks
+    stamped at or before its time; with the wall clock stepped back since a stamp (an NTP step),
+    ``time.time()`` at the erase is older than the newest stamps, so the tombstone is
+    never recorded below this (:meth:`~kvtier.server.runtime_state.RuntimeState.record_erasure`).
+    Thread safe (the disk tier's and the demotions' threads stamp)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._newest: dict[str, float] = {}
+
+    def note(self, owner: str, wall: float) -> None:
+        with self._lock:
+            if wall > self._newest.get(owner, -math.inf):
+                self._newest[owner] = wall
+
+    def newest(self, owner: str) -> float:
+        """The newest stamp of ``owner``'s blocks (-inf: none)."""
+        with self._lock:
+            return self._newest.get(owner, -math.inf)
 
 
 # -- the secret ------------------------------------------------------------------------------

@@ -1,10 +1,11 @@
-"""Erasure tombstones written under another key -- a disk added to or dropped from the config switches
-the key they are authenticated under (the disk's secret or master key, else the fleet journal's secret
-in ``state_dir``) -- are logged and dropped, and the quota and TTL overrides of the same file are kept:
-the start goes on (it was refused, with "fix or remove the file", which threw the overrides away). Only
-tombstones of this key that were edited stop the start. A file from before key ids were kept stops a
-server with a disk if it does not authenticate; without a disk it is a dropped disk's: logged and
-dropped. The last test runs real ``kvtier serve`` processes over a Mooncake fleet. (s31 r2 D3)"""
+"""Erasure tombstones written under another key (before s32 a disk added to or dropped from the config
+switched the key; now one a server does not hold: a secret replaced, a disk dropped before the upgrade)
+are logged and not applied, and the quota and TTL overrides of the same file are kept: the start goes
+on (it was refused, with "fix or remove the file", which threw the overrides away). Only tombstones of
+this key that were edited stop the start. A file from before key ids were kept stops a server with a
+disk if it does not authenticate; without a disk it is a dropped disk's: logged and not applied.
+(Those not applied stay in the file: test_erasure_tombstones_older_key.py.) The last test runs real
+``kvtier serve`` processes over a Mooncake fleet. (s31 r2 D3)"""
 
 from __future__ import annotations
 

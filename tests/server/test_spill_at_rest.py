@@ -251,7 +251,7 @@ def test_erasure_records_stay_few(tmp_path, monkeypatch):
     for i in range(20):  # every erased session is still covered (some by the folded, wider one)
         assert state.erased("globex", "ns", f"g{i}", 100.0 + i)
     assert RuntimeState(path, erasure_key=b"e" * 32).erasures() == held  # as persisted
-    # under another key (a disk added or dropped: tests/server/test_erasure_tombstones_key_change.py)
-    # the tombstones are dropped, not a refused start
+    # under another key (tests/server/test_erasure_tombstones_key_change.py) the tombstones are not
+    # applied (kept in the file), not a refused start
     assert RuntimeState(path, erasure_key=b"f" * 32).erasures() == {}
     assert RuntimeState(path).erasures() == {}  # a server without a spill neither reads nor drops them
