@@ -477,15 +477,38 @@ class MooncakeTier(TierReads, TierWrites, BoundedEngineCalls, TenantNaming, Tier
                 self._registration.release()
         # An overrun call still in the engine (a frozen holder or master) must end before the
         # client closes under it; bounded: past it the client is left open (SharedClient.release).
-        ended = self._caller.wait_idle(max(0.0, deadline - time.monotonic())) and locked
+        self._caller.wait_idle(max(0.0, deadline - time.monotonic()))
         self._caller.close()
-        if not self._late_direct_reads and ended:  # a late read still uses its registration
-            # off this thread, as the staging's: each is an update of the metadata server (3 s each
-            # with it frozen); the client's release waits for them, at most timeout_s
-            for _, _, buf in self._regions:
-                self._client.registrar.unregister(buf)
-        self._regions = []
-        self._client.release(calls_ended=ended, timeout_s=self.timeout_s)
+        if self._late_work_ended():
+            self._unregister_regions()
+            self._client.release(timeout_s=self.timeout_s)
+        else:  # a late read still uses its registration: unregistered once it has ended
+            self._client.release(late_work_ended=self._late_work_ended_then_unregister, timeout_s=self.timeout_s)
+
+    def _late_work_ended(self) -> bool:
+        """Whether nothing of this closed tier is in the engine any more: no engine call, no late read
+        into registered memory, no registration of memory."""
+        if self._caller.running or self._late_direct_reads:
+            return False
+        if not self._registration.acquire(blocking=False):
+            return False
+        self._registration.release()
+        return True
+
+    def _late_work_ended_then_unregister(self) -> bool:
+        """For the client's last release: :meth:`_late_work_ended`, and then the memory registered
+        with this tier is let go (it is closing the client)."""
+        if not self._late_work_ended():
+            return False
+        self._unregister_regions()
+        return True
+
+    def _unregister_regions(self) -> None:
+        # off this thread, as the staging's: each is an update of the metadata server (3 s each
+        # with it frozen); the client's release waits for them, at most timeout_s
+        regions, self._regions = self._regions, []
+        for _, _, buf in regions:
+            self._client.registrar.unregister(buf)
 
     def __repr__(self) -> str:
         return f"<MooncakeTier master={self.master} tenant={self.tenant!r} replicas={self.replicas}>"

@@ -19,6 +19,7 @@ import pytest
 
 from kvtier.core.payload import HEADER_NBYTES, pack_header, unpack_header
 from kvtier.tiers.base import Status
+from kvtier.tiers.mooncake_launch import _wait_stopped
 from tests.tiers.mooncake_harness import (both_transfer_paths, CLIENT_TTL_S, fresh_secret, make_tier, mooncake_available,
                                           shared_cluster, start_cluster)
 
@@ -322,6 +323,8 @@ def test_a_delete_the_fleet_could_not_be_asked_is_hidden_at_once_and_done_once_i
     try:
         assert mine.put(key(310), block(310)) is Status.OK and mine.put(key(311), block(311)) is Status.OK
         os.killpg(cluster.master.pid, signal.SIGSTOP)
+        # (SIGSTOP acts as each thread is next scheduled: on a loaded box the lookup was served first)
+        _wait_stopped(cluster.master.pid, 5.0)
         try:
             assert mine.contains(key(311)) is False  # the master does not answer: the tier backs off 2 s
         finally:
@@ -359,6 +362,7 @@ def test_a_long_outage_costs_one_deadline_not_one_per_backoff(outage_cluster):
     try:
         assert t.put(key(320), block(320)) is Status.OK
         os.killpg(outage_cluster.master.pid, signal.SIGSTOP)
+        _wait_stopped(outage_cluster.master.pid, 5.0)  # (SIGSTOP acts as each thread is next scheduled)
         try:
             start = time.monotonic()
             assert t.contains(key(320)) is False  # the call that finds the outage: one deadline

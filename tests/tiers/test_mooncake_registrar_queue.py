@@ -1,0 +1,101 @@
+"""Buffers given back while the metadata server does not answer are let go at once: the Registrar and
+an EncryptedTier's buffer pool over a MooncakeTier whose master (the metadata server) is frozen.
+
+Each (un)registration updates the metadata server: with it frozen, 6 s a job, one after the other.
+A buffer given back before its registration's turn was unregistered in name only: its job stayed
+queued and kept the buffer alive until the registrar's thread reached it. And the pool, holding
+its KEEP buffers, let go the larger buffer just given back rather than a smaller one kept, so a
+workload whose groups outgrew what it kept made, registered and unregistered a new buffer on every
+get: memory held grew by one group buffer per get for as long as the outage lasted (audit s32 a5 D3).
+
+A cluster of its own (a master + one holder), since its master is frozen."""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import weakref
+from contextlib import contextmanager
+
+import numpy as np
+import pytest
+
+from kvtier.tiers.mooncake_launch import _wait_stopped
+from tests.tiers.mooncake_harness import make_tier, mooncake_available
+
+pytestmark = pytest.mark.skipif(mooncake_available() is not None, reason=str(mooncake_available()))
+
+MIB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from kvtier.tiers.mooncake_launch import MooncakeCluster
+
+    c = MooncakeCluster.start(holders=1, segment_bytes=64 << 20)
+    yield c
+    c.stop()
+
+
+@contextmanager
+def frozen(cluster):
+    os.killpg(cluster.master.pid, signal.SIGSTOP)
+    _wait_stopped(cluster.master.pid, 5.0)  # (SIGSTOP acts as each thread is next scheduled)
+    try:
+        yield
+    finally:
+        os.killpg(cluster.master.pid, signal.SIGCONT)
+
+
+def alive(refs: list[weakref.ref]) -> int:
+    """How many distinct buffers of ``refs`` are still held."""
+    gc.collect()
+    return len({id(r()) for r in refs if r() is not None})
+
+
+def test_a_buffer_given_back_before_its_registration_ran_is_let_go_at_once(cluster):
+    from kvtier.tiers.mooncake_client import Registrar
+
+    t = make_tier(cluster, timeout_s=1.0)
+    registrar = Registrar(t.register_memory, t.unregister_memory)
+    try:
+        with frozen(cluster):
+            registrar.register(np.zeros(MIB, np.uint8))  # its job waits for the frozen server
+            refs = []
+            for _ in range(10):
+                buf = np.zeros(8 * MIB, np.uint8)
+                refs.append(weakref.ref(buf))
+                registrar.register(buf)
+                registrar.unregister(buf)
+                del buf
+            held = alive(refs)
+            registrar.close(0.0)
+        assert held == 0, f"{held} buffers given back still held by the registrar's queue"
+    finally:
+        registrar.stop()
+        t.close()
+
+
+def test_a_pool_whose_groups_outgrew_its_buffers_keeps_the_larger_ones(cluster):
+    from kvtier.tiers.encrypted import _BufferPool
+
+    t = make_tier(cluster, timeout_s=1.0)
+    pool = _BufferPool(t)
+    try:
+        for buf in [pool.take(MIB) for _ in range(pool.KEEP)]:
+            pool.give(buf)  # the pool keeps KEEP buffers of 1 MiB (an earlier workload's groups)
+        with frozen(cluster):
+            refs = []
+            for i in range(20):  # gets whose group needs 8 MiB
+                buf = pool.take(8 * MIB)
+                refs.append(weakref.ref(buf))
+                buf[:] = i  # the read lands in it
+                pool.give(buf)
+                del buf
+            held = alive(refs)
+            pool.close()
+        assert held == 1, f"{held} buffers of 8 MiB made for 20 gets (one is enough)"
+    finally:
+        pool.close()
+        t.close()
