@@ -202,6 +202,10 @@ class PromptSuffix:
         self._fed: dict[int, torch.Tensor | None] = {}  # thread id -> the ids it last fed
         self._hooks = [module.register_forward_pre_hook(self._note_fed, with_kwargs=True) for module in fed_to]
 
+    # Run as Python, never traced: a compiled model runs its modules' hooks inside compiled code,
+    # where dynamo would trace this write (a graph break at get_ident, guards on the ids it saw)
+    # instead of simply making it, as it traced the check itself (StorageLayer._check_prompt_suffix).
+    @torch.compiler.disable
     def _note_fed(self, module, args, kwargs) -> None:
         # HF models take input_ids first; an embedding module takes them first as ``input``.
         ids = kwargs.get("input_ids", kwargs.get("input", args[0] if args else None))
@@ -282,12 +286,19 @@ class StorageLayer(DynamicLayer):
         self.refresh()
         return self.keys, self.values
 
+    @torch.compiler.disable
     def _check_prompt_suffix(self, appended: int) -> None:
         """The first append after a load must be the K/V of the prompt's uncached tokens: HF generate
         in some modes feeds the whole prompt again after the loaded prefix (or its first tokens, in
         chunks), and appended there their K/V would sit at positions (and carry the RoPE) of other
         tokens: wrong logits now, wrong blocks saved under real keys. Later appends (decode steps)
-        are not checked: the hook goes now."""
+        are not checked: the hook goes now.
+
+        Run as Python, never traced (a compiled model's forward calls it: a graph break, on the first
+        forward after a load only, since decode steps see ``expected`` None). Traced, dynamo decided
+        the check once per graph from what it saw while tracing: after suffixes of several lengths it
+        made the length symbolic, and ``(1, 1) in ((n,), (1, n))`` with ``n`` symbolic and 1 came
+        out False, so a compiled model refused every 1-token suffix (a fully cached prompt)."""
         expected, self.expected = self.expected, None
         expected.stop_watching()
         wrong = expected.wrong_feed(self.length, appended)
