@@ -44,6 +44,7 @@ import logging
 import re
 import socket
 import uuid
+from collections import Counter
 from typing import Any, Callable, Iterable, Mapping, NamedTuple
 
 from aiohttp import ClientError, ClientSession, ClientTimeout, ServerDisconnectedError, TCPConnector
@@ -81,8 +82,23 @@ MAX_ABORT_BYTES = 1 << 20
 #: request (an 8,000-character id over 120 empty prompts) makes a ~1 MiB one: 40 departures held
 #: 37 MiB, counted in no bound (audit s32 a1 D2). An abort over it is not sent (``over_budget``):
 #: its closed connection is what tells the worker, as for one too large to name. Sixteen of the
-#: largest fit, or some 100,000 of a uuid-named request's.
+#: largest fit, or some 100,000 of a uuid-named request's. Shared out by :class:`AbortBudget`.
 MAX_ABORT_BYTES_IN_FLIGHT = 16 << 20
+#: the most of MAX_ABORT_BYTES_IN_FLIGHT the aborts posted to one worker hold: a worker that
+#: answers no abort (hung, or its API server short of CPU) holds each body ABORT_TIMEOUT_S, once
+#: per post (three for a departure before the first byte: ~90 s), and with the whole bound its
+#: departures, or one client's crafted ones, had every other worker's aborts dropped for that
+#: long (audit s32 r3 D1). Four of the largest aborts (MAX_ABORT_BYTES); it takes four such
+#: workers at once to fill the bound. (A worker's small bodies may hold its share of the reserve
+#: beside it.)
+MAX_ABORT_BYTES_PER_WORKER = MAX_ABORT_BYTES_IN_FLIGHT // 4
+#: the part of MAX_ABORT_BYTES_IN_FLIGHT only small bodies (at most ENCODE_INLINE_BYTES: a chat's
+#: ~64 bytes, a uuid-named batch of 1,024) may take, so that they are still posted while the large
+#: ones of several slow workers fill the rest; ~16,000 chat aborts
+SMALL_ABORT_RESERVE_BYTES = MAX_ABORT_BYTES_IN_FLIGHT // 16
+#: the most of SMALL_ABORT_RESERVE_BYTES one worker's small bodies hold, for no slow worker to take
+#: the reserve from the others: two of the largest small bodies, or ~2,000 chat aborts
+SMALL_ABORT_RESERVE_PER_WORKER = SMALL_ABORT_RESERVE_BYTES // 8
 #: an abort's body larger than this is built and encoded on a thread, not on the event loop
 ENCODE_INLINE_BYTES = 64 * 1024
 #: the longest body ``request_id`` the router keeps as a request's name: as long as a header line
@@ -243,30 +259,125 @@ def engine_request_ids(path: str, rid: str, body: Any) -> list[str]:
     return engine.ids() if engine is not None else []
 
 
+class _Room:
+    """One part of :class:`AbortBudget`: the bytes its bodies hold, at most ``total`` in all and
+    ``per_worker`` to any one worker URL."""
+
+    __slots__ = ("total", "per_worker", "held", "by_worker")
+
+    def __init__(self, total: int, per_worker: int) -> None:
+        self.total, self.per_worker = total, per_worker
+        self.held = 0
+        self.by_worker: Counter[str] = Counter()   # (a worker that holds nothing has no entry)
+
+    def fits(self, worker_url: str, size: int) -> bool:
+        return self.held + size <= self.total and self.by_worker[worker_url] + size <= self.per_worker
+
+    def take(self, worker_url: str, size: int) -> None:
+        self.held += size
+        self.by_worker[worker_url] += size
+
+    def give_back(self, worker_url: str, size: int) -> None:
+        self.held -= size
+        self.by_worker[worker_url] -= size
+        if self.by_worker[worker_url] <= 0:
+            del self.by_worker[worker_url]
+
+    def check_integrity(self) -> None:
+        if self.held != sum(self.by_worker.values()) or self.held > self.total or \
+                any(not 0 < held <= self.per_worker for held in self.by_worker.values()):
+            raise AssertionError(f"abort room: {self.held} of {self.total} held, by worker {dict(self.by_worker)} "
+                                 f"(each at most {self.per_worker})")
+
+
+class AbortBudget:
+    """The bytes of the abort bodies posted now (each its ``abort_bytes()``, a bound), shared so
+    that no worker and no client takes what the others' aborts need (audit s32 r3 D1):
+    ``total_bytes`` in all, of which
+    - any body may take what the reserve leaves, at most ``worker_bytes`` to one worker;
+    - a body of at most :data:`ENCODE_INLINE_BYTES` that finds no room there takes the reserve,
+      ``reserve_bytes``, at most ``reserve_bytes // 8`` to one worker.
+
+    So a small abort to a worker is refused only once that worker holds its own shares, or once
+    four workers together hold the shared part (each its ``worker_bytes``) and eight hold the
+    reserve. Not thread safe: the event loop's."""
+
+    def __init__(self, total_bytes: int = MAX_ABORT_BYTES_IN_FLIGHT, worker_bytes: int | None = None,
+                 reserve_bytes: int | None = None) -> None:
+        # (each default a part of the total, as the module's constants are of theirs)
+        worker_bytes = total_bytes * MAX_ABORT_BYTES_PER_WORKER // MAX_ABORT_BYTES_IN_FLIGHT \
+            if worker_bytes is None else worker_bytes
+        reserve_bytes = total_bytes * SMALL_ABORT_RESERVE_BYTES // MAX_ABORT_BYTES_IN_FLIGHT \
+            if reserve_bytes is None else reserve_bytes
+        if not 0 <= reserve_bytes < total_bytes:
+            raise ValueError(f"the small aborts' reserve ({reserve_bytes} bytes) must be part of the "
+                             f"abort budget ({total_bytes} bytes)")
+        self.total_bytes = total_bytes
+        self.shared = _Room(total_bytes - reserve_bytes, worker_bytes)
+        self.reserve = _Room(reserve_bytes,
+                             reserve_bytes * SMALL_ABORT_RESERVE_PER_WORKER // SMALL_ABORT_RESERVE_BYTES)
+
+    @property
+    def held(self) -> int:
+        return self.shared.held + self.reserve.held
+
+    def held_by(self, worker_url: str) -> int:
+        return self.shared.by_worker[worker_url] + self.reserve.by_worker[worker_url]
+
+    def take(self, worker_url: str, size: int) -> _Room | None:
+        """Hold ``size`` bytes for a body posted to ``worker_url``: the room it is held in (to give
+        it back to), or None where none has room for it."""
+        if self.shared.fits(worker_url, size):
+            room = self.shared
+        elif size <= ENCODE_INLINE_BYTES and self.reserve.fits(worker_url, size):
+            room = self.reserve
+        else:
+            return None
+        room.take(worker_url, size)
+        return room
+
+    def check_integrity(self) -> None:
+        self.shared.check_integrity()
+        self.reserve.check_integrity()
+
+
 class WorkerAborts:
     """Abort requests sent by the router in the background (the handler that asks is being
     cancelled); ``record(worker_url, result)`` counts each outcome: ``ok``, ``refused`` (the
     worker answered an error status), ``failed`` (no answer), ``again`` (sent again, answered),
-    ``over_budget`` (not sent: the bodies posted now take ``budget_bytes``)."""
+    ``over_budget`` (not sent: no room for its body in ``budget``, :class:`AbortBudget`).
 
-    def __init__(self, record, budget_bytes: int = MAX_ABORT_BYTES_IN_FLIGHT) -> None:
+    Each post is recorded once, ``over_budget`` too, and the router ends its wait for an abort's
+    answer at the record (app.py ``_after_aborts_of``): a post not sent can end no request of its id
+    later, so a retry under that id has nothing to wait for. With the shares of :class:`AbortBudget`
+    a post to a worker is over budget mostly when that worker itself holds its share unanswered,
+    where waiting would be for a worker that answers no abort."""
+
+    def __init__(self, record, budget_bytes: int = MAX_ABORT_BYTES_IN_FLIGHT, worker_bytes: int | None = None,
+                 reserve_bytes: int | None = None) -> None:
         self._record = record
         self._pending: set[asyncio.Task] = set()
         self._waiting: set[asyncio.Task] = set()   # asleep until an abort is sent again
         self._refusing: set[str] = set()   # workers told about once
+        self.budget = AbortBudget(budget_bytes, worker_bytes, reserve_bytes)
         self.budget_bytes = budget_bytes
-        #: the bytes of the abort bodies built and posted now (each its ``abort_bytes()``, a bound)
-        self.bytes_in_flight = 0
         self._over_budget_told = False
+
+    @property
+    def bytes_in_flight(self) -> int:
+        """The bytes of the abort bodies built and posted now (each its ``abort_bytes()``, a bound)."""
+        return self.budget.held
 
     def send(self, session: ClientSession | None, worker_url: str, ids: EngineIds | None,
              headers: Mapping[str, str] | None, again_after_s: Iterable[float] = (),
              still_wanted: Callable[[], bool] | None = None) -> None:
         """Abort ``ids`` on the worker now, and again ``again_after_s`` seconds from now (each
-        time only if ``still_wanted()``): ``record`` counts the first as ``ok``/``refused``/
-        ``failed`` and each one sent again as ``again`` (or its failure); a request of more than
-        :data:`MAX_ABORT_IDS` engine requests, or whose ids take more than :data:`MAX_ABORT_BYTES`,
-        is not named (``too_many``): its closed connection is what tells the worker."""
+        time only if ``still_wanted()``; the router's says no once another request of that name is
+        on the worker, or once the worker is ejected or removed): ``record`` counts the first as
+        ``ok``/``refused``/``failed`` and each one sent again as ``again`` (or its failure); a
+        request of more than :data:`MAX_ABORT_IDS` engine requests, or whose ids take more than
+        :data:`MAX_ABORT_BYTES`, is not named (``too_many``): its closed connection is what tells
+        the worker."""
         if session is None or session.closed or ids is None:
             return
         if ids.count > MAX_ABORT_IDS or ids.abort_bytes() > MAX_ABORT_BYTES:
@@ -299,25 +410,28 @@ class WorkerAborts:
         # over ENCODE_INLINE_BYTES): kept between posts, up to MAX_ABORT_BYTES sat in the router
         # through the again-posts' sleeps, counted in no bound (~1 MiB for a ~6 KB request under a
         # long client id, one per departed client: audit s31 r7 D3). Held only while posted now,
-        # and only within the budget on the bodies posted at once (audit s32 a1 D2).
+        # and only where the budget has room for it (audit s32 a1 D2, s32 r3 D1).
         size = engine.abort_bytes()
-        if self.bytes_in_flight + size > self.budget_bytes:
-            self._tell_over_budget(worker_url)
+        room = self.budget.take(worker_url, size)
+        if room is None:
+            self._tell_over_budget(worker_url, size)
             return "over_budget"
-        self.bytes_in_flight += size
         try:
             return await self._post(session, worker_url, engine, await abort_body(engine), headers)
         finally:
-            self.bytes_in_flight -= size
+            room.give_back(worker_url, size)
 
-    def _tell_over_budget(self, worker_url: str) -> None:
+    def _tell_over_budget(self, worker_url: str, size: int) -> None:
         if self._over_budget_told:   # (once: the count says how often)
             return
         self._over_budget_told = True
-        log.warning("worker %s: an abort by name not sent, the abort bodies posted now take %d bytes "
+        shared = self.budget.shared
+        log.warning("worker %s: an abort by name of %d bytes not sent: the abort bodies posted now take %d bytes "
+                    "to that worker (%d its share) and %d in all (%d, of which %d only for bodies of at most %d) "
                     "(MAX_ABORT_BYTES_IN_FLIGHT); its closed connection is what tells the worker "
                     "(kvtier_router_worker_aborts_total{result=\"over_budget\"} counts them)",
-                    worker_url, self.bytes_in_flight)
+                    worker_url, size, self.budget.held_by(worker_url), shared.per_worker, self.budget.held,
+                    self.budget.total_bytes, self.budget.reserve.total, ENCODE_INLINE_BYTES)
 
     async def _post(self, session: ClientSession, worker_url: str, engine: EngineIds, body: bytes,
                     headers: Mapping[str, str] | None) -> str:

@@ -1377,6 +1377,11 @@ class Router:
             # longer counted there by then: one of that name there now is another, or its retry)
             if self._named_on.get(key, 0) > 0:
                 return False
+            # Nor to a worker ejected or removed since: a hung one answers no post, and each sent
+            # again held its body one ABORT_TIMEOUT_S more, three in all (audit s32 r3 D1). A
+            # draining one is still sent them: it decodes what it has, and the abort ends one sooner.
+            if not self._health_watched(worker):
+                return False
             self._unanswered_aborts[key] += 1
             return True
 
@@ -1390,8 +1395,12 @@ class Router:
 
     def _abort_answered(self, worker_url: str, result: str) -> None:
         """WorkerAborts' ``record``: one post of an abort by name was answered (or failed, or was
-        not sent: ``too_many``). Counted; the abort it belongs to (:data:`_ABORT_KEY`) has one post
-        fewer under way, and requests waiting for it look again."""
+        not sent: ``too_many``, ``over_budget``). Counted; the abort it belongs to (:data:`_ABORT_KEY`)
+        has one post fewer under way, and requests waiting for it look again. A post not sent ends
+        the wait like an answered one: no abort of that id is then on its way to the worker to end a
+        new request of that id (what the wait is for), and waiting on for one sent again, itself
+        perhaps over budget, would hold each retry up to ``abort_again_s`` for nothing
+        (WorkerAborts)."""
         self.metrics.aborts.labels(worker_url, result).inc()
         key = _ABORT_KEY.get()
         if key is None or self._unanswered_aborts.get(key, 0) <= 0:

@@ -93,9 +93,11 @@ class RouterMetrics:
                               "Requests the router asked a worker to abort because their client left "
                               "(result: ok; refused, the worker answered an error status; failed, no answer; shared_name, not asked: "
                               "another request under way has the same client-given id; again, an abort sent again because "
-                              "the client left before the worker's first byte, when the worker may not have had it yet; too_many, not "
-                              "asked: a batch of more engine requests than one abort names; over_budget, not asked: "
-                              "the abort bodies posted at once already take the router's bound on them, 16 MiB)",
+                              "the client left before the worker's first byte, when the worker may not have had it yet "
+                              "(not to one ejected or removed since); too_many, not asked: a batch of more engine requests "
+                              "than one abort names; over_budget, not asked: "
+                              "no room for its body in the router's bound on the abort bodies posted at once: 16 MiB in all, 4 MiB "
+                              "to one worker, 1 MiB of it kept for bodies of at most 64 KiB, 128 KiB of that to one worker)",
                               ["worker", "result"], registry=r)
         self.ignored = Counter("kvtier_router_event_blocks_ignored",
                                "Blocks of KV events the router could not index (reason block_size: the worker's "
