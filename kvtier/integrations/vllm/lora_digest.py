@@ -47,9 +47,14 @@ request), and hands the name to the workers with each load and save (``LoadJob.a
 it was named from, and vLLM reads them again while a request runs (after an unload, and at every
 step with ``load_inplace``): so the files' identities as they were named (:class:`AdapterFiles`,
 a few ``stat`` calls) are checked again before each save is planned, and by the worker after vLLM
-loaded the step's adapters (``SaveJob.adapter_files``; files whose identity alone changed are
-hashed again there, :meth:`AdapterFiles.same_version`). A request whose adapter's files changed
-while it ran is neither looked up nor saved again: its later KV is another version's.
+loaded the step's adapters (``SaveJob.adapter_files``). The worker saves where the files were not
+written since they were named, their ctime alone moved (a ``chmod``: :meth:`AdapterFiles.unwritten`),
+and drops the step's saves at any other change, a ``touch`` or the same bytes deployed again too:
+matching contents cannot show that no other version came and went within the step (with
+``load_inplace`` vLLM computed with what the files held at its start). The scheduler, which names
+the files again at its next check, plans those saves again (``SchedulerSide._adapter_unchanged``).
+A request whose adapter's files changed while it ran is neither looked up nor saved again: its
+later KV is another version's.
 
 vLLM's own prefix cache keys an adapter's pages by name and path only: after the files are
 replaced in place, it gives the new version's requests the old version's pages (and the old
@@ -156,13 +161,12 @@ class _Digest(NamedTuple):
 
 
 class AdapterFiles(NamedTuple):
-    """The files an adapter was named from, as they were then: its directory, each file's
-    identity (real path, device, inode, size, mtime, ctime) and their contents' digest. Strings
-    and ints: it travels to the workers with each save (``SaveJob.adapter_files``)."""
+    """The files an adapter was named from, as they were then: its directory and each file's
+    identity (real path, device, inode, size, mtime, ctime). Strings and ints: it travels to the
+    workers with each save (``SaveJob.adapter_files``)."""
 
     directory: str
     stamps: tuple[tuple, ...]
-    digest: str = ""   #: :meth:`AdapterKeys.digest` of the files; "": not known (never the same version)
 
     def unchanged(self) -> bool:
         """The directory still holds these very files (a few ``stat`` calls, nothing read); False
@@ -172,18 +176,27 @@ class AdapterFiles(NamedTuple):
         except OSError:
             return False
 
-    def same_version(self) -> bool:
-        """The directory holds these files' version: these very files (:meth:`unchanged`), or files
-        whose identity alone changed (a ``chmod``, a ``touch``, the same bytes deployed again),
-        hashed again to tell (about a second a GB). False where they cannot be read, or change while
-        hashed. Like :meth:`unchanged`, it cannot see another version that came and went since the
-        files were named (a link to the directory flipped to it and back passes both)."""
+    def unwritten(self) -> bool:
+        """The directory holds these very files, not written since (:func:`unwritten_between`): their
+        ctime alone may have moved (a ``chmod``, a ``chown``). False where they cannot be read. A
+        rehash could not tell more: with ``load_inplace`` vLLM reads the files at every step, and
+        another version written and then rolled back to these bytes between (all within the step)
+        would hash alike. A ``touch`` or the same bytes deployed again count as written."""
         try:
-            files = _current_files(self.directory)
-            stamps = _stamps(files)
-            return stamps == self.stamps or (bool(self.digest) and _digest_of(files, stamps) == self.digest)
-        except (OSError, ConfigError):
+            return unwritten_between(self, AdapterFiles(self.directory, _stamps(_current_files(self.directory))))
+        except OSError:
             return False
+
+
+def unwritten_between(named: AdapterFiles, now: AdapterFiles) -> bool:
+    """``now`` are the very files ``named`` (real path, device, inode), with the same size and mtime:
+    nothing was written to them in between, only their ctime may have moved. (A tool that sets the
+    mtime back, ``rsync -t --inplace``, ``cp -p`` over the files, passes for no write.)"""
+    return [_without_ctime(stamp) for stamp in named.stamps] == [_without_ctime(stamp) for stamp in now.stamps]
+
+
+def _without_ctime(stamp: tuple) -> tuple:
+    return tuple(item for item in stamp if item[0] != "ctime_ns")
 
 
 class AdapterName(NamedTuple):
@@ -207,20 +220,20 @@ def _inodes(files: AdapterFiles) -> tuple[tuple, ...]:
 
 
 class _Unsettled(NamedTuple):
-    """An id's files seen while young (:data:`SETTLED_S`): files being written."""
+    """The version an id's files held while young (:data:`SETTLED_S`) when last seen: files being
+    written. Contents, not ctimes, tell how long a version stood: a ``chmod`` moves the ctime and
+    changes nothing vLLM reads."""
 
-    last_ns: int                  #: their newest ctime when last seen
+    key: str                      #: the version they held when last seen
+    since_ns: int                 #: their newest ctime when that version was first seen
     inodes: tuple[tuple, ...]     #: which files they were (:func:`_inodes`)
 
-    @classmethod
-    def of(cls, files: AdapterFiles) -> "_Unsettled":
-        return cls(_newest_change_ns(files), _inodes(files))
 
-
-def _follows(seen: _Unsettled, files: AdapterFiles) -> bool:
+def _replaced_young(seen: _Unsettled, files: AdapterFiles) -> bool:
     """``files`` are the very files ``seen`` (inodes), last changed less than :data:`SETTLED_S` after
-    they were seen: whatever they held in between stood less than that."""
-    return seen.inodes == _inodes(files) and _newest_change_ns(files) - seen.last_ns < SETTLED_S * 1e9
+    the version ``seen`` was first seen: it stood less than that (it ended at a write no later than
+    their newest ctime), and so did whatever they held between."""
+    return seen.inodes == _inodes(files) and _newest_change_ns(files) - seen.since_ns < SETTLED_S * 1e9
 
 
 #: adapter versions whose digests are remembered, the least recently named dropped first (named
@@ -244,8 +257,10 @@ MAX_LOADED_IDS = 65536
 #: may have loaded under the id (at an eviction, not seen here). Younger files are taken for files
 #: being written (``cp`` of the same bytes over themselves, a backup restored, ``rsync --inplace``):
 #: they refuse the request that sees them, but the id keeps its version if the same files (inodes)
-#: name it again, each change seen within this time of the one seen before it (whatever the files
-#: held between two sightings stood less than their ctimes apart; :meth:`AdapterKeys.for_request`).
+#: name it again, each version seen replaced within this time of its first sighting (each stood less
+#: than that; contents, not ctimes, are followed: a ``chmod`` moves the ctime of a version that
+#: stands; :meth:`AdapterKeys.for_request`). A version first seen only after chmods moved its ctime
+#: is counted from that ctime, not from its write.
 #: vLLM loads no truncated file, so a copy caught half way is no version it could hold; what this
 #: rule cannot see is a whole other version that vLLM loaded at an eviction within this time of its
 #: write, then written back to the old bytes in the same files within this time too. File times
@@ -368,7 +383,7 @@ class AdapterKeys:
         if getattr(lora_request, "is_3d_lora_weight", False):
             identity["moe_3d_weights"] = True   # how vLLM reads the MoE weights of the same files
         key = "vllm-lora/1 " + json.dumps(identity, sort_keys=True, separators=(",", ":"))
-        return AdapterName(self._shared(key), AdapterFiles(directory, version.stamps, version.digest))
+        return AdapterName(self._shared(key), AdapterFiles(directory, version.stamps))
 
     def _shared(self, key: str) -> str:
         """The copy of ``key`` already remembered, if any: the maps keep one string per version,
@@ -420,7 +435,7 @@ class AdapterKeys:
             return self._mixed(lora_id)
         if loaded == MIXED:
             return REPLACED
-        return self._other_version(lora_id, named.files)
+        return self._other_version(lora_id, named)
 
     def _read_now(self, lora_id: int, named: AdapterName) -> None:
         """``named`` is the version of ``lora_id`` from now on (caller holds the lock), young files
@@ -434,36 +449,44 @@ class AdapterKeys:
         self._unsettled.pop(lora_id, None)
         self._remember_loaded(lora_id, named.key)
 
-    def _other_version(self, lora_id: int, files: AdapterFiles) -> str:
-        """The files of ``lora_id`` name another version than the one vLLM loaded under it. Settled
-        files (unchanged ``SETTLED_S``) may be what vLLM holds after an eviction: the id's version is
-        not known any more. Younger ones are taken for files being written, and refuse this request
-        only: a write caught half way names a version vLLM never loaded (a truncated file does not
-        load), and one that stands is settled at a later request (caller holds the lock)."""
-        changed_ns = _newest_change_ns(files)
-        age_ns = time.time_ns() - changed_ns
-        seen = self._unsettled.get(lora_id)
-        # Other files than those last seen being written (a link flipped to them?): when those
-        # stopped being the id's files is not known from file times, nor how long they stood. The
-        # same files changed SETTLED_S or more after: what they held in between may have stood.
-        if age_ns >= SETTLED_S * 1e9 or (seen is not None and not _follows(seen, files)):
+    def _other_version(self, lora_id: int, named: AdapterName) -> str:
+        """The files of ``lora_id`` name another version than the one vLLM loaded under it. One that
+        stood ``SETTLED_S`` may be what vLLM holds after an eviction: the id's version is not known
+        any more. Younger ones are taken for files being written, and refuse this request only: a
+        write caught half way names a version vLLM never loaded (a truncated file does not load), and
+        one that stands is settled at a later request (caller holds the lock)."""
+        since_ns = self._standing_since(lora_id, named)
+        stood_ns = time.time_ns() - since_ns if since_ns is not None else None
+        if stood_ns is None or stood_ns >= SETTLED_S * 1e9:
             return self._mixed(lora_id)
         # named now, before the bound below drops the least recently named id (not this one)
         self._loaded.move_to_end(lora_id)
-        self._unsettled[lora_id] = _Unsettled.of(files)
+        self._unsettled[lora_id] = _Unsettled(named.key, since_ns, _inodes(named.files))
         self._unsettled.move_to_end(lora_id)
         if len(self._unsettled) > MAX_ADAPTERS:   # its evidence forgotten: the id's version not known
             self._remember_loaded(self._unsettled.popitem(last=False)[0], MIXED)
-        return f"being written: changed {age_ns / 1e9:.2f} s ago"
+        return f"being written: stood {stood_ns / 1e9:.2f} s"
+
+    def _standing_since(self, lora_id: int, named: AdapterName) -> int | None:
+        """Since when the id's files have held the version ``named``, as far as this can tell: its
+        first sighting's ctime where it was seen last too (the same files), else the files' newest
+        ctime. None where the version seen before it may have stood ``SETTLED_S``: other files than
+        those (a link flipped to them? when those stopped being the id's files is not known from file
+        times), or the same ones changed that long after it was first seen (caller holds the lock)."""
+        seen = self._unsettled.get(lora_id)
+        if seen is not None and seen.key == named.key and seen.inodes == _inodes(named.files):
+            return seen.since_ns
+        if seen is not None and not _replaced_young(seen, named.files):
+            return None
+        return _newest_change_ns(named.files)
 
     def _written_back(self, lora_id: int, files: AdapterFiles) -> bool:
         """The id's files name its version again: True where no other version stood ``SETTLED_S``
-        since it was last named. The files seen being written in between were those very files
-        (inodes), each sighting's ctime within ``SETTLED_S`` of the one before (:meth:`_other_version`),
-        and the files' newest ctime now within it of the last: every content they held in between
-        stood less than that (caller holds the lock)."""
+        since it was last named. Each version seen being written in between was replaced less than
+        that after it was first seen, in those very files (:meth:`_other_version`), and so was the
+        last one seen (caller holds the lock)."""
         seen = self._unsettled.pop(lora_id, None)
-        return seen is None or _follows(seen, files)
+        return seen is None or _replaced_young(seen, files)
 
     def _mixed(self, lora_id: int) -> str:
         """vLLM may hold another version under ``lora_id`` (caller holds the lock)."""

@@ -31,7 +31,9 @@
   instance's writes are asynchronous. A LoRA request whose adapter's files changed announces
   none: the workers drop the saves of a step run after the change, and a decode instance that
   names the new files looks up other keys, so it would wait for blocks it can never see (one
-  that names the old files still loads whatever is stored, without waiting).
+  that names the old files still loads whatever is stored, without waiting). Files written with
+  the same bytes (a ``touch``, a redeploy) drop the saves of the steps the workers checked after
+  the write too: the blocks of those not known to be checked before are planned again.
 * **Steps in flight.** With more than one batch in flight (async scheduling, pipeline
   parallelism) vLLM builds step N+1 before it takes step N's report. Each build is kept
   (its synchronous loads, its saves) until its report: a report charges a failed load
@@ -63,7 +65,7 @@ from typing import NamedTuple
 
 from kvtier.integrations.vllm.config import ConnectorConfig, EngineKV
 from kvtier.integrations.vllm.host_events import HostEvents, HostReport
-from kvtier.integrations.vllm.lora_digest import AdapterFiles, AdapterKeys
+from kvtier.integrations.vllm.lora_digest import AdapterFiles, AdapterKeys, unwritten_between
 from kvtier.core.keys import BlockKey
 from kvtier.store.tiered import PrefixMatch
 from kvtier.integrations.vllm.metadata import BlockTransfer, KvtierMetadata, LoadJob, SaveJob
@@ -97,6 +99,9 @@ class _Request:
     adapter: str | None = ""
     #: the files ``adapter`` was named from, as they were then (None: none to check)
     adapter_files: AdapterFiles | None = None
+    #: (step, first block) of its save jobs carrying ``adapter_files`` whose worker may check them
+    #: after they change: no report of their step taken when those files were last seen unchanged
+    unchecked_saves: list[tuple[int, int]] = field(default_factory=list)
     #: vLLM served it pages of its prefix cache that another version of its adapter may have
     #: computed (``AdapterKeys.note_in_prefix_cache``): never saved
     untrusted_local_hit: bool = False
@@ -247,19 +252,40 @@ class SchedulerSide:
         is another version's, and it is neither looked up nor saved again, nor announces any block
         to a decode instance (see the module's P/D). Files whose identity alone changed (a
         ``chmod``, a ``touch``, the same bytes written again) are named again: the same version,
-        whose new identity is kept."""
+        whose new identity is kept; written (not a ``chmod``), the saves the workers may have
+        dropped for it are planned again."""
         files = state.adapter_files
         if files is None:
             return True
-        if not files.unchanged():
-            renamed = self.adapters.for_request(state.request.lora_request)   # hashed once per new identity
-            if renamed.key != state.adapter:
-                self.adapters.replaced_while_running(state.request.lora_request, renamed.key)
-                state.adapter = state.adapter_files = None
-                state.announced_blocks = 0
-                return False
-            state.adapter_files = renamed.files
+        if files.unchanged():
+            self._forget_checked_saves(state)
+            return True
+        renamed = self.adapters.for_request(state.request.lora_request)   # hashed once per new identity
+        if renamed.key != state.adapter:
+            self.adapters.replaced_while_running(state.request.lora_request, renamed.key)
+            state.adapter = state.adapter_files = None
+            state.announced_blocks = 0
+            return False
+        if not unwritten_between(files, renamed.files):
+            self._replan_dropped_saves(state)
+        state.adapter_files = renamed.files
         return True
+
+    def _forget_checked_saves(self, state: _Request) -> None:
+        """The request's adapter files are still those it was named from: the saves of every step
+        reported by now were checked by the workers before, against those files, and kept."""
+        state.unchecked_saves = [(step, first) for step, first in state.unchecked_saves
+                                 if step > self._reported_step]
+
+    def _replan_dropped_saves(self, state: _Request) -> None:
+        """The request's adapter files were written since it was named, though they hold the same
+        version (a ``touch``, the same bytes deployed again): a worker that checked them after the
+        write dropped the job's saves (``AdapterFiles.unwritten``), and does not say so. Those not
+        known to be checked before are planned again: neither stored nor announced to a decode
+        instance (where the worker kept them, they are stored twice)."""
+        if state.unchecked_saves:
+            _rewind(state, min(first for _, first in state.unchecked_saves))
+        state.unchecked_saves = []
 
     def _bounded_read(self, tiers: list[str] | None, local_tokens: int, usable_tokens: int) -> bool:
         """The load of tokens ``local_tokens..usable_tokens`` is at most ``sync_load_max_bytes``
@@ -385,6 +411,8 @@ class SchedulerSide:
         if not transfers:
             return
         meta.saves.append(SaveJob(req_id, hashes[:full], transfers, state.adapter, state.adapter_files))
+        if state.adapter_files is not None:
+            state.unchecked_saves.append((meta.step, transfers[0].index))
         self.stats.save_blocks += len(transfers)
         if self.host_events is not None:
             self.host_events.planned(state.request, [(t.index, hashes[t.index]) for t in transfers])

@@ -23,9 +23,10 @@
   A LoRA request's save goes only if its adapter's files still hold the version the scheduler
   named (``SaveJob.adapter_files``) once the step ran: vLLM loads a step's adapters before its
   forward, and may have read new files (after an unload, or with ``load_inplace``). Files whose
-  identity alone changed meanwhile (a ``chmod``, a ``touch``, the same bytes deployed again) are
-  hashed again and hold it still: the scheduler, which names them again at its next build, was
-  never told of a drop, and had announced and passed the step's blocks.
+  ctime alone moved (a ``chmod``) hold it still; any other change drops the step's saves, the same
+  bytes written again too (another version may have come and gone within the step: its digest
+  would be the named one's). The scheduler plans such dropped saves again when it sees the change
+  (``SchedulerSide._adapter_unchanged``), so it announces no block the store will never hold.
 * **Host residency** (with KV events on and a host tier): which saved blocks the host tier
   holds or has lost, for the step's report (:mod:`~kvtier.integrations.vllm.host_events`).
 
@@ -88,10 +89,10 @@ class BlockBuffers:
             self._free.extend(buffers[: self._keep - len(self._free)])
 
 
-def _adapter_version_kept(files: AdapterFiles, checked: dict[AdapterFiles, bool]) -> bool:
-    """``files.same_version()``, remembered in ``checked``."""
+def _adapter_unwritten(files: AdapterFiles, checked: dict[AdapterFiles, bool]) -> bool:
+    """``files.unwritten()``, remembered in ``checked``."""
     if files not in checked:
-        checked[files] = files.same_version()
+        checked[files] = files.unwritten()
     return checked[files]
 
 
@@ -122,8 +123,8 @@ class WorkerStats:
     #: had not taken the report of, failed, on this worker or another of the engine (their KV may
     #: have been computed on pages the load left unfilled)
     saves_dropped: int = 0
-    #: blocks not saved because their LoRA adapter's files hold another version than the scheduler named
-    #: (the step may have computed with the new ones)
+    #: blocks not saved because their LoRA adapter's files were written since the scheduler named them
+    #: (the step may have computed with another version)
     adapter_saves_dropped: int = 0
 
 
@@ -359,7 +360,7 @@ class WorkerSide:
             return
         checked: dict[AdapterFiles, bool] = {}   # each adapter's files checked once a step
         for job in meta.saves:
-            if job.adapter_files is not None and not _adapter_version_kept(job.adapter_files, checked):
+            if job.adapter_files is not None and not _adapter_unwritten(job.adapter_files, checked):
                 self.stats.adapter_saves_dropped += len(job.blocks)
                 continue
             self._save(job, meta.epoch)

@@ -15,11 +15,15 @@ version is not known.
   see them: the id keeps its version, unless another one stood ``SETTLED_S`` (vLLM may have loaded
   it at an eviction).
 * A P/D prefill whose adapter changed while its saves were in flight announces no blocks; one whose
-  adapter's files changed identity alone between a step's build and its save saves them all.
+  adapter's files changed identity alone between a step's build and its save stores every block
+  it announces: a ``chmod`` keeps the step's saves, files written again (a ``touch``, the same
+  bytes, another version and back within the step) drop them, and the scheduler plans them
+  again or announces none of them.
 * The bound on the ids remembered never drops the id being named (a KeyError there killed vLLM's
   scheduler thread, and so the engine).
 * A copy of an id's own bytes over its files that takes longer than ``SETTLED_S`` in all, no state
-  of which stood that long, leaves the id its version; one state that stood that long does not.
+  of which stood that long, leaves the id its version; one state that stood that long does not,
+  however often a ``chmod`` moved its ctime.
 * An id first named from young files keeps that version: vLLM may hold it (whole files, loaded
   however young) or the one its server registered (an upload over it caught part way).
 
@@ -470,10 +474,13 @@ def _same_bytes_again(path: str, how: str) -> None:
 
 
 @pytest.mark.parametrize("how", ["chmod", "touch", "redeploy"])
-def test_a_step_whose_adapter_changed_identity_alone_before_its_save_is_saved(engine, tmp_path, how):
+def test_a_step_whose_adapter_changed_identity_alone_before_its_save_stores_every_block_announced(
+        engine, tmp_path, how):
     """The scheduler announced and passed the step's blocks when it built the step: the worker
     dropped them, and the request stored its later blocks behind that gap while a decode instance
-    waited ``pd_wait_s`` for blocks that never landed."""
+    waited ``pd_wait_s`` for blocks that never landed. A ``chmod`` writes nothing: the worker saves
+    the step. Written (a ``touch``, a redeploy), the files may have held another version within the
+    step: the worker drops it, and the scheduler plans its blocks again with the next chunk."""
     path = _write_adapter(tmp_path / "x", b"v1")
     sched = _scheduler(engine, AdapterKeys(SETTINGS))
     request = _request("r", 320, _lora("x", 1, path))
@@ -484,12 +491,63 @@ def test_a_step_whose_adapter_changed_identity_alone_before_its_save_is_saved(en
         first = sched.build(_new("r", list(range(10, 20)), 0, 64))      # chunk 1: block 0
         _same_bytes_again(path, how)                                    # before its wait_for_save
         worker.save(first)
-        worker.save(sched.build(_next_chunk("r", 64, 256)))             # chunk 2: blocks 1..4
+        worker.save(sched.build(_next_chunk("r", 64, 256)))             # chunk 2: blocks 1..4 (0 again)
         assert worker.flush(10)
         _, params = sched.finished(request)
         keys = engine.keys(engine.block_hashes(request.block_hashes, 320), "", first.saves[0].adapter)
-        assert worker.stats.adapter_saves_dropped == 0, "the same version dropped as another"
+        assert worker.stats.adapter_saves_dropped == (0 if how == "chmod" else 1)
         assert store.lookup(keys).hit_blocks == params["kvtier_blocks"] == 5
+    finally:
+        store.close(flush_timeout_s=0)
+
+
+@pytest.mark.parametrize("how", ["touch", "redeploy"])
+def test_a_prefill_whose_adapter_was_written_with_the_same_bytes_before_its_save_announces_no_dropped_block(
+        engine, tmp_path, how):
+    """The whole prompt in one step, its files written again before its ``wait_for_save``: the worker
+    drops the step's saves (another version may have come and gone meanwhile); the prefill must
+    not announce them to a decode instance, which would wait ``pd_wait_s`` for them."""
+    path = _write_adapter(tmp_path / "x", b"v1")
+    sched = _scheduler(engine, AdapterKeys(SETTINGS))
+    request = _request("r", 320, _lora("x", 1, path))
+    sched.num_new_matched_tokens(request, 0)
+    store = build_store(StoreConfig(host_bytes="8MiB"), engine.layout)
+    try:
+        worker, _ = filled_worker(engine, store)
+        meta = sched.build(_new("r", list(range(10, 20)), 0, 320))
+        _same_bytes_again(path, how)
+        worker.save(meta)
+        assert worker.flush(10)
+        _, params = sched.finished(request)
+        keys = engine.keys(engine.block_hashes(request.block_hashes, 320), "", meta.saves[0].adapter)
+        assert worker.stats.adapter_saves_dropped == 5
+        assert params["kvtier_blocks"] == store.lookup(keys).hit_blocks == 0, "blocks the worker dropped announced"
+    finally:
+        store.close(flush_timeout_s=0)
+
+
+def test_another_version_written_and_rolled_back_within_a_step_drops_its_saves(engine, tmp_path):
+    """``load_inplace``: vLLM reads the adapter's files at every step. Rewritten to v2 as the step
+    starts (vLLM computes with v2) and rolled back to v1's bytes before its ``wait_for_save``: the
+    files hash as v1, the version the step was named with, yet its KV is v2's. It was stored under
+    v1's keys, for every later request of v1 to be served."""
+    path = _write_adapter(tmp_path / "x", b"v1")
+    sched = _scheduler(engine, AdapterKeys(SETTINGS))
+    request = _request("r", 320, _lora("x", 1, path, load_inplace=True))
+    sched.num_new_matched_tokens(request, 0)
+    store = build_store(StoreConfig(host_bytes="8MiB"), engine.layout)
+    try:
+        worker, _ = filled_worker(engine, store)
+        meta = sched.build(_new("r", list(range(10, 20)), 0, 320))      # named v1
+        _write_adapter(path, b"v2")                                     # vLLM computes the step with v2
+        _write_adapter(path, b"v1")                                     # rolled back before the save
+        worker.save(meta)
+        assert worker.flush(10)
+        _, params = sched.finished(request)
+        keys = engine.keys(engine.block_hashes(request.block_hashes, 320), "", meta.saves[0].adapter)
+        assert store.lookup(keys).hit_blocks == 0, "KV computed with v2 stored under v1's keys"
+        assert worker.stats.adapter_saves_dropped == 5
+        assert params["kvtier_blocks"] == 0, "blocks the worker dropped announced"
     finally:
         store.close(flush_timeout_s=0)
 
@@ -560,6 +618,51 @@ def test_a_copy_with_a_state_that_stood_settled_s_unseen_refuses_the_id(tmp_path
         f.flush()
     time.sleep(short_settled_s / 4)
     assert adapters.for_request(lora).key is None, "v1's keys given to KV vLLM may compute with another state"
+
+
+def test_another_version_that_stood_settled_s_while_chmods_moved_its_ctime_refuses_the_id_after_a_rollback(
+        tmp_path, short_settled_s):
+    """v2 written whole over a loaded v1 stands ``SETTLED_S`` and more (vLLM may load it at an
+    eviction), seen by each request, while a ``chmod`` every half ``SETTLED_S`` keeps its ctime young:
+    each sighting within ``SETTLED_S`` of the one before. v1's bytes written back were taken for the
+    id's version again, though vLLM may compute its requests with v2."""
+    path = _write_adapter(tmp_path / "x", b"v1")
+    config = os.path.join(path, "adapter_config.json")
+    adapters = AdapterKeys(SETTINGS)
+    lora = _lora("x", 1, path)
+    v1 = adapters.for_request(lora).key
+    _write_adapter(path, b"v2")
+    standing = time.monotonic()
+    while time.monotonic() - standing < 2 * short_settled_s:         # v2 stands; its modes change
+        assert adapters.for_request(lora).key is None, "v2's request named as v1"
+        time.sleep(short_settled_s / 2)
+        os.chmod(config, 0o600 if os.stat(config).st_mode & 0o777 != 0o600 else 0o640)
+    _write_adapter(path, b"v1")
+    assert adapters.for_request(lora).key != v1, "v1's keys given to KV vLLM may compute with v2"
+
+
+def test_the_same_bytes_restored_slowly_under_chmods_leave_the_id_its_version(tmp_path, short_settled_s):
+    """Control: the states of a slow copy of the id's own bytes (none standing ``SETTLED_S``) are
+    followed by their contents; a ``chmod`` while one is seen (its ctime moved, its contents not)
+    does not make it stand longer."""
+    path = _write_adapter(tmp_path / "x", b"v1", size=256 << 10)
+    weights = os.path.join(path, "adapter_model.safetensors")
+    with open(weights, "rb") as f:
+        data = f.read()
+    adapters = AdapterKeys(SETTINGS)
+    lora = _lora("x", 1, path)
+    v1 = adapters.for_request(lora).key
+    half = len(data) // 2
+    with open(weights, "wb") as f:
+        f.write(data[:half])
+        f.flush()
+        assert adapters.for_request(lora).key is None
+        time.sleep(short_settled_s / 3)
+        os.chmod(weights, 0o600 if os.stat(weights).st_mode & 0o777 != 0o600 else 0o640)
+        assert adapters.for_request(lora).key is None, "half-written files named"
+        time.sleep(short_settled_s / 3)
+        f.write(data[half:])
+    assert adapters.for_request(lora).key == v1, "the id refused for good after the same bytes were restored"
 
 
 def _lora_weights(seed: int, rank: int) -> bytes:
