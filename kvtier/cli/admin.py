@@ -42,7 +42,7 @@ def register(subparsers) -> None:
     sub.add_parser("new-subscriber-key", help="print a CURVE key pair for one KV-events subscriber (a router)")
     h = sub.add_parser("hash-token", help="print the SHA-256 of a token (argument or stdin)")
     h.add_argument("value", nargs="?")
-    sub.add_parser("usage", help="bytes, blocks and quota per tenant")
+    sub.add_parser("usage", help="payload bytes, blocks, and the pool bytes charged against the quota, per tenant")
     sub.add_parser("stats", help="store and tier counters")
     e = sub.add_parser("erase", help="delete every block of a tenant, or of one namespace / session of it")
     e.add_argument("--tenant", required=True, help="tenant name, or shared/NAME for a shared namespace")

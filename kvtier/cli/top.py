@@ -146,13 +146,28 @@ def _read_bounded(response, deadline: float) -> bytes | str:
         chunks.append(chunk)
 
 
+class TenantRow(NamedTuple):
+    """One tenant's figures: payload held, and the pool bytes its quota is charged (footprints: a
+    64 B block takes a page), which is what the quota is judged against."""
+
+    tenant: str
+    bytes: float
+    blocks: float
+    charged: float | None       # None: a server that exports no kvtier_tenant_charged_bytes
+    quota: float | None         # None: no quota
+
+    def of_quota(self) -> float | None:
+        """Charged / quota, or None where either is unknown."""
+        return self.charged / self.quota if self.charged is not None and self.quota else None
+
+
 class Frame(NamedTuple):
     """The figures one frame shows (kept apart from drawing so tests can check them)."""
 
     tiers: list[tuple[str, float, float]]           # name, used bytes, capacity bytes
     server_hit_rate: dict[str, float | None]        # op -> hits / (hits + misses)
     stored_blocks: float
-    tenants: list[tuple[str, float, float]]         # tenant, bytes, blocks
+    tenants: list[TenantRow]
     workers: list[dict]
     planner: dict | None
     down: list[str]
@@ -173,8 +188,7 @@ def build_frame(server: Samples, router: Samples, workers: dict[str, Samples], p
             hits -= prev_server.get("kvtier_hits_total", op=op)
             misses -= prev_server.get("kvtier_misses_total", op=op)
         hit_rate[op] = _ratio(hits, misses)
-    t_bytes, t_blocks = server.by("kvtier_tenant_used_bytes", "tenant"), server.by("kvtier_tenant_blocks", "tenant")
-    tenants = sorted(((t, t_bytes[t], t_blocks.get(t, 0.0)) for t in t_bytes), key=lambda row: -row[1])
+    tenants = _tenant_rows(server)
     routed, healthy = router.by("kvtier_router_requests_total", "worker"), router.by("kvtier_router_worker_healthy",
                                                                                       "worker")
     rows = []
@@ -188,6 +202,16 @@ def build_frame(server: Samples, router: Samples, workers: dict[str, Samples], p
     down = [label for label, s in (("server", server), ("router", router)) if not s.up and s.error != "not given"]
     down += [name for name, s in workers.items() if not s.up]
     return Frame(tiers, hit_rate, server.get("kvtier_stored_blocks"), tenants, rows, planner, down)
+
+
+def _tenant_rows(server: Samples) -> list[TenantRow]:
+    """Per tenant (per-tenant series: a scrape with a token), the most payload first."""
+    t_bytes, t_blocks = server.by("kvtier_tenant_used_bytes", "tenant"), server.by("kvtier_tenant_blocks", "tenant")
+    charged = server.by("kvtier_tenant_charged_bytes", "tenant")
+    quota = server.by("kvtier_tenant_quota_bytes", "tenant")
+    rows = [TenantRow(t, t_bytes.get(t, 0.0), t_blocks.get(t, 0.0), charged.get(t), quota.get(t))
+            for t in t_bytes.keys() | charged.keys()]
+    return sorted(rows, key=lambda row: (-row.bytes, row.tenant))
 
 
 def _bytes(n: float) -> str:
@@ -220,12 +244,7 @@ def render(frame: Frame):
 
     parts = [tiers, Text(f"server: {hits} · {frame.stored_blocks:.0f} blocks stored", no_wrap=True)]
     if frame.tenants:
-        t = Table(title="tenants")
-        for col in ("tenant", "bytes", "blocks"):
-            t.add_column(col)
-        for name, nbytes, blocks in frame.tenants:
-            t.add_row(Text(name), _bytes(nbytes), f"{blocks:.0f}")
-        parts.append(t)
+        parts.append(_tenant_table(frame.tenants))
     if frame.workers:
         w = Table(title="workers")
         for col in ("worker", "healthy", "routed", "running", "waiting", "KV use"):
@@ -249,6 +268,24 @@ def render(frame: Frame):
     if frame.down:
         parts.append(Text("down: " + ", ".join(frame.down), style="bold red"))   # a Text: no markup
     return Group(*parts)
+
+
+def _tenant_table(rows: list[TenantRow]):
+    """Payload bytes and blocks, and beside the quota what it is charged: payload alone reads a
+    tenant at its quota (evicting its own blocks at every put) as nearly empty when its blocks are
+    small."""
+    from rich.table import Table
+    from rich.text import Text
+
+    t = Table(title="tenants")
+    for col in ("tenant", "bytes", "blocks", "charged", "quota", "of quota"):
+        t.add_column(col)
+    for row in rows:
+        share = row.of_quota()
+        t.add_row(Text(row.tenant), _bytes(row.bytes), f"{row.blocks:.0f}",
+                  "-" if row.charged is None else _bytes(row.charged), "-" if not row.quota else _bytes(row.quota),
+                  "-" if share is None else f"{share:.1%}")
+    return t
 
 
 def planner_from_metrics(samples: Samples) -> dict | None:

@@ -74,11 +74,15 @@ class AdminAPI:
 
     # -- commands ---------------------------------------------------------------------------
     def usage(self, args: dict) -> dict:
-        usage = self.svc.index.usage_by_owner()
-        gov = self.svc.gov
+        """Per owner: payload ``bytes`` and ``blocks`` held, and ``charged_bytes`` beside its
+        ``quota``: the pool footprints the quota is checked against (a 64 B block is charged a
+        page; for a tenant, the shared blocks it wrote too), as the tenant's own STATS says."""
+        index, gov = self.svc.index, self.svc.gov
+        usage = index.usage_by_owner()
         return {
             "usage": {
-                o: {"bytes": usage.get(o, (0, 0))[0], "blocks": usage.get(o, (0, 0))[1], "quota": gov.quota(o)}
+                o: {"bytes": usage.get(o, (0, 0))[0], "blocks": usage.get(o, (0, 0))[1],
+                    "charged_bytes": gov.charged(index, o), "quota": gov.quota(o)}
                 for o in sorted(self.owners | set(usage))
             },
             "policy": gov.describe(),

@@ -28,9 +28,12 @@ The fleet cannot be listed (its names are one-way HMACs), and it drops blocks on
   A delete passes every name to the fleet, recorded or not, even while it is down: a fleet
   shared by several servers under one secret names a block alike for all, so a block only DRAM
   or the disk held here may be another server's copy there; the fleet hides it and retries its
-  removal until it lands. It is reported not removed only if this server placed it (a record) or
-  the fleet owed its removal already (an earlier delete of it failed): a block only DRAM or the
-  disk held, asked during an outage, is not reported left in the fleet. A put the fleet never
+  removal until it lands -- up to a bound on the names it owes (an outage of hours): past it, such
+  a removal of a block with no record here is given up, logged and counted
+  (``kvtier_tier_owed_removals_given_up``), a recorded block's never. It is reported not removed
+  only if this server placed it (a record) or the fleet owed its removal already (an earlier
+  delete of it failed): a block only DRAM or the disk held, asked during an outage, is not
+  reported left in the fleet. A put the fleet never
   sent (refused before any engine call: known down) has the record it began forgotten at once
   (:meth:`JournaledFleet.put_many`), so the blocks demoted during an outage count as never
   placed. A crash between a record and its put leaves a record of a block the fleet may not
@@ -91,7 +94,7 @@ from kvtier.server.recovery import Found, OwnersWithoutKeys
 from kvtier.server.runtime_state import RuntimeState, blocks_held_in
 from kvtier.server.spill import NewestStamps, SpillAnnotation, SpillCodec, monotonic_of, wall_of
 from kvtier.tiers.base import Status, refused_removals, report_refused
-from kvtier.tiers.mooncake import unsent_puts
+from kvtier.tiers.mooncake import owed_removals_kept, unsent_puts
 from kvtier.tiers.wrapper import WrappingTier
 
 log = logging.getLogger(__name__)
@@ -259,13 +262,15 @@ class JournaledFleet(WrappingTier):
         fleet owes of a block placed here (a record: a record precedes each put; a placement in
         flight has its record already), or of one whose removal it owed before this delete (an
         earlier attempt failed: a copy may be left). A removal owed of a block only DRAM or the disk
-        held is retried, not reported: the common case during an outage, never placed anywhere. A
-        placed block's owed removal keeps its record until :meth:`settle_removals` sees it land."""
+        held is retried, not reported: the common case during an outage, never placed anywhere. Those
+        are what the fleet tier gives up past its bound on owed names (an outage of hours); a recorded
+        block's removal is kept owed whatever the bound (:func:`~kvtier.tiers.mooncake.owed_removals_kept`).
+        A placed block's owed removal keeps its record until :meth:`settle_removals` sees it land."""
         names = [bytes(k) for k in keys]
         since = self.journal.seq
         recorded = self.journal.recorded_among(names)
         owed_before = self._owed_by_fleet(keys)
-        with refused_removals() as refused:
+        with refused_removals() as refused, owed_removals_kept(recorded):
             out = self.inner.delete_many(keys)
         owed = set()
         for r in refused:

@@ -102,17 +102,26 @@ class ServerMetrics:
 
 
 def tier_and_tenant_families(store, index, governance, event_count: Callable[[], int]) -> list:
-    """Scrape-time figures: bytes per tier, tier counters, per-tenant usage and quota."""
+    """Scrape-time figures: bytes per tier, tier counters, per-tenant usage, charges and quota."""
     used = GaugeMetricFamily("kvtier_tier_used_bytes", "Bytes held per tier", labels=["tier"])
     cap = GaugeMetricFamily("kvtier_tier_capacity_bytes", "Capacity per tier", labels=["tier"])
     evictions = CounterMetricFamily("kvtier_tier_evictions", "Blocks evicted per tier", labels=["tier"])
     verify = CounterMetricFamily("kvtier_tier_verify_failures", "Reads that failed verification per tier",
                                  labels=["tier"])
+    owed = GaugeMetricFamily("kvtier_tier_owed_removals",
+                             "Removals a fleet tier owes (it could not be asked, or refused): hidden, retried",
+                             labels=["tier"])
+    given_up = CounterMetricFamily("kvtier_tier_owed_removals_given_up",
+                                   "Owed removals of blocks never placed here, given up past the tier's bound",
+                                   labels=["tier"])
     for tier in store.tiers:
         used.add_metric([tier.name], tier.used_bytes)
         cap.add_metric([tier.name], tier.capacity_bytes)
         evictions.add_metric([tier.name], tier.stats.evictions)
         verify.add_metric([tier.name], tier.stats.verify_failures)
+        if (owing := _owing_tier(tier)) is not None:
+            owed.add_metric([tier.name], owing.owed_removals)
+            given_up.add_metric([tier.name], owing.owed_removals_given_up)
     held = GaugeMetricFamily("kvtier_stored_bytes", "Payload bytes held, all tenants together")
     held.add_metric([], index.total_bytes)
     blocks = GaugeMetricFamily("kvtier_stored_blocks", "Blocks held, all tenants together")
@@ -120,14 +129,32 @@ def tier_and_tenant_families(store, index, governance, event_count: Callable[[],
     t_bytes = GaugeMetricFamily("kvtier_tenant_used_bytes", "Payload bytes held per tenant", labels=["tenant"])
     t_blocks = GaugeMetricFamily("kvtier_tenant_blocks", "Blocks held per tenant", labels=["tenant"])
     t_quota = GaugeMetricFamily("kvtier_tenant_quota_bytes", "Quota per tenant", labels=["tenant"])
-    for owner, (nbytes, nblocks) in index.usage_by_owner().items():
+    t_charged = GaugeMetricFamily("kvtier_tenant_charged_bytes",
+                                  "Pool bytes charged per tenant (the footprints its quota is checked against)",
+                                  labels=["tenant"])
+    usage = index.usage_by_owner()
+    quotas = governance.describe()["quota_bytes"]
+    for owner, (nbytes, nblocks) in usage.items():
         t_bytes.add_metric([owner], nbytes)
         t_blocks.add_metric([owner], nblocks)
-    for owner, quota in governance.describe()["quota_bytes"].items():
+    for owner, quota in quotas.items():
         t_quota.add_metric([owner], quota)
+    # (a tenant with a quota and no block of its own may be charged for the shared blocks it wrote)
+    for owner in sorted(usage.keys() | quotas.keys()):
+        t_charged.add_metric([owner], governance.charged(index, owner))
     events = CounterMetricFamily("kvtier_kv_events", "KV events published")
     events.add_metric([], event_count())
-    return [used, cap, evictions, verify, held, blocks, t_bytes, t_blocks, t_quota, events]
+    return [used, cap, evictions, verify, owed, given_up, held, blocks, t_bytes, t_blocks, t_quota, t_charged, events]
+
+
+def _owing_tier(tier):
+    """The tier under ``tier``'s wrappers that owes removals (a Mooncake fleet's), or None."""
+    while tier is not None:
+        # (asked of the class: a wrapper forwarding attributes would answer for the tier it wraps)
+        if isinstance(getattr(type(tier), "owed_removals_given_up", None), property):
+            return tier
+        tier = getattr(tier, "inner", None)
+    return None
 
 
 def token_matches(token: str | None, digests: Iterable[bytes]) -> bool:

@@ -41,7 +41,9 @@ What kvtier adds:
   fails twice with no removal of ours beside it is ``CORRUPT`` and removed. What the engine still
   refuses, or could not be asked (the tier is down), is hidden from this tier's reads and
   lookups at once and its removal retried on later deletes and puts; a put of the key
-  brings it back.
+  brings it back. Past ``max_owed_removals`` names owed (an outage), a new one is given up
+  (reported, counted, logged; neither hidden nor retried) unless its caller keeps it
+  (:func:`owed_removals_kept`: a server's blocks placed in the fleet).
 * **Replicas.** ``replicas`` copies on distinct holders. The engine always reads the
   first replica and does not fall back to another when its holder is dead (it answers
   -800 until the master drops the holder after its ``client_ttl``). A read that fails
@@ -85,11 +87,12 @@ from __future__ import annotations
 import hashlib
 import hmac
 import errno
+import logging
 import math
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from itertools import islice
@@ -102,7 +105,10 @@ from kvtier.tiers.mooncake_names import NAME_PREFIX, TenantNaming
 from kvtier.tiers.mooncake_reads import TierReads
 from kvtier.tiers.mooncake_writes import TierWrites
 
-__all__ = ["DEFAULT_MIN_RATE_BYTES_S", "NAME_PREFIX", "SESSION_MIN_BYTES", "MooncakeTier", "RemovalLog", "unsent_puts"]
+__all__ = ["DEFAULT_MIN_RATE_BYTES_S", "MAX_OWED_REMOVALS", "NAME_PREFIX", "SESSION_MIN_BYTES", "MooncakeTier",
+           "RemovalLog", "owed_removals_kept", "unsent_puts"]
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MIN_RATE_BYTES_S = 50e6
 #: blocks of at least this size move in *sessions*: one master RPC for the batch (as the engine's
@@ -118,11 +124,34 @@ SESSION_MIN_BYTES = 2 << 20
 _NOTHING_TO_REMOVE = frozenset({RC_NOT_FOUND, RC_NOT_READY})
 #: owed removals retried per engine call
 _RETRY_BATCH = 4096
+#: names whose removal a tier keeps owed (hidden, retried) before it gives new ones up, unless the
+#: caller says they must stay (:func:`owed_removals_kept`): an outage of hours has a server pass
+#: on every block it drops, most of them never placed in the fleet (~200 bytes of memory each)
+MAX_OWED_REMOVALS = 1 << 20
+#: seconds between two warnings about owed removals given up (an outage gives up names at every delete)
+_GIVE_UP_NOTE_S = 60.0
 
 #: the caller's collection of unsent puts (see unsent_puts), on this thread
 _UNSENT: ContextVar[list[bytes] | None] = ContextVar("kvtier_mooncake_unsent_puts", default=None)
 #: while a put runs for such a caller: whether the tier's check refused it (see MooncakeTier._check_up)
 _PUT_REFUSED: ContextVar[list[bool] | None] = ContextVar("kvtier_mooncake_put_refused", default=None)
+#: the caller's keys whose removal must stay owed past the bound (see owed_removals_kept), on this thread
+_KEPT_OWED: ContextVar[Collection[bytes]] = ContextVar("kvtier_mooncake_kept_owed", default=frozenset())
+
+
+@contextmanager
+def owed_removals_kept(keys: Collection[bytes]) -> Iterator[None]:
+    """While the block runs, on this thread: a removal of one of ``keys`` that a
+    :class:`MooncakeTier`'s delete cannot carry out is kept owed (hidden, retried until it lands)
+    even past the tier's bound on owed names (:attr:`MooncakeTier.max_owed_removals`), where the
+    removal of any other name not owed already is given up. A caller that knows which blocks it
+    placed in the fleet (the server's fleet journal) names them here: their removal, an erasure's,
+    must never be given up."""
+    token = _KEPT_OWED.set(keys)
+    try:
+        yield
+    finally:
+        _KEPT_OWED.reset(token)
 
 
 @contextmanager
@@ -275,6 +304,11 @@ class MooncakeTier(TierReads, TierWrites, BoundedEngineCalls, TenantNaming, Tier
         self._closed = False
         self.last_error: str | None = None
         self._unremoved: dict[str, float] = {}  # name → since when its removal is owed (refused or not asked)
+        #: past this many owed names, new ones are given up unless kept (see :func:`owed_removals_kept`)
+        self.max_owed_removals = MAX_OWED_REMOVALS
+        self._owed_given_up = 0  # ever
+        self._owed_given_up_unnoted = 0  # since the last warning
+        self._next_give_up_note = 0.0
         self._removals = RemovalLog()  # this tier's removals, for reads they may have torn (mooncake_reads)
         self._regions: list[tuple[int, int, object]] = []  # (start, end, the caller's buffer) registered
         #: held by register_memory / unregister_memory and by close() as it marks the tier closed:
@@ -345,7 +379,10 @@ class MooncakeTier(TierReads, TierWrites, BoundedEngineCalls, TenantNaming, Tier
         its removal retried (:meth:`retry_removals`, and on later deletes and puts), and it is
         reported to a caller collecting :func:`~kvtier.tiers.base.refused_removals`: a copy other
         processes of the fleet read whole may stay until the retry lands, so an erasure must not be
-        reported done (``TieredStore.delete`` then raises ``DeleteRefused``)."""
+        reported done (``TieredStore.delete`` then raises ``DeleteRefused``). Past
+        :attr:`max_owed_removals` owed names, the removal of a name neither owed already nor kept
+        (:func:`owed_removals_kept`) is *given up*: reported all the same, but neither hidden nor
+        retried (counted in :attr:`owed_removals_given_up`, logged)."""
         names = [self.storage_name(k) for k in keys]
         if not names:
             return []
@@ -380,14 +417,52 @@ class MooncakeTier(TierReads, TierWrites, BoundedEngineCalls, TenantNaming, Tier
         return out
 
     def _owe(self, keys: Sequence[BlockKey], names: Sequence[str], which, code: int, why: str) -> None:
-        """Hide ``names[j]`` for ``j`` in ``which`` until their removal lands, and report them."""
+        """Hide ``names[j]`` for ``j`` in ``which`` until their removal lands, and report them; past
+        the bound, give up those neither owed already nor kept (:func:`owed_removals_kept`)."""
         now = time.monotonic()
+        kept = _KEPT_OWED.get()
+        given_up = 0
         with self._lock:
+            owed = self._unremoved
             for j in which:
-                self._unremoved.setdefault(names[j], now)
+                name = names[j]
+                if name in owed:
+                    continue
+                if len(owed) < self.max_owed_removals or bytes(keys[j]) in kept:
+                    owed[name] = now
+                else:
+                    given_up += 1
+        if given_up:
+            self._note_given_up(given_up)
         where = f"Mooncake fleet {self.master}"
         for j in which:
             report_refused(keys[j], where, OSError(code, why))
+
+    def _note_given_up(self, n: int) -> None:
+        """Count ``n`` owed removals given up; warn at most every :data:`_GIVE_UP_NOTE_S` seconds."""
+        now = time.monotonic()
+        with self._lock:
+            self._owed_given_up += n
+            self._owed_given_up_unnoted += n
+            if now < self._next_give_up_note:
+                return
+            self._next_give_up_note = now + _GIVE_UP_NOTE_S
+            unnoted, self._owed_given_up_unnoted = self._owed_given_up_unnoted, 0
+            total, owed = self._owed_given_up, len(self._unremoved)
+        log.warning("mooncake tier %s: %d removals owed (max_owed_removals %d): %d more given up, neither hidden nor "
+                    "retried (%d in all); a copy another process of the fleet placed under one of those names stays "
+                    "until its own delete or the fleet's eviction", self.master, owed, self.max_owed_removals,
+                    unnoted, total)
+
+    @property
+    def owed_removals(self) -> int:
+        """Names whose removal is owed now (hidden, retried until it lands)."""
+        return len(self._unremoved)
+
+    @property
+    def owed_removals_given_up(self) -> int:
+        """Removals given up, ever, for being past :attr:`max_owed_removals` (see :meth:`delete_many`)."""
+        return self._owed_given_up
 
     def retry_removals(self, keys: Sequence[BlockKey] = ()) -> list[bool]:
         """Retry the removals owed now (at most once a second), not only at the next delete or put,

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from kvtier.cli import top as top_cli
+from kvtier.cli.admin import admin_call
 from kvtier.server.launch import ServerProcess
 from kvtier.tiers.base import Status
 from tests.server.conftest import BLOCK, block, keys_for, remote
@@ -64,6 +65,32 @@ def test_once_renders_the_server_figures(server, capsys):
     globex = next(line for line in frame.splitlines() if "globex" in line)
     assert f"{m[('kvtier_tenant_blocks', (('tenant', 'globex'),))]:.0f}" in globex
     assert "down: router" in frame
+
+
+def test_once_shows_a_tenants_charges_against_its_quota(server, capsys):
+    """Blocks of 64 B each take a 4 KiB page: a tenant at its quota of 10 pages holds 640 B of
+    payload. The frame shows it charged 100 % of its quota, not payload's 1.6 % (s32 a7 D8)."""
+    quota = 10 * 4096
+    assert admin_call(server.tcp_url, TOKENS["admin"], "set_quota", {"tenant": "ops", "bytes": quota})["ok"]
+    try:
+        ops = remote(server, "ops", namespace="tiny")
+        try:
+            keys = keys_for("top-tiny", 12)
+            assert [ops.put(k, block(k, 64)) for k in keys] == [Status.OK] * 12
+            assert ops.server_stats()["charged_bytes"] == quota, "control: ops is at its quota"
+        finally:
+            ops.close()
+        parser = argparse.ArgumentParser()
+        top_cli.register(parser.add_subparsers())
+        args = parser.parse_args(["top", "--server", server.info["metrics"], "--token", TOKENS["admin"], "--once"])
+        assert args.func(args) == 0
+        frame = capsys.readouterr().out
+    finally:
+        admin_call(server.tcp_url, TOKENS["admin"], "set_quota", {"tenant": "ops", "bytes": 0})
+    header = next(line for line in frame.splitlines() if "of quota" in line)
+    assert "charged" in header and "quota" in header
+    row = next(line for line in frame.splitlines() if re.search(r"\bops\b", line))
+    assert "640 B" in row and row.count(top_cli._bytes(quota)) == 2 and "100.0%" in row, row
 
 
 def test_without_any_endpoint_it_says_what_to_give(capsys):
