@@ -404,9 +404,13 @@ class Service:
         refused = conn.server.logged_in(conn, principal.tenant)  # before any OK reaches the client
         if refused is not None:
             raise ProtocolError(ErrorCode.TOO_MANY_CONNECTIONS, refused)
+        # reads_shared: LOOKUP, CONTAINS and GET answer from granted shared namespaces too, so a
+        # client may not take CONTAINS for what its namespace holds (PUT de-duplicates against
+        # the write space alone)
         reply = {
             "server": "kvtier", "protocol": VERSION, "tenant": principal.tenant,
             "namespace": principal.namespace, "writable": principal.writable, "admin": principal.is_admin,
+            "reads_shared": principal.read_spaces != (principal.write_space,),
             "max_block": self.config.max_block_bytes, "max_keys": MAX_KEYS,
             "idle_timeout_s": self.config.idle_timeout_s, "features": list(FEATURES),
         }
@@ -739,6 +743,21 @@ class Service:
             # (the wait, not the job, is cancelled with the PUT: a claimed deletion always runs)
             await asyncio.wait([asyncio.wrap_future(f) for f in under_way])
 
+    async def _deleted_before_put(self, conn, skey: bytes) -> None:
+        """A PUT's wait for the deletions of its key under way (an expired or evicted copy is
+        gone before this one lands), in its connection's WORK phase: the deletion is the server's
+        work (a disk unlink, a fleet delete, a turn on the I/O threads), and timed as the client's
+        frame, a slow one was answered TIMEOUT and the client took the server for down. (The
+        frame clock starts afresh only where there is a wait.)"""
+        with self._deleting_lock:
+            if skey not in self._deleting:
+                return
+        conn.working()
+        try:
+            await self._deleted(skey)
+        finally:
+            conn.receiving()
+
     def _delete_soonest(self, dropped: _DroppedBlock) -> None:
         try:
             self.io.submit(dropped.owner, self._delete_claimed, dropped, urgent=True)
@@ -933,7 +952,7 @@ class Service:
             self._put_result[Status.OK].inc()
             conn.reply(h, Status.OK)
             return
-        await self._deleted(skey)  # an expired or evicted copy being deleted is gone before this one lands
+        await self._deleted_before_put(conn, skey)
         status = Status.OK
         footprint = self.host.footprint(n)
         writer = p.tenant

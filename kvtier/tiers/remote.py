@@ -39,7 +39,15 @@
 * **Isolated.** The server derives the tenant from the token; this tier can
   only name blocks of its tenant's namespace (and read granted shared ones).
 * **Thread safe.** A pool of connections: one per concurrent caller, at most
-  ``pool_size`` kept open while idle.
+  ``pool_size`` kept open while idle. A server refusing one connection more
+  (``TOO_MANY_CONNECTIONS``: the tenant's cap, a load signal) while this tier
+  holds others is no outage: the call waits, within its deadline, for one of
+  them to come back to the pool (else it alone fails), and nothing backs off.
+* **The caller's mistakes raise.** Arguments are checked before a connection is
+  taken; a payload source or sink that breaks its contract mid-call (more or
+  fewer bytes than it announced, an exception of its own) raises
+  :class:`~kvtier.tiers.remote_wire.CallerError` (a ``ValueError``): its
+  connection is closed, the tier stays up.
 
 Blocks evicted by the server are not reported through ``on_evict`` (the server
 owns that policy); ``capacity_bytes`` is the tenant's quota, or the server's
@@ -70,6 +78,7 @@ from kvtier.core.payload import HEADER_NBYTES as BLOCK_HEADER_NBYTES
 from kvtier.tiers.base import Status, Tier, writable_bytes
 from kvtier.tiers.recovery_probe import start_probe
 from kvtier.tiers.remote_protocol import (
+    CHECKSUM_NBYTES,
     GET_ITEM,
     LIST_ARGS,
     LIST_CURSOR_ARGS,
@@ -82,7 +91,7 @@ from kvtier.tiers.remote_protocol import (
     check_reply,
     pack_put_meta,
 )
-from kvtier.tiers.remote_wire import Address, WireClient, parse_url, resolve_token
+from kvtier.tiers.remote_wire import Address, CallerError, RemoteError, WireClient, parse_url, resolve_token
 from kvtier.tiers.streams import PayloadSink, PayloadSource, StreamingTier, Unverifiable
 
 log = logging.getLogger(__name__)
@@ -136,6 +145,9 @@ class RemoteTier(Tier, StreamingTier):
             self.name = name
         self._idle: list[WireClient] = []
         self._pool_lock = threading.Lock()
+        #: notified when a connection comes back to the pool or a call's goes (see _wait_for_pooled)
+        self._pool_returns = threading.Condition(self._pool_lock)
+        self._held = 0  #: connections calls hold now (under _pool_lock)
         self._backoff_min = backoff_s
         self._backoff_max = max_backoff_s
         self._backoff = backoff_s
@@ -145,6 +157,7 @@ class RemoteTier(Tier, StreamingTier):
         self.last_error: str | None = None
         self._server_info: dict = {}  #: the last HELLO reply, as sent (unchecked: for display)
         self._server_features: frozenset[str] = frozenset()  #: checked (WireClient.features)
+        self._contains_own_only = False  #: checked (HelloFields.contains_own_only)
 
     # -- connections, failures, backoff ---------------------------------------------------
     @contextmanager
@@ -156,46 +169,94 @@ class RemoteTier(Tier, StreamingTier):
             if time.monotonic() >= self._down_until:
                 self._probe_in_background()
             raise TierDown(self.last_error or "server down")
-        conn = None
         with self._pool_lock:
-            while self._idle and conn is None:
-                conn = self._idle.pop()
-                if not conn.reusable():  # closed by the server while idle: not a failure
-                    conn.close()
-                    conn = None
+            conn = self._take_idle_locked()
         if conn is None:
-            try:
-                conn = WireClient(self.address, self._token, namespace=self.namespace,
-                                  connect_timeout_s=self.connect_timeout_s, deadline=deadline)
-            except Exception as exc:  # noqa: BLE001 - refused, timed out, bad token: all "down"
-                self._failed(exc)
-                raise TierDown(str(exc)) from exc
-            self._server_info = conn.info
-            self._server_features = conn.features
+            conn = self._open(deadline)
+        keep = False
         try:
             yield conn
-        except TierDown:
-            conn.close()
+        except (TierDown, CallerError):
+            # (CallerError: the caller's source or sink broke its contract, not the server; the
+            # connection is out of step with it, a frame half sent or half read)
             raise
         except Exception as exc:  # noqa: BLE001 - timeouts, resets, ERROR frames, garbled replies
             # Callers validate their arguments before taking a connection, so whatever
             # fails here is the server or the network. The connection may be out of
-            # step with the server: never reuse it.
-            conn.close()
+            # step with the server: never reuse it (closed as it is given back).
             self._failed(exc)
             raise TierDown(str(exc)) from exc
-        except BaseException:
-            conn.close()
-            raise
         else:
             self._backoff = self._backoff_min
             conn.last_used = time.monotonic()
-            with self._pool_lock:
-                if len(self._idle) < self.pool_size and not self._closed:
-                    self._idle.append(conn)
-                    conn = None
-            if conn is not None:
-                conn.close()
+            keep = True
+        finally:
+            self._give_back(conn, keep)
+
+    def _take_idle_locked(self) -> WireClient | None:
+        """A pooled connection the server has not closed, now held by a call (under ``_pool_lock``)."""
+        while self._idle:
+            conn = self._idle.pop()
+            if conn.reusable():
+                self._held += 1
+                return conn
+            conn.close()  # closed by the server while idle: not a failure
+        return None
+
+    def _give_back(self, conn: WireClient, keep: bool) -> None:
+        """A call is over with ``conn``: pooled if ``keep`` and there is room, else closed."""
+        with self._pool_lock:
+            self._held -= 1
+            keep = keep and len(self._idle) < self.pool_size and not self._closed
+            if keep:
+                self._idle.append(conn)
+            self._pool_returns.notify_all()
+        if not keep:
+            conn.close()
+
+    def _open(self, deadline: float) -> WireClient:
+        """A new connection, held by the call; TierDown if none could be had. A refusal for the
+        tenant's connection cap while this tier holds others is a load signal, not an outage:
+        the call waits for one of them (no backoff: a refused extra connection of a busy engine
+        put every thread's calls into backoff, with the server up and the tier's connection fine)."""
+        try:
+            conn = WireClient(self.address, self._token, namespace=self.namespace,
+                              connect_timeout_s=self.connect_timeout_s, deadline=deadline)
+        except RemoteError as exc:
+            if exc.code != ErrorCode.TOO_MANY_CONNECTIONS or not self._holds_connections():
+                self._failed(exc)
+                raise TierDown(str(exc)) from exc
+            return self._wait_for_pooled(deadline, exc)
+        except Exception as exc:  # noqa: BLE001 - refused, timed out, bad token: all "down"
+            self._failed(exc)
+            raise TierDown(str(exc)) from exc
+        self._remember_hello(conn)
+        with self._pool_lock:
+            self._held += 1
+        return conn
+
+    def _holds_connections(self) -> bool:
+        with self._pool_lock:
+            return bool(self._held or self._idle)
+
+    def _wait_for_pooled(self, deadline: float, refusal: RemoteError) -> WireClient:
+        """The first of this tier's connections to come back to the pool before ``deadline``;
+        TierDown for this call alone if none does (or none is left to come back)."""
+        with self._pool_lock:
+            while not (self._closed or self._down_until):
+                conn = self._take_idle_locked()
+                if conn is not None:
+                    return conn
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._held:
+                    break
+                self._pool_returns.wait(left)
+        raise TierDown(f"{refusal} (no connection of this tier came free within the call's deadline)")
+
+    def _remember_hello(self, conn: WireClient) -> None:
+        self._server_info = conn.info
+        self._server_features = conn.features
+        self._contains_own_only = conn.hello.contains_own_only
 
     def _failed(self, exc: BaseException) -> None:
         with self._lock:
@@ -206,6 +267,7 @@ class RemoteTier(Tier, StreamingTier):
         log.warning("remote tier %s: %s (backing off)", self.address, self.last_error)
         with self._pool_lock:  # the others may be just as broken: reconnect afresh
             idle, self._idle = self._idle, []
+            self._pool_returns.notify_all()  # (calls waiting for a pooled connection: down now)
         for c in idle:
             c.close()
 
@@ -216,7 +278,7 @@ class RemoteTier(Tier, StreamingTier):
         def check() -> None:
             conn = WireClient(self.address, self._token, namespace=self.namespace,
                               connect_timeout_s=self.connect_timeout_s, deadline=self._deadline())
-            self._server_info, self._server_features = conn.info, conn.features
+            self._remember_hello(conn)
             conn.last_used = time.monotonic()
             with self._pool_lock:
                 keep = not self._closed and len(self._idle) < self.pool_size
@@ -286,7 +348,7 @@ class RemoteTier(Tier, StreamingTier):
     def get_streams(self, keys: Sequence[BlockKey], sinks: Sequence[PayloadSink]) -> list[Status]:
         if len(keys) != len(sinks):
             raise ValueError(f"get_streams: {len(keys)} keys but {len(sinks)} sinks")
-        return self._get_blocks(keys, sinks, [s.nbytes for s in sinks], sealed=True)
+        return self._get_blocks(keys, sinks, _announced_sizes(sinks, "sink"), sealed=True)
 
     def _get_blocks(self, keys: Sequence[BlockKey], payloads: Sequence, sizes: list[int], *,
                     sealed: bool) -> list[Status]:
@@ -360,7 +422,12 @@ class RemoteTier(Tier, StreamingTier):
         skip_present: bool = False,
     ) -> list[Status]:
         """Put blocks, pipelined on one connection. ``skip_present`` asks first (one round trip)
-        which keys the server holds and sends only the others."""
+        which keys the namespace holds and sends only the others -- where the server says its
+        CONTAINS answers for this namespace alone. A connection that also reads shared namespaces
+        is answered from them too (a copy only a publisher holds is no block of this namespace,
+        gone when the publisher deletes it), as is one of an older server that does not say:
+        then every block is sent, and the server, which de-duplicates against this namespace
+        alone, stores each once. Blocks found present are OK, not counted in ``bytes_written``."""
         if len(keys) != len(datas):
             raise ValueError(f"put_many: {len(keys)} keys but {len(datas)} buffers")
         views = [memoryview(d).cast("B") for d in datas]
@@ -379,7 +446,7 @@ class RemoteTier(Tier, StreamingTier):
         :meth:`put_many`. Needs a server that takes them (:meth:`streams_available`)."""
         if len(keys) != len(sources):
             raise ValueError(f"put_streams: {len(keys)} keys but {len(sources)} sources")
-        return self._put_blocks(keys, sources, [s.nbytes for s in sources], parents, None, session, False,
+        return self._put_blocks(keys, sources, _announced_sizes(sources, "source"), parents, None, session, False,
                                 sealed=True)
 
     def streams_available(self) -> bool:
@@ -399,11 +466,13 @@ class RemoteTier(Tier, StreamingTier):
         todo = list(range(len(keys)))
         statuses = [Status.ERROR] * len(keys)
         deadline = self._deadline(sum(sizes))
-        if skip_present and keys:
+        skipped: set[int] = set()
+        if skip_present and keys and self._contains_answers_for_puts():
             present = self._contains_many(keys, deadline)
-            for i in [i for i in todo if present[i]]:
+            skipped = {i for i in todo if present[i]}
+            for i in skipped:
                 statuses[i] = Status.OK
-            todo = [i for i in todo if not present[i]]
+            todo = [i for i in todo if i not in skipped]
         flags = FLAG_SEALED if sealed else FLAG_CHECKSUM
         # Packed before a connection is taken: a caller's mistake (a session id over
         # MAX_SESSION_BYTES, a meta no header can hold) is the caller's ValueError, not a
@@ -439,10 +508,16 @@ class RemoteTier(Tier, StreamingTier):
             for i, s in enumerate(statuses):
                 if s is Status.OK:
                     self.stats.puts += 1
-                    self.stats.bytes_written += sizes[i]
+                    self.stats.bytes_written += 0 if i in skipped else sizes[i]
                 else:
                     self.stats.put_failures += 1
         return statuses
+
+    def _contains_answers_for_puts(self) -> bool:
+        """Whether the server said (HELLO) that CONTAINS answers for the namespace PUT writes alone."""
+        if not self._server_info:
+            self.ping()  # learn it (HELLO); nothing if the server is down
+        return self._contains_own_only
 
     @staticmethod
     def _put_reply(c: WireClient, item: tuple[int, int], statuses: list[Status], deadline: float) -> None:
@@ -541,6 +616,7 @@ class RemoteTier(Tier, StreamingTier):
         with self._pool_lock:
             self._closed = True
             idle, self._idle = self._idle, []
+            self._pool_returns.notify_all()
         for c in idle:
             c.close()
 
@@ -552,6 +628,21 @@ def _check_key(key) -> bytes:
     if not isinstance(key, (bytes, bytearray)) or len(key) != KEY_BYTES:
         raise ValueError(f"keys are {KEY_BYTES} bytes (kvtier.core.keys), got {key!r:.40}")
     return bytes(key)
+
+
+#: the largest payload a frame can announce (its u64 data length holds the PUT's checksum trailer too)
+_MAX_PAYLOAD = 2**64 - 1 - CHECKSUM_NBYTES
+
+
+def _announced_sizes(streams: Sequence, what: str) -> list[int]:
+    """The ``nbytes`` of payload sources or sinks, checked before a connection is taken: a size
+    no frame can carry is the caller's ValueError, not a server failure that puts the tier into
+    backoff."""
+    sizes = [s.nbytes for s in streams]
+    for n in sizes:
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= _MAX_PAYLOAD:
+            raise ValueError(f"a payload {what} announced nbytes={n!r:.40}: give an int of 0..{_MAX_PAYLOAD}")
+    return sizes
 
 
 def _keys_meta(keys: Sequence[BlockKey]) -> bytes:

@@ -30,6 +30,7 @@ import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
+from typing import NamedTuple
 from urllib.parse import parse_qs, parse_qsl, urlsplit, urlunsplit
 
 import xxhash
@@ -123,6 +124,25 @@ class RemoteError(Exception):
         self.code = code
 
 
+class CallerError(ValueError):
+    """A caller's payload source or sink broke its contract (made more or fewer bytes than it
+    announced, yielded something that is no buffer, raised) while a call held a connection:
+    the caller's mistake, raised to it -- not a failure of the server. The connection is out of
+    step (a frame half sent or half read): close it."""
+
+
+class HelloFields(NamedTuple):
+    """What a HELLO reply says, read once and checked (a field of the wrong type or range is its
+    default: another version's server, or a man in the middle without TLS, may send anything)."""
+
+    features: frozenset[str]  #: none by default
+    max_block: int  #: 0: no block limit
+    idle_timeout_s: float  #: 0.0: no idle timeout
+    #: CONTAINS answers for the namespace PUT writes and no other: the server says the connection
+    #: may write and reads no shared namespace (False where it does, or does not say: an older server)
+    contains_own_only: bool
+
+
 class WireClient:
     def __init__(self, address: Address, token: str, *, namespace: str | None = None,
                  connect_timeout_s: float = 2.0, client_name: str = "kvtier", deadline: float | None = None) -> None:
@@ -168,9 +188,8 @@ class WireClient:
             h = self.read_header(deadline, rid)
             check_reply(h, Op.HELLO, meta=(1, MAX_MAP_REPLY))
             self.info = unpack_msgpack(self.read_bytes(h.meta_len, deadline), "HELLO reply")
-            # The reply's fields, read once and checked: another version's server (or a man in
-            # the middle without TLS) may send anything, and only these are used afterwards.
-            self.features, self.max_block, self.idle_timeout_s = _hello_fields(self.info)
+            self.hello = hello = _hello_fields(self.info)  # only these are used afterwards: checked once
+            self.features, self.max_block, self.idle_timeout_s = hello.features, hello.max_block, hello.idle_timeout_s
         except BaseException:
             self.close()
             raise
@@ -220,19 +239,21 @@ class WireClient:
     def send_put_stream(self, meta: bytes, source, deadline: float) -> int:
         """Send a sealed PUT (a :class:`~kvtier.tiers.streams.PayloadSource`): each piece as soon
         as the source has made it (still in cache, and before the source reuses its buffer),
-        then the all-zero trailer -- the payload authenticates itself."""
+        then the all-zero trailer -- the payload authenticates itself.
+        A source that breaks its contract raises :class:`CallerError` (the frame is half sent)."""
         rid = self.next_id()
         total = source.nbytes
         pending = [pack_header(Op.PUT, rid, len(meta), total + CHECKSUM_NBYTES) + meta]
         sent = 0
-        for piece in source.pieces():
-            sent += memoryview(piece).nbytes
+        for piece in _from_caller(source.pieces, "payload source"):
+            view = _caller_buffer(piece, "payload source", writable=False)
+            sent += view.nbytes
             if sent > total:
-                raise ValueError(f"payload source made more than the {total} bytes it announced")
-            self.send_buffers([*pending, piece], deadline)
+                raise CallerError(f"payload source made more than the {total} bytes it announced")
+            self.send_buffers([*pending, view], deadline)
             pending = []
         if sent != total:
-            raise ValueError(f"payload source made {sent} of the {total} bytes it announced")
+            raise CallerError(f"payload source made {sent} of the {total} bytes it announced")
         self.send_buffers([*pending, _ZERO_TRAILER], deadline)
         return rid
 
@@ -345,19 +366,20 @@ class WireClient:
     def read_stream(self, n: int, sink, deadline: float) -> str | None:
         """Feed the next ``n`` payload bytes to a :class:`~kvtier.tiers.streams.PayloadSink`; returns
         its verdict (None: verified). What it does not ask for is skipped, so the stream stays in
-        step whatever the sink does."""
-        pieces = sink.pieces()
+        step whatever the sink does -- unless it breaks its contract (raises, or yields what is
+        no writable buffer): :class:`CallerError`, the payload half read."""
+        pieces = _from_caller(sink.pieces, "payload sink")
         got = 0
         try:
-            view = next(pieces)
+            view = _caller_buffer(next(pieces), "payload sink", writable=True)
             while True:
-                k = memoryview(view).nbytes
+                k = view.nbytes
                 if got + k > n:
                     verdict = f"the reader asked for more than the {n} bytes of the block"
                     break
                 self.read_into(view, deadline)
                 got += k
-                view = next(pieces)
+                view = _caller_buffer(next(pieces), "payload sink", writable=True)
         except StopIteration as done:
             verdict = done.value
         finally:
@@ -398,16 +420,36 @@ class WireClient:
                 pass
 
 
-def _hello_fields(info: dict) -> tuple[frozenset[str], int, float]:
-    """(features, max_block, idle_timeout_s) of a HELLO reply; a field of the wrong type or
-    range is its default: no features, no block limit (0), no idle timeout (0.0)."""
+def _hello_fields(info: dict) -> HelloFields:
+    """The :class:`HelloFields` of a HELLO reply."""
     feats = info.get("features", ())
     features = frozenset(f for f in feats if isinstance(f, str)) if isinstance(feats, (list, tuple)) else frozenset()
     mb = info.get("max_block", 0)
     max_block = mb if isinstance(mb, int) and not isinstance(mb, bool) and mb >= 0 else 0
     it = info.get("idle_timeout_s", 0)
     ok = isinstance(it, (int, float)) and not isinstance(it, bool) and math.isfinite(it) and it > 0
-    return features, max_block, float(it) if ok else 0.0
+    own_only = info.get("writable") is True and info.get("reads_shared") is False
+    return HelloFields(features, max_block, float(it) if ok else 0.0, own_only)
+
+
+def _from_caller(pieces, what: str):
+    """The pieces a caller's ``pieces()`` makes, what its code raises raised as
+    :class:`CallerError` (its return value, a sink's verdict, passed on)."""
+    try:
+        return (yield from pieces())
+    except Exception as exc:  # noqa: BLE001 - whatever the caller's code raises is its own mistake
+        raise CallerError(f"the {what} raised {type(exc).__name__}: {exc}") from exc
+
+
+def _caller_buffer(piece, what: str, *, writable: bool) -> memoryview:
+    """``piece`` as the flat byte view the socket calls take, else :class:`CallerError`."""
+    try:
+        view = memoryview(piece).cast("B")
+    except TypeError as exc:  # not a buffer, or not contiguous
+        raise CallerError(f"the {what} yielded {type(piece).__name__}, not a contiguous buffer") from exc
+    if writable and view.readonly:
+        raise CallerError(f"the {what} yielded a read-only buffer")
+    return view
 
 
 def _connect_tcp(host: str, port: int, deadline: float) -> socket.socket:
@@ -493,4 +535,4 @@ def resolve_token(address: Address, token: str | None) -> str:
     return token
 
 
-__all__ = ["Address", "RemoteError", "WireClient", "parse_url", "resolve_token", "HEADER"]
+__all__ = ["Address", "CallerError", "HelloFields", "RemoteError", "WireClient", "parse_url", "resolve_token", "HEADER"]

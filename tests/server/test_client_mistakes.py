@@ -30,3 +30,90 @@ def test_a_bad_put_argument_raises_and_leaves_the_tier_available(mistake):
         assert tier.put(keys[2], block(keys[2], 4096)) is Status.OK
     finally:
         tier.close()
+
+
+# -- streams: a caller's PayloadSource / PayloadSink breaking its contract (s32 a9 D3) ------------
+# send_put_stream found a source's wrong length while the put held a connection (and a sink's
+# nbytes no frame can carry was packed there): taken for a server failure, the tier went into
+# backoff, every thread's calls failed for seconds, and the caller got Status.ERROR, never its error.
+class _Source:
+    """A sealed payload's source that announces ``nbytes`` and yields ``pieces``."""
+
+    def __init__(self, nbytes, pieces) -> None:
+        self.nbytes = nbytes
+        self._pieces = pieces
+
+    def pieces(self):
+        for piece in self._pieces:
+            if isinstance(piece, Exception):
+                raise piece
+            yield piece
+
+
+class _Sink:
+    """A sink that takes the payload in one buffer (``piece``: what it yields instead) and finds it good."""
+
+    def __init__(self, nbytes, piece=None) -> None:
+        self.nbytes = nbytes
+        self.buf = bytearray(nbytes if isinstance(nbytes, int) and nbytes > 0 else 0)
+        self._piece = piece
+
+    def pieces(self):
+        piece = memoryview(self.buf) if self._piece is None else self._piece
+        if isinstance(piece, Exception):
+            raise piece
+        yield piece
+        return None
+
+
+def _bytes(n: int, fill: int = 7) -> memoryview:
+    return memoryview(bytearray([fill]) * n)
+
+
+def _stream_tier(tag: str) -> RemoteTier:
+    srv = shared_server()
+    tier = RemoteTier(srv.tcp_url, TOKENS["acme"], namespace=fresh_namespace(tag), backoff_s=5.0, max_backoff_s=5.0)
+    assert tier.streams_available()
+    return tier
+
+
+@pytest.mark.parametrize("source", [
+    _Source(4096, [_bytes(2048)]),  # fewer bytes than announced
+    _Source(2048, [_bytes(2048), _bytes(2048)]),  # more
+    _Source(4096, [_bytes(1024), RuntimeError("the sealing failed")]),  # its own exception, mid-frame
+    _Source(4096, ["not a buffer"]),
+    _Source(-1, [_bytes(16)]),  # a size no frame can carry
+    _Source("4096", [_bytes(4096)]),
+], ids=["short", "long", "raises", "not-a-buffer", "negative-size", "size-not-int"])
+def test_a_bad_payload_source_raises_and_leaves_the_tier_available(source):
+    tier = _stream_tier("bad-source")
+    keys = keys_for(f"bad-source-{tier.namespace}", 3)
+    try:
+        assert tier.put_streams(keys[:1], [_Source(4096, [_bytes(4096)])]) == [Status.OK]
+        with pytest.raises(ValueError):
+            tier.put_streams(keys[1:2], [source])
+        assert tier.available, tier.last_error
+        assert tier.put_streams(keys[2:], [_Source(4096, [_bytes(4096)])]) == [Status.OK]
+        assert tier.contains_many(keys) == [True, False, True]  # the broken frame stored nothing
+    finally:
+        tier.close()
+
+
+@pytest.mark.parametrize("sink", [
+    _Sink(-1),  # a size no GET request can carry (packed while the call held a connection)
+    _Sink(4096, RuntimeError("the opening failed")),
+    _Sink(4096, b"\0" * 4096),  # a read-only buffer: nothing can be received into it
+], ids=["negative-size", "raises", "read-only"])
+def test_a_bad_payload_sink_raises_and_leaves_the_tier_available(sink):
+    tier = _stream_tier("bad-sink")
+    keys = keys_for(f"bad-sink-{tier.namespace}", 1)
+    try:
+        assert tier.put_streams(keys, [_Source(4096, [_bytes(4096, fill=9)])]) == [Status.OK]
+        with pytest.raises(ValueError):
+            tier.get_streams(keys, [sink])
+        assert tier.available, tier.last_error
+        good = _Sink(4096)
+        assert tier.get_streams(keys, [good]) == [Status.OK]
+        assert good.buf == bytearray([9]) * 4096
+    finally:
+        tier.close()
