@@ -145,29 +145,34 @@ class WriteBehind:
     def mark_dirty(self, level: int, keys: Sequence[BlockKey], parents: Sequence, metas: Sequence,
                    sizes: Sequence) -> None:
         """Mark blocks of ``tiers[level]`` dirty (not the last tier's: nothing is below it)."""
-        if level >= len(self._dirty):
-            return
-        dropped = 0
         with self._cond:
-            if self._closed:
-                return
-            dirty, clean, inflight = self._dirty[level], self._clean[level], self._inflight[level]
-            for key, parent, meta, nbytes in zip(keys, parents, metas, sizes):
-                if key in self._deleting:
-                    # the delete may remove this copy or not (it may have passed this tier): its
-                    # end decides, so that no block saved meanwhile stays uncopied
-                    self._after_delete[level][key] = _Dirty(parent, meta, nbytes)
-                    continue
-                if key in dirty or key in clean or key in inflight:
-                    continue  # already copied, queued or being copied (the same bytes)
-                dirty[key] = _Dirty(parent, meta, nbytes)
-                if len(dirty) > self.dirty_limit:
-                    dirty.popitem(last=False)  # the oldest: LRU evicts (and so demotes) it next anyway
-                    dropped += 1
-            self._ensure_flusher_locked()
-            self._cond.notify_all()
+            dropped = self._mark_dirty_locked(level, keys, parents, metas, sizes)
         if dropped:
             self._count(writebehind_dropped=dropped)
+
+    def _mark_dirty_locked(self, level: int, keys: Sequence[BlockKey], parents: Sequence,
+                           metas: Sequence, sizes: Sequence) -> int:
+        """:meth:`mark_dirty` under the lock; returns how many marks the backlog's bound dropped
+        (the caller counts them once it has let the lock go)."""
+        if level >= len(self._dirty) or self._closed:
+            return 0
+        dropped = 0
+        dirty, clean, inflight = self._dirty[level], self._clean[level], self._inflight[level]
+        for key, parent, meta, nbytes in zip(keys, parents, metas, sizes):
+            if key in self._deleting:
+                # the delete may remove this copy or not (it may have passed this tier): its
+                # end decides, so that no block saved meanwhile stays uncopied
+                self._after_delete[level][key] = _Dirty(parent, meta, nbytes)
+                continue
+            if key in dirty or key in clean or key in inflight:
+                continue  # already copied, queued or being copied (the same bytes)
+            dirty[key] = _Dirty(parent, meta, nbytes)
+            if len(dirty) > self.dirty_limit:
+                dirty.popitem(last=False)  # the oldest: LRU evicts (and so demotes) it next anyway
+                dropped += 1
+        self._ensure_flusher_locked()
+        self._cond.notify_all()
+        return dropped
 
     def mark_clean(self, level: int, key: BlockKey) -> None:
         """``tiers[level]`` holds ``key`` and a tier below holds it too (e.g. after a promotion)."""
@@ -198,7 +203,6 @@ class WriteBehind:
                     self._clean[level].pop(key, None)
                     self._after_delete[level].pop(key, None)  # saved before this delete: it goes too
             self._cond.notify_all()  # flush() counts the marks dropped here
-        again = []
         try:
             with self._cond:
                 copying = self._copying_locked(keys)
@@ -208,17 +212,27 @@ class WriteBehind:
             yield
         finally:
             with self._cond:
-                for key in keys:
-                    left = self._deleting.pop(key) - 1
-                    if left:
-                        self._deleting[key] = left
-                        continue
-                    for level, saved in enumerate(self._after_delete):
-                        entry = saved.pop(key, None)
-                        if entry is not None:
-                            again.append((level, key, entry))
-            for level, key, entry in again:  # gone from its tier meanwhile: the flusher skips it
-                self.mark_dirty(level, [key], [entry.parent], [entry.meta], [entry.nbytes])
+                dropped = self._end_delete_locked(keys)
+            if dropped:
+                self._count(writebehind_dropped=dropped)
+
+    def _end_delete_locked(self, keys: Sequence[BlockKey]) -> int:
+        """The deletion of ``keys`` is over: those saved meanwhile (and deleted by no other caller
+        now) are marked dirty, under the lock that their saved marks are taken under -- marked
+        after it, a flush between found neither mark and returned with the blocks uncopied.
+        Returns how many marks the backlog's bound dropped."""
+        dropped = 0
+        for key in keys:
+            left = self._deleting.pop(key) - 1
+            if left:
+                self._deleting[key] = left
+                continue
+            for level, saved in enumerate(self._after_delete):
+                entry = saved.pop(key, None)
+                if entry is not None:  # gone from its tier meanwhile: the flusher skips it
+                    dropped += self._mark_dirty_locked(level, [key], [entry.parent], [entry.meta],
+                                                       [entry.nbytes])
+        return dropped
 
     def _copying_locked(self, keys) -> list[BlockKey]:
         """Those of ``keys`` whose copy is in flight (in the flusher's batch)."""
@@ -384,7 +398,12 @@ class WriteBehind:
 
     def _settle(self, level: int, taken, statuses, gone, deferred=(), sizes=None) -> None:
         """Record the outcome of a batch: clean marks above, dirty marks below. A key being
-        deleted gets neither: its delete waits for this, then removes the copy that landed."""
+        deleted gets neither: its delete waits for this, then removes the copy that landed.
+
+        The marks below are made under the same lock as the in-flight ones go, before anyone is
+        notified: made after, a flush woke between the two with nothing pending and returned,
+        and ``close`` then refused the marks (the blocks never reached the last tier, while
+        the report said none was dropped)."""
         below = []
         flushed = dropped = 0
         with self._cond:
@@ -407,12 +426,12 @@ class WriteBehind:
                     self._add_clean_locked(level, key)
                 nbytes = sizes[i] if sizes is not None else entry.nbytes
                 below.append((key, entry.parent, entry.meta, nbytes))
+            if below:
+                dropped += self._mark_dirty_locked(level + 1, *map(list, zip(*below)))
             self._cond.notify_all()
             closed = self._closed  # then close() has counted the whole batch as dropped
         if (flushed or dropped) and not closed:
             self._count(writebehind_flushed=flushed, writebehind_dropped=dropped)
-        if below:
-            self.mark_dirty(level + 1, *map(list, zip(*below)))
 
     # -- flush and close ----------------------------------------------------------------
     def flush(self, timeout_s: float | None) -> FlushReport:

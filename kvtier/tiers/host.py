@@ -324,8 +324,12 @@ class HostTier(Tier):
                     entry.doomed = True  # the last unpin (ours) frees the memory
                     won = False
                 else:
-                    if holder is not None:  # still being written: that writer is now the rival
-                        self._rivals.setdefault(key, []).append(holder)
+                    # Read the holder again: _live() has just evicted and freed it if it was a
+                    # published copy past the TTL, and a freed block filed as a rival would stay
+                    # in _rivals for good (the integrity check then fails a healthy pool).
+                    writing = self._entries.get(key)
+                    if writing is not None:  # still being written: that writer is now the rival
+                        self._rivals.setdefault(key, []).append(writing)
                     self._entries[key] = entry
                     won = True
             else:
