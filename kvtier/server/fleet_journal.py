@@ -19,8 +19,8 @@ an empty journal (its first line alone) with at most :data:`_MAGIC_FLIPS_ACCEPTE
 flipped, which holds nothing at stake: opened empty, logged, written anew. A journal of the first
 format (magic ``v1``: no checksums, so a bad entry ends the reading as a torn tail did) is read,
 then written anew in this format at open: an upgrade loses no record. A first line that reads as
-``v1`` but is followed by a whole checksummed entry is this format's, damaged (two bits): read in
-this format, logged, written anew.
+``v1`` but is followed by a whole checksummed entry, at once or after damaged bytes, is this
+format's, damaged (two bits): read in this format, logged, written anew.
 
 The file is written anew (temp, fsync, rename) with the live records only: at start; after an
 admin erasure (:meth:`FleetJournal.compact`), so that no record of an erased block (owner,
@@ -72,16 +72,7 @@ class FleetJournal:
     start's lookup finds gone, or one whose removal was owed)."""
 
     def __init__(self, path: str) -> None:
-        self.path = path
-        self._lock = threading.Lock()
-        self._live: dict[bytes, bytes] = {}  # name → record
-        self._written_for: dict[bytes, object] = {}  # name → the index entry its record was made from
-        self._placed_seq: dict[bytes, int] = {}  # name → the placement that last wrote it
-        self._created_by: dict[bytes, int] = {}  # name → the placement its live record began with (none: read at open)
-        self._seq = 0
-        self._dead = 0  # forgotten (or overwritten) records still in the file
-        self._fd: int | None = None
-        self._size = 0
+        self._start_empty(path)
         try:
             make_private_dirs(os.path.dirname(path) or ".")
             # never through a symbolic link; created 0600
@@ -109,6 +100,36 @@ class FleetJournal:
             raise ConfigError(f"fleet journal {path!r}: {exc}; give the server a state_dir (or disk_dir) it can "
                               f"write: the journal is what lets erase and TTL reach the blocks it placed in the "
                               f"Mooncake fleet after a restart") from None
+
+    def _start_empty(self, path: str) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+        self._live: dict[bytes, bytes] = {}  # name → record
+        self._written_for: dict[bytes, object] = {}  # name → the index entry its record was made from
+        self._placed_seq: dict[bytes, int] = {}  # name → the placement that last wrote it
+        self._created_by: dict[bytes, int] = {}  # name → the placement its live record began with (none: read at open)
+        self._seq = 0
+        self._dead = 0  # forgotten (or overwritten) records still in the file
+        self._fd: int | None = None
+        self._size = 0
+
+    @classmethod
+    def records_in(cls, path: str) -> list[tuple[bytes, bytes]]:
+        """(name, record) of every live record of the journal at ``path`` as an open reads them, but
+        read only: nothing is created, cut off or written anew (no file: none). For a look before the
+        server commits to a key (``kvtier.server.server``). Raises ConfigError for a file that is no
+        journal, OSError for one that cannot be read (a symbolic link is not followed)."""
+        reader = cls.__new__(cls)
+        reader._start_empty(path)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return []
+        try:
+            reader._read(fd)
+        finally:
+            os.close(fd)
+        return reader.records()
 
     def _read(self, fd: int) -> tuple[int, bool]:
         """Load the file's records; returns how many of its bytes end in a whole entry (0: empty) and
@@ -153,10 +174,13 @@ class FleetJournal:
 
     def _v2_under_v1_magic(self, data: bytes) -> bool:
         """Whether a file whose first line reads as the first format's holds this format's entries: a
-        whole checksummed one right after it (the v2 magic damaged into v1's: two bits). Read as v1,
-        with no checksums, the reading would stop at the first entry's checksum, and the rewrite at
-        open would keep that one record only. (A v1 entry followed by its own xxh3-64: 2^-64.)"""
-        if _entry_at(data, len(_MAGIC_V1), _CHECK_NBYTES) is None:
+        whole checksummed one right after it or further on (the v2 magic damaged into v1's: two bits;
+        the bad sector may reach the first entries too, as in :meth:`_check_damaged_magic`). Read as
+        v1, with no checksums, the reading would stop at the first entry's checksum, or at the first
+        damaged entry, and the rewrite at open would keep what came before it only. (A v1 file holds
+        something that reads as a whole checksummed entry with a chance of 2^-64 per place.)"""
+        start = len(_MAGIC_V1)
+        if _entry_at(data, start, _CHECK_NBYTES) is None and _next_entry_after(data, start, _CHECK_NBYTES) is None:
             return False
         log.error("fleet journal %s: its first line reads as the first format's, but checksummed entries follow "
                   "it: the first line is damaged; read in this format and written anew with a good first line",

@@ -36,10 +36,13 @@ Tombstones of a key this server does not hold (a disk dropped before an upgrade,
 a secret replaced) are logged and not applied, the other overrides kept; they
 stay in the file as they are (``foreign_erasures``, at most
 :data:`MAX_FOREIGN_SETS` sets) and are applied by a start that holds their key
-again. Only tombstones of this server's keys whose MAC does not match stop the
-start. A file from before key ids that does not authenticate stops a server
-with a disk spill (they were written under a disk's key); without a disk it may
-be a dropped disk's: logged, kept aside.
+again. (A start that would make ``state_dir``'s secret anew while the file
+holds tombstones none of its keys authenticates is refused instead: the secret
+moves with the state, :func:`erasures_of_another_key`.) Only tombstones of this
+server's keys whose MAC does not match stop the start. A file from before key
+ids that does not authenticate stops a server with a disk spill (they were
+written under a disk's key); without a disk it may be a dropped disk's: logged,
+kept aside.
 
 They are kept: a tombstone goes only where a wider one at least as late covers
 it (per scope only the latest erasure is kept, and one that a wider, later
@@ -51,7 +54,8 @@ tombstone of the whole owner at the latest of their times, which covers all
 they covered and no block the server keeps. If that is not enough (an owner
 whose old blocks stay, erasing one session after another), the oldest
 tombstones go, logged: a copy of the blocks they covered, put back, would be
-served again.
+served again. Sets merged at start (an older key's, one kept aside) are not
+bounded until the next erasure, which can fold them: none goes unfolded.
 
 Format (version 1)::
 
@@ -229,8 +233,11 @@ class RuntimeState:
     def _write_migrated(self) -> None:
         """Write the erasures just read under an older key (or from a set kept aside) anew under this
         server's key now, not at the next change: that older key (a disk's secret) may be gone at
-        the next start, and its records with it. Best effort: they are read again next time."""
-        self._erasures = _bounded(_without_covered(self._erasures), None)
+        the next start, and its records with it. Best effort: they are read again next time. Not
+        bounded here, where the blocks a fold must not reach are not known yet (bounded without them,
+        the oldest would go, not fold): past :data:`MAX_ERASURES` they stay so until the next
+        :meth:`record_erasure` folds them (the file is read whatever its count)."""
+        self._erasures = _without_covered(self._erasures)
         try:
             self._save()
         except OSError as exc:
@@ -355,6 +362,20 @@ class RuntimeState:
         # later start); the caller then rolls the change back.
         replace_private_file(self.path, json.dumps(doc, indent=1, sort_keys=True).encode())
         fsync_dir(directory)  # the rename itself survives a power cut
+
+
+def erasures_of_another_key(path: str, keys: Sequence[bytes]) -> int:
+    """How many erasure records the file at ``path`` holds as its own that none of ``keys``
+    authenticates (0: none, no file, or one of the keys does): what a server starting under a key
+    made anew would set aside. Reads only; ConfigError for a file a start would refuse."""
+    if not os.path.exists(path):
+        return 0
+    own = RuntimeState(path)._kept_erasures["main"]  # (read as without a key: nothing written)
+    if own is None or not own["erasures"]:
+        return 0
+    if any(hmac.compare_digest(_erasures_mac(key, own["erasures"]), own["erasures_mac"]) for key in keys):
+        return 0
+    return len(own["erasures"])
 
 
 def blocks_held_in(index) -> LiveBlocks:

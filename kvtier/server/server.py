@@ -37,6 +37,9 @@ Runtime admin changes (quotas, TTLs) persist in ``state_dir`` (default
 What a restart reads back from ``state_dir`` (the fleet journal's records, the
 erasures' tombstones) is authenticated under one state key whatever the tiers
 (:meth:`Server._state_codecs`); the disk spill's annotations under the disk's.
+Without encryption at rest that key is ``state_dir/server.secret``, which moves
+with the state: a start that would make it anew over records no key it holds
+reads is refused (:func:`_refuse_a_new_secret_over_records`).
 """
 
 from __future__ import annotations
@@ -66,7 +69,7 @@ from kvtier.server.metrics import MetricsAuth, ServerMetrics, serve_http, tier_a
 from kvtier.server.runtime_state import FILE_NAME as RUNTIME_STATE_FILE
 from kvtier.server.runtime_state import RuntimeState
 from kvtier.server.service import Service
-from kvtier.server.spill import SpillCodec, secret_in
+from kvtier.server.spill import SECRET_FILE, STATE_SECRET, SpillCodec, secret_in, would_make_a_secret
 from kvtier.tiers.remote_protocol import ErrorCode
 from kvtier.tiers.host import HostTier
 from kvtier.store import safety
@@ -104,6 +107,39 @@ def _remove_stale_socket(path: str) -> None:
             pass
         return
     raise OSError(errno.EADDRINUSE, f"another server listens on unix://{path}")
+
+
+def _refuse_a_new_secret_over_records(state_dir: str, held: tuple[SpillCodec, ...]) -> None:
+    """Raise ConfigError where ``state_dir`` has no secret (one would be made) but holds records no
+    key of this server's (``held``: the disk spill's) authenticates: erasure tombstones or a fleet
+    journal's records keyed by a secret that did not move with them (``state_dir`` moved without
+    it, or it was removed). A new secret would set the tombstones aside -- an erased tenant's old
+    files put back would be served again -- and delete every block the journal names from the
+    fleet. Records the disk's secret authenticates are an earlier version's (it keyed them so
+    wherever there was a disk): the upgrade makes the secret and writes them anew under it."""
+    if not would_make_a_secret(state_dir):
+        return
+    from kvtier.server.fleet_journal import JOURNAL_FILE, FleetJournal
+    from kvtier.server.runtime_state import erasures_of_another_key
+
+    found = []
+    tombstones = erasures_of_another_key(os.path.join(state_dir, RUNTIME_STATE_FILE), [c.erasure_key() for c in held])
+    if tombstones:
+        found.append(f"{tombstones} erasure tombstones in {RUNTIME_STATE_FILE}")
+    records = FleetJournal.records_in(os.path.join(state_dir, JOURNAL_FILE))
+    if records and not any(codec.unpack(name, record) is not None for name, record in records for codec in held):
+        found.append(f"{len(records)} records of blocks placed in the Mooncake fleet in {JOURNAL_FILE}")
+    if not found:
+        return
+    secret = os.path.join(state_dir, SECRET_FILE)
+    raise ConfigError(
+        f"state_dir {state_dir!r} holds {' and '.join(found)}, keyed by a {SECRET_FILE} that is not there: the secret "
+        f"moves with the state. Put it back ({secret}, mode 0600: from where the state was, or a backup). (Where an "
+        f"earlier version keyed them by the disk spill's secret -- the first start since the upgrade, with "
+        f"disk_dir dropped from the config -- start once with that disk_dir configured.) A new secret would set "
+        f"the tombstones aside (an erased tenant's old files put back would be served again) and delete every block "
+        f"the journal names from the fleet; to accept that, make one yourself: "
+        f"(umask 077; head -c 32 /dev/urandom > {secret})")
 
 
 class Server:
@@ -241,7 +277,8 @@ class Server:
     def _state_codecs(self, disk_codec: SpillCodec | None, state_dir: str | None) -> StateCodecs | None:
         """What authenticates the records a restart reads back from ``state_dir`` (fleet records,
         erasure tombstones): one key whatever the tiers -- the master key's codec with encryption at
-        rest, else a secret of its own in ``state_dir`` (0600, refused if others may read it) -- so
+        rest, else a secret of its own in ``state_dir`` (0600, refused if others may read it; never
+        made over records it would have keyed: :func:`_refuse_a_new_secret_over_records`) -- so
         that a disk added to or dropped from the config leaves them this server's. (Versions before
         keyed them by the disk spill's secret where there was a disk: still read, ``older``.) None
         where nothing is read back: no disk, and no fleet journal."""
@@ -249,13 +286,16 @@ class Server:
             return None
         if self._master_key is not None:  # (the disk spill's codec too)
             return StateCodecs(disk_codec, ())
+        held = (disk_codec,) if disk_codec is not None else ()
         try:
             make_private_dirs(state_dir)  # (before the fleet journal would: its secret is made first)
-            current = SpillCodec(secret_in(state_dir))
+            _refuse_a_new_secret_over_records(state_dir, held)
+            current = SpillCodec(secret_in(state_dir, STATE_SECRET))
         except OSError as exc:
             raise ConfigError(f"state_dir {state_dir!r}: {exc}; give the server a state_dir it can write: it keeps "
                               f"the erasures and the fleet journal, which let erase and TTL reach the blocks "
                               f"after a restart") from None
+        # (the disk's codec stays an older key for as long as there is a disk: records it keyed are read)
         if disk_codec is None or disk_codec.erasure_key() == current.erasure_key():  # (state_dir is disk_dir)
             return StateCodecs(current, ())
         return StateCodecs(current, (disk_codec,))

@@ -47,9 +47,11 @@ import hashlib
 import hmac
 import math
 import os
+import stat
 import threading
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import msgpack
 
@@ -214,34 +216,60 @@ def _hkdf(master: bytes, info: bytes) -> bytes:
     return HKDF(algorithm=hashes.SHA256(), length=32, salt=b"kvtier/server-spill/v1", info=info).derive(master)
 
 
-_REMOVE_SECRET = "remove it to make a new one (spilled blocks are then dropped at start)"
+class SecretRole(NamedTuple):
+    """What a server secret keys, as its errors say it (:func:`secret_in`)."""
+
+    what: str  #: its name
+    fix: str  #: what to do besides ``chmod 600``
+    why: str  #: what it guards
 
 
-def secret_in(disk_dir: str) -> bytes:
-    """The server secret in ``disk_dir`` (made on first use, 0600); refused if anyone else could
-    have written or read it, or if it is not 32 bytes."""
-    path = os.path.join(disk_dir, SECRET_FILE)
+#: ``<disk_dir>/server.secret``: a new one costs the spilled blocks only (their annotations no longer
+#: authenticate), which is how an operator drops them on purpose
+SPILL_SECRET = SecretRole("the spill secret", "remove it to make a new one (spilled blocks are then dropped at start)",
+                          "it authenticates blocks")
+#: ``<state_dir>/server.secret`` apart from ``disk_dir``: it keys the records kept there, so a new one
+#: would set the erasures' tombstones aside and delete the blocks placed in a fleet; a start that
+#: would have to make it over such records is refused (``kvtier.server.server``)
+STATE_SECRET = SecretRole(
+    "the state secret",
+    "restore it: it moves with the state_dir's runtime.json and fleet.journal (removed, the erasures' tombstones "
+    "are no longer applied and every block placed in the Mooncake fleet is deleted; a start is refused while "
+    "they are there)",
+    "it authenticates the erasures' tombstones and the fleet journal's records")
+
+
+def secret_in(directory: str, role: SecretRole = SPILL_SECRET) -> bytes:
+    """The server secret in ``directory`` (made on first use, 0600); refused if anyone else could
+    have written or read it, or if it is not 32 bytes (``role`` says, in the errors, what it keys)."""
+    path = os.path.join(directory, SECRET_FILE)
     if not os.path.lexists(path):
         create_private_file(path, os.urandom(32))  # False: another starter won; theirs is read below
-    secret = _read_secret(path)
+    secret = read_private_file(path, role.what, role.fix, role.why)
     if not secret:
-        _replace_empty_secret(path)
-        secret = _read_secret(path)
+        _replace_empty_secret(path, role)
+        secret = read_private_file(path, role.what, role.fix, role.why)
     if len(secret) != 32:
-        raise ConfigError(f"{path!r} is not a 32-byte secret; remove it (spilled blocks are then dropped at start)")
+        raise ConfigError(f"{role.what} {path!r} is not a 32-byte secret; {role.fix}")
     return secret
 
 
-def _read_secret(path: str) -> bytes:
-    return read_private_file(path, "the spill secret", _REMOVE_SECRET)
+def would_make_a_secret(directory: str) -> bool:
+    """Whether :func:`secret_in` would make a new secret in ``directory``: none there, or an empty
+    one (which an older version's crash left; no record was keyed by it)."""
+    try:
+        st = os.lstat(os.path.join(directory, SECRET_FILE))
+    except FileNotFoundError:
+        return True
+    return stat.S_ISREG(st.st_mode) and st.st_size == 0
 
 
-def _replace_empty_secret(path: str) -> None:
+def _replace_empty_secret(path: str, role: SecretRole) -> None:
     """Replace an empty secret (private, checked by the caller's read) with a new one. An older
     version created the file in place, then wrote it: a crash or a full disk in between left it
     empty, and no block was annotated under it. Under an ``flock`` on the empty file, and only
     while ``path`` still names it: a starter racing this one waits, then reads the new secret."""
-    fd = open_private_file(path, "the spill secret", _REMOVE_SECRET)
+    fd = open_private_file(path, role.what, role.fix, role.why)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         st = os.fstat(fd)

@@ -7,8 +7,10 @@ or the master key), so a ``disk_dir`` added to or dropped from the config leaves
 * a run without the disk keeps the erasures' tombstones, so an old copy of erased files (a backup put
   back) is not served when the disk is back (they were dropped, then written away at the first save);
 * records an earlier version wrote under the disk's secret (a disk and a ``state_dir`` of its own) are
-  read and written anew under the state key, so the upgrade loses nothing, the disk dropped later or
-  at once (tombstones of a key the server does not hold stay in the file until a start holds it).
+  read and written anew under the state key, so the upgrade loses nothing, the disk dropped later
+  (tombstones of a key the server does not hold stay in the file until a start holds it); the disk
+  dropped at once, the start is refused, naming the disk_dir to configure for one start (s32 r5 D1:
+  ``state_dir`` has no secret yet, and no key it holds reads the records).
 
 Real processes: ``kvtier serve``, mooncake_master and a segment holder; clients over TCP. (s32 a3:
 D1, D2.)"""
@@ -124,6 +126,15 @@ def test_erased_blocks_stay_erased_after_a_run_without_the_disk(tmp_path, cluste
         s.start()
         stopped_cleanly(*s.stop())
     no_disk = _server(tmp_path, cluster, disk=False)  # one run with the disk left out of the config
+    if history == "upgraded without the disk":
+        # No key it holds reads them and state_dir has no secret yet: refused (a new secret would set
+        # them aside, s32 r5 D1), naming the way through: one start with the disk
+        with pytest.raises(RuntimeError, match="start once with that disk_dir configured"):
+            no_disk.start()
+        assert not (tmp_path / "state" / "server.secret").exists()
+        s = _server(tmp_path, cluster, disk=True)
+        s.start()
+        stopped_cleanly(*s.stop())
     no_disk.start()
     assert no_disk.admin("set_quota", tenant="acme", bytes=1 << 30)["ok"]  # the runtime state written again
     stopped_cleanly(*no_disk.stop())
