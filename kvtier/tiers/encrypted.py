@@ -734,13 +734,14 @@ class EncryptedTier(WrappingTier):
             sources = []
             for owner, name, data, _, _ in items:
                 data_key = self.keyring.key_for_write(owner, aead.n_chunks(memoryview(data).nbytes, self.chunk_bytes))
-                source = aead.SealingSource(
+                source = _SealingSource(
                     data_key.aead, epoch=data_key.epoch, key_id=data_key.key_id, storage_key=name,
                     context=self._context(owner), plain=data, scratch=scratch, chunk_bytes=self.chunk_bytes,
                 )
                 sources.append(source)
-            return self.inner.put_streams([it[1] for it in items], sources, parents=[it[3] for it in items],
-                                          **age_kw(self.inner, [it[4] for it in items]))
+            names, parents, ages = [it[1] for it in items], [it[3] for it in items], [it[4] for it in items]
+            return self._own_streams_failing_as_errors(
+                sources, lambda: self.inner.put_streams(names, sources, parents=parents, **age_kw(self.inner, ages)))
         finally:
             self._scratch.give(scratch)
 
@@ -753,7 +754,8 @@ class EncryptedTier(WrappingTier):
                              scratch=scratch, chunk_bytes=self.chunk_bytes)
                 for owner, name, out in items
             ]
-            statuses = self.inner.get_streams([it[1] for it in items], sinks)
+            statuses = self._own_streams_failing_as_errors(
+                sinks, lambda: self.inner.get_streams([it[1] for it in items], sinks))
         finally:
             self._scratch.give(scratch)
         for j, ((owner, name, _), sink, status) in enumerate(zip(items, sinks, statuses)):
@@ -762,6 +764,23 @@ class EncryptedTier(WrappingTier):
             elif status is Status.CORRUPT or (status is Status.MISS and sink.lookup.missing):  # counted below
                 self._reject(owner, name, sink.failure or "not a sealed block", sink.lookup)
         return statuses
+
+    def _own_streams_failing_as_errors(self, streams: list["_OwnStream"], call) -> list[Status]:
+        """``call()``, the inner tier's put_streams or get_streams over this tier's ``streams``; if
+        one of those broke (the keyring could not read a key file, ...), ERROR for each of the
+        call's blocks. The inner tier raises for a stream that breaks its contract (the caller's
+        mistake, as far as it knows), but this tier's own are no mistake of its caller's: a get
+        or put of the store answers a miss, never raises. The inner tier is not at fault either
+        (a remote tier closes the one connection and stays up)."""
+        try:
+            return call()
+        except Exception:
+            broke = next((s.broke for s in streams if s.broke is not None), None)
+            if broke is None:
+                raise
+            log.warning("encrypted tier %s: sealing or opening failed: %s: %s (%d blocks: ERROR)",
+                        self.name, type(broke).__name__, broke, len(streams))
+            return [Status.ERROR] * len(streams)
 
     def delete(self, key: BlockKey) -> bool:
         name = self._name(key)
@@ -805,7 +824,25 @@ class _KeyLookup:
         return key.aead if key is not None else None
 
 
-class _OpeningSink(aead.OpeningSink):
+class _OwnStream:
+    """A sink or source of this tier's own that remembers an exception of its own mid-call (told
+    apart from the inner tier's: see EncryptedTier._own_streams_failing_as_errors)."""
+
+    broke: Exception | None = None
+
+    def pieces(self):
+        try:
+            return (yield from super().pieces())
+        except Exception as exc:
+            self.broke = exc
+            raise
+
+
+class _SealingSource(_OwnStream, aead.SealingSource):
+    pass
+
+
+class _OpeningSink(_OwnStream, aead.OpeningSink):
     """An opening sink whose verdict on a block sealed under a key it lacks is
     :class:`~kvtier.tiers.streams.Unverifiable`: the streaming tier answers a miss and keeps it."""
 

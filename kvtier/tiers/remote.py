@@ -41,8 +41,13 @@
 * **Thread safe.** A pool of connections: one per concurrent caller, at most
   ``pool_size`` kept open while idle. A server refusing one connection more
   (``TOO_MANY_CONNECTIONS``: the tenant's cap, a load signal) while this tier
-  holds others is no outage: the call waits, within its deadline, for one of
-  them to come back to the pool (else it alone fails), and nothing backs off.
+  holds others, or closed one within ``connect_timeout_s`` (the server counts
+  it until it has read the close), is no outage: the call waits, within its
+  deadline, for one of them to come back to the pool, or connects again once
+  one is closed (after a short pause, for one closed lately); else it alone
+  fails, counted in ``stats.errors`` and ``last_error``. A call that waited
+  and then runs out of time fails alone too. Nothing backs off, and such a
+  refusal of the recovery probe ends the outage (the server answers).
 * **The caller's mistakes raise.** Arguments are checked before a connection is
   taken; a payload source or sink that breaks its contract mid-call (more or
   fewer bytes than it announced, an exception of its own) raises
@@ -102,6 +107,10 @@ _PUT_WINDOW = 64
 _NO_CHECKSUM = bytes(16)
 #: the slowest transfer rate a large call is allowed (bytes/s): see "Bounded" above
 DEFAULT_MIN_RATE_BYTES_S = 50e6
+#: the first and longest pause before a call refused by the tenant's connection cap connects again
+#: while a connection this tier closed lately may still count on the server (see _wait_for_slot)
+_CAP_RETRY_MIN_S = 0.01
+_CAP_RETRY_MAX_S = 0.25
 
 
 class TierDown(Exception):
@@ -145,9 +154,12 @@ class RemoteTier(Tier, StreamingTier):
             self.name = name
         self._idle: list[WireClient] = []
         self._pool_lock = threading.Lock()
-        #: notified when a connection comes back to the pool or a call's goes (see _wait_for_pooled)
+        #: notified when a connection comes back to the pool, a call's goes or one opens (see _wait_for_slot)
         self._pool_returns = threading.Condition(self._pool_lock)
         self._held = 0  #: connections calls hold now (under _pool_lock)
+        self._opening = 0  #: connections calls are opening now (under _pool_lock)
+        self._closes = 0  #: held connections closed so far, and when the last was (under _pool_lock)
+        self._last_close = 0.0
         self._backoff_min = backoff_s
         self._backoff_max = max_backoff_s
         self._backoff = backoff_s
@@ -171,8 +183,9 @@ class RemoteTier(Tier, StreamingTier):
             raise TierDown(self.last_error or "server down")
         with self._pool_lock:
             conn = self._take_idle_locked()
+        waited = False  #: the call waited for the tenant's connection cap (see _open)
         if conn is None:
-            conn = self._open(deadline)
+            conn, waited = self._open(deadline)
         keep = False
         try:
             yield conn
@@ -184,7 +197,7 @@ class RemoteTier(Tier, StreamingTier):
             # Callers validate their arguments before taking a connection, so whatever
             # fails here is the server or the network. The connection may be out of
             # step with the server: never reuse it (closed as it is given back).
-            self._failed(exc)
+            self._call_failed(exc, waited)
             raise TierDown(str(exc)) from exc
         else:
             self._backoff = self._backoff_min
@@ -192,6 +205,15 @@ class RemoteTier(Tier, StreamingTier):
             keep = True
         finally:
             self._give_back(conn, keep)
+
+    def _call_failed(self, exc: BaseException, waited: bool) -> None:
+        """A call's request failed. If the call spent part of its deadline waiting for the
+        tenant's connection cap and then ran out of time, the wait is the cause, not the server:
+        that call alone fails (a server answering on time put every thread into backoff)."""
+        if waited and isinstance(exc, TimeoutError):
+            self._failed_alone(exc)
+        else:
+            self._failed(exc)
 
     def _take_idle_locked(self) -> WireClient | None:
         """A pooled connection the server has not closed, now held by a call (under ``_pool_lock``)."""
@@ -210,53 +232,117 @@ class RemoteTier(Tier, StreamingTier):
             keep = keep and len(self._idle) < self.pool_size and not self._closed
             if keep:
                 self._idle.append(conn)
+            else:
+                self._note_close_locked()
             self._pool_returns.notify_all()
         if not keep:
             conn.close()
 
-    def _open(self, deadline: float) -> WireClient:
-        """A new connection, held by the call; TierDown if none could be had. A refusal for the
-        tenant's connection cap while this tier holds others is a load signal, not an outage:
-        the call waits for one of them (no backoff: a refused extra connection of a busy engine
-        put every thread's calls into backoff, with the server up and the tier's connection fine)."""
+    def _note_close_locked(self) -> None:
+        """A held connection is being closed (under ``_pool_lock``): its server slot frees, but the
+        server may count it against the tenant's cap until it has read the close. Calls waiting
+        for the cap try to connect again (see _open); a refusal meanwhile is this tier's own doing."""
+        self._closes += 1
+        self._last_close = time.monotonic()
+
+    def _open(self, deadline: float) -> tuple[WireClient, bool]:
+        """A connection held by the call, and whether the call waited for the tenant's connection
+        cap to get it; TierDown if none could be had. A refusal for the cap while this tier holds
+        others (or has just closed some) is a load signal, not an outage: the call waits, within
+        its deadline, for one of them to come back to the pool or for a slot to free, and tries
+        again (no backoff: a refused extra connection of a busy engine put every thread's calls
+        into backoff, with the server up and the tier's connection fine)."""
+        waited, pause = False, _CAP_RETRY_MIN_S
+        while True:
+            with self._pool_lock:
+                closes_seen = self._closes
+            try:
+                conn = self._connect(deadline)
+            except RemoteError as exc:
+                if exc.code != ErrorCode.TOO_MANY_CONNECTIONS or not self._holds_connections():
+                    self._failed(exc)
+                    raise TierDown(str(exc)) from exc
+                waited = True
+                pooled = self._wait_for_slot(deadline, exc, closes_seen, pause)
+                if pooled is not None:
+                    return pooled, waited
+                pause = min(pause * 2, _CAP_RETRY_MAX_S)
+                continue
+            except Exception as exc:  # noqa: BLE001 - refused, timed out, bad token: all "down"
+                self._call_failed(exc, waited)
+                raise TierDown(str(exc)) from exc
+            self._remember_hello(conn)
+            return conn, waited
+
+    def _connect(self, deadline: float) -> WireClient:
+        """A new connection, held by the call; counted as opening while it connects (the server
+        may count it before this tier does: a burst of first calls found the tier holding nothing
+        and took the refusals for an outage)."""
+        conn = None
+        with self._pool_lock:
+            self._opening += 1
         try:
             conn = WireClient(self.address, self._token, namespace=self.namespace,
                               connect_timeout_s=self.connect_timeout_s, deadline=deadline)
-        except RemoteError as exc:
-            if exc.code != ErrorCode.TOO_MANY_CONNECTIONS or not self._holds_connections():
-                self._failed(exc)
-                raise TierDown(str(exc)) from exc
-            return self._wait_for_pooled(deadline, exc)
-        except Exception as exc:  # noqa: BLE001 - refused, timed out, bad token: all "down"
-            self._failed(exc)
-            raise TierDown(str(exc)) from exc
-        self._remember_hello(conn)
-        with self._pool_lock:
-            self._held += 1
-        return conn
+            return conn
+        finally:
+            with self._pool_lock:
+                self._opening -= 1
+                if conn is not None:
+                    self._held += 1
+                self._pool_returns.notify_all()  # (calls waiting for the cap: held, or no more)
 
     def _holds_connections(self) -> bool:
+        """Whether a cap refusal can be this tier's own doing: it holds or opens connections, or
+        closed one so recently (within ``connect_timeout_s``) that the server may still count it."""
         with self._pool_lock:
-            return bool(self._held or self._idle)
+            return bool(self._idle) or self._may_free_a_slot_locked()
 
-    def _wait_for_pooled(self, deadline: float, refusal: RemoteError) -> WireClient:
-        """The first of this tier's connections to come back to the pool before ``deadline``;
-        TierDown for this call alone if none does (or none is left to come back)."""
+    def _may_free_a_slot_locked(self) -> bool:
+        return bool(self._held or self._opening or self._closed_lately_locked())
+
+    def _closed_lately_locked(self) -> bool:
+        return self._closes > 0 and time.monotonic() - self._last_close < self.connect_timeout_s
+
+    def _wait_for_slot(self, deadline: float, refusal: RemoteError, closes_seen: int,
+                       pause: float) -> WireClient | None:
+        """After a cap refusal: the first of this tier's connections to come back to the pool
+        before ``deadline``, or None when it is time to connect again -- one of them was closed
+        (its slot is free, or soon will be), or one closed lately may have left the server's
+        count unannounced and ``pause`` is over. TierDown for this call alone (counted, in
+        ``last_error``) if the deadline passes first."""
         with self._pool_lock:
+            retry_at = time.monotonic() + pause if self._closed_lately_locked() else math.inf
             while not (self._closed or self._down_until):
                 conn = self._take_idle_locked()
                 if conn is not None:
                     return conn
-                left = deadline - time.monotonic()
-                if left <= 0 or not self._held:
+                if self._closes != closes_seen or not self._may_free_a_slot_locked():
+                    return None  # a slot was freed, or nothing of this tier's is left to free one
+                now = time.monotonic()
+                if now >= deadline:
                     break
-                self._pool_returns.wait(left)
-        raise TierDown(f"{refusal} (no connection of this tier came free within the call's deadline)")
+                if now >= retry_at:
+                    return None
+                self._pool_returns.wait(min(deadline, retry_at) - now)
+            else:  # the tier closed or went down meanwhile: that failure is recorded already
+                raise TierDown(self.last_error or f"{refusal} (tier down)")
+        exc = TierDown(f"{refusal} (no connection of this tier came free within the call's deadline)")
+        self._failed_alone(exc)
+        raise exc
 
     def _remember_hello(self, conn: WireClient) -> None:
         self._server_info = conn.info
         self._server_features = conn.features
         self._contains_own_only = conn.hello.contains_own_only
+
+    def _failed_alone(self, exc: BaseException) -> None:
+        """One call failed for a cause of its own (the tenant's connection cap): counted and
+        recorded, the tier stays up."""
+        with self._lock:
+            self.stats.errors += 1
+            self.last_error = f"{type(exc).__name__}: {exc}"
+        log.info("remote tier %s: a call failed: %s (no backoff)", self.address, self.last_error)
 
     def _failed(self, exc: BaseException) -> None:
         with self._lock:
@@ -267,6 +353,8 @@ class RemoteTier(Tier, StreamingTier):
         log.warning("remote tier %s: %s (backing off)", self.address, self.last_error)
         with self._pool_lock:  # the others may be just as broken: reconnect afresh
             idle, self._idle = self._idle, []
+            if idle:
+                self._note_close_locked()
             self._pool_returns.notify_all()  # (calls waiting for a pooled connection: down now)
         for c in idle:
             c.close()
@@ -276,8 +364,15 @@ class RemoteTier(Tier, StreamingTier):
         opens joins the pool."""
 
         def check() -> None:
-            conn = WireClient(self.address, self._token, namespace=self.namespace,
-                              connect_timeout_s=self.connect_timeout_s, deadline=self._deadline())
+            try:
+                conn = WireClient(self.address, self._token, namespace=self.namespace,
+                                  connect_timeout_s=self.connect_timeout_s, deadline=self._deadline())
+            except RemoteError as exc:
+                # the server answered: refused for the tenant's cap, with this tier's own
+                # connections (held, or closed lately) counted, it is up (see _open)
+                if exc.code == ErrorCode.TOO_MANY_CONNECTIONS and self._holds_connections():
+                    return
+                raise
             self._remember_hello(conn)
             conn.last_used = time.monotonic()
             with self._pool_lock:

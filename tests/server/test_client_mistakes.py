@@ -7,10 +7,15 @@ calls failed at once, for seconds) and the put answered Status.ERROR.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from kvtier.core.payload import BlockMeta
+from kvtier.crypto.keyring import Keyring
+from kvtier.crypto.providers import StaticMasterKey
+from kvtier.store.tiered import TieredStore
 from kvtier.tiers.base import Status
+from kvtier.tiers.encrypted import EncryptedTier
 from kvtier.tiers.remote import RemoteTier
 from tests.server.conftest import block, keys_for
 from tests.server.harness import TOKENS, fresh_namespace, shared_server
@@ -117,3 +122,36 @@ def test_a_bad_payload_sink_raises_and_leaves_the_tier_available(sink):
         assert good.buf == bytearray([9]) * 4096
     finally:
         tier.close()
+
+
+# -- an encrypted tier's own sink breaking is no mistake of its caller's (s32 r7, possible issue) --
+# With an EncryptedTier over a RemoteTier, a keyring that could not read its key file raised from
+# inside the opening sink: the remote tier took it for a caller's broken sink (CallerError), and
+# it escaped TieredStore.get, whose misses never raise.
+def test_a_key_file_that_cannot_be_read_is_an_error_miss_of_the_store_and_the_remote_tier_stays_up(tmp_path):
+    master, keys_dir = StaticMasterKey(bytes(range(32))), tmp_path / "keys"
+    # a new data key (epoch) for each block
+    writer = EncryptedTier(_stream_tier("sealed-writer"), Keyring(master, keys_dir, rotate_after=1, lease_size=1),
+                           "acme", chunk_bytes=4096)
+    inner = RemoteTier(shared_server().tcp_url, TOKENS["acme"], namespace=writer.inner.namespace, backoff_s=5.0,
+                       max_backoff_s=5.0)
+    # another process's keyring: it reads the key file again only for a key it has not seen
+    reader = EncryptedTier(inner, Keyring(master, keys_dir, refresh_s=600.0), "acme", chunk_bytes=4096)
+    store = TieredStore([reader])
+    keys = keys_for(f"sealed-{inner.namespace}", 2)
+    outs = [np.zeros(4096, np.uint8) for _ in keys]
+    try:
+        assert writer.put_many(keys[:1], [block(keys[0], 4096)]) == [Status.OK]
+        assert store.get(keys[:1], outs[:1]).statuses == [Status.OK]  # the reader has the keys of then
+        assert writer.put_many(keys[1:], [block(keys[1], 4096)]) == [Status.OK]  # under a key new to it
+        names = [reader.storage_name(k) for k in keys]
+        (key_file,) = (f for f in keys_dir.glob("*.json") if f.name != "keystore-check.json")  # acme's keys
+        key_file.unlink()
+        key_file.mkdir()  # reading it fails: IsADirectoryError
+        got = store.get(keys[1:], outs[1:])  # raised CallerError
+        assert got.statuses == [Status.ERROR] and got.loaded == 0
+        assert inner.available, inner.last_error  # the server and the connection were fine
+        assert inner.contains_many(names) == [True, True]  # nothing thrown away
+    finally:
+        store.close()
+        writer.close()
