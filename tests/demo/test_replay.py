@@ -35,11 +35,22 @@ def tiny_scenario() -> Scenario:
     return Scenario("tiny", Message("system", TEXT, 100), steps, gen_tokens=5)
 
 
-def test_replay_across_a_real_restart_serves_warm_from_disk(tmp_path):
+@pytest.fixture(scope="module")
+def model_root(tmp_path_factory) -> str:
+    """A folder holding the tiny model, built once for the module: each test built its own
+    (a tokenizer trained and weights written, seconds), which the replays find and load."""
+    from kvtier.integrations.transformers.models import ensure_model
+
+    root = tmp_path_factory.mktemp("models")
+    ensure_model(TINY_SPEC, root)
+    return str(root)
+
+
+def test_replay_across_a_real_restart_serves_warm_from_disk(tmp_path, model_root):
     scenario = tiny_scenario()
     with Reporter(5, quiet_stdout=True) as reporter:
         turns, phases = replay(scenario, str(tmp_path / "store"), reporter, threads=1,
-                               model_spec=asdict(TINY_SPEC), model_root=str(tmp_path / "models"))
+                               model_spec=asdict(TINY_SPEC), model_root=model_root)
     assert [t["index"] for t in turns] == [0, 1, 2, 4, 5]
     assert all(t["outputs_equal"] for t in turns)
     assert all(t["logits_max_abs_diff"] <= 1e-4 for t in turns)
@@ -57,7 +68,7 @@ def test_replay_across_a_real_restart_serves_warm_from_disk(tmp_path):
     assert summary["outputs_equal"] and summary["resume_after_restart_tiers"]
 
 
-def test_replay_through_a_kvtier_server_resumes_from_it(tmp_path, monkeypatch):
+def test_replay_through_a_kvtier_server_resumes_from_it(tmp_path, monkeypatch, model_root):
     """`kvtier demo --remote URL`: the restarted process resumes from the shared server."""
     from kvtier.server.launch import ServerProcess
 
@@ -68,7 +79,7 @@ def test_replay_through_a_kvtier_server_resumes_from_it(tmp_path, monkeypatch):
         monkeypatch.setenv("KVTIER_TOKEN", token)
         with Reporter(5, quiet_stdout=True) as reporter:
             turns, phases = replay(tiny_scenario(), str(tmp_path / "unused"), reporter, threads=1,
-                                   model_spec=asdict(TINY_SPEC), model_root=str(tmp_path / "models"),
+                                   model_spec=asdict(TINY_SPEC), model_root=model_root,
                                    remote_url=srv.tcp_url)
     assert all(t["outputs_equal"] for t in turns)
     ann_resume, ann_after = turns[2], turns[4]

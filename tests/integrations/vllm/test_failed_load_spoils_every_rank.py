@@ -42,6 +42,10 @@ START_TIMEOUT_S = 240
 #: a few steps: a worker that ends this long after the other hangs
 SCENARIO_TIMEOUT_S = 30
 BOTH = (0, 1)
+#: what a worker imports: a fork server imports it once, and every worker forks from it (each
+#: spawned worker imported torch and vLLM anew, ~9 CPU-s: most of a test's ~10 s on 2 cores)
+WORKER_IMPORTS = ["torch", "vllm.config", "vllm.distributed.parallel_state",
+                  "kvtier.integrations.vllm.worker_side", "kvtier.store.config"]
 
 
 class Step(NamedTuple):
@@ -96,9 +100,11 @@ def _join_engine(rank: int, port: int, tp: int, pp: int) -> None:
         parallel_state.initialize_model_parallel(tp, pp, backend="gloo")
 
 
-def _worker(rank: int, port: int, tp: int, pp: int, steps: list[Step], results) -> None:
+def _worker(rank: int, port: int, tp: int, pp: int, steps: list[Step], results, released) -> None:
     """Run ``steps`` as worker ``rank`` of an engine split ``tp`` x ``pp``; put the blocks saved
-    in each step on ``results``."""
+    in each step on ``results``; end once ``released``. (A stage does not wait for its last send
+    downstream: vLLM's workers live on. A forked worker ends at once, unlike a spawned one's
+    interpreter shutdown, and its connection was reset before the next stage had read that send.)"""
     try:
         import torch
 
@@ -133,18 +139,32 @@ def _worker(rank: int, port: int, tp: int, pp: int, steps: list[Step], results) 
         side.shutdown(5)
         store.close()
         results.put((rank, saved))
+        released.wait(START_TIMEOUT_S)
     except BaseException as exc:        # the parent reports it, rather than waiting out a timeout
         results.put((rank, repr(exc)))
         raise
 
 
+@pytest.fixture(scope="module", autouse=True)
+def fork_server():
+    """The module's workers come from a fork server that has done their imports (it starts with
+    the first worker); stopped at the module's end, not to hold torch and vLLM for the session."""
+    from multiprocessing import forkserver
+
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(WORKER_IMPORTS)
+    yield
+    forkserver._forkserver._stop()   # (private: the standard library's own tests call it)
+
+
 def _run_engine(tp: int, pp: int, steps: list[Step]) -> dict[int, list[int]]:
     """The blocks each worker of a two-worker engine saved in each of ``steps``. A worker that
     does not finish within SCENARIO_TIMEOUT_S of the other hangs: the test fails."""
-    spawn = multiprocessing.get_context("spawn")
-    results = spawn.Queue()
+    context = multiprocessing.get_context("forkserver")
+    results, released = context.Queue(), context.Event()
     port = _free_port()
-    workers = [spawn.Process(target=_worker, args=(rank, port, tp, pp, steps, results)) for rank in BOTH]
+    workers = [context.Process(target=_worker, args=(rank, port, tp, pp, steps, results, released))
+               for rank in BOTH]
     for proc in workers:
         proc.start()
     saved: dict = {}
@@ -156,6 +176,7 @@ def _run_engine(tp: int, pp: int, steps: list[Step]) -> dict[int, list[int]]:
     except queue.Empty:
         pytest.fail(f"worker {1 - rank} did not end {SCENARIO_TIMEOUT_S} s after worker {rank} (hung): {saved}")
     finally:
+        released.set()
         for proc in workers:
             proc.join(10)
             if proc.is_alive():     # a worker stuck in a collective: end it, the test fails

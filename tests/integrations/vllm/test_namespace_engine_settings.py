@@ -125,25 +125,23 @@ def test_an_engine_with_another_rope_theta_never_loads_the_kv_of_one_without(eng
     batch = prompts(2, 300, seed=21)
     extra = {"block_tokens": 32, "host_bytes": "64MiB", "disk_path": str(tmp_path / "shared")}
     override = {"engine_args": {"hf_overrides": ROPE_THETA_1000}}
+    # All four start side by side (their start-ups, not their requests, were most of this
+    # test's minute, one after another). The disk tier is shared by directory: C and B look a
+    # block up on disk when their own index misses it, so each sees what A flushed before it runs.
     a = engines("rope-a", {"model": tiny_model, "extra": extra})
-    a.wait_ready()
+    c = engines("rope-c-shorter", {"model": tiny_model, "extra": extra, "max_model_len": 1024})
+    ref_engine = engines("rope-b-plain", {"model": tiny_model, "extra": None, **override})
+    b = engines("rope-b-kvtier", {"model": tiny_model, "extra": extra, **override})
+    for engine in (a, c, ref_engine, b):
+        engine.wait_ready()
     mine = a.generate(batch, max_tokens=8)
     a.call(op="flush")
-    a.close()
-    c = engines("rope-c-shorter", {"model": tiny_model, "extra": extra, "max_model_len": 1024})
-    c.wait_ready()
     same = c.generate(batch, max_tokens=8)
-    c.close()
     for prompt, x, y in zip(batch, mine, same):
         assert loaded_tokens(y) == expected_hit(len(prompt), 32) > 0, "an engine of the same computation shares keys"
         assert y["token_ids"] == x["token_ids"] and y["logprobs"] == x["logprobs"]
-    ref_engine = engines("rope-b-plain", {"model": tiny_model, "extra": None, **override})
-    ref_engine.wait_ready()
     ref = ref_engine.generate(batch, max_tokens=8)
-    ref_engine.close()
     assert [o["logprobs"] for o in ref] != [o["logprobs"] for o in mine], "control: the override changes the model"
-    b = engines("rope-b-kvtier", {"model": tiny_model, "extra": extra, **override})
-    b.wait_ready()
     got = b.generate(batch, max_tokens=8)
     worst = max(abs(x - y) for o, r in zip(got, ref) for s, t in zip(o["logprobs"], r["logprobs"])
                 for (_, x), (_, y) in zip(s, t))

@@ -260,7 +260,9 @@ def test_step_up_starts_a_second_worker_and_step_down_drains_and_stops_it(tiny_m
               and second["name"] not in _status(status_path).get("pids", {second["name"]: 0}), 90, logs)
         down_s = time.monotonic() - step_down
         after = len(load.results)
-        time.sleep(3 / LOW_RATE)                                # a few more requests: all on the first worker
+        # a few more requests, all on the first worker: two answered (up to 8 s at the low
+        # rate's 4-s spacing; a fixed 12-s sleep before, which gave two or three)
+        _wait("two more requests answered", lambda: len(load.results) >= after + 2, 6 / LOW_RATE, logs)
         load.stop()
         results = list(load.results)
         late = results[after:]

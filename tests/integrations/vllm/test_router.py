@@ -5,8 +5,9 @@ streams pass through whole, errors are OpenAI's.
 
 Everything is a real process on real sockets: the server, the two ``vllm serve`` workers
 (started once for the module, one core each) publishing KV events over ZMQ, and the routers
-(``python -m kvtier.cli.main route``). The killed-worker test runs second to last: it kills worker 1,
-which the last test starts again.
+(``python -m kvtier.cli.main route``). The restarted-publisher test runs second to last (it
+restarts worker 1) and the killed-worker test last (worker 1 does not come back): in the other
+order worker 1 was started again twice, ~30 s of start-up more.
 """
 
 from __future__ import annotations
@@ -181,10 +182,12 @@ def test_streaming_passes_every_event_through(stack):
             done = True
             break
     conn.close()
-    # Streamed, not buffered into one reply: many events for 48 tokens. vLLM merges the outputs of
-    # steps its HTTP layer has not sent yet, more on a faster machine (24+ on one VM, 20 on another
-    # whose decode steps are quicker), so this asks for a quarter, not one event per token.
-    assert len(arrivals) >= 12 and done
+    # Streamed, not buffered into one reply: several events, arriving over the decode rather than in
+    # one burst. vLLM merges the outputs of steps its HTTP layer has not sent yet, the more so the
+    # busier the machine (24+ on a quiet VM, 8 under a loaded CI run), so the count asked is small;
+    # what a buffering proxy could not do is spread them: the last comes well after the first.
+    assert done and len(arrivals) >= 4
+    assert arrivals[-1] - arrivals[0] > 0.01, arrivals
     # Arrival times are only reported: this tiny model decodes a token in ~2 ms and vLLM
     # often hands several steps' events to its HTTP layer at once, so their spacing here
     # says more about vLLM than about the router. That the router passes each chunk on as
@@ -591,33 +594,6 @@ def test_the_routers_tokenizer_is_checked_against_each_workers(stack):
             assert f'kvtier_router_worker_tokenizer_mismatch{{worker="{w.url}"}} 0.0' in text, text[-2000:]
 
 
-def test_a_worker_killed_mid_run_loses_no_request(stack):
-    """Last in this module: worker 1 does not come back."""
-    model, url, workers = stack["model"], stack["routers"]["tier-aware"].url, stack["workers"]
-    rng = random.Random(5)
-    bodies = [{"model": model, "prompt": tokens(rng, 300), "max_tokens": 48, "ignore_eos": True}
-              for _ in range(12)]
-    results = []
-
-    def kill_soon():
-        time.sleep(1.0)
-        workers[1].kill()
-
-    killer = threading.Thread(target=kill_soon)
-    with ThreadPoolExecutor(6) as pool:
-        futures = [pool.submit(post, url, b) for b in bodies]
-        killer.start()
-        results = [f.result() for f in futures]
-    killer.join()
-    assert not workers[1].alive()
-    for status, _, out in results:
-        assert status == 200, out
-        assert out["choices"][0]["text"] is not None and out["usage"]["completion_tokens"] == 48
-    # … and afterwards every request goes to the survivor
-    status, headers, _ = post(url, {"model": model, "prompt": tokens(rng, 100), "max_tokens": 4})
-    assert status == 200 and headers["X-Kvtier-Worker"] == workers[0].url
-
-
 def _indexed(router, worker) -> float:
     from kvtier.bench.route_stack import router_metric
 
@@ -634,18 +610,19 @@ def _wait_for(predicate, timeout_s: float = 30.0) -> bool:
 
 
 def test_a_restarted_event_publisher_is_resynchronised(stack):
-    """Last in this module. Worker 1 restarts (a new vLLM process on the same URL and events
-    endpoint: its publisher's sequence starts from 0 and its cache is empty). The router must
-    drop what the old process reported and rebuild worker 1's part of the index from the new
-    one's events alone. Positive control: before the restart the index does hold worker 1's
-    blocks, counted the same way, so a router that kept stale entries would fail below."""
+    """Second to last in this module (the killed-worker test follows). Worker 1 restarts (a new
+    vLLM process on the same URL and events endpoint: its publisher's sequence starts from 0
+    and its cache is empty). The router must drop what the old process reported and rebuild
+    worker 1's part of the index from the new one's events alone. Positive control: before the
+    restart the index does hold worker 1's blocks, counted the same way, so a router that kept
+    stale entries would fail below."""
     from kvtier.bench.route_stack import router_metric, wait_ready
 
     model, router, workers = stack["model"], stack["routers"]["tier-aware"], stack["workers"]
     w1 = workers[1]
     rng = random.Random(6)
     old, new = tokens(rng, 32 * 10 + 5), tokens(rng, 32 * 6 + 5)     # 10 and 6 whole vLLM pages
-    if not w1.alive():          # the killed-worker test ran: bring it back first
+    if not w1.alive():          # run after the killed-worker test (-k, another order): bring it back first
         w1.restart()
         wait_ready([w1])
     assert _wait_for(lambda: router_metric(router, "kvtier_router_worker_events_up", {"worker": w1.url}) == 1)
@@ -677,3 +654,30 @@ def test_a_restarted_event_publisher_is_resynchronised(stack):
     assert _wait_for(lambda: router_metric(router, "kvtier_router_worker_healthy", {"worker": w1.url}) == 1)
     status, headers, out = post(router.url, {"model": model, "prompt": new + tokens(rng, 40), "max_tokens": 1})
     assert status == 200 and headers["X-Kvtier-Worker"] == w1.url, headers
+
+
+def test_a_worker_killed_mid_run_loses_no_request(stack):
+    """Last in this module: worker 1 (restarted by the test before) does not come back."""
+    model, url, workers = stack["model"], stack["routers"]["tier-aware"].url, stack["workers"]
+    rng = random.Random(5)
+    bodies = [{"model": model, "prompt": tokens(rng, 300), "max_tokens": 48, "ignore_eos": True}
+              for _ in range(12)]
+    results = []
+
+    def kill_soon():
+        time.sleep(1.0)
+        workers[1].kill()
+
+    killer = threading.Thread(target=kill_soon)
+    with ThreadPoolExecutor(6) as pool:
+        futures = [pool.submit(post, url, b) for b in bodies]
+        killer.start()
+        results = [f.result() for f in futures]
+    killer.join()
+    assert not workers[1].alive()
+    for status, _, out in results:
+        assert status == 200, out
+        assert out["choices"][0]["text"] is not None and out["usage"]["completion_tokens"] == 48
+    # … and afterwards every request goes to the survivor
+    status, headers, _ = post(url, {"model": model, "prompt": tokens(rng, 100), "max_tokens": 4})
+    assert status == 200 and headers["X-Kvtier-Worker"] == workers[0].url
