@@ -179,11 +179,15 @@ class Registrar:
     def _drop_registration(self, array: np.ndarray) -> None:
         """Take ``array``'s registration job, not started, out of the queue (under ``_idle``). Left in
         it, the job kept the buffer alive until the thread reached it: with the metadata server not
-        answering (3-6 s a job), memory grew by one given-back buffer per get (audit s32 a5 D3)."""
-        for job in self._jobs:
-            if job[0] == self._register and job[1] is array:
-                self._jobs.remove(job)
-                job[2].set()
+        answering (3-6 s a job), memory grew by one given-back buffer per get (audit s32 a5 D3).
+
+        Deleted by position: ``deque.remove`` compares the jobs ahead of it with ``==``, which for
+        another registration's job compares the two buffers element by element and raises
+        (ValueError) whenever two registrations are queued (audit s32 r6 D1)."""
+        for n, (job, queued, done) in enumerate(self._jobs):
+            if job == self._register and queued is array:
+                del self._jobs[n]
+                done.set()
                 return
 
     def _behind(self) -> bool:

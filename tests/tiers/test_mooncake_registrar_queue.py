@@ -7,6 +7,9 @@ queued and kept the buffer alive until the registrar's thread reached it. And th
 its KEEP buffers, let go the larger buffer just given back rather than a smaller one kept, so a
 workload whose groups outgrew what it kept made, registered and unregistered a new buffer on every
 get: memory held grew by one group buffer per get for as long as the outage lasted (audit s32 a5 D3).
+Taking that job out of the queue then raised ValueError whenever another registration waited ahead
+of it (the queue compared the two jobs' buffers with ``==``): get_many, put_many and a tier's close
+raised instead of missing or closing (audit s32 r6 D1).
 
 A cluster of its own (a master + one holder), since its master is frozen."""
 
@@ -98,4 +101,51 @@ def test_a_pool_whose_groups_outgrew_its_buffers_keeps_the_larger_ones(cluster):
         assert held == 1, f"{held} buffers of 8 MiB made for 20 gets (one is enough)"
     finally:
         pool.close()
+        t.close()
+
+
+def test_a_buffer_given_back_behind_another_queued_registration_is_let_go_and_the_other_still_runs(cluster):
+    from kvtier.tiers.mooncake_client import Registrar
+
+    t = make_tier(cluster, timeout_s=1.0)
+    registrar = Registrar(t.register_memory, t.unregister_memory)
+    try:
+        with frozen(cluster):
+            registrar.register(np.zeros(MIB, np.uint8))  # its job waits for the frozen server
+            ahead = np.zeros(2 * MIB, np.uint8)
+            registrar.register(ahead)  # queued
+            given_back = np.zeros(MIB, np.uint8)
+            refs = [weakref.ref(given_back)]
+            registrar.register(given_back)  # queued behind `ahead`
+            registrar.unregister(given_back)
+            del given_back
+            held = alive(refs)
+        assert held == 0, "the buffer given back is still held by the registrar's queue"
+        assert registrar.settle(30.0), "the registrations asked did not run once the server answered"
+        registered = {start for start, _, _ in t._regions}
+        assert ahead.ctypes.data in registered, "the registration queued ahead was dropped with the one given back"
+    finally:
+        registrar.stop()
+        t.close()
+
+
+def test_a_staging_pool_cleared_while_its_registrations_wait_lets_its_buffers_go(cluster):
+    """What ``SharedClient.release`` runs as the last tier of a client closes."""
+    from kvtier.tiers.mooncake_client import Registrar, StagingPool
+
+    t = make_tier(cluster, timeout_s=1.0)
+    registrar = Registrar(t.register_memory, t.unregister_memory)
+    pool = StagingPool(registrar)
+    try:
+        with frozen(cluster):
+            items = [pool.take(n * MIB) for n in (4, 1, 2)]  # three reads at once: the first's registration under way
+            refs = [weakref.ref(array) for _, array in items[1:]]  # the two whose registrations wait
+            for i in (0, 2, 1):  # the reads end in another order
+                pool.give(items[i])
+            del items
+            pool.clear()
+            held = alive(refs)
+        assert held == 0, f"{held} buffers whose registration never started still held by the registrar's queue"
+    finally:
+        registrar.stop()
         t.close()

@@ -6,7 +6,8 @@ first round left of the deadline: its overrun took a master that answered every 
 an outage (the whole tier down for the backoff), and the repeat got ERROR though the block had just
 been served. A put first retried other names' owed removals with its own deadline: a slow removal
 failed the put before it sent anything, took the tier down, and the put was missing from
-``unsent_puts()`` (audit s32 a5 D1, D4)."""
+``unsent_puts()`` (audit s32 a5 D1, D4). A delete did so too: the slow removal of another name failed
+it before it was sent, reported it refused and took the tier down (audit s32 r6 D2)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import time
 import numpy as np
 import pytest
 
-from kvtier.tiers.base import Status
+from kvtier.tiers.base import Status, refused_removals
 from kvtier.tiers.mooncake import unsent_puts
 from tests.tiers.mooncake_harness import both_transfer_paths, make_tier, mooncake_available
 
@@ -35,10 +36,11 @@ def block(seed: int) -> np.ndarray:
 
 
 class SlowCalls:
-    """The tier's real engine; the calls named answer only after ``delay_s`` (a loaded engine)."""
+    """The tier's real engine; the calls named answer only after ``delay_s`` (a loaded engine), or
+    only those whose names (first argument) include ``naming`` (a holder slow to free one object)."""
 
-    def __init__(self, engine, names: tuple[str, ...], delay_s: float) -> None:
-        self._engine, self._names, self._delay_s = engine, names, delay_s
+    def __init__(self, engine, names: tuple[str, ...], delay_s: float, *, naming: str | None = None) -> None:
+        self._engine, self._names, self._delay_s, self._naming = engine, names, delay_s, naming
 
     def __getattr__(self, name: str):
         fn = getattr(self._engine, name)
@@ -46,10 +48,28 @@ class SlowCalls:
             return fn
 
         def slow(*args):
-            time.sleep(self._delay_s)
+            if self._naming is None or self._naming in args[0]:
+                time.sleep(self._delay_s)
             return fn(*args)
 
         return slow
+
+
+def owe_a_slow_removal(t, key: bytes) -> None:
+    """Make ``key``'s removal owed (asked of an engine whose removals answer after twice the tier's
+    timeout: the delete overran and the tier backed off); returns once the tier is up again."""
+    real = t._engine
+    t._engine = SlowCalls(real, ("batch_remove",), 2 * t.timeout_s)
+    try:
+        t.delete(key)
+    finally:
+        t._engine = real
+    assert t.owed_removals == 1
+    until = time.monotonic() + 10
+    while not t.available and time.monotonic() < until:  # the health check (a lookup) ends the backoff
+        t.contains(key)
+        time.sleep(0.05)
+    assert t.available
 
 
 READS = ("batch_get_into_multi_buffers", "batch_get_into_multi_buffer_ranges")
@@ -100,14 +120,8 @@ def test_a_put_after_a_slow_owed_removal_is_stored_and_the_tier_stays_up():
     old = os.urandom(32)
     try:
         assert t.put(old, block(3)) is Status.OK
+        owe_a_slow_removal(t, old)
         t._engine = SlowCalls(real, ("batch_remove",), 1.0)  # removals answer after twice the timeout
-        t.delete(old)  # overran: the removal is owed, the tier backs off
-        assert t.retry_removals([old]) == [True]
-        until = time.monotonic() + 10
-        while not t.available and time.monotonic() < until:  # the health check (a lookup) ends the backoff
-            t.contains(old)
-            time.sleep(0.05)
-        assert t.available
         key, data = os.urandom(32), block(4)
         with unsent_puts() as unsent:
             status = t.put(key, data)
@@ -117,6 +131,28 @@ def test_a_put_after_a_slow_owed_removal_is_stored_and_the_tier_stays_up():
         assert t.available, f"a slow removal of another name took the tier down: {t.last_error}"
         out = np.zeros_like(data)
         assert t.get(key, out) is Status.OK and np.array_equal(out, data)
+    finally:
+        t._engine = real
+        t.close()
+
+
+def test_a_delete_after_a_slow_owed_removal_of_another_name_is_sent_and_the_tier_stays_up():
+    t = make_tier(timeout_s=0.5)
+    real = t._engine
+    old, key = os.urandom(32), os.urandom(32)
+    try:
+        assert t.put(old, block(5)) is Status.OK
+        assert t.put(key, block(6)) is Status.OK
+        owe_a_slow_removal(t, old)
+        t._engine = SlowCalls(real, ("batch_remove",), 1.0, naming=t.storage_name(old))  # only old's removal is slow
+        with refused_removals() as refused:
+            removed = t.delete(key)
+        t._engine = real
+        assert removed is True, "a slow removal of another name failed the delete"
+        assert refused == []
+        assert t.available, f"a slow removal of another name took the tier down: {t.last_error}"
+        assert t.contains(key) is False
+        assert t.retry_removals([old]) == [True], "the retry that overran left the removal owed"
     finally:
         t._engine = real
         t.close()
