@@ -7,7 +7,9 @@ test then came out False for a 1-token suffix: a session that had loaded a prefi
 later fully cached prompt ("feeds 1 token ids after the 48 loaded that are not prompt[48:]"). The
 check and the hooks that see the ids now run as Python on every request, compiled or not: the suffix
 passes (logits of a recompute), other ids of any length are refused.
-(The eager backend: dynamo traces the model as any backend would, without a C++ compiler's minutes.)
+(The eager backend: dynamo traces the model as any backend would, without a C++ compiler's minutes.
+Tracing is what costs here, so each compile style runs one history, served and refused in one test,
+with one new token a request: no decode graphs.)
 """
 
 from __future__ import annotations
@@ -58,45 +60,43 @@ def _ids(tokens) -> torch.Tensor:
 
 
 def _recompute(lm, tokens) -> torch.Tensor:
-    """The model's last logits over ``tokens``, fed whole without a cache (no kvtier)."""
-    with torch.inference_mode():
+    """The model's last logits over ``tokens``, fed whole without a cache (no kvtier), run eagerly:
+    the reference is the model's own, and traces no graph of its own."""
+    with torch.inference_mode(), torch.compiler.set_stance("force_eager"):
         return lm.model(input_ids=_ids(tokens), use_cache=False).logits[0, -1].float()
 
 
 def _serve(lm, n: int):
-    """generate() on the prompt's first ``n`` tokens (saving its blocks); asserts its first logits
-    are a recompute's."""
-    generation = lm.generate(PROMPT[:n], 3)
+    """generate() of one token after the prompt's first ``n`` tokens (saving its blocks); asserts its
+    logits are a recompute's."""
+    generation = lm.generate(PROMPT[:n], 1)
     lm.wait_saves()
     diff = float((generation.first_logits - _recompute(lm, PROMPT[:n])).abs().max())
     assert diff <= FP32_TOL, f"{n} tokens, {generation.cached_tokens} cached: logits {diff} off a recompute"
     return generation
 
 
-def _load_suffixes_of_two_lengths(lm) -> None:
-    """Nothing cached, then a 28-token and a 24-token suffix after loads (a request saves the blocks
-    of its prompt and the generated tokens fed): the compiled graphs have seen the check with
-    suffixes of two lengths (dynamo then traces the length as a symbol)."""
+def _feed_two_lengths(lm) -> None:
+    """40 tokens with nothing cached, then a 38-token suffix after a load (a request saves the blocks
+    of its prompt): the compiled graphs have seen two lengths (dynamo then traces the length as a
+    symbol), the second one through the check of a load."""
     assert _serve(lm, 40).cached_tokens == 0
-    assert _serve(lm, 60).cached_tokens == 32
-    assert _serve(lm, 72).cached_tokens == 48
+    assert _serve(lm, 70).cached_tokens == 32
 
 
-def test_a_compiled_model_serves_a_fully_cached_prompt_after_loading_a_prefix_before(lm):
+def _serves_fully_cached_prompts(lm) -> None:
     """The last prompt token is always computed: a prompt of whole cached blocks plus one token has
     a 1-token suffix. Old code refused it once the session had loaded a prefix before (with a
     suffix of another length), saying it fed ids that are not the prompt's suffix."""
-    _load_suffixes_of_two_lengths(lm)
     assert _serve(lm, 65).cached_tokens == 64
     assert _serve(lm, 49).cached_tokens == 48
     assert _serve(lm, 90).cached_tokens == 64  # a longer suffix again
     assert lm.storage.refused is None
 
 
-def test_a_compiled_model_still_refuses_a_first_forward_that_is_not_the_suffix(lm):
-    """After the same history, a first forward of other ids than prompt[loaded:] is refused before
-    its K/V is written, whatever its length; the suffix itself then passes, a recompute's logits."""
-    _load_suffixes_of_two_lengths(lm)
+def _refuses_first_forwards_that_are_not_the_suffix(lm) -> None:
+    """A first forward of other ids than prompt[loaded:] is refused before its K/V is written,
+    whatever its length; the suffix itself then passes, a recompute's logits."""
     keyword = cache_keyword(lm.model)
     other = (PROMPT[64] + 1) % VOCAB
     for prompt, wrong in ((PROMPT[:65], [other]), (PROMPT[:65], PROMPT[:1]), (PROMPT[:76], PROMPT[:12]),
@@ -111,3 +111,11 @@ def test_a_compiled_model_still_refuses_a_first_forward_that_is_not_the_suffix(l
             prep = lm.prepare(prompt)
             logits = lm.model(input_ids=_ids(prompt[64:]), **{keyword: prep.cache}, use_cache=True).logits[0, -1]
         assert float((logits.float() - _recompute(lm, prompt)).abs().max()) <= FP32_TOL
+
+
+def test_a_compiled_model_serves_the_prompt_suffix_after_a_load_and_refuses_other_ids(lm):
+    """After two lengths fed, one after a load: fully cached prompts (1-token suffixes) are served,
+    and first forwards of other ids are still refused."""
+    _feed_two_lengths(lm)
+    _serves_fully_cached_prompts(lm)
+    _refuses_first_forwards_that_are_not_the_suffix(lm)

@@ -16,7 +16,8 @@ The files are not the whole story: a model can be changed after loading (PEFT's
 ``merge_and_unload()`` adds a LoRA into the q/v projections in memory) while its
 config still names the base model's directory. So a digest of the weights as they
 are in memory (:func:`loaded_weights_digest`) joins the files' identity: a merged
-model gets a namespace of its own, never its base model's KV. A namespace given to a
+model gets a namespace of its own, never its base model's KV; so does the adapter that PEFT's
+injected layers apply (:func:`adapter_states`), which no weight says. A namespace given to a
 session is checked against the model it serves (:func:`refuse_foreign_namespace`), and
 weights changed in place once the session is built are refused at its next request
 (:mod:`.weights_watch`).
@@ -24,6 +25,7 @@ weights changed in place once the session is built are refused at its next reque
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import struct
@@ -313,16 +315,57 @@ def check_weights_match(model, model_dir: str | os.PathLike, samples: int = 3, v
                           f"pass weights_revision= explicitly")
 
 
+#: the attributes of a PEFT tuner layer that choose what it computes and are no tensor
+_ADAPTER_STATE = ("active_adapters", "disable_adapters", "merged_adapters", "scaling")
+
+
+def adapter_states(model) -> list[tuple[str, str]]:
+    """The state of every PEFT tuner layer of ``model`` (:func:`adapter_state`), as (module name, state).
+    Empty for a model without them."""
+    return [(name, state) for name, module in model.named_modules() if (state := adapter_state(module)) is not None]
+
+
+def adapter_state(module) -> str | None:
+    """The state of ``module`` if it is a PEFT tuner layer, as canonical JSON: what chooses what it
+    computes and is no tensor (its active adapters, whether its adapters are disabled, those merged
+    into its base weights, each adapter's scaling); None for any other module.
+
+    PEFT injects its layers into the model (kvtier is given ``peft_model.base_model.model``:
+    ``PeftModel.forward`` hides its arguments). Every adapter's weights are in the state dict, but
+    ``set_adapter``, ``disable_adapter_layers`` or ``set_scale`` change what the layers compute
+    (another adapter's K/V, or the base model's) with no weight changed. Read duck-typed (kvtier does
+    not import peft): a module whose class has ``active_adapters`` and ``disable_adapters`` that are
+    values, not methods (peft's tuner layers and module wrappers; transformers' ``PeftAdapterMixin``
+    gives the model *methods* of those names, which the injected layers answer for).
+    """
+    if not _may_be_tuner_layer(type(module)):
+        return None
+    values = {attr: getattr(module, attr, None) for attr in _ADAPTER_STATE}
+    if callable(values["active_adapters"]) or callable(values["disable_adapters"]):
+        return None
+    return json.dumps(values, sort_keys=True, default=repr)
+
+
+@functools.cache
+def _may_be_tuner_layer(kind: type) -> bool:
+    # per class, once: a weights check asks it of every module at every request
+    return hasattr(kind, "active_adapters") and hasattr(kind, "disable_adapters")
+
+
 def loaded_weights_digest(model) -> str:
     """xxh3-128 of the model's weights as they are in memory: every tensor of its state dict
-    (name, dtype, shape and every byte), in the state dict's order.
+    (name, dtype, shape and every byte), in the state dict's order, and the state of its PEFT tuner
+    layers (:func:`adapter_states`, where it has any: which adapter they apply).
 
     Exact, and the same on every machine that loads the same files in the same dtype. It costs
     one read of the weights on one core, at memory speed: measured 0.09-0.13 s for a 1.36 GB
     fp32 Llama (0.03 s in bf16) on a 2-core VM, i.e. ~1-1.5 s for a 16 GB model, once per
     :func:`namespace_for_model` call and once per check of a namespace given to a session
-    (:func:`refuse_foreign_namespace`): a session's start, never per request. A tensor tied to
-    another (shared embeddings) is hashed once and named as the other's alias.
+    (:func:`refuse_foreign_namespace`): a session's start, and once per change its weights watch
+    sees (:mod:`.weights_watch`), never per request of unchanged weights. A tensor tied to
+    another (shared embeddings) is hashed once and named as the other's alias. A tensor on the meta
+    device (weights that accelerate offloads between forwards) has no bytes here: refused with a
+    :class:`ConfigError`.
     """
     import torch
 
@@ -333,6 +376,11 @@ def loaded_weights_digest(model) -> str:
     seen: dict[tuple, str] = {}
     for name, tensor in model.state_dict().items():
         t = tensor.detach()
+        if t.is_meta:
+            raise ConfigError(
+                f"the model's weight {name!r} is on the meta device (offloaded, e.g. by accelerate's "
+                f"cpu_offload or a device_map with offloading): its bytes are not in memory, so the "
+                f"weights cannot be identified. Load the model without offloading (device_map=None)")
         h.update(frame_str(1, name) + frame_str(2, str(t.dtype)) + frame_str(3, repr(tuple(t.shape))))
         alias = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
         if t.numel() and alias in seen:
@@ -343,6 +391,8 @@ def loaded_weights_digest(model) -> str:
         data = t.to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
         h.update(frame_int(5, data.nbytes))
         h.update(data)
+    for name, state in adapter_states(model):
+        h.update(frame_str(6, name) + frame_str(7, state))
     return h.hexdigest()
 
 
@@ -421,8 +471,9 @@ def namespace_for_model(
                 "pass weights_dir=<directory with *.safetensors> or weights_revision=<a revision you trust>"
             )
         files = weights_identity(source)
+        loaded = loaded_weights_digest(model)  # first: it says why an offloaded model's weights cannot be read
         check_weights_match(model, source)
-        weights_revision = f"{files}{_MEM_MARK}{loaded_weights_digest(model)}"
+        weights_revision = f"{files}{_MEM_MARK}{loaded}"
     dtype = model_dtype_name(model)
     layout = kv_layout(config, dtype, block_tokens)
     return Namespace(model_id_of(model), layout, weights_revision=weights_revision, tenant=tenant,
@@ -456,10 +507,17 @@ def refuse_foreign_namespace(model, namespace: Namespace) -> None:
             f"the namespace's model_id {namespace.model_id!r} is not this model's {mine!r} (another model "
             f"type, config, attention implementation or pad id): its blocks hold another model's K/V; build "
             f"the namespace from this model (namespace_for_model)")
-    _, derived, digest = namespace.weights_revision.rpartition(_MEM_MARK)
-    if derived and digest != (loaded := loaded_weights_digest(model)):
+    digest = derived_weights_digest(namespace)
+    if digest is not None and digest != (loaded := loaded_weights_digest(model)):
         raise ConfigError(
             f"the namespace was built from other weights than this model's: its weights digest "
             f"{_MEM_MARK}{digest} is not the loaded weights' {_MEM_MARK}{loaded} (another checkpoint of the "
             f"same config, or weights changed since namespace_for_model ran); build the namespace from "
             f"this model (namespace_for_model), or pass weights_revision= naming these weights")
+
+
+def derived_weights_digest(namespace: Namespace) -> str | None:
+    """The :func:`loaded_weights_digest` in a ``weights_revision`` that :func:`namespace_for_model`
+    derived (``...+mem:<digest>``), or None for a revision the caller gave."""
+    _, derived, digest = namespace.weights_revision.rpartition(_MEM_MARK)
+    return digest if derived else None

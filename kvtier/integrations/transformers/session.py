@@ -54,6 +54,7 @@ from kvtier.integrations.transformers.cache_io import KVStorage, LoadReport, Sta
 from kvtier.integrations.transformers.cache_probe import check_model_cache
 from kvtier.integrations.transformers.namespace import (
     DEFAULT_BLOCK_TOKENS,
+    derived_weights_digest,
     is_length_dependent_rope,
     kv_layout,
     model_dtype_name,
@@ -156,6 +157,21 @@ def _refuse_length_dependent_rope_modules(model) -> None:
                     f"recompute gives; kvtier cannot serve it")
 
 
+def _refuse_off_cpu(model) -> None:
+    """Raise :class:`ConfigError` unless every parameter and buffer of ``model`` is on the CPU.
+
+    Blocks are copied with numpy into host memory; a GPU cache needs a device transfer layer this
+    integration does not have (vLLM's does). Every tensor, not the first: accelerate's offloading
+    (``cpu_offload``, a ``device_map`` with offloaded layers) leaves weights on the meta device
+    between forwards, some layers or all."""
+    devices = {t.device for t in (*model.parameters(), *model.buffers())}
+    elsewhere = sorted(str(d) for d in devices if d.type != "cpu")
+    if elsewhere:
+        raise ConfigError(f"KVTierLM runs models on the CPU; this one has weights on {', '.join(elsewhere)}. "
+                          f"Move it with model.to('cpu') (load it without offloading: device_map=None), or "
+                          f"serve GPUs through the vLLM connector")
+
+
 def _eos_ids(eos_token_id) -> frozenset[int]:
     """``eos_token_id`` as a set of ids: None, one integer, or a collection of integers (a list,
     a tuple, a tensor: HF configs often hold several); anything else raises (a list compared
@@ -221,8 +237,11 @@ class KVTierLM:
     request would put page faults on its critical path); it grows if needed.
     A ``namespace`` given is checked against the model (:func:`.refuse_foreign_namespace`: its
     model id, and the weights digest of one :func:`.namespace_for_model` built); weights changed
-    in place after construction are refused at the next request (:class:`.WeightsWatch`: one
-    pass over the parameters, nothing hashed), with a :class:`ConfigError`.
+    in place after construction, or a PEFT tuner layer switched to other adapters, are refused at
+    the next request (:class:`.WeightsWatch`: one pass over the weights, nothing hashed until
+    something changed; then the weights digest says whether they are still the same weights), with a
+    :class:`ConfigError`. With a store and a ``weights_revision`` the caller gave, the weights are
+    hashed once here (what the watch compares a change with).
     A model kvtier cannot serve is refused here, with a :class:`ConfigError`, not at its first
     request: a few tokens run through it once per construction, whole and as a cached prefix and
     a suffix, to check what it caches and that a resumed run gives the whole run's logits
@@ -243,6 +262,8 @@ class KVTierLM:
     ) -> None:
         self.model = model.eval()
         self.store = store
+        # First: the namespace's digest cannot read weights offloaded to the meta device.
+        _refuse_off_cpu(model)
         dtype_name = model_dtype_name(model)
         namespace_given = namespace is not None
         if store is not None and namespace is None:
@@ -262,19 +283,16 @@ class KVTierLM:
             # Of this geometry, but maybe another model's or another checkpoint's (one config).
             refuse_foreign_namespace(model, namespace)
         # The weights the namespace names, as they are now: a request after they change is refused
-        # (see _refuse_changed_weights). Without a store nothing is loaded or saved.
-        self._weights = WeightsWatch(model) if store is not None else None
+        # (see _refuse_changed_weights). Without a store nothing is loaded or saved. A derived
+        # namespace holds their digest, taken just now; a revision the caller gave holds none: the
+        # watch computes it, once (what a change it sees is compared with).
+        self._weights = WeightsWatch(model, derived_weights_digest(namespace)) if store is not None else None
         _refuse_length_dependent_rope_modules(model)
         # RoBERTa and kin: a hit stops before the first block holding one of these (see _reusable_tokens)
         self._position_pads = np.array(sorted(pad_counted_positions(model)), dtype=np.int64)
         self.layout = layout
         self._meta = BlockMeta.of_layout(layout)
         param = next(model.parameters())
-        if param.device.type != "cpu":
-            # Blocks are copied with numpy into host memory; a GPU cache needs a
-            # device transfer layer this integration does not have (vLLM's does).
-            raise ConfigError(f"KVTierLM runs models on the CPU; this one is on {param.device}. "
-                              f"Move it with model.to('cpu'), or serve GPUs through the vLLM connector")
         self.storage = KVStorage(layout, capacity_tokens, param.dtype, param.device, poison=poison)
         self._cache_kw = cache_keyword(model)
         # where the first forward after a load is seen to feed the prompt's uncached tokens
