@@ -316,7 +316,6 @@ class MooncakeTier(TierReads, TierWrites, BoundedEngineCalls, TenantNaming, Tier
         self._registration = threading.Lock()
         self._late_direct_reads = 0
         self._direct_overruns = 0
-        self._transfer = self._client.transfer
         self._suspect: dict[str, float] = {}  # a holder's endpoint → until when reads try it last
         self._next_removal_retry = 0.0
 
@@ -573,6 +572,12 @@ class MooncakeTier(TierReads, TierWrites, BoundedEngineCalls, TenantNaming, Tier
             self._client.release(timeout_s=self.timeout_s)
         else:  # a late read still uses its registration: unregistered once it has ended
             self._client.release(late_work_ended=self._late_work_ended_then_unregister, timeout_s=self.timeout_s)
+
+    @property
+    def _transfer(self):
+        """The client's own transfer engine (None: not available, or the client closed). Read through
+        the client, never kept: the client lets it go as it closes (SharedClient._let_transfer_go)."""
+        return self._client.transfer
 
     def _late_work_ended(self) -> bool:
         """Whether nothing of this closed tier is in the engine any more: no engine call, no late read

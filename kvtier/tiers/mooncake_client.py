@@ -446,6 +446,16 @@ class SharedClient:
             self.store.close()
         except Exception as exc:  # noqa: BLE001 - closing must not fail a shutdown
             log.debug("mooncake: close failed: %s", exc)
+        self._let_transfer_go()
+
+    def _let_transfer_go(self) -> None:
+        """Tear the client's own transfer engine down now, on the closing thread. Its binding has no
+        close: its destructor holds the GIL ~1 s (every thread of the process stalls). Left to the
+        garbage collector (a closed tier sits in reference cycles), that second landed at whatever
+        moment a later collection ran: inside another tier's engine call, which then overran its
+        deadline and took that tier down. Tiers reach it only through :attr:`transfer`, so this drops
+        the last reference."""
+        self.transfer = None
 
 
 def _probe_master(master: str, timeout_s: float) -> None:

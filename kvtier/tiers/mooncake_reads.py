@@ -357,6 +357,9 @@ class TierReads:
                              deadline: float, hashed: bool) -> list[int]:
         """Read each block of ``todo`` from a replica other than the first (the one the engine
         failed on), holders that failed lately last; returns the blocks no replica served."""
+        transfer = self._transfer  # read once: the client lets it go as it closes (None then)
+        if transfer is None:
+            return todo
         names = [NAME_PREFIX + digests[i].hex() for i in todo]
         descs = self._call(deadline, self._engine.batch_get_replica_desc, names)
         left: list[int] = []
@@ -375,7 +378,7 @@ class TierReads:
                     served = True
                     break
                 staged = self._staging.take(n)
-                rc = self._call(deadline, self._transfer.transfer_sync_read, b.transport_endpoint,
+                rc = self._call(deadline, transfer.transfer_sync_read, b.transport_endpoint,
                                 staged[1].ctypes.data, b.buffer_address, n,
                                 if_late=lambda st=staged: self._staging.give(st))
                 try:

@@ -11,6 +11,10 @@ Taking that job out of the queue then raised ValueError whenever another registr
 of it (the queue compared the two jobs' buffers with ``==``): get_many, put_many and a tier's close
 raised instead of missing or closing (audit s32 r6 D1).
 
+And what closing the last tier of a client leaves behind: the client's transfer engine, whose
+teardown holds the GIL ~1 s, was torn down by whichever garbage collection next ran, at a moment of
+its own: inside a later tier's get (the next module's), whose read then overran its deadline.
+
 A cluster of its own (a master + one holder), since its master is frozen."""
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import gc
 import os
 import signal
+import time
 import weakref
 from contextlib import contextmanager
 
@@ -149,3 +154,17 @@ def test_a_staging_pool_cleared_while_its_registrations_wait_lets_its_buffers_go
     finally:
         registrar.stop()
         t.close()
+
+
+def test_closing_a_clients_last_tier_leaves_nothing_to_stall_a_later_garbage_collection(cluster):
+    t = make_tier(cluster, timeout_s=1.0)
+    key = os.urandom(32)
+    assert t.put(key, np.zeros(MIB, np.uint8)).name == "OK"
+    t.close()
+    held = [t]
+    held.append(held)  # a reference cycle holds the tier, as a caught exception's traceback does
+    del t, held
+    started = time.monotonic()
+    gc.collect()  # what a later allocation anywhere in the process sets off, on any thread
+    took = time.monotonic() - started
+    assert took < 0.3, f"a garbage collection after the close held every thread for {took:.2f} s"
