@@ -257,10 +257,13 @@ class Keyring:
         finally:
             os.close(fd)
 
-    def _load_existing(self, tenant: str) -> _TenantKeys | None:
-        """The tenant's keys, re-read if the file changed; None if the store holds none."""
+    def _load_existing(self, tenant: str, *, reread: bool = False) -> _TenantKeys | None:
+        """The tenant's keys, re-read if the file changed (``reread``: re-read now, changed or not);
+        None if the store holds none. The keys loaded are replaced only by a read that succeeds: a
+        read that raises (the file unreadable) keeps them, so blocks under keys this process already
+        holds still open, in every thread."""
         now = time.monotonic()
-        cached = self._tenants.get(tenant)
+        cached = None if reread else self._tenants.get(tenant)
         if cached is not None and now - cached.checked < self.refresh_s:
             return cached
         path = self._file(tenant)
@@ -400,7 +403,7 @@ class Keyring:
         with self._lock:
             key = self._loaded_key(tenant, epoch, key_id)
             if key is None and self._may_reload_for_missing(tenant):
-                self._tenants.pop(tenant, None)  # the next load reads the file, changed or not
+                self._load_existing(tenant, reread=True)
                 key = self._loaded_key(tenant, epoch, key_id)
             return key
 

@@ -57,6 +57,7 @@ design.
 
 from __future__ import annotations
 
+import functools
 import logging
 import mmap
 import threading
@@ -80,6 +81,8 @@ log = logging.getLogger(__name__)
 
 #: names of blocks found sealed under an epoch unknown here that are remembered (then replaced by a put)
 _UNREADABLE_KEPT = 4096
+#: distinct causes of the tier's own failures remembered as already logged
+_OWN_FAILURES_LOGGED = 64
 
 
 class _Staging(threading.local):
@@ -174,6 +177,76 @@ def _page_up(n: int) -> int:
     return -(-n // mmap.PAGESIZE) * mmap.PAGESIZE
 
 
+class _KeyringFailed(Exception):
+    """This tier's keyring could not answer (a key file unreadable, ...): the tier's own failure,
+    never its caller's, so the blocks it touched are ERROR, not an exception out of a get or put."""
+
+
+class _OwnKeyring:
+    """The keyring calls an :class:`EncryptedTier` makes, each failure raised as :class:`_KeyringFailed`
+    (told apart from the caller's mistakes and the inner tier's, which the tier lets through)."""
+
+    __slots__ = ("_keyring",)
+
+    def __init__(self, keyring: Keyring) -> None:
+        self._keyring = keyring
+
+    def _ask(self, method, *args):
+        try:
+            return method(*args)
+        except Exception as exc:
+            raise _KeyringFailed(f"{type(exc).__name__}: {exc}") from exc
+
+    def storage_key(self, tenant: str, block_key: bytes) -> bytes:
+        return self._ask(self._keyring.storage_key, tenant, block_key)
+
+    def key_for_write(self, tenant: str, encryptions: int):
+        return self._ask(self._keyring.key_for_write, tenant, encryptions)
+
+    def key_for_read(self, tenant: str, epoch: int, key_id: bytes):
+        return self._ask(self._keyring.key_for_read, tenant, epoch, key_id)
+
+    def retired_any(self, tenant: str) -> bool:
+        return self._ask(self._keyring.retired_any, tenant)
+
+    def retired(self, tenant: str, epoch: int) -> bool:
+        return self._ask(self._keyring.retired, tenant, epoch)
+
+
+def _keyring_failure_answers(answer):
+    """A method of the tier (a key or a batch of keys first) that answers ``answer(tier, keys, exc)``
+    when the tier's own keyring fails, instead of raising: the failure is the tier's, not its caller's."""
+
+    def decorate(method):
+        @functools.wraps(method)
+        def guarded(self, keys, *args, **kw):
+            try:
+                return method(self, keys, *args, **kw)
+            except _KeyringFailed as exc:
+                return answer(self, keys, exc)
+
+        return guarded
+
+    return decorate
+
+
+def _errors(tier: "EncryptedTier", keys, exc: _KeyringFailed):
+    """What a get or put answers: ERROR for each of its blocks."""
+    if isinstance(keys, bytes):  # (a BlockKey: one block)
+        return tier._own_failure(exc, 1)[0]
+    return tier._own_failure(exc, len(keys))
+
+
+def _not_found(value):
+    """What a lookup answers: ``value``, as if nothing were stored (a get would be an ERROR miss)."""
+
+    def answer(tier: "EncryptedTier", keys, exc: _KeyringFailed):
+        tier._log_own_failure(exc, "answered as not stored")
+        return value
+
+    return answer
+
+
 class EncryptedTier(WrappingTier):
     def __init__(
         self,
@@ -197,6 +270,8 @@ class EncryptedTier(WrappingTier):
             raise ValueError("give exactly one of tenant= and tenant_of=")
         self.name = f"encrypted({inner.name})"
         self.keyring = keyring
+        self._own_keyring = _OwnKeyring(keyring)  # what this tier asks of it: failures are the tier's own
+        self._own_failures_logged: set[str] = set()  # causes of own failures already warned of
         self.tenant = tenant
         self._tenant_of = tenant_of
         if chunk_bytes is None:
@@ -281,22 +356,24 @@ class EncryptedTier(WrappingTier):
         if owner is None:
             # No tenant, no key: a name nobody can have written, so every lookup misses.
             return BlockKey(b"\0" * 32)
-        return BlockKey(self.keyring.storage_key(owner, key))
+        return BlockKey(self._own_keyring.storage_key(owner, key))
 
     _name = storage_name
 
     def _lookup_for(self, tenant: str) -> "_KeyLookup":
-        return _KeyLookup(self.keyring, tenant)
+        return _KeyLookup(self._own_keyring, tenant)
 
     # -- contract ---------------------------------------------------------------
+    @_keyring_failure_answers(_not_found(False))
     def contains(self, key: BlockKey) -> bool:
         name = self._name(key)
         return self.inner.contains(name) and not self._stale(self._owner(key), key, name)
 
+    @_keyring_failure_answers(_not_found(0))
     def lookup_prefix(self, keys) -> int:
         names = [self._name(k) for k in keys]
         n = self.inner.lookup_prefix(names)
-        if self._tenant_of is None and not self.keyring.retired_any(self.tenant):
+        if self._tenant_of is None and not self._own_keyring.retired_any(self.tenant):
             return n  # the common case: no block of ours can be sealed under a retired key
         for i in range(n):
             if self._stale(self._owner(keys[i]), keys[i], names[i]):
@@ -308,7 +385,7 @@ class EncryptedTier(WrappingTier):
         can never be read). Free unless ``owner`` has a retired epoch; then its header is read in
         place from a tier that lends views, else the block is read back (a get: ``nbytes``, its
         plaintext size, must be known; deleted there if retired), else it is trusted."""
-        if owner is None or not self.keyring.retired_any(owner):
+        if owner is None or not self._own_keyring.retired_any(owner):
             return False
         borrow = getattr(self.inner, "borrow", None)
         if borrow is None:
@@ -318,7 +395,7 @@ class EncryptedTier(WrappingTier):
             return not self.inner.contains(name)
         with borrow(name) as view:
             header = None if view is None else aead.parse_header(view)
-        if header is None or not self.keyring.retired(owner, header.epoch):
+        if header is None or not self._own_keyring.retired(owner, header.epoch):
             return False
         log.info("encrypted block %s… of tenant %r deleted: sealed under retired epoch %d",
                  name.hex()[:16], owner, header.epoch)
@@ -350,7 +427,7 @@ class EncryptedTier(WrappingTier):
         """Seal ``data`` into ``out`` for ``tenant``; returns the view of the sealed bytes."""
         plain = memoryview(data).cast("B")
         # reserved before sealing: the store's budget for the key must cover every chunk we seal
-        data_key = self.keyring.key_for_write(tenant, aead.n_chunks(plain.nbytes, self.chunk_bytes))
+        data_key = self._own_keyring.key_for_write(tenant, aead.n_chunks(plain.nbytes, self.chunk_bytes))
         n = aead.seal_into(
             data_key.aead,
             epoch=data_key.epoch,
@@ -371,8 +448,11 @@ class EncryptedTier(WrappingTier):
         None then if it failed its tags under a key we hold (to be read again hashed,
         :meth:`_read_hashed`)."""
         lookup = self._lookup_for(tenant)
-        why = aead.open_into(lookup, storage_key=name, context=self._context(tenant), sealed=sealed, out=out,
-                             executor=executor)
+        try:
+            why = aead.open_into(lookup, storage_key=name, context=self._context(tenant), sealed=sealed, out=out,
+                                 executor=executor)
+        except _KeyringFailed as exc:  # (the key is looked up before anything is opened into ``out``)
+            return self._own_failure(exc, 1)[0]
         if why is None:
             return Status.OK
         if lookup.found:
@@ -433,7 +513,7 @@ class EncryptedTier(WrappingTier):
         """Log a block that did not open; delete it only if it failed authentication under a key we
         hold (tampered: it will never verify). A missing key proves nothing about the block."""
         if lookup.missing:
-            if self.keyring.retired(tenant, lookup.epoch):  # retention: no key store holds it again
+            if self._own_keyring.retired(tenant, lookup.epoch):  # retention: no key store holds it again
                 log.info("encrypted block %s… of tenant %r deleted: %s (epoch %d retired)",
                          name.hex()[:16], tenant, why, lookup.epoch)
                 self._remove(name)
@@ -471,6 +551,7 @@ class EncryptedTier(WrappingTier):
     def _sealed_size(self, plain_nbytes: int) -> int:
         return aead.sealed_nbytes(plain_nbytes, self.chunk_bytes)
 
+    @_keyring_failure_answers(_errors)
     def put(self, key: BlockKey, data, *, parent: BlockKey | None = None, meta: BlockMeta | None = None,
             created: float | None = None) -> Status:
         """``created`` (the block's age) passes on to a tier below that keeps ages; a block past
@@ -516,6 +597,7 @@ class EncryptedTier(WrappingTier):
             if status is not Status.OK:
                 self._keys.pop(name, None)
 
+    @_keyring_failure_answers(_errors)
     def get(self, key: BlockKey, out) -> Status:
         dst = writable_bytes(out)
         name = self._name(key)
@@ -532,6 +614,7 @@ class EncryptedTier(WrappingTier):
             return status
         return self._open(owner, name, staging, dst, self._pool)
 
+    @_keyring_failure_answers(_errors)
     def put_many(self, keys, datas, *, parents=None, metas=None, created=None) -> list[Status]:
         """Seal group g+1 while the inner tier stores group g (double buffered; groups as in
         :meth:`get_many`, stored with one ``inner.put_many`` each). ``created`` (one age per key)
@@ -588,6 +671,7 @@ class EncryptedTier(WrappingTier):
             self._release(held)
         return statuses
 
+    @_keyring_failure_answers(_errors)
     def get_many(self, keys, outs) -> list[Status]:
         """Open group g while the inner tier fetches group g+1 (double buffered).
 
@@ -721,7 +805,11 @@ class EncryptedTier(WrappingTier):
         if lanes <= 1:
             return work(items) if items else []
         others = [self._lanes.submit(work, items[j::lanes]) for j in range(1, lanes)]
-        parts = [work(items[0::lanes])] + [f.result() for f in others]
+        try:
+            first = work(items[0::lanes])
+        finally:  # (lane 0 raised: the others still write the caller's buffers until they end)
+            wait(others)
+        parts = [first] + [f.result() for f in others]
         out: list[Status] = [Status.ERROR] * len(items)
         for j, part in enumerate(parts):
             out[j::lanes] = part
@@ -731,19 +819,20 @@ class EncryptedTier(WrappingTier):
         """Seal and store ``(owner, name, data, parent name, created)`` items in order through one buffer."""
         scratch = self._scratch.take(aead.stream_buffer_nbytes(self.chunk_bytes))
         try:
-            sources = []
-            for owner, name, data, _, _ in items:
-                data_key = self.keyring.key_for_write(owner, aead.n_chunks(memoryview(data).nbytes, self.chunk_bytes))
-                source = _SealingSource(
-                    data_key.aead, epoch=data_key.epoch, key_id=data_key.key_id, storage_key=name,
-                    context=self._context(owner), plain=data, scratch=scratch, chunk_bytes=self.chunk_bytes,
-                )
-                sources.append(source)
+            try:
+                sources = [self._sealing_source(owner, name, data, scratch) for owner, name, data, _, _ in items]
+            except _KeyringFailed as exc:  # (no key to seal under: nothing of this lane was sent)
+                return self._own_failure(exc, len(items))
             names, parents, ages = [it[1] for it in items], [it[3] for it in items], [it[4] for it in items]
             return self._own_streams_failing_as_errors(
                 sources, lambda: self.inner.put_streams(names, sources, parents=parents, **age_kw(self.inner, ages)))
         finally:
             self._scratch.give(scratch)
+
+    def _sealing_source(self, owner: str, name: BlockKey, data, scratch: np.ndarray) -> "_SealingSource":
+        data_key = self._own_keyring.key_for_write(owner, aead.n_chunks(memoryview(data).nbytes, self.chunk_bytes))
+        return _SealingSource(data_key.aead, epoch=data_key.epoch, key_id=data_key.key_id, storage_key=name,
+                              context=self._context(owner), plain=data, scratch=scratch, chunk_bytes=self.chunk_bytes)
 
     def _get_lane(self, items) -> list[Status]:
         """Fetch and open ``(owner, name, out)`` items in order through one buffer."""
@@ -778,15 +867,33 @@ class EncryptedTier(WrappingTier):
             broke = next((s.broke for s in streams if s.broke is not None), None)
             if broke is None:
                 raise
-            log.warning("encrypted tier %s: sealing or opening failed: %s: %s (%d blocks: ERROR)",
-                        self.name, type(broke).__name__, broke, len(streams))
-            return [Status.ERROR] * len(streams)
+            return self._own_failure(broke, len(streams))
 
+    def _own_failure(self, exc: Exception, n: int) -> list[Status]:
+        """ERROR for ``n`` blocks this tier could not seal or open for a cause of its own (its
+        keyring, its stream). Logged once per cause: a key file unreadable fails every block of
+        the tenant until it is fixed, and one warning says so (not one per block, or per call)."""
+        self._log_own_failure(exc, f"{n} blocks: ERROR")
+        return [Status.ERROR] * n
+
+    def _log_own_failure(self, exc: Exception, outcome: str) -> None:
+        cause = f"{type(exc).__name__}: {exc}"
+        with self._lock:
+            first = cause not in self._own_failures_logged
+            if first:
+                if len(self._own_failures_logged) >= _OWN_FAILURES_LOGGED:
+                    self._own_failures_logged.clear()  # (bounded: a cause seen again is logged again)
+                self._own_failures_logged.add(cause)
+        (log.warning if first else log.debug)(
+            "encrypted tier %s: sealing or opening failed: %s (%s)", self.name, cause, outcome)
+
+    @_keyring_failure_answers(_not_found(False))
     def delete(self, key: BlockKey) -> bool:
         name = self._name(key)
         self._keys.pop(name, None)
         return self.inner.delete(name)
 
+    @_keyring_failure_answers(_not_found(None))
     def created_of(self, key: BlockKey) -> float | None:
         return self.inner.created_of(self._name(key))
 
@@ -810,7 +917,7 @@ class _KeyLookup:
 
     __slots__ = ("keyring", "tenant", "found", "missing", "epoch")
 
-    def __init__(self, keyring: Keyring, tenant: str) -> None:
+    def __init__(self, keyring: "_OwnKeyring", tenant: str) -> None:
         self.keyring = keyring
         self.tenant = tenant
         self.found = False  #: the block's key was found (so a failure after this is its tag)

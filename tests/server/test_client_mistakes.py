@@ -135,21 +135,30 @@ def test_a_key_file_that_cannot_be_read_is_an_error_miss_of_the_store_and_the_re
                            "acme", chunk_bytes=4096)
     inner = RemoteTier(shared_server().tcp_url, TOKENS["acme"], namespace=writer.inner.namespace, backoff_s=5.0,
                        max_backoff_s=5.0)
-    # another process's keyring: it reads the key file again only for a key it has not seen
-    reader = EncryptedTier(inner, Keyring(master, keys_dir, refresh_s=600.0), "acme", chunk_bytes=4096)
+    # another process's keyring: it reads the key file again only for a key it has not seen (each
+    # time one is asked for: missing_reload_s=0)
+    reader = EncryptedTier(inner, Keyring(master, keys_dir, refresh_s=600.0, missing_reload_s=0.0), "acme",
+                           chunk_bytes=4096)
     store = TieredStore([reader])
-    keys = keys_for(f"sealed-{inner.namespace}", 2)
+    keys = keys_for(f"sealed-{inner.namespace}", 3)
     outs = [np.zeros(4096, np.uint8) for _ in keys]
     try:
         assert writer.put_many(keys[:1], [block(keys[0], 4096)]) == [Status.OK]
         assert store.get(keys[:1], outs[:1]).statuses == [Status.OK]  # the reader has the keys of then
-        assert writer.put_many(keys[1:], [block(keys[1], 4096)]) == [Status.OK]  # under a key new to it
-        names = [reader.storage_name(k) for k in keys]
+        assert writer.put_many(keys[1:2], [block(keys[1], 4096)]) == [Status.OK]  # under a key new to it
+        names = [reader.storage_name(k) for k in keys[:2]]
         (key_file,) = (f for f in keys_dir.glob("*.json") if f.name != "keystore-check.json")  # acme's keys
         key_file.unlink()
         key_file.mkdir()  # reading it fails: IsADirectoryError
-        got = store.get(keys[1:], outs[1:])  # raised CallerError
+        got = store.get(keys[1:2], outs[1:2])  # raised CallerError
         assert got.statuses == [Status.ERROR] and got.loaded == 0
+        # r8 D1: the failed re-read had dropped the keys the reader held, and the next get's keyring
+        # call (the storage name) was made outside the sinks: every later get raised, in every thread
+        assert store.get(keys[1:2], outs[1:2]).statuses == [Status.ERROR]  # raised IsADirectoryError
+        assert store.get(keys[:1], outs[:1]).statuses == [Status.OK]  # under a key it holds: raised too
+        assert (outs[0] == block(keys[0], 4096)).all()
+        # a put needs a lease from the key file: ERROR, not an exception
+        assert reader.put_many(keys[2:], [block(keys[2], 4096)]) == [Status.ERROR]
         assert inner.available, inner.last_error  # the server and the connection were fine
         assert inner.contains_many(names) == [True, True]  # nothing thrown away
     finally:

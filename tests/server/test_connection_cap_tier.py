@@ -221,3 +221,53 @@ def test_the_recovery_probe_refused_by_the_cap_for_the_tiers_own_connection_ends
         tier.close()
         other_engine.close()
         srv.stop()
+
+
+# -- r8 D2: a close the server has seen frees nothing of this tier's any more -------------------------
+def _take_the_freed_slot(srv, ns) -> object:
+    """Another engine of the tenant connects as soon as the server has freed the tier's slot."""
+    give_up = time.monotonic() + 5.0
+    while True:
+        try:
+            return logged_in(srv.url, TOKENS["acme"], ns)
+        except AssertionError:  # refused: the server has not read the tier's close yet
+            assert time.monotonic() < give_up, "the server never freed the closed connection's slot"
+            time.sleep(0.005)
+
+
+def test_after_a_close_the_server_has_seen_a_cap_refusal_is_real_and_backs_off(tmp_path):
+    """Every refusal within ``connect_timeout_s`` of any close of the tier's counted as its own doing:
+    with the freed slot taken by another engine, each call retried the connect until the window or its
+    deadline ran out (5 s here, the tier still up), against a cap really full. The server sees a close
+    within milliseconds; from then on a refusal is real: calls fail at once and the tier backs off."""
+    srv = InProcessServer(tmp_path, max_connections_per_tenant=2)
+    ns = fresh_namespace("cap-seen-close")
+    other_engine = logged_in(srv.url, TOKENS["acme"], ns)  # 1 of acme's 2
+    tier = srv.remote("acme", namespace=ns, backoff_s=5.0, max_backoff_s=5.0, timeout_s=3.0, connect_timeout_s=10.0)
+    engines = [other_engine]
+    try:
+        keys = keys_for(ns, 9)
+        assert tier.put_streams(keys[:1], [_Source(1)]) == [Status.OK]  # its connection: 2 of 2
+        with pytest.raises(CallerError):
+            tier.put_streams(keys[1:2], [_Source(1, broken=True)])  # closed: no backoff
+        engines.append(_take_the_freed_slot(srv, ns))  # the cap is full with others' connections now
+        took, results = [], []
+
+        def put(key) -> None:
+            started = time.monotonic()
+            results.append(tier.put_streams([key], [_Source(2)])[0])
+            took.append(time.monotonic() - started)
+
+        callers = [threading.Thread(target=put, args=(k,)) for k in keys[1:]]
+        for t in callers:
+            t.start()
+        for t in callers:
+            t.join(10)
+        assert results == [Status.ERROR] * len(callers)
+        assert max(took) < 0.5, f"calls retried {max(took):.2f}s against a cap held by others"
+        assert not tier.available and "TOO_MANY_CONNECTIONS" in tier.last_error  # backed off
+    finally:
+        tier.close()
+        for engine in engines:
+            engine.close()
+        srv.stop()
