@@ -74,6 +74,8 @@ _STAGING_BYTES = 64 << 20
 #: the flusher thread ends after this long without work (and starts again on the next mark),
 #: so that an idle store keeps no thread and can be garbage collected
 _IDLE_EXIT_S = 2.0
+#: a flush whose flusher could not be started (threads exhausted) tries again this often
+_START_RETRY_S = 0.5
 
 # states of a block whose copy is in flight
 _COPYING, _EVICTED = "copying", "evicted"
@@ -221,12 +223,15 @@ class WriteBehind:
         now) are marked dirty, under the lock that their saved marks are taken under -- marked
         after it, a flush between found neither mark and returned with the blocks uncopied.
         Returns how many marks the backlog's bound dropped."""
-        dropped = 0
-        for key in keys:
+        ended = []
+        for key in keys:   # every count settled before any mark (a mark may fail to start the flusher)
             left = self._deleting.pop(key) - 1
             if left:
                 self._deleting[key] = left
-                continue
+            else:
+                ended.append(key)
+        dropped = 0
+        for key in ended:
             for level, saved in enumerate(self._after_delete):
                 entry = saved.pop(key, None)
                 if entry is not None:  # gone from its tier meanwhile: the flusher skips it
@@ -297,9 +302,19 @@ class WriteBehind:
 
     # -- the flusher ----------------------------------------------------------------
     def _ensure_flusher_locked(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="kvtier-writebehind", daemon=True)
-            self._thread.start()
+        """Start the flusher unless it runs. A start that fails (threads exhausted for a moment)
+        leaves the marks queued and no thread recorded, so the next mark or flush tries again
+        (recorded before its start, an unstarted thread stood for the flusher for good)."""
+        if self._thread is not None:
+            return
+        thread = threading.Thread(target=self._run, name="kvtier-writebehind", daemon=True)
+        try:
+            thread.start()
+        except RuntimeError as exc:
+            log.warning("write-behind: cannot start the flusher (%s); the dirty blocks wait for the next "
+                        "mark or flush", exc)
+            return
+        self._thread = thread   # (under the lock: the thread takes it before it can reset this)
 
     def _run(self) -> None:
         while True:
@@ -450,6 +465,10 @@ class WriteBehind:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     break
+                if self._thread is None and any(self._dirty):   # its start failed: try again now and then
+                    self._ensure_flusher_locked()
+                    if self._thread is None:
+                        left = _START_RETRY_S if left is None else min(left, _START_RETRY_S)
                 self._cond.wait(left)
             remaining = self._pending_locked()
         with self._stats.lock:

@@ -9,10 +9,14 @@ woken in between saw nothing pending and returned, and ``close`` then refused th
 is a few bytecodes wide (wider when the flusher waits for the counters' lock that the exporter
 holds), so each test runs many rounds, with the interpreter switching threads often. The end
 of a delete had the same gap: the marks of blocks saved meanwhile were taken, then made again
-after the lock was let go."""
+after the lock was let go.
+
+A flusher that could not be started once (threads exhausted for a moment) was recorded all the
+same: no flusher ever ran again, and no dirty block reached the tier below."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import sys
 import threading
@@ -160,4 +164,67 @@ def test_a_block_saved_while_its_delete_runs_stays_dirty_until_copied():
             pass
         assert lower.contains(key), f"round {rnd}: flush_dirty -> {report}, but the block is not copied"
         delete.join()
+    store.close()
+
+
+@contextlib.contextmanager
+def flusher_starts_fail(monkeypatch, times: int | None):
+    """The next ``times`` (None: every) start of a write-behind flusher thread fails as it does when
+    the process is out of threads (a pids limit); other threads start as usual."""
+    real_start = threading.Thread.start
+    failed = 0
+
+    def start(thread):
+        nonlocal failed
+        if thread.name == "kvtier-writebehind" and (times is None or failed < times):
+            failed += 1
+            raise RuntimeError("can't start new thread")
+        return real_start(thread)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(threading.Thread, "start", start)
+        yield
+
+
+def test_a_flusher_that_failed_to_start_once_starts_at_the_next_mark(monkeypatch):
+    tiers = host_tiers()[:2]
+    store = TieredStore(tiers)
+    first, second = round_keys(0)[:2]
+    with flusher_starts_fail(monkeypatch, times=1):
+        store.put([first], [np.full(BLOCK, 1, np.uint8)])   # the mark is queued, its flusher not started
+    store.put([second], [np.full(BLOCK, 2, np.uint8)])
+    report = store.flush_dirty(10)
+    assert report.dropped == 0 and tiers[1].contains(first) and tiers[1].contains(second), \
+        f"flush_dirty -> {report}: no flusher ran after one failed start"
+    store.close()
+
+
+def test_a_flush_starts_the_flusher_again_while_its_starts_fail(monkeypatch):
+    """No later mark: the flush itself tries again until a start succeeds."""
+    tiers = host_tiers()[:2]
+    store = TieredStore(tiers)
+    key = round_keys(0)[0]
+    with flusher_starts_fail(monkeypatch, times=3):   # the mark's, and the flush's first tries
+        store.put([key], [np.full(BLOCK, 1, np.uint8)])
+        report = store.flush_dirty(10)
+    assert report.dropped == 0 and tiers[1].contains(key), f"flush_dirty -> {report}"
+    store.close()
+
+
+def test_a_delete_whose_saves_could_not_start_the_flusher_leaves_them_dirty_until_copied(monkeypatch):
+    """Blocks saved while their delete runs are marked dirty at its end; no flusher can start
+    meanwhile. Once threads are available, a flush copies every one of them."""
+    upper, lower = host_tiers()[:2]
+    lower = SlowDeletes(lower)
+    store = TieredStore([upper, lower])
+    keys = round_keys(0)[:3]
+    with flusher_starts_fail(monkeypatch, times=None):
+        delete = threading.Thread(target=store.delete, args=(keys,))
+        delete.start()
+        assert lower.deleting.wait(10)
+        store.put(keys, blocks()[:3])
+        lower.go_on.set()
+        delete.join()
+    report = store.flush_dirty(10)
+    assert report.dropped == 0 and all(lower.contains(key) for key in keys), f"flush_dirty -> {report}"
     store.close()

@@ -7,7 +7,8 @@
   loads and saves (:mod:`~kvtier.integrations.vllm.lora_digest`; an adapter whose files
   cannot be read, or are not those vLLM loaded under the request's ``lora_int_id``: neither
   looked up nor saved; nor, from then on, a request whose adapter's files change while it
-  runs, though not for a change of their identity alone, such as a ``chmod``). The hit is
+  runs, though not for a change of their identity alone, such as a ``chmod``; files written with
+  the same bytes, such as a ``touch``, stop its saves alone). The hit is
   the store's longest prefix, cut to whole vLLM pages and so that at least two tokens remain
   to compute (see ``MIN_COMPUTED_TOKENS``).
 * **Loads** cover the pages past vLLM's local prefix hit; a load may stop
@@ -33,7 +34,8 @@
   names the new files looks up other keys, so it would wait for blocks it can never see (one
   that names the old files still loads whatever is stored, without waiting). Files written with
   the same bytes (a ``touch``, a redeploy) drop the saves of the steps the workers checked after
-  the write too: the blocks of those not known to be checked before are planned again.
+  the write too, and may have held another version in between: the request announces none of
+  the blocks of the saves not known to be checked before, and saves nothing more.
 * **Steps in flight.** With more than one batch in flight (async scheduling, pipeline
   parallelism) vLLM builds step N+1 before it takes step N's report. Each build is kept
   (its synchronous loads, its saves) until its report: a report charges a failed load
@@ -102,9 +104,11 @@ class _Request:
     #: (step, first block) of its save jobs carrying ``adapter_files`` whose worker may check them
     #: after they change: no report of their step taken when those files were last seen unchanged
     unchecked_saves: list[tuple[int, int]] = field(default_factory=list)
-    #: vLLM served it pages of its prefix cache that another version of its adapter may have
-    #: computed (``AdapterKeys.note_in_prefix_cache``): never saved
-    untrusted_local_hit: bool = False
+    #: never saved (again): vLLM served it pages of its prefix cache that another version of its
+    #: adapter may have computed (``AdapterKeys.note_in_prefix_cache``), or its adapter's files were
+    #: written while it ran (another version may have come and gone; the pages computed then, and
+    #: every later block attending to them, may be that version's)
+    no_saves: bool = False
     stored_blocks: int = 0  #: blocks 0..n-1 are in the store, queued for saving, or never to be saved here
     #: blocks 0..n-1 are in the store or queued for saving: what a decode instance is told to
     #: wait for. Below ``stored_blocks`` where a block was skipped (its pages out of a sliding
@@ -244,7 +248,7 @@ class SchedulerSide:
             self.adapters.computed_unnamed(lora)
         elif self._adapter_unchanged(state) and not self.adapters.note_in_prefix_cache(lora, state.adapter) \
                 and local_tokens:
-            state.untrusted_local_hit = True
+            state.no_saves = True
 
     def _adapter_unchanged(self, state: _Request) -> bool:
         """Whether a LoRA request's adapter files are those its keys name. vLLM reads them again while
@@ -252,8 +256,7 @@ class SchedulerSide:
         is another version's, and it is neither looked up nor saved again, nor announces any block
         to a decode instance (see the module's P/D). Files whose identity alone changed (a
         ``chmod``, a ``touch``, the same bytes written again) are named again: the same version,
-        whose new identity is kept; written (not a ``chmod``), the saves the workers may have
-        dropped for it are planned again."""
+        whose new identity is kept; written (not a ``chmod``), the request saves nothing more."""
         files = state.adapter_files
         if files is None:
             return True
@@ -267,7 +270,7 @@ class SchedulerSide:
             state.announced_blocks = 0
             return False
         if not unwritten_between(files, renamed.files):
-            self._replan_dropped_saves(state)
+            self._stop_saves_after_write(state)
         state.adapter_files = renamed.files
         return True
 
@@ -277,15 +280,23 @@ class SchedulerSide:
         state.unchecked_saves = [(step, first) for step, first in state.unchecked_saves
                                  if step > self._reported_step]
 
-    def _replan_dropped_saves(self, state: _Request) -> None:
-        """The request's adapter files were written since it was named, though they hold the same
-        version (a ``touch``, the same bytes deployed again): a worker that checked them after the
-        write dropped the job's saves (``AdapterFiles.unwritten``), and does not say so. Those not
-        known to be checked before are planned again: neither stored nor announced to a decode
-        instance (where the worker kept them, they are stored twice)."""
-        if state.unchecked_saves:
-            _rewind(state, min(first for _, first in state.unchecked_saves))
+    def _stop_saves_after_write(self, state: _Request) -> None:
+        """The request's adapter files were written since they were last seen, though they hold
+        the same version now (a ``touch``, the same bytes deployed again, or another version
+        written and rolled back: with ``load_inplace`` vLLM may have computed steps with it). A
+        worker that checked them after the write dropped the job's saves
+        (``AdapterFiles.unwritten``) and does not say so: the saves not known to be checked
+        before are not announced to a decode instance. Nor is anything saved again: planned
+        again from the same pages, the dropped blocks stored the other version's KV under this
+        one's keys, and so did every later block, computed over it. The pages it computed sit in
+        vLLM's prefix cache under the adapter's name and path all the same: noted as computed with
+        the version vLLM holds (with ``load_inplace``, one not known: the name and path then hold
+        several), so another request served from them is not saved under this version's keys."""
+        self.adapters.computed_unnamed(state.request.lora_request)
+        first_unchecked = min((first for _, first in state.unchecked_saves), default=state.stored_blocks)
+        state.announced_blocks = min(state.announced_blocks, first_unchecked)
         state.unchecked_saves = []
+        state.no_saves = True
 
     def _bounded_read(self, tiers: list[str] | None, local_tokens: int, usable_tokens: int) -> bool:
         """The load of tokens ``local_tokens..usable_tokens`` is at most ``sync_load_max_bytes``
@@ -386,7 +397,7 @@ class SchedulerSide:
     def _plan_save(self, meta: KvtierMetadata, req_id: str, state: _Request, computed_tokens: int) -> None:
         """Queue the blocks whose last token this step computes (KV of known tokens only)."""
         engine = self.engine
-        if state.stale or state.adapter is None or state.untrusted_local_hit:
+        if state.stale or state.adapter is None or state.no_saves:
             return
         # Most steps of a request save nothing (a decode step completes a block every
         # block_tokens tokens): say so before listing its blocks' hashes, which costs Python per
@@ -397,7 +408,8 @@ class SchedulerSide:
         hashes = engine.block_hashes(state.request.block_hashes, computed_tokens)
         k = engine.pages_per_block
         full = min(len(hashes), len(state.page_ids) // k)
-        if full <= state.stored_blocks or not self._adapter_unchanged(state):
+        # (the check of its adapter's files may stop its saves: written since last seen)
+        if full <= state.stored_blocks or not self._adapter_unchanged(state) or state.no_saves:
             return
         transfers = [
             BlockTransfer(index, 0, pages)

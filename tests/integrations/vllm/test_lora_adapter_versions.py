@@ -17,8 +17,9 @@ version is not known.
 * A P/D prefill whose adapter changed while its saves were in flight announces no blocks; one whose
   adapter's files changed identity alone between a step's build and its save stores every block
   it announces: a ``chmod`` keeps the step's saves, files written again (a ``touch``, the same
-  bytes, another version and back within the step) drop them, and the scheduler plans them
-  again or announces none of them.
+  bytes, another version and back within the step) drop them, and the scheduler announces none
+  of them and saves nothing more of the request (planned again from the same pages, they stored
+  the other version's KV under this one's keys).
 * The bound on the ids remembered never drops the id being named (a KeyError there killed vLLM's
   scheduler thread, and so the engine).
 * A copy of an id's own bytes over its files that takes longer than ``SETTLED_S`` in all, no state
@@ -480,7 +481,7 @@ def test_a_step_whose_adapter_changed_identity_alone_before_its_save_stores_ever
     dropped them, and the request stored its later blocks behind that gap while a decode instance
     waited ``pd_wait_s`` for blocks that never landed. A ``chmod`` writes nothing: the worker saves
     the step. Written (a ``touch``, a redeploy), the files may have held another version within the
-    step: the worker drops it, and the scheduler plans its blocks again with the next chunk."""
+    step: the worker drops it, and the request saves and announces nothing more."""
     path = _write_adapter(tmp_path / "x", b"v1")
     sched = _scheduler(engine, AdapterKeys(SETTINGS))
     request = _request("r", 320, _lora("x", 1, path))
@@ -491,12 +492,12 @@ def test_a_step_whose_adapter_changed_identity_alone_before_its_save_stores_ever
         first = sched.build(_new("r", list(range(10, 20)), 0, 64))      # chunk 1: block 0
         _same_bytes_again(path, how)                                    # before its wait_for_save
         worker.save(first)
-        worker.save(sched.build(_next_chunk("r", 64, 256)))             # chunk 2: blocks 1..4 (0 again)
+        worker.save(sched.build(_next_chunk("r", 64, 256)))             # chunk 2: blocks 1..4 (chmod)
         assert worker.flush(10)
         _, params = sched.finished(request)
         keys = engine.keys(engine.block_hashes(request.block_hashes, 320), "", first.saves[0].adapter)
         assert worker.stats.adapter_saves_dropped == (0 if how == "chmod" else 1)
-        assert store.lookup(keys).hit_blocks == params["kvtier_blocks"] == 5
+        assert store.lookup(keys).hit_blocks == params["kvtier_blocks"] == (5 if how == "chmod" else 0)
     finally:
         store.close(flush_timeout_s=0)
 
@@ -548,6 +549,93 @@ def test_another_version_written_and_rolled_back_within_a_step_drops_its_saves(e
         assert store.lookup(keys).hit_blocks == 0, "KV computed with v2 stored under v1's keys"
         assert worker.stats.adapter_saves_dropped == 5
         assert params["kvtier_blocks"] == 0, "blocks the worker dropped announced"
+    finally:
+        store.close(flush_timeout_s=0)
+
+
+def _saved_and_announced(engine, sched, store, request, adapter: str) -> tuple[int, int]:
+    """The blocks of ``request`` the store holds under ``adapter``'s keys, and those it announces."""
+    _, params = sched.finished(request)
+    keys = engine.keys(engine.block_hashes(request.block_hashes, 320), "", adapter)
+    return store.lookup(keys).hit_blocks, params["kvtier_blocks"]
+
+
+def test_a_chunk_computed_with_a_version_rolled_back_before_its_save_is_not_saved_at_the_next_chunk(
+        engine, tmp_path):
+    """``load_inplace``, v2 written and v1's bytes back between a chunk's build and its save: the
+    worker drops the chunk's saves. The scheduler, seeing the files written with v1's bytes, planned
+    the same blocks again from the same pages at the next chunk: v2's KV (and every later block,
+    computed over it) stored under v1's keys, and announced to a decode instance."""
+    path = _write_adapter(tmp_path / "x", b"v1")
+    sched = _scheduler(engine, AdapterKeys(SETTINGS))
+    request = _request("r", 320, _lora("x", 1, path, load_inplace=True))
+    sched.num_new_matched_tokens(request, 0)
+    store = build_store(StoreConfig(host_bytes="8MiB"), engine.layout)
+    try:
+        worker, _ = filled_worker(engine, store)
+        first = sched.build(_new("r", list(range(10, 20)), 0, 64))      # chunk 1: block 0, named v1
+        _write_adapter(path, b"v2")                                     # vLLM computes chunk 1 with v2
+        _write_adapter(path, b"v1")                                     # rolled back before its save
+        worker.save(first)
+        assert worker.stats.adapter_saves_dropped == 1
+        second = sched.build(_next_chunk("r", 64, 256))                 # chunk 2: blocks 1..4
+        assert second.saves == [], "blocks computed with v2, or over its KV, planned under v1's keys"
+        worker.save(second)
+        assert worker.flush(10)
+        assert _saved_and_announced(engine, sched, store, request, first.saves[0].adapter) == (0, 0)
+    finally:
+        store.close(flush_timeout_s=0)
+
+
+@pytest.mark.parametrize("rolled_back", [True, False], ids=["rolled back", "control: untouched"])
+def test_a_request_vllm_serves_from_pages_a_rollback_computed_is_not_saved(engine, tmp_path, rolled_back):
+    """The pages a ``load_inplace`` request computed while v2 stood and v1 came back sit in vLLM's
+    prefix cache under the adapter's name and path: another request of the adapter that vLLM serves
+    from them (64 local tokens) would save v2's KV under v1's keys. Control: files left alone, the
+    same request saves its blocks."""
+    path = _write_adapter(tmp_path / "x", b"v1")
+    sched = _scheduler(engine, AdapterKeys(SETTINGS))
+    first_request = _request("r", 320, _lora("x", 1, path, load_inplace=True))
+    sched.num_new_matched_tokens(first_request, 0)
+    store = build_store(StoreConfig(host_bytes="8MiB"), engine.layout)
+    try:
+        worker, _ = filled_worker(engine, store)
+        first = sched.build(_new("r", list(range(10, 20)), 0, 64))
+        if rolled_back:
+            _write_adapter(path, b"v2")
+            _write_adapter(path, b"v1")
+        worker.save(first)
+        sched.build(_next_chunk("r", 64, 256))
+        other = _request("s", 320, _lora("x", 1, path, load_inplace=True))
+        sched.num_new_matched_tokens(other, 64)                        # block 0 from vLLM's prefix cache
+        planned = sched.build(_new("s", list(range(30, 40)), 64, 256))
+        assert bool(planned.saves) is not rolled_back, "pages computed with v2 saved under v1's keys"
+    finally:
+        store.close(flush_timeout_s=0)
+
+
+def test_a_version_rolled_back_within_a_step_that_completes_no_block_stops_the_requests_saves(engine, tmp_path):
+    """The same rollback within a step that completes no block (no save job: nothing for the worker
+    to drop): the tokens it computed with v2 fill block 0, which was saved under v1's key at the
+    next chunk, the files taken for v1 since they hash as v1."""
+    path = _write_adapter(tmp_path / "x", b"v1")
+    sched = _scheduler(engine, AdapterKeys(SETTINGS))
+    request = _request("r", 320, _lora("x", 1, path, load_inplace=True))
+    sched.num_new_matched_tokens(request, 0)
+    store = build_store(StoreConfig(host_bytes="8MiB"), engine.layout)
+    try:
+        worker, _ = filled_worker(engine, store)
+        first = sched.build(_new("r", list(range(10, 20)), 0, 32))      # tokens 0..31: no block completes
+        assert not first.saves
+        _write_adapter(path, b"v2")                                     # vLLM computes them with v2
+        _write_adapter(path, b"v1")                                     # rolled back
+        worker.save(first)
+        second = sched.build(_next_chunk("r", 32, 288))                 # blocks 0..4
+        assert second.saves == [], "block 0 holds KV of tokens computed with v2, planned under v1's key"
+        worker.save(second)
+        assert worker.flush(10)
+        v1 = sched.adapters.for_request(request.lora_request).key     # what v1's requests look up
+        assert v1 and _saved_and_announced(engine, sched, store, request, v1) == (0, 0)
     finally:
         store.close(flush_timeout_s=0)
 
