@@ -482,11 +482,7 @@ def test_a_step_whose_adapter_changed_identity_alone_before_its_save_stores_ever
     waited ``pd_wait_s`` for blocks that never landed. A ``chmod`` writes nothing: the worker saves
     the step. Written (a ``touch``, a redeploy), the files may have held another version within the
     step: the worker drops it, and the request saves and announces nothing more."""
-    path = _write_adapter(tmp_path / "x", b"v1")
-    sched = _scheduler(engine, AdapterKeys(SETTINGS))
-    request = _request("r", 320, _lora("x", 1, path))
-    sched.num_new_matched_tokens(request, 0)
-    store = build_store(StoreConfig(host_bytes="8MiB"), engine.layout)
+    path, sched, request, store = _one_lora_request(engine, tmp_path)
     try:
         worker, _ = filled_worker(engine, store)
         first = sched.build(_new("r", list(range(10, 20)), 0, 64))      # chunk 1: block 0
@@ -508,11 +504,7 @@ def test_a_prefill_whose_adapter_was_written_with_the_same_bytes_before_its_save
     """The whole prompt in one step, its files written again before its ``wait_for_save``: the worker
     drops the step's saves (another version may have come and gone meanwhile); the prefill must
     not announce them to a decode instance, which would wait ``pd_wait_s`` for them."""
-    path = _write_adapter(tmp_path / "x", b"v1")
-    sched = _scheduler(engine, AdapterKeys(SETTINGS))
-    request = _request("r", 320, _lora("x", 1, path))
-    sched.num_new_matched_tokens(request, 0)
-    store = build_store(StoreConfig(host_bytes="8MiB"), engine.layout)
+    path, sched, request, store = _one_lora_request(engine, tmp_path)
     try:
         worker, _ = filled_worker(engine, store)
         meta = sched.build(_new("r", list(range(10, 20)), 0, 320))
@@ -532,11 +524,7 @@ def test_another_version_written_and_rolled_back_within_a_step_drops_its_saves(e
     starts (vLLM computes with v2) and rolled back to v1's bytes before its ``wait_for_save``: the
     files hash as v1, the version the step was named with, yet its KV is v2's. It was stored under
     v1's keys, for every later request of v1 to be served."""
-    path = _write_adapter(tmp_path / "x", b"v1")
-    sched = _scheduler(engine, AdapterKeys(SETTINGS))
-    request = _request("r", 320, _lora("x", 1, path, load_inplace=True))
-    sched.num_new_matched_tokens(request, 0)
-    store = build_store(StoreConfig(host_bytes="8MiB"), engine.layout)
+    path, sched, request, store = _one_lora_request(engine, tmp_path, load_inplace=True)
     try:
         worker, _ = filled_worker(engine, store)
         meta = sched.build(_new("r", list(range(10, 20)), 0, 320))      # named v1
@@ -553,6 +541,16 @@ def test_another_version_written_and_rolled_back_within_a_step_drops_its_saves(e
         store.close(flush_timeout_s=0)
 
 
+def _one_lora_request(engine, tmp_path, **lora_kw):
+    """Adapter ``x`` written at v1, a scheduler, request ``r`` (320 tokens) of it looked up with
+    nothing local, and an 8 MiB host store: what the save-path tests below start from."""
+    path = _write_adapter(tmp_path / "x", b"v1")
+    sched = _scheduler(engine, AdapterKeys(SETTINGS))
+    request = _request("r", 320, _lora("x", 1, path, **lora_kw))
+    sched.num_new_matched_tokens(request, 0)
+    return path, sched, request, build_store(StoreConfig(host_bytes="8MiB"), engine.layout)
+
+
 def _saved_and_announced(engine, sched, store, request, adapter: str) -> tuple[int, int]:
     """The blocks of ``request`` the store holds under ``adapter``'s keys, and those it announces."""
     _, params = sched.finished(request)
@@ -566,11 +564,7 @@ def test_a_chunk_computed_with_a_version_rolled_back_before_its_save_is_not_save
     worker drops the chunk's saves. The scheduler, seeing the files written with v1's bytes, planned
     the same blocks again from the same pages at the next chunk: v2's KV (and every later block,
     computed over it) stored under v1's keys, and announced to a decode instance."""
-    path = _write_adapter(tmp_path / "x", b"v1")
-    sched = _scheduler(engine, AdapterKeys(SETTINGS))
-    request = _request("r", 320, _lora("x", 1, path, load_inplace=True))
-    sched.num_new_matched_tokens(request, 0)
-    store = build_store(StoreConfig(host_bytes="8MiB"), engine.layout)
+    path, sched, request, store = _one_lora_request(engine, tmp_path, load_inplace=True)
     try:
         worker, _ = filled_worker(engine, store)
         first = sched.build(_new("r", list(range(10, 20)), 0, 64))      # chunk 1: block 0, named v1
@@ -593,11 +587,7 @@ def test_a_request_vllm_serves_from_pages_a_rollback_computed_is_not_saved(engin
     prefix cache under the adapter's name and path: another request of the adapter that vLLM serves
     from them (64 local tokens) would save v2's KV under v1's keys. Control: files left alone, the
     same request saves its blocks."""
-    path = _write_adapter(tmp_path / "x", b"v1")
-    sched = _scheduler(engine, AdapterKeys(SETTINGS))
-    first_request = _request("r", 320, _lora("x", 1, path, load_inplace=True))
-    sched.num_new_matched_tokens(first_request, 0)
-    store = build_store(StoreConfig(host_bytes="8MiB"), engine.layout)
+    path, sched, first_request, store = _one_lora_request(engine, tmp_path, load_inplace=True)
     try:
         worker, _ = filled_worker(engine, store)
         first = sched.build(_new("r", list(range(10, 20)), 0, 64))
@@ -618,11 +608,7 @@ def test_a_version_rolled_back_within_a_step_that_completes_no_block_stops_the_r
     """The same rollback within a step that completes no block (no save job: nothing for the worker
     to drop): the tokens it computed with v2 fill block 0, which was saved under v1's key at the
     next chunk, the files taken for v1 since they hash as v1."""
-    path = _write_adapter(tmp_path / "x", b"v1")
-    sched = _scheduler(engine, AdapterKeys(SETTINGS))
-    request = _request("r", 320, _lora("x", 1, path, load_inplace=True))
-    sched.num_new_matched_tokens(request, 0)
-    store = build_store(StoreConfig(host_bytes="8MiB"), engine.layout)
+    path, sched, request, store = _one_lora_request(engine, tmp_path, load_inplace=True)
     try:
         worker, _ = filled_worker(engine, store)
         first = sched.build(_new("r", list(range(10, 20)), 0, 32))      # tokens 0..31: no block completes
@@ -642,11 +628,7 @@ def test_a_version_rolled_back_within_a_step_that_completes_no_block_stops_the_r
 
 def test_a_step_whose_adapter_was_replaced_identity_and_all_before_its_save_is_dropped(engine, tmp_path):
     """Control: other bytes under a new identity are another version, hashed again or not."""
-    path = _write_adapter(tmp_path / "x", b"v1")
-    sched = _scheduler(engine, AdapterKeys(SETTINGS))
-    request = _request("r", 320, _lora("x", 1, path))
-    sched.num_new_matched_tokens(request, 0)
-    store = build_store(StoreConfig(host_bytes="8MiB"), engine.layout)
+    path, sched, request, store = _one_lora_request(engine, tmp_path)
     try:
         worker, _ = filled_worker(engine, store)
         meta = sched.build(_new("r", list(range(10, 20)), 0, 320))
