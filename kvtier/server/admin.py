@@ -26,7 +26,7 @@ import math
 import time
 from functools import partial
 
-from kvtier.server.config import SHARED_PREFIX, check_namespace
+from kvtier.server.config import SHARED_PREFIX, check_tenant_namespace
 from kvtier.server.fleet import journaled_fleet_in
 from kvtier.server.fleet_journal import journal_under
 from kvtier.server.index import BlockEntry
@@ -52,25 +52,31 @@ class AdminAPI:
         }
 
     async def call(self, peer: str, meta: bytes) -> dict:
-        req = unpack_msgpack(meta, "ADMIN")
-        cmd, args = req.get("cmd"), req.get("args") or {}
-        if not isinstance(args, dict):
-            raise ProtocolError(ErrorCode.BAD_META, "ADMIN args must be a map")
-        command = self._commands.get(cmd) if isinstance(cmd, str) else None
+        result, ok = {}, False  # (a call that raised: audited as failed; the client gets an error code)
+        asked = None  # what the call asked, once decoded
         try:
+            req = unpack_msgpack(meta, "ADMIN")
+            cmd, args = req.get("cmd"), req.get("args") or {}
+            if not isinstance(args, dict):
+                raise ProtocolError(ErrorCode.BAD_META, "ADMIN args must be a map")
+            asked = {"cmd": client_text(cmd, 40), "args": _printable(args)}
+            command = self._commands.get(cmd) if isinstance(cmd, str) else None
             if command is None:
                 raise ValueError(f"unknown admin command {client_text(cmd, 40)!r}; "
                                  f"use one of {sorted(self._commands)}")
-            result = command(args)
-            if asyncio.iscoroutine(result):
-                result = await result
-            ok = True
+            result, ok = await _outcome(command, args), True
         except (KeyError, ValueError, TypeError) as exc:
-            result, ok = {"error": str(exc)}, False
-        # (an erase's outcome whole: a partly refused one must not read as done in the audit trail)
-        self.svc.audit.write("admin", peer=peer, cmd=client_text(cmd, 40), args=_printable(args), ok=ok,
-                             **{k: result[k] for k in ("erased", "refused", "keys_shredded") if ok and k in result})
+            result = {"error": str(exc)}
+        finally:
+            # Every call, one that raised too: a command may have changed things before it failed (an
+            # erase deletes blocks before it shreds keys), and the audit trail must not miss it.
+            self._audit(peer, asked or admin_request_fields(meta), ok, result)
         return {"ok": ok, **result}
+
+    def _audit(self, peer: str, asked: dict, ok: bool, result: dict) -> None:
+        # (an erase's outcome whole: a partly refused one must not read as done in the audit trail)
+        outcome = {k: result[k] for k in ("erased", "refused", "keys_shredded") if ok and k in result}
+        self.svc.audit.write("admin", peer=peer, ok=ok, **asked, **outcome)
 
     # -- commands ---------------------------------------------------------------------------
     def usage(self, args: dict) -> dict:
@@ -138,15 +144,27 @@ class AdminAPI:
         problems = [_not_removed(refused, refusals)] if refused else []
         if selected:  # (cheap where the journal holds no forgotten entry)
             problems += await io.run(ADMIN_LANE, self._compact_fleet_journal)
+        shredded = None  # (no key store: nothing to shred, and the reply says nothing of keys)
+        if self.svc.keyring is not None:
+            shredded = False
+            if namespace is None and session is None:
+                shredded = await io.run(ADMIN_LANE, self._shred_keys, owner, problems)
         failed = ({"refused": refused} if refused else {}) | ({"error": "; ".join(problems)} if problems else {})
-        if self.svc.keyring is None:
-            return {"erased": erased, **failed}
-        shredded = False
-        if namespace is None and session is None:
-            # Crypto-shredding: whatever copy of the tenant's sealed blocks survives
-            # anywhere (a file not yet unlinked, a backup) is noise from now on.
-            shredded = await io.run(ADMIN_LANE, self.svc.keyring.shred_tenant, owner)
-        return {"erased": erased, "keys_shredded": shredded, **failed}
+        return {"erased": erased, **({} if shredded is None else {"keys_shredded": shredded}), **failed}
+
+    def _shred_keys(self, owner: str, problems: list[str]) -> bool:
+        """Crypto-shredding: whatever copy of the owner's sealed blocks survives anywhere (a file not
+        yet unlinked, a backup) is noise from now on. Whether its keys were deleted; a key store that
+        refuses (read-only, full) adds the problem to ``problems`` -- the blocks are erased by then,
+        and the reply must say so beside it, not fail whole. On an I/O thread."""
+        try:
+            return self.svc.keyring.shred_tenant(owner)
+        except OSError as exc:
+            log.warning("erase of %s: its keys could not be shredded: %s", owner, exc)
+            problems.append(f"keys not shredded ({exc}): {owner}'s blocks are erased, but a copy of them kept "
+                            f"elsewhere (a backup) can still be opened with its keys; make the key store writable "
+                            f"and erase {owner} again to shred them")
+            return False
 
     def _tombstones(self):
         """Where an erasure is recorded to outlast a restart: the disk spill (its runtime state is the
@@ -202,7 +220,7 @@ class AdminAPI:
                 raise ValueError(f"{owner} has one namespace, {name!r}; leave namespace out")
             namespace = name
         elif namespace is not None:
-            check_namespace(namespace)
+            check_tenant_namespace(namespace, owner)
         _persisted(self.svc.gov.set_ttl, owner, ttl, namespace)
         return {"ttl_s": ttl}
 
@@ -242,6 +260,12 @@ def _fitting(names: list[str], limit: int) -> list[str]:
         if used > limit:
             return names[:i]
     return names
+
+
+async def _outcome(command, args: dict) -> dict:
+    """What an admin command answers, whether it runs on the event loop or is a coroutine."""
+    result = command(args)
+    return await result if asyncio.iscoroutine(result) else result
 
 
 def _persisted(change, *args) -> None:

@@ -550,7 +550,7 @@ def _validate(c: ServerConfig) -> None:
             if s not in shared_names:
                 raise ConfigError(f"tenant {t.name!r} reads shared namespace {s!r}, which no [[shared]] defines")
         for ns in t.namespace_ttl_s:
-            check_namespace(ns)
+            check_tenant_namespace(ns, t.name)
     all_hashes = [h for t in c.tenants for h in t.token_sha256] + list(c.admin_token_sha256) + list(
         c.metrics_token_sha256)
     if len(set(all_hashes)) != len(all_hashes):
@@ -576,6 +576,19 @@ def check_namespace(ns: str) -> str:
     base = ns[len(SHARED_PREFIX) :] if ns.startswith(SHARED_PREFIX) else ns
     if not _NAME.fullmatch(base):
         raise ConfigError(f"namespace {ns!r}: use 1-64 letters, digits, '.', '_' or '-' (optionally after 'shared/')")
+    return ns
+
+
+def check_tenant_namespace(ns: str, tenant: str) -> str:
+    """A namespace of ``tenant``'s own, where a setting of the tenant's (a namespace TTL) can apply: a
+    ``shared/NAME`` one is refused, since its blocks are indexed under its owner ``shared/NAME``, never
+    under the tenants that write it -- a TTL kept there would be accepted and never take effect."""
+    check_namespace(ns)
+    if ns.startswith(SHARED_PREFIX):
+        name = ns[len(SHARED_PREFIX):]
+        raise ConfigError(f"namespace {ns!r} of tenant {tenant!r}: the blocks of a shared namespace belong to its "
+                          f"owner {ns!r}, not to the tenants that write it; set its TTL there (ttl_s in the "
+                          f"[[shared]] named {name!r}, or `kvtier admin set-ttl --tenant {ns} SECONDS`)")
     return ns
 
 

@@ -64,8 +64,9 @@ class Governance:
                 self._ns_ttl[(SHARED_PREFIX + s.name, s.name)] = s.ttl_s
         # Footprint charging: the index counts payload bytes per account; what a block
         # takes on top of its payload (page rounding, a size class's chunk) is kept
-        # here, from its store (:meth:`charge`) to its removal (:meth:`release`). A
-        # block recorded without a charge (e.g. rebuilt from disk) counts its payload.
+        # here, from its store (:meth:`charge`) to its removal (:meth:`release`). Every
+        # indexed block is charged: at its PUT's commit, or when a start indexes it again
+        # from disk or the fleet journal (Server._recover), so a restart changes no charge.
         self._extra_lock = threading.Lock()  # eviction hooks release from I/O threads
         self._extra: dict[bytes, tuple[tuple[str, ...], int]] = {}
         self._extra_by_account: dict[str, int] = {}

@@ -39,7 +39,11 @@ erasures' tombstones) is authenticated under one state key whatever the tiers
 (:meth:`Server._state_codecs`); the disk spill's annotations under the disk's.
 Without encryption at rest that key is ``state_dir/server.secret``, which moves
 with the state: a start that would make it anew over records no key it holds
-reads is refused (:func:`_refuse_a_new_secret_over_records`).
+reads is refused (:func:`_refuse_a_new_secret_over_records`); with a fleet and the state kept in
+``disk_dir`` (no ``state_dir``), ``disk_dir/server.secret`` is that key, held to the same rule.
+A ``state_dir`` set while ``disk_dir`` still holds the state kept there without one is refused,
+naming the files to move (:func:`_refuse_state_left_in_disk_dir`). Blocks indexed again at start
+are charged their pool footprint, as at their PUT (:meth:`Server._charge_recovered`).
 """
 
 from __future__ import annotations
@@ -64,7 +68,7 @@ from kvtier.server.auth import Authenticator
 from kvtier.server.config import ServerConfig, cleartext_beyond_host, events_subscriber_scopes, parse_listen
 from kvtier.server.connection import Connection
 from kvtier.server.governance import Governance
-from kvtier.server.index import BlockIndex
+from kvtier.server.index import BlockEntry, BlockIndex
 from kvtier.server.metrics import MetricsAuth, ServerMetrics, serve_http, tier_and_tenant_families
 from kvtier.server.runtime_state import FILE_NAME as RUNTIME_STATE_FILE
 from kvtier.server.runtime_state import RuntimeState
@@ -109,14 +113,45 @@ def _remove_stale_socket(path: str) -> None:
     raise OSError(errno.EADDRINUSE, f"another server listens on unix://{path}")
 
 
-def _refuse_a_new_secret_over_records(state_dir: str, held: tuple[SpillCodec, ...]) -> None:
+def _refuse_state_left_in_disk_dir(config: ServerConfig) -> None:
+    """Raise ConfigError where ``state_dir`` is set apart from ``disk_dir`` while ``disk_dir`` still
+    holds the state a server keeps there by default (runtime.json, fleet.journal): started, this
+    server would never read it -- the erasures' tombstones lost (an erased tenant's old files put
+    back would be served again, under the disk's unchanged secret), the quota and TTL overrides
+    gone, the blocks the journal placed in the fleet beyond erase and TTL."""
+    if not (config.state_dir and config.disk_dir) or _same_directory(config.state_dir, config.disk_dir):
+        return
+    from kvtier.server.fleet_journal import JOURNAL_FILE
+
+    left = [name for name in (RUNTIME_STATE_FILE, JOURNAL_FILE)
+            if os.path.lexists(os.path.join(config.disk_dir, name))]
+    if not left:
+        return
+    files = " ".join(os.path.join(config.disk_dir, name) for name in left)
+    raise ConfigError(
+        f"state_dir {config.state_dir!r} is set, but disk_dir {config.disk_dir!r} still holds the state kept there "
+        f"without one ({' and '.join(left)}: the erasures' tombstones, the quota and TTL overrides, the records of "
+        f"blocks placed in the Mooncake fleet), which this server would never read. Move them into state_dir: "
+        f"(umask 077; mkdir -p {config.state_dir}) && mv {files} {config.state_dir}/ -- leave disk_dir's "
+        f"{SECRET_FILE} where it is (it keys the spilled blocks, and the records moved are still read under it); "
+        f"or leave state_dir out of the config")
+
+
+def _same_directory(a: str, b: str) -> bool:
+    """Whether two paths name one directory (a link or a trailing slash apart)."""
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
+def _refuse_a_new_secret_over_records(state_dir: str, held: tuple[SpillCodec, ...], *,
+                                      where: str = "state_dir") -> None:
     """Raise ConfigError where ``state_dir`` has no secret (one would be made) but holds records no
     key of this server's (``held``: the disk spill's) authenticates: erasure tombstones or a fleet
     journal's records keyed by a secret that did not move with them (``state_dir`` moved without
     it, or it was removed). A new secret would set the tombstones aside -- an erased tenant's old
     files put back would be served again -- and delete every block the journal names from the
     fleet. Records the disk's secret authenticates are an earlier version's (it keyed them so
-    wherever there was a disk): the upgrade makes the secret and writes them anew under it."""
+    wherever there was a disk): the upgrade makes the secret and writes them anew under it.
+    ``where`` names the directory in the error: "state_dir", or the disk_dir that keeps the state."""
     if not would_make_a_secret(state_dir):
         return
     from kvtier.server.fleet_journal import JOURNAL_FILE, FleetJournal
@@ -132,13 +167,14 @@ def _refuse_a_new_secret_over_records(state_dir: str, held: tuple[SpillCodec, ..
     if not found:
         return
     secret = os.path.join(state_dir, SECRET_FILE)
+    upgrade = ("" if where != "state_dir" else
+               " (Where an earlier version keyed them by the disk spill's secret -- the first start since the "
+               "upgrade, with disk_dir dropped from the config -- start once with that disk_dir configured.)")
     raise ConfigError(
-        f"state_dir {state_dir!r} holds {' and '.join(found)}, keyed by a {SECRET_FILE} that is not there: the secret "
-        f"moves with the state. Put it back ({secret}, mode 0600: from where the state was, or a backup). (Where an "
-        f"earlier version keyed them by the disk spill's secret -- the first start since the upgrade, with "
-        f"disk_dir dropped from the config -- start once with that disk_dir configured.) A new secret would set "
-        f"the tombstones aside (an erased tenant's old files put back would be served again) and delete every block "
-        f"the journal names from the fleet; to accept that, make one yourself: "
+        f"{where} {state_dir!r} holds {' and '.join(found)}, keyed by a {SECRET_FILE} that is not there: the secret "
+        f"moves with the state. Put it back ({secret}, mode 0600: from where the state was, or a backup).{upgrade} "
+        f"A new secret would set the tombstones aside (an erased tenant's old files put back would be served again) "
+        f"and delete every block the journal names from the fleet; to accept that, make one yourself: "
         f"(umask 077; head -c 32 /dev/urandom > {secret})")
 
 
@@ -147,6 +183,7 @@ class Server:
         self.config = config
         # first: a key file to fix stops the start before anything is allocated
         self._tls = self._tls_context() if any(parse_listen(u)[0] == "tls" for u in config.listen) else None
+        _refuse_state_left_in_disk_dir(config)  # (before the disk tier or a secret is made)
         self.host = HostTier(config.capacity_bytes, config.max_block_bytes, slabs=False)  # quotas charge exactly
         self.index = BlockIndex()
         self.keyring = None
@@ -162,7 +199,7 @@ class Server:
                 safety.warn_server_plaintext(config.disk_dir)
             tiers.append(self._sealed(disk) if config.encrypt_at_rest else disk)
         state_dir = config.state_dir or config.disk_dir
-        disk_codec = self._spill_codec() if disk is not None else None
+        disk_codec = self._spill_codec(state_dir) if disk is not None else None
         codecs = self._state_codecs(disk_codec, state_dir)
         # Erasure records (tombstones) are authenticated under the state key: kept wherever a disk
         # spill or a fleet journal could bring an erased block back at the next start. (Those of a
@@ -300,13 +337,20 @@ class Server:
             return StateCodecs(current, ())
         return StateCodecs(current, (disk_codec,))
 
-    def _spill_codec(self):
+    def _spill_codec(self, state_dir: str):
         # With encryption at rest the codec's keys derive from the master key, which lives outside
         # disk_dir, and it seals what it writes; otherwise an HMAC under a 0600 file in disk_dir
         # (see kvtier/server/spill.py for why).
         if self._master_key is not None:
             return SpillCodec.for_master_key(self._master_key)
-        return SpillCodec(secret_in(self.config.disk_dir))
+        disk_dir = self.config.disk_dir
+        if not (self.config.mooncake_master and _same_directory(state_dir, disk_dir)):
+            return SpillCodec(secret_in(disk_dir))  # a new one drops the spilled blocks only, as its errors say
+        # The state kept in disk_dir with a fleet: this secret keys the fleet journal and the erasures'
+        # tombstones too, so it is the state's (its errors never advise removing it), and it is not made
+        # anew over them: that would delete every block the journal placed in the fleet.
+        _refuse_a_new_secret_over_records(disk_dir, (), where="disk_dir (which keeps the state: no state_dir)")
+        return SpillCodec(secret_in(disk_dir, STATE_SECRET))
 
     def _spill_binding(self, disk, codec, state):
         from kvtier.server.recovery import SpillBinding
@@ -334,6 +378,7 @@ class Server:
         else:
             rebuilt = Rebuilt(entries=index_oldest_first(self.index, fleet.found))
         for skey, entry in rebuilt.entries:
+            self._charge_recovered(skey, entry)
             self.service.announce_stored(skey, entry.tier, entry)
         self.recovered = rebuilt.summary(self.spill.disk.name if self.spill is not None else "")
         if fleet is not None:  # (recovered: those indexed at the fleet; a block the disk holds too is the disk's)
@@ -341,6 +386,13 @@ class Server:
         self.recovered["seconds"] = round(time.monotonic() - t0, 3)
         if self.spill is not None:
             self.spill.last_rebuild = self.recovered  # admin stats show it
+
+    def _charge_recovered(self, skey: bytes, entry: BlockEntry) -> None:
+        """Charge a block indexed again at start its pool footprint, as its PUT was charged: a quota
+        counts the same blocks at the same bytes before and after a restart (charged their payload
+        only, a tenant at its quota of 64 B blocks could put as many again). The charge lasts while
+        the block is indexed, whichever tier holds it, so its promotion into DRAM adds none."""
+        self.governance.charge(skey, entry.accounts, entry.nbytes, self.host.footprint(entry.nbytes))
 
     # -- connections ----------------------------------------------------------------------
     def admit(self, conn: Connection) -> bool:
