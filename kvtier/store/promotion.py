@@ -110,6 +110,7 @@ class EraseGuard:
 class _Wanted(NamedTuple):
     source: int  #: index of the tier that served the block
     nbytes: int
+    parent: BlockKey | None = None  #: its chain parent: the faster tiers file it under it
 
 
 class Promoter:
@@ -176,16 +177,20 @@ class Promoter:
                 if not self._busy or self._closed:  # the promoter (no read runs), or close
                     self._cond.notify_all()
 
-    def submit(self, keys: Sequence[BlockKey], sources: Sequence[int], sizes: Sequence[int]) -> None:
-        """Queue ``keys``, read from ``tiers[sources[i]]`` with ``sizes[i]`` bytes (source 0: nothing to do)."""
+    def submit(self, keys: Sequence[BlockKey], sources: Sequence[int], sizes: Sequence[int],
+               parents: Sequence[BlockKey | None] | None = None) -> None:
+        """Queue ``keys``, read from ``tiers[sources[i]]`` with ``sizes[i]`` bytes (source 0: nothing
+        to do), to be filed under ``parents[i]`` (None: no parent links)."""
         dropped = 0
+        if parents is None:
+            parents = [None] * len(keys)
         with self._cond:
             if self._closed:
                 return
-            for key, source, nbytes in zip(keys, sources, sizes):
+            for key, source, nbytes, parent in zip(keys, sources, sizes, parents):
                 if source <= 0 or key in self._inflight:
                     continue
-                self._queue[key] = _Wanted(source, nbytes)
+                self._queue[key] = _Wanted(source, nbytes, parent)
                 if len(self._queue) > self.limit_blocks:
                     self._queue.popitem(last=False)
                     dropped += 1
@@ -321,29 +326,29 @@ class Promoter:
                 if res is not None:
                     first.abort(res)
                 return []
-            landed = self._publish(key, buf, res, middle, created, into_first)
+            landed = self._publish(key, buf, res, middle, created, into_first, wanted.parent)
         if landed:
             self._count(promotions=len(landed))
         return landed
 
     def _publish(self, key: BlockKey, buf, res, middle: list[int], created: float | None,
-                 into_first: bool) -> list[int]:
+                 into_first: bool, parent: BlockKey | None) -> list[int]:
         """Put the verified copy in ``buf`` into the tiers it is missing from, with its age
-        (``created``): ``middle``, and the fastest tier if ``into_first`` (its TTL admits the
-        block); the levels it landed in."""
+        (``created``) and ``parent`` (a prefix-aware tier keeps the chain linked): ``middle``, and
+        the fastest tier if ``into_first`` (its TTL admits the block); the levels it landed in."""
         first = self.tiers[0]
         landed = []
         # Lower tiers first: once the fastest tier publishes it, an eviction there finds
         # the block below already (a clean eviction, no demotion).
         for level in reversed(middle):
             tier = self.tiers[level]
-            if tier.put(key, buf, **age_kw(tier, created)) is Status.OK:
+            if tier.put(key, buf, parent=parent, **age_kw(tier, created)) is Status.OK:
                 landed.append(level)
         if res is not None:
-            first.commit(res)
+            first.commit(res, parent=parent)
             landed.append(0)
         elif into_first and buf is not None and 0 not in landed and not first.contains(key):
-            if first.put(key, buf, **age_kw(first, created)) is Status.OK:
+            if first.put(key, buf, parent=parent, **age_kw(first, created)) is Status.OK:
                 landed.append(0)
         for level in landed:
             self._promoted(level, key)

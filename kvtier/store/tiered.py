@@ -219,7 +219,7 @@ class TieredStore:
             raise ValueError(f"get: {len(keys)} keys but {len(outs)} buffers")
         statuses: list[Status] = []
         tiers: list[str | None] = []
-        later: list[tuple[BlockKey, int, int]] = []
+        later: list[tuple[BlockKey, int, int, BlockKey | None]] = []
         with self._promoter.foreground() as open_:
             # One get_many per tier (a disk tier reads block i+1 while it verifies block i); past
             # a miss nothing is used (a lookup before the get makes that rare). Once close() has
@@ -228,11 +228,11 @@ class TieredStore:
             background = promote_in_background or on_ready is not None
             found = (self._get_all(keys, outs, inline=not background, on_ready=on_ready) if open_
                      else [(Status.MISS, None, 0)] * len(keys))
-            for key, out, (status, source, level) in zip(keys, outs, found):
+            for j, (key, out, (status, source, level)) in enumerate(zip(keys, outs, found)):
                 statuses.append(status)
                 tiers.append(source)
                 if level and background and self.promote:
-                    later.append((key, level, _nbytes(out)))
+                    later.append((key, level, _nbytes(out), _chain_parent(keys, j)))
                 if stop_at_miss and status is not Status.OK:
                     break
         if later:
@@ -275,14 +275,17 @@ class TieredStore:
                     worst[j] = status if worst[j] is Status.MISS else worst[j]
                     rest.append(j)
             if served and inline and self.promote and i > 0:
-                self._promote([keys[j] for j in served], [outs[j] for j in served], tier, self.tiers[:i], seen)
+                self._promote([keys[j] for j in served], [outs[j] for j in served],
+                              [_chain_parent(keys, j) for j in served], tier, self.tiers[:i], seen)
             todo = rest
         for j in todo:
             found[j] = (Status.MISS if worst[j] in (Status.MISS, Status.CORRUPT) else worst[j], None, 0)
         return found
 
-    def _promote(self, keys: list[BlockKey], datas: list, source: Tier, upper: Sequence[Tier], seen: int) -> None:
-        """Copy blocks read from ``source`` into ``upper`` with their age, unless a delete started
+    def _promote(self, keys: list[BlockKey], datas: list, parents: list[BlockKey | None], source: Tier,
+                 upper: Sequence[Tier], seen: int) -> None:
+        """Copy blocks read from ``source`` into ``upper`` with their age and parent (a prefix-aware
+        tier keeps the chain linked, its first block kept after the rest), unless a delete started
         since ``seen`` (it may have erased one of them: a cache may skip a promotion, never undo an
         erasure) or the store is closing (nothing is published behind its last flush). A tier whose
         TTL the block has outlived (:meth:`~kvtier.tiers.base.Tier.admits`) is skipped: neither
@@ -291,14 +294,14 @@ class TieredStore:
         with self._guard.publishing(seen) as ok:
             if not ok or self._closed:
                 return
-            for key, data in zip(keys, datas):
+            for key, data, parent in zip(keys, datas, parents):
                 created = source.created_of(key)
                 if created is None and source.keeps_age:
                     continue  # left its tier since the read (evicted, say): its age is unknown
                 for level, tier in enumerate(upper):
                     if not tier.admits(created):
                         continue  # older than it keeps blocks: an OK would store nothing
-                    if tier.put(key, data, **age_kw(tier, created)) is Status.OK:
+                    if tier.put(key, data, parent=parent, **age_kw(tier, created)) is Status.OK:
                         promoted += 1
                         self._mark_promoted(level, key)
         if promoted:
@@ -510,3 +513,9 @@ class TieredStore:
 def _nbytes(buf) -> int:
     nbytes = getattr(buf, "nbytes", None)
     return nbytes if isinstance(nbytes, int) else memoryview(buf).nbytes
+
+
+def _chain_parent(keys: Sequence[BlockKey], j: int) -> BlockKey | None:
+    """The parent a promoted ``keys[j]`` is filed under: the key before it, as ``put`` links a
+    chain by default (the first key of a get has none known here)."""
+    return keys[j - 1] if j else None

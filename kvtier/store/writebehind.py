@@ -24,7 +24,8 @@ Choices, and why:
 * **A bounded backlog that never blocks the caller.** Each tier keeps at most
   ``dirty_limit_blocks`` dirty marks; one more drops the *oldest* mark, counted
   in ``writebehind_dropped``. Only the mark goes: the block stays in its tier
-  and, not being clean, is still demoted when evicted -- and the oldest blocks
+  and, not being clean, is still demoted when evicted (with its parent link, which
+  a tier that keeps it answers: ``parent_of``, the host's) -- and the oldest blocks
   are the ones LRU evicts next anyway. What a dropped mark costs is the copy
   before a crash or a ``close`` (a cache may lose by policy, never by accident).
 * **Clean marks are hints.** They are bounded too (oldest forgotten first);
@@ -132,6 +133,9 @@ class WriteBehind:
         self._dirty: list[OrderedDict[BlockKey, _Dirty]] = [OrderedDict() for _ in range(levels)]
         self._clean: list[OrderedDict[BlockKey, None]] = [OrderedDict() for _ in range(levels)]
         self._inflight: list[dict[BlockKey, str]] = [{} for _ in range(levels)]
+        #: the marks of the blocks in flight (taken by the flusher): an eviction meanwhile demotes
+        #: the block with the parent link its mark carries
+        self._taken: list[dict[BlockKey, _Dirty]] = [{} for _ in range(levels)]
         # blocks saved while they are being deleted: marked dirty once the deletes are over
         self._after_delete: list[dict[BlockKey, _Dirty]] = [{} for _ in range(levels)]
         self._deleting: dict[BlockKey, int] = {}  # keys being deleted now, by how many callers
@@ -263,6 +267,7 @@ class WriteBehind:
     # -- eviction ------------------------------------------------------------------
     def _demoter(self, level: int):
         upper, lower = self.tiers[level], self.tiers[level + 1]
+        parent_held_above = getattr(upper, "parent_of", lambda key: None)  # (the host tier keeps it)
 
         def demote(key: BlockKey, data: memoryview, meta: BlockMeta | None) -> None:
             # (an expiring block comes here too: copied down if the tier below admits its age)
@@ -276,6 +281,8 @@ class WriteBehind:
                 else:
                     clean = False
                     entry = self._dirty[level].pop(key, None)
+                    if entry is None:
+                        entry = self._taken[level].get(key)  # its copy in flight
                     if self._inflight[level].get(key) == _COPYING:
                         self._inflight[level][key] = _EVICTED  # its tier no longer holds it: never clean
                     self._demoting += 1
@@ -283,7 +290,8 @@ class WriteBehind:
                 self._count(clean_evictions=1)
                 return
             try:
-                parent = entry.parent if entry is not None else None
+                # no mark (the backlog's bound dropped it): the parent its tier was told, if it keeps it
+                parent = entry.parent if entry is not None else parent_held_above(key)
                 if meta is None and entry is not None:
                     meta = entry.meta
                 created = upper.created_of(key) if lower.keeps_age else None  # (the victim is still held)
@@ -370,6 +378,7 @@ class WriteBehind:
                 while dirty and len(batch) < self.batch_blocks:
                     key, entry = dirty.popitem(last=False)
                     self._inflight[level][key] = _COPYING
+                    self._taken[level][key] = entry
                     batch.append((key, entry))
                 return level, batch
         raise AssertionError("_take_locked called with nothing dirty")
@@ -422,15 +431,14 @@ class WriteBehind:
         below = []
         flushed = dropped = 0
         with self._cond:
-            inflight = self._inflight[level]
             for key in gone:
-                inflight.pop(key, None)
+                self._land_locked(level, key)
             for key, entry in reversed(deferred):
-                if inflight.pop(key, None) == _COPYING and key not in self._deleting:
+                if self._land_locked(level, key) == _COPYING and key not in self._deleting:
                     self._dirty[level][key] = entry
                     self._dirty[level].move_to_end(key, last=False)
             for i, ((key, entry), status) in enumerate(zip(taken, statuses)):
-                state = inflight.pop(key, _COPYING)
+                state = self._land_locked(level, key, _COPYING)
                 if key in self._deleting:
                     continue
                 if status is not Status.OK:
@@ -447,6 +455,11 @@ class WriteBehind:
             closed = self._closed  # then close() has counted the whole batch as dropped
         if (flushed or dropped) and not closed:
             self._count(writebehind_flushed=flushed, writebehind_dropped=dropped)
+
+    def _land_locked(self, level: int, key: BlockKey, default: str | None = None) -> str | None:
+        """``key``'s copy is no longer in flight: its state (copying, or evicted meanwhile)."""
+        self._taken[level].pop(key, None)
+        return self._inflight[level].pop(key, default)
 
     # -- flush and close ----------------------------------------------------------------
     def flush(self, timeout_s: float | None) -> FlushReport:

@@ -644,17 +644,20 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
                         self.path, space.free)
 
     def _medium_known_for(self, need: int) -> None:
-        """Before a write that cannot be made again (a stream, read once) of ``need`` bytes: where
-        the limit is still ``capacity_bytes`` (a fresh open or a restart on a full disk, no write
-        has found it full yet, or :meth:`_medium_freed` rose back there), the tier does not know
-        whether the file system has room, and a stream that finds none is refused FULL where
-        evicting would have made it (a plain put is written again). So statvfs is asked (one call):
-        where it shows less room than the write and the reservations not yet written need, or no
-        free inode, the medium is the limit from now, as the write's ENOSPC would have set it
-        (:meth:`_medium_full`), and :meth:`_make_room` then evicts for it. A spent quota does not
-        show there: its EDQUOT still refuses the stream (then the limit is exact)."""
-        if self._limit < self._capacity:
-            return  # the medium set it: counted since, every write and removal
+        """Before a write that cannot be made again (a stream, read once) of ``need`` bytes: the
+        tier does not know whether the file system has room for it, neither while the limit is
+        still ``capacity_bytes`` (a fresh open or a restart on a full disk, no write has found it
+        full yet, or :meth:`_medium_freed` rose back there) nor under a limit the medium set
+        (counted since by this tier's own writes and removals: another process on a shared file
+        system may have taken the room this tier freed). A stream that finds no room is refused
+        FULL where evicting would have made it (a plain put is written again). So statvfs is asked
+        (one call per stream): where it shows less room than the write and the reservations not
+        yet written need, or no free inode, the medium is the limit from now, as the write's ENOSPC
+        would have set it (:meth:`_medium_full`), and :meth:`_make_room` then evicts for it. A
+        spent quota does not show there: its EDQUOT still refuses the stream (then the limit is
+        exact)."""
+        if self._quota_limited:
+            return  # statvfs does not show a quota: the limit it set stays
         space = self._statvfs()
         if space is not None and (space.no_inode or space.free < need + self._reserved - self._landed):
             self._medium_full(quota=False)

@@ -77,6 +77,8 @@ class _Entry:
     key_pins: int = 0  #: those of ``pins`` taken by :meth:`HostTier.pin` (``unpin`` releases only these)
     published: bool = False
     doomed: bool = False  # deleted while pinned: free the memory at the last unpin
+    #: the parent its publishing commit named: the demotion hook passes it down (:meth:`HostTier.parent_of`)
+    parent: BlockKey | None = None
 
 
 class Reservation(NamedTuple):
@@ -336,6 +338,7 @@ class HostTier(Tier):
                 won = True
             if won:
                 entry.published = True
+                entry.parent = parent
                 if self._ages is not None:
                     self._ages.push(entry.created, key, entry, held=len(self._entries))
                 self._policy.on_insert(key, parent)
@@ -550,6 +553,17 @@ class HostTier(Tier):
             if not copies:
                 return None
             return time.time() - (time.monotonic() - min(e.created for e in copies))
+
+    def parent_of(self, key: BlockKey) -> BlockKey | None:
+        """The parent named when a held block was published (None: none was, or not held). Expired
+        blocks not yet freed answer too, as for :meth:`created_of`: an ``on_evict`` hook demoting a
+        victim whose write-behind mark is gone (the backlog's bound dropped it) still links it below."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None and entry.published:
+                return entry.parent
+            leaving = self._leaving.get(key)
+            return leaving[0].parent if leaving else None
 
     def admits(self, created: float | None) -> bool:
         """False for a block already past ``ttl_s`` (a put of it stores nothing; see :meth:`reserve`)."""
