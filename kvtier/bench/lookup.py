@@ -23,6 +23,7 @@ import time
 
 import numpy as np
 
+from kvtier.bench.storage import refuse_beyond_memory
 from kvtier.core.keys import _c_chain, block_keys
 from kvtier.core.layout import KVLayout
 from kvtier.core.namespace import Namespace
@@ -39,6 +40,8 @@ def run(tokens: int, block_tokens: int, runs: int) -> dict:
                           f"--runs > 0; got {tokens}, {block_tokens}, {runs}")
     # A small per-block payload keeps the store cheap; lookup cost does not depend on it.
     layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, dtype="float16", block_tokens=block_tokens)
+    # what it holds at once, at least: the prompt as int64 and as a list (8-byte pointers alone), the store
+    refuse_beyond_memory(f"--tokens {tokens}", 16 * tokens + 2 * (tokens // block_tokens) * layout.block_nbytes)
     ns = Namespace("bench/lookup", layout, weights_revision="r0", tenant="bench")
     prompt = np.random.default_rng(0).integers(0, 128_000, tokens, dtype=np.int64)
     keys = block_keys(ns, prompt)

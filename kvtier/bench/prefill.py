@@ -88,6 +88,46 @@ def measure(model_config: dict, tokens: list[int], repeat: int, device: str) -> 
     return points, {"torch": torch.__version__, "threads": torch.get_num_threads(), "dtype": str(dtype)}
 
 
+def _model_problem(args) -> str | None:
+    """Why the model flags cannot build a Llama, or None: said before the measurement, which a bad
+    one ended in a traceback (a division by zero heads, a tensor shape, transformers' own check)."""
+    sizes = {"--layers": args.layers, "--hidden": args.hidden, "--heads": args.heads, "--kv-heads": args.kv_heads,
+             "--intermediate": args.intermediate, "--vocab": args.vocab, "--repeat": args.repeat}
+    small = [f"{flag} {value}" for flag, value in sizes.items() if value < 1]
+    if small:
+        return f"sizes are at least 1; got {', '.join(small)}"
+    if args.hidden % args.heads:
+        return f"--hidden {args.hidden} must be a multiple of --heads {args.heads} (each head gets hidden/heads dims)"
+    if args.heads % args.kv_heads:
+        return f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads} (heads share KV heads in groups)"
+    return None
+
+
+def _output_problem(path: Path) -> str | None:
+    """Why the profile cannot be written to ``path``, or None: checked before the measurement,
+    which may take minutes, not after it."""
+    parent = path.parent
+    if path.is_dir():
+        return f"--output {path} is a directory; give a file path"
+    if not parent.is_dir():
+        return f"--output {path}: its directory {parent} does not exist"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"--output {path}: its directory {parent} is not writable"
+    return None
+
+
+def _device_problem(device: str) -> str | None:
+    """Why torch cannot place a tensor on ``device`` (a name it does not know, a backend it was
+    built without), or None."""
+    import torch
+
+    try:
+        torch.empty(0, device=torch.device(device))
+    except (RuntimeError, AssertionError) as exc:   # torch asserts "not compiled with CUDA enabled"
+        return f"--device {device!r}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+    return None
+
+
 def run(args) -> int:
     from kvtier.planner.costmodel import CalibrationTable, fit_rates
 
@@ -98,10 +138,15 @@ def run(args) -> int:
         print(f"kvtier bench prefill: give at least 3 distinct --tokens lengths, each at least 1 (the fit has "
               f"3 terms); got {','.join(map(str, args.tokens))}", file=sys.stderr)
         return 2
+    accelerator = args.accelerator or args.device.split(":")[0]
+    path = Path(args.output or f"prefill_{accelerator}.json")
+    problem = _model_problem(args) or _output_problem(path) or _device_problem(args.device)
+    if problem:
+        print(f"kvtier bench prefill: {problem}", file=sys.stderr)
+        return 2
     model_config = dict(num_hidden_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
                         num_key_value_heads=args.kv_heads, intermediate_size=args.intermediate,
                         vocab_size=args.vocab)
-    accelerator = args.accelerator or args.device.split(":")[0]
     points, runtime = measure(model_config, lengths, args.repeat, args.device)
     extra = {**runtime, "host": platform.node(),
              "machine": platform.machine(), "processor": platform.processor() or platform.machine(),
@@ -115,7 +160,6 @@ def run(args) -> int:
     fit = fit_rates(table)
     profile = table.to_json()
     profile["fit"] = fit._asdict()
-    path = Path(args.output or f"prefill_{accelerator}.json")
     path.write_text(json.dumps(profile, indent=1) + "\n")
     if args.json:
         print(strict_json(profile))

@@ -222,6 +222,7 @@ def run(blocks: int = 256, block_kib: int = 256, workdir: str | None = None, ser
     if workdir is not None and not os.path.isdir(workdir):
         raise ConfigError(f"--dir {workdir!r} is not a directory")
     block_bytes = block_kib * KIB
+    _refuse_beyond_the_host(blocks, block_bytes, workdir or tempfile.gettempdir())
     workdir = tempfile.mkdtemp(prefix="kvtier-bench-restart-", dir=workdir)
     try:
         result = {"blocks": blocks, "block_bytes": block_bytes, **run_embedded(blocks, block_bytes, workdir)}
@@ -233,6 +234,17 @@ def run(blocks: int = 256, block_kib: int = 256, workdir: str | None = None, ser
         return result
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _refuse_beyond_the_host(blocks: int, block_bytes: int, directory: str) -> None:
+    """Lower bounds of what a run holds: every block twice in memory (the payloads put, the host
+    tier's pool) and once on disk (the disk tier's files, written back at close). ``--blocks``
+    of ten trillion was accepted, and ran until killed."""
+    from kvtier.bench.storage import refuse_beyond_free_space, refuse_beyond_memory
+
+    sizes = f"--blocks {blocks} x --block-kib {block_bytes // KIB}"
+    refuse_beyond_memory(sizes, 2 * blocks * block_bytes)
+    refuse_beyond_free_space(sizes, blocks * block_bytes, directory)
 
 
 def register(subparsers) -> None:

@@ -118,6 +118,25 @@ def _verify(got: np.ndarray, want: np.ndarray, who: int, i: int, sides: tuple[st
         )
 
 
+def refuse_beyond_memory(sizes: str, needed: int) -> None:
+    """Refuse (ConfigError) a run whose buffers need more bytes than this host's physical memory:
+    a size typed a few digits too long ended in a MemoryError traceback, or in swapping for hours.
+    ``sizes``: the flags that set ``needed``, as the message quotes them."""
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if needed > memory:
+        raise ConfigError(f"{sizes} needs at least {needed / 2**30:.1f} GiB of memory, this host has "
+                          f"{memory / 2**30:.1f} GiB")
+
+
+def refuse_beyond_free_space(sizes: str, needed: int, directory: str) -> None:
+    """Refuse (ConfigError) a run whose files need more bytes than ``directory``'s file system has
+    free, before it writes them: it would end in ENOSPC, after filling the disk for others."""
+    free = shutil.disk_usage(directory).free
+    if needed > free:
+        raise ConfigError(f"{sizes} needs at least {needed / 2**30:.1f} GiB of disk in {directory}, it has "
+                          f"{free / 2**30:.1f} GiB free")
+
+
 def _keys(run: int, blocks: int) -> list[bytes]:
     return [hashlib.sha256(f"bench-storage/{run}/{i}".encode()).digest() for i in range(blocks)]
 
@@ -455,6 +474,7 @@ def run(tier: str, block_mib: float, blocks: int | None, runs: int, directory: s
     if encrypt and tier != "disk":
         raise ConfigError("--encrypt applies to --tier disk (the host tier stays plaintext by default)")
     blocks = blocks or max(4, -(-DEFAULT_RUN_BYTES // nbytes))
+    _refuse_beyond_the_host(tier, nbytes, blocks, directory, encrypt)
     if encrypt:
         bench = _EncryptedDiskBench(nbytes, blocks, directory, drop_caches)
     elif tier == "host":
@@ -523,6 +543,19 @@ def run(tier: str, block_mib: float, blocks: int | None, runs: int, directory: s
                            get_ratio_vs_pieces=result["get_ratio_vs_pieces"])
     result["warnings"] = ratio_warnings(checked)
     return result
+
+
+def _refuse_beyond_the_host(tier: str, nbytes: int, blocks: int, directory: str | None, encrypt: bool) -> None:
+    """The bytes a run holds at once, against the host's memory and the disk's free space (lower
+    bounds): the host bench keeps every block twice (the tier's pool, the limit's warm buffer),
+    the disk bench every block in a file of the tier's and one of the limit's (and the sealed
+    tier's); both keep four block buffers (the sealed bench eight: its staging-like copies)."""
+    sizes = f"--block-mib {nbytes / MIB:g} x --blocks {blocks}"
+    if tier == "host":
+        refuse_beyond_memory(sizes, (2 * blocks + 4) * nbytes)
+        return
+    refuse_beyond_memory(f"--block-mib {nbytes / MIB:g}", (8 if encrypt else 4) * nbytes)
+    refuse_beyond_free_space(sizes, (3 if encrypt else 2) * blocks * nbytes, directory or os.getcwd())
 
 
 def register(subparsers) -> None:

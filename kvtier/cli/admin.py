@@ -113,9 +113,16 @@ def _run(args) -> int:
     if not token:
         print("kvtier admin: give the admin token with --token or KVTIER_ADMIN_TOKEN", file=sys.stderr)
         return 2
+    if args.timeout_s <= 0:   # a deadline already passed: "did not answer in time" blamed the server
+        print(f"kvtier admin: --timeout-s is seconds to wait for the server, > 0; got {args.timeout_s:g}",
+              file=sys.stderr)
+        return 2
     try:
         result = admin_call(args.url, token, call["cmd"], call["args"], timeout_s=args.timeout_s)
-    except (OSError, ConfigError) as exc:
+    except ConfigError as exc:   # --url is no server address: the caller's to fix, as every flag
+        print(f"kvtier admin: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
         print(f"kvtier admin: {exc}", file=sys.stderr)
         return 1
     print(json.dumps(result, default=str))
@@ -123,7 +130,8 @@ def _run(args) -> int:
 
 
 def admin_call(url: str, token: str, cmd: str, args: dict, *, timeout_s: float = 30.0) -> dict:
-    """One admin API call; raises OSError (incl. the server's refusal) on failure."""
+    """One admin API call; raises OSError (incl. the server's refusal) on failure, ConfigError for a
+    ``url`` that is no server address."""
     import time
 
     from kvtier.tiers.remote_protocol import Op

@@ -33,6 +33,21 @@ def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(part) for part in text.split(",") if part.strip())
 
 
+def ttft_percentile(text: str) -> float:
+    """An argparse ``type`` for ``--ttft-percentile``, checked in its own unit (percent: 90 for p90).
+    The sizing's message spoke of a fraction ("0.9 for p90"), and ``--ttft-percentile 0.9`` then
+    sized the fleet for p0.9; a value below 1 is accepted (p0.5 may be meant) with a warning."""
+    import argparse
+
+    value = finite_float(text)
+    if not 0 < value < 100:
+        raise argparse.ArgumentTypeError(f"a percentile in (0, 100), e.g. 90 for p90; got {text}")
+    if value < 1:
+        print(f"kvtier: warning: --ttft-percentile {text} sizes for p{value:g}, not p{value * 100:g}; "
+              f"the flag is in percent (90 for p90)", file=sys.stderr)
+    return value
+
+
 def register(subparsers) -> None:
     parser = subparsers.add_parser("plan", help="size context memory and workers")
     sub = parser.add_subparsers(dest="plan", required=True)
@@ -53,7 +68,8 @@ def register(subparsers) -> None:
 
     wk = sub.add_parser("workers", help="prefill/decode workers and tier sizes for TTFT and ITL targets")
     wk.add_argument("--ttft", type=finite_float, required=True, help="TTFT target in seconds")
-    wk.add_argument("--ttft-percentile", type=finite_float, default=90.0, help="percentile the TTFT target applies to")
+    wk.add_argument("--ttft-percentile", type=ttft_percentile, default=90.0,
+                    help="percentile the TTFT target applies to, in percent (default 90: p90)")
     wk.add_argument("--itl", type=finite_float, required=True, help="inter-token latency target in seconds")
     wk.add_argument("--trace", default=None, help="Mooncake-format trace (gives rate, lengths and hit rate)")
     wk.add_argument("--rate", type=finite_float, default=None, help="arrival rate in requests/s (without --trace)")
@@ -75,7 +91,8 @@ def register(subparsers) -> None:
     live = sub.add_parser("live", help="watch a deployment's metrics, decide worker counts, act through a launcher")
     live.add_argument("--router", required=True, help="kvtier route address (host:port or URL) whose /metrics to poll")
     live.add_argument("--ttft", type=finite_float, required=True, help="TTFT target in seconds")
-    live.add_argument("--ttft-percentile", type=finite_float, default=90.0)
+    live.add_argument("--ttft-percentile", type=ttft_percentile, default=90.0,
+                      help="percentile the TTFT target applies to, in percent (default 90: p90)")
     live.add_argument("--itl", type=finite_float, required=True, help="inter-token latency target in seconds")
     live.add_argument("--output-tokens", type=int, default=256, help="mean output tokens assumed for decode sizing")
     live.add_argument("--cluster", default=None, help="cluster config JSON (model, accelerator, tiers)")
@@ -326,6 +343,7 @@ def run_live(args) -> int:
     from kvtier.sim.cluster import load_cluster
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _refuse_waits_out_of_range(args)
     if args.output_tokens <= 0:
         raise ConfigError(f"--output-tokens is the mean output tokens per request, > 0; got {args.output_tokens}")
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
@@ -372,13 +390,30 @@ def run_live(args) -> int:
     return 0
 
 
+def _refuse_waits_out_of_range(args) -> None:
+    """The seconds ``plan live`` sleeps or waits for, bounded by a day: ``finite_float`` takes
+    1e300, which ``time.sleep`` and a process wait overflow (a traceback after the first decision,
+    whose end stopped the workers that decision had started)."""
+    from kvtier.cli.top import MAX_WAIT_S
+    from kvtier.errors import ConfigError
+
+    # flag, seconds, whether 0 is a meaningful value (no start-up delay, no drain wait)
+    waits = (("--interval", args.interval, False), ("--startup", args.startup, True),
+             ("--health-timeout", args.health_timeout, False), ("--drain-timeout", args.drain_timeout, True))
+    for flag, seconds, zero_means_none in waits:
+        low_ok = seconds >= 0 if zero_means_none else seconds > 0
+        if not (low_ok and seconds <= MAX_WAIT_S):
+            raise ConfigError(f"{flag} is seconds in {'[' if zero_means_none else '('}0, {MAX_WAIT_S:g}] "
+                              f"(at most a day), got {seconds:g}")
+
+
 def live_max_workers(args) -> int:
     """``--max-workers``; without it, 100,000 (the sizing's bound) for a dry run, and for the
     local launcher :data:`LOCAL_MAX_WORKERS`, or more where the workers adopted or
     ``--min-workers`` are more (a lower bound would drain adopted workers at once)."""
     from kvtier.planner.workers import MAX_WORKERS
 
-    if args.max_workers:
+    if args.max_workers is not None:   # 0 too: PlannerSettings refuses it, not taken as "not given"
         return args.max_workers
     if args.launcher != "local":
         return MAX_WORKERS
@@ -413,7 +448,11 @@ def _live_launcher(args):
         cores = tuple(int(c) for c in args.cores.split(",") if c.strip())
     except ValueError:
         raise ConfigError(f"--cores is a comma-separated list of core numbers, got {args.cores!r}") from None
-    template = WorkerTemplate(args.model, tuple(shlex.split(args.worker_args)), kv_events=not args.no_kv_events,
+    try:
+        worker_args = tuple(shlex.split(args.worker_args))
+    except ValueError as exc:   # an unbalanced quote
+        raise ConfigError(f"--worker-args {args.worker_args!r}: {exc}") from None
+    template = WorkerTemplate(args.model, worker_args, kv_events=not args.no_kv_events,
                               env=(("HF_HUB_OFFLINE", os.environ.get("HF_HUB_OFFLINE", "1")),), cores=cores)
     run_dir = args.run_dir or tempfile.mkdtemp(prefix="kvtier-planner-")
     token = args.router_admin_token or os.environ.get("KVTIER_ROUTER_ADMIN_TOKEN")

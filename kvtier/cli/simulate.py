@@ -7,6 +7,7 @@ import sys
 import time
 from pathlib import Path
 
+from kvtier.cli.plan import ttft_percentile
 from kvtier.core.units import finite_float
 
 
@@ -38,7 +39,8 @@ def register(subparsers) -> None:
                          help="copies of the trace's users (sets the fleet size: 100 gives hundreds of workers);"
                               " copies x trace requests may not exceed the requests a simulated day holds")
     planner.add_argument("--ttft", type=finite_float, default=2.0, help="TTFT target in seconds (SLA)")
-    planner.add_argument("--ttft-percentile", type=finite_float, default=90.0, help="percentile the planner sizes for")
+    planner.add_argument("--ttft-percentile", type=ttft_percentile, default=90.0,
+                         help="percentile the planner sizes for, in percent (default 90: p90)")
     planner.add_argument("--itl", type=finite_float, default=0.05, help="inter-token latency target in seconds")
     planner.add_argument("--interval", type=finite_float, default=360.0,
                          help="planner interval in seconds of the day (compressed with it into the trace's span)")

@@ -3,9 +3,11 @@
 Scrapes ``/metrics`` of the kvtier server (with the admin token: per-tenant series), the
 router, and the workers (vLLM's own ``/metrics``), and a planner's JSON status file if
 given; redraws every ``--interval`` seconds (rich ``Live``), or renders one frame with
-``--once``. Rates (hit rate, requests/s) are from counter deltas between frames; the
-first frame shows totals since start. An endpoint that does not answer is shown as down,
-never a crash.
+``--once``. The server's hit rates are from counter deltas between frames (counters that went
+down, a restarted server's, are read from their new totals, as Prometheus reads a reset); the
+first frame shows them since start. A worker's "routed" is the router's total since it started,
+its "KV use" its fullest engine's. An endpoint that does not answer is shown as down, never a
+crash.
 """
 
 from __future__ import annotations
@@ -23,6 +25,14 @@ from collections import defaultdict
 from typing import NamedTuple
 
 from kvtier.core.units import finite_float
+
+#: the longest wait a flag may ask for, ``--interval`` here and ``plan live``'s (a day): ``time.sleep``
+#: overflows a C ``time_t`` far below ``finite_float``'s bound (``--interval 1e300`` crashed after the
+#: first frame)
+MAX_WAIT_S = 86400.0
+
+#: vLLM's KV cache fill gauge, under its current name and its older one
+KV_USAGE_METRICS = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 
 
 def register(subparsers) -> None:
@@ -50,6 +60,13 @@ class Samples(NamedTuple):
         """Sum of the samples of ``name`` whose labels include ``labels``."""
         want = set(labels.items())
         return sum(v for (n, ls), v in self.values.items() if n == name and want <= ls)
+
+    def fullest(self, names) -> float | None:
+        """The largest finite sample of any of ``names``, or None without one: a gauge of one
+        series per engine (data parallel) read as its fullest engine, never their sum; a NaN
+        (a 0/0 while an engine restarts) is no reading."""
+        finite = [v for (n, _), v in self.values.items() if n in names and math.isfinite(v)]
+        return max(finite) if finite else None
 
     def by(self, name: str, label: str) -> dict[str, float]:
         out: dict[str, float] = defaultdict(float)
@@ -177,17 +194,24 @@ def _ratio(hits: float, misses: float) -> float | None:
     return hits / (hits + misses) if hits + misses > 0 else None
 
 
+def _hit_rate(server: Samples, prev_server: Samples | None, op: str) -> float | None:
+    """``op``'s hit rate since ``prev_server`` (the previous frame's scrape), else since the server
+    started. A counter that went down means the server restarted between the frames: as
+    Prometheus reads a reset, both counters then count from 0, and their totals are the frame's
+    (a delta across the restart showed -33 % or 133 %)."""
+    counts = [server.get(name, op=op) for name in ("kvtier_hits_total", "kvtier_misses_total")]
+    if prev_server is not None and prev_server.up:
+        before = [prev_server.get(name, op=op) for name in ("kvtier_hits_total", "kvtier_misses_total")]
+        if all(now >= then for now, then in zip(counts, before)):
+            counts = [now - then for now, then in zip(counts, before)]
+    return _ratio(*counts)
+
+
 def build_frame(server: Samples, router: Samples, workers: dict[str, Samples], planner: dict | None,
-                previous: "Frame | None" = None, prev_server: Samples | None = None) -> Frame:
+                prev_server: Samples | None = None) -> Frame:
     used, cap = server.by("kvtier_tier_used_bytes", "tier"), server.by("kvtier_tier_capacity_bytes", "tier")
     tiers = [(name, used[name], cap.get(name, 0.0)) for name in used]
-    hit_rate = {}
-    for op in ("get", "lookup"):
-        hits, misses = server.get("kvtier_hits_total", op=op), server.get("kvtier_misses_total", op=op)
-        if prev_server is not None and prev_server.up:
-            hits -= prev_server.get("kvtier_hits_total", op=op)
-            misses -= prev_server.get("kvtier_misses_total", op=op)
-        hit_rate[op] = _ratio(hits, misses)
+    hit_rate = {op: _hit_rate(server, prev_server, op) for op in ("get", "lookup")}
     tenants = _tenant_rows(server)
     routed, healthy = router.by("kvtier_router_requests_total", "worker"), router.by("kvtier_router_worker_healthy",
                                                                                       "worker")
@@ -197,8 +221,8 @@ def build_frame(server: Samples, router: Samples, workers: dict[str, Samples], p
         rows.append({"worker": name, "healthy": healthy.get(name), "routed": routed.get(name, 0.0),
                      "running": w.get("vllm:num_requests_running") if w and w.up else None,
                      "waiting": w.get("vllm:num_requests_waiting") if w and w.up else None,
-                     "kv_usage": (w.get("vllm:gpu_cache_usage_perc") or w.get("vllm:kv_cache_usage_perc"))
-                     if w and w.up else None})
+                     # the fullest engine, as the planner reads it (observe.fleet_load)
+                     "kv_usage": w.fullest(KV_USAGE_METRICS) if w and w.up else None})
     down = [label for label, s in (("server", server), ("router", router)) if not s.up and s.error != "not given"]
     down += [name for name, s in workers.items() if not s.up]
     return Frame(tiers, hit_rate, server.get("kvtier_stored_blocks"), tenants, rows, planner, down)
@@ -321,8 +345,9 @@ def run(args) -> int:
     if not (args.server or args.router or args.worker or args.planner):
         print("kvtier top: give at least one of --server, --router, --worker, --planner", file=sys.stderr)
         return 2
-    if args.interval <= 0:
-        print("kvtier top: --interval must be > 0 seconds", file=sys.stderr)
+    if not 0 < args.interval <= MAX_WAIT_S:
+        print(f"kvtier top: --interval must be > 0 and at most {MAX_WAIT_S:g} seconds (a day), "
+              f"got {args.interval:g}", file=sys.stderr)
         return 2
 
     for flag, address in [("--server", args.server), ("--router", args.router), ("--planner", args.planner),

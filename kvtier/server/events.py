@@ -609,6 +609,11 @@ class EventSubscriber:
     server heard last (None before, or from a server that sends none). ``heard``: when a
     ``SYNC`` or ``EV`` last came (``time.monotonic``; 0.0 before the first). Not thread safe:
     one thread uses it.
+
+    With ``since``, the first message is expected to be number ``since``: when the first ``EV`` or
+    ``SYNC`` is ahead of it (the ring moved past ``since``, or the replay was answered ``BUSY``
+    and the next number came live or with a renewal), the numbers in between count as gaps; one
+    below it, a number that went back, is a restart.
     """
 
     def __init__(self, endpoint: str, *, server_public: str | None = None, public: str | None = None,
@@ -635,6 +640,7 @@ class EventSubscriber:
         self.malformed = 0
         self.status: bytes | None = None
         self.heard = 0.0
+        self._since = since   #: the number asked to replay from: the first message is judged against it
         self._sub(since)
 
     def _sub(self, since: int | None) -> None:
@@ -705,14 +711,17 @@ class EventSubscriber:
         """Take ``seq`` (an ``EV``'s own number, a ``SYNC``'s next one) from ``publisher`` as the next
         number: a restart if another publisher sent it or the number went back (then the numbers
         before it are the new server's, not lost ones of the old), else a gap if it skipped ahead."""
-        if self.next_seq is None:   # the first message: nothing to follow on from
-            if publisher is None:
-                log.info("events from %s carry no publisher id (a kvtier server from before it): a restart "
-                         "is told only by numbers that go back", self.endpoint)
-        elif publisher != self.publisher_id or seq < self.next_seq:
-            self.restarts += 1
-        elif seq > self.next_seq:
-            self.gaps += seq - self.next_seq
+        first = self.next_seq is None
+        # the first message follows on from the number the replay was asked from, if any
+        expected = self._since if first else self.next_seq
+        if first and publisher is None:
+            log.info("events from %s carry no publisher id (a kvtier server from before it): a restart "
+                     "is told only by numbers that go back", self.endpoint)
+        if expected is not None:   # else the first message of a stream joined live: nothing to follow on from
+            if (not first and publisher != self.publisher_id) or seq < expected:
+                self.restarts += 1
+            elif seq > expected:
+                self.gaps += seq - expected
         self.publisher_id, self.next_seq = publisher, seq
 
     def close(self) -> None:

@@ -31,7 +31,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import NamedTuple
-from urllib.parse import parse_qs, parse_qsl, urlsplit, urlunsplit
+from urllib.parse import SplitResult, parse_qs, parse_qsl, urlsplit, urlunsplit
 
 import xxhash
 
@@ -82,7 +82,11 @@ class Address:
 def parse_url(url: str) -> Address:
     """``tcp://HOST:PORT``, ``tls://HOST:PORT`` or ``unix:///PATH``, with optional
     ``?namespace=NAME&token=T&ca=CA.pem`` (prefer ``KVTIER_TOKEN`` to a token in a URL)."""
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)
+    except ValueError:   # an unclosed bracket (tcp://[::1:7070), a host no name can be: a typo, not a crash
+        raise ConfigError(f"{_redacted(_split_unchecked(url))!r} is not a URL: its host is no name or address "
+                          "(an IPv6 address goes in brackets closed before the port: tcp://[::1]:7070)") from None
     shown = _redacted(parts)  # errors end up in logs: never the token
     query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
     unknown = set(query) - {"namespace", "token", "ca"}
@@ -102,6 +106,17 @@ def parse_url(url: str) -> Address:
             raise ConfigError(f"{shown!r}: expected {parts.scheme}://HOST:PORT, e.g. {parts.scheme}://127.0.0.1:7070")
         return Address(parts.scheme, parts.hostname, port, **common)
     raise ConfigError(f"{shown!r}: use tcp://HOST:PORT, tls://HOST:PORT or unix:///PATH")
+
+
+def _split_unchecked(url: str) -> SplitResult:
+    """``url`` cut into urlsplit's parts without its checks of the host, so that a URL it refused
+    can still be quoted through :func:`_redacted` (a token in its query masked)."""
+    rest, _, query = url.partition("#")[0].partition("?")
+    scheme, sep, rest = rest.partition("://")
+    if not sep:
+        return SplitResult("", "", scheme, query, "")
+    netloc, slash, path = rest.partition("/")
+    return SplitResult(scheme, netloc, slash + path, query, "")
 
 
 def _redacted(parts) -> str:
