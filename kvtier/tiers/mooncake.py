@@ -429,24 +429,40 @@ class MooncakeTier(TierReads, TierWrites, BoundedEngineCalls, TenantNaming, Tier
     def _owe(self, keys: Sequence[BlockKey], names: Sequence[str], which, code: int, why: str) -> None:
         """Hide ``names[j]`` for ``j`` in ``which`` until their removal lands, and report them; past
         the bound, give up those neither owed already nor kept (:func:`owed_removals_kept`)."""
-        now = time.monotonic()
         kept = _KEPT_OWED.get()
+        self._hide_until_removed([names[j] for j in which], kept={names[j] for j in which if bytes(keys[j]) in kept})
+        where = f"Mooncake fleet {self.master}"
+        for j in which:
+            report_refused(keys[j], where, OSError(code, why))
+
+    def _hide_until_removed(self, names: Sequence[str], kept: Collection[str] = frozenset()) -> None:
+        """Owe the removal of ``names``: hidden from this tier's reads and lookups until it lands,
+        retried; past the bound, given up for those neither owed already nor in ``kept``."""
+        now = time.monotonic()
         given_up = 0
         with self._lock:
             owed = self._unremoved
-            for j in which:
-                name = names[j]
+            for name in names:
                 if name in owed:
                     continue
-                if len(owed) < self.max_owed_removals or bytes(keys[j]) in kept:
+                if len(owed) < self.max_owed_removals or name in kept:
                     owed[name] = now
                 else:
                     given_up += 1
         if given_up:
             self._note_given_up(given_up)
-        where = f"Mooncake fleet {self.master}"
-        for j in which:
-            report_refused(keys[j], where, OSError(code, why))
+
+    def _forget_removed(self, names: Sequence[str], codes: Sequence[int]) -> list[str]:
+        """Forget the owed removal of each of ``names`` whose forced removal left nothing to remove
+        (``codes``: the engine's answers); returns the names whose removal did not land."""
+        left = []
+        with self._lock:
+            for name, code in zip(names, codes):
+                if code == 0 or code in _NOTHING_TO_REMOVE:
+                    self._unremoved.pop(name, None)
+                else:
+                    left.append(name)
+        return left
 
     def _note_given_up(self, n: int) -> None:
         """Count ``n`` owed removals given up; warn at most every :data:`_GIVE_UP_NOTE_S` seconds."""
@@ -494,10 +510,9 @@ class MooncakeTier(TierReads, TierWrites, BoundedEngineCalls, TenantNaming, Tier
         tier's tag is (a reader's lease protects nothing worth keeping; a plain delete would only
         hide it, and a put of the key would then bring the bad object back). Read it again hashed
         first: a read torn by a delete fails too, and the name may hold a good block by now (the
-        hashed read judges that as this tier's own reads are judged)."""
+        hashed read judges that as this tier's own reads are judged). A removal the fleet cannot
+        be asked now (the tier down) or does not carry out is owed (hidden, retried)."""
         self._drop(self.storage_name(key), "fails its reader's authentication")
-        with self._lock:
-            self._unremoved.pop(self.storage_name(key), None)
 
     def _hidden(self, names: Sequence[str]) -> list[bool]:
         """Which of ``names`` are hidden (a removal owed): asked name by name, so that a call costs
@@ -533,10 +548,7 @@ class MooncakeTier(TierReads, TierWrites, BoundedEngineCalls, TenantNaming, Tier
         with self._removals.removing(names):
             codes = self._call(deadline, self._engine.batch_remove, names, True)
         self._codes(codes)
-        with self._lock:
-            for name, code in zip(names, codes):
-                if code == 0 or code in _NOTHING_TO_REMOVE:
-                    self._unremoved.pop(name, None)
+        self._forget_removed(names, codes)
 
     # -- the rest of the contract ---------------------------------------------------------------
     def keys(self) -> Iterator[BlockKey]:
@@ -590,8 +602,8 @@ class MooncakeTier(TierReads, TierWrites, BoundedEngineCalls, TenantNaming, Tier
         return True
 
     def _late_work_ended_then_unregister(self) -> bool:
-        """For the client's last release: :meth:`_late_work_ended`, and then the memory registered
-        with this tier is let go (it is closing the client)."""
+        """For the client's releases and acquires after this tier's: :meth:`_late_work_ended`, and
+        then the memory registered with this tier is let go (the client then forgets this tier)."""
         if not self._late_work_ended():
             return False
         self._unregister_regions()

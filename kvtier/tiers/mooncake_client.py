@@ -258,6 +258,9 @@ class Registrar:
                     self._running_since = None
                     self._idle.notify_all()
                 done.set()
+            # the job's buffer is let go now: kept until the next job, the last buffer unregistered
+            # (memory a closed tier registered) stayed alive for as long as no other job came
+            del job, array, done
 
     def _register(self, array: np.ndarray) -> None:
         with self._idle:
@@ -415,6 +418,7 @@ class SharedClient:
                                                  connect_timeout_s))
                 cls._registry[key] = shared
             shared.refs += 1
+            shared._forget_ended_users()
             return shared
 
     def release(self, *, late_work_ended: Callable[[], bool] | None = None, timeout_s: float = 2.0) -> None:
@@ -423,18 +427,20 @@ class SharedClient:
         calls have ended since): closing the store under a running call crashed the process (a
         segmentation fault), so such a client is left to the process's end. (Asked once, when the
         user let go, a call that ended long before the last user let go left the client open all the
-        same: audit s32 a5 D5.) So is one whose buffers' unregistration did not end within
-        ``timeout_s``: its metadata server does not answer (each took 3 s, one after the other, a
-        close 3 s per staging buffer kept; and the store's own close, holding the GIL, took 9 s with
-        buffers still registered)."""
+        same: audit s32 a5 D5. Such users are asked again at every release and acquire, and let go
+        of once their calls have ended: :meth:`_forget_ended_users`.) So is one whose buffers'
+        unregistration did not end within ``timeout_s``: its metadata server does not answer (each
+        took 3 s, one after the other, a close 3 s per staging buffer kept; and the store's own
+        close, holding the GIL, took 9 s with buffers still registered)."""
         with self._registry_lock:
             self.refs -= 1
             if late_work_ended is not None:
                 self._late_users.append(late_work_ended)
+            self._forget_ended_users()
             if self.refs > 0:
                 return
             self._registry.pop(self.key, None)
-        if not all(ended() for ended in self._late_users):
+        if self._late_users:
             log.warning("mooncake: an engine call still runs; the client is left open until the process ends")
             return
         self.staging.clear()
@@ -447,6 +453,13 @@ class SharedClient:
         except Exception as exc:  # noqa: BLE001 - closing must not fail a shutdown
             log.debug("mooncake: close failed: %s", exc)
         self._let_transfer_go()
+
+    def _forget_ended_users(self) -> None:
+        """Let go of the users whose late work has ended (under the registry lock); asking each one
+        says so and has it let go of the memory it registered. Kept until the last user let go,
+        every tier that closed with a call running stayed referenced, its registered memory (a KV
+        pool, a host pool) alive and registered, one more per such close (audit s33 a3 D3)."""
+        self._late_users = [ended for ended in self._late_users if not ended()]
 
     def _let_transfer_go(self) -> None:
         """Tear the client's own transfer engine down now, on the closing thread. Its binding has no
