@@ -32,6 +32,10 @@
   (:mod:`kvtier.crypto.keystore_dir`).
 * A damaged key file is a :class:`~kvtier.errors.ConfigError` naming it, never
   replaced by new keys: that would shred the tenant.
+* A key file that cannot be read fails closed: once ``refresh_s`` has passed
+  since the keys were last checked, every call for the tenant raises (the keys
+  already loaded are not used) until a read succeeds; the failure is raised
+  again without touching the file for ``refresh_s`` (see ``_load_existing``).
 * Keys from elsewhere: a read that names an epoch (or key id) this process has
   not loaded -- another process rotated and wrote with the new key -- re-reads
   the tenant's file at once, whatever ``refresh_s`` says, at most once per
@@ -44,6 +48,7 @@ Thread safe.
 from __future__ import annotations
 
 import base64
+import copy
 import hashlib
 import hmac
 import json
@@ -126,6 +131,13 @@ class _TenantKeys:
     created: dict[int, float]
 
 
+class _FailedRead(NamedTuple):
+    """A tenant's key file that could not be read: when, and what was raised (see ``_load_existing``)."""
+
+    at: float
+    error: Exception
+
+
 #: every live keyring of this process, for the fork hook below (weak: a keyring's life is its owner's)
 _KEYRINGS: weakref.WeakSet[Keyring] = weakref.WeakSet()
 
@@ -164,6 +176,7 @@ class Keyring:
         self._lock = threading.RLock()
         self._tenants: dict[str, _TenantKeys] = {}
         self._missing_reloads: dict[str, float] = {}  # tenant -> when a missing key last forced a re-read
+        self._failed_reads: dict[str, _FailedRead] = {}  # tenant -> its key file's last failed read
         self._leases: dict[str, Lease] = {}  # tenant -> what this process may still encrypt, and under which key
         self.leases_taken = 0  #: leases this process took from the store (observability, tests)
         self.missing_key_reloads = 0  #: re-reads forced by a missing key (observability, tests)
@@ -178,6 +191,7 @@ class Keyring:
         self._leases = {}
         self._tenants = {}
         self._missing_reloads = {}
+        self._failed_reads = {}
 
     # -- derivations ------------------------------------------------------------
     def _kek(self, tenant: str) -> AESGCM:
@@ -259,13 +273,35 @@ class Keyring:
 
     def _load_existing(self, tenant: str, *, reread: bool = False) -> _TenantKeys | None:
         """The tenant's keys, re-read if the file changed (``reread``: re-read now, changed or not);
-        None if the store holds none. The keys loaded are replaced only by a read that succeeds: a
-        read that raises (the file unreadable) keeps them, so blocks under keys this process already
-        holds still open, in every thread."""
+        None if the store holds none. Keys checked less than ``refresh_s`` ago are used without a
+        look at the file (a forced re-read that raised leaves them to the others until then). After
+        that, a file that cannot be looked at or read (``stat`` or the read raises: EIO, ESTALE, a
+        damaged or unreadable rewrite, EMFILE) fails every call for the tenant -- the keys already
+        loaded included -- until a read succeeds; the failure is raised again, without touching the
+        file, for ``refresh_s`` (a broken or hung key store is asked once per ``refresh_s``, not at
+        every block)."""
         now = time.monotonic()
         cached = None if reread else self._tenants.get(tenant)
         if cached is not None and now - cached.checked < self.refresh_s:
             return cached
+        failed = None if reread else self._failed_reads.get(tenant)  # (forced: missing_reload_s limits it)
+        if failed is not None and now - failed.at < self.refresh_s:
+            raise copy.copy(failed.error)  # (a copy: each caller's traceback its own)
+        # Fail closed, not on the keys loaded: a file this process cannot read may be a retirement's
+        # rewrite (a new file, its read failing) or, on a shared mount, a shredded one (ESTALE), and
+        # a retired or shredded key must never go on opening blocks here, however long the store
+        # stays unreadable. The cost is misses (ERROR) while it does, never a key that must be gone.
+        try:
+            state = self._read_existing(tenant, cached, now)
+        except Exception as exc:
+            self._failed_reads[tenant] = _FailedRead(now, exc)
+            raise
+        self._failed_reads.pop(tenant, None)
+        return state
+
+    def _read_existing(self, tenant: str, cached: _TenantKeys | None, now: float) -> _TenantKeys | None:
+        """:meth:`_load_existing`'s look at the file: the keys ``cached`` if it did not change, else
+        read again (None: the file is gone, shredded)."""
         path = self._file(tenant)
         if cached is not None and self._current_version(path) == cached.version:
             cached.checked = now

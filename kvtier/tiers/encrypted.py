@@ -57,6 +57,7 @@ design.
 
 from __future__ import annotations
 
+import errno
 import functools
 import logging
 import mmap
@@ -72,7 +73,7 @@ from kvtier.core.keys import BlockKey
 from kvtier.core.payload import BlockMeta
 from kvtier.crypto import aead
 from kvtier.crypto.keyring import Keyring
-from kvtier.tiers.base import Status, Tier, age_kw, runs_by_bytes, writable_bytes
+from kvtier.tiers.base import Status, Tier, age_kw, report_refused, runs_by_bytes, writable_bytes
 from kvtier.tiers.mooncake_client import Registrar
 from kvtier.tiers.streams import StreamingTier, Unverifiable
 from kvtier.tiers.wrapper import WrappingTier
@@ -81,6 +82,8 @@ log = logging.getLogger(__name__)
 
 #: names of blocks found sealed under an epoch unknown here that are remembered (then replaced by a put)
 _UNREADABLE_KEPT = 4096
+#: keys of blocks whose delete the keyring refused that are remembered (withheld, see EncryptedTier.delete)
+_WITHHELD_KEPT = 65536
 #: distinct causes of the tier's own failures remembered as already logged
 _OWN_FAILURES_LOGGED = 64
 
@@ -215,12 +218,15 @@ class _OwnKeyring:
 
 def _keyring_failure_answers(answer):
     """A method of the tier (a key or a batch of keys first) that answers ``answer(tier, keys, exc)``
-    when the tier's own keyring fails, instead of raising: the failure is the tier's, not its caller's."""
+    when the tier's own keyring fails, instead of raising: the failure is the tier's, not its caller's.
+    The removals of its keys the keyring refused before are tried again first (see
+    :meth:`EncryptedTier.delete`): such a block is never served, found or kept by a put meanwhile."""
 
     def decorate(method):
         @functools.wraps(method)
         def guarded(self, keys, *args, **kw):
             try:
+                self._settle_withheld(keys)
                 return method(self, keys, *args, **kw)
             except _KeyringFailed as exc:
                 return answer(self, keys, exc)
@@ -238,7 +244,8 @@ def _errors(tier: "EncryptedTier", keys, exc: _KeyringFailed):
 
 
 def _not_found(value):
-    """What a lookup answers: ``value``, as if nothing were stored (a get would be an ERROR miss)."""
+    """What a lookup answers: ``value``, as if nothing were stored (a get would be an ERROR miss).
+    Never a delete's answer: "not stored" there would report an erasure done that was not."""
 
     def answer(tier: "EncryptedTier", keys, exc: _KeyringFailed):
         tier._log_own_failure(exc, "answered as not stored")
@@ -300,6 +307,10 @@ class EncryptedTier(WrappingTier):
         # one only keeps that key a miss.
         self._unreadable: OrderedDict[BlockKey, None] = OrderedDict()
         self._unreadable_lock = threading.Lock()
+        # Block keys whose delete the keyring refused (no storage name to delete under), under
+        # self._lock: withheld until their removal is done (see delete). Bounded: a key forgotten
+        # is served again once the keyring answers, but its delete was reported refused already.
+        self._withheld: OrderedDict[BlockKey, None] = OrderedDict()
 
     @property
     def on_evict(self):
@@ -324,7 +335,7 @@ class EncryptedTier(WrappingTier):
         """The inner tier evicts ``name``: hand the hook its block key and plaintext, so that a dirty
         block is demoted, not lost (under the inner tier's lock, as every demotion hook runs)."""
         key, hook = self._keys.pop(name, None), self._on_evict
-        if hook is None:
+        if hook is None or self._evicted_withheld(key):
             return
         if key is None:  # not stored through this tier (or its put failed): no key to demote it under
             log.warning("encrypted tier %s: evicted block %s… has no known block key: not demoted",
@@ -505,9 +516,7 @@ class EncryptedTier(WrappingTier):
         """The tier below counted the unhashed reads of blocks now read again as hits: taken back, so
         that its hashed read's verdict is the one counted (one get of one torn block counted two hits
         and twice its bytes: audit s32 a5 D6)."""
-        with self._lock:
-            self.inner.stats.hits -= len(views)
-            self.inner.stats.bytes_read -= sum(v.nbytes for v in views)
+        self.inner.uncount_hits(len(views), sum(v.nbytes for v in views))  # (under the lock it counts under)
 
     def _reject(self, tenant: str, name: BlockKey, why: str, lookup: "_KeyLookup") -> None:
         """Log a block that did not open; delete it only if it failed authentication under a key we
@@ -887,11 +896,53 @@ class EncryptedTier(WrappingTier):
         (log.warning if first else log.debug)(
             "encrypted tier %s: sealing or opening failed: %s (%s)", self.name, cause, outcome)
 
-    @_keyring_failure_answers(_not_found(False))
     def delete(self, key: BlockKey) -> bool:
-        name = self._name(key)
+        """As the tier below's. A keyring failure (the block's storage name cannot be derived: a
+        key file unreadable) is a removal refused, not "not stored": the sealed copy stays below,
+        so it is reported to :func:`~kvtier.tiers.base.refused_removals` (``TieredStore.delete``
+        raises ``DeleteRefused``: an erasure is not reported done, audit s33 a2 D1) and the block
+        withheld -- every later call naming the key tries the removal again first, and answers as
+        a keyring failure (ERROR, not stored) while it still fails; an eviction of it below is its
+        removal (never demoted)."""
+        try:
+            return self._delete_named(key)
+        except _KeyringFailed as exc:
+            self._withhold(key, exc)
+            return False
+
+    def _delete_named(self, key: BlockKey) -> bool:
+        name = self._name(key)  # (raises _KeyringFailed: nothing removed, the key stays withheld)
+        with self._lock:
+            self._withheld.pop(key, None)
         self._keys.pop(name, None)
         return self.inner.delete(name)
+
+    def _withhold(self, key: BlockKey, exc: _KeyringFailed) -> None:
+        with self._lock:
+            self._withheld[key] = None
+            if len(self._withheld) > _WITHHELD_KEPT:
+                self._withheld.popitem(last=False)
+        self._log_own_failure(exc, "a delete refused: the block is withheld until its removal is done")
+        cause = exc.__cause__
+        error = cause if isinstance(cause, OSError) else OSError(errno.EIO, str(exc))
+        report_refused(key, getattr(error, "filename", None) or f"{self.keyring.dir} (the key store of {self.name})",
+                       error)
+
+    def _settle_withheld(self, keys) -> None:
+        """Remove the blocks among ``keys`` whose delete the keyring refused before; raises
+        :class:`_KeyringFailed` if it still cannot name one (a key of a withheld block is never
+        looked up, read or written while its removal is owed)."""
+        if not self._withheld:
+            return
+        with self._lock:
+            due = [k for k in ([keys] if isinstance(keys, bytes) else keys) if k in self._withheld]
+        for key in due:
+            self._delete_named(key)
+
+    def _evicted_withheld(self, key: BlockKey | None) -> bool:
+        """Whether an evicted block is one whose delete was refused: gone below now, its removal done."""
+        with self._lock:
+            return key is not None and self._withheld.pop(key, False) is None
 
     @_keyring_failure_answers(_not_found(None))
     def created_of(self, key: BlockKey) -> float | None:

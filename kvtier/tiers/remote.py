@@ -43,8 +43,11 @@
   (``TOO_MANY_CONNECTIONS``: the tenant's cap, a load signal) while this tier
   holds others, or closed one the server has not seen closed yet (it counts
   it until it has read the close: this tier waits for the server's EOF on it,
-  at most ``connect_timeout_s``; one closed after a timeout or reset, closed
-  outright, counts for ``connect_timeout_s``), is no outage: the call waits, within its
+  at most ``connect_timeout_s``; one closed after a timeout or reset, or with a
+  reply left unread -- a caller's sink that broke -- is closed outright, not shut
+  down, and counts for ``connect_timeout_s``; at most 16 shut-down ones are kept
+  open, each let go once the server is seen to have closed it, looked at as
+  calls end), is no outage: the call waits, within its
   deadline, for one of them to come back to the pool, or connects again once
   one is closed (after a short pause, while one closed is unseen); else it alone
   fails, counted in ``stats.errors`` and ``last_error``. Once the server has
@@ -55,7 +58,8 @@
   taken; a payload source or sink that breaks its contract mid-call (more or
   fewer bytes than it announced, an exception of its own) raises
   :class:`~kvtier.tiers.remote_wire.CallerError` (a ``ValueError``): its
-  connection is closed, the tier stays up.
+  connection is closed (outright where a reply is left unread: reset, not sent
+  on), the tier stays up.
 
 Blocks evicted by the server are not reported through ``on_evict`` (the server
 owns that policy); ``capacity_bytes`` is the tenant's quota, or the server's
@@ -68,6 +72,7 @@ import logging
 import math
 import select
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -122,58 +127,115 @@ class TierDown(Exception):
     """The server is in backoff after a failure (internal: becomes a status)."""
 
 
-class _UnseenCloses:
-    """Connections this tier closed whose close the server has not seen yet (under the tier's
-    ``_pool_lock``): the server may still count them against the tenant's connection cap.
+#: what a look at a shut-down connection finds the server's side doing (see _UnseenCloses)
+_QUIET, _CLOSED, _SENDING = "quiet", "closed", "sending"
 
-    A close is sent as a shutdown of this side; the server, reading it, forgets the connection and
-    then closes its own side, which this tier reads as EOF. Until then a cap refusal may be on the
-    closed connection's account (the server can be busy in its handler for a second or more); from
-    then on it is another's doing -- another engine took the slot -- and a real refusal. (Guessing
+
+class _UnseenCloses:
+    """Connections this tier closed that the server may still count against the tenant's
+    connection cap (under the tier's ``_pool_lock``).
+
+    A connection in step with the server (its last call complete, nothing left to read) is closed
+    as a shutdown of this side; the server, reading it, forgets the connection and then closes its
+    own side, which this tier reads as EOF. Until then a cap refusal may be on the closed
+    connection's account (the server can be busy in its handler for a second or more); from then
+    on it is another's doing -- another engine took the slot -- and a real refusal. (Guessing
     instead, a grace of ``connect_timeout_s`` after every close, had the tier retry against a cap
     really full for seconds, no backoff: audit s32 r8 D2.) A server whose side stays open
-    ``limit_s`` is taken to have seen the close."""
+    ``limit_s`` is taken to have seen the close.
 
+    A connection whose call failed (a timeout, a reset) is closed outright, and so is one with a
+    reply (or the rest of one) left unread -- a caller's sink that broke mid-reply, or a reply that
+    goes on arriving after the close: only shut down, the server would go on sending it the reply
+    until its frame timeout (30 s), holding the tenant's slot and the blocks it lends (audit s33
+    a2 D3); closed with unread data, it is reset and the server lets go at once. Such a close
+    tells nothing more, so it may count for ``limit_s`` (the server may be busy in its handler on
+    it, not reading: s32 r7 D2, D3). So is the oldest shut-down connection closed outright when
+    more than :attr:`HELD` wait: their descriptors are bounded.
+
+    The shut-down ones are looked at (no wait: a poll per socket) at every close, every call's
+    end and every question, and let go once the server has closed its side or ``limit_s`` has
+    passed: kept until a cap refusal asked, every connection closed for a full pool kept its
+    descriptor, without bound (audit s33 a2 D2)."""
+
+    HELD = 16  #: shut-down connections kept at most: each look polls every one, under the pool lock
     _READS = 16  #: reads per look at one socket, for what the server sent before its EOF (an ERROR frame)
 
     def __init__(self, limit_s: float) -> None:
         self.limit_s = limit_s
-        self._conns: list[tuple[WireClient, float]] = []  # (closed here, since)
+        self._conns: list[tuple[WireClient, float]] = []  # (shut down here, since), oldest first
+        self._outright_at = -math.inf  #: when one was last closed outright
 
-    def add(self, conn: WireClient) -> None:
+    def add(self, conn: WireClient, outright: bool) -> None:
+        """Close ``conn``: outright if asked or if a reply is left unread on it, else shut down.
+        (A frame half *sent* -- a caller's source that broke -- is shut down: the server reads the
+        EOF mid-frame, drops the connection and closes its side, which this tier sees.)"""
+        now = time.monotonic()
+        self.prune(now)
+        if outright or self._reply_unread(conn.sock):
+            self._close_outright(conn, now)
+            return
         try:
             conn.sock.shutdown(socket.SHUT_WR)
         except OSError:  # the server's side is gone already: nothing left for it to see
             conn.close()
             return
-        self._conns.append((conn, time.monotonic()))
+        self._conns.append((conn, now))
+        if len(self._conns) > self.HELD:
+            oldest, _ = self._conns.pop(0)
+            self._close_outright(oldest, now)
+
+    def _close_outright(self, conn: WireClient, now: float) -> None:
+        conn.close()
+        self._outright_at = now
+
+    @staticmethod
+    def _reply_unread(sock: socket.socket) -> bool:
+        """Whether the server sent bytes this tier has not read (not an EOF: that is a close seen)."""
+        if isinstance(sock, ssl.SSLSocket) and sock.pending():
+            return True  # decrypted already, not read
+        try:  # (the plain socket's recv: TLS takes no flags, and a peek at its records tells as much)
+            return bool(socket.socket.recv(sock, 1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+        except OSError:  # nothing arrived (BlockingIOError), or reset: nothing the server still sends
+            return False
 
     def any(self) -> bool:
         """Whether one of them may still count on the server (those it has seen are let go)."""
         now = time.monotonic()
+        self.prune(now)
+        return bool(self._conns) or now - self._outright_at < self.limit_s
+
+    def prune(self, now: float) -> None:
+        """Let go of the shut-down connections the server has seen closed, or that waited ``limit_s``."""
+        if not self._conns:
+            return
         unseen = []
         for conn, since in self._conns:
-            if now - since < self.limit_s and not self._server_closed(conn.sock):
-                unseen.append((conn, since))
-            else:
+            side = self._server_side(conn.sock)
+            if side is _SENDING:
+                self._close_outright(conn, now)
+            elif side is _CLOSED or now - since >= self.limit_s:
                 conn.close()
+            else:
+                unseen.append((conn, since))
         self._conns = unseen
-        return bool(unseen)
 
-    def _server_closed(self, sock: socket.socket) -> bool:
+    def _server_side(self, sock: socket.socket) -> str:
+        """:data:`_CLOSED` (EOF, or reset), :data:`_QUIET` (open, nothing more to read) or
+        :data:`_SENDING` (more than an ERROR frame arrived: a reply nobody reads)."""
         poller = select.poll()  # (not select(): fds above 1024 are common in engines)
         poller.register(sock, select.POLLIN)
         for _ in range(self._READS):
             if not poller.poll(0):
-                return False
+                return _QUIET
             try:
                 if not sock.recv(1 << 16, socket.MSG_DONTWAIT):
-                    return True  # EOF: the server forgot the connection before closing its side
+                    return _CLOSED  # EOF: the server forgot the connection before closing its side
             except BlockingIOError:
-                return False
+                return _QUIET
             except OSError:  # reset: gone on the server too
-                return True
-        return False
+                return _CLOSED
+        return _SENDING
 
     def close(self) -> None:
         for conn, _ in self._conns:
@@ -224,7 +286,6 @@ class RemoteTier(Tier, StreamingTier):
         self._opening = 0  #: connections calls are opening now (under _pool_lock)
         self._closes = 0  #: connections this tier closed so far (under _pool_lock)
         self._unseen = _UnseenCloses(connect_timeout_s)  #: of those, the ones the server may still count
-        self._failed_close = -math.inf  #: when one was last closed after its request failed (see _close_locked)
         self._backoff_min = backoff_s
         self._backoff_max = max_backoff_s
         self._backoff = backoff_s
@@ -256,7 +317,7 @@ class RemoteTier(Tier, StreamingTier):
             yield conn
         except (TierDown, CallerError):
             # (CallerError: the caller's source or sink broke its contract, not the server; the
-            # connection is out of step with it, a frame half sent or half read)
+            # connection is out of step with it, a frame half sent or half read: see _UnseenCloses.add)
             raise
         except Exception as exc:  # noqa: BLE001 - timeouts, resets, ERROR frames, garbled replies
             # Callers validate their arguments before taking a connection, so whatever
@@ -293,9 +354,11 @@ class RemoteTier(Tier, StreamingTier):
 
     def _give_back(self, conn: WireClient, keep: bool, failed: bool = False) -> None:
         """A call is over with ``conn``: pooled if ``keep`` and there is room, else closed (``failed``:
-        its request failed, see _close_locked)."""
+        its request failed, see _close_locked). Closes the server has seen are let go meanwhile
+        (see _UnseenCloses)."""
         with self._pool_lock:
             self._held -= 1
+            self._unseen.prune(time.monotonic())
             keep = keep and len(self._idle) < self.pool_size and not self._closed
             if keep:
                 self._idle.append(conn)
@@ -309,16 +372,13 @@ class RemoteTier(Tier, StreamingTier):
         the cap try to connect again (see _open); a refusal before the server has read it is this
         tier's own doing (see _UnseenCloses). One whose request ``failed`` (timed out, reset) is
         closed outright -- a stalled server must see it closed, not keep sending into it -- and
-        counted for ``connect_timeout_s`` (see _closes_may_count_locked)."""
+        counted for ``connect_timeout_s`` (see _closes_may_count_locked); so is one left with a
+        reply unread (a caller's sink that broke mid-reply: see _UnseenCloses.add)."""
         if self._closed:
             conn.close()
             return
         self._closes += 1
-        if failed:
-            conn.close()
-            self._failed_close = time.monotonic()
-        else:
-            self._unseen.add(conn)
+        self._unseen.add(conn, outright=failed)
 
     def _open(self, deadline: float) -> tuple[WireClient, bool]:
         """A connection held by the call, and whether the call waited for the tenant's connection
@@ -375,10 +435,8 @@ class RemoteTier(Tier, StreamingTier):
 
     def _closes_may_count_locked(self) -> bool:
         """Whether a connection this tier closed may still count on the server: one the server has
-        not seen closed (see _UnseenCloses), or one closed after its request failed within
-        ``connect_timeout_s`` (the server may be busy in its handler on it, not reading: s32 r7 D2,
-        D3; a socket closed outright tells nothing more)."""
-        return self._unseen.any() or time.monotonic() - self._failed_close < self.connect_timeout_s
+        not seen closed, or one closed outright within ``connect_timeout_s`` (see _UnseenCloses)."""
+        return self._unseen.any()
 
     def _may_free_a_slot_locked(self) -> bool:
         return bool(self._held or self._opening or self._closes_may_count_locked())
