@@ -31,7 +31,7 @@ from kvtier.router.abort import (ABORT_TIMEOUT_S, EngineIds, WorkerAborts, echoe
 from kvtier.router.admin import install as install_admin
 from kvtier.router.admission import AsyncAdmission, QueueFull
 from kvtier.router.chat_messages import lax_bool, worker_renders
-from kvtier.router.config import RouterConfig
+from kvtier.router.config import RouterConfig, host_error
 from kvtier.router.events import SharedTierEvents, VllmEvents
 from kvtier.router.http_log import server_log
 from kvtier.router.index import (NO_READ_SEED, ROOT_SEED, BlockIndex, context_seed, lax_int, reads_prefix_cache,
@@ -253,6 +253,8 @@ class Router:
         self.last_decision_s = 0.0    #: seconds the last decision took (what the histogram observes)
         self.last_load_s = 0.0        #: the last decision's predicted tier-load seconds on the chosen worker
         self._tasks: list[asyncio.Task] = []
+        #: URLs of the listed workers whose health check failed with an unexpected error, logged once
+        self._check_errors: set[str] = set()
         self._active: set[asyncio.Task] = set()    #: handlers forwarding a request now
         self._drained: set[asyncio.Task] = set()   #: those the drain's deadline ended
         self._draining = False
@@ -564,6 +566,7 @@ class Router:
     async def _health_loop(self) -> None:
         while True:
             await asyncio.gather(*(self._check(w) for w in self.workers))
+            self._check_errors &= {w.url for w in self.workers}
             self.metrics.index_blocks.set(len(self.index))
             await asyncio.sleep(self.config.health_interval_s)
 
@@ -573,6 +576,16 @@ class Router:
                 good = resp.status == 200
         except (ClientError, asyncio.TimeoutError, OSError):
             good = False
+        except Exception as exc:
+            # Any other error is this worker's failed check too: raised out of the loop's gather,
+            # it ended every worker's health checks for good, an ejected one never re-admitted
+            # (aiohttp's UnicodeError for a host it cannot encode: audit s33 a5 D5).
+            if worker.url not in self._check_errors:
+                self._check_errors.add(worker.url)
+                log.warning("worker %s: its health check failed: %r", worker.url, exc)
+            good = False
+        else:
+            self._check_errors.discard(worker.url)
         self._record_health(worker, good)
 
     async def _models_loop(self) -> None:
@@ -1194,16 +1207,21 @@ class Router:
             try:
                 held_t0 = time.monotonic()
                 routable = self._routable(worker)   # (not so: sent as decide()'s last resort)
-                # soonest virtual finish first: arrival + its own predicted prefill seconds
-                if admission is not None:
+                # The wait for an abort of its id comes before admission: admitted first, its tokens
+                # counted as sent while the worker had nothing of it, and other clients' streams to
+                # that idle worker were held behind them for the wait (up to ABORT_TIMEOUT_S: audit
+                # s33 a5 D3).
+                if abort_ids is not None:
+                    await self._after_aborts_of(worker, rid, routable and redecisions < _MAX_REDECISIONS)
+                # (a worker unroutable since the decision: decided again below, never held there)
+                if admission is not None and (not routable or self._routable(worker)):
+                    # soonest virtual finish first: arrival + its own predicted prefill seconds
                     try:
                         admitted = await admission.admit(prefill_tokens, held_t0 + self.prefill.seconds(prefill_tokens),
                                                          may_hold=self._held() < self.config.max_held)
                     except QueueFull:
                         raise RequestError(429, f"the router holds {self.config.max_held} requests for their "
                                                 "workers (max_held); send it again later", "rate_limit_error") from None
-                if abort_ids is not None:
-                    await self._after_aborts_of(worker, rid, routable and redecisions < _MAX_REDECISIONS)
                 if ((admission is not None and not admitted) or (routable and not self._routable(worker))) \
                         and redecisions < _MAX_REDECISIONS:
                     # Its worker was ejected, drained or removed while it waited here, for its turn
@@ -1317,10 +1335,18 @@ class Router:
             except ValueError as exc:
                 if not sending:
                     raise
-                # aiohttp's client refuses what it cannot send (a header value with a control
-                # character: header injection). The request's, not the worker's nor the router's
-                # fault: no retry, no failure charged, no 500 with a logged traceback.
-                raise RequestError(400, f"the request cannot be forwarded: {exc}") from None
+                unreachable = host_error(worker.url)
+                if unreachable is None:
+                    # aiohttp's client refuses what it cannot send (a header value with a control
+                    # character: header injection). The request's, not the worker's nor the router's
+                    # fault: no retry, no failure charged, no 500 with a logged traceback.
+                    raise RequestError(400, f"the request cannot be forwarded: {exc}") from None
+                # The worker's URL (a Router built without WorkerSpec.parse): its failure, and the
+                # request goes elsewhere, never answered 400 as the client's (audit s33 a5 D5).
+                # Nothing was sent there: nothing to abort.
+                last_error = f"worker {worker.url}: {unreachable}"
+                log.warning("request not sent to %s (%s); retrying elsewhere", worker.url, unreachable)
+                self._record_health(worker, False)
             finally:
                 if watcher is not None:
                     watcher.cancel()
@@ -1575,17 +1601,27 @@ class Router:
             raise
         finally:
             watch.stop()
-        if encoded:
-            return out
-        usage = kept.usage() if streaming or resp.status == 200 else None
-        if request.path == "/v1/responses" and resp.status == 200:
+        if not encoded:
+            try:
+                self._note_answer(request, resp.status, kept, worker, streaming)
+            except Exception:
+                # The answer is the client's, whole: what the router learns from it must not turn
+                # it into a 500 written after it, an internal error counted (audit s33 a5 D1)
+                log.exception("%s %s: the bookkeeping of %s's answer failed", request.method, request.path,
+                              worker.url)
+        return out
+
+    def _note_answer(self, request: web.Request, status: int, kept: KeptAnswer, worker: Worker,
+                     streaming: bool) -> None:
+        """What the router keeps of a relayed answer: a stored response's owner, the usage counts."""
+        usage = kept.usage() if streaming or status == 200 else None
+        if request.path == "/v1/responses" and status == 200:
             self._remember_response(bytes(kept.head), worker, bytes(kept.tail))
         got = cached_tokens(usage)
         if got is not None:
             self.metrics.actual_cached.labels(worker.url).inc(got[0])
             self.metrics.prompt_tokens.labels(worker.url).inc(got[1])
             self.metrics.usage_answers.labels(worker.url).inc()
-        return out
 
     @staticmethod
     def _client_stalled(request: web.Request) -> None:

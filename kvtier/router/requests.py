@@ -368,19 +368,29 @@ def check_body(body: Any, field: str) -> None:
                            param="truncate_prompt_tokens")
 
 
+def _token_count(value: Any, absent: int | None = None) -> int | None:
+    """A usage field as a count of tokens: an int >= 0 (a bool is no count), ``absent`` for a
+    field left out or null, None for anything else (a string, a float, a negative number)."""
+    if value is None:
+        return absent
+    return value if type(value) is int and value >= 0 else None
+
+
 def cached_tokens(usage: Any) -> tuple[int, int] | None:
     """(cached, prompt) tokens of an answer's usage: OpenAI's, or Anthropic's (``/v1/messages``:
-    vLLM reports ``input_tokens`` less the cached and newly cached ones)."""
+    vLLM reports ``input_tokens`` less the cached and newly cached ones). None unless every field
+    read is a count of tokens: a backend's ``"n/a"`` or ``-1`` raised in the router's bookkeeping
+    after the answer was relayed (audit s33 a5 D1), and counted, would garble the planner's hit rate."""
     if not isinstance(usage, dict):
         return None
-    if isinstance(usage.get("cache_read_input_tokens"), int):
-        cached = usage["cache_read_input_tokens"]
-        return cached, cached + int(usage.get("input_tokens") or 0) + int(usage.get("cache_creation_input_tokens") or 0)
-    details = usage.get("prompt_tokens_details") or {}
-    cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    if not isinstance(cached, int):
-        return None
-    return cached, int(usage.get("prompt_tokens") or 0)
+    if usage.get("cache_read_input_tokens") is not None:   # Anthropic's
+        counts = [_token_count(usage["cache_read_input_tokens"]), _token_count(usage.get("input_tokens"), 0),
+                  _token_count(usage.get("cache_creation_input_tokens"), 0)]
+        return None if None in counts else (counts[0], sum(counts))
+    details = usage.get("prompt_tokens_details")
+    cached = _token_count(details.get("cached_tokens")) if isinstance(details, dict) else None
+    prompt = _token_count(usage.get("prompt_tokens"), 0)
+    return None if cached is None or prompt is None else (cached, prompt)
 
 
 def usage_of_stream(tail: bytes) -> Any:
