@@ -19,6 +19,13 @@ tenant's). A tenant's ``0`` (or ``--unset``) removes the tenant's TTL.
     kvtier admin --url … stats
 
 Every admin call is recorded in the server's audit log. Output is JSON.
+
+Exit status: 0 done; 1 refused or failed (the server's reply has ``ok`` false, or it could not
+be reached); 2 a usage error; 3 (``erase`` only) partly done: the blocks the reply counts
+``erased`` are gone, but the erasure is not complete -- a tier kept copies it could not remove
+(``refused``), or the tenant's keys were not shredded (``keys_shredded`` false); the reply's
+``error`` says what is left and what to do. A script that records an erasure as done must
+check for 0, not for "not 1".
 """
 
 from __future__ import annotations
@@ -44,7 +51,9 @@ def register(subparsers) -> None:
     h.add_argument("value", nargs="?")
     sub.add_parser("usage", help="payload bytes, blocks, and the pool bytes charged against the quota, per tenant")
     sub.add_parser("stats", help="store and tier counters")
-    e = sub.add_parser("erase", help="delete every block of a tenant, or of one namespace / session of it")
+    e = sub.add_parser("erase", help="delete every block of a tenant, or of one namespace / session of it",
+                       description="Exit status 3: partly done (copies a tier could not remove, or keys not "
+                                   "shredded; the reply's error says which). 0 only for a complete erasure.")
     e.add_argument("--tenant", required=True, help="tenant name, or shared/NAME for a shared namespace")
     e.add_argument("--namespace")
     e.add_argument("--session")
@@ -126,7 +135,21 @@ def _run(args) -> int:
         print(f"kvtier admin: {exc}", file=sys.stderr)
         return 1
     print(json.dumps(result, default=str))
-    return 0 if result.get("ok", True) else 1
+    if not result.get("ok", True):
+        return 1
+    return PARTLY_DONE if cmd == "erase" and not erase_complete(result) else 0
+
+
+#: the exit status of an erase the server did only in part (see the module's docstring)
+PARTLY_DONE = 3
+
+
+def erase_complete(reply: dict) -> bool:
+    """Whether an erase's (ok) reply says the erasure is complete: nothing refused, no problem
+    reported (keys not shredded, a fleet journal not written anew): a server says ``complete:
+    false``; an older one, which does not, said it with ``refused`` or ``error``. (``keys_shredded``
+    false alone is no problem: a namespace's or a session's erase shreds no keys.)"""
+    return reply.get("complete", True) is not False and not reply.get("refused") and not reply.get("error")
 
 
 def admin_call(url: str, token: str, cmd: str, args: dict, *, timeout_s: float = 30.0) -> dict:

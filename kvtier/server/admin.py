@@ -26,7 +26,7 @@ import math
 import time
 from functools import partial
 
-from kvtier.server.config import SHARED_PREFIX, check_tenant_namespace
+from kvtier.server.config import SHARED_PREFIX, check_namespace, check_tenant_namespace
 from kvtier.server.fleet import journaled_fleet_in
 from kvtier.server.fleet_journal import journal_under
 from kvtier.server.index import BlockEntry
@@ -75,7 +75,7 @@ class AdminAPI:
 
     def _audit(self, peer: str, asked: dict, ok: bool, result: dict) -> None:
         # (an erase's outcome whole: a partly refused one must not read as done in the audit trail)
-        outcome = {k: result[k] for k in ("erased", "refused", "keys_shredded") if ok and k in result}
+        outcome = {k: result[k] for k in ("erased", "refused", "keys_shredded", "complete") if ok and k in result}
         self.svc.audit.write("admin", peer=peer, ok=ok, **asked, **outcome)
 
     # -- commands ---------------------------------------------------------------------------
@@ -149,7 +149,11 @@ class AdminAPI:
             shredded = False
             if namespace is None and session is None:
                 shredded = await io.run(ADMIN_LANE, self._shred_keys, owner, problems)
-        failed = ({"refused": refused} if refused else {}) | ({"error": "; ".join(problems)} if problems else {})
+        # ``complete: false`` (with the ``error`` saying what is left): a client need not know which
+        # fields say an erasure is not done (``kvtier admin erase`` exits 3). Absent when it is done,
+        # as before the field existed.
+        failed = ({"refused": refused} if refused else {}) | (
+            {"complete": False, "error": "; ".join(problems)} if problems else {})
         return {"erased": erased, **({} if shredded is None else {"keys_shredded": shredded}), **failed}
 
     def _shred_keys(self, owner: str, problems: list[str]) -> bool:
@@ -205,7 +209,8 @@ class AdminAPI:
     def set_ttl(self, args: dict) -> dict:
         """``ttl_s``: seconds; 0, no expiry (a namespace's: even under its tenant's TTL); null, no
         TTL of its own (a namespace then follows its tenant's; a tenant has none). A shared space's
-        TTL is its one namespace's."""
+        TTL is its one namespace's; a tenant's on a ``shared/`` namespace is refused, but null, which
+        only removes one an older version saved."""
         owner = self._owner(args)
         ttl, namespace = args.get("ttl_s"), _opt_str(args, "namespace")
         if ttl is not None and (not isinstance(ttl, (int, float)) or isinstance(ttl, bool)
@@ -219,6 +224,12 @@ class AdminAPI:
             if namespace not in (None, name):
                 raise ValueError(f"{owner} has one namespace, {name!r}; leave namespace out")
             namespace = name
+        elif namespace is not None and ttl is None and namespace.startswith(SHARED_PREFIX):
+            # A tenant's TTL on a shared namespace never takes effect (its blocks are its owner's), but
+            # an older version accepted and saved one: removing it is allowed -- nothing is set so.
+            check_namespace(namespace)
+            _persisted(self.svc.gov.forget_namespace_ttl, owner, namespace)
+            return {"ttl_s": None}
         elif namespace is not None:
             check_tenant_namespace(namespace, owner)
         _persisted(self.svc.gov.set_ttl, owner, ttl, namespace)

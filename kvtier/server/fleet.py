@@ -10,7 +10,7 @@ The fleet cannot be listed (its names are one-way HMACs), and it drops blocks on
   tier with ``encrypt_at_rest``: it sees the names blocks are stored under), appends a record
   for each block *before* the fleet is asked to store it (fsync'd once per batch) -- the
   block's index entry as a disk spill's annotation carries it (:mod:`kvtier.server.spill`:
-  owner, namespace, key, session, creation time, header, size, parent; HMAC'd under the
+  owner, namespace, key, session, creation time, header, size, parent, a shared block's payer; HMAC'd under the
   server's state key, the secret in ``state_dir`` whether or not there is a disk, so that a
   disk added or dropped leaves them this server's; sealed under the master key with encryption
   at rest) -- and refuses to store a block the index no longer holds (erased meanwhile). A
@@ -90,9 +90,9 @@ from kvtier.errors import ConfigError
 from kvtier.server.auth import KeySpace
 from kvtier.server.fleet_journal import FleetJournal
 from kvtier.server.index import BlockEntry, BlockIndex
-from kvtier.server.recovery import Found, OwnersWithoutKeys
+from kvtier.server.recovery import Found, OwnersWithoutKeys, Writers, annotation_of, recovered_entry
 from kvtier.server.runtime_state import RuntimeState, blocks_held_in
-from kvtier.server.spill import NewestStamps, SpillAnnotation, SpillCodec, monotonic_of, wall_of
+from kvtier.server.spill import NewestStamps, SpillAnnotation, SpillCodec
 from kvtier.tiers.base import Status, refused_removals, report_refused
 from kvtier.tiers.mooncake import owed_removals_kept, unsent_puts
 from kvtier.tiers.wrapper import WrappingTier
@@ -132,8 +132,7 @@ class FleetRecords:
         entry = self.index.get(skey) if skey is not None else None
         if entry is None:
             return None
-        note = SpillAnnotation(entry.owner, entry.namespace, entry.key, entry.session, wall_of(entry.created),
-                               entry.header, entry.nbytes, entry.parent)
+        note = annotation_of(entry)
         self.stamps.note(note.owner, note.created_wall)
         return self.codec.pack(name, note), entry
 
@@ -382,9 +381,11 @@ class FleetRebuilt:
                 "erased": self.erased, "gone": self.gone}
 
 
-def rebuild_from_journal(fleet: JournaledFleet, owners: set[str], erasures=None) -> FleetRebuilt:
+def rebuild_from_journal(fleet: JournaledFleet, owners: set[str], erasures=None, *,
+                         writers: Writers | None = None) -> FleetRebuilt:
     """Read the journal back at start (see the module's docstring); the index is not touched: the
-    entries to add are in ``found``. Deletes what must not stay in the fleet, then writes the
+    entries to add are in ``found`` (a shared block's payer kept only if among its namespace's
+    configured ``writers``: :func:`~kvtier.server.recovery.recovered_entry`). Deletes what must not stay in the fleet, then writes the
     journal anew. With encryption at rest, records none of which authenticates (while some exist)
     are a master key or key store other than the one they were written with: the start is refused
     and nothing deleted, as for the disk (:mod:`kvtier.server.recovery`)."""
@@ -441,9 +442,8 @@ def rebuild_from_journal(fleet: JournaledFleet, owners: set[str], erasures=None)
             if h:
                 records.stamps.note(note.owner, note.created_wall)
                 skey = KeySpace.of(note.owner, note.namespace).storage_key(note.key)
-                out.found.append((note.created_wall, skey, BlockEntry(
-                    note.owner, note.namespace, note.key, note.nbytes, note.header, monotonic_of(note.created_wall),
-                    note.session, fleet.name, note.parent, name if records.keyring is not None else None)))
+                out.found.append((note.created_wall, skey, recovered_entry(
+                    note, fleet.name, name if records.keyring is not None else None, writers or {})))
     journal.rewrite()
     return out
 

@@ -66,7 +66,10 @@ class Governance:
         # takes on top of its payload (page rounding, a size class's chunk) is kept
         # here, from its store (:meth:`charge`) to its removal (:meth:`release`). Every
         # indexed block is charged: at its PUT's commit, or when a start indexes it again
-        # from disk or the fleet journal (Server._recover), so a restart changes no charge.
+        # from disk or the fleet journal (Server._recover), so a restart changes no charge -- a
+        # shared block's writer's neither (its payer is kept with the block), unless the config
+        # dropped that tenant from the namespace's writers meanwhile, or an older version wrote
+        # the block (no payer kept): then its owner alone is charged.
         self._extra_lock = threading.Lock()  # eviction hooks release from I/O threads
         self._extra: dict[bytes, tuple[tuple[str, ...], int]] = {}
         self._extra_by_account: dict[str, int] = {}
@@ -158,6 +161,13 @@ class Governance:
         which also wins over the config file's value for it)."""
         self._state.set_ttl(owner, ttl_s if namespace is not None else ttl_s or None, namespace)
         self._apply_ttl(owner, ttl_s, namespace)
+
+    def forget_namespace_ttl(self, owner: str, namespace: str) -> None:
+        """Remove ``owner``'s own TTL entry for ``namespace`` now and from the runtime state (not kept
+        as a null: see :meth:`RuntimeState.forget_namespace_ttl
+        <kvtier.server.runtime_state.RuntimeState.forget_namespace_ttl>`)."""
+        self._state.forget_namespace_ttl(owner, namespace)
+        self._apply_ttl(owner, None, namespace)
 
     def _apply_quota(self, owner: str, quota_bytes: int | None) -> None:
         quotas = dict(self._quota)

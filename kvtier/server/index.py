@@ -30,8 +30,10 @@ governance needs:
 Blocks spilled to disk carry their entry with them (:mod:`kvtier.server.spill`);
 a restarted server adds them back from there (``tier`` "disk"), and those it
 placed in a Mooncake fleet from its fleet journal (``tier`` "mooncake",
-:mod:`kvtier.server.fleet`). The spill annotation does not name a payer: after
-a restart a shared block is charged to the shared namespace only.
+:mod:`kvtier.server.fleet`). A shared block's payer travels in its spill
+annotation and fleet record: a restart charges it to its writer again while the
+config still names that tenant a writer of the namespace (one an older version
+wrote names none, and is charged to the shared namespace only).
 
 A block is in the index from its commit until it is deleted, expires or leaves
 the last tier (the server's eviction hooks call :meth:`remove`). All methods are

@@ -42,7 +42,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvtier.core.payload import unpack_header
@@ -75,6 +75,26 @@ class Rebuilt:
 
 #: (wall-clock creation, storage key, entry): a block found again at start, not yet indexed
 Found = tuple[float, bytes, BlockEntry]
+
+#: per shared namespace's owner (``shared/NAME``), the tenants configured to write it
+Writers = Mapping[str, Collection[str]]
+
+
+def annotation_of(entry: BlockEntry) -> SpillAnnotation:
+    """What a block's disk annotation or fleet record says of it: its index entry, creation in wall time."""
+    return SpillAnnotation(entry.owner, entry.namespace, entry.key, entry.session, wall_of(entry.created),
+                           entry.header, entry.nbytes, entry.parent, entry.payer)
+
+
+def recovered_entry(note: SpillAnnotation, tier: str, disk_name: bytes | None, writers: Writers) -> BlockEntry:
+    """The index entry of a block found again at start at ``tier`` from its authenticated annotation.
+    Its payer is kept only while that tenant is still a configured writer of the shared namespace
+    (``writers``), so that its quota is charged the block as before the restart; a writer dropped
+    from the config since no longer pays, and the owner pays alone -- as for an annotation an older
+    version wrote, which names no payer."""
+    payer = note.payer if note.payer in writers.get(note.owner, ()) else ""
+    return BlockEntry(note.owner, note.namespace, note.key, note.nbytes, note.header, monotonic_of(note.created_wall),
+                      note.session, tier, note.parent, disk_name, payer=payer)
 
 
 def index_oldest_first(index: BlockIndex, found: Sequence[Found]) -> list[tuple[bytes, BlockEntry]]:
@@ -169,16 +189,16 @@ class SpillBinding:
         if entry is None:
             return None  # deleted (erased, expired, dropped) since it was queued: do not write it
         parent = self.disk_name(entry.owner, entry.parent) if entry.parent is not None else None
-        note = SpillAnnotation(entry.owner, entry.namespace, entry.key, entry.session, wall_of(entry.created),
-                               entry.header, entry.nbytes, entry.parent)
+        note = annotation_of(entry)
         self.stamps.note(note.owner, note.created_wall)
         return BlockRecord(parent, self.codec.pack(disk_key, note))
 
     # -- starting --------------------------------------------------------------------------
-    def rebuild(self, owners: set[str], also: Sequence[Found] = ()) -> Rebuilt:
+    def rebuild(self, owners: set[str], also: Sequence[Found] = (), *, writers: Writers | None = None) -> Rebuilt:
         """Index every attributable block on disk (call once, before serving), and ``also`` (the
         blocks a fleet journal found, :func:`kvtier.server.fleet.rebuild_from_journal`) but those
-        the disk holds."""
+        the disk holds. ``writers``: each shared namespace's configured writers; a shared block's
+        payer is kept only if among them (:func:`recovered_entry`)."""
         out = Rebuilt()
         found: list[tuple[float, bytes, SpillAnnotation]] = []
         rejected: list[bytes] = []
@@ -219,9 +239,8 @@ class SpillBinding:
         for created_wall, disk_key, note in found:
             self.stamps.note(note.owner, created_wall)  # (perhaps ahead of the clock now: stepped back since)
             skey = KeySpace.of(note.owner, note.namespace).storage_key(note.key)
-            entries.append((created_wall, skey, BlockEntry(
-                note.owner, note.namespace, note.key, note.nbytes, note.header, monotonic_of(created_wall),
-                note.session, self.disk.name, note.parent, disk_key if self.keyring is not None else None)))
+            entries.append((created_wall, skey, recovered_entry(
+                note, self.disk.name, disk_key if self.keyring is not None else None, writers or {})))
         on_disk = {skey for _, skey, _ in entries}
         out.entries = index_oldest_first(self.index, entries + [f for f in also if f[1] not in on_disk])
         return out

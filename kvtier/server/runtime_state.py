@@ -323,6 +323,22 @@ class RuntimeState:
                 self.tenant_ttl_s, self.namespace_ttl_s = tenant_before, ns_before
                 raise
 
+    def forget_namespace_ttl(self, owner: str, namespace: str) -> None:
+        """Remove ``owner``'s entry for ``namespace`` altogether (not kept as null, which would win
+        over the config file): for an entry no setting may make any more -- a tenant's TTL on a
+        shared namespace an older version saved (:meth:`AdminAPI.set_ttl
+        <kvtier.server.admin.AdminAPI.set_ttl>`). Saved at once; OSError leaves it as it was."""
+        with self._lock:
+            if (owner, namespace) not in self.namespace_ttl_s:
+                return
+            before = self.namespace_ttl_s.copy()
+            del self.namespace_ttl_s[(owner, namespace)]
+            try:
+                self._save()
+            except BaseException:
+                self.namespace_ttl_s = before
+                raise
+
     def set_list_high_water(self, mark: int) -> None:
         """Persist a new LIST cursor high-water mark (kept only once written; OSError otherwise)."""
         with self._lock:

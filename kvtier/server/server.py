@@ -127,14 +127,39 @@ def _refuse_state_left_in_disk_dir(config: ServerConfig) -> None:
             if os.path.lexists(os.path.join(config.disk_dir, name))]
     if not left:
         return
+    _refuse_state_in_both(config, left)
     files = " ".join(os.path.join(config.disk_dir, name) for name in left)
+    # (mv -n: should state_dir get such a file meanwhile, it is kept, not replaced)
     raise ConfigError(
         f"state_dir {config.state_dir!r} is set, but disk_dir {config.disk_dir!r} still holds the state kept there "
-        f"without one ({' and '.join(left)}: the erasures' tombstones, the quota and TTL overrides, the records of "
-        f"blocks placed in the Mooncake fleet), which this server would never read. Move them into state_dir: "
-        f"(umask 077; mkdir -p {config.state_dir}) && mv {files} {config.state_dir}/ -- leave disk_dir's "
-        f"{SECRET_FILE} where it is (it keys the spilled blocks, and the records moved are still read under it); "
-        f"or leave state_dir out of the config")
+        f"without one ({' and '.join(left)}: {_WHAT_STATE_HOLDS}), which this server would never read. Move them "
+        f"into state_dir: (umask 077; mkdir -p {config.state_dir}) && mv -n {files} {config.state_dir}/ -- leave "
+        f"disk_dir's {SECRET_FILE} where it is (it keys the spilled blocks, and the records moved are still read "
+        f"under it); or leave state_dir out of the config")
+
+
+#: what runtime.json and fleet.journal hold, as the refusals about them say it
+_WHAT_STATE_HOLDS = ("the erasures' tombstones, the quota and TTL overrides, the records of blocks placed in the "
+                     "Mooncake fleet")
+
+
+def _refuse_state_in_both(config: ServerConfig, left: list[str]) -> None:
+    """Raise ConfigError where ``state_dir`` already holds a file of a name in ``left`` (the state files
+    ``disk_dir`` holds too): a run without state_dir wrote disk_dir's while state_dir kept its own
+    (a config rolled back, then restored). Moving one over the other would lose what the replaced
+    file holds (its erasures' tombstones: erased blocks served again; its fleet records: blocks
+    beyond erase and TTL); nothing is merged, the operator chooses."""
+    both = [name for name in left if os.path.lexists(os.path.join(config.state_dir, name))]
+    if not both:
+        return
+    pairs = "; ".join(f"{os.path.join(config.disk_dir, name)} and {os.path.join(config.state_dir, name)}"
+                      for name in both)
+    raise ConfigError(
+        f"both disk_dir {config.disk_dir!r} and state_dir {config.state_dir!r} hold the server's state ({pairs}: "
+        f"{_WHAT_STATE_HOLDS}); a run without state_dir wrote disk_dir's. Nothing is merged, and moving one over "
+        f"the other loses what it holds (an erasure's tombstone lost: the erased blocks are served again). Keep "
+        f"the one to go on with in state_dir, and move disk_dir's aside, out of disk_dir (an erasure recorded only "
+        f"there is then not applied: erase that tenant again after the start); or leave state_dir out of the config")
 
 
 def _same_directory(a: str, b: str) -> bool:
@@ -368,13 +393,15 @@ class Server:
 
         t0 = time.monotonic()
         owners = {t.name for t in self.config.tenants} | {SHARED_PREFIX + s.name for s in self.config.shared}
+        # (a shared block's payer is charged again only while it is still a writer of that namespace)
+        writers = {SHARED_PREFIX + s.name: frozenset(s.writers) for s in self.config.shared}
         fleet = None
         if self.fleet is not None:
             from kvtier.server.fleet import rebuild_from_journal
 
-            fleet = rebuild_from_journal(self.fleet, owners, state)
+            fleet = rebuild_from_journal(self.fleet, owners, state, writers=writers)
         if self.spill is not None:
-            rebuilt = self.spill.rebuild(owners, also=fleet.found if fleet else ())
+            rebuilt = self.spill.rebuild(owners, also=fleet.found if fleet else (), writers=writers)
         else:
             rebuilt = Rebuilt(entries=index_oldest_first(self.index, fleet.found))
         for skey, entry in rebuilt.entries:
@@ -390,7 +417,9 @@ class Server:
     def _charge_recovered(self, skey: bytes, entry: BlockEntry) -> None:
         """Charge a block indexed again at start its pool footprint, as its PUT was charged: a quota
         counts the same blocks at the same bytes before and after a restart (charged their payload
-        only, a tenant at its quota of 64 B blocks could put as many again). The charge lasts while
+        only, a tenant at its quota of 64 B blocks could put as many again). A shared block is charged
+        to its writer too, as at its PUT (its payer, kept in its annotation or fleet record), unless
+        the config no longer names that tenant a writer of the namespace. The charge lasts while
         the block is indexed, whichever tier holds it, so its promotion into DRAM adds none."""
         self.governance.charge(skey, entry.accounts, entry.nbytes, self.host.footprint(entry.nbytes))
 

@@ -4,8 +4,9 @@ Each block the server writes to ``disk_dir`` carries, in the disk file's record
 (:mod:`kvtier.tiers.disk`), a :class:`SpillAnnotation`: owner (tenant or shared
 namespace), namespace, the client's key, session, creation time (wall clock:
 monotonic time does not survive a restart), the block header the server serves,
-the parent's storage key and the payload size. At start the server rebuilds its
-:class:`~kvtier.server.index.BlockIndex` from them.
+the parent's storage key, the payload size and, for a block a tenant wrote into
+a shared namespace, that tenant (its payer: the quota it is charged under). At
+start the server rebuilds its :class:`~kvtier.server.index.BlockIndex` from them.
 
 Trust. The disk record's checksum catches accidents (a flipped bit, a record
 moved to another key). It is no defence against someone who can write into
@@ -88,6 +89,9 @@ class SpillAnnotation:
     header: bytes  #: the block header the server serves with the block
     nbytes: int  #: payload bytes (plaintext size)
     parent: bytes | None  #: the parent's storage key (server side), if the writer named one
+    #: the tenant that wrote a block into a shared namespace, charged under its quota ("": none, or an
+    #: annotation written before payers were kept)
+    payer: str = ""
 
 
 class SpillCodec:
@@ -123,8 +127,11 @@ class SpillCodec:
         return AESGCM(hmac.new(self._seal_key, _SEALED_DOMAIN + salt, hashlib.sha256).digest())
 
     def pack(self, disk_key: bytes, a: SpillAnnotation) -> bytes:
-        body = msgpack.packb([_VERSION, a.owner, a.namespace, a.key, a.session, a.created_wall, a.header,
-                              a.nbytes, a.parent], use_bin_type=True)
+        fields = [_VERSION, a.owner, a.namespace, a.key, a.session, a.created_wall, a.header, a.nbytes, a.parent]
+        # The payer trails, and only where there is one: an annotation without it reads as before
+        # (here, and in a version before payers, which takes 9 fields only -- a downgrade then drops
+        # just the shared blocks a tenant wrote, as annotations it cannot read)
+        body = msgpack.packb(fields + [a.payer] if a.payer else fields, use_bin_type=True)
         if self._seal_key is None:
             return body + self._mac(disk_key, body)
         salt = os.urandom(_SALT_NBYTES)
@@ -160,15 +167,16 @@ def _annotation(body: bytes) -> SpillAnnotation | None:
     except (ValueError, msgpack.exceptions.ExtraData, msgpack.exceptions.FormatError,
             msgpack.exceptions.StackError):
         return None
-    if not isinstance(fields, list) or len(fields) != 9 or fields[0] != _VERSION:
+    if not isinstance(fields, list) or len(fields) not in (9, 10) or fields[0] != _VERSION:
         return None
-    _, owner, namespace, key, session, created, header, nbytes, parent = fields
+    _, owner, namespace, key, session, created, header, nbytes, parent, *rest = fields
+    payer = rest[0] if rest else ""  # (no payer: written before payers were kept, or none)
     if not (isinstance(owner, str) and isinstance(namespace, str) and isinstance(key, bytes) and len(key) == 32
             and isinstance(session, str) and isinstance(created, (int, float)) and isinstance(header, bytes)
             and isinstance(nbytes, int) and nbytes >= 0
-            and (parent is None or (isinstance(parent, bytes) and len(parent) == 32))):
+            and (parent is None or (isinstance(parent, bytes) and len(parent) == 32)) and isinstance(payer, str)):
         return None
-    return SpillAnnotation(owner, namespace, key, session, float(created), header, nbytes, parent)
+    return SpillAnnotation(owner, namespace, key, session, float(created), header, nbytes, parent, payer)
 
 
 # -- clocks: the index keeps monotonic time (immune to clock steps); disk keeps wall time ---------

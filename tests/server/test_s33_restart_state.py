@@ -154,7 +154,7 @@ def test_a_state_dir_set_while_disk_dir_holds_the_state_is_refused_until_it_is_m
     s.server["state_dir"] = str(state)
     with pytest.raises(RuntimeError, match="still holds the state") as refused:
         s.start()
-    assert f"mv {s.disk / 'runtime.json'} {state}/" in str(refused.value)
+    assert f"mv -n {s.disk / 'runtime.json'} {state}/" in str(refused.value)
     assert not state.exists(), "the refused start made state_dir"
 
     state.mkdir(mode=0o700)
