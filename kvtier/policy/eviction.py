@@ -102,11 +102,15 @@ class PrefixAwareLRUPolicy(EvictionPolicy):
         self._parent: dict[BlockKey, tuple[BlockKey, int] | None] = {}
         self._children: dict[BlockKey, int] = {}
         self._heap: list[tuple[int, BlockKey]] = []
-        # The parent each held block names, and the reverse, so that a parent inserted after its
-        # children (or again, after a delete) links them. One entry per held block that names
-        # a parent: an entry goes with its block, so memory follows the blocks held.
+        # The parent each held block names, so that a parent inserted after its children (or
+        # again, after a delete) links them. A link holds the name (it stays when the link goes
+        # stale): _named_parent keeps only the names no link of the block holds (it waits for a
+        # parent not held, or a link would close a cycle). _named_by is the reverse: a parent's one
+        # child itself, a dict only from a second on (a dict or an entry more per block would
+        # nearly double the policy's memory). Entries go with their blocks: memory follows the
+        # blocks held.
         self._named_parent: dict[BlockKey, BlockKey] = {}
-        self._named_by: dict[BlockKey, dict[BlockKey, None]] = {}
+        self._named_by: dict[BlockKey, BlockKey | dict[BlockKey, None]] = {}
 
     def _push_if_leaf(self, key: BlockKey) -> None:
         if self._children.get(key, 0) == 0 and key in self._last:
@@ -123,11 +127,7 @@ class PrefixAwareLRUPolicy(EvictionPolicy):
         if parent == key:
             parent = None  # (a caller's bug, or a record on a shared mount): a plain root, never its own child
         if key in self._last:
-            self.on_access(key)
-            if parent is not None and not self._linked(key):
-                self._name_parent(key, parent)
-                if parent in self._last and key not in self._ancestors(parent):
-                    self._link(key, parent)
+            self._insert_again(key, parent)
             return
         self._last[key] = self._born[key] = next(self._tick)
         self._parent[key] = None
@@ -139,6 +139,15 @@ class PrefixAwareLRUPolicy(EvictionPolicy):
         self._adopt_waiting_children(key)
         self._push_if_leaf(key)
 
+    def _insert_again(self, key: BlockKey, parent: BlockKey | None) -> None:
+        """A held block stored again: an access, and a root now naming a held parent is linked
+        to it (unless that closes a cycle)."""
+        self.on_access(key)
+        if parent is not None and not self._linked(key):
+            self._name_parent(key, parent)
+            if parent in self._last and not self._closes_cycle(key, parent):
+                self._link(key, parent)
+
     def _linked(self, key: BlockKey) -> bool:
         """Whether ``key`` is a child of its parent's current life here (not a root)."""
         link = self._parent[key]
@@ -147,41 +156,83 @@ class PrefixAwareLRUPolicy(EvictionPolicy):
     def _link(self, child: BlockKey, parent: BlockKey) -> None:
         self._parent[child] = (parent, self._born[parent])
         self._children[parent] += 1
+        self._named_parent.pop(child, None)  # (the link holds the name now)
 
-    def _ancestors(self, key: BlockKey) -> set[BlockKey]:
-        """The blocks above ``key`` through current links, O(depth)."""
-        found: set[BlockKey] = set()
+    def _named(self, key: BlockKey) -> BlockKey | None:
+        """The parent ``key`` names (linked to it or not), or None."""
+        name = self._named_parent.get(key)
+        if name is None and (link := self._parent[key]) is not None:
+            name = link[0]
+        return name
+
+    def _closes_cycle(self, child: BlockKey, parent: BlockKey) -> bool:
+        """Whether ``parent`` is ``child`` or below it: linking them would close a cycle. Steps up
+        from ``parent`` and down ``child``'s subtree in turn and stops when either walk ends, so it
+        costs about the smaller of the two: a short run arriving leaf first under a long held
+        chain walks the run, not the chain (tiers call this under their lock)."""
+        for above, below in zip(self._line_up(parent), self._subtree(child)):
+            if above == child or below == parent:
+                return True
+        return False
+
+    def _line_up(self, key: BlockKey) -> Iterator[BlockKey]:
+        """``key``, then the blocks above it through current links."""
+        yield key
         link = self._parent[key]
-        while link is not None and self._born.get(link[0]) == link[1] and link[0] not in found:
-            found.add(link[0])
-            link = self._parent[link[0]]
-        return found
+        while link is not None and self._born.get(link[0]) == link[1]:
+            key = link[0]
+            yield key
+            link = self._parent[key]
+
+    def _subtree(self, root: BlockKey) -> Iterator[BlockKey]:
+        """``root``, then the blocks below it through current links."""
+        pending = [root]
+        while pending:
+            key = pending.pop()
+            yield key
+            life = self._born[key]  # (birth ticks are never reused: a link holding it is to this life)
+            for child in self._naming(key):
+                link = self._parent[child]
+                if link is not None and link[1] == life:
+                    pending.append(child)
+
+    def _naming(self, parent: BlockKey) -> dict[BlockKey, None] | tuple[BlockKey, ...]:
+        """The held blocks that name ``parent`` (linked to it or not)."""
+        named = self._named_by.get(parent)  # (None: keys are never None)
+        if named is None:
+            return ()
+        return named if type(named) is dict else (named,)  # (a dict is never a key: unhashable)
 
     def _name_parent(self, key: BlockKey, parent: BlockKey) -> None:
         self._forget_named_parent(key)
         self._named_parent[key] = parent
-        self._named_by.setdefault(parent, {})[key] = None
+        if parent not in self._named_by:
+            self._named_by[parent] = key
+        elif type(named := self._named_by[parent]) is dict:
+            named[key] = None
+        else:
+            self._named_by[parent] = {named: None, key: None}
 
     def _forget_named_parent(self, key: BlockKey) -> None:
-        parent = self._named_parent.pop(key, None)
-        if parent is not None:
-            children = self._named_by[parent]
-            del children[key]
-            if not children:
-                del self._named_by[parent]
+        parent = self._named(key)
+        if parent is None:
+            return
+        self._named_parent.pop(key, None)
+        named = self._named_by[parent]
+        if type(named) is not dict:  # (``key`` itself)
+            del self._named_by[parent]
+            return
+        del named[key]
+        if len(named) == 1:
+            self._named_by[parent] = next(iter(named))
 
     def _adopt_waiting_children(self, key: BlockKey) -> None:
-        """Link the held blocks that name ``key`` (just inserted) as their parent and are roots
-        (they came first, or their link names an earlier life of it), unless one is an ancestor
-        of ``key``: the link would close a cycle."""
-        ancestors: set[BlockKey] | None = None
-        for child in self._named_by.get(key, ()):
-            if self._linked(child):
+        """Link the held blocks that name ``key`` (just inserted) as their parent; each is a root (it
+        came first, or its link names an earlier life of ``key``). One that is an ancestor of ``key``
+        stays a root: the link would close a cycle."""
+        for child in self._naming(key):
+            if self._children[child] and self._closes_cycle(child, key):  # (a leaf is no one's ancestor)
                 continue
-            if self._children[child]:  # only a block with descendants can be an ancestor
-                ancestors = self._ancestors(key) if ancestors is None else ancestors
-                if child in ancestors:
-                    continue
             self._link(child, key)
 
     def on_access(self, key: BlockKey) -> None:

@@ -948,6 +948,16 @@ class EncryptedTier(WrappingTier):
     def created_of(self, key: BlockKey) -> float | None:
         return self.inner.created_of(self._name(key))
 
+    @_keyring_failure_answers(_not_found(None))
+    def parent_of(self, key: BlockKey) -> BlockKey | None:
+        """The block key of the parent named when ``key`` was put, where the inner tier keeps it
+        (its ``parent_of``) and the parent is one this tier stored as a store's upper tier and
+        still holds (the name -> key map); None otherwise. A store's demotion hook asks it for a
+        dirty block whose write-behind mark was dropped, so that its copy below keeps the link."""
+        inner_parent_of = getattr(self.inner, "parent_of", None)
+        name = inner_parent_of(self._name(key)) if inner_parent_of is not None else None
+        return None if name is None else self._keys.get(name)
+
     def keys(self) -> Iterator[BlockKey]:
         return iter(())
 
