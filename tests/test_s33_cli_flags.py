@@ -228,3 +228,17 @@ def test_a_bench_size_beyond_the_disks_free_space_is_refused_before_writing(argv
         left = list(small.iterdir())
     assert rc == 2 and "GiB free" in _one_line(err), err   # was ENOSPC halfway through the run
     assert left == []
+
+
+def test_bench_prefill_output_may_be_an_existing_writable_file_in_a_directory_it_cannot_write(tmp_path, monkeypatch):
+    """/dev/null for a user who cannot write /dev (audit s33 r3 D1): the file is written, the
+    directory is not; a directory the user cannot write still refuses a file to be created."""
+    from kvtier.bench import prefill
+
+    existing = tmp_path / "profile.json"
+    existing.write_text("{}")
+    real_access = os.access
+    monkeypatch.setattr(prefill.os, "access",
+                        lambda p, mode: False if Path(p) == tmp_path else real_access(p, mode))
+    assert prefill._output_problem(existing) is None
+    assert "not writable" in prefill._output_problem(tmp_path / "new.json")

@@ -109,6 +109,8 @@ def _output_problem(path: Path) -> str | None:
     parent = path.parent
     if path.is_dir():
         return f"--output {path} is a directory; give a file path"
+    if path.exists():  # (only a file to create needs a writable directory: /dev/null lives in /dev)
+        return None if os.access(path, os.W_OK) else f"--output {path} is not writable"
     if not parent.is_dir():
         return f"--output {path}: its directory {parent} does not exist"
     if not os.access(parent, os.W_OK | os.X_OK):
