@@ -1207,21 +1207,15 @@ class Router:
             try:
                 held_t0 = time.monotonic()
                 routable = self._routable(worker)   # (not so: sent as decide()'s last resort)
-                # The wait for an abort of its id comes before admission: admitted first, its tokens
-                # counted as sent while the worker had nothing of it, and other clients' streams to
-                # that idle worker were held behind them for the wait (up to ABORT_TIMEOUT_S: audit
-                # s33 a5 D3).
-                if abort_ids is not None:
-                    await self._after_aborts_of(worker, rid, routable and redecisions < _MAX_REDECISIONS)
-                # (a worker unroutable since the decision: decided again below, never held there)
-                if admission is not None and (not routable or self._routable(worker)):
+                try:
                     # soonest virtual finish first: arrival + its own predicted prefill seconds
-                    try:
-                        admitted = await admission.admit(prefill_tokens, held_t0 + self.prefill.seconds(prefill_tokens),
-                                                         may_hold=self._held() < self.config.max_held)
-                    except QueueFull:
-                        raise RequestError(429, f"the router holds {self.config.max_held} requests for their "
-                                                "workers (max_held); send it again later", "rate_limit_error") from None
+                    admitted = await self._admit_after_aborts(
+                        worker, rid if abort_ids is not None else None, admission, prefill_tokens,
+                        held_t0 + self.prefill.seconds(prefill_tokens), routable,
+                        routable and redecisions < _MAX_REDECISIONS)
+                except QueueFull:
+                    raise RequestError(429, f"the router holds {self.config.max_held} requests for their "
+                                            "workers (max_held); send it again later", "rate_limit_error") from None
                 if ((admission is not None and not admitted) or (routable and not self._routable(worker))) \
                         and redecisions < _MAX_REDECISIONS:
                     # Its worker was ejected, drained or removed while it waited here, for its turn
@@ -1441,29 +1435,63 @@ class Router:
         woken, self._abort_answer = self._abort_answer, asyncio.Event()
         woken.set()
 
-    async def _after_aborts_of(self, worker: Worker, rid: str, while_routable: bool) -> None:
+    async def _after_aborts_of(self, worker: Worker, rid: str, while_routable: bool) -> bool:
         """Wait until no abort naming ``rid`` sent to ``worker`` is unanswered, for at most
         ``ABORT_TIMEOUT_S`` (how long the abort itself waits for its answer; past it the router no
-        longer knows when the worker acts on it). vLLM aborts every request of an id when its API
-        server gets to the abort, seconds late beside a decoding engine: a request of that id sent
-        before then (a client's retry under the id of the attempt it left) was aborted with the
-        first (audit s31 a4 D7). Waiting costs an abort's round trip, and only a request that
+        longer knows when the worker acts on it); True if none is left unanswered, False if it gave
+        up or the worker is no longer routable (``while_routable``). vLLM aborts every request of an
+        id when its API server gets to the abort, seconds late beside a decoding engine: a request of
+        that id sent before then (a client's retry under the id of the attempt it left) was aborted
+        with the first (audit s31 a4 D7). Waiting costs an abort's round trip, and only a request that
         reuses the id of one aborted on this worker.
 
         ``while_routable``: the wait ends too once the worker is no longer routable (ejected, drained
         or removed: :meth:`redecide_held` wakes it), for the request to be decided again. A hung
         worker answers no abort: its client's retry waited the whole bound, then went to it, ejected
         meanwhile, and waited its silence out (audit s32 a1 D5)."""
-        key = (worker.url, rid)
         deadline = time.monotonic() + ABORT_TIMEOUT_S
-        while self._unanswered_aborts.get(key, 0) > 0 and (not while_routable or self._routable(worker)):
+        while self._abort_unanswered(worker, rid) and (not while_routable or self._routable(worker)):
             left = deadline - time.monotonic()
             if left <= 0:
                 log.info("worker %s: the abort of %.80s is still unanswered after %.0f s; sending a new request "
                          "of that id all the same", worker.url, rid, ABORT_TIMEOUT_S)
-                return
+                return False
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._abort_answer.wait(), left)
+        return not self._abort_unanswered(worker, rid)
+
+    async def _admit_after_aborts(self, worker: Worker, rid: str | None, admission: AsyncAdmission | None,
+                                  tokens: int, key: float, routable: bool, while_routable: bool) -> bool:
+        """Wait for the aborts of ``rid`` (None: an id the router does not abort by) on ``worker``
+        (:meth:`_after_aborts_of`), then for admission (``admission``: None, a request not held);
+        True if admitted, its ``tokens`` then counted as sent. False: not admitted, to be decided
+        again if the worker is no longer routable (a worker unroutable since the decision is never
+        held there).
+
+        The wait for the aborts comes before admission: admitted first, its tokens counted as sent
+        while the worker had nothing of it, and other clients' streams to that idle worker were
+        held behind them for the wait (up to ABORT_TIMEOUT_S: audit s33 a5 D3). An abort posted
+        again (``abort_again_s``) while it was held is waited for too, its tokens given back
+        meanwhile, and it is admitted again under the same ``key`` (its place in the queue): sent
+        at once, that abort, applied late, ended it (audit s33 r5 D1). True comes with no abort of
+        its id unanswered (unless a wait gave up: ``ABORT_TIMEOUT_S``, not waited again): the caller
+        counts it on the worker (``_named_on``) before its next await, and from then on none is
+        posted again (``still_wanted``)."""
+        given_back = False
+        while True:
+            answered = rid is None or await self._after_aborts_of(worker, rid, while_routable)
+            if admission is None or (routable and not self._routable(worker)):
+                return False
+            # (given back for the wait, it was already let in to be held: no new request for max_held)
+            admitted = await admission.admit(tokens, key, may_hold=given_back or self._held() < self.config.max_held)
+            if not (admitted and answered and self._abort_unanswered(worker, rid)):
+                return admitted
+            admission.done(tokens)
+            given_back = True
+
+    def _abort_unanswered(self, worker: Worker, rid: str | None) -> bool:
+        """An abort naming ``rid`` posted to ``worker`` is not answered yet."""
+        return rid is not None and self._unanswered_aborts.get((worker.url, rid), 0) > 0
 
     def _health_watched(self, worker: Worker) -> bool:
         """The router's health checks vouch for ``worker`` now: it passes them (not ejected) and it is
