@@ -348,7 +348,7 @@ class KvtierConnector(KVConnectorBase_V1):
 
     def build_connector_worker_meta(self) -> KvtierWorkerMetadata:
         # Names the step this report is of; never empty, so the scheduler sees every report.
-        return KvtierWorkerMetadata(self.worker.step, self.worker.host_report())
+        return self.worker.report()
 
     def shutdown(self) -> None:
         """vLLM's stop signal (worker shutdown, scheduler shutdown): saves reach the store, and
@@ -400,8 +400,9 @@ class KvtierConnector(KVConnectorBase_V1):
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
         worker_meta = getattr(connector_output, "kv_connector_worker_meta", None)
-        step = worker_meta.step if isinstance(worker_meta, KvtierWorkerMetadata) else None
-        self.scheduler.update(connector_output.finished_recving, connector_output.invalid_block_ids, step)
+        ours = isinstance(worker_meta, KvtierWorkerMetadata)
+        self.scheduler.update(connector_output.finished_recving, connector_output.invalid_block_ids,
+                              worker_meta.step if ours else None, worker_meta.adapter_dropped if ours else None)
         if isinstance(worker_meta, KvtierWorkerMetadata):
             self.scheduler.host_report(worker_meta.host)
 

@@ -47,14 +47,16 @@ request), and hands the name to the workers with each load and save (``LoadJob.a
 it was named from, and vLLM reads them again while a request runs (after an unload, and at every
 step with ``load_inplace``): so the files' identities as they were named (:class:`AdapterFiles`,
 a few ``stat`` calls) are checked again before each save is planned, and by the worker after vLLM
-loaded the step's adapters (``SaveJob.adapter_files``). The worker saves where the files were not
-written since they were named, their ctime alone moved (a ``chmod``: :meth:`AdapterFiles.unwritten`),
-and drops the step's saves at any other change, a ``touch`` or the same bytes deployed again too:
-matching contents cannot show that no other version came and went within the step (with
-``load_inplace`` vLLM computed with what the files held at its start). The scheduler, which names
-the files again at its next check, plans those saves again (``SchedulerSide._adapter_unchanged``).
-A request whose adapter's files changed while it ran is neither looked up nor saved again: its
-later KV is another version's.
+loaded the step's adapters (``SaveJob.adapter_files``, :class:`WorkerAdapterCheck`). The worker
+saves where the files were not written since they were named, their ctime alone moved (a
+``chmod``), and drops the step's saves at any other change, a ``touch`` or the same bytes deployed
+again too: matching contents cannot show that no other version came and went within the step (with
+``load_inplace`` vLLM computed with what the files held at its start). A worker on another node
+holds its own copy, whose identities are not the scheduler's: it checks the step against its own
+baseline of that copy instead. The worker reports its drops (``KvtierWorkerMetadata.adapter_dropped``):
+the scheduler cannot always see the change (a link flipped away and back), and stops that request's
+saves and announcements. A request whose adapter's files changed or were written while it ran saves
+nothing more: its later KV may be another version's, or attend to it.
 
 vLLM's own prefix cache keys an adapter's pages by name and path only: after the files are
 replaced in place, it gives the new version's requests the old version's pages (and the old
@@ -66,7 +68,10 @@ is named there, or a request that could not be named computed there with a versi
 was named with, if known), a request that vLLM serves from its prefix cache under that name and
 path is not saved (its pages may be another version's), until the cache is reset. A change of the files' identity alone (a
 ``chmod``, a ``touch``, the same bytes deployed again) names the same version again: nothing is
-replaced.
+replaced; but files written while a ``load_inplace`` request of the name and path runs (another
+version, then the old bytes back) may have given it another version's pages: each lookup of the
+name and path first checks its live requests' files, so those pages are marked before they are
+reused, and so does a drop a worker reports.
 
 Hashing runs on the scheduler's thread, once per adapter version (about a second a GB). To
 replace an adapter's files: under a new id (vLLM's ``/v1/load_lora_adapter`` after an unload),
@@ -79,10 +84,12 @@ flight during the replacement save nothing more.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
 import os
+import socket
 import threading
 import time
 import weakref
@@ -158,32 +165,26 @@ def adapter_files(directory: str) -> list[str]:
 class _Digest(NamedTuple):
     stamps: tuple[tuple, ...]  #: each file's identity when it was hashed
     digest: str
+    #: the files named from it: one object for every request named from this version, so a check
+    #: of the live requests of an adapter stats each version's files once (``SchedulerSide``)
+    files: AdapterFiles
 
 
 class AdapterFiles(NamedTuple):
     """The files an adapter was named from, as they were then: its directory and each file's
-    identity (real path, device, inode, size, mtime, ctime). Strings and ints: it travels to the
-    workers with each save (``SaveJob.adapter_files``)."""
+    identity (real path, device, inode, size, mtime, ctime), on the file view (:func:`file_view`)
+    that named them. Strings and ints: it travels to the workers with each save
+    (``SaveJob.adapter_files``)."""
 
     directory: str
     stamps: tuple[tuple, ...]
+    view: str = ""
 
     def unchanged(self) -> bool:
         """The directory still holds these very files (a few ``stat`` calls, nothing read); False
         where they cannot be read."""
         try:
             return _stamps(_current_files(self.directory)) == self.stamps
-        except OSError:
-            return False
-
-    def unwritten(self) -> bool:
-        """The directory holds these very files, not written since (:func:`unwritten_between`): their
-        ctime alone may have moved (a ``chmod``, a ``chown``). False where they cannot be read. A
-        rehash could not tell more: with ``load_inplace`` vLLM reads the files at every step, and
-        another version written and then rolled back to these bytes between (all within the step)
-        would hash alike. A ``touch`` or the same bytes deployed again count as written."""
-        try:
-            return unwritten_between(self, AdapterFiles(self.directory, _stamps(_current_files(self.directory))))
         except OSError:
             return False
 
@@ -206,6 +207,22 @@ class AdapterName(NamedTuple):
     key: str | None
     #: the files ``key`` was named from; None without an adapter or a key
     files: AdapterFiles | None
+
+
+#: how an adapter's key starts (:meth:`AdapterKeys.name`); a JSON object follows
+KEY_PREFIX = "vllm-lora/1 "
+
+
+def files_digest(key: str) -> str | None:
+    """The digest of the adapter's files that ``key`` names (:meth:`AdapterKeys.name`); None for a
+    key of no adapter's files."""
+    if not key.startswith(KEY_PREFIX):
+        return None
+    try:
+        digest = json.loads(key[len(KEY_PREFIX):]).get("files")
+    except (ValueError, AttributeError):
+        return None
+    return digest if isinstance(digest, str) else None
 
 
 def _newest_change_ns(files: AdapterFiles) -> int:
@@ -382,8 +399,8 @@ class AdapterKeys:
         identity = {"files": version.digest, "settings": self.settings}
         if getattr(lora_request, "is_3d_lora_weight", False):
             identity["moe_3d_weights"] = True   # how vLLM reads the MoE weights of the same files
-        key = "vllm-lora/1 " + json.dumps(identity, sort_keys=True, separators=(",", ":"))
-        return AdapterName(self._shared(key), AdapterFiles(directory, version.stamps))
+        key = KEY_PREFIX + json.dumps(identity, sort_keys=True, separators=(",", ":"))
+        return AdapterName(self._shared(key), version.files)
 
     def _shared(self, key: str) -> str:
         """The copy of ``key`` already remembered, if any: the maps keep one string per version,
@@ -510,7 +527,7 @@ class AdapterKeys:
                 return known
             self._refuse_if_changing(directory)
         try:
-            version = _Digest(stamps, _digest_of(files, stamps))
+            version = _Digest(stamps, _digest_of(files, stamps), AdapterFiles(directory, stamps, file_view()))
         except (OSError, ConfigError):
             with self._lock:
                 self._note_changing(directory)
@@ -642,6 +659,101 @@ class AdapterKeys:
         if len(self._in_prefix_cache) > MAX_CACHED_NAMES:
             self._in_prefix_cache.popitem(last=False)
             self._forgot_some = True
+
+
+@functools.cache
+def file_view() -> str:
+    """Which files a path names from this process: its host's boot and its mount namespace (two
+    containers of one host may hold other files at one path). Another host's file identities say
+    nothing of this one's files."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return f"{boot}:{os.stat('/proc/self/ns/mnt').st_ino}"
+    except OSError:   # not Linux: the host's name
+        return f"host:{socket.gethostname()}"
+
+
+#: seconds before a worker started by which its copy of an adapter's files must have last changed
+#: for it to take them as what vLLM read at every step it ran: file times come from a coarse clock
+#: (a tick behind), and some file systems keep whole seconds
+WORKER_START_MARGIN_S = 2.0
+
+
+class _LocalVersion(NamedTuple):
+    """An adapter's files on a worker's file view, as it last hashed them."""
+
+    files: AdapterFiles
+    digest: str | None   #: None: they could not be hashed (unreadable, or changing meanwhile)
+    seen_at: int         #: the step at whose save the worker hashed them (before the next one's reads)
+
+
+class WorkerAdapterCheck:
+    """A worker's check that vLLM computed a save job's blocks with the adapter version the job names
+    (``SaveJob.adapter``). Called on the worker's thread only (not thread safe), at each step's save,
+    after vLLM ran the step.
+
+    Where the scheduler named the files on this worker's file view (:func:`file_view`), the very
+    files it named (``SaveJob.adapter_files``: checked again before each save is planned), not
+    written since, their ctime alone moved (a ``chmod``), held the version throughout: any other
+    change drops the job, the same bytes written again too (another version may have come and gone
+    meanwhile, and would hash alike).
+
+    A worker on another host (multi-node tensor or pipeline parallelism: vLLM loads the adapter from
+    the same path on every node) holds its own copy, whose identities are never the scheduler's. It
+    hashes its own files (once per identity, on its thread: about a second a GB) and takes the
+    version as held where they name it and
+
+    * they last changed ``WORKER_START_MARGIN_S`` before the worker started: vLLM read them at each
+      step it ran, for the request's own pages and for those its prefix cache serves; or
+    * it saw those very files, not written since, at the save of a step before the job's request
+      began (``SaveJob.adapter_since_step``): vLLM reads a step's adapters after the previous step's
+      save. A request that began before that computed across a write not seen (its job is dropped,
+      and, reported, marks the pages of its adapter in vLLM's prefix cache).
+
+    Anything else is no proof: the job is dropped (a miss, never another version's KV). Files
+    written on one host and not the others (a link flipped away and back between two checks on
+    either) are not seen."""
+
+    def __init__(self) -> None:
+        #: adapter directory → its files here as last hashed, the least recently checked first
+        self._local: OrderedDict[str, _LocalVersion] = OrderedDict()
+        self._started_ns = time.time_ns()
+
+    def held(self, named: AdapterFiles, key: str, since_step: int, step: int) -> bool:
+        """vLLM computed the blocks of a request that began at ``since_step``, up to ``step`` (whose
+        save this is), with the version ``key`` names, read from the files ``named`` (as the
+        scheduler named them)."""
+        try:
+            paths = _current_files(named.directory)
+            here = AdapterFiles(named.directory, _stamps(paths), file_view())
+        except OSError:
+            return False
+        if named.view == here.view:   # the very files the scheduler named, unwritten since
+            return unwritten_between(named, here)
+        local = self._local_version(paths, here, step)
+        if local.digest is None or local.digest != files_digest(key):
+            return False
+        # (the ctime when hashed: a chmod since, which moves it, changes nothing vLLM reads)
+        return _newest_change_ns(local.files) < self._started_ns - WORKER_START_MARGIN_S * 1e9 \
+            or local.seen_at < since_step
+
+    def _local_version(self, paths: list[str], here: AdapterFiles, step: int) -> _LocalVersion:
+        """This host's version of the files ``here``: remembered while they are not written (a
+        ``chmod`` keeps it), else hashed now."""
+        known = self._local.get(here.directory)
+        if known is not None and unwritten_between(known.files, here):
+            self._local.move_to_end(here.directory)
+            return known
+        try:
+            digest = _digest_of(paths, here.stamps)
+        except (OSError, ConfigError):
+            digest = None
+        version = self._local[here.directory] = _LocalVersion(here, digest, step)
+        self._local.move_to_end(here.directory)
+        if len(self._local) > MAX_ADAPTERS:
+            self._local.popitem(last=False)
+        return version
 
 
 def _current_files(directory: str) -> list[str]:

@@ -68,6 +68,10 @@ class SaveJob:
     #: the files ``adapter`` was named from, as they were then (None: no adapter): the worker saves
     #: nothing where they changed by the time vLLM ran the step (it may have read the new ones)
     adapter_files: AdapterFiles | None = None
+    #: the step before which the request computed nothing (it was looked up while the scheduler
+    #: built the steps before it): a worker on another host vouches for its own copy of the files
+    #: only where it saw them, unwritten since, at an earlier step's save (``WorkerAdapterCheck``)
+    adapter_since_step: int = 0
 
 
 @dataclass
@@ -96,10 +100,25 @@ class KvtierWorkerMetadata(KVConnectorWorkerMetadata):
     #: blocks its host tier took or lost since the last report: (key epoch, block id) → (rank
     #: bits holding it, rank bits not); empty without KV events or a host tier
     host: HostReport = field(default_factory=dict)
+    #: request → the first block of the LoRA saves the worker dropped since the last report (its
+    #: adapter's files may not have held the version the job names while vLLM ran the step): the
+    #: scheduler cannot always tell from the files (a link flipped away and back, files unreadable
+    #: for a moment), and must neither announce those blocks nor save over them
+    adapter_dropped: dict[str, int] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         # The workers (tensor and pipeline ranks) of one step report the same step, each its own
-        # host tier under its own rank bit.
+        # host tier under its own rank bit; a save one rank dropped is missing from the store.
         if not isinstance(other, KvtierWorkerMetadata):
             return self
-        return KvtierWorkerMetadata(min(self.step, other.step), merge_reports(self.host, other.host))
+        return KvtierWorkerMetadata(min(self.step, other.step), merge_reports(self.host, other.host),
+                                    merge_adapter_drops(self.adapter_dropped, other.adapter_dropped))
+
+
+def merge_adapter_drops(*reports: dict[str, int]) -> dict[str, int]:
+    """Each request's first dropped block over the ranks' reports."""
+    merged: dict[str, int] = {}
+    for report in reports:
+        for req_id, first in report.items():
+            merged[req_id] = min(first, merged.get(req_id, first))
+    return merged

@@ -35,7 +35,10 @@
   that names the old files still loads whatever is stored, without waiting). Files written with
   the same bytes (a ``touch``, a redeploy) drop the saves of the steps the workers checked after
   the write too, and may have held another version in between: the request announces none of
-  the blocks of the saves not known to be checked before, and saves nothing more.
+  the blocks of the saves not known to be checked before, and saves nothing more; nor does a
+  request whose saves a worker reports dropped (``update``'s ``adapter_dropped``), from its first
+  dropped block on. (A request that finishes in the step of the drop has announced its blocks
+  already: vLLM takes the step's report after it frees the request.)
 * **Steps in flight.** With more than one batch in flight (async scheduling, pipeline
   parallelism) vLLM builds step N+1 before it takes step N's report. Each build is kept
   (its synchronous loads, its saves) until its report: a report charges a failed load
@@ -101,6 +104,8 @@ class _Request:
     adapter: str | None = ""
     #: the files ``adapter`` was named from, as they were then (None: none to check)
     adapter_files: AdapterFiles | None = None
+    #: the first step it may have computed in (built after its first lookup)
+    since_step: int = 0
     #: (step, first block) of its save jobs carrying ``adapter_files`` whose worker may check them
     #: after they change: no report of their step taken when those files were last seen unchanged
     unchecked_saves: list[tuple[int, int]] = field(default_factory=list)
@@ -190,6 +195,12 @@ class SchedulerSide:
         self._steps: deque[_Step] = deque()
         self._next_step = 0
         self._reported_step = -1
+        #: the live LoRA requests of each adapter name and path (vLLM's prefix cache keys their pages
+        #: by those): checked at every lookup of the adapter, before its pages are reused
+        self._of_adapter: dict[tuple[str, str], dict[str, _Request]] = {}
+        #: finished LoRA requests with saves whose report has not come: request → (its
+        #: ``lora_request``, the last such step); a drop it reports still marks their pages
+        self._finished_unreported: dict[str, tuple[object, int]] = {}
         #: the key epoch: "" until the first reset (keys as before epochs existed)
         self.epoch = ""
 
@@ -244,11 +255,31 @@ class SchedulerSide:
         lora = getattr(state.request, "lora_request", None)
         if lora is None:
             return
+        self._check_others_of_adapter(lora, state)
         if state.adapter_files is None:   # not named, or its adapter replaced while it ran
             self.adapters.computed_unnamed(lora)
         elif self._adapter_unchanged(state) and not self.adapters.note_in_prefix_cache(lora, state.adapter) \
                 and local_tokens:
             state.no_saves = True
+
+    def _check_others_of_adapter(self, lora, state: _Request) -> None:
+        """Check the files of every other live request of ``lora``'s name and path (a few ``stat``
+        calls per version named, some 0.15 µs per live request). One whose files were written since
+        it was last checked (with ``load_inplace``, another version written and rolled back
+        meanwhile) may have computed pages with another version, which vLLM's prefix cache may give
+        this request now: its check marks them (:meth:`_stop_saves_after_write`) before this
+        request's pages are noted. Otherwise it is checked only when it completes a block, or
+        finishes: another request vLLM served those pages to in between saved them under this
+        version's keys."""
+        live = self._of_adapter.get((lora.lora_name, lora.lora_path), {})
+        # by id: the requests named from one version share its files (one check each)
+        named_from = {id(other.adapter_files): other.adapter_files for other in live.values()}
+        changed = {key for key, files in named_from.items() if files is not None and not files.unchanged()}
+        if not changed:
+            return
+        for other in [other for other in live.values() if id(other.adapter_files) in changed]:
+            if other is not state:
+                self._adapter_unchanged(other)
 
     def _adapter_unchanged(self, state: _Request) -> bool:
         """Whether a LoRA request's adapter files are those its keys name. vLLM reads them again while
@@ -292,9 +323,15 @@ class SchedulerSide:
         vLLM's prefix cache under the adapter's name and path all the same: noted as computed with
         the version vLLM holds (with ``load_inplace``, one not known: the name and path then hold
         several), so another request served from them is not saved under this version's keys."""
+        self._stop_saves(state, min((first for _, first in state.unchecked_saves), default=state.stored_blocks))
+
+    def _stop_saves(self, state: _Request, first_unsaved: int) -> None:
+        """The LoRA request's blocks ``first_unsaved``.. may hold another version's KV, or sit over
+        it: none is announced, nothing of it is saved again, and the pages it computed are noted in
+        vLLM's prefix cache as computed with the version vLLM holds under its id (with
+        ``load_inplace``, one not known)."""
         self.adapters.computed_unnamed(state.request.lora_request)
-        first_unchecked = min((first for _, first in state.unchecked_saves), default=state.stored_blocks)
-        state.announced_blocks = min(state.announced_blocks, first_unchecked)
+        state.announced_blocks = min(state.announced_blocks, first_unsaved)
         state.unchecked_saves = []
         state.no_saves = True
 
@@ -422,15 +459,18 @@ class SchedulerSide:
         state.stored_blocks = full
         if not transfers:
             return
-        meta.saves.append(SaveJob(req_id, hashes[:full], transfers, state.adapter, state.adapter_files))
+        meta.saves.append(SaveJob(req_id, hashes[:full], transfers, state.adapter, state.adapter_files,
+                                  state.since_step))
         if state.adapter_files is not None:
             state.unchecked_saves.append((meta.step, transfers[0].index))
         self.stats.save_blocks += len(transfers)
         if self.host_events is not None:
             self.host_events.planned(state.request, [(t.index, hashes[t.index]) for t in transfers])
 
-    def update(self, finished_loads, invalid_pages, step: int | None = None) -> None:
-        """Take the workers' report of a step: loads that ended, pages they could not fill.
+    def update(self, finished_loads, invalid_pages, step: int | None = None,
+               adapter_dropped: dict[str, int] | None = None) -> None:
+        """Take the workers' report of a step: loads that ended, pages they could not fill, LoRA
+        saves they dropped.
 
         ``step``: the step the report is of (the workers' ``KvtierWorkerMetadata``); None: the
         oldest step not reported yet (vLLM reports steps in order, but skips an empty report:
@@ -447,7 +487,14 @@ class SchedulerSide:
         A worker whose load failed drops the saves of that step and of every step built before
         the scheduler took the failure's report (``KvtierMetadata.reported_step``): the save
         cursors of all of those rewind, and their blocks are planned again (their pages still
-        hold them, or vLLM recomputes them)."""
+        hold them, or vLLM recomputes them).
+
+        ``adapter_dropped``: request → the first block of the LoRA saves a worker dropped
+        (``KvtierWorkerMetadata.adapter_dropped``): the adapter's files may not have held the
+        version named while vLLM computed them. Files whose stamps came back as they were (a link
+        flipped away and back, files unreadable for a moment) cannot tell the scheduler so:
+        the request announces none of them, saves nothing more, and the pages it computed are
+        noted as of a version not known (:meth:`_stop_saves`); so are a finished request's."""
         if step is None:
             step = self._steps[0].seq if self._steps else self._reported_step
         reported = []
@@ -474,6 +521,19 @@ class SchedulerSide:
             for state, pages in s.sync_loads:
                 if state.load_pages is pages:
                     state.load_pages = {}
+        self._take_adapter_drops(adapter_dropped or {})
+
+    def _take_adapter_drops(self, dropped: dict[str, int]) -> None:
+        """The workers dropped these LoRA saves (see :meth:`update`); then forget the finished
+        requests whose every save is reported."""
+        for req_id, first in dropped.items():
+            state = self._requests.get(req_id)
+            if state is not None:
+                self._stop_saves(state, first)
+            elif req_id in self._finished_unreported:   # finished: its pages stay in vLLM's prefix cache
+                self.adapters.computed_unnamed(self._finished_unreported[req_id][0])
+        self._finished_unreported = {req_id: finished for req_id, finished in self._finished_unreported.items()
+                                     if finished[1] > self._reported_step}
 
     def host_report(self, report: HostReport) -> None:
         """Take the workers' report of what their host tiers took and lost (KV events)."""
@@ -500,6 +560,7 @@ class SchedulerSide:
         state = self._requests.pop(request.request_id, None)
         if state is None:
             return False, None
+        self._forget_live(state)
         self._adapter_unchanged(state)   # changed since its last save: so are its last pages in vLLM's cache
         loaded = 0 if state.load_failed else state.loaded_tokens
         return state.loading, {PD_PARAM: state.announced_blocks, "kvtier_loaded_tokens": loaded}
@@ -508,11 +569,31 @@ class SchedulerSide:
         state = self._requests.get(request.request_id)
         if state is None:
             # the adapter is named once, with the files' identities: checked before each save
-            named = self.adapters.for_request(getattr(request, "lora_request", None))
-            state = self._requests[request.request_id] = _Request(request, named.key, named.files)
+            lora = getattr(request, "lora_request", None)
+            named = self.adapters.for_request(lora)
+            state = self._requests[request.request_id] = _Request(request, named.key, named.files,
+                                                                  since_step=self._next_step)
+            if lora is not None:
+                self._of_adapter.setdefault((lora.lora_name, lora.lora_path), {})[request.request_id] = state
         else:
             state.request = request
         return state
+
+
+    def _forget_live(self, state: _Request) -> None:
+        """A request leaves: no more a live request of its adapter; its saves not reported yet may
+        still be reported dropped (:meth:`_take_adapter_drops`)."""
+        lora = getattr(state.request, "lora_request", None)
+        if lora is None:
+            return
+        pair = (lora.lora_name, lora.lora_path)
+        live = self._of_adapter.get(pair, {})
+        live.pop(state.request.request_id, None)
+        if not live:
+            self._of_adapter.pop(pair, None)
+        last_save = max((step for step, _ in state.unchecked_saves), default=-1)
+        if last_save > self._reported_step:
+            self._finished_unreported[state.request.request_id] = (lora, last_save)
 
 
 def _rewind(state: _Request, first: int) -> None:

@@ -20,13 +20,16 @@
   pages spoil the forward of the ranks beside it and of the stages after it.
 * **Keys** are those of the step's ``epoch`` (a ``reset_cache`` starts a new one) and of the
   job's LoRA adapter (named by the scheduler: :mod:`~kvtier.integrations.vllm.lora_digest`).
-  A LoRA request's save goes only if its adapter's files still hold the version the scheduler
-  named (``SaveJob.adapter_files``) once the step ran: vLLM loads a step's adapters before its
-  forward, and may have read new files (after an unload, or with ``load_inplace``). Files whose
-  ctime alone moved (a ``chmod``) hold it still; any other change drops the step's saves, the same
-  bytes written again too (another version may have come and gone within the step: its digest
-  would be the named one's). The scheduler plans such dropped saves again when it sees the change
-  (``SchedulerSide._adapter_unchanged``), so it announces no block the store will never hold.
+  A LoRA request's save goes only if its adapter's files held the version the scheduler named
+  while the step ran (:class:`~kvtier.integrations.vllm.lora_digest.WorkerAdapterCheck`): vLLM
+  loads a step's adapters before its forward, and may have read new files (after an unload, or
+  with ``load_inplace``). The very files the scheduler named (``SaveJob.adapter_files``), whose
+  ctime alone moved (a ``chmod``), hold it; a worker on another node checks its own copy against
+  its own baseline. Any other change drops the step's saves of the adapter, the same bytes written
+  again too (another version may have come and gone within the step: its digest would be the
+  named one's), and those of every step built before the scheduler took that step's report. The
+  report names each request's first dropped block (``KvtierWorkerMetadata.adapter_dropped``,
+  :meth:`WorkerSide.report`): the scheduler announces none of them and saves nothing more of it.
 * **Host residency** (with KV events on and a host tier): which saved blocks the host tier
   holds or has lost, for the step's report (:mod:`~kvtier.integrations.vllm.host_events`).
 
@@ -50,8 +53,8 @@ from kvtier.core.payload import BlockMeta
 from kvtier.integrations import poison as poisoning
 from kvtier.integrations.vllm.config import EngineKV
 from kvtier.integrations.vllm.host_events import HostReport, HostResidency
-from kvtier.integrations.vllm.lora_digest import AdapterFiles
-from kvtier.integrations.vllm.metadata import BlockTransfer, KvtierMetadata, LoadJob, SaveJob
+from kvtier.integrations.vllm.lora_digest import WorkerAdapterCheck
+from kvtier.integrations.vllm.metadata import BlockTransfer, KvtierMetadata, KvtierWorkerMetadata, LoadJob, SaveJob
 from kvtier.integrations.vllm.paged_layout import PagedKV
 from kvtier.store.tiered import TieredStore
 from kvtier.tiers.base import Status
@@ -87,13 +90,6 @@ class BlockBuffers:
     def give(self, buffers: list[np.ndarray]) -> None:
         with self._lock:
             self._free.extend(buffers[: self._keep - len(self._free)])
-
-
-def _adapter_unwritten(files: AdapterFiles, checked: dict[AdapterFiles, bool]) -> bool:
-    """``files.unwritten()``, remembered in ``checked``."""
-    if files not in checked:
-        checked[files] = files.unwritten()
-    return checked[files]
 
 
 class _Served(NamedTuple):
@@ -223,6 +219,12 @@ class WorkerSide:
         self.direct_host = direct_host_tier(store)
         #: the other workers of the engine (tensor and pipeline ranks); None: this one alone
         self._agreement = FailedStepAgreement.of_vllm()
+        self._adapters = WorkerAdapterCheck()
+        #: LoRA saves dropped since the last report: request → its first block dropped
+        self._adapter_drops: dict[str, int] = {}
+        #: adapter directory → the last step whose saves of it were dropped, until the scheduler
+        #: has taken that step's report (``KvtierMetadata.reported_step``): a few steps in flight
+        self._adapter_drop_steps: dict[str, int] = {}
 
     def register(self, kv_caches) -> None:
         self.paged = PagedKV(kv_caches, self.engine)
@@ -347,23 +349,55 @@ class WorkerSide:
         if self.paged is None:
             return
         self._saves = [f for f in self._saves if not f.done()]
-        if meta.reported_step < self._failed_step:
-            # vLLM ran this step's forward over pages a synchronous load left unfilled: the load
-            # was of this step, or of an earlier one whose report the scheduler had not taken when
-            # it built this step (more than one batch in flight: async scheduling, pipeline
-            # parallelism; the request's next chunk ran over them). vLLM learns of the failure from
-            # that step's report and recomputes; the KV computed meanwhile is wrong, and saved it
-            # would be served under the blocks' real keys. Every save of the step goes (another
-            # request may read those pages through vLLM's prefix cache): the scheduler rewinds
-            # them all when it takes the report, and plans them again.
-            self.stats.saves_dropped += sum(len(job.blocks) for job in meta.saves)
-            return
-        checked: dict[AdapterFiles, bool] = {}   # each adapter's files checked once a step
+        self._note_adapter_drops(meta)   # reported even in a step a failed load spoiled
+        # Spoiled by a failed load: vLLM ran this step's forward over pages a synchronous load left
+        # unfilled. The load was of this step, or of an earlier one whose report the scheduler had
+        # not taken when it built this step (more than one batch in flight: async scheduling,
+        # pipeline parallelism; the request's next chunk ran over them). vLLM learns of the failure
+        # from that step's report and recomputes; the KV computed meanwhile is wrong, and saved it
+        # would be served under the blocks' real keys. Every save of the step goes (another
+        # request may read those pages through vLLM's prefix cache): the scheduler rewinds them
+        # all when it takes the report, and plans them again.
+        spoiled = meta.reported_step < self._failed_step
         for job in meta.saves:
-            if job.adapter_files is not None and not _adapter_unwritten(job.adapter_files, checked):
-                self.stats.adapter_saves_dropped += len(job.blocks)
+            if job.adapter_files is not None and \
+                    self._adapter_drop_steps.get(job.adapter_files.directory, -1) > meta.reported_step:
+                self._drop_adapter_save(job)
+            elif spoiled:
+                self.stats.saves_dropped += len(job.blocks)
+            else:
+                self._save(job, meta.epoch)
+
+    def _note_adapter_drops(self, meta: KvtierMetadata) -> None:
+        """Note the adapters whose files may not have held the version this step's saves name
+        while vLLM ran it (:class:`WorkerAdapterCheck`). Every save of such an adapter goes, in this
+        step and in each later one the scheduler built before it took this step's report: with
+        ``load_inplace`` the pages computed meanwhile are another version's, and a request's later
+        blocks attend to them, as do those of the requests vLLM serves them from its prefix cache
+        (under the adapter's name and path) until the scheduler, told of the drop, marks them."""
+        self._adapter_drop_steps = {directory: step for directory, step in self._adapter_drop_steps.items()
+                                    if step > meta.reported_step}
+        held: dict[tuple, bool] = {}   # each adapter's files checked once a step
+        for job in meta.saves:
+            if job.adapter_files is None:
                 continue
-            self._save(job, meta.epoch)
+            question = (job.adapter_files, job.adapter, job.adapter_since_step)
+            if question not in held:
+                held[question] = self._adapters.held(*question, meta.step)
+            if not held[question]:
+                self._adapter_drop_steps[job.adapter_files.directory] = meta.step
+
+    def _drop_adapter_save(self, job: SaveJob) -> None:
+        self.stats.adapter_saves_dropped += len(job.blocks)
+        first = job.blocks[0].index
+        self._adapter_drops[job.req_id] = min(first, self._adapter_drops.get(job.req_id, first))
+
+    def report(self) -> KvtierWorkerMetadata:
+        """This step's report to the scheduler (vLLM's ``build_connector_worker_meta``): its step,
+        the host tier's changes (:meth:`host_report`), and the LoRA saves dropped since the last
+        report, which the scheduler neither announces nor saves over."""
+        drops, self._adapter_drops = self._adapter_drops, {}
+        return KvtierWorkerMetadata(self.step, self.host_report(), drops)
 
     def _save(self, job: SaveJob, epoch: str = "") -> None:
         keys = self.engine.keys(job.hashes, epoch, job.adapter)
