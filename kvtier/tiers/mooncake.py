@@ -92,7 +92,7 @@ import math
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from itertools import islice
@@ -381,23 +381,30 @@ class MooncakeTier(TierReads, TierWrites, BoundedEngineCalls, TenantNaming, Tier
         reported done (``TieredStore.delete`` then raises ``DeleteRefused``). Past
         :attr:`max_owed_removals` owed names, the removal of a name neither owed already nor kept
         (:func:`owed_removals_kept`) is *given up*: reported all the same, but neither hidden nor
-        retried (counted in :attr:`owed_removals_given_up`, logged)."""
+        retried (counted in :attr:`owed_removals_given_up`, logged). A removal whose call ran past
+        its deadline is owed and reported at once too; once that call ends, the names it removed
+        are owed no more."""
         names = [self.storage_name(k) for k in keys]
         if not names:
             return []
         out = [False] * len(names)
         deadline = time.monotonic() + self._deadline_in()
-        try:
-            self._check_up()
-            with self._removals.removing(names):
-                codes = self._call(deadline, self._engine.batch_remove, names, True)
-        except Down:
+
+        def owe_all() -> None:
             # Hidden at once and removed once the fleet answers: dropped, a copy would stay
             # readable in the fleet, beyond the reach of any later delete.
             self._owe(keys, names, range(len(names)), errno.ETIMEDOUT,
                       "did not answer: the removal is owed, retried until it lands")
+
+        try:
+            self._check_up()
+        except Down:
+            owe_all()
             return out
-        self._codes(codes)
+        try:
+            codes = self._remove_by_force(names, deadline, owe_all)
+        except Down:
+            return out
         refused = []
         with self._lock:
             for j, (name, code) in enumerate(zip(names, codes)):
@@ -545,10 +552,38 @@ class MooncakeTier(TierReads, TierWrites, BoundedEngineCalls, TenantNaming, Tier
             if not names:
                 return
             self._next_removal_retry = now + 1.0
-        with self._removals.removing(names):
-            codes = self._call(deadline, self._engine.batch_remove, names, True)
-        self._codes(codes)
+        codes = self._remove_by_force(names, deadline, owe=lambda: None)  # (owed already)
         self._forget_removed(names, codes)
+
+    def _remove_by_force(self, names: list[str], deadline: float, owe: Callable[[], None]) -> list[int]:
+        """The engine's forced removal of ``names``, one call waited for until ``deadline``: its
+        codes (noted, :meth:`_codes`). Where the call could not be made, failed or overran, ``owe()``
+        owes the removals (hides them: see :meth:`_hide_until_removed`) and Down is raised as
+        engine calls raise it; once such a call has ended, the names it removed are owed no more,
+        the others still are. (Owed for good, the removal of an overrun call that landed later was
+        retried by force: it removed what the name held by then, another writer's good block:
+        audit s33 r4 D3.)"""
+        call = None
+        with self._removals.removing(names):
+            try:
+                call = self._caller.submit(self._engine.batch_remove, names, True)
+                codes = self._wait(call, deadline)
+            except Down:
+                owe()
+                if call is not None:  # (after owe: it runs at once for a call ended by now)
+                    call.add_done_callback(lambda ended: self._removal_ended_late(names, ended))
+                raise
+        self._codes(codes)
+        return codes
+
+    def _removal_ended_late(self, names: list[str], call) -> None:
+        """A forced removal of ``names`` that overran or failed has ended (on the engine's worker):
+        what it removed is no longer owed, what it did not (refused, failed) is."""
+        codes = None if call.cancelled() or call.exception() is not None else call.result()
+        if not isinstance(codes, (list, tuple)) or len(codes) != len(names):  # failed: no answer per name
+            self._hide_until_removed(names)
+            return
+        self._hide_until_removed(self._forget_removed(names, codes))
 
     # -- the rest of the contract ---------------------------------------------------------------
     def keys(self) -> Iterator[BlockKey]:

@@ -606,7 +606,8 @@ class TierReads:
         for until ``deadline`` (forced: a lease protects nothing worth keeping). A removal the call
         does not carry out is owed (hidden, retried), as is every one while the tier is down: then
         the engine is not asked (asked, each drop of a get waited its whole deadline again, the
-        tier down after the first: audit s33 a3 D1)."""
+        tier down after the first: audit s33 a3 D1). One whose call overruns is owed while the call
+        runs; once it ends, only what it did not remove stays owed (see ``_remove_by_force``)."""
         if not whys:
             return
         for name, why in whys.items():
@@ -618,12 +619,9 @@ class TierReads:
             self._hide_until_removed(names)
             return
         try:
-            with self._removals.removing(names):
-                codes = self._call(deadline, self._engine.batch_remove, names, True)
+            codes = self._remove_by_force(names, deadline, lambda: self._hide_until_removed(names))
         except Down:
-            self._hide_until_removed(names)
             return
-        self._codes(codes)
         self._hide_until_removed(self._forget_removed(names, codes))
 
     def uncount_hits(self, blocks: int, nbytes: int) -> None:

@@ -191,9 +191,18 @@ class _UnseenCloses:
 
     @staticmethod
     def _reply_unread(sock: socket.socket) -> bool:
-        """Whether the server sent bytes this tier has not read (not an EOF: that is a close seen)."""
+        """Whether the server sent bytes this tier has not read (not an EOF: that is a close seen).
+        Never waits: it runs under the pool lock, and a TLS socket carries a Python timeout (its
+        call's deadline), with which CPython waits for readability before any recv, MSG_DONTWAIT
+        or not -- a connection in step, closed for a full pool, held the lock for the rest of its
+        last call's deadline, and every other call waited behind it (audit s33 r4 D1). So a poll
+        decides first; the peek runs only where data (or EOF) is there, and returns at once."""
         if isinstance(sock, ssl.SSLSocket) and sock.pending():
             return True  # decrypted already, not read
+        poller = select.poll()  # (not select(): fds above 1024 are common in engines)
+        poller.register(sock, select.POLLIN)
+        if not poller.poll(0):
+            return False
         try:  # (the plain socket's recv: TLS takes no flags, and a peek at its records tells as much)
             return bool(socket.socket.recv(sock, 1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
         except OSError:  # nothing arrived (BlockingIOError), or reset: nothing the server still sends
