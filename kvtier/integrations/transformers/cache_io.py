@@ -29,7 +29,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import FIRST_COMPLETED, wait
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -83,6 +83,10 @@ class KVStorage:
         self.refused: str | None = None
         #: what the first forward after a load must feed (:meth:`expect_prompt_suffix`)
         self.expected: PromptSuffix | None = None
+        #: while set, every forward's first append (layer 0's) first asks it whether the model changed
+        #: since the cache was prepared (a change in words, or None); a change marks the cache refused,
+        #: and the forward goes on (cleared by :meth:`new_cache` and after a change)
+        self.model_change: Callable[[], str | None] | None = None
 
     def _alloc(self, capacity: int) -> torch.Tensor:
         lay = self.layout
@@ -146,6 +150,7 @@ class KVStorage:
         self.stop_expecting()
         self.layers = [StorageLayer(self, i) for i in range(self.layout.num_layers)]
         self.refused = None
+        self.model_change = None
         cache.layers = list(self.layers)
         return cache
 
@@ -258,7 +263,8 @@ class StorageLayer(DynamicLayer):
         """Append K/V of the layout's shape and the storage's dtype in place; anything else raises
         :class:`LayoutError` before a byte is copied, and marks the storage refused (nothing of
         this cache is saved). So does a first append after a load that is not the prompt's
-        uncached suffix, by count and by token ids (:meth:`KVStorage.expect_prompt_suffix`)."""
+        uncached suffix, by count and by token ids (:meth:`KVStorage.expect_prompt_suffix`). A forward
+        of a model changed since the cache was prepared marks it refused (``storage.model_change``)."""
         lay = self.storage.layout
         want = (1, lay.num_kv_heads, key_states.shape[-2], lay.head_dim)
         if tuple(key_states.shape) != want or tuple(value_states.shape) != want:
@@ -277,6 +283,8 @@ class StorageLayer(DynamicLayer):
                 f"first parameter); run the model in one dtype, without autocast")
         if self.expected is not None:
             self._check_prompt_suffix(key_states.shape[-2])
+        if self.index == 0 and self.storage.model_change is not None:
+            self._check_model()
         end = self.length + key_states.shape[-2]
         self.storage.ensure_capacity(end)
         t = self.storage.tensor
@@ -308,6 +316,19 @@ class StorageLayer(DynamicLayer):
                 f"as input_ids. HF generate feeds the whole prompt again after a loaded prefix with assisted or "
                 f"prompt-lookup decoding (assistant_model, prompt_lookup_num_tokens) or prefill_chunk_size: drop "
                 f"those options, or pass use_store=False to prepare() for such requests")
+
+    # Run as Python, never traced (as _check_prompt_suffix): a graph break in a compiled forward.
+    @torch.compiler.disable
+    def _check_model(self) -> None:
+        """Mark the cache refused if the model changed since it was prepared (``storage.model_change``):
+        the caller's code runs between prepare and save (a PEFT ``disable_adapter()`` context around
+        its forward, weights loaded and loaded back), so a model the same at both may have computed
+        other K/V in between. Once per forward (layer 0), whichever module the caller ran."""
+        storage = self.storage
+        if storage.refused is None and (change := storage.model_change()) is not None:
+            storage.refused = (f"the model changed during this request ({change}): the cache may hold another "
+                               f"model's K/V than the namespace's")
+            storage.model_change = None  # refused for good: no need to ask again
 
     def _refuse(self, why: str):
         self.storage.refused = why

@@ -75,7 +75,7 @@ def check_model_cache(model, cache_keyword: str, layout: KVLayout, *, avoid_ids=
     # The cached runs pass what a request passes (the cache, use_cache, logits_to_keep: 0 keeps every
     # position), so a model refusing one of them is refused here, not at its first request.
     cached = {cache_keyword: cache, "use_cache": True, "logits_to_keep": 0}
-    with _probing(model):
+    with probing(model):
         whole = _logits(model, name, "the whole probe prompt without a cache", input_ids=ids, use_cache=False)
         head = _logits(model, name, f"the first {PREFIX_TOKENS} probe tokens into a fresh cache",
                        input_ids=ids[:, :PREFIX_TOKENS], **cached)
@@ -86,6 +86,46 @@ def check_model_cache(model, cache_keyword: str, layout: KVLayout, *, avoid_ids=
     _check_same_logits(name, "the prefix run into a fresh cache", head, whole[:, :PREFIX_TOKENS], whole, tolerance)
     _check_same_logits(name, "the suffix run after the cached prefix", tail, whole[:, PREFIX_TOKENS:], whole,
                        tolerance)
+
+
+def is_compiled(model) -> bool:
+    """Whether some of ``model`` runs compiled by dynamo: a ``torch.compile`` wrapper, a module
+    compiled in place (``module.compile()``) or a ``forward`` replaced by a compiled one."""
+    if hasattr(model, "_orig_mod"):
+        return True
+    return any(getattr(m, "_compiled_call_impl", None) is not None
+               or hasattr(getattr(m, "forward", None), "_torchdynamo_orig_callable") for m in model.modules())
+
+
+def check_compiled_hit(model, cache_keyword: str, new_cache, expect_suffix, *, avoid_ids=frozenset()) -> None:
+    """Raise :class:`ConfigError` if ``model`` (compiled: :func:`is_compiled`) cannot run what a
+    cache hit runs: the probe tokens into ``new_cache()`` after ``expect_suffix(tokens)`` (the
+    session's checks of the first forward after a load: forward pre-hooks and checks in the cache's
+    ``update``, plain Python that dynamo does not trace). One forward: what it checks does not
+    depend on how many positions were loaded before it (none here).
+
+    Those checks are a graph break inside a compiled forward, which ``fullgraph=True`` (or
+    ``torch._dynamo.error_on_graph_break``) forbids: such a model passed the probe and served
+    misses, then raised at every hit. Found here, at construction, instead. Only that is refused:
+    anything else the rehearsal raises, a request raises too, with its own error (the caller
+    cleans up what ``expect_suffix`` set, whatever happens)."""
+    from torch._dynamo.exc import Unsupported
+
+    ids = probe_ids(_vocab_size(model), avoid_ids, next(model.parameters()).device)
+    cache = new_cache()
+    with probing(model):
+        try:
+            expect_suffix(ids[0].cpu().numpy())
+            model(input_ids=ids, **{cache_keyword: cache}, use_cache=True, logits_to_keep=1)
+        except Unsupported as e:
+            raise ConfigError(
+                f"{_model_name(model)} is compiled with fullgraph=True (or under error_on_graph_break): "
+                f"kvtier checks the first forward after a cache load in Python (the fed ids against the "
+                f"prompt's suffix, the weights), a graph break that fullgraph forbids, so every cache hit "
+                f"would raise. Compile without fullgraph (torch.compile(model)) to serve it with kvtier "
+                f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from e
+        except Exception:  # noqa: BLE001, S110 -- a request raises it again, with its own error
+            pass
 
 
 def probe_ids(vocab_size: int, avoid_ids, device) -> torch.Tensor:
@@ -115,8 +155,8 @@ def _model_name(model) -> str:
 
 
 @contextmanager
-def _probing(model):
-    """Eval mode, no autograd, no autocast, for the probe; the model's mode is restored after."""
+def probing(model):
+    """Eval mode, no autograd, no autocast, for a probe; the model's mode is restored after."""
     training = model.training
     model.eval()
     device = next(model.parameters()).device.type

@@ -294,7 +294,9 @@ def check_weights_match(model, model_dir: str | os.PathLike, samples: int = 3, v
     """
     from safetensors import safe_open
 
-    state = model.state_dict()
+    # A torch.compile wrapper's state dict names every weight "_orig_mod.<name>", a name no file
+    # holds: compared as the model it compiles (as loaded_weights_digest reads it).
+    state = getattr(model, "_orig_mod", model).state_dict()
     compared = 0
     for path in sorted(Path(model_dir).glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as f:
@@ -367,8 +369,6 @@ def loaded_weights_digest(model) -> str:
     device (weights that accelerate offloads between forwards) has no bytes here: refused with a
     :class:`ConfigError`.
     """
-    import torch
-
     # A torch.compile wrapper's state dict names every weight "_orig_mod.<name>": the same weights
     # under other names, digested as the model it compiles.
     model = getattr(model, "_orig_mod", model)
@@ -381,19 +381,44 @@ def loaded_weights_digest(model) -> str:
                 f"the model's weight {name!r} is on the meta device (offloaded, e.g. by accelerate's "
                 f"cpu_offload or a device_map with offloading): its bytes are not in memory, so the "
                 f"weights cannot be identified. Load the model without offloading (device_map=None)")
-        h.update(frame_str(1, name) + frame_str(2, str(t.dtype)) + frame_str(3, repr(tuple(t.shape))))
+        h.update(_tensor_header(name, t))
         alias = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
         if t.numel() and alias in seen:
             h.update(frame_str(4, seen[alias]))
             continue
         seen[alias] = name
-        # A view of the tensor's own bytes when it sits contiguous in host memory; one copy else.
-        data = t.to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
-        h.update(frame_int(5, data.nbytes))
-        h.update(data)
+        _hash_bytes(h, t)
     for name, state in adapter_states(model):
         h.update(frame_str(6, name) + frame_str(7, state))
     return h.hexdigest()
+
+
+def non_persistent_buffers_digest(model) -> str:
+    """xxh3-128 of the model's non-persistent buffers (name, dtype, shape and every byte, module by
+    module): what :func:`loaded_weights_digest` leaves out, since no checkpoint holds them (RoPE's
+    ``inv_freq``), though the forward reads them. Small: a read of a few KB for most models."""
+    model = getattr(model, "_orig_mod", model)
+    h = xxhash.xxh3_128()
+    for prefix, module in model.named_modules():
+        for leaf in sorted(module._non_persistent_buffers_set):
+            tensor = module._buffers.get(leaf)
+            if tensor is not None:
+                h.update(_tensor_header(f"{prefix}.{leaf}" if prefix else leaf, tensor.detach()))
+                _hash_bytes(h, tensor.detach())
+    return h.hexdigest()
+
+
+def _tensor_header(name: str, tensor) -> bytes:
+    return frame_str(1, name) + frame_str(2, str(tensor.dtype)) + frame_str(3, repr(tuple(tensor.shape)))
+
+
+def _hash_bytes(h, tensor) -> None:
+    import torch
+
+    # A view of the tensor's own bytes when it sits contiguous in host memory; one copy else.
+    data = tensor.to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+    h.update(frame_int(5, data.nbytes))
+    h.update(data)
 
 
 def pad_counted_positions(model) -> frozenset[int]:

@@ -51,7 +51,7 @@ from kvtier.core.namespace import Namespace
 from kvtier.core.payload import BlockMeta
 from kvtier.errors import ConfigError, LayoutError
 from kvtier.integrations.transformers.cache_io import KVStorage, LoadReport, Staging, gather_blocks, load_blocks
-from kvtier.integrations.transformers.cache_probe import check_model_cache
+from kvtier.integrations.transformers.cache_probe import check_compiled_hit, check_model_cache, is_compiled
 from kvtier.integrations.transformers.namespace import (
     DEFAULT_BLOCK_TOKENS,
     derived_weights_digest,
@@ -237,10 +237,13 @@ class KVTierLM:
     request would put page faults on its critical path); it grows if needed.
     A ``namespace`` given is checked against the model (:func:`.refuse_foreign_namespace`: its
     model id, and the weights digest of one :func:`.namespace_for_model` built); weights changed
-    in place after construction, or a PEFT tuner layer switched to other adapters, are refused at
-    the next request (:class:`.WeightsWatch`: one pass over the weights, nothing hashed until
-    something changed; then the weights digest says whether they are still the same weights), with a
-    :class:`ConfigError`. With a store and a ``weights_revision`` the caller gave, the weights are
+    in place after construction (non-persistent buffers such as RoPE's ``inv_freq`` included), a
+    PEFT tuner layer switched to other adapters, or another attention kernel
+    (``set_attn_implementation``), are refused at the next request (:class:`.WeightsWatch`: one pass
+    over the weights, nothing hashed until something changed; then the digests say whether they are
+    still the same weights), with a :class:`ConfigError`. The pass reads a few values of each
+    weight: a write through ``.data`` that spares all of them (one embedding row) goes unseen; build
+    a new KVTierLM after such an edit. With a store and a ``weights_revision`` the caller gave, the weights are
     hashed once here (what the watch compares a change with).
     A model kvtier cannot serve is refused here, with a :class:`ConfigError`, not at its first
     request: a few tokens run through it once per construction, whole and as a cached prefix and
@@ -282,11 +285,6 @@ class KVTierLM:
         if namespace_given:
             # Of this geometry, but maybe another model's or another checkpoint's (one config).
             refuse_foreign_namespace(model, namespace)
-        # The weights the namespace names, as they are now: a request after they change is refused
-        # (see _refuse_changed_weights). Without a store nothing is loaded or saved. A derived
-        # namespace holds their digest, taken just now; a revision the caller gave holds none: the
-        # watch computes it, once (what a change it sees is compared with).
-        self._weights = WeightsWatch(model, derived_weights_digest(namespace)) if store is not None else None
         _refuse_length_dependent_rope_modules(model)
         # RoBERTa and kin: a hit stops before the first block holding one of these (see _reusable_tokens)
         self._position_pads = np.array(sorted(pad_counted_positions(model)), dtype=np.int64)
@@ -305,6 +303,12 @@ class KVTierLM:
         # (HF generate's pad ids are read again at each request: a script may set one after this)
         pads = {int(i) for i in self._position_pads} | set(generate_masked_pads(model))
         check_model_cache(model, self._cache_kw, layout, avoid_ids=pads | _config_pad_ids(model))
+        # The model the namespace names, as it runs (after the probe: a forward may set buffers it
+        # builds lazily): a request after it changes is refused (see _refuse_changed_model). Without a
+        # store nothing is loaded or saved. A derived namespace holds the weights' digest, taken at
+        # its check; a revision the caller gave holds none: the watch computes it, once (what a
+        # change it sees is compared with).
+        self._weights = WeightsWatch(model, derived_weights_digest(namespace)) if store is not None else None
         self._staging = Staging(poison=self.storage.poisoned)
         if store is not None and (len(store.tiers) > 1 or not isinstance(store.tiers[0], HostTier)):
             # Reads from slower tiers land in staging: sized now, like the storage, so that
@@ -324,7 +328,19 @@ class KVTierLM:
         # Whether the storage holds what generate() computed (every token attended, no mask), not
         # what a caller's forward did: save() without a mask then saves it as generate() does.
         self._filled_by_generate = False
+        # Whether this request's prepare() found the model to be the namespace's (see _save).
+        self._model_checked_at_prepare = False
         self._closed = False
+        if store is not None and is_compiled(model):
+            # What a hit runs in a compiled forward (the checks of the first forward after a load, and
+            # of the model during a caller's request): refused now if the compile forbids their graph
+            # break (fullgraph=True), not at the first hit.
+            try:
+                check_compiled_hit(model, self._cache_kw, lambda: self.storage.new_cache(model.config),
+                                   self._rehearse_suffix, avoid_ids=pads | _config_pad_ids(model))
+            finally:
+                self._stop_watching_request()
+                self.storage.stop_expecting()
 
     def request(self):
         """The request lock, for callers that drive the model themselves: ``with lm.request():``
@@ -378,13 +394,38 @@ class KVTierLM:
             self._reuse_storage()
             arr = as_token_array(tokens)
             reusable = self._reusable_tokens(arr, attention_mask, mask_covers_all=True)
-            return self._prepare(arr, extra_tokens, use_store, reusable)
+            prepared = self._prepare(arr, extra_tokens, use_store, reusable)
+            if self.store is not None and not use_store:
+                # Not checked (nothing was loaded); a save may follow: watched from the model as it is now.
+                self._model_checked_at_prepare = self._weights.moved() is None
+            if self._model_checked_at_prepare:
+                self._watch_model_during_request()
+            return prepared
+
+    def _watch_model_during_request(self) -> None:
+        """Until the next request: every forward on this cache first checks that the model is still
+        what prepare() found (:meth:`WeightsWatch.moved`, no digest; ``KVStorage.model_change``). The
+        caller's code runs between prepare() and save(): a PEFT ``disable_adapter()`` context around
+        its generate, or ``load_state_dict`` of other weights and back, leaves the model as it was at
+        both, yet the cache holds K/V of another model; such a cache is marked refused (:meth:`save`
+        saves nothing of it). Costs one weights check per forward (decode steps included), on this
+        path only: generate() runs no caller code in between."""
+        self.storage.model_change = self._weights.moved
+
+    def _stop_watching_request(self) -> None:
+        self.storage.model_change = None
+
+    def _rehearse_suffix(self, suffix: np.ndarray) -> None:
+        """What prepare() sets up before the caller's first forward after a load (check_compiled_hit)."""
+        self.storage.expect_prompt_suffix(suffix, self._modules_fed_ids)
+        self._watch_model_during_request()
 
     def _reuse_storage(self) -> None:
         """Before a request, untimed: wait until no save reads the storage and the previous
         load's promotions are done (bounded); then (debug) poison the storage and staging."""
         self._storage_free.wait()  # a previous save may still be reading the storage
         self._filled_by_generate = False
+        self._model_checked_at_prepare = False  # (the watch of the previous cache goes with it: new_cache)
         if self.store is not None:
             # Promotions run while the previous request computed; one still going would
             # race this request's reads (and a measured load would find blocks half moved).
@@ -406,18 +447,41 @@ class KVTierLM:
                 f"{self.storage.dtype} KV; run the model without autocast (or convert the model to "
                 f"{torch.get_autocast_dtype(device)} and build its namespace from it)")
 
-    def _refuse_changed_weights(self) -> None:
-        """Raise :class:`ConfigError` if the model's weights changed since construction
-        (:class:`WeightsWatch`): the namespace, fixed then, names the weights of that time, so the
-        blocks it keys are their K/V, not the changed model's. Nothing is looked up or saved."""
+    def _refuse_changed_model(self) -> None:
+        """Raise :class:`ConfigError` if the model changed since construction (:class:`WeightsWatch`):
+        its attention kernel, or its weights (non-persistent buffers and PEFT adapter state included).
+        The namespace, fixed then, names the model of that time, so the blocks it keys are its K/V,
+        not the changed model's. Nothing is looked up or saved."""
+        attention = self._weights.attention_change()
+        if attention is not None:
+            raise ConfigError(
+                f"the model's attention implementation changed after this KVTierLM was built ({attention}): "
+                f"its namespace names the kernel it was built with, and kernels do not all compute the same "
+                f"K/V (Gemma 2's eager kernel soft-caps, sdpa does not). Set it back "
+                f"(model.set_attn_implementation) or build a new KVTierLM for the model as it runs now")
         change = self._weights.change()
         if change is not None:
             raise ConfigError(
                 f"the model's weights changed after this KVTierLM was built ({change}): its namespace "
-                f"names the weights it was built with, whose cached K/V is not the changed model's. "
-                f"Build a new KVTierLM for the changed model: save it (save_pretrained) and let "
-                f"namespace_for_model identify it, or pass a namespace whose weights_revision names "
-                f"the new weights")
+                f"names the weights it was built with, whose cached K/V is not the changed model's "
+                f"(weights equal bit for bit to those are served again; PEFT's unmerge_adapter() does not "
+                f"give them back bit for bit). Build a new KVTierLM for the changed model: save it "
+                f"(save_pretrained) and let namespace_for_model identify it, or pass a namespace whose "
+                f"weights_revision names the new weights")
+
+    def _refuse_model_changed_since_prepare(self) -> None:
+        """Raise if the model is not what this request's prepare() found: :class:`ConfigError` for a
+        change that lasts (:meth:`_refuse_changed_model`), :class:`LayoutError` for weights changed
+        and changed back (``load_state_dict`` of other weights, a forward, then the old ones again):
+        the same weights as the namespace's now, but the cache holds K/V the others computed. A
+        request whose prepare() did not check the model is checked as any request is."""
+        if not self._model_checked_at_prepare:
+            self._refuse_changed_model()
+        elif self._weights.moved() is not None:
+            self._refuse_changed_model()
+            raise LayoutError("nothing of this request is saved: the model's weights changed after prepare() "
+                              "and are the namespace's again (changed back, or moved): the cache may hold "
+                              "K/V that other weights computed in between")
 
     def _reusable_tokens(self, arr: np.ndarray, attention_mask, *, mask_covers_all: bool) -> int:
         """How many leading positions of ``arr`` have the K/V that stored blocks hold (every position
@@ -453,7 +517,8 @@ class KVTierLM:
         cached, known, report = 0, 0, None
         lookup_s = 0.0
         if self.store is not None and use_store:
-            self._refuse_changed_weights()
+            self._refuse_changed_model()
+            self._model_checked_at_prepare = True
             keys = block_keys(self.namespace, arr)
             match = self.store.lookup(keys)
             hit = min(match.hit_blocks, reusable_tokens // self.layout.block_tokens)
@@ -508,12 +573,13 @@ class KVTierLM:
             self._check_open()
             if self.store is None:
                 return None
-            if self.storage.refused is not None:
-                # Its layers may hold different lengths, or KV that a refused forward left half written.
-                raise LayoutError(f"nothing of this request is saved: {self.storage.refused}")
             # K/V that changed weights computed would be saved as the old weights' (and so would
-            # a cache loaded before the change but extended after it).
-            self._refuse_changed_weights()
+            # a cache loaded before the change but extended after it). First: a lasting change says so.
+            self._refuse_model_changed_since_prepare()
+            if self.storage.refused is not None:
+                # Its layers may hold different lengths, or KV that a refused forward left half written,
+                # or K/V of a model changed during the request.
+                raise LayoutError(f"nothing of this request is saved: {self.storage.refused}")
             self._refuse_tokens_not_held(arr)
             held = min(arr.size, self.storage.held_tokens(), reusable_tokens)
             n_full = held // self.layout.block_tokens
@@ -659,6 +725,7 @@ class KVTierLM:
                 return
             self._closed = True
             self.storage.stop_expecting()  # the model outlives this instance: no hook left on it
+            self._stop_watching_request()
         self._saver.shutdown(wait=True)
         with self._gathers_lock:
             self._saves.clear()

@@ -19,12 +19,23 @@ adapter they apply, which no tensor says):
 * a few values read at spread positions: ``.data`` hands out a tensor with a version counter
   of its own, so writes through it (PEFT's merge, ``weight.data += delta``; older optimizers)
   bump nothing. A dense update (a merged LoRA, an optimizer step) changes every value read; a
-  write through ``.data`` that spares every one of them goes unseen.
+  write through ``.data`` that spares every one of them goes unseen (one embedding row
+  re-initialised through ``.data``, say): the watch is a cheap per-request check, not a proof.
+
+The digest leaves out the non-persistent buffers (RoPE's ``inv_freq``: no checkpoint holds them),
+yet they decide K/V as much as a weight: the watch records them the same way, and, when small
+(:data:`WHOLE_BUFFER_ELEMENTS`, as ``inv_freq`` is), a copy of every value, so a write through
+``.data`` is seen too; a rotary module rebuilt from a new RoPE config holds other buffer objects.
+Their own digest (:func:`~.namespace.non_persistent_buffers_digest`) settles a change. So does the attention kernel the
+config names (:func:`~.namespace.attention_implementation`: Gemma 2's eager kernel soft-caps,
+sdpa does not), which the namespace names and ``set_attn_implementation`` changes with no tensor
+touched: compared as it was at construction, never settled by a digest.
 
 What changed need not be the weights' values: ``share_memory()`` moves the same bytes elsewhere,
-a checkpoint may be loaded again. So a change seen is settled by the digest, once: the weights
-the session was built with (the same digest) become the new record and are served, others are
-refused until they change again.
+a checkpoint may be loaded again. So a change seen is settled by the digests, once: the weights
+the session was built with (the same digests) become the new record and are served, others are
+refused until they change again. PEFT's ``merge_adapter()`` then ``unmerge_adapter()`` does not
+give the base weights back bit for bit (float rounding): other weights, refused.
 """
 
 from __future__ import annotations
@@ -34,10 +45,18 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from kvtier.integrations.transformers.namespace import adapter_state, loaded_weights_digest
+from kvtier.integrations.transformers.namespace import (
+    adapter_state,
+    attention_implementation,
+    loaded_weights_digest,
+    non_persistent_buffers_digest,
+)
 
 #: values read from each tensor at every check (one integer read each)
 SAMPLES_PER_PARAMETER = 8
+#: a non-persistent buffer of at most this many elements is compared whole at every check (one
+#: vectorised compare: RoPE's ``inv_freq`` holds head_dim / 2 values); a larger one is sampled
+WHOLE_BUFFER_ELEMENTS = 4096
 
 # Integer views of the tensors' bytes: compared as integers, a NaN weight equals itself.
 _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -51,6 +70,26 @@ class _Recorded(NamedTuple):
     values: np.ndarray | None  #: an integer view of its bytes (None where numpy cannot see them)
     positions: tuple[int, ...]
     sample: tuple[int, ...]
+    whole: np.ndarray | None  #: a copy of every value (small non-persistent buffers), else None
+
+
+def _first_difference(kind: str, tensors: list[tuple[str, torch.Tensor]], recorded: list[_Recorded]) -> str | None:
+    """What differs in ``tensors`` (named, as found now) from their records (the first difference, in
+    words), or None. One loop, no call per tensor: it runs over every weight at every request."""
+    if len(tensors) != len(recorded):
+        return f"the model has {len(tensors)} {kind} tensors, {len(recorded)} when recorded"
+    for (name, tensor), was in zip(tensors, recorded):
+        if name != was.name or tensor is not was.tensor:
+            return f"{kind} {name!r} was replaced"
+        # (before the values are read: a view of memory the tensor has left may be freed)
+        if tensor.data_ptr() != was.data_ptr:
+            return f"{kind} {name!r} holds other memory (its .data was set, or it was converted or moved)"
+        if _version(tensor) != was.version:
+            return f"{kind} {name!r} was written in place"
+        if _read(was.values, was.positions) != was.sample or (
+                was.whole is not None and not np.array_equal(was.values, was.whole)):
+            return f"{kind} {name!r} was written in place (through .data)"
+    return None
 
 
 def _version(param: torch.Tensor) -> int | None:
@@ -81,57 +120,65 @@ def _read(values: np.ndarray | None, positions: tuple[int, ...]) -> tuple[int, .
     return () if values is None else tuple(map(values.item, positions))
 
 
-def _record(name: str, tensor: torch.Tensor) -> _Recorded:
+def _record(name: str, tensor: torch.Tensor, *, whole: bool = False) -> _Recorded:
+    """``tensor`` as it is now; ``whole``: with a copy of every value if it is small."""
     values = _integer_view(tensor)
     positions = _spread_positions(tensor.numel()) if values is not None else ()
-    return _Recorded(name, tensor, tensor.data_ptr(), _version(tensor), values, positions, _read(values, positions))
+    copy = values.copy() if whole and values is not None and values.size <= WHOLE_BUFFER_ELEMENTS else None
+    return _Recorded(name, tensor, tensor.data_ptr(), _version(tensor), values, positions, _read(values, positions),
+                     copy)
 
 
-def _weights_now(model: torch.nn.Module) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, str]]]:
-    """In one pass over ``model``'s modules, as they are now: the tensors of its state dict, each once
-    (parameters and persistent buffers; not the non-persistent ones, such as RoPE's ``inv_freq``,
-    which the model may recompute and no checkpoint holds), and its PEFT tuner layers' state."""
-    tensors: list[tuple[str, torch.Tensor]] = []
+class _ModelNow(NamedTuple):
+    """What one pass over a model's modules finds, as it is now."""
+
+    weights: list[tuple[str, torch.Tensor]]  #: the tensors of its state dict, each once
+    buffers: list[tuple[str, torch.Tensor]]  #: its non-persistent buffers (RoPE's inv_freq), each once
+    adapters: list[tuple[str, str]]  #: its PEFT tuner layers' state
+
+
+def _model_now(model: torch.nn.Module) -> _ModelNow:
+    """In one pass over ``model``'s modules: the tensors of its state dict (parameters and
+    persistent buffers), its non-persistent buffers (which no checkpoint holds, but the forward
+    reads) and its PEFT tuner layers' state."""
+    weights: list[tuple[str, torch.Tensor]] = []
+    buffers: list[tuple[str, torch.Tensor]] = []
     adapters: list[tuple[str, str]] = []
     seen: set[int] = set()
     for prefix, module in model.named_modules():
         if (state := adapter_state(module)) is not None:
             adapters.append((prefix, state))
-        non_persistent = module._non_persistent_buffers_set
+        non_persistent = module._non_persistent_buffers_set  # buffer names only: no parameter is in it
         for leaf, tensor in [*module._parameters.items(), *module._buffers.items()]:
-            if tensor is not None and id(tensor) not in seen and leaf not in non_persistent:
+            if tensor is not None and id(tensor) not in seen:
                 seen.add(id(tensor))
-                tensors.append((f"{prefix}.{leaf}" if prefix else leaf, tensor))
-    return tensors, adapters
+                name = f"{prefix}.{leaf}" if prefix else leaf
+                (buffers if leaf in non_persistent else weights).append((name, tensor))
+    return _ModelNow(weights, buffers, adapters)
 
 
 class _Snapshot(NamedTuple):
-    """What a check compares: each weight tensor as recorded, and the PEFT tuner layers' state."""
+    """What a check compares: each weight tensor and non-persistent buffer as recorded, and the PEFT
+    tuner layers' state."""
 
-    tensors: list[_Recorded]
+    weights: list[_Recorded]
+    buffers: list[_Recorded]
     adapters: list[tuple[str, str]]
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> _Snapshot:
-        tensors, adapters = _weights_now(model)
-        return cls([_record(name, t) for name, t in tensors], adapters)
+        now = _model_now(model)
+        return cls([_record(name, t) for name, t in now.weights],
+                   [_record(name, t, whole=True) for name, t in now.buffers], now.adapters)
 
     def change(self, model: torch.nn.Module) -> str | None:
         """What differs in ``model`` from this snapshot (the first difference found, in words), or None."""
-        now, adapters = _weights_now(model)
-        if len(now) != len(self.tensors):
-            return f"the model has {len(now)} weight tensors, {len(self.tensors)} when recorded"
-        for (name, tensor), was in zip(now, self.tensors):
-            if name != was.name or tensor is not was.tensor:
-                return f"weight {name!r} was replaced"
-            # (before the values are read: a view of memory the tensor has left may be freed)
-            if tensor.data_ptr() != was.data_ptr:
-                return f"weight {name!r} holds other memory (its .data was set, or it was converted or moved)"
-            if _version(tensor) != was.version:
-                return f"weight {name!r} was written in place"
-            if _read(was.values, was.positions) != was.sample:
-                return f"weight {name!r} was written in place (through .data)"
-        if adapters != self.adapters:
+        now = _model_now(model)
+        difference = (_first_difference("weight", now.weights, self.weights)
+                      or _first_difference("non-persistent buffer", now.buffers, self.buffers))
+        if difference is not None:
+            return difference
+        if now.adapters != self.adapters:
             return "a PEFT tuner layer applies other adapters (set_adapter, disable_adapter_layers, merged, rescaled)"
         return None
 
@@ -141,25 +188,45 @@ class WeightsWatch:
 
     ``digest``: the :func:`~.namespace.loaded_weights_digest` of the weights now (computed here if not
     given). A check costs one pass over the modules and :data:`SAMPLES_PER_PARAMETER` integer reads
-    per weight tensor, whatever their size: about 1 ms for the 291 parameters of a 32-layer Llama
-    (a 7B's count) on a 2-core VM; nothing is hashed while nothing changes. The walk over the
-    modules, not a list kept, is what sees a module replaced (an adapter wrapped around a projection
-    adds parameters). A change seen costs one digest (a read of every weight), and one per later
-    change: a session whose weights moved is not refused for that alone. Holds a reference to every
-    tensor it recorded (a replaced one stays in memory as long as the watch does). Not thread safe:
-    its owner calls it under its request lock.
+    per weight tensor, whatever their size (a small non-persistent buffer: one compare of its
+    values): about 1 ms for the 291 parameters of a 32-layer Llama (a 7B's count) on a 2-core VM,
+    more with PEFT layers (5-11 ms with LoRA on 7 projections of 32 layers: their ~2k submodules are
+    walked); nothing is hashed while nothing changes. The walk over the modules, not a list kept, is
+    what sees a module replaced (an adapter wrapped around a projection adds parameters, a rotary
+    module rebuilt holds new buffers). A change seen costs one digest (a read of every weight), and
+    one per later change: a session whose weights moved is not refused for that alone. Holds a
+    reference to every tensor it recorded (a replaced one stays in memory as long as the watch
+    does). Not thread safe: its owner calls it under its request lock.
     """
 
     def __init__(self, model: torch.nn.Module, digest: str | None = None) -> None:
         self._model = model
+        self._attention = attention_implementation(model.config)
         self._recorded = _Snapshot.of(model)
         self._digest = digest if digest is not None else loaded_weights_digest(model)
+        self._buffers_digest = non_persistent_buffers_digest(model)
         # The weights last found to be other ones, and why: refused again, unhashed, until they change.
         self._foreign: tuple[_Snapshot, str] | None = None
 
+    def moved(self) -> str | None:
+        """What differs from the model last found to be the namespace's (its attention kernel, then
+        the first difference of its weights seen, in words), or None: a check without any digest,
+        which may report weights moved or rewritten with the same bytes (:meth:`change` settles that)."""
+        return self.attention_change() or self._recorded.change(self._model)
+
+    def attention_change(self) -> str | None:
+        """The attention kernel the model's config names now, in words, if it is not the one it
+        named at construction; None while it is. Not settled by a digest: the namespace names the
+        kernel, and another one computes other K/V."""
+        attention = attention_implementation(self._model.config)
+        if attention != self._attention:
+            return f"it is {attention!r}, {self._attention!r} when built"
+        return None
+
     def change(self) -> str | None:
         """What makes the weights other ones than at construction (the first change found, in
-        words), or None while they are the same (moved or rewritten with the same bytes included)."""
+        words), or None while they are the same (moved or rewritten with the same bytes included).
+        The attention kernel is :meth:`attention_change`'s."""
         change = self._recorded.change(self._model)
         if change is None:
             return None
@@ -167,7 +234,8 @@ class WeightsWatch:
             return self._foreign[1]
         # Recorded before hashing: a write during the digest shows at the next check.
         now = _Snapshot.of(self._model)
-        if loaded_weights_digest(self._model) == self._digest:
+        same_weights = loaded_weights_digest(self._model) == self._digest
+        if same_weights and non_persistent_buffers_digest(self._model) == self._buffers_digest:
             self._recorded, self._foreign = now, None
             return None
         self._foreign = (now, change)
