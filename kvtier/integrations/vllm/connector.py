@@ -162,6 +162,16 @@ def _vllm_events(items: list, engine: EngineKV, kv_cache_config: "KVCacheConfig"
     return events
 
 
+def _smallest_window(kv_cache_config) -> int | None:
+    """The narrowest sliding window over the engine's KV cache groups (None: no sliding window):
+    vLLM frees a request's pages that fall out of it, so a save planned again after a failed load
+    must not read them (audit s33 a9 D1)."""
+    windows = [getattr(group.kv_cache_spec, "sliding_window", None)
+               for group in getattr(kv_cache_config, "kv_cache_groups", None) or ()]
+    windows = [w for w in windows if isinstance(w, int) and w > 0]
+    return min(windows) if windows else None
+
+
 def _kv_owning_layers(kv_cache_config) -> frozenset[str] | None:
     """The layers the connector's KV cache config names, over all its groups: the layers that own
     KV pages. None where that config is unknown (none, or no groups)."""
@@ -278,6 +288,7 @@ class KvtierConnector(KVConnectorBase_V1):
                 bounded_tiers=bounded,
                 host_events=self.host_events,
                 adapters=AdapterKeys(lora_settings(vllm_config)),
+                window_tokens=_smallest_window(kv_cache_config),
             )
         else:
             self.store = shared_store.acquire(self.config.store, self.engine.layout,

@@ -711,6 +711,10 @@ class WorkerAdapterCheck:
       save. A request that began before that computed across a write not seen (its job is dropped,
       and, reported, marks the pages of its adapter in vLLM's prefix cache).
 
+    Once it has seen a directory's files name another version than a job's, it never vouches for
+    that directory again while it runs: without ``load_inplace`` vLLM loads an adapter id once and
+    keeps it in its LoRA cache, so files fixed later say nothing of the weights it computes with.
+
     Anything else is no proof: the job is dropped (a miss, never another version's KV). Files
     written on one host and not the others (a link flipped away and back between two checks on
     either) are not seen."""
@@ -719,6 +723,11 @@ class WorkerAdapterCheck:
         #: adapter directory → its files here as last hashed, the least recently checked first
         self._local: OrderedDict[str, _LocalVersion] = OrderedDict()
         self._started_ns = time.time_ns()
+        #: directories whose files here once named another version than a job's: vLLM may hold that
+        #: version in its LoRA cache for good (no ``load_inplace``: it never reads the files again),
+        #: so no later sight of the files proves what it computes with. One path each, never
+        #: forgotten (forgetting one would let it vouch again).
+        self._disowned: set[str] = set()
 
     def held(self, named: AdapterFiles, key: str, since_step: int, step: int) -> bool:
         """vLLM computed the blocks of a request that began at ``since_step``, up to ``step`` (whose
@@ -731,8 +740,13 @@ class WorkerAdapterCheck:
             return False
         if named.view == here.view:   # the very files the scheduler named, unwritten since
             return unwritten_between(named, here)
+        if here.directory in self._disowned:
+            return False
         local = self._local_version(paths, here, step)
-        if local.digest is None or local.digest != files_digest(key):
+        if local.digest is None:
+            return False
+        if local.digest != files_digest(key):
+            self._disowned.add(here.directory)
             return False
         # (the ctime when hashed: a chmod since, which moves it, changes nothing vLLM reads)
         return _newest_change_ns(local.files) < self._started_ns - WORKER_START_MARGIN_S * 1e9 \

@@ -24,21 +24,28 @@
   request of the adapter that could not be named computed there; that cache not reset since:
   ``AdapterKeys.note_in_prefix_cache``) saves nothing.
 * **Sliding windows.** Where vLLM dropped a request's leading pages out of the window
-  (``NULL_PAGE``), nothing is loaded into them and nothing is saved from them.
+  (``NULL_PAGE``), nothing is loaded into them and nothing is saved from them. vLLM frees a
+  running request's pages as its window moves and never says so (the null page takes their
+  place in its own table only): a save is planned only from pages within the window of the
+  tokens computed before the step (``window_tokens``), so a save rewound after a failed load
+  is never planned again from pages vLLM has given another request.
 * **P/D.** A prefill instance returns ``{"kvtier_blocks": n}`` as the request's
-  ``kv_transfer_params``: blocks 0..n-1 are in the store or queued (a block skipped as out of
-  a sliding window ends that prefix); a decode instance given them waits (up to
-  ``pd_wait_s``) until the store shows those blocks, since the prefill
-  instance's writes are asynchronous. A LoRA request whose adapter's files changed announces
-  none: the workers drop the saves of a step run after the change, and a decode instance that
-  names the new files looks up other keys, so it would wait for blocks it can never see (one
-  that names the old files still loads whatever is stored, without waiting). Files written with
-  the same bytes (a ``touch``, a redeploy) drop the saves of the steps the workers checked after
-  the write too, and may have held another version in between: the request announces none of
-  the blocks of the saves not known to be checked before, and saves nothing more; nor does a
-  request whose saves a worker reports dropped (``update``'s ``adapter_dropped``), from its first
-  dropped block on. (A request that finishes in the step of the drop has announced its blocks
-  already: vLLM takes the step's report after it frees the request.)
+  ``kv_transfer_params``: blocks 0..n-1 are in the store or queued (a block skipped as out of a
+  sliding window ends that prefix); a decode instance given them waits (up to ``pd_wait_s``) until
+  the store shows those blocks, since the prefill instance's writes are asynchronous. A request
+  that finishes while a step with a synchronous load and saves of its own awaits its report
+  announces none of the blocks from those saves on: a failed load drops them (vLLM takes the
+  step's report after it frees the request), and the decode instance would wait for blocks never
+  stored. A LoRA request whose adapter's files changed announces none: the workers drop the saves
+  of a step run after the change, and a decode instance that names the new files looks up other
+  keys, so it would wait for blocks it can never see (one that names the old files still loads
+  whatever is stored, without waiting). Files written with the same bytes (a ``touch``, a
+  redeploy) drop the saves of the steps the workers checked after the write too, and may have held
+  another version in between: the request announces none of the blocks of the saves not known to
+  be checked before, and saves nothing more; nor does a request whose saves a worker reports
+  dropped (``update``'s ``adapter_dropped``), from its first dropped block on. (A request that
+  finishes in the step of the drop has announced its blocks already: vLLM takes the step's report
+  after it frees the request.)
 * **Steps in flight.** With more than one batch in flight (async scheduling, pipeline
   parallelism) vLLM builds step N+1 before it takes step N's report. Each build is kept
   (its synchronous loads, its saves) until its report: a report charges a failed load
@@ -60,6 +67,7 @@ A lookup that fails (a tier down, a timeout) counts as a miss; it never raises.
 
 from __future__ import annotations
 
+import json
 import logging
 import secrets
 import time
@@ -168,6 +176,7 @@ class SchedulerSide:
         bounded_tiers: frozenset[str] = frozenset(),
         host_events: HostEvents | None = None,
         adapters: AdapterKeys | None = None,
+        window_tokens: int | None = None,
     ) -> None:
         """``lookup(keys)`` returns the store's longest prefix of ``keys`` (the worker's store):
         a :class:`PrefixMatch` where this process holds the store and can tell which tier
@@ -176,13 +185,16 @@ class SchedulerSide:
         load from those alone runs in its forward's step (``sync_load_max_bytes``).
         ``host_events``: the CPU-medium KV events' queue, None when none are published.
         ``adapters``: names a LoRA request's adapter in its keys (default: an engine without
-        LoRA settings)."""
+        LoRA settings). ``window_tokens``: the KV cache's sliding window (vLLM frees the pages
+        behind it); None: taken from the engine's page format, the narrowest window the
+        connector accepts (``block_tokens``) for a sliding-window cache, else none."""
         self.config = config
         self.host_events = host_events
         self.adapters = adapters if adapters is not None else AdapterKeys(None)
         self.engine = engine
         self.lookup = lookup
         self.bounded_tiers = bounded_tiers
+        self.window_tokens = window_tokens if window_tokens is not None else _window_of(engine)
         self.loads = loads
         self.saves = saves
         self.stats = SchedulerStats()
@@ -316,14 +328,15 @@ class SchedulerSide:
         the same version now (a ``touch``, the same bytes deployed again, or another version
         written and rolled back: with ``load_inplace`` vLLM may have computed steps with it). A
         worker that checked them after the write dropped the job's saves
-        (``AdapterFiles.unwritten``) and does not say so: the saves not known to be checked
-        before are not announced to a decode instance. Nor is anything saved again: planned
+        (``WorkerAdapterCheck.held``) and reports so (``update``'s ``adapter_dropped``), but only
+        with a later step's report, after vLLM may have freed the request: the saves not known to be
+        checked before are not announced to a decode instance. Nor is anything saved again: planned
         again from the same pages, the dropped blocks stored the other version's KV under this
         one's keys, and so did every later block, computed over it. The pages it computed sit in
         vLLM's prefix cache under the adapter's name and path all the same: noted as computed with
         the version vLLM holds (with ``load_inplace``, one not known: the name and path then hold
         several), so another request served from them is not saved under this version's keys."""
-        self._stop_saves(state, min((first for _, first in state.unchecked_saves), default=state.stored_blocks))
+        self._stop_saves(state, _first_unchecked_save(state))
 
     def _stop_saves(self, state: _Request, first_unsaved: int) -> None:
         """The LoRA request's blocks ``first_unsaved``.. may hold another version's KV, or sit over
@@ -416,7 +429,7 @@ class SchedulerSide:
             if state is None:
                 continue
             state.page_ids = list(new.block_ids[0])
-            self._plan_save(meta, new.req_id, state, new.num_computed_tokens + scheduled.get(new.req_id, 0))
+            self._plan_save(meta, new.req_id, state, new.num_computed_tokens, scheduled.get(new.req_id, 0))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             state = self._requests.get(req_id)
@@ -427,13 +440,17 @@ class SchedulerSide:
                 state.page_ids = list(new_ids[0]) if new_ids else []
             elif new_ids:
                 state.page_ids.extend(new_ids[0])
-            self._plan_save(meta, req_id, state, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
+            self._plan_save(meta, req_id, state, cached.num_computed_tokens[i], scheduled.get(req_id, 0))
         step.saves = [(self._requests[job.req_id], job.blocks[0].index) for job in meta.saves]
         return meta
 
-    def _plan_save(self, meta: KvtierMetadata, req_id: str, state: _Request, computed_tokens: int) -> None:
-        """Queue the blocks whose last token this step computes (KV of known tokens only)."""
+    def _plan_save(self, meta: KvtierMetadata, req_id: str, state: _Request, num_computed: int,
+                   num_scheduled: int) -> None:
+        """Queue the blocks whose last token this step computes (KV of known tokens only): the
+        request had ``num_computed`` tokens computed before the step, which computes
+        ``num_scheduled`` more."""
         engine = self.engine
+        computed_tokens = num_computed + num_scheduled
         if state.stale or state.adapter is None or state.no_saves:
             return
         # Most steps of a request save nothing (a decode step completes a block every
@@ -448,10 +465,11 @@ class SchedulerSide:
         # (the check of its adapter's files may stop its saves: written since last seen)
         if full <= state.stored_blocks or not self._adapter_unchanged(state) or state.no_saves:
             return
+        held = self._first_page_held(num_computed)
         transfers = [
             BlockTransfer(index, 0, pages)
             for index in range(state.stored_blocks, full)
-            if NULL_PAGE not in (pages := state.page_ids[index * k : (index + 1) * k])   # out of the window
+            if index * k >= held and NULL_PAGE not in (pages := state.page_ids[index * k : (index + 1) * k])
         ]
         for transfer in transfers:   # the prefix grows only through blocks queued here, without a gap
             if transfer.index == state.announced_blocks:
@@ -466,6 +484,17 @@ class SchedulerSide:
         self.stats.save_blocks += len(transfers)
         if self.host_events is not None:
             self.host_events.planned(state.request, [(t.index, hashes[t.index]) for t in transfers])
+
+    def _first_page_held(self, num_computed: int) -> int:
+        """The request's first page vLLM surely still holds for it, ``num_computed`` tokens computed:
+        a sliding window's manager frees (hands to other requests) the pages of tokens more than
+        the window behind the processed ones (``SlidingWindowManager.get_num_skipped_tokens``, on
+        no more tokens than ``num_computed``), and puts the null page in its own block table only.
+        A block saved in the step that computes its last token lies past them (a block is no
+        longer than the window); one rewound after a failed load (:meth:`update`) may not."""
+        if self.window_tokens is None:
+            return 0
+        return max(0, num_computed - self.window_tokens + 1) // self.engine.page_tokens
 
     def update(self, finished_loads, invalid_pages, step: int | None = None,
                adapter_dropped: dict[str, int] | None = None) -> None:
@@ -487,7 +516,8 @@ class SchedulerSide:
         A worker whose load failed drops the saves of that step and of every step built before
         the scheduler took the failure's report (``KvtierMetadata.reported_step``): the save
         cursors of all of those rewind, and their blocks are planned again (their pages still
-        hold them, or vLLM recomputes them).
+        hold them, or vLLM recomputes them; a block whose pages a sliding window has freed since
+        is not saved here: :meth:`_first_page_held`).
 
         ``adapter_dropped``: request → the first block of the LoRA saves a worker dropped
         (``KvtierWorkerMetadata.adapter_dropped``): the adapter's files may not have held the
@@ -530,10 +560,21 @@ class SchedulerSide:
             state = self._requests.get(req_id)
             if state is not None:
                 self._stop_saves(state, first)
+                self._stop_saves_of_adapter(state.request.lora_request)
             elif req_id in self._finished_unreported:   # finished: its pages stay in vLLM's prefix cache
                 self.adapters.computed_unnamed(self._finished_unreported[req_id][0])
+                self._stop_saves_of_adapter(self._finished_unreported[req_id][0])
         self._finished_unreported = {req_id: finished for req_id, finished in self._finished_unreported.items()
                                      if finished[1] > self._reported_step}
+
+    def _stop_saves_of_adapter(self, lora) -> None:
+        """A save of ``lora``'s name and path was dropped: the pages computed then sit in vLLM's
+        prefix cache under that name and path, and every live request of it may have been served
+        them (looked up before the report came, when they were noted as this version's) or compute
+        over them: none saves again, nor announces its saves not known to be checked (a miss,
+        never another version's KV)."""
+        for other in list(self._of_adapter.get((lora.lora_name, lora.lora_path), {}).values()):
+            self._stop_saves(other, _first_unchecked_save(other))
 
     def host_report(self, report: HostReport) -> None:
         """Take the workers' report of what their host tiers took and lost (KV events)."""
@@ -562,8 +603,24 @@ class SchedulerSide:
             return False, None
         self._forget_live(state)
         self._adapter_unchanged(state)   # changed since its last save: so are its last pages in vLLM's cache
+        state.announced_blocks = min(state.announced_blocks, self._first_save_maybe_dropped(state))
         loaded = 0 if state.load_failed else state.loaded_tokens
         return state.loading, {PD_PARAM: state.announced_blocks, "kvtier_loaded_tokens": loaded}
+
+    def _first_save_maybe_dropped(self, state: _Request) -> int:
+        """The request's first block that a failed synchronous load may still drop: in its saves of
+        the first step not reported yet with a synchronous load, or of one built after it (the
+        worker drops those too: ``KvtierMetadata.reported_step``). vLLM frees a finished request
+        before it hands over the step's report, whose failure would rewind them too late for the
+        announcement (the decode instance would wait ``pd_wait_s`` for blocks never stored).
+        ``announced_blocks`` when none may be."""
+        at_risk = False
+        first = state.announced_blocks
+        for step in self._steps:
+            at_risk = at_risk or bool(step.sync_loads)
+            if at_risk:
+                first = min([first, *(block for saver, block in step.saves if saver is state)])
+        return first
 
     def _state(self, request) -> _Request:
         state = self._requests.get(request.request_id)
@@ -594,6 +651,22 @@ class SchedulerSide:
         last_save = max((step for step, _ in state.unchecked_saves), default=-1)
         if last_save > self._reported_step:
             self._finished_unreported[state.request.request_id] = (lora, last_save)
+
+
+def _first_unchecked_save(state: _Request) -> int:
+    """The request's first block of its saves the workers may not have checked yet (all stored
+    blocks where none is pending)."""
+    return min((first for _, first in state.unchecked_saves), default=state.stored_blocks)
+
+
+def _window_of(engine: EngineKV) -> int | None:
+    """The narrowest sliding window the connector accepts (``check_kv_cache_kind``: a block no
+    longer than it) where the engine's page format names a sliding-window cache; else None."""
+    try:
+        spec = json.loads(engine.format_tag.partition(" ")[2]).get("spec")
+    except (ValueError, AttributeError):   # not a vLLM page format (tests name their own)
+        return None
+    return engine.block_tokens if spec == "SlidingWindowSpec" else None
 
 
 def _rewind(state: _Request, first: int) -> None:

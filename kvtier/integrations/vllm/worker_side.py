@@ -223,8 +223,11 @@ class WorkerSide:
         #: LoRA saves dropped since the last report: request → its first block dropped
         self._adapter_drops: dict[str, int] = {}
         #: adapter directory → the last step whose saves of it were dropped, until the scheduler
-        #: has taken that step's report (``KvtierMetadata.reported_step``): a few steps in flight
+        #: has taken the report carrying the drop (``KvtierMetadata.reported_step``; that step's own
+        #: report, or the next one with speculative decoding): a few steps in flight
         self._adapter_drop_steps: dict[str, int] = {}
+        #: adapter directories of the LoRA saves dropped since the last report
+        self._adapter_drop_dirs: set[str] = set()
 
     def register(self, kv_caches) -> None:
         self.paged = PagedKV(kv_caches, self.engine)
@@ -389,6 +392,7 @@ class WorkerSide:
 
     def _drop_adapter_save(self, job: SaveJob) -> None:
         self.stats.adapter_saves_dropped += len(job.blocks)
+        self._adapter_drop_dirs.add(job.adapter_files.directory)
         first = job.blocks[0].index
         self._adapter_drops[job.req_id] = min(first, self._adapter_drops.get(job.req_id, first))
 
@@ -397,7 +401,18 @@ class WorkerSide:
         the host tier's changes (:meth:`host_report`), and the LoRA saves dropped since the last
         report, which the scheduler neither announces nor saves over."""
         drops, self._adapter_drops = self._adapter_drops, {}
+        self._hold_drop_windows_to(self.step)
         return KvtierWorkerMetadata(self.step, self.host_report(), drops)
+
+    def _hold_drop_windows_to(self, report_step: int) -> None:
+        """Keep the drop window of each adapter dropped since the last report open until the
+        scheduler has taken this report (of ``report_step``), which carries the drops: with
+        speculative decoding vLLM builds a step's report before that step's save, so a drop is
+        reported a step late, and the steps built meanwhile save over the dropped pages."""
+        for directory in self._adapter_drop_dirs:
+            self._adapter_drop_steps[directory] = max(self._adapter_drop_steps.get(directory, report_step),
+                                                      report_step)
+        self._adapter_drop_dirs = set()
 
     def _save(self, job: SaveJob, epoch: str = "") -> None:
         keys = self.engine.keys(job.hashes, epoch, job.adapter)
