@@ -578,12 +578,14 @@ class MooncakeTier(TierReads, TierWrites, BoundedEngineCalls, TenantNaming, Tier
 
     def _removal_ended_late(self, names: list[str], call) -> None:
         """A forced removal of ``names`` that overran or failed has ended (on the engine's worker):
-        what it removed is no longer owed, what it did not (refused, failed) is."""
+        what it removed is no longer owed; what it did not stays as it is now. It only ever takes
+        names off: they were owed when the call overran, and one no longer owed was brought back
+        since by something newer (a put that stored the block), whose word stands (hidden again
+        here, the block that put stored read as a miss and the next retry removed it: audit s33
+        r9 D1)."""
         codes = None if call.cancelled() or call.exception() is not None else call.result()
-        if not isinstance(codes, (list, tuple)) or len(codes) != len(names):  # failed: no answer per name
-            self._hide_until_removed(names)
-            return
-        self._hide_until_removed(self._forget_removed(names, codes))
+        if isinstance(codes, (list, tuple)) and len(codes) == len(names):  # (failed: no answer per name)
+            self._forget_removed(names, codes)
 
     # -- the rest of the contract ---------------------------------------------------------------
     def keys(self) -> Iterator[BlockKey]:
