@@ -158,6 +158,9 @@ def test_a_staging_pool_cleared_while_its_registrations_wait_lets_its_buffers_go
 
 def test_closing_a_clients_last_tier_leaves_nothing_to_stall_a_later_garbage_collection(cluster):
     gc.collect()  # what earlier tests left in cycles (their tiers and clients) goes first, not timed
+    started = time.monotonic()
+    gc.collect()  # the baseline: a full collection of this process's heap, nothing of ours in it
+    baseline = time.monotonic() - started
     t = make_tier(cluster, timeout_s=1.0)
     key = os.urandom(32)
     assert t.put(key, np.zeros(MIB, np.uint8)).name == "OK"
@@ -168,4 +171,8 @@ def test_closing_a_clients_last_tier_leaves_nothing_to_stall_a_later_garbage_col
     started = time.monotonic()
     gc.collect()  # what a later allocation anywhere in the process sets off, on any thread
     took = time.monotonic() - started
-    assert took < 0.3, f"a garbage collection after the close held every thread for {took:.2f} s"
+    # The stall this guards against is a client's shutdown run by the collector (seconds); the
+    # heap a whole suite leaves makes a collection itself take a while on a loaded machine
+    # (1.14 s in a CI run under load): measured against the same collection without our tier.
+    assert took < 0.3 + 3 * baseline, (f"a garbage collection after the close held every thread for {took:.2f} s "
+                                       f"(one without the tier: {baseline:.2f} s)")
