@@ -253,3 +253,44 @@ def test_a_fullgraph_compile_is_refused_at_construction_naming_fullgraph(compile
         _session(model)
     # without a store nothing is loaded: nothing to refuse
     KVTierLM(model, None, block_tokens=BLOCK, capacity_tokens=64).close()
+
+
+def test_weights_swapped_during_an_unstored_requests_forward_after_an_earlier_rewrite_are_not_saved():
+    """prepare(use_store=False) after an earlier same-bytes rewrite (load_state_dict of the same
+    weights) settles it first and watches the request: weights swapped for the caller's forward and
+    back before save() were saved under the namespace, and a later hit differed from a recompute
+    (audit s33 r8 D1). The control: the same request without the swap is saved and hits."""
+    def run(swap: bool):
+        torch.manual_seed(0)
+        m = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, intermediate_size=128, initializer_range=0.3)).eval()
+        ns = namespace_for_model(m, block_tokens=BLOCK, weights_revision="t")
+        lm = KVTierLM(m, host_store(ns), ns, capacity_tokens=256)
+        w0 = {k: v.clone() for k, v in m.state_dict().items()}
+        w1 = {k: v + 0.05 * torch.randn_like(v) for k, v in w0.items()}
+        prompt = np.random.default_rng(5).integers(3, 256, 100)
+        m.load_state_dict(w0)  # the same weights again: bytes equal, version counters bumped
+        saved = True
+        with lm.request(), torch.no_grad():
+            prepared = lm.prepare(prompt, use_store=False)
+            if swap:
+                m.load_state_dict(w1)
+            m(input_ids=torch.from_numpy(prompt.astype(np.int64))[None], use_cache=True,
+              **{cache_keyword(m): prepared.cache})
+            if swap:
+                m.load_state_dict(w0)
+            try:
+                lm.save(prompt).result()
+            except (LayoutError, ConfigError):
+                saved = False
+        warm = lm.generate(prompt, 1, save=False)
+        cold = lm.generate(prompt, 1, use_store=False, save=False)
+        lm.close()
+        return saved, warm.cached_tokens, float((warm.first_logits - cold.first_logits).abs().max())
+
+    saved, hit, _ = run(swap=False)
+    assert saved and hit > 0, "control: an unchanged request is saved and hits"
+    saved, hit, diff = run(swap=True)
+    assert not saved and hit == 0, "weights swapped during the forward were saved"
+    assert diff <= FP32_TOL

@@ -397,6 +397,11 @@ class KVTierLM:
             prepared = self._prepare(arr, extra_tokens, use_store, reusable)
             if self.store is not None and not use_store:
                 # Not checked (nothing was loaded); a save may follow: watched from the model as it is now.
+                # A move since the last check is settled first (a same-bytes rewrite by the digest; a
+                # foreign model stays unsettled, and save refuses it): unsettled, it left the request
+                # unwatched, and weights swapped during the caller's forward were saved (audit s33 r8 D1).
+                if self._weights.moved() is not None:
+                    self._weights.change()
                 self._model_checked_at_prepare = self._weights.moved() is None
             if self._model_checked_at_prepare:
                 self._watch_model_during_request()
