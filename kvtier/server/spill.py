@@ -130,7 +130,9 @@ class SpillCodec:
         fields = [_VERSION, a.owner, a.namespace, a.key, a.session, a.created_wall, a.header, a.nbytes, a.parent]
         # The payer trails, and only where there is one: an annotation without it reads as before
         # (here, and in a version before payers, which takes 9 fields only -- a downgrade then drops
-        # just the shared blocks a tenant wrote, as annotations it cannot read)
+        # the shared blocks a tenant wrote, as annotations it cannot read; with encryption at rest, a
+        # disk or fleet journal holding only such blocks makes it refuse to start, blaming the master
+        # key: README's "Downgrades")
         body = msgpack.packb(fields + [a.payer] if a.payer else fields, use_bin_type=True)
         if self._seal_key is None:
             return body + self._mac(disk_key, body)
