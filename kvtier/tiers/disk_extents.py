@@ -24,8 +24,9 @@ blocks' names do not reach (a restart counts those bytes, and removes an extent 
 once its writer is known dead -- it ran on this host and its pid is gone -- or once it is older
 than any write takes: a younger one of a live writer, or of another host, may be about to link).
 The last block of an extent (no other name links to it) takes the extent with it, the extent's
-own name unlinked first: a crash in between leaves that block's name, a file a restart counts and
-whose first read removes it (a table is no block), never an extent that nothing counts.
+own name unlinked first: a crash in between leaves that block's name, the extent's only link, which
+a restart finishes removing (its first page is a table whose extent's own name is not this file:
+a block file of its own has a header there), never an extent that nothing counts.
 
 Space: a removed block is erased in place with ``fallocate(PUNCH_HOLE)`` (its space returns to
 the file system), and its table entry is zeroed (the key is gone from the file too); where the
