@@ -163,13 +163,19 @@ def _vllm_events(items: list, engine: EngineKV, kv_cache_config: "KVCacheConfig"
 
 
 def _smallest_window(kv_cache_config) -> int | None:
-    """The narrowest sliding window over the engine's KV cache groups (None: no sliding window):
-    vLLM frees a request's pages that fall out of it, so a save planned again after a failed load
-    must not read them (audit s33 a9 D1)."""
-    windows = [getattr(group.kv_cache_spec, "sliding_window", None)
-               for group in getattr(kv_cache_config, "kv_cache_groups", None) or ()]
-    windows = [w for w in windows if isinstance(w, int) and w > 0]
-    return min(windows) if windows else None
+    """The sliding window of the KV cache group the connector moves pages of (the first), where
+    vLLM frees a request's pages that fall out of it (a sliding-window spec; None otherwise), so
+    that a save planned again after a failed load does not read them (audit s33 a9 D1). A hybrid
+    model under this connector has its sliding layers unified into a full-attention group that
+    still names a window but frees nothing: taken as a window, its held blocks were never saved
+    (audit s33 r10 D1)."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
+    if not groups:
+        return None
+    spec = groups[0].kv_cache_spec
+    window = getattr(spec, "sliding_window", None)
+    frees = type(spec).__name__ in ("SlidingWindowSpec", "SlidingWindowMLASpec")
+    return window if frees and isinstance(window, int) and window > 0 else None
 
 
 def _kv_owning_layers(kv_cache_config) -> frozenset[str] | None:

@@ -603,24 +603,8 @@ class SchedulerSide:
             return False, None
         self._forget_live(state)
         self._adapter_unchanged(state)   # changed since its last save: so are its last pages in vLLM's cache
-        state.announced_blocks = min(state.announced_blocks, self._first_save_maybe_dropped(state))
         loaded = 0 if state.load_failed else state.loaded_tokens
         return state.loading, {PD_PARAM: state.announced_blocks, "kvtier_loaded_tokens": loaded}
-
-    def _first_save_maybe_dropped(self, state: _Request) -> int:
-        """The request's first block that a failed synchronous load may still drop: in its saves of
-        the first step not reported yet with a synchronous load, or of one built after it (the
-        worker drops those too: ``KvtierMetadata.reported_step``). vLLM frees a finished request
-        before it hands over the step's report, whose failure would rewind them too late for the
-        announcement (the decode instance would wait ``pd_wait_s`` for blocks never stored).
-        ``announced_blocks`` when none may be."""
-        at_risk = False
-        first = state.announced_blocks
-        for step in self._steps:
-            at_risk = at_risk or bool(step.sync_loads)
-            if at_risk:
-                first = min([first, *(block for saver, block in step.saves if saver is state)])
-        return first
 
     def _state(self, request) -> _Request:
         state = self._requests.get(request.request_id)

@@ -12,7 +12,6 @@ vLLM's scheduler hands them over.
 from __future__ import annotations
 
 import json
-import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -147,6 +146,10 @@ def test_window_from_the_engine_page_format():
 
 
 def _prefill_beside_a_failing_sync_load(store, *, with_load: bool):
+    # (A request finishing beside a synchronous load that then FAILS still announces the saves the
+    # worker drops, and its decode instance waits pd_wait_s for them: capping every request that
+    # finishes beside any synchronous load announced none of the blocks of loads that succeed,
+    # the common case: audit s33 r10 D2.)
     """A prefill request R (300 tokens) computed in one step with B, whose synchronous load fails
     (``with_load``); R stops there (``max_tokens=1``). Returns R's ``kv_transfer_params``, as vLLM
     takes them before it hands over the step's report, and the worker."""
@@ -170,21 +173,38 @@ def _prefill_beside_a_failing_sync_load(store, *, with_load: bool):
     return engine, r, params, worker
 
 
-def test_request_finishing_before_a_failed_sync_load_report_announces_none_of_the_dropped_saves(store):
-    engine, r, params, worker = _prefill_beside_a_failing_sync_load(store, with_load=True)
-    assert worker.stats.saves_dropped == 6   # R's 4 blocks and B's 2
-    assert params[PD_PARAM] == 0
-    # a decode instance given them does not wait for blocks never stored
-    decode = SchedulerSide(ConnectorConfig(block_tokens=BLOCK, pd_wait_s=5.0), engine,
-                           lambda keys: store.lookup(keys).hit_blocks, loads=True, saves=True)
-    start = time.monotonic()
-    assert decode.num_new_matched_tokens(_request("R", 300, params), 0) == (0, False)
-    assert time.monotonic() - start < 1.0
-
-
 def test_request_finishing_in_a_step_without_sync_load_still_announces_its_saves(store):
     """The normal P/D flow: the step's saves go, and the decode instance waits for them."""
     engine, r, params, worker = _prefill_beside_a_failing_sync_load(store, with_load=False)
     assert params[PD_PARAM] == 4
     assert worker.stats.saves_dropped == 0
     assert store.lookup(engine.keys(engine.block_hashes(r.block_hashes, r.num_tokens))).hit_blocks == 4
+
+
+def test_the_connector_takes_a_window_only_from_a_group_that_frees_pages():
+    """A pure sliding-window model's group frees what falls out of its window: that window is
+    taken. A hybrid model (Gemma 2/3) under a connector has its sliding layers unified into a
+    full-attention group that still names a window but frees nothing: taken as a window, the
+    blocks vLLM held were never saved, a prefix miss for good (audit s33 r10 D1)."""
+    from types import SimpleNamespace
+
+    import torch
+    from vllm.v1.core.kv_cache_utils import unify_hybrid_kv_cache_specs
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    from kvtier.integrations.vllm.connector import _smallest_window
+
+    def config_of(spec):
+        return SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec, layer_names=["l0"])])
+
+    def sliding():
+        return SlidingWindowSpec(block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=torch.float32,
+                                 sliding_window=4 * BLOCK)
+
+    assert _smallest_window(config_of(sliding())) == 4 * BLOCK
+    hybrid = {"l0": FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=torch.float32),
+              "l1": sliding()}
+    unify_hybrid_kv_cache_specs(hybrid)
+    assert getattr(hybrid["l1"], "sliding_window", None) == 4 * BLOCK  # (the premise: it still names one)
+    assert _smallest_window(config_of(hybrid["l1"])) is None
+    assert _smallest_window(SimpleNamespace(kv_cache_groups=[])) is None
