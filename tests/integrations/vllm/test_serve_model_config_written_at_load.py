@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -49,23 +50,46 @@ KVTIER = {"kv_connector": "KvtierConnector", "kv_connector_module_path": "kvtier
 MULTI = {"kv_connector": "MultiConnector", "kv_role": "kv_both", "kv_connector_extra_config": {"connectors": [KVTIER]}}
 
 
-@pytest.mark.parametrize("transfer", [KVTIER, MULTI], ids=["kvtier", "multiconnector"])
-def test_a_model_whose_config_vllm_writes_at_load_is_reloaded_from_kvtier(falcon, tmp_path, transfer):
-    log_path = tmp_path / "vllm-serve.log"
-    proc, base = start_vllm_serve(falcon, transfer, log_path, timeout_s=300)
+TRANSFERS = {"kvtier": KVTIER, "multiconnector": MULTI}
+
+
+@pytest.fixture(scope="module")
+def served(falcon, tmp_path_factory) -> dict[str, tuple]:
+    """A ``vllm serve`` of ``falcon`` per transfer config, started side by side: each start-up is
+    mostly imports in three processes, ~30 s, and the two parameters paid them one after the
+    other. Each engine has its own store (a host tier in its own process): no test sees the
+    other's blocks. Stopped at the module's end, side by side too (each takes seconds)."""
+    logs = tmp_path_factory.mktemp("vllm-serve")
+
+    def start(name: str) -> tuple:
+        log_path = logs / f"{name}.log"
+        return (*start_vllm_serve(falcon, TRANSFERS[name], log_path, timeout_s=300), log_path)
+
+    with ThreadPoolExecutor(len(TRANSFERS)) as pool:
+        futures = {name: pool.submit(start, name) for name in TRANSFERS}
+    up = {name: f.result() for name, f in futures.items() if f.exception() is None}
     try:
-        body = {"model": falcon, "prompt": _text(300, seed=7), "max_tokens": 8, "temperature": 0}
-        first = _post(base + "/v1/completions", body)
-        prompt_tokens = first["usage"]["prompt_tokens"]
-        assert prompt_tokens > 256 and first["kv_transfer_params"]["kvtier_loaded_tokens"] == 0
-        time.sleep(0.5)  # the connector's writes are asynchronous
-        _post(base + "/reset_prefix_cache")
-        second = _post(base + "/v1/completions", body)
-        loaded = second["kv_transfer_params"]["kvtier_loaded_tokens"]
-        assert loaded == min(prompt_tokens // 64 * 64, (prompt_tokens - 2) // 32 * 32) > 0, \
-            "the scheduler's lookups missed what the worker saved"
-        assert second["choices"][0]["text"] == first["choices"][0]["text"]
-        # Positive control of the premise: the tags differed, and the scheduler followed the worker's.
-        assert "lookups follow the worker's keys" in log_path.read_text()
+        for f in futures.values():
+            f.result()   # a start-up's failure (pytest.fail with its log) fails the tests
+        yield up
     finally:
-        stop_vllm_serve(proc)
+        with ThreadPoolExecutor(len(TRANSFERS)) as pool:
+            list(pool.map(stop_vllm_serve, [proc for proc, *_ in up.values()]))
+
+
+@pytest.mark.parametrize("transfer", list(TRANSFERS))
+def test_a_model_whose_config_vllm_writes_at_load_is_reloaded_from_kvtier(falcon, served, transfer):
+    _, base, log_path = served[transfer]
+    body = {"model": falcon, "prompt": _text(300, seed=7), "max_tokens": 8, "temperature": 0}
+    first = _post(base + "/v1/completions", body)
+    prompt_tokens = first["usage"]["prompt_tokens"]
+    assert prompt_tokens > 256 and first["kv_transfer_params"]["kvtier_loaded_tokens"] == 0
+    time.sleep(0.5)  # the connector's writes are asynchronous
+    _post(base + "/reset_prefix_cache")
+    second = _post(base + "/v1/completions", body)
+    loaded = second["kv_transfer_params"]["kvtier_loaded_tokens"]
+    assert loaded == min(prompt_tokens // 64 * 64, (prompt_tokens - 2) // 32 * 32) > 0, \
+        "the scheduler's lookups missed what the worker saved"
+    assert second["choices"][0]["text"] == first["choices"][0]["text"]
+    # Positive control of the premise: the tags differed, and the scheduler followed the worker's.
+    assert "lookups follow the worker's keys" in log_path.read_text()
