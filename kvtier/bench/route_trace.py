@@ -181,15 +181,22 @@ def tier_aware_paired(ttfts: dict[str, list[float]]) -> dict:
             for name, other in ttfts.items() if name != "tier-aware" and len(other) == len(ta)}
 
 
-def histogram_quantile(metrics_text: str, name: str, q: float) -> float | None:
+def _bucket_counts(metrics_text: str, name: str) -> dict[float, float]:
+    """Cumulative counts (upper edge -> count) of one unlabelled histogram's buckets."""
+    return {float(m.group(1)): float(m.group(2))
+            for m in re.finditer(rf'^{name}_bucket{{le="([^"]+)"}} ([0-9.e+-]+)$', metrics_text, re.M)}
+
+
+def histogram_quantile(metrics_text: str, name: str, q: float, since: str = "") -> float | None:
     """Prometheus ``histogram_quantile`` over one unlabelled histogram: linear within the
-    bucket that holds the ``q`` quantile (so the figure is as fine as the buckets)."""
-    buckets = []
-    for m in re.finditer(rf'^{name}_bucket{{le="([^"]+)"}} ([0-9.e+-]+)$', metrics_text, re.M):
-        buckets.append((float(m.group(1)), float(m.group(2))))
+    bucket that holds the ``q`` quantile (so the figure is as fine as the buckets).
+    ``since``: an earlier scrape of the same histogram; only the observations made after it
+    count (its bucket counts are subtracted, as ``bench remote``'s quota stress does)."""
+    earlier = _bucket_counts(since, name)
+    buckets = sorted((edge, count - earlier.get(edge, 0.0))
+                     for edge, count in _bucket_counts(metrics_text, name).items())
     if not buckets or buckets[-1][1] == 0:
         return None
-    buckets.sort()
     rank = q * buckets[-1][1]
     lower_bound, lower_count = 0.0, 0.0
     for bound, count in buckets:
@@ -343,12 +350,15 @@ async def _replay(url: str, model: str, requests: list[dict], salt: str, at_once
         return await asyncio.gather(*(_one(session, url, model, r, salt, t0) for r in requests))
 
 
-def summarise(rows: list[dict], metrics_text: str, bound: list[int] | None = None) -> dict:
-    """One round's figures; ``decision_p99_ms`` from the router's own histogram."""
+def summarise(rows: list[dict], metrics_text: str, bound: list[int] | None = None,
+              metrics_before: str = "") -> dict:
+    """One round's figures; ``decision_p99_ms`` from the router's own histogram, over the
+    decisions made after ``metrics_before`` (the router's scrape before the counted requests:
+    the warm-up goes through the same router and is not measured)."""
     ttfts = [r["ttft_s"] for r in rows]
     timed = [r for r in rows if r.get("upstream_s") is not None]
     makespan = max(r["finish_s"] for r in rows) - min(r["arrival_s"] for r in rows)
-    p99 = histogram_quantile(metrics_text, "kvtier_router_decision_seconds", 0.99)
+    p99 = histogram_quantile(metrics_text, "kvtier_router_decision_seconds", 0.99, since=metrics_before)
     per_worker: dict[str, int] = {}
     for r in rows:
         per_worker[r["worker"]] = per_worker.get(r["worker"], 0) + 1
@@ -401,8 +411,9 @@ def _round(model: str, workers: list, phases: dict, policy: str, workdir: Path, 
             span = span(warm_rows, warm_s)
         time.sleep(0.5)   # the warm-up's last KV events reach the router
         before = [vllm_sums(_get(w.url + "/metrics")) for w in workers]
+        router_before = _get(router.url + "/metrics")
         rows = asyncio.run(_replay(router.url, model, at_span(phases["counted"], span), salt))
-        out = summarise(rows, _get(router.url + "/metrics"), phases["bound"])
+        out = summarise(rows, _get(router.url + "/metrics"), phases["bound"], router_before)
         out["worker_side"] = worker_side(before, [vllm_sums(_get(w.url + "/metrics")) for w in workers])
         if keep_rows is not None:
             keep_rows.write_text(json.dumps(rows))
@@ -471,10 +482,18 @@ def _deployment(model: str, workdir: Path, name: str, *, transfer: dict | None, 
     try:
         wait_ready(workers, timeout_s=600)
     except BaseException:
-        for w in workers:
-            w.stop()
+        _stop_all(workers)
         raise
     return workers
+
+
+def _stop_all(workers: list) -> None:
+    """Stop a deployment's workers side by side: each waits seconds for its engine's shutdown
+    (about 8 s for a pair one after the other), and nothing is timed then."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max(1, len(workers))) as pool:
+        list(pool.map(lambda w: w.stop(), workers))
 
 
 def run(args) -> dict:
@@ -574,8 +593,7 @@ def run(args) -> dict:
                                                     ttfts=ttfts.setdefault(policy, []))
                 load.append(os.getloadavg()[0])
         finally:
-            for w in workers:
-                w.stop()
+            _stop_all(workers)
     finally:
         server.stop()
     workers = _deployment(model, workdir, "baseline", transfer=None, max_len=max_len, kv_pages=kv_pages)
@@ -597,8 +615,7 @@ def run(args) -> dict:
                 ttfts=ttfts.setdefault("baseline_admission", []))
             load.append(os.getloadavg()[0])
     finally:
-        for w in workers:
-            w.stop()
+        _stop_all(workers)
     result["targets"] = targets(result)
     # the same requests in every round: tier-aware's quantiles against each other round's,
     # request by request, say whether a difference is the policy's or the machine's noise

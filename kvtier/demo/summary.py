@@ -98,7 +98,8 @@ def summarize(turns: list[dict], phases: list[dict], *, runtime_s: float, scenar
     restart = next((p for p in phases if p["phase"] > 1), None)
     # The tax is judged where kvtier did something: on turns that loaded a prefix
     # (a turn with nothing cached costs its prefill plus a lookup, a ratio of ~1).
-    hits = [t for t in turns if t["cached_tokens"]] or turns
+    # No hit: the per-hit figures are None (the report leaves their line out), not the misses'.
+    hits = [t for t in turns if t["cached_tokens"]]
     # Load efficiency per tier, against the limits its own process measured. A turn
     # loading from two tiers counts for the one that served most bytes; its ideal
     # adds both tiers' parts, so the figure stays exact for it.
