@@ -23,10 +23,10 @@ temp name and renamed onto the block's name. A crash leaves at worst an extent t
 blocks' names do not reach (a restart counts those bytes, and removes an extent no name reaches
 once its writer is known dead -- it ran on this host and its pid is gone -- or once it is older
 than any write takes: a younger one of a live writer, or of another host, may be about to link).
-The last block of an extent (no other name links to it) takes the extent with it, the extent's
-own name unlinked first: a crash in between leaves that block's name, the extent's only link, which
-a restart finishes removing (its first page is a table whose extent's own name is not this file:
-a block file of its own has a header there), never an extent that nothing counts.
+The last block of an extent (no other name links to it) takes the extent with it: the block's
+name is first renamed to a temp name of the remover, then the extent's own name and that temp are
+unlinked; a crash in between leaves a dead writer's temp file (reaped by its name at restart) and an
+extent no block reaches (reclaimed), never a block's name leading to a whole extent.
 
 Space: a removed block is erased in place with ``fallocate(PUNCH_HOLE)`` (its space returns to
 the file system), and its table entry is zeroed (the key is gone from the file too); where the
