@@ -804,7 +804,12 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
             os.rename(name, parked)
         except FileNotFoundError:
             parked = None  # removed already (another process sharing the directory)
-        whole = _unlink_name(os.path.join(self.path, extent.rel))
+        try:
+            whole = _unlink_name(os.path.join(self.path, extent.rel))
+        except OSError:
+            if parked is not None:  # refused: the block stays whole under its name, withheld, and
+                os.rename(parked, name)  # the retry takes this path again (audit s33 r12 D1)
+            raise
         if parked is not None:
             try:
                 _unlink_name(parked)
