@@ -294,3 +294,27 @@ def test_weights_swapped_during_an_unstored_requests_forward_after_an_earlier_re
     saved, hit, diff = run(swap=True)
     assert not saved and hit == 0, "weights swapped during the forward were saved"
     assert diff <= FP32_TOL
+
+
+def test_an_unstored_request_of_weights_offloaded_after_construction_runs_and_is_not_saved():
+    """prepare(use_store=False) settles a move of the weights by their digest, which refuses weights
+    on the meta device (accelerate's cpu_offload after the session was built): such a request runs
+    unwatched and save refuses it, as before that settling (it raised out of prepare: audit s33
+    r13 D1)."""
+    accelerate = pytest.importorskip("accelerate")
+    torch.manual_seed(0)
+    m = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=128, initializer_range=0.3)).eval()
+    ns = namespace_for_model(m, block_tokens=BLOCK, weights_revision="t")
+    lm = KVTierLM(m, host_store(ns), ns, capacity_tokens=256)
+    prompt = np.random.default_rng(4).integers(3, 256, 100)
+    accelerate.cpu_offload(m, execution_device=torch.device("cpu"))
+    with lm.request(), torch.no_grad():
+        prepared = lm.prepare(prompt, use_store=False)
+        m(input_ids=torch.from_numpy(prompt.astype(np.int64))[None], use_cache=True,
+          **{cache_keyword(m): prepared.cache})
+        with pytest.raises((ConfigError, LayoutError)):
+            lm.save(prompt).result()
+    assert lm.store.lookup(block_keys(ns, prompt)).hit_blocks == 0
+    lm.close()

@@ -401,7 +401,10 @@ class KVTierLM:
                 # foreign model stays unsettled, and save refuses it): unsettled, it left the request
                 # unwatched, and weights swapped during the caller's forward were saved (audit s33 r8 D1).
                 if self._weights.moved() is not None:
-                    self._weights.change()
+                    try:
+                        self._weights.change()
+                    except ConfigError:  # weights it cannot digest (offloaded to meta): unwatched,
+                        pass             # and save refuses (audit s33 r13 D1)
                 self._model_checked_at_prepare = self._weights.moved() is None
             if self._model_checked_at_prepare:
                 self._watch_model_during_request()
