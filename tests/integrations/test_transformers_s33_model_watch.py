@@ -261,23 +261,18 @@ def test_weights_swapped_during_an_unstored_requests_forward_after_an_earlier_re
     back before save() were saved under the namespace, and a later hit differed from a recompute
     (audit s33 r8 D1). The control: the same request without the swap is saved and hits."""
     def run(swap: bool):
-        torch.manual_seed(0)
-        m = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-            vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, intermediate_size=128, initializer_range=0.3)).eval()
-        ns = namespace_for_model(m, block_tokens=BLOCK, weights_revision="t")
-        lm = KVTierLM(m, host_store(ns), ns, capacity_tokens=256)
+        m = _llama()
+        lm = _session(m)
         w0 = {k: v.clone() for k, v in m.state_dict().items()}
         w1 = {k: v + 0.05 * torch.randn_like(v) for k, v in w0.items()}
-        prompt = np.random.default_rng(5).integers(3, 256, 100)
+        prompt = _prompt(seed=5)
         m.load_state_dict(w0)  # the same weights again: bytes equal, version counters bumped
         saved = True
-        with lm.request(), torch.no_grad():
+        with lm.request():
             prepared = lm.prepare(prompt, use_store=False)
             if swap:
                 m.load_state_dict(w1)
-            m(input_ids=torch.from_numpy(prompt.astype(np.int64))[None], use_cache=True,
-              **{cache_keyword(m): prepared.cache})
+            _caller_forward(m, prepared, prompt)
             if swap:
                 m.load_state_dict(w0)
             try:
@@ -302,19 +297,14 @@ def test_an_unstored_request_of_weights_offloaded_after_construction_runs_and_is
     unwatched and save refuses it, as before that settling (it raised out of prepare: audit s33
     r13 D1)."""
     accelerate = pytest.importorskip("accelerate")
-    torch.manual_seed(0)
-    m = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, intermediate_size=128, initializer_range=0.3)).eval()
-    ns = namespace_for_model(m, block_tokens=BLOCK, weights_revision="t")
-    lm = KVTierLM(m, host_store(ns), ns, capacity_tokens=256)
-    prompt = np.random.default_rng(4).integers(3, 256, 100)
+    m = _llama()
+    lm = _session(m)
+    prompt = _prompt(seed=4)
     accelerate.cpu_offload(m, execution_device=torch.device("cpu"))
-    with lm.request(), torch.no_grad():
+    with lm.request():
         prepared = lm.prepare(prompt, use_store=False)
-        m(input_ids=torch.from_numpy(prompt.astype(np.int64))[None], use_cache=True,
-          **{cache_keyword(m): prepared.cache})
+        _caller_forward(m, prepared, prompt)
         with pytest.raises((ConfigError, LayoutError)):
             lm.save(prompt).result()
-    assert lm.store.lookup(block_keys(ns, prompt)).hit_blocks == 0
+    assert _saved_blocks(lm, prompt) == 0
     lm.close()

@@ -18,21 +18,13 @@ import pytest
 
 from kvtier.tiers.base import Status
 from kvtier.tiers.remote_wire import CallerError
+from tests.polling import wait_until
 from tests.server.conftest import keys_for
 from tests.server.inprocess import PAGE, InProcessServer
 
 
 def _open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
-
-
-def _eventually(predicate, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 def test_connections_closed_for_a_full_pool_are_let_go_once_the_server_closed_them(tmp_path):
@@ -95,7 +87,7 @@ def test_a_connection_left_mid_reply_by_a_broken_sink_is_closed_outright(tmp_pat
         with pytest.raises(CallerError, match="sink breaks"):
             tier.get_streams(keys, [_BrokenSink()] + [_Sink() for _ in keys[1:]])
         # the reply unread is reset, and the server lets the connection go at once (not after 30 s)
-        assert _eventually(lambda: not srv.server.connections, 5.0), "the server still sends the dead call's reply"
+        assert wait_until(lambda: not srv.server.connections, 5.0), "the server still sends the dead call's reply"
         assert tier.available  # the caller's mistake: the tier stays up
         good = [_Sink()]
         assert tier.get_streams(keys[:1], good) == [Status.OK]

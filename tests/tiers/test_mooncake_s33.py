@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 
 from kvtier.tiers.base import Status
+from tests.polling import wait_until
 from tests.tiers.mooncake_harness import both_transfer_paths, make_tier, mooncake_available
 from tests.tiers.test_encrypted_mooncake import sealed_tier
 from tests.tiers.test_encrypted_mooncake_rereads import tamper
@@ -80,15 +81,6 @@ class CountedRemovals:
 
 def stored(engine, names: list[str]) -> list[bool]:
     return [code == 1 for code in engine.batch_is_exist(names)]
-
-
-def wait_until(condition, timeout_s: float = 10.0) -> bool:
-    until = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() >= until:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 # -- D1: blocks that fail twice are removed in one follow-up call; none is asked while down ------

@@ -15,19 +15,11 @@ from kvtier.crypto.keyring import Keyring
 from kvtier.crypto.providers import StaticMasterKey
 from kvtier.tiers.base import Status
 from kvtier.tiers.encrypted import EncryptedTier
+from tests.polling import wait_until
 from tests.server.conftest import keys_for
 from tests.server.inprocess import InProcessServer
 
 NBYTES = 4096
-
-
-def _eventually(predicate, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 def test_a_withheld_block_stays_withheld_while_the_tier_below_cannot_remove_it(tmp_path):
@@ -56,7 +48,7 @@ def test_a_withheld_block_stays_withheld_while_the_tier_below_cannot_remove_it(t
         # the withheld block's removal cannot land now: the call answers ERROR, the block stays withheld
         assert enc.get(key, out) is Status.ERROR
         assert not out.any()
-        assert _eventually(lambda: enc.contains(other) or remote.available, 10.0)  # the remote tier is back
+        assert wait_until(lambda: enc.contains(other) or remote.available, 10.0)  # the remote tier is back
         # the removal is tried again and lands: a miss, never the block whose erasure was refused
         assert enc.get(key, out) is Status.MISS
         assert not out.any()

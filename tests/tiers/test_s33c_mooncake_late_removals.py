@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 
 from kvtier.tiers.base import Status
+from tests.polling import wait_until
 from tests.tiers.mooncake_harness import make_tier, mooncake_available
 from tests.tiers.test_encrypted_mooncake_rereads import tamper
-from tests.tiers.test_mooncake_s33 import CountedRemovals, stored, wait_until
+from tests.tiers.test_mooncake_s33 import CountedRemovals, stored
 
 pytestmark = pytest.mark.skipif(mooncake_available() is not None, reason=str(mooncake_available()))
 
