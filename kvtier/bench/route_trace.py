@@ -76,6 +76,7 @@ from kvtier.bench.vllm_trace import (
     window_facts,
 )
 from kvtier.core.units import finite_float
+from kvtier.planner.observe import histogram_quantile as observed_quantile
 from kvtier.router.config import measured_bandwidth
 
 WORKERS = 2
@@ -193,20 +194,8 @@ def histogram_quantile(metrics_text: str, name: str, q: float, since: str = "") 
     ``since``: an earlier scrape of the same histogram; only the observations made after it
     count (its bucket counts are subtracted, as ``bench remote``'s quota stress does)."""
     earlier = _bucket_counts(since, name)
-    buckets = sorted((edge, count - earlier.get(edge, 0.0))
-                     for edge, count in _bucket_counts(metrics_text, name).items())
-    if not buckets or buckets[-1][1] == 0:
-        return None
-    rank = q * buckets[-1][1]
-    lower_bound, lower_count = 0.0, 0.0
-    for bound, count in buckets:
-        if count >= rank:
-            if math.isinf(bound):
-                return lower_bound
-            inside = count - lower_count
-            return lower_bound + (bound - lower_bound) * ((rank - lower_count) / inside if inside else 1.0)
-        lower_bound, lower_count = bound, count
-    return lower_bound
+    return observed_quantile(q, {edge: count - earlier.get(edge, 0.0)
+                                 for edge, count in _bucket_counts(metrics_text, name).items()})
 
 
 def server_timing(header: str) -> dict[str, float]:
