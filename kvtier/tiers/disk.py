@@ -75,6 +75,7 @@ back), :mod:`~kvtier.tiers.disk_writes` (puts, extents, publishing) and
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import time
@@ -129,6 +130,10 @@ __all__ = [
 
 #: a temp file older than this is a dead writer's, whatever host wrote it
 STALE_TEMP_S = 3600.0
+#: why a rename of a block's last name to its remover's temp name may fail where an unlink would
+#: not: a directory that must grow for the longer name on a full file system or a spent quota
+#: (ext4, XFS), or (EMLINK) one whose entries are at their limit
+_PARK_REFUSED = (*direct_io.NO_ROOM, errno.EMLINK)
 
 
 class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
@@ -791,31 +796,73 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
         return None
 
     def _remove_last_name(self, key: BlockKey, extent: Extent) -> bool:
-        """Remove the last block name of ``extent`` and the extent (True if its own name was
-        there). The name is first renamed to a temp name of this process: a crash at any point
-        leaves a dead writer's temp file, which a restart's scan reaps by its name (reading
-        nothing), and an extent no block reaches, which it reclaims. Unlinked in place, a crash
-        between the two unlinks left the block's name as the only link to the whole extent, a
-        file a restart took for a block and whose first read counted a corrupt block (s33 CI);
-        recognising that at restart cost a page read per block file (audit s33 r11 D1)."""
+        """Remove the last block name of ``extent`` and the extent (True if its own name went with
+        it; False: only the block's name went, its place to be erased). The name is first renamed to
+        a temp name of this process: a crash at any point leaves a dead writer's temp file, which a
+        restart's scan reaps by its name (reading nothing), and an extent no block reaches, which it
+        reclaims. Unlinked in place, a crash between the two unlinks left the block's name as the
+        only link to the whole extent, a file a restart took for a block and whose first read
+        counted a corrupt block (s33 CI); recognising that at restart cost a page read per block
+        file (audit s33 r11 D1). A rename the file system refuses for want of room unlinks in
+        place (:meth:`_unlink_last_name_in_place`); a name another process linked to the extent
+        meanwhile keeps it (:meth:`_keep_extent_named`)."""
         name = self.path_of(key)
         parked = os.path.join(os.path.dirname(name), f".{key.hex()}.{direct_io.temp_tag()}{TEMP_SUFFIX}")
+        own = os.path.join(self.path, extent.rel)
         try:
             os.rename(name, parked)
         except FileNotFoundError:
             parked = None  # removed already (another process sharing the directory)
+        except OSError as exc:
+            if exc.errno not in _PARK_REFUSED:
+                raise
+            return self._unlink_last_name_in_place(name, extent)
         try:
-            whole = _unlink_name(os.path.join(self.path, extent.rel))
+            whole = _unlink_name(own)
         except OSError:
             if parked is not None:  # refused: the block stays whole under its name, withheld, and
                 os.rename(parked, name)  # the retry takes this path again (audit s33 r12 D1)
             raise
         if parked is not None:
+            if self._keep_extent_named(parked, own, extent):
+                whole = False
             try:
                 _unlink_name(parked)
             except OSError as exc:  # the name is gone already; a later scan reaps the temp
                 log.warning("disk tier %s: parked name %s not removed: %s", self.path, parked, exc)
         return whole
+
+    def _unlink_last_name_in_place(self, name: str, extent: Extent) -> bool:
+        """Remove a last block name that could not be parked (ENOSPC, EDQUOT: a rename to the longer
+        temp name may need a new directory block, which a full file system or a spent quota
+        refuses where an unlink never does; EMLINK): the block's name, then the extent's own name
+        where no other name links to it (True). A crash between the two leaves an extent no block
+        reaches, which a restart reclaims; on a full disk, eviction has to free room."""
+        _unlink_name(name)  # (a refusal raises: the block is withheld, as any refused removal)
+        return self._unlink_unnamed_extent(extent)
+
+    def _keep_extent_named(self, parked: str, own: str, extent: Extent) -> bool:
+        """After the extent's own name was unlinked: whether a name other than ``parked`` still links
+        to the extent, which then keeps (gets back) its own name, so that no block's name is left
+        the only link to a whole extent (a MISS to its writer, a "corrupt" block after a restart).
+        Another process may have linked a block's name to it after :meth:`_last_name` judged
+        ``parked`` its last: its writer links from the extent's own name, so such a name was made
+        before the unlink, and the link count shows it now (the writer checks that name after
+        linking: ``DiskWrites._link_checked``)."""
+        try:
+            linked = os.lstat(parked)
+        except OSError:
+            return False
+        if linked.st_ino != extent.ino or linked.st_nlink < 2:
+            return False
+        try:
+            os.link(parked, own)
+        except FileExistsError:
+            pass  # named again already (the other name's writer, or another remover, restored it)
+        except OSError as exc:
+            log.warning("disk tier %s: extent %s lost its own name while other names link to it: %s",
+                        self.path, extent.rel, exc)
+        return True
 
     def _last_name(self, key: BlockKey, entry: _Entry) -> bool:
         """Whether ``key``'s name is the only one still linked to its extent (the extent's own name
@@ -889,15 +936,18 @@ class DiskTier(DiskReads, DiskWrites, Tier, StreamingTier):
             self._tables.pop(extent.rel, None)
         self._used -= extent.dead
         extent.dead = 0
-        if extent.ino is None:
-            return
+        if extent.ino is not None:
+            self._unlink_unnamed_extent(extent)
+
+    def _unlink_unnamed_extent(self, extent: Extent) -> bool:
+        """Unlink ``extent``'s own name if no block's name links to it any more (its link count 1);
+        whether it went (a refusal is logged: a restart reclaims an extent no name reaches)."""
         path = os.path.join(self.path, extent.rel)
         try:
             st = os.lstat(path)
         except OSError:
-            return
-        if stat.S_ISREG(st.st_mode) and st.st_ino == extent.ino and st.st_nlink == 1:
-            _unlink(path)
+            return False
+        return stat.S_ISREG(st.st_mode) and st.st_ino == extent.ino and st.st_nlink == 1 and _unlink(path)
 
     def _holds_exactly(self, key: BlockKey, entry: _Entry, read: os.stat_result | None = None) -> bool:
         """Whether ``key``'s name still holds the very block ``entry`` indexed (and, given ``read``, the

@@ -26,7 +26,15 @@ than any write takes: a younger one of a live writer, or of another host, may be
 The last block of an extent (no other name links to it) takes the extent with it: the block's
 name is first renamed to a temp name of the remover, then the extent's own name and that temp are
 unlinked; a crash in between leaves a dead writer's temp file (reaped by its name at restart) and an
-extent no block reaches (reclaimed), never a block's name leading to a whole extent.
+extent no block reaches (reclaimed), never a block's name leading to a whole extent. Where the file
+system refuses that rename for want of room (a full disk, a spent quota), the block's name and then
+the extent's own name are unlinked in place (a crash between leaves an extent no block reaches).
+Processes sharing the directory: a name another one linked to the extent meanwhile shows in the
+link count once the extent's own name is unlinked, and the remover names the extent again; the
+writer checks the extent's own name after linking and writes its blocks again on their own where
+it went. A name left the only link to a whole extent all the same (a process of an older version
+stopped halfway) is a miss at its first read after a restart, removed, not a corrupt block
+(:func:`starts_a_table`).
 
 Space: a removed block is erased in place with ``fallocate(PUNCH_HOLE)`` (its space returns to
 the file system), and its table entry is zeroed (the key is gone from the file too); where the
@@ -137,14 +145,9 @@ class Table:
     blocks: dict[bytes, tuple[int, int, int]]
 
 
-def read_table(fd: int, file_size: int) -> Table | None:
-    """The table at the start of an open extent; None if there is none (an extent from before
-    tables, or a damaged head). Entries that do not verify (zeroed by an erasure, damaged) or
-    that point outside the file or off the page grid are left out."""
-    try:
-        page = os.pread(fd, PAGE, 0)
-    except OSError:
-        return None
+def _table_head(page: bytes) -> tuple[bytes, int, int] | None:
+    """``(name, entries, where the entries start)`` of a page that starts with a table whose head
+    verifies; None for any other page."""
     if len(page) < _HEAD.size:
         return None
     magic, version, name_len, count = _HEAD.unpack_from(page, 0)
@@ -156,6 +159,28 @@ def read_table(fd: int, file_size: int) -> Table | None:
     name = page[_HEAD.size: _HEAD.size + name_len]
     if _CHECK.unpack_from(page, pos - _CHECK.size)[0] != xxhash.xxh3_64_intdigest(page[: _HEAD.size] + name):
         return None
+    return name, count, pos
+
+
+def starts_a_table(page: bytes) -> bool:
+    """Whether ``page``, read as a block's header page, is an extent's table instead: what a
+    block's name shows where it links to an extent as a file of its own (one whose own name went,
+    a removal or a put of another process stopped halfway; a restart indexes it by its name)."""
+    return _table_head(page) is not None
+
+
+def read_table(fd: int, file_size: int) -> Table | None:
+    """The table at the start of an open extent; None if there is none (an extent from before
+    tables, or a damaged head). Entries that do not verify (zeroed by an erasure, damaged) or
+    that point outside the file or off the page grid are left out."""
+    try:
+        page = os.pread(fd, PAGE, 0)
+    except OSError:
+        return None
+    head = _table_head(page)
+    if head is None:
+        return None
+    name, count, pos = head
     try:
         rel = name.decode()
     except UnicodeDecodeError:

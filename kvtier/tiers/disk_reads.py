@@ -22,11 +22,19 @@ import xxhash
 
 from kvtier.core.keys import KEY_BYTES, BlockKey
 from kvtier.core.payload import FLAG_SEALED, header_mismatch, plain_headers, unpack_header
-from kvtier.tiers import direct_io
+from kvtier.tiers import direct_io, disk_extents
 from kvtier.tiers.base import Status
 from kvtier.tiers.direct_io import PAGE, ReadJob, ReadOutcome, RunOutcome, as_bytes, round_up
 from kvtier.tiers.disk_records import FLAG_RECORD, StoredRecord, _Entry, _record_in, _unlink, log, records_ok
 from kvtier.tiers.streams import PayloadSink, SinkFeeder, Unverifiable
+
+
+#: why a block's name that leads to a whole extent (indexed by a restart as a block file of its own:
+#: the extent's own name went, a removal or a put of another process stopped halfway, and the scan
+#: reads no page to tell) is a miss, removed but not counted as a failed verification: no block was
+#: written there, so none is corrupt. Told on the first read, from the header page it reads anyway
+#: (a file of another size than the block's: an extent holds two blocks or more and its table).
+NAMED_EXTENT = "block {}'s name was the only one left of a whole extent; removed"
 
 
 class DiskReads:
@@ -291,6 +299,10 @@ class DiskReads:
             if status is Status.OK:
                 self.stats.hits += 1
                 self.stats.bytes_read += nbytes
+            elif why is NAMED_EXTENT:
+                self.stats.misses += 1
+                if self._drop_bad(key, entry, inode, corrupt=False):
+                    log.info("disk tier %s: %s", self.path, NAMED_EXTENT.format(key.hex()))
             elif status in (Status.BAD_SIZE, Status.MISS):
                 self.stats.misses += 1
             elif not self._drop_bad(key, entry, inode):
@@ -300,9 +312,10 @@ class DiskReads:
                 log.warning("disk tier %s: block %s failed verification (%s); removed", self.path, key.hex(), why)
         return status
 
-    def _drop_bad(self, key: BlockKey, entry: _Entry, inode: os.stat_result) -> bool:
+    def _drop_bad(self, key: BlockKey, entry: _Entry, inode: os.stat_result, *, corrupt: bool = True) -> bool:
         """Remove a block whose read of ``entry`` (``inode``: the fstat of the file read)
-        failed verification (under the lock); False if that read was not of the block indexed, still
+        failed verification (under the lock; counted unless not ``corrupt``: a name that holds a
+        whole extent, :data:`NAMED_EXTENT`); False if that read was not of the block indexed, still
         named: a plain miss, the entry forgotten. That is a block removed meanwhile, by a thread of
         ours or another process (perhaps erasing the bytes being read), or published again, or a
         name that now holds another file than the one indexed: another process's extent read as a
@@ -313,7 +326,8 @@ class DiskReads:
         if not self._holds_exactly(key, entry, inode):
             self._forget(key)
             return False
-        self.stats.verify_failures += 1
+        if corrupt:
+            self.stats.verify_failures += 1
         self._discard(key, entry)
         return True
 
@@ -415,8 +429,11 @@ class DiskReads:
 
 def _judge_size(page: bytes | None, size: int, key: bytes, want: int) -> tuple[Status, str]:
     """A file of ``size`` bytes that does not fit a payload of ``want``, with this header page
-    (None: unreadable): a wrong caller buffer (BAD_SIZE) or a bad file (CORRUPT)."""
+    (None: unreadable): a wrong caller buffer (BAD_SIZE), a bad file (CORRUPT), or a whole extent
+    (a MISS, :data:`NAMED_EXTENT`)."""
     header = unpack_header(page) if page is not None else None
+    if header is None and page is not None and disk_extents.starts_a_table(page):
+        return Status.MISS, NAMED_EXTENT
     if header is None or header.key != key:
         return Status.CORRUPT, "unreadable header or wrong key"
     if size != PAGE + round_up(header.payload_nbytes):

@@ -187,7 +187,7 @@ class DiskWrites:
             status, ino = self._write_extent(stem, rel, table, [
                 (keys[i], srcs[i], metas[i], pack_record(keys[i], records[i]), offsets[i]) for i in todo],
                 oldest, landed)
-            return status, ino, (self._link_all(rel, [keys[i] for i in todo]) if status is Status.OK else [])
+            return status, ino, (self._link_checked(rel, ino, [keys[i] for i in todo]) if status is Status.OK else [])
 
         retries = EXTENT_NO_ROOM_RETRIES
 
@@ -245,8 +245,9 @@ class DiskWrites:
         were linked (``failures[i]`` None), under the lock; each one's status: OK, ERROR (its name
         could not be made), or None where the file system had no room for its name (ENOSPC, EDQUOT:
         a full ext4's directory needs a block for it): then the limit is lowered and the block is
-        to be put on its own, which evicts to make room. A name not made leaves its place in the
-        extent dead."""
+        to be put on its own, which evicts to make room; None too where the extent went while its
+        names were linked (ENOENT): then the block is put on its own as a fresh write. A name not
+        made leaves its place in the extent dead."""
         # an extent a lookup on another thread adopted while the names were linked is that same one
         extent = self._extent(rel, ino, table_bytes)
         extent.ino = ino
@@ -259,6 +260,8 @@ class DiskWrites:
                 if failure.errno in direct_io.NO_ROOM:
                     no_room = failure
                     out.append(None)
+                elif failure.errno == errno.ENOENT:
+                    out.append(None)  # the extent went while its names were linked: put on its own
                 else:
                     self.stats.put_failures += 1
                     self.stats.errors += 1
@@ -352,11 +355,31 @@ class DiskWrites:
         status = self._publish(final, stem, write, what=f"extent {stem}", mtime=mtime)
         return status, (inode[0] if inode else None)
 
+    def _link_checked(self, rel: str, ino: int, keys) -> list[OSError | None]:
+        """:meth:`_link_all`, then a check (one lstat) that the extent's own name still holds it,
+        inode ``ino``: where it went while the names were linked (another process removed what it
+        judged the extent's last block name, or stopped halfway through removing it), the names
+        just made would be the only links to a whole extent, blocks no get finds (and a restart
+        takes such a name for a block file). Each one still linked to it is unlinked and its block
+        marked (ENOENT) to be written on its own, as a fresh put. (A remover that unlinks the
+        extent's own name after this check sees these names in its link count and names the
+        extent again: ``DiskTier._keep_extent_named``.)"""
+        extent = os.path.join(self.path, rel)
+        done = self._link_all(rel, keys)
+        if None in done and not _names(extent, ino):
+            gone = OSError(errno.ENOENT, "the extent's own name went while its blocks were linked", extent)
+            for i, key in enumerate(keys):
+                if done[i] is None:
+                    if _names(self.path_of(key), ino):  # (not a block another writer put there since)
+                        _unlink(self.path_of(key))
+                    done[i] = gone
+        return done
+
     def _link_all(self, rel: str, keys) -> list[OSError | None]:
-        """Give each block of extent ``rel`` its name: a hard link to the extent (a directory
-        entry, no inode of its own), made under a temp name and renamed onto the name (atomic,
-        whatever stood there before); per block, None where it was made, else why not. Its place
-        is in the table."""
+        """Give each block of extent ``rel`` its name: a hard link to the extent (a directory entry,
+        no inode of its own), made under a temp name and renamed onto the name (atomic, whatever
+        stood there before); per block, None where it was made, else why not (ENOENT: the extent
+        went meanwhile, the block to be written on its own). Its place is in the table."""
         extent = os.path.join(self.path, rel)
         done = []
         for key in keys:
@@ -372,7 +395,7 @@ class DiskWrites:
                 done.append(None)
             except OSError as exc:
                 _unlink(temp)
-                if exc.errno not in direct_io.NO_ROOM:  # (no room: the block is put on its own, evicting)
+                if exc.errno not in (*direct_io.NO_ROOM, errno.ENOENT):  # (both: the block is put on its own)
                     log.warning("disk tier %s: linking %s failed: %s", self.path, key.hex(), exc)
                 done.append(exc)
         return done
@@ -555,3 +578,12 @@ def _check_key(key) -> None:
         raise ValueError(
             f"disk tier keys are {KEY_BYTES}-byte BlockKeys (kvtier.core.keys.block_keys), got {key!r:.40}"
         )
+
+
+def _names(path: str, ino: int) -> bool:
+    """Whether ``path`` is a name of regular file ``ino`` (one lstat)."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_ino == ino
