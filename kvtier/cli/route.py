@@ -147,11 +147,12 @@ def build_config(args):
 
 def run(args) -> int:
     from kvtier.errors import ConfigError
+    from kvtier.open_file_limit import raise_open_file_limit
     from kvtier.router.app import Router
     from kvtier.router.requests import PromptTokenizer
 
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    _raise_open_file_limit()   # before the Router: its default connections per address follow the limit
+    raise_open_file_limit()   # before the Router: its default connections per address follow the limit
     try:
         config = build_config(args)
         if not config.model_path:
@@ -189,22 +190,6 @@ def run(args) -> int:
     runner.app.on_startup.append(_second_signal_hurries_the_drain(router))
     _serve(runner, socks)
     return 0
-
-
-def _raise_open_file_limit() -> None:
-    """The soft ``RLIMIT_NOFILE`` raised to the hard one: every client connection, every call to a
-    worker and each event socket takes a descriptor, and the soft default (often 1024) is what
-    one busy fleet, or one client's flood of sockets, runs the router out of (EMFILE: no accept,
-    no call to a worker)."""
-    import resource
-
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == hard:
-        return
-    try:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    except (ValueError, OSError) as exc:   # (a hard limit of "unlimited" that the kernel caps lower)
-        logging.getLogger(__name__).info("open-file limit left at %s (raising it to %s failed: %s)", soft, hard, exc)
 
 
 def _serve(runner, socks: list) -> None:

@@ -20,7 +20,10 @@ whole would sit encrypted in memory until a client that does not read took it.
 Timeouts are enforced by the server's watchdog (:meth:`expired`): a connection
 idle between frames for ``idle_timeout_s``, or one whose current frame (or the
 reply being sent) has taken longer than ``frame_timeout_s``, gets a TIMEOUT
-error and is closed -- a slowloris client only ever holds its own connection.
+error and is closed -- a slowloris client only ever holds its own connection. A
+connection the server closes whose client does not take what is left to send (that
+error, a last reply) is reset ``frame_timeout_s`` later: a graceful close waits for
+the client, and one that has stopped reading would hold its slot for good.
 """
 
 from __future__ import annotations
@@ -59,6 +62,10 @@ class Phase(enum.Enum):
     RECV = "recv"  #: a frame is arriving: the frame timeout applies
     WORK = "work"  #: the server is working (e.g. disk I/O): no timeout
     SEND = "send"  #: waiting for the client to read a reply: the frame timeout applies
+    #: closed by the server, what it wrote still queued for the client: the frame timeout applies,
+    #: then a reset. Final: ``transport.close`` waits for the client to take the rest, and one that
+    #: has stopped reading never does -- its slot and descriptor would be held for good.
+    CLOSING = "closing"
 
 
 class Closed(Exception):
@@ -197,6 +204,8 @@ class Connection(asyncio.BufferedProtocol):
 
     # -- reading (used by the task) ----------------------------------------------------
     def _enter(self, phase: Phase) -> None:
+        if self.phase is Phase.CLOSING:
+            return  # the task winding down must not restart the clock of a connection being closed
         self.phase = phase
         self.since = time.monotonic()
 
@@ -349,29 +358,19 @@ class Connection(asyncio.BufferedProtocol):
         self._unsent = None  # the rest of a payload is not sent ahead of the error
         body = message.encode("utf-8", "replace")[:1024]
         self.write(pack_header(Op.ERROR, 0, len(body), 0, int(code)), body)
-        self._closed = True
-        self.transport.close()
+        self._close_after_writes()
         self._wake()
 
     def expired(self, now: float, idle_s: float, frame_s: float) -> bool:
         if self.phase is Phase.IDLE:
             return now - self.since > idle_s
-        if self.phase in (Phase.RECV, Phase.SEND):
+        if self.phase in (Phase.RECV, Phase.SEND, Phase.CLOSING):
             return now - self.since > frame_s
         return False
 
     def timeout(self) -> None:
-        if self.phase is Phase.SEND:
-            # The client does not read: drop what is queued at once (it may be views of
-            # pool slots that the cancelled task is about to release) and reset, so that
-            # the kernel frees its send buffer too (SO_LINGER 0 turns close into RST).
-            self._closed = True
-            sock = self.transport.get_extra_info("socket")
-            try:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-            except (OSError, AttributeError):
-                pass
-            self.transport.abort()
+        if self.phase in (Phase.SEND, Phase.CLOSING):
+            self._reset()
         else:
             what = "idle" if self.phase is Phase.IDLE else "a frame took"
             self.fail(ErrorCode.TIMEOUT, f"{what} too long; closing")
@@ -417,7 +416,25 @@ class Connection(asyncio.BufferedProtocol):
             server.metrics.protocol_errors.labels(ErrorCode.INTERNAL.name).inc()
             self.fail(ErrorCode.INTERNAL, "internal server error")
 
+    def _reset(self) -> None:
+        """The client does not read: drop what is queued at once (it may be views of pool slots
+        that the cancelled task is about to release) and reset, so that the kernel frees its send
+        buffer too (SO_LINGER 0 turns close into RST)."""
+        self._closed = True
+        sock = self.transport.get_extra_info("socket")
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        except (OSError, AttributeError):
+            pass
+        self.transport.abort()
+
+    def _close_after_writes(self) -> None:
+        """Close once what is written has gone; a connection still here ``frame_timeout_s`` later
+        (its client stopped reading) is reset by the watchdog (:attr:`Phase.CLOSING`)."""
+        self._closed = True
+        self._enter(Phase.CLOSING)
+        self.transport.close()
+
     def close(self) -> None:
         if not self._closed:
-            self._closed = True
-            self.transport.close()
+            self._close_after_writes()

@@ -52,7 +52,9 @@ import asyncio
 import errno
 import logging
 import os
+import resource
 import signal
+import socket
 import ssl
 import stat
 import sys
@@ -61,6 +63,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from kvtier.errors import ConfigError
+from kvtier.open_file_limit import raise_open_file_limit
 from kvtier.private_files import make_private_dirs, open_private_file
 from kvtier.server.admission import Admission, LoginLimiter
 from kvtier.server.audit import AuditLog
@@ -111,6 +114,21 @@ def _remove_stale_socket(path: str) -> None:
             pass
         return
     raise OSError(errno.EADDRINUSE, f"another server listens on unix://{path}")
+
+
+def _unix_socket_0660(path: str) -> socket.socket:
+    """A Unix stream socket bound at ``path``, mode 0660, not listening yet (the event loop's server
+    listens on it). Set before the listen: bound with the umask's mode (0777 under umask 0) and
+    listening, it accepted any local user until a chmod, and a connection made then stayed, exempt
+    from the failed-login throttle as a Unix peer. A socket that does not listen refuses connections."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(path)
+        os.chmod(path, 0o660)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 def _refuse_state_left_in_disk_dir(config: ServerConfig) -> None:
@@ -463,8 +481,7 @@ class Server:
             factory = lambda: Connection(self)  # noqa: E731
             if scheme == "unix":
                 _remove_stale_socket(host)
-                srv = await loop.create_unix_server(factory, path=host, backlog=1024)
-                os.chmod(host, 0o660)
+                srv = await loop.create_unix_server(factory, sock=_unix_socket_0660(host), backlog=1024)
                 bound = os.stat(host)
                 self._unix_paths.append((host, bound.st_dev, bound.st_ino))
                 urls.append(f"unix://{host}")
@@ -629,9 +646,31 @@ class Server:
         return missing
 
 
-def _start_warnings(config: ServerConfig) -> list[str]:
+#: descriptors a server holds besides its client connections: stdio, the event loop's, the listeners,
+#: the metrics endpoint and its scrapers, KV events sockets, the audit log, the state files, the disk
+#: files the I/O threads have open, a Mooncake client's
+RESERVED_DESCRIPTORS = 64
+
+
+def _open_file_limit_warning(config: ServerConfig, open_file_limit: int) -> str | None:
+    """Why ``open_file_limit`` (the soft ``RLIMIT_NOFILE``) is too low for the connections the
+    config admits, or None: past it every accept fails and new clients are reset unheard."""
+    needed = config.max_connections + config.max_unauthenticated + RESERVED_DESCRIPTORS
+    if open_file_limit == resource.RLIM_INFINITY or needed <= open_file_limit:
+        return None
+    return (f"the open-file limit is {open_file_limit}, below the {needed} descriptors the connection limits "
+            f"take (max_connections {config.max_connections} + max_unauthenticated {config.max_unauthenticated} "
+            f"+ {RESERVED_DESCRIPTORS} the server holds itself): past it new clients are reset before their "
+            f"HELLO, unlogged. Raise the hard limit (systemd LimitNOFILE=, ulimit -Hn; the server raises its "
+            f"soft limit to it) or lower max_connections / max_unauthenticated")
+
+
+def _start_warnings(config: ServerConfig, open_file_limit: int) -> list[str]:
     """What the start line warns about (the log then does not repeat it)."""
     lines = []
+    too_few_files = _open_file_limit_warning(config, open_file_limit)
+    if too_few_files:
+        lines.append(too_few_files)
     if config.disk_dir and not config.encrypt_at_rest and safety.first_time("server-plaintext", config.disk_dir):
         lines.append(safety.server_plaintext_message(config.disk_dir))
     cleartext = [url for url in config.listen if cleartext_beyond_host(url)]
@@ -643,9 +682,11 @@ def _start_warnings(config: ServerConfig) -> list[str]:
 
 def run(config: ServerConfig, ready: Callable[[dict], None] | None = None) -> None:
     """Serve until SIGINT / SIGTERM. ``ready`` gets the bound addresses once listening."""
+    # (process-wide, hence here and not in Server, which tests also run inside their own process)
+    open_file_limit = raise_open_file_limit()
 
     async def main() -> None:
-        for line in _start_warnings(config):
+        for line in _start_warnings(config, open_file_limit):
             print(f"kvtier serve: WARNING: {line}", file=sys.stderr, flush=True)
         try:
             server = Server(config)
