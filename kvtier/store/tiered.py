@@ -21,7 +21,8 @@
   age, so no tier serves it past its own TTL. Write-through puts
   into every tier; a single tier has nothing below it and nothing is dirty.
 * ``close`` waits for the puts under way (a put after it is refused) and the
-  gets under way (a get after it is a miss), then copies what is still dirty,
+  gets and lookups under way (a get after it is a miss, a lookup finds
+  nothing), then copies what is still dirty,
   waiting at most ``close_flush_timeout_s``, and reports it
   (:class:`FlushReport`): a graceful shutdown leaves every block in the
   slower, durable tiers, and no load in flight meets a closed tier.
@@ -155,6 +156,12 @@ class TieredStore:
         self._pending: set[Future] = set()
         self._pending_lock = threading.Lock()
         self._closed = False
+        # the first close() does the work; a later one, on any thread, waits for it and returns its report
+        self._close_lock = threading.Lock()
+        self._close_done = threading.Event()
+        self._closing_thread: int | None = None
+        self._close_report = FlushReport(0, 0, 0.0)
+        self._close_failure: BaseException | None = None
         # puts under way, so that close() copies down every block a put acknowledged
         self._puts = 0
         self._puts_open = True
@@ -176,7 +183,19 @@ class TieredStore:
 
     # -- lookup ------------------------------------------------------------------
     def lookup(self, keys: Sequence[BlockKey]) -> PrefixMatch:
+        """The longest prefix of ``keys`` some tier holds, block by block. Gated as a get: once
+        close() has closed reads it finds nothing (a hit a get would then miss misled the caller
+        into planning loads that all fail: audit s34 a7 D3), and close waits for one under way."""
         keys = list(keys)
+        with self._promoter.foreground() as open_:
+            pos, where = self._longest_prefix(keys) if open_ else (0, [])
+        with self._stats.lock:
+            self._stats.lookups += 1
+            self._stats.lookup_blocks += len(keys)
+            self._stats.lookup_hit_blocks += pos
+        return PrefixMatch(pos, where)
+
+    def _longest_prefix(self, keys: list[BlockKey]) -> tuple[int, list[str]]:
         where: list[str] = []
         pos = 0
         while pos < len(keys):
@@ -189,11 +208,7 @@ class TieredStore:
                     break
             else:
                 break
-        with self._stats.lock:
-            self._stats.lookups += 1
-            self._stats.lookup_blocks += len(keys)
-            self._stats.lookup_hit_blocks += pos
-        return PrefixMatch(pos, where)
+        return pos, where
 
     # -- get ---------------------------------------------------------------------
     def get(
@@ -481,10 +496,37 @@ class TieredStore:
         refused) and the gets under way on other threads (later ones miss; a ``reading()``
         bracket counts as a get), copy what is still dirty down (at most ``flush_timeout_s``,
         default ``close_flush_timeout_s``; None: no limit), then close the tiers. Returns (and
-        logs) what the flush did; a second close does nothing."""
-        if self._closed:
+        logs) what the flush did. A later close, on any thread, does nothing more: it waits for
+        the first to end and returns its report (raises if it failed). (It returned at once, while
+        the first still copied blocks down, to a caller that might exit the process then: audit
+        s34 a7 D2.)"""
+        with self._close_lock:
+            first, self._closed = not self._closed, True
+            if first:
+                self._closing_thread = threading.get_ident()
+        if not first:
+            return self._first_close_report()
+        try:
+            self._close_report = self._close_once(flush_timeout_s)
+            return self._close_report
+        except BaseException as exc:
+            self._close_failure = exc
+            raise
+        finally:
+            self._close_done.set()
+
+    def _first_close_report(self) -> FlushReport:
+        """What a later close returns: the first close's report, once it has ended."""
+        if not self._close_done.is_set() and self._closing_thread == threading.get_ident():
+            # re-entered on the closing thread (a signal handler run inside close): it cannot wait
+            # for itself, and the first close goes on once it returns
             return FlushReport(0, 0, 0.0)
-        self._closed = True
+        self._close_done.wait()
+        if self._close_failure is not None:
+            raise RuntimeError("this TieredStore's first close() failed") from self._close_failure
+        return self._close_report
+
+    def _close_once(self, flush_timeout_s) -> FlushReport:
         timeout = self.close_flush_timeout_s if flush_timeout_s is _CONFIGURED else flush_timeout_s
         self._pool.shutdown(wait=True)  # their blocks are dirty too
         with self._puts_cond:

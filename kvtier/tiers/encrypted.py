@@ -51,12 +51,14 @@ evicts is opened and handed to the hook in plaintext, under its block key; the
 tier below seals it again for itself, or keeps it plain if it is a plaintext
 tier. A put of a block the inner tier's TTL refuses (:meth:`Tier.admits`) is
 skipped before sealing and remembers no name (the inner tier would never hold,
-so never evict, it). ``keys()`` lists nothing: storage names are one-way by
-design.
+so never evict, it). A name's note is never dropped while a put of it is under
+way (see :class:`_BlockKeysByName`). ``keys()`` lists nothing: storage names are
+one-way by design.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import logging
@@ -178,6 +180,121 @@ GROUP_BYTES = 64 << 20
 
 def _page_up(n: int) -> int:
     return -(-n // mmap.PAGESIZE) * mmap.PAGESIZE
+
+
+class _BlockKeysByName:
+    """The block key of each storage name an :class:`EncryptedTier` stored (names are one-way), so
+    that a block the tier below evicts is demoted under its key.
+
+    A put notes its names before the inner put (the inner tier may evict a block of a batch before
+    the batch's put returns) and ends them after it; a removal (a delete, a block proved bad) is
+    bracketed by :meth:`deleting`. A note goes when its block leaves -- evicted, removed, or its put
+    failed -- but never while a put or removal of that name is under way: a delete run between a
+    put's note and its inner put dropped the note of a block stored next, and the block's eviction
+    then lost it, dirty (audit s34 a7 D1). A drop asked meanwhile is settled by the last of them to
+    end: the note goes if the tier below, asked then, no longer holds the name. (A note kept for a
+    block gone is never wrong, a name derives from one key: it only costs memory until the name is
+    stored and evicted, or removed, again.)"""
+
+    def __init__(self) -> None:
+        self.keys: dict[BlockKey, BlockKey] = {}
+        self._lock = threading.Lock()  # (taken under the tier below's lock by its eviction hook)
+        self._traffic: dict[BlockKey, list[int]] = {}  # name -> [puts and removals under way, begun]
+        self._drops_asked: set[BlockKey] = set()  # names whose note was to go while one ran
+
+    def begin_puts(self, keys, names) -> None:
+        with self._lock:
+            for key, name in zip(keys, names):
+                self.keys[name] = key
+                self._begin(name)
+
+    def end_puts(self, names, statuses, held_below: Callable[[list[BlockKey]], list[bool]]) -> None:
+        """The puts of ``names`` ended with ``statuses`` (a failed one asks its note dropped)."""
+        self._end(names, held_below, failed=[n for n, s in zip(names, statuses) if s is not Status.OK])
+
+    @contextlib.contextmanager
+    def deleting(self, name: BlockKey, held_below: Callable[[list[BlockKey]], list[bool]]):
+        """Bracket the removal of ``name`` from the tier below: its note goes after it, not before (a
+        block evicted meanwhile is demoted under its key, as a plaintext tier's would be, and the
+        store's delete erases the copy below next), unless a put of the name ran alongside."""
+        with self._lock:
+            alone = name not in self._traffic
+            begun = self._begin(name)[1]
+            alone_since = begun if alone else None
+            self._drops_asked.add(name)
+        try:
+            yield
+        except BaseException:
+            self._end([name], held_below)  # (the removal may not have been done: the tier below says)
+            raise
+        if not self._ended_alone(name, alone_since):
+            self._end([name], held_below)
+
+    def drop(self, name: BlockKey) -> BlockKey | None:
+        """The tier below evicted ``name``: its key, its note gone unless a put or removal of the
+        name is under way (then the last of them to end settles it)."""
+        with self._lock:
+            if name in self._traffic:
+                self._drops_asked.add(name)
+                return self.keys.get(name)
+            return self.keys.pop(name, None)
+
+    def _begin(self, name: BlockKey) -> list[int]:
+        traffic = self._traffic.setdefault(name, [0, 0])
+        traffic[0] += 1
+        traffic[1] += 1
+        return traffic
+
+    def _ended_alone(self, name: BlockKey, alone_since: int | None) -> bool:
+        """A removal that nothing else of its name ran alongside ends: the name is gone below."""
+        with self._lock:
+            if alone_since is None or self._traffic[name] != [1, alone_since]:
+                return False
+            self._settle(name, held=False)
+            return True
+
+    def _end(self, names, held_below, failed=()) -> None:
+        """End what ran of ``names``. The last of a name a drop was asked of stays under way while
+        it asks the tier below whether it holds the name (``held_below``, called without the lock:
+        the tier below's eviction hook takes it under its own); if more of the name began
+        meanwhile, it asks again."""
+        with self._lock:
+            self._drops_asked.update(failed)
+            deciding = self._leave_unless_last_asked(names)
+        while deciding:
+            held = held_below(list(deciding))
+            with self._lock:
+                again = []
+                for (name, begun), here in zip(deciding.items(), held):
+                    if self._traffic[name][1] == begun:
+                        self._settle(name, here)
+                    else:
+                        again.append(name)
+                deciding = self._leave_unless_last_asked(again)
+
+    def _leave_unless_last_asked(self, names) -> dict[BlockKey, int]:
+        """End what ran of ``names`` but the last of a name a drop waits for: those (name -> how
+        many began) stay under way, to be settled by the caller (under the lock)."""
+        deciding: dict[BlockKey, int] = {}
+        for name in names:
+            in_flight, begun = self._traffic[name]
+            if in_flight == 1 and name in self._drops_asked:
+                deciding[name] = begun
+            else:
+                self._leave(name)
+        return deciding
+
+    def _settle(self, name: BlockKey, held: bool) -> None:
+        self._leave(name)
+        self._drops_asked.discard(name)
+        if not held:
+            self.keys.pop(name, None)
+
+    def _leave(self, name: BlockKey) -> None:
+        traffic = self._traffic[name]
+        traffic[0] -= 1
+        if not traffic[0]:
+            del self._traffic[name]
 
 
 class _KeyringFailed(Exception):
@@ -329,18 +446,34 @@ class EncryptedTier(WrappingTier):
             self.inner.on_evict = self._unseal_evicted
             return
         # storage name -> block key of what we stored, kept only while a hook wants evicted blocks
-        self._keys: dict[BlockKey, BlockKey] = {}
+        self._notes = _BlockKeysByName()
         if self.inner.on_evict == self._unseal_evicted:
             self.inner.on_evict = None
 
-    def _remember(self, keys, names) -> None:
-        if self._on_evict is not None:
-            self._keys.update(zip(names, keys))
+    @property
+    def _keys(self) -> dict[BlockKey, BlockKey]:
+        """Storage name -> block key of the blocks stored through this tier (read only)."""
+        return self._notes.keys
+
+    def _put_noted(self, keys, names, put: Callable[[], list[Status]]) -> list[Status]:
+        """``put()``, the inner put of ``names`` (blocks ``keys``): while a hook wants evicted blocks,
+        their names are noted before it runs (the inner tier may evict one before it returns) and
+        ended after it (a failed put's note goes: see :class:`_BlockKeysByName`)."""
+        if self._on_evict is None or not names:
+            return put()
+        notes = self._notes  # (ended where begun, should the hook be taken away meanwhile)
+        notes.begin_puts(keys, names)
+        statuses = [Status.ERROR] * len(names)  # (what ends them if ``put`` raises)
+        try:
+            statuses = put()
+            return statuses
+        finally:
+            notes.end_puts(names, statuses, self.inner.contains_many)
 
     def _unseal_evicted(self, name: BlockKey, sealed, meta) -> None:
         """The inner tier evicts ``name``: hand the hook its block key and plaintext, so that a dirty
         block is demoted, not lost (under the inner tier's lock, as every demotion hook runs)."""
-        key, hook = self._keys.pop(name, None), self._on_evict
+        key, hook = self._notes.drop(name), self._on_evict
         if hook is None or self._evicted_withheld(key):
             return
         if key is None:  # not stored through this tier (or its put failed): no key to demote it under
@@ -556,12 +689,12 @@ class EncryptedTier(WrappingTier):
         return Status.CORRUPT
 
     def _remove(self, name: BlockKey) -> None:
-        self._keys.pop(name, None)
         remove = getattr(self.inner, "remove_unverifiable", None) if self._direct else None
-        if remove is not None:  # (read unhashed below: the tags were the check, remove by force)
-            remove(name)
-        else:
-            self.inner.delete(name)
+        with self._notes.deleting(name, self.inner.contains_many):
+            if remove is not None:  # (read unhashed below: the tags were the check, remove by force)
+                remove(name)
+            else:
+                self.inner.delete(name)
 
     def _sealed_size(self, plain_nbytes: int) -> int:
         return aead.sealed_nbytes(plain_nbytes, self.chunk_bytes)
@@ -581,16 +714,14 @@ class EncryptedTier(WrappingTier):
         nbytes = memoryview(data).nbytes
         if self._still_stored([self.inner.contains(name)], [owner], [key], [name], [data])[0]:
             return Status.OK
-        self._remember([key], [name])
+        parent_name = self._name(parent) if parent else None
         if self._streaming():
-            status = self._put_lane([(owner, name, data, self._name(parent) if parent else None, created)])[0]
-        else:
-            sealed = self._seal(owner, name, data, self._staging.get(self._sealed_size(nbytes)), self._pool)
-            # meta stays out: dtype and shape are not secret-free (they reveal the model).
-            status = self.inner.put(name, sealed, parent=self._name(parent) if parent else None,
-                                    **age_kw(self.inner, created))
-        self._forget_failed([name], [status])
-        return status
+            item = (owner, name, data, parent_name, created)
+            return self._put_noted([key], [name], lambda: self._put_lane([item]))[0]
+        sealed = self._seal(owner, name, data, self._staging.get(self._sealed_size(nbytes)), self._pool)
+        # meta stays out: dtype and shape are not secret-free (they reveal the model).
+        return self._put_noted([key], [name], lambda: [
+            self.inner.put(name, sealed, parent=parent_name, **age_kw(self.inner, created))])[0]
 
     def _refused(self, created, n: int) -> set[int]:
         """Indices of the blocks the tier below would not store, being past its TTL (``created``:
@@ -606,11 +737,6 @@ class EncryptedTier(WrappingTier):
         if n:
             with self._lock:
                 self.inner.stats.expirations += n
-
-    def _forget_failed(self, names, statuses) -> None:
-        for name, status in zip(names, statuses):
-            if status is not Status.OK:
-                self._keys.pop(name, None)
 
     @_keyring_failure_answers(_errors)
     def get(self, key: BlockKey, out) -> Status:
@@ -658,7 +784,6 @@ class EncryptedTier(WrappingTier):
         present = self._still_stored(self.inner.contains_many([names[i] for i in ask]), [self.tenant] * len(ask),
                                      [keys[i] for i in ask], [names[i] for i in ask], [datas[i] for i in ask])
         todo = [i for i, here in zip(ask, present) if not here]
-        self._remember([keys[i] for i in todo], [names[i] for i in todo])
         statuses = [Status.OK] * len(keys)
         sizes = {i: self._sealed_size(memoryview(datas[i]).nbytes) for i in todo}
         groups = list(runs_by_bytes(todo, [_page_up(sizes[i]) for i in todo], GROUP_BYTES))
@@ -684,8 +809,9 @@ class EncryptedTier(WrappingTier):
                 job = start(g + 1) if g + 1 < len(groups) else None
                 group_parents = [self._name(parents[i]) if parents[i] else None for i in group]
                 ages = age_kw(self.inner, created and [created[i] for i in group])
-                stored = self.inner.put_many([names[i] for i in group], sealed, parents=group_parents, **ages)
-                self._forget_failed([names[i] for i in group], stored)
+                group_names = [names[i] for i in group]
+                stored = self._put_noted([keys[i] for i in group], group_names, lambda: self.inner.put_many(
+                    group_names, sealed, parents=group_parents, **ages))
                 for i, status in zip(group, stored):
                     statuses[i] = status
                 self._release(held[:1])  # this group's buffer; the next one's is being sealed
@@ -837,12 +963,12 @@ class EncryptedTier(WrappingTier):
         present = self._still_stored(self.inner.contains_many([names[i] for i in ask]), [owners[i] for i in ask],
                                      [keys[i] for i in ask], [names[i] for i in ask], [datas[i] for i in ask])
         todo = [i for i, here in zip(ask, present) if not here]
-        self._remember([keys[i] for i in todo], [names[i] for i in todo])
         items = [(owners[i], names[i], datas[i], self._name(parents[i]) if parents[i] else None, created[i])
                  for i in todo]
-        for i, status in zip(todo, self._in_lanes(self._put_lane, items)):
+        stored = self._put_noted([keys[i] for i in todo], [names[i] for i in todo],
+                                 lambda: self._in_lanes(self._put_lane, items))
+        for i, status in zip(todo, stored):
             statuses[i] = status
-        self._forget_failed([names[i] for i in todo], [statuses[i] for i in todo])
         return statuses
 
     def _get_streamed(self, keys, outs) -> list[Status]:
@@ -960,8 +1086,8 @@ class EncryptedTier(WrappingTier):
 
     def _delete_named(self, key: BlockKey) -> bool:
         name = self._name(key)  # (raises _KeyringFailed: nothing removed, the key stays withheld)
-        self._keys.pop(name, None)
-        removed = self.inner.delete(name)
+        with self._notes.deleting(name, self.inner.contains_many):
+            removed = self.inner.delete(name)
         with self._lock:
             withheld = key in self._withheld
         if not withheld:
