@@ -12,6 +12,13 @@ Wire format (no pickle): request ``u32 n`` then ``n`` 32-byte keys; reply
 ``u32 hit_blocks``. A client that cannot get an answer within ``timeout_s``
 (worker busy, gone) counts a miss and reconnects on its next call.
 
+What a connection may hold in the worker: a thread and a descriptor each, so the
+server closes a connection idle for ``idle_timeout_s`` and serves at most
+``max_connections`` at once (past it, a new one is closed at once); the client
+asks again once on a new connection where the worker closed its idle one. A
+failed accept (descriptors or threads run out: a flood of connections) is
+waited out, never the end of the server.
+
 Who may talk to whom. A hit tells which prompts were seen, and a lying server
 could make the scheduler plan loads of blocks that do not exist, so:
 
@@ -28,6 +35,7 @@ could make the scheduler plan loads of blocks that do not exist, so:
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -54,6 +62,17 @@ MAX_SOCKET_PATH = 107
 #: hex digits of SHA-256 in a socket's name: 128 bits, no collision between engine ids to fear
 _DIGEST_HEX = 32
 _NAME_BYTES = len("/lookup-.sock") + _DIGEST_HEX
+#: a connection that sends no request for this long is closed (the scheduler's client reconnects)
+IDLE_TIMEOUT_S = 60.0
+#: connections served at once: one per scheduler is the use, each holds a thread and a descriptor
+MAX_CONNECTIONS = 64
+#: the pause after a failed accept or thread start before accepting again (descriptors or threads
+#: ran out: those of connections that end come back)
+_ACCEPT_RETRY_S = 0.05
+#: accept failures that the connections ending cure (descriptors, memory): logged as errors
+_OUT_OF_RESOURCES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+#: a repeating condition of the accept loop is logged at most once in this many seconds
+_SAY_EVERY_S = 60.0
 
 
 def lookup_dir(env: Mapping[str, str] | None = None) -> str | None:
@@ -125,13 +144,20 @@ class LookupServer:
     """Serves ``lookup(keys) -> hit_blocks`` on ``path`` from a daemon thread.
 
     Never raises for the path: if it cannot serve there, :attr:`serving` is
-    False and the reason is logged.
+    False and the reason is logged. A connection idle for ``idle_timeout_s`` is
+    closed, one past ``max_connections`` served at once is closed unserved, and
+    an accept or thread start that fails is retried until :meth:`close`.
     """
 
-    def __init__(self, path: str | None, lookup: Callable[[list[BlockKey]], int]) -> None:
+    def __init__(self, path: str | None, lookup: Callable[[list[BlockKey]], int], *,
+                 idle_timeout_s: float = IDLE_TIMEOUT_S, max_connections: int = MAX_CONNECTIONS) -> None:
         self.path = path
         self._lookup = lookup
         self._closed = False
+        self._idle_timeout_s = idle_timeout_s
+        self._max_connections = max_connections
+        self._connection_slots = threading.BoundedSemaphore(max_connections)
+        self._said_at: dict[str, float] = {}   # topic -> when the accept loop last logged it
         self._sock: socket.socket | None = None
         self._inode: int | None = None
         if path is None:
@@ -140,7 +166,7 @@ class LookupServer:
             return
         self._sock = self._bind(path)
         if self._sock is not None:
-            threading.Thread(target=self._accept, name="kvtier-lookup", daemon=True).start()
+            threading.Thread(target=self._accept, args=(self._sock,), name="kvtier-lookup", daemon=True).start()
 
     @property
     def serving(self) -> bool:
@@ -186,41 +212,84 @@ class LookupServer:
             return False
         return True
 
-    def _accept(self) -> None:
+    def _accept(self, listener: socket.socket) -> None:
+        """Accept and hand each connection to a thread of its own until :meth:`close`."""
         while not self._closed:
             try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                return
-            try:
-                credentials = peer_credentials(conn)
-            except OSError:
-                credentials = (0, -1, -1)
-            if not peer_allowed(credentials):
-                log.warning("kvtier lookup: refused a connection from pid %d uid %d (not this user)",
-                            credentials[0], credentials[1])
-                conn.close()
+                conn, _ = listener.accept()
+            except OSError as exc:
+                if self._closed:
+                    return
+                # Out of descriptors (EMFILE, ENFILE) or memory (ENOBUFS, ENOMEM) is temporary: the
+                # connections that end give them back. Returning here left the socket unserved for
+                # the engine's life, every lookup a miss.
+                self._say("accept", "cannot accept a connection (%s); trying again every %.2f s",
+                          exc, _ACCEPT_RETRY_S,
+                          level=logging.ERROR if exc.errno in _OUT_OF_RESOURCES else logging.WARNING)
+                time.sleep(_ACCEPT_RETRY_S)
                 continue
+            self._admit(conn)
+
+    def _admit(self, conn: socket.socket) -> None:
+        """Serve ``conn`` on a thread of its own, or close it: another user's, past the cap, or no thread."""
+        try:
+            credentials = peer_credentials(conn)
+        except OSError:
+            credentials = (0, -1, -1)
+        if not peer_allowed(credentials):
+            log.warning("kvtier lookup: refused a connection from pid %d uid %d (not this user)",
+                        credentials[0], credentials[1])
+            conn.close()
+            return
+        if not self._connection_slots.acquire(blocking=False):
+            self._say("cap", "%d connections served already (max_connections); closing new ones unserved",
+                      self._max_connections)
+            conn.close()
+            return
+        conn.settimeout(self._idle_timeout_s)
+        try:
             threading.Thread(target=self._serve, args=(conn,), name="kvtier-lookup-conn", daemon=True).start()
+        except RuntimeError as exc:   # "can't start new thread": threads ran out, as descriptors may
+            self._connection_slots.release()
+            conn.close()
+            self._say("thread", "cannot start a thread for a connection (%s); closed it, trying again in %.2f s",
+                      exc, _ACCEPT_RETRY_S, level=logging.ERROR)
+            time.sleep(_ACCEPT_RETRY_S)
+
+    def _say(self, topic: str, what: str, *args, level: int = logging.WARNING) -> None:
+        """Log ``what`` at most once a minute per ``topic``: a flood repeats it at each connection."""
+        now = time.monotonic()
+        said_at = self._said_at.get(topic)
+        if said_at is None or now - said_at >= _SAY_EVERY_S:
+            self._said_at[topic] = now
+            log.log(level, "kvtier lookup: " + what + " (said at most once a minute)", *args)
 
     def _serve(self, conn: socket.socket) -> None:
-        with conn:
-            while True:
-                try:
-                    head = _recv(conn, 4)
-                    (n,) = _U32.unpack(head)
-                    if n > MAX_KEYS:
-                        return
-                    raw = _recv(conn, n * KEY_BYTES)
-                    keys = [BlockKey(raw[i : i + KEY_BYTES]) for i in range(0, len(raw), KEY_BYTES)]
-                    try:
-                        hit = self._lookup(keys)
-                    except Exception as exc:  # noqa: BLE001 - a broken tier answers a miss
-                        log.warning("kvtier lookup failed (%s); answering a miss", exc)
-                        hit = 0
-                    conn.sendall(_U32.pack(hit))
-                except (ConnectionError, OSError):
+        """Answer ``conn``'s requests until it closes, errs or stays idle ``idle_timeout_s`` (a timeout,
+        an OSError); then give its slot back."""
+        try:
+            with conn:
+                self._answer_requests(conn)
+        finally:
+            self._connection_slots.release()
+
+    def _answer_requests(self, conn: socket.socket) -> None:
+        while True:
+            try:
+                head = _recv(conn, 4)
+                (n,) = _U32.unpack(head)
+                if n > MAX_KEYS:
                     return
+                raw = _recv(conn, n * KEY_BYTES)
+                keys = [BlockKey(raw[i : i + KEY_BYTES]) for i in range(0, len(raw), KEY_BYTES)]
+                try:
+                    hit = self._lookup(keys)
+                except Exception as exc:  # noqa: BLE001 - a broken tier answers a miss
+                    log.warning("kvtier lookup failed (%s); answering a miss", exc)
+                    hit = 0
+                conn.sendall(_U32.pack(hit))
+            except OSError:   # the peer gone, or idle past the timeout (socket.timeout is an OSError)
+                return
 
     def close(self) -> None:
         self._closed = True
@@ -271,23 +340,38 @@ class LookupClient:
         return hit
 
     def _ask(self, keys: Sequence[BlockKey]) -> int:
-        if self._sock is None:
-            if self.path is None:
-                raise OSError("no private directory for the lookup socket")
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.settimeout(self.timeout_s)
+        request = _U32.pack(len(keys)) + b"".join(keys)
+        if self._sock is not None:
             try:
-                sock.connect(self.path)
-                credentials = peer_credentials(sock)
-                if not peer_allowed(credentials):
-                    raise PermissionError(f"the lookup socket {self.path} is served by uid {credentials[1]}, "
-                                          f"not this user")
-            except OSError:
-                sock.close()
-                raise
-            self._sock = sock
+                return self._exchange(request)
+            except ConnectionError:
+                # The worker closes a connection idle for its idle_timeout_s (the engine had no
+                # request for a minute): asked again once on a new one, not a miss and a backoff.
+                # A timeout is no ConnectionError: a stuck worker still costs one timeout, not two.
+                pass
+        self._sock = self._connect()
+        return self._exchange(request)
+
+    def _connect(self) -> socket.socket:
+        if self.path is None:
+            raise OSError("no private directory for the lookup socket")
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout_s)
         try:
-            self._sock.sendall(_U32.pack(len(keys)) + b"".join(keys))
+            sock.connect(self.path)
+            credentials = peer_credentials(sock)
+            if not peer_allowed(credentials):
+                raise PermissionError(f"the lookup socket {self.path} is served by uid {credentials[1]}, "
+                                      f"not this user")
+        except OSError:
+            sock.close()
+            raise
+        return sock
+
+    def _exchange(self, request: bytes) -> int:
+        """Send ``request`` on the open connection, return the reply; closes the connection on any OSError."""
+        try:
+            self._sock.sendall(request)
             (hit,) = _U32.unpack(_recv(self._sock, 4))
             return hit
         except OSError:
