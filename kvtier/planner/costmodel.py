@@ -173,9 +173,11 @@ class PrefillCostModel:
 class DecodeCostModel:
     """Seconds per decode step of a batch: memory-bound reads of weights and KV, or compute.
 
-    A step reads every weight once and every cached token's KV once, so
+    A step reads every weight its batch uses once and every cached token's KV once, so
     ``step_s = overhead + (weight_bytes + kv_tokens * bytes_per_token) / hbm_bytes_per_s``
-    unless the batch's matmuls take longer (large batches).
+    unless the batch's matmuls take longer (large batches). A dense model's batch uses every
+    weight; a mixture of experts' batch, the dense weights and the experts some sequence of it
+    is routed to (:meth:`ModelGeometry.weights_read`), far more than one token's active ones.
     """
 
     model: ModelGeometry
@@ -189,7 +191,7 @@ class DecodeCostModel:
             raise ConfigError("decode bandwidth and FLOP rate must be positive")
 
     def step_seconds(self, batch: int, kv_tokens: float) -> float:
-        memory = (self.model.total_params * self.weight_itemsize
+        memory = (self.model.weights_read(batch) * self.weight_itemsize
                   + kv_tokens * self.model.bytes_per_token) / self.hbm_bytes_per_s
         compute = self.model.linear_flops(batch) / self.flops_per_s
         return self.overhead_s + max(memory, compute)

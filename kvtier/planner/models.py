@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
 
 import numpy as np
 
@@ -70,6 +70,12 @@ class ModelGeometry:
     ``attn_flops_per_pair`` is the work of one (query, key) pair summed over layers and
     heads, ``layers * 2 * heads * (qk_dim + v_dim)``: one QK dot product and one
     weighted V sum per head.
+
+    ``total_params`` are the weights one token's step reads: ``matmul_params`` and the
+    embeddings. A mixture-of-experts model also keeps the ``experts`` it routes among in each
+    of its ``moe_layers`` (``expert_params`` each, ``experts_per_token`` of them in
+    ``total_params``): a decode batch reads more of them than one token does
+    (:meth:`weights_read`).
     """
 
     name: str
@@ -79,10 +85,33 @@ class ModelGeometry:
     total_params: float
     attn_flops_per_pair: float
     is_mla: bool = False
+    moe_layers: int = 0
+    experts: int = 0
+    experts_per_token: int = 0
+    expert_params: float = 0.0
 
     def __post_init__(self) -> None:
         if self.matmul_params <= 0 or self.attn_flops_per_pair <= 0:
             raise ConfigError(f"model {self.name!r}: parameter and attention sizes must be positive")
+        if self.moe_layers and not 0 < self.experts_per_token <= self.experts:
+            raise ConfigError(f"model {self.name!r}: {self.experts_per_token} experts per token out of "
+                              f"{self.experts}; num_experts_per_tok is at least 1 and at most the experts")
+
+    @property
+    def dense_params(self) -> float:
+        """The weights every step reads whatever its batch: all but the routed experts."""
+        return self.total_params - self.moe_layers * self.experts_per_token * self.expert_params
+
+    def weights_read(self, batch: int) -> float:
+        """Parameters a decode step of ``batch`` sequences reads: the dense weights, and in each
+        MoE layer every expert at least one sequence is routed to. With routing taken as uniform,
+        an expert is missed by all ``batch`` sequences with probability ``(1 - k/E)^batch``: a
+        batch of 64 touches all 8 of a Mixtral's experts and 87 % of a DeepSeek-V3's 256, where
+        the active parameters alone read 2 and 8 (audit s34 a5 D6)."""
+        if not self.moe_layers:
+            return self.total_params
+        touched = self.experts * (1.0 - (1.0 - self.experts_per_token / self.experts) ** batch)
+        return self.dense_params + self.moe_layers * touched * self.expert_params
 
     @property
     def bytes_per_token(self) -> int:
@@ -161,53 +190,90 @@ def geometry_from_hf_config(config: Mapping[str, Any], name: str = "custom",
         attn_params = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim
         layout = KVLayout(num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
                           block_tokens=1, kv_parts=2)
-    matmul = layers * attn_params + _mlp_params(config, hidden, layers, name)
+    mlp = _mlps(config, hidden, layers, name)
+    matmul = layers * attn_params + mlp.active_params
     tied = bool(config.get("tie_word_embeddings", False))
     total = matmul + vocab * hidden * (1 if tied else 2)
     return ModelGeometry(
         name=name, num_layers=layers, kv_layout=layout, matmul_params=float(matmul),
         total_params=float(total), attn_flops_per_pair=float(layers * 2 * heads * (qk_dim + v_dim)),
-        is_mla=is_mla,
+        is_mla=is_mla, moe_layers=mlp.moe_layers, experts=mlp.experts, experts_per_token=mlp.experts_per_token,
+        expert_params=float(mlp.expert_params),
     )
 
 
-def _mlp_params(config: Mapping[str, Any], hidden: int, layers: int, name: str) -> int:
-    """Parameters a token passes through in the MLPs of all layers (SwiGLU: gate, up, down).
+class _MLPs(NamedTuple):
+    """The MLPs of all layers: what a token passes through, and the routed experts of a MoE."""
 
-    Mixture-of-experts configs name their experts three ways; each counts the experts a token
+    active_params: int          # a token's: dense layers, shared experts, its routed experts, gates
+    moe_layers: int = 0
+    experts: int = 0            # routed experts per MoE layer
+    experts_per_token: int = 0
+    expert_params: int = 0      # one routed expert (gate, up, down)
+
+
+def _mlps(config: Mapping[str, Any], hidden: int, layers: int, name: str) -> _MLPs:
+    """The MLPs of all layers (SwiGLU: gate, up, down).
+
+    Mixture-of-experts configs name their experts four ways; each counts the experts a token
     is routed to, the shared experts every token passes, and the router's gate:
 
     - DeepSeek: ``n_routed_experts``, ``n_shared_experts`` of ``moe_intermediate_size``, the
       first ``first_k_dense_replace`` layers dense;
     - Mixtral and gpt-oss: ``num_local_experts``, each of ``intermediate_size``;
+    - Llama 4 (``llama4_text``, or ``intermediate_size_mlp`` given): ``num_local_experts`` and one
+      shared expert, each of ``intermediate_size``, in the ``moe_layers`` (else every
+      ``interleave_moe_layer_step``-th layer); the other layers dense at ``intermediate_size_mlp``;
     - Qwen2/Qwen3-MoE: ``num_experts`` of ``moe_intermediate_size``, a shared expert of
       ``shared_expert_intermediate_size`` (Qwen2-MoE), every ``decoder_sparse_step``-th layer
       sparse except ``mlp_only_layers``.
 
     A MoE config read as dense (one expert's width) undercounts a Mixtral's prefill work 1.8x
-    and a Qwen2-57B-A14B's 2.0x, and the planner then sizes its workers for that.
+    and a Qwen2-57B-A14B's 2.0x, and the planner then sizes its workers for that; a Llama 4
+    read as a Mixtral, 1.67x (audit s34 a5 D5).
     """
     routed = config.get("n_routed_experts") or config.get("num_local_experts") or config.get("num_experts")
     if not routed:
-        return layers * 3 * hidden * int(_need(config, "intermediate_size", name))
+        return _MLPs(layers * 3 * hidden * int(_need(config, "intermediate_size", name)))
     active = config.get("num_experts_per_tok") or config.get("experts_per_token")
     if not active:
         raise ConfigError(f"{name}: a mixture-of-experts config ({routed} experts) without num_experts_per_tok")
+    width, shared, dense_width_field = _expert_widths(config, name)
+    sparse = _sparse_layers(config, layers)
+    moe_layers, dense_layers = sum(sparse), layers - sum(sparse)
+    sparse_mlp = 3 * hidden * (int(active) * width + shared) + hidden * int(routed)   # + the router's gate
+    dense_mlp = 3 * hidden * int(_need(config, dense_width_field, name)) if dense_layers else 0
+    return _MLPs(moe_layers * sparse_mlp + dense_layers * dense_mlp, moe_layers, int(routed), int(active),
+                 3 * hidden * width)
+
+
+def _is_llama4(config: Mapping[str, Any]) -> bool:
+    return config.get("model_type") == "llama4_text" or config.get("intermediate_size_mlp") is not None
+
+
+def _expert_widths(config: Mapping[str, Any], name: str) -> tuple[int, int, str]:
+    """(a routed expert's width, the shared experts' width in all, the field of a dense layer's width)."""
+    if _is_llama4(config):      # one shared expert as wide as a routed one
+        width = int(_need(config, "intermediate_size", name))
+        return width, width, "intermediate_size_mlp"
     if config.get("num_local_experts") and not config.get("n_routed_experts"):
         width = int(_need(config, "intermediate_size", name))       # Mixtral, gpt-oss: per expert
     else:
         width = int(_need(config, "moe_intermediate_size", name))
     shared = int(config.get("n_shared_experts") or 0) * width + int(config.get("shared_expert_intermediate_size") or 0)
-    sparse_mlp = 3 * hidden * (int(active) * width + shared) + hidden * int(routed)   # + the router's gate
+    return width, shared, "intermediate_size"
+
+
+def _sparse_layers(config: Mapping[str, Any], layers: int) -> list[bool]:
+    """Which layers route among experts (the others are dense)."""
     if config.get("first_k_dense_replace"):
-        sparse = [i >= int(config["first_k_dense_replace"]) for i in range(layers)]
-    else:
-        step = int(config.get("decoder_sparse_step") or 1)
-        dense_only = set(config.get("mlp_only_layers") or ())
-        sparse = [(i + 1) % step == 0 and i not in dense_only for i in range(layers)]
-    dense_layers = layers - sum(sparse)
-    dense_mlp = 3 * hidden * int(_need(config, "intermediate_size", name)) if dense_layers else 0
-    return sum(sparse) * sparse_mlp + dense_layers * dense_mlp
+        return [i >= int(config["first_k_dense_replace"]) for i in range(layers)]
+    if config.get("moe_layers") is not None:        # Llama 4 may list them
+        listed = {int(i) for i in config["moe_layers"]}
+        return [i in listed for i in range(layers)]
+    step = int(config.get("decoder_sparse_step") or config.get("interleave_moe_layer_step") or 1)
+    dense_only = set(config.get("mlp_only_layers") or ())
+    return [(i + 1) % step == 0 and i not in dense_only for i in range(layers)]
 
 
 def load_model(name_or_path: str, kv_dtype: str | None = None) -> ModelGeometry:

@@ -29,6 +29,7 @@ from kvtier.errors import ConfigError
 from kvtier.planner.costmodel import DecodeCostModel, PrefillCostModel
 
 MAX_WORKERS = 100_000
+_NO_PREFILL_COUNT = f"no prefill worker count under {MAX_WORKERS:,} meets the TTFT target"
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,10 +150,14 @@ def prefill_workers_for(rate: float, service: np.ndarray, arrival_scv: float, ta
             "the devices per worker, or the target"
         )
     workers = max(1, math.ceil(rate * service.mean()))
+    if workers > MAX_WORKERS:
+        # before any queue figure: erlang_c loops over every server, and from ceil(rate x E[S])
+        # workers of 3.7e9 (`plan workers --rate 1e10`) it never came back (audit s34 a5 D7)
+        raise ConfigError(_NO_PREFILL_COUNT)
     while ttft_quantile(workers, rate, service, arrival_scv, targets.ttft_percentile) > targets.ttft_s:
         workers += 1
         if workers > MAX_WORKERS:
-            raise ConfigError("no prefill worker count under 100,000 meets the TTFT target")
+            raise ConfigError(_NO_PREFILL_COUNT)
     return workers
 
 
