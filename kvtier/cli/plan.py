@@ -139,6 +139,10 @@ def register(subparsers) -> None:
                         help="local: seconds a worker may take to start")
     launch.add_argument("--drain-timeout", type=finite_float, default=300.0,
                         help="local: seconds to wait for in-flight requests before removing a draining worker")
+    launch.add_argument("--stop-timeout", type=finite_float, default=None,
+                        help="local: seconds a stopping worker has from SIGTERM to SIGKILL (default: the "
+                             "--shutdown-timeout its vLLM runs with, which covers a kvtier connector's flush, "
+                             "plus 30, at least 60)")
     launch.add_argument("--router-admin-token", default=None,
                         help="local: the router's admin token (default: $KVTIER_ROUTER_ADMIN_TOKEN)")
     live.set_defaults(func=_reporting_config_errors(run_live))
@@ -400,6 +404,8 @@ def _refuse_waits_out_of_range(args) -> None:
     # flag, seconds, whether 0 is a meaningful value (no start-up delay, no drain wait)
     waits = (("--interval", args.interval, False), ("--startup", args.startup, True),
              ("--health-timeout", args.health_timeout, False), ("--drain-timeout", args.drain_timeout, True))
+    if args.stop_timeout is not None:
+        waits += (("--stop-timeout", args.stop_timeout, False),)
     for flag, seconds, zero_means_none in waits:
         low_ok = seconds >= 0 if zero_means_none else seconds > 0
         if not (low_ok and seconds <= MAX_WAIT_S):
@@ -456,8 +462,9 @@ def _live_launcher(args):
                               env=(("HF_HUB_OFFLINE", os.environ.get("HF_HUB_OFFLINE", "1")),), cores=cores)
     run_dir = args.run_dir or tempfile.mkdtemp(prefix="kvtier-planner-")
     token = args.router_admin_token or os.environ.get("KVTIER_ROUTER_ADMIN_TOKEN")
-    launcher = LocalLauncher(template, RouterAdmin(args.router, token), run_dir,
-                             health_timeout_s=args.health_timeout, drain_timeout_s=args.drain_timeout)
+    # without --stop-timeout, the launcher derives one from the workers' --shutdown-timeout
+    launcher = LocalLauncher(template, RouterAdmin(args.router, token), run_dir, health_timeout_s=args.health_timeout,
+                             drain_timeout_s=args.drain_timeout, stop_timeout_s=args.stop_timeout)
     for url in args.adopt:
         launcher.adopt(url)
     # SIGTERM (down.sh, a test's teardown) ends the loop like Ctrl-C: the workers it started are drained first

@@ -9,12 +9,15 @@ Contract every launcher keeps (what "no request fails" means):
   finish. ``stop(worker)`` is only for a drained worker whose in-flight count is zero (or
   whose drain deadline passed; then the router retries what had not sent a first byte).
 - ``list(pool)`` is the launcher's own view (starting, serving, draining), so that the
-  planner's counts and the launcher's workers are reconciled every interval.
+  planner's counts and the launcher's workers are reconciled every interval: the planner's loop
+  decides from the workers starting or serving there (:mod:`kvtier.planner.loop`), not from
+  the counts it asked for last (starts refused by a backoff, workers failed since).
 
-:class:`DryRunLauncher` prints what it would do. :class:`KubernetesLauncher` documents the
-replica-count implementation (no cluster here). The local-process launcher (``vllm serve``
-with the kvtier connector, registered with ``kvtier route`` through its admin API) is
-:class:`kvtier.planner.local_launcher.LocalLauncher`.
+:class:`DryRunLauncher` prints what it would do; its drains are over at the next ``apply``
+(it has no requests to wait for), so that its records stay as few as a real fleet's.
+:class:`KubernetesLauncher` documents the replica-count implementation (no cluster here). The
+local-process launcher (``vllm serve`` with the kvtier connector, registered with ``kvtier route``
+through its admin API) is :class:`kvtier.planner.local_launcher.LocalLauncher`.
 
 Worker states: ``starting`` → ``serving`` → ``draining`` → ``stopped``, or ``failed`` (never
 became healthy, or its process died while serving: ``list`` leaves it out, so the next
@@ -38,6 +41,9 @@ POOLS = ("prefill", "decode")
 #: over-long prompts asked for 9x the pool) costs a few starts an interval, never thousands of
 #: ``vllm serve`` at once; the rest are started in the next intervals if the decision stands
 MIN_STARTS_PER_APPLY = 4
+#: finished (stopped or failed) workers whose records a launcher keeps (and the local launcher
+#: the logs of its failed starts): a pool that scales up and down all day must not grow them
+KEEP_FINISHED = 5
 
 log = logging.getLogger(__name__)
 
@@ -70,13 +76,20 @@ def apply(decision: Decision, launcher: Launcher) -> list[WorkerRecord]:
 
     A launcher that cannot act now (its failure backoff, a router refusing) costs only that
     action: the other pool, and the other drains, are still acted on; the first error is
-    raised once both pools are done."""
+    raised once both pools are done. A ``scale_down`` never starts a worker, even where the
+    launcher runs fewer than its target now (workers failed since it was decided).
+
+    A launcher with a ``settle()`` (the dry run, whose transitions are only pretended) finishes
+    the last apply's transitions first."""
+    settle = getattr(launcher, "settle", None)
+    if settle is not None:
+        settle()
     touched: list[WorkerRecord] = []
     errors: list[Exception] = []
     for pool_decision in (decision.prefill, decision.decode):
         pool = pool_decision.pool
         live = [w for w in launcher.list(pool) if w.state in ("starting", "serving")]
-        missing = pool_decision.target - len(live)
+        missing = 0 if pool_decision.action == "scale_down" else pool_decision.target - len(live)
         starts = starts_this_interval(missing, len(live))
         if starts < missing:
             log.info("%s: starting %d of the %d workers missing this interval", pool, starts, missing)
@@ -137,6 +150,15 @@ class DryRunLauncher:
     def drain(self, worker: WorkerRecord) -> None:
         worker.state = "draining"
         self._say("drain", worker)
+
+    def settle(self) -> None:
+        """The workers drained before are stopped (a dry run holds no requests to wait for);
+        only the last :data:`KEEP_FINISHED` stopped records are kept."""
+        for worker in [w for w in self.workers if w.state == "draining"]:
+            self.stop(worker)
+        stopped = [w for w in self.workers if w.state == "stopped"]
+        for worker in stopped[:-KEEP_FINISHED]:
+            self.workers.remove(worker)
 
     def stop(self, worker: WorkerRecord) -> None:
         worker.state = "stopped"

@@ -13,13 +13,17 @@ It keeps :mod:`kvtier.planner.launchers`' contract against a running ``kvtier ro
   ``max_failure_backoff_s`` (a broken command must not be relaunched every interval). The same
   thread then watches the serving worker: one whose process exits (OOM, a crash) is marked
   ``failed``, its group killed and the router told to forget it, so that ``list`` no longer
-  counts it and the planner starts a replacement; one the router no longer lists (a restarted
-  ``kvtier route`` knows only its configured workers) is added again, or failed and replaced
-  if the router refuses it.
+  counts it and the planner starts a replacement at once (a crash is no failed start: it charges
+  the backoff only within ``early_crash_s`` of joining the router, where it is one in effect,
+  and a worker that dies on its first requests must not be restarted every interval); one the
+  router no longer lists (a restarted ``kvtier route`` knows only its configured workers) is
+  added again, or failed and replaced if the router refuses it.
 - ``drain(worker)`` tells the router to send it nothing new (``/admin/workers/drain``), waits
   until the router counts no request in flight on it (or ``drain_timeout_s`` passed),
   removes it from the router, then stops it: SIGTERM to its main process (vLLM shuts down in
-  order, the connector flushes its store), SIGKILL to its process group after ``stop_timeout_s``.
+  order, the connector flushes its store), SIGKILL to its process group after :meth:`stop_timeout`
+  (``stop_timeout_s``, or by default what the ``--shutdown-timeout`` the workers run with needs:
+  :func:`stop_timeout_for`).
   A drain the router refuses or does not answer leaves the worker serving (the planner asks
   again next interval), except during ``close()``: then the worker is stopped regardless.
 - Workers found already running (``adopt``) are drained and removed like the others but
@@ -60,18 +64,21 @@ from pathlib import Path
 
 from kvtier.child_process import Spawner
 from kvtier.errors import ConfigError
-from kvtier.planner.launchers import WorkerRecord
+from kvtier.planner.launchers import KEEP_FINISHED, WorkerRecord
 from kvtier.router.config import replay_beside
 
 log = logging.getLogger(__name__)
 
 
-#: finished (stopped or failed) workers whose records, and failed starts whose logs, are kept
-KEEP_FINISHED = 5
 #: launcher actions kept (``actions``); ``actions_since`` counts all of them
 ACTIONS_KEPT = 1000
 #: the longest worker name an ipc path is checked for up front (serials of six digits)
 _LONGEST_NAME = "prefill-999999"
+#: the least time from SIGTERM to SIGKILL: vLLM with no shutdown timeout still tears its engine down
+MIN_STOP_TIMEOUT_S = 60.0
+#: seconds past the ``--shutdown-timeout`` a worker runs with: vLLM's API server waits that long
+#: for its engine core (whose connector flushes the store), then shuts itself down
+STOP_MARGIN_S = 30.0
 
 
 class LaunchError(RuntimeError):
@@ -108,6 +115,30 @@ class WorkerTemplate:
             if any(a.split("=")[0] == flag for a in self.vllm_args):
                 raise ConfigError(f"{flag} is set by the local launcher for each worker; leave it out of the "
                                   "worker arguments")
+
+
+def stop_timeout_for(template: WorkerTemplate) -> float:
+    """How long a stopping worker of ``template`` gets from SIGTERM to SIGKILL: the
+    ``--shutdown-timeout`` its ``serve`` runs with, plus :data:`STOP_MARGIN_S`, and at least
+    :data:`MIN_STOP_TIMEOUT_S`. kvtier's vLLM launcher gives a kvtier connector one its flush fits
+    (``shutdown_flush_s`` + 4, up to a day); a fixed timeout would kill the flush halfway and lose
+    the blocks only the worker's DRAM held."""
+    return max(MIN_STOP_TIMEOUT_S, _shutdown_timeout_s(template) + STOP_MARGIN_S)
+
+
+def _shutdown_timeout_s(template: WorkerTemplate) -> float:
+    """The ``--shutdown-timeout`` vLLM will run ``serve`` with (0: vLLM's default, or arguments
+    vLLM will refuse), read by vLLM's own parser after kvtier's launcher adds its grace, so
+    that every spelling (a ``--config`` file too) counts. Without arguments it is vLLM's
+    default, and vLLM (slow to import) is not asked. Raises :class:`ConfigError` for a kvtier
+    setting the connector would refuse (each worker would die of it at start)."""
+    if not template.vllm_args:
+        return 0.0
+    from kvtier.integrations.vllm.launcher import _parse_serve, shutdown_grace
+
+    parsed = _parse_serve(shutdown_grace(["serve", template.model, *template.vllm_args]).args)
+    given = getattr(parsed, "shutdown_timeout", None)   # None: vLLM not here, or it will refuse them
+    return float(given) if isinstance(given, (int, float)) else 0.0
 
 
 class _NoRedirect(urllib.request.HTTPRedirectHandler):
@@ -211,9 +242,10 @@ class LocalLauncher:
     run_dir: Path
     health_timeout_s: float = 600.0
     drain_timeout_s: float = 300.0
-    stop_timeout_s: float = 60.0
+    stop_timeout_s: float | None = None    #: SIGTERM to SIGKILL; None: :func:`stop_timeout_for` the template
     failure_backoff_s: float = 60.0
     max_failure_backoff_s: float = 600.0   #: the backoff doubles per round of failed starts up to this
+    early_crash_s: float = 30.0            #: a serving worker that dies within this long of joining failed to start
     poll_s: float = 0.5
     registration_check_s: float = 2.0      #: how often a serving worker is looked for in the router's list
     workers: list[WorkerRecord] = field(default_factory=list)
@@ -243,6 +275,19 @@ class LocalLauncher:
         self._listing_lock = threading.Lock()
         # start() may run on any thread, and PR_SET_PDEATHSIG follows the thread that forked
         self._spawner = Spawner("kvtier-launcher-spawn")
+
+    def stop_timeout(self) -> float:
+        """Seconds from a worker's SIGTERM to its group's SIGKILL: ``stop_timeout_s``, or what the
+        template's workers need, worked out at the first stop (reading the arguments imports
+        vLLM: seconds a planner need not spend before its first interval). Arguments kvtier's
+        connector refuses (no worker of them ever started) leave the least timeout."""
+        if self.stop_timeout_s is None:
+            try:
+                self.stop_timeout_s = stop_timeout_for(self.template)
+            except ConfigError as exc:
+                log.warning("worker arguments: %s; stopping workers after %.0f s", exc, MIN_STOP_TIMEOUT_S)
+                self.stop_timeout_s = MIN_STOP_TIMEOUT_S
+        return self.stop_timeout_s
 
     # --- the launcher contract -------------------------------------------------------
     def adopt(self, url: str, pool: str = "prefill") -> WorkerRecord:
@@ -304,7 +349,7 @@ class LocalLauncher:
         self._spawn(self._drain_then_stop, worker, was == "serving")
 
     def stop(self, worker: WorkerRecord) -> None:
-        """SIGTERM the worker's main process, SIGKILL its group after ``stop_timeout_s`` or once it
+        """SIGTERM the worker's main process, SIGKILL its group after :meth:`stop_timeout` or once it
         exited (leftovers); adopted workers are left alone. Only the main process is asked: vLLM's
         API server then shuts its engine and worker processes down in order (the connector
         flushes its store there), where a SIGTERM to the whole group would hit them all at once."""
@@ -312,9 +357,9 @@ class LocalLauncher:
         if proc is not None and proc.proc is not None and proc.proc.poll() is None:
             try:
                 proc.proc.send_signal(signal.SIGTERM)
-                proc.proc.wait(self.stop_timeout_s)
+                proc.proc.wait(self.stop_timeout())
             except subprocess.TimeoutExpired:
-                log.warning("worker %s did not stop in %.0f s; killing it", worker.name, self.stop_timeout_s)
+                log.warning("worker %s did not stop in %.0f s; killing it", worker.name, self.stop_timeout())
                 os.killpg(proc.proc.pid, signal.SIGKILL)
                 proc.proc.wait()
             except ProcessLookupError:
@@ -356,7 +401,7 @@ class LocalLauncher:
         for worker in live:
             self.drain(worker)
         deadline = time.monotonic() + (timeout_s if timeout_s is not None
-                                       else self.drain_timeout_s + self.stop_timeout_s + 5)
+                                       else self.drain_timeout_s + self.stop_timeout() + 5)
         for t in list(self._threads):
             t.join(max(0.0, deadline - time.monotonic()))
 
@@ -427,7 +472,8 @@ class LocalLauncher:
                     worker.state = "failed"         # claimed: drain() leaves a failed worker alone
                 self.stop(worker)                   # reaps it and kills what is left of its group
                 self._forget(worker)
-                return self._failed(worker, f"exited ({proc.returncode}) while serving")
+                return self._failed(worker, f"exited ({proc.returncode}) while serving",
+                                    start_failure=self._joined_just_now(record))
             if time.monotonic() >= next_check:
                 if not self._registered_again(worker, record):
                     return
@@ -458,7 +504,7 @@ class LocalLauncher:
             worker.state = "failed"
         self.stop(worker)
         self._forget(worker)
-        self._failed(worker, f"the router forgot it and did not take it again: {refused}")
+        self._failed(worker, f"the router forgot it and did not take it again: {refused}", start_failure=False)
         return False
 
     def _router_urls(self, newer_than: float) -> set[str] | None:
@@ -536,7 +582,15 @@ class LocalLauncher:
             self._forget(worker)
         self.stop(worker)
 
-    def _failed(self, worker: WorkerRecord, why: str) -> None:
+    def _joined_just_now(self, record: _Process) -> bool:
+        """Whether a serving worker that died joined the router within ``early_crash_s``: then
+        its start failed in effect (it dies on its first requests), and a replacement backs off."""
+        return time.monotonic() - record.serving_s < self.early_crash_s
+
+    def _failed(self, worker: WorkerRecord, why: str, start_failure: bool = True) -> None:
+        """``worker`` is failed: its log tail goes to the planner's log. Only a ``start_failure``
+        charges the backoff of the next start: a worker that served and then died (OOM, a crash,
+        a router that would not take it back) is replaced at once, the fleet being one short."""
         proc = self._procs.get(worker.name)
         log_path = proc.log_path if proc is not None else None
         tail = ""
@@ -548,11 +602,8 @@ class LocalLauncher:
         log.error("worker %s %s; log %s:\n%s", worker.name, why, log_path, tail)
         with self._lock:
             worker.state = "failed"
-            # a start begun after the last failure is a new round; those begun before (started
-            # in the same apply, failing alike) are the same round and do not double the backoff
-            if proc is None or proc.started_s >= self._last_failure_s:
-                self._failures += 1
-            self._last_failure_s = time.monotonic()
+            if start_failure:
+                self._charge_backoff(proc)
             if log_path is not None:   # its tail is in the planner's log now: keep the last few only
                 self._failed_logs.append(log_path)
                 while len(self._failed_logs) > KEEP_FINISHED:
@@ -561,6 +612,14 @@ class LocalLauncher:
                     except OSError:
                         pass
         self._record("failed", worker)
+
+    def _charge_backoff(self, proc: _Process | None) -> None:
+        """A failed start: no start for :meth:`_backoff_s` from now (called with the lock held)."""
+        # a start begun after the last failure is a new round; those begun before (started
+        # in the same apply, failing alike) are the same round and do not double the backoff
+        if proc is None or proc.started_s >= self._last_failure_s:
+            self._failures += 1
+        self._last_failure_s = time.monotonic()
 
     def _backoff_s(self) -> float:
         """No start within this long of the last failure: ``failure_backoff_s`` after one round

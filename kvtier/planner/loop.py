@@ -2,12 +2,18 @@
 
 The router's counters give the observation (:mod:`kvtier.planner.observe`); the workers'
 own ``/metrics`` (vLLM) give the engine-side view reported beside it; the planner decides
-(:mod:`kvtier.planner.live`); a launcher acts (:func:`kvtier.planner.launchers.apply`, on the
-aggregated decision where workers prefill and decode alike); the decision goes to the
-planner's metrics and a JSON status file (``kvtier top --planner-status``).
+(:mod:`kvtier.planner.live`) from the workers the launcher lists as starting or serving (not
+from the counts it asked for last: starts refused, workers failed since); a launcher acts
+(:func:`kvtier.planner.launchers.apply`, on the aggregated decision where workers prefill and
+decode alike); the decision goes to the planner's metrics and a JSON status file (``kvtier top
+--planner-status``).
 
 An interval never ends the planner for a reason that is not the planner's: an endpoint that
-does not answer, or answers something that is not metrics, counts as down; a status or
+does not answer, or answers something that is not metrics, counts as down. The router and the
+workers are scraped at once, under one deadline (``scrape_deadline_s``): a scrape not done by
+then counts as down and is left to finish on its own thread (no new scrape of that endpoint is
+begun until it has), so that neither many silent workers nor one that drips its answer hold the
+interval; a status or
 targets file that cannot be written is logged and counted (``kvtier_planner_status_write_errors``);
 figures the planner cannot decide on (whatever raises while sizing) are logged and counted as a
 scrape error (``kvtier_planner_scrape_errors``), and the interval holds. Either way the workers
@@ -23,11 +29,13 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from typing import Callable
 
-from kvtier.planner.launchers import aggregated, apply
+from kvtier.planner.launchers import POOLS, aggregated, apply
 from kvtier.planner.live import Decision, LivePlanner, Observation, json_safe
 from kvtier.planner.metrics import PlannerMetrics
 from kvtier.planner.observe import FleetLoad, RouterCounters, fleet_load, observation_between
@@ -48,15 +56,21 @@ class PlannerLoop:
     status_file: str | None = None
     targets_file: str | None = None           #: Prometheus file_sd list of the serving workers
     report: Callable[[Decision], None] | None = None
+    #: every scrape of an interval is done within this long, or counts as down: a scrape's own
+    #: timeout (2 s) bounds each read, not a peer that drips its answer; the second more is slack
+    scrape_deadline_s: float = 3.0
     last: Decision | None = None
     last_load: FleetLoad | None = None
     _before: RouterCounters | None = None
     _before_workers: dict | None = None
     _actions_seen: int = 0
+    _scrapes: dict[str, Future] = field(default_factory=dict)   # by address; those past a deadline still run
 
     def step(self) -> Decision | None:
         """One interval: a decision, or None (first scrape, a counter reset, the router down)."""
-        samples = self._scrape(self.router)
+        urls = self.worker_urls()
+        scraped = self._scrape_all([self.router, *urls])
+        samples = scraped.pop(self.router, None)
         self._record_launcher()
         self.write_targets()
         if samples is None or not samples.up:
@@ -67,8 +81,7 @@ class PlannerLoop:
         obs = observation_between(self._before, now, self.output_tokens) if self._before else None
         self._before = now
         # a worker whose scrape failed is left out: fleet_load counts only workers that answered
-        urls = self.worker_urls()
-        scraped = {url: s for url in urls if (s := self._scrape(url)) is not None}
+        scraped = {url: s for url, s in scraped.items() if s is not None}
         self.last_load = fleet_load(scraped, self._before_workers, self.planner.sizer.targets.ttft_percentile)
         # each worker's baseline is its last good scrape: a failed one (a timeout under load)
         # would make the next interval read the worker's histograms since it started
@@ -97,12 +110,22 @@ class PlannerLoop:
         live``) would end, and its ``finally`` drain every worker it started, for one interval's
         figures (a garbled counter sized into an overflow)."""
         try:
+            self._reconcile()
             decision = self.planner.decide(obs)
             return aggregated(decision) if self.aggregate else decision
         except Exception as exc:
             self.metrics.scrape_errors.inc()
             log.warning("no decision on this interval's figures (%r); holding", exc)
             return None
+
+    def _reconcile(self) -> None:
+        """Tell the planner the workers the launcher runs (starting or serving) before it decides:
+        its current counts, its metrics' ``kvtier_planner_workers`` and whether a change is up or
+        down follow what runs. Aggregated, the prefill pool's workers hold both needs."""
+        running = {pool: sum(w.state in ("starting", "serving") for w in self.launcher.list(pool)) for pool in POOLS}
+        if self.aggregate:
+            running["decode"] = running["prefill"]
+        self.planner.reconcile(running["prefill"], running["decode"])
 
     def write_targets(self) -> None:
         """The serving workers as a Prometheus ``file_sd_configs`` file (host:port, job ``vllm``)."""
@@ -113,6 +136,36 @@ class PlannerLoop:
         hosts = sorted({urlsplit(w.url).netloc for pool in ("prefill", "decode") for w in self.launcher.list(pool)
                         if w.state == "serving" and w.url})
         self._write_side_file(self.targets_file, [{"targets": hosts, "labels": {"job": "vllm"}}])
+
+    def _scrape_all(self, urls: list[str]) -> dict:
+        """Each address's samples, all scraped at once and done within ``scrape_deadline_s``: None
+        for one that raised or was not done by then (down). An address whose scrape from an
+        earlier interval still runs is down without a new one: a stuck endpoint holds one thread,
+        never one more per interval, and an answer begun intervals ago is no figure for this one."""
+        begun = {}
+        for url in dict.fromkeys(urls):
+            leftover = self._scrapes.get(url)
+            if leftover is None or leftover.done():
+                self._scrapes[url] = begun[url] = self._begin_scrape(url)
+            else:
+                log.warning("scraping %s: still waiting on an earlier interval's scrape; counted as down", url)
+        wait(begun.values(), timeout=self.scrape_deadline_s)
+        results = dict.fromkeys(urls)
+        for url, future in begun.items():
+            if future.done():
+                results[url] = future.result()
+            else:
+                log.warning("scraping %s: not done in %.1f s; counted as down", url, self.scrape_deadline_s)
+        self._scrapes = {url: f for url, f in self._scrapes.items() if not f.done()}
+        return results
+
+    def _begin_scrape(self, url: str) -> Future:
+        """``_scrape(url)`` on a daemon thread of its own: one past the deadline is abandoned to
+        finish when it will (a thread pool would queue the next interval's scrapes behind it)."""
+        future: Future = Future()
+        threading.Thread(target=lambda: future.set_result(self._scrape(url)), daemon=True,
+                         name="kvtier-planner-scrape").start()
+        return future
 
     def _scrape(self, url: str):
         """``scrape(url)``, or None if it raised: a bad endpoint is down, never the planner's end

@@ -1,10 +1,10 @@
 """The live planner's Prometheus metrics (its own registry) and their ``/metrics`` endpoint.
 
 What ``kvtier top`` and the Grafana dashboard (``deploy/grafana/kvtier.json``) show of the
-planner: what it measured, what it forecast and sized for, each pool's current / needed /
-target count and last action (with its reason as a label of one info series, replaced at
-every decision so the series count stays bounded), the launcher's workers by state, and
-what the workers' own metrics said (engine queues, KV fill, TTFT).
+planner: what it measured, what it forecast and sized for, each pool's current (what the
+launcher runs) / needed / target count and last action (with its reason as a label of one
+info series, replaced at every decision so the series count stays bounded), the launcher's
+workers by state, and what the workers' own metrics said (engine queues, KV fill, TTFT).
 """
 
 from __future__ import annotations
@@ -33,8 +33,9 @@ class PlannerMetrics:
         self.predicted_ttft = Gauge("kvtier_planner_predicted_ttft_seconds",
                                     "TTFT at the target percentile the queue model predicts for the sized pool",
                                     registry=r)
-        self.workers = Gauge("kvtier_planner_workers", "Workers per pool the planner runs now (current)", ["pool"],
-                             registry=r)
+        self.workers = Gauge("kvtier_planner_workers",
+                             "Workers per pool running (the launcher's starting and serving ones) when the planner "
+                             "last decided: its current count", ["pool"], registry=r)
         self.needed = Gauge("kvtier_planner_needed_workers", "Workers per pool the sizing rate needs", ["pool"],
                             registry=r)
         self.target = Gauge("kvtier_planner_target_workers", "Workers per pool decided", ["pool"], registry=r)
