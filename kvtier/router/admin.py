@@ -9,11 +9,11 @@ Endpoints (JSON):
   draining puts it back in rotation; adding one that serves changes nothing (200, not 201).
 - ``POST /admin/workers/drain {"url"}`` — no new request goes to it; those in flight finish.
 - ``DELETE /admin/workers {"url", "force"?}`` — forget a drained worker once nothing is in
-  flight on it (409 otherwise, unless ``force``: the router stops counting its requests, and
-  they still finish, but a whole answer whose first byte has not come ``request_timeout_s``
-  after the removal is seen is aborted there by name and sent to another worker). Its index
-  entries and metric series go with it. The last healthy routable worker cannot be drained (the
-  router would answer every request 503).
+  flight on it (409 otherwise, unless ``force`` is ``true``, a JSON boolean: the router stops
+  counting its requests, and they still finish, but a whole answer whose first byte has not
+  come ``request_timeout_s`` after the removal is seen is aborted there by name and sent to
+  another worker). Its index entries and metric series go with it. The last healthy routable
+  worker cannot be drained (the router would answer every request 503).
 
 Who may call: with ``KVTIER_ROUTER_ADMIN_TOKEN`` set in the router's environment, a caller
 presenting ``Authorization: Bearer <that token>`` (compared as SHA-256 digests in constant
@@ -148,7 +148,14 @@ class WorkerAdmin:
         return body
 
     def _find(self, url: str) -> Worker | None:
-        url = url.rstrip("/")
+        """The worker named ``url`` as :func:`normal_url` names it (``HTTP://Host:8000/`` is
+        ``http://host:8000``): an add of a URL listed another way is that worker, never a second."""
+        from kvtier.router.config import normal_url
+
+        try:
+            url = normal_url(url)
+        except ValueError:   # (no worker has a URL that urlsplit cannot read)
+            return None
         return next((w for w in self.router.workers if w.url == url), None)
 
     def _known(self, body: dict) -> Worker:
@@ -216,10 +223,15 @@ class WorkerAdmin:
     async def remove_worker(self, request: web.Request) -> web.Response:
         self._authorize(request)
         body = await self._body(request)
+        # a JSON boolean only: read by truthiness, {"force": "false"} (a launcher's JSON built from
+        # environment strings) forgot a worker with requests in flight (audit s34 a4 D4)
+        force = body.get("force", False)
+        if type(force) is not bool:
+            raise _error(400, f'"force" must be true or false, got {force!r}')
         worker = self._known(body)
         if not worker.draining:
             raise _error(409, f"{worker.url} is serving: drain it first")
-        if worker.inflight and not body.get("force"):
+        if worker.inflight and not force:
             raise _error(409, f"{worker.url} has {worker.inflight} requests in flight; wait, or force")
         # Everything kept per id goes before the first await: once the worker is out of the
         # list an add may take its id (and, with the same URL, its metric series), and a cleanup

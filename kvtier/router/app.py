@@ -42,7 +42,7 @@ from kvtier.router.models import (LORA_PATHS, TOKENIZER_CHECK_TEXT, first_refusa
                                   tokenizes_alike)
 from kvtier.router.reads import (LISTING_BYTES, SMALL_ANSWER_BYTES, BodyBytes, BodyHold, PeerConnections,
                                  answer_json, default_per_peer, read_body, read_capped)
-from kvtier.router.relay import KeptAnswer, WriteWatch, forwarded_headers
+from kvtier.router.relay import KeptAnswer, WholeEvents, WriteWatch, forwarded_headers, stream_error_end
 from kvtier.router.requests import (CHARS_PER_ROUTE_TOKEN, DEFAULT_TOKENS_PER_CHAR, NO_SPECIAL, WORKER_RENDERED,
                                    RequestError, RoutedPrompt, RouteRequest, cached_tokens, check_body,
                                    error_response, first_prompt, is_batch, rate_sample, rest_of_batch_tokens,
@@ -1591,6 +1591,11 @@ class Router:
         request[_RESPONSE] = out
         await out.prepare(request)
         streaming = "text/event-stream" in (ctype or "")
+        # a stream is relayed in whole events, so that an error event ending it early is never
+        # glued to a partial one (relay.py; an encoded stream's bytes are not its events)
+        events = WholeEvents() if streaming and not encoded else None
+        if events is not None:
+            first = events.take(first)
         # a bounded head and tail (a whole answer up to 1 MiB in full), never the whole answer:
         # the response id is in a Responses answer's first bytes; usage at the end
         kept = KeptAnswer(first, streaming, keep_head=request.path == "/v1/responses")
@@ -1603,7 +1608,7 @@ class Router:
                 try:
                     chunk = await self._read_bounded(resp.content.readany(), asked_stream)
                 except (ClientError, asyncio.TimeoutError, OSError) as exc:
-                    await self._cut_by_worker(request, out, worker, exc, streaming, watch)
+                    await self._cut_by_worker(request, out, worker, exc, kept, watch)
                     return out
                 if not chunk:
                     break
@@ -1611,8 +1616,9 @@ class Router:
                     now = time.monotonic()
                     worker.decode_gap(now - last, mark)
                     last, mark = now, worker.quiet_mark()
-                await watch.send(out.write(chunk))
-                kept.add(chunk)
+                await self._pass_on(out, events.take(chunk) if events is not None else chunk, kept, watch)
+            if events is not None:   # (the worker ended its stream mid-event: relayed as it came)
+                await self._pass_on(out, events.rest(), kept, watch)
             await watch.send(out.write_eof())
         except (ConnectionResetError, asyncio.CancelledError):
             # The client left (or took none of its answer: its connection was dropped), or the
@@ -1622,10 +1628,8 @@ class Router:
             self.metrics.cut.labels(worker.url, "shutdown" if drained else "client").inc()
             if drained and streaming:   # the client is still there: tell it, as a worker cut does
                 with contextlib.suppress(ConnectionResetError, RuntimeError):
-                    error = {"error": {"message": "the router is shutting down; the answer ends here",
-                                       "type": "service_unavailable_error", "param": None, "code": 503}}
-                    await watch.send(out.write(f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()))
-                    await watch.send(out.write_eof())
+                    await self._end_stream(request, out, kept, watch, "the router is shutting down; the answer "
+                                           "ends here", shutdown=True)
             raise
         finally:
             watch.stop()
@@ -1660,14 +1664,31 @@ class Router:
         if request.transport is not None:
             request.transport.abort()
 
+    @staticmethod
+    async def _pass_on(out: web.StreamResponse, data: bytes, kept: KeptAnswer, watch: WriteWatch) -> None:
+        """Relay ``data`` of the answer to the client. Kept first: a write hands its bytes to the
+        transport before it waits, so bytes relayed by a write the drain cancels are kept too."""
+        if data:
+            kept.add(data)
+            await watch.send(out.write(data))
+
+    @staticmethod
+    async def _end_stream(request: web.Request, out: web.StreamResponse, kept: KeptAnswer, watch: WriteWatch,
+                          message: str, shutdown: bool = False) -> None:
+        """End a stream cut short with an error event in its endpoint's form (relay.py's
+        :func:`stream_error_end`), after what was relayed of it; then its end."""
+        await watch.send(out.write(stream_error_end(request.path, message, bytes(kept.tail[-4:]), shutdown)))
+        await watch.send(out.write_eof())
+
     async def _cut_by_worker(self, request: web.Request, out: web.StreamResponse, worker: Worker,
-                             exc: BaseException, streaming: bool, watch: WriteWatch) -> None:
+                             exc: BaseException, kept: KeptAnswer, watch: WriteWatch) -> None:
         """The worker failed or went silent after the client had part of its answer: it cannot
         go to another worker, so the client must learn that it ended short, never wait on it.
 
-        A stream ends as vLLM ends one that fails: an OpenAI error event, then ``[DONE]`` (the
-        OpenAI clients raise on the event). A whole JSON answer cut short has no such place: the
-        connection is dropped, so the client sees a truncated body rather than a complete one.
+        A stream ends as vLLM ends one that fails, with an error event (:meth:`_end_stream`: the
+        OpenAI and Anthropic clients raise on it). A whole JSON answer cut short has no such
+        place: the connection is dropped, so the client sees a truncated body rather than a
+        complete one.
         """
         reason = "went silent" if isinstance(exc, asyncio.TimeoutError) else f"failed ({exc.__class__.__name__})"
         message = f"worker {worker.url} {reason} after the answer had started"
@@ -1676,12 +1697,9 @@ class Router:
         self._record_health(worker, False)
         # the worker may decode on for nobody (silent, or its connection cut on the way)
         self._abort_on(worker, request)
-        if streaming:
-            error = {"error": {"message": message, "type": "service_unavailable_error", "param": None,
-                               "code": 503}}
+        if kept.streaming:
             try:
-                await watch.send(out.write(f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()))
-                await watch.send(out.write_eof())
+                await self._end_stream(request, out, kept, watch, message)
                 return
             except ConnectionResetError:
                 pass   # the client left too

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -54,7 +55,7 @@ class WorkerSpec:
             found[name] = value
         if "replay" in found and "events" not in found:
             raise ConfigError(f"worker {text!r}: replay= needs events= (the replay fills the event stream's holes)")
-        if not url.startswith(("http://", "https://")):
+        if not url.lower().startswith(("http://", "https://")):
             raise ConfigError(f"worker {text!r}: the URL must start with http:// or https://")
         try:
             parts = urlsplit(url)
@@ -63,12 +64,40 @@ class WorkerSpec:
             raise ConfigError(f"worker {text!r}: {exc}") from None
         if not parts.hostname or port == 0:
             raise ConfigError(f"worker {text!r}: the URL needs a host (and a port from 1 to 65535, if given)")
+        beyond = beyond_base_url(url)
+        if beyond is not None:
+            raise ConfigError(f"worker {text!r}: {beyond}")
         unresolvable = host_error(url)
         if unresolvable is not None:
             raise ConfigError(f"worker {text!r}: {unresolvable}")
         for name, value in found.items():
             zmq_endpoint(value, f"worker {text!r}: {name}=")
-        return cls(url.rstrip("/"), found.get("events"), found.get("replay"))
+        return cls(normal_url(url), found.get("events"), found.get("replay"))
+
+
+def normal_url(url: str) -> str:
+    """``url`` as the router names a worker: scheme and host in lower case (as DNS and HTTP read
+    them), no trailing slash, so that one worker given two ways is one name (a ``ValueError`` for
+    a URL ``urlsplit`` cannot read)."""
+    parts = urlsplit(url)
+    return f"{parts.scheme.lower()}://{parts.netloc.lower()}{parts.path.rstrip('/')}"
+
+
+def beyond_base_url(url: str) -> str | None:
+    """Why ``url`` is more than a worker's base URL (``scheme://host:port``), or None. The router
+    appends its paths to it (``/health``, the client's ``/v1/...``): the OpenAI base URL
+    ``http://host:8000/v1`` had every request sent to ``/v1/v1/...`` (404) and the worker ejected.
+    And it shows the URL to every client (``X-Kvtier-Worker``, ``GET /health``, ``/metrics``):
+    ``http://user:password@host`` showed the password (audit s34 a4 D5)."""
+    parts = urlsplit(url)
+    if "@" in parts.netloc:
+        return ("a user or password in the URL would be shown to every client (X-Kvtier-Worker, /health, "
+                "/metrics): give scheme://host:port, and the workers' --api-key as worker_api_key in the config "
+                "file or $KVTIER_WORKER_API_KEY")
+    if parts.path not in ("", "/") or "?" in url or "#" in url:
+        return ("give the worker's base URL, scheme://host:port, with no path, query or fragment: the router adds "
+                "the client's path (/v1/... after a path of /v1 is /v1/v1/...)")
+    return None
 
 
 def host_error(url: str) -> str | None:
@@ -320,10 +349,57 @@ class RouterConfig:
         "drain_timeout_s": (False, False, " (0: end answers under way at once)"),
     }
 
-    def check(self) -> "RouterConfig":
-        self.apply_measured()
+    #: settings that hold text: True where it may be unset (None). A path may be a ``Path`` too.
+    _TEXTS = {
+        "host": False, "policy": False, "model_path": True, "shared_events": True,
+        "shared_events_server_public": True, "shared_events_public": True, "shared_events_secret": True,
+        "shared_events_secret_file": True, "worker_api_key": True,
+    }
+    _PATHS = ("model_path", "shared_events_secret_file")
+
+    def check_types(self) -> None:
+        """A :class:`ConfigError` naming the first setting of the wrong type (numbers: :meth:`check`).
+        Unchecked, a TOML value of another type crashed ``kvtier route`` with a traceback (``policy =
+        []``) or was taken as it was: ``shared_writes = "no"``, a true string, had the router price
+        the workers as writing through to the shared tier (audit s34 a4 D1)."""
+        for name, optional in self._TEXTS.items():
+            value = getattr(self, name)
+            if not (isinstance(value, str) or (optional and value is None)
+                    or (name in self._PATHS and isinstance(value, os.PathLike))):
+                raise ConfigError(f"{name} must be a string{' (or unset)' if optional else ''}, got {value!r}")
+        if type(self.shared_writes) is not bool:
+            raise ConfigError(f"shared_writes must be true or false, got {self.shared_writes!r}")
+        # a bare string is iterable too: measured = "host.json" would be read one character at a time
+        if not isinstance(self.measured, list) or not all(isinstance(m, (str, os.PathLike)) for m in self.measured):
+            raise ConfigError(f"measured must be a list of bench JSON files, e.g. measured = [\"host.json\"], "
+                              f"got {self.measured!r}")
+        if not isinstance(self.workers, list) or not all(isinstance(w, WorkerSpec) for w in self.workers):
+            raise ConfigError(f"workers must be a list of WorkerSpec (in a config file: [[worker]] url = ...), "
+                              f"got {self.workers!r}")
+        for w in self.workers:
+            if not isinstance(w.url, str) or not all(isinstance(e, str) or e is None for e in (w.events, w.replay)):
+                raise ConfigError(f"worker {w!r}: its url, events and replay must be strings")
+
+    def _check_workers(self) -> None:
+        """At least one worker, and each URL once (:func:`normal_url`): given twice, one engine was
+        two workers, routed twice its share, and a drain of its URL marked only the first, so a
+        planner's drained worker kept being sent requests (audit s34 a4 D2)."""
         if not self.workers:
             raise ConfigError("no workers: give --worker URL (repeatable) or [[worker]] in the config file")
+        seen: set[str] = set()
+        for w in self.workers:
+            try:
+                url = normal_url(w.url)
+            except ValueError as exc:
+                raise ConfigError(f"worker {w.url!r}: {exc}") from None
+            if url in seen:
+                raise ConfigError(f"worker {w.url} is given twice (--worker, [[worker]]): give each worker once")
+            seen.add(url)
+
+    def check(self) -> "RouterConfig":
+        self.check_types()
+        self.apply_measured()
+        self._check_workers()
         if self.policy not in ROUTE_NAMES:
             raise ConfigError(f"unknown --policy {self.policy!r}; use one of {sorted(ROUTE_NAMES)}")
         for name in ("max_body_bytes", "max_form_body_bytes", "max_inflight_body_bytes",
@@ -413,16 +489,17 @@ class RouterConfig:
                                         f"secret as shared_events_secret_file (a 0600 file)")
         except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
             raise ConfigError(f"router config {path}: {exc}") from None
-        known = {f.name for f in fields(cls)}
+        known = {f.name for f in fields(cls)} - {"workers"}   # (workers are [[worker]] tables)
         workers = data.pop("worker", [])
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ConfigError(f"router config {path}: unknown settings {unknown}; known: {sorted(known - {'workers'})}")
+            raise ConfigError(f"router config {path}: unknown settings {unknown}; known: {sorted(known)} "
+                              f"(and [[worker]] url = ...)")
         config = cls(**data)
-        # a bare string is iterable too: measured = "host.json" would be read one character at a time
-        if not isinstance(config.measured, list) or not all(isinstance(m, str) for m in config.measured):
-            raise ConfigError(f"router config {path}: measured must be a list of bench JSON files, e.g. "
-                              f"measured = [\"host.json\"], got {config.measured!r}")
+        try:   # (before the paths below are joined to the file's folder)
+            config.check_types()
+        except ConfigError as exc:
+            raise ConfigError(f"router config {path}: {exc}") from None
         # measurement files named in the config file are found beside it, and so is the secret file
         config.measured = [str(Path(path).parent / m) for m in config.measured]
         if config.shared_events_secret_file:
@@ -430,9 +507,10 @@ class RouterConfig:
         # bandwidths written in the file are the user's own: measurement files do not override them
         config._explicit.update(k for k in data if k in cls._DEFAULT_BANDWIDTHS)
         for w in workers:
-            if not isinstance(w, dict) or "url" not in w or set(w) - {"url", "events", "replay"}:
+            if not isinstance(w, dict) or "url" not in w or set(w) - {"url", "events", "replay"} \
+                    or not all(isinstance(v, str) for v in w.values()):
                 raise ConfigError(f"router config {path}: each [[worker]] has url and optional events and replay, "
-                                  f"got {w!r}")
+                                  f"each a string, got {w!r}")
             config.workers.append(WorkerSpec.parse(w["url"] + "".join(f",{k}={w[k]}" for k in ("events", "replay")
                                                                       if w.get(k))))
         return config

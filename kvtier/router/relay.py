@@ -35,6 +35,12 @@ TAIL_BYTES = 65536
 #: event loop stalled every stream the router relayed for 0.76 s
 WHOLE_PARSE_BYTES = 1 << 20
 _USAGE_KEY = re.compile(rb'"usage"\s*:\s*')
+#: the ends of a server-sent event: a blank line, in each of the line ends SSE allows
+EVENT_ENDS = (b"\n\n", b"\r\r", b"\r\n\r\n")
+#: the most of one unfinished event a stream's relay holds back (:class:`WholeEvents`)
+HELD_EVENT_BYTES = WHOLE_PARSE_BYTES
+#: the endpoint whose streams are the Anthropic Messages API's, ended with its own error event
+ANTHROPIC_PATH = "/v1/messages"
 
 
 def forwarded_headers(headers: Mapping[str, str]) -> CIMultiDict[str]:
@@ -152,3 +158,54 @@ class KeptAnswer:
             return json.loads(self.whole).get("usage")
         except (ValueError, AttributeError, RecursionError):
             return None
+
+
+class WholeEvents:
+    """A stream relayed in whole events: each chunk's bytes up to its last event end are relayed,
+    those after it held until the event's end comes. A worker that died, or a drain that ended
+    the stream, mid-way through an event then leaves no partial event before the router's error
+    event, which the client would read glued to it as one event that is no JSON (the openai SDK
+    raised ``JSONDecodeError``, not the ``APIError`` the error event is for: audit s34 a4 D3). An
+    event longer than :data:`HELD_EVENT_BYTES` is relayed as it comes (:func:`stream_error_end`
+    then closes it). Costs nothing for a chunk that ends an event, as a vLLM worker's do."""
+
+    __slots__ = ("held",)
+
+    def __init__(self) -> None:
+        self.held = b""
+
+    def take(self, chunk: bytes) -> bytes:
+        """The bytes to relay now, of those held and ``chunk``."""
+        data = self.held + chunk if self.held else chunk
+        if data.endswith(EVENT_ENDS):
+            self.held = b""
+            return data
+        end = max((at + len(mark) for mark in EVENT_ENDS if (at := data.rfind(mark)) >= 0), default=0)
+        if len(data) - end > HELD_EVENT_BYTES:
+            self.held = b""
+            return data
+        self.held = data[end:]
+        return data[:end]
+
+    def rest(self) -> bytes:
+        """What is held when the stream ends as its worker ended it: relayed as it came."""
+        rest, self.held = self.held, b""
+        return rest
+
+
+def stream_error_end(path: str, message: str, relayed_tail: bytes, shutdown: bool = False) -> bytes:
+    """The bytes that end a stream cut short (its worker failed, or the router shuts down),
+    after the relayed bytes that end with ``relayed_tail``, in the form the clients of ``path``
+    act on. An OpenAI stream ends as vLLM ends one that fails: an error event, then ``[DONE]``.
+    An Anthropic Messages stream (:data:`ANTHROPIC_PATH`) ends with a named ``event: error`` as
+    vLLM's does, and no ``[DONE]``: the Anthropic SDK acts on named events only, and the OpenAI
+    form ended its stream with no word, a truncated answer taken as whole (audit s34 a4 D6). An
+    event left open (longer than :class:`WholeEvents` holds) is ended first, so that the error
+    event is read as one of its own (D3)."""
+    close = b"" if not relayed_tail or relayed_tail.endswith(EVENT_ENDS) else b"\n\n"
+    if path == ANTHROPIC_PATH:
+        error = {"type": "error", "error": {"type": "overloaded_error" if shutdown else "api_error",
+                                            "message": message}}
+        return close + f"event: error\ndata: {json.dumps(error)}\n\n".encode()
+    error = {"error": {"message": message, "type": "service_unavailable_error", "param": None, "code": 503}}
+    return close + f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
