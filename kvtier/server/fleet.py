@@ -36,8 +36,11 @@ The fleet cannot be listed (its names are one-way HMACs), and it drops blocks on
   reported left in the fleet. A put the fleet never
   sent (refused before any engine call: known down) has the record it began forgotten at once
   (:meth:`JournaledFleet.put_many`), so the blocks demoted during an outage count as never
-  placed. A crash between a record and its put leaves a record of a block the fleet may not
-  hold: harmless (see below).
+  placed; so has one the fleet answered it did not store (FULL, TOO_LARGE). A crash between a
+  record and its put leaves a record of a block the fleet may not hold: harmless (see below).
+  After an erasure the sweep also deletes the blocks of the records it covers that the index no
+  longer holds (:meth:`JournaledFleet.erase_unindexed_records`): the erasure reaches only the
+  indexed ones.
 * Erase against demotion: a placement recorded before an erase read :attr:`FleetJournal.seq`
   (``delete_many``) is forgotten by it, so its put must have landed before the fleet's delete.
   It has: a demotion into the fleet runs in the evicting tier's eviction, under that tier's
@@ -69,7 +72,9 @@ The fleet cannot be listed (its names are one-way HMACs), and it drops blocks on
   PUT of such a block is not answered "already stored" (content addressed) unless the fleet
   still holds it, and LOOKUP / CONTAINS ask it too. Asked in batches, on a thread of its own
   (never the event loop, nor the I/O threads that disk reads queue on): the requests that
-  arrive while one batch is asked form the next.
+  arrive while one batch is asked form the next. The sweep asks about a rotating slice of the
+  entries at the fleet too (:class:`FleetAudit`), so that what it evicted on its own leaves the
+  index and the journal though no client asks about it again.
 """
 
 from __future__ import annotations
@@ -78,7 +83,8 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -101,6 +107,10 @@ log = logging.getLogger(__name__)
 
 #: names per fleet call at start (lookups, removals) and at a shutdown that clears the fleet
 BATCH = 4096
+#: how often at most a pass of the sweep over the entries at the fleet begins (:class:`FleetAudit`)
+AUDIT_PASS_S = 30.0
+#: a put's answers that say the fleet did not store the block (its record is forgotten at once)
+_NOT_STORED = frozenset({Status.FULL, Status.TOO_LARGE})
 
 
 class Authenticated(NamedTuple):
@@ -135,6 +145,11 @@ class FleetRecords:
         note = annotation_of(entry)
         self.stamps.note(note.owner, note.created_wall)
         return self.codec.pack(name, note), entry
+
+    def indexed(self, name: bytes) -> bool:
+        """Whether the index holds the block stored under ``name``."""
+        skey = name if self.keyring is None else self.index.storage_key_of(name)
+        return skey is not None and self.index.get(skey) is not None
 
     def authenticated(self, name: bytes, record: bytes) -> Authenticated:
         """The annotation of a record if it authenticates for ``name`` under one of the server's keys
@@ -181,6 +196,9 @@ class JournaledFleet(WrappingTier):
         self._owed_lock = threading.Lock()
         #: name → the journal's seq read before the delete whose removal is owed (see settle_removals)
         self._owed: dict[bytes, int] = {}
+        #: the erasures the records were last judged against (:meth:`erase_unindexed_records`; the
+        #: start judges them against those recorded by then: :func:`rebuild_from_journal`)
+        self._erasures_judged = tombstones.erasures() if tombstones is not None else {}
 
     def __getattr__(self, attr: str):
         if attr == "inner":  # (not set yet)
@@ -214,13 +232,17 @@ class JournaledFleet(WrappingTier):
             self._refused(1)
             return Status.ERROR
         with self._forgetting_unsent(seq):
-            return self.inner.put(key, data, parent=parent, meta=meta, **kw)
+            status = self.inner.put(key, data, parent=parent, meta=meta, **kw)
+        self._forget_not_stored([key], [status], seq)
+        return status
 
     def put_many(self, keys, datas, *, parents=None, metas=None, **kw) -> list[Status]:
         ok, seq = self._record(keys)
         if all(ok):
             with self._forgetting_unsent(seq):
-                return self.inner.put_many(keys, datas, parents=parents, metas=metas, **kw)
+                statuses = self.inner.put_many(keys, datas, parents=parents, metas=metas, **kw)
+            self._forget_not_stored(keys, statuses, seq)
+            return statuses
         if parents is None:
             parents = [None, *keys[:-1]]
         out = [Status.ERROR] * len(keys)
@@ -231,9 +253,21 @@ class JournaledFleet(WrappingTier):
             with self._forgetting_unsent(seq):
                 statuses = self.inner.put_many(pick(keys), pick(datas), parents=pick(parents), metas=pick(metas),
                                                **{k: pick(v) for k, v in kw.items()})
+            self._forget_not_stored(pick(keys), statuses, seq)
             for i, status in zip(todo, statuses):
                 out[i] = status
         return out
+
+    def _forget_not_stored(self, keys, statuses: Sequence[Status], seq: int) -> None:
+        """Forget the records placement ``seq`` began of the blocks the fleet answered it did not
+        store (:data:`_NOT_STORED`; not ERROR, nor an overrun: such a put may have landed), if it
+        began them (:meth:`~kvtier.server.fleet_journal.FleetJournal.unplace`). Kept, nothing ever
+        forgot them: the index lets such a block go without a delete (it is in no tier), so every
+        refused demotion left its record, owner and client key in the file for good, beyond an
+        erasure of its namespace (audit s34 a3 D2)."""
+        refused = [bytes(k) for k, status in zip(keys, statuses) if status in _NOT_STORED]
+        if refused:
+            self.journal.unplace(refused, seq)
 
     @contextmanager
     def _forgetting_unsent(self, seq: int) -> Iterator[None]:
@@ -290,6 +324,35 @@ class JournaledFleet(WrappingTier):
         if retry is None:  # (a fleet that owes nothing: it reports no removal refused)
             return set()
         return {bytes(k) for k, still in zip(keys, retry(keys)) if still}
+
+    def erase_unindexed_records(self) -> int:
+        """After an erasure (one recorded since the last call): delete from the fleet the blocks of
+        the records it covers that the index no longer holds, forget their records (but those
+        whose removal the fleet owes: retried, :meth:`settle_removals`) and write the journal anew;
+        returns how many. The erasure reaches the blocks the index holds; these it never saw: a
+        block the index let go though the fleet may hold it (a demotion that failed, perhaps
+        after it landed) left its record, owner and client key in the file after its namespace
+        was erased (audit s34 a3 D2). Judged as a start judges them (:func:`rebuild_from_journal`).
+        Off the event loop: a walk of the records and network calls. Not thread safe (the sweep's)."""
+        erasures = self.tombstones.erasures() if self.tombstones is not None else {}
+        if erasures == self._erasures_judged:
+            return 0
+        covered = [name for name, record in self.journal.records()
+                   if not self.records.indexed(name) and self._erased(name, record)]
+        for part in _batches(covered):
+            self.delete_many(part)  # (forgets the records of those whose removal landed)
+        self._erasures_judged = erasures
+        if covered:
+            try:
+                self.journal.compact()
+            except OSError as exc:
+                log.warning("fleet journal %s could not be written anew after %d records of erased blocks were "
+                            "forgotten: %s", self.journal.path, len(covered), exc)
+        return len(covered)
+
+    def _erased(self, name: bytes, record: bytes) -> bool:
+        note = self.records.authenticated(name, record).note
+        return note is not None and self.tombstones.erased(note.owner, note.namespace, note.session, note.created_wall)
 
     def settle_removals(self) -> int:
         """Retry the removals the fleet owes now (see :meth:`delete_many`); forget the records of
@@ -470,12 +533,14 @@ def journaled_fleet_in(tiers) -> JournaledFleet | None:
 
 def settle_owed_removals(tiers) -> int:
     """Retry the removals a Mooncake fleet among ``tiers`` (under any wrapper) owes; how many
-    landed. The journaled fleet forgets their records too (:meth:`JournaledFleet.settle_removals`).
-    A network call where any is owed: off the event loop."""
+    landed. The journaled fleet forgets their records too (:meth:`JournaledFleet.settle_removals`),
+    and after a new erasure deletes the blocks of the records it covers that the index no longer
+    holds (:meth:`JournaledFleet.erase_unindexed_records`). Network calls: off the event loop."""
     for tier in tiers:
         while tier is not None:
             # (asked of the class: a wrapper forwarding attributes would answer for the tier it wraps)
             if isinstance(tier, JournaledFleet):
+                tier.erase_unindexed_records()
                 return tier.settle_removals()
             if callable(getattr(type(tier), "retry_removals", None)):
                 tier.retry_removals()
@@ -489,6 +554,36 @@ def _batches(items: list) -> list[list]:
 
 
 # -- presence --------------------------------------------------------------------------------------
+class FleetAudit:
+    """Which index entries the server's sweep asks the fleet about next: the fleet evicts on its
+    own and tells no one, and most blocks demoted there are never asked for again, so their entries
+    (and records) stayed for the life of the process, growing with every block ever demoted
+    (audit s34 a3 D3). A rotating slice of at most ``per_sweep`` storage keys a sweep (bounded work,
+    one batch call); every key indexed when a pass begins is looked at once in it, and a pass
+    begins at most every ``pass_interval_s``: what is to be bounded is the growth, not how soon an
+    eviction is noticed (a client that asks is answered at once), and a small index is not copied
+    and asked about again every sweep. The sweep's alone: not thread safe."""
+
+    def __init__(self, keys_of: Callable[[], list[bytes]], per_sweep: int = BATCH,
+                 pass_interval_s: float = AUDIT_PASS_S) -> None:
+        self._keys_of = keys_of  #: a snapshot of the keys indexed (one per pass)
+        self.per_sweep = per_sweep
+        self.pass_interval_s = pass_interval_s
+        self._todo: deque[bytes] = deque()
+        self._next_pass = 0.0  # (the first sweep begins one: after a restart, what the journal brought back)
+
+    def next_slice(self) -> list[bytes]:
+        """The next keys to look at (any tier's: the caller picks those at the fleet); none between
+        passes. Off the event loop: a pass begins with a copy of every key indexed."""
+        if not self._todo:
+            now = time.monotonic()
+            if now < self._next_pass:
+                return []
+            self._next_pass = now + self.pass_interval_s
+            self._todo.extend(self._keys_of())
+        return [self._todo.popleft() for _ in range(min(self.per_sweep, len(self._todo)))]
+
+
 class FleetPresence:
     """Asks the fleet which of the blocks the index places there it still holds: in batches, on a
     thread of its own. Event loop only (:meth:`held`), but for the thread it runs the calls on."""

@@ -287,10 +287,11 @@ class Service:
         self._fleet_name: str | None = None
         self._presence = None
         if config.mooncake_master and len(store.tiers) > 1:
-            from kvtier.server.fleet import FleetPresence
+            from kvtier.server.fleet import FleetAudit, FleetPresence
 
             self._fleet_name = store.tiers[-1].name
             self._presence = FleetPresence(store.tiers[-1])
+            self._fleet_audit = FleetAudit(self.index.keys)
         self.admin = AdminAPI(self)
 
     def close(self) -> None:
@@ -1115,13 +1116,27 @@ class Service:
 
         Then the removals a Mooncake fleet owes (it did not answer an erase, say) are retried, and
         the fleet journal forgets their records once they land: the next delete, which used to be
-        their only retry, may never come (:func:`~kvtier.server.fleet.settle_owed_removals`)."""
+        their only retry, may never come (:func:`~kvtier.server.fleet.settle_owed_removals`); and
+        a slice of the entries indexed at the fleet is checked against it
+        (:meth:`_audit_fleet_entries`)."""
         expired = await self.io.run(SWEEP_LANE, self.index.expired, time.monotonic(), self.gov.ttl)
         dropped = sum(await self.in_jobs(SWEEP_LANE, expired, self._erase_if_expired))
         self.metrics.expirations.inc(dropped)
         if self._fleet_name is not None:
             await self.io.run(SWEEP_LANE, settle_owed_removals, self.store.tiers)
+            await self._audit_fleet_entries()
         return dropped
+
+    async def _audit_fleet_entries(self) -> None:
+        """Ask the fleet about the next slice of the entries indexed at it
+        (:class:`~kvtier.server.fleet.FleetAudit`): those it no longer holds (evicted on its own)
+        leave the index, and their records the fleet journal, as when a GET finds one missing
+        (:meth:`_fleet_holds`: one batch, off the event loop)."""
+        skeys = await self.io.run(SWEEP_LANE, self._fleet_audit.next_slice)
+        found = [(skey, entry) for skey in skeys
+                 if (entry := self.index.get(skey)) is not None and entry.tier == self._fleet_name]
+        if found:
+            await self._fleet_holds(found)
 
     def _erase_if_expired(self, skey: bytes) -> bool:
         entry = self.index.get(skey)

@@ -390,11 +390,11 @@ class MooncakeTier(TierReads, TierWrites, BoundedEngineCalls, TenantNaming, Tier
         out = [False] * len(names)
         deadline = time.monotonic() + self._deadline_in()
 
-        def owe_all() -> None:
+        def owe_all(asked_at: float | None = None) -> None:
             # Hidden at once and removed once the fleet answers: dropped, a copy would stay
             # readable in the fleet, beyond the reach of any later delete.
             self._owe(keys, names, range(len(names)), errno.ETIMEDOUT,
-                      "did not answer: the removal is owed, retried until it lands")
+                      "did not answer: the removal is owed, retried until it lands", since=asked_at)
 
         try:
             self._check_up()
@@ -405,15 +405,12 @@ class MooncakeTier(TierReads, TierWrites, BoundedEngineCalls, TenantNaming, Tier
             codes = self._remove_by_force(names, deadline, owe_all)
         except Down:
             return out
-        refused = []
+        refused = []  # (the names removed are owed no more: _remove_by_force)
         with self._lock:
-            for j, (name, code) in enumerate(zip(names, codes)):
+            for j, code in enumerate(codes):
                 if code == 0:
                     out[j] = True
-                    self._unremoved.pop(name, None)
-                elif code in _NOTHING_TO_REMOVE:
-                    self._unremoved.pop(name, None)
-                else:  # refused (a lease the force did not break) or failed
+                elif code not in _NOTHING_TO_REMOVE:  # refused (a lease the force did not break) or failed
                     refused.append(j)
             self.stats.deletes += sum(out)
         if refused:
@@ -433,19 +430,26 @@ class MooncakeTier(TierReads, TierWrites, BoundedEngineCalls, TenantNaming, Tier
         except Down as exc:
             log.info("mooncake tier %s: retrying owed removals after a delete: %s", self.master, exc)
 
-    def _owe(self, keys: Sequence[BlockKey], names: Sequence[str], which, code: int, why: str) -> None:
+    def _owe(self, keys: Sequence[BlockKey], names: Sequence[str], which, code: int, why: str,
+             since: float | None = None) -> None:
         """Hide ``names[j]`` for ``j`` in ``which`` until their removal lands, and report them; past
-        the bound, give up those neither owed already nor kept (:func:`owed_removals_kept`)."""
+        the bound, give up those neither owed already nor kept (:func:`owed_removals_kept`).
+        ``since``: see :meth:`_hide_until_removed`."""
         kept = _KEPT_OWED.get()
-        self._hide_until_removed([names[j] for j in which], kept={names[j] for j in which if bytes(keys[j]) in kept})
+        self._hide_until_removed([names[j] for j in which], kept={names[j] for j in which if bytes(keys[j]) in kept},
+                                 since=since)
         where = f"Mooncake fleet {self.master}"
         for j in which:
             report_refused(keys[j], where, OSError(code, why))
 
-    def _hide_until_removed(self, names: Sequence[str], kept: Collection[str] = frozenset()) -> None:
+    def _hide_until_removed(self, names: Sequence[str], kept: Collection[str] = frozenset(),
+                            since: float | None = None) -> None:
         """Owe the removal of ``names``: hidden from this tier's reads and lookups until it lands,
-        retried; past the bound, given up for those neither owed already nor in ``kept``."""
-        now = time.monotonic()
+        retried; past the bound, given up for those neither owed already nor in ``kept``. A name
+        owed already keeps the time it was owed since; a new one is owed since ``since`` (default:
+        now): a removal call that overran owes its names since it was asked, so that its own
+        answer, however late, may forget them (:meth:`_forget_removed`)."""
+        now = time.monotonic() if since is None else since
         given_up = 0
         with self._lock:
             owed = self._unremoved
@@ -459,17 +463,25 @@ class MooncakeTier(TierReads, TierWrites, BoundedEngineCalls, TenantNaming, Tier
         if given_up:
             self._note_given_up(given_up)
 
-    def _forget_removed(self, names: Sequence[str], codes: Sequence[int]) -> list[str]:
-        """Forget the owed removal of each of ``names`` whose forced removal left nothing to remove
-        (``codes``: the engine's answers); returns the names whose removal did not land."""
-        left = []
+    def _forget_removed(self, names: Sequence[str], codes: Sequence[int], asked_at: float) -> list[str]:
+        """Forget the owed removal of each of ``names`` whose forced removal, asked at ``asked_at``,
+        left nothing to remove (``codes``: the engine's answers); returns the names whose removal
+        did not land. A name owed again since the call was asked stays owed: something newer (a
+        put that brought the block back, then a delete refused) owes it, and that removal may come
+        after the one this call made (forgotten, the newer delete's erasure was never retried and
+        the tier served the block again: audit s34 a1 D1)."""
+        left = self._not_removed(names, codes)
         with self._lock:
-            for name, code in zip(names, codes):
-                if code == 0 or code in _NOTHING_TO_REMOVE:
-                    self._unremoved.pop(name, None)
-                else:
-                    left.append(name)
+            owed = self._unremoved
+            for name in set(names).difference(left):
+                if owed.get(name, asked_at) <= asked_at:
+                    owed.pop(name, None)
         return left
+
+    @staticmethod
+    def _not_removed(names: Sequence[str], codes: Sequence[int]) -> list[str]:
+        """The names among ``names`` whose forced removal (``codes``: the engine's answers) did not land."""
+        return [name for name, code in zip(names, codes) if code != 0 and code not in _NOTHING_TO_REMOVE]
 
     def _note_given_up(self, n: int) -> None:
         """Count ``n`` owed removals given up; warn at most every :data:`_GIVE_UP_NOTE_S` seconds."""
@@ -552,40 +564,43 @@ class MooncakeTier(TierReads, TierWrites, BoundedEngineCalls, TenantNaming, Tier
             if not names:
                 return
             self._next_removal_retry = now + 1.0
-        codes = self._remove_by_force(names, deadline, owe=lambda: None)  # (owed already)
-        self._forget_removed(names, codes)
+        self._remove_by_force(names, deadline, owe=lambda asked_at: None)  # (owed already)
 
-    def _remove_by_force(self, names: list[str], deadline: float, owe: Callable[[], None]) -> list[int]:
+    def _remove_by_force(self, names: list[str], deadline: float, owe: Callable[[float], None]) -> list[int]:
         """The engine's forced removal of ``names``, one call waited for until ``deadline``: its
-        codes (noted, :meth:`_codes`). Where the call could not be made, failed or overran, ``owe()``
-        owes the removals (hides them: see :meth:`_hide_until_removed`) and Down is raised as
-        engine calls raise it; once such a call has ended, the names it removed are owed no more,
-        the others still are. (Owed for good, the removal of an overrun call that landed later was
-        retried by force: it removed what the name held by then, another writer's good block:
-        audit s33 r4 D3.)"""
+        codes (noted, :meth:`_codes`); the names it removed are owed no more, unless owed again
+        since it was asked (:meth:`_forget_removed`). Where the call could not be made, failed or
+        overran, ``owe(asked_at)`` owes the removals (hides them: see :meth:`_hide_until_removed`)
+        and Down is raised as engine calls raise it; once such a call has ended, the names it
+        removed are forgotten the same way, the others stay owed. (Owed for good, the removal of an
+        overrun call that landed later was retried by force: it removed what the name held by
+        then, another writer's good block: audit s33 r4 D3.)"""
         call = None
+        asked_at = time.monotonic()
         with self._removals.removing(names):
             try:
                 call = self._caller.submit(self._engine.batch_remove, names, True)
                 codes = self._wait(call, deadline)
             except Down:
-                owe()
+                owe(asked_at)
                 if call is not None:  # (after owe: it runs at once for a call ended by now)
-                    call.add_done_callback(lambda ended: self._removal_ended_late(names, ended))
+                    call.add_done_callback(lambda ended: self._removal_ended_late(names, ended, asked_at))
                 raise
         self._codes(codes)
+        self._forget_removed(names, codes, asked_at)
         return codes
 
-    def _removal_ended_late(self, names: list[str], call) -> None:
+    def _removal_ended_late(self, names: list[str], call, asked_at: float) -> None:
         """A forced removal of ``names`` that overran or failed has ended (on the engine's worker):
         what it removed is no longer owed; what it did not stays as it is now. It only ever takes
         names off: they were owed when the call overran, and one no longer owed was brought back
         since by something newer (a put that stored the block), whose word stands (hidden again
         here, the block that put stored read as a miss and the next retry removed it: audit s33
-        r9 D1)."""
+        r9 D1); one owed again since the call was asked, by a newer delete, stays owed
+        (:meth:`_forget_removed`)."""
         codes = None if call.cancelled() or call.exception() is not None else call.result()
         if isinstance(codes, (list, tuple)) and len(codes) == len(names):  # (failed: no answer per name)
-            self._forget_removed(names, codes)
+            self._forget_removed(names, codes, asked_at)
 
     # -- the rest of the contract ---------------------------------------------------------------
     def keys(self) -> Iterator[BlockKey]:

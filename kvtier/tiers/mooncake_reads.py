@@ -619,10 +619,11 @@ class TierReads:
             self._hide_until_removed(names)
             return
         try:
-            codes = self._remove_by_force(names, deadline, lambda: self._hide_until_removed(names))
+            codes = self._remove_by_force(names, deadline,
+                                          lambda asked_at: self._hide_until_removed(names, since=asked_at))
         except Down:
             return
-        self._hide_until_removed(self._forget_removed(names, codes))
+        self._hide_until_removed(self._not_removed(names, codes))
 
     def uncount_hits(self, blocks: int, nbytes: int) -> None:
         """Take back ``blocks`` hits of ``nbytes`` in all that this tier counted: for a caller that
