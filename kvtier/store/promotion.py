@@ -19,7 +19,7 @@ thread. Choices, and why:
 * **Reads first.** The promoter waits while any foreground get runs (the
   store tells it, :meth:`Promoter.foreground`), so its reads never compete
   with the load that asked for them; it starts when the load is over, while
-  the engine computes.
+  the engine computes. A lookup reads no blocks and does not hold it.
 * **Bounded, never blocking.** At most ``limit_blocks`` keys wait; one more
   drops the oldest (counted): a cache may skip a promotion, the block is
   still in its slower tier.
@@ -154,28 +154,37 @@ class Promoter:
 
     # -- the store's side --------------------------------------------------------------
     @contextmanager
-    def foreground(self):
+    def foreground(self, *, hold_promotions: bool = True):
         """Wrap a foreground read: promotions wait until no such read runs, and :meth:`close`
         until those begun before it end. Yields whether the read may go on: False once
         ``close`` began (the tiers are about to close: the read must touch none, its blocks
-        are misses)."""
+        are misses). ``hold_promotions=False`` (a lookup): close still waits for it, but
+        promotions do not -- a lookup reads no blocks, and a thread calling it back to back
+        left the promoter no gap to run in (audit s34 r2 D2)."""
         me = threading.get_ident()
         with self._cond:
             open_ = not self._closed
-            self._busy += 1
+            if hold_promotions:
+                self._busy += 1
             if open_:
                 self._readers[me] = self._readers.get(me, 0) + 1
         try:
             yield open_
         finally:
             with self._cond:
-                self._busy -= 1
+                if hold_promotions:
+                    self._busy -= 1
                 if open_:
                     left = self._readers.pop(me) - 1
                     if left:
                         self._readers[me] = left
-                if not self._busy or self._closed:  # the promoter (no read runs), or close
+                if (hold_promotions and not self._busy) or self._closed:  # the promoter, or close
                     self._cond.notify_all()
+
+    def reading_on_this_thread(self) -> bool:
+        """Whether the calling thread has a foreground read that :meth:`close` waits for."""
+        with self._cond:
+            return threading.get_ident() in self._readers
 
     def submit(self, keys: Sequence[BlockKey], sources: Sequence[int], sizes: Sequence[int],
                parents: Sequence[BlockKey | None] | None = None) -> None:

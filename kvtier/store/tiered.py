@@ -162,8 +162,10 @@ class TieredStore:
         self._closing_thread: int | None = None
         self._close_report = FlushReport(0, 0, 0.0)
         self._close_failure: BaseException | None = None
-        # puts under way, so that close() copies down every block a put acknowledged
+        # puts under way, so that close() copies down every block a put acknowledged; and this
+        # thread's (``depth``): a close on a thread that close waits for must not wait for close
         self._puts = 0
+        self._puts_here = threading.local()
         self._puts_open = True
         self._puts_cond = threading.Condition(threading.Lock())
         self._writebehind: WriteBehind | None = None
@@ -185,9 +187,10 @@ class TieredStore:
     def lookup(self, keys: Sequence[BlockKey]) -> PrefixMatch:
         """The longest prefix of ``keys`` some tier holds, block by block. Gated as a get: once
         close() has closed reads it finds nothing (a hit a get would then miss misled the caller
-        into planning loads that all fail: audit s34 a7 D3), and close waits for one under way."""
+        into planning loads that all fail: audit s34 a7 D3), and close waits for one under way.
+        Unlike a get it does not hold background promotions off (it reads no block)."""
         keys = list(keys)
-        with self._promoter.foreground() as open_:
+        with self._promoter.foreground(hold_promotions=False) as open_:
             pos, where = self._longest_prefix(keys) if open_ else (0, [])
         with self._stats.lock:
             self._stats.lookups += 1
@@ -370,9 +373,11 @@ class TieredStore:
             if not self._puts_open:
                 raise RuntimeError("put on a closed TieredStore")
             self._puts += 1
+        self._puts_here.depth = getattr(self._puts_here, "depth", 0) + 1
         try:
             yield
         finally:
+            self._puts_here.depth -= 1
             with self._puts_cond:
                 self._puts -= 1
                 if not self._puts:
@@ -496,10 +501,13 @@ class TieredStore:
         refused) and the gets under way on other threads (later ones miss; a ``reading()``
         bracket counts as a get), copy what is still dirty down (at most ``flush_timeout_s``,
         default ``close_flush_timeout_s``; None: no limit), then close the tiers. Returns (and
-        logs) what the flush did. A later close, on any thread, does nothing more: it waits for
-        the first to end and returns its report (raises if it failed). (It returned at once, while
-        the first still copied blocks down, to a caller that might exit the process then: audit
-        s34 a7 D2.)"""
+        logs) what the flush did. A later close does nothing more: it waits for the first to end
+        and returns its report (raises if it failed). (It returned at once, while the first still
+        copied blocks down, to a caller that might exit the process then: audit s34 a7 D2.) Except
+        on a thread the first close waits for -- its own, or one inside a put, a get or
+        ``reading()`` begun before it, or an I/O pool thread (an ``*_async`` job's done-callback):
+        there it returns ``FlushReport(0, 0, 0.0)`` at once, since waiting would hang both (audit
+        s34 r2 D1); the first close goes on once that thread is done."""
         with self._close_lock:
             first, self._closed = not self._closed, True
             if first:
@@ -517,14 +525,23 @@ class TieredStore:
 
     def _first_close_report(self) -> FlushReport:
         """What a later close returns: the first close's report, once it has ended."""
-        if not self._close_done.is_set() and self._closing_thread == threading.get_ident():
-            # re-entered on the closing thread (a signal handler run inside close): it cannot wait
-            # for itself, and the first close goes on once it returns
+        if not self._close_done.is_set() and self._first_close_waits_for_this_thread():
+            # it cannot wait for the close that waits for it; that close goes on once it returns
             return FlushReport(0, 0, 0.0)
         self._close_done.wait()
         if self._close_failure is not None:
             raise RuntimeError("this TieredStore's first close() failed") from self._close_failure
         return self._close_report
+
+    def _first_close_waits_for_this_thread(self) -> bool:
+        """Whether the calling thread is one the first close is (or will be) waiting for: the
+        closing thread itself (a signal handler run inside close), one with a put under way or a
+        read begun before close (a signal handler run inside them, an ``on_ready`` callback, a
+        loader in ``reading()``), or a thread of the I/O pool close shuts down."""
+        return (self._closing_thread == threading.get_ident()
+                or getattr(self._puts_here, "depth", 0) > 0
+                or self._promoter.reading_on_this_thread()
+                or threading.current_thread() in self._pool._threads)  # (the pool's own, joined by shutdown)
 
     def _close_once(self, flush_timeout_s) -> FlushReport:
         timeout = self.close_flush_timeout_s if flush_timeout_s is _CONFIGURED else flush_timeout_s

@@ -1,6 +1,8 @@
 """Audit s34 a7: an encrypted upper tier (``encrypt_host``) never forgets the block key of a block a
 put is still storing (D1); a second ``TieredStore.close()`` waits for the first and returns its
-report (D2); a lookup after close finds nothing, as a get then misses (D3)."""
+report (D2); a lookup after close finds nothing, as a get then misses (D3). Audit s34 r2: a second
+close on a thread the first one waits for returns at once instead of hanging both (r2 D1); lookups do not
+hold background promotions off (r2 D2)."""
 
 from __future__ import annotations
 
@@ -15,12 +17,12 @@ import pytest
 from kvtier.crypto.aead import sealed_nbytes
 from kvtier.crypto.keyring import Keyring
 from kvtier.crypto.providers import StaticMasterKey
-from kvtier.store.tiered import PrefixMatch, TieredStore
+from kvtier.store.tiered import FlushReport, PrefixMatch, TieredStore
 from kvtier.tiers.base import Status
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.encrypted import EncryptedTier
 from kvtier.tiers.host import HostTier
-from tests.store.test_erasure_races import Started, in_other_thread
+from tests.store.test_erasure_races import Started, in_other_thread, wait_until
 
 BLOCK = 4096
 CHUNK = 4096
@@ -234,3 +236,186 @@ def test_a_lookup_after_close_finds_nothing(tmp_path):
     store.close()
     assert store.lookup(keys) == PrefixMatch(0, [])
     assert store.get(keys, [np.empty(BLOCK, np.uint8) for _ in keys]).loaded == 0
+
+
+# -- r2 D1: a second close on a thread the first close waits for ---------------------------------------
+NOTHING_DONE = FlushReport(0, 0, 0.0)  # what a close returns that leaves the work to the first one
+
+
+class HookedHost(HostTier):
+    """A host tier that runs ``on_put()`` inside each put (a slow fastest tier, interrupted there)
+    and makes ``put_many`` wait at ``put_gate`` (open unless cleared)."""
+
+    def __init__(self) -> None:
+        super().__init__(64 * BLOCK, BLOCK, prefault=False)
+        self.on_put = lambda: None
+        self.put_gate = threading.Event()
+        self.put_gate.set()
+
+    def put_many(self, *args, **kw):
+        self.on_put()
+        self.put_gate.wait(10)
+        return super().put_many(*args, **kw)
+
+
+@pytest.fixture
+def hooked_store(tmp_path):
+    """A write-behind store over a :class:`HookedHost` and a disk, blocks 0-7 put: (store, its host,
+    ``on_disk()``: how many of blocks 0-8 the disk holds, read after the store closed)."""
+    host = HookedHost()
+    store = TieredStore([host, DiskTier(tmp_path, 256 * BLOCK, direct_io=False)])
+    store.put([key(i) for i in range(8)], [block(i) for i in range(8)])
+
+    def on_disk() -> int:
+        disk = DiskTier(tmp_path, 256 * BLOCK, direct_io=False)
+        try:
+            return sum(disk.contains(key(i)) for i in range(9))
+        finally:
+            disk.close()
+
+    yield store, host, on_disk
+    host.put_gate.set()
+
+
+def closed_cleanly(first: Started) -> bool:
+    """Whether the first close ended (within a few seconds) having dropped no dirty block."""
+    return first.join(5).dropped == 0
+
+
+def start_first_close(store: TieredStore) -> Started:
+    """A close on another thread (an engine's shutdown hook), once it has begun."""
+    first = Started(store.close)
+    assert wait_until(lambda: store._closed, 5)
+    return first
+
+
+def test_a_close_inside_reading_while_the_first_close_waits_for_that_read_returns_at_once(hooked_store):
+    store, _, on_disk = hooked_store
+    seen = {}
+
+    def loader():  # a load of several gets gives up and shuts the store down too
+        with store.reading():
+            seen["first"] = start_first_close(store)
+            seen["second"] = store.close()
+
+    Started(loader).join(5)
+    assert seen["second"] == NOTHING_DONE
+    assert closed_cleanly(seen["first"]), "the first close did not go on once the read ended"
+    assert on_disk() == 8
+
+
+def test_a_close_run_inside_a_get_while_the_first_close_waits_for_that_get_returns_at_once(hooked_store):
+    store, _, on_disk = hooked_store
+    seen = {}
+
+    def on_ready(_indices, _payloads):  # a signal handler runs here so, on the thread inside the get
+        if "second" not in seen:
+            seen["first"] = start_first_close(store)
+            seen["second"] = store.close()
+
+    outs = [np.empty(BLOCK, np.uint8) for _ in range(8)]
+    assert Started(lambda: store.get([key(i) for i in range(8)], outs, on_ready=on_ready)).join(5).loaded == 8
+    assert seen["second"] == NOTHING_DONE
+    assert closed_cleanly(seen["first"]) and on_disk() == 8
+
+
+def test_a_close_run_inside_a_put_while_the_first_close_waits_for_that_put_returns_at_once(hooked_store):
+    store, host, on_disk = hooked_store
+    seen = {}
+
+    def interrupt_the_put():  # a signal handler runs here so, on the thread inside the put
+        host.on_put = lambda: None
+        seen["first"] = start_first_close(store)
+        seen["second"] = store.close()
+
+    host.on_put = interrupt_the_put
+    assert Started(lambda: store.put([key(8)], [block(8)])).join(5) == [Status.OK]
+    assert seen["second"] == NOTHING_DONE
+    assert closed_cleanly(seen["first"])
+    assert on_disk() == 9, "the block the put acknowledged was not copied down"
+
+
+def test_a_close_from_an_async_jobs_done_callback_during_the_first_close_returns_at_once(hooked_store):
+    store, host, on_disk = hooked_store
+    seen = {}
+    callback_done = threading.Event()
+
+    def close_on_done(_future):  # runs on the store's I/O thread, which the first close joins
+        seen["second"] = store.close()
+        callback_done.set()
+
+    host.put_gate.clear()
+    job = store.put_async([key(8)], [block(8)])
+    job.add_done_callback(close_on_done)  # the job waits at the gate: not done, so run by its thread
+    first = start_first_close(store)
+    host.put_gate.set()
+    assert callback_done.wait(5), "the close in the done-callback hung"
+    assert seen["second"] == NOTHING_DONE
+    assert closed_cleanly(first) and on_disk() == 9
+
+
+def test_a_second_close_on_a_thread_the_first_does_not_wait_for_still_waits_for_it(hooked_store):
+    store, host, on_disk = hooked_store
+    host.put_gate.clear()
+    putter = Started(lambda: store.put([key(8)], [block(8)]))  # holds the first close up
+    first = start_first_close(store)
+    second = Started(store.close)
+    time.sleep(0.3)
+    assert not second.done(), "a close on an unrelated thread returned before the first had ended"
+    host.put_gate.set()
+    assert putter.join(5) == [Status.OK]
+    assert second.join(5) == first.join(5) and closed_cleanly(first)
+    assert on_disk() == 9
+
+
+# -- r2 D2: lookups and background promotions --------------------------------------------------------
+def test_background_promotions_run_while_other_threads_call_lookup_back_to_back(tmp_path):
+    disk = DiskTier(tmp_path, 256 * BLOCK, direct_io=False)
+    keys = [key(i) for i in range(32)]
+    disk.put_many(keys, [block(i) for i in range(32)])
+    store = TieredStore([HostTier(64 * BLOCK, BLOCK, prefault=False), disk])
+    stop = threading.Event()
+
+    def poll():  # a scheduler polling prefix hits over a long waiting queue
+        while not stop.is_set():
+            store.lookup([key(100 + i) for i in range(8)])
+
+    pollers = [Started(poll) for _ in range(2)]
+    try:
+        assert store.get(keys, [np.empty(BLOCK, np.uint8) for _ in keys], promote_in_background=True).loaded == 32
+        assert store.wait_promotions(5), "lookups held the background promotions off"
+    finally:
+        stop.set()
+        for poller in pollers:
+            poller.join(5)
+    assert store.stats()["store"]["promotions"] == 32
+    assert store.lookup(keys) == PrefixMatch(32, [store.tiers[0].name] * 32)
+    store.close()
+
+
+class GatedLookupHost(HostTier):
+    """A host tier whose ``lookup_prefix`` waits at ``gate`` once ``entered`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__(8 * BLOCK, BLOCK, prefault=False)
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+
+    def lookup_prefix(self, keys) -> int:
+        self.entered.set()
+        self.gate.wait(10)
+        return super().lookup_prefix(keys)
+
+
+def test_close_still_waits_for_a_lookup_under_way():
+    host = GatedLookupHost()
+    store = TieredStore([host])
+    store.put([key(0)], [block(0)])
+    lookup = Started(lambda: store.lookup([key(0)]))
+    assert host.entered.wait(5)
+    closer = Started(store.close)
+    time.sleep(0.3)
+    assert not closer.done(), "close closed the tiers under a lookup under way"
+    host.gate.set()
+    assert lookup.join(5) == PrefixMatch(1, [host.name])
+    closer.join(5)
