@@ -35,6 +35,8 @@ a bare "512M" is refused as ambiguous: see kvtier/core/units.py); every [server]
     mooncake_replicas = 1
     mooncake_timeout_s = 2.0   # deadline of each fleet call (longer for a large transfer): past it, a miss
     sweep_interval_s = 1.0     # how often blocks past their TTL are removed (at most every 0.05 s)
+    fleet_audit_interval_s = 30   # with mooncake_master: how often at most the sweep begins asking the fleet
+                                  # about every block indexed there, dropping those it evicted on its own
     shutdown_flush_timeout_s = 30   # SIGTERM/SIGINT: copy DRAM-only blocks to disk_dir for at most this long
     state_dir = "/var/lib/kvtier"   # runtime admin changes (quotas, TTLs) kept here (default: disk_dir);
                                     # they win over this file's values after a restart
@@ -163,6 +165,11 @@ class ServerConfig:
     #: how often blocks past their TTL are removed; the server sweeps at most every 0.05 s (a smaller
     #: value, 0 included, is taken as 0.05: kvtier/server/server.py's sweeper), so none spins
     sweep_interval_s: float = 1.0
+    #: with a Mooncake fleet: how often at most the sweep begins a pass over the entries indexed at the
+    #: fleet, asking it about each (a slice a sweep), so that what it evicted on its own and told no
+    #: one leaves the index and the fleet journal within about this long; shorter costs a copy of
+    #: the index's keys and a fleet lookup of each, that often (kvtier/server/fleet.py's FleetAudit)
+    fleet_audit_interval_s: float = 30.0
     #: SIGTERM / SIGINT: how long to copy blocks not yet on disk there before exiting
     shutdown_flush_timeout_s: float = 30.0
     #: where runtime admin changes (quotas, TTLs) persist; default: disk_dir (none: not kept)
@@ -306,6 +313,7 @@ _SERVER_KEYS: dict[str, tuple[str, Any]] = {
     "tls_key": ("tls_key", _str_or_none),
     "insecure_plaintext": ("insecure_plaintext", _bool),
     "sweep_interval_s": ("sweep_interval_s", _float),
+    "fleet_audit_interval_s": ("fleet_audit_interval_s", _timeout),
     "shutdown_flush_timeout_s": ("shutdown_flush_timeout_s", _float),
     "state_dir": ("state_dir", _str_or_none),
     "admin_token_sha256": ("admin_token_sha256", _str_list),
@@ -493,8 +501,11 @@ def _validate_metrics(c: ServerConfig) -> None:
 
 
 def _validate(c: ServerConfig) -> None:
-    for name in ("idle_timeout_s", "frame_timeout_s", "hello_timeout_s", "mooncake_timeout_s"):
-        _timeout(getattr(c, name), name)  # also for a ServerConfig built in code (with_fields)
+    # (also for a ServerConfig built in code: with_fields); 0 would begin a pass every sweep, and
+    # more than a day overflows the clocks as a timeout's does
+    for name in ("idle_timeout_s", "frame_timeout_s", "hello_timeout_s", "mooncake_timeout_s",
+                 "fleet_audit_interval_s"):
+        _timeout(getattr(c, name), name)
     for name in ("max_connections", "max_unauthenticated", "max_connections_per_peer", "login_failure_burst",
                  "mooncake_replicas", "events_buffer"):
         _int(getattr(c, name), name)

@@ -107,8 +107,6 @@ log = logging.getLogger(__name__)
 
 #: names per fleet call at start (lookups, removals) and at a shutdown that clears the fleet
 BATCH = 4096
-#: how often at most a pass of the sweep over the entries at the fleet begins (:class:`FleetAudit`)
-AUDIT_PASS_S = 30.0
 #: a put's answers that say the fleet did not store the block (its record is forgotten at once)
 _NOT_STORED = frozenset({Status.FULL, Status.TOO_LARGE})
 
@@ -560,12 +558,13 @@ class FleetAudit:
     (and records) stayed for the life of the process, growing with every block ever demoted
     (audit s34 a3 D3). A rotating slice of at most ``per_sweep`` storage keys a sweep (bounded work,
     one batch call); every key indexed when a pass begins is looked at once in it, and a pass
-    begins at most every ``pass_interval_s``: what is to be bounded is the growth, not how soon an
-    eviction is noticed (a client that asks is answered at once), and a small index is not copied
-    and asked about again every sweep. The sweep's alone: not thread safe."""
+    begins at most every ``pass_interval_s`` (the server's ``fleet_audit_interval_s``): what is to
+    be bounded is the growth, not how soon an eviction is noticed (a client that asks is answered at
+    once), and a small index is not copied and asked about again every sweep. The sweep's alone: not
+    thread safe."""
 
-    def __init__(self, keys_of: Callable[[], list[bytes]], per_sweep: int = BATCH,
-                 pass_interval_s: float = AUDIT_PASS_S) -> None:
+    def __init__(self, keys_of: Callable[[], list[bytes]], *, pass_interval_s: float,
+                 per_sweep: int = BATCH) -> None:
         self._keys_of = keys_of  #: a snapshot of the keys indexed (one per pass)
         self.per_sweep = per_sweep
         self.pass_interval_s = pass_interval_s

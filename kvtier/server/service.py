@@ -291,7 +291,7 @@ class Service:
 
             self._fleet_name = store.tiers[-1].name
             self._presence = FleetPresence(store.tiers[-1])
-            self._fleet_audit = FleetAudit(self.index.keys)
+            self._fleet_audit = FleetAudit(self.index.keys, pass_interval_s=config.fleet_audit_interval_s)
         self.admin = AdminAPI(self)
 
     def close(self) -> None:

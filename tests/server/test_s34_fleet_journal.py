@@ -25,7 +25,9 @@ import pytest
 
 import kvtier.server.fleet_journal as fleet_journal
 from kvtier.cli.admin import admin_call
+from kvtier.errors import ConfigError
 from kvtier.server.auth import KeySpace
+from kvtier.server.config import ServerConfig, load_config
 from kvtier.server.fleet import FleetRecords, JournaledFleet
 from kvtier.server.fleet_journal import JOURNAL_FILE, FleetJournal
 from kvtier.server.index import BlockIndex
@@ -238,7 +240,7 @@ def test_the_index_and_journal_let_go_of_what_the_fleet_evicted_on_its_own(tmp_p
                                     master_flags=["--client_ttl=3", "--default_kv_lease_ttl=200"])
     fits = segment // SLOT
     try:
-        with _serve(tmp_path, cluster, state_dir=str(tmp_path / "state")) as srv:
+        with _serve(tmp_path, cluster, state_dir=str(tmp_path / "state"), fleet_audit_interval_s=1) as srv:
             acme = remote(srv, "acme", namespace="stream")
             try:
                 for r in range(12):
@@ -257,11 +259,24 @@ def test_the_index_and_journal_let_go_of_what_the_fleet_evicted_on_its_own(tmp_p
             held = _held_in_fleet(cluster, [k for r in range(12) for k in keys_for(f"g{r}", 64)])
             assert held <= fits
             # (DRAM holds 4 more; the sweep checks up to 4096 entries at the fleet a second, in passes
-            # begun at most every kvtier.server.fleet.AUDIT_PASS_S, 30 s)
-            assert wait_until(lambda: indexed() <= 4 + held and recorded() <= held, timeout_s=60), \
+            # begun at most every fleet_audit_interval_s: 1 s here, so that the pass after the puts
+            # comes within the wait, which a pass every 30 s, the default, would not)
+            assert wait_until(lambda: indexed() <= 4 + held and recorded() <= held, timeout_s=20), \
                 f"blocks put 768, the fleet holds {held}: index {indexed()}, journal {recorded()}"
     finally:
         cluster.stop()
+
+
+def test_the_fleet_audit_interval_is_a_server_setting_of_more_than_0_seconds():
+    """How often a pass over the entries at the fleet begins (the D3 test shortens it, through the
+    config file): a [server] key, so a KVTIER_SERVE_ variable too; 0 would begin a pass every sweep."""
+    assert ServerConfig().fleet_audit_interval_s == 30
+    assert load_config(env={"KVTIER_SERVE_FLEET_AUDIT_INTERVAL_S": "2.5"}).fleet_audit_interval_s == 2.5
+    for bad in ("0", "-1", "nan", "inf", "soon"):
+        with pytest.raises(ConfigError, match="KVTIER_SERVE_FLEET_AUDIT_INTERVAL_S"):
+            load_config(env={"KVTIER_SERVE_FLEET_AUDIT_INTERVAL_S": bad})
+    with pytest.raises(ConfigError, match="fleet_audit_interval_s"):
+        ServerConfig(fleet_audit_interval_s=0)
 
 
 def _held_in_fleet(cluster, keys) -> int:
