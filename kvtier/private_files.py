@@ -10,6 +10,7 @@ mode is their owner's choice (a shared mount an operator set up, say).
 
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 import stat
@@ -141,16 +142,46 @@ def open_private_file(path: str, what: str, fix: str, why: str = "it authenticat
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError as exc:
         raise ConfigError(f"cannot read {what} {path!r} ({exc}); {fix}") from None
+    return _checked_private(fd, path, what, fix, why)
+
+
+def open_private_log(path: str, what: str, fix: str, why: str) -> int:
+    """A write-only, append-mode descriptor of the log at ``path`` (``what`` names it in errors,
+    ``why`` says what its lines reveal), created 0600 if absent. One that exists is refused
+    (:class:`ConfigError`) as :func:`open_private_file` refuses a secret -- unless it is a regular
+    file owned by this user that nobody else may read or write -- and is never opened through a
+    symbolic link: lines appended to a 0644 file, or to wherever a link planted there leads, are
+    every local user's. ``fix``: what the error tells the operator to do besides ``chmod 600``.
+    A path that cannot be opened at all (no such directory: a typo is not made into one) raises
+    OSError as ``os.open`` does. The caller closes the descriptor."""
+    try:
+        # O_NONBLOCK: a FIFO with no reader fails to open (ENXIO) instead of waiting for one
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                     FILE_MODE)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENXIO):  # a symbolic link; a FIFO or socket with no reader
+            raise _not_private(path, what, fix, why) from None
+        raise
+    return _checked_private(fd, path, what, fix, why)
+
+
+def _checked_private(fd: int, path: str, what: str, fix: str, why: str) -> int:
+    """``fd``, made blocking, if it is a regular file owned by this user that nobody else may read
+    or write; else closed, and :func:`_not_private` raised."""
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
-            raise ConfigError(f"{what} {path!r} must be a regular file owned by this user with mode 0600 ({why}); "
-                              f"fix it with chmod 600 {path}, or {fix}")
+            raise _not_private(path, what, fix, why)
         os.set_blocking(fd, True)
     except BaseException:
         os.close(fd)
         raise
     return fd
+
+
+def _not_private(path: str, what: str, fix: str, why: str) -> ConfigError:
+    return ConfigError(f"{what} {path!r} must be a regular file owned by this user with mode 0600 ({why}); "
+                       f"fix it with chmod 600 {path}, or {fix}")
 
 
 def refuse_readable_secrets(fd: int, path: str, secrets: list[str], fix: str) -> None:

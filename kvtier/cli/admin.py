@@ -3,9 +3,11 @@
 Offline::
 
     kvtier admin new-token            # a fresh token and the hash to put in the config
-    kvtier admin hash-token TOKEN     # the hash of an existing token (or read from stdin)
+    kvtier admin hash-token < FILE    # the hash of an existing token, read from stdin
 
-Against a server (admin token from --token or KVTIER_ADMIN_TOKEN)::
+Against a server (admin token from ``--token-file PATH``, ``--token -`` (stdin) or
+$KVTIER_ADMIN_TOKEN; a token given as ``--token TOKEN``, or ``hash-token TOKEN``, still works
+but is visible to every local user while the command runs -- ``ps`` -- and is warned of)::
 
     kvtier admin --url tcp://127.0.0.1:7070 usage
     kvtier admin --url … erase --tenant acme [--namespace NS] [--session ID]
@@ -17,6 +19,10 @@ A namespace's TTL wins over its tenant's: ``--namespace keep 0`` keeps that name
 even under a tenant TTL; ``--unset`` removes the namespace's own TTL (it then follows its
 tenant's). A tenant's ``0`` (or ``--unset``) removes the tenant's TTL.
     kvtier admin --url … stats
+
+``erase --tenant T`` also takes a tenant taken out of the config since, erased whole, while the
+key store holds its keys (or the server found its blocks on disk at start): offboarding a tenant
+and erasing it may come in either order.
 
 Every admin call is recorded in the server's audit log. Output is JSON.
 
@@ -41,20 +47,21 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("admin", help="tokens, quotas, TTLs, erasure and usage of a kvtier server")
     p.add_argument("--url", default=os.environ.get("KVTIER_URL", "tcp://127.0.0.1:7070"),
                    help="server address (default $KVTIER_URL or tcp://127.0.0.1:7070)")
-    p.add_argument("--token", help="admin token (default $KVTIER_ADMIN_TOKEN)")
+    add_token_options(p, "admin token", "$KVTIER_ADMIN_TOKEN")
     p.add_argument("--timeout-s", type=finite_float, default=30.0)
     sub = p.add_subparsers(dest="admin_command", required=True)
     sub.add_parser("new-token", help="print a new random token and its SHA-256 for the config")
     sub.add_parser("new-events-keys", help="print a CURVE key pair and a block-name key for the server's KV events")
     sub.add_parser("new-subscriber-key", help="print a CURVE key pair for one KV-events subscriber (a router)")
-    h = sub.add_parser("hash-token", help="print the SHA-256 of a token (argument or stdin)")
-    h.add_argument("value", nargs="?")
+    h = sub.add_parser("hash-token", help="print the SHA-256 of a token read from stdin")
+    h.add_argument("value", nargs="?", help="the token (deprecated: visible to every local user; give it on stdin)")
     sub.add_parser("usage", help="payload bytes, blocks, and the pool bytes charged against the quota, per tenant")
     sub.add_parser("stats", help="store and tier counters")
     e = sub.add_parser("erase", help="delete every block of a tenant, or of one namespace / session of it",
                        description="Exit status 3: partly done (copies a tier could not remove, or keys not "
                                    "shredded; the reply's error says which). 0 only for a complete erasure.")
-    e.add_argument("--tenant", required=True, help="tenant name, or shared/NAME for a shared namespace")
+    e.add_argument("--tenant", required=True, help="tenant name, or shared/NAME for a shared namespace (one taken "
+                                                   "out of the config too, while the key store holds its keys)")
     e.add_argument("--namespace")
     e.add_argument("--session")
     q = sub.add_parser("set-quota", help="set a tenant's quota (0: none)")
@@ -97,9 +104,12 @@ def _run(args) -> int:
         print(json.dumps(keys))
         return 0
     if cmd == "hash-token":
-        value = args.value if args.value is not None else sys.stdin.readline().strip()
+        in_argv = args.value not in (None, "-")
+        if in_argv:
+            warn_token_in_argv("kvtier admin hash-token", 'give it on stdin: echo "$TOKEN" | kvtier admin hash-token')
+        value = args.value if in_argv else sys.stdin.readline().strip()
         if not value:
-            print("kvtier admin hash-token: give a token as argument or on stdin", file=sys.stderr)
+            print("kvtier admin hash-token: give the token on stdin", file=sys.stderr)
             return 2
         print(hash_token(value))
         return 0
@@ -118,9 +128,14 @@ def _run(args) -> int:
     else:
         ttl = None if args.unset else args.seconds
         call = {"cmd": "set_ttl", "args": {"tenant": args.tenant, "ttl_s": ttl, "namespace": args.namespace}}
-    token = args.token or os.environ.get("KVTIER_ADMIN_TOKEN")
+    try:
+        token = given_token(args, "kvtier admin", ("KVTIER_ADMIN_TOKEN",))
+    except ConfigError as exc:
+        print(f"kvtier admin: {exc}", file=sys.stderr)
+        return 2
     if not token:
-        print("kvtier admin: give the admin token with --token or KVTIER_ADMIN_TOKEN", file=sys.stderr)
+        print(f"kvtier admin: give the admin token with {TOKEN_WAYS.format(env='$KVTIER_ADMIN_TOKEN')}",
+              file=sys.stderr)
         return 2
     if args.timeout_s <= 0:   # a deadline already passed: "did not answer in time" blamed the server
         print(f"kvtier admin: --timeout-s is seconds to wait for the server, > 0; got {args.timeout_s:g}",
@@ -142,6 +157,56 @@ def _run(args) -> int:
 
 #: the exit status of an erase the server did only in part (see the module's docstring)
 PARTLY_DONE = 3
+
+#: the ways to give a token that keep it out of the process's arguments ({env}: the variable)
+TOKEN_WAYS = "--token-file PATH, --token - (read from stdin) or {env}"
+
+
+def add_token_options(parser, what: str, env: str) -> None:
+    """``--token`` and ``--token-file`` for a command that sends ``what`` (read by :func:`given_token`)."""
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--token", help=f"the {what}; '-' reads it from stdin. A token given here is visible to "
+                                       f"every local user while the command runs (ps): prefer --token-file or {env}")
+    group.add_argument("--token-file", metavar="PATH",
+                       help=f"a file holding the {what}, owned by you with mode 0600 (default: {env})")
+
+
+def given_token(args, command: str, env: tuple[str, ...]) -> str | None:
+    """The token ``args`` give ``command`` (its :func:`add_token_options`): ``--token-file``'s, the first
+    line of stdin for ``--token -``, ``--token``'s own (a warning on stderr: the arguments of a process
+    are every local user's to read), else that of the first variable of ``env`` set; None if none is.
+    Raises ConfigError for a token file refused (not private, not text)."""
+    if args.token_file is not None:
+        return _token_in_file(args.token_file)
+    if args.token == "-":
+        return sys.stdin.readline().strip()
+    if args.token:
+        warn_token_in_argv(command, "give it with " + TOKEN_WAYS.format(env="$" + env[0]))
+        return args.token
+    return next((os.environ[name] for name in env if os.environ.get(name)), None)
+
+
+def warn_token_in_argv(command: str, advice: str) -> None:
+    """One line on stderr: the token ``command`` was given as an argument is not secret; ``advice``: how to give it."""
+    print(f"{command}: warning: a token given as an argument is visible to every local user while the command "
+          f"runs (ps, /proc); {advice}", file=sys.stderr)
+
+
+def _token_in_file(path: str) -> str:
+    """The token held in ``path`` (surrounding whitespace, a final newline, left out), read as a secret
+    (:func:`~kvtier.private_files.read_private_file`: a file only its owner may read, no symbolic link)."""
+    from kvtier.errors import ConfigError
+    from kvtier.private_files import read_private_file
+
+    data = read_private_file(path, "--token-file", "give a file only you can read", why="it holds a token")
+    try:
+        token = data.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise ConfigError(f"--token-file {path!r} is not UTF-8 text: give a file holding the token") from None
+    if not token or "\n" in token:
+        raise ConfigError(f"--token-file {path!r} must hold the token on one line; it holds "
+                          f"{'nothing' if not token else 'several lines'}")
+    return token
 
 
 def erase_complete(reply: dict) -> bool:

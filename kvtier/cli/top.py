@@ -15,7 +15,6 @@ from __future__ import annotations
 import http.client
 import json
 import math
-import os
 import sys
 import time
 import urllib.error
@@ -24,6 +23,7 @@ import urllib.request
 from collections import defaultdict
 from typing import NamedTuple
 
+from kvtier.cli.admin import add_token_options, given_token
 from kvtier.core.units import finite_float
 
 #: the longest wait a flag may ask for, ``--interval`` here and ``plan live``'s (a day): ``time.sleep``
@@ -40,10 +40,9 @@ def register(subparsers) -> None:
     parser.add_argument("--server", default=None, help="kvtier serve metrics address (host:port or URL)")
     parser.add_argument("--router", default=None, help="kvtier route address (host:port or URL)")
     parser.add_argument("--worker", action="append", default=[], help="a worker's vLLM address (repeatable)")
-    parser.add_argument("--token", default=None,
-                        help="the server's metrics token (its metrics_token_sha256) for the per-tenant series; "
-                             "the admin token works only on a loopback metrics address (default: "
-                             "$KVTIER_METRICS_TOKEN, then $KVTIER_ADMIN_TOKEN)")
+    # (a token shows the per-tenant series)
+    add_token_options(parser, "server's metrics token (or the admin token, on a loopback metrics address)",
+                      "$KVTIER_METRICS_TOKEN, then $KVTIER_ADMIN_TOKEN")
     parser.add_argument("--planner-status", default=None, help="JSON status file written by a planner")
     parser.add_argument("--planner", default=None, help="kvtier plan live --metrics-port address (host:port or URL)")
     parser.add_argument("--interval", type=finite_float, default=1.0, help="seconds between frames")
@@ -341,7 +340,13 @@ def _planner_status(path: str | None) -> dict | None:
 
 
 def run(args) -> int:
-    token = args.token or os.environ.get("KVTIER_METRICS_TOKEN") or os.environ.get("KVTIER_ADMIN_TOKEN")
+    from kvtier.errors import ConfigError
+
+    try:
+        token = given_token(args, "kvtier top", ("KVTIER_METRICS_TOKEN", "KVTIER_ADMIN_TOKEN"))
+    except ConfigError as exc:
+        print(f"kvtier top: {exc}", file=sys.stderr)
+        return 2
     if not (args.server or args.router or args.worker or args.planner):
         print("kvtier top: give at least one of --server, --router, --worker, --planner", file=sys.stderr)
         return 2
@@ -363,8 +368,7 @@ def run(args) -> int:
     def sample(prev_server=None):
         server = pool.submit(scrape, args.server, token)
         router = pool.submit(scrape, args.router)
-        # keyed as the router labels its workers (base URLs), so that one worker is one row
-        workers = {(w if "://" in w else f"http://{w}").rstrip("/"): pool.submit(scrape, w) for w in args.worker}
+        workers = {_worker_key(w): pool.submit(scrape, w) for w in args.worker}
         planner_samples = pool.submit(scrape, args.planner) if args.planner else None
         planner = _planner_status(args.planner_status) or (planner_from_metrics(planner_samples.result())
                                                            if planner_samples else None)
@@ -376,6 +380,20 @@ def run(args) -> int:
         return _show(args, sample)
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _worker_key(address: str) -> str:
+    """A ``--worker`` address as the router labels that worker (:func:`normal_url`: lower case, no
+    default port, no trailing slash), so that one worker is one row: the spelling given
+    (``http://GPU-Node:8000``) made a second row beside the router's. An address ``normal_url``
+    cannot read (a port out of range) is no router's worker: kept as given, its row shows it down."""
+    from kvtier.router.config import normal_url
+
+    url = (address if "://" in address else f"http://{address}").rstrip("/")
+    try:
+        return normal_url(url)
+    except ValueError:
+        return url
 
 
 def _bad_address(address: str) -> str | None:

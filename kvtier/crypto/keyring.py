@@ -7,7 +7,9 @@
   epochs stay readable until :meth:`Keyring.retire` deletes their wrapped key.
 * Crypto-shredding: retiring an epoch or :meth:`Keyring.shred_tenant` deletes
   keys, so every block sealed under them becomes unreadable at once, in every
-  tier, files still on disk included.
+  tier, files still on disk included -- and so does what was sealed under a key
+  derived from the tenant's (:meth:`Keyring.derived_key`: the server's spill
+  annotations, :mod:`kvtier.server.spill`).
 * One nonce budget per data key, for every process sharing the key store: a
   writer reserves the AES-GCM invocations (chunks) it is about to make
   (:meth:`Keyring.key_for_write` ``encryptions=``) *before* it makes them, out of a
@@ -129,6 +131,8 @@ class _TenantKeys:
     keys: dict[int, DataKey]
     index_key: bytes = field(repr=False)
     created: dict[int, float]
+    #: purpose → the key :meth:`Keyring.derived_key` derived from ``index_key`` for it
+    derived: dict[str, bytes] = field(default_factory=dict, repr=False)
 
 
 class _FailedRead(NamedTuple):
@@ -489,6 +493,21 @@ class Keyring:
         with self._lock:
             state = self._load(tenant, create=False)
             return None if state is None else hmac.new(state.index_key, block_key, hashlib.sha256).digest()
+
+    def derived_key(self, tenant: str, purpose: str) -> bytes | None:
+        """A 32-byte key of ``tenant``'s own for ``purpose``, derived (HKDF) from its index key, so
+        that :meth:`shred_tenant` destroys it with the rest; None if the store holds no keys of
+        ``tenant``'s. Never creates them: what was sealed under the keys shredded must not open under
+        keys made anew."""
+        with self._lock:
+            state = self._load(tenant, create=False)
+            if state is None:
+                return None
+            if purpose not in state.derived:
+                hkdf = HKDF(algorithm=hashes.SHA256(), length=32, salt=b"kvtier/tenant-derived/v1",
+                            info=frame_str(1, purpose))
+                state.derived[purpose] = hkdf.derive(state.index_key)
+            return state.derived[purpose]
 
     def epochs(self, tenant: str) -> list[int]:
         with self._lock:

@@ -14,7 +14,9 @@ journal's record of a block whose removal the fleet owes brings it back), and th
 fleet journal, if any, is written anew after it (no record of an erased block
 stays in it; one whose removal a Mooncake fleet owes -- it did not answer -- goes
 once the removal lands, and the reply counts that block ``refused`` meanwhile);
-the rest is immediate.
+the rest is immediate. A tenant taken out of the config is still erased whole (its keys
+shredded, its tombstone recorded) while the key store holds its keys or this start found its
+blocks on disk (:meth:`AdminAPI._erasable_owner`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from kvtier.server.fleet import journaled_fleet_in
 from kvtier.server.fleet_journal import journal_under
 from kvtier.server.index import BlockEntry
 from kvtier.server.io_lanes import ADMIN_LANE
+from kvtier.server.recovery import key_store_holds
 from kvtier.tiers.base import RefusedRemoval
 from kvtier.tiers.remote_protocol import ErrorCode, ProtocolError, unpack_msgpack
 
@@ -110,8 +113,11 @@ class AdminAPI:
         return {"consistent": True, "blocks": len(self.svc.index)}
 
     async def erase(self, args: dict) -> dict:
-        owner = self._owner(args)
+        owner = await self._erasable_owner(args)
         namespace, session = _opt_str(args, "namespace"), _opt_str(args, "session")
+        if owner not in self.owners and (namespace is not None or session is not None):
+            raise ValueError(f"tenant {owner!r} is no longer configured: erase it whole (leave out namespace and "
+                             f"session), which shreds its keys")
         # On the event loop, as every commit: the blocks indexed now are those created by now. Their
         # entries, not only their keys: a block deleted and put again while the erasure's jobs work
         # through the list (acknowledged, created after ``erased_at``) is another entry, left alone.
@@ -241,6 +247,26 @@ class AdminAPI:
             raise ValueError(f"unknown tenant {client_text(owner)!r}; known: {sorted(self.owners)}")
         return owner
 
+    async def _erasable_owner(self, args: dict) -> str:
+        """The owner an erase names: a configured one (:meth:`_owner`), or one taken out of the
+        config since (offboarded) that left something to erase -- keys in the key store, or blocks
+        the disk held at this start. Offboarding must not leave a tenant's keys behind for good:
+        every surviving copy of its sealed blocks (a backup of disk_dir, the fleet) would stay
+        readable. A name that never was a tenant's is still unknown (and a configured tenant's name
+        takes the usual path): no typo shreds anything."""
+        owner = args.get("tenant")
+        if (isinstance(owner, str) and owner not in self.owners and _owner_shaped(owner)
+                and await self.svc.io.run(ADMIN_LANE, self._left_behind, owner)):
+            return owner
+        return self._owner(args)
+
+    def _left_behind(self, owner: str) -> bool:
+        """Whether ``owner``, not configured, left keys in the key store or blocks on disk at this
+        start. On an I/O thread (the key store is read)."""
+        keyring, spill = self.svc.keyring, self.svc.spill
+        return ((spill is not None and owner in spill.unconfigured_owners)
+                or (keyring is not None and key_store_holds(keyring, owner)))
+
 
 #: the most bytes the argument names of a refused ADMIN frame take in its audit line, escaped
 REFUSED_ARGS_BYTES = 640
@@ -299,6 +325,16 @@ def _not_removed(blocks: int, refusals: list[RefusedRemoval]) -> str:
     return (f"{blocks} blocks could not be removed from a tier, so they are not erased ({said}): this server no "
             f"longer serves them, but a copy is left until the removal is done (a disk: make it writable and erase "
             f"again; a Mooncake fleet: retried until it lands; see the server's log)")
+
+
+def _owner_shaped(name: str) -> bool:
+    """Whether ``name`` has an owner's shape, a tenant's ``NAME`` or a shared space's ``shared/NAME``:
+    a namespace's (:func:`check_namespace`)."""
+    try:
+        check_namespace(name)
+    except ValueError:
+        return False
+    return True
 
 
 def _opt_str(args: dict, name: str) -> str | None:

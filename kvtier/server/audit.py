@@ -2,7 +2,10 @@
 admin request.
 
 Lines are written and flushed one at a time under a lock (thread safe); the
-file is opened in append mode so several runs accumulate. Tokens are never
+file is opened in append mode so several runs accumulate. It is created 0600;
+one that exists is refused at start unless it is a regular file of the server's
+user that nobody else may read or write, and a symbolic link there is never
+followed (:func:`kvtier.private_files.open_private_log`). Tokens are never
 logged, only the first 8 hex digits of their SHA-256 (enough to tell tokens
 apart, useless to an attacker). Refusals a logged-in client can repeat at will
 (:meth:`AuditLog.write_refusal`) are audited the first few per principal and
@@ -21,7 +24,10 @@ import threading
 import time
 from typing import Any, NamedTuple
 
-from kvtier.private_files import FILE_MODE
+from kvtier.private_files import open_private_log
+
+#: what a refused audit log's error says to do (besides chmod 600)
+AUDIT_LOG_FIX = "point audit_log at another path (a rotated log: logrotate's `create 0600`)"
 
 #: refusals audited per principal and window; the rest of the window's are counted
 REFUSALS_PER_WINDOW = 3
@@ -72,8 +78,8 @@ class AuditLog:
         self.path = path
         self._lock = threading.Lock()
         self._file = None
-        if path:  # 0600: the lines name tenants, peers and token digests
-            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, FILE_MODE)
+        if path:
+            fd = open_private_log(path, "audit_log", AUDIT_LOG_FIX, "its lines name tenants, peers and token digests")
             self._file = os.fdopen(fd, "a", encoding="utf-8")  # closed in close()
         self.records = 0
         self._refusals = RefusalWindows() if refusals is None else refusals

@@ -24,7 +24,11 @@
   is judged on the authenticated annotation before the file's name is checked
   against the owner's keys (a shredded owner's names no longer derive), and does
   not count toward that refusal: the master key that authenticated it is the
-  right one. Only a tombstone erases: a block whose annotation authenticates but
+  right one. (With encryption at rest the annotation is sealed under its owner's
+  keys too, :mod:`kvtier.server.spill`: once they are shredded, the master key
+  opens only the owner and the creation time, :class:`~kvtier.server.spill.OwnerOnly`,
+  which the tombstone of an erasure of the whole owner covers.)
+  Only a tombstone erases: a block whose annotation authenticates but
   whose owner has no keys in the key store is *not* taken for shredded -- a key
   store that merely lacks the owner (``keystore_dir`` pointed at another store
   of the same master key, a store restored from an older backup) looks the same,
@@ -50,7 +54,8 @@ from kvtier.errors import ConfigError
 from kvtier.server.auth import KeySpace
 from kvtier.server.index import BlockEntry, BlockIndex
 from kvtier.server.runtime_state import RuntimeState
-from kvtier.server.spill import NewestStamps, SpillAnnotation, SpillCodec, monotonic_of, wall_of
+from kvtier.server.spill import (OWNER_KEY_PURPOSE, NewestStamps, OwnerOnly, SpillAnnotation, SpillCodec,
+                                 monotonic_of, wall_of)
 from kvtier.tiers.disk import BlockRecord, DiskTier
 
 log = logging.getLogger(__name__)
@@ -64,6 +69,8 @@ class Rebuilt:
     rejected: int = 0  #: failed authentication or binding: never served (deleted, but see OwnersWithoutKeys)
     unattributed: int = 0  #: no annotation (written before annotations, or by something else)
     unknown_owner: int = 0  #: the owner is no longer configured
+    #: the owners of the ``unknown_owner`` blocks (offboarded: ``admin erase`` still takes them)
+    unconfigured: set[str] = field(default_factory=set)
     erased: int = 0  #: an erasure covers it (an old copy of erased files)
 
     def summary(self, tier: str | None = None) -> dict:
@@ -107,6 +114,11 @@ def index_oldest_first(index: BlockIndex, found: Sequence[Found]) -> list[tuple[
     return added
 
 
+def key_store_holds(keyring, owner: str) -> bool:
+    """Whether the key store holds keys of ``owner``'s; it creates none (the check writes nothing)."""
+    return keyring.existing_storage_key(owner, bytes(32)) is not None
+
+
 class OwnersWithoutKeys:
     """With encryption at rest, the owners of blocks whose annotations authenticate but whose names
     do not derive because the key store holds no keys of theirs, and how many of their blocks were
@@ -124,8 +136,7 @@ class OwnersWithoutKeys:
     def kept(self, owner: str) -> bool:
         """Whether a block of ``owner``'s, its name not derived, is kept: the key store lacks the owner."""
         if owner not in self._lacks:
-            self._lacks[owner] = (self.keyring is not None
-                                  and self.keyring.existing_storage_key(owner, bytes(32)) is None)
+            self._lacks[owner] = self.keyring is not None and not key_store_holds(self.keyring, owner)
         if self._lacks[owner]:
             self.blocks[owner] = self.blocks.get(owner, 0) + 1
         return self._lacks[owner]
@@ -160,6 +171,9 @@ class SpillBinding:
         self.keyring = keyring
         #: the server's summary of the last :meth:`rebuild` (admin ``stats`` shows it)
         self.last_rebuild: dict = {}
+        #: owners no longer configured whose blocks the last :meth:`rebuild` found (and deleted):
+        #: offboarded tenants an ``admin erase`` still takes, to record their tombstone
+        self.unconfigured_owners: frozenset[str] = frozenset()
 
     def disk_name(self, owner: str, skey: bytes) -> bytes:
         return skey if self.keyring is None else self.keyring.storage_key(owner, skey)
@@ -188,10 +202,19 @@ class SpillBinding:
         entry = self.index.get(skey) if skey is not None else None
         if entry is None:
             return None  # deleted (erased, expired, dropped) since it was queued: do not write it
+        owner_key = self._owner_key(entry.owner)
+        if owner_key is None and self.keyring is not None:
+            return None  # its owner's keys were shredded since it was queued (an erasure): do not write it
         parent = self.disk_name(entry.owner, entry.parent) if entry.parent is not None else None
         note = annotation_of(entry)
         self.stamps.note(note.owner, note.created_wall)
-        return BlockRecord(parent, self.codec.pack(disk_key, note))
+        return BlockRecord(parent, self.codec.pack(disk_key, note, owner_key))
+
+    def _owner_key(self, owner: str) -> bytes | None:
+        """With encryption at rest, the key of ``owner``'s own its annotations are sealed under too, so
+        that shredding its keys leaves no copy of them readable (:mod:`kvtier.server.spill`); None
+        without, or where the key store holds no keys of ``owner``'s."""
+        return None if self.keyring is None else self.keyring.derived_key(owner, OWNER_KEY_PURPOSE)
 
     # -- starting --------------------------------------------------------------------------
     def rebuild(self, owners: set[str], also: Sequence[Found] = (), *, writers: Writers | None = None) -> Rebuilt:
@@ -205,7 +228,7 @@ class SpillBinding:
         doomed: list[bytes] = []
         keyless = OwnersWithoutKeys(self.keyring)
         for rec in self.disk.records():
-            note = self.codec.unpack(rec.key, rec.annotation)
+            note = self.codec.open(rec.key, rec.annotation, self._owner_key)
             if rec.annotation is None:
                 out.unattributed += 1
             elif note is not None and self._erased(note):
@@ -217,6 +240,7 @@ class SpillBinding:
                 continue
             elif note.owner not in owners:
                 out.unknown_owner += 1
+                out.unconfigured.add(note.owner)
             else:
                 found.append((note.created_wall, rec.key, note))
                 continue
@@ -235,6 +259,7 @@ class SpillBinding:
             log.warning("disk block %s… has an annotation that does not authenticate; deleted", key.hex()[:16])
         for key in rejected + doomed:
             self.disk.delete(key)
+        self.unconfigured_owners = frozenset(out.unconfigured)
         entries: list[Found] = []
         for created_wall, disk_key, note in found:
             self.stamps.note(note.owner, created_wall)  # (perhaps ahead of the clock now: stepped back since)
@@ -245,14 +270,22 @@ class SpillBinding:
         out.entries = index_oldest_first(self.index, entries + [f for f in also if f[1] not in on_disk])
         return out
 
-    def _erased(self, note: SpillAnnotation) -> bool:
-        """Whether an erasure's tombstone covers the block an authenticated annotation describes."""
-        return self.erasures is not None and self.erasures.erased(note.owner, note.namespace, note.session,
-                                                                  note.created_wall)
+    def _erased(self, note: SpillAnnotation | OwnerOnly) -> bool:
+        """Whether an erasure's tombstone covers the block an authenticated annotation describes. Of
+        one whose owner's layer does not open (:class:`OwnerOnly`: its keys shredded), only an
+        erasure of the whole owner can be judged: namespace and session are sealed under those keys."""
+        if self.erasures is None:
+            return False
+        if isinstance(note, OwnerOnly):  # (no namespace is empty: only the owner's whole tombstone matches)
+            return self.erasures.erased(note.owner, "", "", note.created_wall)
+        return self.erasures.erased(note.owner, note.namespace, note.session, note.created_wall)
 
-    def _bound(self, rec, note: SpillAnnotation) -> bool:
+    def _bound(self, rec, note: SpillAnnotation | OwnerOnly) -> bool:
         """The annotation describes the file it is in: its disk name derives from the claimed
-        owner, namespace and key; the served header and the sizes agree."""
+        owner, namespace and key; the served header and the sizes agree. (Never one whose owner's
+        layer does not open: nothing binds it.)"""
+        if isinstance(note, OwnerOnly):
+            return False
         skey = KeySpace.of(note.owner, note.namespace).storage_key(note.key)
         # existing_storage_key: checking a name must not create keys for an owner the store
         # lacks (a misconfigured start would leave them behind)

@@ -39,6 +39,20 @@ annotations that random 96-bit nonces under one key allow), the disk key in the
 AAD. Annotations written before sealing (msgpack + HMAC) are still read, so an
 upgrade loses no block; what it writes is sealed. Without a master key the
 annotation stays in clear, HMAC'd: the payload beside it is plaintext anyway.
+
+Crypto-shredding. The master key outlives every tenant (all of them need it),
+so what it alone opens outlives an erasure: a backup of ``disk_dir`` would still
+name an erased tenant's namespaces and sessions and confirm a guessed prompt or
+block. The server therefore seals each annotation twice (:meth:`SpillCodec.pack`
+with an ``owner_key``): the annotation, whole, under a key of its owner's own
+(HKDF of the owner's index key, :meth:`~kvtier.crypto.keyring.Keyring.derived_key`:
+``admin erase --tenant`` shreds it with the rest), and that, beside the owner
+and the creation time only, under the master key's as above. A restart needs
+those two before it can ask the key store (whose block it is; whether an erasure
+of the whole owner covers it, :mod:`kvtier.server.recovery`); once the owner's
+keys are gone, they are all any copy of the file tells (:class:`OwnerOnly`).
+Annotations sealed once (the previous format; still what the fleet journal
+writes) and HMAC'd ones are still read.
 """
 
 from __future__ import annotations
@@ -51,6 +65,7 @@ import os
 import stat
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -76,6 +91,14 @@ _SEALED = b"\x02"
 _SALT_NBYTES = 16
 _SEALED_DOMAIN = frame_str(1, "kvtier/server-spill/sealed/v1")
 _ZERO_NONCE = bytes(12)  # each annotation has a key of its own: one message per key
+#: an annotation sealed for its owner too: this byte, the salt both its keys derive from, then
+#: AES-256-GCM under the master's (outer) of [version, owner, created_wall, inner], where inner is
+#: AES-256-GCM under the owner's (:meth:`SpillCodec.pack`) of the whole annotation
+_OWNER_SEALED = b"\x03"
+_OUTER_DOMAIN = frame_str(1, "kvtier/server-spill/owner-sealed/outer/v1")
+_INNER_DOMAIN = frame_str(1, "kvtier/server-spill/owner-sealed/inner/v1")
+#: what :meth:`~kvtier.crypto.keyring.Keyring.derived_key` derives the owner's annotation key for
+OWNER_KEY_PURPOSE = "spill annotations"
 _ERASURES_DOMAIN = frame_str(1, "kvtier/server-erasures/v1")
 
 
@@ -92,6 +115,23 @@ class SpillAnnotation:
     #: the tenant that wrote a block into a shared namespace, charged under its quota ("": none, or an
     #: annotation written before payers were kept)
     payer: str = ""
+
+
+class OwnerOnly(NamedTuple):
+    """What the master key alone opens of an annotation sealed for its owner too, where the owner's
+    key does not open the rest (shredded, or not in this key store): whose block it is and when it
+    was made -- enough to judge an erasure of the whole owner -- and nothing of what it holds."""
+
+    owner: str
+    created_wall: float
+
+
+#: ``owner → its annotation key`` (None: the key store holds no keys of the owner's)
+OwnerKeys = Callable[[str], "bytes | None"]
+
+
+def _no_owner_keys(owner: str) -> None:
+    return None
 
 
 class SpillCodec:
@@ -123,10 +163,12 @@ class SpillCodec:
     def _mac(self, disk_key: bytes, body: bytes) -> bytes:
         return hmac.new(self._secret, _DOMAIN + disk_key + body, hashlib.sha256).digest()
 
-    def _sealer(self, salt: bytes) -> AESGCM:
-        return AESGCM(hmac.new(self._seal_key, _SEALED_DOMAIN + salt, hashlib.sha256).digest())
+    def _sealer(self, salt: bytes, domain: bytes = _SEALED_DOMAIN) -> AESGCM:
+        return AESGCM(hmac.new(self._seal_key, domain + salt, hashlib.sha256).digest())
 
-    def pack(self, disk_key: bytes, a: SpillAnnotation) -> bytes:
+    def pack(self, disk_key: bytes, a: SpillAnnotation, owner_key: bytes | None = None) -> bytes:
+        """``a``, authenticated for ``disk_key``: sealed (a sealing codec), for its owner too where
+        ``owner_key`` is given (see the module's docstring); else HMAC'd."""
         fields = [_VERSION, a.owner, a.namespace, a.key, a.session, a.created_wall, a.header, a.nbytes, a.parent]
         # The payer trails, and only where there is one: an annotation without it reads as before
         # (here, and in a version before payers, which takes 9 fields only -- a downgrade then drops
@@ -137,11 +179,55 @@ class SpillCodec:
         if self._seal_key is None:
             return body + self._mac(disk_key, body)
         salt = os.urandom(_SALT_NBYTES)
+        if owner_key is not None:
+            inner = _owner_sealer(owner_key, salt).encrypt(_ZERO_NONCE, body, _inner_aad(disk_key, a.owner))
+            outer = msgpack.packb([_VERSION, a.owner, a.created_wall, inner], use_bin_type=True)
+            return _OWNER_SEALED + salt + self._sealer(salt, _OUTER_DOMAIN).encrypt(
+                _ZERO_NONCE, outer, _OUTER_DOMAIN + _OWNER_SEALED + disk_key)
         return _SEALED + salt + self._sealer(salt).encrypt(_ZERO_NONCE, body, _SEALED_DOMAIN + _SEALED + disk_key)
+
+    def open(self, disk_key: bytes, raw: bytes | None, owner_keys: OwnerKeys) -> SpillAnnotation | OwnerOnly | None:
+        """As :meth:`unpack`, and an annotation sealed for its owner too: the annotation where
+        ``owner_keys(owner)`` opens it, else only what the master key opens (:class:`OwnerOnly`)."""
+        if raw is not None and self._seal_key is not None and raw[:1] == _OWNER_SEALED:
+            return self._open_owner_sealed(disk_key, raw, owner_keys)
+        return self._unpack_once_sealed_or_hmaced(disk_key, raw)
 
     def unpack(self, disk_key: bytes, raw: bytes | None) -> SpillAnnotation | None:
         """The annotation if it authenticates for ``disk_key`` (sealed, with a sealing codec; else
-        HMAC'd) and is well formed; else None."""
+        HMAC'd) and is well formed; else None -- None too for one sealed for its owner as well,
+        which needs that owner's key (:meth:`open`)."""
+        note = self.open(disk_key, raw, _no_owner_keys)
+        return note if isinstance(note, SpillAnnotation) else None
+
+    def _open_owner_sealed(self, disk_key: bytes, raw: bytes,
+                           owner_keys: OwnerKeys) -> SpillAnnotation | OwnerOnly | None:
+        salt, sealed = raw[1:1 + _SALT_NBYTES], raw[1 + _SALT_NBYTES:]
+        if len(salt) != _SALT_NBYTES:
+            return None
+        try:
+            outer = self._sealer(salt, _OUTER_DOMAIN).decrypt(_ZERO_NONCE, sealed,
+                                                              _OUTER_DOMAIN + _OWNER_SEALED + disk_key)
+        except InvalidTag:
+            return None
+        fields = _fields(outer)
+        if not (isinstance(fields, list) and len(fields) == 4 and fields[0] == _VERSION and isinstance(fields[1], str)
+                and isinstance(fields[2], (int, float)) and isinstance(fields[3], bytes)):
+            return None
+        _, owner, created, inner = fields
+        found = OwnerOnly(owner, float(created))
+        owner_key = owner_keys(owner)
+        if owner_key is None:
+            return found
+        try:
+            body = _owner_sealer(owner_key, salt).decrypt(_ZERO_NONCE, inner, _inner_aad(disk_key, owner))
+        except InvalidTag:
+            return found  # sealed under keys of the owner's that the store no longer holds (shredded, made anew)
+        note = _annotation(body)
+        # (both layers name the owner and the time: they must agree)
+        return note if note is not None and (note.owner, note.created_wall) == found else None
+
+    def _unpack_once_sealed_or_hmaced(self, disk_key: bytes, raw: bytes | None) -> SpillAnnotation | None:
         if raw is None:
             return None
         if self._seal_key is not None and raw[:1] == _SEALED:
@@ -161,14 +247,28 @@ class SpillCodec:
         return _annotation(body)
 
 
-def _annotation(body: bytes) -> SpillAnnotation | None:
-    """An authenticated annotation body, if well formed."""
+def _owner_sealer(owner_key: bytes, salt: bytes) -> AESGCM:
+    """The inner layer's AEAD: a key of its own per annotation (its salt), from the owner's key."""
+    return AESGCM(hmac.new(owner_key, _INNER_DOMAIN + salt, hashlib.sha256).digest())
+
+
+def _inner_aad(disk_key: bytes, owner: str) -> bytes:
+    return _INNER_DOMAIN + disk_key + frame_str(2, owner)
+
+
+def _fields(body: bytes):
+    """An authenticated msgpack body, decoded (None if malformed)."""
     try:
-        fields = msgpack.unpackb(body, raw=False, strict_map_key=True, max_bin_len=4096, max_str_len=4096,
-                                 max_array_len=16)
+        return msgpack.unpackb(body, raw=False, strict_map_key=True, max_bin_len=4096, max_str_len=4096,
+                               max_array_len=16)
     except (ValueError, msgpack.exceptions.ExtraData, msgpack.exceptions.FormatError,
             msgpack.exceptions.StackError):
         return None
+
+
+def _annotation(body: bytes) -> SpillAnnotation | None:
+    """An authenticated annotation body, if well formed."""
+    fields = _fields(body)
     if not isinstance(fields, list) or len(fields) not in (9, 10) or fields[0] != _VERSION:
         return None
     _, owner, namespace, key, session, created, header, nbytes, parent, *rest = fields

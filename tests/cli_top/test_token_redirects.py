@@ -126,7 +126,8 @@ def test_a_scrape_with_a_token_reaches_the_address_given(direct):
 
 def test_top_sends_the_metrics_token_from_the_environment(direct, monkeypatch, capsys):
     """``kvtier top`` takes $KVTIER_METRICS_TOKEN first (the server's read-only scrape token), then
-    $KVTIER_ADMIN_TOKEN as before; ``--token`` wins over both."""
+    $KVTIER_ADMIN_TOKEN as before; ``--token`` wins over both (with a warning: argv is every local
+    user's to read)."""
     address, seen = direct
     parser = argparse.ArgumentParser()
     top.register(parser.add_subparsers())
@@ -137,6 +138,8 @@ def test_top_sends_the_metrics_token_from_the_environment(direct, monkeypatch, c
         args = parser.parse_args(argv)
         assert args.func(args) == 0
         assert _carried(seen)[-1] == f"Bearer {sent}"
+        warned = "visible to every local user" in capsys.readouterr().err
+        assert warned == ("--token" in argv), argv
     monkeypatch.delenv("KVTIER_METRICS_TOKEN")
     args = parser.parse_args(["top", "--server", address, "--once"])
     assert args.func(args) == 0

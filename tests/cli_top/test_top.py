@@ -37,7 +37,7 @@ def _metrics(srv) -> dict:
             for f in text_string_to_metric_families(text) for s in f.samples}
 
 
-def test_once_renders_the_server_figures(server, capsys):
+def test_once_renders_the_server_figures(server, capsys, monkeypatch):
     tier = remote(server, "globex", namespace="top")
     keys = keys_for("top", 5)
     assert tier.put_many(keys, [block(k) for k in keys]) == [Status.OK] * 5
@@ -46,8 +46,8 @@ def test_once_renders_the_server_figures(server, capsys):
     assert tier.get(keys_for("absent", 1)[0], out) is Status.MISS
     parser = argparse.ArgumentParser()
     top_cli.register(parser.add_subparsers())
-    args = parser.parse_args(["top", "--server", server.info["metrics"], "--token", TOKENS["admin"], "--once",
-                              "--router", "127.0.0.1:1"])
+    _admin_token_in_env(monkeypatch)
+    args = parser.parse_args(["top", "--server", server.info["metrics"], "--once", "--router", "127.0.0.1:1"])
     assert args.func(args) == 0
     frame = capsys.readouterr().out
     m = _metrics(server)
@@ -67,7 +67,13 @@ def test_once_renders_the_server_figures(server, capsys):
     assert "down: router" in frame
 
 
-def test_once_shows_a_tenants_charges_against_its_quota(server, capsys):
+def _admin_token_in_env(monkeypatch) -> None:
+    """``kvtier top`` takes the admin token (on this loopback metrics address) from the environment."""
+    monkeypatch.delenv("KVTIER_METRICS_TOKEN", raising=False)
+    monkeypatch.setenv("KVTIER_ADMIN_TOKEN", TOKENS["admin"])
+
+
+def test_once_shows_a_tenants_charges_against_its_quota(server, capsys, monkeypatch):
     """Blocks of 64 B each take a 4 KiB page: a tenant at its quota of 10 pages holds 640 B of
     payload. The frame shows it charged 100 % of its quota, not payload's 1.6 % (s32 a7 D8)."""
     quota = 10 * 4096
@@ -82,7 +88,8 @@ def test_once_shows_a_tenants_charges_against_its_quota(server, capsys):
             ops.close()
         parser = argparse.ArgumentParser()
         top_cli.register(parser.add_subparsers())
-        args = parser.parse_args(["top", "--server", server.info["metrics"], "--token", TOKENS["admin"], "--once"])
+        _admin_token_in_env(monkeypatch)
+        args = parser.parse_args(["top", "--server", server.info["metrics"], "--once"])
         assert args.func(args) == 0
         frame = capsys.readouterr().out
     finally:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -116,18 +117,24 @@ def test_admin_errors_name_the_fix_and_everything_is_audited(gov_server):
     assert all({"ts", "peer", "ok"} <= set(r) for r in admin)
 
 
+def _admin_token_env(token: str) -> dict:
+    """The environment of a ``kvtier admin`` call that takes ``token`` (never an argument: see ps)."""
+    return {**os.environ, "KVTIER_ADMIN_TOKEN": token}
+
+
 def test_admin_cli(gov_server):
     env_cmd = [sys.executable, "-c", "from kvtier.cli.admin import register; import argparse, sys;"
                "p = argparse.ArgumentParser(); s = p.add_subparsers(); register(s);"
                "a = p.parse_args(sys.argv[1:]); sys.exit(a.func(a))"]
-    out = subprocess.run(env_cmd + ["admin", "hash-token", "abc"], capture_output=True, text=True, timeout=30)
+    out = subprocess.run(env_cmd + ["admin", "hash-token"], input="abc\n", capture_output=True, text=True,
+                         timeout=30)
     assert out.stdout.strip() == "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
-    out = subprocess.run(env_cmd + ["admin", "--url", gov_server.tcp_url, "--token", TOKENS["admin"], "usage"],
-                         capture_output=True, text=True, timeout=30)
+    out = subprocess.run(env_cmd + ["admin", "--url", gov_server.tcp_url, "usage"], capture_output=True, text=True,
+                         timeout=30, env=_admin_token_env(TOKENS["admin"]))
     assert out.returncode == 0, out.stderr
     assert "acme" in json.loads(out.stdout)["usage"]
-    out = subprocess.run(env_cmd + ["admin", "--url", gov_server.tcp_url, "--token", "wrong", "usage"],
-                         capture_output=True, text=True, timeout=30)
+    out = subprocess.run(env_cmd + ["admin", "--url", gov_server.tcp_url, "usage"], capture_output=True, text=True,
+                         timeout=30, env=_admin_token_env("wrong"))
     assert out.returncode == 1 and "refused" in out.stderr
 
 
@@ -269,14 +276,16 @@ def test_set_ttl_unset_in_the_cli_removes_a_namespace_ttl(tmp_path):
     specs = tenants(acme={"ttl_s": 600})
     cli = [sys.executable, "-m", "kvtier.cli.main", "admin"]
     with _retention_server(tmp_path, specs) as srv:
-        base = cli + ["--url", srv.tcp_url, "--token", TOKENS["admin"], "set-ttl", "--tenant", "acme"]
-        out = subprocess.run(base + ["--namespace", "keep", "0"], capture_output=True, text=True, timeout=60)
+        base = cli + ["--url", srv.tcp_url, "set-ttl", "--tenant", "acme"]
+        env = _admin_token_env(TOKENS["admin"])
+        out = subprocess.run(base + ["--namespace", "keep", "0"], capture_output=True, text=True, timeout=60, env=env)
         assert out.returncode == 0 and json.loads(out.stdout) == {"ok": True, "ttl_s": 0.0}, out.stderr
         assert admin_call(srv.tcp_url, TOKENS["admin"], "usage", {})["policy"]["namespace_ttl_s"] == {"acme:keep": 0}
-        out = subprocess.run(base + ["--namespace", "keep", "--unset"], capture_output=True, text=True, timeout=60)
+        out = subprocess.run(base + ["--namespace", "keep", "--unset"], capture_output=True, text=True, timeout=60,
+                             env=env)
         assert out.returncode == 0 and json.loads(out.stdout) == {"ok": True, "ttl_s": None}, out.stderr
         assert admin_call(srv.tcp_url, TOKENS["admin"], "usage", {})["policy"]["namespace_ttl_s"] == {}
-        out = subprocess.run(base + ["--namespace", "keep"], capture_output=True, text=True, timeout=60)
+        out = subprocess.run(base + ["--namespace", "keep"], capture_output=True, text=True, timeout=60, env=env)
         assert out.returncode == 2 and "--unset" in out.stderr  # seconds or --unset, one of them
 
 

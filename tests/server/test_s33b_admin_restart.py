@@ -20,6 +20,7 @@ test_fleet_journal.py."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -48,8 +49,9 @@ PAGE = 4096
 # -- D1 ----------------------------------------------------------------------------------------------
 def _cli_erase(srv, *scope: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", "import sys; from kvtier.cli.main import main; sys.exit(main())",
-                           "admin", "--url", srv.tcp_url, "--token", TOKENS["admin"], "erase", *scope],
-                          capture_output=True, text=True, timeout=60)
+                           "admin", "--url", srv.tcp_url, "erase", *scope],
+                          capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "KVTIER_ADMIN_TOKEN": TOKENS["admin"]})
 
 
 def _immutable(path, on: bool) -> bool:

@@ -21,8 +21,10 @@ import time
 import pytest
 import xxhash
 
+from kvtier.crypto.keyring import Keyring
+from kvtier.crypto.providers import StaticMasterKey
 from kvtier.server.auth import KeySpace
-from kvtier.server.spill import SpillAnnotation, SpillCodec, secret_from_master_key
+from kvtier.server.spill import OWNER_KEY_PURPOSE, SpillAnnotation, SpillCodec, secret_from_master_key
 from tests.server.conftest import block, keys_for, remote
 from tests.server.test_restart import (SLOT, Restartable, _rewrite_annotation, block_files, get, put,
                                        stopped_cleanly)
@@ -78,9 +80,14 @@ def test_spilled_files_from_before_sealing_are_still_read_and_new_ones_are_seale
     stopped_cleanly(*s.stop())
     master = bytes.fromhex(MASTER_HEX)
     sealing, hmac_only = SpillCodec.for_master_key(master), SpillCodec(secret_from_master_key(master))
+    keyring = Keyring(StaticMasterKey(master), s.disk / "keys")  # (sealed for their owner too: s34 a8 D1)
+
+    def owner_keys(owner: str) -> bytes | None:
+        return keyring.derived_key(owner, OWNER_KEY_PURPOSE)
+
     for path in block_files(s.disk):  # rewritten as the server before sealing wrote them
         name = bytes.fromhex(path.stem)
-        _rewrite_annotation(path, lambda a, name=name: hmac_only.pack(name, sealing.unpack(name, a)))
+        _rewrite_annotation(path, lambda a, name=name: hmac_only.pack(name, sealing.open(name, a, owner_keys)))
     assert _leaks(s.disk, old, "upgrade-namespace", "s-old")["client block keys"] == 6  # the old format, in clear
     old_files = set(block_files(s.disk))
 
