@@ -711,14 +711,9 @@ class WorkerAdapterCheck:
       save. A request that began before that computed across a write not seen (its job is dropped,
       and, reported, marks the pages of its adapter in vLLM's prefix cache).
 
-    Once it has seen a directory's files name another version than a job of a ``lora_int_id``
-    names (``SaveJob.adapter_id``), it never vouches for that directory under that id again while it
-    runs: without ``load_inplace`` vLLM loads an id once and keeps it in its LoRA cache, so files
-    fixed later say nothing of the weights it computes with under it. Another id at the same path
-    (the adapter loaded again once the copy is fixed) is read from the files when vLLM first loads
-    it: the rules above vouch for it. (An id vLLM loaded while the copy was stale, at its
-    registration or for requests none of whose saves was checked then, is vouched for once the copy
-    is fixed, like any change not seen: load an adapter again only once every host's copy is fixed.)
+    Once it has seen a directory's files name another version than a job's, it never vouches for
+    that directory again while it runs: without ``load_inplace`` vLLM loads an adapter id once and
+    keeps it in its LoRA cache, so files fixed later say nothing of the weights it computes with.
 
     Anything else is no proof: the job is dropped (a miss, never another version's KV). Files
     written on one host and not the others (a link flipped away and back between two checks on
@@ -728,19 +723,16 @@ class WorkerAdapterCheck:
         #: adapter directory → its files here as last hashed, the least recently checked first
         self._local: OrderedDict[str, _LocalVersion] = OrderedDict()
         self._started_ns = time.time_ns()
-        #: (directory, lora_int_id) whose files here once named another version than a job of that id:
-        #: vLLM may hold that version under the id in its LoRA cache for good (no ``load_inplace``: it
-        #: never reads the files again for it), so no later sight of the files proves what it computes
-        #: with under that id. The least recently checked first, at most ``MAX_ADAPTERS``
-        self._disowned: OrderedDict[tuple[str, int], None] = OrderedDict()
-        #: a disowned pair was forgotten (past ``MAX_ADAPTERS``): any pair may be one, so another
-        #: host's copy is never vouched for again (a miss, never another version's KV)
-        self._forgot_disowned = False
+        #: directories whose files here once named another version than a job's: vLLM may hold that
+        #: version in its LoRA cache for good (no ``load_inplace``: it never reads the files again),
+        #: so no later sight of the files proves what it computes with. One path each, never
+        #: forgotten (forgetting one would let it vouch again).
+        self._disowned: set[str] = set()
 
-    def held(self, named: AdapterFiles, key: str, lora_id: int, since_step: int, step: int) -> bool:
-        """vLLM computed the blocks of a request of the adapter id ``lora_id`` that began at
-        ``since_step``, up to ``step`` (whose save this is), with the version ``key`` names, read
-        from the files ``named`` (as the scheduler named them)."""
+    def held(self, named: AdapterFiles, key: str, since_step: int, step: int) -> bool:
+        """vLLM computed the blocks of a request that began at ``since_step``, up to ``step`` (whose
+        save this is), with the version ``key`` names, read from the files ``named`` (as the
+        scheduler named them)."""
         try:
             paths = _current_files(named.directory)
             here = AdapterFiles(named.directory, _stamps(paths), file_view())
@@ -748,34 +740,17 @@ class WorkerAdapterCheck:
             return False
         if named.view == here.view:   # the very files the scheduler named, unwritten since
             return unwritten_between(named, here)
-        # seen even for a disowned id: the sighting vouches for the ids vLLM loads after it
+        if here.directory in self._disowned:
+            return False
         local = self._local_version(paths, here, step)
-        if self._is_disowned((here.directory, lora_id)) or local.digest is None:
+        if local.digest is None:
             return False
         if local.digest != files_digest(key):
-            self._disown((here.directory, lora_id))
+            self._disowned.add(here.directory)
             return False
         # (the ctime when hashed: a chmod since, which moves it, changes nothing vLLM reads)
         return _newest_change_ns(local.files) < self._started_ns - WORKER_START_MARGIN_S * 1e9 \
             or local.seen_at < since_step
-
-    def _is_disowned(self, pair: tuple[str, int]) -> bool:
-        if pair in self._disowned:
-            self._disowned.move_to_end(pair)
-            return True
-        return self._forgot_disowned
-
-    def _disown(self, pair: tuple[str, int]) -> None:
-        """Never vouch for ``pair`` (directory, lora_int_id) again; past ``MAX_ADAPTERS`` pairs the
-        least recently checked is forgotten, and with it every pair (:attr:`_forgot_disowned`)."""
-        self._disowned[pair] = None
-        if len(self._disowned) > MAX_ADAPTERS:
-            self._disowned.popitem(last=False)
-            if not self._forgot_disowned:
-                log.warning("kvtier: this worker's copies of more than %d LoRA adapter ids named other versions "
-                            "than the scheduler's; it saves no LoRA request whose adapter's files the scheduler "
-                            "named on another host from now on", MAX_ADAPTERS)
-            self._forgot_disowned = True
 
     def _local_version(self, paths: list[str], here: AdapterFiles, step: int) -> _LocalVersion:
         """This host's version of the files ``here``: remembered while they are not written (a

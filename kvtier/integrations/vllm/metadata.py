@@ -72,10 +72,6 @@ class SaveJob:
     #: built the steps before it): a worker on another host vouches for its own copy of the files
     #: only where it saw them, unwritten since, at an earlier step's save (``WorkerAdapterCheck``)
     adapter_since_step: int = 0
-    #: the request's ``lora_int_id`` (0: no adapter): vLLM keeps the version it read under an id, so
-    #: a worker that saw its copy name another version under this id stops vouching for it, not for
-    #: the ids loaded from the fixed files later (``WorkerAdapterCheck``)
-    adapter_id: int = 0
 
 
 @dataclass

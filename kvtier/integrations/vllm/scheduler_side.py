@@ -478,7 +478,7 @@ class SchedulerSide:
         if not transfers:
             return
         meta.saves.append(SaveJob(req_id, hashes[:full], transfers, state.adapter, state.adapter_files,
-                                  state.since_step, _lora_id(state.request)))
+                                  state.since_step))
         if state.adapter_files is not None:
             state.unchecked_saves.append((meta.step, transfers[0].index))
         self.stats.save_blocks += len(transfers)
@@ -635,12 +635,6 @@ class SchedulerSide:
         last_save = max((step for step, _ in state.unchecked_saves), default=-1)
         if last_save > self._reported_step:
             self._finished_unreported[state.request.request_id] = (lora, last_save)
-
-
-def _lora_id(request) -> int:
-    """The ``lora_int_id`` of the request's adapter; 0 without one."""
-    lora = getattr(request, "lora_request", None)
-    return 0 if lora is None else lora.lora_int_id
 
 
 def _first_unchecked_save(state: _Request) -> int:

@@ -384,7 +384,7 @@ class WorkerSide:
         for job in meta.saves:
             if job.adapter_files is None:
                 continue
-            question = (job.adapter_files, job.adapter, job.adapter_id, job.adapter_since_step)
+            question = (job.adapter_files, job.adapter, job.adapter_since_step)
             if question not in held:
                 held[question] = self._adapters.held(*question, meta.step)
             if not held[question]:
