@@ -136,9 +136,14 @@ def softmax_pick(costs: Sequence[float], temperature: float, rng: random.Random)
 
     Costs are divided by their spread (max - min) so that the temperature means the
     same whatever the unit and scale of the costs: 0 → always the minimum, 1 → the
-    worst worker is e times less likely than the best.
+    worst worker is e times less likely than the best. An exact tie (a spread of 0) is
+    drawn uniformly, as Dynamo's ``softmax_sample`` draws equal values: taking the first
+    minimum there sent every request to worker 0 among identical idle workers, whatever
+    the temperature, while costs 1e-12 apart were spread.
     """
     low, high = min(costs), max(costs)
+    if temperature > 0 and high == low:
+        return rng.randrange(len(costs))
     scale = temperature * (high - low) if temperature > 0 else 0.0
     # A temperature so small that the scale underflows to 0 (a subnormal one, or a tiny
     # spread) is as good as 0: the minimum, not a division by zero.

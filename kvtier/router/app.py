@@ -1069,7 +1069,7 @@ class Router:
         salt = body.get("cache_salt")
         lora = body.get("model") if self.index.is_lora(body.get("model")) else None
         try:
-            return context_seed(lora, salt if isinstance(salt, str) else None)
+            return context_seed(lora, salt if isinstance(salt, str) else None, self.index.lora_generation(lora))
         except UnicodeEncodeError:   # a lone UTF-16 surrogate, which JSON can carry: no text (vLLM: a 400)
             raise RequestError(400, "cache_salt is not valid Unicode text", param="cache_salt") from None
 
@@ -1092,14 +1092,17 @@ class Router:
         again, so that requests for the adapter go to where it was loaded at once. The first
         refusal is the answer (with the worker named); to load an adapter on some workers only,
         call them directly: the router learns it from their listings (``models_refresh_s``, or a
-        worker's 404 for the name)."""
-        await self._json(request, "")
+        worker's 404 for the name). Taken by some worker, an unload or a load with other weights
+        starts a new generation of the adapter's keys (:meth:`BlockIndex.lora_updated`)."""
+        body = await self._json(request, "")
         headers = forwarded_headers(request.headers)
         workers = [w for w in self.workers if w.healthy] or list(self.workers)
         if not workers:
             raise RequestError(503, "no worker to load the adapter on", "service_unavailable_error")
         answers = await post_to_all(self.session, workers, request.path, request[_BODY].body, headers,
                                     self.config.request_timeout_s)
+        if any(status == 200 for _, status, _, _ in answers):
+            self.index.lora_updated(body, unloaded=request.path == LORA_PATHS[1])
         await self._refresh_models(request)
         refused = first_refusal(answers)
         if refused is None:

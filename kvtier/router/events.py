@@ -63,7 +63,7 @@ import threading
 import time
 from typing import Callable
 
-from kvtier.router.index import BlockIndex
+from kvtier.router.index import CPU, BlockIndex, tier_of_medium
 from kvtier.router.workers import Worker
 from kvtier.server.events import EventSubscriber, heartbeat
 
@@ -93,6 +93,13 @@ FULL_ATTENTION_KINDS = frozenset({"full_attention", "mla_attention", "sink_full_
 _FIELDS = {"BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
                            "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind"),
            "BlockRemoved": ("block_hashes", "medium", "group_idx")}
+
+
+def _says_its_context(medium, extra_keys) -> bool:
+    """Whether a ``BlockStored`` says its blocks' context. vLLM's GPU pool and kvtier's connector
+    always send ``extra_keys`` (a list, one entry a block, None where a block has none); vLLM's
+    CPU offloading connector sends None for all its copies, salted or with multimodal inputs."""
+    return extra_keys is not None or tier_of_medium(medium) != CPU
 
 
 class VllmEvents:
@@ -483,9 +490,18 @@ class VllmEvents:
                 return
             if not indexed:
                 return
+            unkeyed = self.index.unkeyed_blocks
             self.index.stored(wid, get("block_hashes") or [], get("parent_block_hash"), get("token_ids") or [],
                               int(get("block_size") or 0), get("medium"), shared=self.shared_writes,
-                              lora_name=get("lora_name"), extra_keys=get("extra_keys"))
+                              lora_name=get("lora_name"), extra_keys=get("extra_keys"),
+                              context_known=_says_its_context(get("medium"), get("extra_keys")))
+            if self.index.unkeyed_blocks > unkeyed:
+                self._ignore("context_unknown", self.index.unkeyed_blocks - unkeyed,
+                             "events: CPU copies without their context (extra_keys None: vLLM's offloading "
+                             "connector) of blocks whose GPU store the router did not see (missed, or from "
+                             "before a resync) are not indexed: their cache salt, LoRA weights or multimodal "
+                             "inputs are unknown, and keyed as the base model's they were predicted as hits "
+                             "for other tenants' requests", level=logging.INFO)
         elif kind == "BlockRemoved":
             if self._in_indexed_group(get("group_idx"), None):
                 self.index.removed(wid, get("block_hashes") or [], get("medium"))

@@ -15,7 +15,13 @@ must the router, or it would predict one tenant's or adapter's blocks as hits fo
 in the first block's ``extra_keys``); a request carries them as its ``model`` and
 ``cache_salt``. Blocks whose ``extra_keys`` hold content the router cannot recompute from
 a request (multimodal inputs, prompt embeddings) are keyed with it folded in: never
-predicted as hits for a request with the same placeholder tokens.
+predicted as hits for a request with the same placeholder tokens. A chain start whose
+event does not say its context (vLLM's CPU offloading connector publishes its copies with
+``extra_keys`` None) is indexed only from a block this worker already reported (whose key
+carries the context), never keyed as the base model's. vLLM keys an adapter by its name and
+path, events by its name only: an adapter reloaded with other weights through the router
+starts a new *generation* of its name (:meth:`BlockIndex.lora_updated`), so that the old
+weights' blocks are no longer predicted as its hits.
 
 Per key, one int: bit 0 = a shared tier every worker can load holds it; bit
 ``1 + 2 x worker + tier`` = ``worker`` holds it in ``tier`` (0 = GPU/HBM, 1 = CPU/host).
@@ -67,13 +73,16 @@ def tier_of_medium(medium: str | None) -> int | None:
     return _MEDIUM.get(medium.upper() if isinstance(medium, str) else medium)
 
 
-def context_seed(lora_name: str | None = None, cache_salt: str | None = None) -> int:
+def context_seed(lora_name: str | None = None, cache_salt: str | None = None, lora_generation: int = 0) -> int:
     """The chain's root for a request's context: :data:`ROOT_SEED` for the base model
-    without a salt, else a 64-bit digest of the LoRA adapter's name and the salt."""
+    without a salt, else a 64-bit digest of the LoRA adapter's name and the salt, and of the
+    adapter's generation once it was reloaded (:meth:`BlockIndex.lora_generation`)."""
     if not lora_name and not cache_salt:
         return ROOT_SEED
-    canonical = json.dumps([lora_name or "", cache_salt or ""], ensure_ascii=False).encode()
-    return xxhash.xxh3_64_intdigest(canonical) or 1
+    context = [lora_name or "", cache_salt or ""]
+    if lora_name and lora_generation:
+        context.append(lora_generation)
+    return xxhash.xxh3_64_intdigest(json.dumps(context, ensure_ascii=False).encode()) or 1
 
 
 #: the root of a request that reads no cached block: no event is ever keyed from it
@@ -288,7 +297,11 @@ class _Source:
 
 
 class BlockIndex:
-    """Blocks per worker and tier, fed by events, read by the live cluster view."""
+    """Blocks per worker and tier, fed by events, read by the live cluster view.
+
+    ``unkeyed_blocks``: blocks of stored events left out, in all, because their context was
+    unknown (``context_known=False``: those before the event's first block the worker already
+    reported); ``dropped_orphans``: orphan events dropped (over budget, or waited too long)."""
 
     def __init__(self, block_tokens: int, capacity: int = 1 << 22, max_orphans: int = 4096,
                  orphan_ttl_s: float = ORPHAN_TTL_S) -> None:
@@ -308,7 +321,11 @@ class BlockIndex:
         self._hashes = 0
         self._max_worker = 0      # highest worker id ever indexed: how wide masks can be
         self._lora_names: OrderedDict[str, None] = OrderedDict()   # adapters seen in events
+        #: adapters reloaded with other weights: their generation, and the path each was last loaded from
+        self._lora_generations: OrderedDict[str, int] = OrderedDict()
+        self._lora_paths: OrderedDict[str, object] = OrderedDict()
         self.dropped_orphans = 0
+        self.unkeyed_blocks = 0
 
     def __len__(self) -> int:
         return len(self._masks)
@@ -440,20 +457,26 @@ class BlockIndex:
     def stored(self, worker: int, block_hashes: Sequence[object], parent_hash: object,
                token_ids: Sequence[int], block_size: int, medium: str | None = "GPU",
                shared: bool = False, lora_name: str | None = None,
-               extra_keys: Sequence[object] | None = None) -> int:
+               extra_keys: Sequence[object] | None = None, context_known: bool = True) -> int:
         """Apply a ``BlockStored`` event; returns how many blocks were indexed (0 if it waits).
 
         ``shared``: these blocks also reach a tier every worker loads from (the worker
         writes what it computes through to it). ``lora_name`` and ``extra_keys`` are the
         event's (vLLM's untagged per-block extras): a chain that starts here is rooted in
         its context (:func:`context_seed`); content extras are folded into their block's key.
+        ``context_known=False``: the event does not say its context (vLLM's CPU offloading
+        connector leaves ``extra_keys`` None, salt and multimodal inputs included), so a chain
+        that starts here is indexed only from its first block this worker already reported;
+        the blocks before it are left out (counted in ``unkeyed_blocks``), since keyed from
+        the base model's root a tenant's salted blocks were predicted as another's hits.
         """
         if tier_of_medium(medium) is None or block_size != self.block_tokens or not block_hashes:
             return 0
         src = self._source(worker)
         # A worklist, not recursion: a long chain of orphans (a decode whose root event was
         # missed) resolved one frame per event raised RecursionError and lost the rest.
-        pending = [(block_hashes, parent_hash, token_ids, block_size, medium, shared, lora_name, extra_keys)]
+        pending = [(block_hashes, parent_hash, token_ids, block_size, medium, shared, lora_name, extra_keys,
+                    context_known)]
         done = 0
         while pending:
             hashes = self._store(worker, src, pending.pop())
@@ -464,10 +487,15 @@ class BlockIndex:
 
     def _store(self, worker: int, src: _Source, event: Sequence) -> Sequence[object]:
         """One stored event whose tier and block size are good; returns the hashes indexed."""
-        block_hashes, parent_hash, token_ids, block_size, medium, shared, lora_name, extra_keys = event
+        block_hashes, parent_hash, token_ids, block_size, medium, shared, lora_name, extra_keys, context_known = event
         extras = _content_extras(block_hashes, parent_hash is None, lora_name, extra_keys)
-        if parent_hash is None:
-            parent = context_seed(lora_name, extras.salt)
+        if parent_hash is None and not context_known:
+            block_hashes, token_ids = self._from_first_known(src, block_hashes, token_ids, block_size)
+            extras, parent = _Extras(None, {}), None    # (the first block's key is known)
+            if not block_hashes:
+                return ()
+        elif parent_hash is None:
+            parent = context_seed(lora_name, extras.salt, self.lora_generation(lora_name))
         else:
             parent = src.hash_to_key.get(parent_hash)
             if parent is None:
@@ -498,13 +526,23 @@ class BlockIndex:
         self._evict()   # once an event (over the bounds meanwhile by at most its blocks)
         return block_hashes[:len(keys)]
 
-    def _event_keys(self, src: _Source, block_hashes: Sequence[object], parent: int,
+    def _from_first_known(self, src: _Source, block_hashes: Sequence[object], token_ids: Sequence[int],
+                          block_size: int) -> tuple[Sequence[object], Sequence[int]]:
+        """A chain start of unknown context from its first block that ``src`` already reported
+        (none: empty); the blocks before it are left out and counted in ``unkeyed_blocks``."""
+        h2k = src.hash_to_key
+        first = next((i for i, h in enumerate(block_hashes) if h in h2k), len(block_hashes))
+        self.unkeyed_blocks += first
+        return block_hashes[first:], token_ids[first * block_size:]
+
+    def _event_keys(self, src: _Source, block_hashes: Sequence[object], parent: int | None,
                     tokens: Sequence[int], extras: _Extras) -> list[int]:
         """Keys of an event's blocks. A block hash this worker already reported keeps its key:
         vLLM's CPU offloading connector publishes its copies of a salted prompt's blocks with
         ``extra_keys=None``, and recomputed they were keyed as an unsalted prompt's (another
         tenant's hits). The hashes already carry the context; only new blocks are keyed anew,
-        chained on the last known one."""
+        chained on the last known one. ``parent`` None: the context is unknown and the first
+        block's key known (:meth:`_from_first_known`)."""
         h2k, block_size = src.hash_to_key, self.block_tokens
         known = []
         for h in block_hashes[:len(tokens) // block_size]:
@@ -526,6 +564,36 @@ class BlockIndex:
             known.append(key)
         return known
 
+    def lora_generation(self, lora_name: object) -> int:
+        """How many times adapter ``lora_name`` was reloaded with other weights through the router
+        (0: never; what :func:`context_seed` folds into its chains' root)."""
+        return self._lora_generations.get(lora_name, 0) if isinstance(lora_name, str) else 0
+
+    def lora_updated(self, body: object, unloaded: bool) -> None:
+        """vLLM's ``/v1/load_lora_adapter`` (``unloaded``: ``/v1/unload_lora_adapter``) with
+        ``body`` took effect on some worker. vLLM hashes an adapter's blocks with its name and
+        path ("re-pointing a LoRA name at a different adapter does not reuse KV"), its events
+        name it only: where the name may now stand for other weights (unloaded; loaded in place,
+        or from another path than its last load here) its generation moves on, and the blocks
+        keyed under the old one, no longer hits on any worker, are no longer predicted as the
+        adapter's (they age out of the LRU). Names past ``MAX_LORA_NAMES`` are forgotten oldest first."""
+        name = body.get("lora_name") if isinstance(body, dict) else None
+        if not isinstance(name, str):
+            return
+        path = body.get("lora_path")
+        last_path = self._lora_paths.get(name, path)
+        if unloaded or lax_bool(body.get("load_inplace"), False) or last_path != path:
+            self._remember(self._lora_generations, name, self.lora_generation(name) + 1)
+        if not unloaded:
+            self._remember(self._lora_paths, name, path)
+
+    @staticmethod
+    def _remember(table: OrderedDict, name: str, value: object) -> None:
+        table.pop(name, None)
+        table[name] = value
+        while len(table) > MAX_LORA_NAMES:
+            table.popitem(last=False)
+
     def is_lora(self, model: object) -> bool:
         """Whether a request's ``model`` names a LoRA adapter (named by some worker's events,
         or listed by its ``/v1/models``)."""
@@ -534,10 +602,7 @@ class BlockIndex:
     def add_lora_names(self, names: Sequence[str]) -> None:
         """Adapters to key apart from the base model (the most recent ``MAX_LORA_NAMES`` kept)."""
         for name in names:
-            self._lora_names.pop(name, None)
-            self._lora_names[name] = None
-        while len(self._lora_names) > MAX_LORA_NAMES:
-            self._lora_names.popitem(last=False)
+            self._remember(self._lora_names, name, None)
 
     def _wait_for_parent(self, src: _Source, event: Sequence) -> None:
         """Keep ``event`` until its parent arrives; the oldest orphans go first when over budget

@@ -102,7 +102,9 @@ class RouterMetrics:
         self.ignored = Counter("kvtier_router_event_blocks_ignored",
                                "Blocks of KV events the router could not index (reason block_size: the worker's "
                                "vLLM --block-size is not the router's --block-tokens; kv_cache_group: a KV-cache group the "
-                               "router does not index, whose blocks are of another size)", ["worker", "reason"],
+                               "router does not index, whose blocks are of another size; context_unknown: a CPU copy without "
+                               "extra keys whose first blocks the worker never reported, so its salt or adapter is "
+                               "unknown)", ["worker", "reason"],
                                registry=r)
         self.tokenizer_mismatch = Gauge("kvtier_router_worker_tokenizer_mismatch",
                                         "1 if the worker tokenized the router's check text differently from the "

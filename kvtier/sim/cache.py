@@ -1,14 +1,18 @@
 """Block caches of the simulated cluster and the trace replay that measures hit rates.
 
 A cache holds block ids (the trace's hash ids), not bytes: capacity is in blocks.
-Eviction is LRU; the simulator touches a request's blocks in prompt order, so a
-prefix's root is the least recent of its blocks and goes first.
+Eviction is LRU, and a request's blocks are made recent tail first, so of one prompt
+its last block is the least recent and goes first, its root last: as vLLM frees a
+request's blocks (in reverse, "so that the tail blocks are evicted first"), and as the
+router's index orders a decision's matched keys. Evicted root first, one eviction made
+a whole cached chain unusable (no block is a hit without its ancestors) while its
+other blocks still took room.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Iterable, NamedTuple
+from typing import Iterable, NamedTuple, Sequence
 
 from kvtier.errors import ConfigError
 from kvtier.sim.trace import Trace
@@ -37,12 +41,13 @@ class LRUBlockCache:
     def __len__(self) -> int:
         return len(self._blocks)
 
-    def insert(self, blocks: Iterable[int]) -> None:
-        """Make ``blocks`` the most recent, in order, evicting the least recent beyond capacity."""
+    def insert(self, blocks: Sequence[int]) -> None:
+        """Make a prompt's ``blocks`` the most recent, its root the youngest and its tail the
+        oldest (the first to go), evicting the least recent beyond capacity."""
         if self.capacity_blocks == 0:
             return
         store = self._blocks
-        for block in blocks:
+        for block in reversed(blocks):
             if block in store:
                 store.move_to_end(block)
             else:

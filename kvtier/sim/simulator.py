@@ -64,9 +64,13 @@ def _capacity_blocks(capacity_bytes: float | None, block_bytes: int) -> int | No
     return None if capacity_bytes is None else int(capacity_bytes // block_bytes)
 
 
-def _keeps(capacity_blocks: int | None, prompt_blocks: int) -> bool:
-    """Whether a cache of ``capacity_blocks`` still holds a prompt's blocks once they are written."""
-    return capacity_blocks is None or 0 < capacity_blocks and prompt_blocks <= capacity_blocks
+def _landing(caches: Sequence[tuple[int, int | None]], position: int) -> int:
+    """The tiers (bits, of ``(bit, capacity_blocks)`` pairs) whose cache still holds a prompt's
+    block at ``position`` once the prompt is written: a cache evicts a prompt's tail first
+    (:class:`LRUBlockCache`), so one smaller than the prompt keeps its leading blocks. HBM
+    alone where HBM keeps it (nothing else matters then)."""
+    bits = sum(bit for bit, capacity in caches if capacity is None or position < capacity)
+    return 1 if bits & 1 else bits
 
 
 class _PrefillWorker:
@@ -142,20 +146,17 @@ class ClusterSimulator:
 
         ``include_pending``: as at routing, a block of a request queued or running on
         ``worker`` counts in every cache of it that the request's write-through will leave
-        it in: one with room for this prompt (a cache of 0 blocks keeps nothing; one smaller
-        than the prompt has evicted its leading blocks by the time this one starts). At a
-        request's start nothing is pending ahead of it: the caches are as they are.
+        it in: one with room for the block's position in the prompt (a cache of 0 blocks
+        keeps nothing; one smaller than the prompt keeps its leading blocks, the tail being
+        evicted first). At a request's start nothing is pending ahead of it: the caches are
+        as they are.
         """
         w = self.workers[worker]
         hbm, pending, lookup = w.hbm, w.pending, w.lookup
-        landing = 0
-        if include_pending and pending:
-            count = len(blocks)
-            landing = sum(bit for bit, cache in ((1, hbm), *lookup) if _keeps(cache.capacity_blocks, count))
-            if landing & 1:
-                landing = 1   # in HBM: nothing else matters
+        caches = [(bit, cache.capacity_blocks) for bit, cache in ((1, hbm), *lookup)]
+        caches = caches if include_pending and pending else []
         holders = []
-        for block in blocks:
+        for position, block in enumerate(blocks):
             if block in hbm:
                 holders.append(1)
                 continue
@@ -163,7 +164,8 @@ class ClusterSimulator:
             for bit, cache in lookup:
                 if block in cache:
                     mask |= bit
-            if landing and block in pending:
+            if caches and block in pending:
+                landing = _landing(caches, position)
                 mask = 1 if landing == 1 else mask | landing
             if not mask:
                 break

@@ -8,14 +8,14 @@ from kvtier.errors import ConfigError
 from kvtier.sim.cache import LRUBlockCache, hit_rate_curve, replay_prefix_hits, unique_blocks
 
 
-def test_lru_evicts_least_recent_first_and_prefix_root_goes_first():
+def test_lru_evicts_least_recent_first_and_prefix_tail_goes_first():
     cache = LRUBlockCache(3)
-    cache.insert([1, 2, 3])     # a prompt: root 1 is the least recent of its blocks
+    cache.insert([1, 2, 3])     # a prompt: its tail 3 is the least recent of its blocks (as vLLM frees them)
     cache.insert([2])           # touched again
     cache.insert([4])
-    assert 1 not in cache and {2, 3, 4} <= set(cache._blocks)
+    assert 3 not in cache and {1, 2, 4} <= set(cache._blocks)
     cache.insert([5])
-    assert 3 not in cache and 2 in cache
+    assert 1 not in cache and 2 in cache
     assert cache.evictions == 2
     cache.check_integrity()
 
@@ -24,7 +24,7 @@ def test_prefix_length_stops_at_the_first_missing_block_and_does_not_touch():
     cache = LRUBlockCache(None)
     cache.insert([1, 2, 4])
     assert cache.prefix_length([1, 2, 3, 4]) == 2
-    assert list(cache._blocks) == [1, 2, 4]
+    assert list(cache._blocks) == [4, 2, 1]
 
 
 def test_zero_capacity_holds_nothing_and_negative_is_rejected():

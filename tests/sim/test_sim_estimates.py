@@ -71,11 +71,12 @@ def test_with_an_hbm_cache_a_repeat_still_queues_behind_the_worker_computing_its
 
 @pytest.mark.parametrize("hbm_blocks", [0, 1000, None], ids=["no_hbm", "hbm_smaller_than_prompt", "hbm_unbounded"])
 def test_the_backlog_a_policy_sees_is_the_wait_the_worker_then_has(hbm_blocks):
-    """One worker, the same 2000-block prompt three times at t=0. With no HBM cache (or one
-    smaller than the prompt: its leading blocks are evicted by the time the next starts) each
+    """One worker, the same 2000-block prompt three times at t=0. With no HBM cache each
     computes in full, and the third waits for two prefills: before, it was shown one (the
     second's estimate priced its pending blocks as HBM hits). With HBM room, it is shown the
-    first prefill plus the second's near-free reuse, which it then waits."""
+    first prefill plus the second's near-free reuse, which it then waits. With HBM smaller
+    than the prompt (1000 blocks), the first 1000 blocks stay (the tail is evicted first, as
+    vLLM does) and each repeat reuses them: its estimate credits them, as its run finds them."""
     block_bytes = MODEL.block_bytes(4)
     hbm = 1e18 if hbm_blocks is None else hbm_blocks * block_bytes
     cluster = ClusterConfig(prefill_workers=1, decode_workers=1, block_tokens=4, hbm_cache_bytes=hbm)
@@ -87,7 +88,7 @@ def test_the_backlog_a_policy_sees_is_the_wait_the_worker_then_has(hbm_blocks):
     for (_, _, backlog), outcome in zip(policy.seen, outcomes, strict=True):
         assert backlog == pytest.approx(outcome.start_s - outcome.arrival_s, rel=1e-6, abs=1e-12)
     reused = [o.plan.reused_blocks for o in outcomes]
-    assert reused == ([0, 2000, 2000] if hbm_blocks is None else [0, 0, 0])
+    assert reused == {None: [0, 2000, 2000], 1000: [0, 1000, 1000], 0: [0, 0, 0]}[hbm_blocks]
     _check_drained(sim)
 
 

@@ -220,7 +220,7 @@ def test_s28_d2_re_keyed_ids_count_exactly_the_prefix_hits(tmp_path, capacity):
     for p in prompts:
         paths = [tuple(p[:k + 1]) for k in range(len(p))]
         want += next((k for k, path in enumerate(paths) if path not in cache), len(paths))
-        for path in paths:
+        for path in reversed(paths):     # the tail the least recent: evicted first, as vLLM does
             cache[path] = None
             cache.move_to_end(path)
         while capacity is not None and len(cache) > capacity:
