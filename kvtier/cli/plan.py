@@ -450,6 +450,12 @@ def _live_launcher(args):
     if not args.adopt:
         raise ConfigError("--launcher local: give the workers already behind the router with --adopt URL "
                           "(the router starts with at least one)")
+    from kvtier.router.config import WorkerSpec
+
+    for url in args.adopt:   # (a URL the router could not name is a one-line error, not a traceback)
+        if "," in url:
+            raise ConfigError(f"--adopt {url!r}: give the worker's URL alone")
+        WorkerSpec.parse(url)
     try:
         cores = tuple(int(c) for c in args.cores.split(",") if c.strip())
     except ValueError:
@@ -462,7 +468,8 @@ def _live_launcher(args):
                               env=(("HF_HUB_OFFLINE", os.environ.get("HF_HUB_OFFLINE", "1")),), cores=cores)
     run_dir = args.run_dir or tempfile.mkdtemp(prefix="kvtier-planner-")
     token = args.router_admin_token or os.environ.get("KVTIER_ROUTER_ADMIN_TOKEN")
-    # without --stop-timeout, the launcher derives one from the workers' --shutdown-timeout
+    # without --stop-timeout, the launcher derives one from the workers' --shutdown-timeout: here, before
+    # the planner has a thread (reading the worker arguments swaps sys.stdout while vLLM imports)
     launcher = LocalLauncher(template, RouterAdmin(args.router, token), run_dir, health_timeout_s=args.health_timeout,
                              drain_timeout_s=args.drain_timeout, stop_timeout_s=args.stop_timeout)
     for url in args.adopt:

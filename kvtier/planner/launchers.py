@@ -32,7 +32,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Protocol, TextIO
 
-from kvtier.planner.live import Decision
+from kvtier.planner.live import AGGREGATED_DECODE, Decision
 
 POOLS = ("prefill", "decode")
 
@@ -115,15 +115,16 @@ def apply(decision: Decision, launcher: Launcher) -> list[WorkerRecord]:
 def aggregated(decision: Decision) -> Decision:
     """The decision for workers that prefill *and* decode (plain ``vllm serve``, no P/D split):
     one pool, ``prefill``, whose target holds both needs (the larger of the two targets); the
-    ``decode`` pool holds no workers of its own."""
+    ``decode`` pool holds no workers of its own. Joins two pools' decisions after the fact: the
+    planner's loop has the planner decide one aggregated pool instead
+    (``LivePlanner.decide_aggregated``), whose scale-downs cannot miss each other."""
     p, d = decision.prefill, decision.decode
     # what runs is what the last aggregated decision asked for: the larger of the two pools' counts
     current, target = max(p.current, d.current), max(p.target, d.target)
     action = "scale_up" if target > current else "scale_down" if target < current else "hold"
     reason = p.reason if target == p.target else f"decode needs {d.target}: {d.reason}"
     both = p._replace(current=current, needed=max(p.needed, d.needed), target=target, action=action, reason=reason)
-    none = d._replace(current=0, needed=0, target=0, action="hold", reason="aggregated into the prefill pool")
-    return decision._replace(prefill=both, decode=none)
+    return decision._replace(prefill=both, decode=AGGREGATED_DECODE)
 
 
 @dataclass

@@ -363,10 +363,21 @@ class _Pool:
             self.last_up_s = now
 
 
+#: the decode pool's part of a decision for workers that prefill and decode alike: none of its own
+AGGREGATED_DECODE = PoolDecision("decode", 0, 0, 0, "hold", "aggregated into the prefill pool")
+
+
 class LivePlanner:
     """Observation → forecast → sizing → hysteresis → :class:`Decision`. Keeps the counts it
     decided; the caller acts on each decision (a launcher) before the next observation, and
-    may tell it what runs instead (:meth:`reconcile`)."""
+    may tell it what runs instead (:meth:`reconcile`).
+
+    :meth:`decide_aggregated` is for workers that prefill *and* decode (plain ``vllm
+    serve``): one pool, ``prefill``, with one hysteresis on the larger of the two needs, and the
+    ``decode`` pool :data:`AGGREGATED_DECODE`. Two hystereses whose targets were joined (the
+    larger) came down only when both pools' scale-downs fell in the same interval; reconciled
+    to what runs before every decision, they could each fire in turn and never together, and
+    the fleet never shrank (audit s34 r3 D1)."""
 
     def __init__(self, sizer: FleetSizer, settings: PlannerSettings | None = None,
                  prefill_workers: int = 1, decode_workers: int = 1) -> None:
@@ -411,6 +422,14 @@ class LivePlanner:
         self.prefill.count, self.decode.count = prefill_workers, decode_workers
 
     def decide(self, obs: Observation) -> Decision:
+        """The next decision, each pool on its own (prefill and decode workers apart)."""
+        return self._decide(obs, aggregated=False)
+
+    def decide_aggregated(self, obs: Observation) -> Decision:
+        """The next decision for workers that prefill and decode alike (the class docstring)."""
+        return self._decide(obs, aggregated=True)
+
+    def _decide(self, obs: Observation, aggregated: bool) -> Decision:
         s = self.settings
         self.forecaster.update(obs.at_s, obs.request_rate)
         if obs.input_tokens:
@@ -428,8 +447,9 @@ class LivePlanner:
             why = (f"{obs.request_rate:.2f} req/s measured, {forecast:.2f} forecast in {horizon:.0f} s, but no"
                    " prompt length known yet (the router priced none and no answer carried usage: streams"
                    " without stream_options.include_usage)")
+            decode = AGGREGATED_DECODE if aggregated else self.decode.hold(obs.at_s, s, why)
             return Decision(obs.at_s, forecast, sizing_rate, hit, math.nan, self.prefill.hold(obs.at_s, s, why),
-                            self.decode.hold(obs.at_s, s, why))
+                            decode)
         need = self.sizer.size(sizing_rate, inputs, outputs, hit, scv)
         # A scale-down is judged on the rate without the trend: a trend that noise bent up scaled
         # the pool up, and once it bent back the workers were shed again (audit s34 a5 D2). The
@@ -442,6 +462,11 @@ class LivePlanner:
                f" <= {self.sizer.targets.ttft_s:g} s)" + (f"; {need.note}" if need.note else "")
                + self._unmeasured(obs))
         banded = self.sizer.size(holding_rate * (1 + s.scale_down_band), inputs, outputs, hit, scv)
+        if aggregated:
+            both = self.prefill.decide(obs.at_s, max(need.prefill_workers, need.decode_workers),
+                                       max(banded.prefill_workers, banded.decode_workers), s,
+                                       f"prefill needs {need.prefill_workers}, decode {need.decode_workers}: {why}")
+            return Decision(obs.at_s, forecast, sizing_rate, hit, need.predicted_ttft_s, both, AGGREGATED_DECODE)
         prefill = self.prefill.decide(obs.at_s, need.prefill_workers, banded.prefill_workers, s, why)
         decode = self.decode.decide(obs.at_s, need.decode_workers, banded.decode_workers, s, why)
         return Decision(obs.at_s, forecast, sizing_rate, hit, need.predicted_ttft_s, prefill, decode)

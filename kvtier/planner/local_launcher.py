@@ -10,7 +10,8 @@ It keeps :mod:`kvtier.planner.launchers`' contract against a running ``kvtier ro
   become healthy in time or cannot be registered (the router refuses it or does not answer)
   is stopped with its whole process group and marked ``failed``; no new start is tried for
   ``failure_backoff_s``, doubled after each further round of failures up to
-  ``max_failure_backoff_s`` (a broken command must not be relaunched every interval). The same
+  ``max_failure_backoff_s`` (a broken command must not be relaunched every interval); a round
+  of failures ends once a started worker has served ``early_crash_s``. The same
   thread then watches the serving worker: one whose process exits (OOM, a crash) is marked
   ``failed``, its group killed and the router told to forget it, so that ``list`` no longer
   counts it and the planner starts a replacement at once (a crash is no failed start: it charges
@@ -23,7 +24,7 @@ It keeps :mod:`kvtier.planner.launchers`' contract against a running ``kvtier ro
   removes it from the router, then stops it: SIGTERM to its main process (vLLM shuts down in
   order, the connector flushes its store), SIGKILL to its process group after :meth:`stop_timeout`
   (``stop_timeout_s``, or by default what the ``--shutdown-timeout`` the workers run with needs:
-  :func:`stop_timeout_for`).
+  :func:`stop_timeout_for`, worked out at construction, before the launcher has a thread).
   A drain the router refuses or does not answer leaves the worker serving (the planner asks
   again next interval), except during ``close()``: then the worker is stopped regardless.
 - Workers found already running (``adopt``) are drained and removed like the others but
@@ -65,7 +66,7 @@ from pathlib import Path
 from kvtier.child_process import Spawner
 from kvtier.errors import ConfigError
 from kvtier.planner.launchers import KEEP_FINISHED, WorkerRecord
-from kvtier.router.config import replay_beside
+from kvtier.router.config import normal_url, replay_beside
 
 log = logging.getLogger(__name__)
 
@@ -205,7 +206,8 @@ class RouterAdmin:
         return self._ok("DELETE", "/admin/workers", {"url": url, "force": force})
 
     def workers(self) -> dict[str, dict]:
-        return {w["url"]: w for w in self._ok("GET", "/admin/workers").get("workers", [])}
+        # (keyed as the launcher names its workers: normal_url, as the router does)
+        return {normal_url(w["url"]): w for w in self._ok("GET", "/admin/workers").get("workers", [])}
 
 
 def _free_port(host: str) -> int:
@@ -229,6 +231,7 @@ class _Process:
     log_path: Path | None
     started_s: float = 0.0              # monotonic time of the start (a round of failures: after the last one)
     serving_s: float = 0.0              # when it joined the router (a listing older than that does not show it)
+    started_well: bool = False          # it served past early_crash_s: its start ended a round of failures
     starter: threading.Thread | None = None                            # the thread that brings it up
     threads: list[threading.Thread] = field(default_factory=list)      # its transitions' threads
     #: held while a thread changes its registration (a re-add, a drain): neither undoes the other
@@ -242,7 +245,9 @@ class LocalLauncher:
     run_dir: Path
     health_timeout_s: float = 600.0
     drain_timeout_s: float = 300.0
-    stop_timeout_s: float | None = None    #: SIGTERM to SIGKILL; None: :func:`stop_timeout_for` the template
+    #: SIGTERM to SIGKILL; None: :func:`stop_timeout_for` the template, at construction (reading the
+    #: worker arguments imports vLLM: seconds)
+    stop_timeout_s: float | None = None
     failure_backoff_s: float = 60.0
     max_failure_backoff_s: float = 600.0   #: the backoff doubles per round of failed starts up to this
     early_crash_s: float = 30.0            #: a serving worker that dies within this long of joining failed to start
@@ -254,7 +259,7 @@ class LocalLauncher:
     _procs: dict[str, _Process] = field(default_factory=dict)
     _serial: int = 0
     _last_failure_s: float = -1e18
-    _failures: int = 0                     # rounds of failures since a worker last joined the router
+    _failures: int = 0                     # rounds of failures since a worker last served past early_crash_s
     _actions_total: int = 0
     _failed_logs: deque = field(default_factory=deque)
     _listing: tuple[float, set[str] | None] = (-1e18, None)   # (fetched at, URLs) shared by the watchers
@@ -273,20 +278,27 @@ class LocalLauncher:
         self.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._lock = threading.RLock()   # _record is called with it held too
         self._listing_lock = threading.Lock()
+        if self.stop_timeout_s is None:
+            # here, before this launcher has a thread: vLLM's parser is quieted by swapping the
+            # process-wide sys.stdout and sys.stderr while vLLM imports (seconds); worked out at
+            # the first stop, on a drain thread, that swallowed the planner's decision lines, and
+            # two stops at once left sys.stdout swapped for good (audit s34 r3 D2)
+            self.stop_timeout_s = self._stop_timeout_of_template()
         # start() may run on any thread, and PR_SET_PDEATHSIG follows the thread that forked
         self._spawner = Spawner("kvtier-launcher-spawn")
 
+    def _stop_timeout_of_template(self) -> float:
+        """:func:`stop_timeout_for` the template; arguments kvtier's connector refuses (no worker
+        of them will ever start) leave the least timeout."""
+        try:
+            return stop_timeout_for(self.template)
+        except ConfigError as exc:
+            log.warning("worker arguments: %s; stopping workers after %.0f s", exc, MIN_STOP_TIMEOUT_S)
+            return MIN_STOP_TIMEOUT_S
+
     def stop_timeout(self) -> float:
         """Seconds from a worker's SIGTERM to its group's SIGKILL: ``stop_timeout_s``, or what the
-        template's workers need, worked out at the first stop (reading the arguments imports
-        vLLM: seconds a planner need not spend before its first interval). Arguments kvtier's
-        connector refuses (no worker of them ever started) leave the least timeout."""
-        if self.stop_timeout_s is None:
-            try:
-                self.stop_timeout_s = stop_timeout_for(self.template)
-            except ConfigError as exc:
-                log.warning("worker arguments: %s; stopping workers after %.0f s", exc, MIN_STOP_TIMEOUT_S)
-                self.stop_timeout_s = MIN_STOP_TIMEOUT_S
+        template's workers need (worked out at construction)."""
         return self.stop_timeout_s
 
     # --- the launcher contract -------------------------------------------------------
@@ -294,7 +306,9 @@ class LocalLauncher:
         """A worker already registered with the router (started by someone else)."""
         with self._lock:
             self._serial += 1
-            worker = WorkerRecord(f"{pool}-{self._serial}", pool, "serving", url.rstrip("/"))
+            # named as the router names it (normal_url): the spelling given (http://GPU-Node:8000)
+            # was never found in the router's listing, so its drain neither waited nor removed it
+            worker = WorkerRecord(f"{pool}-{self._serial}", pool, "serving", normal_url(url))
             self.workers.append(worker)
             self._procs[worker.name] = _Process(None, None, None)
         return worker
@@ -308,7 +322,7 @@ class LocalLauncher:
             name = f"{pool}-{self._serial}"
             core = self.template.cores[(self._serial - 1) % len(self.template.cores)] if self.template.cores else None
         port = _free_port(self.template.host)
-        url = f"http://{self.template.host}:{port}"
+        url = normal_url(f"http://{self.template.host}:{port}")   # (as the router will name it)
         events = self._events_endpoint(name) if self.template.kv_events else None
         cmd = [*self.template.program, "serve", self.template.model,
                "--host", self.template.host, "--port", str(port), *self.template.vllm_args]
@@ -445,7 +459,6 @@ class LocalLauncher:
                     if worker.state == "starting":
                         worker.state = "serving"
                         proc.serving_s = time.monotonic()
-                        self._failures = 0   # a start that works ends a round of failures
                         self._record("serving", worker)
                 if worker.state == "serving":
                     return self._watch(worker)
@@ -465,6 +478,8 @@ class LocalLauncher:
         proc = record.proc
         next_check = time.monotonic() + self.registration_check_s
         while proc is not None and worker.state == "serving":   # None: adopted, not ours to watch
+            if not record.started_well and not self._joined_just_now(record):
+                self._started_well(record)
             if proc.poll() is not None:
                 with self._lock:
                     if worker.state != "serving":   # a drain began: its thread stops the worker
@@ -581,6 +596,14 @@ class LocalLauncher:
                 starter.join()
             self._forget(worker)
         self.stop(worker)
+
+    def _started_well(self, record: _Process) -> None:
+        """A worker served past ``early_crash_s``: a start that works ends a round of failures.
+        Not at joining: a worker that dies on its first requests is a failed start, and a crash
+        loop on joining reset the round each time, so its backoff never doubled (audit s34 r3 D4)."""
+        with self._lock:
+            record.started_well = True
+            self._failures = 0
 
     def _joined_just_now(self, record: _Process) -> bool:
         """Whether a serving worker that died joined the router within ``early_crash_s``: then

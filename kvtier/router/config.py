@@ -75,12 +75,25 @@ class WorkerSpec:
         return cls(normal_url(url), found.get("events"), found.get("replay"))
 
 
+#: the port a scheme's URL means when it names none: written out, it names the same worker
+DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
 def normal_url(url: str) -> str:
     """``url`` as the router names a worker: scheme and host in lower case (as DNS and HTTP read
-    them), no trailing slash, so that one worker given two ways is one name (a ``ValueError`` for
-    a URL ``urlsplit`` cannot read)."""
+    them), the port as a number and left out where it is the scheme's default, no trailing slash,
+    so that one worker given two ways is one name: ``HTTPS://LLM:443/`` and ``https://llm`` are
+    ``https://llm`` (the explicit default port made two workers of one: audit s34 r4 D4). A
+    ``ValueError`` for a URL ``urlsplit`` cannot read, or a port that is no number up to 65535."""
     parts = urlsplit(url)
-    return f"{parts.scheme.lower()}://{parts.netloc.lower()}{parts.path.rstrip('/')}"
+    scheme, port = parts.scheme.lower(), parts.port
+    host = parts.hostname or ""
+    if ":" in host:   # an IPv6 address, bracketed as a URL writes it
+        host = f"[{host}]"
+    if port is not None and port != DEFAULT_PORTS.get(scheme):
+        host += f":{port}"
+    user, at, _ = parts.netloc.rpartition("@")   # (kept: such a URL is refused, never named another's)
+    return f"{scheme}://{user}{at}{host}{parts.path.rstrip('/')}"
 
 
 def beyond_base_url(url: str) -> str | None:
