@@ -4,7 +4,8 @@ private file) or ``--token -`` (stdin), and $KVTIER_ADMIN_TOKEN as before; ``has
 stdin. A token still given as an argument works, with a one-line warning on stderr. The commands
 run as processes against a real ``kvtier serve``.
 
-(s34 audit a8 D4: only ``--token TOKEN`` and ``hash-token TOKEN`` took the token.)"""
+(s34 audit a8 D4: only ``--token TOKEN`` and ``hash-token TOKEN`` took the token. r7 D3: ``kvtier top
+--token -`` with an empty stdin ran on without a token, exit 0, not a word said.)"""
 
 from __future__ import annotations
 
@@ -145,3 +146,16 @@ def test_top_takes_the_token_from_a_file_for_the_per_tenant_series(srv, token_fi
     assert all("acme" in run.stdout for run in (with_file, from_stdin, in_argv))
     assert "acme" not in without.stdout  # (the control: the tenants need the token)
     assert [WARNING in run.stderr for run in (with_file, from_stdin, without, in_argv)] == [False, False, False, True]
+
+
+def test_token_from_stdin_with_no_token_there_is_a_usage_error_for_top_and_admin(srv):
+    """A secret pipe that failed (``vault … | kvtier top --token -``), or a closed stdin: exit 2 and
+    why, not a run without the token nor one with the environment's in its place."""
+    env = {"KVTIER_ADMIN_TOKEN": ADMIN, "KVTIER_METRICS_TOKEN": ADMIN}  # (never taken instead)
+    said = "--token -: stdin held no token"
+    for stdin in ("", "\n", "  \n" + ADMIN + "\n"):
+        top = _kvtier("top", "--server", srv.info["metrics"], "--token", "-", "--once", stdin=stdin, env=env)
+        admin = _kvtier("admin", "--url", srv.tcp_url, "--token", "-", "usage", stdin=stdin, env=env)
+        for run in (top, admin):
+            assert run.returncode == 2 and said in run.stderr and "Traceback" not in run.stderr, (stdin, run)
+        assert "acme" not in top.stdout and not admin.stdout

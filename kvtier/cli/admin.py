@@ -11,6 +11,7 @@ but is visible to every local user while the command runs -- ``ps`` -- and is wa
 
     kvtier admin --url tcp://127.0.0.1:7070 usage
     kvtier admin --url … erase --tenant acme [--namespace NS] [--session ID]
+    kvtier admin --url … erase --tenant globex --offboarded  # one taken out of the config
     kvtier admin --url … set-quota --tenant acme 2GiB        # 0: no quota
     kvtier admin --url … set-ttl --tenant acme [--namespace NS] 3600   # 0: no expiry
     kvtier admin --url … set-ttl --tenant acme --namespace NS --unset  # NS follows the tenant's TTL
@@ -20,9 +21,11 @@ even under a tenant TTL; ``--unset`` removes the namespace's own TTL (it then fo
 tenant's). A tenant's ``0`` (or ``--unset``) removes the tenant's TTL.
     kvtier admin --url … stats
 
-``erase --tenant T`` also takes a tenant taken out of the config since, erased whole, while the
-key store holds its keys (or the server found its blocks on disk at start): offboarding a tenant
-and erasing it may come in either order.
+``erase --tenant T --offboarded`` takes a tenant taken out of the config since, erased whole, while
+the key store holds its keys (or the server found its blocks on disk at start): offboarding a tenant
+and erasing it may come in either order. Without ``--offboarded`` a name not in the server's config
+is refused: a key store may be shared by several servers, and an erase sent to the wrong one must
+not shred the keys of a tenant another server serves.
 
 Every admin call is recorded in the server's audit log. Output is JSON.
 
@@ -60,8 +63,10 @@ def register(subparsers) -> None:
     e = sub.add_parser("erase", help="delete every block of a tenant, or of one namespace / session of it",
                        description="Exit status 3: partly done (copies a tier could not remove, or keys not "
                                    "shredded; the reply's error says which). 0 only for a complete erasure.")
-    e.add_argument("--tenant", required=True, help="tenant name, or shared/NAME for a shared namespace (one taken "
-                                                   "out of the config too, while the key store holds its keys)")
+    e.add_argument("--tenant", required=True, help="tenant name, or shared/NAME for a shared namespace")
+    e.add_argument("--offboarded", action="store_true",
+                   help="the tenant was taken out of this server's config: erase it whole and shred its keys "
+                        "(for every server sharing the key store: check it is no other server's tenant)")
     e.add_argument("--namespace")
     e.add_argument("--session")
     q = sub.add_parser("set-quota", help="set a tenant's quota (0: none)")
@@ -117,7 +122,8 @@ def _run(args) -> int:
     if cmd in ("usage", "stats"):
         call = {"cmd": cmd, "args": {}}
     elif cmd == "erase":
-        call = {"cmd": "erase", "args": {"tenant": args.tenant, "namespace": args.namespace, "session": args.session}}
+        call = {"cmd": "erase", "args": {"tenant": args.tenant, "namespace": args.namespace, "session": args.session,
+                                         **({"offboarded": True} if args.offboarded else {})}}
     elif cmd == "set-quota":
         try:
             size = parse_size(args.size, "size")
@@ -175,11 +181,18 @@ def given_token(args, command: str, env: tuple[str, ...]) -> str | None:
     """The token ``args`` give ``command`` (its :func:`add_token_options`): ``--token-file``'s, the first
     line of stdin for ``--token -``, ``--token``'s own (a warning on stderr: the arguments of a process
     are every local user's to read), else that of the first variable of ``env`` set; None if none is.
-    Raises ConfigError for a token file refused (not private, not text)."""
+    Raises ConfigError for a token file refused (not private, not text), and for ``--token -`` with
+    no token on stdin: a secret pipe that failed (``vault … | kvtier top --token -``) or a closed stdin
+    must stop the command, not run it without a token or fall back to the environment's."""
+    from kvtier.errors import ConfigError
+
     if args.token_file is not None:
         return _token_in_file(args.token_file)
     if args.token == "-":
-        return sys.stdin.readline().strip()
+        token = sys.stdin.readline().strip()
+        if not token:
+            raise ConfigError("--token -: stdin held no token (an empty first line)")
+        return token
     if args.token:
         warn_token_in_argv(command, "give it with " + TOKEN_WAYS.format(env="$" + env[0]))
         return args.token

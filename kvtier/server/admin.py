@@ -15,8 +15,8 @@ fleet journal, if any, is written anew after it (no record of an erased block
 stays in it; one whose removal a Mooncake fleet owes -- it did not answer -- goes
 once the removal lands, and the reply counts that block ``refused`` meanwhile);
 the rest is immediate. A tenant taken out of the config is still erased whole (its keys
-shredded, its tombstone recorded) while the key store holds its keys or this start found its
-blocks on disk (:meth:`AdminAPI._erasable_owner`).
+shredded, its tombstone recorded) when the call says so (``"offboarded": true``) and the key store
+holds its keys or this start found its blocks on disk (:meth:`AdminAPI._erasable_owner`).
 """
 
 from __future__ import annotations
@@ -248,17 +248,23 @@ class AdminAPI:
         return owner
 
     async def _erasable_owner(self, args: dict) -> str:
-        """The owner an erase names: a configured one (:meth:`_owner`), or one taken out of the
-        config since (offboarded) that left something to erase -- keys in the key store, or blocks
-        the disk held at this start. Offboarding must not leave a tenant's keys behind for good:
-        every surviving copy of its sealed blocks (a backup of disk_dir, the fleet) would stay
-        readable. A name that never was a tenant's is still unknown (and a configured tenant's name
-        takes the usual path): no typo shreds anything."""
-        owner = args.get("tenant")
-        if (isinstance(owner, str) and owner not in self.owners and _owner_shaped(owner)
-                and await self.svc.io.run(ADMIN_LANE, self._left_behind, owner)):
+        """The owner an erase names: a configured one (:meth:`_owner`), or -- only with
+        ``"offboarded": true`` -- one taken out of the config since that left something to erase:
+        keys in the key store, or blocks the disk held at this start. Offboarding must not leave a
+        tenant's keys behind for good: every surviving copy of its sealed blocks (a backup of
+        disk_dir, the fleet) would stay readable. But a key store may be shared by several servers
+        (``keystore_dir``), so holding a name's keys does not make it this server's: without the
+        flag, a name not configured here is unknown (the error names the flag where there is
+        something to shred), and an erase sent to the wrong server shreds nothing. A name that
+        left nothing is unknown either way: no typo shreds anything."""
+        owner, offboarded = args.get("tenant"), _opt_bool(args, "offboarded")
+        if not isinstance(owner, str) or owner in self.owners or not _owner_shaped(owner):
+            return self._owner(args)
+        left_behind = await self.svc.io.run(ADMIN_LANE, self._left_behind, owner)
+        if offboarded and left_behind:
             return owner
-        return self._owner(args)
+        raise ValueError(f"unknown tenant {owner!r}; known: {sorted(self.owners)}"
+                         + (_OFFBOARDED_HINT.format(owner=owner) if left_behind and not offboarded else ""))
 
     def _left_behind(self, owner: str) -> bool:
         """Whether ``owner``, not configured, left keys in the key store or blocks on disk at this
@@ -267,6 +273,13 @@ class AdminAPI:
         return ((spill is not None and owner in spill.unconfigured_owners)
                 or (keyring is not None and key_store_holds(keyring, owner)))
 
+
+#: what an erase of a name not configured adds where the key store holds its keys (or the disk held
+#: its blocks at this start) but the call did not say it was offboarded
+_OFFBOARDED_HINT = ("; the key store holds keys of {owner!r} (or this start found its blocks on disk), which may be "
+                    "another server's tenant sharing the key store: if {owner!r} was this server's and was taken out "
+                    "of its config, erase it with --offboarded (\"offboarded\": true), which shreds its keys for "
+                    "every server sharing the key store")
 
 #: the most bytes the argument names of a refused ADMIN frame take in its audit line, escaped
 REFUSED_ARGS_BYTES = 640
@@ -335,6 +348,16 @@ def _owner_shaped(name: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def _opt_bool(args: dict, name: str) -> bool:
+    """A flag argument: true, false, or absent (false)."""
+    value = args.get(name, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be true or false")
+    return value
 
 
 def _opt_str(args: dict, name: str) -> str | None:

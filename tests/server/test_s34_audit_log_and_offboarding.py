@@ -4,7 +4,9 @@ still be erased, its keys shredded. Real ``kvtier serve`` processes (:class:`Res
 (s34 audit a8 D2: an existing 0644 audit log was used as it was, and a symbolic link at its path was
 followed. D3: after a tenant's ``[[tenant]]`` was deleted and the server restarted, ``admin erase
 --tenant T`` answered "unknown tenant", so T's keys stayed in the key store for good and every copy
-of its sealed blocks stayed readable.)"""
+of its sealed blocks stayed readable. s34 r7 D2: the fix took any name the key store held keys of,
+and a key store may be shared: an erase sent to a server that never had T shredded the keys of the
+server that serves T. A name not in the config now takes ``"offboarded": true``.)"""
 
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ import json
 import os
 import shutil
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +23,7 @@ import pytest
 from kvtier.errors import ConfigError
 from kvtier.server.audit import AuditLog
 from tests.server.conftest import keys_for
-from tests.server.harness import tenants
+from tests.server.harness import TOKENS, tenants
 from tests.server.test_restart import SLOT, Restartable, block_files, get, put, stopped_cleanly
 
 MASTER = {"KVTIER_MASTER_KEY": "5a" * 32}
@@ -131,12 +135,13 @@ def test_an_offboarded_tenants_keys_are_shredded_by_erase_and_its_tombstone_outl
     try:
         keys_before = _key_files(s)
         assert len(keys_before) == 2, keys_before  # globex's and acme's
-        reply = s.admin("erase", tenant="globex")
+        reply = s.admin("erase", tenant="globex", offboarded=True)
         assert reply == {"ok": True, "erased": 0, "keys_shredded": True}, reply
         assert len(_key_files(s)) == 1 and _key_files(s) < keys_before
         assert get(s.srv, "acme", "n", ACME_KEYS) == [True] * len(ACME_KEYS)  # acme's keys are left alone
         # done already: a second erase finds nothing left to shred, and is not refused
-        assert s.admin("erase", tenant="globex") == {"ok": True, "erased": 0, "keys_shredded": False}
+        assert s.admin("erase", tenant="globex", offboarded=True) == {"ok": True, "erased": 0,
+                                                                      "keys_shredded": False}
     finally:
         stopped_cleanly(*s.stop())
     # globex comes back (a new contract), and the old backup of its files is put back: the tombstone
@@ -154,7 +159,7 @@ def test_an_offboarded_tenants_keys_are_shredded_by_erase_and_its_tombstone_outl
 def test_an_offboarded_tenant_whose_blocks_the_disk_held_is_erased_without_encryption(tmp_path):
     s, _ = _offboarded(tmp_path)
     try:
-        assert s.admin("erase", tenant="globex") == {"ok": True, "erased": 0}
+        assert s.admin("erase", tenant="globex", offboarded=True) == {"ok": True, "erased": 0}
     finally:
         stopped_cleanly(*s.stop())
 
@@ -164,10 +169,12 @@ def test_a_name_that_never_was_a_tenant_is_still_unknown_and_shreds_nothing(tmp_
     try:
         keys_before = _key_files(s)
         for name in ("globexx", "initech", "shared/nothing", "../globex"):
-            reply = s.admin("erase", tenant=name)
-            assert not reply["ok"] and reply["error"].startswith(f"unknown tenant {name!r}"), reply
+            for offboarded in (False, True):
+                reply = s.admin("erase", tenant=name, offboarded=offboarded)
+                assert not reply["ok"] and reply["error"].startswith(f"unknown tenant {name!r}"), reply
+                assert "--offboarded" not in reply["error"], reply  # (nothing of it to shred: no hint)
         # an offboarded tenant is erased whole only: a namespace's erase would shred nothing
-        reply = s.admin("erase", tenant="globex", namespace="n")
+        reply = s.admin("erase", tenant="globex", namespace="n", offboarded=True)
         assert not reply["ok"] and "no longer configured" in reply["error"], reply
         assert _key_files(s) == keys_before
         # a configured tenant takes the usual path (control)
@@ -179,3 +186,71 @@ def test_a_name_that_never_was_a_tenant_is_still_unknown_and_shreds_nothing(tmp_
         assert not reply["ok"] and "unknown tenant" in reply["error"], reply
     finally:
         stopped_cleanly(*s.stop())
+
+
+def test_an_offboarded_tenant_is_erased_only_when_the_call_says_it_was_offboarded(tmp_path):
+    s, _ = _offboarded(tmp_path, encrypt_at_rest=True)
+    try:
+        keys_before = _key_files(s)
+        reply = s.admin("erase", tenant="globex")
+        assert not reply["ok"] and reply["error"].startswith("unknown tenant 'globex'"), reply
+        assert "--offboarded" in reply["error"], reply  # (the key store holds its keys: the way is named)
+        assert _key_files(s) == keys_before
+        reply = s.admin("erase", tenant="globex", offboarded="yes")
+        assert not reply["ok"] and "offboarded must be true or false" in reply["error"], reply
+        assert _key_files(s) == keys_before
+        # a configured tenant takes the usual path, with the flag or without it
+        assert s.admin("erase", tenant="acme", namespace="n", offboarded=True) == {
+            "ok": True, "erased": len(ACME_KEYS), "keys_shredded": False}
+    finally:
+        stopped_cleanly(*s.stop())
+
+
+def test_kvtier_admin_erase_offboarded_shreds_an_offboarded_tenants_keys(tmp_path):
+    s, _ = _offboarded(tmp_path, encrypt_at_rest=True)
+    try:
+        keys_before = _key_files(s)
+        plain = _kvtier_admin(s, "erase", "--tenant", "globex")
+        assert plain.returncode == 1 and "--offboarded" in plain.stdout, plain
+        assert _key_files(s) == keys_before
+        offboarded = _kvtier_admin(s, "erase", "--tenant", "globex", "--offboarded")
+        assert offboarded.returncode == 0, offboarded
+        assert json.loads(offboarded.stdout) == {"ok": True, "erased": 0, "keys_shredded": True}
+        assert len(_key_files(s)) == 1
+    finally:
+        stopped_cleanly(*s.stop())
+
+
+def _kvtier_admin(s: Restartable, *argv: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "KVTIER_ADMIN_TOKEN"} | {"PYTHONWARNINGS": "ignore"}
+    return subprocess.run([sys.executable, "-m", "kvtier.cli.main", "admin", "--url", s.srv.tcp_url, "--token", "-",
+                           *argv], input=TOKENS["admin"] + "\n", capture_output=True, text=True, env=env, timeout=60)
+
+
+def test_an_erase_sent_to_a_server_that_never_had_the_tenant_leaves_the_shared_key_store_alone(tmp_path):
+    """Servers A and B share one key store (``keystore_dir``) and one master key; globex is B's
+    tenant only. An erase of globex sent to A -- a wrong URL -- must not shred the keys B reads
+    globex's blocks with."""
+    keystore = tmp_path / "shared-keystore"
+    shared = {"encrypt_at_rest": True, "capacity": 4 * SLOT, "keystore_dir": str(keystore)}
+    b = Restartable(tmp_path / "b", **shared)
+    a = Restartable(tmp_path / "a", {n: spec for n, spec in tenants().items() if n != "globex"}, **shared)
+    a.env = b.env = MASTER
+    for server in (a, b):
+        server.workdir.mkdir()
+    b.start()
+    try:
+        globex = keys_for("on-b-only", N)  # 6 blocks in 4 slots: 2 spilled, sealed under globex's keys
+        put(b.srv, "globex", "n", globex)
+        keys_before = {p.name for p in keystore.glob("*.json")}
+        a.start()
+        try:
+            reply = a.admin("erase", tenant="globex")
+        finally:
+            stopped_cleanly(*a.stop())
+        assert not reply["ok"] and reply["error"].startswith("unknown tenant 'globex'"), reply
+        assert "--offboarded" in reply["error"], reply
+        assert {p.name for p in keystore.glob("*.json")} == keys_before
+        assert get(b.srv, "globex", "n", globex) == [True] * N
+    finally:
+        stopped_cleanly(*b.stop())
