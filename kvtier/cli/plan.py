@@ -452,10 +452,14 @@ def _live_launcher(args):
                           "(the router starts with at least one)")
     from kvtier.router.config import WorkerSpec
 
+    adopted = set()
     for url in args.adopt:   # (a URL the router could not name is a one-line error, not a traceback)
         if "," in url:
             raise ConfigError(f"--adopt {url!r}: give the worker's URL alone")
-        WorkerSpec.parse(url)
+        name = WorkerSpec.parse(url).url
+        if name in adopted:   # (one worker counted twice: the fleet would stay one short of every decision)
+            raise ConfigError(f"--adopt {url!r}: that worker is given twice")
+        adopted.add(name)
     try:
         cores = tuple(int(c) for c in args.cores.split(",") if c.strip())
     except ValueError:
