@@ -166,9 +166,12 @@ class ServerConfig:
     #: value, 0 included, is taken as 0.05: kvtier/server/server.py's sweeper), so none spins
     sweep_interval_s: float = 1.0
     #: with a Mooncake fleet: how often at most the sweep begins a pass over the entries indexed at the
-    #: fleet, asking it about each (a slice a sweep), so that what it evicted on its own and told no
-    #: one leaves the index and the fleet journal within about this long; shorter costs a copy of
-    #: the index's keys and a fleet lookup of each, that often (kvtier/server/fleet.py's FleetAudit)
+    #: fleet, asking it about each, the pass spread over the sweeps of this long, so that what it
+    #: evicted on its own and told no one leaves the index and the fleet journal within about twice
+    #: this long (found by the pass after the eviction) -- while a pass needs at most 32768 entries a
+    #: sweep (over fleet_audit_interval_s / sweep_interval_s sweeps): with more entries at the fleet,
+    #: a pass looks at 32768 a sweep and takes longer. Shorter costs a walk of the index's keys and a
+    #: fleet lookup of each entry at the fleet, that often (kvtier/server/fleet.py's FleetAudit)
     fleet_audit_interval_s: float = 30.0
     #: SIGTERM / SIGINT: how long to copy blocks not yet on disk there before exiting
     shutdown_flush_timeout_s: float = 30.0

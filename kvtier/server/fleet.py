@@ -12,9 +12,11 @@ The fleet cannot be listed (its names are one-way HMACs), and it drops blocks on
   block's index entry as a disk spill's annotation carries it (:mod:`kvtier.server.spill`:
   owner, namespace, key, session, creation time, header, size, parent, a shared block's payer; HMAC'd under the
   server's state key, the secret in ``state_dir`` whether or not there is a disk, so that a
-  disk added or dropped leaves them this server's; sealed under the master key with encryption
-  at rest) -- and refuses to store a block the index no longer holds (erased meanwhile). A
-  record is forgotten once a delete of the block reached the fleet. One whose removal is
+  disk added or dropped leaves them this server's; with encryption at rest sealed as a disk
+  spill's: whole under a key of the owner's, inside the owner and creation time sealed under the
+  master key's, so that a copy of the file tells the master key alone no more than those once an
+  erasure shredded the owner's keys) -- and refuses to store a block the index no longer holds
+  (erased meanwhile), or one of an owner whose keys are gone (shredded meanwhile). A record is forgotten once a delete of the block reached the fleet. One whose removal is
   *owed* -- the fleet could not be asked, or refused it even forced (a lease it would not
   break) -- stays, and the delete reports the block not removed (an erase
   then answers it ``refused``: a copy other servers of the fleet read whole is still there).
@@ -55,14 +57,20 @@ The fleet cannot be listed (its names are one-way HMACs), and it drops blocks on
   (:mod:`kvtier.server.recovery`): a shredded owner's names no longer derive. With encryption at
   rest, a record that authenticates but whose owner has no keys in the key store is kept, its
   block left in the fleet (not indexed): that key store may just not be the one it was written
-  with (:class:`~kvtier.server.recovery.OwnersWithoutKeys`); only a tombstone erases. One of a
+  with (:class:`~kvtier.server.recovery.OwnersWithoutKeys`); only a tombstone erases. (A record
+  whose owner's layer does not open -- its keys shredded, or made anew since -- tells owner and
+  time only, :class:`~kvtier.server.spill.OwnerOnly`: an erasure of the whole owner covers it and
+  deletes its block; otherwise it is rejected as one that does not describe its block, kept where
+  the key store lacks the owner.) One of a
   block the fleet no longer holds (one batched lookup) is forgotten; the others are indexed again
   (tier ``mooncake``), merged with the disk's in age order, so that erase, TTL and quotas reach
   them as before the restart. The journal is then written anew with the live records only
   (and again whenever forgotten records outnumber them). Records an earlier version wrote under
   the disk spill's secret (it keyed them so wherever there was a disk) are read under it too and
   written anew under the state key at this rewrite: never deleted from the fleet for authenticating
-  under another of the server's keys. (Tombstones are authenticated under the same state key: an
+  under another of the server's keys. So are records of the format sealed under the master key
+  only (before the owner's layer), where the owner's key is there to seal them anew; those of an
+  owner the key store lacks stay as they are. (Tombstones are authenticated under the same state key: an
   erasure cut short by a crash -- the index forgot the block, the fleet's delete never ran -- is
   completed at the next start.)
 * Without any state directory (no ``disk_dir``, no ``state_dir``) nothing is journaled: a clean
@@ -84,7 +92,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -98,9 +106,10 @@ from kvtier.server.fleet_journal import FleetJournal
 from kvtier.server.index import BlockEntry, BlockIndex
 from kvtier.server.recovery import Found, OwnersWithoutKeys, Writers, annotation_of, recovered_entry
 from kvtier.server.runtime_state import RuntimeState, blocks_held_in
-from kvtier.server.spill import NewestStamps, SpillAnnotation, SpillCodec
+from kvtier.server.spill import (OWNER_KEY_PURPOSE, NewestStamps, OwnerOnly, SpillAnnotation, SpillCodec,
+                                 sealed_for_owner)
 from kvtier.tiers.base import Status, refused_removals, report_refused
-from kvtier.tiers.mooncake import owed_removals_kept, unsent_puts
+from kvtier.tiers.mooncake import owed_removals_kept, unanswered_lookups, unsent_puts
 from kvtier.tiers.wrapper import WrappingTier
 
 log = logging.getLogger(__name__)
@@ -112,10 +121,12 @@ _NOT_STORED = frozenset({Status.FULL, Status.TOO_LARGE})
 
 
 class Authenticated(NamedTuple):
-    """A record's annotation, if it authenticates, and whether only an older key of the server's does."""
+    """A record's annotation if it authenticates (owner and time only where the owner's layer does
+    not open: :class:`~kvtier.server.spill.OwnerOnly`), and whether it is to be written anew: only
+    an older key of the server's authenticates it, or it is of a format not sealed for its owner."""
 
-    note: SpillAnnotation | None
-    older_key: bool
+    note: SpillAnnotation | OwnerOnly | None
+    outdated: bool
 
 
 class FleetRecords:
@@ -141,8 +152,17 @@ class FleetRecords:
         if entry is None:
             return None
         note = annotation_of(entry)
+        record = self.packed(name, note)
+        if record is None:
+            return None  # its owner's keys were shredded since (an erasure): it must not be stored
         self.stamps.note(note.owner, note.created_wall)
-        return self.codec.pack(name, note), entry
+        return record, entry
+
+    def _owner_key(self, owner: str) -> bytes | None:
+        """With encryption at rest, the key of ``owner``'s own its records are sealed under too (as its
+        spill annotations: :mod:`kvtier.server.spill`), so that shredding its keys leaves no copy of
+        them readable; None without, or where the key store holds no keys of ``owner``'s."""
+        return None if self.keyring is None else self.keyring.derived_key(owner, OWNER_KEY_PURPOSE)
 
     def indexed(self, name: bytes) -> bool:
         """Whether the index holds the block stored under ``name``."""
@@ -151,25 +171,39 @@ class FleetRecords:
 
     def authenticated(self, name: bytes, record: bytes) -> Authenticated:
         """The annotation of a record if it authenticates for ``name`` under one of the server's keys
-        (whether it describes the block so named is :meth:`describes`; None if none does), and
-        whether only an older key does: such a record is no stranger's, its block must not be
-        deleted for it; it is written anew under the current key (:meth:`rekeyed`)."""
-        note = self.codec.unpack(name, record)
+        (whether it describes the block so named is :meth:`describes`; None if none does; owner and
+        time only where its owner's key does not open the rest), and whether it is outdated: only an
+        older key authenticates it -- no stranger's record, its block must not be deleted for it --
+        or, with encryption at rest, it is not sealed for its owner (an earlier version's). Either is
+        written anew (:meth:`packed`): an older key may not be there at the next start (a disk
+        dropped from the config), and the master key alone opens the earlier format whole."""
+        note = self.codec.open(name, record, self._owner_key)
         if note is not None:
-            return Authenticated(note, False)
+            return Authenticated(note, isinstance(note, SpillAnnotation) and self._sealed_for_master_only(record))
         for codec in self.older_codecs:
             if (note := codec.unpack(name, record)) is not None:
                 return Authenticated(note, True)
         return Authenticated(None, False)
 
-    def rekeyed(self, name: bytes, note: SpillAnnotation) -> bytes:
-        """The record of ``note`` under the current key (one read under an older key, written anew:
-        that key may not be there at the next start -- a disk dropped from the config)."""
-        return self.codec.pack(name, note)
+    def _sealed_for_master_only(self, record: bytes) -> bool:
+        return self.codec.seals and self.keyring is not None and not sealed_for_owner(record)
 
-    def describes(self, name: bytes, note: SpillAnnotation) -> bool:
+    def packed(self, name: bytes, note: SpillAnnotation) -> bytes | None:
+        """The record of ``note`` for ``name`` under the current key, in the current format: with
+        encryption at rest sealed for its owner too; None where the key store holds no keys of the
+        owner's (shredded: nothing is to be recorded of it; or one :meth:`authenticated` found
+        outdated is kept as it is)."""
+        owner_key = self._owner_key(note.owner)
+        if owner_key is None and self.keyring is not None:
+            return None
+        return self.codec.pack(name, note, owner_key)
+
+    def describes(self, name: bytes, note: SpillAnnotation | OwnerOnly) -> bool:
         """Whether an authenticated annotation describes the block named ``name``: the name derives
-        from its owner, namespace and key (as a disk file's does), and its header from its key and size."""
+        from its owner, namespace and key (as a disk file's does), and its header from its key and size.
+        (Never one whose owner's layer does not open: nothing binds it.)"""
+        if isinstance(note, OwnerOnly):
+            return False
         skey = KeySpace.of(note.owner, note.namespace).storage_key(note.key)
         # (existing_storage_key: checking a name creates no keys for an owner the store lacks)
         if name != (skey if self.keyring is None else self.keyring.existing_storage_key(note.owner, skey)):
@@ -284,7 +318,7 @@ class JournaledFleet(WrappingTier):
     def delete(self, key) -> bool:
         return self.delete_many([key])[0]
 
-    def delete_many(self, keys) -> list[bool]:
+    def delete_many(self, keys, *, since: int | None = None) -> list[bool]:
         """As the fleet's; the records of the blocks whose removal landed are forgotten. Every name
         is passed on, the fleet down or not: a block this server never placed may be another
         server's copy (a fleet shared under one secret names it alike), and a fleet that cannot be
@@ -296,9 +330,12 @@ class JournaledFleet(WrappingTier):
         held is retried, not reported: the common case during an outage, never placed anywhere. Those
         are what the fleet tier gives up past its bound on owed names (an outage of hours); a recorded
         block's removal is kept owed whatever the bound (:func:`~kvtier.tiers.mooncake.owed_removals_kept`).
-        A placed block's owed removal keeps its record until :meth:`settle_removals` sees it land."""
+        A placed block's owed removal keeps its record until :meth:`settle_removals` sees it land.
+        ``since``: the journal's :attr:`~FleetJournal.seq` read before the caller judged these blocks
+        to go (default: now); the record of a placement after it is kept (:meth:`FleetJournal.forget`)."""
         names = [bytes(k) for k in keys]
-        since = self.journal.seq
+        if since is None:
+            since = self.journal.seq
         recorded = self.journal.recorded_among(names)
         owed_before = self._owed_by_fleet(keys)
         with refused_removals() as refused, owed_removals_kept(recorded):
@@ -335,22 +372,37 @@ class JournaledFleet(WrappingTier):
         erasures = self.tombstones.erasures() if self.tombstones is not None else {}
         if erasures == self._erasures_judged:
             return 0
+        walked_at = self.journal.seq  # (a placement after it is not of a record the walk judged)
         covered = [name for name, record in self.journal.records()
                    if not self.records.indexed(name) and self._erased(name, record)]
+        erased = 0
         for part in _batches(covered):
-            self.delete_many(part)  # (forgets the records of those whose removal landed)
+            part = self._still_unindexed(part, walked_at)
+            if part:
+                self.delete_many(part, since=walked_at)  # (forgets the records of those whose removal landed)
+                erased += len(part)
         self._erasures_judged = erasures
-        if covered:
+        if erased:
             try:
                 self.journal.compact()
             except OSError as exc:
                 log.warning("fleet journal %s could not be written anew after %d records of erased blocks were "
-                            "forgotten: %s", self.journal.path, len(covered), exc)
-        return len(covered)
+                            "forgotten: %s", self.journal.path, erased, exc)
+        return erased
+
+    def _still_unindexed(self, names: list[bytes], walked_at: int) -> list[bytes]:
+        """Those of ``names`` (judged unindexed by a walk begun at journal seq ``walked_at``) that the
+        index still does not hold and that no placement recorded since: the walk and each earlier
+        batch's delete (network calls) leave time for the tenant to put the same block again (one
+        content, one name) and for it to be demoted to the fleet. Deleted, and its record forgotten
+        with the seq read at the delete, that acknowledged block was lost while the index placed it
+        at the fleet (audit s34 r6 D2)."""
+        again = self.journal.placed_after(names, walked_at)
+        return [name for name in names if name not in again and not self.records.indexed(name)]
 
     def _erased(self, name: bytes, record: bytes) -> bool:
         note = self.records.authenticated(name, record).note
-        return note is not None and self.tombstones.erased(note.owner, note.namespace, note.session, note.created_wall)
+        return note is not None and erasure_covers(self.tombstones, note)
 
     def settle_removals(self) -> int:
         """Retry the removals the fleet owes now (see :meth:`delete_many`); forget the records of
@@ -456,15 +508,16 @@ def rebuild_from_journal(fleet: JournaledFleet, owners: set[str], erasures=None,
     doomed: list[bytes] = []
     keyless = OwnersWithoutKeys(records.keyring)
     kept: list[bytes] = []  # records of owners the key store has no keys of: left as they are
-    rekeyed: dict[bytes, bytes] = {}  # name → its record under the current key, where an older one's
+    # name → its record under the current key and format, where an older one's (written at the rewrite)
+    rekeyed: dict[bytes, bytes] = {}
     for name, record in journal.records():
-        note, older_key = records.authenticated(name, record)
-        if older_key:
-            rekeyed[name] = records.rekeyed(name, note)
+        note, outdated = records.authenticated(name, record)
+        if outdated and (fresh := records.packed(name, note)) is not None:
+            rekeyed[name] = fresh
         # An erasure's tombstone is judged before the name is checked: a shredded owner's names no
-        # longer derive, and its records say nothing about the master key.
-        if note is not None and erasures is not None and erasures.erased(note.owner, note.namespace, note.session,
-                                                                         note.created_wall):
+        # longer derive (nor does its records' owner layer open), and its records say nothing about
+        # the master key.
+        if note is not None and erasures is not None and erasure_covers(erasures, note):
             out.erased += 1
         elif note is None or not records.describes(name, note):
             out.rejected += 1
@@ -507,6 +560,16 @@ def rebuild_from_journal(fleet: JournaledFleet, owners: set[str], erasures=None,
                     note, fleet.name, name if records.keyring is not None else None, writers or {})))
     journal.rewrite()
     return out
+
+
+def erasure_covers(erasures: RuntimeState, note: SpillAnnotation | OwnerOnly) -> bool:
+    """Whether an erasure's tombstone covers the block an authenticated record describes. Of one whose
+    owner's layer does not open (:class:`~kvtier.server.spill.OwnerOnly`: its keys shredded), only an
+    erasure of the whole owner can be judged: namespace and session are sealed under those keys (as
+    for a disk file's annotation, :mod:`kvtier.server.recovery`)."""
+    if isinstance(note, OwnerOnly):  # (no namespace is empty: only the owner's whole tombstone matches)
+        return erasures.erased(note.owner, "", "", note.created_wall)
+    return erasures.erased(note.owner, note.namespace, note.session, note.created_wall)
 
 
 def _held(raw, journal: FleetJournal, names: list[bytes]) -> list[bool]:
@@ -556,31 +619,47 @@ class FleetAudit:
     """Which index entries the server's sweep asks the fleet about next: the fleet evicts on its
     own and tells no one, and most blocks demoted there are never asked for again, so their entries
     (and records) stayed for the life of the process, growing with every block ever demoted
-    (audit s34 a3 D3). A rotating slice of at most ``per_sweep`` storage keys a sweep (bounded work,
-    one batch call); every key indexed when a pass begins is looked at once in it, and a pass
-    begins at most every ``pass_interval_s`` (the server's ``fleet_audit_interval_s``): what is to
-    be bounded is the growth, not how soon an eviction is noticed (a client that asks is answered at
-    once), and a small index is not copied and asked about again every sweep. The sweep's alone: not
-    thread safe."""
+    (audit s34 a3 D3). A pass begins at most every ``pass_interval_s`` (the server's
+    ``fleet_audit_interval_s``) with a snapshot of the keys indexed at the fleet (tier ``tier``), and
+    looks at each once, a slice a sweep: sized for the pass to take about ``pass_interval_s`` at one
+    sweep every ``sweep_interval_s`` -- at least :data:`BATCH` keys (a small index is done in one
+    sweep, and not asked about again until the next pass), at most :attr:`MAX_PER_SWEEP` (bounded
+    work a sweep: past that many keys per sweep of a pass, a pass takes longer). (A slice of BATCH
+    keys of every tier made a pass of a 1M-block index take 245 sweeps, whatever the setting said:
+    audit s34 r6 D3.) The sweep's alone: not thread safe."""
 
-    def __init__(self, keys_of: Callable[[], list[bytes]], *, pass_interval_s: float,
-                 per_sweep: int = BATCH) -> None:
-        self._keys_of = keys_of  #: a snapshot of the keys indexed (one per pass)
-        self.per_sweep = per_sweep
+    #: the most keys one sweep looks at (asked of the fleet in lookups of BATCH names each)
+    MAX_PER_SWEEP = 8 * BATCH
+    #: the server sweeps at most this often, whatever ``sweep_interval_s`` says (kvtier/server/server.py)
+    _SWEEP_FLOOR_S = 0.05
+
+    def __init__(self, index: BlockIndex, tier: str, *, pass_interval_s: float, sweep_interval_s: float) -> None:
+        self._index = index
+        self._tier = tier
         self.pass_interval_s = pass_interval_s
+        #: the sweeps one pass is spread over
+        self._sweeps_a_pass = max(1, int(pass_interval_s / max(sweep_interval_s, self._SWEEP_FLOOR_S)))
+        self.per_sweep = BATCH  # (this pass's slice: set as it begins)
         self._todo: deque[bytes] = deque()
         self._next_pass = 0.0  # (the first sweep begins one: after a restart, what the journal brought back)
 
     def next_slice(self) -> list[bytes]:
-        """The next keys to look at (any tier's: the caller picks those at the fleet); none between
-        passes. Off the event loop: a pass begins with a copy of every key indexed."""
+        """The next keys to look at (indexed at the fleet when the pass began: the caller checks that
+        they still are); none between passes. Off the event loop: a pass begins with a walk of the
+        index's keys."""
         if not self._todo:
             now = time.monotonic()
             if now < self._next_pass:
                 return []
             self._next_pass = now + self.pass_interval_s
-            self._todo.extend(self._keys_of())
+            self._todo.extend(self._keys_at_fleet())
+            spread = -(-len(self._todo) // self._sweeps_a_pass)  # (rounded up: the pass ends in time)
+            self.per_sweep = min(self.MAX_PER_SWEEP, max(BATCH, spread))
         return [self._todo.popleft() for _ in range(min(self.per_sweep, len(self._todo)))]
+
+    def _keys_at_fleet(self) -> list[bytes]:
+        entry_of, tier = self._index.get, self._tier
+        return [skey for skey in self._index.keys() if (entry := entry_of(skey)) is not None and entry.tier == tier]
 
 
 class FleetPresence:
@@ -620,8 +699,14 @@ class FleetPresence:
         done.add_done_callback(lambda f: self._answer(loop, batch, f))
 
     def _ask(self, keys: list[bytes]) -> list[bool] | None:
-        held = self.tier.contains_many(keys)
-        return held if self.tier.available else None
+        # A lookup the fleet did not answer (never sent: the tier down) answers all False. Judged
+        # by ``available`` alone, read after it, such misses were taken for the fleet's word when
+        # the health check that very lookup started ended the outage in between: the audit then
+        # dropped, and deleted from the fleet, blocks it held (audit s34 r6 D1). (``available`` is
+        # still asked: a fleet other than Mooncake's tells no more.)
+        with unanswered_lookups() as unanswered:
+            held = self.tier.contains_many(keys)
+        return None if unanswered or not self.tier.available else held
 
     def _answer(self, loop, batch, done) -> None:
         if done.cancelled():

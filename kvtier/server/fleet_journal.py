@@ -230,6 +230,12 @@ class FleetJournal:
         with self._lock:
             return {name for name in names if name in self._live}
 
+    def placed_after(self, names: Sequence[bytes], seq: int) -> set[bytes]:
+        """Those of ``names`` a placement later than ``seq`` (:attr:`seq` read earlier) recorded:
+        put in the fleet again since."""
+        with self._lock:
+            return {name for name in names if self._placed_seq.get(name, 0) > seq}
+
     @property
     def seq(self) -> int:
         """A number that grows with each placement (see :meth:`forget`)."""

@@ -52,7 +52,7 @@ from kvtier.core.payload import FLAG_CHECKSUM, FLAG_SEALED, BlockMeta, unpack_he
 from kvtier.core.payload import pack_header as pack_block_header
 from kvtier.server.admin import AdminAPI, admin_request_fields, client_text
 from kvtier.server.auth import AuthError, Principal
-from kvtier.server.fleet import settle_owed_removals
+from kvtier.server.fleet import BATCH as FLEET_BATCH, settle_owed_removals
 from kvtier.server.index import BlockEntry
 from kvtier.server.io_lanes import EVICTION_LANE, SWEEP_LANE, IOLanes
 from kvtier.store.tiered import DeleteRefused
@@ -291,7 +291,8 @@ class Service:
 
             self._fleet_name = store.tiers[-1].name
             self._presence = FleetPresence(store.tiers[-1])
-            self._fleet_audit = FleetAudit(self.index.keys, pass_interval_s=config.fleet_audit_interval_s)
+            self._fleet_audit = FleetAudit(self.index, self._fleet_name, pass_interval_s=config.fleet_audit_interval_s,
+                                           sweep_interval_s=config.sweep_interval_s)
         self.admin = AdminAPI(self)
 
     def close(self) -> None:
@@ -1131,12 +1132,13 @@ class Service:
         """Ask the fleet about the next slice of the entries indexed at it
         (:class:`~kvtier.server.fleet.FleetAudit`): those it no longer holds (evicted on its own)
         leave the index, and their records the fleet journal, as when a GET finds one missing
-        (:meth:`_fleet_holds`: one batch, off the event loop)."""
+        (:meth:`_fleet_holds`: off the event loop, in lookups of at most FLEET_BATCH names each, so that
+        one lookup keeps to a call's deadline and clients' lookups queued meanwhile go between them)."""
         skeys = await self.io.run(SWEEP_LANE, self._fleet_audit.next_slice)
         found = [(skey, entry) for skey in skeys
                  if (entry := self.index.get(skey)) is not None and entry.tier == self._fleet_name]
-        if found:
-            await self._fleet_holds(found)
+        for at in range(0, len(found), FLEET_BATCH):
+            await self._fleet_holds(found[at:at + FLEET_BATCH])
 
     def _erase_if_expired(self, skey: bytes) -> bool:
         entry = self.index.get(skey)

@@ -51,8 +51,8 @@ and the creation time only, under the master key's as above. A restart needs
 those two before it can ask the key store (whose block it is; whether an erasure
 of the whole owner covers it, :mod:`kvtier.server.recovery`); once the owner's
 keys are gone, they are all any copy of the file tells (:class:`OwnerOnly`).
-Annotations sealed once (the previous format; still what the fleet journal
-writes) and HMAC'd ones are still read.
+The fleet journal's records are sealed so too (:mod:`kvtier.server.fleet`).
+Annotations sealed once (the previous format) and HMAC'd ones are still read.
 """
 
 from __future__ import annotations
@@ -245,6 +245,12 @@ class SpillCodec:
         if not hmac.compare_digest(self._mac(disk_key, body), tag):
             return None
         return _annotation(body)
+
+
+def sealed_for_owner(raw: bytes) -> bool:
+    """Whether ``raw`` is an annotation sealed for its owner too (the current format with a master
+    key); one that is not, read, is written anew so where its owner's key is there to seal it."""
+    return raw[:1] == _OWNER_SEALED
 
 
 def _owner_sealer(owner_key: bytes, salt: bytes) -> AESGCM:
