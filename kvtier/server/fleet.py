@@ -574,9 +574,13 @@ def erasure_covers(erasures: RuntimeState, note: SpillAnnotation | OwnerOnly) ->
 
 def _held(raw, journal: FleetJournal, names: list[bytes]) -> list[bool]:
     """Whether the fleet holds each of ``names``; the records of those it does not are forgotten. All
-    True when the fleet could not say (kept: a GET that misses drops it)."""
-    held = raw.contains_many(names)
-    if not raw.available:
+    True when the fleet could not say (kept: a GET that misses drops it); a lookup it did not answer
+    (never sent: the tier down at start) says nothing, whatever ``available`` reads after it (as in
+    :meth:`FleetPresence._ask`: audit s34 r6 D1), else those records were forgotten and their blocks
+    left where no erase or TTL reaches them."""
+    with unanswered_lookups() as unanswered:
+        held = raw.contains_many(names)
+    if unanswered or not raw.available:
         return [True] * len(names)
     journal.forget([name for name, h in zip(names, held) if not h], journal.seq)
     return held

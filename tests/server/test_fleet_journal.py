@@ -474,3 +474,34 @@ def test_an_erase_racing_a_demotion_into_the_fleet_leaves_no_copy_and_no_record(
     assert victim not in slow.objects, "the erased block stayed in the fleet"
     assert victim not in dict(fleet.journal.records()), "the erased block's record stayed"
     store.close()
+
+
+class NeverAskedFleet(StandInFleet):
+    """A fleet whose lookups are never sent (down at the start) and whose health check ends the outage
+    before the caller reads ``available``: its misses are noted unanswered, as a Mooncake tier notes
+    them (:func:`kvtier.tiers.mooncake.unanswered_lookups`)."""
+
+    def contains_many(self, keys) -> list[bool]:
+        from kvtier.tiers.mooncake import _UNANSWERED
+
+        noted = _UNANSWERED.get()
+        if noted is not None:
+            noted.append(len(keys))
+        return [False] * len(keys)
+
+
+def test_a_start_whose_fleet_lookups_went_unanswered_keeps_every_record(tmp_path):
+    """A start's lookup the fleet never answered said "not held" for every block while ``available``
+    read True after it: the journal forgot their records, leaving blocks no erase or TTL reaches
+    (the pattern of audit s34 r6 D1, at the start)."""
+    index = BlockIndex()
+    fleet = _fleet(tmp_path, index)
+    names = _place(fleet, index, _entry("acme", "chat", 1), _entry("acme", "chat", 2))
+    fleet.close()
+    journal = FleetJournal(str(tmp_path / JOURNAL_FILE))
+    again = JournaledFleet(NeverAskedFleet(), journal, FleetRecords(BlockIndex(), CODEC))
+    state = RuntimeState(str(tmp_path / "runtime.json"), erasure_key=CODEC.erasure_key())
+    out = rebuild_from_journal(again, {"acme"}, state)
+    assert sorted(skey for _, skey, _ in out.found) == sorted(names)
+    assert sorted(n for n, _ in journal.records()) == sorted(names)
+    journal.close()
