@@ -260,10 +260,11 @@ def test_a_first_forward_of_other_tokens_as_many_as_the_suffix_is_refused_howeve
     assert float((logits - full).abs().max()) <= FP32_TOL
 
 
-def test_a_first_forward_of_inputs_embeds_is_refused_after_a_hit_and_served_after_a_miss(lm):
+def test_a_first_forward_of_inputs_embeds_is_refused_after_a_hit_and_never_saved_after_a_miss(lm):
     """Embeddings carry no token ids to check, even those of the right tokens: refused after a load
     (the ids the model's embeddings took just before, to make them, are forgotten at the model's
-    call). With nothing loaded, a forward starts at position 0 and nothing is checked."""
+    call). With nothing loaded, the forward is served, but its K/V is never saved under the ids
+    (soft prompts and merged image features are embeddings no id names: audit s34 a10 D2)."""
     prompt = _text(70)
     keyword = cache_keyword(lm.model)
     embed = lm.model.get_input_embeddings()
@@ -271,7 +272,11 @@ def test_a_first_forward_of_inputs_embeds_is_refused_after_a_hit_and_served_afte
         prep = lm.prepare(prompt)
         assert prep.cached_tokens == 0
         lm.model(inputs_embeds=embed(_ids(prompt)), **{keyword: prep.cache}, use_cache=True)
-        lm.save(prompt).result()
+        with pytest.raises(LayoutError, match="nothing of this request is saved: a forward fed inputs_embeds"):
+            lm.save(prompt)
+        assert lm.prepare(prompt).cached_tokens == 0
+    _store_prompt(lm, prompt)
+    with torch.no_grad(), lm.request():
         prep = lm.prepare(prompt)
         assert prep.cached_tokens == 64
         with pytest.raises(LayoutError, match="feeds 6 positions after the 64 loaded without input_ids "

@@ -83,6 +83,14 @@ class KVStorage:
         self.refused: str | None = None
         #: what the first forward after a load must feed (:meth:`expect_prompt_suffix`)
         self.expected: PromptSuffix | None = None
+        #: what every forward on the current cache is given besides token ids (:meth:`watch_inputs`)
+        self.inputs_watch: InputsWatch | None = None
+        #: (position, why): from that position on, the cache holds K/V that no block key names (a
+        #: forward fed embeddings, token types, other positions or a mask; :class:`InputsWatch`),
+        #: so no block from there is saved (cleared by :meth:`new_cache`)
+        self.untrusted: tuple[int, str] | None = None
+        #: the cache :meth:`new_cache` made last: forwards given another are not this storage's
+        self.cache: DynamicCache | None = None
         #: while set, every forward's first append (layer 0's) first asks it whether the model changed
         #: since the cache was prepared (a change in words, or None); a change marks the cache refused,
         #: and the forward goes on (cleared by :meth:`new_cache` and after a change)
@@ -147,11 +155,13 @@ class KVStorage:
                 f"kvtier loads KV into full-attention DynamicLayer caches only; this model's cache has "
                 f"{len(cache.layers)} layers of kind {kinds} (sliding-window or hybrid attention is not supported)"
             )
-        self.stop_expecting()
+        self.stop_watching()
         self.layers = [StorageLayer(self, i) for i in range(self.layout.num_layers)]
         self.refused = None
+        self.untrusted = None
         self.model_change = None
         cache.layers = list(self.layers)
+        self.cache = cache
         return cache
 
     def held_tokens(self) -> int:
@@ -166,15 +176,37 @@ class KVStorage:
             layer.length = tokens
             layer.refresh()
 
-    def expect_prompt_suffix(self, suffix: np.ndarray, fed_to: Sequence[torch.nn.Module]) -> None:
+    def expect_prompt_suffix(self, suffix: np.ndarray, fed_to: FedTo, *, zero_token_types_change_kv: bool) -> None:
         """After a load of a prompt's prefix: every layer's next append must be that of ``suffix``,
-        the prompt's uncached tokens, fed once as ids to the modules ``fed_to`` (see
-        :class:`PromptSuffix`), or it is refused (:meth:`StorageLayer.update`). Watching them stops
-        at that append, at the next :meth:`new_cache` or at :meth:`stop_expecting`."""
+        the prompt's uncached tokens, fed once as ids to the modules ``fed_to`` without token types
+        that change K/V (see :class:`PromptSuffix`), or it is refused (:meth:`StorageLayer.update`).
+        Watching them stops at that append, at the next :meth:`new_cache` or at :meth:`stop_expecting`."""
         self.stop_expecting()
-        self.expected = PromptSuffix(suffix, fed_to)
+        self.expected = PromptSuffix(suffix, fed_to, zero_token_types_change_kv=zero_token_types_change_kv)
         for layer in self.layers:
             layer.expected = self.expected
+
+    def watch_inputs(self, fed_to: FedTo, *, zero_token_types_change_kv: bool) -> None:
+        """Until the next :meth:`new_cache` or :meth:`stop_watching`: check what every forward on the
+        current cache is given besides its token ids (:class:`InputsWatch`; ``storage.untrusted``)."""
+        self.stop_watching_inputs()
+        self.inputs_watch = InputsWatch(self, fed_to, zero_token_types_change_kv=zero_token_types_change_kv)
+
+    def distrust(self, position: int, why: str) -> None:
+        """The cache holds K/V that no block key names from ``position`` on (the earliest is kept)."""
+        if self.untrusted is None or position < self.untrusted[0]:
+            self.untrusted = (position, why)
+
+    def stop_watching_inputs(self) -> None:
+        if self.inputs_watch is not None:
+            self.inputs_watch.stop_watching()
+            self.inputs_watch = None
+
+    def stop_watching(self) -> None:
+        """Leave the model without any hook of this storage's (:meth:`stop_expecting`,
+        :meth:`stop_watching_inputs`): the model may outlive it."""
+        self.stop_expecting()
+        self.stop_watching_inputs()
 
     def stop_expecting(self) -> None:
         """Check no append of the current cache against a prompt's suffix (and leave the module
@@ -186,35 +218,68 @@ class KVStorage:
             layer.expected = None
 
 
+class FedTo(NamedTuple):
+    """The modules a forward of the model passes its inputs to: ``models``, the model and its base
+    model (its ``forward`` takes the caller's keyword arguments), and ``embeddings``, its input
+    embeddings (or None), which take the ids alone."""
+
+    models: Sequence[torch.nn.Module]
+    embeddings: torch.nn.Module | None
+
+
 class PromptSuffix:
     """The uncached tokens of a prompt whose prefix was loaded, which the next forward must feed,
-    and the ids each thread last fed the modules watched, seen by forward pre-hooks on them. A
-    count of positions cannot tell the suffix from another run of as many tokens: HF generate's
-    chunked prefill feeds the prompt's first tokens after the loaded ones, in a chunk as long as
-    the suffix when ``prefill_chunk_size`` equals its length.
+    and the ids (and ``token_type_ids``) each thread last fed the modules watched, seen by forward
+    pre-hooks on them. A count of positions cannot tell the suffix from another run of as many
+    tokens: HF generate's chunked prefill feeds the prompt's first tokens after the loaded ones, in
+    a chunk as long as the suffix when ``prefill_chunk_size`` equals its length.
 
     The session watches the model, its base model and its input embeddings: a forward runs the
     embeddings on its ids whichever of them is called (HF generate, the model called by the
     user, its ``forward`` method or its base model called directly), and the model's (or base
-    model's) call first records its ``input_ids``, None for a forward of ``inputs_embeds``, so
-    that ids embedded before such a forward are not taken for it. The one hole: ``inputs_embeds``
-    passed to the ``forward`` method of a model whose base model it skips (OPT calls its decoder)
-    is checked against the ids this thread last embedded. By thread, since sessions of other
-    threads may run the same model meanwhile."""
+    model's) call records its ``input_ids``, None for a forward of ``inputs_embeds``. The
+    embeddings' own calls count only outside such a call: inside it they may embed other things
+    (GPT-2 embeds ``token_type_ids`` with its token embeddings, after the ids). The one hole:
+    ``inputs_embeds`` passed to the ``forward`` method of a model whose base model it skips (OPT
+    calls its decoder) is checked against the ids this thread last embedded. By thread, since
+    sessions of other threads may run the same model meanwhile. ``zero_token_types_change_kv``:
+    whether ``token_type_ids`` of zeros give other K/V than none (GPT-2: they add an embedding)."""
 
-    def __init__(self, suffix: np.ndarray, fed_to: Sequence[torch.nn.Module]) -> None:
+    def __init__(self, suffix: np.ndarray, fed_to: FedTo, *, zero_token_types_change_kv: bool) -> None:
         self.tokens = torch.from_numpy(np.asarray(suffix, dtype=np.int64))
-        self._fed: dict[int, torch.Tensor | None] = {}  # thread id -> the ids it last fed
-        self._hooks = [module.register_forward_pre_hook(self._note_fed, with_kwargs=True) for module in fed_to]
+        self.zero_token_types_change_kv = zero_token_types_change_kv
+        self._fed: dict[int, _Fed] = {}  # thread id -> what it last fed
+        self._in_model: dict[int, int] = {}  # thread id -> calls of models[] under way
+        self._hooks = [module.register_forward_pre_hook(self._note_model_call, with_kwargs=True)
+                       for module in fed_to.models]
+        # always_call: a forward that raises still leaves the model's call
+        self._hooks += [module.register_forward_hook(self._note_model_return, always_call=True)
+                        for module in fed_to.models]
+        if fed_to.embeddings is not None:
+            self._hooks.append(fed_to.embeddings.register_forward_pre_hook(self._note_embedded, with_kwargs=True))
 
     # Run as Python, never traced: a compiled model runs its modules' hooks inside compiled code,
-    # where dynamo would trace this write (a graph break at get_ident, guards on the ids it saw)
-    # instead of simply making it, as it traced the check itself (StorageLayer._check_prompt_suffix).
+    # where dynamo would trace these writes (a graph break at get_ident, guards on the ids it saw)
+    # instead of simply making them, as it traced the check itself (StorageLayer._check_prompt_suffix).
     @torch.compiler.disable
-    def _note_fed(self, module, args, kwargs) -> None:
-        # HF models take input_ids first; an embedding module takes them first as ``input``.
-        ids = kwargs.get("input_ids", kwargs.get("input", args[0] if args else None))
-        self._fed[threading.get_ident()] = ids if isinstance(ids, torch.Tensor) else None
+    def _note_model_call(self, module, args, kwargs) -> None:
+        tid = threading.get_ident()
+        depth = self._in_model.get(tid, 0)
+        self._in_model[tid] = depth + 1
+        if depth == 0:  # the outermost call: the caller's own arguments (HF models take input_ids first)
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            self._fed[tid] = _Fed(_tensor_or_none(ids), _tensor_or_none(kwargs.get("token_type_ids")))
+
+    @torch.compiler.disable
+    def _note_model_return(self, module, args, output) -> None:
+        tid = threading.get_ident()
+        self._in_model[tid] = max(0, self._in_model.get(tid, 0) - 1)
+
+    @torch.compiler.disable
+    def _note_embedded(self, module, args, kwargs) -> None:
+        tid = threading.get_ident()
+        if self._in_model.get(tid, 0) == 0:  # embedded by a forward that skips the model's calls (OPT's)
+            self._fed[tid] = _Fed(_tensor_or_none(kwargs.get("input", args[0] if args else None)), None)
 
     def stop_watching(self) -> None:
         for hook in self._hooks:
@@ -226,15 +291,132 @@ class PromptSuffix:
         n = self.tokens.numel()
         if appended != n:
             return f"appends {appended} positions after the {loaded} loaded, but the prompt has {loaded + n} tokens"
-        fed = self._fed.get(threading.get_ident())
-        if fed is None:
+        fed = self._fed.get(threading.get_ident(), _Fed(None, None))
+        if fed.ids is None:
             return (f"feeds {appended} positions after the {loaded} loaded without input_ids (inputs_embeds), "
                     f"which kvtier cannot check against the prompt's tokens")
-        if tuple(fed.shape) not in ((n,), (1, n)) or not torch.equal(fed.reshape(-1).to("cpu", torch.int64),
-                                                                      self.tokens):
+        if tuple(fed.ids.shape) not in ((n,), (1, n)) or not torch.equal(fed.ids.reshape(-1).to("cpu", torch.int64),
+                                                                          self.tokens):
             return (f"feeds {appended} token ids after the {loaded} loaded that are not prompt[{loaded}:] of a "
                     f"{loaded + n}-token prompt")
         return None
+
+    def wrong_token_types(self) -> str | None:
+        """What is wrong with the token types this thread's first forward after the load passed, in
+        words (None: none that change K/V)."""
+        fed = self._fed.get(threading.get_ident(), _Fed(None, None))
+        if token_types_change_kv(fed.token_types, self.zero_token_types_change_kv):
+            return ("passes token_type_ids, which change every position's K/V (this model embeds them): the "
+                    "loaded blocks hold K/V computed without them")
+        return None
+
+
+class _Fed(NamedTuple):
+    ids: torch.Tensor | None
+    token_types: torch.Tensor | None
+
+
+def _tensor_or_none(value) -> torch.Tensor | None:
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def token_types_change_kv(token_types: torch.Tensor | None, zeros_change_kv: bool) -> bool:
+    """Whether a forward given ``token_type_ids`` computes other K/V than one given none: any
+    non-zero type does; zeros do in a model that embeds them whatever they are (GPT-2 adds
+    ``wte(token_type_ids)``), not in one that takes none as zeros (the BERT family)."""
+    return token_types is not None and (zeros_change_kv or bool(token_types.any()))
+
+
+class InputsWatch:
+    """What each forward on a cache a caller prepared was given besides its token ids, checked after
+    the forward by forward hooks on the model and its base model (the modules of
+    :attr:`FedTo.models`): the first position from which the cache holds K/V other than a block
+    keyed by its tokens holds (every position attended, numbered from 0, embedded from its id
+    alone) is kept in ``storage.untrusted``, with why; the session saves no block from there on.
+
+    After a miss nothing else checks what the forward was fed, and HF models take much besides
+    ``input_ids``: ``inputs_embeds`` (soft prompts, merged image features), ``token_type_ids``
+    (GPT-2 adds their embedding), ``position_ids`` or ``cache_position`` that number positions
+    otherwise (packed or offset sequences), an ``attention_mask`` that masks positions (the mask
+    given to ``save`` may say otherwise). A forward counts when one of its keyword arguments is this
+    storage's cache and it appended to it (layer 0's append, :meth:`note_append`, by thread)."""
+
+    def __init__(self, storage: KVStorage, fed_to: FedTo, *, zero_token_types_change_kv: bool) -> None:
+        self.storage = storage
+        self.zero_token_types_change_kv = zero_token_types_change_kv
+        self._appended: dict[int, tuple[int, int]] = {}  # thread id -> (first position, count) of its last append
+        self._hooks = [module.register_forward_hook(self._after_forward, with_kwargs=True) for module in fed_to.models]
+
+    def stop_watching(self) -> None:
+        for hook in self._hooks:
+            hook.remove()  # idempotent
+
+    @torch.compiler.disable  # a compiled forward's layer 0 calls it: as Python, never traced
+    def note_append(self, start: int, count: int) -> None:
+        """Layer 0 of the storage appends ``count`` positions from ``start`` (this thread's forward)."""
+        self._appended[threading.get_ident()] = (start, count)
+
+    # Run as Python, never traced (as PromptSuffix's hooks).
+    @torch.compiler.disable
+    def _after_forward(self, module, args, kwargs, output) -> None:
+        appended = self._appended.get(threading.get_ident())
+        if appended is None or not any(value is self.storage.cache for value in kwargs.values()):
+            return  # a forward of another cache (or none): a reference run of the caller's
+        untrusted = self.first_untrusted(*appended, args, kwargs)
+        if untrusted is not None:
+            self.storage.distrust(*untrusted)
+
+    def first_untrusted(self, start: int, count: int, args, kwargs) -> tuple[int, str] | None:
+        """The first position of ``start .. start + count - 1`` whose K/V no block key names, given the
+        forward's arguments, and why; None if every one is its token's."""
+        found: list[tuple[int, str]] = []
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is None and kwargs.get("inputs_embeds") is not None:
+            found.append((start, "a forward fed inputs_embeds, not input_ids: K/V of embeddings that the "
+                                 "token ids passed to save() do not name"))
+        token_types = _tensor_or_none(kwargs.get("token_type_ids"))
+        if token_types_change_kv(token_types, self.zero_token_types_change_kv):
+            found.append((start, "a forward passed token_type_ids, which change every position's K/V (this "
+                                 "model embeds them) and are no part of a block's key"))
+        for name in ("position_ids", "cache_position"):
+            off = _first_misnumbered(kwargs.get(name), start, count)
+            if off is not None:
+                found.append((start + off, f"a forward passed {name} that do not number its {count} positions "
+                                           f"{start}..{start + count - 1}: keys rotated for other positions"))
+        masked = _first_masked(kwargs.get("attention_mask"), start, count)
+        if masked is not None:
+            found.append(masked)
+        return min(found, key=lambda item: item[0], default=None)
+
+
+def _first_misnumbered(positions, start: int, count: int) -> int | None:
+    """The index of the first of ``count`` positions that ``positions`` (None: the default) numbers
+    otherwise than ``start, start + 1, ...``; 0 when it cannot be read so (another shape, M-RoPE's
+    three rows)."""
+    if not isinstance(positions, torch.Tensor):
+        return None
+    if positions.dim() > 2 or positions.numel() != count:
+        return 0
+    wrong = torch.nonzero(positions.reshape(-1).cpu() != torch.arange(start, start + count))
+    return int(wrong[0, 0]) if wrong.numel() else None
+
+
+def _first_masked(mask, start: int, count: int) -> tuple[int, str] | None:
+    """The first position whose K/V ``mask`` (a forward's ``attention_mask``, aligned with the end of
+    its positions, as HF extends it) makes other than the block's (it or a position before it
+    masked; positions before ``start`` were written by earlier forwards), and why."""
+    if mask is None:
+        return None
+    if not isinstance(mask, torch.Tensor) or mask.dim() > 2 or (mask.dim() == 2 and mask.shape[0] != 1):
+        shape = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+        return start, (f"a forward passed an attention_mask of shape {shape}: kvtier reads a (1, tokens) mask "
+                       f"only, so what this one masks is unknown")
+    zeros = torch.nonzero(mask.reshape(-1) == 0)
+    if not zeros.numel():
+        return None
+    at = start + count - mask.numel() + int(zeros[0, 0])
+    return max(at, start), (f"a forward's attention_mask masks position {at}, which the mask given to save() "
+                            f"attends: K/V computed under another mask than a block's")
 
 
 class StorageLayer(DynamicLayer):
@@ -285,6 +467,8 @@ class StorageLayer(DynamicLayer):
             self._check_prompt_suffix(key_states.shape[-2])
         if self.index == 0 and self.storage.model_change is not None:
             self._check_model()
+        if self.index == 0 and self.storage.inputs_watch is not None:
+            self.storage.inputs_watch.note_append(self.length, key_states.shape[-2])
         end = self.length + key_states.shape[-2]
         self.storage.ensure_capacity(end)
         t = self.storage.tensor
@@ -316,6 +500,10 @@ class StorageLayer(DynamicLayer):
                 f"as input_ids. HF generate feeds the whole prompt again after a loaded prefix with assisted or "
                 f"prompt-lookup decoding (assistant_model, prompt_lookup_num_tokens) or prefill_chunk_size: drop "
                 f"those options, or pass use_store=False to prepare() for such requests")
+        wrong = expected.wrong_token_types()
+        if wrong is not None:
+            self._refuse(f"layer {self.index}: the first forward after prepare() {wrong}; pass no token_type_ids "
+                         f"after a loaded prefix, or pass use_store=False to prepare() for such requests")
 
     # Run as Python, never traced (as _check_prompt_suffix): a graph break in a compiled forward.
     @torch.compiler.disable

@@ -20,6 +20,7 @@ parts must be the whole run's; otherwise the service fails at start with a :clas
 
 from __future__ import annotations
 
+import inspect
 from contextlib import contextmanager
 
 import numpy as np
@@ -86,6 +87,25 @@ def check_model_cache(model, cache_keyword: str, layout: KVLayout, *, avoid_ids=
     _check_same_logits(name, "the prefix run into a fresh cache", head, whole[:, :PREFIX_TOKENS], whole, tolerance)
     _check_same_logits(name, "the suffix run after the cached prefix", tail, whole[:, PREFIX_TOKENS:], whole,
                        tolerance)
+
+
+def zero_token_types_change_logits(model, *, avoid_ids=frozenset()) -> bool:
+    """Whether ``model``'s logits of the probe tokens given ``token_type_ids`` of zeros differ from
+    those given none: GPT-2 and kin embed the types with their token embeddings and add them, zeros
+    too, so any ``token_type_ids`` a forward passes change its K/V; the BERT family takes none as
+    zeros. False for a model whose forward takes no ``token_type_ids``. One forward of the probe
+    (two when the model takes them), under ``no_grad``; a forward that raises counts as a change."""
+    forward = getattr(model, "_orig_mod", model).forward
+    if "token_type_ids" not in inspect.signature(forward).parameters:
+        return False
+    ids = probe_ids(_vocab_size(model), avoid_ids, next(model.parameters()).device)
+    with probing(model):
+        try:
+            plain = model(input_ids=ids, use_cache=False).logits
+            typed = model(input_ids=ids, token_type_ids=torch.zeros_like(ids), use_cache=False).logits
+        except Exception:  # noqa: BLE001 -- a model that cannot take them: any passed are refused
+            return True
+    return not torch.equal(plain, typed)
 
 
 def is_compiled(model) -> bool:

@@ -146,6 +146,42 @@ def _refuse_bidirectional_config(text) -> None:
             f"(a decoder, as fine-tuned for generation) or serve it without kvtier")
 
 
+#: words naming a sub-config of media a multimodal config embeds among its tokens (LLaVA's and
+#: Qwen2-VL's ``vision_config``, Gemma 3n's ``audio_config``, Emu3's image tokenizer ``vq_config``,
+#: Qwen2.5-Omni's ``thinker_config`` holding both)
+_MEDIA_CONFIG_WORDS = ("vision", "audio", "video", "speech", "image", "visual", "vq", "thinker")
+
+
+def _media_sub_configs(config, prefix: str = "") -> list[str]:
+    """The paths of ``config``'s sub-configs (nested ones too) that configure media encoders."""
+    found: list[str] = []
+    for name, value in vars(config).items():
+        if not hasattr(value, "to_dict") or not hasattr(value, "model_type"):
+            continue  # not a sub-config
+        if any(word in name for word in _MEDIA_CONFIG_WORDS):
+            found.append(prefix + name)
+        else:
+            found.extend(_media_sub_configs(value, f"{prefix}{name}."))
+    return found
+
+
+def _refuse_multimodal_config(config) -> None:
+    """Raise :class:`ConfigError` if ``config`` is a multimodal model's (a vision or audio sub-config).
+
+    Its K/V depends on the media merged into the embeddings of its placeholder tokens, which are the
+    same ids for every image; blocks are keyed by token ids, so a request with image B would load
+    the K/V of image A's request (audit s34 a10 D1). Keying blocks by the media's content (vLLM's
+    ``mm_hash``) would serve it; this integration does not. Its text model alone (a ``*ForCausalLM``
+    of its ``text_config``) has no such input and is served."""
+    media = _media_sub_configs(config)
+    if media:
+        raise ConfigError(
+            f"{type(config).__name__} is a multimodal config ({', '.join(media)}): the model's K/V depends on "
+            f"the images or audio merged into its placeholder tokens, and kvtier keys blocks by token ids "
+            f"only, so one request's media K/V would be served to another's; kvtier cannot serve multimodal "
+            f"models (serve the text model alone, or without kvtier)")
+
+
 def _decoder_field(text, names: tuple[str, ...]):
     """The first of ``names`` that ``text`` sets to a positive int, or None.
 
@@ -170,9 +206,11 @@ def kv_layout(config, dtype: str, block_tokens: int) -> KVLayout:
     request's length is refused too (:func:`is_length_dependent_rope`): its KV is no function
     of the prefix alone; so is bidirectional attention (:func:`_refuse_bidirectional_config`).
     An encoder-decoder config gives its decoder's layers and heads (:func:`_decoder_field`).
+    A multimodal config (a vision or audio sub-config) is refused (:func:`_refuse_multimodal_config`).
     A config whose layers differ (transformers' ``per_layer_config``) is read layer by layer:
     refused unless every layer has the same layout.
     """
+    _refuse_multimodal_config(config)
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     # Of a flat encoder-decoder config (BartConfig as saved, is_encoder_decoder=True), transformers 5
     # returns a decoder view: a copy of the same class whose generic fields hold the decoder's and

@@ -50,8 +50,13 @@ from kvtier.core.keys import BlockKey, as_token_array, block_keys
 from kvtier.core.namespace import Namespace
 from kvtier.core.payload import BlockMeta
 from kvtier.errors import ConfigError, LayoutError
-from kvtier.integrations.transformers.cache_io import KVStorage, LoadReport, Staging, gather_blocks, load_blocks
-from kvtier.integrations.transformers.cache_probe import check_compiled_hit, check_model_cache, is_compiled
+from kvtier.integrations.transformers.cache_io import FedTo, KVStorage, LoadReport, Staging, gather_blocks, load_blocks
+from kvtier.integrations.transformers.cache_probe import (
+    check_compiled_hit,
+    check_model_cache,
+    is_compiled,
+    zero_token_types_change_logits,
+)
 from kvtier.integrations.transformers.namespace import (
     DEFAULT_BLOCK_TOKENS,
     derived_weights_digest,
@@ -128,19 +133,66 @@ def cache_keyword(model) -> str:
                       f"store or load and cannot serve it")
 
 
-def _modules_fed_ids(model) -> list[torch.nn.Module]:
-    """The modules a forward of ``model`` passes its token ids to (see
+def _modules_fed_inputs(model) -> FedTo:
+    """The modules a forward of ``model`` passes its inputs to (see
     :class:`~kvtier.integrations.transformers.cache_io.PromptSuffix`): the model, its base model and
-    its input embeddings (a ``torch.compile`` wrapper's: those of the model it compiles), those it
+    the modules inside that take ``inputs_embeds`` (OPT's head calls its decoder, not its base model),
+    and its input embeddings (a ``torch.compile`` wrapper's: those of the model it compiles), those it
     has."""
     inner = getattr(model, "_orig_mod", model)
     try:
         embeddings = inner.get_input_embeddings()
     except (AttributeError, NotImplementedError, TypeError):
         embeddings = None
-    found = [model, inner, getattr(inner, "base_model", None), embeddings]
+    found = [model, inner, getattr(inner, "base_model", None), *_modules_taking_embeds(inner)]
     modules = [m for m in found if isinstance(m, torch.nn.Module)]
-    return [m for i, m in enumerate(modules) if all(m is not seen for seen in modules[:i])]
+    models = [m for i, m in enumerate(modules) if all(m is not seen for seen in modules[:i])]
+    embeddings = embeddings if isinstance(embeddings, torch.nn.Module) and embeddings not in models else None
+    return FedTo(models, embeddings)
+
+
+def _modules_taking_embeds(model) -> list[torch.nn.Module]:
+    """The modules of ``model`` whose ``forward`` takes ``inputs_embeds`` (the decoder stacks)."""
+    found = []
+    for module in model.modules():
+        try:
+            if "inputs_embeds" in inspect.signature(module.forward).parameters:
+                found.append(module)
+        except (TypeError, ValueError):  # a forward without a signature to read
+            continue
+    return found
+
+
+#: forward arguments of media (images, audio, video) that a multimodal model merges into its
+#: placeholder tokens' embeddings (Fuyu's ``image_patches`` among them, a model with no vision
+#: sub-config)
+_MEDIA_ARGUMENT_WORDS = ("pixel", "image", "audio", "video", "speech", "input_features", "patches")
+
+
+def _refuse_media_models(model) -> None:
+    """Raise :class:`ConfigError` if ``model`` takes media (images, audio, video) as forward inputs
+    or keeps M-RoPE state (``rope_deltas``): its K/V then depends on more than the token ids a block
+    is keyed by. Every image of a request is a run of the same placeholder ids, so a request with
+    image B would load the blocks of image A's request (LLaVA: B answered exactly as A); Qwen2-VL
+    keeps the last image prefill's ``rope_deltas`` on the model and shifts the positions of every
+    forward that starts past position 0 (a hit's suffix, and the blocks it saves) by them. Keying
+    blocks by the media's content (vLLM's ``mm_hash``) would serve them; this integration does not.
+    The config side is :func:`kv_layout`'s (a vision or audio sub-config)."""
+    inner = getattr(model, "_orig_mod", model)
+    media = [p for p in inspect.signature(inner.forward).parameters if any(w in p for w in _MEDIA_ARGUMENT_WORDS)]
+    if media:
+        raise ConfigError(
+            f"{type(inner).__name__}.forward takes media inputs ({', '.join(media)}): a multimodal model's K/V "
+            f"depends on the images or audio merged into its placeholder tokens, and kvtier keys blocks by "
+            f"token ids only, so one request's media K/V would be served to another's; kvtier cannot serve "
+            f"multimodal models (serve the text model alone, or without kvtier)")
+    stateful = [name or type(inner).__name__ for name, module in inner.named_modules()
+                if hasattr(module, "rope_deltas")]
+    if stateful:
+        raise ConfigError(
+            f"{stateful[0]} keeps rope_deltas (M-RoPE state of the last image request): it shifts the positions "
+            f"of every forward that starts past position 0, as a cache hit's does, so a hit would compute and "
+            f"save K/V at other positions than a recompute; kvtier cannot serve this model")
 
 
 def _refuse_length_dependent_rope_modules(model) -> None:
@@ -267,6 +319,7 @@ class KVTierLM:
         self.store = store
         # First: the namespace's digest cannot read weights offloaded to the meta device.
         _refuse_off_cpu(model)
+        _refuse_media_models(model)  # before the namespace: refused without hashing the weights
         dtype_name = model_dtype_name(model)
         namespace_given = namespace is not None
         if store is not None and namespace is None:
@@ -293,8 +346,8 @@ class KVTierLM:
         param = next(model.parameters())
         self.storage = KVStorage(layout, capacity_tokens, param.dtype, param.device, poison=poison)
         self._cache_kw = cache_keyword(model)
-        # where the first forward after a load is seen to feed the prompt's uncached tokens
-        self._modules_fed_ids = _modules_fed_ids(model)
+        # where forwards are seen to feed the prompt's uncached tokens (after a load) and their inputs
+        self._fed_to = _modules_fed_inputs(model)
         # What the first request would find, found at start so that a service fails there: a
         # cache with sliding-window, chunked or hybrid layers (new_cache's layer-kind check), a
         # model caching another geometry than its config's layout or not resuming from a cache
@@ -303,6 +356,9 @@ class KVTierLM:
         # (HF generate's pad ids are read again at each request: a script may set one after this)
         pads = {int(i) for i in self._position_pads} | set(generate_masked_pads(model))
         check_model_cache(model, self._cache_kw, layout, avoid_ids=pads | _config_pad_ids(model))
+        # GPT-2 adds the embedding of token_type_ids, zeros too; the BERT family takes none as zeros
+        self._zero_token_types_change_kv = zero_token_types_change_logits(model,
+                                                                          avoid_ids=pads | _config_pad_ids(model))
         # The model the namespace names, as it runs (after the probe: a forward may set buffers it
         # builds lazily): a request after it changes is refused (see _refuse_changed_model). Without a
         # store nothing is loaded or saved. A derived namespace holds the weights' digest, taken at
@@ -340,7 +396,7 @@ class KVTierLM:
                                    self._rehearse_suffix, avoid_ids=pads | _config_pad_ids(model))
             finally:
                 self._stop_watching_request()
-                self.storage.stop_expecting()
+                self.storage.stop_watching()
 
     def request(self):
         """The request lock, for callers that drive the model themselves: ``with lm.request():``
@@ -378,7 +434,12 @@ class KVTierLM:
         The next forward must feed ``tokens[cached_tokens:]`` as ``input_ids``, in one call (or start
         from position 0 when nothing was loaded); after a load, a first append of other positions or
         other token ids, or of ``inputs_embeds`` (whose tokens cannot be checked), is refused with
-        :class:`LayoutError` before anything is written, and the cache is not saved. HF ``generate``
+        :class:`LayoutError` before anything is written, and the cache is not saved. Loaded or not,
+        every forward on the cache is watched for inputs besides token ids that make other K/V than a
+        block keyed by its tokens holds (``inputs_embeds``; ``token_type_ids`` that change K/V, and
+        after a load they are refused like ``inputs_embeds``; ``position_ids`` or ``cache_position``
+        not numbering its positions from where the cache stands; an ``attention_mask`` masking a
+        position that the mask given to :meth:`save` attends): :meth:`save` stores none of it. HF ``generate``
         on the returned cache (under ``no_grad`` or ``inference_mode``): greedy and sampling decoding
         (its logits processors and stopping criteria included) give what HF ``generate`` alone gives.
         Assisted and prompt-lookup decoding (``assistant_model``, ``prompt_lookup_num_tokens``) and
@@ -408,6 +469,9 @@ class KVTierLM:
                 self._model_checked_at_prepare = self._weights.moved() is None
             if self._model_checked_at_prepare:
                 self._watch_model_during_request()
+            if self.store is not None:
+                # The caller's forwards follow, fed whatever they pass: after a miss too (audit s34 a10 D2-D4).
+                self._watch_inputs()
             return prepared
 
     def _watch_model_during_request(self) -> None:
@@ -425,8 +489,16 @@ class KVTierLM:
 
     def _rehearse_suffix(self, suffix: np.ndarray) -> None:
         """What prepare() sets up before the caller's first forward after a load (check_compiled_hit)."""
-        self.storage.expect_prompt_suffix(suffix, self._modules_fed_ids)
+        self.storage.expect_prompt_suffix(suffix, self._fed_to,
+                                          zero_token_types_change_kv=self._zero_token_types_change_kv)
+        self._watch_inputs()
         self._watch_model_during_request()
+
+    def _watch_inputs(self) -> None:
+        """Until the next request: what every forward on this cache is given besides token ids
+        (``inputs_embeds``, ``token_type_ids``, ``position_ids``, an ``attention_mask``), so that
+        :meth:`save` stores no block whose K/V they made other than its key names (``storage.untrusted``)."""
+        self.storage.watch_inputs(self._fed_to, zero_token_types_change_kv=self._zero_token_types_change_kv)
 
     def _reuse_storage(self) -> None:
         """Before a request, untimed: wait until no save reads the storage and the previous
@@ -549,7 +621,8 @@ class KVTierLM:
             # ones: refused instead, by count and by id. With nothing loaded, whatever is fed starts
             # at position 0 and lands where it belongs (chunked prefill included); save() checks that
             # every position was fed once.
-            self.storage.expect_prompt_suffix(arr[cached:], self._modules_fed_ids)
+            self.storage.expect_prompt_suffix(arr[cached:], self._fed_to,
+                                              zero_token_types_change_kv=self._zero_token_types_change_kv)
         return Prepared(cache, cached, known, lookup_s, report)
 
     def save(self, tokens: Sequence[int] | np.ndarray, *, known_blocks: int = 0, attention_mask=None) -> Future | None:
@@ -561,7 +634,9 @@ class KVTierLM:
         per-block statuses. Nothing is saved, with :class:`LayoutError`, of a cache that refused an
         append (K/V of another dtype or shape, a forward after a load that re-fed the prompt: see
         :meth:`prepare`) or that holds another count of positions (positions fed again:
-        HF ``generate`` with ``use_cache=False``).
+        HF ``generate`` with ``use_cache=False``), nor of one whose blocks to save a forward computed
+        from other inputs than their token ids (``inputs_embeds``, ``token_type_ids``, other
+        positions or another mask than this call's: see :meth:`prepare`); the error says which.
         ``attention_mask``: the mask the model ran with, as for :meth:`prepare` (it may end before
         ``tokens`` do: the generated tokens after it count as attended, as HF generate extends
         it); only the blocks before the first masked position are saved (K/V computed under a
@@ -593,6 +668,7 @@ class KVTierLM:
             n_full = held // self.layout.block_tokens
             if n_full <= known_blocks:
                 return None
+            self._refuse_untrusted(n_full * self.layout.block_tokens)
             with self._gathers_lock:
                 self._gathers += 1
                 self._storage_free.clear()
@@ -607,6 +683,16 @@ class KVTierLM:
                 self._saves = [f for f in self._saves if not f.done()]
                 self._saves.append(future)
             return future
+
+    def _refuse_untrusted(self, tokens: int) -> None:
+        """Raise :class:`LayoutError` if the cache holds, before position ``tokens``, K/V that a forward
+        made from other inputs than the token ids (``storage.untrusted``, see :meth:`_watch_inputs`):
+        saved, it would be served to every later request on those ids."""
+        untrusted = self.storage.untrusted
+        if untrusted is not None and untrusted[0] < tokens:
+            position, why = untrusted
+            raise LayoutError(f"nothing of this request is saved: {why}; the cache holds such K/V from position "
+                              f"{position}, and blocks are keyed by token ids alone")
 
     def _refuse_tokens_not_held(self, arr: np.ndarray) -> None:
         """Raise :class:`LayoutError` unless the storage holds one position per token of ``arr``
@@ -732,7 +818,7 @@ class KVTierLM:
             if self._closed:
                 return
             self._closed = True
-            self.storage.stop_expecting()  # the model outlives this instance: no hook left on it
+            self.storage.stop_watching()  # the model outlives this instance: no hook left on it
             self._stop_watching_request()
         self._saver.shutdown(wait=True)
         with self._gathers_lock:
