@@ -78,8 +78,13 @@ install-lmcache: $(VLLM_STAMP)
 demo: $(STAMP)
 	$(BIN)/kvtier demo
 
+# Two pytest-xdist workers: much of the suite waits (engine start-ups, servers, sleeps). Tests that
+# share an expensive fixture, and every test that starts vLLM, stay on one worker (the groups:
+# tests/xdist_groups.py). TEST_WORKERS=0 runs it in this one process.
+TEST_WORKERS ?= 2
+
 test: $(VLLM_STAMP) sysdeps
-	$(BIN)/python -m pytest -q --durations=60
+	$(BIN)/python -m pytest -q --durations=60 -n $(TEST_WORKERS) --dist loadgroup
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -30,3 +30,10 @@ def small_ns(small_layout) -> Namespace:
 @pytest.fixture
 def rng() -> np.random.Generator:
     return np.random.default_rng(1234)
+
+
+def pytest_configure(config):
+    # `make test` runs on pytest-xdist workers; which tests share a worker: tests/xdist_groups.py
+    from tests import xdist_groups
+
+    config.pluginmanager.register(xdist_groups, "kvtier-xdist-groups")
