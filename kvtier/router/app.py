@@ -228,7 +228,8 @@ class Router:
         self.workers = [Worker(i, w.url, w.events, w.replay) for i, w in enumerate(config.workers)]
         #: per worker id: what it has been sent and what waits here (kvtier.router.admission)
         self.admission: dict[int, AsyncAdmission] = {}
-        self.index = BlockIndex(config.block_tokens, capacity=config.index_capacity)
+        self.index = BlockIndex(config.block_tokens, capacity=config.index_capacity,
+                                unkeyed_cpu_events=config.unkeyed_cpu_events)
         self.metrics = RouterMetrics()
         #: the router's front door: connections per client address and their first request head's
         #: deadline, request bodies held at once
@@ -1063,10 +1064,13 @@ class Router:
         """The root of the request's block keys: its LoRA adapter (a ``model`` that the workers'
         events named as one) and its ``cache_salt``, as vLLM keys them (kvtier.router.index); for
         a request that reads no cached block (prompt logprobs), a root nothing is indexed under:
-        it is priced as the whole prefill it is, wherever its prefix is."""
+        it is priced as the whole prefill it is, wherever its prefix is. A salt, read or not,
+        says the deployment has tenants (:meth:`BlockIndex.saw_keyed_context`)."""
+        salt = body.get("cache_salt")
+        if salt is not None:
+            self.index.saw_keyed_context()
         if not reads_prefix_cache(body, chat):
             return NO_READ_SEED
-        salt = body.get("cache_salt")
         lora = body.get("model") if self.index.is_lora(body.get("model")) else None
         try:
             return context_seed(lora, salt if isinstance(salt, str) else None, self.index.lora_generation(lora))
@@ -1092,8 +1096,8 @@ class Router:
         again, so that requests for the adapter go to where it was loaded at once. The first
         refusal is the answer (with the worker named); to load an adapter on some workers only,
         call them directly: the router learns it from their listings (``models_refresh_s``, or a
-        worker's 404 for the name). Taken by some worker, an unload or a load with other weights
-        starts a new generation of the adapter's keys (:meth:`BlockIndex.lora_updated`)."""
+        worker's 404 for the name). Taken by some worker, a load from another path than the
+        adapter's last starts a new generation of its keys (:meth:`BlockIndex.lora_updated`)."""
         body = await self._json(request, "")
         headers = forwarded_headers(request.headers)
         workers = [w for w in self.workers if w.healthy] or list(self.workers)

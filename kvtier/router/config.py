@@ -254,6 +254,11 @@ class RouterConfig:
     max_arriving_body_bytes_per_peer: int = 0
     temperature: float = 0.0
     index_capacity: int = 1 << 22
+    #: a CPU copy without extra keys whose first blocks the router never saw stored (vLLM's offloading
+    #: connector after a router restart or an event gap): "base" keyed as the base model's, "drop"
+    #: left out (its salt or adapter is unknown), "auto" (default) base until the router has seen a
+    #: salt, an adapter or content extras, then drop. Only routing predictions depend on it.
+    unkeyed_cpu_events: str = "auto"
     health_interval_s: float = 2.0
     eject_after: int = 2
     connect_timeout_s: float = 5.0
@@ -366,7 +371,7 @@ class RouterConfig:
     _TEXTS = {
         "host": False, "policy": False, "model_path": True, "shared_events": True,
         "shared_events_server_public": True, "shared_events_public": True, "shared_events_secret": True,
-        "shared_events_secret_file": True, "worker_api_key": True,
+        "shared_events_secret_file": True, "worker_api_key": True, "unkeyed_cpu_events": False,
     }
     _PATHS = ("model_path", "shared_events_secret_file")
 
@@ -415,6 +420,8 @@ class RouterConfig:
         self._check_workers()
         if self.policy not in ROUTE_NAMES:
             raise ConfigError(f"unknown --policy {self.policy!r}; use one of {sorted(ROUTE_NAMES)}")
+        if self.unkeyed_cpu_events not in ("auto", "base", "drop"):
+            raise ConfigError(f"unkeyed_cpu_events is auto, base or drop, got {self.unkeyed_cpu_events!r}")
         for name in ("max_body_bytes", "max_form_body_bytes", "max_inflight_body_bytes",
                      "max_arriving_body_bytes_per_peer"):
             if isinstance(getattr(self, name), str):   # "16MiB" (the file), or a flag's text

@@ -98,7 +98,9 @@ _FIELDS = {"BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "bl
 def _says_its_context(medium, extra_keys) -> bool:
     """Whether a ``BlockStored`` says its blocks' context. vLLM's GPU pool and kvtier's connector
     always send ``extra_keys`` (a list, one entry a block, None where a block has none); vLLM's
-    CPU offloading connector sends None for all its copies, salted or with multimodal inputs."""
+    CPU offloading connector sends None for all its copies, salted or with multimodal inputs
+    (keyed as the base model's only while the router has seen no other: ``BlockIndex``'s
+    ``unkeyed_cpu_events``)."""
     return extra_keys is not None or tier_of_medium(medium) != CPU
 
 
@@ -499,9 +501,10 @@ class VllmEvents:
                 self._ignore("context_unknown", self.index.unkeyed_blocks - unkeyed,
                              "events: CPU copies without their context (extra_keys None: vLLM's offloading "
                              "connector) of blocks whose GPU store the router did not see (missed, or from "
-                             "before a resync) are not indexed: their cache salt, LoRA weights or multimodal "
-                             "inputs are unknown, and keyed as the base model's they were predicted as hits "
-                             "for other tenants' requests", level=logging.INFO)
+                             "before a resync) are not indexed, nor the copies chained on them, since the "
+                             "router has seen salted, LoRA or multimodal traffic: their cache salt, LoRA "
+                             "weights or multimodal inputs are unknown, and keyed as the base model's they "
+                             "were predicted as hits for other tenants' requests", level=logging.INFO)
         elif kind == "BlockRemoved":
             if self._in_indexed_group(get("group_idx"), None):
                 self.index.removed(wid, get("block_hashes") or [], get("medium"))

@@ -17,11 +17,14 @@ in the first block's ``extra_keys``); a request carries them as its ``model`` an
 a request (multimodal inputs, prompt embeddings) are keyed with it folded in: never
 predicted as hits for a request with the same placeholder tokens. A chain start whose
 event does not say its context (vLLM's CPU offloading connector publishes its copies with
-``extra_keys`` None) is indexed only from a block this worker already reported (whose key
-carries the context), never keyed as the base model's. vLLM keys an adapter by its name and
-path, events by its name only: an adapter reloaded with other weights through the router
-starts a new *generation* of its name (:meth:`BlockIndex.lora_updated`), so that the old
-weights' blocks are no longer predicted as its hits.
+``extra_keys`` None) is keyed as the base model's while the router has seen no tenant, adapter
+or content extras (a base-model deployment, ``unkeyed_cpu_events="auto"``); once it has, it is
+indexed only from a block this worker already reported (whose key carries the context), never
+keyed as the base model's, and the events chained on what was left out are left out with it.
+vLLM keys an adapter by its name and path, events by its name only: an adapter loaded through
+the router from another path than before starts a new *generation* of its name
+(:meth:`BlockIndex.lora_updated`), so that the old weights' blocks are no longer predicted as
+its hits.
 
 Per key, one int: bit 0 = a shared tier every worker can load holds it; bit
 ``1 + 2 x worker + tier`` = ``worker`` holds it in ``tier`` (0 = GPU/HBM, 1 = CPU/host).
@@ -46,7 +49,7 @@ import re
 import time
 from collections import OrderedDict, deque
 from itertools import repeat
-from typing import Iterable, Sequence
+from typing import Iterable, NamedTuple, Sequence
 
 import numpy as np
 import xxhash
@@ -237,7 +240,14 @@ def _powers(n: int) -> tuple[np.ndarray, np.ndarray]:
     return _power_cache[0], _power_cache[1]
 
 
-MAX_LORA_NAMES = 4096      #: adapters remembered from events (oldest forgotten first)
+MAX_LORA_NAMES = 4096      #: adapters remembered from events, and loads (oldest forgotten first)
+#: buckets of adapter names forgotten past ``MAX_LORA_NAMES``: each keeps the highest generation
+#: of a name forgotten into it, the generation of every name of the bucket the router no longer knows
+FORGOTTEN_LORA_BUCKETS = 1 << 14
+#: what a chain start of unknown context (a CPU copy without ``extra_keys``) is keyed as:
+#: ``base`` the base model's; ``drop`` left out; ``auto`` ``base`` until the router sees a
+#: salt, an adapter or content extras in an event or a request, then ``drop``
+UNKEYED_CPU_EVENTS = ("auto", "base", "drop")
 #: orphans' budget in blocks, per allowed orphan event: a stored event is one request's new blocks
 ORPHAN_BLOCKS_PER_EVENT = 64
 #: how long an orphan waits for its parent: a publisher sends a chain in order, so a parent not
@@ -276,11 +286,26 @@ def _content_extras(block_hashes: Sequence[object], starts_chain: bool, lora_nam
     return _Extras(salt, per_block)
 
 
+#: the path of an adapter the router knows was loaded, or unloaded, but not from where
+_UNKNOWN_PATH = object()
+
+
+class _Adapter(NamedTuple):
+    """What the router knows of a LoRA adapter's name: the generation its blocks are keyed
+    under, and the path it was last loaded from through the router (``_UNKNOWN_PATH``)."""
+    generation: int
+    path: object
+
+
+def _forgotten_bucket(lora_name: str) -> int:
+    return xxhash.xxh3_64_intdigest(lora_name.encode("utf-8", "surrogatepass")) % FORGOTTEN_LORA_BUCKETS
+
+
 class _Source:
     """What the index knows of one worker's publisher: its hashes → our keys (and back), and orphans."""
 
     __slots__ = ("hash_to_key", "key_to_hash", "orphans", "orphans_since", "orphan_count", "orphan_blocks",
-                 "orphan_hashes")
+                 "orphan_hashes", "unkeyed_hashes")
 
     def __init__(self) -> None:
         self.hash_to_key: dict[object, int] = {}
@@ -294,19 +319,30 @@ class _Source:
         self.orphan_blocks = 0
         #: block hash → the waiting events that store it: a removal of it strikes it from them
         self.orphan_hashes: dict[object, list[list]] = {}
+        #: block hashes left out for their unknown context (oldest first, bounded): an event
+        #: chained on one is left out at once, its parent's key never comes
+        self.unkeyed_hashes: OrderedDict[object, None] = OrderedDict()
 
 
 class BlockIndex:
     """Blocks per worker and tier, fed by events, read by the live cluster view.
 
     ``unkeyed_blocks``: blocks of stored events left out, in all, because their context was
-    unknown (``context_known=False``: those before the event's first block the worker already
-    reported); ``dropped_orphans``: orphan events dropped (over budget, or waited too long)."""
+    unknown (``context_known=False``, where such events are dropped: those before the event's
+    first block the worker already reported, and the events chained on them);
+    ``dropped_orphans``: orphan events dropped (over budget, or waited too long);
+    ``keyed_context_seen``: an event or request with a salt, an adapter or content extras came
+    since the index was made (``unkeyed_cpu_events="auto"`` drops unknown contexts from then on)."""
 
     def __init__(self, block_tokens: int, capacity: int = 1 << 22, max_orphans: int = 4096,
-                 orphan_ttl_s: float = ORPHAN_TTL_S) -> None:
+                 orphan_ttl_s: float = ORPHAN_TTL_S, unkeyed_cpu_events: str = "auto") -> None:
         if block_tokens <= 0 or capacity <= 0:
             raise ValueError("block_tokens and capacity must be positive")
+        if unkeyed_cpu_events not in UNKEYED_CPU_EVENTS:
+            raise ValueError(f"unkeyed_cpu_events is one of {', '.join(UNKEYED_CPU_EVENTS)}, "
+                             f"got {unkeyed_cpu_events!r}")
+        self.unkeyed_cpu_events = unkeyed_cpu_events
+        self.keyed_context_seen = False
         self.block_tokens = block_tokens
         self.capacity = capacity
         self._refresh_from = capacity - capacity // 8   # size from which lookups refresh keys
@@ -321,9 +357,11 @@ class BlockIndex:
         self._hashes = 0
         self._max_worker = 0      # highest worker id ever indexed: how wide masks can be
         self._lora_names: OrderedDict[str, None] = OrderedDict()   # adapters seen in events
-        #: adapters reloaded with other weights: their generation, and the path each was last loaded from
-        self._lora_generations: OrderedDict[str, int] = OrderedDict()
-        self._lora_paths: OrderedDict[str, object] = OrderedDict()
+        #: adapters loaded or unloaded through the router (:meth:`lora_updated`), oldest first
+        self._adapters: OrderedDict[str, _Adapter] = OrderedDict()
+        #: per bucket of names forgotten from ``_adapters``: the highest generation forgotten there
+        self._forgotten_adapters: dict[int, int] = {}
+        self._last_generation = 0   # generations are drawn from one counter: none is used twice
         self.dropped_orphans = 0
         self.unkeyed_blocks = 0
 
@@ -465,10 +503,12 @@ class BlockIndex:
         event's (vLLM's untagged per-block extras): a chain that starts here is rooted in
         its context (:func:`context_seed`); content extras are folded into their block's key.
         ``context_known=False``: the event does not say its context (vLLM's CPU offloading
-        connector leaves ``extra_keys`` None, salt and multimodal inputs included), so a chain
-        that starts here is indexed only from its first block this worker already reported;
-        the blocks before it are left out (counted in ``unkeyed_blocks``), since keyed from
-        the base model's root a tenant's salted blocks were predicted as another's hits.
+        connector leaves ``extra_keys`` None, salt and multimodal inputs included). A chain that
+        starts here is keyed as the base model's while :meth:`_unknown_context_is_base_model`;
+        otherwise it is indexed only from its first block this worker already reported, and
+        the blocks before it, with the events chained on them, are left out (counted in
+        ``unkeyed_blocks``), since keyed from the base model's root a tenant's salted blocks
+        were predicted as another's hits.
         """
         if tier_of_medium(medium) is None or block_size != self.block_tokens or not block_hashes:
             return 0
@@ -489,8 +529,12 @@ class BlockIndex:
         """One stored event whose tier and block size are good; returns the hashes indexed."""
         block_hashes, parent_hash, token_ids, block_size, medium, shared, lora_name, extra_keys, context_known = event
         extras = _content_extras(block_hashes, parent_hash is None, lora_name, extra_keys)
-        if parent_hash is None and not context_known:
-            block_hashes, token_ids = self._from_first_known(src, block_hashes, token_ids, block_size)
+        if lora_name or extras.salt is not None or extras.per_block:
+            self.saw_keyed_context()
+        if parent_hash is None and not context_known and not self._unknown_context_is_base_model():
+            first = self._first_known(src, block_hashes)
+            self._leave_out(src, block_hashes[:first])
+            block_hashes, token_ids = block_hashes[first:], token_ids[first * block_size:]
             extras, parent = _Extras(None, {}), None    # (the first block's key is known)
             if not block_hashes:
                 return ()
@@ -499,17 +543,22 @@ class BlockIndex:
         else:
             parent = src.hash_to_key.get(parent_hash)
             if parent is None:
-                self._wait_for_parent(src, event)
+                if parent_hash in src.unkeyed_hashes:
+                    self._leave_out(src, block_hashes)   # (its parent's key never comes)
+                else:
+                    self._wait_for_parent(src, event)
                 return ()
         if lora_name:
             self.add_lora_names([str(lora_name)])
         keys = self._event_keys(src, block_hashes, parent, token_ids[:len(block_hashes) * block_size], extras)
         bits = worker_bit(worker, tier_of_medium(medium)) | (SHARED_BIT if shared else 0)
         both = worker_bit(worker, GPU) | worker_bit(worker, CPU)
-        h2k, k2h, masks = src.hash_to_key, src.key_to_hash, self._masks
+        h2k, k2h, masks, unkeyed = src.hash_to_key, src.key_to_hash, self._masks, src.unkeyed_hashes
         for h, key in zip(block_hashes, keys):
             old = h2k.get(h)
             if old != key:
+                if unkeyed:
+                    unkeyed.pop(h, None)     # (stored again with its context: keyed now)
                 if old is not None:
                     self._clear(old, both)   # the old key is reached through this mapping only
                     self._unbind(src, h, old)
@@ -526,14 +575,50 @@ class BlockIndex:
         self._evict()   # once an event (over the bounds meanwhile by at most its blocks)
         return block_hashes[:len(keys)]
 
-    def _from_first_known(self, src: _Source, block_hashes: Sequence[object], token_ids: Sequence[int],
-                          block_size: int) -> tuple[Sequence[object], Sequence[int]]:
-        """A chain start of unknown context from its first block that ``src`` already reported
-        (none: empty); the blocks before it are left out and counted in ``unkeyed_blocks``."""
+    def saw_keyed_context(self) -> None:
+        """An event or request with a cache salt, a LoRA adapter or content extras came: the
+        deployment is not the base model's alone (see ``unkeyed_cpu_events``)."""
+        self.keyed_context_seen = True
+
+    def _unknown_context_is_base_model(self) -> bool:
+        """Whether a chain start of unknown context is keyed as the base model's: in a deployment
+        of the base model alone it is (vLLM's offloading connector leaves ``extra_keys`` None for
+        every copy; dropped, a hot prefix whose GPU store came before the router started was never
+        predicted in CPU), once a tenant or adapter may have sent it not (a miss, never another
+        tenant's hit)."""
+        mode = self.unkeyed_cpu_events
+        return mode == "base" or (mode == "auto" and not self.keyed_context_seen)
+
+    @staticmethod
+    def _first_known(src: _Source, block_hashes: Sequence[object]) -> int:
+        """Where a chain start of unknown context can be indexed from: its first block that
+        ``src`` already reported (whose key carries the context); none: its length."""
         h2k = src.hash_to_key
-        first = next((i for i, h in enumerate(block_hashes) if h in h2k), len(block_hashes))
-        self.unkeyed_blocks += first
-        return block_hashes[first:], token_ids[first * block_size:]
+        return next((i for i, h in enumerate(block_hashes) if h in h2k), len(block_hashes))
+
+    def _leave_out(self, src: _Source, block_hashes: Sequence[object]) -> None:
+        """Blocks of unknown context are not indexed (counted in ``unkeyed_blocks``), nor the
+        events chained on them, waiting or to come: the offloading connector sends a prompt's
+        copy a chunk an event, each chained on the one before, and those waited as orphans for
+        their parent, which never comes, for the whole ``orphan_ttl_s``."""
+        worklist = [block_hashes]
+        while worklist:
+            hashes = [h for h in worklist.pop() if h not in src.hash_to_key]
+            self.unkeyed_blocks += len(hashes)
+            for h in hashes:
+                self._remember_unkeyed(src, h)
+                if h in src.orphans:
+                    worklist.extend(event[0] for event in src.orphans[h])
+                    self._drop_orphans(src, h, dropped=False)
+
+    def _remember_unkeyed(self, src: _Source, h: object) -> None:
+        """Note ``h`` as left out, within the orphans' budget in blocks (oldest forgotten first:
+        an event chained on one forgotten waits as an orphan, as before)."""
+        unkeyed = src.unkeyed_hashes
+        unkeyed.pop(h, None)
+        unkeyed[h] = None
+        while len(unkeyed) > self.max_orphan_blocks:
+            unkeyed.popitem(last=False)
 
     def _event_keys(self, src: _Source, block_hashes: Sequence[object], parent: int | None,
                     tokens: Sequence[int], extras: _Extras) -> list[int]:
@@ -542,7 +627,7 @@ class BlockIndex:
         ``extra_keys=None``, and recomputed they were keyed as an unsalted prompt's (another
         tenant's hits). The hashes already carry the context; only new blocks are keyed anew,
         chained on the last known one. ``parent`` None: the context is unknown and the first
-        block's key known (:meth:`_from_first_known`)."""
+        block's key known (:meth:`_first_known`)."""
         h2k, block_size = src.hash_to_key, self.block_tokens
         known = []
         for h in block_hashes[:len(tokens) // block_size]:
@@ -565,34 +650,72 @@ class BlockIndex:
         return known
 
     def lora_generation(self, lora_name: object) -> int:
-        """How many times adapter ``lora_name`` was reloaded with other weights through the router
-        (0: never; what :func:`context_seed` folds into its chains' root)."""
-        return self._lora_generations.get(lora_name, 0) if isinstance(lora_name, str) else 0
+        """The generation adapter ``lora_name``'s blocks are keyed under (what :func:`context_seed`
+        folds into its chains' root): 0 until it is loaded through the router from another path
+        than before, then a value drawn for it that no other load drew. A name forgotten past
+        ``MAX_LORA_NAMES`` has the highest generation of the names forgotten into its bucket: its
+        own, or one its old weights' blocks never had (misses, never stale hits); a name never
+        forgotten into it and never reloaded keeps 0, as the events of its blocks do."""
+        if not isinstance(lora_name, str):
+            return 0
+        adapter = self._adapter(lora_name)
+        return adapter.generation if adapter is not None else 0
+
+    def _adapter(self, lora_name: str) -> _Adapter | None:
+        """What the router knows of adapter ``lora_name`` (None: nothing since it started)."""
+        adapter = self._adapters.get(lora_name)
+        if adapter is not None or not self._forgotten_adapters:
+            return adapter
+        forgotten = self._forgotten_adapters.get(_forgotten_bucket(lora_name))
+        return None if forgotten is None else _Adapter(forgotten, _UNKNOWN_PATH)
 
     def lora_updated(self, body: object, unloaded: bool) -> None:
         """vLLM's ``/v1/load_lora_adapter`` (``unloaded``: ``/v1/unload_lora_adapter``) with
         ``body`` took effect on some worker. vLLM hashes an adapter's blocks with its name and
         path ("re-pointing a LoRA name at a different adapter does not reuse KV"), its events
-        name it only: where the name may now stand for other weights (unloaded; loaded in place,
-        or from another path than its last load here) its generation moves on, and the blocks
-        keyed under the old one, no longer hits on any worker, are no longer predicted as the
-        adapter's (they age out of the LRU). Names past ``MAX_LORA_NAMES`` are forgotten oldest first."""
+        name it only. Its cached blocks outlive an unload (vLLM does not reset its prefix cache),
+        so the generation moves on only at a load from another path than the adapter's last load
+        here, or from a path the router does not know (it saw the adapter unloaded, or forgot it)
+        or in place over a load it never saw: the blocks keyed under the old generation, no
+        longer hits on any worker, are no longer predicted as the adapter's (they age out of the
+        LRU). An unload, a load from the same path, and the first plain load seen keep it.
+
+        A ``load_inplace`` from the same path keeps it too, even where the files there were
+        replaced by other weights: vLLM's block hashes do not change then either, so vLLM
+        itself serves the old weights' cached blocks, and the router predicts what vLLM does."""
         name = body.get("lora_name") if isinstance(body, dict) else None
         if not isinstance(name, str):
             return
+        self.saw_keyed_context()
+        known = self._adapter(name)
+        if unloaded:
+            self._note_adapter(name, known or _Adapter(0, _UNKNOWN_PATH))
+            return
         path = body.get("lora_path")
-        last_path = self._lora_paths.get(name, path)
-        if unloaded or lax_bool(body.get("load_inplace"), False) or last_path != path:
-            self._remember(self._lora_generations, name, self.lora_generation(name) + 1)
-        if not unloaded:
-            self._remember(self._lora_paths, name, path)
+        if known is None:
+            moved = lax_bool(body.get("load_inplace"), False)   # over a load the router never saw
+        else:
+            moved = known.path is _UNKNOWN_PATH or known.path != path
+        generation = self._new_generation() if moved else (known.generation if known else 0)
+        self._note_adapter(name, _Adapter(generation, path))
+
+    def _new_generation(self) -> int:
+        self._last_generation += 1
+        return self._last_generation
+
+    def _note_adapter(self, name: str, adapter: _Adapter) -> None:
+        """Remember ``adapter`` (the youngest now); past ``MAX_LORA_NAMES`` the oldest is forgotten
+        into its bucket, which keeps the highest generation forgotten there (its path unknown)."""
+        for old_name, old in self._remember(self._adapters, name, adapter):
+            bucket = _forgotten_bucket(old_name)
+            self._forgotten_adapters[bucket] = max(self._forgotten_adapters.get(bucket, 0), old.generation)
 
     @staticmethod
-    def _remember(table: OrderedDict, name: str, value: object) -> None:
+    def _remember(table: OrderedDict, name: str, value: object) -> list[tuple[str, object]]:
+        """Put ``name`` in ``table`` as its youngest; returns the oldest entries forgotten for it."""
         table.pop(name, None)
         table[name] = value
-        while len(table) > MAX_LORA_NAMES:
-            table.popitem(last=False)
+        return [table.popitem(last=False) for _ in range(len(table) - MAX_LORA_NAMES)]
 
     def is_lora(self, model: object) -> bool:
         """Whether a request's ``model`` names a LoRA adapter (named by some worker's events,
@@ -601,6 +724,8 @@ class BlockIndex:
 
     def add_lora_names(self, names: Sequence[str]) -> None:
         """Adapters to key apart from the base model (the most recent ``MAX_LORA_NAMES`` kept)."""
+        if names:
+            self.saw_keyed_context()
         for name in names:
             self._remember(self._lora_names, name, None)
 
