@@ -101,7 +101,8 @@ def print_summary(console: Console, s: dict) -> None:
     if s.get("load_efficiency_p50"):
         per_tier = ", ".join(f"{tier} {v:.2f}" for tier, v in s["load_efficiency_p50"].items())
         lines.append(f"load efficiency p50 (bytes at the tier's limit, read and copied as kvtier does: host = the same "
-                     f"blocks into the KV storage's layout, / load time): {per_tier}; "
+                     f"blocks into the KV storage's layout, / load time; host+disk = turns loading from both, "
+                     f"at once: the longer part at its limit): {per_tier}; "
                      f"lookup + load over that ideal: p50 {s['overhead_ratio_p50']:.2f}, p90 {s['overhead_ratio_p90']:.2f}")
     if s.get("load_efficiency_vs_memcpy_p50"):
         per_tier = ", ".join(f"{tier} {v:.2f}" for tier, v in s["load_efficiency_vs_memcpy_p50"].items())
@@ -127,7 +128,7 @@ def print_summary(console: Console, s: dict) -> None:
         f"bytes loaded: {mib(s['bytes_loaded_by_tier'])}; written: {mib(s['bytes_written_by_tier'])}; "
         f"held at the end: {mib(s['bytes_used_by_tier'])}",
         f"outputs equal (greedy tokens, kvtier vs recompute): {'yes' if s['outputs_equal'] else 'NO'}; "
-        f"max |logit difference| {_logits_diff(s)}",
+        f"max |logit difference| {_logits_diff(s)} (allowed: the dtype's rounding, 1e-3 x max |logit| in fp32)",
         f"a TTFT under 1 s is the median of up to 3 identical runs (runs per turn without kvtier "
         f"{s['runs_per_turn']['without']}, with {s['runs_per_turn']['with']}); runtime {s['runtime_s']:.0f} s",
     ]
@@ -138,7 +139,10 @@ def print_summary(console: Console, s: dict) -> None:
 def _logits_diff(s: dict) -> str:
     if s.get("logits_nan"):
         return "NaN (a turn's logits were NaN: its load left the poisoned KV in place)"
-    return "-" if s["logits_max_abs_diff"] is None else f"{s['logits_max_abs_diff']:.2e}"
+    if s["logits_max_abs_diff"] is None:
+        return "-"
+    off = s.get("logits_off_turns")
+    return f"{s['logits_max_abs_diff']:.2e}" + (f", over the tolerance on turns {off}" if off else "")
 
 
 def plot(turns: list[dict], path: str, restart_after: list[int]) -> None:

@@ -222,17 +222,28 @@ def run_demo(args) -> int:
 
 def exit_code(summary: dict) -> int:
     """1, with a line on stderr for each reason, when the run did not show what it exists to show:
-    kvtier's outputs differ from the recompute's (a load served wrong or no KV), or the plot asked
-    for was not written; else 0. Said after the figures, never instead of them."""
+    kvtier's outputs differ from the recompute's (greedy tokens, or first-token logits NaN or off
+    by more than their tolerance: a load served wrong or no KV), or the plot asked for was not
+    written; else 0. Said after the figures, never instead of them."""
     failures = []
-    if not summary["outputs_equal"]:
-        failures.append("outputs differ between kvtier and the recompute (a load served wrong or missing KV): "
-                        "see the turns marked NO")
+    if not summary["outputs_equal"] or summary["logits_nan"] or summary["logits_off_turns"]:
+        failures.append(f"outputs differ between kvtier and the recompute{_logits_failure(summary)} "
+                        f"(a load served wrong or missing KV): see the turns marked NO")
     if "plot_error" in summary:
         failures.append(f"the plot could not be written: {summary['plot_error']}")
     for failure in failures:
         print(f"kvtier demo: {failure}", file=sys.stderr)
     return 1 if failures else 0
+
+
+def _logits_failure(summary: dict) -> str:
+    """What the first-token logits add to a failed run's line (nothing when they passed)."""
+    if summary["logits_nan"]:
+        return "; a turn's first-token logits were NaN (its load left the poisoned KV in place)"
+    if summary["logits_off_turns"]:
+        turns = ", ".join(f"#{n}" for n in summary["logits_off_turns"])
+        return f"; first-token logits off by more than their tolerance on turns {turns}"
+    return ""
 
 
 def check_plot_path(path: str) -> None:

@@ -25,7 +25,8 @@ Before every run, both sides alike, the engine's KV storage and load staging are
 filled with NaN (``KVTierLM(poison=True)``, outside the timing): a load that
 reported success without writing would leave NaN where the context's KV should
 be, so its logits and tokens differ and ``outputs_equal`` says so, instead of
-matching because the previous run left the right KV in place.
+matching because the previous run left the right KV in place. ``outputs_equal`` judges
+the greedy tokens of every run and their first-token logits (:func:`logits_tolerance`).
 """
 
 from __future__ import annotations
@@ -171,6 +172,29 @@ class LimitMeter:
         return measured
 
 
+def logits_tolerance(reference, dtype) -> float:
+    """How far a run's first-token logits may be from the recompute's ``reference``: the rounding the
+    cache probe allows for the model's ``dtype`` (1e-3 in fp32, the demo's) times the largest
+    |logit|. Relative, as logits' scale is the model's (a random-weight model's are small).
+
+    With the right KV a warm run differs from the recompute only in the order of its fp32 sums (a
+    suffix prefill over a loaded prefix, not one over the whole prompt): at most 2.5e-6 (absolute)
+    in every demo run posted. KV loaded wrong (another position's block, a stale or half-written one) moves the
+    attention of every later position, the logits by far more than 1e-3 of their scale; the probe
+    judges the same comparison (a suffix fed after a cached prefix) by the same rule."""
+    from kvtier.integrations.transformers.cache_probe import _DEFAULT_TOLERANCE, _RELATIVE_TOLERANCE
+
+    return _RELATIVE_TOLERANCE.get(dtype, _DEFAULT_TOLERANCE) * float(reference.abs().max())
+
+
+def logits_diff(reference, runs) -> float:
+    """The largest |first-token logit difference| of any of ``runs`` from ``reference``: NaN if one
+    run's is (a NaN is never lost to ``max()``'s order)."""
+    import torch
+
+    return float(torch.stack([(g.first_logits - reference).abs().max() for g in runs]).max())
+
+
 def run_turn(lm, context: list[int], gen_tokens: int, limits: dict, emit_cold,
              measure_limits=None) -> tuple[dict, list[int]]:
     """One request measured without kvtier, then with it; its record and the reference reply.
@@ -179,7 +203,7 @@ def run_turn(lm, context: list[int], gen_tokens: int, limits: dict, emit_cold,
     limits of the tiers it read from; each counts for this turn with the best of ``limits``."""
     import numpy as np
 
-    from kvtier.demo.summary import ideal_load_s, load_efficiency, memcpy_limits
+    from kvtier.demo.summary import ideal_load_s, load_efficiency, logits_match, memcpy_limits
 
     prompt = np.asarray(context, dtype=np.int64)
     colds = measure(lambda: lm.generate(prompt, gen_tokens, use_store=False), lambda g: True)
@@ -208,6 +232,10 @@ def run_turn(lm, context: list[int], gen_tokens: int, limits: dict, emit_cold,
     # engine's and stays out of the ideal (it hid a load running slower than its limit).
     ideal = ideal_load_s(warm.loaded_bytes, limits)
     bpt = lm.layout.bytes_per_token
+    # Every run's logits against the recompute's, each warm run's load as much as the median's
+    # (a vector of the vocabulary's size per run: cheap next to a forward pass).
+    diff = logits_diff(cold.first_logits, colds + warms)
+    tolerance = logits_tolerance(cold.first_logits, lm.storage.dtype)
     record = dict(
         context_tokens=len(context), cached_tokens=warm.cached_tokens, computed_tokens=len(context) - warm.cached_tokens,
         tokens_by_tier={tier: n // bpt for tier, n in warm.loaded_bytes.items()}, loaded_bytes=warm.loaded_bytes,
@@ -216,8 +244,8 @@ def run_turn(lm, context: list[int], gen_tokens: int, limits: dict, emit_cold,
         limits_gib_s=limits, ideal_load_s=ideal, load_efficiency=load_efficiency(warm.loaded_bytes, warm.load_s, limits),
         load_efficiency_vs_memcpy=load_efficiency(warm.loaded_bytes, warm.load_s, memcpy_limits(limits)),
         overhead_ratio=(warm.lookup_s + warm.load_s) / ideal if ideal else None, speedup=cold.ttft_s / warm.ttft_s,
-        outputs_equal=all(g.tokens == cold.tokens for g in colds + warms),
-        logits_max_abs_diff=float((cold.first_logits - warm.first_logits).abs().max()),
+        outputs_equal=all(g.tokens == cold.tokens for g in colds + warms) and logits_match(diff, tolerance),
+        logits_max_abs_diff=diff, logits_tolerance=tolerance,
         cold_runs=len(colds), warm_runs=len(warms), save_s=save_s,
     )
     return record, cold.tokens
