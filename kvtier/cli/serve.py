@@ -114,4 +114,9 @@ def _run(args) -> int:
                 else "")
         print(f"kvtier serve: cannot start ({exc}){hint}", file=sys.stderr)
         return 1
+    except ValueError as exc:
+        # A setting the config checks let through but the OS refuses (a NUL in a path: "embedded
+        # null byte") is still a bad setting: one line and exit 2, not a traceback.
+        print(f"kvtier serve: cannot start, a setting is invalid ({exc})", file=sys.stderr)
+        return 2
     return 0

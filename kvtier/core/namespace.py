@@ -9,10 +9,17 @@ unrelated roots, so their blocks can never be confused.
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass, field
 
 from kvtier.core.framing import frame_int, frame_str
 from kvtier.core.layout import KVLayout
+from kvtier.errors import ConfigError
+
+#: A remote store's shared key spaces are named ``shared/NAME``.
+SHARED_PREFIX = "shared/"
+#: A name in a remote store: a tenant's, a shared space's, a namespace's (matched whole: .fullmatch).
+NAME_RULE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 # Tags are part of the on-disk key format: never reuse or renumber one.
 _T_DOMAIN = 1
@@ -78,3 +85,13 @@ class Namespace:
 
     def with_salt(self, salt: str) -> "Namespace":
         return Namespace(self.model_id, self.layout, self.weights_revision, self.tenant, self.adapter, salt)
+
+
+def check_namespace(ns: str) -> str:
+    """A namespace a client of ``kvtier serve`` may name: its own (``NAME``) or a shared one
+    (``shared/NAME``). The server's HELLO check and the clients' configuration both call this, so
+    that a name every server would refuse is refused where it is configured, not at each call."""
+    base = ns[len(SHARED_PREFIX):] if isinstance(ns, str) and ns.startswith(SHARED_PREFIX) else ns
+    if not isinstance(base, str) or not NAME_RULE.fullmatch(base):
+        raise ConfigError(f"namespace {ns!r}: use 1-64 letters, digits, '.', '_' or '-' (optionally after 'shared/')")
+    return ns

@@ -84,15 +84,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from kvtier.core.namespace import NAME_RULE, SHARED_PREFIX, check_namespace  # the client's rule too
 from kvtier.core.units import parse_size  # the one size parser; imported from here too
 from kvtier.errors import ConfigError
 from kvtier.store.config import MAX_SECONDS
 from kvtier.private_files import refuse_readable_secrets
 
-SHARED_PREFIX = "shared/"
 ENV_PREFIX = "KVTIER_SERVE_"
 # Always .fullmatch: with .match, "$" also matches before a trailing newline ("acme\n").
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
@@ -200,18 +199,25 @@ class ServerConfig:
 
 
 # [server] keys of the file (and KVTIER_SERVE_<KEY> variables, and --<key> flags) → field, parser
+def _no_nul(v: str, what: str) -> str:
+    # No path, address or name holds a NUL: the OS refuses it only at start-up, with a traceback
+    if "\x00" in v:
+        raise ConfigError(f"{what} = {v!r}: holds a NUL character (\\u0000); remove it")
+    return v
+
+
 def _str_or_none(v: Any, what: str) -> str | None:
     if v is None or v == "":
         return None
     if not isinstance(v, str):
         raise ConfigError(f"{what}: expected a string, got {v!r}")
-    return v
+    return _no_nul(v, what)
 
 
 def _str(v: Any, what: str) -> str:
     if not isinstance(v, str) or not v:
         raise ConfigError(f"{what} = {v!r}: give a non-empty string")
-    return v
+    return _no_nul(v, what)
 
 
 def _float(v: Any, what: str) -> float:
@@ -253,7 +259,7 @@ def _str_list(v: Any, what: str) -> tuple[str, ...]:
         v = [s.strip() for s in v.split(",") if s.strip()]
     if not isinstance(v, (list, tuple)) or not all(isinstance(s, str) for s in v):
         raise ConfigError(f"{what}: expected a list of strings (or one comma-separated string), got {v!r}")
-    return tuple(v)
+    return tuple(_no_nul(s, what) for s in v)
 
 
 def _tenant_connection_cap(v: Any, what: str) -> int:
@@ -375,6 +381,18 @@ def parse_tenant_flag(text: str) -> TenantConfig:
     return TenantConfig(name=name.strip(), token_sha256=_str_list(hashes, f"--tenant {name}"))
 
 
+#: the KVTIER_SERVE_* variables read: one per [server] key, and the tenants of --tenant
+_ENV_VARS = {ENV_PREFIX + key.upper() for key in _SERVER_KEYS} | {ENV_PREFIX + "TENANTS"}
+
+
+def _refuse_unknown_env(env: Mapping[str, str]) -> None:
+    """A misspelt variable would be dropped without a word (a connection cap or encrypt_at_rest not
+    set): refused like a misspelt [server] key of the file."""
+    for var in sorted(env):
+        if var.startswith(ENV_PREFIX) and var not in _ENV_VARS:
+            raise _unknown(var, _ENV_VARS, "environment")
+
+
 def load_config(
     path: str | os.PathLike | None = None,
     *,
@@ -431,6 +449,7 @@ def load_config(
                                       f"[[{kind}]] followed by its name = \"...\" and other keys")
         tenants += [_tenant(t, f"[[tenant]] #{i + 1}") for i, t in enumerate(raw_tenants)]
         shared += [_shared(s, f"[[shared]] #{i + 1}") for i, s in enumerate(raw_shared)]
+    _refuse_unknown_env(env)
     for key, (fname, parse) in _SERVER_KEYS.items():
         var = ENV_PREFIX + key.upper()
         if var in env:
@@ -550,9 +569,9 @@ def _validate(c: ServerConfig) -> None:
     for h in c.metrics_token_sha256:
         _check_hash(h, "metrics_token_sha256")
     names = [t.name for t in c.tenants]
-    shared_names = {s.name for s in c.shared}
+    shared_names = [s.name for s in c.shared]
     for t in c.tenants:
-        if not _NAME.fullmatch(t.name):
+        if not NAME_RULE.fullmatch(t.name):
             raise ConfigError(f"tenant name {t.name!r}: use 1-64 letters, digits, '.', '_' or '-'")
         if names.count(t.name) > 1:
             raise ConfigError(f"tenant {t.name!r} is defined twice; merge its token_sha256 lists into one [[tenant]]")
@@ -571,8 +590,11 @@ def _validate(c: ServerConfig) -> None:
         raise ConfigError("the same token hash is listed twice; every token belongs to one tenant (or the admin, "
                           "or the metrics scrapers)")
     for s in c.shared:
-        if not _NAME.fullmatch(s.name):
+        if not NAME_RULE.fullmatch(s.name):
             raise ConfigError(f"shared namespace name {s.name!r}: use 1-64 letters, digits, '.', '_' or '-'")
+        if shared_names.count(s.name) > 1:
+            # refused, not merged: the writers would be one table's and the TTL the other's
+            raise ConfigError(f"shared namespace {s.name!r} is defined twice; merge its writers into one [[shared]]")
         for w in s.writers:
             if w not in names:
                 raise ConfigError(f"shared namespace {s.name!r} names writer {w!r}, which is not a [[tenant]]")
@@ -583,14 +605,6 @@ def _check_hash(h: str, what: str) -> None:
         raise ConfigError(
             f"{what}: {h[:12]!r}… is not a SHA-256 hex digest; store `kvtier admin hash-token TOKEN`, never the token"
         )
-
-
-def check_namespace(ns: str) -> str:
-    """A namespace a client may name: its own (``NAME``) or a shared one (``shared/NAME``)."""
-    base = ns[len(SHARED_PREFIX) :] if ns.startswith(SHARED_PREFIX) else ns
-    if not _NAME.fullmatch(base):
-        raise ConfigError(f"namespace {ns!r}: use 1-64 letters, digits, '.', '_' or '-' (optionally after 'shared/')")
-    return ns
 
 
 def check_tenant_namespace(ns: str, tenant: str) -> str:
@@ -608,6 +622,7 @@ def check_tenant_namespace(ns: str, tenant: str) -> str:
 
 def parse_listen(url: str) -> tuple[str, str, int | None]:
     """``tcp://HOST:PORT`` / ``tls://HOST:PORT`` → (scheme, host, port); ``unix:///PATH`` → ("unix", path, None)."""
+    _no_nul(url, "address")
     scheme, sep, rest = url.partition("://")
     if not sep or scheme not in ("tcp", "tls", "unix"):
         raise ConfigError(f"address {url!r}: use tcp://HOST:PORT, tls://HOST:PORT or unix:///PATH")

@@ -96,6 +96,13 @@ class StateCodecs(NamedTuple):
     older: tuple[SpillCodec, ...]  #: other keys of this server that earlier versions wrote them under: read
 
 
+def _host_port(sockname: tuple) -> str:
+    """``HOST:PORT`` of a bound socket, an IPv6 host in brackets: the ready line's addresses are
+    what clients are handed, and ``::1:7070`` parses as no address at all."""
+    host, port = sockname[0], sockname[1]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def _remove_stale_socket(path: str) -> None:
     """Remove the socket a previous run left at ``path``; raise ``OSError(EADDRINUSE)`` if a live
     server answers there. A socket file says nothing of whether anyone listens on it: removing it
@@ -491,7 +498,7 @@ class Server:
                 factory = (lambda: Connection(self, tls=self._tls)) if scheme == "tls" else factory  # noqa: E731
                 srv = await loop.create_server(factory, host, port, backlog=1024, reuse_address=True)
                 bound = srv.sockets[0].getsockname()
-                urls.append(f"{scheme}://{bound[0]}:{bound[1]}")
+                urls.append(f"{scheme}://{_host_port(bound)}")
             self._listeners.append(srv)
         self.addresses = {"listen": urls, "pid": os.getpid()}
         if self.config.metrics:
@@ -508,7 +515,7 @@ class Server:
                                     require_token=c.metrics_require_token)
             self._listeners.append(http)
             bound = http.sockets[0].getsockname()
-            self.addresses["metrics"] = f"{bound[0]}:{bound[1]}"
+            self.addresses["metrics"] = _host_port(bound)
         if self.events is not None:
             self.addresses["events"] = self.events.endpoint
         self._timers = [loop.create_task(self._watchdog()), loop.create_task(self._sweeper())]

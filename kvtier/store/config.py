@@ -22,6 +22,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from kvtier.core.layout import KVLayout
+from kvtier.core.namespace import check_namespace
 from kvtier.core.units import parse_size
 from kvtier.errors import ConfigError
 from kvtier.policy.eviction import check_policy_name
@@ -104,9 +105,15 @@ class StoreConfig:
             from kvtier.tiers.remote_wire import parse_url
 
             try:
-                parse_url(self.remote_url)
+                address = parse_url(self.remote_url)
             except ConfigError as exc:   # its message shows the URL with any token masked
                 raise ConfigError(f"remote_url {exc}") from None
+            # a name the server refuses would fail every HELLO: the tier down for good, each call a miss
+            what = "remote_namespace" if self.remote_namespace else "remote_url ?namespace="
+            try:
+                check_namespace(self.remote_namespace or address.namespace)
+            except ConfigError as exc:
+                raise ConfigError(f"{what}: {exc}") from None
         check_seconds(self.remote_timeout_s, "remote_timeout_s", positive=True)
         check_seconds(self.mooncake_timeout_s, "mooncake_timeout_s", positive=True)
         check_flag(self.encrypt_host, "encrypt_host")

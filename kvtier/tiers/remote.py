@@ -81,6 +81,7 @@ from contextlib import contextmanager
 import xxhash
 
 from kvtier.core.keys import KEY_BYTES, BlockKey
+from kvtier.core.namespace import check_namespace
 from kvtier.core.payload import (
     FLAG_CHECKSUM,
     FLAG_SEALED,
@@ -274,7 +275,8 @@ class RemoteTier(Tier, StreamingTier):
         super().__init__()
         self.address = parse_url(url) if isinstance(url, str) else url
         self._token = resolve_token(self.address, token)
-        self.namespace = namespace or self.address.namespace
+        # the server's own rule: a name it refuses would fail every HELLO, the tier down for good
+        self.namespace = check_namespace(namespace or self.address.namespace)
         self.session = session
         # NaN or infinity would be no deadline at all: "bounded" needs finite numbers
         for what, v in (("timeout_s", timeout_s), ("connect_timeout_s", connect_timeout_s),
