@@ -106,10 +106,10 @@ from kvtier.server.fleet_journal import FleetJournal
 from kvtier.server.index import BlockEntry, BlockIndex
 from kvtier.server.recovery import Found, OwnersWithoutKeys, Writers, annotation_of, recovered_entry
 from kvtier.server.runtime_state import RuntimeState, blocks_held_in
-from kvtier.server.spill import (OWNER_KEY_PURPOSE, NewestStamps, OwnerOnly, SpillAnnotation, SpillCodec,
+from kvtier.server.spill import (OWNER_KEY_PURPOSE, NewestStamps, OwnerKeys, OwnerOnly, SpillAnnotation, SpillCodec,
                                  sealed_for_owner)
-from kvtier.tiers.base import Status, refused_removals, report_refused
-from kvtier.tiers.mooncake import owed_removals_kept, unanswered_lookups, unsent_puts
+from kvtier.tiers.base import Status, refused_removals, report_refused, unanswered_lookups
+from kvtier.tiers.mooncake import owed_removals_kept, unsent_puts
 from kvtier.tiers.wrapper import WrappingTier
 
 log = logging.getLogger(__name__)
@@ -169,15 +169,16 @@ class FleetRecords:
         skey = name if self.keyring is None else self.index.storage_key_of(name)
         return skey is not None and self.index.get(skey) is not None
 
-    def authenticated(self, name: bytes, record: bytes) -> Authenticated:
+    def authenticated(self, name: bytes, record: bytes, owner_keys: OwnerKeys | None = None) -> Authenticated:
         """The annotation of a record if it authenticates for ``name`` under one of the server's keys
         (whether it describes the block so named is :meth:`describes`; None if none does; owner and
         time only where its owner's key does not open the rest), and whether it is outdated: only an
         older key authenticates it -- no stranger's record, its block must not be deleted for it --
         or, with encryption at rest, it is not sealed for its owner (an earlier version's). Either is
         written anew (:meth:`packed`): an older key may not be there at the next start (a disk
-        dropped from the config), and the master key alone opens the earlier format whole."""
-        note = self.codec.open(name, record, self._owner_key)
+        dropped from the config), and the master key alone opens the earlier format whole.
+        ``owner_keys``: the owner keys to open records with (default: each owner's, :meth:`_owner_key`)."""
+        note = self.codec.open(name, record, owner_keys or self._owner_key)
         if note is not None:
             return Authenticated(note, isinstance(note, SpillAnnotation) and self._sealed_for_master_only(record))
         for codec in self.older_codecs:
@@ -373,15 +374,22 @@ class JournaledFleet(WrappingTier):
         if erasures == self._erasures_judged:
             return 0
         walked_at = self.journal.seq  # (a placement after it is not of a record the walk judged)
+        owner_keys = _ErasedOwnersKeys(self.records, {owner for owner, _, _ in erasures})
         covered = [name for name, record in self.journal.records()
-                   if not self.records.indexed(name) and self._erased(name, record)]
+                   if not self.records.indexed(name) and self._erased(name, record, owner_keys)]
         erased = 0
         for part in _batches(covered):
             part = self._still_unindexed(part, walked_at)
             if part:
                 self.delete_many(part, since=walked_at)  # (forgets the records of those whose removal landed)
                 erased += len(part)
-        self._erasures_judged = erasures
+        if owner_keys.failed:
+            # (judged again at the next walk, until their keys can be read: the erasure must reach them)
+            log.warning("the fleet journal records of %s were not judged against their erasures: their key store "
+                        "could not be read (%s); tried again at the next sweep",
+                        ", ".join(sorted(owner_keys.failed)), owner_keys.first_failure)
+        else:
+            self._erasures_judged = erasures
         if erased:
             try:
                 self.journal.compact()
@@ -400,8 +408,11 @@ class JournaledFleet(WrappingTier):
         again = self.journal.placed_after(names, walked_at)
         return [name for name in names if name not in again and not self.records.indexed(name)]
 
-    def _erased(self, name: bytes, record: bytes) -> bool:
-        note = self.records.authenticated(name, record).note
+    def _erased(self, name: bytes, record: bytes, owner_keys: _ErasedOwnersKeys) -> bool:
+        try:
+            note = self.records.authenticated(name, record, owner_keys).note
+        except _OwnerKeyUnreadable:
+            return False  # (left for the next walk: owner_keys notes its owner)
         return note is not None and erasure_covers(self.tombstones, note)
 
     def settle_removals(self) -> int:
@@ -562,6 +573,38 @@ def rebuild_from_journal(fleet: JournaledFleet, owners: set[str], erasures=None,
     return out
 
 
+class _OwnerKeyUnreadable(Exception):
+    """The key store could not give an owner's key (its file unreadable, damaged, ...)."""
+
+
+class _ErasedOwnersKeys:
+    """The owner keys an erasure walk opens records with (:meth:`JournaledFleet.erase_unindexed_records`):
+    only those of ``owners``, the owners a tombstone names. Any other owner's record opens as
+    :class:`~kvtier.server.spill.OwnerOnly`, which no tombstone covers (:func:`erasure_covers`): asked
+    for every owner's key, one tenant's unreadable key-store file made every walk raise, and no
+    other tenant's erasure reached its unindexed blocks (audit s34 r10 D1). An owner whose key cannot
+    be read raises :class:`_OwnerKeyUnreadable` (its record is left for the next walk) and is noted in
+    :attr:`failed`; it is not asked again in this walk."""
+
+    def __init__(self, records: FleetRecords, owners: set[str]) -> None:
+        self._records = records
+        self._owners = owners
+        self.failed: set[str] = set()
+        self.first_failure: Exception | None = None
+
+    def __call__(self, owner: str) -> bytes | None:
+        if owner not in self._owners:
+            return None
+        if owner in self.failed:
+            raise _OwnerKeyUnreadable(owner)
+        try:
+            return self._records._owner_key(owner)
+        except Exception as exc:  # noqa: BLE001 - whatever the key store raised: that owner's records wait
+            self.failed.add(owner)
+            self.first_failure = self.first_failure or exc
+            raise _OwnerKeyUnreadable(owner) from exc
+
+
 def erasure_covers(erasures: RuntimeState, note: SpillAnnotation | OwnerOnly) -> bool:
     """Whether an erasure's tombstone covers the block an authenticated record describes. Of one whose
     owner's layer does not open (:class:`~kvtier.server.spill.OwnerOnly`: its keys shredded), only an
@@ -605,8 +648,11 @@ def settle_owed_removals(tiers) -> int:
         while tier is not None:
             # (asked of the class: a wrapper forwarding attributes would answer for the tier it wraps)
             if isinstance(tier, JournaledFleet):
-                tier.erase_unindexed_records()
-                return tier.settle_removals()
+                try:
+                    tier.erase_unindexed_records()
+                finally:  # (owed removals are retried whatever the erasure walk did)
+                    landed = tier.settle_removals()
+                return landed
             if callable(getattr(type(tier), "retry_removals", None)):
                 tier.retry_removals()
                 return 0
@@ -707,7 +753,8 @@ class FleetPresence:
         # by ``available`` alone, read after it, such misses were taken for the fleet's word when
         # the health check that very lookup started ended the outage in between: the audit then
         # dropped, and deleted from the fleet, blocks it held (audit s34 r6 D1). (``available`` is
-        # still asked: a fleet other than Mooncake's tells no more.)
+        # still asked: a fleet other than Mooncake's tells no more.) An encrypting tier above the
+        # fleet tells so too of a lookup its keyring kept from the fleet (audit s34 r10 D2).
         with unanswered_lookups() as unanswered:
             held = self.tier.contains_many(keys)
         return None if unanswered or not self.tier.available else held

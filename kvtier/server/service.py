@@ -1120,12 +1120,25 @@ class Service:
         their only retry, may never come (:func:`~kvtier.server.fleet.settle_owed_removals`); and
         a slice of the entries indexed at the fleet is checked against it
         (:meth:`_audit_fleet_entries`)."""
-        expired = await self.io.run(SWEEP_LANE, self.index.expired, time.monotonic(), self.gov.ttl)
-        dropped = sum(await self.in_jobs(SWEEP_LANE, expired, self._erase_if_expired))
-        self.metrics.expirations.inc(dropped)
+        # Each step runs whatever the one before it did (its failure logged): one that raised used to
+        # skip the rest at every sweep for as long as it lasted -- one tenant's unreadable key store
+        # stopped the fleet's owed removals and its audit (audit s34 r10 D1).
+        expiring_failed: Exception | None = None
+        dropped = 0
+        try:
+            expired = await self.io.run(SWEEP_LANE, self.index.expired, time.monotonic(), self.gov.ttl)
+            dropped = sum(await self.in_jobs(SWEEP_LANE, expired, self._erase_if_expired))
+            self.metrics.expirations.inc(dropped)
+        except Exception as exc:  # noqa: BLE001 - raised once the fleet's steps are done
+            expiring_failed = exc
         if self._fleet_name is not None:
-            await self.io.run(SWEEP_LANE, settle_owed_removals, self.store.tiers)
+            try:
+                await self.io.run(SWEEP_LANE, settle_owed_removals, self.store.tiers)
+            except Exception:  # noqa: BLE001 - retried at the next sweep; the audit goes on
+                log.exception("retrying the removals and erasures the Mooncake fleet owes failed")
             await self._audit_fleet_entries()
+        if expiring_failed is not None:
+            raise expiring_failed
         return dropped
 
     async def _audit_fleet_entries(self) -> None:

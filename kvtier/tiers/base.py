@@ -353,6 +353,33 @@ def refused_removals() -> Iterator[list[RefusedRemoval]]:
         yield found
 
 
+#: the caller's collection of lookups no medium answered (see unanswered_lookups), on this thread
+_UNANSWERED: ContextVar[list[int] | None] = ContextVar("kvtier_unanswered_lookups", default=None)
+
+
+@contextlib.contextmanager
+def unanswered_lookups() -> Iterator[list[int]]:
+    """Collect, on this thread while the block runs, the size of each tier lookup (``contains``,
+    ``contains_many``, ``lookup_prefix``, and a wrapping tier's lookups that reach them) whose
+    False/0 is not a medium's answer: a fleet lookup never sent (the tier down, backing off,
+    closed), failed or overran, or answered by a master that said it could not (its codes); an
+    encrypting tier's lookup whose names its keyring could not compute, so that nothing was asked.
+    Such a lookup's "not stored" says nothing. Empty: every lookup made was answered. (A Mooncake
+    tier's ``available`` read after the lookup does not tell: the health check the lookup itself
+    started may end the outage in between, and misses never asked were taken for the fleet's word:
+    audit s34 r6 D1; an encrypting tier stays available while one owner's key store fails: r10 D2.)"""
+    with collecting(_UNANSWERED) as found:
+        yield found
+
+
+def report_unanswered(count: int) -> None:
+    """Tell the caller collecting :func:`unanswered_lookups`, if any, that a lookup of ``count``
+    keys was not answered (its False/0 says nothing)."""
+    found = _UNANSWERED.get()
+    if found is not None:
+        found.append(count)
+
+
 @contextlib.contextmanager
 def collecting(var: ContextVar) -> Iterator[list]:
     """A fresh list in ``var`` while the block runs, on this thread, restored after it: what a

@@ -75,7 +75,8 @@ from kvtier.core.keys import BlockKey
 from kvtier.core.payload import BlockMeta
 from kvtier.crypto import aead
 from kvtier.crypto.keyring import Keyring
-from kvtier.tiers.base import Status, Tier, age_kw, check_batch_lengths, report_refused, runs_by_bytes, writable_bytes
+from kvtier.tiers.base import (Status, Tier, age_kw, check_batch_lengths, report_refused, report_unanswered,
+                               runs_by_bytes, writable_bytes)
 from kvtier.tiers.mooncake_client import Registrar
 from kvtier.tiers.streams import StreamingTier, Unverifiable
 from kvtier.tiers.wrapper import WrappingTier
@@ -377,6 +378,20 @@ def _not_found(value):
     return answer
 
 
+def _unanswered(value):
+    """What a presence lookup answers: ``value``, as if nothing were stored, told to a caller
+    collecting :func:`kvtier.tiers.base.unanswered_lookups` as a lookup not answered: the inner
+    tier was never asked, so "not stored" says nothing (a fleet audit took it for the fleet's
+    word and dropped the entries of blocks the fleet held: audit s34 r10 D2)."""
+    not_found = _not_found(value)
+
+    def answer(tier: "EncryptedTier", keys, exc: _KeyringFailed):
+        report_unanswered(1 if isinstance(keys, bytes) else len(keys))  # (a BlockKey: one block)
+        return not_found(tier, keys, exc)
+
+    return answer
+
+
 class EncryptedTier(WrappingTier):
     def __init__(
         self,
@@ -514,12 +529,12 @@ class EncryptedTier(WrappingTier):
         return _KeyLookup(self._own_keyring, tenant)
 
     # -- contract ---------------------------------------------------------------
-    @_keyring_failure_answers(_not_found(False))
+    @_keyring_failure_answers(_unanswered(False))
     def contains(self, key: BlockKey) -> bool:
         name = self._name(key)
         return self.inner.contains(name) and not self._stale(self._owner(key), key, name)
 
-    @_keyring_failure_answers(_not_found(0))
+    @_keyring_failure_answers(_unanswered(0))
     def lookup_prefix(self, keys) -> int:
         names = [self._name(k) for k in keys]
         n = self.inner.lookup_prefix(names)

@@ -98,7 +98,8 @@ from contextvars import ContextVar
 from itertools import islice
 
 from kvtier.core.keys import BlockKey
-from kvtier.tiers.base import Status, Tier, collecting, report_refused
+from kvtier.tiers import base as _base
+from kvtier.tiers.base import Status, Tier, collecting, report_refused, report_unanswered, unanswered_lookups
 from kvtier.tiers.mooncake_calls import MAX_CALL_S, BoundedEngineCalls, Down
 from kvtier.tiers.mooncake_client import MASTER_DOWN_CODES, RC_NOT_FOUND, RC_NOT_READY, BoundedCaller, SharedClient
 from kvtier.tiers.mooncake_names import NAME_PREFIX, TenantNaming
@@ -135,8 +136,9 @@ _GIVE_UP_NOTE_S = 60.0
 _UNSENT: ContextVar[list[bytes] | None] = ContextVar("kvtier_mooncake_unsent_puts", default=None)
 #: while a put runs for such a caller: whether the tier's check refused it (see MooncakeTier._check_up)
 _PUT_REFUSED: ContextVar[list[bool] | None] = ContextVar("kvtier_mooncake_put_refused", default=None)
-#: the caller's collection of lookups the fleet did not answer (see unanswered_lookups), on this thread
-_UNANSWERED: ContextVar[list[int] | None] = ContextVar("kvtier_mooncake_unanswered_lookups", default=None)
+#: (unanswered_lookups, now a general tier hook of kvtier.tiers.base, and its collection stay
+#: importable from here, where they began: callers and tests written against it import them here)
+_UNANSWERED = _base._UNANSWERED
 #: the caller's keys whose removal must stay owed past the bound (see owed_removals_kept), on this thread
 _KEPT_OWED: ContextVar[Collection[bytes]] = ContextVar("kvtier_mooncake_kept_owed", default=frozenset())
 
@@ -164,19 +166,6 @@ def unsent_puts() -> Iterator[list[bytes]]:
     them: the fleet may hold it. (The server's journal of the blocks it placed in the fleet forgets
     their records: :class:`kvtier.server.fleet.JournaledFleet`.)"""
     with collecting(_UNSENT) as found:
-        yield found
-
-
-@contextmanager
-def unanswered_lookups() -> Iterator[list[int]]:
-    """Collect, on this thread while the block runs, the size of each :class:`MooncakeTier` lookup
-    (``contains_many``, and what asks through it: ``contains``, a wrapping tier's lookups) that the
-    fleet did not answer: never sent (the tier down, backing off, closed), failed or overran, or
-    answered by a master that said it could not (its codes). Such a lookup's ``False`` says nothing.
-    Empty: every lookup made was the fleet's answer. (``available`` read after the lookup does not
-    tell: the health check the lookup itself started may end the outage in between, and misses
-    never asked were taken for the fleet's word: audit s34 r6 D1.)"""
-    with collecting(_UNANSWERED) as found:
         yield found
 
 
@@ -367,9 +356,7 @@ class MooncakeTier(TierReads, TierWrites, BoundedEngineCalls, TenantNaming, Tier
         held = self._answered_contains([self.storage_name(k) for k in keys])
         if held is not None:
             return held
-        unanswered = _UNANSWERED.get()
-        if unanswered is not None:
-            unanswered.append(len(keys))
+        report_unanswered(len(keys))
         return [False] * len(keys)
 
     def _answered_contains(self, names: list[str]) -> list[bool] | None:
