@@ -305,3 +305,25 @@ def test_no_hook_is_left_on_the_model_after_close(llama):
         session.prepare(_text(40))
     _close(session)
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in llama.modules())
+
+
+def test_sessions_dropped_without_close_leave_no_hook_and_no_storage_alive(llama):
+    """Every prepare() watches the model's forwards until the next request or close(); the hooks held
+    the storage and its KV tensor, so sessions dropped without close() kept both for good
+    (audit s34 r11 D1)."""
+    import gc
+    import weakref
+
+    def serve_one_request():
+        session = _session(llama)
+        prompt = _text(40)
+        with torch.no_grad(), session.request():
+            prep = session.prepare(prompt)
+            llama(input_ids=torch.as_tensor(prompt[None]), **{cache_keyword(llama): prep.cache}, use_cache=True)
+        session.store.close()
+        return weakref.ref(session.storage)
+
+    storages = [serve_one_request() for _ in range(3)]
+    gc.collect()
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in llama.modules())
+    assert [ref() for ref in storages] == [None] * 3

@@ -39,6 +39,7 @@ from __future__ import annotations
 import threading
 import inspect
 import time
+import weakref
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import NamedTuple
@@ -345,6 +346,11 @@ class KVTierLM:
         self._meta = BlockMeta.of_layout(layout)
         param = next(model.parameters())
         self.storage = KVStorage(layout, capacity_tokens, param.dtype, param.device, poison=poison)
+        # An instance dropped without close() leaves no hook on the model: the hooks of the last
+        # request's input watch hold the storage (its KV tensor), not this instance, so it is still
+        # collected, and this takes them off then (audit s34 r11 D1: 10 dropped sessions left 20
+        # hooks and every storage alive)
+        self._unhook_model = weakref.finalize(self, self.storage.stop_watching)
         self._cache_kw = cache_keyword(model)
         # where forwards are seen to feed the prompt's uncached tokens (after a load) and their inputs
         self._fed_to = _modules_fed_inputs(model)
@@ -818,7 +824,7 @@ class KVTierLM:
             if self._closed:
                 return
             self._closed = True
-            self.storage.stop_watching()  # the model outlives this instance: no hook left on it
+            self._unhook_model()  # the model outlives this instance: no hook left on it (storage.stop_watching)
             self._stop_watching_request()
         self._saver.shutdown(wait=True)
         with self._gathers_lock:
