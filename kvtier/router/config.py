@@ -11,6 +11,7 @@ uses that for queueing.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import math
@@ -87,13 +88,33 @@ def normal_url(url: str) -> str:
     ``ValueError`` for a URL ``urlsplit`` cannot read, or a port that is no number up to 65535."""
     parts = urlsplit(url)
     scheme, port = parts.scheme.lower(), parts.port
-    host = parts.hostname or ""
+    host = _connected_host(parts.hostname or "")
     if ":" in host:   # an IPv6 address, bracketed as a URL writes it
         host = f"[{host}]"
     if port is not None and port != DEFAULT_PORTS.get(scheme):
         host += f":{port}"
     user, at, _ = parts.netloc.rpartition("@")   # (kept: such a URL is refused, never named another's)
     return f"{scheme}://{user}{at}{host}{parts.path.rstrip('/')}"
+
+
+def _connected_host(host: str) -> str:
+    """``host`` as the connection reads it, so that one worker written two ways is one name (audit
+    s34 r9 D1): an IP address in its one text form (``0:0:0:0:0:0:0:1`` is ``::1``; an IPv6 zone kept
+    as given), a name in its IDNA form (``bücher.example`` is ``xn--bcher-kva.example``, as yarl
+    maps it for aiohttp). Left as given where neither applies."""
+    address, percent, zone = host.partition("%")
+    try:
+        return ipaddress.ip_address(address).compressed + percent + zone
+    except ValueError:
+        pass
+    if host.isascii():
+        return host
+    import yarl   # (as in host_error: yarl comes with aiohttp; the planner reads this module without it)
+
+    try:
+        return yarl.URL.build(scheme="http", host=host).raw_host or host
+    except ValueError:   # UnicodeError included: the caller's checks refuse such a host
+        return host
 
 
 def beyond_base_url(url: str) -> str | None:

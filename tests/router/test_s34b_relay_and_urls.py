@@ -196,6 +196,17 @@ def test_a_worker_given_with_and_without_its_default_port_is_one_worker_given_tw
         RouterConfig(workers=[WorkerSpec.parse(one), WorkerSpec.parse(other)]).check()
 
 
+@pytest.mark.parametrize("one, other", [("http://bücher.example:8000", "http://xn--bcher-kva.example:8000"),
+                                        ("http://[::1]:8000", "http://[0:0:0:0:0:0:0:1]:8000"),
+                                        ("http://[FE80::1%eth0]:8000", "http://[fe80:0::1%eth0]:8000")])
+def test_a_worker_written_in_another_text_form_of_its_host_is_one_worker_given_twice(one, other):
+    """Before: an IDNA name and its punycode, or two text forms of one IPv6 address, which aiohttp
+    connects to alike, were two workers (audit s34 r9 D1)."""
+    assert normal_url(one) == normal_url(other)
+    with pytest.raises(ConfigError, match="given twice"):
+        RouterConfig(workers=[WorkerSpec.parse(one), WorkerSpec.parse(other)]).check()
+
+
 @pytest.mark.parametrize("url, named", [("HTTPS://LLM.internal:443/", "https://llm.internal"),
                                         ("https://llm.internal:80", "https://llm.internal:80"),
                                         ("http://h:443", "http://h:443"),
